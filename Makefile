@@ -1,0 +1,22 @@
+# Thin wrapper over the CMake presets; see README.md.
+JOBS ?= $(shell nproc)
+
+.PHONY: deps demo test build clean
+deps:
+	@scripts/install-deps.sh
+
+build: deps
+	cmake --preset release
+	cmake --build --preset release -j $(JOBS)
+
+demo: build
+	build/release/bench/kvsift_demo
+
+test: build
+	ctest --preset release -j $(JOBS)
+	cmake --preset asan-ubsan
+	cmake --build --preset asan-ubsan -j $(JOBS)
+	ctest --preset asan-ubsan -j $(JOBS)
+
+clean:
+	rm -rf build

@@ -1,0 +1,13 @@
+include(GNUInstallDirs)
+
+set(KVSIFT_CUDA AUTO CACHE STRING "Build the CUDA backend: AUTO (when nvcc is found), ON, or OFF")
+set_property(CACHE KVSIFT_CUDA PROPERTY STRINGS AUTO ON OFF)
+option(KVSIFT_TESTS "Build kvsift's tests" ${KVSIFT_TOP_LEVEL})
+option(KVSIFT_BENCH "Build kvsift's demo and benchmarks" ${KVSIFT_TOP_LEVEL})
+option(KVSIFT_INSTALL "Generate kvsift's install rules and package config" ${KVSIFT_TOP_LEVEL})
+
+if(NOT CMAKE_BUILD_TYPE AND NOT CMAKE_CONFIGURATION_TYPES)
+  set(CMAKE_BUILD_TYPE Release CACHE STRING "Build type" FORCE)
+endif()
+
+set(KVSIFT_WARNINGS -Wall -Wextra -Wpedantic -Wno-unused-parameter)

@@ -1,0 +1,199 @@
+#pragma once
+/// Argument checks shared by every public entry point. Each takes `where` (the public function's name) and
+/// `name` (the argument's name) so that messages read like
+/// `kvsift::sparse_decode: kv.head_dim (= 64) != q.head_dim (= 128)`.
+///
+/// Shape checks read only the view's own fields. Content checks (sequence lengths, page tables, selection
+/// counts and indices) read the arrays the view points to, so they run only on views of host memory; CUDA
+/// entry points check contents on the device in their validation mode instead.
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstddef>
+#include <span>
+
+#include "kvsift/core/error.hpp"
+#include "kvsift/core/views.hpp"
+
+namespace kvsift {
+
+enum class MemorySpace : std::uint8_t { host, device };
+
+namespace detail {
+
+struct Dim {
+  const char* name;
+  std::int64_t extent;
+  std::int64_t stride;
+};
+
+inline void check_positive(const char* where, const char* name, const char* field, std::int64_t value) {
+  KVSIFT_CHECK(value > 0, where, "{}.{} (= {}) must be positive", name, field, value);
+}
+
+inline void check_pointer(const char* where, const char* name, const char* field, const void* p) {
+  KVSIFT_CHECK(p != nullptr, where, "{}.{} is a null pointer", name, field);
+}
+
+/// Strides are consistent with the shape when no two distinct elements share an address: sorted by stride,
+/// each dimension must step over the whole extent of the next smaller one. head_dim is the innermost
+/// dimension with stride 1.
+template <std::size_t N>
+void check_no_overlap(const char* where, const char* name, std::array<Dim, N> dims) {
+  std::sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  const Dim* inner = nullptr;
+  for (const Dim& d : dims) {
+    if (d.extent <= 1) continue;
+    KVSIFT_CHECK(d.stride > 0, where, "{}: {} stride (= {}) must be positive", name, d.name, d.stride);
+    if (inner != nullptr) {
+      const std::int64_t span = inner->extent * inner->stride;
+      KVSIFT_CHECK(d.stride >= span, where,
+                   "{}: strides inconsistent with shape: {} stride (= {}) < {} extent * stride (= {} * {}), "
+                   "so rows overlap",
+                   name, d.name, d.stride, inner->name, inner->extent, inner->stride);
+    }
+    inner = &d;
+  }
+}
+
+}  // namespace detail
+
+template <class T>
+void validate(const HeadsView<T>& v, const char* where, const char* name) {
+  detail::check_pointer(where, name, "data", v.data);
+  detail::check_positive(where, name, "batch", v.batch);
+  detail::check_positive(where, name, "heads", v.heads);
+  detail::check_positive(where, name, "head_dim", v.head_dim);
+  detail::check_no_overlap<3>(where, name,
+                              {{{"batch", v.batch, v.batch_stride}, {"head", v.heads, v.head_stride}, {"head_dim", v.head_dim, 1}}});
+}
+
+template <class T>
+void validate(const SequenceView<T>& v, const char* where, const char* name) {
+  detail::check_pointer(where, name, "data", v.data);
+  detail::check_positive(where, name, "batch", v.batch);
+  detail::check_positive(where, name, "heads", v.heads);
+  detail::check_positive(where, name, "tokens", v.tokens);
+  detail::check_positive(where, name, "head_dim", v.head_dim);
+  detail::check_no_overlap<4>(where, name,
+                              {{{"batch", v.batch, v.batch_stride},
+                                {"head", v.heads, v.head_stride},
+                                {"token", v.tokens, v.token_stride},
+                                {"head_dim", v.head_dim, 1}}});
+}
+
+template <class T>
+void validate(const StateView<T>& v, const char* where, const char* name) {
+  detail::check_pointer(where, name, "o", v.o);
+  detail::check_pointer(where, name, "lse", v.lse);
+  detail::check_positive(where, name, "batch", v.batch);
+  detail::check_positive(where, name, "heads", v.heads);
+  detail::check_positive(where, name, "head_dim", v.head_dim);
+  detail::check_no_overlap<3>(
+      where, name, {{{"batch", v.batch, v.o_batch_stride}, {"head", v.heads, v.o_head_stride}, {"head_dim", v.head_dim, 1}}});
+  detail::check_no_overlap<2>(where, name, {{{"lse batch", v.batch, v.lse_batch_stride}, {"lse head", v.heads, 1}}});
+}
+
+template <class T>
+void validate(const ContiguousKVView<T>& v, const char* where, const char* name, MemorySpace contents) {
+  detail::check_pointer(where, name, "k", v.k);
+  detail::check_pointer(where, name, "v", v.v);
+  detail::check_positive(where, name, "batch", v.batch);
+  detail::check_positive(where, name, "kv_heads", v.kv_heads);
+  detail::check_positive(where, name, "capacity", v.capacity);
+  detail::check_positive(where, name, "head_dim", v.head_dim);
+  detail::check_no_overlap<4>(where, name,
+                              {{{"batch", v.batch, v.batch_stride},
+                                {"head", v.kv_heads, v.head_stride},
+                                {"token", v.capacity, v.token_stride},
+                                {"head_dim", v.head_dim, 1}}});
+  if (contents == MemorySpace::host && v.seq_lens != nullptr) {
+    for (std::int32_t b = 0; b < v.batch; ++b) {
+      KVSIFT_CHECK(v.seq_lens[b] >= 0 && v.seq_lens[b] <= v.capacity, where,
+                   "{}.seq_lens[{}] (= {}) is outside [0, capacity = {}]", name, b, v.seq_lens[b], v.capacity);
+    }
+  }
+}
+
+template <class T>
+void validate(const PagedKVView<T>& v, const char* where, const char* name, MemorySpace contents) {
+  detail::check_pointer(where, name, "k_pages", v.k_pages);
+  detail::check_pointer(where, name, "v_pages", v.v_pages);
+  detail::check_pointer(where, name, "page_indptr", v.page_indptr);
+  detail::check_pointer(where, name, "page_indices", v.page_indices);
+  detail::check_pointer(where, name, "last_page_len", v.last_page_len);
+  detail::check_positive(where, name, "batch", v.batch);
+  detail::check_positive(where, name, "kv_heads", v.kv_heads);
+  detail::check_positive(where, name, "head_dim", v.head_dim);
+  detail::check_positive(where, name, "page_size", v.page_size);
+  detail::check_positive(where, name, "num_pages", v.num_pages);
+  detail::check_no_overlap<4>(where, name,
+                              {{{"page", v.num_pages, v.page_stride},
+                                {"token", v.page_size, v.token_stride},
+                                {"head", v.kv_heads, v.head_stride},
+                                {"head_dim", v.head_dim, 1}}});
+  if (contents != MemorySpace::host) return;
+  KVSIFT_CHECK(v.page_indptr[0] == 0, where, "{}.page_indptr[0] (= {}) must be 0", name, v.page_indptr[0]);
+  // Monotonicity first: page_indices is only read within [0, page_indptr[batch]).
+  for (std::int32_t b = 0; b < v.batch; ++b) {
+    KVSIFT_CHECK(v.page_indptr[b + 1] >= v.page_indptr[b], where, "{}.page_indptr decreases at sequence {} ({} -> {})",
+                 name, b, v.page_indptr[b], v.page_indptr[b + 1]);
+  }
+  for (std::int32_t b = 0; b < v.batch; ++b) {
+    const std::int32_t begin = v.page_indptr[b], end = v.page_indptr[b + 1];
+    if (end > begin) {
+      KVSIFT_CHECK(v.last_page_len[b] >= 1 && v.last_page_len[b] <= v.page_size, where,
+                   "{}.last_page_len[{}] (= {}) is outside [1, page_size = {}]", name, b, v.last_page_len[b],
+                   v.page_size);
+    }
+    for (std::int32_t i = begin; i < end; ++i) {
+      KVSIFT_CHECK(v.page_indices[i] >= 0 && v.page_indices[i] < v.num_pages, where,
+                   "{}.page_indices[{}] (= {}, sequence {}) is outside [0, num_pages = {})", name, i,
+                   v.page_indices[i], b, v.num_pages);
+    }
+  }
+}
+
+/// Checks the selection's shape against the KV cache and, for host memory, every count and index.
+template <KVCacheView KV>
+void validate(const SelectionView& s, const KV& kv, const char* where, const char* name, MemorySpace contents) {
+  detail::check_pointer(where, name, "indices", s.indices);
+  detail::check_pointer(where, name, "counts", s.counts);
+  detail::check_positive(where, name, "capacity", s.capacity);
+  KVSIFT_CHECK(s.batch == kv.batch, where, "{}.batch (= {}) != kv.batch (= {})", name, s.batch, kv.batch);
+  KVSIFT_CHECK(s.kv_heads == kv.kv_heads, where, "{}.kv_heads (= {}) != kv.kv_heads (= {})", name, s.kv_heads,
+               kv.kv_heads);
+  if (contents != MemorySpace::host) return;
+  for (std::int32_t b = 0; b < s.batch; ++b) {
+    const std::int32_t len = kv.seq_len(b);
+    for (std::int32_t h = 0; h < s.kv_heads; ++h) {
+      const std::int32_t count = s.count(b, h);
+      KVSIFT_CHECK(count >= 0 && count <= s.capacity, where,
+                   "{}.counts (= {}) at batch {}, kv_head {} is outside [0, capacity = {}]", name, count, b, h,
+                   s.capacity);
+      const std::int32_t* idx = s.row(b, h);
+      for (std::int32_t i = 0; i < count; ++i) {
+        KVSIFT_CHECK(idx[i] >= 0 && idx[i] < len, where,
+                     "{}.indices[{}] (= {}) at batch {}, kv_head {} is outside [0, seq_len = {})", name, i, idx[i],
+                     b, h, len);
+      }
+    }
+  }
+}
+
+/// The cross-view rules of decode attention: same batch and head_dim, q_heads a multiple of kv_heads, and
+/// an output of the query's shape.
+template <class TQ, KVCacheView KV, class TO>
+void check_decode_shapes(const char* where, const QueryView<TQ>& q, const KV& kv, const StateView<TO>& out) {
+  KVSIFT_CHECK(kv.head_dim == q.head_dim, where, "kv.head_dim (= {}) != q.head_dim (= {})", kv.head_dim,
+               q.head_dim);
+  KVSIFT_CHECK(kv.batch == q.batch, where, "kv.batch (= {}) != q.batch (= {})", kv.batch, q.batch);
+  KVSIFT_CHECK(q.heads % kv.kv_heads == 0, where, "q.heads (= {}) is not a multiple of kv.kv_heads (= {})", q.heads,
+               kv.kv_heads);
+  KVSIFT_CHECK(out.batch == q.batch && out.heads == q.heads && out.head_dim == q.head_dim, where,
+               "out shape [{}, {}, {}] != q shape [{}, {}, {}]", out.batch, out.heads, out.head_dim, q.batch, q.heads,
+               q.head_dim);
+}
+
+}  // namespace kvsift

@@ -1,0 +1,192 @@
+#pragma once
+/// Non-owning views of the tensors kvsift reads and writes. Strides are in elements, head_dim is always the
+/// contiguous (stride 1) dimension. A view does not say where its memory lives: a CPU function reads host
+/// memory, a CUDA function device memory; each function's documentation says which.
+///
+/// All views are POD aggregates usable on host and device. Build them with designated initializers or the
+/// `packed` helpers, then pass them by value.
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kvsift/core/config.hpp"
+
+namespace kvsift {
+
+/// One vector per (sequence, head): [batch, heads, head_dim]. Used for decode queries (heads = q_heads), the
+/// new token's K or V (heads = kv_heads), and attention outputs.
+template <class T>
+struct HeadsView {
+  T* data = nullptr;
+  std::int32_t batch = 0;
+  std::int32_t heads = 0;
+  std::int32_t head_dim = 0;
+  std::int64_t batch_stride = 0;
+  std::int64_t head_stride = 0;
+
+  KVSIFT_HOST_DEVICE T* row(std::int64_t b, std::int64_t h) const { return data + b * batch_stride + h * head_stride; }
+
+  static constexpr HeadsView packed(T* data, std::int32_t batch, std::int32_t heads, std::int32_t head_dim) {
+    return {data, batch, heads, head_dim, std::int64_t{heads} * head_dim, head_dim};
+  }
+};
+
+/// Decode query: one token per sequence, [batch, q_heads, head_dim].
+template <class T>
+using QueryView = HeadsView<T>;
+
+/// Many tokens per (sequence, head): [batch, heads, tokens, head_dim]. Used for prefill queries.
+template <class T>
+struct SequenceView {
+  T* data = nullptr;
+  std::int32_t batch = 0;
+  std::int32_t heads = 0;
+  std::int32_t tokens = 0;
+  std::int32_t head_dim = 0;
+  std::int64_t batch_stride = 0;
+  std::int64_t head_stride = 0;
+  std::int64_t token_stride = 0;
+
+  KVSIFT_HOST_DEVICE T* row(std::int64_t b, std::int64_t h, std::int64_t t) const {
+    return data + b * batch_stride + h * head_stride + t * token_stride;
+  }
+
+  static constexpr SequenceView packed(T* data, std::int32_t batch, std::int32_t heads, std::int32_t tokens,
+                                       std::int32_t head_dim) {
+    return {data,  batch, heads, tokens, head_dim, std::int64_t{heads} * tokens * head_dim,
+            std::int64_t{tokens} * head_dim, head_dim};
+  }
+};
+
+/// Contiguous KV cache: K and V each [batch, kv_heads, capacity, head_dim] with the same strides.
+/// Sequence b holds tokens [0, seq_lens[b]); with seq_lens == nullptr every sequence holds `capacity` tokens.
+template <class T>
+struct ContiguousKVView {
+  T* k = nullptr;
+  T* v = nullptr;
+  const std::int32_t* seq_lens = nullptr;
+  std::int32_t batch = 0;
+  std::int32_t kv_heads = 0;
+  std::int32_t capacity = 0;
+  std::int32_t head_dim = 0;
+  std::int64_t batch_stride = 0;
+  std::int64_t head_stride = 0;
+  std::int64_t token_stride = 0;
+
+  KVSIFT_HOST_DEVICE std::int32_t seq_len(std::int64_t b) const { return seq_lens ? seq_lens[b] : capacity; }
+  KVSIFT_HOST_DEVICE std::int64_t offset(std::int64_t b, std::int64_t h, std::int64_t t) const {
+    return b * batch_stride + h * head_stride + t * token_stride;
+  }
+  KVSIFT_HOST_DEVICE T* k_row(std::int64_t b, std::int64_t h, std::int64_t t) const { return k + offset(b, h, t); }
+  KVSIFT_HOST_DEVICE T* v_row(std::int64_t b, std::int64_t h, std::int64_t t) const { return v + offset(b, h, t); }
+
+  static constexpr ContiguousKVView packed(T* k, T* v, std::int32_t batch, std::int32_t kv_heads,
+                                           std::int32_t capacity, std::int32_t head_dim,
+                                           const std::int32_t* seq_lens = nullptr) {
+    return {k,        v,        seq_lens, batch, kv_heads, capacity, head_dim, std::int64_t{kv_heads} * capacity * head_dim,
+            std::int64_t{capacity} * head_dim, head_dim};
+  }
+};
+
+/// Paged KV cache in the layout of vLLM and FlashInfer. Sequence b owns pages
+/// page_indices[page_indptr[b] .. page_indptr[b+1]); all are full except the last, which holds
+/// last_page_len[b] tokens (1..page_size). A sequence with no pages holds no tokens.
+/// Token t of sequence b, kv head h, lives at pages + page * page_stride + (t % page_size) * token_stride +
+/// h * head_stride, with page = page_indices[page_indptr[b] + t / page_size]. NHD pages have
+/// token_stride = kv_heads * head_dim and head_stride = head_dim; HND pages head_stride = page_size * head_dim
+/// and token_stride = head_dim.
+template <class T>
+struct PagedKVView {
+  T* k_pages = nullptr;
+  T* v_pages = nullptr;
+  const std::int32_t* page_indptr = nullptr;    ///< [batch + 1], page_indptr[0] == 0, non-decreasing
+  const std::int32_t* page_indices = nullptr;   ///< [page_indptr[batch]], each in [0, num_pages)
+  const std::int32_t* last_page_len = nullptr;  ///< [batch]
+  std::int32_t batch = 0;
+  std::int32_t kv_heads = 0;
+  std::int32_t head_dim = 0;
+  std::int32_t page_size = 0;
+  std::int32_t num_pages = 0;
+  std::int64_t page_stride = 0;
+  std::int64_t token_stride = 0;
+  std::int64_t head_stride = 0;
+
+  KVSIFT_HOST_DEVICE std::int32_t seq_len(std::int64_t b) const {
+    const std::int32_t pages = page_indptr[b + 1] - page_indptr[b];
+    return pages == 0 ? 0 : (pages - 1) * page_size + last_page_len[b];
+  }
+  KVSIFT_HOST_DEVICE std::int64_t offset(std::int64_t b, std::int64_t h, std::int64_t t) const {
+    const std::int64_t page = page_indices[page_indptr[b] + t / page_size];
+    return page * page_stride + (t % page_size) * token_stride + h * head_stride;
+  }
+  KVSIFT_HOST_DEVICE T* k_row(std::int64_t b, std::int64_t h, std::int64_t t) const { return k_pages + offset(b, h, t); }
+  KVSIFT_HOST_DEVICE T* v_row(std::int64_t b, std::int64_t h, std::int64_t t) const { return v_pages + offset(b, h, t); }
+};
+
+/// Either KV cache layout; algorithms are written once against this concept.
+template <class V>
+concept KVCacheView = requires(const V& view, std::int64_t i) {
+  { view.seq_len(i) } -> std::convertible_to<std::int32_t>;
+  view.k_row(i, i, i);
+  view.v_row(i, i, i);
+  { view.batch } -> std::convertible_to<std::int32_t>;
+  { view.kv_heads } -> std::convertible_to<std::int32_t>;
+  { view.head_dim } -> std::convertible_to<std::int32_t>;
+};
+
+template <class V>
+using kv_element_t = std::remove_const_t<std::remove_pointer_t<decltype(V{}.k_row(0, 0, 0))>>;
+
+/// The tokens chosen for one decode step: per (sequence, kv head) `counts[b * kv_heads + h]` token indices
+/// (0 <= index < seq_len) in indices[(b * kv_heads + h) * capacity + i], optionally with a natural-log weight
+/// per index that is added to that token's attention logit (CentroidKV passes log n_t). Indices within a
+/// row are distinct; kvsift's selectors write them in ascending order, consumers accept any order.
+struct SelectionView {
+  std::int32_t* indices = nullptr;  ///< [batch, kv_heads, capacity]
+  std::int32_t* counts = nullptr;   ///< [batch, kv_heads], each in [0, capacity]
+  float* log_weights = nullptr;     ///< optional [batch, kv_heads, capacity]; nullptr means all 0
+  std::int32_t batch = 0;
+  std::int32_t kv_heads = 0;
+  std::int32_t capacity = 0;
+
+  KVSIFT_HOST_DEVICE std::int64_t row_index(std::int64_t b, std::int64_t h) const { return b * kv_heads + h; }
+  KVSIFT_HOST_DEVICE std::int32_t* row(std::int64_t b, std::int64_t h) const {
+    return indices + row_index(b, h) * capacity;
+  }
+  KVSIFT_HOST_DEVICE float* weights_row(std::int64_t b, std::int64_t h) const {
+    return log_weights ? log_weights + row_index(b, h) * capacity : nullptr;
+  }
+  KVSIFT_HOST_DEVICE std::int32_t count(std::int64_t b, std::int64_t h) const { return counts[row_index(b, h)]; }
+};
+
+/// An attention state: output O [batch, heads, head_dim] and its log-sum-exp LSE [batch, heads], natural
+/// log of the softmax denominator over the attended tokens (logits already scaled). An empty state (nothing
+/// attended) has LSE = -inf and O = 0.
+template <class T>
+struct StateView {
+  using lse_type = std::conditional_t<std::is_const_v<T>, const float, float>;
+  T* o = nullptr;
+  lse_type* lse = nullptr;
+  std::int32_t batch = 0;
+  std::int32_t heads = 0;
+  std::int32_t head_dim = 0;
+  std::int64_t o_batch_stride = 0;
+  std::int64_t o_head_stride = 0;
+  std::int64_t lse_batch_stride = 0;
+
+  KVSIFT_HOST_DEVICE T* o_row(std::int64_t b, std::int64_t h) const { return o + b * o_batch_stride + h * o_head_stride; }
+  KVSIFT_HOST_DEVICE lse_type& lse_at(std::int64_t b, std::int64_t h) const { return lse[b * lse_batch_stride + h]; }
+
+  static constexpr StateView packed(T* o, lse_type* lse, std::int32_t batch, std::int32_t heads,
+                                    std::int32_t head_dim) {
+    return {o, lse, batch, heads, head_dim, std::int64_t{heads} * head_dim, head_dim, heads};
+  }
+  /// The same state, read-only (for passing an output on as a merge input).
+  constexpr StateView<const T> as_const() const
+    requires(!std::is_const_v<T>)
+  {
+    return {o, lse, batch, heads, head_dim, o_batch_stride, o_head_stride, lse_batch_stride};
+  }
+};
+
+}  // namespace kvsift

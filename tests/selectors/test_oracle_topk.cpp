@@ -1,0 +1,173 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+
+#include "kvsift/attention/metrics.hpp"
+#include "kvsift/attention/reference.hpp"
+#include "kvsift/core/synthetic_workload.hpp"
+#include "kvsift/selectors/oracle_topk.hpp"
+#include "test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using test::HostSelection;
+using test::HostState;
+
+TEST(OracleTopK, FullBudgetEqualsDenseAttention) {
+  const auto seed = test::test_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  test::Random rng(seed);
+  const std::int32_t batch = 2, q_heads = 8, kv_heads = 2, n = 211, d = 64;
+  test::HostKV kv(rng, batch, kv_heads, n, d);
+  const auto q = rng.normal(std::size_t(batch) * q_heads * d);
+  const auto pq = rng.normal(std::size_t(batch) * q_heads * n * d);
+  const auto qv = QueryView<const float>::packed(q.data(), batch, q_heads, d);
+  OracleTopK oracle({.budget = n, .sink = 4, .recent = 16});
+  oracle.prepare({SequenceView<const float>::packed(pq.data(), batch, q_heads, n, d), kv.view()});
+  HostSelection sel(batch, kv_heads, n, true);
+  oracle.select(qv, sel.view);
+  for (std::int32_t r = 0; r < batch * kv_heads; ++r) {
+    EXPECT_EQ(sel.counts[r], n);
+    for (std::int32_t i = 0; i < n; ++i) EXPECT_EQ(sel.indices[std::size_t(r) * n + i], i);
+  }
+  HostState dense(batch, q_heads, d), sparse(batch, q_heads, d);
+  reference::dense_decode(qv, kv.view(), dense.view);
+  reference::sparse_decode(qv, kv.view(), sel.view, sparse.view);
+  EXPECT_EQ(dense.o, sparse.o);
+  EXPECT_EQ(dense.lse, sparse.lse);
+  EXPECT_DOUBLE_EQ(attention_mass_recall(qv, kv.view(), sel.view), 1.0);
+}
+
+TEST(OracleTopK, SelectsTheExactTopScoresWithSinkAndRecentKept) {
+  const auto seed = test::test_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  test::Random rng(seed);
+  const std::int32_t q_heads = 4, kv_heads = 1, n = 300, d = 32, budget = 40, sink = 3, recent = 5;
+  test::HostKV kv(rng, 1, kv_heads, n, d);
+  const auto q = rng.normal(std::size_t(q_heads) * d);
+  const auto qv = QueryView<const float>::packed(q.data(), 1, q_heads, d);
+  OracleTopK oracle({.budget = budget, .sink = sink, .recent = recent});
+  const auto pq = rng.normal(std::size_t(q_heads) * n * d);
+  oracle.prepare({SequenceView<const float>::packed(pq.data(), 1, q_heads, n, d), kv.view()});
+  HostSelection sel(1, kv_heads, budget, false);
+  oracle.select(qv, sel.view);
+  ASSERT_EQ(sel.counts[0], budget);
+  const std::set<std::int32_t> chosen(sel.indices.begin(), sel.indices.end());
+  ASSERT_EQ(chosen.size(), std::size_t(budget));
+  EXPECT_TRUE(std::is_sorted(sel.indices.begin(), sel.indices.end()));
+  for (std::int32_t t = 0; t < sink; ++t) EXPECT_TRUE(chosen.count(t));
+  for (std::int32_t t = n - recent; t < n; ++t) EXPECT_TRUE(chosen.count(t));
+
+  // Independent scores: max over the 4 query heads of the softmax weight, in long double.
+  std::vector<long double> score(n, 0);
+  for (std::int32_t h = 0; h < q_heads; ++h) {
+    std::vector<long double> logit(n);
+    for (std::int32_t t = 0; t < n; ++t) {
+      long double s = 0;
+      for (std::int32_t c = 0; c < d; ++c) s += (long double)q[h * d + c] * kv.k[std::size_t(t) * d + c];
+      logit[t] = s / std::sqrt((long double)d);
+    }
+    const long double m = *std::max_element(logit.begin(), logit.end());
+    long double z = 0;
+    for (auto l : logit) z += std::exp(l - m);
+    for (std::int32_t t = 0; t < n; ++t) score[t] = std::max(score[t], std::exp(logit[t] - m) / z);
+  }
+  std::vector<std::int32_t> middle;
+  for (std::int32_t t = sink; t < n - recent; ++t) middle.push_back(t);
+  std::sort(middle.begin(), middle.end(), [&](auto a, auto b) { return score[a] > score[b]; });
+  for (std::int32_t i = 0; i < budget - sink - recent; ++i) EXPECT_TRUE(chosen.count(middle[i])) << "rank " << i;
+  for (std::size_t i = budget - sink - recent; i < middle.size(); ++i) EXPECT_FALSE(chosen.count(middle[i]));
+}
+
+TEST(OracleTopK, AppendedTokensBecomeSelectable) {
+  const auto seed = test::test_seed();
+  test::Random rng(seed);
+  const std::int32_t q_heads = 2, kv_heads = 1, n = 50, d = 16;
+  test::HostKV kv(rng, 1, kv_heads, n, d);
+  const auto pq = rng.normal(std::size_t(q_heads) * n * d);
+  OracleTopK oracle({.budget = 1});
+  oracle.prepare({SequenceView<const float>::packed(pq.data(), 1, q_heads, n, d), kv.view()});
+  const auto q = rng.normal(std::size_t(q_heads) * d);
+  // The new key is a large multiple of the query sum, so it dominates every other token.
+  std::vector<float> k_new(d), v_new = rng.normal(d);
+  for (std::int32_t c = 0; c < d; ++c) k_new[c] = 50.0f * (q[c] + q[d + c]);
+  oracle.append({HeadsView<const float>::packed(k_new.data(), 1, 1, d), HeadsView<const float>::packed(v_new.data(), 1, 1, d),
+                 QueryView<const float>::packed(q.data(), 1, q_heads, d)});
+  HostSelection sel(1, 1, 1, false);
+  oracle.select(QueryView<const float>::packed(q.data(), 1, q_heads, d), sel.view);
+  EXPECT_EQ(sel.indices[0], n);
+  EXPECT_EQ(oracle.index_bytes(), std::size_t(n + 1) * d * sizeof(float));
+}
+
+TEST(AnySelector, WrapsOracleTopK) {
+  test::Random rng(test::test_seed());
+  const std::int32_t n = 64, d = 16;
+  test::HostKV kv(rng, 1, 1, n, d);
+  const auto pq = rng.normal(std::size_t(n) * d);
+  const auto q = rng.normal(d);
+  AnySelector<> any(OracleTopK({.budget = 8}));
+  OracleTopK direct({.budget = 8});
+  EXPECT_EQ(any.name(), "OracleTopK");
+  const PrefillInputs<> prefill{SequenceView<const float>::packed(pq.data(), 1, 1, n, d), kv.view()};
+  any.prepare(prefill);
+  direct.prepare(prefill);
+  HostSelection a(1, 1, 8, false), b(1, 1, 8, false);
+  any.select(QueryView<const float>::packed(q.data(), 1, 1, d), a.view);
+  direct.select(QueryView<const float>::packed(q.data(), 1, 1, d), b.view);
+  EXPECT_EQ(a.indices, b.indices);
+  EXPECT_EQ(any.index_bytes(), direct.index_bytes());
+}
+
+TEST(SyntheticWorkload, NeedlesCarryAttentionAndTheOracleFindsThem) {
+  const SyntheticWorkloadConfig config{.tokens = 4096, .seed = test::test_seed()};
+  const auto w = make_synthetic_workload(config);
+  const std::int32_t budget = 82;  // 2%
+  OracleTopK oracle({.budget = budget});
+  oracle.prepare({{}, w.kv()});
+  HostSelection sel(1, config.kv_heads, budget, false);
+  oracle.select(w.query(), sel.view);
+  for (std::int32_t g = 0; g < config.kv_heads; ++g) {
+    const std::set<std::int32_t> chosen(sel.view.row(0, g), sel.view.row(0, g) + budget);
+    for (std::int32_t i = 0; i < config.needles; ++i) {
+      EXPECT_TRUE(chosen.count(w.needle_positions[g * config.needles + i])) << "needle " << i << " of kv head " << g;
+    }
+    for (std::int32_t t = 0; t < config.sink_tokens; ++t) EXPECT_TRUE(chosen.count(t)) << "sink " << t;
+  }
+  // Attention that is concentrated but not trivial: 2% of the tokens hold most, not all, of the mass.
+  const double recall = attention_mass_recall(w.query(), w.kv(), sel.view);
+  EXPECT_GT(recall, 0.5);
+  EXPECT_LT(recall, 0.999);
+  // Pre-RoPE keys rotate into the post-RoPE ones.
+  std::vector<float> k(w.k_pre_rope.begin() + 100 * 128, w.k_pre_rope.begin() + 101 * 128);
+  apply_rope(k.data(), 128, 100, config.rope);
+  for (std::int32_t c = 0; c < 128; ++c) EXPECT_NEAR(k[c], w.k[100 * 128 + c], 1e-4f);
+}
+
+TEST(Rope, InverseUndoesAndRelativePositionsAreInvariant) {
+  test::Random rng(test::test_seed());
+  for (RopeLayout layout : {RopeLayout::neox, RopeLayout::interleaved}) {
+    const RopeConfig cfg{.theta = 10000.0, .rotary_dim = 48, .layout = layout};
+    auto q = rng.normal(64), k = rng.normal(64);
+    auto x = q;
+    apply_rope(x.data(), 64, 1234, cfg);
+    for (std::int32_t c = 48; c < 64; ++c) EXPECT_EQ(x[c], q[c]);  // past rotary_dim: untouched
+    apply_rope(x.data(), 64, 1234, cfg, true);
+    for (std::int32_t c = 0; c < 64; ++c) EXPECT_NEAR(x[c], q[c], 1e-4f);
+    // q_m . k_n depends on m - n only.
+    const auto dot_at = [&](std::int64_t m, std::int64_t n) {
+      auto a = q, b = k;
+      apply_rope(a.data(), 64, m, cfg);
+      apply_rope(b.data(), 64, n, cfg);
+      double s = 0;
+      for (std::int32_t c = 0; c < 64; ++c) s += double(a[c]) * b[c];
+      return s;
+    };
+    EXPECT_NEAR(dot_at(500, 200), dot_at(1300, 1000), 1e-3);
+  }
+}
+
+}  // namespace
+}  // namespace kvsift
