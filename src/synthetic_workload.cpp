@@ -18,7 +18,7 @@ constexpr float kDominantBias = 4.0f;
 constexpr int kDominantPairs = 4;
 constexpr float kQueryFocus = 0.04f;
 constexpr float kQueryDrift = 0.05f;
-constexpr float kSinkScale = 4.0f;
+constexpr float kSinkScale = 6.0f;
 constexpr float kNeedleLogitMargin = 0.5f;
 
 using Rng = std::mt19937_64;

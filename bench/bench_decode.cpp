@@ -1,0 +1,233 @@
+// CUDA decode-attention benchmarks: dense (the FlashDecoding-style baseline) and sparse over random or
+// clustered selections, timed with CUDA events, with the device-to-device copy bandwidth measured in the
+// same run as the ceiling. Counters: us (median of repetitions is taken by the runner), GB/s of bytes
+// touched (K and V rows read, Q read, O written), and that as a fraction of the measured copy bandwidth.
+#include <benchmark/benchmark.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kvsift/attention/decode_cuda.hpp"
+#include "kvsift/cuda/check.hpp"
+
+namespace {
+
+using kvsift::bfloat16;
+
+template <class T>
+struct Device {
+  T* ptr = nullptr;
+  explicit Device(std::size_t n) { KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), n * sizeof(T))); }
+  ~Device() { cudaFree(ptr); }
+  Device(const Device&) = delete;
+};
+
+struct EventTimer {
+  cudaEvent_t start, stop;
+  EventTimer() {
+    KVSIFT_CUDA_CHECK(cudaEventCreate(&start));
+    KVSIFT_CUDA_CHECK(cudaEventCreate(&stop));
+  }
+  ~EventTimer() {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+  template <class F>
+  double seconds(F&& f) {
+    KVSIFT_CUDA_CHECK(cudaEventRecord(start));
+    f();
+    KVSIFT_CUDA_CHECK(cudaEventRecord(stop));
+    KVSIFT_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    return ms * 1e-3;
+  }
+};
+
+/// Fills bf16 data with random normal values (never zeros: zeros can run faster than real data). A 32 MiB
+/// random pattern is generated once and tiled; the tiles start at different offsets.
+void fill_random(bfloat16* d_data, std::size_t n, std::uint64_t seed) {
+  static const std::vector<bfloat16> pattern = [] {
+    std::mt19937_64 rng(2026);
+    std::normal_distribution<float> dist;
+    std::vector<bfloat16> p(std::size_t(1) << 24);
+    for (auto& x : p) x = kvsift::float_to_bfloat16(dist(rng));
+    return p;
+  }();
+  std::size_t shift = seed * 7919;
+  for (std::size_t off = 0; off < n; off += pattern.size() / 2, shift += 104729) {
+    const std::size_t count = std::min(pattern.size() / 2, n - off);
+    KVSIFT_CUDA_CHECK(cudaMemcpy(d_data + off, pattern.data() + shift % (pattern.size() / 2), count * sizeof(bfloat16),
+                                 cudaMemcpyHostToDevice));
+  }
+}
+
+/// Times `call(i)` two ways. The benchmark's manual time is the GPU time per call, from replays of a CUDA
+/// graph holding kCallsPerGraph calls (no host gaps, as an engine replaying graphs sees it). The counter
+/// direct_us is the event-timed median of single direct calls, host launch overhead included.
+constexpr int kCallsPerGraph = 16;
+template <class Call>
+void time_calls(benchmark::State& state, Call&& call) {
+  cudaStream_t stream;
+  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  EventTimer timer;
+  std::vector<double> direct;
+  for (int i = 0; i < 3; ++i) call(i, stream);  // warm-up: module load, occupancy query
+  for (int i = 0; i < 51; ++i) {
+    KVSIFT_CUDA_CHECK(cudaEventRecord(timer.start, stream));
+    call(i, stream);
+    KVSIFT_CUDA_CHECK(cudaEventRecord(timer.stop, stream));
+    KVSIFT_CUDA_CHECK(cudaEventSynchronize(timer.stop));
+    float ms = 0;
+    KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&ms, timer.start, timer.stop));
+    direct.push_back(ms * 1e3);
+  }
+  std::nth_element(direct.begin(), direct.begin() + 25, direct.end());
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < kCallsPerGraph; ++i) call(i, stream);
+  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  for (auto _ : state) {
+    KVSIFT_CUDA_CHECK(cudaEventRecord(timer.start, stream));
+    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    KVSIFT_CUDA_CHECK(cudaEventRecord(timer.stop, stream));
+    KVSIFT_CUDA_CHECK(cudaEventSynchronize(timer.stop));
+    float ms = 0;
+    KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&ms, timer.start, timer.stop));
+    state.SetIterationTime(ms * 1e-3 / kCallsPerGraph);
+  }
+  state.counters["direct_us"] = direct[25];
+  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
+  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128;
+constexpr std::size_t kL2FlushBytes = std::size_t(256) << 20;  // rotate inputs over > 5x the 50 MB L2
+
+/// Enough copies of the KV cache that consecutive iterations never hit in L2.
+int copies_for(std::size_t kv_bytes) { return int(std::max<std::size_t>(1, (kL2FlushBytes + kv_bytes - 1) / kv_bytes)); }
+
+void BM_CopyBandwidth(benchmark::State& state) {
+  const std::size_t bytes = std::size_t(1) << 30;
+  Device<std::byte> a(bytes), b(bytes);
+  KVSIFT_CUDA_CHECK(cudaMemset(a.ptr, 1, bytes));
+  EventTimer timer;
+  for (auto _ : state) {
+    state.SetIterationTime(timer.seconds([&] { KVSIFT_CUDA_CHECK(cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice)); }));
+  }
+  state.counters["GB/s"] = benchmark::Counter(double(2 * bytes) * state.iterations(), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_CopyBandwidth)->UseManualTime()->Unit(benchmark::kMicrosecond)->Iterations(20);
+
+void BM_DenseDecode(benchmark::State& state) {
+  const int tokens = int(state.range(0)), batch = int(state.range(1));
+  const std::size_t kv_elems = std::size_t(batch) * kKvHeads * tokens * kHeadDim;
+  const int copies = copies_for(2 * kv_elems * sizeof(bfloat16));
+  Device<bfloat16> k(kv_elems * copies), v(kv_elems * copies), q(std::size_t(batch) * kQHeads * kHeadDim),
+      o(std::size_t(batch) * kQHeads * kHeadDim);
+  Device<float> lse(std::size_t(batch) * kQHeads);
+  fill_random(k.ptr, kv_elems * copies, 1);
+  fill_random(v.ptr, kv_elems * copies, 2);
+  fill_random(q.ptr, std::size_t(batch) * kQHeads * kHeadDim, 3);
+  const auto qv = kvsift::QueryView<const bfloat16>::packed(q.ptr, batch, kQHeads, kHeadDim);
+  const auto out = kvsift::StateView<bfloat16>::packed(o.ptr, lse.ptr, batch, kQHeads, kHeadDim);
+  const auto kv_of = [&](int copy) {
+    return kvsift::ContiguousKVView<const bfloat16>::packed(k.ptr + copy * kv_elems, v.ptr + copy * kv_elems, batch,
+                                                            kKvHeads, tokens, kHeadDim);
+  };
+  const std::size_t ws_bytes = kvsift::cuda::dense_decode_workspace_bytes(qv, kv_of(0));
+  Device<std::byte> ws(std::max<std::size_t>(ws_bytes, 256));
+  time_calls(state, [&](int i, cudaStream_t stream) {
+    kvsift::cuda::dense_decode(qv, kv_of(i % copies), out, {ws.ptr, ws_bytes}, stream);
+  });
+  const double bytes = 2.0 * kv_elems * sizeof(bfloat16) + 2.0 * batch * kQHeads * kHeadDim * sizeof(bfloat16);
+  state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations(), benchmark::Counter::kIsRate);
+  state.counters["bytes"] = bytes;
+}
+BENCHMARK(BM_DenseDecode)
+    ->ArgsProduct({{8192, 32768, 131072}, {1, 8}})
+    ->ArgNames({"N", "batch"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(0.1);
+
+/// Sparse decode over K indices per (sequence, kv head) of a 128K-token cache: random (uniform over the
+/// context) or clustered (runs of 32 consecutive tokens, as cluster- or page-based selectors return).
+void BM_SparseDecode(benchmark::State& state) {
+  const int k_sel = int(state.range(0)), batch = int(state.range(1));
+  const bool clustered = state.range(2) != 0;
+  const int tokens = 131072;
+  const std::size_t kv_elems = std::size_t(batch) * kKvHeads * tokens * kHeadDim;
+  Device<bfloat16> k(kv_elems), v(kv_elems), q(std::size_t(batch) * kQHeads * kHeadDim), o(std::size_t(batch) * kQHeads * kHeadDim);
+  Device<float> lse(std::size_t(batch) * kQHeads);
+  fill_random(k.ptr, kv_elems, 1);
+  fill_random(v.ptr, kv_elems, 2);
+  fill_random(q.ptr, std::size_t(batch) * kQHeads * kHeadDim, 3);
+  // Several selection sets (different tokens) rotate so that L2 holds none of the next step's rows.
+  const int sets = 16;
+  const std::size_t rows = std::size_t(batch) * kKvHeads;
+  std::vector<std::int32_t> host_idx(rows * k_sel * sets), host_counts(rows, k_sel);
+  std::mt19937_64 rng(7);
+  std::vector<std::int32_t> pool(tokens);
+  std::iota(pool.begin(), pool.end(), 0);
+  for (std::size_t r = 0; r < rows * sets; ++r) {
+    std::int32_t* dst = host_idx.data() + r * k_sel;
+    if (clustered) {
+      const int runs = (k_sel + 31) / 32;
+      std::vector<std::int32_t> starts(tokens / 32);
+      std::iota(starts.begin(), starts.end(), 0);
+      std::shuffle(starts.begin(), starts.end(), rng);
+      std::sort(starts.begin(), starts.begin() + runs);
+      for (int i = 0; i < k_sel; ++i) dst[i] = starts[i / 32] * 32 + i % 32;
+    } else {  // partial Fisher-Yates: the first k_sel entries of pool become a uniform random subset
+      for (int i = 0; i < k_sel; ++i) std::swap(pool[i], pool[i + rng() % (tokens - i)]);
+      std::copy_n(pool.begin(), k_sel, dst);
+      std::sort(dst, dst + k_sel);
+    }
+  }
+  Device<std::int32_t> idx(host_idx.size()), counts(rows);
+  KVSIFT_CUDA_CHECK(cudaMemcpy(idx.ptr, host_idx.data(), host_idx.size() * 4, cudaMemcpyHostToDevice));
+  KVSIFT_CUDA_CHECK(cudaMemcpy(counts.ptr, host_counts.data(), rows * 4, cudaMemcpyHostToDevice));
+  const auto qv = kvsift::QueryView<const bfloat16>::packed(q.ptr, batch, kQHeads, kHeadDim);
+  const auto kv = kvsift::ContiguousKVView<const bfloat16>::packed(k.ptr, v.ptr, batch, kKvHeads, tokens, kHeadDim);
+  const auto out = kvsift::StateView<bfloat16>::packed(o.ptr, lse.ptr, batch, kQHeads, kHeadDim);
+  const auto sel_of = [&](int set) {
+    return kvsift::SelectionView{idx.ptr + std::size_t(set) * rows * k_sel, counts.ptr, nullptr, batch, kKvHeads, k_sel};
+  };
+  const std::size_t ws_bytes = kvsift::cuda::sparse_decode_workspace_bytes(qv, kv, sel_of(0));
+  Device<std::byte> ws(std::max<std::size_t>(ws_bytes, 256));
+  time_calls(state, [&](int i, cudaStream_t stream) {
+    kvsift::cuda::sparse_decode(qv, kv, sel_of(i % sets), out, {ws.ptr, ws_bytes}, stream);
+  });
+  const double bytes = 2.0 * rows * k_sel * kHeadDim * sizeof(bfloat16) + rows * k_sel * 4.0 +
+                       2.0 * batch * kQHeads * kHeadDim * sizeof(bfloat16);
+  state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations(), benchmark::Counter::kIsRate);
+  state.counters["bytes"] = bytes;
+}
+BENCHMARK(BM_SparseDecode)
+    ->ArgsProduct({{256, 1024, 2048, 8192}, {1, 8}, {0, 1}})
+    ->ArgNames({"K", "batch", "clustered"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(0.1);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (!kvsift::cuda::device_available()) {
+    std::fprintf(stderr, "kvsift_bench_decode: no CUDA device; nothing to measure\n");
+    return 0;
+  }
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Builds kvsift on the GPU machine, runs the CUDA and CPU tests, the CUDA tests under compute-sanitizer
+# (memcheck, racecheck), the decode benchmarks and the PyTorch SDPA baseline, and writes logs, JSON and a
+# markdown report to $OUT (default ./device-out). Usage: bench/run_device.sh [build] [test] [sanitize] [bench]
+# (no argument: all stages). Run from the repository root.
+set -uo pipefail
+OUT=${OUT:-$PWD/device-out}
+BUILD=${KVSIFT_DEVICE_BUILD:-/tmp/kvsift-device-build}
+mkdir -p "$OUT"
+stages=${*:-build test sanitize bench}
+status=0
+has() { [[ " $stages " == *" $1 "* ]]; }
+step() { echo "== $* ($(date +%T))"; }
+
+step machine
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+nvcc --version | tail -1 | tee -a "$OUT/gpu.txt"
+
+if has build; then
+  step build
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a-real \
+    -DKVSIFT_INSTALL=OFF > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+  cmake --build "$BUILD" -j16 > "$OUT/build.log" 2>&1 || { grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
+fi
+if has test; then
+  step tests
+  "$BUILD/tests/cuda/kvsift_cuda_tests" --gtest_brief=1 2>&1 | tee "$OUT/cuda_tests.log" | tail -15 || status=1
+  "$BUILD/tests/kvsift_cpu_tests" --gtest_brief=1 2>&1 | tail -3 || status=1
+fi
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    step "compute-sanitizer $tool"
+    compute-sanitizer --tool "$tool" --error-exitcode 3 "$BUILD/tests/cuda/kvsift_cuda_tests" --gtest_brief=1 \
+      --gtest_filter='-*LongContexts*' > "$OUT/sanitizer_$tool.log" 2>&1 || status=1
+    tail -6 "$OUT/sanitizer_$tool.log"
+  done
+fi
+if has bench; then
+  step "benchmarks"
+  "$BUILD/bench/kvsift_bench_decode" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+    --benchmark_out="$OUT/bench_decode.json" --benchmark_out_format=json > "$OUT/bench_decode.txt" 2>&1 || status=1
+  step "pytorch sdpa baseline"
+  python3 bench/sdpa_baseline.py > "$OUT/sdpa.jsonl" 2> "$OUT/sdpa.err" || { tail -5 "$OUT/sdpa.err"; status=1; }
+  python3 bench/report.py "$OUT/bench_decode.json" "$OUT/sdpa.jsonl" "$OUT/gpu.txt" > "$OUT/bench_decode.md"
+  cat "$OUT/bench_decode.md"
+fi
+exit $status

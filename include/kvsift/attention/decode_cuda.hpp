@@ -1,0 +1,87 @@
+#pragma once
+/// CUDA decode attention: sparse (over the tokens a selection lists, with optional per-index log-weights),
+/// dense (FlashDecoding-style, the baseline), and the standalone LSE merge of partial states.
+///
+/// Memory: every view points to device memory. Supported: storage kvsift::half and kvsift::bfloat16 with fp32
+/// accumulation; head_dim 64 and 128; any q_heads that is a multiple of kv_heads (a GQA group of up to 8
+/// heads reads each K/V row once; larger groups are tiled by 8 heads and re-read rows per tile); contiguous
+/// or paged KV; per-sequence lengths and selection counts on the device. Q, K, V and O rows must be 16-byte
+/// aligned (pointers and strides multiples of 8 elements).
+///
+/// Outputs: O [batch, q_heads, head_dim] (storage type) and LSE [batch, q_heads] (fp32, natural log). A
+/// sequence or selection row with no tokens yields O = 0 and LSE = -inf.
+///
+/// Hot path contract: no allocation and no host synchronization; the caller passes a stream and a
+/// workspace of at least *_workspace_bytes() bytes (same arguments), 256-byte aligned. Launches are
+/// CUDA-graph capturable, except with validate_indices, which synchronizes the stream to report errors.
+/// Deterministic: the same inputs and options on one GPU give bit-identical results.
+/// Thread safety: reentrant; concurrent calls need distinct workspaces.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include <cuda_runtime_api.h>
+
+#include "kvsift/attention/options.hpp"
+#include "kvsift/core/dtype.hpp"
+#include "kvsift/core/views.hpp"
+
+namespace kvsift::cuda {
+
+struct DecodeOptions {
+  AttentionOptions attention{};
+  /// CTAs along the tokens of each (sequence, kv head); 0 chooses from the shape and the GPU's SM count.
+  std::int32_t num_splits = 0;
+  /// Upper bound on any sequence's length (host value). Required for dense decode on a paged cache; a
+  /// contiguous cache uses its capacity.
+  std::int32_t max_seq_len = 0;
+  /// Check selection counts and indices on the device and throw, naming the first offending (sequence,
+  /// kv head, position, value), instead of reading out of bounds. Synchronizes the stream.
+  bool validate_indices = false;
+};
+
+template <class T, class KV>
+std::size_t sparse_decode_workspace_bytes(const QueryView<const T>& q, const KV& kv, const SelectionView& selection,
+                                          const DecodeOptions& options = {});
+/// Sparse decode: query head h of sequence b attends to selection.row(b, h / group)[0 .. count), each
+/// logit plus its log-weight when selection.log_weights is set.
+template <class T, class KV>
+void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<T>& out,
+                   std::span<std::byte> workspace, cudaStream_t stream, const DecodeOptions& options = {});
+
+template <class T, class KV>
+std::size_t dense_decode_workspace_bytes(const QueryView<const T>& q, const KV& kv, const DecodeOptions& options = {});
+/// Dense decode: every query attends to all seq_len tokens of its sequence (split over the sequence, then
+/// merged by LSE).
+template <class T, class KV>
+void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<T>& out, std::span<std::byte> workspace,
+                  cudaStream_t stream, const DecodeOptions& options = {});
+
+/// Merges 1..16 partial states of one shape into `out` (which must not alias a partial):
+/// LSE = log sum_i exp(LSE_i), O = sum_i exp(LSE_i - LSE) O_i. Empty partials (LSE = -inf) are skipped, so
+/// they change nothing bit for bit. Needs no workspace. Any head_dim; rows need no special alignment.
+template <class T>
+void merge_states(std::span<const StateView<const T>> partials, const StateView<T>& out, cudaStream_t stream);
+
+#define KVSIFT_DECLARE_DECODE(T, KV)                                                                             \
+  extern template std::size_t sparse_decode_workspace_bytes<T, KV>(const QueryView<const T>&, const KV&,         \
+                                                                   const SelectionView&, const DecodeOptions&); \
+  extern template void sparse_decode<T, KV>(const QueryView<const T>&, const KV&, const SelectionView&,          \
+                                            const StateView<T>&, std::span<std::byte>, cudaStream_t,             \
+                                            const DecodeOptions&);                                               \
+  extern template std::size_t dense_decode_workspace_bytes<T, KV>(const QueryView<const T>&, const KV&,          \
+                                                                  const DecodeOptions&);                         \
+  extern template void dense_decode<T, KV>(const QueryView<const T>&, const KV&, const StateView<T>&,            \
+                                           std::span<std::byte>, cudaStream_t, const DecodeOptions&);
+KVSIFT_DECLARE_DECODE(half, ContiguousKVView<const half>)
+KVSIFT_DECLARE_DECODE(half, PagedKVView<const half>)
+KVSIFT_DECLARE_DECODE(bfloat16, ContiguousKVView<const bfloat16>)
+KVSIFT_DECLARE_DECODE(bfloat16, PagedKVView<const bfloat16>)
+#undef KVSIFT_DECLARE_DECODE
+extern template void merge_states<half>(std::span<const StateView<const half>>, const StateView<half>&, cudaStream_t);
+extern template void merge_states<bfloat16>(std::span<const StateView<const bfloat16>>, const StateView<bfloat16>&,
+                                            cudaStream_t);
+extern template void merge_states<float>(std::span<const StateView<const float>>, const StateView<float>&, cudaStream_t);
+
+}  // namespace kvsift::cuda

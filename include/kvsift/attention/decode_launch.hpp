@@ -1,0 +1,31 @@
+#pragma once
+/// Launchers of the decode and merge kernels, defined in kernels/*.cu and called by the host entry points
+/// (src/cuda/decode.cpp) after validation. They return the launch status and never throw.
+
+#include <cuda_runtime_api.h>
+
+#include "kvsift/attention/decode_params.hpp"
+#include "kvsift/core/dtype.hpp"
+
+namespace kvsift::cuda::detail {
+
+/// Launches the decode kernel for p (grid from p's shape) and, when p.num_splits > 1, the split merge.
+template <class T>
+cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream);
+
+template <class T>
+cudaError_t launch_merge_states(const MergeParams<T>& p, cudaStream_t stream);
+
+/// How many decode CTAs for (head_dim, GQA group) fit on one multiprocessor at once (occupancy API).
+template <class T>
+cudaError_t decode_ctas_per_sm(int head_dim, int group, int* ctas);
+
+extern template cudaError_t launch_decode<half>(const DecodeParams<half>&, cudaStream_t);
+extern template cudaError_t launch_decode<bfloat16>(const DecodeParams<bfloat16>&, cudaStream_t);
+extern template cudaError_t decode_ctas_per_sm<half>(int, int, int*);
+extern template cudaError_t decode_ctas_per_sm<bfloat16>(int, int, int*);
+extern template cudaError_t launch_merge_states<half>(const MergeParams<half>&, cudaStream_t);
+extern template cudaError_t launch_merge_states<bfloat16>(const MergeParams<bfloat16>&, cudaStream_t);
+extern template cudaError_t launch_merge_states<float>(const MergeParams<float>&, cudaStream_t);
+
+}  // namespace kvsift::cuda::detail

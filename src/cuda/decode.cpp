@@ -1,0 +1,279 @@
+/// Host side of CUDA decode attention: validation, workspace layout, split planning, error reporting.
+/// Compiled by the host compiler only (src/cuda/decode.cpp); kernels/ holds the device code and launchers.
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <atomic>
+#include <climits>
+#include <cstdint>
+#include <span>
+
+#include "kvsift/attention/decode_cuda.hpp"
+#include "kvsift/attention/decode_launch.hpp"
+#include "kvsift/core/validate.hpp"
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/cuda/check.hpp"
+
+namespace kvsift::cuda {
+namespace detail {
+
+inline constexpr int kMinTokensPerSplit = 64;
+
+struct DecodeWorkspace {
+  float* partial_o = nullptr;
+  float* partial_lse = nullptr;
+  unsigned long long* first_bad_index = nullptr;
+};
+
+/// The single layout function behind both the size query (counting layout) and the run (carving layout).
+inline DecodeWorkspace layout_workspace(WorkspaceLayout& layout, std::int64_t batch, std::int64_t q_heads,
+                                        std::int64_t head_dim, std::int32_t num_splits, bool validate_indices) {
+  DecodeWorkspace ws;
+  if (num_splits > 1) {
+    const std::size_t rows = checked_mul(std::size_t(batch * q_heads), std::size_t(num_splits), "decode workspace");
+    ws.partial_o = layout.allocate<float>(checked_mul(rows, std::size_t(head_dim), "decode workspace"), "partial_o");
+    ws.partial_lse = layout.allocate<float>(rows, "partial_lse");
+  }
+  if (validate_indices) ws.first_bad_index = layout.allocate<unsigned long long>(1, "first_bad_index");
+  return ws;
+}
+
+inline void check_aligned(const char* where, const char* name, const void* p, std::int64_t row_stride_a,
+                          std::int64_t row_stride_b, std::int64_t row_stride_c = 0) {
+  KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(p) % 16 == 0, where,
+               "{} (= {}) is not 16-byte aligned, which the CUDA decode kernels' vector loads need", name, p);
+  for (std::int64_t s : {row_stride_a, row_stride_b, row_stride_c}) {
+    KVSIFT_CHECK(s % 8 == 0, where, "{}: stride {} is not a multiple of 8 elements (16 bytes)", name, s);
+  }
+}
+
+template <class T>
+void check_kv_aligned(const char* where, const ContiguousKVView<const T>& kv) {
+  check_aligned(where, "kv.k", kv.k, kv.batch_stride, kv.head_stride, kv.token_stride);
+  check_aligned(where, "kv.v", kv.v, kv.batch_stride, kv.head_stride, kv.token_stride);
+}
+template <class T>
+void check_kv_aligned(const char* where, const PagedKVView<const T>& kv) {
+  check_aligned(where, "kv.k_pages", kv.k_pages, kv.page_stride, kv.head_stride, kv.token_stride);
+  check_aligned(where, "kv.v_pages", kv.v_pages, kv.page_stride, kv.head_stride, kv.token_stride);
+}
+
+template <class T>
+std::int32_t max_tokens_of(const ContiguousKVView<const T>& kv, const DecodeOptions&) {
+  return kv.capacity;
+}
+template <class T>
+std::int32_t max_tokens_of(const PagedKVView<const T>&, const DecodeOptions& options) {
+  return options.max_seq_len;
+}
+
+/// Resident decode CTAs per multiprocessor for this (dtype, head_dim, group), from the occupancy API, cached.
+template <class T>
+int ctas_per_sm(int head_dim, int group) {
+  static std::array<std::atomic<int>, 2 * 4> cache{};  // [head_dim 64 | 128][tile 1 | 2 | 4 | 8]; 0: unknown
+  const int tile = group_tile_for(group);
+  std::atomic<int>& slot = cache[(head_dim == 128 ? 4 : 0) + (tile == 1 ? 0 : tile == 2 ? 1 : tile == 4 ? 2 : 3)];
+  int ctas = slot.load(std::memory_order_relaxed);
+  if (ctas == 0) {
+    KVSIFT_CUDA_CHECK(decode_ctas_per_sm<T>(head_dim, group, &ctas));
+    ctas = std::max(ctas, 1);
+    slot.store(ctas, std::memory_order_relaxed);
+  }
+  return ctas;
+}
+
+/// Splits so that the grid is one full wave of resident CTAs (no tail wave), with at least
+/// kMinTokensPerSplit tokens per CTA.
+template <class T>
+std::int32_t choose_splits(std::int64_t rows, std::int32_t max_tokens, int head_dim, int group,
+                           const DecodeOptions& options) {
+  if (options.num_splits > 0) return options.num_splits;
+  const std::int64_t resident = std::int64_t(multiprocessor_count()) * ctas_per_sm<T>(head_dim, group);
+  std::int64_t splits = std::max<std::int64_t>(resident / rows, 1);
+  splits = std::min<std::int64_t>(splits, (std::int64_t(max_tokens) + kMinTokensPerSplit - 1) / kMinTokensPerSplit);
+  return static_cast<std::int32_t>(std::max<std::int64_t>(splits, 1));
+}
+
+/// Validates everything the kernels rely on and fills the parameters (workspace pointers excepted).
+template <class T, class KV>
+DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, const KV& kv, const SelectionView* selection,
+                            const StateView<T>* out, const DecodeOptions& options) {
+  validate(q, where, "q");
+  validate(kv, where, "kv", MemorySpace::device);
+  KVSIFT_CHECK(q.head_dim == kv.head_dim, where, "kv.head_dim (= {}) != q.head_dim (= {})", kv.head_dim, q.head_dim);
+  KVSIFT_CHECK(q.batch == kv.batch, where, "kv.batch (= {}) != q.batch (= {})", kv.batch, q.batch);
+  KVSIFT_CHECK(q.heads % kv.kv_heads == 0, where, "q.heads (= {}) is not a multiple of kv.kv_heads (= {})", q.heads,
+               kv.kv_heads);
+  KVSIFT_CHECK(q.head_dim == 64 || q.head_dim == 128, where,
+               "head_dim (= {}) is not supported by the CUDA decode kernels (supported: 64, 128)", q.head_dim);
+  KVSIFT_CHECK(q.batch <= 65535, where, "q.batch (= {}) exceeds the CUDA grid limit 65535", q.batch);
+  KVSIFT_CHECK(options.num_splits >= 0, where, "options.num_splits (= {}) must be >= 0", options.num_splits);
+  check_aligned(where, "q.data", q.data, q.batch_stride, q.head_stride);
+  check_kv_aligned(where, kv);
+  if (out != nullptr) {
+    validate(*out, where, "out");
+    KVSIFT_CHECK(out->batch == q.batch && out->heads == q.heads && out->head_dim == q.head_dim, where,
+                 "out shape [{}, {}, {}] != q shape [{}, {}, {}]", out->batch, out->heads, out->head_dim, q.batch,
+                 q.heads, q.head_dim);
+  }
+
+  DecodeParams<T> p;
+  p.q = q;
+  if constexpr (std::is_same_v<KV, PagedKVView<const T>>) {
+    p.paged = true;
+    p.paged_kv = kv;
+  } else {
+    p.kv = kv;
+  }
+  std::int32_t max_tokens = 0;
+  if (selection != nullptr) {
+    validate(*selection, kv, where, "selection", MemorySpace::device);
+    p.selection = *selection;
+    max_tokens = selection->capacity;
+  } else {
+    max_tokens = max_tokens_of(kv, options);
+    KVSIFT_CHECK(max_tokens > 0, where,
+                 "options.max_seq_len (= {}) must be positive for dense decode on a paged cache (an upper bound on "
+                 "every sequence's length)",
+                 options.max_seq_len);
+  }
+  if (out != nullptr) p.out = *out;
+  p.group = q.heads / kv.kv_heads;
+  const int tile = group_tile_for(p.group);
+  p.head_tiles = (p.group + tile - 1) / tile;
+  KVSIFT_CHECK(std::int64_t(kv.kv_heads) * p.head_tiles <= 65535, where,
+               "kv.kv_heads (= {}) * GQA tiles (= {}) exceeds the CUDA grid limit 65535", kv.kv_heads, p.head_tiles);
+  p.num_splits =
+      choose_splits<T>(std::int64_t(q.batch) * kv.kv_heads * p.head_tiles, max_tokens, q.head_dim, p.group, options);
+  p.scale_log2 = options.attention.resolved_scale(q.head_dim) * 1.4426950408889634f;  // log2(e)
+  return p;
+}
+
+/// Validation mode: after the kernels ran, read the first bad index back and throw with its location.
+template <class T>
+void report_bad_index(const char* where, const DecodeParams<T>& p, cudaStream_t stream) {
+  unsigned long long first = 0;
+  KVSIFT_CUDA_CHECK(cudaMemcpyAsync(&first, p.first_bad_index, sizeof(first), cudaMemcpyDeviceToHost, stream));
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (first == ~0ull) return;
+  const std::int64_t row = static_cast<std::int64_t>(first >> 32);
+  const std::int32_t position = static_cast<std::int32_t>(first & 0xffffffffu);
+  const std::int64_t b = row / p.selection.kv_heads, h = row % p.selection.kv_heads;
+  std::int32_t value = 0;
+  if (position == 0x7fffffff) {
+    KVSIFT_CUDA_CHECK(cudaMemcpy(&value, p.selection.counts + row, sizeof(value), cudaMemcpyDeviceToHost));
+    KVSIFT_CHECK(false, where, "selection.counts (= {}) at batch {}, kv_head {} is outside [0, capacity = {}]", value, b,
+                 h, p.selection.capacity);
+  }
+  KVSIFT_CUDA_CHECK(cudaMemcpy(&value, p.selection.indices + row * p.selection.capacity + position, sizeof(value),
+                               cudaMemcpyDeviceToHost));
+  std::int32_t seq_len = 0;
+  if (!p.paged && p.kv.seq_lens == nullptr) {
+    seq_len = p.kv.capacity;
+  } else {
+    const std::int32_t* lens = p.paged ? nullptr : p.kv.seq_lens;
+    if (lens != nullptr) {
+      KVSIFT_CUDA_CHECK(cudaMemcpy(&seq_len, lens + b, sizeof(seq_len), cudaMemcpyDeviceToHost));
+    } else {
+      std::int32_t indptr[2], last = 0;
+      KVSIFT_CUDA_CHECK(cudaMemcpy(indptr, p.paged_kv.page_indptr + b, sizeof(indptr), cudaMemcpyDeviceToHost));
+      KVSIFT_CUDA_CHECK(cudaMemcpy(&last, p.paged_kv.last_page_len + b, sizeof(last), cudaMemcpyDeviceToHost));
+      seq_len = indptr[1] == indptr[0] ? 0 : (indptr[1] - indptr[0] - 1) * p.paged_kv.page_size + last;
+    }
+  }
+  KVSIFT_CHECK(false, where, "selection.indices[{}] (= {}) at batch {}, kv_head {} is outside [0, seq_len = {})",
+               position, value, b, h, seq_len);
+}
+
+template <class T>
+void run_decode(const char* where, DecodeParams<T> p, std::span<std::byte> workspace, cudaStream_t stream,
+                bool validate_indices) {
+  WorkspaceLayout layout(workspace, where);
+  const DecodeWorkspace ws =
+      layout_workspace(layout, p.q.batch, p.q.heads, p.q.head_dim, p.num_splits, validate_indices);
+  p.partial_o = ws.partial_o;
+  p.partial_lse = ws.partial_lse;
+  p.first_bad_index = ws.first_bad_index;
+  if (validate_indices) KVSIFT_CUDA_CHECK(cudaMemsetAsync(p.first_bad_index, 0xff, sizeof(unsigned long long), stream));
+  KVSIFT_CUDA_CHECK(launch_decode(p, stream));
+  if (validate_indices) report_bad_index(where, p, stream);
+}
+
+}  // namespace detail
+
+template <class T, class KV>
+std::size_t sparse_decode_workspace_bytes(const QueryView<const T>& q, const KV& kv, const SelectionView& selection,
+                                          const DecodeOptions& options) {
+  const auto p = detail::make_params<T>("cuda::sparse_decode_workspace_bytes", q, kv, &selection, nullptr, options);
+  WorkspaceLayout counting;
+  detail::layout_workspace(counting, q.batch, q.heads, q.head_dim, p.num_splits, options.validate_indices);
+  return counting.bytes();
+}
+
+template <class T, class KV>
+void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<T>& out,
+                   std::span<std::byte> workspace, cudaStream_t stream, const DecodeOptions& options) {
+  constexpr const char* where = "cuda::sparse_decode";
+  detail::run_decode(where, detail::make_params<T>(where, q, kv, &selection, &out, options), workspace, stream,
+                     options.validate_indices);
+}
+
+template <class T, class KV>
+std::size_t dense_decode_workspace_bytes(const QueryView<const T>& q, const KV& kv, const DecodeOptions& options) {
+  const auto p = detail::make_params<T>("cuda::dense_decode_workspace_bytes", q, kv, nullptr, nullptr, options);
+  WorkspaceLayout counting;
+  detail::layout_workspace(counting, q.batch, q.heads, q.head_dim, p.num_splits, false);
+  return counting.bytes();
+}
+
+template <class T, class KV>
+void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<T>& out, std::span<std::byte> workspace,
+                  cudaStream_t stream, const DecodeOptions& options) {
+  constexpr const char* where = "cuda::dense_decode";
+  detail::run_decode(where, detail::make_params<T>(where, q, kv, nullptr, &out, options), workspace, stream, false);
+}
+
+template <class T>
+void merge_states(std::span<const StateView<const T>> partials, const StateView<T>& out, cudaStream_t stream) {
+  constexpr const char* where = "cuda::merge_states";
+  constexpr int kMax = MergeParams<T>::kMaxPartials;
+  KVSIFT_CHECK(!partials.empty() && partials.size() <= std::size_t(kMax), where,
+               "number of partials (= {}) is outside [1, {}]", partials.size(), kMax);
+  validate(out, where, "out");
+  MergeParams<T> p;
+  p.num_partials = static_cast<std::int32_t>(partials.size());
+  p.out = out;
+  for (std::size_t i = 0; i < partials.size(); ++i) {
+    validate(partials[i], where, "partials[i]");
+    KVSIFT_CHECK(partials[i].batch == out.batch && partials[i].heads == out.heads && partials[i].head_dim == out.head_dim,
+                 where, "partials[{}] shape [{}, {}, {}] != out shape [{}, {}, {}]", i, partials[i].batch,
+                 partials[i].heads, partials[i].head_dim, out.batch, out.heads, out.head_dim);
+    p.partials[i] = partials[i];
+  }
+  KVSIFT_CHECK(std::int64_t(out.batch) * out.heads <= INT_MAX, where, "batch * heads (= {}) exceeds the grid limit",
+               std::int64_t(out.batch) * out.heads);
+  KVSIFT_CUDA_CHECK(detail::launch_merge_states(p, stream));
+}
+
+#define KVSIFT_INSTANTIATE_DECODE(T, KV)                                                                        \
+  template std::size_t sparse_decode_workspace_bytes<T, KV>(const QueryView<const T>&, const KV&,                \
+                                                            const SelectionView&, const DecodeOptions&);        \
+  template void sparse_decode<T, KV>(const QueryView<const T>&, const KV&, const SelectionView&,                 \
+                                     const StateView<T>&, std::span<std::byte>, cudaStream_t,                    \
+                                     const DecodeOptions&);                                                      \
+  template std::size_t dense_decode_workspace_bytes<T, KV>(const QueryView<const T>&, const KV&,                 \
+                                                           const DecodeOptions&);                                \
+  template void dense_decode<T, KV>(const QueryView<const T>&, const KV&, const StateView<T>&,                   \
+                                    std::span<std::byte>, cudaStream_t, const DecodeOptions&);
+KVSIFT_INSTANTIATE_DECODE(half, ContiguousKVView<const half>)
+KVSIFT_INSTANTIATE_DECODE(half, PagedKVView<const half>)
+KVSIFT_INSTANTIATE_DECODE(bfloat16, ContiguousKVView<const bfloat16>)
+KVSIFT_INSTANTIATE_DECODE(bfloat16, PagedKVView<const bfloat16>)
+#undef KVSIFT_INSTANTIATE_DECODE
+template void merge_states<half>(std::span<const StateView<const half>>, const StateView<half>&, cudaStream_t);
+template void merge_states<bfloat16>(std::span<const StateView<const bfloat16>>, const StateView<bfloat16>&,
+                                     cudaStream_t);
+template void merge_states<float>(std::span<const StateView<const float>>, const StateView<float>&, cudaStream_t);
+
+}  // namespace kvsift::cuda

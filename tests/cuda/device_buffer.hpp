@@ -1,0 +1,56 @@
+#pragma once
+/// RAII device memory for tests, with host round trips and poisoning.
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <vector>
+
+#include "kvsift/cuda/check.hpp"
+
+namespace kvsift::test {
+
+template <class T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t count) : count_(count) {
+    if (count > 0) KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&data_), count * sizeof(T)));
+  }
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept { swap(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    swap(other);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+
+  T* data() const { return data_; }
+  std::size_t size() const { return count_; }
+  void upload(const std::vector<T>& host) {
+    KVSIFT_CUDA_CHECK(cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(count_);
+    if (count_ > 0) KVSIFT_CUDA_CHECK(cudaMemcpy(host.data(), data_, count_ * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+  /// All bytes 0xff: NaN in fp32, fp16 and bf16, and -1 in int32.
+  void poison() {
+    if (count_ > 0) KVSIFT_CUDA_CHECK(cudaMemset(data_, 0xff, count_ * sizeof(T)));
+  }
+
+ private:
+  void swap(DeviceBuffer& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(count_, other.count_);
+  }
+  T* data_ = nullptr;
+  std::size_t count_ = 0;
+};
+
+}  // namespace kvsift::test

@@ -1,0 +1,502 @@
+// CUDA decode attention, dense and sparse, and the LSE merge, against kvsift's fp64 reference.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+
+#include "cuda/device_buffer.hpp"
+#include "kvsift/attention/decode_cuda.hpp"
+#include "kvsift/attention/reference.hpp"
+#include "kvsift/cuda/check.hpp"
+#include "test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using test::DeviceBuffer;
+using test::Random;
+
+#define KVSIFT_REQUIRE_GPU()          \
+  if (cuda::device_available()) { \
+  } else                          \
+    GTEST_SKIP() << "no CUDA device on this machine; these tests run on a GPU host"
+
+template <class T>
+constexpr const char* dtype_label() {
+  return std::is_same_v<T, half> ? "f16" : "bf16";
+}
+
+/// Tolerances for outputs stored in 16 bits after fp32 accumulation: the final rounding dominates
+/// (bf16 keeps 8 significant bits, fp16 11); LSE stays fp32, limited by exp2/log2 approximations.
+template <class T>
+struct Tolerance {
+  static constexpr double max_abs_over_max_ref = std::is_same_v<T, half> ? 2e-3 : 1e-2;
+  static constexpr double rel_l2 = std::is_same_v<T, half> ? 1e-3 : 5e-3;
+  static constexpr double lse_abs = 1e-3;
+};
+
+template <class T>
+std::vector<T> to_storage(const std::vector<float>& x) {
+  std::vector<T> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) out[i] = from_float<T>(x[i]);
+  return out;
+}
+
+/// Compares a device result (O in T, LSE fp32) with the fp32 reference, element by element; NaN fails.
+template <class T>
+void expect_close(const std::vector<T>& o, const std::vector<float>& lse, const test::HostState& ref,
+                  const std::string& what) {
+  double max_ref = 0, max_err = 0, num = 0, den = 0;
+  for (std::size_t i = 0; i < o.size(); ++i) {
+    const double got = to_float(o[i]), want = ref.o[i];
+    const double err = std::abs(got - want);
+    if (!(err <= max_err)) max_err = err;  // keeps NaN
+    max_ref = std::max(max_ref, std::abs(want));
+    num += err * err;
+    den += want * want;
+  }
+  if (max_ref > 0) {
+    EXPECT_LE(max_err / max_ref, Tolerance<T>::max_abs_over_max_ref) << what;
+    EXPECT_LE(std::sqrt(num / den), Tolerance<T>::rel_l2) << what;
+  } else {
+    EXPECT_EQ(max_err, 0.0) << what;
+  }
+  for (std::size_t i = 0; i < lse.size(); ++i) {
+    if (std::isinf(ref.lse[i])) {
+      EXPECT_EQ(lse[i], ref.lse[i]) << what << " lse " << i;
+    } else {
+      EXPECT_NEAR(lse[i], ref.lse[i], Tolerance<T>::lse_abs * std::max(1.0f, std::abs(ref.lse[i]))) << what << " lse " << i;
+    }
+  }
+}
+
+struct CaseSpec {
+  std::int32_t batch, q_heads, kv_heads, head_dim, tokens;
+  std::int32_t k;          ///< selection capacity; each row selects min(k, seq_len) tokens; 0: dense only
+  std::int32_t page_size;  ///< 0: contiguous
+  bool log_weights;
+  bool random_lengths = true;
+};
+
+std::string describe(const CaseSpec& c) {
+  return fmt::format("batch {} q_heads {} kv_heads {} head_dim {} tokens {} k {} page_size {} log_weights {}", c.batch,
+                     c.q_heads, c.kv_heads, c.head_dim, c.tokens, c.k, c.page_size, c.log_weights);
+}
+
+/// One randomly filled decode problem in host and device memory.
+template <class T>
+struct DecodeProblem {
+  CaseSpec spec;
+  test::HostKV host_kv;
+  std::vector<T> q, k, v;
+  std::unique_ptr<test::HostPagedKV> host_paged;
+  std::vector<std::int32_t> sel_indices, sel_counts;
+  std::vector<float> sel_weights;
+  DeviceBuffer<T> d_q, d_k, d_v, d_o;
+  DeviceBuffer<std::int32_t> d_lens, d_indptr, d_page_indices, d_last, d_sel_indices, d_sel_counts;
+  DeviceBuffer<float> d_lse, d_sel_weights;
+
+  DecodeProblem(Random& rng, const CaseSpec& c)
+      : spec(c), host_kv(rng, c.batch, c.kv_heads, c.tokens, c.head_dim, lengths(rng, c)) {
+    q = to_storage<T>(rng.normal(std::size_t(c.batch) * c.q_heads * c.head_dim));
+    k = to_storage<T>(host_kv.k);
+    v = to_storage<T>(host_kv.v);
+    d_q = DeviceBuffer<T>(q);
+    d_lens = DeviceBuffer<std::int32_t>(host_kv.seq_lens);
+    if (c.page_size == 0) {
+      d_k = DeviceBuffer<T>(k);
+      d_v = DeviceBuffer<T>(v);
+    } else {
+      // Same values as the contiguous cache: the paged copy is built from the already-rounded data.
+      for (std::size_t i = 0; i < k.size(); ++i) {
+        host_kv.k[i] = to_float(k[i]);
+        host_kv.v[i] = to_float(v[i]);
+      }
+      host_paged = std::make_unique<test::HostPagedKV>(host_kv, c.page_size, /*hnd=*/rng.uniform_int(0, 1) == 1, rng);
+      d_k = DeviceBuffer<T>(to_storage<T>(host_paged->k_pages));
+      d_v = DeviceBuffer<T>(to_storage<T>(host_paged->v_pages));
+      d_indptr = DeviceBuffer<std::int32_t>(host_paged->indptr);
+      d_page_indices = DeviceBuffer<std::int32_t>(host_paged->indices);
+      d_last = DeviceBuffer<std::int32_t>(host_paged->last_len);
+    }
+    if (c.k > 0) make_selection(rng);
+    d_o = DeviceBuffer<T>(q.size());
+    d_lse = DeviceBuffer<float>(std::size_t(c.batch) * c.q_heads);
+  }
+
+  static std::vector<std::int32_t> lengths(Random& rng, const CaseSpec& c) {
+    std::vector<std::int32_t> lens(c.batch, c.tokens);
+    if (c.random_lengths) {
+      for (auto& l : lens) l = rng.uniform_int(std::max(1, c.tokens / 2), c.tokens);
+    }
+    return lens;
+  }
+
+  void make_selection(Random& rng) {
+    const auto& c = spec;
+    sel_indices.assign(std::size_t(c.batch) * c.kv_heads * c.k, test::kPoisonIndex);
+    sel_counts.assign(std::size_t(c.batch) * c.kv_heads, 0);
+    if (c.log_weights) sel_weights.assign(sel_indices.size(), test::kPoison);
+    std::vector<std::int32_t> all;
+    for (std::int32_t b = 0; b < c.batch; ++b) {
+      for (std::int32_t g = 0; g < c.kv_heads; ++g) {
+        const std::int32_t len = host_kv.seq_lens[b];
+        const std::int32_t count = std::min(c.k, len);
+        all.resize(len);
+        std::iota(all.begin(), all.end(), 0);
+        std::shuffle(all.begin(), all.end(), rng.engine);  // any order: consumers must not assume sorted rows
+        const std::size_t row = std::size_t(b) * c.kv_heads + g;
+        std::copy_n(all.begin(), count, sel_indices.begin() + row * c.k);
+        sel_counts[row] = count;
+        if (c.log_weights) {
+          for (std::int32_t i = 0; i < count; ++i) sel_weights[row * c.k + i] = std::log(rng.uniform(1.0f, 40.0f));
+        }
+      }
+    }
+    d_sel_indices = DeviceBuffer<std::int32_t>(sel_indices);
+    d_sel_counts = DeviceBuffer<std::int32_t>(sel_counts);
+    if (c.log_weights) d_sel_weights = DeviceBuffer<float>(sel_weights);
+  }
+
+  QueryView<const T> device_q() const { return QueryView<const T>::packed(d_q.data(), spec.batch, spec.q_heads, spec.head_dim); }
+  ContiguousKVView<const T> device_contiguous() const {
+    return ContiguousKVView<const T>::packed(d_k.data(), d_v.data(), spec.batch, spec.kv_heads, spec.tokens,
+                                             spec.head_dim, d_lens.data());
+  }
+  PagedKVView<const T> device_paged() const {
+    auto view = PagedKVView<const T>{};
+    const auto& h = host_paged->view;
+    view = {d_k.data(), d_v.data(), d_indptr.data(), d_page_indices.data(), d_last.data(), h.batch, h.kv_heads,
+            h.head_dim, h.page_size, h.num_pages, h.page_stride, h.token_stride, h.head_stride};
+    return view;
+  }
+  SelectionView device_selection() const {
+    return {d_sel_indices.data(), d_sel_counts.data(), spec.log_weights ? d_sel_weights.data() : nullptr, spec.batch,
+            spec.kv_heads, spec.k};
+  }
+  SelectionView host_selection() {
+    return {sel_indices.data(), sel_counts.data(), spec.log_weights ? sel_weights.data() : nullptr, spec.batch,
+            spec.kv_heads, spec.k};
+  }
+  StateView<T> device_out() const { return StateView<T>::packed(d_o.data(), d_lse.data(), spec.batch, spec.q_heads, spec.head_dim); }
+  ContiguousKVView<const T> host_view() const {
+    return ContiguousKVView<const T>::packed(k.data(), v.data(), spec.batch, spec.kv_heads, spec.tokens, spec.head_dim,
+                                             host_kv.seq_lens.data());
+  }
+
+  /// Runs sparse (k > 0) or dense decode on the device with poisoned outputs; returns (O, LSE).
+  std::pair<std::vector<T>, std::vector<float>> run(bool sparse, cuda::DecodeOptions options = {}) {
+    options.max_seq_len = spec.tokens;
+    d_o.poison();
+    d_lse.poison();
+    const auto launch = [&](auto kv) {
+      const std::size_t bytes = sparse ? cuda::sparse_decode_workspace_bytes(device_q(), kv, device_selection(), options)
+                                       : cuda::dense_decode_workspace_bytes(device_q(), kv, options);
+      DeviceBuffer<std::byte> workspace(bytes);
+      if (sparse) {
+        cuda::sparse_decode(device_q(), kv, device_selection(), device_out(), {workspace.data(), bytes}, nullptr, options);
+      } else {
+        cuda::dense_decode(device_q(), kv, device_out(), {workspace.data(), bytes}, nullptr, options);
+      }
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    };
+    if (spec.page_size == 0) {
+      launch(device_contiguous());
+    } else {
+      launch(device_paged());
+    }
+    return {d_o.download(), d_lse.download()};
+  }
+
+  test::HostState reference(bool sparse) {
+    test::HostState ref(spec.batch, spec.q_heads, spec.head_dim);
+    const auto q_host = QueryView<const T>::packed(q.data(), spec.batch, spec.q_heads, spec.head_dim);
+    if (sparse) {
+      reference::sparse_decode(q_host, host_view(), host_selection(), ref.view);
+    } else {
+      reference::dense_decode(q_host, host_view(), ref.view);
+    }
+    return ref;
+  }
+};
+
+template <class T>
+void check_case(Random& rng, const CaseSpec& spec) {
+  SCOPED_TRACE(fmt::format("{} {}", dtype_label<T>(), describe(spec)));
+  DecodeProblem<T> problem(rng, spec);
+  const bool sparse = spec.k > 0;
+  const auto [o, lse] = problem.run(sparse);
+  expect_close(o, lse, problem.reference(sparse), sparse ? "sparse" : "dense");
+}
+
+class CudaDecode : public testing::Test {
+ protected:
+  void SetUp() override { KVSIFT_REQUIRE_GPU(); }
+  std::uint64_t seed = test::test_seed();
+  Random rng{seed};
+};
+
+TEST_F(CudaDecode, SparseMatchesReferenceAcrossTheShapeMatrix) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (std::int32_t group : {1, 4, 8}) {
+    for (std::int32_t head_dim : {64, 128}) {
+      for (std::int32_t k_kind : {1, 17, 2048, -1}) {
+        for (std::int32_t page_size : {0, 16, 64}) {
+          const std::int32_t kv_heads = rng.uniform_int(1, 3);
+          const std::int32_t tokens = rng.uniform_int(20, k_kind == 2048 ? 4000 : 1500);
+          CaseSpec spec{rng.uniform_int(1, 8), group * kv_heads, kv_heads, head_dim, tokens,
+                        k_kind == -1 ? tokens : k_kind, page_size, rng.uniform_int(0, 1) == 1};
+          check_case<half>(rng, spec);
+          check_case<bfloat16>(rng, spec);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaDecode, DenseMatchesReferenceAcrossTheShapeMatrix) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (std::int32_t group : {1, 4, 8}) {
+    for (std::int32_t head_dim : {64, 128}) {
+      for (std::int32_t page_size : {0, 16, 64}) {
+        const std::int32_t kv_heads = rng.uniform_int(1, 3);
+        CaseSpec spec{rng.uniform_int(1, 8), group * kv_heads, kv_heads, head_dim, rng.uniform_int(1, 3000), 0,
+                      page_size, false};
+        check_case<half>(rng, spec);
+        check_case<bfloat16>(rng, spec);
+      }
+    }
+  }
+}
+
+TEST_F(CudaDecode, LongContextsUpTo128K) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (std::int32_t k : {0, 2048, 131072}) {
+    for (std::int32_t page_size : {0, 64}) {
+      CaseSpec spec{2, 8, 2, 128, 131072, k, page_size, k == 2048};
+      check_case<bfloat16>(rng, spec);
+    }
+  }
+  check_case<half>(rng, CaseSpec{1, 32, 8, 128, 131072, 0, 0, false, false});
+}
+
+TEST_F(CudaDecode, GroupsThatAreNotPowersOfTwoOrAreLargerThanATile) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (std::int32_t group : {3, 5, 7, 12, 16}) {
+    check_case<bfloat16>(rng, CaseSpec{2, group * 2, 2, 128, 700, 300, 0, true});
+    check_case<half>(rng, CaseSpec{2, group, 1, 64, 700, 0, 16, false});
+  }
+}
+
+TEST_F(CudaDecode, FullSelectionEqualsDenseBitForBit) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (std::int32_t page_size : {0, 16}) {
+    DecodeProblem<bfloat16> p(rng, CaseSpec{3, 8, 2, 128, 5000, 5000, page_size, false, false});
+    // Indices in order 0..n-1, so that both paths visit the same tokens in the same order.
+    for (std::size_t row = 0; row < p.sel_counts.size(); ++row) {
+      std::iota(p.sel_indices.begin() + row * 5000, p.sel_indices.begin() + (row + 1) * 5000, 0);
+    }
+    p.d_sel_indices.upload(p.sel_indices);
+    const auto sparse = p.run(true), dense = p.run(false);
+    EXPECT_EQ(0, std::memcmp(sparse.first.data(), dense.first.data(), sparse.first.size() * sizeof(bfloat16)));
+    EXPECT_EQ(sparse.second, dense.second);
+  }
+}
+
+TEST_F(CudaDecode, EmptySelectionGivesMinusInfinityAndMergesAsANoOp) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  DecodeProblem<half> p(rng, CaseSpec{2, 4, 2, 64, 300, 64, 0, false});
+  std::fill(p.sel_counts.begin(), p.sel_counts.end(), 0);
+  p.sel_counts[1] = 64;  // one non-empty row: (b 0, kv head 1)
+  p.d_sel_counts.upload(p.sel_counts);
+  const auto [o, lse] = p.run(true);
+  expect_close(o, lse, p.reference(true), "mostly empty");
+  // Batch 0 heads 0, 1 read kv head 0 (empty); heads 2, 3 read kv head 1; batch 1 is all empty.
+  for (std::int32_t h : {0, 1, 4, 5, 6, 7}) {
+    EXPECT_EQ(lse[h], -INFINITY) << "head " << h;
+    for (std::int32_t c = 0; c < 64; ++c) EXPECT_EQ(to_float(o[h * 64 + c]), 0.0f);
+  }
+  for (std::int32_t h : {2, 3}) EXPECT_TRUE(std::isfinite(lse[h]));
+
+  // GPU merge: (state) + (empty) == (state), bit for bit.
+  DeviceBuffer<half> merged_o(o.size());
+  DeviceBuffer<float> merged_lse(lse.size()), empty_lse(std::vector<float>(lse.size(), -INFINITY));
+  DeviceBuffer<half> empty_o(o.size());
+  empty_o.poison();
+  merged_o.poison();
+  merged_lse.poison();
+  const auto state = StateView<const half>::packed(p.d_o.data(), p.d_lse.data(), 2, 4, 64);
+  const auto empty = StateView<const half>::packed(empty_o.data(), empty_lse.data(), 2, 4, 64);
+  cuda::merge_states<half>(std::vector{empty, state, empty},
+                           StateView<half>::packed(merged_o.data(), merged_lse.data(), 2, 4, 64), nullptr);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto mo = merged_o.download();
+  EXPECT_EQ(0, std::memcmp(mo.data(), o.data(), o.size() * sizeof(half)));
+  EXPECT_EQ(merged_lse.download(), lse);
+}
+
+TEST_F(CudaDecode, MergeStatesMatchesReferenceMerge) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const std::int32_t batch = 3, heads = 5, d = 96, parts = 7;  // any head_dim: the merge has no vector loads
+  std::vector<std::vector<float>> os, lses;
+  std::vector<DeviceBuffer<float>> d_os, d_lses;
+  std::vector<StateView<const float>> host_parts, device_parts;
+  for (std::int32_t i = 0; i < parts; ++i) {
+    os.push_back(rng.normal(std::size_t(batch) * heads * d));
+    lses.push_back(rng.normal(std::size_t(batch) * heads, 20.0f));
+    if (i == 3) std::fill(lses.back().begin(), lses.back().end(), -INFINITY);
+  }
+  for (std::int32_t i = 0; i < parts; ++i) {
+    d_os.emplace_back(os[i]);
+    d_lses.emplace_back(lses[i]);
+    host_parts.push_back(StateView<const float>::packed(os[i].data(), lses[i].data(), batch, heads, d));
+    device_parts.push_back(StateView<const float>::packed(d_os[i].data(), d_lses[i].data(), batch, heads, d));
+  }
+  test::HostState ref(batch, heads, d);
+  reference::merge_states<float, float>(host_parts, ref.view);
+  DeviceBuffer<float> o(ref.o.size()), lse(ref.lse.size());
+  o.poison();
+  lse.poison();
+  cuda::merge_states<float>(device_parts, StateView<float>::packed(o.data(), lse.data(), batch, heads, d), nullptr);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got_o = o.download(), got_lse = lse.download();
+  for (std::size_t i = 0; i < got_o.size(); ++i) ASSERT_NEAR(got_o[i], ref.o[i], 1e-5 * (1 + std::abs(ref.o[i])));
+  for (std::size_t i = 0; i < got_lse.size(); ++i) ASSERT_NEAR(got_lse[i], ref.lse[i], 1e-5 * std::abs(ref.lse[i]));
+}
+
+TEST_F(CudaDecode, SplitCountDoesNotChangeTheResultBeyondRounding) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  DecodeProblem<bfloat16> p(rng, CaseSpec{2, 8, 2, 128, 20000, 4096, 0, true});
+  const auto ref = p.reference(true);
+  for (std::int32_t splits : {1, 2, 7, 33, 4096}) {
+    const auto [o, lse] = p.run(true, {.num_splits = splits});
+    expect_close(o, lse, ref, fmt::format("num_splits {}", splits));
+  }
+  const auto first = p.run(true), second = p.run(true);  // deterministic run to run
+  EXPECT_EQ(0, std::memcmp(first.first.data(), second.first.data(), first.first.size() * sizeof(bfloat16)));
+  EXPECT_EQ(first.second, second.second);
+}
+
+TEST_F(CudaDecode, ValidationModeReportsTheFirstBadIndex) {
+  DecodeProblem<half> p(rng, CaseSpec{3, 4, 2, 64, 500, 32, 0, false, false});
+  p.sel_indices[(1 * 2 + 1) * 32 + 5] = 500;  // batch 1, kv head 1, position 5: one past the end
+  p.sel_indices[(2 * 2 + 0) * 32 + 7] = -3;
+  p.d_sel_indices.upload(p.sel_indices);
+  try {
+    p.run(true, {.validate_indices = true});
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("selection.indices[5] (= 500) at batch 1, kv_head 1 is outside [0, seq_len = 500)"),
+              std::string::npos)
+        << e.what();
+  }
+  p.sel_indices[(1 * 2 + 1) * 32 + 5] = 0;
+  p.sel_indices[(2 * 2 + 0) * 32 + 7] = 1;
+  p.sel_counts[0] = 33;
+  p.d_sel_indices.upload(p.sel_indices);
+  p.d_sel_counts.upload(p.sel_counts);
+  try {
+    p.run(true, {.validate_indices = true});
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("selection.counts (= 33) at batch 0, kv_head 0 is outside [0, capacity = 32]"),
+              std::string::npos)
+        << e.what();
+  }
+  p.sel_counts[0] = 32;
+  p.d_sel_counts.upload(p.sel_counts);
+  const auto [o, lse] = p.run(true, {.validate_indices = true});  // clean input passes validation
+  expect_close(o, lse, p.reference(true), "validated");
+}
+
+TEST_F(CudaDecode, WorkspaceQueryIsExactAndGraphCaptureReplays) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  DecodeProblem<bfloat16> p(rng, CaseSpec{2, 8, 2, 128, 9000, 2048, 16, true});
+  const auto expected = p.run(true);
+  const cuda::DecodeOptions options{.max_seq_len = 9000};
+  const std::size_t bytes = cuda::sparse_decode_workspace_bytes(p.device_q(), p.device_paged(), p.device_selection(), options);
+  ASSERT_GT(bytes, 0u);
+  DeviceBuffer<std::byte> workspace(bytes);
+  try {
+    cuda::sparse_decode(p.device_q(), p.device_paged(), p.device_selection(), p.device_out(), {workspace.data(), bytes - 256},
+                        nullptr, options);
+    ADD_FAILURE() << "an undersized workspace must be refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("workspace too small"), std::string::npos) << e.what();
+  }
+  cudaStream_t stream;
+  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  cuda::sparse_decode(p.device_q(), p.device_paged(), p.device_selection(), p.device_out(), {workspace.data(), bytes},
+                      stream, options);
+  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    p.d_o.poison();
+    p.d_lse.poison();
+    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto o = p.d_o.download();
+    EXPECT_EQ(0, std::memcmp(o.data(), expected.first.data(), o.size() * sizeof(bfloat16))) << "replay " << replay;
+    EXPECT_EQ(p.d_lse.download(), expected.second);
+  }
+  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
+  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// Bad input is refused on the host before any device call, so these tests run without a GPU as well.
+template <class Fn>
+void expect_error(Fn fn, const std::string& part) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected kvsift::Error containing '" << part << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaDecodeBadInput, RefusedBeforeAnyDeviceCall) {
+  alignas(16) static half q[2 * 8 * 128], k[2 * 2 * 64 * 128], v[2 * 2 * 64 * 128], o[2 * 8 * 128];
+  static float lse[16];
+  static std::int32_t indices[2 * 2 * 8], counts[4];
+  const auto qv = QueryView<const half>::packed(q, 2, 8, 128);
+  const auto kv = ContiguousKVView<const half>::packed(k, v, 2, 2, 64, 128);
+  const auto out = StateView<half>::packed(o, lse, 2, 8, 128);
+  const SelectionView sel{indices, counts, nullptr, 2, 2, 8};
+  std::byte* no_workspace = nullptr;
+  const auto sparse = [&](auto q_, auto kv_, SelectionView s, cuda::DecodeOptions opt = {}) {
+    cuda::sparse_decode(q_, kv_, s, out, {no_workspace, 0}, nullptr, opt);
+  };
+  expect_error([&] { sparse(QueryView<const half>::packed(q, 2, 8, 96), ContiguousKVView<const half>::packed(k, v, 2, 2, 64, 96), sel); },
+               "head_dim (= 96) is not supported by the CUDA decode kernels (supported: 64, 128)");
+  expect_error([&] { sparse(QueryView<const half>::packed(q + 1, 2, 8, 128), kv, sel); }, "q.data");
+  expect_error([&] { sparse(QueryView<const half>::packed(q + 1, 2, 8, 128), kv, sel); }, "is not 16-byte aligned");
+  auto odd_stride = kv;
+  odd_stride.token_stride = 132;
+  odd_stride.head_stride = 132 * 64;
+  odd_stride.batch_stride = 2 * 132 * 64;
+  expect_error([&] { sparse(qv, odd_stride, sel); }, "kv.k: stride 132 is not a multiple of 8 elements");
+  expect_error([&] { sparse(QueryView<const half>::packed(q, 2, 5, 128), kv, sel); },
+               "q.heads (= 5) is not a multiple of kv.kv_heads (= 2)");
+  expect_error([&] { sparse(qv, kv, SelectionView{indices, counts, nullptr, 2, 1, 8}); },
+               "selection.kv_heads (= 1) != kv.kv_heads (= 2)");
+  expect_error([&] { sparse(qv, kv, SelectionView{nullptr, counts, nullptr, 2, 2, 8}); }, "selection.indices is a null pointer");
+  expect_error([&] { sparse(qv, kv, SelectionView{indices, counts, nullptr, 2, 2, 0}); }, "selection.capacity (= 0) must be positive");
+  expect_error([&] { sparse(qv, kv, sel, {.num_splits = -1}); }, "options.num_splits (= -1) must be >= 0");
+  static std::int32_t indptr[3] = {0, 1, 2}, pages[2] = {0, 1}, last[2] = {5, 5};
+  const PagedKVView<const half> paged{k, v, indptr, pages, last, 2, 2, 128, 16, 8, 16 * 2 * 128, 2 * 128, 128};
+  expect_error([&] { cuda::dense_decode(qv, paged, out, {no_workspace, 0}, nullptr); },
+               "options.max_seq_len (= 0) must be positive for dense decode on a paged cache");
+  expect_error([&] { cuda::merge_states<half>(std::span<const StateView<const half>>{}, out, nullptr); },
+               "number of partials (= 0) is outside [1, 16]");
+}
+
+}  // namespace
+}  // namespace kvsift
