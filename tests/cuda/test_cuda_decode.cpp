@@ -496,6 +496,11 @@ TEST(CudaDecodeBadInput, RefusedBeforeAnyDeviceCall) {
                "options.max_seq_len (= 0) must be positive for dense decode on a paged cache");
   expect_error([&] { cuda::merge_states<half>(std::span<const StateView<const half>>{}, out, nullptr); },
                "number of partials (= 0) is outside [1, 16]");
+  static half big_o[1 * 1 * 520];
+  static float big_lse[1];
+  const auto wide = StateView<half>::packed(big_o, big_lse, 1, 1, 520);
+  expect_error([&] { cuda::merge_states<half>(std::vector{wide.as_const()}, wide, nullptr); },
+               "out.head_dim (= 520) exceeds the merge kernel's limit of 512");
 }
 
 }  // namespace

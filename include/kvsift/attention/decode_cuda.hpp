@@ -60,7 +60,7 @@ void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<T>&
 
 /// Merges 1..16 partial states of one shape into `out` (which must not alias a partial):
 /// LSE = log sum_i exp(LSE_i), O = sum_i exp(LSE_i - LSE) O_i. Empty partials (LSE = -inf) are skipped, so
-/// they change nothing bit for bit. Needs no workspace. Any head_dim; rows need no special alignment.
+/// they change nothing bit for bit. Needs no workspace. head_dim up to 512; rows need no special alignment.
 template <class T>
 void merge_states(std::span<const StateView<const T>> partials, const StateView<T>& out, cudaStream_t stream);
 

@@ -12,21 +12,55 @@
 
 namespace kvsift::cuda::detail {
 
-/// Merges `n` partials of one row: lse_of(i) gives LSE_i (natural log), o_of(i, c) element c of O_i.
-/// Threads of the block split the head_dim channels; every thread computes the (cheap) weights itself.
+/// Reduces one value per thread over the block (blockDim.x a multiple of 32, at most 1024); every thread gets
+/// the result. `scratch` holds 32 floats; the call ends with the block synchronized.
+template <class Op>
+__device__ float block_reduce(float value, Op op, float* scratch) {
+  for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  if (threadIdx.x % 32 == 0) scratch[warp] = value;
+  __syncthreads();
+  value = scratch[0];
+  for (int w = 1; w < warps; ++w) value = op(value, scratch[w]);
+  __syncthreads();
+  return value;
+}
+
+/// Merges `n` partials of one row with the whole block: lse_of(i) gives LSE_i (natural log), o_of(i, c)
+/// element c of O_i. The maximum and the weights are computed once, in parallel over the partials; then
+/// each thread accumulates its channels over the partials, reading the weights from shared memory.
 template <class LseOf, class OOf, class WriteO, class WriteLse>
 __device__ void merge_row(int n, int head_dim, LseOf lse_of, OOf o_of, WriteO write_o, WriteLse write_lse) {
+  constexpr int kChunk = 256;  // partials whose weights are staged at a time
+  __shared__ float scratch[32];
+  __shared__ float weights[kChunk];
   float lse_max = negative_infinity<float>();
-  for (int i = 0; i < n; ++i) lse_max = fmaxf(lse_max, lse_of(i));
+  for (int i = threadIdx.x; i < n; i += blockDim.x) lse_max = fmaxf(lse_max, lse_of(i));
+  lse_max = block_reduce(lse_max, [](float a, float b) { return fmaxf(a, b); }, scratch);
   float weight_sum = 0.0f;
-  for (int i = 0; i < n; ++i) weight_sum += state_weight(lse_of(i), lse_max);
-  for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
-    float acc = 0.0f;
-    for (int i = 0; i < n; ++i) {
-      const float w = state_weight(lse_of(i), lse_max);
-      if (w != 0.0f) acc += w * o_of(i, c);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) weight_sum += state_weight(lse_of(i), lse_max);
+  weight_sum = block_reduce(weight_sum, [](float a, float b) { return a + b; }, scratch);
+
+  constexpr int kMaxChannelsPerThread = 4;  // head_dim <= 4 * blockDim.x (checked by the launchers)
+  float acc[kMaxChannelsPerThread] = {};
+  for (int first = 0; first < n; first += kChunk) {
+    const int count = min(kChunk, n - first);
+    for (int i = threadIdx.x; i < count; i += blockDim.x) weights[i] = state_weight(lse_of(first + i), lse_max);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kMaxChannelsPerThread; ++r) {
+      const int c = threadIdx.x + r * blockDim.x;
+      if (c >= head_dim) break;
+      for (int i = 0; i < count; ++i) {
+        if (weights[i] != 0.0f) acc[r] = fmaf(weights[i], o_of(first + i, c), acc[r]);
+      }
     }
-    write_o(c, weight_sum == 0.0f ? 0.0f : acc / weight_sum);
+    __syncthreads();
+  }
+#pragma unroll
+  for (int r = 0; r < kMaxChannelsPerThread; ++r) {
+    const int c = threadIdx.x + r * blockDim.x;
+    if (c < head_dim) write_o(c, weight_sum == 0.0f ? 0.0f : acc[r] / weight_sum);
   }
   if (threadIdx.x == 0) write_lse(merged_lse(lse_max, weight_sum));
 }
