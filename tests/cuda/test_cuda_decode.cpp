@@ -12,6 +12,7 @@
 #include "kvsift/attention/decode_cuda.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/cuda/check.hpp"
+#include "attention_check.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {
@@ -19,147 +20,48 @@ namespace {
 
 using test::DeviceBuffer;
 using test::Random;
+using test::dtype_label;
+using test::expect_close;
+using test::to_storage;
+using test::CaseSpec;
+using test::describe;
 
 #define KVSIFT_REQUIRE_GPU()          \
   if (cuda::device_available()) { \
   } else                          \
     GTEST_SKIP() << "no CUDA device on this machine; these tests run on a GPU host"
 
-template <class T>
-constexpr const char* dtype_label() {
-  return std::is_same_v<T, half> ? "f16" : "bf16";
-}
-
-/// Tolerances for outputs stored in 16 bits after fp32 accumulation: the final rounding dominates
-/// (bf16 keeps 8 significant bits, fp16 11); LSE stays fp32, limited by exp2/log2 approximations.
-template <class T>
-struct Tolerance {
-  static constexpr double max_abs_over_max_ref = std::is_same_v<T, half> ? 2e-3 : 1e-2;
-  static constexpr double rel_l2 = std::is_same_v<T, half> ? 1e-3 : 5e-3;
-  static constexpr double lse_abs = 1e-3;
-};
-
-template <class T>
-std::vector<T> to_storage(const std::vector<float>& x) {
-  std::vector<T> out(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) out[i] = from_float<T>(x[i]);
-  return out;
-}
-
-/// Compares a device result (O in T, LSE fp32) with the fp32 reference, element by element; NaN fails.
-template <class T>
-void expect_close(const std::vector<T>& o, const std::vector<float>& lse, const test::HostState& ref,
-                  const std::string& what) {
-  double max_ref = 0, max_err = 0, num = 0, den = 0;
-  for (std::size_t i = 0; i < o.size(); ++i) {
-    const double got = to_float(o[i]), want = ref.o[i];
-    const double err = std::abs(got - want);
-    if (!(err <= max_err)) max_err = err;  // keeps NaN
-    max_ref = std::max(max_ref, std::abs(want));
-    num += err * err;
-    den += want * want;
-  }
-  if (max_ref > 0) {
-    EXPECT_LE(max_err / max_ref, Tolerance<T>::max_abs_over_max_ref) << what;
-    EXPECT_LE(std::sqrt(num / den), Tolerance<T>::rel_l2) << what;
-  } else {
-    EXPECT_EQ(max_err, 0.0) << what;
-  }
-  for (std::size_t i = 0; i < lse.size(); ++i) {
-    if (std::isinf(ref.lse[i])) {
-      EXPECT_EQ(lse[i], ref.lse[i]) << what << " lse " << i;
-    } else {
-      EXPECT_NEAR(lse[i], ref.lse[i], Tolerance<T>::lse_abs * std::max(1.0f, std::abs(ref.lse[i]))) << what << " lse " << i;
-    }
-  }
-}
-
-struct CaseSpec {
-  std::int32_t batch, q_heads, kv_heads, head_dim, tokens;
-  std::int32_t k;          ///< selection capacity; each row selects min(k, seq_len) tokens; 0: dense only
-  std::int32_t page_size;  ///< 0: contiguous
-  bool log_weights;
-  bool random_lengths = true;
-};
-
-std::string describe(const CaseSpec& c) {
-  return fmt::format("batch {} q_heads {} kv_heads {} head_dim {} tokens {} k {} page_size {} log_weights {}", c.batch,
-                     c.q_heads, c.kv_heads, c.head_dim, c.tokens, c.k, c.page_size, c.log_weights);
-}
-
-/// One randomly filled decode problem in host and device memory.
+/// A HostDecodeProblem with device copies of everything the kernels read.
 template <class T>
 struct DecodeProblem {
-  CaseSpec spec;
-  test::HostKV host_kv;
-  std::vector<T> q, k, v;
-  std::unique_ptr<test::HostPagedKV> host_paged;
-  std::vector<std::int32_t> sel_indices, sel_counts;
-  std::vector<float> sel_weights;
+  test::HostDecodeProblem<T> host;
+  const CaseSpec& spec = host.spec;
+  std::vector<std::int32_t>& sel_indices = host.sel_indices;
+  std::vector<std::int32_t>& sel_counts = host.sel_counts;
   DeviceBuffer<T> d_q, d_k, d_v, d_o;
   DeviceBuffer<std::int32_t> d_lens, d_indptr, d_page_indices, d_last, d_sel_indices, d_sel_counts;
   DeviceBuffer<float> d_lse, d_sel_weights;
 
-  DecodeProblem(Random& rng, const CaseSpec& c)
-      : spec(c), host_kv(rng, c.batch, c.kv_heads, c.tokens, c.head_dim, lengths(rng, c)) {
-    q = to_storage<T>(rng.normal(std::size_t(c.batch) * c.q_heads * c.head_dim));
-    k = to_storage<T>(host_kv.k);
-    v = to_storage<T>(host_kv.v);
-    d_q = DeviceBuffer<T>(q);
-    d_lens = DeviceBuffer<std::int32_t>(host_kv.seq_lens);
+  DecodeProblem(Random& rng, const CaseSpec& c) : host(rng, c) {
+    d_q = DeviceBuffer<T>(host.q);
+    d_lens = DeviceBuffer<std::int32_t>(host.kv_values.seq_lens);
     if (c.page_size == 0) {
-      d_k = DeviceBuffer<T>(k);
-      d_v = DeviceBuffer<T>(v);
+      d_k = DeviceBuffer<T>(host.k);
+      d_v = DeviceBuffer<T>(host.v);
     } else {
-      // Same values as the contiguous cache: the paged copy is built from the already-rounded data.
-      for (std::size_t i = 0; i < k.size(); ++i) {
-        host_kv.k[i] = to_float(k[i]);
-        host_kv.v[i] = to_float(v[i]);
-      }
-      host_paged = std::make_unique<test::HostPagedKV>(host_kv, c.page_size, /*hnd=*/rng.uniform_int(0, 1) == 1, rng);
-      d_k = DeviceBuffer<T>(to_storage<T>(host_paged->k_pages));
-      d_v = DeviceBuffer<T>(to_storage<T>(host_paged->v_pages));
-      d_indptr = DeviceBuffer<std::int32_t>(host_paged->indptr);
-      d_page_indices = DeviceBuffer<std::int32_t>(host_paged->indices);
-      d_last = DeviceBuffer<std::int32_t>(host_paged->last_len);
+      d_k = DeviceBuffer<T>(host.k_pages);
+      d_v = DeviceBuffer<T>(host.v_pages);
+      d_indptr = DeviceBuffer<std::int32_t>(host.paged_values->indptr);
+      d_page_indices = DeviceBuffer<std::int32_t>(host.paged_values->indices);
+      d_last = DeviceBuffer<std::int32_t>(host.paged_values->last_len);
     }
-    if (c.k > 0) make_selection(rng);
-    d_o = DeviceBuffer<T>(q.size());
+    if (c.k > 0) {
+      d_sel_indices = DeviceBuffer<std::int32_t>(host.sel_indices);
+      d_sel_counts = DeviceBuffer<std::int32_t>(host.sel_counts);
+      if (c.log_weights) d_sel_weights = DeviceBuffer<float>(host.sel_weights);
+    }
+    d_o = DeviceBuffer<T>(host.q.size());
     d_lse = DeviceBuffer<float>(std::size_t(c.batch) * c.q_heads);
-  }
-
-  static std::vector<std::int32_t> lengths(Random& rng, const CaseSpec& c) {
-    std::vector<std::int32_t> lens(c.batch, c.tokens);
-    if (c.random_lengths) {
-      for (auto& l : lens) l = rng.uniform_int(std::max(1, c.tokens / 2), c.tokens);
-    }
-    return lens;
-  }
-
-  void make_selection(Random& rng) {
-    const auto& c = spec;
-    sel_indices.assign(std::size_t(c.batch) * c.kv_heads * c.k, test::kPoisonIndex);
-    sel_counts.assign(std::size_t(c.batch) * c.kv_heads, 0);
-    if (c.log_weights) sel_weights.assign(sel_indices.size(), test::kPoison);
-    std::vector<std::int32_t> all;
-    for (std::int32_t b = 0; b < c.batch; ++b) {
-      for (std::int32_t g = 0; g < c.kv_heads; ++g) {
-        const std::int32_t len = host_kv.seq_lens[b];
-        const std::int32_t count = std::min(c.k, len);
-        all.resize(len);
-        std::iota(all.begin(), all.end(), 0);
-        std::shuffle(all.begin(), all.end(), rng.engine);  // any order: consumers must not assume sorted rows
-        const std::size_t row = std::size_t(b) * c.kv_heads + g;
-        std::copy_n(all.begin(), count, sel_indices.begin() + row * c.k);
-        sel_counts[row] = count;
-        if (c.log_weights) {
-          for (std::int32_t i = 0; i < count; ++i) sel_weights[row * c.k + i] = std::log(rng.uniform(1.0f, 40.0f));
-        }
-      }
-    }
-    d_sel_indices = DeviceBuffer<std::int32_t>(sel_indices);
-    d_sel_counts = DeviceBuffer<std::int32_t>(sel_counts);
-    if (c.log_weights) d_sel_weights = DeviceBuffer<float>(sel_weights);
   }
 
   QueryView<const T> device_q() const { return QueryView<const T>::packed(d_q.data(), spec.batch, spec.q_heads, spec.head_dim); }
@@ -168,25 +70,13 @@ struct DecodeProblem {
                                              spec.head_dim, d_lens.data());
   }
   PagedKVView<const T> device_paged() const {
-    auto view = PagedKVView<const T>{};
-    const auto& h = host_paged->view;
-    view = {d_k.data(), d_v.data(), d_indptr.data(), d_page_indices.data(), d_last.data(), h.batch, h.kv_heads,
-            h.head_dim, h.page_size, h.num_pages, h.page_stride, h.token_stride, h.head_stride};
-    return view;
+    return host.paged(d_k.data(), d_v.data(), d_indptr.data(), d_page_indices.data(), d_last.data());
   }
   SelectionView device_selection() const {
     return {d_sel_indices.data(), d_sel_counts.data(), spec.log_weights ? d_sel_weights.data() : nullptr, spec.batch,
             spec.kv_heads, spec.k};
   }
-  SelectionView host_selection() {
-    return {sel_indices.data(), sel_counts.data(), spec.log_weights ? sel_weights.data() : nullptr, spec.batch,
-            spec.kv_heads, spec.k};
-  }
   StateView<T> device_out() const { return StateView<T>::packed(d_o.data(), d_lse.data(), spec.batch, spec.q_heads, spec.head_dim); }
-  ContiguousKVView<const T> host_view() const {
-    return ContiguousKVView<const T>::packed(k.data(), v.data(), spec.batch, spec.kv_heads, spec.tokens, spec.head_dim,
-                                             host_kv.seq_lens.data());
-  }
 
   /// Runs sparse (k > 0) or dense decode on the device with poisoned outputs; returns (O, LSE).
   std::pair<std::vector<T>, std::vector<float>> run(bool sparse, cuda::DecodeOptions options = {}) {
@@ -212,16 +102,7 @@ struct DecodeProblem {
     return {d_o.download(), d_lse.download()};
   }
 
-  test::HostState reference(bool sparse) {
-    test::HostState ref(spec.batch, spec.q_heads, spec.head_dim);
-    const auto q_host = QueryView<const T>::packed(q.data(), spec.batch, spec.q_heads, spec.head_dim);
-    if (sparse) {
-      reference::sparse_decode(q_host, host_view(), host_selection(), ref.view);
-    } else {
-      reference::dense_decode(q_host, host_view(), ref.view);
-    }
-    return ref;
-  }
+  test::HostState reference(bool sparse) { return host.reference(sparse); }
 };
 
 template <class T>

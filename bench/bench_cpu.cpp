@@ -1,0 +1,112 @@
+// CPU benchmarks: a STREAM-style triad (this machine's memory bandwidth, bytes read + written) and CPU sparse
+// decode over a 128K-token host cache (q_heads 32, kv_heads 8, head_dim 128) for K in {1024, 4096, 16384},
+// bf16 and fp16, 1..all threads, at the detected SIMD level and at scalar. GB/s counts bytes touched: the
+// selected K and V rows, indices, Q and O.
+#include <benchmark/benchmark.h>
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "kvsift/cpu/decode.hpp"
+#include "kvsift/cpu/simd.hpp"
+#include "kvsift/cpu/thread_pool.hpp"
+
+namespace {
+
+using namespace kvsift;
+
+void BM_StreamTriad(benchmark::State& state) {
+  const int threads = int(state.range(0));
+  const std::size_t n = std::size_t(1) << 26;  // 3 x 256 MiB, far past the caches
+  std::vector<float> a(n, 1.0f), b(n, 2.0f), c(n, 3.0f);
+  cpu::ThreadPool pool(threads);
+  for (auto _ : state) {
+    pool.parallel_for(std::int64_t(n), [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin; i < end; ++i) a[i] = b[i] + 3.0f * c[i];
+    });
+    benchmark::DoNotOptimize(a.data());
+  }
+  state.counters["GB/s"] = benchmark::Counter(3.0 * n * sizeof(float) * state.iterations(), benchmark::Counter::kIsRate);
+}
+
+/// A never-freed array of random values, backed by transparent huge pages where the kernel allows.
+template <class T>
+T* huge_page_array(std::size_t count, std::uint64_t seed) {
+  constexpr std::size_t kHugePage = std::size_t(2) << 20;
+  const std::size_t bytes = (count * sizeof(T) + kHugePage - 1) / kHugePage * kHugePage;
+  T* data = static_cast<T*>(std::aligned_alloc(kHugePage, bytes));
+  madvise(data, bytes, MADV_HUGEPAGE);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist;
+  for (std::size_t i = 0; i < count; ++i) data[i] = from_float<T>(dist(rng));
+  return data;
+}
+
+template <class T>
+void BM_CpuSparseDecode(benchmark::State& state) {
+  const int k_sel = int(state.range(0)), threads = int(state.range(1));
+  const bool scalar = state.range(2) != 0;
+  constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kTokens = 131072;
+  // The host cache (2 x 256 MiB, shared by all runs of one dtype) sits on transparent huge pages, as an
+  // engine's offloaded KV would: with 4 KiB pages nearly every gathered row is also a TLB miss.
+  static const std::size_t elems = std::size_t(kKvHeads) * kTokens * kHeadDim;
+  static T* k_cache = huge_page_array<T>(elems, 1);
+  static T* v_cache = huge_page_array<T>(elems, 2);
+  std::mt19937_64 rng(2);
+  std::vector<T> q(kQHeads * kHeadDim), o(q.size());
+  for (auto& x : q) x = from_float<T>(std::normal_distribution<float>()(rng));
+  std::vector<float> lse(kQHeads);
+  std::vector<std::int32_t> pool_idx(kTokens), indices(std::size_t(kKvHeads) * k_sel), counts(kKvHeads, k_sel);
+  std::iota(pool_idx.begin(), pool_idx.end(), 0);
+  for (int h = 0; h < kKvHeads; ++h) {
+    for (int i = 0; i < k_sel; ++i) std::swap(pool_idx[i], pool_idx[i + rng() % (kTokens - i)]);
+    std::copy_n(pool_idx.begin(), k_sel, indices.begin() + std::size_t(h) * k_sel);
+    std::sort(indices.begin() + std::size_t(h) * k_sel, indices.begin() + std::size_t(h + 1) * k_sel);
+  }
+  const auto kv = ContiguousKVView<const T>::packed(k_cache, v_cache, 1, kKvHeads, kTokens, kHeadDim);
+  const SelectionView sel{indices.data(), counts.data(), nullptr, 1, kKvHeads, k_sel};
+  const auto out = StateView<T>::packed(o.data(), lse.data(), 1, kQHeads, kHeadDim);
+  cpu::ThreadPool pool(threads);
+  std::optional<cpu::ScopedSimdLevel> force;
+  if (scalar) force.emplace(cpu::SimdLevel::scalar);
+  for (auto _ : state) {
+    cpu::sparse_decode(QueryView<const T>::packed(q.data(), 1, kQHeads, kHeadDim), kv, sel, out, {}, &pool);
+    benchmark::DoNotOptimize(o.data());
+  }
+  const double bytes = 2.0 * kKvHeads * k_sel * kHeadDim * sizeof(T) + 4.0 * indices.size() + 2.0 * q.size() * sizeof(T);
+  state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations(), benchmark::Counter::kIsRate);
+  state.SetLabel(std::string(cpu::simd_level_name(cpu::active_simd_level())));
+}
+
+void thread_counts(benchmark::internal::Benchmark* b, bool with_k) {
+  const int all = int(std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<int> threads{1};
+  for (int t = 2; t < all; t *= 2) threads.push_back(t);
+  if (all > 1) threads.push_back(all);
+  for (int t : threads) {
+    if (!with_k) {
+      b->Arg(t);
+      continue;
+    }
+    for (int k : {1024, 4096, 16384}) {
+      b->Args({k, t, 0});
+      if (t == 1) b->Args({k, t, 1});  // scalar baseline, single thread
+    }
+  }
+}
+
+BENCHMARK(BM_StreamTriad)->Apply([](auto* b) { thread_counts(b, false); })->ArgName("threads")->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CpuSparseDecode<bfloat16>)->Apply([](auto* b) { thread_counts(b, true); })->ArgNames({"K", "threads", "scalar"})->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CpuSparseDecode<half>)->Apply([](auto* b) { thread_counts(b, true); })->ArgNames({"K", "threads", "scalar"})->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();

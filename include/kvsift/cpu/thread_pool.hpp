@@ -1,0 +1,60 @@
+#pragma once
+/// A fixed-size pool of worker threads for the CPU backend; the caller chooses its size.
+///
+/// Contract: parallel_for splits [0, count) into contiguous chunks and runs them on the pool's threads and
+/// the calling thread, returning when all are done. One pool runs one parallel_for at a time: calls from
+/// several engine threads on the same pool are serialized (they queue on a mutex), so a pool never runs more
+/// than size() threads and never oversubscribes. Engine threads that must run concurrently should each own a
+/// pool sized to its share of the cores. A CPU function given no pool runs on the calling thread.
+/// An exception thrown by fn in any chunk is rethrown by parallel_for (the first one).
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kvsift::cpu {
+
+class ThreadPool {
+ public:
+  /// `threads` >= 1 counts the calling thread: ThreadPool(1) starts no worker.
+  explicit ThreadPool(int threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return static_cast<int>(workers_.size()) + 1; }
+
+  /// Runs fn(begin, end) over chunks covering [0, count).
+  void parallel_for(std::int64_t count, const std::function<void(std::int64_t, std::int64_t)>& fn);
+
+ private:
+  void worker_loop(int index);
+  void run_chunk(int index);
+
+  std::vector<std::thread> workers_;
+  std::mutex call_mutex_;  ///< serializes parallel_for calls
+  std::mutex mutex_;
+  std::condition_variable work_ready_, work_done_;
+  const std::function<void(std::int64_t, std::int64_t)>* fn_ = nullptr;
+  std::int64_t count_ = 0;
+  std::uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stopping_ = false;
+  std::exception_ptr error_;
+};
+
+/// Runs fn over [0, count) on `pool`, or inline when pool is nullptr.
+inline void parallel_for(ThreadPool* pool, std::int64_t count, const std::function<void(std::int64_t, std::int64_t)>& fn) {
+  if (pool == nullptr || pool->size() == 1 || count <= 1) {
+    if (count > 0) fn(0, count);
+  } else {
+    pool->parallel_for(count, fn);
+  }
+}
+
+}  // namespace kvsift::cpu

@@ -1,0 +1,16 @@
+// The CPU decode kernels at SIMD level scalar. This file and its siblings are the only ones compiled with ISA
+// flags (see CMakeLists.txt); they hold nothing but instantiations of templates on SimdLevel::scalar.
+#include "kvsift/cpu/detail/decode-inl.hpp"
+
+namespace kvsift::cpu::detail {
+
+#define KVSIFT_INSTANTIATE(T)                                                                                  \
+  template void decode_rows<SimdLevel::scalar, T, ContiguousKVView<const T>>(                                 \
+      const DecodeJob<T, ContiguousKVView<const T>>&, std::int64_t, std::int64_t, bool);                       \
+  template void decode_rows<SimdLevel::scalar, T, PagedKVView<const T>>(const DecodeJob<T, PagedKVView<const T>>&, \
+                                                                        std::int64_t, std::int64_t, bool);
+KVSIFT_INSTANTIATE(half)
+KVSIFT_INSTANTIATE(bfloat16)
+#undef KVSIFT_INSTANTIATE
+
+}  // namespace kvsift::cpu::detail

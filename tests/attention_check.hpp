@@ -1,0 +1,177 @@
+#pragma once
+/// Comparing decode outputs stored in 16 bits (fp16, bf16) with kvsift's fp64 reference; shared by the CPU
+/// and CUDA backend tests.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <memory>
+#include <numeric>
+
+#include "kvsift/attention/reference.hpp"
+#include "kvsift/core/dtype.hpp"
+#include "test_util.hpp"
+
+namespace kvsift::test {
+
+template <class T>
+constexpr const char* dtype_label() {
+  return std::is_same_v<T, half> ? "f16" : "bf16";
+}
+
+/// Tolerances for outputs stored in 16 bits after fp32 accumulation: the final rounding dominates
+/// (bf16 keeps 8 significant bits, fp16 11); LSE stays fp32, limited by exp2/log2 approximations.
+template <class T>
+struct Tolerance {
+  static constexpr double max_abs_over_max_ref = std::is_same_v<T, half> ? 2e-3 : 1e-2;
+  static constexpr double rel_l2 = std::is_same_v<T, half> ? 1e-3 : 5e-3;
+  static constexpr double lse_abs = 1e-3;
+};
+
+template <class T>
+std::vector<T> to_storage(const std::vector<float>& x) {
+  std::vector<T> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) out[i] = from_float<T>(x[i]);
+  return out;
+}
+
+/// Compares a device result (O in T, LSE fp32) with the fp32 reference, element by element; NaN fails.
+template <class T>
+void expect_close(const std::vector<T>& o, const std::vector<float>& lse, const HostState& ref,
+                  const std::string& what) {
+  double max_ref = 0, max_err = 0, num = 0, den = 0;
+  for (std::size_t i = 0; i < o.size(); ++i) {
+    const double got = to_float(o[i]), want = ref.o[i];
+    const double err = std::abs(got - want);
+    if (!(err <= max_err)) max_err = err;  // keeps NaN
+    max_ref = std::max(max_ref, std::abs(want));
+    num += err * err;
+    den += want * want;
+  }
+  if (max_ref > 0) {
+    EXPECT_LE(max_err / max_ref, Tolerance<T>::max_abs_over_max_ref) << what;
+    EXPECT_LE(std::sqrt(num / den), Tolerance<T>::rel_l2) << what;
+  } else {
+    EXPECT_EQ(max_err, 0.0) << what;
+  }
+  for (std::size_t i = 0; i < lse.size(); ++i) {
+    if (std::isinf(ref.lse[i])) {
+      EXPECT_EQ(lse[i], ref.lse[i]) << what << " lse " << i;
+    } else {
+      EXPECT_NEAR(lse[i], ref.lse[i], Tolerance<T>::lse_abs * std::max(1.0f, std::abs(ref.lse[i]))) << what << " lse " << i;
+    }
+  }
+}
+
+struct CaseSpec {
+  std::int32_t batch, q_heads, kv_heads, head_dim, tokens;
+  std::int32_t k;          ///< selection capacity; each row selects min(k, seq_len) tokens; 0: dense only
+  std::int32_t page_size;  ///< 0: contiguous
+  bool log_weights;
+  bool random_lengths = true;
+};
+
+inline std::string describe(const CaseSpec& c) {
+  return fmt::format("batch {} q_heads {} kv_heads {} head_dim {} tokens {} k {} page_size {} log_weights {}", c.batch,
+                     c.q_heads, c.kv_heads, c.head_dim, c.tokens, c.k, c.page_size, c.log_weights);
+}
+
+/// One randomly filled decode problem in host memory, in storage type T: queries, a contiguous cache, the
+/// same tokens in a shuffled paged cache (when page_size > 0), and a selection of min(k, seq_len) distinct
+/// tokens per row in random order (when k > 0).
+template <class T>
+struct HostDecodeProblem {
+  CaseSpec spec;
+  HostKV kv_values;  ///< the cache's values as floats (already rounded to T)
+  std::vector<T> q, k, v;
+  std::unique_ptr<HostPagedKV> paged_values;
+  std::vector<T> k_pages, v_pages;
+  std::vector<std::int32_t> sel_indices, sel_counts;
+  std::vector<float> sel_weights;
+
+  HostDecodeProblem(Random& rng, const CaseSpec& c) : spec(c), kv_values(rng, c.batch, c.kv_heads, c.tokens, c.head_dim, lengths(rng, c)) {
+    q = to_storage<T>(rng.normal(std::size_t(c.batch) * c.q_heads * c.head_dim));
+    k = to_storage<T>(kv_values.k);
+    v = to_storage<T>(kv_values.v);
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      kv_values.k[i] = to_float(k[i]);
+      kv_values.v[i] = to_float(v[i]);
+    }
+    if (c.page_size > 0) {
+      paged_values = std::make_unique<HostPagedKV>(kv_values, c.page_size, /*hnd=*/rng.uniform_int(0, 1) == 1, rng);
+      k_pages = to_storage<T>(paged_values->k_pages);
+      v_pages = to_storage<T>(paged_values->v_pages);
+    }
+    if (c.k > 0) make_selection(rng);
+  }
+
+  static std::vector<std::int32_t> lengths(Random& rng, const CaseSpec& c) {
+    std::vector<std::int32_t> lens(c.batch, c.tokens);
+    if (c.random_lengths) {
+      for (auto& l : lens) l = rng.uniform_int(std::max(1, c.tokens / 2), c.tokens);
+    }
+    return lens;
+  }
+
+  void make_selection(Random& rng) {
+    const auto& c = spec;
+    sel_indices.assign(std::size_t(c.batch) * c.kv_heads * c.k, kPoisonIndex);
+    sel_counts.assign(std::size_t(c.batch) * c.kv_heads, 0);
+    if (c.log_weights) sel_weights.assign(sel_indices.size(), kPoison);
+    std::vector<std::int32_t> all;
+    for (std::int32_t b = 0; b < c.batch; ++b) {
+      for (std::int32_t g = 0; g < c.kv_heads; ++g) {
+        const std::int32_t len = kv_values.seq_lens[b];
+        const std::int32_t count = std::min(c.k, len);
+        all.resize(len);
+        std::iota(all.begin(), all.end(), 0);
+        std::shuffle(all.begin(), all.end(), rng.engine);  // any order: consumers must not assume sorted rows
+        const std::size_t row = std::size_t(b) * c.kv_heads + g;
+        std::copy_n(all.begin(), count, sel_indices.begin() + row * c.k);
+        sel_counts[row] = count;
+        if (c.log_weights) {
+          for (std::int32_t i = 0; i < count; ++i) sel_weights[row * c.k + i] = std::log(rng.uniform(1.0f, 40.0f));
+        }
+      }
+    }
+  }
+
+  QueryView<const T> q_view() const { return QueryView<const T>::packed(q.data(), spec.batch, spec.q_heads, spec.head_dim); }
+  ContiguousKVView<const T> contiguous() const {
+    return ContiguousKVView<const T>::packed(k.data(), v.data(), spec.batch, spec.kv_heads, spec.tokens, spec.head_dim,
+                                             kv_values.seq_lens.data());
+  }
+  /// The paged layout with the page data at (k_data, v_data): host arrays here, device copies in GPU tests.
+  PagedKVView<const T> paged(const T* k_data, const T* v_data, const std::int32_t* indptr, const std::int32_t* pages,
+                             const std::int32_t* last) const {
+    const auto& h = paged_values->view;
+    return {k_data, v_data, indptr, pages, last, h.batch, h.kv_heads, h.head_dim, h.page_size, h.num_pages,
+            h.page_stride, h.token_stride, h.head_stride};
+  }
+  PagedKVView<const T> paged() const {
+    return paged(k_pages.data(), v_pages.data(), paged_values->indptr.data(), paged_values->indices.data(),
+                 paged_values->last_len.data());
+  }
+  SelectionView selection() {
+    return {sel_indices.data(), sel_counts.data(), spec.log_weights ? sel_weights.data() : nullptr, spec.batch,
+            spec.kv_heads, spec.k};
+  }
+  HostState reference(bool sparse) {
+    HostState ref(spec.batch, spec.q_heads, spec.head_dim);
+    if (sparse) {
+      reference::sparse_decode(q_view(), contiguous(), selection(), ref.view);
+    } else {
+      reference::dense_decode(q_view(), contiguous(), ref.view);
+    }
+    return ref;
+  }
+};
+
+}  // namespace kvsift::test
