@@ -12,7 +12,8 @@ def medians(path):
             continue
         name = b["run_name"]
         out[name] = {"us": b["real_time"], "gbs": b.get("GB/s", 0) / 1e9, "bytes": b.get("bytes", 0),
-                     "direct_us": b.get("direct_us", 0)}
+                     "direct_us": b.get("direct_us", 0), "cpu_us": b.get("cpu_us", 0),
+                     "gpu_window_us": b.get("gpu_window_us", 0), "K": b.get("K", 0)}
     return out
 
 
@@ -53,5 +54,20 @@ def main(bench_json, sdpa_jsonl, gpu_txt):
                   f"{r['gbs']:.0f} | {100 * r['gbs'] / copy['gbs']:.0f}% |")
 
 
+def hybrid(runs):
+    rows = [(k, r) for k, r in runs.items() if k.startswith("BM_HybridDecode")]
+    if not rows:
+        return
+    print("\n### Hybrid decode step (batch 1, window sink 4 + recent 1024 on the GPU, 2% of the rest on the CPU)\n")
+    print("overlap = (cpu + gpu window - step) / gpu window: the share of the GPU part hidden behind the CPU part\n")
+    print("| N | K per kv head | step us | CPU part us | GPU window us | overlap |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows:
+        n = re.match(r"BM_HybridDecode/N:(\d+)", name)[1]
+        overlap = (r["cpu_us"] + r["gpu_window_us"] - r["us"]) / r["gpu_window_us"] if r["gpu_window_us"] else 0
+        print(f"| {n} | {r['K']:.0f} | {r['us']:.0f} | {r['cpu_us']:.0f} | {r['gpu_window_us']:.1f} | {100 * overlap:.0f}% |")
+
+
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    hybrid(medians(sys.argv[1]))

@@ -39,6 +39,10 @@ if has bench; then
   step "benchmarks"
   "$BUILD/bench/kvsift_bench_decode" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
     --benchmark_out="$OUT/bench_decode.json" --benchmark_out_format=json > "$OUT/bench_decode.txt" 2>&1 || status=1
+  step "cpu benchmarks (host of the GPU machine)"
+  "$BUILD/bench/kvsift_bench_cpu" --benchmark_min_time=0.1 --benchmark_filter='Triad|K:16384|K:4096/threads:1/' \
+    > "$OUT/bench_cpu.txt" 2>&1 || status=1
+  grep -E "^BM" "$OUT/bench_cpu.txt" | awk '{print $1, $2, $3, $(NF-1), $NF}'
   step "pytorch sdpa baseline"
   python3 bench/sdpa_baseline.py > "$OUT/sdpa.jsonl" 2> "$OUT/sdpa.err" || { tail -5 "$OUT/sdpa.err"; status=1; }
   python3 bench/report.py "$OUT/bench_decode.json" "$OUT/sdpa.jsonl" "$OUT/gpu.txt" > "$OUT/bench_decode.md"
