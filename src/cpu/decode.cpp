@@ -53,15 +53,7 @@ void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<T>&
 template <class TI, class TO>
 void merge_states(std::span<const StateView<const TI>> partials, const StateView<TO>& out) {
   constexpr const char* where = "cpu::merge_states";
-  KVSIFT_CHECK(!partials.empty(), where, "partials is empty");
-  validate(out, where, "out");
-  for (std::size_t i = 0; i < partials.size(); ++i) {
-    validate(partials[i], where, "partials[i]");
-    KVSIFT_CHECK(partials[i].batch == out.batch && partials[i].heads == out.heads &&
-                     partials[i].head_dim == out.head_dim,
-                 where, "partials[{}] shape [{}, {}, {}] != out shape [{}, {}, {}]", i, partials[i].batch,
-                 partials[i].heads, partials[i].head_dim, out.batch, out.heads, out.head_dim);
-  }
+  validate_merge_inputs(where, partials, out);
   for (std::int32_t b = 0; b < out.batch; ++b) {
     for (std::int32_t h = 0; h < out.heads; ++h) {
       float lse_max = negative_infinity<float>();

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <climits>
@@ -238,20 +239,14 @@ template <class T>
 void merge_states(std::span<const StateView<const T>> partials, const StateView<T>& out, cudaStream_t stream) {
   constexpr const char* where = "cuda::merge_states";
   constexpr int kMax = MergeParams<T>::kMaxPartials;
-  KVSIFT_CHECK(!partials.empty() && partials.size() <= std::size_t(kMax), where,
-               "number of partials (= {}) is outside [1, {}]", partials.size(), kMax);
-  validate(out, where, "out");
+  KVSIFT_CHECK(!partials.empty() && partials.size() <= std::size_t(kMax), where, "number of partials (= {}) is outside [1, {}]",
+               partials.size(), kMax);
+  validate_merge_inputs(where, partials, out);
   KVSIFT_CHECK(out.head_dim <= 512, where, "out.head_dim (= {}) exceeds the merge kernel's limit of 512", out.head_dim);
   MergeParams<T> p;
   p.num_partials = static_cast<std::int32_t>(partials.size());
   p.out = out;
-  for (std::size_t i = 0; i < partials.size(); ++i) {
-    validate(partials[i], where, "partials[i]");
-    KVSIFT_CHECK(partials[i].batch == out.batch && partials[i].heads == out.heads && partials[i].head_dim == out.head_dim,
-                 where, "partials[{}] shape [{}, {}, {}] != out shape [{}, {}, {}]", i, partials[i].batch,
-                 partials[i].heads, partials[i].head_dim, out.batch, out.heads, out.head_dim);
-    p.partials[i] = partials[i];
-  }
+  std::copy(partials.begin(), partials.end(), p.partials);
   KVSIFT_CHECK(std::int64_t(out.batch) * out.heads <= INT_MAX, where, "batch * heads (= {}) exceeds the grid limit",
                std::int64_t(out.batch) * out.heads);
   KVSIFT_CUDA_CHECK(detail::launch_merge_states(p, stream));

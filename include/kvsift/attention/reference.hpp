@@ -104,15 +104,7 @@ void sparse_decode(const QueryView<TQ>& q, const KV& kv, const SelectionView& se
 template <class TI, class TO>
 void merge_states(std::span<const StateView<const TI>> partials, const StateView<TO>& out) {
   constexpr const char* where = "reference::merge_states";
-  KVSIFT_CHECK(!partials.empty(), where, "partials is empty");
-  validate(out, where, "out");
-  for (std::size_t i = 0; i < partials.size(); ++i) {
-    validate(partials[i], where, "partials[i]");
-    KVSIFT_CHECK(partials[i].batch == out.batch && partials[i].heads == out.heads &&
-                     partials[i].head_dim == out.head_dim,
-                 where, "partials[{}] shape [{}, {}, {}] != out shape [{}, {}, {}]", i, partials[i].batch,
-                 partials[i].heads, partials[i].head_dim, out.batch, out.heads, out.head_dim);
-  }
+  validate_merge_inputs(where, partials, out);
   std::vector<double> acc(static_cast<std::size_t>(out.head_dim));
   for (std::int32_t b = 0; b < out.batch; ++b) {
     for (std::int32_t h = 0; h < out.heads; ++h) {

@@ -196,4 +196,18 @@ void check_decode_shapes(const char* where, const QueryView<TQ>& q, const KV& kv
                q.head_dim);
 }
 
+/// The rules of every LSE merge: at least one partial, every partial and the output valid and of one shape.
+template <class TI, class TO>
+void validate_merge_inputs(const char* where, std::span<const StateView<const TI>> partials, const StateView<TO>& out) {
+  KVSIFT_CHECK(!partials.empty(), where, "partials is empty");
+  validate(out, where, "out");
+  for (std::size_t i = 0; i < partials.size(); ++i) {
+    validate(partials[i], where, "partials[i]");
+    KVSIFT_CHECK(partials[i].batch == out.batch && partials[i].heads == out.heads &&
+                     partials[i].head_dim == out.head_dim,
+                 where, "partials[{}] shape [{}, {}, {}] != out shape [{}, {}, {}]", i, partials[i].batch,
+                 partials[i].heads, partials[i].head_dim, out.batch, out.heads, out.head_dim);
+  }
+}
+
 }  // namespace kvsift
