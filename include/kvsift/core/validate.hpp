@@ -70,6 +70,14 @@ void validate(const HeadsView<T>& v, const char* where, const char* name) {
 }
 
 template <class T>
+void validate(const MatrixView<T>& v, const char* where, const char* name) {
+  detail::check_pointer(where, name, "data", v.data);
+  detail::check_positive(where, name, "rows", v.rows);
+  detail::check_positive(where, name, "cols", v.cols);
+  detail::check_no_overlap<2>(where, name, {{{"row", v.rows, v.row_stride}, {"col", v.cols, 1}}});
+}
+
+template <class T>
 void validate(const SequenceView<T>& v, const char* where, const char* name) {
   detail::check_pointer(where, name, "data", v.data);
   detail::check_positive(where, name, "batch", v.batch);

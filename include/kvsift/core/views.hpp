@@ -31,6 +31,19 @@ struct HeadsView {
   }
 };
 
+/// A row-major matrix [rows, cols] with a row stride (elements): vectors to score, cluster or gather.
+template <class T>
+struct MatrixView {
+  T* data = nullptr;
+  std::int64_t rows = 0;
+  std::int32_t cols = 0;
+  std::int64_t row_stride = 0;
+
+  KVSIFT_HOST_DEVICE T* row(std::int64_t i) const { return data + i * row_stride; }
+
+  static constexpr MatrixView packed(T* data, std::int64_t rows, std::int32_t cols) { return {data, rows, cols, cols}; }
+};
+
 /// Decode query: one token per sequence, [batch, q_heads, head_dim].
 template <class T>
 using QueryView = HeadsView<T>;

@@ -1,0 +1,215 @@
+#include "kvsift/cpu/primitives.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+
+#include "kvsift/core/error.hpp"
+#include "kvsift/core/validate.hpp"
+
+namespace kvsift::cpu {
+namespace {
+
+template <class T>
+float dot_row(const float* q, const T* row, std::int32_t d) {
+  float s = 0.0f;
+  for (std::int32_t c = 0; c < d; ++c) s += q[c] * to_float(row[c]);
+  return s;
+}
+
+/// Distance under the metric, smaller is nearer: squared L2, or 1 - cosine for unit vectors.
+float distance(const float* a, const float* b, std::int32_t d, KMeansMetric metric) {
+  float s = 0.0f;
+  if (metric == KMeansMetric::l2) {
+    for (std::int32_t c = 0; c < d; ++c) s += (a[c] - b[c]) * (a[c] - b[c]);
+    return s;
+  }
+  for (std::int32_t c = 0; c < d; ++c) s += a[c] * b[c];
+  return 1.0f - s;
+}
+
+void normalize(float* x, std::int32_t d) {
+  double norm = 0.0;
+  for (std::int32_t c = 0; c < d; ++c) norm += double(x[c]) * x[c];
+  if (norm == 0.0) return;
+  const float inv = float(1.0 / std::sqrt(norm));
+  for (std::int32_t c = 0; c < d; ++c) x[c] *= inv;
+}
+
+}  // namespace
+
+template <class T>
+void gemv_scores(std::span<const float> q, const MatrixView<const T>& rows, float scale, std::span<float> scores,
+                 ThreadPool* pool) {
+  constexpr const char* where = "cpu::gemv_scores";
+  validate(rows, where, "rows");
+  KVSIFT_CHECK(q.size() == std::size_t(rows.cols), where, "q.size() (= {}) != rows.cols (= {})", q.size(), rows.cols);
+  KVSIFT_CHECK(scores.size() >= std::size_t(rows.rows), where, "scores.size() (= {}) < rows.rows (= {})", scores.size(),
+               rows.rows);
+  parallel_for(pool, rows.rows, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) scores[i] = scale * dot_row(q.data(), rows.row(i), rows.cols);
+  });
+}
+
+template <class T>
+void gather_rows(const MatrixView<const T>& src, std::span<const std::int32_t> indices, const MatrixView<T>& dst) {
+  constexpr const char* where = "cpu::gather_rows";
+  validate(src, where, "src");
+  validate(dst, where, "dst");
+  KVSIFT_CHECK(dst.cols == src.cols, where, "dst.cols (= {}) != src.cols (= {})", dst.cols, src.cols);
+  KVSIFT_CHECK(dst.rows >= std::int64_t(indices.size()), where, "dst.rows (= {}) < number of indices (= {})", dst.rows,
+               indices.size());
+  for (std::size_t i = 0; i < indices.size(); ++i) {
+    KVSIFT_CHECK(indices[i] >= 0 && indices[i] < src.rows, where, "indices[{}] (= {}) is outside [0, src.rows = {})", i,
+                 indices[i], src.rows);
+    std::copy_n(src.row(indices[i]), src.cols, dst.row(std::int64_t(i)));
+  }
+}
+
+std::size_t sort_unique(std::span<std::int32_t> indices) {
+  std::sort(indices.begin(), indices.end());
+  return std::size_t(std::unique(indices.begin(), indices.end()) - indices.begin());
+}
+
+void apply_rope_rows(const MatrixView<float>& rows, std::span<const std::int64_t> positions, const RopeConfig& rope,
+                     bool inverse) {
+  constexpr const char* where = "cpu::apply_rope_rows";
+  validate(rows, where, "rows");
+  rope.validate(rows.cols, where);
+  KVSIFT_CHECK(positions.size() == std::size_t(rows.rows), where, "positions.size() (= {}) != rows.rows (= {})",
+               positions.size(), rows.rows);
+  for (std::int64_t i = 0; i < rows.rows; ++i) apply_rope(rows.row(i), rows.cols, positions[i], rope, inverse);
+}
+
+void assign_nearest(const MatrixView<const float>& points, const MatrixView<const float>& centroids, KMeansMetric metric,
+                    std::span<std::int32_t> assignment, ThreadPool* pool) {
+  constexpr const char* where = "cpu::assign_nearest";
+  validate(points, where, "points");
+  validate(centroids, where, "centroids");
+  KVSIFT_CHECK(points.cols == centroids.cols, where, "points.cols (= {}) != centroids.cols (= {})", points.cols,
+               centroids.cols);
+  KVSIFT_CHECK(assignment.size() >= std::size_t(points.rows), where, "assignment.size() (= {}) < points.rows (= {})",
+               assignment.size(), points.rows);
+  parallel_for(pool, points.rows, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      float best = std::numeric_limits<float>::infinity();
+      std::int32_t best_id = 0;
+      for (std::int64_t c = 0; c < centroids.rows; ++c) {
+        const float dist = distance(points.row(i), centroids.row(c), points.cols, metric);
+        if (dist < best) {  // strict: on a tie the smaller id stays
+          best = dist;
+          best_id = std::int32_t(c);
+        }
+      }
+      assignment[i] = best_id;
+    }
+  });
+}
+
+template <class T>
+KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& config, const KMeansAssigner& assigner,
+                    ThreadPool* pool) {
+  constexpr const char* where = "cpu::kmeans";
+  validate(points, where, "points");
+  KVSIFT_CHECK(config.clusters >= 1 && config.clusters <= points.rows, where,
+               "config.clusters (= {}) is outside [1, points = {}]", config.clusters, points.rows);
+  KVSIFT_CHECK(config.iterations >= 0, where, "config.iterations (= {}) must be >= 0", config.iterations);
+  const std::int64_t n = points.rows;
+  const std::int32_t d = points.cols, k = config.clusters;
+  std::vector<float> x(std::size_t(n) * d);
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int32_t c = 0; c < d; ++c) x[std::size_t(i) * d + c] = to_float(points.row(i)[c]);
+    if (config.metric == KMeansMetric::cosine) normalize(&x[std::size_t(i) * d], d);
+  }
+  const auto xs = MatrixView<const float>::packed(x.data(), n, d);
+
+  // Greedy k-means++ seeding (as scikit-learn does): each next centroid is the best, by the resulting total
+  // distance, of 2 + ln(k) candidates drawn with probability proportional to their distance to the nearest
+  // centroid so far. Plain k-means++ seeds two centroids in one well-separated cluster with a probability of
+  // about a percent; the greedy draw makes that vanishingly rare. Sums are in double.
+  KMeansResult result;
+  result.centroids.resize(std::size_t(k) * d);
+  std::mt19937_64 rng(config.seed);
+  const int candidates_per_step = 2 + int(std::log(double(k)));
+  const auto dist = [&](std::int64_t i, std::int64_t j) {
+    return double(std::max(0.0f, distance(xs.row(i), xs.row(j), d, config.metric)));
+  };
+  const auto points_count = static_cast<std::size_t>(n);
+  std::vector<double> nearest(points_count), trial(points_count), best_trial(points_count);
+  std::int64_t chosen = std::int64_t(rng() % std::uint64_t(n));
+  for (std::int64_t i = 0; i < n; ++i) nearest[i] = dist(i, chosen);
+  std::copy_n(xs.row(chosen), d, &result.centroids[0]);
+  for (std::int32_t c = 1; c < k; ++c) {
+    const double total = std::accumulate(nearest.begin(), nearest.end(), 0.0);
+    double best_potential = std::numeric_limits<double>::infinity();
+    std::int64_t best = (chosen + 1) % n;  // every point coincides with a centroid: take the next in order
+    for (int trial_index = 0; trial_index < candidates_per_step && total > 0.0; ++trial_index) {
+      double target = std::uniform_real_distribution<double>(0.0, total)(rng);
+      std::int64_t candidate = n - 1;
+      for (std::int64_t i = 0; i < n; ++i) {
+        target -= nearest[i];
+        if (target < 0.0 && nearest[i] > 0.0) {
+          candidate = i;
+          break;
+        }
+      }
+      double potential = 0.0;
+      for (std::int64_t i = 0; i < n; ++i) potential += trial[i] = std::min(nearest[i], dist(i, candidate));
+      if (potential < best_potential) {
+        best_potential = potential;
+        best = candidate;
+        best_trial.swap(trial);
+      }
+    }
+    if (total > 0.0) {
+      nearest.swap(best_trial);
+    } else {
+      for (std::int64_t i = 0; i < n; ++i) nearest[i] = std::min(nearest[i], dist(i, best));
+    }
+    chosen = best;
+    std::copy_n(xs.row(chosen), d, &result.centroids[std::size_t(c) * d]);
+  }
+
+  result.assignment.resize(std::size_t(n));
+  const auto assign = [&] {
+    const auto cs = MatrixView<const float>::packed(result.centroids.data(), k, d);
+    if (assigner) {
+      assigner(xs, cs, config.metric, result.assignment);
+    } else {
+      assign_nearest(xs, cs, config.metric, result.assignment, pool);
+    }
+  };
+  std::vector<double> sums(std::size_t(k) * d);
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(k));
+  for (std::int32_t it = 0; it < config.iterations; ++it) {
+    assign();
+    std::fill(sums.begin(), sums.end(), 0.0);
+    std::fill(counts.begin(), counts.end(), 0);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int32_t c = result.assignment[i];
+      ++counts[c];
+      for (std::int32_t j = 0; j < d; ++j) sums[std::size_t(c) * d + j] += xs.row(i)[j];
+    }
+    for (std::int32_t c = 0; c < k; ++c) {
+      if (counts[c] == 0) continue;  // an empty cluster keeps its centroid
+      float* centroid = &result.centroids[std::size_t(c) * d];
+      for (std::int32_t j = 0; j < d; ++j) centroid[j] = float(sums[std::size_t(c) * d + j] / double(counts[c]));
+      if (config.metric == KMeansMetric::cosine) normalize(centroid, d);
+    }
+  }
+  assign();  // the returned assignment matches the returned centroids
+  return result;
+}
+
+#define KVSIFT_INSTANTIATE(T)                                                                                      \
+  template void gemv_scores<T>(std::span<const float>, const MatrixView<const T>&, float, std::span<float>, ThreadPool*); \
+  template void gather_rows<T>(const MatrixView<const T>&, std::span<const std::int32_t>, const MatrixView<T>&);    \
+  template KMeansResult kmeans<T>(const MatrixView<const T>&, const KMeansConfig&, const KMeansAssigner&, ThreadPool*);
+KVSIFT_INSTANTIATE(float)
+KVSIFT_INSTANTIATE(half)
+KVSIFT_INSTANTIATE(bfloat16)
+#undef KVSIFT_INSTANTIATE
+
+}  // namespace kvsift::cpu

@@ -1,0 +1,175 @@
+// CPU primitives shared by the selectors: GEMV scores, gather, dedup, top-K, RoPE rows, k-means.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <set>
+#include <string>
+
+#include "attention_check.hpp"
+#include "kvsift/cpu/primitives.hpp"
+#include "kvsift/cpu/topk.hpp"
+#include "test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using test::Random;
+
+class CpuPrimitives : public testing::Test {
+ protected:
+  std::uint64_t seed = test::test_seed();
+  Random rng{seed};
+};
+
+TEST_F(CpuPrimitives, GemvScoresMatchFp64Dots) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const auto check = [&]<class T>(T) {
+    const std::int32_t n = rng.uniform_int(1, 500), d = rng.uniform_int(1, 200);
+    const auto values = test::to_storage<T>(rng.normal(std::size_t(n) * (d + 3)));  // row stride d + 3
+    const auto q = rng.normal(d);
+    std::vector<float> scores(n, test::kPoison);
+    cpu::ThreadPool pool(3);
+    cpu::gemv_scores<T>(q, MatrixView<const T>{values.data(), n, d, d + 3}, 0.5f, scores, &pool);
+    for (std::int32_t i = 0; i < n; ++i) {
+      double want = 0;
+      for (std::int32_t c = 0; c < d; ++c) want += double(q[c]) * to_float(values[std::size_t(i) * (d + 3) + c]);
+      ASSERT_NEAR(scores[i], 0.5 * want, 1e-5 * (1 + std::abs(want)) * std::sqrt(double(d))) << i;
+    }
+  };
+  check(float{});
+  check(half{});
+  check(bfloat16{});
+}
+
+TEST_F(CpuPrimitives, GatherCopiesRowsAndRefusesBadIndices) {
+  const auto src = rng.normal(50 * 7);
+  std::vector<float> dst(4 * 7, test::kPoison);
+  const std::vector<std::int32_t> idx = {49, 0, 13, 13};
+  cpu::gather_rows<float>(MatrixView<const float>::packed(src.data(), 50, 7), idx, MatrixView<float>::packed(dst.data(), 4, 7));
+  for (std::size_t i = 0; i < idx.size(); ++i) {
+    for (int c = 0; c < 7; ++c) EXPECT_EQ(dst[i * 7 + c], src[std::size_t(idx[i]) * 7 + c]);
+  }
+  const std::vector<std::int32_t> bad = {3, 50};
+  try {
+    cpu::gather_rows<float>(MatrixView<const float>::packed(src.data(), 50, 7), bad, MatrixView<float>::packed(dst.data(), 4, 7));
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("indices[1] (= 50) is outside [0, src.rows = 50)"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(CpuPrimitives, SortUniqueKeepsEachIndexOnceAscending) {
+  std::vector<std::int32_t> idx(300);
+  for (auto& i : idx) i = rng.uniform_int(0, 99);
+  const std::set<std::int32_t> expected(idx.begin(), idx.end());
+  const std::size_t n = cpu::sort_unique(idx);
+  EXPECT_EQ(std::vector<std::int32_t>(idx.begin(), idx.begin() + n), std::vector<std::int32_t>(expected.begin(), expected.end()));
+}
+
+TEST_F(CpuPrimitives, TopKAgreesWithAFullSortUnderTheTieRule) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::vector<std::int32_t> scratch;
+  for (int trial = 0; trial < 20; ++trial) {
+    const std::int32_t n = rng.uniform_int(1, 3000), k = rng.uniform_int(0, n);
+    std::vector<float> scores(n);
+    for (auto& s : scores) s = float(rng.uniform_int(-20, 20));  // many ties
+    if (n > 3) scores[n / 2] = NAN;
+    std::vector<std::int32_t> order(n), out(k);
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return cpu::ranks_before(scores[a], a, scores[b], b); });
+    std::vector<std::int32_t> expected(order.begin(), order.begin() + k);
+    std::sort(expected.begin(), expected.end());
+    cpu::topk_indices(scores, k, out, scratch);
+    EXPECT_EQ(out, expected) << "n " << n << " k " << k;
+  }
+}
+
+TEST_F(CpuPrimitives, RopeRowsMatchSingleVectorRopeAndInvert) {
+  const std::int32_t n = 9, d = 64;
+  auto rows = rng.normal(std::size_t(n) * d);
+  const auto original = rows;
+  std::vector<std::int64_t> pos(n);
+  for (auto& p : pos) p = rng.uniform_int(0, 100000);
+  const RopeConfig cfg{.theta = 500000.0, .layout = RopeLayout::interleaved};
+  cpu::apply_rope_rows(MatrixView<float>::packed(rows.data(), n, d), pos, cfg);
+  for (std::int32_t i = 0; i < n; ++i) {
+    std::vector<float> one(original.begin() + i * d, original.begin() + (i + 1) * d);
+    apply_rope(one.data(), d, pos[i], cfg);
+    for (std::int32_t c = 0; c < d; ++c) ASSERT_EQ(rows[std::size_t(i) * d + c], one[c]);
+  }
+  cpu::apply_rope_rows(MatrixView<float>::packed(rows.data(), n, d), pos, cfg, /*inverse=*/true);
+  for (std::size_t i = 0; i < rows.size(); ++i) ASSERT_NEAR(rows[i], original[i], 1e-4f);
+}
+
+/// Points around `k` well-separated centres; returns the points and each point's true centre.
+std::pair<std::vector<float>, std::vector<std::int32_t>> planted_clusters(Random& rng, std::int32_t k, std::int32_t per,
+                                                                          std::int32_t d) {
+  const auto centres = rng.normal(std::size_t(k) * d, 10.0f);
+  std::vector<float> points;
+  std::vector<std::int32_t> truth;
+  for (std::int32_t c = 0; c < k; ++c) {
+    for (std::int32_t i = 0; i < per; ++i) {
+      const auto noise = rng.normal(d, 0.3f);
+      for (std::int32_t j = 0; j < d; ++j) points.push_back(centres[std::size_t(c) * d + j] + noise[j]);
+      truth.push_back(c);
+    }
+  }
+  return {points, truth};
+}
+
+TEST_F(CpuPrimitives, KMeansRecoversPlantedClustersAndIsDeterministic) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (cpu::KMeansMetric metric : {cpu::KMeansMetric::l2, cpu::KMeansMetric::cosine}) {
+    const std::int32_t k = 6, per = 40, d = 32;
+    const auto [points, truth] = planted_clusters(rng, k, per, d);
+    const auto view = MatrixView<const float>::packed(points.data(), k * per, d);
+    const cpu::KMeansConfig config{.clusters = k, .iterations = 15, .metric = metric, .seed = seed};
+    cpu::ThreadPool pool(3);
+    const auto a = cpu::kmeans<float>(view, config, {}, &pool);
+    const auto b = cpu::kmeans<float>(view, config);
+    EXPECT_EQ(a.centroids, b.centroids);  // same seed, any thread count: the same result
+    EXPECT_EQ(a.assignment, b.assignment);
+    // Every planted cluster maps to one found cluster and vice versa (k-means++ on well-separated data).
+    std::map<std::int32_t, std::set<std::int32_t>> found_for_true, true_for_found;
+    for (std::size_t i = 0; i < truth.size(); ++i) {
+      found_for_true[truth[i]].insert(a.assignment[i]);
+      true_for_found[a.assignment[i]].insert(truth[i]);
+    }
+    for (const auto& [t, f] : found_for_true) EXPECT_EQ(f.size(), 1u) << "planted cluster " << t << " metric " << int(metric);
+    EXPECT_EQ(true_for_found.size(), std::size_t(k));
+    if (metric == cpu::KMeansMetric::cosine) {
+      for (std::int32_t c = 0; c < k; ++c) {
+        double norm = 0;
+        for (std::int32_t j = 0; j < d; ++j) norm += std::pow(a.centroids[std::size_t(c) * d + j], 2);
+        EXPECT_NEAR(norm, 1.0, 1e-5);
+      }
+    }
+  }
+}
+
+TEST_F(CpuPrimitives, KMeansUsesTheGivenAssignerAndRefusesTooManyClusters) {
+  const auto [points, truth] = planted_clusters(rng, 3, 10, 8);
+  const auto view = MatrixView<const float>::packed(points.data(), 30, 8);
+  int calls = 0;
+  const cpu::KMeansAssigner counting = [&](const MatrixView<const float>& p, const MatrixView<const float>& c,
+                                           cpu::KMeansMetric m, std::span<std::int32_t> out) {
+    ++calls;
+    cpu::assign_nearest(p, c, m, out);
+  };
+  const auto with = cpu::kmeans<float>(view, {.clusters = 3, .iterations = 4, .seed = 7}, counting);
+  const auto without = cpu::kmeans<float>(view, {.clusters = 3, .iterations = 4, .seed = 7});
+  EXPECT_EQ(calls, 5);  // one per iteration, one final
+  EXPECT_EQ(with.assignment, without.assignment);
+  try {
+    cpu::kmeans<float>(view, {.clusters = 31});
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("config.clusters (= 31) is outside [1, points = 30]"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace kvsift
