@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "kvsift/cpu/decode.hpp"
+#include "kvsift/cpu/primitives.hpp"
+#include "kvsift/cpu/topk.hpp"
 #include "kvsift/cpu/simd.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 
@@ -85,6 +87,37 @@ void BM_CpuSparseDecode(benchmark::State& state) {
   state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations(), benchmark::Counter::kIsRate);
   state.SetLabel(std::string(cpu::simd_level_name(cpu::active_simd_level())));
 }
+
+void BM_CpuTopK(benchmark::State& state) {
+  const std::int32_t n = std::int32_t(state.range(0)), k = std::int32_t(state.range(1));
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> dist;
+  std::vector<float> scores(n);
+  for (auto& x : scores) x = dist(rng);
+  std::vector<std::int32_t> out(k), scratch;
+  for (auto _ : state) {
+    cpu::topk_indices(scores, k, out, scratch);
+    benchmark::DoNotOptimize(out.data());
+  }
+}
+BENCHMARK(BM_CpuTopK)->ArgsProduct({{131072, 1 << 20}, {256, 2048, 8192}})->ArgNames({"N", "K"})->Unit(benchmark::kMicrosecond);
+
+/// k-means (L2, 10 iterations) of n keys of head_dim 128 into n / 64 clusters, as a cluster-based selector
+/// indexes one kv head.
+void BM_CpuKMeans(benchmark::State& state) {
+  const std::int32_t n = std::int32_t(state.range(0)), threads = std::int32_t(state.range(1));
+  std::mt19937_64 rng(4);
+  std::normal_distribution<float> dist;
+  std::vector<float> keys(std::size_t(n) * 128);
+  for (auto& x : keys) x = dist(rng);
+  cpu::ThreadPool pool(threads);
+  for (auto _ : state) {
+    auto result = cpu::kmeans<float>(MatrixView<const float>::packed(keys.data(), n, 128),
+                                     {.clusters = n / 64, .iterations = 10, .seed = 1}, {}, &pool);
+    benchmark::DoNotOptimize(result.centroids.data());
+  }
+}
+BENCHMARK(BM_CpuKMeans)->Args({8192, 1})->Args({8192, 2})->ArgNames({"N", "threads"})->Unit(benchmark::kMillisecond)->Iterations(1);
 
 void thread_counts(benchmark::internal::Benchmark* b, bool with_k) {
   const int all = int(std::max(1u, std::thread::hardware_concurrency()));

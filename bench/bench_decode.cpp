@@ -15,6 +15,7 @@
 
 #include "kvsift/attention/decode_cuda.hpp"
 #include "kvsift/attention/hybrid_decoder.hpp"
+#include "kvsift/cuda/primitives.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 #include "kvsift/cuda/check.hpp"
 
@@ -291,6 +292,25 @@ void BM_HybridDecode(benchmark::State& state) {
   cudaFreeHost(hv);
 }
 BENCHMARK(BM_HybridDecode)->Arg(32768)->Arg(131072)->ArgName("N")->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.2);
+
+/// Top-K over rows of scores (CUB radix-sort based): rows 8 (one per kv head), N scores per row.
+void BM_CudaTopK(benchmark::State& state) {
+  const std::int32_t n = std::int32_t(state.range(0)), k = std::int32_t(state.range(1));
+  constexpr std::int64_t kRows = 8;
+  std::vector<float> host(std::size_t(kRows) * n);
+  std::mt19937_64 rng(9);
+  std::normal_distribution<float> dist;
+  for (auto& x : host) x = dist(rng);
+  Device<float> scores(host.size());
+  Device<std::int32_t> out(std::size_t(kRows) * k);
+  KVSIFT_CUDA_CHECK(cudaMemcpy(scores.ptr, host.data(), host.size() * 4, cudaMemcpyHostToDevice));
+  const std::size_t bytes = kvsift::cuda::topk_workspace_bytes(kRows, n, k);
+  Device<std::byte> ws(bytes);
+  time_calls(state, [&](int, cudaStream_t stream) {
+    kvsift::cuda::topk(kvsift::MatrixView<const float>::packed(scores.ptr, kRows, n), k, out.ptr, {ws.ptr, bytes}, stream);
+  });
+}
+BENCHMARK(BM_CudaTopK)->ArgsProduct({{131072, 1 << 20}, {256, 2048, 8192}})->ArgNames({"N", "K"})->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.1);
 
 }  // namespace
 

@@ -54,6 +54,18 @@ def main(bench_json, sdpa_jsonl, gpu_txt):
                   f"{r['gbs']:.0f} | {100 * r['gbs'] / copy['gbs']:.0f}% |")
 
 
+def topk(runs):
+    rows = [(k, r) for k, r in runs.items() if k.startswith("BM_CudaTopK")]
+    if not rows:
+        return
+    print("\n### CUDA top-K (CUB radix sorts), 8 rows of N fp32 scores, GPU time per call (graph replays)\n")
+    print("| N | K | us |")
+    print("|---|---|---|")
+    for name, r in rows:
+        m = re.match(r"BM_CudaTopK/N:(\d+)/K:(\d+)", name)
+        print(f"| {m[1]} | {m[2]} | {r['us']:.1f} |")
+
+
 def hybrid(runs):
     rows = [(k, r) for k, r in runs.items() if k.startswith("BM_HybridDecode")]
     if not rows:
@@ -72,3 +84,4 @@ def hybrid(runs):
 if __name__ == "__main__":
     main(*sys.argv[1:4])
     hybrid(medians(sys.argv[1]))
+    topk(medians(sys.argv[1]))

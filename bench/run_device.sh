@@ -40,7 +40,7 @@ if has bench; then
   "$BUILD/bench/kvsift_bench_decode" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
     --benchmark_out="$OUT/bench_decode.json" --benchmark_out_format=json > "$OUT/bench_decode.txt" 2>&1 || status=1
   step "cpu benchmarks (host of the GPU machine)"
-  "$BUILD/bench/kvsift_bench_cpu" --benchmark_min_time=0.1 --benchmark_filter='Triad|K:16384|K:4096/threads:1/' \
+  "$BUILD/bench/kvsift_bench_cpu" --benchmark_min_time=0.1 --benchmark_filter='Triad|K:16384|K:4096/threads:1/|TopK|KMeans' \
     > "$OUT/bench_cpu.txt" 2>&1 || status=1
   grep -E "^BM" "$OUT/bench_cpu.txt" | awk '{print $1, $2, $3, $(NF-1), $NF}'
   step "pytorch sdpa baseline"

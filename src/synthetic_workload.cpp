@@ -6,6 +6,7 @@
 #include <random>
 
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/validate.hpp"
 
 namespace kvsift {
 namespace {
@@ -59,7 +60,7 @@ SyntheticWorkload make_synthetic_workload(const SyntheticWorkloadConfig& c) {
                "topics (= {}) must be positive and focus_topics (= {}) in [0, topics]", c.topics, c.focus_topics);
   KVSIFT_CHECK(c.sink_tokens >= 0 && c.needles >= 0 && c.sink_tokens + c.needles < c.tokens, where,
                "sink_tokens (= {}) + needles (= {}) must be below tokens (= {})", c.sink_tokens, c.needles, c.tokens);
-  c.rope.validate(c.head_dim, where);
+  validate(c.rope, c.head_dim, where);
 
   // Needles go in the middle three quarters of the non-sink tokens, at distinct positions.
   const std::int32_t needle_lo = c.sink_tokens + (c.tokens - c.sink_tokens) / 8;

@@ -77,7 +77,7 @@ void apply_rope_rows(const MatrixView<float>& rows, std::span<const std::int64_t
                      bool inverse) {
   constexpr const char* where = "cpu::apply_rope_rows";
   validate(rows, where, "rows");
-  rope.validate(rows.cols, where);
+  validate(rope, rows.cols, where);
   KVSIFT_CHECK(positions.size() == std::size_t(rows.rows), where, "positions.size() (= {}) != rows.rows (= {})",
                positions.size(), rows.rows);
   for (std::int64_t i = 0; i < rows.rows; ++i) apply_rope(rows.row(i), rows.cols, positions[i], rope, inverse);

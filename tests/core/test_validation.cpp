@@ -146,8 +146,8 @@ TEST_F(BadInput, OracleBudgetLargerThanTokensAndSelectionTooSmall) {
 }
 
 TEST(BadRope, RotaryDimMustBeEvenAndFit) {
-  expect_error([] { RopeConfig{.rotary_dim = 7}.validate(16, "rope"); }, {"rope.rotary_dim (= 7)"});
-  expect_error([] { RopeConfig{.rotary_dim = 32}.validate(16, "rope"); }, {"in [2, head_dim = 16]"});
+  expect_error([] { validate(RopeConfig{.rotary_dim = 7}, 16, "rope"); }, {"rope.rotary_dim (= 7)"});
+  expect_error([] { validate(RopeConfig{.rotary_dim = 32}, 16, "rope"); }, {"in [2, head_dim = 16]"});
 }
 
 TEST(CheckedMul, RefusesOverflow) {

@@ -8,7 +8,6 @@
 #include <cstdint>
 
 #include "kvsift/core/config.hpp"
-#include "kvsift/core/error.hpp"
 
 namespace kvsift {
 
@@ -19,13 +18,8 @@ struct RopeConfig {
   std::int32_t rotary_dim = 0;  ///< 0 means head_dim
   RopeLayout layout = RopeLayout::neox;
 
-  std::int32_t resolved_rotary_dim(std::int32_t head_dim) const { return rotary_dim == 0 ? head_dim : rotary_dim; }
-
-  void validate(std::int32_t head_dim, const char* where) const {
-    const std::int32_t r = resolved_rotary_dim(head_dim);
-    KVSIFT_CHECK(theta > 1.0, where, "rope.theta (= {}) must exceed 1", theta);
-    KVSIFT_CHECK(r > 0 && r <= head_dim && r % 2 == 0, where,
-                 "rope.rotary_dim (= {}) must be even and in [2, head_dim = {}]", r, head_dim);
+  KVSIFT_HOST_DEVICE std::int32_t resolved_rotary_dim(std::int32_t head_dim) const {
+    return rotary_dim == 0 ? head_dim : rotary_dim;
   }
 };
 

@@ -14,6 +14,7 @@
 #include <span>
 
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/rope.hpp"
 #include "kvsift/core/views.hpp"
 
 namespace kvsift {
@@ -202,6 +203,13 @@ void check_decode_shapes(const char* where, const QueryView<TQ>& q, const KV& kv
   KVSIFT_CHECK(out.batch == q.batch && out.heads == q.heads && out.head_dim == q.head_dim, where,
                "out shape [{}, {}, {}] != q shape [{}, {}, {}]", out.batch, out.heads, out.head_dim, q.batch, q.heads,
                q.head_dim);
+}
+
+inline void validate(const RopeConfig& rope, std::int32_t head_dim, const char* where) {
+  const std::int32_t r = rope.resolved_rotary_dim(head_dim);
+  KVSIFT_CHECK(rope.theta > 1.0, where, "rope.theta (= {}) must exceed 1", rope.theta);
+  KVSIFT_CHECK(r > 0 && r <= head_dim && r % 2 == 0, where, "rope.rotary_dim (= {}) must be even and in [2, head_dim = {}]",
+               r, head_dim);
 }
 
 /// The rules of every LSE merge: at least one partial, every partial and the output valid and of one shape.
