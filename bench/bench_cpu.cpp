@@ -94,7 +94,8 @@ void BM_CpuTopK(benchmark::State& state) {
   std::normal_distribution<float> dist;
   std::vector<float> scores(n);
   for (auto& x : scores) x = dist(rng);
-  std::vector<std::int32_t> out(k), scratch;
+  std::vector<std::int32_t> out(k);
+  std::vector<std::uint64_t> scratch;
   for (auto _ : state) {
     cpu::topk_indices(scores, k, out, scratch);
     benchmark::DoNotOptimize(out.data());

@@ -20,7 +20,7 @@ int bits_for(std::int64_t values) {
 /// keys, NaN the largest key (ranks below every number).
 __device__ std::uint32_t descending_key(float score) {
   if (isnan(score)) return 0xffffffffu;
-  const std::uint32_t bits = __float_as_uint(score);
+  const std::uint32_t bits = score == 0.0f ? 0u : __float_as_uint(score);  // -0 and +0 are equal scores
   const std::uint32_t ascending = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
   return ~ascending;
 }

@@ -69,17 +69,28 @@ TEST_F(CpuPrimitives, SortUniqueKeepsEachIndexOnceAscending) {
   EXPECT_EQ(std::vector<std::int32_t>(idx.begin(), idx.begin() + n), std::vector<std::int32_t>(expected.begin(), expected.end()));
 }
 
+/// kvsift's ranking rule, stated independently of the implementation: higher score first, NaN last, on equal
+/// scores the smaller index first.
+bool ranks_before(float a, std::int32_t ia, float b, std::int32_t ib) {
+  const bool a_nan = std::isnan(a), b_nan = std::isnan(b);
+  if (a_nan != b_nan) return b_nan;
+  if (!a_nan && a != b) return a > b;
+  return ia < ib;
+}
+
 TEST_F(CpuPrimitives, TopKAgreesWithAFullSortUnderTheTieRule) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
-  std::vector<std::int32_t> scratch;
+  std::vector<std::uint64_t> scratch;
   for (int trial = 0; trial < 20; ++trial) {
     const std::int32_t n = rng.uniform_int(1, 3000), k = rng.uniform_int(0, n);
     std::vector<float> scores(n);
     for (auto& s : scores) s = float(rng.uniform_int(-20, 20));  // many ties
     if (n > 3) scores[n / 2] = NAN;
+    if (n > 5) scores[n / 3] = -INFINITY;
+    if (n > 7) scores[n / 5] = -0.0f;  // equal to +0.0 under the rule
     std::vector<std::int32_t> order(n), out(k);
     std::iota(order.begin(), order.end(), 0);
-    std::sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return cpu::ranks_before(scores[a], a, scores[b], b); });
+    std::sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return ranks_before(scores[a], a, scores[b], b); });
     std::vector<std::int32_t> expected(order.begin(), order.begin() + k);
     std::sort(expected.begin(), expected.end());
     cpu::topk_indices(scores, k, out, scratch);

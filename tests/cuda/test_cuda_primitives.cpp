@@ -33,6 +33,7 @@ void check_topk(Random& rng, std::int64_t rows, std::int32_t n, std::int32_t k) 
     scores[rng.uniform_int(0, int(scores.size()) - 1)] = NAN;
     scores[rng.uniform_int(0, int(scores.size()) - 1)] = -INFINITY;
     scores[rng.uniform_int(0, int(scores.size()) - 1)] = INFINITY;
+    scores[rng.uniform_int(0, int(scores.size()) - 1)] = -0.0f;
   }
   DeviceBuffer<float> d_scores(scores);
   DeviceBuffer<std::int32_t> d_out(std::max<std::size_t>(1, std::size_t(rows) * k));
@@ -42,7 +43,8 @@ void check_topk(Random& rng, std::int64_t rows, std::int32_t n, std::int32_t k) 
   cuda::topk(MatrixView<const float>::packed(d_scores.data(), rows, n), k, d_out.data(), {ws.data(), bytes}, nullptr);
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   const auto got = d_out.download();
-  std::vector<std::int32_t> expected(k), scratch;
+  std::vector<std::int32_t> expected(k);
+  std::vector<std::uint64_t> scratch;
   for (std::int64_t r = 0; r < rows; ++r) {
     cpu::topk_indices({scores.data() + r * n, std::size_t(n)}, k, expected, scratch);
     ASSERT_EQ(std::vector<std::int32_t>(got.begin() + r * k, got.begin() + (r + 1) * k), expected) << "row " << r;

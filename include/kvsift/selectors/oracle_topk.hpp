@@ -159,7 +159,7 @@ class OracleTopK {
   std::vector<std::vector<float>> keys_;  ///< per (b, kv head): [tokens, head_dim]
   std::vector<float> scores_;
   std::vector<double> logits_;
-  std::vector<std::int32_t> topk_scratch_;
+  std::vector<std::uint64_t> topk_scratch_;
 };
 
 static_assert(KVSelector<OracleTopK>);
