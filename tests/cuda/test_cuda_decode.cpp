@@ -8,7 +8,7 @@
 #include <numeric>
 #include <string>
 
-#include "cuda/device_buffer.hpp"
+#include "cuda/gpu_test.hpp"
 #include "kvsift/attention/decode_cuda.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -26,10 +26,6 @@ using test::to_storage;
 using test::CaseSpec;
 using test::describe;
 
-#define KVSIFT_REQUIRE_GPU()          \
-  if (cuda::device_available()) { \
-  } else                          \
-    GTEST_SKIP() << "no CUDA device on this machine; these tests run on a GPU host"
 
 /// A HostDecodeProblem with device copies of everything the kernels read.
 template <class T>
@@ -114,12 +110,7 @@ void check_case(Random& rng, const CaseSpec& spec) {
   expect_close(o, lse, problem.reference(sparse), sparse ? "sparse" : "dense");
 }
 
-class CudaDecode : public testing::Test {
- protected:
-  void SetUp() override { KVSIFT_REQUIRE_GPU(); }
-  std::uint64_t seed = test::test_seed();
-  Random rng{seed};
-};
+using CudaDecode = test::GpuTest;
 
 TEST_F(CudaDecode, SparseMatchesReferenceAcrossTheShapeMatrix) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "attention_check.hpp"
-#include "cuda/device_buffer.hpp"
+#include "cuda/gpu_test.hpp"
 #include "kvsift/cpu/primitives.hpp"
 #include "kvsift/cpu/topk.hpp"
 #include "kvsift/cuda/primitives.hpp"
@@ -16,14 +16,7 @@ namespace {
 using test::DeviceBuffer;
 using test::Random;
 
-class CudaPrimitives : public testing::Test {
- protected:
-  void SetUp() override {
-    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device on this machine; these tests run on a GPU host";
-  }
-  std::uint64_t seed = test::test_seed();
-  Random rng{seed};
-};
+using CudaPrimitives = test::GpuTest;
 
 void check_topk(Random& rng, std::int64_t rows, std::int32_t n, std::int32_t k) {
   SCOPED_TRACE(testing::Message() << "rows " << rows << " n " << n << " k " << k);

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "attention_check.hpp"
-#include "cuda/device_buffer.hpp"
+#include "cuda/gpu_test.hpp"
 #include "kvsift/attention/hybrid_decoder.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "test_util.hpp"
@@ -94,14 +94,7 @@ struct HybridCase {
   StateView<bfloat16> out() const { return StateView<bfloat16>::packed(d_o.data(), d_lse.data(), kBatch, kQHeads, kDim); }
 };
 
-class HybridDecode : public testing::Test {
- protected:
-  void SetUp() override {
-    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device on this machine; these tests run on a GPU host";
-  }
-  std::uint64_t seed = test::test_seed();
-  Random rng{seed};
-};
+using HybridDecode = test::GpuTest;
 
 TEST_F(HybridDecode, FullOffloadSelectionEqualsDenseOverEverything) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);

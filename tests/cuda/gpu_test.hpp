@@ -1,5 +1,5 @@
 #pragma once
-/// RAII device memory for tests, with host round trips and poisoning.
+/// GPU test support: RAII device memory with host round trips and poisoning, and the GpuTest fixture.
 
 #include <cuda_runtime_api.h>
 
@@ -51,6 +51,25 @@ class DeviceBuffer {
   }
   T* data_ = nullptr;
   std::size_t count_ = 0;
+};
+
+}  // namespace kvsift::test
+
+#include <gtest/gtest.h>
+
+#include "test_util.hpp"
+
+namespace kvsift::test {
+
+/// Base fixture of every GPU test: skips with a reason where no CUDA device exists (CI), and draws a fresh
+/// seed (KVSIFT_TEST_SEED reproduces one) for the test's random inputs.
+class GpuTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device on this machine; these tests run on a GPU host";
+  }
+  std::uint64_t seed = test_seed();
+  Random rng{seed};
 };
 
 }  // namespace kvsift::test
