@@ -22,7 +22,7 @@ void run(const char* where, const QueryView<const T>& q, const KV& kv, const Sel
   KVSIFT_CHECK(q.head_dim <= detail::kMaxHeadDim, where,
                "head_dim (= {}) exceeds the CPU decode kernels' limit of {}", q.head_dim, detail::kMaxHeadDim);
   detail::DecodeJob<T, KV> job{q, kv, {}, out, q.heads / kv.kv_heads,
-                               options.resolved_scale(q.head_dim) * detail::kLog2e};
+                               options.resolved_scale(q.head_dim) * kLog2e};
   if (selection != nullptr) {
     validate(*selection, kv, where, "selection", MemorySpace::host);
     job.selection = *selection;

@@ -11,6 +11,7 @@
 #include <span>
 
 #include "kvsift/attention/decode_cuda.hpp"
+#include "kvsift/attention/state.hpp"
 #include "kvsift/attention/decode_launch.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
@@ -147,7 +148,7 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
                "kv.kv_heads (= {}) * GQA tiles (= {}) exceeds the CUDA grid limit 65535", kv.kv_heads, p.head_tiles);
   p.num_splits =
       choose_splits<T>(std::int64_t(q.batch) * kv.kv_heads * p.head_tiles, max_tokens, q.head_dim, p.group, options);
-  p.scale_log2 = options.attention.resolved_scale(q.head_dim) * 1.4426950408889634f;  // log2(e)
+  p.scale_log2 = options.attention.resolved_scale(q.head_dim) * kLog2e;
   return p;
 }
 

@@ -28,8 +28,6 @@ namespace kvsift::cuda::detail {
 inline constexpr int kDecodeThreads = 128;
 inline constexpr int kDecodeUnroll = 4;  ///< rows per row group per pipeline stage
 inline constexpr int kDecodeStages = 3;  ///< cp.async stages: two in flight while one is consumed
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.6931471805599453f;
 
 template <int HeadDim, int GroupTile>
 struct DecodeShape {

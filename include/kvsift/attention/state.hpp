@@ -10,6 +10,11 @@
 
 namespace kvsift {
 
+/// Kernels keep logits in base 2 (exp2 is the fast instruction); these convert at the boundaries, where
+/// LSE is always reported in natural log.
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
 template <class Acc>
 KVSIFT_HOST_DEVICE constexpr Acc negative_infinity() {
   return -std::numeric_limits<Acc>::infinity();

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "kvsift/attention/state.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/simd.hpp"
@@ -13,8 +14,6 @@ namespace kvsift::cpu::detail {
 inline constexpr int kMaxHeadDim = 256;
 inline constexpr int kHeadTile = 8;
 inline constexpr int kTokenBlock = 64;
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.6931471805599453f;
 
 /// Everything one decode call needs; rows are (sequence, kv head) pairs, row = b * kv_heads + h.
 template <class T, class KV>
