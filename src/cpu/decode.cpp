@@ -1,4 +1,4 @@
-// CPU decode attention: validation and dispatch (baseline ISA flags); kernels in decode_<level>.cpp.
+// CPU decode attention: validation and dispatch (baseline ISA flags); kernels in kernels_<level>.cpp.
 #include "kvsift/cpu/decode.hpp"
 
 #include <cmath>

@@ -8,27 +8,11 @@
 
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/validate.hpp"
+#include "kvsift/cpu/detail/primitives_kernels.hpp"
+#include "kvsift/cpu/simd.hpp"
 
 namespace kvsift::cpu {
 namespace {
-
-template <class T>
-float dot_row(const float* q, const T* row, std::int32_t d) {
-  float s = 0.0f;
-  for (std::int32_t c = 0; c < d; ++c) s += q[c] * to_float(row[c]);
-  return s;
-}
-
-/// Distance under the metric, smaller is nearer: squared L2, or 1 - cosine for unit vectors.
-float distance(const float* a, const float* b, std::int32_t d, KMeansMetric metric) {
-  float s = 0.0f;
-  if (metric == KMeansMetric::l2) {
-    for (std::int32_t c = 0; c < d; ++c) s += (a[c] - b[c]) * (a[c] - b[c]);
-    return s;
-  }
-  for (std::int32_t c = 0; c < d; ++c) s += a[c] * b[c];
-  return 1.0f - s;
-}
 
 void normalize(float* x, std::int32_t d) {
   double norm = 0.0;
@@ -48,8 +32,10 @@ void gemv_scores(std::span<const float> q, const MatrixView<const T>& rows, floa
   KVSIFT_CHECK(q.size() == std::size_t(rows.cols), where, "q.size() (= {}) != rows.cols (= {})", q.size(), rows.cols);
   KVSIFT_CHECK(scores.size() >= std::size_t(rows.rows), where, "scores.size() (= {}) < rows.rows (= {})", scores.size(),
                rows.rows);
-  parallel_for(pool, rows.rows, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t i = begin; i < end; ++i) scores[i] = scale * dot_row(q.data(), rows.row(i), rows.cols);
+  with_simd_level([&]<SimdLevel L>() {
+    parallel_for(pool, rows.rows, [&](std::int64_t begin, std::int64_t end) {
+      detail::gemv_rows<L, T>(q.data(), rows, scale, scores.data(), begin, end);
+    });
   });
 }
 
@@ -92,19 +78,15 @@ void assign_nearest(const MatrixView<const float>& points, const MatrixView<cons
                centroids.cols);
   KVSIFT_CHECK(assignment.size() >= std::size_t(points.rows), where, "assignment.size() (= {}) < points.rows (= {})",
                assignment.size(), points.rows);
-  parallel_for(pool, points.rows, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t i = begin; i < end; ++i) {
-      float best = std::numeric_limits<float>::infinity();
-      std::int32_t best_id = 0;
-      for (std::int64_t c = 0; c < centroids.rows; ++c) {
-        const float dist = distance(points.row(i), centroids.row(c), points.cols, metric);
-        if (dist < best) {  // strict: on a tie the smaller id stays
-          best = dist;
-          best_id = std::int32_t(c);
-        }
-      }
-      assignment[i] = best_id;
-    }
+  std::vector<float> norms(static_cast<std::size_t>(centroids.rows));
+  for (std::int64_t c = 0; c < centroids.rows; ++c) {
+    norms[c] = 0.0f;
+    for (std::int32_t j = 0; j < centroids.cols; ++j) norms[c] += centroids.row(c)[j] * centroids.row(c)[j];
+  }
+  with_simd_level([&]<SimdLevel L>() {
+    parallel_for(pool, points.rows, [&](std::int64_t begin, std::int64_t end) {
+      detail::assign_rows<L>(points, centroids, norms.data(), metric == KMeansMetric::cosine, assignment.data(), begin, end);
+    });
   });
 }
 
@@ -133,13 +115,23 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
   result.centroids.resize(std::size_t(k) * d);
   std::mt19937_64 rng(config.seed);
   const int candidates_per_step = 2 + int(std::log(double(k)));
-  const auto dist = [&](std::int64_t i, std::int64_t j) {
-    return double(std::max(0.0f, distance(xs.row(i), xs.row(j), d, config.metric)));
-  };
   const auto points_count = static_cast<std::size_t>(n);
-  std::vector<double> nearest(points_count), trial(points_count), best_trial(points_count);
+  // Distances from every point to point j, from one (SIMD, threaded) GEMV and the points' squared norms.
+  std::vector<float> norms(points_count), dots(points_count);
+  for (std::int64_t i = 0; i < n; ++i) {
+    norms[i] = 0.0f;
+    for (std::int32_t c = 0; c < d; ++c) norms[i] += xs.row(i)[c] * xs.row(i)[c];
+  }
+  const auto distances_to = [&](std::int64_t j, std::vector<double>& out) {
+    gemv_scores<float>({xs.row(j), std::size_t(d)}, xs, 1.0f, dots, pool);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const double dist = config.metric == KMeansMetric::cosine ? 1.0 - dots[i] : double(norms[i]) - 2.0 * dots[i] + norms[j];
+      out[i] = std::max(0.0, dist);
+    }
+  };
+  std::vector<double> nearest(points_count), trial(points_count), best_trial(points_count), candidate_distances(points_count);
   std::int64_t chosen = std::int64_t(rng() % std::uint64_t(n));
-  for (std::int64_t i = 0; i < n; ++i) nearest[i] = dist(i, chosen);
+  distances_to(chosen, nearest);
   std::copy_n(xs.row(chosen), d, &result.centroids[0]);
   for (std::int32_t c = 1; c < k; ++c) {
     const double total = std::accumulate(nearest.begin(), nearest.end(), 0.0);
@@ -155,8 +147,9 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
           break;
         }
       }
+      distances_to(candidate, candidate_distances);
       double potential = 0.0;
-      for (std::int64_t i = 0; i < n; ++i) potential += trial[i] = std::min(nearest[i], dist(i, candidate));
+      for (std::int64_t i = 0; i < n; ++i) potential += trial[i] = std::min(nearest[i], candidate_distances[i]);
       if (potential < best_potential) {
         best_potential = potential;
         best = candidate;
@@ -166,7 +159,8 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
     if (total > 0.0) {
       nearest.swap(best_trial);
     } else {
-      for (std::int64_t i = 0; i < n; ++i) nearest[i] = std::min(nearest[i], dist(i, best));
+      distances_to(best, candidate_distances);
+      for (std::int64_t i = 0; i < n; ++i) nearest[i] = std::min(nearest[i], candidate_distances[i]);
     }
     chosen = best;
     std::copy_n(xs.row(chosen), d, &result.centroids[std::size_t(c) * d]);

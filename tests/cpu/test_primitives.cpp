@@ -10,6 +10,7 @@
 
 #include "attention_check.hpp"
 #include "kvsift/cpu/primitives.hpp"
+#include "kvsift/cpu/simd.hpp"
 #include "kvsift/cpu/topk.hpp"
 #include "test_util.hpp"
 
@@ -39,9 +40,14 @@ TEST_F(CpuPrimitives, GemvScoresMatchFp64Dots) {
       ASSERT_NEAR(scores[i], 0.5 * want, 1e-5 * (1 + std::abs(want)) * std::sqrt(double(d))) << i;
     }
   };
-  check(float{});
-  check(half{});
-  check(bfloat16{});
+  for (cpu::SimdLevel level : {cpu::SimdLevel::scalar, cpu::SimdLevel::avx2, cpu::SimdLevel::avx512}) {
+    if (level > cpu::detected_simd_level()) continue;
+    cpu::ScopedSimdLevel force(level);
+    SCOPED_TRACE(std::string(cpu::simd_level_name(level)));
+    check(float{});
+    check(half{});
+    check(bfloat16{});
+  }
 }
 
 TEST_F(CpuPrimitives, GatherCopiesRowsAndRefusesBadIndices) {
@@ -133,7 +139,13 @@ std::pair<std::vector<float>, std::vector<std::int32_t>> planted_clusters(Random
 
 TEST_F(CpuPrimitives, KMeansRecoversPlantedClustersAndIsDeterministic) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
-  for (cpu::KMeansMetric metric : {cpu::KMeansMetric::l2, cpu::KMeansMetric::cosine}) {
+  for (const auto& [metric, level] : {std::pair{cpu::KMeansMetric::l2, cpu::SimdLevel::scalar},
+                                      std::pair{cpu::KMeansMetric::cosine, cpu::SimdLevel::avx2},
+                                      std::pair{cpu::KMeansMetric::l2, cpu::SimdLevel::avx512},
+                                      std::pair{cpu::KMeansMetric::cosine, cpu::SimdLevel::avx512}}) {
+    if (level > cpu::detected_simd_level()) continue;
+    cpu::ScopedSimdLevel force(level);
+    SCOPED_TRACE(std::string(cpu::simd_level_name(level)));
     const std::int32_t k = 6, per = 40, d = 32;
     const auto [points, truth] = planted_clusters(rng, k, per, d);
     const auto view = MatrixView<const float>::packed(points.data(), k * per, d);

@@ -48,7 +48,9 @@ struct KMeansResult {
   std::vector<std::int32_t> assignment;  ///< [points]: the nearest centroid (ties: smaller id)
 };
 
-/// Fills assignment[i] with the nearest centroid of point i under the metric (ties: smaller id). Points are
+/// Fills assignment[i] with the nearest centroid of point i under the metric (ties: smaller id). The CPU
+/// assigner ranks centroids by x.c - |c|^2 / 2 (L2) or x.c (cosine) with SIMD dot products, so points almost
+/// exactly between two centroids may resolve differently at different SIMD levels. Points are
 /// fp32 [n, dim] (normalized for cosine), centroids [k, dim]. The CPU assigner is cpu::assign_nearest; a
 /// backend may pass its own (e.g. a GPU one), which is how one k-means serves every backend.
 using KMeansAssigner = std::function<void(const MatrixView<const float>& points, const MatrixView<const float>& centroids,

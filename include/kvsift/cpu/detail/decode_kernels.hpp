@@ -1,6 +1,6 @@
 #pragma once
 /// The CPU decode job and the per-ISA kernels' declarations; the kernels are defined in decode-inl.hpp and
-/// instantiated only in src/cpu/decode_<level>.cpp (so that baseline code never instantiates ISA code).
+/// instantiated only in src/cpu/kernels_<level>.cpp (so that baseline code never instantiates ISA code).
 
 #include <cstdint>
 
