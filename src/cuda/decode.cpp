@@ -103,10 +103,7 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
                             const StateView<T>* out, const DecodeOptions& options) {
   validate(q, where, "q");
   validate(kv, where, "kv", MemorySpace::device);
-  KVSIFT_CHECK(q.head_dim == kv.head_dim, where, "kv.head_dim (= {}) != q.head_dim (= {})", kv.head_dim, q.head_dim);
-  KVSIFT_CHECK(q.batch == kv.batch, where, "kv.batch (= {}) != q.batch (= {})", kv.batch, q.batch);
-  KVSIFT_CHECK(q.heads % kv.kv_heads == 0, where, "q.heads (= {}) is not a multiple of kv.kv_heads (= {})", q.heads,
-               kv.kv_heads);
+  check_query_matches_kv(where, q, kv);
   KVSIFT_CHECK(q.head_dim == 64 || q.head_dim == 128, where,
                "head_dim (= {}) is not supported by the CUDA decode kernels (supported: 64, 128)", q.head_dim);
   KVSIFT_CHECK(q.batch <= 65535, where, "q.batch (= {}) exceeds the CUDA grid limit 65535", q.batch);
@@ -115,9 +112,7 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   check_kv_aligned(where, kv);
   if (out != nullptr) {
     validate(*out, where, "out");
-    KVSIFT_CHECK(out->batch == q.batch && out->heads == q.heads && out->head_dim == q.head_dim, where,
-                 "out shape [{}, {}, {}] != q shape [{}, {}, {}]", out->batch, out->heads, out->head_dim, q.batch,
-                 q.heads, q.head_dim);
+    check_output_matches_query(where, q, *out);
   }
 
   DecodeParams<T> p;

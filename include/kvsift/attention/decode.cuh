@@ -297,20 +297,30 @@ cudaError_t allow_dynamic_smem(std::size_t bytes) {
   return status;
 }
 
-/// The one place where runtime head_dim and GQA tile become template arguments.
+/// The one place where runtime head_dim and GQA tile become template arguments: calls
+/// fn(kernel, dynamic_smem_bytes) for the matching decode kernel, once its shared-memory limit is raised.
+/// Returns cudaErrorInvalidValue for an unsupported head_dim (the host entry points validate it before).
+template <class T, class Fn>
+cudaError_t with_decode_kernel(int head_dim, int group, Fn&& fn) {
+  cudaError_t status = cudaErrorInvalidValue;
+  dispatch_int<64, 128>(head_dim, [&]<int HeadDim>() {
+    dispatch_int<1, 2, 4, 8>(group_tile_for(group), [&]<int Tile>() {
+      constexpr auto kernel = decode_attention_kernel<HeadDim, Tile, T>;
+      constexpr std::size_t smem = DecodeShape<HeadDim, Tile>::kSmemBytes;
+      status = allow_dynamic_smem<kernel>(smem);
+      if (status == cudaSuccess) status = fn(kernel, smem);
+    });
+  });
+  return status;
+}
+
 template <class T>
 cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream) {
   const int kv_heads = p.paged ? p.paged_kv.kv_heads : p.kv.kv_heads;
   const dim3 grid(p.num_splits, kv_heads * p.head_tiles, p.q.batch);
-  cudaError_t status = cudaErrorInvalidValue;  // stays so only for an unsupported head_dim (validated before)
-  dispatch_int<64, 128>(p.q.head_dim, [&]<int HeadDim>() {
-    dispatch_int<1, 2, 4, 8>(group_tile_for(p.group), [&]<int Tile>() {
-      constexpr auto kernel = decode_attention_kernel<HeadDim, Tile, T>;
-      status = allow_dynamic_smem<kernel>(DecodeShape<HeadDim, Tile>::kSmemBytes);
-      if (status != cudaSuccess) return;
-      kernel<<<grid, kDecodeThreads, DecodeShape<HeadDim, Tile>::kSmemBytes, stream>>>(p);
-      status = cudaGetLastError();
-    });
+  const cudaError_t status = with_decode_kernel<T>(p.q.head_dim, p.group, [&](auto kernel, std::size_t smem) {
+    kernel<<<grid, kDecodeThreads, smem, stream>>>(p);
+    return cudaGetLastError();
   });
   if (status != cudaSuccess || p.num_splits == 1) return status;
   // Programmatic dependent launch: the merge's launch overlaps the decode grid's tail (sm_90; elsewhere the
@@ -329,18 +339,9 @@ cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream) {
 
 template <class T>
 cudaError_t decode_ctas_per_sm(int head_dim, int group, int* ctas) {
-  cudaError_t status = cudaErrorInvalidValue;
-  dispatch_int<64, 128>(head_dim, [&]<int HeadDim>() {
-    dispatch_int<1, 2, 4, 8>(group_tile_for(group), [&]<int Tile>() {
-      constexpr auto kernel = decode_attention_kernel<HeadDim, Tile, T>;
-      status = allow_dynamic_smem<kernel>(DecodeShape<HeadDim, Tile>::kSmemBytes);
-      if (status == cudaSuccess) {
-        status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, kernel, kDecodeThreads,
-                                                               DecodeShape<HeadDim, Tile>::kSmemBytes);
-      }
-    });
+  return with_decode_kernel<T>(head_dim, group, [&](auto kernel, std::size_t smem) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, kernel, kDecodeThreads, smem);
   });
-  return status;
 }
 
 template <class T>

@@ -191,18 +191,29 @@ void validate(const SelectionView& s, const KV& kv, const char* where, const cha
   }
 }
 
-/// The cross-view rules of decode attention: same batch and head_dim, q_heads a multiple of kv_heads, and
-/// an output of the query's shape.
-template <class TQ, KVCacheView KV, class TO>
-void check_decode_shapes(const char* where, const QueryView<TQ>& q, const KV& kv, const StateView<TO>& out) {
+/// The query-versus-cache rules of decode attention: same batch and head_dim, q_heads a multiple of kv_heads.
+template <class TQ, KVCacheView KV>
+void check_query_matches_kv(const char* where, const QueryView<TQ>& q, const KV& kv) {
   KVSIFT_CHECK(kv.head_dim == q.head_dim, where, "kv.head_dim (= {}) != q.head_dim (= {})", kv.head_dim,
                q.head_dim);
   KVSIFT_CHECK(kv.batch == q.batch, where, "kv.batch (= {}) != q.batch (= {})", kv.batch, q.batch);
   KVSIFT_CHECK(q.heads % kv.kv_heads == 0, where, "q.heads (= {}) is not a multiple of kv.kv_heads (= {})", q.heads,
                kv.kv_heads);
+}
+
+/// An attention output has the query's shape.
+template <class TQ, class TO>
+void check_output_matches_query(const char* where, const QueryView<TQ>& q, const StateView<TO>& out) {
   KVSIFT_CHECK(out.batch == q.batch && out.heads == q.heads && out.head_dim == q.head_dim, where,
                "out shape [{}, {}, {}] != q shape [{}, {}, {}]", out.batch, out.heads, out.head_dim, q.batch, q.heads,
                q.head_dim);
+}
+
+/// All cross-view rules of decode attention.
+template <class TQ, KVCacheView KV, class TO>
+void check_decode_shapes(const char* where, const QueryView<TQ>& q, const KV& kv, const StateView<TO>& out) {
+  check_query_matches_kv(where, q, kv);
+  check_output_matches_query(where, q, out);
 }
 
 inline void validate(const RopeConfig& rope, std::int32_t head_dim, const char* where) {
