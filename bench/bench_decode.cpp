@@ -54,20 +54,24 @@ struct EventTimer {
 };
 
 /// Fills bf16 data with random normal values (never zeros: zeros can run faster than real data). A 32 MiB
-/// random pattern is generated once and tiled; the tiles start at different offsets.
+/// random pattern is uploaded once and tiled by device-to-device copies; the tiles start at different offsets.
 void fill_random(bfloat16* d_data, std::size_t n, std::uint64_t seed) {
-  static const std::vector<bfloat16> pattern = [] {
+  constexpr std::size_t kPattern = std::size_t(1) << 24;
+  static const bfloat16* d_pattern = [] {
     std::mt19937_64 rng(2026);
     std::normal_distribution<float> dist;
-    std::vector<bfloat16> p(std::size_t(1) << 24);
+    std::vector<bfloat16> p(kPattern);
     for (auto& x : p) x = kvsift::float_to_bfloat16(dist(rng));
-    return p;
+    bfloat16* d = nullptr;  // lives as long as the process
+    KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), kPattern * sizeof(bfloat16)));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(d, p.data(), kPattern * sizeof(bfloat16), cudaMemcpyHostToDevice));
+    return d;
   }();
   std::size_t shift = seed * 7919;
-  for (std::size_t off = 0; off < n; off += pattern.size() / 2, shift += 104729) {
-    const std::size_t count = std::min(pattern.size() / 2, n - off);
-    KVSIFT_CUDA_CHECK(cudaMemcpy(d_data + off, pattern.data() + shift % (pattern.size() / 2), count * sizeof(bfloat16),
-                                 cudaMemcpyHostToDevice));
+  for (std::size_t off = 0; off < n; off += kPattern / 2, shift += 104729) {
+    const std::size_t count = std::min(kPattern / 2, n - off);
+    KVSIFT_CUDA_CHECK(cudaMemcpy(d_data + off, d_pattern + shift % (kPattern / 2), count * sizeof(bfloat16),
+                                 cudaMemcpyDeviceToDevice));
   }
 }
 
@@ -134,6 +138,7 @@ BENCHMARK(BM_CopyBandwidth)->UseManualTime()->Unit(benchmark::kMicrosecond)->Ite
 
 void BM_DenseDecode(benchmark::State& state) {
   const int tokens = int(state.range(0)), batch = int(state.range(1));
+  const kvsift::cuda::DecodeOptions options{.num_splits = std::int32_t(state.range(2))};
   const std::size_t kv_elems = std::size_t(batch) * kKvHeads * tokens * kHeadDim;
   const int copies = copies_for(2 * kv_elems * sizeof(bfloat16));
   Device<bfloat16> k(kv_elems * copies), v(kv_elems * copies), q(std::size_t(batch) * kQHeads * kHeadDim),
@@ -148,18 +153,20 @@ void BM_DenseDecode(benchmark::State& state) {
     return kvsift::ContiguousKVView<const bfloat16>::packed(k.ptr + copy * kv_elems, v.ptr + copy * kv_elems, batch,
                                                             kKvHeads, tokens, kHeadDim);
   };
-  const std::size_t ws_bytes = kvsift::cuda::dense_decode_workspace_bytes(qv, kv_of(0));
+  const std::size_t ws_bytes = kvsift::cuda::dense_decode_workspace_bytes(qv, kv_of(0), options);
   Device<std::byte> ws(std::max<std::size_t>(ws_bytes, 256));
   time_calls(state, [&](int i, cudaStream_t stream) {
-    kvsift::cuda::dense_decode(qv, kv_of(i % copies), out, {ws.ptr, ws_bytes}, stream);
+    kvsift::cuda::dense_decode(qv, kv_of(i % copies), out, {ws.ptr, ws_bytes}, stream, options);
   });
   const double bytes = 2.0 * kv_elems * sizeof(bfloat16) + 2.0 * batch * kQHeads * kHeadDim * sizeof(bfloat16);
   state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations(), benchmark::Counter::kIsRate);
   state.counters["bytes"] = bytes;
 }
+/// splits 0: kvsift's own split planning; the sweep at batch 1 shows what that choice costs.
 BENCHMARK(BM_DenseDecode)
-    ->ArgsProduct({{8192, 32768, 131072}, {1, 8}})
-    ->ArgNames({"N", "batch"})
+    ->ArgsProduct({{8192, 32768, 131072}, {1, 8}, {0}})
+    ->ArgsProduct({{32768}, {1}, {16, 32, 66, 132, 264}})
+    ->ArgNames({"N", "batch", "splits"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);
@@ -169,6 +176,7 @@ BENCHMARK(BM_DenseDecode)
 void BM_SparseDecode(benchmark::State& state) {
   const int k_sel = int(state.range(0)), batch = int(state.range(1));
   const bool clustered = state.range(2) != 0;
+  const kvsift::cuda::DecodeOptions options{.num_splits = std::int32_t(state.range(3))};
   const int tokens = 131072;
   const std::size_t kv_elems = std::size_t(batch) * kKvHeads * tokens * kHeadDim;
   Device<bfloat16> k(kv_elems), v(kv_elems), q(std::size_t(batch) * kQHeads * kHeadDim), o(std::size_t(batch) * kQHeads * kHeadDim);
@@ -207,10 +215,10 @@ void BM_SparseDecode(benchmark::State& state) {
   const auto sel_of = [&](int set) {
     return kvsift::SelectionView{idx.ptr + std::size_t(set) * rows * k_sel, counts.ptr, nullptr, batch, kKvHeads, k_sel};
   };
-  const std::size_t ws_bytes = kvsift::cuda::sparse_decode_workspace_bytes(qv, kv, sel_of(0));
+  const std::size_t ws_bytes = kvsift::cuda::sparse_decode_workspace_bytes(qv, kv, sel_of(0), options);
   Device<std::byte> ws(std::max<std::size_t>(ws_bytes, 256));
   time_calls(state, [&](int i, cudaStream_t stream) {
-    kvsift::cuda::sparse_decode(qv, kv, sel_of(i % sets), out, {ws.ptr, ws_bytes}, stream);
+    kvsift::cuda::sparse_decode(qv, kv, sel_of(i % sets), out, {ws.ptr, ws_bytes}, stream, options);
   });
   const double bytes = 2.0 * rows * k_sel * kHeadDim * sizeof(bfloat16) + rows * k_sel * 4.0 +
                        2.0 * batch * kQHeads * kHeadDim * sizeof(bfloat16);
@@ -218,8 +226,9 @@ void BM_SparseDecode(benchmark::State& state) {
   state.counters["bytes"] = bytes;
 }
 BENCHMARK(BM_SparseDecode)
-    ->ArgsProduct({{256, 1024, 2048, 8192}, {1, 8}, {0, 1}})
-    ->ArgNames({"K", "batch", "clustered"})
+    ->ArgsProduct({{256, 1024, 2048, 8192}, {1, 8}, {0, 1}, {0}})
+    ->ArgsProduct({{2048}, {1}, {0}, {4, 8, 16, 32, 64}})
+    ->ArgNames({"K", "batch", "clustered", "splits"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);

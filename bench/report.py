@@ -29,7 +29,7 @@ def main(bench_json, sdpa_jsonl, gpu_txt):
     print("| N | batch | kvsift us | direct us | GB/s | % of copy | SDPA flash us | SDPA cuDNN us | kvsift / cuDNN |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, r in runs.items():
-        m = re.match(r"BM_DenseDecode/N:(\d+)/batch:(\d+)", name)
+        m = re.match(r"BM_DenseDecode/N:(\d+)/batch:(\d+)/splits:0(/|$)", name)
         if not m:
             continue
         n, batch = int(m[1]), int(m[2])
@@ -48,7 +48,7 @@ def main(bench_json, sdpa_jsonl, gpu_txt):
     print("| K | batch | indices | us (graph) | direct us | GB/s touched | % of copy |")
     print("|---|---|---|---|---|---|---|")
     for name, r in runs.items():
-        m = re.match(r"BM_SparseDecode/K:(\d+)/batch:(\d+)/clustered:(\d)", name)
+        m = re.match(r"BM_SparseDecode/K:(\d+)/batch:(\d+)/clustered:(\d)/splits:0(/|$)", name)
         if m:
             print(f"| {m[1]} | {m[2]} | {'clustered' if m[3] == '1' else 'random'} | {r['us']:.1f} | {r['direct_us']:.1f} | "
                   f"{r['gbs']:.0f} | {100 * r['gbs'] / copy['gbs']:.0f}% |")
@@ -81,7 +81,23 @@ def hybrid(runs):
               f"{r['us'] - r['cpu_us']:.0f} |")
 
 
+def split_sweep(runs):
+    rows = [(k, r) for k, r in runs.items() if re.search(r"/splits:[1-9]\d*(/|$)", k)]
+    if not rows:
+        return
+    auto = {re.sub(r"/splits:0(/.*)?$", "", k): r for k, r in runs.items() if re.search(r"/splits:0(/|$)", k)}
+    print("\n### Split count at batch 1: forced num_splits against kvsift's own choice (GPU time per call, us)\n")
+    print("| shape | splits | us | kvsift's choice us |")
+    print("|---|---|---|---|")
+    for name, r in rows:
+        shape, splits = re.match(r"BM_(\w+/.*?)/splits:(\d+)", name).groups()
+        chosen = auto.get("BM_" + shape)
+        chosen_us = f"{chosen['us']:.1f}" if chosen else "n/a"
+        print(f"| {shape} | {splits} | {r['us']:.1f} | {chosen_us} |")
+
+
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    split_sweep(medians(sys.argv[1]))
     hybrid(medians(sys.argv[1]))
     topk(medians(sys.argv[1]))

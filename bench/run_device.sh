@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Builds kvsift on the GPU machine, runs the CUDA and CPU tests, the CUDA tests under compute-sanitizer
 # (memcheck, racecheck), the decode benchmarks and the PyTorch SDPA baseline, and writes logs, JSON and a
-# markdown report to $OUT (default ./device-out). Usage: bench/run_device.sh [build] [test] [sanitize] [bench]
-# (no argument: all stages). Run from the repository root.
+# markdown report to $OUT (default ./device-out). Run from the repository root. Usage:
+#   bench/run_device.sh [build] [test] [sanitize] [bench] [cpubench] [profile]
+# No argument: all but profile (Nsight Compute on four decode shapes). KVSIFT_BENCH_FILTER narrows bench.
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 BUILD=${KVSIFT_DEVICE_BUILD:-/tmp/kvsift-device-build}
 mkdir -p "$OUT"
-stages=${*:-build test sanitize bench}
+stages=${*:-build test sanitize bench cpubench}
 status=0
 has() { [[ " $stages " == *" $1 "* ]]; }
 step() { echo "== $* ($(date +%T))"; }
@@ -37,15 +38,34 @@ if has sanitize; then
 fi
 if has bench; then
   step "benchmarks"
-  "$BUILD/bench/kvsift_bench_decode" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+  "$BUILD/bench/kvsift_bench_decode" --benchmark_filter="${KVSIFT_BENCH_FILTER:-.}" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
     --benchmark_out="$OUT/bench_decode.json" --benchmark_out_format=json > "$OUT/bench_decode.txt" 2>&1 || status=1
-  step "cpu benchmarks (host of the GPU machine)"
-  "$BUILD/bench/kvsift_bench_cpu" --benchmark_min_time=0.1 --benchmark_filter='Triad|K:16384|K:4096/threads:1/|TopK|KMeans' \
-    > "$OUT/bench_cpu.txt" 2>&1 || status=1
-  grep -E "^BM" "$OUT/bench_cpu.txt" | awk '{print $1, $2, $3, $(NF-1), $NF}'
   step "pytorch sdpa baseline"
   python3 bench/sdpa_baseline.py > "$OUT/sdpa.jsonl" 2> "$OUT/sdpa.err" || { tail -5 "$OUT/sdpa.err"; status=1; }
   python3 bench/report.py "$OUT/bench_decode.json" "$OUT/sdpa.jsonl" "$OUT/gpu.txt" > "$OUT/bench_decode.md"
   cat "$OUT/bench_decode.md"
 fi
+if has cpubench; then
+  step "cpu benchmarks (host of the GPU machine)"
+  "$BUILD/bench/kvsift_bench_cpu" --benchmark_min_time=0.1 --benchmark_filter='Triad|K:16384|K:4096/threads:1/|TopK|KMeans' \
+    > "$OUT/bench_cpu.txt" 2>&1 || status=1
+  grep -E "^BM" "$OUT/bench_cpu.txt" | awk '{print $1, $2, $3, $(NF-1), $NF}'
+fi
+if has profile; then
+  # One decode launch and its split merge per shape, after the warm-up calls (skip), with the sections that
+  # say what limits the kernel: DRAM throughput, occupancy and its limiter, and why warps stall.
+  for shape in DenseDecode/N:131072/batch:8 DenseDecode/N:32768/batch:1 SparseDecode/K:2048/batch:8/clustered:0 \
+               SparseDecode/K:2048/batch:1/clustered:0; do
+    step "ncu $shape"
+    log="$OUT/ncu_$(echo "$shape" | tr '/:' '__').txt"
+    ncu --clock-control none --kernel-name regex:'decode_attention|merge_splits' --launch-skip 6 --launch-count 2 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis \
+      "$BUILD/bench/kvsift_bench_decode" --benchmark_filter="^BM_$shape/splits:0/" > "$log" 2>&1 || status=1
+    grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit (Reg|Shared)|Issued Warp Per|No Eligible|Warp Cycles Per Issued" "$log" \
+      | sed -E 's/ +/ /g' | cut -c1-110
+  done
+fi
+# The device tool returns at most 8 files: the logs travel as one archive beside the report and JSON.
+(cd "$OUT" && logs=$(ls | grep -v -E '\.(md|json)$|^logs\.tar\.gz$') && [[ -n "$logs" ]] && tar czf logs.tar.gz $logs && rm -f $logs)
 exit $status

@@ -70,15 +70,14 @@ std::int32_t max_tokens_of(const PagedKVView<const T>&, const DecodeOptions& opt
   return options.max_seq_len;
 }
 
-/// Resident decode CTAs per multiprocessor for this (dtype, head_dim, group), from the occupancy API, cached.
+/// Resident decode CTAs per multiprocessor for this (dtype, head_dim), from the occupancy API, cached.
 template <class T>
-int ctas_per_sm(int head_dim, int group) {
-  static std::array<std::atomic<int>, 2 * 4> cache{};  // [head_dim 64 | 128][tile 1 | 2 | 4 | 8]; 0: unknown
-  const int tile = group_tile_for(group);
-  std::atomic<int>& slot = cache[(head_dim == 128 ? 4 : 0) + (tile == 1 ? 0 : tile == 2 ? 1 : tile == 4 ? 2 : 3)];
+int ctas_per_sm(int head_dim) {
+  static std::array<std::atomic<int>, 2> cache{};  // [head_dim 64 | 128]; 0: unknown
+  std::atomic<int>& slot = cache[head_dim == 128 ? 1 : 0];
   int ctas = slot.load(std::memory_order_relaxed);
   if (ctas == 0) {
-    KVSIFT_CUDA_CHECK(decode_ctas_per_sm<T>(head_dim, group, &ctas));
+    KVSIFT_CUDA_CHECK(decode_ctas_per_sm<T>(head_dim, &ctas));
     ctas = std::max(ctas, 1);
     slot.store(ctas, std::memory_order_relaxed);
   }
@@ -88,10 +87,9 @@ int ctas_per_sm(int head_dim, int group) {
 /// Splits so that the grid is one full wave of resident CTAs (no tail wave), with at least
 /// kMinTokensPerSplit tokens per CTA.
 template <class T>
-std::int32_t choose_splits(std::int64_t rows, std::int32_t max_tokens, int head_dim, int group,
-                           const DecodeOptions& options) {
+std::int32_t choose_splits(std::int64_t rows, std::int32_t max_tokens, int head_dim, const DecodeOptions& options) {
   if (options.num_splits > 0) return options.num_splits;
-  const std::int64_t resident = std::int64_t(multiprocessor_count()) * ctas_per_sm<T>(head_dim, group);
+  const std::int64_t resident = std::int64_t(multiprocessor_count()) * ctas_per_sm<T>(head_dim);
   std::int64_t splits = std::max<std::int64_t>(resident / rows, 1);
   splits = std::min<std::int64_t>(splits, (std::int64_t(max_tokens) + kMinTokensPerSplit - 1) / kMinTokensPerSplit);
   return static_cast<std::int32_t>(std::max<std::int64_t>(splits, 1));
@@ -137,12 +135,11 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   }
   if (out != nullptr) p.out = *out;
   p.group = q.heads / kv.kv_heads;
-  const int tile = group_tile_for(p.group);
-  p.head_tiles = (p.group + tile - 1) / tile;
+  p.head_tiles = (p.group + kHeadsPerTile - 1) / kHeadsPerTile;
   KVSIFT_CHECK(std::int64_t(kv.kv_heads) * p.head_tiles <= 65535, where,
                "kv.kv_heads (= {}) * GQA tiles (= {}) exceeds the CUDA grid limit 65535", kv.kv_heads, p.head_tiles);
   p.num_splits =
-      choose_splits<T>(std::int64_t(q.batch) * kv.kv_heads * p.head_tiles, max_tokens, q.head_dim, p.group, options);
+      choose_splits<T>(std::int64_t(q.batch) * kv.kv_heads * p.head_tiles, max_tokens, q.head_dim, options);
   p.scale_log2 = options.attention.resolved_scale(q.head_dim) * kLog2e;
   return p;
 }

@@ -1,21 +1,27 @@
 #pragma once
 /// The decode-attention kernel behind both sparse and dense decode (see decode_cuda.hpp for the contract).
 ///
-/// Work split: grid (num_splits, kv_heads * head_tiles, batch). A CTA owns one (sequence, kv head, tile of
-/// up to GroupTile query heads) and a contiguous chunk of that row's tokens (or selection entries). Each
-/// token's K and V rows are read once per CTA with 16-byte loads by a "row group" of HeadDim / 8 threads,
-/// and serve every query head of the tile: that is what makes GQA cost one K/V read per kv head.
-/// K/V rows stream through a kDecodeStages-deep cp.async pipeline in shared memory, so that bytes in flight
-/// cost no registers. Each thread keeps an online-softmax state per query head (running max in base 2,
-/// denominator, and its 8 channels of the unnormalized output); row groups merge through shared memory at
-/// the end, and CTAs of one row merge in merge_splits_kernel when num_splits > 1.
+/// Work split: grid (num_splits, kv_heads * head_tiles, batch). A CTA owns one (sequence, kv head, tile of up
+/// to kHeadsPerTile query heads) and a contiguous chunk of that row's tokens (or selection entries); its four
+/// warps take interleaved steps of kRowsPerStep rows. Both products run on tensor cores (mma.sync m16n8k16,
+/// fp32 accumulation): S = Q K^T with the tile's query heads as the 16 rows of A (heads past the GQA group are
+/// zero), and O += P V with P rounded to the storage type, as FlashAttention-2 does. Each K/V row is read
+/// from HBM once per CTA and serves every query head of the tile: that is what makes GQA cost one K/V read
+/// per kv head, and tensor cores keep the instruction count per byte low enough that the loop is bound by
+/// memory, not by issue.
+///
+/// Each warp streams its rows through its own kDecodeStages-deep cp.async pipeline in shared memory (no
+/// block-wide barrier in the loop; a warp barrier makes the lanes' copies visible to ldmatrix). Rows are
+/// stored with a 16-byte XOR swizzle so that ldmatrix reads them without bank conflicts. The warps merge
+/// their online-softmax states through shared memory at the end, and CTAs of one row merge in
+/// merge_splits_kernel when num_splits > 1.
 
 #include <cuda_runtime.h>
 
-#include <cmath>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kvsift/attention/decode_launch.hpp"
 #include "kvsift/attention/decode_params.hpp"
@@ -25,39 +31,90 @@
 
 namespace kvsift::cuda::detail {
 
-inline constexpr int kDecodeThreads = 128;
-inline constexpr int kDecodeUnroll = 4;  ///< rows per row group per pipeline stage
-inline constexpr int kDecodeStages = 3;  ///< cp.async stages: two in flight while one is consumed
+inline constexpr int kDecodeWarps = 4;
+inline constexpr int kDecodeThreads = 32 * kDecodeWarps;
+inline constexpr int kDecodeStages = 3;   ///< per-warp cp.async stages: two in flight while one is consumed
+inline constexpr int kRowsPerStep = 16;   ///< K/V rows a warp consumes per step: the k extent of one P·V MMA
+inline constexpr int kDecodeMinCtasPerSm = 2;
 
-template <int HeadDim, int GroupTile>
+template <int HeadDim>
 struct DecodeShape {
-  static constexpr int kVec = 8;  ///< 16-bit elements per 16-byte copy
-  static constexpr int kThreadsPerRow = HeadDim / kVec;
-  static constexpr int kRowGroups = kDecodeThreads / kThreadsPerRow;
-  static constexpr int kRowsPerIteration = kRowGroups * kDecodeUnroll;
-  static_assert(HeadDim % kVec == 0 && 32 % kThreadsPerRow == 0, "a row group must fit in a warp");
-
-  // Dynamic shared memory: the K/V pipeline (each thread's own 16-byte pieces) and one logit bias per thread,
-  // row and stage; after the main loop the same bytes hold the row groups' states for the final merge.
-  static constexpr int kPieces = kDecodeStages * kDecodeUnroll * kDecodeThreads;  // 16-byte pieces of K (or V)
-  static constexpr std::size_t kPipelineBytes = 2 * std::size_t(kPieces) * 16 + std::size_t(kPieces) * 4;
-  static constexpr std::size_t kMergeBytes = std::size_t(kRowGroups) * GroupTile * (HeadDim + 2) * 4;
+  static_assert(HeadDim % 32 == 0, "ldmatrix.x4 covers 32 channels of a row");
+  static constexpr int kPiecesPerRow = HeadDim / 8;          ///< 16-byte pieces of one K or V row
+  static constexpr int kRowsPerCopy = 32 / kPiecesPerRow;    ///< whole rows one warp-wide 16-byte copy moves
+  static constexpr int kTileBytes = kRowsPerStep * HeadDim * 2;
+  static constexpr int kStageBytes = 2 * kTileBytes + kRowsPerStep * 4;  ///< K tile, V tile, base-e logit biases
+  static constexpr std::size_t kPipelineBytes = std::size_t(kDecodeWarps) * kDecodeStages * kStageBytes;
+  // After the main loop the same bytes hold the warps' states for the final merge.
+  static constexpr std::size_t kMergeBytes = std::size_t(kDecodeWarps) * kHeadsPerTile * (HeadDim + 2) * 4;
   static constexpr std::size_t kSmemBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
 };
 
-/// 16-byte global-to-shared copy that bypasses L1 (rows are read once); copies zeros when !valid.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+/// Byte offset of 16-byte piece `piece` of row `row` in a swizzled [kRowsPerStep][HeadDim] tile: the XOR
+/// spreads the 8 rows that one ldmatrix matrix reads over all 32 banks.
+template <int HeadDim>
+__device__ __forceinline__ unsigned swizzled(int row, int piece) {
+  return unsigned(row * DecodeShape<HeadDim>::kPiecesPerRow + (piece ^ (row & 7))) * 16u;
 }
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem));
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+/// 16-byte global-to-shared copy that bypasses L1 (rows are read once); writes zeros when !valid.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(unsigned dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int Pending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+}
+__device__ __forceinline__ void store_shared(unsigned dst, float value) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(dst), "f"(value));
+}
+__device__ __forceinline__ float2 load_shared2(unsigned src) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(src));
+  return v;
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned src) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(src));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned src) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(src));
+}
+/// d += a * b for one m16n8k16 tile, inputs in T (half or bfloat16), fp32 accumulators.
+template <class T>
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  if constexpr (std::is_same_v<T, half>) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+/// Two fp32 values rounded to T and packed, `low` in the lower half (the lower column of an MMA fragment).
+template <class T>
+__device__ __forceinline__ unsigned pack2(float low, float high) {
+  unsigned r;
+  if constexpr (std::is_same_v<T, half>) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(high), "f"(low));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(high), "f"(low));
+  }
+  return r;
 }
 
 /// Records the smallest offending (selection row, position) seen, for the host to report.
@@ -65,26 +122,29 @@ __device__ __forceinline__ void record_bad_index(unsigned long long* slot, std::
   atomicMin(slot, (static_cast<unsigned long long>(row) << 32) | static_cast<std::uint32_t>(position));
 }
 
-template <int HeadDim, int GroupTile, class T>
-__global__ void __launch_bounds__(kDecodeThreads) decode_attention_kernel(const __grid_constant__ DecodeParams<T> p) {
-  using Shape = DecodeShape<HeadDim, GroupTile>;
-  constexpr int kVec = Shape::kVec, kTpr = Shape::kThreadsPerRow, kRowGroups = Shape::kRowGroups;
-  constexpr int kUnroll = kDecodeUnroll, kStages = kDecodeStages;
+template <int HeadDim, class T>
+__global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
+    decode_attention_kernel(const __grid_constant__ DecodeParams<T> p) {
+  using Shape = DecodeShape<HeadDim>;
+  constexpr int kStages = kDecodeStages, kRowsPerCtaStep = kDecodeWarps * kRowsPerStep;
+  constexpr int kKSteps = HeadDim / 16, kNTiles = HeadDim / 8;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Lets the split merge (launched as a programmatic dependent) get scheduled now; it waits for this grid.
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
   extern __shared__ uint4 smem[];
-  uint4* k_pieces = smem;                                                 // [stage][u][thread]
-  uint4* v_pieces = smem + Shape::kPieces;                                // [stage][u][thread]
-  float* biases = reinterpret_cast<float*>(smem + 2 * Shape::kPieces);    // [stage][u][thread], base-2 logit bias
-  const auto slot = [&](int stage, int u) { return (stage * kUnroll + u) * kDecodeThreads + int(threadIdx.x); };
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int frag_row = lane / 4, frag_col = 2 * (lane % 4);  // this lane's place in MMA fragments
+  const int own_row = lane % kRowsPerStep;                   // the row whose token and bias this lane loads
+  const unsigned warp_smem = shared_address(smem) + unsigned(warp * kStages * Shape::kStageBytes);
+  const auto k_tile = [&](int stage) { return warp_smem + unsigned(stage * Shape::kStageBytes); };
+  const auto v_tile = [&](int stage) { return k_tile(stage) + unsigned(Shape::kTileBytes); };
+  const auto biases = [&](int stage) { return k_tile(stage) + unsigned(2 * Shape::kTileBytes); };
 
   const int split = blockIdx.x;
   const int kv_head = blockIdx.y / p.head_tiles, tile = blockIdx.y % p.head_tiles;
   const int b = blockIdx.z;
-  const int lane = threadIdx.x % kTpr, row_group = threadIdx.x / kTpr;
   const bool dense = p.selection.indices == nullptr;
   const int seq_len = p.seq_len(b);
   const std::int64_t sel_row = std::int64_t(b) * p.selection.kv_heads + kv_head;
@@ -96,173 +156,201 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attention_kernel(const 
   }
   const int chunk = (count + p.num_splits - 1) / p.num_splits;
   const int begin = min(count, split * chunk), end = min(count, begin + chunk);
-  const int iterations = (end - begin + Shape::kRowsPerIteration - 1) / Shape::kRowsPerIteration;
+  const int steps = (end - begin + kRowsPerCtaStep - 1) / kRowsPerCtaStep;
 
   const std::int32_t* indices = dense ? nullptr : p.selection.indices + sel_row * p.selection.capacity;
   const float* log_weights = dense || p.selection.log_weights == nullptr
                                  ? nullptr
                                  : p.selection.log_weights + sel_row * p.selection.capacity;
 
-  // Token indices of an iteration's rows, loaded one iteration before their copies are issued so that no
-  // thread waits on an index load between issuing copies and computing.
-  const auto load_tokens = [&](int it, int (&token)[kUnroll]) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = begin + it * Shape::kRowsPerIteration + u * kRowGroups + row_group;
-      token[u] = i < end ? (dense ? i : indices[i]) : 0;
-    }
+  // The entry of this lane's own row at a step, and its token, loaded one step before its copies are issued
+  // so that no lane waits on an index load between issuing copies and computing.
+  const auto entry_of = [&](int step) { return begin + step * kRowsPerCtaStep + warp * kRowsPerStep + own_row; };
+  const auto load_token = [&](int step) {
+    const int i = entry_of(step);
+    return i < end ? (dense ? i : indices[i]) : 0;
   };
-  // Issues the copies of iteration `it` into its stage: this thread's 16 bytes of each of its rows' K and V,
-  // and the rows' logit biases (the log-weight, or -inf for rows past the end or, in validation mode, with
-  // an index out of range).
-  const auto issue = [&](int it, const int (&token)[kUnroll]) {
-    const int stage = it % kStages;
+  // Issues the copies of `step` into its stage. Each warp-wide copy moves kRowsPerCopy whole rows (every
+  // lane one 16-byte piece), so that a copy instruction requests full 128-byte lines; the rows' element
+  // offsets come from their owner lanes. Owners also set the rows' logit biases: the log-weight, or -inf for
+  // rows past the end or, in validation mode, with an index out of range (offset -1 marks those rows).
+  const auto issue = [&](int step, int token) {
+    const int stage = step % kStages, i = entry_of(step);
+    bool valid = i < end;
+    if (p.first_bad_index != nullptr && valid && (token < 0 || token >= seq_len)) {
+      if (lane < kRowsPerStep) record_bad_index(p.first_bad_index, sel_row, i);
+      valid = false;
+    }
+    const long long offset = valid ? p.kv_offset(b, kv_head, token) : -1;
+    const int piece = lane % Shape::kPiecesPerRow;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = begin + it * Shape::kRowsPerIteration + u * kRowGroups + row_group;
-      bool valid = i < end;
-      if (p.first_bad_index != nullptr && valid && (token[u] < 0 || token[u] >= seq_len)) {
-        if (lane == 0) record_bad_index(p.first_bad_index, sel_row, i);
-        valid = false;
-      }
-      const T* k_src = valid ? p.k_row(b, kv_head, token[u]) + lane * kVec : p.q.data;
-      const T* v_src = valid ? p.v_row(b, kv_head, token[u]) + lane * kVec : p.q.data;
-      cp_async16(k_pieces + slot(stage, u), k_src, valid);
-      cp_async16(v_pieces + slot(stage, u), v_src, valid);
+    for (int first_row = 0; first_row < kRowsPerStep; first_row += Shape::kRowsPerCopy) {
+      const int row = first_row + lane / Shape::kPiecesPerRow;
+      const long long row_offset = __shfl_sync(0xffffffffu, offset, row);
+      const bool row_valid = row_offset >= 0;
+      const long long source = row_valid ? row_offset + piece * 8 : 0;
+      cp_async16(k_tile(stage) + swizzled<HeadDim>(row, piece), p.k_base() + source, row_valid);
+      cp_async16(v_tile(stage) + swizzled<HeadDim>(row, piece), p.v_base() + source, row_valid);
+    }
+    if (lane < kRowsPerStep) {
+      const unsigned bias = biases(stage) + unsigned(own_row * 4);
       if (valid && log_weights != nullptr) {
-        cp_async4(biases + slot(stage, u), log_weights + i);
+        cp_async4(bias, log_weights + i);
       } else {
-        biases[slot(stage, u)] = valid ? 0.0f : negative_infinity<float>();
+        store_shared(bias, valid ? 0.0f : negative_infinity<float>());
       }
     }
   };
-  int tokens[kUnroll];
+  int token = 0;
 #pragma unroll
-  for (int it = 0; it < kStages - 1; ++it) {
-    load_tokens(it, tokens);
-    if (it < iterations) issue(it, tokens);
+  for (int step = 0; step < kStages - 1; ++step) {
+    token = load_token(step);
+    if (step < steps) issue(step, token);
     cp_async_commit();
   }
-  load_tokens(kStages - 1, tokens);
+  token = load_token(kStages - 1);
 
-  // This tile's query heads, pre-scaled so that logits come out in base 2.
-  const int first_head_in_group = tile * GroupTile;
-  float q[GroupTile][kVec];
+  // A fragments of this tile's query heads (rows frag_row and frag_row + 8 of the 16-row tile), raw: the
+  // softmax scale is applied to the fp32 scores.
+  const int first_head = tile * kHeadsPerTile;
+  const auto q_pair = [&](int head, int channel) -> unsigned {
+    if (first_head + head >= p.group) return 0u;
+    return *reinterpret_cast<const unsigned*>(p.q.row(b, kv_head * p.group + first_head + head) + channel);
+  };
+  unsigned q_frag[kKSteps][4];
 #pragma unroll
-  for (int g = 0; g < GroupTile; ++g) {
-    if (first_head_in_group + g < p.group) {
-      float raw[kVec];
-      unpack8<T>(__ldg(reinterpret_cast<const uint4*>(p.q.row(b, kv_head * p.group + first_head_in_group + g) + lane * kVec)),
-                 raw);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) q[g][j] = raw[j] * p.scale_log2;
-    } else {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) q[g][j] = 0.0f;
-    }
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    q_frag[ks][0] = q_pair(frag_row, 16 * ks + frag_col);
+    q_frag[ks][1] = q_pair(frag_row + 8, 16 * ks + frag_col);
+    q_frag[ks][2] = q_pair(frag_row, 16 * ks + frag_col + 8);
+    q_frag[ks][3] = q_pair(frag_row + 8, 16 * ks + frag_col + 8);
   }
 
-  float m[GroupTile], l[GroupTile], acc[GroupTile][kVec];
+  // Online softmax in base 2 for the lane's two heads (frag_row, frag_row + 8): running max, this lane's
+  // share of the denominator (summed over the lane quad at the end), and its accumulator fragments.
+  float m[2] = {negative_infinity<float>(), negative_infinity<float>()}, l[2] = {0.0f, 0.0f};
+  float acc[kNTiles][4];
 #pragma unroll
-  for (int g = 0; g < GroupTile; ++g) {
-    m[g] = negative_infinity<float>();
-    l[g] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) acc[g][j] = 0.0f;
-  }
+  for (int n = 0; n < kNTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
-  // Every thread runs the same iterations (the bound is per CTA), so the shuffles below never diverge. Each
-  // thread reads only the shared memory its own copies wrote, so waiting on its own groups is enough.
-  for (int it = 0; it < iterations; ++it) {
-    if (it + kStages - 1 < iterations) issue(it + kStages - 1, tokens);
-    load_tokens(it + kStages, tokens);
+  for (int step = 0; step < steps; ++step) {
+    __syncwarp();  // every lane is done reading the stage that the next copies overwrite
+    if (step + kStages - 1 < steps) issue(step + kStages - 1, token);
+    token = load_token(step + kStages);
     cp_async_commit();
     cp_async_wait<kStages - 1>();
-    const int stage = it % kStages;
+    __syncwarp();  // this step's copies, made by all lanes, are visible to the whole warp
+    const int stage = step % kStages;
 
-    float s[kUnroll][GroupTile];
+    // S = Q K^T for the step's 16 rows: two 8-row n-tiles; one ldmatrix.x4 feeds two k-steps.
+    float s[2][4] = {};
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float k[kVec];
-      unpack8<T>(k_pieces[slot(stage, u)], k);
-      const float bias = biases[slot(stage, u)];
+    for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-      for (int g = 0; g < GroupTile; ++g) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) dot = fmaf(q[g][j], k[j], dot);
-#pragma unroll
-        for (int offset = kTpr / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-        s[u][g] = dot + bias * kLog2e;
+      for (int ks = 0; ks < kKSteps; ks += 2) {
+        unsigned k_frag[4];
+        ldmatrix_x4(k_frag, k_tile(stage) + swizzled<HeadDim>(nt * 8 + (lane & 7), 2 * ks + (lane >> 3)));
+        mma_16x8x16<T>(s[nt], q_frag[ks], k_frag[0], k_frag[1]);
+        mma_16x8x16<T>(s[nt], q_frag[ks + 1], k_frag[2], k_frag[3]);
       }
     }
-
-    // Online softmax: rescale each head's state to the new running max once per iteration, turn the scores
-    // into weights in place, then stream each V row once through every head's accumulator.
+    // s[nt][2 * h + e] is the score of head frag_row + 8h against row nt * 8 + frag_col + e.
+    float bias[2][2];
 #pragma unroll
-    for (int g = 0; g < GroupTile; ++g) {
-      float m_new = m[g];
+    for (int nt = 0; nt < 2; ++nt) {
+      const float2 pair = load_shared2(biases(stage) + unsigned((nt * 8 + frag_col) * 4));
+      bias[nt][0] = pair.x * kLog2e;
+      bias[nt][1] = pair.y * kLog2e;
+    }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) m_new = fmaxf(m_new, s[u][g]);
+    for (int h = 0; h < 2; ++h) {
+      float step_max = negative_infinity<float>();
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[nt][2 * h + e] = fmaf(s[nt][2 * h + e], p.scale_log2, bias[nt][e]);
+          step_max = fmaxf(step_max, s[nt][2 * h + e]);
+        }
+      }
+      step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 1));
+      step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 2));
+      const float m_new = fmaxf(m[h], step_max);
       const bool any = m_new != negative_infinity<float>();
-      const float correction = any ? exp2f(m[g] - m_new) : 1.0f;  // 0 when m[g] = -inf
-      l[g] *= correction;
+      const float correction = any ? exp2f(m[h] - m_new) : 1.0f;  // 0 when m[h] = -inf
+      l[h] *= correction;
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) acc[g][j] *= correction;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        s[u][g] = any ? exp2f(s[u][g] - m_new) : 0.0f;  // 0 for invalid rows
-        l[g] += s[u][g];
+      for (int n = 0; n < kNTiles; ++n) {
+        acc[n][2 * h] *= correction;
+        acc[n][2 * h + 1] *= correction;
       }
-      m[g] = m_new;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[nt][2 * h + e] = any ? exp2f(s[nt][2 * h + e] - m_new) : 0.0f;  // 0 for invalid rows
+          l[h] += s[nt][2 * h + e];
+        }
+      }
+      m[h] = m_new;
     }
+    // P as the A fragment of O += P V (rows = heads, k = the step's 16 rows).
+    const unsigned p_frag[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]), pack2<T>(s[1][0], s[1][1]),
+                                pack2<T>(s[1][2], s[1][3])};
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float v[kVec];
-      unpack8<T>(v_pieces[slot(stage, u)], v);
-#pragma unroll
-      for (int g = 0; g < GroupTile; ++g) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) acc[g][j] = fmaf(s[u][g], v[j], acc[g][j]);
-      }
+    for (int n = 0; n < kNTiles; n += 2) {
+      unsigned v_frag[4];
+      ldmatrix_x4_trans(v_frag, v_tile(stage) + swizzled<HeadDim>((lane & 7) + (lane & 8), n + (lane >> 4)));
+      mma_16x8x16<T>(acc[n], p_frag, v_frag[0], v_frag[1]);
+      mma_16x8x16<T>(acc[n + 1], p_frag, v_frag[2], v_frag[3]);
     }
   }
   cp_async_wait<0>();
-
-  // Merge the row groups' states through shared memory (reusing the pipeline's bytes).
-  __syncthreads();
-  float* s_m = reinterpret_cast<float*>(smem);                // [row_group][g]
-  float* s_l = s_m + kRowGroups * GroupTile;                  // [row_group][g]
-  float* s_o = s_l + kRowGroups * GroupTile;                  // [row_group][g][HeadDim]
 #pragma unroll
-  for (int g = 0; g < GroupTile; ++g) {
-    if (lane == 0) {
-      s_m[row_group * GroupTile + g] = m[g];
-      s_l[row_group * GroupTile + g] = l[g];
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+
+  // Merge the warps' states through shared memory (reusing the pipeline's bytes).
+  __syncthreads();
+  float* s_m = reinterpret_cast<float*>(smem);          // [warp][head]
+  float* s_l = s_m + kDecodeWarps * kHeadsPerTile;      // [warp][head]
+  float* s_o = s_l + kDecodeWarps * kHeadsPerTile;      // [warp][head][HeadDim]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int head = frag_row + 8 * h;
+    if (lane % 4 == 0) {
+      s_m[warp * kHeadsPerTile + head] = m[h];
+      s_l[warp * kHeadsPerTile + head] = l[h];
     }
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) s_o[(row_group * GroupTile + g) * HeadDim + lane * kVec + j] = acc[g][j];
+    for (int n = 0; n < kNTiles; ++n) {
+      float* dst = s_o + (warp * kHeadsPerTile + head) * HeadDim + n * 8 + frag_col;
+      dst[0] = acc[n][2 * h];
+      dst[1] = acc[n][2 * h + 1];
+    }
   }
   __syncthreads();
 
-  for (int e = threadIdx.x; e < GroupTile * HeadDim; e += kDecodeThreads) {
-    const int g = e / HeadDim, c = e % HeadDim;
-    if (first_head_in_group + g >= p.group) continue;
+  for (int e = threadIdx.x; e < kHeadsPerTile * HeadDim; e += kDecodeThreads) {
+    const int head = e / HeadDim, c = e % HeadDim;
+    if (first_head + head >= p.group) break;  // heads are visited in order
     float m_max = negative_infinity<float>();
 #pragma unroll
-    for (int r = 0; r < kRowGroups; ++r) m_max = fmaxf(m_max, s_m[r * GroupTile + g]);
+    for (int w = 0; w < kDecodeWarps; ++w) m_max = fmaxf(m_max, s_m[w * kHeadsPerTile + head]);
     float denom = 0.0f, value = 0.0f;
     if (m_max != negative_infinity<float>()) {
 #pragma unroll
-      for (int r = 0; r < kRowGroups; ++r) {
-        const float w = exp2f(s_m[r * GroupTile + g] - m_max);
-        denom = fmaf(s_l[r * GroupTile + g], w, denom);
-        value = fmaf(s_o[(r * GroupTile + g) * HeadDim + c], w, value);
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        const float weight = exp2f(s_m[w * kHeadsPerTile + head] - m_max);
+        denom = fmaf(s_l[w * kHeadsPerTile + head], weight, denom);
+        value = fmaf(s_o[(w * kHeadsPerTile + head) * HeadDim + c], weight, value);
       }
     }
     const float o = denom == 0.0f ? 0.0f : value / denom;
     const float lse = denom == 0.0f ? negative_infinity<float>() : (m_max + log2f(denom)) * kLn2;
-    const int h = kv_head * p.group + first_head_in_group + g;
+    const int h = kv_head * p.group + first_head + head;
     if (p.num_splits == 1) {
       p.out.o_row(b, h)[c] = from_float_device<T>(o);
       if (c == 0) p.out.lse_at(b, h) = lse;
@@ -297,19 +385,17 @@ cudaError_t allow_dynamic_smem(std::size_t bytes) {
   return status;
 }
 
-/// The one place where runtime head_dim and GQA tile become template arguments: calls
-/// fn(kernel, dynamic_smem_bytes) for the matching decode kernel, once its shared-memory limit is raised.
-/// Returns cudaErrorInvalidValue for an unsupported head_dim (the host entry points validate it before).
+/// The one place where the runtime head_dim becomes a template argument: calls fn(kernel,
+/// dynamic_smem_bytes) for the matching decode kernel, once its shared-memory limit is raised. Returns
+/// cudaErrorInvalidValue for an unsupported head_dim (the host entry points validate it before).
 template <class T, class Fn>
-cudaError_t with_decode_kernel(int head_dim, int group, Fn&& fn) {
+cudaError_t with_decode_kernel(int head_dim, Fn&& fn) {
   cudaError_t status = cudaErrorInvalidValue;
   dispatch_int<64, 128>(head_dim, [&]<int HeadDim>() {
-    dispatch_int<1, 2, 4, 8>(group_tile_for(group), [&]<int Tile>() {
-      constexpr auto kernel = decode_attention_kernel<HeadDim, Tile, T>;
-      constexpr std::size_t smem = DecodeShape<HeadDim, Tile>::kSmemBytes;
-      status = allow_dynamic_smem<kernel>(smem);
-      if (status == cudaSuccess) status = fn(kernel, smem);
-    });
+    constexpr auto kernel = decode_attention_kernel<HeadDim, T>;
+    constexpr std::size_t smem = DecodeShape<HeadDim>::kSmemBytes;
+    status = allow_dynamic_smem<kernel>(smem);
+    if (status == cudaSuccess) status = fn(kernel, smem);
   });
   return status;
 }
@@ -318,7 +404,7 @@ template <class T>
 cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream) {
   const int kv_heads = p.paged ? p.paged_kv.kv_heads : p.kv.kv_heads;
   const dim3 grid(p.num_splits, kv_heads * p.head_tiles, p.q.batch);
-  const cudaError_t status = with_decode_kernel<T>(p.q.head_dim, p.group, [&](auto kernel, std::size_t smem) {
+  const cudaError_t status = with_decode_kernel<T>(p.q.head_dim, [&](auto kernel, std::size_t smem) {
     kernel<<<grid, kDecodeThreads, smem, stream>>>(p);
     return cudaGetLastError();
   });
@@ -327,7 +413,7 @@ cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream) {
   // attribute only orders the kernels as usual).
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(p.q.batch * p.q.heads);
-  config.blockDim = dim3(p.q.head_dim);
+  config.blockDim = dim3(kMergeThreads);
   config.stream = stream;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -338,15 +424,15 @@ cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream) {
 }
 
 template <class T>
-cudaError_t decode_ctas_per_sm(int head_dim, int group, int* ctas) {
-  return with_decode_kernel<T>(head_dim, group, [&](auto kernel, std::size_t smem) {
+cudaError_t decode_ctas_per_sm(int head_dim, int* ctas) {
+  return with_decode_kernel<T>(head_dim, [&](auto kernel, std::size_t smem) {
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, kernel, kDecodeThreads, smem);
   });
 }
 
 template <class T>
 cudaError_t launch_merge_states(const MergeParams<T>& p, cudaStream_t stream) {
-  merge_states_kernel<T><<<p.out.batch * p.out.heads, 128, 0, stream>>>(p);
+  merge_states_kernel<T><<<p.out.batch * p.out.heads, kMergeThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

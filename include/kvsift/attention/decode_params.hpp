@@ -9,14 +9,9 @@
 
 namespace kvsift::cuda {
 
-/// GQA groups are processed in tiles of 1, 2, 4 or 8 query heads (the kernel's register arrays are sized by
-/// the tile): the smallest tile holding the group, and 8 for larger groups.
-inline constexpr int kMaxGroupTile = 8;
-KVSIFT_HOST_DEVICE constexpr int group_tile_for(int group) {
-  int tile = 1;
-  while (tile < group && tile < kMaxGroupTile) tile *= 2;
-  return tile;
-}
+/// Query heads of one GQA group that one CTA serves: the 16 rows of the tensor-core tile (a smaller group
+/// leaves rows empty; a larger one takes several tiles).
+inline constexpr int kHeadsPerTile = 16;
 
 template <class T>
 struct DecodeParams {
@@ -34,17 +29,17 @@ struct DecodeParams {
   unsigned long long* first_bad_index = nullptr;  ///< validation mode: smallest (row << 32 | position) found
 
   std::int32_t group = 1;            ///< q_heads / kv_heads
-  std::int32_t head_tiles = 1;       ///< CTAs along the GQA group (group split into tiles of GroupTile heads)
+  std::int32_t head_tiles = 1;       ///< CTAs along the GQA group (group split into tiles of kHeadsPerTile heads)
   std::int32_t num_splits = 1;       ///< CTAs along the tokens of one (sequence, kv head)
   float scale_log2 = 0.0f;           ///< sm_scale * log2(e): logits are kept in base 2 inside the kernel
 
   KVSIFT_HOST_DEVICE std::int32_t seq_len(std::int64_t b) const { return paged ? paged_kv.seq_len(b) : kv.seq_len(b); }
-  KVSIFT_HOST_DEVICE const T* k_row(std::int64_t b, std::int64_t h, std::int64_t t) const {
-    return paged ? paged_kv.k_row(b, h, t) : kv.k_row(b, h, t);
+  /// Element offset of a token's row from k_base() and v_base() (K and V share their strides).
+  KVSIFT_HOST_DEVICE std::int64_t kv_offset(std::int64_t b, std::int64_t h, std::int64_t t) const {
+    return paged ? paged_kv.offset(b, h, t) : kv.offset(b, h, t);
   }
-  KVSIFT_HOST_DEVICE const T* v_row(std::int64_t b, std::int64_t h, std::int64_t t) const {
-    return paged ? paged_kv.v_row(b, h, t) : kv.v_row(b, h, t);
-  }
+  KVSIFT_HOST_DEVICE const T* k_base() const { return paged ? paged_kv.k_pages : kv.k; }
+  KVSIFT_HOST_DEVICE const T* v_base() const { return paged ? paged_kv.v_pages : kv.v; }
 };
 
 /// Parameters of the standalone merge of up to kMaxPartials states (hybrid CPU/GPU, context shards).

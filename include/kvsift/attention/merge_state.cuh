@@ -12,6 +12,8 @@
 
 namespace kvsift::cuda::detail {
 
+inline constexpr int kMergeThreads = 256;  ///< block size of both merge kernels
+
 /// Reduces one value per thread over the block (blockDim.x a multiple of 32, at most 1024); every thread gets
 /// the result. `scratch` holds 32 floats; the call ends with the block synchronized.
 template <class Op>
@@ -27,13 +29,20 @@ __device__ float block_reduce(float value, Op op, float* scratch) {
 }
 
 /// Merges `n` partials of one row with the whole block: lse_of(i) gives LSE_i (natural log), o_of(i, c)
-/// element c of O_i. The maximum and the weights are computed once, in parallel over the partials; then
-/// each thread accumulates its channels over the partials, reading the weights from shared memory.
+/// element c of O_i. The maximum and the weights are computed once, in parallel over the partials, and staged
+/// in shared memory. Then the block is split into `groups` of head_dim threads (one channel each) that take
+/// every groups-th partial, issuing kLoadsInFlight independent O loads per round trip: the rows are in L2 but
+/// a chain of dependent loads per partial would make the merge latency-bound. An empty partial (weight 0)
+/// contributes exactly nothing: its O is selected away, never multiplied, so garbage in it cannot leak.
 template <class LseOf, class OOf, class WriteO, class WriteLse>
 __device__ void merge_row(int n, int head_dim, LseOf lse_of, OOf o_of, WriteO write_o, WriteLse write_lse) {
   constexpr int kChunk = 256;  // partials whose weights are staged at a time
+  constexpr int kLoadsInFlight = 8;
+  constexpr int kMaxChannelsPerThread = 4;  // head_dim <= 4 * kMergeThreads (checked by the launchers)
   __shared__ float scratch[32];
   __shared__ float weights[kChunk];
+  __shared__ float group_sums[kMergeThreads];
+
   float lse_max = negative_infinity<float>();
   for (int i = threadIdx.x; i < n; i += blockDim.x) lse_max = fmaxf(lse_max, lse_of(i));
   lse_max = block_reduce(lse_max, [](float a, float b) { return fmaxf(a, b); }, scratch);
@@ -41,7 +50,9 @@ __device__ void merge_row(int n, int head_dim, LseOf lse_of, OOf o_of, WriteO wr
   for (int i = threadIdx.x; i < n; i += blockDim.x) weight_sum += state_weight(lse_of(i), lse_max);
   weight_sum = block_reduce(weight_sum, [](float a, float b) { return a + b; }, scratch);
 
-  constexpr int kMaxChannelsPerThread = 4;  // head_dim <= 4 * blockDim.x (checked by the launchers)
+  const int groups = max(1, int(blockDim.x) / head_dim);
+  const int group = head_dim >= int(blockDim.x) ? 0 : int(threadIdx.x) / head_dim;
+  const bool accumulates = group < groups;
   float acc[kMaxChannelsPerThread] = {};
   for (int first = 0; first < n; first += kChunk) {
     const int count = min(kChunk, n - first);
@@ -49,18 +60,38 @@ __device__ void merge_row(int n, int head_dim, LseOf lse_of, OOf o_of, WriteO wr
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < kMaxChannelsPerThread; ++r) {
-      const int c = threadIdx.x + r * blockDim.x;
-      if (c >= head_dim) break;
-      for (int i = 0; i < count; ++i) {
-        if (weights[i] != 0.0f) acc[r] = fmaf(weights[i], o_of(first + i, c), acc[r]);
+      const int c = (groups > 1 ? int(threadIdx.x) % head_dim : int(threadIdx.x)) + r * int(blockDim.x);
+      if (!accumulates || c >= head_dim) break;
+      for (int i0 = group; i0 < count; i0 += groups * kLoadsInFlight) {
+        float o[kLoadsInFlight];
+#pragma unroll
+        for (int k = 0; k < kLoadsInFlight; ++k) {
+          const int i = i0 + k * groups;
+          o[k] = i < count ? o_of(first + i, c) : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < kLoadsInFlight; ++k) {
+          const int i = i0 + k * groups;
+          const float w = i < count ? weights[i] : 0.0f;
+          acc[r] = w != 0.0f ? fmaf(w, o[k], acc[r]) : acc[r];
+        }
       }
     }
     __syncthreads();
   }
+  if (groups > 1) {  // then head_dim < blockDim.x and each thread holds one channel
+    if (accumulates) group_sums[threadIdx.x] = acc[0];
+    __syncthreads();
+    if (group == 0) {
+      for (int g = 1; g < groups; ++g) acc[0] += group_sums[g * head_dim + threadIdx.x];
+    }
+  }
+  if (group == 0) {
 #pragma unroll
-  for (int r = 0; r < kMaxChannelsPerThread; ++r) {
-    const int c = threadIdx.x + r * blockDim.x;
-    if (c < head_dim) write_o(c, weight_sum == 0.0f ? 0.0f : acc[r] / weight_sum);
+    for (int r = 0; r < kMaxChannelsPerThread; ++r) {
+      const int c = int(threadIdx.x) + r * int(blockDim.x);
+      if (c < head_dim) write_o(c, weight_sum == 0.0f ? 0.0f : acc[r] / weight_sum);
+    }
   }
   if (threadIdx.x == 0) write_lse(merged_lse(lse_max, weight_sum));
 }

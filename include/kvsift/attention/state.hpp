@@ -1,7 +1,7 @@
 #pragma once
 /// The attention-state math every backend shares (reference, CPU, CUDA): merging partial states
-/// (O_i, LSE_i), LSE in natural log. An empty state (LSE = -inf) contributes weight exactly 0 and is never
-/// read, so merging it changes nothing, bit for bit, even if its O holds garbage.
+/// (O_i, LSE_i), LSE in natural log. An empty state (LSE = -inf) contributes weight exactly 0 and its O is
+/// never used, so merging it changes nothing, bit for bit, even if its O holds garbage.
 
 #include <cmath>
 #include <limits>
