@@ -13,6 +13,7 @@
 #include "kvsift/attention/metrics.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/core/capture.hpp"
+#include "kvsift/selectors/fidelity.hpp"
 #include "kvsift/core/synthetic_workload.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 
@@ -44,60 +45,16 @@ double needle_recall(const kvsift::SyntheticWorkload& w, const kvsift::Selection
   return double(found) / total;
 }
 
-/// Layer i of a capture with fp32 keys/values [kv_heads, tokens, head_dim] for the reference and the oracle.
-struct FloatLayer {
-  std::vector<float> k, v;
-  FloatLayer(const kvsift::Capture& c, std::size_t i) : k(std::size_t(c.kv_heads) * c.tokens * c.head_dim), v(k.size()) {
-    const auto& layer = c.layers[i];
-    for (std::int32_t t = 0; t < c.tokens; ++t) {
-      for (std::int32_t g = 0; g < c.kv_heads; ++g) {
-        for (std::int32_t j = 0; j < c.head_dim; ++j) {
-          const std::size_t src = (std::size_t(t) * c.kv_heads + g) * c.head_dim + j;
-          const std::size_t dst = (std::size_t(g) * c.tokens + t) * c.head_dim + j;
-          k[dst] = kvsift::to_float(layer.k[src]);
-          v[dst] = kvsift::to_float(layer.v[src]);
-        }
-      }
-    }
-  }
-};
-
-/// The real-data table: each of the last `positions` tokens decodes against all tokens before it.
+/// The real-data table: the fidelity harness (OracleTopK, StreamingLLM, Quest) on the committed capture.
+/// Its 512 tokens make 1% of the context 5 tokens, less than one Quest page: budgets here are 5/10/20%.
 void real_data_table(const std::string& path) {
   const kvsift::Capture c = kvsift::read_capture(path);
-  constexpr int kPositions = 16;
+  const kvsift::FidelityOptions options{.budgets = {0.05, 0.10, 0.20}, .decode_positions = 32};
   fmt::print("\nReal attention: {} ({} tokens of {}), layers", c.model, c.tokens, c.text_id);
   for (const auto& l : c.layers) fmt::print(" {}", l.layer);
-  fmt::print("; q_heads {}, kv_heads {}, head_dim {}; mean over the last {} decode positions and the layers\n\n",
-             c.q_heads, c.kv_heads, c.head_dim, kPositions);
-  fmt::print("{:>7} {:<11} {:>11} {:>10}\n", "budget", "selector", "mass recall", "error");
-  for (double budget : {0.01, 0.02, 0.05}) {
-    double recall = 0.0, error = 0.0;
-    int runs = 0;
-    for (std::size_t i = 0; i < c.layers.size(); ++i) {
-      const FloatLayer layer(c, i);
-      for (std::int32_t pos = c.tokens - kPositions; pos < c.tokens; ++pos) {
-        const std::int32_t length = pos + 1;  // the query at pos attends to tokens 0..pos
-        const auto kv = kvsift::ContiguousKVView<const float>::packed(layer.k.data(), layer.v.data(), 1, c.kv_heads,
-                                                                      c.tokens, c.head_dim, &length);
-        std::vector<float> q(std::size_t(c.q_heads) * c.head_dim);
-        for (std::size_t j = 0; j < q.size(); ++j) q[j] = kvsift::to_float(c.layers[i].q[std::size_t(pos) * q.size() + j]);
-        const auto qv = kvsift::QueryView<const float>::packed(q.data(), 1, c.q_heads, c.head_dim);
-        const auto k = std::max<std::int32_t>(1, static_cast<std::int32_t>(budget * length));
-        kvsift::OracleTopK oracle({.budget = k});
-        oracle.prepare({{}, kv});
-        SelectionBuffers sel(c.kv_heads, k);
-        oracle.select(qv, sel.view);
-        std::vector<float> o_dense(q.size()), lse_dense(c.q_heads), o(q.size()), lse(c.q_heads);
-        kvsift::reference::dense_decode(qv, kv, kvsift::StateView<float>::packed(o_dense.data(), lse_dense.data(), 1, c.q_heads, c.head_dim));
-        kvsift::reference::sparse_decode(qv, kv, sel.view, kvsift::StateView<float>::packed(o.data(), lse.data(), 1, c.q_heads, c.head_dim));
-        recall += kvsift::attention_mass_recall(qv, kv, sel.view);
-        error += kvsift::relative_l2_error(o, o_dense);
-        ++runs;
-      }
-    }
-    fmt::print("{:>6.0f}% {:<11} {:>11.4f} {:>10.2e}\n", budget * 100, "OracleTopK", recall / runs, error / runs);
-  }
+  fmt::print("; q_heads {}, kv_heads {}, head_dim {}; means over the last {} decode positions, heads and layers\n\n",
+             c.q_heads, c.kv_heads, c.head_dim, options.decode_positions);
+  fmt::print("{}", kvsift::fidelity_markdown(kvsift::evaluate_fidelity(c, kvsift::reference_selectors(), options)));
 }
 
 }  // namespace

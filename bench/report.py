@@ -86,7 +86,7 @@ def split_sweep(runs):
     if not rows:
         return
     auto = {re.sub(r"/splits:0(/.*)?$", "", k): r for k, r in runs.items() if re.search(r"/splits:0(/|$)", k)}
-    print("\n### Split count at batch 1: forced num_splits against kvsift's own choice (GPU time per call, us)\n")
+    print("\n### Split count: forced num_splits against kvsift's own choice (GPU time per call, us)\n")
     print("| shape | splits | us | kvsift's choice us |")
     print("|---|---|---|---|")
     for name, r in rows:

@@ -4,6 +4,5 @@
 
 namespace kvsift::cuda::detail {
 template cudaError_t launch_decode<bfloat16>(const DecodeParams<bfloat16>&, cudaStream_t);
-template cudaError_t decode_ctas_per_sm<bfloat16>(int, int*);
 template cudaError_t launch_merge_states<bfloat16>(const MergeParams<bfloat16>&, cudaStream_t);
 }  // namespace kvsift::cuda::detail

@@ -4,6 +4,5 @@
 
 namespace kvsift::cuda::detail {
 template cudaError_t launch_decode<half>(const DecodeParams<half>&, cudaStream_t);
-template cudaError_t decode_ctas_per_sm<half>(int, int*);
 template cudaError_t launch_merge_states<half>(const MergeParams<half>&, cudaStream_t);
 }  // namespace kvsift::cuda::detail

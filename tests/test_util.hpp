@@ -8,12 +8,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kvsift/core/dtype.hpp"
+#include "kvsift/core/error.hpp"
 #include "kvsift/core/views.hpp"
 
 namespace kvsift::test {
@@ -173,6 +176,21 @@ inline double max_abs_diff(const std::vector<float>& a, const std::vector<double
     if (!(d <= m)) m = d;  // written so that a NaN difference sticks
   }
   return std::isnan(m) ? INFINITY : m;
+}
+
+/// Runs `fn`, expecting a kvsift::Error whose message contains every string in `parts`.
+template <class Fn>
+void expect_error(Fn fn, std::initializer_list<std::string> parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected kvsift::Error containing '" << *parts.begin() << "'";
+  } catch (const Error& e) {
+    for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+  }
+}
+template <class Fn>
+void expect_error(Fn fn, const std::string& part) {
+  expect_error(fn, {part});
 }
 
 }  // namespace kvsift::test

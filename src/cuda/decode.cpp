@@ -4,8 +4,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <span>
@@ -70,27 +68,13 @@ std::int32_t max_tokens_of(const PagedKVView<const T>&, const DecodeOptions& opt
   return options.max_seq_len;
 }
 
-/// Resident decode CTAs per multiprocessor for this (dtype, head_dim), from the occupancy API, cached.
-template <class T>
-int ctas_per_sm(int head_dim) {
-  static std::array<std::atomic<int>, 2> cache{};  // [head_dim 64 | 128]; 0: unknown
-  std::atomic<int>& slot = cache[head_dim == 128 ? 1 : 0];
-  int ctas = slot.load(std::memory_order_relaxed);
-  if (ctas == 0) {
-    KVSIFT_CUDA_CHECK(decode_ctas_per_sm<T>(head_dim, &ctas));
-    ctas = std::max(ctas, 1);
-    slot.store(ctas, std::memory_order_relaxed);
-  }
-  return ctas;
-}
-
-/// Splits so that the grid is one full wave of resident CTAs (no tail wave), with at least
-/// kMinTokensPerSplit tokens per CTA.
-template <class T>
-std::int32_t choose_splits(std::int64_t rows, std::int32_t max_tokens, int head_dim, const DecodeOptions& options) {
+/// Splits so that the grid has about one CTA per multiprocessor, with at least kMinTokensPerSplit tokens per
+/// CTA. Measured on the H100 (docs/bench/decode_h100.md, split sweeps): one CTA per SM streams as fast as
+/// two (four warps with two 8 KB stages in flight each already cover the latency), and every extra split is
+/// one more partial for the merge to read, which small batches pay for directly.
+inline std::int32_t choose_splits(std::int64_t rows, std::int32_t max_tokens, const DecodeOptions& options) {
   if (options.num_splits > 0) return options.num_splits;
-  const std::int64_t resident = std::int64_t(multiprocessor_count()) * ctas_per_sm<T>(head_dim);
-  std::int64_t splits = std::max<std::int64_t>(resident / rows, 1);
+  std::int64_t splits = std::max<std::int64_t>(multiprocessor_count() / rows, 1);
   splits = std::min<std::int64_t>(splits, (std::int64_t(max_tokens) + kMinTokensPerSplit - 1) / kMinTokensPerSplit);
   return static_cast<std::int32_t>(std::max<std::int64_t>(splits, 1));
 }
@@ -139,7 +123,7 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   KVSIFT_CHECK(std::int64_t(kv.kv_heads) * p.head_tiles <= 65535, where,
                "kv.kv_heads (= {}) * GQA tiles (= {}) exceeds the CUDA grid limit 65535", kv.kv_heads, p.head_tiles);
   p.num_splits =
-      choose_splits<T>(std::int64_t(q.batch) * kv.kv_heads * p.head_tiles, max_tokens, q.head_dim, options);
+      choose_splits(std::int64_t(q.batch) * kv.kv_heads * p.head_tiles, max_tokens, options);
   p.scale_log2 = options.attention.resolved_scale(q.head_dim) * kLog2e;
   return p;
 }

@@ -17,16 +17,7 @@ using test::HostSelection;
 using test::HostState;
 using test::Random;
 
-/// Runs `fn`, expecting a kvsift::Error whose message contains every string in `parts`.
-template <class Fn>
-void expect_error(Fn fn, std::vector<std::string> parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected kvsift::Error containing '" << parts.front() << "'";
-  } catch (const Error& e) {
-    for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 class BadInput : public testing::Test {
  protected:

@@ -137,21 +137,14 @@ TEST_F(CpuDecode, MergeMatchesTheReferenceAndIgnoresEmptyStates) {
 TEST(CpuDecodeBadInput, RefusedWithClearErrors) {
   std::vector<half> q(2 * 4 * 300), k(2 * 2 * 8 * 300), v(k.size()), o(q.size());
   std::vector<float> lse(8);
-  try {
-    cpu::dense_decode(QueryView<const half>::packed(q.data(), 2, 4, 300),
-                      ContiguousKVView<const half>::packed(k.data(), v.data(), 2, 2, 8, 300),
-                      StateView<half>::packed(o.data(), lse.data(), 2, 4, 300));
-    ADD_FAILURE() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("head_dim (= 300) exceeds the CPU decode kernels' limit of 256"), std::string::npos)
-        << e.what();
-  }
-  try {
-    cpu::ThreadPool bad(0);
-    ADD_FAILURE() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("threads (= 0) must be >= 1"), std::string::npos) << e.what();
-  }
+  test::expect_error(
+      [&] {
+        cpu::dense_decode(QueryView<const half>::packed(q.data(), 2, 4, 300),
+                          ContiguousKVView<const half>::packed(k.data(), v.data(), 2, 2, 8, 300),
+                          StateView<half>::packed(o.data(), lse.data(), 2, 4, 300));
+      },
+      "head_dim (= 300) exceeds the CPU decode kernels' limit of 256");
+  test::expect_error([] { cpu::ThreadPool bad(0); }, "threads (= 0) must be >= 1");
 }
 
 TEST(CpuThreadPool, CoversTheRangeOnceAndRethrows) {

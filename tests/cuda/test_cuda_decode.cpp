@@ -22,6 +22,7 @@ using test::DeviceBuffer;
 using test::Random;
 using test::dtype_label;
 using test::expect_close;
+using test::expect_error;
 using test::to_storage;
 using test::CaseSpec;
 using test::describe;
@@ -258,27 +259,15 @@ TEST_F(CudaDecode, ValidationModeReportsTheFirstBadIndex) {
   p.sel_indices[(1 * 2 + 1) * 32 + 5] = 500;  // batch 1, kv head 1, position 5: one past the end
   p.sel_indices[(2 * 2 + 0) * 32 + 7] = -3;
   p.d_sel_indices.upload(p.sel_indices);
-  try {
-    p.run(true, {.validate_indices = true});
-    ADD_FAILURE() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("selection.indices[5] (= 500) at batch 1, kv_head 1 is outside [0, seq_len = 500)"),
-              std::string::npos)
-        << e.what();
-  }
+  expect_error([&] { p.run(true, {.validate_indices = true}); },
+               "selection.indices[5] (= 500) at batch 1, kv_head 1 is outside [0, seq_len = 500)");
   p.sel_indices[(1 * 2 + 1) * 32 + 5] = 0;
   p.sel_indices[(2 * 2 + 0) * 32 + 7] = 1;
   p.sel_counts[0] = 33;
   p.d_sel_indices.upload(p.sel_indices);
   p.d_sel_counts.upload(p.sel_counts);
-  try {
-    p.run(true, {.validate_indices = true});
-    ADD_FAILURE() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("selection.counts (= 33) at batch 0, kv_head 0 is outside [0, capacity = 32]"),
-              std::string::npos)
-        << e.what();
-  }
+  expect_error([&] { p.run(true, {.validate_indices = true}); },
+               "selection.counts (= 33) at batch 0, kv_head 0 is outside [0, capacity = 32]");
   p.sel_counts[0] = 32;
   p.d_sel_counts.upload(p.sel_counts);
   const auto [o, lse] = p.run(true, {.validate_indices = true});  // clean input passes validation
@@ -293,13 +282,12 @@ TEST_F(CudaDecode, WorkspaceQueryIsExactAndGraphCaptureReplays) {
   const std::size_t bytes = cuda::sparse_decode_workspace_bytes(p.device_q(), p.device_paged(), p.device_selection(), options);
   ASSERT_GT(bytes, 0u);
   DeviceBuffer<std::byte> workspace(bytes);
-  try {
-    cuda::sparse_decode(p.device_q(), p.device_paged(), p.device_selection(), p.device_out(), {workspace.data(), bytes - 256},
-                        nullptr, options);
-    ADD_FAILURE() << "an undersized workspace must be refused";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("workspace too small"), std::string::npos) << e.what();
-  }
+  expect_error(
+      [&] {
+        cuda::sparse_decode(p.device_q(), p.device_paged(), p.device_selection(), p.device_out(),
+                            {workspace.data(), bytes - 256}, nullptr, options);
+      },
+      "workspace too small");
   cudaStream_t stream;
   KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph;
@@ -324,16 +312,6 @@ TEST_F(CudaDecode, WorkspaceQueryIsExactAndGraphCaptureReplays) {
 }
 
 // Bad input is refused on the host before any device call, so these tests run without a GPU as well.
-template <class Fn>
-void expect_error(Fn fn, const std::string& part) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected kvsift::Error containing '" << part << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
-  }
-}
-
 TEST(CudaDecodeBadInput, RefusedBeforeAnyDeviceCall) {
   alignas(16) static half q[2 * 8 * 128], k[2 * 2 * 64 * 128], v[2 * 2 * 64 * 128], o[2 * 8 * 128];
   static float lse[16];

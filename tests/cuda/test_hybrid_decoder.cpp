@@ -39,9 +39,10 @@ struct HybridCase {
   DeviceBuffer<bfloat16> d_window_k, d_window_v, d_q, d_o;
   DeviceBuffer<float> d_lse;
 
-  HybridCase(Random& rng, std::int32_t cap)
+  /// Sequence 0 has a random length that leaves at least `min_offloaded` tokens off the GPU; sequence 1 is full.
+  HybridCase(Random& rng, std::int32_t cap, std::int32_t min_offloaded = 1)
       : capacity(cap),
-        full(rng, kBatch, kKvHeads, cap, kDim, {rng.uniform_int(kWindow + 1, cap), cap}),
+        full(rng, kBatch, kKvHeads, cap, kDim, {rng.uniform_int(kWindow + min_offloaded, cap), cap}),
         q(test::to_storage<bfloat16>(rng.normal(std::size_t(kBatch) * kQHeads * kDim))),
         k(test::to_storage<bfloat16>(full.k)),
         v(test::to_storage<bfloat16>(full.v)),
@@ -127,8 +128,8 @@ TEST_F(HybridDecode, FullOffloadSelectionEqualsDenseOverEverything) {
 
 TEST_F(HybridDecode, PartialSelectionEqualsSparseOverWindowAndSelection) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
-  HybridCase c(rng, 2000);
   const std::int32_t k = 150;
+  HybridCase c(rng, 2000, k);
   std::vector<std::int32_t> idx(std::size_t(c.kBatch) * c.kKvHeads * k), counts(c.kBatch * c.kKvHeads, k);
   // The same tokens in absolute positions, plus the window, for the reference.
   const std::int32_t ref_cap = c.kWindow + k;
@@ -166,14 +167,7 @@ TEST_F(HybridDecode, BadConfigurationsAreRefused) {
   HybridCase c(rng, 500);
   std::vector<std::int32_t> idx(std::size_t(c.kBatch) * c.kKvHeads * 8, 0), counts(c.kBatch * c.kKvHeads, 1);
   const SelectionView sel{idx.data(), counts.data(), nullptr, c.kBatch, c.kKvHeads, 8};
-  const auto expect_error = [](auto fn, const std::string& part) {
-    try {
-      fn();
-      ADD_FAILURE() << "expected an error containing '" << part << "'";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
-    }
-  };
+  using test::expect_error;
   cuda::HybridDecoder<bfloat16> decoder({.batch = c.kBatch, .q_heads = c.kQHeads, .kv_heads = c.kKvHeads,
                                          .head_dim = c.kDim, .sink = c.kSink, .recent = c.kRecent});
   std::vector<std::int32_t> short_lens = {50, c.full.seq_lens[1]};

@@ -424,13 +424,6 @@ cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream) {
 }
 
 template <class T>
-cudaError_t decode_ctas_per_sm(int head_dim, int* ctas) {
-  return with_decode_kernel<T>(head_dim, [&](auto kernel, std::size_t smem) {
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, kernel, kDecodeThreads, smem);
-  });
-}
-
-template <class T>
 cudaError_t launch_merge_states(const MergeParams<T>& p, cudaStream_t stream) {
   merge_states_kernel<T><<<p.out.batch * p.out.heads, kMergeThreads, 0, stream>>>(p);
   return cudaGetLastError();

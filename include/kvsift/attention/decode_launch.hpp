@@ -16,14 +16,8 @@ cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream);
 template <class T>
 cudaError_t launch_merge_states(const MergeParams<T>& p, cudaStream_t stream);
 
-/// How many decode CTAs for head_dim fit on one multiprocessor at once (occupancy API).
-template <class T>
-cudaError_t decode_ctas_per_sm(int head_dim, int* ctas);
-
 extern template cudaError_t launch_decode<half>(const DecodeParams<half>&, cudaStream_t);
 extern template cudaError_t launch_decode<bfloat16>(const DecodeParams<bfloat16>&, cudaStream_t);
-extern template cudaError_t decode_ctas_per_sm<half>(int, int*);
-extern template cudaError_t decode_ctas_per_sm<bfloat16>(int, int*);
 extern template cudaError_t launch_merge_states<half>(const MergeParams<half>&, cudaStream_t);
 extern template cudaError_t launch_merge_states<bfloat16>(const MergeParams<bfloat16>&, cudaStream_t);
 extern template cudaError_t launch_merge_states<float>(const MergeParams<float>&, cudaStream_t);

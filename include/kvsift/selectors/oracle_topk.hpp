@@ -19,8 +19,8 @@
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/selector.hpp"
-#include "kvsift/core/validate.hpp"
 #include "kvsift/cpu/topk.hpp"
+#include "kvsift/selectors/detail/selector_shape.hpp"
 
 namespace kvsift {
 
@@ -48,63 +48,38 @@ class OracleTopK {
   std::string_view name() const { return "OracleTopK"; }
 
   void prepare(const PrefillInputs<float>& in) {
-    constexpr const char* where = "OracleTopK::prepare";
-    validate(in.kv, where, "kv", MemorySpace::host);
-    batch_ = in.kv.batch;
-    kv_heads_ = in.kv.kv_heads;
-    head_dim_ = in.kv.head_dim;
-    lengths_.assign(batch_, 0);
-    keys_.assign(static_cast<std::size_t>(batch_) * kv_heads_, {});
-    for (std::int32_t b = 0; b < batch_; ++b) {
-      lengths_[b] = in.kv.seq_len(b);
-      for (std::int32_t h = 0; h < kv_heads_; ++h) {
-        auto& dst = keys_[b * kv_heads_ + h];
-        dst.resize(static_cast<std::size_t>(lengths_[b]) * head_dim_);
-        for (std::int32_t t = 0; t < lengths_[b]; ++t) {
-          std::copy_n(in.kv.k_row(b, h, t), head_dim_, dst.data() + static_cast<std::size_t>(t) * head_dim_);
+    shape_.prepare("OracleTopK::prepare", in.kv);
+    keys_.assign(static_cast<std::size_t>(shape_.batch()) * shape_.kv_heads(), {});
+    for (std::int32_t b = 0; b < shape_.batch(); ++b) {
+      for (std::int32_t h = 0; h < shape_.kv_heads(); ++h) {
+        auto& dst = keys_[row(b, h)];
+        dst.resize(static_cast<std::size_t>(shape_.length(b)) * shape_.head_dim());
+        for (std::int32_t t = 0; t < shape_.length(b); ++t) {
+          std::copy_n(in.kv.k_row(b, h, t), shape_.head_dim(), dst.data() + static_cast<std::size_t>(t) * shape_.head_dim());
         }
       }
     }
   }
 
   void append(const AppendInputs<float>& step) {
-    constexpr const char* where = "OracleTopK::append";
-    require_prepared(where);
-    validate(step.k, where, "k");
-    KVSIFT_CHECK(step.k.batch == batch_ && step.k.heads == kv_heads_ && step.k.head_dim == head_dim_, where,
-                 "k shape [{}, {}, {}] != prepared [batch = {}, kv_heads = {}, head_dim = {}]", step.k.batch,
-                 step.k.heads, step.k.head_dim, batch_, kv_heads_, head_dim_);
-    for (std::int32_t b = 0; b < batch_; ++b) {
-      for (std::int32_t h = 0; h < kv_heads_; ++h) {
+    shape_.append("OracleTopK::append", step);
+    for (std::int32_t b = 0; b < shape_.batch(); ++b) {
+      for (std::int32_t h = 0; h < shape_.kv_heads(); ++h) {
         const float* k = step.k.row(b, h);
-        keys_[b * kv_heads_ + h].insert(keys_[b * kv_heads_ + h].end(), k, k + head_dim_);
+        keys_[row(b, h)].insert(keys_[row(b, h)].end(), k, k + shape_.head_dim());
       }
-      ++lengths_[b];
     }
   }
 
   void select(const QueryView<const float>& q, const SelectionView& out) {
     constexpr const char* where = "OracleTopK::select";
-    require_prepared(where);
-    validate(q, where, "q");
-    KVSIFT_CHECK(q.batch == batch_ && q.head_dim == head_dim_, where,
-                 "q batch (= {}) / head_dim (= {}) != prepared batch (= {}) / head_dim (= {})", q.batch, q.head_dim,
-                 batch_, head_dim_);
-    KVSIFT_CHECK(q.heads % kv_heads_ == 0, where, "q.heads (= {}) is not a multiple of kv_heads (= {})", q.heads,
-                 kv_heads_);
-    KVSIFT_CHECK(out.indices && out.counts, where, "out.indices and out.counts must be non-null");
-    KVSIFT_CHECK(out.batch == batch_ && out.kv_heads == kv_heads_, where,
-                 "out [batch = {}, kv_heads = {}] != prepared [batch = {}, kv_heads = {}]", out.batch, out.kv_heads,
-                 batch_, kv_heads_);
-    KVSIFT_CHECK(out.capacity >= config_.budget, where, "out.capacity (= {}) is smaller than budget (= {})",
-                 out.capacity, config_.budget);
-    const std::int32_t group = q.heads / kv_heads_;
-    const double scale = config_.attention.resolved_scale(head_dim_);
-    for (std::int32_t b = 0; b < batch_; ++b) {
-      const std::int32_t n = lengths_[b];
+    const std::int32_t group = shape_.check_select(where, q, out, config_.budget);
+    const double scale = config_.attention.resolved_scale(shape_.head_dim());
+    for (std::int32_t b = 0; b < shape_.batch(); ++b) {
+      const std::int32_t n = shape_.length(b);
       KVSIFT_CHECK(config_.budget <= n, where, "budget (= {}) exceeds the tokens available (= {}) at batch {}",
                    config_.budget, n, b);
-      for (std::int32_t g = 0; g < kv_heads_; ++g) {
+      for (std::int32_t g = 0; g < shape_.kv_heads(); ++g) {
         group_scores(q, b, g, group, scale, n);
         const float keep = std::numeric_limits<float>::infinity();
         std::fill_n(scores_.begin(), std::min(config_.sink, n), keep);
@@ -124,22 +99,20 @@ class OracleTopK {
   }
 
  private:
-  void require_prepared(const char* where) const {
-    KVSIFT_CHECK(batch_ > 0, where, "prepare() has not been called");
-  }
+  std::size_t row(std::int32_t b, std::int32_t h) const { return static_cast<std::size_t>(b) * shape_.kv_heads() + h; }
 
   void group_scores(const QueryView<const float>& q, std::int32_t b, std::int32_t g, std::int32_t group, double scale,
                     std::int32_t n) {
     scores_.assign(static_cast<std::size_t>(n), 0.0f);
     logits_.resize(static_cast<std::size_t>(n));
-    const float* keys = keys_[b * kv_heads_ + g].data();
+    const float* keys = keys_[row(b, g)].data();
     for (std::int32_t h = g * group; h < (g + 1) * group; ++h) {
       const float* qh = q.row(b, h);
       double max_logit = -std::numeric_limits<double>::infinity();
       for (std::int32_t t = 0; t < n; ++t) {
-        const float* k = keys + static_cast<std::size_t>(t) * head_dim_;
+        const float* k = keys + static_cast<std::size_t>(t) * shape_.head_dim();
         double dot = 0.0;
-        for (std::int32_t c = 0; c < head_dim_; ++c) dot += double(qh[c]) * double(k[c]);
+        for (std::int32_t c = 0; c < shape_.head_dim(); ++c) dot += double(qh[c]) * double(k[c]);
         logits_[t] = scale * dot;
         max_logit = std::max(max_logit, logits_[t]);
       }
@@ -152,10 +125,7 @@ class OracleTopK {
   }
 
   OracleTopKConfig config_;
-  std::int32_t batch_ = 0;
-  std::int32_t kv_heads_ = 0;
-  std::int32_t head_dim_ = 0;
-  std::vector<std::int32_t> lengths_;
+  detail::SelectorShape shape_;
   std::vector<std::vector<float>> keys_;  ///< per (b, kv head): [tokens, head_dim]
   std::vector<float> scores_;
   std::vector<double> logits_;
