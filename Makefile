@@ -1,7 +1,7 @@
 # Thin wrapper over the CMake presets; see README.md.
 JOBS ?= $(shell nproc)
 
-.PHONY: deps demo test build clean
+.PHONY: deps demo test build fidelity clean
 deps:
 	@scripts/install-deps.sh
 
@@ -17,6 +17,10 @@ test: build
 	cmake --preset asan-ubsan
 	cmake --build --preset asan-ubsan -j $(JOBS)
 	ctest --preset asan-ubsan -j $(JOBS)
+
+# Scores the selectors on real-model captures: docs/fidelity_results.md and docs/fidelity_mass_recall.png.
+fidelity: build
+	scripts/fidelity.sh
 
 clean:
 	rm -rf build
