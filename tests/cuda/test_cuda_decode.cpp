@@ -159,7 +159,7 @@ TEST_F(CudaDecode, LongContextsUpTo128K) {
 
 TEST_F(CudaDecode, GroupsThatAreNotPowersOfTwoOrAreLargerThanATile) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
-  for (std::int32_t group : {3, 5, 7, 12, 16}) {
+  for (std::int32_t group : {3, 5, 7, 12, 16, 20, 32}) {  // 20 and 32: two tiles of 16 heads
     check_case<bfloat16>(rng, CaseSpec{2, group * 2, 2, 128, 700, 300, 0, true});
     check_case<half>(rng, CaseSpec{2, group, 1, 64, 700, 0, 16, false});
   }
