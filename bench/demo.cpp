@@ -13,6 +13,7 @@
 #include "kvsift/attention/metrics.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/core/capture.hpp"
+#include "kvsift/core/selection_buffer.hpp"
 #include "kvsift/selectors/fidelity.hpp"
 #include "kvsift/core/synthetic_workload.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
@@ -24,15 +25,6 @@ using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
-
-struct SelectionBuffers {
-  std::vector<std::int32_t> indices, counts;
-  kvsift::SelectionView view;
-  SelectionBuffers(std::int32_t kv_heads, std::int32_t capacity)
-      : indices(std::size_t(kv_heads) * capacity), counts(kv_heads) {
-    view = {indices.data(), counts.data(), nullptr, 1, kv_heads, capacity};
-  }
-};
 
 double needle_recall(const kvsift::SyntheticWorkload& w, const kvsift::SelectionView& sel) {
   std::int32_t found = 0, total = 0;
@@ -82,16 +74,17 @@ int main(int argc, char** argv) {
       const auto k = static_cast<std::int32_t>(budget * tokens);
       kvsift::OracleTopK oracle({.budget = k, .sink = c.sink_tokens, .recent = 32});
       oracle.prepare({{}, w.kv()});
-      SelectionBuffers sel(c.kv_heads, k);
-      oracle.select(w.query(), sel.view);
+      const kvsift::SelectionBuffer buffer(1, c.kv_heads, k, false);
+      const kvsift::SelectionView& sel = buffer.view();
+      oracle.select(w.query(), sel);
       std::vector<float> o(o_dense.size()), lse(lse_dense.size());
       start = Clock::now();
-      kvsift::reference::sparse_decode(w.query(), w.kv(), sel.view,
+      kvsift::reference::sparse_decode(w.query(), w.kv(), sel,
                                        kvsift::StateView<float>::packed(o.data(), lse.data(), 1, c.q_heads, c.head_dim));
       const double sparse_ms = ms_since(start);
       fmt::print("{:>8} {:>6.0f}% {:>6} {:<11} {:>11.4f} {:>10.2e} {:>7.0f}% {:>10.1f} {:>10.2f}\n", tokens,
-                 budget * 100, k, oracle.name(), kvsift::attention_mass_recall(w.query(), w.kv(), sel.view),
-                 kvsift::relative_l2_error(o, o_dense), 100 * needle_recall(w, sel.view), dense_ms, sparse_ms);
+                 budget * 100, k, oracle.name(), kvsift::attention_mass_recall(w.query(), w.kv(), sel),
+                 kvsift::relative_l2_error(o, o_dense), 100 * needle_recall(w, sel), dense_ms, sparse_ms);
     }
   }
   real_data_table(KVSIFT_DEMO_CAPTURE);

@@ -11,6 +11,7 @@
 #include "kvsift/attention/metrics.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/selection_buffer.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
 #include "kvsift/selectors/streaming_llm.hpp"
@@ -52,16 +53,6 @@ struct FloatLayer {
     return {HeadsView<const float>::packed(k.data() + offset, 1, kv_heads, head_dim),
             HeadsView<const float>::packed(v.data() + offset, 1, kv_heads, head_dim), query(pos)};
   }
-};
-
-/// A selection buffer for one decode position: [kv_heads, capacity] indices, counts and log-weights.
-struct SelectionBuffer {
-  std::vector<std::int32_t> indices, counts;
-  std::vector<float> log_weights;
-  SelectionView view;
-  SelectionBuffer(std::int32_t kv_heads, std::int32_t capacity)
-      : indices(std::size_t(kv_heads) * capacity), counts(kv_heads), log_weights(indices.size()),
-        view{indices.data(), counts.data(), log_weights.data(), 1, kv_heads, capacity} {}
 };
 
 }  // namespace
@@ -113,11 +104,11 @@ std::vector<FidelityRow> evaluate_fidelity(const Capture& capture, std::span<con
       std::int32_t oracle_length = first_position;
       OracleTopK oracle({.budget = k});
       oracle.prepare(layer.prefill(&oracle_length));
-      std::vector<SelectionBuffer> oracle_selections;  // its views point into its own vectors: never copied
+      std::vector<SelectionBuffer> oracle_selections;
       oracle_selections.reserve(std::size_t(options.decode_positions));
       for (std::int32_t pos = first_position; pos < capture.tokens; ++pos) {
-        oracle_selections.emplace_back(capture.kv_heads, k);
-        oracle.select(layer.query(pos), oracle_selections.back().view);
+        oracle_selections.emplace_back(1, capture.kv_heads, k, true);
+        oracle.select(layer.query(pos), oracle_selections.back().view());
         oracle.append(layer.token(pos));
       }
       for (std::size_t s = 0; s < selectors.size(); ++s) {
@@ -131,24 +122,25 @@ std::vector<FidelityRow> evaluate_fidelity(const Capture& capture, std::span<con
         }
         std::int32_t length = first_position;
         selector->prepare(layer.prefill(&length));
-        SelectionBuffer selection(capture.kv_heads, k);
+        SelectionBuffer buffer(1, capture.kv_heads, k, true);
+        const SelectionView& selection = buffer.view();
         for (std::int32_t pos = first_position; pos < capture.tokens; ++pos, ++length) {
           const auto q = layer.query(pos);
           const auto kv = layer.kv(&length);
-          std::fill(selection.log_weights.begin(), selection.log_weights.end(), 0.0f);
-          selector->select(q, selection.view);
-          reference::sparse_decode(q, kv, selection.view,
+          std::fill(buffer.log_weights().begin(), buffer.log_weights().end(), 0.0f);
+          selector->select(q, selection);
+          reference::sparse_decode(q, kv, selection,
                                    StateView<float>::packed(o.data(), lse.data(), 1, capture.q_heads, capture.head_dim));
-          row.mass_recall += attention_mass_recall(q, kv, selection.view);
+          row.mass_recall += attention_mass_recall(q, kv, selection);
           row.output_error +=
               relative_l2_error(o, std::span(o_dense).subspan((pos - first_position) * state_size, state_size));
-          const SelectionView& oracle_view = oracle_selections[pos - first_position].view;
+          const SelectionView& oracle_view = oracle_selections[pos - first_position].view();
           for (std::int32_t g = 0; g < capture.kv_heads; ++g) {
-            const std::set<std::int32_t> chosen(selection.view.row(0, g), selection.view.row(0, g) + selection.view.count(0, g));
+            const std::set<std::int32_t> chosen(selection.row(0, g), selection.row(0, g) + selection.count(0, g));
             std::int32_t hits = 0;
             for (std::int32_t i = 0; i < oracle_view.count(0, g); ++i) hits += chosen.count(oracle_view.row(0, g)[i]) ? 1 : 0;
             row.id_recall += double(hits) / oracle_view.count(0, g) / capture.kv_heads;
-            row.mean_selected += double(selection.view.count(0, g)) / capture.kv_heads;
+            row.mean_selected += double(selection.count(0, g)) / capture.kv_heads;
           }
           ++samples[b * selectors.size() + s];
           selector->append(layer.token(pos));

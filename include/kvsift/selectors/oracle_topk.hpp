@@ -52,7 +52,7 @@ class OracleTopK {
     keys_.assign(static_cast<std::size_t>(shape_.batch()) * shape_.kv_heads(), {});
     for (std::int32_t b = 0; b < shape_.batch(); ++b) {
       for (std::int32_t h = 0; h < shape_.kv_heads(); ++h) {
-        auto& dst = keys_[row(b, h)];
+        auto& dst = keys_[shape_.row(b, h)];
         dst.resize(static_cast<std::size_t>(shape_.length(b)) * shape_.head_dim());
         for (std::int32_t t = 0; t < shape_.length(b); ++t) {
           std::copy_n(in.kv.k_row(b, h, t), shape_.head_dim(), dst.data() + static_cast<std::size_t>(t) * shape_.head_dim());
@@ -66,7 +66,7 @@ class OracleTopK {
     for (std::int32_t b = 0; b < shape_.batch(); ++b) {
       for (std::int32_t h = 0; h < shape_.kv_heads(); ++h) {
         const float* k = step.k.row(b, h);
-        keys_[row(b, h)].insert(keys_[row(b, h)].end(), k, k + shape_.head_dim());
+        keys_[shape_.row(b, h)].insert(keys_[shape_.row(b, h)].end(), k, k + shape_.head_dim());
       }
     }
   }
@@ -99,13 +99,11 @@ class OracleTopK {
   }
 
  private:
-  std::size_t row(std::int32_t b, std::int32_t h) const { return static_cast<std::size_t>(b) * shape_.kv_heads() + h; }
-
   void group_scores(const QueryView<const float>& q, std::int32_t b, std::int32_t g, std::int32_t group, double scale,
                     std::int32_t n) {
     scores_.assign(static_cast<std::size_t>(n), 0.0f);
     logits_.resize(static_cast<std::size_t>(n));
-    const float* keys = keys_[row(b, g)].data();
+    const float* keys = keys_[shape_.row(b, g)].data();
     for (std::int32_t h = g * group; h < (g + 1) * group; ++h) {
       const float* qh = q.row(b, h);
       double max_logit = -std::numeric_limits<double>::infinity();

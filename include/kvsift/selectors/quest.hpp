@@ -43,7 +43,7 @@ class Quest {
     bounds_.assign(static_cast<std::size_t>(shape_.batch()) * shape_.kv_heads(), {});
     for (std::int32_t b = 0; b < shape_.batch(); ++b) {
       for (std::int32_t h = 0; h < shape_.kv_heads(); ++h) {
-        for (std::int32_t t = 0; t < shape_.length(b); ++t) add_key(row(b, h), t, in.kv.k_row(b, h, t));
+        for (std::int32_t t = 0; t < shape_.length(b); ++t) add_key(shape_.row(b, h), t, in.kv.k_row(b, h, t));
       }
     }
   }
@@ -51,7 +51,7 @@ class Quest {
   void append(const AppendInputs<float>& step) {
     shape_.append("Quest::append", step);
     for (std::int32_t b = 0; b < shape_.batch(); ++b) {
-      for (std::int32_t h = 0; h < shape_.kv_heads(); ++h) add_key(row(b, h), shape_.length(b) - 1, step.k.row(b, h));
+      for (std::int32_t h = 0; h < shape_.kv_heads(); ++h) add_key(shape_.row(b, h), shape_.length(b) - 1, step.k.row(b, h));
     }
   }
 
@@ -63,7 +63,7 @@ class Quest {
       const std::int32_t pages = (n + config_.page_size - 1) / config_.page_size;
       const std::int32_t chosen = std::min(pages, config_.budget / config_.page_size);
       for (std::int32_t g = 0; g < shape_.kv_heads(); ++g) {
-        const std::vector<float>& bounds = bounds_[row(b, g)];
+        const std::vector<float>& bounds = bounds_[shape_.row(b, g)];
         page_scores_.assign(static_cast<std::size_t>(pages), -std::numeric_limits<float>::infinity());
         for (std::int32_t h = g * group; h < (g + 1) * group; ++h) {
           const float* qh = q.row(b, h);
@@ -97,8 +97,6 @@ class Quest {
   }
 
  private:
-  std::size_t row(std::int32_t b, std::int32_t h) const { return static_cast<std::size_t>(b) * shape_.kv_heads() + h; }
-
   /// Widens the bounds of token t's page by key k (a new page starts at k).
   void add_key(std::size_t r, std::int32_t t, const float* k) {
     const std::int32_t d = shape_.head_dim();

@@ -59,6 +59,8 @@ class SelectorShape {
   std::int32_t kv_heads() const { return kv_heads_; }
   std::int32_t head_dim() const { return head_dim_; }
   std::int32_t length(std::int32_t b) const { return lengths_[static_cast<std::size_t>(b)]; }
+  /// Index of the (sequence, kv head) row, for per-row index storage.
+  std::size_t row(std::int32_t b, std::int32_t h) const { return static_cast<std::size_t>(b) * kv_heads_ + h; }
 
  private:
   std::int32_t batch_ = 0;
