@@ -13,6 +13,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvsift/core/dtype.hpp"
@@ -176,6 +177,22 @@ inline double max_abs_diff(const std::vector<float>& a, const std::vector<double
     if (!(d <= m)) m = d;  // written so that a NaN difference sticks
   }
   return std::isnan(m) ? INFINITY : m;
+}
+
+/// Points around `k` well-separated centres; returns the points and each point's true centre.
+inline std::pair<std::vector<float>, std::vector<std::int32_t>> planted_clusters(Random& rng, std::int32_t k,
+                                                                                 std::int32_t per, std::int32_t d) {
+  const auto centres = rng.normal(std::size_t(k) * d, 10.0f);
+  std::vector<float> points;
+  std::vector<std::int32_t> truth;
+  for (std::int32_t c = 0; c < k; ++c) {
+    for (std::int32_t i = 0; i < per; ++i) {
+      const auto noise = rng.normal(d, 0.3f);
+      for (std::int32_t j = 0; j < d; ++j) points.push_back(centres[std::size_t(c) * d + j] + noise[j]);
+      truth.push_back(c);
+    }
+  }
+  return {points, truth};
 }
 
 /// Runs `fn`, expecting a kvsift::Error whose message contains every string in `parts`.

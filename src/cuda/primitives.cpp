@@ -2,6 +2,7 @@
 #include "kvsift/cuda/primitives.hpp"
 
 #include <algorithm>
+#include <climits>
 
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
@@ -17,12 +18,12 @@ void check_topk_shape(const char* where, std::int64_t rows, std::int32_t n, std:
   KVSIFT_CHECK(rows < (std::int64_t(1) << 31), where, "rows (= {}) must be below 2^31", rows);
 }
 
-/// The single layout behind topk_workspace_bytes (counting) and topk (carving).
-detail::TopKBuffers layout_topk(WorkspaceLayout& layout, std::int64_t rows, std::int32_t n, std::int32_t k) {
+/// The single layouts behind topk_workspace_bytes (counting) and topk (carving).
+detail::TopKSortBuffers layout_topk_sort(WorkspaceLayout& layout, std::int64_t rows, std::int32_t n, std::int32_t k) {
   std::size_t first = 0, second = 0;
-  KVSIFT_CUDA_CHECK(detail::topk_cub_bytes(rows, n, k, &first, &second));
+  KVSIFT_CUDA_CHECK(detail::topk_sort_cub_bytes(rows, n, k, &first, &second));
   const std::size_t total = std::size_t(rows) * std::size_t(n), chosen = std::size_t(rows) * std::size_t(k);
-  detail::TopKBuffers b{};
+  detail::TopKSortBuffers b{};
   b.keys_in = layout.allocate<unsigned long long>(total, "topk keys_in");
   b.keys_out = layout.allocate<unsigned long long>(total, "topk keys_out");
   b.values_in = layout.allocate<std::int32_t>(total, "topk values_in");
@@ -34,24 +35,149 @@ detail::TopKBuffers layout_topk(WorkspaceLayout& layout, std::int64_t rows, std:
   return b;
 }
 
+/// Radix select runs about two CTAs per SM in all, each over at least kMinSelectChunk scores: few rows are
+/// split into many chunks, many rows get one CTA each.
+constexpr std::int64_t kMinSelectChunk = 2048;
+
+detail::TopKSelectBuffers layout_topk_select(WorkspaceLayout& layout, std::int64_t rows, std::int32_t n) {
+  const std::int64_t target_ctas = 2 * std::int64_t(multiprocessor_count());
+  const std::int64_t max_chunks = (n + kMinSelectChunk - 1) / kMinSelectChunk;
+  const std::int64_t wanted = std::clamp<std::int64_t>((target_ctas + rows - 1) / rows, 1, max_chunks);
+  detail::TopKSelectBuffers b{};
+  b.chunk_size = std::int32_t((n + wanted - 1) / wanted);
+  b.chunks = std::int32_t((n + b.chunk_size - 1) / b.chunk_size);
+  const auto per_row = [&](std::size_t count) { return checked_mul(std::size_t(rows), count, "topk workspace"); };
+  b.state = layout.allocate<detail::SelectRowState>(per_row(1), "topk row states");
+  b.histograms = layout.allocate<std::uint32_t>(per_row(detail::kSelectBins), "topk histograms");
+  b.tickets = layout.allocate<std::uint32_t>(per_row(1), "topk tickets");
+  b.chunk_counts = layout.allocate<std::uint32_t>(per_row(2 * std::size_t(b.chunks)), "topk chunk counts");
+  return b;
+}
+
+void check_sort_unique_shape(const char* where, std::int64_t rows, std::int32_t capacity) {
+  KVSIFT_CHECK(rows > 0 && capacity > 0, where, "rows (= {}) and capacity (= {}) must be positive", rows, capacity);
+  KVSIFT_CHECK(rows * capacity <= INT32_MAX, where, "rows * capacity (= {}) exceeds 2^31 - 1", rows * capacity);
+}
+
+detail::SortUniqueBuffers layout_sort_unique(WorkspaceLayout& layout, std::int64_t rows, std::int32_t capacity) {
+  detail::SortUniqueBuffers b{};
+  KVSIFT_CUDA_CHECK(detail::sort_unique_cub_bytes(rows, capacity, &b.cub_temp_bytes));
+  b.sorted = layout.allocate<std::int32_t>(std::size_t(rows) * std::size_t(capacity), "sort_unique sorted");
+  b.segment_begin = layout.allocate<std::int32_t>(std::size_t(rows), "sort_unique segment begins");
+  b.segment_end = layout.allocate<std::int32_t>(std::size_t(rows), "sort_unique segment ends");
+  b.cub_temp = layout.allocate<std::byte>(b.cub_temp_bytes, "sort_unique cub temporary storage");
+  return b;
+}
+
 }  // namespace
 
-std::size_t topk_workspace_bytes(std::int64_t rows, std::int32_t n, std::int32_t k) {
+std::size_t topk_workspace_bytes(std::int64_t rows, std::int32_t n, std::int32_t k, TopKAlgorithm algorithm) {
   check_topk_shape("cuda::topk_workspace_bytes", rows, n, k);
   WorkspaceLayout counting;
-  layout_topk(counting, rows, n, k);
+  if (algorithm == TopKAlgorithm::radix_sort) {
+    layout_topk_sort(counting, rows, n, k);
+  } else {
+    layout_topk_select(counting, rows, n);
+  }
   return counting.bytes();
 }
 
 void topk(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* d_indices, std::span<std::byte> workspace,
-          cudaStream_t stream) {
+          cudaStream_t stream, TopKAlgorithm algorithm) {
   constexpr const char* where = "cuda::topk";
   validate(scores, where, "scores");
   check_topk_shape(where, scores.rows, scores.cols, k);
   KVSIFT_CHECK(d_indices != nullptr || k == 0, where, "d_indices is a null pointer");
+  KVSIFT_CHECK(algorithm == TopKAlgorithm::radix_select || algorithm == TopKAlgorithm::radix_sort, where,
+               "unknown TopKAlgorithm ({})", int(algorithm));
   WorkspaceLayout layout(workspace, where);
-  const detail::TopKBuffers buffers = layout_topk(layout, scores.rows, scores.cols, k);
-  KVSIFT_CUDA_CHECK(detail::launch_topk(scores, k, d_indices, buffers, stream));
+  if (algorithm == TopKAlgorithm::radix_sort) {
+    KVSIFT_CUDA_CHECK(detail::launch_topk_sort(scores, k, d_indices, layout_topk_sort(layout, scores.rows, scores.cols, k),
+                                               stream));
+  } else {
+    KVSIFT_CUDA_CHECK(
+        detail::launch_topk_select(scores, k, d_indices, layout_topk_select(layout, scores.rows, scores.cols), stream));
+  }
+}
+
+std::size_t sort_unique_workspace_bytes(std::int64_t rows, std::int32_t capacity) {
+  check_sort_unique_shape("cuda::sort_unique_workspace_bytes", rows, capacity);
+  WorkspaceLayout counting;
+  layout_sort_unique(counting, rows, capacity);
+  return counting.bytes();
+}
+
+void sort_unique(std::int32_t* d_indices, std::int64_t rows, std::int32_t capacity, const std::int32_t* d_counts,
+                 std::int32_t* d_unique_counts, std::span<std::byte> workspace, cudaStream_t stream) {
+  constexpr const char* where = "cuda::sort_unique";
+  check_sort_unique_shape(where, rows, capacity);
+  KVSIFT_CHECK(d_indices != nullptr && d_counts != nullptr && d_unique_counts != nullptr, where,
+               "d_indices, d_counts and d_unique_counts must be non-null");
+  WorkspaceLayout layout(workspace, where);
+  const detail::SortUniqueBuffers buffers = layout_sort_unique(layout, rows, capacity);
+  KVSIFT_CUDA_CHECK(detail::launch_sort_unique(d_indices, rows, capacity, d_counts, d_unique_counts, buffers, stream));
+}
+
+void assign_nearest(const MatrixView<const float>& points, const MatrixView<const float>& centroids,
+                    cpu::KMeansMetric metric, std::int32_t* d_assignment, cudaStream_t stream) {
+  constexpr const char* where = "cuda::assign_nearest";
+  validate(points, where, "points");
+  validate(centroids, where, "centroids");
+  KVSIFT_CHECK(points.cols == centroids.cols, where, "points.cols (= {}) != centroids.cols (= {})", points.cols,
+               centroids.cols);
+  KVSIFT_CHECK(centroids.rows >= 1 && centroids.rows <= INT32_MAX, where, "centroids.rows (= {}) is outside [1, 2^31)",
+               centroids.rows);
+  KVSIFT_CHECK(points.rows < std::int64_t(INT32_MAX) * 64, where, "points.rows (= {}) exceeds the grid limit", points.rows);
+  KVSIFT_CHECK(metric == cpu::KMeansMetric::l2 || metric == cpu::KMeansMetric::cosine, where,
+               "unknown KMeansMetric ({})", int(metric));
+  KVSIFT_CHECK(d_assignment != nullptr || points.rows == 0, where, "d_assignment is a null pointer");
+  if (points.rows == 0) return;
+  KVSIFT_CUDA_CHECK(detail::launch_assign_nearest(points, centroids, metric == cpu::KMeansMetric::cosine, d_assignment,
+                                                  stream));
+}
+
+DeviceKMeansAssigner::~DeviceKMeansAssigner() {
+  if (buffer_ != nullptr) cudaFree(buffer_);
+}
+
+void DeviceKMeansAssigner::operator()(const MatrixView<const float>& points, const MatrixView<const float>& centroids,
+                                      cpu::KMeansMetric metric, std::span<std::int32_t> assignment) {
+  constexpr const char* where = "cuda::DeviceKMeansAssigner";
+  validate(points, where, "points");
+  validate(centroids, where, "centroids");
+  KVSIFT_CHECK(assignment.size() >= std::size_t(points.rows), where, "assignment.size() (= {}) < points.rows (= {})",
+               assignment.size(), points.rows);
+  const auto layout_buffers = [&](WorkspaceLayout& layout) {
+    struct {
+      float* points;
+      float* centroids;
+      std::int32_t* assignment;
+    } b{layout.allocate<float>(checked_mul(std::size_t(points.rows), std::size_t(points.cols), where), "points"),
+        layout.allocate<float>(checked_mul(std::size_t(centroids.rows), std::size_t(centroids.cols), where), "centroids"),
+        layout.allocate<std::int32_t>(std::size_t(points.rows), "assignment")};
+    return b;
+  };
+  WorkspaceLayout counting;
+  layout_buffers(counting);
+  if (counting.bytes() > capacity_) {
+    if (buffer_ != nullptr) KVSIFT_CUDA_CHECK(cudaFree(buffer_));
+    buffer_ = nullptr;
+    capacity_ = 0;
+    KVSIFT_CUDA_CHECK(cudaMalloc(&buffer_, counting.bytes()));
+    capacity_ = counting.bytes();
+  }
+  WorkspaceLayout layout({static_cast<std::byte*>(buffer_), capacity_}, where);
+  const auto b = layout_buffers(layout);
+  const auto upload = [&](float* dst, const MatrixView<const float>& m) {
+    KVSIFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, std::size_t(m.cols) * sizeof(float), m.data,
+                                        std::size_t(m.row_stride) * sizeof(float), std::size_t(m.cols) * sizeof(float),
+                                        std::size_t(m.rows), cudaMemcpyHostToDevice, stream_));
+    return MatrixView<const float>::packed(dst, m.rows, m.cols);
+  };
+  assign_nearest(upload(b.points, points), upload(b.centroids, centroids), metric, b.assignment, stream_);
+  KVSIFT_CUDA_CHECK(cudaMemcpyAsync(assignment.data(), b.assignment, std::size_t(points.rows) * sizeof(std::int32_t),
+                                    cudaMemcpyDeviceToHost, stream_));
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 template <class T>

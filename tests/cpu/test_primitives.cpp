@@ -121,22 +121,6 @@ TEST_F(CpuPrimitives, RopeRowsMatchSingleVectorRopeAndInvert) {
   for (std::size_t i = 0; i < rows.size(); ++i) ASSERT_NEAR(rows[i], original[i], 1e-4f);
 }
 
-/// Points around `k` well-separated centres; returns the points and each point's true centre.
-std::pair<std::vector<float>, std::vector<std::int32_t>> planted_clusters(Random& rng, std::int32_t k, std::int32_t per,
-                                                                          std::int32_t d) {
-  const auto centres = rng.normal(std::size_t(k) * d, 10.0f);
-  std::vector<float> points;
-  std::vector<std::int32_t> truth;
-  for (std::int32_t c = 0; c < k; ++c) {
-    for (std::int32_t i = 0; i < per; ++i) {
-      const auto noise = rng.normal(d, 0.3f);
-      for (std::int32_t j = 0; j < d; ++j) points.push_back(centres[std::size_t(c) * d + j] + noise[j]);
-      truth.push_back(c);
-    }
-  }
-  return {points, truth};
-}
-
 TEST_F(CpuPrimitives, KMeansRecoversPlantedClustersAndIsDeterministic) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   for (const auto& [metric, level] : {std::pair{cpu::KMeansMetric::l2, cpu::SimdLevel::scalar},
@@ -147,7 +131,7 @@ TEST_F(CpuPrimitives, KMeansRecoversPlantedClustersAndIsDeterministic) {
     cpu::ScopedSimdLevel force(level);
     SCOPED_TRACE(std::string(cpu::simd_level_name(level)));
     const std::int32_t k = 6, per = 40, d = 32;
-    const auto [points, truth] = planted_clusters(rng, k, per, d);
+    const auto [points, truth] = test::planted_clusters(rng, k, per, d);
     const auto view = MatrixView<const float>::packed(points.data(), k * per, d);
     const cpu::KMeansConfig config{.clusters = k, .iterations = 15, .metric = metric, .seed = seed};
     cpu::ThreadPool pool(3);
@@ -174,7 +158,7 @@ TEST_F(CpuPrimitives, KMeansRecoversPlantedClustersAndIsDeterministic) {
 }
 
 TEST_F(CpuPrimitives, KMeansUsesTheGivenAssignerAndRefusesTooManyClusters) {
-  const auto [points, truth] = planted_clusters(rng, 3, 10, 8);
+  const auto [points, truth] = test::planted_clusters(rng, 3, 10, 8);
   const auto view = MatrixView<const float>::packed(points.data(), 30, 8);
   int calls = 0;
   const cpu::KMeansAssigner counting = [&](const MatrixView<const float>& p, const MatrixView<const float>& c,

@@ -1,6 +1,8 @@
-// CUDA primitives against their CPU twins: top-K (exact, same tie rule), GEMV scores, gather, RoPE rows.
+// CUDA primitives against their CPU twins: top-K (both algorithms, exact, same tie rule), GEMV scores, gather,
+// RoPE rows, deduplication, k-means assignment.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 
 #include "attention_check.hpp"
@@ -18,29 +20,41 @@ using test::Random;
 
 using CudaPrimitives = test::GpuTest;
 
-void check_topk(Random& rng, std::int64_t rows, std::int32_t n, std::int32_t k) {
-  SCOPED_TRACE(testing::Message() << "rows " << rows << " n " << n << " k " << k);
+constexpr cuda::TopKAlgorithm kTopKAlgorithms[] = {cuda::TopKAlgorithm::radix_select, cuda::TopKAlgorithm::radix_sort};
+
+/// `distinct` scores drawn per row (few: many ties; 1: all equal), plus NaN, ±inf and -0 sprinkled in.
+void check_topk(Random& rng, std::int64_t rows, std::int32_t n, std::int32_t k, std::int32_t distinct = 101) {
+  SCOPED_TRACE(testing::Message() << "rows " << rows << " n " << n << " k " << k << " distinct " << distinct);
   std::vector<float> scores(std::size_t(rows) * n);
-  for (auto& s : scores) s = float(rng.uniform_int(-50, 50)) * 0.25f;  // many ties
-  for (int i = 0; i < 5 && n > 10; ++i) {
+  for (auto& s : scores) s = float(rng.uniform_int(0, distinct - 1) - distinct / 2) * 0.25f;
+  for (int i = 0; i < 5 && n > 10 && distinct > 1; ++i) {
     scores[rng.uniform_int(0, int(scores.size()) - 1)] = NAN;
     scores[rng.uniform_int(0, int(scores.size()) - 1)] = -INFINITY;
     scores[rng.uniform_int(0, int(scores.size()) - 1)] = INFINITY;
     scores[rng.uniform_int(0, int(scores.size()) - 1)] = -0.0f;
   }
   DeviceBuffer<float> d_scores(scores);
-  DeviceBuffer<std::int32_t> d_out(std::max<std::size_t>(1, std::size_t(rows) * k));
-  d_out.poison();
-  const std::size_t bytes = cuda::topk_workspace_bytes(rows, n, k);
-  DeviceBuffer<std::byte> ws(bytes);
-  cuda::topk(MatrixView<const float>::packed(d_scores.data(), rows, n), k, d_out.data(), {ws.data(), bytes}, nullptr);
-  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto got = d_out.download();
-  std::vector<std::int32_t> expected(k);
+  std::vector<std::vector<std::int32_t>> expected(rows, std::vector<std::int32_t>(k));
   std::vector<std::uint64_t> scratch;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    cpu::topk_indices({scores.data() + r * n, std::size_t(n)}, k, expected, scratch);
-    ASSERT_EQ(std::vector<std::int32_t>(got.begin() + r * k, got.begin() + (r + 1) * k), expected) << "row " << r;
+  for (std::int64_t r = 0; r < rows; ++r) cpu::topk_indices({scores.data() + r * n, std::size_t(n)}, k, expected[r], scratch);
+  for (cuda::TopKAlgorithm algorithm : kTopKAlgorithms) {
+    SCOPED_TRACE(algorithm == cuda::TopKAlgorithm::radix_select ? "radix_select" : "radix_sort");
+    DeviceBuffer<std::int32_t> d_out(std::max<std::size_t>(1, std::size_t(rows) * k));
+    const std::size_t bytes = cuda::topk_workspace_bytes(rows, n, k, algorithm);
+    DeviceBuffer<std::byte> ws(bytes);
+    ws.poison();  // radix select must not rely on a zeroed workspace
+    // Twice on the same workspace: what one call leaves behind must not change the next.
+    for (int call = 0; call < 2; ++call) {
+      d_out.poison();
+      cuda::topk(MatrixView<const float>::packed(d_scores.data(), rows, n), k, d_out.data(), {ws.data(), bytes}, nullptr,
+                 algorithm);
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = d_out.download();
+      for (std::int64_t r = 0; r < rows; ++r) {
+        ASSERT_EQ(std::vector<std::int32_t>(got.begin() + r * k, got.begin() + (r + 1) * k), expected[r])
+            << "row " << r << " call " << call;
+      }
+    }
   }
 }
 
@@ -53,6 +67,9 @@ TEST_F(CudaPrimitives, TopKEqualsTheCpuTopKExactly) {
   }
   check_topk(rng, 8, 131072, 2048);
   check_topk(rng, 1, 1 << 20, 8192);
+  check_topk(rng, 3, 50000, 3000, 1);       // every score equal: the k smallest indices
+  check_topk(rng, 2, 70000, 5000, 40000);   // few ties, and rows split into many chunks
+  check_topk(rng, 700, 3000, 64);           // more rows than CTAs: one chunk per row
 }
 
 TEST_F(CudaPrimitives, GemvGatherAndRopeAgreeWithTheCpu) {
@@ -96,8 +113,111 @@ TEST_F(CudaPrimitives, GemvGatherAndRopeAgreeWithTheCpu) {
   }
 }
 
+TEST_F(CudaPrimitives, SortUniqueEqualsTheCpuDedupPerRow) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const std::int64_t rows = 37;
+  const std::int32_t capacity = 3000;
+  std::vector<std::int32_t> indices(std::size_t(rows) * capacity), counts(rows);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    counts[r] = r == 0 ? 0 : r == 1 ? capacity : r == 2 ? 1 : rng.uniform_int(0, capacity);
+    const std::int32_t range = rng.uniform_int(1, 4000);  // small ranges repeat a lot
+    for (std::int32_t i = 0; i < capacity; ++i) indices[std::size_t(r) * capacity + i] = rng.uniform_int(0, range);
+  }
+  counts[5] = -1;            // bad counts: reported, row untouched
+  counts[6] = capacity + 1;
+  DeviceBuffer<std::int32_t> d_indices(indices), d_counts(counts), d_unique(rows);
+  d_unique.poison();
+  const std::size_t bytes = cuda::sort_unique_workspace_bytes(rows, capacity);
+  DeviceBuffer<std::byte> ws(bytes);
+  ws.poison();
+  cuda::sort_unique(d_indices.data(), rows, capacity, d_counts.data(), d_unique.data(), {ws.data(), bytes}, nullptr);
+  const auto got = d_indices.download();
+  const auto unique = d_unique.download();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const auto row_begin = indices.begin() + r * capacity;
+    if (r == 5 || r == 6) {
+      EXPECT_EQ(unique[r], -1) << "row " << r;
+      EXPECT_TRUE(std::equal(row_begin, row_begin + capacity, got.begin() + r * capacity)) << "row " << r;
+      continue;
+    }
+    std::vector<std::int32_t> expected(row_begin, row_begin + counts[r]);
+    expected.resize(cpu::sort_unique(expected));
+    ASSERT_EQ(unique[r], std::int32_t(expected.size())) << "row " << r;
+    ASSERT_EQ(std::vector<std::int32_t>(got.begin() + r * capacity, got.begin() + r * capacity + unique[r]), expected)
+        << "row " << r;
+  }
+}
+
+/// x.c - |c|^2 / 2 (L2) or x.c in fp64: the ranking both assigners approximate.
+double assignment_score(const float* x, const float* c, std::int32_t d, cpu::KMeansMetric metric) {
+  double dot = 0.0, norm = 0.0;
+  for (std::int32_t j = 0; j < d; ++j) dot += double(x[j]) * c[j], norm += double(c[j]) * c[j];
+  return metric == cpu::KMeansMetric::cosine ? dot : dot - 0.5 * norm;
+}
+
+TEST_F(CudaPrimitives, AssignNearestPicksTheBestCentroidAsTheCpuDoes) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const auto metric : {cpu::KMeansMetric::l2, cpu::KMeansMetric::cosine}) {
+    // 72 channels and 130 centroids leave partial tiles in both directions.
+    const std::int32_t n = 3001, k = 130, d = 72;
+    auto points = rng.normal(std::size_t(n) * d), centroids = rng.normal(std::size_t(k) * d);
+    const auto pv = MatrixView<const float>::packed(points.data(), n, d);
+    const auto cv = MatrixView<const float>::packed(centroids.data(), k, d);
+    std::vector<std::int32_t> cpu_assignment(n);
+    cpu::assign_nearest(pv, cv, metric, cpu_assignment);
+    DeviceBuffer<float> d_points(points), d_centroids(centroids);
+    DeviceBuffer<std::int32_t> d_assignment(n);
+    d_assignment.poison();
+    cuda::assign_nearest(MatrixView<const float>::packed(d_points.data(), n, d),
+                         MatrixView<const float>::packed(d_centroids.data(), k, d), metric, d_assignment.data(), nullptr);
+    const auto gpu_assignment = d_assignment.download();
+    int differ = 0;
+    for (std::int32_t i = 0; i < n; ++i) {
+      ASSERT_GE(gpu_assignment[i], 0);
+      ASSERT_LT(gpu_assignment[i], k);
+      double best = -INFINITY;
+      for (std::int32_t c = 0; c < k; ++c) best = std::max(best, assignment_score(pv.row(i), cv.row(c), d, metric));
+      const double chosen = assignment_score(pv.row(i), cv.row(gpu_assignment[i]), d, metric);
+      ASSERT_GE(chosen, best - 1e-4 * (1.0 + std::abs(best))) << "point " << i;  // fp32 rounding only
+      differ += gpu_assignment[i] != cpu_assignment[i];
+    }
+    EXPECT_LE(differ, n / 500) << "points assigned differently from the CPU";
+  }
+}
+
+TEST_F(CudaPrimitives, KMeansWithTheGpuAssignerEqualsTheCpuKMeans) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const std::int32_t k = 12, per = 150, d = 64;
+  const auto [points, truth] = test::planted_clusters(rng, k, per, d);
+  const auto view = MatrixView<const float>::packed(points.data(), std::int64_t(k) * per, d);
+  for (const auto metric : {cpu::KMeansMetric::l2, cpu::KMeansMetric::cosine}) {
+    const cpu::KMeansConfig config{.clusters = k, .iterations = 8, .metric = metric, .seed = seed};
+    cuda::DeviceKMeansAssigner gpu;
+    const auto on_gpu = cpu::kmeans<float>(view, config, std::ref(gpu));
+    const auto on_cpu = cpu::kmeans<float>(view, config);
+    EXPECT_EQ(on_gpu.assignment, on_cpu.assignment);
+    EXPECT_EQ(on_gpu.centroids, on_cpu.centroids);  // same assignments: the CPU's updates are bit-identical
+  }
+}
+
 TEST(CudaPrimitivesBadInput, RefusedBeforeAnyDeviceCall) {
   test::expect_error([] { cuda::topk_workspace_bytes(4, 100, 101); }, "k (= 101) is outside [0, n = 100]");
+  test::expect_error([] { cuda::sort_unique_workspace_bytes(0, 10); }, "rows (= 0) and capacity (= 10) must be positive");
+  test::expect_error([] { cuda::sort_unique_workspace_bytes(1 << 20, 1 << 12); }, "exceeds 2^31 - 1");
+  std::vector<float> p(40), c(30);
+  test::expect_error(
+      [&] {
+        cuda::assign_nearest(MatrixView<const float>::packed(p.data(), 5, 8), MatrixView<const float>::packed(c.data(), 5, 6),
+                             cpu::KMeansMetric::l2, nullptr, nullptr);
+      },
+      "points.cols (= 8) != centroids.cols (= 6)");
+  test::expect_error(
+      [&] {
+        std::int32_t out[5];
+        cuda::assign_nearest(MatrixView<const float>::packed(p.data(), 5, 8), MatrixView<const float>::packed(c.data(), 3, 8),
+                             static_cast<cpu::KMeansMetric>(7), out, nullptr);
+      },
+      "unknown KMeansMetric (7)");
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
 #pragma once
 /// CUDA twins of the CPU primitives (cpu/primitives.hpp, cpu/topk.hpp), with the same results: top-K with
-/// kvsift's one tie rule, GEMV scores, row gather, batched RoPE. Device memory; caller-owned workspace where
-/// one is needed (size from the matching *_workspace_bytes query); no allocation, no host sync; stream-ordered.
+/// kvsift's one tie rule, GEMV scores, row gather, batched RoPE, k-means assignment, index deduplication.
+/// Device memory; caller-owned workspace where one is needed (size from the matching *_workspace_bytes
+/// query); no allocation, no host sync; stream-ordered; reentrant (concurrent calls need distinct
+/// workspaces). DeviceKMeansAssigner is the one exception: an owning adapter for cpu::kmeans (see there).
 
 #include <cstddef>
 #include <cstdint>
@@ -12,15 +14,27 @@
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/rope.hpp"
 #include "kvsift/core/views.hpp"
+#include "kvsift/cpu/primitives.hpp"
 
 namespace kvsift::cuda {
 
+enum class TopKAlgorithm : std::uint8_t {
+  /// Radix select: three histogram passes over 11/11/10 key bits, one counting and one writing pass; reads
+  /// the scores five times and sorts nothing. Several CTAs per row, so a few rows still fill the GPU.
+  radix_select,
+  /// CUB radix sorts of every (row, score) key, then of the chosen (row, index) pairs.
+  radix_sort,
+};
+
 /// Top-K per row: scores [rows, n] (row stride scores.row_stride) → indices [rows, k] (row stride k) of each
-/// row's k best scores, ascending; ties go to the smaller index; NaN ranks below every number. Built on CUB
-/// radix sorts of (row, score) keys: O(rows * n) work, deterministic.
-std::size_t topk_workspace_bytes(std::int64_t rows, std::int32_t n, std::int32_t k);
+/// row's k best scores, ascending; ties go to the smaller index; NaN ranks below every number. Both
+/// algorithms give identical results (they are tested against cpu::topk_indices); radix_select is the
+/// faster one at every measured shape (docs/primitives.md) and is the default. Deterministic. The workspace
+/// size depends on the algorithm and, for radix_select, on the current device's SM count.
+std::size_t topk_workspace_bytes(std::int64_t rows, std::int32_t n, std::int32_t k,
+                                 TopKAlgorithm algorithm = TopKAlgorithm::radix_select);
 void topk(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* d_indices, std::span<std::byte> workspace,
-          cudaStream_t stream);
+          cudaStream_t stream, TopKAlgorithm algorithm = TopKAlgorithm::radix_select);
 
 /// scores[i] = scale * dot(q, rows.row(i)); q: [rows.cols] fp32, scores: [rows.rows] fp32.
 template <class T>
@@ -34,5 +48,41 @@ void gather_rows(const MatrixView<const T>& src, const std::int32_t* d_indices, 
 /// Rotates row i of `rows` for position positions[i] (fp64 angles, as the CPU path), or undoes the rotation.
 void apply_rope_rows(const MatrixView<float>& rows, const std::int64_t* d_positions, const RopeConfig& rope,
                      bool inverse, cudaStream_t stream);
+
+/// Per row r < rows: sorts indices [r * capacity, r * capacity + counts[r]) ascending and removes repeats in
+/// place (the distinct values lead the row; entries past them are unspecified) and sets unique_counts[r] to
+/// their number. A row whose count is outside [0, capacity] is left unchanged and gets unique_counts[r] = -1
+/// (counts live on the device, so they cannot be checked before the launch). cpu::sort_unique's twin.
+std::size_t sort_unique_workspace_bytes(std::int64_t rows, std::int32_t capacity);
+void sort_unique(std::int32_t* d_indices, std::int64_t rows, std::int32_t capacity, const std::int32_t* d_counts,
+                 std::int32_t* d_unique_counts, std::span<std::byte> workspace, cudaStream_t stream);
+
+/// cpu::assign_nearest's twin: d_assignment[i] = the centroid nearest point i (ties: smaller id), ranked by
+/// x.c - |c|^2 / 2 (L2) or x.c (cosine; points and centroids normalized by the caller). Points [n, dim] and
+/// centroids [k, dim] in device memory. Sums run in another order than on the CPU, so points almost exactly
+/// between two centroids may resolve differently.
+void assign_nearest(const MatrixView<const float>& points, const MatrixView<const float>& centroids,
+                    cpu::KMeansMetric metric, std::int32_t* d_assignment, cudaStream_t stream);
+
+/// A cpu::KMeansAssigner that runs the assignment step of cpu::kmeans on the GPU: each call uploads the
+/// points and centroids, runs assign_nearest and downloads the assignment, synchronizing `stream`. Device
+/// buffers are owned here and grow on demand (an allocation when a call needs more than any before): for
+/// prefill-time clustering, not for the decode hot path. std::function copies its target, so pass it as
+/// std::ref(assigner). One object serves one thread at a time.
+class DeviceKMeansAssigner {
+ public:
+  explicit DeviceKMeansAssigner(cudaStream_t stream = nullptr) : stream_(stream) {}
+  DeviceKMeansAssigner(const DeviceKMeansAssigner&) = delete;
+  DeviceKMeansAssigner& operator=(const DeviceKMeansAssigner&) = delete;
+  ~DeviceKMeansAssigner();
+
+  void operator()(const MatrixView<const float>& points, const MatrixView<const float>& centroids,
+                  cpu::KMeansMetric metric, std::span<std::int32_t> assignment);
+
+ private:
+  cudaStream_t stream_;
+  void* buffer_ = nullptr;
+  std::size_t capacity_ = 0;
+};
 
 }  // namespace kvsift::cuda

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -12,11 +13,18 @@
 
 namespace kvsift::cuda::detail {
 
-/// Sizes of the two CUB radix sorts behind top-K (temporary storage only).
-cudaError_t topk_cub_bytes(std::int64_t rows, std::int32_t n, std::int32_t k, std::size_t* first_sort,
-                           std::size_t* second_sort);
+/// Blocks of `threads` for a grid-stride loop over `items` (capped: the loop covers the rest).
+inline unsigned grid_stride_blocks(std::int64_t items, int threads) {
+  return unsigned(std::clamp<std::int64_t>((items + threads - 1) / threads, 1, 65535 * 8));
+}
 
-struct TopKBuffers {
+// ---- top-K by two CUB radix sorts of (row, score) keys -------------------------------------------------
+
+/// Sizes of the two CUB radix sorts (temporary storage only).
+cudaError_t topk_sort_cub_bytes(std::int64_t rows, std::int32_t n, std::int32_t k, std::size_t* first_sort,
+                                std::size_t* second_sort);
+
+struct TopKSortBuffers {
   unsigned long long* keys_in;
   unsigned long long* keys_out;
   std::int32_t* values_in;
@@ -27,8 +35,34 @@ struct TopKBuffers {
   std::size_t cub_temp_bytes;
 };
 
-cudaError_t launch_topk(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* indices,
-                        const TopKBuffers& buffers, cudaStream_t stream);
+cudaError_t launch_topk_sort(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* indices,
+                             const TopKSortBuffers& buffers, cudaStream_t stream);
+
+// ---- top-K by radix select ------------------------------------------------------------------------------
+
+/// Buckets of one radix-select pass: the 32-bit rank key is resolved in three passes of 11, 11 and 10 bits.
+inline constexpr int kSelectBins = 2048;
+
+/// What a row's passes have resolved: the key bits decided so far, and how many of the keys that share
+/// them still belong to the top K. After the last pass `prefix` is the K-th best key itself.
+struct SelectRowState {
+  std::uint32_t prefix;
+  std::int32_t remaining;
+};
+
+struct TopKSelectBuffers {
+  SelectRowState* state;        ///< [rows]
+  std::uint32_t* histograms;    ///< [rows, kSelectBins], zero between passes
+  std::uint32_t* tickets;       ///< [rows]: CTAs of the row done with the current pass
+  std::uint32_t* chunk_counts;  ///< [rows, chunks, 2]: keys better than, and equal to, the K-th best key
+  std::int32_t chunks;          ///< CTAs per row
+  std::int32_t chunk_size;      ///< scores per CTA
+};
+
+cudaError_t launch_topk_select(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* indices,
+                               const TopKSelectBuffers& buffers, cudaStream_t stream);
+
+// ---- scoring, gather, RoPE ------------------------------------------------------------------------------
 
 template <class T>
 cudaError_t launch_gemv_scores(const float* q, const MatrixView<const T>& rows, float scale, float* scores,
@@ -40,5 +74,27 @@ cudaError_t launch_gather_rows(const MatrixView<const T>& src, const std::int32_
 
 cudaError_t launch_apply_rope_rows(const MatrixView<float>& rows, const std::int64_t* positions, const RopeConfig& rope,
                                    bool inverse, cudaStream_t stream);
+
+// ---- k-means assignment ---------------------------------------------------------------------------------
+
+/// assignment[i] = argmax_c x_i.c - |c|^2 / 2 (L2) or x_i.c (cosine); ties: smaller id.
+cudaError_t launch_assign_nearest(const MatrixView<const float>& points, const MatrixView<const float>& centroids,
+                                  bool cosine, std::int32_t* assignment, cudaStream_t stream);
+
+// ---- deduplication --------------------------------------------------------------------------------------
+
+cudaError_t sort_unique_cub_bytes(std::int64_t rows, std::int32_t capacity, std::size_t* bytes);
+
+struct SortUniqueBuffers {
+  std::int32_t* sorted;         ///< [rows, capacity]
+  std::int32_t* segment_begin;  ///< [rows]
+  std::int32_t* segment_end;    ///< [rows]
+  void* cub_temp;
+  std::size_t cub_temp_bytes;
+};
+
+cudaError_t launch_sort_unique(std::int32_t* indices, std::int64_t rows, std::int32_t capacity,
+                               const std::int32_t* counts, std::int32_t* unique_counts, const SortUniqueBuffers& buffers,
+                               cudaStream_t stream);
 
 }  // namespace kvsift::cuda::detail
