@@ -22,6 +22,37 @@ void normalize(float* x, std::int32_t d) {
   for (std::int32_t c = 0; c < d; ++c) x[c] *= inv;
 }
 
+/// Owns a detail::ScorePanel: the rows of `vectors` packed in tiles, and per-column score offsets.
+class OwnedScorePanel {
+ public:
+  /// with_half_norms: offsets -|v|^2 / 2 (L2 nearest-centroid ranking); otherwise 0 (plain dot products).
+  OwnedScorePanel(const MatrixView<const float>& vectors, bool with_half_norms) {
+    constexpr std::int64_t kPad = detail::ScorePanel::kPanelPadding;
+    panel_.dim = vectors.cols;
+    panel_.count = vectors.rows;
+    panel_.padded = (vectors.rows + kPad - 1) / kPad * kPad;
+    tiles_.assign(std::size_t(panel_.padded) * std::size_t(vectors.cols), 0.0f);
+    offsets_.assign(std::size_t(panel_.padded), 0.0f);
+    for (std::int64_t c = 0; c < vectors.rows; ++c) {
+      float norm = 0.0f;
+      float* tile_column = &tiles_[std::size_t((c / kPad) * vectors.cols * kPad + c % kPad)];
+      for (std::int32_t j = 0; j < vectors.cols; ++j) {
+        const float x = vectors.row(c)[j];
+        tile_column[std::size_t(j) * kPad] = x;
+        norm += x * x;
+      }
+      if (with_half_norms) offsets_[std::size_t(c)] = -0.5f * norm;
+    }
+    panel_.tiles = tiles_.data();
+    panel_.offsets = offsets_.data();
+  }
+  const detail::ScorePanel& panel() const { return panel_; }
+
+ private:
+  detail::ScorePanel panel_;
+  std::vector<float> tiles_, offsets_;
+};
+
 }  // namespace
 
 template <class T>
@@ -78,14 +109,10 @@ void assign_nearest(const MatrixView<const float>& points, const MatrixView<cons
                centroids.cols);
   KVSIFT_CHECK(assignment.size() >= std::size_t(points.rows), where, "assignment.size() (= {}) < points.rows (= {})",
                assignment.size(), points.rows);
-  std::vector<float> norms(static_cast<std::size_t>(centroids.rows));
-  for (std::int64_t c = 0; c < centroids.rows; ++c) {
-    norms[c] = 0.0f;
-    for (std::int32_t j = 0; j < centroids.cols; ++j) norms[c] += centroids.row(c)[j] * centroids.row(c)[j];
-  }
+  const OwnedScorePanel ranked(centroids, /*with_half_norms=*/metric == KMeansMetric::l2);
   with_simd_level([&]<SimdLevel L>() {
     parallel_for(pool, points.rows, [&](std::int64_t begin, std::int64_t end) {
-      detail::assign_rows<L>(points, centroids, norms.data(), metric == KMeansMetric::cosine, assignment.data(), begin, end);
+      detail::assign_rows<L>(points, ranked.panel(), assignment.data(), begin, end);
     });
   });
 }
@@ -116,27 +143,47 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
   std::mt19937_64 rng(config.seed);
   const int candidates_per_step = 2 + int(std::log(double(k)));
   const auto points_count = static_cast<std::size_t>(n);
-  // Distances from every point to point j, from one (SIMD, threaded) GEMV and the points' squared norms.
-  std::vector<float> norms(points_count), dots(points_count);
+  // Distances from every point to a few candidate points at once: one blocked pass over a channel-major copy
+  // of the points (the candidates are the block's rows), threaded over ranges of points; then the points'
+  // squared norms turn dot products into distances.
+  const OwnedScorePanel all_points(xs, /*with_half_norms=*/false);
+  std::vector<float> norms(points_count);
   for (std::int64_t i = 0; i < n; ++i) {
     norms[i] = 0.0f;
     for (std::int32_t c = 0; c < d; ++c) norms[i] += xs.row(i)[c] * xs.row(i)[c];
   }
-  const auto distances_to = [&](std::int64_t j, std::vector<double>& out) {
-    gemv_scores<float>({xs.row(j), std::size_t(d)}, xs, 1.0f, dots, pool);
-    for (std::int64_t i = 0; i < n; ++i) {
-      const double dist = config.metric == KMeansMetric::cosine ? 1.0 - dots[i] : double(norms[i]) - 2.0 * dots[i] + norms[j];
-      out[i] = std::max(0.0, dist);
+  std::vector<float> candidate_rows(std::size_t(candidates_per_step) * d), dots(std::size_t(candidates_per_step) * points_count);
+  std::vector<std::vector<double>> candidate_distances(static_cast<std::size_t>(candidates_per_step),
+                                                       std::vector<double>(points_count));
+  const auto distances_to = [&](std::span<const std::int64_t> candidates) {
+    for (std::size_t t = 0; t < candidates.size(); ++t) std::copy_n(xs.row(candidates[t]), d, &candidate_rows[t * d]);
+    const auto rows = MatrixView<const float>::packed(candidate_rows.data(), std::int64_t(candidates.size()), d);
+    constexpr std::int64_t kPad = detail::ScorePanel::kPanelPadding;
+    with_simd_level([&]<SimdLevel L>() {
+      parallel_for(pool, (n + kPad - 1) / kPad, [&](std::int64_t begin, std::int64_t end) {
+        detail::score_rows<L>(rows, all_points.panel(), dots.data(), n, begin * kPad, std::min(end * kPad, n));
+      });
+    });
+    for (std::size_t t = 0; t < candidates.size(); ++t) {
+      const float* dot = &dots[t * points_count];
+      const double own_norm = norms[candidates[t]];
+      for (std::int64_t i = 0; i < n; ++i) {
+        const double dist = config.metric == KMeansMetric::cosine ? 1.0 - dot[i] : double(norms[i]) - 2.0 * dot[i] + own_norm;
+        candidate_distances[t][i] = std::max(0.0, dist);
+      }
     }
   };
-  std::vector<double> nearest(points_count), trial(points_count), best_trial(points_count), candidate_distances(points_count);
+  std::vector<double> nearest(points_count), trial(points_count), best_trial(points_count);
   std::int64_t chosen = std::int64_t(rng() % std::uint64_t(n));
-  distances_to(chosen, nearest);
+  distances_to(std::span<const std::int64_t>(&chosen, 1));
+  nearest.swap(candidate_distances[0]);
+  candidate_distances[0].resize(points_count);
   std::copy_n(xs.row(chosen), d, &result.centroids[0]);
+  std::vector<std::int64_t> candidates;
   for (std::int32_t c = 1; c < k; ++c) {
     const double total = std::accumulate(nearest.begin(), nearest.end(), 0.0);
-    double best_potential = std::numeric_limits<double>::infinity();
     std::int64_t best = (chosen + 1) % n;  // every point coincides with a centroid: take the next in order
+    candidates.clear();
     for (int trial_index = 0; trial_index < candidates_per_step && total > 0.0; ++trial_index) {
       double target = std::uniform_real_distribution<double>(0.0, total)(rng);
       std::int64_t candidate = n - 1;
@@ -147,20 +194,24 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
           break;
         }
       }
-      distances_to(candidate, candidate_distances);
-      double potential = 0.0;
-      for (std::int64_t i = 0; i < n; ++i) potential += trial[i] = std::min(nearest[i], candidate_distances[i]);
-      if (potential < best_potential) {
-        best_potential = potential;
-        best = candidate;
-        best_trial.swap(trial);
-      }
+      candidates.push_back(candidate);
     }
+    if (candidates.empty()) candidates.push_back(best);
+    distances_to(candidates);
     if (total > 0.0) {
+      double best_potential = std::numeric_limits<double>::infinity();
+      for (std::size_t t = 0; t < candidates.size(); ++t) {
+        double potential = 0.0;
+        for (std::int64_t i = 0; i < n; ++i) potential += trial[i] = std::min(nearest[i], candidate_distances[t][i]);
+        if (potential < best_potential) {
+          best_potential = potential;
+          best = candidates[t];
+          best_trial.swap(trial);
+        }
+      }
       nearest.swap(best_trial);
     } else {
-      distances_to(best, candidate_distances);
-      for (std::int64_t i = 0; i < n; ++i) nearest[i] = std::min(nearest[i], candidate_distances[i]);
+      for (std::int64_t i = 0; i < n; ++i) nearest[i] = std::min(nearest[i], candidate_distances[0][i]);
     }
     chosen = best;
     std::copy_n(xs.row(chosen), d, &result.centroids[std::size_t(c) * d]);

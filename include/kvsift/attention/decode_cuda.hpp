@@ -3,8 +3,8 @@
 /// dense (FlashDecoding-style, the baseline), and the standalone LSE merge of partial states.
 ///
 /// Memory: every view points to device memory. Supported: storage kvsift::half and kvsift::bfloat16 with fp32
-/// accumulation; head_dim 64 and 128; any q_heads that is a multiple of kv_heads (a GQA group of up to 8
-/// heads reads each K/V row once; larger groups are tiled by 8 heads and re-read rows per tile); contiguous
+/// accumulation; head_dim 64 and 128; any q_heads that is a multiple of kv_heads (a GQA group of up to 16
+/// heads reads each K/V row once; larger groups are tiled by 16 heads and re-read rows per tile); contiguous
 /// or paged KV; per-sequence lengths and selection counts on the device. Q, K, V and O rows must be 16-byte
 /// aligned (pointers and strides multiples of 8 elements).
 ///
@@ -12,8 +12,10 @@
 /// sequence or selection row with no tokens yields O = 0 and LSE = -inf.
 ///
 /// Hot path contract: no allocation and no host synchronization; the caller passes a stream and a
-/// workspace of at least *_workspace_bytes() bytes (same arguments), 256-byte aligned. Launches are
-/// CUDA-graph capturable, except with validate_indices, which synchronizes the stream to report errors.
+/// workspace of at least *_workspace_bytes() bytes (same arguments), 256-byte aligned, whose contents do not
+/// matter (no zeroing needed; other work may use it between calls). One kernel launch per call: split-K
+/// partials are merged by the last CTA of each row. Launches are CUDA-graph capturable, except with
+/// validate_indices, which synchronizes the stream to report errors.
 /// Deterministic: the same inputs and options on one GPU give bit-identical results.
 /// Thread safety: reentrant; concurrent calls need distinct workspaces.
 

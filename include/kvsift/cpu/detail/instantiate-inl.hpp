@@ -26,7 +26,9 @@ KVSIFT_INSTANTIATE_GEMV(half)
 KVSIFT_INSTANTIATE_GEMV(bfloat16)
 #undef KVSIFT_INSTANTIATE_GEMV
 
-template void assign_rows<KVSIFT_CPU_LEVEL>(const MatrixView<const float>&, const MatrixView<const float>&, const float*,
-                                            bool, std::int32_t*, std::int64_t, std::int64_t);
+template void score_rows<KVSIFT_CPU_LEVEL>(const MatrixView<const float>&, const ScorePanel&, float*, std::int64_t,
+                                           std::int64_t, std::int64_t);
+template void assign_rows<KVSIFT_CPU_LEVEL>(const MatrixView<const float>&, const ScorePanel&, std::int32_t*, std::int64_t,
+                                            std::int64_t);
 
 }  // namespace kvsift::cpu::detail
