@@ -54,16 +54,25 @@ def main(bench_json, sdpa_jsonl, gpu_txt):
                   f"{r['gbs']:.0f} | {100 * r['gbs'] / copy['gbs']:.0f}% |")
 
 
-def topk(runs):
-    rows = [(k, r) for k, r in runs.items() if k.startswith("BM_CudaTopK")]
-    if not rows:
-        return
-    print("\n### CUDA top-K (CUB radix sorts), 8 rows of N fp32 scores, GPU time per call (graph replays)\n")
-    print("| N | K | us |")
-    print("|---|---|---|")
-    for name, r in rows:
-        m = re.match(r"BM_CudaTopK/N:(\d+)/K:(\d+)", name)
-        print(f"| {m[1]} | {m[2]} | {r['us']:.1f} |")
+def primitives(runs):
+    rows = {k: r for k, r in runs.items() if k.startswith("BM_CudaTopK")}
+    if rows:
+        print("\n### CUDA top-K, 8 rows of N fp32 scores, GPU time per call (graph replays)\n")
+        print("| N | K | radix select us | CUB radix sort us | sort / select |")
+        print("|---|---|---|---|---|")
+        for name, r in rows.items():
+            m = re.match(r"BM_CudaTopK/N:(\d+)/K:(\d+)/sort:0", name)
+            sort = m and rows.get(name.replace("/sort:0", "/sort:1"))
+            if m and sort:
+                print(f"| {m[1]} | {m[2]} | {r['us']:.1f} | {sort['us']:.1f} | {sort['us'] / r['us']:.1f}x |")
+    others = [(k, r) for k, r in runs.items() if re.match(r"BM_(CudaSortUnique|CudaAssignNearest|KMeansWithGpuAssigner)", k)]
+    if others:
+        print("\n### Other CUDA primitives (median)\n")
+        print("| benchmark | time |")
+        print("|---|---|")
+        for name, r in others:
+            unit = "ms" if name.startswith("BM_KMeans") else "us"
+            print(f"| {re.sub(r'/(min_time|iterations):[^/]*', '', name)} | {r['us']:.1f} {unit} |")
 
 
 def hybrid(runs):
@@ -100,4 +109,4 @@ if __name__ == "__main__":
     main(*sys.argv[1:4])
     split_sweep(medians(sys.argv[1]))
     hybrid(medians(sys.argv[1]))
-    topk(medians(sys.argv[1]))
+    primitives(medians(sys.argv[1]))
