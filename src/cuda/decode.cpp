@@ -4,7 +4,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <span>
@@ -25,21 +24,16 @@ struct DecodeWorkspace {
   float* partial_o = nullptr;
   float* partial_lse = nullptr;
   unsigned long long* first_bad_index = nullptr;
-  unsigned long long* split_counters = nullptr;
 };
 
 /// The single layout function behind both the size query (counting layout) and the run (carving layout).
-template <class T>
-DecodeWorkspace layout_workspace(WorkspaceLayout& layout, const DecodeParams<T>& p, bool validate_indices) {
+inline DecodeWorkspace layout_workspace(WorkspaceLayout& layout, std::int64_t batch, std::int64_t q_heads,
+                                        std::int64_t head_dim, std::int32_t num_splits, bool validate_indices) {
   DecodeWorkspace ws;
-  if (p.num_splits > 1) {
-    const std::size_t rows = checked_mul(std::size_t(p.q.batch) * std::size_t(p.q.heads), std::size_t(p.num_splits),
-                                         "decode workspace");
-    ws.partial_o = layout.allocate<float>(checked_mul(rows, std::size_t(p.q.head_dim), "decode workspace"), "partial_o");
+  if (num_splits > 1) {
+    const std::size_t rows = checked_mul(std::size_t(batch * q_heads), std::size_t(num_splits), "decode workspace");
+    ws.partial_o = layout.allocate<float>(checked_mul(rows, std::size_t(head_dim), "decode workspace"), "partial_o");
     ws.partial_lse = layout.allocate<float>(rows, "partial_lse");
-    const std::int32_t kv_heads = p.q.heads / p.group;
-    ws.split_counters = layout.allocate<unsigned long long>(
-        std::size_t(p.q.batch) * std::size_t(kv_heads) * std::size_t(p.head_tiles), "split_counters");
   }
   if (validate_indices) ws.first_bad_index = layout.allocate<unsigned long long>(1, "first_bad_index");
   return ws;
@@ -134,13 +128,6 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   return p;
 }
 
-/// A tag per launch for the split counters (arrive_last in decode.cuh): distinct across the calls that can
-/// share a workspace, so a counter left by another call is never mistaken for this call's.
-inline std::uint32_t next_launch_tag() {
-  static std::atomic<std::uint32_t> last{0};
-  return last.fetch_add(1, std::memory_order_relaxed) + 1;
-}
-
 /// Validation mode: after the kernels ran, read the first bad index back and throw with its location.
 template <class T>
 void report_bad_index(const char* where, const DecodeParams<T>& p, cudaStream_t stream) {
@@ -181,12 +168,11 @@ template <class T>
 void run_decode(const char* where, DecodeParams<T> p, std::span<std::byte> workspace, cudaStream_t stream,
                 bool validate_indices) {
   WorkspaceLayout layout(workspace, where);
-  const DecodeWorkspace ws = layout_workspace(layout, p, validate_indices);
+  const DecodeWorkspace ws =
+      layout_workspace(layout, p.q.batch, p.q.heads, p.q.head_dim, p.num_splits, validate_indices);
   p.partial_o = ws.partial_o;
   p.partial_lse = ws.partial_lse;
   p.first_bad_index = ws.first_bad_index;
-  p.split_counters = ws.split_counters;
-  p.launch_tag = next_launch_tag();
   if (validate_indices) KVSIFT_CUDA_CHECK(cudaMemsetAsync(p.first_bad_index, 0xff, sizeof(unsigned long long), stream));
   KVSIFT_CUDA_CHECK(launch_decode(p, stream));
   if (validate_indices) report_bad_index(where, p, stream);
@@ -199,7 +185,7 @@ std::size_t sparse_decode_workspace_bytes(const QueryView<const T>& q, const KV&
                                           const DecodeOptions& options) {
   const auto p = detail::make_params<T>("cuda::sparse_decode_workspace_bytes", q, kv, &selection, nullptr, options);
   WorkspaceLayout counting;
-  detail::layout_workspace(counting, p, options.validate_indices);
+  detail::layout_workspace(counting, q.batch, q.heads, q.head_dim, p.num_splits, options.validate_indices);
   return counting.bytes();
 }
 
@@ -215,7 +201,7 @@ template <class T, class KV>
 std::size_t dense_decode_workspace_bytes(const QueryView<const T>& q, const KV& kv, const DecodeOptions& options) {
   const auto p = detail::make_params<T>("cuda::dense_decode_workspace_bytes", q, kv, nullptr, nullptr, options);
   WorkspaceLayout counting;
-  detail::layout_workspace(counting, p, false);
+  detail::layout_workspace(counting, q.batch, q.heads, q.head_dim, p.num_splits, false);
   return counting.bytes();
 }
 

@@ -13,9 +13,8 @@
 /// Each warp streams its rows through its own kDecodeStages-deep cp.async pipeline in shared memory (no
 /// block-wide barrier in the loop; a warp barrier makes the lanes' copies visible to ldmatrix). Rows are
 /// stored with a 16-byte XOR swizzle so that ldmatrix reads them without bank conflicts. The warps merge
-/// their online-softmax states through shared memory at the end. When num_splits > 1, each CTA writes its
-/// partial state to the workspace and the last CTA of its row to finish (see arrive_last) merges the row's
-/// partials by LSE, so a call is one kernel launch.
+/// their online-softmax states through shared memory at the end, and CTAs of one row merge in
+/// merge_splits_kernel when num_splits > 1.
 
 #include <cuda_runtime.h>
 
@@ -123,74 +122,6 @@ __device__ __forceinline__ void record_bad_index(unsigned long long* slot, std::
   atomicMin(slot, (static_cast<unsigned long long>(row) << 32) | static_cast<std::uint32_t>(position));
 }
 
-/// Counts the CTAs of one row that are done, and says whether the caller is the last. The counter word holds
-/// (launch tag << 32 | count): a word with another tag (whatever the workspace held before, or another
-/// launch's leftovers) counts as zero, so the workspace needs no initialization; the last CTA resets the
-/// count, so replays of a captured graph (same tag) start from zero too. One thread per CTA calls it.
-__device__ __forceinline__ bool arrive_last(unsigned long long* word, std::uint32_t tag, int ctas) {
-  unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(word), assumed = 0;
-  std::uint32_t arrived = 0;
-  do {
-    assumed = seen;
-    arrived = (std::uint32_t(assumed >> 32) == tag ? std::uint32_t(assumed) : 0u) + 1u;
-    seen = atomicCAS(word, assumed, (static_cast<unsigned long long>(tag) << 32) | arrived);
-  } while (seen != assumed);
-  if (arrived != std::uint32_t(ctas)) return false;
-  atomicExch(word, static_cast<unsigned long long>(tag) << 32);
-  return true;
-}
-
-/// The split-K merge, run by the last CTA of a row: warp w merges the partials of heads w, w + kDecodeWarps,
-/// ... of the tile; each lane owns HeadDim / 32 channels and keeps kLoadsInFlight partial rows in flight, so
-/// that the merge costs a few L2 round trips, not one per split. Loads bypass L1 (other CTAs wrote the
-/// partials). An empty partial (LSE = -inf, weight 0) is skipped, never multiplied.
-template <int HeadDim, class T>
-__device__ void merge_split_partials(const DecodeParams<T>& p, int b, int first_q_head, int heads, int warp, int lane) {
-  constexpr int kChannels = HeadDim / 32;
-  constexpr int kLoadsInFlight = 8;
-  static_assert(kChannels == 2 || kChannels == 4, "a lane loads its channels as one float2 or float4");
-  using Channels = std::conditional_t<kChannels == 4, float4, float2>;
-  const int splits = p.num_splits;
-  for (int head = warp; head < heads; head += kDecodeWarps) {
-    const int h = first_q_head + head;
-    const std::int64_t row = (std::int64_t(b) * p.q.heads + h) * splits;
-    const float* lse = p.partial_lse + row;
-    const float* o = p.partial_o + row * HeadDim + lane * kChannels;
-    float lse_max = negative_infinity<float>();
-    for (int i = lane; i < splits; i += 32) lse_max = fmaxf(lse_max, __ldcg(lse + i));
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
-    float weight_sum = 0.0f, acc[kChannels] = {};
-    for (int base = 0; base < splits; base += 32) {
-      const float weight = base + lane < splits ? state_weight(__ldcg(lse + base + lane), lse_max) : 0.0f;
-      weight_sum += weight;
-      const int count = min(32, splits - base);
-      for (int first = 0; first < count; first += kLoadsInFlight) {
-        Channels values[kLoadsInFlight];
-#pragma unroll
-        for (int k = 0; k < kLoadsInFlight; ++k) {
-          values[k] = first + k < count ? __ldcg(reinterpret_cast<const Channels*>(o + std::int64_t(base + first + k) * HeadDim))
-                                        : Channels{};
-        }
-#pragma unroll
-        for (int k = 0; k < kLoadsInFlight; ++k) {
-          const float w = __shfl_sync(0xffffffffu, weight, (first + k) % 32);
-          if (first + k >= count || w == 0.0f) continue;
-          const float* v = reinterpret_cast<const float*>(&values[k]);
-#pragma unroll
-          for (int c = 0; c < kChannels; ++c) acc[c] = fmaf(w, v[c], acc[c]);
-        }
-      }
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) weight_sum += __shfl_xor_sync(0xffffffffu, weight_sum, offset);
-    T* out = p.out.o_row(b, h) + lane * kChannels;
-#pragma unroll
-    for (int c = 0; c < kChannels; ++c) out[c] = from_float_device<T>(weight_sum == 0.0f ? 0.0f : acc[c] / weight_sum);
-    if (lane == 0) p.out.lse_at(b, h) = merged_lse(lse_max, weight_sum);
-  }
-}
-
 template <int HeadDim, class T>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
     decode_attention_kernel(const __grid_constant__ DecodeParams<T> p) {
@@ -198,6 +129,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
   constexpr int kStages = kDecodeStages, kRowsPerCtaStep = kDecodeWarps * kRowsPerStep;
   constexpr int kKSteps = HeadDim / 16, kNTiles = HeadDim / 8;
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Lets the split merge (launched as a programmatic dependent) get scheduled now; it waits for this grid.
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
   extern __shared__ uint4 smem[];
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int frag_row = lane / 4, frag_col = 2 * (lane % 4);  // this lane's place in MMA fragments
@@ -425,19 +360,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
       if (c == 0) p.partial_lse[row] = lse;
     }
   }
-  if (p.num_splits == 1) return;
-
-  __shared__ bool merges;
-  __threadfence();  // this CTA's partials are visible before its arrival is
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    merges = arrive_last(p.split_counters + (std::int64_t(b) * gridDim.y + blockIdx.y), p.launch_tag, p.num_splits);
-  }
-  __syncthreads();
-  if (!merges) return;
-  __threadfence();
-  merge_split_partials<HeadDim>(p, b, kv_head * p.group + first_head, min(kHeadsPerTile, p.group - first_head), warp,
-                                lane);
 }
 
 }  // namespace kvsift::cuda::detail
@@ -482,10 +404,23 @@ template <class T>
 cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream) {
   const int kv_heads = p.paged ? p.paged_kv.kv_heads : p.kv.kv_heads;
   const dim3 grid(p.num_splits, kv_heads * p.head_tiles, p.q.batch);
-  return with_decode_kernel<T>(p.q.head_dim, [&](auto kernel, std::size_t smem) {
+  const cudaError_t status = with_decode_kernel<T>(p.q.head_dim, [&](auto kernel, std::size_t smem) {
     kernel<<<grid, kDecodeThreads, smem, stream>>>(p);
     return cudaGetLastError();
   });
+  if (status != cudaSuccess || p.num_splits == 1) return status;
+  // Programmatic dependent launch: the merge's launch overlaps the decode grid's tail (sm_90; elsewhere the
+  // attribute only orders the kernels as usual).
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(p.q.batch * p.q.heads);
+  config.blockDim = dim3(kMergeThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, merge_splits_kernel<T>, p);
 }
 
 template <class T>

@@ -13,9 +13,8 @@
 ///
 /// Hot path contract: no allocation and no host synchronization; the caller passes a stream and a
 /// workspace of at least *_workspace_bytes() bytes (same arguments), 256-byte aligned, whose contents do not
-/// matter (no zeroing needed; other work may use it between calls). One kernel launch per call: split-K
-/// partials are merged by the last CTA of each row. Launches are CUDA-graph capturable, except with
-/// validate_indices, which synchronizes the stream to report errors.
+/// matter (no zeroing needed; other work may use it between calls). Launches are
+/// CUDA-graph capturable, except with validate_indices, which synchronizes the stream to report errors.
 /// Deterministic: the same inputs and options on one GPU give bit-identical results.
 /// Thread safety: reentrant; concurrent calls need distinct workspaces.
 

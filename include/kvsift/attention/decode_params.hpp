@@ -27,9 +27,6 @@ struct DecodeParams {
   float* partial_o = nullptr;        ///< [batch, q_heads, num_splits, head_dim] when num_splits > 1
   float* partial_lse = nullptr;      ///< [batch, q_heads, num_splits], natural log
   unsigned long long* first_bad_index = nullptr;  ///< validation mode: smallest (row << 32 | position) found
-  /// [batch, kv_heads * head_tiles] when num_splits > 1: CTAs of each row done, tagged with launch_tag
-  unsigned long long* split_counters = nullptr;
-  std::uint32_t launch_tag = 0;      ///< distinct per host call (see arrive_last in decode.cuh)
 
   std::int32_t group = 1;            ///< q_heads / kv_heads
   std::int32_t head_tiles = 1;       ///< CTAs along the GQA group (group split into tiles of kHeadsPerTile heads)

@@ -1,7 +1,6 @@
 #pragma once
-/// Device-side LSE merge of partial attention states: the standalone merge_states kernel (hybrid CPU/GPU,
-/// context shards). One thread block merges one (sequence, head) row. (Decode's split-K merge runs inside
-/// the decode kernel: merge_split_partials in decode.cuh.)
+/// Device-side LSE merge of partial attention states, shared by the split-K epilogue of decode and the
+/// standalone merge_states kernel. One thread block merges one (sequence, head) row.
 
 #include <cuda_runtime.h>
 
@@ -13,7 +12,7 @@
 
 namespace kvsift::cuda::detail {
 
-inline constexpr int kMergeThreads = 256;  ///< block size of the merge kernel
+inline constexpr int kMergeThreads = 256;  ///< block size of both merge kernels
 
 /// Reduces one value per thread over the block (blockDim.x a multiple of 32, at most 1024); every thread gets
 /// the result. `scratch` holds 32 floats; the call ends with the block synchronized.
@@ -95,6 +94,23 @@ __device__ void merge_row(int n, int head_dim, LseOf lse_of, OOf o_of, WriteO wr
     }
   }
   if (threadIdx.x == 0) write_lse(merged_lse(lse_max, weight_sum));
+}
+
+/// Split-K epilogue: merges the num_splits fp32 partials of each (sequence, q head) into the output.
+template <class T>
+__global__ void merge_splits_kernel(const __grid_constant__ DecodeParams<T> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the decode grid's partials are complete and visible
+#endif
+  const int b = blockIdx.x / p.q.heads, h = blockIdx.x % p.q.heads;
+  const std::int64_t row = (std::int64_t(b) * p.q.heads + h) * p.num_splits;
+  const float* lse = p.partial_lse + row;
+  const float* o = p.partial_o + row * p.q.head_dim;
+  T* out = p.out.o_row(b, h);
+  merge_row(
+      p.num_splits, p.q.head_dim, [&](int i) { return lse[i]; },
+      [&](int i, int c) { return o[std::int64_t(i) * p.q.head_dim + c]; },
+      [&](int c, float v) { out[c] = from_float_device<T>(v); }, [&](float v) { p.out.lse_at(b, h) = v; });
 }
 
 template <class T>
