@@ -92,12 +92,14 @@ std::vector<FidelityRow> evaluate_fidelity(const Capture& capture, std::span<con
 
   std::vector<float> o(state_size), lse(capture.q_heads), lse_dense(capture.q_heads);
   std::vector<float> o_dense(state_size * options.decode_positions);  // [position][head][channel]
+  std::vector<AttentionWeights> attention(std::size_t(options.decode_positions));  // what every selection is scored against
   for (const auto& capture_layer : capture.layers) {
     const FloatLayer layer(capture, capture_layer);
     for (std::int32_t pos = first_position, length = first_position; pos < capture.tokens; ++pos, ++length) {
       reference::dense_decode(layer.query(pos), layer.kv(&length),
                               StateView<float>::packed(o_dense.data() + (pos - first_position) * state_size,
                                                        lse_dense.data(), 1, capture.q_heads, capture.head_dim));
+      attention[std::size_t(pos - first_position)] = attention_weights(layer.query(pos), layer.kv(&length));
     }
     for (std::size_t b = 0; b < options.budgets.size(); ++b) {
       const std::int32_t k = rows[b * selectors.size()].budget_tokens;
@@ -131,7 +133,7 @@ std::vector<FidelityRow> evaluate_fidelity(const Capture& capture, std::span<con
           selector->select(q, selection);
           reference::sparse_decode(q, kv, selection,
                                    StateView<float>::packed(o.data(), lse.data(), 1, capture.q_heads, capture.head_dim));
-          row.mass_recall += attention_mass_recall(q, kv, selection);
+          row.mass_recall += attention_mass_recall(attention[std::size_t(pos - first_position)], selection);
           row.output_error +=
               relative_l2_error(o, std::span(o_dense).subspan((pos - first_position) * state_size, state_size));
           const SelectionView& oracle_view = oracle_selections[pos - first_position].view();

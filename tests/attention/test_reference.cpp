@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "kvsift/attention/metrics.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "test_util.hpp"
 
@@ -302,6 +303,28 @@ TEST(ReferenceAttention, ReadsHalfAndBfloat16StorageAsTheirFloatValues) {
   };
   run(half{});
   run(bfloat16{});
+}
+
+TEST(AttentionMassRecall, CountsTheSoftmaxMassOfTheSelectionOncePrecomputed) {
+  // One head, head_dim 1 (scale 1), q = 1, keys 0, ln 2, ln 4: softmax weights 1/7, 2/7, 4/7.
+  const float q = 1.0f;
+  const std::vector<float> k{0.0f, std::log(2.0f), std::log(4.0f)}, v(3, 0.5f);
+  const std::int32_t seq_len = 3;
+  const auto qv = QueryView<const float>::packed(&q, 1, 1, 1);
+  const auto kv = ContiguousKVView<const float>::packed(k.data(), v.data(), 1, 1, 3, 1, &seq_len);
+  const AttentionWeights attention = attention_weights(qv, kv);
+  std::vector<std::int32_t> indices{2, 0};
+  std::int32_t count = 1;
+  const SelectionView selection{indices.data(), &count, nullptr, 1, 1, 2};
+  EXPECT_NEAR(attention_mass_recall(attention, selection), 4.0 / 7.0, 1e-7);
+  EXPECT_EQ(attention_mass_recall(attention, selection), attention_mass_recall(qv, kv, selection));
+  count = 2;
+  EXPECT_NEAR(attention_mass_recall(attention, selection), 5.0 / 7.0, 1e-7);
+  indices[1] = 3;
+  test::expect_error([&] { attention_mass_recall(attention, selection); },
+                     "selection index 3 at batch 0, kv_head 0 is outside [0, seq_len = 3)");
+  const SelectionView two_heads{indices.data(), &count, nullptr, 1, 2, 1};
+  test::expect_error([&] { attention_mass_recall(attention, two_heads); }, "does not match the attention");
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
 #pragma once
 /// Fidelity metrics for a selection against exact attention (host memory, fp64 accumulation).
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -14,43 +16,88 @@
 
 namespace kvsift {
 
-/// Attention-mass recall: the exact softmax mass (over all seq_len tokens, no log-weights) that the
-/// selected tokens carry, averaged over every (sequence, query head). 1 means nothing attended was dropped.
+/// Exact attention of every (sequence, query head) over its seq_len tokens, no log-weights: the unnormalized
+/// weights exp(logit - max logit) and their sums, in fp64. Computed once, it scores any number of selections
+/// of the same query (attention_mass_recall below); the fidelity harness scores every selector and budget
+/// against one per decode position.
+struct AttentionWeights {
+  std::int32_t batch = 0;
+  std::int32_t heads = 0;
+  std::int32_t group = 1;                ///< query heads per kv head
+  std::vector<std::int32_t> seq_lens;    ///< [batch]
+  std::vector<std::size_t> row_offsets;  ///< [batch * heads]: where a (sequence, head)'s weights start
+  std::vector<double> weights;           ///< per (sequence, head): seq_len values
+  std::vector<double> denominators;      ///< [batch * heads]
+
+  const double* row(std::int32_t b, std::int32_t h) const { return weights.data() + row_offsets[std::size_t(b) * heads + h]; }
+};
+
 template <class TQ, KVCacheView KV>
-double attention_mass_recall(const QueryView<TQ>& q, const KV& kv, const SelectionView& selection,
-                             const AttentionOptions& opts = {}) {
-  constexpr const char* where = "attention_mass_recall";
+AttentionWeights attention_weights(const QueryView<TQ>& q, const KV& kv, const AttentionOptions& opts = {}) {
+  constexpr const char* where = "attention_weights";
   validate(q, where, "q");
   validate(kv, where, "kv", MemorySpace::host);
-  validate(selection, kv, where, "selection", MemorySpace::host);
   KVSIFT_CHECK(q.heads % kv.kv_heads == 0, where, "q.heads (= {}) is not a multiple of kv.kv_heads (= {})", q.heads,
                kv.kv_heads);
-  const std::int32_t group = q.heads / kv.kv_heads;
+  AttentionWeights out;
+  out.batch = q.batch;
+  out.heads = q.heads;
+  out.group = q.heads / kv.kv_heads;
   const double scale = opts.resolved_scale(q.head_dim);
-  std::vector<double> logits;
-  double total = 0.0;
   for (std::int32_t b = 0; b < q.batch; ++b) {
     const std::int32_t n = kv.seq_len(b);
-    logits.resize(static_cast<std::size_t>(n));
+    out.seq_lens.push_back(n);
     for (std::int32_t h = 0; h < q.heads; ++h) {
-      const std::int32_t g = h / group;
+      const std::int32_t g = h / out.group;
+      out.row_offsets.push_back(out.weights.size());
       double max_logit = -INFINITY;
       for (std::int32_t t = 0; t < n; ++t) {
         const auto* k = kv.k_row(b, g, t);
         double dot = 0.0;
         for (std::int32_t c = 0; c < q.head_dim; ++c) dot += double(to_float(q.row(b, h)[c])) * double(to_float(k[c]));
-        logits[t] = scale * dot;
-        max_logit = std::max(max_logit, logits[t]);
+        out.weights.push_back(scale * dot);
+        max_logit = std::max(max_logit, out.weights.back());
       }
       double denom = 0.0;
-      for (std::int32_t t = 0; t < n; ++t) denom += std::exp(logits[t] - max_logit);
-      double kept = 0.0;
-      const std::int32_t* idx = selection.row(b, g);
-      for (std::int32_t i = 0; i < selection.count(b, g); ++i) kept += std::exp(logits[idx[i]] - max_logit);
-      total += kept / denom;
+      double* logits = out.weights.data() + out.row_offsets.back();
+      for (std::int32_t t = 0; t < n; ++t) denom += logits[t] = std::exp(logits[t] - max_logit);
+      out.denominators.push_back(denom);
     }
   }
-  return total / (double(q.batch) * q.heads);
+  return out;
+}
+
+/// Attention-mass recall: the exact softmax mass (over all seq_len tokens, no log-weights) that the
+/// selected tokens carry, averaged over every (sequence, query head). 1 means nothing attended was dropped.
+inline double attention_mass_recall(const AttentionWeights& attention, const SelectionView& selection) {
+  constexpr const char* where = "attention_mass_recall";
+  KVSIFT_CHECK(selection.batch == attention.batch && selection.kv_heads * attention.group == attention.heads, where,
+               "selection shape (batch {}, kv_heads {}) does not match the attention (batch {}, q_heads {}, group {})",
+               selection.batch, selection.kv_heads, attention.batch, attention.heads, attention.group);
+  double total = 0.0;
+  for (std::int32_t b = 0; b < attention.batch; ++b) {
+    for (std::int32_t h = 0; h < attention.heads; ++h) {
+      const std::int32_t g = h / attention.group;
+      const double* weights = attention.row(b, h);
+      const std::int32_t* idx = selection.row(b, g);
+      double kept = 0.0;
+      for (std::int32_t i = 0; i < selection.count(b, g); ++i) {
+        KVSIFT_CHECK(idx[i] >= 0 && idx[i] < attention.seq_lens[b], where,
+                     "selection index {} at batch {}, kv_head {} is outside [0, seq_len = {})", idx[i], b, g,
+                     attention.seq_lens[b]);
+        kept += weights[idx[i]];
+      }
+      total += kept / attention.denominators[std::size_t(b) * attention.heads + h];
+    }
+  }
+  return total / (double(attention.batch) * attention.heads);
+}
+
+template <class TQ, KVCacheView KV>
+double attention_mass_recall(const QueryView<TQ>& q, const KV& kv, const SelectionView& selection,
+                             const AttentionOptions& opts = {}) {
+  validate(selection, kv, "attention_mass_recall", "selection", MemorySpace::host);
+  return attention_mass_recall(attention_weights(q, kv, opts), selection);
 }
 
 /// ||a - ref||_2 / ||ref||_2 in fp64.
