@@ -195,6 +195,14 @@ inline std::pair<std::vector<float>, std::vector<std::int32_t>> planted_clusters
   return {points, truth};
 }
 
+/// Base fixture of the randomized tests: a fresh seed per test (KVSIFT_TEST_SEED reproduces one) and a
+/// generator drawn from it.
+class SeededTest : public testing::Test {
+ protected:
+  std::uint64_t seed = test_seed();
+  Random rng{seed};
+};
+
 /// Runs `fn`, expecting a kvsift::Error whose message contains every string in `parts`.
 template <class Fn>
 void expect_error(Fn fn, std::initializer_list<std::string> parts) {

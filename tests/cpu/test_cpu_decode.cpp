@@ -49,11 +49,7 @@ std::pair<std::vector<T>, std::vector<float>> run_cpu(HostDecodeProblem<T>& p, b
   return {o, lse};
 }
 
-class CpuDecode : public testing::Test {
- protected:
-  std::uint64_t seed = test::test_seed();
-  Random rng{seed};
-};
+using CpuDecode = test::SeededTest;
 
 TEST_F(CpuDecode, EverySimdLevelMatchesTheReference) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);

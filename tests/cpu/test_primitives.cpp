@@ -19,11 +19,7 @@ namespace {
 
 using test::Random;
 
-class CpuPrimitives : public testing::Test {
- protected:
-  std::uint64_t seed = test::test_seed();
-  Random rng{seed};
-};
+using CpuPrimitives = test::SeededTest;
 
 TEST_F(CpuPrimitives, GemvScoresMatchFp64Dots) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);

@@ -61,15 +61,12 @@ class DeviceBuffer {
 
 namespace kvsift::test {
 
-/// Base fixture of every GPU test: skips with a reason where no CUDA device exists (CI), and draws a fresh
-/// seed (KVSIFT_TEST_SEED reproduces one) for the test's random inputs.
-class GpuTest : public testing::Test {
+/// Base fixture of every GPU test: a SeededTest that skips with a reason where no CUDA device exists (CI).
+class GpuTest : public SeededTest {
  protected:
   void SetUp() override {
     if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device on this machine; these tests run on a GPU host";
   }
-  std::uint64_t seed = test_seed();
-  Random rng{seed};
 };
 
 }  // namespace kvsift::test
