@@ -176,8 +176,7 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
   std::vector<double> nearest(points_count), trial(points_count), best_trial(points_count);
   std::int64_t chosen = std::int64_t(rng() % std::uint64_t(n));
   distances_to(std::span<const std::int64_t>(&chosen, 1));
-  nearest.swap(candidate_distances[0]);
-  candidate_distances[0].resize(points_count);
+  nearest = candidate_distances[0];
   std::copy_n(xs.row(chosen), d, &result.centroids[0]);
   std::vector<std::int64_t> candidates;
   for (std::int32_t c = 1; c < k; ++c) {
