@@ -139,7 +139,8 @@ BENCHMARK(BM_CopyBandwidth)->UseManualTime()->Unit(benchmark::kMicrosecond)->Ite
 
 void BM_DenseDecode(benchmark::State& state) {
   const int tokens = int(state.range(0)), batch = int(state.range(1));
-  const kvsift::cuda::DecodeOptions options{.num_splits = std::int32_t(state.range(2))};
+  const kvsift::cuda::DecodeOptions options{.num_splits = std::int32_t(state.range(2)),
+                                            .programmatic_launch = state.range(3) != 0};
   const std::size_t kv_elems = std::size_t(batch) * kKvHeads * tokens * kHeadDim;
   const int copies = copies_for(2 * kv_elems * sizeof(bfloat16));
   Device<bfloat16> k(kv_elems * copies), v(kv_elems * copies), q(std::size_t(batch) * kQHeads * kHeadDim),
@@ -163,12 +164,14 @@ void BM_DenseDecode(benchmark::State& state) {
   state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations(), benchmark::Counter::kIsRate);
   state.counters["bytes"] = bytes;
 }
-/// splits 0: kvsift's own split planning; the sweeps show what that choice costs.
+/// splits 0: kvsift's own split planning; the sweeps show what that choice costs. pdl 0: the decode kernel
+/// launched without programmatic dependent launch (DecodeOptions::programmatic_launch), for comparison.
 BENCHMARK(BM_DenseDecode)
-    ->ArgsProduct({{8192, 32768, 131072}, {1, 8}, {0}})
-    ->ArgsProduct({{32768}, {1}, {8, 33}})
-    ->ArgsProduct({{131072}, {8}, {4}})
-    ->ArgNames({"N", "batch", "splits"})
+    ->ArgsProduct({{8192, 32768, 131072}, {1, 8}, {0}, {1}})
+    ->ArgsProduct({{32768}, {1}, {8, 33}, {1}})
+    ->ArgsProduct({{131072}, {8}, {4}, {1}})
+    ->ArgsProduct({{32768, 131072}, {1}, {0}, {0}})
+    ->ArgNames({"N", "batch", "splits", "pdl"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);
@@ -178,7 +181,8 @@ BENCHMARK(BM_DenseDecode)
 void BM_SparseDecode(benchmark::State& state) {
   const int k_sel = int(state.range(0)), batch = int(state.range(1));
   const bool clustered = state.range(2) != 0;
-  const kvsift::cuda::DecodeOptions options{.num_splits = std::int32_t(state.range(3))};
+  const kvsift::cuda::DecodeOptions options{.num_splits = std::int32_t(state.range(3)),
+                                            .programmatic_launch = state.range(4) != 0};
   const int tokens = 131072;
   const std::size_t kv_elems = std::size_t(batch) * kKvHeads * tokens * kHeadDim;
   Device<bfloat16> k(kv_elems), v(kv_elems), q(std::size_t(batch) * kQHeads * kHeadDim), o(std::size_t(batch) * kQHeads * kHeadDim);
@@ -228,10 +232,11 @@ void BM_SparseDecode(benchmark::State& state) {
   state.counters["bytes"] = bytes;
 }
 BENCHMARK(BM_SparseDecode)
-    ->ArgsProduct({{256, 1024, 2048, 8192}, {1, 8}, {0, 1}, {0}})
-    ->ArgsProduct({{2048}, {1}, {0}, {8, 32}})
-    ->ArgsProduct({{2048}, {8}, {0}, {4}})
-    ->ArgNames({"K", "batch", "clustered", "splits"})
+    ->ArgsProduct({{256, 1024, 2048, 8192}, {1, 8}, {0, 1}, {0}, {1}})
+    ->ArgsProduct({{2048}, {1}, {0}, {8, 32}, {1}})
+    ->ArgsProduct({{2048}, {8}, {0}, {4}, {1}})
+    ->ArgsProduct({{256, 2048}, {1, 8}, {0}, {0}, {0}})
+    ->ArgNames({"K", "batch", "clustered", "splits", "pdl"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);

@@ -166,7 +166,8 @@ void report_bad_index(const char* where, const DecodeParams<T>& p, cudaStream_t 
 
 template <class T>
 void run_decode(const char* where, DecodeParams<T> p, std::span<std::byte> workspace, cudaStream_t stream,
-                bool validate_indices) {
+                const DecodeOptions& options) {
+  const bool validate_indices = options.validate_indices;
   WorkspaceLayout layout(workspace, where);
   const DecodeWorkspace ws =
       layout_workspace(layout, p.q.batch, p.q.heads, p.q.head_dim, p.num_splits, validate_indices);
@@ -174,7 +175,7 @@ void run_decode(const char* where, DecodeParams<T> p, std::span<std::byte> works
   p.partial_lse = ws.partial_lse;
   p.first_bad_index = ws.first_bad_index;
   if (validate_indices) KVSIFT_CUDA_CHECK(cudaMemsetAsync(p.first_bad_index, 0xff, sizeof(unsigned long long), stream));
-  KVSIFT_CUDA_CHECK(launch_decode(p, stream));
+  KVSIFT_CUDA_CHECK(launch_decode(p, stream, options.programmatic_launch));
   if (validate_indices) report_bad_index(where, p, stream);
 }
 
@@ -194,7 +195,7 @@ void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionVie
                    std::span<std::byte> workspace, cudaStream_t stream, const DecodeOptions& options) {
   constexpr const char* where = "cuda::sparse_decode";
   detail::run_decode(where, detail::make_params<T>(where, q, kv, &selection, &out, options), workspace, stream,
-                     options.validate_indices);
+                     options);
 }
 
 template <class T, class KV>
@@ -209,7 +210,10 @@ template <class T, class KV>
 void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<T>& out, std::span<std::byte> workspace,
                   cudaStream_t stream, const DecodeOptions& options) {
   constexpr const char* where = "cuda::dense_decode";
-  detail::run_decode(where, detail::make_params<T>(where, q, kv, nullptr, &out, options), workspace, stream, false);
+  DecodeOptions dense_options = options;
+  dense_options.validate_indices = false;  // there are no indices to check
+  detail::run_decode(where, detail::make_params<T>(where, q, kv, nullptr, &out, options), workspace, stream,
+                     dense_options);
 }
 
 template <class T>

@@ -130,7 +130,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
   constexpr int kKSteps = HeadDim / 16, kNTiles = HeadDim / 8;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Lets the split merge (launched as a programmatic dependent) get scheduled now; it waits for this grid.
+  // Launched as a programmatic dependent, this CTA may be resident before the stream's previous kernel has
+  // finished: nothing global is read before its writes are complete and visible (a no-op otherwise). Then
+  // the split merge (this grid's programmatic dependent) may be scheduled; it waits for this grid in turn.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
   extern __shared__ uint4 smem[];
@@ -400,27 +403,35 @@ cudaError_t with_decode_kernel(int head_dim, Fn&& fn) {
   return status;
 }
 
-template <class T>
-cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream) {
-  const int kv_heads = p.paged ? p.paged_kv.kv_heads : p.kv.kv_heads;
-  const dim3 grid(p.num_splits, kv_heads * p.head_tiles, p.q.batch);
-  const cudaError_t status = with_decode_kernel<T>(p.q.head_dim, [&](auto kernel, std::size_t smem) {
-    kernel<<<grid, kDecodeThreads, smem, stream>>>(p);
-    return cudaGetLastError();
-  });
-  if (status != cudaSuccess || p.num_splits == 1) return status;
-  // Programmatic dependent launch: the merge's launch overlaps the decode grid's tail (sm_90; elsewhere the
-  // attribute only orders the kernels as usual).
+/// Launches `kernel` on `stream`, as a programmatic dependent of the stream's previous kernel when
+/// `programmatic` (sm_90: its CTAs may be scheduled while that kernel finishes and must wait with
+/// griddepcontrol.wait before reading its results; elsewhere the attribute only orders the kernels as usual).
+template <class Kernel, class Params>
+cudaError_t launch_kernel(Kernel kernel, dim3 grid, int threads, std::size_t smem, cudaStream_t stream,
+                          bool programmatic, const Params& p) {
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(p.q.batch * p.q.heads);
-  config.blockDim = dim3(kMergeThreads);
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, merge_splits_kernel<T>, p);
+  config.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, p);
+}
+
+template <class T>
+cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream, bool programmatic) {
+  const int kv_heads = p.paged ? p.paged_kv.kv_heads : p.kv.kv_heads;
+  const dim3 grid(p.num_splits, kv_heads * p.head_tiles, p.q.batch);
+  const cudaError_t status = with_decode_kernel<T>(p.q.head_dim, [&](auto kernel, std::size_t smem) {
+    return launch_kernel(kernel, grid, kDecodeThreads, smem, stream, programmatic, p);
+  });
+  if (status != cudaSuccess || p.num_splits == 1) return status;
+  // The merge is always a programmatic dependent of the decode grid: its launch overlaps the grid's tail.
+  return launch_kernel(merge_splits_kernel<T>, dim3(p.q.batch * p.q.heads), kMergeThreads, 0, stream, true, p);
 }
 
 template <class T>

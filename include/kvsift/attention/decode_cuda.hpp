@@ -40,6 +40,12 @@ struct DecodeOptions {
   /// Check selection counts and indices on the device and throw, naming the first offending (sequence,
   /// kv head, position, value), instead of reading out of bounds. Synchronizes the stream.
   bool validate_indices = false;
+  /// Launch the decode kernel as a programmatic dependent of the stream's previous kernel (sm_90): its
+  /// CTAs may be scheduled while that kernel finishes and read no input before its writes are complete and
+  /// visible, so results do not change. The overlap hides part of the launch when the previous kernel
+  /// signals early (griddepcontrol.launch_dependents), as kvsift's split merge does; otherwise the kernel
+  /// starts when the previous one ends, as without it. Ignored before sm_90.
+  bool programmatic_launch = true;
 };
 
 template <class T, class KV>

@@ -9,15 +9,16 @@
 
 namespace kvsift::cuda::detail {
 
-/// Launches the decode kernel for p (grid from p's shape) and, when p.num_splits > 1, the split merge.
+/// Launches the decode kernel for p (grid from p's shape), as a programmatic dependent of the stream's
+/// previous kernel when `programmatic`, and, when p.num_splits > 1, the split merge.
 template <class T>
-cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream);
+cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream, bool programmatic);
 
 template <class T>
 cudaError_t launch_merge_states(const MergeParams<T>& p, cudaStream_t stream);
 
-extern template cudaError_t launch_decode<half>(const DecodeParams<half>&, cudaStream_t);
-extern template cudaError_t launch_decode<bfloat16>(const DecodeParams<bfloat16>&, cudaStream_t);
+extern template cudaError_t launch_decode<half>(const DecodeParams<half>&, cudaStream_t, bool);
+extern template cudaError_t launch_decode<bfloat16>(const DecodeParams<bfloat16>&, cudaStream_t, bool);
 extern template cudaError_t launch_merge_states<half>(const MergeParams<half>&, cudaStream_t);
 extern template cudaError_t launch_merge_states<bfloat16>(const MergeParams<bfloat16>&, cudaStream_t);
 extern template cudaError_t launch_merge_states<float>(const MergeParams<float>&, cudaStream_t);

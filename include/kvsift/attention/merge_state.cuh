@@ -101,6 +101,7 @@ template <class T>
 __global__ void merge_splits_kernel(const __grid_constant__ DecodeParams<T> p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the decode grid's partials are complete and visible
+  asm volatile("griddepcontrol.launch_dependents;");   // the stream's next decode may be scheduled
 #endif
   const int b = blockIdx.x / p.q.heads, h = blockIdx.x % p.q.heads;
   const std::int64_t row = (std::int64_t(b) * p.q.heads + h) * p.num_splits;
