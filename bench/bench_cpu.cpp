@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <fstream>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -60,40 +61,107 @@ T* huge_page_array(std::size_t count, std::uint64_t seed) {
   return data;
 }
 
+constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kTokens = 131072;
+
+/// The host cache (2 x 256 MiB per dtype, shared by all runs) on transparent huge pages, as an engine's
+/// offloaded KV would be: with 4 KiB pages nearly every gathered row is also a TLB miss.
 template <class T>
-void BM_CpuSparseDecode(benchmark::State& state) {
-  const int k_sel = int(state.range(0)), threads = int(state.range(1));
-  const bool scalar = state.range(2) != 0;
-  constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kTokens = 131072;
-  // The host cache (2 x 256 MiB, shared by all runs of one dtype) sits on transparent huge pages, as an
-  // engine's offloaded KV would: with 4 KiB pages nearly every gathered row is also a TLB miss.
+std::pair<const T*, const T*> host_cache() {
   static const std::size_t elems = std::size_t(kKvHeads) * kTokens * kHeadDim;
-  static T* k_cache = huge_page_array<T>(elems, 1);
-  static T* v_cache = huge_page_array<T>(elems, 2);
-  std::mt19937_64 rng(2);
-  std::vector<T> q(kQHeads * kHeadDim), o(q.size());
-  for (auto& x : q) x = from_float<T>(std::normal_distribution<float>()(rng));
-  std::vector<float> lse(kQHeads);
-  std::vector<std::int32_t> pool_idx(kTokens), indices(std::size_t(kKvHeads) * k_sel), counts(kKvHeads, k_sel);
+  static const T* k_cache = huge_page_array<T>(elems, 1);
+  static const T* v_cache = huge_page_array<T>(elems, 2);
+  return {k_cache, v_cache};
+}
+
+/// k_sel distinct random tokens per kv head, each row sorted (as selectors hand them over).
+std::vector<std::int32_t> random_selection(int k_sel, std::mt19937_64& rng) {
+  std::vector<std::int32_t> pool_idx(kTokens), indices(std::size_t(kKvHeads) * k_sel);
   std::iota(pool_idx.begin(), pool_idx.end(), 0);
   for (int h = 0; h < kKvHeads; ++h) {
     for (int i = 0; i < k_sel; ++i) std::swap(pool_idx[i], pool_idx[i + rng() % (kTokens - i)]);
     std::copy_n(pool_idx.begin(), k_sel, indices.begin() + std::size_t(h) * k_sel);
     std::sort(indices.begin() + std::size_t(h) * k_sel, indices.begin() + std::size_t(h + 1) * k_sel);
   }
+  return indices;
+}
+
+template <class T>
+void BM_CpuSparseDecode(benchmark::State& state) {
+  const int k_sel = int(state.range(0)), threads = int(state.range(1));
+  const bool scalar = state.range(2) != 0;
+  const auto [k_cache, v_cache] = host_cache<T>();
+  std::mt19937_64 rng(2);
+  std::vector<T> q(kQHeads * kHeadDim), o(q.size());
+  for (auto& x : q) x = from_float<T>(std::normal_distribution<float>()(rng));
+  std::vector<float> lse(kQHeads);
+  std::vector<std::int32_t> indices = random_selection(k_sel, rng), counts(kKvHeads, k_sel);
   const auto kv = ContiguousKVView<const T>::packed(k_cache, v_cache, 1, kKvHeads, kTokens, kHeadDim);
   const SelectionView sel{indices.data(), counts.data(), nullptr, 1, kKvHeads, k_sel};
   const auto out = StateView<T>::packed(o.data(), lse.data(), 1, kQHeads, kHeadDim);
   cpu::ThreadPool pool(threads);
+  // The workspace lets the 8 rows (batch 1 x 8 kv heads) split over more than 8 threads.
+  const std::size_t ws_bytes = cpu::decode_workspace_bytes(1, kQHeads, kKvHeads, kHeadDim, &pool);
+  std::byte* workspace = static_cast<std::byte*>(std::aligned_alloc(256, (ws_bytes + 255) / 256 * 256 + 256));
   std::optional<cpu::ScopedSimdLevel> force;
   if (scalar) force.emplace(cpu::SimdLevel::scalar);
   for (auto _ : state) {
-    cpu::sparse_decode(QueryView<const T>::packed(q.data(), 1, kQHeads, kHeadDim), kv, sel, out, {}, &pool);
+    cpu::sparse_decode(QueryView<const T>::packed(q.data(), 1, kQHeads, kHeadDim), kv, sel, out, {}, &pool,
+                       {workspace, ws_bytes});
     benchmark::DoNotOptimize(o.data());
   }
   const double bytes = 2.0 * kKvHeads * k_sel * kHeadDim * sizeof(T) + 4.0 * indices.size() + 2.0 * q.size() * sizeof(T);
   state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations(), benchmark::Counter::kIsRate);
   state.SetLabel(std::string(cpu::simd_level_name(cpu::active_simd_level())));
+  std::free(workspace);
+}
+
+/// MiB of this process's memory on transparent huge pages (/proc/self/smaps_rollup), -1 if unknown: says
+/// whether the kernel granted the huge pages the host cache asks for.
+double anon_huge_page_mib() {
+  std::ifstream smaps("/proc/self/smaps_rollup");
+  for (std::string line; std::getline(smaps, line);) {
+    if (line.rfind("AnonHugePages:", 0) == 0) return std::stod(line.substr(14)) / 1024.0;
+  }
+  return -1.0;
+}
+
+/// The ceiling for gathering scattered rows on this host: the same K and V rows as BM_CpuSparseDecode (bf16,
+/// K = 16384 per kv head), one 8-byte load per 64-byte line and no arithmetic, prefetched kPrefetch tokens
+/// ahead into L2 as the decode kernel does, the (kv head, token) pairs spread evenly over all threads.
+void BM_GatherProbe(benchmark::State& state) {
+  const int k_sel = 16384, threads = int(state.range(0));
+  constexpr int kPrefetch = 16, kRowBytes = kHeadDim * 2;
+  const auto [k_cache, v_cache] = host_cache<bfloat16>();
+  std::mt19937_64 rng(2);
+  const std::vector<std::int32_t> indices = random_selection(k_sel, rng);
+  cpu::ThreadPool pool(threads);
+  std::vector<std::uint64_t> sums(threads * 8);
+  const auto row_of = [&](const bfloat16* cache, std::int64_t i) {
+    return reinterpret_cast<const char*>(cache + ((i / k_sel) * kTokens + indices[i]) * kHeadDim);
+  };
+  const std::int64_t total = std::int64_t(kKvHeads) * k_sel;
+  for (auto _ : state) {
+    pool.parallel_for(total, [&](std::int64_t begin, std::int64_t end) {
+      std::uint64_t sum = 0;
+      for (std::int64_t i = begin; i < end; ++i) {
+        if (i + kPrefetch < end) {
+          for (int line = 0; line < kRowBytes; line += 64) {
+            __builtin_prefetch(row_of(k_cache, i + kPrefetch) + line, 0, 2);
+            __builtin_prefetch(row_of(v_cache, i + kPrefetch) + line, 0, 2);
+          }
+        }
+        for (int line = 0; line < kRowBytes; line += 64) {
+          sum += *reinterpret_cast<const std::uint64_t*>(row_of(k_cache, i) + line);
+          sum += *reinterpret_cast<const std::uint64_t*>(row_of(v_cache, i) + line);
+        }
+      }
+      sums[(begin * threads / total) * 8] = sum;
+    });
+    benchmark::DoNotOptimize(sums.data());
+  }
+  state.counters["GB/s"] =
+      benchmark::Counter(2.0 * total * kRowBytes * state.iterations(), benchmark::Counter::kIsRate);
+  state.counters["thp_MiB"] = anon_huge_page_mib();
 }
 
 void BM_CpuTopK(benchmark::State& state) {
@@ -198,6 +266,7 @@ void thread_counts(benchmark::internal::Benchmark* b, bool with_k) {
 }
 
 BENCHMARK(BM_StreamTriad)->Apply([](auto* b) { thread_counts(b, false); })->ArgName("threads")->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_GatherProbe)->Apply([](auto* b) { thread_counts(b, false); })->ArgName("threads")->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CpuSparseDecode<bfloat16>)->Apply([](auto* b) { thread_counts(b, true); })->ArgNames({"K", "threads", "scalar"})->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CpuSparseDecode<half>)->Apply([](auto* b) { thread_counts(b, true); })->ArgNames({"K", "threads", "scalar"})->UseRealTime()->Unit(benchmark::kMicrosecond);
 

@@ -47,7 +47,8 @@ if has bench; then
 fi
 if has cpubench; then
   step "cpu benchmarks (host of the GPU machine)"
-  "$BUILD/bench/kvsift_bench_cpu" --benchmark_min_time=0.1 --benchmark_filter='Triad|K:16384|K:4096/threads:1/|TopK|KMeans' \
+  { lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)"; echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled)"; } | tee "$OUT/cpu.txt"
+  "$BUILD/bench/kvsift_bench_cpu" --benchmark_min_time=0.1 --benchmark_filter='Triad|Gather|K:16384|K:4096/threads:1/|TopK|KMeans' \
     > "$OUT/bench_cpu.txt" 2>&1 || status=1
   grep -E "^BM" "$OUT/bench_cpu.txt" | awk '{print $1, $2, $3, $(NF-1), $NF}'
 fi
@@ -61,7 +62,7 @@ if has profile; then
     ncu --clock-control none --kernel-name regex:'decode_attention|merge_splits' --launch-skip 6 --launch-count 2 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis \
-      "$BUILD/bench/kvsift_bench_decode" --benchmark_filter="^BM_$shape/splits:0/" > "$log" 2>&1 || status=1
+      "$BUILD/bench/kvsift_bench_decode" --benchmark_filter="^BM_$shape/splits:0/pdl:1/" > "$log" 2>&1 || status=1
     grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit (Reg|Shared)|Issued Warp Per|No Eligible|Warp Cycles Per Issued" "$log" \
       | sed -E 's/ +/ /g' | cut -c1-110
   done

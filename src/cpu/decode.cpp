@@ -1,20 +1,53 @@
 // CPU decode attention: validation and dispatch (baseline ISA flags); kernels in kernels_<level>.cpp.
 #include "kvsift/cpu/decode.hpp"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 
 #include "kvsift/attention/state.hpp"
 #include "kvsift/core/validate.hpp"
+#include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/detail/decode_kernels.hpp"
 #include "kvsift/cpu/simd.hpp"
 
 namespace kvsift::cpu {
 namespace {
 
+struct SplitWorkspace {
+  float* partial_o = nullptr;
+  float* partial_lse = nullptr;
+};
+
+/// The single layout behind decode_workspace_bytes and the carving in run().
+SplitWorkspace layout_split_workspace(WorkspaceLayout& layout, std::int64_t batch, std::int64_t q_heads,
+                                      std::int64_t head_dim, std::int32_t splits) {
+  SplitWorkspace ws;
+  if (splits > 1) {
+    const std::size_t states = checked_mul(std::size_t(splits), std::size_t(batch * q_heads), "cpu decode workspace");
+    ws.partial_o = layout.allocate<float>(checked_mul(states, std::size_t(head_dim), "cpu decode workspace"), "partial_o");
+    ws.partial_lse = layout.allocate<float>(states, "partial_lse");
+  }
+  return ws;
+}
+
+template <class T, class KV>
+std::int32_t longest_row(const QueryView<const T>& q, const KV& kv, const SelectionView* selection) {
+  std::int32_t longest = 0;
+  for (std::int32_t b = 0; b < q.batch; ++b) {
+    if (selection == nullptr) {
+      longest = std::max(longest, kv.seq_len(b));
+    } else {
+      for (std::int32_t h = 0; h < kv.kv_heads; ++h) longest = std::max(longest, selection->count(b, h));
+    }
+  }
+  return longest;
+}
+
 template <class T, class KV>
 void run(const char* where, const QueryView<const T>& q, const KV& kv, const SelectionView* selection,
-         const StateView<T>& out, const AttentionOptions& options, ThreadPool* pool) {
+         const StateView<T>& out, const AttentionOptions& options, ThreadPool* pool, std::span<std::byte> workspace) {
   validate(q, where, "q");
   validate(kv, where, "kv", MemorySpace::host);
   validate(out, where, "out");
@@ -28,26 +61,65 @@ void run(const char* where, const QueryView<const T>& q, const KV& kv, const Sel
     job.selection = *selection;
   }
   const std::int64_t rows = std::int64_t(q.batch) * kv.kv_heads;
+  if (!workspace.empty() && pool != nullptr) job.splits = detail::decode_splits(rows, pool->size(), longest_row(q, kv, selection));
+  WorkspaceLayout layout(workspace, where);
+  const SplitWorkspace ws = layout_split_workspace(layout, q.batch, q.heads, q.head_dim, job.splits);
+  job.partial_o = ws.partial_o;
+  job.partial_lse = ws.partial_lse;
   with_simd_level([&]<SimdLevel L>() {
     const bool bf16_dot = L == SimdLevel::avx512 && std::is_same_v<T, bfloat16> && cpu_has_avx512_bf16();
-    parallel_for(pool, rows, [&](std::int64_t begin, std::int64_t end) {
-      detail::decode_rows<L, T, KV>(job, begin, end, bf16_dot);
+    parallel_for(pool, rows * job.splits, [&](std::int64_t begin, std::int64_t end) {
+      detail::decode_items<L, T, KV>(job, begin, end, bf16_dot);
     });
   });
+  if (job.splits == 1) return;
+  std::array<StateView<const float>, detail::kMaxDecodeSplits> partials;
+  const std::size_t states = std::size_t(q.batch) * q.heads;
+  for (std::int32_t s = 0; s < job.splits; ++s) {
+    partials[s] = StateView<const float>::packed(job.partial_o + s * states * q.head_dim, job.partial_lse + s * states,
+                                                 q.batch, q.heads, q.head_dim);
+  }
+  merge_states<float, T>(std::span(partials.data(), std::size_t(job.splits)), out);
 }
 
 }  // namespace
 
+namespace detail {
+
+std::int32_t decode_splits(std::int64_t rows, int threads, std::int32_t longest_row) {
+  if (rows >= threads) return 1;
+  std::int32_t best = 1;
+  double best_load = 1.0;  // the busiest thread's work, in rows
+  for (std::int32_t s = 2; s <= kMaxDecodeSplits; ++s) {
+    const double load = double((rows * s + threads - 1) / threads) / s;
+    if (load < best_load - 1e-9) best = s, best_load = load;
+  }
+  return std::min(best, std::max(1, longest_row / kMinTokensPerSplit));
+}
+
+}  // namespace detail
+
+std::size_t decode_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
+                                   std::int32_t head_dim, const ThreadPool* pool) {
+  KVSIFT_CHECK(batch > 0 && q_heads > 0 && kv_heads > 0 && head_dim > 0, "cpu::decode_workspace_bytes",
+               "batch (= {}), q_heads (= {}), kv_heads (= {}) and head_dim (= {}) must be positive", batch, q_heads,
+               kv_heads, head_dim);
+  if (pool == nullptr) return 0;
+  WorkspaceLayout counting;
+  layout_split_workspace(counting, batch, q_heads, head_dim, detail::decode_splits(std::int64_t(batch) * kv_heads, pool->size()));
+  return counting.bytes();
+}
+
 template <class T, class KV>
 void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<T>& out,
-                   const AttentionOptions& options, ThreadPool* pool) {
-  run("cpu::sparse_decode", q, kv, &selection, out, options, pool);
+                   const AttentionOptions& options, ThreadPool* pool, std::span<std::byte> workspace) {
+  run("cpu::sparse_decode", q, kv, &selection, out, options, pool, workspace);
 }
 
 template <class T, class KV>
 void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<T>& out, const AttentionOptions& options,
-                  ThreadPool* pool) {
-  run("cpu::dense_decode", q, kv, nullptr, out, options, pool);
+                  ThreadPool* pool, std::span<std::byte> workspace) {
+  run("cpu::dense_decode", q, kv, nullptr, out, options, pool, workspace);
 }
 
 template <class TI, class TO>
@@ -60,14 +132,20 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
       for (const auto& p : partials) lse_max = std::max(lse_max, p.lse_at(b, h));
       float weight_sum = 0.0f;
       for (const auto& p : partials) weight_sum += state_weight(p.lse_at(b, h), lse_max);
+      // Channels go in slices whose sums stay on the stack, so each partial's weight (an exp) is computed
+      // once per slice rather than once per channel.
+      constexpr std::int32_t kSlice = 64;
       TO* o = out.o_row(b, h);
-      for (std::int32_t c = 0; c < out.head_dim; ++c) {
-        float acc = 0.0f;
+      for (std::int32_t c0 = 0; c0 < out.head_dim; c0 += kSlice) {
+        const std::int32_t width = std::min(kSlice, out.head_dim - c0);
+        float acc[kSlice] = {};
         for (const auto& p : partials) {
           const float w = state_weight(p.lse_at(b, h), lse_max);
-          if (w != 0.0f) acc += w * to_float(p.o_row(b, h)[c]);
+          if (w == 0.0f) continue;
+          const TI* po = p.o_row(b, h) + c0;
+          for (std::int32_t c = 0; c < width; ++c) acc[c] += w * to_float(po[c]);
         }
-        o[c] = from_float<TO>(weight_sum == 0.0f ? 0.0f : acc / weight_sum);
+        for (std::int32_t c = 0; c < width; ++c) o[c0 + c] = from_float<TO>(weight_sum == 0.0f ? 0.0f : acc[c] / weight_sum);
       }
       out.lse_at(b, h) = merged_lse(lse_max, weight_sum);
     }
@@ -77,14 +155,17 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
 #define KVSIFT_INSTANTIATE(T)                                                                                       \
   template void sparse_decode<T, ContiguousKVView<const T>>(const QueryView<const T>&, const ContiguousKVView<const T>&, \
                                                             const SelectionView&, const StateView<T>&,              \
-                                                            const AttentionOptions&, ThreadPool*);                  \
+                                                            const AttentionOptions&, ThreadPool*,                   \
+                                                            std::span<std::byte>);                                  \
   template void sparse_decode<T, PagedKVView<const T>>(const QueryView<const T>&, const PagedKVView<const T>&,      \
                                                        const SelectionView&, const StateView<T>&,                   \
-                                                       const AttentionOptions&, ThreadPool*);                       \
+                                                       const AttentionOptions&, ThreadPool*, std::span<std::byte>); \
   template void dense_decode<T, ContiguousKVView<const T>>(const QueryView<const T>&, const ContiguousKVView<const T>&, \
-                                                           const StateView<T>&, const AttentionOptions&, ThreadPool*); \
+                                                           const StateView<T>&, const AttentionOptions&, ThreadPool*, \
+                                                           std::span<std::byte>);                                  \
   template void dense_decode<T, PagedKVView<const T>>(const QueryView<const T>&, const PagedKVView<const T>&,       \
-                                                      const StateView<T>&, const AttentionOptions&, ThreadPool*);
+                                                      const StateView<T>&, const AttentionOptions&, ThreadPool*,    \
+                                                      std::span<std::byte>);
 KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)
 #undef KVSIFT_INSTANTIATE

@@ -22,6 +22,8 @@ struct HybridDecoder<T>::Buffers {
   T* h_cpu_o = nullptr;         ///< the CPU partial as computed (pinned host)
   float* h_cpu_lse = nullptr;
   std::byte* d_workspace = nullptr;
+  std::size_t cpu_workspace_bytes = 0;
+  std::byte* h_cpu_workspace = nullptr;  ///< lets the CPU part split rows over all of the pool's threads
   cudaEvent_t copy_done = nullptr;
   bool copy_pending = false;
 
@@ -33,6 +35,7 @@ struct HybridDecoder<T>::Buffers {
     cudaFree(d_workspace);
     cudaFreeHost(h_cpu_o);
     cudaFreeHost(h_cpu_lse);
+    cudaFreeHost(h_cpu_workspace);
     if (copy_done) cudaEventDestroy(copy_done);
   }
 };
@@ -63,6 +66,10 @@ HybridDecoder<T>::HybridDecoder(const HybridDecoderConfig& config, cpu::ThreadPo
   if (b.workspace_bytes > 0) KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.d_workspace), b.workspace_bytes));
   KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&b.h_cpu_o), b.state_elems * sizeof(T)));
   KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&b.h_cpu_lse), b.lse_elems * sizeof(float)));
+  b.cpu_workspace_bytes = cpu::decode_workspace_bytes(config.batch, config.q_heads, config.kv_heads, config.head_dim, pool);
+  if (b.cpu_workspace_bytes > 0) {
+    KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&b.h_cpu_workspace), b.cpu_workspace_bytes));
+  }
   KVSIFT_CUDA_CHECK(cudaEventCreateWithFlags(&b.copy_done, cudaEventDisableTiming));
 }
 
@@ -122,7 +129,8 @@ void HybridDecoder<T>::decode(const QueryView<const T>& q_device, const QueryVie
   if (b.copy_pending) KVSIFT_CUDA_CHECK(cudaEventSynchronize(b.copy_done));
   const auto cpu_start = Clock::now();
   const auto cpu_state = StateView<T>::packed(b.h_cpu_o, b.h_cpu_lse, c.batch, c.q_heads, c.head_dim);
-  cpu::sparse_decode(q_host, offloaded, selection, cpu_state, c.attention, pool_);
+  cpu::sparse_decode(q_host, offloaded, selection, cpu_state, c.attention, pool_,
+                     {b.h_cpu_workspace, b.cpu_workspace_bytes});
   times_.cpu_seconds = std::chrono::duration<double>(Clock::now() - cpu_start).count();
 
   // 3. Copy the CPU partial over and merge both by LSE on the stream.

@@ -2,11 +2,14 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
 #include "attention_check.hpp"
+#include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/decode.hpp"
+#include "kvsift/cpu/detail/decode_kernels.hpp"
 #include "kvsift/cpu/simd.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 #include "test_util.hpp"
@@ -28,17 +31,27 @@ std::vector<SimdLevel> available_levels() {
 }
 
 /// Runs the CPU kernels on a problem (poisoned outputs) and returns (O, LSE).
+/// With `split_rows`, a workspace of cpu::decode_workspace_bytes (poisoned with NaN bytes) lets rows run on
+/// several threads.
 template <class T>
-std::pair<std::vector<T>, std::vector<float>> run_cpu(HostDecodeProblem<T>& p, bool sparse, cpu::ThreadPool* pool = nullptr) {
+std::pair<std::vector<T>, std::vector<float>> run_cpu(HostDecodeProblem<T>& p, bool sparse, cpu::ThreadPool* pool = nullptr,
+                                                      bool split_rows = false) {
   std::vector<T> o(p.q.size());
   std::memset(o.data(), 0xff, o.size() * sizeof(T));
   std::vector<float> lse(std::size_t(p.spec.batch) * p.spec.q_heads, test::kPoison);
   const auto out = StateView<T>::packed(o.data(), lse.data(), p.spec.batch, p.spec.q_heads, p.spec.head_dim);
+  const std::size_t ws_bytes =
+      split_rows ? cpu::decode_workspace_bytes(p.spec.batch, p.spec.q_heads, p.spec.kv_heads, p.spec.head_dim, pool) : 0;
+  std::vector<std::byte> ws_storage(ws_bytes + WorkspaceLayout::kAlignment, std::byte{0xff});
+  void* ws_start = ws_storage.data();
+  std::size_t ws_space = ws_storage.size();
+  const std::span<std::byte> workspace(static_cast<std::byte*>(std::align(WorkspaceLayout::kAlignment, ws_bytes, ws_start, ws_space)),
+                                       ws_bytes);
   const auto go = [&](auto kv) {
     if (sparse) {
-      cpu::sparse_decode(p.q_view(), kv, p.selection(), out, {}, pool);
+      cpu::sparse_decode(p.q_view(), kv, p.selection(), out, {}, pool, workspace);
     } else {
-      cpu::dense_decode(p.q_view(), kv, out, {}, pool);
+      cpu::dense_decode(p.q_view(), kv, out, {}, pool, workspace);
     }
   };
   if (p.spec.page_size == 0) {
@@ -99,6 +112,38 @@ TEST_F(CpuDecode, ThreadCountDoesNotChangeTheResult) {
   }
 }
 
+TEST_F(CpuDecode, RowsSplitOverThreadsMatchTheReference) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (int threads : {2, 3, 16}) {
+    cpu::ThreadPool pool(threads);
+    for (int trial = 0; trial < 6; ++trial) {
+      const std::int32_t kv_heads = rng.uniform_int(1, threads - 1 < 2 ? 1 : 2);  // fewer rows than threads
+      const std::int32_t group = std::vector<std::int32_t>{1, 4, 8}[rng.uniform_int(0, 2)];
+      const std::int32_t tokens = rng.uniform_int(600, 3000);
+      const std::int32_t k = std::vector<std::int32_t>{0, 520, tokens}[rng.uniform_int(0, 2)];
+      const CaseSpec spec{1, group * kv_heads, kv_heads, 128, tokens, k,
+                          std::vector<std::int32_t>{0, 16}[rng.uniform_int(0, 1)], rng.uniform_int(0, 1) == 1, false};
+      SCOPED_TRACE(fmt::format("{} threads, {}", threads, test::describe(spec)));
+      // There are fewer rows than threads, so the workspace is what lets rows split.
+      ASSERT_GT(cpu::decode_workspace_bytes(spec.batch, spec.q_heads, spec.kv_heads, spec.head_dim, &pool), 0u);
+      HostDecodeProblem<bfloat16> p(rng, spec);
+      const auto [o, lse] = run_cpu(p, k > 0, &pool, true);
+      test::expect_close(o, lse, p.reference(k > 0), k > 0 ? "sparse" : "dense");
+    }
+  }
+}
+
+TEST(CpuDecodeSplits, KeepEveryThreadBusy) {
+  using cpu::detail::decode_splits;
+  EXPECT_EQ(decode_splits(8, 16), 2);
+  EXPECT_EQ(decode_splits(8, 12), 3);  // 24 chunks, 2 per thread: 2/3 of a row each, against a whole row with 2
+  EXPECT_EQ(decode_splits(1, 16), 16);
+  EXPECT_EQ(decode_splits(4, 5), 5);
+  EXPECT_EQ(decode_splits(16, 8), 1);
+  EXPECT_EQ(decode_splits(8, 16, 300), 1);   // a chunk would be shorter than kMinTokensPerSplit
+  EXPECT_EQ(decode_splits(1, 16, 1024), 4);  // chunks of 256 tokens
+}
+
 TEST_F(CpuDecode, EmptyRowsGiveMinusInfinity) {
   HostDecodeProblem<half> p(rng, CaseSpec{2, 4, 2, 64, 100, 10, 0, false});
   std::fill(p.sel_counts.begin(), p.sel_counts.end(), 0);
@@ -141,6 +186,21 @@ TEST(CpuDecodeBadInput, RefusedWithClearErrors) {
       },
       "head_dim (= 300) exceeds the CPU decode kernels' limit of 256");
   test::expect_error([] { cpu::ThreadPool bad(0); }, "threads (= 0) must be >= 1");
+
+  // A row of 1024 tokens on 4 threads splits in 4 and needs the workspace that decode_workspace_bytes sizes.
+  cpu::ThreadPool pool(4);
+  std::vector<half> kk(1024 * 64, from_float<half>(0.5f)), vv(kk.size()), qq(64, from_float<half>(1.0f)), oo(64);
+  const auto dense_with = [&](std::span<std::byte> workspace) {
+    cpu::dense_decode(QueryView<const half>::packed(qq.data(), 1, 1, 64),
+                      ContiguousKVView<const half>::packed(kk.data(), vv.data(), 1, 1, 1024, 64),
+                      StateView<half>::packed(oo.data(), lse.data(), 1, 1, 64), {}, &pool, workspace);
+  };
+  const std::size_t needed = cpu::decode_workspace_bytes(1, 1, 1, 64, &pool);
+  alignas(WorkspaceLayout::kAlignment) static std::byte buffer[8192];
+  ASSERT_LE(needed, sizeof(buffer));
+  test::expect_error([&] { dense_with({buffer, needed - 256}); }, "workspace too small: 'partial_lse' needs bytes");
+  test::expect_error([&] { dense_with({buffer + 4, needed}); }, "is not 256-byte aligned");
+  test::expect_error([] { cpu::decode_workspace_bytes(1, 0, 1, 64, nullptr); }, "q_heads (= 0)");
 }
 
 TEST(CpuThreadPool, CoversTheRangeOnceAndRethrows) {

@@ -7,9 +7,15 @@
 /// requirement. SIMD level chosen at run time (cpu/simd.hpp).
 ///
 /// Threads: work is split over (sequence, kv head) rows on `pool` (nullptr: the calling thread); see
-/// cpu/thread_pool.hpp for the contract when several engine threads call in. Reentrant; the only memory
-/// used besides the arguments is a fixed ~18 KB of stack per thread.
+/// cpu/thread_pool.hpp for the contract when several engine threads call in. When there are fewer rows than
+/// threads (batch 1 has kv_heads rows) and a workspace is given, each row is also cut into chunks of at least
+/// 256 tokens that run on different threads, and their partial states are merged by LSE on the calling
+/// thread (the CPU's split-K); without a workspace a row runs on one thread. Results are deterministic for a
+/// given pool size; the chunking, and so the rounding, may change with it. Reentrant; besides the arguments
+/// and the workspace, the only memory used is a fixed ~18 KB of stack per thread.
 
+#include <cstddef>
+#include <cstdint>
 #include <span>
 
 #include "kvsift/attention/options.hpp"
@@ -19,13 +25,19 @@
 
 namespace kvsift::cpu {
 
+/// Bytes of host workspace (256-byte aligned) that let sparse_decode and dense_decode split rows over all of
+/// `pool`'s threads for this shape; 0 when there are enough rows or no pool.
+std::size_t decode_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
+                                   std::int32_t head_dim, const ThreadPool* pool);
+
 template <class T, class KV>
 void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<T>& out,
-                   const AttentionOptions& options = {}, ThreadPool* pool = nullptr);
+                   const AttentionOptions& options = {}, ThreadPool* pool = nullptr,
+                   std::span<std::byte> workspace = {});
 
 template <class T, class KV>
 void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<T>& out,
-                  const AttentionOptions& options = {}, ThreadPool* pool = nullptr);
+                  const AttentionOptions& options = {}, ThreadPool* pool = nullptr, std::span<std::byte> workspace = {});
 
 /// Merges partial states (e.g. the GPU window's and the CPU offload's) into `out`, which must not alias a
 /// partial. Empty partials (LSE = -inf) are skipped, so they change nothing bit for bit.

@@ -1,7 +1,7 @@
 #pragma once
 /// The CPU decode-attention kernel body, written once for every SimdLevel (see vec-inl.hpp). One call
-/// handles a range of (sequence, kv head) rows; each K/V row is read once for every query head of the GQA
-/// group (in tiles of kHeadTile heads). Logits are kept in base 2; tokens go in blocks of kTokenBlock:
+/// handles a range of work items (chunks of (sequence, kv head) rows); each K/V row is read once for every
+/// query head of the GQA group (in tiles of kHeadTile heads). Logits are kept in base 2; tokens go in blocks of kTokenBlock:
 /// logits of the block, one online-softmax rescale per head, then V streamed through the accumulators.
 
 #include <algorithm>
@@ -139,7 +139,7 @@ void with_heads(int heads, Fn&& fn) {
 }
 
 template <SimdLevel L, class T, class KV>
-void decode_rows(const DecodeJob<T, KV>& job, std::int64_t row_begin, std::int64_t row_end, bool use_bf16_dot) {
+void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int64_t item_end, bool use_bf16_dot) {
   using Ops = Vec<L>;
   using V = typename Ops::V;
   constexpr int W = Ops::kWidth;
@@ -156,9 +156,13 @@ void decode_rows(const DecodeJob<T, KV>& job, std::int64_t row_begin, std::int64
   const T* v_rows[kTokenBlock];
   [[maybe_unused]] const T* q_rows[kHeadTile];  // the vdpbf16ps path reads the bf16 query directly
 
-  for (std::int64_t row = row_begin; row < row_end; ++row) {
+  for (std::int64_t item = item_begin; item < item_end; ++item) {
+    const std::int64_t row = item / job.splits, chunk = item % job.splits;
     const std::int64_t b = row / job.kv.kv_heads, g = row % job.kv.kv_heads;
-    const std::int32_t count = dense ? job.kv.seq_len(b) : job.selection.count(b, g);
+    const std::int32_t row_count = dense ? job.kv.seq_len(b) : job.selection.count(b, g);
+    const std::int32_t chunk_size = (row_count + job.splits - 1) / job.splits;
+    const std::int32_t first = std::int32_t(std::min<std::int64_t>(row_count, chunk * chunk_size));
+    const std::int32_t count = std::min(row_count, first + chunk_size);  // this item covers entries [first, count)
     const std::int32_t* indices = dense ? nullptr : job.selection.row(b, g);
     const float* log_weights = dense ? nullptr : job.selection.weights_row(b, g);
     const auto token = [&](std::int32_t i) { return dense ? i : indices[i]; };
@@ -175,7 +179,7 @@ void decode_rows(const DecodeJob<T, KV>& job, std::int64_t row_begin, std::int64
         l[h] = 0.0f;
       }
 
-      for (std::int32_t start = 0; start < count; start += kTokenBlock) {
+      for (std::int32_t start = first; start < count; start += kTokenBlock) {
         const int block = std::min<std::int32_t>(kTokenBlock, count - start);
         for (int t = 0; t < block; ++t) {
           // Selected rows are scattered, so hardware prefetchers cannot see them coming: request the K and V
@@ -236,10 +240,17 @@ void decode_rows(const DecodeJob<T, KV>& job, std::int64_t row_begin, std::int64
       }
 
       for (int h = 0; h < heads; ++h) {
-        T* o = job.out.o_row(b, first_head + h);
         const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-        for (int c = 0; c < d; ++c) o[c] = store_as<L, T>(acc[h][c] * inv);
-        job.out.lse_at(b, first_head + h) = l[h] > 0.0f ? (m[h] + std::log2(l[h])) * kLn2 : neg_inf;
+        const float lse = l[h] > 0.0f ? (m[h] + std::log2(l[h])) * kLn2 : neg_inf;
+        if (job.splits == 1) {
+          T* o = job.out.o_row(b, first_head + h);
+          for (int c = 0; c < d; ++c) o[c] = store_as<L, T>(acc[h][c] * inv);
+          job.out.lse_at(b, first_head + h) = lse;
+        } else {
+          const std::int64_t state = (chunk * job.q.batch + b) * job.q.heads + first_head + h;
+          for (int c = 0; c < d; ++c) job.partial_o[state * d + c] = acc[h][c] * inv;
+          job.partial_lse[state] = lse;
+        }
       }
     }
   }

@@ -12,7 +12,7 @@
 namespace kvsift::cpu::detail {
 
 #define KVSIFT_INSTANTIATE_DECODE(T, KV) \
-  template void decode_rows<KVSIFT_CPU_LEVEL, T, KV>(const DecodeJob<T, KV>&, std::int64_t, std::int64_t, bool);
+  template void decode_items<KVSIFT_CPU_LEVEL, T, KV>(const DecodeJob<T, KV>&, std::int64_t, std::int64_t, bool);
 KVSIFT_INSTANTIATE_DECODE(half, ContiguousKVView<const half>)
 KVSIFT_INSTANTIATE_DECODE(half, PagedKVView<const half>)
 KVSIFT_INSTANTIATE_DECODE(bfloat16, ContiguousKVView<const bfloat16>)
