@@ -17,9 +17,6 @@
 
 namespace kvsift::cpu::detail {
 
-/// How far ahead scattered rows are prefetched; a whole block (64) measured the same on the EPYC VM.
-inline constexpr int kPrefetchTokens = 16;
-
 template <class T>
 inline void prefetch_row(const T* row, int d) {
   const char* p = reinterpret_cast<const char*>(row);
@@ -48,12 +45,13 @@ inline constexpr int kAccumulatorRegisters = L == SimdLevel::avx512 ? 24 : L == 
 /// until its one horizontal sum.
 template <SimdLevel L, int Heads, class T>
 void block_logits(const float (*q)[kMaxHeadDim], const T* const* k_rows, int block, int d,
-                  float (*logits)[kTokenBlock]) {
+                  float (*logits)[kTokenBlock], const T* const* k_next, int next_block) {
   using Ops = Vec<L>;
   using V = typename Ops::V;
   constexpr int W = Ops::kWidth;
   const int d_vec = d / W * W;
   for (int t = 0; t < block; ++t) {
+    if (t < next_block) prefetch_row(k_next[t], d);
     const T* k = k_rows[t];
     V acc[Heads];
     for (int h = 0; h < Heads; ++h) acc[h] = Ops::zero();
@@ -74,8 +72,9 @@ void block_logits(const float (*q)[kMaxHeadDim], const T* const* k_rows, int blo
 /// fp32, so this loses nothing); the caller scales the logits. head_dim must be a multiple of 32.
 template <int Heads>
 void block_logits_bf16(const bfloat16* const* q_rows, const bfloat16* const* k_rows, int block, int d,
-                       float (*logits)[kTokenBlock]) {
+                       float (*logits)[kTokenBlock], const bfloat16* const* k_next, int next_block) {
   for (int t = 0; t < block; ++t) {
+    if (t < next_block) prefetch_row(k_next[t], d);
     const bfloat16* k = k_rows[t];
     __m512 acc[Heads];
     for (int h = 0; h < Heads; ++h) acc[h] = _mm512_setzero_ps();
@@ -95,7 +94,8 @@ void block_logits_bf16(const bfloat16* const* q_rows, const bfloat16* const* k_r
 /// kChunks vectors stay in registers across the whole block (one load and one store per block instead of
 /// per row), and each loaded V vector feeds every head.
 template <SimdLevel L, int Heads, class T>
-void block_values(const float (*p)[kTokenBlock], const T* const* v_rows, int block, int d, float (*acc)[kMaxHeadDim]) {
+void block_values(const float (*p)[kTokenBlock], const T* const* v_rows, int block, int d, float (*acc)[kMaxHeadDim],
+                  const T* const* v_next, int next_block) {
   using Ops = Vec<L>;
   using V = typename Ops::V;
   constexpr int W = Ops::kWidth;
@@ -107,7 +107,9 @@ void block_values(const float (*p)[kTokenBlock], const T* const* v_rows, int blo
     for (int h = 0; h < Heads; ++h) {
       for (int j = 0; j < Chunks; ++j) a[h][j] = Ops::load(acc[h] + c0 + j * W);
     }
+    const int prefetches = c0 == 0 ? next_block : 0;  // during the first slice's pass over the rows
     for (int t = 0; t < block; ++t) {
+      if (t < prefetches) prefetch_row(v_next[t], d);
       V vv[Chunks];
       for (int j = 0; j < Chunks; ++j) vv[j] = Ops::load(v_rows[t] + c0 + j * W);
       for (int h = 0; h < Heads; ++h) {
@@ -152,8 +154,8 @@ void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int
   alignas(64) float acc[kHeadTile][kMaxHeadDim];
   alignas(64) float logits[kHeadTile][kTokenBlock];
   float m[kHeadTile], l[kHeadTile];
-  const T* k_rows[kTokenBlock];
-  const T* v_rows[kTokenBlock];
+  const T* k_rows[2][kTokenBlock];  // this block's rows and the next block's, alternating
+  const T* v_rows[2][kTokenBlock];
   [[maybe_unused]] const T* q_rows[kHeadTile];  // the vdpbf16ps path reads the bf16 query directly
 
   for (std::int64_t item = item_begin; item < item_end; ++item) {
@@ -179,24 +181,35 @@ void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int
         l[h] = 0.0f;
       }
 
-      for (std::int32_t start = first; start < count; start += kTokenBlock) {
-        const int block = std::min<std::int32_t>(kTokenBlock, count - start);
-        for (int t = 0; t < block; ++t) {
-          // Selected rows are scattered, so hardware prefetchers cannot see them coming: request the K and V
-          // rows kPrefetchTokens ahead, keeping many misses in flight instead of one or two.
-          if (start + t + kPrefetchTokens < count) {
-            const std::int32_t ahead = token(start + t + kPrefetchTokens);
-            prefetch_row(job.kv.k_row(b, g, ahead), d);
-            prefetch_row(job.kv.v_row(b, g, ahead), d);
-          }
-          k_rows[t] = job.kv.k_row(b, g, token(start + t));
-          v_rows[t] = job.kv.v_row(b, g, token(start + t));
+      // Selected rows are scattered, so hardware prefetchers cannot see them coming. Each pass over a block
+      // (the logits over its K rows, the first slice of P.V over its V rows) prefetches the next block's
+      // rows of the same kind, one row per row consumed: misses stay in flight while the block computes,
+      // at a steady rate rather than in bursts that fill the miss queues and stall. The first block of an
+      // item is requested at once.
+      const auto fill = [&](int slot, std::int32_t from) {
+        const int rows = std::max(0, std::min<std::int32_t>(kTokenBlock, count - from));
+        for (int t = 0; t < rows; ++t) {
+          const std::int32_t tok = token(from + t);
+          k_rows[slot][t] = job.kv.k_row(b, g, tok);
+          v_rows[slot][t] = job.kv.v_row(b, g, tok);
         }
+        return rows;
+      };
+      int slot = 0;
+      int block = fill(slot, first);
+      for (int t = 0; t < block; ++t) {
+        prefetch_row(k_rows[slot][t], d);
+        prefetch_row(v_rows[slot][t], d);
+      }
+      for (std::int32_t start = first; start < count; start += kTokenBlock, slot ^= 1) {
+        const int next_block = fill(slot ^ 1, start + kTokenBlock);
+        const T* const* k_cur = k_rows[slot];
+        const T* const* k_next = k_rows[slot ^ 1];
         with_heads(heads, [&]<int Heads>() {
 #if defined(__AVX512BF16__)
           if constexpr (std::is_same_v<T, bfloat16>) {
             if (use_bf16_dot && d % 32 == 0) {
-              block_logits_bf16<Heads>(q_rows, k_rows, block, d, logits);
+              block_logits_bf16<Heads>(q_rows, k_cur, block, d, logits, k_next, next_block);
               for (int h = 0; h < Heads; ++h) {
                 for (int t = 0; t < block; ++t) logits[h][t] *= job.scale_log2;
               }
@@ -204,7 +217,7 @@ void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int
             }
           }
 #endif
-          block_logits<L, Heads>(q, k_rows, block, d, logits);
+          block_logits<L, Heads>(q, k_cur, block, d, logits, k_next, next_block);
         });
         if (log_weights != nullptr) {
           for (int h = 0; h < heads; ++h) {
@@ -236,7 +249,10 @@ void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int
           l[h] += Ops::reduce_sum(sum);
           m[h] = m_new;
         }
-        with_heads(heads, [&]<int Heads>() { block_values<L, Heads>(logits, v_rows, block, d, acc); });
+        with_heads(heads, [&]<int Heads>() {
+          block_values<L, Heads>(logits, v_rows[slot], block, d, acc, v_rows[slot ^ 1], next_block);
+        });
+        block = next_block;
       }
 
       for (int h = 0; h < heads; ++h) {
