@@ -12,6 +12,8 @@ namespace kvsift::cuda {
 /// Query heads of one GQA group that one CTA serves: the 16 rows of the tensor-core tile (a smaller group
 /// leaves rows empty; a larger one takes several tiles).
 inline constexpr int kHeadsPerTile = 16;
+/// Largest head_dim the merge kernels take (merge_states and the split merge).
+inline constexpr int kMergeMaxHeadDim = 512;
 
 template <class T>
 struct DecodeParams {
