@@ -246,9 +246,16 @@ TEST_F(CudaDecode, SplitCountDoesNotChangeTheResultBeyondRounding) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   DecodeProblem<bfloat16> p(rng, CaseSpec{2, 8, 2, 128, 20000, 4096, 0, true});
   const auto ref = p.reference(true);
-  for (std::int32_t splits : {1, 2, 7, 33, 4096}) {
+  for (std::int32_t splits : {1, 2, 7, 16, 17, 33, 4096}) {
     const auto [o, lse] = p.run(true, {.num_splits = splits});
     expect_close(o, lse, ref, fmt::format("num_splits {}", splits));
+  }
+  // Two GQA tiles per kv head (group 20), head_dim 64, fp16, paged.
+  DecodeProblem<half> tiled(rng, CaseSpec{1, 40, 2, 64, 3000, 1500, 16, false});
+  const auto tiled_ref = tiled.reference(true);
+  for (std::int32_t splits : {3, 16, 17}) {
+    const auto [o, lse] = tiled.run(true, {.num_splits = splits});
+    expect_close(o, lse, tiled_ref, fmt::format("group 20, num_splits {}", splits));
   }
   const auto first = p.run(true), second = p.run(true);  // deterministic run to run
   EXPECT_EQ(0, std::memcmp(first.first.data(), second.first.data(), first.first.size() * sizeof(bfloat16)));
