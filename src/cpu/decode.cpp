@@ -26,7 +26,8 @@ SplitWorkspace layout_split_workspace(WorkspaceLayout& layout, std::int64_t batc
   SplitWorkspace ws;
   if (splits > 1) {
     const std::size_t states = checked_mul(std::size_t(splits), std::size_t(batch * q_heads), "cpu decode workspace");
-    ws.partial_o = layout.allocate<float>(checked_mul(states, std::size_t(head_dim), "cpu decode workspace"), "partial_o");
+    ws.partial_o =
+        layout.allocate<float>(checked_mul(states, std::size_t(head_dim), "cpu decode workspace"), "partial_o");
     ws.partial_lse = layout.allocate<float>(states, "partial_lse");
   }
   return ws;
@@ -61,7 +62,9 @@ void run(const char* where, const QueryView<const T>& q, const KV& kv, const Sel
     job.selection = *selection;
   }
   const std::int64_t rows = std::int64_t(q.batch) * kv.kv_heads;
-  if (!workspace.empty() && pool != nullptr) job.splits = detail::decode_splits(rows, pool->size(), longest_row(q, kv, selection));
+  if (!workspace.empty() && pool != nullptr) {
+    job.splits = detail::decode_splits(rows, pool->size(), longest_row(q, kv, selection));
+  }
   WorkspaceLayout layout(workspace, where);
   const SplitWorkspace ws = layout_split_workspace(layout, q.batch, q.heads, q.head_dim, job.splits);
   job.partial_o = ws.partial_o;
@@ -106,7 +109,8 @@ std::size_t decode_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std
                kv_heads, head_dim);
   if (pool == nullptr) return 0;
   WorkspaceLayout counting;
-  layout_split_workspace(counting, batch, q_heads, head_dim, detail::decode_splits(std::int64_t(batch) * kv_heads, pool->size()));
+  layout_split_workspace(counting, batch, q_heads, head_dim,
+                         detail::decode_splits(std::int64_t(batch) * kv_heads, pool->size()));
   return counting.bytes();
 }
 
@@ -145,7 +149,9 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
           const TI* po = p.o_row(b, h) + c0;
           for (std::int32_t c = 0; c < width; ++c) acc[c] += w * to_float(po[c]);
         }
-        for (std::int32_t c = 0; c < width; ++c) o[c0 + c] = from_float<TO>(weight_sum == 0.0f ? 0.0f : acc[c] / weight_sum);
+        for (std::int32_t c = 0; c < width; ++c) {
+          o[c0 + c] = from_float<TO>(weight_sum == 0.0f ? 0.0f : acc[c] / weight_sum);
+        }
       }
       out.lse_at(b, h) = merged_lse(lse_max, weight_sum);
     }

@@ -223,8 +223,8 @@ void merge_states(std::span<const StateView<const T>> partials, const StateView<
   KVSIFT_CHECK(!partials.empty() && partials.size() <= std::size_t(kMax), where, "number of partials (= {}) is outside [1, {}]",
                partials.size(), kMax);
   validate_merge_inputs(where, partials, out);
-  KVSIFT_CHECK(out.head_dim <= kMergeMaxHeadDim, where, "out.head_dim (= {}) exceeds the merge kernel's limit of {}", out.head_dim,
-               kMergeMaxHeadDim);
+  KVSIFT_CHECK(out.head_dim <= kMergeMaxHeadDim, where, "out.head_dim (= {}) exceeds the merge kernel's limit of {}",
+               out.head_dim, kMergeMaxHeadDim);
   MergeParams<T> p;
   p.num_partials = static_cast<std::int32_t>(partials.size());
   p.out = out;

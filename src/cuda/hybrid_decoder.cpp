@@ -66,7 +66,8 @@ HybridDecoder<T>::HybridDecoder(const HybridDecoderConfig& config, cpu::ThreadPo
   if (b.workspace_bytes > 0) KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.d_workspace), b.workspace_bytes));
   KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&b.h_cpu_o), b.state_elems * sizeof(T)));
   KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&b.h_cpu_lse), b.lse_elems * sizeof(float)));
-  b.cpu_workspace_bytes = cpu::decode_workspace_bytes(config.batch, config.q_heads, config.kv_heads, config.head_dim, pool);
+  b.cpu_workspace_bytes =
+      cpu::decode_workspace_bytes(config.batch, config.q_heads, config.kv_heads, config.head_dim, pool);
   if (b.cpu_workspace_bytes > 0) {
     KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&b.h_cpu_workspace), b.cpu_workspace_bytes));
   }

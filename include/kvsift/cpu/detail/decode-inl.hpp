@@ -1,8 +1,9 @@
 #pragma once
 /// The CPU decode-attention kernel body, written once for every SimdLevel (see vec-inl.hpp). One call
 /// handles a range of work items (chunks of (sequence, kv head) rows); each K/V row is read once for every
-/// query head of the GQA group (in tiles of kHeadTile heads). Logits are kept in base 2; tokens go in blocks of kTokenBlock:
-/// logits of the block, one online-softmax rescale per head, then V streamed through the accumulators.
+/// query head of the GQA group (in tiles of kHeadTile heads). Logits are kept in base 2; tokens go in blocks
+/// of kTokenBlock: logits of the block, one online-softmax rescale per head, then V streamed through the
+/// accumulators.
 
 #include <algorithm>
 #include <cmath>

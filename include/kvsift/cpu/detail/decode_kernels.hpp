@@ -40,7 +40,8 @@ inline constexpr std::int32_t kMinTokensPerSplit = 256;
 /// 1 when there are at least as many rows as threads; otherwise the count that minimizes the busiest
 /// thread's share of a row (parallel_for hands each thread a contiguous run of items), the smallest such
 /// count on ties, capped so that a chunk of the longest row (in tokens) is at least kMinTokensPerSplit long.
-std::int32_t decode_splits(std::int64_t rows, int threads, std::int32_t longest_row = kMaxDecodeSplits * kMinTokensPerSplit);
+std::int32_t decode_splits(std::int64_t rows, int threads,
+                           std::int32_t longest_row = kMaxDecodeSplits * kMinTokensPerSplit);
 
 /// Runs work items [item_begin, item_end) of the job at SIMD level L. use_bf16_dot selects vdpbf16ps
 /// (avx512 only).
