@@ -260,6 +260,10 @@ TEST_F(CudaDecode, SplitCountDoesNotChangeTheResultBeyondRounding) {
   const auto first = p.run(true), second = p.run(true);  // deterministic run to run
   EXPECT_EQ(0, std::memcmp(first.first.data(), second.first.data(), first.first.size() * sizeof(bfloat16)));
   EXPECT_EQ(first.second, second.second);
+  // A plain launch (no programmatic dependent launch) computes the same bits.
+  const auto plain = p.run(true, {.programmatic_launch = false});
+  EXPECT_EQ(0, std::memcmp(first.first.data(), plain.first.data(), first.first.size() * sizeof(bfloat16)));
+  EXPECT_EQ(first.second, plain.second);
 }
 
 TEST_F(CudaDecode, ValidationModeReportsTheFirstBadIndex) {
