@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/decode.hpp"
 #include "kvsift/cpu/primitives.hpp"
 #include "kvsift/cpu/topk.hpp"
@@ -101,7 +102,8 @@ void BM_CpuSparseDecode(benchmark::State& state) {
   cpu::ThreadPool pool(threads);
   // The workspace lets the 8 rows (batch 1 x 8 kv heads) split over more than 8 threads.
   const std::size_t ws_bytes = cpu::decode_workspace_bytes(1, kQHeads, kKvHeads, kHeadDim, &pool);
-  std::byte* workspace = static_cast<std::byte*>(std::aligned_alloc(256, (ws_bytes + 255) / 256 * 256 + 256));
+  constexpr std::size_t kAlign = WorkspaceLayout::kAlignment;  // aligned_alloc wants a nonzero multiple of it
+  std::byte* workspace = static_cast<std::byte*>(std::aligned_alloc(kAlign, (ws_bytes / kAlign + 1) * kAlign));
   std::optional<cpu::ScopedSimdLevel> force;
   if (scalar) force.emplace(cpu::SimdLevel::scalar);
   for (auto _ : state) {

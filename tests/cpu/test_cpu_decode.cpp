@@ -2,7 +2,6 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <memory>
 #include <stdexcept>
 #include <string>
 
@@ -42,11 +41,12 @@ std::pair<std::vector<T>, std::vector<float>> run_cpu(HostDecodeProblem<T>& p, b
   const auto out = StateView<T>::packed(o.data(), lse.data(), p.spec.batch, p.spec.q_heads, p.spec.head_dim);
   const std::size_t ws_bytes =
       split_rows ? cpu::decode_workspace_bytes(p.spec.batch, p.spec.q_heads, p.spec.kv_heads, p.spec.head_dim, pool) : 0;
-  std::vector<std::byte> ws_storage(ws_bytes + WorkspaceLayout::kAlignment, std::byte{0xff});
-  void* ws_start = ws_storage.data();
-  std::size_t ws_space = ws_storage.size();
-  const std::span<std::byte> workspace(static_cast<std::byte*>(std::align(WorkspaceLayout::kAlignment, ws_bytes, ws_start, ws_space)),
-                                       ws_bytes);
+  struct alignas(WorkspaceLayout::kAlignment) Block {
+    std::byte bytes[WorkspaceLayout::kAlignment];
+  };
+  std::vector<Block> ws_storage((ws_bytes + sizeof(Block) - 1) / sizeof(Block));
+  std::memset(ws_storage.data(), 0xff, ws_storage.size() * sizeof(Block));
+  const std::span<std::byte> workspace(reinterpret_cast<std::byte*>(ws_storage.data()), ws_bytes);
   const auto go = [&](auto kv) {
     if (sparse) {
       cpu::sparse_decode(p.q_view(), kv, p.selection(), out, {}, pool, workspace);
