@@ -44,8 +44,9 @@ std::pair<std::vector<T>, std::vector<float>> run_cpu(HostDecodeProblem<T>& p, b
   struct alignas(WorkspaceLayout::kAlignment) Block {
     std::byte bytes[WorkspaceLayout::kAlignment];
   };
-  std::vector<Block> ws_storage((ws_bytes + sizeof(Block) - 1) / sizeof(Block));
-  std::memset(ws_storage.data(), 0xff, ws_storage.size() * sizeof(Block));
+  Block poisoned;
+  std::memset(poisoned.bytes, 0xff, sizeof(poisoned.bytes));
+  std::vector<Block> ws_storage((ws_bytes + sizeof(Block) - 1) / sizeof(Block), poisoned);
   const std::span<std::byte> workspace(reinterpret_cast<std::byte*>(ws_storage.data()), ws_bytes);
   const auto go = [&](auto kv) {
     if (sparse) {
