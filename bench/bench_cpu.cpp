@@ -1,7 +1,8 @@
 // CPU benchmarks: a STREAM-style triad (this machine's memory bandwidth, bytes read + written) and CPU sparse
 // decode over a 128K-token host cache (q_heads 32, kv_heads 8, head_dim 128) for K in {1024, 4096, 16384},
-// bf16 and fp16, 1..all threads, at the detected SIMD level and at scalar. GB/s counts bytes touched: the
-// selected K and V rows, indices, Q and O.
+// bf16 and fp16, 1..all threads, at the detected SIMD level and at scalar, over random selections (and, at
+// K = 16384, clustered ones) that rotate between calls. GB/s counts bytes touched: the selected K and V rows,
+// indices, Q and O.
 #include <benchmark/benchmark.h>
 
 #if defined(KVSIFT_BENCH_FAISS)
@@ -74,30 +75,39 @@ std::pair<const T*, const T*> host_cache() {
   return {k_cache, v_cache};
 }
 
-/// k_sel distinct random tokens per kv head, each row sorted (as selectors hand them over).
-std::vector<std::int32_t> random_selection(int k_sel, std::mt19937_64& rng) {
-  std::vector<std::int32_t> pool_idx(kTokens), indices(std::size_t(kKvHeads) * k_sel);
-  std::iota(pool_idx.begin(), pool_idx.end(), 0);
+/// k_sel distinct tokens per kv head, each row sorted (as selectors hand them over): uniform over the context,
+/// or clustered in runs of 32 consecutive tokens (as cluster- and page-based selectors return them).
+std::vector<std::int32_t> make_selection(int k_sel, bool clustered, std::mt19937_64& rng) {
+  constexpr int kRun = 32;
+  const int units = clustered ? kTokens / kRun : kTokens, picks = clustered ? (k_sel + kRun - 1) / kRun : k_sel;
+  std::vector<std::int32_t> pool(units), indices(std::size_t(kKvHeads) * k_sel);
+  std::iota(pool.begin(), pool.end(), 0);
   for (int h = 0; h < kKvHeads; ++h) {
-    for (int i = 0; i < k_sel; ++i) std::swap(pool_idx[i], pool_idx[i + rng() % (kTokens - i)]);
-    std::copy_n(pool_idx.begin(), k_sel, indices.begin() + std::size_t(h) * k_sel);
-    std::sort(indices.begin() + std::size_t(h) * k_sel, indices.begin() + std::size_t(h + 1) * k_sel);
+    for (int i = 0; i < picks; ++i) std::swap(pool[i], pool[i + rng() % (units - i)]);
+    std::sort(pool.begin(), pool.begin() + picks);
+    std::int32_t* row = indices.data() + std::size_t(h) * k_sel;
+    for (int i = 0; i < k_sel; ++i) row[i] = clustered ? pool[i / kRun] * kRun + i % kRun : pool[i];
   }
   return indices;
 }
 
+/// Selections rotate over this many sets so that consecutive calls gather different rows: at K = 16384 the
+/// sets cover ~40% of the 512 MiB cache, more than any last-level cache holds.
+constexpr int kSelectionSets = 4;
+
 template <class T>
 void BM_CpuSparseDecode(benchmark::State& state) {
   const int k_sel = int(state.range(0)), threads = int(state.range(1));
-  const bool scalar = state.range(2) != 0;
+  const bool scalar = state.range(2) != 0, clustered = state.range(3) != 0;
   const auto [k_cache, v_cache] = host_cache<T>();
   std::mt19937_64 rng(2);
   std::vector<T> q(kQHeads * kHeadDim), o(q.size());
   for (auto& x : q) x = from_float<T>(std::normal_distribution<float>()(rng));
   std::vector<float> lse(kQHeads);
-  std::vector<std::int32_t> indices = random_selection(k_sel, rng), counts(kKvHeads, k_sel);
+  std::vector<std::vector<std::int32_t>> sets;
+  for (int i = 0; i < kSelectionSets; ++i) sets.push_back(make_selection(k_sel, clustered, rng));
+  std::vector<std::int32_t> counts(kKvHeads, k_sel);
   const auto kv = ContiguousKVView<const T>::packed(k_cache, v_cache, 1, kKvHeads, kTokens, kHeadDim);
-  const SelectionView sel{indices.data(), counts.data(), nullptr, 1, kKvHeads, k_sel};
   const auto out = StateView<T>::packed(o.data(), lse.data(), 1, kQHeads, kHeadDim);
   cpu::ThreadPool pool(threads);
   // The workspace lets the 8 rows (batch 1 x 8 kv heads) split over more than 8 threads.
@@ -106,12 +116,14 @@ void BM_CpuSparseDecode(benchmark::State& state) {
   std::byte* workspace = static_cast<std::byte*>(std::aligned_alloc(kAlign, (ws_bytes / kAlign + 1) * kAlign));
   std::optional<cpu::ScopedSimdLevel> force;
   if (scalar) force.emplace(cpu::SimdLevel::scalar);
+  std::size_t call = 0;
   for (auto _ : state) {
+    const SelectionView sel{sets[call++ % kSelectionSets].data(), counts.data(), nullptr, 1, kKvHeads, k_sel};
     cpu::sparse_decode(QueryView<const T>::packed(q.data(), 1, kQHeads, kHeadDim), kv, sel, out, {}, &pool,
                        {workspace, ws_bytes});
     benchmark::DoNotOptimize(o.data());
   }
-  const double bytes = 2.0 * kKvHeads * k_sel * kHeadDim * sizeof(T) + 4.0 * indices.size() + 2.0 * q.size() * sizeof(T);
+  const double bytes = (2.0 * kHeadDim * sizeof(T) + 4.0) * kKvHeads * k_sel + 2.0 * q.size() * sizeof(T);
   state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations(), benchmark::Counter::kIsRate);
   state.SetLabel(std::string(cpu::simd_level_name(cpu::active_simd_level())));
   std::free(workspace);
@@ -128,21 +140,25 @@ double anon_huge_page_mib() {
 }
 
 /// The ceiling for gathering scattered rows on this host: the same K and V rows as BM_CpuSparseDecode (bf16,
-/// K = 16384 per kv head), one 8-byte load per 64-byte line and no arithmetic, prefetched kPrefetch tokens
+/// K = 16384 per kv head, random, the same rotating sets), one 8-byte load per 64-byte line and no arithmetic, prefetched kPrefetch tokens
 /// ahead into L2 as the decode kernel does, the (kv head, token) pairs spread evenly over all threads.
 void BM_GatherProbe(benchmark::State& state) {
   const int k_sel = 16384, threads = int(state.range(0));
   constexpr int kPrefetch = 16, kRowBytes = kHeadDim * 2;
   const auto [k_cache, v_cache] = host_cache<bfloat16>();
   std::mt19937_64 rng(2);
-  const std::vector<std::int32_t> indices = random_selection(k_sel, rng);
+  std::vector<std::vector<std::int32_t>> sets;
+  for (int i = 0; i < kSelectionSets; ++i) sets.push_back(make_selection(k_sel, false, rng));
   cpu::ThreadPool pool(threads);
   std::vector<std::uint64_t> sums(threads * 8);
+  const std::int32_t* indices = nullptr;
   const auto row_of = [&](const bfloat16* cache, std::int64_t i) {
     return reinterpret_cast<const char*>(cache + ((i / k_sel) * kTokens + indices[i]) * kHeadDim);
   };
   const std::int64_t total = std::int64_t(kKvHeads) * k_sel;
+  std::size_t call = 0;
   for (auto _ : state) {
+    indices = sets[call++ % kSelectionSets].data();
     pool.parallel_for(total, [&](std::int64_t begin, std::int64_t end) {
       std::uint64_t sum = 0;
       for (std::int64_t i = begin; i < end; ++i) {
@@ -261,16 +277,17 @@ void thread_counts(benchmark::internal::Benchmark* b, bool with_k) {
       continue;
     }
     for (int k : {1024, 4096, 16384}) {
-      b->Args({k, t, 0});
-      if (t == 1) b->Args({k, t, 1});  // scalar baseline, single thread
+      b->Args({k, t, 0, 0});
+      if (t == 1) b->Args({k, t, 1, 0});  // scalar baseline, single thread
     }
+    b->Args({16384, t, 0, 1});
   }
 }
 
 BENCHMARK(BM_StreamTriad)->Apply([](auto* b) { thread_counts(b, false); })->ArgName("threads")->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_GatherProbe)->Apply([](auto* b) { thread_counts(b, false); })->ArgName("threads")->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_CpuSparseDecode<bfloat16>)->Apply([](auto* b) { thread_counts(b, true); })->ArgNames({"K", "threads", "scalar"})->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_CpuSparseDecode<half>)->Apply([](auto* b) { thread_counts(b, true); })->ArgNames({"K", "threads", "scalar"})->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CpuSparseDecode<bfloat16>)->Apply([](auto* b) { thread_counts(b, true); })->ArgNames({"K", "threads", "scalar", "clustered"})->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CpuSparseDecode<half>)->Apply([](auto* b) { thread_counts(b, true); })->ArgNames({"K", "threads", "scalar", "clustered"})->UseRealTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 

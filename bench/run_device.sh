@@ -3,7 +3,8 @@
 # (memcheck, racecheck), the decode benchmarks and the PyTorch SDPA baseline, and writes logs, JSON and a
 # markdown report to $OUT (default ./device-out). Run from the repository root. Usage:
 #   bench/run_device.sh [build] [test] [sanitize] [bench] [cpubench] [profile]
-# No argument: all but profile (Nsight Compute on four decode shapes). KVSIFT_BENCH_FILTER narrows bench.
+# No argument: all but profile (Nsight Compute on four decode shapes). KVSIFT_BENCH_FILTER narrows bench,
+# KVSIFT_CPUBENCH_FILTER cpubench (medians of 3 repetitions).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 BUILD=${KVSIFT_DEVICE_BUILD:-/tmp/kvsift-device-build}
@@ -48,9 +49,10 @@ fi
 if has cpubench; then
   step "cpu benchmarks (host of the GPU machine)"
   { lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)"; echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled)"; } | tee "$OUT/cpu.txt"
-  "$BUILD/bench/kvsift_bench_cpu" --benchmark_min_time=0.1 --benchmark_filter='Triad|Gather|K:16384|K:4096/threads:1/|TopK|KMeans' \
+  "$BUILD/bench/kvsift_bench_cpu" --benchmark_min_time=0.1 --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+    --benchmark_filter="${KVSIFT_CPUBENCH_FILTER:-Triad|Gather|K:16384|K:4096/threads:1/|TopK|KMeans}" \
     > "$OUT/bench_cpu.txt" 2>&1 || status=1
-  grep -E "^BM" "$OUT/bench_cpu.txt" | awk '{print $1, $2, $3, $(NF-1), $NF}'
+  grep -E "^BM.*median" "$OUT/bench_cpu.txt" | awk '{print $1, $2, $3, $(NF-1), $NF}'
 fi
 if has profile; then
   # One decode launch and its split merge per shape, after the warm-up calls (skip), with the sections that
