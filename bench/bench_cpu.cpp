@@ -140,8 +140,9 @@ double anon_huge_page_mib() {
 }
 
 /// The ceiling for gathering scattered rows on this host: the same K and V rows as BM_CpuSparseDecode (bf16,
-/// K = 16384 per kv head, random, the same rotating sets), one 8-byte load per 64-byte line and no arithmetic, prefetched kPrefetch tokens
-/// ahead into L2 as the decode kernel does, the (kv head, token) pairs spread evenly over all threads.
+/// K = 16384 per kv head, random, the same rotating sets), one 8-byte load per 64-byte line and no
+/// arithmetic, prefetched kPrefetch tokens ahead into L2 as the decode kernel does, the (kv head, token)
+/// pairs spread evenly over all threads.
 void BM_GatherProbe(benchmark::State& state) {
   const int k_sel = 16384, threads = int(state.range(0));
   constexpr int kPrefetch = 16, kRowBytes = kHeadDim * 2;
