@@ -64,9 +64,11 @@ __device__ __forceinline__ unsigned swizzled(int row, int piece) {
 __device__ __forceinline__ unsigned shared_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
-/// 16-byte global-to-shared copy that bypasses L1 (rows are read once); writes zeros when !valid.
+/// 16-byte global-to-shared copy that bypasses L1 (rows are read once); writes zeros when !valid. The L2
+/// prefetch-size hint of a whole 128-byte line, which a warp's copy reads in full anyway, made dense decode
+/// 0.7-1.1% faster on the H100 (sparse unchanged; a 256-byte hint was no better).
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async4(unsigned dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
