@@ -14,6 +14,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <fstream>
 #include <numeric>
@@ -91,9 +92,19 @@ std::vector<std::int32_t> make_selection(int k_sel, bool clustered, std::mt19937
   return indices;
 }
 
-/// Selections rotate over this many sets so that consecutive calls gather different rows: at K = 16384 the
-/// sets cover ~40% of the 512 MiB cache, more than any last-level cache holds.
-constexpr int kSelectionSets = 4;
+/// Four selections that calls take in turn, so that consecutive calls gather different rows: at K = 16384
+/// the four cover ~40% of the 512 MiB cache, more than any last-level cache holds.
+class RotatingSelections {
+ public:
+  RotatingSelections(int k_sel, bool clustered, std::mt19937_64& rng) {
+    for (auto& set : sets_) set = make_selection(k_sel, clustered, rng);
+  }
+  std::int32_t* next() { return sets_[calls_++ % sets_.size()].data(); }
+
+ private:
+  std::array<std::vector<std::int32_t>, 4> sets_;
+  std::size_t calls_ = 0;
+};
 
 template <class T>
 void BM_CpuSparseDecode(benchmark::State& state) {
@@ -104,8 +115,7 @@ void BM_CpuSparseDecode(benchmark::State& state) {
   std::vector<T> q(kQHeads * kHeadDim), o(q.size());
   for (auto& x : q) x = from_float<T>(std::normal_distribution<float>()(rng));
   std::vector<float> lse(kQHeads);
-  std::vector<std::vector<std::int32_t>> sets;
-  for (int i = 0; i < kSelectionSets; ++i) sets.push_back(make_selection(k_sel, clustered, rng));
+  RotatingSelections selections(k_sel, clustered, rng);
   std::vector<std::int32_t> counts(kKvHeads, k_sel);
   const auto kv = ContiguousKVView<const T>::packed(k_cache, v_cache, 1, kKvHeads, kTokens, kHeadDim);
   const auto out = StateView<T>::packed(o.data(), lse.data(), 1, kQHeads, kHeadDim);
@@ -116,9 +126,8 @@ void BM_CpuSparseDecode(benchmark::State& state) {
   std::byte* workspace = static_cast<std::byte*>(std::aligned_alloc(kAlign, (ws_bytes / kAlign + 1) * kAlign));
   std::optional<cpu::ScopedSimdLevel> force;
   if (scalar) force.emplace(cpu::SimdLevel::scalar);
-  std::size_t call = 0;
   for (auto _ : state) {
-    const SelectionView sel{sets[call++ % kSelectionSets].data(), counts.data(), nullptr, 1, kKvHeads, k_sel};
+    const SelectionView sel{selections.next(), counts.data(), nullptr, 1, kKvHeads, k_sel};
     cpu::sparse_decode(QueryView<const T>::packed(q.data(), 1, kQHeads, kHeadDim), kv, sel, out, {}, &pool,
                        {workspace, ws_bytes});
     benchmark::DoNotOptimize(o.data());
@@ -148,8 +157,7 @@ void BM_GatherProbe(benchmark::State& state) {
   constexpr int kPrefetch = 16, kRowBytes = kHeadDim * 2;
   const auto [k_cache, v_cache] = host_cache<bfloat16>();
   std::mt19937_64 rng(2);
-  std::vector<std::vector<std::int32_t>> sets;
-  for (int i = 0; i < kSelectionSets; ++i) sets.push_back(make_selection(k_sel, false, rng));
+  RotatingSelections selections(k_sel, false, rng);
   cpu::ThreadPool pool(threads);
   std::vector<std::uint64_t> sums(threads * 8);
   const std::int32_t* indices = nullptr;
@@ -157,9 +165,8 @@ void BM_GatherProbe(benchmark::State& state) {
     return reinterpret_cast<const char*>(cache + ((i / k_sel) * kTokens + indices[i]) * kHeadDim);
   };
   const std::int64_t total = std::int64_t(kKvHeads) * k_sel;
-  std::size_t call = 0;
   for (auto _ : state) {
-    indices = sets[call++ % kSelectionSets].data();
+    indices = selections.next();
     pool.parallel_for(total, [&](std::int64_t begin, std::int64_t end) {
       std::uint64_t sum = 0;
       for (std::int64_t i = begin; i < end; ++i) {
