@@ -19,6 +19,7 @@ namespace kvsift::cuda {
 namespace detail {
 
 inline constexpr int kMinTokensPerSplit = 64;
+inline constexpr int kMinTokensToSplitInTwo = 8192;
 
 struct DecodeWorkspace {
   float* partial_o = nullptr;
@@ -70,12 +71,16 @@ std::int32_t max_tokens_of(const PagedKVView<const T>&, const DecodeOptions& opt
 
 /// Splits so that the grid has about one CTA per multiprocessor, with at least kMinTokensPerSplit tokens per
 /// CTA. Measured on the H100 (docs/bench/decode_h100.md, split sweeps): one CTA per SM streams as fast as
-/// two (four warps with two 8 KB stages in flight each already cover the latency), and every extra split is
-/// one more partial for the merge to read, which small batches pay for directly.
+/// two, and every extra split is one more partial for the merge to read, which small batches pay for
+/// directly. Where the rows alone fill a third of the SMs or more (two splits), a split buys little
+/// bandwidth and costs the merge pass (partial stores, a second kernel, ~2 us), so only rows of at least
+/// kMinTokensToSplitInTwo are split. H100, one run: sparse K = 2048 / batch 8 took 29.4 us unsplit against
+/// 31.5 in two, K = 4096 52.5 against 53.9, K = 8192 98.6 against 97.7; dense 128K / batch 8 1532 against 1344.
 inline std::int32_t choose_splits(std::int64_t rows, std::int32_t max_tokens, const DecodeOptions& options) {
   if (options.num_splits > 0) return options.num_splits;
   std::int64_t splits = std::max<std::int64_t>(multiprocessor_count() / rows, 1);
   splits = std::min<std::int64_t>(splits, (std::int64_t(max_tokens) + kMinTokensPerSplit - 1) / kMinTokensPerSplit);
+  if (splits == 2 && max_tokens < kMinTokensToSplitInTwo) splits = 1;
   return static_cast<std::int32_t>(std::max<std::int64_t>(splits, 1));
 }
 

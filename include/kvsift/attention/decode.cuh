@@ -2,8 +2,8 @@
 /// The decode-attention kernel behind both sparse and dense decode (see decode_cuda.hpp for the contract).
 ///
 /// Work split: grid (num_splits, kv_heads * head_tiles, batch). A CTA owns one (sequence, kv head, tile of up
-/// to kHeadsPerTile query heads) and a contiguous chunk of that row's tokens (or selection entries); its four
-/// warps take interleaved steps of kRowsPerStep rows. Both products run on tensor cores (mma.sync m16n8k16,
+/// to kHeadsPerTile query heads) and a contiguous chunk of that row's tokens (or selection entries); its
+/// kDecodeWarps warps take interleaved steps of kRowsPerStep rows. Both products run on tensor cores (mma.sync m16n8k16,
 /// fp32 accumulation): S = Q K^T with the tile's query heads as the 16 rows of A (heads past the GQA group are
 /// zero), and O += P V with P rounded to the storage type, as FlashAttention-2 does. Each K/V row is read
 /// from HBM once per CTA and serves every query head of the tile: that is what makes GQA cost one K/V read
@@ -31,11 +31,17 @@
 
 namespace kvsift::cuda::detail {
 
-inline constexpr int kDecodeWarps = 4;
+/// Eight warps per CTA, where four was the first choice: with one CTA per SM, the SM then has twice the
+/// independent row streams to issue from while others wait on their copies. H100, same run: sparse K = 8192 /
+/// batch 8 100 against 106 us, K = 2048 / batch 1 10.4 against 10.7, dense 128K / batch 8 1390 against 1395;
+/// short calls pay for merging eight warps' states (K = 256 / batch 1 6.9 against 6.7 us, dense 32K / batch 1
+/// 51.5 against 51.0).
+/// Deeper per-warp pipelines, which put as many bytes in flight, were slower (docs/cuda_attention.md).
+inline constexpr int kDecodeWarps = 8;
 inline constexpr int kDecodeThreads = 32 * kDecodeWarps;
 inline constexpr int kDecodeStages = 3;   ///< per-warp cp.async stages: two in flight while one is consumed
 inline constexpr int kRowsPerStep = 16;   ///< K/V rows a warp consumes per step: the k extent of one P·V MMA
-inline constexpr int kDecodeMinCtasPerSm = 2;
+inline constexpr int kDecodeMinCtasPerSm = 1;  ///< head_dim 128 takes 198 KB of shared memory: one CTA per SM
 
 template <int HeadDim>
 struct DecodeShape {
