@@ -169,6 +169,7 @@ BENCHMARK(BM_ShortCopy)->Arg(4)->Arg(32)->ArgName("MiB")->UseManualTime()->Unit(
 void BM_DenseDecode(benchmark::State& state) {
   const int tokens = int(state.range(0)), batch = int(state.range(1));
   const kvsift::cuda::DecodeOptions options{.num_splits = std::int32_t(state.range(2)),
+                                            .cta_warps = std::int32_t(state.range(4)),
                                             .programmatic_launch = state.range(3) != 0};
   const std::size_t kv_elems = std::size_t(batch) * kKvHeads * tokens * kHeadDim;
   const int copies = copies_for(2 * kv_elems * sizeof(bfloat16));
@@ -195,12 +196,15 @@ void BM_DenseDecode(benchmark::State& state) {
 }
 /// splits 0: kvsift's own split planning; the sweeps show what that choice costs. pdl 0: the decode kernel
 /// launched without programmatic dependent launch (DecodeOptions::programmatic_launch), for comparison.
+/// warps 0: the CTA shape kvsift chooses for the GPU (8 warps on sm_90); 4: the shape of GPUs with less
+/// shared memory per block, for comparison.
 BENCHMARK(BM_DenseDecode)
-    ->ArgsProduct({{8192, 32768, 131072}, {1, 8}, {0}, {1}})
-    ->ArgsProduct({{32768}, {1}, {8, 33}, {1}})
-    ->ArgsProduct({{131072}, {8}, {1, 4}, {1}})
-    ->ArgsProduct({{32768, 131072}, {1}, {0}, {0}})
-    ->ArgNames({"N", "batch", "splits", "pdl"})
+    ->ArgsProduct({{8192, 32768, 131072}, {1, 8}, {0}, {1}, {0}})
+    ->ArgsProduct({{32768}, {1}, {8, 33}, {1}, {0}})
+    ->ArgsProduct({{131072}, {8}, {1, 4}, {1}, {0}})
+    ->ArgsProduct({{32768, 131072}, {1}, {0}, {0}, {0}})
+    ->ArgsProduct({{32768, 131072}, {1, 8}, {0}, {1}, {4}})
+    ->ArgNames({"N", "batch", "splits", "pdl", "warps"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);
@@ -211,6 +215,7 @@ void BM_SparseDecode(benchmark::State& state) {
   const int k_sel = int(state.range(0)), batch = int(state.range(1));
   const bool clustered = state.range(2) != 0;
   const kvsift::cuda::DecodeOptions options{.num_splits = std::int32_t(state.range(3)),
+                                            .cta_warps = std::int32_t(state.range(5)),
                                             .programmatic_launch = state.range(4) != 0};
   const int tokens = 131072;
   const std::size_t kv_elems = std::size_t(batch) * kKvHeads * tokens * kHeadDim;
@@ -261,11 +266,12 @@ void BM_SparseDecode(benchmark::State& state) {
   state.counters["bytes"] = bytes;
 }
 BENCHMARK(BM_SparseDecode)
-    ->ArgsProduct({{256, 1024, 2048, 8192}, {1, 8}, {0, 1}, {0}, {1}})
-    ->ArgsProduct({{2048}, {1}, {0}, {8, 32}, {1}})
-    ->ArgsProduct({{2048, 4096, 8192}, {8}, {0}, {1, 2, 4}, {1}})
-    ->ArgsProduct({{256, 2048}, {1, 8}, {0}, {0}, {0}})
-    ->ArgNames({"K", "batch", "clustered", "splits", "pdl"})
+    ->ArgsProduct({{256, 1024, 2048, 8192}, {1, 8}, {0, 1}, {0}, {1}, {0}})
+    ->ArgsProduct({{2048}, {1}, {0}, {8, 32}, {1}, {0}})
+    ->ArgsProduct({{2048, 4096, 8192}, {8}, {0}, {1, 2, 4}, {1}, {0}})
+    ->ArgsProduct({{256, 2048}, {1, 8}, {0}, {0}, {0}, {0}})
+    ->ArgsProduct({{256, 2048, 8192}, {1, 8}, {0}, {0}, {1}, {4}})
+    ->ArgNames({"K", "batch", "clustered", "splits", "pdl", "warps"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);

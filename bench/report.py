@@ -34,7 +34,7 @@ def main(bench_json, sdpa_jsonl, gpu_txt):
           "kvsift eager us | cuDNN eager us | kvsift / cuDNN, eager |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in runs.items():
-        m = re.match(r"BM_DenseDecode/N:(\d+)/batch:(\d+)/splits:0/pdl:1(/|$)", name)
+        m = re.match(r"BM_DenseDecode/N:(\d+)/batch:(\d+)/splits:0/pdl:1/warps:0(/|$)", name)
         if not m:
             continue
         n, batch = int(m[1]), int(m[2])
@@ -54,7 +54,7 @@ def main(bench_json, sdpa_jsonl, gpu_txt):
     print("| K | batch | indices | us (graph) | eager us | GB/s touched | % of copy |")
     print("|---|---|---|---|---|---|---|")
     for name, r in runs.items():
-        m = re.match(r"BM_SparseDecode/K:(\d+)/batch:(\d+)/clustered:(\d)/splits:0/pdl:1(/|$)", name)
+        m = re.match(r"BM_SparseDecode/K:(\d+)/batch:(\d+)/clustered:(\d)/splits:0/pdl:1/warps:0(/|$)", name)
         if m:
             print(f"| {m[1]} | {m[2]} | {'clustered' if m[3] == '1' else 'random'} | {r['us']:.1f} | {r['eager_us']:.1f} | "
                   f"{r['gbs']:.0f} | {100 * r['gbs'] / copy['gbs']:.0f}% |")
@@ -97,10 +97,11 @@ def hybrid(runs):
 
 
 def split_sweep(runs):
-    rows = [(k, r) for k, r in runs.items() if re.search(r"/splits:[1-9]\d*/pdl:1(/|$)", k)]
+    rows = [(k, r) for k, r in runs.items() if re.search(r"/splits:[1-9]\d*/pdl:1/warps:0(/|$)", k)]
     if not rows:
         return
-    auto = {re.sub(r"/splits:0/pdl:1(/.*)?$", "", k): r for k, r in runs.items() if re.search(r"/splits:0/pdl:1(/|$)", k)}
+    auto = {re.sub(r"/splits:0/pdl:1/warps:0(/.*)?$", "", k): r for k, r in runs.items()
+            if re.search(r"/splits:0/pdl:1/warps:0(/|$)", k)}
     print("\n### Split count: forced num_splits against kvsift's own choice (GPU time per call, us)\n")
     print("| shape | splits | us | kvsift's choice us |")
     print("|---|---|---|---|")
@@ -111,23 +112,26 @@ def split_sweep(runs):
         print(f"| {shape} | {splits} | {r['us']:.1f} | {chosen_us} |")
 
 
-def programmatic_launch(runs):
-    rows = [(k, r) for k, r in runs.items() if re.search(r"/pdl:0(/|$)", k)]
+def comparison(runs, title, this, that, columns):
+    """Benchmarks whose name holds `this` beside their twins with `that` in its place."""
+    rows = [(k, r) for k, r in runs.items() if this in k and runs.get(k.replace(this, that))]
     if not rows:
         return
-    print("\n### Programmatic dependent launch of the decode kernel: off against on (GPU time per call, us)\n")
-    print("| shape | pdl off us | pdl on us | on / off |")
+    print(f"\n### {title} (GPU time per call, us)\n")
+    print(f"| shape | {columns[0]} us | {columns[1]} us | {columns[1]} / {columns[0]} |")
     print("|---|---|---|---|")
     for name, r in rows:
-        on = runs.get(name.replace("/pdl:0", "/pdl:1"))
-        if on:
-            shape = re.sub(r"/splits:0/pdl:0.*$", "", name[3:])
-            print(f"| {shape} | {r['us']:.1f} | {on['us']:.1f} | {on['us'] / r['us']:.2f} |")
+        twin = runs[name.replace(this, that)]
+        shape = re.sub(r"/splits:\d+/pdl:.*$", "", name[3:])
+        print(f"| {shape} | {r['us']:.1f} | {twin['us']:.1f} | {twin['us'] / r['us']:.2f} |")
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
     split_sweep(medians(sys.argv[1]))
-    programmatic_launch(medians(sys.argv[1]))
+    comparison(medians(sys.argv[1]), "Programmatic dependent launch of the decode kernel: off against on",
+               "/pdl:0/warps:0", "/pdl:1/warps:0", ("pdl off", "pdl on"))
+    comparison(medians(sys.argv[1]), "Warps per CTA: four against kvsift's choice for this GPU",
+               "/pdl:1/warps:4", "/pdl:1/warps:0", ("4 warps", "chosen"))
     hybrid(medians(sys.argv[1]))
     primitives(medians(sys.argv[1]))

@@ -64,7 +64,7 @@ if has profile; then
     ncu --clock-control none --kernel-name regex:'decode_attention|merge_splits' --launch-skip 6 --launch-count 2 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis \
-      "$BUILD/bench/kvsift_bench_decode" --benchmark_filter="^BM_$shape/splits:0/pdl:1/" > "$log" 2>&1 || status=1
+      "$BUILD/bench/kvsift_bench_decode" --benchmark_filter="^BM_$shape/splits:0/pdl:1/warps:0/" > "$log" 2>&1 || status=1
     grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit (Reg|Shared)|Issued Warp Per|No Eligible|Warp Cycles Per Issued" "$log" \
       | sed -E 's/ +/ /g' | cut -c1-110
   done

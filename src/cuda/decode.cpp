@@ -72,16 +72,30 @@ std::int32_t max_tokens_of(const PagedKVView<const T>&, const DecodeOptions& opt
 /// Splits so that the grid has about one CTA per multiprocessor, with at least kMinTokensPerSplit tokens per
 /// CTA. Measured on the H100 (docs/bench/decode_h100.md, split sweeps): one CTA per SM streams as fast as
 /// two, and every extra split is one more partial for the merge to read, which small batches pay for
-/// directly. Where the rows alone fill a third of the SMs or more (two splits), a split buys little
-/// bandwidth and costs the merge pass (partial stores, a second kernel, ~2 us), so only rows of at least
-/// kMinTokensToSplitInTwo are split. H100, one run: sparse K = 2048 / batch 8 took 29.4 us unsplit against
-/// 31.5 in two, K = 4096 52.5 against 53.9, K = 8192 98.6 against 97.7; dense 128K / batch 8 1532 against 1344.
-inline std::int32_t choose_splits(std::int64_t rows, std::int32_t max_tokens, const DecodeOptions& options) {
+/// directly. Where the rows alone fill a third of the SMs or more (two splits), a split of eight-warp CTAs
+/// buys little bandwidth and costs the merge pass (partial stores, a second kernel, ~2 us), so only rows of
+/// at least kMinTokensToSplitInTwo are split. H100, one run: sparse K = 2048 / batch 8 took 29.4 us unsplit
+/// against 31.5 in two, K = 4096 52.5 against 53.9, K = 8192 98.6 against 97.7; dense 128K / batch 8 1532
+/// against 1344. Four-warp CTAs keep the second split: unsplit, they read too slowly (sparse K = 2048 /
+/// batch 8: 36.6 against 33.5 us).
+inline std::int32_t choose_splits(std::int64_t rows, std::int32_t max_tokens, std::int32_t cta_warps,
+                                  const DecodeOptions& options) {
   if (options.num_splits > 0) return options.num_splits;
   std::int64_t splits = std::max<std::int64_t>(multiprocessor_count() / rows, 1);
   splits = std::min<std::int64_t>(splits, (std::int64_t(max_tokens) + kMinTokensPerSplit - 1) / kMinTokensPerSplit);
-  if (splits == 2 && max_tokens < kMinTokensToSplitInTwo) splits = 1;
+  if (splits == 2 && cta_warps == kDecodeMaxWarps && max_tokens < kMinTokensToSplitInTwo) splits = 1;
   return static_cast<std::int32_t>(std::max<std::int64_t>(splits, 1));
+}
+
+/// Warps per CTA: the caller's 4 or 8, or 8 where the GPU gives a block the shared memory for it, else 4.
+inline std::int32_t choose_cta_warps(const char* where, int head_dim, const DecodeOptions& options) {
+  const std::size_t allowed = std::size_t(max_shared_memory_per_block());
+  std::int32_t warps = options.cta_warps;
+  if (warps == 0) warps = decode_shared_bytes(head_dim, kDecodeMaxWarps) <= allowed ? kDecodeMaxWarps : kDecodeMinWarps;
+  KVSIFT_CHECK(decode_shared_bytes(head_dim, warps) <= allowed, where,
+               "{} warps per CTA need {} bytes of shared memory per block at head_dim {}; this GPU allows {}", warps,
+               decode_shared_bytes(head_dim, warps), head_dim, allowed);
+  return warps;
 }
 
 /// Validates everything the kernels rely on and fills the parameters (workspace pointers excepted).
@@ -95,6 +109,9 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
                "head_dim (= {}) is not supported by the CUDA decode kernels (supported: 64, 128)", q.head_dim);
   KVSIFT_CHECK(q.batch <= 65535, where, "q.batch (= {}) exceeds the CUDA grid limit 65535", q.batch);
   KVSIFT_CHECK(options.num_splits >= 0, where, "options.num_splits (= {}) must be >= 0", options.num_splits);
+  KVSIFT_CHECK(options.cta_warps == 0 || options.cta_warps == kDecodeMinWarps || options.cta_warps == kDecodeMaxWarps,
+               where, "options.cta_warps (= {}) must be 0 (chosen per GPU), {} or {}", options.cta_warps,
+               kDecodeMinWarps, kDecodeMaxWarps);
   check_aligned(where, "q.data", q.data, q.batch_stride, q.head_stride);
   check_kv_aligned(where, kv);
   if (out != nullptr) {
@@ -127,8 +144,8 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   p.head_tiles = (p.group + kHeadsPerTile - 1) / kHeadsPerTile;
   KVSIFT_CHECK(std::int64_t(kv.kv_heads) * p.head_tiles <= 65535, where,
                "kv.kv_heads (= {}) * GQA tiles (= {}) exceeds the CUDA grid limit 65535", kv.kv_heads, p.head_tiles);
-  p.num_splits =
-      choose_splits(std::int64_t(q.batch) * kv.kv_heads * p.head_tiles, max_tokens, options);
+  p.cta_warps = choose_cta_warps(where, q.head_dim, options);
+  p.num_splits = choose_splits(std::int64_t(q.batch) * kv.kv_heads * p.head_tiles, max_tokens, p.cta_warps, options);
   p.scale_log2 = options.attention.resolved_scale(q.head_dim) * kLog2e;
   return p;
 }

@@ -5,19 +5,32 @@
 
 namespace kvsift::cuda {
 
-int multiprocessor_count() {
+namespace {
+
+/// Device attributes do not change while a process runs: each is queried once per device.
+template <cudaDeviceAttr Attribute>
+int cached_attribute(const char* where) {
   constexpr int kMaxDevices = 64;
   static std::array<std::atomic<int>, kMaxDevices> cache{};  // 0: not queried yet
   int device = 0;
   KVSIFT_CUDA_CHECK(cudaGetDevice(&device));
-  KVSIFT_CHECK(device >= 0 && device < kMaxDevices, "cuda::multiprocessor_count", "device ordinal {} >= {}", device,
-               kMaxDevices);
-  int count = cache[device].load(std::memory_order_relaxed);
-  if (count == 0) {
-    KVSIFT_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    cache[device].store(count, std::memory_order_relaxed);
+  KVSIFT_CHECK(device >= 0 && device < kMaxDevices, where, "device ordinal {} >= {}", device, kMaxDevices);
+  int value = cache[device].load(std::memory_order_relaxed);
+  if (value == 0) {
+    KVSIFT_CUDA_CHECK(cudaDeviceGetAttribute(&value, Attribute, device));
+    cache[device].store(value, std::memory_order_relaxed);
   }
-  return count;
+  return value;
+}
+
+}  // namespace
+
+int multiprocessor_count() {
+  return cached_attribute<cudaDevAttrMultiProcessorCount>("cuda::multiprocessor_count");
+}
+
+int max_shared_memory_per_block() {
+  return cached_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>("cuda::max_shared_memory_per_block");
 }
 
 bool device_available() {

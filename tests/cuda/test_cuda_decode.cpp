@@ -103,13 +103,18 @@ struct DecodeProblem {
   test::HostState reference(bool sparse) { return host.reference(sparse); }
 };
 
+/// Runs the case with both CTA shapes: eight warps (chosen on sm_90) and four (chosen where a block gets
+/// less shared memory, e.g. sm_80/86/89), against one reference.
 template <class T>
 void check_case(Random& rng, const CaseSpec& spec) {
   SCOPED_TRACE(fmt::format("{} {}", dtype_label<T>(), describe(spec)));
   DecodeProblem<T> problem(rng, spec);
   const bool sparse = spec.k > 0;
-  const auto [o, lse] = problem.run(sparse);
-  expect_close(o, lse, problem.reference(sparse), sparse ? "sparse" : "dense");
+  const auto reference = problem.reference(sparse);
+  for (std::int32_t warps : {4, 8}) {
+    const auto [o, lse] = problem.run(sparse, {.cta_warps = warps});
+    expect_close(o, lse, reference, fmt::format("{}, {} warps per CTA", sparse ? "sparse" : "dense", warps));
+  }
 }
 
 using CudaDecode = test::GpuTest;
@@ -354,6 +359,7 @@ TEST(CudaDecodeBadInput, RefusedBeforeAnyDeviceCall) {
   expect_error([&] { sparse(qv, kv, SelectionView{nullptr, counts, nullptr, 2, 2, 8}); }, "selection.indices is a null pointer");
   expect_error([&] { sparse(qv, kv, SelectionView{indices, counts, nullptr, 2, 2, 0}); }, "selection.capacity (= 0) must be positive");
   expect_error([&] { sparse(qv, kv, sel, {.num_splits = -1}); }, "options.num_splits (= -1) must be >= 0");
+  expect_error([&] { sparse(qv, kv, sel, {.cta_warps = 6}); }, "options.cta_warps (= 6) must be 0 (chosen per GPU), 4 or 8");
   static std::int32_t indptr[3] = {0, 1, 2}, pages[2] = {0, 1}, last[2] = {5, 5};
   const PagedKVView<const half> paged{k, v, indptr, pages, last, 2, 2, 128, 16, 8, 16 * 2 * 128, 2 * 128, 128};
   expect_error([&] { cuda::dense_decode(qv, paged, out, {no_workspace, 0}, nullptr); },

@@ -3,9 +3,10 @@
 ///
 /// Work split: grid (num_splits, kv_heads * head_tiles, batch). A CTA owns one (sequence, kv head, tile of up
 /// to kHeadsPerTile query heads) and a contiguous chunk of that row's tokens (or selection entries); its
-/// kDecodeWarps warps take interleaved steps of kRowsPerStep rows. Both products run on tensor cores (mma.sync m16n8k16,
-/// fp32 accumulation): S = Q K^T with the tile's query heads as the 16 rows of A (heads past the GQA group are
-/// zero), and O += P V with P rounded to the storage type, as FlashAttention-2 does. Each K/V row is read
+/// Warps warps (4 or 8: p.cta_warps) take interleaved steps of kDecodeRowsPerStep rows. Both
+/// products run on tensor cores (mma.sync m16n8k16, fp32 accumulation): S = Q K^T with the tile's query
+/// heads as the 16 rows of A (heads past the GQA group are zero), and O += P V with P rounded to the storage
+/// type, as FlashAttention-2 does. Each K/V row is read
 /// from HBM once per CTA and serves every query head of the tile: that is what makes GQA cost one K/V read
 /// per kv head, and tensor cores keep the instruction count per byte low enough that the loop is bound by
 /// memory, not by issue.
@@ -31,36 +32,27 @@
 
 namespace kvsift::cuda::detail {
 
-/// Eight warps per CTA, where four was the first choice: with one CTA per SM, the SM then has twice the
-/// independent row streams to issue from while others wait on their copies. H100, same run: sparse K = 8192 /
-/// batch 8 100 against 106 us, K = 2048 / batch 1 10.4 against 10.7, dense 128K / batch 8 1390 against 1395;
-/// short calls pay for merging eight warps' states (K = 256 / batch 1 6.9 against 6.7 us, dense 32K / batch 1
-/// 51.5 against 51.0).
-/// Deeper per-warp pipelines, which put as many bytes in flight, were slower (docs/cuda_attention.md).
-inline constexpr int kDecodeWarps = 8;
-inline constexpr int kDecodeThreads = 32 * kDecodeWarps;
-inline constexpr int kDecodeStages = 3;   ///< per-warp cp.async stages: two in flight while one is consumed
-inline constexpr int kRowsPerStep = 16;   ///< K/V rows a warp consumes per step: the k extent of one P·V MMA
-inline constexpr int kDecodeMinCtasPerSm = 1;  ///< head_dim 128 takes 198 KB of shared memory: one CTA per SM
+/// Eight warps per CTA where the shared memory allows, where four was the first choice: with one CTA per SM,
+/// the SM then has twice the independent row streams to issue from while others wait on their copies. H100,
+/// same run: sparse K = 8192 / batch 8 100 against 106 us, K = 2048 / batch 1 10.4 against 10.7, dense 128K /
+/// batch 8 1390 against 1395; short calls pay for merging eight warps' states (K = 256 / batch 1 6.9
+/// against 6.7 us, dense 32K / batch 1 51.5 against 51.0). Deeper per-warp pipelines, which put as many bytes
+/// in flight, were slower (docs/cuda_attention.md). The warp count is a template argument, not a runtime
+/// value: a kernel reading it from its parameters was 0.5-0.6 us slower per call on every shape measured
+/// (H100 A/B, two rounds: sparse K = 256 / batch 1 7.5 against 6.9 us, K = 2048 / batch 1 10.9 against 10.4).
 
 template <int HeadDim>
 struct DecodeShape {
   static_assert(HeadDim % 32 == 0, "ldmatrix.x4 covers 32 channels of a row");
   static constexpr int kPiecesPerRow = HeadDim / 8;          ///< 16-byte pieces of one K or V row
   static constexpr int kRowsPerCopy = 32 / kPiecesPerRow;    ///< whole rows one warp-wide 16-byte copy moves
-  static constexpr int kTileBytes = kRowsPerStep * HeadDim * 2;
-  static constexpr int kStageBytes = 2 * kTileBytes + kRowsPerStep * 4;  ///< K tile, V tile, base-e logit biases
-  static constexpr std::size_t kPipelineBytes = std::size_t(kDecodeWarps) * kDecodeStages * kStageBytes;
-  // After the main loop the same bytes hold the warps' states for the final merge. A head's O row is padded
-  // by 8 floats: the accumulator fragments' float2 stores (8 heads x 4 column pairs per warp) then fall on
-  // 32 distinct banks per half-warp, where unpadded rows put the 8 heads on one bank (an 8-way conflict;
-  // removing it saved 0.3-0.4 us per call on the H100).
-  static constexpr int kMergeRowFloats = HeadDim + 8;
-  static constexpr std::size_t kMergeBytes = std::size_t(kDecodeWarps) * kHeadsPerTile * (kMergeRowFloats + 2) * 4;
-  static constexpr std::size_t kSmemBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
+  static constexpr int kTileBytes = kDecodeRowsPerStep * HeadDim * 2;
+  static constexpr int kStageBytes = int(decode_stage_bytes(HeadDim));  ///< K tile, V tile, logit biases
+  static constexpr int kMergeRowFloats = decode_merge_row_floats(HeadDim);
+  static_assert(kStageBytes == 2 * kTileBytes + kDecodeRowsPerStep * 4);
 };
 
-/// Byte offset of 16-byte piece `piece` of row `row` in a swizzled [kRowsPerStep][HeadDim] tile: the XOR
+/// Byte offset of 16-byte piece `piece` of row `row` in a swizzled [kDecodeRowsPerStep][HeadDim] tile: the XOR
 /// spreads the 8 rows that one ldmatrix matrix reads over all 32 banks.
 template <int HeadDim>
 __device__ __forceinline__ unsigned swizzled(int row, int piece) {
@@ -134,11 +126,12 @@ __device__ __forceinline__ void record_bad_index(unsigned long long* slot, std::
   atomicMin(slot, (static_cast<unsigned long long>(row) << 32) | static_cast<std::uint32_t>(position));
 }
 
-template <int HeadDim, class T>
-__global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
+/// Four-warp CTAs (99 KB at head_dim 128) may share an SM two at a time; eight-warp CTAs take one.
+template <int HeadDim, class T, int Warps>
+__global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
     decode_attention_kernel(const __grid_constant__ DecodeParams<T> p) {
   using Shape = DecodeShape<HeadDim>;
-  constexpr int kStages = kDecodeStages, kRowsPerCtaStep = kDecodeWarps * kRowsPerStep;
+  constexpr int kStages = kDecodeStages, kRowsPerStep = kDecodeRowsPerStep, kRowsPerCtaStep = Warps * kRowsPerStep;
   constexpr int kKSteps = HeadDim / 16, kNTiles = HeadDim / 8;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -329,9 +322,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
 
   // Merge the warps' states through shared memory (reusing the pipeline's bytes).
   __syncthreads();
-  float* s_m = reinterpret_cast<float*>(smem);          // [warp][head]
-  float* s_l = s_m + kDecodeWarps * kHeadsPerTile;      // [warp][head]
-  float* s_o = s_l + kDecodeWarps * kHeadsPerTile;      // [warp][head][kMergeRowFloats]
+  float* s_m = reinterpret_cast<float*>(smem);   // [warp][head]
+  float* s_l = s_m + Warps * kHeadsPerTile;      // [warp][head]
+  float* s_o = s_l + Warps * kHeadsPerTile;      // [warp][head][kMergeRowFloats]
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int head = frag_row + 8 * h;
@@ -348,16 +341,16 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm)
   }
   __syncthreads();
 
-  for (int e = threadIdx.x; e < kHeadsPerTile * HeadDim; e += kDecodeThreads) {
+  for (int e = threadIdx.x; e < kHeadsPerTile * HeadDim; e += 32 * Warps) {
     const int head = e / HeadDim, c = e % HeadDim;
     if (first_head + head >= p.group) break;  // heads are visited in order
     float m_max = negative_infinity<float>();
 #pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) m_max = fmaxf(m_max, s_m[w * kHeadsPerTile + head]);
+    for (int w = 0; w < Warps; ++w) m_max = fmaxf(m_max, s_m[w * kHeadsPerTile + head]);
     float denom = 0.0f, value = 0.0f;
     if (m_max != negative_infinity<float>()) {
 #pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) {
+      for (int w = 0; w < Warps; ++w) {
         const float weight = exp2f(s_m[w * kHeadsPerTile + head] - m_max);
         denom = fmaf(s_l[w * kHeadsPerTile + head], weight, denom);
         value = fmaf(s_o[(w * kHeadsPerTile + head) * Shape::kMergeRowFloats + c], weight, value);
@@ -400,17 +393,20 @@ cudaError_t allow_dynamic_smem(std::size_t bytes) {
   return status;
 }
 
-/// The one place where the runtime head_dim becomes a template argument: calls fn(kernel,
-/// dynamic_smem_bytes) for the matching decode kernel, once its shared-memory limit is raised. Returns
-/// cudaErrorInvalidValue for an unsupported head_dim (the host entry points validate it before).
+/// The one place where the runtime head_dim and warp count become template arguments: calls fn(kernel,
+/// dynamic_smem_bytes, threads) for the matching decode kernel, once its shared-memory limit is raised.
+/// Returns cudaErrorInvalidValue for an unsupported head_dim or warp count (the host entry points validate
+/// both, the warp count against the device's shared memory, before).
 template <class T, class Fn>
-cudaError_t with_decode_kernel(int head_dim, Fn&& fn) {
+cudaError_t with_decode_kernel(const DecodeParams<T>& p, Fn&& fn) {
   cudaError_t status = cudaErrorInvalidValue;
-  dispatch_int<64, 128>(head_dim, [&]<int HeadDim>() {
-    constexpr auto kernel = decode_attention_kernel<HeadDim, T>;
-    constexpr std::size_t smem = DecodeShape<HeadDim>::kSmemBytes;
-    status = allow_dynamic_smem<kernel>(smem);
-    if (status == cudaSuccess) status = fn(kernel, smem);
+  dispatch_int<64, 128>(p.q.head_dim, [&]<int HeadDim>() {
+    dispatch_int<kDecodeMinWarps, kDecodeMaxWarps>(p.cta_warps, [&]<int Warps>() {
+      constexpr auto kernel = decode_attention_kernel<HeadDim, T, Warps>;
+      constexpr std::size_t smem = decode_shared_bytes(HeadDim, Warps);
+      status = allow_dynamic_smem<kernel>(smem);
+      if (status == cudaSuccess) status = fn(kernel, smem, 32 * Warps);
+    });
   });
   return status;
 }
@@ -438,8 +434,8 @@ template <class T>
 cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream, bool programmatic) {
   const int kv_heads = p.paged ? p.paged_kv.kv_heads : p.kv.kv_heads;
   const dim3 grid(p.num_splits, kv_heads * p.head_tiles, p.q.batch);
-  const cudaError_t status = with_decode_kernel<T>(p.q.head_dim, [&](auto kernel, std::size_t smem) {
-    return launch_kernel(kernel, grid, kDecodeThreads, smem, stream, programmatic, p);
+  const cudaError_t status = with_decode_kernel(p, [&](auto kernel, std::size_t smem, int threads) {
+    return launch_kernel(kernel, grid, threads, smem, stream, programmatic, p);
   });
   if (status != cudaSuccess || p.num_splits == 1) return status;
   // The merge is always a programmatic dependent of the decode grid: its launch overlaps the grid's tail.

@@ -34,6 +34,10 @@ struct DecodeOptions {
   AttentionOptions attention{};
   /// CTAs along the tokens of each (sequence, kv head); 0 chooses from the shape and the GPU's SM count.
   std::int32_t num_splits = 0;
+  /// Warps per CTA, 4 or 8. 0 chooses 8 where the GPU gives a block the shared memory for it (198 KB at
+  /// head_dim 128: sm_90; 100 KB at head_dim 64), else 4. Eight streamed 3-10% faster on the H100
+  /// (docs/cuda_attention.md); four fit the 99-163 KB of sm_80/86/89.
+  std::int32_t cta_warps = 0;
   /// Upper bound on any sequence's length (host value). Required for dense decode on a paged cache; a
   /// contiguous cache uses its capacity.
   std::int32_t max_seq_len = 0;

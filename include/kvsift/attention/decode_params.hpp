@@ -3,6 +3,7 @@
 /// selection: every token of the sequence) and sparse decode (the tokens a selection lists). Passed by value
 /// as a __grid_constant__ kernel parameter. Pointers are device memory.
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kvsift/core/views.hpp"
@@ -14,6 +15,32 @@ namespace kvsift::cuda {
 inline constexpr int kHeadsPerTile = 16;
 /// Largest head_dim the merge kernels take (merge_states and the split merge).
 inline constexpr int kMergeMaxHeadDim = 512;
+
+/// The decode kernel's CTA shape. Each warp streams its own steps of kDecodeRowsPerStep K/V rows through a
+/// kDecodeStages-deep cp.async pipeline in shared memory; a CTA has 4 or 8 warps (kDecodeMaxWarps where
+/// the GPU gives a block that much shared memory: 198 KB at head_dim 128, i.e. sm_90; see
+/// DecodeOptions::cta_warps).
+inline constexpr int kDecodeStages = 3;       ///< per-warp stages: two in flight while one is consumed
+inline constexpr int kDecodeRowsPerStep = 16;  ///< K/V rows a warp consumes per step: the k extent of one P·V MMA
+inline constexpr int kDecodeMinWarps = 4;
+inline constexpr int kDecodeMaxWarps = 8;
+
+/// Bytes of one warp's pipeline stage: its K tile, its V tile (kDecodeRowsPerStep rows each, 2-byte
+/// elements) and the rows' base-e logit biases.
+constexpr std::size_t decode_stage_bytes(int head_dim) {
+  return 2 * std::size_t(kDecodeRowsPerStep) * head_dim * 2 + kDecodeRowsPerStep * 4;
+}
+/// A head's O row in the warps' final merge, padded by 8 floats: the accumulator fragments' float2 stores
+/// (8 heads x 4 column pairs per warp) then fall on 32 distinct banks per half-warp, where unpadded rows put
+/// the 8 heads on one bank (an 8-way conflict; removing it saved 0.3-0.4 us per call on the H100).
+constexpr int decode_merge_row_floats(int head_dim) { return head_dim + 8; }
+/// Dynamic shared memory of a decode CTA with `warps` warps: the warps' pipelines, whose bytes later hold
+/// the warps' states for the final merge.
+constexpr std::size_t decode_shared_bytes(int head_dim, int warps) {
+  const std::size_t pipelines = std::size_t(warps) * kDecodeStages * decode_stage_bytes(head_dim);
+  const std::size_t merge = std::size_t(warps) * kHeadsPerTile * (decode_merge_row_floats(head_dim) + 2) * 4;
+  return pipelines > merge ? pipelines : merge;
+}
 
 template <class T>
 struct DecodeParams {
@@ -33,6 +60,7 @@ struct DecodeParams {
   std::int32_t group = 1;            ///< q_heads / kv_heads
   std::int32_t head_tiles = 1;       ///< CTAs along the GQA group (group split into tiles of kHeadsPerTile heads)
   std::int32_t num_splits = 1;       ///< CTAs along the tokens of one (sequence, kv head)
+  std::int32_t cta_warps = kDecodeMaxWarps;  ///< warps per CTA: kDecodeMinWarps or kDecodeMaxWarps
   float scale_log2 = 0.0f;           ///< sm_scale * log2(e): logits are kept in base 2 inside the kernel
 
   KVSIFT_HOST_DEVICE std::int32_t seq_len(std::int64_t b) const { return paged ? paged_kv.seq_len(b) : kv.seq_len(b); }

@@ -20,6 +20,8 @@ namespace kvsift::cuda {
 
 /// Number of multiprocessors of the current device, queried once per device and cached (no host sync).
 int multiprocessor_count();
+/// Most dynamic shared memory one block may opt in to on the current device, in bytes (cached likewise).
+int max_shared_memory_per_block();
 
 /// True when at least one CUDA device is usable (false on machines without a GPU or driver).
 bool device_available();
