@@ -11,6 +11,7 @@
 #include "kvsift/attention/decode_cuda.hpp"
 #include "kvsift/attention/state.hpp"
 #include "kvsift/attention/decode_launch.hpp"
+#include "kvsift/attention/decode_plan.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -69,6 +70,19 @@ std::int32_t max_tokens_of(const PagedKVView<const T>&, const DecodeOptions& opt
   return options.max_seq_len;
 }
 
+DeviceLimits current_device_limits() {
+  return {multiprocessor_count(), std::size_t(max_shared_memory_per_block())};
+}
+
+void check_decode_options(const char* where, const DecodeOptions& options) {
+  KVSIFT_CHECK(options.num_splits >= 0, where, "options.num_splits (= {}) must be >= 0", options.num_splits);
+  KVSIFT_CHECK(options.cta_warps == 0 || options.cta_warps == kDecodeMinWarps || options.cta_warps == kDecodeMaxWarps,
+               where, "options.cta_warps (= {}) must be 0 (chosen per GPU), {} or {}", options.cta_warps,
+               kDecodeMinWarps, kDecodeMaxWarps);
+}
+
+/// Warps per CTA: the caller's 4 or 8, or 8 where the GPU gives a block the shared memory for it, else 4.
+///
 /// Splits so that the grid has about one CTA per multiprocessor, with at least kMinTokensPerSplit tokens per
 /// CTA. Measured on the H100 (docs/bench/decode_h100.md, split sweeps): one CTA per SM streams as fast as
 /// two, and every extra split is one more partial for the merge to read, which small batches pay for
@@ -78,24 +92,28 @@ std::int32_t max_tokens_of(const PagedKVView<const T>&, const DecodeOptions& opt
 /// against 31.5 in two, K = 4096 52.5 against 53.9, K = 8192 98.6 against 97.7; dense 128K / batch 8 1532
 /// against 1344. Four-warp CTAs keep the second split: unsplit, they read too slowly (sparse K = 2048 /
 /// batch 8: 36.6 against 33.5 us).
-inline std::int32_t choose_splits(std::int64_t rows, std::int32_t max_tokens, std::int32_t cta_warps,
-                                  const DecodeOptions& options) {
-  if (options.num_splits > 0) return options.num_splits;
-  std::int64_t splits = std::max<std::int64_t>(multiprocessor_count() / rows, 1);
-  splits = std::min<std::int64_t>(splits, (std::int64_t(max_tokens) + kMinTokensPerSplit - 1) / kMinTokensPerSplit);
-  if (splits == 2 && cta_warps == kDecodeMaxWarps && max_tokens < kMinTokensToSplitInTwo) splits = 1;
-  return static_cast<std::int32_t>(std::max<std::int64_t>(splits, 1));
-}
+DecodePlan plan_decode(const char* where, std::int64_t rows, std::int32_t max_tokens, int head_dim,
+                       const DecodeOptions& options, const DeviceLimits& limits) {
+  check_decode_options(where, options);
+  DecodePlan plan;
+  plan.cta_warps = options.cta_warps;
+  if (plan.cta_warps == 0) {
+    plan.cta_warps = decode_shared_bytes(head_dim, kDecodeMaxWarps) <= limits.shared_memory_per_block ? kDecodeMaxWarps
+                                                                                                   : kDecodeMinWarps;
+  }
+  KVSIFT_CHECK(decode_shared_bytes(head_dim, plan.cta_warps) <= limits.shared_memory_per_block, where,
+               "{} warps per CTA need {} bytes of shared memory per block at head_dim {}; this GPU allows {}",
+               plan.cta_warps, decode_shared_bytes(head_dim, plan.cta_warps), head_dim, limits.shared_memory_per_block);
 
-/// Warps per CTA: the caller's 4 or 8, or 8 where the GPU gives a block the shared memory for it, else 4.
-inline std::int32_t choose_cta_warps(const char* where, int head_dim, const DecodeOptions& options) {
-  const std::size_t allowed = std::size_t(max_shared_memory_per_block());
-  std::int32_t warps = options.cta_warps;
-  if (warps == 0) warps = decode_shared_bytes(head_dim, kDecodeMaxWarps) <= allowed ? kDecodeMaxWarps : kDecodeMinWarps;
-  KVSIFT_CHECK(decode_shared_bytes(head_dim, warps) <= allowed, where,
-               "{} warps per CTA need {} bytes of shared memory per block at head_dim {}; this GPU allows {}", warps,
-               decode_shared_bytes(head_dim, warps), head_dim, allowed);
-  return warps;
+  if (options.num_splits > 0) {
+    plan.num_splits = options.num_splits;
+    return plan;
+  }
+  std::int64_t splits = std::max<std::int64_t>(limits.multiprocessors / rows, 1);
+  splits = std::min<std::int64_t>(splits, (std::int64_t(max_tokens) + kMinTokensPerSplit - 1) / kMinTokensPerSplit);
+  if (splits == 2 && plan.cta_warps == kDecodeMaxWarps && max_tokens < kMinTokensToSplitInTwo) splits = 1;
+  plan.num_splits = static_cast<std::int32_t>(std::max<std::int64_t>(splits, 1));
+  return plan;
 }
 
 /// Validates everything the kernels rely on and fills the parameters (workspace pointers excepted).
@@ -108,10 +126,7 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   KVSIFT_CHECK(q.head_dim == 64 || q.head_dim == 128, where,
                "head_dim (= {}) is not supported by the CUDA decode kernels (supported: 64, 128)", q.head_dim);
   KVSIFT_CHECK(q.batch <= 65535, where, "q.batch (= {}) exceeds the CUDA grid limit 65535", q.batch);
-  KVSIFT_CHECK(options.num_splits >= 0, where, "options.num_splits (= {}) must be >= 0", options.num_splits);
-  KVSIFT_CHECK(options.cta_warps == 0 || options.cta_warps == kDecodeMinWarps || options.cta_warps == kDecodeMaxWarps,
-               where, "options.cta_warps (= {}) must be 0 (chosen per GPU), {} or {}", options.cta_warps,
-               kDecodeMinWarps, kDecodeMaxWarps);
+  check_decode_options(where, options);  // before any device query, so that bad options fail on any machine
   check_aligned(where, "q.data", q.data, q.batch_stride, q.head_stride);
   check_kv_aligned(where, kv);
   if (out != nullptr) {
@@ -144,8 +159,10 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   p.head_tiles = (p.group + kHeadsPerTile - 1) / kHeadsPerTile;
   KVSIFT_CHECK(std::int64_t(kv.kv_heads) * p.head_tiles <= 65535, where,
                "kv.kv_heads (= {}) * GQA tiles (= {}) exceeds the CUDA grid limit 65535", kv.kv_heads, p.head_tiles);
-  p.cta_warps = choose_cta_warps(where, q.head_dim, options);
-  p.num_splits = choose_splits(std::int64_t(q.batch) * kv.kv_heads * p.head_tiles, max_tokens, p.cta_warps, options);
+  const DecodePlan plan = plan_decode(where, std::int64_t(q.batch) * kv.kv_heads * p.head_tiles, max_tokens,
+                                      q.head_dim, options, current_device_limits());
+  p.num_splits = plan.num_splits;
+  p.cta_warps = plan.cta_warps;
   p.scale_log2 = options.attention.resolved_scale(q.head_dim) * kLog2e;
   return p;
 }

@@ -10,6 +10,7 @@
 
 #include "cuda/gpu_test.hpp"
 #include "kvsift/attention/decode_cuda.hpp"
+#include "kvsift/attention/decode_plan.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/cuda/check.hpp"
 #include "attention_check.hpp"
@@ -328,6 +329,42 @@ TEST_F(CudaDecode, WorkspaceQueryIsExactAndGraphCaptureReplays) {
   KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
   KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// Launch planning takes the GPU's limits as an argument, so its rules run here against several GPUs' limits,
+// with or without a GPU: sm_90 (132 SMs, 227 KB per block), sm_80 (108 SMs, 163 KB), sm_86 (84 SMs, 99 KB).
+TEST(CudaDecodePlan, SplitsAndWarpsFollowTheShapeAndTheGpusLimits) {
+  const cuda::detail::DeviceLimits h100{132, 232448}, a100{108, 166912}, rtx{84, 101376};
+  const auto plan = [](const cuda::detail::DeviceLimits& gpu, std::int64_t rows, std::int32_t tokens,
+                       int head_dim, cuda::DecodeOptions options = {}) {
+    const auto p = cuda::detail::plan_decode("test", rows, tokens, head_dim, options, gpu);
+    return std::pair{p.num_splits, p.cta_warps};
+  };
+  // Eight warps where a block gets their 198 KB (100 KB at head_dim 64), else four.
+  EXPECT_EQ(plan(h100, 8, 2048, 128).second, 8);
+  EXPECT_EQ(plan(a100, 8, 2048, 128).second, 4);
+  EXPECT_EQ(plan(a100, 8, 2048, 64).second, 8);
+  EXPECT_EQ(plan(rtx, 8, 2048, 64).second, 8);
+  EXPECT_EQ(plan(rtx, 8, 2048, 128).second, 4);
+  // About one CTA per SM, at least 64 tokens per split.
+  EXPECT_EQ(plan(h100, 8, 131072, 128).first, 16);
+  EXPECT_EQ(plan(h100, 8, 256, 128).first, 4);
+  EXPECT_EQ(plan(h100, 8, 1, 128).first, 1);
+  EXPECT_EQ(plan(h100, 200, 131072, 128).first, 1);
+  // Where rows fill a third of the SMs, eight-warp CTAs split rows in two only from 8192 tokens; four-warp
+  // CTAs always do.
+  EXPECT_EQ(plan(h100, 64, 2048, 128).first, 1);
+  EXPECT_EQ(plan(h100, 64, 8191, 128).first, 1);
+  EXPECT_EQ(plan(h100, 64, 8192, 128).first, 2);
+  EXPECT_EQ(plan(h100, 64, 2048, 128, {.cta_warps = 4}), std::pair(2, 4));
+  EXPECT_EQ(plan(h100, 40, 2048, 128).first, 3);
+  // The caller's choices win where the GPU can run them.
+  EXPECT_EQ(plan(h100, 64, 2048, 128, {.num_splits = 7, .cta_warps = 4}), std::pair(7, 4));
+  expect_error([&] { plan(a100, 8, 2048, 128, {.cta_warps = 8}); },
+               "8 warps per CTA need 198144 bytes of shared memory per block at head_dim 128; this GPU allows 166912");
+  expect_error([&] { plan({132, 65536}, 8, 2048, 128); },
+               "4 warps per CTA need 99072 bytes of shared memory per block at head_dim 128; this GPU allows 65536");
+  expect_error([&] { plan(h100, 8, 2048, 128, {.cta_warps = 5}); }, "options.cta_warps (= 5) must be 0 (chosen per GPU), 4 or 8");
 }
 
 // Bad input is refused on the host before any device call, so these tests run without a GPU as well.
