@@ -334,32 +334,39 @@ TEST_F(CudaDecode, WorkspaceQueryIsExactAndGraphCaptureReplays) {
 // Launch planning takes the GPU's limits as an argument, so its rules run here against several GPUs' limits,
 // with or without a GPU: sm_90 (132 SMs, 227 KB per block), sm_80 (108 SMs, 163 KB), sm_86 (84 SMs, 99 KB).
 TEST(CudaDecodePlan, SplitsAndWarpsFollowTheShapeAndTheGpusLimits) {
-  const cuda::detail::DeviceLimits h100{132, 232448}, a100{108, 166912}, rtx{84, 101376};
-  const auto plan = [](const cuda::detail::DeviceLimits& gpu, std::int64_t rows, std::int32_t tokens,
-                       int head_dim, cuda::DecodeOptions options = {}) {
+  using cuda::detail::DeviceLimits;
+  const DeviceLimits h100{132, 232448}, a100{108, 166912}, rtx{84, 101376};
+  const auto plan = [](const DeviceLimits& gpu, std::int64_t rows, std::int32_t tokens, int head_dim,
+                       cuda::DecodeOptions options = {}) {
     const auto p = cuda::detail::plan_decode("test", rows, tokens, head_dim, options, gpu);
     return std::pair{p.num_splits, p.cta_warps};
   };
-  // Eight warps where a block gets their 198 KB (100 KB at head_dim 64), else four.
-  EXPECT_EQ(plan(h100, 8, 2048, 128).second, 8);
-  EXPECT_EQ(plan(a100, 8, 2048, 128).second, 4);
-  EXPECT_EQ(plan(a100, 8, 2048, 64).second, 8);
-  EXPECT_EQ(plan(rtx, 8, 2048, 64).second, 8);
-  EXPECT_EQ(plan(rtx, 8, 2048, 128).second, 4);
-  // About one CTA per SM, at least 64 tokens per split.
-  EXPECT_EQ(plan(h100, 8, 131072, 128).first, 16);
-  EXPECT_EQ(plan(h100, 8, 256, 128).first, 4);
-  EXPECT_EQ(plan(h100, 8, 1, 128).first, 1);
-  EXPECT_EQ(plan(h100, 200, 131072, 128).first, 1);
-  // Where rows fill a third of the SMs, eight-warp CTAs split rows in two only from 8192 tokens; four-warp
-  // CTAs always do.
-  EXPECT_EQ(plan(h100, 64, 2048, 128).first, 1);
-  EXPECT_EQ(plan(h100, 64, 8191, 128).first, 1);
-  EXPECT_EQ(plan(h100, 64, 8192, 128).first, 2);
-  EXPECT_EQ(plan(h100, 64, 2048, 128, {.cta_warps = 4}), std::pair(2, 4));
-  EXPECT_EQ(plan(h100, 40, 2048, 128).first, 3);
-  // The caller's choices win where the GPU can run them.
-  EXPECT_EQ(plan(h100, 64, 2048, 128, {.num_splits = 7, .cta_warps = 4}), std::pair(7, 4));
+  struct Case {
+    const char* why;
+    DeviceLimits gpu;
+    std::int64_t rows;
+    std::int32_t tokens, head_dim;
+    cuda::DecodeOptions options;
+    std::pair<std::int32_t, std::int32_t> splits_and_warps;
+  };
+  const Case cases[] = {
+      {"eight warps where a block gets their 198 KB", h100, 8, 2048, 128, {}, {16, 8}},
+      {"four warps on sm_80 at head_dim 128", a100, 8, 2048, 128, {}, {13, 4}},
+      {"eight warps on sm_80 at head_dim 64 (100 KB)", a100, 8, 2048, 64, {}, {13, 8}},
+      {"eight warps on sm_86 at head_dim 64", rtx, 8, 2048, 64, {}, {10, 8}},
+      {"four warps on sm_86 at head_dim 128", rtx, 8, 2048, 128, {}, {10, 4}},
+      {"one CTA per SM", h100, 8, 131072, 128, {}, {16, 8}},
+      {"at least 64 tokens per split", h100, 8, 256, 128, {}, {4, 8}},
+      {"a single token", h100, 8, 1, 128, {}, {1, 8}},
+      {"more rows than SMs", h100, 200, 131072, 128, {}, {1, 8}},
+      {"rows filling a third of the SMs: short rows stay whole", h100, 64, 2048, 128, {}, {1, 8}},
+      {"... up to 8191 tokens", h100, 64, 8191, 128, {}, {1, 8}},
+      {"... long rows split in two", h100, 64, 8192, 128, {}, {2, 8}},
+      {"four-warp CTAs split short rows too", h100, 64, 2048, 128, {.cta_warps = 4}, {2, 4}},
+      {"three splits are kept", h100, 40, 2048, 128, {}, {3, 8}},
+      {"the caller's choices win", h100, 64, 2048, 128, {.num_splits = 7, .cta_warps = 4}, {7, 4}},
+  };
+  for (const Case& c : cases) EXPECT_EQ(plan(c.gpu, c.rows, c.tokens, c.head_dim, c.options), c.splits_and_warps) << c.why;
   expect_error([&] { plan(a100, 8, 2048, 128, {.cta_warps = 8}); },
                "8 warps per CTA need 198144 bytes of shared memory per block at head_dim 128; this GPU allows 166912");
   expect_error([&] { plan({132, 65536}, 8, 2048, 128); },
