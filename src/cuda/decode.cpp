@@ -101,9 +101,10 @@ DecodePlan plan_decode(const char* where, std::int64_t rows, std::int32_t max_to
     plan.cta_warps = decode_shared_bytes(head_dim, kDecodeMaxWarps) <= limits.shared_memory_per_block ? kDecodeMaxWarps
                                                                                                    : kDecodeMinWarps;
   }
-  KVSIFT_CHECK(decode_shared_bytes(head_dim, plan.cta_warps) <= limits.shared_memory_per_block, where,
+  const std::size_t shared_bytes = decode_shared_bytes(head_dim, plan.cta_warps);
+  KVSIFT_CHECK(shared_bytes <= limits.shared_memory_per_block, where,
                "{} warps per CTA need {} bytes of shared memory per block at head_dim {}; this GPU allows {}",
-               plan.cta_warps, decode_shared_bytes(head_dim, plan.cta_warps), head_dim, limits.shared_memory_per_block);
+               plan.cta_warps, shared_bytes, head_dim, limits.shared_memory_per_block);
 
   if (options.num_splits > 0) {
     plan.num_splits = options.num_splits;

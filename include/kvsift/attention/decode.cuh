@@ -3,13 +3,12 @@
 ///
 /// Work split: grid (num_splits, kv_heads * head_tiles, batch). A CTA owns one (sequence, kv head, tile of up
 /// to kHeadsPerTile query heads) and a contiguous chunk of that row's tokens (or selection entries); its
-/// Warps warps (4 or 8: p.cta_warps) take interleaved steps of kDecodeRowsPerStep rows. Both
-/// products run on tensor cores (mma.sync m16n8k16, fp32 accumulation): S = Q K^T with the tile's query
-/// heads as the 16 rows of A (heads past the GQA group are zero), and O += P V with P rounded to the storage
-/// type, as FlashAttention-2 does. Each K/V row is read
-/// from HBM once per CTA and serves every query head of the tile: that is what makes GQA cost one K/V read
-/// per kv head, and tensor cores keep the instruction count per byte low enough that the loop is bound by
-/// memory, not by issue.
+/// Warps warps (4 or 8: p.cta_warps) take interleaved steps of kDecodeRowsPerStep rows. Both products run on
+/// tensor cores (mma.sync m16n8k16, fp32 accumulation): S = Q K^T with the tile's query heads as the 16 rows
+/// of A (heads past the GQA group are zero), and O += P V with P rounded to the storage type, as
+/// FlashAttention-2 does. Each K/V row is read from HBM once per CTA and serves every query head of the
+/// tile: that is what makes GQA cost one K/V read per kv head, and tensor cores keep the instruction count
+/// per byte low enough that the loop is bound by memory, not by issue.
 ///
 /// Each warp streams its rows through its own kDecodeStages-deep cp.async pipeline in shared memory (no
 /// block-wide barrier in the loop; a warp barrier makes the lanes' copies visible to ldmatrix). Rows are
@@ -31,15 +30,6 @@
 #include "kvsift/cuda/dtype.cuh"
 
 namespace kvsift::cuda::detail {
-
-/// Eight warps per CTA where the shared memory allows, where four was the first choice: with one CTA per SM,
-/// the SM then has twice the independent row streams to issue from while others wait on their copies. H100,
-/// same run: sparse K = 8192 / batch 8 100 against 106 us, K = 2048 / batch 1 10.4 against 10.7, dense 128K /
-/// batch 8 1390 against 1395; short calls pay for merging eight warps' states (K = 256 / batch 1 6.9
-/// against 6.7 us, dense 32K / batch 1 51.5 against 51.0). Deeper per-warp pipelines, which put as many bytes
-/// in flight, were slower (docs/cuda_attention.md). The warp count is a template argument, not a runtime
-/// value: a kernel reading it from its parameters was 0.5-0.6 us slower per call on every shape measured
-/// (H100 A/B, two rounds: sparse K = 256 / batch 1 7.5 against 6.9 us, K = 2048 / batch 1 10.9 against 10.4).
 
 template <int HeadDim>
 struct DecodeShape {
@@ -126,6 +116,14 @@ __device__ __forceinline__ void record_bad_index(unsigned long long* slot, std::
   atomicMin(slot, (static_cast<unsigned long long>(row) << 32) | static_cast<std::uint32_t>(position));
 }
 
+/// Eight warps per CTA where the shared memory allows, where four was the first choice: with one CTA per SM,
+/// the SM then has twice the independent row streams to issue from while others wait on their copies. H100,
+/// same run: sparse K = 8192 / batch 8 100 against 106 us, K = 2048 / batch 1 10.4 against 10.7, dense 128K /
+/// batch 8 1390 against 1395; short calls pay for merging eight warps' states (K = 256 / batch 1 6.9
+/// against 6.7 us, dense 32K / batch 1 51.5 against 51.0). Deeper per-warp pipelines, which put as many bytes
+/// in flight, were slower (docs/cuda_attention.md). The warp count is a template argument, not a runtime
+/// value: a kernel reading it from its parameters was 0.5-0.6 us slower per call on every shape measured
+/// (H100 A/B, two rounds: sparse K = 256 / batch 1 7.5 against 6.9 us, K = 2048 / batch 1 10.9 against 10.4).
 /// Four-warp CTAs (99 KB at head_dim 128) may share an SM two at a time; eight-warp CTAs take one.
 template <int HeadDim, class T, int Warps>
 __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
