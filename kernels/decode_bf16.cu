@@ -1,5 +1,6 @@
-// Instantiates the CUDA decode-attention and merge launchers for bfloat16 storage: head_dim {64, 128} x {4, 8}
-// warps per CTA (see with_decode_kernel in decode.cuh). Host entry points live in src/cuda/decode.cpp.
+// Instantiates the CUDA decode-attention and merge launchers for bfloat16 storage: head_dim {64, 128, 256} x
+// {4, 8} warps per CTA, eight not at 256 (see with_decode_kernel in decode.cuh). Host entry points live in
+// src/cuda/decode.cpp.
 #include "kvsift/attention/decode.cuh"
 
 namespace kvsift::cuda::detail {

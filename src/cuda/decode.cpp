@@ -124,8 +124,8 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   validate(q, where, "q");
   validate(kv, where, "kv", MemorySpace::device);
   check_query_matches_kv(where, q, kv);
-  KVSIFT_CHECK(q.head_dim == 64 || q.head_dim == 128, where,
-               "head_dim (= {}) is not supported by the CUDA decode kernels (supported: 64, 128)", q.head_dim);
+  KVSIFT_CHECK(q.head_dim == 64 || q.head_dim == 128 || q.head_dim == 256, where,
+               "head_dim (= {}) is not supported by the CUDA decode kernels (supported: 64, 128, 256)", q.head_dim);
   KVSIFT_CHECK(q.batch <= 65535, where, "q.batch (= {}) exceeds the CUDA grid limit 65535", q.batch);
   check_decode_options(where, options);  // before any device query, so that bad options fail on any machine
   check_aligned(where, "q.data", q.data, q.batch_stride, q.head_stride);

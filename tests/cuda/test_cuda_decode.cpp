@@ -10,6 +10,7 @@
 
 #include "cuda/gpu_test.hpp"
 #include "kvsift/attention/decode_cuda.hpp"
+#include "kvsift/attention/decode_params.hpp"
 #include "kvsift/attention/decode_plan.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -104,8 +105,9 @@ struct DecodeProblem {
   test::HostState reference(bool sparse) { return host.reference(sparse); }
 };
 
-/// Runs the case with both CTA shapes: eight warps (chosen on sm_90) and four (chosen where a block gets
-/// less shared memory, e.g. sm_80/86/89), against one reference.
+/// Runs the case with both CTA shapes where this GPU holds them: eight warps (chosen on sm_90) and four
+/// (chosen where a block gets less shared memory, e.g. sm_80/86/89, and at head_dim 256), against one
+/// reference.
 template <class T>
 void check_case(Random& rng, const CaseSpec& spec) {
   SCOPED_TRACE(fmt::format("{} {}", dtype_label<T>(), describe(spec)));
@@ -113,6 +115,7 @@ void check_case(Random& rng, const CaseSpec& spec) {
   const bool sparse = spec.k > 0;
   const auto reference = problem.reference(sparse);
   for (std::int32_t warps : {4, 8}) {
+    if (cuda::decode_shared_bytes(spec.head_dim, warps) > std::size_t(cuda::max_shared_memory_per_block())) continue;
     const auto [o, lse] = problem.run(sparse, {.cta_warps = warps});
     expect_close(o, lse, reference, fmt::format("{}, {} warps per CTA", sparse ? "sparse" : "dense", warps));
   }
@@ -123,7 +126,7 @@ using CudaDecode = test::GpuTest;
 TEST_F(CudaDecode, SparseMatchesReferenceAcrossTheShapeMatrix) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   for (std::int32_t group : {1, 4, 8}) {
-    for (std::int32_t head_dim : {64, 128}) {
+    for (std::int32_t head_dim : {64, 128, 256}) {
       for (std::int32_t k_kind : {1, 17, 2048, -1}) {
         for (std::int32_t page_size : {0, 16, 64}) {
           const std::int32_t kv_heads = rng.uniform_int(1, 3);
@@ -141,7 +144,7 @@ TEST_F(CudaDecode, SparseMatchesReferenceAcrossTheShapeMatrix) {
 TEST_F(CudaDecode, DenseMatchesReferenceAcrossTheShapeMatrix) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   for (std::int32_t group : {1, 4, 8}) {
-    for (std::int32_t head_dim : {64, 128}) {
+    for (std::int32_t head_dim : {64, 128, 256}) {
       for (std::int32_t page_size : {0, 16, 64}) {
         const std::int32_t kv_heads = rng.uniform_int(1, 3);
         CaseSpec spec{rng.uniform_int(1, 8), group * kv_heads, kv_heads, head_dim, rng.uniform_int(1, 3000), 0,
@@ -365,10 +368,13 @@ TEST(CudaDecodePlan, SplitsAndWarpsFollowTheShapeAndTheGpusLimits) {
       {"four-warp CTAs split short rows too", h100, 64, 2048, 128, {.cta_warps = 4}, {2, 4}},
       {"three splits are kept", h100, 40, 2048, 128, {}, {3, 8}},
       {"the caller's choices win", h100, 64, 2048, 128, {.num_splits = 7, .cta_warps = 4}, {7, 4}},
+      {"four warps at head_dim 256 (eight would need 395 KB)", h100, 8, 2048, 256, {}, {16, 4}},
   };
   for (const Case& c : cases) EXPECT_EQ(plan(c.gpu, c.rows, c.tokens, c.head_dim, c.options), c.splits_and_warps) << c.why;
   expect_error([&] { plan(a100, 8, 2048, 128, {.cta_warps = 8}); },
                "8 warps per CTA need 198144 bytes of shared memory per block at head_dim 128; this GPU allows 166912");
+  expect_error([&] { plan(a100, 8, 2048, 256); },
+               "4 warps per CTA need 197376 bytes of shared memory per block at head_dim 256; this GPU allows 166912");
   expect_error([&] { plan({132, 65536}, 8, 2048, 128); },
                "4 warps per CTA need 99072 bytes of shared memory per block at head_dim 128; this GPU allows 65536");
   expect_error([&] { plan(h100, 8, 2048, 128, {.cta_warps = 5}); }, "options.cta_warps (= 5) must be 0 (chosen per GPU), 4 or 8");
@@ -388,7 +394,7 @@ TEST(CudaDecodeBadInput, RefusedBeforeAnyDeviceCall) {
     cuda::sparse_decode(q_, kv_, s, out, {no_workspace, 0}, nullptr, opt);
   };
   expect_error([&] { sparse(QueryView<const half>::packed(q, 2, 8, 96), ContiguousKVView<const half>::packed(k, v, 2, 2, 64, 96), sel); },
-               "head_dim (= 96) is not supported by the CUDA decode kernels (supported: 64, 128)");
+               "head_dim (= 96) is not supported by the CUDA decode kernels (supported: 64, 128, 256)");
   expect_error([&] { sparse(QueryView<const half>::packed(q + 1, 2, 8, 128), kv, sel); }, "q.data");
   expect_error([&] { sparse(QueryView<const half>::packed(q + 1, 2, 8, 128), kv, sel); }, "is not 16-byte aligned");
   auto odd_stride = kv;

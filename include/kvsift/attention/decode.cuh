@@ -398,12 +398,14 @@ cudaError_t allow_dynamic_smem(std::size_t bytes) {
 template <class T, class Fn>
 cudaError_t with_decode_kernel(const DecodeParams<T>& p, Fn&& fn) {
   cudaError_t status = cudaErrorInvalidValue;
-  dispatch_int<64, 128>(p.q.head_dim, [&]<int HeadDim>() {
+  dispatch_int<64, 128, 256>(p.q.head_dim, [&]<int HeadDim>() {
     dispatch_int<kDecodeMinWarps, kDecodeMaxWarps>(p.cta_warps, [&]<int Warps>() {
-      constexpr auto kernel = decode_attention_kernel<HeadDim, T, Warps>;
       constexpr std::size_t smem = decode_shared_bytes(HeadDim, Warps);
-      status = allow_dynamic_smem<kernel>(smem);
-      if (status == cudaSuccess) status = fn(kernel, smem, 32 * Warps);
+      if constexpr (smem <= kLargestBlockSharedMemory) {
+        constexpr auto kernel = decode_attention_kernel<HeadDim, T, Warps>;
+        status = allow_dynamic_smem<kernel>(smem);
+        if (status == cudaSuccess) status = fn(kernel, smem, 32 * Warps);
+      }
     });
   });
   return status;

@@ -3,10 +3,11 @@
 /// dense (FlashDecoding-style, the baseline), and the standalone LSE merge of partial states.
 ///
 /// Memory: every view points to device memory. Supported: storage kvsift::half and kvsift::bfloat16 with fp32
-/// accumulation; head_dim 64 and 128; any q_heads that is a multiple of kv_heads (a GQA group of up to 16
-/// heads reads each K/V row once; larger groups are tiled by 16 heads and re-read rows per tile); contiguous
-/// or paged KV; per-sequence lengths and selection counts on the device. Q, K, V and O rows must be 16-byte
-/// aligned (pointers and strides multiples of 8 elements).
+/// accumulation; head_dim 64, 128 and 256 (256 in four-warp CTAs of 197 KB of shared memory, so on sm_90
+/// only); any q_heads that is a multiple of kv_heads (a GQA group of up to 16 heads reads each K/V row once;
+/// larger groups are tiled by 16 heads and re-read rows per tile); contiguous or paged KV; per-sequence
+/// lengths and selection counts on the device. Q, K, V and O rows must be 16-byte aligned (pointers and
+/// strides multiples of 8 elements).
 ///
 /// Outputs: O [batch, q_heads, head_dim] (storage type) and LSE [batch, q_heads] (fp32, natural log). A
 /// sequence or selection row with no tokens yields O = 0 and LSE = -inf.

@@ -24,6 +24,9 @@ inline constexpr int kDecodeStages = 3;       ///< per-warp stages: two in fligh
 inline constexpr int kDecodeRowsPerStep = 16;  ///< K/V rows a warp consumes per step: the k extent of one P·V MMA
 inline constexpr int kDecodeMinWarps = 4;
 inline constexpr int kDecodeMaxWarps = 8;
+/// The most dynamic shared memory any GPU kvsift supports gives a block (sm_90: 227 KB). CTA shapes needing
+/// more are never instantiated (eight warps at head_dim 256).
+inline constexpr std::size_t kLargestBlockSharedMemory = 232448;
 
 /// Bytes of one warp's pipeline stage: its K tile, its V tile (kDecodeRowsPerStep rows each, 2-byte
 /// elements) and the rows' base-e logit biases.
