@@ -17,10 +17,15 @@ struct HybridDecoder<T>::Buffers {
   std::size_t state_elems = 0, lse_elems = 0, workspace_bytes = 0;
   T* d_window_o = nullptr;      ///< the window's partial state (device)
   float* d_window_lse = nullptr;
-  T* d_cpu_o = nullptr;         ///< the CPU partial, copied to the device for the merge
-  float* d_cpu_lse = nullptr;
-  T* h_cpu_o = nullptr;         ///< the CPU partial as computed (pinned host)
+  // The CPU partial, O then LSE, as one block in pinned host memory (as computed) and one on the device (for
+  // the merge), so that a single copy moves it: one copy call and one transfer in the step's serial tail.
+  std::size_t cpu_partial_bytes = 0;
+  std::byte* h_cpu_partial = nullptr;
+  std::byte* d_cpu_partial = nullptr;
+  T* h_cpu_o = nullptr;         ///< views into the blocks
   float* h_cpu_lse = nullptr;
+  T* d_cpu_o = nullptr;
+  float* d_cpu_lse = nullptr;
   std::byte* d_workspace = nullptr;
   std::size_t cpu_workspace_bytes = 0;
   std::byte* h_cpu_workspace = nullptr;  ///< lets the CPU part split rows over all of the pool's threads
@@ -30,11 +35,9 @@ struct HybridDecoder<T>::Buffers {
   ~Buffers() {
     cudaFree(d_window_o);
     cudaFree(d_window_lse);
-    cudaFree(d_cpu_o);
-    cudaFree(d_cpu_lse);
+    cudaFree(d_cpu_partial);
     cudaFree(d_workspace);
-    cudaFreeHost(h_cpu_o);
-    cudaFreeHost(h_cpu_lse);
+    cudaFreeHost(h_cpu_partial);
     cudaFreeHost(h_cpu_workspace);
     if (copy_done) cudaEventDestroy(copy_done);
   }
@@ -61,11 +64,16 @@ HybridDecoder<T>::HybridDecoder(const HybridDecoderConfig& config, cpu::ThreadPo
   b.workspace_bytes = dense_decode_workspace_bytes(q_shape, window_shape, {.attention = config.attention});
   KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.d_window_o), b.state_elems * sizeof(T)));
   KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.d_window_lse), b.lse_elems * sizeof(float)));
-  KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.d_cpu_o), b.state_elems * sizeof(T)));
-  KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.d_cpu_lse), b.lse_elems * sizeof(float)));
+  constexpr std::size_t kAlign = WorkspaceLayout::kAlignment;
+  const std::size_t lse_offset = (b.state_elems * sizeof(T) + kAlign - 1) / kAlign * kAlign;
+  b.cpu_partial_bytes = lse_offset + b.lse_elems * sizeof(float);
+  KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.d_cpu_partial), b.cpu_partial_bytes));
+  KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&b.h_cpu_partial), b.cpu_partial_bytes));
+  b.d_cpu_o = reinterpret_cast<T*>(b.d_cpu_partial);
+  b.d_cpu_lse = reinterpret_cast<float*>(b.d_cpu_partial + lse_offset);
+  b.h_cpu_o = reinterpret_cast<T*>(b.h_cpu_partial);
+  b.h_cpu_lse = reinterpret_cast<float*>(b.h_cpu_partial + lse_offset);
   if (b.workspace_bytes > 0) KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.d_workspace), b.workspace_bytes));
-  KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&b.h_cpu_o), b.state_elems * sizeof(T)));
-  KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&b.h_cpu_lse), b.lse_elems * sizeof(float)));
   b.cpu_workspace_bytes =
       cpu::decode_workspace_bytes(config.batch, config.q_heads, config.kv_heads, config.head_dim, pool);
   if (b.cpu_workspace_bytes > 0) {
@@ -135,8 +143,8 @@ void HybridDecoder<T>::decode(const QueryView<const T>& q_device, const QueryVie
   times_.cpu_seconds = std::chrono::duration<double>(Clock::now() - cpu_start).count();
 
   // 3. Copy the CPU partial over and merge both by LSE on the stream.
-  KVSIFT_CUDA_CHECK(cudaMemcpyAsync(b.d_cpu_o, b.h_cpu_o, b.state_elems * sizeof(T), cudaMemcpyHostToDevice, stream));
-  KVSIFT_CUDA_CHECK(cudaMemcpyAsync(b.d_cpu_lse, b.h_cpu_lse, b.lse_elems * sizeof(float), cudaMemcpyHostToDevice, stream));
+  KVSIFT_CUDA_CHECK(
+      cudaMemcpyAsync(b.d_cpu_partial, b.h_cpu_partial, b.cpu_partial_bytes, cudaMemcpyHostToDevice, stream));
   KVSIFT_CUDA_CHECK(cudaEventRecord(b.copy_done, stream));
   b.copy_pending = true;
   const StateView<const T> partials[] = {window_state.as_const(),
