@@ -427,6 +427,31 @@ void BM_KMeansWithGpuAssigner(benchmark::State& state) {
 }
 BENCHMARK(BM_KMeansWithGpuAssigner)->Arg(8192)->ArgName("N")->Unit(benchmark::kMillisecond)->Iterations(3);
 
+/// cuda::kmeans, seeding and updates on the device too: N keys (fp32, head_dim 128) into N / 64 clusters,
+/// 10 iterations; GPU time of one call (event-timed: thousands of small launches, not worth a graph).
+void BM_CudaKMeans(benchmark::State& state) {
+  const std::int32_t n = std::int32_t(state.range(0));
+  const kvsift::cpu::KMeansConfig config{.clusters = n / 64, .iterations = kKMeansIterations, .seed = 1};
+  std::mt19937_64 rng(4);
+  std::normal_distribution<float> dist;
+  std::vector<float> keys(std::size_t(n) * kKMeansDim);
+  for (auto& x : keys) x = dist(rng);
+  Device<float> d_keys(keys.size()), centroids(std::size_t(config.clusters) * kKMeansDim);
+  Device<std::int32_t> assignment(n);
+  KVSIFT_CUDA_CHECK(cudaMemcpy(d_keys.ptr, keys.data(), keys.size() * 4, cudaMemcpyHostToDevice));
+  const std::size_t bytes = kvsift::cuda::kmeans_workspace_bytes(n, kKMeansDim, config);
+  Device<std::byte> workspace(bytes);
+  EventTimer timer;
+  const auto call = [&] {
+    kvsift::cuda::kmeans(kvsift::MatrixView<const float>::packed(d_keys.ptr, n, kKMeansDim), config,
+                         kvsift::MatrixView<float>::packed(centroids.ptr, config.clusters, kKMeansDim), assignment.ptr,
+                         {workspace.ptr, bytes}, nullptr);
+  };
+  call();  // warm-up: module load
+  for (auto _ : state) state.SetIterationTime(timer.seconds(call));
+}
+BENCHMARK(BM_CudaKMeans)->Arg(8192)->Arg(131072)->ArgName("N")->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(3);
+
 }  // namespace
 
 int main(int argc, char** argv) {

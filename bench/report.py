@@ -71,13 +71,13 @@ def primitives(runs):
             sort = m and rows.get(name.replace("/sort:0", "/sort:1"))
             if m and sort:
                 print(f"| {m[1]} | {m[2]} | {r['us']:.1f} | {sort['us']:.1f} | {sort['us'] / r['us']:.1f}x |")
-    others = [(k, r) for k, r in runs.items() if re.match(r"BM_(CudaSortUnique|CudaAssignNearest|KMeansWithGpuAssigner)", k)]
+    others = [(k, r) for k, r in runs.items() if re.match(r"BM_(CudaSortUnique|CudaAssignNearest|KMeansWithGpuAssigner|CudaKMeans)", k)]
     if others:
         print("\n### Other CUDA primitives (median)\n")
         print("| benchmark | time |")
         print("|---|---|")
         for name, r in others:
-            unit = "ms" if name.startswith("BM_KMeans") else "us"
+            unit = "ms" if re.match(r"BM_(Cuda)?KMeans", name) else "us"
             print(f"| {re.sub(r'/(min_time|iterations):[^/]*', '', name)} | {r['us']:.1f} {unit} |")
 
 

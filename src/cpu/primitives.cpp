@@ -4,9 +4,9 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <random>
 
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/kmeans_seeding.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/cpu/detail/primitives_kernels.hpp"
 #include "kvsift/cpu/simd.hpp"
@@ -137,11 +137,12 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
   // Greedy k-means++ seeding (as scikit-learn does): each next centroid is the best, by the resulting total
   // distance, of 2 + ln(k) candidates drawn with probability proportional to their distance to the nearest
   // centroid so far. Plain k-means++ seeds two centroids in one well-separated cluster with a probability of
-  // about a percent; the greedy draw makes that vanishingly rare. Sums are in double.
+  // about a percent; the greedy draw makes that vanishingly rare. Sums are in double. The draws are those of
+  // cuda::kmeans (core/kmeans_seeding.hpp), and a candidate is found as there: the first point whose prefix sum
+  // exceeds the drawn target.
   KMeansResult result;
   result.centroids.resize(std::size_t(k) * d);
-  std::mt19937_64 rng(config.seed);
-  const int candidates_per_step = 2 + int(std::log(double(k)));
+  const int candidates_per_step = kvsift::detail::kmeans_candidates_per_step(k);
   const auto points_count = static_cast<std::size_t>(n);
   // Distances from every point to a few candidate points at once: one blocked pass over a channel-major copy
   // of the points (the candidates are the block's rows), threaded over ranges of points; then the points'
@@ -173,27 +174,21 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
       }
     }
   };
-  std::vector<double> nearest(points_count), trial(points_count), best_trial(points_count);
-  std::int64_t chosen = std::int64_t(rng() % std::uint64_t(n));
+  std::vector<double> nearest(points_count), trial(points_count), best_trial(points_count), prefix(points_count);
+  std::int64_t chosen = kvsift::detail::kmeans_first_point(config.seed, n);
   distances_to(std::span<const std::int64_t>(&chosen, 1));
   nearest = candidate_distances[0];
   std::copy_n(xs.row(chosen), d, &result.centroids[0]);
   std::vector<std::int64_t> candidates;
   for (std::int32_t c = 1; c < k; ++c) {
-    const double total = std::accumulate(nearest.begin(), nearest.end(), 0.0);
+    std::partial_sum(nearest.begin(), nearest.end(), prefix.begin());
+    const double total = prefix.back();
     std::int64_t best = (chosen + 1) % n;  // every point coincides with a centroid: take the next in order
     candidates.clear();
     for (int trial_index = 0; trial_index < candidates_per_step && total > 0.0; ++trial_index) {
-      double target = std::uniform_real_distribution<double>(0.0, total)(rng);
-      std::int64_t candidate = n - 1;
-      for (std::int64_t i = 0; i < n; ++i) {
-        target -= nearest[i];
-        if (target < 0.0 && nearest[i] > 0.0) {
-          candidate = i;
-          break;
-        }
-      }
-      candidates.push_back(candidate);
+      const double target = kvsift::detail::kmeans_draw_target(config.seed, std::uint32_t(c), std::uint32_t(trial_index), total);
+      const auto first_above = std::upper_bound(prefix.begin(), prefix.end(), target) - prefix.begin();
+      candidates.push_back(std::min<std::int64_t>(first_above, n - 1));
     }
     if (candidates.empty()) candidates.push_back(best);
     distances_to(candidates);

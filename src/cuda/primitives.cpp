@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <climits>
 
+#include "kvsift/core/kmeans_seeding.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -66,6 +67,47 @@ detail::SortUniqueBuffers layout_sort_unique(WorkspaceLayout& layout, std::int64
   b.segment_begin = layout.allocate<std::int32_t>(std::size_t(rows), "sort_unique segment begins");
   b.segment_end = layout.allocate<std::int32_t>(std::size_t(rows), "sort_unique segment ends");
   b.cub_temp = layout.allocate<std::byte>(b.cub_temp_bytes, "sort_unique cub temporary storage");
+  return b;
+}
+
+/// Shared memory of the seeding's distance kernel: the candidates' rows.
+constexpr std::size_t kKMeansCandidateRowsBytes = 48 * 1024;
+
+void check_kmeans(const char* where, std::int64_t n, std::int32_t dim, const cpu::KMeansConfig& config) {
+  KVSIFT_CHECK(n > 0 && dim > 0, where, "points (= {}) and dim (= {}) must be positive", n, dim);
+  KVSIFT_CHECK(n <= INT32_MAX, where, "points (= {}) exceeds 2^31 - 1", n);
+  KVSIFT_CHECK(config.clusters >= 1 && config.clusters <= n, where, "config.clusters (= {}) is outside [1, points = {}]",
+               config.clusters, n);
+  KVSIFT_CHECK(config.iterations >= 0, where, "config.iterations (= {}) must be >= 0", config.iterations);
+  KVSIFT_CHECK(config.metric == cpu::KMeansMetric::l2 || config.metric == cpu::KMeansMetric::cosine, where,
+               "unknown KMeansMetric ({})", int(config.metric));
+  const std::size_t candidate_bytes =
+      std::size_t(kvsift::detail::kmeans_candidates_per_step(config.clusters)) * std::size_t(dim) * sizeof(float);
+  KVSIFT_CHECK(candidate_bytes <= kKMeansCandidateRowsBytes, where,
+               "dim (= {}) is too large: the {} seeding candidates' rows need {} bytes of shared memory, more than {}",
+               dim, kvsift::detail::kmeans_candidates_per_step(config.clusters), candidate_bytes, kKMeansCandidateRowsBytes);
+}
+
+detail::KMeansBuffers layout_kmeans(WorkspaceLayout& layout, std::int64_t n, std::int32_t dim, std::int32_t clusters) {
+  detail::KMeansBuffers b{};
+  b.candidates_per_step = kvsift::detail::kmeans_candidates_per_step(clusters);
+  b.distance_blocks = detail::kmeans_distance_blocks(n);
+  const auto points = std::size_t(n);
+  KVSIFT_CUDA_CHECK(detail::kmeans_cub_bytes(n, clusters, &b.cub_temp_bytes));
+  b.points = layout.allocate<float>(checked_mul(points, std::size_t(dim), "kmeans points"), "kmeans points");
+  b.norms = layout.allocate<float>(points, "kmeans norms");
+  b.nearest = layout.allocate<double>(points, "kmeans nearest distances");
+  b.prefix = layout.allocate<double>(points, "kmeans prefix sums");
+  b.distances = layout.allocate<double>(points * std::size_t(b.candidates_per_step), "kmeans candidate distances");
+  b.potentials = layout.allocate<double>(std::size_t(b.distance_blocks) * std::size_t(b.candidates_per_step),
+                                         "kmeans candidate potentials");
+  b.candidates = layout.allocate<std::int32_t>(std::size_t(b.candidates_per_step), "kmeans candidates");
+  b.step = layout.allocate<std::int32_t>(3, "kmeans step state");
+  b.point_ids = layout.allocate<std::int32_t>(points, "kmeans point ids");
+  b.sorted_clusters = layout.allocate<std::int32_t>(points, "kmeans sorted assignment");
+  b.members = layout.allocate<std::int32_t>(points, "kmeans cluster members");
+  b.cluster_bounds = layout.allocate<std::int32_t>(2 * std::size_t(clusters), "kmeans cluster bounds");
+  b.cub_temp = layout.allocate<std::byte>(b.cub_temp_bytes, "kmeans cub temporary storage");
   return b;
 }
 
@@ -135,6 +177,38 @@ void assign_nearest(const MatrixView<const float>& points, const MatrixView<cons
   KVSIFT_CUDA_CHECK(detail::launch_assign_nearest(points, centroids, metric == cpu::KMeansMetric::cosine, d_assignment,
                                                   stream));
 }
+
+std::size_t kmeans_workspace_bytes(std::int64_t points, std::int32_t dim, const cpu::KMeansConfig& config) {
+  check_kmeans("cuda::kmeans_workspace_bytes", points, dim, config);
+  WorkspaceLayout counting;
+  layout_kmeans(counting, points, dim, config.clusters);
+  return counting.bytes();
+}
+
+template <class T>
+void kmeans(const MatrixView<const T>& points, const cpu::KMeansConfig& config, const MatrixView<float>& centroids,
+            std::int32_t* d_assignment, std::span<std::byte> workspace, cudaStream_t stream) {
+  constexpr const char* where = "cuda::kmeans";
+  validate(points, where, "points");
+  check_kmeans(where, points.rows, points.cols, config);
+  validate(centroids, where, "centroids");
+  KVSIFT_CHECK(centroids.rows == config.clusters && centroids.cols == points.cols, where,
+               "centroids are [{}, {}]; expected [clusters = {}, dim = {}]", centroids.rows, centroids.cols,
+               config.clusters, points.cols);
+  KVSIFT_CHECK(d_assignment != nullptr, where, "d_assignment is a null pointer");
+  WorkspaceLayout layout(workspace, where);
+  const detail::KMeansBuffers buffers = layout_kmeans(layout, points.rows, points.cols, config.clusters);
+  KVSIFT_CUDA_CHECK(detail::launch_kmeans(points, config.clusters, config.iterations,
+                                          config.metric == cpu::KMeansMetric::cosine, config.seed, centroids,
+                                          d_assignment, buffers, stream));
+}
+
+template void kmeans<float>(const MatrixView<const float>&, const cpu::KMeansConfig&, const MatrixView<float>&,
+                            std::int32_t*, std::span<std::byte>, cudaStream_t);
+template void kmeans<half>(const MatrixView<const half>&, const cpu::KMeansConfig&, const MatrixView<float>&,
+                           std::int32_t*, std::span<std::byte>, cudaStream_t);
+template void kmeans<bfloat16>(const MatrixView<const bfloat16>&, const cpu::KMeansConfig&, const MatrixView<float>&,
+                               std::int32_t*, std::span<std::byte>, cudaStream_t);
 
 DeviceKMeansAssigner::~DeviceKMeansAssigner() {
   if (buffer_ != nullptr) cudaFree(buffer_);

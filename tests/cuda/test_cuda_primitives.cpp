@@ -1,5 +1,5 @@
 // CUDA primitives against their CPU twins: top-K (both algorithms, exact, same tie rule), GEMV scores, gather,
-// RoPE rows, deduplication, k-means assignment.
+// RoPE rows, deduplication, k-means (assignment, and the whole clustering on the device).
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -200,6 +200,141 @@ TEST_F(CudaPrimitives, KMeansWithTheGpuAssignerEqualsTheCpuKMeans) {
   }
 }
 
+/// cuda::kmeans on device copies of `points`, with poisoned outputs and workspace.
+struct DeviceKMeansRun {
+  std::vector<float> centroids;
+  std::vector<std::int32_t> assignment;
+};
+template <class T>
+DeviceKMeansRun run_device_kmeans(const std::vector<T>& points, std::int32_t n, std::int32_t d,
+                                  const cpu::KMeansConfig& config) {
+  DeviceBuffer<T> d_points(points);
+  DeviceBuffer<float> d_centroids(std::size_t(config.clusters) * d);
+  DeviceBuffer<std::int32_t> d_assignment(n);
+  const std::size_t bytes = cuda::kmeans_workspace_bytes(n, d, config);
+  DeviceBuffer<std::byte> ws(bytes);
+  d_centroids.poison();
+  d_assignment.poison();
+  ws.poison();
+  cuda::kmeans(MatrixView<const T>::packed(d_points.data(), n, d), config,
+               MatrixView<float>::packed(d_centroids.data(), config.clusters, d), d_assignment.data(), {ws.data(), bytes},
+               nullptr);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  return {d_centroids.download(), d_assignment.download()};
+}
+
+TEST_F(CudaPrimitives, KMeansOnTheDeviceEqualsTheCpuKMeans) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const std::int32_t k = 12, per = 150, d = 64, n = k * per;
+  const auto [points, truth] = test::planted_clusters(rng, k, per, d);
+  const auto view = MatrixView<const float>::packed(points.data(), n, d);
+  for (const auto metric : {cpu::KMeansMetric::l2, cpu::KMeansMetric::cosine}) {
+    const cpu::KMeansConfig config{.clusters = k, .iterations = 8, .metric = metric, .seed = seed};
+    const auto on_cpu = cpu::kmeans<float>(view, config);
+    const auto on_gpu = run_device_kmeans(points, n, d, config);
+    EXPECT_EQ(on_gpu.assignment, on_cpu.assignment);
+    EXPECT_EQ(on_gpu.centroids, on_cpu.centroids);  // same seeds and assignments: sums in the CPU's order
+  }
+}
+
+TEST_F(CudaPrimitives, KMeansSeedingOnTheDeviceDrawsTheCpuCentroids) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  // Unclustered points with four coordinates of +-1 and the rest 0 (normalized: +-0.5): every distance, dot
+  // product and prefix sum is exact in both backends, whatever their summation order, so both must draw the
+  // same candidates and choose the same ones, exact ties included (first candidate, smaller centroid id).
+  const std::int32_t n = 3001, k = 130, d = 72, nonzeros = 4;
+  std::vector<float> points(std::size_t(n) * d, 0.0f);
+  for (std::int32_t i = 0; i < n; ++i) {
+    for (int placed = 0; placed < nonzeros;) {
+      float& x = points[std::size_t(i) * d + rng.uniform_int(0, d - 1)];
+      if (x == 0.0f) x = rng.uniform_int(0, 1) != 0 ? 1.0f : -1.0f, ++placed;
+    }
+  }
+  const auto view = MatrixView<const float>::packed(points.data(), n, d);
+  for (const auto metric : {cpu::KMeansMetric::l2, cpu::KMeansMetric::cosine}) {
+    SCOPED_TRACE(metric == cpu::KMeansMetric::l2 ? "l2" : "cosine");
+    const cpu::KMeansConfig config{.clusters = k, .iterations = 0, .metric = metric, .seed = seed};
+    const auto on_cpu = cpu::kmeans<float>(view, config);
+    const auto on_gpu = run_device_kmeans(points, n, d, config);
+    EXPECT_EQ(on_gpu.centroids, on_cpu.centroids);
+    EXPECT_EQ(on_gpu.assignment, on_cpu.assignment);
+  }
+}
+
+TEST_F(CudaPrimitives, KMeansOnTheDeviceUpdatesToTheMeansAndIsDeterministic) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const std::int32_t n = 5000, k = 64, d = 128;
+  const auto normal = rng.normal(std::size_t(n) * d);
+  std::vector<bfloat16> points(normal.size());
+  std::vector<double> x(normal.size());  // the points as the k-means sees them, in fp64
+  for (std::size_t e = 0; e < normal.size(); ++e) points[e] = float_to_bfloat16(normal[e]), x[e] = double(bfloat16_to_float(points[e]));
+  for (const auto metric : {cpu::KMeansMetric::l2, cpu::KMeansMetric::cosine}) {
+    SCOPED_TRACE(metric == cpu::KMeansMetric::l2 ? "l2" : "cosine");
+    std::vector<double> xs = x;
+    if (metric == cpu::KMeansMetric::cosine) {
+      for (std::int32_t i = 0; i < n; ++i) {
+        double norm = 0.0;
+        for (std::int32_t j = 0; j < d; ++j) norm += xs[std::size_t(i) * d + j] * xs[std::size_t(i) * d + j];
+        for (std::int32_t j = 0; j < d; ++j) xs[std::size_t(i) * d + j] /= std::sqrt(norm);
+      }
+    }
+    // One Lloyd step after the seeding: each centroid is the fp64 mean of the points the seeds drew to it.
+    const auto seeded = run_device_kmeans(points, n, d, {.clusters = k, .iterations = 0, .metric = metric, .seed = seed});
+    const auto stepped = run_device_kmeans(points, n, d, {.clusters = k, .iterations = 1, .metric = metric, .seed = seed});
+    std::vector<double> sums(std::size_t(k) * d, 0.0);
+    std::vector<std::int32_t> counts(k, 0);
+    for (std::int32_t i = 0; i < n; ++i) {
+      const std::int32_t c = seeded.assignment[i];
+      ASSERT_GE(c, 0);
+      ASSERT_LT(c, k);
+      ++counts[c];
+      for (std::int32_t j = 0; j < d; ++j) sums[std::size_t(c) * d + j] += xs[std::size_t(i) * d + j];
+    }
+    for (std::int32_t c = 0; c < k; ++c) {
+      std::vector<double> mean(d);
+      double norm = 0.0;
+      for (std::int32_t j = 0; j < d; ++j) {
+        mean[j] = counts[c] == 0 ? seeded.centroids[std::size_t(c) * d + j] : sums[std::size_t(c) * d + j] / counts[c];
+        norm += mean[j] * mean[j];
+      }
+      for (std::int32_t j = 0; j < d; ++j) {
+        const double expected = metric == cpu::KMeansMetric::cosine ? mean[j] / std::sqrt(norm) : mean[j];
+        ASSERT_NEAR(stepped.centroids[std::size_t(c) * d + j], expected, 1e-5 * (1.0 + std::abs(expected)))
+            << "cluster " << c << " (" << counts[c] << " points) channel " << j;
+      }
+    }
+    // The returned assignment is the nearest centroid of each point, within fp32 rounding.
+    const auto again = run_device_kmeans(points, n, d, {.clusters = k, .iterations = 1, .metric = metric, .seed = seed});
+    EXPECT_EQ(again.centroids, stepped.centroids);
+    EXPECT_EQ(again.assignment, stepped.assignment);
+    std::vector<float> xs_float(xs.begin(), xs.end());
+    for (std::int32_t i = 0; i < n; ++i) {
+      double best = -INFINITY;
+      for (std::int32_t c = 0; c < k; ++c) {
+        best = std::max(best, assignment_score(&xs_float[std::size_t(i) * d], &stepped.centroids[std::size_t(c) * d], d, metric));
+      }
+      const double chosen =
+          assignment_score(&xs_float[std::size_t(i) * d], &stepped.centroids[std::size_t(stepped.assignment[i]) * d], d, metric);
+      ASSERT_GE(chosen, best - 1e-4 * (1.0 + std::abs(best))) << "point " << i;
+    }
+  }
+}
+
+TEST_F(CudaPrimitives, KMeansRefusesAWorkspaceTooSmall) {
+  const std::int32_t n = 100, d = 16;
+  DeviceBuffer<float> points(std::size_t(n) * d), centroids(std::size_t(4) * d);
+  DeviceBuffer<std::int32_t> assignment(n);
+  const cpu::KMeansConfig config{.clusters = 4};
+  const std::size_t bytes = cuda::kmeans_workspace_bytes(n, d, config);
+  DeviceBuffer<std::byte> ws(bytes);
+  test::expect_error(
+      [&] {
+        cuda::kmeans(MatrixView<const float>::packed(points.data(), n, d), config,
+                     MatrixView<float>::packed(centroids.data(), 4, d), assignment.data(), {ws.data(), bytes / 2}, nullptr);
+      },
+      {"cuda::kmeans", "workspace too small", "needs bytes"});
+}
+
 TEST(CudaPrimitivesBadInput, RefusedBeforeAnyDeviceCall) {
   test::expect_error([] { cuda::topk_workspace_bytes(4, 100, 101); }, "k (= 101) is outside [0, n = 100]");
   test::expect_error([] { cuda::sort_unique_workspace_bytes(0, 10); }, "rows (= 0) and capacity (= 10) must be positive");
@@ -218,6 +353,22 @@ TEST(CudaPrimitivesBadInput, RefusedBeforeAnyDeviceCall) {
                              static_cast<cpu::KMeansMetric>(7), out, nullptr);
       },
       "unknown KMeansMetric (7)");
+  const auto kmeans = [&](std::int64_t n, std::int32_t d, const cpu::KMeansConfig& config, std::int64_t centroid_rows,
+                          std::int32_t* assignment) {
+    cuda::kmeans(MatrixView<const float>::packed(p.data(), n, d), config,
+                 MatrixView<float>::packed(c.data(), centroid_rows, d), assignment, {}, nullptr);
+  };
+  std::int32_t out[5];
+  test::expect_error([&] { kmeans(5, 8, {.clusters = 0}, 1, out); }, "config.clusters (= 0) is outside [1, points = 5]");
+  test::expect_error([&] { kmeans(5, 8, {.clusters = 6}, 6, out); }, "config.clusters (= 6) is outside [1, points = 5]");
+  test::expect_error([&] { kmeans(5, 8, {.clusters = 2, .iterations = -1}, 2, out); },
+                     "config.iterations (= -1) must be >= 0");
+  test::expect_error([&] { kmeans(5, 8, {.clusters = 2, .metric = static_cast<cpu::KMeansMetric>(9)}, 2, out); },
+                     "unknown KMeansMetric (9)");
+  test::expect_error([&] { kmeans(5, 8, {.clusters = 2}, 3, out); }, "centroids are [3, 8]; expected [clusters = 2, dim = 8]");
+  test::expect_error([&] { kmeans(5, 8, {.clusters = 2}, 2, nullptr); }, "d_assignment is a null pointer");
+  test::expect_error([] { cuda::kmeans_workspace_bytes(1000, 4096, {.clusters = 100}); },
+                     {"dim (= 4096) is too large", "6 seeding candidates' rows need 98304 bytes"});
 }
 
 }  // namespace

@@ -60,8 +60,8 @@ void assign_nearest(const MatrixView<const float>& points, const MatrixView<cons
                     std::span<std::int32_t> assignment, ThreadPool* pool = nullptr);
 
 /// k-means with greedy k-means++ seeding (2 + ln k candidates per centroid) and a fixed number of Lloyd
-/// iterations. An empty cluster keeps its previous
-/// centroid. Deterministic for a given seed. clusters must be in [1, points.rows].
+/// iterations. An empty cluster keeps its previous centroid. Deterministic for a given seed, whose draws are
+/// those of cuda::kmeans (core/kmeans_seeding.hpp). clusters must be in [1, points.rows].
 template <class T>
 KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& config, const KMeansAssigner& assigner = {},
                     ThreadPool* pool = nullptr);

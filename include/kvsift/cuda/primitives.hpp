@@ -1,6 +1,7 @@
 #pragma once
 /// CUDA twins of the CPU primitives (cpu/primitives.hpp, cpu/topk.hpp), with the same results: top-K with
-/// kvsift's one tie rule, GEMV scores, row gather, batched RoPE, k-means assignment, index deduplication.
+/// kvsift's one tie rule, GEMV scores, row gather, batched RoPE, k-means and its assignment step, index
+/// deduplication.
 /// Device memory; caller-owned workspace where one is needed (size from the matching *_workspace_bytes
 /// query); no allocation, no host sync; stream-ordered; reentrant (concurrent calls need distinct
 /// workspaces). DeviceKMeansAssigner is the one exception: an owning adapter for cpu::kmeans (see there).
@@ -63,6 +64,19 @@ void sort_unique(std::int32_t* d_indices, std::int64_t rows, std::int32_t capaci
 /// between two centroids may resolve differently.
 void assign_nearest(const MatrixView<const float>& points, const MatrixView<const float>& centroids,
                     cpu::KMeansMetric metric, std::int32_t* d_assignment, cudaStream_t stream);
+
+/// cpu::kmeans's twin, entirely on the device: greedy k-means++ seeding with the same draws as the CPU
+/// (core/kmeans_seeding.hpp), `config.iterations` Lloyd steps (assignment, then each centroid the mean of its
+/// points, summed in ascending point order in double as on the CPU; an empty cluster keeps its centroid), and
+/// the final assignment. Points [n, dim] (fp32, fp16 or bf16; normalized internally for cosine) → centroids
+/// [clusters, dim] fp32 and d_assignment [n]. Deterministic for a given seed and input; it equals cpu::kmeans
+/// unless a seeding candidate or an assignment sits on the edge of a tie, which the two backends' different
+/// summation orders may break differently. About 5 launches per centroid seeded and 5 per iteration, no host
+/// sync: for clustering at prefill, not per decode step.
+std::size_t kmeans_workspace_bytes(std::int64_t points, std::int32_t dim, const cpu::KMeansConfig& config);
+template <class T>
+void kmeans(const MatrixView<const T>& points, const cpu::KMeansConfig& config, const MatrixView<float>& centroids,
+            std::int32_t* d_assignment, std::span<std::byte> workspace, cudaStream_t stream);
 
 /// A cpu::KMeansAssigner that runs the assignment step of cpu::kmeans on the GPU: each call uploads the
 /// points and centroids, runs assign_nearest and downloads the assignment, synchronizing `stream`. Device

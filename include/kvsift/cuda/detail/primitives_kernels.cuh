@@ -81,6 +81,44 @@ cudaError_t launch_apply_rope_rows(const MatrixView<float>& rows, const std::int
 cudaError_t launch_assign_nearest(const MatrixView<const float>& points, const MatrixView<const float>& centroids,
                                   bool cosine, std::int32_t* assignment, cudaStream_t stream);
 
+// ---- k-means on the device ------------------------------------------------------------------------------
+
+/// What one k-means run keeps on the device besides its outputs.
+struct KMeansBuffers {
+  float* points;                 ///< [n, dim]: fp32 copy of the input, rows normalized for cosine
+  float* norms;                  ///< [n]: squared norms of those rows
+  double* nearest;               ///< [n]: seeding, distance of each point to its nearest centroid so far
+  double* prefix;                ///< [n]: inclusive prefix sums of nearest
+  double* distances;             ///< [candidates_per_step, n]: this step's candidates to every point
+  double* potentials;            ///< [distance_blocks, candidates_per_step]: per-block sums of min(nearest, distance)
+  std::int32_t* candidates;      ///< [candidates_per_step]
+  std::int32_t* step;            ///< [3]: candidates drawn this step, slot chosen, point chosen
+  std::int32_t* point_ids;       ///< [n]: 0, 1, ..., n - 1
+  std::int32_t* sorted_clusters; ///< [n]: the assignment, sorted
+  std::int32_t* members;         ///< [n]: point ids in that order (stable: ascending within a cluster)
+  std::int32_t* cluster_bounds;  ///< [2, clusters]: begin and end of each cluster's members
+  void* cub_temp;
+  std::size_t cub_temp_bytes;
+  std::int32_t candidates_per_step;
+  std::int32_t distance_blocks;
+};
+
+/// Threads (one per point) and blocks of the seeding's distance kernel: a function of n only, so that its
+/// per-block sums, and with them the choice between candidates, do not depend on the GPU.
+inline constexpr int kKMeansDistanceThreads = 256;
+inline std::int32_t kmeans_distance_blocks(std::int64_t n) {
+  return std::int32_t((n + kKMeansDistanceThreads - 1) / kKMeansDistanceThreads);
+}
+
+/// Temporary storage of the CUB prefix sum (seeding) and radix sort (centroid updates).
+cudaError_t kmeans_cub_bytes(std::int64_t n, std::int32_t clusters, std::size_t* bytes);
+
+/// The whole of cuda::kmeans: seeding, `iterations` Lloyd steps and the final assignment, stream-ordered.
+template <class T>
+cudaError_t launch_kmeans(const MatrixView<const T>& points, std::int32_t clusters, std::int32_t iterations, bool cosine,
+                          std::uint64_t seed, const MatrixView<float>& centroids, std::int32_t* assignment,
+                          const KMeansBuffers& buffers, cudaStream_t stream);
+
 // ---- deduplication --------------------------------------------------------------------------------------
 
 cudaError_t sort_unique_cub_bytes(std::int64_t rows, std::int32_t capacity, std::size_t* bytes);
