@@ -71,7 +71,7 @@ void assign_nearest(const MatrixView<const float>& points, const MatrixView<cons
 /// the final assignment. Points [n, dim] (fp32, fp16 or bf16; normalized internally for cosine) → centroids
 /// [clusters, dim] fp32 and d_assignment [n]. Deterministic for a given seed and input; it equals cpu::kmeans
 /// unless a seeding candidate or an assignment sits on the edge of a tie, which the two backends' different
-/// summation orders may break differently. About 5 launches per centroid seeded and 5 per iteration, no host
+/// summation orders may break differently. Six to eight launches per centroid seeded and per iteration, no host
 /// sync: for clustering at prefill, not per decode step.
 std::size_t kmeans_workspace_bytes(std::int64_t points, std::int32_t dim, const cpu::KMeansConfig& config);
 template <class T>
