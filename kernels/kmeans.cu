@@ -289,7 +289,7 @@ __global__ void update_centroids(const float* points, std::int32_t d, std::int32
 
 }  // namespace
 
-cudaError_t kmeans_cub_bytes(std::int64_t n, std::int32_t clusters, std::size_t* bytes) {
+cudaError_t kmeans_cub_bytes(std::int64_t n, std::size_t* bytes) {
   std::size_t scan = 0, sort = 0;
   if (cudaError_t s = cub::DeviceScan::InclusiveSum(nullptr, scan, static_cast<const double*>(nullptr),
                                                     static_cast<double*>(nullptr), n);

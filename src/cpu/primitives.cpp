@@ -117,14 +117,18 @@ void assign_nearest(const MatrixView<const float>& points, const MatrixView<cons
   });
 }
 
+void detail::check_kmeans_config(const char* where, std::int64_t points, const KMeansConfig& config) {
+  KVSIFT_CHECK(config.clusters >= 1 && config.clusters <= points, where, "config.clusters (= {}) is outside [1, points = {}]",
+               config.clusters, points);
+  KVSIFT_CHECK(config.iterations >= 0, where, "config.iterations (= {}) must be >= 0", config.iterations);
+}
+
 template <class T>
 KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& config, const KMeansAssigner& assigner,
                     ThreadPool* pool) {
   constexpr const char* where = "cpu::kmeans";
   validate(points, where, "points");
-  KVSIFT_CHECK(config.clusters >= 1 && config.clusters <= points.rows, where,
-               "config.clusters (= {}) is outside [1, points = {}]", config.clusters, points.rows);
-  KVSIFT_CHECK(config.iterations >= 0, where, "config.iterations (= {}) must be >= 0", config.iterations);
+  detail::check_kmeans_config(where, points.rows, config);
   const std::int64_t n = points.rows;
   const std::int32_t d = points.cols, k = config.clusters;
   std::vector<float> x(std::size_t(n) * d);

@@ -64,15 +64,20 @@ HybridDecoder<T>::HybridDecoder(const HybridDecoderConfig& config, cpu::ThreadPo
   b.workspace_bytes = dense_decode_workspace_bytes(q_shape, window_shape, {.attention = config.attention});
   KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.d_window_o), b.state_elems * sizeof(T)));
   KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.d_window_lse), b.lse_elems * sizeof(float)));
-  constexpr std::size_t kAlign = WorkspaceLayout::kAlignment;
-  const std::size_t lse_offset = (b.state_elems * sizeof(T) + kAlign - 1) / kAlign * kAlign;
-  b.cpu_partial_bytes = lse_offset + b.lse_elems * sizeof(float);
+  // One layout, run once counting and once per block carving, places O and LSE alike in both blocks.
+  const auto lay_out_cpu_partial = [&](WorkspaceLayout& layout, T*& o, float*& lse) {
+    o = layout.allocate<T>(b.state_elems, "CPU partial O");
+    lse = layout.allocate<float>(b.lse_elems, "CPU partial LSE");
+  };
+  WorkspaceLayout counting;
+  lay_out_cpu_partial(counting, b.h_cpu_o, b.h_cpu_lse);
+  b.cpu_partial_bytes = counting.bytes();
   KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.d_cpu_partial), b.cpu_partial_bytes));
   KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&b.h_cpu_partial), b.cpu_partial_bytes));
-  b.d_cpu_o = reinterpret_cast<T*>(b.d_cpu_partial);
-  b.d_cpu_lse = reinterpret_cast<float*>(b.d_cpu_partial + lse_offset);
-  b.h_cpu_o = reinterpret_cast<T*>(b.h_cpu_partial);
-  b.h_cpu_lse = reinterpret_cast<float*>(b.h_cpu_partial + lse_offset);
+  WorkspaceLayout device_block({b.d_cpu_partial, b.cpu_partial_bytes}, where);
+  lay_out_cpu_partial(device_block, b.d_cpu_o, b.d_cpu_lse);
+  WorkspaceLayout host_block({b.h_cpu_partial, b.cpu_partial_bytes}, where);
+  lay_out_cpu_partial(host_block, b.h_cpu_o, b.h_cpu_lse);
   if (b.workspace_bytes > 0) KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.d_workspace), b.workspace_bytes));
   b.cpu_workspace_bytes =
       cpu::decode_workspace_bytes(config.batch, config.q_heads, config.kv_heads, config.head_dim, pool);

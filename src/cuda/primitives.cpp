@@ -76,9 +76,7 @@ constexpr std::size_t kKMeansCandidateRowsBytes = 48 * 1024;
 void check_kmeans(const char* where, std::int64_t n, std::int32_t dim, const cpu::KMeansConfig& config) {
   KVSIFT_CHECK(n > 0 && dim > 0, where, "points (= {}) and dim (= {}) must be positive", n, dim);
   KVSIFT_CHECK(n <= INT32_MAX, where, "points (= {}) exceeds 2^31 - 1", n);
-  KVSIFT_CHECK(config.clusters >= 1 && config.clusters <= n, where, "config.clusters (= {}) is outside [1, points = {}]",
-               config.clusters, n);
-  KVSIFT_CHECK(config.iterations >= 0, where, "config.iterations (= {}) must be >= 0", config.iterations);
+  cpu::detail::check_kmeans_config(where, n, config);
   KVSIFT_CHECK(config.metric == cpu::KMeansMetric::l2 || config.metric == cpu::KMeansMetric::cosine, where,
                "unknown KMeansMetric ({})", int(config.metric));
   const std::size_t candidate_bytes =
@@ -93,7 +91,7 @@ detail::KMeansBuffers layout_kmeans(WorkspaceLayout& layout, std::int64_t n, std
   b.candidates_per_step = kvsift::detail::kmeans_candidates_per_step(clusters);
   b.distance_blocks = detail::kmeans_distance_blocks(n);
   const auto points = std::size_t(n);
-  KVSIFT_CUDA_CHECK(detail::kmeans_cub_bytes(n, clusters, &b.cub_temp_bytes));
+  KVSIFT_CUDA_CHECK(detail::kmeans_cub_bytes(n, &b.cub_temp_bytes));
   b.points = layout.allocate<float>(checked_mul(points, std::size_t(dim), "kmeans points"), "kmeans points");
   b.norms = layout.allocate<float>(points, "kmeans norms");
   b.nearest = layout.allocate<double>(points, "kmeans nearest distances");

@@ -66,4 +66,10 @@ template <class T>
 KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& config, const KMeansAssigner& assigner = {},
                     ThreadPool* pool = nullptr);
 
+namespace detail {
+/// The checks of a k-means configuration that cpu::kmeans and cuda::kmeans share: clusters in [1, points],
+/// iterations >= 0.
+void check_kmeans_config(const char* where, std::int64_t points, const KMeansConfig& config);
+}  // namespace detail
+
 }  // namespace kvsift::cpu

@@ -111,7 +111,7 @@ inline std::int32_t kmeans_distance_blocks(std::int64_t n) {
 }
 
 /// Temporary storage of the CUB prefix sum (seeding) and radix sort (centroid updates).
-cudaError_t kmeans_cub_bytes(std::int64_t n, std::int32_t clusters, std::size_t* bytes);
+cudaError_t kmeans_cub_bytes(std::int64_t n, std::size_t* bytes);
 
 /// The whole of cuda::kmeans: seeding, `iterations` Lloyd steps and the final assignment, stream-ordered.
 template <class T>
