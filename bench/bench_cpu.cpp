@@ -1,8 +1,8 @@
 // CPU benchmarks: a STREAM-style triad (this machine's memory bandwidth, bytes read + written) and CPU sparse
 // decode over a 128K-token host cache (q_heads 32, kv_heads 8, head_dim 128) for K in {1024, 4096, 16384},
 // bf16 and fp16, 1..all threads, at the detected SIMD level and at scalar, over random selections (and, at
-// K = 16384, clustered ones) that rotate between calls. GB/s counts bytes touched: the selected K and V rows,
-// indices, Q and O.
+// K = 16384, clustered ones) that rotate between calls, and with the rows in cache (the compute ceiling).
+// GB/s counts bytes touched: the selected K and V rows, indices, Q and O.
 #include <benchmark/benchmark.h>
 
 #if defined(KVSIFT_BENCH_FAISS)
@@ -137,6 +137,35 @@ void BM_CpuSparseDecode(benchmark::State& state) {
   state.SetLabel(std::string(cpu::simd_level_name(cpu::active_simd_level())));
   std::free(workspace);
 }
+
+/// The kernel's compute ceiling on one thread: 256 rows per kv head, scattered over its first 512 tokens (1 MiB
+/// of K and V on few pages), the same selection every call, so that rows come from the caches. Against it,
+/// the sparse decode figures above say how much of a thread's time goes to misses.
+template <class T>
+void BM_CpuDecodeInCache(benchmark::State& state) {
+  constexpr int kRows = 256, kSpan = 512;  // kSpan and the stride 37 are coprime: distinct tokens
+  const auto [k_cache, v_cache] = host_cache<T>();
+  std::mt19937_64 rng(3);
+  std::vector<T> q(kQHeads * kHeadDim), o(q.size());
+  for (auto& x : q) x = from_float<T>(std::normal_distribution<float>()(rng));
+  std::vector<float> lse(kQHeads);
+  std::vector<std::int32_t> indices(std::size_t(kKvHeads) * kRows), counts(kKvHeads, kRows);
+  for (std::size_t i = 0; i < indices.size(); ++i) indices[i] = std::int32_t(i % kRows * 37 % kSpan);
+  const auto kv = ContiguousKVView<const T>::packed(k_cache, v_cache, 1, kKvHeads, kTokens, kHeadDim);
+  const SelectionView sel{indices.data(), counts.data(), nullptr, 1, kKvHeads, kRows};
+  const auto out = StateView<T>::packed(o.data(), lse.data(), 1, kQHeads, kHeadDim);
+  for (auto _ : state) {
+    cpu::sparse_decode(QueryView<const T>::packed(q.data(), 1, kQHeads, kHeadDim), kv, sel, out);
+    benchmark::DoNotOptimize(o.data());
+  }
+  const double bytes = (2.0 * kHeadDim * sizeof(T) + 4.0) * kKvHeads * kRows + 2.0 * q.size() * sizeof(T);
+  state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations(), benchmark::Counter::kIsRate);
+  state.counters["ns/row"] = benchmark::Counter(double(kKvHeads) * kRows * state.iterations(),
+                                                benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.SetLabel(std::string(cpu::simd_level_name(cpu::active_simd_level())));
+}
+BENCHMARK(BM_CpuDecodeInCache<bfloat16>)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CpuDecodeInCache<half>)->Unit(benchmark::kMicrosecond);
 
 /// MiB of this process's memory on transparent huge pages (/proc/self/smaps_rollup), -1 if unknown: says
 /// whether the kernel granted the huge pages the host cache asks for.

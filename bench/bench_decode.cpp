@@ -166,11 +166,7 @@ void BM_ShortCopy(benchmark::State& state) {
 }
 BENCHMARK(BM_ShortCopy)->Arg(4)->Arg(32)->ArgName("MiB")->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.1);
 
-void BM_DenseDecode(benchmark::State& state) {
-  const int tokens = int(state.range(0)), batch = int(state.range(1));
-  const kvsift::cuda::DecodeOptions options{.num_splits = std::int32_t(state.range(2)),
-                                            .cta_warps = std::int32_t(state.range(4)),
-                                            .programmatic_launch = state.range(3) != 0};
+void dense_decode_bench(benchmark::State& state, int tokens, int batch, const kvsift::cuda::DecodeOptions& options) {
   const std::size_t kv_elems = std::size_t(batch) * kKvHeads * tokens * kHeadDim;
   const int copies = copies_for(2 * kv_elems * sizeof(bfloat16));
   Device<bfloat16> k(kv_elems * copies), v(kv_elems * copies), q(std::size_t(batch) * kQHeads * kHeadDim),
@@ -194,6 +190,23 @@ void BM_DenseDecode(benchmark::State& state) {
   state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations(), benchmark::Counter::kIsRate);
   state.counters["bytes"] = bytes;
 }
+void BM_DenseDecode(benchmark::State& state) {
+  dense_decode_bench(state, int(state.range(0)), int(state.range(1)),
+                     {.num_splits = std::int32_t(state.range(2)),
+                      .cta_warps = std::int32_t(state.range(4)),
+                      .programmatic_launch = state.range(3) != 0});
+}
+/// The same call on fresh allocations, instance after instance: how much the buffers' placement moves it.
+void BM_DensePlacement(benchmark::State& state) {
+  const Device<std::byte> shift(std::size_t(state.range(2)) * (6 << 20) + 1);  // moves the next allocations
+  dense_decode_bench(state, int(state.range(0)), int(state.range(1)), {});
+}
+BENCHMARK(BM_DensePlacement)
+    ->ArgsProduct({{131072}, {1}, {0, 1, 2, 3}})
+    ->ArgNames({"N", "batch", "instance"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(0.1);
 /// splits 0: kvsift's own split planning; the sweeps show what that choice costs. pdl 0: the decode kernel
 /// launched without programmatic dependent launch (DecodeOptions::programmatic_launch), for comparison.
 /// warps 0: the CTA shape kvsift chooses for the GPU (8 warps on sm_90); 4: the shape of GPUs with less

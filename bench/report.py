@@ -112,6 +112,18 @@ def split_sweep(runs):
         print(f"| {shape} | {splits} | {r['us']:.1f} | {chosen_us} |")
 
 
+def placement(runs):
+    rows = [(k, r) for k, r in runs.items() if k.startswith("BM_DensePlacement")]
+    if not rows:
+        return
+    print("\n### Placement: the same dense call on fresh allocations (GPU time per call, us)\n")
+    print("| shape | instance | us |")
+    print("|---|---|---|")
+    for name, r in rows:
+        n, batch, instance = re.match(r"BM_DensePlacement/N:(\d+)/batch:(\d+)/instance:(\d+)", name).groups()
+        print(f"| N {n}, batch {batch} | {instance} | {r['us']:.1f} |")
+
+
 def comparison(runs, title, this, that, columns):
     """Benchmarks whose name holds `this` beside their twins with `that` in its place."""
     rows = [(k, r) for k, r in runs.items() if this in k and runs.get(k.replace(this, that))]
@@ -129,6 +141,7 @@ def comparison(runs, title, this, that, columns):
 if __name__ == "__main__":
     main(*sys.argv[1:4])
     split_sweep(medians(sys.argv[1]))
+    placement(medians(sys.argv[1]))
     comparison(medians(sys.argv[1]), "Programmatic dependent launch of the decode kernel: off against on",
                "/pdl:0/warps:0", "/pdl:1/warps:0", ("pdl off", "pdl on"))
     comparison(medians(sys.argv[1]), "Warps per CTA: four against kvsift's choice for this GPU",

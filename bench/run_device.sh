@@ -50,7 +50,7 @@ if has cpubench; then
   step "cpu benchmarks (host of the GPU machine)"
   { lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)"; echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled)"; } | tee "$OUT/cpu.txt"
   "$BUILD/bench/kvsift_bench_cpu" --benchmark_min_time=0.1 --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
-    --benchmark_filter="${KVSIFT_CPUBENCH_FILTER:-Triad|Gather|K:16384|K:4096/threads:1/|TopK|KMeans}" \
+    --benchmark_filter="${KVSIFT_CPUBENCH_FILTER:-Triad|Gather|InCache|K:16384|K:4096/threads:1/|TopK|KMeans}" \
     > "$OUT/bench_cpu.txt" 2>&1 || status=1
   grep -E "^BM.*median" "$OUT/bench_cpu.txt" | awk '{print $1, $2, $3, $(NF-1), $NF}'
 fi
