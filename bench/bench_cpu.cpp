@@ -106,6 +106,12 @@ class RotatingSelections {
   std::size_t calls_ = 0;
 };
 
+/// Bytes one batch-1 decode call touches with k_sel rows per kv head: K and V rows, indices, Q and O.
+template <class T>
+double decode_bytes_touched(int k_sel) {
+  return (2.0 * kHeadDim * sizeof(T) + 4.0) * kKvHeads * k_sel + 2.0 * kQHeads * kHeadDim * sizeof(T);
+}
+
 template <class T>
 void BM_CpuSparseDecode(benchmark::State& state) {
   const int k_sel = int(state.range(0)), threads = int(state.range(1));
@@ -132,8 +138,8 @@ void BM_CpuSparseDecode(benchmark::State& state) {
                        {workspace, ws_bytes});
     benchmark::DoNotOptimize(o.data());
   }
-  const double bytes = (2.0 * kHeadDim * sizeof(T) + 4.0) * kKvHeads * k_sel + 2.0 * q.size() * sizeof(T);
-  state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations(), benchmark::Counter::kIsRate);
+  state.counters["GB/s"] =
+      benchmark::Counter(decode_bytes_touched<T>(k_sel) * state.iterations(), benchmark::Counter::kIsRate);
   state.SetLabel(std::string(cpu::simd_level_name(cpu::active_simd_level())));
   std::free(workspace);
 }
@@ -158,8 +164,8 @@ void BM_CpuDecodeInCache(benchmark::State& state) {
     cpu::sparse_decode(QueryView<const T>::packed(q.data(), 1, kQHeads, kHeadDim), kv, sel, out);
     benchmark::DoNotOptimize(o.data());
   }
-  const double bytes = (2.0 * kHeadDim * sizeof(T) + 4.0) * kKvHeads * kRows + 2.0 * q.size() * sizeof(T);
-  state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations(), benchmark::Counter::kIsRate);
+  state.counters["GB/s"] =
+      benchmark::Counter(decode_bytes_touched<T>(kRows) * state.iterations(), benchmark::Counter::kIsRate);
   state.counters["ns/row"] = benchmark::Counter(double(kKvHeads) * kRows * state.iterations(),
                                                 benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
   state.SetLabel(std::string(cpu::simd_level_name(cpu::active_simd_level())));
