@@ -4,6 +4,8 @@
 
 namespace kvsift::cpu {
 
+thread_local const ThreadPool::Frame* ThreadPool::current_frame_ = nullptr;
+
 ThreadPool::ThreadPool(int threads) {
   KVSIFT_CHECK(threads >= 1, "cpu::ThreadPool", "threads (= {}) must be >= 1", threads);
   for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
@@ -33,13 +35,17 @@ void ThreadPool::run_chunk(int index) {
 void ThreadPool::worker_loop(int index) {
   std::uint64_t seen = 0;
   for (;;) {
+    const Frame* frame = nullptr;
     {
       std::unique_lock lock(mutex_);
       work_ready_.wait(lock, [&] { return stopping_ || generation_ != seen; });
       if (stopping_) return;
       seen = generation_;
+      frame = caller_frame_;
     }
+    current_frame_ = frame;  // fn calling parallel_for on a pool in this chain runs inline
     run_chunk(index);
+    current_frame_ = nullptr;
     {
       std::lock_guard lock(mutex_);
       if (--pending_ == 0) work_done_.notify_one();
@@ -48,17 +54,29 @@ void ThreadPool::worker_loop(int index) {
 }
 
 void ThreadPool::parallel_for(std::int64_t count, const std::function<void(std::int64_t, std::int64_t)>& fn) {
+  // Called from a chunk of this pool (directly, or through chunks of other pools): the pool is busy with
+  // the outer call, which waits for this thread, so run here.
+  for (const Frame* f = current_frame_; f != nullptr; f = f->outer) {
+    if (f->pool == this) {
+      if (count > 0) fn(0, count);
+      return;
+    }
+  }
   std::lock_guard call_lock(call_mutex_);
+  const Frame frame{this, current_frame_};
   {
     std::lock_guard lock(mutex_);
     fn_ = &fn;
+    caller_frame_ = &frame;
     count_ = count;
     pending_ = static_cast<int>(workers_.size());
     error_ = nullptr;
     ++generation_;
   }
   work_ready_.notify_all();
-  run_chunk(0);
+  current_frame_ = &frame;
+  run_chunk(0);  // catches fn's exceptions, so the frame is always restored
+  current_frame_ = frame.outer;
   std::exception_ptr error;
   {
     std::unique_lock lock(mutex_);

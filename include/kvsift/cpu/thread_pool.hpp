@@ -7,6 +7,12 @@
 /// than size() threads and never oversubscribes. Engine threads that must run concurrently should each own a
 /// pool sized to its share of the cores. A CPU function given no pool runs on the calling thread.
 /// An exception thrown by fn in any chunk is rethrown by parallel_for (the first one).
+///
+/// Nesting: a parallel_for called from inside a chunk of this pool (fn calling parallel_for on the same pool,
+/// on a worker or on the calling thread) runs fn(0, count) inline on that thread instead of waiting for the
+/// pool, which is busy with the outer call (waiting would deadlock). This holds through other pools too: a
+/// chunk of pool A may call parallel_for on pool B, which runs on B's threads as usual, and a chunk of that
+/// call that comes back to A runs inline. A nested inline call rethrows fn's exception to its caller.
 
 #include <condition_variable>
 #include <cstddef>
@@ -29,10 +35,18 @@ class ThreadPool {
 
   int size() const { return static_cast<int>(workers_.size()) + 1; }
 
-  /// Runs fn(begin, end) over chunks covering [0, count).
+  /// Runs fn(begin, end) over chunks covering [0, count); inline when called from one of this pool's chunks.
   void parallel_for(std::int64_t count, const std::function<void(std::int64_t, std::int64_t)>& fn);
 
  private:
+  /// The pools whose chunks the current thread is running, innermost first: a list of frames on the stacks
+  /// of the parallel_for calls that handed out those chunks.
+  struct Frame {
+    const ThreadPool* pool;
+    const Frame* outer;
+  };
+  static thread_local const Frame* current_frame_;
+
   void worker_loop(int index);
   void run_chunk(int index);
 
@@ -41,6 +55,7 @@ class ThreadPool {
   std::mutex mutex_;
   std::condition_variable work_ready_, work_done_;
   const std::function<void(std::int64_t, std::int64_t)>* fn_ = nullptr;
+  const Frame* caller_frame_ = nullptr;  ///< the running call's frame: its workers run chunks inside it
   std::int64_t count_ = 0;
   std::uint64_t generation_ = 0;
   int pending_ = 0;
