@@ -1,11 +1,21 @@
-// kvsift demo: how much of exact attention a sparse selection keeps, on synthetic long-context workloads
-// shaped like real attention (see include/kvsift/core/synthetic_workload.hpp), and what the reference
-// attention costs dense vs sparse on this machine. Each selector joins this table as it lands.
+// kvsift demo: how much of exact attention a sparse selection keeps, and what one decode step costs with
+// kvsift's own kernels, on synthetic long-context workloads shaped like real attention (see
+// include/kvsift/core/synthetic_workload.hpp); then the fidelity harness on a real-model capture.
+//
+// Times are per decode step (batch 1, all heads), bf16 K/V/Q storage, fp32 accumulation, medians of a few
+// calls: dense attention, the selector's select, sparse attention over its selection, and select + attend.
+// The only selector so far is the exact OracleTopK, which scores every key: it costs more than dense
+// attention and is the quality upper bound, not a speed path. Each selector joins this table as it lands.
+#include <algorithm>
 #include <chrono>
-#include <cstdio>
+#include <cstddef>
+#include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <set>
+#include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -13,18 +23,66 @@
 #include "kvsift/attention/metrics.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/core/capture.hpp"
+#include "kvsift/core/dtype.hpp"
 #include "kvsift/core/selection_buffer.hpp"
-#include "kvsift/selectors/fidelity.hpp"
 #include "kvsift/core/synthetic_workload.hpp"
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/cpu/decode.hpp"
+#include "kvsift/cpu/simd.hpp"
+#include "kvsift/cpu/thread_pool.hpp"
+#include "kvsift/selectors/fidelity.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
+
+#if defined(KVSIFT_WITH_CUDA)
+#include <cuda_runtime_api.h>
+
+#include "kvsift/attention/decode_cuda.hpp"
+#include "kvsift/cuda/check.hpp"
+#endif
 
 namespace {
 
+using kvsift::bfloat16;
 using Clock = std::chrono::steady_clock;
 
 double ms_since(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
+
+/// Median wall time of fn in ms, after one warm-up call: at least `min_calls` calls, more (up to 101) for
+/// short calls, so that each figure takes about 30 ms of calls and one preempted call does not move it.
+template <class F>
+double median_ms(int min_calls, F&& fn) {
+  auto start = Clock::now();
+  fn();
+  const double warm_ms = ms_since(start);
+  const int calls = std::clamp(int(30.0 / std::max(warm_ms, 1e-3)), min_calls, 101) | 1;
+  std::vector<double> ms(calls);
+  for (auto& m : ms) {
+    start = Clock::now();
+    fn();
+    m = ms_since(start);
+  }
+  std::nth_element(ms.begin(), ms.begin() + calls / 2, ms.end());
+  return ms[calls / 2];
+}
+
+std::vector<bfloat16> to_bf16(const std::vector<float>& x) {
+  std::vector<bfloat16> y(x.size());
+  std::transform(x.begin(), x.end(), y.begin(), kvsift::float_to_bfloat16);
+  return y;
+}
+
+/// Host workspace for the CPU decode's split-K, aligned as the decode requires.
+struct HostWorkspace {
+  std::unique_ptr<std::byte, decltype(&std::free)> data{nullptr, &std::free};
+  std::size_t bytes = 0;
+  explicit HostWorkspace(std::size_t n) : bytes(n) {
+    constexpr std::size_t a = kvsift::WorkspaceLayout::kAlignment;
+    if (n > 0) data.reset(static_cast<std::byte*>(std::aligned_alloc(a, (n + a - 1) / a * a)));
+  }
+  std::span<std::byte> span() const { return {data.get(), bytes}; }
+};
 
 double needle_recall(const kvsift::SyntheticWorkload& w, const kvsift::SelectionView& sel) {
   std::int32_t found = 0, total = 0;
@@ -36,6 +94,114 @@ double needle_recall(const kvsift::SyntheticWorkload& w, const kvsift::Selection
   }
   return double(found) / total;
 }
+
+/// One row of the synthetic table: quality of the selection, CPU times, and GPU times where measured.
+struct Row {
+  std::int32_t tokens = 0, k = 0;
+  double budget = 0, mass_recall = 0, error = 0, needles = 0;
+  double dense_ms = 0, select_ms = 0, attend_ms = 0;
+  double gpu_dense_us = -1, gpu_attend_us = -1;  ///< < 0: not measured
+};
+
+#if defined(KVSIFT_WITH_CUDA)
+/// The CUDA kernels on the same bf16 data: GPU time per call from CUDA events, median of 20 calls.
+class GpuTimer {
+ public:
+  /// Empty when this build has CUDA but the machine has no usable GPU.
+  static std::string unavailable_reason() {
+    return kvsift::cuda::device_available() ? std::string() : "skipped: no CUDA device on this machine";
+  }
+  static std::string device_name() {
+    cudaDeviceProp prop{};
+    int device = 0;
+    KVSIFT_CUDA_CHECK(cudaGetDevice(&device));
+    KVSIFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    return prop.name;
+  }
+
+  GpuTimer(const std::vector<bfloat16>& q, const std::vector<bfloat16>& k, const std::vector<bfloat16>& v,
+           const kvsift::SyntheticWorkloadConfig& c)
+      : c_(c), q_(upload(q)), k_(upload(k)), v_(upload(v)), o_(alloc<bfloat16>(q.size())), lse_(alloc<float>(c.q_heads)) {
+    KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    KVSIFT_CUDA_CHECK(cudaEventCreate(&start_));
+    KVSIFT_CUDA_CHECK(cudaEventCreate(&stop_));
+  }
+  ~GpuTimer() {
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+    cudaStreamDestroy(stream_);
+    for (void* p : owned_) cudaFree(p);
+  }
+  GpuTimer(const GpuTimer&) = delete;
+  GpuTimer& operator=(const GpuTimer&) = delete;
+
+  double dense_us() {
+    const std::size_t bytes = kvsift::cuda::dense_decode_workspace_bytes(query(), kv());
+    std::byte* ws = workspace(bytes);
+    return median_us([&] { kvsift::cuda::dense_decode(query(), kv(), out(), {ws, bytes}, stream_); });
+  }
+  double sparse_us(const kvsift::SelectionView& host_sel) {
+    const std::size_t rows = std::size_t(c_.batch) * c_.kv_heads;
+    auto* idx = alloc<std::int32_t>(rows * host_sel.capacity);
+    auto* counts = alloc<std::int32_t>(rows);
+    KVSIFT_CUDA_CHECK(cudaMemcpy(idx, host_sel.indices, rows * host_sel.capacity * 4, cudaMemcpyHostToDevice));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(counts, host_sel.counts, rows * 4, cudaMemcpyHostToDevice));
+    const kvsift::SelectionView sel{idx, counts, nullptr, c_.batch, c_.kv_heads, host_sel.capacity};
+    const std::size_t bytes = kvsift::cuda::sparse_decode_workspace_bytes(query(), kv(), sel);
+    std::byte* ws = workspace(bytes);
+    return median_us([&] { kvsift::cuda::sparse_decode(query(), kv(), sel, out(), {ws, bytes}, stream_); });
+  }
+
+ private:
+  template <class T>
+  T* alloc(std::size_t n) {
+    void* p = nullptr;
+    KVSIFT_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(n * sizeof(T), 256)));
+    owned_.push_back(p);
+    return static_cast<T*>(p);
+  }
+  template <class T>
+  T* upload(const std::vector<T>& x) {
+    T* d = alloc<T>(x.size());
+    KVSIFT_CUDA_CHECK(cudaMemcpy(d, x.data(), x.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+  }
+  std::byte* workspace(std::size_t bytes) { return alloc<std::byte>(bytes); }
+  kvsift::QueryView<const bfloat16> query() const {
+    return kvsift::QueryView<const bfloat16>::packed(q_, c_.batch, c_.q_heads, c_.head_dim);
+  }
+  kvsift::ContiguousKVView<const bfloat16> kv() const {
+    return kvsift::ContiguousKVView<const bfloat16>::packed(k_, v_, c_.batch, c_.kv_heads, c_.tokens, c_.head_dim);
+  }
+  kvsift::StateView<bfloat16> out() const {
+    return kvsift::StateView<bfloat16>::packed(o_, lse_, c_.batch, c_.q_heads, c_.head_dim);
+  }
+  template <class F>
+  double median_us(F&& call) {
+    constexpr int kCalls = 20;
+    for (int i = 0; i < 3; ++i) call();  // module load, occupancy query
+    std::vector<double> us(kCalls);
+    for (auto& u : us) {
+      KVSIFT_CUDA_CHECK(cudaEventRecord(start_, stream_));
+      call();
+      KVSIFT_CUDA_CHECK(cudaEventRecord(stop_, stream_));
+      KVSIFT_CUDA_CHECK(cudaEventSynchronize(stop_));
+      float ms = 0;
+      KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+      u = ms * 1e3;
+    }
+    std::nth_element(us.begin(), us.begin() + kCalls / 2, us.end());
+    return us[kCalls / 2];
+  }
+
+  kvsift::SyntheticWorkloadConfig c_;
+  std::vector<void*> owned_;
+  bfloat16 *q_, *k_, *v_, *o_;
+  float* lse_;
+  cudaStream_t stream_{};
+  cudaEvent_t start_{}, stop_{};
+};
+#endif
 
 /// The real-data table: the fidelity harness (OracleTopK, StreamingLLM, Quest) on the committed capture.
 /// Its 512 tokens make 1% of the context 5 tokens, less than one Quest page: budgets here are 5/10/20%.
@@ -56,36 +222,98 @@ int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
   const std::vector<std::int32_t> contexts = quick ? std::vector<std::int32_t>{8192} : std::vector<std::int32_t>{8192, 32768, 131072};
   const std::vector<double> budgets = {0.01, 0.02, 0.05};
+  const int threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  kvsift::cpu::ThreadPool pool(threads);
 
-  fmt::print("kvsift demo: synthetic long-context decode, q_heads 8, kv_heads 2, head_dim 128, RoPE theta 5e5\n");
-  fmt::print("mass recall = exact softmax mass of the selected tokens; error = ||O_sparse - O_dense|| / ||O_dense||\n");
-  fmt::print("times: scalar fp64 reference attention on this CPU (one decode step, all heads)\n\n");
-  fmt::print("{:>8} {:>7} {:>6} {:<11} {:>11} {:>10} {:>8} {:>10} {:>10}\n", "context", "budget", "K", "selector",
-             "mass recall", "error", "needles", "dense ms", "sparse ms");
+  std::string gpu_skipped = "skipped: this build has no CUDA backend (nvcc was not found at configure time)";
+#if defined(KVSIFT_WITH_CUDA)
+  gpu_skipped = GpuTimer::unavailable_reason();
+#endif
+
+  fmt::print("kvsift demo: synthetic long-context decode, batch 1, q_heads 8, kv_heads 2, head_dim 128, RoPE theta 5e5\n");
+  fmt::print("Selector: OracleTopK (exact top-K by softmax weight; sink 4 and the last 32 tokens always kept)\n\n");
+
+  std::vector<Row> rows;
   for (std::int32_t tokens : contexts) {
     const auto w = kvsift::make_synthetic_workload({.tokens = tokens, .seed = 2026});
     const auto& c = w.config;
+    // Quality is measured in fp64 on the fp32 workload (the reference attention), so it shows what the
+    // selection keeps, not bf16 rounding.
     std::vector<float> o_dense(std::size_t(c.q_heads) * c.head_dim), lse_dense(c.q_heads);
-    auto start = Clock::now();
     kvsift::reference::dense_decode(w.query(), w.kv(),
                                     kvsift::StateView<float>::packed(o_dense.data(), lse_dense.data(), 1, c.q_heads, c.head_dim));
-    const double dense_ms = ms_since(start);
+
+    // Times: kvsift's CPU kernels on bf16 copies, on all of this machine's threads.
+    const auto q16 = to_bf16(w.q), k16 = to_bf16(w.k), v16 = to_bf16(w.v);
+    const auto q = kvsift::QueryView<const bfloat16>::packed(q16.data(), 1, c.q_heads, c.head_dim);
+    const auto kv = kvsift::ContiguousKVView<const bfloat16>::packed(k16.data(), v16.data(), 1, c.kv_heads, tokens, c.head_dim);
+    std::vector<bfloat16> o16(o_dense.size());
+    std::vector<float> lse16(c.q_heads);
+    const auto out16 = kvsift::StateView<bfloat16>::packed(o16.data(), lse16.data(), 1, c.q_heads, c.head_dim);
+    const HostWorkspace ws(kvsift::cpu::decode_workspace_bytes(1, c.q_heads, c.kv_heads, c.head_dim, &pool));
+    const double dense_ms = median_ms(5, [&] { kvsift::cpu::dense_decode(q, kv, out16, {}, &pool, ws.span()); });
+#if defined(KVSIFT_WITH_CUDA)
+    std::unique_ptr<GpuTimer> gpu;
+    if (gpu_skipped.empty()) gpu = std::make_unique<GpuTimer>(q16, k16, v16, c);
+    const double gpu_dense_us = gpu ? gpu->dense_us() : -1;
+#endif
+
     for (double budget : budgets) {
-      const auto k = static_cast<std::int32_t>(budget * tokens);
-      kvsift::OracleTopK oracle({.budget = k, .sink = c.sink_tokens, .recent = 32});
-      oracle.prepare({{}, w.kv()});
-      const kvsift::SelectionBuffer buffer(1, c.kv_heads, k, false);
+      Row r{.tokens = tokens, .k = static_cast<std::int32_t>(budget * tokens), .budget = budget, .dense_ms = dense_ms};
+      kvsift::OracleTopK oracle({.budget = r.k, .sink = c.sink_tokens, .recent = 32});
+      oracle.prepare({{}, w.kv()});  // prefill: the oracle copies every key (not timed)
+      const kvsift::SelectionBuffer buffer(1, c.kv_heads, r.k, false);
       const kvsift::SelectionView& sel = buffer.view();
-      oracle.select(w.query(), sel);
+      r.select_ms = median_ms(3, [&] { oracle.select(w.query(), sel); });
+      r.attend_ms = median_ms(5, [&] { kvsift::cpu::sparse_decode(q, kv, sel, out16, {}, &pool, ws.span()); });
+
       std::vector<float> o(o_dense.size()), lse(lse_dense.size());
-      start = Clock::now();
       kvsift::reference::sparse_decode(w.query(), w.kv(), sel,
                                        kvsift::StateView<float>::packed(o.data(), lse.data(), 1, c.q_heads, c.head_dim));
-      const double sparse_ms = ms_since(start);
-      fmt::print("{:>8} {:>6.0f}% {:>6} {:<11} {:>11.4f} {:>10.2e} {:>7.0f}% {:>10.1f} {:>10.2f}\n", tokens,
-                 budget * 100, k, oracle.name(), kvsift::attention_mass_recall(w.query(), w.kv(), sel),
-                 kvsift::relative_l2_error(o, o_dense), 100 * needle_recall(w, sel), dense_ms, sparse_ms);
+      r.mass_recall = kvsift::attention_mass_recall(w.query(), w.kv(), sel);
+      r.error = kvsift::relative_l2_error(o, o_dense);
+      r.needles = needle_recall(w, sel);
+#if defined(KVSIFT_WITH_CUDA)
+      if (gpu) {
+        r.gpu_dense_us = gpu_dense_us;
+        r.gpu_attend_us = gpu->sparse_us(sel);
+      }
+#endif
+      rows.push_back(r);
     }
+  }
+
+  fmt::print("Quality (fp64 reference attention on the fp32 workload):\n");
+  fmt::print("  mass recall = exact softmax mass of the selected tokens; error = ||O_sparse - O_dense|| / ||O_dense||;\n");
+  fmt::print("  needles = planted strongest tokens found\n");
+  fmt::print("CPU time per decode step: kvsift::cpu kernels, bf16 K/V, {} threads, {} SIMD; medians of 3-101 calls\n",
+             threads, kvsift::cpu::simd_level_name(kvsift::cpu::active_simd_level()));
+  fmt::print("  select = OracleTopK::select (one thread, fp64 scores of every key); attend = sparse decode over the selection\n\n");
+  fmt::print("{:>8} {:>6} {:>5} | {:>7} {:>8} {:>7} | {:>8} {:>9} {:>9} {:>10} {:>9}\n", "context", "budget", "K",
+             "recall", "error", "needles", "dense ms", "select ms", "attend ms", "sel+att ms", "/ dense");
+  for (const Row& r : rows) {
+    const double total = r.select_ms + r.attend_ms;
+    fmt::print("{:>8} {:>5.0f}% {:>5} | {:>7.4f} {:>8.2e} {:>6.0f}% | {:>8.2f} {:>9.2f} {:>9.3f} {:>10.2f} {:>8.1f}x\n",
+               r.tokens, 100 * r.budget, r.k, r.mass_recall, r.error, 100 * r.needles, r.dense_ms, r.select_ms,
+               r.attend_ms, total, total / r.dense_ms);
+  }
+  fmt::print("\nThe exact oracle reads every key to score it, so select alone costs more than dense attention (the\n"
+             "'/ dense' column is above 1x): it is the quality upper bound, not a speed path. Sparse attention pays\n"
+             "only once a selector's select costs much less than dense attention; the attend column is that floor.\n");
+
+  fmt::print("\nGPU time per decode step: ");
+  if (!gpu_skipped.empty()) {
+    fmt::print("{}\n", gpu_skipped);
+  } else {
+#if defined(KVSIFT_WITH_CUDA)
+    fmt::print("kvsift::cuda kernels on {}, same bf16 data; CUDA events, median of 20 calls\n", GpuTimer::device_name());
+    fmt::print("  no selector runs on the GPU yet (OracleTopK is CPU-only): select + attend on a GPU is not measured\n\n");
+    fmt::print("{:>8} {:>6} {:>5} | {:>9} {:>10} {:>14}\n", "context", "budget", "K", "dense us", "attend us", "attend / dense");
+    for (const Row& r : rows) {
+      fmt::print("{:>8} {:>5.0f}% {:>5} | {:>9.1f} {:>10.1f} {:>14.2f}\n", r.tokens, 100 * r.budget, r.k, r.gpu_dense_us,
+                 r.gpu_attend_us, r.gpu_attend_us / r.gpu_dense_us);
+    }
+#endif
   }
   real_data_table(KVSIFT_DEMO_CAPTURE);
   return 0;
