@@ -163,15 +163,76 @@ struct HostDecodeProblem {
     return {sel_indices.data(), sel_counts.data(), spec.log_weights ? sel_weights.data() : nullptr, spec.batch,
             spec.kv_heads, spec.k};
   }
-  HostState reference(bool sparse) {
+  HostState reference(bool sparse, const AttentionOptions& options = {}) {
     HostState ref(spec.batch, spec.q_heads, spec.head_dim);
     if (sparse) {
-      reference::sparse_decode(q_view(), contiguous(), selection(), ref.view);
+      reference::sparse_decode(q_view(), contiguous(), selection(), ref.view, options);
     } else {
-      reference::dense_decode(q_view(), contiguous(), ref.view);
+      reference::dense_decode(q_view(), contiguous(), ref.view, options);
     }
     return ref;
   }
 };
+
+/// The non-finite inputs of the attention contract (attention/state.hpp), one per case.
+enum class Corruption { k_nan, k_inf, v_nan, q_nan, log_weight_nan, log_weight_inf, scale_nan, row_masked };
+inline constexpr Corruption kCorruptions[] = {Corruption::k_nan,          Corruption::k_inf,
+                                              Corruption::v_nan,          Corruption::q_nan,
+                                              Corruption::log_weight_nan, Corruption::log_weight_inf,
+                                              Corruption::scale_nan,      Corruption::row_masked};
+inline const char* corruption_name(Corruption c) {
+  constexpr const char* names[] = {"NaN in a K row",       "+inf in a K row",        "NaN in a V row",
+                                   "NaN in a query",       "a NaN log-weight",       "a +inf log-weight",
+                                   "sm_scale NaN",         "every log-weight -inf"};
+  return names[static_cast<int>(c)];
+}
+/// Whether a corruption concerns the selection's log-weights (sparse decode with log-weights only).
+inline bool needs_log_weights(Corruption c) {
+  return c == Corruption::log_weight_nan || c == Corruption::log_weight_inf || c == Corruption::row_masked;
+}
+
+/// Corrupts one input of a contiguous problem (k > 0, distinct selected tokens): the first token that row
+/// (batch 0, last kv head) selects, in K or V (so dense decode sees it too); the last query head of the last
+/// sequence; that row's log-weights. Returns the sm_scale to run with (NaN for scale_nan, else 0: default).
+template <class T>
+float corrupt(HostDecodeProblem<T>& p, Corruption c) {
+  const CaseSpec& s = p.spec;
+  const std::size_t row = std::size_t(s.kv_heads) - 1;
+  const std::int32_t token = p.sel_indices[row * s.k];
+  const auto element = [&](std::int32_t channel) {
+    return (row * s.tokens + std::size_t(token)) * s.head_dim + std::size_t(channel);
+  };
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  switch (c) {
+    case Corruption::k_nan: p.k[element(s.head_dim / 2)] = from_float<T>(nan); break;
+    case Corruption::k_inf:  // logit +inf or -inf by the sign of q's channel 0: +inf for the group's first head
+      p.k[element(0)] = from_float<T>(inf);
+      p.q[row * (s.q_heads / s.kv_heads) * s.head_dim] = from_float<T>(1.0f);
+      break;
+    case Corruption::v_nan: p.v[element(1)] = from_float<T>(nan); break;
+    case Corruption::q_nan: p.q[p.q.size() - 3] = from_float<T>(nan); break;
+    case Corruption::log_weight_nan: p.sel_weights[row * s.k] = nan; break;
+    case Corruption::log_weight_inf: p.sel_weights[row * s.k] = inf; break;
+    case Corruption::scale_nan: return nan;
+    case Corruption::row_masked: std::fill_n(p.sel_weights.begin() + row * s.k, p.sel_counts[row], -inf); break;
+  }
+  return 0.0f;
+}
+
+/// Compares a result with the reference where inputs may be non-finite: NaN exactly where the reference has
+/// NaN (O element by element, LSE per head), every other element within expect_close's tolerances.
+template <class T>
+void expect_close_with_nan(std::vector<T> o, std::vector<float> lse, HostState ref, const std::string& what) {
+  std::size_t nans = 0;
+  for (std::size_t i = 0; i < o.size(); ++i) {
+    ASSERT_EQ(std::isnan(to_float(o[i])), std::isnan(ref.o[i])) << what << ": O element " << i;
+    if (std::isnan(ref.o[i])) o[i] = from_float<T>(0.0f), ref.o[i] = 0.0f, ++nans;
+  }
+  for (std::size_t i = 0; i < lse.size(); ++i) {
+    ASSERT_EQ(std::isnan(lse[i]), std::isnan(ref.lse[i])) << what << ": LSE of head " << i;
+    if (std::isnan(ref.lse[i])) lse[i] = ref.lse[i] = 0.0f;
+  }
+  expect_close(o, lse, ref, what);
+}
 
 }  // namespace kvsift::test

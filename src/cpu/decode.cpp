@@ -48,7 +48,7 @@ std::int32_t longest_row(const QueryView<const T>& q, const KV& kv, const Select
 
 template <class T, class KV>
 void run(const char* where, const QueryView<const T>& q, const KV& kv, const SelectionView* selection,
-         const StateView<T>& out, const AttentionOptions& options, ThreadPool* pool, std::span<std::byte> workspace) {
+         const StateView<T>& out, const DecodeOptions& options, ThreadPool* pool, std::span<std::byte> workspace) {
   validate(q, where, "q");
   validate(kv, where, "kv", MemorySpace::host);
   validate(out, where, "out");
@@ -56,9 +56,18 @@ void run(const char* where, const QueryView<const T>& q, const KV& kv, const Sel
   KVSIFT_CHECK(q.head_dim <= detail::kMaxHeadDim, where,
                "head_dim (= {}) exceeds the CPU decode kernels' limit of {}", q.head_dim, detail::kMaxHeadDim);
   detail::DecodeJob<T, KV> job{q, kv, {}, out, q.heads / kv.kv_heads,
-                               options.resolved_scale(q.head_dim) * kLog2e};
+                               options.attention.resolved_scale(q.head_dim) * kLog2e};
   if (selection != nullptr) {
-    validate(*selection, kv, where, "selection", MemorySpace::host);
+    validate(*selection, kv, where, "selection");
+    if (options.validate_indices) {
+      check_selection_contents(*selection, kv, where, "selection", /*refuse_duplicates=*/true);
+    } else {
+      for (std::int32_t b = 0; b < q.batch; ++b) {
+        for (std::int32_t h = 0; h < kv.kv_heads; ++h) {
+          check_selection_count(where, "selection", b, h, selection->count(b, h), selection->capacity);
+        }
+      }
+    }
     job.selection = *selection;
   }
   const std::int64_t rows = std::int64_t(q.batch) * kv.kv_heads;
@@ -116,12 +125,12 @@ std::size_t decode_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std
 
 template <class T, class KV>
 void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<T>& out,
-                   const AttentionOptions& options, ThreadPool* pool, std::span<std::byte> workspace) {
+                   const DecodeOptions& options, ThreadPool* pool, std::span<std::byte> workspace) {
   run("cpu::sparse_decode", q, kv, &selection, out, options, pool, workspace);
 }
 
 template <class T, class KV>
-void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<T>& out, const AttentionOptions& options,
+void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<T>& out, const DecodeOptions& options,
                   ThreadPool* pool, std::span<std::byte> workspace) {
   run("cpu::dense_decode", q, kv, nullptr, out, options, pool, workspace);
 }
@@ -133,7 +142,7 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
   for (std::int32_t b = 0; b < out.batch; ++b) {
     for (std::int32_t h = 0; h < out.heads; ++h) {
       float lse_max = negative_infinity<float>();
-      for (const auto& p : partials) lse_max = std::max(lse_max, p.lse_at(b, h));
+      for (const auto& p : partials) lse_max = max_nan(lse_max, p.lse_at(b, h));
       float weight_sum = 0.0f;
       for (const auto& p : partials) weight_sum += state_weight(p.lse_at(b, h), lse_max);
       // Channels go in slices whose sums stay on the stack, so each partial's weight (an exp) is computed
@@ -161,16 +170,16 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
 #define KVSIFT_INSTANTIATE(T)                                                                                       \
   template void sparse_decode<T, ContiguousKVView<const T>>(const QueryView<const T>&, const ContiguousKVView<const T>&, \
                                                             const SelectionView&, const StateView<T>&,              \
-                                                            const AttentionOptions&, ThreadPool*,                   \
+                                                            const DecodeOptions&, ThreadPool*,                   \
                                                             std::span<std::byte>);                                  \
   template void sparse_decode<T, PagedKVView<const T>>(const QueryView<const T>&, const PagedKVView<const T>&,      \
                                                        const SelectionView&, const StateView<T>&,                   \
-                                                       const AttentionOptions&, ThreadPool*, std::span<std::byte>); \
+                                                       const DecodeOptions&, ThreadPool*, std::span<std::byte>); \
   template void dense_decode<T, ContiguousKVView<const T>>(const QueryView<const T>&, const ContiguousKVView<const T>&, \
-                                                           const StateView<T>&, const AttentionOptions&, ThreadPool*, \
+                                                           const StateView<T>&, const DecodeOptions&, ThreadPool*, \
                                                            std::span<std::byte>);                                  \
   template void dense_decode<T, PagedKVView<const T>>(const QueryView<const T>&, const PagedKVView<const T>&,       \
-                                                      const StateView<T>&, const AttentionOptions&, ThreadPool*,    \
+                                                      const StateView<T>&, const DecodeOptions&, ThreadPool*,    \
                                                       std::span<std::byte>);
 KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)

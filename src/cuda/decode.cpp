@@ -7,6 +7,7 @@
 #include <climits>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "kvsift/attention/decode_cuda.hpp"
 #include "kvsift/attention/state.hpp"
@@ -25,7 +26,7 @@ inline constexpr int kMinTokensToSplitInTwo = 8192;
 struct DecodeWorkspace {
   float* partial_o = nullptr;
   float* partial_lse = nullptr;
-  unsigned long long* first_bad_index = nullptr;
+  unsigned long long* first_bad_row = nullptr;
 };
 
 /// The single layout function behind both the size query (counting layout) and the run (carving layout).
@@ -37,7 +38,7 @@ inline DecodeWorkspace layout_workspace(WorkspaceLayout& layout, std::int64_t ba
     ws.partial_o = layout.allocate<float>(checked_mul(rows, std::size_t(head_dim), "decode workspace"), "partial_o");
     ws.partial_lse = layout.allocate<float>(rows, "partial_lse");
   }
-  if (validate_indices) ws.first_bad_index = layout.allocate<unsigned long long>(1, "first_bad_index");
+  if (validate_indices) ws.first_bad_row = layout.allocate<unsigned long long>(1, "first_bad_row");
   return ws;
 }
 
@@ -145,7 +146,7 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   }
   std::int32_t max_tokens = 0;
   if (selection != nullptr) {
-    validate(*selection, kv, where, "selection", MemorySpace::device);
+    validate(*selection, kv, where, "selection");
     p.selection = *selection;
     max_tokens = selection->capacity;
   } else {
@@ -168,40 +169,40 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   return p;
 }
 
-/// Validation mode: after the kernels ran, read the first bad index back and throw with its location.
+/// Validation mode: checks the selection on the device and, when a row is refused, reads that row back
+/// and throws naming its first offending position, with the same words as the CPU. Synchronizes the stream.
 template <class T>
-void report_bad_index(const char* where, const DecodeParams<T>& p, cudaStream_t stream) {
+void check_selection(const char* where, const DecodeParams<T>& p, cudaStream_t stream) {
+  KVSIFT_CUDA_CHECK(cudaMemsetAsync(p.first_bad_row, 0xff, sizeof(unsigned long long), stream));
+  KVSIFT_CUDA_CHECK(launch_check_selection(p, stream));
   unsigned long long first = 0;
-  KVSIFT_CUDA_CHECK(cudaMemcpyAsync(&first, p.first_bad_index, sizeof(first), cudaMemcpyDeviceToHost, stream));
+  KVSIFT_CUDA_CHECK(cudaMemcpyAsync(&first, p.first_bad_row, sizeof(first), cudaMemcpyDeviceToHost, stream));
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (first == ~0ull) return;
-  const std::int64_t row = static_cast<std::int64_t>(first >> 32);
-  const std::int32_t position = static_cast<std::int32_t>(first & 0xffffffffu);
+  const std::int64_t row = static_cast<std::int64_t>(first);
   const std::int64_t b = row / p.selection.kv_heads, h = row % p.selection.kv_heads;
-  std::int32_t value = 0;
-  if (position == 0x7fffffff) {
-    KVSIFT_CUDA_CHECK(cudaMemcpy(&value, p.selection.counts + row, sizeof(value), cudaMemcpyDeviceToHost));
-    KVSIFT_CHECK(false, where, "selection.counts (= {}) at batch {}, kv_head {} is outside [0, capacity = {}]", value, b,
-                 h, p.selection.capacity);
-  }
-  KVSIFT_CUDA_CHECK(cudaMemcpy(&value, p.selection.indices + row * p.selection.capacity + position, sizeof(value),
-                               cudaMemcpyDeviceToHost));
+  std::int32_t count = 0;
+  KVSIFT_CUDA_CHECK(cudaMemcpy(&count, p.selection.counts + row, sizeof(count), cudaMemcpyDeviceToHost));
+  check_selection_count(where, "selection", b, h, count, p.selection.capacity);
   std::int32_t seq_len = 0;
   if (!p.paged && p.kv.seq_lens == nullptr) {
     seq_len = p.kv.capacity;
+  } else if (!p.paged) {
+    KVSIFT_CUDA_CHECK(cudaMemcpy(&seq_len, p.kv.seq_lens + b, sizeof(seq_len), cudaMemcpyDeviceToHost));
   } else {
-    const std::int32_t* lens = p.paged ? nullptr : p.kv.seq_lens;
-    if (lens != nullptr) {
-      KVSIFT_CUDA_CHECK(cudaMemcpy(&seq_len, lens + b, sizeof(seq_len), cudaMemcpyDeviceToHost));
-    } else {
-      std::int32_t indptr[2], last = 0;
-      KVSIFT_CUDA_CHECK(cudaMemcpy(indptr, p.paged_kv.page_indptr + b, sizeof(indptr), cudaMemcpyDeviceToHost));
-      KVSIFT_CUDA_CHECK(cudaMemcpy(&last, p.paged_kv.last_page_len + b, sizeof(last), cudaMemcpyDeviceToHost));
-      seq_len = indptr[1] == indptr[0] ? 0 : (indptr[1] - indptr[0] - 1) * p.paged_kv.page_size + last;
-    }
+    std::int32_t indptr[2], last = 0;
+    KVSIFT_CUDA_CHECK(cudaMemcpy(indptr, p.paged_kv.page_indptr + b, sizeof(indptr), cudaMemcpyDeviceToHost));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(&last, p.paged_kv.last_page_len + b, sizeof(last), cudaMemcpyDeviceToHost));
+    seq_len = indptr[1] == indptr[0] ? 0 : (indptr[1] - indptr[0] - 1) * p.paged_kv.page_size + last;
   }
-  KVSIFT_CHECK(false, where, "selection.indices[{}] (= {}) at batch {}, kv_head {} is outside [0, seq_len = {})",
-               position, value, b, h, seq_len);
+  // The error path only: a host copy of the refused row and a bitmap of its sequence.
+  std::vector<std::int32_t> indices(static_cast<std::size_t>(count));
+  KVSIFT_CUDA_CHECK(cudaMemcpy(indices.data(), p.selection.indices + row * p.selection.capacity,
+                               indices.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+  std::vector<std::uint64_t> seen(std::size_t(std::max(seq_len, 0)) / 64 + 1, 0);
+  check_selection_entries(where, "selection", b, h, indices.data(), count, seq_len, seen);
+  KVSIFT_CHECK(false, where, "the device check refused selection row (batch {}, kv_head {}), but its host copy "
+               "passes: was the selection written concurrently with this call?", b, h);
 }
 
 template <class T>
@@ -213,10 +214,9 @@ void run_decode(const char* where, DecodeParams<T> p, std::span<std::byte> works
       layout_workspace(layout, p.q.batch, p.q.heads, p.q.head_dim, p.num_splits, validate_indices);
   p.partial_o = ws.partial_o;
   p.partial_lse = ws.partial_lse;
-  p.first_bad_index = ws.first_bad_index;
-  if (validate_indices) KVSIFT_CUDA_CHECK(cudaMemsetAsync(p.first_bad_index, 0xff, sizeof(unsigned long long), stream));
+  p.first_bad_row = ws.first_bad_row;
+  if (validate_indices) check_selection(where, p, stream);  // before any output is written
   KVSIFT_CUDA_CHECK(launch_decode(p, stream, options.programmatic_launch));
-  if (validate_indices) report_bad_index(where, p, stream);
 }
 
 }  // namespace detail

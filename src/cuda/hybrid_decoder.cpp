@@ -143,7 +143,7 @@ void HybridDecoder<T>::decode(const QueryView<const T>& q_device, const QueryVie
   if (b.copy_pending) KVSIFT_CUDA_CHECK(cudaEventSynchronize(b.copy_done));
   const auto cpu_start = Clock::now();
   const auto cpu_state = StateView<T>::packed(b.h_cpu_o, b.h_cpu_lse, c.batch, c.q_heads, c.head_dim);
-  cpu::sparse_decode(q_host, offloaded, selection, cpu_state, c.attention, pool_,
+  cpu::sparse_decode(q_host, offloaded, selection, cpu_state, {.attention = c.attention}, pool_,
                      {b.h_cpu_workspace, b.cpu_workspace_bytes});
   times_.cpu_seconds = std::chrono::duration<double>(Clock::now() - cpu_start).count();
 

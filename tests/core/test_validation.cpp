@@ -1,11 +1,15 @@
 // Every bad input the foundation names is refused with a message naming the argument and its value.
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "kvsift/attention/metrics.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/core/rope.hpp"
+#include "kvsift/core/selection_buffer.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "test_util.hpp"
 
@@ -118,13 +122,9 @@ TEST_F(BadInput, MergeShapeMismatch) {
                {"partials is empty"});
 }
 
-TEST_F(BadInput, OracleBudgetLargerThanTokensAndSelectionTooSmall) {
-  OracleTopK oracle({.budget = 41});
+TEST_F(BadInput, OracleSelectionTooSmallAndBadConfig) {
   std::vector<float> pq = rng.normal(2 * 4 * 40 * 16);
-  oracle.prepare({SequenceView<const float>::packed(pq.data(), 2, 4, 40, 16), kv.view()});
   HostSelection sel(2, 2, 64, false);
-  expect_error([&] { oracle.select(qv, sel.view); },
-               {"OracleTopK::select", "budget (= 41) exceeds the tokens available (= 40) at batch 0"});
   OracleTopK small({.budget = 8});
   small.prepare({SequenceView<const float>::packed(pq.data(), 2, 4, 40, 16), kv.view()});
   HostSelection tiny(2, 2, 7, false);
@@ -134,6 +134,43 @@ TEST_F(BadInput, OracleBudgetLargerThanTokensAndSelectionTooSmall) {
   expect_error([] { OracleTopK bad({.budget = 0}); }, {"config.budget (= 0) must be positive"});
   OracleTopK unprepared({.budget = 4});
   expect_error([&] { unprepared.select(qv, sel.view); }, {"prepare() has not been called"});
+}
+
+TEST_F(BadInput, SelectionDuplicatesAreAttendedOncePerOccurrenceByTheReferenceButRefusedByMetrics) {
+  HostSelection sel(2, 2, 8, false);
+  std::fill(sel.counts.begin(), sel.counts.end(), 2);
+  for (std::size_t r = 0; r < 4; ++r) sel.indices[r * 8] = 3, sel.indices[r * 8 + 1] = 5;
+  sel.view.row(1, 1)[1] = 3;
+  EXPECT_NO_THROW(reference::sparse_decode(qv, kv.view(), sel.view, out.view));
+  expect_error([&] { attention_mass_recall(qv, kv.view(), sel.view); },
+               {"attention_mass_recall", "selection.indices[1] (= 3) at batch 1, kv_head 1 repeats selection.indices[0]"});
+}
+
+TEST(SelectionBufferBadInput, SizesMustBePositive) {
+  expect_error([] { SelectionBuffer(2, -1, 8, false); },
+               {"SelectionBuffer", "batch (= 2), kv_heads (= -1) and capacity (= 8) must be positive"});
+  expect_error([] { SelectionBuffer(-3, 2, 8, true); }, {"batch (= -3)"});
+  expect_error([] { SelectionBuffer(1, 1, 0, false); }, {"capacity (= 0) must be positive"});
+  expect_error([] { SelectionBuffer(1 << 30, 1 << 30, 1 << 30, false); }, {"SelectionBuffer", "overflows"});
+  const SelectionBuffer ok(2, 3, 4, true);
+  EXPECT_EQ(ok.view().capacity, 4);
+}
+
+TEST(Metrics, EmptySequencesAndZeroReferencesAreDefined) {
+  // relative_l2_error against a zero reference: 0 when the result is zero too, +inf otherwise.
+  const std::vector<float> zeros(5, 0.0f), ones(5, 1.0f);
+  EXPECT_EQ(relative_l2_error(zeros, zeros), 0.0);
+  EXPECT_EQ(relative_l2_error(ones, zeros), std::numeric_limits<double>::infinity());
+  EXPECT_EQ(relative_l2_error(std::span<const float>{}, std::span<const float>{}), 0.0);
+  EXPECT_DOUBLE_EQ(relative_l2_error(std::vector<float>{1, 1}, std::vector<float>{1, 0}), 1.0);
+  // A sequence with no tokens has nothing to drop: its heads count as recall 1.
+  test::Random rng(test::test_seed());
+  test::HostKV kv(rng, 2, 1, 10, 8, {0, 10});
+  const auto q = rng.normal(2 * 2 * 8);
+  HostSelection sel(2, 1, 4, false);
+  std::fill(sel.counts.begin(), sel.counts.end(), 0);
+  const double recall = attention_mass_recall(QueryView<const float>::packed(q.data(), 2, 2, 8), kv.view(), sel.view);
+  EXPECT_DOUBLE_EQ(recall, 0.5);  // sequence 0: 1 (empty); sequence 1: 0 (nothing selected)
 }
 
 TEST(BadRope, RotaryDimMustBeEvenAndFit) {

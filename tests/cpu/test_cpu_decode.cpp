@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -34,7 +35,7 @@ std::vector<SimdLevel> available_levels() {
 /// several threads.
 template <class T>
 std::pair<std::vector<T>, std::vector<float>> run_cpu(HostDecodeProblem<T>& p, bool sparse, cpu::ThreadPool* pool = nullptr,
-                                                      bool split_rows = false) {
+                                                      bool split_rows = false, const cpu::DecodeOptions& options = {}) {
   std::vector<T> o(p.q.size());
   std::memset(o.data(), 0xff, o.size() * sizeof(T));
   std::vector<float> lse(std::size_t(p.spec.batch) * p.spec.q_heads, test::kPoison);
@@ -50,9 +51,9 @@ std::pair<std::vector<T>, std::vector<float>> run_cpu(HostDecodeProblem<T>& p, b
   const std::span<std::byte> workspace(reinterpret_cast<std::byte*>(ws_storage.data()), ws_bytes);
   const auto go = [&](auto kv) {
     if (sparse) {
-      cpu::sparse_decode(p.q_view(), kv, p.selection(), out, {}, pool, workspace);
+      cpu::sparse_decode(p.q_view(), kv, p.selection(), out, options, pool, workspace);
     } else {
-      cpu::dense_decode(p.q_view(), kv, out, {}, pool, workspace);
+      cpu::dense_decode(p.q_view(), kv, out, options, pool, workspace);
     }
   };
   if (p.spec.page_size == 0) {
@@ -174,6 +175,112 @@ TEST_F(CpuDecode, MergeMatchesTheReferenceAndIgnoresEmptyStates) {
   EXPECT_EQ(alone.o, os[0]);
   EXPECT_EQ(with_empty.o, os[0]);
   EXPECT_EQ(with_empty.lse, lses[0]);
+}
+
+TEST_F(CpuDecode, NonFiniteInputsGiveNaNWhereTheReferenceDoes) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(8);  // 4 rows of 600 entries on 8 threads: rows split in two, partials merged
+  for (SimdLevel level : available_levels()) {
+    cpu::ScopedSimdLevel force(level);
+    for (test::Corruption c : test::kCorruptions) {
+      for (bool sparse : {true, false}) {
+        if (!sparse && test::needs_log_weights(c)) continue;
+        for (bool split : {false, true}) {
+          const auto check = [&]<class T>(T) {
+            SCOPED_TRACE(fmt::format("{} {}: {}, {}{}", cpu::simd_level_name(level), test::dtype_label<T>(),
+                                     test::corruption_name(c), sparse ? "sparse" : "dense", split ? ", split" : ""));
+            HostDecodeProblem<T> p(rng, CaseSpec{2, 8, 2, 64, 1200, 600, 0, true, false});
+            const float scale = test::corrupt(p, c);
+            const auto ref = p.reference(sparse, {.sm_scale = scale});
+            // The case is not vacuous: the reference has the NaN (or the empty row) the contract describes.
+            if (c == test::Corruption::row_masked) {
+              ASSERT_EQ(ref.lse[4], -INFINITY);
+            } else if (sparse || c != test::Corruption::k_inf) {
+              ASSERT_TRUE(std::any_of(ref.o.begin(), ref.o.end(), [](float x) { return std::isnan(x); }));
+            }
+            const auto [o, lse] = run_cpu(p, sparse, split ? &pool : nullptr, split, {.attention = {.sm_scale = scale}});
+            test::expect_close_with_nan(o, lse, ref, "non-finite");
+          };
+          check(half{});
+          check(bfloat16{});
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CpuDecode, MergeCarriesNaNAndOnlyMinusInfinityIsEmpty) {
+  const std::int32_t batch = 2, heads = 3, d = 20;
+  std::vector<std::vector<float>> os(3), lses(3);
+  std::vector<StateView<const float>> parts;
+  for (int i = 0; i < 3; ++i) {
+    os[i] = rng.normal(std::size_t(batch) * heads * d);
+    lses[i] = rng.normal(std::size_t(batch) * heads, 5.0f);
+    parts.push_back(StateView<const float>::packed(os[i].data(), lses[i].data(), batch, heads, d));
+  }
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  lses[1][1 * heads + 2] = nan;           // (b 1, h 2): a corrupted partial state
+  os[2][(0 * heads + 1) * d + 7] = nan;   // (b 0, h 1): a NaN in one partial's O
+  lses[0][0] = lses[2][0] = -INFINITY;    // (b 0, h 0): two empty partials and ...
+  lses[1][0] = nan;                       // ... a corrupted one: NaN, not empty
+  test::HostState ref(batch, heads, d), got(batch, heads, d);
+  reference::merge_states<float, float>(parts, ref.view);
+  cpu::merge_states<float, float>(parts, got.view);
+  EXPECT_TRUE(std::isnan(ref.lse[0]) && std::isnan(ref.lse[5]) && std::isnan(ref.o[1 * d + 7]));
+  test::expect_close_with_nan(got.o, got.lse, ref, "merge");
+  EXPECT_TRUE(std::isnan(got.lse[0]));
+  for (int c = 0; c < d; ++c) EXPECT_TRUE(std::isnan(got.o[c]) && std::isnan(got.o[5 * d + c]));
+  EXPECT_FALSE(std::isnan(got.lse[1]));  // a NaN in O leaves the LSE as the weights give it
+}
+
+TEST_F(CpuDecode, ValidationRefusesBadIndicesAndDuplicatesAndWritesNothing) {
+  HostDecodeProblem<half> p(rng, CaseSpec{3, 4, 2, 64, 500, 32, 0, false, false});
+  const auto refused = [&](const std::string& message, bool validate = true) {
+    std::vector<half> o(p.q.size(), from_float<half>(7.0f));
+    std::vector<float> lse(std::size_t(3) * 4, 7.0f);
+    test::expect_error(
+        [&] {
+          cpu::sparse_decode(p.q_view(), p.contiguous(), p.selection(), StateView<half>::packed(o.data(), lse.data(), 3, 4, 64),
+                             {.validate_indices = validate});
+        },
+        message);
+    EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](half x) { return to_float(x) == 7.0f; })) << "O was written";
+    EXPECT_TRUE(std::all_of(lse.begin(), lse.end(), [](float x) { return x == 7.0f; })) << "LSE was written";
+  };
+  const auto at = [&](std::int32_t b, std::int32_t h, std::int32_t i) -> std::int32_t& {
+    return p.sel_indices[(std::size_t(b) * 2 + h) * 32 + i];
+  };
+  const std::int32_t saved = at(1, 1, 5);
+  at(1, 1, 5) = 500;  // one past the end
+  refused("selection.indices[5] (= 500) at batch 1, kv_head 1 is outside [0, seq_len = 500)");
+  at(1, 1, 5) = -3;
+  refused("selection.indices[5] (= -3) at batch 1, kv_head 1 is outside [0, seq_len = 500)");
+  at(1, 1, 5) = saved;
+  at(2, 0, 9) = at(2, 0, 4);
+  refused(fmt::format("selection.indices[9] (= {}) at batch 2, kv_head 0 repeats selection.indices[4]", at(2, 0, 4)));
+  p.make_selection(rng);  // fresh distinct rows
+  p.sel_counts[0] = 33;   // counts are checked with or without validation
+  refused("selection.counts (= 33) at batch 0, kv_head 0 is outside [0, capacity = 32]", false);
+  p.sel_counts[0] = -1;
+  refused("selection.counts (= -1) at batch 0, kv_head 0 is outside [0, capacity = 32]", false);
+  p.sel_counts[0] = 32;
+  const auto [o, lse] = run_cpu(p, true, nullptr, false, {.validate_indices = true});  // clean input passes
+  test::expect_close(o, lse, p.reference(true), "validated");
+}
+
+TEST_F(CpuDecode, DuplicatesWithoutValidationCountOncePerOccurrence) {
+  for (SimdLevel level : available_levels()) {
+    cpu::ScopedSimdLevel force(level);
+    HostDecodeProblem<bfloat16> p(rng, CaseSpec{1, 2, 1, 64, 100, 8, 0, false, false});
+    std::fill(p.sel_indices.begin(), p.sel_indices.end(), 0);  // eight copies of token 0
+    const auto [o8, lse8] = run_cpu(p, true);
+    p.sel_counts[0] = 1;
+    const auto [o1, lse1] = run_cpu(p, true);
+    for (int h = 0; h < 2; ++h) EXPECT_NEAR(lse8[h], lse1[h] + std::log(8.0f), 1e-5f) << simd_level_name(level);
+    EXPECT_EQ(0, std::memcmp(o8.data(), o1.data(), o1.size() * sizeof(bfloat16))) << simd_level_name(level);
+    p.sel_counts[0] = 8;
+    test::expect_close(o8, lse8, p.reference(true), "the reference counts duplicates alike");
+  }
 }
 
 TEST(CpuDecodeBadInput, RefusedWithClearErrors) {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <string>
 
@@ -102,7 +103,7 @@ struct DecodeProblem {
     return {d_o.download(), d_lse.download()};
   }
 
-  test::HostState reference(bool sparse) { return host.reference(sparse); }
+  test::HostState reference(bool sparse, float sm_scale = 0.0f) { return host.reference(sparse, {.sm_scale = sm_scale}); }
 };
 
 /// Runs the case with both CTA shapes where this GPU holds them: eight warps (chosen on sm_90) and four
@@ -275,24 +276,125 @@ TEST_F(CudaDecode, SplitCountDoesNotChangeTheResultBeyondRounding) {
   EXPECT_EQ(first.second, plain.second);
 }
 
-TEST_F(CudaDecode, ValidationModeReportsTheFirstBadIndex) {
-  DecodeProblem<half> p(rng, CaseSpec{3, 4, 2, 64, 500, 32, 0, false, false});
-  p.sel_indices[(1 * 2 + 1) * 32 + 5] = 500;  // batch 1, kv head 1, position 5: one past the end
-  p.sel_indices[(2 * 2 + 0) * 32 + 7] = -3;
+TEST_F(CudaDecode, ValidationModeRefusesBadIndicesAndDuplicatesAndWritesNothing) {
+  for (std::int32_t page_size : {0, 16}) {
+    DecodeProblem<half> p(rng, CaseSpec{3, 4, 2, 64, 500, 32, page_size, false, false});
+    const auto refused = [&](const std::string& message) {
+      p.d_sel_indices.upload(p.sel_indices);
+      p.d_sel_counts.upload(p.sel_counts);
+      expect_error([&] { p.run(true, {.validate_indices = true}); }, message);
+      // run() poisons O and LSE before the call: a refused call leaves them so.
+      for (half x : p.d_o.download()) ASSERT_TRUE(std::isnan(to_float(x))) << "O was written";
+      for (float x : p.d_lse.download()) ASSERT_TRUE(std::isnan(x)) << "LSE was written";
+    };
+    const auto at = [&](std::int32_t b, std::int32_t h, std::int32_t i) -> std::int32_t& {
+      return p.sel_indices[(std::size_t(b) * 2 + h) * 32 + i];
+    };
+    const std::int32_t saved = at(1, 1, 5);
+    at(1, 1, 5) = 500;  // one past the end; a later row's error is not the one reported
+    at(2, 0, 7) = -3;
+    refused("selection.indices[5] (= 500) at batch 1, kv_head 1 is outside [0, seq_len = 500)");
+    at(1, 1, 5) = saved;
+    refused("selection.indices[7] (= -3) at batch 2, kv_head 0 is outside [0, seq_len = 500)");
+    p.host.make_selection(rng);
+    at(2, 1, 30) = at(2, 1, 3);
+    refused(fmt::format("selection.indices[30] (= {}) at batch 2, kv_head 1 repeats selection.indices[3]", at(2, 1, 3)));
+    p.host.make_selection(rng);
+    p.sel_counts[0] = 33;
+    refused("selection.counts (= 33) at batch 0, kv_head 0 is outside [0, capacity = 32]");
+    p.sel_counts[0] = 32;
+    p.d_sel_indices.upload(p.sel_indices);
+    p.d_sel_counts.upload(p.sel_counts);
+    const auto [o, lse] = p.run(true, {.validate_indices = true});  // clean input passes validation
+    expect_close(o, lse, p.reference(true), "validated");
+  }
+}
+
+TEST_F(CudaDecode, DuplicateIndicesAcrossTheBitmapPassesAreFound) {
+  // 300000 tokens: the check's shared-memory bitmap covers 262144 per pass, so the duplicate sits in the
+  // second pass.
+  DecodeProblem<bfloat16> p(rng, CaseSpec{1, 2, 1, 64, 300000, 64, 0, false, false});
+  p.sel_indices[10] = 290000;
+  p.sel_indices[50] = 290000;
   p.d_sel_indices.upload(p.sel_indices);
   expect_error([&] { p.run(true, {.validate_indices = true}); },
-               "selection.indices[5] (= 500) at batch 1, kv_head 1 is outside [0, seq_len = 500)");
-  p.sel_indices[(1 * 2 + 1) * 32 + 5] = 0;
-  p.sel_indices[(2 * 2 + 0) * 32 + 7] = 1;
-  p.sel_counts[0] = 33;
+               "selection.indices[50] (= 290000) at batch 0, kv_head 0 repeats selection.indices[10]");
+}
+
+TEST_F(CudaDecode, DuplicatesWithoutValidationCountOncePerOccurrence) {
+  DecodeProblem<bfloat16> p(rng, CaseSpec{1, 4, 1, 128, 100, 8, 0, false, false});
+  std::fill(p.sel_indices.begin(), p.sel_indices.end(), 0);  // eight copies of token 0
   p.d_sel_indices.upload(p.sel_indices);
+  const auto [o8, lse8] = p.run(true);
+  expect_close(o8, lse8, p.reference(true), "eight copies, as the reference counts them");
+  p.sel_counts[0] = 1;
   p.d_sel_counts.upload(p.sel_counts);
-  expect_error([&] { p.run(true, {.validate_indices = true}); },
-               "selection.counts (= 33) at batch 0, kv_head 0 is outside [0, capacity = 32]");
-  p.sel_counts[0] = 32;
-  p.d_sel_counts.upload(p.sel_counts);
-  const auto [o, lse] = p.run(true, {.validate_indices = true});  // clean input passes validation
-  expect_close(o, lse, p.reference(true), "validated");
+  const auto [o1, lse1] = p.run(true);
+  for (int h = 0; h < 4; ++h) EXPECT_NEAR(lse8[h], lse1[h] + std::log(8.0f), 1e-4f);
+}
+
+TEST_F(CudaDecode, NonFiniteInputsGiveNaNWhereTheReferenceDoes) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (test::Corruption c : test::kCorruptions) {
+    for (bool sparse : {true, false}) {
+      if (!sparse && test::needs_log_weights(c)) continue;
+      for (std::int32_t splits : {1, 5}) {  // one CTA per row, and a split merge
+        const auto check = [&]<class T>(T) {
+          SCOPED_TRACE(fmt::format("{}: {}, {}, {} splits", dtype_label<T>(), test::corruption_name(c),
+                                   sparse ? "sparse" : "dense", splits));
+          DecodeProblem<T> p(rng, CaseSpec{2, 8, 2, 128, 1200, 600, 0, true, false});
+          const float scale = test::corrupt(p.host, c);
+          p.d_q.upload(p.host.q);
+          p.d_k.upload(p.host.k);
+          p.d_v.upload(p.host.v);
+          p.d_sel_weights.upload(p.host.sel_weights);
+          const auto ref = p.reference(sparse, scale);
+          if (c == test::Corruption::row_masked) {
+            ASSERT_EQ(ref.lse[4], -INFINITY);
+          } else if (sparse || c != test::Corruption::k_inf) {
+            ASSERT_TRUE(std::any_of(ref.o.begin(), ref.o.end(), [](float x) { return std::isnan(x); }));
+          }
+          for (std::int32_t warps : {4, 8}) {
+            const auto [o, lse] = p.run(sparse, {.attention = {.sm_scale = scale}, .num_splits = splits, .cta_warps = warps});
+            test::expect_close_with_nan(o, lse, ref, fmt::format("{} warps", warps));
+          }
+        };
+        check(half{});
+        check(bfloat16{});
+      }
+    }
+  }
+}
+
+TEST_F(CudaDecode, MergeCarriesNaNAndOnlyMinusInfinityIsEmpty) {
+  const std::int32_t batch = 2, heads = 3, d = 20;
+  std::vector<std::vector<float>> os(3), lses(3);
+  for (int i = 0; i < 3; ++i) {
+    os[i] = rng.normal(std::size_t(batch) * heads * d);
+    lses[i] = rng.normal(std::size_t(batch) * heads, 5.0f);
+  }
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  lses[1][1 * heads + 2] = nan;
+  os[2][(0 * heads + 1) * d + 7] = nan;
+  lses[0][0] = lses[2][0] = -INFINITY;
+  lses[1][0] = nan;  // with two empty partials: NaN, not empty
+  std::vector<DeviceBuffer<float>> d_os, d_lses;
+  std::vector<StateView<const float>> host_parts, device_parts;
+  for (int i = 0; i < 3; ++i) {
+    d_os.emplace_back(os[i]);
+    d_lses.emplace_back(lses[i]);
+    host_parts.push_back(StateView<const float>::packed(os[i].data(), lses[i].data(), batch, heads, d));
+    device_parts.push_back(StateView<const float>::packed(d_os[i].data(), d_lses[i].data(), batch, heads, d));
+  }
+  test::HostState ref(batch, heads, d);
+  reference::merge_states<float, float>(host_parts, ref.view);
+  DeviceBuffer<float> o(ref.o.size()), lse(ref.lse.size());
+  o.poison();
+  lse.poison();
+  cuda::merge_states<float>(device_parts, StateView<float>::packed(o.data(), lse.data(), batch, heads, d), nullptr);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_TRUE(std::isnan(ref.lse[0]) && std::isnan(ref.lse[5]) && std::isnan(ref.o[1 * d + 7]));
+  test::expect_close_with_nan(o.download(), lse.download(), ref, "merge");
 }
 
 TEST_F(CudaDecode, WorkspaceQueryIsExactAndGraphCaptureReplays) {
@@ -421,6 +523,23 @@ TEST(CudaDecodeBadInput, RefusedBeforeAnyDeviceCall) {
   const auto wide = StateView<half>::packed(big_o, big_lse, 1, 1, 520);
   expect_error([&] { cuda::merge_states<half>(std::vector{wide.as_const()}, wide, nullptr); },
                "out.head_dim (= 520) exceeds the merge kernel's limit of 512");
+}
+
+// On a machine without a GPU (CI) a CUDA call says so in those words, naming no path of the build machine.
+TEST(CudaNoDeviceBadInput, SaysNoCudaDevice) {
+  if (cuda::device_available()) GTEST_SKIP() << "this machine has a CUDA device";
+  alignas(16) static half q[8 * 128], k[2 * 64 * 128], v[2 * 64 * 128], o[8 * 128];
+  static float lse[8];
+  try {
+    cuda::dense_decode(QueryView<const half>::packed(q, 1, 8, 128), ContiguousKVView<const half>::packed(k, v, 1, 2, 64, 128),
+                       StateView<half>::packed(o, lse, 1, 8, 128), {}, nullptr);
+    ADD_FAILURE() << "expected kvsift::Error";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("kvsift::cuda: no CUDA device on this machine"), std::string::npos) << message;
+    EXPECT_EQ(message.find("insufficient"), std::string::npos) << message;  // the runtime's driver wording
+    EXPECT_EQ(message.find(".cpp"), std::string::npos) << message;           // no source path
+  }
 }
 
 }  // namespace

@@ -41,6 +41,31 @@ TEST(OracleTopK, FullBudgetEqualsDenseAttention) {
   EXPECT_DOUBLE_EQ(attention_mass_recall(qv, kv.view(), sel.view), 1.0);
 }
 
+TEST(OracleTopK, SequencesShorterThanTheBudgetGetEveryToken) {
+  test::Random rng(test::test_seed());
+  const std::int32_t q_heads = 4, kv_heads = 2, d = 16, budget = 12;
+  test::HostKV kv(rng, 3, kv_heads, 40, d, {0, 7, 40});  // ragged: empty, shorter than the budget, longer
+  const auto q = rng.normal(std::size_t(3) * q_heads * d);
+  const auto pq = rng.normal(std::size_t(3) * q_heads * 40 * d);
+  OracleTopK oracle({.budget = budget, .sink = 2, .recent = 2});
+  oracle.prepare({SequenceView<const float>::packed(pq.data(), 3, q_heads, 40, d), kv.view()});
+  HostSelection sel(3, kv_heads, budget, true);
+  oracle.select(QueryView<const float>::packed(q.data(), 3, q_heads, d), sel.view);
+  for (std::int32_t h = 0; h < kv_heads; ++h) {
+    EXPECT_EQ(sel.view.count(0, h), 0);
+    ASSERT_EQ(sel.view.count(1, h), 7);
+    for (std::int32_t i = 0; i < 7; ++i) {
+      EXPECT_EQ(sel.view.row(1, h)[i], i);
+      EXPECT_EQ(sel.view.weights_row(1, h)[i], 0.0f);
+    }
+    EXPECT_EQ(sel.view.count(2, h), budget);
+  }
+  HostState out(3, q_heads, d), dense(3, q_heads, d);
+  reference::sparse_decode(QueryView<const float>::packed(q.data(), 3, q_heads, d), kv.view(), sel.view, out.view);
+  reference::dense_decode(QueryView<const float>::packed(q.data(), 3, q_heads, d), kv.view(), dense.view);
+  for (std::int32_t i = 0; i < 2 * q_heads; ++i) EXPECT_EQ(out.lse[i], dense.lse[i]);  // sequences 0 and 1: all kept
+}
+
 TEST(OracleTopK, SelectsTheExactTopScoresWithSinkAndRecentKept) {
   const auto seed = test::test_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);

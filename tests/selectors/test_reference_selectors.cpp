@@ -6,6 +6,7 @@
 #include <numeric>
 #include <set>
 
+#include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
 #include "kvsift/selectors/streaming_llm.hpp"
 #include "test_util.hpp"
@@ -153,6 +154,16 @@ TEST(ReferenceSelectorsBadInput, AreRefused) {
   std::vector<float> token(std::size_t(p.batch) * 3 * p.d, 1.0f);
   const auto wrong = HeadsView<const float>::packed(token.data(), p.batch, 3, p.d);
   expect_error([&] { quest.append({wrong, wrong, p.query()}); }, "k shape [2, 3, 32] != prepared [batch = 2, kv_heads = 2, head_dim = 32]");
+  std::vector<float> fine(std::size_t(p.batch) * p.kv_heads * p.d, 1.0f);
+  const auto right_kv = HeadsView<const float>::packed(fine.data(), p.batch, p.kv_heads, p.d);
+  const auto narrow_v = HeadsView<const float>::packed(fine.data(), p.batch, p.kv_heads, p.d / 2);
+  expect_error([&] { quest.append({right_kv, narrow_v, p.query()}); },
+               "v shape [2, 2, 16] != prepared [batch = 2, kv_heads = 2, head_dim = 32]");
+  expect_error([&] { quest.append({right_kv, right_kv, odd_q}); },
+               "q shape [2, 5, 32] does not fit prepared [batch = 2, kv_heads = 2, head_dim = 32]");
+  expect_error([&] { quest.append({right_kv, right_kv, QueryView<const float>{}}); }, "q.data is a null pointer");
+  expect_error([&] { OracleTopK({.budget = 4}).append({right_kv, right_kv, p.query()}); },
+               "OracleTopK::append: prepare() has not been called");
 }
 
 }  // namespace

@@ -111,11 +111,6 @@ __device__ __forceinline__ unsigned pack2(float low, float high) {
   return r;
 }
 
-/// Records the smallest offending (selection row, position) seen, for the host to report.
-__device__ __forceinline__ void record_bad_index(unsigned long long* slot, std::int64_t row, std::int32_t position) {
-  atomicMin(slot, (static_cast<unsigned long long>(row) << 32) | static_cast<std::uint32_t>(position));
-}
-
 /// Eight warps per CTA where the shared memory allows, where four was the first choice: with one CTA per SM,
 /// the SM then has twice the independent row streams to issue from while others wait on their copies. H100,
 /// same run: sparse K = 8192 / batch 8 100 against 106 us, K = 2048 / batch 1 10.4 against 10.7, dense 128K /
@@ -152,14 +147,8 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
   const int kv_head = blockIdx.y / p.head_tiles, tile = blockIdx.y % p.head_tiles;
   const int b = blockIdx.z;
   const bool dense = p.selection.indices == nullptr;
-  const int seq_len = p.seq_len(b);
   const std::int64_t sel_row = std::int64_t(b) * p.selection.kv_heads + kv_head;
-
-  int count = dense ? seq_len : p.selection.counts[sel_row];
-  if (p.first_bad_index != nullptr && !dense && (count < 0 || count > p.selection.capacity)) {
-    if (split == 0 && threadIdx.x == 0) record_bad_index(p.first_bad_index, sel_row, 0x7fffffff);
-    count = 0;
-  }
+  const int count = dense ? p.seq_len(b) : p.selection.counts[sel_row];
   const int chunk = (count + p.num_splits - 1) / p.num_splits;
   const int begin = min(count, split * chunk), end = min(count, begin + chunk);
   const int steps = (end - begin + kRowsPerCtaStep - 1) / kRowsPerCtaStep;
@@ -179,14 +168,10 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
   // Issues the copies of `step` into its stage. Each warp-wide copy moves kRowsPerCopy whole rows (every
   // lane one 16-byte piece), so that a copy instruction requests full 128-byte lines; the rows' element
   // offsets come from their owner lanes. Owners also set the rows' logit biases: the log-weight, or -inf for
-  // rows past the end or, in validation mode, with an index out of range (offset -1 marks those rows).
+  // rows past the end (offset -1 marks those rows).
   const auto issue = [&](int step, int token) {
     const int stage = step % kStages, i = entry_of(step);
-    bool valid = i < end;
-    if (p.first_bad_index != nullptr && valid && (token < 0 || token >= seq_len)) {
-      if (lane < kRowsPerStep) record_bad_index(p.first_bad_index, sel_row, i);
-      valid = false;
-    }
+    const bool valid = i < end;
     const long long offset = valid ? p.kv_offset(b, kv_head, token) : -1;
     const int piece = lane % Shape::kPiecesPerRow;
 #pragma unroll
@@ -276,12 +261,14 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           s[nt][2 * h + e] = fmaf(s[nt][2 * h + e], p.scale_log2, bias[nt][e]);
-          step_max = fmaxf(step_max, s[nt][2 * h + e]);
+          step_max = max_nan(step_max, s[nt][2 * h + e]);
         }
       }
-      step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 1));
-      step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 2));
-      const float m_new = fmaxf(m[h], step_max);
+      // The maximum keeps a NaN logit (fmaxf would drop it), so a NaN or +inf logit turns the whole state
+      // NaN through the exponentials below, as in the reference (attention/state.hpp).
+      step_max = max_nan(step_max, __shfl_xor_sync(0xffffffffu, step_max, 1));
+      step_max = max_nan(step_max, __shfl_xor_sync(0xffffffffu, step_max, 2));
+      const float m_new = max_nan(m[h], step_max);
       const bool any = m_new != negative_infinity<float>();
       const float correction = any ? exp2f(m[h] - m_new) : 1.0f;  // 0 when m[h] = -inf
       l[h] *= correction;
@@ -344,7 +331,7 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
     if (first_head + head >= p.group) break;  // heads are visited in order
     float m_max = negative_infinity<float>();
 #pragma unroll
-    for (int w = 0; w < Warps; ++w) m_max = fmaxf(m_max, s_m[w * kHeadsPerTile + head]);
+    for (int w = 0; w < Warps; ++w) m_max = max_nan(m_max, s_m[w * kHeadsPerTile + head]);
     float denom = 0.0f, value = 0.0f;
     if (m_max != negative_infinity<float>()) {
 #pragma unroll
@@ -371,6 +358,42 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
 }  // namespace kvsift::cuda::detail
 
 namespace kvsift::cuda::detail {
+
+/// Tokens one pass of the selection check covers: a bitmap of this many bits in shared memory.
+inline constexpr int kCheckBitmapWords = 8192;  // 32 KB, 262144 tokens
+inline constexpr int kCheckThreads = 256;
+
+/// Validation mode: one CTA per selection row checks its count against the capacity, every index against
+/// [0, seq_len) and, over passes of kCheckBitmapWords * 32 tokens, that no token is listed twice; the
+/// smallest offending row goes to p.first_bad_row. The host then reads that row back and names the first
+/// offending position (src/cuda/decode.cpp), so a refused call reports exactly what the CPU would.
+template <class T>
+__global__ void __launch_bounds__(kCheckThreads) check_selection_kernel(const __grid_constant__ DecodeParams<T> p) {
+  __shared__ unsigned seen[kCheckBitmapWords];
+  constexpr int kBits = kCheckBitmapWords * 32;
+  const std::int64_t row = blockIdx.x;
+  const int seq_len = p.seq_len(row / p.selection.kv_heads);
+  const int count = p.selection.counts[row];
+  const std::int32_t* indices = p.selection.indices + row * p.selection.capacity;
+  bool bad = count < 0 || count > p.selection.capacity;  // the same for the whole CTA
+  for (int base = 0; !bad && base < max(seq_len, 1); base += kBits) {
+    for (int w = threadIdx.x; w < kCheckBitmapWords; w += blockDim.x) seen[w] = 0u;
+    __syncthreads();
+    bool mine = false;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+      const int token = indices[i];
+      const int offset = token - base;
+      if (token < 0 || token >= seq_len) {
+        mine = true;
+      } else if (offset >= 0 && offset < kBits) {
+        const unsigned bit = 1u << (offset % 32);
+        mine |= (atomicOr(&seen[offset / 32], bit) & bit) != 0u;
+      }
+    }
+    bad = __syncthreads_or(mine) != 0;
+  }
+  if (bad && threadIdx.x == 0) atomicMin(p.first_bad_row, static_cast<unsigned long long>(row));
+}
 
 template <int... Values, class F>
 bool dispatch_int(int value, F&& f) {
@@ -440,6 +463,13 @@ cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream, bool pr
   if (status != cudaSuccess || p.num_splits == 1) return status;
   // The merge is always a programmatic dependent of the decode grid: its launch overlaps the grid's tail.
   return launch_kernel(merge_splits_kernel<T>, dim3(p.q.batch * p.q.heads), kMergeThreads, 0, stream, true, p);
+}
+
+template <class T>
+cudaError_t launch_check_selection(const DecodeParams<T>& p, cudaStream_t stream) {
+  const std::int64_t rows = std::int64_t(p.q.batch) * p.selection.kv_heads;
+  check_selection_kernel<T><<<dim3(unsigned(rows)), kCheckThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 template <class T>

@@ -10,7 +10,14 @@
 /// strides multiples of 8 elements).
 ///
 /// Outputs: O [batch, q_heads, head_dim] (storage type) and LSE [batch, q_heads] (fp32, natural log). A
-/// sequence or selection row with no tokens yields O = 0 and LSE = -inf.
+/// sequence or selection row with no tokens, or whose every logit is -inf, yields O = 0 and LSE = -inf. NaN
+/// never vanishes (attention/state.hpp): a NaN or +inf logit (from Q, K, a log-weight or sm_scale) gives NaN
+/// in O and LSE of that (sequence, head), a NaN in V a NaN in O; the split merge and merge_states carry a
+/// NaN partial through.
+///
+/// Selections are trusted unless options.validate_indices is set: without it a count outside
+/// [0, capacity] or an index outside [0, seq_len) is undefined behaviour, and a duplicate index is
+/// attended once per occurrence (k copies of a token weigh as one with log-weight + log k).
 ///
 /// Hot path contract: no allocation and no host synchronization; the caller passes a stream and a
 /// workspace of at least *_workspace_bytes() bytes (same arguments), 256-byte aligned, whose contents do not
@@ -42,8 +49,9 @@ struct DecodeOptions {
   /// Upper bound on any sequence's length (host value). Required for dense decode on a paged cache; a
   /// contiguous cache uses its capacity.
   std::int32_t max_seq_len = 0;
-  /// Check selection counts and indices on the device and throw, naming the first offending (sequence,
-  /// kv head, position, value), instead of reading out of bounds. Synchronizes the stream.
+  /// Check the selection on the device before attending (every count in [0, capacity], every index in
+  /// [0, seq_len), no index twice in a row) and throw, naming the first offending (sequence, kv head,
+  /// position, value), with nothing written. Synchronizes the stream; not capturable in a CUDA graph.
   bool validate_indices = false;
   /// Launch the decode kernel as a programmatic dependent of the stream's previous kernel (sm_90): its
   /// CTAs may be scheduled while that kernel finishes and read no input before its writes are complete and
@@ -72,7 +80,7 @@ void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<T>&
 
 /// Merges 1..16 partial states of one shape into `out` (which must not alias a partial):
 /// LSE = log sum_i exp(LSE_i), O = sum_i exp(LSE_i - LSE) O_i. Empty partials (LSE = -inf) are skipped, so
-/// they change nothing bit for bit. Needs no workspace. head_dim up to 512; rows need no special alignment.
+/// they change nothing bit for bit; a partial with LSE = NaN makes that row of `out` NaN in O and LSE. Needs no workspace. head_dim up to 512; rows need no special alignment.
 template <class T>
 void merge_states(std::span<const StateView<const T>> partials, const StateView<T>& out, cudaStream_t stream);
 

@@ -14,11 +14,18 @@ namespace kvsift::cuda::detail {
 template <class T>
 cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream, bool programmatic);
 
+/// Validation mode: checks every selection row's count and indices (range, duplicates) on the device and
+/// writes the smallest offending row to *p.first_bad_row (left as is when every row is valid).
+template <class T>
+cudaError_t launch_check_selection(const DecodeParams<T>& p, cudaStream_t stream);
+
 template <class T>
 cudaError_t launch_merge_states(const MergeParams<T>& p, cudaStream_t stream);
 
 extern template cudaError_t launch_decode<half>(const DecodeParams<half>&, cudaStream_t, bool);
 extern template cudaError_t launch_decode<bfloat16>(const DecodeParams<bfloat16>&, cudaStream_t, bool);
+extern template cudaError_t launch_check_selection<half>(const DecodeParams<half>&, cudaStream_t);
+extern template cudaError_t launch_check_selection<bfloat16>(const DecodeParams<bfloat16>&, cudaStream_t);
 extern template cudaError_t launch_merge_states<half>(const MergeParams<half>&, cudaStream_t);
 extern template cudaError_t launch_merge_states<bfloat16>(const MergeParams<bfloat16>&, cudaStream_t);
 extern template cudaError_t launch_merge_states<float>(const MergeParams<float>&, cudaStream_t);

@@ -58,7 +58,7 @@ struct DecodeParams {
 
   float* partial_o = nullptr;        ///< [batch, q_heads, num_splits, head_dim] when num_splits > 1
   float* partial_lse = nullptr;      ///< [batch, q_heads, num_splits], natural log
-  unsigned long long* first_bad_index = nullptr;  ///< validation mode: smallest (row << 32 | position) found
+  unsigned long long* first_bad_row = nullptr;  ///< validation mode: the smallest selection row refused
 
   std::int32_t group = 1;            ///< q_heads / kv_heads
   std::int32_t head_tiles = 1;       ///< CTAs along the GQA group (group split into tiles of kHeadsPerTile heads)

@@ -42,8 +42,8 @@ __device__ void merge_row(int n, int head_dim, LseOf lse_of, OOf o_of, WriteO wr
     }
     float chunk_max = negative_infinity<float>();
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) chunk_max = fmaxf(chunk_max, lse[i]);
-    const float new_max = fmaxf(lse_max, chunk_max);
+    for (int i = 0; i < kChunk; ++i) chunk_max = max_nan(chunk_max, lse[i]);
+    const float new_max = max_nan(lse_max, chunk_max);  // a NaN partial makes the row NaN (state.hpp)
     if (new_max == negative_infinity<float>()) continue;  // every partial so far is empty
     const float rescale = state_weight(lse_max, new_max);  // 0 while nothing was merged
     weight_sum *= rescale;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -68,7 +69,8 @@ AttentionWeights attention_weights(const QueryView<TQ>& q, const KV& kv, const A
 }
 
 /// Attention-mass recall: the exact softmax mass (over all seq_len tokens, no log-weights) that the
-/// selected tokens carry, averaged over every (sequence, query head). 1 means nothing attended was dropped.
+/// selected tokens carry, averaged over every (sequence, query head). 1 means nothing attended was dropped;
+/// a sequence with no tokens has nothing to drop and counts as 1.
 inline double attention_mass_recall(const AttentionWeights& attention, const SelectionView& selection) {
   constexpr const char* where = "attention_mass_recall";
   KVSIFT_CHECK(selection.batch == attention.batch && selection.kv_heads * attention.group == attention.heads, where,
@@ -87,7 +89,7 @@ inline double attention_mass_recall(const AttentionWeights& attention, const Sel
                      attention.seq_lens[b]);
         kept += weights[idx[i]];
       }
-      total += kept / attention.denominators[std::size_t(b) * attention.heads + h];
+      total += attention.seq_lens[b] == 0 ? 1.0 : kept / attention.denominators[std::size_t(b) * attention.heads + h];
     }
   }
   return total / (double(attention.batch) * attention.heads);
@@ -96,11 +98,12 @@ inline double attention_mass_recall(const AttentionWeights& attention, const Sel
 template <class TQ, KVCacheView KV>
 double attention_mass_recall(const QueryView<TQ>& q, const KV& kv, const SelectionView& selection,
                              const AttentionOptions& opts = {}) {
-  validate(selection, kv, "attention_mass_recall", "selection", MemorySpace::host);
+  validate(selection, kv, "attention_mass_recall", "selection");
+  check_selection_contents(selection, kv, "attention_mass_recall", "selection", /*refuse_duplicates=*/true);
   return attention_mass_recall(attention_weights(q, kv, opts), selection);
 }
 
-/// ||a - ref||_2 / ||ref||_2 in fp64.
+/// ||a - ref||_2 / ||ref||_2 in fp64. Against a zero (or empty) reference: 0 when a is zero too, else +inf.
 inline double relative_l2_error(std::span<const float> a, std::span<const float> ref) {
   KVSIFT_CHECK(a.size() == ref.size(), "relative_l2_error", "sizes differ ({} vs {})", a.size(), ref.size());
   double num = 0.0, den = 0.0;
@@ -109,6 +112,7 @@ inline double relative_l2_error(std::span<const float> a, std::span<const float>
     num += d * d;
     den += double(ref[i]) * double(ref[i]);
   }
+  if (den == 0.0) return num == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
   return std::sqrt(num) / std::sqrt(den);
 }
 

@@ -5,7 +5,9 @@
 ///
 /// GQA: query head h reads kv head h / (q_heads / kv_heads). Outputs: O [batch, q_heads, head_dim] and
 /// LSE [batch, q_heads] = natural log of sum_t exp(logit_t), logit_t = sm_scale * q.k_t (+ log-weight_t).
-/// A sequence or selection with no tokens yields O = 0 and LSE = -inf.
+/// A sequence or selection with no tokens, or whose every logit is -inf (log-weights of -inf mask tokens),
+/// yields the empty state O = 0 and LSE = -inf. A NaN or +inf logit gives NaN in O and LSE (state.hpp).
+/// Duplicate indices in a selection row are attended once per occurrence.
 
 #include <cmath>
 #include <cstdint>
@@ -36,18 +38,19 @@ void attend(const TQ* q, const KV& kv, std::int64_t b, std::int64_t kv_head, std
     double dot = 0.0;
     for (std::int32_t c = 0; c < d; ++c) dot += double(to_float(q[c])) * double(to_float(k[c]));
     logits[i] = scale * dot + double(log_weight_of(i));
-    max_logit = std::max(max_logit, logits[i]);
+    max_logit = max_nan(max_logit, logits[i]);
   }
+  const bool empty = max_logit == negative_infinity<double>();
   std::vector<double> acc(static_cast<std::size_t>(d), 0.0);
   double denom = 0.0;
-  for (std::int32_t i = 0; i < count; ++i) {
+  for (std::int32_t i = 0; i < count && !empty; ++i) {
     const double p = std::exp(logits[i] - max_logit);
     denom += p;
     const auto* v = kv.v_row(b, kv_head, index_of(i));
     for (std::int32_t c = 0; c < d; ++c) acc[c] += p * double(to_float(v[c]));
   }
-  for (std::int32_t c = 0; c < d; ++c) o[c] = from_float<TO>(count == 0 ? 0.0f : float(acc[c] / denom));
-  lse = count == 0 ? negative_infinity<float>() : float(max_logit + std::log(denom));
+  for (std::int32_t c = 0; c < d; ++c) o[c] = from_float<TO>(empty ? 0.0f : float(acc[c] / denom));
+  lse = empty ? negative_infinity<float>() : float(max_logit + std::log(denom));
 }
 
 }  // namespace detail
@@ -82,7 +85,8 @@ void sparse_decode(const QueryView<TQ>& q, const KV& kv, const SelectionView& se
   validate(kv, where, "kv", MemorySpace::host);
   validate(out, where, "out");
   check_decode_shapes(where, q, kv, out);
-  validate(selection, kv, where, "selection", MemorySpace::host);
+  validate(selection, kv, where, "selection");
+  check_selection_contents(selection, kv, where, "selection", /*refuse_duplicates=*/false);
   const std::int32_t group = q.heads / kv.kv_heads;
   const double scale = opts.resolved_scale(q.head_dim);
   std::vector<double> logits;
@@ -100,7 +104,7 @@ void sparse_decode(const QueryView<TQ>& q, const KV& kv, const SelectionView& se
 
 /// Merges N partial states of one shape into `out`: LSE = log sum_i exp(LSE_i) and
 /// O = sum_i exp(LSE_i - LSE) O_i. Empty partials (LSE = -inf) are skipped; if all are empty, O = 0 and
-/// LSE = -inf. `out` may alias no partial.
+/// LSE = -inf. A partial with LSE = NaN makes the merged O and LSE NaN. `out` may alias no partial.
 template <class TI, class TO>
 void merge_states(std::span<const StateView<const TI>> partials, const StateView<TO>& out) {
   constexpr const char* where = "reference::merge_states";
@@ -109,7 +113,7 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
   for (std::int32_t b = 0; b < out.batch; ++b) {
     for (std::int32_t h = 0; h < out.heads; ++h) {
       double lse_max = negative_infinity<double>();
-      for (const auto& p : partials) lse_max = std::max(lse_max, double(p.lse_at(b, h)));
+      for (const auto& p : partials) lse_max = max_nan(lse_max, double(p.lse_at(b, h)));
       std::fill(acc.begin(), acc.end(), 0.0);
       double weight_sum = 0.0;
       for (const auto& p : partials) {

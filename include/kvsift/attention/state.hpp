@@ -2,6 +2,11 @@
 /// The attention-state math every backend shares (reference, CPU, CUDA): merging partial states
 /// (O_i, LSE_i), LSE in natural log. An empty state (LSE = -inf) contributes weight exactly 0 and its O is
 /// never used, so merging it changes nothing, bit for bit, even if its O holds garbage.
+///
+/// NaN never vanishes. Only LSE = -inf means empty: a state whose LSE is NaN is corrupted, and merging it
+/// with anything gives NaN in O and LSE. Attention produces such a state when a logit is NaN or +inf (a NaN
+/// or infinity in Q, K, a log-weight or sm_scale), as the fp64 reference does (exp(inf - inf) is NaN); a
+/// NaN in V makes O NaN (times a zero weight too: 0 * NaN = NaN) and leaves LSE as the logits give it.
 
 #include <cmath>
 #include <limits>
@@ -19,6 +24,19 @@ template <class Acc>
 KVSIFT_HOST_DEVICE constexpr Acc negative_infinity() {
   return -std::numeric_limits<Acc>::infinity();
 }
+
+/// max(a, b) that returns NaN when either is NaN (std::max and fmaxf drop a NaN, which would let a
+/// corrupted logit or state vanish from a softmax maximum). On the device this is one max.NaN instruction.
+KVSIFT_HOST_DEVICE inline float max_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return a != a ? a : (b != b || b > a) ? b : a;
+#endif
+}
+KVSIFT_HOST_DEVICE inline double max_nan(double a, double b) { return a != a ? a : (b != b || b > a) ? b : a; }
 
 /// Weight of a partial state with log-sum-exp `lse` relative to the running maximum `lse_max`
 /// (unnormalized): exp(lse - lse_max), and exactly 0 for an empty state.

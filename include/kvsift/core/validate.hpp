@@ -5,13 +5,15 @@
 ///
 /// Shape checks read only the view's own fields. Content checks (sequence lengths, page tables, selection
 /// counts and indices) read the arrays the view points to, so they run only on views of host memory; CUDA
-/// entry points check contents on the device in their validation mode instead.
+/// entry points check selections on the device in their validation mode instead, and report through
+/// check_selection_count / check_selection_entries, so both backends word their refusals alike.
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstddef>
 #include <span>
+#include <vector>
 
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/rope.hpp"
@@ -164,29 +166,64 @@ void validate(const PagedKVView<T>& v, const char* where, const char* name, Memo
   }
 }
 
-/// Checks the selection's shape against the KV cache and, for host memory, every count and index.
+/// Checks the selection's shape against the KV cache (its own fields only, so any memory space).
 template <KVCacheView KV>
-void validate(const SelectionView& s, const KV& kv, const char* where, const char* name, MemorySpace contents) {
+void validate(const SelectionView& s, const KV& kv, const char* where, const char* name) {
   detail::check_pointer(where, name, "indices", s.indices);
   detail::check_pointer(where, name, "counts", s.counts);
   detail::check_positive(where, name, "capacity", s.capacity);
   KVSIFT_CHECK(s.batch == kv.batch, where, "{}.batch (= {}) != kv.batch (= {})", name, s.batch, kv.batch);
   KVSIFT_CHECK(s.kv_heads == kv.kv_heads, where, "{}.kv_heads (= {}) != kv.kv_heads (= {})", name, s.kv_heads,
                kv.kv_heads);
-  if (contents != MemorySpace::host) return;
+}
+
+/// Checks the count of one selection row (sequence b, kv head h) against the capacity.
+inline void check_selection_count(const char* where, const char* name, std::int64_t b, std::int64_t h,
+                                  std::int32_t count, std::int32_t capacity) {
+  KVSIFT_CHECK(count >= 0 && count <= capacity, where,
+               "{}.counts (= {}) at batch {}, kv_head {} is outside [0, capacity = {}]", name, count, b, h, capacity);
+}
+
+/// Checks the entries of one selection row (host memory): every index in [0, seq_len) and, when `seen` is
+/// given, no index twice. `seen` is a bitmap of at least seq_len bits, all clear; it is cleared again before
+/// returning normally. The first offending position is reported.
+inline void check_selection_entries(const char* where, const char* name, std::int64_t b, std::int64_t h,
+                                    const std::int32_t* idx, std::int32_t count, std::int32_t seq_len,
+                                    std::span<std::uint64_t> seen = {}) {
+  for (std::int32_t i = 0; i < count; ++i) {
+    KVSIFT_CHECK(idx[i] >= 0 && idx[i] < seq_len, where,
+                 "{}.indices[{}] (= {}) at batch {}, kv_head {} is outside [0, seq_len = {})", name, i, idx[i], b,
+                 h, seq_len);
+    if (seen.empty()) continue;
+    std::uint64_t& word = seen[std::size_t(idx[i]) / 64];
+    const std::uint64_t bit = std::uint64_t(1) << (idx[i] % 64);
+    if (word & bit) {
+      const std::int32_t first = std::int32_t(std::find(idx, idx + i, idx[i]) - idx);
+      KVSIFT_CHECK(false, where,
+                   "{}.indices[{}] (= {}) at batch {}, kv_head {} repeats {}.indices[{}]: a row lists each token "
+                   "at most once",
+                   name, i, idx[i], b, h, name, first);
+    }
+    word |= bit;
+  }
+  for (std::int32_t i = 0; i < count && !seen.empty(); ++i) seen[std::size_t(idx[i]) / 64] = 0;
+}
+
+/// Checks every count and index of a selection in host memory against the cache's sequence lengths, and,
+/// with `refuse_duplicates`, that no row lists a token twice (allocates a bitmap of the longest sequence).
+template <KVCacheView KV>
+void check_selection_contents(const SelectionView& s, const KV& kv, const char* where, const char* name,
+                              bool refuse_duplicates) {
+  std::vector<std::uint64_t> seen;
+  if (refuse_duplicates) {
+    std::int32_t longest = 0;
+    for (std::int32_t b = 0; b < s.batch; ++b) longest = std::max(longest, kv.seq_len(b));
+    seen.assign(std::size_t(longest) / 64 + 1, 0);
+  }
   for (std::int32_t b = 0; b < s.batch; ++b) {
-    const std::int32_t len = kv.seq_len(b);
     for (std::int32_t h = 0; h < s.kv_heads; ++h) {
-      const std::int32_t count = s.count(b, h);
-      KVSIFT_CHECK(count >= 0 && count <= s.capacity, where,
-                   "{}.counts (= {}) at batch {}, kv_head {} is outside [0, capacity = {}]", name, count, b, h,
-                   s.capacity);
-      const std::int32_t* idx = s.row(b, h);
-      for (std::int32_t i = 0; i < count; ++i) {
-        KVSIFT_CHECK(idx[i] >= 0 && idx[i] < len, where,
-                     "{}.indices[{}] (= {}) at batch {}, kv_head {} is outside [0, seq_len = {})", name, i, idx[i],
-                     b, h, len);
-      }
+      check_selection_count(where, name, b, h, s.count(b, h), s.capacity);
+      check_selection_entries(where, name, b, h, s.row(b, h), s.count(b, h), kv.seq_len(b), seen);
     }
   }
 }

@@ -4,7 +4,8 @@
 /// Score of token t for kv head g: the largest softmax weight any query head of g's GQA group gives t,
 /// computed exactly over all tokens (as CTKVR and SpeContext reduce a group, by max). The first `sink`
 /// tokens and the last `recent` tokens are always kept and count against the budget; the rest of the
-/// budget goes to the best-scoring other tokens (ties: smaller index). Indices are written ascending;
+/// budget goes to the best-scoring other tokens (ties: smaller index). A sequence of at most `budget`
+/// tokens (ragged batches, the empty one included) gets every token. Indices are written ascending;
 /// log-weights, if the selection has them, are set to 0.
 ///
 /// The index is a copy of every key in fp32: index_bytes() = 4 * head_dim * tokens * kv_heads * batch.
@@ -13,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <string_view>
 #include <vector>
 
@@ -77,9 +79,13 @@ class OracleTopK {
     const double scale = config_.attention.resolved_scale(shape_.head_dim());
     for (std::int32_t b = 0; b < shape_.batch(); ++b) {
       const std::int32_t n = shape_.length(b);
-      KVSIFT_CHECK(config_.budget <= n, where, "budget (= {}) exceeds the tokens available (= {}) at batch {}",
-                   config_.budget, n, b);
       for (std::int32_t g = 0; g < shape_.kv_heads(); ++g) {
+        if (n <= config_.budget) {  // every token, as StreamingLLM and Quest do
+          std::iota(out.row(b, g), out.row(b, g) + n, 0);
+          out.counts[out.row_index(b, g)] = n;
+          if (float* lw = out.weights_row(b, g)) std::fill_n(lw, n, 0.0f);
+          continue;
+        }
         group_scores(q, b, g, group, scale, n);
         const float keep = std::numeric_limits<float>::infinity();
         std::fill_n(scores_.begin(), std::min(config_.sink, n), keep);

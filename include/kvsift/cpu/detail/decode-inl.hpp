@@ -149,7 +149,7 @@ void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int
   const int d = job.q.head_dim;
   const int d_vec = d / W * W;
   const bool dense = job.selection.indices == nullptr;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const float neg_inf = -std::numeric_limits<float>::infinity(), pos_inf = -neg_inf;
 
   alignas(64) float q[kHeadTile][kMaxHeadDim];
   alignas(64) float acc[kHeadTile][kMaxHeadDim];
@@ -229,9 +229,12 @@ void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int
         for (int h = 0; h < heads; ++h) {
           for (int t = block; t < block_padded; ++t) logits[h][t] = neg_inf;
           float block_max = neg_inf;
-          for (int t = 0; t < block; ++t) block_max = std::max(block_max, logits[h][t]);
-          const float m_new = std::max(m[h], block_max);
-          if (m_new == neg_inf) {  // nothing attended yet: weights of this block are all 0
+          for (int t = 0; t < block; ++t) block_max = max_nan(block_max, logits[h][t]);
+          const float m_new = max_nan(m[h], block_max);
+          if (m_new == neg_inf || !(m_new < pos_inf)) {
+            // Nothing attended yet (weights of this block are all 0), or a NaN or +inf logit, which makes the
+            // head's state NaN for good (attention/state.hpp): the max stays NaN in every later block.
+            if (m_new != neg_inf) m[h] = l[h] = m_new - m_new;
             std::fill_n(logits[h], block_padded, 0.0f);
             continue;
           }
@@ -257,8 +260,10 @@ void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int
       }
 
       for (int h = 0; h < heads; ++h) {
-        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-        const float lse = l[h] > 0.0f ? (m[h] + std::log2(l[h])) * kLn2 : neg_inf;
+        // l is 0 only for an empty head (the largest logit contributes 1), NaN for a corrupted one.
+        const bool empty = l[h] == 0.0f;
+        const float inv = empty ? 0.0f : 1.0f / l[h];
+        const float lse = empty ? neg_inf : (m[h] + std::log2(l[h])) * kLn2;
         if (job.splits == 1) {
           T* o = job.out.o_row(b, first_head + h);
           for (int c = 0; c < d; ++c) o[c] = store_as<L, T>(acc[h][c] * inv);

@@ -5,6 +5,7 @@
 /// the same messages.
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "kvsift/core/error.hpp"
@@ -28,9 +29,16 @@ class SelectorShape {
     require_prepared(where);
     validate(step.k, where, "k");
     validate(step.v, where, "v");
-    KVSIFT_CHECK(step.k.batch == batch_ && step.k.heads == kv_heads_ && step.k.head_dim == head_dim_, where,
-                 "k shape [{}, {}, {}] != prepared [batch = {}, kv_heads = {}, head_dim = {}]", step.k.batch,
-                 step.k.heads, step.k.head_dim, batch_, kv_heads_, head_dim_);
+    validate(step.q, where, "q");
+    for (const auto& [name, kv] : {std::pair{"k", step.k}, std::pair{"v", step.v}}) {
+      KVSIFT_CHECK(kv.batch == batch_ && kv.heads == kv_heads_ && kv.head_dim == head_dim_, where,
+                   "{} shape [{}, {}, {}] != prepared [batch = {}, kv_heads = {}, head_dim = {}]", name, kv.batch,
+                   kv.heads, kv.head_dim, batch_, kv_heads_, head_dim_);
+    }
+    KVSIFT_CHECK(step.q.batch == batch_ && step.q.head_dim == head_dim_ && step.q.heads % kv_heads_ == 0, where,
+                 "q shape [{}, {}, {}] does not fit prepared [batch = {}, kv_heads = {}, head_dim = {}] (q heads a "
+                 "multiple of kv_heads)",
+                 step.q.batch, step.q.heads, step.q.head_dim, batch_, kv_heads_, head_dim_);
     for (auto& length : lengths_) ++length;
   }
 
