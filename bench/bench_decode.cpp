@@ -2,8 +2,11 @@
 // clustered selections, timed with CUDA events, with the device-to-device copy bandwidth measured in the
 // same run as the ceiling. Counters: us (median of repetitions is taken by the runner), GB/s of bytes
 // touched (K and V rows read, Q read, O written), and that as a fraction of the measured copy bandwidth.
+// BM_DenseInterleaved puts a projection-sized cuBLAS GEMM between dense decode calls, as a model step puts
+// other kernels between attention calls; BM_ProjectionGemm times that GEMM alone the same way.
 #include <benchmark/benchmark.h>
 
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -166,7 +169,53 @@ void BM_ShortCopy(benchmark::State& state) {
 }
 BENCHMARK(BM_ShortCopy)->Arg(4)->Arg(32)->ArgName("MiB")->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.1);
 
-void dense_decode_bench(benchmark::State& state, int tokens, int batch, const kvsift::cuda::DecodeOptions& options) {
+/// Y [batch, 4096] = X [batch, 4096] W [4096, 4096], bf16 with fp32 accumulation, through cuBLAS: a
+/// projection of a 4096-wide model at decode, the unrelated kernel that a model step puts between two
+/// attention calls. W rotates over copies that exceed L2 (every layer of a model has its own weights), so
+/// each call reads its 32 MiB from memory, as in a model.
+class ProjectionGemm {
+ public:
+  static constexpr int kDim = 4096;
+  explicit ProjectionGemm(int batch)
+      : batch_(batch), copies_(copies_for(std::size_t(kDim) * kDim * sizeof(bfloat16))),
+        w_(std::size_t(kDim) * kDim * copies_), x_(std::size_t(batch) * kDim), y_(std::size_t(batch) * kDim),
+        workspace_(kWorkspaceBytes) {
+    fill_random(w_.ptr, std::size_t(kDim) * kDim * copies_, 4);
+    fill_random(x_.ptr, std::size_t(batch) * kDim, 5);
+    check(cublasCreate(&handle_), "cublasCreate");
+    // A workspace of our own, so that cuBLAS allocates nothing while a graph is captured (32 MiB on sm_90).
+    check(cublasSetWorkspace(handle_, workspace_.ptr, kWorkspaceBytes), "cublasSetWorkspace");
+  }
+  ~ProjectionGemm() { cublasDestroy(handle_); }
+  ProjectionGemm(const ProjectionGemm&) = delete;
+
+  void operator()(int i, cudaStream_t stream) {
+    const float alpha = 1.0f, beta = 0.0f;
+    // Column-major, as cuBLAS reads: Y^T [4096, batch] = W^T [4096, 4096] X^T [4096, batch].
+    check(cublasSetStream(handle_, stream), "cublasSetStream");
+    check(cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, kDim, batch_, kDim, &alpha,
+                       w_.ptr + std::size_t(i % copies_) * kDim * kDim, CUDA_R_16BF, kDim, x_.ptr, CUDA_R_16BF, kDim,
+                       &beta, y_.ptr, CUDA_R_16BF, kDim, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          "cublasGemmEx");
+  }
+
+ private:
+  static constexpr std::size_t kWorkspaceBytes = std::size_t(32) << 20;
+  static void check(cublasStatus_t status, const char* call) {
+    if (status != CUBLAS_STATUS_SUCCESS) {
+      kvsift::detail::throw_error("ProjectionGemm", fmt::format("{} failed: {}", call, cublasGetStatusString(status)));
+    }
+  }
+  int batch_, copies_;
+  Device<bfloat16> w_, x_, y_;
+  Device<std::byte> workspace_;
+  cublasHandle_t handle_ = nullptr;
+};
+
+/// Dense decode calls back to back, or with `between` (a ProjectionGemm) after each call when given: then a
+/// graph holds 16 (decode, GEMM) pairs and the time is per pair.
+void dense_decode_bench(benchmark::State& state, int tokens, int batch, const kvsift::cuda::DecodeOptions& options,
+                        ProjectionGemm* between = nullptr) {
   const std::size_t kv_elems = std::size_t(batch) * kKvHeads * tokens * kHeadDim;
   const int copies = copies_for(2 * kv_elems * sizeof(bfloat16));
   Device<bfloat16> k(kv_elems * copies), v(kv_elems * copies), q(std::size_t(batch) * kQHeads * kHeadDim),
@@ -185,7 +234,9 @@ void dense_decode_bench(benchmark::State& state, int tokens, int batch, const kv
   Device<std::byte> ws(std::max<std::size_t>(ws_bytes, 256));
   time_calls(state, [&](int i, cudaStream_t stream) {
     kvsift::cuda::dense_decode(qv, kv_of(i % copies), out, {ws.ptr, ws_bytes}, stream, options);
+    if (between != nullptr) (*between)(i, stream);
   });
+  if (between != nullptr) return;  // the pair's time is not the decode's: no bandwidth counters
   const double bytes = 2.0 * kv_elems * sizeof(bfloat16) + 2.0 * batch * kQHeads * kHeadDim * sizeof(bfloat16);
   state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations(), benchmark::Counter::kIsRate);
   state.counters["bytes"] = bytes;
@@ -215,12 +266,35 @@ BENCHMARK(BM_DenseDecode)
     ->ArgsProduct({{8192, 32768, 131072}, {1, 8}, {0}, {1}, {0}})
     ->ArgsProduct({{32768}, {1}, {8, 33}, {1}, {0}})
     ->ArgsProduct({{131072}, {8}, {1, 4}, {1}, {0}})
-    ->ArgsProduct({{32768, 131072}, {1}, {0}, {0}, {0}})
+    ->ArgsProduct({{32768, 131072}, {1, 8}, {0}, {0}, {0}})
     ->ArgsProduct({{32768, 131072}, {1, 8}, {0}, {1}, {4}})
     ->ArgNames({"N", "batch", "splits", "pdl", "warps"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);
+
+/// Dense decode with a projection GEMM after every call (graph: decode, GEMM, decode, GEMM, ...): GPU time
+/// per (decode, GEMM) pair. With pdl 1 the decode kernel is launched as a programmatic dependent of the
+/// GEMM: it can start before the GEMM ends only if cuBLAS's kernel signals early
+/// (griddepcontrol.launch_dependents), which kvsift does not control; pdl 0 is measured beside it.
+/// bench/report.py subtracts BM_ProjectionGemm (the GEMM alone, timed the same way) to get the decode's share.
+void BM_DenseInterleaved(benchmark::State& state) {
+  ProjectionGemm gemm(int(state.range(1)));
+  dense_decode_bench(state, int(state.range(0)), int(state.range(1)), {.programmatic_launch = state.range(2) != 0}, &gemm);
+}
+BENCHMARK(BM_DenseInterleaved)
+    ->ArgsProduct({{32768, 131072}, {1, 8}, {0, 1}})
+    ->ArgNames({"N", "batch", "pdl"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(0.1);
+
+/// The projection GEMM alone, 16 calls per graph (weights rotating over more than L2), for BM_DenseInterleaved.
+void BM_ProjectionGemm(benchmark::State& state) {
+  ProjectionGemm gemm(int(state.range(0)));
+  time_calls(state, [&](int i, cudaStream_t stream) { gemm(i, stream); });
+}
+BENCHMARK(BM_ProjectionGemm)->Arg(1)->Arg(8)->ArgName("batch")->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.1);
 
 /// Sparse decode over K indices per (sequence, kv head) of a 128K-token cache: random (uniform over the
 /// context) or clustered (runs of 32 consecutive tokens, as cluster- or page-based selectors return).

@@ -3,8 +3,11 @@
 # (memcheck, racecheck), the decode benchmarks and the PyTorch SDPA baseline, and writes logs, JSON and a
 # markdown report to $OUT (default ./device-out). Run from the repository root. Usage:
 #   bench/run_device.sh [build] [test] [sanitize] [bench] [cpubench] [profile]
-# No argument: all but profile (Nsight Compute on four decode shapes). KVSIFT_BENCH_FILTER narrows bench,
-# KVSIFT_CPUBENCH_FILTER cpubench (medians of 3 repetitions).
+# No argument: all but profile (Nsight Compute on four decode shapes). KVSIFT_BENCH_FILTER narrows bench
+# (default: every benchmark of kvsift_bench_decode, which report.py's tables all use, among them the dense
+# decode against cuDNN back to back with and without PDL and between projection GEMMs; each step prints its
+# start time; 'Copy|Dense|Sparse|Hybrid|ProjectionGemm' leaves out only the primitives), KVSIFT_CPUBENCH_FILTER
+# cpubench (medians of 3 repetitions).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 BUILD=${KVSIFT_DEVICE_BUILD:-/tmp/kvsift-device-build}

@@ -2,7 +2,15 @@
 bench_decode.cpp's BM_DenseDecode: q_heads 32, kv_heads 8, head_dim 128, bf16, one query token.
 Prints JSON lines {backend, N, batch, us, graph_us, gqa_mode} over rotating KV copies, timed as kvsift is:
 us is the median of CUDA-event timings of back-to-back eager calls (kvsift's eager_us), graph_us the GPU time
-per call from replays of a CUDA graph of 16 calls (kvsift's manual time)."""
+per call from replays of a CUDA graph of 16 calls (kvsift's manual time).
+
+Interleaved, as bench_decode.cpp's BM_DenseInterleaved and BM_ProjectionGemm (cuDNN at N 32K and 128K): a
+projection-sized GEMM, torch.matmul of x [batch, 4096] by w [4096, 4096] in bf16 with w rotating over copies
+that exceed L2, after every SDPA call. Lines {"backend": "cudnn", "N", "batch", "pair_us", "pair_mode"} give
+the time per (SDPA, GEMM) pair: from a CUDA graph of 16 pairs where it can be captured (pair_mode "graph"),
+else eagerly ("eager": the median of event timings of back-to-back direct calls). {"backend": "gemm",
+"batch", "graph_us", "eager_us"} is the GEMM alone, timed both ways, so that report.py subtracts the one
+timed as the pair was."""
 import json
 import sys
 
@@ -11,6 +19,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 Q_HEADS, KV_HEADS, D = 32, 8, 128
+D_MODEL = 4096  # the projection GEMM's width
+INTERLEAVED_N = (32768, 131072)
 L2_FLUSH = 256 << 20
 CALLS_PER_GRAPH = 16
 
@@ -52,8 +62,38 @@ def graph_time_us(fn, replays=20):
     return times[len(times) // 2]
 
 
+def make_gemm(batch):
+    """The projection GEMM of bench_decode.cpp's ProjectionGemm: a callable of the call number."""
+    copies = max(1, -(-L2_FLUSH // (D_MODEL * D_MODEL * 2)))
+    ws = [torch.randn(D_MODEL, D_MODEL, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(batch, D_MODEL, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(batch, D_MODEL, device="cuda", dtype=torch.bfloat16)
+
+    def gemm(i):
+        torch.matmul(x, ws[i % copies], out=y)
+    return gemm
+
+
+def graph_or_eager_us(fn):
+    """GPU time per call from graph replays where fn can be captured, else eagerly; and which it was."""
+    try:
+        return graph_time_us(fn), "graph"
+    except Exception:  # noqa: BLE001 - a kernel that cannot be captured: time it eagerly instead
+        torch.cuda.synchronize()
+        return time_us(fn), "eager"
+
+
 def main():
     torch.manual_seed(0)
+    gemms = {}
+    for batch in (1, 8):
+        gemms[batch] = make_gemm(batch)
+        result = {"backend": "gemm", "batch": batch, "eager_us": time_us(gemms[batch])}
+        try:
+            result["graph_us"] = graph_time_us(gemms[batch])
+        except Exception as e:  # noqa: BLE001 - report it; the eager figure stands in
+            result["graph_error"] = str(e).splitlines()[0][:200]
+        print(json.dumps(result), flush=True)
     for n in (8192, 32768, 131072):
         for batch in (1, 8):
             kv_bytes = 2 * batch * KV_HEADS * n * D * 2
@@ -75,6 +115,13 @@ def main():
                             result["graph_us"] = graph_time_us(run)
                         except Exception as e:  # noqa: BLE001 - a backend that cannot be captured
                             result["graph_error"] = str(e).splitlines()[0][:200]
+                        if name == "cudnn" and n in INTERLEAVED_N:
+                            gemm = gemms[batch]
+
+                            def pair(i):
+                                run(i)
+                                gemm(i)
+                            result["pair_us"], result["pair_mode"] = graph_or_eager_us(pair)
                 except Exception as e:  # noqa: BLE001 - report any backend refusal as data
                     result["error"] = str(e).splitlines()[0][:200]
                 print(json.dumps(result), flush=True)
