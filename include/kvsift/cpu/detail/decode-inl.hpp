@@ -17,6 +17,7 @@
 #include "kvsift/cpu/detail/vec-inl.hpp"
 
 namespace kvsift::cpu::detail {
+namespace KVSIFT_CPU_ISA {  // this level's own symbols (instantiate-inl.hpp)
 
 template <class T>
 inline void prefetch_row(const T* row, int d) {
@@ -68,7 +69,7 @@ void block_logits(const float (*q)[kMaxHeadDim], const T* const* k_rows, int blo
   }
 }
 
-#if defined(__AVX512BF16__)
+#if KVSIFT_CPU_HAS_AVX512
 /// block_logits for bf16 storage with vdpbf16ps on the unscaled bf16 query (bf16 x bf16 products are exact in
 /// fp32, so this loses nothing); the caller scales the logits. head_dim must be a multiple of 32.
 template <int Heads>
@@ -141,6 +142,9 @@ void with_heads(int heads, Fn&& fn) {
   }(std::make_integer_sequence<int, kHeadTile>{});
 }
 
+}  // namespace KVSIFT_CPU_ISA
+using namespace KVSIFT_CPU_ISA;
+
 template <SimdLevel L, class T, class KV>
 void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int64_t item_end, bool use_bf16_dot) {
   using Ops = Vec<L>;
@@ -207,7 +211,7 @@ void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int
         const T* const* k_cur = k_rows[slot];
         const T* const* k_next = k_rows[slot ^ 1];
         with_heads(heads, [&]<int Heads>() {
-#if defined(__AVX512BF16__)
+#if KVSIFT_CPU_HAS_AVX512
           if constexpr (std::is_same_v<T, bfloat16>) {
             if (use_bf16_dot && d % 32 == 0) {
               block_logits_bf16<Heads>(q_rows, k_cur, block, d, logits, k_next, next_block);

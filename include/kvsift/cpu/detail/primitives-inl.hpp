@@ -15,6 +15,8 @@ void gemv_rows(const float* q, const MatrixView<const T>& rows, float scale, flo
   for (std::int64_t i = begin; i < end; ++i) scores[i] = scale * dot<L>(q, rows.row(i), rows.cols);
 }
 
+namespace KVSIFT_CPU_ISA {  // this level's own symbols (instantiate-inl.hpp)
+
 /// Rows and columns of one register block: kBlockRows rows times two vectors of columns, held in
 /// 2 * kBlockRows accumulators; per channel, kBlockRows broadcasts and two column loads feed 2 * kBlockRows
 /// FMAs, and no horizontal reduction is needed (the columns are the vector lanes).
@@ -52,6 +54,9 @@ inline void block_rows(const MatrixView<const float>& rows, std::int64_t first, 
                        const float* (&x)[kBlockRows]) {
   for (int r = 0; r < kBlockRows; ++r) x[r] = rows.row(std::min(first + r, end - 1));
 }
+
+}  // namespace KVSIFT_CPU_ISA
+using namespace KVSIFT_CPU_ISA;
 
 template <SimdLevel L>
 void score_rows(const MatrixView<const float>& rows, const ScorePanel& panel, float* scores, std::int64_t score_stride,

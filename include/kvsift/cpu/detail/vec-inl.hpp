@@ -14,6 +14,7 @@
 #include "kvsift/cpu/simd.hpp"
 
 namespace kvsift::cpu::detail {
+namespace KVSIFT_CPU_ISA {  // this level's own symbols (instantiate-inl.hpp)
 
 template <SimdLevel L>
 struct Vec;
@@ -75,7 +76,7 @@ inline V exp2_nonpositive(V x) {
   return Ops::zero_where_below(Ops::scale_by_pow2(p, n), x, -126.0f);
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if KVSIFT_CPU_HAS_AVX2
 template <>
 struct Vec<SimdLevel::avx2> {
   static constexpr int kWidth = 8;
@@ -119,7 +120,7 @@ struct Vec<SimdLevel::avx2> {
 
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if KVSIFT_CPU_HAS_AVX512
 template <>
 struct Vec<SimdLevel::avx512> {
   static constexpr int kWidth = 16;
@@ -159,7 +160,7 @@ T store_as(float x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else if constexpr (std::is_same_v<T, half>) {
-#if defined(__F16C__)
+#if KVSIFT_CPU_HAS_AVX2
     if constexpr (L != SimdLevel::scalar) return half{static_cast<std::uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT))};
 #endif
     return float_to_half(x);
@@ -171,4 +172,6 @@ T store_as(float x) {
   }
 }
 
+}  // namespace KVSIFT_CPU_ISA
+using namespace KVSIFT_CPU_ISA;
 }  // namespace kvsift::cpu::detail
