@@ -22,10 +22,14 @@ if(KVSIFT_WITH_CUDA)
   endif()
   enable_language(CUDA)
   find_package(CUDAToolkit REQUIRED)
+  # CMake 3.25 does not know nvcc 13's C++20 flag (CMAKE_CUDA_STANDARD 20 fails), so pass it directly. Used for
+  # the library's .cu files and for the .cuh header checks (tests/headers/).
+  set(KVSIFT_CUDA_FLAGS -std=c++20 --expt-relaxed-constexpr)
   message(STATUS "kvsift: CUDA backend ON (${CMAKE_CUDA_COMPILER_VERSION}, archs ${CMAKE_CUDA_ARCHITECTURES})")
 endif()
 
-# Adds every kernels/*.cu translation unit to `target` and links the CUDA runtime.
+# Adds every kernels/*.cu translation unit and the host code of the CUDA backend (src/cuda/) to `target`
+# (kvsift_cuda, see CMakeLists.txt) and links the CUDA runtime.
 function(kvsift_add_cuda_sources target)
   file(GLOB cuda_sources CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/kernels/*.cu)
   target_sources(${target} PRIVATE ${cuda_sources} ${PROJECT_SOURCE_DIR}/src/cuda/device.cpp
@@ -34,7 +38,6 @@ function(kvsift_add_cuda_sources target)
                                      ${PROJECT_SOURCE_DIR}/src/cuda/primitives.cpp)
   target_link_libraries(${target} PUBLIC CUDA::cudart)
   target_compile_definitions(${target} PUBLIC KVSIFT_WITH_CUDA=1)
-  # CMake 3.25 does not know nvcc 13's C++20 flag (CMAKE_CUDA_STANDARD 20 fails), so pass it directly.
-  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20 --expt-relaxed-constexpr -lineinfo>)
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${KVSIFT_CUDA_FLAGS} -lineinfo>)
   set_target_properties(${target} PROPERTIES CUDA_SEPARABLE_COMPILATION OFF)
 endfunction()
