@@ -6,6 +6,7 @@
 /// All views are POD aggregates usable on host and device. Build them with designated initializers or the
 /// `packed` helpers, then pass them by value.
 
+#include <concepts>
 #include <cstdint>
 #include <type_traits>
 
