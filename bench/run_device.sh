@@ -2,8 +2,9 @@
 # Builds kvsift on the GPU machine, runs the CUDA and CPU tests, the CUDA tests under compute-sanitizer
 # (memcheck, racecheck), the decode benchmarks and the PyTorch SDPA baseline, and writes logs, JSON and a
 # markdown report to $OUT (default ./device-out). Run from the repository root. Usage:
-#   bench/run_device.sh [build] [test] [sanitize] [bench] [cpubench] [profile]
-# No argument: all but profile (Nsight Compute on four decode shapes). KVSIFT_BENCH_FILTER narrows bench
+#   bench/run_device.sh [build] [test] [sanitize] [bench] [cpubench] [profile] [demo]
+# No argument: all but profile (Nsight Compute on four decode shapes) and demo (kvsift_demo, whose GPU table
+# only a GPU machine prints). KVSIFT_BENCH_FILTER narrows bench
 # (default: every benchmark of kvsift_bench_decode, which report.py's tables all use, among them the dense
 # decode against cuDNN back to back with and without PDL and between projection GEMMs; each step prints its
 # start time; 'Copy|Dense|Sparse|Hybrid|ProjectionGemm' leaves out only the primitives), KVSIFT_CPUBENCH_FILTER
@@ -56,6 +57,11 @@ if has cpubench; then
     --benchmark_filter="${KVSIFT_CPUBENCH_FILTER:-Triad|Gather|InCache|K:16384|K:4096/threads:1/|TopK|KMeans}" \
     > "$OUT/bench_cpu.txt" 2>&1 || status=1
   grep -E "^BM.*median" "$OUT/bench_cpu.txt" | awk '{print $1, $2, $3, $(NF-1), $NF}'
+fi
+if has demo; then
+  step "demo"
+  "$BUILD/bench/kvsift_demo" > "$OUT/demo.txt" 2>&1 || status=1
+  sed -n '1,/^Real attention/p' "$OUT/demo.txt"
 fi
 if has profile; then
   # One decode launch and its split merge per shape, after the warm-up calls (skip), with the sections that
