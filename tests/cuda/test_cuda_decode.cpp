@@ -122,6 +122,34 @@ void check_case(Random& rng, const CaseSpec& spec) {
   }
 }
 
+/// fp32 partial states merged by the fp64 reference and, from device copies, by cuda::merge_states (poisoned
+/// output): the reference's state and the device's O and LSE.
+struct MergedOnBoth {
+  test::HostState ref;
+  std::vector<float> o, lse;
+};
+MergedOnBoth merge_on_both(const std::vector<std::vector<float>>& os, const std::vector<std::vector<float>>& lses,
+                           std::int32_t batch, std::int32_t heads, std::int32_t d) {
+  std::vector<DeviceBuffer<float>> d_os, d_lses;
+  std::vector<StateView<const float>> host_parts, device_parts;
+  for (std::size_t i = 0; i < os.size(); ++i) {
+    d_os.emplace_back(os[i]);
+    d_lses.emplace_back(lses[i]);
+    host_parts.push_back(StateView<const float>::packed(os[i].data(), lses[i].data(), batch, heads, d));
+    device_parts.push_back(StateView<const float>::packed(d_os[i].data(), d_lses[i].data(), batch, heads, d));
+  }
+  MergedOnBoth merged{test::HostState(batch, heads, d), {}, {}};
+  reference::merge_states<float, float>(host_parts, merged.ref.view);
+  DeviceBuffer<float> o(merged.ref.o.size()), lse(merged.ref.lse.size());
+  o.poison();
+  lse.poison();
+  cuda::merge_states<float>(device_parts, StateView<float>::packed(o.data(), lse.data(), batch, heads, d), nullptr);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  merged.o = o.download();
+  merged.lse = lse.download();
+  return merged;
+}
+
 using CudaDecode = test::GpuTest;
 
 TEST_F(CudaDecode, SparseMatchesReferenceAcrossTheShapeMatrix) {
@@ -227,27 +255,12 @@ TEST_F(CudaDecode, MergeStatesMatchesReferenceMerge) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   const std::int32_t batch = 3, heads = 5, d = 96, parts = 7;  // any head_dim: the merge has no vector loads
   std::vector<std::vector<float>> os, lses;
-  std::vector<DeviceBuffer<float>> d_os, d_lses;
-  std::vector<StateView<const float>> host_parts, device_parts;
   for (std::int32_t i = 0; i < parts; ++i) {
     os.push_back(rng.normal(std::size_t(batch) * heads * d));
     lses.push_back(rng.normal(std::size_t(batch) * heads, 20.0f));
     if (i == 3) std::fill(lses.back().begin(), lses.back().end(), -INFINITY);
   }
-  for (std::int32_t i = 0; i < parts; ++i) {
-    d_os.emplace_back(os[i]);
-    d_lses.emplace_back(lses[i]);
-    host_parts.push_back(StateView<const float>::packed(os[i].data(), lses[i].data(), batch, heads, d));
-    device_parts.push_back(StateView<const float>::packed(d_os[i].data(), d_lses[i].data(), batch, heads, d));
-  }
-  test::HostState ref(batch, heads, d);
-  reference::merge_states<float, float>(host_parts, ref.view);
-  DeviceBuffer<float> o(ref.o.size()), lse(ref.lse.size());
-  o.poison();
-  lse.poison();
-  cuda::merge_states<float>(device_parts, StateView<float>::packed(o.data(), lse.data(), batch, heads, d), nullptr);
-  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto got_o = o.download(), got_lse = lse.download();
+  const auto [ref, got_o, got_lse] = merge_on_both(os, lses, batch, heads, d);
   for (std::size_t i = 0; i < got_o.size(); ++i) ASSERT_NEAR(got_o[i], ref.o[i], 1e-5 * (1 + std::abs(ref.o[i])));
   for (std::size_t i = 0; i < got_lse.size(); ++i) ASSERT_NEAR(got_lse[i], ref.lse[i], 1e-5 * std::abs(ref.lse[i]));
 }
@@ -378,23 +391,9 @@ TEST_F(CudaDecode, MergeCarriesNaNAndOnlyMinusInfinityIsEmpty) {
   os[2][(0 * heads + 1) * d + 7] = nan;
   lses[0][0] = lses[2][0] = -INFINITY;
   lses[1][0] = nan;  // with two empty partials: NaN, not empty
-  std::vector<DeviceBuffer<float>> d_os, d_lses;
-  std::vector<StateView<const float>> host_parts, device_parts;
-  for (int i = 0; i < 3; ++i) {
-    d_os.emplace_back(os[i]);
-    d_lses.emplace_back(lses[i]);
-    host_parts.push_back(StateView<const float>::packed(os[i].data(), lses[i].data(), batch, heads, d));
-    device_parts.push_back(StateView<const float>::packed(d_os[i].data(), d_lses[i].data(), batch, heads, d));
-  }
-  test::HostState ref(batch, heads, d);
-  reference::merge_states<float, float>(host_parts, ref.view);
-  DeviceBuffer<float> o(ref.o.size()), lse(ref.lse.size());
-  o.poison();
-  lse.poison();
-  cuda::merge_states<float>(device_parts, StateView<float>::packed(o.data(), lse.data(), batch, heads, d), nullptr);
-  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto [ref, o, lse] = merge_on_both(os, lses, batch, heads, d);
   EXPECT_TRUE(std::isnan(ref.lse[0]) && std::isnan(ref.lse[5]) && std::isnan(ref.o[1 * d + 7]));
-  test::expect_close_with_nan(o.download(), lse.download(), ref, "merge");
+  test::expect_close_with_nan(o, lse, ref, "merge");
 }
 
 TEST_F(CudaDecode, WorkspaceQueryIsExactAndGraphCaptureReplays) {
