@@ -1,15 +1,18 @@
 // kvsift_fidelity: scores every selector (and the OracleTopK, StreamingLLM and Quest references) on real
 // attention captures; see include/kvsift/selectors/fidelity.hpp for what is measured.
 //
-//   kvsift_fidelity [--positions N] [--budgets 0.01,0.02,0.05] [--plot-data FILE] CAPTURE...
+//   kvsift_fidelity [--positions N] [--prefill F] [--budgets 0.01,0.02,0.05] [--plot-data FILE] CAPTURE...
 //
-// Prints one markdown table per capture. --plot-data writes mass recall per budget (rows) and selector
-// (columns), averaged over the captures, for bench/fidelity_plot.gp.
+// Prints per capture a line on the decoded range and the budget, then one markdown table with a row per
+// (layer, budget, selector). --plot-data writes, per (capture, layer), a gnuplot data block (blocks separated
+// by two blank lines, each preceded by a "# panel NAME" line): budget in percent, then mass recall mean, p10
+// and p90 per selector (NaN where it refused), for bench/fidelity_plot.gp.
 #include <fmt/format.h>
 
 #include <cstdio>
 #include <cstdlib>
-#include <map>
+#include <filesystem>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -30,7 +33,8 @@ std::vector<double> parse_budgets(const std::string& list) {
 }
 
 int usage() {
-  std::fprintf(stderr, "usage: kvsift_fidelity [--positions N] [--budgets F,F,...] [--plot-data FILE] CAPTURE...\n");
+  std::fprintf(stderr,
+               "usage: kvsift_fidelity [--positions N] [--prefill F] [--budgets F,F,...] [--plot-data FILE] CAPTURE...\n");
   return 2;
 }
 
@@ -45,6 +49,8 @@ int main(int argc, char** argv) {
     const bool has_value = i + 1 < argc;
     if (arg == "--positions" && has_value) {
       options.decode_positions = std::atoi(argv[++i]);
+    } else if (arg == "--prefill" && has_value) {
+      options.prefill = std::atof(argv[++i]);
     } else if (arg == "--budgets" && has_value) {
       options.budgets = parse_budgets(argv[++i]);
     } else if (arg == "--plot-data" && has_value) {
@@ -59,38 +65,41 @@ int main(int argc, char** argv) {
 
   try {
     const auto selectors = kvsift::reference_selectors();
-    std::map<std::pair<double, std::string>, std::vector<double>> mass;  // (budget, selector) -> per capture
+    std::string plot;  // the gnuplot blocks, one per (capture, layer)
     for (const auto& path : captures) {
       const kvsift::Capture capture = kvsift::read_capture(path);
       fmt::print("\n### {}: {}, {} tokens, layers", capture.text_id, capture.model, capture.tokens);
       for (const auto& layer : capture.layers) fmt::print(" {}", layer.layer);
-      fmt::print("; the last {} positions decoded\n\n", options.decode_positions);
-      const auto rows = kvsift::evaluate_fidelity(capture, selectors, options);
-      fmt::print("{}", kvsift::fidelity_markdown(rows));
-      for (const auto& r : rows) {
-        if (r.refused.empty()) mass[{r.budget, r.selector}].push_back(r.mass_recall);
+      fmt::print("\n\n");
+      const auto result = kvsift::evaluate_fidelity(capture, selectors, options);
+      fmt::print("{}", kvsift::fidelity_markdown(result));
+      const std::string stem = std::filesystem::path(path).stem().string();
+      for (const auto& layer : capture.layers) {
+        fmt::format_to(std::back_inserter(plot), "{}# panel {}:layer_{}\nbudget_percent", plot.empty() ? "" : "\n\n",
+                       stem, layer.layer);
+        for (const auto& s : selectors) fmt::format_to(std::back_inserter(plot), " {0} {0}_p10 {0}_p90", s.name);
+        plot += "\n";
+        for (const double budget : options.budgets) {
+          fmt::format_to(std::back_inserter(plot), "{:g}", 100 * budget);
+          for (const auto& s : selectors) {
+            for (const auto& r : result.rows) {
+              if (r.layer != layer.layer || r.budget != budget || r.selector != s.name) continue;
+              if (r.refused.empty()) {
+                fmt::format_to(std::back_inserter(plot), " {:.4f} {:.4f} {:.4f}", r.mass_recall, r.mass_recall_p10,
+                               r.mass_recall_p90);
+              } else {  // refused at this budget: gnuplot leaves a gap
+                plot += " NaN NaN NaN";
+              }
+            }
+          }
+          plot += "\n";
+        }
       }
     }
     if (!plot_data.empty()) {
       std::FILE* f = std::fopen(plot_data.c_str(), "w");
       KVSIFT_CHECK(f != nullptr, "kvsift_fidelity", "cannot write {}", plot_data);
-      fmt::print(f, "budget_percent");
-      for (const auto& s : selectors) fmt::print(f, " {}", s.name);
-      fmt::print(f, "\n");
-      for (const double budget : options.budgets) {
-        fmt::print(f, "{:g}", 100 * budget);
-        for (const auto& s : selectors) {
-          const auto it = mass.find({budget, s.name});
-          if (it == mass.end()) {  // refused at this budget: gnuplot leaves a gap
-            fmt::print(f, " NaN");
-            continue;
-          }
-          double mean = 0.0;
-          for (double m : it->second) mean += m / double(it->second.size());
-          fmt::print(f, " {:.4f}", mean);
-        }
-        fmt::print(f, "\n");
-      }
+      fmt::print(f, "{}", plot);
       std::fclose(f);
     }
   } catch (const std::exception& e) {

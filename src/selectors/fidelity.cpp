@@ -5,13 +5,14 @@
 #include <algorithm>
 #include <cmath>
 #include <iterator>
+#include <numeric>
 #include <optional>
-#include <set>
 
 #include "kvsift/attention/metrics.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/selection_buffer.hpp"
+#include "kvsift/core/validate.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
 #include "kvsift/selectors/streaming_llm.hpp"
@@ -65,114 +66,213 @@ std::vector<SelectorEntry> reference_selectors() {
   };
 }
 
-std::vector<FidelityRow> evaluate_fidelity(const Capture& capture, std::span<const SelectorEntry> selectors,
-                                           const FidelityOptions& options) {
+namespace {
+
+/// The q-quantile of `values` by linear interpolation between order statistics (numpy's default); sorts them.
+double quantile(std::vector<double>& values, double q) {
+  if (values.empty()) return 0.0;
+  std::sort(values.begin(), values.end());
+  const double h = q * double(values.size() - 1);
+  const auto lo = std::size_t(std::floor(h));
+  const std::size_t hi = std::min(lo + 1, values.size() - 1);
+  return values[lo] + (h - double(lo)) * (values[hi] - values[lo]);
+}
+
+double mean(const std::vector<double>& values) {
+  double sum = 0.0;
+  for (const double x : values) sum += x;
+  return values.empty() ? 0.0 : sum / double(values.size());
+}
+
+/// One selector at one budget on one layer: the selector (absent when refused) and its samples.
+struct Run {
+  std::size_t budget_index = 0;
+  std::optional<AnySelector<float>> selector;
+  std::string refused;
+  std::vector<double> mass, error;  ///< per (evaluated position, query head)
+  double id_recall = 0.0, selected = 0.0;  ///< sums over (evaluated position, kv head)
+};
+
+/// The oracle's ranking of one position: per kv head, each token's rank when the tokens are ordered by the
+/// largest fp32 softmax weight of the group's query heads, descending, ties to the smaller index.
+void rank_tokens(const AttentionWeights& attention, std::int32_t kv_heads, std::vector<std::int32_t>& rank,
+                 std::vector<float>& score, std::vector<std::int32_t>& order) {
+  const std::int32_t n = attention.seq_lens[0];
+  rank.resize(std::size_t(kv_heads) * n);
+  score.resize(std::size_t(n));
+  order.resize(std::size_t(n));
+  for (std::int32_t g = 0; g < kv_heads; ++g) {
+    std::fill(score.begin(), score.end(), 0.0f);
+    for (std::int32_t h = g * attention.group; h < (g + 1) * attention.group; ++h) {
+      const double* w = attention.row(0, h);
+      const double denom = attention.denominators[std::size_t(h)];
+      for (std::int32_t t = 0; t < n; ++t) score[t] = std::max(score[t], static_cast<float>(w[t] / denom));
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(),
+              [&](std::int32_t a, std::int32_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); });
+    for (std::int32_t r = 0; r < n; ++r) rank[std::size_t(g) * n + order[r]] = r;
+  }
+}
+
+}  // namespace
+
+FidelityResult evaluate_fidelity(const Capture& capture, std::span<const SelectorEntry> selectors,
+                                 const FidelityOptions& options) {
   constexpr const char* where = "evaluate_fidelity";
   KVSIFT_CHECK(!capture.layers.empty(), where, "the capture holds no layers");
-  KVSIFT_CHECK(options.decode_positions > 0 && options.decode_positions < capture.tokens, where,
-               "options.decode_positions (= {}) is outside [1, tokens = {})", options.decode_positions, capture.tokens);
+  KVSIFT_CHECK(capture.tokens > 1 && capture.q_heads > 0 && capture.kv_heads > 0 && capture.head_dim > 0 &&
+                   capture.q_heads % capture.kv_heads == 0,
+               where, "capture shape (tokens {}, q_heads {}, kv_heads {}, head_dim {}) is not a decodable one",
+               capture.tokens, capture.q_heads, capture.kv_heads, capture.head_dim);
+  const std::size_t q_size = std::size_t(capture.tokens) * capture.q_heads * capture.head_dim;
+  const std::size_t kv_size = std::size_t(capture.tokens) * capture.kv_heads * capture.head_dim;
+  for (const auto& l : capture.layers) {
+    KVSIFT_CHECK(l.q.size() == q_size && l.k.size() == kv_size && l.v.size() == kv_size, where,
+                 "layer {}: q, k, v hold {}, {}, {} values; the shape needs {}, {}, {}", l.layer, l.q.size(),
+                 l.k.size(), l.v.size(), q_size, kv_size, kv_size);
+  }
   for (const double budget : options.budgets) {
     KVSIFT_CHECK(budget > 0.0 && budget <= 1.0, where, "budget fraction {} is outside (0, 1]", budget);
   }
-  const std::int32_t first_position = capture.tokens - options.decode_positions;
-  const std::size_t state_size = std::size_t(capture.q_heads) * capture.head_dim;
+  const bool share = options.prefill > 0.0 && options.prefill < 1.0;  // false for NaN too
+  const auto first_position = share ? std::int32_t(std::lround(options.prefill * capture.tokens)) : 0;
+  KVSIFT_CHECK(share && first_position >= 1 && first_position < capture.tokens,
+               where,
+               "options.prefill (= {}) leaves no prefill or no decode position (first decode position {} of {} tokens)",
+               options.prefill, first_position, capture.tokens);
+  const std::int32_t decoded = capture.tokens - first_position;
+  const std::int32_t n_eval = options.decode_positions;
+  KVSIFT_CHECK(n_eval >= 1 && n_eval <= decoded, where,
+               "options.decode_positions (= {}) is outside [1, decoded positions = {}]", n_eval, decoded);
 
-  std::vector<FidelityRow> rows;
-  for (const double budget : options.budgets) {
-    const auto k = std::max<std::int32_t>(1, std::int32_t(std::lround(budget * first_position)));
-    for (const auto& entry : selectors) {
-      FidelityRow row;
-      row.selector = entry.name;
-      row.budget = budget;
-      row.budget_tokens = k;
-      rows.push_back(std::move(row));
-    }
+  FidelityResult result;
+  result.first_position = first_position;
+  for (std::int32_t i = 0; i < n_eval; ++i) {  // P + round(i (decoded - 1) / (N - 1)), halves rounded up
+    const std::int64_t step = n_eval == 1 ? 0 : (std::int64_t(i) * (decoded - 1) + (n_eval - 1) / 2) / (n_eval - 1);
+    result.positions.push_back(n_eval == 1 ? capture.tokens - 1 : first_position + std::int32_t(step));
   }
-  std::vector<std::int64_t> samples(rows.size(), 0);
+  std::vector<std::int32_t> budget_tokens;
+  for (const double budget : options.budgets) {
+    budget_tokens.push_back(std::max<std::int32_t>(1, std::int32_t(std::lround(budget * (first_position + 1)))));
+  }
 
-  std::vector<float> o(state_size), lse(capture.q_heads), lse_dense(capture.q_heads);
-  std::vector<float> o_dense(state_size * options.decode_positions);  // [position][head][channel]
-  std::vector<AttentionWeights> attention(std::size_t(options.decode_positions));  // what every selection is scored against
+  const std::int32_t qh = capture.q_heads, kvh = capture.kv_heads, d = capture.head_dim;
+  const std::size_t state_size = std::size_t(qh) * d;
+  std::vector<float> o(state_size), lse(qh), o_dense(state_size), lse_dense(qh);
+  std::vector<std::int32_t> rank, order;
+  std::vector<float> score;
   for (const auto& capture_layer : capture.layers) {
     const FloatLayer layer(capture, capture_layer);
-    for (std::int32_t pos = first_position, length = first_position; pos < capture.tokens; ++pos, ++length) {
-      reference::dense_decode(layer.query(pos), layer.kv(&length),
-                              StateView<float>::packed(o_dense.data() + (pos - first_position) * state_size,
-                                                       lse_dense.data(), 1, capture.q_heads, capture.head_dim));
-      attention[std::size_t(pos - first_position)] = attention_weights(layer.query(pos), layer.kv(&length));
-    }
-    for (std::size_t b = 0; b < options.budgets.size(); ++b) {
-      const std::int32_t k = rows[b * selectors.size()].budget_tokens;
-      std::int32_t oracle_length = first_position;
-      OracleTopK oracle({.budget = k});
-      oracle.prepare(layer.prefill(&oracle_length));
-      std::vector<SelectionBuffer> oracle_selections;
-      oracle_selections.reserve(std::size_t(options.decode_positions));
-      for (std::int32_t pos = first_position; pos < capture.tokens; ++pos) {
-        oracle_selections.emplace_back(1, capture.kv_heads, k, true);
-        oracle.select(layer.query(pos), oracle_selections.back().view());
-        oracle.append(layer.token(pos));
-      }
-      for (std::size_t s = 0; s < selectors.size(); ++s) {
-        FidelityRow& row = rows[b * selectors.size() + s];
-        std::optional<AnySelector<float>> selector;
+    // Every (budget, selector), prepared on the prefill.
+    std::vector<Run> runs;
+    std::vector<SelectionBuffer> buffers;  // one per budget, reused by its selectors
+    const std::int32_t prefill_length = first_position;
+    for (std::size_t b = 0; b < budget_tokens.size(); ++b) {
+      buffers.emplace_back(1, kvh, budget_tokens[b], true);
+      for (const auto& entry : selectors) {
+        Run& run = runs.emplace_back();
+        run.budget_index = b;
         try {
-          selector.emplace(selectors[s].make(k));
+          run.selector.emplace(entry.make(budget_tokens[b]));
         } catch (const Error& e) {
-          row.refused = e.what();
+          run.refused = e.what();
           continue;
         }
-        std::int32_t length = first_position;
-        selector->prepare(layer.prefill(&length));
-        SelectionBuffer buffer(1, capture.kv_heads, k, true);
+        run.selector->prepare(layer.prefill(&prefill_length));
+      }
+    }
+    auto next_eval = result.positions.begin();
+    for (std::int32_t pos = first_position; pos < capture.tokens; ++pos) {
+      const std::int32_t length = pos + 1;  // the query at pos attends [0, pos], its own token included
+      const auto q = layer.query(pos);
+      const auto kv = layer.kv(&length);
+      for (Run& run : runs) {
+        if (run.selector) run.selector->append(layer.token(pos));
+      }
+      const bool evaluated = next_eval != result.positions.end() && *next_eval == pos;
+      std::optional<AttentionWeights> attention;
+      if (evaluated) {
+        ++next_eval;
+        attention = attention_weights(q, kv);
+        reference::dense_decode(q, kv, StateView<float>::packed(o_dense.data(), lse_dense.data(), 1, qh, d));
+        rank_tokens(*attention, kvh, rank, score, order);
+      }
+      for (Run& run : runs) {
+        if (!run.selector) continue;
+        SelectionBuffer& buffer = buffers[run.budget_index];
         const SelectionView& selection = buffer.view();
-        for (std::int32_t pos = first_position; pos < capture.tokens; ++pos, ++length) {
-          const auto q = layer.query(pos);
-          const auto kv = layer.kv(&length);
-          std::fill(buffer.log_weights().begin(), buffer.log_weights().end(), 0.0f);
-          selector->select(q, selection);
-          reference::sparse_decode(q, kv, selection,
-                                   StateView<float>::packed(o.data(), lse.data(), 1, capture.q_heads, capture.head_dim));
-          row.mass_recall += attention_mass_recall(attention[std::size_t(pos - first_position)], selection);
-          row.output_error +=
-              relative_l2_error(o, std::span(o_dense).subspan((pos - first_position) * state_size, state_size));
-          const SelectionView& oracle_view = oracle_selections[pos - first_position].view();
-          for (std::int32_t g = 0; g < capture.kv_heads; ++g) {
-            const std::set<std::int32_t> chosen(selection.row(0, g), selection.row(0, g) + selection.count(0, g));
-            std::int32_t hits = 0;
-            for (std::int32_t i = 0; i < oracle_view.count(0, g); ++i) hits += chosen.count(oracle_view.row(0, g)[i]) ? 1 : 0;
-            row.id_recall += double(hits) / oracle_view.count(0, g) / capture.kv_heads;
-            row.mean_selected += double(selection.count(0, g)) / capture.kv_heads;
+        std::fill(buffer.log_weights().begin(), buffer.log_weights().end(), 0.0f);
+        run.selector->select(q, selection);
+        if (!evaluated) continue;
+        check_selection_contents(selection, kv, where, "selection", /*refuse_duplicates=*/true);
+        const auto mass = attention_mass_recall_per_head(*attention, selection);
+        run.mass.insert(run.mass.end(), mass.begin(), mass.end());
+        reference::sparse_decode(q, kv, selection, StateView<float>::packed(o.data(), lse.data(), 1, qh, d));
+        const auto error = relative_l2_error_per_row(o, o_dense, std::size_t(d));
+        run.error.insert(run.error.end(), error.begin(), error.end());
+        const std::int32_t k = std::min(budget_tokens[run.budget_index], length);  // the oracle's top-K
+        for (std::int32_t g = 0; g < kvh; ++g) {
+          std::int32_t hits = 0;
+          for (std::int32_t i = 0; i < selection.count(0, g); ++i) {
+            hits += rank[std::size_t(g) * length + selection.row(0, g)[i]] < k ? 1 : 0;
           }
-          ++samples[b * selectors.size() + s];
-          selector->append(layer.token(pos));
+          run.id_recall += double(hits) / k;
+          run.selected += selection.count(0, g);
         }
       }
     }
+    for (std::size_t r = 0; r < runs.size(); ++r) {
+      Run& run = runs[r];
+      FidelityRow row;
+      row.layer = capture_layer.layer;
+      row.selector = selectors[r % selectors.size()].name;
+      row.budget = options.budgets[run.budget_index];
+      row.budget_tokens = budget_tokens[run.budget_index];
+      row.refused = run.refused;
+      if (run.selector) {
+        const double samples = double(n_eval) * kvh;
+        row.id_recall = run.id_recall / samples;
+        row.mean_selected = run.selected / samples;
+        row.mass_recall = mean(run.mass);
+        row.mass_recall_p10 = quantile(run.mass, 0.1);
+        row.mass_recall_p90 = quantile(run.mass, 0.9);
+        row.output_error = mean(run.error);
+        row.output_error_p90 = quantile(run.error, 0.9);
+      }
+      result.rows.push_back(std::move(row));
+    }
   }
-  for (std::size_t r = 0; r < rows.size(); ++r) {
-    if (samples[r] == 0) continue;
-    rows[r].id_recall /= double(samples[r]);
-    rows[r].mass_recall /= double(samples[r]);
-    rows[r].output_error /= double(samples[r]);
-    rows[r].mean_selected /= double(samples[r]);
-  }
-  return rows;
+  return result;
 }
 
 std::string fidelity_markdown(std::span<const FidelityRow> rows) {
   std::string out =
-      "| selector | budget | K | id recall | mass recall | output error | tokens selected |\n"
-      "|---|---|---|---|---|---|---|\n";
+      "| layer | selector | budget | K | mass recall | mass p10 | mass p90 | output error | error p90 | id recall | "
+      "tokens selected |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& r : rows) {
     if (!r.refused.empty()) {
-      fmt::format_to(std::back_inserter(out), "| {} | {:g}% | {} | refused: {} | | | |\n", r.selector, 100 * r.budget,
-                     r.budget_tokens, r.refused);
+      fmt::format_to(std::back_inserter(out), "| {} | {} | {:g}% | {} | refused: {} | | | | | | |\n", r.layer,
+                     r.selector, 100 * r.budget, r.budget_tokens, r.refused);
       continue;
     }
-    fmt::format_to(std::back_inserter(out), "| {} | {:g}% | {} | {:.3f} | {:.3f} | {:.3f} | {:.1f} |\n", r.selector,
-                   100 * r.budget, r.budget_tokens, r.id_recall, r.mass_recall, r.output_error, r.mean_selected);
+    fmt::format_to(std::back_inserter(out),
+                   "| {} | {} | {:g}% | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.1f} |\n", r.layer, r.selector, 100 * r.budget, r.budget_tokens, r.mass_recall, r.mass_recall_p10,
+                   r.mass_recall_p90, r.output_error, r.output_error_p90, r.id_recall, r.mean_selected);
   }
+  return out;
+}
+
+std::string fidelity_markdown(const FidelityResult& result) {
+  std::string out;
+  const std::int32_t last = result.positions.empty() ? result.first_position : result.positions.back();
+  fmt::format_to(std::back_inserter(out),
+                 "Prefill: tokens [0, {0}); {1} positions evaluated, evenly spread over the decoded positions {0}..{2} "
+                 "(each query attends its own token too). K = budget x {3}, the context at the first decode "
+                 "position. Mass recall and output error over (position, query head), output error per head.\n\n",
+                 result.first_position, result.positions.size(), last, result.first_position + 1);
+  out += fidelity_markdown(std::span<const FidelityRow>(result.rows));
   return out;
 }
 

@@ -95,6 +95,35 @@ inline double attention_mass_recall(const AttentionWeights& attention, const Sel
   return total / (double(attention.batch) * attention.heads);
 }
 
+/// Attention-mass recall of every (sequence, query head) separately, [batch * heads] in that order: the
+/// values attention_mass_recall averages (same definition, same checks), for callers that need their spread.
+inline std::vector<double> attention_mass_recall_per_head(const AttentionWeights& attention,
+                                                          const SelectionView& selection) {
+  constexpr const char* where = "attention_mass_recall_per_head";
+  KVSIFT_CHECK(selection.batch == attention.batch && selection.kv_heads * attention.group == attention.heads, where,
+               "selection shape (batch {}, kv_heads {}) does not match the attention (batch {}, q_heads {}, group {})",
+               selection.batch, selection.kv_heads, attention.batch, attention.heads, attention.group);
+  std::vector<double> out;
+  out.reserve(std::size_t(attention.batch) * attention.heads);
+  for (std::int32_t b = 0; b < attention.batch; ++b) {
+    for (std::int32_t h = 0; h < attention.heads; ++h) {
+      const std::int32_t g = h / attention.group;
+      const double* weights = attention.row(b, h);
+      const std::int32_t* idx = selection.row(b, g);
+      double kept = 0.0;
+      for (std::int32_t i = 0; i < selection.count(b, g); ++i) {
+        KVSIFT_CHECK(idx[i] >= 0 && idx[i] < attention.seq_lens[b], where,
+                     "selection index {} at batch {}, kv_head {} is outside [0, seq_len = {})", idx[i], b, g,
+                     attention.seq_lens[b]);
+        kept += weights[idx[i]];
+      }
+      const double denominator = attention.denominators[std::size_t(b) * attention.heads + h];
+      out.push_back(attention.seq_lens[b] == 0 ? 1.0 : kept / denominator);
+    }
+  }
+  return out;
+}
+
 template <class TQ, KVCacheView KV>
 double attention_mass_recall(const QueryView<TQ>& q, const KV& kv, const SelectionView& selection,
                              const AttentionOptions& opts = {}) {
@@ -114,6 +143,23 @@ inline double relative_l2_error(std::span<const float> a, std::span<const float>
   }
   if (den == 0.0) return num == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
   return std::sqrt(num) / std::sqrt(den);
+}
+
+/// relative_l2_error of each row of `row_size` consecutive values, e.g. per (sequence, query head) of an
+/// attention output [batch, q_heads, head_dim] with row_size = head_dim: a.size() / row_size values, in row
+/// order. a and ref must have the same size, a multiple of row_size (> 0).
+inline std::vector<double> relative_l2_error_per_row(std::span<const float> a, std::span<const float> ref,
+                                                     std::size_t row_size) {
+  constexpr const char* where = "relative_l2_error_per_row";
+  KVSIFT_CHECK(a.size() == ref.size(), where, "sizes differ ({} vs {})", a.size(), ref.size());
+  KVSIFT_CHECK(row_size > 0 && a.size() % row_size == 0, where, "size {} is not a multiple of row_size (= {})",
+               a.size(), row_size);
+  std::vector<double> out;
+  out.reserve(a.size() / row_size);
+  for (std::size_t r = 0; r < a.size(); r += row_size) {
+    out.push_back(relative_l2_error(a.subspan(r, row_size), ref.subspan(r, row_size)));
+  }
+  return out;
 }
 
 }  // namespace kvsift

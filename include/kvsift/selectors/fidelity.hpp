@@ -1,12 +1,34 @@
 #pragma once
-/// Fidelity of selectors on real attention: replays the last decode positions of a capture (each position's
-/// query attends to every token before it) through any set of selectors at budgets given as fractions of
-/// the context, and scores each selection against exact attention:
-///   - id recall: the share of OracleTopK's top-K token ids (K = the budget) that the selection holds,
-///   - mass recall: the exact softmax mass the selected tokens carry (attention_mass_recall),
-///   - output error: ||O_selected - O_dense|| / ||O_dense|| over all query heads, log-weights applied.
-/// Every selector goes through its own life cycle: prepare() on the tokens before the first decode
-/// position (with their queries), then select() and append() per position.
+/// Fidelity of selectors on real attention: replays the decode positions of a capture through any set of
+/// selectors at budgets given as fractions of the context, and scores each selection against exact attention.
+///
+/// Decoding, per layer. Tokens [0, P) are the prefill, P = round(prefill * tokens) the first decode position.
+/// Every selector is made per budget and goes through its own life cycle, as in an engine: prepare() on the
+/// prefill (its queries and keys), then at each decode position p = P, ..., tokens - 1, append() of token p
+/// (its key, value and query) and then select() for the query at p. The query at p attends the tokens [0, p],
+/// its own included, in the exact reference, in the oracle and in every selector's candidate set.
+///
+/// Evaluated positions: `decode_positions` of them, spread evenly over the decoded range [P, tokens - 1], both
+/// ends included (position i of N is P + round(i * (tokens - 1 - P) / (N - 1)); N = 1 is the last position).
+/// Selectors select at every decode position; the scores are taken at the evaluated ones. At an evaluated
+/// position the exact attention (fp64 softmax weights of every query head over [0, p]) and the dense output are
+/// computed once, and every selector and budget is scored against them; memory is O(context) per position.
+///
+/// Budget: K = max(1, round(budget * (P + 1))) tokens per (position, kv head), the fraction of the context at
+/// the first decode position (P + 1 tokens), the same K at every position (so at most that fraction later).
+///
+/// Scores per (position, query head), and per row (layer, budget, selector) their mean and tails over the
+/// evaluated positions and heads (p10 / p90: quantiles by linear interpolation between order statistics, as
+/// numpy's default: x_sorted[h] interpolated at h = q * (n - 1)):
+///   - mass recall: the exact softmax mass of the selected tokens (attention_mass_recall_per_head, fp64);
+///   - output error: ||O_selected - O_dense|| / ||O_dense|| of the head's output (head_dim values), log-weights
+///     applied, both by the fp64 reference attention (relative_l2_error_per_row);
+/// and per (position, kv head), means only:
+///   - id recall: the share of the oracle's top-K ids that the selection holds. The oracle ranks the tokens of
+///     a kv head once per position by the largest softmax weight any query head of its GQA group gives them
+///     (rounded to fp32; ties: the smaller index), exactly as OracleTopK does; its top-K is every token when
+///     the context holds at most K;
+///   - tokens selected, since a method may select fewer than K (Quest takes whole pages).
 
 #include <cstdint>
 #include <functional>
@@ -32,25 +54,43 @@ std::vector<SelectorEntry> reference_selectors();
 
 struct FidelityOptions {
   std::vector<double> budgets{0.01, 0.02, 0.05};  ///< fractions of the context at the first decode position
-  std::int32_t decode_positions = 64;             ///< the capture's last tokens, decoded one at a time
+  std::int32_t decode_positions = 64;             ///< positions evaluated, spread over the decoded range
+  double prefill = 0.5;                           ///< share of the capture's tokens before the first decode position
 };
 
+/// Scores of one (layer, budget, selector).
 struct FidelityRow {
+  std::int32_t layer = 0;           ///< the model's layer number (CaptureLayer::layer)
   std::string selector;
-  double budget = 0.0;              ///< fraction of the context
+  double budget = 0.0;              ///< fraction of the context at the first decode position
   std::int32_t budget_tokens = 0;   ///< K
   std::string refused;              ///< why the selector could not run at this budget; empty when it ran
-  double id_recall = 0.0;           ///< means over layers, decode positions and heads
-  double mass_recall = 0.0;
-  double output_error = 0.0;
-  double mean_selected = 0.0;       ///< tokens selected per (position, kv head)
+  double mass_recall = 0.0;         ///< over (evaluated position, query head): mean, 10th and 90th percentile
+  double mass_recall_p10 = 0.0;
+  double mass_recall_p90 = 0.0;
+  double output_error = 0.0;        ///< over (evaluated position, query head): mean and 90th percentile
+  double output_error_p90 = 0.0;
+  double id_recall = 0.0;           ///< mean over (evaluated position, kv head)
+  double mean_selected = 0.0;       ///< tokens selected per (evaluated position, kv head)
 };
 
-/// One row per (selector, budget), in the order of `selectors` within each budget.
-std::vector<FidelityRow> evaluate_fidelity(const Capture& capture, std::span<const SelectorEntry> selectors,
-                                           const FidelityOptions& options = {});
+struct FidelityResult {
+  std::int32_t first_position = 0;      ///< P: tokens [0, P) are the prefill
+  std::vector<std::int32_t> positions;  ///< the evaluated decode positions, ascending
+  std::vector<FidelityRow> rows;        ///< per capture layer (capture order), budget (options order), selector
+};
 
-/// The rows as a markdown table (selector, budget, K, id recall, mass recall, output error, selected).
+/// Scores `selectors` on every layer of `capture` (definitions above). Throws kvsift::Error for an empty
+/// capture, arrays that disagree with its shape, a budget outside (0, 1], a prefill share that leaves no
+/// prefill or no decode position, or decode_positions outside [1, decoded positions].
+FidelityResult evaluate_fidelity(const Capture& capture, std::span<const SelectorEntry> selectors,
+                                 const FidelityOptions& options = {});
+
+/// The rows as a markdown table: layer, selector, budget, K, mass recall (mean, p10, p90), output error
+/// (mean, p90), id recall, tokens selected.
 std::string fidelity_markdown(std::span<const FidelityRow> rows);
+
+/// A line stating the decoded range, the evaluated positions and K's definition, then the table.
+std::string fidelity_markdown(const FidelityResult& result);
 
 }  // namespace kvsift
