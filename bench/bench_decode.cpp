@@ -301,10 +301,14 @@ BENCHMARK(BM_ProjectionGemm)->Arg(1)->Arg(8)->ArgName("batch")->UseManualTime()-
 void BM_SparseDecode(benchmark::State& state) {
   const int k_sel = int(state.range(0)), batch = int(state.range(1));
   const bool clustered = state.range(2) != 0;
-  const kvsift::cuda::DecodeOptions options{.num_splits = std::int32_t(state.range(3)),
+  // window:1 adds the attention window of the benchmarks (sink 4 + recent 64) to the K selected.
+  const kvsift::AttentionWindow window = state.range(6) != 0 ? kvsift::AttentionWindow{4, 64} : kvsift::AttentionWindow{};
+  const kvsift::cuda::DecodeOptions options{.attention = {.window = window},
+                                            .num_splits = std::int32_t(state.range(3)),
                                             .cta_warps = std::int32_t(state.range(5)),
                                             .programmatic_launch = state.range(4) != 0};
   const int tokens = 131072;
+  const int middle = window.recent_begin(tokens) - window.sink_end(tokens);  // where selections are drawn
   const std::size_t kv_elems = std::size_t(batch) * kKvHeads * tokens * kHeadDim;
   Device<bfloat16> k(kv_elems), v(kv_elems), q(std::size_t(batch) * kQHeads * kHeadDim), o(std::size_t(batch) * kQHeads * kHeadDim);
   Device<float> lse(std::size_t(batch) * kQHeads);
@@ -316,19 +320,19 @@ void BM_SparseDecode(benchmark::State& state) {
   const std::size_t rows = std::size_t(batch) * kKvHeads;
   std::vector<std::int32_t> host_idx(rows * k_sel * sets), host_counts(rows, k_sel);
   std::mt19937_64 rng(7);
-  std::vector<std::int32_t> pool(tokens);
-  std::iota(pool.begin(), pool.end(), 0);
+  std::vector<std::int32_t> pool(middle);
+  std::iota(pool.begin(), pool.end(), window.sink_end(tokens));
   for (std::size_t r = 0; r < rows * sets; ++r) {
     std::int32_t* dst = host_idx.data() + r * k_sel;
     if (clustered) {
       const int runs = (k_sel + 31) / 32;
-      std::vector<std::int32_t> starts(tokens / 32);
+      std::vector<std::int32_t> starts(middle / 32);
       std::iota(starts.begin(), starts.end(), 0);
       std::shuffle(starts.begin(), starts.end(), rng);
       std::sort(starts.begin(), starts.begin() + runs);
-      for (int i = 0; i < k_sel; ++i) dst[i] = starts[i / 32] * 32 + i % 32;
+      for (int i = 0; i < k_sel; ++i) dst[i] = window.sink_end(tokens) + starts[i / 32] * 32 + i % 32;
     } else {  // partial Fisher-Yates: the first k_sel entries of pool become a uniform random subset
-      for (int i = 0; i < k_sel; ++i) std::swap(pool[i], pool[i + rng() % (tokens - i)]);
+      for (int i = 0; i < k_sel; ++i) std::swap(pool[i], pool[i + rng() % (middle - i)]);
       std::copy_n(pool.begin(), k_sel, dst);
       std::sort(dst, dst + k_sel);
     }
@@ -347,18 +351,20 @@ void BM_SparseDecode(benchmark::State& state) {
   time_calls(state, [&](int i, cudaStream_t stream) {
     kvsift::cuda::sparse_decode(qv, kv, sel_of(i % sets), out, {ws.ptr, ws_bytes}, stream, options);
   });
-  const double bytes = 2.0 * rows * k_sel * kHeadDim * sizeof(bfloat16) + rows * k_sel * 4.0 +
+  const int attended = k_sel + window.size(tokens);
+  const double bytes = 2.0 * rows * attended * kHeadDim * sizeof(bfloat16) + rows * k_sel * 4.0 +
                        2.0 * batch * kQHeads * kHeadDim * sizeof(bfloat16);
   state.counters["GB/s"] = benchmark::Counter(bytes * state.iterations(), benchmark::Counter::kIsRate);
   state.counters["bytes"] = bytes;
 }
 BENCHMARK(BM_SparseDecode)
-    ->ArgsProduct({{256, 1024, 2048, 8192}, {1, 8}, {0, 1}, {0}, {1}, {0}})
-    ->ArgsProduct({{2048}, {1}, {0}, {8, 32}, {1}, {0}})
-    ->ArgsProduct({{2048, 4096, 8192}, {8}, {0}, {1, 2, 4}, {1}, {0}})
-    ->ArgsProduct({{256, 2048}, {1, 8}, {0}, {0}, {0}, {0}})
-    ->ArgsProduct({{256, 2048, 8192}, {1, 8}, {0}, {0}, {1}, {4}})
-    ->ArgNames({"K", "batch", "clustered", "splits", "pdl", "warps"})
+    ->ArgsProduct({{256, 1024, 2048, 8192}, {1, 8}, {0, 1}, {0}, {1}, {0}, {0}})
+    ->ArgsProduct({{2048}, {1}, {0}, {8, 32}, {1}, {0}, {0}})
+    ->ArgsProduct({{2048, 4096, 8192}, {8}, {0}, {1, 2, 4}, {1}, {0}, {0}})
+    ->ArgsProduct({{256, 2048}, {1, 8}, {0}, {0}, {0}, {0}, {0}})
+    ->ArgsProduct({{256, 2048, 8192}, {1, 8}, {0}, {0}, {1}, {4}, {0}})
+    ->ArgsProduct({{2048}, {1, 8}, {0}, {0}, {1}, {0}, {1}})
+    ->ArgNames({"K", "batch", "clustered", "splits", "pdl", "warps", "window"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);

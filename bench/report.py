@@ -55,7 +55,7 @@ def main(bench_json, sdpa_jsonl, gpu_txt):
     print("| K | batch | indices | us (graph) | eager us | GB/s touched | % of copy |")
     print("|---|---|---|---|---|---|---|")
     for name, r in runs.items():
-        m = re.match(r"BM_SparseDecode/K:(\d+)/batch:(\d+)/clustered:(\d)/splits:0/pdl:1/warps:0(/|$)", name)
+        m = re.match(r"BM_SparseDecode/K:(\d+)/batch:(\d+)/clustered:(\d)/splits:0/pdl:1/warps:0(/window:0)?(/|$)", name)
         if m:
             print(f"| {m[1]} | {m[2]} | {'clustered' if m[3] == '1' else 'random'} | {r['us']:.1f} | {r['eager_us']:.1f} | "
                   f"{r['gbs']:.0f} | {100 * r['gbs'] / copy['gbs']:.0f}% |")
@@ -171,7 +171,7 @@ def split_sweep(runs):
     if not rows:
         return
     auto = {re.sub(r"/splits:0/pdl:1/warps:0(/.*)?$", "", k): r for k, r in runs.items()
-            if re.search(r"/splits:0/pdl:1/warps:0(/|$)", k)}
+            if re.search(r"/splits:0/pdl:1/warps:0(/|$)", k) and "/window:1" not in k}
     print("\n### Split count: forced num_splits against kvsift's own choice (GPU time per call, us)\n")
     print("| shape | splits | us | kvsift's choice us |")
     print("|---|---|---|---|")
@@ -217,5 +217,7 @@ if __name__ == "__main__":
                "/pdl:0/warps:0", "/pdl:1/warps:0", ("pdl off", "pdl on"))
     comparison(medians(sys.argv[1]), "Warps per CTA: four against kvsift's choice for this GPU",
                "/pdl:1/warps:4", "/pdl:1/warps:0", ("4 warps", "chosen"))
+    comparison(medians(sys.argv[1]), "The attention window (sink 4 + recent 64) in the same launch as the K selected: "
+               "without against with", "/window:0", "/window:1", ("no window", "window"))
     hybrid(medians(sys.argv[1]))
     primitives(medians(sys.argv[1]))

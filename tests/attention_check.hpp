@@ -76,16 +76,18 @@ struct CaseSpec {
   std::int32_t page_size;  ///< 0: contiguous
   bool log_weights;
   bool random_lengths = true;
+  AttentionWindow window{};  ///< sparse decode's window; selections then come from the middle of each sequence
 };
 
 inline std::string describe(const CaseSpec& c) {
-  return fmt::format("batch {} q_heads {} kv_heads {} head_dim {} tokens {} k {} page_size {} log_weights {}", c.batch,
-                     c.q_heads, c.kv_heads, c.head_dim, c.tokens, c.k, c.page_size, c.log_weights);
+  return fmt::format("batch {} q_heads {} kv_heads {} head_dim {} tokens {} k {} page_size {} log_weights {} window {}+{}",
+                     c.batch, c.q_heads, c.kv_heads, c.head_dim, c.tokens, c.k, c.page_size, c.log_weights,
+                     c.window.sink, c.window.recent);
 }
 
 /// One randomly filled decode problem in host memory, in storage type T: queries, a contiguous cache, the
-/// same tokens in a shuffled paged cache (when page_size > 0), and a selection of min(k, seq_len) distinct
-/// tokens per row in random order (when k > 0).
+/// same tokens in a shuffled paged cache (when page_size > 0), and a selection of up to k distinct tokens per
+/// row in random order (when k > 0), from the part of the sequence that the window leaves.
 template <class T>
 struct HostDecodeProblem {
   CaseSpec spec;
@@ -129,9 +131,10 @@ struct HostDecodeProblem {
     for (std::int32_t b = 0; b < c.batch; ++b) {
       for (std::int32_t g = 0; g < c.kv_heads; ++g) {
         const std::int32_t len = kv_values.seq_lens[b];
-        const std::int32_t count = std::min(c.k, len);
-        all.resize(len);
-        std::iota(all.begin(), all.end(), 0);
+        const std::int32_t lo = c.window.sink_end(len), hi = c.window.recent_begin(len);
+        const std::int32_t count = std::min(c.k, hi - lo);
+        all.resize(hi - lo);
+        std::iota(all.begin(), all.end(), lo);
         std::shuffle(all.begin(), all.end(), rng.engine);  // any order: consumers must not assume sorted rows
         const std::size_t row = std::size_t(b) * c.kv_heads + g;
         std::copy_n(all.begin(), count, sel_indices.begin() + row * c.k);
@@ -163,9 +166,10 @@ struct HostDecodeProblem {
     return {sel_indices.data(), sel_counts.data(), spec.log_weights ? sel_weights.data() : nullptr, spec.batch,
             spec.kv_heads, spec.k};
   }
-  HostState reference(bool sparse, const AttentionOptions& options = {}) {
+  HostState reference(bool sparse, AttentionOptions options = {}) {
     HostState ref(spec.batch, spec.q_heads, spec.head_dim);
     if (sparse) {
+      options.window = spec.window;
       reference::sparse_decode(q_view(), contiguous(), selection(), ref.view, options);
     } else {
       reference::dense_decode(q_view(), contiguous(), ref.view, options);
@@ -173,6 +177,37 @@ struct HostDecodeProblem {
     return ref;
   }
 };
+
+/// The problem's window and selection as one explicit selection without a window: per row the window's
+/// tokens (log-weight 0), then the selected ones, in the order sparse decode visits them.
+struct UnionSelection {
+  std::vector<std::int32_t> indices, counts;
+  std::vector<float> log_weights;
+  SelectionView view;
+};
+template <class T>
+UnionSelection window_as_selection(HostDecodeProblem<T>& p) {
+  const CaseSpec& c = p.spec;
+  const std::int32_t capacity = c.k + c.window.sink + c.window.recent;
+  UnionSelection u{std::vector<std::int32_t>(std::size_t(c.batch) * c.kv_heads * capacity, kPoisonIndex),
+                   std::vector<std::int32_t>(std::size_t(c.batch) * c.kv_heads),
+                   std::vector<float>(c.log_weights ? std::size_t(c.batch) * c.kv_heads * capacity : 0, kPoison), {}};
+  const SelectionView s = p.selection();
+  for (std::int32_t b = 0; b < c.batch; ++b) {
+    const std::int32_t len = p.kv_values.seq_lens[b], window = c.window.size(len);
+    for (std::int32_t h = 0; h < c.kv_heads; ++h) {
+      const std::size_t row = std::size_t(b) * c.kv_heads + h;
+      for (std::int32_t i = 0; i < window + s.count(b, h); ++i) {
+        u.indices[row * capacity + i] = i < window ? c.window.token(i, len) : s.row(b, h)[i - window];
+        if (c.log_weights) u.log_weights[row * capacity + i] = i < window ? 0.0f : s.weights_row(b, h)[i - window];
+      }
+      u.counts[row] = window + s.count(b, h);
+    }
+  }
+  u.view = {u.indices.data(), u.counts.data(), c.log_weights ? u.log_weights.data() : nullptr, c.batch, c.kv_heads,
+            capacity};
+  return u;
+}
 
 /// The non-finite inputs of the attention contract (attention/state.hpp), one per case.
 enum class Corruption { k_nan, k_inf, v_nan, q_nan, log_weight_nan, log_weight_inf, scale_nan, row_masked };

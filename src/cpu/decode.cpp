@@ -34,13 +34,16 @@ SplitWorkspace layout_split_workspace(WorkspaceLayout& layout, std::int64_t batc
 }
 
 template <class T, class KV>
-std::int32_t longest_row(const QueryView<const T>& q, const KV& kv, const SelectionView* selection) {
+std::int32_t longest_row(const QueryView<const T>& q, const KV& kv, const SelectionView* selection,
+                         const AttentionWindow& window) {
   std::int32_t longest = 0;
   for (std::int32_t b = 0; b < q.batch; ++b) {
     if (selection == nullptr) {
       longest = std::max(longest, kv.seq_len(b));
     } else {
-      for (std::int32_t h = 0; h < kv.kv_heads; ++h) longest = std::max(longest, selection->count(b, h));
+      for (std::int32_t h = 0; h < kv.kv_heads; ++h) {
+        longest = std::max(longest, window.size(kv.seq_len(b)) + selection->count(b, h));
+      }
     }
   }
   return longest;
@@ -57,10 +60,13 @@ void run(const char* where, const QueryView<const T>& q, const KV& kv, const Sel
                "head_dim (= {}) exceeds the CPU decode kernels' limit of {}", q.head_dim, detail::kMaxHeadDim);
   detail::DecodeJob<T, KV> job{q, kv, {}, out, q.heads / kv.kv_heads,
                                options.attention.resolved_scale(q.head_dim) * kLog2e};
+  if (selection == nullptr) check_no_window(where, options.attention.window);
   if (selection != nullptr) {
     validate(*selection, kv, where, "selection");
+    validate(options.attention.window, where);
+    job.window = options.attention.window;
     if (options.validate_indices) {
-      check_selection_contents(*selection, kv, where, "selection", /*refuse_duplicates=*/true);
+      check_selection_contents(*selection, kv, where, "selection", /*refuse_duplicates=*/true, job.window);
     } else {
       for (std::int32_t b = 0; b < q.batch; ++b) {
         for (std::int32_t h = 0; h < kv.kv_heads; ++h) {
@@ -72,7 +78,7 @@ void run(const char* where, const QueryView<const T>& q, const KV& kv, const Sel
   }
   const std::int64_t rows = std::int64_t(q.batch) * kv.kv_heads;
   if (!workspace.empty() && pool != nullptr) {
-    job.splits = detail::decode_splits(rows, pool->size(), longest_row(q, kv, selection));
+    job.splits = detail::decode_splits(rows, pool->size(), longest_row(q, kv, selection, options.attention.window));
   }
   WorkspaceLayout layout(workspace, where);
   const SplitWorkspace ws = layout_split_workspace(layout, q.batch, q.heads, q.head_dim, job.splits);

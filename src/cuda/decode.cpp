@@ -147,9 +147,13 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   std::int32_t max_tokens = 0;
   if (selection != nullptr) {
     validate(*selection, kv, where, "selection");
+    validate(options.attention.window, where);
     p.selection = *selection;
-    max_tokens = selection->capacity;
+    p.window = options.attention.window;
+    max_tokens = std::int32_t(std::min<std::int64_t>(
+        INT_MAX, std::int64_t(selection->capacity) + p.window.sink + p.window.recent));
   } else {
+    check_no_window(where, options.attention.window);
     max_tokens = max_tokens_of(kv, options);
     KVSIFT_CHECK(max_tokens > 0, where,
                  "options.max_seq_len (= {}) must be positive for dense decode on a paged cache (an upper bound on "
@@ -200,7 +204,7 @@ void check_selection(const char* where, const DecodeParams<T>& p, cudaStream_t s
   KVSIFT_CUDA_CHECK(cudaMemcpy(indices.data(), p.selection.indices + row * p.selection.capacity,
                                indices.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
   std::vector<std::uint64_t> seen(std::size_t(std::max(seq_len, 0)) / 64 + 1, 0);
-  check_selection_entries(where, "selection", b, h, indices.data(), count, seq_len, seen);
+  check_selection_entries(where, "selection", b, h, indices.data(), count, seq_len, p.window, seen);
   KVSIFT_CHECK(false, where, "the device check refused selection row (batch {}, kv_head {}), but its host copy "
                "passes: was the selection written concurrently with this call?", b, h);
 }

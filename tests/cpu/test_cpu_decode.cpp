@@ -35,7 +35,9 @@ std::vector<SimdLevel> available_levels() {
 /// several threads.
 template <class T>
 std::pair<std::vector<T>, std::vector<float>> run_cpu(HostDecodeProblem<T>& p, bool sparse, cpu::ThreadPool* pool = nullptr,
-                                                      bool split_rows = false, const cpu::DecodeOptions& options = {}) {
+                                                      bool split_rows = false, cpu::DecodeOptions options = {},
+                                                      const SelectionView* selection = nullptr) {
+  if (sparse && selection == nullptr) options.attention.window = p.spec.window;
   std::vector<T> o(p.q.size());
   std::memset(o.data(), 0xff, o.size() * sizeof(T));
   std::vector<float> lse(std::size_t(p.spec.batch) * p.spec.q_heads, test::kPoison);
@@ -51,7 +53,7 @@ std::pair<std::vector<T>, std::vector<float>> run_cpu(HostDecodeProblem<T>& p, b
   const std::span<std::byte> workspace(reinterpret_cast<std::byte*>(ws_storage.data()), ws_bytes);
   const auto go = [&](auto kv) {
     if (sparse) {
-      cpu::sparse_decode(p.q_view(), kv, p.selection(), out, options, pool, workspace);
+      cpu::sparse_decode(p.q_view(), kv, selection != nullptr ? *selection : p.selection(), out, options, pool, workspace);
     } else {
       cpu::dense_decode(p.q_view(), kv, out, options, pool, workspace);
     }
@@ -177,6 +179,30 @@ TEST_F(CpuDecode, MergeMatchesTheReferenceAndIgnoresEmptyStates) {
   EXPECT_EQ(with_empty.lse, lses[0]);
 }
 
+TEST_F(CpuDecode, WindowIsTheSameAsSelectingItsTokensFirst) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(8);
+  for (SimdLevel level : available_levels()) {
+    cpu::ScopedSimdLevel force(level);
+    // Windows wider than some sequences, sink only, recent only; rows split over threads or not.
+    for (const AttentionWindow window : {AttentionWindow{4, 64}, AttentionWindow{300, 400}, AttentionWindow{16, 0},
+                                         AttentionWindow{0, 37}}) {
+      for (bool split : {false, true}) {
+        const CaseSpec spec{2, 8, 2, 64, rng.uniform_int(500, 1500), 300, std::vector{0, 16}[rng.uniform_int(0, 1)],
+                            true, true, window};
+        SCOPED_TRACE(fmt::format("{} {}{}", cpu::simd_level_name(level), test::describe(spec), split ? ", split" : ""));
+        HostDecodeProblem<bfloat16> p(rng, spec);
+        const auto [o, lse] = run_cpu(p, true, split ? &pool : nullptr, split);
+        test::expect_close(o, lse, p.reference(true), "window");
+        const test::UnionSelection explicit_window = test::window_as_selection(p);
+        const auto [o_union, lse_union] = run_cpu(p, true, split ? &pool : nullptr, split, {}, &explicit_window.view);
+        EXPECT_EQ(0, std::memcmp(o.data(), o_union.data(), o.size() * sizeof(bfloat16)));
+        EXPECT_EQ(lse, lse_union);
+      }
+    }
+  }
+}
+
 TEST_F(CpuDecode, NonFiniteInputsGiveNaNWhereTheReferenceDoes) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   cpu::ThreadPool pool(8);  // 4 rows of 600 entries on 8 threads: rows split in two, partials merged
@@ -266,6 +292,19 @@ TEST_F(CpuDecode, ValidationRefusesBadIndicesAndDuplicatesAndWritesNothing) {
   p.sel_counts[0] = 32;
   const auto [o, lse] = run_cpu(p, true, nullptr, false, {.validate_indices = true});  // clean input passes
   test::expect_close(o, lse, p.reference(true), "validated");
+
+  // With a window, its tokens may not be selected too (they would be attended twice).
+  HostDecodeProblem<half> w(rng, CaseSpec{1, 4, 2, 64, 500, 32, 0, false, false, {4, 64}});
+  w.sel_indices[32 + 6] = 440;
+  test::expect_error([&] { run_cpu(w, true, nullptr, false, {.validate_indices = true}); },
+                     "selection.indices[6] (= 440) at batch 0, kv_head 1 is in the attention window (sink [0, 4), recent "
+                     "[436, 500))");
+  test::expect_error([&] { run_cpu(w, false, nullptr, false, {.attention = {.window = {4, 64}}}); },
+                     "cpu::dense_decode: options window (sink = 4, recent = 64) applies to sparse decode");
+  w.sel_indices[32 + 6] = 100;
+  const SelectionView plain = w.selection();
+  test::expect_error([&] { run_cpu(w, true, nullptr, false, {.attention = {.window = {-1, 64}}}, &plain); },
+                     "options window sink (= -1) and recent (= 64) must be >= 0");
 }
 
 TEST_F(CpuDecode, DuplicatesWithoutValidationCountOncePerOccurrence) {

@@ -79,17 +79,21 @@ struct DecodeProblem {
   StateView<T> device_out() const { return StateView<T>::packed(d_o.data(), d_lse.data(), spec.batch, spec.q_heads, spec.head_dim); }
 
   /// Runs sparse (k > 0) or dense decode on the device with poisoned outputs; returns (O, LSE).
-  std::pair<std::vector<T>, std::vector<float>> run(bool sparse, cuda::DecodeOptions options = {}) {
+  /// `selection`: a device selection to attend instead of the problem's, without the problem's window.
+  std::pair<std::vector<T>, std::vector<float>> run(bool sparse, cuda::DecodeOptions options = {},
+                                                    const SelectionView* selection = nullptr) {
     options.max_seq_len = spec.tokens;
+    if (sparse && selection == nullptr) options.attention.window = spec.window;
+    const SelectionView chosen = selection != nullptr ? *selection : device_selection();
     d_o.poison();
     d_lse.poison();
     const auto launch = [&](auto kv) {
-      const std::size_t bytes = sparse ? cuda::sparse_decode_workspace_bytes(device_q(), kv, device_selection(), options)
+      const std::size_t bytes = sparse ? cuda::sparse_decode_workspace_bytes(device_q(), kv, chosen, options)
                                        : cuda::dense_decode_workspace_bytes(device_q(), kv, options);
       DeviceBuffer<std::byte> workspace(bytes);
       workspace.poison();  // the workspace needs no initialization
       if (sparse) {
-        cuda::sparse_decode(device_q(), kv, device_selection(), device_out(), {workspace.data(), bytes}, nullptr, options);
+        cuda::sparse_decode(device_q(), kv, chosen, device_out(), {workspace.data(), bytes}, nullptr, options);
       } else {
         cuda::dense_decode(device_q(), kv, device_out(), {workspace.data(), bytes}, nullptr, options);
       }
@@ -323,6 +327,41 @@ TEST_F(CudaDecode, ValidationModeRefusesBadIndicesAndDuplicatesAndWritesNothing)
   }
 }
 
+TEST_F(CudaDecode, WindowIsTheSameAsSelectingItsTokensFirst) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const AttentionWindow window : {AttentionWindow{4, 64}, AttentionWindow{300, 400}, AttentionWindow{16, 0},
+                                       AttentionWindow{0, 37}}) {
+    for (std::int32_t page_size : {0, 16}) {
+      const CaseSpec spec{3, 8, 2, 128, rng.uniform_int(500, 3000), 300, page_size, true, true, window};
+      SCOPED_TRACE(describe(spec));
+      DecodeProblem<bfloat16> p(rng, spec);
+      const auto ref = p.reference(true);
+      const test::UnionSelection explicit_window = test::window_as_selection(p.host);
+      DeviceBuffer<std::int32_t> u_indices(explicit_window.indices), u_counts(explicit_window.counts);
+      DeviceBuffer<float> u_weights(explicit_window.log_weights);
+      const SelectionView u{u_indices.data(), u_counts.data(), u_weights.data(), spec.batch, spec.kv_heads,
+                            explicit_window.view.capacity};
+      for (std::int32_t splits : {0, 5}) {
+        for (std::int32_t warps : {4, 8}) {
+          const auto [o, lse] = p.run(true, {.num_splits = splits, .cta_warps = warps});
+          expect_close(o, lse, ref, fmt::format("{} splits, {} warps", splits, warps));
+          const auto [o_union, lse_union] = p.run(true, {.num_splits = splits, .cta_warps = warps}, &u);
+          EXPECT_EQ(0, std::memcmp(o.data(), o_union.data(), o.size() * sizeof(bfloat16)));
+          EXPECT_EQ(lse, lse_union);
+        }
+      }
+    }
+  }
+  DecodeProblem<half> w(rng, CaseSpec{1, 4, 2, 64, 500, 32, 0, false, false, {4, 64}});
+  w.sel_indices[32 + 6] = 440;
+  w.d_sel_indices.upload(w.sel_indices);
+  expect_error([&] { w.run(true, {.validate_indices = true}); },
+               "selection.indices[6] (= 440) at batch 0, kv_head 1 is in the attention window (sink [0, 4), recent "
+               "[436, 500))");
+  expect_error([&] { w.run(false, {.attention = {.window = {4, 64}}}); },
+               "options window (sink = 4, recent = 64) applies to sparse decode");
+}
+
 TEST_F(CudaDecode, DuplicateIndicesAcrossTheBitmapPassesAreFound) {
   // 300000 tokens: the check's shared-memory bitmap covers 262144 per pass, so the duplicate sits in the
   // second pass.
@@ -510,6 +549,10 @@ TEST(CudaDecodeBadInput, RefusedBeforeAnyDeviceCall) {
   expect_error([&] { sparse(qv, kv, SelectionView{nullptr, counts, nullptr, 2, 2, 8}); }, "selection.indices is a null pointer");
   expect_error([&] { sparse(qv, kv, SelectionView{indices, counts, nullptr, 2, 2, 0}); }, "selection.capacity (= 0) must be positive");
   expect_error([&] { sparse(qv, kv, sel, {.num_splits = -1}); }, "options.num_splits (= -1) must be >= 0");
+  expect_error([&] { sparse(qv, kv, sel, {.attention = {.window = {2, -3}}}); },
+               "cuda::sparse_decode: options window sink (= 2) and recent (= -3) must be >= 0");
+  expect_error([&] { cuda::dense_decode(qv, kv, out, {no_workspace, 0}, nullptr, {.attention = {.window = {0, 8}}}); },
+               "cuda::dense_decode: options window (sink = 0, recent = 8) applies to sparse decode");
   expect_error([&] { sparse(qv, kv, sel, {.cta_warps = 6}); }, "options.cta_warps (= 6) must be 0 (chosen per GPU), 4 or 8");
   static std::int32_t indptr[3] = {0, 1, 2}, pages[2] = {0, 1}, last[2] = {5, 5};
   const PagedKVView<const half> paged{k, v, indptr, pages, last, 2, 2, 128, 16, 8, 16 * 2 * 128, 2 * 128, 128};

@@ -120,7 +120,12 @@ __device__ __forceinline__ unsigned pack2(float low, float high) {
 /// value: a kernel reading it from its parameters was 0.5-0.6 us slower per call on every shape measured
 /// (H100 A/B, two rounds: sparse K = 256 / batch 1 7.5 against 6.9 us, K = 2048 / batch 1 10.9 against 10.4).
 /// Four-warp CTAs (99 KB at head_dim 128) may share an SM two at a time; eight-warp CTAs take one.
-template <int HeadDim, class T, int Warps>
+///
+/// Windowed: sparse decode with an attention window (p.window), whose tokens come before each row's selected
+/// entries. A compile-time choice: the window's index arithmetic on the dependent chain count -> index ->
+/// row cost the windowless calls 1.2 us at K = 2048 / batch 1 (10.2 -> 11.4) and 1.8 us at batch 8 (30.1 ->
+/// 31.9) when it was a runtime branch (H100 A/B, two rounds); the windowless kernel is the code it was.
+template <int HeadDim, class T, int Warps, bool Windowed>
 __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
     decode_attention_kernel(const __grid_constant__ DecodeParams<T> p) {
   using Shape = DecodeShape<HeadDim>;
@@ -148,7 +153,16 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
   const int b = blockIdx.z;
   const bool dense = p.selection.indices == nullptr;
   const std::int64_t sel_row = std::int64_t(b) * p.selection.kv_heads + kv_head;
-  const int count = dense ? p.seq_len(b) : p.selection.counts[sel_row];
+  // A row's entries: every token (dense), the selected ones (sparse), or the window's tokens and then the
+  // selected ones (sparse, Windowed).
+  int seq_len = 0, window = 0, count;
+  if constexpr (Windowed) {
+    seq_len = p.seq_len(b);
+    window = p.window.size(seq_len);
+    count = window + p.selection.counts[sel_row];
+  } else {
+    count = dense ? p.seq_len(b) : p.selection.counts[sel_row];
+  }
   const int chunk = (count + p.num_splits - 1) / p.num_splits;
   const int begin = min(count, split * chunk), end = min(count, begin + chunk);
   const int steps = (end - begin + kRowsPerCtaStep - 1) / kRowsPerCtaStep;
@@ -163,12 +177,17 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
   const auto entry_of = [&](int step) { return begin + step * kRowsPerCtaStep + warp * kRowsPerStep + own_row; };
   const auto load_token = [&](int step) {
     const int i = entry_of(step);
-    return i < end ? (dense ? i : indices[i]) : 0;
+    if constexpr (Windowed) {
+      if (i >= end) return 0;
+      return i < window ? p.window.token(i, seq_len) : indices[i - window];
+    } else {
+      return i < end ? (dense ? i : indices[i]) : 0;
+    }
   };
   // Issues the copies of `step` into its stage. Each warp-wide copy moves kRowsPerCopy whole rows (every
   // lane one 16-byte piece), so that a copy instruction requests full 128-byte lines; the rows' element
-  // offsets come from their owner lanes. Owners also set the rows' logit biases: the log-weight, or -inf for
-  // rows past the end (offset -1 marks those rows).
+  // offsets come from their owner lanes. Owners also set the rows' logit biases: a selected row's log-weight,
+  // 0 for a window row, or -inf for rows past the end (offset -1 marks those rows).
   const auto issue = [&](int step, int token) {
     const int stage = step % kStages, i = entry_of(step);
     const bool valid = i < end;
@@ -185,8 +204,10 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
     }
     if (lane < kRowsPerStep) {
       const unsigned bias = biases(stage) + unsigned(own_row * 4);
-      if (valid && log_weights != nullptr) {
-        cp_async4(bias, log_weights + i);
+      bool weighted = valid && log_weights != nullptr;
+      if constexpr (Windowed) weighted = weighted && i >= window;  // window rows have no log-weight
+      if (weighted) {
+        cp_async4(bias, log_weights + (i - window));
       } else {
         store_shared(bias, valid ? 0.0f : negative_infinity<float>());
       }
@@ -364,7 +385,7 @@ inline constexpr int kCheckBitmapWords = 8192;  // 32 KB, 262144 tokens
 inline constexpr int kCheckThreads = 256;
 
 /// Validation mode: one CTA per selection row checks its count against the capacity, every index against
-/// [0, seq_len) and, over passes of kCheckBitmapWords * 32 tokens, that no token is listed twice; the
+/// [0, seq_len) less the attention window and, over passes of kCheckBitmapWords * 32 tokens, that no token is listed twice; the
 /// smallest offending row goes to p.first_bad_row. The host then reads that row back and names the first
 /// offending position (src/cuda/decode.cpp), so a refused call reports exactly what the CPU would.
 template <class T>
@@ -373,6 +394,7 @@ __global__ void __launch_bounds__(kCheckThreads) check_selection_kernel(const __
   constexpr int kBits = kCheckBitmapWords * 32;
   const std::int64_t row = blockIdx.x;
   const int seq_len = p.seq_len(row / p.selection.kv_heads);
+  const int lo = p.window.sink_end(seq_len), hi = p.window.recent_begin(seq_len);  // the selectable middle
   const int count = p.selection.counts[row];
   const std::int32_t* indices = p.selection.indices + row * p.selection.capacity;
   bool bad = count < 0 || count > p.selection.capacity;  // the same for the whole CTA
@@ -383,7 +405,7 @@ __global__ void __launch_bounds__(kCheckThreads) check_selection_kernel(const __
     for (int i = threadIdx.x; i < count; i += blockDim.x) {
       const int token = indices[i];
       const int offset = token - base;
-      if (token < 0 || token >= seq_len) {
+      if (token < lo || token >= hi) {
         mine = true;
       } else if (offset >= 0 && offset < kBits) {
         const unsigned bit = 1u << (offset % 32);
@@ -414,10 +436,10 @@ cudaError_t allow_dynamic_smem(std::size_t bytes) {
   return status;
 }
 
-/// The one place where the runtime head_dim and warp count become template arguments: calls fn(kernel,
-/// dynamic_smem_bytes, threads) for the matching decode kernel, once its shared-memory limit is raised.
-/// Returns cudaErrorInvalidValue for an unsupported head_dim or warp count (the host entry points validate
-/// both, the warp count against the device's shared memory, before).
+/// The one place where the runtime head_dim, warp count and window become template arguments: calls
+/// fn(kernel, dynamic_smem_bytes, threads) for the matching decode kernel, once its shared-memory limit is
+/// raised. Returns cudaErrorInvalidValue for an unsupported head_dim or warp count (the host entry points
+/// validate both, the warp count against the device's shared memory, before).
 template <class T, class Fn>
 cudaError_t with_decode_kernel(const DecodeParams<T>& p, Fn&& fn) {
   cudaError_t status = cudaErrorInvalidValue;
@@ -425,9 +447,11 @@ cudaError_t with_decode_kernel(const DecodeParams<T>& p, Fn&& fn) {
     dispatch_int<kDecodeMinWarps, kDecodeMaxWarps>(p.cta_warps, [&]<int Warps>() {
       constexpr std::size_t smem = decode_shared_bytes(HeadDim, Warps);
       if constexpr (smem <= kLargestBlockSharedMemory) {
-        constexpr auto kernel = decode_attention_kernel<HeadDim, T, Warps>;
-        status = allow_dynamic_smem<kernel>(smem);
-        if (status == cudaSuccess) status = fn(kernel, smem, 32 * Warps);
+        dispatch_int<0, 1>(p.window.empty() ? 0 : 1, [&]<int Windowed>() {
+          constexpr auto kernel = decode_attention_kernel<HeadDim, T, Warps, Windowed != 0>;
+          status = allow_dynamic_smem<kernel>(smem);
+          if (status == cudaSuccess) status = fn(kernel, smem, 32 * Warps);
+        });
       }
     });
   });

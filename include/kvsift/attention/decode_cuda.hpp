@@ -50,7 +50,7 @@ struct DecodeOptions {
   /// contiguous cache uses its capacity.
   std::int32_t max_seq_len = 0;
   /// Check the selection on the device before attending (every count in [0, capacity], every index in
-  /// [0, seq_len), no index twice in a row) and throw, naming the first offending (sequence, kv head,
+  /// [0, seq_len) and outside the attention window, no index twice in a row) and throw, naming the first offending (sequence, kv head,
   /// position, value), with nothing written. Synchronizes the stream; not capturable in a CUDA graph.
   bool validate_indices = false;
   /// Launch the decode kernel as a programmatic dependent of the stream's previous kernel (sm_90): its
@@ -64,7 +64,8 @@ struct DecodeOptions {
 template <class T, class KV>
 std::size_t sparse_decode_workspace_bytes(const QueryView<const T>& q, const KV& kv, const SelectionView& selection,
                                           const DecodeOptions& options = {});
-/// Sparse decode: query head h of sequence b attends to selection.row(b, h / group)[0 .. count), each
+/// Sparse decode: query head h of sequence b attends to the attention window (options.attention.window: the
+/// sink and recent tokens, in the same launch) and to selection.row(b, h / group)[0 .. count), each selected
 /// logit plus its log-weight when selection.log_weights is set.
 template <class T, class KV>
 void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<T>& out,

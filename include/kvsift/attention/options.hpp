@@ -2,12 +2,43 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kvsift/core/config.hpp"
+
 namespace kvsift {
+
+/// The tokens sparse decode attends besides its selection, in the same pass (StreamingLLM's attention sinks
+/// and recent window): the first `sink` and the last `recent` tokens of each sequence. For a sequence of
+/// `length` tokens the window is [0, sink_end) ∪ [recent_begin, length), disjoint even when length < sink +
+/// recent; selections then list tokens of the middle [sink_end, recent_begin) only (a window token listed
+/// again is attended twice; validation modes refuse it). Token positions are absolute, as everywhere.
+struct AttentionWindow {
+  std::int32_t sink = 0;
+  std::int32_t recent = 0;
+
+  KVSIFT_HOST_DEVICE constexpr bool empty() const { return sink == 0 && recent == 0; }
+  KVSIFT_HOST_DEVICE constexpr std::int32_t sink_end(std::int32_t length) const { return sink < length ? sink : length; }
+  KVSIFT_HOST_DEVICE constexpr std::int32_t recent_begin(std::int32_t length) const {
+    const std::int32_t first = length - recent;
+    return first > sink_end(length) ? first : sink_end(length);
+  }
+  /// Tokens the window attends in a sequence of `length`.
+  KVSIFT_HOST_DEVICE constexpr std::int32_t size(std::int32_t length) const {
+    return sink_end(length) + length - recent_begin(length);
+  }
+  /// Position of window entry i (0 <= i < size(length)): the sink tokens, then the recent ones, ascending.
+  KVSIFT_HOST_DEVICE constexpr std::int32_t token(std::int32_t i, std::int32_t length) const {
+    const std::int32_t sinks = sink_end(length);
+    return i < sinks ? i : recent_begin(length) + (i - sinks);
+  }
+};
 
 /// Options shared by every decode-attention entry point (reference, CPU, CUDA).
 struct AttentionOptions {
   /// Logit scale applied to q.k; 0 selects the default 1/sqrt(head_dim).
   float sm_scale = 0.0f;
+  /// Sparse decode only: tokens attended besides the selection, in the same launch (dense decode refuses a
+  /// non-empty window: it attends every token).
+  AttentionWindow window{};
 
   float resolved_scale(std::int32_t head_dim) const {
     return sm_scale != 0.0f ? sm_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));

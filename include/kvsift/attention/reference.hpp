@@ -63,6 +63,7 @@ void dense_decode(const QueryView<TQ>& q, const KV& kv, const StateView<TO>& out
   validate(kv, where, "kv", MemorySpace::host);
   validate(out, where, "out");
   check_decode_shapes(where, q, kv, out);
+  check_no_window(where, opts.window);
   const std::int32_t group = q.heads / kv.kv_heads;
   const double scale = opts.resolved_scale(q.head_dim);
   std::vector<double> logits;
@@ -75,8 +76,10 @@ void dense_decode(const QueryView<TQ>& q, const KV& kv, const StateView<TO>& out
   }
 }
 
-/// Sparse decode attention: query head h of sequence b attends only to the tokens selection.row(b, kv_head)
-/// lists, each logit plus its log-weight when the selection carries them.
+/// Sparse decode attention: query head h of sequence b attends to the attention window (opts.window: its
+/// sink tokens, then its recent ones) and to the tokens selection.row(b, kv_head) lists, each selected
+/// token's logit plus its log-weight when the selection carries them. Selected tokens inside the window are
+/// refused (they would be attended twice); duplicates within a row are attended once per occurrence.
 template <class TQ, KVCacheView KV, class TO>
 void sparse_decode(const QueryView<TQ>& q, const KV& kv, const SelectionView& selection, const StateView<TO>& out,
                    const AttentionOptions& opts = {}) {
@@ -86,18 +89,22 @@ void sparse_decode(const QueryView<TQ>& q, const KV& kv, const SelectionView& se
   validate(out, where, "out");
   check_decode_shapes(where, q, kv, out);
   validate(selection, kv, where, "selection");
-  check_selection_contents(selection, kv, where, "selection", /*refuse_duplicates=*/false);
+  validate(opts.window, where);
+  check_selection_contents(selection, kv, where, "selection", /*refuse_duplicates=*/false, opts.window);
   const std::int32_t group = q.heads / kv.kv_heads;
   const double scale = opts.resolved_scale(q.head_dim);
   std::vector<double> logits;
   for (std::int32_t b = 0; b < q.batch; ++b) {
+    const std::int32_t length = kv.seq_len(b), window = opts.window.size(length);
     for (std::int32_t h = 0; h < q.heads; ++h) {
       const std::int32_t kv_head = h / group;
       const std::int32_t* idx = selection.row(b, kv_head);
       const float* lw = selection.weights_row(b, kv_head);
       detail::attend(
-          q.row(b, h), kv, b, kv_head, selection.count(b, kv_head), [idx](std::int32_t i) { return idx[i]; },
-          [lw](std::int32_t i) { return lw ? lw[i] : 0.0f; }, scale, out.o_row(b, h), out.lse_at(b, h), logits);
+          q.row(b, h), kv, b, kv_head, window + selection.count(b, kv_head),
+          [&](std::int32_t i) { return i < window ? opts.window.token(i, length) : idx[i - window]; },
+          [&](std::int32_t i) { return i < window || lw == nullptr ? 0.0f : lw[i - window]; }, scale,
+          out.o_row(b, h), out.lse_at(b, h), logits);
     }
   }
 }

@@ -15,6 +15,7 @@
 #include <span>
 #include <vector>
 
+#include "kvsift/attention/options.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/rope.hpp"
 #include "kvsift/core/views.hpp"
@@ -184,16 +185,22 @@ inline void check_selection_count(const char* where, const char* name, std::int6
                "{}.counts (= {}) at batch {}, kv_head {} is outside [0, capacity = {}]", name, count, b, h, capacity);
 }
 
-/// Checks the entries of one selection row (host memory): every index in [0, seq_len) and, when `seen` is
-/// given, no index twice. `seen` is a bitmap of at least seq_len bits, all clear; it is cleared again before
-/// returning normally. The first offending position is reported.
+/// Checks the entries of one selection row (host memory): every index in [0, seq_len) and outside the
+/// attention window (which sparse decode attends anyway) and, when `seen` is given, no index twice. `seen` is
+/// a bitmap of at least seq_len bits, all clear; it is cleared again before returning normally. The first
+/// offending position is reported.
 inline void check_selection_entries(const char* where, const char* name, std::int64_t b, std::int64_t h,
                                     const std::int32_t* idx, std::int32_t count, std::int32_t seq_len,
-                                    std::span<std::uint64_t> seen = {}) {
+                                    const AttentionWindow& window = {}, std::span<std::uint64_t> seen = {}) {
+  const std::int32_t lo = window.sink_end(seq_len), hi = window.recent_begin(seq_len);
   for (std::int32_t i = 0; i < count; ++i) {
     KVSIFT_CHECK(idx[i] >= 0 && idx[i] < seq_len, where,
                  "{}.indices[{}] (= {}) at batch {}, kv_head {} is outside [0, seq_len = {})", name, i, idx[i], b,
                  h, seq_len);
+    KVSIFT_CHECK(idx[i] >= lo && idx[i] < hi, where,
+                 "{}.indices[{}] (= {}) at batch {}, kv_head {} is in the attention window (sink [0, {}), recent "
+                 "[{}, {})), which is attended without being selected",
+                 name, i, idx[i], b, h, lo, hi, seq_len);
     if (seen.empty()) continue;
     std::uint64_t& word = seen[std::size_t(idx[i]) / 64];
     const std::uint64_t bit = std::uint64_t(1) << (idx[i] % 64);
@@ -209,11 +216,12 @@ inline void check_selection_entries(const char* where, const char* name, std::in
   for (std::int32_t i = 0; i < count && !seen.empty(); ++i) seen[std::size_t(idx[i]) / 64] = 0;
 }
 
-/// Checks every count and index of a selection in host memory against the cache's sequence lengths, and,
-/// with `refuse_duplicates`, that no row lists a token twice (allocates a bitmap of the longest sequence).
+/// Checks every count and index of a selection in host memory against the cache's sequence lengths and the
+/// attention window, and, with `refuse_duplicates`, that no row lists a token twice (allocates a bitmap of
+/// the longest sequence).
 template <KVCacheView KV>
 void check_selection_contents(const SelectionView& s, const KV& kv, const char* where, const char* name,
-                              bool refuse_duplicates) {
+                              bool refuse_duplicates, const AttentionWindow& window = {}) {
   std::vector<std::uint64_t> seen;
   if (refuse_duplicates) {
     std::int32_t longest = 0;
@@ -223,9 +231,22 @@ void check_selection_contents(const SelectionView& s, const KV& kv, const char* 
   for (std::int32_t b = 0; b < s.batch; ++b) {
     for (std::int32_t h = 0; h < s.kv_heads; ++h) {
       check_selection_count(where, name, b, h, s.count(b, h), s.capacity);
-      check_selection_entries(where, name, b, h, s.row(b, h), s.count(b, h), kv.seq_len(b), seen);
+      check_selection_entries(where, name, b, h, s.row(b, h), s.count(b, h), kv.seq_len(b), window, seen);
     }
   }
+}
+
+/// Dense decode attends every token: a window there is a caller's mistake, refused.
+inline void check_no_window(const char* where, const AttentionWindow& window) {
+  KVSIFT_CHECK(window.empty(), where,
+               "options window (sink = {}, recent = {}) applies to sparse decode; dense decode attends every token",
+               window.sink, window.recent);
+}
+
+/// A window's sizes are token counts.
+inline void validate(const AttentionWindow& window, const char* where) {
+  KVSIFT_CHECK(window.sink >= 0 && window.recent >= 0, where,
+               "options window sink (= {}) and recent (= {}) must be >= 0", window.sink, window.recent);
 }
 
 /// The query-versus-cache rules of decode attention: same batch and head_dim, q_heads a multiple of kv_heads.

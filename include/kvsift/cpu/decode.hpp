@@ -6,9 +6,12 @@
 /// (from Q, K, a log-weight or sm_scale) gives NaN in O and LSE of that (sequence, head), a NaN in V a NaN
 /// in O, at every SIMD level.
 ///
+/// Sparse decode attends options.attention.window (sink and recent tokens, attention/options.hpp) besides the
+/// selection, in the same pass; dense decode refuses a window.
+///
 /// Selections: counts are always checked against the capacity. Indices are trusted unless
 /// options.validate_indices is set (checking every index costs a pass over the selection): an index outside
-/// [0, seq_len) is then refused, and so is a duplicate in a row, naming the sequence, kv head, position and
+/// [0, seq_len), or inside the window, is then refused, and so is a duplicate in a row, naming the sequence, kv head, position and
 /// value; nothing is written. Without validation an index out of range is undefined behaviour and a
 /// duplicate is attended once per occurrence (k copies of a token weigh as one token with log-weight + log k). Storage kvsift::half (F16C) or kvsift::bfloat16 (AVX512_BF16 vdpbf16ps for QK where the CPU
 /// has it), fp32 accumulation; any head_dim up to 256; any GQA group; contiguous or paged KV; no alignment

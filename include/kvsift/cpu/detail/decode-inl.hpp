@@ -166,13 +166,17 @@ void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int
   for (std::int64_t item = item_begin; item < item_end; ++item) {
     const std::int64_t row = item / job.splits, chunk = item % job.splits;
     const std::int64_t b = row / job.kv.kv_heads, g = row % job.kv.kv_heads;
-    const std::int32_t row_count = dense ? job.kv.seq_len(b) : job.selection.count(b, g);
+    const std::int32_t length = job.kv.seq_len(b);
+    const std::int32_t window = dense ? 0 : job.window.size(length);  // entries before the selected ones
+    const std::int32_t row_count = dense ? length : window + job.selection.count(b, g);
     const std::int32_t chunk_size = (row_count + job.splits - 1) / job.splits;
     const std::int32_t first = std::int32_t(std::min<std::int64_t>(row_count, chunk * chunk_size));
     const std::int32_t count = std::min(row_count, first + chunk_size);  // this item covers entries [first, count)
     const std::int32_t* indices = dense ? nullptr : job.selection.row(b, g);
     const float* log_weights = dense ? nullptr : job.selection.weights_row(b, g);
-    const auto token = [&](std::int32_t i) { return dense ? i : indices[i]; };
+    const auto token = [&](std::int32_t i) {
+      return dense ? i : i < window ? job.window.token(i, length) : indices[i - window];
+    };
 
     for (int h0 = 0; h0 < job.group; h0 += kHeadTile) {
       const int heads = std::min(kHeadTile, job.group - h0);
@@ -224,9 +228,10 @@ void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int
 #endif
           block_logits<L, Heads>(q, k_cur, block, d, logits, k_next, next_block);
         });
-        if (log_weights != nullptr) {
+        if (log_weights != nullptr) {  // the selected entries' (window entries have none)
           for (int h = 0; h < heads; ++h) {
-            for (int t = 0; t < block; ++t) logits[h][t] += log_weights[start + t] * kLog2e;
+            const float* weights = log_weights + (start - window);
+            for (int t = std::max(0, window - start); t < block; ++t) logits[h][t] += weights[t] * kLog2e;
           }
         }
         const int block_padded = (block + W - 1) / W * W;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "kvsift/attention/options.hpp"
 #include "kvsift/attention/state.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/views.hpp"
@@ -16,8 +17,8 @@ inline constexpr int kHeadTile = 8;
 inline constexpr int kTokenBlock = 64;
 
 /// Everything one decode call needs. Rows are (sequence, kv head) pairs, row = b * kv_heads + h; each row's
-/// tokens (or selection entries) are cut into `splits` equal chunks, and a work item is one chunk of one row,
-/// item = row * splits + chunk.
+/// entries (its tokens; or its window's tokens, then its selection's) are cut into `splits` equal chunks, and
+/// a work item is one chunk of one row, item = row * splits + chunk.
 template <class T, class KV>
 struct DecodeJob {
   QueryView<const T> q;
@@ -26,6 +27,7 @@ struct DecodeJob {
   StateView<T> out;         ///< written directly when splits == 1
   std::int32_t group = 1;
   float scale_log2 = 0.0f;  ///< sm_scale * log2(e)
+  AttentionWindow window{};  ///< sparse decode: attended before each row's selected entries
   std::int32_t splits = 1;
   float* partial_o = nullptr;    ///< splits > 1: [splits, batch, q_heads, head_dim], merged into out afterwards
   float* partial_lse = nullptr;  ///< splits > 1: [splits, batch, q_heads], natural log
