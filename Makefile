@@ -18,7 +18,7 @@ test: build
 	cmake --build --preset asan-ubsan -j $(JOBS)
 	ctest --preset asan-ubsan -j $(JOBS)
 
-# Scores the selectors on real-model captures: docs/fidelity_results.md and docs/fidelity_mass_recall.png.
+# Scores the selectors on real-model captures: the results section of docs/fidelity.md and docs/fidelity_mass_recall.png.
 fidelity: build
 	scripts/fidelity.sh
 
