@@ -17,8 +17,8 @@
 #include <random>
 #include <vector>
 
-#include "kvsift/attention/decode_cuda.hpp"
-#include "kvsift/attention/hybrid_decoder.hpp"
+#include "kvsift/cuda/decode.hpp"
+#include "kvsift/step/hybrid_decoder.hpp"
 #include "kvsift/cuda/primitives.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 #include "kvsift/cuda/check.hpp"

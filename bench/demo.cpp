@@ -1,6 +1,6 @@
 // kvsift demo: how much of exact attention a sparse selection keeps, and what one decode step costs with
 // kvsift's own kernels, on synthetic long-context workloads shaped like real attention (see
-// include/kvsift/core/synthetic_workload.hpp); then the fidelity harness on a real-model capture.
+// include/kvsift/eval/synthetic_workload.hpp); then the fidelity harness on a real-model capture.
 //
 // Times are per decode step (batch 1, all heads), bf16 K/V/Q storage, fp32 accumulation, medians of a few
 // calls: dense attention, the selector's select, sparse attention over its selection, and select + attend.
@@ -20,23 +20,23 @@
 
 #include <fmt/format.h>
 
-#include "kvsift/attention/metrics.hpp"
+#include "kvsift/eval/metrics.hpp"
 #include "kvsift/attention/reference.hpp"
-#include "kvsift/core/capture.hpp"
+#include "kvsift/eval/capture.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/selection_buffer.hpp"
-#include "kvsift/core/synthetic_workload.hpp"
+#include "kvsift/eval/synthetic_workload.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/decode.hpp"
 #include "kvsift/cpu/simd.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
-#include "kvsift/selectors/fidelity.hpp"
+#include "kvsift/eval/fidelity.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 
 #if defined(KVSIFT_WITH_CUDA)
 #include <cuda_runtime_api.h>
 
-#include "kvsift/attention/decode_cuda.hpp"
+#include "kvsift/cuda/decode.hpp"
 #include "kvsift/cuda/check.hpp"
 #endif
 

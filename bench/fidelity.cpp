@@ -1,5 +1,5 @@
 // kvsift_fidelity: scores every selector (and the OracleTopK, StreamingLLM and Quest references) on real
-// attention captures; see include/kvsift/selectors/fidelity.hpp for what is measured.
+// attention captures; see include/kvsift/eval/fidelity.hpp for what is measured.
 //
 //   kvsift_fidelity [--positions N] [--prefill F] [--budgets 0.01,0.02,0.05] [--plot-data FILE] CAPTURE...
 //
@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "kvsift/core/capture.hpp"
+#include "kvsift/eval/capture.hpp"
 #include "kvsift/core/error.hpp"
-#include "kvsift/selectors/fidelity.hpp"
+#include "kvsift/eval/fidelity.hpp"
 
 namespace {
 

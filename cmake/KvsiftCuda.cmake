@@ -34,7 +34,7 @@ function(kvsift_add_cuda_sources target)
   file(GLOB cuda_sources CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/kernels/*.cu)
   target_sources(${target} PRIVATE ${cuda_sources} ${PROJECT_SOURCE_DIR}/src/cuda/device.cpp
                                      ${PROJECT_SOURCE_DIR}/src/cuda/decode.cpp
-                                     ${PROJECT_SOURCE_DIR}/src/cuda/hybrid_decoder.cpp
+                                     ${PROJECT_SOURCE_DIR}/src/step/hybrid_decoder.cpp
                                      ${PROJECT_SOURCE_DIR}/src/cuda/primitives.cpp)
   target_link_libraries(${target} PUBLIC CUDA::cudart)
   target_compile_definitions(${target} PUBLIC KVSIFT_WITH_CUDA=1)

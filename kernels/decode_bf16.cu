@@ -1,7 +1,7 @@
 // Instantiates the CUDA decode-attention and merge launchers for bfloat16 storage: head_dim {64, 128, 256} x
-// {4, 8} warps per CTA, eight not at 256 (see with_decode_kernel in decode.cuh). Host entry points live in
+// {4, 8} warps per CTA, eight not at 256 (see with_decode_kernel in cuda/detail/decode_kernels.cuh). Host entry points live in
 // src/cuda/decode.cpp.
-#include "kvsift/attention/decode.cuh"
+#include "kvsift/cuda/detail/decode_kernels.cuh"
 
 namespace kvsift::cuda::detail {
 template cudaError_t launch_decode<bfloat16>(const DecodeParams<bfloat16>&, cudaStream_t, bool);

@@ -9,10 +9,10 @@
 #include <span>
 #include <vector>
 
-#include "kvsift/attention/decode_cuda.hpp"
+#include "kvsift/cuda/decode.hpp"
 #include "kvsift/attention/state.hpp"
-#include "kvsift/attention/decode_launch.hpp"
-#include "kvsift/attention/decode_plan.hpp"
+#include "kvsift/cuda/detail/decode_launch.hpp"
+#include "kvsift/cuda/detail/decode_plan.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"

@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "kvsift/attention/metrics.hpp"
+#include "kvsift/eval/metrics.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "test_util.hpp"
 

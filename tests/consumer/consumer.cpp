@@ -5,7 +5,7 @@
 #include <vector>
 
 #include <kvsift/attention/reference.hpp>
-#include <kvsift/core/synthetic_workload.hpp>
+#include <kvsift/eval/synthetic_workload.hpp>
 
 int main() {
   const auto w = kvsift::make_synthetic_workload({.tokens = 256, .q_heads = 4, .kv_heads = 2, .head_dim = 32});

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "kvsift/attention/metrics.hpp"
+#include "kvsift/eval/metrics.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/core/rope.hpp"
 #include "kvsift/core/selection_buffer.hpp"

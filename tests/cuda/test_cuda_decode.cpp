@@ -10,9 +10,9 @@
 #include <string>
 
 #include "cuda/gpu_test.hpp"
-#include "kvsift/attention/decode_cuda.hpp"
-#include "kvsift/attention/decode_params.hpp"
-#include "kvsift/attention/decode_plan.hpp"
+#include "kvsift/cuda/decode.hpp"
+#include "kvsift/cuda/detail/decode_params.hpp"
+#include "kvsift/cuda/detail/decode_plan.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/cuda/check.hpp"
 #include "attention_check.hpp"

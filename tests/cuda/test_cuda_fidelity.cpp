@@ -7,10 +7,10 @@
 
 #include "attention_check.hpp"
 #include "cuda/gpu_test.hpp"
-#include "kvsift/attention/decode_cuda.hpp"
+#include "kvsift/cuda/decode.hpp"
 #include "kvsift/attention/reference.hpp"
-#include "kvsift/core/capture.hpp"
-#include "kvsift/selectors/fidelity.hpp"
+#include "kvsift/eval/capture.hpp"
+#include "kvsift/eval/fidelity.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {

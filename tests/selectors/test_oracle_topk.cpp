@@ -4,9 +4,9 @@
 #include <numeric>
 #include <set>
 
-#include "kvsift/attention/metrics.hpp"
+#include "kvsift/eval/metrics.hpp"
 #include "kvsift/attention/reference.hpp"
-#include "kvsift/core/synthetic_workload.hpp"
+#include "kvsift/eval/synthetic_workload.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "test_util.hpp"
 

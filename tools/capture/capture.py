@@ -5,7 +5,7 @@ and asked for at the end) and writes, for the chosen layers, every position's pr
 in the binary format below. Also reports the perplexity of the text and a greedy continuation, which check
 the forward pass.
 
-Format (little-endian), read by kvsift::read_capture (include/kvsift/core/capture.hpp):
+Format (little-endian), read by kvsift::read_capture (include/kvsift/eval/capture.hpp):
   8 bytes   magic "KVSCAP01"
   u32       header length H
   H bytes   UTF-8 header, one "key value" per line, in this order:

@@ -7,7 +7,7 @@
 
 #include "attention_check.hpp"
 #include "cuda/gpu_test.hpp"
-#include "kvsift/attention/hybrid_decoder.hpp"
+#include "kvsift/step/hybrid_decoder.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "test_util.hpp"
 

@@ -1,4 +1,4 @@
-#include "kvsift/core/synthetic_workload.hpp"
+#include "kvsift/eval/synthetic_workload.hpp"
 
 #include <algorithm>
 #include <cmath>

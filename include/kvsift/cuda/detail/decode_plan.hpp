@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kvsift/attention/decode_cuda.hpp"
+#include "kvsift/cuda/decode.hpp"
 
 namespace kvsift::cuda::detail {
 

@@ -6,8 +6,8 @@
 #include <iterator>
 #include <string>
 
-#include "kvsift/attention/metrics.hpp"
-#include "kvsift/core/capture.hpp"
+#include "kvsift/eval/metrics.hpp"
+#include "kvsift/eval/capture.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "test_util.hpp"
 

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "kvsift/core/capture.hpp"
-#include "kvsift/selectors/fidelity.hpp"
+#include "kvsift/eval/capture.hpp"
+#include "kvsift/eval/fidelity.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/streaming_llm.hpp"
 #include "test_util.hpp"

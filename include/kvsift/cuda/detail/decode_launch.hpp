@@ -4,7 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "kvsift/attention/decode_params.hpp"
+#include "kvsift/cuda/detail/decode_params.hpp"
 #include "kvsift/core/dtype.hpp"
 
 namespace kvsift::cuda::detail {

@@ -1,4 +1,4 @@
-#include "kvsift/core/capture.hpp"
+#include "kvsift/eval/capture.hpp"
 
 #include <cstring>
 #include <fstream>

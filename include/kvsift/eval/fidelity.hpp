@@ -36,7 +36,7 @@
 #include <string>
 #include <vector>
 
-#include "kvsift/core/capture.hpp"
+#include "kvsift/eval/capture.hpp"
 #include "kvsift/core/selector.hpp"
 
 namespace kvsift {

@@ -6,7 +6,7 @@
 
 #include <cmath>
 
-#include "kvsift/attention/decode_params.hpp"
+#include "kvsift/cuda/detail/decode_params.hpp"
 #include "kvsift/attention/state.hpp"
 #include "kvsift/cuda/dtype.cuh"
 

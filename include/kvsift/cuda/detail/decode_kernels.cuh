@@ -1,5 +1,5 @@
 #pragma once
-/// The decode-attention kernel behind both sparse and dense decode (see decode_cuda.hpp for the contract).
+/// The decode-attention kernel behind both sparse and dense decode (see cuda/decode.hpp for the contract).
 ///
 /// Work split: grid (num_splits, kv_heads * head_tiles, batch). A CTA owns one (sequence, kv head, tile of up
 /// to kHeadsPerTile query heads) and a contiguous chunk of that row's tokens (or selection entries); its
@@ -23,9 +23,9 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "kvsift/attention/decode_launch.hpp"
-#include "kvsift/attention/decode_params.hpp"
-#include "kvsift/attention/merge_state.cuh"
+#include "kvsift/cuda/detail/decode_launch.hpp"
+#include "kvsift/cuda/detail/decode_params.hpp"
+#include "kvsift/cuda/detail/merge_kernels.cuh"
 #include "kvsift/attention/state.hpp"
 #include "kvsift/cuda/dtype.cuh"
 

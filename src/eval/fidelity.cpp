@@ -1,4 +1,4 @@
-#include "kvsift/selectors/fidelity.hpp"
+#include "kvsift/eval/fidelity.hpp"
 
 #include <fmt/format.h>
 
@@ -8,7 +8,7 @@
 #include <numeric>
 #include <optional>
 
-#include "kvsift/attention/metrics.hpp"
+#include "kvsift/eval/metrics.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/selection_buffer.hpp"

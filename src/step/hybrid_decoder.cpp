@@ -1,9 +1,9 @@
-#include "kvsift/attention/hybrid_decoder.hpp"
+#include "kvsift/step/hybrid_decoder.hpp"
 
 #include <chrono>
 #include <vector>
 
-#include "kvsift/attention/decode_cuda.hpp"
+#include "kvsift/cuda/decode.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/decode.hpp"
