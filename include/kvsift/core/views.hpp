@@ -153,8 +153,10 @@ using kv_element_t = std::remove_const_t<std::remove_pointer_t<decltype(V{}.k_ro
 
 /// The tokens chosen for one decode step: per (sequence, kv head) `counts[b * kv_heads + h]` token indices
 /// (0 <= index < seq_len) in indices[(b * kv_heads + h) * capacity + i], optionally with a natural-log weight
-/// per index that is added to that token's attention logit (CentroidKV passes log n_t). Indices within a
-/// row are distinct; kvsift's selectors write them in ascending order, consumers accept any order.
+/// per index that is added to that token's scaled logit (sm_scale * q.k + w; a compressed source's merged
+/// rows carry log n_t, CentroidKV's degrees). Indices within a row are distinct (validation modes refuse a
+/// repeat and a token of the attention window); kvsift's selectors write them in ascending order, and the
+/// attention kernels accept any order.
 struct SelectionView {
   std::int32_t* indices = nullptr;  ///< [batch, kv_heads, capacity]
   std::int32_t* counts = nullptr;   ///< [batch, kv_heads], each in [0, capacity]
