@@ -49,16 +49,16 @@ std::int32_t longest_row(const QueryView<const T>& q, const KV& kv, const Select
   return longest;
 }
 
-template <class T, class KV>
+template <class T, class KV, class TO>
 void run(const char* where, const QueryView<const T>& q, const KV& kv, const SelectionView* selection,
-         const StateView<T>& out, const DecodeOptions& options, ThreadPool* pool, std::span<std::byte> workspace) {
+         const StateView<TO>& out, const DecodeOptions& options, ThreadPool* pool, std::span<std::byte> workspace) {
   validate(q, where, "q");
   validate(kv, where, "kv", MemorySpace::host);
   validate(out, where, "out");
   check_decode_shapes(where, q, kv, out);
   KVSIFT_CHECK(q.head_dim <= detail::kMaxHeadDim, where,
                "head_dim (= {}) exceeds the CPU decode kernels' limit of {}", q.head_dim, detail::kMaxHeadDim);
-  detail::DecodeJob<T, KV> job{q, kv, {}, out, q.heads / kv.kv_heads,
+  detail::DecodeJob<T, KV, TO> job{q, kv, {}, out, q.heads / kv.kv_heads,
                                options.attention.resolved_scale(q.head_dim) * kLog2e};
   if (selection == nullptr) check_no_window(where, options.attention.window);
   if (selection != nullptr) {
@@ -87,7 +87,7 @@ void run(const char* where, const QueryView<const T>& q, const KV& kv, const Sel
   with_simd_level([&]<SimdLevel L>() {
     const bool bf16_dot = L == SimdLevel::avx512 && std::is_same_v<T, bfloat16> && cpu_has_avx512_bf16();
     parallel_for(pool, rows * job.splits, [&](std::int64_t begin, std::int64_t end) {
-      detail::decode_items<L, T, KV>(job, begin, end, bf16_dot);
+      detail::decode_items<L, T, KV, TO>(job, begin, end, bf16_dot);
     });
   });
   if (job.splits == 1) return;
@@ -97,7 +97,7 @@ void run(const char* where, const QueryView<const T>& q, const KV& kv, const Sel
     partials[s] = StateView<const float>::packed(job.partial_o + s * states * q.head_dim, job.partial_lse + s * states,
                                                  q.batch, q.heads, q.head_dim);
   }
-  merge_states<float, T>(std::span(partials.data(), std::size_t(job.splits)), out);
+  merge_states<float, TO>(std::span(partials.data(), std::size_t(job.splits)), out);
 }
 
 }  // namespace
@@ -129,14 +129,14 @@ std::size_t decode_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std
   return counting.bytes();
 }
 
-template <class T, class KV>
-void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<T>& out,
+template <class T, class KV, class TO>
+void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<TO>& out,
                    const DecodeOptions& options, ThreadPool* pool, std::span<std::byte> workspace) {
   run("cpu::sparse_decode", q, kv, &selection, out, options, pool, workspace);
 }
 
-template <class T, class KV>
-void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<T>& out, const DecodeOptions& options,
+template <class T, class KV, class TO>
+void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<TO>& out, const DecodeOptions& options,
                   ThreadPool* pool, std::span<std::byte> workspace) {
   run("cpu::dense_decode", q, kv, nullptr, out, options, pool, workspace);
 }
@@ -173,22 +173,17 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
   }
 }
 
-#define KVSIFT_INSTANTIATE(T)                                                                                       \
-  template void sparse_decode<T, ContiguousKVView<const T>>(const QueryView<const T>&, const ContiguousKVView<const T>&, \
-                                                            const SelectionView&, const StateView<T>&,              \
-                                                            const DecodeOptions&, ThreadPool*,                   \
-                                                            std::span<std::byte>);                                  \
-  template void sparse_decode<T, PagedKVView<const T>>(const QueryView<const T>&, const PagedKVView<const T>&,      \
-                                                       const SelectionView&, const StateView<T>&,                   \
-                                                       const DecodeOptions&, ThreadPool*, std::span<std::byte>); \
-  template void dense_decode<T, ContiguousKVView<const T>>(const QueryView<const T>&, const ContiguousKVView<const T>&, \
-                                                           const StateView<T>&, const DecodeOptions&, ThreadPool*, \
-                                                           std::span<std::byte>);                                  \
-  template void dense_decode<T, PagedKVView<const T>>(const QueryView<const T>&, const PagedKVView<const T>&,       \
-                                                      const StateView<T>&, const DecodeOptions&, ThreadPool*,    \
-                                                      std::span<std::byte>);
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+#define KVSIFT_INSTANTIATE(T, KV, TO)                                                                            \
+  template void sparse_decode<T, KV, TO>(const QueryView<const T>&, const KV&, const SelectionView&,            \
+                                         const StateView<TO>&, const DecodeOptions&, ThreadPool*, std::span<std::byte>); \
+  template void dense_decode<T, KV, TO>(const QueryView<const T>&, const KV&, const StateView<TO>&,              \
+                                        const DecodeOptions&, ThreadPool*, std::span<std::byte>);
+#define KVSIFT_INSTANTIATE_OUTPUTS(T, KV) KVSIFT_INSTANTIATE(T, KV, T) KVSIFT_INSTANTIATE(T, KV, float)
+KVSIFT_INSTANTIATE_OUTPUTS(half, ContiguousKVView<const half>)
+KVSIFT_INSTANTIATE_OUTPUTS(half, PagedKVView<const half>)
+KVSIFT_INSTANTIATE_OUTPUTS(bfloat16, ContiguousKVView<const bfloat16>)
+KVSIFT_INSTANTIATE_OUTPUTS(bfloat16, PagedKVView<const bfloat16>)
+#undef KVSIFT_INSTANTIATE_OUTPUTS
 #undef KVSIFT_INSTANTIATE
 template void merge_states<float, float>(std::span<const StateView<const float>>, const StateView<float>&);
 template void merge_states<half, half>(std::span<const StateView<const half>>, const StateView<half>&);

@@ -203,6 +203,38 @@ TEST_F(CpuDecode, WindowIsTheSameAsSelectingItsTokensFirst) {
   }
 }
 
+TEST_F(CpuDecode, Fp32PartialsMergeWithoutRoundingTwice) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(4);
+  for (SimdLevel level : available_levels()) {
+    cpu::ScopedSimdLevel force(level);
+    const CaseSpec spec{2, 8, 2, 128, 1500, 400, 16, true, true, AttentionWindow{4, 64}};
+    HostDecodeProblem<bfloat16> p(rng, spec);
+    const auto ref = p.reference(true);
+    // Two partials, as the hybrid step makes them: the window alone (an empty selection) and the selection
+    // alone (no window), each in fp32, then merged.
+    std::vector<std::int32_t> no_counts(p.sel_counts.size(), 0);
+    const SelectionView selection = p.selection();
+    SelectionView window_only = selection;
+    window_only.counts = no_counts.data();
+    test::HostState window_part(spec.batch, spec.q_heads, spec.head_dim), selected_part(spec.batch, spec.q_heads, spec.head_dim);
+    std::vector<std::byte> ws(cpu::decode_workspace_bytes(spec.batch, spec.q_heads, spec.kv_heads, spec.head_dim, &pool) + 256);
+    std::span<std::byte> workspace(ws.data() + (256 - reinterpret_cast<std::uintptr_t>(ws.data()) % 256) % 256, ws.size() - 256);
+    cpu::sparse_decode(p.q_view(), p.paged(), window_only, window_part.view, {.attention = {.window = spec.window}}, &pool, workspace);
+    cpu::sparse_decode(p.q_view(), p.paged(), selection, selected_part.view, {}, &pool, workspace);
+    test::HostState merged(spec.batch, spec.q_heads, spec.head_dim);
+    cpu::merge_states<float, float>(std::vector{window_part.view.as_const(), selected_part.view.as_const()}, merged.view);
+    // fp32 throughout: within fp32 rounding of the fp64 reference, far inside bf16's 2^-8.
+    double num = 0, den = 0;
+    for (std::size_t i = 0; i < ref.o.size(); ++i) {
+      num += (merged.o[i] - ref.o[i]) * (merged.o[i] - ref.o[i]);
+      den += double(ref.o[i]) * ref.o[i];
+    }
+    EXPECT_LT(std::sqrt(num / den), 2e-6) << simd_level_name(level);
+    for (std::size_t i = 0; i < ref.lse.size(); ++i) EXPECT_NEAR(merged.lse[i], ref.lse[i], 2e-5 * std::abs(ref.lse[i]) + 1e-6);
+  }
+}
+
 TEST_F(CpuDecode, NonFiniteInputsGiveNaNWhereTheReferenceDoes) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   cpu::ThreadPool pool(8);  // 4 rows of 600 entries on 8 threads: rows split in two, partials merged

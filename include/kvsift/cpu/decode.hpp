@@ -49,13 +49,15 @@ struct DecodeOptions {
 std::size_t decode_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
                                    std::int32_t head_dim, const ThreadPool* pool);
 
-template <class T, class KV>
-void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<T>& out,
+/// `out` holds O in the storage type (TO = T) or in fp32 (TO = float): a partial state for a later
+/// merge_states (GPU window ⊕ CPU offload, context shards), which then rounds once instead of twice.
+template <class T, class KV, class TO>
+void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<TO>& out,
                    const DecodeOptions& options = {}, ThreadPool* pool = nullptr,
                    std::span<std::byte> workspace = {});
 
-template <class T, class KV>
-void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<T>& out,
+template <class T, class KV, class TO>
+void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<TO>& out,
                   const DecodeOptions& options = {}, ThreadPool* pool = nullptr, std::span<std::byte> workspace = {});
 
 /// Merges partial states (e.g. the GPU window's and the CPU offload's) into `out`, which must not alias a

@@ -145,8 +145,8 @@ void with_heads(int heads, Fn&& fn) {
 }  // namespace KVSIFT_CPU_ISA
 using namespace KVSIFT_CPU_ISA;
 
-template <SimdLevel L, class T, class KV>
-void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int64_t item_end, bool use_bf16_dot) {
+template <SimdLevel L, class T, class KV, class TO>
+void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std::int64_t item_end, bool use_bf16_dot) {
   using Ops = Vec<L>;
   using V = typename Ops::V;
   constexpr int W = Ops::kWidth;
@@ -274,8 +274,8 @@ void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int
         const float inv = empty ? 0.0f : 1.0f / l[h];
         const float lse = empty ? neg_inf : (m[h] + std::log2(l[h])) * kLn2;
         if (job.splits == 1) {
-          T* o = job.out.o_row(b, first_head + h);
-          for (int c = 0; c < d; ++c) o[c] = store_as<L, T>(acc[h][c] * inv);
+          TO* o = job.out.o_row(b, first_head + h);
+          for (int c = 0; c < d; ++c) o[c] = store_as<L, TO>(acc[h][c] * inv);
           job.out.lse_at(b, first_head + h) = lse;
         } else {
           const std::int64_t state = (chunk * job.q.batch + b) * job.q.heads + first_head + h;

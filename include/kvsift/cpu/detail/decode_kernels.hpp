@@ -19,12 +19,12 @@ inline constexpr int kTokenBlock = 64;
 /// Everything one decode call needs. Rows are (sequence, kv head) pairs, row = b * kv_heads + h; each row's
 /// entries (its tokens; or its window's tokens, then its selection's) are cut into `splits` equal chunks, and
 /// a work item is one chunk of one row, item = row * splits + chunk.
-template <class T, class KV>
+template <class T, class KV, class TO = T>
 struct DecodeJob {
   QueryView<const T> q;
   KV kv;
   SelectionView selection;  ///< indices == nullptr: dense decode over every token
-  StateView<T> out;         ///< written directly when splits == 1
+  StateView<TO> out;        ///< written directly when splits == 1; TO = T, or float for a later merge
   std::int32_t group = 1;
   float scale_log2 = 0.0f;  ///< sm_scale * log2(e)
   AttentionWindow window{};  ///< sparse decode: attended before each row's selected entries
@@ -47,7 +47,7 @@ std::int32_t decode_splits(std::int64_t rows, int threads,
 
 /// Runs work items [item_begin, item_end) of the job at SIMD level L. use_bf16_dot selects vdpbf16ps
 /// (avx512 only).
-template <SimdLevel L, class T, class KV>
-void decode_items(const DecodeJob<T, KV>& job, std::int64_t item_begin, std::int64_t item_end, bool use_bf16_dot);
+template <SimdLevel L, class T, class KV, class TO>
+void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std::int64_t item_end, bool use_bf16_dot);
 
 }  // namespace kvsift::cpu::detail

@@ -49,8 +49,10 @@ KVSIFT_CPU_TARGET_PRAGMA(KVSIFT_CPU_TARGET)
 
 namespace kvsift::cpu::detail {
 
-#define KVSIFT_INSTANTIATE_DECODE(T, KV) \
-  template void decode_items<KVSIFT_CPU_LEVEL, T, KV>(const DecodeJob<T, KV>&, std::int64_t, std::int64_t, bool);
+// O in the storage type, or fp32 for a later merge.
+#define KVSIFT_INSTANTIATE_DECODE(T, KV)                                                                          \
+  template void decode_items<KVSIFT_CPU_LEVEL, T, KV, T>(const DecodeJob<T, KV, T>&, std::int64_t, std::int64_t, bool); \
+  template void decode_items<KVSIFT_CPU_LEVEL, T, KV, float>(const DecodeJob<T, KV, float>&, std::int64_t, std::int64_t, bool);
 KVSIFT_INSTANTIATE_DECODE(half, ContiguousKVView<const half>)
 KVSIFT_INSTANTIATE_DECODE(half, PagedKVView<const half>)
 KVSIFT_INSTANTIATE_DECODE(bfloat16, ContiguousKVView<const bfloat16>)
