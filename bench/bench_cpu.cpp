@@ -2,7 +2,9 @@
 // decode over a 128K-token host cache (q_heads 32, kv_heads 8, head_dim 128) for K in {1024, 4096, 16384},
 // bf16 and fp16, 1..all threads, at the detected SIMD level and at scalar, over random selections (and, at
 // K = 16384, clustered ones) that rotate between calls, and with the rows in cache (the compute ceiling).
-// GB/s counts bytes touched: the selected K and V rows, indices, Q and O.
+// GB/s counts bytes touched: the selected K and V rows, indices, Q and O. The selection primitives
+// (cpu::group_scores, cpu::topk_rows, and the two as one selection step) over 32K and 128K tokens of the same
+// cache, K = 2048, on 1 thread and all.
 #include <benchmark/benchmark.h>
 
 #if defined(KVSIFT_BENCH_FAISS)
@@ -19,6 +21,7 @@
 #include <fstream>
 #include <numeric>
 #include <optional>
+#include <span>
 #include <string>
 #include <random>
 #include <thread>
@@ -239,6 +242,107 @@ void BM_CpuTopK(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_CpuTopK)->ArgsProduct({{131072, 1 << 20}, {256, 2048, 8192}})->ArgNames({"N", "K"})->Unit(benchmark::kMicrosecond);
+
+constexpr std::int32_t kSelectK = 2048;
+
+/// Workspace buffers for the selection benchmarks: 256-byte aligned, never freed (one per shape).
+std::span<std::byte> aligned_workspace(std::size_t bytes) {
+  constexpr std::size_t kAlign = WorkspaceLayout::kAlignment;  // aligned_alloc wants a nonzero multiple of it
+  return {static_cast<std::byte*>(std::aligned_alloc(kAlign, (bytes / kAlign + 1) * kAlign)), bytes};
+}
+
+/// cpu::group_scores of the batch-1 decode query (32 query heads, 8 kv heads, head_dim 128, bf16) against the
+/// first `tokens` tokens of the host cache: raw logits or softmax weights, reduced by max over each group.
+/// GB/s counts the K rows read (V is never read) and the scores written.
+void BM_CpuGroupScores(benchmark::State& state) {
+  const std::int32_t tokens = std::int32_t(state.range(0)), threads = std::int32_t(state.range(1));
+  const bool softmax = state.range(2) != 0;
+  const auto [k_cache, v_cache] = host_cache<bfloat16>();
+  std::mt19937_64 rng(5);
+  std::vector<bfloat16> q(kQHeads * kHeadDim);
+  for (auto& x : q) x = from_float<bfloat16>(std::normal_distribution<float>()(rng));
+  const std::int32_t lengths[1] = {tokens};
+  const auto kv = ContiguousKVView<const bfloat16>::packed(k_cache, v_cache, 1, kKvHeads, kTokens, kHeadDim, lengths);
+  std::vector<float> scores(std::size_t(kKvHeads) * tokens);
+  const cpu::GroupScoreOptions options{.reduce = cpu::GroupReduce::max, .softmax = softmax};
+  const auto workspace = aligned_workspace(cpu::group_scores_workspace_bytes(1, kQHeads, kKvHeads, tokens, options));
+  cpu::ThreadPool pool(threads);
+  for (auto _ : state) {
+    cpu::group_scores(QueryView<const bfloat16>::packed(q.data(), 1, kQHeads, kHeadDim), kv,
+                      MatrixView<float>::packed(scores.data(), kKvHeads, tokens), options, workspace, &pool);
+    benchmark::DoNotOptimize(scores.data());
+  }
+  state.counters["GB/s"] = benchmark::Counter(double(kKvHeads) * tokens * (kHeadDim * 2 + 4) * state.iterations(),
+                                              benchmark::Counter::kIsRate);
+  state.SetLabel(std::string(cpu::simd_level_name(cpu::active_simd_level())));
+}
+
+/// cpu::topk_rows: the 2048 best of each of 8 rows of `tokens` normal scores (batch 1 x 8 kv heads), with no
+/// window.
+void BM_CpuTopKRows(benchmark::State& state) {
+  const std::int32_t tokens = std::int32_t(state.range(0)), threads = std::int32_t(state.range(1));
+  std::mt19937_64 rng(6);
+  std::normal_distribution<float> dist;
+  std::vector<float> scores(std::size_t(kKvHeads) * tokens);
+  for (auto& x : scores) x = dist(rng);
+  std::vector<std::int32_t> indices(std::size_t(kKvHeads) * kSelectK), counts(kKvHeads);
+  const SelectionView out{indices.data(), counts.data(), nullptr, 1, kKvHeads, kSelectK};
+  cpu::ThreadPool pool(threads);
+  const auto workspace = aligned_workspace(cpu::topk_rows_workspace_bytes(kKvHeads, tokens, &pool));
+  const std::int32_t lengths[1] = {tokens};
+  for (auto _ : state) {
+    cpu::topk_rows(MatrixView<const float>::packed(scores.data(), kKvHeads, tokens), lengths, kSelectK, {}, out,
+                   workspace, &pool);
+    benchmark::DoNotOptimize(indices.data());
+  }
+}
+
+/// One exact selection step as OracleTopK takes it: group_scores (softmax, max) then topk_rows of 2048 per kv
+/// head among the middle of a 4-sink, 64-recent window, one workspace for both.
+void BM_CpuSelectStep(benchmark::State& state) {
+  const std::int32_t tokens = std::int32_t(state.range(0)), threads = std::int32_t(state.range(1));
+  const auto [k_cache, v_cache] = host_cache<bfloat16>();
+  std::mt19937_64 rng(7);
+  std::vector<bfloat16> q(kQHeads * kHeadDim);
+  for (auto& x : q) x = from_float<bfloat16>(std::normal_distribution<float>()(rng));
+  const std::int32_t lengths[1] = {tokens};
+  const auto kv = ContiguousKVView<const bfloat16>::packed(k_cache, v_cache, 1, kKvHeads, kTokens, kHeadDim, lengths);
+  std::vector<float> scores(std::size_t(kKvHeads) * tokens);
+  std::vector<std::int32_t> indices(std::size_t(kKvHeads) * kSelectK), counts(kKvHeads);
+  const SelectionView out{indices.data(), counts.data(), nullptr, 1, kKvHeads, kSelectK};
+  const cpu::GroupScoreOptions options{.reduce = cpu::GroupReduce::max, .softmax = true};
+  cpu::ThreadPool pool(threads);
+  const auto workspace = aligned_workspace(std::max(cpu::group_scores_workspace_bytes(1, kQHeads, kKvHeads, tokens, options),
+                                                    cpu::topk_rows_workspace_bytes(kKvHeads, tokens, &pool)));
+  for (auto _ : state) {
+    cpu::group_scores(QueryView<const bfloat16>::packed(q.data(), 1, kQHeads, kHeadDim), kv,
+                      MatrixView<float>::packed(scores.data(), kKvHeads, tokens), options, workspace, &pool);
+    cpu::topk_rows(MatrixView<const float>::packed(scores.data(), kKvHeads, tokens), lengths, kSelectK, {4, 64}, out,
+                   workspace, &pool);
+    benchmark::DoNotOptimize(indices.data());
+  }
+  state.SetLabel(std::string(cpu::simd_level_name(cpu::active_simd_level())));
+}
+
+/// 32K and 128K tokens, on 1 thread and on all; with_softmax: raw and softmax scores.
+void selection_shapes(benchmark::internal::Benchmark* b, bool with_softmax) {
+  const int all = int(std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<int> thread_counts{1};
+  if (all > 1) thread_counts.push_back(all);
+  for (int tokens : {32768, 131072}) {
+    for (int threads : thread_counts) {
+      if (!with_softmax) {
+        b->Args({tokens, threads});
+        continue;
+      }
+      b->Args({tokens, threads, 0});
+      b->Args({tokens, threads, 1});
+    }
+  }
+}
+BENCHMARK(BM_CpuGroupScores)->Apply([](auto* b) { selection_shapes(b, true); })->ArgNames({"tokens", "threads", "softmax"})->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CpuTopKRows)->Apply([](auto* b) { selection_shapes(b, false); })->ArgNames({"tokens", "threads"})->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CpuSelectStep)->Apply([](auto* b) { selection_shapes(b, false); })->ArgNames({"tokens", "threads"})->UseRealTime()->Unit(benchmark::kMicrosecond);
 
 /// Keys of one kv head to cluster: n normal vectors of head_dim 128.
 std::vector<float> kmeans_points(std::int32_t n) {

@@ -6,9 +6,47 @@
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/views.hpp"
+#include "kvsift/cpu/detail/decode_kernels.hpp"
 #include "kvsift/cpu/simd.hpp"
 
 namespace kvsift::cpu::detail {
+
+/// group_scores (cpu/primitives.hpp) cuts each (sequence, kv head) row into chunks of this many tokens, one
+/// work item each. The chunk is fixed, not derived from the thread count, because the softmax path sums each
+/// head's exponentials chunk by chunk: the results then depend on no thread count. A multiple of the token
+/// block (kTokenBlock, decode_kernels.hpp), so blocks never straddle chunks.
+inline constexpr std::int32_t kScoreChunk = 2048;
+static_assert(kScoreChunk % kTokenBlock == 0);
+
+/// Everything one group_scores call needs. Rows are (sequence, kv head) pairs, row = b * kv_heads + g; a work
+/// item is one chunk of one row, item = row * chunks + chunk.
+template <class T, class KV>
+struct GroupScoreJob {
+  QueryView<const T> q;
+  KV kv;
+  MatrixView<float> scores;  ///< [rows, >= longest sequence]
+  std::int32_t group = 1;    ///< query heads per kv head
+  float scale = 1.0f;        ///< resolved sm_scale
+  bool sum = false;          ///< reduce over the group by sum (else by max)
+  bool softmax = false;      ///< reduce softmax weights (else raw logits)
+  std::int32_t chunks = 1;   ///< per row: ceil(scores.cols / kScoreChunk)
+  float* logits = nullptr;     ///< softmax: [rows, group, scores.cols], scaled logits (natural units)
+  float* chunk_max = nullptr;  ///< softmax: [rows, chunks, group], each chunk's largest logit per head
+  float* chunk_sum = nullptr;  ///< softmax: [rows, chunks, group], sum over the chunk of exp(logit - chunk_max)
+};
+
+/// Phase 1 of group_scores, work items [begin, end): every head's logits of the item's tokens, each key row
+/// read once per tile of kHeadTile heads. Raw: reduced over the group straight into job.scores. Softmax:
+/// written to job.logits, with the chunk's maximum and exponential sum per head (NaN once a logit is NaN or
+/// +inf). use_bf16_dot selects vdpbf16ps (avx512, bfloat16 storage, head_dim a multiple of 32).
+template <SimdLevel L, class T, class KV>
+void group_logits_items(const GroupScoreJob<T, KV>& job, std::int64_t begin, std::int64_t end, bool use_bf16_dot);
+
+/// Phase 2 of group_scores (softmax only), work items [begin, end): each head's LSE from its row's chunk
+/// partials, then the weights exp(logit - LSE) reduced over the group into job.scores; a row where some head
+/// has no finite LSE gets NaN.
+template <SimdLevel L, class T, class KV>
+void group_softmax_items(const GroupScoreJob<T, KV>& job, std::int64_t begin, std::int64_t end);
 
 /// scores[i] = scale * dot(q, rows.row(i)) for i in [begin, end).
 template <SimdLevel L, class T>

@@ -1,0 +1,624 @@
+// The selection primitives every selector calls: cpu::group_scores (the decode query's GQA groups scored
+// against the KV cache) and cpu::topk_rows (each row's best tokens outside the attention window, into a
+// selection), against independent fp64 loops written here, at every SIMD level this machine runs; and
+// OracleTopK, which is built on them.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "attention_check.hpp"
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/cpu/primitives.hpp"
+#include "kvsift/cpu/simd.hpp"
+#include "kvsift/cpu/thread_pool.hpp"
+#include "kvsift/cpu/topk.hpp"
+#include "kvsift/selectors/oracle_topk.hpp"
+#include "test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using cpu::SimdLevel;
+using test::Random;
+
+std::vector<SimdLevel> available_levels() {
+  std::vector<SimdLevel> levels;
+  for (SimdLevel l : {SimdLevel::scalar, SimdLevel::avx2, SimdLevel::avx512}) {
+    if (l <= cpu::detected_simd_level()) levels.push_back(l);
+  }
+  return levels;
+}
+
+template <class T>
+std::string type_name() {
+  return std::is_same_v<T, float> ? "f32" : test::dtype_label<T>();
+}
+
+/// A 256-byte aligned host workspace of exactly `bytes` bytes, every byte 0xff (NaN as floats), so that a run
+/// cannot pass by reading what it did not write.
+class PoisonedWorkspace {
+ public:
+  explicit PoisonedWorkspace(std::size_t bytes) : blocks_(bytes / sizeof(Block) + 1), bytes_(bytes) {
+    std::memset(blocks_.data(), 0xff, blocks_.size() * sizeof(Block));
+  }
+  std::byte* data() { return reinterpret_cast<std::byte*>(blocks_.data()); }
+  std::span<std::byte> span() { return {data(), bytes_}; }
+
+ private:
+  struct alignas(WorkspaceLayout::kAlignment) Block {
+    std::byte bytes[WorkspaceLayout::kAlignment];
+  };
+  std::vector<Block> blocks_;
+  std::size_t bytes_;
+};
+
+// ---- group_scores ------------------------------------------------------------------------------------------
+
+/// A decode query and a KV cache in storage type T with the given sequence lengths: contiguous, and the same
+/// tokens in a paged cache with shuffled pages (page_size > 0; NHD or HND at random).
+template <class T>
+struct ScoreProblem {
+  std::int32_t batch, q_heads, kv_heads, head_dim;
+  test::HostKV values;  ///< the cache as floats, already rounded to T
+  std::vector<T> q, k, v;
+  std::vector<float> q_values;  ///< q as floats
+  std::unique_ptr<test::HostPagedKV> paged_values;
+  std::vector<T> k_pages, v_pages;
+
+  ScoreProblem(Random& rng, std::int32_t batch_, std::int32_t q_heads_, std::int32_t kv_heads_, std::int32_t head_dim_,
+               const std::vector<std::int32_t>& lengths, std::int32_t page_size)
+      : batch(batch_), q_heads(q_heads_), kv_heads(kv_heads_), head_dim(head_dim_),
+        values(rng, batch_, kv_heads_, std::max(1, *std::max_element(lengths.begin(), lengths.end())), head_dim_, lengths) {
+    q = test::to_storage<T>(rng.normal(std::size_t(batch) * q_heads * head_dim));
+    for (const T x : q) q_values.push_back(to_float(x));
+    k = test::to_storage<T>(values.k);
+    v = test::to_storage<T>(values.v);
+    for (std::size_t i = 0; i < k.size(); ++i) values.k[i] = to_float(k[i]);
+    if (page_size > 0) {
+      paged_values = std::make_unique<test::HostPagedKV>(values, page_size, /*hnd=*/rng.uniform_int(0, 1) == 1, rng);
+      k_pages = test::to_storage<T>(paged_values->k_pages);
+      v_pages = test::to_storage<T>(paged_values->v_pages);
+    }
+  }
+  /// Sets q of head h, channel c, in storage and float copies.
+  void set_q(std::int32_t b, std::int32_t h, std::int32_t c, float x) {
+    const std::size_t i = (std::size_t(b) * q_heads + h) * head_dim + c;
+    q[i] = from_float<T>(x);
+    q_values[i] = to_float(q[i]);
+  }
+  /// Sets channel c of the key of (b, g, t) in the contiguous cache (and its float copy).
+  void set_k(std::int32_t b, std::int32_t g, std::int32_t t, std::int32_t c, float x) {
+    const std::size_t i = std::size_t(values.view().offset(b, g, t)) + c;
+    k[i] = from_float<T>(x);
+    values.k[i] = to_float(k[i]);
+  }
+  QueryView<const T> q_view() const { return QueryView<const T>::packed(q.data(), batch, q_heads, head_dim); }
+  ContiguousKVView<const T> contiguous() const {
+    return ContiguousKVView<const T>::packed(k.data(), v.data(), batch, kv_heads, values.capacity, head_dim,
+                                             values.seq_lens.data());
+  }
+  PagedKVView<const T> paged() const {
+    PagedKVView<const T> view;
+    const auto& h = paged_values->view;
+    view = {k_pages.data(), v_pages.data(), h.page_indptr, h.page_indices, h.last_page_len, h.batch, h.kv_heads,
+            h.head_dim, h.page_size, h.num_pages, h.page_stride, h.token_stride, h.head_stride};
+    return view;
+  }
+  std::int32_t longest() const { return values.capacity; }
+};
+
+/// Scores in a matrix wider than the longest sequence and with a row stride past its width, poisoned (NaN):
+/// entries a run must not write stay NaN.
+struct ScoreMatrix {
+  std::int64_t rows;
+  std::int32_t cols;
+  std::int64_t stride;
+  std::vector<float> data;
+  ScoreMatrix(std::int64_t rows_, std::int32_t cols_)
+      : rows(rows_), cols(cols_), stride(cols_ + 5), data(std::size_t(rows_ * stride), test::kPoison) {}
+  MatrixView<float> view() { return {data.data(), rows, cols, stride}; }
+  float at(std::int64_t r, std::int64_t t) const { return data[std::size_t(r * stride + t)]; }
+};
+
+/// The fp64 scores of a problem, with a bound on the error of the fp32 computation per entry.
+struct ExpectedScores {
+  std::vector<double> value, tolerance;  ///< [rows, longest]
+};
+
+/// Error bounds, relative to the magnitudes they scale. A fp32 dot product of d terms accumulated in fp32
+/// (any order, FMA or not) errs by at most d * 2^-24 * sum |q_c k_c|; scaling adds one rounding. A softmax
+/// weight exp(s - LSE) errs relatively by the errors of s and of LSE (which is at most its largest logit's
+/// error, plus the fp32 sum of up to ~5000 exponentials, ~sqrt(n) 2^-24 in practice), plus the rounding of
+/// the exponent argument (|s - LSE| and |LSE| times a few 2^-24) and the exp2 polynomial's ~1e-7: kSoftmaxRel
+/// covers all but the dot products with margin (about 3x the largest of them seen in these tests).
+constexpr double kUlp = 1.0 / (1 << 24);
+constexpr double kSoftmaxRel = 3e-5;
+
+template <class T>
+ExpectedScores expected_scores(const ScoreProblem<T>& p, const cpu::GroupScoreOptions& options) {
+  const std::int32_t group = p.q_heads / p.kv_heads, d = p.head_dim, longest = p.longest();
+  const double scale = options.sm_scale != 0.0f ? double(options.sm_scale) : 1.0 / std::sqrt(double(d));
+  const bool sum = options.reduce == cpu::GroupReduce::sum;
+  ExpectedScores e{std::vector<double>(std::size_t(p.batch) * p.kv_heads * longest),
+                   std::vector<double>(std::size_t(p.batch) * p.kv_heads * longest)};
+  const auto kv = p.values.view();
+  for (std::int32_t b = 0; b < p.batch; ++b) {
+    const std::int32_t n = p.values.seq_lens[b];
+    for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+      std::vector<double> logit(std::size_t(group) * n), bound(std::size_t(group) * n), lse(group);
+      std::vector<double> largest_bound(group, 0.0);
+      for (std::int32_t h = 0; h < group; ++h) {
+        const float* q = p.q_values.data() + (std::size_t(b) * p.q_heads + g * group + h) * d;
+        for (std::int32_t t = 0; t < n; ++t) {
+          const float* k = kv.k_row(b, g, t);
+          double dot = 0.0, magnitude = 0.0;
+          for (std::int32_t c = 0; c < d; ++c) {
+            dot += double(q[c]) * k[c];
+            magnitude += std::abs(double(q[c]) * k[c]);
+          }
+          logit[std::size_t(h) * n + t] = scale * dot;
+          bound[std::size_t(h) * n + t] = (d + 2) * kUlp * std::abs(scale) * magnitude;
+          largest_bound[h] = std::max(largest_bound[h], bound[std::size_t(h) * n + t]);
+        }
+        double m = -INFINITY, z = 0.0;
+        for (std::int32_t t = 0; t < n; ++t) m = std::max(m, logit[std::size_t(h) * n + t]);
+        for (std::int32_t t = 0; t < n; ++t) z += std::exp(logit[std::size_t(h) * n + t] - m);
+        lse[h] = m + std::log(z);
+      }
+      for (std::int32_t t = 0; t < n; ++t) {
+        double value = 0.0, tolerance = 0.0;
+        for (std::int32_t h = 0; h < group; ++h) {
+          const double s = logit[std::size_t(h) * n + t], err = bound[std::size_t(h) * n + t];
+          double x = s, x_tolerance = err + kUlp * std::abs(s);
+          if (options.softmax) {
+            x = std::exp(s - lse[h]);
+            x_tolerance = x * (err + largest_bound[h] + kSoftmaxRel) + 1e-30;
+          }
+          value = h == 0 ? x : sum ? value + x : std::max(value, x);
+          tolerance = sum ? tolerance + x_tolerance : std::max(tolerance, x_tolerance);
+        }
+        const std::size_t i = (std::size_t(b) * p.kv_heads + g) * longest + t;
+        e.value[i] = value;
+        e.tolerance[i] = tolerance + (sum ? 2 * group * kUlp * std::abs(value) : 0.0);
+      }
+    }
+  }
+  return e;
+}
+
+/// Runs group_scores on the problem (contiguous or paged) into poisoned scores with an exactly sized,
+/// poisoned workspace.
+template <class T>
+ScoreMatrix run_group_scores(const ScoreProblem<T>& p, bool paged, const cpu::GroupScoreOptions& options,
+                             cpu::ThreadPool* pool = nullptr, std::int32_t extra_cols = 3) {
+  ScoreMatrix scores(std::int64_t(p.batch) * p.kv_heads, p.longest() + extra_cols);
+  PoisonedWorkspace workspace(
+      cpu::group_scores_workspace_bytes(p.batch, p.q_heads, p.kv_heads, scores.cols, options));
+  if (paged) {
+    cpu::group_scores(p.q_view(), p.paged(), scores.view(), options, workspace.span(), pool);
+  } else {
+    cpu::group_scores(p.q_view(), p.contiguous(), scores.view(), options, workspace.span(), pool);
+  }
+  return scores;
+}
+
+template <class T>
+void expect_scores_match(const ScoreProblem<T>& p, const ScoreMatrix& scores, const ExpectedScores& e) {
+  for (std::int32_t b = 0; b < p.batch; ++b) {
+    const std::int32_t n = p.values.seq_lens[b];
+    for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+      const std::int64_t row = std::int64_t(b) * p.kv_heads + g;
+      for (std::int32_t t = 0; t < n; ++t) {
+        const std::size_t i = std::size_t(row) * p.longest() + t;
+        ASSERT_NEAR(scores.at(row, t), e.value[i], e.tolerance[i]) << "sequence " << b << " kv head " << g << " token " << t;
+      }
+      for (std::int32_t t = n; t < scores.stride; ++t) {  // past the sequence, and past the columns: untouched
+        ASSERT_TRUE(std::isnan(scores.at(row, t))) << "sequence " << b << " kv head " << g << " token " << t;
+      }
+    }
+  }
+}
+
+cpu::GroupScoreOptions random_options(Random& rng) {
+  return {.sm_scale = std::vector<float>{0.0f, 0.0f, 0.3f, -0.2f}[rng.uniform_int(0, 3)],
+          .reduce = rng.uniform_int(0, 1) == 1 ? cpu::GroupReduce::sum : cpu::GroupReduce::max,
+          .softmax = rng.uniform_int(0, 1) == 1};
+}
+
+std::string describe(const cpu::GroupScoreOptions& o) {
+  return fmt::format("sm_scale {} reduce {} softmax {}", o.sm_scale, o.reduce == cpu::GroupReduce::sum ? "sum" : "max",
+                     o.softmax);
+}
+
+using GroupScores = test::SeededTest;
+
+TEST_F(GroupScores, MatchFp64AtEverySimdLevelTypeAndLayout) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (SimdLevel level : available_levels()) {
+    cpu::ScopedSimdLevel force(level);
+    const auto check = [&]<class T>(T, int trial) {
+      const std::int32_t kv_heads = rng.uniform_int(1, 3), batch = rng.uniform_int(1, 3);
+      const std::int32_t group = std::vector<std::int32_t>{1, 3, 4, 8, 12}[rng.uniform_int(0, 4)];
+      const std::int32_t head_dim = std::vector<std::int32_t>{16, 33, 64, 100, 128}[rng.uniform_int(0, 4)];
+      // Ragged lengths: an empty sequence now and then, short ones, and (trial 0) one past two 2048-token chunks.
+      std::vector<std::int32_t> lengths(batch);
+      for (auto& n : lengths) n = rng.uniform_int(0, 4) == 0 ? 0 : rng.uniform_int(1, 300);
+      if (trial == 0) lengths[0] = rng.uniform_int(4097, 4600);
+      if (lengths.back() == 0) lengths.back() = 1;  // a paged cache of only empty sequences has no page array at all
+      const std::int32_t page_size = std::vector<std::int32_t>{0, 16, 7}[rng.uniform_int(0, 2)];
+      const auto options = random_options(rng);
+      SCOPED_TRACE(fmt::format("{} {} batch {} kv_heads {} group {} head_dim {} page_size {} lengths [{}] {}",
+                               cpu::simd_level_name(level), type_name<T>(), batch, kv_heads, group, head_dim, page_size,
+                               fmt::join(lengths, ", "), describe(options)));
+      const ScoreProblem<T> p(rng, batch, group * kv_heads, kv_heads, head_dim, lengths, page_size);
+      expect_scores_match(p, run_group_scores(p, page_size > 0, options), expected_scores(p, options));
+    };
+    for (int trial = 0; trial < 6; ++trial) {
+      check(float{}, trial);
+      check(half{}, trial);
+      check(bfloat16{}, trial);
+    }
+  }
+}
+
+TEST_F(GroupScores, EveryReductionOnOneProblem) {
+  // The four (reduce, softmax) forms side by side, contiguous and paged, at the widest level.
+  const ScoreProblem<bfloat16> p(rng, 2, 8, 2, 128, {700, 33}, 16);
+  for (const bool softmax : {false, true}) {
+    for (const auto reduce : {cpu::GroupReduce::max, cpu::GroupReduce::sum}) {
+      const cpu::GroupScoreOptions options{.reduce = reduce, .softmax = softmax};
+      SCOPED_TRACE(describe(options));
+      const auto e = expected_scores(p, options);
+      expect_scores_match(p, run_group_scores(p, false, options), e);
+      expect_scores_match(p, run_group_scores(p, true, options), e);
+    }
+  }
+}
+
+TEST_F(GroupScores, NaNNeverVanishes) {
+  for (SimdLevel level : available_levels()) {
+    cpu::ScopedSimdLevel force(level);
+    const auto check = [&]<class T>(T) {
+      SCOPED_TRACE(fmt::format("{} {}", cpu::simd_level_name(level), type_name<T>()));
+      // Two kv heads of a group of 4, 300 tokens; each case corrupts kv head 0 only (row 0), so row 1 stays finite.
+      const auto fresh = [&] { return ScoreProblem<T>(rng, 1, 8, 2, 64, {300}, 0); };
+      const auto run = [&](const ScoreProblem<T>& p, bool softmax, cpu::GroupReduce reduce, float sm_scale = 0.0f) {
+        return run_group_scores(p, false, {.sm_scale = sm_scale, .reduce = reduce, .softmax = softmax}, nullptr, 0);
+      };
+      const auto finite_row = [](const ScoreMatrix& s, std::int64_t row) {
+        for (std::int32_t t = 0; t < s.cols; ++t) {
+          if (!std::isfinite(s.at(row, t))) return false;
+        }
+        return true;
+      };
+      const auto nan_row = [](const ScoreMatrix& s, std::int64_t row) {
+        for (std::int32_t t = 0; t < s.cols; ++t) {
+          if (!std::isnan(s.at(row, t))) return false;
+        }
+        return true;
+      };
+      for (const auto reduce : {cpu::GroupReduce::max, cpu::GroupReduce::sum}) {
+        // A NaN in one key: that token's raw score; the whole row's softmax scores.
+        auto p = fresh();
+        p.set_k(0, 0, 5, 3, NAN);
+        const auto raw = run(p, false, reduce);
+        EXPECT_TRUE(std::isnan(raw.at(0, 5)));
+        EXPECT_TRUE(std::isfinite(raw.at(0, 4)) && std::isfinite(raw.at(0, 6)));
+        EXPECT_TRUE(finite_row(raw, 1));
+        const auto soft = run(p, true, reduce);
+        EXPECT_TRUE(nan_row(soft, 0));
+        EXPECT_TRUE(finite_row(soft, 1));
+        // A NaN in one query head: every score of its group, in both forms.
+        p = fresh();
+        p.set_q(0, 2, 0, NAN);
+        EXPECT_TRUE(nan_row(run(p, false, reduce), 0));
+        EXPECT_TRUE(nan_row(run(p, true, reduce), 0));
+        EXPECT_TRUE(finite_row(run(p, true, reduce), 1));
+        // A NaN sm_scale: everything.
+        p = fresh();
+        EXPECT_TRUE(nan_row(run(p, true, reduce, NAN), 1));
+        EXPECT_TRUE(nan_row(run(p, false, reduce, NAN), 1));
+        // A +inf logit (a key of +inf against positive queries): the raw score is +inf, the softmax has none.
+        for (std::int32_t h = 0; h < 4; ++h) {
+          for (std::int32_t c = 0; c < 64; ++c) p.set_q(0, h, c, 0.5f);
+        }
+        for (std::int32_t c = 0; c < 64; ++c) p.set_k(0, 0, 7, c, INFINITY);
+        EXPECT_EQ(run(p, false, reduce).at(0, 7), INFINITY);
+        EXPECT_TRUE(nan_row(run(p, true, reduce), 0));
+      }
+    };
+    check(float{});
+    check(half{});
+    check(bfloat16{});
+  }
+}
+
+TEST_F(GroupScores, IdenticalForEveryThreadCount) {
+  // Ragged rows of up to three 2048-token chunks, fewer rows than threads for the larger pools.
+  const ScoreProblem<bfloat16> p(rng, 3, 8, 2, 64, {5000, 0, 2100}, 0);
+  for (const auto& options : {cpu::GroupScoreOptions{.softmax = true},
+                              cpu::GroupScoreOptions{.reduce = cpu::GroupReduce::sum, .softmax = true},
+                              cpu::GroupScoreOptions{.reduce = cpu::GroupReduce::sum}}) {
+    SCOPED_TRACE(describe(options));
+    const auto alone = run_group_scores(p, false, options);
+    for (int threads : {1, 2, 3, 7}) {
+      cpu::ThreadPool pool(threads);
+      const auto pooled = run_group_scores(p, false, options, &pool);
+      EXPECT_EQ(0, std::memcmp(alone.data.data(), pooled.data.data(), alone.data.size() * sizeof(float))) << threads;
+    }
+  }
+}
+
+TEST_F(GroupScores, WorkspaceQueryAndRefusals) {
+  const ScoreProblem<half> p(rng, 2, 6, 2, 32, {40, 12}, 0);
+  const cpu::GroupScoreOptions softmax{.softmax = true}, raw{};
+  EXPECT_EQ(cpu::group_scores_workspace_bytes(2, 6, 2, 40, raw), 0u);
+  const std::size_t needed = cpu::group_scores_workspace_bytes(2, 6, 2, 40, softmax);
+  EXPECT_GE(needed, std::size_t(4) * 2 * 6 * 40);  // the per-head logits
+  EXPECT_LE(needed, std::size_t(4) * 2 * 6 * 40 + 3 * WorkspaceLayout::kAlignment);  // and two floats per (row, head)
+  EXPECT_EQ(needed % WorkspaceLayout::kAlignment, 0u);
+
+  ScoreMatrix scores(4, 40);
+  PoisonedWorkspace buffer(needed);
+  const auto go = [&](auto q, auto kv, MatrixView<float> s, cpu::GroupScoreOptions options, std::span<std::byte> ws) {
+    cpu::group_scores(q, kv, s, options, ws);
+  };
+  go(p.q_view(), p.contiguous(), scores.view(), raw, {});  // no workspace needed
+  go(p.q_view(), p.contiguous(), scores.view(), softmax, buffer.span());
+  test::expect_error([&] { go(p.q_view(), p.contiguous(), scores.view(), softmax, {buffer.data(), needed - 256}); },
+                     "kvsift::cpu::group_scores: workspace too small: 'chunk_sum' needs bytes");
+  test::expect_error([&] { go(p.q_view(), p.contiguous(), scores.view(), softmax, {buffer.data() + 4, needed}); },
+                     "is not 256-byte aligned");
+  test::expect_error([&] { go(p.q_view(), p.contiguous(), scores.view(), softmax, {}); }, "workspace too small: 'logits'");
+
+  // Shapes.
+  auto bad_q = p.q_view();
+  bad_q.heads = 5;
+  bad_q.batch_stride = 5 * 32;
+  test::expect_error([&] { go(bad_q, p.contiguous(), scores.view(), raw, {}); },
+                     "q.heads (= 5) is not a multiple of kv.kv_heads (= 2)");
+  bad_q = p.q_view();
+  bad_q.batch = 1;
+  test::expect_error([&] { go(bad_q, p.contiguous(), scores.view(), raw, {}); }, "kv.batch (= 2) != q.batch (= 1)");
+  auto bad_kv = p.contiguous();
+  bad_kv.head_dim = 16;
+  test::expect_error([&] { go(p.q_view(), bad_kv, scores.view(), raw, {}); }, "kv.head_dim (= 16) != q.head_dim (= 32)");
+  bad_kv = p.contiguous();
+  bad_kv.capacity = 30;  // below seq_lens[0] = 40
+  test::expect_error([&] { go(p.q_view(), bad_kv, scores.view(), raw, {}); },
+                     "kv.seq_lens[0] (= 40) is outside [0, capacity = 30]");
+  test::expect_error([&] { go(p.q_view(), p.contiguous(), MatrixView<float>{scores.data.data(), 3, 40, 45}, raw, {}); },
+                     "scores.rows (= 3) != kv.batch * kv.kv_heads (= 2 * 2)");
+  test::expect_error([&] { go(p.q_view(), p.contiguous(), MatrixView<float>{scores.data.data(), 4, 39, 45}, raw, {}); },
+                     "scores.cols (= 39) < kv.seq_len(0) (= 40)");
+  test::expect_error([&] { go(p.q_view(), p.contiguous(), MatrixView<float>{nullptr, 4, 40, 45}, raw, {}); },
+                     "scores.data is a null pointer");
+  test::expect_error(
+      [&] { go(p.q_view(), p.contiguous(), scores.view(), {.reduce = cpu::GroupReduce(7)}, {}); },
+      "options.reduce (= 7) is neither GroupReduce::max nor GroupReduce::sum");
+  const ScoreProblem<half> wide(rng, 1, 1, 1, 300, {4}, 0);
+  test::expect_error(
+      [&] { go(wide.q_view(), wide.contiguous(), MatrixView<float>::packed(scores.data.data(), 1, 4), raw, {}); },
+      "head_dim (= 300) exceeds the CPU kernels' limit of 256");
+  // The size query.
+  test::expect_error([] { cpu::group_scores_workspace_bytes(1, 6, 4, 10, {}); },
+                     "kvsift::cpu::group_scores_workspace_bytes: q_heads (= 6) is not a multiple of kv_heads (= 4)");
+  test::expect_error([] { cpu::group_scores_workspace_bytes(1, 4, 4, 0, {}); }, "max_tokens (= 0) must be positive");
+}
+
+// ---- topk_rows ---------------------------------------------------------------------------------------------
+
+/// kvsift's ranking rule, stated independently of the implementation: higher score first, NaN last, on equal
+/// scores the smaller index first.
+bool ranks_before(float a, std::int32_t ia, float b, std::int32_t ib) {
+  const bool a_nan = std::isnan(a), b_nan = std::isnan(b);
+  if (a_nan != b_nan) return b_nan;
+  if (!a_nan && a != b) return a > b;
+  return ia < ib;
+}
+
+/// One top-K problem: scores with many ties (or continuous ones, spread over many of topk_rows' radix bins),
+/// NaN, infinities and signed zeros; ragged lengths.
+struct TopKProblem {
+  std::int32_t batch, kv_heads, cols, k, capacity;
+  AttentionWindow window;
+  bool weights;
+  std::vector<float> scores;  ///< [batch * kv_heads, cols + 2] (row stride past the width)
+  std::vector<std::int32_t> lengths;
+
+  std::int64_t stride() const { return cols + 2; }
+  MatrixView<const float> view() const { return {scores.data(), std::int64_t(batch) * kv_heads, cols, stride()}; }
+
+  TopKProblem(Random& rng, std::int32_t batch_, std::int32_t kv_heads_, std::int32_t cols_, std::int32_t k_,
+              AttentionWindow window_, bool weights_)
+      : batch(batch_), kv_heads(kv_heads_), cols(cols_), k(k_), capacity(k_ + 3), window(window_), weights(weights_) {
+    scores.resize(std::size_t(batch) * kv_heads * stride());
+    const int spread = std::vector<int>{0, 3, 40}[rng.uniform_int(0, 2)];  // 0: continuous; 3: nearly all ties
+    const float scale = rng.uniform(0.001f, 1000.0f);
+    for (auto& s : scores) {
+      const int kind = rng.uniform_int(0, 60);
+      s = kind == 0   ? NAN
+          : kind == 1 ? -INFINITY
+          : kind == 2 ? INFINITY
+          : kind == 3 ? -0.0f
+          : spread > 0 ? float(rng.uniform_int(-spread, spread))
+                       : scale * rng.normal(1)[0];
+    }
+    for (std::int32_t b = 0; b < batch; ++b) {
+      const int kind = rng.uniform_int(0, 5);
+      lengths.push_back(kind == 0 ? 0 : kind == 1 ? std::min(cols, rng.uniform_int(1, window.sink + window.recent + 1))
+                                                  : rng.uniform_int(0, cols));
+    }
+  }
+
+  /// The expected rows: the min(k, middle) best middle tokens under ranks_before, ascending.
+  std::vector<std::int32_t> expected(std::int32_t b, std::int32_t g) const {
+    const std::int32_t n = lengths[b], lo = window.sink_end(n), hi = window.recent_begin(n);
+    const float* row = scores.data() + (std::size_t(b) * kv_heads + g) * stride();
+    std::vector<std::int32_t> middle(hi - lo);
+    std::iota(middle.begin(), middle.end(), lo);
+    std::sort(middle.begin(), middle.end(), [&](std::int32_t x, std::int32_t y) { return ranks_before(row[x], x, row[y], y); });
+    middle.resize(std::min<std::size_t>(middle.size(), std::size_t(k)));
+    std::sort(middle.begin(), middle.end());
+    return middle;
+  }
+};
+
+/// Runs topk_rows into a poisoned selection with an exactly sized, poisoned workspace.
+test::HostSelection run_topk_rows(const TopKProblem& p, cpu::ThreadPool* pool) {
+  test::HostSelection sel(p.batch, p.kv_heads, p.capacity, p.weights);
+  PoisonedWorkspace workspace(cpu::topk_rows_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, p.cols, pool));
+  cpu::topk_rows(p.view(), p.lengths.data(), p.k, p.window, sel.view, workspace.span(), pool);
+  return sel;
+}
+
+using TopKRows = test::SeededTest;
+
+TEST_F(TopKRows, BestOfTheMiddleUnderTheTieRuleForEveryThreadCount) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool2(2), pool3(3), pool7(7);
+  for (int trial = 0; trial < 60; ++trial) {
+    const std::int32_t cols = rng.uniform_int(1, 1500);
+    const AttentionWindow window =
+        std::vector<AttentionWindow>{{0, 0}, {4, 0}, {0, 16}, {4, 16}, {64, 64}}[rng.uniform_int(0, 4)];
+    const std::int32_t k = std::vector<std::int32_t>{1, 5, 100, cols}[rng.uniform_int(0, 3)];
+    const TopKProblem p(rng, rng.uniform_int(1, 4), rng.uniform_int(1, 3), cols, k, window, rng.uniform_int(0, 1) == 1);
+    SCOPED_TRACE(fmt::format("batch {} kv_heads {} cols {} k {} window {}+{} lengths [{}]", p.batch, p.kv_heads, cols, k,
+                             window.sink, window.recent, fmt::join(p.lengths, ", ")));
+    const auto sel = run_topk_rows(p, nullptr);
+    for (std::int32_t b = 0; b < p.batch; ++b) {
+      for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+        const auto want = p.expected(b, g);
+        ASSERT_EQ(sel.view.count(b, g), std::int32_t(want.size())) << b << ", " << g;
+        const std::int32_t* row = sel.view.row(b, g);
+        EXPECT_EQ(std::vector<std::int32_t>(row, row + want.size()), want) << b << ", " << g;
+        for (std::int32_t i = std::int32_t(want.size()); i < p.capacity; ++i) ASSERT_EQ(row[i], test::kPoisonIndex);
+        if (p.weights) {
+          const float* w = sel.view.weights_row(b, g);
+          for (std::size_t i = 0; i < want.size(); ++i) ASSERT_EQ(w[i], 0.0f);
+          for (std::int32_t i = std::int32_t(want.size()); i < p.capacity; ++i) ASSERT_TRUE(std::isnan(w[i]));
+        }
+      }
+    }
+    for (cpu::ThreadPool* pool : {&pool2, &pool3, &pool7}) {
+      const auto pooled = run_topk_rows(p, pool);
+      EXPECT_EQ(pooled.indices, sel.indices) << pool->size() << " threads";
+      EXPECT_EQ(pooled.counts, sel.counts) << pool->size() << " threads";
+    }
+  }
+}
+
+TEST_F(TopKRows, TiesGoToTheSmallerIndexAndNaNRanksLast) {
+  // One row of 12 tokens, window 2 + 2: the middle is [2, 10).
+  std::vector<float> scores = {9, 9, 1, NAN, 5, 5, -INFINITY, 5, NAN, 0.0f, 9, 9};
+  scores[9] = -0.0f;
+  const std::int32_t length = 12;
+  const auto top = [&](std::int32_t k) {
+    test::HostSelection sel(1, 1, k, false);
+    PoisonedWorkspace workspace(cpu::topk_rows_workspace_bytes(1, 12, nullptr));
+    cpu::topk_rows(MatrixView<const float>::packed(scores.data(), 1, 12), &length, k, {2, 2}, sel.view, workspace.span());
+    return std::vector<std::int32_t>(sel.indices.begin(), sel.indices.begin() + sel.counts[0]);
+  };
+  EXPECT_EQ(top(1), (std::vector<std::int32_t>{4}));           // 5 at 4, 5 and 7: the smallest index
+  EXPECT_EQ(top(3), (std::vector<std::int32_t>{4, 5, 7}));
+  EXPECT_EQ(top(4), (std::vector<std::int32_t>{2, 4, 5, 7}));  // then 1 at 2
+  EXPECT_EQ(top(5), (std::vector<std::int32_t>{2, 4, 5, 7, 9}));  // then -0
+  EXPECT_EQ(top(6), (std::vector<std::int32_t>{2, 4, 5, 6, 7, 9}));  // then -inf, before both NaN
+  EXPECT_EQ(top(7), (std::vector<std::int32_t>{2, 3, 4, 5, 6, 7, 9}));  // NaN last, smaller index first
+  EXPECT_EQ(top(20), (std::vector<std::int32_t>{2, 3, 4, 5, 6, 7, 8, 9}));  // the whole middle
+}
+
+TEST_F(TopKRows, WorkspaceQueryAndRefusals) {
+  // 32 scores per row: one thread's rank keys fill one 256-byte block exactly.
+  const std::int32_t lengths[2] = {32, 7};
+  std::vector<float> scores(4 * 32, 1.0f);
+  const auto view = MatrixView<const float>::packed(scores.data(), 4, 32);
+  test::HostSelection sel(2, 2, 5, false);
+  cpu::ThreadPool pool(3);
+  const std::size_t one = cpu::topk_rows_workspace_bytes(4, 32, nullptr), three = cpu::topk_rows_workspace_bytes(4, 32, &pool);
+  EXPECT_EQ(one, std::size_t(32) * 8);  // a rank key per score, for one thread
+  EXPECT_EQ(three, 3 * one);            // and for each of 3
+  EXPECT_EQ(cpu::topk_rows_workspace_bytes(2, 32, &pool), 2 * one);  // 2 rows: at most 2 threads busy
+  PoisonedWorkspace buffer(three);
+  const auto go = [&](MatrixView<const float> s, const std::int32_t* lens, std::int32_t k, AttentionWindow w,
+                      SelectionView out, std::span<std::byte> ws, cpu::ThreadPool* p = nullptr) {
+    cpu::topk_rows(s, lens, k, w, out, ws, p);
+  };
+  go(view, lengths, 5, {}, sel.view, {buffer.data(), one});
+  go(view, lengths, 5, {}, sel.view, buffer.span(), &pool);
+  test::expect_error([&] { go(view, lengths, 5, {}, sel.view, {buffer.data(), one}, &pool); },
+                     "kvsift::cpu::topk_rows: workspace too small: 'rank_keys' needs bytes");
+  test::expect_error([&] { go(view, lengths, 5, {}, sel.view, {}); }, "workspace too small: 'rank_keys'");
+  test::expect_error([&] { go(view, lengths, 0, {}, sel.view, buffer.span()); }, "k (= 0) must be positive");
+  test::expect_error([&] { go(view, lengths, 6, {}, sel.view, buffer.span()); }, "out.capacity (= 5) < k (= 6)");
+  test::expect_error([&] { go(MatrixView<const float>::packed(scores.data(), 3, 32), lengths, 5, {}, sel.view, buffer.span()); },
+                     "scores.rows (= 3) != out.batch * out.kv_heads (= 2 * 2)");
+  test::expect_error([&] { go(view, nullptr, 5, {}, sel.view, buffer.span()); }, "h_lengths is a null pointer");
+  const std::int32_t long_lengths[2] = {32, 33}, negative_lengths[2] = {-1, 3};
+  test::expect_error([&] { go(view, long_lengths, 5, {}, sel.view, buffer.span()); },
+                     "h_lengths[1] (= 33) is outside [0, scores.cols = 32]");
+  test::expect_error([&] { go(view, negative_lengths, 5, {}, sel.view, buffer.span()); },
+                     "h_lengths[0] (= -1) is outside [0, scores.cols = 32]");
+  test::expect_error([&] { go(view, lengths, 5, {-1, 0}, sel.view, buffer.span()); },
+                     "window.sink (= -1) and window.recent (= 0) must be >= 0");
+  SelectionView no_indices = sel.view;
+  no_indices.indices = nullptr;
+  test::expect_error([&] { go(view, lengths, 5, {}, no_indices, buffer.span()); },
+                     "out.indices and out.counts must be non-null");
+  test::expect_error([&] { go(MatrixView<const float>{scores.data(), 4, 32, 5}, lengths, 5, {}, sel.view, buffer.span()); },
+                     "scores: strides inconsistent with shape");
+  test::expect_error([] { cpu::topk_rows_workspace_bytes(0, 10, nullptr); },
+                     "kvsift::cpu::topk_rows_workspace_bytes: rows (= 0) and max_tokens (= 10) must be positive");
+}
+
+// ---- OracleTopK on the two ------------------------------------------------------------------------------------
+
+TEST_F(GroupScores, OracleTopKIsTheWindowPlusTopKRowsOfGroupSoftmaxMaxima) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  // Ragged: empty, shorter than the window, shorter than the budget, longer.
+  const std::int32_t batch = 4, q_heads = 6, kv_heads = 2, d = 40, budget = 30, sink = 4, recent = 8;
+  test::HostKV kv(rng, batch, kv_heads, 300, d, {0, 9, 25, 300});
+  const auto q = rng.normal(std::size_t(batch) * q_heads * d);
+  const auto qv = QueryView<const float>::packed(q.data(), batch, q_heads, d);
+  OracleTopK oracle({.budget = budget, .sink = sink, .recent = recent});
+  oracle.prepare({{}, kv.view()});
+  test::HostSelection sel(batch, kv_heads, budget + 2, true);
+  oracle.select(qv, sel.view);
+
+  ScoreMatrix scores(batch * kv_heads, 300);
+  const cpu::GroupScoreOptions options{.reduce = cpu::GroupReduce::max, .softmax = true};
+  PoisonedWorkspace workspace(std::max(cpu::group_scores_workspace_bytes(batch, q_heads, kv_heads, 300, options),
+                                       cpu::topk_rows_workspace_bytes(batch * kv_heads, 300, nullptr)));
+  cpu::group_scores(qv, kv.view(), scores.view(), options, workspace.span());
+  test::HostSelection middle(batch, kv_heads, budget - sink - recent, false);
+  const AttentionWindow window{sink, recent};
+  cpu::topk_rows({scores.data.data(), scores.rows, scores.cols, scores.stride}, kv.seq_lens.data(), budget - sink - recent,
+                 window, middle.view, workspace.span());
+  for (std::int32_t b = 0; b < batch; ++b) {
+    const std::int32_t n = kv.seq_lens[b];
+    for (std::int32_t g = 0; g < kv_heads; ++g) {
+      std::vector<std::int32_t> want;
+      for (std::int32_t t = 0; t < window.sink_end(n); ++t) want.push_back(t);
+      want.insert(want.end(), middle.view.row(b, g), middle.view.row(b, g) + middle.view.count(b, g));
+      for (std::int32_t t = window.recent_begin(n); t < n; ++t) want.push_back(t);
+      EXPECT_EQ(std::int32_t(want.size()), std::min(n, budget)) << b;  // every token of a short sequence
+      ASSERT_EQ(sel.view.count(b, g), std::int32_t(want.size())) << b << ", " << g;
+      EXPECT_EQ(std::vector<std::int32_t>(sel.view.row(b, g), sel.view.row(b, g) + want.size()), want) << b << ", " << g;
+      for (std::size_t i = 0; i < want.size(); ++i) EXPECT_EQ(sel.view.weights_row(b, g)[i], 0.0f);
+      for (std::int32_t i = std::int32_t(want.size()); i < budget + 2; ++i) EXPECT_EQ(sel.view.row(b, g)[i], test::kPoisonIndex);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvsift
