@@ -290,7 +290,7 @@ int main(int argc, char** argv) {
   fmt::print("  needles = planted strongest tokens found\n");
   fmt::print("CPU time per decode step: kvsift::cpu kernels, bf16 K/V, {} threads, {} SIMD; medians of 3-101 calls\n",
              threads, kvsift::cpu::simd_level_name(kvsift::cpu::active_simd_level()));
-  fmt::print("  select = OracleTopK::select (one thread, fp64 scores of every key); attend = sparse decode over the selection\n\n");
+  fmt::print("  select = OracleTopK::select (one thread, fp32 scores of every key, cpu::group_scores + cpu::topk_rows); attend = sparse decode over the selection\n\n");
   fmt::print("{:>8} {:>6} {:>5} | {:>7} {:>8} {:>7} | {:>8} {:>9} {:>9} {:>10} {:>9}\n", "context", "budget", "K",
              "recall", "error", "needles", "dense ms", "select ms", "attend ms", "sel+att ms", "/ dense");
   for (const Row& r : rows) {

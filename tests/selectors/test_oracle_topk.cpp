@@ -103,8 +103,18 @@ TEST(OracleTopK, SelectsTheExactTopScoresWithSinkAndRecentKept) {
   std::vector<std::int32_t> middle;
   for (std::int32_t t = sink; t < n - recent; ++t) middle.push_back(t);
   std::sort(middle.begin(), middle.end(), [&](auto a, auto b) { return score[a] > score[b]; });
-  for (std::int32_t i = 0; i < budget - sink - recent; ++i) EXPECT_TRUE(chosen.count(middle[i])) << "rank " << i;
-  for (std::size_t i = budget - sink - recent; i < middle.size(); ++i) EXPECT_FALSE(chosen.count(middle[i]));
+  // The oracle ranks fp32 scores: tokens whose exact scores lie within fp32 rounding of the K-th may trade
+  // places (kNearTie, relative: a few ulps of the exponentials and the sums); every other rank is exact.
+  constexpr long double kNearTie = 1e-5L;
+  const std::int32_t k_middle = budget - sink - recent;
+  const long double kth = score[middle[k_middle - 1]];
+  const auto near_tie = [&](std::int32_t t) { return std::abs(score[t] - kth) <= kNearTie * kth; };
+  for (std::int32_t i = 0; i < k_middle; ++i) {
+    EXPECT_TRUE(chosen.count(middle[i]) || near_tie(middle[i])) << "rank " << i;
+  }
+  for (std::size_t i = k_middle; i < middle.size(); ++i) {
+    EXPECT_FALSE(chosen.count(middle[i]) && !near_tie(middle[i])) << "rank " << i;
+  }
 }
 
 TEST(OracleTopK, AppendedTokensBecomeSelectable) {
