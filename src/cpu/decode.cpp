@@ -159,8 +159,10 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
         const std::int32_t width = std::min(kSlice, out.head_dim - c0);
         float acc[kSlice] = {};
         for (const auto& p : partials) {
+          // Only an empty partial is skipped: a weight that underflowed to 0 still multiplies, so a NaN in
+          // that partial's O shows (0 * NaN), as in one pass over all its tokens.
+          if (p.lse_at(b, h) == negative_infinity<float>()) continue;
           const float w = state_weight(p.lse_at(b, h), lse_max);
-          if (w == 0.0f) continue;
           const TI* po = p.o_row(b, h) + c0;
           for (std::int32_t c = 0; c < width; ++c) acc[c] += w * to_float(po[c]);
         }

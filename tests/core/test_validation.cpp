@@ -132,6 +132,8 @@ TEST_F(BadInput, OracleSelectionTooSmallAndBadConfig) {
   expect_error([] { OracleTopK bad({.budget = 4, .sink = 3, .recent = 2}); },
                {"config.sink + config.recent (= 5) exceeds config.budget (= 4)"});
   expect_error([] { OracleTopK bad({.budget = 0}); }, {"config.budget (= 0) must be positive"});
+  expect_error([] { OracleTopK bad({.budget = 8, .attention = {.window = {4, 0}}}); },
+               {"config.attention.window (sink = 4, recent = 0) is not used: set config.sink and config.recent"});
   OracleTopK unprepared({.budget = 4});
   expect_error([&] { unprepared.select(qv, sel.view); }, {"prepare() has not been called"});
 }

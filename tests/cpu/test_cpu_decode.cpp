@@ -188,8 +188,10 @@ TEST_F(CpuDecode, WindowIsTheSameAsSelectingItsTokensFirst) {
     for (const AttentionWindow window : {AttentionWindow{4, 64}, AttentionWindow{300, 400}, AttentionWindow{16, 0},
                                          AttentionWindow{0, 37}}) {
       for (bool split : {false, true}) {
-        const CaseSpec spec{2, 8, 2, 64, rng.uniform_int(500, 1500), 300, std::vector{0, 16}[rng.uniform_int(0, 1)],
-                            true, true, window};
+        // Rows of at least 700 selected entries: on 8 threads they split (chunks of >= 256 entries), and
+        // chunks cross the window's boundary.
+        const CaseSpec spec{2, 8, 2, 64, rng.uniform_int(1500, 2500), 700, std::vector{0, 16}[rng.uniform_int(0, 1)],
+                            true, false, window};
         SCOPED_TRACE(fmt::format("{} {}{}", cpu::simd_level_name(level), test::describe(spec), split ? ", split" : ""));
         HostDecodeProblem<bfloat16> p(rng, spec);
         const auto [o, lse] = run_cpu(p, true, split ? &pool : nullptr, split);
@@ -289,6 +291,53 @@ TEST_F(CpuDecode, MergeCarriesNaNAndOnlyMinusInfinityIsEmpty) {
   EXPECT_TRUE(std::isnan(got.lse[0]));
   for (int c = 0; c < d; ++c) EXPECT_TRUE(std::isnan(got.o[c]) && std::isnan(got.o[5 * d + c]));
   EXPECT_FALSE(std::isnan(got.lse[1]));  // a NaN in O leaves the LSE as the weights give it
+}
+
+TEST_F(CpuDecode, ANaNWhoseWeightUnderflowsStillShows) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // Merging: a partial 150 below the other has weight exp(-150) = 0 in fp32, yet its NaN shows.
+  std::vector<float> o1(4, 1.0f), lse1{0.0f}, o2{0.5f, nan, 0.5f, 0.5f}, lse2{-150.0f};
+  const std::vector parts{StateView<const float>::packed(o1.data(), lse1.data(), 1, 1, 4),
+                          StateView<const float>::packed(o2.data(), lse2.data(), 1, 1, 4)};
+  test::HostState ref(1, 1, 4), got(1, 1, 4);
+  reference::merge_states<float, float>(parts, ref.view);
+  cpu::merge_states<float, float>(parts, got.view);
+  EXPECT_TRUE(std::isnan(ref.o[1]) && std::isnan(got.o[1]));
+  EXPECT_EQ(got.o[0], 1.0f);
+  EXPECT_FLOAT_EQ(got.lse[0], 0.0f);
+  // Decoding: entries 512.. weigh e^-150 and one of them has a NaN in V; split over threads or not, O shows it.
+  cpu::ThreadPool pool(8);
+  for (SimdLevel level : available_levels()) {
+    cpu::ScopedSimdLevel force(level);
+    HostDecodeProblem<bfloat16> p(rng, CaseSpec{1, 1, 1, 64, 1024, 1024, 0, true, false});
+    for (int i = 512; i < 1024; ++i) p.sel_weights[i] = -150.0f;
+    p.v[std::size_t(p.sel_indices[900]) * 64 + 3] = from_float<bfloat16>(nan);
+    const auto reference_state = p.reference(true);
+    ASSERT_TRUE(std::isnan(reference_state.o[3]));
+    for (bool split : {false, true}) {
+      const auto [o, lse] = run_cpu(p, true, split ? &pool : nullptr, split);
+      test::expect_close_with_nan(o, lse, reference_state, fmt::format("{} split {}", simd_level_name(level), split));
+    }
+  }
+}
+
+TEST_F(CpuDecode, ARowWhoseEveryLogitIsMinusInfinityIsEmptyWhateverItsValues) {
+  for (SimdLevel level : available_levels()) {
+    cpu::ScopedSimdLevel force(level);
+    HostDecodeProblem<half> p(rng, CaseSpec{1, 2, 1, 64, 100, 4, 0, true, false});
+    std::fill(p.sel_weights.begin(), p.sel_weights.end(), -INFINITY);
+    p.v[std::size_t(p.sel_indices[2]) * 64 + 5] = from_float<half>(std::numeric_limits<float>::quiet_NaN());
+    const auto reference_state = p.reference(true);
+    const auto [o, lse] = run_cpu(p, true);
+    for (int h = 0; h < 2; ++h) {
+      EXPECT_EQ(reference_state.lse[h], -INFINITY);
+      EXPECT_EQ(lse[h], -INFINITY) << simd_level_name(level);
+    }
+    for (std::size_t i = 0; i < o.size(); ++i) {
+      ASSERT_EQ(reference_state.o[i], 0.0f);
+      ASSERT_EQ(to_float(o[i]), 0.0f) << simd_level_name(level) << " element " << i;
+    }
+  }
 }
 
 TEST_F(CpuDecode, ValidationRefusesBadIndicesAndDuplicatesAndWritesNothing) {

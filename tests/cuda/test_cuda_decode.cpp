@@ -366,6 +366,7 @@ TEST_F(CudaDecode, DuplicateIndicesAcrossTheBitmapPassesAreFound) {
   // 300000 tokens: the check's shared-memory bitmap covers 262144 per pass, so the duplicate sits in the
   // second pass.
   DecodeProblem<bfloat16> p(rng, CaseSpec{1, 2, 1, 64, 300000, 64, 0, false, false});
+  for (int i = 0; i < 64; ++i) p.sel_indices[i] = 4000 * i + 7;  // distinct, and none is 290000
   p.sel_indices[10] = 290000;
   p.sel_indices[50] = 290000;
   p.d_sel_indices.upload(p.sel_indices);

@@ -124,8 +124,8 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
       std::fill(acc.begin(), acc.end(), 0.0);
       double weight_sum = 0.0;
       for (const auto& p : partials) {
+        if (p.lse_at(b, h) == negative_infinity<float>()) continue;  // only empty partials are skipped
         const double w = state_weight(double(p.lse_at(b, h)), lse_max);
-        if (w == 0.0) continue;
         weight_sum += w;
         const TI* o = p.o_row(b, h);
         for (std::int32_t c = 0; c < out.head_dim; ++c) acc[c] += w * double(to_float(o[c]));

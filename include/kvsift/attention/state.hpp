@@ -4,9 +4,14 @@
 /// never used, so merging it changes nothing, bit for bit, even if its O holds garbage.
 ///
 /// NaN never vanishes. Only LSE = -inf means empty: a state whose LSE is NaN is corrupted, and merging it
-/// with anything gives NaN in O and LSE. Attention produces such a state when a logit is NaN or +inf (a NaN
-/// or infinity in Q, K, a log-weight or sm_scale), as the fp64 reference does (exp(inf - inf) is NaN); a
-/// NaN in V makes O NaN (times a zero weight too: 0 * NaN = NaN) and leaves LSE as the logits give it.
+/// with anything gives NaN in O and LSE; a partial whose weight underflows to 0 still multiplies its O
+/// (0 * NaN = NaN). Attention produces a NaN state when a logit is NaN or +inf (from a NaN in Q, K, a
+/// log-weight or sm_scale, or an infinity that makes a logit +inf or NaN), as the fp64 reference does
+/// (exp(inf - inf) is NaN); a NaN in the V of an attended token makes O NaN (even where its weight
+/// underflows to 0) and leaves LSE as the logits give it. A token whose logit is -inf (a log-weight of
+/// -inf masks it) is not attended and its V is unspecified input: a NaN there shows in O in one pass over
+/// its row, but not when a split of the row holds only masked tokens (an empty partial, skipped by the
+/// merge). A row whose every logit is -inf is empty: O = 0, LSE = -inf, whatever its V.
 
 #include <cmath>
 #include <limits>

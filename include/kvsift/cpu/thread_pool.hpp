@@ -13,6 +13,9 @@
 /// pool, which is busy with the outer call (waiting would deadlock). This holds through other pools too: a
 /// chunk of pool A may call parallel_for on pool B, which runs on B's threads as usual, and a chunk of that
 /// call that comes back to A runs inline. A nested inline call rethrows fn's exception to its caller.
+/// Only nesting within one call chain is detected: two engine threads that nest the same two pools in
+/// opposite orders (thread 1: A, then B inside it; thread 2: B, then A inside it) can deadlock, each holding
+/// one pool; such threads should own separate pools.
 
 #include <condition_variable>
 #include <cstddef>

@@ -36,7 +36,7 @@ struct OracleTopKConfig {
   std::int32_t budget = 0;  ///< tokens selected per (sequence, kv head), sink and recent included
   std::int32_t sink = 0;    ///< leading tokens always kept
   std::int32_t recent = 0;  ///< trailing tokens always kept
-  AttentionOptions attention{};
+  AttentionOptions attention{};  ///< its sm_scale ranks the tokens; the kept tokens are sink and recent above
 };
 
 class OracleTopK {
@@ -51,6 +51,9 @@ class OracleTopK {
     KVSIFT_CHECK(config.sink + config.recent <= config.budget, where,
                  "config.sink + config.recent (= {}) exceeds config.budget (= {})", config.sink + config.recent,
                  config.budget);
+    KVSIFT_CHECK(config.attention.window.empty(), where,
+                 "config.attention.window (sink = {}, recent = {}) is not used: set config.sink and config.recent",
+                 config.attention.window.sink, config.attention.window.recent);
   }
 
   std::string_view name() const { return "OracleTopK"; }

@@ -230,8 +230,9 @@ void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std:
         });
         if (log_weights != nullptr) {  // the selected entries' (window entries have none)
           for (int h = 0; h < heads; ++h) {
-            const float* weights = log_weights + (start - window);
-            for (int t = std::max(0, window - start); t < block; ++t) logits[h][t] += weights[t] * kLog2e;
+            for (int t = std::max(0, window - start); t < block; ++t) {
+              logits[h][t] += log_weights[start + t - window] * kLog2e;
+            }
           }
         }
         const int block_padded = (block + W - 1) / W * W;
@@ -275,7 +276,7 @@ void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std:
         const float lse = empty ? neg_inf : (m[h] + std::log2(l[h])) * kLn2;
         if (job.splits == 1) {
           TO* o = job.out.o_row(b, first_head + h);
-          for (int c = 0; c < d; ++c) o[c] = store_as<L, TO>(acc[h][c] * inv);
+          for (int c = 0; c < d; ++c) o[c] = store_as<L, TO>(empty ? 0.0f : acc[h][c] * inv);
           job.out.lse_at(b, first_head + h) = lse;
         } else {
           const std::int64_t state = (chunk * job.q.batch + b) * job.q.heads + first_head + h;
