@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks that the per-ISA CPU kernel objects keep their instructions to themselves.
 
-Usage: check_isa_symbols.py ARCHIVE (the static library holding src/cpu/kernels_<level>.cpp.o).
+Usage: check_isa_symbols.py ARCHIVE [ARCHIVE ...] (static libraries holding src/cpu/kernels_<level>.cpp.o; the
+build passes the library and a copy compiled at -O0, where no shared inline function is inlined away).
 
 An inline or template function is emitted weakly in every object that uses it, and the linker keeps one copy:
 if kernels_avx512.cpp.o exported such a function compiled with AVX-512 instructions under a name the baseline
@@ -36,19 +37,32 @@ def function_bodies(obj):
     return bodies
 
 
+# Beyond baseline x86-64 (SSE2) without a VEX prefix: the bit instructions the avx2 target implies (POPCNT,
+# LZCNT, BMI1/2; AT&T adds a size suffix) and the AVX-512 mask-register instructions.
+EXTRA_MNEMONIC = re.compile(r"^((popcnt|lzcnt|tzcnt|andn|bextr|blsi|blsmsk|blsr|bzhi|pdep|pext|sarx|shlx|shrx|rorx)"
+                            r"[wlq]?|k(mov|and|andn|or|xor|xnor|not|add|shift|unpck|test|ortest)\w*)$")
+
+
 def uses_level_instructions(lines):
     # AT&T syntax: every VEX/EVEX-encoded instruction's mnemonic starts with 'v' (vmovss, vfmadd231ps, ...);
     # baseline x86-64 code is SSE2 at most (movss, addps, ...).
     for line in lines:
         parts = line.split("\t")
         mnemonic = parts[1].split()[0] if len(parts) > 1 and parts[1].split() else ""
-        if mnemonic.startswith("v") or "%ymm" in line or "%zmm" in line or "{%k" in line:
+        if (mnemonic.startswith("v") or EXTRA_MNEMONIC.match(mnemonic) or "%ymm" in line or "%zmm" in line
+                or re.search(r"%k[0-7]\b", line)):
             return True
     return False
 
 
 def main():
-    archive = Path(sys.argv[1]).resolve()
+    failed = 0
+    for path in sys.argv[1:]:
+        failed |= check_archive(Path(path).resolve())
+    return failed
+
+
+def check_archive(archive):
     members = [m for m in run("ar", "t", str(archive)).split() if re.match(r"kernels_(\w+)\.cpp\.o$", m)]
     found = {re.match(r"kernels_(\w+)\.cpp\.o$", m).group(1) for m in members}
     if found != set(LEVELS):
@@ -81,7 +95,7 @@ def main():
                 if body is None or uses_level_instructions(body):
                     failures.append(f"{member}: exports '{name}', not specific to level {level}, "
                                     + ("with its instructions" if body else "(no disassembly found)"))
-            print(f"{member}: {exported} exported symbols checked")
+            print(f"{archive.name}: {member}: {exported} exported symbols checked")
     for f in failures:
         print(f)
     return 1 if failures else 0
