@@ -19,6 +19,7 @@
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/views.hpp"
+#include "kvsift/cpu/simd.hpp"
 
 namespace kvsift::test {
 
@@ -202,6 +203,15 @@ class SeededTest : public testing::Test {
   std::uint64_t seed = test_seed();
   Random rng{seed};
 };
+
+/// The SIMD levels this machine runs, lowest first: CPU tests run each with cpu::ScopedSimdLevel.
+inline std::vector<cpu::SimdLevel> available_simd_levels() {
+  std::vector<cpu::SimdLevel> levels;
+  for (cpu::SimdLevel l : {cpu::SimdLevel::scalar, cpu::SimdLevel::avx2, cpu::SimdLevel::avx512}) {
+    if (l <= cpu::detected_simd_level()) levels.push_back(l);
+  }
+  return levels;
+}
 
 /// Runs `fn`, expecting a kvsift::Error whose message contains every string in `parts`.
 template <class Fn>

@@ -22,13 +22,6 @@ using test::CaseSpec;
 using test::HostDecodeProblem;
 using test::Random;
 
-std::vector<SimdLevel> available_levels() {
-  std::vector<SimdLevel> levels;
-  for (SimdLevel l : {SimdLevel::scalar, SimdLevel::avx2, SimdLevel::avx512}) {
-    if (l <= cpu::detected_simd_level()) levels.push_back(l);
-  }
-  return levels;
-}
 
 /// Runs the CPU kernels on a problem (poisoned outputs) and returns (O, LSE).
 /// With `split_rows`, a workspace of cpu::decode_workspace_bytes (poisoned with NaN bytes) lets rows run on
@@ -70,7 +63,7 @@ using CpuDecode = test::SeededTest;
 
 TEST_F(CpuDecode, EverySimdLevelMatchesTheReference) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
-  for (SimdLevel level : available_levels()) {
+  for (SimdLevel level : test::available_simd_levels()) {
     cpu::ScopedSimdLevel force(level);
     for (int trial = 0; trial < 16; ++trial) {
       const std::int32_t kv_heads = rng.uniform_int(1, 3);
@@ -93,7 +86,7 @@ TEST_F(CpuDecode, EverySimdLevelMatchesTheReference) {
 }
 
 TEST_F(CpuDecode, FullSelectionInOrderEqualsDenseBitForBit) {
-  for (SimdLevel level : available_levels()) {
+  for (SimdLevel level : test::available_simd_levels()) {
     cpu::ScopedSimdLevel force(level);
     HostDecodeProblem<bfloat16> p(rng, CaseSpec{2, 8, 2, 128, 333, 333, 16, false, false});
     for (std::size_t row = 0; row < p.sel_counts.size(); ++row) {
@@ -182,7 +175,7 @@ TEST_F(CpuDecode, MergeMatchesTheReferenceAndIgnoresEmptyStates) {
 TEST_F(CpuDecode, WindowIsTheSameAsSelectingItsTokensFirst) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   cpu::ThreadPool pool(8);
-  for (SimdLevel level : available_levels()) {
+  for (SimdLevel level : test::available_simd_levels()) {
     cpu::ScopedSimdLevel force(level);
     // Windows wider than some sequences, sink only, recent only; rows split over threads or not.
     for (const AttentionWindow window : {AttentionWindow{4, 64}, AttentionWindow{300, 400}, AttentionWindow{16, 0},
@@ -208,7 +201,7 @@ TEST_F(CpuDecode, WindowIsTheSameAsSelectingItsTokensFirst) {
 TEST_F(CpuDecode, Fp32PartialsMergeWithoutRoundingTwice) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   cpu::ThreadPool pool(4);
-  for (SimdLevel level : available_levels()) {
+  for (SimdLevel level : test::available_simd_levels()) {
     cpu::ScopedSimdLevel force(level);
     const CaseSpec spec{2, 8, 2, 128, 1500, 400, 16, true, true, AttentionWindow{4, 64}};
     HostDecodeProblem<bfloat16> p(rng, spec);
@@ -240,7 +233,7 @@ TEST_F(CpuDecode, Fp32PartialsMergeWithoutRoundingTwice) {
 TEST_F(CpuDecode, NonFiniteInputsGiveNaNWhereTheReferenceDoes) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   cpu::ThreadPool pool(8);  // 4 rows of 600 entries on 8 threads: rows split in two, partials merged
-  for (SimdLevel level : available_levels()) {
+  for (SimdLevel level : test::available_simd_levels()) {
     cpu::ScopedSimdLevel force(level);
     for (test::Corruption c : test::kCorruptions) {
       for (bool sparse : {true, false}) {
@@ -307,7 +300,7 @@ TEST_F(CpuDecode, ANaNWhoseWeightUnderflowsStillShows) {
   EXPECT_FLOAT_EQ(got.lse[0], 0.0f);
   // Decoding: entries 512.. weigh e^-150 and one of them has a NaN in V; split over threads or not, O shows it.
   cpu::ThreadPool pool(8);
-  for (SimdLevel level : available_levels()) {
+  for (SimdLevel level : test::available_simd_levels()) {
     cpu::ScopedSimdLevel force(level);
     HostDecodeProblem<bfloat16> p(rng, CaseSpec{1, 1, 1, 64, 1024, 1024, 0, true, false});
     for (int i = 512; i < 1024; ++i) p.sel_weights[i] = -150.0f;
@@ -322,7 +315,7 @@ TEST_F(CpuDecode, ANaNWhoseWeightUnderflowsStillShows) {
 }
 
 TEST_F(CpuDecode, ARowWhoseEveryLogitIsMinusInfinityIsEmptyWhateverItsValues) {
-  for (SimdLevel level : available_levels()) {
+  for (SimdLevel level : test::available_simd_levels()) {
     cpu::ScopedSimdLevel force(level);
     HostDecodeProblem<half> p(rng, CaseSpec{1, 2, 1, 64, 100, 4, 0, true, false});
     std::fill(p.sel_weights.begin(), p.sel_weights.end(), -INFINITY);
@@ -389,7 +382,7 @@ TEST_F(CpuDecode, ValidationRefusesBadIndicesAndDuplicatesAndWritesNothing) {
 }
 
 TEST_F(CpuDecode, DuplicatesWithoutValidationCountOncePerOccurrence) {
-  for (SimdLevel level : available_levels()) {
+  for (SimdLevel level : test::available_simd_levels()) {
     cpu::ScopedSimdLevel force(level);
     HostDecodeProblem<bfloat16> p(rng, CaseSpec{1, 2, 1, 64, 100, 8, 0, false, false});
     std::fill(p.sel_indices.begin(), p.sel_indices.end(), 0);  // eight copies of token 0

@@ -31,13 +31,6 @@ namespace {
 using cpu::SimdLevel;
 using test::Random;
 
-std::vector<SimdLevel> available_levels() {
-  std::vector<SimdLevel> levels;
-  for (SimdLevel l : {SimdLevel::scalar, SimdLevel::avx2, SimdLevel::avx512}) {
-    if (l <= cpu::detected_simd_level()) levels.push_back(l);
-  }
-  return levels;
-}
 
 template <class T>
 std::string type_name() {
@@ -244,7 +237,7 @@ using GroupScores = test::SeededTest;
 
 TEST_F(GroupScores, MatchFp64AtEverySimdLevelTypeAndLayout) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
-  for (SimdLevel level : available_levels()) {
+  for (SimdLevel level : test::available_simd_levels()) {
     cpu::ScopedSimdLevel force(level);
     const auto check = [&]<class T>(T, int trial) {
       const std::int32_t kv_heads = rng.uniform_int(1, 3), batch = rng.uniform_int(1, 3);
@@ -286,7 +279,7 @@ TEST_F(GroupScores, EveryReductionOnOneProblem) {
 }
 
 TEST_F(GroupScores, NaNNeverVanishes) {
-  for (SimdLevel level : available_levels()) {
+  for (SimdLevel level : test::available_simd_levels()) {
     cpu::ScopedSimdLevel force(level);
     const auto check = [&]<class T>(T) {
       SCOPED_TRACE(fmt::format("{} {}", cpu::simd_level_name(level), type_name<T>()));

@@ -68,38 +68,12 @@ AttentionWeights attention_weights(const QueryView<TQ>& q, const KV& kv, const A
   return out;
 }
 
-/// Attention-mass recall: the exact softmax mass (over all seq_len tokens, no log-weights) that the
-/// selected tokens carry, averaged over every (sequence, query head). 1 means nothing attended was dropped;
-/// a sequence with no tokens has nothing to drop and counts as 1.
-inline double attention_mass_recall(const AttentionWeights& attention, const SelectionView& selection) {
-  constexpr const char* where = "attention_mass_recall";
-  KVSIFT_CHECK(selection.batch == attention.batch && selection.kv_heads * attention.group == attention.heads, where,
-               "selection shape (batch {}, kv_heads {}) does not match the attention (batch {}, q_heads {}, group {})",
-               selection.batch, selection.kv_heads, attention.batch, attention.heads, attention.group);
-  double total = 0.0;
-  for (std::int32_t b = 0; b < attention.batch; ++b) {
-    for (std::int32_t h = 0; h < attention.heads; ++h) {
-      const std::int32_t g = h / attention.group;
-      const double* weights = attention.row(b, h);
-      const std::int32_t* idx = selection.row(b, g);
-      double kept = 0.0;
-      for (std::int32_t i = 0; i < selection.count(b, g); ++i) {
-        KVSIFT_CHECK(idx[i] >= 0 && idx[i] < attention.seq_lens[b], where,
-                     "selection index {} at batch {}, kv_head {} is outside [0, seq_len = {})", idx[i], b, g,
-                     attention.seq_lens[b]);
-        kept += weights[idx[i]];
-      }
-      total += attention.seq_lens[b] == 0 ? 1.0 : kept / attention.denominators[std::size_t(b) * attention.heads + h];
-    }
-  }
-  return total / (double(attention.batch) * attention.heads);
-}
-
-/// Attention-mass recall of every (sequence, query head) separately, [batch * heads] in that order: the
-/// values attention_mass_recall averages (same definition, same checks), for callers that need their spread.
+/// Attention-mass recall of every (sequence, query head) separately, [batch * heads] in that order: the exact
+/// softmax mass (over all seq_len tokens, no log-weights) that the selected tokens carry. 1 means nothing
+/// attended was dropped; a sequence with no tokens has nothing to drop and counts as 1.
 inline std::vector<double> attention_mass_recall_per_head(const AttentionWeights& attention,
                                                           const SelectionView& selection) {
-  constexpr const char* where = "attention_mass_recall_per_head";
+  constexpr const char* where = "attention_mass_recall";
   KVSIFT_CHECK(selection.batch == attention.batch && selection.kv_heads * attention.group == attention.heads, where,
                "selection shape (batch {}, kv_heads {}) does not match the attention (batch {}, q_heads {}, group {})",
                selection.batch, selection.kv_heads, attention.batch, attention.heads, attention.group);
@@ -122,6 +96,14 @@ inline std::vector<double> attention_mass_recall_per_head(const AttentionWeights
     }
   }
   return out;
+}
+
+/// The mean of attention_mass_recall_per_head over every (sequence, query head).
+inline double attention_mass_recall(const AttentionWeights& attention, const SelectionView& selection) {
+  const std::vector<double> per_head = attention_mass_recall_per_head(attention, selection);
+  double total = 0.0;
+  for (double r : per_head) total += r;
+  return total / double(per_head.size());
 }
 
 template <class TQ, KVCacheView KV>

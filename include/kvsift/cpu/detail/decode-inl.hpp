@@ -92,6 +92,29 @@ void block_logits_bf16(const bfloat16* const* q_rows, const bfloat16* const* k_r
 }
 #endif
 
+/// block_logits, or block_logits_bf16 on the unscaled bf16 query rows where the level has vdpbf16ps (bf16
+/// storage, head_dim a multiple of 32, use_bf16_dot); those logits are then multiplied by `bf16_scale`, the
+/// factor by which `q` (the fp32 query the other path reads) is scaled against the stored query.
+template <SimdLevel L, int Heads, class T>
+void block_logits_any(const float (*q)[kMaxHeadDim], const T* const* q_rows, const T* const* k_rows, int block, int d,
+                      float (*logits)[kTokenBlock], const T* const* k_next, int next_block, bool use_bf16_dot,
+                      float bf16_scale) {
+#if KVSIFT_CPU_HAS_AVX512
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (use_bf16_dot && d % 32 == 0) {
+      block_logits_bf16<Heads>(q_rows, k_rows, block, d, logits, k_next, next_block);
+      if (bf16_scale != 1.0f) {
+        for (int h = 0; h < Heads; ++h) {
+          for (int t = 0; t < block; ++t) logits[h][t] *= bf16_scale;
+        }
+      }
+      return;
+    }
+  }
+#endif
+  block_logits<L, Heads>(q, k_rows, block, d, logits, k_next, next_block);
+}
+
 /// acc[h] += sum_t p[h][t] * v_t over the block's rows, Heads heads at once. The accumulators of a slice of
 /// kChunks vectors stay in registers across the whole block (one load and one store per block instead of
 /// per row), and each loaded V vector feeds every head.
@@ -215,18 +238,8 @@ void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std:
         const T* const* k_cur = k_rows[slot];
         const T* const* k_next = k_rows[slot ^ 1];
         with_heads(heads, [&]<int Heads>() {
-#if KVSIFT_CPU_HAS_AVX512
-          if constexpr (std::is_same_v<T, bfloat16>) {
-            if (use_bf16_dot && d % 32 == 0) {
-              block_logits_bf16<Heads>(q_rows, k_cur, block, d, logits, k_next, next_block);
-              for (int h = 0; h < Heads; ++h) {
-                for (int t = 0; t < block; ++t) logits[h][t] *= job.scale_log2;
-              }
-              return;
-            }
-          }
-#endif
-          block_logits<L, Heads>(q, k_cur, block, d, logits, k_next, next_block);
+          block_logits_any<L, Heads>(q, q_rows, k_cur, block, d, logits, k_next, next_block, use_bf16_dot,
+                                     job.scale_log2);
         });
         if (log_weights != nullptr) {  // the selected entries' (window entries have none)
           for (int h = 0; h < heads; ++h) {

@@ -178,15 +178,7 @@ void group_logits_items(const GroupScoreJob<T, KV>& job, std::int64_t begin, std
         const T* const* k_cur = k_rows[slot];
         const T* const* k_next = k_rows[slot ^ 1];
         with_heads(heads, [&]<int Heads>() {
-#if KVSIFT_CPU_HAS_AVX512
-          if constexpr (std::is_same_v<T, bfloat16>) {
-            if (use_bf16_dot && d % 32 == 0) {
-              block_logits_bf16<Heads>(q_rows, k_cur, block, d, logits, k_next, next_block);
-              return;
-            }
-          }
-#endif
-          block_logits<L, Heads>(q, k_cur, block, d, logits, k_next, next_block);
+          block_logits_any<L, Heads>(q, q_rows, k_cur, block, d, logits, k_next, next_block, use_bf16_dot, 1.0f);
         });
         const int block_vec = block / W * W;  // whole vectors; the rest of the block goes one by one
         const V scale = Ops::set1(job.scale), zero = Ops::zero();
