@@ -63,7 +63,7 @@ void run(const char* where, const QueryView<const T>& q, const KV& kv, const Sel
   if (selection == nullptr) check_no_window(where, options.attention.window);
   if (selection != nullptr) {
     validate(*selection, kv, where, "selection");
-    validate(options.attention.window, where);
+    validate(options.attention.window, where, "options.attention.window");
     job.window = options.attention.window;
     if (options.validate_indices) {
       check_selection_contents(*selection, kv, where, "selection", /*refuse_duplicates=*/true, job.window);

@@ -167,8 +167,7 @@ void group_scores(const QueryView<const T>& q, const KV& kv, const MatrixView<fl
                                    .kv = kv,
                                    .scores = scores,
                                    .group = q.heads / kv.kv_heads,
-                                   .scale = options.sm_scale != 0.0f ? options.sm_scale
-                                                                     : 1.0f / std::sqrt(float(q.head_dim)),
+                                   .scale = AttentionOptions{.sm_scale = options.sm_scale}.resolved_scale(q.head_dim),
                                    .sum = options.reduce == GroupReduce::sum,
                                    .softmax = options.softmax,
                                    .chunks = score_chunks(scores.cols)};
@@ -209,8 +208,7 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* h_leng
   KVSIFT_CHECK(out.capacity >= k, where, "out.capacity (= {}) < k (= {})", out.capacity, k);
   KVSIFT_CHECK(out.batch > 0 && out.kv_heads > 0 && scores.rows == std::int64_t(out.batch) * out.kv_heads, where,
                "scores.rows (= {}) != out.batch * out.kv_heads (= {} * {})", scores.rows, out.batch, out.kv_heads);
-  KVSIFT_CHECK(window.sink >= 0 && window.recent >= 0, where, "window.sink (= {}) and window.recent (= {}) must be >= 0",
-               window.sink, window.recent);
+  validate(window, where, "window");
   for (std::int32_t b = 0; b < out.batch; ++b) {
     KVSIFT_CHECK(h_lengths[b] >= 0 && h_lengths[b] <= scores.cols, where,
                  "h_lengths[{}] (= {}) is outside [0, scores.cols = {}]", b, h_lengths[b], scores.cols);
@@ -433,12 +431,7 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
 #define KVSIFT_INSTANTIATE_GROUP_SCORES(T, KV)                                                                  \
   template void group_scores<T, KV>(const QueryView<const T>&, const KV&, const MatrixView<float>&,                \
                                     const GroupScoreOptions&, std::span<std::byte>, ThreadPool*);
-KVSIFT_INSTANTIATE_GROUP_SCORES(float, ContiguousKVView<const float>)
-KVSIFT_INSTANTIATE_GROUP_SCORES(float, PagedKVView<const float>)
-KVSIFT_INSTANTIATE_GROUP_SCORES(half, ContiguousKVView<const half>)
-KVSIFT_INSTANTIATE_GROUP_SCORES(half, PagedKVView<const half>)
-KVSIFT_INSTANTIATE_GROUP_SCORES(bfloat16, ContiguousKVView<const bfloat16>)
-KVSIFT_INSTANTIATE_GROUP_SCORES(bfloat16, PagedKVView<const bfloat16>)
+KVSIFT_GROUP_SCORE_TYPES(KVSIFT_INSTANTIATE_GROUP_SCORES)
 #undef KVSIFT_INSTANTIATE_GROUP_SCORES
 
 #define KVSIFT_INSTANTIATE(T)                                                                                      \

@@ -147,7 +147,7 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   std::int32_t max_tokens = 0;
   if (selection != nullptr) {
     validate(*selection, kv, where, "selection");
-    validate(options.attention.window, where);
+    validate(options.attention.window, where, "options.attention.window");
     p.selection = *selection;
     p.window = options.attention.window;
     max_tokens = std::int32_t(std::min<std::int64_t>(

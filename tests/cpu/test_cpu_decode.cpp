@@ -378,7 +378,7 @@ TEST_F(CpuDecode, ValidationRefusesBadIndicesAndDuplicatesAndWritesNothing) {
   w.sel_indices[32 + 6] = 100;
   const SelectionView plain = w.selection();
   test::expect_error([&] { run_cpu(w, true, nullptr, false, {.attention = {.window = {-1, 64}}}, &plain); },
-                     "options window sink (= -1) and recent (= 64) must be >= 0");
+                     "cpu::sparse_decode: options.attention.window.sink (= -1) and options.attention.window.recent (= 64) must be >= 0");
 }
 
 TEST_F(CpuDecode, DuplicatesWithoutValidationCountOncePerOccurrence) {

@@ -551,7 +551,7 @@ TEST(CudaDecodeBadInput, RefusedBeforeAnyDeviceCall) {
   expect_error([&] { sparse(qv, kv, SelectionView{indices, counts, nullptr, 2, 2, 0}); }, "selection.capacity (= 0) must be positive");
   expect_error([&] { sparse(qv, kv, sel, {.num_splits = -1}); }, "options.num_splits (= -1) must be >= 0");
   expect_error([&] { sparse(qv, kv, sel, {.attention = {.window = {2, -3}}}); },
-               "cuda::sparse_decode: options window sink (= 2) and recent (= -3) must be >= 0");
+               "cuda::sparse_decode: options.attention.window.sink (= 2) and options.attention.window.recent (= -3) must be >= 0");
   expect_error([&] { cuda::dense_decode(qv, kv, out, {no_workspace, 0}, nullptr, {.attention = {.window = {0, 8}}}); },
                "cuda::dense_decode: options window (sink = 0, recent = 8) applies to sparse decode");
   expect_error([&] { sparse(qv, kv, sel, {.cta_warps = 6}); }, "options.cta_warps (= 6) must be 0 (chosen per GPU), 4 or 8");

@@ -89,7 +89,7 @@ void sparse_decode(const QueryView<TQ>& q, const KV& kv, const SelectionView& se
   validate(out, where, "out");
   check_decode_shapes(where, q, kv, out);
   validate(selection, kv, where, "selection");
-  validate(opts.window, where);
+  validate(opts.window, where, "opts.window");
   check_selection_contents(selection, kv, where, "selection", /*refuse_duplicates=*/false, opts.window);
   const std::int32_t group = q.heads / kv.kv_heads;
   const double scale = opts.resolved_scale(q.head_dim);

@@ -244,9 +244,9 @@ inline void check_no_window(const char* where, const AttentionWindow& window) {
 }
 
 /// A window's sizes are token counts.
-inline void validate(const AttentionWindow& window, const char* where) {
-  KVSIFT_CHECK(window.sink >= 0 && window.recent >= 0, where,
-               "options window sink (= {}) and recent (= {}) must be >= 0", window.sink, window.recent);
+inline void validate(const AttentionWindow& window, const char* where, const char* name) {
+  KVSIFT_CHECK(window.sink >= 0 && window.recent >= 0, where, "{}.sink (= {}) and {}.recent (= {}) must be >= 0", name,
+               window.sink, name, window.recent);
 }
 
 /// The query-versus-cache rules of decode attention: same batch and head_dim, q_heads a multiple of kv_heads.

@@ -69,12 +69,7 @@ KVSIFT_INSTANTIATE_GEMV(bfloat16)
 #define KVSIFT_INSTANTIATE_GROUP_SCORES(T, KV)                                                                       \
   template void group_logits_items<KVSIFT_CPU_LEVEL, T, KV>(const GroupScoreJob<T, KV>&, std::int64_t, std::int64_t, bool); \
   template void group_softmax_items<KVSIFT_CPU_LEVEL, T, KV>(const GroupScoreJob<T, KV>&, std::int64_t, std::int64_t);
-KVSIFT_INSTANTIATE_GROUP_SCORES(float, ContiguousKVView<const float>)
-KVSIFT_INSTANTIATE_GROUP_SCORES(float, PagedKVView<const float>)
-KVSIFT_INSTANTIATE_GROUP_SCORES(half, ContiguousKVView<const half>)
-KVSIFT_INSTANTIATE_GROUP_SCORES(half, PagedKVView<const half>)
-KVSIFT_INSTANTIATE_GROUP_SCORES(bfloat16, ContiguousKVView<const bfloat16>)
-KVSIFT_INSTANTIATE_GROUP_SCORES(bfloat16, PagedKVView<const bfloat16>)
+KVSIFT_GROUP_SCORE_TYPES(KVSIFT_INSTANTIATE_GROUP_SCORES)
 #undef KVSIFT_INSTANTIATE_GROUP_SCORES
 
 template void score_rows<KVSIFT_CPU_LEVEL>(const MatrixView<const float>&, const ScorePanel&, float*, std::int64_t,

@@ -18,6 +18,13 @@ namespace kvsift::cpu::detail {
 inline constexpr std::int32_t kScoreChunk = 2048;
 static_assert(kScoreChunk % kTokenBlock == 0);
 
+/// Calls X(T, KV) for every (storage type, cache view) group_scores is built for: the one list that the
+/// per-ISA kernels and the public entry point are instantiated from.
+#define KVSIFT_GROUP_SCORE_TYPES(X)                                                            \
+  X(float, ContiguousKVView<const float>) X(float, PagedKVView<const float>)                   \
+  X(half, ContiguousKVView<const half>) X(half, PagedKVView<const half>)                       \
+  X(bfloat16, ContiguousKVView<const bfloat16>) X(bfloat16, PagedKVView<const bfloat16>)
+
 /// Everything one group_scores call needs. Rows are (sequence, kv head) pairs, row = b * kv_heads + g; a work
 /// item is one chunk of one row, item = row * chunks + chunk.
 template <class T, class KV>
