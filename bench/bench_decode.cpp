@@ -20,119 +20,15 @@
 #include "kvsift/cuda/decode.hpp"
 #include "kvsift/step/hybrid_decoder.hpp"
 #include "kvsift/cuda/primitives.hpp"
+#include "kvsift/cuda/topk.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 #include "kvsift/cuda/check.hpp"
+#include "gpu_bench.hpp"
 
 namespace {
 
 using kvsift::bfloat16;
-
-template <class T>
-struct Device {
-  T* ptr = nullptr;
-  explicit Device(std::size_t n) { KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), n * sizeof(T))); }
-  ~Device() { cudaFree(ptr); }
-  Device(const Device&) = delete;
-};
-
-struct EventTimer {
-  cudaEvent_t start, stop;
-  EventTimer() {
-    KVSIFT_CUDA_CHECK(cudaEventCreate(&start));
-    KVSIFT_CUDA_CHECK(cudaEventCreate(&stop));
-  }
-  ~EventTimer() {
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-  }
-  template <class F>
-  double seconds(F&& f) {
-    KVSIFT_CUDA_CHECK(cudaEventRecord(start));
-    f();
-    KVSIFT_CUDA_CHECK(cudaEventRecord(stop));
-    KVSIFT_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    return ms * 1e-3;
-  }
-};
-
-/// Fills bf16 data with random normal values (never zeros: zeros can run faster than real data). A 32 MiB
-/// random pattern is uploaded once and tiled by device-to-device copies; the tiles start at different offsets.
-void fill_random(bfloat16* d_data, std::size_t n, std::uint64_t seed) {
-  constexpr std::size_t kPattern = std::size_t(1) << 24;
-  static const bfloat16* d_pattern = [] {
-    std::mt19937_64 rng(2026);
-    std::normal_distribution<float> dist;
-    std::vector<bfloat16> p(kPattern);
-    for (auto& x : p) x = kvsift::float_to_bfloat16(dist(rng));
-    bfloat16* d = nullptr;  // lives as long as the process
-    KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), kPattern * sizeof(bfloat16)));
-    KVSIFT_CUDA_CHECK(cudaMemcpy(d, p.data(), kPattern * sizeof(bfloat16), cudaMemcpyHostToDevice));
-    return d;
-  }();
-  std::size_t shift = seed * 7919;
-  for (std::size_t off = 0; off < n; off += kPattern / 2, shift += 104729) {
-    const std::size_t count = std::min(kPattern / 2, n - off);
-    KVSIFT_CUDA_CHECK(cudaMemcpy(d_data + off, d_pattern + shift % (kPattern / 2), count * sizeof(bfloat16),
-                                 cudaMemcpyDeviceToDevice));
-  }
-}
-
-/// Times `call(i)` two ways. The benchmark's manual time is the GPU time per call, from replays of a CUDA
-/// graph holding kCallsPerGraph calls (no host gaps, as an engine replaying graphs sees it). The counter
-/// eager_us times direct calls exactly as bench/sdpa_baseline.py times PyTorch SDPA: events around each of
-/// kEagerCalls back-to-back calls, no synchronization between them, the median; where a call is shorter
-/// than its host launch path, the host's time shows in it.
-constexpr int kCallsPerGraph = 16;
-constexpr int kEagerCalls = 50;
-template <class Call>
-void time_calls(benchmark::State& state, Call&& call) {
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  EventTimer timer;
-  for (int i = 0; i < 3; ++i) call(i, stream);  // warm-up: module load, occupancy query
-  std::vector<cudaEvent_t> starts(kEagerCalls), stops(kEagerCalls);
-  for (int i = 0; i < kEagerCalls; ++i) {
-    KVSIFT_CUDA_CHECK(cudaEventCreate(&starts[i]));
-    KVSIFT_CUDA_CHECK(cudaEventCreate(&stops[i]));
-  }
-  for (int i = 0; i < kEagerCalls; ++i) {
-    KVSIFT_CUDA_CHECK(cudaEventRecord(starts[i], stream));
-    call(i, stream);
-    KVSIFT_CUDA_CHECK(cudaEventRecord(stops[i], stream));
-  }
-  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<double> eager(kEagerCalls);
-  for (int i = 0; i < kEagerCalls; ++i) {
-    float ms = 0;
-    KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&ms, starts[i], stops[i]));
-    eager[i] = ms * 1e3;
-    KVSIFT_CUDA_CHECK(cudaEventDestroy(starts[i]));
-    KVSIFT_CUDA_CHECK(cudaEventDestroy(stops[i]));
-  }
-  std::nth_element(eager.begin(), eager.begin() + kEagerCalls / 2, eager.end());
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < kCallsPerGraph; ++i) call(i, stream);
-  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  for (auto _ : state) {
-    KVSIFT_CUDA_CHECK(cudaEventRecord(timer.start, stream));
-    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    KVSIFT_CUDA_CHECK(cudaEventRecord(timer.stop, stream));
-    KVSIFT_CUDA_CHECK(cudaEventSynchronize(timer.stop));
-    float ms = 0;
-    KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&ms, timer.start, timer.stop));
-    state.SetIterationTime(ms * 1e-3 / kCallsPerGraph);
-  }
-  state.counters["eager_us"] = eager[kEagerCalls / 2];
-  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
-}
+using namespace kvsift::bench;
 
 constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128;
 constexpr std::size_t kL2FlushBytes = std::size_t(256) << 20;  // rotate inputs over > 5x the 50 MB L2

@@ -31,11 +31,9 @@ endif()
 # Adds every kernels/*.cu translation unit and the host code of the CUDA backend (src/cuda/) to `target`
 # (kvsift_cuda, see CMakeLists.txt) and links the CUDA runtime.
 function(kvsift_add_cuda_sources target)
-  file(GLOB cuda_sources CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/kernels/*.cu)
-  target_sources(${target} PRIVATE ${cuda_sources} ${PROJECT_SOURCE_DIR}/src/cuda/device.cpp
-                                     ${PROJECT_SOURCE_DIR}/src/cuda/decode.cpp
-                                     ${PROJECT_SOURCE_DIR}/src/step/hybrid_decoder.cpp
-                                     ${PROJECT_SOURCE_DIR}/src/cuda/primitives.cpp)
+  file(GLOB cuda_sources CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/kernels/*.cu ${PROJECT_SOURCE_DIR}/src/cuda/*.cpp
+       ${PROJECT_SOURCE_DIR}/src/step/*.cpp)
+  target_sources(${target} PRIVATE ${cuda_sources})
   target_link_libraries(${target} PUBLIC CUDA::cudart)
   target_compile_definitions(${target} PUBLIC KVSIFT_WITH_CUDA=1)
   target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${KVSIFT_CUDA_FLAGS} -lineinfo>)

@@ -1,4 +1,4 @@
-// CUDA top-K, two ways (cuda/primitives.hpp, TopKAlgorithm): CUB radix sorts of every (row, score) key, and
+// CUDA top-K, two ways (cuda/topk.hpp, TopKAlgorithm): CUB radix sorts of every (row, score) key, and
 // a radix select that reads the scores a fixed number of times and sorts nothing.
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>

@@ -1,5 +1,6 @@
 // CUDA primitives: validation and workspace layout (host compiler); kernels in kernels/primitives.cu.
 #include "kvsift/cuda/primitives.hpp"
+#include "kvsift/cuda/topk.hpp"
 
 #include <algorithm>
 #include <climits>

@@ -10,6 +10,7 @@
 #include "kvsift/cpu/primitives.hpp"
 #include "kvsift/cpu/topk.hpp"
 #include "kvsift/cuda/primitives.hpp"
+#include "kvsift/cuda/topk.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {

@@ -1,7 +1,6 @@
 #pragma once
-/// CUDA twins of the CPU primitives (cpu/primitives.hpp, cpu/topk.hpp), with the same results: top-K with
-/// kvsift's one tie rule, GEMV scores, row gather, batched RoPE, k-means and its assignment step, index
-/// deduplication.
+/// CUDA twins of the CPU primitives (cpu/primitives.hpp), with the same results: GEMV scores, row gather,
+/// batched RoPE, k-means and its assignment step, index deduplication. Top-K lives in cuda/topk.hpp.
 /// Device memory; caller-owned workspace where one is needed (size from the matching *_workspace_bytes
 /// query); no allocation, no host sync; stream-ordered; reentrant (concurrent calls need distinct
 /// workspaces). DeviceKMeansAssigner is the one exception: an owning adapter for cpu::kmeans (see there).
@@ -18,24 +17,6 @@
 #include "kvsift/cpu/primitives.hpp"
 
 namespace kvsift::cuda {
-
-enum class TopKAlgorithm : std::uint8_t {
-  /// Radix select: three histogram passes over 11/11/10 key bits, one counting and one writing pass; reads
-  /// the scores five times and sorts nothing. Several CTAs per row, so a few rows still fill the GPU.
-  radix_select,
-  /// CUB radix sorts of every (row, score) key, then of the chosen (row, index) pairs.
-  radix_sort,
-};
-
-/// Top-K per row: scores [rows, n] (row stride scores.row_stride) → indices [rows, k] (row stride k) of each
-/// row's k best scores, ascending; ties go to the smaller index; NaN ranks below every number. Both
-/// algorithms give identical results (they are tested against cpu::topk_indices); radix_select is the
-/// faster one at every measured shape (docs/primitives.md) and is the default. Deterministic. The workspace
-/// size depends on the algorithm and, for radix_select, on the current device's SM count.
-std::size_t topk_workspace_bytes(std::int64_t rows, std::int32_t n, std::int32_t k,
-                                 TopKAlgorithm algorithm = TopKAlgorithm::radix_select);
-void topk(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* d_indices, std::span<std::byte> workspace,
-          cudaStream_t stream, TopKAlgorithm algorithm = TopKAlgorithm::radix_select);
 
 /// scores[i] = scale * dot(q, rows.row(i)); q: [rows.cols] fp32, scores: [rows.rows] fp32.
 template <class T>
