@@ -38,6 +38,12 @@ class WorkspaceLayout {
     return reinterpret_cast<T*>(buffer_.data() + offset);
   }
 
+  /// A sub-workspace of `bytes` bytes for a callee with its own workspace query (empty in counting mode).
+  std::span<std::byte> span(std::size_t bytes, const char* name) {
+    std::byte* data = allocate<std::byte>(bytes, name);
+    return data == nullptr ? std::span<std::byte>{} : std::span<std::byte>(data, bytes);
+  }
+
   std::size_t bytes() const { return used_; }
 
  private:

@@ -1,129 +1,129 @@
 #pragma once
-/// Quest-style page selection (Tang et al., 2024), a reference for the retrieval selectors: keys are grouped
-/// in pages of `page_size` consecutive tokens, and each page keeps the channel-wise minimum and maximum of
-/// its keys. A page's score for query q is sum_c max(q_c * min_c, q_c * max_c), an upper bound on q . k of
-/// every key in the page; a kv head scores a page by the largest bound over its GQA group's query heads. The
-/// best floor(budget / page_size) pages are selected whole, so a selection never exceeds the budget.
+/// Quest (Tang et al., 2024): query-aware page selection. Keys are grouped in pages of `page_size` consecutive
+/// tokens (16 by default; independent of the engine's cache pages); each page keeps the channel-wise minimum
+/// and maximum of its keys (page bounds, in the storage type: exact). A page's score for query q is
+/// sum_c max(q_c * min_c, q_c * max_c), an upper bound on q . k of every key in the page; a kv head scores a
+/// page by the largest bound over its GQA group's query heads. Pages whose every token is in the attention
+/// window score -inf (the kernel attends the window itself); the best budget / page_size pages are selected
+/// whole, less their window tokens, so a row selects at most `budget` tokens.
 ///
-/// index_bytes() = 2 * 4 * head_dim * pages * kv_heads * batch.
+/// Per step: page_scores, topk_rows over pages, expand_pages (three launches on CUDA); append folds the step's
+/// key into its page (one launch). Written once for both backends; the index is bounds per slot, in the
+/// context's memory: index_bytes() = 2 * sizeof(T) * head_dim * max_pages * kv_heads * max_slots.
 
-#include <algorithm>
+#include <cstddef>
 #include <cstdint>
-#include <limits>
-#include <numeric>
+#include <span>
 #include <string_view>
-#include <vector>
 
 #include "kvsift/core/error.hpp"
-#include "kvsift/core/selector.hpp"
-#include "kvsift/cpu/topk.hpp"
-#include "kvsift/selectors/detail/selector_shape.hpp"
+#include "kvsift/core/page_bounds_view.hpp"
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/selectors/detail/checks.hpp"
+#include "kvsift/selectors/selector.hpp"
 
 namespace kvsift {
 
 struct QuestConfig {
-  std::int32_t budget = 0;      ///< tokens selected per (sequence, kv head), at least one page
+  std::int32_t budget = 0;      ///< middle tokens selected per (sequence, kv head) at most: budget / page_size pages
   std::int32_t page_size = 16;
 };
 
+template <class T, class Context>
 class Quest {
  public:
-  using element_type = float;
+  using value_type = T;
+  using context_type = Context;
 
-  explicit Quest(const QuestConfig& config) : config_(config) {
-    KVSIFT_CHECK(config.page_size > 0, "Quest", "config.page_size (= {}) must be positive", config.page_size);
-    KVSIFT_CHECK(config.budget >= config.page_size, "Quest",
-                 "config.budget (= {}) is smaller than one page (page_size = {})", config.budget, config.page_size);
+  Quest(const SelectorLimits& limits, const QuestConfig& config)
+      : limits_(limits), config_(config), max_pages_(checked_pages(limits, config)) {
+    bounds_.resize(std::size_t(limits.max_slots) * std::size_t(limits.kv_heads) * std::size_t(max_pages_) * 2 *
+                   std::size_t(limits.head_dim));
   }
 
   std::string_view name() const { return "Quest"; }
-
-  void prepare(const PrefillInputs<float>& in) {
-    shape_.prepare("Quest::prepare", in.kv);
-    bounds_.assign(static_cast<std::size_t>(shape_.batch()) * shape_.kv_heads(), {});
-    for (std::int32_t b = 0; b < shape_.batch(); ++b) {
-      for (std::int32_t h = 0; h < shape_.kv_heads(); ++h) {
-        for (std::int32_t t = 0; t < shape_.length(b); ++t) add_key(shape_.row(b, h), t, in.kv.k_row(b, h, t));
-      }
-    }
+  /// Whole pages: the budget rounded down to pages.
+  std::int32_t capacity() const { return pages_per_row() * config_.page_size; }
+  IndexBytes index_bytes() const {
+    const std::size_t bytes = bounds_.size() * sizeof(T);
+    return Context::memory == MemorySpace::host ? IndexBytes{bytes, 0} : IndexBytes{0, bytes};
   }
 
-  void append(const AppendInputs<float>& step) {
-    shape_.append("Quest::append", step);
-    for (std::int32_t b = 0; b < shape_.batch(); ++b) {
-      for (std::int32_t h = 0; h < shape_.kv_heads(); ++h) add_key(shape_.row(b, h), shape_.length(b) - 1, step.k.row(b, h));
-    }
+  std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
+    detail::check_shape("Quest::select_workspace_bytes", limits_, shape);
+    WorkspaceLayout counting;
+    layout(counting, shape.batch, ctx);
+    return counting.bytes();
+  }
+  std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
+    detail::check_shape("Quest::append_workspace_bytes", limits_, shape);
+    return 0;
   }
 
-  void select(const QueryView<const float>& q, const SelectionView& out) {
-    const std::int32_t group = shape_.check_select("Quest::select", q, out, config_.budget);
-    const std::int32_t d = shape_.head_dim();
-    for (std::int32_t b = 0; b < shape_.batch(); ++b) {
-      const std::int32_t n = shape_.length(b);
-      const std::int32_t pages = (n + config_.page_size - 1) / config_.page_size;
-      const std::int32_t chosen = std::min(pages, config_.budget / config_.page_size);
-      for (std::int32_t g = 0; g < shape_.kv_heads(); ++g) {
-        const std::vector<float>& bounds = bounds_[shape_.row(b, g)];
-        page_scores_.assign(static_cast<std::size_t>(pages), -std::numeric_limits<float>::infinity());
-        for (std::int32_t h = g * group; h < (g + 1) * group; ++h) {
-          const float* qh = q.row(b, h);
-          for (std::int32_t p = 0; p < pages; ++p) {
-            const float* lo = bounds.data() + static_cast<std::size_t>(2 * p) * d;
-            const float* hi = lo + d;
-            float bound = 0.0f;
-            for (std::int32_t c = 0; c < d; ++c) bound += std::max(qh[c] * lo[c], qh[c] * hi[c]);
-            page_scores_[p] = std::max(page_scores_[p], bound);
-          }
-        }
-        chosen_pages_.resize(static_cast<std::size_t>(chosen));
-        cpu::topk_indices(page_scores_, chosen, chosen_pages_, topk_scratch_);
-        std::int32_t* dst = out.row(b, g);
-        std::int32_t count = 0;
-        for (const std::int32_t p : chosen_pages_) {  // ascending pages give ascending tokens
-          const std::int32_t first = p * config_.page_size, last = std::min(n, first + config_.page_size);
-          std::iota(dst + count, dst + count + (last - first), first);
-          count += last - first;
-        }
-        out.counts[out.row_index(b, g)] = count;
-        if (float* lw = out.weights_row(b, g)) std::fill_n(lw, count, 0.0f);
-      }
-    }
+  void prepare(const PrefillInputs<T>& in, const Context& ctx) {
+    detail::check_cache("Quest::prepare", limits_, in.cache, in.slots, Context::memory);
+    build_page_bounds(in.cache, in.slots, bounds(), ctx);
   }
+  void append(const AppendInputs<T>& in, std::span<std::byte>, const Context& ctx) {
+    detail::check_cache("Quest::append", limits_, in.cache, in.slots, Context::memory);
+    append_page_bounds(in.cache, in.slots, bounds(), ctx);
+  }
+  void release(std::span<const std::int32_t>) {}  // a joining sequence's prepare rebuilds its slot's bounds
 
-  std::size_t index_bytes() const {
-    std::size_t bytes = 0;
-    for (const auto& b : bounds_) bytes += b.size() * sizeof(float);
-    return bytes;
+  void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
+              const Context& ctx) {
+    constexpr const char* where = "Quest::select";
+    detail::check_select(where, limits_, in, out, capacity(), Context::memory);
+    const std::int32_t batch = in.q.batch;
+    WorkspaceLayout carving(workspace, where);
+    const Buffers b = layout(carving, batch, ctx);
+    const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
+    const PageBoundsView<T> all = bounds();
+    const PageBoundsView<const T> read{all.data, all.slots, all.kv_heads, all.max_pages, all.head_dim, all.page_size};
+    page_scores(in.q, read, in.slots, in.lengths, in.attention.window,
+                MatrixView<float>::packed(b.scores, rows, max_pages_), b.page_counts, ctx);
+    const SelectionView pages{b.pages, b.page_picks, nullptr, batch, limits_.kv_heads, pages_per_row()};
+    topk_rows(MatrixView<const float>::packed(b.scores, rows, max_pages_), b.page_counts, pages_per_row(),
+              TopKRowsOptions{}, pages, b.topk, ctx);
+    expand_pages(pages, config_.page_size, in.lengths, in.attention.window, out, ctx);
   }
 
  private:
-  /// Widens the bounds of token t's page by key k (a new page starts at k).
-  void add_key(std::size_t r, std::int32_t t, const float* k) {
-    const std::int32_t d = shape_.head_dim();
-    std::vector<float>& bounds = bounds_[r];
-    const std::size_t page = static_cast<std::size_t>(t / config_.page_size);
-    if (t % config_.page_size == 0) {
-      bounds.resize((page + 1) * 2 * d);
-      std::copy_n(k, d, bounds.data() + page * 2 * d);
-      std::copy_n(k, d, bounds.data() + page * 2 * d + d);
-      return;
-    }
-    float* lo = bounds.data() + page * 2 * d;
-    float* hi = lo + d;
-    for (std::int32_t c = 0; c < d; ++c) {
-      lo[c] = std::min(lo[c], k[c]);
-      hi[c] = std::max(hi[c], k[c]);
-    }
+  struct Buffers {
+    float* scores;             ///< [batch * kv_heads, max_pages]
+    std::int32_t* page_counts;  ///< [batch]
+    std::int32_t* pages;        ///< [batch * kv_heads, pages_per_row]
+    std::int32_t* page_picks;   ///< [batch * kv_heads]
+    std::span<std::byte> topk;
+  };
+
+  static std::int32_t checked_pages(const SelectorLimits& limits, const QuestConfig& config) {
+    detail::check_limits("Quest", limits);
+    KVSIFT_CHECK(config.page_size > 0, "Quest", "config.page_size (= {}) must be positive", config.page_size);
+    KVSIFT_CHECK(config.budget >= config.page_size, "Quest",
+                 "config.budget (= {}) is smaller than one page (page_size = {})", config.budget, config.page_size);
+    return (limits.max_tokens + config.page_size - 1) / config.page_size;
+  }
+  std::int32_t pages_per_row() const { return config_.budget / config_.page_size; }
+  PageBoundsView<T> bounds() {
+    return {bounds_.data(), limits_.max_slots, limits_.kv_heads, max_pages_, limits_.head_dim, config_.page_size};
+  }
+  Buffers layout(WorkspaceLayout& layout, std::int32_t batch, const Context& ctx) const {
+    const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
+    Buffers b{};
+    b.scores = layout.allocate<float>(std::size_t(rows) * std::size_t(max_pages_), "Quest page scores");
+    b.page_counts = layout.allocate<std::int32_t>(std::size_t(batch), "Quest page counts");
+    b.pages = layout.allocate<std::int32_t>(std::size_t(rows) * std::size_t(pages_per_row()), "Quest chosen pages");
+    b.page_picks = layout.allocate<std::int32_t>(std::size_t(rows), "Quest chosen page counts");
+    b.topk = layout.span(topk_rows_workspace_bytes(rows, max_pages_, pages_per_row(), TopKRowsOptions{}, ctx),
+                         "Quest topk_rows scratch");
+    return b;
   }
 
+  SelectorLimits limits_;
   QuestConfig config_;
-  detail::SelectorShape shape_;
-  std::vector<std::vector<float>> bounds_;  ///< per (b, kv head): [pages][min | max][head_dim]
-  std::vector<float> page_scores_;
-  std::vector<std::int32_t> chosen_pages_;
-  std::vector<std::uint64_t> topk_scratch_;
+  std::int32_t max_pages_;
+  typename Context::template array<T> bounds_;
 };
-
-static_assert(KVSelector<Quest>);
 
 }  // namespace kvsift

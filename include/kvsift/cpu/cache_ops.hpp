@@ -1,0 +1,46 @@
+#pragma once
+/// CPU operations on the engine's KV cache that the decode step runs around a selector: each batch row's
+/// length, writing a step's new token, and an empty selection. Host memory. cuda/cache_ops.hpp is the twin.
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kvsift/core/error.hpp"
+#include "kvsift/core/kv_cache.hpp"
+#include "kvsift/core/views.hpp"
+
+namespace kvsift::cpu {
+
+/// lengths[b] = cache.seq_len(b) for every batch row b (lengths: [cache.batch()]).
+template <class T>
+void sequence_lengths(const KVCache<const T>& cache, std::int32_t* lengths) {
+  for (std::int32_t b = 0; b < cache.batch(); ++b) lengths[b] = cache.seq_len(b);
+}
+
+/// Writes each batch row's step token, k and v [batch, kv_heads, head_dim], at position cache.seq_len(b) - 1:
+/// the cache's lengths already count the token (the engine grew them, or its page table). A row of length 0
+/// has no room and is refused.
+template <class T>
+void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const HeadsView<const T>& v) {
+  constexpr const char* where = "cpu::write_step_kv";
+  KVSIFT_CHECK(k.batch == cache.batch() && k.heads == cache.kv_heads() && k.head_dim == cache.head_dim() &&
+                   v.batch == k.batch && v.heads == k.heads && v.head_dim == k.head_dim,
+               where, "k [{}, {}, {}] and v [{}, {}, {}] must both be [batch = {}, kv_heads = {}, head_dim = {}]",
+               k.batch, k.heads, k.head_dim, v.batch, v.heads, v.head_dim, cache.batch(), cache.kv_heads(),
+               cache.head_dim());
+  for (std::int32_t b = 0; b < cache.batch(); ++b) {
+    const std::int32_t t = cache.seq_len(b) - 1;
+    KVSIFT_CHECK(t >= 0, where, "cache.seq_len({}) is 0: the cache has no position for the step's token", b);
+    for (std::int32_t h = 0; h < cache.kv_heads(); ++h) {
+      std::copy_n(k.row(b, h), k.head_dim, cache.k_row(b, h, t));
+      std::copy_n(v.row(b, h), v.head_dim, cache.v_row(b, h, t));
+    }
+  }
+}
+
+/// Every row of `out` selects nothing (counts 0).
+inline void clear_counts(const SelectionView& out) {
+  std::fill_n(out.counts, std::int64_t(out.batch) * out.kv_heads, 0);
+}
+
+}  // namespace kvsift::cpu

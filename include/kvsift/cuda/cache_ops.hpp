@@ -1,0 +1,34 @@
+#pragma once
+/// CUDA twins of cpu/cache_ops.hpp: each batch row's length, writing a step's new token, an empty selection.
+/// Device memory; stream-ordered, no allocation, no host sync, CUDA-graph capturable. The lengths live on the
+/// device, so write_step_kv cannot refuse a row of length 0 before the launch: it skips that row.
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "kvsift/core/dtype.hpp"
+#include "kvsift/core/kv_cache.hpp"
+#include "kvsift/core/views.hpp"
+
+namespace kvsift::cuda {
+
+template <class T>
+void sequence_lengths(const KVCache<const T>& cache, std::int32_t* d_lengths, cudaStream_t stream);
+
+template <class T>
+void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const HeadsView<const T>& v,
+                   cudaStream_t stream);
+
+void clear_counts(const SelectionView& out, cudaStream_t stream);
+
+#define KVSIFT_DECLARE_CACHE_OPS(T)                                                                       \
+  extern template void sequence_lengths<T>(const KVCache<const T>&, std::int32_t*, cudaStream_t);         \
+  extern template void write_step_kv<T>(const KVCache<T>&, const HeadsView<const T>&, const HeadsView<const T>&, \
+                                        cudaStream_t);
+KVSIFT_DECLARE_CACHE_OPS(half)
+KVSIFT_DECLARE_CACHE_OPS(bfloat16)
+KVSIFT_DECLARE_CACHE_OPS(float)
+#undef KVSIFT_DECLARE_CACHE_OPS
+
+}  // namespace kvsift::cuda

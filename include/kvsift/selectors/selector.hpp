@@ -1,0 +1,189 @@
+#pragma once
+/// The KVSelector concept every retrieval method implements, on the CPU and on CUDA, and AnySelector, its
+/// type-erased wrapper for engines that pick the method at run time (docs/selector_framework.md).
+///
+/// A selector is a class over a storage type T (half, bfloat16; float for references and tests) bound to one
+/// execution context (S::context_type: cpu::Context, a thread pool, or cuda::Context, a stream). Its memory
+/// (index, per-slot state, the views it is given and writes) is that context's: host for the CPU, device for
+/// CUDA. Life cycle, per layer:
+///   - construction: the limits (slots, tokens, heads) and the method's parameters; may allocate.
+///   - prepare(prefill, ctx): builds the index of the joining sequences (their slots) from the engine's cache
+///     and, for methods that cluster queries, the last W prefill queries. May allocate.
+///   - per decode step, after the engine (or DecodeStep) appended the step's K/V to the cache:
+///     append(inputs, workspace, ctx) updates the index with the new token, then
+///     select(inputs, out, workspace, ctx) writes the selection for the step's queries.
+///     Neither allocates nor synchronizes the host; per-step state lives in the context's memory, so a CUDA
+///     selector's append and select are stream-ordered and CUDA-graph capturable. Scratch comes from the caller's
+///     workspace, at least append_workspace_bytes(shape) / select_workspace_bytes(shape) bytes (256-byte aligned,
+///     contents irrelevant), queries that need only shapes and the context (a CPU pool's thread count sizes
+///     per-thread scratch; a run on a larger pool than the query's is refused).
+///   - release(slots): sequences leave; their slots may be prepared again for new ones.
+///
+/// The selection (core/views.hpp SelectionView): per (batch row, kv head) up to capacity() absolute token
+/// positions, distinct, ascending, none inside the attention window (inputs.attention.window, which the
+/// attention kernel attends itself: a selector chooses among the middle only); counts in the context's memory;
+/// log-weights, if the view has them, set by the selector (0 for plain selection).
+///
+/// Thread safety: a selector is not synchronized: prepare, append, select and release must not run
+/// concurrently on one object; const calls (capacity, *_workspace_bytes, index_bytes, name) may run
+/// concurrently with each other. Distinct objects are independent.
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "kvsift/attention/options.hpp"
+#include "kvsift/core/kv_cache.hpp"
+#include "kvsift/core/rope.hpp"
+#include "kvsift/core/views.hpp"
+
+namespace kvsift {
+
+/// Shapes that size a selector's workspaces (host values).
+struct SelectShape {
+  std::int32_t batch = 0;        ///< batch rows of a step (<= the selector's max_slots)
+  std::int32_t q_heads = 0;
+  std::int32_t kv_heads = 0;
+  std::int32_t head_dim = 0;
+  std::int32_t max_seq_len = 0;  ///< bound on every sequence's length, the step's token included
+};
+
+/// Bytes a selector keeps, host and device separately.
+struct IndexBytes {
+  std::size_t host = 0;
+  std::size_t device = 0;
+};
+
+/// The limits a selector is built for: its per-slot buffers are sized once, at construction or prepare.
+struct SelectorLimits {
+  std::int32_t max_slots = 1;    ///< sequences that may be live at once (continuous batching)
+  std::int32_t max_tokens = 0;   ///< bound on any sequence's length
+  std::int32_t q_heads = 0;
+  std::int32_t kv_heads = 0;
+  std::int32_t head_dim = 0;
+};
+
+/// Prefill of the joining sequences (batch row b is sequence slots[b]).
+template <class T>
+struct PrefillInputs {
+  KVCache<const T> cache;            ///< the engine's cache holding the prompts (post-RoPE keys)
+  const std::int32_t* slots = nullptr;  ///< [cache.batch()], context memory
+  SequenceView<const T> queries{};   ///< optional: the last W prefill queries [batch, q_heads, W, head_dim] (W may be 0)
+  RopeConfig rope{};                 ///< the model's RoPE, for methods that need pre-RoPE keys
+  std::int32_t layer = 0;
+};
+
+/// One decode step's token, already in the cache at position lengths[b] - 1 of each batch row.
+template <class T>
+struct AppendInputs {
+  KVCache<const T> cache;
+  const std::int32_t* slots = nullptr;    ///< [batch], context memory
+  const std::int32_t* lengths = nullptr;  ///< [batch] cache.seq_len(b), the new token included; context memory
+  HeadsView<const T> k_pre_rope{};        ///< optional: the new token's key before RoPE [batch, kv_heads, head_dim]
+  std::int32_t layer = 0;
+};
+
+/// One decode step's queries (post-RoPE) [batch, q_heads, head_dim].
+template <class T>
+struct SelectInputs {
+  QueryView<const T> q;
+  KVCache<const T> cache;
+  const std::int32_t* slots = nullptr;    ///< [batch], context memory
+  const std::int32_t* lengths = nullptr;  ///< [batch] cache.seq_len(b); context memory
+  AttentionOptions attention{};           ///< sm_scale (for softmax scores) and the window the selection leaves out
+  std::int32_t layer = 0;
+};
+
+template <class S>
+concept KVSelector =
+    requires(S& s, const S& cs, const typename S::context_type& ctx, const PrefillInputs<typename S::value_type>& p,
+             const AppendInputs<typename S::value_type>& a, const SelectInputs<typename S::value_type>& in,
+             const SelectionView& out, std::span<std::byte> workspace, const SelectShape& shape,
+             std::span<const std::int32_t> slots) {
+      typename S::value_type;
+      typename S::context_type;
+      { cs.capacity() } -> std::convertible_to<std::int32_t>;
+      { cs.select_workspace_bytes(shape, ctx) } -> std::convertible_to<std::size_t>;
+      { cs.append_workspace_bytes(shape, ctx) } -> std::convertible_to<std::size_t>;
+      s.prepare(p, ctx);
+      s.append(a, workspace, ctx);
+      s.select(in, out, workspace, ctx);
+      s.release(slots);
+      { cs.index_bytes() } -> std::convertible_to<IndexBytes>;
+      { cs.name() } -> std::convertible_to<std::string_view>;
+    };
+
+/// Owns any KVSelector of storage type T and context Context behind one runtime interface. Move-only; never
+/// empty after construction.
+template <class T, class Context>
+class AnySelector {
+ public:
+  using value_type = T;
+  using context_type = Context;
+
+  template <KVSelector S>
+    requires(std::same_as<typename S::value_type, T> && std::same_as<typename S::context_type, Context> &&
+             !std::same_as<std::remove_cvref_t<S>, AnySelector>)
+  explicit AnySelector(S selector) : impl_(std::make_unique<Model<S>>(std::move(selector))) {}
+
+  std::int32_t capacity() const { return impl_->capacity(); }
+  std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
+    return impl_->select_workspace_bytes(shape, ctx);
+  }
+  std::size_t append_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
+    return impl_->append_workspace_bytes(shape, ctx);
+  }
+  void prepare(const PrefillInputs<T>& p, const Context& ctx) { impl_->prepare(p, ctx); }
+  void append(const AppendInputs<T>& a, std::span<std::byte> ws, const Context& ctx) { impl_->append(a, ws, ctx); }
+  void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> ws, const Context& ctx) {
+    impl_->select(in, out, ws, ctx);
+  }
+  void release(std::span<const std::int32_t> slots) { impl_->release(slots); }
+  IndexBytes index_bytes() const { return impl_->index_bytes(); }
+  std::string_view name() const { return impl_->name(); }
+
+ private:
+  struct Interface {
+    virtual ~Interface() = default;
+    virtual std::int32_t capacity() const = 0;
+    virtual std::size_t select_workspace_bytes(const SelectShape&, const Context&) const = 0;
+    virtual std::size_t append_workspace_bytes(const SelectShape&, const Context&) const = 0;
+    virtual void prepare(const PrefillInputs<T>&, const Context&) = 0;
+    virtual void append(const AppendInputs<T>&, std::span<std::byte>, const Context&) = 0;
+    virtual void select(const SelectInputs<T>&, const SelectionView&, std::span<std::byte>, const Context&) = 0;
+    virtual void release(std::span<const std::int32_t>) = 0;
+    virtual IndexBytes index_bytes() const = 0;
+    virtual std::string_view name() const = 0;
+  };
+  template <class S>
+  struct Model final : Interface {
+    explicit Model(S s) : selector(std::move(s)) {}
+    std::int32_t capacity() const override { return selector.capacity(); }
+    std::size_t select_workspace_bytes(const SelectShape& s, const Context& ctx) const override {
+      return selector.select_workspace_bytes(s, ctx);
+    }
+    std::size_t append_workspace_bytes(const SelectShape& s, const Context& ctx) const override {
+      return selector.append_workspace_bytes(s, ctx);
+    }
+    void prepare(const PrefillInputs<T>& p, const Context& ctx) override { selector.prepare(p, ctx); }
+    void append(const AppendInputs<T>& a, std::span<std::byte> ws, const Context& ctx) override {
+      selector.append(a, ws, ctx);
+    }
+    void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> ws,
+                const Context& ctx) override {
+      selector.select(in, out, ws, ctx);
+    }
+    void release(std::span<const std::int32_t> slots) override { selector.release(slots); }
+    IndexBytes index_bytes() const override { return selector.index_bytes(); }
+    std::string_view name() const override { return selector.name(); }
+    S selector;
+  };
+  std::unique_ptr<Interface> impl_;
+};
+
+}  // namespace kvsift
