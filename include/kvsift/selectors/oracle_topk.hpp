@@ -101,7 +101,7 @@ class OracleTopK {
                                            .softmax = true};
       const std::size_t bytes = std::max(
           cpu::group_scores_workspace_bytes(shape_.batch(), q.heads, shape_.kv_heads(), tokens_, options),
-          cpu::topk_rows_workspace_bytes(rows, tokens_, nullptr));
+          cpu::topk_rows_workspace_bytes(rows, tokens_, middle_budget, {.window = window}, nullptr));
       workspace_.resize(bytes / sizeof(WorkspaceBlock) + 1);
       const std::span<std::byte> workspace(reinterpret_cast<std::byte*>(workspace_.data()), bytes);
       scores_.resize(std::size_t(rows) * std::size_t(tokens_));
@@ -113,7 +113,7 @@ class OracleTopK {
                                  out.log_weights != nullptr ? out.log_weights + config_.sink : nullptr, out.batch,
                                  out.kv_heads, out.capacity};
       cpu::topk_rows(MatrixView<const float>::packed(scores_.data(), rows, tokens_), lengths_.data(), middle_budget,
-                     window, middle, workspace);
+                     {.window = window}, middle, workspace);
     }
     for (std::int32_t b = 0; b < shape_.batch(); ++b) {
       const std::int32_t n = shape_.length(b), sinks = window.sink_end(n), recent_begin = window.recent_begin(n);
