@@ -288,7 +288,7 @@ void BM_CpuTopKRows(benchmark::State& state) {
   std::vector<std::int32_t> indices(std::size_t(kKvHeads) * kSelectK), counts(kKvHeads);
   const SelectionView out{indices.data(), counts.data(), nullptr, 1, kKvHeads, kSelectK};
   cpu::ThreadPool pool(threads);
-  const auto workspace = aligned_workspace(cpu::topk_rows_workspace_bytes(kKvHeads, tokens, &pool));
+  const auto workspace = aligned_workspace(cpu::topk_rows_workspace_bytes(kKvHeads, tokens, kSelectK, {}, &pool));
   const std::int32_t lengths[1] = {tokens};
   for (auto _ : state) {
     cpu::topk_rows(MatrixView<const float>::packed(scores.data(), kKvHeads, tokens), lengths, kSelectK, {}, out,
@@ -313,11 +313,11 @@ void BM_CpuSelectStep(benchmark::State& state) {
   const cpu::GroupScoreOptions options{.reduce = cpu::GroupReduce::max, .softmax = true};
   cpu::ThreadPool pool(threads);
   const auto workspace = aligned_workspace(std::max(cpu::group_scores_workspace_bytes(1, kQHeads, kKvHeads, tokens, options),
-                                                    cpu::topk_rows_workspace_bytes(kKvHeads, tokens, &pool)));
+                                                    cpu::topk_rows_workspace_bytes(kKvHeads, tokens, kSelectK, {.window = {4, 64}}, &pool)));
   for (auto _ : state) {
     cpu::group_scores(QueryView<const bfloat16>::packed(q.data(), 1, kQHeads, kHeadDim), kv,
                       MatrixView<float>::packed(scores.data(), kKvHeads, tokens), options, workspace, &pool);
-    cpu::topk_rows(MatrixView<const float>::packed(scores.data(), kKvHeads, tokens), lengths, kSelectK, {4, 64}, out,
+    cpu::topk_rows(MatrixView<const float>::packed(scores.data(), kKvHeads, tokens), lengths, kSelectK, {.window = {4, 64}}, out,
                    workspace, &pool);
     benchmark::DoNotOptimize(indices.data());
   }

@@ -12,7 +12,6 @@
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/detail/primitives_kernels.hpp"
 #include "kvsift/cpu/simd.hpp"
-#include "kvsift/cpu/topk.hpp"
 
 namespace kvsift::cpu {
 namespace {
@@ -86,50 +85,6 @@ void check_group_reduce(const char* where, const GroupScoreOptions& options) {
                "options.reduce (= {}) is neither GroupReduce::max nor GroupReduce::sum", int(options.reduce));
 }
 
-/// Threads of topk_rows: each takes a contiguous run of rows and its own rank-key scratch.
-std::int64_t topk_slots(std::int64_t rows, const ThreadPool* pool) {
-  return std::max<std::int64_t>(1, std::min<std::int64_t>(rows, pool != nullptr ? pool->size() : 1));
-}
-
-/// The single layout behind topk_rows_workspace_bytes and the carving in topk_rows.
-std::uint64_t* layout_topk_rows(WorkspaceLayout& layout, std::int64_t slots, std::int32_t max_tokens) {
-  return layout.allocate<std::uint64_t>(checked_mul(std::size_t(slots), std::size_t(max_tokens), "cpu topk_rows workspace"),
-                                        "rank_keys");
-}
-
-/// The k best (rank_key order) of the candidates [lo, hi) of a row of scores, k < hi - lo, into out[0, k),
-/// ascending. A radix pass first: a histogram of the top 11 bits of each candidate's rank word finds the bin
-/// holding the k-th best; candidates of better bins are chosen outright (in ascending order, as the scan
-/// meets them), and only those of that bin are ranked by full keys (nth_element over `keys`, room for hi - lo)
-/// and merged in. The result is the plain nth_element's over all candidates, exactly.
-void best_of_row(const float* scores, std::int32_t lo, std::int32_t hi, std::int32_t k, std::uint64_t* keys,
-                 std::int32_t* out) {
-  constexpr int kShift = 21;  // 32 - 11 bits
-  std::int32_t histogram[1 << (32 - kShift)] = {};
-  for (std::int32_t t = lo; t < hi; ++t) ++histogram[detail::rank_word(scores[t]) >> kShift];
-  std::uint32_t boundary = 0;
-  std::int32_t better = 0;  // candidates in bins before the boundary bin: fewer than k
-  while (better + histogram[boundary] < k) better += histogram[boundary++];
-  std::int32_t chosen = 0, tied = 0;
-  for (std::int32_t t = lo; t < hi; ++t) {
-    const std::uint32_t word = detail::rank_word(scores[t]);
-    if ((word >> kShift) < boundary) {
-      out[chosen++] = t;
-    } else if ((word >> kShift) == boundary) {
-      keys[tied++] = (std::uint64_t(word) << 32) | std::uint32_t(t);
-    }
-  }
-  const std::int32_t rest = k - better;
-  std::nth_element(keys, keys + rest, keys + tied);
-  for (std::int32_t i = 0; i < rest; ++i) keys[i] &= 0xffffffffu;  // the chosen ones' indices
-  std::sort(keys, keys + rest);
-  // Merge the two ascending runs, out[0, better) and keys[0, rest), from the back into out[0, k).
-  std::int32_t a = better - 1, b = rest - 1;
-  for (std::int32_t i = k - 1; b >= 0; --i) {
-    out[i] = a >= 0 && out[a] > std::int32_t(keys[b]) ? out[a--] : std::int32_t(keys[b--]);
-  }
-}
-
 }  // namespace
 
 std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
@@ -186,54 +141,6 @@ void group_scores(const QueryView<const T>& q, const KV& kv, const MatrixView<fl
     parallel_for(pool, items, [&](std::int64_t begin, std::int64_t end) {
       detail::group_softmax_items<L, T, KV>(job, begin, end);
     });
-  });
-}
-
-std::size_t topk_rows_workspace_bytes(std::int64_t rows, std::int32_t max_tokens, const ThreadPool* pool) {
-  KVSIFT_CHECK(rows > 0 && max_tokens > 0, "cpu::topk_rows_workspace_bytes",
-               "rows (= {}) and max_tokens (= {}) must be positive", rows, max_tokens);
-  WorkspaceLayout counting;
-  layout_topk_rows(counting, topk_slots(rows, pool), max_tokens);
-  return counting.bytes();
-}
-
-void topk_rows(const MatrixView<const float>& scores, const std::int32_t* h_lengths, std::int32_t k,
-               const AttentionWindow& window, const SelectionView& out, std::span<std::byte> workspace,
-               ThreadPool* pool) {
-  constexpr const char* where = "cpu::topk_rows";
-  validate(scores, where, "scores");
-  KVSIFT_CHECK(h_lengths != nullptr, where, "h_lengths is a null pointer");
-  KVSIFT_CHECK(out.indices != nullptr && out.counts != nullptr, where, "out.indices and out.counts must be non-null");
-  KVSIFT_CHECK(k > 0, where, "k (= {}) must be positive", k);
-  KVSIFT_CHECK(out.capacity >= k, where, "out.capacity (= {}) < k (= {})", out.capacity, k);
-  KVSIFT_CHECK(out.batch > 0 && out.kv_heads > 0 && scores.rows == std::int64_t(out.batch) * out.kv_heads, where,
-               "scores.rows (= {}) != out.batch * out.kv_heads (= {} * {})", scores.rows, out.batch, out.kv_heads);
-  validate(window, where, "window");
-  for (std::int32_t b = 0; b < out.batch; ++b) {
-    KVSIFT_CHECK(h_lengths[b] >= 0 && h_lengths[b] <= scores.cols, where,
-                 "h_lengths[{}] (= {}) is outside [0, scores.cols = {}]", b, h_lengths[b], scores.cols);
-  }
-  const std::int64_t slots = topk_slots(scores.rows, pool);
-  WorkspaceLayout layout(workspace, where);
-  std::uint64_t* const keys = layout_topk_rows(layout, slots, scores.cols);
-  parallel_for(pool, slots, [&](std::int64_t slot_begin, std::int64_t slot_end) {
-    for (std::int64_t slot = slot_begin; slot < slot_end; ++slot) {
-      std::uint64_t* const slot_keys = keys + slot * scores.cols;
-      for (std::int64_t row = slot * scores.rows / slots; row < (slot + 1) * scores.rows / slots; ++row) {
-        const std::int64_t b = row / out.kv_heads, g = row % out.kv_heads;
-        const std::int32_t length = h_lengths[b];
-        const std::int32_t lo = window.sink_end(length), hi = window.recent_begin(length);
-        const std::int32_t count = std::min(k, hi - lo);
-        std::int32_t* const indices = out.row(b, g);
-        if (count == hi - lo) {  // the whole middle
-          std::iota(indices, indices + count, lo);
-        } else {
-          best_of_row(scores.row(row), lo, hi, count, slot_keys, indices);
-        }
-        out.counts[row] = count;
-        if (float* const weights = out.weights_row(b, g)) std::fill_n(weights, count, 0.0f);
-      }
-    }
   });
 }
 

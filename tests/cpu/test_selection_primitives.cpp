@@ -421,21 +421,28 @@ bool ranks_before(float a, std::int32_t ia, float b, std::int32_t ib) {
 }
 
 /// One top-K problem: scores with many ties (or continuous ones, spread over many of topk_rows' radix bins),
-/// NaN, infinities and signed zeros; ragged lengths.
+/// NaN, infinities and signed zeros; ragged lengths (0, inside the window, below k, up to cols); optionally a
+/// k per selection row and several score rows per selection row.
 struct TopKProblem {
-  std::int32_t batch, kv_heads, cols, k, capacity;
+  std::int32_t batch, kv_heads, heads_per_row, cols, k, capacity;
   AttentionWindow window;
   bool weights;
-  std::vector<float> scores;  ///< [batch * kv_heads, cols + 2] (row stride past the width)
+  std::vector<float> scores;  ///< [batch * kv_heads * heads_per_row, cols + 2] (row stride past the width)
   std::vector<std::int32_t> lengths;
+  std::vector<std::int32_t> row_k;  ///< [batch * kv_heads] or empty
 
+  std::int64_t rows() const { return std::int64_t(batch) * kv_heads * heads_per_row; }
   std::int64_t stride() const { return cols + 2; }
-  MatrixView<const float> view() const { return {scores.data(), std::int64_t(batch) * kv_heads, cols, stride()}; }
+  MatrixView<const float> view() const { return {scores.data(), rows(), cols, stride()}; }
+  TopKRowsOptions options() const {
+    return {.window = window, .row_k = row_k.empty() ? nullptr : row_k.data(), .heads_per_row = heads_per_row};
+  }
 
-  TopKProblem(Random& rng, std::int32_t batch_, std::int32_t kv_heads_, std::int32_t cols_, std::int32_t k_,
-              AttentionWindow window_, bool weights_)
-      : batch(batch_), kv_heads(kv_heads_), cols(cols_), k(k_), capacity(k_ + 3), window(window_), weights(weights_) {
-    scores.resize(std::size_t(batch) * kv_heads * stride());
+  TopKProblem(Random& rng, std::int32_t batch_, std::int32_t kv_heads_, std::int32_t heads_per_row_, std::int32_t cols_,
+              std::int32_t k_, AttentionWindow window_, bool weights_, bool per_row_k)
+      : batch(batch_), kv_heads(kv_heads_), heads_per_row(heads_per_row_), cols(cols_), k(k_),
+        capacity(heads_per_row_ * k_ + 3), window(window_), weights(weights_) {
+    scores.resize(std::size_t(rows()) * stride());
     const int spread = std::vector<int>{0, 3, 40}[rng.uniform_int(0, 2)];  // 0: continuous; 3: nearly all ties
     const float scale = rng.uniform(0.001f, 1000.0f);
     for (auto& s : scores) {
@@ -448,31 +455,69 @@ struct TopKProblem {
                        : scale * rng.normal(1)[0];
     }
     for (std::int32_t b = 0; b < batch; ++b) {
-      const int kind = rng.uniform_int(0, 5);
-      lengths.push_back(kind == 0 ? 0 : kind == 1 ? std::min(cols, rng.uniform_int(1, window.sink + window.recent + 1))
-                                                  : rng.uniform_int(0, cols));
+      const int kind = rng.uniform_int(0, 6);
+      const std::int32_t window_tokens = window.sink + window.recent;
+      lengths.push_back(kind == 0   ? 0
+                        : kind == 1 ? std::min(cols, rng.uniform_int(1, window_tokens + 1))
+                        : kind == 2 ? std::min(cols, window_tokens + rng.uniform_int(1, k))  // a middle of at most k
+                                    : rng.uniform_int(0, cols));
+    }
+    if (per_row_k) {
+      for (std::int32_t s = 0; s < batch * kv_heads; ++s) {
+        const int kind = rng.uniform_int(0, 3);
+        row_k.push_back(kind == 0 ? 0 : kind == 1 ? k : rng.uniform_int(0, k));
+      }
     }
   }
 
-  /// The expected rows: the min(k, middle) best middle tokens under ranks_before, ascending.
+  /// The expected selection row: the union of each score row's min(k_s, middle) best middle tokens under
+  /// ranks_before, ascending.
   std::vector<std::int32_t> expected(std::int32_t b, std::int32_t g) const {
     const std::int32_t n = lengths[b], lo = window.sink_end(n), hi = window.recent_begin(n);
-    const float* row = scores.data() + (std::size_t(b) * kv_heads + g) * stride();
-    std::vector<std::int32_t> middle(hi - lo);
-    std::iota(middle.begin(), middle.end(), lo);
-    std::sort(middle.begin(), middle.end(), [&](std::int32_t x, std::int32_t y) { return ranks_before(row[x], x, row[y], y); });
-    middle.resize(std::min<std::size_t>(middle.size(), std::size_t(k)));
-    std::sort(middle.begin(), middle.end());
-    return middle;
+    const std::int64_t s = std::int64_t(b) * kv_heads + g;
+    const std::int32_t k_s = row_k.empty() ? k : row_k[s];
+    std::vector<bool> chosen(std::size_t(cols), false);
+    for (std::int32_t h = 0; h < heads_per_row; ++h) {
+      const float* row = scores.data() + (s * heads_per_row + h) * stride();
+      std::vector<std::int32_t> middle(hi - lo);
+      std::iota(middle.begin(), middle.end(), lo);
+      std::sort(middle.begin(), middle.end(),
+                [&](std::int32_t x, std::int32_t y) { return ranks_before(row[x], x, row[y], y); });
+      for (std::int32_t i = 0; i < std::min(k_s, hi - lo); ++i) chosen[std::size_t(middle[i])] = true;
+    }
+    std::vector<std::int32_t> want;
+    for (std::int32_t t = 0; t < cols; ++t) {
+      if (chosen[std::size_t(t)]) want.push_back(t);
+    }
+    return want;
   }
 };
 
 /// Runs topk_rows into a poisoned selection with an exactly sized, poisoned workspace.
 test::HostSelection run_topk_rows(const TopKProblem& p, cpu::ThreadPool* pool) {
   test::HostSelection sel(p.batch, p.kv_heads, p.capacity, p.weights);
-  PoisonedWorkspace workspace(cpu::topk_rows_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, p.cols, pool));
-  cpu::topk_rows(p.view(), p.lengths.data(), p.k, p.window, sel.view, workspace.span(), pool);
+  PoisonedWorkspace workspace(cpu::topk_rows_workspace_bytes(p.rows(), p.cols, p.k, p.options(), pool));
+  cpu::topk_rows(p.view(), p.lengths.data(), p.k, p.options(), sel.view, workspace.span(), pool);
   return sel;
+}
+
+/// Checks a selection against the problem's expected rows: counts, indices, weights, and that nothing past
+/// each count was written.
+void expect_topk_rows(const TopKProblem& p, const test::HostSelection& sel) {
+  for (std::int32_t b = 0; b < p.batch; ++b) {
+    for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+      const auto want = p.expected(b, g);
+      ASSERT_EQ(sel.view.count(b, g), std::int32_t(want.size())) << b << ", " << g;
+      const std::int32_t* row = sel.view.row(b, g);
+      EXPECT_EQ(std::vector<std::int32_t>(row, row + want.size()), want) << b << ", " << g;
+      for (std::int32_t i = std::int32_t(want.size()); i < p.capacity; ++i) ASSERT_EQ(row[i], test::kPoisonIndex);
+      if (p.weights) {
+        const float* w = sel.view.weights_row(b, g);
+        for (std::size_t i = 0; i < want.size(); ++i) ASSERT_EQ(w[i], 0.0f);
+        for (std::int32_t i = std::int32_t(want.size()); i < p.capacity; ++i) ASSERT_TRUE(std::isnan(w[i]));
+      }
+    }
+  }
 }
 
 using TopKRows = test::SeededTest;
@@ -480,29 +525,19 @@ using TopKRows = test::SeededTest;
 TEST_F(TopKRows, BestOfTheMiddleUnderTheTieRuleForEveryThreadCount) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   cpu::ThreadPool pool2(2), pool3(3), pool7(7);
-  for (int trial = 0; trial < 60; ++trial) {
+  for (int trial = 0; trial < 80; ++trial) {
     const std::int32_t cols = rng.uniform_int(1, 1500);
     const AttentionWindow window =
         std::vector<AttentionWindow>{{0, 0}, {4, 0}, {0, 16}, {4, 16}, {64, 64}}[rng.uniform_int(0, 4)];
     const std::int32_t k = std::vector<std::int32_t>{1, 5, 100, cols}[rng.uniform_int(0, 3)];
-    const TopKProblem p(rng, rng.uniform_int(1, 4), rng.uniform_int(1, 3), cols, k, window, rng.uniform_int(0, 1) == 1);
-    SCOPED_TRACE(fmt::format("batch {} kv_heads {} cols {} k {} window {}+{} lengths [{}]", p.batch, p.kv_heads, cols, k,
-                             window.sink, window.recent, fmt::join(p.lengths, ", ")));
+    const std::int32_t heads_per_row = std::vector<std::int32_t>{1, 1, 2, 4, 7}[rng.uniform_int(0, 4)];
+    const TopKProblem p(rng, rng.uniform_int(1, 4), rng.uniform_int(1, 3), heads_per_row, cols, k, window,
+                        rng.uniform_int(0, 1) == 1, rng.uniform_int(0, 1) == 1);
+    SCOPED_TRACE(fmt::format("batch {} kv_heads {} heads_per_row {} cols {} k {} window {}+{} lengths [{}] row_k [{}]",
+                             p.batch, p.kv_heads, heads_per_row, cols, k, window.sink, window.recent,
+                             fmt::join(p.lengths, ", "), fmt::join(p.row_k, ", ")));
     const auto sel = run_topk_rows(p, nullptr);
-    for (std::int32_t b = 0; b < p.batch; ++b) {
-      for (std::int32_t g = 0; g < p.kv_heads; ++g) {
-        const auto want = p.expected(b, g);
-        ASSERT_EQ(sel.view.count(b, g), std::int32_t(want.size())) << b << ", " << g;
-        const std::int32_t* row = sel.view.row(b, g);
-        EXPECT_EQ(std::vector<std::int32_t>(row, row + want.size()), want) << b << ", " << g;
-        for (std::int32_t i = std::int32_t(want.size()); i < p.capacity; ++i) ASSERT_EQ(row[i], test::kPoisonIndex);
-        if (p.weights) {
-          const float* w = sel.view.weights_row(b, g);
-          for (std::size_t i = 0; i < want.size(); ++i) ASSERT_EQ(w[i], 0.0f);
-          for (std::int32_t i = std::int32_t(want.size()); i < p.capacity; ++i) ASSERT_TRUE(std::isnan(w[i]));
-        }
-      }
-    }
+    expect_topk_rows(p, sel);
     for (cpu::ThreadPool* pool : {&pool2, &pool3, &pool7}) {
       const auto pooled = run_topk_rows(p, pool);
       EXPECT_EQ(pooled.indices, sel.indices) << pool->size() << " threads";
@@ -516,10 +551,11 @@ TEST_F(TopKRows, TiesGoToTheSmallerIndexAndNaNRanksLast) {
   std::vector<float> scores = {9, 9, 1, NAN, 5, 5, -INFINITY, 5, NAN, 0.0f, 9, 9};
   scores[9] = -0.0f;
   const std::int32_t length = 12;
+  const TopKRowsOptions options{.window = {2, 2}};
   const auto top = [&](std::int32_t k) {
     test::HostSelection sel(1, 1, k, false);
-    PoisonedWorkspace workspace(cpu::topk_rows_workspace_bytes(1, 12, nullptr));
-    cpu::topk_rows(MatrixView<const float>::packed(scores.data(), 1, 12), &length, k, {2, 2}, sel.view, workspace.span());
+    PoisonedWorkspace workspace(cpu::topk_rows_workspace_bytes(1, 12, k, options, nullptr));
+    cpu::topk_rows(MatrixView<const float>::packed(scores.data(), 1, 12), &length, k, options, sel.view, workspace.span());
     return std::vector<std::int32_t>(sel.indices.begin(), sel.indices.begin() + sel.counts[0]);
   };
   EXPECT_EQ(top(1), (std::vector<std::int32_t>{4}));           // 5 at 4, 5 and 7: the smallest index
@@ -531,6 +567,32 @@ TEST_F(TopKRows, TiesGoToTheSmallerIndexAndNaNRanksLast) {
   EXPECT_EQ(top(20), (std::vector<std::int32_t>{2, 3, 4, 5, 6, 7, 8, 9}));  // the whole middle
 }
 
+TEST_F(TopKRows, PerRowKAndTheUnionOfAGroup) {
+  // Two selection rows (batch 1, kv_heads 2) of two score rows each, 10 tokens, no window.
+  const std::vector<float> scores = {
+      9, 8, 7, 0, 0, 0, 0, 0, 0, 0,  // row 0, head 0: best 0, 1, 2
+      0, 8, 9, 7, 0, 0, 0, 0, 0, 0,  // row 0, head 1: best 2, 1, 3
+      0, 0, 0, 0, 0, 0, 0, 0, 1, 2,  // row 1, head 0: best 9, 8, then ties from 0
+      3, 0, 0, 0, 0, 0, 0, 0, 0, 0,  // row 1, head 1: best 0, then ties from 1
+  };
+  const std::int32_t length = 10;
+  const auto run = [&](std::int32_t k, const std::int32_t* row_k) {
+    const TopKRowsOptions options{.row_k = row_k, .heads_per_row = 2};
+    test::HostSelection sel(1, 2, 2 * k, false);
+    PoisonedWorkspace workspace(cpu::topk_rows_workspace_bytes(4, 10, k, options, nullptr));
+    cpu::topk_rows(MatrixView<const float>::packed(scores.data(), 4, 10), &length, k, options, sel.view, workspace.span());
+    std::vector<std::vector<std::int32_t>> rows;
+    for (std::int32_t g = 0; g < 2; ++g) rows.emplace_back(sel.view.row(0, g), sel.view.row(0, g) + sel.view.count(0, g));
+    return rows;
+  };
+  using Rows = std::vector<std::vector<std::int32_t>>;
+  EXPECT_EQ(run(3, nullptr), (Rows{{0, 1, 2, 3}, {0, 1, 2, 8, 9}}));  // shared picks once
+  const std::int32_t row_k[2] = {1, 2};
+  EXPECT_EQ(run(3, row_k), (Rows{{0, 2}, {0, 1, 8, 9}}));
+  const std::int32_t none_and_all[2] = {0, 3};
+  EXPECT_EQ(run(3, none_and_all), (Rows{{}, {0, 1, 2, 8, 9}}));
+}
+
 TEST_F(TopKRows, WorkspaceQueryAndRefusals) {
   // 32 scores per row: one thread's rank keys fill one 256-byte block exactly.
   const std::int32_t lengths[2] = {32, 7};
@@ -538,14 +600,18 @@ TEST_F(TopKRows, WorkspaceQueryAndRefusals) {
   const auto view = MatrixView<const float>::packed(scores.data(), 4, 32);
   test::HostSelection sel(2, 2, 5, false);
   cpu::ThreadPool pool(3);
-  const std::size_t one = cpu::topk_rows_workspace_bytes(4, 32, nullptr), three = cpu::topk_rows_workspace_bytes(4, 32, &pool);
+  const std::size_t one = cpu::topk_rows_workspace_bytes(4, 32, 5, {}, nullptr);
+  const std::size_t three = cpu::topk_rows_workspace_bytes(4, 32, 5, {}, &pool);
   EXPECT_EQ(one, std::size_t(32) * 8);  // a rank key per score, for one thread
   EXPECT_EQ(three, 3 * one);            // and for each of 3
-  EXPECT_EQ(cpu::topk_rows_workspace_bytes(2, 32, &pool), 2 * one);  // 2 rows: at most 2 threads busy
+  EXPECT_EQ(cpu::topk_rows_workspace_bytes(2, 32, 5, {}, &pool), 2 * one);  // 2 rows: at most 2 threads busy
+  // Two score rows per selection row: 2 selection rows, 2 threads, each with rank keys and 2 * 5 picks (80
+  // bytes for both threads: one block).
+  EXPECT_EQ(cpu::topk_rows_workspace_bytes(4, 32, 5, {.heads_per_row = 2}, &pool), 2 * one + 256);
   PoisonedWorkspace buffer(three);
-  const auto go = [&](MatrixView<const float> s, const std::int32_t* lens, std::int32_t k, AttentionWindow w,
+  const auto go = [&](MatrixView<const float> s, const std::int32_t* lens, std::int32_t k, TopKRowsOptions o,
                       SelectionView out, std::span<std::byte> ws, cpu::ThreadPool* p = nullptr) {
-    cpu::topk_rows(s, lens, k, w, out, ws, p);
+    cpu::topk_rows(s, lens, k, o, out, ws, p);
   };
   go(view, lengths, 5, {}, sel.view, {buffer.data(), one});
   go(view, lengths, 5, {}, sel.view, buffer.span(), &pool);
@@ -553,25 +619,47 @@ TEST_F(TopKRows, WorkspaceQueryAndRefusals) {
                      "kvsift::cpu::topk_rows: workspace too small: 'rank_keys' needs bytes");
   test::expect_error([&] { go(view, lengths, 5, {}, sel.view, {}); }, "workspace too small: 'rank_keys'");
   test::expect_error([&] { go(view, lengths, 0, {}, sel.view, buffer.span()); }, "k (= 0) must be positive");
-  test::expect_error([&] { go(view, lengths, 6, {}, sel.view, buffer.span()); }, "out.capacity (= 5) < k (= 6)");
+  test::expect_error([&] { go(view, lengths, 6, {}, sel.view, buffer.span()); },
+                     "out.capacity (= 5) < options.heads_per_row * k (= 1 * 6)");
+  test::expect_error([&] { go(view, lengths, 5, {.heads_per_row = 0}, sel.view, buffer.span()); },
+                     "options.heads_per_row (= 0) must be >= 1");
   test::expect_error([&] { go(MatrixView<const float>::packed(scores.data(), 3, 32), lengths, 5, {}, sel.view, buffer.span()); },
-                     "scores.rows (= 3) != out.batch * out.kv_heads (= 2 * 2)");
-  test::expect_error([&] { go(view, nullptr, 5, {}, sel.view, buffer.span()); }, "h_lengths is a null pointer");
+                     "scores.rows (= 3) != out.batch * out.kv_heads * options.heads_per_row (= 2 * 2 * 1)");
+  test::expect_error([&] { go(view, lengths, 2, {.heads_per_row = 2}, sel.view, buffer.span()); },
+                     "scores.rows (= 4) != out.batch * out.kv_heads * options.heads_per_row (= 2 * 2 * 2)");
+  test::HostSelection one_row(1, 2, 5, false);
+  test::expect_error([&] { go(view, lengths, 3, {.heads_per_row = 2}, one_row.view, buffer.span()); },
+                     "out.capacity (= 5) < options.heads_per_row * k (= 2 * 3)");
+  test::expect_error([&] { go(view, nullptr, 5, {}, sel.view, buffer.span()); }, "lengths is a null pointer");
   const std::int32_t long_lengths[2] = {32, 33}, negative_lengths[2] = {-1, 3};
   test::expect_error([&] { go(view, long_lengths, 5, {}, sel.view, buffer.span()); },
-                     "h_lengths[1] (= 33) is outside [0, scores.cols = 32]");
+                     "lengths[1] (= 33) is outside [0, scores.cols = 32]");
   test::expect_error([&] { go(view, negative_lengths, 5, {}, sel.view, buffer.span()); },
-                     "h_lengths[0] (= -1) is outside [0, scores.cols = 32]");
-  test::expect_error([&] { go(view, lengths, 5, {-1, 0}, sel.view, buffer.span()); },
-                     "window.sink (= -1) and window.recent (= 0) must be >= 0");
+                     "lengths[0] (= -1) is outside [0, scores.cols = 32]");
+  test::expect_error([&] { go(view, lengths, 5, {.window = {-1, 0}}, sel.view, buffer.span()); },
+                     "options.window.sink (= -1) and options.window.recent (= 0) must be >= 0");
+  test::expect_error([&] { go(view, lengths, 5, {.window = {0, -2}}, sel.view, buffer.span()); },
+                     "options.window.sink (= 0) and options.window.recent (= -2) must be >= 0");
+  const std::int32_t big_row_k[4] = {5, 0, 6, 1}, negative_row_k[4] = {1, -1, 0, 0};
+  test::expect_error([&] { go(view, lengths, 5, {.row_k = big_row_k}, sel.view, buffer.span()); },
+                     "options.row_k[2] (= 6) is outside [0, k = 5]");
+  test::expect_error([&] { go(view, lengths, 5, {.row_k = negative_row_k}, sel.view, buffer.span()); },
+                     "options.row_k[1] (= -1) is outside [0, k = 5]");
   SelectionView no_indices = sel.view;
   no_indices.indices = nullptr;
   test::expect_error([&] { go(view, lengths, 5, {}, no_indices, buffer.span()); },
                      "out.indices and out.counts must be non-null");
   test::expect_error([&] { go(MatrixView<const float>{scores.data(), 4, 32, 5}, lengths, 5, {}, sel.view, buffer.span()); },
                      "scores: strides inconsistent with shape");
-  test::expect_error([] { cpu::topk_rows_workspace_bytes(0, 10, nullptr); },
-                     "kvsift::cpu::topk_rows_workspace_bytes: rows (= 0) and max_tokens (= 10) must be positive");
+  // The size query checks what the run checks of its arguments.
+  test::expect_error([] { cpu::topk_rows_workspace_bytes(0, 10, 1, {}, nullptr); },
+                     "kvsift::cpu::topk_rows_workspace_bytes: score_rows (= 0) and max_tokens (= 10) must be positive");
+  test::expect_error([] { cpu::topk_rows_workspace_bytes(4, 10, 0, {}, nullptr); },
+                     "kvsift::cpu::topk_rows_workspace_bytes: k (= 0) must be positive");
+  test::expect_error([] { cpu::topk_rows_workspace_bytes(4, 10, 1, {.heads_per_row = -1}, nullptr); },
+                     "kvsift::cpu::topk_rows_workspace_bytes: options.heads_per_row (= -1) must be >= 1");
+  test::expect_error([] { cpu::topk_rows_workspace_bytes(4, 10, 1, {.window = {0, -1}}, nullptr); },
+                     "options.window.sink (= 0) and options.window.recent (= -1) must be >= 0");
 }
 
 // ---- OracleTopK on the two ------------------------------------------------------------------------------------
@@ -591,12 +679,13 @@ TEST_F(GroupScores, OracleTopKIsTheWindowPlusTopKRowsOfGroupSoftmaxMaxima) {
   ScoreMatrix scores(batch * kv_heads, 300);
   const cpu::GroupScoreOptions options{.reduce = cpu::GroupReduce::max, .softmax = true};
   PoisonedWorkspace workspace(std::max(cpu::group_scores_workspace_bytes(batch, q_heads, kv_heads, 300, options),
-                                       cpu::topk_rows_workspace_bytes(batch * kv_heads, 300, nullptr)));
+                                       cpu::topk_rows_workspace_bytes(batch * kv_heads, 300, budget - sink - recent,
+                                                                      {.window = {sink, recent}}, nullptr)));
   cpu::group_scores(qv, kv.view(), scores.view(), options, workspace.span());
   test::HostSelection middle(batch, kv_heads, budget - sink - recent, false);
   const AttentionWindow window{sink, recent};
   cpu::topk_rows({scores.data.data(), scores.rows, scores.cols, scores.stride}, kv.seq_lens.data(), budget - sink - recent,
-                 window, middle.view, workspace.span());
+                 {.window = window}, middle.view, workspace.span());
   for (std::int32_t b = 0; b < batch; ++b) {
     const std::int32_t n = kv.seq_lens[b];
     for (std::int32_t g = 0; g < kv_heads; ++g) {

@@ -1,0 +1,44 @@
+#pragma once
+/// kvsift's one ranking rule, shared by every top-K (CPU and CUDA, host and device code): higher score first;
+/// on equal scores the smaller index first; NaN ranks below every number (-inf included); -0 and +0 are one
+/// score. And the options of the per-row top-K into a selection (cpu::topk_rows, cuda::topk_rows).
+
+#include <cstdint>
+#include <cstring>
+
+#include "kvsift/attention/options.hpp"
+#include "kvsift/core/config.hpp"
+
+namespace kvsift {
+
+/// The score half of rank_key: ascending order of the word is higher score first, NaN last. Integer
+/// operations only (no branch on the sign, which random scores would mispredict half the time).
+KVSIFT_HOST_DEVICE inline std::uint32_t rank_word(float score) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &score, sizeof(bits));
+  const std::uint32_t magnitude = bits & 0x7fffffffu;
+  bits = magnitude == 0 ? 0u : bits;  // -0 and +0 are equal scores
+  // Ascending float order as unsigned integers: negative numbers flip every bit, the others the sign bit.
+  const std::uint32_t ascending = bits ^ (std::uint32_t(std::int32_t(bits) >> 31) | 0x80000000u);
+  return magnitude > 0x7f800000u ? 0xffffffffu : ~ascending;  // NaN last
+}
+
+/// A score and its index packed into one integer whose ascending order is the ranking rule.
+KVSIFT_HOST_DEVICE inline std::uint64_t rank_key(float score, std::int32_t index) {
+  return (std::uint64_t(rank_word(score)) << 32) | std::uint32_t(index);
+}
+
+/// Options of topk_rows (cpu/topk.hpp, cuda/topk.hpp); the defaults give one score row per selection row,
+/// every row the same k and no window.
+struct TopKRowsOptions {
+  /// Its tokens are not candidates: sparse decode attends them anyway (attention/options.hpp).
+  AttentionWindow window{};
+  /// Optional [out.batch * out.kv_heads]: selection row s's own k, in [0, k] (a per-row budget computed on
+  /// the device, A²ATS's 0.03 * len); nullptr: every row takes k. In the backend's memory (device on CUDA).
+  const std::int32_t* row_k = nullptr;
+  /// Score rows per selection row (a GQA group of query heads): each score row takes its own top-k, and
+  /// the selection row gets their union (distinct, ascending), so out.capacity >= heads_per_row * k.
+  std::int32_t heads_per_row = 1;
+};
+
+}  // namespace kvsift

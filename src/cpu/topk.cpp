@@ -1,0 +1,149 @@
+// CPU top-K into selection rows (cpu/topk.hpp): validation, workspace layout and the per-row select.
+#include "kvsift/cpu/topk.hpp"
+
+#include <algorithm>
+#include <numeric>
+
+#include "kvsift/core/error.hpp"
+#include "kvsift/core/validate.hpp"
+#include "kvsift/core/workspace.hpp"
+
+namespace kvsift::cpu {
+namespace {
+
+void check_topk_rows_shape(const char* where, std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
+                           const TopKRowsOptions& options) {
+  KVSIFT_CHECK(score_rows > 0 && max_tokens > 0, where, "score_rows (= {}) and max_tokens (= {}) must be positive",
+               score_rows, max_tokens);
+  KVSIFT_CHECK(k > 0, where, "k (= {}) must be positive", k);
+  KVSIFT_CHECK(options.heads_per_row >= 1, where, "options.heads_per_row (= {}) must be >= 1", options.heads_per_row);
+  validate(options.window, where, "options.window");
+}
+
+/// Threads of topk_rows: each takes a contiguous run of selection rows and its own rank-key scratch.
+std::int64_t topk_slots(std::int64_t score_rows, std::int32_t heads_per_row, const ThreadPool* pool) {
+  const std::int64_t selection_rows = (score_rows + heads_per_row - 1) / heads_per_row;
+  return std::max<std::int64_t>(1, std::min<std::int64_t>(selection_rows, pool != nullptr ? pool->size() : 1));
+}
+
+struct TopKRowsWorkspace {
+  std::uint64_t* keys;   ///< [slots, max_tokens]: rank keys of one score row's boundary bin
+  std::int32_t* picks;   ///< [slots, heads_per_row * k] when heads_per_row > 1: the score rows' picks, before their union
+};
+
+/// The single layout behind topk_rows_workspace_bytes and the carving in topk_rows.
+TopKRowsWorkspace layout_topk_rows(WorkspaceLayout& layout, std::int64_t slots, std::int32_t max_tokens, std::int32_t k,
+                                   std::int32_t heads_per_row) {
+  constexpr const char* what = "cpu topk_rows workspace";
+  TopKRowsWorkspace ws{};
+  ws.keys = layout.allocate<std::uint64_t>(checked_mul(std::size_t(slots), std::size_t(max_tokens), what), "rank_keys");
+  if (heads_per_row > 1) {
+    ws.picks = layout.allocate<std::int32_t>(
+        checked_mul(std::size_t(slots), checked_mul(std::size_t(heads_per_row), std::size_t(k), what), what), "picks");
+  }
+  return ws;
+}
+
+/// The k best (rank_key order) of the candidates [lo, hi) of a row of scores, k < hi - lo, into out[0, k),
+/// ascending. A radix pass first: a histogram of the top 11 bits of each candidate's rank word finds the bin
+/// holding the k-th best; candidates of better bins are chosen outright (in ascending order, as the scan
+/// meets them), and only those of that bin are ranked by full keys (nth_element over `keys`, room for hi - lo)
+/// and merged in. The result is the plain nth_element's over all candidates, exactly.
+void best_of_row(const float* scores, std::int32_t lo, std::int32_t hi, std::int32_t k, std::uint64_t* keys,
+                 std::int32_t* out) {
+  constexpr int kShift = 21;  // 32 - 11 bits
+  std::int32_t histogram[1 << (32 - kShift)] = {};
+  for (std::int32_t t = lo; t < hi; ++t) ++histogram[rank_word(scores[t]) >> kShift];
+  std::uint32_t boundary = 0;
+  std::int32_t better = 0;  // candidates in bins before the boundary bin: fewer than k
+  while (better + histogram[boundary] < k) better += histogram[boundary++];
+  std::int32_t chosen = 0, tied = 0;
+  for (std::int32_t t = lo; t < hi; ++t) {
+    const std::uint32_t word = rank_word(scores[t]);
+    if ((word >> kShift) < boundary) {
+      out[chosen++] = t;
+    } else if ((word >> kShift) == boundary) {
+      keys[tied++] = (std::uint64_t(word) << 32) | std::uint32_t(t);
+    }
+  }
+  const std::int32_t rest = k - better;
+  std::nth_element(keys, keys + rest, keys + tied);
+  for (std::int32_t i = 0; i < rest; ++i) keys[i] &= 0xffffffffu;  // the chosen ones' indices
+  std::sort(keys, keys + rest);
+  // Merge the two ascending runs, out[0, better) and keys[0, rest), from the back into out[0, k).
+  std::int32_t a = better - 1, b = rest - 1;
+  for (std::int32_t i = k - 1; b >= 0; --i) {
+    out[i] = a >= 0 && out[a] > std::int32_t(keys[b]) ? out[a--] : std::int32_t(keys[b--]);
+  }
+}
+
+}  // namespace
+
+std::size_t topk_rows_workspace_bytes(std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
+                                      const TopKRowsOptions& options, const ThreadPool* pool) {
+  check_topk_rows_shape("cpu::topk_rows_workspace_bytes", score_rows, max_tokens, k, options);
+  WorkspaceLayout counting;
+  layout_topk_rows(counting, topk_slots(score_rows, options.heads_per_row, pool), max_tokens, k, options.heads_per_row);
+  return counting.bytes();
+}
+
+void topk_rows(const MatrixView<const float>& scores, const std::int32_t* lengths, std::int32_t k,
+               const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
+               ThreadPool* pool) {
+  constexpr const char* where = "cpu::topk_rows";
+  validate(scores, where, "scores");
+  check_topk_rows_shape(where, scores.rows, scores.cols, k, options);
+  KVSIFT_CHECK(lengths != nullptr, where, "lengths is a null pointer");
+  KVSIFT_CHECK(out.indices != nullptr && out.counts != nullptr, where, "out.indices and out.counts must be non-null");
+  const std::int32_t heads = options.heads_per_row;
+  KVSIFT_CHECK(out.batch > 0 && out.kv_heads > 0 && scores.rows == std::int64_t(out.batch) * out.kv_heads * heads, where,
+               "scores.rows (= {}) != out.batch * out.kv_heads * options.heads_per_row (= {} * {} * {})", scores.rows,
+               out.batch, out.kv_heads, heads);
+  KVSIFT_CHECK(std::int64_t(out.capacity) >= std::int64_t(heads) * k, where,
+               "out.capacity (= {}) < options.heads_per_row * k (= {} * {})", out.capacity, heads, k);
+  for (std::int32_t b = 0; b < out.batch; ++b) {
+    KVSIFT_CHECK(lengths[b] >= 0 && lengths[b] <= scores.cols, where, "lengths[{}] (= {}) is outside [0, scores.cols = {}]",
+                 b, lengths[b], scores.cols);
+  }
+  const std::int64_t selection_rows = std::int64_t(out.batch) * out.kv_heads;
+  if (options.row_k != nullptr) {
+    for (std::int64_t s = 0; s < selection_rows; ++s) {
+      KVSIFT_CHECK(options.row_k[s] >= 0 && options.row_k[s] <= k, where,
+                   "options.row_k[{}] (= {}) is outside [0, k = {}]", s, options.row_k[s], k);
+    }
+  }
+  const AttentionWindow window = options.window;
+  const std::int64_t slots = topk_slots(scores.rows, heads, pool);
+  WorkspaceLayout layout(workspace, where);
+  const TopKRowsWorkspace ws = layout_topk_rows(layout, slots, scores.cols, k, heads);
+  parallel_for(pool, slots, [&](std::int64_t slot_begin, std::int64_t slot_end) {
+    for (std::int64_t slot = slot_begin; slot < slot_end; ++slot) {
+      std::uint64_t* const keys = ws.keys + slot * scores.cols;
+      std::int32_t* const picked = heads > 1 ? ws.picks + slot * std::int64_t(heads) * k : nullptr;
+      for (std::int64_t s = slot * selection_rows / slots; s < (slot + 1) * selection_rows / slots; ++s) {
+        const std::int32_t length = lengths[s / out.kv_heads];
+        const std::int32_t lo = window.sink_end(length), hi = window.recent_begin(length);
+        const std::int32_t k_s = options.row_k != nullptr ? options.row_k[s] : k;
+        const std::int32_t picks = std::min(k_s, hi - lo);
+        std::int32_t* const indices = out.indices + s * out.capacity;
+        std::int32_t count = picks;
+        if (picks == hi - lo) {  // every score row takes the whole middle
+          std::iota(indices, indices + count, lo);
+        } else if (heads == 1) {
+          if (picks > 0) best_of_row(scores.row(s), lo, hi, picks, keys, indices);
+        } else if (picks > 0) {
+          // Each score row's ascending picks side by side, then their union.
+          for (std::int32_t h = 0; h < heads; ++h) {
+            best_of_row(scores.row(s * heads + h), lo, hi, picks, keys, picked + std::int64_t(h) * picks);
+          }
+          std::sort(picked, picked + std::int64_t(heads) * picks);
+          count = std::int32_t(std::unique_copy(picked, picked + std::int64_t(heads) * picks, indices) - indices);
+        }
+        out.counts[s] = count;
+        if (out.log_weights != nullptr) std::fill_n(out.log_weights + s * out.capacity, count, 0.0f);
+      }
+    }
+  });
+}
+
+}  // namespace kvsift::cpu
