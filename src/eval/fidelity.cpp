@@ -13,46 +13,45 @@
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/selection_buffer.hpp"
 #include "kvsift/core/validate.hpp"
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/cpu/backend.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
 #include "kvsift/selectors/streaming_llm.hpp"
+#include "kvsift/step/decode_step.hpp"
 
 namespace kvsift {
 namespace {
 
-/// One capture layer in fp32, in the capture's [token][head][channel] layout, viewed as prefixes.
-struct FloatLayer {
+/// One capture layer: its fp16 q, k, v in the capture's [token][head][channel] layout, the cache an engine
+/// would hold, and fp32 copies for the references.
+struct Layer {
   std::int32_t tokens, q_heads, kv_heads, head_dim;
-  std::vector<float> q, k, v;
+  std::vector<half> q, k, v;
+  std::vector<float> q32, k32, v32;
 
-  FloatLayer(const Capture& c, const CaptureLayer& layer)
-      : tokens(c.tokens), q_heads(c.q_heads), kv_heads(c.kv_heads), head_dim(c.head_dim) {
-    const auto widen = [](const std::vector<half>& src) {
-      std::vector<float> dst(src.size());
-      std::transform(src.begin(), src.end(), dst.begin(), [](half x) { return to_float(x); });
-      return dst;
-    };
-    q = widen(layer.q);
-    k = widen(layer.k);
-    v = widen(layer.v);
+  Layer(const Capture& c, const CaptureLayer& layer)
+      : tokens(c.tokens), q_heads(c.q_heads), kv_heads(c.kv_heads), head_dim(c.head_dim), q(layer.q), k(layer.k),
+        v(layer.v), q32(widen(q)), k32(widen(k)), v32(widen(v)) {}
+  static std::vector<float> widen(const std::vector<half>& src) {
+    std::vector<float> dst(src.size());
+    std::transform(src.begin(), src.end(), dst.begin(), [](half x) { return to_float(x); });
+    return dst;
   }
   std::int64_t kv_token_stride() const { return std::int64_t(kv_heads) * head_dim; }
   /// The cache holding tokens [0, *length).
-  ContiguousKVView<const float> kv(const std::int32_t* length) const {
-    return {k.data(), v.data(), length, 1, kv_heads, tokens, head_dim, tokens * kv_token_stride(), head_dim,
+  template <class T>
+  ContiguousKVView<T> kv(T* keys, T* values, const std::int32_t* length) const {
+    return {keys, values, length, 1, kv_heads, tokens, head_dim, tokens * kv_token_stride(), head_dim,
             kv_token_stride()};
   }
-  QueryView<const float> query(std::int32_t pos) const {
-    return QueryView<const float>::packed(q.data() + std::size_t(pos) * q_heads * head_dim, 1, q_heads, head_dim);
+  KVCache<half> cache(const std::int32_t* length) { return kv(k.data(), v.data(), length); }
+  ContiguousKVView<const float> reference_kv(const std::int32_t* length) const {
+    return kv<const float>(k32.data(), v32.data(), length);
   }
-  PrefillInputs<float> prefill(const std::int32_t* length) const {
-    const std::int64_t q_token_stride = std::int64_t(q_heads) * head_dim;
-    return {{q.data(), 1, q_heads, *length, head_dim, tokens * q_token_stride, head_dim, q_token_stride}, kv(length)};
-  }
-  AppendInputs<float> token(std::int32_t pos) const {
-    const std::size_t offset = std::size_t(pos) * kv_heads * head_dim;
-    return {HeadsView<const float>::packed(k.data() + offset, 1, kv_heads, head_dim),
-            HeadsView<const float>::packed(v.data() + offset, 1, kv_heads, head_dim), query(pos)};
+  template <class T>
+  static QueryView<const T> query(const std::vector<T>& q, std::int32_t pos, std::int32_t heads, std::int32_t d) {
+    return QueryView<const T>::packed(q.data() + std::size_t(pos) * heads * d, 1, heads, d);
   }
 };
 
@@ -60,9 +59,20 @@ struct FloatLayer {
 
 std::vector<SelectorEntry> reference_selectors() {
   return {
-      {"OracleTopK", [](std::int32_t k) { return AnySelector<float>(OracleTopK({.budget = k})); }},
-      {"StreamingLLM", [](std::int32_t k) { return AnySelector<float>(StreamingLLM({.budget = k, .sink = std::min(4, k)})); }},
-      {"Quest", [](std::int32_t k) { return AnySelector<float>(Quest({.budget = k, .page_size = 16})); }},
+      {"OracleTopK",
+       [](std::int32_t k, const SelectorLimits& limits) {
+         return SelectorSetup{AnySelector<half, cpu::Context>(OracleTopK<half, cpu::Context>(limits, {.budget = k}))};
+       }},
+      {"StreamingLLM",
+       [](std::int32_t k, const SelectorLimits& limits) {
+         const std::int32_t sink = std::min(4, k);
+         return SelectorSetup{AnySelector<half, cpu::Context>(StreamingLLM<half, cpu::Context>(limits)), {sink, k - sink}};
+       }},
+      {"Quest",
+       [](std::int32_t k, const SelectorLimits& limits) {
+         return SelectorSetup{
+             AnySelector<half, cpu::Context>(Quest<half, cpu::Context>(limits, {.budget = k, .page_size = 16}))};
+       }},
   };
 }
 
@@ -84,10 +94,23 @@ double mean(const std::vector<double>& values) {
   return values.empty() ? 0.0 : sum / double(values.size());
 }
 
-/// One selector at one budget on one layer: the selector (absent when refused) and its samples.
+/// A 256-byte aligned host workspace.
+struct Workspace {
+  explicit Workspace(std::size_t bytes) : blocks(bytes / WorkspaceLayout::kAlignment + 1) {}
+  struct alignas(WorkspaceLayout::kAlignment) Block {
+    std::byte bytes[WorkspaceLayout::kAlignment];
+  };
+  std::vector<Block> blocks;
+  std::span<std::byte> span() { return {reinterpret_cast<std::byte*>(blocks.data()), blocks.size() * sizeof(Block)}; }
+};
+
+using Step = DecodeStep<AnySelector<half, cpu::Context>>;
+
+/// One selector at one budget on one layer: its decode step (absent when refused) and its samples.
 struct Run {
   std::size_t budget_index = 0;
-  std::optional<AnySelector<float>> selector;
+  std::optional<Step> step;
+  std::optional<Workspace> workspace;
   std::string refused;
   std::vector<double> mass, error;  ///< per (evaluated position, query head)
   double id_recall = 0.0, selected = 0.0;  ///< sums over (evaluated position, kv head)
@@ -162,63 +185,77 @@ FidelityResult evaluate_fidelity(const Capture& capture, std::span<const Selecto
   std::vector<float> o(state_size), lse(qh), o_dense(state_size), lse_dense(qh);
   std::vector<std::int32_t> rank, order;
   std::vector<float> score;
+  const SelectorLimits limits{.max_slots = 1, .max_tokens = capture.tokens, .q_heads = qh, .kv_heads = kvh,
+                              .head_dim = d};
+  const cpu::Context ctx{};
+  const std::int32_t slot = 0;
+  std::int32_t length = first_position;  // the cache's length, read through the views below
   for (const auto& capture_layer : capture.layers) {
-    const FloatLayer layer(capture, capture_layer);
-    // Every (budget, selector), prepared on the prefill.
+    Layer layer(capture, capture_layer);
+    length = first_position;
+    // Every (budget, selector) in its own decode step, prepared on the prefill.
     std::vector<Run> runs;
-    std::vector<SelectionBuffer> buffers;  // one per budget, reused by its selectors
-    const std::int32_t prefill_length = first_position;
     for (std::size_t b = 0; b < budget_tokens.size(); ++b) {
-      buffers.emplace_back(1, kvh, budget_tokens[b], true);
       for (const auto& entry : selectors) {
         Run& run = runs.emplace_back();
         run.budget_index = b;
         try {
-          run.selector.emplace(entry.make(budget_tokens[b]));
+          SelectorSetup setup = entry.make(budget_tokens[b], limits);
+          run.step.emplace(std::move(setup.selector),
+                           DecodeStepConfig{.attention = {.window = setup.window}, .max_batch = 1, .q_heads = qh,
+                                            .kv_heads = kvh, .head_dim = d, .max_seq_len = capture.tokens},
+                           ctx);
         } catch (const Error& e) {
           run.refused = e.what();
           continue;
         }
-        run.selector->prepare(layer.prefill(&prefill_length));
+        run.workspace.emplace(run.step->workspace_bytes());
+        run.step->prepare({.cache = layer.cache(&length).as_const(), .slots = &slot}, ctx);
       }
     }
     auto next_eval = result.positions.begin();
     for (std::int32_t pos = first_position; pos < capture.tokens; ++pos) {
-      const std::int32_t length = pos + 1;  // the query at pos attends [0, pos], its own token included
-      const auto q = layer.query(pos);
-      const auto kv = layer.kv(&length);
-      for (Run& run : runs) {
-        if (run.selector) run.selector->append(layer.token(pos));
-      }
+      length = pos + 1;  // the query at pos attends [0, pos], its own token included
+      const auto q = Layer::query(layer.q, pos, qh, d);
+      const auto q32 = Layer::query(layer.q32, pos, qh, d);
+      const auto kv = layer.reference_kv(&length);
       const bool evaluated = next_eval != result.positions.end() && *next_eval == pos;
       std::optional<AttentionWeights> attention;
       if (evaluated) {
         ++next_eval;
-        attention = attention_weights(q, kv);
-        reference::dense_decode(q, kv, StateView<float>::packed(o_dense.data(), lse_dense.data(), 1, qh, d));
+        attention = attention_weights(q32, kv);
+        reference::dense_decode(q32, kv, StateView<float>::packed(o_dense.data(), lse_dense.data(), 1, qh, d));
         rank_tokens(*attention, kvh, rank, score, order);
       }
       for (Run& run : runs) {
-        if (!run.selector) continue;
-        SelectionBuffer& buffer = buffers[run.budget_index];
-        const SelectionView& selection = buffer.view();
-        std::fill(buffer.log_weights().begin(), buffer.log_weights().end(), 0.0f);
-        run.selector->select(q, selection);
+        if (!run.step) continue;
+        run.step->run(StepInputs<half>{.q = q, .cache = layer.cache(&length), .slots = &slot},
+                      StateView<float>::packed(o.data(), lse.data(), 1, qh, d), run.workspace->span(), ctx);
         if (!evaluated) continue;
-        check_selection_contents(selection, kv, where, "selection", /*refuse_duplicates=*/true);
-        const auto mass = attention_mass_recall_per_head(*attention, selection);
+        // The attended set: the window's tokens, then the selection.
+        const SelectionView selection = run.step->selection(run.workspace->span(), 1, ctx);
+        const AttentionWindow& window = run.step->config().attention.window;
+        check_selection_contents(selection, kv, where, "selection", /*refuse_duplicates=*/true, window);
+        SelectionBuffer attended(1, kvh, window.size(length) + std::max(1, selection.capacity), false);
+        for (std::int32_t g = 0; g < kvh; ++g) {
+          std::int32_t* row = attended.view().row(0, g);
+          std::int32_t n = 0;
+          for (std::int32_t t = 0; t < window.sink_end(length); ++t) row[n++] = t;
+          for (std::int32_t t = window.recent_begin(length); t < length; ++t) row[n++] = t;
+          for (std::int32_t i = 0; i < selection.count(0, g); ++i) row[n++] = selection.row(0, g)[i];
+          attended.view().counts[g] = n;
+        }
+        const SelectionView& all = attended.view();
+        const auto mass = attention_mass_recall_per_head(*attention, all);
         run.mass.insert(run.mass.end(), mass.begin(), mass.end());
-        reference::sparse_decode(q, kv, selection, StateView<float>::packed(o.data(), lse.data(), 1, qh, d));
         const auto error = relative_l2_error_per_row(o, o_dense, std::size_t(d));
         run.error.insert(run.error.end(), error.begin(), error.end());
         const std::int32_t k = std::min(budget_tokens[run.budget_index], length);  // the oracle's top-K
         for (std::int32_t g = 0; g < kvh; ++g) {
           std::int32_t hits = 0;
-          for (std::int32_t i = 0; i < selection.count(0, g); ++i) {
-            hits += rank[std::size_t(g) * length + selection.row(0, g)[i]] < k ? 1 : 0;
-          }
+          for (std::int32_t i = 0; i < all.count(0, g); ++i) hits += rank[std::size_t(g) * length + all.row(0, g)[i]] < k ? 1 : 0;
           run.id_recall += double(hits) / k;
-          run.selected += selection.count(0, g);
+          run.selected += all.count(0, g);
         }
       }
     }
@@ -230,7 +267,7 @@ FidelityResult evaluate_fidelity(const Capture& capture, std::span<const Selecto
       row.budget = options.budgets[run.budget_index];
       row.budget_tokens = budget_tokens[run.budget_index];
       row.refused = run.refused;
-      if (run.selector) {
+      if (run.step) {
         const double samples = double(n_eval) * kvh;
         row.id_recall = run.id_recall / samples;
         row.mean_selected = run.selected / samples;

@@ -10,7 +10,6 @@
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/core/rope.hpp"
 #include "kvsift/core/selection_buffer.hpp"
-#include "kvsift/selectors/oracle_topk.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {
@@ -120,22 +119,6 @@ TEST_F(BadInput, MergeShapeMismatch) {
                {"partials[0] shape [2, 4, 8] != out shape [2, 4, 16]"});
   expect_error([&] { reference::merge_states<float, float>(std::span<const StateView<const float>>{}, out.view); },
                {"partials is empty"});
-}
-
-TEST_F(BadInput, OracleSelectionTooSmallAndBadConfig) {
-  std::vector<float> pq = rng.normal(2 * 4 * 40 * 16);
-  HostSelection sel(2, 2, 64, false);
-  OracleTopK small({.budget = 8});
-  small.prepare({SequenceView<const float>::packed(pq.data(), 2, 4, 40, 16), kv.view()});
-  HostSelection tiny(2, 2, 7, false);
-  expect_error([&] { small.select(qv, tiny.view); }, {"out.capacity (= 7) is smaller than budget (= 8)"});
-  expect_error([] { OracleTopK bad({.budget = 4, .sink = 3, .recent = 2}); },
-               {"config.sink + config.recent (= 5) exceeds config.budget (= 4)"});
-  expect_error([] { OracleTopK bad({.budget = 0}); }, {"config.budget (= 0) must be positive"});
-  expect_error([] { OracleTopK bad({.budget = 8, .attention = {.window = {4, 0}}}); },
-               {"config.attention.window (sink = 4, recent = 0) is not used: set config.sink and config.recent"});
-  OracleTopK unprepared({.budget = 4});
-  expect_error([&] { unprepared.select(qv, sel.view); }, {"prepare() has not been called"});
 }
 
 TEST_F(BadInput, SelectionDuplicatesAreAttendedOncePerOccurrenceByTheReferenceButRefusedByMetrics) {

@@ -4,10 +4,13 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <memory>
+#include <span>
 #include <string>
 
 #include "kvsift/eval/metrics.hpp"
 #include "kvsift/eval/capture.hpp"
+#include "kvsift/cpu/backend.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "test_util.hpp"
 
@@ -89,11 +92,24 @@ TEST(Capture, RealAttentionIsConcentratedAndTheOracleKeepsIt) {
   const auto kv = ContiguousKVView<const float>::packed(keys.data(), values.data(), 1, c.kv_heads, c.tokens, c.head_dim);
   const auto qv = QueryView<const float>::packed(q.data(), 1, c.q_heads, c.head_dim);
   const std::int32_t budget = c.tokens / 20;  // 5%
-  OracleTopK oracle({.budget = budget});
-  oracle.prepare({{}, kv});
+  // OracleTopK on the capture's own fp16 cache ([token][head][channel]), as an engine would hold it.
+  const std::int32_t length = c.tokens, slot = 0, kvd = c.kv_heads * c.head_dim;
+  const KVCache<const half> cache = ContiguousKVView<const half>{
+      layer.k.data(), layer.v.data(), &length, 1, c.kv_heads, c.tokens, c.head_dim, std::int64_t(c.tokens) * kvd,
+      c.head_dim, kvd};
+  OracleTopK<half, cpu::Context> oracle(
+      {.max_slots = 1, .max_tokens = c.tokens, .q_heads = c.q_heads, .kv_heads = c.kv_heads, .head_dim = c.head_dim},
+      {.budget = budget});
+  std::vector<std::byte> storage(oracle.select_workspace_bytes({1, c.q_heads, c.kv_heads, c.head_dim, c.tokens}, {}) + 256);
+  void* base = storage.data();
+  std::size_t space = storage.size();
+  const std::span<std::byte> workspace(static_cast<std::byte*>(std::align(256, storage.size() - 256, base, space)),
+                                       storage.size() - 256);
   test::HostSelection sel(1, c.kv_heads, budget, false);
-  oracle.select(qv, sel.view);
-  // Measured 0.72-0.99 per head at 2% on this text (docs/fidelity.md); 5% keeps well over half on average.
+  oracle.select({.q = QueryView<const half>::packed(layer.q.data() + std::size_t(c.tokens - 1) * c.q_heads * c.head_dim,
+                                                    1, c.q_heads, c.head_dim),
+                 .cache = cache, .slots = &slot, .lengths = &length},
+                sel.view, workspace, {});
   EXPECT_GT(attention_mass_recall(qv, kv, sel.view), 0.6);
 }
 

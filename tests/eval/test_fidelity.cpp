@@ -13,6 +13,7 @@
 
 #include "kvsift/eval/capture.hpp"
 #include "kvsift/eval/fidelity.hpp"
+#include "kvsift/cpu/backend.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/streaming_llm.hpp"
 #include "test_util.hpp"
@@ -62,15 +63,24 @@ Capture make_capture(std::int32_t tokens, std::int32_t q_heads, std::int32_t kv_
   return c;
 }
 
-/// The last K tokens of [0, p] (StreamingLLM without sink), and the first K (a sink only, never the own token).
+using Any = AnySelector<half, cpu::Context>;
+
+/// The last K tokens of [0, p] (a window of recent tokens alone), and the first K (a sink only, never the own
+/// token).
 SelectorEntry recent_entry() {
-  return {"Recent", [](std::int32_t k) { return AnySelector<float>(StreamingLLM({.budget = k, .sink = 0})); }};
+  return {"Recent", [](std::int32_t k, const SelectorLimits& limits) {
+            return SelectorSetup{Any(StreamingLLM<half, cpu::Context>(limits)), {0, k}};
+          }};
 }
 SelectorEntry oldest_entry() {
-  return {"Oldest", [](std::int32_t k) { return AnySelector<float>(StreamingLLM({.budget = k, .sink = k})); }};
+  return {"Oldest", [](std::int32_t k, const SelectorLimits& limits) {
+            return SelectorSetup{Any(StreamingLLM<half, cpu::Context>(limits)), {k, 0}};
+          }};
 }
 SelectorEntry oracle_entry() {
-  return {"OracleTopK", [](std::int32_t k) { return AnySelector<float>(OracleTopK({.budget = k})); }};
+  return {"OracleTopK", [](std::int32_t k, const SelectorLimits& limits) {
+            return SelectorSetup{Any(OracleTopK<half, cpu::Context>(limits, {.budget = k}))};
+          }};
 }
 
 /// The q-quantile by linear interpolation between order statistics (numpy's default).

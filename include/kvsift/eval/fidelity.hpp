@@ -2,11 +2,12 @@
 /// Fidelity of selectors on real attention: replays the decode positions of a capture through any set of
 /// selectors at budgets given as fractions of the context, and scores each selection against exact attention.
 ///
-/// Decoding, per layer. Tokens [0, P) are the prefill, P = round(prefill * tokens) the first decode position.
-/// Every selector is made per budget and goes through its own life cycle, as in an engine: prepare() on the
-/// prefill (its queries and keys), then at each decode position p = P, ..., tokens - 1, append() of token p
-/// (its key, value and query) and then select() for the query at p. The query at p attends the tokens [0, p],
-/// its own included, in the exact reference, in the oracle and in every selector's candidate set.
+/// Decoding, per layer, as an engine decodes: the capture's fp16 cache is the engine's cache, and every
+/// selector (made per budget, with its attention window) runs in a CPU DecodeStep (step/decode_step.hpp):
+/// prepare() on the prefill, then at each decode position p = P, ..., tokens - 1 one step over the cache
+/// holding [0, p] (the query at p attends its own token): the selector's append and select, then sparse
+/// attention over the window and the selection, with fp32 output. Tokens [0, P) are the prefill,
+/// P = round(prefill * tokens) the first decode position.
 ///
 /// Evaluated positions: `decode_positions` of them, spread evenly over the decoded range [P, tokens - 1], both
 /// ends included (position i of N is P + round(i * (tokens - 1 - P) / (N - 1)); N = 1 is the last position).
@@ -16,13 +17,16 @@
 ///
 /// Budget: K = max(1, round(budget * (P + 1))) tokens per (position, kv head), the fraction of the context at
 /// the first decode position (P + 1 tokens), the same K at every position (so at most that fraction later).
+/// K counts the window's tokens too: a selector entry splits K between its window and its selection.
 ///
-/// Scores per (position, query head), and per row (layer, budget, selector) their mean and tails over the
+/// The attended set of a row is the window's tokens and the selection. Scores per (position, query head), and
+/// per row (layer, budget, selector) their mean and tails over the
 /// evaluated positions and heads (p10 / p90: quantiles by linear interpolation between order statistics, as
 /// numpy's default: x_sorted[h] interpolated at h = q * (n - 1)):
 ///   - mass recall: the exact softmax mass of the selected tokens (attention_mass_recall_per_head, fp64);
-///   - output error: ||O_selected - O_dense|| / ||O_dense|| of the head's output (head_dim values), log-weights
-///     applied, both by the fp64 reference attention (relative_l2_error_per_row);
+///   - output error: ||O_step - O_dense|| / ||O_dense|| of the head's output (head_dim values): O_step is the
+///     decode step's own output (CPU kernel, fp32 accumulation and output), O_dense the fp64 reference's
+///     (relative_l2_error_per_row);
 /// and per (position, kv head), means only:
 ///   - id recall: the share of the oracle's top-K ids that the selection holds. The oracle ranks the tokens of
 ///     a kv head once per position by the largest softmax weight any query head of its GQA group gives them
@@ -36,20 +40,28 @@
 #include <string>
 #include <vector>
 
+#include "kvsift/cpu/context.hpp"
 #include "kvsift/eval/capture.hpp"
-#include "kvsift/core/selector.hpp"
+#include "kvsift/selectors/selector.hpp"
 
 namespace kvsift {
 
-/// A selector by name, and how to make one for a budget in tokens. make() throws kvsift::Error when the
-/// method cannot run at that budget (e.g. Quest below one page); the harness reports that instead.
-struct SelectorEntry {
-  std::string name;
-  std::function<AnySelector<float>(std::int32_t budget_tokens)> make;
+/// A selector made for a budget: the selector and the attention window it runs with.
+struct SelectorSetup {
+  AnySelector<half, cpu::Context> selector;
+  AttentionWindow window{};
 };
 
-/// OracleTopK (the upper bound), StreamingLLM (sink 4 + recent) and Quest (pages of 16): the references
-/// every retrieval selector is compared with.
+/// A selector by name, and how to make one for a budget in tokens (window included) and the capture's
+/// limits. make() throws kvsift::Error when the method cannot run at that budget (e.g. Quest below one page);
+/// the harness reports that instead.
+struct SelectorEntry {
+  std::string name;
+  std::function<SelectorSetup(std::int32_t budget_tokens, const SelectorLimits& limits)> make;
+};
+
+/// OracleTopK (the upper bound; no window), StreamingLLM (the window alone: sink min(4, K), recent K - sink)
+/// and Quest (pages of 16, no window): the references every retrieval selector is compared with.
 std::vector<SelectorEntry> reference_selectors();
 
 struct FidelityOptions {

@@ -37,8 +37,8 @@ class Quest {
 
   Quest(const SelectorLimits& limits, const QuestConfig& config)
       : limits_(limits), config_(config), max_pages_(checked_pages(limits, config)) {
-    bounds_.resize(std::size_t(limits.max_slots) * std::size_t(limits.kv_heads) * std::size_t(max_pages_) * 2 *
-                   std::size_t(limits.head_dim));
+    bounds_.resize(PageBoundsView<T>::bytes(limits.max_slots, limits.kv_heads, max_pages_, limits.head_dim) /
+                   sizeof(T));
   }
 
   std::string_view name() const { return "Quest"; }
@@ -78,9 +78,7 @@ class Quest {
     WorkspaceLayout carving(workspace, where);
     const Buffers b = layout(carving, batch, ctx);
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
-    const PageBoundsView<T> all = bounds();
-    const PageBoundsView<const T> read{all.data, all.slots, all.kv_heads, all.max_pages, all.head_dim, all.page_size};
-    page_scores(in.q, read, in.slots, in.lengths, in.attention.window,
+    page_scores(in.q, bounds().as_const(), in.slots, in.lengths, in.attention.window,
                 MatrixView<float>::packed(b.scores, rows, max_pages_), b.page_counts, ctx);
     const SelectionView pages{b.pages, b.page_picks, nullptr, batch, limits_.kv_heads, pages_per_row()};
     topk_rows(MatrixView<const float>::packed(b.scores, rows, max_pages_), b.page_counts, pages_per_row(),

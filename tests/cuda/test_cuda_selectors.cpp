@@ -1,0 +1,237 @@
+// The reference selectors on CUDA through the decode step: the same checks as the CPU's (selections against
+// fp64 references of their scores, with candidates within a stated epsilon of the k-th score free to trade
+// places; outputs against the fp64 reference attention), on contiguous and paged bf16 and fp16 caches; and
+// several decode steps (token write, append, select, attend) captured in a CUDA graph and replayed, equal bit
+// for bit to the eager run.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "gpu_test.hpp"
+#include "kvsift/cuda/backend.hpp"
+#include "kvsift/selectors/oracle_topk.hpp"
+#include "kvsift/selectors/quest.hpp"
+#include "kvsift/selectors/streaming_llm.hpp"
+#include "kvsift/step/decode_step.hpp"
+#include "selector_check.hpp"
+
+namespace kvsift::test {
+namespace {
+
+constexpr AttentionWindow kWindow{4, 16};
+
+template <class T>
+class CudaSelectors : public GpuTest {};
+using StorageTypes = testing::Types<bfloat16, half>;
+TYPED_TEST_SUITE(CudaSelectors, StorageTypes);
+
+/// A host problem and its device copy: queries, the cache (contiguous or paged), slots.
+template <class T>
+struct DeviceFixture {
+  HostDecodeProblem<T> p;
+  std::vector<std::int32_t> slots;
+  DeviceBuffer<T> q, k, v;
+  DeviceBuffer<std::int32_t> seq_lens, indptr, page_indices, last_len, d_slots;
+
+  DeviceFixture(Random& rng, const CaseSpec& spec) : p(rng, spec), slots(std::size_t(spec.batch)) {
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(slots.begin(), slots.end(), rng.engine);
+    q = DeviceBuffer<T>(p.q);
+    k = DeviceBuffer<T>(spec.page_size == 0 ? p.k : p.k_pages);
+    v = DeviceBuffer<T>(spec.page_size == 0 ? p.v : p.v_pages);
+    seq_lens = DeviceBuffer<std::int32_t>(p.kv_values.seq_lens);
+    if (spec.page_size > 0) {
+      indptr = DeviceBuffer<std::int32_t>(p.paged_values->indptr);
+      page_indices = DeviceBuffer<std::int32_t>(p.paged_values->indices);
+      last_len = DeviceBuffer<std::int32_t>(p.paged_values->last_len);
+    }
+    d_slots = DeviceBuffer<std::int32_t>(slots);
+  }
+  KVCache<T> cache() const {
+    const auto& c = p.spec;
+    if (c.page_size == 0) {
+      return ContiguousKVView<T>::packed(k.data(), v.data(), c.batch, c.kv_heads, c.tokens, c.head_dim, seq_lens.data());
+    }
+    const auto& h = p.paged_values->view;
+    return PagedKVView<T>{k.data(), v.data(), indptr.data(), page_indices.data(), last_len.data(), h.batch,
+                          h.kv_heads, h.head_dim, h.page_size, h.num_pages, h.page_stride, h.token_stride, h.head_stride};
+  }
+  QueryView<const T> q_view() const { return QueryView<const T>::packed(q.data(), p.spec.batch, p.spec.q_heads, p.spec.head_dim); }
+  SelectorLimits limits() const {
+    return {.max_slots = p.spec.batch, .max_tokens = p.spec.tokens, .q_heads = p.spec.q_heads,
+            .kv_heads = p.spec.kv_heads, .head_dim = p.spec.head_dim};
+  }
+  DecodeStepConfig config() const {
+    return {.attention = {.window = kWindow}, .max_batch = p.spec.batch, .q_heads = p.spec.q_heads,
+            .kv_heads = p.spec.kv_heads, .head_dim = p.spec.head_dim, .max_seq_len = p.spec.tokens};
+  }
+};
+
+struct StepResult {
+  std::vector<std::int32_t> indices, counts;
+};
+
+/// prepare + one step; checks the output against the reference over window and selection; returns the selection.
+template <class Step, class T>
+StepResult run_step(Step& step, DeviceFixture<T>& f, const cuda::Context& ctx) {
+  const auto& c = f.p.spec;
+  step.prepare({.cache = f.cache().as_const(), .slots = f.d_slots.data()}, ctx);
+  DeviceBuffer<std::byte> workspace(step.workspace_bytes());
+  workspace.poison();
+  DeviceBuffer<T> o(std::size_t(c.batch) * c.q_heads * c.head_dim);
+  DeviceBuffer<float> lse(std::size_t(c.batch) * c.q_heads);
+  o.poison();
+  lse.poison();
+  step.run(StepInputs<T>{.q = f.q_view(), .cache = f.cache(), .slots = f.d_slots.data()},
+           StateView<T>::packed(o.data(), lse.data(), c.batch, c.q_heads, c.head_dim),
+           {workspace.data(), workspace.size()}, ctx);
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
+  const SelectionView d_sel = step.selection({workspace.data(), workspace.size()}, c.batch, ctx);
+  StepResult r;
+  r.indices.resize(std::size_t(c.batch) * c.kv_heads * d_sel.capacity);
+  r.counts.resize(std::size_t(c.batch) * c.kv_heads);
+  KVSIFT_CUDA_CHECK(cudaMemcpy(r.indices.data(), d_sel.indices, r.indices.size() * 4, cudaMemcpyDeviceToHost));
+  KVSIFT_CUDA_CHECK(cudaMemcpy(r.counts.data(), d_sel.counts, r.counts.size() * 4, cudaMemcpyDeviceToHost));
+  const SelectionView h_sel{r.indices.data(), r.counts.data(), nullptr, c.batch, c.kv_heads, d_sel.capacity};
+  HostState ref(c.batch, c.q_heads, c.head_dim);
+  reference::sparse_decode(f.p.q_view(), f.p.kv_values.view(), h_sel, ref.view, step.config().attention);
+  expect_close<T>(o.download(), lse.download(), ref, "step output");
+  return r;
+}
+
+TYPED_TEST(CudaSelectors, OracleTopKIsTheExactTopKOfTheMiddle) {
+  using T = TypeParam;
+  for (const std::int32_t page_size : {0, 16}) {
+    for (const std::int32_t tokens : {40, 3000}) {
+      const CaseSpec spec{.batch = 3, .q_heads = 8, .kv_heads = 2, .head_dim = 128, .tokens = tokens, .k = 0,
+                          .page_size = page_size, .log_weights = false};
+      SCOPED_TRACE(describe(spec) + fmt::format(" seed {}", this->seed));
+      DeviceFixture<T> f(this->rng, spec);
+      const cuda::Context ctx{};
+      DecodeStep step(OracleTopK<T, cuda::Context>(f.limits(), {.budget = 64}), f.config(), ctx);
+      const auto sel = run_step(step, f, ctx);
+      expect_oracle_selection(f.p, sel.indices, sel.counts, 64, 64, kWindow, 1.0 / std::sqrt(128.0));
+    }
+  }
+}
+
+TYPED_TEST(CudaSelectors, QuestTakesTheBestPagesWhole) {
+  using T = TypeParam;
+  for (const std::int32_t page_size : {0, 16}) {
+    const CaseSpec spec{.batch = 3, .q_heads = 8, .kv_heads = 2, .head_dim = 128, .tokens = 3000, .k = 0,
+                        .page_size = page_size, .log_weights = false};
+    SCOPED_TRACE(describe(spec) + fmt::format(" seed {}", this->seed));
+    DeviceFixture<T> f(this->rng, spec);
+    const cuda::Context ctx{};
+    DecodeStep step(Quest<T, cuda::Context>(f.limits(), {.budget = 256, .page_size = 16}), f.config(), ctx);
+    const auto sel = run_step(step, f, ctx);
+    expect_quest_selection(f.p, sel.indices, sel.counts, 256, 16, 16, kWindow);
+  }
+}
+
+TYPED_TEST(CudaSelectors, StreamingLLMAttendsTheWindowAlone) {
+  using T = TypeParam;
+  const CaseSpec spec{.batch = 3, .q_heads = 8, .kv_heads = 2, .head_dim = 128, .tokens = 500, .k = 0,
+                      .page_size = 16, .log_weights = false};
+  SCOPED_TRACE(describe(spec) + fmt::format(" seed {}", this->seed));
+  DeviceFixture<T> f(this->rng, spec);
+  const cuda::Context ctx{};
+  DecodeStep step(StreamingLLM<T, cuda::Context>(f.limits()), f.config(), ctx);
+  const auto sel = run_step(step, f, ctx);
+  for (const std::int32_t count : sel.counts) EXPECT_EQ(count, 0);
+}
+
+/// Several decode steps of Quest and of OracleTopK (the engine's length update, the step's token write,
+/// append, select, attend) captured in one CUDA graph: two replays give bit for bit the eager run's outputs.
+template <class T, template <class, class> class Selector, class Config>
+void expect_graph_replays_equal_eager(Random& rng, const Config& config) {
+  const CaseSpec spec{.batch = 2, .q_heads = 8, .kv_heads = 2, .head_dim = 128, .tokens = 2048, .k = 0,
+                      .page_size = 0, .log_weights = false, .random_lengths = false};
+  constexpr int kSteps = 4;
+  DeviceFixture<T> f(rng, spec);
+  const std::vector<std::int32_t> prefill{1500, 1777};
+  std::vector<std::int32_t> lengths_per_step;  // [kSteps, batch]: the engine's lengths at each step
+  for (int s = 1; s <= kSteps; ++s) {
+    for (const std::int32_t len : prefill) lengths_per_step.push_back(len + s);
+  }
+  const DeviceBuffer<std::int32_t> d_lengths_per_step(lengths_per_step), d_prefill(prefill);
+  const auto new_k = to_storage<T>(rng.normal(std::size_t(kSteps) * spec.batch * spec.kv_heads * spec.head_dim));
+  const auto new_v = to_storage<T>(rng.normal(new_k.size()));
+  const auto queries = to_storage<T>(rng.normal(std::size_t(kSteps) * spec.batch * spec.q_heads * spec.head_dim));
+  const DeviceBuffer<T> d_new_k(new_k), d_new_v(new_v), d_queries(queries);
+  const DeviceBuffer<T> k0(f.p.k), v0(f.p.v);
+
+  cudaStream_t stream;
+  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const cuda::Context ctx{stream};
+  DecodeStep step(Selector<T, cuda::Context>(f.limits(), config), f.config(), ctx);
+  DeviceBuffer<std::byte> workspace(step.workspace_bytes());
+  const std::size_t o_elems = std::size_t(spec.batch) * spec.q_heads * spec.head_dim;
+  DeviceBuffer<T> o(kSteps * o_elems);
+  DeviceBuffer<float> lse(std::size_t(kSteps) * spec.batch * spec.q_heads);
+
+  const auto reset = [&] {  // the prefill state: cache contents and lengths, the selector's index, poisoned outputs
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(f.k.data(), k0.data(), k0.size() * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(f.v.data(), v0.data(), v0.size() * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(f.seq_lens.data(), d_prefill.data(), prefill.size() * 4, cudaMemcpyDeviceToDevice, stream));
+    step.prepare({.cache = f.cache().as_const(), .slots = f.d_slots.data()}, ctx);
+    KVSIFT_CUDA_CHECK(cudaMemsetAsync(o.data(), 0xff, o.size() * sizeof(T), stream));
+    KVSIFT_CUDA_CHECK(cudaMemsetAsync(lse.data(), 0xff, lse.size() * sizeof(float), stream));
+    KVSIFT_CUDA_CHECK(cudaMemsetAsync(workspace.data(), 0xff, workspace.size(), stream));
+  };
+  const auto steps = [&] {
+    for (int s = 0; s < kSteps; ++s) {
+      KVSIFT_CUDA_CHECK(cudaMemcpyAsync(f.seq_lens.data(), d_lengths_per_step.data() + s * spec.batch,
+                                        spec.batch * 4, cudaMemcpyDeviceToDevice, stream));
+      const std::size_t kv_off = std::size_t(s) * spec.batch * spec.kv_heads * spec.head_dim;
+      step.run(StepInputs<T>{.q = QueryView<const T>::packed(d_queries.data() + s * o_elems, spec.batch, spec.q_heads, spec.head_dim),
+                             .cache = f.cache(),
+                             .k = HeadsView<const T>::packed(d_new_k.data() + kv_off, spec.batch, spec.kv_heads, spec.head_dim),
+                             .v = HeadsView<const T>::packed(d_new_v.data() + kv_off, spec.batch, spec.kv_heads, spec.head_dim),
+                             .slots = f.d_slots.data()},
+               StateView<T>::packed(o.data() + s * o_elems, lse.data() + s * spec.batch * spec.q_heads, spec.batch,
+                                    spec.q_heads, spec.head_dim),
+               {workspace.data(), workspace.size()}, ctx);
+    }
+  };
+  reset();
+  steps();
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const auto eager_o = o.download();
+  const auto eager_lse = lse.download();
+  for (const float x : eager_lse) ASSERT_TRUE(std::isfinite(x)) << "the eager run left an output unwritten";
+
+  reset();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  steps();
+  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    SCOPED_TRACE(fmt::format("replay {}", replay));
+    if (replay > 0) reset();
+    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto graph_o = o.download();
+    const auto graph_lse = lse.download();
+    ASSERT_EQ(0, std::memcmp(graph_o.data(), eager_o.data(), graph_o.size() * sizeof(T)));
+    ASSERT_EQ(0, std::memcmp(graph_lse.data(), eager_lse.data(), graph_lse.size() * sizeof(float)));
+  }
+  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
+  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TYPED_TEST(CudaSelectors, QuestStepsCapturedInAGraphReplayAsEager) {
+  SCOPED_TRACE(fmt::format("seed {}", this->seed));
+  expect_graph_replays_equal_eager<TypeParam, Quest>(this->rng, QuestConfig{.budget = 256, .page_size = 16});
+}
+
+TYPED_TEST(CudaSelectors, OracleTopKStepsCapturedInAGraphReplayAsEager) {
+  SCOPED_TRACE(fmt::format("seed {}", this->seed));
+  expect_graph_replays_equal_eager<TypeParam, OracleTopK>(this->rng, OracleTopKConfig{.budget = 256});
+}
+
+}  // namespace
+}  // namespace kvsift::test
