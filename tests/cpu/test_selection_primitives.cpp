@@ -1,7 +1,6 @@
 // The selection primitives every selector calls: cpu::group_scores (the decode query's GQA groups scored
 // against the KV cache) and cpu::topk_rows (each row's best tokens outside the attention window, into a
-// selection), against independent fp64 loops written here, at every SIMD level this machine runs; and
-// OracleTopK, which is built on them.
+// selection), against independent fp64 loops written here, at every SIMD level this machine runs.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
@@ -22,7 +21,6 @@
 #include "kvsift/cpu/simd.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 #include "kvsift/cpu/topk.hpp"
-#include "kvsift/selectors/oracle_topk.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {
@@ -660,46 +658,6 @@ TEST_F(TopKRows, WorkspaceQueryAndRefusals) {
                      "kvsift::cpu::topk_rows_workspace_bytes: options.heads_per_row (= -1) must be >= 1");
   test::expect_error([] { cpu::topk_rows_workspace_bytes(4, 10, 1, {.window = {0, -1}}, nullptr); },
                      "options.window.sink (= 0) and options.window.recent (= -1) must be >= 0");
-}
-
-// ---- OracleTopK on the two ------------------------------------------------------------------------------------
-
-TEST_F(GroupScores, OracleTopKIsTheWindowPlusTopKRowsOfGroupSoftmaxMaxima) {
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
-  // Ragged: empty, shorter than the window, shorter than the budget, longer.
-  const std::int32_t batch = 4, q_heads = 6, kv_heads = 2, d = 40, budget = 30, sink = 4, recent = 8;
-  test::HostKV kv(rng, batch, kv_heads, 300, d, {0, 9, 25, 300});
-  const auto q = rng.normal(std::size_t(batch) * q_heads * d);
-  const auto qv = QueryView<const float>::packed(q.data(), batch, q_heads, d);
-  OracleTopK oracle({.budget = budget, .sink = sink, .recent = recent});
-  oracle.prepare({{}, kv.view()});
-  test::HostSelection sel(batch, kv_heads, budget + 2, true);
-  oracle.select(qv, sel.view);
-
-  ScoreMatrix scores(batch * kv_heads, 300);
-  const cpu::GroupScoreOptions options{.reduce = cpu::GroupReduce::max, .softmax = true};
-  PoisonedWorkspace workspace(std::max(cpu::group_scores_workspace_bytes(batch, q_heads, kv_heads, 300, options),
-                                       cpu::topk_rows_workspace_bytes(batch * kv_heads, 300, budget - sink - recent,
-                                                                      {.window = {sink, recent}}, nullptr)));
-  cpu::group_scores(qv, kv.view(), scores.view(), options, workspace.span());
-  test::HostSelection middle(batch, kv_heads, budget - sink - recent, false);
-  const AttentionWindow window{sink, recent};
-  cpu::topk_rows({scores.data.data(), scores.rows, scores.cols, scores.stride}, kv.seq_lens.data(), budget - sink - recent,
-                 {.window = window}, middle.view, workspace.span());
-  for (std::int32_t b = 0; b < batch; ++b) {
-    const std::int32_t n = kv.seq_lens[b];
-    for (std::int32_t g = 0; g < kv_heads; ++g) {
-      std::vector<std::int32_t> want;
-      for (std::int32_t t = 0; t < window.sink_end(n); ++t) want.push_back(t);
-      want.insert(want.end(), middle.view.row(b, g), middle.view.row(b, g) + middle.view.count(b, g));
-      for (std::int32_t t = window.recent_begin(n); t < n; ++t) want.push_back(t);
-      EXPECT_EQ(std::int32_t(want.size()), std::min(n, budget)) << b;  // every token of a short sequence
-      ASSERT_EQ(sel.view.count(b, g), std::int32_t(want.size())) << b << ", " << g;
-      EXPECT_EQ(std::vector<std::int32_t>(sel.view.row(b, g), sel.view.row(b, g) + want.size()), want) << b << ", " << g;
-      for (std::size_t i = 0; i < want.size(); ++i) EXPECT_EQ(sel.view.weights_row(b, g)[i], 0.0f);
-      for (std::int32_t i = std::int32_t(want.size()); i < budget + 2; ++i) EXPECT_EQ(sel.view.row(b, g)[i], test::kPoisonIndex);
-    }
-  }
 }
 
 }  // namespace

@@ -168,7 +168,7 @@ TYPED_TEST(CpuSelectors, QuestFoldsEachStepsTokenIntoItsPage) {
       ASSERT_EQ(to_float(f.p.k[i]), f.p.kv_values.k[i]) << "the step did not write the token's key, element " << i;
     }
     expect_quest_selection(f.p, sel.indices, sel.counts, 64, 4, 16, kWindow);
-    if (HasFatalFailure()) return;
+    if (this->HasFatalFailure()) return;
   }
 }
 
