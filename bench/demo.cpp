@@ -3,9 +3,11 @@
 // include/kvsift/eval/synthetic_workload.hpp); then the fidelity harness on a real-model capture.
 //
 // Times are per decode step (batch 1, all heads), bf16 K/V/Q storage, fp32 accumulation, medians of a few
-// calls: dense attention, the selector's select, sparse attention over its selection, and select + attend.
-// The only selector so far is the exact OracleTopK, which scores every key: it costs more than dense
-// attention and is the quality upper bound, not a speed path. Each selector joins this table as it lands.
+// calls: dense attention, and the decode step (step/decode_step.hpp: the selector's append and select, then
+// sparse attention over the window and the selection) of each selector, with the attention floor (sparse
+// attention alone over the same selection). The selectors so far are the references: the exact OracleTopK,
+// which scores every key (it costs more than dense attention and is the quality upper bound, not a speed
+// path), and Quest (page bounds). Each retrieval selector joins this table as it lands.
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
@@ -31,13 +33,17 @@
 #include "kvsift/cpu/simd.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 #include "kvsift/eval/fidelity.hpp"
+#include "kvsift/cpu/backend.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
+#include "kvsift/selectors/quest.hpp"
+#include "kvsift/step/decode_step.hpp"
 
 #if defined(KVSIFT_WITH_CUDA)
 #include <cuda_runtime_api.h>
 
-#include "kvsift/cuda/decode.hpp"
+#include "kvsift/cuda/backend.hpp"
 #include "kvsift/cuda/check.hpp"
+#include "kvsift/cuda/decode.hpp"
 #endif
 
 namespace {
@@ -97,11 +103,30 @@ double needle_recall(const kvsift::SyntheticWorkload& w, const kvsift::Selection
 
 /// One row of the synthetic table: quality of the selection, CPU times, and GPU times where measured.
 struct Row {
+  std::string selector;
   std::int32_t tokens = 0, k = 0;
   double budget = 0, mass_recall = 0, error = 0, needles = 0;
-  double dense_ms = 0, select_ms = 0, attend_ms = 0;
-  double gpu_dense_us = -1, gpu_attend_us = -1;  ///< < 0: not measured
+  double dense_ms = 0, step_ms = 0, attend_ms = 0;
+  double gpu_dense_us = -1, gpu_step_us = -1, gpu_attend_us = -1;  ///< < 0: not measured
 };
+
+/// The sink + recent window every step attends (the synthetic workload's sinks and the last 32 tokens).
+kvsift::AttentionWindow demo_window(const kvsift::SyntheticWorkloadConfig& c) { return {c.sink_tokens, 32}; }
+
+/// The window's tokens and a selection as one selection without a window (for the quality metrics).
+kvsift::SelectionBuffer attended_set(const kvsift::SelectionView& sel, const kvsift::AttentionWindow& window,
+                                     std::int32_t tokens) {
+  kvsift::SelectionBuffer all(1, sel.kv_heads, window.size(tokens) + sel.capacity, false);
+  for (std::int32_t g = 0; g < sel.kv_heads; ++g) {
+    std::int32_t* row = all.view().row(0, g);
+    std::int32_t n = 0;
+    for (std::int32_t t = 0; t < window.sink_end(tokens); ++t) row[n++] = t;
+    for (std::int32_t i = 0; i < sel.count(0, g); ++i) row[n++] = sel.row(0, g)[i];
+    for (std::int32_t t = window.recent_begin(tokens); t < tokens; ++t) row[n++] = t;
+    all.view().counts[g] = n;
+  }
+  return all;
+}
 
 #if defined(KVSIFT_WITH_CUDA)
 /// The CUDA kernels on the same bf16 data: GPU time per call from CUDA events, median of 20 calls.
@@ -140,16 +165,38 @@ class GpuTimer {
     std::byte* ws = workspace(bytes);
     return median_us([&] { kvsift::cuda::dense_decode(query(), kv(), out(), {ws, bytes}, stream_); });
   }
-  double sparse_us(const kvsift::SelectionView& host_sel) {
+  /// One CUDA decode step of a selector (prepared on the whole cache) per call.
+  template <class Selector>
+  double step_us(Selector selector, const kvsift::AttentionWindow& window) {
+    const std::int32_t slot = 0;
+    auto* d_slot = upload(std::vector<std::int32_t>{slot});
+    auto* d_length = upload(std::vector<std::int32_t>{c_.tokens});
+    const kvsift::cuda::Context ctx{stream_};
+    kvsift::DecodeStep step(std::move(selector),
+                            {.attention = {.window = window}, .max_batch = 1, .q_heads = c_.q_heads,
+                             .kv_heads = c_.kv_heads, .head_dim = c_.head_dim, .max_seq_len = c_.tokens},
+                            ctx);
+    const auto cache = kvsift::ContiguousKVView<bfloat16>::packed(k_, v_, c_.batch, c_.kv_heads, c_.tokens, c_.head_dim,
+                                                                   d_length);
+    step.prepare({.cache = kvsift::KVCache<bfloat16>(cache).as_const(), .slots = d_slot}, ctx);
+    std::byte* ws = workspace(step.workspace_bytes());
+    return median_us([&] {
+      step.run(kvsift::StepInputs<bfloat16>{.q = query(), .cache = cache, .slots = d_slot}, out(),
+               {ws, step.workspace_bytes()}, ctx);
+    });
+  }
+
+  double sparse_us(const kvsift::SelectionView& host_sel, const kvsift::AttentionWindow& window) {
     const std::size_t rows = std::size_t(c_.batch) * c_.kv_heads;
     auto* idx = alloc<std::int32_t>(rows * host_sel.capacity);
     auto* counts = alloc<std::int32_t>(rows);
     KVSIFT_CUDA_CHECK(cudaMemcpy(idx, host_sel.indices, rows * host_sel.capacity * 4, cudaMemcpyHostToDevice));
     KVSIFT_CUDA_CHECK(cudaMemcpy(counts, host_sel.counts, rows * 4, cudaMemcpyHostToDevice));
     const kvsift::SelectionView sel{idx, counts, nullptr, c_.batch, c_.kv_heads, host_sel.capacity};
-    const std::size_t bytes = kvsift::cuda::sparse_decode_workspace_bytes(query(), kv(), sel);
+    const kvsift::cuda::DecodeOptions options{.attention = {.window = window}};
+    const std::size_t bytes = kvsift::cuda::sparse_decode_workspace_bytes(query(), kv(), sel, options);
     std::byte* ws = workspace(bytes);
-    return median_us([&] { kvsift::cuda::sparse_decode(query(), kv(), sel, out(), {ws, bytes}, stream_); });
+    return median_us([&] { kvsift::cuda::sparse_decode(query(), kv(), sel, out(), {ws, bytes}, stream_, options); });
   }
 
  private:
@@ -233,7 +280,8 @@ int main(int argc, char** argv) {
 #endif
 
   fmt::print("kvsift demo: synthetic long-context decode, batch 1, q_heads 8, kv_heads 2, head_dim 128, RoPE theta 5e5\n");
-  fmt::print("Selector: OracleTopK (exact top-K by softmax weight; sink 4 and the last 32 tokens always kept)\n\n");
+  fmt::print("Selectors: OracleTopK (exact top-K by softmax weight) and Quest (pages of 16), each in a decode step with the\n"
+             "window of the sink tokens and the last 32; K counts the window\n\n");
 
   std::vector<Row> rows;
   for (std::int32_t tokens : contexts) {
@@ -260,28 +308,55 @@ int main(int argc, char** argv) {
     const double gpu_dense_us = gpu ? gpu->dense_us() : -1;
 #endif
 
+    const std::int32_t length = tokens, slot = 0;
+    const kvsift::AttentionWindow window = demo_window(c);
+    const auto cache = kvsift::ContiguousKVView<bfloat16>::packed(k16.data(), v16.data(), 1, c.kv_heads, tokens,
+                                                                   c.head_dim, &length);
+    const kvsift::cpu::Context cpu{&pool};
+    const kvsift::SelectorLimits limits{.max_tokens = tokens, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
+                                        .head_dim = c.head_dim};
     for (double budget : budgets) {
-      Row r{.tokens = tokens, .k = static_cast<std::int32_t>(budget * tokens), .budget = budget, .dense_ms = dense_ms};
-      kvsift::OracleTopK oracle({.budget = r.k, .sink = c.sink_tokens, .recent = 32});
-      oracle.prepare({{}, w.kv()});  // prefill: the oracle copies every key (not timed)
-      const kvsift::SelectionBuffer buffer(1, c.kv_heads, r.k, false);
-      const kvsift::SelectionView& sel = buffer.view();
-      r.select_ms = median_ms(3, [&] { oracle.select(w.query(), sel); });
-      r.attend_ms = median_ms(5, [&] { kvsift::cpu::sparse_decode(q, kv, sel, out16, {}, &pool, ws.span()); });
+      const auto k = static_cast<std::int32_t>(budget * tokens);
+      const std::int32_t middle = k - window.size(tokens);  // the window counts against the budget
+      const auto measure = [&](const std::string& name, auto selector) {
+        Row r{.selector = name, .tokens = tokens, .k = k, .budget = budget, .dense_ms = dense_ms};
+        kvsift::DecodeStep step(std::move(selector),
+                                {.attention = {.window = window}, .max_batch = 1, .q_heads = c.q_heads,
+                                 .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = tokens},
+                                cpu);
+        step.prepare({.cache = kvsift::KVCache<bfloat16>(cache).as_const(), .slots = &slot}, cpu);
+        kvsift::cpu::Array<std::byte> step_ws(step.workspace_bytes());
+        const kvsift::StepInputs<bfloat16> in{.q = q, .cache = cache, .slots = &slot};
+        r.step_ms = median_ms(3, [&] { step.run(in, out16, step_ws.bytes(), cpu); });
+        const kvsift::SelectionView sel = step.selection(step_ws.bytes(), 1, cpu);
+        const kvsift::cpu::DecodeOptions attend_options{.attention = {.window = window}};
+        r.attend_ms = median_ms(5, [&] { kvsift::cpu::sparse_decode(q, kv, sel, out16, attend_options, &pool, ws.span()); });
 
-      std::vector<float> o(o_dense.size()), lse(lse_dense.size());
-      kvsift::reference::sparse_decode(w.query(), w.kv(), sel,
-                                       kvsift::StateView<float>::packed(o.data(), lse.data(), 1, c.q_heads, c.head_dim));
-      r.mass_recall = kvsift::attention_mass_recall(w.query(), w.kv(), sel);
-      r.error = kvsift::relative_l2_error(o, o_dense);
-      r.needles = needle_recall(w, sel);
+        const kvsift::SelectionBuffer all = attended_set(sel, window, tokens);
+        std::vector<float> o(o_dense.size()), lse(lse_dense.size());
+        kvsift::reference::sparse_decode(w.query(), w.kv(), all.view(),
+                                         kvsift::StateView<float>::packed(o.data(), lse.data(), 1, c.q_heads, c.head_dim));
+        r.mass_recall = kvsift::attention_mass_recall(w.query(), w.kv(), all.view());
+        r.error = kvsift::relative_l2_error(o, o_dense);
+        r.needles = needle_recall(w, all.view());
+#if defined(KVSIFT_WITH_CUDA)
+        if (gpu) {
+          r.gpu_dense_us = gpu_dense_us;
+          r.gpu_attend_us = gpu->sparse_us(sel, window);
+        }
+#endif
+        rows.push_back(r);
+      };
+      measure("OracleTopK", kvsift::OracleTopK<bfloat16, kvsift::cpu::Context>(limits, {.budget = middle}));
+      measure("Quest", kvsift::Quest<bfloat16, kvsift::cpu::Context>(limits, {.budget = middle, .page_size = 16}));
 #if defined(KVSIFT_WITH_CUDA)
       if (gpu) {
-        r.gpu_dense_us = gpu_dense_us;
-        r.gpu_attend_us = gpu->sparse_us(sel);
+        using Cuda = kvsift::cuda::Context;
+        rows[rows.size() - 2].gpu_step_us = gpu->step_us(kvsift::OracleTopK<bfloat16, Cuda>(limits, {.budget = middle}), window);
+        rows.back().gpu_step_us =
+            gpu->step_us(kvsift::Quest<bfloat16, Cuda>(limits, {.budget = middle, .page_size = 16}), window);
       }
 #endif
-      rows.push_back(r);
     }
   }
 
@@ -290,18 +365,17 @@ int main(int argc, char** argv) {
   fmt::print("  needles = planted strongest tokens found\n");
   fmt::print("CPU time per decode step: kvsift::cpu kernels, bf16 K/V, {} threads, {} SIMD; medians of 3-101 calls\n",
              threads, kvsift::cpu::simd_level_name(kvsift::cpu::active_simd_level()));
-  fmt::print("  select = OracleTopK::select (one thread, fp32 scores of every key, cpu::group_scores + cpu::topk_rows); attend = sparse decode over the selection\n\n");
-  fmt::print("{:>8} {:>6} {:>5} | {:>7} {:>8} {:>7} | {:>8} {:>9} {:>9} {:>10} {:>9}\n", "context", "budget", "K",
-             "recall", "error", "needles", "dense ms", "select ms", "attend ms", "sel+att ms", "/ dense");
+  fmt::print("  step = DecodeStep::run (append, select, attend the window and the selection); attend = the attention alone\n\n");
+  fmt::print("{:>10} {:>8} {:>6} {:>5} | {:>7} {:>8} {:>7} | {:>8} {:>8} {:>9} {:>8}\n", "selector", "context", "budget",
+             "K", "recall", "error", "needles", "dense ms", "step ms", "attend ms", "/ dense");
   for (const Row& r : rows) {
-    const double total = r.select_ms + r.attend_ms;
-    fmt::print("{:>8} {:>5.0f}% {:>5} | {:>7.4f} {:>8.2e} {:>6.0f}% | {:>8.2f} {:>9.2f} {:>9.3f} {:>10.2f} {:>8.1f}x\n",
-               r.tokens, 100 * r.budget, r.k, r.mass_recall, r.error, 100 * r.needles, r.dense_ms, r.select_ms,
-               r.attend_ms, total, total / r.dense_ms);
+    fmt::print("{:>10} {:>8} {:>5.0f}% {:>5} | {:>7.4f} {:>8.2e} {:>6.0f}% | {:>8.2f} {:>8.2f} {:>9.3f} {:>7.2f}x\n",
+               r.selector, r.tokens, 100 * r.budget, r.k, r.mass_recall, r.error, 100 * r.needles, r.dense_ms,
+               r.step_ms, r.attend_ms, r.step_ms / r.dense_ms);
   }
-  fmt::print("\nThe exact oracle reads every key to score it, so select alone costs more than dense attention (the\n"
-             "'/ dense' column is above 1x): it is the quality upper bound, not a speed path. Sparse attention pays\n"
-             "only once a selector's select costs much less than dense attention; the attend column is that floor.\n");
+  fmt::print("\nThe exact oracle reads every key to score it, so its step costs more than dense attention (the\n"
+             "'/ dense' column is above 1x): it is the quality upper bound, not a speed path. Quest reads page bounds\n"
+             "(1/8 of the keys' bytes at pages of 16); the attend column is the floor of any selector's step.\n");
 
   fmt::print("\nGPU time per decode step: ");
   if (!gpu_skipped.empty()) {
@@ -309,11 +383,12 @@ int main(int argc, char** argv) {
   } else {
 #if defined(KVSIFT_WITH_CUDA)
     fmt::print("kvsift::cuda kernels on {}, same bf16 data; CUDA events, median of 20 calls\n", GpuTimer::device_name());
-    fmt::print("  no selector runs on the GPU yet (OracleTopK is CPU-only): select + attend on a GPU is not measured\n\n");
-    fmt::print("{:>8} {:>6} {:>5} | {:>9} {:>10} {:>14}\n", "context", "budget", "K", "dense us", "attend us", "attend / dense");
+    fmt::print("  step = a CUDA DecodeStep (eager launches); attend = the attention alone\n\n");
+    fmt::print("{:>10} {:>8} {:>6} {:>5} | {:>9} {:>8} {:>10} {:>13}\n", "selector", "context", "budget", "K", "dense us",
+               "step us", "attend us", "step / dense");
     for (const Row& r : rows) {
-      fmt::print("{:>8} {:>5.0f}% {:>5} | {:>9.1f} {:>10.1f} {:>14.2f}\n", r.tokens, 100 * r.budget, r.k, r.gpu_dense_us,
-                 r.gpu_attend_us, r.gpu_attend_us / r.gpu_dense_us);
+      fmt::print("{:>10} {:>8} {:>5.0f}% {:>5} | {:>9.1f} {:>8.1f} {:>10.1f} {:>13.2f}\n", r.selector, r.tokens,
+                 100 * r.budget, r.k, r.gpu_dense_us, r.gpu_step_us, r.gpu_attend_us, r.gpu_step_us / r.gpu_dense_us);
     }
 #endif
   }

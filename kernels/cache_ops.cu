@@ -1,9 +1,8 @@
-// CUDA cache operations of the decode step (cuda/cache_ops.hpp): tiny kernels, one launch each.
-#include "kvsift/core/error.hpp"
-#include "kvsift/cuda/cache_ops.hpp"
-#include "kvsift/cuda/check.hpp"
+// Kernels of the decode step's cache operations (cuda/cache_ops.hpp): one small launch each.
+#include "kvsift/core/dtype.hpp"
+#include "kvsift/cuda/detail/cache_ops_launch.hpp"
 
-namespace kvsift::cuda {
+namespace kvsift::cuda::detail {
 namespace {
 
 template <class T>
@@ -12,7 +11,7 @@ __global__ void sequence_lengths_kernel(KVCache<const T> cache, std::int32_t* le
   if (b < cache.batch()) lengths[b] = cache.seq_len(b);
 }
 
-/// One CTA per (batch row, kv head); 16-byte copies where head_dim allows, else elementwise.
+/// One CTA per (batch row, kv head); a row of length 0 has no position for the token and is skipped.
 template <class T>
 __global__ void write_step_kv_kernel(KVCache<T> cache, HeadsView<const T> k, HeadsView<const T> v) {
   const int b = blockIdx.x / cache.kv_heads(), h = blockIdx.x % cache.kv_heads();
@@ -31,39 +30,25 @@ __global__ void write_step_kv_kernel(KVCache<T> cache, HeadsView<const T> k, Hea
 }  // namespace
 
 template <class T>
-void sequence_lengths(const KVCache<const T>& cache, std::int32_t* d_lengths, cudaStream_t stream) {
-  if (cache.batch() == 0) return;
-  sequence_lengths_kernel<T><<<(cache.batch() + 127) / 128, 128, 0, stream>>>(cache, d_lengths);
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
+cudaError_t launch_sequence_lengths(const KVCache<const T>& cache, std::int32_t* lengths, cudaStream_t stream) {
+  sequence_lengths_kernel<T><<<(cache.batch() + 127) / 128, 128, 0, stream>>>(cache, lengths);
+  return cudaGetLastError();
 }
 
 template <class T>
-void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const HeadsView<const T>& v,
-                   cudaStream_t stream) {
-  constexpr const char* where = "cuda::write_step_kv";
-  KVSIFT_CHECK(k.batch == cache.batch() && k.heads == cache.kv_heads() && k.head_dim == cache.head_dim() &&
-                   v.batch == k.batch && v.heads == k.heads && v.head_dim == k.head_dim,
-               where, "k [{}, {}, {}] and v [{}, {}, {}] must both be [batch = {}, kv_heads = {}, head_dim = {}]",
-               k.batch, k.heads, k.head_dim, v.batch, v.heads, v.head_dim, cache.batch(), cache.kv_heads(),
-               cache.head_dim());
-  const int blocks = cache.batch() * cache.kv_heads();
-  if (blocks == 0) return;
-  write_step_kv_kernel<T><<<blocks, 64, 0, stream>>>(cache, k, v);
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
+cudaError_t launch_write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const HeadsView<const T>& v,
+                                 cudaStream_t stream) {
+  write_step_kv_kernel<T><<<cache.batch() * cache.kv_heads(), 64, 0, stream>>>(cache, k, v);
+  return cudaGetLastError();
 }
 
-void clear_counts(const SelectionView& out, cudaStream_t stream) {
-  KVSIFT_CUDA_CHECK(
-      cudaMemsetAsync(out.counts, 0, std::size_t(out.batch) * std::size_t(out.kv_heads) * sizeof(std::int32_t), stream));
-}
-
-#define KVSIFT_INSTANTIATE_CACHE_OPS(T)                                                                     \
-  template void sequence_lengths<T>(const KVCache<const T>&, std::int32_t*, cudaStream_t);                  \
-  template void write_step_kv<T>(const KVCache<T>&, const HeadsView<const T>&, const HeadsView<const T>&, \
-                                 cudaStream_t);
+#define KVSIFT_INSTANTIATE_CACHE_OPS(T)                                                                          \
+  template cudaError_t launch_sequence_lengths<T>(const KVCache<const T>&, std::int32_t*, cudaStream_t);         \
+  template cudaError_t launch_write_step_kv<T>(const KVCache<T>&, const HeadsView<const T>&,                     \
+                                               const HeadsView<const T>&, cudaStream_t);
 KVSIFT_INSTANTIATE_CACHE_OPS(half)
 KVSIFT_INSTANTIATE_CACHE_OPS(bfloat16)
 KVSIFT_INSTANTIATE_CACHE_OPS(float)
 #undef KVSIFT_INSTANTIATE_CACHE_OPS
 
-}  // namespace kvsift::cuda
+}  // namespace kvsift::cuda::detail

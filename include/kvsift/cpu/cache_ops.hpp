@@ -7,6 +7,7 @@
 
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/kv_cache.hpp"
+#include "kvsift/core/validate.hpp"
 #include "kvsift/core/views.hpp"
 
 namespace kvsift::cpu {
@@ -23,6 +24,8 @@ void sequence_lengths(const KVCache<const T>& cache, std::int32_t* lengths) {
 template <class T>
 void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const HeadsView<const T>& v) {
   constexpr const char* where = "cpu::write_step_kv";
+  validate(k, where, "k");
+  validate(v, where, "v");
   KVSIFT_CHECK(k.batch == cache.batch() && k.heads == cache.kv_heads() && k.head_dim == cache.head_dim() &&
                    v.batch == k.batch && v.heads == k.heads && v.head_dim == k.head_dim,
                where, "k [{}, {}, {}] and v [{}, {}, {}] must both be [batch = {}, kv_heads = {}, head_dim = {}]",

@@ -10,6 +10,7 @@
 /// tokens except among candidates whose fp32 scores differ by less than the two backends' rounding (the
 /// scores' sums run in different orders), which the tests state.
 ///
+/// Include cpu/backend.hpp or cuda/backend.hpp (the primitives of the context) before instantiating it.
 /// Workspace of select: the scores [batch * kv_heads, limits.max_tokens] fp32, group_scores' and topk_rows'.
 
 #include <algorithm>
@@ -19,7 +20,9 @@
 #include <string_view>
 
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/ranking.hpp"
 #include "kvsift/core/workspace.hpp"
+#include "kvsift/cpu/primitives.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
 #include "kvsift/selectors/selector.hpp"
 

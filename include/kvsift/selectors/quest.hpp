@@ -18,6 +18,7 @@
 
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/page_bounds_view.hpp"
+#include "kvsift/core/ranking.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
 #include "kvsift/selectors/selector.hpp"

@@ -1,0 +1,21 @@
+#pragma once
+/// Launchers of the cache operations' kernels (kernels/cache_ops.cu), called by src/cuda/cache_ops.cpp after
+/// its checks. Each returns the launch's error.
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "kvsift/core/kv_cache.hpp"
+#include "kvsift/core/views.hpp"
+
+namespace kvsift::cuda::detail {
+
+template <class T>
+cudaError_t launch_sequence_lengths(const KVCache<const T>& cache, std::int32_t* lengths, cudaStream_t stream);
+
+template <class T>
+cudaError_t launch_write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const HeadsView<const T>& v,
+                                 cudaStream_t stream);
+
+}  // namespace kvsift::cuda::detail
