@@ -64,10 +64,12 @@ struct GroupScoreParams {
   float* chunk_max = nullptr;     ///< softmax: [rows, chunks, group]
   float* chunk_sum = nullptr;     ///< softmax: [rows, chunks, group]: sum of exp(logit - chunk_max)
 
-  /// Tokens of sequence b scored: its length, read on the device, kept within [0, scores.cols] so that a
-  /// length the host could not check (device memory) never writes past the scores or the workspace.
+  /// Tokens of sequence b scored: its length, read on the device, kept within [0, scores.cols] (and a
+  /// contiguous cache's capacity), so that a length the host could not check never reads past the cache or
+  /// writes past the scores and the workspace.
   KVSIFT_HOST_DEVICE std::int32_t length(std::int64_t b) const {
-    const std::int32_t n = kv.seq_len(b);
+    std::int32_t n = kv.seq_len(b);
+    if constexpr (requires { kv.capacity; }) n = n < kv.capacity ? n : kv.capacity;
     return n < 0 ? 0 : n < scores.cols ? n : scores.cols;
   }
 };
