@@ -184,21 +184,52 @@ void check_against_cpu(Random& rng, std::int32_t head_dim, bool paged) {
   build(true);
   ASSERT_TRUE(same_bytes(p.d_bounds.download(), p.bounds)) << "build";
 
-  // Append on the contiguous cache (its lengths are an array): rebuild at shorter lengths, then grow.
+  // Append: rebuild at shorter lengths, then grow one token per step across page boundaries. The paged view's
+  // lengths come from its page table: the same pages, the first ceil(len / cache page) of them in use.
   std::vector<std::int32_t> lens = full;
   for (auto& l : lens) l = std::max(0, l - 19);
-  p.kv.seq_lens = lens;
-  p.d_lens.upload(lens);
+  const auto full_indptr = p.paged.indptr, full_indices = p.paged.indices;
+  const auto grow_to = [&](const std::vector<std::int32_t>& now) {
+    p.kv.seq_lens = now;
+    p.d_lens.upload(now);
+    const std::int32_t cache_page = p.paged.view.page_size;
+    std::vector<std::int32_t> indptr = {0}, indices, last_len;
+    for (std::size_t b = 0; b < now.size(); ++b) {
+      const std::int32_t pages = std::int32_t(detail::page_count(now[b], cache_page));
+      indices.insert(indices.end(), full_indices.begin() + full_indptr[b],
+                     full_indices.begin() + full_indptr[b] + pages);
+      indptr.push_back(indptr.back() + pages);
+      last_len.push_back(pages == 0 ? 0 : now[b] - (pages - 1) * cache_page);
+    }
+    indices.resize(full_indices.size(), 0);  // the device buffer keeps its size
+    p.paged.indptr = indptr;
+    p.paged.indices = indices;
+    p.paged.last_len = last_len;
+    p.paged.view.page_indptr = p.paged.indptr.data();
+    p.paged.view.page_indices = p.paged.indices.data();
+    p.paged.view.last_page_len = p.paged.last_len.data();
+    p.d_indptr.upload(indptr);
+    p.d_indices.upload(indices);
+    p.d_last_len.upload(last_len);
+  };
+  const auto append = [&] {
+    if (paged) {
+      cpu::append_page_bounds(p.paged_view(false), p.slot_ptr(false), p.view(false));
+      cuda::append_page_bounds(p.paged_view(true), p.slot_ptr(true), p.view(true), nullptr);
+    } else {
+      cpu::append_page_bounds(p.contiguous(false), p.slot_ptr(false), p.view(false));
+      cuda::append_page_bounds(p.contiguous(true), p.slot_ptr(true), p.view(true), nullptr);
+    }
+  };
+  grow_to(lens);
   p.bounds.assign(p.bounds.size(), from_float<T>(kUntouched));
   p.d_bounds.upload(p.bounds);
-  cpu::build_page_bounds(p.contiguous(false), p.slot_ptr(false), p.view(false));
-  cuda::build_page_bounds(p.contiguous(true), p.slot_ptr(true), p.view(true), nullptr);
+  build(false);
+  build(true);
   for (int step = 0; step < 19; ++step) {
     for (std::size_t b = 0; b < lens.size(); ++b) lens[b] = std::min(full[b], lens[b] + 1);
-    p.kv.seq_lens = lens;
-    p.d_lens.upload(lens);
-    cpu::append_page_bounds(p.contiguous(false), p.slot_ptr(false), p.view(false));
-    cuda::append_page_bounds(p.contiguous(true), p.slot_ptr(true), p.view(true), nullptr);
+    grow_to(lens);
+    append();
   }
   ASSERT_TRUE(same_bytes(p.d_bounds.download(), p.bounds)) << "append";
 

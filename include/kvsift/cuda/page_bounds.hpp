@@ -13,7 +13,10 @@
 /// - page_scores: a row whose slot is outside [0, bounds.slots), whose length is negative, or whose page count
 ///   exceeds min(bounds.max_pages, scores.cols) gets page_counts[b] = -1 and no scores.
 /// - expand_pages: a row whose count is outside [0, pages.capacity] gets out count -1 and no entries; a page id
-///   outside the sequence contributes no token (nor does one listed twice more than the capacity allows).
+///   outside the sequence, or a negative length, contributes no token. Page ids out of order or repeated (the
+///   CPU refuses them) give tokens in that order, repeated; out.capacity >= pages.capacity * page_size still
+///   bounds every row.
+/// The cache's own page table (paged KV) is trusted, as by the decode kernels.
 /// Supported head_dim: 64, 128, 256 (refused otherwise, naming the set).
 
 #include <cstdint>

@@ -229,9 +229,10 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) page_scores_ke
   }
 }
 
-/// One CTA per selection row (a template only so that the header may define it). Per round of kExpandThreads chosen pages, each thread counts its page's middle
-/// tokens, a block scan places them, and the threads then write the round's tokens in order, each finding
-/// its token's page by binary search over the scanned ends (coalesced stores).
+/// One CTA per selection row (a template only so that the header may define it). Per round of Threads chosen
+/// pages, each thread counts its page's middle tokens, a block scan places them, and the threads then write the
+/// round's tokens in order, each finding its token's page by binary search over the scanned ends (coalesced
+/// stores).
 template <int Threads>
 __global__ void __launch_bounds__(Threads)
     expand_pages_kernel(SelectionView pages, std::int32_t page_size, const std::int32_t* lengths,
