@@ -265,62 +265,75 @@ BENCHMARK(BM_SparseDecode)
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);
 
-/// Hybrid decode step: window (sink 4 + recent 1024) on the GPU, 2% of the offloaded middle selected and
-/// attended on the CPU with all host threads, merged on the GPU. Counters: the step's wall time (manual
-/// time), its CPU part, the window's GPU time alone, and overlap = share of the shorter part hidden.
+/// Hybrid decode step: window (sink 4 + recent 1024) attended on the GPU from the device cache, 2% of the
+/// middle selected (absolute positions) and attended on the CPU with all host threads from a pinned host
+/// cache, merged on the GPU. Counters: the step's wall time (manual time), its CPU part, the window's GPU
+/// time alone.
 void BM_HybridDecode(benchmark::State& state) {
   const int tokens = int(state.range(0));
   constexpr int kSink = 4, kRecent = 1024;
-  const int window = kSink + kRecent, middle = tokens - window, k_sel = middle / 50;
-  const std::size_t window_elems = std::size_t(kKvHeads) * window * kHeadDim, middle_elems = std::size_t(kKvHeads) * middle * kHeadDim;
-  Device<bfloat16> wk(window_elems), wv(window_elems), q(kQHeads * kHeadDim), o(kQHeads * kHeadDim);
+  const kvsift::AttentionWindow window{kSink, kRecent};
+  const int middle = tokens - kSink - kRecent, k_sel = middle / 50;
+  // Both caches hold every position (absolute indices); the GPU reads only the window's rows, the CPU only
+  // the selected middle rows.
+  const std::size_t cache_elems = std::size_t(kKvHeads) * tokens * kHeadDim;
+  Device<bfloat16> dk(cache_elems), dv(cache_elems), q(kQHeads * kHeadDim), o(kQHeads * kHeadDim);
   Device<float> lse(kQHeads);
-  fill_random(wk.ptr, window_elems, 1);
-  fill_random(wv.ptr, window_elems, 2);
+  fill_random(dk.ptr, cache_elems, 1);
+  fill_random(dv.ptr, cache_elems, 2);
   fill_random(q.ptr, kQHeads * kHeadDim, 3);
   bfloat16 *hk = nullptr, *hv = nullptr;
-  KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&hk), middle_elems * sizeof(bfloat16)));
-  KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&hv), middle_elems * sizeof(bfloat16)));
+  KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&hk), cache_elems * sizeof(bfloat16)));
+  KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&hv), cache_elems * sizeof(bfloat16)));
   std::mt19937_64 rng(5);
   std::normal_distribution<float> dist;
-  for (std::size_t i = 0; i < middle_elems; ++i) {
+  for (std::size_t i = 0; i < cache_elems; ++i) {
     hk[i] = kvsift::float_to_bfloat16(dist(rng));
     hv[i] = kvsift::float_to_bfloat16(dist(rng));
   }
   std::vector<bfloat16> q_host(kQHeads * kHeadDim);
   KVSIFT_CUDA_CHECK(cudaMemcpy(q_host.data(), q.ptr, q_host.size() * sizeof(bfloat16), cudaMemcpyDeviceToHost));
   std::vector<std::int32_t> pool(middle), idx(std::size_t(kKvHeads) * k_sel), counts(kKvHeads, k_sel);
-  std::iota(pool.begin(), pool.end(), 0);
+  std::iota(pool.begin(), pool.end(), kSink);
   for (int h = 0; h < kKvHeads; ++h) {
     for (int i = 0; i < k_sel; ++i) std::swap(pool[i], pool[i + rng() % (middle - i)]);
     std::copy_n(pool.begin(), k_sel, idx.begin() + std::size_t(h) * k_sel);
     std::sort(idx.begin() + std::size_t(h) * k_sel, idx.begin() + std::size_t(h + 1) * k_sel);
   }
-  const std::vector<std::int32_t> seq_lens{tokens}, mid_lens{middle};
+  const std::vector<std::int32_t> seq_lens{tokens};
+  Device<std::int32_t> d_seq_lens(1), d_empty(2 * kKvHeads);
+  KVSIFT_CUDA_CHECK(cudaMemcpy(d_seq_lens.ptr, seq_lens.data(), sizeof(std::int32_t), cudaMemcpyHostToDevice));
+  KVSIFT_CUDA_CHECK(cudaMemset(d_empty.ptr, 0, 2 * kKvHeads * sizeof(std::int32_t)));
   kvsift::cpu::ThreadPool threads(int(std::max(1u, std::thread::hardware_concurrency())));
-  kvsift::cuda::HybridDecoder<bfloat16> decoder({.batch = 1, .q_heads = kQHeads, .kv_heads = kKvHeads, .head_dim = kHeadDim,
-                                                 .sink = kSink, .recent = kRecent},
-                                                &threads);
+  kvsift::cuda::HybridDecoder<bfloat16> decoder(
+      {.batch = 1, .q_heads = kQHeads, .kv_heads = kKvHeads, .head_dim = kHeadDim, .attention = {.window = window}},
+      &threads);
   const auto qd = kvsift::QueryView<const bfloat16>::packed(q.ptr, 1, kQHeads, kHeadDim);
   const auto qh = kvsift::QueryView<const bfloat16>::packed(q_host.data(), 1, kQHeads, kHeadDim);
-  const auto win = kvsift::ContiguousKVView<const bfloat16>::packed(wk.ptr, wv.ptr, 1, kKvHeads, window, kHeadDim);
-  const auto off = kvsift::ContiguousKVView<const bfloat16>::packed(hk, hv, 1, kKvHeads, middle, kHeadDim, mid_lens.data());
+  const auto dev = kvsift::ContiguousKVView<const bfloat16>::packed(dk.ptr, dv.ptr, 1, kKvHeads, tokens, kHeadDim,
+                                                                    d_seq_lens.ptr);
+  const auto host = kvsift::ContiguousKVView<const bfloat16>::packed(hk, hv, 1, kKvHeads, tokens, kHeadDim,
+                                                                     seq_lens.data());
   const kvsift::SelectionView sel{idx.data(), counts.data(), nullptr, 1, kKvHeads, k_sel};
   const auto out = kvsift::StateView<bfloat16>::packed(o.ptr, lse.ptr, 1, kQHeads, kHeadDim);
-  // The window's GPU time alone.
-  const std::size_t ws_bytes = kvsift::cuda::dense_decode_workspace_bytes(qd, win);
+  // The window's GPU time alone: the decoder's own call (the window and an empty selection).
+  const kvsift::SelectionView empty{d_empty.ptr + kKvHeads, d_empty.ptr, nullptr, 1, kKvHeads, 1};
+  const kvsift::cuda::DecodeOptions window_options{.attention = {.window = window}};
+  const std::size_t ws_bytes = kvsift::cuda::sparse_decode_workspace_bytes(qd, dev, empty, window_options);
   Device<std::byte> ws(std::max<std::size_t>(ws_bytes, 256));
   EventTimer timer;
   double gpu_seconds = 1e9;
   for (int i = 0; i < 20; ++i) {
-    gpu_seconds = std::min(gpu_seconds, timer.seconds([&] { kvsift::cuda::dense_decode(qd, win, out, {ws.ptr, ws_bytes}, nullptr); }));
+    gpu_seconds = std::min(gpu_seconds, timer.seconds([&] {
+      kvsift::cuda::sparse_decode(qd, dev, empty, out, {ws.ptr, ws_bytes}, nullptr, window_options);
+    }));
   }
   double cpu_total = 0.0;
-  for (int warm = 0; warm < 2; ++warm) decoder.decode(qd, qh, seq_lens, win, off, sel, out, nullptr);
+  for (int warm = 0; warm < 2; ++warm) decoder.decode(qd, qh, dev, host, sel, out, nullptr);
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   for (auto _ : state) {
     const auto start = std::chrono::steady_clock::now();
-    decoder.decode(qd, qh, seq_lens, win, off, sel, out, nullptr);
+    decoder.decode(qd, qh, dev, host, sel, out, nullptr);
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(nullptr));
     state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     cpu_total += decoder.last_step_times().cpu_seconds;

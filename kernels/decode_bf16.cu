@@ -6,5 +6,5 @@
 namespace kvsift::cuda::detail {
 template cudaError_t launch_decode<bfloat16>(const DecodeParams<bfloat16>&, cudaStream_t, bool);
 template cudaError_t launch_check_selection<bfloat16>(const DecodeParams<bfloat16>&, cudaStream_t);
-template cudaError_t launch_merge_states<bfloat16>(const MergeParams<bfloat16>&, cudaStream_t);
+template cudaError_t launch_merge_states<bfloat16, bfloat16>(const MergeParams<bfloat16, bfloat16>&, cudaStream_t);
 }  // namespace kvsift::cuda::detail

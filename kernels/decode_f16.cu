@@ -6,5 +6,5 @@
 namespace kvsift::cuda::detail {
 template cudaError_t launch_decode<half>(const DecodeParams<half>&, cudaStream_t, bool);
 template cudaError_t launch_check_selection<half>(const DecodeParams<half>&, cudaStream_t);
-template cudaError_t launch_merge_states<half>(const MergeParams<half>&, cudaStream_t);
+template cudaError_t launch_merge_states<half, half>(const MergeParams<half, half>&, cudaStream_t);
 }  // namespace kvsift::cuda::detail

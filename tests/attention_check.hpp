@@ -97,6 +97,7 @@ struct HostDecodeProblem {
   std::vector<T> k_pages, v_pages;
   std::vector<std::int32_t> sel_indices, sel_counts;
   std::vector<float> sel_weights;
+  std::vector<std::uint8_t> sel_attend_all;  ///< SelectionView::attend_all; empty: no row attends all
 
   HostDecodeProblem(Random& rng, const CaseSpec& c) : spec(c), kv_values(rng, c.batch, c.kv_heads, c.tokens, c.head_dim, lengths(rng, c)) {
     q = to_storage<T>(rng.normal(std::size_t(c.batch) * c.q_heads * c.head_dim));
@@ -146,6 +147,19 @@ struct HostDecodeProblem {
     }
   }
 
+  /// Makes about half of the selection rows (at least one) attend every token, and poisons those rows'
+  /// counts, indices and log-weights, which must then never be read.
+  void mark_attend_all(Random& rng) {
+    sel_attend_all.assign(sel_counts.size(), 0);
+    for (std::size_t row = 0; row < sel_counts.size(); ++row) {
+      if (row != 0 && rng.uniform_int(0, 1) == 0) continue;
+      sel_attend_all[row] = std::uint8_t(rng.uniform_int(1, 255));  // any nonzero value
+      sel_counts[row] = -spec.k - 3;
+      std::fill_n(sel_indices.begin() + row * spec.k, spec.k, kPoisonIndex);
+      if (spec.log_weights) std::fill_n(sel_weights.begin() + row * spec.k, spec.k, kPoison);
+    }
+  }
+
   QueryView<const T> q_view() const { return QueryView<const T>::packed(q.data(), spec.batch, spec.q_heads, spec.head_dim); }
   ContiguousKVView<const T> contiguous() const {
     return ContiguousKVView<const T>::packed(k.data(), v.data(), spec.batch, spec.kv_heads, spec.tokens, spec.head_dim,
@@ -164,7 +178,7 @@ struct HostDecodeProblem {
   }
   SelectionView selection() {
     return {sel_indices.data(), sel_counts.data(), spec.log_weights ? sel_weights.data() : nullptr, spec.batch,
-            spec.kv_heads, spec.k};
+            spec.kv_heads, spec.k, sel_attend_all.empty() ? nullptr : sel_attend_all.data()};
   }
   HostState reference(bool sparse, AttentionOptions options = {}) {
     HostState ref(spec.batch, spec.q_heads, spec.head_dim);

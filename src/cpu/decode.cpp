@@ -42,7 +42,8 @@ std::int32_t longest_row(const QueryView<const T>& q, const KV& kv, const Select
       longest = std::max(longest, kv.seq_len(b));
     } else {
       for (std::int32_t h = 0; h < kv.kv_heads; ++h) {
-        longest = std::max(longest, window.size(kv.seq_len(b)) + selection->count(b, h));
+        const bool all = selection->attend_all != nullptr && selection->attend_all[selection->row_index(b, h)] != 0;
+        longest = std::max(longest, all ? kv.seq_len(b) : window.size(kv.seq_len(b)) + selection->count(b, h));
       }
     }
   }
@@ -70,6 +71,7 @@ void run(const char* where, const QueryView<const T>& q, const KV& kv, const Sel
     } else {
       for (std::int32_t b = 0; b < q.batch; ++b) {
         for (std::int32_t h = 0; h < kv.kv_heads; ++h) {
+          if (selection->attend_all != nullptr && selection->attend_all[selection->row_index(b, h)] != 0) continue;
           check_selection_count(where, "selection", b, h, selection->count(b, h), selection->capacity);
         }
       }

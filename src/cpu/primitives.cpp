@@ -87,14 +87,35 @@ void check_group_reduce(const char* where, const GroupScoreOptions& options) {
 
 }  // namespace
 
-std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
-                                         std::int32_t max_tokens, const GroupScoreOptions& options) {
-  constexpr const char* where = "cpu::group_scores_workspace_bytes";
+void detail::check_group_scores_shape(const char* where, std::int32_t batch, std::int32_t q_heads,
+                                      std::int32_t kv_heads, std::int32_t max_tokens, const GroupScoreOptions& options) {
   KVSIFT_CHECK(batch > 0 && q_heads > 0 && kv_heads > 0 && max_tokens > 0, where,
                "batch (= {}), q_heads (= {}), kv_heads (= {}) and max_tokens (= {}) must be positive", batch, q_heads,
                kv_heads, max_tokens);
   KVSIFT_CHECK(q_heads % kv_heads == 0, where, "q_heads (= {}) is not a multiple of kv_heads (= {})", q_heads, kv_heads);
   check_group_reduce(where, options);
+}
+
+template <class T, class KV>
+void detail::check_group_scores(const char* where, const QueryView<const T>& q, const KV& kv,
+                                const MatrixView<float>& scores, const GroupScoreOptions& options,
+                                MemorySpace contents) {
+  validate(q, where, "q");
+  validate(kv, where, "kv", contents);
+  validate(scores, where, "scores");
+  check_query_matches_kv(where, q, kv);
+  check_group_reduce(where, options);
+  KVSIFT_CHECK(scores.rows == std::int64_t(kv.batch) * kv.kv_heads, where,
+               "scores.rows (= {}) != kv.batch * kv.kv_heads (= {} * {})", scores.rows, kv.batch, kv.kv_heads);
+  for (std::int32_t b = 0; b < kv.batch && contents == MemorySpace::host; ++b) {
+    KVSIFT_CHECK(kv.seq_len(b) <= scores.cols, where, "scores.cols (= {}) < kv.seq_len({}) (= {})", scores.cols, b,
+                 kv.seq_len(b));
+  }
+}
+
+std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
+                                         std::int32_t max_tokens, const GroupScoreOptions& options) {
+  detail::check_group_scores_shape("cpu::group_scores_workspace_bytes", batch, q_heads, kv_heads, max_tokens, options);
   WorkspaceLayout counting;
   layout_group_scores(counting, std::int64_t(batch) * kv_heads, q_heads / kv_heads, max_tokens, options);
   return counting.bytes();
@@ -104,20 +125,10 @@ template <class T, class KV>
 void group_scores(const QueryView<const T>& q, const KV& kv, const MatrixView<float>& scores,
                   const GroupScoreOptions& options, std::span<std::byte> workspace, ThreadPool* pool) {
   constexpr const char* where = "cpu::group_scores";
-  validate(q, where, "q");
-  validate(kv, where, "kv", MemorySpace::host);
-  validate(scores, where, "scores");
-  check_query_matches_kv(where, q, kv);
-  check_group_reduce(where, options);
+  detail::check_group_scores(where, q, kv, scores, options, MemorySpace::host);
   KVSIFT_CHECK(q.head_dim <= detail::kMaxHeadDim, where, "head_dim (= {}) exceeds the CPU kernels' limit of {}",
                q.head_dim, detail::kMaxHeadDim);
   const std::int64_t rows = std::int64_t(kv.batch) * kv.kv_heads;
-  KVSIFT_CHECK(scores.rows == rows, where, "scores.rows (= {}) != kv.batch * kv.kv_heads (= {} * {})", scores.rows,
-               kv.batch, kv.kv_heads);
-  for (std::int32_t b = 0; b < kv.batch; ++b) {
-    KVSIFT_CHECK(kv.seq_len(b) <= scores.cols, where, "scores.cols (= {}) < kv.seq_len({}) (= {})", scores.cols, b,
-                 kv.seq_len(b));
-  }
   detail::GroupScoreJob<T, KV> job{.q = q,
                                    .kv = kv,
                                    .scores = scores,
@@ -337,7 +348,9 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
 
 #define KVSIFT_INSTANTIATE_GROUP_SCORES(T, KV)                                                                  \
   template void group_scores<T, KV>(const QueryView<const T>&, const KV&, const MatrixView<float>&,                \
-                                    const GroupScoreOptions&, std::span<std::byte>, ThreadPool*);
+                                    const GroupScoreOptions&, std::span<std::byte>, ThreadPool*);                  \
+  template void detail::check_group_scores<T, KV>(const char*, const QueryView<const T>&, const KV&,               \
+                                                  const MatrixView<float>&, const GroupScoreOptions&, MemorySpace);
 KVSIFT_GROUP_SCORE_TYPES(KVSIFT_INSTANTIATE_GROUP_SCORES)
 #undef KVSIFT_INSTANTIATE_GROUP_SCORES
 

@@ -7,6 +7,7 @@
 #include <climits>
 #include <cstdint>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "kvsift/cuda/decode.hpp"
@@ -118,10 +119,12 @@ DecodePlan plan_decode(const char* where, std::int64_t rows, std::int32_t max_to
   return plan;
 }
 
-/// Validates everything the kernels rely on and fills the parameters (workspace pointers excepted).
-template <class T, class KV>
+/// Validates everything the kernels rely on and fills the parameters (workspace pointers excepted). `out`
+/// (nullptr for the workspace queries) is in the storage type or fp32 (TO = T or float).
+template <class T, class KV, class TO = T>
 DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, const KV& kv, const SelectionView* selection,
-                            const StateView<T>* out, const DecodeOptions& options) {
+                            const StateView<TO>* out, const DecodeOptions& options) {
+  static_assert(std::is_same_v<TO, T> || std::is_same_v<TO, float>, "outputs are in the storage type or fp32");
   validate(q, where, "q");
   validate(kv, where, "kv", MemorySpace::device);
   check_query_matches_kv(where, q, kv);
@@ -160,7 +163,13 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
                  "every sequence's length)",
                  options.max_seq_len);
   }
-  if (out != nullptr) p.out = *out;
+  if (out != nullptr) {
+    if constexpr (std::is_same_v<TO, float>) {
+      p.out_f32 = *out;
+    } else {
+      p.out = *out;
+    }
+  }
   p.group = q.heads / kv.kv_heads;
   p.head_tiles = (p.group + kHeadsPerTile - 1) / kHeadsPerTile;
   KVSIFT_CHECK(std::int64_t(kv.kv_heads) * p.head_tiles <= 65535, where,
@@ -216,8 +225,14 @@ void run_decode(const char* where, DecodeParams<T> p, std::span<std::byte> works
   WorkspaceLayout layout(workspace, where);
   const DecodeWorkspace ws =
       layout_workspace(layout, p.q.batch, p.q.heads, p.q.head_dim, p.num_splits, validate_indices);
-  p.partial_o = ws.partial_o;
-  p.partial_lse = ws.partial_lse;
+  if (p.num_splits > 1) {  // [batch, q_heads, num_splits, head_dim] in the workspace
+    const std::int64_t splits = p.num_splits;
+    p.partials = {ws.partial_o, ws.partial_lse, p.q.heads * splits * p.q.head_dim, splits * p.q.head_dim,
+                  p.q.heads * splits, splits};
+  } else if (p.out_f32.o != nullptr) {  // unsplit with an fp32 output: the kernel writes that output itself
+    p.partials = {p.out_f32.o, p.out_f32.lse, p.out_f32.o_batch_stride, p.out_f32.o_head_stride,
+                  p.out_f32.lse_batch_stride, 1};
+  }
   p.first_bad_row = ws.first_bad_row;
   if (validate_indices) check_selection(where, p, stream);  // before any output is written
   KVSIFT_CUDA_CHECK(launch_decode(p, stream, options.programmatic_launch));
@@ -228,48 +243,50 @@ void run_decode(const char* where, DecodeParams<T> p, std::span<std::byte> works
 template <class T, class KV>
 std::size_t sparse_decode_workspace_bytes(const QueryView<const T>& q, const KV& kv, const SelectionView& selection,
                                           const DecodeOptions& options) {
-  const auto p = detail::make_params<T>("cuda::sparse_decode_workspace_bytes", q, kv, &selection, nullptr, options);
+  const auto p = detail::make_params<T, KV, T>("cuda::sparse_decode_workspace_bytes", q, kv, &selection, nullptr, options);
   WorkspaceLayout counting;
   detail::layout_workspace(counting, q.batch, q.heads, q.head_dim, p.num_splits, options.validate_indices);
   return counting.bytes();
 }
 
-template <class T, class KV>
-void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<T>& out,
+template <class T, class KV, class TO>
+void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<TO>& out,
                    std::span<std::byte> workspace, cudaStream_t stream, const DecodeOptions& options) {
   constexpr const char* where = "cuda::sparse_decode";
-  detail::run_decode(where, detail::make_params<T>(where, q, kv, &selection, &out, options), workspace, stream,
+  detail::run_decode(where, detail::make_params<T, KV, TO>(where, q, kv, &selection, &out, options), workspace, stream,
                      options);
 }
 
 template <class T, class KV>
 std::size_t dense_decode_workspace_bytes(const QueryView<const T>& q, const KV& kv, const DecodeOptions& options) {
-  const auto p = detail::make_params<T>("cuda::dense_decode_workspace_bytes", q, kv, nullptr, nullptr, options);
+  const auto p = detail::make_params<T, KV, T>("cuda::dense_decode_workspace_bytes", q, kv, nullptr, nullptr, options);
   WorkspaceLayout counting;
   detail::layout_workspace(counting, q.batch, q.heads, q.head_dim, p.num_splits, false);
   return counting.bytes();
 }
 
-template <class T, class KV>
-void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<T>& out, std::span<std::byte> workspace,
+template <class T, class KV, class TO>
+void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<TO>& out, std::span<std::byte> workspace,
                   cudaStream_t stream, const DecodeOptions& options) {
   constexpr const char* where = "cuda::dense_decode";
   DecodeOptions dense_options = options;
   dense_options.validate_indices = false;  // there are no indices to check
-  detail::run_decode(where, detail::make_params<T>(where, q, kv, nullptr, &out, options), workspace, stream,
+  detail::run_decode(where, detail::make_params<T, KV, TO>(where, q, kv, nullptr, &out, options), workspace, stream,
                      dense_options);
 }
 
-template <class T>
-void merge_states(std::span<const StateView<const T>> partials, const StateView<T>& out, cudaStream_t stream) {
+template <class TI, class TO>
+void merge_states(std::span<const StateView<const TI>> partials, const StateView<TO>& out, cudaStream_t stream) {
   constexpr const char* where = "cuda::merge_states";
-  constexpr int kMax = MergeParams<T>::kMaxPartials;
-  KVSIFT_CHECK(!partials.empty() && partials.size() <= std::size_t(kMax), where, "number of partials (= {}) is outside [1, {}]",
-               partials.size(), kMax);
+  constexpr int kMax = MergeParams<TI, TO>::kMaxPartials;
+  KVSIFT_CHECK(!partials.empty() && partials.size() <= std::size_t(kMax), where,
+               "number of partials (= {}) is outside [1, {}]: one launch takes at most {} (merge larger sets in "
+               "groups, each into an fp32 state)",
+               partials.size(), kMax, kMax);
   validate_merge_inputs(where, partials, out);
   KVSIFT_CHECK(out.head_dim <= kMergeMaxHeadDim, where, "out.head_dim (= {}) exceeds the merge kernel's limit of {}",
                out.head_dim, kMergeMaxHeadDim);
-  MergeParams<T> p;
+  MergeParams<TI, TO> p;
   p.num_partials = static_cast<std::int32_t>(partials.size());
   p.out = out;
   std::copy(partials.begin(), partials.end(), p.partials);
@@ -278,24 +295,33 @@ void merge_states(std::span<const StateView<const T>> partials, const StateView<
   KVSIFT_CUDA_CHECK(detail::launch_merge_states(p, stream));
 }
 
+// Host entry points only: both output types share the launchers (and so the kernels) of kernels/decode_*.cu.
+#define KVSIFT_INSTANTIATE_DECODE_OUTPUT(T, KV, TO)                                                              \
+  template void sparse_decode<T, KV, TO>(const QueryView<const T>&, const KV&, const SelectionView&,             \
+                                         const StateView<TO>&, std::span<std::byte>, cudaStream_t,               \
+                                         const DecodeOptions&);                                                  \
+  template void dense_decode<T, KV, TO>(const QueryView<const T>&, const KV&, const StateView<TO>&,             \
+                                        std::span<std::byte>, cudaStream_t, const DecodeOptions&);
 #define KVSIFT_INSTANTIATE_DECODE(T, KV)                                                                        \
   template std::size_t sparse_decode_workspace_bytes<T, KV>(const QueryView<const T>&, const KV&,                \
                                                             const SelectionView&, const DecodeOptions&);        \
-  template void sparse_decode<T, KV>(const QueryView<const T>&, const KV&, const SelectionView&,                 \
-                                     const StateView<T>&, std::span<std::byte>, cudaStream_t,                    \
-                                     const DecodeOptions&);                                                      \
   template std::size_t dense_decode_workspace_bytes<T, KV>(const QueryView<const T>&, const KV&,                 \
                                                            const DecodeOptions&);                                \
-  template void dense_decode<T, KV>(const QueryView<const T>&, const KV&, const StateView<T>&,                   \
-                                    std::span<std::byte>, cudaStream_t, const DecodeOptions&);
+  KVSIFT_INSTANTIATE_DECODE_OUTPUT(T, KV, T)                                                                     \
+  KVSIFT_INSTANTIATE_DECODE_OUTPUT(T, KV, float)
 KVSIFT_INSTANTIATE_DECODE(half, ContiguousKVView<const half>)
 KVSIFT_INSTANTIATE_DECODE(half, PagedKVView<const half>)
 KVSIFT_INSTANTIATE_DECODE(bfloat16, ContiguousKVView<const bfloat16>)
 KVSIFT_INSTANTIATE_DECODE(bfloat16, PagedKVView<const bfloat16>)
 #undef KVSIFT_INSTANTIATE_DECODE
-template void merge_states<half>(std::span<const StateView<const half>>, const StateView<half>&, cudaStream_t);
-template void merge_states<bfloat16>(std::span<const StateView<const bfloat16>>, const StateView<bfloat16>&,
-                                     cudaStream_t);
-template void merge_states<float>(std::span<const StateView<const float>>, const StateView<float>&, cudaStream_t);
+#undef KVSIFT_INSTANTIATE_DECODE_OUTPUT
+template void merge_states<half, half>(std::span<const StateView<const half>>, const StateView<half>&, cudaStream_t);
+template void merge_states<bfloat16, bfloat16>(std::span<const StateView<const bfloat16>>, const StateView<bfloat16>&,
+                                               cudaStream_t);
+template void merge_states<float, float>(std::span<const StateView<const float>>, const StateView<float>&,
+                                         cudaStream_t);
+template void merge_states<float, half>(std::span<const StateView<const float>>, const StateView<half>&, cudaStream_t);
+template void merge_states<float, bfloat16>(std::span<const StateView<const float>>, const StateView<bfloat16>&,
+                                            cudaStream_t);
 
 }  // namespace kvsift::cuda

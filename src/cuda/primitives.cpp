@@ -1,6 +1,5 @@
 // CUDA primitives: validation and workspace layout (host compiler); kernels in kernels/primitives.cu.
 #include "kvsift/cuda/primitives.hpp"
-#include "kvsift/cuda/topk.hpp"
 
 #include <algorithm>
 #include <climits>
@@ -13,48 +12,6 @@
 
 namespace kvsift::cuda {
 namespace {
-
-void check_topk_shape(const char* where, std::int64_t rows, std::int32_t n, std::int32_t k) {
-  KVSIFT_CHECK(rows > 0 && n > 0, where, "rows (= {}) and n (= {}) must be positive", rows, n);
-  KVSIFT_CHECK(k >= 0 && k <= n, where, "k (= {}) is outside [0, n = {}]", k, n);
-  KVSIFT_CHECK(rows < (std::int64_t(1) << 31), where, "rows (= {}) must be below 2^31", rows);
-}
-
-/// The single layouts behind topk_workspace_bytes (counting) and topk (carving).
-detail::TopKSortBuffers layout_topk_sort(WorkspaceLayout& layout, std::int64_t rows, std::int32_t n, std::int32_t k) {
-  std::size_t first = 0, second = 0;
-  KVSIFT_CUDA_CHECK(detail::topk_sort_cub_bytes(rows, n, k, &first, &second));
-  const std::size_t total = std::size_t(rows) * std::size_t(n), chosen = std::size_t(rows) * std::size_t(k);
-  detail::TopKSortBuffers b{};
-  b.keys_in = layout.allocate<unsigned long long>(total, "topk keys_in");
-  b.keys_out = layout.allocate<unsigned long long>(total, "topk keys_out");
-  b.values_in = layout.allocate<std::int32_t>(total, "topk values_in");
-  b.values_out = layout.allocate<std::int32_t>(total, "topk values_out");
-  b.chosen_in = layout.allocate<unsigned long long>(chosen, "topk chosen_in");
-  b.chosen_out = layout.allocate<unsigned long long>(chosen, "topk chosen_out");
-  b.cub_temp_bytes = std::max(first, second);
-  b.cub_temp = layout.allocate<std::byte>(b.cub_temp_bytes, "topk cub temporary storage");
-  return b;
-}
-
-/// Radix select runs about two CTAs per SM in all, each over at least kMinSelectChunk scores: few rows are
-/// split into many chunks, many rows get one CTA each.
-constexpr std::int64_t kMinSelectChunk = 2048;
-
-detail::TopKSelectBuffers layout_topk_select(WorkspaceLayout& layout, std::int64_t rows, std::int32_t n) {
-  const std::int64_t target_ctas = 2 * std::int64_t(multiprocessor_count());
-  const std::int64_t max_chunks = (n + kMinSelectChunk - 1) / kMinSelectChunk;
-  const std::int64_t wanted = std::clamp<std::int64_t>((target_ctas + rows - 1) / rows, 1, max_chunks);
-  detail::TopKSelectBuffers b{};
-  b.chunk_size = std::int32_t((n + wanted - 1) / wanted);
-  b.chunks = std::int32_t((n + b.chunk_size - 1) / b.chunk_size);
-  const auto per_row = [&](std::size_t count) { return checked_mul(std::size_t(rows), count, "topk workspace"); };
-  b.state = layout.allocate<detail::SelectRowState>(per_row(1), "topk row states");
-  b.histograms = layout.allocate<std::uint32_t>(per_row(detail::kSelectBins), "topk histograms");
-  b.tickets = layout.allocate<std::uint32_t>(per_row(1), "topk tickets");
-  b.chunk_counts = layout.allocate<std::uint32_t>(per_row(2 * std::size_t(b.chunks)), "topk chunk counts");
-  return b;
-}
 
 void check_sort_unique_shape(const char* where, std::int64_t rows, std::int32_t capacity) {
   KVSIFT_CHECK(rows > 0 && capacity > 0, where, "rows (= {}) and capacity (= {}) must be positive", rows, capacity);
@@ -111,35 +68,6 @@ detail::KMeansBuffers layout_kmeans(WorkspaceLayout& layout, std::int64_t n, std
 }
 
 }  // namespace
-
-std::size_t topk_workspace_bytes(std::int64_t rows, std::int32_t n, std::int32_t k, TopKAlgorithm algorithm) {
-  check_topk_shape("cuda::topk_workspace_bytes", rows, n, k);
-  WorkspaceLayout counting;
-  if (algorithm == TopKAlgorithm::radix_sort) {
-    layout_topk_sort(counting, rows, n, k);
-  } else {
-    layout_topk_select(counting, rows, n);
-  }
-  return counting.bytes();
-}
-
-void topk(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* d_indices, std::span<std::byte> workspace,
-          cudaStream_t stream, TopKAlgorithm algorithm) {
-  constexpr const char* where = "cuda::topk";
-  validate(scores, where, "scores");
-  check_topk_shape(where, scores.rows, scores.cols, k);
-  KVSIFT_CHECK(d_indices != nullptr || k == 0, where, "d_indices is a null pointer");
-  KVSIFT_CHECK(algorithm == TopKAlgorithm::radix_select || algorithm == TopKAlgorithm::radix_sort, where,
-               "unknown TopKAlgorithm ({})", int(algorithm));
-  WorkspaceLayout layout(workspace, where);
-  if (algorithm == TopKAlgorithm::radix_sort) {
-    KVSIFT_CUDA_CHECK(detail::launch_topk_sort(scores, k, d_indices, layout_topk_sort(layout, scores.rows, scores.cols, k),
-                                               stream));
-  } else {
-    KVSIFT_CUDA_CHECK(
-        detail::launch_topk_select(scores, k, d_indices, layout_topk_select(layout, scores.rows, scores.cols), stream));
-  }
-}
 
 std::size_t sort_unique_workspace_bytes(std::int64_t rows, std::int32_t capacity) {
   check_sort_unique_shape("cuda::sort_unique_workspace_bytes", rows, capacity);

@@ -139,6 +139,59 @@ TEST(ReferenceAttention, SparseWithLogWeightsMatchesNaiveFp64) {
   }
 }
 
+TEST(ReferenceAttention, AttendAllRowsAttendEveryTokenOnceAndIgnoreTheirEntries) {
+  const auto seed = test::test_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  Random rng(seed);
+  for (int trial = 0; trial < 8; ++trial) {
+    const Shape s = random_shape(rng);
+    HostKV kv(rng, s.batch, s.kv_heads, s.capacity, s.head_dim, random_lens(rng, s));
+    const auto q = rng.normal(std::size_t(s.batch) * s.q_heads * s.head_dim);
+    const AttentionWindow window{rng.uniform_int(0, 5), rng.uniform_int(0, 40)};
+    HostSelection sel(s.batch, s.kv_heads, s.capacity, /*with_weights=*/true);
+    std::vector<std::uint8_t> attend_all(std::size_t(s.batch) * s.kv_heads);
+    for (std::int32_t b = 0; b < s.batch; ++b) {
+      const std::int32_t n = kv.seq_lens[b], lo = window.sink_end(n), hi = window.recent_begin(n);
+      for (std::int32_t g = 0; g < s.kv_heads; ++g) {
+        const std::int64_t row = sel.view.row_index(b, g);
+        attend_all[row] = std::uint8_t(rng.uniform_int(0, 1) * rng.uniform_int(1, 255));
+        if (attend_all[row] != 0) continue;  // count and entries stay poisoned: they must not be read
+        std::vector<std::int32_t> middle(hi - lo);
+        std::iota(middle.begin(), middle.end(), lo);
+        std::shuffle(middle.begin(), middle.end(), rng.engine);
+        const std::int32_t count = rng.uniform_int(0, hi - lo);
+        std::copy_n(middle.begin(), count, sel.view.row(b, g));
+        sel.view.counts[row] = count;
+        for (std::int32_t i = 0; i < count; ++i) sel.view.weights_row(b, g)[i] = std::log(rng.uniform(1.0f, 50.0f));
+      }
+    }
+    sel.view.attend_all = attend_all.data();
+    HostState out(s.batch, s.q_heads, s.head_dim);
+    reference::sparse_decode(QueryView<const float>::packed(q.data(), s.batch, s.q_heads, s.head_dim), kv.view(),
+                             sel.view, out.view, {.window = window});
+    const auto all = [&](std::int32_t b, std::int32_t g) { return attend_all[sel.view.row_index(b, g)] != 0; };
+    expect_matches_naive(
+        q, s, kv, out, 1.0 / std::sqrt(double(s.head_dim)),
+        [&](std::int32_t b, std::int32_t g) {
+          const std::int32_t n = kv.seq_lens[b];
+          std::vector<std::int32_t> tokens;
+          if (all(b, g)) {
+            tokens.resize(n);
+            std::iota(tokens.begin(), tokens.end(), 0);
+            return tokens;
+          }
+          for (std::int32_t i = 0; i < window.size(n); ++i) tokens.push_back(window.token(i, n));
+          const std::int32_t* row = sel.view.row(b, g);
+          tokens.insert(tokens.end(), row, row + sel.view.count(b, g));
+          return tokens;
+        },
+        [&](std::int32_t b, std::int32_t g, std::size_t i) {
+          const std::size_t w = std::size_t(window.size(kv.seq_lens[b]));
+          return all(b, g) || i < w ? 0.0 : double(sel.view.weights_row(b, g)[i - w]);
+        });
+  }
+}
+
 TEST(ReferenceAttention, MergeOfAnyPartitionEqualsDenseInAnyOrder) {
   const auto seed = test::test_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);

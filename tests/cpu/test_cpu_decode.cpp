@@ -198,6 +198,32 @@ TEST_F(CpuDecode, WindowIsTheSameAsSelectingItsTokensFirst) {
   }
 }
 
+TEST_F(CpuDecode, AttendAllRowsAttendEveryTokenOnce) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(8);
+  for (SimdLevel level : test::available_simd_levels()) {
+    cpu::ScopedSimdLevel force(level);
+    for (const AttentionWindow window : {AttentionWindow{}, AttentionWindow{4, 64}}) {
+      for (std::int32_t page_size : {0, 16}) {
+        // Rows of up to 1500 tokens against a capacity of 200: an attend_all row is far longer than the split
+        // plan's other rows; with 8 threads it is cut into chunks, some past the window.
+        const CaseSpec spec{3, 8, 2, 64, rng.uniform_int(600, 1500), 200, page_size, true, true, window};
+        HostDecodeProblem<bfloat16> p(rng, spec);
+        p.mark_attend_all(rng);  // their counts and indices are poisoned: reading them would fail
+        const auto ref = p.reference(true);
+        for (bool split : {false, true}) {
+          for (bool validate : {false, true}) {
+            SCOPED_TRACE(fmt::format("{} {} split {} validate {}", cpu::simd_level_name(level), test::describe(spec),
+                                     split, validate));
+            const auto [o, lse] = run_cpu(p, true, split ? &pool : nullptr, split, {.validate_indices = validate});
+            test::expect_close(o, lse, ref, "attend_all");
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_F(CpuDecode, Fp32PartialsMergeWithoutRoundingTwice) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   cpu::ThreadPool pool(4);

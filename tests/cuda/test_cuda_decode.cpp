@@ -4,10 +4,13 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <string>
+#include <type_traits>
 
 #include "cuda/gpu_test.hpp"
 #include "kvsift/cuda/decode.hpp"
@@ -40,7 +43,8 @@ struct DecodeProblem {
   std::vector<std::int32_t>& sel_counts = host.sel_counts;
   DeviceBuffer<T> d_q, d_k, d_v, d_o;
   DeviceBuffer<std::int32_t> d_lens, d_indptr, d_page_indices, d_last, d_sel_indices, d_sel_counts;
-  DeviceBuffer<float> d_lse, d_sel_weights;
+  DeviceBuffer<float> d_lse, d_sel_weights, d_o32;
+  DeviceBuffer<std::uint8_t> d_sel_attend_all;
 
   DecodeProblem(Random& rng, const CaseSpec& c) : host(rng, c) {
     d_q = DeviceBuffer<T>(host.q);
@@ -61,7 +65,16 @@ struct DecodeProblem {
       if (c.log_weights) d_sel_weights = DeviceBuffer<float>(host.sel_weights);
     }
     d_o = DeviceBuffer<T>(host.q.size());
+    d_o32 = DeviceBuffer<float>(host.q.size());
     d_lse = DeviceBuffer<float>(std::size_t(c.batch) * c.q_heads);
+  }
+
+  /// Copies the host selection (after changes to it) to the device, attend_all included.
+  void upload_selection() {
+    d_sel_indices.upload(host.sel_indices);
+    d_sel_counts.upload(host.sel_counts);
+    if (spec.log_weights) d_sel_weights.upload(host.sel_weights);
+    if (!host.sel_attend_all.empty()) d_sel_attend_all = DeviceBuffer<std::uint8_t>(host.sel_attend_all);
   }
 
   QueryView<const T> device_q() const { return QueryView<const T>::packed(d_q.data(), spec.batch, spec.q_heads, spec.head_dim); }
@@ -74,18 +87,29 @@ struct DecodeProblem {
   }
   SelectionView device_selection() const {
     return {d_sel_indices.data(), d_sel_counts.data(), spec.log_weights ? d_sel_weights.data() : nullptr, spec.batch,
-            spec.kv_heads, spec.k};
+            spec.kv_heads, spec.k, d_sel_attend_all.size() > 0 ? d_sel_attend_all.data() : nullptr};
   }
-  StateView<T> device_out() const { return StateView<T>::packed(d_o.data(), d_lse.data(), spec.batch, spec.q_heads, spec.head_dim); }
+  /// The output in the storage type (TO = T) or in fp32 (TO = float).
+  template <class TO = T>
+  StateView<TO> device_out() const {
+    if constexpr (std::is_same_v<TO, float>) {
+      return StateView<float>::packed(d_o32.data(), d_lse.data(), spec.batch, spec.q_heads, spec.head_dim);
+    } else {
+      return StateView<T>::packed(d_o.data(), d_lse.data(), spec.batch, spec.q_heads, spec.head_dim);
+    }
+  }
 
-  /// Runs sparse (k > 0) or dense decode on the device with poisoned outputs; returns (O, LSE).
-  /// `selection`: a device selection to attend instead of the problem's, without the problem's window.
-  std::pair<std::vector<T>, std::vector<float>> run(bool sparse, cuda::DecodeOptions options = {},
-                                                    const SelectionView* selection = nullptr) {
+  /// Runs sparse (k > 0) or dense decode on the device with poisoned outputs; returns (O, LSE), O in T or
+  /// (TO = float) in fp32. `selection`: a device selection to attend instead of the problem's, without the
+  /// problem's window.
+  template <class TO = T>
+  std::pair<std::vector<TO>, std::vector<float>> run(bool sparse, cuda::DecodeOptions options = {},
+                                                     const SelectionView* selection = nullptr) {
     options.max_seq_len = spec.tokens;
     if (sparse && selection == nullptr) options.attention.window = spec.window;
     const SelectionView chosen = selection != nullptr ? *selection : device_selection();
     d_o.poison();
+    d_o32.poison();
     d_lse.poison();
     const auto launch = [&](auto kv) {
       const std::size_t bytes = sparse ? cuda::sparse_decode_workspace_bytes(device_q(), kv, chosen, options)
@@ -93,9 +117,9 @@ struct DecodeProblem {
       DeviceBuffer<std::byte> workspace(bytes);
       workspace.poison();  // the workspace needs no initialization
       if (sparse) {
-        cuda::sparse_decode(device_q(), kv, chosen, device_out(), {workspace.data(), bytes}, nullptr, options);
+        cuda::sparse_decode(device_q(), kv, chosen, device_out<TO>(), {workspace.data(), bytes}, nullptr, options);
       } else {
-        cuda::dense_decode(device_q(), kv, device_out(), {workspace.data(), bytes}, nullptr, options);
+        cuda::dense_decode(device_q(), kv, device_out<TO>(), {workspace.data(), bytes}, nullptr, options);
       }
       KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
     };
@@ -104,7 +128,11 @@ struct DecodeProblem {
     } else {
       launch(device_paged());
     }
-    return {d_o.download(), d_lse.download()};
+    if constexpr (std::is_same_v<TO, float>) {
+      return {d_o32.download(), d_lse.download()};
+    } else {
+      return {d_o.download(), d_lse.download()};
+    }
   }
 
   test::HostState reference(bool sparse, float sm_scale = 0.0f) { return host.reference(sparse, {.sm_scale = sm_scale}); }
@@ -436,6 +464,172 @@ TEST_F(CudaDecode, MergeCarriesNaNAndOnlyMinusInfinityIsEmpty) {
   test::expect_close_with_nan(o, lse, ref, "merge");
 }
 
+TEST_F(CudaDecode, Fp32OutputIsTheStorageOutputBeforeItsRounding) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const auto check = [&]<class T>(T, const CaseSpec& spec) {
+    DecodeProblem<T> p(rng, spec);
+    if (spec.k > 0) {  // one empty row: O = 0 and LSE = -inf in both outputs
+      p.sel_counts[1] = 0;
+      p.upload_selection();
+    }
+    const bool sparse = spec.k > 0;
+    const auto ref = p.reference(sparse);
+    for (std::int32_t splits : {1, 5}) {  // the kernel writes the fp32 output itself, or the split merge does
+      SCOPED_TRACE(fmt::format("{} {}, {} splits", dtype_label<T>(), describe(spec), splits));
+      const auto [o, lse] = p.run(sparse, {.num_splits = splits});
+      const auto [o32, lse32] = p.template run<float>(sparse, {.num_splits = splits});
+      std::vector<T> rounded(o32.size());
+      for (std::size_t i = 0; i < o32.size(); ++i) rounded[i] = from_float<T>(o32[i]);
+      EXPECT_EQ(0, std::memcmp(rounded.data(), o.data(), o.size() * sizeof(T)));
+      EXPECT_EQ(lse32, lse);
+      expect_close(rounded, lse32, ref, "fp32 output");
+    }
+  };
+  for (std::int32_t page_size : {0, 16}) {
+    check(half{}, CaseSpec{3, 8, 2, 128, 1500, 300, page_size, true, true, AttentionWindow{4, 64}});
+    check(bfloat16{}, CaseSpec{2, 12, 3, 64, 900, 0, page_size, false});
+    check(bfloat16{}, CaseSpec{1, 4, 1, 256, 700, 200, page_size, false});
+  }
+}
+
+TEST_F(CudaDecode, MergeOfFp32PartialsRoundsOnceIntoTheStorageType) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const std::int32_t batch = 2, heads = 6, d = 128;
+  for (std::int32_t parts : {1, 2, 17, 64}) {  // past the earlier limit of 16
+    std::vector<std::vector<float>> os, lses;
+    std::vector<DeviceBuffer<float>> d_os, d_lses;
+    std::vector<StateView<const float>> host_parts, device_parts;
+    for (std::int32_t i = 0; i < parts; ++i) {
+      os.push_back(rng.normal(std::size_t(batch) * heads * d));
+      lses.push_back(rng.normal(std::size_t(batch) * heads, 10.0f));
+      if (i == 1) lses.back()[3] = -INFINITY;  // an empty partial of one row
+      d_os.emplace_back(os.back());
+      d_lses.emplace_back(lses.back());
+      host_parts.push_back(StateView<const float>::packed(os.back().data(), lses.back().data(), batch, heads, d));
+      device_parts.push_back(StateView<const float>::packed(d_os.back().data(), d_lses.back().data(), batch, heads, d));
+    }
+    const auto check = [&]<class T>(T) {
+      SCOPED_TRACE(fmt::format("{} partials into {}", parts, dtype_label<T>()));
+      test::HostState ref(batch, heads, d);
+      reference::merge_states<float, float>(host_parts, ref.view);
+      DeviceBuffer<T> o(ref.o.size());
+      DeviceBuffer<float> lse(ref.lse.size());
+      o.poison();
+      lse.poison();
+      cuda::merge_states<float, T>(device_parts, StateView<T>::packed(o.data(), lse.data(), batch, heads, d), nullptr);
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = o.download();
+      const auto got_lse = lse.download();
+      // Rounded once from fp32: within one unit in the last place of T of the fp64 merge.
+      const double ulp = std::is_same_v<T, half> ? 0x1p-10 : 0x1p-7;
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        ASSERT_LE(std::abs(to_float(got[i]) - ref.o[i]), ulp * std::abs(ref.o[i]) + 1e-6) << "element " << i;
+      }
+      for (std::size_t i = 0; i < got_lse.size(); ++i) ASSERT_NEAR(got_lse[i], ref.lse[i], 1e-5 * std::abs(ref.lse[i]) + 1e-6);
+    };
+    check(half{});
+    check(bfloat16{});
+  }
+}
+
+TEST_F(CudaDecode, ANaNWhoseWeightUnderflowsStillShows) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // merge_states: a partial 150 below the other has weight exp(-150) = 0 in fp32, yet its NaN shows.
+  const std::int32_t d = 4;
+  const auto [ref, o, lse] = merge_on_both({{1.0f, 1.0f, 1.0f, 1.0f}, {0.5f, nan, 0.5f, 0.5f}}, {{0.0f}, {-150.0f}}, 1, 1, d);
+  ASSERT_TRUE(std::isnan(ref.o[1]));
+  test::expect_close_with_nan(o, lse, ref, "merge_states");
+  // The split merge: entries 512.. weigh e^-150 and one of them has a NaN in V; in two splits, the second
+  // split's state weighs 0 in the merge, yet O shows the NaN.
+  DecodeProblem<bfloat16> p(rng, CaseSpec{1, 1, 1, 64, 1024, 1024, 0, true, false});
+  for (int i = 512; i < 1024; ++i) p.host.sel_weights[i] = -150.0f;
+  p.host.v[std::size_t(p.sel_indices[900]) * 64 + 3] = from_float<bfloat16>(nan);
+  p.d_v.upload(p.host.v);
+  p.upload_selection();
+  const auto reference_state = p.reference(true);
+  ASSERT_TRUE(std::isnan(reference_state.o[3]));
+  for (std::int32_t splits : {1, 2}) {
+    const auto [so, slse] = p.run(true, {.num_splits = splits});
+    test::expect_close_with_nan(so, slse, reference_state, fmt::format("{} splits", splits));
+  }
+}
+
+TEST_F(CudaDecode, InfiniteScaleMasksTheRowsPastTheEnd) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  // Every q.k < 0, so with sm_scale = +inf every logit is -inf and the reference gives the empty state.
+  // Lengths that are not multiples of a warp's 16 rows leave zero-filled rows whose 0 * inf is NaN unless
+  // they are masked.
+  DecodeProblem<half> p(rng, CaseSpec{2, 8, 2, 64, 37, 20, 0, false, true});
+  for (auto& x : p.host.q) x = from_float<half>(std::abs(to_float(x)) + 0.01f);
+  for (auto& x : p.host.k) x = from_float<half>(-std::abs(to_float(x)) - 0.01f);
+  p.d_q.upload(p.host.q);
+  p.d_k.upload(p.host.k);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (bool sparse : {false, true}) {
+    const auto ref = p.reference(sparse, inf);
+    for (float x : ref.lse) ASSERT_EQ(x, -INFINITY);
+    for (std::int32_t splits : {1, 3}) {
+      SCOPED_TRACE(fmt::format("{}, {} splits", sparse ? "sparse" : "dense", splits));
+      const auto [o, lse] = p.run(sparse, {.attention = {.sm_scale = inf}, .num_splits = splits});
+      test::expect_close_with_nan(o, lse, ref, "half output");
+      const auto [o32, lse32] = p.template run<float>(sparse, {.attention = {.sm_scale = inf}, .num_splits = splits});
+      for (float x : o32) ASSERT_EQ(x, 0.0f);
+      EXPECT_EQ(lse32, ref.lse);
+    }
+  }
+}
+
+TEST_F(CudaDecode, ValidationPassesEndOverASequenceNearTwoToThe31) {
+  // The selection check covers 2^18 tokens per pass; a sequence of INT_MAX tokens takes 8192 passes, and the
+  // last pass's base plus 2^18 overflowed an int (the check never returned). Only the check runs: row 1's
+  // count is refused, so no K/V row is read and a tiny cache stands in for the long one.
+  DeviceBuffer<half> k(64), v(64);
+  DeviceBuffer<half> q(2 * 64), o(2 * 64);
+  DeviceBuffer<float> lse(2);
+  DeviceBuffer<std::int32_t> lens(std::vector<std::int32_t>{INT_MAX});
+  const std::int32_t capacity = 4;
+  DeviceBuffer<std::int32_t> indices(std::vector<std::int32_t>{5, INT_MAX - 1, INT_MAX - 2, 1 << 30, 0, 0, 0, 0});
+  DeviceBuffer<std::int32_t> counts(std::vector<std::int32_t>{4, capacity + 1});
+  const auto kv = ContiguousKVView<const half>::packed(k.data(), v.data(), 1, 2, INT_MAX, 64, lens.data());
+  const SelectionView sel{indices.data(), counts.data(), nullptr, 1, 2, capacity};
+  const auto qv = QueryView<const half>::packed(q.data(), 1, 2, 64);
+  const cuda::DecodeOptions options{.validate_indices = true};
+  DeviceBuffer<std::byte> workspace(cuda::sparse_decode_workspace_bytes(qv, kv, sel, options));
+  expect_error(
+      [&] {
+        cuda::sparse_decode(qv, kv, sel, StateView<half>::packed(o.data(), lse.data(), 1, 2, 64),
+                            {workspace.data(), workspace.size()}, nullptr, options);
+      },
+      "selection.counts (= 5) at batch 0, kv_head 1 is outside [0, capacity = 4]");
+}
+
+TEST_F(CudaDecode, AttendAllRowsAttendEveryTokenOnce) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const AttentionWindow window : {AttentionWindow{}, AttentionWindow{4, 64}}) {
+    for (std::int32_t page_size : {0, 16}) {
+      const auto check = [&]<class T>(T, std::int32_t head_dim) {
+        // Capacity 100 against sequences of up to 3000 tokens: the split plan is sized for the selection, and
+        // an attend_all row takes longer chunks.
+        const CaseSpec spec{3, 8, 2, head_dim, rng.uniform_int(1000, 3000), 100, page_size, true, true, window};
+        DecodeProblem<T> p(rng, spec);
+        p.host.mark_attend_all(rng);  // their counts and indices are poisoned: reading them would fail
+        p.upload_selection();
+        const auto ref = p.reference(true);
+        for (std::int32_t splits : {0, 1, 7}) {
+          for (bool validate : {false, true}) {
+            SCOPED_TRACE(fmt::format("{} {}, {} splits, validate {}", dtype_label<T>(), describe(spec), splits, validate));
+            const auto [o, lse] = p.run(true, {.num_splits = splits, .validate_indices = validate});
+            expect_close(o, lse, ref, "attend_all");
+          }
+        }
+      };
+      check(bfloat16{}, 128);
+      check(half{}, 64);
+    }
+  }
+}
+
 TEST_F(CudaDecode, WorkspaceQueryIsExactAndGraphCaptureReplays) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   DecodeProblem<bfloat16> p(rng, CaseSpec{2, 8, 2, 128, 9000, 2048, 16, true});
@@ -560,7 +754,10 @@ TEST(CudaDecodeBadInput, RefusedBeforeAnyDeviceCall) {
   expect_error([&] { cuda::dense_decode(qv, paged, out, {no_workspace, 0}, nullptr); },
                "options.max_seq_len (= 0) must be positive for dense decode on a paged cache");
   expect_error([&] { cuda::merge_states<half>(std::span<const StateView<const half>>{}, out, nullptr); },
-               "number of partials (= 0) is outside [1, 16]");
+               "number of partials (= 0) is outside [1, 64]");
+  const std::vector<StateView<const float>> too_many(65, StateView<const float>::packed(lse, lse, 2, 8, 1));
+  expect_error([&] { cuda::merge_states<float>(too_many, StateView<float>::packed(lse, lse, 2, 8, 1), nullptr); },
+               "cuda::merge_states: number of partials (= 65) is outside [1, 64]: one launch takes at most 64");
   static half big_o[1 * 1 * 520];
   static float big_lse[1];
   const auto wide = StateView<half>::packed(big_o, big_lse, 1, 1, 520);

@@ -1,5 +1,5 @@
-// CUDA primitives against their CPU twins: top-K (both algorithms, exact, same tie rule), GEMV scores, gather,
-// RoPE rows, deduplication, k-means (assignment, and the whole clustering on the device).
+// CUDA primitives against their CPU twins: GEMV scores, gather, RoPE rows, deduplication, k-means (assignment,
+// and the whole clustering on the device). Top-K: test_cuda_topk.cpp.
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -8,9 +8,7 @@
 #include "attention_check.hpp"
 #include "cuda/gpu_test.hpp"
 #include "kvsift/cpu/primitives.hpp"
-#include "kvsift/cpu/topk.hpp"
 #include "kvsift/cuda/primitives.hpp"
-#include "kvsift/cuda/topk.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {
@@ -20,58 +18,6 @@ using test::DeviceBuffer;
 using test::Random;
 
 using CudaPrimitives = test::GpuTest;
-
-constexpr cuda::TopKAlgorithm kTopKAlgorithms[] = {cuda::TopKAlgorithm::radix_select, cuda::TopKAlgorithm::radix_sort};
-
-/// `distinct` scores drawn per row (few: many ties; 1: all equal), plus NaN, ±inf and -0 sprinkled in.
-void check_topk(Random& rng, std::int64_t rows, std::int32_t n, std::int32_t k, std::int32_t distinct = 101) {
-  SCOPED_TRACE(testing::Message() << "rows " << rows << " n " << n << " k " << k << " distinct " << distinct);
-  std::vector<float> scores(std::size_t(rows) * n);
-  for (auto& s : scores) s = float(rng.uniform_int(0, distinct - 1) - distinct / 2) * 0.25f;
-  for (int i = 0; i < 5 && n > 10 && distinct > 1; ++i) {
-    scores[rng.uniform_int(0, int(scores.size()) - 1)] = NAN;
-    scores[rng.uniform_int(0, int(scores.size()) - 1)] = -INFINITY;
-    scores[rng.uniform_int(0, int(scores.size()) - 1)] = INFINITY;
-    scores[rng.uniform_int(0, int(scores.size()) - 1)] = -0.0f;
-  }
-  DeviceBuffer<float> d_scores(scores);
-  std::vector<std::vector<std::int32_t>> expected(rows, std::vector<std::int32_t>(k));
-  std::vector<std::uint64_t> scratch;
-  for (std::int64_t r = 0; r < rows; ++r) cpu::topk_indices({scores.data() + r * n, std::size_t(n)}, k, expected[r], scratch);
-  for (cuda::TopKAlgorithm algorithm : kTopKAlgorithms) {
-    SCOPED_TRACE(algorithm == cuda::TopKAlgorithm::radix_select ? "radix_select" : "radix_sort");
-    DeviceBuffer<std::int32_t> d_out(std::max<std::size_t>(1, std::size_t(rows) * k));
-    const std::size_t bytes = cuda::topk_workspace_bytes(rows, n, k, algorithm);
-    DeviceBuffer<std::byte> ws(bytes);
-    ws.poison();  // radix select must not rely on a zeroed workspace
-    // Twice on the same workspace: what one call leaves behind must not change the next.
-    for (int call = 0; call < 2; ++call) {
-      d_out.poison();
-      cuda::topk(MatrixView<const float>::packed(d_scores.data(), rows, n), k, d_out.data(), {ws.data(), bytes}, nullptr,
-                 algorithm);
-      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto got = d_out.download();
-      for (std::int64_t r = 0; r < rows; ++r) {
-        ASSERT_EQ(std::vector<std::int32_t>(got.begin() + r * k, got.begin() + (r + 1) * k), expected[r])
-            << "row " << r << " call " << call;
-      }
-    }
-  }
-}
-
-TEST_F(CudaPrimitives, TopKEqualsTheCpuTopKExactly) {
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
-  for (int trial = 0; trial < 12; ++trial) {
-    const std::int32_t n = rng.uniform_int(1, 20000);
-    const std::int32_t k = std::vector<std::int32_t>{0, 1, 17, n / 2, n}[rng.uniform_int(0, 4)];
-    check_topk(rng, rng.uniform_int(1, 9), n, k);
-  }
-  check_topk(rng, 8, 131072, 2048);
-  check_topk(rng, 1, 1 << 20, 8192);
-  check_topk(rng, 3, 50000, 3000, 1);       // every score equal: the k smallest indices
-  check_topk(rng, 2, 70000, 5000, 40000);   // few ties, and rows split into many chunks
-  check_topk(rng, 700, 3000, 64);           // more rows than CTAs: one chunk per row
-}
 
 TEST_F(CudaPrimitives, GemvGatherAndRopeAgreeWithTheCpu) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
@@ -337,7 +283,6 @@ TEST_F(CudaPrimitives, KMeansRefusesAWorkspaceTooSmall) {
 }
 
 TEST(CudaPrimitivesBadInput, RefusedBeforeAnyDeviceCall) {
-  test::expect_error([] { cuda::topk_workspace_bytes(4, 100, 101); }, "k (= 101) is outside [0, n = 100]");
   test::expect_error([] { cuda::sort_unique_workspace_bytes(0, 10); }, "rows (= 0) and capacity (= 10) must be positive");
   test::expect_error([] { cuda::sort_unique_workspace_bytes(1 << 20, 1 << 12); }, "exceeds 2^31 - 1");
   std::vector<float> p(40), c(30);

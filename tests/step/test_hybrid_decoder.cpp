@@ -1,183 +1,245 @@
-// HybridDecoder: GPU window + CPU offloaded selection, merged by LSE, against kvsift's fp64 reference.
+// HybridDecoder: the window attended on the GPU, a selection of the middle on the CPU from pinned host
+// memory, absolute positions on both sides, merged by LSE; against kvsift's fp64 reference.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
 #include <numeric>
 #include <string>
 
 #include "attention_check.hpp"
 #include "cuda/gpu_test.hpp"
-#include "kvsift/step/hybrid_decoder.hpp"
 #include "kvsift/attention/reference.hpp"
+#include "kvsift/cuda/check.hpp"
+#include "kvsift/step/hybrid_decoder.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {
 namespace {
 
 using test::DeviceBuffer;
+using test::expect_error;
 using test::Random;
 
-/// Pinned host memory for the offloaded cache.
+/// A copy of a host array in pinned memory.
 template <class T>
 struct PinnedBuffer {
   T* data = nullptr;
-  explicit PinnedBuffer(std::size_t n) { KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data), std::max<std::size_t>(n, 1) * sizeof(T))); }
+  explicit PinnedBuffer(const std::vector<T>& src) {
+    KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data), std::max<std::size_t>(src.size(), 1) * sizeof(T)));
+    std::copy(src.begin(), src.end(), data);
+  }
   ~PinnedBuffer() { cudaFreeHost(data); }
   PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
 };
 
-/// A full cache split into the GPU window (sink, then recent tokens) and the pinned offloaded middle.
+/// One cache in both layouts, split as the hybrid contract has it: the device copies hold only each
+/// sequence's window rows, the pinned host copies only its middle rows; every other row is NaN, so a read
+/// of a row the contract says is not read shows in the result.
 struct HybridCase {
-  static constexpr std::int32_t kBatch = 2, kQHeads = 8, kKvHeads = 2, kDim = 128, kSink = 4, kRecent = 64;
-  static constexpr std::int32_t kWindow = kSink + kRecent;
+  static constexpr std::int32_t kBatch = 3, kQHeads = 8, kKvHeads = 2, kDim = 128, kPageSize = 16;
+  static constexpr AttentionWindow kWindow{4, 64};
   std::int32_t capacity;
   test::HostKV full;
-  std::vector<bfloat16> q, k, v;
-  std::int32_t mid_capacity;
-  std::vector<std::int32_t> mid_lens;
-  PinnedBuffer<bfloat16> mid_k, mid_v;
-  DeviceBuffer<bfloat16> d_window_k, d_window_v, d_q, d_o;
+  test::HostPagedKV paged;
+  std::vector<bfloat16> q, k, v, k_pages, v_pages;
+  DeviceBuffer<bfloat16> d_q, d_o;
   DeviceBuffer<float> d_lse;
+  DeviceBuffer<bfloat16> d_k, d_v, d_k_pages, d_v_pages;
+  DeviceBuffer<std::int32_t> d_lens, d_indptr, d_page_indices, d_last;
+  std::unique_ptr<PinnedBuffer<bfloat16>> h_k, h_v, h_k_pages, h_v_pages;
 
-  /// Sequence 0 has a random length that leaves at least `min_offloaded` tokens off the GPU; sequence 1 is full.
-  HybridCase(Random& rng, std::int32_t cap, std::int32_t min_offloaded = 1)
+  /// Sequence 0 is no longer than the window (an empty middle), sequence 1 a little longer, 2 full.
+  HybridCase(Random& rng, std::int32_t cap)
       : capacity(cap),
-        full(rng, kBatch, kKvHeads, cap, kDim, {rng.uniform_int(kWindow + min_offloaded, cap), cap}),
+        full(rng, kBatch, kKvHeads, cap, kDim,
+             {rng.uniform_int(1, kWindow.sink + kWindow.recent), rng.uniform_int(69, 200), cap}),
+        paged(full, kPageSize, /*hnd=*/rng.uniform_int(0, 1) == 1, rng),
         q(test::to_storage<bfloat16>(rng.normal(std::size_t(kBatch) * kQHeads * kDim))),
         k(test::to_storage<bfloat16>(full.k)),
         v(test::to_storage<bfloat16>(full.v)),
-        mid_capacity(cap - kWindow),
-        mid_lens{full.seq_lens[0] - kWindow, full.seq_lens[1] - kWindow},
-        mid_k(std::size_t(kBatch) * kKvHeads * mid_capacity * kDim),
-        mid_v(std::size_t(kBatch) * kKvHeads * mid_capacity * kDim),
+        k_pages(test::to_storage<bfloat16>(paged.k_pages)),
+        v_pages(test::to_storage<bfloat16>(paged.v_pages)),
         d_q(q),
         d_o(q.size()),
-        d_lse(std::size_t(kBatch) * kQHeads) {
-    std::vector<bfloat16> wk(std::size_t(kBatch) * kKvHeads * kWindow * kDim), wv(wk.size());
-    const auto src = full_view();
-    for (std::int32_t b = 0; b < kBatch; ++b) {
+        d_lse(std::size_t(kBatch) * kQHeads),
+        d_lens(full.seq_lens),
+        d_indptr(paged.indptr),
+        d_page_indices(paged.indices),
+        d_last(paged.last_len) {
+    const auto in_window = [&](std::int32_t b, std::int32_t t) {
       const std::int32_t n = full.seq_lens[b];
+      return t < kWindow.sink_end(n) || t >= kWindow.recent_begin(n);
+    };
+    const auto in_middle = [&](std::int32_t b, std::int32_t t) { return !in_window(b, t); };
+    const auto contiguous_device = only_rows(k, v, contiguous(k.data(), v.data()), in_window);
+    const auto paged_device = only_rows(k_pages, v_pages, paged_view(k_pages.data(), v_pages.data()), in_window);
+    const auto contiguous_host = only_rows(k, v, contiguous(k.data(), v.data()), in_middle);
+    const auto paged_host = only_rows(k_pages, v_pages, paged_view(k_pages.data(), v_pages.data()), in_middle);
+    d_k = DeviceBuffer<bfloat16>(contiguous_device[0]);
+    d_v = DeviceBuffer<bfloat16>(contiguous_device[1]);
+    d_k_pages = DeviceBuffer<bfloat16>(paged_device[0]);
+    d_v_pages = DeviceBuffer<bfloat16>(paged_device[1]);
+    h_k = std::make_unique<PinnedBuffer<bfloat16>>(contiguous_host[0]);
+    h_v = std::make_unique<PinnedBuffer<bfloat16>>(contiguous_host[1]);
+    h_k_pages = std::make_unique<PinnedBuffer<bfloat16>>(paged_host[0]);
+    h_v_pages = std::make_unique<PinnedBuffer<bfloat16>>(paged_host[1]);
+  }
+
+  /// Copies of (k, v) in which only the rows keep(b, t) of the sequences' tokens hold their values.
+  template <class View, class Keep>
+  std::array<std::vector<bfloat16>, 2> only_rows(const std::vector<bfloat16>& k_src, const std::vector<bfloat16>& v_src,
+                                                 const View& view, Keep keep) const {
+    const bfloat16 nan = from_float<bfloat16>(std::numeric_limits<float>::quiet_NaN());
+    std::array<std::vector<bfloat16>, 2> out{std::vector<bfloat16>(k_src.size(), nan),
+                                             std::vector<bfloat16>(v_src.size(), nan)};
+    for (std::int32_t b = 0; b < kBatch; ++b) {
       for (std::int32_t h = 0; h < kKvHeads; ++h) {
-        for (std::int32_t t = 0; t < n; ++t) {
-          bfloat16* dk;
-          bfloat16* dv;
-          if (t < kSink || t >= n - kRecent) {
-            const std::int32_t w = t < kSink ? t : kSink + (t - (n - kRecent));
-            const std::size_t off = ((std::size_t(b) * kKvHeads + h) * kWindow + w) * kDim;
-            dk = wk.data() + off;
-            dv = wv.data() + off;
-          } else {
-            const std::size_t off = ((std::size_t(b) * kKvHeads + h) * mid_capacity + (t - kSink)) * kDim;
-            dk = mid_k.data + off;
-            dv = mid_v.data + off;
-          }
-          std::copy_n(src.k_row(b, h, t), kDim, dk);
-          std::copy_n(src.v_row(b, h, t), kDim, dv);
+        for (std::int32_t t = 0; t < full.seq_lens[b]; ++t) {
+          if (!keep(b, t)) continue;
+          const std::int64_t off = view.offset(b, h, t);
+          std::copy_n(k_src.begin() + off, kDim, out[0].begin() + off);
+          std::copy_n(v_src.begin() + off, kDim, out[1].begin() + off);
         }
       }
     }
-    d_window_k = DeviceBuffer<bfloat16>(wk);
-    d_window_v = DeviceBuffer<bfloat16>(wv);
+    return out;
   }
 
-  ContiguousKVView<const bfloat16> full_view() const {
-    return ContiguousKVView<const bfloat16>::packed(k.data(), v.data(), kBatch, kKvHeads, capacity, kDim, full.seq_lens.data());
+  ContiguousKVView<const bfloat16> contiguous(const bfloat16* k_data, const bfloat16* v_data,
+                                              const std::int32_t* lens = nullptr) const {
+    return ContiguousKVView<const bfloat16>::packed(k_data, v_data, kBatch, kKvHeads, capacity, kDim,
+                                                    lens != nullptr ? lens : full.seq_lens.data());
   }
-  ContiguousKVView<const bfloat16> window() const {
-    return ContiguousKVView<const bfloat16>::packed(d_window_k.data(), d_window_v.data(), kBatch, kKvHeads, kWindow, kDim);
+  PagedKVView<const bfloat16> paged_view(const bfloat16* k_data, const bfloat16* v_data,
+                                         const std::int32_t* indptr = nullptr, const std::int32_t* pages = nullptr,
+                                         const std::int32_t* last = nullptr) const {
+    auto view = paged.view;
+    return {k_data,
+            v_data,
+            indptr != nullptr ? indptr : paged.indptr.data(),
+            pages != nullptr ? pages : paged.indices.data(),
+            last != nullptr ? last : paged.last_len.data(),
+            view.batch,
+            view.kv_heads,
+            view.head_dim,
+            view.page_size,
+            view.num_pages,
+            view.page_stride,
+            view.token_stride,
+            view.head_stride};
   }
-  ContiguousKVView<const bfloat16> offloaded() const {
-    return ContiguousKVView<const bfloat16>::packed(mid_k.data, mid_v.data, kBatch, kKvHeads, mid_capacity, kDim,
-                                                    mid_lens.data());
+  ContiguousKVView<const bfloat16> device_contiguous() const { return contiguous(d_k.data(), d_v.data(), d_lens.data()); }
+  PagedKVView<const bfloat16> device_paged() const {
+    return paged_view(d_k_pages.data(), d_v_pages.data(), d_indptr.data(), d_page_indices.data(), d_last.data());
   }
+  ContiguousKVView<const bfloat16> host_contiguous() const { return contiguous(h_k->data, h_v->data); }
+  PagedKVView<const bfloat16> host_paged() const { return paged_view(h_k_pages->data, h_v_pages->data); }
+  /// Every value, for the reference.
+  ContiguousKVView<const bfloat16> reference_cache() const { return contiguous(k.data(), v.data()); }
+
   QueryView<const bfloat16> q_host() const { return QueryView<const bfloat16>::packed(q.data(), kBatch, kQHeads, kDim); }
   QueryView<const bfloat16> q_device() const { return QueryView<const bfloat16>::packed(d_q.data(), kBatch, kQHeads, kDim); }
   StateView<bfloat16> out() const { return StateView<bfloat16>::packed(d_o.data(), d_lse.data(), kBatch, kQHeads, kDim); }
+  cuda::HybridDecoderConfig config() const {
+    return {.batch = kBatch, .q_heads = kQHeads, .kv_heads = kKvHeads, .head_dim = kDim, .attention = {.window = kWindow}};
+  }
 };
+
+/// Up to `k` (all, when k = 0) distinct middle positions per row, in random order.
+test::HostSelection middle_selection(Random& rng, const HybridCase& c, std::int32_t k) {
+  const std::int32_t capacity = k > 0 ? k : c.capacity;
+  test::HostSelection sel(c.kBatch, c.kKvHeads, capacity, /*with_weights=*/false);
+  for (std::int32_t b = 0; b < c.kBatch; ++b) {
+    const std::int32_t n = c.full.seq_lens[b], lo = c.kWindow.sink_end(n), hi = c.kWindow.recent_begin(n);
+    for (std::int32_t h = 0; h < c.kKvHeads; ++h) {
+      std::vector<std::int32_t> middle(hi - lo);
+      std::iota(middle.begin(), middle.end(), lo);
+      std::shuffle(middle.begin(), middle.end(), rng.engine);
+      const std::int32_t count = std::min<std::int32_t>(capacity, hi - lo);
+      std::copy_n(middle.begin(), count, sel.view.row(b, h));
+      sel.view.counts[sel.view.row_index(b, h)] = count;
+    }
+  }
+  return sel;
+}
 
 using HybridDecode = test::GpuTest;
 
-TEST_F(HybridDecode, FullOffloadSelectionEqualsDenseOverEverything) {
+TEST_F(HybridDecode, MatchesTheReferenceOverWindowAndSelectionForEveryLayout) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   HybridCase c(rng, 3000);
-  // Selection: every offloaded token, in random order.
-  std::vector<std::int32_t> idx(std::size_t(c.kBatch) * c.kKvHeads * c.mid_capacity), counts(c.kBatch * c.kKvHeads);
-  for (std::int32_t b = 0; b < c.kBatch; ++b) {
-    for (std::int32_t h = 0; h < c.kKvHeads; ++h) {
-      auto* row = idx.data() + (std::size_t(b) * c.kKvHeads + h) * c.mid_capacity;
-      std::iota(row, row + c.mid_lens[b], 0);
-      std::shuffle(row, row + c.mid_lens[b], rng.engine);
-      counts[b * c.kKvHeads + h] = c.mid_lens[b];
-    }
-  }
   cpu::ThreadPool pool(2);
-  cuda::HybridDecoder<bfloat16> decoder({.batch = c.kBatch, .q_heads = c.kQHeads, .kv_heads = c.kKvHeads,
-                                         .head_dim = c.kDim, .sink = c.kSink, .recent = c.kRecent},
-                                        &pool);
-  test::HostState ref(c.kBatch, c.kQHeads, c.kDim);
-  reference::dense_decode(c.q_host(), c.full_view(), ref.view);
-  for (int step = 0; step < 2; ++step) {  // the second step reuses the decoder's buffers
-    c.d_o.poison();
-    c.d_lse.poison();
-    decoder.decode(c.q_device(), c.q_host(), c.full.seq_lens, c.window(), c.offloaded(),
-                   {idx.data(), counts.data(), nullptr, c.kBatch, c.kKvHeads, c.mid_capacity}, c.out(), nullptr);
-    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-    test::expect_close(c.d_o.download(), c.d_lse.download(), ref, "hybrid step " + std::to_string(step));
-  }
-}
-
-TEST_F(HybridDecode, PartialSelectionEqualsSparseOverWindowAndSelection) {
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
-  const std::int32_t k = 150;
-  HybridCase c(rng, 2000, k);
-  std::vector<std::int32_t> idx(std::size_t(c.kBatch) * c.kKvHeads * k), counts(c.kBatch * c.kKvHeads, k);
-  // The same tokens in absolute positions, plus the window, for the reference.
-  const std::int32_t ref_cap = c.kWindow + k;
-  std::vector<std::int32_t> ref_idx(std::size_t(c.kBatch) * c.kKvHeads * ref_cap), ref_counts(c.kBatch * c.kKvHeads, ref_cap);
-  for (std::int32_t b = 0; b < c.kBatch; ++b) {
-    const std::int32_t n = c.full.seq_lens[b];
-    for (std::int32_t h = 0; h < c.kKvHeads; ++h) {
-      std::vector<std::int32_t> mid(c.mid_lens[b]);
-      std::iota(mid.begin(), mid.end(), 0);
-      std::shuffle(mid.begin(), mid.end(), rng.engine);
-      const std::size_t row = std::size_t(b) * c.kKvHeads + h;
-      std::int32_t* ref_row = ref_idx.data() + row * ref_cap;
-      for (std::int32_t i = 0; i < k; ++i) {
-        idx[row * k + i] = mid[i];
-        *ref_row++ = mid[i] + c.kSink;
-      }
-      for (std::int32_t t = 0; t < c.kSink; ++t) *ref_row++ = t;
-      for (std::int32_t t = n - c.kRecent; t < n; ++t) *ref_row++ = t;
+  for (bool whole_middle : {true, false}) {
+    const test::HostSelection sel = middle_selection(rng, c, whole_middle ? 0 : 150);
+    test::HostState ref(c.kBatch, c.kQHeads, c.kDim);
+    if (whole_middle) {  // window and middle are the whole sequence
+      reference::dense_decode(c.q_host(), c.reference_cache(), ref.view);
+    } else {
+      reference::sparse_decode(c.q_host(), c.reference_cache(), sel.view, ref.view, {.window = c.kWindow});
     }
+    ASSERT_TRUE(std::isfinite(ref.lse[0]));  // sequence 0, window only, is not empty
+    const auto check = [&](const auto& device_kv, const auto& host_kv, const std::string& layouts) {
+      for (bool validate : {false, true}) {
+        auto config = c.config();
+        config.validate_indices = validate;
+        cuda::HybridDecoder<bfloat16> decoder(config, validate ? &pool : nullptr);
+        for (int step = 0; step < 2; ++step) {  // the second step reuses the decoder's buffers
+          c.d_o.poison();
+          c.d_lse.poison();
+          decoder.decode(c.q_device(), c.q_host(), device_kv, host_kv, sel.view, c.out(), nullptr);
+          KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+          test::expect_close(c.d_o.download(), c.d_lse.download(), ref,
+                             fmt::format("{}, {} middle, validate {}, step {}", layouts,
+                                         whole_middle ? "whole" : "partial", validate, step));
+        }
+      }
+    };
+    check(c.device_contiguous(), c.host_contiguous(), "contiguous device, contiguous host");
+    check(c.device_contiguous(), c.host_paged(), "contiguous device, paged host");
+    check(c.device_paged(), c.host_contiguous(), "paged device, contiguous host");
+    check(c.device_paged(), c.host_paged(), "paged device, paged host");
   }
-  cuda::HybridDecoder<bfloat16> decoder({.batch = c.kBatch, .q_heads = c.kQHeads, .kv_heads = c.kKvHeads,
-                                         .head_dim = c.kDim, .sink = c.kSink, .recent = c.kRecent});
-  c.d_o.poison();
-  c.d_lse.poison();
-  decoder.decode(c.q_device(), c.q_host(), c.full.seq_lens, c.window(), c.offloaded(),
-                 {idx.data(), counts.data(), nullptr, c.kBatch, c.kKvHeads, k}, c.out(), nullptr);
-  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  test::HostState ref(c.kBatch, c.kQHeads, c.kDim);
-  reference::sparse_decode(c.q_host(), c.full_view(),
-                           SelectionView{ref_idx.data(), ref_counts.data(), nullptr, c.kBatch, c.kKvHeads, ref_cap}, ref.view);
-  test::expect_close(c.d_o.download(), c.d_lse.download(), ref, "hybrid partial");
 }
 
-TEST_F(HybridDecode, BadConfigurationsAreRefused) {
+TEST_F(HybridDecode, BadArgumentsAreRefused) {
   HybridCase c(rng, 500);
-  std::vector<std::int32_t> idx(std::size_t(c.kBatch) * c.kKvHeads * 8, 0), counts(c.kBatch * c.kKvHeads, 1);
-  const SelectionView sel{idx.data(), counts.data(), nullptr, c.kBatch, c.kKvHeads, 8};
-  using test::expect_error;
-  cuda::HybridDecoder<bfloat16> decoder({.batch = c.kBatch, .q_heads = c.kQHeads, .kv_heads = c.kKvHeads,
-                                         .head_dim = c.kDim, .sink = c.kSink, .recent = c.kRecent});
-  std::vector<std::int32_t> short_lens = {50, c.full.seq_lens[1]};
-  expect_error([&] { decoder.decode(c.q_device(), c.q_host(), short_lens, c.window(), c.offloaded(), sel, c.out(), nullptr); },
-               "the GPU window (sink 4 + recent 64 = 68 tokens) is larger than sequence 0 (= 50 tokens)");
-  std::vector<bfloat16> pageable_k(std::size_t(c.kBatch) * c.kKvHeads * c.mid_capacity * c.kDim), pageable_v(pageable_k.size());
-  const auto pageable = ContiguousKVView<const bfloat16>::packed(pageable_k.data(), pageable_v.data(), c.kBatch, c.kKvHeads,
-                                                                 c.mid_capacity, c.kDim, c.mid_lens.data());
-  expect_error([&] { decoder.decode(c.q_device(), c.q_host(), c.full.seq_lens, c.window(), pageable, sel, c.out(), nullptr); },
-               "offloaded.k and offloaded.v must be pinned host memory");
+  test::HostSelection sel = middle_selection(rng, c, 8);
+  expect_error(
+      [&] {
+        auto config = c.config();
+        config.attention.window = {};
+        cuda::HybridDecoder<bfloat16> decoder(config);
+      },
+      "cuda::HybridDecoder: config.attention.window is empty");
+  auto config = c.config();
+  config.validate_indices = true;
+  cuda::HybridDecoder<bfloat16> decoder(config);
+  const auto decode = [&](const auto& host_kv, const SelectionView& s) {
+    decoder.decode(c.q_device(), c.q_host(), c.device_contiguous(), host_kv, s, c.out(), nullptr);
+  };
+  const std::vector<bfloat16> pageable_k(c.k), pageable_v(c.v);
+  expect_error([&] { decode(c.contiguous(pageable_k.data(), pageable_v.data()), sel.view); },
+               "host_kv's K and V must be pinned host memory");
+  std::vector<std::uint8_t> attend_all(std::size_t(c.kBatch) * c.kKvHeads, 1);
+  SelectionView all = sel.view;
+  all.attend_all = attend_all.data();
+  expect_error([&] { decode(c.host_contiguous(), all); }, "selection.attend_all is set");
+  const std::int32_t n = c.full.seq_lens[2];
+  sel.view.row(2, 1)[0] = n - 1;  // a recent token: the GPU attends it already
+  expect_error([&] { decode(c.host_contiguous(), sel.view); },
+               fmt::format("selection.indices[0] (= {}) at batch 2, kv_head 1 is in the attention window", n - 1));
+  expect_error(
+      [&] {
+        decoder.decode(QueryView<const bfloat16>::packed(c.d_q.data(), c.kBatch, 4, c.kDim), c.q_host(),
+                       c.device_contiguous(), c.host_contiguous(), sel.view, c.out(), nullptr);
+      },
+      "q_device shape [3, 4, 128] != configured [batch = 3, q_heads = 8, head_dim = 128]");
 }
 
 }  // namespace

@@ -79,7 +79,9 @@ void dense_decode(const QueryView<TQ>& q, const KV& kv, const StateView<TO>& out
 /// Sparse decode attention: query head h of sequence b attends to the attention window (opts.window: its
 /// sink tokens, then its recent ones) and to the tokens selection.row(b, kv_head) lists, each selected
 /// token's logit plus its log-weight when the selection carries them. Selected tokens inside the window are
-/// refused (they would be attended twice); duplicates within a row are attended once per occurrence.
+/// refused (they would be attended twice); duplicates within a row are attended once per occurrence. A row
+/// whose selection.attend_all entry is nonzero attends every token [0, seq_len) once instead (its count,
+/// indices and log-weights are not read).
 template <class TQ, KVCacheView KV, class TO>
 void sparse_decode(const QueryView<TQ>& q, const KV& kv, const SelectionView& selection, const StateView<TO>& out,
                    const AttentionOptions& opts = {}) {
@@ -98,8 +100,15 @@ void sparse_decode(const QueryView<TQ>& q, const KV& kv, const SelectionView& se
     const std::int32_t length = kv.seq_len(b), window = opts.window.size(length);
     for (std::int32_t h = 0; h < q.heads; ++h) {
       const std::int32_t kv_head = h / group;
+      const bool all = selection.attend_all != nullptr && selection.attend_all[selection.row_index(b, kv_head)] != 0;
       const std::int32_t* idx = selection.row(b, kv_head);
       const float* lw = selection.weights_row(b, kv_head);
+      if (all) {
+        detail::attend(
+            q.row(b, h), kv, b, kv_head, length, [](std::int32_t i) { return i; },
+            [](std::int32_t) { return 0.0f; }, scale, out.o_row(b, h), out.lse_at(b, h), logits);
+        continue;
+      }
       detail::attend(
           q.row(b, h), kv, b, kv_head, window + selection.count(b, kv_head),
           [&](std::int32_t i) { return i < window ? opts.window.token(i, length) : idx[i - window]; },

@@ -218,7 +218,8 @@ inline void check_selection_entries(const char* where, const char* name, std::in
 
 /// Checks every count and index of a selection in host memory against the cache's sequence lengths and the
 /// attention window, and, with `refuse_duplicates`, that no row lists a token twice (allocates a bitmap of
-/// the longest sequence).
+/// the longest sequence). Rows that attend every token (SelectionView::attend_all) are skipped: their count
+/// and indices are not read.
 template <KVCacheView KV>
 void check_selection_contents(const SelectionView& s, const KV& kv, const char* where, const char* name,
                               bool refuse_duplicates, const AttentionWindow& window = {}) {
@@ -230,6 +231,7 @@ void check_selection_contents(const SelectionView& s, const KV& kv, const char* 
   }
   for (std::int32_t b = 0; b < s.batch; ++b) {
     for (std::int32_t h = 0; h < s.kv_heads; ++h) {
+      if (s.attend_all != nullptr && s.attend_all[s.row_index(b, h)] != 0) continue;
       check_selection_count(where, name, b, h, s.count(b, h), s.capacity);
       check_selection_entries(where, name, b, h, s.row(b, h), s.count(b, h), kv.seq_len(b), window, seen);
     }

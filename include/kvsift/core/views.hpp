@@ -164,6 +164,11 @@ struct SelectionView {
   std::int32_t batch = 0;
   std::int32_t kv_heads = 0;
   std::int32_t capacity = 0;
+  /// Optional [batch, kv_heads]; nullptr means all 0. A nonzero entry makes that row attend every token
+  /// [0, seq_len) of its sequence once (the attention window's tokens too, once): its count, indices and
+  /// log-weights are ignored, not read. SpeContext needs it while a sequence is shorter than its budget.
+  /// Same memory as the other arrays (device memory on CUDA, host memory on the CPU).
+  const std::uint8_t* attend_all = nullptr;
 
   KVSIFT_HOST_DEVICE std::int64_t row_index(std::int64_t b, std::int64_t h) const { return b * kv_heads + h; }
   KVSIFT_HOST_DEVICE std::int32_t* row(std::int64_t b, std::int64_t h) const {

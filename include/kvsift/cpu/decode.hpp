@@ -7,7 +7,9 @@
 /// in O, at every SIMD level.
 ///
 /// Sparse decode attends options.attention.window (sink and recent tokens, attention/options.hpp) besides the
-/// selection, in the same pass; dense decode refuses a window.
+/// selection, in the same pass; dense decode refuses a window. A selection row whose attend_all entry is
+/// nonzero attends every token [0, seq_len) once instead (window included; its count, indices and
+/// log-weights are not read, nor checked).
 ///
 /// Selections: counts are always checked against the capacity. Indices are trusted unless
 /// options.validate_indices is set (checking every index costs a pass over the selection): an index outside

@@ -12,6 +12,7 @@
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/rope.hpp"
+#include "kvsift/core/validate.hpp"
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 
@@ -115,6 +116,16 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
                     ThreadPool* pool = nullptr);
 
 namespace detail {
+/// The argument checks that cpu::group_scores and cuda::group_scores share (each adds its own head_dim and
+/// memory rules): q, kv and scores are valid views (kv's lengths and page tables are read only where
+/// `contents` is host memory), q matches kv, scores has one row per (sequence, kv head), options.reduce is
+/// known, and, with host contents, every sequence fits in scores.cols.
+template <class T, class KV>
+void check_group_scores(const char* where, const QueryView<const T>& q, const KV& kv, const MatrixView<float>& scores,
+                        const GroupScoreOptions& options, MemorySpace contents);
+/// The checks of the arguments of group_scores_workspace_bytes that both backends share.
+void check_group_scores_shape(const char* where, std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
+                              std::int32_t max_tokens, const GroupScoreOptions& options);
 /// The checks of a k-means configuration that cpu::kmeans and cuda::kmeans share: clusters in [1, points],
 /// iterations >= 0.
 void check_kmeans_config(const char* where, std::int64_t points, const KMeansConfig& config);

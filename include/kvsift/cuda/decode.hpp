@@ -9,15 +9,27 @@
 /// lengths and selection counts on the device. Q, K, V and O rows must be 16-byte aligned (pointers and
 /// strides multiples of 8 elements).
 ///
-/// Outputs: O [batch, q_heads, head_dim] (storage type) and LSE [batch, q_heads] (fp32, natural log). A
-/// sequence or selection row with no tokens, or whose every logit is -inf, yields O = 0 and LSE = -inf. NaN
+/// Outputs: O [batch, q_heads, head_dim] in the storage type (TO = T) or in fp32 (TO = float: a partial state
+/// for a later merge_states, e.g. the GPU window of hybrid decode, which then rounds once instead of twice;
+/// both use the same kernels, so an fp32 output costs no compile time), and LSE [batch, q_heads] (fp32,
+/// natural log). A sequence or selection row with no tokens, or whose every logit is -inf, yields O = 0 and
+/// LSE = -inf. NaN
 /// never vanishes (attention/state.hpp): a NaN or +inf logit (from Q, K, a log-weight or sm_scale) gives NaN
 /// in O and LSE of that (sequence, head), a NaN in V a NaN in O; the split merge and merge_states carry a
 /// NaN partial through.
 ///
 /// Selections are trusted unless options.validate_indices is set: without it a count outside
 /// [0, capacity] or an index outside [0, seq_len) is undefined behaviour, and a duplicate index is
-/// attended once per occurrence (k copies of a token weigh as one with log-weight + log k).
+/// attended once per occurrence (k copies of a token weigh as one with log-weight + log k). A row whose
+/// selection.attend_all entry is nonzero attends every token [0, seq_len) once (window included; its count,
+/// indices and log-weights are not read, nor checked in validation mode). The split plan is sized from the
+/// selection's capacity plus the window, so such a row, when longer, runs in fewer CTAs than its length
+/// would get: correct, and up to seq_len / (capacity + window) times as long for that row.
+///
+/// The KV cache's device arrays (seq_lens, page tables) are always trusted, in validation mode too: a length
+/// outside [0, capacity] (contiguous), a page index outside [0, num_pages) or a page_indptr/last_page_len
+/// that describes more pages than the sequence owns is undefined behaviour. Check them on the host
+/// (validate(kv, ..., MemorySpace::host) in core/validate.hpp) where they are built.
 ///
 /// Hot path contract: no allocation and no host synchronization; the caller passes a stream and a
 /// workspace of at least *_workspace_bytes() bytes (same arguments), 256-byte aligned, whose contents do not
@@ -67,42 +79,57 @@ std::size_t sparse_decode_workspace_bytes(const QueryView<const T>& q, const KV&
 /// Sparse decode: query head h of sequence b attends to the attention window (options.attention.window: the
 /// sink and recent tokens, in the same launch) and to selection.row(b, h / group)[0 .. count), each selected
 /// logit plus its log-weight when selection.log_weights is set.
-template <class T, class KV>
-void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<T>& out,
+template <class T, class KV, class TO>
+void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<TO>& out,
                    std::span<std::byte> workspace, cudaStream_t stream, const DecodeOptions& options = {});
 
 template <class T, class KV>
 std::size_t dense_decode_workspace_bytes(const QueryView<const T>& q, const KV& kv, const DecodeOptions& options = {});
 /// Dense decode: every query attends to all seq_len tokens of its sequence (split over the sequence, then
 /// merged by LSE).
-template <class T, class KV>
-void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<T>& out, std::span<std::byte> workspace,
+template <class T, class KV, class TO>
+void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<TO>& out, std::span<std::byte> workspace,
                   cudaStream_t stream, const DecodeOptions& options = {});
 
-/// Merges 1..16 partial states of one shape into `out` (which must not alias a partial):
-/// LSE = log sum_i exp(LSE_i), O = sum_i exp(LSE_i - LSE) O_i. Empty partials (LSE = -inf) are skipped, so
-/// they change nothing bit for bit; a partial with LSE = NaN makes that row of `out` NaN in O and LSE. Needs no workspace. head_dim up to 512; rows need no special alignment.
-template <class T>
-void merge_states(std::span<const StateView<const T>> partials, const StateView<T>& out, cudaStream_t stream);
+/// Merges 1..64 partial states of one shape into `out` (which must not alias a partial), as
+/// cpu::merge_states does: LSE = log sum_i exp(LSE_i), O = sum_i exp(LSE_i - LSE) O_i, accumulated in fp32
+/// and rounded once into TO. TI = TO (half, bfloat16, float), or TI = float with TO = half or bfloat16
+/// (fp32 partials, e.g. from decode with an fp32 output). Empty partials (LSE = -inf) are skipped, so they
+/// change nothing bit for bit; only they are: a partial whose weight underflows to 0 still multiplies its O,
+/// so a NaN there shows, and a partial with LSE = NaN makes that row of `out` NaN in O and LSE. More than 64
+/// partials are refused (their views travel in the kernel's parameters): merge them in groups into fp32
+/// states, then merge those. One launch, no workspace; head_dim up to 512; rows need no special alignment.
+template <class TI, class TO>
+void merge_states(std::span<const StateView<const TI>> partials, const StateView<TO>& out, cudaStream_t stream);
 
+#define KVSIFT_DECLARE_DECODE_OUTPUT(T, KV, TO)                                                                   \
+  extern template void sparse_decode<T, KV, TO>(const QueryView<const T>&, const KV&, const SelectionView&,      \
+                                                const StateView<TO>&, std::span<std::byte>, cudaStream_t,        \
+                                                const DecodeOptions&);                                           \
+  extern template void dense_decode<T, KV, TO>(const QueryView<const T>&, const KV&, const StateView<TO>&,      \
+                                               std::span<std::byte>, cudaStream_t, const DecodeOptions&);
 #define KVSIFT_DECLARE_DECODE(T, KV)                                                                             \
   extern template std::size_t sparse_decode_workspace_bytes<T, KV>(const QueryView<const T>&, const KV&,         \
                                                                    const SelectionView&, const DecodeOptions&); \
-  extern template void sparse_decode<T, KV>(const QueryView<const T>&, const KV&, const SelectionView&,          \
-                                            const StateView<T>&, std::span<std::byte>, cudaStream_t,             \
-                                            const DecodeOptions&);                                               \
   extern template std::size_t dense_decode_workspace_bytes<T, KV>(const QueryView<const T>&, const KV&,          \
                                                                   const DecodeOptions&);                         \
-  extern template void dense_decode<T, KV>(const QueryView<const T>&, const KV&, const StateView<T>&,            \
-                                           std::span<std::byte>, cudaStream_t, const DecodeOptions&);
+  KVSIFT_DECLARE_DECODE_OUTPUT(T, KV, T)                                                                         \
+  KVSIFT_DECLARE_DECODE_OUTPUT(T, KV, float)
 KVSIFT_DECLARE_DECODE(half, ContiguousKVView<const half>)
 KVSIFT_DECLARE_DECODE(half, PagedKVView<const half>)
 KVSIFT_DECLARE_DECODE(bfloat16, ContiguousKVView<const bfloat16>)
 KVSIFT_DECLARE_DECODE(bfloat16, PagedKVView<const bfloat16>)
 #undef KVSIFT_DECLARE_DECODE
-extern template void merge_states<half>(std::span<const StateView<const half>>, const StateView<half>&, cudaStream_t);
-extern template void merge_states<bfloat16>(std::span<const StateView<const bfloat16>>, const StateView<bfloat16>&,
-                                            cudaStream_t);
-extern template void merge_states<float>(std::span<const StateView<const float>>, const StateView<float>&, cudaStream_t);
+#undef KVSIFT_DECLARE_DECODE_OUTPUT
+extern template void merge_states<half, half>(std::span<const StateView<const half>>, const StateView<half>&,
+                                              cudaStream_t);
+extern template void merge_states<bfloat16, bfloat16>(std::span<const StateView<const bfloat16>>,
+                                                      const StateView<bfloat16>&, cudaStream_t);
+extern template void merge_states<float, float>(std::span<const StateView<const float>>, const StateView<float>&,
+                                                cudaStream_t);
+extern template void merge_states<float, half>(std::span<const StateView<const float>>, const StateView<half>&,
+                                               cudaStream_t);
+extern template void merge_states<float, bfloat16>(std::span<const StateView<const float>>,
+                                                   const StateView<bfloat16>&, cudaStream_t);
 
 }  // namespace kvsift::cuda

@@ -1,8 +1,9 @@
 #pragma once
-/// CUDA top-K shared by every selector, the twin of cpu/topk.hpp (same order and tie rule: higher score first,
-/// on equal scores the smaller index, NaN below every number).
+/// CUDA top-K shared by every selector, the twin of cpu/topk.hpp: the same ranking rule (core/ranking.hpp:
+/// higher score first, on equal scores the smaller index, NaN below every number) and identical results.
 /// Device memory; caller-owned workspace (size from the matching *_workspace_bytes query); no allocation, no
-/// host sync; stream-ordered; reentrant (concurrent calls need distinct workspaces).
+/// host sync; stream-ordered; CUDA-graph capturable; reentrant (concurrent calls need distinct workspaces).
+/// Deterministic: the chosen set is a function of the scores alone, and so is the output order (ascending).
 
 #include <cstddef>
 #include <cstdint>
@@ -10,23 +11,51 @@
 
 #include <cuda_runtime_api.h>
 
+#include "kvsift/core/ranking.hpp"
 #include "kvsift/core/views.hpp"
 
 namespace kvsift::cuda {
 
+/// Bytes of device workspace (256-byte aligned) topk_rows needs for `score_rows` score rows of max_tokens =
+/// scores.cols scores: none for heads_per_row = 1; for heads_per_row > 1 each score row's picks (4 * k + 4
+/// bytes) and, past 393,216 tokens, a bitmap of each selection row's middle (max_tokens / 8 bytes). Shapes
+/// only (no device query); k and the options are checked as the run checks them.
+std::size_t topk_rows_workspace_bytes(std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
+                                      const TopKRowsOptions& options);
+
+/// cpu::topk_rows' twin, with identical results (index sets, order and counts): per selection row s = (b, g)
+/// of `out`, the union of its heads_per_row score rows' min(k_s, middle) best tokens of the middle
+/// [window.sink_end(len), window.recent_begin(len)), len = d_lengths[b], distinct and ascending, into
+/// out.row(b, g) and its size into out.counts[s]; log-weights, if out has them, 0 for the written entries;
+/// entries past the count are not written. See cpu/topk.hpp for the shapes.
+///
+/// Memory: scores, d_lengths [out.batch], options.row_k [out.batch * out.kv_heads], out and workspace on the
+/// device. Checked before the launch as on the CPU (k > 0, heads_per_row >= 1, scores.rows == out.batch *
+/// out.kv_heads * heads_per_row, out.capacity >= heads_per_row * k, window sizes >= 0, the workspace size).
+/// Lengths and row_k live on the device, so they cannot be checked before the launch: a selection row whose
+/// length lies outside [0, scores.cols] or whose row_k lies outside [0, k] gets count -1 and no indices
+/// (the decode's validation mode refuses a count of -1, cuda/decode.hpp).
+///
+/// Launches: one for heads_per_row = 1 (a thread-block cluster of up to 16 CTAs per score row on sm_90, its
+/// size chosen from the row count, max_tokens and the SM count, read once per device), two otherwise (the
+/// union). docs/primitives.md has the algorithm and its timings.
+void topk_rows(const MatrixView<const float>& scores, const std::int32_t* d_lengths, std::int32_t k,
+               const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
+               cudaStream_t stream);
+
 enum class TopKAlgorithm : std::uint8_t {
-  /// Radix select: three histogram passes over 11/11/10 key bits, one counting and one writing pass; reads
-  /// the scores five times and sorts nothing. Several CTAs per row, so a few rows still fill the GPU.
+  /// topk_rows' single-launch radix select (four 8-bit histogram passes over rank words held in shared
+  /// memory, then one compaction pass in index order).
   radix_select,
-  /// CUB radix sorts of every (row, score) key, then of the chosen (row, index) pairs.
+  /// CUB radix sorts of every (row, score) key, then of the chosen (row, index) pairs; an independent
+  /// algorithm, kept as a cross-check.
   radix_sort,
 };
 
 /// Top-K per row: scores [rows, n] (row stride scores.row_stride) → indices [rows, k] (row stride k) of each
-/// row's k best scores, ascending; ties go to the smaller index; NaN ranks below every number. Both
-/// algorithms give identical results (they are tested against cpu::topk_indices); radix_select is the
-/// faster one at every measured shape (docs/primitives.md) and is the default. Deterministic. The workspace
-/// size depends on the algorithm and, for radix_select, on the current device's SM count.
+/// row's k best scores, ascending; 0 <= k <= n. Both algorithms give identical results (tested against
+/// cpu::topk_indices); radix_select is the default. The workspace size depends on the algorithm (none for
+/// radix_select).
 std::size_t topk_workspace_bytes(std::int64_t rows, std::int32_t n, std::int32_t k,
                                  TopKAlgorithm algorithm = TopKAlgorithm::radix_select);
 void topk(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* d_indices, std::span<std::byte> workspace,

@@ -1,24 +1,35 @@
 #pragma once
-/// Hybrid CPU–GPU decode, as in CTKVR and A²ATS: each sequence's first `sink` and last `recent` tokens stay in
-/// GPU memory (the window); the tokens between them are offloaded to pinned host memory. Per decode step the
-/// GPU attends to the window on the caller's stream while the CPU attends to a selection of the offloaded
-/// tokens; the CPU's (O, LSE) is copied to the device and merged with the window's by LSE on the stream.
+/// Hybrid CPU–GPU decode, as in CTKVR and A²ATS: each sequence's attention window (the first `sink` and last
+/// `recent` tokens, config.attention.window) is attended on the GPU from the engine's own device KV cache,
+/// while the CPU attends to a selection of the middle tokens from a pinned host copy of them. Both produce
+/// fp32 partial states; the CPU's is copied to the device and the two are merged by LSE on the stream,
+/// rounded once into the output.
 ///
-/// Layouts: `window` is a device KV cache of capacity sink + recent holding, per sequence, its sink tokens then
-/// its recent tokens (every sequence's window is full); `offloaded` is a pinned host KV cache holding, per
-/// sequence, tokens [sink, n - recent) at positions 0.. (its seq_lens, host memory, give n - sink - recent);
-/// `selection` (host) indexes positions of the offloaded cache. Outputs: O [batch, q_heads, head_dim] and LSE
-/// (natural log), device memory.
+/// Positions are absolute everywhere, as in every other kvsift call:
+/// - `device_kv` (device memory, contiguous or paged, its seq_lens or page table on the device) gives the
+///   sequences' full lengths n and holds at least each sequence's window tokens at their positions; no other
+///   row is read, so the middle may be gone (its pages freed, its rows stale).
+/// - `host_kv` (pinned host memory, contiguous or paged, lengths and page table in host memory) gives the
+///   same lengths n and holds the middle tokens [sink, n - recent) at their positions; no other row is read.
+/// - `selection` (host memory) lists, per (sequence, kv head), absolute positions of the middle: never a
+///   window token (it would be attended twice), never twice the same. A sequence no longer than the window
+///   has an empty middle: its rows have count 0. attend_all is refused: the host cache has no window tokens.
+/// The two caches' lengths must agree; the device lengths are not read on the host, so this is not checked.
 ///
-/// Ownership and cost: the decoder owns the device and pinned buffers it needs, allocated once in the
-/// constructor; decode() allocates nothing. decode() runs the CPU part on the calling thread (on `pool` if
-/// given) and returns once the copy and merge are enqueued; it does not wait for the GPU, except that it first
-/// waits for the previous step's copy of the CPU result (normally long finished) before overwriting it.
-/// Thread safety: one decoder serves one thread at a time.
+/// Per step, decode() (1) enqueues the window's attention on `stream` (cuda::sparse_decode with the window and
+/// an all-empty selection the decoder keeps, into an fp32 state), (2) attends the selection on the calling
+/// thread and `pool` (cpu::sparse_decode, no window, into an fp32 state in pinned memory) while the GPU works,
+/// (3) enqueues the copy of that state to the device and cuda::merge_states<float, T> into `out`, and
+/// returns. It does not wait for the GPU, except that before overwriting the pinned CPU state it waits for
+/// the previous step's copy of it (normally long finished).
+///
+/// Ownership and cost: the decoder owns every buffer it needs (device, pinned), allocated once in the
+/// constructor; decode() allocates nothing (except with config.validate_indices, which checks the selection
+/// on the host with a bitmap). Outputs: O [batch, q_heads, head_dim] in T and LSE [batch, q_heads] (natural
+/// log), device memory. Thread safety: one decoder serves one thread at a time.
 
 #include <cstdint>
 #include <memory>
-#include <span>
 
 #include <cuda_runtime_api.h>
 
@@ -34,9 +45,11 @@ struct HybridDecoderConfig {
   std::int32_t q_heads = 32;
   std::int32_t kv_heads = 8;
   std::int32_t head_dim = 128;
-  std::int32_t sink = 4;    ///< leading tokens of each sequence kept on the GPU
-  std::int32_t recent = 64; ///< trailing tokens of each sequence kept on the GPU
-  AttentionOptions attention{};
+  /// sm_scale for both parts, and the window the GPU attends (must not be empty).
+  AttentionOptions attention{.window = {.sink = 4, .recent = 64}};
+  /// Check the selection on the host before each step (counts, every index in the middle of its sequence,
+  /// no index twice) and throw naming the first offending entry. Allocates a bitmap per call.
+  bool validate_indices = false;
 };
 
 /// Host-side timings of the last decode() (CPU part, and the whole call), for overlap measurements.
@@ -53,12 +66,13 @@ class HybridDecoder {
   HybridDecoder(const HybridDecoder&) = delete;
   HybridDecoder& operator=(const HybridDecoder&) = delete;
 
-  /// q_device and q_host hold the same queries [batch, q_heads, head_dim] (device and host memory);
-  /// seq_lens (host) are the sequences' full lengths n.
-  void decode(const QueryView<const T>& q_device, const QueryView<const T>& q_host, std::span<const std::int32_t> seq_lens,
-              const ContiguousKVView<const T>& window, const ContiguousKVView<const T>& offloaded,
-              const SelectionView& selection, const StateView<T>& out, cudaStream_t stream);
+  /// One decode step (see above). q_device and q_host hold the same queries [batch, q_heads, head_dim]
+  /// (device and host memory). DeviceKV and HostKV: ContiguousKVView<const T> or PagedKVView<const T>.
+  template <class DeviceKV, class HostKV>
+  void decode(const QueryView<const T>& q_device, const QueryView<const T>& q_host, const DeviceKV& device_kv,
+              const HostKV& host_kv, const SelectionView& selection, const StateView<T>& out, cudaStream_t stream);
 
+  const HybridDecoderConfig& config() const { return config_; }
   const HybridStepTimes& last_step_times() const { return times_; }
 
  private:
@@ -69,7 +83,19 @@ class HybridDecoder {
   HybridStepTimes times_;
 };
 
-extern template class HybridDecoder<half>;
-extern template class HybridDecoder<bfloat16>;
+#define KVSIFT_DECLARE_HYBRID_DECODE(T, DeviceKV, HostKV)                                                         \
+  extern template void HybridDecoder<T>::decode<DeviceKV, HostKV>(                                               \
+      const QueryView<const T>&, const QueryView<const T>&, const DeviceKV&, const HostKV&, const SelectionView&, \
+      const StateView<T>&, cudaStream_t);
+#define KVSIFT_DECLARE_HYBRID(T)                                                                                  \
+  extern template class HybridDecoder<T>;                                                                        \
+  KVSIFT_DECLARE_HYBRID_DECODE(T, ContiguousKVView<const T>, ContiguousKVView<const T>)                          \
+  KVSIFT_DECLARE_HYBRID_DECODE(T, ContiguousKVView<const T>, PagedKVView<const T>)                               \
+  KVSIFT_DECLARE_HYBRID_DECODE(T, PagedKVView<const T>, ContiguousKVView<const T>)                               \
+  KVSIFT_DECLARE_HYBRID_DECODE(T, PagedKVView<const T>, PagedKVView<const T>)
+KVSIFT_DECLARE_HYBRID(half)
+KVSIFT_DECLARE_HYBRID(bfloat16)
+#undef KVSIFT_DECLARE_HYBRID
+#undef KVSIFT_DECLARE_HYBRID_DECODE
 
 }  // namespace kvsift::cuda

@@ -175,7 +175,6 @@ void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std:
   constexpr int W = Ops::kWidth;
   const int d = job.q.head_dim;
   const int d_vec = d / W * W;
-  const bool dense = job.selection.indices == nullptr;
   const float neg_inf = -std::numeric_limits<float>::infinity(), pos_inf = -neg_inf;
 
   alignas(64) float q[kHeadTile][kMaxHeadDim];
@@ -190,6 +189,9 @@ void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std:
     const std::int64_t row = item / job.splits, chunk = item % job.splits;
     const std::int64_t b = row / job.kv.kv_heads, g = row % job.kv.kv_heads;
     const std::int32_t length = job.kv.seq_len(b);
+    // Dense decode, or a selection row that attends every token (SelectionView::attend_all).
+    const bool dense = job.selection.indices == nullptr ||
+                       (job.selection.attend_all != nullptr && job.selection.attend_all[row] != 0);
     const std::int32_t window = dense ? 0 : job.window.size(length);  // entries before the selected ones
     const std::int32_t row_count = dense ? length : window + job.selection.count(b, g);
     const std::int32_t chunk_size = (row_count + job.splits - 1) / job.splits;

@@ -151,17 +151,24 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
   const int split = blockIdx.x;
   const int kv_head = blockIdx.y / p.head_tiles, tile = blockIdx.y % p.head_tiles;
   const int b = blockIdx.z;
-  const bool dense = p.selection.indices == nullptr;
   const std::int64_t sel_row = std::int64_t(b) * p.selection.kv_heads + kv_head;
-  // A row's entries: every token (dense), the selected ones (sparse), or the window's tokens and then the
-  // selected ones (sparse, Windowed).
+  // The row's count and attend_all flag are independent loads, issued together.
+  int selected = 0;
+  bool attend_all = false;
+  if (p.selection.indices != nullptr) {
+    selected = p.selection.counts[sel_row];
+    attend_all = p.selection.attend_all != nullptr && p.selection.attend_all[sel_row] != 0;
+  }
+  // A row's entries: every token (dense decode, or a selection row that attends all), the selected ones
+  // (sparse), or the window's tokens and then the selected ones (sparse, Windowed).
+  const bool dense = p.selection.indices == nullptr || attend_all;
   int seq_len = 0, window = 0, count;
   if constexpr (Windowed) {
     seq_len = p.seq_len(b);
-    window = p.window.size(seq_len);
-    count = window + p.selection.counts[sel_row];
+    window = dense ? 0 : p.window.size(seq_len);
+    count = dense ? seq_len : window + selected;
   } else {
-    count = dense ? p.seq_len(b) : p.selection.counts[sel_row];
+    count = dense ? p.seq_len(b) : selected;
   }
   const int chunk = (count + p.num_splits - 1) / p.num_splits;
   const int begin = min(count, split * chunk), end = min(count, begin + chunk);
@@ -179,6 +186,7 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
     const int i = entry_of(step);
     if constexpr (Windowed) {
       if (i >= end) return 0;
+      if (dense) return i;
       return i < window ? p.window.token(i, seq_len) : indices[i - window];
     } else {
       return i < end ? (dense ? i : indices[i]) : 0;
@@ -268,11 +276,15 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
     }
     // s[nt][2 * h + e] is the score of head frag_row + 8h against row nt * 8 + frag_col + e.
     float bias[2][2];
+    bool row_valid[2][2];
+    const int step_first = begin + step * kRowsPerCtaStep + warp * kRowsPerStep;  // the entry of the step's row 0
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const float2 pair = load_shared2(biases(stage) + unsigned((nt * 8 + frag_col) * 4));
       bias[nt][0] = pair.x * kLog2e;
       bias[nt][1] = pair.y * kLog2e;
+      row_valid[nt][0] = step_first + nt * 8 + frag_col < end;
+      row_valid[nt][1] = step_first + nt * 8 + frag_col + 1 < end;
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -281,7 +293,10 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          s[nt][2 * h + e] = fmaf(s[nt][2 * h + e], p.scale_log2, bias[nt][e]);
+          // Rows past the end are masked to -inf outright: their zero-filled K gives 0 * inf = NaN with an
+          // infinite query or sm_scale, which a -inf bias would not hide.
+          s[nt][2 * h + e] = row_valid[nt][e] ? fmaf(s[nt][2 * h + e], p.scale_log2, bias[nt][e])
+                                              : negative_infinity<float>();
           step_max = max_nan(step_max, s[nt][2 * h + e]);
         }
       }
@@ -365,13 +380,12 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
     const float o = denom == 0.0f ? 0.0f : value / denom;
     const float lse = denom == 0.0f ? negative_infinity<float>() : (m_max + log2f(denom)) * kLn2;
     const int h = kv_head * p.group + first_head + head;
-    if (p.num_splits == 1) {
+    if (p.partials.o == nullptr) {
       p.out.o_row(b, h)[c] = from_float_device<T>(o);
       if (c == 0) p.out.lse_at(b, h) = lse;
-    } else {
-      const std::int64_t row = (std::int64_t(b) * p.q.heads + h) * p.num_splits + split;
-      p.partial_o[row * HeadDim + c] = o;
-      if (c == 0) p.partial_lse[row] = lse;
+    } else {  // split partials, or an fp32 output
+      p.partials.o_row(b, h, split, HeadDim)[c] = o;
+      if (c == 0) p.partials.lse_at(b, h, split) = lse;
     }
   }
 }
@@ -393,22 +407,24 @@ __global__ void __launch_bounds__(kCheckThreads) check_selection_kernel(const __
   __shared__ unsigned seen[kCheckBitmapWords];
   constexpr int kBits = kCheckBitmapWords * 32;
   const std::int64_t row = blockIdx.x;
+  if (p.selection.attend_all != nullptr && p.selection.attend_all[row] != 0) return;  // its entries are not read
   const int seq_len = p.seq_len(row / p.selection.kv_heads);
   const int lo = p.window.sink_end(seq_len), hi = p.window.recent_begin(seq_len);  // the selectable middle
   const int count = p.selection.counts[row];
   const std::int32_t* indices = p.selection.indices + row * p.selection.capacity;
   bool bad = count < 0 || count > p.selection.capacity;  // the same for the whole CTA
-  for (int base = 0; !bad && base < max(seq_len, 1); base += kBits) {
+  // 64-bit passes: an int base would overflow past the last pass of a sequence near 2^31 tokens.
+  for (std::int64_t base = 0; !bad && base < max(seq_len, 1); base += kBits) {
     for (int w = threadIdx.x; w < kCheckBitmapWords; w += blockDim.x) seen[w] = 0u;
     __syncthreads();
     bool mine = false;
     for (int i = threadIdx.x; i < count; i += blockDim.x) {
       const int token = indices[i];
-      const int offset = token - base;
+      const std::int64_t offset = token - base;
       if (token < lo || token >= hi) {
         mine = true;
       } else if (offset >= 0 && offset < kBits) {
-        const unsigned bit = 1u << (offset % 32);
+        const unsigned bit = 1u << unsigned(offset % 32);
         mine |= (atomicOr(&seen[offset / 32], bit) & bit) != 0u;
       }
     }
@@ -496,9 +512,10 @@ cudaError_t launch_check_selection(const DecodeParams<T>& p, cudaStream_t stream
   return cudaGetLastError();
 }
 
-template <class T>
-cudaError_t launch_merge_states(const MergeParams<T>& p, cudaStream_t stream) {
-  merge_states_kernel<T><<<p.out.batch * p.out.heads, kMergeThreads, 0, stream>>>(p);
+template <class TI, class TO>
+cudaError_t launch_merge_states(const MergeParams<TI, TO>& p, cudaStream_t stream) {
+  static_assert(sizeof(MergeParams<TI, TO>) <= 4096, "kernel parameters are limited to 4 KB before CUDA 12.1");
+  merge_states_kernel<TI, TO><<<p.out.batch * p.out.heads, kMergeThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

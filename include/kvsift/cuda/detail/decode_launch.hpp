@@ -19,15 +19,18 @@ cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream, bool pr
 template <class T>
 cudaError_t launch_check_selection(const DecodeParams<T>& p, cudaStream_t stream);
 
-template <class T>
-cudaError_t launch_merge_states(const MergeParams<T>& p, cudaStream_t stream);
+template <class TI, class TO>
+cudaError_t launch_merge_states(const MergeParams<TI, TO>& p, cudaStream_t stream);
 
 extern template cudaError_t launch_decode<half>(const DecodeParams<half>&, cudaStream_t, bool);
 extern template cudaError_t launch_decode<bfloat16>(const DecodeParams<bfloat16>&, cudaStream_t, bool);
 extern template cudaError_t launch_check_selection<half>(const DecodeParams<half>&, cudaStream_t);
 extern template cudaError_t launch_check_selection<bfloat16>(const DecodeParams<bfloat16>&, cudaStream_t);
-extern template cudaError_t launch_merge_states<half>(const MergeParams<half>&, cudaStream_t);
-extern template cudaError_t launch_merge_states<bfloat16>(const MergeParams<bfloat16>&, cudaStream_t);
-extern template cudaError_t launch_merge_states<float>(const MergeParams<float>&, cudaStream_t);
+extern template cudaError_t launch_merge_states<half, half>(const MergeParams<half, half>&, cudaStream_t);
+extern template cudaError_t launch_merge_states<bfloat16, bfloat16>(const MergeParams<bfloat16, bfloat16>&,
+                                                                    cudaStream_t);
+extern template cudaError_t launch_merge_states<float, float>(const MergeParams<float, float>&, cudaStream_t);
+extern template cudaError_t launch_merge_states<float, half>(const MergeParams<float, half>&, cudaStream_t);
+extern template cudaError_t launch_merge_states<float, bfloat16>(const MergeParams<float, bfloat16>&, cudaStream_t);
 
 }  // namespace kvsift::cuda::detail

@@ -46,6 +46,26 @@ constexpr std::size_t decode_shared_bytes(int head_dim, int warps) {
   return pipelines > merge ? pipelines : merge;
 }
 
+/// Where fp32 states go: state (b, h, split) has its O at o + b * o_batch_stride + h * o_head_stride +
+/// split * head_dim and its LSE (natural log) at lse + b * lse_batch_stride + h * lse_head_stride + split.
+/// The split partials in the workspace are [batch, q_heads, num_splits, head_dim]; an unsplit call with an
+/// fp32 output writes that output through the same strides (split 0).
+struct PartialStates {
+  float* o = nullptr;
+  float* lse = nullptr;
+  std::int64_t o_batch_stride = 0;
+  std::int64_t o_head_stride = 0;
+  std::int64_t lse_batch_stride = 0;
+  std::int64_t lse_head_stride = 0;
+
+  KVSIFT_HOST_DEVICE float* o_row(std::int64_t b, std::int64_t h, std::int64_t split, std::int64_t head_dim) const {
+    return o + b * o_batch_stride + h * o_head_stride + split * head_dim;
+  }
+  KVSIFT_HOST_DEVICE float& lse_at(std::int64_t b, std::int64_t h, std::int64_t split) const {
+    return lse[b * lse_batch_stride + h * lse_head_stride + split];
+  }
+};
+
 template <class T>
 struct DecodeParams {
   using DType = T;  ///< storage type of Q, K, V and O: kvsift::half or kvsift::bfloat16
@@ -55,10 +75,11 @@ struct DecodeParams {
   PagedKVView<const T> paged_kv;     ///< used when paged
   bool paged = false;
   SelectionView selection;           ///< indices == nullptr means dense decode
-  StateView<T> out;
-
-  float* partial_o = nullptr;        ///< [batch, q_heads, num_splits, head_dim] when num_splits > 1
-  float* partial_lse = nullptr;      ///< [batch, q_heads, num_splits], natural log
+  StateView<T> out;                  ///< the output in the storage type, unless out_f32.o is set
+  StateView<float> out_f32;          ///< the output in fp32 (a partial state for a later merge), when o is set
+  /// fp32 states the decode kernel writes instead of `out`, when o is set: the split partials (workspace) when
+  /// num_splits > 1, else out_f32 itself. The split merge reads the partials and writes out or out_f32.
+  PartialStates partials;
   unsigned long long* first_bad_row = nullptr;  ///< validation mode: the smallest selection row refused
 
   std::int32_t group = 1;            ///< q_heads / kv_heads
@@ -77,13 +98,16 @@ struct DecodeParams {
   KVSIFT_HOST_DEVICE const T* v_base() const { return paged ? paged_kv.v_pages : kv.v; }
 };
 
-/// Parameters of the standalone merge of up to kMaxPartials states (hybrid CPU/GPU, context shards).
-template <class T>
+/// Parameters of the standalone merge of up to kMaxPartials states (hybrid CPU/GPU, context shards): inputs
+/// in TI, output in TO. The partials' views travel by value in the kernel's parameters (56 bytes each), which
+/// keeps the merge one launch with nothing to copy or allocate; kMaxPartials views fit the 4 KB that every
+/// architecture kvsift builds for accepts.
+template <class TI, class TO>
 struct MergeParams {
-  static constexpr int kMaxPartials = 16;
-  StateView<const T> partials[kMaxPartials];
+  static constexpr int kMaxPartials = 64;
+  StateView<const TI> partials[kMaxPartials];
   std::int32_t num_partials = 0;
-  StateView<T> out;
+  StateView<TO> out;
 };
 
 }  // namespace kvsift::cuda

@@ -21,8 +21,10 @@ static_assert(kMergeMaxHeadDim % kMergeThreads == 0);
 /// no barrier and no reduction. Partials go in chunks whose LSE and O loads are all independent: a row costs
 /// one round trip to L2 per chunk, where a max-then-weights-then-values pass would cost three plus barriers
 /// (measured on the H100: the split merge took ~3.8 us after its wait for 16 partials, a third of a 12 us
-/// call). Chunks are merged online (running maximum); an empty partial (weight 0) contributes exactly
-/// nothing: its O is selected away, never multiplied, so garbage in it cannot leak.
+/// call). Chunks are merged online (running maximum); an empty partial (LSE = -inf) contributes exactly
+/// nothing: its O is selected away, never multiplied, so garbage in it cannot leak. Only LSE = -inf is
+/// empty: a partial whose weight underflows to 0 still multiplies its O, so a NaN there shows (0 * NaN), as
+/// in the CPU and reference merges (attention/state.hpp).
 template <class LseOf, class OOf, class WriteO, class WriteLse>
 __device__ void merge_row(int n, int head_dim, LseOf lse_of, OOf o_of, WriteO write_o, WriteLse write_lse) {
   constexpr int kChunk = 16;
@@ -54,7 +56,7 @@ __device__ void merge_row(int n, int head_dim, LseOf lse_of, OOf o_of, WriteO wr
       const float w = state_weight(lse[i], new_max);
       weight_sum += w;
 #pragma unroll
-      for (int r = 0; r < kChannels; ++r) acc[r] = w != 0.0f ? fmaf(w, o[i][r], acc[r]) : acc[r];
+      for (int r = 0; r < kChannels; ++r) acc[r] = lse[i] != negative_infinity<float>() ? fmaf(w, o[i][r], acc[r]) : acc[r];
     }
     lse_max = new_max;
   }
@@ -65,7 +67,8 @@ __device__ void merge_row(int n, int head_dim, LseOf lse_of, OOf o_of, WriteO wr
   if (threadIdx.x == 0) write_lse(merged_lse(lse_max, weight_sum));
 }
 
-/// Split-K epilogue: merges the num_splits fp32 partials of each (sequence, q head) into the output.
+/// Split-K epilogue: merges the num_splits fp32 partials of each (sequence, q head) into the output, in the
+/// storage type or, for an fp32 output (p.out_f32), in fp32: rounded once either way.
 template <class T>
 __global__ void merge_splits_kernel(const __grid_constant__ DecodeParams<T> p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -73,24 +76,32 @@ __global__ void merge_splits_kernel(const __grid_constant__ DecodeParams<T> p) {
   asm volatile("griddepcontrol.launch_dependents;");   // the stream's next decode may be scheduled
 #endif
   const int b = blockIdx.x / p.q.heads, h = blockIdx.x % p.q.heads;
-  const std::int64_t row = (std::int64_t(b) * p.q.heads + h) * p.num_splits;
-  const float* lse = p.partial_lse + row;
-  const float* o = p.partial_o + row * p.q.head_dim;
+  const float* lse = &p.partials.lse_at(b, h, 0);
+  const float* o = p.partials.o_row(b, h, 0, p.q.head_dim);
+  const bool f32 = p.out_f32.o != nullptr;
   T* out = p.out.o_row(b, h);
+  float* out_f32 = p.out_f32.o_row(b, h);
   merge_row(
       p.num_splits, p.q.head_dim, [&](int i) { return lse[i]; },
       [&](int i, int c) { return o[std::int64_t(i) * p.q.head_dim + c]; },
-      [&](int c, float v) { out[c] = from_float_device<T>(v); }, [&](float v) { p.out.lse_at(b, h) = v; });
+      [&](int c, float v) {
+        if (f32) {
+          out_f32[c] = v;
+        } else {
+          out[c] = from_float_device<T>(v);
+        }
+      },
+      [&](float v) { (f32 ? p.out_f32.lse_at(b, h) : p.out.lse_at(b, h)) = v; });
 }
 
-template <class T>
-__global__ void merge_states_kernel(const __grid_constant__ MergeParams<T> p) {
+template <class TI, class TO>
+__global__ void merge_states_kernel(const __grid_constant__ MergeParams<TI, TO> p) {
   const int b = blockIdx.x / p.out.heads, h = blockIdx.x % p.out.heads;
-  T* out = p.out.o_row(b, h);
+  TO* out = p.out.o_row(b, h);
   merge_row(
       p.num_partials, p.out.head_dim, [&](int i) { return p.partials[i].lse_at(b, h); },
       [&](int i, int c) { return to_float_device(p.partials[i].o_row(b, h)[c]); },
-      [&](int c, float v) { out[c] = from_float_device<T>(v); }, [&](float v) { p.out.lse_at(b, h) = v; });
+      [&](int c, float v) { out[c] = from_float_device<TO>(v); }, [&](float v) { p.out.lse_at(b, h) = v; });
 }
 
 }  // namespace kvsift::cuda::detail

@@ -18,50 +18,6 @@ inline unsigned grid_stride_blocks(std::int64_t items, int threads) {
   return unsigned(std::clamp<std::int64_t>((items + threads - 1) / threads, 1, 65535 * 8));
 }
 
-// ---- top-K by two CUB radix sorts of (row, score) keys -------------------------------------------------
-
-/// Sizes of the two CUB radix sorts (temporary storage only).
-cudaError_t topk_sort_cub_bytes(std::int64_t rows, std::int32_t n, std::int32_t k, std::size_t* first_sort,
-                                std::size_t* second_sort);
-
-struct TopKSortBuffers {
-  unsigned long long* keys_in;
-  unsigned long long* keys_out;
-  std::int32_t* values_in;
-  std::int32_t* values_out;
-  unsigned long long* chosen_in;
-  unsigned long long* chosen_out;
-  void* cub_temp;
-  std::size_t cub_temp_bytes;
-};
-
-cudaError_t launch_topk_sort(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* indices,
-                             const TopKSortBuffers& buffers, cudaStream_t stream);
-
-// ---- top-K by radix select ------------------------------------------------------------------------------
-
-/// Buckets of one radix-select pass: the 32-bit rank key is resolved in three passes of 11, 11 and 10 bits.
-inline constexpr int kSelectBins = 2048;
-
-/// What a row's passes have resolved: the key bits decided so far, and how many of the keys that share
-/// them still belong to the top K. After the last pass `prefix` is the K-th best key itself.
-struct SelectRowState {
-  std::uint32_t prefix;
-  std::int32_t remaining;
-};
-
-struct TopKSelectBuffers {
-  SelectRowState* state;        ///< [rows]
-  std::uint32_t* histograms;    ///< [rows, kSelectBins], zero between passes
-  std::uint32_t* tickets;       ///< [rows]: CTAs of the row done with the current pass
-  std::uint32_t* chunk_counts;  ///< [rows, chunks, 2]: keys better than, and equal to, the K-th best key
-  std::int32_t chunks;          ///< CTAs per row
-  std::int32_t chunk_size;      ///< scores per CTA
-};
-
-cudaError_t launch_topk_select(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* indices,
-                               const TopKSelectBuffers& buffers, cudaStream_t stream);
-
 // ---- scoring, gather, RoPE ------------------------------------------------------------------------------
 
 template <class T>

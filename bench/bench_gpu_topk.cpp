@@ -1,0 +1,48 @@
+// cuda::topk_rows: the k best of each of `rows` score rows of N normal scores (every sequence N long, no
+// window, one k for all), as graph replays (the benchmark's time) and eager calls (eager_us). heads_per_row 4
+// unites groups of 4 score rows (A²ATS's per-query-head top-K over a GQA group of 4), a second launch.
+// Targets on the H100 (docs/primitives.md): k = 2048 of 131072 in <= 10 us for 1 row, <= 20 us for 8.
+#include <random>
+#include <vector>
+
+#include "gpu_bench.hpp"
+#include "kvsift/cuda/topk.hpp"
+
+namespace kvsift::bench {
+namespace {
+
+void BM_CudaTopKRows(benchmark::State& state) {
+  const std::int32_t n = std::int32_t(state.range(0)), rows = std::int32_t(state.range(1));
+  const std::int32_t k = std::int32_t(state.range(2)), heads_per_row = std::int32_t(state.range(3));
+  const std::int32_t selection_rows = rows / heads_per_row;
+  std::vector<float> host(std::size_t(rows) * n);
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> dist;
+  for (auto& x : host) x = dist(rng);
+  Device<float> scores(host.size());
+  KVSIFT_CUDA_CHECK(cudaMemcpy(scores.ptr, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+  const std::vector<std::int32_t> host_lengths(std::size_t(selection_rows), n);  // batch = selection rows, 1 kv head
+  Device<std::int32_t> lengths(host_lengths.size());
+  KVSIFT_CUDA_CHECK(cudaMemcpy(lengths.ptr, host_lengths.data(), host_lengths.size() * sizeof(std::int32_t),
+                               cudaMemcpyHostToDevice));
+  const std::int32_t capacity = heads_per_row * k;
+  Device<std::int32_t> indices{std::size_t(selection_rows) * capacity}, counts{std::size_t(selection_rows)};
+  const SelectionView out{indices.ptr, counts.ptr, nullptr, selection_rows, 1, capacity};
+  const TopKRowsOptions options{.heads_per_row = heads_per_row};
+  const std::size_t bytes = cuda::topk_rows_workspace_bytes(rows, n, k, options);
+  Device<std::byte> workspace(std::max<std::size_t>(bytes, 1));
+  time_calls(state, [&](int, cudaStream_t stream) {
+    cuda::topk_rows(MatrixView<const float>::packed(scores.ptr, rows, n), lengths.ptr, k, options, out,
+                    {workspace.ptr, bytes}, stream);
+  });
+}
+BENCHMARK(BM_CudaTopKRows)
+    ->ArgsProduct({{8192, 32768, 131072}, {1, 8, 64}, {128, 2048}, {1}})
+    ->ArgsProduct({{8192, 32768, 131072}, {8}, {128, 2048}, {4}})
+    ->ArgNames({"N", "rows", "K", "heads_per_row"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(0.1);
+
+}  // namespace
+}  // namespace kvsift::bench

@@ -1,0 +1,185 @@
+// CUDA top-K (cuda/topk.hpp): validation, launch shape and workspace layout (host compiler); kernels in
+// kernels/topk_rows.cu and kernels/topk.cu.
+#include "kvsift/cuda/topk.hpp"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <climits>
+
+#include "kvsift/core/validate.hpp"
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/cuda/check.hpp"
+#include "kvsift/cuda/detail/topk_launch.hpp"
+
+namespace kvsift::cuda {
+namespace {
+
+// ---- topk_rows ------------------------------------------------------------------------------------------
+
+/// Grid x holds score rows * cluster CTAs (cluster <= 16).
+constexpr std::int64_t kMaxScoreRows = (std::int64_t(1) << 31) / 16;
+
+void check_topk_rows_shape(const char* where, std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
+                           const TopKRowsOptions& options) {
+  KVSIFT_CHECK(score_rows > 0 && max_tokens > 0, where, "score_rows (= {}) and max_tokens (= {}) must be positive",
+               score_rows, max_tokens);
+  KVSIFT_CHECK(score_rows < kMaxScoreRows, where, "score_rows (= {}) must be below {}", score_rows, kMaxScoreRows);
+  KVSIFT_CHECK(k > 0, where, "k (= {}) must be positive", k);
+  KVSIFT_CHECK(options.heads_per_row >= 1, where, "options.heads_per_row (= {}) must be >= 1", options.heads_per_row);
+  validate(options.window, where, "options.window");
+}
+
+struct TopKRowsBuffers {
+  std::int32_t* picks = nullptr;
+  std::int32_t* pick_counts = nullptr;
+  std::uint32_t* union_bits = nullptr;
+};
+
+/// The single layout behind topk_rows_workspace_bytes (counting) and topk_rows (carving).
+TopKRowsBuffers layout_topk_rows(WorkspaceLayout& layout, std::int64_t score_rows, std::int32_t max_tokens,
+                                 std::int32_t k, std::int32_t heads_per_row) {
+  TopKRowsBuffers b;
+  if (heads_per_row == 1) return b;
+  constexpr const char* what = "cuda topk_rows workspace";
+  b.picks = layout.allocate<std::int32_t>(checked_mul(std::size_t(score_rows), std::size_t(k), what), "topk picks");
+  b.pick_counts = layout.allocate<std::int32_t>(std::size_t(score_rows), "topk pick counts");
+  const std::int32_t words = detail::topk_union_words(max_tokens);
+  if (words > detail::kTopKUnionSmemWords) {
+    b.union_bits = layout.allocate<std::uint32_t>(
+        checked_mul(std::size_t(score_rows / heads_per_row), std::size_t(words), what), "topk union bitmaps");
+  }
+  return b;
+}
+
+/// The current device's cluster limits, queried once per device (as multiprocessor_count is).
+struct ClusterLimits {
+  int max_cluster;
+  int clusters16;
+};
+
+ClusterLimits cluster_limits() {
+  constexpr int kMaxDevices = 64;
+  static std::array<std::atomic<int>, kMaxDevices> cache{};  // max_cluster + 32 * (clusters16 + 1); 0: not queried
+  int device = 0;
+  KVSIFT_CUDA_CHECK(cudaGetDevice(&device));
+  KVSIFT_CHECK(device >= 0 && device < kMaxDevices, "cuda::topk_rows", "device ordinal {} >= {}", device, kMaxDevices);
+  int packed = cache[device].load(std::memory_order_relaxed);
+  if (packed == 0) {
+    int max_cluster = 1, clusters16 = 0;
+    KVSIFT_CUDA_CHECK(detail::topk_rows_cluster_limits(&max_cluster, &clusters16));
+    packed = max_cluster + 32 * (clusters16 + 1);
+    cache[device].store(packed, std::memory_order_relaxed);
+  }
+  return {packed % 32, packed / 32 - 1};
+}
+
+detail::TopKRowsLaunch plan_launch(std::int64_t score_rows, std::int32_t max_tokens) {
+  const ClusterLimits limits = cluster_limits();
+  return detail::plan_topk_rows(score_rows, max_tokens, multiprocessor_count(), limits.max_cluster, limits.clusters16);
+}
+
+// ---- topk ---------------------------------------------------------------------------------------------------
+
+void check_topk_shape(const char* where, std::int64_t rows, std::int32_t n, std::int32_t k) {
+  KVSIFT_CHECK(rows > 0 && n > 0, where, "rows (= {}) and n (= {}) must be positive", rows, n);
+  KVSIFT_CHECK(k >= 0 && k <= n, where, "k (= {}) is outside [0, n = {}]", k, n);
+  KVSIFT_CHECK(rows < kMaxScoreRows, where, "rows (= {}) must be below {}", rows, kMaxScoreRows);
+}
+
+detail::TopKSortBuffers layout_topk_sort(WorkspaceLayout& layout, std::int64_t rows, std::int32_t n, std::int32_t k) {
+  std::size_t first = 0, second = 0;
+  KVSIFT_CUDA_CHECK(detail::topk_sort_cub_bytes(rows, n, k, &first, &second));
+  const std::size_t total = std::size_t(rows) * std::size_t(n), chosen = std::size_t(rows) * std::size_t(k);
+  detail::TopKSortBuffers b{};
+  b.keys_in = layout.allocate<unsigned long long>(total, "topk keys_in");
+  b.keys_out = layout.allocate<unsigned long long>(total, "topk keys_out");
+  b.values_in = layout.allocate<std::int32_t>(total, "topk values_in");
+  b.values_out = layout.allocate<std::int32_t>(total, "topk values_out");
+  b.chosen_in = layout.allocate<unsigned long long>(chosen, "topk chosen_in");
+  b.chosen_out = layout.allocate<unsigned long long>(chosen, "topk chosen_out");
+  b.cub_temp_bytes = std::max(first, second);
+  b.cub_temp = layout.allocate<std::byte>(b.cub_temp_bytes, "topk cub temporary storage");
+  return b;
+}
+
+}  // namespace
+
+std::size_t topk_rows_workspace_bytes(std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
+                                      const TopKRowsOptions& options) {
+  check_topk_rows_shape("cuda::topk_rows_workspace_bytes", score_rows, max_tokens, k, options);
+  WorkspaceLayout counting;
+  layout_topk_rows(counting, score_rows, max_tokens, k, options.heads_per_row);
+  return counting.bytes();
+}
+
+void topk_rows(const MatrixView<const float>& scores, const std::int32_t* d_lengths, std::int32_t k,
+               const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
+               cudaStream_t stream) {
+  constexpr const char* where = "cuda::topk_rows";
+  validate(scores, where, "scores");
+  check_topk_rows_shape(where, scores.rows, scores.cols, k, options);
+  KVSIFT_CHECK(d_lengths != nullptr, where, "d_lengths is a null pointer");
+  KVSIFT_CHECK(out.indices != nullptr && out.counts != nullptr, where, "out.indices and out.counts must be non-null");
+  const std::int32_t heads = options.heads_per_row;
+  KVSIFT_CHECK(out.batch > 0 && out.kv_heads > 0 && scores.rows == std::int64_t(out.batch) * out.kv_heads * heads, where,
+               "scores.rows (= {}) != out.batch * out.kv_heads * options.heads_per_row (= {} * {} * {})", scores.rows,
+               out.batch, out.kv_heads, heads);
+  KVSIFT_CHECK(std::int64_t(out.capacity) >= std::int64_t(heads) * k, where,
+               "out.capacity (= {}) < options.heads_per_row * k (= {} * {})", out.capacity, heads, k);
+  WorkspaceLayout layout(workspace, where);
+  const TopKRowsBuffers buffers = layout_topk_rows(layout, scores.rows, scores.cols, k, heads);
+  const detail::TopKRowsParams params{.scores = scores,
+                                      .lengths = d_lengths,
+                                      .row_k = options.row_k,
+                                      .k = k,
+                                      .window = options.window,
+                                      .heads_per_row = heads,
+                                      .out = out,
+                                      .picks = buffers.picks,
+                                      .pick_counts = buffers.pick_counts,
+                                      .union_bits = buffers.union_bits,
+                                      .union_words = detail::topk_union_words(scores.cols),
+                                      .launch = plan_launch(scores.rows, scores.cols)};
+  KVSIFT_CUDA_CHECK(detail::launch_topk_rows(params, stream));
+}
+
+std::size_t topk_workspace_bytes(std::int64_t rows, std::int32_t n, std::int32_t k, TopKAlgorithm algorithm) {
+  check_topk_shape("cuda::topk_workspace_bytes", rows, n, k);
+  WorkspaceLayout counting;
+  if (algorithm == TopKAlgorithm::radix_sort) layout_topk_sort(counting, rows, n, k);
+  return counting.bytes();
+}
+
+void topk(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* d_indices, std::span<std::byte> workspace,
+          cudaStream_t stream, TopKAlgorithm algorithm) {
+  constexpr const char* where = "cuda::topk";
+  validate(scores, where, "scores");
+  check_topk_shape(where, scores.rows, scores.cols, k);
+  KVSIFT_CHECK(d_indices != nullptr || k == 0, where, "d_indices is a null pointer");
+  KVSIFT_CHECK(algorithm == TopKAlgorithm::radix_select || algorithm == TopKAlgorithm::radix_sort, where,
+               "unknown TopKAlgorithm ({})", int(algorithm));
+  WorkspaceLayout layout(workspace, where);
+  if (algorithm == TopKAlgorithm::radix_sort) {
+    KVSIFT_CUDA_CHECK(detail::launch_topk_sort(scores, k, d_indices, layout_topk_sort(layout, scores.rows, scores.cols, k),
+                                               stream));
+    return;
+  }
+  // topk_rows' kernel with every row scores.cols long, no window and no counts: rows of exactly k indices.
+  const detail::TopKRowsParams params{
+      .scores = scores,
+      .lengths = nullptr,
+      .row_k = nullptr,
+      .k = k,
+      .window = {},
+      .heads_per_row = 1,
+      .out = {d_indices, nullptr, nullptr, std::int32_t(scores.rows), 1, k},
+      .picks = nullptr,
+      .pick_counts = nullptr,
+      .union_bits = nullptr,
+      .union_words = 0,
+      .launch = plan_launch(scores.rows, scores.cols)};
+  KVSIFT_CUDA_CHECK(detail::launch_topk_rows(params, stream));
+}
+
+}  // namespace kvsift::cuda

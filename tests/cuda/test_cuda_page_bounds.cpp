@@ -1,0 +1,484 @@
+// CUDA page bounds (cuda/page_bounds.hpp) against their CPU twins (whose own tests check them against fp64):
+// build, append and expand bit for bit, page scores within fp32 summation order; contiguous and paged caches,
+// fp32, fp16 and bf16, every supported head_dim; outputs poisoned first. Also: append + page_scores + expand
+// captured in a CUDA graph and replayed equal the eager run, and the device-value rules (a bad slot, length or
+// count writes nothing, or -1 where there is a count).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cuda/gpu_test.hpp"
+#include "kvsift/cpu/page_bounds.hpp"
+#include "kvsift/cuda/page_bounds.hpp"
+#include "test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using test::DeviceBuffer;
+using test::Random;
+
+/// What an unwritten bound or score holds (no function writes it: keys are normal draws).
+constexpr float kUntouched = -7777.0f;
+
+template <class T>
+std::vector<T> storage(const std::vector<float>& x) {
+  std::vector<T> out(x.size());
+  std::transform(x.begin(), x.end(), out.begin(), [](float f) { return from_float<T>(f); });
+  return out;
+}
+
+template <class T>
+bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+/// One cache in T on the host and on the device, contiguous and paged (HND pages, shuffled), its batch rows in a
+/// random subset of the slots, and poisoned bounds on both sides.
+template <class T>
+struct Problem {
+  test::HostKV kv;
+  test::HostPagedKV paged;
+  std::vector<T> k, v, paged_k, paged_v;
+  std::vector<std::int32_t> slots;
+  std::int32_t slot_count, max_pages, page_size;
+  std::vector<T> bounds;  // host twin
+  DeviceBuffer<T> d_k, d_v, d_paged_k, d_paged_v, d_bounds;
+  DeviceBuffer<std::int32_t> d_lens, d_slots, d_indptr, d_indices, d_last_len;
+
+  Problem(Random& rng, const std::vector<std::int32_t>& lens, std::int32_t kv_heads, std::int32_t head_dim,
+          std::int32_t page_size_)
+      : kv(rng, std::int32_t(lens.size()), kv_heads, std::max(1, *std::max_element(lens.begin(), lens.end())), head_dim,
+           lens),
+        paged(kv, 16, true, rng),
+        k(storage<T>(kv.k)),
+        v(storage<T>(kv.v)),
+        paged_k(storage<T>(paged.k_pages)),
+        paged_v(storage<T>(paged.v_pages)),
+        slot_count(kv.batch + 2),
+        max_pages(std::int32_t(detail::page_count(kv.capacity, page_size_))),
+        page_size(page_size_),
+        bounds(PageBoundsView<T>::bytes(slot_count, kv_heads, max_pages, head_dim) / sizeof(T), from_float<T>(kUntouched)),
+        d_k(k), d_v(v), d_paged_k(paged_k), d_paged_v(paged_v), d_bounds(bounds), d_lens(kv.seq_lens),
+        d_indptr(paged.indptr), d_indices(paged.indices), d_last_len(paged.last_len) {
+    slots.resize(slot_count);
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(slots.begin(), slots.end(), rng.engine);
+    slots.resize(kv.batch);
+    d_slots = DeviceBuffer<std::int32_t>(slots);
+  }
+  ContiguousKVView<const T> contiguous(bool device) const {
+    const auto f = kv.view();
+    return {device ? d_k.data() : k.data(), device ? d_v.data() : v.data(), device ? d_lens.data() : f.seq_lens,
+            f.batch, f.kv_heads, f.capacity, f.head_dim, f.batch_stride, f.head_stride, f.token_stride};
+  }
+  PagedKVView<const T> paged_view(bool device) const {
+    const auto& f = paged.view;
+    return {device ? d_paged_k.data() : paged_k.data(), device ? d_paged_v.data() : paged_v.data(),
+            device ? d_indptr.data() : f.page_indptr, device ? d_indices.data() : f.page_indices,
+            device ? d_last_len.data() : f.last_page_len, f.batch, f.kv_heads, f.head_dim, f.page_size, f.num_pages,
+            f.page_stride, f.token_stride, f.head_stride};
+  }
+  PageBoundsView<T> view(bool device) {
+    return PageBoundsView<T>::packed(device ? d_bounds.data() : bounds.data(), slot_count, kv.kv_heads, max_pages,
+                                     kv.head_dim, page_size);
+  }
+  const std::int32_t* slot_ptr(bool device) const { return device ? d_slots.data() : slots.data(); }
+};
+
+/// Ascending random page ids per selection row, up to `capacity` of each row's pages.
+test::HostSelection random_pages(Random& rng, const std::vector<std::int32_t>& lens, std::int32_t kv_heads,
+                                 std::int32_t capacity, std::int32_t page_size) {
+  test::HostSelection pages(std::int32_t(lens.size()), kv_heads, capacity, false);
+  for (std::int32_t b = 0; b < std::int32_t(lens.size()); ++b) {
+    const std::int32_t total = std::int32_t(detail::page_count(lens[b], page_size));
+    for (std::int32_t g = 0; g < kv_heads; ++g) {
+      std::vector<std::int32_t> ids(total);
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), rng.engine);
+      ids.resize(std::min(total, rng.uniform_int(0, capacity)));
+      std::sort(ids.begin(), ids.end());
+      std::copy(ids.begin(), ids.end(), pages.view.row(b, g));
+      pages.view.counts[pages.view.row_index(b, g)] = std::int32_t(ids.size());
+    }
+  }
+  return pages;
+}
+
+/// Device twin of a HostSelection's buffers, poisoned (indices and counts -1, log-weights NaN).
+struct DeviceSelection {
+  DeviceBuffer<std::int32_t> indices, counts;
+  DeviceBuffer<float> weights;
+  SelectionView view;
+  DeviceSelection(const SelectionView& like, bool with_weights)
+      : indices(std::size_t(like.batch) * like.kv_heads * like.capacity),
+        counts(std::size_t(like.batch) * like.kv_heads),
+        weights(with_weights ? indices.size() : 0) {
+    indices.poison();
+    counts.poison();
+    weights.poison();
+    view = {indices.data(), counts.data(), with_weights ? weights.data() : nullptr, like.batch, like.kv_heads,
+            like.capacity};
+  }
+};
+
+/// Scores of the CPU and the GPU agree: counts exactly, unwritten and -inf entries exactly, others within the
+/// fp32 rounding of the two summation orders, which this bounds by 2 * head_dim roundings of the magnitude
+/// sum_c |q_c| * max(|lo_c|, |hi_c|) (taken over the group's heads).
+template <class T>
+void expect_scores_match(const std::vector<float>& cpu, const std::vector<float>& gpu, const std::vector<T>& q,
+                         const Problem<T>& p, std::int32_t q_heads, std::int32_t cols, const std::string& what) {
+  const std::int32_t kv_heads = p.kv.kv_heads, d = p.kv.head_dim, group = q_heads / kv_heads;
+  const auto bounds = PageBoundsView<const T>::packed(p.bounds.data(), p.slot_count, kv_heads, p.max_pages, d,
+                                                      p.page_size);
+  std::int64_t bad = 0;
+  for (std::int32_t b = 0; b < p.kv.batch; ++b) {
+    for (std::int32_t g = 0; g < kv_heads; ++g) {
+      for (std::int32_t page = 0; page < cols; ++page) {
+        const std::size_t i = (std::size_t(b) * kv_heads + g) * cols + page;
+        if (!(std::abs(cpu[i]) < INFINITY) || cpu[i] == kUntouched) {
+          bad += std::memcmp(&cpu[i], &gpu[i], sizeof(float)) != 0 && !(std::isnan(cpu[i]) && std::isnan(gpu[i]));
+          continue;
+        }
+        double scale = 0;
+        for (std::int32_t h = g * group; h < (g + 1) * group; ++h) {
+          double sum = 0;
+          for (std::int32_t c = 0; c < d; ++c) {
+            const double qc = to_float(q[(std::size_t(b) * q_heads + h) * d + c]);
+            sum += std::abs(qc) * std::max(std::abs(to_float(bounds.lo(p.slots[b], g, page)[c])),
+                                           std::abs(to_float(bounds.hi(p.slots[b], g, page)[c])));
+          }
+          scale = std::max(scale, sum);
+        }
+        if (!(std::abs(double(cpu[i]) - gpu[i]) <= 2 * d * 0x1p-24 * scale)) {
+          if (bad++ < 5) ADD_FAILURE() << what << ": row " << b * kv_heads + g << " page " << page << " cpu " << cpu[i] << " gpu " << gpu[i];
+        }
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+template <class T>
+void check_against_cpu(Random& rng, std::int32_t head_dim, bool paged) {
+  SCOPED_TRACE(testing::Message() << "head_dim " << head_dim << (paged ? " paged" : " contiguous"));
+  const std::vector<std::int32_t> full = {0, 1, 37, 64, 129, 200};
+  const std::int32_t kv_heads = 2, group = 4, ps = 16, q_heads = kv_heads * group, batch = std::int32_t(full.size());
+  Problem<T> p(rng, full, kv_heads, head_dim, ps);
+  const auto build = [&](bool device) {
+    if (paged) {
+      device ? cuda::build_page_bounds(p.paged_view(true), p.slot_ptr(true), p.view(true), nullptr)
+             : cpu::build_page_bounds(p.paged_view(false), p.slot_ptr(false), p.view(false));
+    } else {
+      device ? cuda::build_page_bounds(p.contiguous(true), p.slot_ptr(true), p.view(true), nullptr)
+             : cpu::build_page_bounds(p.contiguous(false), p.slot_ptr(false), p.view(false));
+    }
+  };
+  build(false);
+  build(true);
+  ASSERT_TRUE(same_bytes(p.d_bounds.download(), p.bounds)) << "build";
+
+  // Append: rebuild at shorter lengths, then grow one token per step across page boundaries. The paged view's
+  // lengths come from its page table: the same pages, the first ceil(len / cache page) of them in use.
+  std::vector<std::int32_t> lens = full;
+  for (auto& l : lens) l = std::max(0, l - 19);
+  const auto full_indptr = p.paged.indptr, full_indices = p.paged.indices;
+  const auto grow_to = [&](const std::vector<std::int32_t>& now) {
+    p.kv.seq_lens = now;
+    p.d_lens.upload(now);
+    const std::int32_t cache_page = p.paged.view.page_size;
+    std::vector<std::int32_t> indptr = {0}, indices, last_len;
+    for (std::size_t b = 0; b < now.size(); ++b) {
+      const std::int32_t pages = std::int32_t(detail::page_count(now[b], cache_page));
+      indices.insert(indices.end(), full_indices.begin() + full_indptr[b],
+                     full_indices.begin() + full_indptr[b] + pages);
+      indptr.push_back(indptr.back() + pages);
+      last_len.push_back(pages == 0 ? 0 : now[b] - (pages - 1) * cache_page);
+    }
+    indices.resize(full_indices.size(), 0);  // the device buffer keeps its size
+    p.paged.indptr = indptr;
+    p.paged.indices = indices;
+    p.paged.last_len = last_len;
+    p.paged.view.page_indptr = p.paged.indptr.data();
+    p.paged.view.page_indices = p.paged.indices.data();
+    p.paged.view.last_page_len = p.paged.last_len.data();
+    p.d_indptr.upload(indptr);
+    p.d_indices.upload(indices);
+    p.d_last_len.upload(last_len);
+  };
+  const auto append = [&] {
+    if (paged) {
+      cpu::append_page_bounds(p.paged_view(false), p.slot_ptr(false), p.view(false));
+      cuda::append_page_bounds(p.paged_view(true), p.slot_ptr(true), p.view(true), nullptr);
+    } else {
+      cpu::append_page_bounds(p.contiguous(false), p.slot_ptr(false), p.view(false));
+      cuda::append_page_bounds(p.contiguous(true), p.slot_ptr(true), p.view(true), nullptr);
+    }
+  };
+  grow_to(lens);
+  p.bounds.assign(p.bounds.size(), from_float<T>(kUntouched));
+  p.d_bounds.upload(p.bounds);
+  build(false);
+  build(true);
+  for (int step = 0; step < 19; ++step) {
+    for (std::size_t b = 0; b < lens.size(); ++b) lens[b] = std::min(full[b], lens[b] + 1);
+    grow_to(lens);
+    append();
+  }
+  ASSERT_TRUE(same_bytes(p.d_bounds.download(), p.bounds)) << "append";
+
+  const auto q = storage<T>(rng.normal(std::size_t(batch) * q_heads * head_dim));
+  DeviceBuffer<T> d_q(q);
+  const std::int32_t cols = p.max_pages + 3;
+  for (const AttentionWindow window : {AttentionWindow{}, AttentionWindow{4, 40}}) {
+    std::vector<float> scores(std::size_t(batch) * kv_heads * cols, kUntouched);
+    std::vector<std::int32_t> counts(batch);
+    DeviceBuffer<float> d_scores(scores);
+    DeviceBuffer<std::int32_t> d_counts(counts.size());
+    d_counts.poison();
+    cpu::page_scores(QueryView<const T>::packed(q.data(), batch, q_heads, head_dim), p.view(false).as_const(),
+                     p.slot_ptr(false), full.data(), window, MatrixView<float>::packed(scores.data(), batch * kv_heads, cols),
+                     counts.data());
+    cuda::page_scores(QueryView<const T>::packed(d_q.data(), batch, q_heads, head_dim), p.view(true).as_const(),
+                      p.slot_ptr(true), p.d_lens.data(), window,
+                      MatrixView<float>::packed(d_scores.data(), batch * kv_heads, cols), d_counts.data(), nullptr);
+    EXPECT_EQ(d_counts.download(), counts);
+    expect_scores_match(scores, d_scores.download(), q, p, q_heads, cols, "page_scores");
+
+    for (bool weights : {false, true}) {
+      const auto pages = random_pages(rng, full, kv_heads, 5, ps);
+      test::HostSelection out(batch, kv_heads, 5 * ps, weights);
+      cpu::expand_pages(pages.view, ps, full.data(), window, out.view);
+      DeviceBuffer<std::int32_t> d_page_ids(pages.indices), d_page_counts(pages.counts);
+      SelectionView d_pages = pages.view;
+      d_pages.indices = d_page_ids.data();
+      d_pages.counts = d_page_counts.data();
+      DeviceSelection d_out(out.view, weights);
+      cuda::expand_pages(d_pages, ps, p.d_lens.data(), window, d_out.view, nullptr);
+      const auto got_counts = d_out.counts.download();
+      const auto got = d_out.indices.download();
+      const auto got_weights = d_out.weights.download();
+      ASSERT_EQ(got_counts, out.counts);
+      for (std::int32_t row = 0; row < batch * kv_heads; ++row) {
+        const std::size_t base = std::size_t(row) * out.view.capacity;
+        for (std::int32_t i = 0; i < out.view.capacity; ++i) {
+          // Entries past the count stay as they were: the host's poison, the device's -1.
+          const std::int32_t want = i < out.counts[row] ? out.indices[base + i] : -1;
+          ASSERT_EQ(got[base + i], want) << "row " << row << " entry " << i;
+          if (weights) {
+            ASSERT_TRUE(i < out.counts[row] ? got_weights[base + i] == 0.0f : std::isnan(got_weights[base + i]))
+                << "row " << row << " weight " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+using CudaPageBounds = test::GpuTest;
+
+TEST_F(CudaPageBounds, EqualsTheCpuForEveryTypeLayoutAndHeadDim) {
+  for (bool paged : {false, true}) {
+    for (std::int32_t d : {64, 128, 256}) check_against_cpu<bfloat16>(rng, d, paged);
+    check_against_cpu<half>(rng, 128, paged);
+    check_against_cpu<float>(rng, 64, paged);
+    check_against_cpu<float>(rng, 256, paged);
+  }
+}
+
+/// Group sizes from 1 to 16 (two head tiles) against the CPU, with a window.
+TEST_F(CudaPageBounds, ScoresEqualTheCpuForEveryGroupSize) {
+  const std::vector<std::int32_t> lens = {300, 1000, 17};
+  for (std::int32_t group : {1, 2, 8, 12, 16}) {
+    SCOPED_TRACE(testing::Message() << "group " << group);
+    const std::int32_t kv_heads = 2, d = 128, ps = 16, batch = 3, q_heads = kv_heads * group;
+    Problem<bfloat16> p(rng, lens, kv_heads, d, ps);
+    cpu::build_page_bounds(p.contiguous(false), p.slot_ptr(false), p.view(false));
+    p.d_bounds.upload(p.bounds);
+    const auto q = storage<bfloat16>(rng.normal(std::size_t(batch) * q_heads * d));
+    DeviceBuffer<bfloat16> d_q(q);
+    const std::int32_t cols = p.max_pages;
+    std::vector<float> scores(std::size_t(batch) * kv_heads * cols, kUntouched);
+    std::vector<std::int32_t> counts(batch);
+    DeviceBuffer<float> d_scores(scores);
+    DeviceBuffer<std::int32_t> d_counts(counts.size());
+    const AttentionWindow window{16, 64};
+    cpu::page_scores(QueryView<const bfloat16>::packed(q.data(), batch, q_heads, d), p.view(false).as_const(),
+                     p.slot_ptr(false), lens.data(), window, MatrixView<float>::packed(scores.data(), batch * kv_heads, cols),
+                     counts.data());
+    cuda::page_scores(QueryView<const bfloat16>::packed(d_q.data(), batch, q_heads, d), p.view(true).as_const(),
+                      p.slot_ptr(true), p.d_lens.data(), window,
+                      MatrixView<float>::packed(d_scores.data(), batch * kv_heads, cols), d_counts.data(), nullptr);
+    EXPECT_EQ(d_counts.download(), counts);
+    expect_scores_match(scores, d_scores.download(), q, p, q_heads, cols, "group scores");
+  }
+}
+
+/// append + page_scores + expand captured once and replayed: the outputs equal the eager run's, bit for bit,
+/// on every replay (append is idempotent for an unchanged length, so replays see the same bounds).
+TEST_F(CudaPageBounds, GraphReplayEqualsTheEagerRun) {
+  const std::vector<std::int32_t> lens = {513, 64, 250};
+  const std::int32_t kv_heads = 2, d = 128, ps = 16, batch = 3, q_heads = 8, cols = 40, capacity = 6;
+  Problem<bfloat16> p(rng, lens, kv_heads, d, ps);
+  cuda::build_page_bounds(p.contiguous(true), p.slot_ptr(true), p.view(true), nullptr);
+  const auto before = p.d_bounds.download();  // cudaMemcpy to the host waits for the build
+  const auto q = storage<bfloat16>(rng.normal(std::size_t(batch) * q_heads * d));
+  DeviceBuffer<bfloat16> d_q(q);
+  DeviceBuffer<float> d_scores(std::size_t(batch) * kv_heads * cols);
+  DeviceBuffer<std::int32_t> d_counts(batch);
+  const auto pages = random_pages(rng, lens, kv_heads, capacity, ps);
+  DeviceBuffer<std::int32_t> d_page_ids(pages.indices), d_page_counts(pages.counts);
+  SelectionView d_pages = pages.view;
+  d_pages.indices = d_page_ids.data();
+  d_pages.counts = d_page_counts.data();
+  DeviceSelection d_out(SelectionView{.batch = batch, .kv_heads = kv_heads, .capacity = capacity * ps}, true);
+  const AttentionWindow window{4, 64};
+  cudaStream_t stream;
+  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const auto step = [&] {
+    cuda::append_page_bounds(p.contiguous(true), p.slot_ptr(true), p.view(true), stream);
+    cuda::page_scores(QueryView<const bfloat16>::packed(d_q.data(), batch, q_heads, d), p.view(true).as_const(),
+                      p.slot_ptr(true), p.d_lens.data(), window,
+                      MatrixView<float>::packed(d_scores.data(), batch * kv_heads, cols), d_counts.data(), stream);
+    cuda::expand_pages(d_pages, ps, p.d_lens.data(), window, d_out.view, stream);
+  };
+  // `stream` does not wait for the legacy default stream, where cudaMemset and cudaMemcpy run: the device is
+  // synchronized after them before the stream reads their results.
+  const auto poison = [&] {
+    d_scores.poison();
+    d_counts.poison();
+    d_out.indices.poison();
+    d_out.counts.poison();
+    d_out.weights.poison();
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  };
+  const auto outputs = [&] {
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return std::tuple(p.d_bounds.download(), d_scores.download(), d_counts.download(), d_out.indices.download(),
+                      d_out.counts.download(), d_out.weights.download());
+  };
+  poison();
+  step();
+  const auto eager = outputs();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  p.d_bounds.upload(before);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  step();
+  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    poison();
+    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    const auto got = outputs();
+    EXPECT_TRUE(same_bytes(std::get<0>(got), std::get<0>(eager))) << "bounds, replay " << replay;
+    EXPECT_TRUE(same_bytes(std::get<1>(got), std::get<1>(eager))) << "scores, replay " << replay;
+    EXPECT_EQ(std::get<2>(got), std::get<2>(eager)) << replay;
+    EXPECT_EQ(std::get<3>(got), std::get<3>(eager)) << replay;
+    EXPECT_EQ(std::get<4>(got), std::get<4>(eager)) << replay;
+    EXPECT_TRUE(same_bytes(std::get<5>(got), std::get<5>(eager))) << "weights, replay " << replay;
+  }
+  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
+  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+/// Device values the host cannot check: a slot outside [0, slots), a sequence longer than the bounds cover, a
+/// negative length, a selection count outside [0, capacity] or page ids past the sequence. Nothing is read or
+/// written out of bounds (compute-sanitizer's memcheck run covers this test), and the results are the defined
+/// ones: no bounds written, page_counts -1 without scores, out count -1 without entries.
+TEST_F(CudaPageBounds, OutOfRangeDeviceValuesHaveTheDefinedResult) {
+  const std::vector<std::int32_t> lens = {40, 33, 20, 48};
+  const std::int32_t kv_heads = 1, d = 64, ps = 8, batch = 4, cols = 6;
+  Problem<float> p(rng, lens, kv_heads, d, ps);
+  // Row 1's slot is outside; row 3 holds 48 tokens but the bounds are made to cover 40 (5 pages).
+  p.max_pages = 5;
+  const std::vector<std::int32_t> slots = {p.slots[0], p.slot_count + 7, p.slots[2], p.slots[3]};
+  p.d_slots.upload(slots);
+  p.bounds.assign(PageBoundsView<float>::bytes(p.slot_count, kv_heads, 5, d) / sizeof(float), kUntouched);
+  p.d_bounds.upload(std::vector<float>(p.d_bounds.size(), kUntouched));
+  cuda::build_page_bounds(p.contiguous(true), p.slot_ptr(true), p.view(true), nullptr);
+  cuda::append_page_bounds(p.contiguous(true), p.slot_ptr(true), p.view(true), nullptr);
+  // The CPU twin on the valid rows only (0 and 2) gives the expected bounds.
+  auto valid = p.contiguous(false);
+  std::vector<std::int32_t> valid_lens = {lens[0], 0, lens[2], 0};
+  valid.seq_lens = valid_lens.data();
+  std::vector<std::int32_t> valid_slots = slots;
+  valid_slots[1] = p.slots[1];
+  cpu::build_page_bounds(valid, valid_slots.data(), p.view(false));
+  const auto got = p.d_bounds.download();
+  ASSERT_TRUE(std::equal(p.bounds.begin(), p.bounds.end(), got.begin(),
+                         [](float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }));
+
+  // Scores: row 1's slot, row 3's length over the bounds, and a negative length in row 2 give -1 and no scores.
+  const std::vector<std::int32_t> score_lens = {40, 33, -5, 48};
+  DeviceBuffer<std::int32_t> d_score_lens(score_lens);
+  const auto q = rng.normal(std::size_t(batch) * 2 * d);
+  DeviceBuffer<float> d_q(q), d_scores(std::vector<float>(std::size_t(batch) * cols, kUntouched));
+  DeviceBuffer<std::int32_t> d_counts(batch);
+  cuda::page_scores(QueryView<const float>::packed(d_q.data(), batch, 2, d), p.view(true).as_const(), p.slot_ptr(true),
+                    d_score_lens.data(), {}, MatrixView<float>::packed(d_scores.data(), batch, cols), d_counts.data(),
+                    nullptr);
+  EXPECT_EQ(d_counts.download(), (std::vector<std::int32_t>{5, -1, -1, -1}));
+  const auto scores = d_scores.download();
+  for (std::int32_t row = 1; row < batch; ++row) {
+    for (std::int32_t c = 0; c < cols; ++c) EXPECT_EQ(scores[row * cols + c], kUntouched) << row << " " << c;
+  }
+  for (std::int32_t c = 0; c < 5; ++c) EXPECT_NE(scores[c], kUntouched) << c;
+
+  // Expand: counts -1 and capacity + 1 give out count -1 and no entries; page ids past the sequence or
+  // negative give no tokens.
+  test::HostSelection pages(batch, kv_heads, 3, false);
+  pages.counts = {-1, 4, 3, 2};
+  pages.indices = {0, 0, 0, 0, 0, 0, -2, 1, 7, 4, 9, 0};
+  DeviceBuffer<std::int32_t> d_page_ids(pages.indices), d_page_counts(pages.counts);
+  const SelectionView d_pages{d_page_ids.data(), d_page_counts.data(), nullptr, batch, kv_heads, 3};
+  DeviceSelection d_out(SelectionView{.batch = batch, .kv_heads = kv_heads, .capacity = 3 * ps}, false);
+  cuda::expand_pages(d_pages, ps, d_score_lens.data(), {}, d_out.view, nullptr);
+  EXPECT_EQ(d_out.counts.download(), (std::vector<std::int32_t>{-1, -1, 0, 8}));
+  const auto out = d_out.indices.download();
+  for (std::int32_t i = 0; i < 3 * 3 * ps; ++i) EXPECT_EQ(out[i], -1) << i;  // rows 0 to 2 untouched
+  for (std::int32_t i = 0; i < 8; ++i) EXPECT_EQ(out[3 * 3 * ps + i], 32 + i);
+}
+
+TEST(CudaPageBoundsBadInput, RefusedBeforeAnyDeviceCall) {
+  alignas(16) static float bounds_data[2 * 2 * 4 * 2 * 96];
+  std::vector<float> q(2 * 4 * 96), scores(4 * 4);
+  std::int32_t slots[] = {0, 1}, lens[] = {32, 0}, counts[2];
+  test::expect_error(
+      [&] {
+        cuda::page_scores(QueryView<const float>::packed(q.data(), 2, 4, 96),
+                          PageBoundsView<const float>::packed(bounds_data, 2, 2, 4, 96, 8), slots, lens, {},
+                          MatrixView<float>::packed(scores.data(), 4, 4), counts, nullptr);
+      },
+      {"cuda::page_scores", "bounds.head_dim (= 96) is not supported; supported: 64, 128, 256"});
+  test::expect_error(
+      [&] {
+        cuda::page_scores(QueryView<const float>::packed(q.data(), 2, 4, 64),
+                          PageBoundsView<const float>::packed(bounds_data, 2, 2, 4, 96, 8), slots, lens, {},
+                          MatrixView<float>::packed(scores.data(), 4, 4), counts, nullptr);
+      },
+      {"cuda::page_scores", "q.head_dim (= 64) != bounds.head_dim (= 96)"});
+  // The device contents are not read: an out-of-range slot or length passes the host checks (not run here).
+  std::vector<float> k(2 * 2 * 8 * 96);
+  const auto kv = ContiguousKVView<const float>::packed(k.data(), k.data(), 2, 2, 8, 96);
+  test::expect_error(
+      [&] { cuda::build_page_bounds(kv, slots, PageBoundsView<float>::packed(bounds_data, 2, 1, 4, 96, 8), nullptr); },
+      {"cuda::build_page_bounds", "kv.kv_heads (= 2) != bounds.kv_heads (= 1)"});
+  test::expect_error(
+      [&] { cuda::append_page_bounds(kv, nullptr, PageBoundsView<float>::packed(bounds_data, 2, 2, 4, 96, 8), nullptr); },
+      {"cuda::append_page_bounds", "slots is a null pointer"});
+  test::HostSelection pages(2, 2, 3, false), out(2, 2, 3 * 8 - 1, false);
+  test::expect_error([&] { cuda::expand_pages(pages.view, 8, lens, {}, out.view, nullptr); },
+                     {"cuda::expand_pages", "out.capacity (= 23) < pages.capacity * page_size (= 3 * 8)"});
+}
+
+}  // namespace
+}  // namespace kvsift

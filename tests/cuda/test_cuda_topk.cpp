@@ -1,0 +1,425 @@
+// CUDA top-K against its CPU twin, exactly: cuda::topk_rows == cpu::topk_rows (index sets, order, counts,
+// log-weights) over fresh random shapes, ties, NaN and infinities, windows, per-row k and GQA unions; the -1
+// counts of device inputs out of range; graph capture and replay; the workspace contract. cuda::topk (both
+// algorithms) == cpu::topk_indices. The launch-shape plan and every refusal also run without a GPU.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cuda/gpu_test.hpp"
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/cpu/topk.hpp"
+#include "kvsift/cuda/detail/topk_launch.hpp"
+#include "kvsift/cuda/topk.hpp"
+#include "test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using test::DeviceBuffer;
+using test::Random;
+
+/// A 256-byte aligned host buffer for cpu::topk_rows' workspace.
+struct HostWorkspace {
+  struct alignas(WorkspaceLayout::kAlignment) Block {
+    std::byte bytes[WorkspaceLayout::kAlignment];
+  };
+  std::vector<Block> blocks;
+  std::size_t bytes;
+  explicit HostWorkspace(std::size_t n) : blocks(n / sizeof(Block) + 1), bytes(n) {}
+  std::span<std::byte> span() { return {reinterpret_cast<std::byte*>(blocks.data()), bytes}; }
+};
+
+enum class Scores { continuous, few_values, all_equal };
+
+/// One topk_rows problem in host memory: scores [batch * kv_heads * heads_per_row, cols] with a padded row
+/// stride, NaN, ±inf and -0 sprinkled in (not for all_equal); ragged lengths; optional per-row k.
+struct Problem {
+  std::int32_t batch, kv_heads, heads_per_row, cols, k;
+  AttentionWindow window;
+  bool weights;
+  std::vector<float> scores;
+  std::vector<std::int32_t> lengths, row_k;
+
+  std::int64_t rows() const { return std::int64_t(batch) * kv_heads * heads_per_row; }
+  std::int32_t selection_rows() const { return batch * kv_heads; }
+  std::int64_t stride() const { return cols + 5; }
+  std::int32_t capacity() const { return heads_per_row * k + 1; }
+
+  Problem(Random& rng, std::int32_t batch_, std::int32_t kv_heads_, std::int32_t heads_per_row_, std::int32_t cols_,
+          std::int32_t k_, AttentionWindow window_, Scores kind, bool per_row_k)
+      : batch(batch_), kv_heads(kv_heads_), heads_per_row(heads_per_row_), cols(cols_), k(k_), window(window_),
+        weights(rng.uniform_int(0, 1) == 1) {
+    if (kind == Scores::continuous) {
+      scores = rng.normal(std::size_t(rows() * stride()), rng.uniform(0.01f, 100.0f));
+    } else {
+      scores.resize(std::size_t(rows() * stride()));
+      for (auto& s : scores) s = kind == Scores::few_values ? float(rng.uniform_int(-3, 3)) : 0.5f;
+    }
+    if (kind != Scores::all_equal) {
+      for (std::int64_t i = 0; i < std::int64_t(scores.size()) / 500 + 4; ++i) {
+        const float specials[] = {NAN, -INFINITY, INFINITY, -0.0f};
+        scores[std::size_t(rng.uniform_int(0, std::int32_t(scores.size()) - 1))] = specials[rng.uniform_int(0, 3)];
+      }
+    }
+    for (std::int32_t b = 0; b < batch; ++b) {
+      const int what = rng.uniform_int(0, 5);
+      lengths.push_back(what == 0   ? 0
+                        : what == 1 ? std::min(cols, window.sink + window.recent + rng.uniform_int(0, k))  // middle <= k
+                        : what == 2 ? cols
+                                    : rng.uniform_int(0, cols));
+    }
+    if (per_row_k) {
+      for (std::int32_t s = 0; s < selection_rows(); ++s) {
+        const int what = rng.uniform_int(0, 3);
+        row_k.push_back(what == 0 ? 0 : what == 1 ? k : rng.uniform_int(0, k));
+      }
+    }
+  }
+
+  MatrixView<const float> view(const float* data) const { return {data, rows(), cols, stride()}; }
+  TopKRowsOptions options(const std::int32_t* row_k_data) const {
+    return {.window = window, .row_k = row_k.empty() ? nullptr : row_k_data, .heads_per_row = heads_per_row};
+  }
+  std::string label() const {
+    return fmt::format("batch {} kv_heads {} heads_per_row {} cols {} k {} window {}+{} lengths [{}] row_k [{}]", batch,
+                       kv_heads, heads_per_row, cols, k, window.sink, window.recent, fmt::join(lengths, ", "),
+                       fmt::join(row_k, ", "));
+  }
+};
+
+struct Selection {
+  std::vector<std::int32_t> indices, counts;
+  std::vector<float> weights;
+};
+
+Selection cpu_topk_rows(const Problem& p) {
+  Selection sel{std::vector<std::int32_t>(std::size_t(p.selection_rows()) * p.capacity(), -1),
+                std::vector<std::int32_t>(std::size_t(p.selection_rows()), -1), {}};
+  if (p.weights) sel.weights.assign(sel.indices.size(), NAN);
+  const SelectionView view{sel.indices.data(), sel.counts.data(), p.weights ? sel.weights.data() : nullptr, p.batch,
+                           p.kv_heads, p.capacity()};
+  HostWorkspace ws(cpu::topk_rows_workspace_bytes(p.rows(), p.cols, p.k, p.options(p.row_k.data()), nullptr));
+  cpu::topk_rows(p.view(p.scores.data()), p.lengths.data(), p.k, p.options(p.row_k.data()), view, ws.span());
+  return sel;
+}
+
+/// The problem's device inputs and poisoned outputs (all bytes 0xff: index and count -1, weight NaN).
+struct DeviceProblem {
+  DeviceBuffer<float> scores;
+  DeviceBuffer<std::int32_t> lengths, row_k, indices, counts;
+  DeviceBuffer<float> weights;
+  DeviceBuffer<std::byte> workspace;
+  std::size_t workspace_bytes;
+
+  explicit DeviceProblem(const Problem& p)
+      : scores(p.scores), lengths(p.lengths), row_k(p.row_k),
+        indices(std::size_t(p.selection_rows()) * p.capacity()), counts(std::size_t(p.selection_rows())),
+        weights(p.weights ? indices.size() : 0),
+        workspace_bytes(cuda::topk_rows_workspace_bytes(p.rows(), p.cols, p.k, p.options(nullptr))) {
+    workspace = DeviceBuffer<std::byte>(workspace_bytes);
+  }
+  void poison() {
+    indices.poison();
+    counts.poison();
+    weights.poison();
+    workspace.poison();
+  }
+  SelectionView out(const Problem& p) const {
+    return {indices.data(), counts.data(), p.weights ? weights.data() : nullptr, p.batch, p.kv_heads, p.capacity()};
+  }
+  void run(const Problem& p, cudaStream_t stream) {
+    cuda::topk_rows(p.view(scores.data()), lengths.data(), p.k, p.options(row_k.data()), out(p),
+                    {workspace.data(), workspace_bytes}, stream);
+  }
+  Selection download() const { return {indices.download(), counts.download(), weights.download()}; }
+};
+
+/// Exact equality with the CPU twin: counts of every row, its indices and weights up to the count, and nothing
+/// written past it. Rows listed in `invalid` must have count -1 and nothing written.
+void expect_same(const Problem& p, const Selection& want, const Selection& got, const std::vector<bool>& invalid = {}) {
+  for (std::int32_t s = 0; s < p.selection_rows(); ++s) {
+    const bool bad = !invalid.empty() && invalid[std::size_t(s)];
+    const std::int32_t count = bad ? 0 : want.counts[std::size_t(s)];
+    ASSERT_EQ(got.counts[std::size_t(s)], bad ? -1 : count) << "selection row " << s;
+    const auto row = [&](const std::vector<std::int32_t>& v, std::int32_t end) {
+      return std::vector<std::int32_t>(v.begin() + std::int64_t(s) * p.capacity(), v.begin() + std::int64_t(s) * p.capacity() + end);
+    };
+    ASSERT_EQ(row(got.indices, count), row(want.indices, count)) << "selection row " << s;
+    for (std::int32_t i = count; i < p.capacity(); ++i) {
+      ASSERT_EQ(got.indices[std::size_t(std::int64_t(s) * p.capacity() + i)], -1) << "written past the count: row " << s;
+    }
+    if (p.weights) {
+      for (std::int32_t i = 0; i < p.capacity(); ++i) {
+        const float w = got.weights[std::size_t(std::int64_t(s) * p.capacity() + i)];
+        if (i < count) {
+          ASSERT_EQ(w, 0.0f) << "row " << s << " entry " << i;
+        } else {
+          ASSERT_TRUE(std::isnan(w)) << "weight written past the count: row " << s << " entry " << i;
+        }
+      }
+    }
+  }
+}
+
+using CudaTopK = test::GpuTest;
+
+void check_against_cpu(const Problem& p) {
+  SCOPED_TRACE(p.label());
+  const Selection want = cpu_topk_rows(p);
+  DeviceProblem d(p);
+  // Twice on the same workspace: what one call leaves behind must not change the next.
+  for (int call = 0; call < 2; ++call) {
+    SCOPED_TRACE(testing::Message() << "call " << call);
+    d.poison();
+    d.run(p, nullptr);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    expect_same(p, want, d.download());
+  }
+}
+
+TEST_F(CudaTopK, RowsEqualTheCpuTwinExactly) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const AttentionWindow windows[] = {{0, 0}, {4, 64}, {1, 0}, {0, 1000}};
+  const Scores kinds[] = {Scores::continuous, Scores::few_values, Scores::all_equal};
+  struct Shape {
+    std::int32_t batch, kv_heads, heads_per_row;
+  };
+  // Score rows 1, 8, 64, and 8 as 2 selection rows of 4 (a GQA group).
+  const Shape shapes[] = {{1, 1, 1}, {1, 8, 1}, {8, 8, 1}, {1, 2, 4}};
+  for (const Shape& shape : shapes) {
+    for (const std::int32_t k : {1, 128, 2048}) {
+      for (int trial = 0; trial < 3; ++trial) {
+        const std::int32_t cols = std::vector<std::int32_t>{131072, 8192, rng.uniform_int(1, 40000)}[trial];
+        const Problem p(rng, shape.batch, shape.kv_heads, shape.heads_per_row, cols, k,
+                        windows[rng.uniform_int(0, 3)], kinds[rng.uniform_int(0, 2)], rng.uniform_int(0, 2) == 0);
+        check_against_cpu(p);
+      }
+    }
+  }
+}
+
+TEST_F(CudaTopK, GroupUnionsOfEverySizeAndLongRows) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const std::int32_t heads : {2, 3, 8, 16}) {
+    check_against_cpu(Problem(rng, 2, 2, heads, rng.uniform_int(1000, 20000), 64, {4, 16}, Scores::continuous, true));
+  }
+  // Past 393,216 tokens the union's bitmap lives in the workspace.
+  check_against_cpu(Problem(rng, 1, 2, 4, 500000, 2048, {4, 64}, Scores::few_values, false));
+  // One row past a cluster's shared memory (re-read from L2 on each pass), and many short rows.
+  check_against_cpu(Problem(rng, 1, 1, 1, 1 << 21, 2048, {}, Scores::continuous, false));
+  check_against_cpu(Problem(rng, 64, 8, 1, 3000, 128, {4, 64}, Scores::few_values, true));
+}
+
+TEST_F(CudaTopK, OutOfRangeDeviceInputsGiveCountMinusOne) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const std::int32_t heads : {1, 4}) {
+    Problem p(rng, 4, 2, heads, 5000, 100, {4, 64}, Scores::continuous, true);
+    // The CPU twin refuses these inputs: its expectation comes from valid stand-ins on the same rows.
+    Problem valid = p;
+    p.lengths[1] = -1;
+    valid.lengths[1] = 0;
+    p.lengths[2] = p.cols + 1;
+    valid.lengths[2] = 0;
+    p.row_k[0] = p.k + 1;
+    valid.row_k[0] = 0;
+    p.row_k[7] = -5;
+    valid.row_k[7] = 0;
+    std::vector<bool> invalid(std::size_t(p.selection_rows()), false);
+    for (const std::int32_t s : {0, 2, 3, 4, 5, 7}) invalid[std::size_t(s)] = true;  // sequences 1 and 2: rows 2-5
+    SCOPED_TRACE(p.label());
+    DeviceProblem d(p);
+    d.poison();
+    // Counts start at a value that is neither -1 nor a real count.
+    d.counts.upload(std::vector<std::int32_t>(std::size_t(p.selection_rows()), 12345));
+    d.run(p, nullptr);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    expect_same(p, cpu_topk_rows(valid), d.download(), invalid);
+  }
+}
+
+TEST_F(CudaTopK, GraphReplaysEqualEagerRuns) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const std::int32_t heads : {1, 4}) {
+    Problem p(rng, 2, 2, heads, 131072, 2048, {4, 64}, Scores::continuous, true);
+    SCOPED_TRACE(p.label());
+    DeviceProblem d(p);
+    cudaStream_t stream;
+    KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    d.run(p, stream);
+    KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    // Two replays, each on fresh scores uploaded into the captured buffers, each against an eager run.
+    for (int replay = 0; replay < 2; ++replay) {
+      SCOPED_TRACE(testing::Message() << "replay " << replay);
+      const Problem fresh(rng, p.batch, p.kv_heads, heads, p.cols, p.k, p.window, Scores::few_values, true);
+      p.scores = fresh.scores;
+      p.row_k = fresh.row_k;
+      d.scores.upload(p.scores);
+      d.row_k.upload(p.row_k);
+      d.poison();
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());  // cudaMemset runs on the legacy stream, which `stream` does not wait for
+      KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const Selection replayed = d.download();
+      d.poison();
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+      d.run(p, stream);
+      KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const Selection eager = d.download();
+      EXPECT_EQ(replayed.indices, eager.indices);
+      EXPECT_EQ(replayed.counts, eager.counts);
+      expect_same(p, cpu_topk_rows(p), eager);
+    }
+    KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
+    KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+}
+
+TEST_F(CudaTopK, WorkspaceTooSmallIsRefused) {
+  Problem p(rng, 1, 2, 4, 1000, 16, {}, Scores::continuous, false);
+  DeviceProblem d(p);
+  ASSERT_GT(d.workspace_bytes, 0u);
+  test::expect_error(
+      [&] {
+        cuda::topk_rows(p.view(d.scores.data()), d.lengths.data(), p.k, p.options(nullptr), d.out(p),
+                        {d.workspace.data(), d.workspace_bytes - 1}, nullptr);
+      },
+      {"kvsift::cuda::topk_rows: workspace too small", "needs bytes"});
+}
+
+// ---- cuda::topk ([rows, k], both algorithms) --------------------------------------------------------------------
+
+constexpr cuda::TopKAlgorithm kTopKAlgorithms[] = {cuda::TopKAlgorithm::radix_select, cuda::TopKAlgorithm::radix_sort};
+
+/// `distinct` scores drawn per row (few: many ties; 1: all equal), plus NaN, ±inf and -0 sprinkled in.
+void check_topk(Random& rng, std::int64_t rows, std::int32_t n, std::int32_t k, std::int32_t distinct = 101) {
+  SCOPED_TRACE(testing::Message() << "rows " << rows << " n " << n << " k " << k << " distinct " << distinct);
+  std::vector<float> scores(std::size_t(rows) * n);
+  for (auto& s : scores) s = float(rng.uniform_int(0, distinct - 1) - distinct / 2) * 0.25f;
+  for (int i = 0; i < 5 && n > 10 && distinct > 1; ++i) {
+    scores[rng.uniform_int(0, int(scores.size()) - 1)] = NAN;
+    scores[rng.uniform_int(0, int(scores.size()) - 1)] = -INFINITY;
+    scores[rng.uniform_int(0, int(scores.size()) - 1)] = INFINITY;
+    scores[rng.uniform_int(0, int(scores.size()) - 1)] = -0.0f;
+  }
+  DeviceBuffer<float> d_scores(scores);
+  std::vector<std::vector<std::int32_t>> expected(rows, std::vector<std::int32_t>(k));
+  std::vector<std::uint64_t> scratch;
+  for (std::int64_t r = 0; r < rows; ++r) cpu::topk_indices({scores.data() + r * n, std::size_t(n)}, k, expected[r], scratch);
+  for (cuda::TopKAlgorithm algorithm : kTopKAlgorithms) {
+    SCOPED_TRACE(algorithm == cuda::TopKAlgorithm::radix_select ? "radix_select" : "radix_sort");
+    DeviceBuffer<std::int32_t> d_out(std::max<std::size_t>(1, std::size_t(rows) * k));
+    const std::size_t bytes = cuda::topk_workspace_bytes(rows, n, k, algorithm);
+    DeviceBuffer<std::byte> ws(bytes);
+    ws.poison();
+    for (int call = 0; call < 2; ++call) {
+      d_out.poison();
+      cuda::topk(MatrixView<const float>::packed(d_scores.data(), rows, n), k, d_out.data(), {ws.data(), bytes}, nullptr,
+                 algorithm);
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = d_out.download();
+      for (std::int64_t r = 0; r < rows; ++r) {
+        ASSERT_EQ(std::vector<std::int32_t>(got.begin() + r * k, got.begin() + (r + 1) * k), expected[r])
+            << "row " << r << " call " << call;
+      }
+    }
+  }
+}
+
+TEST_F(CudaTopK, TopKEqualsTheCpuTopKExactly) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (int trial = 0; trial < 12; ++trial) {
+    const std::int32_t n = rng.uniform_int(1, 20000);
+    const std::int32_t k = std::vector<std::int32_t>{0, 1, 17, n / 2, n}[rng.uniform_int(0, 4)];
+    check_topk(rng, rng.uniform_int(1, 9), n, k);
+  }
+  check_topk(rng, 8, 131072, 2048);
+  check_topk(rng, 1, 1 << 20, 8192);
+  check_topk(rng, 3, 50000, 3000, 1);      // every score equal: the k smallest indices
+  check_topk(rng, 2, 70000, 5000, 40000);  // few ties
+  check_topk(rng, 700, 3000, 64);          // more rows than SMs: one CTA per row
+}
+
+// ---- without a GPU ----------------------------------------------------------------------------------------------
+
+TEST(CudaTopKPlan, ClustersFillTheGpuInOneWave) {
+  using cuda::detail::plan_topk_rows;
+  const auto plan = [](std::int64_t rows, std::int32_t n, int max_cluster, int clusters16) {
+    const auto launch = plan_topk_rows(rows, n, 132, max_cluster, clusters16);
+    return std::pair{launch.cluster, launch.smem_words};
+  };
+  EXPECT_EQ(plan(1, 131072, 16, 7), std::pair(16, 8192));    // one row: 16 SMs, 32 KiB each
+  EXPECT_EQ(plan(8, 131072, 16, 7), std::pair(8, 16384));    // 8 rows: 16-CTA clusters would not all fit at once
+  EXPECT_EQ(plan(4, 131072, 16, 7), std::pair(16, 8192));
+  EXPECT_EQ(plan(1, 131072, 8, 0), std::pair(8, 16384));     // portable clusters only
+  EXPECT_EQ(plan(64, 131072, 16, 7), std::pair(2, 0));       // 65,536 scores per CTA: re-read from L2
+  EXPECT_EQ(plan(1, 8192, 16, 7), std::pair(4, 2048));       // short rows keep 2048 scores per CTA
+  EXPECT_EQ(plan(1, 3000, 16, 7), std::pair(1, 3000));
+  EXPECT_EQ(plan(700, 3000, 16, 7), std::pair(1, 3000));     // more rows than SMs
+  EXPECT_EQ(plan(1, 131072, 1, 0), std::pair(1, 0));         // no clusters (sm_80): one CTA, from L2
+  EXPECT_EQ(cuda::detail::topk_union_words(64), 3);          // a middle [lo, hi) spans at most 64/32 + 1 words
+}
+
+TEST(CudaTopKBadInput, RefusedBeforeAnyDeviceCall) {
+  EXPECT_EQ(cuda::topk_rows_workspace_bytes(8, 131072, 2048, {}), 0u);  // one score row per selection row: none
+  // Four rows of 1000 scores, k = 16, 2 per selection row: picks and their counts, bitmaps in shared memory.
+  EXPECT_EQ(cuda::topk_rows_workspace_bytes(4, 1000, 16, {.heads_per_row = 2}), 256u + 256u);
+  // Past 393,216 tokens the bitmaps (one per selection row) join them.
+  EXPECT_EQ(cuda::topk_rows_workspace_bytes(4, 500000, 16, {.heads_per_row = 2}),
+            256u + 256u + (2 * (500000 / 32 + 1) * 4 + 255) / 256 * 256);
+  test::expect_error([] { cuda::topk_rows_workspace_bytes(0, 10, 1, {}); },
+                     "kvsift::cuda::topk_rows_workspace_bytes: score_rows (= 0) and max_tokens (= 10) must be positive");
+  test::expect_error([] { cuda::topk_rows_workspace_bytes(4, 10, 0, {}); }, "k (= 0) must be positive");
+  test::expect_error([] { cuda::topk_rows_workspace_bytes(4, 10, 1, {.heads_per_row = 0}); },
+                     "options.heads_per_row (= 0) must be >= 1");
+  test::expect_error([] { cuda::topk_rows_workspace_bytes(4, 10, 1, {.window = {-1, 2}}); },
+                     "options.window.sink (= -1) and options.window.recent (= 2) must be >= 0");
+  test::expect_error([] { cuda::topk_rows_workspace_bytes(std::int64_t(1) << 28, 10, 1, {}); },
+                     "score_rows (= 268435456) must be below 134217728");
+
+  // The run's checks, on fake device pointers (nothing is launched).
+  float* const scores = reinterpret_cast<float*>(std::uintptr_t(1) << 20);
+  std::int32_t* const ints = reinterpret_cast<std::int32_t*>(std::uintptr_t(1) << 21);
+  const std::int32_t* const lengths = ints;
+  const SelectionView out{ints, ints, nullptr, 2, 2, 10};
+  const auto view = MatrixView<const float>::packed(scores, 4, 64);
+  const auto go = [&](MatrixView<const float> s, const std::int32_t* lens, std::int32_t k, TopKRowsOptions o,
+                      SelectionView sel, std::span<std::byte> ws = {}) { cuda::topk_rows(s, lens, k, o, sel, ws, nullptr); };
+  test::expect_error([&] { go(view, lengths, 0, {}, out); }, "kvsift::cuda::topk_rows: k (= 0) must be positive");
+  test::expect_error([&] { go(view, lengths, 11, {}, out); }, "out.capacity (= 10) < options.heads_per_row * k (= 1 * 11)");
+  test::expect_error([&] { go(view, lengths, 5, {.heads_per_row = 0}, out); }, "options.heads_per_row (= 0) must be >= 1");
+  test::expect_error([&] { go(view, lengths, 5, {.heads_per_row = 2}, out); },
+                     "scores.rows (= 4) != out.batch * out.kv_heads * options.heads_per_row (= 2 * 2 * 2)");
+  test::expect_error([&] { go(MatrixView<const float>::packed(scores, 8, 64), lengths, 6, {.heads_per_row = 2}, out); },
+                     "out.capacity (= 10) < options.heads_per_row * k (= 2 * 6)");
+  test::expect_error([&] { go(view, lengths, 5, {.window = {0, -3}}, out); },
+                     "options.window.sink (= 0) and options.window.recent (= -3) must be >= 0");
+  test::expect_error([&] { go(view, nullptr, 5, {}, out); }, "d_lengths is a null pointer");
+  SelectionView no_counts = out;
+  no_counts.counts = nullptr;
+  test::expect_error([&] { go(view, lengths, 5, {}, no_counts); }, "out.indices and out.counts must be non-null");
+  test::expect_error([&] { go(MatrixView<const float>{scores, 4, 64, 3}, lengths, 5, {}, out); },
+                     "scores: strides inconsistent with shape");
+  test::expect_error([&] { go(MatrixView<const float>::packed(scores, 8, 64), lengths, 5, {.heads_per_row = 2}, out); },
+                     "kvsift::cuda::topk_rows: workspace too small: 'topk picks'");
+
+  test::expect_error([] { cuda::topk_workspace_bytes(4, 100, 101); }, "k (= 101) is outside [0, n = 100]");
+  test::expect_error([] { cuda::topk_workspace_bytes(0, 100, 1); }, "rows (= 0) and n (= 100) must be positive");
+  test::expect_error(
+      [&] { cuda::topk(view, 3, nullptr, {}, nullptr, cuda::TopKAlgorithm::radix_select); }, "d_indices is a null pointer");
+  test::expect_error([&] { cuda::topk(view, 3, ints, {}, nullptr, static_cast<cuda::TopKAlgorithm>(9)); },
+                     "unknown TopKAlgorithm (9)");
+}
+
+}  // namespace
+}  // namespace kvsift
