@@ -402,6 +402,7 @@ TEST_F(CudaGroupScores, GraphReplayEqualsEagerBitForBit) {
     for (int replay = 0; replay < 2; ++replay) {
       scores.poison();
       workspace.poison();
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets ran on the legacy stream, which `stream` does not wait for
       KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
       KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
       const auto replayed = scores.download();
