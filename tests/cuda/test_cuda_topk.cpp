@@ -118,7 +118,8 @@ struct DeviceProblem {
   std::size_t workspace_bytes;
 
   explicit DeviceProblem(const Problem& p)
-      : scores(p.scores), lengths(p.lengths), row_k(p.row_k),
+      : scores(p.scores), lengths(p.lengths),
+        row_k(p.row_k.empty() ? DeviceBuffer<std::int32_t>() : DeviceBuffer<std::int32_t>(p.row_k)),
         indices(std::size_t(p.selection_rows()) * p.capacity()), counts(std::size_t(p.selection_rows())),
         weights(p.weights ? indices.size() : 0),
         workspace_bytes(cuda::topk_rows_workspace_bytes(p.rows(), p.cols, p.k, p.options(nullptr))) {
