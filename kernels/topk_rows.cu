@@ -53,9 +53,9 @@ cudaError_t topk_rows_cluster_limits(int* max_cluster, int* clusters16) {
 
 cudaError_t launch_topk_rows(const TopKRowsParams& p, cudaStream_t stream) {
   if (p.k == 0 || p.scores.rows == 0) return cudaSuccess;
-  // Always the largest value, never lowered: a launch from another host thread may rely on it.
+  // Always the GPU's limit, never lowered: a launch from another host thread may rely on it.
   if (cudaError_t s = cudaFuncSetAttribute(kSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(select_smem_bytes(kTopKMaxSmemWords)));
+                                           int(select_smem_bytes(p.launch.smem_limit_words)));
       s != cudaSuccess) {
     return s;
   }

@@ -76,7 +76,8 @@ ClusterLimits cluster_limits() {
 
 detail::TopKRowsLaunch plan_launch(std::int64_t score_rows, std::int32_t max_tokens) {
   const ClusterLimits limits = cluster_limits();
-  return detail::plan_topk_rows(score_rows, max_tokens, multiprocessor_count(), limits.max_cluster, limits.clusters16);
+  return detail::plan_topk_rows(score_rows, max_tokens, multiprocessor_count(), limits.max_cluster, limits.clusters16,
+                                detail::topk_rows_smem_limit_words(max_shared_memory_per_block()));
 }
 
 // ---- topk ---------------------------------------------------------------------------------------------------

@@ -402,6 +402,7 @@ TEST_F(CudaGroupScores, GraphReplayEqualsEagerBitForBit) {
     for (int replay = 0; replay < 2; ++replay) {
       scores.poison();
       workspace.poison();
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets ran on the legacy stream, which `stream` does not wait for
       KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
       KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
       const auto replayed = scores.download();
@@ -488,6 +489,11 @@ TEST(CudaGroupScoresBadInput, RefusedBeforeAnyDeviceCall) {
   const auto one_head = ContiguousKVView<const bfloat16>::packed(base, base, 1, 1, 40, 64);
   test::expect_error([&] { go(wide_group, one_head, MatrixView<float>{scores.data, 1, 40, 48}, {}, {}); },
                      where + "q_heads / kv_heads (= 12290) exceeds the CUDA kernels' limit of 12288");
+  // More (row, chunk) CTAs than a grid holds: 2^26 rows of 2^20 columns (1024 chunks each).
+  const auto many_q = QueryView<const bfloat16>::packed(base, 1 << 16, 1 << 10, 64);
+  const auto many_kv = ContiguousKVView<const bfloat16>::packed(base, base, 1 << 16, 1 << 10, 40, 64);
+  test::expect_error([&] { go(many_q, many_kv, MatrixView<float>::packed(scores.data, 1 << 26, 1 << 20), {}, {}); },
+                     where + "batch * kv_heads * ceil(max_tokens / 1024) (= 68719476736) exceeds the CUDA grid limit");
   // A paged cache: the page table is device memory, never read on the host.
   const std::int32_t* table = reinterpret_cast<const std::int32_t*>(memory.data());
   const PagedKVView<const bfloat16> paged{base, base, table, table, table, 2, 2, 128, 16, 4, 16 * 2 * 128, 2 * 128, 128};

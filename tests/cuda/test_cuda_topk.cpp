@@ -118,7 +118,8 @@ struct DeviceProblem {
   std::size_t workspace_bytes;
 
   explicit DeviceProblem(const Problem& p)
-      : scores(p.scores), lengths(p.lengths), row_k(p.row_k),
+      : scores(p.scores), lengths(p.lengths),
+        row_k(p.row_k.empty() ? DeviceBuffer<std::int32_t>() : DeviceBuffer<std::int32_t>(p.row_k)),
         indices(std::size_t(p.selection_rows()) * p.capacity()), counts(std::size_t(p.selection_rows())),
         weights(p.weights ? indices.size() : 0),
         workspace_bytes(cuda::topk_rows_workspace_bytes(p.rows(), p.cols, p.k, p.options(nullptr))) {
@@ -209,7 +210,7 @@ TEST_F(CudaTopK, GroupUnionsOfEverySizeAndLongRows) {
   for (const std::int32_t heads : {2, 3, 8, 16}) {
     check_against_cpu(Problem(rng, 2, 2, heads, rng.uniform_int(1000, 20000), 64, {4, 16}, Scores::continuous, true));
   }
-  // Past 393,216 tokens the union's bitmap lives in the workspace.
+  // Past 360,416 tokens the union's bitmap lives in the workspace.
   check_against_cpu(Problem(rng, 1, 2, 4, 500000, 2048, {4, 64}, Scores::few_values, false));
   // One row past a cluster's shared memory (re-read from L2 on each pass), and many short rows.
   check_against_cpu(Problem(rng, 1, 1, 1, 1 << 21, 2048, {}, Scores::continuous, false));
@@ -355,7 +356,7 @@ TEST_F(CudaTopK, TopKEqualsTheCpuTopKExactly) {
 TEST(CudaTopKPlan, ClustersFillTheGpuInOneWave) {
   using cuda::detail::plan_topk_rows;
   const auto plan = [](std::int64_t rows, std::int32_t n, int max_cluster, int clusters16) {
-    const auto launch = plan_topk_rows(rows, n, 132, max_cluster, clusters16);
+    const auto launch = plan_topk_rows(rows, n, 132, max_cluster, clusters16, 32768);
     return std::pair{launch.cluster, launch.smem_words};
   };
   EXPECT_EQ(plan(1, 131072, 16, 7), std::pair(16, 8192));    // one row: 16 SMs, 32 KiB each
@@ -368,13 +369,19 @@ TEST(CudaTopKPlan, ClustersFillTheGpuInOneWave) {
   EXPECT_EQ(plan(700, 3000, 16, 7), std::pair(1, 3000));     // more rows than SMs
   EXPECT_EQ(plan(1, 131072, 1, 0), std::pair(1, 0));         // no clusters (sm_80): one CTA, from L2
   EXPECT_EQ(cuda::detail::topk_union_words(64), 3);          // a middle [lo, hi) spans at most 64/32 + 1 words
+  // Shared memory per block: 227 KiB (H100) allows the 128 KiB slice, 99 KiB (sm_89) less; a short limit
+  // sends the slices to L2.
+  EXPECT_EQ(cuda::detail::topk_rows_smem_limit_words(227 * 1024), 32768);
+  EXPECT_EQ(cuda::detail::topk_rows_smem_limit_words(99 * 1024), (99 * 1024 - 8192) / 4);
+  EXPECT_EQ(plan_topk_rows(8, 131072, 132, 8, 0, 16000).smem_words, 0);
+  EXPECT_EQ(plan_topk_rows(8, 131072, 132, 8, 0, 16000).smem_limit_words, 16000);
 }
 
 TEST(CudaTopKBadInput, RefusedBeforeAnyDeviceCall) {
   EXPECT_EQ(cuda::topk_rows_workspace_bytes(8, 131072, 2048, {}), 0u);  // one score row per selection row: none
   // Four rows of 1000 scores, k = 16, 2 per selection row: picks and their counts, bitmaps in shared memory.
   EXPECT_EQ(cuda::topk_rows_workspace_bytes(4, 1000, 16, {.heads_per_row = 2}), 256u + 256u);
-  // Past 393,216 tokens the bitmaps (one per selection row) join them.
+  // Past 360,416 tokens the bitmaps (one per selection row) join them.
   EXPECT_EQ(cuda::topk_rows_workspace_bytes(4, 500000, 16, {.heads_per_row = 2}),
             256u + 256u + (2 * (500000 / 32 + 1) * 4 + 255) / 256 * 256);
   test::expect_error([] { cuda::topk_rows_workspace_bytes(0, 10, 1, {}); },

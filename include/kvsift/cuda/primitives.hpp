@@ -1,6 +1,6 @@
 #pragma once
-/// CUDA twins of the CPU primitives (cpu/primitives.hpp), with the same results: GEMV scores, row gather,
-/// batched RoPE, k-means and its assignment step, index deduplication. Top-K lives in cuda/topk.hpp.
+/// CUDA twins of the CPU primitives (cpu/primitives.hpp), with the same results: group scores, GEMV scores,
+/// row gather, batched RoPE, k-means and its assignment step, index deduplication. Top-K lives in cuda/topk.hpp.
 /// Device memory; caller-owned workspace where one is needed (size from the matching *_workspace_bytes
 /// query); no allocation, no host sync; stream-ordered; reentrant (concurrent calls need distinct
 /// workspaces). DeviceKMeansAssigner is the one exception: an owning adapter for cpu::kmeans (see there).

@@ -27,7 +27,7 @@ struct SingleBlock {
   __device__ void finish() const {}
 };
 
-/// The CTAs of this thread-block cluster (sm_90; a cluster of one CTA elsewhere, or in a launch without
+/// The CTAs of this thread-block cluster, at most 16 (sm_90; a cluster of one CTA elsewhere, or in a launch without
 /// clusters): sync() is a cluster barrier (it orders shared-memory writes before it against distributed reads
 /// after it), sums read the same shared variable of every CTA. finish() keeps each CTA's shared memory alive
 /// until no CTA reads it.
@@ -62,12 +62,20 @@ struct ClusterGroup {
     return 1;
 #endif
   }
-  /// The sum of *local over the CTAs of rank < ranks.
+  /// The sum of *local over the CTAs of rank < ranks. Unrolled to the largest cluster, so that the remote
+  /// loads are all in flight before the first one returns.
   __device__ std::uint32_t sum_ranks(const std::uint32_t* local, std::uint32_t ranks) const {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr std::uint32_t kMaxClusterSize = 16;
     cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    std::uint32_t values[kMaxClusterSize];
+#pragma unroll
+    for (std::uint32_t r = 0; r < kMaxClusterSize; ++r) {
+      values[r] = r < ranks ? *cluster.map_shared_rank(const_cast<std::uint32_t*>(local), r) : 0u;
+    }
     std::uint32_t total = 0;
-    for (std::uint32_t r = 0; r < ranks; ++r) total += *cluster.map_shared_rank(const_cast<std::uint32_t*>(local), r);
+#pragma unroll
+    for (std::uint32_t r = 0; r < kMaxClusterSize; ++r) total += values[r];
     return total;
 #else
     return ranks > 0 ? *local : 0u;

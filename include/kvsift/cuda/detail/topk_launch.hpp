@@ -20,31 +20,43 @@ inline constexpr int kTopKRowsThreads = 1024;
 /// A CTA's slice of a row is at least this many scores: fewer would spend more on cluster barriers than on
 /// the scores themselves.
 inline constexpr std::int32_t kTopKMinSliceWords = 2048;
-/// Slices up to this many scores are loaded once into shared memory as rank words (128 KiB); longer ones are
-/// re-read from global memory (L2) on each pass.
+/// Slices up to this many scores are loaded once into shared memory as rank words (128 KiB; less where the
+/// GPU's opt-in shared memory per block is smaller, topk_rows_smem_limit_words); longer ones are re-read from
+/// global memory (L2) on each pass.
 inline constexpr std::int32_t kTopKMaxSmemWords = 32768;
+/// Shared memory the select kernel keeps for its static TempStorage (6.2 KiB on sm_90), with margin.
+inline constexpr std::int32_t kTopKStaticSmemBytes = 8192;
 /// The union of heads_per_row > 1 rows: one CTA per selection row, a bitmap of the row's middle in shared
-/// memory up to this many 32-bit words (48 KiB: 393,216 tokens), in the workspace beyond.
+/// memory up to this many 32-bit words (44 KiB, under the 48 KiB without opt-in with the kernel's 2.2 KiB of
+/// static storage: up to 360,416 tokens), in the workspace beyond.
 inline constexpr int kTopKUnionThreads = 512;
-inline constexpr std::int32_t kTopKUnionSmemWords = 12288;
+inline constexpr std::int32_t kTopKUnionSmemWords = 11264;
+
+/// The largest slice in shared memory on a GPU with `max_smem_per_block` bytes of opt-in shared memory.
+inline std::int32_t topk_rows_smem_limit_words(std::int64_t max_smem_per_block) {
+  return std::int32_t(std::clamp<std::int64_t>((max_smem_per_block - kTopKStaticSmemBytes) / 4, 0, kTopKMaxSmemWords));
+}
 
 /// Largest cluster: 8 is portable; 16 needs the non-portable attribute and a GPU that can place such a
 /// cluster (topk_rows_cluster_limits).
 inline constexpr std::int32_t kTopKMaxPortableCluster = 8;
 
 struct TopKRowsLaunch {
-  std::int32_t cluster = 1;     ///< CTAs per score row, a power of two <= 16
-  std::int32_t smem_words = 0;  ///< rank words of a CTA's slice in shared memory; 0: the slices are re-read
+  std::int32_t cluster = 1;           ///< CTAs per score row, a power of two <= 16
+  std::int32_t smem_words = 0;        ///< rank words of a CTA's slice in shared memory; 0: the slices are re-read
+  std::int32_t smem_limit_words = 0;  ///< the GPU's limit (the kernel's attribute, never lowered)
 };
 
 /// The launch shape: score rows (each a cluster of `cluster` CTAs) on `sms` SMs. The cluster grows (powers
 /// of two) while the grid still fits the GPU in one wave, each slice keeps kTopKMinSliceWords scores, and
 /// the GPU can hold the clusters at once: up to 8, and 16 where `clusters16` (how many 16-CTA clusters the
 /// GPU holds at once, 0 where it holds none or the GPU has no clusters) is at least the row count.
-/// `max_cluster` is 1 on GPUs without thread-block clusters (before sm_90).
+/// `max_cluster` is 1 on GPUs without thread-block clusters (before sm_90). A slice goes to shared memory
+/// where it fits in smem_limit_words (topk_rows_smem_limit_words).
 inline TopKRowsLaunch plan_topk_rows(std::int64_t score_rows, std::int32_t max_tokens, int sms, int max_cluster,
-                                     int clusters16) {
+                                     int clusters16, std::int32_t smem_limit_words) {
   TopKRowsLaunch launch;
+  launch.smem_limit_words = smem_limit_words;
   while (true) {
     const std::int32_t next = launch.cluster * 2;
     const bool fits = next <= max_cluster && (next <= kTopKMaxPortableCluster || score_rows <= clusters16) &&
@@ -53,7 +65,7 @@ inline TopKRowsLaunch plan_topk_rows(std::int64_t score_rows, std::int32_t max_t
     launch.cluster = next;
   }
   const std::int32_t slice = (max_tokens + launch.cluster - 1) / launch.cluster;
-  launch.smem_words = slice <= kTopKMaxSmemWords ? slice : 0;
+  launch.smem_words = slice <= smem_limit_words ? slice : 0;
   return launch;
 }
 
