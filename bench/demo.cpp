@@ -294,7 +294,8 @@ int main(int argc, char** argv) {
                                     kvsift::StateView<float>::packed(o_dense.data(), lse_dense.data(), 1, c.q_heads, c.head_dim));
 
     // Times: kvsift's CPU kernels on bf16 copies, on all of this machine's threads.
-    const auto q16 = to_bf16(w.q), k16 = to_bf16(w.k), v16 = to_bf16(w.v);
+    const auto q16 = to_bf16(w.q);
+    auto k16 = to_bf16(w.k), v16 = to_bf16(w.v);
     const auto q = kvsift::QueryView<const bfloat16>::packed(q16.data(), 1, c.q_heads, c.head_dim);
     const auto kv = kvsift::ContiguousKVView<const bfloat16>::packed(k16.data(), v16.data(), 1, c.kv_heads, tokens, c.head_dim);
     std::vector<bfloat16> o16(o_dense.size());

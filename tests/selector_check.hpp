@@ -92,7 +92,9 @@ inline void expect_top_k(const std::vector<std::int32_t>& chosen, const std::map
     EXPECT_GE(candidates.at(id), kth - eps) << what << ": chose " << id << " below the k-th score " << kth;
   }
   for (const auto& [id, score] : candidates) {
-    if (!picked.count(id)) EXPECT_LE(score, kth + eps) << what << ": left out " << id << " above the k-th " << kth;
+    if (!picked.count(id)) {
+      EXPECT_LE(score, kth + eps) << what << ": left out " << id << " above the k-th " << kth;
+    }
   }
 }
 

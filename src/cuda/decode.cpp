@@ -249,6 +249,28 @@ std::size_t sparse_decode_workspace_bytes(const QueryView<const T>& q, const KV&
   return counting.bytes();
 }
 
+std::size_t sparse_decode_workspace_bytes(const SparseDecodeShape& shape, const DecodeOptions& options) {
+  constexpr const char* where = "cuda::sparse_decode_workspace_bytes";
+  KVSIFT_CHECK(shape.batch > 0 && shape.batch <= 65535, where, "shape.batch (= {}) is outside [1, 65535]", shape.batch);
+  KVSIFT_CHECK(shape.kv_heads > 0 && shape.q_heads > 0 && shape.q_heads % shape.kv_heads == 0, where,
+               "shape.q_heads (= {}) must be a positive multiple of shape.kv_heads (= {})", shape.q_heads,
+               shape.kv_heads);
+  KVSIFT_CHECK(shape.head_dim == 64 || shape.head_dim == 128 || shape.head_dim == 256, where,
+               "head_dim (= {}) is not supported by the CUDA decode kernels (supported: 64, 128, 256)", shape.head_dim);
+  KVSIFT_CHECK(shape.capacity >= 0, where, "shape.capacity (= {}) must be >= 0", shape.capacity);
+  detail::check_decode_options(where, options);
+  validate(options.attention.window, where, "options.attention.window");
+  const std::int32_t head_tiles = (shape.q_heads / shape.kv_heads + kHeadsPerTile - 1) / kHeadsPerTile;
+  const auto max_tokens = std::int32_t(std::min<std::int64_t>(
+      INT_MAX, std::int64_t(shape.capacity) + options.attention.window.sink + options.attention.window.recent));
+  const detail::DecodePlan plan = detail::plan_decode(where, std::int64_t(shape.batch) * shape.kv_heads * head_tiles,
+                                                      max_tokens, shape.head_dim, options, detail::current_device_limits());
+  WorkspaceLayout counting;
+  detail::layout_workspace(counting, shape.batch, shape.q_heads, shape.head_dim, plan.num_splits,
+                           options.validate_indices);
+  return counting.bytes();
+}
+
 template <class T, class KV, class TO>
 void sparse_decode(const QueryView<const T>& q, const KV& kv, const SelectionView& selection, const StateView<TO>& out,
                    std::span<std::byte> workspace, cudaStream_t stream, const DecodeOptions& options) {

@@ -3,6 +3,7 @@
 /// primitive with a cuda::Context as its last argument, the same arguments as cpu/backend.hpp's (see there for
 /// how an algorithm reaches them). Device memory; stream-ordered; no allocation, no host sync.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -23,71 +24,77 @@ namespace kvsift::cuda {
 
 template <class T>
 void sequence_lengths(const KVCache<const T>& cache, std::int32_t* lengths, const Context& ctx) {
-  sequence_lengths(cache, lengths, ctx.stream);
+  cuda::sequence_lengths(cache, lengths, ctx.stream);
 }
 template <class T>
 void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const HeadsView<const T>& v,
                    const Context& ctx) {
-  write_step_kv(cache, k, v, ctx.stream);
+  cuda::write_step_kv(cache, k, v, ctx.stream);
 }
-inline void clear_counts(const SelectionView& out, const Context& ctx) { clear_counts(out, ctx.stream); }
+inline void clear_counts(const SelectionView& out, const Context& ctx) { cuda::clear_counts(out, ctx.stream); }
 
 inline std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
                                                 std::int32_t max_tokens, const cpu::GroupScoreOptions& options,
                                                 const Context&) {
-  return group_scores_workspace_bytes(batch, q_heads, kv_heads, max_tokens, options);
+  return cuda::group_scores_workspace_bytes(batch, q_heads, kv_heads, max_tokens, options);
 }
 template <class T>
 void group_scores(const QueryView<const T>& q, const KVCache<const T>& cache, const MatrixView<float>& scores,
                   const cpu::GroupScoreOptions& options, std::span<std::byte> workspace, const Context& ctx) {
-  cache.visit([&](const auto& kv) { group_scores(q, kv, scores, options, workspace, ctx.stream); });
+  cache.visit([&](const auto& kv) { cuda::group_scores(q, kv, scores, options, workspace, ctx.stream); });
 }
 
 inline std::size_t topk_rows_workspace_bytes(std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
                                              const TopKRowsOptions& options, const Context&) {
-  return topk_rows_workspace_bytes(score_rows, max_tokens, k, options);
+  return cuda::topk_rows_workspace_bytes(score_rows, max_tokens, k, options);
 }
 inline void topk_rows(const MatrixView<const float>& scores, const std::int32_t* lengths, std::int32_t k,
                       const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
                       const Context& ctx) {
-  topk_rows(scores, lengths, k, options, out, workspace, ctx.stream);
+  cuda::topk_rows(scores, lengths, k, options, out, workspace, ctx.stream);
 }
 
 template <class T>
 void build_page_bounds(const KVCache<const T>& cache, const std::int32_t* slots, const PageBoundsView<T>& bounds,
                        const Context& ctx) {
-  cache.visit([&](const auto& kv) { build_page_bounds(kv, slots, bounds, ctx.stream); });
+  cache.visit([&](const auto& kv) { cuda::build_page_bounds(kv, slots, bounds, ctx.stream); });
 }
 template <class T>
 void append_page_bounds(const KVCache<const T>& cache, const std::int32_t* slots, const PageBoundsView<T>& bounds,
                         const Context& ctx) {
-  cache.visit([&](const auto& kv) { append_page_bounds(kv, slots, bounds, ctx.stream); });
+  cache.visit([&](const auto& kv) { cuda::append_page_bounds(kv, slots, bounds, ctx.stream); });
 }
 template <class T>
 void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* slots,
                  const std::int32_t* lengths, const AttentionWindow& window, const MatrixView<float>& scores,
                  std::int32_t* page_counts, const Context& ctx) {
-  page_scores(q, bounds, slots, lengths, window, scores, page_counts, ctx.stream);
+  cuda::page_scores(q, bounds, slots, lengths, window, scores, page_counts, ctx.stream);
 }
 inline void expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* lengths,
                          const AttentionWindow& window, const SelectionView& out, const Context& ctx) {
-  expand_pages(pages, page_size, lengths, window, out, ctx.stream);
+  cuda::expand_pages(pages, page_size, lengths, window, out, ctx.stream);
 }
 
-/// Sparse decode of the window and the selection, O in the storage type or fp32 (TO).
-inline std::size_t sparse_decode_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
+/// Sparse decode of the window and the selection, O in the storage type or fp32 (TO). The workspace query
+/// covers every batch size up to `max_batch` (fewer rows may split more: the largest need is taken).
+inline std::size_t sparse_decode_workspace_bytes(std::int32_t max_batch, std::int32_t q_heads, std::int32_t kv_heads,
                                                  std::int32_t head_dim, std::int32_t capacity,
-                                                 std::int32_t max_seq_len, const AttentionOptions& attention,
+                                                 std::int32_t /*max_seq_len*/, const AttentionOptions& attention,
                                                  bool validate_indices, const Context&) {
-  return sparse_decode_workspace_bytes(DecodeShape{batch, q_heads, kv_heads, head_dim, capacity, max_seq_len},
-                                       DecodeOptions{.attention = attention, .validate_indices = validate_indices});
+  const DecodeOptions options{.attention = attention, .validate_indices = validate_indices};
+  std::size_t bytes = 0;
+  for (std::int32_t batch = 1; batch <= max_batch; ++batch) {
+    bytes = std::max(bytes, cuda::sparse_decode_workspace_bytes(
+                                SparseDecodeShape{batch, q_heads, kv_heads, head_dim, capacity}, options));
+  }
+  return bytes;
 }
 template <class T, class TO>
 void sparse_decode(const QueryView<const T>& q, const KVCache<const T>& cache, const SelectionView& selection,
                    const StateView<TO>& out, const AttentionOptions& attention, bool validate_indices,
                    std::span<std::byte> workspace, const Context& ctx) {
   const DecodeOptions options{.attention = attention, .validate_indices = validate_indices};
-  cache.visit([&](const auto& kv) { sparse_decode(q, kv, selection, out, workspace, ctx.stream, options); });
+  cache.visit([&](const auto& kv) { cuda::sparse_decode(q, kv, selection, out, workspace, ctx.stream, options); });
 }
 
 }  // namespace kvsift::cuda

@@ -73,6 +73,17 @@ struct DecodeOptions {
   bool programmatic_launch = true;
 };
 
+/// The shapes that size sparse decode's workspace, for a query before any view exists (a decode step's plan):
+/// the same bytes as the view-taking query for views of these shapes.
+struct SparseDecodeShape {
+  std::int32_t batch = 0;
+  std::int32_t q_heads = 0;
+  std::int32_t kv_heads = 0;
+  std::int32_t head_dim = 0;
+  std::int32_t capacity = 0;  ///< the selection's capacity
+};
+std::size_t sparse_decode_workspace_bytes(const SparseDecodeShape& shape, const DecodeOptions& options = {});
+
 template <class T, class KV>
 std::size_t sparse_decode_workspace_bytes(const QueryView<const T>& q, const KV& kv, const SelectionView& selection,
                                           const DecodeOptions& options = {});
