@@ -71,7 +71,7 @@ struct SelectorLimits {
 /// Prefill of the joining sequences (batch row b is sequence slots[b]).
 template <class T>
 struct PrefillInputs {
-  KVCache<const T> cache;            ///< the engine's cache holding the prompts (post-RoPE keys)
+  KVCache<const T> cache{};          ///< the engine's cache holding the prompts (post-RoPE keys)
   const std::int32_t* slots = nullptr;  ///< [cache.batch()], context memory
   SequenceView<const T> queries{};   ///< optional: the last W prefill queries [batch, q_heads, W, head_dim] (W may be 0)
   RopeConfig rope{};                 ///< the model's RoPE, for methods that need pre-RoPE keys
@@ -81,7 +81,7 @@ struct PrefillInputs {
 /// One decode step's token, already in the cache at position lengths[b] - 1 of each batch row.
 template <class T>
 struct AppendInputs {
-  KVCache<const T> cache;
+  KVCache<const T> cache{};
   const std::int32_t* slots = nullptr;    ///< [batch], context memory
   const std::int32_t* lengths = nullptr;  ///< [batch] cache.seq_len(b), the new token included; context memory
   HeadsView<const T> k_pre_rope{};        ///< optional: the new token's key before RoPE [batch, kv_heads, head_dim]
@@ -91,8 +91,8 @@ struct AppendInputs {
 /// One decode step's queries (post-RoPE) [batch, q_heads, head_dim].
 template <class T>
 struct SelectInputs {
-  QueryView<const T> q;
-  KVCache<const T> cache;
+  QueryView<const T> q{};
+  KVCache<const T> cache{};
   const std::int32_t* slots = nullptr;    ///< [batch], context memory
   const std::int32_t* lengths = nullptr;  ///< [batch] cache.seq_len(b); context memory
   AttentionOptions attention{};           ///< sm_scale (for softmax scores) and the window the selection leaves out

@@ -52,8 +52,8 @@ struct DecodeStepConfig {
 
 template <class T>
 struct StepInputs {
-  QueryView<const T> q;                 ///< [batch, q_heads, head_dim], post-RoPE
-  KVCache<T> cache;                     ///< the engine's cache; seq_len(b) counts the step's token
+  QueryView<const T> q{};               ///< [batch, q_heads, head_dim], post-RoPE
+  KVCache<T> cache{};                   ///< the engine's cache; seq_len(b) counts the step's token
   HeadsView<const T> k{};               ///< optional: the step's new K [batch, kv_heads, head_dim] to write first
   HeadsView<const T> v{};               ///< with k
   HeadsView<const T> k_pre_rope{};      ///< optional, for selectors that index pre-RoPE keys
