@@ -85,7 +85,7 @@ inline std::size_t sparse_decode_workspace_bytes(std::int32_t batch, std::int32_
 template <class T, class TO>
 void sparse_decode(const QueryView<const T>& q, const KVCache<const T>& cache, const SelectionView& selection,
                    const StateView<TO>& out, const AttentionOptions& attention, bool validate_indices,
-                   std::span<std::byte> workspace, const Context& ctx) {
+                   bool /*programmatic_launch*/, std::span<std::byte> workspace, const Context& ctx) {
   const DecodeOptions options{.attention = attention, .validate_indices = validate_indices};
   cache.visit([&](const auto& kv) { cpu::sparse_decode(q, kv, selection, out, options, ctx.pool, workspace); });
 }

@@ -92,8 +92,9 @@ inline std::size_t sparse_decode_workspace_bytes(std::int32_t max_batch, std::in
 template <class T, class TO>
 void sparse_decode(const QueryView<const T>& q, const KVCache<const T>& cache, const SelectionView& selection,
                    const StateView<TO>& out, const AttentionOptions& attention, bool validate_indices,
-                   std::span<std::byte> workspace, const Context& ctx) {
-  const DecodeOptions options{.attention = attention, .validate_indices = validate_indices};
+                   bool programmatic_launch, std::span<std::byte> workspace, const Context& ctx) {
+  const DecodeOptions options{
+      .attention = attention, .validate_indices = validate_indices, .programmatic_launch = programmatic_launch};
   cache.visit([&](const auto& kv) { cuda::sparse_decode(q, kv, selection, out, workspace, ctx.stream, options); });
 }
 

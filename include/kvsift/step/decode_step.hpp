@@ -48,6 +48,9 @@ struct DecodeStepConfig {
   /// Check each selection (counts, range, duplicates, window) before attending and throw naming the first bad
   /// entry; on CUDA this synchronizes the stream and cannot be captured in a graph.
   bool validate_indices = false;
+  /// CUDA: launch the attention as a programmatic dependent of the selector's last kernel (PDL, sm_90;
+  /// cuda::DecodeOptions::programmatic_launch). Ignored on the CPU.
+  bool programmatic_launch = true;
 };
 
 template <class T>
@@ -110,7 +113,8 @@ class DecodeStep {
     selector_.select({.q = in.q, .cache = cache, .slots = in.slots, .lengths = b.lengths,
                       .attention = config_.attention, .layer = in.layer},
                      selection, b.select, ctx);
-    sparse_decode(in.q, cache, selection, out, config_.attention, config_.validate_indices, b.decode, ctx);
+    sparse_decode(in.q, cache, selection, out, config_.attention, config_.validate_indices,
+                  config_.programmatic_launch, b.decode, ctx);
   }
 
   /// The selection of the last run() over this workspace, rows of `batch` (the run's batch).

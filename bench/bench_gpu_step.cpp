@@ -1,0 +1,253 @@
+// The decode step (step/decode_step.hpp) of the reference selectors on the GPU, per layer, in the issue's
+// shape: q_heads 32, kv_heads 8, head_dim 128, bf16, every sequence N tokens long, a selection of 2048 middle
+// tokens plus the window 4 + 64. BM_Step times DecodeStep::run (the selector's append and select, then sparse
+// attention over window and selection) as a CUDA graph replay and eagerly (time_calls), with PDL on and off;
+// BM_StepStage times each of its kernels alone, in the same way, so the stages add up to the step. Dense
+// decode and cuDNN SDPA on the same shapes are BM_DenseDecode and bench/sdpa_baseline.py.
+//
+// Inputs rotate over `layers` independent caches (each with its own selector), as consecutive layers of a
+// model do, so that what one call reads is not in L2 for the next: enough layers that the bytes a step reads
+// exceed 256 MB, as far as 40 GB of caches allow. Counters: layers, and GB/s of the bytes a step must read
+// (the selector's index or keys, and the selected and window K/V rows).
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu_bench.hpp"
+#include "kvsift/cuda/backend.hpp"
+#include "kvsift/selectors/oracle_topk.hpp"
+#include "kvsift/selectors/quest.hpp"
+#include "kvsift/step/decode_step.hpp"
+
+namespace {
+
+using kvsift::bfloat16;
+using namespace kvsift::bench;
+using Cuda = kvsift::cuda::Context;
+
+constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kBudget = 2048, kPageSize = 16;
+constexpr kvsift::AttentionWindow kWindow{4, 64};
+enum Method : int { kQuest = 0, kOracle = 1 };
+
+const char* method_name(int m) { return m == kQuest ? "Quest" : "OracleTopK"; }
+
+/// The bytes one step must read: the selector's index or keys, and the K/V rows it attends.
+double step_bytes(int method, std::int64_t n, int batch) {
+  const double rows = double(batch) * kKvHeads;
+  const double attended = rows * (kBudget + kWindow.sink + kWindow.recent) * kHeadDim * 2.0 * sizeof(bfloat16);
+  const double index = method == kQuest ? rows * double((n + kPageSize - 1) / kPageSize) * 2 * kHeadDim * sizeof(bfloat16)
+                                        : rows * double(n) * kHeadDim * sizeof(bfloat16);
+  return index + attended;
+}
+
+/// One layer: its cache, lengths, slots, and a prepared decode step of the method.
+template <class Selector>
+struct Layer {
+  std::int64_t n;
+  int batch;
+  Device<bfloat16> k, v;
+  Device<std::int32_t> lengths, slots;
+  kvsift::DecodeStep<Selector> step;
+
+  Layer(Selector selector, std::int64_t n_, int batch_, bool pdl, std::uint64_t seed)
+      : n(n_), batch(batch_), k(elements()), v(elements()), lengths(batch_), slots(batch_),
+        step(std::move(selector),
+             {.attention = {.window = kWindow}, .max_batch = batch_, .q_heads = kQHeads, .kv_heads = kKvHeads,
+              .head_dim = kHeadDim, .max_seq_len = std::int32_t(n_), .programmatic_launch = pdl},
+             Cuda{}) {
+    fill_random(k.ptr, elements(), seed);
+    fill_random(v.ptr, elements(), seed + 1);
+    std::vector<std::int32_t> host_lengths(batch, std::int32_t(n)), host_slots(batch);
+    for (int b = 0; b < batch; ++b) host_slots[b] = b;
+    KVSIFT_CUDA_CHECK(cudaMemcpy(lengths.ptr, host_lengths.data(), batch * 4, cudaMemcpyHostToDevice));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(slots.ptr, host_slots.data(), batch * 4, cudaMemcpyHostToDevice));
+    step.prepare({.cache = cache().as_const(), .slots = slots.ptr}, Cuda{});
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  std::size_t elements() const { return std::size_t(batch) * kKvHeads * std::size_t(n) * kHeadDim; }
+  kvsift::KVCache<bfloat16> cache() const {
+    return kvsift::ContiguousKVView<bfloat16>::packed(k.ptr, v.ptr, batch, kKvHeads, std::int32_t(n), kHeadDim,
+                                                      lengths.ptr);
+  }
+};
+
+int layers_for(int method, std::int64_t n, int batch) {
+  const double cache_bytes = 2.0 * batch * kKvHeads * double(n) * kHeadDim * sizeof(bfloat16);
+  const int wanted = int(std::ceil(double(std::size_t(256) << 20) / step_bytes(method, n, batch)));
+  const int fit = std::max(1, int(40e9 / cache_bytes));
+  return std::clamp(wanted, 1, fit);
+}
+
+kvsift::SelectorLimits limits(std::int64_t n, int batch) {
+  return {.max_slots = batch, .max_tokens = std::int32_t(n), .q_heads = kQHeads, .kv_heads = kKvHeads,
+          .head_dim = kHeadDim};
+}
+
+template <class Selector, class Make>
+void run_step_benchmark(benchmark::State& state, int method, Make make_selector) {
+  const std::int64_t n = state.range(1);
+  const int batch = int(state.range(2));
+  const bool pdl = state.range(3) != 0;
+  const int layers = layers_for(method, n, batch);
+  std::vector<std::unique_ptr<Layer<Selector>>> stack;
+  for (int l = 0; l < layers; ++l) {
+    stack.push_back(std::make_unique<Layer<Selector>>(make_selector(), n, batch, pdl, 17 * l + 1));
+  }
+  Device<bfloat16> q(std::size_t(batch) * kQHeads * kHeadDim), o(std::size_t(batch) * kQHeads * kHeadDim);
+  Device<float> lse(std::size_t(batch) * kQHeads);
+  fill_random(q.ptr, std::size_t(batch) * kQHeads * kHeadDim, 99);
+  Device<std::byte> workspace(stack.front()->step.workspace_bytes());
+  const auto qv = kvsift::QueryView<const bfloat16>::packed(q.ptr, batch, kQHeads, kHeadDim);
+  const auto out = kvsift::StateView<bfloat16>::packed(o.ptr, lse.ptr, batch, kQHeads, kHeadDim);
+  time_calls(state, [&](int i, cudaStream_t stream) {
+    auto& layer = *stack[std::size_t(i) % stack.size()];
+    layer.step.run({.q = qv, .cache = layer.cache(), .slots = layer.slots.ptr}, out,
+                   {workspace.ptr, layer.step.workspace_bytes()}, Cuda{stream});
+  });
+  state.SetLabel(method_name(method));
+  state.counters["layers"] = layers;
+  state.counters["GB/s"] = benchmark::Counter(step_bytes(method, n, batch) * double(state.iterations()),
+                                              benchmark::Counter::kIsRate);
+}
+
+void BM_Step(benchmark::State& state) {
+  const std::int64_t n = state.range(1);
+  const int batch = int(state.range(2));
+  if (state.range(0) == kQuest) {
+    using Selector = kvsift::Quest<bfloat16, Cuda>;
+    run_step_benchmark<Selector>(state, kQuest, [&] {
+      return Selector(limits(n, batch), {.budget = kBudget, .page_size = kPageSize});
+    });
+  } else {
+    using Selector = kvsift::OracleTopK<bfloat16, Cuda>;
+    run_step_benchmark<Selector>(state, kOracle, [&] { return Selector(limits(n, batch), {.budget = kBudget}); });
+  }
+}
+BENCHMARK(BM_Step)
+    ->ArgsProduct({{kQuest, kOracle}, {32768, 131072}, {1, 8}, {0, 1}})
+    ->ArgNames({"method", "N", "batch", "pdl"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(0.2);
+
+/// The step's kernels one at a time, on the same shapes and data as BM_Step: Quest's append (page bounds of the
+/// new token), page scores, top-K of pages, page expansion; OracleTopK's group scores (softmax, max) and top-K
+/// of tokens; the sparse attention over window and selection that both end with. Inputs that a step reads
+/// cold (page bounds, keys, the selected K/V rows) rotate over layers as in BM_Step; what a step's previous
+/// kernel has just written (scores, selections) stays hot, as in the step.
+enum Stage : int { kAppend, kPageScores, kPageTopK, kExpand, kGroupScores, kTokenTopK, kAttend };
+const char* stage_name(int s) {
+  static const char* names[] = {"quest_append", "quest_page_scores", "quest_topk_pages", "quest_expand_pages",
+                                "oracle_group_scores", "oracle_topk_tokens", "sparse_attention"};
+  return names[s];
+}
+
+struct StageLayer {
+  std::int64_t n;
+  int batch;
+  Device<bfloat16> k, v, bounds;
+  Device<std::int32_t> lengths, slots;
+  StageLayer(std::int64_t n_, int batch_, std::uint64_t seed)
+      : n(n_), batch(batch_), k(elements()), v(elements()), bounds(bounds_elements()),
+        lengths(batch_), slots(batch_) {
+    fill_random(k.ptr, elements(), seed);
+    fill_random(v.ptr, elements(), seed + 1);
+    std::vector<std::int32_t> host_lengths(batch, std::int32_t(n)), host_slots(batch);
+    for (int b = 0; b < batch; ++b) host_slots[b] = b;
+    KVSIFT_CUDA_CHECK(cudaMemcpy(lengths.ptr, host_lengths.data(), batch * 4, cudaMemcpyHostToDevice));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(slots.ptr, host_slots.data(), batch * 4, cudaMemcpyHostToDevice));
+    kvsift::cuda::build_page_bounds(cache().contiguous, slots.ptr, bounds_view(), nullptr);
+  }
+  std::size_t elements() const { return std::size_t(batch) * kKvHeads * std::size_t(n) * kHeadDim; }
+  std::int32_t pages() const { return std::int32_t((n + kPageSize - 1) / kPageSize); }
+  std::size_t bounds_elements() const { return std::size_t(batch) * kKvHeads * std::size_t(pages()) * 2 * kHeadDim; }
+  kvsift::PageBoundsView<bfloat16> bounds_view_of(bfloat16* data) const {
+    return {data, batch, kKvHeads, pages(), kHeadDim, kPageSize};
+  }
+  kvsift::PageBoundsView<bfloat16> bounds_view() const { return bounds_view_of(bounds.ptr); }
+  kvsift::KVCache<const bfloat16> cache() const {
+    return kvsift::ContiguousKVView<const bfloat16>::packed(k.ptr, v.ptr, batch, kKvHeads, std::int32_t(n), kHeadDim,
+                                                            lengths.ptr);
+  }
+};
+
+void BM_StepStage(benchmark::State& state) {
+  const int stage = int(state.range(0));
+  const std::int64_t n = state.range(1);
+  const int batch = int(state.range(2));
+  const bool quest = stage <= kExpand;
+  const int layers = layers_for(quest ? kQuest : kOracle, n, batch);
+  std::vector<std::unique_ptr<StageLayer>> stack;
+  for (int l = 0; l < layers; ++l) stack.push_back(std::make_unique<StageLayer>(n, batch, 31 * l + 5));
+  const std::int64_t rows = std::int64_t(batch) * kKvHeads;
+  const std::int32_t pages = stack.front()->pages(), page_k = kBudget / kPageSize;
+  Device<bfloat16> q(std::size_t(batch) * kQHeads * kHeadDim), o(std::size_t(batch) * kQHeads * kHeadDim);
+  Device<float> lse(std::size_t(batch) * kQHeads), page_scores(std::size_t(rows) * pages), scores(std::size_t(rows) * n);
+  Device<std::int32_t> page_counts(batch), page_idx(std::size_t(rows) * page_k), page_picks(rows),
+      token_idx(std::size_t(rows) * kBudget), token_counts(rows);
+  fill_random(q.ptr, std::size_t(batch) * kQHeads * kHeadDim, 99);
+  const auto qv = kvsift::QueryView<const bfloat16>::packed(q.ptr, batch, kQHeads, kHeadDim);
+  const kvsift::SelectionView page_sel{page_idx.ptr, page_picks.ptr, nullptr, batch, kKvHeads, page_k};
+  const kvsift::SelectionView token_sel{token_idx.ptr, token_counts.ptr, nullptr, batch, kKvHeads, kBudget};
+  const kvsift::cpu::GroupScoreOptions softmax{.reduce = kvsift::cpu::GroupReduce::max, .softmax = true};
+  const std::size_t ws_bytes = std::max(
+      {kvsift::cuda::topk_rows_workspace_bytes(rows, std::int32_t(n), kBudget, {.window = kWindow}),
+       kvsift::cuda::topk_rows_workspace_bytes(rows, pages, page_k, {}),
+       kvsift::cuda::group_scores_workspace_bytes(batch, kQHeads, kKvHeads, std::int32_t(n), softmax),
+       kvsift::cuda::sparse_decode_workspace_bytes(
+           kvsift::cuda::SparseDecodeShape{batch, kQHeads, kKvHeads, kHeadDim, kBudget},
+           {.attention = {.window = kWindow}}),
+       std::size_t(256)});
+  Device<std::byte> ws(ws_bytes);
+  const std::span<std::byte> workspace(ws.ptr, ws_bytes);
+  const auto page_matrix = kvsift::MatrixView<float>::packed(page_scores.ptr, rows, pages);
+  const auto score_matrix = kvsift::MatrixView<float>::packed(scores.ptr, rows, std::int32_t(n));
+  const auto out = kvsift::StateView<bfloat16>::packed(o.ptr, lse.ptr, batch, kQHeads, kHeadDim);
+  const auto run_stage = [&](int which, const StageLayer& layer, cudaStream_t stream) {
+    switch (which) {
+      case kAppend:
+        kvsift::cuda::append_page_bounds(layer.cache().contiguous, layer.slots.ptr, layer.bounds_view(), stream);
+        break;
+      case kPageScores:
+        kvsift::cuda::page_scores(qv, layer.bounds_view().as_const(), layer.slots.ptr, layer.lengths.ptr, kWindow,
+                                  page_matrix, page_counts.ptr, stream);
+        break;
+      case kPageTopK:
+        kvsift::cuda::topk_rows(kvsift::MatrixView<const float>::packed(page_scores.ptr, rows, pages), page_counts.ptr, page_k, {}, page_sel, workspace, stream);
+        break;
+      case kExpand:
+        kvsift::cuda::expand_pages(page_sel, kPageSize, layer.lengths.ptr, kWindow, token_sel, stream);
+        break;
+      case kGroupScores:
+        layer.cache().visit([&](const auto& kv) { kvsift::cuda::group_scores(qv, kv, score_matrix, softmax, workspace, stream); });
+        break;
+      case kTokenTopK:
+        kvsift::cuda::topk_rows(kvsift::MatrixView<const float>::packed(scores.ptr, rows, std::int32_t(n)), layer.lengths.ptr, kBudget, {.window = kWindow}, token_sel, workspace,
+                                stream);
+        break;
+      case kAttend:
+        layer.cache().visit([&](const auto& kv) {
+          kvsift::cuda::sparse_decode(qv, kv, token_sel, out, workspace, stream, {.attention = {.window = kWindow}});
+        });
+        break;
+    }
+  };
+  // A real selection for the later stages: Quest's whole chain once.
+  for (int which : {kPageScores, kPageTopK, kExpand}) run_stage(which, *stack.front(), nullptr);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  time_calls(state, [&](int i, cudaStream_t stream) { run_stage(stage, *stack[std::size_t(i) % stack.size()], stream); });
+  state.SetLabel(stage_name(stage));
+  state.counters["layers"] = layers;
+}
+BENCHMARK(BM_StepStage)
+    ->ArgsProduct({{kAppend, kPageScores, kPageTopK, kExpand, kGroupScores, kTokenTopK, kAttend}, {32768, 131072}, {1, 8}})
+    ->ArgNames({"stage", "N", "batch"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(0.1);
+
+}  // namespace
