@@ -419,7 +419,9 @@ cudaError_t launch_group_scores(const GroupScoreParams<T, KV>& p, cudaStream_t s
     status = cudaGetLastError();
   });
   if (status != cudaSuccess || !p.softmax) return status;
-  group_softmax_kernel<T, KV><<<ctas, kGroupSoftmaxThreads, std::size_t(p.group) * sizeof(float), stream>>>(p);
+  // The heads' LSEs, in whole 16-byte words: the compiler may read s_lse with vector loads.
+  const std::size_t lse_bytes = (std::size_t(p.group) * sizeof(float) + 15) / 16 * 16;
+  group_softmax_kernel<T, KV><<<ctas, kGroupSoftmaxThreads, lse_bytes, stream>>>(p);
   return cudaGetLastError();
 }
 
