@@ -132,7 +132,7 @@ BENCHMARK(BM_Step)
     ->ArgNames({"method", "N", "batch", "pdl"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
-    ->MinTime(0.2);
+    ->MinTime(0.1);
 
 /// The step's kernels one at a time, on the same shapes and data as BM_Step: Quest's append (page bounds of the
 /// new token), page scores, top-K of pages, page expansion; OracleTopK's group scores (softmax, max) and top-K
