@@ -12,6 +12,7 @@ else eagerly ("eager": the median of event timings of back-to-back direct calls)
 "batch", "graph_us", "eager_us"} is the GEMM alone, timed both ways, so that report.py subtracts the one
 timed as the pair was."""
 import json
+import os
 import sys
 
 import torch
@@ -94,7 +95,10 @@ def main():
         except Exception as e:  # noqa: BLE001 - report it; the eager figure stands in
             result["graph_error"] = str(e).splitlines()[0][:200]
         print(json.dumps(result), flush=True)
-    for n in (8192, 32768, 131072):
+    # KVSIFT_SDPA_N and KVSIFT_SDPA_BACKENDS (comma-separated) narrow the run, e.g. to the decode step's table.
+    lengths = [int(x) for x in os.environ.get("KVSIFT_SDPA_N", "8192,32768,131072").split(",")]
+    backends = os.environ.get("KVSIFT_SDPA_BACKENDS", "flash,cudnn").split(",")
+    for n in lengths:
         for batch in (1, 8):
             kv_bytes = 2 * batch * KV_HEADS * n * D * 2
             copies = max(1, -(-L2_FLUSH // kv_bytes))
@@ -102,6 +106,8 @@ def main():
             ks = [torch.randn(batch, KV_HEADS, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
             vs = [torch.randn(batch, KV_HEADS, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                if name not in backends:
+                    continue
                 result = {"backend": name, "N": n, "batch": batch}
                 try:
                     with sdpa_kernel(backend):
