@@ -44,6 +44,14 @@ double step_bytes(int method, std::int64_t n, int batch) {
   return index + attended;
 }
 
+/// Every sequence n tokens long, batch row b in slot b.
+void upload_full_batch(std::int64_t n, int batch, std::int32_t* d_lengths, std::int32_t* d_slots) {
+  std::vector<std::int32_t> lengths(batch, std::int32_t(n)), slots(batch);
+  for (int b = 0; b < batch; ++b) slots[b] = b;
+  KVSIFT_CUDA_CHECK(cudaMemcpy(d_lengths, lengths.data(), batch * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+  KVSIFT_CUDA_CHECK(cudaMemcpy(d_slots, slots.data(), batch * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+}
+
 /// One layer: its cache, lengths, slots, and a prepared decode step of the method.
 template <class Selector>
 struct Layer {
@@ -61,10 +69,7 @@ struct Layer {
              Cuda{}) {
     fill_random(k.ptr, elements(), seed);
     fill_random(v.ptr, elements(), seed + 1);
-    std::vector<std::int32_t> host_lengths(batch, std::int32_t(n)), host_slots(batch);
-    for (int b = 0; b < batch; ++b) host_slots[b] = b;
-    KVSIFT_CUDA_CHECK(cudaMemcpy(lengths.ptr, host_lengths.data(), batch * 4, cudaMemcpyHostToDevice));
-    KVSIFT_CUDA_CHECK(cudaMemcpy(slots.ptr, host_slots.data(), batch * 4, cudaMemcpyHostToDevice));
+    upload_full_batch(n, batch, lengths.ptr, slots.ptr);
     step.prepare({.cache = cache().as_const(), .slots = slots.ptr}, Cuda{});
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   }
@@ -156,10 +161,7 @@ struct StageLayer {
         lengths(batch_), slots(batch_) {
     fill_random(k.ptr, elements(), seed);
     fill_random(v.ptr, elements(), seed + 1);
-    std::vector<std::int32_t> host_lengths(batch, std::int32_t(n)), host_slots(batch);
-    for (int b = 0; b < batch; ++b) host_slots[b] = b;
-    KVSIFT_CUDA_CHECK(cudaMemcpy(lengths.ptr, host_lengths.data(), batch * 4, cudaMemcpyHostToDevice));
-    KVSIFT_CUDA_CHECK(cudaMemcpy(slots.ptr, host_slots.data(), batch * 4, cudaMemcpyHostToDevice));
+    upload_full_batch(n, batch, lengths.ptr, slots.ptr);
     kvsift::cuda::build_page_bounds(cache().contiguous, slots.ptr, bounds_view(), nullptr);
   }
   std::size_t elements() const { return std::size_t(batch) * kKvHeads * std::size_t(n) * kHeadDim; }

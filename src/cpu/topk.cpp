@@ -4,21 +4,13 @@
 #include <algorithm>
 #include <numeric>
 
+#include "kvsift/core/detail/topk_rows_checks.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 
 namespace kvsift::cpu {
 namespace {
-
-void check_topk_rows_shape(const char* where, std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
-                           const TopKRowsOptions& options) {
-  KVSIFT_CHECK(score_rows > 0 && max_tokens > 0, where, "score_rows (= {}) and max_tokens (= {}) must be positive",
-               score_rows, max_tokens);
-  KVSIFT_CHECK(k > 0, where, "k (= {}) must be positive", k);
-  KVSIFT_CHECK(options.heads_per_row >= 1, where, "options.heads_per_row (= {}) must be >= 1", options.heads_per_row);
-  validate(options.window, where, "options.window");
-}
 
 /// Threads of topk_rows: each takes a contiguous run of selection rows and its own rank-key scratch.
 std::int64_t topk_slots(std::int64_t score_rows, std::int32_t heads_per_row, const ThreadPool* pool) {
@@ -81,7 +73,7 @@ void best_of_row(const float* scores, std::int32_t lo, std::int32_t hi, std::int
 
 std::size_t topk_rows_workspace_bytes(std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
                                       const TopKRowsOptions& options, const ThreadPool* pool) {
-  check_topk_rows_shape("cpu::topk_rows_workspace_bytes", score_rows, max_tokens, k, options);
+  kvsift::detail::check_topk_rows_shape("cpu::topk_rows_workspace_bytes", score_rows, max_tokens, k, options);
   WorkspaceLayout counting;
   layout_topk_rows(counting, topk_slots(score_rows, options.heads_per_row, pool), max_tokens, k, options.heads_per_row);
   return counting.bytes();
@@ -91,16 +83,8 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* length
                const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
                ThreadPool* pool) {
   constexpr const char* where = "cpu::topk_rows";
-  validate(scores, where, "scores");
-  check_topk_rows_shape(where, scores.rows, scores.cols, k, options);
-  KVSIFT_CHECK(lengths != nullptr, where, "lengths is a null pointer");
-  KVSIFT_CHECK(out.indices != nullptr && out.counts != nullptr, where, "out.indices and out.counts must be non-null");
+  kvsift::detail::check_topk_rows_call(where, scores, lengths, "lengths", k, options, out);
   const std::int32_t heads = options.heads_per_row;
-  KVSIFT_CHECK(out.batch > 0 && out.kv_heads > 0 && scores.rows == std::int64_t(out.batch) * out.kv_heads * heads, where,
-               "scores.rows (= {}) != out.batch * out.kv_heads * options.heads_per_row (= {} * {} * {})", scores.rows,
-               out.batch, out.kv_heads, heads);
-  KVSIFT_CHECK(std::int64_t(out.capacity) >= std::int64_t(heads) * k, where,
-               "out.capacity (= {}) < options.heads_per_row * k (= {} * {})", out.capacity, heads, k);
   for (std::int32_t b = 0; b < out.batch; ++b) {
     KVSIFT_CHECK(lengths[b] >= 0 && lengths[b] <= scores.cols, where, "lengths[{}] (= {}) is outside [0, scores.cols = {}]",
                  b, lengths[b], scores.cols);

@@ -1,6 +1,7 @@
 // CUDA cache operations of the decode step: checks (host compiler); kernels in kernels/cache_ops.cu.
 #include "kvsift/cuda/cache_ops.hpp"
 
+#include "kvsift/core/detail/cache_ops_checks.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -18,14 +19,7 @@ void sequence_lengths(const KVCache<const T>& cache, std::int32_t* d_lengths, cu
 template <class T>
 void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const HeadsView<const T>& v,
                    cudaStream_t stream) {
-  constexpr const char* where = "cuda::write_step_kv";
-  validate(k, where, "k");
-  validate(v, where, "v");
-  KVSIFT_CHECK(k.batch == cache.batch() && k.heads == cache.kv_heads() && k.head_dim == cache.head_dim() &&
-                   v.batch == k.batch && v.heads == k.heads && v.head_dim == k.head_dim,
-               where, "k [{}, {}, {}] and v [{}, {}, {}] must both be [batch = {}, kv_heads = {}, head_dim = {}]",
-               k.batch, k.heads, k.head_dim, v.batch, v.heads, v.head_dim, cache.batch(), cache.kv_heads(),
-               cache.head_dim());
+  kvsift::detail::check_step_kv("cuda::write_step_kv", cache, k, v);
   if (cache.batch() == 0) return;
   KVSIFT_CUDA_CHECK(detail::launch_write_step_kv(cache, k, v, stream));
 }

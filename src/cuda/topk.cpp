@@ -7,6 +7,7 @@
 #include <atomic>
 #include <climits>
 
+#include "kvsift/core/detail/topk_rows_checks.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -20,14 +21,11 @@ namespace {
 /// Grid x holds score rows * cluster CTAs (cluster <= 16).
 constexpr std::int64_t kMaxScoreRows = (std::int64_t(1) << 31) / 16;
 
+/// The shared checks, and the grid's limit on score rows.
 void check_topk_rows_shape(const char* where, std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
                            const TopKRowsOptions& options) {
-  KVSIFT_CHECK(score_rows > 0 && max_tokens > 0, where, "score_rows (= {}) and max_tokens (= {}) must be positive",
-               score_rows, max_tokens);
+  kvsift::detail::check_topk_rows_shape(where, score_rows, max_tokens, k, options);
   KVSIFT_CHECK(score_rows < kMaxScoreRows, where, "score_rows (= {}) must be below {}", score_rows, kMaxScoreRows);
-  KVSIFT_CHECK(k > 0, where, "k (= {}) must be positive", k);
-  KVSIFT_CHECK(options.heads_per_row >= 1, where, "options.heads_per_row (= {}) must be >= 1", options.heads_per_row);
-  validate(options.window, where, "options.window");
 }
 
 struct TopKRowsBuffers {
@@ -118,16 +116,9 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* d_leng
                const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
                cudaStream_t stream) {
   constexpr const char* where = "cuda::topk_rows";
-  validate(scores, where, "scores");
-  check_topk_rows_shape(where, scores.rows, scores.cols, k, options);
-  KVSIFT_CHECK(d_lengths != nullptr, where, "d_lengths is a null pointer");
-  KVSIFT_CHECK(out.indices != nullptr && out.counts != nullptr, where, "out.indices and out.counts must be non-null");
+  kvsift::detail::check_topk_rows_call(where, scores, d_lengths, "d_lengths", k, options, out);
+  KVSIFT_CHECK(scores.rows < kMaxScoreRows, where, "score_rows (= {}) must be below {}", scores.rows, kMaxScoreRows);
   const std::int32_t heads = options.heads_per_row;
-  KVSIFT_CHECK(out.batch > 0 && out.kv_heads > 0 && scores.rows == std::int64_t(out.batch) * out.kv_heads * heads, where,
-               "scores.rows (= {}) != out.batch * out.kv_heads * options.heads_per_row (= {} * {} * {})", scores.rows,
-               out.batch, out.kv_heads, heads);
-  KVSIFT_CHECK(std::int64_t(out.capacity) >= std::int64_t(heads) * k, where,
-               "out.capacity (= {}) < options.heads_per_row * k (= {} * {})", out.capacity, heads, k);
   WorkspaceLayout layout(workspace, where);
   const TopKRowsBuffers buffers = layout_topk_rows(layout, scores.rows, scores.cols, k, heads);
   const detail::TopKRowsParams params{.scores = scores,

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kvsift/core/detail/cache_ops_checks.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/kv_cache.hpp"
 #include "kvsift/core/validate.hpp"
@@ -24,13 +25,7 @@ void sequence_lengths(const KVCache<const T>& cache, std::int32_t* lengths) {
 template <class T>
 void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const HeadsView<const T>& v) {
   constexpr const char* where = "cpu::write_step_kv";
-  validate(k, where, "k");
-  validate(v, where, "v");
-  KVSIFT_CHECK(k.batch == cache.batch() && k.heads == cache.kv_heads() && k.head_dim == cache.head_dim() &&
-                   v.batch == k.batch && v.heads == k.heads && v.head_dim == k.head_dim,
-               where, "k [{}, {}, {}] and v [{}, {}, {}] must both be [batch = {}, kv_heads = {}, head_dim = {}]",
-               k.batch, k.heads, k.head_dim, v.batch, v.heads, v.head_dim, cache.batch(), cache.kv_heads(),
-               cache.head_dim());
+  kvsift::detail::check_step_kv(where, cache, k, v);
   for (std::int32_t b = 0; b < cache.batch(); ++b) {
     const std::int32_t t = cache.seq_len(b) - 1;
     KVSIFT_CHECK(t >= 0, where, "cache.seq_len({}) is 0: the cache has no position for the step's token", b);

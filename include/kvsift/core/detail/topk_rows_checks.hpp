@@ -1,0 +1,39 @@
+#pragma once
+/// The argument checks of topk_rows that the CPU and CUDA twins share (cpu/topk.hpp, cuda/topk.hpp): the same
+/// refusals with the same words on both backends. Values in the backend's memory (lengths, row_k) are checked
+/// by each backend where it can read them.
+
+#include <cstdint>
+
+#include "kvsift/core/error.hpp"
+#include "kvsift/core/ranking.hpp"
+#include "kvsift/core/validate.hpp"
+
+namespace kvsift::detail {
+
+inline void check_topk_rows_shape(const char* where, std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
+                                  const TopKRowsOptions& options) {
+  KVSIFT_CHECK(score_rows > 0 && max_tokens > 0, where, "score_rows (= {}) and max_tokens (= {}) must be positive",
+               score_rows, max_tokens);
+  KVSIFT_CHECK(k > 0, where, "k (= {}) must be positive", k);
+  KVSIFT_CHECK(options.heads_per_row >= 1, where, "options.heads_per_row (= {}) must be >= 1", options.heads_per_row);
+  validate(options.window, where, "options.window");
+}
+
+/// A topk_rows call: the scores, the shape, the lengths pointer (named `lengths_name`) and the output rows.
+inline void check_topk_rows_call(const char* where, const MatrixView<const float>& scores, const std::int32_t* lengths,
+                                 const char* lengths_name, std::int32_t k, const TopKRowsOptions& options,
+                                 const SelectionView& out) {
+  validate(scores, where, "scores");
+  check_topk_rows_shape(where, scores.rows, scores.cols, k, options);
+  KVSIFT_CHECK(lengths != nullptr, where, "{} is a null pointer", lengths_name);
+  KVSIFT_CHECK(out.indices != nullptr && out.counts != nullptr, where, "out.indices and out.counts must be non-null");
+  const std::int32_t heads = options.heads_per_row;
+  KVSIFT_CHECK(out.batch > 0 && out.kv_heads > 0 && scores.rows == std::int64_t(out.batch) * out.kv_heads * heads, where,
+               "scores.rows (= {}) != out.batch * out.kv_heads * options.heads_per_row (= {} * {} * {})", scores.rows,
+               out.batch, out.kv_heads, heads);
+  KVSIFT_CHECK(std::int64_t(out.capacity) >= std::int64_t(heads) * k, where,
+               "out.capacity (= {}) < options.heads_per_row * k (= {} * {})", out.capacity, heads, k);
+}
+
+}  // namespace kvsift::detail
