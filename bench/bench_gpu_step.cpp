@@ -141,13 +141,14 @@ BENCHMARK(BM_Step)
 
 /// The step's kernels one at a time, on the same shapes and data as BM_Step: Quest's append (page bounds of the
 /// new token), page scores, top-K of pages, page expansion; OracleTopK's group scores (softmax, max) and top-K
-/// of tokens; the sparse attention over window and selection that both end with. Inputs that a step reads
+/// of tokens; the sparse attention over window and selection that both end with; and Quest's prepare (the
+/// page bounds of every token, once per prefill; target <= 1 ms per layer at 128K). Inputs that a step reads
 /// cold (page bounds, keys, the selected K/V rows) rotate over layers as in BM_Step; what a step's previous
 /// kernel has just written (scores, selections) stays hot, as in the step.
-enum Stage : int { kAppend, kPageScores, kPageTopK, kExpand, kGroupScores, kTokenTopK, kAttend };
+enum Stage : int { kAppend, kPageScores, kPageTopK, kExpand, kGroupScores, kTokenTopK, kAttend, kPrepare };
 const char* stage_name(int s) {
   static const char* names[] = {"quest_append", "quest_page_scores", "quest_topk_pages", "quest_expand_pages",
-                                "oracle_group_scores", "oracle_topk_tokens", "sparse_attention"};
+                                "oracle_group_scores", "oracle_topk_tokens", "sparse_attention", "quest_prepare"};
   return names[s];
 }
 
@@ -181,7 +182,7 @@ void BM_StepStage(benchmark::State& state) {
   const int stage = int(state.range(0));
   const std::int64_t n = state.range(1);
   const int batch = int(state.range(2));
-  const bool quest = stage <= kExpand;
+  const bool quest = stage <= kExpand || stage == kPrepare;
   const int layers = layers_for(quest ? kQuest : kOracle, n, batch);
   std::vector<std::unique_ptr<StageLayer>> stack;
   for (int l = 0; l < layers; ++l) stack.push_back(std::make_unique<StageLayer>(n, batch, 31 * l + 5));
@@ -231,6 +232,9 @@ void BM_StepStage(benchmark::State& state) {
         kvsift::cuda::topk_rows(kvsift::MatrixView<const float>::packed(scores.ptr, rows, std::int32_t(n)), layer.lengths.ptr, kBudget, {.window = kWindow}, token_sel, workspace,
                                 stream);
         break;
+      case kPrepare:  // Quest's prefill: the page bounds of the whole sequence
+        kvsift::cuda::build_page_bounds(layer.cache().contiguous, layer.slots.ptr, layer.bounds_view(), stream);
+        break;
       case kAttend:
         layer.cache().visit([&](const auto& kv) {
           kvsift::cuda::sparse_decode(qv, kv, token_sel, out, workspace, stream, {.attention = {.window = kWindow}});
@@ -246,7 +250,8 @@ void BM_StepStage(benchmark::State& state) {
   state.counters["layers"] = layers;
 }
 BENCHMARK(BM_StepStage)
-    ->ArgsProduct({{kAppend, kPageScores, kPageTopK, kExpand, kGroupScores, kTokenTopK, kAttend}, {32768, 131072}, {1, 8}})
+    ->ArgsProduct({{kAppend, kPageScores, kPageTopK, kExpand, kGroupScores, kTokenTopK, kAttend, kPrepare},
+                   {32768, 131072}, {1, 8}})
     ->ArgNames({"stage", "N", "batch"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
