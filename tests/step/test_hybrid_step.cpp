@@ -1,0 +1,124 @@
+// The decode step's hybrid placement: a CPU selector over a pinned host cache, the window attended on the GPU,
+// the selection on the CPU, merged on the GPU. Against the CPU placement (DecodeStep) of the same selector on the
+// same data: the same selection bit for bit (the same CPU code), and an output that is the fp64 reference's
+// over window and selection; contiguous and paged host caches.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "cuda/gpu_test.hpp"
+#include "kvsift/cpu/backend.hpp"
+#include "kvsift/selectors/oracle_topk.hpp"
+#include "kvsift/selectors/quest.hpp"
+#include "kvsift/step/decode_step.hpp"
+#include "kvsift/step/hybrid_step.hpp"
+#include "selector_check.hpp"
+
+namespace kvsift::test {
+namespace {
+
+class HybridStep : public GpuTest {};
+
+/// Host memory registered as pinned for the lifetime of the object.
+template <class T>
+struct Pinned {
+  std::vector<T> data;
+  explicit Pinned(std::vector<T> values) : data(std::move(values)) {
+    KVSIFT_CUDA_CHECK(cudaHostRegister(data.data(), data.size() * sizeof(T), cudaHostRegisterDefault));
+  }
+  ~Pinned() { cudaHostUnregister(data.data()); }
+  Pinned(const Pinned&) = delete;
+};
+
+template <template <class, class> class Selector, class Config>
+void expect_hybrid_equals_cpu_placement(Random& rng, std::int32_t page_size, const Config& selector_config) {
+  using T = bfloat16;
+  const CaseSpec spec{.batch = 3, .q_heads = 8, .kv_heads = 2, .head_dim = 128, .tokens = 900, .k = 0,
+                      .page_size = page_size, .log_weights = false};
+  SCOPED_TRACE(describe(spec));
+  HostDecodeProblem<T> p(rng, spec);
+  std::vector<std::int32_t> slots(spec.batch);
+  std::iota(slots.begin(), slots.end(), 0);
+  const SelectorLimits limits{.max_slots = spec.batch, .max_tokens = spec.tokens, .q_heads = spec.q_heads,
+                              .kv_heads = spec.kv_heads, .head_dim = spec.head_dim};
+  const DecodeStepConfig config{.attention = {.window = {4, 64}}, .max_batch = spec.batch, .q_heads = spec.q_heads,
+                                .kv_heads = spec.kv_heads, .head_dim = spec.head_dim, .max_seq_len = spec.tokens};
+  const cpu::Context cpu{};
+  // The host cache, pinned: the problem's contiguous or paged arrays.
+  const Pinned<T> host_k(page_size == 0 ? p.k : p.k_pages), host_v(page_size == 0 ? p.v : p.v_pages);
+  const KVCache<const T> host_cache =
+      page_size == 0
+          ? KVCache<const T>(ContiguousKVView<const T>::packed(host_k.data.data(), host_v.data.data(), spec.batch,
+                                                                 spec.kv_heads, spec.tokens, spec.head_dim,
+                                                                 p.kv_values.seq_lens.data()))
+          : KVCache<const T>(p.paged(host_k.data.data(), host_v.data.data(), p.paged_values->indptr.data(),
+                                     p.paged_values->indices.data(), p.paged_values->last_len.data()));
+  // The device cache: every row (the decoder reads the window's only).
+  const DeviceBuffer<T> d_k(p.k), d_v(p.v), d_q(p.q);
+  const DeviceBuffer<std::int32_t> d_lengths(p.kv_values.seq_lens);
+  const KVCache<const T> device_cache = ContiguousKVView<const T>::packed(
+      d_k.data(), d_v.data(), spec.batch, spec.kv_heads, spec.tokens, spec.head_dim, d_lengths.data());
+
+  // The CPU placement: the expected selection.
+  DecodeStep cpu_step(Selector<T, cpu::Context>(limits, selector_config), config, cpu);
+  cpu_step.prepare({.cache = host_cache, .slots = slots.data()}, cpu);
+  cpu::Array<std::byte> workspace(cpu_step.workspace_bytes());
+  std::vector<T> o_cpu(std::size_t(spec.batch) * spec.q_heads * spec.head_dim);
+  std::vector<float> lse_cpu(std::size_t(spec.batch) * spec.q_heads);
+  std::vector<T> k_copy = page_size == 0 ? p.k : p.k_pages, v_copy = page_size == 0 ? p.v : p.v_pages;
+  const KVCache<T> mutable_host =
+      page_size == 0
+          ? KVCache<T>(ContiguousKVView<T>::packed(k_copy.data(), v_copy.data(), spec.batch, spec.kv_heads, spec.tokens,
+                                                   spec.head_dim, p.kv_values.seq_lens.data()))
+          : [&] {
+              auto v = p.paged(k_copy.data(), v_copy.data(), p.paged_values->indptr.data(), p.paged_values->indices.data(),
+                               p.paged_values->last_len.data());
+              return KVCache<T>(PagedKVView<T>{k_copy.data(), v_copy.data(), v.page_indptr, v.page_indices, v.last_page_len,
+                                               v.batch, v.kv_heads, v.head_dim, v.page_size, v.num_pages, v.page_stride,
+                                               v.token_stride, v.head_stride});
+            }();
+  cpu_step.run(StepInputs<T>{.q = p.q_view(), .cache = mutable_host, .slots = slots.data()},
+               StateView<T>::packed(o_cpu.data(), lse_cpu.data(), spec.batch, spec.q_heads, spec.head_dim),
+               workspace.bytes(), cpu);
+  const SelectionView want = cpu_step.selection(workspace.bytes(), spec.batch, cpu);
+
+  // The hybrid placement.
+  HybridDecodeStep hybrid(Selector<T, cpu::Context>(limits, selector_config), config, cpu);
+  hybrid.prepare({.cache = host_cache, .slots = slots.data()}, cpu);
+  DeviceBuffer<T> d_o(o_cpu.size());
+  DeviceBuffer<float> d_lse(lse_cpu.size());
+  d_o.poison();
+  d_lse.poison();
+  hybrid.run({.q_device = QueryView<const T>::packed(d_q.data(), spec.batch, spec.q_heads, spec.head_dim),
+              .q_host = p.q_view(), .device_cache = device_cache, .host_cache = host_cache, .slots = slots.data()},
+             StateView<T>::packed(d_o.data(), d_lse.data(), spec.batch, spec.q_heads, spec.head_dim), nullptr, cpu);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  const SelectionView got = hybrid.selection();
+  for (std::int32_t r = 0; r < spec.batch * spec.kv_heads; ++r) {
+    ASSERT_EQ(got.counts[r], want.counts[r]) << "row " << r;
+    for (std::int32_t i = 0; i < got.counts[r]; ++i) {
+      ASSERT_EQ(got.indices[std::size_t(r) * got.capacity + i], want.indices[std::size_t(r) * want.capacity + i])
+          << "row " << r << " entry " << i;
+    }
+  }
+  HostState ref(spec.batch, spec.q_heads, spec.head_dim);
+  reference::sparse_decode(p.q_view(), p.kv_values.view(), got, ref.view, config.attention);
+  expect_close<T>(d_o.download(), d_lse.download(), ref, "hybrid step output");
+}
+
+TEST_F(HybridStep, QuestEqualsTheCpuPlacement) {
+  for (const std::int32_t page_size : {0, 16}) {
+    SCOPED_TRACE(fmt::format("seed {} page_size {}", seed, page_size));
+    expect_hybrid_equals_cpu_placement<Quest>(rng, page_size, QuestConfig{.budget = 256, .page_size = 16});
+  }
+}
+
+TEST_F(HybridStep, OracleTopKEqualsTheCpuPlacement) {
+  for (const std::int32_t page_size : {0, 16}) {
+    SCOPED_TRACE(fmt::format("seed {} page_size {}", seed, page_size));
+    expect_hybrid_equals_cpu_placement<OracleTopK>(rng, page_size, OracleTopKConfig{.budget = 128});
+  }
+}
+
+}  // namespace
+}  // namespace kvsift::test
