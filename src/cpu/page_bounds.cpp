@@ -15,6 +15,21 @@ namespace {
 /// Pages per work item of page_scores and build: enough to amortize the item, few enough to balance rows.
 constexpr std::int64_t kPagesPerItem = 256;
 
+/// sum_c q_c * (q_c >= 0 ? hi_c : lo_c) over n channels, in 16 interleaved partial sums (channel c adds to
+/// lane c % 16, the lanes then in order): a fixed order that the compiler can vectorize without fast-math.
+float bound_dot(const float* q, const float* lo, const float* hi, std::int32_t n) {
+  constexpr std::int32_t kLanes = 16;
+  float lanes[kLanes] = {};
+  std::int32_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    for (std::int32_t j = 0; j < kLanes; ++j) lanes[j] += q[c + j] * detail::bound_factor(q[c + j], lo[c + j], hi[c + j]);
+  }
+  for (std::int32_t j = 0; c < n; ++c, ++j) lanes[j] += q[c] * detail::bound_factor(q[c], lo[c], hi[c]);
+  float sum = 0.0f;
+  for (const float lane : lanes) sum += lane;
+  return sum;
+}
+
 /// Folds key row k into the bounds lo / hi (head_dim values each); `first` starts the page at k.
 template <class T>
 void fold_key(const T* k, T* lo, T* hi, std::int32_t head_dim, bool first) {
@@ -73,34 +88,53 @@ void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bou
   for (std::int32_t b = 0; b < q.batch; ++b) page_counts[b] = std::int32_t(detail::page_count(lengths[b], bounds.page_size));
   const std::int64_t chunks = detail::page_count(bounds.max_pages, std::int32_t(kPagesPerItem));
   parallel_for(pool, scores.rows * chunks, [&](std::int64_t begin, std::int64_t end) {
+    // Per item, everything in fp32 on the stack: the group's query channels (a tile of heads, a chunk of
+    // channels) converted once, each page's bounds converted once per chunk, so that the inner loop is
+    // conversion-free and vectorizes; per (page, head) the chunks' partial sums add up in channel order.
+    constexpr std::int32_t kHeadTile = 16, kChannels = 256;
+    float q_tile[kHeadTile][kChannels], lo_f[kChannels], hi_f[kChannels];
+    float sums[kPagesPerItem][kHeadTile], best[kPagesPerItem];
+    bool nan[kPagesPerItem];
     for (std::int64_t item = begin; item < end; ++item) {
       const std::int64_t row = item / chunks, b = row / kv_heads, g = row % kv_heads;
       const std::int32_t len = lengths[b];
       const std::int64_t first_page = item % chunks * kPagesPerItem;
       const std::int64_t last_page = std::min<std::int64_t>(first_page + kPagesPerItem, page_counts[b]);
+      const std::int64_t pages = std::max<std::int64_t>(0, last_page - first_page);
       float* out = scores.row(row);
-      for (std::int64_t p = first_page; p < last_page; ++p) {
+      std::fill_n(best, pages, -std::numeric_limits<float>::infinity());
+      std::fill_n(nan, pages, false);
+      for (std::int32_t h0 = 0; h0 < group; h0 += kHeadTile) {
+        const std::int32_t heads = std::min(kHeadTile, group - h0);
+        for (std::int64_t p = 0; p < pages; ++p) std::fill_n(sums[p], heads, 0.0f);
+        for (std::int32_t c0 = 0; c0 < d; c0 += kChannels) {
+          const std::int32_t channels = std::min(kChannels, d - c0);
+          for (std::int32_t h = 0; h < heads; ++h) {
+            const T* qh = q.row(b, std::int64_t(g) * group + h0 + h) + c0;
+            for (std::int32_t c = 0; c < channels; ++c) q_tile[h][c] = to_float(qh[c]);
+          }
+          for (std::int64_t i = 0; i < pages; ++i) {
+            const T* lo = bounds.lo(slots[b], g, first_page + i) + c0;
+            const T* hi = lo + d;
+            for (std::int32_t c = 0; c < channels; ++c) {
+              lo_f[c] = to_float(lo[c]);
+              hi_f[c] = to_float(hi[c]);
+              nan[i] |= detail::bound_is_nan(lo_f[c], hi_f[c]);
+            }
+            for (std::int32_t h = 0; h < heads; ++h) sums[i][h] += bound_dot(q_tile[h], lo_f, hi_f, channels);
+          }
+        }
+        for (std::int64_t i = 0; i < pages; ++i) {
+          for (std::int32_t h = 0; h < heads; ++h) best[i] = detail::max_keep_nan(best[i], sums[i][h]);
+        }
+      }
+      for (std::int64_t i = 0; i < pages; ++i) {
+        const std::int64_t p = first_page + i;
         std::int64_t middle_first = 0, middle_last = 0;
         detail::page_middle(p, bounds.page_size, len, window, &middle_first, &middle_last);
-        if (middle_first >= middle_last) {
-          out[p] = -std::numeric_limits<float>::infinity();
-          continue;
-        }
-        const T* lo = bounds.lo(slots[b], g, p);
-        const T* hi = lo + d;
-        bool nan = false;
-        for (std::int32_t c = 0; c < d; ++c) nan |= detail::bound_is_nan(to_float(lo[c]), to_float(hi[c]));
-        float best = -std::numeric_limits<float>::infinity();
-        for (std::int32_t h = std::int32_t(g) * group; h < (g + 1) * group; ++h) {
-          const T* qh = q.row(b, h);
-          float sum = 0.0f;
-          for (std::int32_t c = 0; c < d; ++c) {
-            const float qc = to_float(qh[c]);
-            sum += qc * detail::bound_factor(qc, to_float(lo[c]), to_float(hi[c]));
-          }
-          best = detail::max_keep_nan(best, sum);
-        }
-        out[p] = nan ? std::numeric_limits<float>::quiet_NaN() : best;
+        out[p] = middle_first >= middle_last ? -std::numeric_limits<float>::infinity()
+                 : nan[i]                    ? std::numeric_limits<float>::quiet_NaN()
+                                             : best[i];
       }
     }
   });
