@@ -178,7 +178,7 @@ class GpuTimer {
                             ctx);
     const auto cache = kvsift::ContiguousKVView<bfloat16>::packed(k_, v_, c_.batch, c_.kv_heads, c_.tokens, c_.head_dim,
                                                                    d_length);
-    step.prepare({.cache = kvsift::KVCache<bfloat16>(cache).as_const(), .slots = d_slot}, ctx);
+    step.prepare({.cache = cache, .slots = d_slot}, ctx);
     std::byte* ws = workspace(step.workspace_bytes());
     return median_us([&] {
       step.run(kvsift::StepInputs<bfloat16>{.q = query(), .cache = cache, .slots = d_slot}, out(),
@@ -325,11 +325,11 @@ int main(int argc, char** argv) {
                                 {.attention = {.window = window}, .max_batch = 1, .q_heads = c.q_heads,
                                  .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = tokens},
                                 cpu);
-        step.prepare({.cache = kvsift::KVCache<bfloat16>(cache).as_const(), .slots = &slot}, cpu);
+        step.prepare({.cache = cache, .slots = &slot}, cpu);
         kvsift::cpu::Array<std::byte> step_ws(step.workspace_bytes());
         const kvsift::StepInputs<bfloat16> in{.q = q, .cache = cache, .slots = &slot};
         r.step_ms = median_ms(3, [&] { step.run(in, out16, step_ws.bytes(), cpu); });
-        const kvsift::SelectionView sel = step.selection(step_ws.bytes(), 1, cpu);
+        const kvsift::SelectionView sel = step.selection(step_ws.bytes(), 1);
         const kvsift::cpu::DecodeOptions attend_options{.attention = {.window = window}};
         r.attend_ms = median_ms(5, [&] { kvsift::cpu::sparse_decode(q, kv, sel, out16, attend_options, &pool, ws.span()); });
 

@@ -94,23 +94,13 @@ double mean(const std::vector<double>& values) {
   return values.empty() ? 0.0 : sum / double(values.size());
 }
 
-/// A 256-byte aligned host workspace.
-struct Workspace {
-  explicit Workspace(std::size_t bytes) : blocks(bytes / WorkspaceLayout::kAlignment + 1) {}
-  struct alignas(WorkspaceLayout::kAlignment) Block {
-    std::byte bytes[WorkspaceLayout::kAlignment];
-  };
-  std::vector<Block> blocks;
-  std::span<std::byte> span() { return {reinterpret_cast<std::byte*>(blocks.data()), blocks.size() * sizeof(Block)}; }
-};
-
 using Step = DecodeStep<AnySelector<half, cpu::Context>>;
 
 /// One selector at one budget on one layer: its decode step (absent when refused) and its samples.
 struct Run {
   std::size_t budget_index = 0;
   std::optional<Step> step;
-  std::optional<Workspace> workspace;
+  std::optional<cpu::Array<std::byte>> workspace;
   std::string refused;
   std::vector<double> mass, error;  ///< per (evaluated position, query head)
   double id_recall = 0.0, selected = 0.0;  ///< sums over (evaluated position, kv head)
@@ -210,7 +200,7 @@ FidelityResult evaluate_fidelity(const Capture& capture, std::span<const Selecto
           continue;
         }
         run.workspace.emplace(run.step->workspace_bytes());
-        run.step->prepare({.cache = layer.cache(&length).as_const(), .slots = &slot}, ctx);
+        run.step->prepare({.cache = layer.cache(&length), .slots = &slot}, ctx);
       }
     }
     auto next_eval = result.positions.begin();
@@ -230,10 +220,10 @@ FidelityResult evaluate_fidelity(const Capture& capture, std::span<const Selecto
       for (Run& run : runs) {
         if (!run.step) continue;
         run.step->run(StepInputs<half>{.q = q, .cache = layer.cache(&length), .slots = &slot},
-                      StateView<float>::packed(o.data(), lse.data(), 1, qh, d), run.workspace->span(), ctx);
+                      StateView<float>::packed(o.data(), lse.data(), 1, qh, d), run.workspace->bytes(), ctx);
         if (!evaluated) continue;
         // The attended set: the window's tokens, then the selection.
-        const SelectionView selection = run.step->selection(run.workspace->span(), 1, ctx);
+        const SelectionView selection = run.step->selection(run.workspace->bytes(), 1);
         const AttentionWindow& window = run.step->config().attention.window;
         check_selection_contents(selection, kv, where, "selection", /*refuse_duplicates=*/true, window);
         SelectionBuffer attended(1, kvh, window.size(length) + std::max(1, selection.capacity), false);

@@ -38,7 +38,7 @@ template <class Selector, class Context>
 Outcome run_one_step(Selector selector, const DecodeStepConfig& config, const KVCache<half>& cache,
                      const QueryView<const half>& q, const std::int32_t* slot, const Context& ctx) {
   DecodeStep step(std::move(selector), config, ctx);
-  step.prepare({.cache = cache.as_const(), .slots = slot}, ctx);
+  step.prepare({.cache = cache, .slots = slot}, ctx);
   const std::size_t o_size = std::size_t(config.q_heads) * config.head_dim;
   Outcome r;
   r.o.resize(o_size);
@@ -47,7 +47,7 @@ Outcome run_one_step(Selector selector, const DecodeStepConfig& config, const KV
     cpu::Array<std::byte> workspace(step.workspace_bytes());
     step.run(StepInputs<half>{.q = q, .cache = cache, .slots = slot},
              StateView<half>::packed(r.o.data(), r.lse.data(), 1, config.q_heads, config.head_dim), workspace.bytes(), ctx);
-    const SelectionView sel = step.selection(workspace.bytes(), 1, ctx);
+    const SelectionView sel = step.selection(workspace.bytes(), 1);
     r.capacity = sel.capacity;
     r.indices.assign(sel.indices, sel.indices + std::size_t(config.kv_heads) * sel.capacity);
     r.counts.assign(sel.counts, sel.counts + config.kv_heads);
@@ -60,7 +60,7 @@ Outcome run_one_step(Selector selector, const DecodeStepConfig& config, const KV
     step.run(StepInputs<half>{.q = q, .cache = cache, .slots = slot},
              StateView<half>::packed(d_o.data(), d_lse.data(), 1, config.q_heads, config.head_dim),
              {workspace.data(), workspace.size()}, ctx);
-    const SelectionView sel = step.selection({workspace.data(), workspace.size()}, 1, ctx);
+    const SelectionView sel = step.selection({workspace.data(), workspace.size()}, 1);
     r.capacity = sel.capacity;
     r.indices.resize(std::size_t(config.kv_heads) * sel.capacity);
     r.counts.resize(std::size_t(config.kv_heads));

@@ -75,7 +75,7 @@ struct StepResult {
 template <class Step, class T>
 StepResult run_step(Step& step, DeviceFixture<T>& f, const cuda::Context& ctx) {
   const auto& c = f.p.spec;
-  step.prepare({.cache = f.cache().as_const(), .slots = f.d_slots.data()}, ctx);
+  step.prepare({.cache = f.cache(), .slots = f.d_slots.data()}, ctx);
   DeviceBuffer<std::byte> workspace(step.workspace_bytes());
   workspace.poison();
   DeviceBuffer<T> o(std::size_t(c.batch) * c.q_heads * c.head_dim);
@@ -86,7 +86,7 @@ StepResult run_step(Step& step, DeviceFixture<T>& f, const cuda::Context& ctx) {
            StateView<T>::packed(o.data(), lse.data(), c.batch, c.q_heads, c.head_dim),
            {workspace.data(), workspace.size()}, ctx);
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
-  const SelectionView d_sel = step.selection({workspace.data(), workspace.size()}, c.batch, ctx);
+  const SelectionView d_sel = step.selection({workspace.data(), workspace.size()}, c.batch);
   StepResult r;
   r.indices.resize(std::size_t(c.batch) * c.kv_heads * d_sel.capacity);
   r.counts.resize(std::size_t(c.batch) * c.kv_heads);
@@ -174,7 +174,7 @@ void expect_graph_replays_equal_eager(Random& rng, const Config& config) {
     KVSIFT_CUDA_CHECK(cudaMemcpyAsync(f.k.data(), k0.data(), k0.size() * sizeof(T), cudaMemcpyDeviceToDevice, stream));
     KVSIFT_CUDA_CHECK(cudaMemcpyAsync(f.v.data(), v0.data(), v0.size() * sizeof(T), cudaMemcpyDeviceToDevice, stream));
     KVSIFT_CUDA_CHECK(cudaMemcpyAsync(f.seq_lens.data(), d_prefill.data(), prefill.size() * 4, cudaMemcpyDeviceToDevice, stream));
-    step.prepare({.cache = f.cache().as_const(), .slots = f.d_slots.data()}, ctx);
+    step.prepare({.cache = f.cache(), .slots = f.d_slots.data()}, ctx);
     KVSIFT_CUDA_CHECK(cudaMemsetAsync(o.data(), 0xff, o.size() * sizeof(T), stream));
     KVSIFT_CUDA_CHECK(cudaMemsetAsync(lse.data(), 0xff, lse.size() * sizeof(float), stream));
     KVSIFT_CUDA_CHECK(cudaMemsetAsync(workspace.data(), 0xff, workspace.size(), stream));

@@ -19,20 +19,12 @@ namespace {
 
 constexpr AttentionWindow kWindow{4, 16};
 
-/// A 256-byte aligned host workspace of `bytes` bytes, poisoned.
-class HostWorkspace {
- public:
-  explicit HostWorkspace(std::size_t bytes) : storage_(bytes + WorkspaceLayout::kAlignment, std::byte{0xff}) {
-    void* base = storage_.data();
-    std::size_t space = storage_.size();
-    span_ = {static_cast<std::byte*>(std::align(WorkspaceLayout::kAlignment, bytes, base, space)), bytes};
-  }
-  std::span<std::byte> span() const { return span_; }
-
- private:
-  std::vector<std::byte> storage_;
-  std::span<std::byte> span_;
-};
+/// A workspace of `bytes` bytes, poisoned (its contents must not matter).
+cpu::Array<std::byte> poisoned_workspace(std::size_t bytes) {
+  cpu::Array<std::byte> workspace(bytes);
+  std::fill_n(workspace.data(), bytes, std::byte{0xff});
+  return workspace;
+}
 
 template <class T>
 class CpuSelectors : public SeededTest {};
@@ -75,7 +67,7 @@ struct HostSelectionCopy {
 /// One step of `step` on fixture f (after prepare); returns the selection, and checks the step's output against
 /// the reference attention over window and selection.
 template <class Step, class T>
-HostSelectionCopy run_step(Step& step, StepFixture<T>& f, const HostWorkspace& workspace, const cpu::Context& ctx,
+HostSelectionCopy run_step(Step& step, StepFixture<T>& f, cpu::Array<std::byte>& workspace, const cpu::Context& ctx,
                            const StepInputs<T>& extra = {}) {
   const auto& c = f.p.spec;
   HostState out(c.batch, c.q_heads, c.head_dim);
@@ -84,8 +76,8 @@ HostSelectionCopy run_step(Step& step, StepFixture<T>& f, const HostWorkspace& w
   in.q = f.p.q_view();
   in.cache = f.cache();
   in.slots = f.slots.data();
-  step.run(in, StateView<T>::packed(o.data(), out.lse.data(), c.batch, c.q_heads, c.head_dim), workspace.span(), ctx);
-  const SelectionView sel = step.selection(workspace.span(), c.batch, ctx);
+  step.run(in, StateView<T>::packed(o.data(), out.lse.data(), c.batch, c.q_heads, c.head_dim), workspace.bytes(), ctx);
+  const SelectionView sel = step.selection(workspace.bytes(), c.batch);
   HostState ref(c.batch, c.q_heads, c.head_dim);
   reference::sparse_decode(f.p.q_view(), f.p.kv_values.view(), sel, ref.view, step.config().attention);
   expect_close<T>(o, out.lse, ref, "step output");
@@ -105,8 +97,8 @@ TYPED_TEST(CpuSelectors, OracleTopKIsTheExactTopKOfTheMiddle) {
       const cpu::Context ctx{&pool};
       const std::int32_t budget = 32;
       DecodeStep step(OracleTopK<T, cpu::Context>(f.limits(), {.budget = budget}), f.config(kWindow), ctx);
-      step.prepare({.cache = f.cache().as_const(), .slots = f.slots.data()}, ctx);
-      const HostWorkspace workspace(step.workspace_bytes());
+      step.prepare({.cache = f.cache(), .slots = f.slots.data()}, ctx);
+      auto workspace = poisoned_workspace(step.workspace_bytes());
       const auto sel = run_step(step, f, workspace, ctx);
       expect_oracle_selection(f.p, sel.indices, sel.counts, budget, budget, kWindow, 1.0 / std::sqrt(64.0));
     }
@@ -123,8 +115,8 @@ TYPED_TEST(CpuSelectors, QuestTakesTheBestPagesWhole) {
     const cpu::Context ctx{};
     DecodeStep step(Quest<T, cpu::Context>(f.limits(), {.budget = 100, .page_size = 8}), f.config(kWindow), ctx);
     EXPECT_EQ(step.selector().capacity(), 96);  // 12 whole pages of 8
-    step.prepare({.cache = f.cache().as_const(), .slots = f.slots.data()}, ctx);
-    const HostWorkspace workspace(step.workspace_bytes());
+    step.prepare({.cache = f.cache(), .slots = f.slots.data()}, ctx);
+    auto workspace = poisoned_workspace(step.workspace_bytes());
     const auto sel = run_step(step, f, workspace, ctx);
     expect_quest_selection(f.p, sel.indices, sel.counts, 96, 12, 8, kWindow);
   }
@@ -141,8 +133,8 @@ TYPED_TEST(CpuSelectors, QuestFoldsEachStepsTokenIntoItsPage) {
   f.p.kv_values.seq_lens = {250, 263};  // the prefill; each step adds a token
   const cpu::Context ctx{};
   DecodeStep step(Quest<T, cpu::Context>(f.limits(), {.budget = 64, .page_size = 16}), f.config(kWindow), ctx);
-  step.prepare({.cache = f.cache().as_const(), .slots = f.slots.data()}, ctx);
-  const HostWorkspace workspace(step.workspace_bytes());
+  step.prepare({.cache = f.cache(), .slots = f.slots.data()}, ctx);
+  auto workspace = poisoned_workspace(step.workspace_bytes());
   for (int s = 0; s < 20; ++s) {
     SCOPED_TRACE(fmt::format("step {}", s));
     for (auto& len : f.p.kv_values.seq_lens) ++len;
@@ -180,10 +172,195 @@ TYPED_TEST(CpuSelectors, StreamingLLMAttendsTheWindowAlone) {
   StepFixture<T> f(this->rng, spec);
   const cpu::Context ctx{};
   DecodeStep step(StreamingLLM<T, cpu::Context>(f.limits()), f.config(kWindow), ctx);
-  step.prepare({.cache = f.cache().as_const(), .slots = f.slots.data()}, ctx);
-  const HostWorkspace workspace(step.workspace_bytes());
+  step.prepare({.cache = f.cache(), .slots = f.slots.data()}, ctx);
+  auto workspace = poisoned_workspace(step.workspace_bytes());
   const auto sel = run_step(step, f, workspace, ctx);
   for (const std::int32_t count : sel.counts) EXPECT_EQ(count, 0);
+}
+
+TYPED_TEST(CpuSelectors, EveryBatchUpToMaxBatchRunsOnTheWorkspacePlannedOnce) {
+  // Fewer rows split more on a pool (8 rows of 4 kv heads x 2 batch on 16 threads take 2 splits, 6 rows take 8):
+  // the plan covers every batch size, and each one's output is the reference's over window and selection.
+  using T = TypeParam;
+  cpu::ThreadPool pool(16);
+  const cpu::Context ctx{&pool};
+  const CaseSpec spec{.batch = 4, .q_heads = 4, .kv_heads = 2, .head_dim = 64, .tokens = 3000, .k = 0,
+                      .page_size = 0, .log_weights = false};
+  SCOPED_TRACE(describe(spec) + fmt::format(" seed {}", this->seed));
+  StepFixture<T> f(this->rng, spec);
+  DecodeStep step(OracleTopK<T, cpu::Context>(f.limits(), {.budget = 1024}), f.config(kWindow), ctx);
+  step.prepare({.cache = f.cache(), .slots = f.slots.data()}, ctx);
+  auto workspace = poisoned_workspace(step.workspace_bytes());
+  for (std::int32_t batch = 1; batch <= spec.batch; ++batch) {
+    SCOPED_TRACE(fmt::format("batch {}", batch));
+    // The first `batch` rows of the problem: views over the same arrays with a smaller batch.
+    KVCache<T> cache = f.cache();
+    cache.contiguous.batch = batch;
+    auto q = f.p.q_view();
+    q.batch = batch;
+    HostState out(batch, spec.q_heads, spec.head_dim);
+    std::vector<T> o(out.o.size(), from_float<T>(kPoison));
+    step.run(StepInputs<T>{.q = q, .cache = cache, .slots = f.slots.data()},
+             StateView<T>::packed(o.data(), out.lse.data(), batch, spec.q_heads, spec.head_dim), workspace.bytes(), ctx);
+    const SelectionView sel = step.selection(workspace.bytes(), batch);
+    HostState ref(batch, spec.q_heads, spec.head_dim);
+    auto kv = f.p.kv_values.view();
+    kv.batch = batch;
+    reference::sparse_decode(q, kv, sel, ref.view, step.config().attention);
+    expect_close<T>(o, out.lse, ref, "step output");
+  }
+  // A pool larger than the plan's is refused by name; a smaller one runs.
+  cpu::ThreadPool bigger(20);
+  HostState out(spec.batch, spec.q_heads, spec.head_dim);
+  std::vector<T> o(out.o.size());
+  const auto run_on = [&](cpu::ThreadPool* p) {
+    step.run(StepInputs<T>{.q = f.p.q_view(), .cache = f.cache(), .slots = f.slots.data()},
+             StateView<T>::packed(o.data(), out.lse.data(), spec.batch, spec.q_heads, spec.head_dim), workspace.bytes(),
+             cpu::Context{p});
+  };
+  expect_error([&] { run_on(&bigger); }, "the context has 20 threads, the step was planned for 16");
+  cpu::ThreadPool smaller(3);
+  run_on(&smaller);
+  run_on(nullptr);
+}
+
+TYPED_TEST(CpuSelectors, SequencesJoinAndLeaveTheirSlots) {
+  // Continuous batching: 4 slots; a step over the sequences in slots {2, 0, 3}, then one over slot 1 alone; slot
+  // 1 is released and prepared again for a new sequence, whose selection then follows its own keys.
+  using T = TypeParam;
+  const CaseSpec spec{.batch = 4, .q_heads = 4, .kv_heads = 2, .head_dim = 64, .tokens = 700, .k = 0,
+                      .page_size = 0, .log_weights = false};
+  SCOPED_TRACE(describe(spec) + fmt::format(" seed {}", this->seed));
+  const cpu::Context ctx{};
+  const QuestConfig config{.budget = 64, .page_size = 16};
+  const SelectorLimits limits{.max_slots = 4, .max_tokens = spec.tokens, .q_heads = spec.q_heads,
+                              .kv_heads = spec.kv_heads, .head_dim = spec.head_dim};
+  DecodeStep step(Quest<T, cpu::Context>(limits, config),
+                  {.attention = {.window = kWindow}, .max_batch = 4, .q_heads = spec.q_heads, .kv_heads = spec.kv_heads,
+                   .head_dim = spec.head_dim, .max_seq_len = spec.tokens},
+                  ctx);
+  auto workspace = poisoned_workspace(step.workspace_bytes());
+  // Each sequence is a one-row problem in its slot.
+  const auto one_row = [&](std::int32_t slot) {
+    auto problem = std::make_unique<StepFixture<T>>(this->rng, CaseSpec{.batch = 1, .q_heads = spec.q_heads,
+                                                                         .kv_heads = spec.kv_heads, .head_dim = spec.head_dim,
+                                                                         .tokens = spec.tokens, .k = 0, .page_size = 0,
+                                                                         .log_weights = false});
+    problem->slots = {slot};
+    step.prepare({.cache = problem->cache(), .slots = problem->slots.data()}, ctx);
+    return problem;
+  };
+  std::vector<std::unique_ptr<StepFixture<T>>> live;
+  for (const std::int32_t slot : {2, 0, 3, 1}) live.push_back(one_row(slot));
+  const auto step_and_check = [&](StepFixture<T>& seq) {
+    const auto sel = run_step(step, seq, workspace, ctx);
+    expect_quest_selection(seq.p, sel.indices, sel.counts, 64, 4, 16, kWindow);
+  };
+  for (auto& seq : live) step_and_check(*seq);
+  const std::vector<std::int32_t> leaving{1};
+  step.release(leaving);
+  live[3] = one_row(1);  // a new sequence in the freed slot: its own bounds, not the old sequence's
+  step_and_check(*live[3]);
+  step_and_check(*live[0]);  // the others are untouched
+}
+
+TEST(DecodeStepRefusals, BadConfigurationsAndInputs) {
+  using Oracle = OracleTopK<bfloat16, cpu::Context>;
+  const SelectorLimits limits{.max_slots = 2, .max_tokens = 64, .q_heads = 4, .kv_heads = 2, .head_dim = 64};
+  const DecodeStepConfig good{.max_batch = 2, .q_heads = 4, .kv_heads = 2, .head_dim = 64, .max_seq_len = 64};
+  auto bad = good;
+  bad.max_batch = 0;
+  expect_error([&] { DecodeStep(Oracle(limits, {.budget = 8}), bad, {}); }, "config.max_batch (= 0) must be positive");
+  bad = good;
+  bad.max_seq_len = 0;
+  expect_error([&] { DecodeStep(Oracle(limits, {.budget = 8}), bad, {}); }, "config.max_seq_len (= 0) must be positive");
+  bad = good;
+  bad.attention.window.recent = -2;
+  expect_error([&] { DecodeStep(Oracle(limits, {.budget = 8}), bad, {}); }, "config.attention.window");
+  bad = good;
+  bad.max_batch = 3;  // more rows than the selector has slots
+  expect_error([&] { DecodeStep(Oracle(limits, {.budget = 8}), bad, {}); }, "shape.batch (= 3) is outside [1, limits.max_slots = 2]");
+
+  DecodeStep step(Oracle(limits, {.budget = 8}), good, {});
+  std::vector<bfloat16> k(2 * 2 * 64 * 64, from_float<bfloat16>(0.25f)), q(3 * 4 * 64, from_float<bfloat16>(0.5f));
+  std::vector<std::int32_t> lens{64, 30}, slots{0, 1};
+  const KVCache<bfloat16> cache = ContiguousKVView<bfloat16>::packed(k.data(), k.data(), 2, 2, 64, 64, lens.data());
+  std::vector<bfloat16> o(3 * 4 * 64);
+  std::vector<float> lse(3 * 4);
+  const auto out = StateView<bfloat16>::packed(o.data(), lse.data(), 2, 4, 64);
+  auto workspace = poisoned_workspace(step.workspace_bytes());
+  const StepInputs<bfloat16> in{.q = QueryView<const bfloat16>::packed(q.data(), 2, 4, 64), .cache = cache,
+                                .slots = slots.data()};
+  step.run(in, out, workspace.bytes(), {});
+  auto wrong = in;
+  wrong.q.batch = 3;
+  expect_error([&] { step.run(wrong, out, workspace.bytes(), {}); }, "in.q.batch (= 3) is outside [1, config.max_batch = 2]");
+  wrong = in;
+  wrong.q.batch = 1;
+  expect_error([&] { step.run(wrong, out, workspace.bytes(), {}); }, "in.cache batch (= 2) != in.q.batch (= 1)");
+  wrong = in;
+  wrong.k = HeadsView<const bfloat16>::packed(k.data(), 2, 2, 64);
+  expect_error([&] { step.run(wrong, out, workspace.bytes(), {}); }, "in.k and in.v must be given together");
+  wrong.v = HeadsView<const bfloat16>::packed(k.data(), 2, 1, 64);
+  expect_error([&] { step.run(wrong, out, workspace.bytes(), {}); },
+               "k [2, 2, 64] and v [2, 1, 64] must both be [batch = 2, kv_heads = 2, head_dim = 64]");
+  expect_error([&] { step.run(in, out, workspace.bytes().first(step.workspace_bytes() - 256), {}); },
+               "workspace too small");
+  expect_error([&] { (void)step.selection(workspace.bytes(), 3); }, "batch (= 3) is outside [1, config.max_batch = 2]");
+}
+
+TEST(CpuCacheOps, LengthsTokenWriteAndEmptySelection) {
+  // Contiguous and paged: the step's token lands at position seq_len - 1 of each row and nowhere else; a row of
+  // length 0 is refused before anything is written.
+  test::Random rng(test_seed());
+  HostKV values(rng, 3, 2, 40, 16, {40, 17, 1});
+  for (const bool paged : {false, true}) {
+    SCOPED_TRACE(paged ? "paged" : "contiguous");
+    HostKV copy = values;
+    std::unique_ptr<HostPagedKV> pages;
+    KVCache<float> cache = ContiguousKVView<float>::packed(copy.k.data(), copy.v.data(), 3, 2, 40, 16, copy.seq_lens.data());
+    if (paged) {
+      pages = std::make_unique<HostPagedKV>(values, 8, false, rng);
+      const auto& v = pages->view;
+      cache = PagedKVView<float>{pages->k_pages.data(), pages->v_pages.data(), v.page_indptr, v.page_indices,
+                                 v.last_page_len, v.batch, v.kv_heads, v.head_dim, v.page_size, v.num_pages,
+                                 v.page_stride, v.token_stride, v.head_stride};
+    }
+    std::vector<std::int32_t> lengths(3, -1);
+    cpu::sequence_lengths(KVCache<const float>(cache), lengths.data());
+    EXPECT_EQ(lengths, (std::vector<std::int32_t>{40, 17, 1}));
+    const std::vector<float> new_k = rng.normal(3 * 2 * 16), new_v = rng.normal(3 * 2 * 16);
+    std::vector<float> before_k, after_k;
+    for (std::int32_t b = 0; b < 3; ++b)
+      for (std::int32_t h = 0; h < 2; ++h)
+        for (std::int32_t t = 0; t < lengths[b]; ++t) before_k.insert(before_k.end(), cache.k_row(b, h, t), cache.k_row(b, h, t) + 16);
+    cpu::write_step_kv(cache, HeadsView<const float>::packed(new_k.data(), 3, 2, 16),
+                       HeadsView<const float>::packed(new_v.data(), 3, 2, 16));
+    std::size_t i = 0;
+    for (std::int32_t b = 0; b < 3; ++b) {
+      for (std::int32_t h = 0; h < 2; ++h) {
+        for (std::int32_t t = 0; t < lengths[b]; ++t, i += 16) {
+          const float* want_k = t == lengths[b] - 1 ? new_k.data() + (b * 2 + h) * 16 : before_k.data() + i;
+          EXPECT_TRUE(std::equal(want_k, want_k + 16, cache.k_row(b, h, t))) << b << " " << h << " " << t;
+        }
+        const float* want_v = new_v.data() + (b * 2 + h) * 16;
+        EXPECT_TRUE(std::equal(want_v, want_v + 16, cache.v_row(b, h, lengths[b] - 1))) << b << " " << h;
+      }
+    }
+  }
+  // A row of length 0 has no position for the token: refused, and no row is written.
+  HostKV empty_row(rng, 2, 1, 8, 16, {5, 0});
+  const std::vector<float> before = empty_row.k;
+  const std::vector<float> k = rng.normal(2 * 16);
+  const KVCache<float> cache = ContiguousKVView<float>::packed(empty_row.k.data(), empty_row.v.data(), 2, 1, 8, 16,
+                                                               empty_row.seq_lens.data());
+  expect_error([&] { cpu::write_step_kv(cache, HeadsView<const float>::packed(k.data(), 2, 1, 16),
+                                        HeadsView<const float>::packed(k.data(), 2, 1, 16)); },
+               "cache.seq_len(1) is 0: the cache has no position for the step's token");
+  EXPECT_EQ(empty_row.k, before);
+  std::vector<std::int32_t> counts(6, 7);
+  cpu::clear_counts(SelectionView{nullptr, counts.data(), nullptr, 3, 2, 4});
+  EXPECT_EQ(counts, std::vector<std::int32_t>(6, 0));
 }
 
 TEST(CpuSelectorRefusals, BadConfigurationsAndInputs) {
@@ -220,26 +397,26 @@ TEST(CpuSelectorRefusals, BadConfigurationsAndInputs) {
   const SelectInputs<bfloat16> in{.q = QueryView<const bfloat16>::packed(q.data(), 2, 4, 64), .cache = cache,
                                   .slots = slots.data(), .lengths = lens.data()};
   const SelectionView out{indices.data(), counts.data(), nullptr, 2, 2, 8};
-  const HostWorkspace workspace(selector.select_workspace_bytes({2, 4, 2, 64, 64}, {}));
-  selector.select(in, out, workspace.span(), {});
+  auto workspace = poisoned_workspace(selector.select_workspace_bytes({2, 4, 2, 64, 64}, {}));
+  selector.select(in, out, workspace.bytes(), {});
   EXPECT_EQ(counts, (std::vector<std::int32_t>{8, 8, 8, 8}));
   const std::vector<std::int32_t> bad_slots{2, 0};
   auto wrong = in;
   wrong.slots = bad_slots.data();
-  expect_error([&] { selector.select(wrong, out, workspace.span(), {}); },
+  expect_error([&] { selector.select(wrong, out, workspace.bytes(), {}); },
                "slots[0] (= 2) is outside [0, limits.max_slots = 2)");
   wrong = in;
   wrong.q.heads = 2;
-  expect_error([&] { selector.select(wrong, out, workspace.span(), {}); },
+  expect_error([&] { selector.select(wrong, out, workspace.bytes(), {}); },
                "in.q [2, 2, 64] != [batch = 2, q_heads = 4, head_dim = 64]");
   wrong = in;
   wrong.attention.window.sink = -1;
-  expect_error([&] { selector.select(wrong, out, workspace.span(), {}); }, "in.attention.window.sink");
+  expect_error([&] { selector.select(wrong, out, workspace.bytes(), {}); }, "in.attention.window.sink");
   auto small = out;
   small.capacity = 7;
-  expect_error([&] { selector.select(in, small, workspace.span(), {}); },
+  expect_error([&] { selector.select(in, small, workspace.bytes(), {}); },
                "out.capacity (= 7) is smaller than the selector's capacity (= 8)");
-  expect_error([&] { selector.select(in, out, workspace.span().first(workspace.span().size() - 256), {}); },
+  expect_error([&] { selector.select(in, out, workspace.bytes().first(workspace.bytes().size() - 256), {}); },
                "workspace too small");
 }
 

@@ -80,7 +80,7 @@ void expect_hybrid_equals_cpu_placement(Random& rng, std::int32_t page_size, con
   cpu_step.run(StepInputs<T>{.q = p.q_view(), .cache = mutable_host, .slots = slots.data()},
                StateView<T>::packed(o_cpu.data(), lse_cpu.data(), spec.batch, spec.q_heads, spec.head_dim),
                workspace.bytes(), cpu);
-  const SelectionView want = cpu_step.selection(workspace.bytes(), spec.batch, cpu);
+  const SelectionView want = cpu_step.selection(workspace.bytes(), spec.batch);
 
   // The hybrid placement.
   HybridDecodeStep hybrid(Selector<T, cpu::Context>(limits, selector_config), config, cpu);

@@ -5,6 +5,7 @@
 /// type, not once per layout.
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "kvsift/core/config.hpp"
@@ -46,19 +47,47 @@ struct KVCache {
     return is_paged() ? std::forward<F>(f)(paged) : std::forward<F>(f)(contiguous);
   }
 
+  /// A writable cache converts to a read-only one (the step writes the token, the selectors read).
+  template <class U>
+    requires std::is_same_v<T, const U>
+  constexpr KVCache(const KVCache<U>& other)  // NOLINT: implicit, as T* converts to const T*
+      : layout(other.layout),
+        contiguous{.k = other.contiguous.k,
+                   .v = other.contiguous.v,
+                   .seq_lens = other.contiguous.seq_lens,
+                   .batch = other.contiguous.batch,
+                   .kv_heads = other.contiguous.kv_heads,
+                   .capacity = other.contiguous.capacity,
+                   .head_dim = other.contiguous.head_dim,
+                   .batch_stride = other.contiguous.batch_stride,
+                   .head_stride = other.contiguous.head_stride,
+                   .token_stride = other.contiguous.token_stride},
+        paged{.k_pages = other.paged.k_pages,
+              .v_pages = other.paged.v_pages,
+              .page_indptr = other.paged.page_indptr,
+              .page_indices = other.paged.page_indices,
+              .last_page_len = other.paged.last_page_len,
+              .batch = other.paged.batch,
+              .kv_heads = other.paged.kv_heads,
+              .head_dim = other.paged.head_dim,
+              .page_size = other.paged.page_size,
+              .num_pages = other.paged.num_pages,
+              .page_stride = other.paged.page_stride,
+              .token_stride = other.paged.token_stride,
+              .head_stride = other.paged.head_stride} {}
+  /// A writable view converts to a read-only cache directly.
+  template <class U>
+    requires std::is_same_v<T, const U>
+  constexpr KVCache(const ContiguousKVView<U>& view) : KVCache(KVCache<U>(view)) {}  // NOLINT
+  template <class U>
+    requires std::is_same_v<T, const U>
+  constexpr KVCache(const PagedKVView<U>& view) : KVCache(KVCache<U>(view)) {}  // NOLINT
+
   /// The same cache, read-only.
   constexpr KVCache<const T> as_const() const
     requires(!std::is_const_v<T>)
   {
-    KVCache<const T> c;
-    c.layout = layout;
-    c.contiguous = {contiguous.k,         contiguous.v,            contiguous.seq_lens,     contiguous.batch,
-                    contiguous.kv_heads,  contiguous.capacity,     contiguous.head_dim,     contiguous.batch_stride,
-                    contiguous.head_stride, contiguous.token_stride};
-    c.paged = {paged.k_pages,  paged.v_pages,  paged.page_indptr, paged.page_indices, paged.last_page_len,
-               paged.batch,    paged.kv_heads, paged.head_dim,    paged.page_size,    paged.num_pages,
-               paged.page_stride, paged.token_stride, paged.head_stride};
-    return c;
+    return KVCache<const T>(*this);
   }
 };
 

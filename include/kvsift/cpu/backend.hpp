@@ -22,6 +22,9 @@
 
 namespace kvsift::cpu {
 
+/// Threads whose scratch a workspace query sizes (a run on more is refused by the decode step).
+inline std::int32_t workspace_threads(const Context& ctx) { return ctx.pool != nullptr ? std::int32_t(ctx.pool->size()) : 1; }
+
 template <class T>
 void sequence_lengths(const KVCache<const T>& cache, std::int32_t* lengths, const Context&) {
   cpu::sequence_lengths(cache, lengths);
@@ -74,8 +77,8 @@ inline void expand_pages(const SelectionView& pages, std::int32_t page_size, con
   cpu::expand_pages(pages, page_size, lengths, window, out, ctx.pool);
 }
 
-/// Sparse decode of the window and the selection, O in the storage type or fp32 (TO); the workspace only
-/// depends on the pool and the largest batch.
+/// Sparse decode of the window and the selection, O in the storage type or fp32 (TO); the workspace depends on
+/// the batch and the pool's threads.
 inline std::size_t sparse_decode_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
                                                  std::int32_t head_dim, std::int32_t /*capacity*/,
                                                  std::int32_t /*max_seq_len*/, const AttentionOptions& /*attention*/,

@@ -21,14 +21,17 @@ void sequence_lengths(const KVCache<const T>& cache, std::int32_t* lengths) {
 
 /// Writes each batch row's step token, k and v [batch, kv_heads, head_dim], at position cache.seq_len(b) - 1:
 /// the cache's lengths already count the token (the engine grew them, or its page table). A row of length 0
-/// has no room and is refused.
+/// has no room and is refused, before any row is written.
 template <class T>
 void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const HeadsView<const T>& v) {
   constexpr const char* where = "cpu::write_step_kv";
   kvsift::detail::check_step_kv(where, cache, k, v);
+  for (std::int32_t b = 0; b < cache.batch(); ++b) {  // every row first: a refusal writes nothing
+    KVSIFT_CHECK(cache.seq_len(b) > 0, where, "cache.seq_len({}) is 0: the cache has no position for the step's token",
+                 b);
+  }
   for (std::int32_t b = 0; b < cache.batch(); ++b) {
     const std::int32_t t = cache.seq_len(b) - 1;
-    KVSIFT_CHECK(t >= 0, where, "cache.seq_len({}) is 0: the cache has no position for the step's token", b);
     for (std::int32_t h = 0; h < cache.kv_heads(); ++h) {
       std::copy_n(k.row(b, h), k.head_dim, cache.k_row(b, h, t));
       std::copy_n(v.row(b, h), v.head_dim, cache.v_row(b, h, t));

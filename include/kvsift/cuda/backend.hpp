@@ -22,6 +22,9 @@
 
 namespace kvsift::cuda {
 
+/// Threads whose scratch a workspace query sizes: none on the GPU (the device's SMs are fixed).
+inline std::int32_t workspace_threads(const Context&) { return 0; }
+
 template <class T>
 void sequence_lengths(const KVCache<const T>& cache, std::int32_t* lengths, const Context& ctx) {
   cuda::sequence_lengths(cache, lengths, ctx.stream);
@@ -75,19 +78,14 @@ inline void expand_pages(const SelectionView& pages, std::int32_t page_size, con
   cuda::expand_pages(pages, page_size, lengths, window, out, ctx.stream);
 }
 
-/// Sparse decode of the window and the selection, O in the storage type or fp32 (TO). The workspace query
-/// covers every batch size up to `max_batch` (fewer rows may split more: the largest need is taken).
-inline std::size_t sparse_decode_workspace_bytes(std::int32_t max_batch, std::int32_t q_heads, std::int32_t kv_heads,
+/// Sparse decode of the window and the selection, O in the storage type or fp32 (TO).
+inline std::size_t sparse_decode_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
                                                  std::int32_t head_dim, std::int32_t capacity,
                                                  std::int32_t /*max_seq_len*/, const AttentionOptions& attention,
                                                  bool validate_indices, const Context&) {
-  const DecodeOptions options{.attention = attention, .validate_indices = validate_indices};
-  std::size_t bytes = 0;
-  for (std::int32_t batch = 1; batch <= max_batch; ++batch) {
-    bytes = std::max(bytes, cuda::sparse_decode_workspace_bytes(
-                                SparseDecodeShape{batch, q_heads, kv_heads, head_dim, capacity}, options));
-  }
-  return bytes;
+  return cuda::sparse_decode_workspace_bytes(
+      SparseDecodeShape{batch, q_heads, kv_heads, head_dim, capacity},
+      DecodeOptions{.attention = attention, .validate_indices = validate_indices});
 }
 template <class T, class TO>
 void sparse_decode(const QueryView<const T>& q, const KVCache<const T>& cache, const SelectionView& selection,

@@ -14,13 +14,20 @@
 ///   3. selector.append (the index learns the new token), then selector.select (the middle tokens);
 ///   4. sparse attention over the window (config.attention.window, attended by the kernel in the same launch)
 ///      and the selection, into `out` (storage type, or fp32 for a partial to merge later).
-/// The selection stays in the workspace until the next run: selection(workspace) reads it (the fidelity
+/// The selection stays in the workspace until the next run: selection(workspace, batch) reads it (the fidelity
 /// harness scores it).
 ///
 /// Memory: the views in StepInputs and `out` are in the context's memory; the workspace, of workspace_bytes()
 /// bytes (256-byte aligned, contents irrelevant), holds lengths, the selection and the selector's and the
-/// decode's scratch, at offsets fixed at construction. run() allocates nothing and never synchronizes the host
-/// (except with config.validate_indices on CUDA, which checks the selection and throws on the host).
+/// decode's scratch, at offsets fixed at construction for every batch up to config.max_batch. run() allocates
+/// nothing, queries nothing and never synchronizes the host (except with config.validate_indices on CUDA,
+/// which checks the selection and throws on the host).
+///
+/// Trusted on the device (CUDA; checked on the CPU): the slots (in [0, the selector's max_slots)), every
+/// sequence's length (<= config.max_seq_len and the selector's max_tokens) and the cache's page tables. A
+/// primitive that meets a bad device value marks that selection row with count -1 (cuda/topk.hpp,
+/// cuda/page_bounds.hpp); config.validate_indices refuses it by name, without it that row's output is wrong
+/// (memory stays in bounds). Run with validate_indices while integrating.
 /// Thread safety: one step serves one thread at a time; it owns its selector.
 
 #include <algorithm>
@@ -72,14 +79,27 @@ class DecodeStep {
   using T = value_type;
   using Context = context_type;
 
+  /// Plans the step for every batch of 1 .. config.max_batch rows on `ctx` (a CPU pool's thread count sizes
+  /// per-thread scratch: run() refuses a larger pool). May allocate (the selector's own state).
   DecodeStep(S selector, const DecodeStepConfig& config, const Context& ctx)
-      : selector_(std::move(selector)), config_(config), capacity_(std::max(1, selector_.capacity())) {
+      : selector_(std::move(selector)), config_(config), capacity_(std::max(1, selector_.capacity())),
+        planned_threads_(workspace_threads(ctx)) {
     constexpr const char* where = "DecodeStep";
     KVSIFT_CHECK(config.max_batch > 0, where, "config.max_batch (= {}) must be positive", config.max_batch);
     KVSIFT_CHECK(config.max_seq_len > 0, where, "config.max_seq_len (= {}) must be positive", config.max_seq_len);
     validate(config.attention.window, where, "config.attention.window");
+    // Fewer rows may split more (a CPU pool's threads, a GPU's SMs): the largest need of any batch size.
+    for (std::int32_t batch = 1; batch <= config.max_batch; ++batch) {
+      const SelectShape shape{batch, config.q_heads, config.kv_heads, config.head_dim, config.max_seq_len};
+      scratch_.append = std::max(scratch_.append, selector_.append_workspace_bytes(shape, ctx));
+      scratch_.select = std::max(scratch_.select, selector_.select_workspace_bytes(shape, ctx));
+      scratch_.decode = std::max(scratch_.decode, sparse_decode_workspace_bytes(
+                                                      batch, config.q_heads, config.kv_heads, config.head_dim,
+                                                      capacity_, config.max_seq_len, config.attention,
+                                                      config.validate_indices, ctx));
+    }
     WorkspaceLayout counting;
-    layout(counting, ctx);
+    layout(counting);
     workspace_bytes_ = counting.bytes();
   }
 
@@ -90,6 +110,8 @@ class DecodeStep {
 
   /// Prefill of joining sequences: the selector's prepare (may allocate).
   void prepare(const PrefillInputs<T>& in, const Context& ctx) { selector_.prepare(in, ctx); }
+  /// Sequences leave: the selector's release.
+  void release(std::span<const std::int32_t> slots) { selector_.release(slots); }
 
   template <class TO>
   void run(const StepInputs<T>& in, const StateView<TO>& out, std::span<std::byte> workspace, const Context& ctx) {
@@ -98,13 +120,16 @@ class DecodeStep {
                  "in.q.batch (= {}) is outside [1, config.max_batch = {}]", in.q.batch, config_.max_batch);
     KVSIFT_CHECK(in.cache.batch() == in.q.batch, where, "in.cache batch (= {}) != in.q.batch (= {})",
                  in.cache.batch(), in.q.batch);
+    KVSIFT_CHECK(workspace_threads(ctx) <= planned_threads_, where,
+                 "the context has {} threads, the step was planned for {}: plan the step with the pool it runs on",
+                 workspace_threads(ctx), planned_threads_);
     WorkspaceLayout carving(workspace, where);
-    const Buffers b = layout(carving, ctx);
+    const Buffers b = layout(carving);
     if (in.k.data != nullptr || in.v.data != nullptr) {
       KVSIFT_CHECK(in.k.data != nullptr && in.v.data != nullptr, where, "in.k and in.v must be given together");
       write_step_kv(in.cache, in.k, in.v, ctx);
     }
-    const KVCache<const T> cache = in.cache.as_const();
+    const KVCache<const T> cache = in.cache;
     sequence_lengths(cache, b.lengths, ctx);
     const SelectionView selection = selection_view(b, in.q.batch);
     selector_.append({.cache = cache, .slots = in.slots, .lengths = b.lengths, .k_pre_rope = in.k_pre_rope,
@@ -117,13 +142,19 @@ class DecodeStep {
                   config_.programmatic_launch, b.decode, ctx);
   }
 
-  /// The selection of the last run() over this workspace, rows of `batch` (the run's batch).
-  SelectionView selection(std::span<std::byte> workspace, std::int32_t batch, const Context& ctx) const {
-    WorkspaceLayout carving(workspace, "DecodeStep::selection");
-    return selection_view(layout(carving, ctx), batch);
+  /// The selection of the last run() over this workspace, for that run's `batch` rows (context memory).
+  SelectionView selection(std::span<std::byte> workspace, std::int32_t batch) const {
+    constexpr const char* where = "DecodeStep::selection";
+    KVSIFT_CHECK(batch > 0 && batch <= config_.max_batch, where, "batch (= {}) is outside [1, config.max_batch = {}]",
+                 batch, config_.max_batch);
+    WorkspaceLayout carving(workspace, where);
+    return selection_view(layout(carving), batch);
   }
 
  private:
+  struct Scratch {
+    std::size_t append = 0, select = 0, decode = 0;
+  };
   struct Buffers {
     std::int32_t* lengths;
     std::int32_t* indices;
@@ -131,21 +162,16 @@ class DecodeStep {
     std::span<std::byte> append, select, decode;
   };
 
-  /// The one layout behind workspace_bytes() (counting) and run() (carving), for max_batch rows.
-  Buffers layout(WorkspaceLayout& layout, const Context& ctx) const {
-    const SelectShape shape{config_.max_batch, config_.q_heads, config_.kv_heads, config_.head_dim,
-                            config_.max_seq_len};
+  /// The one layout behind workspace_bytes() (counting) and run() (carving), sized at construction.
+  Buffers layout(WorkspaceLayout& layout) const {
     const std::size_t rows = std::size_t(config_.max_batch) * std::size_t(config_.kv_heads);
     Buffers b{};
     b.lengths = layout.allocate<std::int32_t>(std::size_t(config_.max_batch), "DecodeStep lengths");
     b.indices = layout.allocate<std::int32_t>(rows * std::size_t(capacity_), "DecodeStep selection indices");
     b.counts = layout.allocate<std::int32_t>(rows, "DecodeStep selection counts");
-    b.append = layout.span(selector_.append_workspace_bytes(shape, ctx), "DecodeStep selector append scratch");
-    b.select = layout.span(selector_.select_workspace_bytes(shape, ctx), "DecodeStep selector select scratch");
-    b.decode = layout.span(sparse_decode_workspace_bytes(config_.max_batch, config_.q_heads, config_.kv_heads,
-                                                         config_.head_dim, capacity_, config_.max_seq_len,
-                                                         config_.attention, config_.validate_indices, ctx),
-                           "DecodeStep decode scratch");
+    b.append = layout.span(scratch_.append, "DecodeStep selector append scratch");
+    b.select = layout.span(scratch_.select, "DecodeStep selector select scratch");
+    b.decode = layout.span(scratch_.decode, "DecodeStep decode scratch");
     return b;
   }
   SelectionView selection_view(const Buffers& b, std::int32_t batch) const {
@@ -155,6 +181,8 @@ class DecodeStep {
   S selector_;
   DecodeStepConfig config_;
   std::int32_t capacity_;
+  std::int32_t planned_threads_;
+  Scratch scratch_;
   std::size_t workspace_bytes_ = 0;
 };
 
