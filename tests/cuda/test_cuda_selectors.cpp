@@ -199,7 +199,37 @@ void expect_graph_replays_equal_eager(Random& rng, const Config& config) {
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   const auto eager_o = o.download();
   const auto eager_lse = lse.download();
-  for (const float x : eager_lse) ASSERT_TRUE(std::isfinite(x)) << "the eager run left an output unwritten";
+  {
+    // The eager run's last step is exact attention over the window and its selection, on the cache holding
+    // every step's token at its position (which the step wrote).
+    const SelectionView d_sel = step.selection({workspace.data(), workspace.size()}, spec.batch);
+    std::vector<std::int32_t> indices(std::size_t(spec.batch) * spec.kv_heads * d_sel.capacity), counts(std::size_t(spec.batch) * spec.kv_heads);
+    KVSIFT_CUDA_CHECK(cudaMemcpy(indices.data(), d_sel.indices, indices.size() * 4, cudaMemcpyDeviceToHost));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), d_sel.counts, counts.size() * 4, cudaMemcpyDeviceToHost));
+    HostKV final_kv = f.p.kv_values;
+    for (int s = 0; s < kSteps; ++s) {
+      for (std::int32_t b = 0; b < spec.batch; ++b) {
+        for (std::int32_t h = 0; h < spec.kv_heads; ++h) {
+          const std::size_t src = ((std::size_t(s) * spec.batch + b) * spec.kv_heads + h) * spec.head_dim;
+          const std::size_t dst = ((std::size_t(b) * spec.kv_heads + h) * spec.tokens + prefill[b] + s) * spec.head_dim;
+          for (std::int32_t i = 0; i < spec.head_dim; ++i) {
+            final_kv.k[dst + i] = to_float(new_k[src + i]);
+            final_kv.v[dst + i] = to_float(new_v[src + i]);
+          }
+        }
+      }
+    }
+    final_kv.seq_lens = {prefill[0] + kSteps, prefill[1] + kSteps};
+    const std::vector<T> last_q(queries.begin() + std::ptrdiff_t(kSteps - 1) * o_elems, queries.end());
+    HostState ref(spec.batch, spec.q_heads, spec.head_dim);
+    reference::sparse_decode(QueryView<const T>::packed(last_q.data(), spec.batch, spec.q_heads, spec.head_dim),
+                             final_kv.view(),
+                             SelectionView{indices.data(), counts.data(), nullptr, spec.batch, spec.kv_heads, d_sel.capacity},
+                             ref.view, step.config().attention);
+    const std::vector<T> last_o(eager_o.begin() + std::ptrdiff_t(kSteps - 1) * o_elems, eager_o.end());
+    const std::vector<float> last_lse(eager_lse.end() - std::ptrdiff_t(spec.batch) * spec.q_heads, eager_lse.end());
+    expect_close<T>(last_o, last_lse, ref, "the eager run's last step");
+  }
 
   reset();
   cudaGraph_t graph;

@@ -13,6 +13,8 @@
 
 namespace kvsift::cuda {
 
+// Instantiated in src/cuda/cache_ops.cpp for T = half, bfloat16 and float.
+
 template <class T>
 void sequence_lengths(const KVCache<const T>& cache, std::int32_t* d_lengths, cudaStream_t stream);
 
@@ -22,13 +24,5 @@ void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const H
 
 void clear_counts(const SelectionView& out, cudaStream_t stream);
 
-#define KVSIFT_DECLARE_CACHE_OPS(T)                                                                       \
-  extern template void sequence_lengths<T>(const KVCache<const T>&, std::int32_t*, cudaStream_t);         \
-  extern template void write_step_kv<T>(const KVCache<T>&, const HeadsView<const T>&, const HeadsView<const T>&, \
-                                        cudaStream_t);
-KVSIFT_DECLARE_CACHE_OPS(half)
-KVSIFT_DECLARE_CACHE_OPS(bfloat16)
-KVSIFT_DECLARE_CACHE_OPS(float)
-#undef KVSIFT_DECLARE_CACHE_OPS
 
 }  // namespace kvsift::cuda
