@@ -1,0 +1,84 @@
+#pragma once
+/// Inverted lists: per (slot, kv head), `lists` bounded lists of token ids with optional scores. CTKVR keeps one
+/// list per query centroid (the top-rho keys of that centroid, ids only) and recalls the union of the lists its
+/// query chose; CSAttention keeps one list per (subspace, centroid) with the keys' partial scores and sums the
+/// scores of the chosen lists per key (reduce by key). Backend-neutral: the view and the per-entry rules below
+/// are shared by cpu/inverted_lists.hpp and cuda/inverted_lists.hpp (the view does not say where its memory
+/// lives).
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "kvsift/attention/options.hpp"
+#include "kvsift/core/config.hpp"
+
+namespace kvsift {
+
+/// Lists of every (slot, kv head): ids [slots, kv_heads, lists, list_capacity] int32, scores (optional, same
+/// shape, T = float or half), counts [slots, kv_heads, lists] (list l holds entries [0, counts[l]), in no
+/// particular order), cursors (optional, [slots, kv_heads]: the list replace_list overwrites next, FIFO). All
+/// packed. A const T makes every array read-only (the reductions' input).
+template <class T>
+struct InvertedListsView {
+  using index_type = std::conditional_t<std::is_const_v<T>, const std::int32_t, std::int32_t>;
+
+  index_type* ids = nullptr;
+  T* scores = nullptr;           ///< nullptr: lists without scores (union and replace only)
+  index_type* counts = nullptr;
+  index_type* cursors = nullptr;  ///< nullptr: no FIFO state (replace_list refuses it)
+  std::int32_t slots = 0;
+  std::int32_t kv_heads = 0;
+  std::int32_t lists = 0;
+  std::int32_t list_capacity = 0;
+
+  /// Index of list l of (slot, h) in counts.
+  KVSIFT_HOST_DEVICE std::int64_t list_index(std::int64_t slot, std::int64_t h, std::int64_t l) const {
+    return (slot * kv_heads + h) * lists + l;
+  }
+  KVSIFT_HOST_DEVICE index_type* list_ids(std::int64_t slot, std::int64_t h, std::int64_t l) const {
+    return ids + list_index(slot, h, l) * list_capacity;
+  }
+  KVSIFT_HOST_DEVICE T* list_scores(std::int64_t slot, std::int64_t h, std::int64_t l) const {
+    return scores ? scores + list_index(slot, h, l) * list_capacity : nullptr;
+  }
+  KVSIFT_HOST_DEVICE index_type& count(std::int64_t slot, std::int64_t h, std::int64_t l) const {
+    return counts[list_index(slot, h, l)];
+  }
+
+  /// Entries of a shape (ids, and scores if any, each hold this many; counts hold slots * kv_heads * lists).
+  static constexpr std::size_t entries(std::int32_t slots, std::int32_t kv_heads, std::int32_t lists,
+                                       std::int32_t list_capacity) {
+    return std::size_t(slots) * std::size_t(kv_heads) * std::size_t(lists) * std::size_t(list_capacity);
+  }
+  constexpr InvertedListsView<const T> as_const() const
+    requires(!std::is_const_v<T>)
+  {
+    return {ids, scores, counts, cursors, slots, kv_heads, lists, list_capacity};
+  }
+};
+
+namespace detail {
+
+/// Key of a dropped or absent entry in the reductions' sort: above every token id (ids are < 2^31 - 1, since a
+/// length is at most 2^31 - 1), so it sorts last.
+inline constexpr std::int32_t kAbsentListEntry = 0x7fffffff;
+
+/// Whether a list entry is a candidate of a sequence of `length` tokens: inside [0, length) and outside the
+/// attention window (which sparse decode attends anyway).
+KVSIFT_HOST_DEVICE constexpr bool list_entry_kept(std::int32_t id, std::int32_t length, const AttentionWindow& window) {
+  return id >= window.sink_end(length) && id < window.recent_begin(length);
+}
+
+/// The bounded lists' order (core/ranking.hpp's rule): a is below b when its score is lower, NaN below every
+/// number, and on equal scores (or both NaN) when its id is larger (the newer token: ids are positions).
+KVSIFT_HOST_DEVICE constexpr bool list_entry_below(float score_a, std::int32_t id_a, float score_b, std::int32_t id_b) {
+  const bool nan_a = score_a != score_a, nan_b = score_b != score_b;
+  if (nan_a != nan_b) return nan_a;
+  if (!nan_a && score_a != score_b) return score_a < score_b;
+  return id_a > id_b;
+}
+
+}  // namespace detail
+
+}  // namespace kvsift

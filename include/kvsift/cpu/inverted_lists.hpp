@@ -1,0 +1,79 @@
+#pragma once
+/// Inverted lists on the CPU (core/inverted_lists.hpp): the union of the lists a query chose (CTKVR's recall),
+/// their scores reduced by key (CSAttention's gather-and-sum), and the two bounded-list updates (CSAttention's
+/// try-insert of the new key, CTKVR's FIFO replacement of one list). The twin of cuda/inverted_lists.hpp, with
+/// the same arguments but the pool and the same results, bit for bit (the sums too: both add in one fixed order).
+/// Host memory. No allocation; deterministic and independent of the thread count; reentrant with distinct
+/// outputs and workspaces. Every argument is checked, array contents included (slots, lengths, list ids, counts).
+/// T: float or half (the lists' score type; lists without scores may use either).
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "kvsift/attention/options.hpp"
+#include "kvsift/core/inverted_lists.hpp"
+#include "kvsift/core/views.hpp"
+#include "kvsift/cpu/thread_pool.hpp"
+
+namespace kvsift::cpu {
+
+/// Bytes of host workspace of union_lists and reduce_lists_by_key for `rows` selection rows (batch * kv_heads)
+/// choosing up to `chosen_capacity` lists of `list_capacity` entries: 8 * chosen_capacity * list_capacity bytes
+/// for each of min(rows, threads) threads. A run on a larger pool than the query's is refused.
+std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t list_capacity,
+                                           const ThreadPool* pool = nullptr);
+
+/// The union of the chosen lists (CTKVR's recall): for selection row (b, h), the lists chosen.row(b, h)[0,
+/// count) of slot slots[b], kv head h; out.row(b, h) receives every distinct id of their entries that lies in
+/// the middle of the sequence, [window.sink_end(len), window.recent_begin(len)) with len = lengths[b] (ids of
+/// the window, at or past the length, or negative are dropped), ascending, and out.counts its number. The union
+/// is written whole (a rerank follows): out.capacity >= chosen.capacity * lists.list_capacity bounds any row.
+/// A list chosen twice counts once. Log-weights, if out has them, 0 for the written entries; entries past the
+/// count are not written. Scores are not read.
+/// Shapes: chosen and out [batch, lists.kv_heads]; slots and lengths [batch]. Refused: a slot outside [0,
+/// lists.slots), a negative length, a chosen count outside [0, chosen.capacity], a list id outside [0,
+/// lists.lists), a chosen list's count outside [0, list_capacity], more than 2^31 - 1 entries in all.
+/// workspace: list_reduction_workspace_bytes(batch * kv_heads, chosen.capacity, lists.list_capacity, pool).
+template <class T>
+void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
+                 const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
+                 std::span<std::byte> workspace, ThreadPool* pool = nullptr);
+
+/// The chosen lists' scores summed per id (CSAttention's reduce by key): the same rows, ids and filter as
+/// union_lists, and sums.row(b * kv_heads + h)[i] = the fp32 sum of the scores of every kept entry with id
+/// out.row(b, h)[i], added in the order of the entries (chosen list by chosen list, then position in the list),
+/// starting from 0.0f. A list chosen twice counts twice. Candidates for a top-K over sparse (id, score) pairs.
+/// Log-weights, if out has them, are 0. Requires lists.scores; sums [batch * kv_heads, >= out.capacity]. Same
+/// refusals and workspace as union_lists.
+template <class T>
+void reduce_lists_by_key(const InvertedListsView<const T>& lists, const SelectionView& chosen,
+                         const std::int32_t* slots, const std::int32_t* lengths, const AttentionWindow& window,
+                         const SelectionView& out, const MatrixView<float>& sums, std::span<std::byte> workspace,
+                         ThreadPool* pool = nullptr);
+
+/// CSAttention's streaming update: batch row b's new key (token ids[b], usually lengths[b] - 1) tries into every
+/// list l of slot slots[b], kv head h, with score s = scores.row(b * kv_heads + h)[l] rounded to T. A list with
+/// room appends it (whatever s is). A full list finds its lowest entry by the lists' order (lower score first, NaN
+/// lowest, on ties the larger id: core/inverted_lists.hpp list_entry_below; among equal (score, id) the first
+/// position) and the new entry replaces it exactly when the lowest is below the new one; the new id is the
+/// largest, so a tie keeps the older entry, and a NaN score never enters a full list. The caller inserts each
+/// token once (a list is not searched for the id). Shapes: scores [batch * kv_heads, lists.lists]; slots, ids
+/// [batch]. Requires lists.scores. Refused: a slot outside [0, lists.slots) or repeated, a negative id, a list
+/// count outside [0, list_capacity]. Threads: (row, list) items on `pool`.
+template <class T>
+void try_insert_lists(const InvertedListsView<T>& lists, const std::int32_t* slots, const std::int32_t* ids,
+                      const MatrixView<const float>& scores, ThreadPool* pool = nullptr);
+
+/// CTKVR's FIFO update: for selection row (b, h) the list l = lists.cursors[slots[b] * kv_heads + h] of slot
+/// slots[b], kv head h, is overwritten by entries.row(b, h)[0, count) (and, when the lists keep scores, their
+/// scores.row(b * kv_heads + h), rounded to T), its count set, and the cursor advanced to (l + 1) % lists.lists;
+/// replaced[b * kv_heads + h] = l when replaced is given (the caller replaces the matching centroid). Entries are
+/// copied as they are (no filter, no order). Refused: a slot outside [0, lists.slots) or repeated, an entries count
+/// outside [0, entries.capacity], a cursor outside [0, lists.lists), entries.capacity > list_capacity, scores
+/// given exactly when the lists have none.
+template <class T>
+void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, const SelectionView& entries,
+                  const MatrixView<const float>& scores, std::int32_t* replaced, ThreadPool* pool = nullptr);
+
+}  // namespace kvsift::cpu

@@ -1,0 +1,57 @@
+#pragma once
+/// Params, buffers and launchers of the CUDA inverted lists (cuda/inverted_lists.hpp), for the host code in
+/// src/cuda/inverted_lists.cpp; kernels in kernels/inverted_lists.cu. Launchers return the launch status and never
+/// throw; every kernel reads the device values it depends on itself and follows cuda/inverted_lists.hpp's rules.
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvsift/attention/options.hpp"
+#include "kvsift/core/inverted_lists.hpp"
+#include "kvsift/core/views.hpp"
+
+namespace kvsift::cuda::detail {
+
+/// The reductions' scratch, carved from the caller's workspace (src/cuda/inverted_lists.cpp's one layout).
+struct ListReductionBuffers {
+  std::int32_t* keys_in = nullptr;   ///< [rows * segment]: the entries' ids, dropped ones kAbsentListEntry
+  std::int32_t* keys_out = nullptr;  ///< [rows * segment]: sorted per row
+  float* values_in = nullptr;        ///< [rows * segment] (reduce only): the entries' scores in fp32
+  float* values_out = nullptr;
+  std::int32_t* segment_begin = nullptr;  ///< [rows]
+  std::int32_t* segment_end = nullptr;    ///< [rows]
+  void* cub_temp = nullptr;
+  std::size_t cub_temp_bytes = 0;
+};
+
+template <class T>
+struct ListReductionParams {
+  InvertedListsView<const T> lists;
+  SelectionView chosen;
+  const std::int32_t* slots;
+  const std::int32_t* lengths;
+  AttentionWindow window;
+  SelectionView out;
+  MatrixView<float> sums;  ///< data == nullptr: the union
+  std::int64_t rows;       ///< chosen.batch * chosen.kv_heads
+  std::int32_t segment;    ///< chosen.capacity * lists.list_capacity
+};
+
+/// CUB's segmented-sort scratch for rows * segment entries, keys only or with fp32 values.
+cudaError_t list_reduction_cub_bytes(std::int64_t rows, std::int32_t segment, bool with_scores, std::size_t* bytes);
+
+template <class T>
+cudaError_t launch_list_reduction(const ListReductionParams<T>& params, const ListReductionBuffers& buffers,
+                                  cudaStream_t stream);
+template <class T>
+cudaError_t launch_try_insert_lists(const InvertedListsView<T>& lists, const std::int32_t* slots,
+                                    const std::int32_t* ids, const MatrixView<const float>& scores,
+                                    cudaStream_t stream);
+template <class T>
+cudaError_t launch_replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots,
+                                const SelectionView& entries, const MatrixView<const float>& scores,
+                                std::int32_t* replaced, cudaStream_t stream);
+
+}  // namespace kvsift::cuda::detail

@@ -1,0 +1,281 @@
+// CUDA inverted lists (cuda/inverted_lists.hpp). The reductions: the chosen lists' entries into one fixed segment
+// per row, CUB's stable segmented sort by id, then one CTA per row keeps the first of each run of equal ids (and
+// sums the run's scores in sorted order, which the stable sort makes the entries' order, as on the CPU). The
+// bounded-list updates: a warp per (row, list) for try-insert, a CTA per row for the FIFO replacement.
+#include <cub/block/block_scan.cuh>
+#include <cub/device/device_segmented_sort.cuh>
+
+#include "kvsift/cuda/detail/inverted_lists_launch.hpp"
+#include "kvsift/cuda/detail/primitives_kernels.cuh"
+#include "kvsift/cuda/dtype.cuh"
+
+namespace kvsift::cuda::detail {
+namespace {
+
+constexpr int kFillThreads = 256;
+constexpr int kCompactThreads = 256;
+constexpr int kCompactItems = 4;
+constexpr int kInsertThreads = 256;
+constexpr int kReplaceThreads = 128;
+
+using kvsift::detail::kAbsentListEntry;
+
+/// A reduction row is valid when its slot, length and chosen count are (cuda/inverted_lists.hpp); the count of its
+/// segment is then chosen count * list_capacity.
+template <class T>
+__device__ bool reduction_row_valid(const ListReductionParams<T>& p, std::int64_t row, std::int32_t* chosen_count) {
+  const std::int64_t b = row / p.chosen.kv_heads;
+  const std::int32_t slot = p.slots[b], count = p.chosen.counts[row];
+  *chosen_count = count;
+  return slot >= 0 && slot < p.lists.slots && p.lengths[b] >= 0 && count >= 0 && count <= p.chosen.capacity;
+}
+
+/// One thread per entry of every row's segment: entry k is position k % list_capacity of chosen list k /
+/// list_capacity. Entries past a row's end are neither written nor sorted.
+template <class T>
+__global__ void fill_list_entries(ListReductionParams<T> p, ListReductionBuffers buf) {
+  const std::int64_t total = p.rows * p.segment;
+  for (std::int64_t e = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; e < total;
+       e += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t row = e / p.segment;
+    const std::int32_t k = std::int32_t(e % p.segment);
+    std::int32_t chosen_count = 0;
+    const bool valid = reduction_row_valid(p, row, &chosen_count);
+    if (k == 0) {
+      buf.segment_begin[row] = std::int32_t(row * p.segment);
+      buf.segment_end[row] = std::int32_t(row * p.segment) + (valid ? chosen_count * p.lists.list_capacity : 0);
+    }
+    const std::int32_t i = k / p.lists.list_capacity, position = k % p.lists.list_capacity;
+    if (!valid || i >= chosen_count) continue;
+    const std::int64_t b = row / p.chosen.kv_heads, h = row % p.chosen.kv_heads;
+    const std::int32_t slot = p.slots[b], l = p.chosen.indices[row * p.chosen.capacity + i];
+    std::int32_t key = kAbsentListEntry;
+    float value = 0.0f;
+    if (l >= 0 && l < p.lists.lists) {
+      const std::int32_t list_count = p.lists.count(slot, h, l);
+      if (list_count >= 0 && list_count <= p.lists.list_capacity && position < list_count) {
+        const std::int32_t id = p.lists.list_ids(slot, h, l)[position];
+        if (kvsift::detail::list_entry_kept(id, p.lengths[b], p.window)) {
+          key = id;
+          if (buf.values_in != nullptr) value = to_float_device(p.lists.list_scores(slot, h, l)[position]);
+        }
+      }
+    }
+    buf.keys_in[e] = key;
+    if (buf.values_in != nullptr) buf.values_in[e] = value;
+  }
+}
+
+/// One CTA per row over its sorted segment: the first entry of each run of equal ids (absent entries sort last)
+/// is written at its rank among runs; with scores, that entry's thread adds the run's values in order.
+template <class T>
+__global__ void __launch_bounds__(kCompactThreads) compact_list_entries(ListReductionParams<T> p,
+                                                                         ListReductionBuffers buf) {
+  using BlockScan = cub::BlockScan<std::int32_t, kCompactThreads>;
+  __shared__ typename BlockScan::TempStorage scan;
+  const std::int64_t row = blockIdx.x;
+  std::int32_t chosen_count = 0;
+  if (!reduction_row_valid(p, row, &chosen_count)) {
+    if (threadIdx.x == 0) p.out.counts[row] = -1;
+    return;
+  }
+  const std::int32_t n = chosen_count * p.lists.list_capacity;
+  const std::int32_t* keys = buf.keys_out + row * p.segment;
+  const float* values = buf.values_out != nullptr ? buf.values_out + row * p.segment : nullptr;
+  std::int32_t* dst = p.out.indices + row * p.out.capacity;
+  float* weights = p.out.log_weights != nullptr ? p.out.log_weights + row * p.out.capacity : nullptr;
+  float* sums = p.sums.data != nullptr ? p.sums.row(row) : nullptr;
+  std::int32_t written = 0;
+  for (std::int32_t tile = 0; tile < n; tile += kCompactThreads * kCompactItems) {
+    const std::int32_t first = tile + std::int32_t(threadIdx.x) * kCompactItems;
+    std::int32_t key[kCompactItems];
+    bool head[kCompactItems];
+    std::int32_t heads = 0;
+#pragma unroll
+    for (int j = 0; j < kCompactItems; ++j) {
+      const std::int32_t i = first + j;
+      key[j] = i < n ? keys[i] : kAbsentListEntry;
+      head[j] = key[j] != kAbsentListEntry && (i == 0 || keys[i - 1] != key[j]);
+      heads += head[j];
+    }
+    std::int32_t position = 0, total = 0;
+    BlockScan(scan).ExclusiveSum(heads, position, total);
+#pragma unroll
+    for (int j = 0; j < kCompactItems; ++j) {
+      if (!head[j]) continue;
+      const std::int32_t at = written + position++;
+      dst[at] = key[j];
+      if (weights != nullptr) weights[at] = 0.0f;
+      if (sums != nullptr) {
+        float sum = 0.0f;
+        for (std::int32_t i = first + j; i < n && keys[i] == key[j]; ++i) sum += values[i];
+        sums[at] = sum;
+      }
+    }
+    written += total;
+    __syncthreads();  // the scan storage is reused by the next tile
+  }
+  if (threadIdx.x == 0) p.out.counts[row] = written;
+}
+
+/// The lower of two entries of a full list by the lists' order, the earlier position on equal (score, id): a
+/// total order, so a butterfly of these leaves every lane with the list's one lowest entry.
+struct LowestEntry {
+  float score;
+  std::int32_t id;
+  std::int32_t position;  ///< -1: none yet
+};
+__device__ LowestEntry lower_entry(const LowestEntry& a, const LowestEntry& b) {
+  if (a.position < 0) return b;
+  if (b.position < 0) return a;
+  if (kvsift::detail::list_entry_below(b.score, b.id, a.score, a.id)) return b;
+  if (kvsift::detail::list_entry_below(a.score, a.id, b.score, b.id)) return a;
+  return b.position < a.position ? b : a;
+}
+
+/// One warp per (row, list).
+template <class T>
+__global__ void __launch_bounds__(kInsertThreads) try_insert_kernel(InvertedListsView<T> lists,
+                                                                     const std::int32_t* slots,
+                                                                     const std::int32_t* ids,
+                                                                     MatrixView<const float> scores) {
+  const int lane = threadIdx.x % 32;
+  const std::int64_t warps = std::int64_t(gridDim.x) * (blockDim.x / 32);
+  const std::int64_t items = scores.rows * lists.lists;
+  for (std::int64_t item = (blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x) / 32; item < items; item += warps) {
+    const std::int64_t row = item / lists.lists, l = item % lists.lists;
+    const std::int64_t b = row / lists.kv_heads, h = row % lists.kv_heads;
+    const std::int32_t slot = slots[b], id = ids[b];
+    if (slot < 0 || slot >= lists.slots || id < 0) continue;  // uniform across the warp
+    std::int32_t& count = lists.count(slot, h, l);
+    const std::int32_t n = count;
+    if (n < 0 || n > lists.list_capacity) continue;
+    const T score = from_float_device<T>(scores.row(row)[l]);
+    std::int32_t* list_ids = lists.list_ids(slot, h, l);
+    T* list_scores = lists.list_scores(slot, h, l);
+    if (n < lists.list_capacity) {
+      if (lane == 0) {
+        list_ids[n] = id;
+        list_scores[n] = score;
+        count = n + 1;
+      }
+      continue;
+    }
+    LowestEntry lowest{0.0f, 0, -1};
+    for (std::int32_t position = lane; position < n; position += 32) {
+      lowest = lower_entry(lowest, {to_float_device(list_scores[position]), list_ids[position], position});
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const LowestEntry other{__shfl_xor_sync(0xffffffffu, lowest.score, offset),
+                              __shfl_xor_sync(0xffffffffu, lowest.id, offset),
+                              __shfl_xor_sync(0xffffffffu, lowest.position, offset)};
+      lowest = lower_entry(lowest, other);
+    }
+    if (lane == 0 && kvsift::detail::list_entry_below(lowest.score, lowest.id, to_float_device(score), id)) {
+      list_ids[lowest.position] = id;
+      list_scores[lowest.position] = score;
+    }
+  }
+}
+
+/// One CTA per row: every thread reads the cursor before thread 0 advances it (the barrier between).
+template <class T>
+__global__ void __launch_bounds__(kReplaceThreads) replace_list_kernel(InvertedListsView<T> lists,
+                                                                        const std::int32_t* slots,
+                                                                        SelectionView entries,
+                                                                        MatrixView<const float> scores,
+                                                                        std::int32_t* replaced) {
+  const std::int64_t row = blockIdx.x, b = row / entries.kv_heads, h = row % entries.kv_heads;
+  const std::int32_t slot = slots[b], count = entries.counts[row];
+  const bool slot_ok = slot >= 0 && slot < lists.slots;
+  const std::int32_t l = slot_ok ? lists.cursors[std::int64_t(slot) * lists.kv_heads + h] : -1;
+  if (!slot_ok || count < 0 || count > entries.capacity || l < 0 || l >= lists.lists) {
+    if (threadIdx.x == 0 && replaced != nullptr) replaced[row] = -1;
+    return;  // the whole CTA
+  }
+  __syncthreads();
+  const std::int32_t* src = entries.indices + row * entries.capacity;
+  std::int32_t* dst = lists.list_ids(slot, h, l);
+  T* dst_scores = lists.list_scores(slot, h, l);
+  for (std::int32_t i = threadIdx.x; i < count; i += kReplaceThreads) {
+    dst[i] = src[i];
+    if (dst_scores != nullptr) dst_scores[i] = from_float_device<T>(scores.row(row)[i]);
+  }
+  if (threadIdx.x == 0) {
+    lists.count(slot, h, l) = count;
+    lists.cursors[std::int64_t(slot) * lists.kv_heads + h] = (l + 1) % lists.lists;
+    if (replaced != nullptr) replaced[row] = l;
+  }
+}
+
+}  // namespace
+
+cudaError_t list_reduction_cub_bytes(std::int64_t rows, std::int32_t segment, bool with_scores, std::size_t* bytes) {
+  const std::int64_t items = rows * segment;
+  if (with_scores) {
+    return cub::DeviceSegmentedSort::StableSortPairs(
+        nullptr, *bytes, static_cast<const std::int32_t*>(nullptr), static_cast<std::int32_t*>(nullptr),
+        static_cast<const float*>(nullptr), static_cast<float*>(nullptr), items, rows,
+        static_cast<const std::int32_t*>(nullptr), static_cast<const std::int32_t*>(nullptr));
+  }
+  return cub::DeviceSegmentedSort::SortKeys(nullptr, *bytes, static_cast<const std::int32_t*>(nullptr),
+                                            static_cast<std::int32_t*>(nullptr), items, rows,
+                                            static_cast<const std::int32_t*>(nullptr),
+                                            static_cast<const std::int32_t*>(nullptr));
+}
+
+template <class T>
+cudaError_t launch_list_reduction(const ListReductionParams<T>& p, const ListReductionBuffers& buf,
+                                  cudaStream_t stream) {
+  const std::int64_t items = p.rows * p.segment;
+  fill_list_entries<T><<<grid_stride_blocks(items, kFillThreads), kFillThreads, 0, stream>>>(p, buf);
+  if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
+  std::size_t bytes = buf.cub_temp_bytes;
+  const cudaError_t sorted =
+      buf.values_in != nullptr
+          ? cub::DeviceSegmentedSort::StableSortPairs(buf.cub_temp, bytes, static_cast<const std::int32_t*>(buf.keys_in),
+                                                      buf.keys_out, static_cast<const float*>(buf.values_in),
+                                                      buf.values_out, items, p.rows,
+                                                      static_cast<const std::int32_t*>(buf.segment_begin),
+                                                      static_cast<const std::int32_t*>(buf.segment_end), stream)
+          : cub::DeviceSegmentedSort::SortKeys(buf.cub_temp, bytes, static_cast<const std::int32_t*>(buf.keys_in),
+                                               buf.keys_out, items, p.rows,
+                                               static_cast<const std::int32_t*>(buf.segment_begin),
+                                               static_cast<const std::int32_t*>(buf.segment_end), stream);
+  if (sorted != cudaSuccess) return sorted;
+  compact_list_entries<T><<<unsigned(p.rows), kCompactThreads, 0, stream>>>(p, buf);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_try_insert_lists(const InvertedListsView<T>& lists, const std::int32_t* slots,
+                                    const std::int32_t* ids, const MatrixView<const float>& scores,
+                                    cudaStream_t stream) {
+  const std::int64_t threads = scores.rows * lists.lists * 32;
+  try_insert_kernel<T><<<grid_stride_blocks(threads, kInsertThreads), kInsertThreads, 0, stream>>>(lists, slots, ids,
+                                                                                                   scores);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots,
+                                const SelectionView& entries, const MatrixView<const float>& scores,
+                                std::int32_t* replaced, cudaStream_t stream) {
+  replace_list_kernel<T><<<unsigned(std::int64_t(entries.batch) * entries.kv_heads), kReplaceThreads, 0, stream>>>(
+      lists, slots, entries, scores, replaced);
+  return cudaGetLastError();
+}
+
+#define KVSIFT_INSTANTIATE(T)                                                                                       \
+  template cudaError_t launch_list_reduction<T>(const ListReductionParams<T>&, const ListReductionBuffers&,          \
+                                                cudaStream_t);                                                      \
+  template cudaError_t launch_try_insert_lists<T>(const InvertedListsView<T>&, const std::int32_t*,                   \
+                                                  const std::int32_t*, const MatrixView<const float>&, cudaStream_t); \
+  template cudaError_t launch_replace_list<T>(const InvertedListsView<T>&, const std::int32_t*, const SelectionView&, \
+                                              const MatrixView<const float>&, std::int32_t*, cudaStream_t);
+KVSIFT_INSTANTIATE(float)
+KVSIFT_INSTANTIATE(half)
+#undef KVSIFT_INSTANTIATE
+
+}  // namespace kvsift::cuda::detail

@@ -1,0 +1,120 @@
+// Inverted lists on CUDA: the shape checks shared with the CPU (core/detail/inverted_lists_checks.hpp, device
+// contents unread), the reductions' one workspace layout, then the launchers of kernels/inverted_lists.cu.
+#include "kvsift/cuda/inverted_lists.hpp"
+
+#include <climits>
+
+#include "kvsift/core/detail/inverted_lists_checks.hpp"
+#include "kvsift/core/dtype.hpp"
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/cuda/check.hpp"
+#include "kvsift/cuda/detail/inverted_lists_launch.hpp"
+
+namespace kvsift::cuda {
+namespace {
+
+/// The single layout behind list_reduction_workspace_bytes and the carving of the reductions.
+detail::ListReductionBuffers layout_reduction(WorkspaceLayout& layout, std::int64_t rows, std::int32_t segment,
+                                              bool with_scores) {
+  const std::size_t items = checked_mul(std::size_t(rows), std::size_t(segment), "cuda list reduction workspace");
+  detail::ListReductionBuffers b;
+  b.keys_in = layout.allocate<std::int32_t>(items, "keys_in");
+  b.keys_out = layout.allocate<std::int32_t>(items, "keys_out");
+  if (with_scores) {
+    b.values_in = layout.allocate<float>(items, "values_in");
+    b.values_out = layout.allocate<float>(items, "values_out");
+  }
+  b.segment_begin = layout.allocate<std::int32_t>(std::size_t(rows), "segment_begin");
+  b.segment_end = layout.allocate<std::int32_t>(std::size_t(rows), "segment_end");
+  KVSIFT_CUDA_CHECK(detail::list_reduction_cub_bytes(rows, segment, with_scores, &b.cub_temp_bytes));
+  b.cub_temp = layout.allocate<std::byte>(b.cub_temp_bytes, "cub_temp");
+  return b;
+}
+
+template <class T>
+void reduce(const char* where, const InvertedListsView<const T>& lists, const SelectionView& chosen,
+            const std::int32_t* d_slots, const std::int32_t* d_lengths, const AttentionWindow& window,
+            const SelectionView& out, const MatrixView<float>* sums, std::span<std::byte> workspace,
+            cudaStream_t stream) {
+  kvsift::detail::check_list_reduction(where, lists, chosen, d_slots, d_lengths, window, out, sums,
+                                       MemorySpace::device);
+  KVSIFT_CHECK(std::int64_t(chosen.batch) * chosen.kv_heads <= INT32_MAX, where,
+               "chosen.batch * kv_heads (= {} * {}) exceeds 2^31 - 1 CTAs", chosen.batch, chosen.kv_heads);
+  const detail::ListReductionParams<T> params{.lists = lists,
+                                              .chosen = chosen,
+                                              .slots = d_slots,
+                                              .lengths = d_lengths,
+                                              .window = window,
+                                              .out = out,
+                                              .sums = sums != nullptr ? *sums : MatrixView<float>{},
+                                              .rows = std::int64_t(chosen.batch) * chosen.kv_heads,
+                                              .segment = chosen.capacity * lists.list_capacity};
+  WorkspaceLayout layout(workspace, where);
+  const detail::ListReductionBuffers buffers = layout_reduction(layout, params.rows, params.segment, sums != nullptr);
+  KVSIFT_CUDA_CHECK(detail::launch_list_reduction(params, buffers, stream));
+}
+
+}  // namespace
+
+std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t list_capacity,
+                                           bool with_scores) {
+  constexpr const char* where = "cuda::list_reduction_workspace_bytes";
+  KVSIFT_CHECK(rows > 0 && chosen_capacity > 0 && list_capacity > 0, where,
+               "rows (= {}), chosen_capacity (= {}) and list_capacity (= {}) must be positive", rows, chosen_capacity,
+               list_capacity);
+  KVSIFT_CHECK(rows * chosen_capacity * std::int64_t(list_capacity) <= INT32_MAX, where,
+               "rows * chosen_capacity * list_capacity (= {} * {} * {}) exceeds 2^31 - 1 entries", rows,
+               chosen_capacity, list_capacity);
+  WorkspaceLayout counting;
+  layout_reduction(counting, rows, chosen_capacity * list_capacity, with_scores);
+  return counting.bytes();
+}
+
+template <class T>
+void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* d_slots,
+                 const std::int32_t* d_lengths, const AttentionWindow& window, const SelectionView& out,
+                 std::span<std::byte> workspace, cudaStream_t stream) {
+  reduce("cuda::union_lists", lists, chosen, d_slots, d_lengths, window, out, nullptr, workspace, stream);
+}
+
+template <class T>
+void reduce_lists_by_key(const InvertedListsView<const T>& lists, const SelectionView& chosen,
+                         const std::int32_t* d_slots, const std::int32_t* d_lengths, const AttentionWindow& window,
+                         const SelectionView& out, const MatrixView<float>& sums, std::span<std::byte> workspace,
+                         cudaStream_t stream) {
+  reduce("cuda::reduce_lists_by_key", lists, chosen, d_slots, d_lengths, window, out, &sums, workspace, stream);
+}
+
+template <class T>
+void try_insert_lists(const InvertedListsView<T>& lists, const std::int32_t* d_slots, const std::int32_t* d_ids,
+                      const MatrixView<const float>& scores, cudaStream_t stream) {
+  kvsift::detail::check_try_insert("cuda::try_insert_lists", lists, d_slots, d_ids, scores, MemorySpace::device);
+  KVSIFT_CUDA_CHECK(detail::launch_try_insert_lists(lists, d_slots, d_ids, scores, stream));
+}
+
+template <class T>
+void replace_list(const InvertedListsView<T>& lists, const std::int32_t* d_slots, const SelectionView& entries,
+                  const MatrixView<const float>& scores, std::int32_t* d_replaced, cudaStream_t stream) {
+  constexpr const char* where = "cuda::replace_list";
+  kvsift::detail::check_replace_list(where, lists, d_slots, entries, scores, MemorySpace::device);
+  KVSIFT_CHECK(std::int64_t(entries.batch) * entries.kv_heads <= INT32_MAX, where,
+               "entries.batch * kv_heads (= {} * {}) exceeds 2^31 - 1 CTAs", entries.batch, entries.kv_heads);
+  KVSIFT_CUDA_CHECK(detail::launch_replace_list(lists, d_slots, entries, scores, d_replaced, stream));
+}
+
+#define KVSIFT_INSTANTIATE(T)                                                                                        \
+  template void union_lists<T>(const InvertedListsView<const T>&, const SelectionView&, const std::int32_t*,          \
+                               const std::int32_t*, const AttentionWindow&, const SelectionView&, std::span<std::byte>, \
+                               cudaStream_t);                                                                        \
+  template void reduce_lists_by_key<T>(const InvertedListsView<const T>&, const SelectionView&, const std::int32_t*,  \
+                                       const std::int32_t*, const AttentionWindow&, const SelectionView&,             \
+                                       const MatrixView<float>&, std::span<std::byte>, cudaStream_t);                \
+  template void try_insert_lists<T>(const InvertedListsView<T>&, const std::int32_t*, const std::int32_t*,            \
+                                    const MatrixView<const float>&, cudaStream_t);                                   \
+  template void replace_list<T>(const InvertedListsView<T>&, const std::int32_t*, const SelectionView&,               \
+                                const MatrixView<const float>&, std::int32_t*, cudaStream_t);
+KVSIFT_INSTANTIATE(float)
+KVSIFT_INSTANTIATE(half)
+#undef KVSIFT_INSTANTIATE
+
+}  // namespace kvsift::cuda

@@ -1,0 +1,254 @@
+// KV gathers on the CPU (cpu/gather.hpp) against references written here: gather_kv row by row from the source
+// cache's own row addresses; gather_kv_difference over several steps of overlapping selections against a
+// std::map token -> slot and a std::set of free slots (kept tokens keep their slots, new ones take the smallest
+// free slots in ascending token order), then every resident row checked against its token's K and V. Contiguous
+// and paged sources and destinations, ragged lengths, with and without a pool; every refusal has its message
+// checked.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <set>
+#include <vector>
+
+#include "kvsift/cpu/context.hpp"
+#include "kvsift/cpu/gather.hpp"
+#include "kvsift/cpu/thread_pool.hpp"
+#include "test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using test::Random;
+
+/// Distinct ascending tokens of [0, len), about `n` of them (fewer if len is short).
+std::vector<std::int32_t> random_tokens(Random& rng, std::int32_t len, std::int32_t n) {
+  std::vector<std::int32_t> all(len);
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end(), rng.engine);
+  all.resize(std::min(len, n));
+  std::sort(all.begin(), all.end());
+  return all;
+}
+
+bool same_row(const float* a, const float* b, std::int32_t d) { return std::equal(a, a + d, b); }
+
+void check_gather_kv(Random& rng, bool paged_src, bool paged_dst, cpu::ThreadPool* pool) {
+  SCOPED_TRACE(testing::Message() << (paged_src ? "paged" : "contiguous") << " src, "
+                                  << (paged_dst ? "paged" : "contiguous") << " dst");
+  const std::vector<std::int32_t> lens = {0, 9, 40, 33};
+  const std::int32_t kv_heads = 2, d = 16, capacity = 12;
+  test::HostKV src(rng, 4, kv_heads, 40, d, lens);
+  test::HostPagedKV src_paged(src, 8, true, rng);
+  test::HostKV dst(rng, 4, kv_heads, capacity, d);  // random contents: unwritten rows must keep them
+  test::HostPagedKV dst_paged(dst, 5, false, rng);
+  const auto dst_before = dst.k;
+  const auto dst_paged_before = dst_paged.k_pages;
+  test::HostSelection rows(4, kv_heads, capacity, false);
+  for (std::int32_t b = 0; b < 4; ++b) {
+    for (std::int32_t h = 0; h < kv_heads; ++h) {
+      const auto t = random_tokens(rng, lens[b], rng.uniform_int(0, capacity));
+      std::copy(t.begin(), t.end(), rows.view.row(b, h));
+      rows.counts[b * kv_heads + h] = std::int32_t(t.size());
+    }
+  }
+  const KVCache<const float> s = paged_src ? KVCache<const float>(src_paged.view) : KVCache<const float>(src.view());
+  PagedKVView<float> dp{dst_paged.k_pages.data(), dst_paged.v_pages.data(), dst_paged.indptr.data(),
+                        dst_paged.indices.data(), dst_paged.last_len.data(), 4, kv_heads, d,
+                        dst_paged.view.page_size, dst_paged.view.num_pages, dst_paged.view.page_stride,
+                        dst_paged.view.token_stride, dst_paged.view.head_stride};
+  const auto dc = ContiguousKVView<float>::packed(dst.k.data(), dst.v.data(), 4, kv_heads, capacity, d);
+  const KVCache<float> out = paged_dst ? KVCache<float>(dp) : KVCache<float>(dc);
+  cpu::gather_kv(s, rows.view, out, pool);
+  for (std::int32_t b = 0; b < 4; ++b) {
+    for (std::int32_t h = 0; h < kv_heads; ++h) {
+      const std::int32_t n = rows.counts[b * kv_heads + h];
+      for (std::int32_t i = 0; i < capacity; ++i) {
+        if (i < n) {
+          const std::int32_t t = rows.view.row(b, h)[i];
+          EXPECT_TRUE(same_row(out.k_row(b, h, i), src.view().k_row(b, h, t), d)) << b << " " << h << " " << i;
+          EXPECT_TRUE(same_row(out.v_row(b, h, i), src.view().v_row(b, h, t), d)) << b << " " << h << " " << i;
+        } else {
+          const float* before = paged_dst ? dst_paged_before.data() + dp.offset(b, h, i) : dst_before.data() + dc.offset(b, h, i);
+          EXPECT_TRUE(same_row(out.k_row(b, h, i), before, d)) << "slot " << i << " past the count was written";
+        }
+      }
+    }
+  }
+}
+
+class Gather : public test::SeededTest {};
+
+TEST_F(Gather, GatherKvCopiesSelectedRowsToLeadingSlots) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(3);
+  for (int repeat = 0; repeat < 5; ++repeat) {
+    for (bool ps : {false, true}) {
+      for (bool pd : {false, true}) check_gather_kv(rng, ps, pd, repeat % 2 ? &pool : nullptr);
+    }
+  }
+}
+
+/// The difference gather over `steps` steps of selections that keep part of the last one.
+void check_difference(Random& rng, bool paged_src, cpu::ThreadPool* pool) {
+  SCOPED_TRACE(testing::Message() << (paged_src ? "paged" : "contiguous") << " src");
+  const std::vector<std::int32_t> lens = {50, 7, 64};
+  const std::int32_t batch = 3, kv_heads = 2, d = 8, cap = 10, resident_cap = cap + rng.uniform_int(0, 3);
+  const std::int32_t rows = batch * kv_heads;
+  test::HostKV src(rng, batch, kv_heads, 64, d, lens);
+  test::HostPagedKV src_paged(src, 16, false, rng);
+  const KVCache<const float> s = paged_src ? KVCache<const float>(src_paged.view) : KVCache<const float>(src.view());
+  test::HostKV resident(rng, batch, kv_heads, resident_cap, d);
+  const auto res_view = ContiguousKVView<float>::packed(resident.k.data(), resident.v.data(), batch, kv_heads,
+                                                        resident_cap, d);
+  test::HostSelection prev(batch, kv_heads, cap, false), cur(batch, kv_heads, cap, false);
+  std::fill(prev.counts.begin(), prev.counts.end(), 0);
+  std::vector<std::int32_t> prev_slots(prev.indices.size(), test::kPoisonIndex), cur_slots(prev_slots);
+  std::vector<std::map<std::int32_t, std::int32_t>> where(rows);  // the reference's token -> slot per row
+  cpu::Array<std::byte> ws(cpu::gather_kv_difference_workspace_bytes(batch, kv_heads, cap, resident_cap, pool));
+  for (int step = 0; step < 8; ++step) {
+    std::vector<std::int32_t> copied(rows, test::kPoisonIndex);
+    std::fill(cur_slots.begin(), cur_slots.end(), test::kPoisonIndex);
+    for (std::int32_t r = 0; r < rows; ++r) {
+      // Keep a random part of the last selection, add random tokens.
+      std::set<std::int32_t> next;
+      for (std::int32_t i = 0; i < prev.counts[r]; ++i) {
+        if (rng.uniform_int(0, 3) != 0) next.insert(prev.indices[r * cap + i]);
+      }
+      const std::int32_t want = rng.uniform_int(0, cap);
+      for (std::int32_t t : random_tokens(rng, lens[r / kv_heads], cap)) {
+        if (std::int32_t(next.size()) >= want) break;
+        next.insert(t);
+      }
+      while (std::int32_t(next.size()) > cap) next.erase(std::prev(next.end()));
+      std::copy(next.begin(), next.end(), cur.indices.begin() + r * cap);
+      cur.counts[r] = std::int32_t(next.size());
+    }
+    cpu::gather_kv_difference(s, prev.view, prev_slots.data(), cur.view, cur_slots.data(), res_view, copied.data(),
+                              ws.bytes(), pool);
+    for (std::int32_t r = 0; r < rows; ++r) {
+      std::map<std::int32_t, std::int32_t> next_where;
+      std::set<std::int32_t> free_slots;
+      for (std::int32_t slot = 0; slot < resident_cap; ++slot) free_slots.insert(slot);
+      const std::set<std::int32_t> tokens(cur.indices.begin() + r * cap, cur.indices.begin() + r * cap + cur.counts[r]);
+      for (std::int32_t t : tokens) {
+        if (where[r].count(t)) {
+          next_where[t] = where[r][t];
+          free_slots.erase(where[r][t]);
+        }
+      }
+      std::int32_t fresh = 0;
+      for (std::int32_t t : tokens) {
+        if (next_where.count(t)) continue;
+        next_where[t] = *free_slots.begin();
+        free_slots.erase(free_slots.begin());
+        ++fresh;
+      }
+      EXPECT_EQ(copied[r], fresh) << "step " << step << " row " << r;
+      const std::int32_t b = r / kv_heads, h = r % kv_heads;
+      for (std::int32_t i = 0; i < cur.counts[r]; ++i) {
+        const std::int32_t t = cur.indices[r * cap + i];
+        ASSERT_EQ(cur_slots[r * cap + i], next_where[t]) << "step " << step << " row " << r << " token " << t;
+        EXPECT_TRUE(same_row(res_view.k_row(b, h, next_where[t]), src.view().k_row(b, h, t), d));
+        EXPECT_TRUE(same_row(res_view.v_row(b, h, next_where[t]), src.view().v_row(b, h, t), d));
+      }
+      for (std::int32_t i = cur.counts[r]; i < cap; ++i) EXPECT_EQ(cur_slots[r * cap + i], test::kPoisonIndex);
+      where[r] = next_where;
+    }
+    std::swap(prev.indices, cur.indices);
+    std::swap(prev.counts, cur.counts);
+    prev.view.indices = prev.indices.data();
+    prev.view.counts = prev.counts.data();
+    cur.view.indices = cur.indices.data();
+    cur.view.counts = cur.counts.data();
+    std::swap(prev_slots, cur_slots);
+  }
+}
+
+TEST_F(Gather, DifferenceLoadsOnlyNewTokensIntoFreedSlots) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(2);
+  for (int repeat = 0; repeat < 10; ++repeat) {
+    check_difference(rng, repeat % 2 == 1, repeat % 3 == 0 ? &pool : nullptr);
+  }
+}
+
+TEST_F(Gather, BadInputIsRefused) {
+  const std::int32_t kv_heads = 2, d = 8, cap = 4;
+  test::HostKV src(rng, 2, kv_heads, 20, d, {20, 10});
+  test::HostKV dst(rng, 2, kv_heads, cap, d);
+  const auto dv = ContiguousKVView<float>::packed(dst.k.data(), dst.v.data(), 2, kv_heads, cap, d);
+  test::HostSelection rows(2, kv_heads, cap, false);
+  std::fill(rows.counts.begin(), rows.counts.end(), 2);
+  for (std::size_t r = 0; r < 4; ++r) rows.indices[r * cap] = 1, rows.indices[r * cap + 1] = 5;
+  const KVCache<const float> s(src.view());
+  cpu::gather_kv(s, rows.view, KVCache<float>(dv));  // the valid call runs
+  rows.indices[3 * cap + 1] = 10;
+  test::expect_error([&] { cpu::gather_kv(s, rows.view, KVCache<float>(dv)); },
+                     {"cpu::gather_kv", "rows.indices[1] (= 10) at batch 1, kv_head 1 is outside [0, seq_len = 10)"});
+  rows.indices[3 * cap + 1] = 5;
+  std::vector<std::int32_t> dst_lens = {4, 1};
+  auto short_dst = dv;
+  short_dst.seq_lens = dst_lens.data();
+  test::expect_error([&] { cpu::gather_kv(s, rows.view, KVCache<float>(short_dst)); },
+                     "rows.counts (= 2) at batch 1, kv_head 0 exceeds the slots of dst's row (dst.seq_len(1) = 1)");
+  rows.counts[0] = 5;
+  test::expect_error([&] { cpu::gather_kv(s, rows.view, KVCache<float>(dv)); },
+                     "rows.counts (= 5) at batch 0, kv_head 0 is outside [0, capacity = 4]");
+  rows.counts[0] = 2;
+  auto other_dim = ContiguousKVView<float>::packed(dst.k.data(), dst.v.data(), 2, kv_heads, cap / 2, 2 * d);
+  test::expect_error([&] { cpu::gather_kv(s, rows.view, KVCache<float>(other_dim)); },
+                     "src is [batch = 2, kv_heads = 2, head_dim = 8], dst [batch = 2, kv_heads = 2, head_dim = 16]");
+  auto one_head = rows.view;
+  one_head.kv_heads = 1;
+  test::expect_error([&] { cpu::gather_kv(s, one_head, KVCache<float>(dv)); },
+                     "rows is [batch = 2, kv_heads = 1], the cache [batch = 2, kv_heads = 2]");
+
+  // gather_kv_difference
+  test::HostSelection prev(2, kv_heads, cap, false), cur(2, kv_heads, cap, false);
+  std::fill(prev.counts.begin(), prev.counts.end(), 2);
+  std::fill(cur.counts.begin(), cur.counts.end(), 2);
+  std::vector<std::int32_t> prev_slots(16, 0), cur_slots(16, 0), copied(4);
+  for (std::size_t r = 0; r < 4; ++r) {
+    prev.indices[r * cap] = 1, prev.indices[r * cap + 1] = 5;
+    cur.indices[r * cap] = 2, cur.indices[r * cap + 1] = 5;
+    prev_slots[r * cap] = 3, prev_slots[r * cap + 1] = 0;
+  }
+  cpu::Array<std::byte> ws(cpu::gather_kv_difference_workspace_bytes(2, kv_heads, cap, cap));
+  const auto diff = [&](const SelectionView& p, std::int32_t* ps, const SelectionView& c, std::int32_t* cs,
+                        const ContiguousKVView<float>& res) {
+    cpu::gather_kv_difference(s, p, ps, c, cs, res, copied.data(), ws.bytes());
+  };
+  diff(prev.view, prev_slots.data(), cur.view, cur_slots.data(), dv);  // the valid call runs
+  EXPECT_EQ(cur_slots[0], 1);  // token 2 takes the smallest free slot; token 5 keeps slot 0
+  EXPECT_EQ(cur_slots[1], 0);
+  test::expect_error([&] { diff(prev.view, prev_slots.data(), cur.view, prev_slots.data(), dv); },
+                     {"cpu::gather_kv_difference", "previous_slots and current_slots are one array"});
+  prev_slots[2 * cap + 1] = 3;
+  test::expect_error([&] { diff(prev.view, prev_slots.data(), cur.view, cur_slots.data(), dv); },
+                     "previous_slots[1] (= 3) at batch 1, kv_head 0 repeats an earlier slot");
+  prev_slots[2 * cap + 1] = 4;
+  test::expect_error([&] { diff(prev.view, prev_slots.data(), cur.view, cur_slots.data(), dv); },
+                     "previous_slots[1] (= 4) at batch 1, kv_head 0 is outside [0, resident.capacity = 4)");
+  prev_slots[2 * cap + 1] = 0;
+  cur.indices[cap] = 6;
+  test::expect_error([&] { diff(prev.view, prev_slots.data(), cur.view, cur_slots.data(), dv); },
+                     "current.indices[1] (= 5) at batch 0, kv_head 1 does not exceed current.indices[0] (= 6)");
+  cur.indices[cap] = 2;
+  auto small = ContiguousKVView<float>::packed(dst.k.data(), dst.v.data(), 2, kv_heads, cap - 1, d);
+  test::expect_error([&] { diff(prev.view, prev_slots.data(), cur.view, cur_slots.data(), small); },
+                     "resident.capacity (= 3) < current.capacity (= 4)");
+  std::vector<float> big(std::size_t(2) * kv_heads * 65537 * d);
+  auto huge = ContiguousKVView<float>::packed(big.data(), big.data(), 2, kv_heads, 65537, d);
+  test::expect_error([&] { diff(prev.view, prev_slots.data(), cur.view, cur_slots.data(), huge); },
+                     "resident.capacity (= 65537) exceeds 65536 slots");
+  test::expect_error([&] { cpu::gather_kv_difference(s, prev.view, prev_slots.data(), cur.view, cur_slots.data(), dv,
+                                                     copied.data(), ws.bytes().first(0)); },
+                     "workspace too small");
+}
+
+}  // namespace
+}  // namespace kvsift

@@ -1,0 +1,359 @@
+// Inverted lists on the CPU (cpu/inverted_lists.hpp) against references written here with std::set and std::map:
+// the union is the set of kept ids, the reduction a map id -> fp32 sum added in the entries' order (the contract's
+// order, so the comparison is exact), try-insert a min_element by the lists' order, replace a plain FIFO. Ragged
+// lengths (0 included), windows, empty and full lists, ids repeated across lists and outside the sequence, lists
+// chosen twice, permuted slots, fp32 and fp16 scores, with and without a pool; every refusal has its message
+// checked.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <set>
+#include <vector>
+
+#include "inverted_lists_problem.hpp"
+#include "kvsift/cpu/context.hpp"
+#include "kvsift/cpu/inverted_lists.hpp"
+#include "kvsift/cpu/thread_pool.hpp"
+#include "test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using test::ListsProblem;
+using test::Random;
+
+/// A 256-byte aligned host workspace.
+struct Workspace {
+  explicit Workspace(std::size_t bytes) : storage(bytes) {}
+  std::span<std::byte> span() { return storage.bytes(); }
+  cpu::Array<std::byte> storage;
+};
+
+/// The references: per selection row, every kept id's fp32 sum in entry order (std::map keeps ids sorted).
+template <class T>
+std::vector<std::map<std::int32_t, float>> reference_sums(const ListsProblem<T>& p) {
+  std::vector<std::map<std::int32_t, float>> rows(std::size_t(p.batch) * p.kv_heads);
+  for (std::int32_t b = 0; b < p.batch; ++b) {
+    const std::int32_t len = p.lengths[b];
+    const std::int32_t lo = std::min(p.window.sink, len), hi = std::max(lo, len - p.window.recent);
+    for (std::int32_t h = 0; h < p.kv_heads; ++h) {
+      const std::size_t r = std::size_t(b) * p.kv_heads + h;
+      for (std::int32_t i = 0; i < p.chosen.counts[r]; ++i) {
+        const std::int32_t l = p.chosen.indices[r * p.chosen.view.capacity + i];
+        const std::size_t list = (std::size_t(p.slots[b]) * p.kv_heads + h) * p.lists + l;
+        for (std::int32_t e = 0; e < p.counts[list]; ++e) {
+          const std::int32_t id = p.ids[list * p.list_capacity + e];
+          if (id < lo || id >= hi) continue;
+          float& sum = rows[r][id];  // a new id starts at 0.0f
+          sum += p.scores.empty() ? 0.0f : to_float(p.scores[list * p.list_capacity + e]);
+        }
+      }
+    }
+  }
+  return rows;
+}
+
+template <class T>
+void check_reductions(Random& rng, bool by_key, bool weights, cpu::ThreadPool* pool) {
+  SCOPED_TRACE(testing::Message() << (by_key ? "reduce_lists_by_key" : "union_lists") << (weights ? " weights" : "")
+                                  << (pool ? " pool" : ""));
+  ListsProblem<T> p(rng, 4, 2, 7, 9, 4, 40);
+  auto lists = p.view().as_const();
+  const std::int32_t capacity = p.chosen.view.capacity * p.list_capacity + rng.uniform_int(0, 3);
+  test::HostSelection out(p.batch, p.kv_heads, capacity, weights);
+  std::vector<float> sums(out.indices.size(), test::kPoison);
+  const auto sums_view = MatrixView<float>::packed(sums.data(), std::int64_t(p.batch) * p.kv_heads, capacity);
+  Workspace ws(cpu::list_reduction_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, p.chosen.view.capacity,
+                                                   p.list_capacity, pool));
+  if (by_key) {
+    cpu::reduce_lists_by_key(lists, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view, sums_view,
+                             ws.span(), pool);
+  } else {
+    cpu::union_lists(lists, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view, ws.span(), pool);
+  }
+  const auto expected = reference_sums(p);
+  for (std::size_t r = 0; r < expected.size(); ++r) {
+    ASSERT_EQ(out.counts[r], std::int32_t(expected[r].size())) << "row " << r;
+    std::int32_t i = 0;
+    for (const auto& [id, sum] : expected[r]) {
+      const std::size_t at = r * capacity + i++;
+      EXPECT_EQ(out.indices[at], id) << "row " << r;
+      if (weights) EXPECT_EQ(out.log_weights[at], 0.0f);
+      if (by_key) EXPECT_EQ(std::memcmp(&sums[at], &sum, sizeof(float)), 0) << "row " << r << " id " << id << ": " << sums[at] << " vs " << sum;
+    }
+    for (std::int32_t j = i; j < capacity; ++j) {
+      EXPECT_EQ(out.indices[r * capacity + j], test::kPoisonIndex) << "written past the count";
+      if (by_key) EXPECT_TRUE(std::isnan(sums[r * capacity + j])) << "sum written past the count";
+    }
+  }
+}
+
+class InvertedLists : public test::SeededTest {};
+
+TEST_F(InvertedLists, UnionAndReduceByKeyMatchSetAndMapReferences) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(3);
+  for (int repeat = 0; repeat < 20; ++repeat) {
+    for (bool by_key : {false, true}) {
+      for (cpu::ThreadPool* pl : {static_cast<cpu::ThreadPool*>(nullptr), &pool}) {
+        check_reductions<float>(rng, by_key, repeat % 2 == 0, pl);
+        check_reductions<half>(rng, by_key, repeat % 2 == 1, pl);
+      }
+    }
+  }
+}
+
+TEST_F(InvertedLists, UnionOfListsWithoutScores) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  ListsProblem<half> p(rng, 3, 2, 5, 6, 3, 30, false);
+  test::HostSelection out(p.batch, p.kv_heads, 3 * 6, false);
+  Workspace ws(cpu::list_reduction_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, 3, 6));
+  cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view,
+                   ws.span());
+  const auto expected = reference_sums(p);
+  for (std::size_t r = 0; r < expected.size(); ++r) {
+    std::set<std::int32_t> got(out.indices.begin() + r * 18, out.indices.begin() + r * 18 + out.counts[r]);
+    std::set<std::int32_t> want;
+    for (const auto& kv : expected[r]) want.insert(kv.first);
+    EXPECT_EQ(got, want) << "row " << r;
+  }
+}
+
+/// The lists' order, written from the contract: lower score, NaN lowest, then the larger id.
+bool below(float sa, std::int32_t ia, float sb, std::int32_t ib) {
+  if (std::isnan(sa) != std::isnan(sb)) return std::isnan(sa);
+  if (!std::isnan(sa) && sa != sb) return sa < sb;
+  return ia > ib;
+}
+
+template <class T>
+void check_try_insert(Random& rng, cpu::ThreadPool* pool) {
+  ListsProblem<T> p(rng, 3, 2, 6, 5, 1, 50);
+  std::vector<std::int32_t> ids = p.ids, counts = p.counts;
+  std::vector<T> scores = p.scores;
+  for (std::int32_t step = 0; step < 12; ++step) {
+    std::vector<std::int32_t> new_ids(p.batch);
+    for (auto& id : new_ids) id = 100 + step;
+    std::vector<float> s(std::size_t(p.batch) * p.kv_heads * p.lists);
+    for (auto& x : s) {
+      const int kind = rng.uniform_int(0, 9);
+      x = kind == 0 ? NAN : float(rng.uniform_int(-8, 8)) * 0.375f;  // ties with stored scores happen
+    }
+    cpu::try_insert_lists(p.view(), p.slots.data(), new_ids.data(),
+                          MatrixView<const float>::packed(s.data(), std::int64_t(p.batch) * p.kv_heads, p.lists), pool);
+    for (std::int32_t b = 0; b < p.batch; ++b) {
+      for (std::int32_t h = 0; h < p.kv_heads; ++h) {
+        for (std::int32_t l = 0; l < p.lists; ++l) {
+          const std::size_t list = (std::size_t(p.slots[b]) * p.kv_heads + h) * p.lists + l;
+          const T score = from_float<T>(s[(std::size_t(b) * p.kv_heads + h) * p.lists + l]);
+          std::int32_t* li = ids.data() + list * p.list_capacity;
+          T* ls = scores.data() + list * p.list_capacity;
+          if (counts[list] < p.list_capacity) {
+            li[counts[list]] = new_ids[b];
+            ls[counts[list]++] = score;
+            continue;
+          }
+          std::vector<std::int32_t> order(p.list_capacity);
+          std::iota(order.begin(), order.end(), 0);
+          const std::int32_t lowest = *std::min_element(order.begin(), order.end(), [&](std::int32_t x, std::int32_t y) {
+            return below(to_float(ls[x]), li[x], to_float(ls[y]), li[y]);
+          });
+          if (below(to_float(ls[lowest]), li[lowest], to_float(score), new_ids[b])) {
+            li[lowest] = new_ids[b];
+            ls[lowest] = score;
+          }
+        }
+      }
+    }
+    ASSERT_EQ(p.counts, counts) << "step " << step;
+    ASSERT_EQ(p.ids, ids) << "step " << step;
+    ASSERT_EQ(std::memcmp(p.scores.data(), scores.data(), scores.size() * sizeof(T)), 0) << "step " << step;
+  }
+}
+
+TEST_F(InvertedLists, TryInsertMatchesMinElementReference) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(2);
+  for (int repeat = 0; repeat < 10; ++repeat) {
+    check_try_insert<float>(rng, nullptr);
+    check_try_insert<half>(rng, &pool);
+  }
+}
+
+TEST_F(InvertedLists, TryInsertKeepsTheOlderEntryOnATie) {
+  // One full list of scores {1, 2}: a new key of score 1 stays out, of score 1.5 replaces the 1.
+  std::vector<std::int32_t> ids = {7, 3}, counts = {2};
+  std::vector<float> scores = {1.0f, 2.0f};
+  const InvertedListsView<float> lists{ids.data(), scores.data(), counts.data(), nullptr, 1, 1, 1, 2};
+  const std::int32_t slot = 0, id = 9;
+  float s = 1.0f;
+  cpu::try_insert_lists(lists, &slot, &id, MatrixView<const float>::packed(&s, 1, 1));
+  EXPECT_EQ(ids, (std::vector<std::int32_t>{7, 3}));
+  s = 1.5f;
+  cpu::try_insert_lists(lists, &slot, &id, MatrixView<const float>::packed(&s, 1, 1));
+  EXPECT_EQ(ids, (std::vector<std::int32_t>{9, 3}));
+  EXPECT_EQ(scores, (std::vector<float>{1.5f, 2.0f}));
+}
+
+template <class T>
+void check_replace(Random& rng, bool with_scores, cpu::ThreadPool* pool) {
+  ListsProblem<T> p(rng, 3, 2, 4, 6, 1, 50, with_scores);
+  auto ids = p.ids, counts = p.counts, cursors = p.cursors;
+  auto scores = p.scores;
+  for (std::int32_t step = 0; step < 9; ++step) {
+    const std::int32_t cap = rng.uniform_int(1, p.list_capacity);
+    test::HostSelection entries(p.batch, p.kv_heads, cap, false);
+    std::vector<float> s(entries.indices.size());
+    for (std::size_t r = 0; r < entries.counts.size(); ++r) {
+      entries.counts[r] = rng.uniform_int(0, cap);
+      for (std::int32_t i = 0; i < cap; ++i) entries.indices[r * cap + i] = rng.uniform_int(0, 1000);
+    }
+    for (auto& x : s) x = rng.uniform(-4.0f, 4.0f);
+    std::vector<std::int32_t> replaced(entries.counts.size(), test::kPoisonIndex);
+    const auto score_view = with_scores ? MatrixView<const float>::packed(s.data(), std::int64_t(entries.counts.size()), cap)
+                                        : MatrixView<const float>{};
+    cpu::replace_list(p.view(), p.slots.data(), entries.view, score_view, replaced.data(), pool);
+    for (std::int32_t b = 0; b < p.batch; ++b) {
+      for (std::int32_t h = 0; h < p.kv_heads; ++h) {
+        const std::size_t r = std::size_t(b) * p.kv_heads + h;
+        std::int32_t& cursor = cursors[std::size_t(p.slots[b]) * p.kv_heads + h];
+        const std::size_t list = (std::size_t(p.slots[b]) * p.kv_heads + h) * p.lists + cursor;
+        EXPECT_EQ(replaced[r], cursor);
+        counts[list] = entries.counts[r];
+        for (std::int32_t i = 0; i < entries.counts[r]; ++i) {
+          ids[list * p.list_capacity + i] = entries.indices[r * cap + i];
+          if (with_scores) scores[list * p.list_capacity + i] = from_float<T>(s[r * cap + i]);
+        }
+        cursor = (cursor + 1) % p.lists;
+      }
+    }
+    ASSERT_EQ(p.ids, ids);
+    ASSERT_EQ(p.counts, counts);
+    ASSERT_EQ(p.cursors, cursors);
+    ASSERT_EQ(std::memcmp(p.scores.data(), scores.data(), scores.size() * sizeof(T)), 0);
+  }
+}
+
+TEST_F(InvertedLists, ReplaceListIsAFifoOverTheLists) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(2);
+  for (int repeat = 0; repeat < 5; ++repeat) {
+    check_replace<float>(rng, true, nullptr);
+    check_replace<half>(rng, true, &pool);
+    check_replace<half>(rng, false, nullptr);
+  }
+}
+
+TEST_F(InvertedLists, BadInputIsRefused) {
+  ListsProblem<float> p(rng, 2, 2, 4, 5, 3, 30);
+  const auto lists = p.view();
+  test::HostSelection out(p.batch, p.kv_heads, 15, false);
+  Workspace ws(cpu::list_reduction_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, 3, 5));
+  const auto run_union = [&](InvertedListsView<const float> l, const SelectionView& chosen, const SelectionView& o,
+                             std::span<std::byte> w) {
+    cpu::union_lists(l, chosen, p.slots.data(), p.lengths.data(), p.window, o, w);
+  };
+  run_union(lists.as_const(), p.chosen.view, out.view, ws.span());  // the valid call runs
+
+  auto small = out.view;
+  small.capacity = 14;
+  test::expect_error([&] { run_union(lists.as_const(), p.chosen.view, small, ws.span()); },
+                     {"cpu::union_lists", "out.capacity (= 14) < chosen.capacity * lists.list_capacity (= 3 * 5)"});
+  auto no_ids = lists.as_const();
+  no_ids.ids = nullptr;
+  test::expect_error([&] { run_union(no_ids, p.chosen.view, out.view, ws.span()); }, "lists.ids is a null pointer");
+  test::expect_error([&] { run_union(lists.as_const(), p.chosen.view, out.view, ws.span().first(64)); },
+                     "workspace too small");
+  const std::int32_t saved_slot = p.slots[1];
+  p.slots[1] = p.slot_count;
+  test::expect_error([&] { run_union(lists.as_const(), p.chosen.view, out.view, ws.span()); },
+                     fmt::format("slots[1] (= {}) is outside [0, lists.slots = {})", p.slot_count, p.slot_count));
+  p.slots[1] = saved_slot;
+  p.lengths[1] = -1;
+  test::expect_error([&] { run_union(lists.as_const(), p.chosen.view, out.view, ws.span()); },
+                     "lengths[1] (= -1) is negative");
+  p.lengths[1] = 5;
+  p.chosen.counts[0] = 4;
+  test::expect_error([&] { run_union(lists.as_const(), p.chosen.view, out.view, ws.span()); },
+                     "chosen.counts (= 4) at batch 0, kv_head 0 is outside [0, capacity = 3]");
+  p.chosen.counts[0] = 1;
+  p.chosen.indices[0] = 4;
+  test::expect_error([&] { run_union(lists.as_const(), p.chosen.view, out.view, ws.span()); },
+                     "chosen.indices[0] (= 4) at batch 0, kv_head 0 is outside [0, lists.lists = 4)");
+  p.chosen.indices[0] = 2;
+  const std::size_t list = (std::size_t(p.slots[0]) * p.kv_heads + 0) * p.lists + 2;
+  p.counts[list] = 6;
+  test::expect_error([&] { run_union(lists.as_const(), p.chosen.view, out.view, ws.span()); },
+                     fmt::format("lists.counts (= 6) of slot {}, kv_head 0, list 2 is outside [0, list_capacity = 5]",
+                                 p.slots[0]));
+  p.counts[list] = 5;
+  auto other_heads = p.chosen.view;
+  other_heads.kv_heads = 1;
+  test::expect_error([&] { run_union(lists.as_const(), other_heads, out.view, ws.span()); },
+                     "chosen.kv_heads (= 1) != lists.kv_heads (= 2)");
+
+  // reduce_lists_by_key: sums' shape and the lists' scores.
+  std::vector<float> sums(out.indices.size());
+  const auto sums_view = MatrixView<float>::packed(sums.data(), 4, 15);
+  auto no_scores = lists.as_const();
+  no_scores.scores = nullptr;
+  test::expect_error([&] {
+    cpu::reduce_lists_by_key(no_scores, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view, sums_view,
+                             ws.span());
+  }, {"cpu::reduce_lists_by_key", "lists.scores is a null pointer"});
+  test::expect_error([&] {
+    cpu::reduce_lists_by_key(lists.as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view,
+                             MatrixView<float>::packed(sums.data(), 4, 14), ws.span());
+  }, "sums is [4, 14], not [out.batch * kv_heads = 4, >= out.capacity = 15]");
+  test::expect_error([&] { cpu::list_reduction_workspace_bytes(0, 3, 5); }, "rows (= 0)");
+
+  // try_insert_lists
+  std::vector<float> s(std::size_t(p.batch) * p.kv_heads * p.lists, 1.0f);
+  std::vector<std::int32_t> ids = {40, 40};
+  const auto s_view = MatrixView<const float>::packed(s.data(), std::int64_t(p.batch) * p.kv_heads, p.lists);
+  test::expect_error([&] { cpu::try_insert_lists(lists, p.slots.data(), ids.data(), MatrixView<const float>::packed(s.data(), 4, 3)); },
+                     {"cpu::try_insert_lists", "scores.cols (= 3) != lists.lists (= 4)"});
+  test::expect_error([&] { cpu::try_insert_lists(lists, p.slots.data(), ids.data(), MatrixView<const float>::packed(s.data(), 3, 4)); },
+                     "scores.rows (= 3) is not a multiple of lists.kv_heads (= 2)");
+  std::vector<std::int32_t> same_slots = {p.slots[0], p.slots[0]};
+  test::expect_error([&] { cpu::try_insert_lists(lists, same_slots.data(), ids.data(), s_view); },
+                     fmt::format("slots[1] (= {}) repeats slots[0]", p.slots[0]));
+  ids[1] = -3;
+  test::expect_error([&] { cpu::try_insert_lists(lists, p.slots.data(), ids.data(), s_view); }, "ids[1] (= -3) is negative");
+  auto unscored = lists;
+  unscored.scores = nullptr;
+  test::expect_error([&] { cpu::try_insert_lists(unscored, p.slots.data(), ids.data(), s_view); },
+                     "lists.scores is a null pointer");
+
+  // replace_list
+  test::HostSelection entries(p.batch, p.kv_heads, 5, false);
+  std::fill(entries.counts.begin(), entries.counts.end(), 2);
+  std::fill(entries.indices.begin(), entries.indices.end(), 1);
+  const auto e_scores = MatrixView<const float>::packed(s.data(), 4, 2);
+  const auto e_scores5 = MatrixView<const float>::packed(sums.data(), 4, 5);
+  test::expect_error([&] { cpu::replace_list(lists, p.slots.data(), entries.view, MatrixView<const float>{}, nullptr); },
+                     {"cpu::replace_list", "lists.scores is set but scores.data is null"});
+  test::expect_error([&] { cpu::replace_list(lists, p.slots.data(), entries.view, e_scores, nullptr); },
+                     "scores is [4, 2], not [entries.batch * kv_heads = 4, >= entries.capacity = 5]");
+  auto no_cursors = lists;
+  no_cursors.cursors = nullptr;
+  test::expect_error([&] { cpu::replace_list(no_cursors, p.slots.data(), entries.view, e_scores5, nullptr); },
+                     "lists.cursors is a null pointer");
+  test::HostSelection wide(p.batch, p.kv_heads, 6, false);
+  test::expect_error([&] { cpu::replace_list(lists, p.slots.data(), wide.view, e_scores5, nullptr); },
+                     "entries.capacity (= 6) exceeds lists.list_capacity (= 5)");
+  p.cursors[std::size_t(p.slots[1]) * p.kv_heads + 1] = 4;
+  test::expect_error([&] { cpu::replace_list(lists, p.slots.data(), entries.view, e_scores5, nullptr); },
+                     fmt::format("lists.cursors (= 4) of slot {}, kv_head 1 is outside [0, lists.lists = 4)", p.slots[1]));
+  p.cursors[std::size_t(p.slots[1]) * p.kv_heads + 1] = 0;
+  entries.counts[3] = 6;
+  test::expect_error([&] { cpu::replace_list(lists, p.slots.data(), entries.view, e_scores5, nullptr); },
+                     "entries.counts (= 6) at batch 1, kv_head 1 is outside [0, capacity = 5]");
+}
+
+}  // namespace
+}  // namespace kvsift

@@ -1,0 +1,407 @@
+// Every CUDA workspace API through tests/workspace_check.hpp (issue 19): its size query, a buffer one block
+// short and a misaligned one (refused, nothing written), the exact size with 0xff and 0x00 contents, and the
+// call captured in a CUDA graph and replayed twice (the same bytes each time); the result then against the CPU
+// twin or an fp64 reference.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "gpu_test.hpp"
+#include "kvsift/cpu/primitives.hpp"
+#include "kvsift/cpu/topk.hpp"
+#include "kvsift/cuda/backend.hpp"
+#include "kvsift/cuda/decode.hpp"
+#include "kvsift/cuda/primitives.hpp"
+#include "kvsift/cuda/topk.hpp"
+#include "kvsift/selectors/oracle_topk.hpp"
+#include "kvsift/selectors/quest.hpp"
+#include "kvsift/selectors/streaming_llm.hpp"
+#include "kvsift/step/decode_step.hpp"
+#include "selector_check.hpp"
+#include "workspace_check.hpp"
+
+namespace kvsift::test {
+namespace {
+
+constexpr AttentionWindow kWindow{4, 16};
+
+class CudaWorkspaces : public GpuTest {};
+
+template <class... B>
+auto poison_all(B&... buffers) {
+  return [&buffers...] { (buffers.poison(), ...); };
+}
+template <class... B>
+auto download_all(const B&... buffers) {
+  return [&buffers...] { return bytes_of(buffers.download()...); };
+}
+
+TEST_F(CudaWorkspaces, TopKRows) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const std::int32_t batch = 3, kv_heads = 2, max_tokens = 700, k = 24;
+  const AttentionWindow window{2, 5};
+  for (const std::int32_t heads_per_row : {1, 2}) {
+    SCOPED_TRACE(testing::Message() << "heads_per_row " << heads_per_row);
+    const std::int64_t score_rows = std::int64_t(batch) * kv_heads * heads_per_row;
+    const auto scores = rng.normal(std::size_t(score_rows) * max_tokens);
+    std::vector<std::int32_t> lengths(batch);
+    for (auto& l : lengths) l = rng.uniform_int(0, max_tokens);
+    const std::int32_t capacity = heads_per_row * k;
+    DeviceBuffer<float> d_scores(scores);
+    DeviceBuffer<std::int32_t> d_lengths(lengths), indices(std::size_t(batch) * kv_heads * capacity),
+        counts(std::size_t(batch) * kv_heads);
+    DeviceBuffer<float> weights(indices.size());
+    const TopKRowsOptions options{.window = window, .heads_per_row = heads_per_row};
+    const SelectionView out{indices.data(), counts.data(), weights.data(), batch, kv_heads, capacity};
+    check_device_workspace(
+        cuda::topk_rows_workspace_bytes(score_rows, max_tokens, k, options),
+        [&](std::span<std::byte> ws, cudaStream_t stream) {
+          cuda::topk_rows(MatrixView<const float>::packed(d_scores.data(), score_rows, max_tokens), d_lengths.data(),
+                          k, options, out, ws, stream);
+        },
+        download_all(indices, counts, weights), poison_all(indices, counts, weights));
+
+    HostSelection want(batch, kv_heads, capacity, /*with_weights=*/true);
+    cpu::Array<std::byte> cpu_ws(cpu::topk_rows_workspace_bytes(score_rows, max_tokens, k, options, nullptr));
+    cpu::topk_rows(MatrixView<const float>::packed(scores.data(), score_rows, max_tokens), lengths.data(), k, options,
+                   want.view, cpu_ws.bytes());
+    const auto got_counts = counts.download();
+    const auto got_indices = indices.download();
+    const auto got_weights = weights.download();
+    EXPECT_EQ(got_counts, want.counts);
+    for (std::size_t s = 0; s < want.counts.size(); ++s) {
+      for (std::int32_t i = 0; i < want.counts[s]; ++i) {
+        EXPECT_EQ(got_indices[s * capacity + i], want.indices[s * capacity + i]) << "row " << s << " entry " << i;
+        EXPECT_EQ(got_weights[s * capacity + i], 0.0f) << "row " << s << " entry " << i;
+      }
+    }
+  }
+}
+
+/// A half problem (contiguous cache, ragged lengths) and its device copy.
+template <class T>
+struct DeviceProblem {
+  HostDecodeProblem<T> p;
+  DeviceBuffer<T> q, k, v;
+  DeviceBuffer<std::int32_t> seq_lens, sel_indices, sel_counts, slots;
+  DeviceBuffer<float> sel_weights;
+  std::vector<std::int32_t> host_slots;
+
+  DeviceProblem(Random& rng, const CaseSpec& spec) : p(rng, spec), host_slots(std::size_t(spec.batch)) {
+    q = DeviceBuffer<T>(p.q);
+    k = DeviceBuffer<T>(p.k);
+    v = DeviceBuffer<T>(p.v);
+    seq_lens = DeviceBuffer<std::int32_t>(p.kv_values.seq_lens);
+    if (spec.k > 0) {
+      sel_indices = DeviceBuffer<std::int32_t>(p.sel_indices);
+      sel_counts = DeviceBuffer<std::int32_t>(p.sel_counts);
+      if (spec.log_weights) sel_weights = DeviceBuffer<float>(p.sel_weights);
+    }
+    std::iota(host_slots.begin(), host_slots.end(), 0);
+    std::shuffle(host_slots.begin(), host_slots.end(), rng.engine);
+    slots = DeviceBuffer<std::int32_t>(host_slots);
+  }
+  const CaseSpec& spec() const { return p.spec; }
+  QueryView<const T> q_view() const { return QueryView<const T>::packed(q.data(), spec().batch, spec().q_heads, spec().head_dim); }
+  ContiguousKVView<T> cache() const {
+    return ContiguousKVView<T>::packed(k.data(), v.data(), spec().batch, spec().kv_heads, spec().tokens,
+                                       spec().head_dim, seq_lens.data());
+  }
+  ContiguousKVView<const T> kv() const {
+    return ContiguousKVView<const T>::packed(k.data(), v.data(), spec().batch, spec().kv_heads, spec().tokens,
+                                             spec().head_dim, seq_lens.data());
+  }
+  SelectionView selection() const {
+    return {sel_indices.data(), sel_counts.data(), spec().log_weights ? sel_weights.data() : nullptr, spec().batch,
+            spec().kv_heads, spec().k};
+  }
+  SelectorLimits limits() const {
+    return {.max_slots = spec().batch, .max_tokens = spec().tokens, .q_heads = spec().q_heads,
+            .kv_heads = spec().kv_heads, .head_dim = spec().head_dim};
+  }
+};
+
+TEST_F(CudaWorkspaces, GroupScores) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  DeviceProblem<half> d(rng, CaseSpec{.batch = 2, .q_heads = 8, .kv_heads = 2, .head_dim = 64, .tokens = 1500,
+                                      .k = 0, .page_size = 0, .log_weights = false});
+  const auto& c = d.spec();
+  const std::int64_t rows = std::int64_t(c.batch) * c.kv_heads;
+  const std::int32_t cols = c.tokens;
+  DeviceBuffer<float> scores(std::size_t(rows) * cols);
+  for (const bool softmax : {false, true}) {
+    SCOPED_TRACE(testing::Message() << "softmax " << softmax);
+    const cpu::GroupScoreOptions options{.reduce = cpu::GroupReduce::max, .softmax = softmax};
+    check_device_workspace(
+        cuda::group_scores_workspace_bytes(c.batch, c.q_heads, c.kv_heads, cols, options),
+        [&](std::span<std::byte> ws, cudaStream_t stream) {
+          cuda::group_scores(d.q_view(), d.kv(), MatrixView<float>::packed(scores.data(), rows, cols), options, ws,
+                             stream);
+        },
+        download_all(scores), poison_all(scores));
+    std::vector<float> want(scores.size(), kPoison);
+    cpu::Array<std::byte> cpu_ws(cpu::group_scores_workspace_bytes(c.batch, c.q_heads, c.kv_heads, cols, options));
+    cpu::group_scores(d.p.q_view(), d.p.contiguous(), MatrixView<float>::packed(want.data(), rows, cols), options,
+                      cpu_ws.bytes());
+    const auto got = scores.download();
+    for (std::int32_t b = 0; b < c.batch; ++b) {
+      for (std::int32_t g = 0; g < c.kv_heads; ++g) {
+        const std::size_t row = std::size_t(b) * c.kv_heads + g;
+        for (std::int32_t t = 0; t < d.p.kv_values.seq_lens[b]; ++t) {
+          // the twins sum fp32 dot products of 64 terms in different orders: a few ulps of the scores' scale
+          EXPECT_NEAR(got[row * cols + t], want[row * cols + t], 1e-4 * (1 + std::abs(want[row * cols + t])))
+              << "row " << row << " token " << t;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaWorkspaces, TopK) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const std::int64_t rows = 5;
+  const std::int32_t n = 3000, k = 40;
+  const auto scores = rng.normal(std::size_t(rows) * n);
+  DeviceBuffer<float> d_scores(scores);
+  DeviceBuffer<std::int32_t> indices(std::size_t(rows) * k);
+  for (const auto algorithm : {cuda::TopKAlgorithm::radix_select, cuda::TopKAlgorithm::radix_sort}) {
+    SCOPED_TRACE(testing::Message() << "algorithm " << int(algorithm));
+    check_device_workspace(
+        cuda::topk_workspace_bytes(rows, n, k, algorithm),
+        [&](std::span<std::byte> ws, cudaStream_t stream) {
+          cuda::topk(MatrixView<const float>::packed(d_scores.data(), rows, n), k, indices.data(), ws, stream, algorithm);
+        },
+        download_all(indices), poison_all(indices));
+    const auto got = indices.download();
+    std::vector<std::uint64_t> scratch;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      std::vector<std::int32_t> want(k);
+      cpu::topk_indices(std::span(scores.data() + r * n, std::size_t(n)), k, want, scratch);
+      EXPECT_EQ(std::vector<std::int32_t>(got.begin() + r * k, got.begin() + (r + 1) * k), want) << "row " << r;
+    }
+  }
+}
+
+TEST_F(CudaWorkspaces, SortUnique) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const std::int64_t rows = 6;
+  const std::int32_t capacity = 300;
+  std::vector<std::int32_t> input(std::size_t(rows) * capacity), counts(rows);
+  for (auto& x : input) x = rng.uniform_int(0, 200);  // many repeats
+  for (auto& c : counts) c = rng.uniform_int(0, capacity);
+  DeviceBuffer<std::int32_t> indices(input.size()), d_counts(counts), unique(static_cast<std::size_t>(rows));
+  // Sorting is in place: restoring the input is part of poisoning, and a refused call must leave it as it was.
+  const auto poison = [&] {
+    indices.upload(input);
+    unique.poison();
+  };
+  // Entries past each row's distinct values are unspecified: the image holds the counts and the distinct values,
+  // or the whole row where the count is not a valid one (poisoned, or a refused call's untouched input).
+  const auto read = [&] {
+    const auto got = indices.download();
+    const auto got_unique = unique.download();
+    std::vector<std::int32_t> image(got_unique);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int32_t u = got_unique[r] >= 0 && got_unique[r] <= capacity ? got_unique[r] : capacity;
+      image.insert(image.end(), got.begin() + r * capacity, got.begin() + r * capacity + u);
+    }
+    return bytes_of(image);
+  };
+  check_device_workspace(
+      cuda::sort_unique_workspace_bytes(rows, capacity),
+      [&](std::span<std::byte> ws, cudaStream_t stream) {
+        cuda::sort_unique(indices.data(), rows, capacity, d_counts.data(), unique.data(), ws, stream);
+      },
+      read, poison);
+  const auto got = indices.download();
+  const auto got_unique = unique.download();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::vector<std::int32_t> want(input.begin() + r * capacity, input.begin() + r * capacity + counts[r]);
+    std::sort(want.begin(), want.end());
+    want.erase(std::unique(want.begin(), want.end()), want.end());
+    ASSERT_EQ(got_unique[r], std::int32_t(want.size())) << "row " << r;
+    EXPECT_EQ(std::vector<std::int32_t>(got.begin() + r * capacity, got.begin() + r * capacity + got_unique[r]), want)
+        << "row " << r;
+  }
+}
+
+TEST_F(CudaWorkspaces, KMeans) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const std::int32_t clusters = 6, per = 40, d = 32, n = clusters * per;
+  const auto [points, truth] = planted_clusters(rng, clusters, per, d);
+  const cpu::KMeansConfig config{.clusters = clusters, .iterations = 4, .metric = cpu::KMeansMetric::l2, .seed = seed};
+  DeviceBuffer<float> d_points(points), centroids(std::size_t(clusters) * d);
+  DeviceBuffer<std::int32_t> assignment(n);
+  check_device_workspace(
+      cuda::kmeans_workspace_bytes(n, d, config),
+      [&](std::span<std::byte> ws, cudaStream_t stream) {
+        cuda::kmeans(MatrixView<const float>::packed(d_points.data(), n, d), config,
+                     MatrixView<float>::packed(centroids.data(), clusters, d), assignment.data(), ws, stream);
+      },
+      download_all(centroids, assignment), poison_all(centroids, assignment));
+  const auto want = cpu::kmeans<float>(MatrixView<const float>::packed(points.data(), n, d), config);
+  EXPECT_EQ(assignment.download(), want.assignment);
+  EXPECT_EQ(centroids.download(), want.centroids);  // same seeds and assignments: sums in the CPU's order
+}
+
+/// One sequence per row whose selection plus window holds 2520 tokens: the planner splits it (or num_splits
+/// forces 4 splits), so the decode workspace holds partial states.
+DeviceProblem<bfloat16> long_rows(Random& rng) {
+  return DeviceProblem<bfloat16>(rng, CaseSpec{.batch = 1, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+                                               .tokens = 3000, .k = 2500, .page_size = 0, .log_weights = true,
+                                               .random_lengths = false, .window = kWindow});
+}
+
+template <class Call>
+void check_decode(const DeviceProblem<bfloat16>& d, std::size_t bytes, Call decode, const HostState& ref) {
+  const auto& c = d.spec();
+  DeviceBuffer<bfloat16> o(std::size_t(c.batch) * c.q_heads * c.head_dim);
+  DeviceBuffer<float> lse(std::size_t(c.batch) * c.q_heads);
+  const auto out = StateView<bfloat16>::packed(o.data(), lse.data(), c.batch, c.q_heads, c.head_dim);
+  check_device_workspace(
+      bytes, [&](std::span<std::byte> ws, cudaStream_t stream) { decode(out, ws, stream); }, download_all(o, lse),
+      poison_all(o, lse));
+  expect_close<bfloat16>(o.download(), lse.download(), ref, "decode output");
+}
+
+TEST_F(CudaWorkspaces, SparseDecode) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  auto d = long_rows(rng);
+  const auto& c = d.spec();
+  const HostState ref = d.p.reference(/*sparse=*/true);
+  for (const std::int32_t num_splits : {0, 4}) {
+    SCOPED_TRACE(testing::Message() << "num_splits " << num_splits);
+    const cuda::DecodeOptions options{.attention = {.window = c.window}, .num_splits = num_splits};
+    const std::size_t bytes = cuda::sparse_decode_workspace_bytes(d.q_view(), d.kv(), d.selection(), options);
+    // The shape-only query (a decode step's plan) must give the same bytes for these shapes.
+    EXPECT_EQ(cuda::sparse_decode_workspace_bytes(
+                  cuda::SparseDecodeShape{c.batch, c.q_heads, c.kv_heads, c.head_dim, c.k}, options),
+              bytes);
+    check_decode(d, bytes,
+                 [&](const StateView<bfloat16>& out, std::span<std::byte> ws, cudaStream_t stream) {
+                   cuda::sparse_decode(d.q_view(), d.kv(), d.selection(), out, ws, stream, options);
+                 },
+                 ref);
+  }
+}
+
+TEST_F(CudaWorkspaces, DenseDecode) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  auto d = long_rows(rng);
+  const HostState ref = d.p.reference(/*sparse=*/false);
+  for (const std::int32_t num_splits : {0, 4}) {
+    SCOPED_TRACE(testing::Message() << "num_splits " << num_splits);
+    const cuda::DecodeOptions options{.num_splits = num_splits};
+    check_decode(d, cuda::dense_decode_workspace_bytes(d.q_view(), d.kv(), options),
+                 [&](const StateView<bfloat16>& out, std::span<std::byte> ws, cudaStream_t stream) {
+                   cuda::dense_decode(d.q_view(), d.kv(), out, ws, stream, options);
+                 },
+                 ref);
+  }
+}
+
+struct DeviceSelection {
+  std::vector<std::int32_t> indices, counts;
+};
+
+/// A selector's append and select through the driver on problem d (prepared first); returns the selection.
+template <class S>
+DeviceSelection check_selector(S& selector, DeviceProblem<bfloat16>& d) {
+  const auto& c = d.spec();
+  const SelectShape shape{c.batch, c.q_heads, c.kv_heads, c.head_dim, c.tokens};
+  const KVCache<const bfloat16> cache = d.kv();
+  selector.prepare({.cache = cache, .slots = d.slots.data()}, cuda::Context{});
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  check_device_workspace(
+      selector.append_workspace_bytes(shape, cuda::Context{}),
+      [&](std::span<std::byte> ws, cudaStream_t stream) {
+        selector.append({.cache = cache, .slots = d.slots.data(), .lengths = d.seq_lens.data()}, ws,
+                        cuda::Context{stream});
+      },
+      [] { return std::vector<std::byte>{}; }, [] {});
+  const std::int32_t capacity = std::max(1, selector.capacity());  // as DecodeStep sizes it
+  DeviceBuffer<std::int32_t> indices(std::size_t(c.batch) * c.kv_heads * capacity),
+      counts(std::size_t(c.batch) * c.kv_heads);
+  const SelectionView out{indices.data(), counts.data(), nullptr, c.batch, c.kv_heads, capacity};
+  check_device_workspace(
+      selector.select_workspace_bytes(shape, cuda::Context{}),
+      [&](std::span<std::byte> ws, cudaStream_t stream) {
+        selector.select({.q = d.q_view(), .cache = cache, .slots = d.slots.data(), .lengths = d.seq_lens.data(),
+                         .attention = {.window = kWindow}},
+                        out, ws, cuda::Context{stream});
+      },
+      download_all(indices, counts), poison_all(indices, counts));
+  return {indices.download(), counts.download()};
+}
+
+DeviceProblem<bfloat16> selector_problem(Random& rng) {
+  return DeviceProblem<bfloat16>(rng, CaseSpec{.batch = 3, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+                                               .tokens = 1500, .k = 0, .page_size = 0, .log_weights = false});
+}
+
+TEST_F(CudaWorkspaces, OracleTopKSelectAndAppend) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  auto d = selector_problem(rng);
+  OracleTopK<bfloat16, cuda::Context> selector(d.limits(), {.budget = 64});
+  const auto sel = check_selector(selector, d);
+  expect_oracle_selection(d.p, sel.indices, sel.counts, 64, 64, kWindow, 1.0 / std::sqrt(128.0));
+}
+
+TEST_F(CudaWorkspaces, QuestSelectAndAppend) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  auto d = selector_problem(rng);
+  Quest<bfloat16, cuda::Context> selector(d.limits(), {.budget = 128, .page_size = 16});
+  const auto sel = check_selector(selector, d);
+  expect_quest_selection(d.p, sel.indices, sel.counts, 128, 8, 16, kWindow);
+}
+
+TEST_F(CudaWorkspaces, StreamingLLMSelectAndAppend) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  auto d = selector_problem(rng);
+  StreamingLLM<bfloat16, cuda::Context> selector(d.limits());
+  const auto sel = check_selector(selector, d);
+  EXPECT_EQ(sel.counts, std::vector<std::int32_t>(sel.counts.size(), 0));
+}
+
+TEST_F(CudaWorkspaces, DecodeStep) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  auto d = selector_problem(rng);
+  const auto& c = d.spec();
+  const DecodeStepConfig config{.attention = {.window = kWindow}, .max_batch = c.batch, .q_heads = c.q_heads,
+                                .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = c.tokens};
+  DecodeStep step(OracleTopK<bfloat16, cuda::Context>(d.limits(), {.budget = 64}), config, cuda::Context{});
+  step.prepare({.cache = d.kv(), .slots = d.slots.data()}, cuda::Context{});
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  const StepInputs<bfloat16> in{.q = d.q_view(), .cache = d.cache(), .slots = d.slots.data()};
+  DeviceBuffer<bfloat16> o(std::size_t(c.batch) * c.q_heads * c.head_dim);
+  DeviceBuffer<float> lse(std::size_t(c.batch) * c.q_heads);
+  const auto out = StateView<bfloat16>::packed(o.data(), lse.data(), c.batch, c.q_heads, c.head_dim);
+  const auto result = check_device_workspace(
+      step.workspace_bytes(),
+      [&](std::span<std::byte> ws, cudaStream_t stream) { step.run(in, out, ws, cuda::Context{stream}); },
+      download_all(o, lse), poison_all(o, lse));
+
+  // The selection lives in the workspace: one more run over a workspace kept here shows it, for the references.
+  DeviceBuffer<std::byte> workspace(step.workspace_bytes());
+  workspace.poison();
+  o.poison();
+  lse.poison();
+  const std::span<std::byte> ws{workspace.data(), workspace.size()};
+  step.run(in, out, ws, cuda::Context{});
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  expect_same_bytes(bytes_of(o.download(), lse.download()), result, "a run over the test's own workspace vs the driver's");
+  const SelectionView d_sel = step.selection(ws, c.batch, cuda::Context{});
+  std::vector<std::int32_t> indices(std::size_t(c.batch) * c.kv_heads * d_sel.capacity), counts(std::size_t(c.batch) * c.kv_heads);
+  KVSIFT_CUDA_CHECK(cudaMemcpy(indices.data(), d_sel.indices, indices.size() * 4, cudaMemcpyDeviceToHost));
+  KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), d_sel.counts, counts.size() * 4, cudaMemcpyDeviceToHost));
+  expect_oracle_selection(d.p, indices, counts, d_sel.capacity, 64, kWindow, 1.0 / std::sqrt(128.0));
+  const SelectionView h_sel{indices.data(), counts.data(), nullptr, c.batch, c.kv_heads, d_sel.capacity};
+  HostState ref(c.batch, c.q_heads, c.head_dim);
+  reference::sparse_decode(d.p.q_view(), d.p.kv_values.view(), h_sel, ref.view, config.attention);
+  expect_close<bfloat16>(o.download(), lse.download(), ref, "step output");
+}
+
+}  // namespace
+}  // namespace kvsift::test
