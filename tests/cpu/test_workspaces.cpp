@@ -297,7 +297,7 @@ TEST_F(CpuWorkspaces, DecodeStep) {
   poison();
   step.run(in, out, workspace.bytes(), f.ctx);
   expect_same_bytes(bytes_of(o, lse), result, "a run over the test's own workspace vs the driver's runs");
-  const SelectionView sel = step.selection(workspace.bytes(), c.batch, f.ctx);
+  const SelectionView sel = step.selection(workspace.bytes(), c.batch);
   const std::vector<std::int32_t> indices(sel.indices, sel.indices + std::size_t(c.batch) * c.kv_heads * sel.capacity);
   const std::vector<std::int32_t> counts(sel.counts, sel.counts + std::size_t(c.batch) * c.kv_heads);
   expect_oracle_selection(p, indices, counts, sel.capacity, 32, kWindow, 1.0 / std::sqrt(64.0));

@@ -392,7 +392,7 @@ TEST_F(CudaWorkspaces, DecodeStep) {
   step.run(in, out, ws, cuda::Context{});
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   expect_same_bytes(bytes_of(o.download(), lse.download()), result, "a run over the test's own workspace vs the driver's");
-  const SelectionView d_sel = step.selection(ws, c.batch, cuda::Context{});
+  const SelectionView d_sel = step.selection(ws, c.batch);
   std::vector<std::int32_t> indices(std::size_t(c.batch) * c.kv_heads * d_sel.capacity), counts(std::size_t(c.batch) * c.kv_heads);
   KVSIFT_CUDA_CHECK(cudaMemcpy(indices.data(), d_sel.indices, indices.size() * 4, cudaMemcpyDeviceToHost));
   KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), d_sel.counts, counts.size() * 4, cudaMemcpyDeviceToHost));

@@ -176,6 +176,11 @@ TYPED_TEST(CpuSelectors, StreamingLLMAttendsTheWindowAlone) {
   auto workspace = poisoned_workspace(step.workspace_bytes());
   const auto sel = run_step(step, f, workspace, ctx);
   for (const std::int32_t count : sel.counts) EXPECT_EQ(count, 0);
+  // Its capacity is 0: a selection of capacity 0 needs no index array.
+  std::vector<std::int32_t> lengths(f.p.kv_values.seq_lens), counts(std::size_t(spec.batch) * spec.kv_heads, 5);
+  step.selector().select({.q = f.p.q_view(), .cache = f.cache(), .slots = f.slots.data(), .lengths = lengths.data()},
+                         SelectionView{nullptr, counts.data(), nullptr, spec.batch, spec.kv_heads, 0}, {}, ctx);
+  EXPECT_EQ(counts, std::vector<std::int32_t>(counts.size(), 0));
 }
 
 TYPED_TEST(CpuSelectors, EveryBatchUpToMaxBatchRunsOnTheWorkspacePlannedOnce) {

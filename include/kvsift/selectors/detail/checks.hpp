@@ -64,7 +64,8 @@ void check_select(const char* where, const SelectorLimits& limits, const SelectI
                in.q.head_dim, batch, limits.q_heads, limits.head_dim);
   KVSIFT_CHECK(in.lengths != nullptr, where, "in.lengths must be non-null");
   validate(in.attention.window, where, "in.attention.window");
-  KVSIFT_CHECK(out.indices != nullptr && out.counts != nullptr, where, "out.indices and out.counts must be non-null");
+  KVSIFT_CHECK(out.counts != nullptr && (out.indices != nullptr || out.capacity == 0), where,
+               "out.counts, and out.indices unless out.capacity is 0, must be non-null");
   KVSIFT_CHECK(out.batch == batch && out.kv_heads == limits.kv_heads, where,
                "out [batch = {}, kv_heads = {}] != [{}, {}]", out.batch, out.kv_heads, batch, limits.kv_heads);
   KVSIFT_CHECK(out.capacity >= capacity, where, "out.capacity (= {}) is smaller than the selector's capacity (= {})",
