@@ -5,6 +5,9 @@
 // BM_StepStage times each of its kernels alone, in the same way, so the stages add up to the step. Dense
 // decode and cuDNN SDPA on the same shapes are BM_DenseDecode and bench/sdpa_baseline.py.
 //
+// The engine's token write is not in the step here (StepInputs without k, v): every call folds the same last
+// token into Quest's bounds again, which costs what a new token's fold costs.
+//
 // Inputs rotate over `layers` independent caches (each with its own selector), as consecutive layers of a
 // model do, so that what one call reads is not in L2 for the next: enough layers that the bytes a step reads
 // exceed 256 MB, as far as 40 GB of caches allow. Counters: layers, and GB/s of the bytes a step must read
