@@ -82,12 +82,19 @@ void check_reductions(Random& rng, bool by_key, bool weights, cpu::ThreadPool* p
     for (const auto& [id, sum] : expected[r]) {
       const std::size_t at = r * capacity + i++;
       EXPECT_EQ(out.indices[at], id) << "row " << r;
-      if (weights) EXPECT_EQ(out.log_weights[at], 0.0f);
-      if (by_key) EXPECT_EQ(std::memcmp(&sums[at], &sum, sizeof(float)), 0) << "row " << r << " id " << id << ": " << sums[at] << " vs " << sum;
+      if (weights) {
+        EXPECT_EQ(out.log_weights[at], 0.0f);
+      }
+      if (by_key) {
+        EXPECT_EQ(std::memcmp(&sums[at], &sum, sizeof(float)), 0) << "row " << r << " id " << id << ": " << sums[at]
+                                                                  << " vs " << sum;
+      }
     }
     for (std::int32_t j = i; j < capacity; ++j) {
       EXPECT_EQ(out.indices[r * capacity + j], test::kPoisonIndex) << "written past the count";
-      if (by_key) EXPECT_TRUE(std::isnan(sums[r * capacity + j])) << "sum written past the count";
+      if (by_key) {
+        EXPECT_TRUE(std::isnan(sums[r * capacity + j])) << "sum written past the count";
+      }
     }
   }
 }
