@@ -19,7 +19,7 @@ using test::Random;
 
 using CudaPrimitives = test::GpuTest;
 
-TEST_F(CudaPrimitives, GemvGatherAndRopeAgreeWithTheCpu) {
+TEST_F(CudaPrimitives, GemvAndGatherAgreeWithTheCpu) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   const std::int32_t n = 3001, d = 128;
   const auto rows_f = rng.normal(std::size_t(n) * d);
