@@ -45,8 +45,23 @@ __global__ void __launch_bounds__(kMeanThreads)
   if (blockIdx.y == 0 && threadIdx.x == 0) counts[s] = end - begin;
   const std::int32_t c = std::int32_t(blockIdx.y) * kMeanThreads + std::int32_t(threadIdx.x);
   if (end <= begin || c >= rows.cols) return;
+  // kUnroll rows' loads are issued before their additions, which stay in ascending row order: memory-level
+  // parallelism for long segments without changing a bit of the sums.
+  constexpr int kUnroll = 8;
   double total = 0.0, sum = 0.0;
-  for (std::int32_t m = begin; m < end; ++m) {
+  std::int32_t m = begin;
+  for (; m + kUnroll <= end; m += kUnroll) {
+    double w[kUnroll], x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::int32_t i = members[m + u];
+      w[u] = weights == nullptr ? 1.0 : double(weights[i]);
+      x[u] = double(to_float_device(rows.row(i)[c]));
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) total += w[u], sum += w[u] * x[u];
+  }
+  for (; m < end; ++m) {
     const std::int32_t i = members[m];
     const double w = weights == nullptr ? 1.0 : double(weights[i]);
     total += w;
