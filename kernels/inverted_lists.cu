@@ -156,6 +156,7 @@ __global__ void __launch_bounds__(kInsertThreads) try_insert_kernel(InvertedList
     std::int32_t* list_ids = lists.list_ids(slot, h, l);
     T* list_scores = lists.list_scores(slot, h, l);
     if (n < lists.list_capacity) {
+      __syncwarp();  // every lane has read the count before lane 0 bumps it (lanes may run apart)
       if (lane == 0) {
         list_ids[n] = id;
         list_scores[n] = score;

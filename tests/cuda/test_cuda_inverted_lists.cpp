@@ -113,7 +113,7 @@ void check_reductions(Random& rng, bool by_key) {
   const std::int32_t rows = p.batch * p.kv_heads, capacity = 4 * 33;
   test::HostSelection cpu_out(p.batch, p.kv_heads, capacity, true);
   std::vector<float> cpu_sums(cpu_out.indices.size(), test::kPoison);
-  cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(rows, 4, 33));
+  cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(rows, 4, 33, by_key));
   DeviceOut gpu(p.batch, p.kv_heads, capacity);
   DeviceBuffer<std::byte> ws(cuda::list_reduction_workspace_bytes(rows, 4, 33, by_key));
   ws.poison();
@@ -279,7 +279,7 @@ TEST_F(CudaInvertedLists, OutOfRangeDeviceValuesHaveTheDefinedResult) {
                             gpu.sums_view, {ws.data(), ws.size()}, nullptr);
   test::HostSelection cpu_out(4, 1, 20, true);
   std::vector<float> cpu_sums(80, test::kPoison);
-  cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(4, 2, 10));
+  cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(4, 2, 10, true));
   cpu::reduce_lists_by_key(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, cpu_out.view,
                            MatrixView<float>::packed(cpu_sums.data(), 4, 20), cpu_ws.bytes());
   const auto counts = gpu.counts.download(), indices = gpu.indices.download();
