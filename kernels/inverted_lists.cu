@@ -1,7 +1,9 @@
 // CUDA inverted lists (cuda/inverted_lists.hpp). The reductions: the chosen lists' entries into one fixed segment
 // per row, CUB's stable segmented sort by id, then one CTA per row keeps the first of each run of equal ids (and
 // sums the run's scores in sorted order, which the stable sort makes the entries' order, as on the CPU). The
-// bounded-list updates: a warp per (row, list) for try-insert, a CTA per row for the FIFO replacement.
+// bounded-list updates: a warp per (row, list) for try-insert, a CTA per row for the FIFO replacement; scores are
+// rounded to T by core/dtype.hpp's conversion (constexpr, so callable here), which gives the CPU's bits, NaN's too
+// (CUDA's intrinsic writes another NaN payload).
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_segmented_sort.cuh>
 
@@ -150,10 +152,11 @@ __global__ void __launch_bounds__(kInsertThreads) try_insert_kernel(InvertedList
     std::int32_t& count = lists.count(slot, h, l);
     const std::int32_t n = count;
     if (n < 0 || n > lists.list_capacity) continue;
-    const T score = from_float_device<T>(scores.row(row)[l]);
+    const T score = kvsift::from_float<T>(scores.row(row)[l]);  // the host's rounding, NaN bits included
     std::int32_t* list_ids = lists.list_ids(slot, h, l);
     T* list_scores = lists.list_scores(slot, h, l);
     if (n < lists.list_capacity) {
+      __syncwarp();  // every lane has read the count before lane 0 bumps it (lanes may run apart)
       if (lane == 0) {
         list_ids[n] = id;
         list_scores[n] = score;
@@ -200,7 +203,7 @@ __global__ void __launch_bounds__(kReplaceThreads) replace_list_kernel(InvertedL
   T* dst_scores = lists.list_scores(slot, h, l);
   for (std::int32_t i = threadIdx.x; i < count; i += kReplaceThreads) {
     dst[i] = src[i];
-    if (dst_scores != nullptr) dst_scores[i] = from_float_device<T>(scores.row(row)[i]);
+    if (dst_scores != nullptr) dst_scores[i] = kvsift::from_float<T>(scores.row(row)[i]);
   }
   if (threadIdx.x == 0) {
     lists.count(slot, h, l) = count;

@@ -1,13 +1,11 @@
 // CUDA k-means: the assignment (cuda::assign_nearest: the nearest centroid of every point, ranked as the CPU
 // assigner ranks them, x.c - |c|^2 / 2 for L2, x.c for cosine; ties: smaller id), and the whole of
 // cuda::kmeans around it (seeding and centroid updates as cpu::kmeans does them, see launch_kmeans).
-#include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
-
-#include <bit>
 
 #include "kvsift/core/kmeans_seeding.hpp"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
+#include "kvsift/cuda/detail/segment_mean_launch.hpp"
 #include "kvsift/cuda/dtype.cuh"
 
 namespace kvsift::cuda::detail {
@@ -98,8 +96,8 @@ __global__ void __launch_bounds__(kAssignThreads) assign_nearest_kernel(MatrixVi
 // ---- k-means ---------------------------------------------------------------------------------------------
 // cpu::kmeans's steps, each made to give the CPU's values where the CPU's own order of operations can be
 // followed at no cost: the fp32 copy and its normalization (one thread per row, sequential double sum), the
-// seeding's draws (core/kmeans_seeding.hpp) and the centroid sums (points in ascending order within each
-// cluster, in double). Dot products and the seeding's sums run in another order than on the CPU, so a
+// seeding's draws (core/kmeans_seeding.hpp) and the centroid sums (segment_mean, shared with the CPU: points in
+// ascending order within each cluster, in double). Dot products and the seeding's sums run in another order than on the CPU, so a
 // candidate or an assignment on the edge of a tie may differ.
 
 constexpr int kKMeansThreads = kKMeansDistanceThreads;  // every k-means kernel's block size
@@ -128,10 +126,9 @@ __global__ void prepare_points(MatrixView<const T> in, bool cosine, float* out, 
   }
 }
 
-__global__ void fill_seeding_state(std::int64_t n, double* nearest, std::int32_t* point_ids) {
+__global__ void fill_seeding_state(std::int64_t n, double* nearest) {
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
     nearest[i] = INFINITY;
-    point_ids[i] = std::int32_t(i);
   }
 }
 
@@ -251,60 +248,25 @@ __global__ void update_nearest(std::int64_t n, const double* distances, const st
   }
 }
 
-/// cluster_bounds[c] and cluster_bounds[k + c]: the range of cluster c in the sorted assignment (zeroed before).
-__global__ void find_cluster_bounds(std::int64_t n, std::int32_t clusters, const std::int32_t* sorted,
-                                    std::int32_t* cluster_bounds) {
-  for (std::int64_t p = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; p < n; p += std::int64_t(gridDim.x) * blockDim.x) {
-    const std::int32_t c = sorted[p];
-    if (p == 0 || sorted[p - 1] != c) cluster_bounds[c] = std::int32_t(p);
-    if (p == n - 1 || sorted[p + 1] != c) cluster_bounds[clusters + c] = std::int32_t(p + 1);
-  }
-}
-
-/// One block per cluster: its centroid becomes the mean of its points, summed in ascending point order in
-/// double as on the CPU (then normalized for cosine, sequentially, as on the CPU); an empty cluster keeps its
-/// centroid.
-__global__ void update_centroids(const float* points, std::int32_t d, std::int32_t clusters, const std::int32_t* members,
-                                 const std::int32_t* cluster_bounds, bool cosine, MatrixView<float> centroids) {
+/// One block per cluster: a centroid that segment_mean just updated (a cluster with points) is normalized, in
+/// double and sequentially as on the CPU.
+__global__ void normalize_centroids(const std::int32_t* counts, MatrixView<float> centroids) {
   const int c = blockIdx.x;
-  const std::int32_t begin = cluster_bounds[c], end = cluster_bounds[clusters + c];
-  if (end <= begin) return;
+  if (threadIdx.x != 0 || counts[c] == 0) return;
   float* centroid = centroids.row(c);
-  for (int j = threadIdx.x; j < d; j += blockDim.x) {
-    double sum = 0.0;
-    for (std::int32_t m = begin; m < end; ++m) sum += points[std::int64_t(members[m]) * d + j];
-    centroid[j] = float(sum / double(end - begin));
-  }
-  if (!cosine) return;
-  __syncthreads();  // the block's writes to the centroid are visible to thread 0
-  if (threadIdx.x == 0) {
-    double square_sum = 0.0;
-    for (int j = 0; j < d; ++j) square_sum += double(centroid[j]) * centroid[j];
-    if (square_sum != 0.0) {
-      const float inverse = float(1.0 / sqrt(square_sum));
-      for (int j = 0; j < d; ++j) centroid[j] *= inverse;
-    }
+  double square_sum = 0.0;
+  for (int j = 0; j < centroids.cols; ++j) square_sum += double(centroid[j]) * centroid[j];
+  if (square_sum != 0.0) {
+    const float inverse = float(1.0 / sqrt(square_sum));
+    for (int j = 0; j < centroids.cols; ++j) centroid[j] *= inverse;
   }
 }
 
 }  // namespace
 
 cudaError_t kmeans_cub_bytes(std::int64_t n, std::size_t* bytes) {
-  std::size_t scan = 0, sort = 0;
-  if (cudaError_t s = cub::DeviceScan::InclusiveSum(nullptr, scan, static_cast<const double*>(nullptr),
-                                                    static_cast<double*>(nullptr), n);
-      s != cudaSuccess) {
-    return s;
-  }
-  if (cudaError_t s = cub::DeviceRadixSort::SortPairs(nullptr, sort, static_cast<const std::int32_t*>(nullptr),
-                                                      static_cast<std::int32_t*>(nullptr),
-                                                      static_cast<const std::int32_t*>(nullptr),
-                                                      static_cast<std::int32_t*>(nullptr), n);
-      s != cudaSuccess) {
-    return s;
-  }
-  *bytes = std::max(scan, sort);
-  return cudaSuccess;
+  return cub::DeviceScan::InclusiveSum(nullptr, *bytes, static_cast<const double*>(nullptr), static_cast<double*>(nullptr),
+                                       n);
 }
 
 template <class T>
@@ -316,7 +278,7 @@ cudaError_t launch_kmeans(const MatrixView<const T>& input, std::int32_t cluster
   const unsigned point_blocks = grid_stride_blocks(n, kKMeansThreads);
   const auto points = MatrixView<const float>::packed(b.points, n, d);
   prepare_points<<<point_blocks, kKMeansThreads, 0, stream>>>(input, cosine, b.points, b.norms);
-  fill_seeding_state<<<point_blocks, kKMeansThreads, 0, stream>>>(n, b.nearest, b.point_ids);
+  fill_seeding_state<<<point_blocks, kKMeansThreads, 0, stream>>>(n, b.nearest);
   if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
 
   const std::size_t candidate_bytes = std::size_t(per_step) * d * sizeof(float);
@@ -339,23 +301,13 @@ cudaError_t launch_kmeans(const MatrixView<const T>& input, std::int32_t cluster
   }
 
   const auto centroid_view = MatrixView<const float>{centroids.data, centroids.rows, centroids.cols, centroids.row_stride};
-  const int cluster_bits = std::max(1, int(std::bit_width(unsigned(clusters - 1))));
   for (std::int32_t it = 0; it < iterations; ++it) {
     if (cudaError_t s = launch_assign_nearest(points, centroid_view, cosine, assignment, stream); s != cudaSuccess) return s;
-    std::size_t sort_bytes = b.cub_temp_bytes;
-    if (cudaError_t s = cub::DeviceRadixSort::SortPairs(b.cub_temp, sort_bytes, static_cast<const std::int32_t*>(assignment),
-                                                        b.sorted_clusters, static_cast<const std::int32_t*>(b.point_ids),
-                                                        b.members, n, 0, cluster_bits, stream);
+    if (cudaError_t s = launch_segment_mean(points, assignment, clusters, nullptr, centroids, b.counts, b.segment_mean, stream);
         s != cudaSuccess) {
       return s;
     }
-    if (cudaError_t s = cudaMemsetAsync(b.cluster_bounds, 0, 2 * std::size_t(clusters) * sizeof(std::int32_t), stream);
-        s != cudaSuccess) {
-      return s;
-    }
-    find_cluster_bounds<<<point_blocks, kKMeansThreads, 0, stream>>>(n, clusters, b.sorted_clusters, b.cluster_bounds);
-    update_centroids<<<unsigned(clusters), 128, 0, stream>>>(b.points, d, clusters, b.members, b.cluster_bounds, cosine,
-                                                            centroids);
+    if (cosine) normalize_centroids<<<unsigned(clusters), 32, 0, stream>>>(b.counts, centroids);
     if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
   }
   return launch_assign_nearest(points, centroid_view, cosine, assignment, stream);

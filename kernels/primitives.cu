@@ -1,5 +1,6 @@
-// CUDA primitives: GEMV scores, row gather, batched RoPE; instantiated for the storage types the selectors
-// use. Top-K is in topk.cu, k-means assignment in kmeans.cu, deduplication in dedup.cu.
+// CUDA primitives: GEMV scores, row gather; instantiated for the storage types the selectors
+// use. Top-K is in topk.cu, k-means assignment in kmeans.cu, deduplication in dedup.cu, RoPE in
+// rope.cu.
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
 #include "kvsift/cuda/dtype.cuh"
 
@@ -30,25 +31,6 @@ __global__ void gather_rows_kernel(MatrixView<const T> src, const std::int32_t* 
   }
 }
 
-__global__ void rope_rows_kernel(MatrixView<float> rows, const std::int64_t* positions, RopeConfig rope, bool inverse) {
-  const int rotary = rope.resolved_rotary_dim(rows.cols), half = rotary / 2;
-  const std::int64_t total = rows.rows * half;
-  for (std::int64_t e = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; e < total; e += std::int64_t(gridDim.x) * blockDim.x) {
-    const std::int64_t r = e / half;
-    const int i = int(e % half);
-    const double inv_freq = pow(rope.theta, -2.0 * i / rotary);
-    const double angle = (inverse ? -1.0 : 1.0) * double(positions[r]) * inv_freq;
-    double s, c;
-    sincos(angle, &s, &c);
-    const int a = rope.layout == RopeLayout::neox ? i : 2 * i;
-    const int b = rope.layout == RopeLayout::neox ? i + half : 2 * i + 1;
-    float* x = rows.row(r);
-    const double xa = x[a], xb = x[b];
-    x[a] = float(xa * c - xb * s);
-    x[b] = float(xa * s + xb * c);
-  }
-}
-
 }  // namespace
 
 template <class T>
@@ -63,13 +45,6 @@ template <class T>
 cudaError_t launch_gather_rows(const MatrixView<const T>& src, const std::int32_t* indices, std::int64_t count,
                                const MatrixView<T>& dst, cudaStream_t stream) {
   gather_rows_kernel<T><<<grid_stride_blocks(count * src.cols, kThreads), kThreads, 0, stream>>>(src, indices, count, dst);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_apply_rope_rows(const MatrixView<float>& rows, const std::int64_t* positions, const RopeConfig& rope,
-                                   bool inverse, cudaStream_t stream) {
-  rope_rows_kernel<<<grid_stride_blocks(rows.rows * (rope.resolved_rotary_dim(rows.cols) / 2), kThreads), kThreads, 0, stream>>>(
-      rows, positions, rope, inverse);
   return cudaGetLastError();
 }
 

@@ -78,7 +78,7 @@ void reduce_lists(const char* where, const InvertedListsView<const T>& lists, co
 }  // namespace
 
 std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t list_capacity,
-                                           const ThreadPool* pool) {
+                                           bool /*with_scores*/, const ThreadPool* pool) {
   constexpr const char* where = "cpu::list_reduction_workspace_bytes";
   KVSIFT_CHECK(rows > 0 && chosen_capacity > 0 && list_capacity > 0, where,
                "rows (= {}), chosen_capacity (= {}) and list_capacity (= {}) must be positive", rows, chosen_capacity,

@@ -10,7 +10,9 @@
 #include "kvsift/core/kmeans_seeding.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
+#include "kvsift/cpu/context.hpp"
 #include "kvsift/cpu/detail/primitives_kernels.hpp"
+#include "kvsift/cpu/segment_mean.hpp"
 #include "kvsift/cpu/simd.hpp"
 
 namespace kvsift::cpu {
@@ -190,16 +192,6 @@ std::size_t sort_unique(std::span<std::int32_t> indices) {
   return std::size_t(std::unique(indices.begin(), indices.end()) - indices.begin());
 }
 
-void apply_rope_rows(const MatrixView<float>& rows, std::span<const std::int64_t> positions, const RopeConfig& rope,
-                     bool inverse) {
-  constexpr const char* where = "cpu::apply_rope_rows";
-  validate(rows, where, "rows");
-  validate(rope, rows.cols, where);
-  KVSIFT_CHECK(positions.size() == std::size_t(rows.rows), where, "positions.size() (= {}) != rows.rows (= {})",
-               positions.size(), rows.rows);
-  for (std::int64_t i = 0; i < rows.rows; ++i) apply_rope(rows.row(i), rows.cols, positions[i], rope, inverse);
-}
-
 void assign_nearest(const MatrixView<const float>& points, const MatrixView<const float>& centroids, KMeansMetric metric,
                     std::span<std::int32_t> assignment, ThreadPool* pool) {
   constexpr const char* where = "cpu::assign_nearest";
@@ -324,22 +316,16 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
       assign_nearest(xs, cs, config.metric, result.assignment, pool);
     }
   };
-  std::vector<double> sums(std::size_t(k) * d);
-  std::vector<std::int64_t> counts(static_cast<std::size_t>(k));
+  // Each centroid becomes the mean of its points (segment_mean: fp64 sums in ascending point order, as
+  // cuda::kmeans's update); an empty cluster keeps its centroid.
+  const auto centroid_rows = MatrixView<float>::packed(result.centroids.data(), k, d);
+  Array<std::byte> update_workspace(segment_mean_workspace_bytes(n, k));
+  std::vector<std::int32_t> counts(static_cast<std::size_t>(k));
   for (std::int32_t it = 0; it < config.iterations; ++it) {
     assign();
-    std::fill(sums.begin(), sums.end(), 0.0);
-    std::fill(counts.begin(), counts.end(), 0);
-    for (std::int64_t i = 0; i < n; ++i) {
-      const std::int32_t c = result.assignment[i];
-      ++counts[c];
-      for (std::int32_t j = 0; j < d; ++j) sums[std::size_t(c) * d + j] += xs.row(i)[j];
-    }
-    for (std::int32_t c = 0; c < k; ++c) {
-      if (counts[c] == 0) continue;  // an empty cluster keeps its centroid
-      float* centroid = &result.centroids[std::size_t(c) * d];
-      for (std::int32_t j = 0; j < d; ++j) centroid[j] = float(sums[std::size_t(c) * d + j] / double(counts[c]));
-      if (config.metric == KMeansMetric::cosine) normalize(centroid, d);
+    segment_mean(xs, result.assignment.data(), k, nullptr, centroid_rows, counts.data(), update_workspace.bytes(), pool);
+    for (std::int32_t c = 0; c < k && config.metric == KMeansMetric::cosine; ++c) {
+      if (counts[c] > 0) normalize(centroid_rows.row(c), d);
     }
   }
   assign();  // the returned assignment matches the returned centroids

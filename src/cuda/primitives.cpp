@@ -59,10 +59,8 @@ detail::KMeansBuffers layout_kmeans(WorkspaceLayout& layout, std::int64_t n, std
                                          "kmeans candidate potentials");
   b.candidates = layout.allocate<std::int32_t>(std::size_t(b.candidates_per_step), "kmeans candidates");
   b.step = layout.allocate<std::int32_t>(3, "kmeans step state");
-  b.point_ids = layout.allocate<std::int32_t>(points, "kmeans point ids");
-  b.sorted_clusters = layout.allocate<std::int32_t>(points, "kmeans sorted assignment");
-  b.members = layout.allocate<std::int32_t>(points, "kmeans cluster members");
-  b.cluster_bounds = layout.allocate<std::int32_t>(2 * std::size_t(clusters), "kmeans cluster bounds");
+  b.counts = layout.allocate<std::int32_t>(std::size_t(clusters), "kmeans cluster counts");
+  b.segment_mean = detail::layout_segment_mean(layout, n, clusters);
   b.cub_temp = layout.allocate<std::byte>(b.cub_temp_bytes, "kmeans cub temporary storage");
   return b;
 }
@@ -199,15 +197,6 @@ void gather_rows(const MatrixView<const T>& src, const std::int32_t* d_indices, 
   KVSIFT_CHECK(count >= 0 && count <= dst.rows, where, "count (= {}) is outside [0, dst.rows = {}]", count, dst.rows);
   KVSIFT_CHECK(d_indices != nullptr || count == 0, where, "d_indices is a null pointer");
   if (count > 0) KVSIFT_CUDA_CHECK(detail::launch_gather_rows(src, d_indices, count, dst, stream));
-}
-
-void apply_rope_rows(const MatrixView<float>& rows, const std::int64_t* d_positions, const RopeConfig& rope, bool inverse,
-                     cudaStream_t stream) {
-  constexpr const char* where = "cuda::apply_rope_rows";
-  validate(rows, where, "rows");
-  validate(rope, rows.cols, where);
-  KVSIFT_CHECK(d_positions != nullptr, where, "d_positions is a null pointer");
-  KVSIFT_CUDA_CHECK(detail::launch_apply_rope_rows(rows, d_positions, rope, inverse, stream));
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                     \

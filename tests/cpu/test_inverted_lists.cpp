@@ -68,7 +68,7 @@ void check_reductions(Random& rng, bool by_key, bool weights, cpu::ThreadPool* p
   std::vector<float> sums(out.indices.size(), test::kPoison);
   const auto sums_view = MatrixView<float>::packed(sums.data(), std::int64_t(p.batch) * p.kv_heads, capacity);
   Workspace ws(cpu::list_reduction_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, p.chosen.view.capacity,
-                                                   p.list_capacity, pool));
+                                                   p.list_capacity, by_key, pool));
   if (by_key) {
     cpu::reduce_lists_by_key(lists, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view, sums_view,
                              ws.span(), pool);
@@ -82,12 +82,19 @@ void check_reductions(Random& rng, bool by_key, bool weights, cpu::ThreadPool* p
     for (const auto& [id, sum] : expected[r]) {
       const std::size_t at = r * capacity + i++;
       EXPECT_EQ(out.indices[at], id) << "row " << r;
-      if (weights) EXPECT_EQ(out.log_weights[at], 0.0f);
-      if (by_key) EXPECT_EQ(std::memcmp(&sums[at], &sum, sizeof(float)), 0) << "row " << r << " id " << id << ": " << sums[at] << " vs " << sum;
+      if (weights) {
+        EXPECT_EQ(out.log_weights[at], 0.0f);
+      }
+      if (by_key) {
+        EXPECT_EQ(std::memcmp(&sums[at], &sum, sizeof(float)), 0) << "row " << r << " id " << id << ": " << sums[at]
+                                                                  << " vs " << sum;
+      }
     }
     for (std::int32_t j = i; j < capacity; ++j) {
       EXPECT_EQ(out.indices[r * capacity + j], test::kPoisonIndex) << "written past the count";
-      if (by_key) EXPECT_TRUE(std::isnan(sums[r * capacity + j])) << "sum written past the count";
+      if (by_key) {
+        EXPECT_TRUE(std::isnan(sums[r * capacity + j])) << "sum written past the count";
+      }
     }
   }
 }
@@ -111,7 +118,7 @@ TEST_F(InvertedLists, UnionOfListsWithoutScores) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   ListsProblem<half> p(rng, 3, 2, 5, 6, 3, 30, false);
   test::HostSelection out(p.batch, p.kv_heads, 3 * 6, false);
-  Workspace ws(cpu::list_reduction_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, 3, 6));
+  Workspace ws(cpu::list_reduction_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, 3, 6, false));
   cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view,
                    ws.span());
   const auto expected = reference_sums(p);
@@ -252,7 +259,7 @@ TEST_F(InvertedLists, BadInputIsRefused) {
   ListsProblem<float> p(rng, 2, 2, 4, 5, 3, 30);
   const auto lists = p.view();
   test::HostSelection out(p.batch, p.kv_heads, 15, false);
-  Workspace ws(cpu::list_reduction_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, 3, 5));
+  Workspace ws(cpu::list_reduction_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, 3, 5, false));
   const auto run_union = [&](InvertedListsView<const float> l, const SelectionView& chosen, const SelectionView& o,
                              std::span<std::byte> w) {
     cpu::union_lists(l, chosen, p.slots.data(), p.lengths.data(), p.window, o, w);
@@ -309,7 +316,7 @@ TEST_F(InvertedLists, BadInputIsRefused) {
     cpu::reduce_lists_by_key(lists.as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view,
                              MatrixView<float>::packed(sums.data(), 4, 14), ws.span());
   }, "sums is [4, 14], not [out.batch * kv_heads = 4, >= out.capacity = 15]");
-  test::expect_error([&] { cpu::list_reduction_workspace_bytes(0, 3, 5); }, "rows (= 0)");
+  test::expect_error([&] { cpu::list_reduction_workspace_bytes(0, 3, 5, false); }, "rows (= 0)");
 
   // try_insert_lists
   std::vector<float> s(std::size_t(p.batch) * p.kv_heads * p.lists, 1.0f);

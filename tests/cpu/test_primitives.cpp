@@ -100,23 +100,6 @@ TEST_F(CpuPrimitives, TopKAgreesWithAFullSortUnderTheTieRule) {
   }
 }
 
-TEST_F(CpuPrimitives, RopeRowsMatchSingleVectorRopeAndInvert) {
-  const std::int32_t n = 9, d = 64;
-  auto rows = rng.normal(std::size_t(n) * d);
-  const auto original = rows;
-  std::vector<std::int64_t> pos(n);
-  for (auto& p : pos) p = rng.uniform_int(0, 100000);
-  const RopeConfig cfg{.theta = 500000.0, .layout = RopeLayout::interleaved};
-  cpu::apply_rope_rows(MatrixView<float>::packed(rows.data(), n, d), pos, cfg);
-  for (std::int32_t i = 0; i < n; ++i) {
-    std::vector<float> one(original.begin() + i * d, original.begin() + (i + 1) * d);
-    apply_rope(one.data(), d, pos[i], cfg);
-    for (std::int32_t c = 0; c < d; ++c) ASSERT_EQ(rows[std::size_t(i) * d + c], one[c]);
-  }
-  cpu::apply_rope_rows(MatrixView<float>::packed(rows.data(), n, d), pos, cfg, /*inverse=*/true);
-  for (std::size_t i = 0; i < rows.size(); ++i) ASSERT_NEAR(rows[i], original[i], 1e-4f);
-}
-
 TEST_F(CpuPrimitives, KMeansRecoversPlantedClustersAndIsDeterministic) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   for (const auto& [metric, level] : {std::pair{cpu::KMeansMetric::l2, cpu::SimdLevel::scalar},

@@ -18,11 +18,12 @@
 
 namespace kvsift::cpu {
 
-/// Bytes of host workspace of union_lists and reduce_lists_by_key for `rows` selection rows (batch * kv_heads)
-/// choosing up to `chosen_capacity` lists of `list_capacity` entries: 8 * chosen_capacity * list_capacity bytes
-/// for each of min(rows, threads) threads. A run on a larger pool than the query's is refused.
+/// Bytes of host workspace of union_lists (with_scores false) and reduce_lists_by_key (true) for `rows` selection
+/// rows (batch * kv_heads) choosing up to `chosen_capacity` lists of `list_capacity` entries: 8 * chosen_capacity *
+/// list_capacity bytes for each of min(rows, threads) threads, either way (with_scores keeps the CUDA twin's
+/// arguments). A run on a larger pool than the query's is refused.
 std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t list_capacity,
-                                           const ThreadPool* pool = nullptr);
+                                           bool with_scores, const ThreadPool* pool = nullptr);
 
 /// The union of the chosen lists (CTKVR's recall): for selection row (b, h), the lists chosen.row(b, h)[0,
 /// count) of slot slots[b], kv head h; out.row(b, h) receives every distinct id of their entries that lies in
@@ -34,7 +35,7 @@ std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chose
 /// Shapes: chosen and out [batch, lists.kv_heads]; slots and lengths [batch]. Refused: a slot outside [0,
 /// lists.slots), a negative length, a chosen count outside [0, chosen.capacity], a list id outside [0,
 /// lists.lists), a chosen list's count outside [0, list_capacity], more than 2^31 - 1 entries in all.
-/// workspace: list_reduction_workspace_bytes(batch * kv_heads, chosen.capacity, lists.list_capacity, pool).
+/// workspace: list_reduction_workspace_bytes(batch * kv_heads, chosen.capacity, lists.list_capacity, false, pool).
 template <class T>
 void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
                  const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
@@ -45,7 +46,7 @@ void union_lists(const InvertedListsView<const T>& lists, const SelectionView& c
 /// out.row(b, h)[i], added in the order of the entries (chosen list by chosen list, then position in the list),
 /// starting from 0.0f. A list chosen twice counts twice. Candidates for a top-K over sparse (id, score) pairs.
 /// Log-weights, if out has them, are 0. Requires lists.scores; sums [batch * kv_heads, >= out.capacity]. Same
-/// refusals and workspace as union_lists.
+/// refusals as union_lists; workspace: list_reduction_workspace_bytes(..., true, pool).
 template <class T>
 void reduce_lists_by_key(const InvertedListsView<const T>& lists, const SelectionView& chosen,
                          const std::int32_t* slots, const std::int32_t* lengths, const AttentionWindow& window,

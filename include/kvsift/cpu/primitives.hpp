@@ -1,7 +1,8 @@
 #pragma once
 /// CPU primitives shared by every selector (no selector writes its own): scoring the decode query's GQA
 /// groups against the KV cache, scoring a query against many vectors, gathering rows, index deduplication,
-/// k-means, batched RoPE. Top-K lives in cpu/topk.hpp.
+/// k-means. Top-K lives in cpu/topk.hpp, RoPE in cpu/rope.hpp,
+/// segment means in cpu/segment_mean.hpp.
 /// Host memory. Deterministic: the same inputs (and seed) give the same outputs, whatever the thread count.
 
 #include <cstddef>
@@ -75,10 +76,6 @@ void gather_rows(const MatrixView<const T>& src, std::span<const std::int32_t> i
 
 /// Sorts indices ascending and removes repeats; returns the number of distinct indices, which now lead.
 std::size_t sort_unique(std::span<std::int32_t> indices);
-
-/// Rotates each row of `rows` (head_dim = rows.cols) for its position (positions[i]), or undoes it.
-void apply_rope_rows(const MatrixView<float>& rows, std::span<const std::int64_t> positions, const RopeConfig& rope,
-                     bool inverse = false);
 
 enum class KMeansMetric : std::uint8_t {
   l2,      ///< nearest centroid by squared Euclidean distance; centroid = mean

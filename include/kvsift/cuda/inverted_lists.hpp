@@ -3,7 +3,8 @@
 /// Device memory for every pointer and view; stream-ordered; no allocation, no host sync; CUDA-graph capturable;
 /// deterministic; reentrant with distinct outputs and workspaces. Results equal the CPU's bit for bit, the sums
 /// of reduce_lists_by_key included (a stable segmented sort keeps the entries' order among equal ids, and one
-/// thread adds each id's scores in that order, as the CPU does).
+/// thread adds each id's scores in that order, as the CPU does). A NaN sum is NaN on both, its payload may differ;
+/// scores stored by the updates are rounded by core/dtype.hpp's conversion on both, NaN bits included.
 ///
 /// Shapes are checked on the host before the launch as on the CPU; the arrays' contents (slots, lengths, chosen
 /// list ids and counts, list counts, cursors, ids) live on the device and are not, so each function defines what

@@ -1,6 +1,6 @@
 #pragma once
 /// CUDA twins of the CPU primitives (cpu/primitives.hpp), with the same results: group scores, GEMV scores,
-/// row gather, batched RoPE, k-means and its assignment step, index deduplication. Top-K lives in cuda/topk.hpp.
+/// row gather, k-means and its assignment step, index deduplication. Top-K lives in cuda/topk.hpp.
 /// Device memory; caller-owned workspace where one is needed (size from the matching *_workspace_bytes
 /// query); no allocation, no host sync; stream-ordered; reentrant (concurrent calls need distinct
 /// workspaces). DeviceKMeansAssigner is the one exception: an owning adapter for cpu::kmeans (see there).
@@ -26,10 +26,6 @@ void gemv_scores(const float* d_q, const MatrixView<const T>& rows, float scale,
 template <class T>
 void gather_rows(const MatrixView<const T>& src, const std::int32_t* d_indices, std::int64_t count,
                  const MatrixView<T>& dst, cudaStream_t stream);
-
-/// Rotates row i of `rows` for position positions[i] (fp64 angles, as the CPU path), or undoes the rotation.
-void apply_rope_rows(const MatrixView<float>& rows, const std::int64_t* d_positions, const RopeConfig& rope,
-                     bool inverse, cudaStream_t stream);
 
 /// Per row r < rows: sorts indices [r * capacity, r * capacity + counts[r]) ascending and removes repeats in
 /// place (the distinct values lead the row; entries past them are unspecified) and sets unique_counts[r] to

@@ -8,8 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kvsift/core/rope.hpp"
 #include "kvsift/core/views.hpp"
+#include "kvsift/cuda/detail/segment_mean_launch.hpp"
 
 namespace kvsift::cuda::detail {
 
@@ -18,7 +18,7 @@ inline unsigned grid_stride_blocks(std::int64_t items, int threads) {
   return unsigned(std::clamp<std::int64_t>((items + threads - 1) / threads, 1, 65535 * 8));
 }
 
-// ---- scoring, gather, RoPE ------------------------------------------------------------------------------
+// ---- scoring, gather ------------------------------------------------------------------------------
 
 template <class T>
 cudaError_t launch_gemv_scores(const float* q, const MatrixView<const T>& rows, float scale, float* scores,
@@ -27,9 +27,6 @@ cudaError_t launch_gemv_scores(const float* q, const MatrixView<const T>& rows, 
 template <class T>
 cudaError_t launch_gather_rows(const MatrixView<const T>& src, const std::int32_t* indices, std::int64_t count,
                                const MatrixView<T>& dst, cudaStream_t stream);
-
-cudaError_t launch_apply_rope_rows(const MatrixView<float>& rows, const std::int64_t* positions, const RopeConfig& rope,
-                                   bool inverse, cudaStream_t stream);
 
 // ---- k-means assignment ---------------------------------------------------------------------------------
 
@@ -49,10 +46,8 @@ struct KMeansBuffers {
   double* potentials;            ///< [distance_blocks, candidates_per_step]: per-block sums of min(nearest, distance)
   std::int32_t* candidates;      ///< [candidates_per_step]
   std::int32_t* step;            ///< [3]: candidates drawn this step, slot chosen, point chosen
-  std::int32_t* point_ids;       ///< [n]: 0, 1, ..., n - 1
-  std::int32_t* sorted_clusters; ///< [n]: the assignment, sorted
-  std::int32_t* members;         ///< [n]: point ids in that order (stable: ascending within a cluster)
-  std::int32_t* cluster_bounds;  ///< [2, clusters]: begin and end of each cluster's members
+  std::int32_t* counts;          ///< [clusters]: points per cluster after an update
+  SegmentMeanBuffers segment_mean;  ///< the centroid updates' workspace
   void* cub_temp;
   std::size_t cub_temp_bytes;
   std::int32_t candidates_per_step;
@@ -66,7 +61,7 @@ inline std::int32_t kmeans_distance_blocks(std::int64_t n) {
   return std::int32_t((n + kKMeansDistanceThreads - 1) / kKMeansDistanceThreads);
 }
 
-/// Temporary storage of the CUB prefix sum (seeding) and radix sort (centroid updates).
+/// Temporary storage of the seeding's CUB prefix sum.
 cudaError_t kmeans_cub_bytes(std::int64_t n, std::size_t* bytes);
 
 /// The whole of cuda::kmeans: seeding, `iterations` Lloyd steps and the final assignment, stream-ordered.

@@ -1,0 +1,42 @@
+#pragma once
+/// RoPE on the CPU on the storage types (core/rope.hpp has the configuration, the scalings and the table
+/// view): fill a cos/sin table once per config, then rotate query heads or key rows in place by their positions,
+/// undo that, or rotate by a signed position delta. The twin of cuda/rope.hpp, with the same arguments but the
+/// pool and the same results, bit for bit from the same table (the rotation: core/rope.hpp rope_rotate_pair,
+/// one fp32 rounding and one to the storage type). Host memory; no allocation; every argument is checked,
+/// positions included. Threads: rows on `pool` (nullptr: the calling thread); results do not depend on it.
+
+#include <cstdint>
+
+#include "kvsift/core/rope.hpp"
+#include "kvsift/core/views.hpp"
+#include "kvsift/cpu/thread_pool.hpp"
+
+namespace kvsift::cpu {
+
+/// Fills table.cos and table.sin for positions [0, table.positions) (fp64 angles, rounded once). The table
+/// must be RopeTableView::make(config, head_dim, positions, ...) for some head_dim: its layout and attention
+/// factor are the config's. Refused: an invalid config, positions <= 0, null arrays.
+void build_rope_table(const RopeConfig& config, const RopeTableView& table, ThreadPool* pool = nullptr);
+
+/// Rotates every head vector of batch row b of x [batch, heads, head_dim] to position positions[b] (times the
+/// table's attention factor), or with inverse undoes that rotation (divided by it). fp32 math, x in half,
+/// bfloat16 or float, rounded once to T. Refused: a position outside [0, table.positions), a table rotary_dim
+/// above head_dim, null pointers.
+template <class T>
+void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, const RopeTableView& table, bool inverse,
+                ThreadPool* pool = nullptr);
+
+/// The same on the rows of a matrix [rows, head_dim] (keys; one position per row).
+template <class T>
+void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const RopeTableView& table, bool inverse,
+                ThreadPool* pool = nullptr);
+
+/// Rotates every head vector of batch row b of x, already rotated to some position p, by deltas[b] positions
+/// (negative: back), so that it is at p + deltas[b]: A²ATS's qR_b, the post-RoPE query rotated by b - p. The
+/// attention factor is not applied (x carries it already). Refused: |deltas[b]| >= table.positions.
+template <class T>
+void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* deltas, const RopeTableView& table,
+                     ThreadPool* pool = nullptr);
+
+}  // namespace kvsift::cpu

@@ -1,0 +1,32 @@
+#pragma once
+/// RoPE on CUDA: cpu/rope.hpp's twin, with the same arguments but the stream and the same results (bit for bit
+/// from the same table; a table built on the GPU may differ from the CPU's in the last bit of a few entries,
+/// where the device's fp64 pow, log, cos or sin round differently from the host's). Device memory (positions,
+/// deltas and the table too); one launch each, no allocation, no host sync; stream-ordered and CUDA-graph
+/// capturable. Positions live on the device, so they cannot be checked before the launch: a row whose position
+/// or |delta| is outside [0, table.positions) is written as NaN in its rotary channels.
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kvsift/core/rope.hpp"
+#include "kvsift/core/views.hpp"
+
+namespace kvsift::cuda {
+
+void build_rope_table(const RopeConfig& config, const RopeTableView& table, cudaStream_t stream);
+
+template <class T>
+void apply_rope(const HeadsView<T>& x, const std::int32_t* d_positions, const RopeTableView& table, bool inverse,
+                cudaStream_t stream);
+
+template <class T>
+void apply_rope(const MatrixView<T>& rows, const std::int32_t* d_positions, const RopeTableView& table, bool inverse,
+                cudaStream_t stream);
+
+template <class T>
+void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* d_deltas, const RopeTableView& table,
+                     cudaStream_t stream);
+
+}  // namespace kvsift::cuda

@@ -1,0 +1,114 @@
+// RoPE on the CPU (cpu/rope.hpp): the table and the rotations, on core/rope.hpp's shared math.
+#include "kvsift/cpu/rope.hpp"
+
+#include <cstdlib>
+
+#include "kvsift/core/detail/rope_checks.hpp"
+#include "kvsift/core/dtype.hpp"
+
+namespace kvsift::cpu {
+namespace {
+
+/// Rotates one vector by `delta` positions (the inverse rotation with `inverse`), times `scale`.
+template <class T>
+void rotate_vector(T* v, const RopeTableView& table, std::int64_t delta, bool inverse, double scale) {
+  const std::int32_t half = table.pairs();
+  for (std::int32_t i = 0; i < half; ++i) {
+    float c = 0.0f, s = 0.0f;
+    rope_lookup(table, delta, inverse, i, c, s);  // the caller checked |delta|
+    std::int32_t a = 0, b = 0;
+    rope_pair(table.layout, i, half, a, b);
+    float xa = to_float(v[a]), xb = to_float(v[b]);
+    rope_rotate_pair(xa, xb, c, s, scale);
+    v[a] = from_float<T>(xa);
+    v[b] = from_float<T>(xb);
+  }
+}
+
+void check_positions(const char* where, const std::int32_t* positions, std::int64_t count, const RopeTableView& table) {
+  for (std::int64_t r = 0; r < count; ++r) {
+    KVSIFT_CHECK(positions[r] >= 0 && positions[r] < table.positions, where,
+                 "positions[{}] (= {}) is outside the table's positions [0, {})", r, positions[r], table.positions);
+  }
+}
+
+void check_deltas(const char* where, const std::int32_t* deltas, std::int64_t count, const RopeTableView& table) {
+  for (std::int64_t r = 0; r < count; ++r) {
+    KVSIFT_CHECK(std::llabs(deltas[r]) < table.positions, where,
+                 "|deltas[{}]| (= |{}|) is not below the table's positions (= {})", r, deltas[r], table.positions);
+  }
+}
+
+/// Rotates the heads of batch row b by amount[b] (a position or a delta).
+template <class T>
+void rotate_heads(const HeadsView<T>& x, const std::int32_t* amount, const RopeTableView& table, bool inverse,
+                  double scale, ThreadPool* pool) {
+  parallel_for(pool, std::int64_t(x.batch) * x.heads, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t e = begin; e < end; ++e) {
+      const std::int64_t b = e / x.heads, h = e % x.heads;
+      rotate_vector(x.row(b, h), table, amount[b], inverse, scale);
+    }
+  });
+}
+
+double forward_scale(const RopeTableView& table, bool inverse) {
+  return inverse ? 1.0 / double(table.attention_factor) : double(table.attention_factor);
+}
+
+}  // namespace
+
+void build_rope_table(const RopeConfig& config, const RopeTableView& table, ThreadPool* pool) {
+  constexpr const char* where = "cpu::build_rope_table";
+  kvsift::detail::check_rope_table_build(where, config, table);
+  // A pair's column at a time: its inverse frequency is evaluated once.
+  const std::int32_t half = table.pairs();
+  parallel_for(pool, half, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const double inv_freq = config.inv_freq(std::int32_t(i), table.rotary_dim);
+      for (std::int32_t p = 0; p < table.positions; ++p) {
+        const std::int64_t e = std::int64_t(p) * half + i;
+        rope_table_entry(inv_freq, p, table.cos[e], table.sin[e]);
+      }
+    }
+  });
+}
+
+template <class T>
+void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, const RopeTableView& table, bool inverse,
+                ThreadPool* pool) {
+  constexpr const char* where = "cpu::apply_rope";
+  kvsift::detail::check_rope_rows(where, x, positions, table, "positions");
+  check_positions(where, positions, x.batch, table);
+  rotate_heads(x, positions, table, inverse, forward_scale(table, inverse), pool);
+}
+
+template <class T>
+void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const RopeTableView& table, bool inverse,
+                ThreadPool* pool) {
+  constexpr const char* where = "cpu::apply_rope";
+  kvsift::detail::check_rope_rows(where, rows, positions, table, "positions");
+  check_positions(where, positions, rows.rows, table);
+  const double scale = forward_scale(table, inverse);
+  parallel_for(pool, rows.rows, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) rotate_vector(rows.row(r), table, positions[r], inverse, scale);
+  });
+}
+
+template <class T>
+void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* deltas, const RopeTableView& table, ThreadPool* pool) {
+  constexpr const char* where = "cpu::rotate_by_delta";
+  kvsift::detail::check_rope_rows(where, x, deltas, table, "deltas");
+  check_deltas(where, deltas, x.batch, table);
+  rotate_heads(x, deltas, table, /*inverse=*/false, 1.0, pool);
+}
+
+#define KVSIFT_INSTANTIATE(T)                                                                                   \
+  template void apply_rope<T>(const HeadsView<T>&, const std::int32_t*, const RopeTableView&, bool, ThreadPool*); \
+  template void apply_rope<T>(const MatrixView<T>&, const std::int32_t*, const RopeTableView&, bool, ThreadPool*); \
+  template void rotate_by_delta<T>(const HeadsView<T>&, const std::int32_t*, const RopeTableView&, ThreadPool*);
+KVSIFT_INSTANTIATE(float)
+KVSIFT_INSTANTIATE(half)
+KVSIFT_INSTANTIATE(bfloat16)
+#undef KVSIFT_INSTANTIATE
+
+}  // namespace kvsift::cpu

@@ -1,0 +1,68 @@
+// RoPE on CUDA (cuda/rope.hpp): the checks shared with the CPU (device contents unread), then the launchers
+// of kernels/rope.cu.
+#include "kvsift/cuda/rope.hpp"
+
+#include "kvsift/core/detail/rope_checks.hpp"
+#include "kvsift/core/dtype.hpp"
+#include "kvsift/cuda/check.hpp"
+#include "kvsift/cuda/detail/rope_launch.hpp"
+
+namespace kvsift::cuda {
+namespace {
+
+constexpr std::int32_t kMaxTableRotaryDim = 2 * 48 * 1024 / 8;
+
+double forward_scale(const RopeTableView& table, bool inverse) {
+  return inverse ? 1.0 / double(table.attention_factor) : double(table.attention_factor);
+}
+
+template <class T>
+detail::RopeRows<T> heads_rows(const HeadsView<T>& x) {
+  return {x.data, x.batch, x.heads, x.batch_stride, x.head_stride};
+}
+
+}  // namespace
+
+void build_rope_table(const RopeConfig& config, const RopeTableView& table, cudaStream_t stream) {
+  constexpr const char* where = "cuda::build_rope_table";
+  kvsift::detail::check_rope_table_build(where, config, table);
+  KVSIFT_CHECK(table.rotary_dim <= kMaxTableRotaryDim, where,
+               "table.rotary_dim (= {}) exceeds {}: the kernel keeps the inverse frequencies in 48 KiB of shared memory",
+               table.rotary_dim, kMaxTableRotaryDim);
+  KVSIFT_CUDA_CHECK(detail::launch_build_rope_table(config, table, stream));
+}
+
+template <class T>
+void apply_rope(const HeadsView<T>& x, const std::int32_t* d_positions, const RopeTableView& table, bool inverse,
+                cudaStream_t stream) {
+  kvsift::detail::check_rope_rows("cuda::apply_rope", x, d_positions, table, "d_positions");
+  KVSIFT_CUDA_CHECK(detail::launch_rope(heads_rows(x), d_positions, table, /*delta=*/false, inverse,
+                                        forward_scale(table, inverse), stream));
+}
+
+template <class T>
+void apply_rope(const MatrixView<T>& rows, const std::int32_t* d_positions, const RopeTableView& table, bool inverse,
+                cudaStream_t stream) {
+  kvsift::detail::check_rope_rows("cuda::apply_rope", rows, d_positions, table, "d_positions");
+  const detail::RopeRows<T> r{rows.data, rows.rows, 1, rows.row_stride, 0};
+  KVSIFT_CUDA_CHECK(
+      detail::launch_rope(r, d_positions, table, /*delta=*/false, inverse, forward_scale(table, inverse), stream));
+}
+
+template <class T>
+void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* d_deltas, const RopeTableView& table,
+                     cudaStream_t stream) {
+  kvsift::detail::check_rope_rows("cuda::rotate_by_delta", x, d_deltas, table, "d_deltas");
+  KVSIFT_CUDA_CHECK(detail::launch_rope(heads_rows(x), d_deltas, table, /*delta=*/true, /*inverse=*/false, 1.0, stream));
+}
+
+#define KVSIFT_INSTANTIATE(T)                                                                                      \
+  template void apply_rope<T>(const HeadsView<T>&, const std::int32_t*, const RopeTableView&, bool, cudaStream_t); \
+  template void apply_rope<T>(const MatrixView<T>&, const std::int32_t*, const RopeTableView&, bool, cudaStream_t); \
+  template void rotate_by_delta<T>(const HeadsView<T>&, const std::int32_t*, const RopeTableView&, cudaStream_t);
+KVSIFT_INSTANTIATE(float)
+KVSIFT_INSTANTIATE(half)
+KVSIFT_INSTANTIATE(bfloat16)
+#undef KVSIFT_INSTANTIATE
+
+}  // namespace kvsift::cuda

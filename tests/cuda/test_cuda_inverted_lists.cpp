@@ -1,0 +1,348 @@
+// CUDA inverted lists (cuda/inverted_lists.hpp) against their CPU twins (whose tests check them against std::set
+// and std::map references), bit for bit: union, reduce by key (the fp32 sums included), try-insert and FIFO
+// replacement over several steps, fp32 and fp16 scores, outputs poisoned first. Also: the reductions and an update
+// captured in a CUDA graph and replayed equal the eager run, the device-value rules, and the host-side refusals
+// (which run without a GPU).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "cuda/gpu_test.hpp"
+#include "inverted_lists_problem.hpp"
+#include "kvsift/cpu/context.hpp"
+#include "kvsift/cpu/inverted_lists.hpp"
+#include "kvsift/cuda/inverted_lists.hpp"
+#include "test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using test::DeviceBuffer;
+using test::ListsProblem;
+using test::Random;
+
+template <class T>
+bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+/// A ListsProblem's arrays on the device.
+template <class T>
+struct DeviceLists {
+  DeviceBuffer<std::int32_t> ids, counts, cursors, slots, lengths, chosen_indices, chosen_counts;
+  DeviceBuffer<T> scores;
+  explicit DeviceLists(const ListsProblem<T>& p)
+      : ids(p.ids), counts(p.counts), cursors(p.cursors), slots(p.slots), lengths(p.lengths),
+        chosen_indices(p.chosen.indices), chosen_counts(p.chosen.counts),
+        scores(p.scores.empty() ? DeviceBuffer<T>() : DeviceBuffer<T>(p.scores)) {}
+  void upload(const ListsProblem<T>& p) {
+    ids.upload(p.ids);
+    counts.upload(p.counts);
+    cursors.upload(p.cursors);
+    if (!p.scores.empty()) scores.upload(p.scores);
+  }
+  InvertedListsView<T> view(const ListsProblem<T>& p) const {
+    return {ids.data(), p.scores.empty() ? nullptr : scores.data(), counts.data(), cursors.data(),
+            p.slot_count, p.kv_heads, p.lists, p.list_capacity};
+  }
+  SelectionView chosen(const ListsProblem<T>& p) const {
+    auto v = p.chosen.view;
+    v.indices = chosen_indices.data();
+    v.counts = chosen_counts.data();
+    return v;
+  }
+};
+
+/// Device selection buffers, poisoned (indices and counts -1, weights and sums NaN).
+struct DeviceOut {
+  DeviceBuffer<std::int32_t> indices, counts;
+  DeviceBuffer<float> weights, sums;
+  SelectionView view;
+  MatrixView<float> sums_view;
+  DeviceOut(std::int32_t batch, std::int32_t kv_heads, std::int32_t capacity)
+      : indices(std::size_t(batch) * kv_heads * capacity), counts(std::size_t(batch) * kv_heads),
+        weights(indices.size()), sums(indices.size()) {
+    view = {indices.data(), counts.data(), weights.data(), batch, kv_heads, capacity};
+    sums_view = MatrixView<float>::packed(sums.data(), std::int64_t(batch) * kv_heads, capacity);
+    poison();
+  }
+  void poison() {
+    indices.poison();
+    counts.poison();
+    weights.poison();
+    sums.poison();
+  }
+};
+
+/// The device results equal the host ones on every written entry; entries past a count are not written.
+void expect_out_equal(const test::HostSelection& cpu, const std::vector<float>& cpu_sums, const DeviceOut& gpu,
+                      bool by_key) {
+  const auto counts = gpu.counts.download(), indices = gpu.indices.download();
+  const auto weights = gpu.weights.download(), sums = gpu.sums.download();
+  const std::int32_t capacity = cpu.view.capacity;
+  ASSERT_EQ(counts, cpu.counts);
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    for (std::int32_t i = 0; i < capacity; ++i) {
+      const std::size_t at = r * capacity + i;
+      if (i < counts[r]) {
+        EXPECT_EQ(indices[at], cpu.indices[at]) << "row " << r << " entry " << i;
+        EXPECT_EQ(weights[at], 0.0f);
+        if (by_key) {
+          EXPECT_EQ(std::memcmp(&sums[at], &cpu_sums[at], sizeof(float)), 0) << sums[at] << " vs " << cpu_sums[at];
+        }
+      } else {
+        EXPECT_EQ(indices[at], -1) << "written past the count";
+        if (by_key) {
+          EXPECT_TRUE(std::isnan(sums[at]));
+        }
+      }
+    }
+  }
+}
+
+class CudaInvertedLists : public test::GpuTest {};
+
+template <class T>
+void check_reductions(Random& rng, bool by_key) {
+  SCOPED_TRACE(by_key ? "reduce_lists_by_key" : "union_lists");
+  ListsProblem<T> p(rng, 5, 2, 9, 33, 4, 300);
+  DeviceLists<T> d(p);
+  const std::int32_t rows = p.batch * p.kv_heads, capacity = 4 * 33;
+  test::HostSelection cpu_out(p.batch, p.kv_heads, capacity, true);
+  std::vector<float> cpu_sums(cpu_out.indices.size(), test::kPoison);
+  cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(rows, 4, 33, by_key));
+  DeviceOut gpu(p.batch, p.kv_heads, capacity);
+  DeviceBuffer<std::byte> ws(cuda::list_reduction_workspace_bytes(rows, 4, 33, by_key));
+  ws.poison();
+  if (by_key) {
+    cpu::reduce_lists_by_key(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window,
+                             cpu_out.view, MatrixView<float>::packed(cpu_sums.data(), rows, capacity), cpu_ws.bytes());
+    cuda::reduce_lists_by_key(d.view(p).as_const(), d.chosen(p), d.slots.data(), d.lengths.data(), p.window, gpu.view,
+                              gpu.sums_view, {ws.data(), ws.size()}, nullptr);
+  } else {
+    cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, cpu_out.view,
+                     cpu_ws.bytes());
+    cuda::union_lists(d.view(p).as_const(), d.chosen(p), d.slots.data(), d.lengths.data(), p.window, gpu.view,
+                      {ws.data(), ws.size()}, nullptr);
+  }
+  expect_out_equal(cpu_out, cpu_sums, gpu, by_key);
+}
+
+TEST_F(CudaInvertedLists, ReductionsEqualTheCpu) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (int repeat = 0; repeat < 5; ++repeat) {
+    for (bool by_key : {false, true}) {
+      check_reductions<float>(rng, by_key);
+      check_reductions<half>(rng, by_key);
+    }
+  }
+}
+
+template <class T>
+void check_updates(Random& rng) {
+  ListsProblem<T> p(rng, 3, 2, 40, 70, 1, 500);  // lists longer than a warp
+  DeviceLists<T> d(p);
+  const std::int32_t rows = p.batch * p.kv_heads;
+  for (std::int32_t step = 0; step < 6; ++step) {
+    std::vector<std::int32_t> ids(p.batch, 600 + step);
+    std::vector<float> s(std::size_t(rows) * p.lists);
+    for (auto& x : s) x = rng.uniform_int(0, 15) == 0 ? NAN : float(rng.uniform_int(-8, 8)) * 0.375f;
+    DeviceBuffer<std::int32_t> d_ids(ids);
+    DeviceBuffer<float> d_s(s);
+    cpu::try_insert_lists(p.view(), p.slots.data(), ids.data(), MatrixView<const float>::packed(s.data(), rows, p.lists));
+    cuda::try_insert_lists(d.view(p), d.slots.data(), d_ids.data(),
+                           MatrixView<const float>::packed(d_s.data(), rows, p.lists), nullptr);
+    ASSERT_EQ(d.counts.download(), p.counts) << "try_insert step " << step;
+    ASSERT_EQ(d.ids.download(), p.ids) << "try_insert step " << step;
+    ASSERT_TRUE(same_bytes(d.scores.download(), p.scores)) << "try_insert step " << step;
+
+    const std::int32_t cap = rng.uniform_int(1, p.list_capacity);
+    test::HostSelection entries(p.batch, p.kv_heads, cap, false);
+    for (std::size_t r = 0; r < entries.counts.size(); ++r) {
+      entries.counts[r] = rng.uniform_int(0, cap);
+      for (std::int32_t i = 0; i < cap; ++i) entries.indices[r * cap + i] = rng.uniform_int(0, 1000);
+    }
+    std::vector<float> es(entries.indices.size());
+    for (auto& x : es) x = rng.uniform(-4.0f, 4.0f);
+    DeviceBuffer<std::int32_t> e_idx(entries.indices), e_cnt(entries.counts), d_replaced(entries.counts.size());
+    DeviceBuffer<float> d_es(es);
+    d_replaced.poison();
+    auto e_view = entries.view;
+    e_view.indices = e_idx.data();
+    e_view.counts = e_cnt.data();
+    std::vector<std::int32_t> replaced(entries.counts.size());
+    cpu::replace_list(p.view(), p.slots.data(), entries.view, MatrixView<const float>::packed(es.data(), rows, cap),
+                      replaced.data());
+    cuda::replace_list(d.view(p), d.slots.data(), e_view, MatrixView<const float>::packed(d_es.data(), rows, cap),
+                       d_replaced.data(), nullptr);
+    ASSERT_EQ(d_replaced.download(), replaced) << "replace step " << step;
+    ASSERT_EQ(d.cursors.download(), p.cursors);
+    ASSERT_EQ(d.counts.download(), p.counts);
+    ASSERT_EQ(d.ids.download(), p.ids);
+    ASSERT_TRUE(same_bytes(d.scores.download(), p.scores));
+  }
+}
+
+TEST_F(CudaInvertedLists, UpdatesEqualTheCpu) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (int repeat = 0; repeat < 3; ++repeat) {
+    check_updates<float>(rng);
+    check_updates<half>(rng);
+  }
+}
+
+/// reduce_lists_by_key + union_lists + try_insert_lists captured once and replayed (lists restored and outputs
+/// poisoned before each replay) equal the eager run.
+TEST_F(CudaInvertedLists, GraphReplayEqualsEager) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  ListsProblem<half> p(rng, 4, 2, 8, 40, 3, 200);
+  DeviceLists<half> d(p);
+  const std::int32_t rows = p.batch * p.kv_heads, capacity = 3 * 40;
+  DeviceOut by_key(p.batch, p.kv_heads, capacity), uni(p.batch, p.kv_heads, capacity);
+  DeviceBuffer<std::byte> ws_key(cuda::list_reduction_workspace_bytes(rows, 3, 40, true));
+  DeviceBuffer<std::byte> ws_union(cuda::list_reduction_workspace_bytes(rows, 3, 40, false));
+  std::vector<std::int32_t> ids(p.batch, 900);
+  std::vector<float> s(std::size_t(rows) * p.lists);
+  for (auto& x : s) x = rng.uniform(-3.0f, 3.0f);
+  DeviceBuffer<std::int32_t> d_ids(ids);
+  DeviceBuffer<float> d_s(s);
+  cudaStream_t stream = nullptr;
+  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const auto step = [&] {
+    cuda::reduce_lists_by_key(d.view(p).as_const(), d.chosen(p), d.slots.data(), d.lengths.data(), p.window,
+                              by_key.view, by_key.sums_view, {ws_key.data(), ws_key.size()}, stream);
+    cuda::union_lists(d.view(p).as_const(), d.chosen(p), d.slots.data(), d.lengths.data(), p.window, uni.view,
+                      {ws_union.data(), ws_union.size()}, stream);
+    cuda::try_insert_lists(d.view(p), d.slots.data(), d_ids.data(),
+                           MatrixView<const float>::packed(d_s.data(), rows, p.lists), stream);
+  };
+  const auto outputs = [&] {
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return std::make_tuple(by_key.indices.download(), by_key.counts.download(), by_key.sums.download(),
+                           uni.indices.download(), uni.counts.download(), d.ids.download(), d.scores.download(),
+                           d.counts.download());
+  };
+  const auto reset = [&] {
+    d.upload(p);
+    by_key.poison();
+    uni.poison();
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());  // the legacy-stream uploads and memsets before the non-blocking stream
+  };
+  reset();
+  step();
+  const auto eager = outputs();
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  step();
+  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    reset();
+    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    const auto got = outputs();
+    EXPECT_EQ(std::get<0>(got), std::get<0>(eager)) << replay;
+    EXPECT_EQ(std::get<1>(got), std::get<1>(eager)) << replay;
+    EXPECT_TRUE(same_bytes(std::get<2>(got), std::get<2>(eager))) << replay;
+    EXPECT_EQ(std::get<3>(got), std::get<3>(eager)) << replay;
+    EXPECT_EQ(std::get<4>(got), std::get<4>(eager)) << replay;
+    EXPECT_EQ(std::get<5>(got), std::get<5>(eager)) << replay;
+    EXPECT_TRUE(same_bytes(std::get<6>(got), std::get<6>(eager))) << replay;
+    EXPECT_EQ(std::get<7>(got), std::get<7>(eager)) << replay;
+  }
+  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
+  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+/// Device values the host cannot check get the defined results: a bad slot, a negative length or a chosen count
+/// past the capacity give count -1; a chosen list id outside the lists contributes nothing (as if not chosen); a
+/// bad cursor replaces nothing (replaced -1).
+TEST_F(CudaInvertedLists, OutOfRangeDeviceValuesHaveTheDefinedResult) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  ListsProblem<float> p(rng, 4, 1, 6, 10, 2, 60);
+  p.chosen.counts = {2, 2, 2, 2};
+  for (auto& l : p.chosen.indices) l = rng.uniform_int(0, p.lists - 1);
+  ListsProblem<float> bad = p;
+  bad.slots[0] = p.slot_count;
+  bad.lengths[1] = -1;
+  bad.chosen.counts[2] = 3;
+  bad.chosen.indices[3 * 2 + 1] = p.lists;  // row 3's second list
+  p.chosen.counts[3] = 1;                   // the CPU reference for row 3: its first list alone
+  DeviceLists<float> d(bad);
+  DeviceOut gpu(4, 1, 20);
+  DeviceBuffer<std::byte> ws(cuda::list_reduction_workspace_bytes(4, 2, 10, true));
+  cuda::reduce_lists_by_key(d.view(bad).as_const(), d.chosen(bad), d.slots.data(), d.lengths.data(), p.window, gpu.view,
+                            gpu.sums_view, {ws.data(), ws.size()}, nullptr);
+  test::HostSelection cpu_out(4, 1, 20, true);
+  std::vector<float> cpu_sums(80, test::kPoison);
+  cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(4, 2, 10, true));
+  cpu::reduce_lists_by_key(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, cpu_out.view,
+                           MatrixView<float>::packed(cpu_sums.data(), 4, 20), cpu_ws.bytes());
+  const auto counts = gpu.counts.download(), indices = gpu.indices.download();
+  const auto sums = gpu.sums.download();
+  EXPECT_EQ(counts[0], -1);
+  EXPECT_EQ(counts[1], -1);
+  EXPECT_EQ(counts[2], -1);
+  ASSERT_EQ(counts[3], cpu_out.counts[3]);
+  for (std::int32_t i = 0; i < counts[3]; ++i) {
+    EXPECT_EQ(indices[60 + i], cpu_out.indices[60 + i]);
+    EXPECT_EQ(sums[60 + i], cpu_sums[60 + i]);
+  }
+  for (std::int32_t i = 0; i < 60; ++i) EXPECT_EQ(indices[i], -1) << "a refused row was written";
+
+  bad.cursors[std::size_t(p.slots[1])] = p.lists;
+  d.upload(bad);
+  test::HostSelection entries(4, 1, 3, false);
+  std::fill(entries.counts.begin(), entries.counts.end(), 1);
+  DeviceBuffer<std::int32_t> e_idx(entries.indices), e_cnt(entries.counts), replaced(4);
+  auto e_view = entries.view;
+  e_view.indices = e_idx.data();
+  e_view.counts = e_cnt.data();
+  std::vector<float> es(12, 1.0f);
+  DeviceBuffer<float> d_es(es);
+  cuda::replace_list(d.view(bad), d.slots.data(), e_view, MatrixView<const float>::packed(d_es.data(), 4, 3),
+                     replaced.data(), nullptr);
+  const auto got = replaced.download();
+  EXPECT_EQ(got[0], -1);  // slot outside
+  EXPECT_EQ(got[1], -1);  // cursor outside
+  EXPECT_EQ(got[2], bad.cursors[std::size_t(p.slots[2])]);
+}
+
+/// Host-side refusals: shapes only, before any device call (no GPU needed).
+TEST(CudaInvertedListsBadInput, RefusedBeforeAnyDeviceCall) {
+  Random rng(1);
+  ListsProblem<float> p(rng, 2, 2, 4, 5, 3, 30);
+  test::HostSelection out(2, 2, 14, false);
+  std::vector<std::byte> ws(1 << 16);
+  test::expect_error([&] {
+    cuda::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view,
+                      {ws.data(), ws.size()}, nullptr);
+  }, {"cuda::union_lists", "out.capacity (= 14) < chosen.capacity * lists.list_capacity (= 3 * 5)"});
+  std::vector<float> sums(60);
+  auto no_scores = p.view().as_const();
+  no_scores.scores = nullptr;
+  test::HostSelection out15(2, 2, 15, false);
+  test::expect_error([&] {
+    cuda::reduce_lists_by_key(no_scores, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out15.view,
+                              MatrixView<float>::packed(sums.data(), 4, 15), {ws.data(), ws.size()}, nullptr);
+  }, {"cuda::reduce_lists_by_key", "lists.scores is a null pointer"});
+  std::vector<float> s(16);
+  std::vector<std::int32_t> ids(2);
+  test::expect_error([&] {
+    cuda::try_insert_lists(p.view(), p.slots.data(), ids.data(), MatrixView<const float>::packed(s.data(), 4, 3), nullptr);
+  }, {"cuda::try_insert_lists", "scores.cols (= 3) != lists.lists (= 4)"});
+  test::HostSelection wide(2, 2, 6, false);
+  test::expect_error([&] {
+    cuda::replace_list(p.view(), p.slots.data(), wide.view, MatrixView<const float>::packed(s.data(), 4, 6), nullptr,
+                       nullptr);
+  }, {"cuda::replace_list", "entries.capacity (= 6) exceeds lists.list_capacity (= 5)"});
+  test::expect_error([&] { cuda::list_reduction_workspace_bytes(1 << 20, 1 << 10, 1 << 10, true); },
+                     "exceeds 2^31 - 1 entries");
+}
+
+}  // namespace
+}  // namespace kvsift
