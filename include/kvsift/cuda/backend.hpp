@@ -16,8 +16,12 @@
 #include "kvsift/cuda/cache_ops.hpp"
 #include "kvsift/cuda/context.hpp"
 #include "kvsift/cuda/decode.hpp"
+#include "kvsift/cuda/gather.hpp"
+#include "kvsift/cuda/inverted_lists.hpp"
 #include "kvsift/cuda/page_bounds.hpp"
 #include "kvsift/cuda/primitives.hpp"
+#include "kvsift/cuda/rope.hpp"
+#include "kvsift/cuda/segment_mean.hpp"
 #include "kvsift/cuda/topk.hpp"
 
 namespace kvsift::cuda {
@@ -94,6 +98,81 @@ void sparse_decode(const QueryView<const T>& q, const KVCache<const T>& cache, c
   const DecodeOptions options{
       .attention = attention, .validate_indices = validate_indices, .programmatic_launch = programmatic_launch};
   cache.visit([&](const auto& kv) { cuda::sparse_decode(q, kv, selection, out, workspace, ctx.stream, options); });
+}
+
+// RoPE (core/rope.hpp, cuda/rope.hpp).
+inline void build_rope_table(const RopeConfig& config, const RopeTableView& table, const Context& ctx) {
+  cuda::build_rope_table(config, table, ctx.stream);
+}
+template <class T>
+void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, const RopeTableView& table, bool inverse,
+                const Context& ctx) {
+  cuda::apply_rope(x, positions, table, inverse, ctx.stream);
+}
+template <class T>
+void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const RopeTableView& table, bool inverse,
+                const Context& ctx) {
+  cuda::apply_rope(rows, positions, table, inverse, ctx.stream);
+}
+template <class T>
+void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* deltas, const RopeTableView& table, const Context& ctx) {
+  cuda::rotate_by_delta(x, deltas, table, ctx.stream);
+}
+
+// Segment mean (cuda/segment_mean.hpp).
+inline std::size_t segment_mean_workspace_bytes(std::int64_t rows, std::int32_t segments, const Context&) {
+  return cuda::segment_mean_workspace_bytes(rows, segments);
+}
+template <class T>
+void segment_mean(const MatrixView<const T>& rows, const std::int32_t* assignment, std::int32_t segments,
+                  const float* weights, const MatrixView<float>& means, std::int32_t* counts,
+                  std::span<std::byte> workspace, const Context& ctx) {
+  cuda::segment_mean(rows, assignment, segments, weights, means, counts, workspace, ctx.stream);
+}
+
+// Inverted lists (core/inverted_lists.hpp, cuda/inverted_lists.hpp).
+inline std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity,
+                                                  std::int32_t list_capacity, bool with_scores, const Context&) {
+  return cuda::list_reduction_workspace_bytes(rows, chosen_capacity, list_capacity, with_scores);
+}
+template <class T>
+void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
+                 const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
+                 std::span<std::byte> workspace, const Context& ctx) {
+  cuda::union_lists(lists, chosen, slots, lengths, window, out, workspace, ctx.stream);
+}
+template <class T>
+void reduce_lists_by_key(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
+                         const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
+                         const MatrixView<float>& sums, std::span<std::byte> workspace, const Context& ctx) {
+  cuda::reduce_lists_by_key(lists, chosen, slots, lengths, window, out, sums, workspace, ctx.stream);
+}
+template <class T>
+void try_insert_lists(const InvertedListsView<T>& lists, const std::int32_t* slots, const std::int32_t* ids,
+                      const MatrixView<const float>& scores, const Context& ctx) {
+  cuda::try_insert_lists(lists, slots, ids, scores, ctx.stream);
+}
+template <class T>
+void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, const SelectionView& entries,
+                  const MatrixView<const float>& scores, std::int32_t* replaced, const Context& ctx) {
+  cuda::replace_list(lists, slots, entries, scores, replaced, ctx.stream);
+}
+
+// KV gathers (cuda/gather.hpp).
+template <class T>
+void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, const Context& ctx) {
+  cuda::gather_kv(src, rows, dst, ctx.stream);
+}
+inline std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_t kv_heads,
+                                                        std::int32_t current_capacity, std::int32_t resident_capacity,
+                                                        const Context&) {
+  return cuda::gather_kv_difference_workspace_bytes(batch, kv_heads, current_capacity, resident_capacity);
+}
+template <class T>
+void gather_kv_difference(const KVCache<const T>& src, const SelectionView& previous, const std::int32_t* previous_slots,
+                          const SelectionView& current, std::int32_t* current_slots, const ContiguousKVView<T>& resident,
+                          std::int32_t* copied, std::span<std::byte> workspace, const Context& ctx) {
+  cuda::gather_kv_difference(src, previous, previous_slots, current, current_slots, resident, copied, workspace, ctx.stream);
 }
 
 }  // namespace kvsift::cuda
