@@ -35,12 +35,6 @@ struct Tolerance {
   static constexpr double lse_abs = 1e-3;
 };
 
-template <class T>
-std::vector<T> to_storage(const std::vector<float>& x) {
-  std::vector<T> out(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) out[i] = from_float<T>(x[i]);
-  return out;
-}
 
 /// Compares a device result (O in T, LSE fp32) with the fp32 reference, element by element; NaN fails.
 template <class T>

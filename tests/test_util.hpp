@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <cstdlib>
 #include <initializer_list>
 #include <limits>
@@ -51,6 +52,20 @@ struct Random {
 
 constexpr float kPoison = std::numeric_limits<float>::quiet_NaN();
 constexpr std::int32_t kPoisonIndex = -777;
+
+/// fp32 values rounded to the storage type T.
+template <class T>
+std::vector<T> to_storage(const std::vector<float>& x) {
+  std::vector<T> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) out[i] = from_float<T>(x[i]);
+  return out;
+}
+
+/// Bit-for-bit equality of two arrays (NaN payloads included).
+template <class T>
+bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
 
 /// Contiguous host KV cache [batch, kv_heads, capacity, head_dim] of floats, with random contents.
 struct HostKV {

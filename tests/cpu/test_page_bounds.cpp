@@ -50,10 +50,10 @@ struct Problem {
           std::int32_t page_size_, std::int32_t cache_page_size, std::int32_t extra_slots = 3)
       : kv(make_kv(rng, lens, kv_heads, head_dim)),
         paged(kv, cache_page_size, false, rng),
-        k(storage(kv.k)),
-        v(storage(kv.v)),
-        paged_k(storage(paged.k_pages)),
-        paged_v(storage(paged.v_pages)),
+        k(test::to_storage<T>(kv.k)),
+        v(test::to_storage<T>(kv.v)),
+        paged_k(test::to_storage<T>(paged.k_pages)),
+        paged_v(test::to_storage<T>(paged.v_pages)),
         slot_count(kv.batch + extra_slots),
         max_pages(std::int32_t(detail::page_count(kv.capacity, page_size_))),
         page_size(page_size_) {
@@ -71,11 +71,6 @@ struct Problem {
     test::HostKV kv(rng, std::int32_t(lens.size()), kv_heads, capacity, head_dim, lens);
     for (float& x : kv.k) x = to_float(from_float<T>(x));
     return kv;
-  }
-  static std::vector<T> storage(const std::vector<float>& x) {
-    std::vector<T> out(x.size());
-    std::transform(x.begin(), x.end(), out.begin(), [](float f) { return from_float<T>(f); });
-    return out;
   }
   ContiguousKVView<const T> contiguous() const {
     const auto f = kv.view();
@@ -218,7 +213,7 @@ void check_scores(Random& rng, std::int32_t group, const AttentionWindow& window
   const std::int32_t q_heads = kv_heads * group;
   auto q_f = rng.normal(std::size_t(batch) * q_heads * d);
   for (float& x : q_f) x = to_float(from_float<T>(x));
-  const auto q_t = Problem<T>::storage(q_f);
+  const auto q_t = test::to_storage<T>(q_f);
   const std::int32_t cols = p.max_pages + 2;
   std::vector<float> scores(std::size_t(batch) * kv_heads * cols, kUntouched);
   std::vector<std::int32_t> counts(batch, test::kPoisonIndex);
@@ -287,7 +282,7 @@ TEST(CpuPageBounds, NanInTheQueryOrAKeyGivesNanScores) {
   Problem<float> p(rng, {20, 20}, kv_heads, d, ps, 4, 0);
   // A NaN key in row 1, kv head 0, token 9 (page 2).
   const_cast<float*>(p.kv.view().k_row(1, 0, 9))[3] = NAN;
-  p.k = Problem<float>::storage(p.kv.k);
+  p.k = test::to_storage<float>(p.kv.k);
   cpu::build_page_bounds(p.contiguous(), p.slots.data(), p.view());
   auto q = rng.normal(std::size_t(2) * kv_heads * group * d);
   q[std::size_t(0 * kv_heads * group + 3) * d + 5] = NAN;  // row 0, query head 3 (kv head 1)

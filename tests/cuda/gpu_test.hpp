@@ -3,6 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <vector>
 
@@ -49,6 +50,25 @@ class DeviceBuffer {
     std::swap(data_, other.data_);
     std::swap(count_, other.count_);
   }
+  T* data_ = nullptr;
+  std::size_t count_ = 0;
+};
+
+/// A copy of a host array in pinned host memory (an offloading engine's host cache), freed on destruction.
+template <class T>
+class PinnedBuffer {
+ public:
+  explicit PinnedBuffer(const std::vector<T>& host) : count_(host.size()) {
+    KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data_), std::max<std::size_t>(count_, 1) * sizeof(T)));
+    std::copy(host.begin(), host.end(), data_);
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() { cudaFreeHost(data_); }
+  T* data() const { return data_; }
+  std::size_t size() const { return count_; }
+
+ private:
   T* data_ = nullptr;
   std::size_t count_ = 0;
 };

@@ -22,37 +22,10 @@ namespace kvsift {
 namespace {
 
 using test::DeviceBuffer;
+using test::same_bytes;
 using test::Random;
 
-template <class T>
-std::vector<T> storage(const std::vector<float>& x) {
-  std::vector<T> out(x.size());
-  std::transform(x.begin(), x.end(), out.begin(), [](float f) { return from_float<T>(f); });
-  return out;
-}
-
-template <class T>
-bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-/// Pinned host memory (the difference gather's source on an offloading engine).
-template <class T>
-class PinnedBuffer {
- public:
-  explicit PinnedBuffer(const std::vector<T>& host) : count_(host.size()) {
-    KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data_), std::max<std::size_t>(count_, 1) * sizeof(T)));
-    std::copy(host.begin(), host.end(), data_);
-  }
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() { cudaFreeHost(data_); }
-  T* data() const { return data_; }
-
- private:
-  T* data_ = nullptr;
-  std::size_t count_ = 0;
-};
+using test::PinnedBuffer;
 
 /// Distinct ascending tokens of [0, len), min(len, n) of them.
 std::vector<std::int32_t> random_tokens(Random& rng, std::int32_t len, std::int32_t n) {
@@ -76,8 +49,8 @@ void check_gather_kv(Random& rng, std::int32_t head_dim, bool paged_src, bool pa
   test::HostPagedKV paged_f(src_f, 16, true, rng);
   test::HostKV dst_f(rng, batch, kv_heads, capacity, head_dim);
   test::HostPagedKV dst_paged_f(dst_f, 8, false, rng);
-  auto k = storage<T>(paged_src ? paged_f.k_pages : src_f.k), v = storage<T>(paged_src ? paged_f.v_pages : src_f.v);
-  auto dk = storage<T>(paged_dst ? dst_paged_f.k_pages : dst_f.k), dv = storage<T>(paged_dst ? dst_paged_f.v_pages : dst_f.v);
+  auto k = test::to_storage<T>(paged_src ? paged_f.k_pages : src_f.k), v = test::to_storage<T>(paged_src ? paged_f.v_pages : src_f.v);
+  auto dk = test::to_storage<T>(paged_dst ? dst_paged_f.k_pages : dst_f.k), dv = test::to_storage<T>(paged_dst ? dst_paged_f.v_pages : dst_f.v);
   DeviceBuffer<T> d_k(k), d_v(v), d_dk(dk.size()), d_dv(dv.size());
   d_dk.poison();
   d_dv.poison();
@@ -158,7 +131,7 @@ struct DifferenceProblem {
 
   DifferenceProblem(Random& rng, std::int32_t head_dim_)
       : head_dim(head_dim_), resident_cap(cap + rng.uniform_int(0, 40)),
-        src_f(rng, batch, kv_heads, 1000, head_dim_, lens), k(storage<T>(src_f.k)), v(storage<T>(src_f.v)),
+        src_f(rng, batch, kv_heads, 1000, head_dim_, lens), k(test::to_storage<T>(src_f.k)), v(test::to_storage<T>(src_f.v)),
         pinned_k(k), pinned_v(v), dev_k(k), dev_v(v), pinned_lens(lens),
         res_k(std::size_t(batch) * kv_heads * resident_cap * head_dim_), res_v(res_k.size()),
         d_res_k(res_k.size()), d_res_v(res_k.size()), prev(batch, kv_heads, cap, false),

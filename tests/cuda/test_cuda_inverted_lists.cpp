@@ -21,13 +21,9 @@ namespace kvsift {
 namespace {
 
 using test::DeviceBuffer;
+using test::same_bytes;
 using test::ListsProblem;
 using test::Random;
-
-template <class T>
-bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
 
 /// A ListsProblem's arrays on the device.
 template <class T>

@@ -22,22 +22,11 @@ namespace kvsift {
 namespace {
 
 using test::DeviceBuffer;
+using test::same_bytes;
 using test::Random;
 
 /// What an unwritten bound or score holds (no function writes it: keys are normal draws).
 constexpr float kUntouched = -7777.0f;
-
-template <class T>
-std::vector<T> storage(const std::vector<float>& x) {
-  std::vector<T> out(x.size());
-  std::transform(x.begin(), x.end(), out.begin(), [](float f) { return from_float<T>(f); });
-  return out;
-}
-
-template <class T>
-bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
 
 /// One cache in T on the host and on the device, contiguous and paged (HND pages, shuffled), its batch rows in a
 /// random subset of the slots, and poisoned bounds on both sides.
@@ -57,10 +46,10 @@ struct Problem {
       : kv(rng, std::int32_t(lens.size()), kv_heads, std::max(1, *std::max_element(lens.begin(), lens.end())), head_dim,
            lens),
         paged(kv, 16, true, rng),
-        k(storage<T>(kv.k)),
-        v(storage<T>(kv.v)),
-        paged_k(storage<T>(paged.k_pages)),
-        paged_v(storage<T>(paged.v_pages)),
+        k(test::to_storage<T>(kv.k)),
+        v(test::to_storage<T>(kv.v)),
+        paged_k(test::to_storage<T>(paged.k_pages)),
+        paged_v(test::to_storage<T>(paged.v_pages)),
         slot_count(kv.batch + 2),
         max_pages(std::int32_t(detail::page_count(kv.capacity, page_size_))),
         page_size(page_size_),
@@ -233,7 +222,7 @@ void check_against_cpu(Random& rng, std::int32_t head_dim, bool paged) {
   }
   ASSERT_TRUE(same_bytes(p.d_bounds.download(), p.bounds)) << "append";
 
-  const auto q = storage<T>(rng.normal(std::size_t(batch) * q_heads * head_dim));
+  const auto q = test::to_storage<T>(rng.normal(std::size_t(batch) * q_heads * head_dim));
   DeviceBuffer<T> d_q(q);
   const std::int32_t cols = p.max_pages + 3;
   for (const AttentionWindow window : {AttentionWindow{}, AttentionWindow{4, 40}}) {
@@ -301,7 +290,7 @@ TEST_F(CudaPageBounds, ScoresEqualTheCpuForEveryGroupSize) {
     Problem<bfloat16> p(rng, lens, kv_heads, d, ps);
     cpu::build_page_bounds(p.contiguous(false), p.slot_ptr(false), p.view(false));
     p.d_bounds.upload(p.bounds);
-    const auto q = storage<bfloat16>(rng.normal(std::size_t(batch) * q_heads * d));
+    const auto q = test::to_storage<bfloat16>(rng.normal(std::size_t(batch) * q_heads * d));
     DeviceBuffer<bfloat16> d_q(q);
     const std::int32_t cols = p.max_pages;
     std::vector<float> scores(std::size_t(batch) * kv_heads * cols, kUntouched);
@@ -328,7 +317,7 @@ TEST_F(CudaPageBounds, GraphReplayEqualsTheEagerRun) {
   Problem<bfloat16> p(rng, lens, kv_heads, d, ps);
   cuda::build_page_bounds(p.contiguous(true), p.slot_ptr(true), p.view(true), nullptr);
   const auto before = p.d_bounds.download();  // cudaMemcpy to the host waits for the build
-  const auto q = storage<bfloat16>(rng.normal(std::size_t(batch) * q_heads * d));
+  const auto q = test::to_storage<bfloat16>(rng.normal(std::size_t(batch) * q_heads * d));
   DeviceBuffer<bfloat16> d_q(q);
   DeviceBuffer<float> d_scores(std::size_t(batch) * kv_heads * cols);
   DeviceBuffer<std::int32_t> d_counts(batch);

@@ -20,6 +20,7 @@ namespace kvsift {
 namespace {
 
 using test::DeviceBuffer;
+using test::same_bytes;
 using test::Random;
 
 std::vector<RopeConfig> scalings(std::int32_t rotary, RopeLayout layout) {
@@ -31,18 +32,6 @@ std::vector<RopeConfig> scalings(std::int32_t rotary, RopeLayout layout) {
       {.theta = 1000000.0, .rotary_dim = rotary, .layout = layout,
        .scaling = {.kind = RopeScaling::yarn, .factor = 4.0, .original_max_position_embeddings = 32768}},
   };
-}
-
-template <class T>
-std::vector<T> storage(const std::vector<float>& x) {
-  std::vector<T> out(x.size());
-  std::transform(x.begin(), x.end(), out.begin(), [](float f) { return from_float<T>(f); });
-  return out;
-}
-
-template <class T>
-bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
 /// A table built on the CPU and its device copy (the rotations compare bit for bit from one table).
@@ -92,7 +81,7 @@ void check_rotations_equal_the_cpu(Random& rng) {
       SCOPED_TRACE(testing::Message() << "rotary " << rotary << " layout " << int(layout) << " scaling "
                                       << int(c.scaling.kind));
       Tables t(c, d, positions);
-      const auto x = storage<T>(rng.normal(std::size_t(batch_stride) * batch, 2.0f));
+      const auto x = test::to_storage<T>(rng.normal(std::size_t(batch_stride) * batch, 2.0f));
       std::vector<std::int32_t> pos(batch), deltas(batch);
       for (int b = 0; b < batch; ++b) {
         pos[b] = rng.uniform_int(0, positions - 1);
@@ -114,7 +103,7 @@ void check_rotations_equal_the_cpu(Random& rng) {
       }
       // Key rows: one position per row, a row stride past the head_dim.
       const std::int64_t rows = 301, stride = d + 4;
-      const auto k = storage<T>(rng.normal(std::size_t(rows * stride)));
+      const auto k = test::to_storage<T>(rng.normal(std::size_t(rows * stride)));
       std::vector<std::int32_t> row_pos(rows);
       for (auto& p : row_pos) p = rng.uniform_int(0, positions - 1);
       DeviceBuffer<std::int32_t> d_row_pos(row_pos);
@@ -182,7 +171,7 @@ TEST_F(CudaRope, GraphReplayEqualsTheEagerRun) {
   const RopeConfig c = scalings(128, RopeLayout::neox)[3];
   DeviceBuffer<float> d_cos(RopeTableView::elements(c, d, positions)), d_sin(d_cos.size());
   const auto table = RopeTableView::make(c, d, positions, d_cos.data(), d_sin.data());
-  const auto x = storage<bfloat16>(rng.normal(std::size_t(batch) * heads * d));
+  const auto x = test::to_storage<bfloat16>(rng.normal(std::size_t(batch) * heads * d));
   DeviceBuffer<bfloat16> d_x(x.size());
   std::vector<std::int32_t> pos(batch), deltas(batch);
   for (int b = 0; b < batch; ++b) pos[b] = rng.uniform_int(0, positions - 1), deltas[b] = 2048 - pos[b];

@@ -25,18 +25,7 @@ using test::DeviceBuffer;
 using test::expect_error;
 using test::Random;
 
-/// A copy of a host array in pinned memory.
-template <class T>
-struct PinnedBuffer {
-  T* data = nullptr;
-  explicit PinnedBuffer(const std::vector<T>& src) {
-    KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data), std::max<std::size_t>(src.size(), 1) * sizeof(T)));
-    std::copy(src.begin(), src.end(), data);
-  }
-  ~PinnedBuffer() { cudaFreeHost(data); }
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-};
+using test::PinnedBuffer;
 
 /// One cache in both layouts, split as the hybrid contract has it: the device copies hold only each
 /// sequence's window rows, the pinned host copies only its middle rows; every other row is NaN, so a read
@@ -138,8 +127,8 @@ struct HybridCase {
   PagedKVView<const bfloat16> device_paged() const {
     return paged_view(d_k_pages.data(), d_v_pages.data(), d_indptr.data(), d_page_indices.data(), d_last.data());
   }
-  ContiguousKVView<const bfloat16> host_contiguous() const { return contiguous(h_k->data, h_v->data); }
-  PagedKVView<const bfloat16> host_paged() const { return paged_view(h_k_pages->data, h_v_pages->data); }
+  ContiguousKVView<const bfloat16> host_contiguous() const { return contiguous(h_k->data(), h_v->data()); }
+  PagedKVView<const bfloat16> host_paged() const { return paged_view(h_k_pages->data(), h_v_pages->data()); }
   /// Every value, for the reference.
   ContiguousKVView<const bfloat16> reference_cache() const { return contiguous(k.data(), v.data()); }
 

@@ -19,17 +19,6 @@ namespace {
 
 class HybridStep : public GpuTest {};
 
-/// Host memory registered as pinned for the lifetime of the object.
-template <class T>
-struct Pinned {
-  std::vector<T> data;
-  explicit Pinned(std::vector<T> values) : data(std::move(values)) {
-    KVSIFT_CUDA_CHECK(cudaHostRegister(data.data(), data.size() * sizeof(T), cudaHostRegisterDefault));
-  }
-  ~Pinned() { cudaHostUnregister(data.data()); }
-  Pinned(const Pinned&) = delete;
-};
-
 template <template <class, class> class Selector, class Config>
 void expect_hybrid_equals_cpu_placement(Random& rng, std::int32_t page_size, const Config& selector_config) {
   using T = bfloat16;
@@ -45,13 +34,13 @@ void expect_hybrid_equals_cpu_placement(Random& rng, std::int32_t page_size, con
                                 .kv_heads = spec.kv_heads, .head_dim = spec.head_dim, .max_seq_len = spec.tokens};
   const cpu::Context cpu{};
   // The host cache, pinned: the problem's contiguous or paged arrays.
-  const Pinned<T> host_k(page_size == 0 ? p.k : p.k_pages), host_v(page_size == 0 ? p.v : p.v_pages);
+  const PinnedBuffer<T> host_k(page_size == 0 ? p.k : p.k_pages), host_v(page_size == 0 ? p.v : p.v_pages);
   const KVCache<const T> host_cache =
       page_size == 0
-          ? KVCache<const T>(ContiguousKVView<const T>::packed(host_k.data.data(), host_v.data.data(), spec.batch,
+          ? KVCache<const T>(ContiguousKVView<const T>::packed(host_k.data(), host_v.data(), spec.batch,
                                                                  spec.kv_heads, spec.tokens, spec.head_dim,
                                                                  p.kv_values.seq_lens.data()))
-          : KVCache<const T>(p.paged(host_k.data.data(), host_v.data.data(), p.paged_values->indptr.data(),
+          : KVCache<const T>(p.paged(host_k.data(), host_v.data(), p.paged_values->indptr.data(),
                                      p.paged_values->indices.data(), p.paged_values->last_len.data()));
   // The device cache: every row (the decoder reads the window's only).
   const DeviceBuffer<T> d_k(p.k), d_v(p.v), d_q(p.q);
