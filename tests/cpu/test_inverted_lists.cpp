@@ -241,7 +241,7 @@ void check_replace(Random& rng, bool with_scores, cpu::ThreadPool* pool) {
     ASSERT_EQ(p.ids, ids);
     ASSERT_EQ(p.counts, counts);
     ASSERT_EQ(p.cursors, cursors);
-    ASSERT_EQ(std::memcmp(p.scores.data(), scores.data(), scores.size() * sizeof(T)), 0);
+    ASSERT_TRUE(test::same_bytes(p.scores, scores));
   }
 }
 
