@@ -264,7 +264,7 @@ void BM_CpuGroupScores(benchmark::State& state) {
   const std::int32_t lengths[1] = {tokens};
   const auto kv = ContiguousKVView<const bfloat16>::packed(k_cache, v_cache, 1, kKvHeads, kTokens, kHeadDim, lengths);
   std::vector<float> scores(std::size_t(kKvHeads) * tokens);
-  const cpu::GroupScoreOptions options{.reduce = cpu::GroupReduce::max, .softmax = softmax};
+  const GroupScoreOptions options{.reduce = GroupReduce::max, .softmax = softmax};
   const auto workspace = aligned_workspace(cpu::group_scores_workspace_bytes(1, kQHeads, kKvHeads, tokens, options));
   cpu::ThreadPool pool(threads);
   for (auto _ : state) {
@@ -310,7 +310,7 @@ void BM_CpuSelectStep(benchmark::State& state) {
   std::vector<float> scores(std::size_t(kKvHeads) * tokens);
   std::vector<std::int32_t> indices(std::size_t(kKvHeads) * kSelectK), counts(kKvHeads);
   const SelectionView out{indices.data(), counts.data(), nullptr, 1, kKvHeads, kSelectK};
-  const cpu::GroupScoreOptions options{.reduce = cpu::GroupReduce::max, .softmax = true};
+  const GroupScoreOptions options{.reduce = GroupReduce::max, .softmax = true};
   cpu::ThreadPool pool(threads);
   const auto workspace = aligned_workspace(std::max(cpu::group_scores_workspace_bytes(1, kQHeads, kKvHeads, tokens, options),
                                                     cpu::topk_rows_workspace_bytes(kKvHeads, tokens, kSelectK, {.window = {4, 64}}, &pool)));

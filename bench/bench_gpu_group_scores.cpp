@@ -19,7 +19,7 @@ constexpr std::size_t kL2RotationBytes = std::size_t(256) << 20;  // inputs rota
 
 void BM_CudaGroupScores(benchmark::State& state) {
   const int tokens = int(state.range(0)), batch = int(state.range(1));
-  const kvsift::cpu::GroupScoreOptions options{.reduce = kvsift::cpu::GroupReduce::max, .softmax = state.range(2) != 0};
+  const kvsift::GroupScoreOptions options{.reduce = kvsift::GroupReduce::max, .softmax = state.range(2) != 0};
   const std::size_t k_elems = std::size_t(batch) * kKvHeads * tokens * kHeadDim;
   const int copies = int(std::max<std::size_t>(1, (kL2RotationBytes + k_elems * 2 - 1) / (k_elems * 2)));
   Device<bfloat16> k(k_elems * copies), q(std::size_t(batch) * kQHeads * kHeadDim);

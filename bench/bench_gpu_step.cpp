@@ -199,7 +199,7 @@ void BM_StepStage(benchmark::State& state) {
   const auto qv = kvsift::QueryView<const bfloat16>::packed(q.ptr, batch, kQHeads, kHeadDim);
   const kvsift::SelectionView page_sel{page_idx.ptr, page_picks.ptr, nullptr, batch, kKvHeads, page_k};
   const kvsift::SelectionView token_sel{token_idx.ptr, token_counts.ptr, nullptr, batch, kKvHeads, kBudget};
-  const kvsift::cpu::GroupScoreOptions softmax{.reduce = kvsift::cpu::GroupReduce::max, .softmax = true};
+  const kvsift::GroupScoreOptions softmax{.reduce = kvsift::GroupReduce::max, .softmax = true};
   const std::size_t ws_bytes = std::max(
       {kvsift::cuda::topk_rows_workspace_bytes(rows, std::int32_t(n), kBudget, {.window = kWindow}),
        kvsift::cuda::topk_rows_workspace_bytes(rows, pages, page_k, {}),

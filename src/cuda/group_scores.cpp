@@ -29,7 +29,7 @@ struct GroupScoreWorkspace {
 
 /// The single layout behind group_scores_workspace_bytes (counting) and group_scores (carving).
 GroupScoreWorkspace layout_group_scores(WorkspaceLayout& layout, std::int64_t rows, std::int32_t group,
-                                        std::int32_t max_tokens, const cpu::GroupScoreOptions& options) {
+                                        std::int32_t max_tokens, const GroupScoreOptions& options) {
   GroupScoreWorkspace ws;
   if (!options.softmax) return ws;
   constexpr const char* what = "cuda group_scores workspace";
@@ -77,7 +77,7 @@ void check_keys_aligned(const char* where, const PagedKVView<const T>& kv) {
 }  // namespace
 
 std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
-                                         std::int32_t max_tokens, const cpu::GroupScoreOptions& options) {
+                                         std::int32_t max_tokens, const GroupScoreOptions& options) {
   constexpr const char* where = "cuda::group_scores_workspace_bytes";
   cpu::detail::check_group_scores_shape(where, batch, q_heads, kv_heads, max_tokens, options);
   WorkspaceLayout counting;
@@ -87,7 +87,7 @@ std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_head
 
 template <class T, class KV>
 void group_scores(const QueryView<const T>& q, const KV& kv, const MatrixView<float>& scores,
-                  const cpu::GroupScoreOptions& options, std::span<std::byte> workspace, cudaStream_t stream) {
+                  const GroupScoreOptions& options, std::span<std::byte> workspace, cudaStream_t stream) {
   constexpr const char* where = "cuda::group_scores";
   cpu::detail::check_group_scores(where, q, kv, scores, options, MemorySpace::device);
   const std::int64_t rows = std::int64_t(kv.batch) * kv.kv_heads;
@@ -103,7 +103,7 @@ void group_scores(const QueryView<const T>& q, const KV& kv, const MatrixView<fl
                                     .head_tiles = (group + kHeadsPerTile - 1) / kHeadsPerTile,
                                     .chunks = group_score_chunks(scores.cols),
                                     .scale = AttentionOptions{.sm_scale = options.sm_scale}.resolved_scale(q.head_dim),
-                                    .sum = options.reduce == cpu::GroupReduce::sum,
+                                    .sum = options.reduce == GroupReduce::sum,
                                     .softmax = options.softmax,
                                     .logit_stride = logit_stride(scores.cols)};
   WorkspaceLayout layout(workspace, where);
@@ -116,7 +116,7 @@ void group_scores(const QueryView<const T>& q, const KV& kv, const MatrixView<fl
 
 #define KVSIFT_INSTANTIATE(T, KV)                                                                        \
   template void group_scores<T, KV>(const QueryView<const T>&, const KV&, const MatrixView<float>&,      \
-                                    const cpu::GroupScoreOptions&, std::span<std::byte>, cudaStream_t);
+                                    const GroupScoreOptions&, std::span<std::byte>, cudaStream_t);
 KVSIFT_GROUP_SCORE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 

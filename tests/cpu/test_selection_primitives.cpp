@@ -136,10 +136,10 @@ constexpr double kUlp = 1.0 / (1 << 24);
 constexpr double kSoftmaxRel = 3e-5;
 
 template <class T>
-ExpectedScores expected_scores(const ScoreProblem<T>& p, const cpu::GroupScoreOptions& options) {
+ExpectedScores expected_scores(const ScoreProblem<T>& p, const GroupScoreOptions& options) {
   const std::int32_t group = p.q_heads / p.kv_heads, d = p.head_dim, longest = p.longest();
   const double scale = options.sm_scale != 0.0f ? double(options.sm_scale) : 1.0 / std::sqrt(double(d));
-  const bool sum = options.reduce == cpu::GroupReduce::sum;
+  const bool sum = options.reduce == GroupReduce::sum;
   ExpectedScores e{std::vector<double>(std::size_t(p.batch) * p.kv_heads * longest),
                    std::vector<double>(std::size_t(p.batch) * p.kv_heads * longest)};
   const auto kv = p.values.view();
@@ -190,7 +190,7 @@ ExpectedScores expected_scores(const ScoreProblem<T>& p, const cpu::GroupScoreOp
 /// Runs group_scores on the problem (contiguous or paged) into poisoned scores with an exactly sized,
 /// poisoned workspace.
 template <class T>
-ScoreMatrix run_group_scores(const ScoreProblem<T>& p, bool paged, const cpu::GroupScoreOptions& options,
+ScoreMatrix run_group_scores(const ScoreProblem<T>& p, bool paged, const GroupScoreOptions& options,
                              cpu::ThreadPool* pool = nullptr, std::int32_t extra_cols = 3) {
   ScoreMatrix scores(std::int64_t(p.batch) * p.kv_heads, p.longest() + extra_cols);
   PoisonedWorkspace workspace(
@@ -220,14 +220,14 @@ void expect_scores_match(const ScoreProblem<T>& p, const ScoreMatrix& scores, co
   }
 }
 
-cpu::GroupScoreOptions random_options(Random& rng) {
+GroupScoreOptions random_options(Random& rng) {
   return {.sm_scale = std::vector<float>{0.0f, 0.0f, 0.3f, -0.2f}[rng.uniform_int(0, 3)],
-          .reduce = rng.uniform_int(0, 1) == 1 ? cpu::GroupReduce::sum : cpu::GroupReduce::max,
+          .reduce = rng.uniform_int(0, 1) == 1 ? GroupReduce::sum : GroupReduce::max,
           .softmax = rng.uniform_int(0, 1) == 1};
 }
 
-std::string describe(const cpu::GroupScoreOptions& o) {
-  return fmt::format("sm_scale {} reduce {} softmax {}", o.sm_scale, o.reduce == cpu::GroupReduce::sum ? "sum" : "max",
+std::string describe(const GroupScoreOptions& o) {
+  return fmt::format("sm_scale {} reduce {} softmax {}", o.sm_scale, o.reduce == GroupReduce::sum ? "sum" : "max",
                      o.softmax);
 }
 
@@ -266,8 +266,8 @@ TEST_F(GroupScores, EveryReductionOnOneProblem) {
   // The four (reduce, softmax) forms side by side, contiguous and paged, at the widest level.
   const ScoreProblem<bfloat16> p(rng, 2, 8, 2, 128, {700, 33}, 16);
   for (const bool softmax : {false, true}) {
-    for (const auto reduce : {cpu::GroupReduce::max, cpu::GroupReduce::sum}) {
-      const cpu::GroupScoreOptions options{.reduce = reduce, .softmax = softmax};
+    for (const auto reduce : {GroupReduce::max, GroupReduce::sum}) {
+      const GroupScoreOptions options{.reduce = reduce, .softmax = softmax};
       SCOPED_TRACE(describe(options));
       const auto e = expected_scores(p, options);
       expect_scores_match(p, run_group_scores(p, false, options), e);
@@ -283,7 +283,7 @@ TEST_F(GroupScores, NaNNeverVanishes) {
       SCOPED_TRACE(fmt::format("{} {}", cpu::simd_level_name(level), type_name<T>()));
       // Two kv heads of a group of 4, 300 tokens; each case corrupts kv head 0 only (row 0), so row 1 stays finite.
       const auto fresh = [&] { return ScoreProblem<T>(rng, 1, 8, 2, 64, {300}, 0); };
-      const auto run = [&](const ScoreProblem<T>& p, bool softmax, cpu::GroupReduce reduce, float sm_scale = 0.0f) {
+      const auto run = [&](const ScoreProblem<T>& p, bool softmax, GroupReduce reduce, float sm_scale = 0.0f) {
         return run_group_scores(p, false, {.sm_scale = sm_scale, .reduce = reduce, .softmax = softmax}, nullptr, 0);
       };
       const auto finite_row = [](const ScoreMatrix& s, std::int64_t row) {
@@ -298,7 +298,7 @@ TEST_F(GroupScores, NaNNeverVanishes) {
         }
         return true;
       };
-      for (const auto reduce : {cpu::GroupReduce::max, cpu::GroupReduce::sum}) {
+      for (const auto reduce : {GroupReduce::max, GroupReduce::sum}) {
         // A NaN in one key: that token's raw score; the whole row's softmax scores.
         auto p = fresh();
         p.set_k(0, 0, 5, 3, NAN);
@@ -337,9 +337,9 @@ TEST_F(GroupScores, NaNNeverVanishes) {
 TEST_F(GroupScores, IdenticalForEveryThreadCount) {
   // Ragged rows of up to three 2048-token chunks, fewer rows than threads for the larger pools.
   const ScoreProblem<bfloat16> p(rng, 3, 8, 2, 64, {5000, 0, 2100}, 0);
-  for (const auto& options : {cpu::GroupScoreOptions{.softmax = true},
-                              cpu::GroupScoreOptions{.reduce = cpu::GroupReduce::sum, .softmax = true},
-                              cpu::GroupScoreOptions{.reduce = cpu::GroupReduce::sum}}) {
+  for (const auto& options : {GroupScoreOptions{.softmax = true},
+                              GroupScoreOptions{.reduce = GroupReduce::sum, .softmax = true},
+                              GroupScoreOptions{.reduce = GroupReduce::sum}}) {
     SCOPED_TRACE(describe(options));
     const auto alone = run_group_scores(p, false, options);
     for (int threads : {1, 2, 3, 7}) {
@@ -352,7 +352,7 @@ TEST_F(GroupScores, IdenticalForEveryThreadCount) {
 
 TEST_F(GroupScores, WorkspaceQueryAndRefusals) {
   const ScoreProblem<half> p(rng, 2, 6, 2, 32, {40, 12}, 0);
-  const cpu::GroupScoreOptions softmax{.softmax = true}, raw{};
+  const GroupScoreOptions softmax{.softmax = true}, raw{};
   EXPECT_EQ(cpu::group_scores_workspace_bytes(2, 6, 2, 40, raw), 0u);
   const std::size_t needed = cpu::group_scores_workspace_bytes(2, 6, 2, 40, softmax);
   EXPECT_GE(needed, std::size_t(4) * 2 * 6 * 40);  // the per-head logits
@@ -361,7 +361,7 @@ TEST_F(GroupScores, WorkspaceQueryAndRefusals) {
 
   ScoreMatrix scores(4, 40);
   PoisonedWorkspace buffer(needed);
-  const auto go = [&](auto q, auto kv, MatrixView<float> s, cpu::GroupScoreOptions options, std::span<std::byte> ws) {
+  const auto go = [&](auto q, auto kv, MatrixView<float> s, GroupScoreOptions options, std::span<std::byte> ws) {
     cpu::group_scores(q, kv, s, options, ws);
   };
   go(p.q_view(), p.contiguous(), scores.view(), raw, {});  // no workspace needed
@@ -395,7 +395,7 @@ TEST_F(GroupScores, WorkspaceQueryAndRefusals) {
   test::expect_error([&] { go(p.q_view(), p.contiguous(), MatrixView<float>{nullptr, 4, 40, 45}, raw, {}); },
                      "scores.data is a null pointer");
   test::expect_error(
-      [&] { go(p.q_view(), p.contiguous(), scores.view(), {.reduce = cpu::GroupReduce(7)}, {}); },
+      [&] { go(p.q_view(), p.contiguous(), scores.view(), {.reduce = GroupReduce(7)}, {}); },
       "options.reduce (= 7) is neither GroupReduce::max nor GroupReduce::sum");
   const ScoreProblem<half> wide(rng, 1, 1, 1, 300, {4}, 0);
   test::expect_error(

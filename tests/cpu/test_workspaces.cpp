@@ -93,9 +93,9 @@ TEST_F(CpuWorkspaces, GroupScores) {
   cpu::ThreadPool pool(3);
   const double scale = 1.0 / std::sqrt(double(head_dim));
   for (const bool softmax : {false, true}) {
-    for (const auto reduce : {cpu::GroupReduce::max, cpu::GroupReduce::sum}) {
+    for (const auto reduce : {GroupReduce::max, GroupReduce::sum}) {
       SCOPED_TRACE(testing::Message() << "softmax " << softmax << " reduce " << int(reduce));
-      const cpu::GroupScoreOptions options{.reduce = reduce, .softmax = softmax};
+      const GroupScoreOptions options{.reduce = reduce, .softmax = softmax};
       check_workspace(
           cpu::group_scores_workspace_bytes(batch, q_heads, kv_heads, cols, options),
           [&](std::span<std::byte> ws) {
@@ -107,7 +107,7 @@ TEST_F(CpuWorkspaces, GroupScores) {
       for (std::int32_t b = 0; b < batch; ++b) {
         const std::int32_t len = kv.seq_lens[b];
         for (std::int32_t g = 0; g < kv_heads; ++g) {
-          std::vector<double> want(std::size_t(len), reduce == cpu::GroupReduce::max ? -INFINITY : 0.0);
+          std::vector<double> want(std::size_t(len), reduce == GroupReduce::max ? -INFINITY : 0.0);
           for (std::int32_t h = g * group; h < (g + 1) * group; ++h) {
             std::vector<double> s(static_cast<std::size_t>(len));
             for (std::int32_t t = 0; t < len; ++t) {
@@ -124,7 +124,7 @@ TEST_F(CpuWorkspaces, GroupScores) {
               for (double& x : s) x = std::exp(x - m) / z;
             }
             for (std::int32_t t = 0; t < len; ++t) {
-              want[t] = reduce == cpu::GroupReduce::max ? std::max(want[t], s[t]) : want[t] + s[t];
+              want[t] = reduce == GroupReduce::max ? std::max(want[t], s[t]) : want[t] + s[t];
             }
           }
           for (std::int32_t t = 0; t < len; ++t) {

@@ -31,8 +31,8 @@ std::string type_name() {
   return std::is_same_v<T, float> ? "f32" : test::dtype_label<T>();
 }
 
-std::string describe(const cpu::GroupScoreOptions& o) {
-  return fmt::format("sm_scale {} reduce {} softmax {}", o.sm_scale, o.reduce == cpu::GroupReduce::sum ? "sum" : "max",
+std::string describe(const GroupScoreOptions& o) {
+  return fmt::format("sm_scale {} reduce {} softmax {}", o.sm_scale, o.reduce == GroupReduce::sum ? "sum" : "max",
                      o.softmax);
 }
 
@@ -126,7 +126,7 @@ struct ScoreShape {
   std::size_t size() const { return std::size_t(rows * stride()); }
 };
 
-std::vector<float> run_cpu(const auto& p, bool paged, const ScoreShape& shape, const cpu::GroupScoreOptions& options) {
+std::vector<float> run_cpu(const auto& p, bool paged, const ScoreShape& shape, const GroupScoreOptions& options) {
   std::vector<float> scores(shape.size(), test::kPoison);
   const std::size_t bytes = cpu::group_scores_workspace_bytes(p.batch, p.q_heads, p.kv_heads, shape.cols, options);
   std::vector<std::byte> buffer(bytes + WorkspaceLayout::kAlignment);
@@ -144,7 +144,7 @@ std::vector<float> run_cpu(const auto& p, bool paged, const ScoreShape& shape, c
 /// One device call into poisoned scores, with a poisoned workspace of exactly the queried size.
 template <class T>
 std::vector<float> run_cuda(const GroupProblem<T>& p, bool paged, const ScoreShape& shape,
-                            const cpu::GroupScoreOptions& options, cudaStream_t stream = nullptr) {
+                            const GroupScoreOptions& options, cudaStream_t stream = nullptr) {
   DeviceBuffer<float> scores(shape.size());
   scores.poison();
   const std::size_t bytes = cuda::group_scores_workspace_bytes(p.batch, p.q_heads, p.kv_heads, shape.cols, options);
@@ -171,10 +171,10 @@ constexpr double kUlp = 1.0 / (1 << 24);
 constexpr double kSoftmaxRel = 3e-5;
 
 template <class T>
-std::vector<double> tolerances(const GroupProblem<T>& p, const ScoreShape& shape, const cpu::GroupScoreOptions& options) {
+std::vector<double> tolerances(const GroupProblem<T>& p, const ScoreShape& shape, const GroupScoreOptions& options) {
   const std::int32_t group = p.q_heads / p.kv_heads, d = p.head_dim;
   const double scale = options.sm_scale != 0.0f ? double(options.sm_scale) : 1.0 / std::sqrt(double(d));
-  const bool sum = options.reduce == cpu::GroupReduce::sum;
+  const bool sum = options.reduce == GroupReduce::sum;
   std::vector<double> tol(shape.size(), 0.0);
   const auto kv = p.values.view();
   for (std::int32_t b = 0; b < p.batch; ++b) {
@@ -243,7 +243,7 @@ void expect_match(const GroupProblem<T>& p, const ScoreShape& shape, const std::
 }
 
 template <class T>
-void check_problem(GroupProblem<T>& p, bool paged, const cpu::GroupScoreOptions& options, std::int32_t extra_cols = 3) {
+void check_problem(GroupProblem<T>& p, bool paged, const GroupScoreOptions& options, std::int32_t extra_cols = 3) {
   SCOPED_TRACE(fmt::format("{} layout, {}", paged ? "paged" : "contiguous", describe(options)));
   p.upload();
   const ScoreShape shape{p.rows(), p.longest() + extra_cols};
@@ -251,10 +251,10 @@ void check_problem(GroupProblem<T>& p, bool paged, const cpu::GroupScoreOptions&
                tolerances(p, shape, options));
 }
 
-constexpr cpu::GroupScoreOptions kForms[] = {{.reduce = cpu::GroupReduce::max},
-                                             {.reduce = cpu::GroupReduce::sum},
-                                             {.reduce = cpu::GroupReduce::max, .softmax = true},
-                                             {.reduce = cpu::GroupReduce::sum, .softmax = true}};
+constexpr GroupScoreOptions kForms[] = {{.reduce = GroupReduce::max},
+                                             {.reduce = GroupReduce::sum},
+                                             {.reduce = GroupReduce::max, .softmax = true},
+                                             {.reduce = GroupReduce::sum, .softmax = true}};
 
 using CudaGroupScores = test::GpuTest;
 
@@ -305,9 +305,9 @@ TEST_F(CudaGroupScores, NaNNeverVanishes) {
     // Two kv heads of a group of 4, 1500 tokens (two chunks); each case corrupts kv head 0 only (row 0).
     const auto fresh = [&] { return GroupProblem<T>(rng, 1, 8, 2, 64, {1500}, 0); };
     const ScoreShape shape{2, 1500};
-    const auto run = [&](GroupProblem<T>& p, bool softmax, cpu::GroupReduce reduce, float sm_scale = 0.0f) {
+    const auto run = [&](GroupProblem<T>& p, bool softmax, GroupReduce reduce, float sm_scale = 0.0f) {
       p.upload();
-      const cpu::GroupScoreOptions options{.sm_scale = sm_scale, .reduce = reduce, .softmax = softmax};
+      const GroupScoreOptions options{.sm_scale = sm_scale, .reduce = reduce, .softmax = softmax};
       const auto gpu = run_cuda(p, false, shape, options);
       // The CPU twin states the contract; the device must give NaN exactly where it does.
       const auto cpu = run_cpu(p, false, shape, options);
@@ -325,8 +325,8 @@ TEST_F(CudaGroupScores, NaNNeverVanishes) {
     };
     const auto is_nan = [](float x) { return std::isnan(x); };
     const auto is_finite = [](float x) { return std::isfinite(x); };
-    for (const auto reduce : {cpu::GroupReduce::max, cpu::GroupReduce::sum}) {
-      SCOPED_TRACE(reduce == cpu::GroupReduce::sum ? "sum" : "max");
+    for (const auto reduce : {GroupReduce::max, GroupReduce::sum}) {
+      SCOPED_TRACE(reduce == GroupReduce::sum ? "sum" : "max");
       // A NaN in one key (in the second chunk): that token's raw score; the whole row's softmax scores.
       auto p = fresh();
       p.set_k(0, 0, 1200, 3, NAN);
@@ -417,7 +417,7 @@ TEST_F(CudaGroupScores, GraphReplayEqualsEagerBitForBit) {
 // ---- refusals: none reaches the device, so they run on any machine -------------------------------------------
 
 TEST(CudaGroupScoresBadInput, WorkspaceQuery) {
-  const cpu::GroupScoreOptions raw{}, softmax{.softmax = true};
+  const GroupScoreOptions raw{}, softmax{.softmax = true};
   EXPECT_EQ(cuda::group_scores_workspace_bytes(2, 6, 2, 40, raw), 0u);
   const std::size_t needed = cuda::group_scores_workspace_bytes(2, 6, 2, 40, softmax);
   EXPECT_GE(needed, std::size_t(4) * 2 * 6 * 40);  // the per-head logits
@@ -428,7 +428,7 @@ TEST(CudaGroupScoresBadInput, WorkspaceQuery) {
   test::expect_error([] { cuda::group_scores_workspace_bytes(1, 6, 4, 10, {}); },
                      "kvsift::cuda::group_scores_workspace_bytes: q_heads (= 6) is not a multiple of kv_heads (= 4)");
   test::expect_error([] { cuda::group_scores_workspace_bytes(1, 4, 4, 0, {}); }, "max_tokens (= 0) must be positive");
-  test::expect_error([] { cuda::group_scores_workspace_bytes(1, 4, 4, 10, {.reduce = cpu::GroupReduce(3)}); },
+  test::expect_error([] { cuda::group_scores_workspace_bytes(1, 4, 4, 10, {.reduce = GroupReduce(3)}); },
                      "options.reduce (= 3) is neither GroupReduce::max nor GroupReduce::sum");
 }
 
@@ -442,9 +442,9 @@ TEST(CudaGroupScoresBadInput, RefusedBeforeAnyDeviceCall) {
   const auto q = QueryView<const bfloat16>::packed(base, 2, 8, 128);
   const auto kv = ContiguousKVView<const bfloat16>::packed(base, base, 2, 2, 40, 128);
   const MatrixView<float> scores{reinterpret_cast<float*>(base), 4, 40, 48};
-  const cpu::GroupScoreOptions softmax{.softmax = true};
+  const GroupScoreOptions softmax{.softmax = true};
   const std::size_t needed = cuda::group_scores_workspace_bytes(2, 8, 2, 40, softmax);
-  const auto go = [&](auto qv, auto kvv, MatrixView<float> s, cpu::GroupScoreOptions options, std::span<std::byte> ws) {
+  const auto go = [&](auto qv, auto kvv, MatrixView<float> s, GroupScoreOptions options, std::span<std::byte> ws) {
     cuda::group_scores(qv, kvv, s, options, ws, nullptr);
   };
   const std::string where = "kvsift::cuda::group_scores: ";
@@ -471,7 +471,7 @@ TEST(CudaGroupScoresBadInput, RefusedBeforeAnyDeviceCall) {
   test::expect_error([&] { go(q, kv, MatrixView<float>{scores.data, 3, 40, 48}, {}, {}); },
                      where + "scores.rows (= 3) != kv.batch * kv.kv_heads (= 2 * 2)");
   test::expect_error([&] { go(q, kv, MatrixView<float>{nullptr, 4, 40, 48}, {}, {}); }, where + "scores.data is a null pointer");
-  test::expect_error([&] { go(q, kv, scores, {.reduce = cpu::GroupReduce(7)}, {}); },
+  test::expect_error([&] { go(q, kv, scores, {.reduce = GroupReduce(7)}, {}); },
                      where + "options.reduce (= 7) is neither GroupReduce::max nor GroupReduce::sum");
   // The device's own rules: head_dim, alignment, group size.
   const auto q96 = QueryView<const bfloat16>::packed(base, 2, 8, 96);

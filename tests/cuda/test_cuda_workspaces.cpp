@@ -133,7 +133,7 @@ TEST_F(CudaWorkspaces, GroupScores) {
   DeviceBuffer<float> scores(std::size_t(rows) * cols);
   for (const bool softmax : {false, true}) {
     SCOPED_TRACE(testing::Message() << "softmax " << softmax);
-    const cpu::GroupScoreOptions options{.reduce = cpu::GroupReduce::max, .softmax = softmax};
+    const GroupScoreOptions options{.reduce = GroupReduce::max, .softmax = softmax};
     check_device_workspace(
         cuda::group_scores_workspace_bytes(c.batch, c.q_heads, c.kv_heads, cols, options),
         [&](std::span<std::byte> ws, cudaStream_t stream) {

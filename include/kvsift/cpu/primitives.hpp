@@ -12,24 +12,13 @@
 #include <vector>
 
 #include "kvsift/core/dtype.hpp"
+#include "kvsift/core/group_scores_options.hpp"
 #include "kvsift/core/rope.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 
 namespace kvsift::cpu {
-
-/// How group_scores reduces a token's scores over the query heads of a GQA group.
-enum class GroupReduce : std::uint8_t { max, sum };
-
-struct GroupScoreOptions {
-  /// Logit scale applied to q.k; 0 selects the default 1/sqrt(head_dim) (as AttentionOptions::sm_scale).
-  float sm_scale = 0.0f;
-  GroupReduce reduce = GroupReduce::max;
-  /// Reduce each head's softmax weight exp(s - LSE_h) (LSE_h over that head's whole row) instead of the raw
-  /// logit s. softmax + max is OracleTopK's score: the largest softmax weight any head of the group gives.
-  bool softmax = false;
-};
 
 /// Bytes of host workspace (256-byte aligned) group_scores needs for a batch of `batch` sequences with
 /// q_heads query and kv_heads KV heads, scored into a matrix of max_tokens = scores.cols columns: 0 without

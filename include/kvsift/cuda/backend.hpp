@@ -41,13 +41,13 @@ void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const H
 inline void clear_counts(const SelectionView& out, const Context& ctx) { cuda::clear_counts(out, ctx.stream); }
 
 inline std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
-                                                std::int32_t max_tokens, const cpu::GroupScoreOptions& options,
+                                                std::int32_t max_tokens, const GroupScoreOptions& options,
                                                 const Context&) {
   return cuda::group_scores_workspace_bytes(batch, q_heads, kv_heads, max_tokens, options);
 }
 template <class T>
 void group_scores(const QueryView<const T>& q, const KVCache<const T>& cache, const MatrixView<float>& scores,
-                  const cpu::GroupScoreOptions& options, std::span<std::byte> workspace, const Context& ctx) {
+                  const GroupScoreOptions& options, std::span<std::byte> workspace, const Context& ctx) {
   cache.visit([&](const auto& kv) { cuda::group_scores(q, kv, scores, options, workspace, ctx.stream); });
 }
 

@@ -74,10 +74,10 @@ void kmeans(const MatrixView<const T>& points, const cpu::KMeansConfig& config, 
 /// 1024 tokens). A smaller buffer is refused. One launch (two with softmax), no allocation, no host sync;
 /// stream-ordered and CUDA-graph capturable.
 std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
-                                         std::int32_t max_tokens, const cpu::GroupScoreOptions& options);
+                                         std::int32_t max_tokens, const GroupScoreOptions& options);
 template <class T, class KV>
 void group_scores(const QueryView<const T>& q, const KV& kv, const MatrixView<float>& scores,
-                  const cpu::GroupScoreOptions& options, std::span<std::byte> workspace, cudaStream_t stream);
+                  const GroupScoreOptions& options, std::span<std::byte> workspace, cudaStream_t stream);
 
 /// A cpu::KMeansAssigner that runs the assignment step of cpu::kmeans on the GPU: each call uploads the
 /// points and centroids, runs assign_nearest and downloads the assignment, synchronizing `stream`. Device

@@ -20,9 +20,9 @@
 #include <string_view>
 
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/group_scores_options.hpp"
 #include "kvsift/core/ranking.hpp"
 #include "kvsift/core/workspace.hpp"
-#include "kvsift/cpu/primitives.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
 #include "kvsift/selectors/selector.hpp"
 
@@ -85,8 +85,8 @@ class OracleTopK {
     float* scores;
     std::span<std::byte> group_scores, topk;
   };
-  static cpu::GroupScoreOptions score_options(const AttentionOptions& attention) {
-    return {.sm_scale = attention.sm_scale, .reduce = cpu::GroupReduce::max, .softmax = true};
+  static GroupScoreOptions score_options(const AttentionOptions& attention) {
+    return {.sm_scale = attention.sm_scale, .reduce = GroupReduce::max, .softmax = true};
   }
   /// The one layout behind the workspace query (counting) and select (carving): the scores, then group_scores'
   /// and topk_rows' scratch side by side (the group's scratch is dead once topk_rows runs, but sharing it would

@@ -1,0 +1,21 @@
+#pragma once
+/// Options of group_scores (cpu/primitives.hpp, cuda/primitives.hpp): backend-neutral, like TopKRowsOptions
+/// (core/ranking.hpp), so that a CUDA call's argument-dependent lookup never reaches into kvsift::cpu.
+
+#include <cstdint>
+
+namespace kvsift {
+
+/// How group_scores reduces a token's scores over the query heads of a GQA group.
+enum class GroupReduce : std::uint8_t { max, sum };
+
+struct GroupScoreOptions {
+  /// Logit scale applied to q.k; 0 selects the default 1/sqrt(head_dim) (as AttentionOptions::sm_scale).
+  float sm_scale = 0.0f;
+  GroupReduce reduce = GroupReduce::max;
+  /// Reduce each head's softmax weight exp(s - LSE_h) (LSE_h over that head's whole row) instead of the raw
+  /// logit s. softmax + max is OracleTopK's score: the largest softmax weight any head of the group gives.
+  bool softmax = false;
+};
+
+}  // namespace kvsift
