@@ -2,6 +2,8 @@
 // shape: q_heads 32, kv_heads 8, head_dim 128, bf16, every sequence N tokens long, a selection of 2048 middle
 // tokens plus the window 4 + 64. BM_Step times DecodeStep::run (the selector's append and select, then sparse
 // attention over window and selection) as a CUDA graph replay and eagerly (time_calls), with PDL on and off;
+// with between:1, a projection GEMM (bench/projection_gemm.hpp) follows every step, as a model's other kernels
+// do, and the time is per (step, GEMM) pair: BM_ProjectionGemm (the GEMM alone) subtracts out.
 // BM_StepStage times each of its kernels alone, in the same way, so the stages add up to the step. Dense
 // decode and cuDNN SDPA on the same shapes are BM_DenseDecode and bench/sdpa_baseline.py.
 //
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "gpu_bench.hpp"
+#include "projection_gemm.hpp"
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
@@ -100,6 +103,8 @@ void run_step_benchmark(benchmark::State& state, int method, Make make_selector)
   const std::int64_t n = state.range(1);
   const int batch = int(state.range(2));
   const bool pdl = state.range(3) != 0;
+  std::unique_ptr<ProjectionGemm> between;
+  if (state.range(4) != 0) between = std::make_unique<ProjectionGemm>(batch);
   const int layers = layers_for(method, n, batch);
   std::vector<std::unique_ptr<Layer<Selector>>> stack;
   for (int l = 0; l < layers; ++l) {
@@ -115,9 +120,11 @@ void run_step_benchmark(benchmark::State& state, int method, Make make_selector)
     auto& layer = *stack[std::size_t(i) % stack.size()];
     layer.step.run({.q = qv, .cache = layer.cache(), .slots = layer.slots.ptr}, out,
                    {workspace.ptr, layer.step.workspace_bytes()}, Cuda{stream});
+    if (between) (*between)(i, stream);
   });
   state.SetLabel(method_name(method));
   state.counters["layers"] = layers;
+  if (between) return;  // the pair's time is not the step's: no bandwidth counter
   state.counters["GB/s"] = benchmark::Counter(step_bytes(method, n, batch) * double(state.iterations()),
                                               benchmark::Counter::kIsRate);
 }
@@ -136,8 +143,9 @@ void BM_Step(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_Step)
-    ->ArgsProduct({{kQuest, kOracle}, {32768, 131072}, {1, 8}, {0, 1}})
-    ->ArgNames({"method", "N", "batch", "pdl"})
+    ->ArgsProduct({{kQuest, kOracle}, {32768, 131072}, {1, 8}, {0, 1}, {0}})
+    ->ArgsProduct({{kQuest}, {32768, 131072}, {1, 8}, {0, 1}, {1}})
+    ->ArgNames({"method", "N", "batch", "pdl", "between"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);
@@ -145,13 +153,15 @@ BENCHMARK(BM_Step)
 /// The step's kernels one at a time, on the same shapes and data as BM_Step: Quest's append (page bounds of the
 /// new token), page scores, top-K of pages, page expansion; OracleTopK's group scores (softmax, max) and top-K
 /// of tokens; the sparse attention over window and selection that both end with; and Quest's prepare (the
-/// page bounds of every token, once per prefill; target <= 1 ms per layer at 128K). Inputs that a step reads
+/// page bounds of every token, once per prefill; target <= 1 ms per layer at 128K), and Quest's selection as the
+/// step runs it (select_pages: page scores, top-K of pages and expansion in one fused launch). Inputs that a step reads
 /// cold (page bounds, keys, the selected K/V rows) rotate over layers as in BM_Step; what a step's previous
 /// kernel has just written (scores, selections) stays hot, as in the step.
-enum Stage : int { kAppend, kPageScores, kPageTopK, kExpand, kGroupScores, kTokenTopK, kAttend, kPrepare };
+enum Stage : int { kAppend, kPageScores, kPageTopK, kExpand, kGroupScores, kTokenTopK, kAttend, kPrepare, kSelectPages };
 const char* stage_name(int s) {
   static const char* names[] = {"quest_append", "quest_page_scores", "quest_topk_pages", "quest_expand_pages",
-                                "oracle_group_scores", "oracle_topk_tokens", "sparse_attention", "quest_prepare"};
+                                "oracle_group_scores", "oracle_topk_tokens", "sparse_attention", "quest_prepare",
+                                "quest_select_pages"};
   return names[s];
 }
 
@@ -185,7 +195,7 @@ void BM_StepStage(benchmark::State& state) {
   const int stage = int(state.range(0));
   const std::int64_t n = state.range(1);
   const int batch = int(state.range(2));
-  const bool quest = stage <= kExpand || stage == kPrepare;
+  const bool quest = stage <= kExpand || stage == kPrepare || stage == kSelectPages;
   const int layers = layers_for(quest ? kQuest : kOracle, n, batch);
   std::vector<std::unique_ptr<StageLayer>> stack;
   for (int l = 0; l < layers; ++l) stack.push_back(std::make_unique<StageLayer>(n, batch, 31 * l + 5));
@@ -203,6 +213,7 @@ void BM_StepStage(benchmark::State& state) {
   const std::size_t ws_bytes = std::max(
       {kvsift::cuda::topk_rows_workspace_bytes(rows, std::int32_t(n), kBudget, {.window = kWindow}),
        kvsift::cuda::topk_rows_workspace_bytes(rows, pages, page_k, {}),
+       kvsift::cuda::select_pages_workspace_bytes(batch, kKvHeads, pages, page_k, Cuda{}),
        kvsift::cuda::group_scores_workspace_bytes(batch, kQHeads, kKvHeads, std::int32_t(n), softmax),
        kvsift::cuda::sparse_decode_workspace_bytes(
            kvsift::cuda::SparseDecodeShape{batch, kQHeads, kKvHeads, kHeadDim, kBudget},
@@ -235,6 +246,10 @@ void BM_StepStage(benchmark::State& state) {
         kvsift::cuda::topk_rows(kvsift::MatrixView<const float>::packed(scores.ptr, rows, std::int32_t(n)), layer.lengths.ptr, kBudget, {.window = kWindow}, token_sel, workspace,
                                 stream);
         break;
+      case kSelectPages:
+        kvsift::cuda::select_pages(qv, layer.bounds_view().as_const(), layer.slots.ptr, layer.lengths.ptr, kWindow, page_k,
+                             token_sel, workspace, Cuda{stream});
+        break;
       case kPrepare:  // Quest's prefill: the page bounds of the whole sequence
         kvsift::cuda::build_page_bounds(layer.cache().contiguous, layer.slots.ptr, layer.bounds_view(), stream);
         break;
@@ -253,7 +268,7 @@ void BM_StepStage(benchmark::State& state) {
   state.counters["layers"] = layers;
 }
 BENCHMARK(BM_StepStage)
-    ->ArgsProduct({{kAppend, kPageScores, kPageTopK, kExpand, kGroupScores, kTokenTopK, kAttend, kPrepare},
+    ->ArgsProduct({{kAppend, kPageScores, kPageTopK, kExpand, kGroupScores, kTokenTopK, kAttend, kPrepare, kSelectPages},
                    {32768, 131072}, {1, 8}})
     ->ArgNames({"stage", "N", "batch"})
     ->UseManualTime()

@@ -17,6 +17,11 @@ namespace kvsift::bench {
 
 using kvsift::bfloat16;
 
+inline constexpr std::size_t kL2FlushBytes = std::size_t(256) << 20;  // rotate inputs over > 5x the 50 MB L2
+
+/// Enough copies of an input of `bytes` that consecutive iterations never hit in L2.
+inline int copies_for(std::size_t bytes) { return int(std::max<std::size_t>(1, (kL2FlushBytes + bytes - 1) / bytes)); }
+
 template <class T>
 struct Device {
   T* ptr = nullptr;

@@ -11,6 +11,8 @@
 
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/kv_cache.hpp"
+#include "kvsift/core/detail/page_bounds_checks.hpp"
+#include "kvsift/core/detail/select_pages_in_steps.hpp"
 #include "kvsift/core/page_bounds_view.hpp"
 #include "kvsift/core/ranking.hpp"
 #include "kvsift/cpu/cache_ops.hpp"
@@ -79,6 +81,18 @@ void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bou
 inline void expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* lengths,
                          const AttentionWindow& window, const SelectionView& out, const Context& ctx) {
   cpu::expand_pages(pages, page_size, lengths, window, out, ctx.pool);
+}
+/// Quest's selection: page scores, the best pages_per_row pages, their middle tokens (three primitives).
+inline std::size_t select_pages_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t max_pages,
+                                                std::int32_t pages_per_row, const Context& ctx) {
+  return kvsift::detail::select_pages_in_steps_workspace_bytes(batch, kv_heads, max_pages, pages_per_row, ctx);
+}
+template <class T>
+void select_pages(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* slots,
+                  const std::int32_t* lengths, const AttentionWindow& window, std::int32_t pages_per_row,
+                  const SelectionView& out, std::span<std::byte> workspace, const Context& ctx) {
+  kvsift::detail::check_select_pages("cpu::select_pages", q, bounds, slots, lengths, window, pages_per_row, out);
+  kvsift::detail::select_pages_in_steps(q, bounds, slots, lengths, window, pages_per_row, out, workspace, ctx);
 }
 
 /// Sparse decode of the window and the selection, O in the storage type or fp32 (TO); the workspace depends on

@@ -10,6 +10,8 @@
 
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/kv_cache.hpp"
+#include "kvsift/core/detail/page_bounds_checks.hpp"
+#include "kvsift/core/detail/select_pages_in_steps.hpp"
 #include "kvsift/core/page_bounds_view.hpp"
 #include "kvsift/core/ranking.hpp"
 #include "kvsift/cpu/primitives.hpp"
@@ -80,6 +82,24 @@ void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bou
 inline void expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* lengths,
                          const AttentionWindow& window, const SelectionView& out, const Context& ctx) {
   cuda::expand_pages(pages, page_size, lengths, window, out, ctx.stream);
+}
+/// Quest's selection: page scores, the best pages_per_row pages, their middle tokens. One fused launch with no
+/// workspace where the rows fit it (cuda::select_pages_fused), else three kernels.
+inline std::size_t select_pages_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t max_pages,
+                                                std::int32_t pages_per_row, const Context& ctx) {
+  if (cuda::select_pages_fused_supported(max_pages, pages_per_row)) return 0;
+  return kvsift::detail::select_pages_in_steps_workspace_bytes(batch, kv_heads, max_pages, pages_per_row, ctx);
+}
+template <class T>
+void select_pages(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* slots,
+                  const std::int32_t* lengths, const AttentionWindow& window, std::int32_t pages_per_row,
+                  const SelectionView& out, std::span<std::byte> workspace, const Context& ctx) {
+  if (cuda::select_pages_fused_supported(bounds.max_pages, pages_per_row)) {
+    cuda::select_pages_fused(q, bounds, slots, lengths, window, pages_per_row, out, ctx.stream);
+    return;
+  }
+  kvsift::detail::check_select_pages("cuda::select_pages", q, bounds, slots, lengths, window, pages_per_row, out);
+  kvsift::detail::select_pages_in_steps(q, bounds, slots, lengths, window, pages_per_row, out, workspace, ctx);
 }
 
 /// Sparse decode of the window and the selection, O in the storage type or fp32 (TO).

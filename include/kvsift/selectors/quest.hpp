@@ -7,8 +7,8 @@
 /// window score -inf (the kernel attends the window itself); the best budget / page_size pages are selected
 /// whole, less their window tokens, so a row selects at most `budget` tokens.
 ///
-/// Per step: page_scores, topk_rows over pages, expand_pages (three launches on CUDA); append folds the step's
-/// key into its page (one launch). Written once for both backends; the index is bounds per slot, in the
+/// Per step: select_pages (page scores, top pages, their tokens: one fused launch on CUDA, three primitives on
+/// the CPU); append folds the step's key into its page (one launch). Written once for both backends; the index is bounds per slot, in the
 /// context's memory: index_bytes() = 2 * sizeof(T) * head_dim * max_pages * kv_heads * max_slots.
 
 #include <cstddef>
@@ -52,9 +52,7 @@ class Quest {
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
     detail::check_shape("Quest::select_workspace_bytes", limits_, shape);
-    WorkspaceLayout counting;
-    layout(counting, shape.batch, ctx);
-    return counting.bytes();
+    return select_pages_workspace_bytes(shape.batch, limits_.kv_heads, max_pages_, pages_per_row(), ctx);
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
     detail::check_shape("Quest::append_workspace_bytes", limits_, shape);
@@ -75,27 +73,11 @@ class Quest {
               const Context& ctx) {
     constexpr const char* where = "Quest::select";
     detail::check_select(where, limits_, in, out, capacity(), Context::memory);
-    const std::int32_t batch = in.q.batch;
-    WorkspaceLayout carving(workspace, where);
-    const Buffers b = layout(carving, batch, ctx);
-    const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
-    page_scores(in.q, bounds().as_const(), in.slots, in.lengths, in.attention.window,
-                MatrixView<float>::packed(b.scores, rows, max_pages_), b.page_counts, ctx);
-    const SelectionView pages{b.pages, b.page_picks, nullptr, batch, limits_.kv_heads, pages_per_row()};
-    topk_rows(MatrixView<const float>::packed(b.scores, rows, max_pages_), b.page_counts, pages_per_row(),
-              TopKRowsOptions{}, pages, b.topk, ctx);
-    expand_pages(pages, config_.page_size, in.lengths, in.attention.window, out, ctx);
+    select_pages(in.q, bounds().as_const(), in.slots, in.lengths, in.attention.window, pages_per_row(), out,
+                 workspace, ctx);
   }
 
  private:
-  struct Buffers {
-    float* scores;             ///< [batch * kv_heads, max_pages]
-    std::int32_t* page_counts;  ///< [batch]
-    std::int32_t* pages;        ///< [batch * kv_heads, pages_per_row]
-    std::int32_t* page_picks;   ///< [batch * kv_heads]
-    std::span<std::byte> topk;
-  };
-
   static std::int32_t checked_pages(const SelectorLimits& limits, const QuestConfig& config) {
     detail::check_limits("Quest", limits);
     KVSIFT_CHECK(config.page_size > 0, "Quest", "config.page_size (= {}) must be positive", config.page_size);
@@ -107,18 +89,6 @@ class Quest {
   PageBoundsView<T> bounds() {
     return {bounds_.data(), limits_.max_slots, limits_.kv_heads, max_pages_, limits_.head_dim, config_.page_size};
   }
-  Buffers layout(WorkspaceLayout& layout, std::int32_t batch, const Context& ctx) const {
-    const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
-    Buffers b{};
-    b.scores = layout.allocate<float>(std::size_t(rows) * std::size_t(max_pages_), "Quest page scores");
-    b.page_counts = layout.allocate<std::int32_t>(std::size_t(batch), "Quest page counts");
-    b.pages = layout.allocate<std::int32_t>(std::size_t(rows) * std::size_t(pages_per_row()), "Quest chosen pages");
-    b.page_picks = layout.allocate<std::int32_t>(std::size_t(rows), "Quest chosen page counts");
-    b.topk = layout.span(topk_rows_workspace_bytes(rows, max_pages_, pages_per_row(), TopKRowsOptions{}, ctx),
-                         "Quest topk_rows scratch");
-    return b;
-  }
-
   SelectorLimits limits_;
   QuestConfig config_;
   std::int32_t max_pages_;

@@ -98,6 +98,33 @@ void check_page_scores(const char* where, const QueryView<const T>& q, const Pag
   }
 }
 
+/// select_pages, on both backends: page_scores' arguments but the scores, the pages per row, and out. The
+/// contents are checked by the primitives that the CPU composes; the CUDA kernel defines what a bad device value
+/// does (cuda/page_bounds.hpp).
+template <class T>
+void check_select_pages(const char* where, const QueryView<const T>& q, const PageBoundsView<const T>& bounds,
+                        const std::int32_t* slots, const std::int32_t* lengths, const AttentionWindow& window,
+                        std::int32_t pages_per_row, const SelectionView& out) {
+  validate(q, where, "q");
+  check_page_bounds_view(where, bounds);
+  validate(window, where, "window");
+  KVSIFT_CHECK(q.head_dim == bounds.head_dim, where, "q.head_dim (= {}) != bounds.head_dim (= {})", q.head_dim,
+               bounds.head_dim);
+  KVSIFT_CHECK(q.heads % bounds.kv_heads == 0, where, "q.heads (= {}) is not a multiple of bounds.kv_heads (= {})",
+               q.heads, bounds.kv_heads);
+  KVSIFT_CHECK(slots != nullptr, where, "slots is a null pointer");
+  KVSIFT_CHECK(lengths != nullptr, where, "lengths is a null pointer");
+  KVSIFT_CHECK(pages_per_row > 0, where, "pages_per_row (= {}) must be positive", pages_per_row);
+  check_pointer(where, "out", "indices", out.indices);
+  check_pointer(where, "out", "counts", out.counts);
+  KVSIFT_CHECK(out.batch == q.batch && out.kv_heads == bounds.kv_heads, where,
+               "out is [batch = {}, kv_heads = {}], q.batch = {} and bounds.kv_heads = {}", out.batch, out.kv_heads,
+               q.batch, bounds.kv_heads);
+  KVSIFT_CHECK(std::int64_t(out.capacity) >= std::int64_t(pages_per_row) * bounds.page_size, where,
+               "out.capacity (= {}) < pages_per_row * page_size (= {} * {})", out.capacity, pages_per_row,
+               bounds.page_size);
+}
+
 inline void check_expand_pages(const char* where, const SelectionView& pages, std::int32_t page_size,
                                const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
                                MemorySpace contents) {

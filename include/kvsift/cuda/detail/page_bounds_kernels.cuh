@@ -24,6 +24,10 @@ inline constexpr int kScoreThreads = 256;
 /// a page in flight, about the 16 KB per SM that HBM3 bandwidth times latency asks for. Unbounded, ptxas used
 /// 144 registers and one CTA fit.
 inline constexpr int kScoreCtasPerSm = 2;
+/// Steps of kPagesPerWarp pages whose loads a warp issues before it uses the first: two in page_scores (four
+/// spill at its 128 registers), four in select_pages' kernel (one CTA per SM, 8 warps: 32 KB in flight).
+inline constexpr int kScoreStepsInFlight = 2;
+inline constexpr int kSelectStepsInFlight = 4;
 /// expand_pages: threads of the one CTA per selection row, each taking one chosen page per round.
 inline constexpr int kExpandThreads = 128;
 
@@ -46,9 +50,42 @@ struct PageScoreParams {
   std::int32_t chunks;      ///< CTAs per row: ceil(page_limit / kScorePagesPerCta)
 };
 
+template <class T>
+struct PageSelectParams {
+  QueryView<const T> q;
+  PageBoundsView<const T> bounds;
+  const std::int32_t* slots;
+  const std::int32_t* lengths;
+  AttentionWindow window;
+  SelectionView out;
+  std::int32_t group;          ///< q.heads / bounds.kv_heads
+  std::int32_t page_limit;     ///< a row with more pages is refused on the device (count -1)
+  std::int32_t pages_per_row;  ///< pages chosen per row at most
+  std::int32_t cluster;        ///< CTAs per row
+  std::int32_t slice;          ///< pages per CTA: ceil(page_limit / cluster)
+};
+
+/// select_pages' fused kernel: CTAs of a cluster per row; shared memory of a CTA's slice and the chosen list.
+inline constexpr int kSelectPagesThreads = 256;
+inline constexpr int kSelectPagesCluster = 16;
+inline constexpr int kSelectPagesPortableCluster = 8;
+inline constexpr std::size_t kSelectPagesMaxSmemBytes = 96 * 1024;
+inline std::size_t select_pages_smem_bytes(std::int32_t slice, std::int32_t pages_per_row) {
+  return (std::size_t(slice) + std::size_t(pages_per_row)) * 4;
+}
+/// Whether the fused kernel takes rows of up to `page_limit` pages choosing `pages_per_row` (at the portable
+/// cluster size, so that the answer holds on every device).
+inline bool select_pages_fits(std::int32_t page_limit, std::int32_t pages_per_row) {
+  const std::int32_t slice = (page_limit + kSelectPagesPortableCluster - 1) / kSelectPagesPortableCluster;
+  return select_pages_smem_bytes(slice, pages_per_row) <= kSelectPagesMaxSmemBytes;
+}
+
 template <class T, class KV>
 cudaError_t launch_build_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds,
                                      cudaStream_t stream);
+/// params.cluster and params.slice are set here (16 CTAs where the device allows, else 8).
+template <class T>
+cudaError_t launch_select_pages(PageSelectParams<T> params, cudaStream_t stream);
 template <class T, class KV>
 cudaError_t launch_append_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds,
                                       cudaStream_t stream);
@@ -64,6 +101,8 @@ cudaError_t launch_expand_pages(const SelectionView& pages, std::int32_t page_si
 
 #include <cub/block/block_scan.cuh>
 
+#include "kvsift/core/ranking.hpp"
+#include "kvsift/cuda/detail/block_select.cuh"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
 #include "kvsift/cuda/dtype.cuh"
 
@@ -138,37 +177,32 @@ __device__ __forceinline__ int score_channel(int j, int e, int lane_in_page) {
   return (j * S::kLanes + lane_in_page) * S::kVec + e;
 }
 
-/// One CTA per (row, chunk of kScorePagesPerCta pages). Per tile of up to kScoreHeadTile query heads of the
-/// group, the CTA stages the tile's q in shared memory and each lane keeps its channels of it in registers;
-/// then each warp takes kPagesPerWarp pages per step: every lane reads its vectors of lo and hi once, forms its
-/// channels' partial sums for every head of the tile, and the page's lanes add them by shuffles. Per channel:
-/// a select and an FMA per head, one NaN test for the page. Each page's score is written by the same lane in
-/// every tile (the tile's max joins the earlier tiles' with max_keep_nan), so no two threads touch one score.
-template <class T, int HeadDim>
-__global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) page_scores_kernel(const __grid_constant__ PageScoreParams<T> p) {
+/// The pages of one (row, kv head g) in [first_page, last_page), scored by the CTA: per tile of up to
+/// kScoreHeadTile query heads of the group, the CTA stages the tile's q in shared memory and each lane keeps its
+/// channels of it in registers; then each warp takes kPagesPerWarp pages per step, StepsInFlight steps at a
+/// time (every load of those steps issued before the first is used: a short read needs many bytes in flight per
+/// SM): every lane reads its vectors of lo and hi once, forms its channels' partial sums for every head of the
+/// tile, and the page's lanes add them by shuffles. store(page, score, tile) is called by one lane per page and
+/// tile, the same lane in every tile; from the second tile on, the caller keeps the maximum (max_keep_nan).
+/// StepsInFlight (per 16-byte vector a lane reads of a page half) is what the caller's registers allow.
+/// Pages whose tokens are all in the window score -inf; a page with a NaN bound scores NaN.
+template <class T, int HeadDim, int StepsInFlight, class Store>
+__device__ __forceinline__ void score_pages(const QueryView<const T>& q_view, const PageBoundsView<const T>& bounds,
+                                            std::int32_t slot, std::int64_t b, std::int64_t g, std::int32_t group,
+                                            std::int32_t len, const AttentionWindow& window, std::int64_t first_page,
+                                            std::int64_t last_page, float (&q_tile)[kScoreHeadTile][HeadDim],
+                                            Store store) {
   using S = ScoreShape<T, HeadDim>;
-  __shared__ float q_tile[kScoreHeadTile][HeadDim];
-  const std::int64_t row = blockIdx.x / p.chunks, chunk = blockIdx.x % p.chunks;
-  const std::int32_t kv_heads = p.bounds.kv_heads;
-  const std::int64_t b = row / kv_heads, g = row % kv_heads;
-  const std::int32_t slot = p.slots[b], len = p.lengths[b];
-  const std::int64_t pages = kvsift::detail::page_count(len, p.bounds.page_size);
-  const bool valid = slot >= 0 && slot < p.bounds.slots && len >= 0 && pages <= p.page_limit;
-  if (chunk == 0 && g == 0 && threadIdx.x == 0) p.page_counts[b] = valid ? std::int32_t(pages) : -1;
-  const std::int64_t first_page = chunk * kScorePagesPerCta;
-  if (!valid || first_page >= pages) return;  // the whole CTA: no barrier below is skipped by part of it
-  const std::int64_t last_page = min(first_page + kScorePagesPerCta, pages);
-
+  constexpr int kSteps = StepsInFlight / S::kVecsPerLane > 0 ? StepsInFlight / S::kVecsPerLane : 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int lane_in_page = lane % S::kLanes, page_in_warp = lane / S::kLanes;
   const unsigned page_lanes = (S::kLanes == 32 ? 0xffffffffu : (1u << S::kLanes) - 1u) << (page_in_warp * S::kLanes);
-  float* out = p.scores.row(row);
-  for (std::int32_t tile = 0; tile < p.group; tile += kScoreHeadTile) {
-    const int heads = min(kScoreHeadTile, p.group - tile);
+  for (std::int32_t tile = 0; tile < group; tile += kScoreHeadTile) {
+    const int heads = min(kScoreHeadTile, group - tile);
     __syncthreads();  // the previous tile's q is read into registers by every thread
-    for (int i = threadIdx.x; i < kScoreHeadTile * HeadDim; i += kScoreThreads) {
+    for (int i = threadIdx.x; i < kScoreHeadTile * HeadDim; i += blockDim.x) {
       const int h = i / HeadDim, c = i % HeadDim;
-      q_tile[h][c] = h < heads ? to_float_device(p.q.row(b, g * p.group + tile + h)[c]) : 0.0f;
+      q_tile[h][c] = h < heads ? to_float_device(q_view.row(b, g * group + tile + h)[c]) : 0.0f;
     }
     __syncthreads();
     float q[kScoreHeadTile][S::kChannels];
@@ -180,77 +214,102 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) page_scores_ke
         for (int e = 0; e < S::kVec; ++e) q[h][j * S::kVec + e] = q_tile[h][score_channel<S>(j, e, lane_in_page)];
       }
     }
-    for (std::int64_t step = first_page + warp * S::kPagesPerWarp; step < last_page; step += S::kPagesPerCtaStep) {
-      const std::int64_t page = step + page_in_warp;
-      const bool active = page < last_page;
+    const std::int64_t pages_per_cta_step = std::int64_t(S::kPagesPerWarp) * (blockDim.x / 32);
+    for (std::int64_t step0 = first_page + warp * S::kPagesPerWarp; step0 < last_page;
+         step0 += kSteps * pages_per_cta_step) {
       // Every lane of the warp goes through the shuffles below; inactive ones read nothing and write nothing.
-      uint4 lo_v[S::kVecsPerLane], hi_v[S::kVecsPerLane];
-      const uint4* src = reinterpret_cast<const uint4*>(p.bounds.lo(slot, g, active ? page : first_page));
+      uint4 lo_v[kSteps][S::kVecsPerLane], hi_v[kSteps][S::kVecsPerLane];
 #pragma unroll
-      for (int j = 0; j < S::kVecsPerLane; ++j) {
-        lo_v[j] = active ? src[j * S::kLanes + lane_in_page] : make_uint4(0, 0, 0, 0);
-        hi_v[j] = active ? src[S::kVecsPerHalf + j * S::kLanes + lane_in_page] : make_uint4(0, 0, 0, 0);
-      }
-      float lo[S::kChannels], hi[S::kChannels];
-      bool nan = false;
+      for (int u = 0; u < kSteps; ++u) {
+        const std::int64_t page = step0 + u * pages_per_cta_step + page_in_warp;
+        const bool active = page < last_page;
+        const uint4* src = reinterpret_cast<const uint4*>(bounds.lo(slot, g, active ? page : first_page));
 #pragma unroll
-      for (int j = 0; j < S::kVecsPerLane; ++j) {
-        const T* lo_t = reinterpret_cast<const T*>(&lo_v[j]);
-        const T* hi_t = reinterpret_cast<const T*>(&hi_v[j]);
-#pragma unroll
-        for (int e = 0; e < S::kVec; ++e) {
-          lo[j * S::kVec + e] = to_float_device(lo_t[e]);
-          hi[j * S::kVec + e] = to_float_device(hi_t[e]);
-          nan |= kvsift::detail::bound_is_nan(lo[j * S::kVec + e], hi[j * S::kVec + e]);
+        for (int j = 0; j < S::kVecsPerLane; ++j) {
+          lo_v[u][j] = active ? src[j * S::kLanes + lane_in_page] : make_uint4(0, 0, 0, 0);
+          hi_v[u][j] = active ? src[S::kVecsPerHalf + j * S::kLanes + lane_in_page] : make_uint4(0, 0, 0, 0);
         }
       }
-      float best = -INFINITY;
 #pragma unroll
-      for (int h = 0; h < kScoreHeadTile; ++h) {
-        if (h >= heads) break;  // uniform across the warp, so every lane reaches the same shuffles
-        float sum = 0.0f;
+      for (int u = 0; u < kSteps; ++u) {
+        const std::int64_t page = step0 + u * pages_per_cta_step + page_in_warp;
+        const bool active = page < last_page;
+        float lo[S::kChannels], hi[S::kChannels];
+        bool nan = false;
 #pragma unroll
-        for (int c = 0; c < S::kChannels; ++c) sum = fmaf(q[h][c], kvsift::detail::bound_factor(q[h][c], lo[c], hi[c]), sum);
+        for (int j = 0; j < S::kVecsPerLane; ++j) {
+          const T* lo_t = reinterpret_cast<const T*>(&lo_v[u][j]);
+          const T* hi_t = reinterpret_cast<const T*>(&hi_v[u][j]);
 #pragma unroll
-        for (int offset = S::kLanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-        best = kvsift::detail::max_keep_nan(best, sum);
-      }
-      nan = (__ballot_sync(0xffffffffu, nan) & page_lanes) != 0;
-      if (!active || lane_in_page != 0) continue;
-      std::int64_t middle_first = 0, middle_last = 0;
-      kvsift::detail::page_middle(page, p.bounds.page_size, len, p.window, &middle_first, &middle_last);
-      const float score = nan ? __int_as_float(0x7fffffff) : best;
-      if (middle_first >= middle_last) {
-        out[page] = -INFINITY;
-      } else {
-        out[page] = tile == 0 ? score : kvsift::detail::max_keep_nan(out[page], score);
+          for (int e = 0; e < S::kVec; ++e) {
+            lo[j * S::kVec + e] = to_float_device(lo_t[e]);
+            hi[j * S::kVec + e] = to_float_device(hi_t[e]);
+            nan |= kvsift::detail::bound_is_nan(lo[j * S::kVec + e], hi[j * S::kVec + e]);
+          }
+        }
+        float best = -INFINITY;
+#pragma unroll
+        for (int h = 0; h < kScoreHeadTile; ++h) {
+          if (h >= heads) break;  // uniform across the warp, so every lane reaches the same shuffles
+          float sum = 0.0f;
+#pragma unroll
+          for (int c = 0; c < S::kChannels; ++c) {
+            sum = fmaf(q[h][c], kvsift::detail::bound_factor(q[h][c], lo[c], hi[c]), sum);
+          }
+#pragma unroll
+          for (int offset = S::kLanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+          best = kvsift::detail::max_keep_nan(best, sum);
+        }
+        nan = (__ballot_sync(0xffffffffu, nan) & page_lanes) != 0;
+        if (!active || lane_in_page != 0) continue;
+        std::int64_t middle_first = 0, middle_last = 0;
+        kvsift::detail::page_middle(page, bounds.page_size, len, window, &middle_first, &middle_last);
+        const float score = middle_first >= middle_last ? -INFINITY : nan ? __int_as_float(0x7fffffff) : best;
+        store(page, score, tile);
       }
     }
   }
 }
 
-/// One CTA per selection row (a template only so that the header may define it). Per round of Threads chosen
-/// pages, each thread counts its page's middle tokens, a block scan places them, and the threads then write the
-/// round's tokens in order, each finding its token's page by binary search over the scanned ends (coalesced
-/// stores).
+/// One CTA per (row, chunk of kScorePagesPerCta pages), scoring them into p.scores (score_pages).
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) page_scores_kernel(const __grid_constant__ PageScoreParams<T> p) {
+  __shared__ float q_tile[kScoreHeadTile][HeadDim];
+  const std::int64_t row = blockIdx.x / p.chunks, chunk = blockIdx.x % p.chunks;
+  const std::int32_t kv_heads = p.bounds.kv_heads;
+  const std::int64_t b = row / kv_heads, g = row % kv_heads;
+  const std::int32_t slot = p.slots[b], len = p.lengths[b];
+  const std::int64_t pages = kvsift::detail::page_count(len, p.bounds.page_size);
+  const bool valid = slot >= 0 && slot < p.bounds.slots && len >= 0 && pages <= p.page_limit;
+  if (chunk == 0 && g == 0 && threadIdx.x == 0) p.page_counts[b] = valid ? std::int32_t(pages) : -1;
+  const std::int64_t first_page = chunk * kScorePagesPerCta;
+  if (!valid || first_page >= pages) return;  // the whole CTA: no barrier below is skipped by part of it
+  const std::int64_t last_page = min(first_page + kScorePagesPerCta, pages);
+  float* out = p.scores.row(row);
+  score_pages<T, HeadDim, kScoreStepsInFlight>(p.q, p.bounds, slot, b, g, p.group, len, p.window, first_page,
+                                               last_page, q_tile,
+                          [&](std::int64_t page, float score, std::int32_t tile) {
+                            out[page] = tile == 0 ? score : kvsift::detail::max_keep_nan(out[page], score);
+                          });
+}
+
+/// Shared memory of expand_row.
 template <int Threads>
-__global__ void __launch_bounds__(Threads)
-    expand_pages_kernel(SelectionView pages, std::int32_t page_size, const std::int32_t* lengths,
-                        AttentionWindow window, SelectionView out) {
+struct ExpandStorage {
+  typename cub::BlockScan<std::int32_t, Threads>::TempStorage scan;
+  std::int32_t ends[Threads];    ///< one past each page's last output position in the round
+  std::int64_t firsts[Threads];  ///< each page's first middle token
+};
+
+/// The middle tokens of `count` chosen pages written in order to dst (and weight 0 where weights is set), by
+/// the CTA; returns how many. Per round of Threads pages, each thread counts its page's middle tokens, a block
+/// scan places them, and the threads then write the round's tokens in order, each finding its token's page by
+/// binary search over the scanned ends (coalesced stores).
+template <int Threads>
+__device__ std::int32_t expand_row(ExpandStorage<Threads>& s, const std::int32_t* chosen, std::int32_t count,
+                                   std::int32_t page_size, std::int32_t len, const AttentionWindow& window,
+                                   std::int32_t* dst, float* weights) {
   using Scan = cub::BlockScan<std::int32_t, Threads>;
-  __shared__ typename Scan::TempStorage scan;
-  __shared__ std::int32_t ends[Threads];    // one past each page's last output position in the round
-  __shared__ std::int64_t firsts[Threads];  // each page's first middle token
-  const std::int64_t row = blockIdx.x, b = row / pages.kv_heads;
-  const std::int32_t count = pages.counts[row];
-  if (count < 0 || count > pages.capacity) {
-    if (threadIdx.x == 0) out.counts[row] = -1;
-    return;
-  }
-  const std::int32_t len = lengths[b];
-  const std::int32_t* chosen = pages.indices + row * pages.capacity;
-  std::int32_t* dst = out.indices + row * out.capacity;
-  float* weights = out.log_weights ? out.log_weights + row * out.capacity : nullptr;
   std::int32_t written = 0;
   for (std::int32_t round = 0; round < count; round += Threads) {
     const std::int32_t i = round + std::int32_t(threadIdx.x);
@@ -258,25 +317,91 @@ __global__ void __launch_bounds__(Threads)
     if (i < count) kvsift::detail::page_middle(chosen[i], page_size, len, window, &first, &last);
     const std::int32_t n = first < last ? std::int32_t(last - first) : 0;
     std::int32_t offset = 0, total = 0;
-    Scan(scan).ExclusiveSum(n, offset, total);
-    ends[threadIdx.x] = offset + n;
-    firsts[threadIdx.x] = first;
+    Scan(s.scan).ExclusiveSum(n, offset, total);
+    s.ends[threadIdx.x] = offset + n;
+    s.firsts[threadIdx.x] = first;
     __syncthreads();
     for (std::int32_t j = threadIdx.x; j < total; j += Threads) {
       int lo = 0, hi = Threads - 1;  // the first page whose end exceeds j
       while (lo < hi) {
         const int mid = (lo + hi) / 2;
-        if (ends[mid] > j) hi = mid;
+        if (s.ends[mid] > j) hi = mid;
         else lo = mid + 1;
       }
-      const std::int32_t start = lo == 0 ? 0 : ends[lo - 1];
-      dst[written + j] = std::int32_t(firsts[lo] + (j - start));
+      const std::int32_t start = lo == 0 ? 0 : s.ends[lo - 1];
+      dst[written + j] = std::int32_t(s.firsts[lo] + (j - start));
       if (weights) weights[written + j] = 0.0f;
     }
     written += total;
     __syncthreads();  // ends, firsts and the scan storage are rewritten by the next round
   }
+  return written;
+}
+
+/// One CTA per selection row (a template only so that the header may define it).
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
+    expand_pages_kernel(SelectionView pages, std::int32_t page_size, const std::int32_t* lengths,
+                        AttentionWindow window, SelectionView out) {
+  __shared__ ExpandStorage<Threads> storage;
+  const std::int64_t row = blockIdx.x, b = row / pages.kv_heads;
+  const std::int32_t count = pages.counts[row];
+  if (count < 0 || count > pages.capacity) {
+    if (threadIdx.x == 0) out.counts[row] = -1;
+    return;
+  }
+  float* weights = out.log_weights ? out.log_weights + row * out.capacity : nullptr;
+  const std::int32_t written = expand_row(storage, pages.indices + row * pages.capacity, count, page_size, lengths[b],
+                                          window, out.indices + row * out.capacity, weights);
   if (threadIdx.x == 0) out.counts[row] = written;
+}
+
+/// select_pages in one launch: a thread-block cluster of p.cluster CTAs per selection row (b, g). Each CTA scores
+/// its slice of p.slice pages into shared memory (score_pages), the cluster picks the best p.pages_per_row pages
+/// with BlockRadixSelect over their rank words (the order of topk_rows: the same pages), every CTA writes its
+/// chosen pages into CTA rank 0's list at their positions (distributed shared memory), and rank 0 expands them.
+/// Dynamic shared memory: p.slice floats, then p.pages_per_row page ids.
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(kSelectPagesThreads) select_pages_kernel(const __grid_constant__ PageSelectParams<T> p) {
+  using Select = BlockRadixSelect<kSelectPagesThreads>;
+  __shared__ typename Select::TempStorage select_storage;
+  __shared__ ExpandStorage<kSelectPagesThreads> expand_storage;
+  __shared__ float q_tile[kScoreHeadTile][HeadDim];
+  extern __shared__ float slice_scores[];
+  std::int32_t* const chosen = reinterpret_cast<std::int32_t*>(slice_scores + p.slice);
+  const std::int64_t row = blockIdx.x / p.cluster;
+  const std::int32_t rank = std::int32_t(blockIdx.x % p.cluster);  // the cluster's block rank: clusters tile x
+  const std::int64_t b = row / p.bounds.kv_heads, g = row % p.bounds.kv_heads;
+  const std::int32_t slot = p.slots[b], len = p.lengths[b];
+  const std::int64_t pages = kvsift::detail::page_count(len, p.bounds.page_size);
+  // Everything below depends on the row alone, so each cluster takes the same branches.
+  const bool valid = slot >= 0 && slot < p.bounds.slots && len >= 0 && pages <= p.page_limit;
+  const std::int32_t picks = valid ? std::int32_t(min(std::int64_t(p.pages_per_row), pages)) : 0;
+  if (picks == 0) {
+    if (rank == 0 && threadIdx.x == 0) p.out.counts[row] = valid ? 0 : -1;
+    return;
+  }
+  const std::int64_t begin = min(pages, std::int64_t(rank) * p.slice), end = min(pages, begin + p.slice);
+  score_pages<T, HeadDim, kSelectStepsInFlight>(p.q, p.bounds, slot, b, g, p.group, len, p.window, begin, end, q_tile,
+                          [&](std::int64_t page, float score, std::int32_t tile) {
+                            float& slot_score = slice_scores[page - begin];
+                            slot_score = tile == 0 ? score : kvsift::detail::max_keep_nan(slot_score, score);
+                          });
+  __syncthreads();
+  const std::int32_t count = std::int32_t(end - begin);
+  const auto word_at = [&](std::int32_t i) { return rank_word(slice_scores[i]); };
+  const ClusterGroup group{};
+  std::int32_t* const list = group.of_rank(chosen, 0);
+  const auto out = [&](std::int32_t i, std::uint32_t position) { list[position] = std::int32_t(begin + i); };
+  Select select(select_storage);
+  const SelectThreshold threshold = picks == pages ? SelectThreshold::all(std::uint32_t(pages))
+                                                   : select.find(word_at, count, std::uint32_t(picks), group);
+  select.emit(word_at, count, threshold, out, group);  // ends with a cluster barrier: the list is complete
+  if (rank != 0) return;
+  float* weights = p.out.log_weights ? p.out.log_weights + row * p.out.capacity : nullptr;
+  const std::int32_t written = expand_row(expand_storage, chosen, picks, p.bounds.page_size, len, p.window,
+                                          p.out.indices + row * p.out.capacity, weights);
+  if (threadIdx.x == 0) p.out.counts[row] = written;
 }
 
 template <class T, class KV>

@@ -1,0 +1,211 @@
+// cuda::select_pages_fused (Quest's selection in one launch) against the three kernels it fuses (page_scores,
+// topk_rows over pages, expand_pages; each tested against its CPU twin): the same tokens and counts bit for
+// bit, since both sum each page's channels in the same order. Random bounds with NaN pages, ragged lengths
+// (empty, one token, fewer pages than the budget), windows, GQA groups of one to two head tiles, every head_dim
+// and storage type; outputs poisoned first. Also: device values out of range give count -1, a graph replay
+// equals the eager run, and the host refuses bad arguments by name.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cuda/gpu_test.hpp"
+#include "kvsift/cuda/backend.hpp"
+#include "test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using test::DeviceBuffer;
+using test::Random;
+
+struct Shape {
+  std::int32_t q_heads, kv_heads, head_dim, page_size, max_pages, pages_per_row;
+  AttentionWindow window;
+  std::vector<std::int32_t> lens;
+};
+
+/// Bounds of every slot drawn at random (lo <= hi per channel; a few pages NaN), a query, and the lengths.
+template <class T>
+struct Problem {
+  Shape shape;
+  std::int32_t batch, slots;
+  DeviceBuffer<T> q, bounds;
+  DeviceBuffer<std::int32_t> lengths, slot_of_row;
+
+  Problem(Random& rng, const Shape& s)
+      : shape(s), batch(std::int32_t(s.lens.size())), slots(batch + 1) {
+    const std::size_t q_elems = std::size_t(batch) * s.q_heads * s.head_dim;
+    q = DeviceBuffer<T>(test::to_storage<T>(rng.normal(q_elems)));
+    const std::size_t bound_elems = PageBoundsView<T>::bytes(slots, s.kv_heads, s.max_pages, s.head_dim) / sizeof(T);
+    std::vector<float> lo_hi(bound_elems);
+    const std::size_t page_elems = 2 * std::size_t(s.head_dim);
+    for (std::size_t page = 0; page < bound_elems / page_elems; ++page) {
+      float* lo = lo_hi.data() + page * page_elems;
+      float* hi = lo + s.head_dim;
+      const bool nan_page = rng.uniform_int(0, 199) == 0;
+      for (std::int32_t c = 0; c < s.head_dim; ++c) {
+        const float a = rng.uniform(-2.0f, 2.0f), b = rng.uniform(-2.0f, 2.0f);
+        lo[c] = std::min(a, b);
+        hi[c] = std::max(a, b);
+      }
+      if (nan_page) hi[rng.uniform_int(0, s.head_dim - 1)] = NAN;
+    }
+    bounds = DeviceBuffer<T>(test::to_storage<T>(lo_hi));
+    lengths = DeviceBuffer<std::int32_t>(s.lens);
+    std::vector<std::int32_t> row_slots(batch);
+    for (std::int32_t b = 0; b < batch; ++b) row_slots[b] = slots - 1 - b;  // out of order
+    slot_of_row = DeviceBuffer<std::int32_t>(row_slots);
+  }
+  QueryView<const T> query() const { return QueryView<const T>::packed(q.data(), batch, shape.q_heads, shape.head_dim); }
+  PageBoundsView<const T> view() const {
+    return PageBoundsView<const T>::packed(bounds.data(), slots, shape.kv_heads, shape.max_pages, shape.head_dim,
+                                           shape.page_size);
+  }
+};
+
+/// A poisoned selection on the device: indices, counts -1 bytes; log-weights NaN.
+struct Selection {
+  DeviceBuffer<std::int32_t> indices, counts;
+  DeviceBuffer<float> weights;
+  SelectionView view;
+  Selection(std::int32_t batch, std::int32_t kv_heads, std::int32_t capacity)
+      : indices(std::size_t(batch) * kv_heads * capacity), counts(std::size_t(batch) * kv_heads),
+        weights(indices.size()) {
+    indices.poison();
+    counts.poison();
+    weights.poison();
+    view = {indices.data(), counts.data(), weights.data(), batch, kv_heads, capacity};
+  }
+};
+
+/// Rows equal: counts, then each row's first count entries (the rest is not defined), weights 0.
+void expect_same_rows(const Selection& fused, const Selection& steps, const std::string& what) {
+  const auto counts = fused.counts.download(), step_counts = steps.counts.download();
+  const auto indices = fused.indices.download(), step_indices = steps.indices.download();
+  const auto weights = fused.weights.download();
+  ASSERT_EQ(counts, step_counts) << what;
+  const std::int32_t capacity = fused.view.capacity;
+  for (std::size_t row = 0; row < counts.size(); ++row) {
+    for (std::int32_t i = 0; i < counts[row]; ++i) {
+      const std::size_t at = row * capacity + i;
+      ASSERT_EQ(indices[at], step_indices[at]) << what << " row " << row << " entry " << i;
+      ASSERT_EQ(weights[at], 0.0f) << what << " row " << row << " entry " << i;
+    }
+  }
+}
+
+class CudaSelectPages : public test::GpuTest {
+ protected:
+  template <class T>
+  void check(const Shape& s, const std::string& what) {
+    const Problem<T> p(rng, s);
+    const cuda::Context ctx{nullptr};
+    const std::int32_t capacity = s.pages_per_row * s.page_size;
+    Selection fused(p.batch, s.kv_heads, capacity), steps(p.batch, s.kv_heads, capacity);
+    ASSERT_TRUE(cuda::select_pages_fused_supported(s.max_pages, s.pages_per_row));
+    cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.pages_per_row,
+                             fused.view, ctx.stream);
+    DeviceBuffer<std::byte> workspace(kvsift::detail::select_pages_in_steps_workspace_bytes(
+        p.batch, s.kv_heads, s.max_pages, s.pages_per_row, ctx));
+    kvsift::detail::select_pages_in_steps(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window,
+                                          s.pages_per_row, steps.view, {workspace.data(), workspace.size()}, ctx);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    expect_same_rows(fused, steps, what);
+  }
+};
+
+TEST_F(CudaSelectPages, EqualsTheThreeKernels) {
+  const AttentionWindow none{}, window{4, 64};
+  const std::vector<Shape> shapes = {
+      // 128K tokens at batch 1 as Quest runs it, then ragged rows: empty, one token, fewer pages than the budget,
+      // a page boundary, the window covering everything.
+      {32, 8, 128, 16, 8192, 128, window, {131072}},
+      {32, 8, 128, 16, 2048, 128, window, {0, 1, 100, 2048, 32768, 64, 68}},
+      {32, 8, 128, 16, 2048, 128, none, {1, 17, 5000, 32768}},
+      {8, 8, 64, 32, 700, 20, window, {22400, 640, 33}},       // group of 1, slices of a page count not dividing
+      {48, 4, 128, 16, 1024, 300, window, {16384, 9000}},      // group of 12: two head tiles
+      {16, 2, 256, 16, 512, 64, window, {8192, 4000, 1024}},
+  };
+  for (const Shape& s : shapes) {
+    check<bfloat16>(s, "bf16");
+    check<half>(s, "fp16");
+    check<float>(s, "fp32");
+  }
+}
+
+TEST_F(CudaSelectPages, OutOfRangeDeviceValuesGiveCountMinusOne) {
+  Shape s{32, 8, 128, 16, 256, 16, {4, 64}, {4096, 1000, 100}};
+  Problem<bfloat16> p(rng, s);
+  // Row 0: a length past max_pages * page_size; row 1: a slot outside [0, slots); row 2 valid.
+  p.lengths.upload({4096 + 1, 1000, 100});
+  p.slot_of_row.upload({0, p.slots, 1});
+  Selection out(p.batch, s.kv_heads, s.pages_per_row * s.page_size);
+  cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.pages_per_row,
+                           out.view, nullptr);
+  const auto counts = out.counts.download();
+  for (std::int32_t g = 0; g < s.kv_heads; ++g) {
+    EXPECT_EQ(counts[g], -1) << "row 0 head " << g;
+    EXPECT_EQ(counts[s.kv_heads + g], -1) << "row 1 head " << g;
+    EXPECT_EQ(counts[2 * s.kv_heads + g], 100 - 64 - 4) << "row 2 head " << g;  // every middle token
+  }
+}
+
+TEST_F(CudaSelectPages, GraphReplaysEqualTheEagerRun) {
+  Shape s{32, 8, 128, 16, 4096, 64, {4, 64}, {65536, 30000}};
+  Problem<bfloat16> p(rng, s);
+  cudaStream_t stream = nullptr;
+  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Selection eager(p.batch, s.kv_heads, s.pages_per_row * s.page_size), replay(p.batch, s.kv_heads, s.pages_per_row * s.page_size);
+  cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.pages_per_row,
+                           eager.view, stream);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.pages_per_row,
+                           replay.view, stream);
+  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int run = 0; run < 2; ++run) {
+    replay.indices.poison();
+    replay.counts.poison();
+    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    expect_same_rows(replay, eager, "replay");
+  }
+  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
+  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(CudaSelectPagesBadInput, RefusedBeforeAnyDeviceCall) {
+  // Host pointers stand in for device ones: every call below must throw before a launch.
+  std::vector<bfloat16> q(2 * 8 * 128), bounds(PageBoundsView<bfloat16>::bytes(2, 2, 64, 128) / sizeof(bfloat16));
+  std::vector<std::int32_t> lens{100, 200}, slots{0, 1}, indices(2 * 2 * 256), counts(4);
+  const auto qv = QueryView<const bfloat16>::packed(q.data(), 2, 8, 128);
+  const auto bv = PageBoundsView<const bfloat16>::packed(bounds.data(), 2, 2, 64, 128, 16);
+  const SelectionView out{indices.data(), counts.data(), nullptr, 2, 2, 256};
+  const auto call = [&](std::int32_t pages_per_row, const SelectionView& o, const QueryView<const bfloat16>& qq,
+                        const PageBoundsView<const bfloat16>& bb) {
+    return [=] { cuda::select_pages_fused(qq, bb, slots.data(), lens.data(), AttentionWindow{}, pages_per_row, o, nullptr); };
+  };
+  test::expect_error(call(0, out, qv, bv), {"cuda::select_pages_fused", "pages_per_row (= 0)"});
+  test::expect_error(call(17, out, qv, bv), {"out.capacity (= 256) < pages_per_row * page_size (= 17 * 16)"});
+  SelectionView wrong_batch = out;
+  wrong_batch.batch = 1;
+  test::expect_error(call(16, wrong_batch, qv, bv), {"out is [batch = 1"});
+  auto odd_heads = qv;
+  odd_heads.heads = 7;
+  test::expect_error(call(16, out, odd_heads, bv), {"q.heads (= 7) is not a multiple of bounds.kv_heads (= 2)"});
+  auto small_dim_q = QueryView<const bfloat16>::packed(q.data(), 2, 8, 32);
+  auto small_dim_b = PageBoundsView<const bfloat16>::packed(bounds.data(), 2, 2, 64, 32, 16);
+  test::expect_error(call(16, out, small_dim_q, small_dim_b), {"bounds.head_dim (= 32) is not supported"});
+  auto huge = PageBoundsView<const bfloat16>::packed(bounds.data(), 2, 2, 1 << 20, 128, 16);
+  EXPECT_FALSE(cuda::select_pages_fused_supported(1 << 20, 16));
+  test::expect_error(call(16, out, qv, huge), {"bounds.max_pages (= 1048576)", "use cuda::select_pages"});
+}
+
+}  // namespace
+}  // namespace kvsift
