@@ -24,10 +24,6 @@ cudaError_t launch_select_pages_for(PageSelectParams<T> p, cudaStream_t stream) 
     return s;
   }
   p.cluster = kSelectPagesCluster;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-    (void)cudaGetLastError();  // no non-portable clusters here
-    p.cluster = kSelectPagesPortableCluster;
-  }
   p.slice = (p.page_limit + p.cluster - 1) / p.cluster;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(unsigned(std::int64_t(p.out.batch) * p.out.kv_heads * p.cluster));

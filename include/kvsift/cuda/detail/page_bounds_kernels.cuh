@@ -17,7 +17,7 @@ namespace kvsift::cuda::detail {
 
 /// page_scores: pages per CTA (a few CTAs per SM at 32K tokens, batch 1; more at longer or batched calls) and
 /// the query heads whose q a CTA keeps in registers at once.
-inline constexpr int kScorePagesPerCta = 64;
+inline constexpr int kScorePagesPerCta = 256;
 inline constexpr int kScoreHeadTile = 8;
 inline constexpr int kScoreThreads = 256;
 /// Two CTAs per SM (at most 128 registers a thread; q takes 64): 16 warps, each with a 16-byte load per lane of
@@ -66,24 +66,24 @@ struct PageSelectParams {
 };
 
 /// select_pages' fused kernel: CTAs of a cluster per row; shared memory of a CTA's slice and the chosen list.
+/// Clusters of 8 (the portable size): on the H100, clusters of 16 CTAs at one CTA per SM could not all be resident
+/// at once for 8 rows (batch 1), and the second wave doubled the time (docs/experiments.md, 2026-11-23).
 inline constexpr int kSelectPagesThreads = 256;
-inline constexpr int kSelectPagesCluster = 16;
-inline constexpr int kSelectPagesPortableCluster = 8;
+inline constexpr int kSelectPagesCluster = 8;
 inline constexpr std::size_t kSelectPagesMaxSmemBytes = 96 * 1024;
 inline std::size_t select_pages_smem_bytes(std::int32_t slice, std::int32_t pages_per_row) {
   return (std::size_t(slice) + std::size_t(pages_per_row)) * 4;
 }
-/// Whether the fused kernel takes rows of up to `page_limit` pages choosing `pages_per_row` (at the portable
-/// cluster size, so that the answer holds on every device).
+/// Whether the fused kernel takes rows of up to `page_limit` pages choosing `pages_per_row`.
 inline bool select_pages_fits(std::int32_t page_limit, std::int32_t pages_per_row) {
-  const std::int32_t slice = (page_limit + kSelectPagesPortableCluster - 1) / kSelectPagesPortableCluster;
+  const std::int32_t slice = (page_limit + kSelectPagesCluster - 1) / kSelectPagesCluster;
   return select_pages_smem_bytes(slice, pages_per_row) <= kSelectPagesMaxSmemBytes;
 }
 
 template <class T, class KV>
 cudaError_t launch_build_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds,
                                      cudaStream_t stream);
-/// params.cluster and params.slice are set here (16 CTAs where the device allows, else 8).
+/// params.cluster and params.slice are set here.
 template <class T>
 cudaError_t launch_select_pages(PageSelectParams<T> params, cudaStream_t stream);
 template <class T, class KV>
