@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numeric>
+#include <random>
 #include <vector>
 
 #include "kvsift/core/vq.hpp"
@@ -136,5 +138,61 @@ inline double vq_lut_bound(const double* q, const double* c, std::int32_t d) {
   for (std::int32_t j = 0; j < d; ++j) s += std::abs(q[j] * c[j]);
   return kVqLutTolerance * s + 1e-30;
 }
+
+/// A score past a row's length must keep this.
+constexpr float kScoreSentinel = 1234.5f;
+
+/// A scan problem: random tables, codes with some past the codebook, slots out of order (one invalid), ragged
+/// lengths (0, past the scores' columns).
+struct ScanProblem {
+  std::int32_t batch, q_heads, kv_heads, codewords, cols, slots, max_tokens;
+  std::vector<float> lut;
+  std::vector<std::uint16_t> codes;
+  std::vector<std::int32_t> slot_of, lengths;
+
+  ScanProblem(Random& rng, std::int32_t batch_, std::int32_t q_heads_, std::int32_t kv_heads_, std::int32_t codewords_,
+              std::int32_t cols_, bool invalid_slot)
+      : batch(batch_), q_heads(q_heads_), kv_heads(kv_heads_), codewords(codewords_), cols(cols_), slots(batch_ + 2),
+        max_tokens(cols_ + 3), lut(rng.normal(std::size_t(batch_) * q_heads_ * codewords_)),
+        codes(std::size_t(slots) * kv_heads_ * max_tokens), slot_of(batch_), lengths(batch_) {
+    const std::int32_t top = std::min(65535, codewords + std::max(1, codewords / 50));
+    for (auto& c : codes) c = std::uint16_t(rng.uniform_int(0, top));
+    std::vector<std::int32_t> order(slots);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng.engine);
+    for (std::int32_t b = 0; b < batch; ++b) {
+      slot_of[b] = order[b];
+      const std::int32_t kind = b % 4;
+      lengths[b] = kind == 0 ? rng.uniform_int(1, cols) : kind == 1 ? cols + 7 : kind == 2 ? 0 : rng.uniform_int(1, 40);
+    }
+    if (invalid_slot && batch > 1) slot_of[1] = slots;
+  }
+  MatrixView<const float> lut_view() const {
+    return MatrixView<const float>::packed(lut.data(), std::int64_t(batch) * q_heads, codewords);
+  }
+  VqCodesView<const std::uint16_t> codes_view() const {
+    return VqCodesView<const std::uint16_t>::packed(codes.data(), slots, kv_heads, max_tokens);
+  }
+  /// The expected scores [batch * q_heads, cols] (sentinel past each row's length).
+  std::vector<float> expected(const std::vector<float>& tables) const {
+    std::vector<float> out(std::size_t(batch) * q_heads * cols, kScoreSentinel);
+    const std::int32_t group = q_heads / kv_heads;
+    for (std::int32_t b = 0; b < batch; ++b) {
+      const std::int32_t n = std::clamp(lengths[b], 0, std::min(cols, max_tokens));
+      for (std::int32_t h = 0; h < q_heads; ++h) {
+        const std::int64_t row = std::int64_t(b) * q_heads + h;
+        for (std::int32_t t = 0; t < n; ++t) {
+          float v = test::kPoison;
+          if (slot_of[b] >= 0 && slot_of[b] < slots) {
+            const std::uint16_t c = codes[(std::size_t(slot_of[b]) * kv_heads + h / group) * max_tokens + t];
+            if (c < codewords) v = tables[row * codewords + c];
+          }
+          out[row * cols + t] = v;
+        }
+      }
+    }
+    return out;
+  }
+};
 
 }  // namespace kvsift::test

@@ -29,7 +29,8 @@ using test::Random;
 using test::VqProblem;
 
 constexpr std::uint16_t kCodePoison = 0xffff;  // above every codebook here: an unwritten code shows
-constexpr float kScoreSentinel = 1234.5f;      // a score past a row's length must keep it
+using test::kScoreSentinel;
+using test::ScanProblem;
 
 std::vector<float> norms_of(const VqProblem& p, cpu::ThreadPool* pool) {
   std::vector<float> norms(std::size_t(p.kv_heads) * p.codewords, test::kPoison);
@@ -198,59 +199,6 @@ TEST(VqLut, TablesAreQueryDotCodeword) {
   check_lut<bfloat16>(rng, 3, 12, 4, 256, 128, &pool);
   check_lut<half>(rng, 1, 32, 8, 4096, 64, &pool);
 }
-
-/// A scan problem: random tables, codes with some past the codebook, slots out of order (one invalid), ragged
-/// lengths (0, past the scores' columns).
-struct ScanProblem {
-  std::int32_t batch, q_heads, kv_heads, codewords, cols, slots, max_tokens;
-  std::vector<float> lut;
-  std::vector<std::uint16_t> codes;
-  std::vector<std::int32_t> slot_of, lengths;
-
-  ScanProblem(Random& rng, std::int32_t batch_, std::int32_t q_heads_, std::int32_t kv_heads_, std::int32_t codewords_,
-              std::int32_t cols_, bool invalid_slot)
-      : batch(batch_), q_heads(q_heads_), kv_heads(kv_heads_), codewords(codewords_), cols(cols_), slots(batch_ + 2),
-        max_tokens(cols_ + 3), lut(rng.normal(std::size_t(batch_) * q_heads_ * codewords_)),
-        codes(std::size_t(slots) * kv_heads_ * max_tokens), slot_of(batch_), lengths(batch_) {
-    const std::int32_t top = std::min(65535, codewords + std::max(1, codewords / 50));
-    for (auto& c : codes) c = std::uint16_t(rng.uniform_int(0, top));
-    std::vector<std::int32_t> order(slots);
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng.engine);
-    for (std::int32_t b = 0; b < batch; ++b) {
-      slot_of[b] = order[b];
-      const std::int32_t kind = b % 4;
-      lengths[b] = kind == 0 ? rng.uniform_int(1, cols) : kind == 1 ? cols + 7 : kind == 2 ? 0 : rng.uniform_int(1, 40);
-    }
-    if (invalid_slot && batch > 1) slot_of[1] = slots;
-  }
-  MatrixView<const float> lut_view() const {
-    return MatrixView<const float>::packed(lut.data(), std::int64_t(batch) * q_heads, codewords);
-  }
-  VqCodesView<const std::uint16_t> codes_view() const {
-    return VqCodesView<const std::uint16_t>::packed(codes.data(), slots, kv_heads, max_tokens);
-  }
-  /// The expected scores [batch * q_heads, cols] (sentinel past each row's length).
-  std::vector<float> expected(const std::vector<float>& tables) const {
-    std::vector<float> out(std::size_t(batch) * q_heads * cols, kScoreSentinel);
-    const std::int32_t group = q_heads / kv_heads;
-    for (std::int32_t b = 0; b < batch; ++b) {
-      const std::int32_t n = std::clamp(lengths[b], 0, std::min(cols, max_tokens));
-      for (std::int32_t h = 0; h < q_heads; ++h) {
-        const std::int64_t row = std::int64_t(b) * q_heads + h;
-        for (std::int32_t t = 0; t < n; ++t) {
-          float v = test::kPoison;
-          if (slot_of[b] >= 0 && slot_of[b] < slots) {
-            const std::uint16_t c = codes[(std::size_t(slot_of[b]) * kv_heads + h / group) * max_tokens + t];
-            if (c < codewords) v = tables[row * codewords + c];
-          }
-          out[row * cols + t] = v;
-        }
-      }
-    }
-    return out;
-  }
-};
 
 TEST(VqCodeScan, ScoresAreTableEntriesOfTheCodes) {
   Random rng(test::test_seed());
