@@ -8,11 +8,10 @@
 
 #include <algorithm>
 #include <cstring>
-#include <numeric>
-#include <set>
 #include <vector>
 
 #include "cuda/gpu_test.hpp"
+#include "gather_problem.hpp"
 #include "kvsift/cpu/context.hpp"
 #include "kvsift/cpu/gather.hpp"
 #include "kvsift/cuda/gather.hpp"
@@ -26,16 +25,6 @@ using test::same_bytes;
 using test::Random;
 
 using test::PinnedBuffer;
-
-/// Distinct ascending tokens of [0, len), min(len, n) of them.
-std::vector<std::int32_t> random_tokens(Random& rng, std::int32_t len, std::int32_t n) {
-  std::vector<std::int32_t> all(len);
-  std::iota(all.begin(), all.end(), 0);
-  std::shuffle(all.begin(), all.end(), rng.engine);
-  all.resize(std::min(len, n));
-  std::sort(all.begin(), all.end());
-  return all;
-}
 
 class CudaGather : public test::GpuTest {};
 
@@ -83,11 +72,7 @@ void check_gather_kv(Random& rng, std::int32_t head_dim, bool paged_src, bool pa
                                        kv_heads, capacity, head_dim);
   };
   test::HostSelection rows(batch, kv_heads, capacity, false);
-  for (std::int32_t r = 0; r < batch * kv_heads; ++r) {
-    const auto t = random_tokens(rng, lens[r / kv_heads], rng.uniform_int(0, capacity));
-    std::copy(t.begin(), t.end(), rows.indices.begin() + r * capacity);
-    rows.counts[r] = std::int32_t(t.size());
-  }
+  test::random_rows(rng, rows, lens);
   DeviceBuffer<std::int32_t> d_rows(rows.indices), d_counts(rows.counts);
   auto d_sel = rows.view;
   d_sel.indices = d_rows.data();
@@ -165,23 +150,9 @@ struct DifferenceProblem {
     view.counts = cnt.data();
     return view;
   }
-  /// The next selection: part of the current one kept, random tokens added; uploaded.
+  /// The next selection (gather_problem.hpp): part of the current one kept, random tokens added; uploaded.
   void next_selection(Random& rng) {
-    for (std::int32_t r = 0; r < batch * kv_heads; ++r) {
-      std::set<std::int32_t> next;
-      for (std::int32_t i = 0; i < prev.counts[r]; ++i) {
-        if (rng.uniform_int(0, 4) != 0) next.insert(prev.indices[r * cap + i]);
-      }
-      const std::int32_t want = rng.uniform_int(0, cap);
-      for (std::int32_t t : random_tokens(rng, lens[r / kv_heads], cap)) {
-        if (std::int32_t(next.size()) >= want) break;
-        next.insert(t);
-      }
-      while (std::int32_t(next.size()) > cap) next.erase(std::prev(next.end()));
-      std::fill(cur.indices.begin() + r * cap, cur.indices.begin() + (r + 1) * cap, test::kPoisonIndex);
-      std::copy(next.begin(), next.end(), cur.indices.begin() + r * cap);
-      cur.counts[r] = std::int32_t(next.size());
-    }
+    test::next_selection(rng, prev, cur, lens);
     d_cur_idx.upload(cur.indices);
     d_cur_cnt.upload(cur.counts);
   }

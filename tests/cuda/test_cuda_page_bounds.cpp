@@ -16,6 +16,7 @@
 #include "cuda/gpu_test.hpp"
 #include "kvsift/cpu/page_bounds.hpp"
 #include "kvsift/cuda/page_bounds.hpp"
+#include "page_bounds_problem.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {
@@ -23,82 +24,34 @@ namespace {
 
 using test::DeviceBuffer;
 using test::same_bytes;
+using test::kUntouched;
+using test::random_pages;
 using test::Random;
 
-/// What an unwritten bound or score holds (no function writes it: keys are normal draws).
-constexpr float kUntouched = -7777.0f;
-
-/// One cache in T on the host and on the device, contiguous and paged (HND pages, shuffled), its batch rows in a
-/// random subset of the slots, and poisoned bounds on both sides.
+/// page_bounds_problem.hpp's problem (HND pages of 16 tokens, 2 unused slots) and its device copy.
 template <class T>
-struct Problem {
-  test::HostKV kv;
-  test::HostPagedKV paged;
-  std::vector<T> k, v, paged_k, paged_v;
-  std::vector<std::int32_t> slots;
-  std::int32_t slot_count, max_pages, page_size;
-  std::vector<T> bounds;  // host twin
+struct Problem : test::PageBoundsProblem<T> {
+  using Host = test::PageBoundsProblem<T>;
   DeviceBuffer<T> d_k, d_v, d_paged_k, d_paged_v, d_bounds;
   DeviceBuffer<std::int32_t> d_lens, d_slots, d_indptr, d_indices, d_last_len;
 
   Problem(Random& rng, const std::vector<std::int32_t>& lens, std::int32_t kv_heads, std::int32_t head_dim,
-          std::int32_t page_size_)
-      : kv(rng, std::int32_t(lens.size()), kv_heads, std::max(1, *std::max_element(lens.begin(), lens.end())), head_dim,
-           lens),
-        paged(kv, 16, true, rng),
-        k(test::to_storage<T>(kv.k)),
-        v(test::to_storage<T>(kv.v)),
-        paged_k(test::to_storage<T>(paged.k_pages)),
-        paged_v(test::to_storage<T>(paged.v_pages)),
-        slot_count(kv.batch + 2),
-        max_pages(std::int32_t(detail::page_count(kv.capacity, page_size_))),
-        page_size(page_size_),
-        bounds(PageBoundsView<T>::bytes(slot_count, kv_heads, max_pages, head_dim) / sizeof(T), from_float<T>(kUntouched)),
-        d_k(k), d_v(v), d_paged_k(paged_k), d_paged_v(paged_v), d_bounds(bounds), d_lens(kv.seq_lens),
-        d_indptr(paged.indptr), d_indices(paged.indices), d_last_len(paged.last_len) {
-    slots.resize(slot_count);
-    std::iota(slots.begin(), slots.end(), 0);
-    std::shuffle(slots.begin(), slots.end(), rng.engine);
-    slots.resize(kv.batch);
-    d_slots = DeviceBuffer<std::int32_t>(slots);
-  }
+          std::int32_t page_size)
+      : Host(rng, lens, kv_heads, head_dim, page_size, /*cache_page_size=*/16, /*hnd=*/true, /*extra_slots=*/2),
+        d_k(this->k), d_v(this->v), d_paged_k(this->paged_k), d_paged_v(this->paged_v), d_bounds(this->bounds),
+        d_lens(this->kv.seq_lens), d_slots(this->slots), d_indptr(this->paged.indptr),
+        d_indices(this->paged.indices), d_last_len(this->paged.last_len) {}
   ContiguousKVView<const T> contiguous(bool device) const {
-    const auto f = kv.view();
-    return {device ? d_k.data() : k.data(), device ? d_v.data() : v.data(), device ? d_lens.data() : f.seq_lens,
-            f.batch, f.kv_heads, f.capacity, f.head_dim, f.batch_stride, f.head_stride, f.token_stride};
+    return device ? Host::contiguous(d_k.data(), d_v.data(), d_lens.data()) : Host::contiguous();
   }
   PagedKVView<const T> paged_view(bool device) const {
-    const auto& f = paged.view;
-    return {device ? d_paged_k.data() : paged_k.data(), device ? d_paged_v.data() : paged_v.data(),
-            device ? d_indptr.data() : f.page_indptr, device ? d_indices.data() : f.page_indices,
-            device ? d_last_len.data() : f.last_page_len, f.batch, f.kv_heads, f.head_dim, f.page_size, f.num_pages,
-            f.page_stride, f.token_stride, f.head_stride};
+    return device ? Host::paged_view(d_paged_k.data(), d_paged_v.data(), d_indptr.data(), d_indices.data(),
+                                     d_last_len.data())
+                  : Host::paged_view();
   }
-  PageBoundsView<T> view(bool device) {
-    return PageBoundsView<T>::packed(device ? d_bounds.data() : bounds.data(), slot_count, kv.kv_heads, max_pages,
-                                     kv.head_dim, page_size);
-  }
-  const std::int32_t* slot_ptr(bool device) const { return device ? d_slots.data() : slots.data(); }
+  PageBoundsView<T> view(bool device) { return Host::view(device ? d_bounds.data() : this->bounds.data()); }
+  const std::int32_t* slot_ptr(bool device) const { return device ? d_slots.data() : this->slots.data(); }
 };
-
-/// Ascending random page ids per selection row, up to `capacity` of each row's pages.
-test::HostSelection random_pages(Random& rng, const std::vector<std::int32_t>& lens, std::int32_t kv_heads,
-                                 std::int32_t capacity, std::int32_t page_size) {
-  test::HostSelection pages(std::int32_t(lens.size()), kv_heads, capacity, false);
-  for (std::int32_t b = 0; b < std::int32_t(lens.size()); ++b) {
-    const std::int32_t total = std::int32_t(detail::page_count(lens[b], page_size));
-    for (std::int32_t g = 0; g < kv_heads; ++g) {
-      std::vector<std::int32_t> ids(total);
-      std::iota(ids.begin(), ids.end(), 0);
-      std::shuffle(ids.begin(), ids.end(), rng.engine);
-      ids.resize(std::min(total, rng.uniform_int(0, capacity)));
-      std::sort(ids.begin(), ids.end());
-      std::copy(ids.begin(), ids.end(), pages.view.row(b, g));
-      pages.view.counts[pages.view.row_index(b, g)] = std::int32_t(ids.size());
-    }
-  }
-  return pages;
-}
 
 /// Device twin of a HostSelection's buffers, poisoned (indices and counts -1, log-weights NaN).
 struct DeviceSelection {

@@ -26,6 +26,8 @@
 
 namespace kvsift::cpu {
 
+constexpr bool backend_included(const Context*) { return true; }  // selectors/selector.hpp BackendIncluded
+
 /// Threads whose scratch a workspace query sizes (a run on more is refused by the decode step).
 inline std::int32_t workspace_threads(const Context& ctx) { return ctx.pool != nullptr ? std::int32_t(ctx.pool->size()) : 1; }
 

@@ -26,6 +26,8 @@
 
 namespace kvsift::cuda {
 
+constexpr bool backend_included(const Context*) { return true; }  // selectors/selector.hpp BackendIncluded
+
 /// Threads whose scratch a workspace query sizes: none on the GPU (the device's SMs are fixed).
 inline std::int32_t workspace_threads(const Context&) { return 0; }
 

@@ -10,6 +10,10 @@
 /// Per step: page_scores, topk_rows over pages, expand_pages (three launches on CUDA); append folds the step's
 /// key into its page (one launch). Written once for both backends; the index is bounds per slot, in the
 /// context's memory: index_bytes() = 2 * sizeof(T) * head_dim * max_pages * kv_heads * max_slots.
+/// Workspace of select: the page scores of ceil(N / page_size) pages per row, N the planned bound
+/// min(shape.max_seq_len, limits.max_tokens) (selector.hpp SelectShape), and topk_rows' scratch over them. A
+/// sequence with more pages gets count -1 on CUDA (page_scores marks its page count, topk_rows and expand_pages
+/// pass the mark on) and is refused on the CPU; one past N within its last page is selected in full.
 
 #include <cstddef>
 #include <cstdint>
@@ -32,6 +36,9 @@ struct QuestConfig {
 
 template <class T, class Context>
 class Quest {
+  static_assert(BackendIncluded<Context>, "Quest<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
+                                          "kvsift/cuda/backend.hpp (cuda::Context) before instantiating it");
+
  public:
   using value_type = T;
   using context_type = Context;
@@ -51,9 +58,10 @@ class Quest {
   }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    detail::check_shape("Quest::select_workspace_bytes", limits_, shape);
+    constexpr const char* where = "Quest::select_workspace_bytes";
+    detail::check_shape(where, limits_, shape);
     WorkspaceLayout counting;
-    layout(counting, shape.batch, ctx);
+    layout(counting, shape.batch, planned_pages(where, shape.max_seq_len), ctx);
     return counting.bytes();
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
@@ -75,14 +83,14 @@ class Quest {
               const Context& ctx) {
     constexpr const char* where = "Quest::select";
     detail::check_select(where, limits_, in, out, capacity(), Context::memory);
-    const std::int32_t batch = in.q.batch;
+    const std::int32_t batch = in.q.batch, page_columns = planned_pages(where, in.max_seq_len);
     WorkspaceLayout carving(workspace, where);
-    const Buffers b = layout(carving, batch, ctx);
+    const Buffers b = layout(carving, batch, page_columns, ctx);
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
     page_scores(in.q, bounds().as_const(), in.slots, in.lengths, in.attention.window,
-                MatrixView<float>::packed(b.scores, rows, max_pages_), b.page_counts, ctx);
+                MatrixView<float>::packed(b.scores, rows, page_columns), b.page_counts, ctx);
     const SelectionView pages{b.pages, b.page_picks, nullptr, batch, limits_.kv_heads, pages_per_row()};
-    topk_rows(MatrixView<const float>::packed(b.scores, rows, max_pages_), b.page_counts, pages_per_row(),
+    topk_rows(MatrixView<const float>::packed(b.scores, rows, page_columns), b.page_counts, pages_per_row(),
               TopKRowsOptions{}, pages, b.topk, ctx);
     expand_pages(pages, config_.page_size, in.lengths, in.attention.window, out, ctx);
   }
@@ -104,17 +112,21 @@ class Quest {
     return (limits.max_tokens + config.page_size - 1) / config.page_size;
   }
   std::int32_t pages_per_row() const { return config_.budget / config_.page_size; }
+  /// The page-score columns of a workspace planned for sequences of up to max_seq_len tokens.
+  std::int32_t planned_pages(const char* where, std::int32_t max_seq_len) const {
+    return (detail::planned_tokens(where, limits_, max_seq_len) + config_.page_size - 1) / config_.page_size;
+  }
   PageBoundsView<T> bounds() {
     return {bounds_.data(), limits_.max_slots, limits_.kv_heads, max_pages_, limits_.head_dim, config_.page_size};
   }
-  Buffers layout(WorkspaceLayout& layout, std::int32_t batch, const Context& ctx) const {
+  Buffers layout(WorkspaceLayout& layout, std::int32_t batch, std::int32_t page_columns, const Context& ctx) const {
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
     Buffers b{};
-    b.scores = layout.allocate<float>(std::size_t(rows) * std::size_t(max_pages_), "Quest page scores");
+    b.scores = layout.allocate<float>(std::size_t(rows) * std::size_t(page_columns), "Quest page scores");
     b.page_counts = layout.allocate<std::int32_t>(std::size_t(batch), "Quest page counts");
     b.pages = layout.allocate<std::int32_t>(std::size_t(rows) * std::size_t(pages_per_row()), "Quest chosen pages");
     b.page_picks = layout.allocate<std::int32_t>(std::size_t(rows), "Quest chosen page counts");
-    b.topk = layout.span(topk_rows_workspace_bytes(rows, max_pages_, pages_per_row(), TopKRowsOptions{}, ctx),
+    b.topk = layout.span(topk_rows_workspace_bytes(rows, page_columns, pages_per_row(), TopKRowsOptions{}, ctx),
                          "Quest topk_rows scratch");
     return b;
   }

@@ -45,12 +45,19 @@
 namespace kvsift {
 
 /// Shapes that size a selector's workspaces (host values).
+///
+/// max_seq_len sizes the scratch that grows with the sequence (OracleTopK's token scores, Quest's page scores):
+/// min(max_seq_len, limits.max_tokens) columns, limits.max_tokens where it is 0; so a step planned for 32K tokens
+/// on a selector built for 128K takes the 32K workspace. select learns the bound from SelectInputs::max_seq_len,
+/// which must be the value the workspace was sized with. A sequence longer than the bound (a device value the
+/// host cannot see) is never cut to it: on CUDA its selection rows get count -1 (which the decode step's
+/// validation refuses); on the CPU, where lengths are host values, select throws naming the length.
 struct SelectShape {
   std::int32_t batch = 0;        ///< batch rows of a step (<= the selector's max_slots)
   std::int32_t q_heads = 0;
   std::int32_t kv_heads = 0;
   std::int32_t head_dim = 0;
-  std::int32_t max_seq_len = 0;  ///< bound on every sequence's length, the step's token included
+  std::int32_t max_seq_len = 0;  ///< bound on every sequence's length, the step's token included (0: max_tokens)
 };
 
 /// Bytes a selector keeps, host and device separately.
@@ -97,6 +104,7 @@ struct SelectInputs {
   const std::int32_t* lengths = nullptr;  ///< [batch] cache.seq_len(b); context memory
   AttentionOptions attention{};           ///< sm_scale (for softmax scores) and the window the selection leaves out
   std::int32_t layer = 0;
+  std::int32_t max_seq_len = 0;           ///< the SelectShape::max_seq_len the workspace was sized with (0: max_tokens)
 };
 
 template <class S>
@@ -184,6 +192,16 @@ class AnySelector {
     S selector;
   };
   std::unique_ptr<Interface> impl_;
+};
+
+/// Whether the primitives a selector calls with a Context are declared: cpu/backend.hpp and cuda/backend.hpp each
+/// declare backend_included(const Context*) for their context, found by argument-dependent lookup. Selectors
+/// check it where they are instantiated, so that a missing include reads as one message rather than as an
+/// overload failure deep inside select. Checked once per translation unit, at the first instantiation: include
+/// the backend header before it.
+template <class Context>
+concept BackendIncluded = requires(const Context* ctx) {
+  { backend_included(ctx) } -> std::same_as<bool>;
 };
 
 }  // namespace kvsift
