@@ -99,6 +99,12 @@ void sparse_decode(const QueryView<const T>& q, const KVCache<const T>& cache, c
   cache.visit([&](const auto& kv) { cpu::sparse_decode(q, kv, selection, out, options, ctx.pool, workspace); });
 }
 
+/// The LSE merge of partial states (a decode step's primary and second-source partials) into `out`.
+template <class TI, class TO>
+void merge_states(std::span<const StateView<const TI>> partials, const StateView<TO>& out, const Context&) {
+  cpu::merge_states<TI, TO>(partials, out);
+}
+
 // RoPE (core/rope.hpp, cpu/rope.hpp).
 inline void build_rope_table(const RopeConfig& config, const RopeTableView& table, const Context& ctx) {
   cpu::build_rope_table(config, table, ctx.pool);

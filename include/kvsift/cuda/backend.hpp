@@ -102,6 +102,12 @@ void sparse_decode(const QueryView<const T>& q, const KVCache<const T>& cache, c
   cache.visit([&](const auto& kv) { cuda::sparse_decode(q, kv, selection, out, workspace, ctx.stream, options); });
 }
 
+/// The LSE merge of partial states (a decode step's primary and second-source partials) into `out`.
+template <class TI, class TO>
+void merge_states(std::span<const StateView<const TI>> partials, const StateView<TO>& out, const Context& ctx) {
+  cuda::merge_states<TI, TO>(partials, out, ctx.stream);
+}
+
 // RoPE (core/rope.hpp, cuda/rope.hpp).
 inline void build_rope_table(const RopeConfig& config, const RopeTableView& table, const Context& ctx) {
   cuda::build_rope_table(config, table, ctx.stream);
