@@ -56,27 +56,18 @@ void transform_key(const T* k, const float* transform, std::int32_t d, float* z)
   }
 }
 
-/// lut[h * lut_stride + c] = q_h . C[c] for the group's heads (q rows [group]) and every codeword.
-template <class T>
+/// lut[h * lut_stride + c] = q_h . C[c] for the group's heads and every codeword: one SIMD GEMV per head over the
+/// kv head's codebook rows (group_scores' kernel), the same at a given level in vq_lut and vq_lut_scan.
+template <SimdLevel L, class T>
 void group_lut(const QueryView<const T>& q, std::int64_t b, std::int32_t first_head, std::int32_t group,
                const VqCodebook<T>& codebook, std::int32_t kv_head, float* lut, std::int64_t lut_stride) {
   const std::int32_t d = codebook.head_dim;
-  float qf[4][128];
-  for (std::int32_t h0 = 0; h0 < group; h0 += 4) {
-    const std::int32_t heads = std::min(4, group - h0);
-    for (std::int32_t u = 0; u < 4; ++u) {
-      const T* row = u < heads ? q.row(b, first_head + h0 + u) : nullptr;
-      for (std::int32_t j = 0; j < d; ++j) qf[u][j] = row != nullptr ? to_float(row[j]) : 0.0f;
-    }
-    for (std::int32_t c = 0; c < codebook.codewords_per_head; ++c) {
-      const T* w = codebook.row(kv_head, c);
-      float acc[4] = {};
-      for (std::int32_t j = 0; j < d; ++j) {
-        const float x = to_float(w[j]);
-        for (std::int32_t u = 0; u < 4; ++u) acc[u] += qf[u][j] * x;
-      }
-      for (std::int32_t u = 0; u < heads; ++u) lut[(h0 + u) * lut_stride + c] = acc[u];
-    }
+  const MatrixView<const T> rows{codebook.row(kv_head, 0), codebook.codewords_per_head, d, d};
+  float qf[128];
+  for (std::int32_t u = 0; u < group; ++u) {
+    const T* row = q.row(b, first_head + u);
+    for (std::int32_t j = 0; j < d; ++j) qf[j] = to_float(row[j]);
+    detail::gemv_rows<L, T>(qf, rows, 1.0f, lut + u * lut_stride, 0, codebook.codewords_per_head);
   }
 }
 
@@ -179,12 +170,15 @@ void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const Ma
   kvsift::detail::check_vq_lut_shape(where, "lut", MatrixView<const float>{lut.data, lut.rows, lut.cols, lut.row_stride},
                                      q.batch, q.heads, codebook.codewords_per_head);
   const std::int32_t group = q.heads / codebook.kv_heads;
-  parallel_for(pool, std::int64_t(q.batch) * codebook.kv_heads, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t item = begin; item < end; ++item) {
-      const std::int64_t b = item / codebook.kv_heads;
-      const auto g = std::int32_t(item % codebook.kv_heads);
-      group_lut(q, b, g * group, group, codebook, g, lut.row(b * q.heads + std::int64_t(g) * group), lut.row_stride);
-    }
+  with_simd_level([&]<SimdLevel L>() {
+    parallel_for(pool, std::int64_t(q.batch) * codebook.kv_heads, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t item = begin; item < end; ++item) {
+        const std::int64_t b = item / codebook.kv_heads;
+        const auto g = std::int32_t(item % codebook.kv_heads);
+        group_lut<L>(q, b, g * group, group, codebook, g, lut.row(b * q.heads + std::int64_t(g) * group),
+                     lut.row_stride);
+      }
+    });
   });
 }
 
@@ -240,18 +234,19 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
   const std::int64_t threads = std::min<std::int64_t>(threads_of(pool), items);
   WorkspaceLayout layout(workspace, where);
   float* tables = layout.allocate<float>(std::size_t(threads) * std::size_t(group) * std::size_t(count), "vq_lut_scan tables");
-  const bool avx512 = active_simd_level() == SimdLevel::avx512;
-  parallel_for(pool, threads, [&](std::int64_t slot_begin, std::int64_t slot_end) {
-    for (std::int64_t s = slot_begin; s < slot_end; ++s) {
-      float* lut = tables + s * group * std::int64_t(count);
-      for (std::int64_t item = s; item < items; item += threads) {
-        const std::int64_t b = item / codebook.kv_heads;
-        const auto g = std::int32_t(item % codebook.kv_heads);
-        group_lut(q, b, g * group, group, codebook, g, lut, count);
-        const auto table = [&](std::int32_t u) { return lut + std::int64_t(u) * count; };
-        scan_group(table, count, b, g, group, q.heads, codes, slots, lengths, scores, avx512);
+  with_simd_level([&]<SimdLevel L>() {
+    parallel_for(pool, threads, [&](std::int64_t slot_begin, std::int64_t slot_end) {
+      for (std::int64_t s = slot_begin; s < slot_end; ++s) {
+        float* lut = tables + s * group * std::int64_t(count);
+        for (std::int64_t item = s; item < items; item += threads) {
+          const std::int64_t b = item / codebook.kv_heads;
+          const auto g = std::int32_t(item % codebook.kv_heads);
+          group_lut<L>(q, b, g * group, group, codebook, g, lut, count);
+          const auto table = [&](std::int32_t u) { return lut + std::int64_t(u) * count; };
+          scan_group(table, count, b, g, group, q.heads, codes, slots, lengths, scores, L == SimdLevel::avx512);
+        }
       }
-    }
+    });
   });
 }
 

@@ -195,9 +195,13 @@ void check_lut(Random& rng, std::int32_t batch, std::int32_t q_heads, std::int32
 TEST(VqLut, TablesAreQueryDotCodeword) {
   Random rng(test::test_seed());
   cpu::ThreadPool pool(3);
-  check_lut<float>(rng, 2, 8, 2, 16, 64, nullptr);
-  check_lut<bfloat16>(rng, 3, 12, 4, 256, 128, &pool);
-  check_lut<half>(rng, 1, 32, 8, 4096, 64, &pool);
+  for (const cpu::SimdLevel level : test::available_simd_levels()) {
+    SCOPED_TRACE(testing::Message() << "level " << cpu::simd_level_name(level));
+    cpu::ScopedSimdLevel scoped(level);
+    check_lut<float>(rng, 2, 8, 2, 16, 64, nullptr);
+    check_lut<bfloat16>(rng, 3, 12, 4, 256, 128, &pool);
+    check_lut<half>(rng, 1, 32, 8, 4096, 64, &pool);
+  }
 }
 
 TEST(VqCodeScan, ScoresAreTableEntriesOfTheCodes) {
@@ -247,9 +251,13 @@ void check_lut_scan(Random& rng, std::int32_t batch, std::int32_t q_heads, std::
 TEST(VqLutScan, EqualsTheTablesThenTheScan) {
   Random rng(test::test_seed());
   cpu::ThreadPool pool(3);
-  check_lut_scan<float>(rng, 3, 8, 2, 16, 64, 300, nullptr);
+  for (const cpu::SimdLevel level : test::available_simd_levels()) {
+    SCOPED_TRACE(testing::Message() << "level " << cpu::simd_level_name(level));
+    cpu::ScopedSimdLevel scoped(level);
+    check_lut_scan<float>(rng, 3, 8, 2, 16, 64, 300, nullptr);
+    check_lut_scan<half>(rng, 2, 6, 3, 256, 64, 77, &pool);
+  }
   check_lut_scan<bfloat16>(rng, 5, 32, 8, 4096, 128, 1500, &pool);
-  check_lut_scan<half>(rng, 2, 6, 3, 256, 64, 77, &pool);
 }
 
 /// Both row scans at the benchmark's shape (128K tokens, 32 query heads over 8 kv heads, 4096 codewords): the

@@ -36,7 +36,7 @@ template <class T>
 void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook, const VqCodesView<std::uint16_t>& codes,
                const VqCodeDestination& destination, std::span<std::byte> workspace, ThreadPool* pool = nullptr);
 
-/// Lookup tables: lut.row(b * q_heads + h)[c] = q[b, h] . C[h / group, c] in fp32 (ascending head_dim order),
+/// Lookup tables: lut.row(b * q_heads + h)[c] = q[b, h] . C[h / group, c] in fp32 (the SIMD GEMV of group_scores),
 /// group = q.heads / codebook.kv_heads. q [batch, q_heads, head_dim]; lut [batch * q_heads, codewords].
 template <class T>
 void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut,
