@@ -70,8 +70,6 @@ void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook,
                const VqCodeDestination& destination, std::span<std::byte>, cudaStream_t stream) {
   constexpr const char* where = "cuda::vq_encode";
   kvsift::detail::check_vq_encode(where, keys, codebook, codes);
-  KVSIFT_CHECK(keys.batch <= std::int64_t(65535) * 32, where, "keys.batch (= {}) exceeds the launch limit of {} rows",
-               keys.batch, 65535 * 32);
   KVSIFT_CUDA_CHECK(detail::launch_vq_encode(keys, codebook, codes, destination, stream));
 }
 
