@@ -1,8 +1,8 @@
 // CUDA page bounds (cuda/page_bounds.hpp) against their CPU twins (whose own tests check them against fp64):
 // build, append and expand bit for bit, page scores within fp32 summation order; contiguous and paged caches,
 // fp32, fp16 and bf16, every supported head_dim; outputs poisoned first. Also: append + page_scores + expand
-// captured in a CUDA graph and replayed equal the eager run, and the device-value rules (a bad slot, length or
-// count writes nothing, or -1 where there is a count).
+// captured in a CUDA graph and replayed equal the eager run (through workspace_check.hpp), and the device-value
+// rules (a bad slot, length or count writes nothing, or -1 where there is a count).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,7 +10,6 @@
 #include <cstring>
 #include <numeric>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "cuda/gpu_test.hpp"
@@ -18,6 +17,7 @@
 #include "kvsift/cuda/page_bounds.hpp"
 #include "page_bounds_problem.hpp"
 #include "test_util.hpp"
+#include "workspace_check.hpp"
 
 namespace kvsift {
 namespace {
@@ -262,8 +262,9 @@ TEST_F(CudaPageBounds, ScoresEqualTheCpuForEveryGroupSize) {
   }
 }
 
-/// append + page_scores + expand captured once and replayed: the outputs equal the eager run's, bit for bit,
-/// on every replay (append is idempotent for an unchanged length, so replays see the same bounds).
+/// append + page_scores + expand as one call through workspace_check.hpp (they take no workspace: the eager run,
+/// then the call captured in a CUDA graph and replayed twice, outputs poisoned and the bounds restored before
+/// each run): every replay equals the eager run bit for bit (append is idempotent for an unchanged length).
 TEST_F(CudaPageBounds, GraphReplayEqualsTheEagerRun) {
   const std::vector<std::int32_t> lens = {513, 64, 250};
   const std::int32_t kv_heads = 2, d = 128, ps = 16, batch = 3, q_heads = 8, cols = 40, capacity = 6;
@@ -281,55 +282,28 @@ TEST_F(CudaPageBounds, GraphReplayEqualsTheEagerRun) {
   d_pages.counts = d_page_counts.data();
   DeviceSelection d_out(SelectionView{.batch = batch, .kv_heads = kv_heads, .capacity = capacity * ps}, true);
   const AttentionWindow window{4, 64};
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const auto step = [&] {
-    cuda::append_page_bounds(p.contiguous(true), p.slot_ptr(true), p.view(true), stream);
-    cuda::page_scores(QueryView<const bfloat16>::packed(d_q.data(), batch, q_heads, d), p.view(true).as_const(),
-                      p.slot_ptr(true), p.d_lens.data(), window,
-                      MatrixView<float>::packed(d_scores.data(), batch * kv_heads, cols), d_counts.data(), stream);
-    cuda::expand_pages(d_pages, ps, p.d_lens.data(), window, d_out.view, stream);
-  };
-  // `stream` does not wait for the legacy default stream, where cudaMemset and cudaMemcpy run: the device is
-  // synchronized after them before the stream reads their results.
-  const auto poison = [&] {
-    d_scores.poison();
-    d_counts.poison();
-    d_out.indices.poison();
-    d_out.counts.poison();
-    d_out.weights.poison();
-    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  };
-  const auto outputs = [&] {
-    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    return std::tuple(p.d_bounds.download(), d_scores.download(), d_counts.download(), d_out.indices.download(),
-                      d_out.counts.download(), d_out.weights.download());
-  };
-  poison();
-  step();
-  const auto eager = outputs();
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  p.d_bounds.upload(before);
-  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  step();
-  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < 3; ++replay) {
-    poison();
-    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    const auto got = outputs();
-    EXPECT_TRUE(same_bytes(std::get<0>(got), std::get<0>(eager))) << "bounds, replay " << replay;
-    EXPECT_TRUE(same_bytes(std::get<1>(got), std::get<1>(eager))) << "scores, replay " << replay;
-    EXPECT_EQ(std::get<2>(got), std::get<2>(eager)) << replay;
-    EXPECT_EQ(std::get<3>(got), std::get<3>(eager)) << replay;
-    EXPECT_EQ(std::get<4>(got), std::get<4>(eager)) << replay;
-    EXPECT_TRUE(same_bytes(std::get<5>(got), std::get<5>(eager))) << "weights, replay " << replay;
-  }
-  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+  test::check_device_workspace(
+      0,
+      [&](std::span<std::byte>, cudaStream_t stream) {
+        cuda::append_page_bounds(p.contiguous(true), p.slot_ptr(true), p.view(true), stream);
+        cuda::page_scores(QueryView<const bfloat16>::packed(d_q.data(), batch, q_heads, d), p.view(true).as_const(),
+                          p.slot_ptr(true), p.d_lens.data(), window,
+                          MatrixView<float>::packed(d_scores.data(), batch * kv_heads, cols), d_counts.data(), stream);
+        cuda::expand_pages(d_pages, ps, p.d_lens.data(), window, d_out.view, stream);
+      },
+      [&] {
+        return test::bytes_of(p.d_bounds.download(), d_scores.download(), d_counts.download(),
+                              d_out.indices.download(), d_out.counts.download(), d_out.weights.download());
+      },
+      [&] {
+        p.d_bounds.upload(before);
+        d_scores.poison();
+        d_counts.poison();
+        d_out.indices.poison();
+        d_out.counts.poison();
+        d_out.weights.poison();
+      });
+  EXPECT_EQ(d_counts.download(), (std::vector<std::int32_t>{33, 4, 16})) << "page counts: ceil(length / 16)";
 }
 
 /// Device values the host cannot check: a slot outside [0, slots), a sequence longer than the bounds cover, a
