@@ -76,13 +76,13 @@ int main(int argc, char** argv) {
   if (captures.empty()) return usage();
   if (backend != "cpu") {
 #if defined(KVSIFT_WITH_CUDA)
-    const bool cuda = kvsift::cuda::device_available();
+    const bool available = kvsift::cuda::device_available();
     const char* why = "this machine has no CUDA device";
 #else
-    const bool cuda = false;
+    const bool available = false;
     const char* why = "this build has no CUDA backend (configure with -DKVSIFT_CUDA=ON where nvcc is found)";
 #endif
-    if (!cuda) {
+    if (!available) {
       std::fprintf(stderr, "kvsift_fidelity: --backend %s: %s\n", backend.c_str(), why);
       return 2;
     }
