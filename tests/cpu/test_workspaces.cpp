@@ -222,7 +222,8 @@ TEST_F(CpuWorkspaces, GatherKvDifference) {
   for (const bool paged : {false, true}) {
     for (cpu::ThreadPool* tp : {static_cast<cpu::ThreadPool*>(nullptr), &pool}) {
       SCOPED_TRACE(testing::Message() << (paged ? "paged" : "contiguous") << " source, pool " << (tp ? tp->size() : 0));
-      const KVCache<const float> source = paged ? KVCache<const float>(src_paged.view) : KVCache<const float>(src.view());
+      const KVCache<const float> source =
+          paged ? KVCache<const float>(src_paged.view) : KVCache<const float>(src.view());
       check_workspace(
           cpu::gather_kv_difference_workspace_bytes(batch, kv_heads, cap, resident_cap, tp),
           [&](std::span<std::byte> ws) {
@@ -415,7 +416,7 @@ HostSelection check_planned_bound(SelectorFixture& f, Make make, std::int32_t pa
                fmt::format("shape.max_seq_len (= {}) is outside [0, limits.max_tokens = {}]", wide.max_tokens + 1,
                            wide.max_tokens));
   expect_error([&] { selector.select(f.select_inputs(-1), out.view, ws.bytes(), f.ctx); },
-               fmt::format("max_seq_len (= -1) is outside [0, limits.max_tokens = {}]", wide.max_tokens));
+               fmt::format("in.max_seq_len (= -1) is outside [0, limits.max_tokens = {}]", wide.max_tokens));
   return sel;
 }
 

@@ -561,7 +561,8 @@ TEST_F(CudaWorkspaces, SelectPlannedForFewerTokens) {
           EXPECT_EQ(sel.counts[row], -1) << "Quest row " << row << " of length " << lens[b] << " > " << bound;
           continue;
         }
-        EXPECT_EQ(selection_row(sel.indices, sel.counts, row, 128), selection_row(whole.indices, whole.counts, row, 128))
+        EXPECT_EQ(selection_row(sel.indices, sel.counts, row, 128),
+                  selection_row(whole.indices, whole.counts, row, 128))
             << "Quest row " << row << " of length " << lens[b];
       }
     }

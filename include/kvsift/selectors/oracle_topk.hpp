@@ -55,8 +55,9 @@ class OracleTopK {
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
     constexpr const char* where = "OracleTopK::select_workspace_bytes";
     detail::check_shape(where, limits_, shape);
+    const std::int32_t tokens = detail::planned_tokens(where, "shape.max_seq_len", limits_, shape.max_seq_len);
     WorkspaceLayout counting;
-    layout(counting, shape.batch, detail::planned_tokens(where, limits_, shape.max_seq_len), ctx);
+    layout(counting, shape.batch, tokens, ctx);
     return counting.bytes();
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
@@ -76,7 +77,8 @@ class OracleTopK {
               const Context& ctx) {
     constexpr const char* where = "OracleTopK::select";
     detail::check_select(where, limits_, in, out, capacity(), Context::memory);
-    const std::int32_t batch = in.q.batch, tokens = detail::planned_tokens(where, limits_, in.max_seq_len);
+    const std::int32_t batch = in.q.batch;
+    const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     WorkspaceLayout carving(workspace, where);
     const Buffers buffers = layout(carving, batch, tokens, ctx);
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;

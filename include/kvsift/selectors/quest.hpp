@@ -61,7 +61,7 @@ class Quest {
     constexpr const char* where = "Quest::select_workspace_bytes";
     detail::check_shape(where, limits_, shape);
     WorkspaceLayout counting;
-    layout(counting, shape.batch, planned_pages(where, shape.max_seq_len), ctx);
+    layout(counting, shape.batch, planned_pages(where, "shape.max_seq_len", shape.max_seq_len), ctx);
     return counting.bytes();
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
@@ -83,7 +83,7 @@ class Quest {
               const Context& ctx) {
     constexpr const char* where = "Quest::select";
     detail::check_select(where, limits_, in, out, capacity(), Context::memory);
-    const std::int32_t batch = in.q.batch, page_columns = planned_pages(where, in.max_seq_len);
+    const std::int32_t batch = in.q.batch, page_columns = planned_pages(where, "in.max_seq_len", in.max_seq_len);
     WorkspaceLayout carving(workspace, where);
     const Buffers b = layout(carving, batch, page_columns, ctx);
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
@@ -113,8 +113,8 @@ class Quest {
   }
   std::int32_t pages_per_row() const { return config_.budget / config_.page_size; }
   /// The page-score columns of a workspace planned for sequences of up to max_seq_len tokens.
-  std::int32_t planned_pages(const char* where, std::int32_t max_seq_len) const {
-    return (detail::planned_tokens(where, limits_, max_seq_len) + config_.page_size - 1) / config_.page_size;
+  std::int32_t planned_pages(const char* where, const char* name, std::int32_t max_seq_len) const {
+    return (detail::planned_tokens(where, name, limits_, max_seq_len) + config_.page_size - 1) / config_.page_size;
   }
   PageBoundsView<T> bounds() {
     return {bounds_.data(), limits_.max_slots, limits_.kv_heads, max_pages_, limits_.head_dim, config_.page_size};
