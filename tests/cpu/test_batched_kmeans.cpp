@@ -288,6 +288,37 @@ TEST_F(CpuBatchedKMeans, EmptyClustersKeepOrReseed) {
   EXPECT_TRUE(keep_is_a_location);
 }
 
+TEST_F(CpuBatchedKMeans, ReseedTakesTheFarthestPointFirst) {
+  // Cosine: 4 copies of e1, 4 of e2, then a zero row z, which is at distance 1 from every centroid, itself
+  // included. With k = 4 the seeding takes e1 and e2, then z twice (only z has potential left); z ties every
+  // centroid and goes to cluster 0, so clusters 2 and 3 are empty. Reseeding gives cluster 2 the point of largest
+  // key, z (1; every other point is on its centroid: 0), and cluster 3 the next in order, point 0 (key 0, the
+  // smallest index); keeping leaves both at z.
+  const int d = 2, n = 9, k = 4;
+  std::vector<float> x;
+  for (int i = 0; i < 8; ++i) x.push_back(i < 4 ? 1.0f : 0.0f), x.push_back(i < 4 ? 0.0f : 1.0f);
+  x.push_back(0.0f), x.push_back(0.0f);
+  const auto view = BatchedMatrixView<const float>::packed(x.data(), 1, n, d);
+  int tried = 0;
+  for (std::uint64_t s = seed;; ++s) {
+    ASSERT_LT(++tried, 50) << "no seed draws e1 and e2 first";
+    const BatchedKMeansConfig keep{.clusters = k, .iterations = 2, .metric = KMeansMetric::cosine, .seed = s};
+    const auto kept = run(view, nullptr, keep);
+    const bool seeded_as_planned = kept.centroids[0] + kept.centroids[2] == 1.0f && kept.centroids[1] + kept.centroids[3] == 1.0f &&
+                                   std::all_of(kept.centroids.begin() + 2 * d, kept.centroids.end(), [](float v) { return v == 0.0f; });
+    if (!seeded_as_planned) continue;  // e.g. z drawn first
+    auto reseed = keep;
+    reseed.empty = EmptyCluster::reseed;
+    const auto got = run(view, nullptr, reseed);
+    EXPECT_EQ(got.centroids[2 * d], 0.0f);
+    EXPECT_EQ(got.centroids[2 * d + 1], 0.0f);
+    EXPECT_EQ(got.centroids[3 * d], x[0]);
+    EXPECT_EQ(got.centroids[3 * d + 1], x[1]);
+    EXPECT_TRUE(std::equal(got.centroids.begin(), got.centroids.begin() + 2 * d, kept.centroids.begin()));
+    break;
+  }
+}
+
 TEST_F(CpuBatchedKMeans, StorageTypesReadAsTheirFp32Values) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   const int problems = 3, n = 200, d = 24, k = 9;

@@ -179,11 +179,20 @@ TEST_F(CudaBatchedKMeans, ReseedsEmptyClustersAsTheCpu) {
   for (int i = 0; i < 12; ++i) {
     for (int prob = 0; prob < 2; ++prob) p.values.push_back(float(i % 3) * 10.0f), p.values.push_back(float(i % 3 == 2) * 7.0f);
   }
+  // Cosine: e1 x 4, e2 x 4 and a zero row, at distance 1 from every centroid: two clusters end up empty, and
+  // reseeding gives them the zero row (largest key) and then point 0 (test_batched_kmeans.cpp).
+  Problems z{3, 9, 2, {}, {}};
+  for (int i = 0; i < 9; ++i) {
+    for (int prob = 0; prob < 3; ++prob) z.values.push_back(i < 4 ? 1.0f : 0.0f), z.values.push_back(i >= 4 && i < 8 ? 1.0f : 0.0f);
+  }
   for (const auto empty : {EmptyCluster::keep, EmptyCluster::reseed}) {
-    const BatchedKMeansConfig config{.clusters = 4, .iterations = 3, .seed = seed, .empty = empty};
-    const Result want = on_cpu(p, p.values, config), got = on_gpu(p, p.values, config);
-    EXPECT_TRUE(test::same_bytes(got.centroids, want.centroids)) << int(empty);
-    EXPECT_TRUE(test::same_bytes(got.assignment, want.assignment)) << int(empty);
+    for (const auto metric : {KMeansMetric::l2, KMeansMetric::cosine}) {
+      const Problems& data = metric == KMeansMetric::l2 ? p : z;
+      const BatchedKMeansConfig config{.clusters = 4, .iterations = 3, .metric = metric, .seed = seed, .empty = empty};
+      const Result want = on_cpu(data, data.values, config), got = on_gpu(data, data.values, config);
+      EXPECT_TRUE(test::same_bytes(got.centroids, want.centroids)) << int(empty) << " " << int(metric);
+      EXPECT_TRUE(test::same_bytes(got.assignment, want.assignment)) << int(empty) << " " << int(metric);
+    }
   }
 }
 
