@@ -14,7 +14,6 @@
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/selection_buffer.hpp"
 #include "kvsift/core/validate.hpp"
-#include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/eval/detail/fidelity_backend.hpp"
 
@@ -185,12 +184,12 @@ FidelityComparison evaluate_fidelity(const Capture& capture, std::span<FidelityB
   }
 
   FidelityComparison out;
-  for (FidelityBackend* backend : backends) {
-    out.results.push_back({.backend = std::string(backend->name()), .first_position = first_position,
+  for (std::size_t k = 0; k < backends.size(); ++k) {
+    out.results.push_back({.backend = std::string(backends[k]->name()), .first_position = first_position,
                            .positions = positions, .rows = {}});
-    if (backend != backends[0]) {
+    if (k > 0) {
       BackendDifference& difference = out.differences.emplace_back();
-      difference.backend = backend->name();
+      difference.backend = backends[k]->name();
       difference.first = first.name();
     }
   }
