@@ -247,7 +247,7 @@ void BM_StepStage(benchmark::State& state) {
                                 stream);
         break;
       case kSelectPages:
-        kvsift::cuda::select_pages(qv, layer.bounds_view().as_const(), layer.slots.ptr, layer.lengths.ptr, kWindow, page_k,
+        kvsift::cuda::select_pages(qv, layer.bounds_view().as_const(), layer.slots.ptr, layer.lengths.ptr, kWindow, pages, page_k,
                              token_sel, workspace, Cuda{stream});
         break;
       case kPrepare:  // Quest's prefill: the page bounds of the whole sequence

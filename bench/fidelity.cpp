@@ -1,24 +1,32 @@
 // kvsift_fidelity: scores every selector (and the OracleTopK, StreamingLLM and Quest references) on real
 // attention captures; see include/kvsift/eval/fidelity.hpp for what is measured.
 //
-//   kvsift_fidelity [--positions N] [--prefill F] [--budgets 0.01,0.02,0.05] [--plot-data FILE] CAPTURE...
+//   kvsift_fidelity [--backend cpu|cuda|both] [--positions N] [--prefill F] [--budgets 0.01,0.02,0.05]
+//                   [--plot-data FILE] CAPTURE...
 //
 // Prints per capture a line on the decoded range and the budget, then one markdown table with a row per
-// (layer, budget, selector). --plot-data writes, per (capture, layer), a gnuplot data block (blocks separated
-// by two blank lines, each preceded by a "# panel NAME" line): budget in percent, then mass recall mean, p10
-// and p90 per selector (NaN where it refused), for bench/fidelity_plot.gp.
+// (layer, budget, selector). --backend picks where the selectors' decode steps run (eval/fidelity.hpp,
+// eval/cuda_fidelity.hpp): cpu (the default), cuda (refused in a build without CUDA or on a machine without a
+// GPU), or both, in lockstep: a table per backend, then a paragraph on how many of CUDA's selections differed
+// from the CPU's and by how much mass. --plot-data writes, per (capture, layer), a gnuplot data block (blocks
+// separated by two blank lines, each preceded by a "# panel NAME" line) of the first backend's rows: budget in
+// percent, then mass recall mean, p10 and p90 per selector (NaN where it refused), for bench/fidelity_plot.gp.
 #include <fmt/format.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "kvsift/eval/capture.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/eval/fidelity.hpp"
+#if defined(KVSIFT_WITH_CUDA)
+#include "kvsift/eval/cuda_fidelity.hpp"
+#endif
 
 namespace {
 
@@ -34,7 +42,8 @@ std::vector<double> parse_budgets(const std::string& list) {
 
 int usage() {
   std::fprintf(stderr,
-               "usage: kvsift_fidelity [--positions N] [--prefill F] [--budgets F,F,...] [--plot-data FILE] CAPTURE...\n");
+               "usage: kvsift_fidelity [--backend cpu|cuda|both] [--positions N] [--prefill F] [--budgets F,F,...] "
+               "[--plot-data FILE] CAPTURE...\n");
   return 2;
 }
 
@@ -42,12 +51,15 @@ int usage() {
 
 int main(int argc, char** argv) {
   kvsift::FidelityOptions options;
-  std::string plot_data;
+  std::string backend = "cpu", plot_data;
   std::vector<std::string> captures;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const bool has_value = i + 1 < argc;
-    if (arg == "--positions" && has_value) {
+    if (arg == "--backend" && has_value) {
+      backend = argv[++i];
+      if (backend != "cpu" && backend != "cuda" && backend != "both") return usage();
+    } else if (arg == "--positions" && has_value) {
       options.decode_positions = std::atoi(argv[++i]);
     } else if (arg == "--prefill" && has_value) {
       options.prefill = std::atof(argv[++i]);
@@ -62,17 +74,45 @@ int main(int argc, char** argv) {
     }
   }
   if (captures.empty()) return usage();
+  if (backend != "cpu") {
+#if defined(KVSIFT_WITH_CUDA)
+    const bool available = kvsift::cuda::device_available();
+    const char* why = "this machine has no CUDA device";
+#else
+    const bool available = false;
+    const char* why = "this build has no CUDA backend (configure with -DKVSIFT_CUDA=ON where nvcc is found)";
+#endif
+    if (!available) {
+      std::fprintf(stderr, "kvsift_fidelity: --backend %s: %s\n", backend.c_str(), why);
+      return 2;
+    }
+  }
 
   try {
     const auto selectors = kvsift::reference_selectors();
+    std::vector<std::unique_ptr<kvsift::FidelityBackend>> owned;
+    if (backend != "cuda") owned.push_back(kvsift::fidelity_backend(selectors));
+#if defined(KVSIFT_WITH_CUDA)
+    if (backend != "cpu") {
+      owned.push_back(kvsift::cuda::fidelity_backend(kvsift::reference_selectors<kvsift::cuda::Context>()));
+    }
+#endif
+    std::vector<kvsift::FidelityBackend*> backends;
+    for (const auto& b : owned) backends.push_back(b.get());
     std::string plot;  // the gnuplot blocks, one per (capture, layer)
     for (const auto& path : captures) {
       const kvsift::Capture capture = kvsift::read_capture(path);
       fmt::print("\n### {}: {}, {} tokens, layers", capture.text_id, capture.model, capture.tokens);
       for (const auto& layer : capture.layers) fmt::print(" {}", layer.layer);
       fmt::print("\n\n");
-      const auto result = kvsift::evaluate_fidelity(capture, selectors, options);
-      fmt::print("{}", kvsift::fidelity_markdown(result));
+      const auto comparison = kvsift::evaluate_fidelity(capture, backends, options);
+      for (const auto& r : comparison.results) {
+        if (backends.size() > 1) fmt::print("#### Backend: {}\n\n", r.backend);
+        fmt::print("{}", kvsift::fidelity_markdown(r));
+        if (backends.size() > 1) fmt::print("\n");
+      }
+      for (const auto& d : comparison.differences) fmt::print("{}", kvsift::fidelity_markdown(d));
+      const auto& result = comparison.results.front();
       const std::string stem = std::filesystem::path(path).stem().string();
       for (const auto& layer : capture.layers) {
         fmt::format_to(std::back_inserter(plot), "{}# panel {}:layer_{}\nbudget_percent", plot.empty() ? "" : "\n\n",

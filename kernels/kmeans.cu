@@ -1,9 +1,11 @@
-// CUDA k-means: the assignment (cuda::assign_nearest: the nearest centroid of every point, ranked as the CPU
-// assigner ranks them, x.c - |c|^2 / 2 for L2, x.c for cosine; ties: smaller id), and the whole of
+// CUDA k-means: the assignment (cuda::assign_nearest, and cuda::kmeans_batched's for all problems in one launch:
+// the nearest centroid of every point, ranked as the CPU assigner ranks them, x.c - |c|^2 / 2 for L2, x.c for
+// cosine; ties: smaller id), and the whole of
 // cuda::kmeans around it (seeding and centroid updates as cpu::kmeans does them, see launch_kmeans).
 #include <cub/device/device_scan.cuh>
 
 #include "kvsift/core/kmeans_seeding.hpp"
+#include "kvsift/cuda/detail/kmeans_batched_launch.hpp"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
 #include "kvsift/cuda/detail/segment_mean_launch.hpp"
 #include "kvsift/cuda/dtype.cuh"
@@ -34,9 +36,14 @@ __device__ __forceinline__ bool better(float score, int id, float best_score, in
   return score > best_score || (score == best_score && id < best_id);
 }
 
-__global__ void __launch_bounds__(kAssignThreads) assign_nearest_kernel(MatrixView<const float> points,
-                                                                          MatrixView<const float> centroids,
-                                                                          bool cosine, std::int32_t* assignment) {
+/// blockIdx.y: the problem (one for cuda::assign_nearest, many for cuda::kmeans_batched).
+__global__ void __launch_bounds__(kAssignThreads) assign_nearest_kernel(BatchedMatrixView<const float> all_points,
+                                                                          BatchedMatrixView<const float> all_centroids,
+                                                                          bool cosine, std::int32_t* assignment,
+                                                                          std::int32_t* keys) {
+  const MatrixView<const float> points = all_points.problem(blockIdx.y);
+  const MatrixView<const float> centroids = all_centroids.problem(blockIdx.y);
+  const std::int64_t problem_offset = std::int64_t(blockIdx.y) * points.rows;
   __shared__ float point_tile[kTile][kChannels + 1];
   __shared__ float centroid_tile[kTile][kChannels + 1];
   const int ty = threadIdx.x / (kTile / kBlock), tx = threadIdx.x % (kTile / kBlock);
@@ -89,7 +96,10 @@ __global__ void __launch_bounds__(kAssignThreads) assign_nearest_kernel(MatrixVi
       if (better(other, other_id, best[i], best_id[i])) best[i] = other, best_id[i] = other_id;
     }
     const std::int64_t point = first_point + ty * kBlock + i;
-    if (tx == 0 && point < points.rows) assignment[point] = best_id[i];
+    if (tx == 0 && point < points.rows) {
+      assignment[problem_offset + point] = best_id[i];
+      if (keys != nullptr) keys[problem_offset + point] = std::int32_t(blockIdx.y * centroids.rows + best_id[i]);
+    }
   }
 }
 
@@ -321,11 +331,20 @@ KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)
 #undef KVSIFT_INSTANTIATE
 
+cudaError_t launch_assign_nearest_batched(const BatchedMatrixView<const float>& points,
+                                          const BatchedMatrixView<const float>& centroids, bool cosine,
+                                          std::int32_t* assignment, std::int32_t* keys, cudaStream_t stream) {
+  const dim3 blocks(unsigned((points.rows + kTile - 1) / kTile), unsigned(points.problems));
+  assign_nearest_kernel<<<blocks, kAssignThreads, 0, stream>>>(points, centroids, cosine, assignment, keys);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_assign_nearest(const MatrixView<const float>& points, const MatrixView<const float>& centroids,
                                   bool cosine, std::int32_t* assignment, cudaStream_t stream) {
-  const auto blocks = unsigned((points.rows + kTile - 1) / kTile);
-  assign_nearest_kernel<<<blocks, kAssignThreads, 0, stream>>>(points, centroids, cosine, assignment);
-  return cudaGetLastError();
+  const auto one = [](const MatrixView<const float>& m) {
+    return BatchedMatrixView<const float>{m.data, 1, m.rows, m.cols, 0, m.row_stride};
+  };
+  return launch_assign_nearest_batched(one(points), one(centroids), cosine, assignment, nullptr, stream);
 }
 
 }  // namespace kvsift::cuda::detail

@@ -1,10 +1,12 @@
 #pragma once
 /// Random inverted lists for the CPU and CUDA inverted-list tests: ragged list counts (empty and full lists),
 /// ids that repeat across lists and fall outside the sequences (negative, past the length, in the window),
-/// scores exactly representable in T, batch rows in a random subset of the slots, and chosen list ids per row.
+/// scores exactly representable in T, batch rows in a random subset of the slots, and chosen list ids per row;
+/// and the reductions' reference.
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <numeric>
 #include <vector>
 
@@ -60,5 +62,30 @@ struct ListsProblem {
             slot_count, kv_heads, lists, list_capacity};
   }
 };
+
+/// The reductions' reference (union_lists, reduce_lists_by_key): per selection row, every kept id's fp32 sum in
+/// the entries' order (std::map keeps ids sorted), written from the contract.
+template <class T>
+std::vector<std::map<std::int32_t, float>> reference_sums(const ListsProblem<T>& p) {
+  std::vector<std::map<std::int32_t, float>> rows(std::size_t(p.batch) * p.kv_heads);
+  for (std::int32_t b = 0; b < p.batch; ++b) {
+    const std::int32_t len = p.lengths[b];
+    const std::int32_t lo = std::min(p.window.sink, len), hi = std::max(lo, len - p.window.recent);
+    for (std::int32_t h = 0; h < p.kv_heads; ++h) {
+      const std::size_t r = std::size_t(b) * p.kv_heads + h;
+      for (std::int32_t i = 0; i < p.chosen.counts[r]; ++i) {
+        const std::int32_t l = p.chosen.indices[r * p.chosen.view.capacity + i];
+        const std::size_t list = (std::size_t(p.slots[b]) * p.kv_heads + h) * p.lists + l;
+        for (std::int32_t e = 0; e < p.counts[list]; ++e) {
+          const std::int32_t id = p.ids[list * p.list_capacity + e];
+          if (id < lo || id >= hi) continue;
+          float& sum = rows[r][id];  // a new id starts at 0.0f
+          sum += p.scores.empty() ? 0.0f : to_float(p.scores[list * p.list_capacity + e]);
+        }
+      }
+    }
+  }
+  return rows;
+}
 
 }  // namespace kvsift::test

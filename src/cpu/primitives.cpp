@@ -12,6 +12,7 @@
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/context.hpp"
 #include "kvsift/cpu/detail/primitives_kernels.hpp"
+#include "kvsift/cpu/kmeans.hpp"
 #include "kvsift/cpu/segment_mean.hpp"
 #include "kvsift/cpu/simd.hpp"
 
@@ -30,31 +31,15 @@ void normalize(float* x, std::int32_t d) {
 class OwnedScorePanel {
  public:
   /// with_half_norms: offsets -|v|^2 / 2 (L2 nearest-centroid ranking); otherwise 0 (plain dot products).
-  OwnedScorePanel(const MatrixView<const float>& vectors, bool with_half_norms) {
-    constexpr std::int64_t kPad = detail::ScorePanel::kPanelPadding;
-    panel_.dim = vectors.cols;
-    panel_.count = vectors.rows;
-    panel_.padded = (vectors.rows + kPad - 1) / kPad * kPad;
-    tiles_.assign(std::size_t(panel_.padded) * std::size_t(vectors.cols), 0.0f);
-    offsets_.assign(std::size_t(panel_.padded), 0.0f);
-    for (std::int64_t c = 0; c < vectors.rows; ++c) {
-      float norm = 0.0f;
-      float* tile_column = &tiles_[std::size_t((c / kPad) * vectors.cols * kPad + c % kPad)];
-      for (std::int32_t j = 0; j < vectors.cols; ++j) {
-        const float x = vectors.row(c)[j];
-        tile_column[std::size_t(j) * kPad] = x;
-        norm += x * x;
-      }
-      if (with_half_norms) offsets_[std::size_t(c)] = -0.5f * norm;
-    }
-    panel_.tiles = tiles_.data();
-    panel_.offsets = offsets_.data();
-  }
+  OwnedScorePanel(const MatrixView<const float>& vectors, bool with_half_norms)
+      : tiles_(std::size_t(detail::score_panel_padded(vectors.rows)) * std::size_t(vectors.cols)),
+        offsets_(std::size_t(detail::score_panel_padded(vectors.rows))),
+        panel_(detail::pack_score_panel(vectors, with_half_norms, tiles_.data(), offsets_.data())) {}
   const detail::ScorePanel& panel() const { return panel_; }
 
  private:
-  detail::ScorePanel panel_;
   std::vector<float> tiles_, offsets_;
+  detail::ScorePanel panel_;
 };
 
 /// The softmax path's buffers of group_scores: the single layout behind group_scores_workspace_bytes and

@@ -62,16 +62,16 @@ bool select_pages_fused_supported(std::int32_t max_pages, std::int32_t pages_per
 
 template <class T>
 void select_pages_fused(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* d_slots,
-                        const std::int32_t* d_lengths, const AttentionWindow& window, std::int32_t pages_per_row,
-                        const SelectionView& out, cudaStream_t stream) {
+                        const std::int32_t* d_lengths, const AttentionWindow& window, std::int32_t max_pages,
+                        std::int32_t pages_per_row, const SelectionView& out, cudaStream_t stream) {
   constexpr const char* where = "cuda::select_pages_fused";
-  kvsift::detail::check_select_pages(where, q, bounds, d_slots, d_lengths, window, pages_per_row, out);
+  kvsift::detail::check_select_pages(where, q, bounds, d_slots, d_lengths, window, max_pages, pages_per_row, out);
   KVSIFT_CHECK(detail::page_scores_head_dim_supported(bounds.head_dim), where,
                "bounds.head_dim (= {}) is not supported; supported: 64, 128, 256", bounds.head_dim);
-  KVSIFT_CHECK(select_pages_fused_supported(bounds.max_pages, pages_per_row), where,
-               "bounds.max_pages (= {}) and pages_per_row (= {}) need more shared memory than the fused kernel has; "
+  KVSIFT_CHECK(select_pages_fused_supported(max_pages, pages_per_row), where,
+               "max_pages (= {}) and pages_per_row (= {}) need more shared memory than the fused kernel has; "
                "use cuda::select_pages",
-               bounds.max_pages, pages_per_row);
+               max_pages, pages_per_row);
   KVSIFT_CHECK(std::int64_t(q.batch) * bounds.kv_heads * detail::kSelectPagesCluster <= std::int64_t(INT32_MAX), where,
                "q.batch * kv_heads (= {} * {}) needs more than 2^31 - 1 CTAs", q.batch, bounds.kv_heads);
   const detail::PageSelectParams<T> params{.q = q,
@@ -81,7 +81,7 @@ void select_pages_fused(const QueryView<const T>& q, const PageBoundsView<const 
                                            .window = window,
                                            .out = out,
                                            .group = q.heads / bounds.kv_heads,
-                                           .page_limit = bounds.max_pages,
+                                           .page_limit = max_pages,
                                            .pages_per_row = pages_per_row,
                                            .cluster = 0,
                                            .slice = 0};
@@ -105,8 +105,8 @@ void expand_pages(const SelectionView& pages, std::int32_t page_size, const std:
                                const std::int32_t*, const AttentionWindow&, const MatrixView<float>&,            \
                                std::int32_t*, cudaStream_t);                                                    \
   template void select_pages_fused<T>(const QueryView<const T>&, const PageBoundsView<const T>&, const std::int32_t*, \
-                                      const std::int32_t*, const AttentionWindow&, std::int32_t, const SelectionView&, \
-                                      cudaStream_t);
+                                      const std::int32_t*, const AttentionWindow&, std::int32_t, std::int32_t,        \
+                                      const SelectionView&, cudaStream_t);
 KVSIFT_INSTANTIATE(float)
 KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)

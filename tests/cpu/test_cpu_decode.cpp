@@ -8,6 +8,7 @@
 
 #include "attention_check.hpp"
 #include "kvsift/core/workspace.hpp"
+#include "kvsift/cpu/context.hpp"
 #include "kvsift/cpu/decode.hpp"
 #include "kvsift/cpu/detail/decode_kernels.hpp"
 #include "kvsift/cpu/simd.hpp"
@@ -359,6 +360,59 @@ TEST_F(CpuDecode, ARowWhoseEveryLogitIsMinusInfinityIsEmptyWhateverItsValues) {
   }
 }
 
+// A count outside [0, capacity] (a primitive's -1 for a bad device value) makes every query head of its row NaN
+// in O and LSE, window included, on one thread and with rows split over threads; the other rows are untouched
+// by it. Outputs start finite (0), so a row left unwritten fails.
+TEST_F(CpuDecode, BadCountRowsAreNaN) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(8);
+  for (const bool split_rows : {false, true}) {
+    for (const std::int32_t page_size : {0, 16}) {
+      HostDecodeProblem<bfloat16> p(rng, CaseSpec{2, 8, 2, 64, 900, 48, page_size, true, true, {4, 32}});
+      SCOPED_TRACE(describe(p.spec));
+      const std::int32_t bad_count = rng.uniform_int(0, 1) == 0 ? -1 : rng.uniform_int(49, 60);
+      const std::int32_t bad_row = rng.uniform_int(0, 3);
+      // The reference over the other rows: the bad row emptied, its heads then compared with NaN instead.
+      const test::HostState ref = [&] {
+        std::vector<std::int32_t> counts = p.sel_counts;
+        p.sel_counts[bad_row] = 0;
+        test::HostState r = p.reference(true);
+        p.sel_counts = counts;
+        return r;
+      }();
+      p.sel_counts[bad_row] = bad_count;
+      std::vector<bfloat16> o(p.q.size(), from_float<bfloat16>(0.0f));
+      std::vector<float> lse(std::size_t(2) * 8, 0.0f);
+      const std::size_t ws_bytes = split_rows ? cpu::decode_workspace_bytes(2, 8, 2, 64, &pool) : 0;
+      cpu::Array<std::byte> workspace(ws_bytes);
+      const auto out = StateView<bfloat16>::packed(o.data(), lse.data(), 2, 8, 64);
+      const cpu::DecodeOptions options{.attention = {.window = p.spec.window}};
+      if (page_size == 0) {
+        cpu::sparse_decode(p.q_view(), p.contiguous(), p.selection(), out, options, &pool, workspace.bytes());
+      } else {
+        cpu::sparse_decode(p.q_view(), p.paged(), p.selection(), out, options, &pool, workspace.bytes());
+      }
+      const std::int32_t group = 4;
+      for (std::int32_t head = 0; head < 2 * 8; ++head) {
+        const bool in_bad_row = head / group == bad_row;
+        for (std::int32_t c = 0; c < 64; ++c) {
+          const float got = to_float(o[std::size_t(head) * 64 + c]);
+          if (in_bad_row) {
+            ASSERT_TRUE(std::isnan(got)) << "head " << head << " channel " << c << " count " << bad_count;
+          } else {
+            ASSERT_NEAR(got, ref.o[std::size_t(head) * 64 + c], 2e-2) << "head " << head << " channel " << c;
+          }
+        }
+        if (in_bad_row) {
+          EXPECT_TRUE(std::isnan(lse[head])) << "head " << head;
+        } else {
+          EXPECT_NEAR(lse[head], ref.lse[head], 1e-3 * std::max(1.0f, std::abs(ref.lse[head]))) << "head " << head;
+        }
+      }
+    }
+  }
+}
+
 TEST_F(CpuDecode, ValidationRefusesBadIndicesAndDuplicatesAndWritesNothing) {
   HostDecodeProblem<half> p(rng, CaseSpec{3, 4, 2, 64, 500, 32, 0, false, false});
   const auto refused = [&](const std::string& message, bool validate = true) {
@@ -385,10 +439,10 @@ TEST_F(CpuDecode, ValidationRefusesBadIndicesAndDuplicatesAndWritesNothing) {
   at(2, 0, 9) = at(2, 0, 4);
   refused(fmt::format("selection.indices[9] (= {}) at batch 2, kv_head 0 repeats selection.indices[4]", at(2, 0, 4)));
   p.make_selection(rng);  // fresh distinct rows
-  p.sel_counts[0] = 33;   // counts are checked with or without validation
-  refused("selection.counts (= 33) at batch 0, kv_head 0 is outside [0, capacity = 32]", false);
+  p.sel_counts[0] = 33;   // without validation such a row is NaN (BadCountRowsAreNaN)
+  refused("selection.counts (= 33) at batch 0, kv_head 0 is outside [0, capacity = 32]");
   p.sel_counts[0] = -1;
-  refused("selection.counts (= -1) at batch 0, kv_head 0 is outside [0, capacity = 32]", false);
+  refused("selection.counts (= -1) at batch 0, kv_head 0 is outside [0, capacity = 32]");
   p.sel_counts[0] = 32;
   const auto [o, lse] = run_cpu(p, true, nullptr, false, {.validate_indices = true});  // clean input passes
   test::expect_close(o, lse, p.reference(true), "validated");

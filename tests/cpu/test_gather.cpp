@@ -1,7 +1,8 @@
-// KV gathers on the CPU (cpu/gather.hpp) against references written here: gather_kv row by row from the source
-// cache's own row addresses; gather_kv_difference over several steps of overlapping selections against a
-// std::map token -> slot and a std::set of free slots (kept tokens keep their slots, new ones take the smallest
-// free slots in ascending token order), then every resident row checked against its token's K and V. Contiguous
+// KV gathers on the CPU (cpu/gather.hpp) against references: gather_kv row by row from the source cache's own
+// row addresses; gather_kv_difference over several steps of overlapping selections against gather_problem.hpp's
+// ResidentSlots (a std::map token -> slot and a std::set of free slots: kept tokens keep their slots, new ones
+// take the smallest free slots in ascending token order), then every resident row checked against its token's
+// K and V. Contiguous
 // and paged sources and destinations, ragged lengths, with and without a pool; every refusal has its message
 // checked.
 #include <gtest/gtest.h>
@@ -9,11 +10,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <map>
-#include <numeric>
-#include <set>
 #include <vector>
 
+#include "gather_problem.hpp"
 #include "kvsift/cpu/context.hpp"
 #include "kvsift/cpu/gather.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
@@ -23,16 +22,6 @@ namespace kvsift {
 namespace {
 
 using test::Random;
-
-/// Distinct ascending tokens of [0, len), about `n` of them (fewer if len is short).
-std::vector<std::int32_t> random_tokens(Random& rng, std::int32_t len, std::int32_t n) {
-  std::vector<std::int32_t> all(len);
-  std::iota(all.begin(), all.end(), 0);
-  std::shuffle(all.begin(), all.end(), rng.engine);
-  all.resize(std::min(len, n));
-  std::sort(all.begin(), all.end());
-  return all;
-}
 
 bool same_row(const float* a, const float* b, std::int32_t d) { return std::equal(a, a + d, b); }
 
@@ -48,13 +37,7 @@ void check_gather_kv(Random& rng, bool paged_src, bool paged_dst, cpu::ThreadPoo
   const auto dst_before = dst.k;
   const auto dst_paged_before = dst_paged.k_pages;
   test::HostSelection rows(4, kv_heads, capacity, false);
-  for (std::int32_t b = 0; b < 4; ++b) {
-    for (std::int32_t h = 0; h < kv_heads; ++h) {
-      const auto t = random_tokens(rng, lens[b], rng.uniform_int(0, capacity));
-      std::copy(t.begin(), t.end(), rows.view.row(b, h));
-      rows.counts[b * kv_heads + h] = std::int32_t(t.size());
-    }
-  }
+  test::random_rows(rng, rows, lens);
   const KVCache<const float> s = paged_src ? KVCache<const float>(src_paged.view) : KVCache<const float>(src.view());
   PagedKVView<float> dp{dst_paged.k_pages.data(), dst_paged.v_pages.data(), dst_paged.indptr.data(),
                         dst_paged.indices.data(), dst_paged.last_len.data(), 4, kv_heads, d,
@@ -107,63 +90,27 @@ void check_difference(Random& rng, bool paged_src, cpu::ThreadPool* pool) {
   test::HostSelection prev(batch, kv_heads, cap, false), cur(batch, kv_heads, cap, false);
   std::fill(prev.counts.begin(), prev.counts.end(), 0);
   std::vector<std::int32_t> prev_slots(prev.indices.size(), test::kPoisonIndex), cur_slots(prev_slots);
-  std::vector<std::map<std::int32_t, std::int32_t>> where(rows);  // the reference's token -> slot per row
+  test::ResidentSlots reference(rows, resident_cap);
   cpu::Array<std::byte> ws(cpu::gather_kv_difference_workspace_bytes(batch, kv_heads, cap, resident_cap, pool));
   for (int step = 0; step < 8; ++step) {
     std::vector<std::int32_t> copied(rows, test::kPoisonIndex);
     std::fill(cur_slots.begin(), cur_slots.end(), test::kPoisonIndex);
-    for (std::int32_t r = 0; r < rows; ++r) {
-      // Keep a random part of the last selection, add random tokens.
-      std::set<std::int32_t> next;
-      for (std::int32_t i = 0; i < prev.counts[r]; ++i) {
-        if (rng.uniform_int(0, 3) != 0) next.insert(prev.indices[r * cap + i]);
-      }
-      const std::int32_t want = rng.uniform_int(0, cap);
-      for (std::int32_t t : random_tokens(rng, lens[r / kv_heads], cap)) {
-        if (std::int32_t(next.size()) >= want) break;
-        next.insert(t);
-      }
-      while (std::int32_t(next.size()) > cap) next.erase(std::prev(next.end()));
-      std::copy(next.begin(), next.end(), cur.indices.begin() + r * cap);
-      cur.counts[r] = std::int32_t(next.size());
-    }
+    test::next_selection(rng, prev, cur, lens);
     cpu::gather_kv_difference(s, prev.view, prev_slots.data(), cur.view, cur_slots.data(), res_view, copied.data(),
                               ws.bytes(), pool);
+    const auto want = reference.step(cur);
+    EXPECT_EQ(copied, want.copied) << "step " << step;
+    ASSERT_EQ(cur_slots, want.slots) << "step " << step;  // entries past the counts not written
     for (std::int32_t r = 0; r < rows; ++r) {
-      std::map<std::int32_t, std::int32_t> next_where;
-      std::set<std::int32_t> free_slots;
-      for (std::int32_t slot = 0; slot < resident_cap; ++slot) free_slots.insert(slot);
-      const std::set<std::int32_t> tokens(cur.indices.begin() + r * cap, cur.indices.begin() + r * cap + cur.counts[r]);
-      for (std::int32_t t : tokens) {
-        if (where[r].count(t)) {
-          next_where[t] = where[r][t];
-          free_slots.erase(where[r][t]);
-        }
-      }
-      std::int32_t fresh = 0;
-      for (std::int32_t t : tokens) {
-        if (next_where.count(t)) continue;
-        next_where[t] = *free_slots.begin();
-        free_slots.erase(free_slots.begin());
-        ++fresh;
-      }
-      EXPECT_EQ(copied[r], fresh) << "step " << step << " row " << r;
       const std::int32_t b = r / kv_heads, h = r % kv_heads;
       for (std::int32_t i = 0; i < cur.counts[r]; ++i) {
-        const std::int32_t t = cur.indices[r * cap + i];
-        ASSERT_EQ(cur_slots[r * cap + i], next_where[t]) << "step " << step << " row " << r << " token " << t;
-        EXPECT_TRUE(same_row(res_view.k_row(b, h, next_where[t]), src.view().k_row(b, h, t), d));
-        EXPECT_TRUE(same_row(res_view.v_row(b, h, next_where[t]), src.view().v_row(b, h, t), d));
+        const std::int32_t t = cur.indices[r * cap + i], slot = cur_slots[r * cap + i];
+        EXPECT_TRUE(same_row(res_view.k_row(b, h, slot), src.view().k_row(b, h, t), d)) << "row " << r << " token " << t;
+        EXPECT_TRUE(same_row(res_view.v_row(b, h, slot), src.view().v_row(b, h, t), d)) << "row " << r << " token " << t;
       }
-      for (std::int32_t i = cur.counts[r]; i < cap; ++i) EXPECT_EQ(cur_slots[r * cap + i], test::kPoisonIndex);
-      where[r] = next_where;
     }
-    std::swap(prev.indices, cur.indices);
-    std::swap(prev.counts, cur.counts);
-    prev.view.indices = prev.indices.data();
-    prev.view.counts = prev.counts.data();
-    cur.view.indices = cur.indices.data();
-    cur.view.counts = cur.counts.data();
+    prev.indices = cur.indices;  // same sizes: the views stay valid
+    prev.counts = cur.counts;
     std::swap(prev_slots, cur_slots);
   }
 }

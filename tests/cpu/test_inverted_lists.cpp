@@ -1,5 +1,6 @@
-// Inverted lists on the CPU (cpu/inverted_lists.hpp) against references written here with std::set and std::map:
-// the union is the set of kept ids, the reduction a map id -> fp32 sum added in the entries' order (the contract's
+// Inverted lists on the CPU (cpu/inverted_lists.hpp) against references with std::set and std::map (the
+// reductions' in inverted_lists_problem.hpp, shared with the workspace tests): the union is the set of kept ids,
+// the reduction a map id -> fp32 sum added in the entries' order (the contract's
 // order, so the comparison is exact), try-insert a min_element by the lists' order, replace a plain FIFO. Ragged
 // lengths (0 included), windows, empty and full lists, ids repeated across lists and outside the sequence, lists
 // chosen twice, permuted slots, fp32 and fp16 scores, with and without a pool; every refusal has its message
@@ -25,6 +26,7 @@ namespace {
 
 using test::ListsProblem;
 using test::Random;
+using test::reference_sums;
 
 /// A 256-byte aligned host workspace.
 struct Workspace {
@@ -32,30 +34,6 @@ struct Workspace {
   std::span<std::byte> span() { return storage.bytes(); }
   cpu::Array<std::byte> storage;
 };
-
-/// The references: per selection row, every kept id's fp32 sum in entry order (std::map keeps ids sorted).
-template <class T>
-std::vector<std::map<std::int32_t, float>> reference_sums(const ListsProblem<T>& p) {
-  std::vector<std::map<std::int32_t, float>> rows(std::size_t(p.batch) * p.kv_heads);
-  for (std::int32_t b = 0; b < p.batch; ++b) {
-    const std::int32_t len = p.lengths[b];
-    const std::int32_t lo = std::min(p.window.sink, len), hi = std::max(lo, len - p.window.recent);
-    for (std::int32_t h = 0; h < p.kv_heads; ++h) {
-      const std::size_t r = std::size_t(b) * p.kv_heads + h;
-      for (std::int32_t i = 0; i < p.chosen.counts[r]; ++i) {
-        const std::int32_t l = p.chosen.indices[r * p.chosen.view.capacity + i];
-        const std::size_t list = (std::size_t(p.slots[b]) * p.kv_heads + h) * p.lists + l;
-        for (std::int32_t e = 0; e < p.counts[list]; ++e) {
-          const std::int32_t id = p.ids[list * p.list_capacity + e];
-          if (id < lo || id >= hi) continue;
-          float& sum = rows[r][id];  // a new id starts at 0.0f
-          sum += p.scores.empty() ? 0.0f : to_float(p.scores[list * p.list_capacity + e]);
-        }
-      }
-    }
-  }
-  return rows;
-}
 
 template <class T>
 void check_reductions(Random& rng, bool by_key, bool weights, cpu::ThreadPool* pool) {

@@ -19,79 +19,27 @@
 #include "kvsift/core/page_bounds_view.hpp"
 #include "kvsift/cpu/page_bounds.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
+#include "page_bounds_problem.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {
 namespace {
 
+using test::kUntouched;
 using test::Random;
-
-/// What an unwritten bound or score holds: a value no function writes (bounds are key values, which are
-/// normal draws of magnitude < 10; scores are sums of products of those).
-constexpr float kUntouched = -7777.0f;
 
 template <class T>
 bool same_bits(T a, T b) {
   return std::memcmp(&a, &b, sizeof(T)) == 0;
 }
 
-/// A cache of random keys exactly representable in T, contiguous and paged (NHD, shuffled pages), with batch
-/// rows mapped to a random subset of `slot_count` slots.
+/// page_bounds_problem.hpp's problem with an NHD paged cache and 3 unused slots by default.
 template <class T>
-struct Problem {
-  test::HostKV kv;
-  test::HostPagedKV paged;
-  std::vector<T> k, v, paged_k, paged_v;
-  std::vector<std::int32_t> slots;
-  std::int32_t slot_count, max_pages, page_size;
-  std::vector<T> bounds;
-
-  Problem(Random& rng, std::vector<std::int32_t> lens, std::int32_t kv_heads, std::int32_t head_dim,
-          std::int32_t page_size_, std::int32_t cache_page_size, std::int32_t extra_slots = 3)
-      : kv(make_kv(rng, lens, kv_heads, head_dim)),
-        paged(kv, cache_page_size, false, rng),
-        k(test::to_storage<T>(kv.k)),
-        v(test::to_storage<T>(kv.v)),
-        paged_k(test::to_storage<T>(paged.k_pages)),
-        paged_v(test::to_storage<T>(paged.v_pages)),
-        slot_count(kv.batch + extra_slots),
-        max_pages(std::int32_t(detail::page_count(kv.capacity, page_size_))),
-        page_size(page_size_) {
-    slots.resize(slot_count);
-    std::iota(slots.begin(), slots.end(), 0);
-    std::shuffle(slots.begin(), slots.end(), rng.engine);
-    slots.resize(kv.batch);
-    bounds.assign(PageBoundsView<T>::bytes(slot_count, kv_heads, max_pages, head_dim) / sizeof(T),
-                  from_float<T>(kUntouched));
-  }
-
-  static test::HostKV make_kv(Random& rng, const std::vector<std::int32_t>& lens, std::int32_t kv_heads,
-                              std::int32_t head_dim) {
-    const std::int32_t capacity = std::max(1, *std::max_element(lens.begin(), lens.end()));
-    test::HostKV kv(rng, std::int32_t(lens.size()), kv_heads, capacity, head_dim, lens);
-    for (float& x : kv.k) x = to_float(from_float<T>(x));
-    return kv;
-  }
-  ContiguousKVView<const T> contiguous() const {
-    const auto f = kv.view();
-    return {k.data(), v.data(), f.seq_lens, f.batch, f.kv_heads, f.capacity, f.head_dim,
-            f.batch_stride, f.head_stride, f.token_stride};
-  }
-  PagedKVView<const T> paged_view() const {
-    PagedKVView<const T> view{};
-    const auto& f = paged.view;
-    view = {paged_k.data(), paged_v.data(), f.page_indptr, f.page_indices, f.last_page_len, f.batch, f.kv_heads,
-            f.head_dim, f.page_size, f.num_pages, f.page_stride, f.token_stride, f.head_stride};
-    return view;
-  }
-  PageBoundsView<T> view() {
-    return PageBoundsView<T>::packed(bounds.data(), slot_count, kv.kv_heads, max_pages, kv.head_dim, page_size);
-  }
-  /// The batch row in slot s, or -1.
-  std::int32_t row_of(std::int32_t s) const {
-    const auto it = std::find(slots.begin(), slots.end(), s);
-    return it == slots.end() ? -1 : std::int32_t(it - slots.begin());
-  }
+struct Problem : test::PageBoundsProblem<T> {
+  Problem(Random& rng, const std::vector<std::int32_t>& lens, std::int32_t kv_heads, std::int32_t head_dim,
+          std::int32_t page_size, std::int32_t cache_page_size, std::int32_t extra_slots = 3)
+      : test::PageBoundsProblem<T>(rng, lens, kv_heads, head_dim, page_size, cache_page_size, /*hnd=*/false,
+                                   extra_slots) {}
 };
 
 /// Every bound of `bounds` against the min and max of the raw keys of the first lens[b] tokens of each row;
@@ -311,19 +259,7 @@ TEST(CpuPageBounds, ExpandListsThePagesTokensOutsideTheWindow) {
   const std::vector<std::int32_t> lens = {0, 7, 45, 64};
   for (const AttentionWindow window : {AttentionWindow{}, AttentionWindow{3, 10}, AttentionWindow{0, 17}}) {
     for (bool weights : {false, true}) {
-      test::HostSelection pages(batch, kv_heads, cap_pages, false);
-      for (std::int32_t b = 0; b < batch; ++b) {
-        const std::int32_t total = std::int32_t(detail::page_count(lens[b], ps));
-        for (std::int32_t g = 0; g < kv_heads; ++g) {
-          std::vector<std::int32_t> ids(total);
-          std::iota(ids.begin(), ids.end(), 0);
-          std::shuffle(ids.begin(), ids.end(), rng.engine);
-          ids.resize(std::min(total, rng.uniform_int(0, cap_pages)));
-          std::sort(ids.begin(), ids.end());
-          std::copy(ids.begin(), ids.end(), pages.view.row(b, g));
-          pages.view.counts[pages.view.row_index(b, g)] = std::int32_t(ids.size());
-        }
-      }
+      const test::HostSelection pages = test::random_pages(rng, lens, kv_heads, cap_pages, ps);
       test::HostSelection out(batch, kv_heads, cap_pages * ps + 1, weights);
       cpu::expand_pages(pages.view, ps, lens.data(), window, out.view, &pool);
       for (std::int32_t b = 0; b < batch; ++b) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "attention_check.hpp"
+#include "group_scores_problem.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/primitives.hpp"
 #include "kvsift/cpu/simd.hpp"
@@ -27,13 +28,11 @@ namespace kvsift {
 namespace {
 
 using cpu::SimdLevel;
+using test::describe;
+using test::kSoftmaxRel;
+using test::kUlp;
 using test::Random;
-
-
-template <class T>
-std::string type_name() {
-  return std::is_same_v<T, float> ? "f32" : test::dtype_label<T>();
-}
+using test::type_name;
 
 /// A 256-byte aligned host workspace of exactly `bytes` bytes, every byte 0xff (NaN as floats), so that a run
 /// cannot pass by reading what it did not write.
@@ -55,58 +54,9 @@ class PoisonedWorkspace {
 
 // ---- group_scores ------------------------------------------------------------------------------------------
 
-/// A decode query and a KV cache in storage type T with the given sequence lengths: contiguous, and the same
-/// tokens in a paged cache with shuffled pages (page_size > 0; NHD or HND at random).
+/// A decode query and a KV cache in storage type T, contiguous and paged (group_scores_problem.hpp).
 template <class T>
-struct ScoreProblem {
-  std::int32_t batch, q_heads, kv_heads, head_dim;
-  test::HostKV values;  ///< the cache as floats, already rounded to T
-  std::vector<T> q, k, v;
-  std::vector<float> q_values;  ///< q as floats
-  std::unique_ptr<test::HostPagedKV> paged_values;
-  std::vector<T> k_pages, v_pages;
-
-  ScoreProblem(Random& rng, std::int32_t batch_, std::int32_t q_heads_, std::int32_t kv_heads_, std::int32_t head_dim_,
-               const std::vector<std::int32_t>& lengths, std::int32_t page_size)
-      : batch(batch_), q_heads(q_heads_), kv_heads(kv_heads_), head_dim(head_dim_),
-        values(rng, batch_, kv_heads_, std::max(1, *std::max_element(lengths.begin(), lengths.end())), head_dim_, lengths) {
-    q = test::to_storage<T>(rng.normal(std::size_t(batch) * q_heads * head_dim));
-    for (const T x : q) q_values.push_back(to_float(x));
-    k = test::to_storage<T>(values.k);
-    v = test::to_storage<T>(values.v);
-    for (std::size_t i = 0; i < k.size(); ++i) values.k[i] = to_float(k[i]);
-    if (page_size > 0) {
-      paged_values = std::make_unique<test::HostPagedKV>(values, page_size, /*hnd=*/rng.uniform_int(0, 1) == 1, rng);
-      k_pages = test::to_storage<T>(paged_values->k_pages);
-      v_pages = test::to_storage<T>(paged_values->v_pages);
-    }
-  }
-  /// Sets q of head h, channel c, in storage and float copies.
-  void set_q(std::int32_t b, std::int32_t h, std::int32_t c, float x) {
-    const std::size_t i = (std::size_t(b) * q_heads + h) * head_dim + c;
-    q[i] = from_float<T>(x);
-    q_values[i] = to_float(q[i]);
-  }
-  /// Sets channel c of the key of (b, g, t) in the contiguous cache (and its float copy).
-  void set_k(std::int32_t b, std::int32_t g, std::int32_t t, std::int32_t c, float x) {
-    const std::size_t i = std::size_t(values.view().offset(b, g, t)) + c;
-    k[i] = from_float<T>(x);
-    values.k[i] = to_float(k[i]);
-  }
-  QueryView<const T> q_view() const { return QueryView<const T>::packed(q.data(), batch, q_heads, head_dim); }
-  ContiguousKVView<const T> contiguous() const {
-    return ContiguousKVView<const T>::packed(k.data(), v.data(), batch, kv_heads, values.capacity, head_dim,
-                                             values.seq_lens.data());
-  }
-  PagedKVView<const T> paged() const {
-    PagedKVView<const T> view;
-    const auto& h = paged_values->view;
-    view = {k_pages.data(), v_pages.data(), h.page_indptr, h.page_indices, h.last_page_len, h.batch, h.kv_heads,
-            h.head_dim, h.page_size, h.num_pages, h.page_stride, h.token_stride, h.head_stride};
-    return view;
-  }
-  std::int32_t longest() const { return values.capacity; }
-};
+using ScoreProblem = test::GroupScoresProblem<T>;
 
 /// Scores in a matrix wider than the longest sequence and with a row stride past its width, poisoned (NaN):
 /// entries a run must not write stay NaN.
@@ -126,53 +76,33 @@ struct ExpectedScores {
   std::vector<double> value, tolerance;  ///< [rows, longest]
 };
 
-/// Error bounds, relative to the magnitudes they scale. A fp32 dot product of d terms accumulated in fp32
-/// (any order, FMA or not) errs by at most d * 2^-24 * sum |q_c k_c|; scaling adds one rounding. A softmax
-/// weight exp(s - LSE) errs relatively by the errors of s and of LSE (which is at most its largest logit's
-/// error, plus the fp32 sum of up to ~5000 exponentials, ~sqrt(n) 2^-24 in practice), plus the rounding of
-/// the exponent argument (|s - LSE| and |LSE| times a few 2^-24) and the exp2 polynomial's ~1e-7: kSoftmaxRel
-/// covers all but the dot products with margin (about 3x the largest of them seen in these tests).
-constexpr double kUlp = 1.0 / (1 << 24);
-constexpr double kSoftmaxRel = 3e-5;
-
+/// Error bounds, relative to the magnitudes they scale (group_scores_problem.hpp's kUlp, kSoftmaxRel). A fp32
+/// dot product of d terms accumulated in fp32 (any order, FMA or not) errs by at most d * 2^-24 * sum |q_c k_c|;
+/// scaling adds one rounding. A softmax weight exp(s - LSE) errs relatively by the errors of s and of LSE (which
+/// is at most its largest logit's error, plus kSoftmaxRel).
 template <class T>
 ExpectedScores expected_scores(const ScoreProblem<T>& p, const GroupScoreOptions& options) {
   const std::int32_t group = p.q_heads / p.kv_heads, d = p.head_dim, longest = p.longest();
-  const double scale = options.sm_scale != 0.0f ? double(options.sm_scale) : 1.0 / std::sqrt(double(d));
+  const double scale = test::score_scale(options, d);
   const bool sum = options.reduce == GroupReduce::sum;
   ExpectedScores e{std::vector<double>(std::size_t(p.batch) * p.kv_heads * longest),
                    std::vector<double>(std::size_t(p.batch) * p.kv_heads * longest)};
-  const auto kv = p.values.view();
   for (std::int32_t b = 0; b < p.batch; ++b) {
     const std::int32_t n = p.values.seq_lens[b];
     for (std::int32_t g = 0; g < p.kv_heads; ++g) {
-      std::vector<double> logit(std::size_t(group) * n), bound(std::size_t(group) * n), lse(group);
-      std::vector<double> largest_bound(group, 0.0);
-      for (std::int32_t h = 0; h < group; ++h) {
-        const float* q = p.q_values.data() + (std::size_t(b) * p.q_heads + g * group + h) * d;
-        for (std::int32_t t = 0; t < n; ++t) {
-          const float* k = kv.k_row(b, g, t);
-          double dot = 0.0, magnitude = 0.0;
-          for (std::int32_t c = 0; c < d; ++c) {
-            dot += double(q[c]) * k[c];
-            magnitude += std::abs(double(q[c]) * k[c]);
-          }
-          logit[std::size_t(h) * n + t] = scale * dot;
-          bound[std::size_t(h) * n + t] = (d + 2) * kUlp * std::abs(scale) * magnitude;
-          largest_bound[h] = std::max(largest_bound[h], bound[std::size_t(h) * n + t]);
-        }
-        double m = -INFINITY, z = 0.0;
-        for (std::int32_t t = 0; t < n; ++t) m = std::max(m, logit[std::size_t(h) * n + t]);
-        for (std::int32_t t = 0; t < n; ++t) z += std::exp(logit[std::size_t(h) * n + t] - m);
-        lse[h] = m + std::log(z);
+      const test::GroupLogits l = test::group_logits(p, b, g, n, scale);
+      std::vector<double> bound(std::size_t(group) * n), largest_bound(group, 0.0);
+      for (std::size_t i = 0; i < bound.size(); ++i) {
+        bound[i] = (d + 2) * kUlp * l.magnitude[i];
+        largest_bound[i / std::size_t(n)] = std::max(largest_bound[i / std::size_t(n)], bound[i]);
       }
       for (std::int32_t t = 0; t < n; ++t) {
         double value = 0.0, tolerance = 0.0;
         for (std::int32_t h = 0; h < group; ++h) {
-          const double s = logit[std::size_t(h) * n + t], err = bound[std::size_t(h) * n + t];
+          const double s = l.logit[std::size_t(h) * n + t], err = bound[std::size_t(h) * n + t];
           double x = s, x_tolerance = err + kUlp * std::abs(s);
           if (options.softmax) {
-            x = std::exp(s - lse[h]);
+            x = std::exp(s - l.lse[h]);
             x_tolerance = x * (err + largest_bound[h] + kSoftmaxRel) + 1e-30;
           }
           value = h == 0 ? x : sum ? value + x : std::max(value, x);
@@ -226,10 +156,6 @@ GroupScoreOptions random_options(Random& rng) {
           .softmax = rng.uniform_int(0, 1) == 1};
 }
 
-std::string describe(const GroupScoreOptions& o) {
-  return fmt::format("sm_scale {} reduce {} softmax {}", o.sm_scale, o.reduce == GroupReduce::sum ? "sum" : "max",
-                     o.softmax);
-}
 
 using GroupScores = test::SeededTest;
 

@@ -4,12 +4,17 @@
 // selector checks).
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <set>
+#include <string>
 #include <utility>
 
+#include "gather_problem.hpp"
+#include "inverted_lists_problem.hpp"
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
@@ -138,6 +143,116 @@ TEST_F(CpuWorkspaces, GroupScores) {
   }
 }
 
+TEST_F(CpuWorkspaces, ListReductions) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(3);
+  for (const bool by_key : {false, true}) {
+    for (cpu::ThreadPool* tp : {static_cast<cpu::ThreadPool*>(nullptr), &pool}) {
+      SCOPED_TRACE(testing::Message() << (by_key ? "reduce_lists_by_key" : "union_lists") << " pool "
+                                      << (tp ? tp->size() : 0));
+      ListsProblem<half> p(rng, 4, 2, 7, 9, 4, 60);
+      const auto lists = p.view().as_const();
+      const std::int32_t rows = p.batch * p.kv_heads, capacity = p.chosen.view.capacity * p.list_capacity;
+      HostSelection out(p.batch, p.kv_heads, capacity, /*with_weights=*/true);
+      std::vector<float> sums(out.indices.size());
+      const auto sums_view = MatrixView<float>::packed(sums.data(), rows, capacity);
+      check_workspace(
+          cpu::list_reduction_workspace_bytes(rows, p.chosen.view.capacity, p.list_capacity, by_key, tp),
+          [&](std::span<std::byte> ws) {
+            if (by_key) {
+              cpu::reduce_lists_by_key(lists, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view,
+                                       sums_view, ws, tp);
+            } else {
+              cpu::union_lists(lists, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view, ws, tp);
+            }
+          },
+          [&] { return bytes_of(out.indices, out.counts, out.log_weights, sums); },
+          [&] {
+            std::fill(out.indices.begin(), out.indices.end(), kPoisonIndex);
+            std::fill(out.counts.begin(), out.counts.end(), kPoisonIndex);
+            std::fill(out.log_weights.begin(), out.log_weights.end(), kPoison);
+            std::fill(sums.begin(), sums.end(), kPoison);
+          });
+      const auto want = reference_sums(p);
+      for (std::int32_t r = 0; r < rows; ++r) {
+        ASSERT_EQ(out.counts[r], std::int32_t(want[r].size())) << "row " << r;
+        std::size_t at = std::size_t(r) * capacity;
+        for (const auto& [id, sum] : want[r]) {
+          EXPECT_EQ(out.indices[at], id) << "row " << r;
+          EXPECT_EQ(out.log_weights[at], 0.0f) << "row " << r;
+          if (by_key) {
+            EXPECT_TRUE(same_bytes(std::vector{sums[at]}, std::vector{sum})) << "row " << r << " id " << id;
+          }
+          ++at;
+        }
+      }
+    }
+  }
+}
+
+/// One gather_kv_difference step after a first one (so that tokens are kept, dropped and added) on a contiguous
+/// and a paged source, against gather_problem.hpp's ResidentSlots and the source's rows.
+TEST_F(CpuWorkspaces, GatherKvDifference) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const std::vector<std::int32_t> lens = {50, 7, 64};
+  const std::int32_t batch = 3, kv_heads = 2, d = 8, cap = 10, resident_cap = 12, rows = batch * kv_heads;
+  const HostKV src(rng, batch, kv_heads, 64, d, lens);
+  const HostPagedKV src_paged(src, 16, false, rng);
+  HostKV resident(rng, batch, kv_heads, resident_cap, d);
+  const auto res_view = ContiguousKVView<float>::packed(resident.k.data(), resident.v.data(), batch, kv_heads,
+                                                        resident_cap, d);
+  HostSelection prev(batch, kv_heads, cap, false), cur(batch, kv_heads, cap, false);
+  std::fill(prev.counts.begin(), prev.counts.end(), 0);
+  std::vector<std::int32_t> prev_slots(prev.indices.size(), kPoisonIndex), cur_slots(prev_slots), copied(rows);
+  ResidentSlots reference(rows, resident_cap);
+  {  // the first step, from an empty previous selection
+    next_selection(rng, prev, cur, lens);
+    cpu::Array<std::byte> ws(cpu::gather_kv_difference_workspace_bytes(batch, kv_heads, cap, resident_cap));
+    cpu::gather_kv_difference(KVCache<const float>(src.view()), prev.view, prev_slots.data(), cur.view,
+                              cur_slots.data(), res_view, copied.data(), ws.bytes());
+    reference.step(cur);
+    prev.indices = cur.indices;
+    prev.counts = cur.counts;
+    prev_slots = cur_slots;
+  }
+  next_selection(rng, prev, cur, lens);
+  const auto want = reference.step(cur);
+  const auto resident_k = resident.k, resident_v = resident.v;
+  cpu::ThreadPool pool(2);
+  for (const bool paged : {false, true}) {
+    for (cpu::ThreadPool* tp : {static_cast<cpu::ThreadPool*>(nullptr), &pool}) {
+      SCOPED_TRACE(testing::Message() << (paged ? "paged" : "contiguous") << " source, pool " << (tp ? tp->size() : 0));
+      const KVCache<const float> source =
+          paged ? KVCache<const float>(src_paged.view) : KVCache<const float>(src.view());
+      check_workspace(
+          cpu::gather_kv_difference_workspace_bytes(batch, kv_heads, cap, resident_cap, tp),
+          [&](std::span<std::byte> ws) {
+            cpu::gather_kv_difference(source, prev.view, prev_slots.data(), cur.view, cur_slots.data(), res_view,
+                                      copied.data(), ws, tp);
+          },
+          [&] { return bytes_of(cur_slots, copied, resident.k, resident.v); },
+          [&] {  // the resident buffer is updated in place: restored, as it was after the first step
+            std::fill(cur_slots.begin(), cur_slots.end(), kPoisonIndex);
+            std::fill(copied.begin(), copied.end(), kPoisonIndex);
+            resident.k = resident_k;
+            resident.v = resident_v;
+          });
+      EXPECT_EQ(copied, want.copied);
+      ASSERT_EQ(cur_slots, want.slots);
+      for (std::int32_t r = 0; r < rows; ++r) {
+        const std::int32_t b = r / kv_heads, h = r % kv_heads;
+        for (std::int32_t i = 0; i < cur.counts[r]; ++i) {
+          const std::int32_t t = cur.indices[std::size_t(r) * cap + i], slot = cur_slots[std::size_t(r) * cap + i];
+          EXPECT_TRUE(std::equal(res_view.k_row(b, h, slot), res_view.k_row(b, h, slot) + d, src.view().k_row(b, h, t)))
+              << "row " << r << " token " << t;
+          EXPECT_TRUE(std::equal(res_view.v_row(b, h, slot), res_view.v_row(b, h, slot) + d, src.view().v_row(b, h, t)))
+              << "row " << r << " token " << t;
+        }
+      }
+    }
+  }
+}
+
 /// A bf16 problem of one sequence whose selection plus window holds 1120 tokens: on a pool of 4 the CPU decode
 /// splits the row 4 ways (256 tokens per split at least), so its workspace is not empty.
 HostDecodeProblem<bfloat16> long_row_problem(Random& rng) {
@@ -212,15 +327,21 @@ struct SelectorFixture {
   SelectorLimits limits() const {
     return {.max_slots = 3, .max_tokens = p.spec.tokens, .q_heads = 8, .kv_heads = 2, .head_dim = 64};
   }
-  SelectShape shape() const { return {3, 8, 2, 64, p.spec.tokens}; }
+  SelectShape shape(std::int32_t max_seq_len) const { return {3, 8, 2, 64, max_seq_len}; }
   const std::int32_t* lengths() const { return p.kv_values.seq_lens.data(); }
+  std::int32_t longest() const { return *std::max_element(p.kv_values.seq_lens.begin(), p.kv_values.seq_lens.end()); }
+  SelectInputs<bfloat16> select_inputs(std::int32_t max_seq_len) const {
+    return {.q = p.q_view(), .cache = cache(), .slots = slots.data(), .lengths = lengths(),
+            .attention = {.window = kWindow}, .max_seq_len = max_seq_len};
+  }
 
-  /// The selector's append and select through the driver; returns the selection.
+  /// The selector's append and select through the driver, planned for sequences of up to max_seq_len tokens;
+  /// returns the selection.
   template <class S>
-  HostSelection check(S& selector) {
+  HostSelection check(S& selector, std::int32_t max_seq_len) {
     selector.prepare({.cache = cache(), .slots = slots.data()}, ctx);
     check_workspace(
-        selector.append_workspace_bytes(shape(), ctx),
+        selector.append_workspace_bytes(shape(max_seq_len), ctx),
         [&](std::span<std::byte> ws) {
           selector.append({.cache = cache(), .slots = slots.data(), .lengths = lengths()}, ws, ctx);
         },
@@ -228,12 +349,8 @@ struct SelectorFixture {
     // capacity >= 1 as DecodeStep sizes it, so that StreamingLLM's (0) rows still have non-null arrays
     HostSelection sel(3, 2, std::max(1, selector.capacity()), /*with_weights=*/false);
     check_workspace(
-        selector.select_workspace_bytes(shape(), ctx),
-        [&](std::span<std::byte> ws) {
-          selector.select({.q = p.q_view(), .cache = cache(), .slots = slots.data(), .lengths = lengths(),
-                           .attention = {.window = kWindow}},
-                          sel.view, ws, ctx);
-        },
+        selector.select_workspace_bytes(shape(max_seq_len), ctx),
+        [&](std::span<std::byte> ws) { selector.select(select_inputs(max_seq_len), sel.view, ws, ctx); },
         [&] { return bytes_of(sel.indices, sel.counts); },
         [&] {
           std::fill(sel.indices.begin(), sel.indices.end(), kPoisonIndex);
@@ -247,7 +364,7 @@ TEST_F(CpuWorkspaces, OracleTopKSelectAndAppend) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   SelectorFixture f(rng);
   OracleTopK<bfloat16, cpu::Context> selector(f.limits(), {.budget = 32});
-  const HostSelection sel = f.check(selector);
+  const HostSelection sel = f.check(selector, f.p.spec.tokens);
   expect_oracle_selection(f.p, sel.indices, sel.counts, 32, 32, kWindow, 1.0 / std::sqrt(64.0));
 }
 
@@ -255,7 +372,7 @@ TEST_F(CpuWorkspaces, QuestSelectAndAppend) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   SelectorFixture f(rng);
   Quest<bfloat16, cpu::Context> selector(f.limits(), {.budget = 64, .page_size = 16});
-  const HostSelection sel = f.check(selector);
+  const HostSelection sel = f.check(selector, f.p.spec.tokens);
   expect_quest_selection(f.p, sel.indices, sel.counts, 64, 4, 16, kWindow);
 }
 
@@ -263,8 +380,62 @@ TEST_F(CpuWorkspaces, StreamingLLMSelectAndAppend) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   SelectorFixture f(rng);
   StreamingLLM<bfloat16, cpu::Context> selector(f.limits());
-  const HostSelection sel = f.check(selector);
+  const HostSelection sel = f.check(selector, f.p.spec.tokens);
   EXPECT_EQ(sel.counts, std::vector<std::int32_t>(6, 0));
+}
+
+/// A select planned for fewer tokens than its selector's limit (SelectShape::max_seq_len): the workspace of a
+/// selector built for that many, less than the limit's, the selection the reference's; a sequence one token (or,
+/// for Quest, one page) past the bound is refused by its length, never cut.
+template <class Make>
+HostSelection check_planned_bound(SelectorFixture& f, Make make, std::int32_t page_size, const char* refusal) {
+  const std::int32_t longest = f.longest();
+  SelectorLimits wide = f.limits(), tight = f.limits();
+  wide.max_tokens = 2 * f.p.spec.tokens;
+  tight.max_tokens = longest;
+  auto selector = make(wide);
+  EXPECT_EQ(selector.select_workspace_bytes(f.shape(longest), f.ctx),
+            make(tight).select_workspace_bytes(f.shape(longest), f.ctx));
+  EXPECT_LT(selector.select_workspace_bytes(f.shape(longest), f.ctx),
+            selector.select_workspace_bytes(f.shape(0), f.ctx))
+      << "0 plans for limits.max_tokens";
+  const HostSelection sel = f.check(selector, longest);
+
+  // A bound one page (Quest) or one token (OracleTopK) short of the longest sequence: the first row past it is
+  // refused, named by its length.
+  const std::int32_t short_bound = (longest - 1) / page_size * page_size;
+  const auto& lens = f.p.kv_values.seq_lens;
+  const auto past = std::find_if(lens.begin(), lens.end(), [&](std::int32_t len) {
+    return (len + page_size - 1) / page_size > short_bound / page_size;
+  });
+  cpu::Array<std::byte> ws(selector.select_workspace_bytes(f.shape(short_bound), f.ctx));
+  HostSelection out(3, 2, std::max(1, selector.capacity()), false);
+  expect_error([&] { selector.select(f.select_inputs(short_bound), out.view, ws.bytes(), f.ctx); },
+               {refusal, fmt::format("(= {})", *past)});
+  expect_error([&] { (void)selector.select_workspace_bytes(f.shape(wide.max_tokens + 1), f.ctx); },
+               fmt::format("shape.max_seq_len (= {}) is outside [0, limits.max_tokens = {}]", wide.max_tokens + 1,
+                           wide.max_tokens));
+  expect_error([&] { selector.select(f.select_inputs(-1), out.view, ws.bytes(), f.ctx); },
+               fmt::format("in.max_seq_len (= -1) is outside [0, limits.max_tokens = {}]", wide.max_tokens));
+  return sel;
+}
+
+TEST_F(CpuWorkspaces, OracleTopKPlannedForFewerTokens) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SelectorFixture f(rng);
+  const HostSelection sel = check_planned_bound(
+      f, [](const SelectorLimits& l) { return OracleTopK<bfloat16, cpu::Context>(l, {.budget = 32}); }, 1,
+      "scores.cols");
+  expect_oracle_selection(f.p, sel.indices, sel.counts, 32, 32, kWindow, 1.0 / std::sqrt(64.0));
+}
+
+TEST_F(CpuWorkspaces, QuestPlannedForFewerTokens) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SelectorFixture f(rng);
+  const HostSelection sel = check_planned_bound(
+      f, [](const SelectorLimits& l) { return Quest<bfloat16, cpu::Context>(l, {.budget = 64, .page_size = 16}); },
+      16, "pages, more than scores.cols");
+  expect_quest_selection(f.p, sel.indices, sel.counts, 64, 4, 16, kWindow);
 }
 
 TEST_F(CpuWorkspaces, DecodeStep) {

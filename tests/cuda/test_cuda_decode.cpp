@@ -782,5 +782,77 @@ TEST(CudaNoDeviceBadInput, SaysNoCudaDevice) {
   }
 }
 
+// A count outside [0, capacity] (a primitive's -1 for a bad device value) makes every query head of its row NaN in
+// O and LSE (the window is not attended either): windowed and windowless kernels, one CTA or split rows (merged),
+// O in T or fp32. Outputs start at 0, so a row left unwritten fails; the other rows match the reference.
+TEST_F(CudaDecode, BadCountRowsAreNaN) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const AttentionWindow window : {AttentionWindow{}, AttentionWindow{4, 32}}) {
+    for (const std::int32_t splits : {1, 4}) {
+      for (const bool f32 : {false, true}) {
+        const CaseSpec spec{2, 8, 2, 128, 900, 48, splits == 1 ? 0 : 16, true, true, window};
+        SCOPED_TRACE(describe(spec) + fmt::format(" splits {} fp32 out {}", splits, f32));
+        DecodeProblem<half> p(rng, spec);
+        const std::int32_t bad_row = rng.uniform_int(0, 3);
+        const std::int32_t bad_count = rng.uniform_int(0, 1) == 0 ? -1 : rng.uniform_int(49, 60);
+        const test::HostState ref = [&] {
+          const std::vector<std::int32_t> counts = p.sel_counts;
+          p.sel_counts[bad_row] = 0;  // the reference of the other rows
+          test::HostState r = p.host.reference(true);
+          p.sel_counts = counts;
+          return r;
+        }();
+        p.sel_counts[bad_row] = bad_count;
+        p.upload_selection();
+        const cuda::DecodeOptions options{.attention = {.window = window}, .num_splits = splits};
+        KVSIFT_CUDA_CHECK(cudaMemset(p.d_o.data(), 0, p.d_o.size() * sizeof(half)));
+        KVSIFT_CUDA_CHECK(cudaMemset(p.d_o32.data(), 0, p.d_o32.size() * sizeof(float)));
+        KVSIFT_CUDA_CHECK(cudaMemset(p.d_lse.data(), 0, p.d_lse.size() * sizeof(float)));
+        const auto launch = [&](auto kv) {
+          const std::size_t bytes = cuda::sparse_decode_workspace_bytes(p.device_q(), kv, p.device_selection(), options);
+          DeviceBuffer<std::byte> workspace(bytes);
+          workspace.poison();
+          if (f32) {
+            cuda::sparse_decode(p.device_q(), kv, p.device_selection(), p.template device_out<float>(),
+                                {workspace.data(), bytes}, nullptr, options);
+          } else {
+            cuda::sparse_decode(p.device_q(), kv, p.device_selection(), p.device_out(), {workspace.data(), bytes},
+                                nullptr, options);
+          }
+          KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+        };
+        if (spec.page_size == 0) {
+          launch(p.device_contiguous());
+        } else {
+          launch(p.device_paged());
+        }
+        std::vector<float> o;
+        if (f32) {
+          o = p.d_o32.download();
+        } else {
+          for (const half x : p.d_o.download()) o.push_back(to_float(x));
+        }
+        const std::vector<float> lse = p.d_lse.download();
+        for (std::int32_t head = 0; head < 16; ++head) {
+          const bool in_bad_row = head / 4 == bad_row;
+          for (std::int32_t c = 0; c < 128; ++c) {
+            const float got = o[std::size_t(head) * 128 + c];
+            if (in_bad_row) {
+              ASSERT_TRUE(std::isnan(got)) << "head " << head << " channel " << c << " count " << bad_count;
+            } else {
+              ASSERT_NEAR(got, ref.o[std::size_t(head) * 128 + c], 1e-2) << "head " << head << " channel " << c;
+            }
+          }
+          if (in_bad_row) {
+            EXPECT_TRUE(std::isnan(lse[head])) << "head " << head;
+          } else {
+            EXPECT_NEAR(lse[head], ref.lse[head], 1e-3 * std::max(1.0f, std::abs(ref.lse[head]))) << "head " << head;
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvsift

@@ -2,10 +2,14 @@
 // in a CUDA decode step over the capture's fp16 cache in its own [token][head][channel] layout, as the fidelity
 // harness runs their CPU twins. The step's output agrees with the fp64 reference over the window and the
 // step's selection, and both backends' selections are the top of the fp64 scores but for candidates within
-// fp32 rounding of the k-th (tests/selector_check.hpp's expect_top_k).
+// fp32 rounding of the k-th (tests/selector_check.hpp's expect_top_k). Then the harness itself on both backends
+// in lockstep (eval/cuda_fidelity.hpp), on a random capture and on the committed one: its CUDA rows equal its
+// CPU rows up to selections that differ only in candidates within that epsilon of the k-th fp64 score.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -16,6 +20,8 @@
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/eval/capture.hpp"
+#include "kvsift/eval/cuda_fidelity.hpp"
+#include "kvsift/eval/fidelity.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
 #include "kvsift/selectors/streaming_llm.hpp"
@@ -197,6 +203,146 @@ TEST_F(CudaFidelity, SelectorsOnARealCaptureAgreeWithTheirCpuTwinsAndTheReferenc
       compare("StreamingLLM", StreamingLLM<half, cpu::Context>(limits), StreamingLLM<half, cuda::Context>(limits));
     }
   }
+}
+
+// ---- the harness on both backends -------------------------------------------------------------------------
+
+/// Both backends' selections at `m` differ only in candidates (tokens for OracleTopK, pages of 16 for Quest)
+/// whose fp64 scores lie within epsilon of the k-th best (the epsilons of the test above); StreamingLLM selects
+/// nothing, so its attended sets (the window) never differ.
+void expect_near_tie(const Capture& c, const SelectionMismatch& m, std::int32_t budget_tokens) {
+  SCOPED_TRACE(testing::Message() << m.selector << ", layer " << m.layer << ", budget " << m.budget << ", position "
+                                  << m.position << ", kv head " << m.kv_head);
+  ASSERT_TRUE(m.selector == "OracleTopK" || m.selector == "Quest") << "attended sets differ";
+  const auto layer = std::find_if(c.layers.begin(), c.layers.end(), [&](const CaptureLayer& l) { return l.layer == m.layer; });
+  ASSERT_NE(layer, c.layers.end());
+  const bool quest = m.selector == "Quest";
+  const auto scores = quest ? page_bounds_fp64(*layer, c, m.position, m.kv_head, 16)
+                            : oracle_fp64(*layer, c, m.position, m.kv_head);
+  std::vector<double> sorted = scores;  // neither entry has a window: every token (page) is a candidate
+  std::sort(sorted.begin(), sorted.end(), std::greater<>());
+  const std::int32_t k = std::min<std::int32_t>(quest ? budget_tokens / 16 : budget_tokens, std::int32_t(sorted.size()));
+  ASSERT_GT(k, 0);
+  const double kth = sorted[std::size_t(k) - 1], scale = std::max(std::abs(sorted.front()), std::abs(sorted.back()));
+  const double eps = quest ? 1e-4 * (1 + scale) : 1e-4 * scale;
+  for (const auto* tokens : {&m.only_first, &m.only_this}) {
+    for (const std::int32_t t : *tokens) {
+      const std::int32_t id = quest ? t / 16 : t;
+      ASSERT_LT(std::size_t(id), scores.size());
+      EXPECT_LE(std::abs(scores[std::size_t(id)] - kth), eps) << "token " << t << ": score " << scores[std::size_t(id)]
+                                                              << ", k-th " << kth;
+    }
+  }
+}
+
+/// The CUDA rows equal the CPU rows: exactly where no selection of the row differed (fp64 metrics over the same
+/// attended sets), else within what the differing selections can move; output errors (fp32 outputs of two
+/// kernels, ~1e-6 of the output's norm apart) within kOutputErrorTolerance. Every differing selection is a
+/// near-tie, and `selections` (layer, budget, selector, position, kv head) were compared.
+void expect_backends_agree(const Capture& c, const FidelityComparison& got, std::int64_t selections) {
+  constexpr double kOutputErrorTolerance = 1e-4;  // 100x the fp32 outputs' expected relative difference
+  ASSERT_EQ(got.results.size(), 2u);
+  ASSERT_EQ(got.differences.size(), 1u);
+  const FidelityResult &cpu = got.results[0], &gpu = got.results[1];
+  const BackendDifference& diff = got.differences[0];
+  EXPECT_EQ(cpu.backend, "cpu");
+  EXPECT_EQ(gpu.backend, "cuda");
+  EXPECT_EQ(diff.backend, "cuda");
+  EXPECT_EQ(diff.first, "cpu");
+  EXPECT_EQ(cpu.positions, gpu.positions);
+  EXPECT_EQ(diff.selections, selections);
+  EXPECT_TRUE(diff.refusals.empty()) << fidelity_markdown(diff);
+  const auto samples = double(cpu.positions.size()) * c.kv_heads;
+  ASSERT_EQ(cpu.rows.size(), gpu.rows.size());
+  for (std::size_t i = 0; i < cpu.rows.size(); ++i) {
+    const FidelityRow &a = cpu.rows[i], &b = gpu.rows[i];
+    SCOPED_TRACE(testing::Message() << a.selector << ", layer " << a.layer << ", budget " << a.budget);
+    ASSERT_EQ(a.layer, b.layer);
+    ASSERT_EQ(a.selector, b.selector);
+    ASSERT_EQ(a.budget, b.budget);
+    EXPECT_EQ(a.budget_tokens, b.budget_tokens);
+    EXPECT_EQ(a.refused, b.refused);
+    if (!a.refused.empty()) continue;
+    double mass = 0.0, ids = 0.0, selected = 0.0;
+    bool differed = false;
+    for (const auto& m : diff.mismatches) {
+      if (m.layer != a.layer || m.selector != a.selector || m.budget != a.budget) continue;
+      expect_near_tie(c, m, a.budget_tokens);
+      differed = true;
+      mass = std::max(mass, m.mass);
+      ids += double(std::max(m.only_first.size(), m.only_this.size())) / a.budget_tokens / samples;
+      selected += std::abs(double(m.only_this.size()) - double(m.only_first.size())) / samples;
+    }
+    constexpr double kSame = 1e-12;  // fp64 sums over the same sets in the same order
+    EXPECT_NEAR(a.mass_recall, b.mass_recall, mass + kSame);
+    EXPECT_NEAR(a.mass_recall_p10, b.mass_recall_p10, mass + kSame);  // quantiles move no more than every sample
+    EXPECT_NEAR(a.mass_recall_p90, b.mass_recall_p90, mass + kSame);
+    EXPECT_NEAR(a.id_recall, b.id_recall, ids + kSame);
+    EXPECT_NEAR(a.mean_selected, b.mean_selected, selected + kSame);
+    if (differed) continue;  // the swapped tokens' values move the outputs by an amount the rule does not bound
+    EXPECT_NEAR(a.output_error, b.output_error, kOutputErrorTolerance);
+    EXPECT_NEAR(a.output_error_p90, b.output_error_p90, kOutputErrorTolerance);
+  }
+}
+
+FidelityComparison evaluate_on_both(const Capture& c, const FidelityOptions& options) {
+  const auto cpu = fidelity_backend(reference_selectors());
+  const auto gpu = cuda::fidelity_backend(reference_selectors<cuda::Context>());
+  FidelityBackend* const backends[] = {cpu.get(), gpu.get()};
+  return evaluate_fidelity(c, backends, options);
+}
+
+class CudaFidelityHarness : public test::GpuTest {};
+
+TEST_F(CudaFidelityHarness, BothBackendsGiveTheSameRowsOnARandomCapture) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  // 192 tokens, 8 query heads on 2 kv heads of dim 64 (a CUDA decode shape), two layers; queries of scale 2 give
+  // logits of standard deviation 2, so attention is neither flat nor one-hot.
+  constexpr std::int32_t kTokens = 192, kQHeads = 8, kKVHeads = 2, kDim = 64;
+  Capture c;
+  c.model = "random";
+  c.text_id = "test";
+  c.tokens = kTokens;
+  c.q_heads = kQHeads;
+  c.kv_heads = kKVHeads;
+  c.head_dim = kDim;
+  const auto fp16 = [&](std::size_t n, float stddev) {
+    const auto x = rng.normal(n, stddev);
+    std::vector<half> out(n);
+    std::transform(x.begin(), x.end(), out.begin(), float_to_half);
+    return out;
+  };
+  const std::size_t q_size = std::size_t(kTokens) * kQHeads * kDim, kv_size = std::size_t(kTokens) * kKVHeads * kDim;
+  for (const std::int32_t id : {0, 7}) {
+    c.layers.push_back({.layer = id, .q_pre = {}, .q = fp16(q_size, 2.0f), .k_pre = {}, .k = fp16(kv_size, 1.0f),
+                        .v = fp16(kv_size, 1.0f)});
+  }
+  // Prefill [0, 96): K = 5 (Quest refused on both: under a page), 19 (one page), 34 (two pages).
+  const FidelityOptions options{.budgets = {0.05, 0.2, 0.35}, .decode_positions = 24, .prefill = 0.5};
+  const auto got = evaluate_on_both(c, options);
+  ASSERT_FALSE(HasFatalFailure());
+  // 2 layers x (3 budgets x 3 selectors - Quest at 5%) x 24 positions x 2 kv heads.
+  expect_backends_agree(c, got, 2 * 8 * 24 * 2);
+  EXPECT_NE(got.results[1].rows[2].refused.find("smaller than one page"), std::string::npos);
+  // Near-ties are rare on random data: nearly every selection is the same token for token.
+  EXPECT_LE(got.differences[0].mismatches.size(), std::size_t(got.differences[0].selections / 100))
+      << fidelity_markdown(got.differences[0]);
+}
+
+TEST_F(CudaFidelityHarness, BothBackendsGiveTheSameRowsOnTheCommittedCapture) {
+  const Capture c = read_capture(std::string(KVSIFT_TEST_DATA_DIR) + "/gpl3_512_l3_l15.kvscap");
+  // Prefill [0, 384): K = 19 and 39 (Quest: 1 and 2 pages); 16 positions over 384..511.
+  const auto got = evaluate_on_both(c, {.budgets = {0.05, 0.1}, .decode_positions = 16, .prefill = 0.75});
+  // 2 layers x 2 budgets x 3 selectors x 16 positions x 3 kv heads.
+  expect_backends_agree(c, got, 2 * 2 * 3 * 16 * 3);
+  const std::string line = fidelity_markdown(got.differences[0]);
+  EXPECT_EQ(line.rfind("cuda against cpu: ", 0), 0u) << line;
+}
+
+TEST(CudaFidelityBadInput, TheCudaBackendNeedsADevice) {
+  if (cuda::device_available()) GTEST_SKIP() << "this machine has a CUDA device";
+  test::expect_error([] { cuda::fidelity_backend(reference_selectors<cuda::Context>()); },
+                     "no CUDA device on this machine");
 }
 
 }  // namespace

@@ -1,18 +1,17 @@
 // CUDA KV gathers (cuda/gather.hpp) against their CPU twins (whose tests check them against std::map / std::set
 // references), bit for bit: gather_kv from contiguous and paged sources into contiguous and paged destinations, and
 // gather_kv_difference over several steps of overlapping selections with the source in pinned host memory (read
-// through its mapped pointers) and in device memory, in fp32, fp16 and bf16, outputs poisoned first. Also: a
-// difference step captured in a CUDA graph and replayed equals the eager run, the device-value rules, and the
-// host-side refusals (which run without a GPU).
+// through its mapped pointers) and in device memory, in fp32, fp16 and bf16, outputs poisoned first. Also the
+// device-value rules and the host-side refusals (which run without a GPU). A difference step captured in a CUDA
+// graph and replayed is CudaWorkspaces.GatherKvDifferenceFromPinnedHost (tests/cuda/test_cuda_workspaces.cpp).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
-#include <numeric>
-#include <set>
 #include <vector>
 
 #include "cuda/gpu_test.hpp"
+#include "gather_problem.hpp"
 #include "kvsift/cpu/context.hpp"
 #include "kvsift/cpu/gather.hpp"
 #include "kvsift/cuda/gather.hpp"
@@ -26,16 +25,6 @@ using test::same_bytes;
 using test::Random;
 
 using test::PinnedBuffer;
-
-/// Distinct ascending tokens of [0, len), min(len, n) of them.
-std::vector<std::int32_t> random_tokens(Random& rng, std::int32_t len, std::int32_t n) {
-  std::vector<std::int32_t> all(len);
-  std::iota(all.begin(), all.end(), 0);
-  std::shuffle(all.begin(), all.end(), rng.engine);
-  all.resize(std::min(len, n));
-  std::sort(all.begin(), all.end());
-  return all;
-}
 
 class CudaGather : public test::GpuTest {};
 
@@ -83,11 +72,7 @@ void check_gather_kv(Random& rng, std::int32_t head_dim, bool paged_src, bool pa
                                        kv_heads, capacity, head_dim);
   };
   test::HostSelection rows(batch, kv_heads, capacity, false);
-  for (std::int32_t r = 0; r < batch * kv_heads; ++r) {
-    const auto t = random_tokens(rng, lens[r / kv_heads], rng.uniform_int(0, capacity));
-    std::copy(t.begin(), t.end(), rows.indices.begin() + r * capacity);
-    rows.counts[r] = std::int32_t(t.size());
-  }
+  test::random_rows(rng, rows, lens);
   DeviceBuffer<std::int32_t> d_rows(rows.indices), d_counts(rows.counts);
   auto d_sel = rows.view;
   d_sel.indices = d_rows.data();
@@ -165,23 +150,9 @@ struct DifferenceProblem {
     view.counts = cnt.data();
     return view;
   }
-  /// The next selection: part of the current one kept, random tokens added; uploaded.
+  /// The next selection (gather_problem.hpp): part of the current one kept, random tokens added; uploaded.
   void next_selection(Random& rng) {
-    for (std::int32_t r = 0; r < batch * kv_heads; ++r) {
-      std::set<std::int32_t> next;
-      for (std::int32_t i = 0; i < prev.counts[r]; ++i) {
-        if (rng.uniform_int(0, 4) != 0) next.insert(prev.indices[r * cap + i]);
-      }
-      const std::int32_t want = rng.uniform_int(0, cap);
-      for (std::int32_t t : random_tokens(rng, lens[r / kv_heads], cap)) {
-        if (std::int32_t(next.size()) >= want) break;
-        next.insert(t);
-      }
-      while (std::int32_t(next.size()) > cap) next.erase(std::prev(next.end()));
-      std::fill(cur.indices.begin() + r * cap, cur.indices.begin() + (r + 1) * cap, test::kPoisonIndex);
-      std::copy(next.begin(), next.end(), cur.indices.begin() + r * cap);
-      cur.counts[r] = std::int32_t(next.size());
-    }
+    test::next_selection(rng, prev, cur, lens);
     d_cur_idx.upload(cur.indices);
     d_cur_cnt.upload(cur.counts);
   }
@@ -233,54 +204,6 @@ TEST_F(CudaGather, DifferenceEqualsTheCpu) {
     check_difference<bfloat16>(rng, 64, pinned);
     check_difference<float>(rng, 36, pinned);  // 144-byte rows: the element-wise copy
   }
-}
-
-/// One difference step captured and replayed (resident buffer restored, slots and counts poisoned before each
-/// replay) equals the eager run.
-TEST_F(CudaGather, DifferenceGraphReplayEqualsEager) {
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
-  DifferenceProblem<half> p(rng, 128);
-  p.next_selection(rng);
-  p.run_cpu();
-  p.run_cuda(true, nullptr);
-  p.advance();
-  p.next_selection(rng);
-  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto res_k = p.d_res_k.download(), res_v = p.d_res_v.download();
-  cudaStream_t stream = nullptr;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const auto reset = [&] {
-    p.d_res_k.upload(res_k);
-    p.d_res_v.upload(res_v);
-    p.d_cur_slots.poison();
-    p.d_copied.poison();
-    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  };
-  const auto outputs = [&] {
-    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    return std::make_tuple(p.d_cur_slots.download(), p.d_copied.download(), p.d_res_k.download(), p.d_res_v.download());
-  };
-  reset();
-  p.run_cuda(true, stream);
-  const auto eager = outputs();
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  p.run_cuda(true, stream);
-  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < 3; ++replay) {
-    reset();
-    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    const auto got = outputs();
-    EXPECT_EQ(std::get<0>(got), std::get<0>(eager)) << replay;
-    EXPECT_EQ(std::get<1>(got), std::get<1>(eager)) << replay;
-    EXPECT_TRUE(same_bytes(std::get<2>(got), std::get<2>(eager))) << replay;
-    EXPECT_TRUE(same_bytes(std::get<3>(got), std::get<3>(eager))) << replay;
-  }
-  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 /// A count outside its range gives copied = -1 and writes no slot; the other rows are as the CPU's.

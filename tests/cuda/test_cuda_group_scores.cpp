@@ -15,6 +15,7 @@
 
 #include "attention_check.hpp"
 #include "cuda/gpu_test.hpp"
+#include "group_scores_problem.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/primitives.hpp"
 #include "kvsift/cuda/primitives.hpp"
@@ -24,96 +25,53 @@ namespace kvsift {
 namespace {
 
 using test::DeviceBuffer;
+using test::describe;
+using test::kSoftmaxRel;
+using test::kUlp;
 using test::Random;
+using test::type_name;
 
+/// The host problem (group_scores_problem.hpp) and its device copy, contiguous (device seq_lens, or none:
+/// every sequence at capacity) and paged. V is never read: the device views pass K for it.
 template <class T>
-std::string type_name() {
-  return std::is_same_v<T, float> ? "f32" : test::dtype_label<T>();
-}
-
-std::string describe(const GroupScoreOptions& o) {
-  return fmt::format("sm_scale {} reduce {} softmax {}", o.sm_scale, o.reduce == GroupReduce::sum ? "sum" : "max",
-                     o.softmax);
-}
-
-/// A decode query and a KV cache in storage type T, on the host (for the CPU twin) and on the device, contiguous
-/// (device seq_lens, or none: every sequence at capacity) and, with page_size > 0, the same tokens in a paged
-/// cache with shuffled pages (NHD or HND). V is never read: the device views pass K for it.
-template <class T>
-struct GroupProblem {
-  std::int32_t batch, q_heads, kv_heads, head_dim;
+struct GroupProblem : test::GroupScoresProblem<T> {
+  using Host = test::GroupScoresProblem<T>;
   bool null_lengths;
-  test::HostKV values;  ///< the cache as floats, already rounded to T
-  std::vector<T> q, k;
-  std::vector<float> q_values;
-  std::unique_ptr<test::HostPagedKV> paged_values;
-  std::vector<T> k_pages;
   DeviceBuffer<T> d_q, d_k, d_k_pages;
   DeviceBuffer<std::int32_t> d_lengths, d_indptr, d_indices, d_last;
 
   GroupProblem(Random& rng, std::int32_t batch_, std::int32_t q_heads_, std::int32_t kv_heads_, std::int32_t head_dim_,
                const std::vector<std::int32_t>& lengths, std::int32_t page_size, bool null_lengths_ = false)
-      : batch(batch_), q_heads(q_heads_), kv_heads(kv_heads_), head_dim(head_dim_), null_lengths(null_lengths_),
-        values(rng, batch_, kv_heads_, std::max(1, *std::max_element(lengths.begin(), lengths.end())), head_dim_,
-               lengths) {
-    q = test::to_storage<T>(rng.normal(std::size_t(batch) * q_heads * head_dim));
-    for (const T x : q) q_values.push_back(to_float(x));
-    k = test::to_storage<T>(values.k);
-    for (std::size_t i = 0; i < k.size(); ++i) values.k[i] = to_float(k[i]);
-    if (page_size > 0) {
-      paged_values = std::make_unique<test::HostPagedKV>(values, page_size, /*hnd=*/rng.uniform_int(0, 1) == 1, rng);
-      k_pages = test::to_storage<T>(paged_values->k_pages);
-    }
-  }
-  /// Sets q of head h, channel c, or channel c of the key of (b, g, t), on the host (upload() copies them over).
-  void set_q(std::int32_t b, std::int32_t h, std::int32_t c, float x) {
-    const std::size_t i = (std::size_t(b) * q_heads + h) * head_dim + c;
-    q[i] = from_float<T>(x);
-    q_values[i] = to_float(q[i]);
-  }
-  void set_k(std::int32_t b, std::int32_t g, std::int32_t t, std::int32_t c, float x) {
-    const std::size_t i = std::size_t(values.view().offset(b, g, t)) + c;
-    k[i] = from_float<T>(x);
-    values.k[i] = to_float(k[i]);
-  }
+      : Host(rng, batch_, q_heads_, kv_heads_, head_dim_, lengths, page_size), null_lengths(null_lengths_) {}
+  /// Copies the host problem (after any set_q / set_k) to the device.
   void upload() {
-    d_q = DeviceBuffer<T>(q);
-    d_k = DeviceBuffer<T>(k);
-    d_lengths = DeviceBuffer<std::int32_t>(values.seq_lens);
-    if (paged_values) {
-      d_k_pages = DeviceBuffer<T>(k_pages);
-      d_indptr = DeviceBuffer<std::int32_t>(paged_values->indptr);
-      d_indices = DeviceBuffer<std::int32_t>(paged_values->indices.empty() ? std::vector<std::int32_t>{0}
-                                                                           : paged_values->indices);
-      d_last = DeviceBuffer<std::int32_t>(paged_values->last_len);
+    d_q = DeviceBuffer<T>(this->q);
+    d_k = DeviceBuffer<T>(this->k);
+    d_lengths = DeviceBuffer<std::int32_t>(this->values.seq_lens);
+    if (this->paged_values) {
+      d_k_pages = DeviceBuffer<T>(this->k_pages);
+      d_indptr = DeviceBuffer<std::int32_t>(this->paged_values->indptr);
+      d_indices = DeviceBuffer<std::int32_t>(this->paged_values->indices.empty() ? std::vector<std::int32_t>{0}
+                                                                                 : this->paged_values->indices);
+      d_last = DeviceBuffer<std::int32_t>(this->paged_values->last_len);
     }
   }
-  std::int64_t rows() const { return std::int64_t(batch) * kv_heads; }
-  std::int32_t longest() const { return values.capacity; }
-  std::int32_t length(std::int32_t b) const { return null_lengths ? values.capacity : values.seq_lens[b]; }
+  std::int32_t length(std::int32_t b) const { return null_lengths ? this->values.capacity : this->values.seq_lens[b]; }
 
-  QueryView<const T> host_q() const { return QueryView<const T>::packed(q.data(), batch, q_heads, head_dim); }
+  QueryView<const T> host_q() const { return this->q_view(); }
   ContiguousKVView<const T> host_contiguous() const {
-    return ContiguousKVView<const T>::packed(k.data(), k.data(), batch, kv_heads, values.capacity, head_dim,
-                                             null_lengths ? nullptr : values.seq_lens.data());
+    return this->contiguous(null_lengths ? nullptr : this->values.seq_lens.data());
   }
-  PagedKVView<const T> paged_view(const T* pages, const std::int32_t* indptr, const std::int32_t* indices,
-                                  const std::int32_t* last) const {
-    const auto& h = paged_values->view;
-    return {pages, pages, indptr, indices, last, h.batch, h.kv_heads, h.head_dim, h.page_size, h.num_pages,
-            h.page_stride, h.token_stride, h.head_stride};
+  PagedKVView<const T> host_paged() const { return this->paged(); }
+  QueryView<const T> device_q() const {
+    return QueryView<const T>::packed(d_q.data(), this->batch, this->q_heads, this->head_dim);
   }
-  PagedKVView<const T> host_paged() const {
-    return paged_view(k_pages.data(), paged_values->indptr.data(), paged_values->indices.data(),
-                      paged_values->last_len.data());
-  }
-  QueryView<const T> device_q() const { return QueryView<const T>::packed(d_q.data(), batch, q_heads, head_dim); }
   ContiguousKVView<const T> device_contiguous() const {
-    return ContiguousKVView<const T>::packed(d_k.data(), d_k.data(), batch, kv_heads, values.capacity, head_dim,
-                                             null_lengths ? nullptr : d_lengths.data());
+    return ContiguousKVView<const T>::packed(d_k.data(), d_k.data(), this->batch, this->kv_heads, this->values.capacity,
+                                             this->head_dim, null_lengths ? nullptr : d_lengths.data());
   }
   PagedKVView<const T> device_paged() const {
-    return paged_view(d_k_pages.data(), d_indptr.data(), d_indices.data(), d_last.data());
+    return this->paged_view(d_k_pages.data(), d_k_pages.data(), d_indptr.data(), d_indices.data(), d_last.data());
   }
 };
 
@@ -167,39 +125,21 @@ std::vector<float> run_cuda(const GroupProblem<T>& p, bool paged, const ScoreSha
 /// weight exp(s - LSE) errs relatively by the errors of s and of LSE (at most its largest logit's, plus the
 /// fp32 sum of the exponentials and the exp2 approximations: kSoftmaxRel per backend, the CPU twin's test's
 /// bound, which it justifies). Sums over the group add a rounding per head on each side.
-constexpr double kUlp = 1.0 / (1 << 24);
-constexpr double kSoftmaxRel = 3e-5;
 
 template <class T>
 std::vector<double> tolerances(const GroupProblem<T>& p, const ScoreShape& shape, const GroupScoreOptions& options) {
   const std::int32_t group = p.q_heads / p.kv_heads, d = p.head_dim;
-  const double scale = options.sm_scale != 0.0f ? double(options.sm_scale) : 1.0 / std::sqrt(double(d));
   const bool sum = options.reduce == GroupReduce::sum;
   std::vector<double> tol(shape.size(), 0.0);
-  const auto kv = p.values.view();
   for (std::int32_t b = 0; b < p.batch; ++b) {
     const std::int32_t n = p.length(b);
     for (std::int32_t g = 0; g < p.kv_heads; ++g) {
-      std::vector<double> logit(std::size_t(group) * n), bound(std::size_t(group) * n), lse(group), largest(group, 0.0);
-      for (std::int32_t h = 0; h < group; ++h) {
-        const float* q = p.q_values.data() + (std::size_t(b) * p.q_heads + g * group + h) * d;
-        double m = -INFINITY;
-        for (std::int32_t t = 0; t < n; ++t) {
-          const float* k = kv.k_row(b, g, t);
-          double dot = 0.0, magnitude = 0.0;
-          for (std::int32_t c = 0; c < d; ++c) {
-            dot += double(q[c]) * k[c];
-            magnitude += std::abs(double(q[c]) * k[c]);
-          }
-          const std::size_t i = std::size_t(h) * n + t;
-          logit[i] = scale * dot;
-          bound[i] = 3 * (d + 2) * kUlp * std::abs(scale) * magnitude + 2 * kUlp * std::abs(logit[i]);
-          largest[h] = std::max(largest[h], bound[i]);
-          m = std::max(m, logit[i]);
-        }
-        double z = 0.0;
-        for (std::int32_t t = 0; t < n; ++t) z += std::exp(logit[std::size_t(h) * n + t] - m);
-        lse[h] = m + std::log(z);
+      const test::GroupLogits l = test::group_logits(p, b, g, n, test::score_scale(options, d));
+      const std::vector<double>& logit = l.logit;
+      std::vector<double> bound(std::size_t(group) * n), largest(group, 0.0);
+      for (std::size_t i = 0; i < bound.size(); ++i) {
+        bound[i] = 3 * (d + 2) * kUlp * l.magnitude[i] + 2 * kUlp * std::abs(logit[i]);
+        largest[i / std::size_t(n)] = std::max(largest[i / std::size_t(n)], bound[i]);
       }
       for (std::int32_t t = 0; t < n; ++t) {
         double total = 0.0, magnitude = 0.0;
@@ -207,7 +147,7 @@ std::vector<double> tolerances(const GroupProblem<T>& p, const ScoreShape& shape
           const std::size_t i = std::size_t(h) * n + t;
           double x = std::abs(logit[i]), x_tol = bound[i];
           if (options.softmax) {
-            x = std::exp(logit[i] - lse[h]);
+            x = std::exp(logit[i] - l.lse[h]);
             x_tol = x * (bound[i] + largest[h] + 2 * kSoftmaxRel) + 1e-30;
           }
           total = sum ? total + x_tol : std::max(total, x_tol);

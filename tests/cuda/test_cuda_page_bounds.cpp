@@ -1,8 +1,8 @@
 // CUDA page bounds (cuda/page_bounds.hpp) against their CPU twins (whose own tests check them against fp64):
 // build, append and expand bit for bit, page scores within fp32 summation order; contiguous and paged caches,
 // fp32, fp16 and bf16, every supported head_dim; outputs poisoned first. Also: append + page_scores + expand
-// captured in a CUDA graph and replayed equal the eager run, and the device-value rules (a bad slot, length or
-// count writes nothing, or -1 where there is a count).
+// captured in a CUDA graph and replayed equal the eager run (through workspace_check.hpp), and the device-value
+// rules (a bad slot, length or count writes nothing, or -1 where there is a count).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,95 +10,48 @@
 #include <cstring>
 #include <numeric>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "cuda/gpu_test.hpp"
 #include "kvsift/cpu/page_bounds.hpp"
 #include "kvsift/cuda/page_bounds.hpp"
+#include "page_bounds_problem.hpp"
 #include "test_util.hpp"
+#include "workspace_check.hpp"
 
 namespace kvsift {
 namespace {
 
 using test::DeviceBuffer;
 using test::same_bytes;
+using test::kUntouched;
+using test::random_pages;
 using test::Random;
 
-/// What an unwritten bound or score holds (no function writes it: keys are normal draws).
-constexpr float kUntouched = -7777.0f;
-
-/// One cache in T on the host and on the device, contiguous and paged (HND pages, shuffled), its batch rows in a
-/// random subset of the slots, and poisoned bounds on both sides.
+/// page_bounds_problem.hpp's problem (HND pages of 16 tokens, 2 unused slots) and its device copy.
 template <class T>
-struct Problem {
-  test::HostKV kv;
-  test::HostPagedKV paged;
-  std::vector<T> k, v, paged_k, paged_v;
-  std::vector<std::int32_t> slots;
-  std::int32_t slot_count, max_pages, page_size;
-  std::vector<T> bounds;  // host twin
+struct Problem : test::PageBoundsProblem<T> {
+  using Host = test::PageBoundsProblem<T>;
   DeviceBuffer<T> d_k, d_v, d_paged_k, d_paged_v, d_bounds;
   DeviceBuffer<std::int32_t> d_lens, d_slots, d_indptr, d_indices, d_last_len;
 
   Problem(Random& rng, const std::vector<std::int32_t>& lens, std::int32_t kv_heads, std::int32_t head_dim,
-          std::int32_t page_size_)
-      : kv(rng, std::int32_t(lens.size()), kv_heads, std::max(1, *std::max_element(lens.begin(), lens.end())), head_dim,
-           lens),
-        paged(kv, 16, true, rng),
-        k(test::to_storage<T>(kv.k)),
-        v(test::to_storage<T>(kv.v)),
-        paged_k(test::to_storage<T>(paged.k_pages)),
-        paged_v(test::to_storage<T>(paged.v_pages)),
-        slot_count(kv.batch + 2),
-        max_pages(std::int32_t(detail::page_count(kv.capacity, page_size_))),
-        page_size(page_size_),
-        bounds(PageBoundsView<T>::bytes(slot_count, kv_heads, max_pages, head_dim) / sizeof(T), from_float<T>(kUntouched)),
-        d_k(k), d_v(v), d_paged_k(paged_k), d_paged_v(paged_v), d_bounds(bounds), d_lens(kv.seq_lens),
-        d_indptr(paged.indptr), d_indices(paged.indices), d_last_len(paged.last_len) {
-    slots.resize(slot_count);
-    std::iota(slots.begin(), slots.end(), 0);
-    std::shuffle(slots.begin(), slots.end(), rng.engine);
-    slots.resize(kv.batch);
-    d_slots = DeviceBuffer<std::int32_t>(slots);
-  }
+          std::int32_t page_size)
+      : Host(rng, lens, kv_heads, head_dim, page_size, /*cache_page_size=*/16, /*hnd=*/true, /*extra_slots=*/2),
+        d_k(this->k), d_v(this->v), d_paged_k(this->paged_k), d_paged_v(this->paged_v), d_bounds(this->bounds),
+        d_lens(this->kv.seq_lens), d_slots(this->slots), d_indptr(this->paged.indptr),
+        d_indices(this->paged.indices), d_last_len(this->paged.last_len) {}
   ContiguousKVView<const T> contiguous(bool device) const {
-    const auto f = kv.view();
-    return {device ? d_k.data() : k.data(), device ? d_v.data() : v.data(), device ? d_lens.data() : f.seq_lens,
-            f.batch, f.kv_heads, f.capacity, f.head_dim, f.batch_stride, f.head_stride, f.token_stride};
+    return device ? Host::contiguous(d_k.data(), d_v.data(), d_lens.data()) : Host::contiguous();
   }
   PagedKVView<const T> paged_view(bool device) const {
-    const auto& f = paged.view;
-    return {device ? d_paged_k.data() : paged_k.data(), device ? d_paged_v.data() : paged_v.data(),
-            device ? d_indptr.data() : f.page_indptr, device ? d_indices.data() : f.page_indices,
-            device ? d_last_len.data() : f.last_page_len, f.batch, f.kv_heads, f.head_dim, f.page_size, f.num_pages,
-            f.page_stride, f.token_stride, f.head_stride};
+    return device ? Host::paged_view(d_paged_k.data(), d_paged_v.data(), d_indptr.data(), d_indices.data(),
+                                     d_last_len.data())
+                  : Host::paged_view();
   }
-  PageBoundsView<T> view(bool device) {
-    return PageBoundsView<T>::packed(device ? d_bounds.data() : bounds.data(), slot_count, kv.kv_heads, max_pages,
-                                     kv.head_dim, page_size);
-  }
-  const std::int32_t* slot_ptr(bool device) const { return device ? d_slots.data() : slots.data(); }
+  PageBoundsView<T> view(bool device) { return Host::view(device ? d_bounds.data() : this->bounds.data()); }
+  const std::int32_t* slot_ptr(bool device) const { return device ? d_slots.data() : this->slots.data(); }
 };
-
-/// Ascending random page ids per selection row, up to `capacity` of each row's pages.
-test::HostSelection random_pages(Random& rng, const std::vector<std::int32_t>& lens, std::int32_t kv_heads,
-                                 std::int32_t capacity, std::int32_t page_size) {
-  test::HostSelection pages(std::int32_t(lens.size()), kv_heads, capacity, false);
-  for (std::int32_t b = 0; b < std::int32_t(lens.size()); ++b) {
-    const std::int32_t total = std::int32_t(detail::page_count(lens[b], page_size));
-    for (std::int32_t g = 0; g < kv_heads; ++g) {
-      std::vector<std::int32_t> ids(total);
-      std::iota(ids.begin(), ids.end(), 0);
-      std::shuffle(ids.begin(), ids.end(), rng.engine);
-      ids.resize(std::min(total, rng.uniform_int(0, capacity)));
-      std::sort(ids.begin(), ids.end());
-      std::copy(ids.begin(), ids.end(), pages.view.row(b, g));
-      pages.view.counts[pages.view.row_index(b, g)] = std::int32_t(ids.size());
-    }
-  }
-  return pages;
-}
 
 /// Device twin of a HostSelection's buffers, poisoned (indices and counts -1, log-weights NaN).
 struct DeviceSelection {
@@ -309,8 +262,9 @@ TEST_F(CudaPageBounds, ScoresEqualTheCpuForEveryGroupSize) {
   }
 }
 
-/// append + page_scores + expand captured once and replayed: the outputs equal the eager run's, bit for bit,
-/// on every replay (append is idempotent for an unchanged length, so replays see the same bounds).
+/// append + page_scores + expand as one call through workspace_check.hpp (they take no workspace: the eager run,
+/// then the call captured in a CUDA graph and replayed twice, outputs poisoned and the bounds restored before
+/// each run): every replay equals the eager run bit for bit (append is idempotent for an unchanged length).
 TEST_F(CudaPageBounds, GraphReplayEqualsTheEagerRun) {
   const std::vector<std::int32_t> lens = {513, 64, 250};
   const std::int32_t kv_heads = 2, d = 128, ps = 16, batch = 3, q_heads = 8, cols = 40, capacity = 6;
@@ -328,55 +282,28 @@ TEST_F(CudaPageBounds, GraphReplayEqualsTheEagerRun) {
   d_pages.counts = d_page_counts.data();
   DeviceSelection d_out(SelectionView{.batch = batch, .kv_heads = kv_heads, .capacity = capacity * ps}, true);
   const AttentionWindow window{4, 64};
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const auto step = [&] {
-    cuda::append_page_bounds(p.contiguous(true), p.slot_ptr(true), p.view(true), stream);
-    cuda::page_scores(QueryView<const bfloat16>::packed(d_q.data(), batch, q_heads, d), p.view(true).as_const(),
-                      p.slot_ptr(true), p.d_lens.data(), window,
-                      MatrixView<float>::packed(d_scores.data(), batch * kv_heads, cols), d_counts.data(), stream);
-    cuda::expand_pages(d_pages, ps, p.d_lens.data(), window, d_out.view, stream);
-  };
-  // `stream` does not wait for the legacy default stream, where cudaMemset and cudaMemcpy run: the device is
-  // synchronized after them before the stream reads their results.
-  const auto poison = [&] {
-    d_scores.poison();
-    d_counts.poison();
-    d_out.indices.poison();
-    d_out.counts.poison();
-    d_out.weights.poison();
-    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  };
-  const auto outputs = [&] {
-    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    return std::tuple(p.d_bounds.download(), d_scores.download(), d_counts.download(), d_out.indices.download(),
-                      d_out.counts.download(), d_out.weights.download());
-  };
-  poison();
-  step();
-  const auto eager = outputs();
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  p.d_bounds.upload(before);
-  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  step();
-  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < 3; ++replay) {
-    poison();
-    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    const auto got = outputs();
-    EXPECT_TRUE(same_bytes(std::get<0>(got), std::get<0>(eager))) << "bounds, replay " << replay;
-    EXPECT_TRUE(same_bytes(std::get<1>(got), std::get<1>(eager))) << "scores, replay " << replay;
-    EXPECT_EQ(std::get<2>(got), std::get<2>(eager)) << replay;
-    EXPECT_EQ(std::get<3>(got), std::get<3>(eager)) << replay;
-    EXPECT_EQ(std::get<4>(got), std::get<4>(eager)) << replay;
-    EXPECT_TRUE(same_bytes(std::get<5>(got), std::get<5>(eager))) << "weights, replay " << replay;
-  }
-  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+  test::check_device_workspace(
+      0,
+      [&](std::span<std::byte>, cudaStream_t stream) {
+        cuda::append_page_bounds(p.contiguous(true), p.slot_ptr(true), p.view(true), stream);
+        cuda::page_scores(QueryView<const bfloat16>::packed(d_q.data(), batch, q_heads, d), p.view(true).as_const(),
+                          p.slot_ptr(true), p.d_lens.data(), window,
+                          MatrixView<float>::packed(d_scores.data(), batch * kv_heads, cols), d_counts.data(), stream);
+        cuda::expand_pages(d_pages, ps, p.d_lens.data(), window, d_out.view, stream);
+      },
+      [&] {
+        return test::bytes_of(p.d_bounds.download(), d_scores.download(), d_counts.download(),
+                              d_out.indices.download(), d_out.counts.download(), d_out.weights.download());
+      },
+      [&] {
+        p.d_bounds.upload(before);
+        d_scores.poison();
+        d_counts.poison();
+        d_out.indices.poison();
+        d_out.counts.poison();
+        d_out.weights.poison();
+      });
+  EXPECT_EQ(d_counts.download(), (std::vector<std::int32_t>{33, 4, 16})) << "page counts: ceil(length / 16)";
 }
 
 /// Device values the host cannot check: a slot outside [0, slots), a sequence longer than the bounds cover, a

@@ -2,7 +2,8 @@
 // topk_rows over pages, expand_pages; each tested against its CPU twin): the same tokens and counts bit for
 // bit, since both sum each page's channels in the same order. Random bounds with NaN pages, ragged lengths
 // (empty, one token, fewer pages than the budget), windows, GQA groups of one to two head tiles, every head_dim
-// and storage type; outputs poisoned first. Also: device values out of range give count -1, a graph replay
+// and storage type; outputs poisoned first. Also: device values out of range (and sequences longer than the
+// planned page bound) give count -1, a graph replay
 // equals the eager run, and the host refuses bad arguments by name.
 #include <gtest/gtest.h>
 
@@ -106,12 +107,13 @@ class CudaSelectPages : public test::GpuTest {
     const std::int32_t capacity = s.pages_per_row * s.page_size;
     Selection fused(p.batch, s.kv_heads, capacity), steps(p.batch, s.kv_heads, capacity);
     ASSERT_TRUE(cuda::select_pages_fused_supported(s.max_pages, s.pages_per_row));
-    cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.pages_per_row,
-                             fused.view, ctx.stream);
+    cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.max_pages,
+                             s.pages_per_row, fused.view, ctx.stream);
     DeviceBuffer<std::byte> workspace(kvsift::detail::select_pages_in_steps_workspace_bytes(
         p.batch, s.kv_heads, s.max_pages, s.pages_per_row, ctx));
     kvsift::detail::select_pages_in_steps(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window,
-                                          s.pages_per_row, steps.view, {workspace.data(), workspace.size()}, ctx);
+                                          s.max_pages, s.pages_per_row, steps.view,
+                                          {workspace.data(), workspace.size()}, ctx);
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
     expect_same_rows(fused, steps, what);
   }
@@ -137,18 +139,20 @@ TEST_F(CudaSelectPages, EqualsTheThreeKernels) {
 }
 
 TEST_F(CudaSelectPages, OutOfRangeDeviceValuesGiveCountMinusOne) {
-  Shape s{32, 8, 128, 16, 256, 16, {4, 64}, {4096, 1000, 100}};
+  Shape s{32, 8, 128, 16, 256, 16, {4, 64}, {4096, 1000, 100, 3300}};
   Problem<bfloat16> p(rng, s);
-  // Row 0: a length past max_pages * page_size; row 1: a slot outside [0, slots); row 2 valid.
-  p.lengths.upload({4096 + 1, 1000, 100});
-  p.slot_of_row.upload({0, p.slots, 1});
+  // Row 0: a length past bounds.max_pages * page_size; row 1: a slot outside [0, slots); row 2 valid; row 3 longer
+  // than the planned 200 pages.
+  p.lengths.upload({4096 + 1, 1000, 100, 3300});
+  p.slot_of_row.upload({0, p.slots, 1, 2});
   Selection out(p.batch, s.kv_heads, s.pages_per_row * s.page_size);
-  cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.pages_per_row,
-                           out.view, nullptr);
+  cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, 200,
+                           s.pages_per_row, out.view, nullptr);
   const auto counts = out.counts.download();
   for (std::int32_t g = 0; g < s.kv_heads; ++g) {
     EXPECT_EQ(counts[g], -1) << "row 0 head " << g;
     EXPECT_EQ(counts[s.kv_heads + g], -1) << "row 1 head " << g;
+    EXPECT_EQ(counts[3 * s.kv_heads + g], -1) << "row 3 head " << g;
     EXPECT_EQ(counts[2 * s.kv_heads + g], 100 - 64 - 4) << "row 2 head " << g;  // every middle token
   }
 }
@@ -159,13 +163,13 @@ TEST_F(CudaSelectPages, GraphReplaysEqualTheEagerRun) {
   cudaStream_t stream = nullptr;
   KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Selection eager(p.batch, s.kv_heads, s.pages_per_row * s.page_size), replay(p.batch, s.kv_heads, s.pages_per_row * s.page_size);
-  cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.pages_per_row,
-                           eager.view, stream);
+  cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.max_pages,
+                           s.pages_per_row, eager.view, stream);
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.pages_per_row,
-                           replay.view, stream);
+  cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.max_pages,
+                           s.pages_per_row, replay.view, stream);
   KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   for (int run = 0; run < 2; ++run) {
@@ -189,7 +193,10 @@ TEST(CudaSelectPagesBadInput, RefusedBeforeAnyDeviceCall) {
   const SelectionView out{indices.data(), counts.data(), nullptr, 2, 2, 256};
   const auto call = [&](std::int32_t pages_per_row, const SelectionView& o, const QueryView<const bfloat16>& qq,
                         const PageBoundsView<const bfloat16>& bb) {
-    return [=] { cuda::select_pages_fused(qq, bb, slots.data(), lens.data(), AttentionWindow{}, pages_per_row, o, nullptr); };
+    return [=] {
+      cuda::select_pages_fused(qq, bb, slots.data(), lens.data(), AttentionWindow{}, bb.max_pages, pages_per_row, o,
+                               nullptr);
+    };
   };
   test::expect_error(call(0, out, qv, bv), {"cuda::select_pages_fused", "pages_per_row (= 0)"});
   test::expect_error(call(17, out, qv, bv), {"out.capacity (= 256) < pages_per_row * page_size (= 17 * 16)"});
@@ -204,7 +211,10 @@ TEST(CudaSelectPagesBadInput, RefusedBeforeAnyDeviceCall) {
   test::expect_error(call(16, out, small_dim_q, small_dim_b), {"bounds.head_dim (= 32) is not supported"});
   auto huge = PageBoundsView<const bfloat16>::packed(bounds.data(), 2, 2, 1 << 20, 128, 16);
   EXPECT_FALSE(cuda::select_pages_fused_supported(1 << 20, 16));
-  test::expect_error(call(16, out, qv, huge), {"bounds.max_pages (= 1048576)", "use cuda::select_pages"});
+  test::expect_error(call(16, out, qv, huge), {"max_pages (= 1048576) and pages_per_row (= 16)", "use cuda::select_pages"});
+  test::expect_error([&] {
+    cuda::select_pages_fused(qv, bv, slots.data(), lens.data(), AttentionWindow{}, 65, 16, out, nullptr);
+  }, {"max_pages (= 65) is outside [1, bounds.max_pages = 64]"});
 }
 
 }  // namespace

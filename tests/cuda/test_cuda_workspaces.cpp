@@ -6,13 +6,21 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
+#include <string>
 
+#include "gather_problem.hpp"
 #include "gpu_test.hpp"
+#include "inverted_lists_problem.hpp"
+#include "kvsift/cpu/gather.hpp"
+#include "kvsift/cpu/inverted_lists.hpp"
 #include "kvsift/cpu/primitives.hpp"
 #include "kvsift/cpu/topk.hpp"
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/cuda/decode.hpp"
+#include "kvsift/cuda/gather.hpp"
+#include "kvsift/cuda/inverted_lists.hpp"
 #include "kvsift/cuda/primitives.hpp"
 #include "kvsift/cuda/topk.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
@@ -246,6 +254,140 @@ TEST_F(CudaWorkspaces, KMeans) {
   EXPECT_EQ(centroids.download(), want.centroids);  // same seeds and assignments: sums in the CPU's order
 }
 
+/// The reductions over inverted lists in device memory, against their CPU twin bit for bit (the twin's tests
+/// check it against std::map references).
+TEST_F(CudaWorkspaces, ListReductions) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const bool by_key : {false, true}) {
+    SCOPED_TRACE(by_key ? "reduce_lists_by_key" : "union_lists");
+    ListsProblem<half> p(rng, 5, 2, 9, 33, 4, 300);
+    const std::int32_t rows = p.batch * p.kv_heads, capacity = p.chosen.view.capacity * p.list_capacity;
+    DeviceBuffer<std::int32_t> ids(p.ids), counts(p.counts), cursors(p.cursors), slots(p.slots), lengths(p.lengths),
+        chosen_indices(p.chosen.indices), chosen_counts(p.chosen.counts);
+    DeviceBuffer<half> scores(p.scores);
+    const InvertedListsView<const half> lists{ids.data(), scores.data(), counts.data(), cursors.data(),
+                                              p.slot_count, p.kv_heads, p.lists, p.list_capacity};
+    SelectionView chosen = p.chosen.view;
+    chosen.indices = chosen_indices.data();
+    chosen.counts = chosen_counts.data();
+    DeviceBuffer<std::int32_t> out_indices(std::size_t(rows) * capacity), out_counts(static_cast<std::size_t>(rows));
+    DeviceBuffer<float> out_weights(out_indices.size()), sums(out_indices.size());
+    const SelectionView out{out_indices.data(), out_counts.data(), out_weights.data(), p.batch, p.kv_heads, capacity};
+    const auto sums_view = MatrixView<float>::packed(sums.data(), rows, capacity);
+    check_device_workspace(
+        cuda::list_reduction_workspace_bytes(rows, p.chosen.view.capacity, p.list_capacity, by_key),
+        [&](std::span<std::byte> ws, cudaStream_t stream) {
+          if (by_key) {
+            cuda::reduce_lists_by_key(lists, chosen, slots.data(), lengths.data(), p.window, out, sums_view, ws,
+                                      stream);
+          } else {
+            cuda::union_lists(lists, chosen, slots.data(), lengths.data(), p.window, out, ws, stream);
+          }
+        },
+        download_all(out_indices, out_counts, out_weights, sums),
+        poison_all(out_indices, out_counts, out_weights, sums));
+
+    HostSelection want(p.batch, p.kv_heads, capacity, /*with_weights=*/true);
+    std::vector<float> want_sums(want.indices.size(), kPoison);
+    cpu::Array<std::byte> cpu_ws(
+        cpu::list_reduction_workspace_bytes(rows, p.chosen.view.capacity, p.list_capacity, by_key));
+    if (by_key) {
+      cpu::reduce_lists_by_key(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window,
+                               want.view, MatrixView<float>::packed(want_sums.data(), rows, capacity), cpu_ws.bytes());
+    } else {
+      cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, want.view,
+                       cpu_ws.bytes());
+    }
+    const auto got_counts = out_counts.download(), got_indices = out_indices.download();
+    const auto got_weights = out_weights.download(), got_sums = sums.download();
+    ASSERT_EQ(got_counts, want.counts);
+    for (std::int32_t r = 0; r < rows; ++r) {
+      const auto first = std::ptrdiff_t(r) * capacity, last = first + want.counts[r];
+      EXPECT_TRUE(std::equal(got_indices.begin() + first, got_indices.begin() + last, want.indices.begin() + first))
+          << "row " << r;
+      EXPECT_TRUE(same_bytes(std::vector<float>(got_weights.begin() + first, got_weights.begin() + last),
+                             std::vector<float>(want.log_weights.begin() + first, want.log_weights.begin() + last)))
+          << "row " << r;
+      if (by_key) {
+        EXPECT_TRUE(same_bytes(std::vector<float>(got_sums.begin() + first, got_sums.begin() + last),
+                               std::vector<float>(want_sums.begin() + first, want_sums.begin() + last)))
+            << "row " << r;
+      }
+      // entries past the count are not written: still the poison (all bits set: -1)
+      EXPECT_TRUE(std::all_of(got_indices.begin() + last, got_indices.begin() + first + capacity,
+                              [](std::int32_t i) { return i == -1; }))
+          << "row " << r << ": written past the count";
+    }
+  }
+}
+
+/// One gather_kv_difference step after a first one (tokens kept, dropped and added), the source K/V and lengths
+/// in pinned host memory read through their mapped pointers, against the CPU twin bit for bit.
+TEST_F(CudaWorkspaces, GatherKvDifferenceFromPinnedHost) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const std::vector<std::int32_t> lens = {700, 40, 1000};
+  const std::int32_t batch = 3, kv_heads = 2, head_dim = 128, tokens = 1000, cap = 96, resident_cap = 110;
+  const std::int32_t rows = batch * kv_heads;
+  const HostKV src_f(rng, batch, kv_heads, tokens, head_dim, lens);
+  const auto k = to_storage<half>(src_f.k), v = to_storage<half>(src_f.v);
+  const PinnedBuffer<half> pinned_k(k), pinned_v(v);
+  const PinnedBuffer<std::int32_t> pinned_lens(lens);
+  const auto host_source = ContiguousKVView<const half>::packed(k.data(), v.data(), batch, kv_heads, tokens, head_dim,
+                                                                lens.data());
+  const auto pinned_source = ContiguousKVView<const half>::packed(pinned_k.data(), pinned_v.data(), batch, kv_heads,
+                                                                  tokens, head_dim, pinned_lens.data());
+  // The host twin's state after a first step from an empty previous selection; the device starts from it.
+  std::vector<half> res_k(std::size_t(rows) * resident_cap * head_dim), res_v(res_k.size());
+  const auto host_resident = [&] {
+    return ContiguousKVView<half>::packed(res_k.data(), res_v.data(), batch, kv_heads, resident_cap, head_dim);
+  };
+  HostSelection prev(batch, kv_heads, cap, false), cur(batch, kv_heads, cap, false);
+  std::fill(prev.counts.begin(), prev.counts.end(), 0);
+  std::vector<std::int32_t> prev_slots(prev.indices.size(), kPoisonIndex), cur_slots(prev_slots), copied(rows);
+  cpu::Array<std::byte> cpu_ws(cpu::gather_kv_difference_workspace_bytes(batch, kv_heads, cap, resident_cap));
+  const auto cpu_step = [&] {
+    std::fill(cur_slots.begin(), cur_slots.end(), -1);  // the device poison, for entries past the counts
+    cpu::gather_kv_difference(KVCache<const half>(host_source), prev.view, prev_slots.data(), cur.view,
+                              cur_slots.data(), host_resident(), copied.data(), cpu_ws.bytes());
+  };
+  next_selection(rng, prev, cur, lens);
+  cpu_step();
+  prev.indices = cur.indices;
+  prev.counts = cur.counts;
+  prev_slots = cur_slots;
+  next_selection(rng, prev, cur, lens);
+
+  DeviceBuffer<std::int32_t> d_prev_idx(prev.indices), d_prev_cnt(prev.counts), d_prev_slots(prev_slots),
+      d_cur_idx(cur.indices), d_cur_cnt(cur.counts), d_cur_slots(cur_slots.size()), d_copied(copied.size());
+  DeviceBuffer<half> d_res_k(res_k), d_res_v(res_v);
+  SelectionView d_prev = prev.view, d_cur = cur.view;
+  d_prev.indices = d_prev_idx.data();
+  d_prev.counts = d_prev_cnt.data();
+  d_cur.indices = d_cur_idx.data();
+  d_cur.counts = d_cur_cnt.data();
+  const auto d_resident = ContiguousKVView<half>::packed(d_res_k.data(), d_res_v.data(), batch, kv_heads,
+                                                         resident_cap, head_dim);
+  const auto resident_k = res_k, resident_v = res_v;
+  check_device_workspace(
+      cuda::gather_kv_difference_workspace_bytes(batch, kv_heads, cap, resident_cap),
+      [&](std::span<std::byte> ws, cudaStream_t stream) {
+        cuda::gather_kv_difference(KVCache<const half>(pinned_source), d_prev, d_prev_slots.data(), d_cur,
+                                   d_cur_slots.data(), d_resident, d_copied.data(), ws, stream);
+      },
+      download_all(d_cur_slots, d_copied, d_res_k, d_res_v),
+      [&] {  // the resident buffer is updated in place: restored, as the first step left it
+        d_cur_slots.poison();
+        d_copied.poison();
+        d_res_k.upload(resident_k);
+        d_res_v.upload(resident_v);
+      });
+  cpu_step();
+  EXPECT_EQ(d_copied.download(), copied);
+  EXPECT_EQ(d_cur_slots.download(), cur_slots);  // entries past the counts: -1 (poison) on both
+  EXPECT_TRUE(same_bytes(d_res_k.download(), res_k)) << "resident K";
+  EXPECT_TRUE(same_bytes(d_res_v.download(), res_v)) << "resident V";
+}
+
 /// One sequence per row whose selection plus window holds 2520 tokens: the planner splits it (or num_splits
 /// forces 4 splits), so the decode workspace holds partial states.
 DeviceProblem<bfloat16> long_rows(Random& rng) {
@@ -306,11 +448,12 @@ struct DeviceSelection {
   std::vector<std::int32_t> indices, counts;
 };
 
-/// A selector's append and select through the driver on problem d (prepared first); returns the selection.
+/// A selector's append and select through the driver on problem d (prepared first), the select planned for
+/// sequences of up to max_seq_len tokens; returns the selection.
 template <class S>
-DeviceSelection check_selector(S& selector, DeviceProblem<bfloat16>& d) {
+DeviceSelection check_selector(S& selector, DeviceProblem<bfloat16>& d, std::int32_t max_seq_len) {
   const auto& c = d.spec();
-  const SelectShape shape{c.batch, c.q_heads, c.kv_heads, c.head_dim, c.tokens};
+  const SelectShape shape{c.batch, c.q_heads, c.kv_heads, c.head_dim, max_seq_len};
   const KVCache<const bfloat16> cache = d.kv();
   selector.prepare({.cache = cache, .slots = d.slots.data()}, cuda::Context{});
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
@@ -329,7 +472,7 @@ DeviceSelection check_selector(S& selector, DeviceProblem<bfloat16>& d) {
       selector.select_workspace_bytes(shape, cuda::Context{}),
       [&](std::span<std::byte> ws, cudaStream_t stream) {
         selector.select({.q = d.q_view(), .cache = cache, .slots = d.slots.data(), .lengths = d.seq_lens.data(),
-                         .attention = {.window = kWindow}},
+                         .attention = {.window = kWindow}, .max_seq_len = max_seq_len},
                         out, ws, cuda::Context{stream});
       },
       download_all(indices, counts), poison_all(indices, counts));
@@ -345,7 +488,7 @@ TEST_F(CudaWorkspaces, OracleTopKSelectAndAppend) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   auto d = selector_problem(rng);
   OracleTopK<bfloat16, cuda::Context> selector(d.limits(), {.budget = 64});
-  const auto sel = check_selector(selector, d);
+  const auto sel = check_selector(selector, d, d.spec().tokens);
   expect_oracle_selection(d.p, sel.indices, sel.counts, 64, 64, kWindow, 1.0 / std::sqrt(128.0));
 }
 
@@ -353,7 +496,7 @@ TEST_F(CudaWorkspaces, QuestSelectAndAppend) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   auto d = selector_problem(rng);
   Quest<bfloat16, cuda::Context> selector(d.limits(), {.budget = 128, .page_size = 16});
-  const auto sel = check_selector(selector, d);
+  const auto sel = check_selector(selector, d, d.spec().tokens);
   expect_quest_selection(d.p, sel.indices, sel.counts, 128, 8, 16, kWindow);
 }
 
@@ -361,8 +504,69 @@ TEST_F(CudaWorkspaces, StreamingLLMSelectAndAppend) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   auto d = selector_problem(rng);
   StreamingLLM<bfloat16, cuda::Context> selector(d.limits());
-  const auto sel = check_selector(selector, d);
+  const auto sel = check_selector(selector, d, d.spec().tokens);
   EXPECT_EQ(sel.counts, std::vector<std::int32_t>(sel.counts.size(), 0));
+}
+
+/// A select planned for fewer tokens than the longest sequence (SelectShape::max_seq_len) takes a selector built
+/// for that bound's workspace and marks each row past the bound with count -1 (a device length the host cannot
+/// see): never a cut row. OracleTopK's other rows against the fp64 reference; Quest's (bounds per page) equal to
+/// the run planned for every token; a sequence within Quest's last planned page is selected in full.
+TEST_F(CudaWorkspaces, SelectPlannedForFewerTokens) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  auto d = selector_problem(rng);
+  const auto& c = d.spec();
+  const auto& lens = d.p.kv_values.seq_lens;
+  const std::int32_t longest = *std::max_element(lens.begin(), lens.end());
+  SelectorLimits tight = d.limits();
+  {
+    const std::int32_t bound = longest - 1;
+    tight.max_tokens = bound;
+    OracleTopK<bfloat16, cuda::Context> selector(d.limits(), {.budget = 64});
+    const SelectShape shape{c.batch, c.q_heads, c.kv_heads, c.head_dim, bound};
+    EXPECT_EQ(selector.select_workspace_bytes(shape, {}),
+              (OracleTopK<bfloat16, cuda::Context>(tight, {.budget = 64}).select_workspace_bytes(shape, {})));
+    const auto sel = check_selector(selector, d, bound);
+    for (std::int32_t b = 0; b < c.batch; ++b) {
+      for (std::int32_t g = 0; g < c.kv_heads; ++g) {
+        const std::int32_t row = b * c.kv_heads + g;
+        if (lens[b] > bound) {
+          EXPECT_EQ(sel.counts[row], -1) << "OracleTopK row " << row << " of length " << lens[b] << " > " << bound;
+          continue;
+        }
+        const auto scores = oracle_scores(d.p, b, g, 1.0 / std::sqrt(128.0));
+        std::map<std::int32_t, double> middle;
+        for (std::int32_t t = kWindow.sink_end(lens[b]); t < kWindow.recent_begin(lens[b]); ++t) middle[t] = scores[t];
+        expect_top_k(selection_row(sel.indices, sel.counts, row, 64), middle, 64,
+                     1e-4 * *std::max_element(scores.begin(), scores.end()), "OracleTopK row " + std::to_string(row));
+      }
+    }
+  }
+  {
+    // One page short of the longest sequence's pages; a bound inside a page plans the whole page.
+    const std::int32_t page_size = 16, bound = (longest - 1) / page_size * page_size - 3;
+    const QuestConfig config{.budget = 128, .page_size = page_size};
+    tight.max_tokens = bound;
+    Quest<bfloat16, cuda::Context> selector(d.limits(), config);
+    const SelectShape shape{c.batch, c.q_heads, c.kv_heads, c.head_dim, bound};
+    EXPECT_EQ(selector.select_workspace_bytes(shape, {}),
+              (Quest<bfloat16, cuda::Context>(tight, config).select_workspace_bytes(shape, {})));
+    const auto whole = check_selector(selector, d, 0);
+    const auto sel = check_selector(selector, d, bound);
+    const std::int32_t planned_pages = (bound + page_size - 1) / page_size;
+    for (std::int32_t b = 0; b < c.batch; ++b) {
+      for (std::int32_t g = 0; g < c.kv_heads; ++g) {
+        const std::int32_t row = b * c.kv_heads + g;
+        if ((lens[b] + page_size - 1) / page_size > planned_pages) {
+          EXPECT_EQ(sel.counts[row], -1) << "Quest row " << row << " of length " << lens[b] << " > " << bound;
+          continue;
+        }
+        EXPECT_EQ(selection_row(sel.indices, sel.counts, row, 128),
+                  selection_row(whole.indices, whole.counts, row, 128))
+            << "Quest row " << row << " of length " << lens[b];
+      }
+    }
+  }
 }
 
 TEST_F(CudaWorkspaces, DecodeStep) {

@@ -2,7 +2,9 @@
 // hand or by an independent fp64 loop here: the query attends its own token, rows are per layer with p10/p90
 // tails, output error is per query head, the evaluated positions span the decoded range. Then thresholds on
 // the committed real capture (SmolLM2-135M, 512 tokens of GPL-3, layers 3 and 15) that a broken selector,
-// metric or harness fails.
+// metric or harness fails. Last, backends in lockstep (FidelityBackend): two CPU backends agree token for token,
+// and a backend whose selections differ is reported with the mass they move, worked out by hand. (CPU against
+// CUDA: tests/cuda/test_cuda_fidelity.cpp.)
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +17,7 @@
 #include "kvsift/eval/fidelity.hpp"
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
+#include "kvsift/selectors/quest.hpp"
 #include "kvsift/selectors/streaming_llm.hpp"
 #include "test_util.hpp"
 
@@ -378,6 +381,130 @@ TEST(Fidelity, RefusedBudgetsAndBadOptionsAreReported) {
   truncated.layers[1].v.pop_back();
   test::expect_error([&] { evaluate_fidelity(truncated, reference_selectors(), {}); },
                      "layer 15: q, k, v hold 294912, 98304, 98303 values");
+}
+
+// ---- backends in lockstep -----------------------------------------------------------------------------------
+
+/// A capture of `tokens` random tokens (4 query heads on 2 kv heads of dim 16), two layers.
+Capture random_capture(test::Random& rng, std::int32_t tokens) {
+  const std::size_t q_size = std::size_t(tokens) * 4 * 16, kv_size = std::size_t(tokens) * 2 * 16;
+  std::vector<LayerData> layers;
+  for (const std::int32_t id : {2, 4}) {
+    layers.push_back({.layer = id, .q = rng.normal(q_size, 2.0f), .k = rng.normal(kv_size), .v = rng.normal(kv_size)});
+  }
+  return make_capture(tokens, 4, 2, 16, layers);
+}
+
+bool same_row(const FidelityRow& a, const FidelityRow& b) {
+  return a.layer == b.layer && a.selector == b.selector && a.budget == b.budget &&
+         a.budget_tokens == b.budget_tokens && a.refused == b.refused && a.mass_recall == b.mass_recall &&
+         a.mass_recall_p10 == b.mass_recall_p10 && a.mass_recall_p90 == b.mass_recall_p90 &&
+         a.output_error == b.output_error && a.output_error_p90 == b.output_error_p90 && a.id_recall == b.id_recall &&
+         a.mean_selected == b.mean_selected;
+}
+
+class FidelityBackends : public test::SeededTest {};
+
+TEST_F(FidelityBackends, TwoCpuBackendsInLockstepGiveTheRowsOfOneAndNoMismatch) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const Capture c = random_capture(rng, 96);
+  // Prefill [0, 48): K = 5 (Quest refused), 20 (one page); 12 positions.
+  const FidelityOptions options{.budgets = {0.1, 0.4}, .decode_positions = 12, .prefill = 0.5};
+  const auto alone = evaluate_fidelity(c, reference_selectors(), options);
+  const auto a = fidelity_backend(reference_selectors()), b = fidelity_backend(reference_selectors());
+  FidelityBackend* const backends[] = {a.get(), b.get()};
+  const auto both = evaluate_fidelity(c, backends, options);
+  ASSERT_EQ(both.results.size(), 2u);
+  ASSERT_EQ(both.differences.size(), 1u);
+  ASSERT_EQ(alone.rows.size(), 2u * 2u * 3u);
+  for (const auto& result : both.results) {
+    EXPECT_EQ(result.backend, "cpu");
+    EXPECT_EQ(result.positions, alone.positions);
+    ASSERT_EQ(result.rows.size(), alone.rows.size());
+    for (std::size_t i = 0; i < alone.rows.size(); ++i) {
+      EXPECT_TRUE(same_row(result.rows[i], alone.rows[i])) << alone.rows[i].selector << " row " << i;
+    }
+  }
+  EXPECT_NE(alone.rows[2].refused.find("smaller than one page"), std::string::npos);
+  const BackendDifference& d = both.differences[0];
+  EXPECT_TRUE(d.mismatches.empty());
+  EXPECT_TRUE(d.refusals.empty());
+  EXPECT_EQ(d.max_mass(), 0.0);
+  // 2 layers x (2 budgets x 3 selectors - Quest at 10%) x 12 positions x 2 kv heads.
+  EXPECT_EQ(d.selections, 2 * 5 * 12 * 2);
+  EXPECT_EQ(fidelity_markdown(d), "cpu against cpu: all 240 selections (layer, budget, selector, evaluated position, "
+                                  "kv head) attended the same tokens.\n");
+}
+
+TEST(FidelityBackendsByHand, DifferingSelectionsAndRefusalsAreReportedWithTheMassTheyMove) {
+  // The 4-token capture of TheQueryAttendsItsOwnToken: at position 3 the own token holds own / total of the mass,
+  // each other token 1 / total. Under one name the first backend keeps the newest token, the second the oldest:
+  // they attend {3} and {0}, moving the mass recall by (own - 1) / total. "Page" is Quest (refused at K = 1) on
+  // the first and the newest token on the second.
+  const Capture c = make_capture(4, 1, 1, 2,
+                                 {{.layer = 0,
+                                   .q = {0, 1, 0, 1, 0, 1, 4, 0},
+                                   .k = {0, 1, 0, 1, 0, 1, 4, 0},
+                                   .v = {1, 0, 1, 0, 1, 0, 0, 1}}});
+  const auto named = [](SelectorEntry e, std::string name) {
+    e.name = std::move(name);
+    return e;
+  };
+  const SelectorEntry quest{"Page", [](std::int32_t k, const SelectorLimits& limits) {
+                              return SelectorSetup{Any(Quest<half, cpu::Context>(limits, {.budget = k, .page_size = 16}))};
+                            }};
+  const auto first = fidelity_backend({named(recent_entry(), "Keep"), quest});
+  const auto second = fidelity_backend({named(oldest_entry(), "Keep"), named(recent_entry(), "Page")});
+  FidelityBackend* const backends[] = {first.get(), second.get()};
+  const auto got = evaluate_fidelity(c, backends, {.budgets = {0.25}, .decode_positions = 1, .prefill = 0.75});
+  ASSERT_EQ(got.differences.size(), 1u);
+  const BackendDifference& d = got.differences[0];
+  EXPECT_EQ(d.selections, 1);  // "Page" ran on the second backend only: not compared
+  ASSERT_EQ(d.mismatches.size(), 1u);
+  const SelectionMismatch& m = d.mismatches[0];
+  EXPECT_EQ(m.layer, 0);
+  EXPECT_EQ(m.selector, "Keep");
+  EXPECT_EQ(m.budget, 0.25);
+  EXPECT_EQ(m.position, 3);
+  EXPECT_EQ(m.kv_head, 0);
+  EXPECT_EQ(m.only_first, std::vector<std::int32_t>{3});
+  EXPECT_EQ(m.only_this, std::vector<std::int32_t>{0});
+  const double own = std::exp(16.0 * logit_scale(2)), total = 3.0 + own;
+  EXPECT_NEAR(m.mass, (own - 1.0) / total, 1e-12);
+  EXPECT_EQ(d.max_mass(), m.mass);
+  // The rows' mass recalls differ by exactly that.
+  EXPECT_NEAR(row_for(got.results[0].rows, "Keep", 0.25, 0).mass_recall -
+                  row_for(got.results[1].rows, "Keep", 0.25, 0).mass_recall,
+              m.mass, 1e-12);
+  ASSERT_EQ(d.refusals.size(), 1u);
+  EXPECT_EQ(d.refusals[0].rfind("layer 0, Page, 25%: refused on cpu only (kvsift::Quest: config.budget (= 1) is "
+                                "smaller than one page", 0),
+            0u)
+      << d.refusals[0];
+  const std::string line = fidelity_markdown(d);
+  EXPECT_NE(line.find("cpu against cpu: 1 of 1 selections (layer, budget, selector, evaluated position, kv head) "
+                      "attended other tokens (2 tokens in one set only), moving a (position, query head)'s mass recall "
+                      "by at most 1;"),
+            std::string::npos)
+      << line;
+  EXPECT_NE(line.find("layer 0, Keep, 25%: 1 (1)"), std::string::npos) << line;
+  EXPECT_NE(line.find("; refused by one backend only: layer 0, Page, 25%: refused on cpu only"), std::string::npos)
+      << line;
+}
+
+TEST(FidelityBackendsByHand, BackendListsThatCannotBeComparedAreRefused) {
+  const Capture& c = capture();
+  const auto a = fidelity_backend(reference_selectors());
+  const auto fewer = fidelity_backend({oracle_entry()});
+  const auto renamed = fidelity_backend({recent_entry(), oldest_entry(), oracle_entry()});
+  test::expect_error([&] { evaluate_fidelity(c, std::span<FidelityBackend* const>{}, {}); }, "no backend given");
+  FidelityBackend* const with_null[] = {a.get(), nullptr};
+  test::expect_error([&] { evaluate_fidelity(c, with_null, {}); }, "backends[1] is null");
+  FidelityBackend* const different_count[] = {a.get(), fewer.get()};
+  test::expect_error([&] { evaluate_fidelity(c, different_count, {}); }, "backend cpu holds 1 selectors, backend cpu holds 3");
+  FidelityBackend* const different_names[] = {a.get(), renamed.get()};
+  test::expect_error([&] { evaluate_fidelity(c, different_names, {}); },
+                     "selector 0 is Recent on backend cpu but OracleTopK on backend cpu");
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 // over window and selection; contiguous and paged host caches.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <numeric>
 
 #include "cuda/gpu_test.hpp"
@@ -12,9 +13,16 @@
 #include "kvsift/selectors/quest.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "kvsift/step/hybrid_step.hpp"
+#include "second_source_check.hpp"
 #include "selector_check.hpp"
 
 namespace kvsift::test {
+
+template <>
+void copy_to_context<cpu::Context>(void* dst, const void* src, std::size_t bytes, const cpu::Context&) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+}
+
 namespace {
 
 class HybridStep : public GpuTest {};
@@ -107,6 +115,99 @@ TEST_F(HybridStep, OracleTopKEqualsTheCpuPlacement) {
     SCOPED_TRACE(fmt::format("seed {} page_size {}", seed, page_size));
     expect_hybrid_equals_cpu_placement<OracleTopK>(rng, page_size, OracleTopKConfig{.budget = 128});
   }
+}
+
+// A selector's log-weights reach the CPU's attention of the selection; a row whose count a primitive marked -1
+// (here: the selector's wrapper) gets NaN in O and LSE of its query heads after the merge, the other rows the
+// fp64 reference over window, selection and weights. The output starts at 0, so a row left unwritten fails.
+TEST_F(HybridStep, WeightsAndBadCountRows) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  using T = half;
+  constexpr std::int32_t kBatch = 3, kQHeads = 8, kKvHeads = 2, kHeadDim = 128, kTokens = 800, kBudget = 48;
+  HostDecodeProblem<T> p(rng, CaseSpec{.batch = kBatch, .q_heads = kQHeads, .kv_heads = kKvHeads, .head_dim = kHeadDim,
+                                       .tokens = kTokens, .k = 0, .page_size = 0, .log_weights = false});
+  const std::vector<std::int32_t> slots{1, 2, 0};
+  std::vector<float> weights(std::size_t(kBatch) * kKvHeads * kBudget);
+  for (float& w : weights) w = rng.uniform(-2.0f, 2.0f);
+  const std::int32_t bad_row = rng.uniform_int(0, kBatch * kKvHeads - 1);
+  struct MarksARowBad : TwoSources<T, cpu::Context, true, false> {
+    MarksARowBad(const TwoSources& inner, std::int32_t row) : TwoSources(inner), bad_row(row) {}
+    void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> ws, const cpu::Context& ctx) {
+      TwoSources::select(in, out, ws, ctx);
+      out.counts[bad_row] = -1;
+    }
+    std::int32_t bad_row;
+  };
+  const cpu::Context cpu{};
+  const SelectorLimits limits{.max_slots = kBatch, .max_tokens = kTokens, .q_heads = kQHeads, .kv_heads = kKvHeads,
+                              .head_dim = kHeadDim};
+  const DecodeStepConfig config{.attention = {.window = {4, 16}}, .max_batch = kBatch, .q_heads = kQHeads,
+                                .kv_heads = kKvHeads, .head_dim = kHeadDim, .max_seq_len = kTokens};
+  const PinnedBuffer<T> host_k(p.k), host_v(p.v);
+  const KVCache<const T> host_cache = ContiguousKVView<const T>::packed(
+      host_k.data(), host_v.data(), kBatch, kKvHeads, kTokens, kHeadDim, p.kv_values.seq_lens.data());
+  const DeviceBuffer<T> d_k(p.k), d_v(p.v), d_q(p.q);
+  const DeviceBuffer<std::int32_t> d_lengths(p.kv_values.seq_lens);
+  const KVCache<const T> device_cache =
+      ContiguousKVView<const T>::packed(d_k.data(), d_v.data(), kBatch, kKvHeads, kTokens, kHeadDim, d_lengths.data());
+  HybridDecodeStep hybrid(
+      MarksARowBad(TwoSources<T, cpu::Context, true, false>(limits, kBudget, kBatch, weights, {}, cpu), bad_row), config,
+      cpu);
+  DeviceBuffer<T> d_o(p.q.size());
+  DeviceBuffer<float> d_lse(std::size_t(kBatch) * kQHeads);
+  KVSIFT_CUDA_CHECK(cudaMemset(d_o.data(), 0, d_o.size() * sizeof(T)));
+  KVSIFT_CUDA_CHECK(cudaMemset(d_lse.data(), 0, d_lse.size() * sizeof(float)));
+  hybrid.run({.q_device = QueryView<const T>::packed(d_q.data(), kBatch, kQHeads, kHeadDim), .q_host = p.q_view(),
+              .device_cache = device_cache, .host_cache = host_cache, .slots = slots.data()},
+             StateView<T>::packed(d_o.data(), d_lse.data(), kBatch, kQHeads, kHeadDim), nullptr, cpu);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  const SelectionView s = hybrid.selection();
+  ASSERT_NE(s.log_weights, nullptr);
+  std::vector<std::int32_t> indices(s.indices, s.indices + std::size_t(kBatch) * kKvHeads * kBudget);
+  std::vector<std::int32_t> counts(s.counts, s.counts + kBatch * kKvHeads);
+  ASSERT_EQ(counts[std::size_t(bad_row)], -1);
+  counts[std::size_t(bad_row)] = 0;  // the reference of the other rows
+  const HostState ref = two_source_reference<T>(p.q, kQHeads, p.kv_values, config.attention.window, indices, counts,
+                                                kBudget, &weights, nullptr, slots, 1.0 / std::sqrt(double(kHeadDim)));
+  const std::vector<T> o = d_o.download();
+  const std::vector<float> lse = d_lse.download();
+  for (std::int32_t head = 0; head < kBatch * kQHeads; ++head) {
+    const bool in_bad_row = head / (kQHeads / kKvHeads) == bad_row;
+    for (std::int32_t c = 0; c < kHeadDim; ++c) {
+      const float got = to_float(o[std::size_t(head) * kHeadDim + c]);
+      if (in_bad_row) {
+        ASSERT_TRUE(std::isnan(got)) << "head " << head << " channel " << c;
+      } else {
+        ASSERT_NEAR(got, ref.o[std::size_t(head) * kHeadDim + c], 5e-3) << "head " << head << " channel " << c;
+      }
+    }
+    if (in_bad_row) {
+      EXPECT_TRUE(std::isnan(lse[head])) << "head " << head;
+    } else {
+      EXPECT_NEAR(lse[head], ref.lse[head], 1e-3 * std::max(1.0f, std::abs(ref.lse[head]))) << "head " << head;
+    }
+  }
+}
+
+// The hybrid placement attends no second source: a selector with one is refused at construction, before any
+// device work.
+TEST(HybridStepBadInput, ASelectorWithASecondSourceIsRefused) {
+  Random rng(test_seed());
+  const cpu::Context cpu{};
+  const SelectorLimits limits{.max_slots = 2, .max_tokens = 64, .q_heads = 4, .kv_heads = 1, .head_dim = 64};
+  const HostKV kv(rng, 2, 1, 64, 64);
+  const std::vector<std::int32_t> slots{0, 1};
+  const SecondSourceData<half> second = make_second_source<half>(rng, kv, slots, 2, 2, 4);
+  using Selector = TwoSources<half, cpu::Context, false, true>;
+  expect_error(
+      [&] {
+        HybridDecodeStep step(Selector(limits, 8, 2, {}, second, cpu),
+                              {.attention = {.window = {4, 16}}, .max_batch = 2, .q_heads = 4, .kv_heads = 1,
+                               .head_dim = 64, .max_seq_len = 64},
+                              cpu);
+      },
+      "HybridDecodeStep: the selector (TwoSources) has a second source (second_source_capacity() = 4), which the "
+      "hybrid placement does not attend: run it with DecodeStep on the GPU or the CPU");
 }
 
 }  // namespace

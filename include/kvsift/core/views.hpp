@@ -152,14 +152,19 @@ template <class V>
 using kv_element_t = std::remove_const_t<std::remove_pointer_t<decltype(V{}.k_row(0, 0, 0))>>;
 
 /// The tokens chosen for one decode step: per (sequence, kv head) `counts[b * kv_heads + h]` token indices
-/// (0 <= index < seq_len) in indices[(b * kv_heads + h) * capacity + i], optionally with a natural-log weight
-/// per index that is added to that token's scaled logit (sm_scale * q.k + w; a compressed source's merged
-/// rows carry log n_t, CentroidKV's degrees). Indices within a row are distinct (validation modes refuse a
-/// repeat and a token of the attention window); kvsift's selectors write them in ascending order, and the
-/// attention kernels accept any order.
+/// (absolute positions, 0 <= index < seq_len, never re-indexed) in indices[(b * kv_heads + h) * capacity + i],
+/// optionally with a natural-log weight per index that is added to that token's scaled logit (sm_scale * q.k +
+/// w; a compressed source's merged rows carry log n_t, CentroidKV's degrees: a row of weight log 2 weighs as
+/// that row attended twice). Indices within a row are distinct (validation modes refuse a repeat and a token
+/// of the attention window); kvsift's selectors write them in ascending order, and the attention kernels
+/// accept any order.
 struct SelectionView {
   std::int32_t* indices = nullptr;  ///< [batch, kv_heads, capacity]
-  std::int32_t* counts = nullptr;   ///< [batch, kv_heads], each in [0, capacity]
+  /// [batch, kv_heads], each in [0, capacity]. A count outside that range marks the row bad: primitives write
+  /// -1 where they meet a device value the host cannot see (a length past the capacity, a bad slot). Sparse
+  /// decode (CPU, CUDA, hybrid) then writes NaN to O and LSE of every query head of that kv head, attending
+  /// nothing, not even the window; validation modes refuse such a row by name instead.
+  std::int32_t* counts = nullptr;
   float* log_weights = nullptr;     ///< optional [batch, kv_heads, capacity]; nullptr means all 0
   std::int32_t batch = 0;
   std::int32_t kv_heads = 0;

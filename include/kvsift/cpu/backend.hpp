@@ -28,6 +28,8 @@
 
 namespace kvsift::cpu {
 
+constexpr bool backend_included(const Context*) { return true; }  // selectors/selector.hpp BackendIncluded
+
 /// Threads whose scratch a workspace query sizes (a run on more is refused by the decode step).
 inline std::int32_t workspace_threads(const Context& ctx) { return ctx.pool != nullptr ? std::int32_t(ctx.pool->size()) : 1; }
 
@@ -82,17 +84,21 @@ inline void expand_pages(const SelectionView& pages, std::int32_t page_size, con
                          const AttentionWindow& window, const SelectionView& out, const Context& ctx) {
   cpu::expand_pages(pages, page_size, lengths, window, out, ctx.pool);
 }
-/// Quest's selection: page scores, the best pages_per_row pages, their middle tokens (three primitives).
+/// Quest's selection: page scores of sequences of up to max_pages pages (<= bounds.max_pages: the planned
+/// bound), the best pages_per_row pages, their middle tokens (three primitives).
 inline std::size_t select_pages_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t max_pages,
                                                 std::int32_t pages_per_row, const Context& ctx) {
   return kvsift::detail::select_pages_in_steps_workspace_bytes(batch, kv_heads, max_pages, pages_per_row, ctx);
 }
 template <class T>
 void select_pages(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* slots,
-                  const std::int32_t* lengths, const AttentionWindow& window, std::int32_t pages_per_row,
-                  const SelectionView& out, std::span<std::byte> workspace, const Context& ctx) {
-  kvsift::detail::check_select_pages("cpu::select_pages", q, bounds, slots, lengths, window, pages_per_row, out);
-  kvsift::detail::select_pages_in_steps(q, bounds, slots, lengths, window, pages_per_row, out, workspace, ctx);
+                  const std::int32_t* lengths, const AttentionWindow& window, std::int32_t max_pages,
+                  std::int32_t pages_per_row, const SelectionView& out, std::span<std::byte> workspace,
+                  const Context& ctx) {
+  kvsift::detail::check_select_pages("cpu::select_pages", q, bounds, slots, lengths, window, max_pages, pages_per_row,
+                                     out);
+  kvsift::detail::select_pages_in_steps(q, bounds, slots, lengths, window, max_pages, pages_per_row, out, workspace,
+                                        ctx);
 }
 
 /// Sparse decode of the window and the selection, O in the storage type or fp32 (TO); the workspace depends on
@@ -109,6 +115,12 @@ void sparse_decode(const QueryView<const T>& q, const KVCache<const T>& cache, c
                    bool /*programmatic_launch*/, std::span<std::byte> workspace, const Context& ctx) {
   const DecodeOptions options{.attention = attention, .validate_indices = validate_indices};
   cache.visit([&](const auto& kv) { cpu::sparse_decode(q, kv, selection, out, options, ctx.pool, workspace); });
+}
+
+/// The LSE merge of partial states (a decode step's primary and second-source partials) into `out`.
+template <class TI, class TO>
+void merge_states(std::span<const StateView<const TI>> partials, const StateView<TO>& out, const Context&) {
+  cpu::merge_states<TI, TO>(partials, out);
 }
 
 // RoPE (core/rope.hpp, cpu/rope.hpp).

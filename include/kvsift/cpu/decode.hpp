@@ -11,8 +11,9 @@
 /// nonzero attends every token [0, seq_len) once instead (window included; its count, indices and
 /// log-weights are not read, nor checked).
 ///
-/// Selections: counts are always checked against the capacity. Indices are trusted unless
-/// options.validate_indices is set (checking every index costs a pass over the selection): an index outside
+/// Selections: a row whose count is outside [0, capacity] (a primitive's -1, SelectionView::counts) attends
+/// nothing and gets NaN in O and LSE of its every query head, as on CUDA; validation refuses it instead.
+/// Indices are trusted unless options.validate_indices is set (checking every index costs a pass over the selection): an index outside
 /// [0, seq_len), or inside the window, is then refused, and so is a duplicate in a row, naming the sequence, kv head, position and
 /// value; nothing is written. Without validation an index out of range is undefined behaviour and a
 /// duplicate is attended once per occurrence (k copies of a token weigh as one token with log-weight + log k). Storage kvsift::half (F16C) or kvsift::bfloat16 (AVX512_BF16 vdpbf16ps for QK where the CPU

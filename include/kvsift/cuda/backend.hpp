@@ -28,6 +28,8 @@
 
 namespace kvsift::cuda {
 
+constexpr bool backend_included(const Context*) { return true; }  // selectors/selector.hpp BackendIncluded
+
 /// Threads whose scratch a workspace query sizes: none on the GPU (the device's SMs are fixed).
 inline std::int32_t workspace_threads(const Context&) { return 0; }
 
@@ -83,7 +85,8 @@ inline void expand_pages(const SelectionView& pages, std::int32_t page_size, con
                          const AttentionWindow& window, const SelectionView& out, const Context& ctx) {
   cuda::expand_pages(pages, page_size, lengths, window, out, ctx.stream);
 }
-/// Quest's selection: page scores, the best pages_per_row pages, their middle tokens. One fused launch with no
+/// Quest's selection: page scores of sequences of up to max_pages pages (<= bounds.max_pages: the planned bound;
+/// longer ones get count -1), the best pages_per_row pages, their middle tokens. One fused launch with no
 /// workspace where the rows fit it (cuda::select_pages_fused), else three kernels.
 inline std::size_t select_pages_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t max_pages,
                                                 std::int32_t pages_per_row, const Context& ctx) {
@@ -92,14 +95,17 @@ inline std::size_t select_pages_workspace_bytes(std::int32_t batch, std::int32_t
 }
 template <class T>
 void select_pages(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* slots,
-                  const std::int32_t* lengths, const AttentionWindow& window, std::int32_t pages_per_row,
-                  const SelectionView& out, std::span<std::byte> workspace, const Context& ctx) {
-  if (cuda::select_pages_fused_supported(bounds.max_pages, pages_per_row)) {
-    cuda::select_pages_fused(q, bounds, slots, lengths, window, pages_per_row, out, ctx.stream);
+                  const std::int32_t* lengths, const AttentionWindow& window, std::int32_t max_pages,
+                  std::int32_t pages_per_row, const SelectionView& out, std::span<std::byte> workspace,
+                  const Context& ctx) {
+  if (cuda::select_pages_fused_supported(max_pages, pages_per_row)) {
+    cuda::select_pages_fused(q, bounds, slots, lengths, window, max_pages, pages_per_row, out, ctx.stream);
     return;
   }
-  kvsift::detail::check_select_pages("cuda::select_pages", q, bounds, slots, lengths, window, pages_per_row, out);
-  kvsift::detail::select_pages_in_steps(q, bounds, slots, lengths, window, pages_per_row, out, workspace, ctx);
+  kvsift::detail::check_select_pages("cuda::select_pages", q, bounds, slots, lengths, window, max_pages,
+                                     pages_per_row, out);
+  kvsift::detail::select_pages_in_steps(q, bounds, slots, lengths, window, max_pages, pages_per_row, out, workspace,
+                                        ctx);
 }
 
 /// Sparse decode of the window and the selection, O in the storage type or fp32 (TO).
@@ -118,6 +124,12 @@ void sparse_decode(const QueryView<const T>& q, const KVCache<const T>& cache, c
   const DecodeOptions options{
       .attention = attention, .validate_indices = validate_indices, .programmatic_launch = programmatic_launch};
   cache.visit([&](const auto& kv) { cuda::sparse_decode(q, kv, selection, out, workspace, ctx.stream, options); });
+}
+
+/// The LSE merge of partial states (a decode step's primary and second-source partials) into `out`.
+template <class TI, class TO>
+void merge_states(std::span<const StateView<const TI>> partials, const StateView<TO>& out, const Context& ctx) {
+  cuda::merge_states<TI, TO>(partials, out, ctx.stream);
 }
 
 // RoPE (core/rope.hpp, cuda/rope.hpp).

@@ -18,8 +18,10 @@
 /// in O and LSE of that (sequence, head), a NaN in V a NaN in O; the split merge and merge_states carry a
 /// NaN partial through.
 ///
-/// Selections are trusted unless options.validate_indices is set: without it a count outside
-/// [0, capacity] or an index outside [0, seq_len) is undefined behaviour, and a duplicate index is
+/// A selection row whose count is outside [0, capacity] (a primitive's -1 for a bad device value,
+/// SelectionView::counts) reads nothing and gets NaN in O and LSE of its every query head (the window is not
+/// attended either); validation mode refuses it. Indices are trusted unless options.validate_indices is set:
+/// without it an index outside [0, seq_len) is undefined behaviour, and a duplicate index is
 /// attended once per occurrence (k copies of a token weigh as one with log-weight + log k). A row whose
 /// selection.attend_all entry is nonzero attends every token [0, seq_len) once (window included; its count,
 /// indices and log-weights are not read, nor checked in validation mode). The split plan is sized from the

@@ -3,8 +3,9 @@
 /// selectors at budgets given as fractions of the context, and scores each selection against exact attention.
 ///
 /// Decoding, per layer, as an engine decodes: the capture's fp16 cache is the engine's cache, and every
-/// selector (made per budget, with its attention window) runs in a CPU DecodeStep (step/decode_step.hpp):
-/// prepare() on the prefill, then at each decode position p = P, ..., tokens - 1 one step over the cache
+/// selector (made per budget, with its attention window) runs in a DecodeStep (step/decode_step.hpp) of a
+/// backend (FidelityBackend below: a CPU step over host memory, or with eval/cuda_fidelity.hpp a CUDA step over
+/// device memory): prepare() on the prefill, then at each decode position p = P, ..., tokens - 1 one step over the cache
 /// holding [0, p] (the query at p attends its own token): the selector's append and select, then sparse
 /// attention over the window and the selection, with fp32 output. Tokens [0, P) are the prefill,
 /// P = round(prefill * tokens) the first decode position.
@@ -25,7 +26,7 @@
 /// numpy's default: x_sorted[h] interpolated at h = q * (n - 1)):
 ///   - mass recall: the exact softmax mass of the selected tokens (attention_mass_recall_per_head, fp64);
 ///   - output error: ||O_step - O_dense|| / ||O_dense|| of the head's output (head_dim values): O_step is the
-///     decode step's own output (CPU kernel, fp32 accumulation and output), O_dense the fp64 reference's
+///     decode step's own output (the backend's kernel, fp32 accumulation and output), O_dense the fp64 reference's
 ///     (relative_l2_error_per_row);
 /// and per (position, kv head), means only:
 ///   - id recall: the share of the oracle's top-K ids that the selection holds. The oracle ranks the tokens of
@@ -34,35 +35,113 @@
 ///     the context holds at most K;
 ///   - tokens selected, since a method may select fewer than K (Quest takes whole pages).
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "kvsift/attention/options.hpp"
+#include "kvsift/core/views.hpp"
 #include "kvsift/cpu/context.hpp"
 #include "kvsift/eval/capture.hpp"
+#include "kvsift/selectors/oracle_topk.hpp"
+#include "kvsift/selectors/quest.hpp"
 #include "kvsift/selectors/selector.hpp"
+#include "kvsift/selectors/streaming_llm.hpp"
 
 namespace kvsift {
 
-/// A selector made for a budget: the selector and the attention window it runs with.
-struct SelectorSetup {
-  AnySelector<half, cpu::Context> selector;
+/// A selector made for a budget on one backend (cpu::Context or cuda::Context): the selector and the attention
+/// window it runs with.
+template <class Context>
+struct BasicSelectorSetup {
+  AnySelector<half, Context> selector;
   AttentionWindow window{};
 };
 
 /// A selector by name, and how to make one for a budget in tokens (window included) and the capture's
 /// limits. make() throws kvsift::Error when the method cannot run at that budget (e.g. Quest below one page);
 /// the harness reports that instead.
-struct SelectorEntry {
+template <class Context>
+struct BasicSelectorEntry {
   std::string name;
-  std::function<SelectorSetup(std::int32_t budget_tokens, const SelectorLimits& limits)> make;
+  std::function<BasicSelectorSetup<Context>(std::int32_t budget_tokens, const SelectorLimits& limits)> make;
 };
 
+using SelectorSetup = BasicSelectorSetup<cpu::Context>;
+using SelectorEntry = BasicSelectorEntry<cpu::Context>;
+
 /// OracleTopK (the upper bound; no window), StreamingLLM (the window alone: sink min(4, K), recent K - sink)
-/// and Quest (pages of 16, no window): the references every retrieval selector is compared with.
-std::vector<SelectorEntry> reference_selectors();
+/// and Quest (pages of 16, no window): the references every retrieval selector is compared with. One list for
+/// both backends; instantiated for cpu::Context in src/eval/fidelity.cpp and for cuda::Context in
+/// src/cuda/fidelity.cpp (eval/cuda_fidelity.hpp declares it).
+template <class Context = cpu::Context>
+std::vector<BasicSelectorEntry<Context>> reference_selectors() {
+  using Setup = BasicSelectorSetup<Context>;
+  using Any = AnySelector<half, Context>;
+  return {
+      {"OracleTopK",
+       [](std::int32_t k, const SelectorLimits& limits) {
+         return Setup{Any(OracleTopK<half, Context>(limits, {.budget = k}))};
+       }},
+      {"StreamingLLM",
+       [](std::int32_t k, const SelectorLimits& limits) {
+         const std::int32_t sink = std::min(4, k);
+         return Setup{Any(StreamingLLM<half, Context>(limits)), {sink, k - sink}};
+       }},
+      {"Quest",
+       [](std::int32_t k, const SelectorLimits& limits) {
+         return Setup{Any(Quest<half, Context>(limits, {.budget = k, .page_size = 16}))};
+       }},
+  };
+}
+extern template std::vector<BasicSelectorEntry<cpu::Context>> reference_selectors<cpu::Context>();
+
+/// One (selector entry, budget) decoding one capture layer on one backend, as an engine runs it. The harness's
+/// only contact with where selectors run: prepare() once, then run() at every decode position in order, and
+/// read() at the evaluated ones.
+class FidelityStep {
+ public:
+  virtual ~FidelityStep() = default;
+  /// The window the step's attention attends besides the selection.
+  virtual AttentionWindow window() const = 0;
+  /// The selector's prepare on the prefill: the cache holding tokens [0, prefill).
+  virtual void prepare(std::int32_t prefill) = 0;
+  /// One decode step of the query at `position` over the cache holding [0, position], its own token included:
+  /// the selector's append and select, then sparse attention over the window and the selection (fp32 output).
+  virtual void run(std::int32_t position) = 0;
+  /// The last run's output [q_heads, head_dim] (fp32) into `o`, and its selection (batch 1), both in host memory;
+  /// waits for the run. The view stays valid until the next run().
+  virtual SelectionView read(std::span<float> o) = 0;
+};
+
+/// Where the harness runs its selector entries: a backend holds one capture layer as the engine's fp16 cache
+/// and makes the decode steps over it. fidelity_backend() makes the CPU one (and, in eval/cuda_fidelity.hpp,
+/// the CUDA one); evaluate_fidelity drives either through this interface alone.
+class FidelityBackend {
+ public:
+  virtual ~FidelityBackend() = default;
+  /// "cpu" or "cuda", for the tables and the comparison.
+  virtual std::string_view name() const = 0;
+  /// The selector entries, by index.
+  virtual std::size_t selectors() const = 0;
+  virtual std::string_view selector(std::size_t i) const = 0;
+  /// Holds `layer` of `capture` ([token][kv head][channel] fp16 q, k, v) for the steps made next; the steps
+  /// made for the previous layer must be gone.
+  virtual void load(const Capture& capture, const CaptureLayer& layer) = 0;
+  /// Selector entry i at `budget_tokens` on the loaded layer, unprepared. Throws kvsift::Error when the entry
+  /// cannot run at that budget.
+  virtual std::unique_ptr<FidelityStep> step(std::size_t i, std::int32_t budget_tokens) = 0;
+};
+
+/// The CPU backend: each step a CPU DecodeStep of AnySelector<half, cpu::Context> on `ctx`, over host copies of
+/// the layer.
+std::unique_ptr<FidelityBackend> fidelity_backend(std::vector<SelectorEntry> selectors, const cpu::Context& ctx = {});
 
 struct FidelityOptions {
   std::vector<double> budgets{0.01, 0.02, 0.05};  ///< fractions of the context at the first decode position
@@ -87,14 +166,49 @@ struct FidelityRow {
 };
 
 struct FidelityResult {
+  std::string backend;                  ///< where the selectors ran (FidelityBackend::name)
   std::int32_t first_position = 0;      ///< P: tokens [0, P) are the prefill
   std::vector<std::int32_t> positions;  ///< the evaluated decode positions, ascending
   std::vector<FidelityRow> rows;        ///< per capture layer (capture order), budget (options order), selector
 };
 
-/// Scores `selectors` on every layer of `capture` (definitions above). Throws kvsift::Error for an empty
-/// capture, arrays that disagree with its shape, a budget outside (0, 1], a prefill share that leaves no
-/// prefill or no decode position, or decode_positions outside [1, decoded positions].
+/// A selection of a backend that differs from the first backend's at one evaluated (position, kv head): the
+/// tokens each attended (window and selection) that the other did not.
+struct SelectionMismatch {
+  std::int32_t layer = 0;
+  std::string selector;
+  double budget = 0.0;
+  std::int32_t position = 0;
+  std::int32_t kv_head = 0;
+  std::vector<std::int32_t> only_first;  ///< attended by the first backend only, ascending
+  std::vector<std::int32_t> only_this;   ///< attended by this backend only, ascending
+  double mass = 0.0;  ///< the largest |mass recall difference| over the kv head's query heads (exact weights)
+};
+
+/// How a backend's selections differ from the first backend's on the same capture, position by position.
+struct BackendDifference {
+  std::string backend, first;             ///< FidelityBackend::name of this backend and of the first
+  std::int64_t selections = 0;            ///< (layer, budget, selector, evaluated position, kv head) both ran
+  std::vector<SelectionMismatch> mismatches;
+  std::vector<std::string> refusals;      ///< rows refused by one backend only: "layer L, NAME, B%: who refused"
+  double max_mass() const;                ///< the largest mismatch's mass; 0 without mismatches
+};
+
+struct FidelityComparison {
+  std::vector<FidelityResult> results;         ///< per backend, in the order given
+  std::vector<BackendDifference> differences;  ///< per backend after the first, against the first
+};
+
+/// Scores the selector entries of every backend on every layer of `capture` (definitions above), in lockstep:
+/// the exact attention of each evaluated position is computed once for all of them, and every backend's
+/// attended set is compared with the first backend's. The backends hold the same entries (names, in order).
+/// Throws kvsift::Error for no backend (or a null one), backends whose entries differ, an empty capture, arrays
+/// that disagree with its shape, a budget outside (0, 1], a prefill share that leaves no prefill or no decode
+/// position, or decode_positions outside [1, decoded positions].
+FidelityComparison evaluate_fidelity(const Capture& capture, std::span<FidelityBackend* const> backends,
+                                     const FidelityOptions& options = {});
+
+/// `selectors` on the CPU backend (single thread): evaluate_fidelity of fidelity_backend(selectors) alone.
 FidelityResult evaluate_fidelity(const Capture& capture, std::span<const SelectorEntry> selectors,
                                  const FidelityOptions& options = {});
 
@@ -104,5 +218,9 @@ std::string fidelity_markdown(std::span<const FidelityRow> rows);
 
 /// A line stating the decoded range, the evaluated positions and K's definition, then the table.
 std::string fidelity_markdown(const FidelityResult& result);
+
+/// One paragraph: how many of the selections differed from the first backend's, by how much mass at most, in
+/// which rows, and the rows only one backend refused.
+std::string fidelity_markdown(const BackendDifference& difference);
 
 }  // namespace kvsift

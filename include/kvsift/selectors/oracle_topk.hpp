@@ -11,7 +11,9 @@
 /// scores' sums run in different orders), which the tests state.
 ///
 /// Include cpu/backend.hpp or cuda/backend.hpp (the primitives of the context) before instantiating it.
-/// Workspace of select: the scores [batch * kv_heads, limits.max_tokens] fp32, group_scores' and topk_rows'.
+/// Workspace of select: the scores [batch * kv_heads, N] fp32, group_scores' and topk_rows' scratch, N the
+/// planned bound min(shape.max_seq_len, limits.max_tokens) (selector.hpp SelectShape). A sequence past N gets
+/// count -1 on CUDA (group_scores writes its first N scores, topk_rows marks the row) and is refused on the CPU.
 
 #include <algorithm>
 #include <cstddef>
@@ -34,6 +36,9 @@ struct OracleTopKConfig {
 
 template <class T, class Context>
 class OracleTopK {
+  static_assert(BackendIncluded<Context>, "OracleTopK<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
+                                          "kvsift/cuda/backend.hpp (cuda::Context) before instantiating it");
+
  public:
   using value_type = T;
   using context_type = Context;
@@ -48,9 +53,11 @@ class OracleTopK {
   IndexBytes index_bytes() const { return {}; }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    detail::check_shape("OracleTopK::select_workspace_bytes", limits_, shape);
+    constexpr const char* where = "OracleTopK::select_workspace_bytes";
+    detail::check_shape(where, limits_, shape);
+    const std::int32_t tokens = detail::planned_tokens(where, "shape.max_seq_len", limits_, shape.max_seq_len);
     WorkspaceLayout counting;
-    layout(counting, shape.batch, ctx);
+    layout(counting, shape.batch, tokens, ctx);
     return counting.bytes();
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
@@ -71,12 +78,13 @@ class OracleTopK {
     constexpr const char* where = "OracleTopK::select";
     detail::check_select(where, limits_, in, out, capacity(), Context::memory);
     const std::int32_t batch = in.q.batch;
+    const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     WorkspaceLayout carving(workspace, where);
-    const Buffers buffers = layout(carving, batch, ctx);
+    const Buffers buffers = layout(carving, batch, tokens, ctx);
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
-    const auto scores = MatrixView<float>::packed(buffers.scores, rows, limits_.max_tokens);
+    const auto scores = MatrixView<float>::packed(buffers.scores, rows, tokens);
     group_scores(in.q, in.cache, scores, score_options(in.attention), buffers.group_scores, ctx);
-    topk_rows(MatrixView<const float>::packed(buffers.scores, rows, limits_.max_tokens), in.lengths, config_.budget,
+    topk_rows(MatrixView<const float>::packed(buffers.scores, rows, tokens), in.lengths, config_.budget,
               TopKRowsOptions{.window = in.attention.window}, out, buffers.topk, ctx);
   }
 
@@ -90,15 +98,14 @@ class OracleTopK {
   }
   /// The one layout behind the workspace query (counting) and select (carving): the scores, then group_scores'
   /// and topk_rows' scratch side by side (the group's scratch is dead once topk_rows runs, but sharing it would
-  /// tie the two primitives' layouts together for a few MB).
-  Buffers layout(WorkspaceLayout& layout, std::int32_t batch, const Context& ctx) const {
+  /// tie the two primitives' layouts together for a few MB). tokens: the score columns (planned_tokens).
+  Buffers layout(WorkspaceLayout& layout, std::int32_t batch, std::int32_t tokens, const Context& ctx) const {
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
     Buffers b{};
-    b.scores = layout.allocate<float>(std::size_t(rows) * std::size_t(limits_.max_tokens), "OracleTopK scores");
-    const std::size_t group_bytes = group_scores_workspace_bytes(batch, limits_.q_heads, limits_.kv_heads,
-                                                                 limits_.max_tokens, score_options({}), ctx);
-    const std::size_t topk_bytes = topk_rows_workspace_bytes(rows, limits_.max_tokens, config_.budget,
-                                                             TopKRowsOptions{}, ctx);
+    b.scores = layout.allocate<float>(std::size_t(rows) * std::size_t(tokens), "OracleTopK scores");
+    const std::size_t group_bytes = group_scores_workspace_bytes(batch, limits_.q_heads, limits_.kv_heads, tokens,
+                                                                 score_options({}), ctx);
+    const std::size_t topk_bytes = topk_rows_workspace_bytes(rows, tokens, config_.budget, TopKRowsOptions{}, ctx);
     b.group_scores = layout.span(group_bytes, "OracleTopK group_scores scratch");
     b.topk = layout.span(topk_bytes, "OracleTopK topk_rows scratch");
     return b;

@@ -10,6 +10,9 @@
 /// Per step: select_pages (page scores, top pages, their tokens: one fused launch on CUDA, three primitives on
 /// the CPU); append folds the step's key into its page (one launch). Written once for both backends; the index is bounds per slot, in the
 /// context's memory: index_bytes() = 2 * sizeof(T) * head_dim * max_pages * kv_heads * max_slots.
+/// Workspace of select: select_pages' over ceil(N / page_size) pages per row, N the planned bound
+/// min(shape.max_seq_len, limits.max_tokens) (selector.hpp SelectShape). A sequence with more pages gets count
+/// -1 on CUDA and is refused on the CPU; one past N within its last page is selected in full.
 
 #include <cstddef>
 #include <cstdint>
@@ -18,8 +21,6 @@
 
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/page_bounds_view.hpp"
-#include "kvsift/core/ranking.hpp"
-#include "kvsift/core/workspace.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
 #include "kvsift/selectors/selector.hpp"
 
@@ -32,6 +33,9 @@ struct QuestConfig {
 
 template <class T, class Context>
 class Quest {
+  static_assert(BackendIncluded<Context>, "Quest<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
+                                          "kvsift/cuda/backend.hpp (cuda::Context) before instantiating it");
+
  public:
   using value_type = T;
   using context_type = Context;
@@ -51,8 +55,11 @@ class Quest {
   }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    detail::check_shape("Quest::select_workspace_bytes", limits_, shape);
-    return select_pages_workspace_bytes(shape.batch, limits_.kv_heads, max_pages_, pages_per_row(), ctx);
+    constexpr const char* where = "Quest::select_workspace_bytes";
+    detail::check_shape(where, limits_, shape);
+    return select_pages_workspace_bytes(shape.batch, limits_.kv_heads,
+                                        planned_pages(where, "shape.max_seq_len", shape.max_seq_len), pages_per_row(),
+                                        ctx);
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
     detail::check_shape("Quest::append_workspace_bytes", limits_, shape);
@@ -73,8 +80,8 @@ class Quest {
               const Context& ctx) {
     constexpr const char* where = "Quest::select";
     detail::check_select(where, limits_, in, out, capacity(), Context::memory);
-    select_pages(in.q, bounds().as_const(), in.slots, in.lengths, in.attention.window, pages_per_row(), out,
-                 workspace, ctx);
+    select_pages(in.q, bounds().as_const(), in.slots, in.lengths, in.attention.window,
+                 planned_pages(where, "in.max_seq_len", in.max_seq_len), pages_per_row(), out, workspace, ctx);
   }
 
  private:
@@ -86,6 +93,10 @@ class Quest {
     return (limits.max_tokens + config.page_size - 1) / config.page_size;
   }
   std::int32_t pages_per_row() const { return config_.budget / config_.page_size; }
+  /// The page-score columns of a workspace planned for sequences of up to max_seq_len tokens.
+  std::int32_t planned_pages(const char* where, const char* name, std::int32_t max_seq_len) const {
+    return (detail::planned_tokens(where, name, limits_, max_seq_len) + config_.page_size - 1) / config_.page_size;
+  }
   PageBoundsView<T> bounds() {
     return {bounds_.data(), limits_.max_slots, limits_.kv_heads, max_pages_, limits_.head_dim, config_.page_size};
   }

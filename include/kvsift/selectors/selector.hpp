@@ -22,7 +22,19 @@
 /// The selection (core/views.hpp SelectionView): per (batch row, kv head) up to capacity() absolute token
 /// positions, distinct, ascending, none inside the attention window (inputs.attention.window, which the
 /// attention kernel attends itself: a selector chooses among the middle only); counts in the context's memory;
-/// log-weights, if the view has them, set by the selector (0 for plain selection).
+/// log-weights (SelectionView::log_weights) when the selector declares that it writes them (below).
+///
+/// Optional, detected (the concept does not require them; selector_writes_log_weights and
+/// selector_second_source_capacity read them, 0 / false when absent):
+///   - `static constexpr bool writes_log_weights()`: true when select writes a natural-log weight for every
+///     entry it lists. The decode step then carves a [max_batch, kv_heads, capacity] fp32 array from its
+///     workspace and passes it as out.log_weights; a selector without it gets log_weights == nullptr (the
+///     kernels read no weight) and its steps pay nothing. A member function rather than a SelectorLimits field:
+///     weighting is a property of the method, not a limit the engine sets, and AnySelector forwards a function.
+///   - a second source (CentroidKV's merged rows): `std::int32_t second_source_capacity() const` (> 0; entries
+///     per row of the second selection) and `SecondSource<T> second_source(const SelectInputs<T>& in) const`,
+///     the views of the second source that the last select wrote for in's rows. The step attends it whole,
+///     with no window, as a second fp32 partial and merges it with the primary one by LSE.
 ///
 /// Thread safety: a selector is not synchronized: prepare, append, select and release must not run
 /// concurrently on one object; const calls (capacity, *_workspace_bytes, index_bytes, name) may run
@@ -38,6 +50,7 @@
 #include <utility>
 
 #include "kvsift/attention/options.hpp"
+#include "kvsift/core/error.hpp"
 #include "kvsift/core/kv_cache.hpp"
 #include "kvsift/core/rope.hpp"
 #include "kvsift/core/views.hpp"
@@ -45,12 +58,19 @@
 namespace kvsift {
 
 /// Shapes that size a selector's workspaces (host values).
+///
+/// max_seq_len sizes the scratch that grows with the sequence (OracleTopK's token scores, Quest's page scores):
+/// min(max_seq_len, limits.max_tokens) columns, limits.max_tokens where it is 0; so a step planned for 32K tokens
+/// on a selector built for 128K takes the 32K workspace. select learns the bound from SelectInputs::max_seq_len,
+/// which must be the value the workspace was sized with. A sequence longer than the bound (a device value the
+/// host cannot see) is never cut to it: on CUDA its selection rows get count -1 (which the decode step's
+/// validation refuses); on the CPU, where lengths are host values, select throws naming the length.
 struct SelectShape {
   std::int32_t batch = 0;        ///< batch rows of a step (<= the selector's max_slots)
   std::int32_t q_heads = 0;
   std::int32_t kv_heads = 0;
   std::int32_t head_dim = 0;
-  std::int32_t max_seq_len = 0;  ///< bound on every sequence's length, the step's token included
+  std::int32_t max_seq_len = 0;  ///< bound on every sequence's length, the step's token included (0: max_tokens)
 };
 
 /// Bytes a selector keeps, host and device separately.
@@ -97,6 +117,19 @@ struct SelectInputs {
   const std::int32_t* lengths = nullptr;  ///< [batch] cache.seq_len(b); context memory
   AttentionOptions attention{};           ///< sm_scale (for softmax scores) and the window the selection leaves out
   std::int32_t layer = 0;
+  std::int32_t max_seq_len = 0;           ///< the SelectShape::max_seq_len the workspace was sized with (0: max_tokens)
+};
+
+/// A selector-owned compressed cache attended whole besides the primary selection (CentroidKV: per slot and kv
+/// head B merged K/V rows, each with weight log n_t). Views in the context's memory, valid until the selector's
+/// next select. Batch row b of `cache` and `selection` is the step's batch row b: a store kept per slot maps
+/// rows to slots through a paged view whose page_indices are the step's slots (one page per slot, as the tests'
+/// selector does). `selection` lists rows of `cache`, with their log-weights, capacity
+/// second_source_capacity(); it never has attend_all. The attention window does not apply to it.
+template <class T>
+struct SecondSource {
+  KVCache<const T> cache{};
+  SelectionView selection{};
 };
 
 template <class S>
@@ -118,8 +151,37 @@ concept KVSelector =
       { cs.name() } -> std::convertible_to<std::string_view>;
     };
 
-/// Owns any KVSelector of storage type T and context Context behind one runtime interface. Move-only; never
-/// empty after construction.
+/// Whether S's select writes log-weights (its optional `writes_log_weights()`; false without it).
+template <KVSelector S>
+bool selector_writes_log_weights(const S& selector) {
+  if constexpr (requires { { selector.writes_log_weights() } -> std::convertible_to<bool>; }) {
+    return selector.writes_log_weights();
+  } else {
+    return false;
+  }
+}
+
+/// A selector type that may have a second source (AnySelector does; its second_source_capacity() says whether
+/// the wrapped one has).
+template <class S>
+concept HasSecondSource = requires(const S& s, const SelectInputs<typename S::value_type>& in) {
+  { s.second_source_capacity() } -> std::convertible_to<std::int32_t>;
+  { s.second_source(in) } -> std::same_as<SecondSource<typename S::value_type>>;
+};
+
+/// Entries per row of S's second source (its optional `second_source_capacity()`); 0: S has none.
+template <KVSelector S>
+std::int32_t selector_second_source_capacity(const S& selector) {
+  if constexpr (HasSecondSource<S>) {
+    return selector.second_source_capacity();
+  } else {
+    return 0;
+  }
+}
+
+/// Owns any KVSelector of storage type T and context Context behind one runtime interface, the optional
+/// log-weights and second source included (as runtime answers: writes_log_weights(), second_source_capacity()
+/// 0 when the wrapped selector has none). Move-only; never empty after construction.
 template <class T, class Context>
 class AnySelector {
  public:
@@ -146,6 +208,10 @@ class AnySelector {
   void release(std::span<const std::int32_t> slots) { impl_->release(slots); }
   IndexBytes index_bytes() const { return impl_->index_bytes(); }
   std::string_view name() const { return impl_->name(); }
+  bool writes_log_weights() const { return impl_->writes_log_weights(); }
+  std::int32_t second_source_capacity() const { return impl_->second_source_capacity(); }
+  /// Only for a wrapped selector with a second source (second_source_capacity() > 0); refused otherwise.
+  SecondSource<T> second_source(const SelectInputs<T>& in) const { return impl_->second_source(in); }
 
  private:
   struct Interface {
@@ -159,6 +225,9 @@ class AnySelector {
     virtual void release(std::span<const std::int32_t>) = 0;
     virtual IndexBytes index_bytes() const = 0;
     virtual std::string_view name() const = 0;
+    virtual bool writes_log_weights() const = 0;
+    virtual std::int32_t second_source_capacity() const = 0;
+    virtual SecondSource<T> second_source(const SelectInputs<T>&) const = 0;
   };
   template <class S>
   struct Model final : Interface {
@@ -181,9 +250,30 @@ class AnySelector {
     void release(std::span<const std::int32_t> slots) override { selector.release(slots); }
     IndexBytes index_bytes() const override { return selector.index_bytes(); }
     std::string_view name() const override { return selector.name(); }
+    bool writes_log_weights() const override { return selector_writes_log_weights(selector); }
+    std::int32_t second_source_capacity() const override { return selector_second_source_capacity(selector); }
+    SecondSource<T> second_source(const SelectInputs<T>& in) const override {
+      if constexpr (requires { selector.second_source(in); }) {
+        return selector.second_source(in);
+      } else {
+        KVSIFT_CHECK(false, "AnySelector::second_source", "the wrapped selector ({}) has no second source",
+                     selector.name());
+        return {};
+      }
+    }
     S selector;
   };
   std::unique_ptr<Interface> impl_;
+};
+
+/// Whether the primitives a selector calls with a Context are declared: cpu/backend.hpp and cuda/backend.hpp each
+/// declare backend_included(const Context*) for their context, found by argument-dependent lookup. Selectors
+/// check it where they are instantiated, so that a missing include reads as one message rather than as an
+/// overload failure deep inside select. Checked once per translation unit, at the first instantiation: include
+/// the backend header before it.
+template <class Context>
+concept BackendIncluded = requires(const Context* ctx) {
+  { backend_included(ctx) } -> std::same_as<bool>;
 };
 
 }  // namespace kvsift

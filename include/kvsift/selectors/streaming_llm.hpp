@@ -16,6 +16,9 @@ namespace kvsift {
 
 template <class T, class Context>
 class StreamingLLM {
+  static_assert(BackendIncluded<Context>, "StreamingLLM<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
+                                          "kvsift/cuda/backend.hpp (cuda::Context) before instantiating it");
+
  public:
   using value_type = T;
   using context_type = Context;

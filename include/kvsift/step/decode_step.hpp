@@ -11,22 +11,29 @@
 ///      seq_len(b) - 1 (the engine has grown the cache's lengths or page table to count it); otherwise the
 ///      engine wrote them. A decode query attends to its own token, as in every engine.
 ///   2. lengths[b] = cache.seq_len(b), once, into the workspace (context memory), for the selector;
-///   3. selector.append (the index learns the new token), then selector.select (the middle tokens);
+///   3. selector.append (the index learns the new token), then selector.select (the middle tokens, with their
+///      log-weights when the selector writes them: selectors/selector.hpp); steps 2-3 are step/selector_part.hpp,
+///      shared with the hybrid placement;
 ///   4. sparse attention over the window (config.attention.window, attended by the kernel in the same launch)
-///      and the selection, into `out` (storage type, or fp32 for a partial to merge later).
+///      and the selection, into `out` (storage type, or fp32 for a partial to merge later). A selector with a
+///      second source (selector.hpp SecondSource, CentroidKV's merged rows): the selection with the window and
+///      the second source without it are attended into two fp32 partials in the workspace and merged by LSE
+///      into `out` (three launches on CUDA where there is one without it).
+/// A selection row whose count is outside [0, capacity] (a primitive's -1) gets NaN in O and LSE of its query
+/// heads (core/views.hpp SelectionView::counts).
 /// The selection stays in the workspace until the next run: selection(workspace, batch) reads it (the fidelity
 /// harness scores it).
 ///
 /// Memory: the views in StepInputs and `out` are in the context's memory; the workspace, of workspace_bytes()
-/// bytes (256-byte aligned, contents irrelevant), holds lengths, the selection and the selector's and the
-/// decode's scratch, at offsets fixed at construction for every batch up to config.max_batch. run() allocates
+/// bytes (256-byte aligned, contents irrelevant), holds lengths, the selection (and its log-weights), the
+/// selector's and the decode's scratch (and the two partials of a second source), at offsets fixed at construction for every batch up to config.max_batch. run() allocates
 /// nothing, queries nothing and never synchronizes the host (except with config.validate_indices on CUDA,
 /// which checks the selection and throws on the host).
 ///
 /// Trusted on the device (CUDA; checked on the CPU): the slots (in [0, the selector's max_slots)), every
 /// sequence's length (<= config.max_seq_len and the selector's max_tokens) and the cache's page tables. A
 /// primitive that meets a bad device value marks that selection row with count -1 (cuda/topk.hpp,
-/// cuda/page_bounds.hpp); config.validate_indices refuses it by name, without it that row's output is wrong
+/// cuda/page_bounds.hpp); config.validate_indices refuses it by name, without it that row's output is NaN
 /// (memory stays in bounds). Run with validate_indices while integrating.
 /// Thread safety: one step serves one thread at a time; it owns its selector.
 
@@ -42,6 +49,7 @@
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/selectors/selector.hpp"
+#include "kvsift/step/selector_part.hpp"
 
 namespace kvsift {
 
@@ -82,21 +90,24 @@ class DecodeStep {
   /// Plans the step for every batch of 1 .. config.max_batch rows on `ctx` (a CPU pool's thread count sizes
   /// per-thread scratch: run() refuses a larger pool). May allocate (the selector's own state).
   DecodeStep(S selector, const DecodeStepConfig& config, const Context& ctx)
-      : selector_(std::move(selector)), config_(config), capacity_(std::max(1, selector_.capacity())),
-        planned_threads_(workspace_threads(ctx)) {
-    constexpr const char* where = "DecodeStep";
-    KVSIFT_CHECK(config.max_batch > 0, where, "config.max_batch (= {}) must be positive", config.max_batch);
-    KVSIFT_CHECK(config.max_seq_len > 0, where, "config.max_seq_len (= {}) must be positive", config.max_seq_len);
-    validate(config.attention.window, where, "config.attention.window");
-    // Fewer rows may split more (a CPU pool's threads, a GPU's SMs): the largest need of any batch size.
+      : selector_(std::move(selector)), config_(checked(config)),
+        part_(selector_, {config.max_batch, config.q_heads, config.kv_heads, config.head_dim, config.max_seq_len}, ctx),
+        second_capacity_(selector_second_source_capacity(selector_)), planned_threads_(workspace_threads(ctx)) {
+    KVSIFT_CHECK(second_capacity_ >= 0, "DecodeStep", "the selector's second_source_capacity() (= {}) is negative",
+                 second_capacity_);
+    // Fewer rows may split more (a CPU pool's threads, a GPU's SMs): the largest need of any batch size. The
+    // second source's decode runs after the primary's on the same context and reuses its scratch.
     for (std::int32_t batch = 1; batch <= config.max_batch; ++batch) {
-      const SelectShape shape{batch, config.q_heads, config.kv_heads, config.head_dim, config.max_seq_len};
-      scratch_.append = std::max(scratch_.append, selector_.append_workspace_bytes(shape, ctx));
-      scratch_.select = std::max(scratch_.select, selector_.select_workspace_bytes(shape, ctx));
-      scratch_.decode = std::max(scratch_.decode, sparse_decode_workspace_bytes(
-                                                      batch, config.q_heads, config.kv_heads, config.head_dim,
-                                                      capacity_, config.max_seq_len, config.attention,
-                                                      config.validate_indices, ctx));
+      decode_bytes_ = std::max(decode_bytes_, sparse_decode_workspace_bytes(
+                                                  batch, config.q_heads, config.kv_heads, config.head_dim,
+                                                  part_.capacity(), config.max_seq_len, config.attention,
+                                                  config.validate_indices, ctx));
+      if (second_capacity_ > 0) {
+        decode_bytes_ = std::max(decode_bytes_, sparse_decode_workspace_bytes(
+                                                    batch, config.q_heads, config.kv_heads, config.head_dim,
+                                                    second_capacity_, config.max_seq_len, second_attention(),
+                                                    config.validate_indices, ctx));
+      }
     }
     WorkspaceLayout counting;
     layout(counting);
@@ -129,60 +140,106 @@ class DecodeStep {
       KVSIFT_CHECK(in.k.data != nullptr && in.v.data != nullptr, where, "in.k and in.v must be given together");
       write_step_kv(in.cache, in.k, in.v, ctx);
     }
-    const KVCache<const T> cache = in.cache;
-    sequence_lengths(cache, b.lengths, ctx);
-    const SelectionView selection = selection_view(b, in.q.batch);
-    selector_.append({.cache = cache, .slots = in.slots, .lengths = b.lengths, .k_pre_rope = in.k_pre_rope,
-                      .layer = in.layer},
-                     b.append, ctx);
-    selector_.select({.q = in.q, .cache = cache, .slots = in.slots, .lengths = b.lengths,
-                      .attention = config_.attention, .layer = in.layer},
-                     selection, b.select, ctx);
-    sparse_decode(in.q, cache, selection, out, config_.attention, config_.validate_indices,
+    const detail::SelectorStepInputs<T> selector_inputs{.q = in.q, .cache = in.cache, .slots = in.slots,
+                                                        .k_pre_rope = in.k_pre_rope, .attention = config_.attention,
+                                                        .layer = in.layer};
+    part_.run(selector_, selector_inputs, b.selector, ctx);
+    const SelectionView selection = part_.selection(b.selector, in.q.batch);
+    if constexpr (HasSecondSource<S>) {
+      if (second_capacity_ > 0) return attend_two_sources(in, selection, out, b, ctx);
+    }
+    sparse_decode(in.q, selector_inputs.cache, selection, out, config_.attention, config_.validate_indices,
                   config_.programmatic_launch, b.decode, ctx);
   }
 
-  /// The selection of the last run() over this workspace, for that run's `batch` rows (context memory).
+  /// The selection of the last run() over this workspace, for that run's `batch` rows (context memory), its
+  /// log-weights included when the selector writes them (a second source is the selector's:
+  /// selector().second_source).
   SelectionView selection(std::span<std::byte> workspace, std::int32_t batch) const {
     constexpr const char* where = "DecodeStep::selection";
     KVSIFT_CHECK(batch > 0 && batch <= config_.max_batch, where, "batch (= {}) is outside [1, config.max_batch = {}]",
                  batch, config_.max_batch);
     WorkspaceLayout carving(workspace, where);
-    return selection_view(layout(carving), batch);
+    return part_.selection(layout(carving).selector, batch);
   }
 
  private:
-  struct Scratch {
-    std::size_t append = 0, select = 0, decode = 0;
-  };
   struct Buffers {
-    std::int32_t* lengths;
-    std::int32_t* indices;
-    std::int32_t* counts;
-    std::span<std::byte> append, select, decode;
+    typename detail::SelectorPart<S>::Buffers selector;
+    float* partial_o[2] = {};  ///< only with a second source: the primary's and the second source's fp32 states
+    float* partial_lse[2] = {};
+    std::span<std::byte> decode;
   };
+
+  /// The primary selection (with the window) and the second source (whole, no window) into two fp32 partials,
+  /// merged by LSE into `out`, rounded once. A NaN partial (a bad row) makes the output NaN.
+  template <class TO>
+    requires HasSecondSource<S>
+  void attend_two_sources(const StepInputs<T>& in, const SelectionView& selection, const StateView<TO>& out,
+                          const Buffers& b, const Context& ctx) {
+    const KVCache<const T> cache = in.cache;
+    const SecondSource<T> second = selector_.second_source({.q = in.q, .cache = cache, .slots = in.slots,
+                                                            .lengths = b.selector.lengths,
+                                                            .attention = config_.attention, .layer = in.layer});
+    check_second_source("DecodeStep::run", second, in.q.batch);
+    const std::int32_t batch = in.q.batch;
+    const StateView<float> partials[] = {
+        StateView<float>::packed(b.partial_o[0], b.partial_lse[0], batch, config_.q_heads, config_.head_dim),
+        StateView<float>::packed(b.partial_o[1], b.partial_lse[1], batch, config_.q_heads, config_.head_dim)};
+    sparse_decode(in.q, cache, selection, partials[0], config_.attention, config_.validate_indices,
+                  config_.programmatic_launch, b.decode, ctx);
+    sparse_decode(in.q, second.cache, second.selection, partials[1], second_attention(), config_.validate_indices,
+                  config_.programmatic_launch, b.decode, ctx);
+    const StateView<const float> merged[] = {partials[0].as_const(), partials[1].as_const()};
+    merge_states(std::span<const StateView<const float>>(merged), out, ctx);
+  }
+
+  static const DecodeStepConfig& checked(const DecodeStepConfig& config) {
+    constexpr const char* where = "DecodeStep";
+    KVSIFT_CHECK(config.max_batch > 0, where, "config.max_batch (= {}) must be positive", config.max_batch);
+    KVSIFT_CHECK(config.max_seq_len > 0, where, "config.max_seq_len (= {}) must be positive", config.max_seq_len);
+    validate(config.attention.window, where, "config.attention.window");
+    return config;
+  }
+  /// The second source is attended whole: the step's scale, no window.
+  AttentionOptions second_attention() const { return {.sm_scale = config_.attention.sm_scale}; }
+
+  /// The views the selector returns must have the step's rows and shapes (their contents are the selector's).
+  void check_second_source(const char* where, const SecondSource<T>& second, std::int32_t batch) const {
+    const SelectionView& s = second.selection;
+    KVSIFT_CHECK(second.cache.batch() == batch && s.batch == batch, where,
+                 "the second source's cache batch (= {}) and selection batch (= {}) must be the step's batch (= {})",
+                 second.cache.batch(), s.batch, batch);
+    KVSIFT_CHECK(second.cache.kv_heads() == config_.kv_heads && second.cache.head_dim() == config_.head_dim, where,
+                 "the second source's cache has kv_heads {} and head_dim {}; the step has {} and {}",
+                 second.cache.kv_heads(), second.cache.head_dim(), config_.kv_heads, config_.head_dim);
+    KVSIFT_CHECK(s.capacity <= second_capacity_ && s.attend_all == nullptr, where,
+                 "the second source's selection has capacity {} (planned: second_source_capacity() = {}) and {} "
+                 "attend_all; it must not exceed the plan nor attend all",
+                 s.capacity, second_capacity_, s.attend_all == nullptr ? "no" : "an");
+  }
 
   /// The one layout behind workspace_bytes() (counting) and run() (carving), sized at construction.
   Buffers layout(WorkspaceLayout& layout) const {
-    const std::size_t rows = std::size_t(config_.max_batch) * std::size_t(config_.kv_heads);
-    Buffers b{};
-    b.lengths = layout.allocate<std::int32_t>(std::size_t(config_.max_batch), "DecodeStep lengths");
-    b.indices = layout.allocate<std::int32_t>(rows * std::size_t(capacity_), "DecodeStep selection indices");
-    b.counts = layout.allocate<std::int32_t>(rows, "DecodeStep selection counts");
-    b.append = layout.span(scratch_.append, "DecodeStep selector append scratch");
-    b.select = layout.span(scratch_.select, "DecodeStep selector select scratch");
-    b.decode = layout.span(scratch_.decode, "DecodeStep decode scratch");
+    Buffers b;
+    b.selector = part_.layout(layout);
+    if (second_capacity_ > 0) {
+      const std::size_t states = std::size_t(config_.max_batch) * std::size_t(config_.q_heads);
+      for (int i = 0; i < 2; ++i) {
+        b.partial_o[i] = layout.allocate<float>(states * std::size_t(config_.head_dim), "DecodeStep partial O");
+        b.partial_lse[i] = layout.allocate<float>(states, "DecodeStep partial LSE");
+      }
+    }
+    b.decode = layout.span(decode_bytes_, "DecodeStep decode scratch");
     return b;
-  }
-  SelectionView selection_view(const Buffers& b, std::int32_t batch) const {
-    return {b.indices, b.counts, nullptr, batch, config_.kv_heads, capacity_};
   }
 
   S selector_;
   DecodeStepConfig config_;
-  std::int32_t capacity_;
+  detail::SelectorPart<S> part_;
+  std::int32_t second_capacity_;
   std::int32_t planned_threads_;
-  Scratch scratch_;
+  std::size_t decode_bytes_ = 0;
   std::size_t workspace_bytes_ = 0;
 };
 

@@ -6,12 +6,15 @@
 /// partials, one rounding). This is CTKVR's and A²ATS's arrangement, and CSAttention's CPU-search mode.
 ///
 /// run() per step: lengths from the host cache (which counts the step's token: the engine has written it to
-/// both caches), the selector's append and select on the calling thread and ctx.pool, then
+/// both caches), the selector's append and select on the calling thread and ctx.pool (step/selector_part.hpp,
+/// the same sequence as DecodeStep's), then
 /// HybridDecoder::decode (the window's attention enqueued on `stream`, the selection attended on the CPU, the
 /// CPU's state copied and merged on `stream`). It returns once the merge is enqueued; the GPU is not waited for.
 ///
 /// Memory: q_device, device_cache and `out` in device memory; q_host, host_cache (pinned), slots in host memory.
-/// The step owns its host scratch (lengths, the selection, the selector's workspaces) and the decoder's
+/// A selection row with a count outside [0, capacity] gets NaN in O and LSE (cpu::sparse_decode's rule, carried
+/// by the merge). The step owns its host scratch (lengths, the selection and its log-weights, the selector's
+/// workspaces) and the decoder's
 /// buffers, all allocated in the constructor; run() allocates nothing. Every step has config.max_batch rows (the
 /// decoder's buffers are sized for them). Thread safety: one step serves one thread at a time.
 
@@ -22,10 +25,12 @@
 #include <utility>
 
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/selectors/selector.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "kvsift/step/hybrid_decoder.hpp"
+#include "kvsift/step/selector_part.hpp"
 
 namespace kvsift {
 
@@ -47,15 +52,14 @@ class HybridDecodeStep {
   using value_type = typename S::value_type;
   using T = value_type;
 
+  /// Refuses a selector with a second source (selectors/selector.hpp): its compressed rows live in host memory
+  /// and would need a third partial; use the GPU or CPU placement (DecodeStep) for such a method.
   HybridDecodeStep(S selector, const DecodeStepConfig& config, const cpu::Context& ctx)
       : selector_(std::move(selector)),
-        config_(config),
-        capacity_(std::max(1, selector_.capacity())),
-        lengths_(std::size_t(checked_batch(config))),
-        indices_(std::size_t(config.max_batch) * std::size_t(config.kv_heads) * std::size_t(capacity_)),
-        counts_(std::size_t(config.max_batch) * std::size_t(config.kv_heads)),
-        append_workspace_(selector_.append_workspace_bytes(shape(), ctx)),
-        select_workspace_(selector_.select_workspace_bytes(shape(), ctx)),
+        config_(checked(config, selector_)),
+        part_(selector_, {config.max_batch, config.q_heads, config.kv_heads, config.head_dim, config.max_seq_len}, ctx),
+        workspace_(workspace_bytes(part_)),
+        buffers_(carve(part_, workspace_)),
         decoder_({.batch = config.max_batch, .q_heads = config.q_heads, .kv_heads = config.kv_heads,
                   .head_dim = config.head_dim, .attention = config.attention,
                   .validate_indices = config.validate_indices},
@@ -63,8 +67,9 @@ class HybridDecodeStep {
 
   S& selector() { return selector_; }
   const DecodeStepConfig& config() const { return config_; }
-  /// The last run's selection (host memory), valid until the next run.
-  SelectionView selection() { return {indices_.data(), counts_.data(), nullptr, config_.max_batch, config_.kv_heads, capacity_}; }
+  /// The last run's selection (host memory; its log-weights when the selector writes them), valid until the
+  /// next run.
+  SelectionView selection() const { return part_.selection(buffers_, config_.max_batch); }
   /// The decoder's host timings of the last run (CPU part and whole call), for overlap measurements.
   const cuda::HybridStepTimes& last_step_times() const { return decoder_.last_step_times(); }
 
@@ -76,14 +81,11 @@ class HybridDecodeStep {
     KVSIFT_CHECK(in.q_host.batch == config_.max_batch && in.host_cache.batch() == config_.max_batch, where,
                  "in.q_host.batch (= {}) and the host cache's batch (= {}) must be config.max_batch (= {})",
                  in.q_host.batch, in.host_cache.batch(), config_.max_batch);
-    cpu::sequence_lengths(in.host_cache, lengths_.data());
+    part_.run(selector_,
+              {.q = in.q_host, .cache = in.host_cache, .slots = in.slots, .k_pre_rope = in.k_pre_rope,
+               .attention = config_.attention, .layer = in.layer},
+              buffers_, ctx);
     const SelectionView sel = selection();
-    selector_.append({.cache = in.host_cache, .slots = in.slots, .lengths = lengths_.data(),
-                      .k_pre_rope = in.k_pre_rope, .layer = in.layer},
-                     append_workspace_.bytes(), ctx);
-    selector_.select({.q = in.q_host, .cache = in.host_cache, .slots = in.slots, .lengths = lengths_.data(),
-                      .attention = config_.attention, .layer = in.layer},
-                     sel, select_workspace_.bytes(), ctx);
     in.device_cache.visit([&](const auto& device_kv) {
       in.host_cache.visit([&](const auto& host_kv) {
         decoder_.decode(in.q_device, in.q_host, device_kv, host_kv, sel, out, stream);
@@ -92,19 +94,32 @@ class HybridDecodeStep {
   }
 
  private:
-  static std::int32_t checked_batch(const DecodeStepConfig& config) {
-    KVSIFT_CHECK(config.max_batch > 0, "HybridDecodeStep", "config.max_batch (= {}) must be positive", config.max_batch);
-    return config.max_batch;
+  using Part = detail::SelectorPart<S>;
+
+  static const DecodeStepConfig& checked(const DecodeStepConfig& config, const S& selector) {
+    constexpr const char* where = "HybridDecodeStep";
+    KVSIFT_CHECK(config.max_batch > 0, where, "config.max_batch (= {}) must be positive", config.max_batch);
+    KVSIFT_CHECK(selector_second_source_capacity(selector) == 0, where,
+                 "the selector ({}) has a second source (second_source_capacity() = {}), which the hybrid placement "
+                 "does not attend: run it with DecodeStep on the GPU or the CPU",
+                 selector.name(), selector_second_source_capacity(selector));
+    return config;
   }
-  SelectShape shape() const {
-    return {config_.max_batch, config_.q_heads, config_.kv_heads, config_.head_dim, config_.max_seq_len};
+  static std::size_t workspace_bytes(const Part& part) {
+    WorkspaceLayout counting;
+    part.layout(counting);
+    return counting.bytes();
+  }
+  static typename Part::Buffers carve(const Part& part, cpu::Array<std::byte>& workspace) {
+    WorkspaceLayout carving(workspace.bytes(), "HybridDecodeStep");
+    return part.layout(carving);
   }
 
   S selector_;
   DecodeStepConfig config_;
-  std::int32_t capacity_;
-  cpu::Array<std::int32_t> lengths_, indices_, counts_;
-  cpu::Array<std::byte> append_workspace_, select_workspace_;
+  Part part_;
+  cpu::Array<std::byte> workspace_;  ///< the selector part's host buffers, carved once
+  typename Part::Buffers buffers_;
   cuda::HybridDecoder<T> decoder_;
 };
 

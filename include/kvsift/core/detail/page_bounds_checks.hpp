@@ -98,13 +98,14 @@ void check_page_scores(const char* where, const QueryView<const T>& q, const Pag
   }
 }
 
-/// select_pages, on both backends: page_scores' arguments but the scores, the pages per row, and out. The
+/// select_pages, on both backends: page_scores' arguments but the scores, the planned pages per sequence, the
+/// pages chosen per row, and out. The
 /// contents are checked by the primitives that the CPU composes; the CUDA kernel defines what a bad device value
 /// does (cuda/page_bounds.hpp).
 template <class T>
 void check_select_pages(const char* where, const QueryView<const T>& q, const PageBoundsView<const T>& bounds,
                         const std::int32_t* slots, const std::int32_t* lengths, const AttentionWindow& window,
-                        std::int32_t pages_per_row, const SelectionView& out) {
+                        std::int32_t max_pages, std::int32_t pages_per_row, const SelectionView& out) {
   validate(q, where, "q");
   check_page_bounds_view(where, bounds);
   validate(window, where, "window");
@@ -114,6 +115,8 @@ void check_select_pages(const char* where, const QueryView<const T>& q, const Pa
                q.heads, bounds.kv_heads);
   KVSIFT_CHECK(slots != nullptr, where, "slots is a null pointer");
   KVSIFT_CHECK(lengths != nullptr, where, "lengths is a null pointer");
+  KVSIFT_CHECK(max_pages > 0 && max_pages <= bounds.max_pages, where,
+               "max_pages (= {}) is outside [1, bounds.max_pages = {}]", max_pages, bounds.max_pages);
   KVSIFT_CHECK(pages_per_row > 0, where, "pages_per_row (= {}) must be positive", pages_per_row);
   check_pointer(where, "out", "indices", out.indices);
   check_pointer(where, "out", "counts", out.counts);

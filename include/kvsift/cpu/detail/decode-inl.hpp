@@ -192,8 +192,12 @@ void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std:
     // Dense decode, or a selection row that attends every token (SelectionView::attend_all).
     const bool dense = job.selection.indices == nullptr ||
                        (job.selection.attend_all != nullptr && job.selection.attend_all[row] != 0);
-    const std::int32_t window = dense ? 0 : job.window.size(length);  // entries before the selected ones
-    const std::int32_t row_count = dense ? length : window + job.selection.count(b, g);
+    const std::int32_t selected = dense ? 0 : job.selection.count(b, g);
+    // A count outside [0, capacity] marks a bad row (SelectionView::counts): nothing is read, and the states
+    // start at NaN, so every head of the row ends NaN in O and LSE (split chunks too, which the merge keeps).
+    const bool bad_row = !dense && (selected < 0 || selected > job.selection.capacity);
+    const std::int32_t window = dense || bad_row ? 0 : job.window.size(length);  // entries before the selected ones
+    const std::int32_t row_count = dense ? length : bad_row ? 0 : window + selected;
     const std::int32_t chunk_size = (row_count + job.splits - 1) / job.splits;
     const std::int32_t first = std::int32_t(std::min<std::int64_t>(row_count, chunk * chunk_size));
     const std::int32_t count = std::min(row_count, first + chunk_size);  // this item covers entries [first, count)
@@ -211,8 +215,8 @@ void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std:
         q_rows[h] = qh;
         for (int c = 0; c < d; ++c) q[h][c] = Vec<SimdLevel::scalar>::load(qh + c) * job.scale_log2;
         std::fill_n(acc[h], d, 0.0f);
-        m[h] = neg_inf;
-        l[h] = 0.0f;
+        m[h] = bad_row ? std::numeric_limits<float>::quiet_NaN() : neg_inf;
+        l[h] = bad_row ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
       }
 
       // Selected rows are scattered, so hardware prefetchers cannot see them coming. Each pass over a block

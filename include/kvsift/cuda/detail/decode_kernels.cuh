@@ -162,13 +162,17 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
   // A row's entries: every token (dense decode, or a selection row that attends all), the selected ones
   // (sparse), or the window's tokens and then the selected ones (sparse, Windowed).
   const bool dense = p.selection.indices == nullptr || attend_all;
+  // A count outside [0, capacity] marks a bad row (SelectionView::counts: a primitive's -1): it reads nothing,
+  // not even the window, and its running maxima start at NaN, which the warp merge, the split merge and the
+  // LSE carry into O and LSE of every head. One compare on values already loaded, before the loop.
+  const bool bad_row = !dense && unsigned(selected) > unsigned(p.selection.capacity);
   int seq_len = 0, window = 0, count;
   if constexpr (Windowed) {
     seq_len = p.seq_len(b);
-    window = dense ? 0 : p.window.size(seq_len);
-    count = dense ? seq_len : window + selected;
+    window = dense || bad_row ? 0 : p.window.size(seq_len);
+    count = dense ? seq_len : bad_row ? 0 : window + selected;
   } else {
-    count = dense ? p.seq_len(b) : selected;
+    count = dense ? p.seq_len(b) : bad_row ? 0 : selected;
   }
   const int chunk = (count + p.num_splits - 1) / p.num_splits;
   const int begin = min(count, split * chunk), end = min(count, begin + chunk);
@@ -248,7 +252,8 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
 
   // Online softmax in base 2 for the lane's two heads (frag_row, frag_row + 8): running max, this lane's
   // share of the denominator (summed over the lane quad at the end), and its accumulator fragments.
-  float m[2] = {negative_infinity<float>(), negative_infinity<float>()}, l[2] = {0.0f, 0.0f};
+  const float m_start = bad_row ? __int_as_float(0x7fffffff) : negative_infinity<float>();  // NaN: a bad row
+  float m[2] = {m_start, m_start}, l[2] = {0.0f, 0.0f};
   float acc[kNTiles][4];
 #pragma unroll
   for (int n = 0; n < kNTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;

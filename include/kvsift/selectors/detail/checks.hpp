@@ -72,4 +72,14 @@ void check_select(const char* where, const SelectorLimits& limits, const SelectI
                out.capacity, capacity);
 }
 
+/// The token columns of a select workspace sized for a bound on the sequences' lengths (SelectShape::max_seq_len
+/// in a query, SelectInputs::max_seq_len in select: one function, so that the two cannot disagree).
+/// name: the argument's name, for the refusal.
+inline std::int32_t planned_tokens(const char* where, const char* name, const SelectorLimits& limits,
+                                   std::int32_t max_seq_len) {
+  KVSIFT_CHECK(max_seq_len >= 0 && max_seq_len <= limits.max_tokens, where,
+               "{} (= {}) is outside [0, limits.max_tokens = {}]", name, max_seq_len, limits.max_tokens);
+  return max_seq_len > 0 ? max_seq_len : limits.max_tokens;
+}
+
 }  // namespace kvsift::detail

@@ -1,0 +1,171 @@
+#pragma once
+/// The per-problem math of batched k-means (cpu/kmeans.hpp, cuda/kmeans.hpp), written once for host and
+/// device so that both backends compute the same bits: the batched points view, the seeding's distances and
+/// its fixed summation order, the draw of a candidate, the centroid normalization and the reseed order.
+///
+/// The seeding's sums follow one fixed tree, independent of the backend and the thread count: a problem's n
+/// points are cut into kSeedSegments segments of ceil(n / kSeedSegments) consecutive points; a segment's sum
+/// runs in ascending point order; kSeedGroup consecutive segments form a group, whose sum runs in ascending
+/// segment order; the total runs over the groups in order. The CUDA kernel maps a segment to a thread and a
+/// group to a warp; the CPU runs the same loops. Every product-and-add is an explicit fused multiply-add, so
+/// neither compiler may contract differently.
+
+#include <cmath>
+#include <cstdint>
+
+#include "kvsift/core/config.hpp"
+#include "kvsift/core/views.hpp"
+
+namespace kvsift {
+
+namespace cpu {
+enum class KMeansMetric : std::uint8_t;  // cpu/primitives.hpp: l2 = 0, cosine
+}  // namespace cpu
+
+/// What becomes of a cluster left with no points by a k-means update.
+enum class EmptyCluster : std::uint8_t {
+  keep,    ///< it keeps its previous centroid (cpu::kmeans's rule)
+  reseed,  ///< it moves onto a point far from its own centroid (see cpu::kmeans_batched)
+};
+
+/// The configuration of cpu::kmeans_batched and cuda::kmeans_batched. In namespace kvsift (not cpu), so that
+/// argument-dependent lookup of a CUDA call never reaches the CPU overloads.
+struct BatchedKMeansConfig {
+  std::int32_t clusters = 0;     ///< per problem, in [1, points per problem]
+  std::int32_t iterations = 10;  ///< Lloyd steps, a fixed count (no early stop)
+  cpu::KMeansMetric metric{};    ///< KMeansMetric::l2 (the zero value) unless set
+  std::uint64_t seed = 0;  ///< problem p draws from seed + p (p = 0 draws as cpu::kmeans with this seed)
+  EmptyCluster empty = EmptyCluster::keep;
+};
+
+/// P problems of [rows, cols] each: row i of problem p at data + p * problem_stride + i * row_stride (elements;
+/// cols is the contiguous dimension). Both strides are free, so the subspace columns of a query matrix
+/// [n, heads * head_dim] are problems without a copy: problem (head h, subspace s) of width w starts at column
+/// h * head_dim + s * w, i.e. problem_stride = w when problems enumerate (h, s) in order, row_stride =
+/// heads * head_dim.
+template <class T>
+struct BatchedMatrixView {
+  T* data = nullptr;
+  std::int32_t problems = 0;
+  std::int64_t rows = 0;
+  std::int32_t cols = 0;
+  std::int64_t problem_stride = 0;
+  std::int64_t row_stride = 0;
+
+  KVSIFT_HOST_DEVICE T* row(std::int64_t p, std::int64_t i) const { return data + p * problem_stride + i * row_stride; }
+  KVSIFT_HOST_DEVICE MatrixView<T> problem(std::int64_t p) const { return {data + p * problem_stride, rows, cols, row_stride}; }
+
+  static constexpr BatchedMatrixView packed(T* data, std::int32_t problems, std::int64_t rows, std::int32_t cols) {
+    return {data, problems, rows, cols, rows * cols, cols};
+  }
+};
+
+namespace detail {
+
+inline constexpr int kSeedSegments = 1024;  ///< segments per problem of the seeding's sums (a CUDA block's threads)
+inline constexpr int kSeedGroup = 32;       ///< segments per group (a warp)
+inline constexpr int kSeedGroups = kSeedSegments / kSeedGroup;
+/// Candidates whose distances one pass over the points computes (registers per CUDA thread); 2 + ln k stays
+/// below it for k < 2981, larger k take more passes.
+inline constexpr int kSeedCandidatesPerPass = 8;
+
+KVSIFT_HOST_DEVICE inline float fma_f32(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+KVSIFT_HOST_DEVICE inline double fma_f64(double a, double b, double c) {
+#if defined(__CUDA_ARCH__)
+  return __fma_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+/// Problem p's seed: p = 0 draws as a single-problem cpu::kmeans / cuda::kmeans with the same seed.
+KVSIFT_HOST_DEVICE constexpr std::uint64_t batched_kmeans_seed(std::uint64_t seed, std::int64_t problem) {
+  return seed + std::uint64_t(problem);
+}
+
+/// Points [begin, end) of segment s of n points.
+struct SeedSegment {
+  std::int64_t begin, end;
+};
+KVSIFT_HOST_DEVICE inline SeedSegment seed_segment(std::int64_t n, int s) {
+  const std::int64_t length = (n + kSeedSegments - 1) / kSeedSegments;
+  const std::int64_t begin = s * length < n ? s * length : n;
+  return {begin, begin + length < n ? begin + length : n};
+}
+
+/// The seeding's distance of two fp32 rows (points normalized for cosine): sum of squared differences (L2, no
+/// cancellation) or 1 - dot clamped at 0 (cosine), fp32 fused multiply-adds in ascending channel order.
+KVSIFT_HOST_DEVICE inline float kmeans_distance(const float* x, const float* c, std::int32_t dim, bool cosine) {
+  float sum = 0.0f;
+  if (cosine) {
+    for (std::int32_t j = 0; j < dim; ++j) sum = fma_f32(x[j], c[j], sum);
+    return sum < 1.0f ? 1.0f - sum : 0.0f;
+  }
+  for (std::int32_t j = 0; j < dim; ++j) {
+    const float diff = x[j] - c[j];
+    sum = fma_f32(diff, diff, sum);
+  }
+  return sum;
+}
+
+/// The smaller of two distances (the first if neither is smaller).
+KVSIFT_HOST_DEVICE inline float min_distance(float a, float b) { return b < a ? b : a; }
+
+/// The seeding potential of a point: weight * distance, accumulated in fp64.
+KVSIFT_HOST_DEVICE inline double add_potential(double sum, const float* weights, std::int64_t i, float distance) {
+  return fma_f64(weights == nullptr ? 1.0 : double(weights[i]), double(distance), sum);
+}
+
+/// The candidate a draw `target` in [0, total) picks: the last segment whose offset is <= target (stepping back
+/// over segments of zero mass), then the first point of it whose running potential exceeds target (its last
+/// point if rounding leaves none). offsets/totals: the segments' potential offsets and sums [kSeedSegments];
+/// nearest: [n] distances to the nearest centroid so far.
+KVSIFT_HOST_DEVICE inline std::int64_t draw_seed_candidate(const double* offsets, const double* totals, const float* nearest,
+                                                           const float* weights, std::int64_t n, double target) {
+  int low = 0, high = kSeedSegments;  // first segment whose offset exceeds target
+  while (low < high) {
+    const int mid = (low + high) / 2;
+    if (offsets[mid] > target) {
+      high = mid;
+    } else {
+      low = mid + 1;
+    }
+  }
+  int s = low > 0 ? low - 1 : 0;
+  while (s > 0 && !(totals[s] > 0.0)) --s;
+  const SeedSegment seg = seed_segment(n, s);
+  double running = offsets[s];
+  for (std::int64_t i = seg.begin; i < seg.end; ++i) {
+    running = add_potential(running, weights, i, nearest[i]);
+    if (running > target) return i;
+  }
+  return seg.end > seg.begin ? seg.end - 1 : 0;
+}
+
+/// Scales a row to unit norm (sum of squares in fp64, ascending), as cpu::kmeans normalizes; a zero row stays.
+KVSIFT_HOST_DEVICE inline void normalize_row(float* x, std::int32_t dim) {
+  double square_sum = 0.0;
+  for (std::int32_t j = 0; j < dim; ++j) square_sum = fma_f64(double(x[j]), double(x[j]), square_sum);
+  if (square_sum == 0.0) return;
+  const float inverse = float(1.0 / sqrt(square_sum));
+  for (std::int32_t j = 0; j < dim; ++j) x[j] *= inverse;
+}
+
+/// The reseed order of points: larger key (weight * distance to the assigned centroid) first, then smaller
+/// index. A point comes after (key, index) = (prev_key, prev) when this is true.
+KVSIFT_HOST_DEVICE inline bool reseed_after(float key, std::int64_t i, float prev_key, std::int64_t prev) {
+  return key < prev_key || (key == prev_key && i > prev);
+}
+/// Whether (key, i) precedes (best_key, best) in the reseed order (best = -1: nothing yet).
+KVSIFT_HOST_DEVICE inline bool reseed_before(float key, std::int64_t i, float best_key, std::int64_t best) {
+  return best < 0 || key > best_key || (key == best_key && i < best);
+}
+
+}  // namespace detail
+}  // namespace kvsift

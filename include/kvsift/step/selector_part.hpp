@@ -1,0 +1,97 @@
+#pragma once
+/// The selector's part of a decode step, written once for every placement (DecodeStep on the GPU or the CPU,
+/// HybridDecodeStep): its workspace (lengths, the selection with its log-weights when the selector writes them,
+/// the selector's append and select scratch), planned once for every batch up to max_batch, and the sequence
+/// lengths -> append -> select, so that a selector is driven identically wherever the attention runs.
+/// Include the context's backend header (cpu/backend.hpp, cuda/backend.hpp) before using it.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "kvsift/attention/options.hpp"
+#include "kvsift/core/error.hpp"
+#include "kvsift/core/kv_cache.hpp"
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/selectors/selector.hpp"
+
+namespace kvsift::detail {
+
+/// One step's inputs to the selector (memory of the selector's context).
+template <class T>
+struct SelectorStepInputs {
+  QueryView<const T> q{};
+  KVCache<const T> cache{};  ///< counts the step's token
+  const std::int32_t* slots = nullptr;
+  HeadsView<const T> k_pre_rope{};
+  AttentionOptions attention{};
+  std::int32_t layer = 0;
+};
+
+template <KVSelector S>
+class SelectorPart {
+ public:
+  using T = typename S::value_type;
+  using Context = typename S::context_type;
+
+  struct Buffers {
+    std::int32_t* lengths = nullptr;
+    std::int32_t* indices = nullptr;
+    std::int32_t* counts = nullptr;
+    float* log_weights = nullptr;  ///< only for a selector that writes log-weights
+    std::span<std::byte> append, select;
+  };
+
+  /// Fewer rows may split more (a CPU pool's threads): the largest need of any batch of 1 .. max_batch rows.
+  SelectorPart(const S& selector, const SelectShape& max_shape, const Context& ctx)
+      : max_batch_(max_shape.batch), kv_heads_(max_shape.kv_heads), max_seq_len_(max_shape.max_seq_len),
+        capacity_(std::max(1, selector.capacity())),
+        log_weights_(selector_writes_log_weights(selector)) {
+    for (std::int32_t batch = 1; batch <= max_shape.batch; ++batch) {
+      SelectShape shape = max_shape;
+      shape.batch = batch;
+      append_bytes_ = std::max(append_bytes_, selector.append_workspace_bytes(shape, ctx));
+      select_bytes_ = std::max(select_bytes_, selector.select_workspace_bytes(shape, ctx));
+    }
+  }
+
+  std::int32_t capacity() const { return capacity_; }
+
+  /// The part's share of a workspace layout (the one layout behind the byte count and the carving).
+  Buffers layout(WorkspaceLayout& layout) const {
+    const std::size_t rows = std::size_t(max_batch_) * std::size_t(kv_heads_);
+    Buffers b;
+    b.lengths = layout.allocate<std::int32_t>(std::size_t(max_batch_), "step lengths");
+    b.indices = layout.allocate<std::int32_t>(rows * std::size_t(capacity_), "step selection indices");
+    b.counts = layout.allocate<std::int32_t>(rows, "step selection counts");
+    if (log_weights_) b.log_weights = layout.allocate<float>(rows * std::size_t(capacity_), "step selection log-weights");
+    b.append = layout.span(append_bytes_, "step selector append scratch");
+    b.select = layout.span(select_bytes_, "step selector select scratch");
+    return b;
+  }
+
+  SelectionView selection(const Buffers& b, std::int32_t batch) const {
+    return {b.indices, b.counts, b.log_weights, batch, kv_heads_, capacity_};
+  }
+
+  /// lengths[b] = cache.seq_len(b), once, for the selector; then its append (the index learns the step's token)
+  /// and its select (the middle tokens, into the buffers' selection of in.q.batch rows).
+  void run(S& selector, const SelectorStepInputs<T>& in, const Buffers& b, const Context& ctx) const {
+    sequence_lengths(in.cache, b.lengths, ctx);
+    selector.append({.cache = in.cache, .slots = in.slots, .lengths = b.lengths, .k_pre_rope = in.k_pre_rope,
+                     .layer = in.layer},
+                    b.append, ctx);
+    // max_seq_len: the bound the select scratch was sized with (SelectShape::max_seq_len).
+    selector.select({.q = in.q, .cache = in.cache, .slots = in.slots, .lengths = b.lengths,
+                     .attention = in.attention, .layer = in.layer, .max_seq_len = max_seq_len_},
+                    selection(b, in.q.batch), b.select, ctx);
+  }
+
+ private:
+  std::int32_t max_batch_, kv_heads_, max_seq_len_, capacity_;
+  bool log_weights_;
+  std::size_t append_bytes_ = 0, select_bytes_ = 0;
+};
+
+}  // namespace kvsift::detail

@@ -1,0 +1,263 @@
+// cuda::kmeans_batched: every problem's points to fp32 (one launch), every problem's greedy k-means++ seeding
+// (one launch, a CTA per problem running the loop over centroids), then per Lloyd step the batched assignment
+// (kernels/kmeans.cu), one segment_mean over every problem's clusters and a finishing launch (cosine
+// normalization, reseeding). The per-problem math is core/kmeans_batched.hpp's, which the CPU runs too: a
+// thread owns a seeding segment and a warp a group, so every sum runs in the order the CPU runs it.
+#include "kvsift/core/kmeans_seeding.hpp"
+#include "kvsift/cuda/detail/kmeans_batched_launch.hpp"
+#include "kvsift/cuda/dtype.cuh"
+
+namespace kvsift::cuda::detail {
+namespace {
+
+using kvsift::detail::kSeedCandidatesPerPass;
+using kvsift::detail::kSeedGroup;
+using kvsift::detail::kSeedGroups;
+using kvsift::detail::kSeedSegments;
+static_assert(kBatchedKMeansThreads == kSeedGroups * 32 && kSeedGroup == 32, "a thread per segment, a warp per group");
+
+constexpr int kPrepareThreads = 256;
+constexpr int kMaxCandidates = 64;  ///< 2 + ln k < 24 for every k < 2^31
+constexpr unsigned kFullMask = 0xffffffffu;
+
+/// Row i of problem blockIdx.y to fp32, normalized for cosine: cpu::kmeans_batched's step 1.
+template <class T>
+__global__ void prepare_batched_points(BatchedMatrixView<const T> in, bool cosine, float* out) {
+  const std::int64_t i = std::int64_t(blockIdx.x) * kPrepareThreads + threadIdx.x;
+  if (i >= in.rows) return;
+  const T* src = in.row(blockIdx.y, i);
+  float* dst = out + (std::int64_t(blockIdx.y) * in.rows + i) * in.cols;
+  for (int c = 0; c < in.cols; ++c) dst[c] = to_float_device(src[c]);
+  if (cosine) kvsift::detail::normalize_row(dst, in.cols);
+}
+
+/// The sum over a warp's lanes in lane order (every lane gets it): a group's sum, as the CPU adds it.
+__device__ __forceinline__ double warp_sum_in_order(double value) {
+  double sum = 0.0;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) sum += __shfl_sync(kFullMask, value, j);
+  return sum;
+}
+
+/// One CTA per problem: greedy k-means++ seeding (cpu/kmeans.hpp step 2). Thread s owns segment s; each step
+/// makes two passes over the points: nearest distances updated with the previous centroid and the segments'
+/// potentials, then the drawn candidates' potentials (kSeedCandidatesPerPass at a time).
+__global__ void __launch_bounds__(kBatchedKMeansThreads, 1)
+    seed_batched(const float* all_points, const float* all_weights, std::int64_t n, std::int32_t dim, bool cosine,
+                 std::int32_t clusters, std::int32_t per_step, std::uint64_t seed, float* all_centroids,
+                 float* all_nearest) {
+  using namespace kvsift::detail;
+  extern __shared__ float candidate_rows[];  // [kSeedCandidatesPerPass, dim]
+  __shared__ double totals[kSeedSegments], offsets[kSeedSegments], group_sums[kSeedGroups];
+  __shared__ double group_potentials[kSeedGroups][kSeedCandidatesPerPass], potentials[kMaxCandidates];
+  __shared__ std::int64_t candidates[kMaxCandidates];
+
+  const int s = int(threadIdx.x), lane = s % 32, group = s / 32;
+  const std::int64_t p = blockIdx.x;
+  const float* x = all_points + p * n * dim;
+  const float* weights = all_weights == nullptr ? nullptr : all_weights + p * n;
+  float* centroids = all_centroids + p * clusters * dim;
+  float* nearest = all_nearest + p * n;
+  const SeedSegment seg = seed_segment(n, s);
+  const std::uint64_t problem_seed = batched_kmeans_seed(seed, p);
+
+  std::int64_t chosen = kmeans_first_point(problem_seed, n);
+  for (int j = s; j < dim; j += kBatchedKMeansThreads) centroids[j] = x[chosen * dim + j];
+  for (std::int32_t c = 1; c < clusters; ++c) {
+    __syncthreads();  // centroid c - 1 is written; the last step's candidates and potentials are read
+    const float* previous = centroids + std::int64_t(c - 1) * dim;
+    double total_s = 0.0;
+    for (std::int64_t i = seg.begin; i < seg.end; ++i) {
+      const float d = kmeans_distance(x + i * dim, previous, dim, cosine);
+      const float v = c == 1 ? d : min_distance(nearest[i], d);
+      nearest[i] = v;
+      total_s = add_potential(total_s, weights, i, v);
+    }
+    const double group_sum = warp_sum_in_order(total_s);
+    if (lane == 0) group_sums[group] = group_sum;
+    __syncthreads();
+    double group_offset = 0.0, total = 0.0;
+    for (int g = 0; g < kSeedGroups; ++g) {
+      if (g < group) group_offset += group_sums[g];
+      total += group_sums[g];
+    }
+    double running = group_offset;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const double earlier = __shfl_sync(kFullMask, total_s, j);
+      if (j < lane) running += earlier;
+    }
+    offsets[s] = running;
+    totals[s] = total_s;
+    __syncthreads();  // offsets, totals and the nearest distances are complete
+
+    const int drawn = total > 0.0 ? per_step : 1;
+    if (s < drawn) {
+      candidates[s] = total > 0.0 ? draw_seed_candidate(offsets, totals, nearest, weights, n,
+                                                        kmeans_draw_target(problem_seed, std::uint32_t(c),
+                                                                           std::uint32_t(s), total))
+                                  : (chosen + 1) % n;  // every point's potential is 0: the next point in order
+    }
+    __syncthreads();
+    int best = 0;
+    if (drawn > 1) {
+      for (int first = 0; first < drawn; first += kSeedCandidatesPerPass) {
+        const int count = min(kSeedCandidatesPerPass, drawn - first);
+        for (int e = s; e < count * dim; e += kBatchedKMeansThreads) {
+          candidate_rows[e] = x[candidates[first + e / dim] * dim + e % dim];
+        }
+        __syncthreads();
+        double partial[kSeedCandidatesPerPass] = {};
+        for (std::int64_t i = seg.begin; i < seg.end; ++i) {
+          const float own = nearest[i];
+#pragma unroll
+          for (int t = 0; t < kSeedCandidatesPerPass; ++t) {
+            if (t < count) {
+              const float d = kmeans_distance(x + i * dim, candidate_rows + t * dim, dim, cosine);
+              partial[t] = add_potential(partial[t], weights, i, min_distance(own, d));
+            }
+          }
+        }
+#pragma unroll
+        for (int t = 0; t < kSeedCandidatesPerPass; ++t) {
+          if (t < count) {
+            const double sum = warp_sum_in_order(partial[t]);
+            if (lane == 0) group_potentials[group][t] = sum;
+          }
+        }
+        __syncthreads();
+        if (s < count) {
+          double sum = 0.0;
+          for (int g = 0; g < kSeedGroups; ++g) sum += group_potentials[g][s];
+          potentials[first + s] = sum;
+        }
+        __syncthreads();  // potentials complete; candidate_rows and group_potentials free again
+      }
+      for (int t = 1; t < drawn; ++t) {
+        if (potentials[t] < potentials[best]) best = t;
+      }
+    }
+    chosen = candidates[best];
+    for (int j = s; j < dim; j += kBatchedKMeansThreads) centroids[std::int64_t(c) * dim + j] = x[chosen * dim + j];
+  }
+}
+
+/// One CTA per problem, after an update: cosine centroids normalized, then with reseed the empty clusters, in
+/// ascending id, each take the next point in the reseed order (core/kmeans_batched.hpp), one block-wide
+/// selection per empty cluster.
+__global__ void __launch_bounds__(kBatchedKMeansThreads, 1)
+    finish_batched(const float* all_points, const float* all_weights, std::int64_t n, std::int32_t dim, bool cosine,
+                   bool reseed, std::int32_t clusters, const std::int32_t* all_assignment,
+                   const std::int32_t* all_counts, float* all_centroids, float* all_keys) {
+  using namespace kvsift::detail;
+  __shared__ float warp_keys[kSeedGroups];
+  __shared__ std::int64_t warp_best[kSeedGroups];
+  __shared__ float winner_key;
+  __shared__ std::int64_t winner;
+
+  const int s = int(threadIdx.x), lane = s % 32, group = s / 32;
+  const std::int64_t p = blockIdx.x;
+  const float* x = all_points + p * n * dim;
+  const float* weights = all_weights == nullptr ? nullptr : all_weights + p * n;
+  const std::int32_t* assignment = all_assignment + p * n;
+  const std::int32_t* counts = all_counts + p * clusters;
+  float* centroids = all_centroids + p * clusters * dim;
+  float* keys = all_keys + p * n;
+
+  int any_empty = 0;
+  for (std::int32_t c = s; c < clusters; c += kBatchedKMeansThreads) {
+    if (cosine && counts[c] > 0) normalize_row(centroids + std::int64_t(c) * dim, dim);
+    any_empty |= counts[c] == 0;
+  }
+  if (__syncthreads_or(any_empty) == 0 || !reseed) return;  // also the barrier after the normalization
+
+  const SeedSegment seg = seed_segment(n, s);
+  for (std::int64_t i = seg.begin; i < seg.end; ++i) {
+    const float d = kmeans_distance(x + i * dim, centroids + std::int64_t(assignment[i]) * dim, dim, cosine);
+    keys[i] = (weights == nullptr ? 1.0f : weights[i]) * d;
+  }
+  __syncthreads();
+  float previous_key = INFINITY;
+  std::int64_t previous = -1;
+  for (std::int32_t c = 0; c < clusters; ++c) {
+    if (counts[c] != 0) continue;
+    std::int64_t best = -1;
+    float best_key = 0.0f;
+    for (std::int64_t i = seg.begin; i < seg.end; ++i) {
+      if (reseed_after(keys[i], i, previous_key, previous) && reseed_before(keys[i], i, best_key, best)) {
+        best = i, best_key = keys[i];
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float other_key = __shfl_xor_sync(kFullMask, best_key, offset);
+      const std::int64_t other = __shfl_xor_sync(kFullMask, best, offset);
+      if (other >= 0 && reseed_before(other_key, other, best_key, best)) best = other, best_key = other_key;
+    }
+    if (lane == 0) warp_keys[group] = best_key, warp_best[group] = best;
+    __syncthreads();
+    if (s == 0) {
+      best = -1;
+      for (int g = 0; g < kSeedGroups; ++g) {
+        if (warp_best[g] >= 0 && reseed_before(warp_keys[g], warp_best[g], best_key, best)) {
+          best = warp_best[g], best_key = warp_keys[g];
+        }
+      }
+      winner = best, winner_key = best_key;
+    }
+    __syncthreads();
+    if (winner < 0) return;  // every point taken (or NaN keys)
+    for (int j = s; j < dim; j += kBatchedKMeansThreads) centroids[std::int64_t(c) * dim + j] = x[winner * dim + j];
+    previous = winner, previous_key = winner_key;
+  }
+}
+
+}  // namespace
+
+template <class T>
+cudaError_t launch_kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights, std::int32_t clusters,
+                                  std::int32_t iterations, bool cosine, bool reseed, std::uint64_t seed, float* centroids,
+                                  std::int32_t* assignment, const BatchedKMeansBuffers& b, cudaStream_t stream) {
+  const std::int32_t problems = points.problems, dim = points.cols;
+  const std::int64_t n = points.rows;
+  const dim3 prepare_blocks(unsigned((n + kPrepareThreads - 1) / kPrepareThreads), unsigned(problems));
+  prepare_batched_points<<<prepare_blocks, kPrepareThreads, 0, stream>>>(points, cosine, b.points);
+  const std::int32_t per_step = kvsift::detail::kmeans_candidates_per_step(clusters);
+  const std::size_t candidate_bytes = std::size_t(kSeedCandidatesPerPass) * std::size_t(dim) * sizeof(float);
+  seed_batched<<<unsigned(problems), kBatchedKMeansThreads, candidate_bytes, stream>>>(
+      b.points, weights, n, dim, cosine, clusters, per_step, seed, centroids, b.nearest);
+  if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
+
+  const auto fp32_points = BatchedMatrixView<const float>::packed(b.points, problems, n, dim);
+  const auto fp32_centroids = BatchedMatrixView<const float>::packed(centroids, problems, clusters, dim);
+  const auto all_points = MatrixView<const float>::packed(b.points, problems * n, dim);
+  const auto all_centroids = MatrixView<float>::packed(centroids, std::int64_t(problems) * clusters, dim);
+  for (std::int32_t it = 0; it < iterations; ++it) {
+    if (cudaError_t s = launch_assign_nearest_batched(fp32_points, fp32_centroids, cosine, assignment, b.keys, stream);
+        s != cudaSuccess) {
+      return s;
+    }
+    if (cudaError_t s = launch_segment_mean(all_points, b.keys, problems * clusters, weights, all_centroids, b.counts,
+                                            b.segment_mean, stream);
+        s != cudaSuccess) {
+      return s;
+    }
+    if (cosine || reseed) {
+      finish_batched<<<unsigned(problems), kBatchedKMeansThreads, 0, stream>>>(
+          b.points, weights, n, dim, cosine, reseed, clusters, assignment, b.counts, centroids, b.nearest);
+      if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
+    }
+  }
+  return launch_assign_nearest_batched(fp32_points, fp32_centroids, cosine, assignment, nullptr, stream);
+}
+
+#define KVSIFT_INSTANTIATE(T)                                                                                         \
+  template cudaError_t launch_kmeans_batched<T>(const BatchedMatrixView<const T>&, const float*, std::int32_t,        \
+                                                std::int32_t, bool, bool, std::uint64_t, float*, std::int32_t*,       \
+                                                const BatchedKMeansBuffers&, cudaStream_t);
+KVSIFT_INSTANTIATE(float)
+KVSIFT_INSTANTIATE(half)
+KVSIFT_INSTANTIATE(bfloat16)
+#undef KVSIFT_INSTANTIATE
+
+}  // namespace kvsift::cuda::detail

@@ -1,0 +1,382 @@
+// Codebook quantization, lookup tables and code scan on CUDA (cuda/vq.hpp). The lookup-table entries of the
+// two-launch and the fused forms come from one device function (same FMAs in the same order), so the fused
+// scores equal vq_lut then vq_code_scan bit for bit; the scan itself only copies table entries.
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "kvsift/cuda/detail/vq_launch.hpp"
+#include "kvsift/cuda/dtype.cuh"
+
+namespace kvsift::cuda::detail {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kEncodeRows = 32;       ///< keys per encode block: 16 row pairs
+constexpr int kEncodeCodewords = 64;  ///< codewords per encode tile: 16 threads x 4
+
+using kvsift::detail::vq_destination;
+using kvsift::detail::vq_scan_length;
+
+/// Opens the kernel to the device's whole shared memory per block. Always the device's limit, never a call's own
+/// size: a launch from another host thread may rely on it (as topk_rows does).
+template <class Kernel>
+cudaError_t open_shared_memory(Kernel kernel) {
+  int device = 0, limit = 0;
+  if (cudaError_t s = cudaGetDevice(&device); s != cudaSuccess) return s;
+  if (cudaError_t s = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device); s != cudaSuccess) {
+    return s;
+  }
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit);
+}
+
+__device__ __forceinline__ float vq_nan() { return __int_as_float(0x7fc00000); }
+
+/// Eight consecutive elements as fp32 (16-byte aligned for 2-byte types, 32-byte aligned for float).
+__device__ __forceinline__ void load8(const float* p, float* x) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+template <class T>
+__device__ __forceinline__ void load8(const T* p, float* x) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    x[2 * i] = to_float_device(T{std::uint16_t(words[i] & 0xffffu)});
+    x[2 * i + 1] = to_float_device(T{std::uint16_t(words[i] >> 16)});
+  }
+}
+
+/// out[h * out_stride + c] = q_h . C_c for the group's heads h < group (queries q_s [group, D] fp32 in shared
+/// memory) and codewords c in [begin, end), one thread per codeword; ascending-j FMAs, four heads per pass.
+template <class T, int D>
+__device__ void lut_entries(const float* q_s, std::int32_t group, const T* head_codewords, std::int32_t begin,
+                            std::int32_t end, float* out, std::int64_t out_stride) {
+  for (std::int32_t c = begin + std::int32_t(threadIdx.x); c < end; c += blockDim.x) {
+    const T* w = head_codewords + std::int64_t(c) * D;
+    for (std::int32_t h0 = 0; h0 < group; h0 += 4) {
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const float* qh[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) qh[u] = q_s + std::int64_t(h0 + u < group ? h0 + u : h0) * D;
+#pragma unroll 4
+      for (int j = 0; j < D; j += 8) {
+        float x[8];
+        load8(w + j, x);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[u] = fmaf(qh[u][j + e], x[e], acc[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if (h0 + u < group) out[(h0 + u) * out_stride + c] = acc[u];
+      }
+    }
+  }
+}
+
+/// The group's queries of sequence b, kv head g into q_s [group, D] as fp32.
+template <class T, int D>
+__device__ void load_group_queries(const QueryView<const T>& q, std::int32_t b, std::int32_t g, std::int32_t group,
+                                   float* q_s) {
+  for (std::int32_t i = threadIdx.x; i < group * D; i += blockDim.x) {
+    q_s[i] = to_float_device(q.row(b, std::int64_t(g) * group + i / D)[i % D]);
+  }
+}
+
+/// This block's share (part of parts) of the tokens of (sequence b, kv head g): each code read once, written to the
+/// group's score rows through table(h, code).
+template <class Table>
+__device__ void scan_tokens(const Table& table, std::int32_t codewords, std::int32_t b, std::int32_t g,
+                            std::int32_t group, std::int32_t q_heads, const VqCodesView<const std::uint16_t>& codes,
+                            const std::int32_t* slots, const std::int32_t* lengths, const MatrixView<float>& scores,
+                            std::int32_t part, std::int32_t parts) {
+  const std::int32_t n = vq_scan_length(lengths[b], scores.cols, codes.max_tokens);
+  const std::int32_t slot = slots[b];
+  const bool valid = slot >= 0 && slot < codes.slots;
+  const std::uint16_t* row = valid ? codes.row(slot, g) : nullptr;
+  float* out = scores.row(std::int64_t(b) * q_heads + std::int64_t(g) * group);
+  const std::int64_t stride = std::int64_t(parts) * blockDim.x;
+#pragma unroll 4
+  for (std::int64_t t = std::int64_t(part) * blockDim.x + threadIdx.x; t < n; t += stride) {
+    const std::int32_t code = valid ? std::int32_t(row[t]) : codewords;
+    for (std::int32_t h = 0; h < group; ++h) out[h * scores.row_stride + t] = code < codewords ? table(h, code) : vq_nan();
+  }
+}
+
+__global__ void codeword_norms(MatrixView<const float> centroids, float* norms) {
+  const std::int64_t warp = (std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = int(threadIdx.x % 32);
+  if (warp >= centroids.rows) return;  // whole warps leave together: rows are per warp
+  float sum = 0.0f;
+  for (std::int32_t j = lane; j < centroids.cols; j += 32) sum = fmaf(centroids.row(warp)[j], centroids.row(warp)[j], sum);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane == 0) norms[warp] = sum;
+}
+
+/// Block (row tile, kv head h): z = k L for kEncodeRows keys, then every codeword tile against them. Thread
+/// (ty, tx) = (tid / 16, tid % 16) scores rows 2 ty, 2 ty + 1 against codewords tx + 16 u (u < 4) of each tile
+/// (conflict-free banks with the rows padded to D + 1), keeps its best, and the 16 tx lanes reduce by shuffle.
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads)
+    encode_kernel(HeadsView<const T> keys, VqEncodeCodebook codebook, VqCodesView<std::uint16_t> codes,
+                  VqCodeDestination destination) {
+  extern __shared__ float smem[];
+  constexpr int kPitch = D + 1;
+  float* z_s = smem;                                  // [kEncodeRows, kPitch]
+  float* tile_s = z_s + kEncodeRows * kPitch;         // [kEncodeCodewords, kPitch]; the keys [kEncodeRows, D] first
+  float* offset_s = tile_s + kEncodeCodewords * kPitch;  // [kEncodeCodewords]
+  const std::int32_t h = blockIdx.y, count = codebook.codewords;
+  const std::int64_t r0 = std::int64_t(blockIdx.x) * kEncodeRows;
+  const int tid = int(threadIdx.x);
+
+  float* k_s = tile_s;
+  for (int i = tid; i < kEncodeRows * D; i += kThreads) {
+    const std::int64_t r = r0 + i / D;
+    k_s[i] = r < keys.batch ? to_float_device(keys.row(r, h)[i % D]) : 0.0f;
+  }
+  __syncthreads();
+  {
+    // Column j of z for rows rg, rg + groups, ...: z_j = sum_{i >= j} k_i L[i][j] in ascending i.
+    constexpr int kGroups = kThreads / D, kRowsPer = kEncodeRows / kGroups;
+    const int j = tid % D, rg = tid / D;
+    const float* transform = codebook.transform + std::int64_t(h) * D * D;
+    float acc[kRowsPer];
+#pragma unroll
+    for (int r = 0; r < kRowsPer; ++r) acc[r] = 0.0f;
+    for (int i = j; i < D; ++i) {
+      const float l = transform[i * D + j];
+#pragma unroll
+      for (int r = 0; r < kRowsPer; ++r) acc[r] = fmaf(k_s[(rg + r * kGroups) * D + i], l, acc[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsPer; ++r) z_s[(rg + r * kGroups) * kPitch + j] = acc[r];
+  }
+
+  const int ty = tid / 16, tx = tid % 16;
+  float best[2] = {-INFINITY, -INFINITY};
+  std::int32_t best_code[2] = {0, 0};
+  const float* centroids = codebook.centroids + std::int64_t(h) * count * D;
+  const float* norms = codebook.norms + std::int64_t(h) * count;
+  for (std::int32_t c0 = 0; c0 < count; c0 += kEncodeCodewords) {
+    __syncthreads();  // z_s written (first tile) / the previous tile consumed; k_s is dead after the first
+    for (int i = tid; i < kEncodeCodewords * D; i += kThreads) {
+      const std::int32_t c = c0 + i / D;
+      tile_s[(i / D) * kPitch + i % D] = c < count ? centroids[std::int64_t(c) * D + i % D] : 0.0f;
+    }
+    if (tid < kEncodeCodewords) offset_s[tid] = c0 + tid < count ? -0.5f * norms[c0 + tid] : 0.0f;
+    __syncthreads();
+    float acc[2][4] = {};
+#pragma unroll 8
+    for (int j = 0; j < D; ++j) {
+      const float z0 = z_s[(2 * ty) * kPitch + j], z1 = z_s[(2 * ty + 1) * kPitch + j];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float w = tile_s[(tx + 16 * u) * kPitch + j];
+        acc[0][u] = fmaf(z0, w, acc[0][u]);
+        acc[1][u] = fmaf(z1, w, acc[1][u]);
+      }
+    }
+    // Ascending c within a thread and a strict >: the first (smallest) of equal scores stays.
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const std::int32_t c = c0 + tx + 16 * u;
+      if (c >= count) continue;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float s = acc[r][u] + offset_s[tx + 16 * u];
+        if (s > best[r]) best[r] = s, best_code[r] = c;
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int offset = 8; offset > 0; offset /= 2) {
+      const float s = __shfl_xor_sync(0xffffffffu, best[r], offset);
+      const std::int32_t c = __shfl_xor_sync(0xffffffffu, best_code[r], offset);
+      if (s > best[r] || (s == best[r] && c < best_code[r])) best[r] = s, best_code[r] = c;
+    }
+  }
+  if (tx != 0) return;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const std::int64_t row = r0 + 2 * ty + r;
+    std::int32_t slot = 0, position = 0;
+    if (row < keys.batch && vq_destination(destination, codes, row, &slot, &position)) {
+      codes.row(slot, h)[position] = std::uint16_t(best_code[r]);
+    }
+  }
+}
+
+/// Block (codeword tile, kv head g, sequence b): the group's tables for kThreads codewords.
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads)
+    lut_kernel(QueryView<const T> q, VqCodebook<T> codebook, MatrixView<float> lut) {
+  extern __shared__ float q_s[];  // [group, D]
+  const std::int32_t b = blockIdx.z, g = blockIdx.y, group = q.heads / codebook.kv_heads;
+  load_group_queries<T, D>(q, b, g, group, q_s);
+  __syncthreads();
+  const std::int32_t begin = std::int32_t(blockIdx.x) * kThreads;
+  const std::int32_t end = min(begin + kThreads, codebook.codewords_per_head);
+  lut_entries<T, D>(q_s, group, codebook.row(g, 0), begin, end, lut.row(std::int64_t(b) * q.heads + std::int64_t(g) * group),
+                    lut.row_stride);
+}
+
+/// Block (part, kv head g, sequence b) of the two-launch scan: tables read from global memory.
+__global__ void __launch_bounds__(kThreads)
+    scan_kernel(MatrixView<const float> lut, std::int32_t q_heads, VqCodesView<const std::uint16_t> codes,
+                const std::int32_t* slots, const std::int32_t* lengths, MatrixView<float> scores) {
+  const std::int32_t b = blockIdx.z, g = blockIdx.y, group = q_heads / codes.kv_heads;
+  const float* first = lut.row(std::int64_t(b) * q_heads + std::int64_t(g) * group);
+  const std::int64_t stride = lut.row_stride;
+  const auto table = [&](std::int32_t h, std::int32_t code) { return __ldg(first + h * stride + code); };
+  scan_tokens(table, lut.cols, b, g, group, q_heads, codes, slots, lengths, scores, blockIdx.x, gridDim.x);
+}
+
+/// Block (part, kv head g, sequence b) of the fused form. The `cluster` blocks of a cluster (consecutive in x)
+/// build one eighth of the tables each into their own shared memory, then copy the other eighths through
+/// distributed shared memory; every thread reaches both cluster barriers (no early exit before the scan). The
+/// second barrier also keeps each block's tables alive until every block of its cluster has copied them.
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads)
+    lut_scan_kernel(QueryView<const T> q, VqCodebook<T> codebook, VqCodesView<const std::uint16_t> codes,
+                    const std::int32_t* slots, const std::int32_t* lengths, MatrixView<float> scores,
+                    std::int32_t cluster) {
+  extern __shared__ float smem[];
+  const std::int32_t b = blockIdx.z, g = blockIdx.y, group = q.heads / codebook.kv_heads;
+  const std::int32_t count = codebook.codewords_per_head;
+  float* lut_s = smem;                                 // [group, count]
+  float* q_s = smem + std::int64_t(group) * count;     // [group, D]
+  load_group_queries<T, D>(q, b, g, group, q_s);
+  __syncthreads();
+  std::int32_t rank = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cluster > 1) rank = std::int32_t(cooperative_groups::this_cluster().block_rank());
+#endif
+  const auto slice_begin = [&](std::int32_t r) { return std::int32_t(std::int64_t(count) * r / cluster); };
+  lut_entries<T, D>(q_s, group, codebook.row(g, 0), slice_begin(rank), slice_begin(rank + 1), lut_s, count);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cluster > 1) {
+    cooperative_groups::cluster_group blocks = cooperative_groups::this_cluster();
+    blocks.sync();
+    for (std::int32_t r = 0; r < cluster; ++r) {
+      if (r == rank) continue;
+      const float* remote = blocks.map_shared_rank(lut_s, unsigned(r));
+      const std::int32_t begin = slice_begin(r), width = slice_begin(r + 1) - begin;
+      for (std::int32_t i = threadIdx.x; i < group * width; i += blockDim.x) {
+        const std::int64_t at = std::int64_t(i / width) * count + begin + i % width;
+        lut_s[at] = remote[at];
+      }
+    }
+    blocks.sync();
+  }
+#endif
+  __syncthreads();
+  const auto table = [&](std::int32_t h, std::int32_t code) { return lut_s[std::int64_t(h) * count + code]; };
+  scan_tokens(table, count, b, g, group, q.heads, codes, slots, lengths, scores, blockIdx.x, gridDim.x);
+}
+
+/// Calls fn.template operator()<D>() for the supported head_dim (64 or 128; checked by the caller).
+template <class F>
+cudaError_t with_head_dim(std::int32_t head_dim, F&& fn) {
+  return head_dim == 64 ? fn.template operator()<64>() : fn.template operator()<128>();
+}
+
+}  // namespace
+
+cudaError_t launch_vq_codeword_norms(const MatrixView<const float>& centroids, float* norms, cudaStream_t stream) {
+  const std::int64_t blocks = (centroids.rows * 32 + kThreads - 1) / kThreads;
+  codeword_norms<<<unsigned(blocks), kThreads, 0, stream>>>(centroids, norms);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook,
+                             const VqCodesView<std::uint16_t>& codes, const VqCodeDestination& destination,
+                             cudaStream_t stream) {
+  return with_head_dim(keys.head_dim, [&]<int D>() {
+    constexpr auto kernel = encode_kernel<T, D>;
+    constexpr int kPitch = D + 1;
+    const std::size_t smem =
+        sizeof(float) * (kEncodeRows * kPitch + std::max(kEncodeCodewords * kPitch, kEncodeRows * D) + kEncodeCodewords);
+    if (cudaError_t s = open_shared_memory(kernel); s != cudaSuccess) return s;
+    const dim3 grid(unsigned((keys.batch + kEncodeRows - 1) / kEncodeRows), unsigned(keys.heads));
+    kernel<<<grid, kThreads, smem, stream>>>(keys, codebook, codes, destination);
+    return cudaGetLastError();
+  });
+}
+
+template <class T>
+cudaError_t launch_vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut,
+                          cudaStream_t stream) {
+  return with_head_dim(q.head_dim, [&]<int D>() {
+    const std::size_t smem = sizeof(float) * std::size_t(q.heads / codebook.kv_heads) * D;
+    constexpr auto kernel = lut_kernel<T, D>;
+    if (cudaError_t s = open_shared_memory(kernel); s != cudaSuccess) return s;
+    const dim3 grid(unsigned((codebook.codewords_per_head + kThreads - 1) / kThreads), unsigned(codebook.kv_heads),
+                    unsigned(q.batch));
+    kernel<<<grid, kThreads, smem, stream>>>(q, codebook, lut);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch,
+                                const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
+                                const std::int32_t* lengths, const MatrixView<float>& scores, const VqScanGrid& grid,
+                                cudaStream_t stream) {
+  const auto q_heads = std::int32_t(lut.rows / batch);
+  scan_kernel<<<dim3(unsigned(grid.parts), unsigned(codes.kv_heads), unsigned(batch)), kThreads, 0, stream>>>(
+      lut, q_heads, codes, slots, lengths, scores);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook,
+                               const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
+                               const std::int32_t* lengths, const MatrixView<float>& scores, const VqScanGrid& grid,
+                               cudaStream_t stream) {
+  return with_head_dim(q.head_dim, [&]<int D>() {
+    constexpr auto kernel = lut_scan_kernel<T, D>;
+    const std::size_t smem = vq_fused_smem_bytes(q.heads / codebook.kv_heads, codebook.codewords_per_head, D);
+    if (cudaError_t s = open_shared_memory(kernel); s != cudaSuccess) return s;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(unsigned(grid.parts), unsigned(codebook.kv_heads), unsigned(q.batch));
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute attribute{};
+    if (grid.cluster > 1) {
+      attribute.id = cudaLaunchAttributeClusterDimension;
+      attribute.val.clusterDim.x = unsigned(grid.cluster);
+      attribute.val.clusterDim.y = 1;
+      attribute.val.clusterDim.z = 1;
+      config.attrs = &attribute;
+      config.numAttrs = 1;
+    }
+    return cudaLaunchKernelEx(&config, kernel, q, codebook, codes, slots, lengths, scores, grid.cluster);
+  });
+}
+
+#define KVSIFT_INSTANTIATE(T)                                                                                         \
+  template cudaError_t launch_vq_encode<T>(const HeadsView<const T>&, const VqEncodeCodebook&,                       \
+                                           const VqCodesView<std::uint16_t>&, const VqCodeDestination&, cudaStream_t); \
+  template cudaError_t launch_vq_lut<T>(const QueryView<const T>&, const VqCodebook<T>&, const MatrixView<float>&,   \
+                                        cudaStream_t);                                                                \
+  template cudaError_t launch_vq_lut_scan<T>(const QueryView<const T>&, const VqCodebook<T>&,                        \
+                                             const VqCodesView<const std::uint16_t>&, const std::int32_t*,            \
+                                             const std::int32_t*, const MatrixView<float>&, const VqScanGrid&,        \
+                                             cudaStream_t);
+KVSIFT_INSTANTIATE(float)
+KVSIFT_INSTANTIATE(half)
+KVSIFT_INSTANTIATE(bfloat16)
+#undef KVSIFT_INSTANTIATE
+
+}  // namespace kvsift::cuda::detail

@@ -1,0 +1,67 @@
+// cuda::kmeans_batched: validation and workspace layout (host compiler); kernels in kernels/kmeans_batched.cu.
+#include "kvsift/cuda/kmeans.hpp"
+
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/cuda/check.hpp"
+#include "kvsift/cuda/detail/kmeans_batched_launch.hpp"
+
+namespace kvsift::cuda {
+namespace {
+
+/// The problems are a launch's grid.y in the assignment.
+constexpr std::int32_t kMaxProblems = 65535;
+
+void check_problems(const char* where, std::int32_t problems) {
+  KVSIFT_CHECK(problems <= kMaxProblems, where, "problems (= {}) exceeds {}", problems, kMaxProblems);
+}
+
+detail::BatchedKMeansBuffers layout_kmeans_batched(WorkspaceLayout& layout, std::int32_t problems, std::int64_t n,
+                                                   std::int32_t dim, std::int32_t clusters) {
+  constexpr const char* what = "batched k-means workspace";
+  const std::size_t rows = checked_mul(std::size_t(problems), std::size_t(n), what);
+  const std::size_t segments = checked_mul(std::size_t(problems), std::size_t(clusters), what);
+  detail::BatchedKMeansBuffers b{};
+  b.points = layout.allocate<float>(checked_mul(rows, std::size_t(dim), what), "kmeans_batched points");
+  b.nearest = layout.allocate<float>(rows, "kmeans_batched nearest distances");
+  b.keys = layout.allocate<std::int32_t>(rows, "kmeans_batched update keys");
+  b.counts = layout.allocate<std::int32_t>(segments, "kmeans_batched cluster counts");
+  b.segment_mean = detail::layout_segment_mean(layout, std::int64_t(rows), std::int32_t(segments));
+  return b;
+}
+
+}  // namespace
+
+std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n, std::int32_t dim,
+                                           const BatchedKMeansConfig& config) {
+  constexpr const char* where = "cuda::batched_kmeans_workspace_bytes";
+  cpu::detail::check_batched_kmeans_shape(where, problems, n, dim, config);
+  check_problems(where, problems);
+  WorkspaceLayout counting;
+  layout_kmeans_batched(counting, problems, n, dim, config.clusters);
+  return counting.bytes();
+}
+
+template <class T>
+void kmeans_batched(const BatchedMatrixView<const T>& points, const float* d_weights, const BatchedKMeansConfig& config,
+                    float* d_centroids, std::int32_t* d_assignment, std::span<std::byte> workspace, cudaStream_t stream) {
+  constexpr const char* where = "cuda::kmeans_batched";
+  cpu::detail::check_batched_kmeans(where, points, d_weights, config, d_centroids, d_assignment);
+  check_problems(where, points.problems);
+  WorkspaceLayout layout(workspace, where);
+  const detail::BatchedKMeansBuffers buffers =
+      layout_kmeans_batched(layout, points.problems, points.rows, points.cols, config.clusters);
+  KVSIFT_CUDA_CHECK(detail::launch_kmeans_batched(points, d_weights, config.clusters, config.iterations,
+                                                  config.metric == cpu::KMeansMetric::cosine,
+                                                  config.empty == EmptyCluster::reseed, config.seed, d_centroids,
+                                                  d_assignment, buffers, stream));
+}
+
+#define KVSIFT_INSTANTIATE(T)                                                                                       \
+  template void kmeans_batched<T>(const BatchedMatrixView<const T>&, const float*, const BatchedKMeansConfig&, \
+                                  float*, std::int32_t*, std::span<std::byte>, cudaStream_t);
+KVSIFT_INSTANTIATE(float)
+KVSIFT_INSTANTIATE(half)
+KVSIFT_INSTANTIATE(bfloat16)
+#undef KVSIFT_INSTANTIATE
+
+}  // namespace kvsift::cuda

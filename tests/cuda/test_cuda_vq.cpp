@@ -1,0 +1,303 @@
+// CUDA codebook quantization, lookup tables and code scan (cuda/vq.hpp) against the fp64 references of
+// tests/vq_problem.hpp and against the CPU twins: codes the fp64 argmin and the CPU's except within the stated
+// epsilon of a tie; tables within fp32 rounding of fp64 and of the CPU's; scans of one table equal to the CPU's
+// bit for bit; the fused form equal to vq_lut then vq_code_scan bit for bit (one-launch form and the two-launch
+// form of tables too large for shared memory). Prefill and append destinations, slots out of order, ragged and
+// clamped lengths, invalid codes and slots; outputs and workspaces poisoned; every call also captured in a CUDA
+// graph and replayed (workspace_check.hpp); refusals before any device call.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+#include "cuda/gpu_test.hpp"
+#include "kvsift/cpu/context.hpp"
+#include "kvsift/cpu/vq.hpp"
+#include "kvsift/cuda/vq.hpp"
+#include "test_util.hpp"
+#include "vq_problem.hpp"
+#include "workspace_check.hpp"
+
+namespace kvsift {
+namespace {
+
+using test::DeviceBuffer;
+using test::Random;
+using test::ScanProblem;
+using test::VqProblem;
+
+class CudaVq : public test::GpuTest {};
+
+template <class... B>
+auto poison_all(B&... buffers) {
+  return [&buffers...] { (buffers.poison(), ...); };
+}
+template <class... B>
+auto download_all(const B&... buffers) {
+  return [&buffers...] { return test::bytes_of(buffers.download()...); };
+}
+
+template <class T>
+void check_encode(Random& rng, std::int32_t kv_heads, std::int32_t codewords, std::int32_t d, std::int32_t rows) {
+  SCOPED_TRACE(testing::Message() << "codewords " << codewords << " d " << d << " rows " << rows);
+  const VqProblem p = test::make_vq_problem(rng, kv_heads, codewords, d);
+  const std::int64_t centroid_rows = std::int64_t(kv_heads) * codewords;
+  std::vector<float> norms(static_cast<std::size_t>(centroid_rows));
+  cpu::vq_codeword_norms(MatrixView<const float>::packed(p.centroids.data(), centroid_rows, d), norms.data());
+  DeviceBuffer<float> d_transform(p.transform), d_centroids(p.centroids), d_norms(norms.size());
+  d_norms.poison();
+  cuda::vq_codeword_norms(MatrixView<const float>::packed(d_centroids.data(), centroid_rows, d), d_norms.data(), nullptr);
+  const std::vector<float> gpu_norms = d_norms.download();
+  for (std::size_t i = 0; i < norms.size(); ++i) ASSERT_NEAR(gpu_norms[i], norms[i], 1e-5 * norms[i]) << "norm " << i;
+
+  const std::int32_t pitch = d + 3, slots = 3, max_tokens = rows + 10, first = 7;
+  const std::vector<T> keys = test::to_storage<T>(rng.normal(std::size_t(rows) * kv_heads * pitch));
+  DeviceBuffer<T> d_keys(keys);
+  const HeadsView<const T> key_view{d_keys.data(), rows, kv_heads, d, std::int64_t(kv_heads) * pitch, pitch};
+  const VqEncodeCodebook codebook{d_transform.data(), d_centroids.data(), d_norms.data(), kv_heads, codewords, d};
+  DeviceBuffer<std::uint16_t> d_codes(std::size_t(slots) * kv_heads * max_tokens);
+  const auto codes_view = VqCodesView<std::uint16_t>::packed(d_codes.data(), slots, kv_heads, max_tokens);
+  test::check_device_workspace(
+      cuda::vq_encode_workspace_bytes(codewords, d),
+      [&](std::span<std::byte> ws, cudaStream_t stream) {
+        cuda::vq_encode(key_view, codebook, codes_view, {.slot = 1, .position_offset = first}, ws, stream);
+      },
+      download_all(d_codes), poison_all(d_codes));
+  const std::vector<std::uint16_t> codes = d_codes.download();
+
+  // The CPU twin on the same keys (its own norms).
+  std::vector<std::uint16_t> cpu_codes(codes.size(), 0xffff);
+  cpu::Array<std::byte> cpu_ws(cpu::vq_encode_workspace_bytes(codewords, d, nullptr));
+  const VqEncodeCodebook host_codebook{p.transform.data(), p.centroids.data(), norms.data(), kv_heads, codewords, d};
+  cpu::vq_encode(HeadsView<const T>{keys.data(), rows, kv_heads, d, std::int64_t(kv_heads) * pitch, pitch}, host_codebook,
+                 VqCodesView<std::uint16_t>::packed(cpu_codes.data(), slots, kv_heads, max_tokens),
+                 {.slot = 1, .position_offset = first}, cpu_ws.bytes());
+
+  std::int32_t near_ties = 0;
+  for (std::size_t i = 0; i < codes.size(); ++i) {
+    const auto t = std::int32_t(i % max_tokens), h = std::int32_t(i / max_tokens % kv_heads);
+    const auto s = std::int32_t(i / max_tokens / kv_heads);
+    if (s != 1 || t < first || t >= first + rows) {
+      ASSERT_EQ(codes[i], 0xffff) << "written outside the destination at slot " << s << " token " << t;
+      continue;
+    }
+    std::vector<double> k(d);
+    for (std::int32_t j = 0; j < d; ++j) k[j] = to_float(keys[(std::size_t(t - first) * kv_heads + h) * pitch + j]);
+    const auto forms = test::vq_forms(p, h, k);
+    const bool tie = test::expect_vq_code(forms, p, h, codes[i]);
+    near_ties += tie ? 1 : 0;
+    if (!tie) {
+      EXPECT_EQ(codes[i], cpu_codes[i]) << "row " << t - first << " head " << h << ": CUDA and CPU codes differ";
+    }
+  }
+  EXPECT_LE(near_ties, rows * kv_heads / 20 + 1) << "too many rows excused as near ties";
+
+  // Append: each sequence's new key at (slot, length - 1); a slot past the codes and an empty sequence write nothing.
+  const std::vector<std::int32_t> row_slots = {2, 0, 1, 3, 0}, lengths = {5, 1, max_tokens, 4, 0};
+  const std::int32_t appended = std::min(rows, 5);
+  DeviceBuffer<std::int32_t> d_slots(row_slots), d_lengths(lengths);
+  DeviceBuffer<std::uint16_t> d_step(codes.size());
+  d_step.poison();
+  cuda::vq_encode(HeadsView<const T>{d_keys.data(), appended, kv_heads, d, std::int64_t(kv_heads) * pitch, pitch},
+                  codebook, VqCodesView<std::uint16_t>::packed(d_step.data(), slots, kv_heads, max_tokens),
+                  {.slots = d_slots.data(), .positions = d_lengths.data(), .position_offset = -1}, {}, nullptr);
+  const std::vector<std::uint16_t> step = d_step.download();
+  std::size_t valid = 0, written = 0;
+  for (std::int32_t r = 0; r < appended; ++r) {
+    const std::int32_t slot = row_slots[r], position = lengths[r] - 1;
+    if (slot >= slots || position < 0) continue;
+    for (std::int32_t h = 0; h < kv_heads; ++h, ++valid) {
+      EXPECT_EQ(step[(std::size_t(slot) * kv_heads + h) * max_tokens + position],
+                codes[(std::size_t(1) * kv_heads + h) * max_tokens + first + r])
+          << "row " << r << " head " << h << ": the appended key's code differs from its prefill code";
+    }
+  }
+  for (const std::uint16_t c : step) written += c != 0xffff ? 1 : 0;
+  EXPECT_EQ(written, valid) << "codes written outside the rows' destinations";
+}
+
+TEST_F(CudaVq, EncodeIsTheFp64ArgminAndTheCpus) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  check_encode<float>(rng, 2, 16, 64, 70);
+  check_encode<bfloat16>(rng, 2, 256, 128, 45);
+  check_encode<half>(rng, 1, 4096, 64, 33);
+  check_encode<bfloat16>(rng, 1, 4096, 128, 100);
+  check_encode<half>(rng, 3, 256, 64, 130);
+}
+
+/// The key-space codebook rounded to T, [kv_heads, codewords, d].
+template <class T>
+std::vector<T> key_codebook(const VqProblem& p) {
+  std::vector<float> c(p.key_space.size());
+  for (std::size_t i = 0; i < c.size(); ++i) c[i] = float(p.key_space[i]);
+  return test::to_storage<T>(c);
+}
+
+template <class T>
+void check_lut(Random& rng, std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads, std::int32_t codewords,
+               std::int32_t d) {
+  SCOPED_TRACE(testing::Message() << "batch " << batch << " heads " << q_heads << "/" << kv_heads << " codewords "
+                                  << codewords << " d " << d);
+  const VqProblem p = test::make_vq_problem(rng, kv_heads, codewords, d);
+  const std::vector<T> cb = key_codebook<T>(p);
+  const std::vector<T> q = test::to_storage<T>(rng.normal(std::size_t(batch) * q_heads * d));
+  const std::int64_t rows = std::int64_t(batch) * q_heads, stride = codewords + 5;
+  DeviceBuffer<T> d_cb(cb), d_q(q);
+  DeviceBuffer<float> d_lut(std::size_t(rows * stride));
+  d_lut.poison();
+  cuda::vq_lut(QueryView<const T>::packed(d_q.data(), batch, q_heads, d), VqCodebook<T>{d_cb.data(), kv_heads, codewords, d},
+               MatrixView<float>{d_lut.data(), rows, codewords, stride}, nullptr);
+  const std::vector<float> lut = d_lut.download();
+  std::vector<float> cpu_lut(std::size_t(rows) * codewords);
+  cpu::vq_lut(QueryView<const T>::packed(q.data(), batch, q_heads, d), VqCodebook<T>{cb.data(), kv_heads, codewords, d},
+              MatrixView<float>::packed(cpu_lut.data(), rows, codewords));
+  const std::int32_t group = q_heads / kv_heads;
+  std::vector<double> qd(d), cd(d);
+  for (std::int64_t row = 0; row < rows; ++row) {
+    for (std::int32_t j = 0; j < d; ++j) qd[j] = to_float(q[row * d + j]);
+    const std::int32_t g = std::int32_t(row % q_heads) / group;
+    for (std::int32_t c = 0; c < codewords; ++c) {
+      double want = 0;
+      for (std::int32_t j = 0; j < d; ++j) {
+        cd[j] = to_float(cb[(std::size_t(g) * codewords + c) * d + j]);
+        want += qd[j] * cd[j];
+      }
+      const double bound = test::vq_lut_bound(qd.data(), cd.data(), d);
+      ASSERT_NEAR(lut[row * stride + c], want, bound) << "row " << row << " c " << c;
+      ASSERT_NEAR(lut[row * stride + c], cpu_lut[row * codewords + c], 2 * bound) << "row " << row << " c " << c;
+    }
+    for (std::int64_t c = codewords; c < stride; ++c) ASSERT_TRUE(std::isnan(lut[row * stride + c])) << "padding written";
+  }
+}
+
+TEST_F(CudaVq, TablesAreQueryDotCodewordAsOnTheCpu) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  check_lut<float>(rng, 2, 8, 2, 16, 64);
+  check_lut<bfloat16>(rng, 3, 12, 4, 256, 128);
+  check_lut<half>(rng, 1, 32, 8, 4096, 64);
+  check_lut<bfloat16>(rng, 2, 10, 2, 1000, 128);  // group 5: a partial pass of four heads
+}
+
+TEST_F(CudaVq, CodeScanEqualsTheCpuBitForBit) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const auto& [batch, q_heads, kv_heads, codewords, cols] :
+       {std::tuple{5, 8, 2, 16, 333}, std::tuple{4, 4, 4, 256, 1000}, std::tuple{2, 32, 8, 4096, 20051},
+        std::tuple{1, 6, 2, 65536, 100}}) {
+    SCOPED_TRACE(testing::Message() << "batch " << batch << " codewords " << codewords << " cols " << cols);
+    const ScanProblem sp(rng, batch, q_heads, kv_heads, codewords, cols, true);
+    const std::int64_t rows = std::int64_t(batch) * q_heads;
+    std::vector<float> want(std::size_t(rows) * cols, test::kScoreSentinel);
+    cpu::vq_code_scan(sp.lut_view(), batch, sp.codes_view(), sp.slot_of.data(), sp.lengths.data(),
+                      MatrixView<float>::packed(want.data(), rows, cols));
+    EXPECT_TRUE(test::same_bytes(want, sp.expected(sp.lut)));
+    DeviceBuffer<float> d_lut(sp.lut), d_scores(want.size());
+    DeviceBuffer<std::uint16_t> d_codes(sp.codes);
+    DeviceBuffer<std::int32_t> d_slots(sp.slot_of), d_lengths(sp.lengths);
+    const std::vector<float> sentinel(want.size(), test::kScoreSentinel);
+    test::check_device_workspace(
+        0,
+        [&](std::span<std::byte>, cudaStream_t stream) {
+          cuda::vq_code_scan(MatrixView<const float>::packed(d_lut.data(), rows, codewords), batch,
+                             VqCodesView<const std::uint16_t>::packed(d_codes.data(), sp.slots, kv_heads, sp.max_tokens),
+                             d_slots.data(), d_lengths.data(), MatrixView<float>::packed(d_scores.data(), rows, cols),
+                             stream);
+        },
+        download_all(d_scores), [&] { d_scores.upload(sentinel); });
+    EXPECT_TRUE(test::same_bytes(d_scores.download(), want));
+  }
+}
+
+template <class T>
+void check_lut_scan(Random& rng, std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads, std::int32_t codewords,
+                    std::int32_t d, std::int32_t cols, bool expect_fused) {
+  SCOPED_TRACE(testing::Message() << "batch " << batch << " heads " << q_heads << "/" << kv_heads << " codewords "
+                                  << codewords << " d " << d << " cols " << cols);
+  const VqProblem p = test::make_vq_problem(rng, kv_heads, codewords, d);
+  const std::vector<T> cb = key_codebook<T>(p);
+  const std::vector<T> q = test::to_storage<T>(rng.normal(std::size_t(batch) * q_heads * d));
+  const ScanProblem sp(rng, batch, q_heads, kv_heads, codewords, cols, true);
+  const std::int64_t rows = std::int64_t(batch) * q_heads;
+  DeviceBuffer<T> d_cb(cb), d_q(q);
+  DeviceBuffer<float> d_lut(std::size_t(rows) * codewords), d_scores(std::size_t(rows) * cols);
+  DeviceBuffer<std::uint16_t> d_codes(sp.codes);
+  DeviceBuffer<std::int32_t> d_slots(sp.slot_of), d_lengths(sp.lengths);
+  const auto qv = QueryView<const T>::packed(d_q.data(), batch, q_heads, d);
+  const VqCodebook<T> codebook{d_cb.data(), kv_heads, codewords, d};
+  const auto codes = VqCodesView<const std::uint16_t>::packed(d_codes.data(), sp.slots, kv_heads, sp.max_tokens);
+  const auto scores = MatrixView<float>::packed(d_scores.data(), rows, cols);
+
+  // vq_lut then vq_code_scan on the device, and the CPU's scan of that table: the reference.
+  cuda::vq_lut(qv, codebook, MatrixView<float>::packed(d_lut.data(), rows, codewords), nullptr);
+  const std::vector<float> lut = d_lut.download();
+  const std::vector<float> want = sp.expected(lut);
+  const std::vector<float> sentinel(want.size(), test::kScoreSentinel);
+  d_scores.upload(sentinel);
+  cuda::vq_code_scan(MatrixView<const float>::packed(d_lut.data(), rows, codewords), batch, codes, d_slots.data(),
+                     d_lengths.data(), scores, nullptr);
+  EXPECT_TRUE(test::same_bytes(d_scores.download(), want)) << "vq_lut then vq_code_scan";
+
+  const std::size_t bytes = cuda::vq_lut_scan_workspace_bytes(batch, q_heads, kv_heads, codewords, d);
+  EXPECT_EQ(bytes == 0, expect_fused) << "workspace " << bytes;
+  test::check_device_workspace(
+      bytes,
+      [&](std::span<std::byte> ws, cudaStream_t stream) {
+        cuda::vq_lut_scan(qv, codebook, codes, d_slots.data(), d_lengths.data(), scores, ws, stream);
+      },
+      download_all(d_scores), [&] { d_scores.upload(sentinel); });
+  EXPECT_TRUE(test::same_bytes(d_scores.download(), want)) << "the fused form differs from vq_lut then vq_code_scan";
+}
+
+TEST_F(CudaVq, FusedTablesAndScanEqualTheTwoLaunches) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  check_lut_scan<bfloat16>(rng, 1, 32, 8, 4096, 128, 40000, true);  // A²ATS's shape: group 4, 64 KB of tables
+  check_lut_scan<half>(rng, 5, 16, 2, 4096, 64, 3001, true);       // group 8: 128 KB
+  check_lut_scan<float>(rng, 3, 4, 4, 16, 64, 300, true);          // group 1, fewer codewords than the cluster's blocks
+  check_lut_scan<bfloat16>(rng, 2, 6, 2, 100, 128, 77, true);      // group 3
+  check_lut_scan<half>(rng, 2, 16, 2, 16384, 64, 999, false);      // 512 KB of tables: two launches via the workspace
+}
+
+TEST(CudaVqBadInput, RefusedBeforeAnyDeviceCall) {
+  // Host pointers stand in for device memory: every refusal comes before a device call reads them.
+  alignas(16) static float f[64];
+  alignas(16) static half h[64];
+  static std::uint16_t c[64];
+  static std::int32_t ints[4];
+  const auto keys = HeadsView<const half>::packed(h, 64, 2, 64);
+  const auto codes = VqCodesView<std::uint16_t>::packed(c, 2, 2, 10);
+  VqEncodeCodebook cb{f, f, f, 2, 0, 64};
+  test::expect_error([&] { cuda::vq_encode(keys, cb, codes, {}, {}, nullptr); },
+                     "cuda::vq_encode: codebook.codewords (= 0) is outside [1, 65536]");
+  cb.codewords = 65537;
+  test::expect_error([&] { cuda::vq_encode(keys, cb, codes, {}, {}, nullptr); }, "(= 65537) is outside [1, 65536]");
+  cb.codewords = 16;
+  test::expect_error([&] { cuda::vq_encode(HeadsView<const half>::packed(h, 64, 2, 96), cb, codes, {}, {}, nullptr); },
+                     "keys.head_dim (= 96) is not supported (supported: 64, 128)");
+  test::expect_error([&] { cuda::vq_encode(keys, cb, VqCodesView<std::uint16_t>::packed(c, 2, 1, 10), {}, {}, nullptr); },
+                     "codes.kv_heads (= 1) != keys.heads (= 2)");
+  test::expect_error([] { (void)cuda::vq_encode_workspace_bytes(16, 256); }, "head_dim (= 256) is not supported");
+
+  const auto q = QueryView<const half>::packed(h, 1, 8, 64);
+  const VqCodebook<half> book{h, 2, 16, 64};
+  const auto lut = MatrixView<float>::packed(f, 8, 16);
+  test::expect_error([&] { cuda::vq_lut(q, book, MatrixView<float>::packed(f, 8, 15), nullptr); },
+                     "lut is [8, 15]; expected [batch * q_heads = 1 * 8, codewords = 16]");
+  test::expect_error([&] { cuda::vq_lut(q, VqCodebook<half>{h + 1, 2, 16, 64}, lut, nullptr); }, "is not 16-byte aligned");
+  test::expect_error([&] { cuda::vq_lut(QueryView<const half>::packed(h, 1, 130, 64), book, MatrixView<float>::packed(f, 130, 16), nullptr); },
+                     "q_heads / kv_heads (= 65) exceeds 64 query heads per kv head");
+  const auto read = VqCodesView<const std::uint16_t>::packed(c, 2, 2, 10);
+  test::expect_error(
+      [&] { cuda::vq_code_scan(MatrixView<const float>::packed(f, 8, 16), 1, read, ints, ints, MatrixView<float>::packed(f, 4, 10), nullptr); },
+      "scores.rows (= 4) != batch * q_heads (= 1 * 8)");
+  test::expect_error(
+      [&] { cuda::vq_code_scan(MatrixView<const float>::packed(f, 8, 16), 1, VqCodesView<const std::uint16_t>::packed(c, 2, 3, 10), ints, ints, MatrixView<float>::packed(f, 8, 10), nullptr); },
+      "q_heads (= 8) is not a multiple of codes.kv_heads (= 3)");
+  test::expect_error(
+      [&] { cuda::vq_lut_scan(q, book, VqCodesView<const std::uint16_t>::packed(c, 1, 4, 10), ints, ints, MatrixView<float>::packed(f, 8, 10), {}, nullptr); },
+      "codes.kv_heads (= 4) != codebook.kv_heads (= 2)");
+  test::expect_error([] { (void)cuda::vq_lut_scan_workspace_bytes(1, 8, 2, 70000, 64); }, "codewords (= 70000) is outside");
+}
+
+}  // namespace
+}  // namespace kvsift
