@@ -121,15 +121,8 @@ __global__ void prepare_points(MatrixView<const T> in, bool cosine, float* out, 
        i += std::int64_t(gridDim.x) * blockDim.x) {
     const T* src = in.row(i);
     float* dst = out + i * d;
-    double square_sum = 0.0;
-    for (int c = 0; c < d; ++c) {
-      dst[c] = to_float_device(src[c]);
-      square_sum += double(dst[c]) * dst[c];  // exact products: a fused multiply-add rounds the same
-    }
-    if (cosine && square_sum != 0.0) {
-      const float inverse = float(1.0 / sqrt(square_sum));
-      for (int c = 0; c < d; ++c) dst[c] *= inverse;
-    }
+    for (int c = 0; c < d; ++c) dst[c] = to_float_device(src[c]);
+    if (cosine) kvsift::detail::normalize_row(dst, d);
     float norm = 0.0f;  // in fp32 and unfused, as the CPU sums it
     for (int c = 0; c < d; ++c) norm = __fadd_rn(norm, __fmul_rn(dst[c], dst[c]));
     norms[i] = norm;
@@ -263,13 +256,7 @@ __global__ void update_nearest(std::int64_t n, const double* distances, const st
 __global__ void normalize_centroids(const std::int32_t* counts, MatrixView<float> centroids) {
   const int c = blockIdx.x;
   if (threadIdx.x != 0 || counts[c] == 0) return;
-  float* centroid = centroids.row(c);
-  double square_sum = 0.0;
-  for (int j = 0; j < centroids.cols; ++j) square_sum += double(centroid[j]) * centroid[j];
-  if (square_sum != 0.0) {
-    const float inverse = float(1.0 / sqrt(square_sum));
-    for (int j = 0; j < centroids.cols; ++j) centroid[j] *= inverse;
-  }
+  kvsift::detail::normalize_row(centroids.row(c), centroids.cols);
 }
 
 }  // namespace

@@ -19,14 +19,6 @@
 namespace kvsift::cpu {
 namespace {
 
-void normalize(float* x, std::int32_t d) {
-  double norm = 0.0;
-  for (std::int32_t c = 0; c < d; ++c) norm += double(x[c]) * x[c];
-  if (norm == 0.0) return;
-  const float inv = float(1.0 / std::sqrt(norm));
-  for (std::int32_t c = 0; c < d; ++c) x[c] *= inv;
-}
-
 /// Owns a detail::ScorePanel: the rows of `vectors` packed in tiles, and per-column score offsets.
 class OwnedScorePanel {
  public:
@@ -211,7 +203,7 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
   std::vector<float> x(std::size_t(n) * d);
   for (std::int64_t i = 0; i < n; ++i) {
     for (std::int32_t c = 0; c < d; ++c) x[std::size_t(i) * d + c] = to_float(points.row(i)[c]);
-    if (config.metric == KMeansMetric::cosine) normalize(&x[std::size_t(i) * d], d);
+    if (config.metric == KMeansMetric::cosine) kvsift::detail::normalize_row(&x[std::size_t(i) * d], d);
   }
   const auto xs = MatrixView<const float>::packed(x.data(), n, d);
 
@@ -310,7 +302,7 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
     assign();
     segment_mean(xs, result.assignment.data(), k, nullptr, centroid_rows, counts.data(), update_workspace.bytes(), pool);
     for (std::int32_t c = 0; c < k && config.metric == KMeansMetric::cosine; ++c) {
-      if (counts[c] > 0) normalize(centroid_rows.row(c), d);
+      if (counts[c] > 0) kvsift::detail::normalize_row(centroid_rows.row(c), d);
     }
   }
   assign();  // the returned assignment matches the returned centroids
