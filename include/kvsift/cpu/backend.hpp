@@ -20,6 +20,7 @@
 #include "kvsift/cpu/decode.hpp"
 #include "kvsift/cpu/gather.hpp"
 #include "kvsift/cpu/inverted_lists.hpp"
+#include "kvsift/cpu/kmeans.hpp"
 #include "kvsift/cpu/page_bounds.hpp"
 #include "kvsift/cpu/primitives.hpp"
 #include "kvsift/cpu/rope.hpp"
@@ -196,6 +197,17 @@ void gather_kv_difference(const KVCache<const T>& src, const SelectionView& prev
                           const SelectionView& current, std::int32_t* current_slots, const ContiguousKVView<T>& resident,
                           std::int32_t* copied, std::span<std::byte> workspace, const Context& ctx) {
   cpu::gather_kv_difference(src, previous, previous_slots, current, current_slots, resident, copied, workspace, ctx.pool);
+}
+
+// Batched k-means over many small problems (cpu/kmeans.hpp).
+inline std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n, std::int32_t dim,
+                                                  const BatchedKMeansConfig& config, const Context&) {
+  return cpu::batched_kmeans_workspace_bytes(problems, n, dim, config);
+}
+template <class T>
+void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights, const BatchedKMeansConfig& config,
+                    float* centroids, std::int32_t* assignment, std::span<std::byte> workspace, const Context& ctx) {
+  cpu::kmeans_batched(points, weights, config, centroids, assignment, workspace, ctx.pool);
 }
 
 }  // namespace kvsift::cpu

@@ -20,6 +20,7 @@
 #include "kvsift/cuda/decode.hpp"
 #include "kvsift/cuda/gather.hpp"
 #include "kvsift/cuda/inverted_lists.hpp"
+#include "kvsift/cuda/kmeans.hpp"
 #include "kvsift/cuda/page_bounds.hpp"
 #include "kvsift/cuda/primitives.hpp"
 #include "kvsift/cuda/rope.hpp"
@@ -205,6 +206,17 @@ void gather_kv_difference(const KVCache<const T>& src, const SelectionView& prev
                           const SelectionView& current, std::int32_t* current_slots, const ContiguousKVView<T>& resident,
                           std::int32_t* copied, std::span<std::byte> workspace, const Context& ctx) {
   cuda::gather_kv_difference(src, previous, previous_slots, current, current_slots, resident, copied, workspace, ctx.stream);
+}
+
+// Batched k-means over many small problems (cuda/kmeans.hpp).
+inline std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n, std::int32_t dim,
+                                                  const BatchedKMeansConfig& config, const Context&) {
+  return cuda::batched_kmeans_workspace_bytes(problems, n, dim, config);
+}
+template <class T>
+void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights, const BatchedKMeansConfig& config,
+                    float* centroids, std::int32_t* assignment, std::span<std::byte> workspace, const Context& ctx) {
+  cuda::kmeans_batched(points, weights, config, centroids, assignment, workspace, ctx.stream);
 }
 
 }  // namespace kvsift::cuda
