@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kThreads)
   load_group_queries<T, D>(q, b, g, group, q_s);
   __syncthreads();
   const std::int32_t begin = std::int32_t(blockIdx.x) * kThreads;
-  const std::int32_t end = min(begin + kThreads, codebook.codewords_per_head);
+  const std::int32_t end = min(begin + kThreads, codebook.codewords);
   lut_entries<T, D>(q_s, group, codebook.row(g, 0), begin, end, lut.row(std::int64_t(b) * q.heads + std::int64_t(g) * group),
                     lut.row_stride);
 }
@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kThreads)
                     std::int32_t cluster) {
   extern __shared__ float smem[];
   const std::int32_t b = blockIdx.z, g = blockIdx.y, group = q.heads / codebook.kv_heads;
-  const std::int32_t count = codebook.codewords_per_head;
+  const std::int32_t count = codebook.codewords;
   float* lut_s = smem;                                 // [group, count]
   float* q_s = smem + std::int64_t(group) * count;     // [group, D]
   load_group_queries<T, D>(q, b, g, group, q_s);
@@ -321,7 +321,7 @@ cudaError_t launch_vq_lut(const QueryView<const T>& q, const VqCodebook<T>& code
     const std::size_t smem = sizeof(float) * std::size_t(q.heads / codebook.kv_heads) * D;
     constexpr auto kernel = lut_kernel<T, D>;
     if (cudaError_t s = open_shared_memory(kernel); s != cudaSuccess) return s;
-    const dim3 grid(unsigned((codebook.codewords_per_head + kThreads - 1) / kThreads), unsigned(codebook.kv_heads),
+    const dim3 grid(unsigned((codebook.codewords + kThreads - 1) / kThreads), unsigned(codebook.kv_heads),
                     unsigned(q.batch));
     kernel<<<grid, kThreads, smem, stream>>>(q, codebook, lut);
     return cudaGetLastError();
@@ -345,7 +345,7 @@ cudaError_t launch_vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>&
                                cudaStream_t stream) {
   return with_head_dim(q.head_dim, [&]<int D>() {
     constexpr auto kernel = lut_scan_kernel<T, D>;
-    const std::size_t smem = vq_fused_smem_bytes(q.heads / codebook.kv_heads, codebook.codewords_per_head, D);
+    const std::size_t smem = vq_fused_smem_bytes(q.heads / codebook.kv_heads, codebook.codewords, D);
     if (cudaError_t s = open_shared_memory(kernel); s != cudaSuccess) return s;
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(unsigned(grid.parts), unsigned(codebook.kv_heads), unsigned(q.batch));

@@ -62,12 +62,12 @@ template <SimdLevel L, class T>
 void group_lut(const QueryView<const T>& q, std::int64_t b, std::int32_t first_head, std::int32_t group,
                const VqCodebook<T>& codebook, std::int32_t kv_head, float* lut, std::int64_t lut_stride) {
   const std::int32_t d = codebook.head_dim;
-  const MatrixView<const T> rows{codebook.row(kv_head, 0), codebook.codewords_per_head, d, d};
+  const MatrixView<const T> rows{codebook.row(kv_head, 0), codebook.codewords, d, d};
   float qf[128];
   for (std::int32_t u = 0; u < group; ++u) {
     const T* row = q.row(b, first_head + u);
     for (std::int32_t j = 0; j < d; ++j) qf[j] = to_float(row[j]);
-    detail::gemv_rows<L, T>(qf, rows, 1.0f, lut + u * lut_stride, 0, codebook.codewords_per_head);
+    detail::gemv_rows<L, T>(qf, rows, 1.0f, lut + u * lut_stride, 0, codebook.codewords);
   }
 }
 
@@ -168,7 +168,7 @@ void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const Ma
   constexpr const char* where = "cpu::vq_lut";
   kvsift::detail::check_vq_query(where, q, codebook);
   kvsift::detail::check_vq_lut_shape(where, "lut", MatrixView<const float>{lut.data, lut.rows, lut.cols, lut.row_stride},
-                                     q.batch, q.heads, codebook.codewords_per_head);
+                                     q.batch, q.heads, codebook.codewords);
   const std::int32_t group = q.heads / codebook.kv_heads;
   with_simd_level([&]<SimdLevel L>() {
     parallel_for(pool, std::int64_t(q.batch) * codebook.kv_heads, [&](std::int64_t begin, std::int64_t end) {
@@ -229,7 +229,7 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
   kvsift::detail::check_vq_scan(where, q.batch, q.heads, codes, slots, lengths, scores);
   KVSIFT_CHECK(codes.kv_heads == codebook.kv_heads, where, "codes.kv_heads (= {}) != codebook.kv_heads (= {})",
                codes.kv_heads, codebook.kv_heads);
-  const std::int32_t group = q.heads / codebook.kv_heads, count = codebook.codewords_per_head;
+  const std::int32_t group = q.heads / codebook.kv_heads, count = codebook.codewords;
   const std::int64_t items = std::int64_t(q.batch) * codebook.kv_heads;
   const std::int64_t threads = std::min<std::int64_t>(threads_of(pool), items);
   WorkspaceLayout layout(workspace, where);

@@ -77,11 +77,11 @@ template <class T>
 void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, cudaStream_t stream) {
   constexpr const char* where = "cuda::vq_lut";
   kvsift::detail::check_vq_query(where, q, codebook);
-  kvsift::detail::check_vq_lut_shape(where, "lut", as_const(lut), q.batch, q.heads, codebook.codewords_per_head);
+  kvsift::detail::check_vq_lut_shape(where, "lut", as_const(lut), q.batch, q.heads, codebook.codewords);
   check_grid(where, q.batch);
   check_group(where, q.heads, codebook.kv_heads);
-  KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(codebook.codewords) % 16 == 0, where,
-               "codebook.codewords ({}) is not 16-byte aligned", static_cast<const void*>(codebook.codewords));
+  KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(codebook.data) % 16 == 0, where,
+               "codebook.data ({}) is not 16-byte aligned", static_cast<const void*>(codebook.data));
   KVSIFT_CUDA_CHECK(detail::launch_vq_lut(q, codebook, lut, stream));
 }
 
@@ -126,9 +126,9 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
                codes.kv_heads, codebook.kv_heads);
   check_grid(where, q.batch);
   check_group(where, q.heads, codebook.kv_heads);
-  KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(codebook.codewords) % 16 == 0, where,
-               "codebook.codewords ({}) is not 16-byte aligned", static_cast<const void*>(codebook.codewords));
-  const std::int32_t group = q.heads / codebook.kv_heads, count = codebook.codewords_per_head;
+  KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(codebook.data) % 16 == 0, where,
+               "codebook.data ({}) is not 16-byte aligned", static_cast<const void*>(codebook.data));
+  const std::int32_t group = q.heads / codebook.kv_heads, count = codebook.codewords;
   if (fused_fits(group, count, q.head_dim)) {
     const std::int32_t cluster = compute_capability_major() >= 9 ? kFusedCluster : 1;
     KVSIFT_CUDA_CHECK(detail::launch_vq_lut_scan(q, codebook, codes, d_slots, d_lengths, scores,

@@ -331,7 +331,7 @@ TEST(VqBadInput, RefusedWithTheirMessages) {
   test::expect_error([&] { cpu::vq_lut(qv, book, MatrixView<float>::packed(lut.data(), 15, 16)); },
                      "lut is [15, 16]; expected [batch * q_heads = 2 * 8, codewords = 16]");
   test::expect_error([&] { cpu::vq_lut(qv, VqCodebook<half>{cbook.data(), 2, 0, 64}, lut_view); },
-                     "codebook.codewords_per_head (= 0) is outside [1, 65536]");
+                     "codebook.codewords (= 0) is outside [1, 65536]");
   test::expect_error([&] { cpu::vq_lut(QueryView<const half>::packed(q.data(), 2, 8, 128), book, lut_view); },
                      "q.head_dim (= 128) != codebook.head_dim (= 64)");
   const std::int32_t slots[2] = {0, 1}, lengths[2] = {3, 4};

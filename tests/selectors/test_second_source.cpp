@@ -199,6 +199,23 @@ TEST_F(SecondSourceStep, AnySelectorForwardsWeightsAndSecondSource) {
                "AnySelector::second_source: the wrapped selector (OracleTopK) has no second source");
 }
 
+// With validate_indices the second source's selection is checked too (over its paged store, whose page table
+// is the slots) and passes; the output is the unvalidated one, bit for bit.
+TEST_F(SecondSourceStep, ValidationModeChecksAndAcceptsBothSelections) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  StepProblem<bfloat16> sp(rng, 16);
+  const cpu::Context ctx{};
+  DecodeStep plain(sp.selector<true, true>(ctx), sp.config, ctx);
+  DecodeStepConfig validating_config = sp.config;
+  validating_config.validate_indices = true;
+  DecodeStep validating(sp.selector<true, true>(ctx), validating_config, ctx);
+  cpu::Array<std::byte> ws_plain(plain.workspace_bytes()), ws_validating(validating.workspace_bytes());
+  const auto [o1, lse1, s1] = sp.run<bfloat16>(plain, ws_plain, ctx);
+  const auto [o2, lse2, s2] = sp.run<bfloat16>(validating, ws_validating, ctx);
+  EXPECT_TRUE(same_bytes(o1, o2));
+  EXPECT_TRUE(same_bytes(lse1, lse2));
+}
+
 // The step checks the second source's views against its own shapes before attending.
 TEST_F(SecondSourceStep, BadInputSecondSourceViewsAreRefused) {
   StepProblem<half> sp(rng, 0);

@@ -65,13 +65,13 @@ struct VqEncodeCodebook {
 /// fp32 tables). On CUDA the pointer must be 16-byte aligned (rows are read 16 bytes at a time).
 template <class T>
 struct VqCodebook {
-  const T* codewords = nullptr;  ///< [kv_heads, codewords, head_dim]
+  const T* data = nullptr;  ///< [kv_heads, codewords, head_dim]
   std::int32_t kv_heads = 0;
-  std::int32_t codewords_per_head = 0;
+  std::int32_t codewords = 0;
   std::int32_t head_dim = 0;
 
   KVSIFT_HOST_DEVICE const T* row(std::int64_t h, std::int64_t c) const {
-    return codewords + (h * codewords_per_head + c) * head_dim;
+    return data + (h * codewords + c) * head_dim;
   }
 };
 

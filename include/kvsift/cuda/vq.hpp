@@ -32,7 +32,7 @@ void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook,
                const VqCodeDestination& destination, std::span<std::byte> workspace, cudaStream_t stream);
 
 /// cpu::vq_lut's contract: one thread per codeword of each (sequence, kv head), the group's queries in shared
-/// memory. codebook.codewords must be 16-byte aligned; at most 64 query heads per kv head (both refused otherwise,
+/// memory. codebook.data must be 16-byte aligned; at most 64 query heads per kv head (both refused otherwise,
 /// here and in vq_lut_scan).
 template <class T>
 void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, cudaStream_t stream);

@@ -56,9 +56,9 @@ void check_vq_encode(const char* where, const HeadsView<const T>& keys, const Vq
 
 template <class T>
 void check_vq_codebook(const char* where, const VqCodebook<T>& codebook) {
-  KVSIFT_CHECK(codebook.codewords != nullptr, where, "codebook.codewords is a null pointer");
+  KVSIFT_CHECK(codebook.data != nullptr, where, "codebook.data is a null pointer");
   KVSIFT_CHECK(codebook.kv_heads > 0, where, "codebook.kv_heads (= {}) must be positive", codebook.kv_heads);
-  check_vq_codewords(where, "codebook.codewords_per_head", codebook.codewords_per_head);
+  check_vq_codewords(where, "codebook.codewords", codebook.codewords);
   check_vq_head_dim(where, "codebook", codebook.head_dim);
 }
 
