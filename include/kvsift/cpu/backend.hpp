@@ -26,6 +26,7 @@
 #include "kvsift/cpu/rope.hpp"
 #include "kvsift/cpu/segment_mean.hpp"
 #include "kvsift/cpu/topk.hpp"
+#include "kvsift/cpu/vq.hpp"
 
 namespace kvsift::cpu {
 
@@ -208,6 +209,38 @@ template <class T>
 void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights, const BatchedKMeansConfig& config,
                     float* centroids, std::int32_t* assignment, std::span<std::byte> workspace, const Context& ctx) {
   cpu::kmeans_batched(points, weights, config, centroids, assignment, workspace, ctx.pool);
+}
+
+// Codebook quantization, lookup tables and code scan (cpu/vq.hpp).
+inline void vq_codeword_norms(const MatrixView<const float>& centroids, float* norms, const Context& ctx) {
+  cpu::vq_codeword_norms(centroids, norms, ctx.pool);
+}
+inline std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_dim, const Context& ctx) {
+  return cpu::vq_encode_workspace_bytes(codewords, head_dim, ctx.pool);
+}
+template <class T>
+void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook, const VqCodesView<std::uint16_t>& codes,
+               const VqCodeDestination& destination, std::span<std::byte> workspace, const Context& ctx) {
+  cpu::vq_encode(keys, codebook, codes, destination, workspace, ctx.pool);
+}
+template <class T>
+void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, const Context& ctx) {
+  cpu::vq_lut(q, codebook, lut, ctx.pool);
+}
+inline void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch,
+                         const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
+                         const std::int32_t* lengths, const MatrixView<float>& scores, const Context& ctx) {
+  cpu::vq_code_scan(lut, batch, codes, slots, lengths, scores, ctx.pool);
+}
+inline std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
+                                               std::int32_t codewords, std::int32_t head_dim, const Context& ctx) {
+  return cpu::vq_lut_scan_workspace_bytes(batch, q_heads, kv_heads, codewords, head_dim, ctx.pool);
+}
+template <class T>
+void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook,
+                 const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots, const std::int32_t* lengths,
+                 const MatrixView<float>& scores, std::span<std::byte> workspace, const Context& ctx) {
+  cpu::vq_lut_scan(q, codebook, codes, slots, lengths, scores, workspace, ctx.pool);
 }
 
 }  // namespace kvsift::cpu
