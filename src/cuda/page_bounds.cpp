@@ -40,7 +40,8 @@ void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bou
   KVSIFT_CHECK(detail::page_scores_head_dim_supported(bounds.head_dim), where,
                "bounds.head_dim (= {}) is not supported; supported: 64, 128, 256", bounds.head_dim);
   const std::int32_t page_limit = std::int32_t(std::min<std::int64_t>(bounds.max_pages, scores.cols));
-  const std::int32_t chunks = (page_limit + detail::kScorePagesPerCta - 1) / detail::kScorePagesPerCta;
+  const std::int32_t chunk = detail::plan_score_chunk(scores.rows, page_limit, multiprocessor_count());
+  const std::int32_t chunks = (page_limit + chunk - 1) / chunk;
   KVSIFT_CHECK(scores.rows * chunks <= std::int64_t(INT32_MAX), where,
                "scores.rows * page chunks (= {} * {}) exceeds 2^31 - 1 CTAs", scores.rows, chunks);
   const detail::PageScoreParams<T> params{.q = q,
@@ -52,12 +53,19 @@ void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bou
                                           .page_counts = d_page_counts,
                                           .group = q.heads / bounds.kv_heads,
                                           .page_limit = page_limit,
+                                          .chunk = chunk,
                                           .chunks = chunks};
   KVSIFT_CUDA_CHECK(detail::launch_page_scores(params, stream));
 }
 
 bool select_pages_fused_supported(std::int32_t max_pages, std::int32_t pages_per_row) {
   return detail::select_pages_fits(max_pages, pages_per_row);
+}
+
+bool select_pages_fused_preferred(std::int64_t rows, std::int32_t max_pages, std::int32_t pages_per_row) {
+  const std::int32_t slice = (max_pages + detail::kSelectPagesCluster - 1) / detail::kSelectPagesCluster;
+  return select_pages_fused_supported(max_pages, pages_per_row) && slice <= detail::kSelectPagesPreferredSlice &&
+         rows * detail::kSelectPagesCluster <= multiprocessor_count();
 }
 
 template <class T>

@@ -236,11 +236,12 @@ void expect_near_tie(const Capture& c, const SelectionMismatch& m, std::int32_t 
 }
 
 /// The CUDA rows equal the CPU rows: exactly where no selection of the row differed (fp64 metrics over the same
-/// attended sets), else within what the differing selections can move; output errors (fp32 outputs of two
-/// kernels, ~1e-6 of the output's norm apart) within kOutputErrorTolerance. Every differing selection is a
+/// attended sets), else within what the differing selections can move; output errors within kOutputErrorRelative
+/// of each other: the CUDA kernel rounds the softmax weights to the storage type for its tensor-core P.V product
+/// (2^-11 relative for fp16, a few 1e-4 of the output once summed; 1.6e-4 of 1.85 measured on the H100). Every differing selection is a
 /// near-tie, and `selections` (layer, budget, selector, position, kv head) were compared.
 void expect_backends_agree(const Capture& c, const FidelityComparison& got, std::int64_t selections) {
-  constexpr double kOutputErrorTolerance = 1e-4;  // 100x the fp32 outputs' expected relative difference
+  constexpr double kOutputErrorRelative = 1e-3;
   ASSERT_EQ(got.results.size(), 2u);
   ASSERT_EQ(got.differences.size(), 1u);
   const FidelityResult &cpu = got.results[0], &gpu = got.results[1];
@@ -280,8 +281,8 @@ void expect_backends_agree(const Capture& c, const FidelityComparison& got, std:
     EXPECT_NEAR(a.id_recall, b.id_recall, ids + kSame);
     EXPECT_NEAR(a.mean_selected, b.mean_selected, selected + kSame);
     if (differed) continue;  // the swapped tokens' values move the outputs by an amount the rule does not bound
-    EXPECT_NEAR(a.output_error, b.output_error, kOutputErrorTolerance);
-    EXPECT_NEAR(a.output_error_p90, b.output_error_p90, kOutputErrorTolerance);
+    EXPECT_NEAR(a.output_error, b.output_error, kOutputErrorRelative * a.output_error);
+    EXPECT_NEAR(a.output_error_p90, b.output_error_p90, kOutputErrorRelative * a.output_error_p90);
   }
 }
 

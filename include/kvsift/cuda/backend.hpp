@@ -89,10 +89,10 @@ inline void expand_pages(const SelectionView& pages, std::int32_t page_size, con
 }
 /// Quest's selection: page scores of sequences of up to max_pages pages (<= bounds.max_pages: the planned bound;
 /// longer ones get count -1), the best pages_per_row pages, their middle tokens. One fused launch with no
-/// workspace where the rows fit it (cuda::select_pages_fused), else three kernels.
+/// workspace where it is the faster (cuda::select_pages_fused_preferred), else three kernels.
 inline std::size_t select_pages_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t max_pages,
                                                 std::int32_t pages_per_row, const Context& ctx) {
-  if (cuda::select_pages_fused_supported(max_pages, pages_per_row)) return 0;
+  if (cuda::select_pages_fused_preferred(std::int64_t(batch) * kv_heads, max_pages, pages_per_row)) return 0;
   return kvsift::detail::select_pages_in_steps_workspace_bytes(batch, kv_heads, max_pages, pages_per_row, ctx);
 }
 template <class T>
@@ -100,7 +100,7 @@ void select_pages(const QueryView<const T>& q, const PageBoundsView<const T>& bo
                   const std::int32_t* lengths, const AttentionWindow& window, std::int32_t max_pages,
                   std::int32_t pages_per_row, const SelectionView& out, std::span<std::byte> workspace,
                   const Context& ctx) {
-  if (cuda::select_pages_fused_supported(max_pages, pages_per_row)) {
+  if (cuda::select_pages_fused_preferred(std::int64_t(q.batch) * bounds.kv_heads, max_pages, pages_per_row)) {
     cuda::select_pages_fused(q, bounds, slots, lengths, window, max_pages, pages_per_row, out, ctx.stream);
     return;
   }

@@ -53,6 +53,10 @@ void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bou
 /// the scores never reach memory. No workspace. A row whose slot is out of range, whose length is negative or
 /// has more than max_pages pages gets count -1. Larger rows: cuda::select_pages (cuda/backend.hpp) runs the three kernels.
 bool select_pages_fused_supported(std::int32_t max_pages, std::int32_t pages_per_row);
+/// Whether cuda::select_pages (cuda/backend.hpp) takes the fused kernel for `rows` (sequence, kv head) rows: where
+/// it was measured faster than the three kernels on the H100 (its clusters in one wave, at most 256 pages per CTA;
+/// docs/bench/step_h100.md). Its load loop keeps 32 KB in flight per SM: longer rows wait on memory latency.
+bool select_pages_fused_preferred(std::int64_t rows, std::int32_t max_pages, std::int32_t pages_per_row);
 template <class T>
 void select_pages_fused(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* d_slots,
                         const std::int32_t* d_lengths, const AttentionWindow& window, std::int32_t max_pages,

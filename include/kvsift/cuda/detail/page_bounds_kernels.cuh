@@ -15,9 +15,12 @@
 
 namespace kvsift::cuda::detail {
 
-/// page_scores: pages per CTA (a few CTAs per SM at 32K tokens, batch 1; more at longer or batched calls) and
-/// the query heads whose q a CTA keeps in registers at once.
-inline constexpr int kScorePagesPerCta = 256;
+/// page_scores: pages per CTA, between these bounds, the most that still gives two CTAs per SM (plan_score_chunk):
+/// long chunks spare CTAs their q staging (256 pages: 21.9 us at 128K, batch 1, against 27.7 us in chunks of 64),
+/// but short calls need the CTAs (64 pages: 8.6 us at 32K, batch 1, against 17.2 us in chunks of 256).
+/// kScoreHeadTile: the query heads whose q a CTA keeps in registers at once.
+inline constexpr int kScoreMinPagesPerCta = 64;
+inline constexpr int kScoreMaxPagesPerCta = 256;
 inline constexpr int kScoreHeadTile = 8;
 inline constexpr int kScoreThreads = 256;
 /// Two CTAs per SM (at most 128 registers a thread; q takes 64): 16 warps, each with a 16-byte load per lane of
@@ -47,7 +50,8 @@ struct PageScoreParams {
   std::int32_t* page_counts;
   std::int32_t group;       ///< q.heads / bounds.kv_heads
   std::int32_t page_limit;  ///< min(bounds.max_pages, scores.cols): a row with more pages is refused on the device
-  std::int32_t chunks;      ///< CTAs per row: ceil(page_limit / kScorePagesPerCta)
+  std::int32_t chunk;       ///< pages per CTA (plan_score_chunk)
+  std::int32_t chunks;      ///< CTAs per row: ceil(page_limit / chunk)
 };
 
 template <class T>
@@ -74,6 +78,20 @@ inline constexpr std::size_t kSelectPagesMaxSmemBytes = 96 * 1024;
 inline std::size_t select_pages_smem_bytes(std::int32_t slice, std::int32_t pages_per_row) {
   return (std::size_t(slice) + std::size_t(pages_per_row)) * 4;
 }
+/// page_scores' pages per CTA for `rows` rows of `page_limit` pages on `sms` SMs (kScoreMinPagesPerCta).
+inline std::int32_t plan_score_chunk(std::int64_t rows, std::int32_t page_limit, int sms) {
+  std::int32_t chunk = kScoreMaxPagesPerCta;
+  while (chunk > kScoreMinPagesPerCta &&
+         rows * ((page_limit + chunk - 1) / chunk) < std::int64_t(kScoreCtasPerSm) * sms) {
+    chunk /= 2;
+  }
+  return chunk;
+}
+/// Measured on the H100 (docs/bench/step_h100.md): the fused kernel is faster than the three kernels only while
+/// its clusters fit in one wave and each CTA scores few pages, at 32K tokens and batch 1 (27.1 against 34 us);
+/// with more pages per CTA its load loop's latency (32 KB in flight per SM) makes it slower (62.8 against
+/// 43.6 us at 128K).
+inline constexpr std::int32_t kSelectPagesPreferredSlice = 256;
 /// Whether the fused kernel takes rows of up to `page_limit` pages choosing `pages_per_row`.
 inline bool select_pages_fits(std::int32_t page_limit, std::int32_t pages_per_row) {
   const std::int32_t slice = (page_limit + kSelectPagesCluster - 1) / kSelectPagesCluster;
@@ -271,7 +289,7 @@ __device__ __forceinline__ void score_pages(const QueryView<const T>& q_view, co
   }
 }
 
-/// One CTA per (row, chunk of kScorePagesPerCta pages), scoring them into p.scores (score_pages).
+/// One CTA per (row, chunk of p.chunk pages), scoring them into p.scores (score_pages).
 template <class T, int HeadDim>
 __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) page_scores_kernel(const __grid_constant__ PageScoreParams<T> p) {
   __shared__ float q_tile[kScoreHeadTile][HeadDim];
@@ -282,9 +300,9 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) page_scores_ke
   const std::int64_t pages = kvsift::detail::page_count(len, p.bounds.page_size);
   const bool valid = slot >= 0 && slot < p.bounds.slots && len >= 0 && pages <= p.page_limit;
   if (chunk == 0 && g == 0 && threadIdx.x == 0) p.page_counts[b] = valid ? std::int32_t(pages) : -1;
-  const std::int64_t first_page = chunk * kScorePagesPerCta;
+  const std::int64_t first_page = chunk * p.chunk;
   if (!valid || first_page >= pages) return;  // the whole CTA: no barrier below is skipped by part of it
-  const std::int64_t last_page = min(first_page + kScorePagesPerCta, pages);
+  const std::int64_t last_page = min(first_page + p.chunk, pages);
   float* out = p.scores.row(row);
   score_pages<T, HeadDim, kScoreStepsInFlight>(p.q, p.bounds, slot, b, g, p.group, len, p.window, first_page,
                                                last_page, q_tile,
