@@ -154,7 +154,7 @@ BENCHMARK(BM_Step)
 /// new token), page scores, top-K of pages, page expansion; OracleTopK's group scores (softmax, max) and top-K
 /// of tokens; the sparse attention over window and selection that both end with; and Quest's prepare (the
 /// page bounds of every token, once per prefill; target <= 1 ms per layer at 128K), and Quest's selection as the
-/// step runs it (select_pages: page scores, top-K of pages and expansion in one fused launch). Inputs that a step reads
+/// step runs it (select_pages: the three stages back to back, gaps included). Inputs that a step reads
 /// cold (page bounds, keys, the selected K/V rows) rotate over layers as in BM_Step; what a step's previous
 /// kernel has just written (scores, selections) stays hot, as in the step.
 enum Stage : int { kAppend, kPageScores, kPageTopK, kExpand, kGroupScores, kTokenTopK, kAttend, kPrepare, kSelectPages };

@@ -58,44 +58,6 @@ void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bou
   KVSIFT_CUDA_CHECK(detail::launch_page_scores(params, stream));
 }
 
-bool select_pages_fused_supported(std::int32_t max_pages, std::int32_t pages_per_row) {
-  return detail::select_pages_fits(max_pages, pages_per_row);
-}
-
-bool select_pages_fused_preferred(std::int64_t rows, std::int32_t max_pages, std::int32_t pages_per_row) {
-  const std::int32_t slice = (max_pages + detail::kSelectPagesCluster - 1) / detail::kSelectPagesCluster;
-  return select_pages_fused_supported(max_pages, pages_per_row) && slice <= detail::kSelectPagesPreferredSlice &&
-         rows * detail::kSelectPagesCluster <= multiprocessor_count();
-}
-
-template <class T>
-void select_pages_fused(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* d_slots,
-                        const std::int32_t* d_lengths, const AttentionWindow& window, std::int32_t max_pages,
-                        std::int32_t pages_per_row, const SelectionView& out, cudaStream_t stream) {
-  constexpr const char* where = "cuda::select_pages_fused";
-  kvsift::detail::check_select_pages(where, q, bounds, d_slots, d_lengths, window, max_pages, pages_per_row, out);
-  KVSIFT_CHECK(detail::page_scores_head_dim_supported(bounds.head_dim), where,
-               "bounds.head_dim (= {}) is not supported; supported: 64, 128, 256", bounds.head_dim);
-  KVSIFT_CHECK(select_pages_fused_supported(max_pages, pages_per_row), where,
-               "max_pages (= {}) and pages_per_row (= {}) need more shared memory than the fused kernel has; "
-               "use cuda::select_pages",
-               max_pages, pages_per_row);
-  KVSIFT_CHECK(std::int64_t(q.batch) * bounds.kv_heads * detail::kSelectPagesCluster <= std::int64_t(INT32_MAX), where,
-               "q.batch * kv_heads (= {} * {}) needs more than 2^31 - 1 CTAs", q.batch, bounds.kv_heads);
-  const detail::PageSelectParams<T> params{.q = q,
-                                           .bounds = bounds,
-                                           .slots = d_slots,
-                                           .lengths = d_lengths,
-                                           .window = window,
-                                           .out = out,
-                                           .group = q.heads / bounds.kv_heads,
-                                           .page_limit = max_pages,
-                                           .pages_per_row = pages_per_row,
-                                           .cluster = 0,
-                                           .slice = 0};
-  KVSIFT_CUDA_CHECK(detail::launch_select_pages(params, stream));
-}
-
 void expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* d_lengths,
                   const AttentionWindow& window, const SelectionView& out, cudaStream_t stream) {
   kvsift::detail::check_expand_pages("cuda::expand_pages", pages, page_size, d_lengths, window, out,
@@ -111,10 +73,7 @@ void expand_pages(const SelectionView& pages, std::int32_t page_size, const std:
   KVSIFT_INSTANTIATE_UPDATES(T, PagedKVView<const T>)                                                             \
   template void page_scores<T>(const QueryView<const T>&, const PageBoundsView<const T>&, const std::int32_t*,     \
                                const std::int32_t*, const AttentionWindow&, const MatrixView<float>&,            \
-                               std::int32_t*, cudaStream_t);                                                    \
-  template void select_pages_fused<T>(const QueryView<const T>&, const PageBoundsView<const T>&, const std::int32_t*, \
-                                      const std::int32_t*, const AttentionWindow&, std::int32_t, std::int32_t,        \
-                                      const SelectionView&, cudaStream_t);
+                               std::int32_t*, cudaStream_t);
 KVSIFT_INSTANTIATE(float)
 KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)

@@ -1,10 +1,7 @@
-// cuda::select_pages_fused (Quest's selection in one launch) against the three kernels it fuses (page_scores,
-// topk_rows over pages, expand_pages; each tested against its CPU twin): the same tokens and counts bit for
-// bit, since both sum each page's channels in the same order. Random bounds with NaN pages, ragged lengths
-// (empty, one token, fewer pages than the budget), windows, GQA groups of one to two head tiles, every head_dim
-// and storage type; outputs poisoned first. Also: device values out of range (and sequences longer than the
-// planned page bound) give count -1, a graph replay
-// equals the eager run, and the host refuses bad arguments by name.
+// cuda::select_pages (Quest's selection: page_scores, topk_rows over the pages, expand_pages, each tested against
+// its CPU twin elsewhere) as a whole: device values out of range, and sequences longer than the planned page bound,
+// give count -1 where the CPU refuses them; a graph replay equals the eager run; the host refuses bad arguments
+// by name. Outputs poisoned first.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -83,60 +80,34 @@ struct Selection {
 };
 
 /// Rows equal: counts, then each row's first count entries (the rest is not defined), weights 0.
-void expect_same_rows(const Selection& fused, const Selection& steps, const std::string& what) {
-  const auto counts = fused.counts.download(), step_counts = steps.counts.download();
-  const auto indices = fused.indices.download(), step_indices = steps.indices.download();
-  const auto weights = fused.weights.download();
-  ASSERT_EQ(counts, step_counts) << what;
-  const std::int32_t capacity = fused.view.capacity;
+void expect_same_rows(const Selection& got, const Selection& want, const std::string& what) {
+  const auto counts = got.counts.download(), want_counts = want.counts.download();
+  const auto indices = got.indices.download(), want_indices = want.indices.download();
+  const auto weights = got.weights.download();
+  ASSERT_EQ(counts, want_counts) << what;
+  const std::int32_t capacity = got.view.capacity;
   for (std::size_t row = 0; row < counts.size(); ++row) {
     for (std::int32_t i = 0; i < counts[row]; ++i) {
       const std::size_t at = row * capacity + i;
-      ASSERT_EQ(indices[at], step_indices[at]) << what << " row " << row << " entry " << i;
+      ASSERT_EQ(indices[at], want_indices[at]) << what << " row " << row << " entry " << i;
       ASSERT_EQ(weights[at], 0.0f) << what << " row " << row << " entry " << i;
     }
   }
 }
 
-class CudaSelectPages : public test::GpuTest {
- protected:
-  template <class T>
-  void check(const Shape& s, const std::string& what) {
-    const Problem<T> p(rng, s);
-    const cuda::Context ctx{nullptr};
-    const std::int32_t capacity = s.pages_per_row * s.page_size;
-    Selection fused(p.batch, s.kv_heads, capacity), steps(p.batch, s.kv_heads, capacity);
-    ASSERT_TRUE(cuda::select_pages_fused_supported(s.max_pages, s.pages_per_row));
-    cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.max_pages,
-                             s.pages_per_row, fused.view, ctx.stream);
-    DeviceBuffer<std::byte> workspace(kvsift::detail::select_pages_in_steps_workspace_bytes(
-        p.batch, s.kv_heads, s.max_pages, s.pages_per_row, ctx));
-    kvsift::detail::select_pages_in_steps(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window,
-                                          s.max_pages, s.pages_per_row, steps.view,
-                                          {workspace.data(), workspace.size()}, ctx);
-    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-    expect_same_rows(fused, steps, what);
-  }
-};
-
-TEST_F(CudaSelectPages, EqualsTheThreeKernels) {
-  const AttentionWindow none{}, window{4, 64};
-  const std::vector<Shape> shapes = {
-      // 128K tokens at batch 1 as Quest runs it, then ragged rows: empty, one token, fewer pages than the budget,
-      // a page boundary, the window covering everything.
-      {32, 8, 128, 16, 8192, 128, window, {131072}},
-      {32, 8, 128, 16, 2048, 128, window, {0, 1, 100, 2048, 32768, 64, 68}},
-      {32, 8, 128, 16, 2048, 128, none, {1, 17, 5000, 32768}},
-      {8, 8, 64, 32, 700, 20, window, {22400, 640, 33}},       // group of 1, slices of a page count not dividing
-      {48, 4, 128, 16, 1024, 300, window, {16384, 9000}},      // group of 12: two head tiles
-      {16, 2, 256, 16, 512, 64, window, {8192, 4000, 1024}},
-  };
-  for (const Shape& s : shapes) {
-    check<bfloat16>(s, "bf16");
-    check<half>(s, "fp16");
-    check<float>(s, "fp32");
-  }
+/// cuda::select_pages with its workspace.
+template <class T>
+void select(const Problem<T>& p, std::int32_t max_pages, const SelectionView& out, cudaStream_t stream,
+            DeviceBuffer<std::byte>& workspace) {
+  const cuda::Context ctx{stream};
+  workspace = DeviceBuffer<std::byte>(
+      std::max<std::size_t>(1, cuda::select_pages_workspace_bytes(p.batch, p.shape.kv_heads, max_pages,
+                                                                  p.shape.pages_per_row, ctx)));
+  cuda::select_pages(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), p.shape.window, max_pages,
+                     p.shape.pages_per_row, out, {workspace.data(), workspace.size()}, ctx);
 }
+
+using CudaSelectPages = test::GpuTest;
 
 TEST_F(CudaSelectPages, OutOfRangeDeviceValuesGiveCountMinusOne) {
   Shape s{32, 8, 128, 16, 256, 16, {4, 64}, {4096, 1000, 100, 3300}};
@@ -146,8 +117,8 @@ TEST_F(CudaSelectPages, OutOfRangeDeviceValuesGiveCountMinusOne) {
   p.lengths.upload({4096 + 1, 1000, 100, 3300});
   p.slot_of_row.upload({0, p.slots, 1, 2});
   Selection out(p.batch, s.kv_heads, s.pages_per_row * s.page_size);
-  cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, 200,
-                           s.pages_per_row, out.view, nullptr);
+  DeviceBuffer<std::byte> workspace;
+  select(p, 200, out.view, nullptr, workspace);
   const auto counts = out.counts.download();
   for (std::int32_t g = 0; g < s.kv_heads; ++g) {
     EXPECT_EQ(counts[g], -1) << "row 0 head " << g;
@@ -163,13 +134,14 @@ TEST_F(CudaSelectPages, GraphReplaysEqualTheEagerRun) {
   cudaStream_t stream = nullptr;
   KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Selection eager(p.batch, s.kv_heads, s.pages_per_row * s.page_size), replay(p.batch, s.kv_heads, s.pages_per_row * s.page_size);
-  cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.max_pages,
-                           s.pages_per_row, eager.view, stream);
+  DeviceBuffer<std::byte> workspace;
+  select(p, s.max_pages, eager.view, stream, workspace);
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  cuda::select_pages_fused(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.max_pages,
-                           s.pages_per_row, replay.view, stream);
+  cuda::select_pages(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.max_pages,
+                     s.pages_per_row, replay.view, {workspace.data(), workspace.size()}, cuda::Context{stream});
   KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   for (int run = 0; run < 2; ++run) {
@@ -188,33 +160,26 @@ TEST(CudaSelectPagesBadInput, RefusedBeforeAnyDeviceCall) {
   // Host pointers stand in for device ones: every call below must throw before a launch.
   std::vector<bfloat16> q(2 * 8 * 128), bounds(PageBoundsView<bfloat16>::bytes(2, 2, 64, 128) / sizeof(bfloat16));
   std::vector<std::int32_t> lens{100, 200}, slots{0, 1}, indices(2 * 2 * 256), counts(4);
+  std::vector<std::byte> workspace(1 << 20);
   const auto qv = QueryView<const bfloat16>::packed(q.data(), 2, 8, 128);
   const auto bv = PageBoundsView<const bfloat16>::packed(bounds.data(), 2, 2, 64, 128, 16);
   const SelectionView out{indices.data(), counts.data(), nullptr, 2, 2, 256};
-  const auto call = [&](std::int32_t pages_per_row, const SelectionView& o, const QueryView<const bfloat16>& qq,
-                        const PageBoundsView<const bfloat16>& bb) {
-    return [=] {
-      cuda::select_pages_fused(qq, bb, slots.data(), lens.data(), AttentionWindow{}, bb.max_pages, pages_per_row, o,
-                               nullptr);
+  const auto call = [&](std::int32_t max_pages, std::int32_t pages_per_row, const SelectionView& o,
+                        const QueryView<const bfloat16>& qq) {
+    return [=, &workspace] {
+      cuda::select_pages(qq, bv, slots.data(), lens.data(), AttentionWindow{}, max_pages, pages_per_row, o,
+                         workspace, cuda::Context{});
     };
   };
-  test::expect_error(call(0, out, qv, bv), {"cuda::select_pages_fused", "pages_per_row (= 0)"});
-  test::expect_error(call(17, out, qv, bv), {"out.capacity (= 256) < pages_per_row * page_size (= 17 * 16)"});
+  test::expect_error(call(64, 0, out, qv), {"cuda::select_pages", "pages_per_row (= 0)"});
+  test::expect_error(call(64, 17, out, qv), {"out.capacity (= 256) < pages_per_row * page_size (= 17 * 16)"});
+  test::expect_error(call(65, 16, out, qv), {"max_pages (= 65) is outside [1, bounds.max_pages = 64]"});
   SelectionView wrong_batch = out;
   wrong_batch.batch = 1;
-  test::expect_error(call(16, wrong_batch, qv, bv), {"out is [batch = 1"});
+  test::expect_error(call(64, 16, wrong_batch, qv), {"out is [batch = 1"});
   auto odd_heads = qv;
   odd_heads.heads = 7;
-  test::expect_error(call(16, out, odd_heads, bv), {"q.heads (= 7) is not a multiple of bounds.kv_heads (= 2)"});
-  auto small_dim_q = QueryView<const bfloat16>::packed(q.data(), 2, 8, 32);
-  auto small_dim_b = PageBoundsView<const bfloat16>::packed(bounds.data(), 2, 2, 64, 32, 16);
-  test::expect_error(call(16, out, small_dim_q, small_dim_b), {"bounds.head_dim (= 32) is not supported"});
-  auto huge = PageBoundsView<const bfloat16>::packed(bounds.data(), 2, 2, 1 << 20, 128, 16);
-  EXPECT_FALSE(cuda::select_pages_fused_supported(1 << 20, 16));
-  test::expect_error(call(16, out, qv, huge), {"max_pages (= 1048576) and pages_per_row (= 16)", "use cuda::select_pages"});
-  test::expect_error([&] {
-    cuda::select_pages_fused(qv, bv, slots.data(), lens.data(), AttentionWindow{}, 65, 16, out, nullptr);
-  }, {"max_pages (= 65) is outside [1, bounds.max_pages = 64]"});
+  test::expect_error(call(64, 16, out, odd_heads), {"q.heads (= 7) is not a multiple of bounds.kv_heads (= 2)"});
 }
 
 }  // namespace

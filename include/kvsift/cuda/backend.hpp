@@ -88,11 +88,9 @@ inline void expand_pages(const SelectionView& pages, std::int32_t page_size, con
   cuda::expand_pages(pages, page_size, lengths, window, out, ctx.stream);
 }
 /// Quest's selection: page scores of sequences of up to max_pages pages (<= bounds.max_pages: the planned bound;
-/// longer ones get count -1), the best pages_per_row pages, their middle tokens. One fused launch with no
-/// workspace where it is the faster (cuda::select_pages_fused_preferred), else three kernels.
+/// longer ones get count -1), the best pages_per_row pages, their middle tokens (three kernels).
 inline std::size_t select_pages_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t max_pages,
                                                 std::int32_t pages_per_row, const Context& ctx) {
-  if (cuda::select_pages_fused_preferred(std::int64_t(batch) * kv_heads, max_pages, pages_per_row)) return 0;
   return kvsift::detail::select_pages_in_steps_workspace_bytes(batch, kv_heads, max_pages, pages_per_row, ctx);
 }
 template <class T>
@@ -100,10 +98,6 @@ void select_pages(const QueryView<const T>& q, const PageBoundsView<const T>& bo
                   const std::int32_t* lengths, const AttentionWindow& window, std::int32_t max_pages,
                   std::int32_t pages_per_row, const SelectionView& out, std::span<std::byte> workspace,
                   const Context& ctx) {
-  if (cuda::select_pages_fused_preferred(std::int64_t(q.batch) * bounds.kv_heads, max_pages, pages_per_row)) {
-    cuda::select_pages_fused(q, bounds, slots, lengths, window, max_pages, pages_per_row, out, ctx.stream);
-    return;
-  }
   kvsift::detail::check_select_pages("cuda::select_pages", q, bounds, slots, lengths, window, max_pages,
                                      pages_per_row, out);
   kvsift::detail::select_pages_in_steps(q, bounds, slots, lengths, window, max_pages, pages_per_row, out, workspace,

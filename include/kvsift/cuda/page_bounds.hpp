@@ -46,22 +46,6 @@ void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bou
                  const std::int32_t* d_lengths, const AttentionWindow& window, const MatrixView<float>& scores,
                  std::int32_t* d_page_counts, cudaStream_t stream);
 
-/// select_pages (the selection of Quest) in one launch, where select_pages_fused_supported(max_pages,
-/// pages_per_row), for sequences of up to max_pages pages (<= bounds.max_pages): page_scores, the best pages_per_row pages of each row (ties: smaller page; NaN last; the same
-/// pages as topk_rows over page_scores' row) and expand_pages. A cluster of thread blocks per (sequence, kv head)
-/// scores its pages into shared memory, selects with BlockRadixSelect (cuda/detail/block_select.cuh) and expands:
-/// the scores never reach memory. No workspace. A row whose slot is out of range, whose length is negative or
-/// has more than max_pages pages gets count -1. Larger rows: cuda::select_pages (cuda/backend.hpp) runs the three kernels.
-bool select_pages_fused_supported(std::int32_t max_pages, std::int32_t pages_per_row);
-/// Whether cuda::select_pages (cuda/backend.hpp) takes the fused kernel for `rows` (sequence, kv head) rows: where
-/// it was measured faster than the three kernels on the H100 (its clusters in one wave, at most 256 pages per CTA;
-/// docs/bench/step_h100.md). Its load loop keeps 32 KB in flight per SM: longer rows wait on memory latency.
-bool select_pages_fused_preferred(std::int64_t rows, std::int32_t max_pages, std::int32_t pages_per_row);
-template <class T>
-void select_pages_fused(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* d_slots,
-                        const std::int32_t* d_lengths, const AttentionWindow& window, std::int32_t max_pages,
-                        std::int32_t pages_per_row, const SelectionView& out, cudaStream_t stream);
-
 /// cpu::expand_pages. One launch, one CTA per selection row.
 void expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* d_lengths,
                   const AttentionWindow& window, const SelectionView& out, cudaStream_t stream);

@@ -7,8 +7,8 @@
 /// window score -inf (the kernel attends the window itself); the best budget / page_size pages are selected
 /// whole, less their window tokens, so a row selects at most `budget` tokens.
 ///
-/// Per step: select_pages (page scores, top pages, their tokens: one fused launch on CUDA, three primitives on
-/// the CPU); append folds the step's key into its page (one launch). Written once for both backends; the index is bounds per slot, in the
+/// Per step: select_pages (page scores, top pages, their tokens: three primitives); append folds the step's key
+/// into its page (one launch). Written once for both backends; the index is bounds per slot, in the
 /// context's memory: index_bytes() = 2 * sizeof(T) * head_dim * max_pages * kv_heads * max_slots.
 /// Workspace of select: select_pages' over ceil(N / page_size) pages per row, N the planned bound
 /// min(shape.max_seq_len, limits.max_tokens) (selector.hpp SelectShape). A sequence with more pages gets count

@@ -1,8 +1,8 @@
 #pragma once
 /// select_pages as three primitives of a backend: page_scores (max_pages columns: a sequence with more pages is
-/// refused, on the CPU, or marked count -1, on CUDA), topk_rows over the pages, expand_pages. It is
-/// the CPU's select_pages, and CUDA's where rows have too many pages for its fused kernel. Written once over the
-/// context: the primitives are found by argument-dependent lookup on it (cpu/backend.hpp, cuda/backend.hpp,
+/// refused, on the CPU, or marked count -1, on CUDA), topk_rows over the pages, expand_pages: select_pages on
+/// both backends (a kernel fusing the three was slower on the H100: docs/experiments.md#fused-quest-select).
+/// Written once over the context: the primitives are found by argument-dependent lookup on it (cpu/backend.hpp, cuda/backend.hpp,
 /// which include this header and declare them).
 
 #include <cstddef>

@@ -53,16 +53,6 @@ struct ClusterGroup {
   __device__ void finish() const {
     if (size() > 1) sync();
   }
-  /// The variable `local` of this CTA's shared memory as it lies in the CTA of rank `rank` (distributed shared
-  /// memory; `local` itself without clusters).
-  template <class T>
-  __device__ T* of_rank(T* local, std::uint32_t rank) const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return cooperative_groups::this_cluster().map_shared_rank(local, rank);
-#else
-    return local;
-#endif
-  }
 
  private:
   __device__ std::uint32_t size() const {

@@ -27,10 +27,9 @@ inline constexpr int kScoreThreads = 256;
 /// a page in flight, about the 16 KB per SM that HBM3 bandwidth times latency asks for. Unbounded, ptxas used
 /// 144 registers and one CTA fit.
 inline constexpr int kScoreCtasPerSm = 2;
-/// Steps of kPagesPerWarp pages whose loads a warp issues before it uses the first: two in page_scores (four
-/// spill at its 128 registers), four in select_pages' kernel (one CTA per SM, 8 warps: 32 KB in flight).
+/// Steps of kPagesPerWarp pages whose loads a warp issues before it uses the first (four spill at the kernel's
+/// 128 registers).
 inline constexpr int kScoreStepsInFlight = 2;
-inline constexpr int kSelectStepsInFlight = 4;
 /// expand_pages: threads of the one CTA per selection row, each taking one chosen page per round.
 inline constexpr int kExpandThreads = 128;
 
@@ -54,30 +53,6 @@ struct PageScoreParams {
   std::int32_t chunks;      ///< CTAs per row: ceil(page_limit / chunk)
 };
 
-template <class T>
-struct PageSelectParams {
-  QueryView<const T> q;
-  PageBoundsView<const T> bounds;
-  const std::int32_t* slots;
-  const std::int32_t* lengths;
-  AttentionWindow window;
-  SelectionView out;
-  std::int32_t group;          ///< q.heads / bounds.kv_heads
-  std::int32_t page_limit;     ///< a row with more pages is refused on the device (count -1)
-  std::int32_t pages_per_row;  ///< pages chosen per row at most
-  std::int32_t cluster;        ///< CTAs per row
-  std::int32_t slice;          ///< pages per CTA: ceil(page_limit / cluster)
-};
-
-/// select_pages' fused kernel: CTAs of a cluster per row; shared memory of a CTA's slice and the chosen list.
-/// Clusters of 8 (the portable size): on the H100, clusters of 16 CTAs at one CTA per SM could not all be resident
-/// at once for 8 rows (batch 1), and the second wave doubled the time (docs/experiments.md, 2026-11-23).
-inline constexpr int kSelectPagesThreads = 256;
-inline constexpr int kSelectPagesCluster = 8;
-inline constexpr std::size_t kSelectPagesMaxSmemBytes = 96 * 1024;
-inline std::size_t select_pages_smem_bytes(std::int32_t slice, std::int32_t pages_per_row) {
-  return (std::size_t(slice) + std::size_t(pages_per_row)) * 4;
-}
 /// page_scores' pages per CTA for `rows` rows of `page_limit` pages on `sms` SMs (kScoreMinPagesPerCta).
 inline std::int32_t plan_score_chunk(std::int64_t rows, std::int32_t page_limit, int sms) {
   std::int32_t chunk = kScoreMaxPagesPerCta;
@@ -87,23 +62,10 @@ inline std::int32_t plan_score_chunk(std::int64_t rows, std::int32_t page_limit,
   }
   return chunk;
 }
-/// Measured on the H100 (docs/bench/step_h100.md): the fused kernel is faster than the three kernels only while
-/// its clusters fit in one wave and each CTA scores few pages, at 32K tokens and batch 1 (27.1 against 34 us);
-/// with more pages per CTA its load loop's latency (32 KB in flight per SM) makes it slower (62.8 against
-/// 43.6 us at 128K).
-inline constexpr std::int32_t kSelectPagesPreferredSlice = 256;
-/// Whether the fused kernel takes rows of up to `page_limit` pages choosing `pages_per_row`.
-inline bool select_pages_fits(std::int32_t page_limit, std::int32_t pages_per_row) {
-  const std::int32_t slice = (page_limit + kSelectPagesCluster - 1) / kSelectPagesCluster;
-  return select_pages_smem_bytes(slice, pages_per_row) <= kSelectPagesMaxSmemBytes;
-}
 
 template <class T, class KV>
 cudaError_t launch_build_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds,
                                      cudaStream_t stream);
-/// params.cluster and params.slice are set here.
-template <class T>
-cudaError_t launch_select_pages(PageSelectParams<T> params, cudaStream_t stream);
 template <class T, class KV>
 cudaError_t launch_append_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds,
                                       cudaStream_t stream);
@@ -119,8 +81,6 @@ cudaError_t launch_expand_pages(const SelectionView& pages, std::int32_t page_si
 
 #include <cub/block/block_scan.cuh>
 
-#include "kvsift/core/ranking.hpp"
-#include "kvsift/cuda/detail/block_select.cuh"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
 #include "kvsift/cuda/dtype.cuh"
 
@@ -197,21 +157,20 @@ __device__ __forceinline__ int score_channel(int j, int e, int lane_in_page) {
 
 /// The pages of one (row, kv head g) in [first_page, last_page), scored by the CTA: per tile of up to
 /// kScoreHeadTile query heads of the group, the CTA stages the tile's q in shared memory and each lane keeps its
-/// channels of it in registers; then each warp takes kPagesPerWarp pages per step, StepsInFlight steps at a
+/// channels of it in registers; then each warp takes kPagesPerWarp pages per step, kScoreStepsInFlight steps at a
 /// time (every load of those steps issued before the first is used: a short read needs many bytes in flight per
 /// SM): every lane reads its vectors of lo and hi once, forms its channels' partial sums for every head of the
 /// tile, and the page's lanes add them by shuffles. store(page, score, tile) is called by one lane per page and
 /// tile, the same lane in every tile; from the second tile on, the caller keeps the maximum (max_keep_nan).
-/// StepsInFlight (per 16-byte vector a lane reads of a page half) is what the caller's registers allow.
 /// Pages whose tokens are all in the window score -inf; a page with a NaN bound scores NaN.
-template <class T, int HeadDim, int StepsInFlight, class Store>
+template <class T, int HeadDim, class Store>
 __device__ __forceinline__ void score_pages(const QueryView<const T>& q_view, const PageBoundsView<const T>& bounds,
                                             std::int32_t slot, std::int64_t b, std::int64_t g, std::int32_t group,
                                             std::int32_t len, const AttentionWindow& window, std::int64_t first_page,
                                             std::int64_t last_page, float (&q_tile)[kScoreHeadTile][HeadDim],
                                             Store store) {
   using S = ScoreShape<T, HeadDim>;
-  constexpr int kSteps = StepsInFlight / S::kVecsPerLane > 0 ? StepsInFlight / S::kVecsPerLane : 1;
+  constexpr int kSteps = kScoreStepsInFlight / S::kVecsPerLane > 0 ? kScoreStepsInFlight / S::kVecsPerLane : 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int lane_in_page = lane % S::kLanes, page_in_warp = lane / S::kLanes;
   const unsigned page_lanes = (S::kLanes == 32 ? 0xffffffffu : (1u << S::kLanes) - 1u) << (page_in_warp * S::kLanes);
@@ -304,8 +263,7 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) page_scores_ke
   if (!valid || first_page >= pages) return;  // the whole CTA: no barrier below is skipped by part of it
   const std::int64_t last_page = min(first_page + p.chunk, pages);
   float* out = p.scores.row(row);
-  score_pages<T, HeadDim, kScoreStepsInFlight>(p.q, p.bounds, slot, b, g, p.group, len, p.window, first_page,
-                                               last_page, q_tile,
+  score_pages<T, HeadDim>(p.q, p.bounds, slot, b, g, p.group, len, p.window, first_page, last_page, q_tile,
                           [&](std::int64_t page, float score, std::int32_t tile) {
                             out[page] = tile == 0 ? score : kvsift::detail::max_keep_nan(out[page], score);
                           });
@@ -372,54 +330,6 @@ __global__ void __launch_bounds__(Threads)
   const std::int32_t written = expand_row(storage, pages.indices + row * pages.capacity, count, page_size, lengths[b],
                                           window, out.indices + row * out.capacity, weights);
   if (threadIdx.x == 0) out.counts[row] = written;
-}
-
-/// select_pages in one launch: a thread-block cluster of p.cluster CTAs per selection row (b, g). Each CTA scores
-/// its slice of p.slice pages into shared memory (score_pages), the cluster picks the best p.pages_per_row pages
-/// with BlockRadixSelect over their rank words (the order of topk_rows: the same pages), every CTA writes its
-/// chosen pages into CTA rank 0's list at their positions (distributed shared memory), and rank 0 expands them.
-/// Dynamic shared memory: p.slice floats, then p.pages_per_row page ids.
-template <class T, int HeadDim>
-__global__ void __launch_bounds__(kSelectPagesThreads) select_pages_kernel(const __grid_constant__ PageSelectParams<T> p) {
-  using Select = BlockRadixSelect<kSelectPagesThreads>;
-  __shared__ typename Select::TempStorage select_storage;
-  __shared__ ExpandStorage<kSelectPagesThreads> expand_storage;
-  __shared__ float q_tile[kScoreHeadTile][HeadDim];
-  extern __shared__ float slice_scores[];
-  std::int32_t* const chosen = reinterpret_cast<std::int32_t*>(slice_scores + p.slice);
-  const std::int64_t row = blockIdx.x / p.cluster;
-  const std::int32_t rank = std::int32_t(blockIdx.x % p.cluster);  // the cluster's block rank: clusters tile x
-  const std::int64_t b = row / p.bounds.kv_heads, g = row % p.bounds.kv_heads;
-  const std::int32_t slot = p.slots[b], len = p.lengths[b];
-  const std::int64_t pages = kvsift::detail::page_count(len, p.bounds.page_size);
-  // Everything below depends on the row alone, so each cluster takes the same branches.
-  const bool valid = slot >= 0 && slot < p.bounds.slots && len >= 0 && pages <= p.page_limit;
-  const std::int32_t picks = valid ? std::int32_t(min(std::int64_t(p.pages_per_row), pages)) : 0;
-  if (picks == 0) {
-    if (rank == 0 && threadIdx.x == 0) p.out.counts[row] = valid ? 0 : -1;
-    return;
-  }
-  const std::int64_t begin = min(pages, std::int64_t(rank) * p.slice), end = min(pages, begin + p.slice);
-  score_pages<T, HeadDim, kSelectStepsInFlight>(p.q, p.bounds, slot, b, g, p.group, len, p.window, begin, end, q_tile,
-                          [&](std::int64_t page, float score, std::int32_t tile) {
-                            float& slot_score = slice_scores[page - begin];
-                            slot_score = tile == 0 ? score : kvsift::detail::max_keep_nan(slot_score, score);
-                          });
-  __syncthreads();
-  const std::int32_t count = std::int32_t(end - begin);
-  const auto word_at = [&](std::int32_t i) { return rank_word(slice_scores[i]); };
-  const ClusterGroup group{};
-  std::int32_t* const list = group.of_rank(chosen, 0);
-  const auto out = [&](std::int32_t i, std::uint32_t position) { list[position] = std::int32_t(begin + i); };
-  Select select(select_storage);
-  const SelectThreshold threshold = picks == pages ? SelectThreshold::all(std::uint32_t(pages))
-                                                   : select.find(word_at, count, std::uint32_t(picks), group);
-  select.emit(word_at, count, threshold, out, group);  // ends with a cluster barrier: the list is complete
-  if (rank != 0) return;
-  float* weights = p.out.log_weights ? p.out.log_weights + row * p.out.capacity : nullptr;
-  const std::int32_t written = expand_row(expand_storage, chosen, picks, p.bounds.page_size, len, p.window,
-                                          p.out.indices + row * p.out.capacity, weights);
-  if (threadIdx.x == 0) p.out.counts[row] = written;
 }
 
 template <class T, class KV>
