@@ -18,9 +18,11 @@
 
 namespace kvsift {
 
-namespace cpu {
-enum class KMeansMetric : std::uint8_t;  // cpu/primitives.hpp: l2 = 0, cosine
-}  // namespace cpu
+/// How k-means compares points with centroids (cpu::kmeans, cuda::kmeans, and the batched twins).
+enum class KMeansMetric : std::uint8_t {
+  l2,      ///< nearest centroid by squared Euclidean distance; centroid = mean
+  cosine,  ///< largest cosine similarity; points and centroids are compared normalized, centroid = normalized mean
+};
 
 /// What becomes of a cluster left with no points by a k-means update.
 enum class EmptyCluster : std::uint8_t {
@@ -33,7 +35,7 @@ enum class EmptyCluster : std::uint8_t {
 struct BatchedKMeansConfig {
   std::int32_t clusters = 0;     ///< per problem, in [1, points per problem]
   std::int32_t iterations = 10;  ///< Lloyd steps, a fixed count (no early stop)
-  cpu::KMeansMetric metric{};    ///< KMeansMetric::l2 (the zero value) unless set
+  KMeansMetric metric = KMeansMetric::l2;
   std::uint64_t seed = 0;  ///< problem p draws from seed + p (p = 0 draws as cpu::kmeans with this seed)
   EmptyCluster empty = EmptyCluster::keep;
 };

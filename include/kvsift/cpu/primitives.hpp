@@ -13,6 +13,7 @@
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/group_scores_options.hpp"
+#include "kvsift/core/kmeans_batched.hpp"
 #include "kvsift/core/rope.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/views.hpp"
@@ -66,10 +67,7 @@ void gather_rows(const MatrixView<const T>& src, std::span<const std::int32_t> i
 /// Sorts indices ascending and removes repeats; returns the number of distinct indices, which now lead.
 std::size_t sort_unique(std::span<std::int32_t> indices);
 
-enum class KMeansMetric : std::uint8_t {
-  l2,      ///< nearest centroid by squared Euclidean distance; centroid = mean
-  cosine,  ///< largest cosine similarity; points and centroids are compared normalized, centroid = normalized mean
-};
+using KMeansMetric = kvsift::KMeansMetric;  // core/kmeans_batched.hpp
 
 struct KMeansConfig {
   std::int32_t clusters = 0;
