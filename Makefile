@@ -1,7 +1,7 @@
 # Thin wrapper over the CMake presets; see README.md.
 JOBS ?= $(shell nproc)
 
-.PHONY: deps demo test build fidelity clean
+.PHONY: deps demo test build python-test fidelity e2e clean
 deps:
 	@scripts/install-deps.sh
 
@@ -17,10 +17,19 @@ test: build
 	cmake --preset asan-ubsan
 	cmake --build --preset asan-ubsan -j $(JOBS)
 	ctest --preset asan-ubsan -j $(JOBS)
+	scripts/python-test.sh
+
+# The Python package built with pip into build/pyenv, and its tests (part of `make test`).
+python-test: deps
+	scripts/python-test.sh
 
 # Scores the selectors on real-model captures: the results section of docs/fidelity.md and docs/fidelity_mass_recall.png.
 fidelity: build
 	scripts/fidelity.sh
+
+# Every layer of SmolLM2-135M decoding through kvsift: the results section of docs/e2e.md and docs/e2e_quality.png.
+e2e: deps
+	scripts/e2e.sh
 
 clean:
 	rm -rf build

@@ -5,6 +5,7 @@ set_property(CACHE KVSIFT_CUDA PROPERTY STRINGS AUTO ON OFF)
 option(KVSIFT_TESTS "Build kvsift's tests" ${KVSIFT_TOP_LEVEL})
 option(KVSIFT_BENCH "Build kvsift's demo and benchmarks" ${KVSIFT_TOP_LEVEL})
 option(KVSIFT_INSTALL "Generate kvsift's install rules and package config" ${KVSIFT_TOP_LEVEL})
+option(KVSIFT_PYTHON "Build the Python extension module kvsift._kvsift (nanobind; pyproject.toml turns it on)" OFF)
 option(KVSIFT_HEADER_CHECKS "With the tests, compile every public header on its own (tests/headers/)" ON)
 
 if(NOT CMAKE_BUILD_TYPE AND NOT CMAKE_CONFIGURATION_TYPES)

@@ -1,0 +1,273 @@
+"""kvsift from Python: sparse and dense decode, LSE merge, top-k, and the decode step with a selector, on numpy
+arrays (CPU) and torch tensors (CPU or CUDA, on torch's current stream), without copies (DLPack).
+
+Storage is float16 or bfloat16 (numpy has no bfloat16: float16 there, either with torch); outputs O are the
+storage type or float32, LSE float32 in natural log. Errors of the C++ checks are raised as kvsift.Error (a
+ValueError) with the C++ message. Every function takes preallocated outputs (`o`, `lse`, `indices`, ...) and a
+`workspace`; left out, they are allocated per call, which an engine's hot path avoids. docs/python.md is the
+reference.
+"""
+import math
+
+import numpy as np
+
+from ._kvsift import Error, KVCache, ThreadPool, has_cuda
+from . import _kvsift
+
+__all__ = [
+    "Error", "KVCache", "ThreadPool", "has_cuda", "contiguous_cache", "paged_cache", "sparse_decode", "dense_decode",
+    "merge_states", "topk_rows", "DecodeStep", "to_padded", "from_padded", "positions_to_slots", "lse_to_base2",
+    "lse_from_base2",
+]
+
+_ALIGNMENT = 256  # kvsift's workspace alignment (core/workspace.hpp)
+
+
+def _is_torch(x):
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _device(x):
+    return "cuda" if _is_torch(x) and x.is_cuda else "cpu"
+
+
+def _stream(x, stream):
+    """The CUDA stream to run on: the given one, else torch's current stream for a CUDA tensor (0 on the CPU)."""
+    if stream is not None:
+        return int(stream)
+    if _is_torch(x) and x.is_cuda:
+        import torch
+        return torch.cuda.current_stream(x.device).cuda_stream
+    return 0
+
+
+def _cache_stream(cache, stream):
+    if stream is not None:
+        return int(stream)
+    kind, index = cache.device
+    if kind == "cuda":
+        import torch
+        return torch.cuda.current_stream(index).cuda_stream
+    return 0
+
+
+def _dtype_name(x):
+    return str(x.dtype).replace("torch.", "")
+
+
+def _empty(shape, dtype, like):
+    """An uninitialized array of `dtype` ('float32', 'float16', 'bfloat16', 'int32', 'uint8') beside `like`."""
+    if _is_torch(like):
+        import torch
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
+    if dtype == "bfloat16":
+        raise Error("kvsift: numpy has no bfloat16: use float16, or torch tensors")
+    return np.empty(shape, dtype=dtype)
+
+
+def _workspace(nbytes, like):
+    """A 256-byte aligned uint8 workspace of nbytes beside `like` (None for 0 bytes)."""
+    if nbytes == 0:
+        return None
+    raw = _empty((nbytes + _ALIGNMENT,), "uint8", like)
+    address = raw.data_ptr() if _is_torch(like) else raw.ctypes.data
+    skip = -address % _ALIGNMENT
+    return raw[skip:skip + nbytes]
+
+
+def _state(q, heads, o, lse, out_dtype):
+    batch, head_dim = q.shape[0], q.shape[-1]
+    if o is None:
+        o = _empty((batch, heads, head_dim), out_dtype or _dtype_name(q), q)
+    if lse is None:
+        lse = _empty((batch, heads), "float32", q)
+    return o, lse
+
+
+def contiguous_cache(k, v, lengths):
+    """K and V [batch, kv_heads, capacity, head_dim] (any strides but the last) and lengths [batch] int32."""
+    return KVCache.contiguous(k, v, lengths)
+
+
+def paged_cache(k_pages, v_pages, page_indptr, page_indices, last_page_len, layout="NHD"):
+    """vLLM / FlashInfer pages: NHD [num_pages, page_size, kv_heads, head_dim] or HND [num_pages, kv_heads,
+    page_size, head_dim]; sequence b owns page_indices[page_indptr[b]:page_indptr[b + 1]], its last page holding
+    last_page_len[b] tokens."""
+    return KVCache.paged(k_pages, v_pages, page_indptr, page_indices, last_page_len, layout)
+
+
+def sparse_decode(q, cache, indices, counts, *, log_weights=None, window=(0, 0), sm_scale=0.0, o=None, lse=None,
+                  out_dtype=None, validate=False, pool=None, workspace=None, stream=None):
+    """Query heads of q [batch, q_heads, head_dim] attend to the window (sink, recent) and to the selection
+    indices [batch, kv_heads, capacity] (int32, the first counts[b, h] of each row; optional natural-log
+    log_weights added to the scaled logits). Returns (o, lse)."""
+    o, lse = _state(q, q.shape[1], o, lse, out_dtype)
+    if workspace is None:
+        workspace = _workspace(_kvsift.decode_workspace_bytes("sparse", q, cache, indices.shape[-1], tuple(window),
+                                                              validate, pool), q)
+    _kvsift.sparse_decode(q, cache, indices, counts, o, lse, workspace, log_weights, tuple(window), sm_scale,
+                          validate, pool, _stream(q, stream))
+    return o, lse
+
+
+def dense_decode(q, cache, *, sm_scale=0.0, o=None, lse=None, out_dtype=None, pool=None, workspace=None, stream=None):
+    """Every query head attends to all tokens of its sequence. Returns (o, lse)."""
+    o, lse = _state(q, q.shape[1], o, lse, out_dtype)
+    if workspace is None:
+        workspace = _workspace(_kvsift.decode_workspace_bytes("dense", q, cache, 0, (0, 0), False, pool), q)
+    _kvsift.dense_decode(q, cache, o, lse, workspace, sm_scale, pool, _stream(q, stream))
+    return o, lse
+
+
+def merge_states(partials, *, o=None, lse=None, out_dtype=None, stream=None):
+    """The LSE merge of partial states [(o_i, lse_i), ...] (float32 partials into float32 or a storage type, or
+    a storage type into itself). Returns (o, lse)."""
+    first = partials[0][0]
+    o, lse = _state(first, first.shape[1], o, lse, out_dtype)
+    _kvsift.merge_states([(p_o, p_lse) for p_o, p_lse in partials], o, lse, _stream(first, stream))
+    return o, lse
+
+
+def topk_rows(scores, k, *, batch, kv_heads, lengths=None, window=(0, 0), heads_per_row=1, indices=None, counts=None,
+              pool=None, workspace=None, stream=None):
+    """Per selection row (b, h) the k best of scores [batch * kv_heads * heads_per_row, tokens] (float32) among
+    its sequence's first lengths[b] tokens, outside the window, ties to the smaller index; with
+    heads_per_row > 1 the union of its score rows' picks. Returns (indices [batch, kv_heads, heads_per_row * k]
+    int32 ascending, counts [batch, kv_heads])."""
+    if indices is None:
+        indices = _empty((batch, kv_heads, heads_per_row * k), "int32", scores)
+    if counts is None:
+        counts = _empty((batch, kv_heads), "int32", scores)
+    if workspace is None:
+        workspace = _workspace(_kvsift.topk_rows_workspace_bytes(scores.shape[0], scores.shape[1], k, tuple(window),
+                                                                 heads_per_row, _device(scores), pool), scores)
+    _kvsift.topk_rows(scores, lengths, k, indices, counts, workspace, tuple(window), heads_per_row, pool,
+                      _stream(scores, stream))
+    return indices, counts
+
+
+class DecodeStep:
+    """One layer's decode step: a selector ('oracle_topk' {budget}, 'quest' {budget, page_size},
+    'streaming_llm' {}), then sparse attention of its selection and the window (sink, recent), planned once for
+    up to max_batch rows and sequences of up to max_seq_len tokens; the workspace is allocated here, once.
+
+    prepare(cache, slots) indexes the prompts of joining sequences (slot = the sequence's selector state);
+    run(q, cache, slots, k=, v=) writes the step's k, v (when given) at position lengths[b] - 1 (the caller has
+    grown the lengths), selects and attends, returning (o, lse); release(slots) frees sequences' slots."""
+
+    def __init__(self, selector, config=None, *, q_heads, kv_heads, head_dim, max_seq_len, max_batch=1,
+                 max_slots=None, window=(0, 0), sm_scale=0.0, dtype="float16", device="cpu", validate=False,
+                 pool=None):
+        self._step = _kvsift.make_step(selector, dict(config or {}), dtype, device, q_heads, kv_heads, head_dim,
+                                       max_batch, max_seq_len, max_slots or max_batch, tuple(window), sm_scale,
+                                       validate, pool)
+        self.selector, self.device, self.dtype = selector, device, dtype
+
+    @property
+    def capacity(self):
+        """Middle tokens a selection row holds at most."""
+        return self._step.capacity
+
+    @property
+    def workspace_bytes(self):
+        return self._step.workspace_bytes
+
+    def _slots(self, slots, batch):
+        """Rows 0..batch-1 in slots 0..batch-1 unless given (made per call: pass them in a hot path)."""
+        if slots is not None:
+            return slots
+        if self.device == "cuda":
+            import torch
+            return torch.arange(batch, dtype=torch.int32, device="cuda")
+        return np.arange(batch, dtype=np.int32)
+
+    def prepare(self, cache, slots=None, stream=None):
+        self._step.prepare(cache, self._slots(slots, cache.batch), _cache_stream(cache, stream))
+
+    def run(self, q, cache, slots=None, *, k=None, v=None, o=None, lse=None, out_dtype=None, stream=None):
+        o, lse = _state(q, q.shape[1], o, lse, out_dtype)
+        self._step.run(q, cache, self._slots(slots, q.shape[0]), o, lse, k, v, _stream(q, stream))
+        return o, lse
+
+    def release(self, slots):
+        self._step.release([int(s) for s in slots])
+
+    def selection(self, batch=1):
+        """The last run's selection as numpy (indices [batch, kv_heads, capacity], counts [batch, kv_heads]);
+        on CUDA, synchronize the step's stream first. For evaluation, not the hot path."""
+        indices, counts = self._step.selection(batch)
+        counts = np.asarray(counts, dtype=np.int32).reshape(batch, -1)
+        return np.asarray(indices, dtype=np.int32).reshape(batch, counts.shape[1], -1), counts
+
+
+# ---- engine conventions ------------------------------------------------------------------------------------------
+
+def _arange(n, like):
+    if _is_torch(like):
+        import torch
+        return torch.arange(n, device=like.device)
+    return np.arange(n)
+
+
+def to_padded(indices, counts, width=None):
+    """kvsift's (indices [..., capacity], counts [...]) as one int32 array [..., width] padded with -1 past each
+    row's count: the form vLLM's and SGLang's sparse paths and FlashMLA take. width defaults to the capacity."""
+    xp = _module_of(indices)
+    width = indices.shape[-1] if width is None else width
+    if bool((counts > width).any()) or bool((counts < 0).any()):
+        raise Error(f"kvsift.to_padded: counts must lie in [0, width = {width}] (max {int(counts.max())}, "
+                    f"min {int(counts.min())})")
+    kept = indices[..., :width]
+    if kept.shape[-1] < width:  # a wider form than the capacity: the tail is padding
+        pad = xp.zeros(tuple(kept.shape[:-1]) + (width - kept.shape[-1],), dtype=kept.dtype)
+        kept = xp.concatenate([kept, pad.to(kept.device) if _is_torch(kept) else pad], -1)
+    valid = _arange(width, indices) < counts[..., None]
+    return xp.where(valid, kept, xp.full_like(kept, -1))
+
+
+def from_padded(padded):
+    """(indices, counts) of kvsift's form from an int32 array padded with -1 past each row's valid entries;
+    refuses a valid entry after a -1."""
+    xp = _module_of(padded)
+    valid = padded >= 0
+    counts = valid.sum(-1)
+    if bool((valid != (_arange(padded.shape[-1], padded) < counts[..., None])).any()):
+        raise Error("kvsift.from_padded: a row has a valid entry after a -1 (padding must be at the end)")
+    indices = xp.where(valid, padded, xp.zeros_like(padded))
+    return indices, counts.to(padded.dtype) if _is_torch(padded) else counts.astype(np.int32)
+
+
+def positions_to_slots(positions, block_table, page_size, seq=None):
+    """Token positions of sequences -> slots of a paged pool, as vLLM's slot mapping:
+    block_table[seq, pos // page_size] * page_size + pos % page_size. positions [batch, ...] (row b is sequence
+    seq[b], default b); -1 entries (padding) stay -1."""
+    xp = _module_of(positions)
+    batch = positions.shape[0]
+    rows = (_arange(batch, positions) if seq is None else seq).reshape((batch,) + (1,) * (positions.ndim - 1))
+    valid = positions >= 0
+    safe = xp.where(valid, positions, xp.zeros_like(positions))
+    blocks = safe // page_size
+    if bool((blocks >= block_table.shape[1]).any()):
+        raise Error(f"kvsift.positions_to_slots: a position needs block {int(blocks.max())}, the block table has "
+                    f"{block_table.shape[1]} per sequence")
+    slots = block_table[rows, blocks] * page_size + safe % page_size
+    return xp.where(valid, slots, xp.full_like(slots, -1))
+
+
+_LN2 = math.log(2.0)
+
+
+def lse_to_base2(lse):
+    """Natural-log LSE (kvsift, FlashAttention) -> base 2 (FlashInfer's merge_state)."""
+    return lse / _LN2
+
+
+def lse_from_base2(lse2):
+    return lse2 * _LN2
+
+
+def _module_of(x):
+    if _is_torch(x):
+        import torch
+        return torch
+    return np

@@ -1,0 +1,665 @@
+// kvsift._kvsift: the Python bindings (nanobind). Arrays arrive through DLPack or the buffer protocol without a
+// copy (numpy on the CPU, torch on the CPU or CUDA); every function checks dtypes, shapes, strides and devices
+// and hands views to the C++ entry points, whose kvsift::Error messages reach Python as kvsift.Error. The Python
+// layer (python/kvsift/__init__.py) fills defaults: workspaces, torch's current stream.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvsift/core/error.hpp"
+#include "kvsift/cpu/backend.hpp"
+#include "kvsift/selectors/oracle_topk.hpp"
+#include "kvsift/selectors/quest.hpp"
+#include "kvsift/selectors/streaming_llm.hpp"
+#include "kvsift/step/decode_step.hpp"
+#ifndef KVSIFT_WITH_CUDA
+#define KVSIFT_WITH_CUDA 0
+#endif
+#if KVSIFT_WITH_CUDA
+#include "kvsift/cuda/backend.hpp"
+#include "kvsift/cuda/check.hpp"
+#endif
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace kvsift::python {
+namespace {
+
+using Array = nb::ndarray<>;
+enum class Device { cpu, cuda };
+
+constexpr nb::dlpack::dtype kHalf{std::uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
+constexpr nb::dlpack::dtype kBfloat16{std::uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
+
+std::string dtype_name(nb::dlpack::dtype t) {
+  if (t == kHalf) return "float16";
+  if (t == kBfloat16) return "bfloat16";
+  if (t == nb::dtype<float>()) return "float32";
+  if (t == nb::dtype<std::int32_t>()) return "int32";
+  if (t == nb::dtype<std::uint8_t>()) return "uint8";
+  return fmt::format("(DLPack code {}, {} bits)", t.code, t.bits);
+}
+
+std::string shape_of(const Array& a) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < a.ndim(); ++i) s += fmt::format("{}{}", i ? ", " : "", a.shape(i));
+  return s + "]";
+}
+
+Device device_of(const char* where, const char* name, const Array& a) {
+  if (a.device_type() == nb::device::cpu::value) return Device::cpu;
+  if (a.device_type() == nb::device::cuda::value) {
+#if KVSIFT_WITH_CUDA
+    return Device::cuda;
+#else
+    detail::throw_error(where, fmt::format("{} is a CUDA array, but this kvsift build has no CUDA backend", name));
+#endif
+  }
+  detail::throw_error(where, fmt::format("{} is on DLPack device type {}; kvsift takes CPU and CUDA arrays", name,
+                                         a.device_type()));
+}
+
+/// The arguments of one call, checked against each other as they are read: one device for all of them.
+class Args {
+ public:
+  explicit Args(const char* where) : where_(where) {}
+  const char* where() const { return where_; }
+  Device device() const { return device_; }
+
+  /// `a` as a `ndim`-dimensional array of dtype `dtype`, last dimension contiguous, on the call's device.
+  const Array& take(const char* name, const Array& a, std::size_t ndim, nb::dlpack::dtype dtype) {
+    KVSIFT_CHECK(a.ndim() == ndim, where_, "{} has {} dimensions (shape {}); expected {}", name, a.ndim(), shape_of(a),
+                 ndim);
+    KVSIFT_CHECK(a.dtype() == dtype, where_, "{} has dtype {}; expected {}", name, dtype_name(a.dtype()),
+                 dtype_name(dtype));
+    KVSIFT_CHECK(a.shape(ndim - 1) <= 1 || a.stride(ndim - 1) == 1, where_,
+                 "{} (shape {}) must be contiguous in its last dimension (stride {})", name, shape_of(a),
+                 a.stride(ndim - 1));
+    const Device d = device_of(where_, name, a);
+    if (!first_) {
+      first_ = name;
+      device_ = d;
+      device_id_ = a.device_id();
+    }
+    KVSIFT_CHECK(d == device_ && a.device_id() == device_id_, where_, "{} is on {}:{}, {} on {}:{}: one device per call",
+                 name, d == Device::cpu ? "cpu" : "cuda", a.device_id(), first_,
+                 device_ == Device::cpu ? "cpu" : "cuda", device_id_);
+    return a;
+  }
+  /// A dense (C-order) array: the index and count arrays the kernels read with their own strides.
+  const Array& take_packed(const char* name, const Array& a, std::size_t ndim, nb::dlpack::dtype dtype) {
+    take(name, a, ndim, dtype);
+    std::int64_t expected = 1;
+    for (std::size_t i = ndim; i-- > 0;) {
+      KVSIFT_CHECK(a.shape(i) <= 1 || a.stride(i) == expected, where_, "{} (shape {}) must be C-contiguous", name,
+                   shape_of(a));
+      expected *= std::int64_t(a.shape(i));
+    }
+    return a;
+  }
+  void check_dim(const char* name, const Array& a, std::size_t dim, std::int64_t expected, const char* what) const {
+    KVSIFT_CHECK(std::int64_t(a.shape(dim)) == expected, where_, "{} has shape {}: dimension {} ({}) must be {}", name,
+                 shape_of(a), dim, what, expected);
+  }
+
+ private:
+  const char* where_;
+  const char* first_ = nullptr;
+  Device device_ = Device::cpu;
+  std::int32_t device_id_ = 0;
+};
+
+std::int32_t dim32(const Args& args, const char* name, const Array& a, std::size_t dim) {
+  KVSIFT_CHECK(a.shape(dim) <= std::size_t(std::numeric_limits<std::int32_t>::max()), args.where(),
+               "{} has shape {}: dimension {} exceeds int32", name, shape_of(a), dim);
+  return std::int32_t(a.shape(dim));
+}
+
+template <class T>
+T* data_of(const Array& a) {
+  return static_cast<T*>(a.data());
+}
+
+/// Calls f(T{}) with the storage type of `a` (float16 or bfloat16).
+template <class F>
+decltype(auto) with_storage_type(const Args& args, const char* name, const Array& a, F&& f) {
+  if (a.dtype() == kHalf) return f(half{});
+  if (a.dtype() == kBfloat16) return f(bfloat16{});
+  detail::throw_error(args.where(), fmt::format("{} has dtype {}; kvsift stores float16 or bfloat16 (numpy has no "
+                                                "bfloat16: use float16, or torch)",
+                                                name, dtype_name(a.dtype())));
+}
+
+template <class T>
+nb::dlpack::dtype storage_dtype() {
+  return std::is_same_v<T, half> ? kHalf : kBfloat16;
+}
+
+/// [batch, heads, head_dim] rows of storage type T (q, a step's new k and v).
+template <class T>
+HeadsView<const T> heads_view(Args& args, const char* name, const Array& a) {
+  args.take(name, a, 3, storage_dtype<T>());
+  return {data_of<const T>(a), dim32(args, name, a, 0), dim32(args, name, a, 1), dim32(args, name, a, 2),
+          a.stride(0), a.stride(1)};
+}
+
+/// The engine's cache as Python holds it: contiguous [batch, kv_heads, capacity, head_dim] K and V with
+/// lengths [batch], or paged (vLLM/FlashInfer: pages of page_size tokens, NHD or HND) with page_indptr,
+/// page_indices and last_page_len. Keeps its arrays alive; views are made per call.
+class Cache {
+ public:
+  static Cache contiguous(Array k, Array v, Array lengths) {
+    Cache c;
+    c.paged_ = false;
+    c.k_ = std::move(k), c.v_ = std::move(v), c.lengths_ = std::move(lengths);
+    return c;
+  }
+  static Cache paged(Array k_pages, Array v_pages, Array page_indptr, Array page_indices, Array last_page_len,
+                     const std::string& layout) {
+    KVSIFT_CHECK(layout == "NHD" || layout == "HND", "KVCache.paged", "layout (= '{}') must be 'NHD' or 'HND'", layout);
+    Cache c;
+    c.paged_ = true;
+    c.hnd_ = layout == "HND";
+    c.k_ = std::move(k_pages), c.v_ = std::move(v_pages);
+    c.indptr_ = std::move(page_indptr), c.indices_ = std::move(page_indices), c.last_ = std::move(last_page_len);
+    return c;
+  }
+  bool is_paged() const { return paged_; }
+  const Array& k() const { return k_; }
+  std::int32_t batch() const { return std::int32_t(paged_ ? indptr_.shape(0) - 1 : k_.shape(0)); }
+  /// ("cpu" | "cuda" | "other", device id) of the keys: where a step's defaults (slots, stream) are made.
+  std::pair<std::string, std::int32_t> device() const {
+    const auto type = k_.device_type();
+    return {type == nb::device::cpu::value ? "cpu" : type == nb::device::cuda::value ? "cuda" : "other",
+            k_.device_id()};
+  }
+
+  /// The cache as kvsift's KVCache<T>, checked against `args` (device) and itself (shapes, strides, dtypes).
+  template <class T>
+  KVCache<T> view(Args& args) const {
+    const auto i32 = nb::dtype<std::int32_t>();
+    args.take("cache.k", k_, 4, storage_dtype<T>());
+    args.take("cache.v", v_, 4, storage_dtype<T>());
+    for (std::size_t i = 0; i < 4; ++i) {
+      KVSIFT_CHECK(k_.shape(i) == v_.shape(i) && k_.stride(i) == v_.stride(i), args.where(),
+                   "cache.k (shape {}) and cache.v (shape {}) must have one shape and one set of strides",
+                   shape_of(k_), shape_of(v_));
+    }
+    if (!paged_) {
+      args.take_packed("cache.lengths", lengths_, 1, i32);
+      args.check_dim("cache.lengths", lengths_, 0, std::int64_t(k_.shape(0)), "batch, cache.k's dimension 0");
+      return ContiguousKVView<T>{.k = data_of<T>(k_), .v = data_of<T>(v_), .seq_lens = data_of<const std::int32_t>(lengths_),
+                                 .batch = dim32(args, "cache.k", k_, 0), .kv_heads = dim32(args, "cache.k", k_, 1),
+                                 .capacity = dim32(args, "cache.k", k_, 2), .head_dim = dim32(args, "cache.k", k_, 3),
+                                 .batch_stride = k_.stride(0), .head_stride = k_.stride(1), .token_stride = k_.stride(2)};
+    }
+    args.take_packed("cache.page_indptr", indptr_, 1, i32);
+    args.take_packed("cache.page_indices", indices_, 1, i32);
+    args.take_packed("cache.last_page_len", last_, 1, i32);
+    KVSIFT_CHECK(indptr_.shape(0) >= 2, args.where(), "cache.page_indptr has shape {}: it holds batch + 1 >= 2 entries",
+                 shape_of(indptr_));
+    args.check_dim("cache.last_page_len", last_, 0, std::int64_t(indptr_.shape(0)) - 1, "batch");
+    // NHD pages are [pages, page_size, kv_heads, head_dim], HND [pages, kv_heads, page_size, head_dim].
+    const std::size_t token_dim = hnd_ ? 2 : 1, head_dim_index = hnd_ ? 1 : 2;
+    return PagedKVView<T>{.k_pages = data_of<T>(k_), .v_pages = data_of<T>(v_),
+                          .page_indptr = data_of<const std::int32_t>(indptr_),
+                          .page_indices = data_of<const std::int32_t>(indices_),
+                          .last_page_len = data_of<const std::int32_t>(last_),
+                          .batch = std::int32_t(indptr_.shape(0) - 1),
+                          .kv_heads = dim32(args, "cache.k", k_, head_dim_index),
+                          .head_dim = dim32(args, "cache.k", k_, 3),
+                          .page_size = dim32(args, "cache.k", k_, token_dim),
+                          .num_pages = dim32(args, "cache.k", k_, 0),
+                          .page_stride = k_.stride(0),
+                          .token_stride = k_.stride(token_dim),
+                          .head_stride = k_.stride(head_dim_index)};
+  }
+
+ private:
+  bool paged_ = false, hnd_ = false;
+  Array k_, v_, lengths_, indptr_, indices_, last_;
+};
+
+/// O [batch, heads, head_dim] (storage type T or float32) and LSE [batch, heads] (float32).
+template <class TO>
+StateView<TO> state_view(Args& args, const char* o_name, const Array& o, const char* lse_name, const Array& lse) {
+  args.take(o_name, o, 3, std::is_same_v<TO, float> ? nb::dtype<float>() : storage_dtype<TO>());
+  args.take(lse_name, lse, 2, nb::dtype<float>());
+  args.check_dim(lse_name, lse, 0, std::int64_t(o.shape(0)), "batch");
+  args.check_dim(lse_name, lse, 1, std::int64_t(o.shape(1)), "heads");
+  return {data_of<TO>(o), data_of<float>(lse), dim32(args, o_name, o, 0), dim32(args, o_name, o, 1),
+          dim32(args, o_name, o, 2), o.stride(0), o.stride(1), lse.stride(0)};
+}
+
+/// Calls f(TO{}) with the output type of o: the storage type T or float32.
+template <class T, class F>
+decltype(auto) with_output_type(const Args& args, const char* name, const Array& o, F&& f) {
+  if (o.dtype() == nb::dtype<float>()) return f(float{});
+  if (o.dtype() == storage_dtype<T>()) return f(T{});
+  detail::throw_error(args.where(), fmt::format("{} has dtype {}; expected {} (the storage type) or float32", name,
+                                                dtype_name(o.dtype()), dtype_name(storage_dtype<T>())));
+}
+
+SelectionView selection_view(Args& args, const Array& indices, const Array& counts,
+                             const std::optional<Array>& log_weights) {
+  const auto i32 = nb::dtype<std::int32_t>();
+  args.take_packed("indices", indices, 3, i32);
+  args.take_packed("counts", counts, 2, i32);
+  args.check_dim("counts", counts, 0, std::int64_t(indices.shape(0)), "batch");
+  args.check_dim("counts", counts, 1, std::int64_t(indices.shape(1)), "kv_heads");
+  float* weights = nullptr;
+  if (log_weights) {
+    args.take_packed("log_weights", *log_weights, 3, nb::dtype<float>());
+    for (std::size_t i = 0; i < 3; ++i) args.check_dim("log_weights", *log_weights, i, std::int64_t(indices.shape(i)), "indices' shape");
+    weights = data_of<float>(*log_weights);
+  }
+  return {.indices = data_of<std::int32_t>(indices), .counts = data_of<std::int32_t>(counts), .log_weights = weights,
+          .batch = dim32(args, "indices", indices, 0), .kv_heads = dim32(args, "indices", indices, 1),
+          .capacity = dim32(args, "indices", indices, 2)};
+}
+
+std::span<std::byte> workspace_span(Args& args, const std::optional<Array>& workspace) {
+  if (!workspace) return {};
+  args.take_packed("workspace", *workspace, 1, nb::dtype<std::uint8_t>());
+  return {static_cast<std::byte*>(workspace->data()), workspace->shape(0)};
+}
+
+AttentionOptions attention_options(std::pair<std::int32_t, std::int32_t> window, float sm_scale) {
+  return {.sm_scale = sm_scale, .window = {.sink = window.first, .recent = window.second}};
+}
+
+/// Owns a cpu::ThreadPool for Python (kvsift.ThreadPool).
+struct Pool {
+  explicit Pool(int threads) : pool(std::make_unique<cpu::ThreadPool>(threads)) {}
+  std::unique_ptr<cpu::ThreadPool> pool;
+};
+
+cpu::ThreadPool* pool_of(Pool* pool) { return pool ? pool->pool.get() : nullptr; }
+
+#if KVSIFT_WITH_CUDA
+cudaStream_t stream_of(std::uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+#endif
+
+// ---- functional API ------------------------------------------------------------------------------------------
+
+std::size_t decode_workspace_bytes(const std::string& kind, Array q, const Cache& cache, std::int32_t capacity,
+                                   std::pair<std::int32_t, std::int32_t> window, bool validate,
+                                   Pool* pool) {
+  Args args("decode_workspace_bytes");
+  KVSIFT_CHECK(kind == "sparse" || kind == "dense", args.where(), "kind (= '{}') must be 'sparse' or 'dense'", kind);
+  return with_storage_type(args, "q", q, [&](auto t) -> std::size_t {
+    using T = decltype(t);
+    const HeadsView<const T> qv = heads_view<T>(args, "q", q);
+    const KVCache<const T> kv = cache.view<T>(args);
+    if (args.device() == Device::cpu) return cpu::decode_workspace_bytes(qv.batch, qv.heads, kv.kv_heads(), qv.head_dim, pool_of(pool));
+#if KVSIFT_WITH_CUDA
+    const cuda::DecodeOptions options{.attention = attention_options(window, 0.0f), .validate_indices = validate};
+    if (kind == "sparse") {
+      return cuda::sparse_decode_workspace_bytes(
+          cuda::SparseDecodeShape{qv.batch, qv.heads, kv.kv_heads(), qv.head_dim, capacity}, options);
+    }
+    return kv.visit([&](const auto& view) { return cuda::dense_decode_workspace_bytes(qv, view, options); });
+#else
+    return 0;
+#endif
+  });
+}
+
+void sparse_decode(Array q, const Cache& cache, Array indices, Array counts, Array o, Array lse,
+                   std::optional<Array> workspace, std::optional<Array> log_weights,
+                   std::pair<std::int32_t, std::int32_t> window, float sm_scale, bool validate,
+                   Pool* pool, std::uintptr_t stream) {
+  Args args("sparse_decode");
+  with_storage_type(args, "q", q, [&](auto t) {
+    using T = decltype(t);
+    const HeadsView<const T> qv = heads_view<T>(args, "q", q);
+    const KVCache<const T> kv = cache.view<T>(args);
+    const SelectionView selection = selection_view(args, indices, counts, log_weights);
+    with_output_type<T>(args, "o", o, [&](auto to) {
+      using TO = decltype(to);
+      const StateView<TO> out = state_view<TO>(args, "o", o, "lse", lse);
+      const std::span<std::byte> ws = workspace_span(args, workspace);
+      const AttentionOptions attention = attention_options(window, sm_scale);
+      if (args.device() == Device::cpu) {
+        nb::gil_scoped_release unlocked;
+        cpu::sparse_decode(qv, kv, selection, out, attention, validate, false, ws, cpu::Context{pool_of(pool)});
+        return;
+      }
+#if KVSIFT_WITH_CUDA
+      cuda::sparse_decode(qv, kv, selection, out, attention, validate, false, ws, cuda::Context{stream_of(stream)});
+#endif
+    });
+  });
+}
+
+void dense_decode(Array q, const Cache& cache, Array o, Array lse, std::optional<Array> workspace, float sm_scale,
+                  Pool* pool, std::uintptr_t stream) {
+  Args args("dense_decode");
+  with_storage_type(args, "q", q, [&](auto t) {
+    using T = decltype(t);
+    const HeadsView<const T> qv = heads_view<T>(args, "q", q);
+    const KVCache<const T> kv = cache.view<T>(args);
+    with_output_type<T>(args, "o", o, [&](auto to) {
+      using TO = decltype(to);
+      const StateView<TO> out = state_view<TO>(args, "o", o, "lse", lse);
+      const std::span<std::byte> ws = workspace_span(args, workspace);
+      const AttentionOptions attention{.sm_scale = sm_scale};
+      kv.visit([&](const auto& view) {
+        if (args.device() == Device::cpu) {
+          nb::gil_scoped_release unlocked;
+          cpu::dense_decode(qv, view, out, cpu::DecodeOptions{.attention = attention}, pool_of(pool), ws);
+          return;
+        }
+#if KVSIFT_WITH_CUDA
+        cuda::dense_decode(qv, view, out, ws, stream_of(stream), cuda::DecodeOptions{.attention = attention});
+#endif
+      });
+    });
+  });
+}
+
+void merge_states(std::vector<std::pair<Array, Array>> partials, Array o, Array lse, std::uintptr_t stream) {
+  Args args("merge_states");
+  KVSIFT_CHECK(!partials.empty(), args.where(), "partials is empty");
+  const Array& first = partials.front().first;
+  const auto run = [&](auto ti, auto to) {
+    using TI = decltype(ti);
+    using TO = decltype(to);
+    std::vector<StateView<const TI>> views;
+    for (std::size_t i = 0; i < partials.size(); ++i) {
+      views.push_back(state_view<TI>(args, "partials[i][0]", partials[i].first, "partials[i][1]", partials[i].second).as_const());
+    }
+    const StateView<TO> out = state_view<TO>(args, "o", o, "lse", lse);
+    if (args.device() == Device::cpu) return cpu::merge_states<TI, TO>(views, out);
+#if KVSIFT_WITH_CUDA
+    cuda::merge_states<TI, TO>(views, out, stream_of(stream));
+#endif
+  };
+  // The instantiated pairs: fp32 partials into fp32 or a storage type; a storage type into itself.
+  if (first.dtype() == nb::dtype<float>()) {
+    if (o.dtype() == nb::dtype<float>()) return run(float{}, float{});
+    if (o.dtype() == kHalf) return run(float{}, half{});
+    if (o.dtype() == kBfloat16) return run(float{}, bfloat16{});
+  } else if (first.dtype() == o.dtype() && (o.dtype() == kHalf || o.dtype() == kBfloat16)) {
+    return o.dtype() == kHalf ? run(half{}, half{}) : run(bfloat16{}, bfloat16{});
+  }
+  detail::throw_error(args.where(), fmt::format("partials of dtype {} into o of dtype {}: kvsift merges float32 "
+                                                "partials into float32, float16 or bfloat16, or a storage type into itself",
+                                                dtype_name(first.dtype()), dtype_name(o.dtype())));
+}
+
+std::size_t topk_rows_workspace_bytes(std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
+                                      std::pair<std::int32_t, std::int32_t> window, std::int32_t heads_per_row,
+                                      const std::string& device, Pool* pool) {
+  const TopKRowsOptions options{.window = {window.first, window.second}, .heads_per_row = heads_per_row};
+  if (device == "cpu") return cpu::topk_rows_workspace_bytes(score_rows, max_tokens, k, options, pool_of(pool));
+#if KVSIFT_WITH_CUDA
+  if (device == "cuda") return cuda::topk_rows_workspace_bytes(score_rows, max_tokens, k, options);
+#endif
+  detail::throw_error("topk_rows_workspace_bytes", fmt::format("device (= '{}') must be 'cpu'{}", device,
+                                                               KVSIFT_WITH_CUDA ? " or 'cuda'" : " (no CUDA backend)"));
+}
+
+void topk_rows(Array scores, std::optional<Array> lengths, std::int32_t k, Array indices, Array counts,
+               std::optional<Array> workspace, std::pair<std::int32_t, std::int32_t> window,
+               std::int32_t heads_per_row, Pool* pool, std::uintptr_t stream) {
+  Args args("topk_rows");
+  args.take("scores", scores, 2, nb::dtype<float>());
+  const MatrixView<const float> sv{data_of<const float>(scores), std::int64_t(scores.shape(0)),
+                                   dim32(args, "scores", scores, 1), scores.stride(0)};
+  const SelectionView out = selection_view(args, indices, counts, std::nullopt);
+  const std::int32_t* lens = nullptr;
+  if (lengths) {
+    args.take_packed("lengths", *lengths, 1, nb::dtype<std::int32_t>());
+    args.check_dim("lengths", *lengths, 0, out.batch, "batch, indices' dimension 0");
+    lens = data_of<const std::int32_t>(*lengths);
+  }
+  const TopKRowsOptions options{.window = {window.first, window.second}, .heads_per_row = heads_per_row};
+  const std::span<std::byte> ws = workspace_span(args, workspace);
+  if (args.device() == Device::cpu) {
+    nb::gil_scoped_release unlocked;
+    return cpu::topk_rows(sv, lens, k, options, out, ws, pool_of(pool));
+  }
+#if KVSIFT_WITH_CUDA
+  cuda::topk_rows(sv, lens, k, options, out, ws, stream_of(stream));
+#endif
+}
+
+// ---- the decode step -----------------------------------------------------------------------------------------
+
+struct StepConfig {
+  std::string selector, dtype, device;
+  nb::dict selector_config;
+  std::int32_t q_heads, kv_heads, head_dim, max_batch, max_seq_len, max_slots;
+  std::pair<std::int32_t, std::int32_t> window;
+  float sm_scale;
+  bool validate;
+};
+
+/// A DecodeStep of any selector, storage type and backend behind one Python class.
+class Step {
+ public:
+  virtual ~Step() = default;
+  virtual void prepare(const Cache& cache, Array slots, std::uintptr_t stream) = 0;
+  virtual void run(Array q, const Cache& cache, Array slots, Array o, Array lse, std::optional<Array> k,
+                   std::optional<Array> v, std::uintptr_t stream) = 0;
+  virtual void release(const std::vector<std::int32_t>& slots) = 0;
+  virtual std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> selection(std::int32_t batch) = 0;
+  virtual std::int32_t capacity() const = 0;
+  virtual std::size_t workspace_bytes() const = 0;
+  virtual std::string name() const = 0;
+};
+
+template <class S>
+class StepOf final : public Step {
+ public:
+  using T = typename S::value_type;
+  using Context = typename S::context_type;
+  static constexpr Device kDevice = Context::memory == MemorySpace::host ? Device::cpu : Device::cuda;
+
+  StepOf(S selector, const StepConfig& config, Pool* pool)
+      : pool_(pool), step_(std::move(selector), step_config(config), context(0)), workspace_(step_.workspace_bytes()) {}
+
+  void prepare(const Cache& cache, Array slots, std::uintptr_t stream) override {
+    Args args("DecodeStep.prepare");
+    const KVCache<const T> kv = cache.view<T>(args);
+    check_device(args);
+    const std::int32_t* s = slots_of(args, slots, kv.batch());
+    step_.prepare({.cache = kv, .slots = s}, context(stream));
+  }
+
+  void run(Array q, const Cache& cache, Array slots, Array o, Array lse, std::optional<Array> k,
+           std::optional<Array> v, std::uintptr_t stream) override {
+    Args args("DecodeStep.run");
+    StepInputs<T> in{.q = heads_view<T>(args, "q", q), .cache = cache.view<T>(args)};
+    check_device(args);
+    in.slots = slots_of(args, slots, in.q.batch);
+    KVSIFT_CHECK(k.has_value() == v.has_value(), args.where(), "k and v must be given together");
+    if (k) {
+      const HeadsView<const T> kh = heads_view<T>(args, "k", *k);
+      const HeadsView<const T> vh = heads_view<T>(args, "v", *v);
+      in.k = kh, in.v = vh;
+    }
+    with_output_type<T>(args, "o", o, [&](auto to) {
+      using TO = decltype(to);
+      const StateView<TO> out = state_view<TO>(args, "o", o, "lse", lse);
+      if constexpr (kDevice == Device::cpu) {
+        nb::gil_scoped_release unlocked;
+        step_.run(in, out, workspace(), context(stream));
+      } else {
+        step_.run(in, out, workspace(), context(stream));
+      }
+    });
+  }
+
+  void release(const std::vector<std::int32_t>& slots) override { step_.release(slots); }
+
+  std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> selection(std::int32_t batch) override {
+    KVSIFT_CHECK(batch >= 1 && batch <= step_.config().max_batch, "DecodeStep.selection",
+                 "batch (= {}) is outside [1, max_batch = {}]", batch, step_.config().max_batch);
+    const SelectionView s = step_.selection(workspace(), batch);
+    std::vector<std::int32_t> indices(std::size_t(batch) * s.kv_heads * s.capacity), counts(std::size_t(batch) * s.kv_heads);
+    if constexpr (kDevice == Device::cpu) {
+      std::copy_n(s.indices, indices.size(), indices.data());
+      std::copy_n(s.counts, counts.size(), counts.data());
+    } else {
+#if KVSIFT_WITH_CUDA
+      // A read for evaluation, after the step's stream: the caller synchronizes that stream first.
+      KVSIFT_CUDA_CHECK(cudaMemcpy(indices.data(), s.indices, indices.size() * 4, cudaMemcpyDeviceToHost));
+      KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), s.counts, counts.size() * 4, cudaMemcpyDeviceToHost));
+#endif
+    }
+    return {std::move(indices), std::move(counts)};
+  }
+  std::int32_t capacity() const override { return step_.selector().capacity(); }
+  std::size_t workspace_bytes() const override { return step_.workspace_bytes(); }
+  std::string name() const override { return std::string(step_.selector().name()); }
+
+ private:
+  static DecodeStepConfig step_config(const StepConfig& c) {
+    return {.attention = attention_options(c.window, c.sm_scale), .max_batch = c.max_batch, .q_heads = c.q_heads,
+            .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = c.max_seq_len,
+            .validate_indices = c.validate};
+  }
+  Context context(std::uintptr_t stream) const {
+    if constexpr (kDevice == Device::cpu) {
+      return Context{pool_ ? pool_->pool.get() : nullptr};
+    } else {
+#if KVSIFT_WITH_CUDA
+      return Context{stream_of(stream)};
+#endif
+    }
+  }
+  void check_device(const Args& args) const {
+    KVSIFT_CHECK(args.device() == kDevice, args.where(), "the arrays are on {}, the step was built for {}",
+                 args.device() == Device::cpu ? "cpu" : "cuda", kDevice == Device::cpu ? "cpu" : "cuda");
+  }
+  static const std::int32_t* slots_of(Args& args, const Array& slots, std::int32_t batch) {
+    args.take_packed("slots", slots, 1, nb::dtype<std::int32_t>());
+    args.check_dim("slots", slots, 0, batch, "batch");
+    return data_of<const std::int32_t>(slots);
+  }
+
+  std::span<std::byte> workspace() { return {workspace_.data(), workspace_.size()}; }
+
+  Pool* pool_;  // kept alive by the Python object (nb::keep_alive)
+  DecodeStep<S> step_;
+  typename Context::template array<std::byte> workspace_;
+};
+
+std::int32_t config_int(const char* where, nb::dict& config, const char* key, std::optional<std::int32_t> fallback) {
+  if (!config.contains(key)) {
+    KVSIFT_CHECK(fallback.has_value(), where, "selector_config lacks '{}'", key);
+    return *fallback;
+  }
+  return nb::cast<std::int32_t>(config.attr("pop")(key));
+}
+
+template <class T, class Context>
+std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
+  constexpr const char* where = "DecodeStep";
+  const SelectorLimits limits{.max_slots = c.max_slots, .max_tokens = c.max_seq_len, .q_heads = c.q_heads,
+                              .kv_heads = c.kv_heads, .head_dim = c.head_dim};
+  // A copy: each key read is removed, and what remains is refused by name.
+  nb::dict config = nb::cast<nb::dict>(c.selector_config.attr("copy")());
+  std::unique_ptr<Step> step;
+  if (c.selector == "oracle_topk") {
+    const OracleTopKConfig sc{.budget = config_int(where, config, "budget", std::nullopt)};
+    step = std::make_unique<StepOf<OracleTopK<T, Context>>>(OracleTopK<T, Context>(limits, sc), c, pool);
+  } else if (c.selector == "quest") {
+    const std::int32_t budget = config_int(where, config, "budget", std::nullopt);
+    const QuestConfig sc{.budget = budget, .page_size = config_int(where, config, "page_size", 16)};
+    step = std::make_unique<StepOf<Quest<T, Context>>>(Quest<T, Context>(limits, sc), c, pool);
+  } else if (c.selector == "streaming_llm") {
+    step = std::make_unique<StepOf<StreamingLLM<T, Context>>>(StreamingLLM<T, Context>(limits), c, pool);
+  } else {
+    detail::throw_error(where, fmt::format("selector (= '{}') must be one of 'oracle_topk', 'quest', 'streaming_llm'",
+                                           c.selector));
+  }
+  KVSIFT_CHECK(nb::len(config) == 0, where, "selector_config has keys {} that {} does not take",
+               nb::cast<std::string>(nb::str(config.attr("keys")())), c.selector);
+  return step;
+}
+
+std::unique_ptr<Step> make_step(const std::string& selector, nb::dict selector_config, const std::string& dtype,
+                                const std::string& device, std::int32_t q_heads, std::int32_t kv_heads,
+                                std::int32_t head_dim, std::int32_t max_batch, std::int32_t max_seq_len,
+                                std::int32_t max_slots, std::pair<std::int32_t, std::int32_t> window, float sm_scale,
+                                bool validate, Pool* pool) {
+  const StepConfig c{selector, dtype, device, selector_config, q_heads, kv_heads, head_dim, max_batch, max_seq_len,
+                     max_slots, window, sm_scale, validate};
+  constexpr const char* where = "DecodeStep";
+  KVSIFT_CHECK(dtype == "float16" || dtype == "bfloat16", where, "dtype (= '{}') must be 'float16' or 'bfloat16'", dtype);
+  const auto with_context = [&](auto t) -> std::unique_ptr<Step> {
+    using T = decltype(t);
+    if (device == "cpu") return make_step_of<T, cpu::Context>(c, pool);
+#if KVSIFT_WITH_CUDA
+    if (device == "cuda") return make_step_of<T, cuda::Context>(c, nullptr);
+#endif
+    detail::throw_error(where, fmt::format("device (= '{}') must be 'cpu'{}", device,
+                                           KVSIFT_WITH_CUDA ? " or 'cuda'" : " (this build has no CUDA backend)"));
+  };
+  return dtype == "float16" ? with_context(half{}) : with_context(bfloat16{});
+}
+
+}  // namespace
+}  // namespace kvsift::python
+
+NB_MODULE(_kvsift, m) {
+  using namespace kvsift::python;
+  m.doc() = "kvsift's C++ entry points; use the kvsift package (python/kvsift/__init__.py), which fills defaults";
+  nb::exception<kvsift::Error>(m, "Error", PyExc_ValueError);
+  m.attr("has_cuda") = bool(KVSIFT_WITH_CUDA);
+
+  nb::class_<Pool>(m, "ThreadPool", "A pool of CPU threads (the calling thread counts as one)")
+      .def(nb::init<int>(), "threads"_a)
+      .def_prop_ro("size", [](const Pool& p) { return p.pool->size(); });
+
+  nb::class_<Cache>(m, "KVCache", "A contiguous or paged KV cache over the caller's arrays (no copy)")
+      .def_static("contiguous", &Cache::contiguous, "k"_a, "v"_a, "lengths"_a)
+      .def_static("paged", &Cache::paged, "k_pages"_a, "v_pages"_a, "page_indptr"_a, "page_indices"_a,
+                  "last_page_len"_a, "layout"_a = "NHD")
+      .def_prop_ro("is_paged", &Cache::is_paged)
+      .def_prop_ro("batch", &Cache::batch)
+      .def_prop_ro("device", &Cache::device);
+
+  m.def("decode_workspace_bytes", &decode_workspace_bytes, "kind"_a, "q"_a, "cache"_a, "capacity"_a = 0,
+        "window"_a = std::pair{0, 0}, "validate"_a = false, "pool"_a.none() = nb::none());
+  m.def("sparse_decode", &sparse_decode, "q"_a, "cache"_a, "indices"_a, "counts"_a, "o"_a, "lse"_a,
+        "workspace"_a = nb::none(), "log_weights"_a = nb::none(), "window"_a = std::pair{0, 0}, "sm_scale"_a = 0.0f,
+        "validate"_a = false, "pool"_a.none() = nb::none(), "stream"_a = 0);
+  m.def("dense_decode", &dense_decode, "q"_a, "cache"_a, "o"_a, "lse"_a, "workspace"_a = nb::none(),
+        "sm_scale"_a = 0.0f, "pool"_a.none() = nb::none(), "stream"_a = 0);
+  m.def("merge_states", &merge_states, "partials"_a, "o"_a, "lse"_a, "stream"_a = 0);
+  m.def("topk_rows_workspace_bytes", &topk_rows_workspace_bytes, "score_rows"_a, "max_tokens"_a, "k"_a,
+        "window"_a = std::pair{0, 0}, "heads_per_row"_a = 1, "device"_a = "cpu", "pool"_a.none() = nb::none());
+  m.def("topk_rows", &topk_rows, "scores"_a, "lengths"_a, "k"_a, "indices"_a, "counts"_a, "workspace"_a = nb::none(),
+        "window"_a = std::pair{0, 0}, "heads_per_row"_a = 1, "pool"_a.none() = nb::none(), "stream"_a = 0);
+
+  nb::class_<Step>(m, "Step", "One layer's decode step (a selector, sparse attention and its window)")
+      .def("prepare", &Step::prepare, "cache"_a, "slots"_a, "stream"_a = 0)
+      .def("run", &Step::run, "q"_a, "cache"_a, "slots"_a, "o"_a, "lse"_a, "k"_a = nb::none(), "v"_a = nb::none(),
+           "stream"_a = 0)
+      .def("release", &Step::release, "slots"_a)
+      .def("selection", &Step::selection, "batch"_a)
+      .def_prop_ro("capacity", &Step::capacity)
+      .def_prop_ro("workspace_bytes", &Step::workspace_bytes)
+      .def_prop_ro("name", &Step::name);
+  m.def("make_step", &make_step, "selector"_a, "selector_config"_a, "dtype"_a, "device"_a, "q_heads"_a, "kv_heads"_a,
+        "head_dim"_a, "max_batch"_a, "max_seq_len"_a, "max_slots"_a, "window"_a, "sm_scale"_a, "validate"_a,
+        "pool"_a.none() = nb::none(), nb::keep_alive<0, 14>());
+}

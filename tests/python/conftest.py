@@ -1,0 +1,33 @@
+"""Shared fixtures of the Python package's tests: an fp64 attention reference written here (independent of
+kvsift), random problems, and output poisoning."""
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def rng(request):
+    # A fresh seed per test, printed on failure through the test id's hash.
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % (1 << 32))
+
+
+def reference_attention(q, keys, values, sm_scale, log_weights=None):
+    """fp64 softmax(sm_scale * q.k + w) . v over the given rows: q [d], keys/values [n, d]. (o, natural-log lse)."""
+    if len(keys) == 0:
+        return np.zeros(q.shape[-1]), -np.inf
+    logits = sm_scale * (keys.astype(np.float64) @ q.astype(np.float64))
+    if log_weights is not None:
+        logits = logits + log_weights
+    top = logits.max()
+    p = np.exp(logits - top)
+    return (p @ values.astype(np.float64)) / p.sum(), top + np.log(p.sum())
+
+
+def attended_tokens(length, window, selected):
+    """Sorted union of the window (sink, recent) and the selected tokens of a sequence of `length` tokens."""
+    sink, recent = window
+    tokens = set(range(min(sink, length))) | set(range(max(0, length - recent), length)) | set(int(t) for t in selected)
+    return sorted(tokens)
+
+
+def poisoned(shape, dtype):
+    return np.full(shape, np.nan, dtype=dtype)

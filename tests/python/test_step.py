@@ -1,0 +1,105 @@
+"""The decode step with the reference selectors through the Python package (numpy, CPU), against fp64."""
+import numpy as np
+import pytest
+
+import kvsift
+from conftest import attended_tokens, poisoned, reference_attention
+
+Q_HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 6, 2, 64, 512
+GROUP = Q_HEADS // KV_HEADS
+WINDOW = (4, 16)
+
+
+def make_cache(rng, lengths):
+    shape = (len(lengths), KV_HEADS, CAPACITY, HEAD_DIM)
+    k = rng.standard_normal(shape).astype(np.float16)
+    v = rng.standard_normal(shape).astype(np.float16)
+    lengths = np.array(lengths, dtype=np.int32)
+    return k, v, lengths, kvsift.contiguous_cache(k, v, lengths)
+
+
+def expected_state(q, k, v, lengths, indices, counts, window):
+    out = {}
+    for b in range(len(lengths)):
+        for h in range(Q_HEADS):
+            g = h // GROUP
+            tokens = attended_tokens(lengths[b], window, indices[b, g, :counts[b, g]])
+            out[b, h] = reference_attention(q[b, h], k[b, g, tokens], v[b, g, tokens], 1 / np.sqrt(HEAD_DIM))
+    return out
+
+
+@pytest.mark.parametrize("selector,config", [("oracle_topk", {"budget": 40}), ("quest", {"budget": 64, "page_size": 16}),
+                                             ("streaming_llm", {})])
+def test_step_attends_its_selection_and_writes_the_token(rng, selector, config):
+    pool = kvsift.ThreadPool(2)
+    k, v, lengths, cache = make_cache(rng, [300, 451])
+    step = kvsift.DecodeStep(selector, config, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                             max_seq_len=CAPACITY, max_batch=2, max_slots=3, window=WINDOW, pool=pool)
+    slots = np.array([2, 0], dtype=np.int32)
+    step.prepare(cache, slots)
+    for _ in range(3):  # decode steps: the engine grows the lengths, the step writes the new token
+        lengths += 1
+        q = rng.standard_normal((2, Q_HEADS, HEAD_DIM)).astype(np.float16)
+        new_k = rng.standard_normal((2, KV_HEADS, HEAD_DIM)).astype(np.float16)
+        new_v = rng.standard_normal((2, KV_HEADS, HEAD_DIM)).astype(np.float16)
+        o, lse = poisoned(q.shape, np.float32), poisoned(q.shape[:2], np.float32)
+        step.run(q, cache, slots, k=new_k, v=new_v, o=o, lse=lse)
+        for b in range(2):
+            np.testing.assert_array_equal(k[b, :, lengths[b] - 1], new_k[b])
+            np.testing.assert_array_equal(v[b, :, lengths[b] - 1], new_v[b])
+        indices, counts = step.selection(2)
+        assert indices.shape[:2] == (2, KV_HEADS) and indices.shape[2] >= step.capacity and counts.shape == (2, KV_HEADS)
+        assert (counts >= 0).all() and (counts <= step.capacity).all()
+        if selector == "oracle_topk":
+            assert (counts == config["budget"]).all()
+        if selector == "streaming_llm":
+            assert (counts == 0).all()
+        for b in range(2):
+            for g in range(KV_HEADS):
+                chosen = indices[b, g, :counts[b, g]]
+                assert len(set(chosen.tolist())) == len(chosen)
+                assert ((chosen >= WINDOW[0]) & (chosen < lengths[b] - WINDOW[1])).all()
+        expected = expected_state(q, k, v, lengths, indices, counts, WINDOW)
+        for (b, h), (ref_o, ref_lse) in expected.items():
+            np.testing.assert_allclose(o[b, h], ref_o, atol=2e-3, rtol=0)
+            np.testing.assert_allclose(lse[b, h], ref_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_oracle_with_the_whole_budget_is_dense(rng):
+    k, v, lengths, cache = make_cache(rng, [CAPACITY])
+    step = kvsift.DecodeStep("oracle_topk", {"budget": CAPACITY}, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                             max_seq_len=CAPACITY)
+    step.prepare(cache)
+    q = rng.standard_normal((1, Q_HEADS, HEAD_DIM)).astype(np.float16)
+    o, lse = step.run(q, cache, out_dtype="float32")
+    dense_o, dense_lse = kvsift.dense_decode(q, cache, out_dtype="float32")
+    np.testing.assert_allclose(o, dense_o, atol=1e-5)
+    np.testing.assert_allclose(lse, dense_lse, atol=1e-5)
+
+
+def test_step_refuses_bad_configuration_and_inputs(rng):
+    k, v, lengths, cache = make_cache(rng, [100])
+    shape = dict(q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_seq_len=CAPACITY)
+    cases = [
+        (lambda: kvsift.DecodeStep("h2o", {}, **shape), "selector (= 'h2o') must be one of"),
+        (lambda: kvsift.DecodeStep("quest", {"budget": 64, "pages": 4}, **shape), "keys dict_keys(['pages'])"),
+        (lambda: kvsift.DecodeStep("oracle_topk", {}, **shape), "selector_config lacks 'budget'"),
+        (lambda: kvsift.DecodeStep("oracle_topk", {"budget": 0}, **shape), "config.budget (= 0) must be positive"),
+        (lambda: kvsift.DecodeStep("quest", {"budget": 8}, **shape), "config.budget (= 8) is smaller than one page"),
+        (lambda: kvsift.DecodeStep("oracle_topk", {"budget": 8}, dtype="float32", **shape), "dtype (= 'float32')"),
+        (lambda: kvsift.DecodeStep("oracle_topk", {"budget": 8}, device="tpu", **shape), "device (= 'tpu')"),
+    ]
+    step = kvsift.DecodeStep("oracle_topk", {"budget": 8}, **shape)
+    step.prepare(cache)
+    q = rng.standard_normal((1, Q_HEADS, HEAD_DIM)).astype(np.float16)
+    cases += [
+        (lambda: step.run(q[:, :4], cache), "q_heads"),
+        (lambda: step.run(np.concatenate([q, q]), cache), "in.q.batch (= 2) is outside [1, config.max_batch = 1]"),
+        (lambda: step.run(q, cache, k=k[:, :, 0]), "k and v must be given together"),
+        (lambda: step.run(q, cache, np.array([1], np.int32)), "slot"),
+        (lambda: step.selection(2), "batch (= 2) is outside [1, max_batch = 1]"),
+    ]
+    for call, message in cases:
+        with pytest.raises(kvsift.Error) as raised:
+            call()
+        assert message in str(raised.value), f"{message!r} not in {str(raised.value)!r}"
