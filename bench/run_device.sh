@@ -2,8 +2,10 @@
 # Builds kvsift on the GPU machine, runs the CUDA and CPU tests, the CUDA tests under compute-sanitizer
 # (memcheck, racecheck), the decode benchmarks and the PyTorch SDPA baseline, and writes logs, JSON and a
 # markdown report to $OUT (default ./device-out). Run from the repository root. Usage:
-#   bench/run_device.sh [build] [test] [sanitize] [bench] [cpubench] [profile] [demo]
-# No argument: all but profile (Nsight Compute on four decode shapes) and demo (kvsift_demo, whose GPU table
+#   bench/run_device.sh [build] [test] [sanitize] [bench] [cpubench] [profile] [demo] [python]
+# python: the Python package built with CUDA by pip, offline from the wheels in build/wheelhouse (carried;
+# docs/python.md), and tests/python with torch on the GPU.
+# No argument: all but python, profile (Nsight Compute on four decode shapes) and demo (kvsift_demo, whose GPU table
 # only a GPU machine prints). KVSIFT_BENCH_FILTER narrows bench
 # (default: every benchmark of kvsift_bench_decode, which report.py's tables all use, among them the dense
 # decode against cuDNN back to back with and without PDL and between projection GEMMs; each step prints its
@@ -32,6 +34,22 @@ if has test; then
   step tests
   "$BUILD/tests/cuda/kvsift_cuda_tests" --gtest_brief=1 2>&1 | tee "$OUT/cuda_tests.log" | tail -15 || status=1
   "$BUILD/tests/kvsift_cpu_tests" --gtest_brief=1 2>&1 | tail -3 || status=1
+fi
+if has python; then
+  step "python package (pip, offline, CUDA) and tests/python"
+  # Into the Python that has torch when it is a venv of its own (the device image's /opt/torch/.venv: a venv over
+  # it would not see torch), else into a venv over the system's packages.
+  py=python3
+  if ! "$py" -c "import sys; sys.exit(sys.prefix == sys.base_prefix)"; then
+    [ -x /tmp/kvsift-pyenv/bin/python ] || python3 -m venv --system-site-packages /tmp/kvsift-pyenv
+    py=/tmp/kvsift-pyenv/bin/python
+  fi
+  "$py" -m pip install -q --no-index --find-links build/wheelhouse scikit-build-core nanobind pytest || status=1
+  "$py" -c "import numpy" 2>/dev/null || "$py" -m pip install -q --no-index --find-links build/wheelhouse numpy
+  KVSIFT_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip install -q --no-index --no-build-isolation . \
+    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90a-real -C build-dir=/tmp/kvsift-python-build > "$OUT/python_build.log" 2>&1 \
+    || { tail -30 "$OUT/python_build.log"; status=1; }
+  "$py" -m pytest -q -rs tests/python 2>&1 | tee "$OUT/python_tests.log" | tail -15 || status=1
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do
