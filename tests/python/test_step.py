@@ -103,3 +103,43 @@ def test_step_refuses_bad_configuration_and_inputs(rng):
         with pytest.raises(kvsift.Error) as raised:
             call()
         assert message in str(raised.value), f"{message!r} not in {str(raised.value)!r}"
+
+
+def test_step_on_a_paged_cache_equals_the_contiguous_one(rng):
+    """The same tokens in scattered NHD pages: the step writes the new token into its page and selects and
+    attends exactly as on the contiguous cache."""
+    page_size, length = 16, 200
+    k, v, lengths, contiguous = make_cache(rng, [length])
+    pages = CAPACITY // page_size
+    order = rng.permutation(pages + 5)[:pages].astype(np.int32)
+    k_pages = np.zeros((pages + 5, page_size, KV_HEADS, HEAD_DIM), np.float16)
+    v_pages = np.zeros_like(k_pages)
+    for t in range(length):
+        k_pages[order[t // page_size], t % page_size] = k[0, :, t]
+        v_pages[order[t // page_size], t % page_size] = v[0, :, t]
+    indptr = np.array([0, -(-(length + 1) // page_size)], np.int32)
+    last = np.array([(length + 1) - (indptr[1] - 1) * page_size], np.int32)
+    paged = kvsift.paged_cache(k_pages, v_pages, indptr, order[:indptr[1]].copy(), last)
+    steps = []
+    for cache in (contiguous, paged):
+        step = kvsift.DecodeStep("quest", {"budget": 64}, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                 max_seq_len=CAPACITY, window=WINDOW)
+        steps.append(step)
+    lengths_before = np.array([length], np.int32)
+    steps[0].prepare(kvsift.contiguous_cache(k, v, lengths_before))
+    prefill_last = np.array([length - (-(-length // page_size) - 1) * page_size], np.int32)
+    steps[1].prepare(kvsift.paged_cache(k_pages, v_pages, np.array([0, -(-length // page_size)], np.int32),
+                                        order[:-(-length // page_size)].copy(), prefill_last))
+    lengths += 1
+    q = rng.standard_normal((1, Q_HEADS, HEAD_DIM)).astype(np.float16)
+    new_k = rng.standard_normal((1, KV_HEADS, HEAD_DIM)).astype(np.float16)
+    new_v = rng.standard_normal((1, KV_HEADS, HEAD_DIM)).astype(np.float16)
+    outs = [step.run(q, cache, k=new_k, v=new_v, out_dtype="float32") for step, cache in zip(steps, (contiguous, paged))]
+    np.testing.assert_array_equal(k_pages[order[length // page_size], length % page_size], new_k[0])
+    (indices, counts), (paged_indices, paged_counts) = steps[0].selection(), steps[1].selection()
+    np.testing.assert_array_equal(paged_counts, counts)
+    assert (counts > 0).all()
+    for h in range(KV_HEADS):
+        np.testing.assert_array_equal(paged_indices[0, h, :counts[0, h]], indices[0, h, :counts[0, h]])
+    np.testing.assert_allclose(outs[1][0], outs[0][0], atol=1e-6)
+    np.testing.assert_allclose(outs[1][1], outs[0][1], atol=1e-6)

@@ -105,35 +105,55 @@ class Model:
         out[..., 1:self.rope_dim:2] = a * sin + b * cos
         return out.astype(np.float32)
 
+    def embed(self, ids):
+        return self.w["token_embd.weight"][np.asarray(ids)]
+
+    def qkv(self, layer, x, positions):
+        """The layer's attention inputs for hidden states x [tokens, dim] at the given positions: q_pre, q
+        [tokens, q_heads, head_dim], k_pre, k, v [tokens, kv_heads, head_dim] (post = after RoPE)."""
+        p = f"blk.{layer}."
+        T = len(x)
+        h = self._rms(x, self.w[p + "attn_norm.weight"])
+        q_pre = (h @ self.w[p + "attn_q.weight"].T).reshape(T, self.q_heads, self.head_dim)
+        k_pre = (h @ self.w[p + "attn_k.weight"].T).reshape(T, self.kv_heads, self.head_dim)
+        v = (h @ self.w[p + "attn_v.weight"].T).reshape(T, self.kv_heads, self.head_dim)
+        return q_pre, self._rope(q_pre, positions), k_pre, self._rope(k_pre, positions), v
+
+    def attention(self, q, k, v):
+        """Causal attention of the last len(q) positions of k, v ([tokens, kv_heads, head_dim]) in fp32."""
+        queries, keys = len(q), len(k)
+        group = self.q_heads // self.kv_heads
+        mask = np.triu(np.full((queries, keys), -np.inf, dtype=np.float32), keys - queries + 1)
+        out = np.empty((queries, self.q_heads, self.head_dim), dtype=np.float32)
+        for head in range(self.q_heads):
+            g = head // group
+            logits = (q[:, head, :] @ k[:, g, :].T) / np.sqrt(self.head_dim) + mask
+            logits -= logits.max(axis=-1, keepdims=True)
+            weights = np.exp(logits)
+            weights /= weights.sum(axis=-1, keepdims=True)
+            out[:, head, :] = weights @ v[:, g, :]
+        return out
+
+    def finish_layer(self, layer, x, attn):
+        """The residual stream after the layer, from its input x and its attention output attn."""
+        p = f"blk.{layer}."
+        x = x + attn.reshape(len(x), self.dim) @ self.w[p + "attn_output.weight"].T
+        h = self._rms(x, self.w[p + "ffn_norm.weight"])
+        gate = h @ self.w[p + "ffn_gate.weight"].T
+        return x + ((gate / (1.0 + np.exp(-gate))) * (h @ self.w[p + "ffn_up.weight"].T)) @ self.w[p + "ffn_down.weight"].T
+
+    def logits(self, x):
+        return self._rms(x, self.w["output_norm.weight"]) @ self.w["output.weight"].T
+
     def forward(self, ids, capture_layers=()):
         """Logits [tokens, vocab] of a causal pass over ids; for each layer in capture_layers, a dict of
         q_pre, q, k_pre, k ([tokens, heads, head_dim], post = after RoPE) and v."""
-        T = len(ids)
-        x = self.w["token_embd.weight"][np.asarray(ids)]
-        positions = np.arange(T)
-        group = self.q_heads // self.kv_heads
-        mask = np.triu(np.full((T, T), -np.inf, dtype=np.float32), 1)
+        x = self.embed(ids)
+        positions = np.arange(len(ids))
         captured = {}
         for layer in range(self.layers):
-            p = f"blk.{layer}."
-            h = self._rms(x, self.w[p + "attn_norm.weight"])
-            q_pre = (h @ self.w[p + "attn_q.weight"].T).reshape(T, self.q_heads, self.head_dim)
-            k_pre = (h @ self.w[p + "attn_k.weight"].T).reshape(T, self.kv_heads, self.head_dim)
-            v = (h @ self.w[p + "attn_v.weight"].T).reshape(T, self.kv_heads, self.head_dim)
-            q, k = self._rope(q_pre, positions), self._rope(k_pre, positions)
+            q_pre, q, k_pre, k, v = self.qkv(layer, x, positions)
             if layer in capture_layers:
                 captured[layer] = {"q_pre": q_pre, "q": q, "k_pre": k_pre, "k": k, "v": v}
-            attn = np.empty((T, self.q_heads, self.head_dim), dtype=np.float32)
-            for head in range(self.q_heads):
-                g = head // group
-                logits = (q[:, head, :] @ k[:, g, :].T) / np.sqrt(self.head_dim) + mask
-                logits -= logits.max(axis=-1, keepdims=True)
-                weights = np.exp(logits)
-                weights /= weights.sum(axis=-1, keepdims=True)
-                attn[:, head, :] = weights @ v[:, g, :]
-            x = x + attn.reshape(T, self.dim) @ self.w[p + "attn_output.weight"].T
-            h = self._rms(x, self.w[p + "ffn_norm.weight"])
-            gate = h @ self.w[p + "ffn_gate.weight"].T
-            x = x + ((gate / (1.0 + np.exp(-gate))) * (h @ self.w[p + "ffn_up.weight"].T)) @ self.w[p + "ffn_down.weight"].T
-        logits = self._rms(x, self.w["output_norm.weight"]) @ self.w["output.weight"].T
-        return logits, captured
+            x = self.finish_layer(layer, x, self.attention(q, k, v))
+        return self.logits(x), captured

@@ -1,0 +1,267 @@
+"""End-to-end quality of sparse decoding on SmolLM2-135M: every layer's decode attention goes through kvsift.
+
+A text is prefilled densely (numpy, fp32) up to a point; the rest is decoded teacher-forced, each position
+attending in every layer to what a kvsift selector picks (the kvsift Python package's CPU decode step, fp16
+storage). Measured per selector and budget: perplexity of the decoded part, top-1 agreement of the next token
+with dense decoding, and passkey retrieval (the key hidden mid-document, asked for at the end, answered greedily).
+
+Decoding runs layer by layer over a block of new positions, each layer's decode step taking the block's tokens
+one at a time in order: the same computation as token-by-token decoding (position t of layer l depends on
+positions <= t of layer l - 1 only), with the projections and MLPs batched.
+
+Budgets are middle tokens per (sequence, kv head), besides a window that every method attends (4 sinks + 16
+recent tokens): StreamingLLM spends the budget on more recent tokens. A budget in percent is of the context
+length of the measurement (4096 for the texts, the passkey length for passkeys).
+"""
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from capture import passkey_text
+from model import Model
+
+SINK, RECENT = 4, 16
+
+
+class DenseAttention:
+    """The fp32 numpy reference: every layer attends to its whole cache."""
+
+    name = "dense (numpy fp32)"
+
+    def __init__(self, model):
+        self.model, self.k, self.v = model, {}, {}
+
+    def prefill(self, layer, k, v):
+        self.k[layer], self.v[layer] = k, v
+
+    def decode(self, layer, q, k, v):
+        self.k[layer] = np.concatenate([self.k[layer], k])
+        self.v[layer] = np.concatenate([self.v[layer], v])
+        return self.model.attention(q, self.k[layer], self.v[layer])
+
+
+class KvsiftAttention:
+    """One kvsift DecodeStep per layer on the CPU, over a contiguous fp16 cache of `capacity` tokens."""
+
+    def __init__(self, model, selector, budget, capacity, pool):
+        import kvsift
+        self.kvsift, self.model, self.pool = kvsift, model, pool
+        self.selector, self.budget, self.capacity = selector, budget, capacity
+        self.layers = {}
+
+    def _make_step(self):
+        m = self.model
+        config, window = {"budget": self.budget}, (SINK, RECENT)
+        if self.selector == "streaming_llm":
+            config, window = {}, (SINK, RECENT + self.budget)
+        elif self.selector == "quest":
+            config = {"budget": max(self.budget, 16), "page_size": 16}  # at least one page
+        return self.kvsift.DecodeStep(self.selector, config, q_heads=m.q_heads, kv_heads=m.kv_heads,
+                                      head_dim=m.head_dim, max_seq_len=self.capacity, window=window,
+                                      dtype="float16", pool=self.pool)
+
+    def prefill(self, layer, k, v):
+        m = self.model
+        shape = (1, m.kv_heads, self.capacity, m.head_dim)
+        cache_k, cache_v = np.zeros(shape, dtype=np.float16), np.zeros(shape, dtype=np.float16)
+        cache_k[0, :, :len(k)] = k.transpose(1, 0, 2)
+        cache_v[0, :, :len(v)] = v.transpose(1, 0, 2)
+        lengths = np.array([len(k)], dtype=np.int32)
+        # The cache is a view: the step sees the arrays, and lengths[0] grows in place.
+        cache = self.kvsift.contiguous_cache(cache_k, cache_v, lengths)
+        step = self._make_step()
+        slots = np.zeros(1, dtype=np.int32)
+        step.prepare(cache, slots)
+        self.layers[layer] = (step, cache, lengths, slots, (cache_k, cache_v))
+
+    def decode(self, layer, q, k, v):
+        step, cache, lengths, slots, _ = self.layers[layer]
+        m = self.model
+        out = np.empty((len(q), m.q_heads, m.head_dim), dtype=np.float32)
+        lse = np.empty((len(q), m.q_heads), dtype=np.float32)
+        q16, k16, v16 = q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)
+        for i in range(len(q)):
+            lengths[0] += 1
+            step.run(q16[i:i + 1], cache, slots, k=k16[i:i + 1], v=v16[i:i + 1], o=out[i:i + 1], lse=lse[i:i + 1])
+        return out
+
+
+class Prefill:
+    """The dense prefill of ids, shared by every configuration: each layer's K and V, and the last logits."""
+
+    def __init__(self, model, ids):
+        self.ids = list(ids)
+        logits, captured = model.forward(self.ids, capture_layers=range(model.layers))
+        self.kv = [(captured[l]["k"], captured[l]["v"]) for l in range(model.layers)]
+        self.last_logits = logits[-1]
+
+
+def decode_block(model, attention, ids, start):
+    """Logits [len(ids), vocab] of ids at positions start.. through every layer, attention by `attention`."""
+    x = model.embed(ids)
+    positions = np.arange(start, start + len(ids))
+    for layer in range(model.layers):
+        _, q, _, k, v = model.qkv(layer, x, positions)
+        x = model.finish_layer(layer, x, attention.decode(layer, q, k, v))
+    return model.logits(x)
+
+
+def start_decoding(model, attention, prefill):
+    for layer, (k, v) in enumerate(prefill.kv):
+        attention.prefill(layer, k, v)
+
+
+def log_softmax(logits):
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def text_quality(model, attention, prefill, ids):
+    """Teacher-forced decoding of ids after the prefill: (logits of every decoded position, its perplexity)."""
+    start_decoding(model, attention, prefill)
+    logits = decode_block(model, attention, ids, len(prefill.ids))
+    nll = -log_softmax(logits[:-1])[np.arange(len(ids) - 1), ids[1:]]
+    return logits, float(np.exp(nll.mean()))
+
+
+def passkey_answer(model, attention, prefill, ids, answer_tokens=6):
+    """Teacher-forced decoding of ids (the end of the document and the question), then a greedy answer."""
+    start_decoding(model, attention, prefill)
+    logits = decode_block(model, attention, ids, len(prefill.ids))
+    answer = [int(np.argmax(logits[-1]))]
+    for _ in range(answer_tokens - 1):
+        answer.append(int(np.argmax(decode_block(model, attention, [answer[-1]], len(prefill.ids) + len(ids) + len(answer) - 1)[-1])))
+    return model.tokenizer.decode(answer)
+
+
+def budgets_for(length, args):
+    fixed = [int(b) for b in args.fixed.split(",") if b]
+    percents = [float(p) for p in args.percents.split(",") if p]
+    return [(f"{p:g}%", max(1, int(p / 100 * length))) for p in percents] + [(str(b), b) for b in fixed]
+
+
+def markdown(results, selectors):
+    lines = []
+    for text in results["texts"]:
+        lines += [f"**{text['text']}**, {text['tokens']} tokens, the first {text['prefill']} prefilled densely: "
+                  "perplexity of the decoded part and top-1 agreement with dense decoding (numpy fp32).", "",
+                  "| method | budget (middle tokens) | perplexity | top-1 agreement |", "|---|---|---|---|"]
+        for row in text["rows"]:
+            budget = row["budget"] if "tokens" not in row or row["budget"] == "all" else f"{row['budget']} ({row['tokens']})"
+            lines.append(f"| {row['method']} | {budget} | {row['ppl']:.3f} | {row['top1']:.4f} |")
+        lines.append("")
+    if results["passkeys"]:
+        names = list(results["passkeys"][0]["answers"])
+        keys = results["passkeys"]
+        lines += [f"**Passkeys** ({keys[0]['tokens']} tokens, the key mid-document, the question at the end; the last "
+                  "tokens of the prompt decoded sparsely, then a greedy answer): keys found.", "",
+                  "| method | " + " | ".join(str(k["key"]) for k in keys) + " | found |",
+                  "|---|" + "---|" * (len(keys) + 1)]
+        for name in names:
+            found = [k["answers"][name]["found"] for k in keys]
+            lines.append(f"| {name} | " + " | ".join("yes" if f else "no" for f in found) + f" | {sum(found)}/{len(found)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_data(results, selectors):
+    """Per text a block: budget in tokens, then per selector perplexity and top-1 agreement; dense on comments."""
+    out = []
+    for text in results["texts"]:
+        dense = next(r for r in text["rows"] if r["method"] == "dense (numpy fp32)")
+        out.append(f"# panel {text['text'].rsplit('/', 1)[-1]} dense_ppl {dense['ppl']:.4f}")
+        out.append("budget " + " ".join(f"{s}_ppl {s}_top1" for s in selectors))
+        budgets = sorted({r["tokens"] for r in text["rows"] if r["method"] in selectors})
+        for b in budgets:
+            cells = []
+            for s in selectors:
+                row = next((r for r in text["rows"] if r["method"] == s and r["tokens"] == b), None)
+                cells += [f"{row['ppl']:.4f}", f"{row['top1']:.4f}"] if row else ["NaN", "NaN"]
+            out.append(f"{b} " + " ".join(cells))
+        out += ["", ""]
+    return "\n".join(out)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--texts", default="/usr/share/common-licenses/GPL-3,/usr/share/common-licenses/MPL-1.1")
+    parser.add_argument("--tokens", type=int, default=4096, help="text length (prefill + decoded)")
+    parser.add_argument("--prefill", type=int, default=3072, help="densely prefilled tokens of each text")
+    parser.add_argument("--selectors", default="oracle_topk,streaming_llm,quest")
+    parser.add_argument("--percents", default="1,2,5")
+    parser.add_argument("--fixed", default="256,512")
+    parser.add_argument("--passkeys", default="68413,29107,51736,90254", help="one passkey run per key")
+    parser.add_argument("--passkey-tokens", type=int, default=2048)
+    parser.add_argument("--passkey-decoded", type=int, default=32,
+                        help="tokens before the end of the passkey prompt decoded sparsely (the question is ~10)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--markdown", help="write the tables here (docs/e2e.md's results)")
+    parser.add_argument("--plot-data", help="write gnuplot data here (bench/e2e_plot.gp)")
+    args = parser.parse_args()
+
+    import kvsift
+    pool = kvsift.ThreadPool(args.threads)
+    model = Model()
+    selectors = [s for s in args.selectors.split(",") if s]
+    results = {"texts": [], "passkeys": []}
+
+    for path in [p for p in args.texts.split(",") if p]:
+        ids = model.tokenizer.encode(open(path, encoding="utf-8").read())[:args.tokens]
+        if len(ids) < args.tokens:
+            raise SystemExit(f"{path} has {len(ids)} tokens, fewer than --tokens {args.tokens}")
+        began = time.time()
+        prefill = Prefill(model, ids[:args.prefill])
+        decoded = ids[args.prefill:]
+        dense_logits, dense_ppl = text_quality(model, DenseAttention(model), prefill, decoded)
+        dense_top1 = dense_logits[:-1].argmax(axis=-1)
+        rows = [{"method": "dense (numpy fp32)", "budget": "all", "ppl": dense_ppl, "top1": 1.0}]
+        print(f"{path}: {len(ids)} tokens, prefill {args.prefill}; dense ppl {dense_ppl:.3f} ({time.time() - began:.0f} s)",
+              flush=True)
+        configs = [("oracle_topk", "all", args.tokens)] + [
+            (s, label, b) for s in selectors for label, b in budgets_for(args.tokens, args)]
+        for selector, label, budget in configs:
+            began = time.time()
+            attention = KvsiftAttention(model, selector, budget, args.tokens, pool)
+            logits, ppl = text_quality(model, attention, prefill, decoded)
+            top1 = float(np.mean(logits[:-1].argmax(axis=-1) == dense_top1))
+            name = "dense (kvsift fp16)" if label == "all" else selector
+            rows.append({"method": name, "budget": label, "tokens": budget, "ppl": ppl, "top1": top1})
+            print(f"  {name:<20} {label:>5}: ppl {ppl:8.3f}  top-1 agreement {top1:.4f}  ({time.time() - began:.0f} s)",
+                  flush=True)
+        results["texts"].append({"text": path, "tokens": args.tokens, "prefill": args.prefill, "rows": rows})
+
+    text = open(args.texts.split(",")[0], encoding="utf-8").read()
+    for key in [int(k) for k in args.passkeys.split(",") if k]:
+        ids = model.tokenizer.encode(passkey_text(text, model.tokenizer, args.passkey_tokens, key))
+        prefill = Prefill(model, ids[:-args.passkey_decoded])
+        rest = ids[-args.passkey_decoded:]
+        entry = {"key": key, "tokens": len(ids), "answers": {}}
+        answer = passkey_answer(model, DenseAttention(model), prefill, rest)
+        entry["answers"]["dense (numpy fp32)"] = {"answer": answer, "found": str(key) in answer}
+        for selector in selectors:
+            for label, budget in budgets_for(len(ids), args):
+                attention = KvsiftAttention(model, selector, budget, len(ids) + 8, pool)
+                answer = passkey_answer(model, attention, prefill, rest)
+                entry["answers"][f"{selector} {label}"] = {"answer": answer, "found": str(key) in answer}
+        print(f"passkey {key} ({len(ids)} tokens): " + ", ".join(
+            f"{name} {'yes' if a['found'] else 'no'}" for name, a in entry["answers"].items()), flush=True)
+        results["passkeys"].append(entry)
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(results, selectors))
+    if args.plot_data:
+        with open(args.plot_data, "w") as f:
+            f.write(plot_data(results, selectors))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
