@@ -27,10 +27,6 @@ results="$work/results.md"
   echo "![perplexity and top-1 agreement vs budget per text](e2e_quality.png)"
 } > "$results"
 doc="$root/docs/e2e.md"
-awk -v results="$results" '
-  /<!-- e2e-results:begin -->/ { print; while ((getline line < results) > 0) print line; skipping = 1; next }
-  /<!-- e2e-results:end -->/ { skipping = 0 }
-  !skipping { print }
-' "$doc" > "$work/e2e.md" && mv "$work/e2e.md" "$doc"
+"$root/scripts/replace-section.sh" "$doc" e2e-results "$results"
 gnuplot -e "data='$work/e2e.dat'; out='$root/docs/e2e_quality.png'" "$root/bench/e2e_plot.gp"
 echo "e2e: updated the results in docs/e2e.md and docs/e2e_quality.png"

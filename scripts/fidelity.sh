@@ -38,10 +38,6 @@ results="$work/results.md"
 } > "$results"
 # The results replace what stands between the markers in docs/fidelity.md.
 doc="$root/docs/fidelity.md"
-awk -v results="$results" '
-  /<!-- fidelity-results:begin -->/ { print; while ((getline line < results) > 0) print line; skipping = 1; next }
-  /<!-- fidelity-results:end -->/ { skipping = 0 }
-  !skipping { print }
-' "$doc" > "$work/fidelity.md" && mv "$work/fidelity.md" "$doc"
+"$root/scripts/replace-section.sh" "$doc" fidelity-results "$results"
 gnuplot -e "data='$work/mass.dat'; out='$root/docs/fidelity_mass_recall.png'" "$root/bench/fidelity_plot.gp"
 echo "fidelity: updated the results in docs/fidelity.md and docs/fidelity_mass_recall.png"
