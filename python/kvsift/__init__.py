@@ -104,18 +104,20 @@ def sparse_decode(q, cache, indices, counts, *, log_weights=None, window=(0, 0),
     o, lse = _state(q, q.shape[1], o, lse, out_dtype)
     if workspace is None:
         workspace = _workspace(_kvsift.decode_workspace_bytes("sparse", q, cache, indices.shape[-1], tuple(window),
-                                                              validate, pool), q)
+                                                              validate, 0, pool), q)
     _kvsift.sparse_decode(q, cache, indices, counts, o, lse, workspace, log_weights, tuple(window), sm_scale,
                           validate, pool, _stream(q, stream))
     return o, lse
 
 
-def dense_decode(q, cache, *, sm_scale=0.0, o=None, lse=None, out_dtype=None, pool=None, workspace=None, stream=None):
-    """Every query head attends to all tokens of its sequence. Returns (o, lse)."""
+def dense_decode(q, cache, *, sm_scale=0.0, max_seq_len=0, o=None, lse=None, out_dtype=None, pool=None, workspace=None,
+                 stream=None):
+    """Every query head attends to all tokens of its sequence. Returns (o, lse). max_seq_len: a bound on the
+    lengths of a paged cache on CUDA, which sizes the split (0: the pool's token count); unused otherwise."""
     o, lse = _state(q, q.shape[1], o, lse, out_dtype)
     if workspace is None:
-        workspace = _workspace(_kvsift.decode_workspace_bytes("dense", q, cache, 0, (0, 0), False, pool), q)
-    _kvsift.dense_decode(q, cache, o, lse, workspace, sm_scale, pool, _stream(q, stream))
+        workspace = _workspace(_kvsift.decode_workspace_bytes("dense", q, cache, 0, (0, 0), False, max_seq_len, pool), q)
+    _kvsift.dense_decode(q, cache, o, lse, workspace, sm_scale, max_seq_len, pool, _stream(q, stream))
     return o, lse
 
 

@@ -292,12 +292,26 @@ cpu::ThreadPool* pool_of(Pool* pool) { return pool ? pool->pool.get() : nullptr;
 
 #if KVSIFT_WITH_CUDA
 cudaStream_t stream_of(std::uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+/// CUDA dense decode's options: a paged cache needs a bound on the lengths (the host cannot read them); without
+/// the caller's, the pool's token count bounds every sequence.
+template <class KV>
+cuda::DecodeOptions dense_options(const KV& view, const AttentionOptions& attention, std::int32_t max_seq_len) {
+  cuda::DecodeOptions options{.attention = attention, .max_seq_len = max_seq_len};
+  if constexpr (requires { view.num_pages; }) {
+    if (max_seq_len == 0) {
+      options.max_seq_len = std::int32_t(std::min<std::int64_t>(std::int64_t(view.num_pages) * view.page_size,
+                                                               std::numeric_limits<std::int32_t>::max()));
+    }
+  }
+  return options;
+}
 #endif
 
 // ---- functional API ------------------------------------------------------------------------------------------
 
 std::size_t decode_workspace_bytes(const std::string& kind, Array q, const Cache& cache, std::int32_t capacity,
-                                   std::pair<std::int32_t, std::int32_t> window, bool validate,
+                                   std::pair<std::int32_t, std::int32_t> window, bool validate, std::int32_t max_seq_len,
                                    Pool* pool) {
   Args args("decode_workspace_bytes");
   KVSIFT_CHECK(kind == "sparse" || kind == "dense", args.where(), "kind (= '{}') must be 'sparse' or 'dense'", kind);
@@ -312,7 +326,9 @@ std::size_t decode_workspace_bytes(const std::string& kind, Array q, const Cache
       return cuda::sparse_decode_workspace_bytes(
           cuda::SparseDecodeShape{qv.batch, qv.heads, kv.kv_heads(), qv.head_dim, capacity}, options);
     }
-    return kv.visit([&](const auto& view) { return cuda::dense_decode_workspace_bytes(qv, view, options); });
+    return kv.visit([&](const auto& view) {
+      return cuda::dense_decode_workspace_bytes(qv, view, dense_options(view, options.attention, max_seq_len));
+    });
 #else
     return 0;
 #endif
@@ -347,7 +363,7 @@ void sparse_decode(Array q, const Cache& cache, Array indices, Array counts, Arr
 }
 
 void dense_decode(Array q, const Cache& cache, Array o, Array lse, std::optional<Array> workspace, float sm_scale,
-                  Pool* pool, std::uintptr_t stream) {
+                  std::int32_t max_seq_len, Pool* pool, std::uintptr_t stream) {
   Args args("dense_decode");
   with_storage_type(args, "q", q, [&](auto t) {
     using T = decltype(t);
@@ -365,7 +381,7 @@ void dense_decode(Array q, const Cache& cache, Array o, Array lse, std::optional
           return;
         }
 #if KVSIFT_WITH_CUDA
-        cuda::dense_decode(qv, view, out, ws, stream_of(stream), cuda::DecodeOptions{.attention = attention});
+        cuda::dense_decode(qv, view, out, ws, stream_of(stream), dense_options(view, attention, max_seq_len));
 #endif
       });
     });
@@ -638,12 +654,12 @@ NB_MODULE(_kvsift, m) {
       .def_prop_ro("device", &Cache::device);
 
   m.def("decode_workspace_bytes", &decode_workspace_bytes, "kind"_a, "q"_a, "cache"_a, "capacity"_a = 0,
-        "window"_a = std::pair{0, 0}, "validate"_a = false, "pool"_a.none() = nb::none());
+        "window"_a = std::pair{0, 0}, "validate"_a = false, "max_seq_len"_a = 0, "pool"_a.none() = nb::none());
   m.def("sparse_decode", &sparse_decode, "q"_a, "cache"_a, "indices"_a, "counts"_a, "o"_a, "lse"_a,
         "workspace"_a = nb::none(), "log_weights"_a = nb::none(), "window"_a = std::pair{0, 0}, "sm_scale"_a = 0.0f,
         "validate"_a = false, "pool"_a.none() = nb::none(), "stream"_a = 0);
   m.def("dense_decode", &dense_decode, "q"_a, "cache"_a, "o"_a, "lse"_a, "workspace"_a = nb::none(),
-        "sm_scale"_a = 0.0f, "pool"_a.none() = nb::none(), "stream"_a = 0);
+        "sm_scale"_a = 0.0f, "max_seq_len"_a = 0, "pool"_a.none() = nb::none(), "stream"_a = 0);
   m.def("merge_states", &merge_states, "partials"_a, "o"_a, "lse"_a, "stream"_a = 0);
   m.def("topk_rows_workspace_bytes", &topk_rows_workspace_bytes, "score_rows"_a, "max_tokens"_a, "k"_a,
         "window"_a = std::pair{0, 0}, "heads_per_row"_a = 1, "device"_a = "cpu", "pool"_a.none() = nb::none());

@@ -121,3 +121,26 @@ def test_cuda_refuses_mixed_devices():
                              max_seq_len=64)
     with pytest.raises(kvsift.Error, match="the step was built for cpu"):
         step.prepare(cache, torch.zeros(1, dtype=torch.int32, device="cuda"))
+
+
+@cuda
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cuda_paged_dense_decode_agrees_with_cpu(layout):
+    page_size, lengths = 16, torch.tensor([300, 17, 64], dtype=torch.int32)
+    pages_of = [-(-int(n) // page_size) for n in lengths]
+    num_pages = sum(pages_of) + 4
+    g = torch.Generator().manual_seed(7)
+    order = torch.randperm(num_pages, generator=g).to(torch.int32)
+    indptr = torch.tensor([0] + list(np.cumsum(pages_of)), dtype=torch.int32)
+    last = torch.tensor([int(n) - (p - 1) * page_size for n, p in zip(lengths, pages_of)], dtype=torch.int32)
+    shape = (num_pages, page_size, KV_HEADS, HEAD_DIM) if layout == "NHD" else (num_pages, KV_HEADS, page_size, HEAD_DIM)
+    k_pages, v_pages = torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half()
+    q = torch.randn(3, Q_HEADS, HEAD_DIM, generator=g).half()
+    out = {}
+    for device in ("cpu", "cuda"):
+        arrays = [t.to(device) for t in (k_pages, v_pages, indptr, order[:int(indptr[-1])].contiguous(), last)]
+        cache = kvsift.paged_cache(*arrays, layout=layout)
+        out[device] = kvsift.dense_decode(q.to(device), cache, out_dtype="float32")
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out["cuda"][0].cpu(), out["cpu"][0], atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out["cuda"][1].cpu(), out["cpu"][1], atol=1e-3, rtol=1e-4)
