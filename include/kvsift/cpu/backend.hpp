@@ -23,6 +23,8 @@
 #include "kvsift/cpu/kmeans.hpp"
 #include "kvsift/cpu/page_bounds.hpp"
 #include "kvsift/cpu/primitives.hpp"
+#include "kvsift/cpu/query_centroids.hpp"
+#include "kvsift/cpu/rerank.hpp"
 #include "kvsift/cpu/rope.hpp"
 #include "kvsift/cpu/segment_mean.hpp"
 #include "kvsift/cpu/topk.hpp"
@@ -153,6 +155,34 @@ void segment_mean(const MatrixView<const T>& rows, const std::int32_t* assignmen
                   const float* weights, const MatrixView<float>& means, std::int32_t* counts,
                   std::span<std::byte> workspace, const Context& ctx) {
   cpu::segment_mean(rows, assignment, segments, weights, means, counts, workspace, ctx.pool);
+}
+
+// Query centroids (core/query_centroids.hpp, cpu/query_centroids.hpp).
+template <class T>
+void centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids, const std::int32_t* slots,
+                     std::int32_t kv_heads, const MatrixView<float>& scores, const Context& ctx) {
+  cpu::centroid_scores(q, centroids, slots, kv_heads, scores, ctx.pool);
+}
+template <class T>
+void store_centroids(const SequenceView<const T>& queries, const std::int32_t* slots, const std::int32_t* first,
+                     std::int32_t kv_heads, const QueryCentroidsView<T>& centroids, const Context& ctx) {
+  cpu::store_centroids(queries, slots, first, kv_heads, centroids, ctx.pool);
+}
+
+// Rerank (cpu/rerank.hpp).
+inline std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity,
+                                                    const Context& ctx) {
+  return cpu::candidate_scores_workspace_bytes(rows, group, capacity, ctx.pool);
+}
+template <class T>
+void candidate_scores(const QueryView<const T>& q, const KVCache<const T>& cache, const SelectionView& candidates,
+                      const GroupScoreOptions& options, const MatrixView<float>& scores, std::span<std::byte> workspace,
+                      const Context& ctx) {
+  cache.visit([&](const auto& kv) { cpu::candidate_scores(q, kv, candidates, options, scores, workspace, ctx.pool); });
+}
+inline void remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out,
+                            const Context&) {
+  cpu::remap_selection(positions, ids, out);
 }
 
 // Inverted lists (core/inverted_lists.hpp, cpu/inverted_lists.hpp).

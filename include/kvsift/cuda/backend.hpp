@@ -24,6 +24,8 @@
 #include "kvsift/cuda/page_bounds.hpp"
 #include "kvsift/cuda/primitives.hpp"
 #include "kvsift/cuda/rope.hpp"
+#include "kvsift/cuda/query_centroids.hpp"
+#include "kvsift/cuda/rerank.hpp"
 #include "kvsift/cuda/segment_mean.hpp"
 #include "kvsift/cuda/topk.hpp"
 #include "kvsift/cuda/vq.hpp"
@@ -145,6 +147,34 @@ void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const 
 template <class T>
 void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* deltas, const RopeTableView& table, const Context& ctx) {
   cuda::rotate_by_delta(x, deltas, table, ctx.stream);
+}
+
+// Query centroids (core/query_centroids.hpp, cuda/query_centroids.hpp).
+template <class T>
+void centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids, const std::int32_t* slots,
+                     std::int32_t kv_heads, const MatrixView<float>& scores, const Context& ctx) {
+  cuda::centroid_scores(q, centroids, slots, kv_heads, scores, ctx.stream);
+}
+template <class T>
+void store_centroids(const SequenceView<const T>& queries, const std::int32_t* slots, const std::int32_t* first,
+                     std::int32_t kv_heads, const QueryCentroidsView<T>& centroids, const Context& ctx) {
+  cuda::store_centroids(queries, slots, first, kv_heads, centroids, ctx.stream);
+}
+
+// Rerank (cuda/rerank.hpp).
+inline std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity,
+                                                    const Context&) {
+  return cuda::candidate_scores_workspace_bytes(rows, group, capacity);
+}
+template <class T>
+void candidate_scores(const QueryView<const T>& q, const KVCache<const T>& cache, const SelectionView& candidates,
+                      const GroupScoreOptions& options, const MatrixView<float>& scores, std::span<std::byte> workspace,
+                      const Context& ctx) {
+  cache.visit([&](const auto& kv) { cuda::candidate_scores(q, kv, candidates, options, scores, workspace, ctx.stream); });
+}
+inline void remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out,
+                            const Context& ctx) {
+  cuda::remap_selection(positions, ids, out, ctx.stream);
 }
 
 // Segment mean (cuda/segment_mean.hpp).

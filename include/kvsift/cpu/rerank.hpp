@@ -1,0 +1,42 @@
+#pragma once
+/// Reranking candidates on the CPU: the decode query's GQA group scores over a selection of candidate tokens
+/// (CTKVR's rerank of its recalled keys) and the map from a top-K over those scores back to token ids. Host
+/// memory; no allocation; deterministic and independent of the thread count.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "kvsift/core/group_scores_options.hpp"
+#include "kvsift/core/views.hpp"
+#include "kvsift/cpu/thread_pool.hpp"
+
+namespace kvsift::cpu {
+
+/// Bytes of host workspace candidate_scores needs for `rows` candidate rows (batch * kv_heads) of up to
+/// `capacity` candidates, groups of `group` query heads: per thread (min(rows, threads) of `pool`) the group's
+/// logits, 4 * group * capacity bytes.
+std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity,
+                                             const ThreadPool* pool);
+
+/// group_scores (cpu/primitives.hpp) over a row's candidates instead of every token: for row (b, g) and
+/// candidate i < candidates.count(b, g), token t = candidates.row(b, g)[i],
+///   s_h,i = sm_scale * q_h . k_t (fp32, ascending dimensions) for the group's query heads h,
+///   scores.row(b * kv_heads + g)[i] = reduce over h of s_h,i, or with options.softmax of exp(s_h,i - LSE_h),
+///   LSE_h over the row's candidates (softmax over the recalled set, CTKVR's rerank).
+/// Entries past the count are not written. kv contiguous or paged (its batch, kv_heads = candidates' shape);
+/// scores [batch * kv_heads, >= candidates.capacity] fp32. Refused: a count outside [0, capacity], a candidate
+/// outside [0, seq_len(b)). workspace: candidate_scores_workspace_bytes(rows, q_heads / kv_heads, capacity, pool).
+template <class T, class KV>
+void candidate_scores(const QueryView<const T>& q, const KV& kv, const SelectionView& candidates,
+                      const GroupScoreOptions& options, const MatrixView<float>& scores, std::span<std::byte> workspace,
+                      ThreadPool* pool = nullptr);
+
+/// out.row(b, h)[i] = ids.row(b, h)[positions.row(b, h)[i]] for i < positions.count(b, h), and out's counts
+/// those of positions: a top-K over candidate positions (topk_rows on candidate_scores' matrix) back to the
+/// candidates' token ids, in the positions' order (ascending positions over ascending ids stay ascending).
+/// Log-weights, if out has them, 0. out may be positions itself (in place). Refused: shapes that differ, a count
+/// outside [0, capacity], a position outside [0, ids.count(b, h)).
+void remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out);
+
+}  // namespace kvsift::cpu

@@ -1,0 +1,34 @@
+#pragma once
+/// The launchers of kernels/rerank.cu (cuda/query_centroids.hpp, cuda/rerank.hpp). They return the launch
+/// status and never throw; the host entry points (src/cuda/rerank.cpp) check the arguments first.
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kvsift/core/group_scores_options.hpp"
+#include "kvsift/core/query_centroids.hpp"
+#include "kvsift/core/views.hpp"
+
+namespace kvsift::cuda::detail {
+
+template <class T>
+cudaError_t launch_centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids,
+                                   const std::int32_t* slots, std::int32_t kv_heads, const MatrixView<float>& scores,
+                                   cudaStream_t stream);
+
+template <class T>
+cudaError_t launch_store_centroids(const SequenceView<const T>& queries, const std::int32_t* slots,
+                                   const std::int32_t* first, std::int32_t kv_heads,
+                                   const QueryCentroidsView<T>& centroids, cudaStream_t stream);
+
+/// logits: [rows, group, candidates.capacity] fp32 scratch.
+template <class T, class KV>
+cudaError_t launch_candidate_scores(const QueryView<const T>& q, const KV& kv, const SelectionView& candidates,
+                                    const GroupScoreOptions& options, const MatrixView<float>& scores, float* logits,
+                                    cudaStream_t stream);
+
+cudaError_t launch_remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out,
+                                   cudaStream_t stream);
+
+}  // namespace kvsift::cuda::detail

@@ -1,0 +1,34 @@
+#pragma once
+/// Reranking candidates on CUDA: cpu/rerank.hpp's twins, with the same arguments but the stream. Device memory;
+/// no allocation, no host sync; stream-ordered and CUDA-graph capturable. Scores agree with the CPU's within
+/// fp32 rounding; the remap is exact.
+/// Trusted on the device (checked on the CPU): counts, candidate ids, positions. candidate_scores writes NaN over
+/// a row whose count is outside [0, capacity] and a NaN logit for a candidate outside [0, seq_len) (its key is not
+/// read); remap_selection gives a row with a bad count or position count -1 (the selection's mark of a bad row).
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "kvsift/core/group_scores_options.hpp"
+#include "kvsift/core/views.hpp"
+
+namespace kvsift::cuda {
+
+/// Bytes of device workspace: the group's logits of every row, 4 * rows * group * capacity bytes.
+std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity);
+
+/// cpu::candidate_scores' contract, in device memory. Three passes in one launch, a block per row: the logits
+/// (a warp per candidate), each head's max and sum, the reduced scores.
+template <class T, class KV>
+void candidate_scores(const QueryView<const T>& q, const KV& kv, const SelectionView& candidates,
+                      const GroupScoreOptions& options, const MatrixView<float>& scores, std::span<std::byte> workspace,
+                      cudaStream_t stream);
+
+/// cpu::remap_selection's contract, in device memory (out may be positions). A block per row.
+void remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out,
+                     cudaStream_t stream);
+
+}  // namespace kvsift::cuda

@@ -1,0 +1,250 @@
+// Query centroids and rerank on CUDA (cuda/query_centroids.hpp, cuda/rerank.hpp). Every dot product is split
+// over a warp's lanes (lane l takes dimensions l, l + 32, ...) and reduced by a fixed shuffle tree, so results do
+// not depend on scheduling; no atomics.
+#include <cmath>
+#include <cstdint>
+
+#include "kvsift/cuda/detail/rerank_launch.hpp"
+#include "kvsift/cuda/dtype.cuh"
+
+namespace kvsift::cuda::detail {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxGroup = 16;     ///< query heads per kv head that centroid_scores keeps in shared memory
+constexpr int kMaxHeadDim = 256;
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+/// max that keeps NaN (fmaxf would drop it), as the CPU's.
+__device__ __forceinline__ float max_nan(float a, float b) { return a != a || b != b ? __int_as_float(0x7fffffff) : fmaxf(a, b); }
+
+template <class T>
+__device__ __forceinline__ float lane_dot(const float* x, const T* y, int d, int lane) {
+  float s = 0.0f;
+  for (int i = lane; i < d; i += 32) s = fmaf(x[i], to_float_device(y[i]), s);
+  return warp_sum(s);
+}
+
+/// Block (row = b * kv_heads + g): the group's unit queries in shared memory, then a warp per centroid.
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    centroid_scores_kernel(QueryView<const T> q, QueryCentroidsView<const T> centroids, const std::int32_t* slots,
+                           std::int32_t kv_heads, MatrixView<float> scores) {
+  __shared__ float q_s[kMaxGroup * kMaxHeadDim];
+  const std::int64_t row = blockIdx.x;
+  const std::int32_t b = std::int32_t(row / kv_heads), g = std::int32_t(row % kv_heads);
+  const std::int32_t group = q.heads / kv_heads, d = q.head_dim;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const std::int32_t slot = slots[b];
+  const bool bad_slot = slot < 0 || slot >= centroids.slots;
+  const std::int32_t count = bad_slot ? -1 : centroids.counts[slot];
+  float* out = scores.row(row);
+  if (bad_slot || count < 0 || count > centroids.capacity) {  // the same for the whole block
+    for (std::int32_t c = threadIdx.x; c < centroids.capacity; c += kThreads) out[c] = __int_as_float(0x7fffffff);
+    return;
+  }
+  for (std::int32_t j = warp; j < group; j += kWarps) {
+    const T* x = q.row(b, g * group + j);
+    float* xs = q_s + j * d;
+    float sq = 0.0f;
+    for (int i = lane; i < d; i += 32) {
+      xs[i] = to_float_device(x[i]);
+      sq = fmaf(xs[i], xs[i], sq);
+    }
+    sq = warp_sum(sq);
+    const float scale = kvsift::detail::inverse_norm(sq);
+    for (int i = lane; i < d; i += 32) xs[i] *= scale;
+  }
+  __syncthreads();
+  for (std::int32_t c = warp; c < centroids.capacity; c += kWarps) {
+    float best = -INFINITY;
+    if (c < count) {
+      for (std::int32_t j = 0; j < group; ++j) best = max_nan(best, lane_dot(q_s + j * d, centroids.row(slot, g * group + j, c), d, lane));
+    }
+    if (lane == 0) out[c] = best;
+  }
+}
+
+/// A warp per (b, h, i): the query normalised in fp32, rounded to T.
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    store_centroids_kernel(SequenceView<const T> queries, const std::int32_t* slots, const std::int32_t* first,
+                           std::int32_t kv_heads, QueryCentroidsView<T> centroids) {
+  const std::int64_t item = std::int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = int(threadIdx.x) % 32;
+  const std::int64_t per_row = std::int64_t(queries.heads) * queries.tokens;
+  if (item >= std::int64_t(queries.batch) * per_row) return;  // whole warps leave together
+  const std::int32_t b = std::int32_t(item / per_row), h = std::int32_t(item % per_row / queries.tokens),
+                     i = std::int32_t(item % queries.tokens);
+  const std::int32_t group = queries.heads / kv_heads, slot = slots[b];
+  const std::int32_t column = (first != nullptr ? first[std::int64_t(b) * kv_heads + h / group] : 0) + i;
+  if (slot < 0 || slot >= centroids.slots || column < 0 || column >= centroids.capacity) return;
+  const T* x = queries.row(b, h, i);
+  float sq = 0.0f;
+  for (int j = lane; j < queries.head_dim; j += 32) sq = fmaf(to_float_device(x[j]), to_float_device(x[j]), sq);
+  const float scale = kvsift::detail::inverse_norm(warp_sum(sq));
+  T* out = centroids.row(slot, h, column);
+  for (int j = lane; j < queries.head_dim; j += 32) out[j] = from_float_device<T>(to_float_device(x[j]) * scale);
+}
+
+/// Block per row (b, g): logits (a warp per candidate, the group's heads in turn), each head's softmax over the
+/// row's candidates (block reductions in a fixed order), then the reduction over the group.
+template <class T, class KV>
+__global__ void __launch_bounds__(kThreads)
+    candidate_scores_kernel(QueryView<const T> q, KV kv, SelectionView candidates, GroupScoreOptions options,
+                            float scale, MatrixView<float> scores, float* logits) {
+  __shared__ float reduce_s[kWarps];
+  __shared__ float head_max_s[kMaxGroup], head_sum_s[kMaxGroup];
+  const std::int64_t row = blockIdx.x;
+  const std::int32_t b = std::int32_t(row / kv.kv_heads), g = std::int32_t(row % kv.kv_heads);
+  const std::int32_t group = q.heads / kv.kv_heads, d = q.head_dim, cap = candidates.capacity;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const std::int32_t count = candidates.counts[row];
+  float* out = scores.row(row);
+  if (count < 0 || count > cap) {
+    for (std::int32_t i = threadIdx.x; i < cap; i += kThreads) out[i] = __int_as_float(0x7fffffff);
+    return;
+  }
+  const std::int32_t* ids = candidates.indices + row * cap;
+  float* s = logits + row * std::int64_t(group) * cap;
+  const std::int32_t length = kv.seq_len(b);
+  for (std::int32_t i = warp; i < count; i += kWarps) {
+    const std::int32_t t = ids[i];
+    const bool inside = t >= 0 && t < length;
+    for (std::int32_t j = 0; j < group; ++j) {
+      float dot = __int_as_float(0x7fffffff);
+      if (inside) {  // the same for the whole warp
+        const T* qh = q.row(b, g * group + j);
+        const T* k = kv.k_row(b, g, t);
+        float part = 0.0f;
+        for (int c = lane; c < d; c += 32) part = fmaf(to_float_device(qh[c]), to_float_device(k[c]), part);
+        dot = scale * warp_sum(part);
+      }
+      if (lane == 0) s[std::int64_t(j) * cap + i] = dot;
+    }
+  }
+  __syncthreads();
+  if (options.softmax) {
+    for (std::int32_t j = 0; j < group; ++j) {
+      const float* sh = s + std::int64_t(j) * cap;
+      float m = -INFINITY;
+      for (std::int32_t i = threadIdx.x; i < count; i += kThreads) m = max_nan(m, sh[i]);
+      for (int offset = 16; offset > 0; offset /= 2) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, offset));
+      if (lane == 0) reduce_s[warp] = m;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        float total = reduce_s[0];
+        for (int w = 1; w < kWarps; ++w) total = max_nan(total, reduce_s[w]);
+        head_max_s[j] = total;
+      }
+      __syncthreads();
+      const float top = head_max_s[j];
+      float sum = 0.0f;
+      for (std::int32_t i = threadIdx.x; i < count; i += kThreads) sum += expf(sh[i] - top);
+      sum = warp_sum(sum);
+      if (lane == 0) reduce_s[warp] = sum;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        float total = 0.0f;
+        for (int w = 0; w < kWarps; ++w) total += reduce_s[w];
+        head_sum_s[j] = total;
+      }
+      __syncthreads();
+    }
+  }
+  for (std::int32_t i = threadIdx.x; i < count; i += kThreads) {
+    float r = 0.0f;
+    for (std::int32_t j = 0; j < group; ++j) {
+      float x = s[std::int64_t(j) * cap + i];
+      if (options.softmax) x = expf(x - head_max_s[j]) / head_sum_s[j];
+      r = j == 0 ? x : options.reduce == GroupReduce::sum ? r + x : max_nan(r, x);
+    }
+    out[i] = r;
+  }
+}
+
+/// Block per row: out[i] = ids[positions[i]]; a bad count or position marks the row's count -1.
+__global__ void __launch_bounds__(kThreads)
+    remap_selection_kernel(SelectionView positions, SelectionView ids, SelectionView out) {
+  const std::int64_t row = blockIdx.x;
+  const std::int32_t count = positions.counts[row], available = ids.counts[row];
+  bool bad = count < 0 || count > positions.capacity || available < 0 || available > ids.capacity;
+  const std::int32_t* p = positions.indices + row * positions.capacity;
+  const std::int32_t* from = ids.indices + row * ids.capacity;
+  std::int32_t* to = out.indices + row * out.capacity;
+  float* weights = out.log_weights != nullptr ? out.log_weights + row * out.capacity : nullptr;
+  bool mine = false;
+  for (std::int32_t i = threadIdx.x; !bad && i < count; i += kThreads) {
+    const std::int32_t position = p[i];  // read before to[i], the same entry when out is positions
+    if (position < 0 || position >= available) {
+      mine = true;
+      continue;
+    }
+    to[i] = from[position];
+    if (weights != nullptr) weights[i] = 0.0f;
+  }
+  bad = __syncthreads_or(mine || bad) != 0;
+  if (threadIdx.x == 0) out.counts[row] = bad ? -1 : count;
+}
+
+}  // namespace
+
+template <class T>
+cudaError_t launch_centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids,
+                                   const std::int32_t* slots, std::int32_t kv_heads, const MatrixView<float>& scores,
+                                   cudaStream_t stream) {
+  centroid_scores_kernel<T><<<unsigned(scores.rows), kThreads, 0, stream>>>(q, centroids, slots, kv_heads, scores);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_store_centroids(const SequenceView<const T>& queries, const std::int32_t* slots,
+                                   const std::int32_t* first, std::int32_t kv_heads,
+                                   const QueryCentroidsView<T>& centroids, cudaStream_t stream) {
+  const std::int64_t items = std::int64_t(queries.batch) * queries.heads * queries.tokens;
+  store_centroids_kernel<T><<<unsigned((items + kWarps - 1) / kWarps), kThreads, 0, stream>>>(queries, slots, first,
+                                                                                               kv_heads, centroids);
+  return cudaGetLastError();
+}
+
+template <class T, class KV>
+cudaError_t launch_candidate_scores(const QueryView<const T>& q, const KV& kv, const SelectionView& candidates,
+                                    const GroupScoreOptions& options, const MatrixView<float>& scores, float* logits,
+                                    cudaStream_t stream) {
+  const float scale = options.sm_scale != 0.0f ? options.sm_scale : 1.0f / std::sqrt(float(q.head_dim));
+  candidate_scores_kernel<T, KV><<<unsigned(scores.rows), kThreads, 0, stream>>>(q, kv, candidates, options, scale,
+                                                                                   scores, logits);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out,
+                                   cudaStream_t stream) {
+  const std::int64_t rows = std::int64_t(positions.batch) * positions.kv_heads;
+  remap_selection_kernel<<<unsigned(rows), kThreads, 0, stream>>>(positions, ids, out);
+  return cudaGetLastError();
+}
+
+#define KVSIFT_INSTANTIATE(T)                                                                                         \
+  template cudaError_t launch_centroid_scores<T>(const QueryView<const T>&, const QueryCentroidsView<const T>&,      \
+                                                 const std::int32_t*, std::int32_t, const MatrixView<float>&,         \
+                                                 cudaStream_t);                                                       \
+  template cudaError_t launch_store_centroids<T>(const SequenceView<const T>&, const std::int32_t*,                  \
+                                                 const std::int32_t*, std::int32_t, const QueryCentroidsView<T>&,     \
+                                                 cudaStream_t);                                                       \
+  template cudaError_t launch_candidate_scores<T, ContiguousKVView<const T>>(                                        \
+      const QueryView<const T>&, const ContiguousKVView<const T>&, const SelectionView&, const GroupScoreOptions&,   \
+      const MatrixView<float>&, float*, cudaStream_t);                                                                \
+  template cudaError_t launch_candidate_scores<T, PagedKVView<const T>>(                                             \
+      const QueryView<const T>&, const PagedKVView<const T>&, const SelectionView&, const GroupScoreOptions&,        \
+      const MatrixView<float>&, float*, cudaStream_t);
+KVSIFT_INSTANTIATE(float)
+KVSIFT_INSTANTIATE(half)
+KVSIFT_INSTANTIATE(bfloat16)
+#undef KVSIFT_INSTANTIATE
+
+}  // namespace kvsift::cuda::detail

@@ -1,0 +1,88 @@
+// Query centroids and rerank on CUDA (cuda/query_centroids.hpp, cuda/rerank.hpp): the checks shared with the
+// CPU, the kernels' own limits, the workspace, then the launchers of kernels/rerank.cu.
+#include "kvsift/cuda/query_centroids.hpp"
+#include "kvsift/cuda/rerank.hpp"
+
+#include "kvsift/core/detail/rerank_checks.hpp"
+#include "kvsift/core/detail/query_centroids_checks.hpp"
+#include "kvsift/core/dtype.hpp"
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/cuda/check.hpp"
+#include "kvsift/cuda/detail/rerank_launch.hpp"
+
+namespace kvsift::cuda {
+namespace {
+
+constexpr std::int32_t kMaxGroup = 16, kMaxHeadDim = 256;  // kernels/rerank.cu's shared arrays
+
+void check_kernel_limits(const char* where, std::int32_t group, std::int32_t head_dim) {
+  KVSIFT_CHECK(group <= kMaxGroup, where, "the GQA group (= {} query heads per kv head) exceeds {}", group, kMaxGroup);
+  KVSIFT_CHECK(head_dim <= kMaxHeadDim, where, "head_dim (= {}) exceeds {}", head_dim, kMaxHeadDim);
+}
+
+float* layout_logits(WorkspaceLayout& layout, std::int64_t rows, std::int32_t group, std::int32_t capacity) {
+  return layout.allocate<float>(std::size_t(rows) * std::size_t(group) * std::size_t(capacity), "candidate_scores logits");
+}
+
+}  // namespace
+
+template <class T>
+void centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids, const std::int32_t* d_slots,
+                     std::int32_t kv_heads, const MatrixView<float>& scores, cudaStream_t stream) {
+  constexpr const char* where = "cuda::centroid_scores";
+  kvsift::detail::check_centroid_scores(where, q, centroids, d_slots, kv_heads, scores);
+  check_kernel_limits(where, q.heads / kv_heads, q.head_dim);
+  KVSIFT_CUDA_CHECK(detail::launch_centroid_scores(q, centroids, d_slots, kv_heads, scores, stream));
+}
+
+template <class T>
+void store_centroids(const SequenceView<const T>& queries, const std::int32_t* d_slots, const std::int32_t* d_first,
+                     std::int32_t kv_heads, const QueryCentroidsView<T>& centroids, cudaStream_t stream) {
+  kvsift::detail::check_store_centroids("cuda::store_centroids", queries, d_slots, kv_heads, centroids);
+  KVSIFT_CUDA_CHECK(detail::launch_store_centroids(queries, d_slots, d_first, kv_heads, centroids, stream));
+}
+
+std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity) {
+  kvsift::detail::check_candidate_scores_shape("cuda::candidate_scores_workspace_bytes", rows, group, capacity);
+  WorkspaceLayout counting;
+  layout_logits(counting, rows, group, capacity);
+  return counting.bytes();
+}
+
+template <class T, class KV>
+void candidate_scores(const QueryView<const T>& q, const KV& kv, const SelectionView& candidates,
+                      const GroupScoreOptions& options, const MatrixView<float>& scores, std::span<std::byte> workspace,
+                      cudaStream_t stream) {
+  constexpr const char* where = "cuda::candidate_scores";
+  kvsift::detail::check_candidate_scores(where, q, kv, candidates, options, scores, MemorySpace::device);
+  const std::int32_t group = q.heads / kv.kv_heads;
+  check_kernel_limits(where, group, q.head_dim);
+  WorkspaceLayout layout(workspace, where);
+  float* logits = layout_logits(layout, scores.rows, group, candidates.capacity);
+  KVSIFT_CUDA_CHECK(detail::launch_candidate_scores(q, kv, candidates, options, scores, logits, stream));
+}
+
+void remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out,
+                     cudaStream_t stream) {
+  kvsift::detail::check_remap_selection("cuda::remap_selection", positions, ids, out);
+  KVSIFT_CUDA_CHECK(detail::launch_remap_selection(positions, ids, out, stream));
+}
+
+#define KVSIFT_INSTANTIATE(T)                                                                                         \
+  template void centroid_scores<T>(const QueryView<const T>&, const QueryCentroidsView<const T>&,                   \
+                                   const std::int32_t*, std::int32_t, const MatrixView<float>&, cudaStream_t);        \
+  template void store_centroids<T>(const SequenceView<const T>&, const std::int32_t*, const std::int32_t*,            \
+                                   std::int32_t, const QueryCentroidsView<T>&, cudaStream_t);                         \
+  template void candidate_scores<T, ContiguousKVView<const T>>(const QueryView<const T>&,                            \
+                                                               const ContiguousKVView<const T>&, const SelectionView&, \
+                                                               const GroupScoreOptions&, const MatrixView<float>&,    \
+                                                               std::span<std::byte>, cudaStream_t);                   \
+  template void candidate_scores<T, PagedKVView<const T>>(const QueryView<const T>&, const PagedKVView<const T>&,    \
+                                                          const SelectionView&, const GroupScoreOptions&,             \
+                                                          const MatrixView<float>&, std::span<std::byte>, cudaStream_t);
+KVSIFT_INSTANTIATE(float)
+KVSIFT_INSTANTIATE(half)
+KVSIFT_INSTANTIATE(bfloat16)
+#undef KVSIFT_INSTANTIATE
+
+}  // namespace kvsift::cuda

@@ -1,0 +1,189 @@
+// Query centroids and rerank on the CPU (cpu/query_centroids.hpp, cpu/rerank.hpp) against the fp64 references of
+// tests/rerank_problem.hpp, outputs poisoned: centroid scores (partial slots, GQA), stored centroids (unit, at
+// their columns), candidate scores (contiguous and paged caches, softmax + max and raw + sum, empty and full
+// rows), the remap back to token ids (in place), thread independence, and every refused input.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "kvsift/cpu/query_centroids.hpp"
+#include "kvsift/cpu/rerank.hpp"
+#include "kvsift/cpu/thread_pool.hpp"
+#include "rerank_problem.hpp"
+#include "test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using test::Random;
+
+/// Overwrites a HostSelection array in place (its view keeps pointing at it).
+void fill_in(std::vector<std::int32_t>& a, std::initializer_list<std::int32_t> values) {
+  ASSERT_EQ(a.size(), values.size());
+  std::copy(values.begin(), values.end(), a.begin());
+}
+
+template <class T>
+class CpuQueryCentroids : public ::testing::Test {};
+using StorageTypes = ::testing::Types<float, half, bfloat16>;
+TYPED_TEST_SUITE(CpuQueryCentroids, StorageTypes);
+
+TYPED_TEST(CpuQueryCentroids, ScoresAreTheGroupsBestCosine) {
+  using T = TypeParam;
+  const auto seed = test::test_seed();
+  SCOPED_TRACE(seed);
+  Random rng(seed);
+  const test::CentroidProblem<T> p(rng, 3, 8, 2, 5, 37, 64);
+  const auto expected = p.reference();
+  cpu::ThreadPool pool(3);
+  for (cpu::ThreadPool* used : {static_cast<cpu::ThreadPool*>(nullptr), &pool}) {
+    std::vector<float> scores(expected.size() + 5, test::kPoison);  // one spare column: never written
+    const auto view = MatrixView<float>{scores.data(), 6, p.capacity, p.capacity};
+    cpu::centroid_scores(p.query(), p.view(), p.row_slots.data(), p.kv_heads, view, used);
+    for (std::size_t i = 0; i < expected.size(); ++i) {
+      if (std::isinf(expected[i])) {
+        EXPECT_EQ(scores[i], -INFINITY) << i;
+      } else {
+        EXPECT_NEAR(scores[i], expected[i], 2e-6) << i;
+      }
+    }
+  }
+}
+
+TYPED_TEST(CpuQueryCentroids, StoreWritesUnitQueriesAtTheirColumns) {
+  using T = TypeParam;
+  const auto seed = test::test_seed();
+  SCOPED_TRACE(seed);
+  Random rng(seed);
+  const std::int32_t batch = 2, q_heads = 6, kv_heads = 3, slots = 4, capacity = 9, d = 32, n = 3;
+  const std::vector<T> queries = test::to_storage<T>(rng.normal(std::size_t(batch) * q_heads * n * d, 4.0f));
+  std::vector<T> store(QueryCentroidsView<T>::elements(slots, q_heads, capacity, d), from_float<T>(test::kPoison));
+  std::vector<std::int32_t> counts(slots, 0), row_slots = {3, 1}, first = {0, 6, 2, 1, 5, 4};
+  const QueryCentroidsView<T> view{store.data(), counts.data(), slots, q_heads, capacity, d};
+  const auto seq = SequenceView<const T>::packed(queries.data(), batch, q_heads, n, d);
+  cpu::store_centroids(seq, row_slots.data(), first.data(), kv_heads, view);
+  for (std::int32_t b = 0; b < batch; ++b) {
+    for (std::int32_t h = 0; h < q_heads; ++h) {
+      for (std::int32_t i = 0; i < n; ++i) {
+        const T* x = seq.row(b, h, i);
+        double norm = 0;
+        for (std::int32_t j = 0; j < d; ++j) norm += double(to_float(x[j])) * to_float(x[j]);
+        const T* c = view.row(row_slots[b], h, first[b * kv_heads + h / 2] + i);
+        for (std::int32_t j = 0; j < d; ++j) {
+          const double tolerance = std::is_same_v<T, float> ? 1e-6 : 1e-2;
+          EXPECT_NEAR(to_float(c[j]), to_float(x[j]) / std::sqrt(norm), tolerance);
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(std::isnan(to_float(view.row(0, 0, 0)[0])));  // slots 0 and 2 untouched
+  EXPECT_TRUE(std::isnan(to_float(view.row(3, 0, 3)[0])));  // past row 0's columns [0, 3)
+}
+
+TEST(CpuRerank, CandidateScoresMatchFp64OnBothLayouts) {
+  const auto seed = test::test_seed();
+  SCOPED_TRACE(seed);
+  Random rng(seed);
+  const std::int32_t q_heads = 8, kv_heads = 2, d = 64, capacity = 50;
+  const std::vector<std::int32_t> lengths = {300, 40, 129};
+  const test::HostKV kv(rng, 3, kv_heads, 320, d, lengths);
+  const test::HostPagedKV paged(kv, 16, true, rng);
+  const std::vector<float> q = rng.normal(std::size_t(3) * q_heads * d);
+  const auto qv = QueryView<const float>::packed(q.data(), 3, q_heads, d);
+  const test::HostSelection candidates = test::random_candidates(rng, lengths, kv_heads, capacity);
+  cpu::ThreadPool pool(2);
+  for (const bool softmax : {true, false}) {
+    const GroupScoreOptions options{.sm_scale = 0.3f, .reduce = softmax ? GroupReduce::max : GroupReduce::sum,
+                                    .softmax = softmax};
+    const auto expected = test::candidate_reference(q, q_heads, kv.view(), candidates, 0.3, softmax, !softmax);
+    for (const bool use_paged : {false, true}) {
+      std::vector<float> scores(expected.size(), test::kPoison);
+      std::vector<std::byte> ws(cpu::candidate_scores_workspace_bytes(6, 4, capacity, &pool) + 256);
+      auto span = std::span<std::byte>(ws).subspan((256 - reinterpret_cast<std::uintptr_t>(ws.data()) % 256) % 256);
+      const auto sv = MatrixView<float>::packed(scores.data(), 6, capacity);
+      if (use_paged) {
+        cpu::candidate_scores(qv, paged.view, candidates.view, options, sv, span, &pool);
+      } else {
+        cpu::candidate_scores(qv, kv.view(), candidates.view, options, sv, span, &pool);
+      }
+      for (std::size_t i = 0; i < expected.size(); ++i) {
+        if (std::isnan(expected[i])) {
+          EXPECT_TRUE(std::isnan(scores[i])) << "written past the count at " << i;
+        } else {
+          EXPECT_NEAR(scores[i], expected[i], 1e-5 * std::max(1.0, std::abs(expected[i]))) << i << " paged " << use_paged;
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuRerank, RemapMapsPositionsToIdsInPlace) {
+  test::HostSelection ids(2, 2, 6, false), positions(2, 2, 3, true);
+  fill_in(ids.indices, {10, 20, 30, 40, 50, 60, 1, 2, 3, 0, 0, 0, 7, 8, 9, 11, 0, 0, 5, 0, 0, 0, 0, 0});
+  fill_in(ids.counts, {6, 3, 4, 1});
+  fill_in(positions.indices, {0, 2, 5, 1, 2, -1, 0, 3, -1, 0, -1, -1});
+  fill_in(positions.counts, {3, 2, 2, 1});
+  cpu::remap_selection(positions.view, ids.view, positions.view);
+  EXPECT_EQ(positions.counts, (std::vector<std::int32_t>{3, 2, 2, 1}));
+  const std::vector<std::int32_t> expected = {10, 30, 60, 2, 3, 7, 11, 5};
+  const std::vector<std::int32_t> got = {positions.indices[0], positions.indices[1], positions.indices[2],
+                                         positions.indices[3], positions.indices[4], positions.indices[6],
+                                         positions.indices[7], positions.indices[9]};
+  EXPECT_EQ(got, expected);
+  EXPECT_EQ(positions.log_weights[0], 0.0f);
+  EXPECT_TRUE(std::isnan(positions.log_weights[5]));  // past the count: not written
+}
+
+TEST(CpuRerank, BadInputsAreRefused) {
+  Random rng(1);
+  const test::CentroidProblem<float> p(rng, 2, 4, 2, 3, 5, 16);
+  std::vector<float> scores(4 * 5);
+  const auto sv = MatrixView<float>::packed(scores.data(), 4, 5);
+  std::vector<std::int32_t> bad_slots = {0, 3};
+  test::expect_error([&] { cpu::centroid_scores(p.query(), p.view(), bad_slots.data(), 2, sv); },
+                     "slots[1] (= 3) is outside [0, centroids.slots = 3)");
+  test::expect_error([&] { cpu::centroid_scores(p.query(), p.view(), p.row_slots.data(), 3, sv); },
+                     "kv_heads (= 3) must divide");
+  test::expect_error(
+      [&] { cpu::centroid_scores(p.query(), p.view(), p.row_slots.data(), 2, MatrixView<float>::packed(scores.data(), 4, 4)); },
+      "expected [batch * kv_heads = 4, >= centroids.capacity = 5]");
+  std::vector<std::int32_t> bad_counts = {6, 1, 1};
+  auto view = p.view();
+  view.counts = bad_counts.data();
+  test::expect_error([&] { cpu::centroid_scores(p.query(), view, std::vector<std::int32_t>{0, 1}.data(), 2, sv); },
+                     "centroids.counts[0] (= 6) is outside [0, capacity = 5]");
+
+  std::vector<float> store(QueryCentroidsView<float>::elements(3, 4, 5, 16));
+  std::vector<std::int32_t> counts(3);
+  const QueryCentroidsView<float> out{store.data(), counts.data(), 3, 4, 5, 16};
+  const auto one = SequenceView<const float>::packed(p.q.data(), 2, 4, 1, 16);
+  std::vector<std::int32_t> same = {1, 1}, first = {0, 5, 0, 0};
+  test::expect_error([&] { cpu::store_centroids(one, same.data(), nullptr, 2, out); }, "repeats an earlier row's slot");
+  test::expect_error([&] { cpu::store_centroids(one, std::vector<std::int32_t>{0, 1}.data(), first.data(), 2, out); },
+                     "first[1] (= 5) + 1 queries passes centroids.capacity (= 5)");
+
+  const test::HostKV kv(rng, 1, 2, 10, 16);
+  test::HostSelection candidates(1, 2, 4, false);
+  fill_in(candidates.counts, {5, 0});
+  std::vector<float> cs(8);
+  const auto q = QueryView<const float>::packed(p.q.data(), 1, 4, 16);
+  test::expect_error([&] { cpu::candidate_scores(q, kv.view(), candidates.view, {}, MatrixView<float>::packed(cs.data(), 2, 4), {}); },
+                     "candidates.counts[0] (= 5) is outside [0, capacity = 4]");
+  fill_in(candidates.counts, {1, 0});
+  candidates.indices[0] = 10;
+  test::expect_error([&] { cpu::candidate_scores(q, kv.view(), candidates.view, {}, MatrixView<float>::packed(cs.data(), 2, 4), {}); },
+                     "candidate 0 of row 0 (= 10) is outside [0, seq_len = 10)");
+
+  test::HostSelection ids(1, 2, 4, false), positions(1, 2, 4, false);
+  fill_in(ids.counts, {2, 0});
+  fill_in(positions.counts, {1, 0});
+  positions.indices[0] = 2;
+  test::expect_error([&] { cpu::remap_selection(positions.view, ids.view, positions.view); },
+                     "position 0 of row 0 (= 2) is outside [0, ids.count = 2)");
+  test::HostSelection wide(1, 3, 4, false);
+  test::expect_error([&] { cpu::remap_selection(positions.view, wide.view, positions.view); }, "positions has 2 rows, ids 3");
+}
+
+}  // namespace
+}  // namespace kvsift

@@ -1,0 +1,173 @@
+// Query centroids and rerank on CUDA (cuda/query_centroids.hpp, cuda/rerank.hpp) against their CPU twins (whose
+// tests check them against fp64) on the same inputs, outputs poisoned: centroid scores (GQA, partial slots),
+// stored centroids, candidate scores (contiguous and paged, softmax + max and raw + sum), the remap in place;
+// the device-value rules (bad slot or count: NaN row; bad position: count -1); the host-side refusals (run
+// without a GPU).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "cuda/gpu_test.hpp"
+#include "kvsift/cpu/query_centroids.hpp"
+#include "kvsift/cpu/rerank.hpp"
+#include "kvsift/cuda/query_centroids.hpp"
+#include "kvsift/cuda/rerank.hpp"
+#include "rerank_problem.hpp"
+#include "test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using test::DeviceBuffer;
+using test::Random;
+
+class CudaRerank : public test::GpuTest {};
+
+/// Within fp32 rounding of the CPU's value (the sums run in another order); NaN and -inf where the CPU has them.
+void expect_close(const std::vector<float>& gpu, const std::vector<float>& cpu, double tolerance) {
+  ASSERT_EQ(gpu.size(), cpu.size());
+  for (std::size_t i = 0; i < cpu.size(); ++i) {
+    if (std::isnan(cpu[i]) || std::isinf(cpu[i])) {
+      EXPECT_TRUE(std::isnan(cpu[i]) ? std::isnan(gpu[i]) : gpu[i] == cpu[i]) << i << ": " << gpu[i] << " vs " << cpu[i];
+    } else {
+      EXPECT_NEAR(gpu[i], cpu[i], tolerance * std::max(1.0f, std::abs(cpu[i]))) << i;
+    }
+  }
+}
+
+TEST_F(CudaRerank, CentroidScoresAndStoreAgreeWithTheCpu) {
+  SCOPED_TRACE(seed);
+  const test::CentroidProblem<half> p(rng, 3, 32, 8, 4, 70, 128);
+  std::vector<float> cpu_scores(std::size_t(24) * p.capacity, test::kPoison);
+  cpu::centroid_scores(p.query(), p.view(), p.row_slots.data(), p.kv_heads,
+                       MatrixView<float>::packed(cpu_scores.data(), 24, p.capacity));
+  DeviceBuffer<half> centroids(p.centroids), q(p.q);
+  DeviceBuffer<std::int32_t> counts(p.counts), slots(p.row_slots);
+  DeviceBuffer<float> scores(std::vector<float>(cpu_scores.size(), test::kPoison));
+  const QueryCentroidsView<const half> view{centroids.data(), counts.data(), p.slots, p.q_heads, p.capacity, p.head_dim};
+  cuda::centroid_scores(QueryView<const half>::packed(q.data(), p.batch, p.q_heads, p.head_dim), view, slots.data(),
+                        p.kv_heads, MatrixView<float>::packed(scores.data(), 24, p.capacity), nullptr);
+  expect_close(scores.download(), cpu_scores, 2e-6);
+
+  // Store the decode queries at per-row columns, as CTKVR's dynamic update does.
+  std::vector<std::int32_t> first(24);
+  for (auto& f : first) f = rng.uniform_int(0, p.capacity - 1);
+  std::vector<half> cpu_store = p.centroids;
+  std::vector<std::int32_t> host_counts = p.counts;
+  const QueryCentroidsView<half> cpu_view{cpu_store.data(), host_counts.data(), p.slots, p.q_heads, p.capacity, p.head_dim};
+  const auto seq_host = SequenceView<const half>::packed(p.q.data(), p.batch, p.q_heads, 1, p.head_dim);
+  cpu::store_centroids(seq_host, p.row_slots.data(), first.data(), p.kv_heads, cpu_view);
+  DeviceBuffer<std::int32_t> d_first(first);
+  const QueryCentroidsView<half> gpu_view{centroids.data(), counts.data(), p.slots, p.q_heads, p.capacity, p.head_dim};
+  cuda::store_centroids(SequenceView<const half>::packed(q.data(), p.batch, p.q_heads, 1, p.head_dim), slots.data(),
+                        d_first.data(), p.kv_heads, gpu_view, nullptr);
+  const std::vector<half> gpu_store = centroids.download();
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < cpu_store.size(); ++i) {
+    const float a = to_float(gpu_store[i]), b = to_float(cpu_store[i]);
+    EXPECT_NEAR(a, b, 1e-3) << i;
+    differ += a != b;
+  }
+  EXPECT_LE(differ, cpu_store.size() / 100) << "more than 1% of the stored values differ in the last bit";
+}
+
+TEST_F(CudaRerank, CandidateScoresAgreeWithTheCpuOnBothLayouts) {
+  SCOPED_TRACE(seed);
+  const std::int32_t q_heads = 16, kv_heads = 4, d = 128, capacity = 700;
+  const std::vector<std::int32_t> lengths = {3000, 500, 1200};
+  const test::HostKV kv(rng, 3, kv_heads, 3000, d, lengths);
+  const test::HostPagedKV paged(kv, 16, false, rng);
+  const std::vector<float> q = rng.normal(std::size_t(3) * q_heads * d);
+  const test::HostSelection candidates = test::random_candidates(rng, lengths, kv_heads, capacity);
+  const std::int64_t rows = 12;
+  DeviceBuffer<float> dq(q), dk(kv.k), dv(kv.v), dk_pages(paged.k_pages), dv_pages(paged.v_pages);
+  DeviceBuffer<std::int32_t> dlens(kv.seq_lens), dindptr(paged.indptr), dindices(paged.indices), dlast(paged.last_len);
+  DeviceBuffer<std::int32_t> cand_ids(candidates.indices), cand_counts(candidates.counts);
+  const SelectionView d_candidates{cand_ids.data(), cand_counts.data(), nullptr, 3, kv_heads, capacity};
+  auto d_contiguous = kv.view();
+  d_contiguous.k = dk.data(), d_contiguous.v = dv.data(), d_contiguous.seq_lens = dlens.data();
+  auto d_paged = paged.view;
+  d_paged.k_pages = dk_pages.data(), d_paged.v_pages = dv_pages.data(), d_paged.page_indptr = dindptr.data();
+  d_paged.page_indices = dindices.data(), d_paged.last_page_len = dlast.data();
+  DeviceBuffer<std::byte> ws(cuda::candidate_scores_workspace_bytes(rows, 4, capacity));
+  std::vector<std::byte> host_ws(cpu::candidate_scores_workspace_bytes(rows, 4, capacity, nullptr) + 256);
+  auto host_span = std::span<std::byte>(host_ws).subspan((256 - reinterpret_cast<std::uintptr_t>(host_ws.data()) % 256) % 256);
+  const auto qv = QueryView<const float>::packed(q.data(), 3, q_heads, d);
+  const auto d_qv = QueryView<const float>::packed(dq.data(), 3, q_heads, d);
+  for (const bool softmax : {true, false}) {
+    const GroupScoreOptions options{.reduce = softmax ? GroupReduce::max : GroupReduce::sum, .softmax = softmax};
+    std::vector<float> cpu_scores(std::size_t(rows) * capacity, test::kPoison);
+    cpu::candidate_scores(qv, kv.view(), candidates.view, options,
+                          MatrixView<float>::packed(cpu_scores.data(), rows, capacity), host_span);
+    for (const bool use_paged : {false, true}) {
+      DeviceBuffer<float> scores(std::vector<float>(cpu_scores.size(), test::kPoison));
+      const auto sv = MatrixView<float>::packed(scores.data(), rows, capacity);
+      if (use_paged) {
+        cuda::candidate_scores(d_qv, PagedKVView<const float>(d_paged), d_candidates, options, sv,
+                               {ws.data(), ws.size()}, nullptr);
+      } else {
+        cuda::candidate_scores(d_qv, ContiguousKVView<const float>(d_contiguous), d_candidates, options, sv,
+                               {ws.data(), ws.size()}, nullptr);
+      }
+      SCOPED_TRACE(use_paged ? "paged" : "contiguous");
+      expect_close(scores.download(), cpu_scores, 2e-5);
+    }
+  }
+}
+
+TEST_F(CudaRerank, RemapAndDeviceValueRules) {
+  SCOPED_TRACE(seed);
+  test::HostSelection ids(2, 2, 6, false), positions(2, 2, 3, true);
+  const std::vector<std::int32_t> id_values = {10, 20, 30, 40, 50, 60, 1, 2, 3, 0, 0, 0, 7, 8, 9, 11, 0, 0, 5, 0, 0, 0, 0, 0};
+  const std::vector<std::int32_t> position_values = {0, 2, 5, 1, 2, -1, 0, 4, -1, 0, -1, -1};  // row 2: position 4 >= 4
+  DeviceBuffer<std::int32_t> d_ids(id_values), d_id_counts(std::vector<std::int32_t>{6, 3, 4, 1});
+  DeviceBuffer<std::int32_t> d_pos(position_values), d_pos_counts(std::vector<std::int32_t>{3, 2, 2, 1});
+  DeviceBuffer<float> d_weights(std::vector<float>(12, test::kPoison));
+  const SelectionView pos{d_pos.data(), d_pos_counts.data(), d_weights.data(), 2, 2, 3};
+  cuda::remap_selection(pos, SelectionView{d_ids.data(), d_id_counts.data(), nullptr, 2, 2, 6}, pos, nullptr);
+  EXPECT_EQ(d_pos_counts.download(), (std::vector<std::int32_t>{3, 2, -1, 1}));
+  const std::vector<std::int32_t> out = d_pos.download();
+  EXPECT_EQ((std::vector<std::int32_t>{out[0], out[1], out[2], out[3], out[4], out[9]}),
+            (std::vector<std::int32_t>{10, 30, 60, 2, 3, 5}));
+  EXPECT_EQ(d_weights.download()[0], 0.0f);
+
+  // A bad count: the candidate row is NaN; a bad slot: the centroid row is NaN.
+  const test::HostKV kv(rng, 1, 1, 8, 32);
+  DeviceBuffer<float> dk(kv.k), dv(kv.v), dq(rng.normal(32));
+  DeviceBuffer<std::int32_t> dlens(kv.seq_lens), cand(std::vector<std::int32_t>(4, 0)), bad_count(std::vector<std::int32_t>{5});
+  auto view = kv.view();
+  view.k = dk.data(), view.v = dv.data(), view.seq_lens = dlens.data();
+  DeviceBuffer<float> scores(std::vector<float>(4, 0.0f));
+  DeviceBuffer<std::byte> ws(cuda::candidate_scores_workspace_bytes(1, 1, 4));
+  cuda::candidate_scores(QueryView<const float>::packed(dq.data(), 1, 1, 32), ContiguousKVView<const float>(view),
+                         SelectionView{cand.data(), bad_count.data(), nullptr, 1, 1, 4}, {},
+                         MatrixView<float>::packed(scores.data(), 1, 4), {ws.data(), ws.size()}, nullptr);
+  for (float s : scores.download()) EXPECT_TRUE(std::isnan(s));
+  DeviceBuffer<float> centroids(std::vector<float>(2 * 32, 1.0f));
+  DeviceBuffer<std::int32_t> ccounts(std::vector<std::int32_t>{2}), bad_slot(std::vector<std::int32_t>{1});
+  DeviceBuffer<float> cscores(std::vector<float>(2, 0.0f));
+  cuda::centroid_scores(QueryView<const float>::packed(dq.data(), 1, 1, 32),
+                        QueryCentroidsView<const float>{centroids.data(), ccounts.data(), 1, 1, 2, 32}, bad_slot.data(), 1,
+                        MatrixView<float>::packed(cscores.data(), 1, 2), nullptr);
+  for (float s : cscores.download()) EXPECT_TRUE(std::isnan(s));
+}
+
+TEST(CudaRerankBadInput, RefusedOnTheHost) {
+  float dummy[64] = {};
+  std::int32_t counts[2] = {1, 1};
+  const QueryCentroidsView<const float> centroids{dummy, counts, 2, 17, 1, 2};
+  std::vector<float> scores(8);
+  test::expect_error(
+      [&] {
+        cuda::centroid_scores(QueryView<const float>::packed(dummy, 1, 17, 2), centroids, counts, 1,
+                              MatrixView<float>::packed(scores.data(), 1, 1), nullptr);
+      },
+      "the GQA group (= 17 query heads per kv head) exceeds 16");
+  test::expect_error([&] { (void)cuda::candidate_scores_workspace_bytes(0, 1, 1); }, "rows (= 0)");
+  test::HostSelection a(1, 2, 4, false), b(1, 3, 4, false);
+  test::expect_error([&] { cuda::remap_selection(a.view, b.view, a.view, nullptr); }, "positions has 2 rows, ids 3");
+}
+
+}  // namespace
+}  // namespace kvsift
