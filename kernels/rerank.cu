@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kvsift/core/inverted_lists.hpp"
 #include "kvsift/cuda/detail/rerank_launch.hpp"
 #include "kvsift/cuda/dtype.cuh"
 
@@ -192,7 +193,46 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) out.counts[row] = bad ? -1 : count;
 }
 
+/// Block per row: the entries below the range stay (ascending: their number is the count of them), the range
+/// follows. A bad count or length, or a row that would overflow, gets count -1.
+__global__ void __launch_bounds__(kThreads)
+    append_range_kernel(SelectionView rows, const std::int32_t* slots, const std::int32_t* first,
+                        const std::int32_t* lengths, AttentionWindow window) {
+  const std::int64_t row = blockIdx.x, b = row / rows.kv_heads;
+  const std::int32_t count = rows.counts[row], length = lengths[b];
+  std::int32_t* ids = rows.indices + row * rows.capacity;
+  if (count < 0 || count > rows.capacity || length < 0) {  // the same for the whole block
+    if (threadIdx.x == 0) rows.counts[row] = -1;
+    return;
+  }
+  const kvsift::detail::TokenRange range = kvsift::detail::unindexed_range(first[slots[b]], length, window);
+  std::int32_t below = 0;
+  for (std::int32_t i0 = 0; i0 < count; i0 += kThreads) {
+    const std::int32_t i = i0 + std::int32_t(threadIdx.x);
+    below += __syncthreads_count(i < count && ids[i] < range.begin);
+  }
+  const std::int64_t added = max(std::int64_t(0), std::int64_t(range.end) - range.begin);
+  if (below + added > rows.capacity) {
+    if (threadIdx.x == 0) rows.counts[row] = -1;
+    return;
+  }
+  float* weights = rows.log_weights != nullptr ? rows.log_weights + row * rows.capacity : nullptr;
+  for (std::int64_t i = threadIdx.x; i < added; i += kThreads) {
+    ids[below + i] = std::int32_t(range.begin + i);
+    if (weights != nullptr) weights[below + i] = 0.0f;
+  }
+  if (threadIdx.x == 0) rows.counts[row] = std::int32_t(below + added);
+}
+
 }  // namespace
+
+cudaError_t launch_append_range(const SelectionView& rows, const std::int32_t* slots, const std::int32_t* first,
+                                const std::int32_t* lengths, AttentionWindow window, cudaStream_t stream) {
+  const std::int64_t count = std::int64_t(rows.batch) * rows.kv_heads;
+  if (count == 0) return cudaSuccess;
+  append_range_kernel<<<unsigned(count), kThreads, 0, stream>>>(rows, slots, first, lengths, window);
+  return cudaGetLastError();
+}
 
 template <class T>
 cudaError_t launch_centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids,

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "kvsift/core/detail/rerank_checks.hpp"
+#include "kvsift/core/inverted_lists.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
 
@@ -116,6 +117,32 @@ void remap_selection(const SelectionView& positions, const SelectionView& ids, c
       if (weights != nullptr) weights[i] = 0.0f;
     }
     out.counts[row] = count;
+  }
+}
+
+void append_range(const SelectionView& rows, const std::int32_t* slots, const std::int32_t* first,
+                  const std::int32_t* lengths, const AttentionWindow& window) {
+  constexpr const char* where = "cpu::append_range";
+  kvsift::detail::check_append_range(where, rows, slots, first, lengths, window);
+  for (std::int64_t row = 0; row < std::int64_t(rows.batch) * rows.kv_heads; ++row) {
+    const std::int64_t b = row / rows.kv_heads;
+    std::int32_t count = rows.counts[row];
+    KVSIFT_CHECK(count >= 0 && count <= rows.capacity, where, "rows.counts[{}] (= {}) is outside [0, capacity = {}]",
+                 row, count, rows.capacity);
+    KVSIFT_CHECK(lengths[b] >= 0, where, "lengths[{}] (= {}) is negative", b, lengths[b]);
+    const kvsift::detail::TokenRange range = kvsift::detail::unindexed_range(first[slots[b]], lengths[b], window);
+    std::int32_t* ids = rows.indices + row * rows.capacity;
+    count = std::int32_t(std::lower_bound(ids, ids + count, range.begin) - ids);
+    const std::int64_t added = std::max<std::int64_t>(0, std::int64_t(range.end) - range.begin);
+    KVSIFT_CHECK(count + added <= rows.capacity, where,
+                 "row {} holds {} entries below {} and the range adds {}: more than its capacity ({})", row, count,
+                 range.begin, added, rows.capacity);
+    float* weights = rows.log_weights != nullptr ? rows.log_weights + row * rows.capacity : nullptr;
+    for (std::int64_t i = 0; i < added; ++i) {
+      ids[count + i] = std::int32_t(range.begin + i);
+      if (weights != nullptr) weights[count + i] = 0.0f;
+    }
+    rows.counts[row] = std::int32_t(count + added);
   }
 }
 

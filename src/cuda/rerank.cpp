@@ -68,6 +68,12 @@ void remap_selection(const SelectionView& positions, const SelectionView& ids, c
   KVSIFT_CUDA_CHECK(detail::launch_remap_selection(positions, ids, out, stream));
 }
 
+void append_range(const SelectionView& rows, const std::int32_t* d_slots, const std::int32_t* d_first,
+                  const std::int32_t* d_lengths, const AttentionWindow& window, cudaStream_t stream) {
+  kvsift::detail::check_append_range("cuda::append_range", rows, d_slots, d_first, d_lengths, window);
+  KVSIFT_CUDA_CHECK(detail::launch_append_range(rows, d_slots, d_first, d_lengths, window, stream));
+}
+
 #define KVSIFT_INSTANTIATE(T)                                                                                         \
   template void centroid_scores<T>(const QueryView<const T>&, const QueryCentroidsView<const T>&,                   \
                                    const std::int32_t*, std::int32_t, const MatrixView<float>&, cudaStream_t);        \

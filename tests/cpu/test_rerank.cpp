@@ -135,6 +135,32 @@ TEST(CpuRerank, RemapMapsPositionsToIdsInPlace) {
   EXPECT_TRUE(std::isnan(positions.log_weights[5]));  // past the count: not written
 }
 
+TEST(CpuRerank, AppendRangeAddsTheUnindexedMiddle) {
+  // Rows of slots 2 and 0; slot 2's index was built at 50 tokens less its recent window of 8 (first = 42).
+  test::HostSelection rows(2, 2, 12, true);
+  fill_in(rows.indices, {3, 10, 41, 43, 44, -1, -1, -1, -1, -1, -1, -1, 5, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                         1, 2, 9, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1});
+  fill_in(rows.counts, {5, 1, 3, 0});
+  const std::vector<std::int32_t> slots = {2, 0}, first = {2, 0, 42}, lengths = {55, 12};
+  const AttentionWindow window{.sink = 4, .recent = 8};
+  cpu::append_range(rows.view, slots.data(), first.data(), lengths.data(), window);
+  // Row (0, 0): 43, 44 are dropped (>= 42) and [42, 47) appended; (0, 1) gets [42, 47) after 5.
+  EXPECT_EQ(rows.counts, (std::vector<std::int32_t>{8, 6, 2, 0}));
+  EXPECT_EQ(std::vector<std::int32_t>(rows.indices.begin(), rows.indices.begin() + 8),
+            (std::vector<std::int32_t>{3, 10, 41, 42, 43, 44, 45, 46}));
+  EXPECT_EQ(std::vector<std::int32_t>(rows.indices.begin() + 12, rows.indices.begin() + 18),
+            (std::vector<std::int32_t>{5, 42, 43, 44, 45, 46}));
+  // Slot 0 (first 2, 12 tokens): the middle [4, 4) is empty, rows keep their entries below 4.
+  EXPECT_EQ(std::vector<std::int32_t>(rows.indices.begin() + 24, rows.indices.begin() + 26),
+            (std::vector<std::int32_t>{1, 2}));
+  EXPECT_EQ(rows.log_weights[3], 0.0f);
+  test::HostSelection small(1, 1, 3, false);
+  fill_in(small.counts, {0});
+  const std::vector<std::int32_t> one = {0}, far = {0}, long_len = {100};
+  test::expect_error([&] { cpu::append_range(small.view, one.data(), far.data(), long_len.data(), window); },
+                     "row 0 holds 0 entries below 4 and the range adds 88: more than its capacity (3)");
+}
+
 TEST(CpuRerank, BadInputsAreRefused) {
   Random rng(1);
   const test::CentroidProblem<float> p(rng, 2, 4, 2, 3, 5, 16);

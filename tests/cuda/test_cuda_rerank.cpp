@@ -153,6 +153,39 @@ TEST_F(CudaRerank, RemapAndDeviceValueRules) {
   for (float s : cscores.download()) EXPECT_TRUE(std::isnan(s));
 }
 
+TEST_F(CudaRerank, AppendRangeAgreesWithTheCpu) {
+  SCOPED_TRACE(seed);
+  const std::int32_t batch = 3, kv_heads = 4, capacity = 500;
+  const std::vector<std::int32_t> lengths = {900, 130, 40}, slots = {1, 3, 0}, first = {20, 700, 0, 100};
+  const AttentionWindow window{.sink = 4, .recent = 16};
+  // Indexed candidates (up to 250 per row) in rows with room for the range.
+  const test::HostSelection indexed = test::random_candidates(rng, {700, 130, 40}, kv_heads, 250);
+  test::HostSelection rows(batch, kv_heads, capacity, false);
+  for (std::int32_t row = 0; row < batch * kv_heads; ++row) {
+    std::copy_n(indexed.indices.begin() + row * 250, 250, rows.indices.begin() + row * capacity);
+    rows.counts[row] = indexed.counts[row];
+  }
+  rows.counts[5] = -1;  // a bad row: count -1 on the device (the CPU refuses it)
+  DeviceBuffer<std::int32_t> ids(rows.indices), counts(rows.counts), d_slots(slots), d_first(first), d_lengths(lengths);
+  cuda::append_range(SelectionView{ids.data(), counts.data(), nullptr, batch, kv_heads, capacity}, d_slots.data(),
+                     d_first.data(), d_lengths.data(), window, nullptr);
+  rows.counts[5] = 0;
+  std::vector<std::int32_t> gpu_counts = counts.download();
+  EXPECT_EQ(gpu_counts[5], -1);
+  gpu_counts[5] = 0;
+  test::HostSelection expected = rows;
+  expected.view = {expected.indices.data(), expected.counts.data(), nullptr, batch, kv_heads, capacity};
+  cpu::append_range(expected.view, slots.data(), first.data(), lengths.data(), window);
+  expected.counts[5] = 0;
+  EXPECT_EQ(gpu_counts, expected.counts);
+  const std::vector<std::int32_t> gpu_ids = ids.download();
+  for (std::int32_t row = 0; row < batch * kv_heads; ++row) {
+    for (std::int32_t i = 0; i < expected.counts[row]; ++i) {
+      EXPECT_EQ(gpu_ids[row * capacity + i], expected.indices[row * capacity + i]) << row << " " << i;
+    }
+  }
+}
+
 TEST(CudaRerankBadInput, RefusedOnTheHost) {
   float dummy[64] = {};
   std::int32_t counts[2] = {1, 1};

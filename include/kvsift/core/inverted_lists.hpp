@@ -70,6 +70,17 @@ KVSIFT_HOST_DEVICE constexpr bool list_entry_kept(std::int32_t id, std::int32_t 
   return id >= window.sink_end(length) && id < window.recent_begin(length);
 }
 
+/// The middle tokens of a sequence of `length` tokens from `first` on, [max(first, sink_end), recent_begin): the
+/// tokens an index built when the sequence had `first` tokens (less its recent window) does not hold.
+struct TokenRange {
+  std::int32_t begin, end;
+};
+KVSIFT_HOST_DEVICE constexpr TokenRange unindexed_range(std::int32_t first, std::int32_t length,
+                                                         const AttentionWindow& window) {
+  const std::int32_t sinks = window.sink_end(length);
+  return {first > sinks ? first : sinks, window.recent_begin(length)};
+}
+
 /// The bounded lists' order (core/ranking.hpp's rule): a is below b when its score is lower, NaN below every
 /// number, and on equal scores (or both NaN) when its id is larger (the newer token: ids are positions).
 KVSIFT_HOST_DEVICE constexpr bool list_entry_below(float score_a, std::int32_t id_a, float score_b, std::int32_t id_b) {

@@ -5,6 +5,7 @@
 /// arguments are the same. Each overload forwards to the primitive documented in its own header; the cache
 /// arrives as a KVCache and is dispatched to the primitive's contiguous or paged instantiation here, once.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -46,6 +47,17 @@ void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const H
   cpu::write_step_kv(cache, k, v);
 }
 inline void clear_counts(const SelectionView& out, const Context&) { cpu::clear_counts(out); }
+
+/// Copies n values between context memory and the host: a selector's prepare reading lengths and page tables
+/// (never append or select, where the CUDA twin's synchronization would break graph capture).
+template <class V>
+void copy_to_host(const V* src, std::size_t n, V* dst, const Context&) {
+  std::copy_n(src, n, dst);
+}
+template <class V>
+void copy_from_host(const V* src, std::size_t n, V* dst, const Context&) {
+  std::copy_n(src, n, dst);
+}
 
 inline std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
                                                 std::int32_t max_tokens, const GroupScoreOptions& options,
@@ -183,6 +195,10 @@ void candidate_scores(const QueryView<const T>& q, const KVCache<const T>& cache
 inline void remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out,
                             const Context&) {
   cpu::remap_selection(positions, ids, out);
+}
+inline void append_range(const SelectionView& rows, const std::int32_t* slots, const std::int32_t* first,
+                         const std::int32_t* lengths, const AttentionWindow& window, const Context&) {
+  cpu::append_range(rows, slots, first, lengths, window);
 }
 
 // Inverted lists (core/inverted_lists.hpp, cpu/inverted_lists.hpp).

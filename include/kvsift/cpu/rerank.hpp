@@ -1,12 +1,14 @@
 #pragma once
 /// Reranking candidates on the CPU: the decode query's GQA group scores over a selection of candidate tokens
-/// (CTKVR's rerank of its recalled keys) and the map from a top-K over those scores back to token ids. Host
+/// (CTKVR's rerank of its recalled keys), the map from a top-K over those scores back to token ids, and a token
+/// range added to candidate rows. Host
 /// memory; no allocation; deterministic and independent of the thread count.
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
 
+#include "kvsift/attention/options.hpp"
 #include "kvsift/core/group_scores_options.hpp"
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
@@ -38,5 +40,14 @@ void candidate_scores(const QueryView<const T>& q, const KV& kv, const Selection
 /// Log-weights, if out has them, 0. out may be positions itself (in place). Refused: shapes that differ, a count
 /// outside [0, capacity], a position outside [0, ids.count(b, h)).
 void remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out);
+
+/// Every row (b, h) of `rows` (ascending ids) gets the middle tokens from first[slots[b]] on appended, [begin,
+/// end) with begin = max(first[slots[b]], window.sink_end(len)), end = window.recent_begin(len), len = lengths[b],
+/// after dropping its entries >= begin (so the row stays ascending and distinct): the tokens no index holds, those
+/// that left the attention window after the slot's index was built (CTKVR's rerank candidates). An empty range
+/// only drops. Log-weights, if rows has them, 0 for the appended entries. slots, lengths [batch]; first [slots].
+/// Refused: a count outside [0, capacity], a negative length, a row that would pass its capacity.
+void append_range(const SelectionView& rows, const std::int32_t* slots, const std::int32_t* first,
+                  const std::int32_t* lengths, const AttentionWindow& window);
 
 }  // namespace kvsift::cpu

@@ -48,6 +48,19 @@ void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const H
 }
 inline void clear_counts(const SelectionView& out, const Context& ctx) { cuda::clear_counts(out, ctx.stream); }
 
+/// Copies n values between context (device) memory and the host, then synchronizes the stream: for a selector's
+/// prepare only (lengths, page tables), never append or select.
+template <class V>
+void copy_to_host(const V* src, std::size_t n, V* dst, const Context& ctx) {
+  KVSIFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(V), cudaMemcpyDefault, ctx.stream));
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
+}
+template <class V>
+void copy_from_host(const V* src, std::size_t n, V* dst, const Context& ctx) {
+  KVSIFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(V), cudaMemcpyDefault, ctx.stream));
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(ctx.stream));  // src may be gone when the copy would run
+}
+
 inline std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
                                                 std::int32_t max_tokens, const GroupScoreOptions& options,
                                                 const Context&) {
@@ -175,6 +188,10 @@ void candidate_scores(const QueryView<const T>& q, const KVCache<const T>& cache
 inline void remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out,
                             const Context& ctx) {
   cuda::remap_selection(positions, ids, out, ctx.stream);
+}
+inline void append_range(const SelectionView& rows, const std::int32_t* slots, const std::int32_t* first,
+                         const std::int32_t* lengths, const AttentionWindow& window, const Context& ctx) {
+  cuda::append_range(rows, slots, first, lengths, window, ctx.stream);
 }
 
 // Segment mean (cuda/segment_mean.hpp).

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <span>
 
+#include "kvsift/attention/options.hpp"
 #include "kvsift/core/group_scores_options.hpp"
 #include "kvsift/core/views.hpp"
 
@@ -30,5 +31,10 @@ void candidate_scores(const QueryView<const T>& q, const KV& kv, const Selection
 /// cpu::remap_selection's contract, in device memory (out may be positions). A block per row.
 void remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out,
                      cudaStream_t stream);
+
+/// cpu::append_range's contract, in device memory; a row with a bad count, or that would pass its capacity, gets
+/// count -1. A block per row.
+void append_range(const SelectionView& rows, const std::int32_t* d_slots, const std::int32_t* d_first,
+                  const std::int32_t* d_lengths, const AttentionWindow& window, cudaStream_t stream);
 
 }  // namespace kvsift::cuda

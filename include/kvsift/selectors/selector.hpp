@@ -96,6 +96,9 @@ struct PrefillInputs {
   SequenceView<const T> queries{};   ///< optional: the last W prefill queries [batch, q_heads, W, head_dim] (W may be 0)
   RopeConfig rope{};                 ///< the model's RoPE, for methods that need pre-RoPE keys
   std::int32_t layer = 0;
+  /// sm_scale and the window the selections will leave out (an index built at prefill excludes the window's
+  /// tokens, as CTKVR's lists do). The decode steps set it from their configuration.
+  AttentionOptions attention{};
 };
 
 /// One decode step's token, already in the cache at position lengths[b] - 1 of each batch row.

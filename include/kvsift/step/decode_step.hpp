@@ -119,8 +119,11 @@ class DecodeStep {
   const DecodeStepConfig& config() const { return config_; }
   std::size_t workspace_bytes() const { return workspace_bytes_; }
 
-  /// Prefill of joining sequences: the selector's prepare (may allocate).
-  void prepare(const PrefillInputs<T>& in, const Context& ctx) { selector_.prepare(in, ctx); }
+  /// Prefill of joining sequences: the selector's prepare (may allocate), with the step's attention options.
+  void prepare(PrefillInputs<T> in, const Context& ctx) {
+    in.attention = config_.attention;
+    selector_.prepare(in, ctx);
+  }
   /// Sequences leave: the selector's release.
   void release(std::span<const std::int32_t> slots) { selector_.release(slots); }
 

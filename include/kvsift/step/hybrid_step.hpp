@@ -73,8 +73,12 @@ class HybridDecodeStep {
   /// The decoder's host timings of the last run (CPU part and whole call), for overlap measurements.
   const cuda::HybridStepTimes& last_step_times() const { return decoder_.last_step_times(); }
 
-  /// Prefill of joining sequences over the host cache: the selector's prepare (may allocate).
-  void prepare(const PrefillInputs<T>& in, const cpu::Context& ctx) { selector_.prepare(in, ctx); }
+  /// Prefill of joining sequences over the host cache: the selector's prepare (may allocate), with the step's
+  /// attention options.
+  void prepare(PrefillInputs<T> in, const cpu::Context& ctx) {
+    in.attention = config_.attention;
+    selector_.prepare(in, ctx);
+  }
 
   void run(const HybridStepInputs<T>& in, const StateView<T>& out, cudaStream_t stream, const cpu::Context& ctx) {
     constexpr const char* where = "HybridDecodeStep::run";

@@ -53,4 +53,14 @@ inline void check_remap_selection(const char* where, const SelectionView& positi
                out.capacity, positions.capacity);
 }
 
+inline void check_append_range(const char* where, const SelectionView& rows, const std::int32_t* slots,
+                               const std::int32_t* first, const std::int32_t* lengths, const AttentionWindow& window) {
+  KVSIFT_CHECK(rows.indices != nullptr && rows.counts != nullptr && slots != nullptr && first != nullptr &&
+                   lengths != nullptr,
+               where, "rows (indices, counts), slots, first and lengths must be non-null");
+  validate(window, where, "window");
+  KVSIFT_CHECK(rows.batch >= 0 && rows.kv_heads >= 1 && rows.capacity >= 1, where,
+               "rows is [{}, {}, {}]: batch >= 0, kv_heads and capacity >= 1", rows.batch, rows.kv_heads, rows.capacity);
+}
+
 }  // namespace kvsift::detail

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kvsift/attention/options.hpp"
 #include "kvsift/core/group_scores_options.hpp"
 #include "kvsift/core/query_centroids.hpp"
 #include "kvsift/core/views.hpp"
@@ -30,5 +31,8 @@ cudaError_t launch_candidate_scores(const QueryView<const T>& q, const KV& kv, c
 
 cudaError_t launch_remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out,
                                    cudaStream_t stream);
+
+cudaError_t launch_append_range(const SelectionView& rows, const std::int32_t* slots, const std::int32_t* first,
+                                const std::int32_t* lengths, AttentionWindow window, cudaStream_t stream);
 
 }  // namespace kvsift::cuda::detail
