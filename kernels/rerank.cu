@@ -91,6 +91,11 @@ __global__ void __launch_bounds__(kThreads)
   const float scale = kvsift::detail::inverse_norm(warp_sum(sq));
   T* out = centroids.row(slot, h, column);
   for (int j = lane; j < queries.head_dim; j += 32) out[j] = from_float_device<T>(to_float_device(x[j]) * scale);
+  if (h == 0 && i == queries.tokens - 1 && lane == 0) {  // one writer per slot
+    std::int32_t end = queries.tokens;
+    for (std::int32_t g = 0; first != nullptr && g < kv_heads; ++g) end = max(end, first[std::int64_t(b) * kv_heads + g] + queries.tokens);
+    centroids.counts[slot] = max(centroids.counts[slot], end);
+  }
 }
 
 /// Block per row (b, g): logits (a warp per candidate, the group's heads in turn), each head's softmax over the

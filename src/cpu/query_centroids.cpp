@@ -89,6 +89,11 @@ void store_centroids(const SequenceView<const T>& queries, const std::int32_t* s
       }
     }
   });
+  for (std::int32_t b = 0; b < queries.batch; ++b) {
+    std::int32_t end = queries.tokens;
+    for (std::int32_t g = 0; first != nullptr && g < kv_heads; ++g) end = std::max(end, first[b * kv_heads + g] + queries.tokens);
+    centroids.counts[slots[b]] = std::max(centroids.counts[slots[b]], end);
+  }
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                        \

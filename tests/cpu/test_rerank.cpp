@@ -77,6 +77,7 @@ TYPED_TEST(CpuQueryCentroids, StoreWritesUnitQueriesAtTheirColumns) {
       }
     }
   }
+  EXPECT_EQ(counts, (std::vector<std::int32_t>{0, 8, 0, 9}));  // grown to the rows' last columns + 1
   EXPECT_TRUE(std::isnan(to_float(view.row(0, 0, 0)[0])));  // slots 0 and 2 untouched
   EXPECT_TRUE(std::isnan(to_float(view.row(3, 0, 3)[0])));  // past row 0's columns [0, 3)
 }

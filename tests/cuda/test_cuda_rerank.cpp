@@ -62,6 +62,7 @@ TEST_F(CudaRerank, CentroidScoresAndStoreAgreeWithTheCpu) {
   const QueryCentroidsView<half> gpu_view{centroids.data(), counts.data(), p.slots, p.q_heads, p.capacity, p.head_dim};
   cuda::store_centroids(SequenceView<const half>::packed(q.data(), p.batch, p.q_heads, 1, p.head_dim), slots.data(),
                         d_first.data(), p.kv_heads, gpu_view, nullptr);
+  EXPECT_EQ(counts.download(), host_counts);  // grown alike
   const std::vector<half> gpu_store = centroids.download();
   std::size_t differ = 0;
   for (std::size_t i = 0; i < cpu_store.size(); ++i) {

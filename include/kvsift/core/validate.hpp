@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <type_traits>
 #include <cstddef>
 #include <span>
 #include <vector>
@@ -115,8 +116,11 @@ void validate(const ContiguousKVView<T>& v, const char* where, const char* name,
   detail::check_positive(where, name, "kv_heads", v.kv_heads);
   detail::check_positive(where, name, "capacity", v.capacity);
   detail::check_positive(where, name, "head_dim", v.head_dim);
+  // A read-only view may broadcast one sequence over its batch (batch_stride 0: every row reads the same tokens,
+  // with its own length), as CTKVR's prefill scores many centroid queries against one sequence.
+  const bool broadcast = std::is_const_v<T> && v.batch_stride == 0;
   detail::check_no_overlap<4>(where, name,
-                              {{{"batch", v.batch, v.batch_stride},
+                              {{{"batch", broadcast ? 1 : v.batch, v.batch_stride},
                                 {"head", v.kv_heads, v.head_stride},
                                 {"token", v.capacity, v.token_stride},
                                 {"head_dim", v.head_dim, 1}}});

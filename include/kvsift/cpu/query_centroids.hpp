@@ -22,9 +22,11 @@ void centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const
                      std::int32_t kv_heads, const MatrixView<float>& scores, ThreadPool* pool = nullptr);
 
 /// Query i < n of head h of batch row b, normalised to unit length in fp32 (a zero query stays zero) and rounded
-/// to T, becomes centroid first[b * kv_heads + h / group] + i of slot slots[b] (first == nullptr: 0).
-/// queries [batch, q_heads, n, head_dim] (a decode query: n = 1). Counts are not changed. Refused: a slot
-/// outside [0, centroids.slots), a slot twice, a centroid index outside [0, capacity).
+/// to T, becomes centroid first[b * kv_heads + h / group] + i of slot slots[b] (first == nullptr: 0), and the
+/// slot's count grows to cover the stored columns: counts[s] = max(counts[s], max over its rows' first + n)
+/// (CTKVR's index fills its spare columns before the FIFO wraps). queries [batch, q_heads, n, head_dim] (a decode
+/// query: n = 1). Refused: a slot outside [0, centroids.slots), a slot twice, a centroid index outside [0,
+/// capacity).
 template <class T>
 void store_centroids(const SequenceView<const T>& queries, const std::int32_t* slots, const std::int32_t* first,
                      std::int32_t kv_heads, const QueryCentroidsView<T>& centroids, ThreadPool* pool = nullptr);

@@ -21,8 +21,8 @@ template <class T>
 void centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids, const std::int32_t* d_slots,
                      std::int32_t kv_heads, const MatrixView<float>& scores, cudaStream_t stream);
 
-/// cpu::store_centroids' contract, in device memory (slots need not be checked distinct by the caller: two rows
-/// of one slot would race, as the CPU refuses). A warp per stored query.
+/// cpu::store_centroids' contract, in device memory (rows must name distinct slots: two rows of one slot would
+/// race, as the CPU refuses). A warp per stored query; the warp of (row, head 0, last query) grows the count.
 template <class T>
 void store_centroids(const SequenceView<const T>& queries, const std::int32_t* d_slots, const std::int32_t* d_first,
                      std::int32_t kv_heads, const QueryCentroidsView<T>& centroids, cudaStream_t stream);

@@ -1,0 +1,134 @@
+// CTKVR on CUDA (selectors/ctkvr.hpp with cuda::Context) through a DecodeStep on a contiguous and a paged cache
+// (pages scattered, the page table grown by the engine each step), against the fp64 reference of the CPU test
+// (tests/ctkvr_problem.hpp): with C' = C and whole lists, every step's selection is the top of the softmax over the
+// middle, max over the group, also after decoded tokens left the window and the dynamic update replaced lists;
+// the index after prepare holds no window token; the dynamic update stores the queries in FIFO order.
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <vector>
+
+#include "ctkvr_problem.hpp"
+#include "cuda/gpu_test.hpp"
+#include "kvsift/cuda/backend.hpp"
+#include "kvsift/selectors/ctkvr.hpp"
+#include "kvsift/step/decode_step.hpp"
+#include "selector_check.hpp"
+
+namespace kvsift {
+namespace {
+
+using test::CtkvrProblem;
+using test::DeviceBuffer;
+using test::kCtkvrWindow;
+using Selector = Ctkvr<half, cuda::Context>;
+
+constexpr std::int32_t kPage = 16;
+
+/// The problem's cache on the device, contiguous or in shuffled NHD pages of 16 tokens.
+struct DeviceCache {
+  bool paged;
+  std::int32_t pages;
+  DeviceBuffer<half> k, v;
+  DeviceBuffer<std::int32_t> length, indptr, indices, last;
+  std::vector<std::int32_t> order;
+
+  DeviceCache(const CtkvrProblem& p, bool paged_, std::mt19937_64& engine)
+      : paged(paged_), pages(p.capacity / kPage), k(p.k.size()), v(p.v.size()), length(1), indptr(2),
+        indices(std::size_t(p.capacity / kPage)), last(1), order(std::size_t(p.capacity / kPage)) {
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), engine);
+    indices.upload(order);
+    std::vector<half> k_host(p.k.size()), v_host(p.v.size());
+    for (std::int32_t h = 0; h < p.kv_heads; ++h) {
+      for (std::int32_t t = 0; t < p.capacity; ++t) {
+        const std::size_t from = (std::size_t(h) * p.capacity + t) * p.head_dim;
+        const std::size_t to = paged ? ((std::size_t(order[t / kPage]) * kPage + t % kPage) * p.kv_heads + h) * p.head_dim : from;
+        std::copy_n(p.k.begin() + from, p.head_dim, k_host.begin() + to);
+        std::copy_n(p.v.begin() + from, p.head_dim, v_host.begin() + to);
+      }
+    }
+    k.upload(k_host);
+    v.upload(v_host);
+  }
+  /// The engine's table for a sequence of `len` tokens.
+  void grow(std::int32_t len) {
+    length.upload({len});
+    const std::int32_t used = (len + kPage - 1) / kPage;
+    indptr.upload({0, used});
+    last.upload({len - (used - 1) * kPage});
+  }
+  KVCache<half> view(const CtkvrProblem& p) const {
+    if (!paged) {
+      return ContiguousKVView<half>::packed(k.data(), v.data(), 1, p.kv_heads, p.capacity, p.head_dim, length.data());
+    }
+    return PagedKVView<half>{.k_pages = k.data(), .v_pages = v.data(), .page_indptr = indptr.data(),
+                             .page_indices = indices.data(), .last_page_len = last.data(), .batch = 1,
+                             .kv_heads = p.kv_heads, .head_dim = p.head_dim, .page_size = kPage, .num_pages = pages,
+                             .page_stride = std::int64_t(kPage) * p.kv_heads * p.head_dim,
+                             .token_stride = std::int64_t(p.kv_heads) * p.head_dim, .head_stride = p.head_dim};
+  }
+};
+
+class CudaCtkvr : public test::GpuTest, public ::testing::WithParamInterface<std::tuple<std::int32_t, bool>> {};
+INSTANTIATE_TEST_SUITE_P(GroupsAndLayouts, CudaCtkvr,
+                         ::testing::Combine(::testing::Values(1, 4), ::testing::Values(false, true)));
+
+TEST_P(CudaCtkvr, WholeListsGiveTheTopOfTheMiddleAtEveryStep) {
+  SCOPED_TRACE(seed);
+  const auto [group, paged] = GetParam();
+  CtkvrProblem p(rng, 2 * group, 2, 208, 16);  // capacity 224: 14 pages
+  DeviceCache cache(p, paged, rng.engine);
+  cache.grow(p.length);
+  DeviceBuffer<half> queries(p.prefill_q);
+  DeviceBuffer<std::int32_t> slot(std::vector<std::int32_t>{0});
+  const cuda::Context ctx{};
+  const std::int32_t budget = 24;
+  DecodeStep step(Selector(p.limits(), {.budget = budget, .list_size = p.middle(), .centroids = 6, .max_centroids = 6,
+                                        .recalled_centroids = 6}),
+                  p.config(), ctx);
+  step.prepare({.cache = cache.view(p), .slots = slot.data(),
+                .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
+               ctx);
+  const auto lists = step.selector().index_lists();
+  std::vector<std::int32_t> ids(std::size_t(p.kv_heads) * 6 * p.middle()), counts(std::size_t(p.kv_heads) * 6);
+  KVSIFT_CUDA_CHECK(cudaMemcpy(ids.data(), lists.ids, ids.size() * 4, cudaMemcpyDeviceToHost));
+  KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), lists.counts, counts.size() * 4, cudaMemcpyDeviceToHost));
+  for (std::int32_t c : counts) EXPECT_EQ(c, p.middle());
+  for (std::int32_t id : ids) EXPECT_TRUE(id >= kCtkvrWindow.sink && id < p.prompt - kCtkvrWindow.recent) << id;
+
+  DeviceBuffer<std::byte> workspace(step.workspace_bytes());
+  DeviceBuffer<float> o(std::size_t(p.q_heads) * p.head_dim), lse(std::size_t(p.q_heads));
+  DeviceBuffer<std::int32_t> selected(std::size_t(p.kv_heads) * budget), selected_counts(std::size_t(p.kv_heads));
+  for (std::int32_t s = 0; s < 10; ++s) {
+    ++p.length;
+    cache.grow(p.length);
+    const std::vector<half> q = test::to_storage<half>(rng.normal(std::size_t(p.q_heads) * p.head_dim));
+    const std::vector<half> nk = test::to_storage<half>(rng.normal(std::size_t(p.kv_heads) * p.head_dim));
+    const std::vector<half> nv = test::to_storage<half>(rng.normal(std::size_t(p.kv_heads) * p.head_dim));
+    for (std::int32_t h = 0; h < p.kv_heads; ++h) {  // the host mirror the reference reads
+      std::copy_n(nk.begin() + std::size_t(h) * p.head_dim, p.head_dim,
+                  p.k.begin() + (std::size_t(h) * p.capacity + p.length - 1) * p.head_dim);
+    }
+    DeviceBuffer<half> dq(q), dk(nk), dv(nv);
+    step.run({.q = QueryView<const half>::packed(dq.data(), 1, p.q_heads, p.head_dim), .cache = cache.view(p),
+              .k = HeadsView<const half>::packed(dk.data(), 1, p.kv_heads, p.head_dim),
+              .v = HeadsView<const half>::packed(dv.data(), 1, p.kv_heads, p.head_dim), .slots = slot.data()},
+             StateView<float>::packed(o.data(), lse.data(), 1, p.q_heads, p.head_dim),
+             {workspace.data(), workspace.size()}, ctx);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    const SelectionView sel = step.selection({workspace.data(), workspace.size()}, 1);
+    std::vector<std::int32_t> host_ids(std::size_t(p.kv_heads) * sel.capacity), host_counts(std::size_t(p.kv_heads));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(host_ids.data(), sel.indices, host_ids.size() * 4, cudaMemcpyDeviceToHost));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(host_counts.data(), sel.counts, host_counts.size() * 4, cudaMemcpyDeviceToHost));
+    for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+      ASSERT_GE(host_counts[g], 0) << "step " << s;
+      const std::vector<std::int32_t> chosen(host_ids.begin() + std::size_t(g) * sel.capacity,
+                                             host_ids.begin() + std::size_t(g) * sel.capacity + host_counts[g]);
+      test::expect_top_k(chosen, test::middle_softmax(p, q, g), budget, 1e-5, fmt::format("step {} kv head {}", s, g));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvsift

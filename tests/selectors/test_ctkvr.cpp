@@ -1,0 +1,148 @@
+// CTKVR on the CPU (selectors/ctkvr.hpp) through a DecodeStep, against fp64 references written here:
+// - with C' = C and lists holding every middle token, the selection is the top-budget of the softmax over the
+//   middle, max over the group (OracleTopK on the same candidate set), at every step, also after decoded tokens
+//   left the recent window (they stay candidates) and after the dynamic update replaced lists; GQA and not;
+// - lists never hold window tokens; a short union gives fewer ids; the dynamic update stores each query as a
+//   centroid in FIFO order across wrap-around and grows the count over spare columns;
+// - every refused configuration and prefill.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <vector>
+
+#include "kvsift/cpu/backend.hpp"
+#include "kvsift/selectors/ctkvr.hpp"
+#include "kvsift/step/decode_step.hpp"
+#include "ctkvr_problem.hpp"
+#include "selector_check.hpp"
+#include "test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using test::Random;
+using test::CtkvrProblem;
+using test::kCtkvrWindow;
+using Selector = Ctkvr<half, cpu::Context>;
+
+/// Steps `steps` decode tokens; calls check(step index, query, selection) after each.
+template <class Check>
+void decode(CtkvrProblem& p, DecodeStep<Selector>& step, Random& rng, std::int32_t steps, Check check) {
+  cpu::Array<std::byte> workspace(step.workspace_bytes());
+  std::vector<float> o(std::size_t(p.q_heads) * p.head_dim), lse(p.q_heads);
+  for (std::int32_t s = 0; s < steps; ++s) {
+    ++p.length;
+    const std::vector<half> q = test::to_storage<half>(rng.normal(std::size_t(p.q_heads) * p.head_dim));
+    const std::vector<half> nk = test::to_storage<half>(rng.normal(std::size_t(p.kv_heads) * p.head_dim));
+    const std::vector<half> nv = test::to_storage<half>(rng.normal(std::size_t(p.kv_heads) * p.head_dim));
+    step.run({.q = QueryView<const half>::packed(q.data(), 1, p.q_heads, p.head_dim), .cache = p.cache(),
+              .k = HeadsView<const half>::packed(nk.data(), 1, p.kv_heads, p.head_dim),
+              .v = HeadsView<const half>::packed(nv.data(), 1, p.kv_heads, p.head_dim), .slots = &p.slot},
+             StateView<float>::packed(o.data(), lse.data(), 1, p.q_heads, p.head_dim), workspace.bytes(), {});
+    check(s, q, step.selection(workspace.bytes(), 1));
+  }
+}
+
+class CpuCtkvr : public test::SeededTest, public ::testing::WithParamInterface<std::int32_t> {};
+INSTANTIATE_TEST_SUITE_P(Groups, CpuCtkvr, ::testing::Values(1, 4));
+
+TEST_P(CpuCtkvr, WholeListsGiveTheTopOfTheMiddleAtEveryStep) {
+  SCOPED_TRACE(seed);
+  const std::int32_t group = GetParam();
+  CtkvrProblem p(rng, 2 * group, 2, 120, 16);
+  const std::int32_t budget = 20;
+  DecodeStep step(Selector(p.limits(), {.budget = budget, .list_size = p.middle(), .centroids = 6, .max_centroids = 6,
+                                        .recalled_centroids = 6}),
+                  p.config(), {});
+  step.prepare(p.prefill(), {});
+  // Lists never hold window tokens.
+  const auto lists = step.selector().index_lists();
+  for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+    for (std::int32_t l = 0; l < 6; ++l) {
+      ASSERT_EQ(lists.count(0, g, l), p.middle());
+      for (std::int32_t i = 0; i < lists.count(0, g, l); ++i) {
+        const std::int32_t id = lists.list_ids(0, g, l)[i];
+        EXPECT_TRUE(id >= kCtkvrWindow.sink && id < p.prompt - kCtkvrWindow.recent) << id;
+      }
+    }
+  }
+  // Ten steps: decoded tokens leave the recent window of 4 and the update replaces lists, all along.
+  decode(p, step, rng, 10, [&](std::int32_t s, const std::vector<half>& q, const SelectionView& sel) {
+    for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+      const std::vector<std::int32_t> chosen(sel.row(0, g), sel.row(0, g) + sel.count(0, g));
+      test::expect_top_k(chosen, test::middle_softmax(p, q, g), budget, 1e-5, fmt::format("step {} kv head {}", s, g));
+    }
+  });
+}
+
+TEST_F(CpuCtkvr, AShortUnionGivesFewerIds) {
+  SCOPED_TRACE(seed);
+  CtkvrProblem p(rng, 4, 2, 100, 8);
+  for (std::int32_t h = 0; h < p.q_heads; ++h) {  // every centroid the same query: every list the same
+    for (std::int32_t t = 1; t < p.queries; ++t) {
+      std::copy_n(p.prefill_q.begin() + std::size_t(h * p.queries) * p.head_dim, p.head_dim,
+                  p.prefill_q.begin() + std::size_t(h * p.queries + t) * p.head_dim);
+    }
+  }
+  DecodeStep step(Selector(p.limits(), {.budget = 16, .list_size = 8, .centroids = 4, .max_centroids = 4,
+                                        .recalled_centroids = 2, .dynamic_update = false}),
+                  p.config(), {});
+  step.prepare(p.prefill(), {});
+  decode(p, step, rng, 1, [&](std::int32_t, const std::vector<half>&, const SelectionView& sel) {
+    // Union: the one list's 8 tokens and the token that left the recent window after prefill.
+    for (std::int32_t g = 0; g < p.kv_heads; ++g) EXPECT_EQ(sel.count(0, g), 9);
+  });
+}
+
+TEST_F(CpuCtkvr, DynamicUpdateStoresQueriesInFifoOrder) {
+  SCOPED_TRACE(seed);
+  CtkvrProblem p(rng, 4, 2, 100, 8);
+  // Two prefill centroids in three columns: the first update fills the spare column, then the oldest go.
+  DecodeStep step(Selector(p.limits(), {.budget = 8, .list_size = 8, .centroids = 2, .max_centroids = 3,
+                                        .recalled_centroids = 2}),
+                  p.config(), {});
+  step.prepare(p.prefill(), {});
+  EXPECT_EQ(step.selector().index_centroids().counts[0], 2);
+  decode(p, step, rng, 5, [&](std::int32_t s, const std::vector<half>& q, const SelectionView&) {
+    const auto centroids = step.selector().index_centroids();
+    const std::int32_t column = (2 + s) % 3;
+    EXPECT_EQ(centroids.counts[0], 3);
+    EXPECT_EQ(step.selector().index_lists().cursors[0], (column + 1) % 3);
+    for (std::int32_t h = 0; h < p.q_heads; ++h) {
+      double norm = 0;
+      for (std::int32_t i = 0; i < p.head_dim; ++i) norm += std::pow(to_float(q[std::size_t(h) * p.head_dim + i]), 2);
+      for (std::int32_t i = 0; i < p.head_dim; ++i) {
+        EXPECT_NEAR(to_float(centroids.row(0, h, column)[i]), to_float(q[std::size_t(h) * p.head_dim + i]) / std::sqrt(norm),
+                    2e-3)
+            << "step " << s << " head " << h;
+      }
+    }
+    EXPECT_EQ(step.selector().index_lists().count(0, 0, column), 8);
+  });
+}
+
+TEST_F(CpuCtkvr, BadConfigurationsAndPrefillsAreRefused) {
+  CtkvrProblem p(rng, 4, 2, 100, 8);
+  const SelectorLimits limits = p.limits();
+  test::expect_error([&] { Selector(limits, {.budget = 0}); }, "config.budget (= 0) must be positive");
+  test::expect_error([&] { Selector(limits, {.budget = 64, .list_size = 8, .recalled_centroids = 4}); },
+                     "config.budget (rho' = 64) exceeds list_size * recalled_centroids (rho * C' = 8 * 4)");
+  test::expect_error([&] { Selector(limits, {.budget = 8, .max_centroids = 4, .recalled_centroids = 5}); },
+                     "config.recalled_centroids (C' = 5) is outside [1, max_centroids = 4]");
+  test::expect_error([&] { Selector(limits, {.budget = 8, .centroids = 9, .max_centroids = 8}); },
+                     "config.centroids (= 9) is outside [0, max_centroids = 8]");
+  const auto prepare = [&](const CtkvrConfig& c) {
+    DecodeStep step(Selector(limits, c), p.config(), {});
+    step.prepare(p.prefill(), {});
+  };
+  test::expect_error([&] { prepare({.budget = 8, .list_size = 8, .centroids = 9, .max_centroids = 16}); },
+                     "in.queries holds 8 queries per head; CTKVR needs the last C = 9");
+  test::expect_error([&] { prepare({.budget = 8, .list_size = 8, .centroids = 2, .recalled_centroids = 3}); },
+                     "config.recalled_centroids (C' = 3) exceeds the sequence's centroids (C = 2)");
+  test::expect_error([&] { prepare({.budget = 8, .list_size = 93, .centroids = 2, .recalled_centroids = 1}); },
+                     "config.list_size (rho = 93) is larger than sequence 0's middle (92 of its 100 tokens");
+}
+
+}  // namespace
+}  // namespace kvsift
