@@ -17,14 +17,17 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gpu_bench.hpp"
 #include "projection_gemm.hpp"
 #include "kvsift/cuda/backend.hpp"
+#include "kvsift/selectors/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
 #include "kvsift/step/decode_step.hpp"
@@ -37,13 +40,20 @@ using Cuda = kvsift::cuda::Context;
 
 constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kBudget = 2048, kPageSize = 16;
 constexpr kvsift::AttentionWindow kWindow{4, 64};
-enum Method : int { kQuest = 0, kOracle = 1 };
+enum Method : int { kQuest = 0, kOracle = 1, kCtkvr = 2 };
+/// CTKVR at the paper's defaults: rho' = 1024, rho = 2560, C = min(2048, N / 16), C' = 4.
+constexpr int kCtkvrBudget = 1024, kCtkvrCentroids = 2048;
 
-const char* method_name(int m) { return m == kQuest ? "Quest" : "OracleTopK"; }
+const char* method_name(int m) { return m == kQuest ? "Quest" : m == kOracle ? "OracleTopK" : "CTKVR"; }
 
 /// The bytes one step must read: the selector's index or keys, and the K/V rows it attends.
 double step_bytes(int method, std::int64_t n, int batch) {
   const double rows = double(batch) * kKvHeads;
+  if (method == kCtkvr) {  // the centroids of every query head, the recalled keys (at most C' rho), the attended rows
+    const double centroids = double(batch) * kQHeads * kCtkvrCentroids * kHeadDim * sizeof(bfloat16);
+    const double recalled = rows * 4.0 * 2.5 * kCtkvrBudget * kHeadDim * sizeof(bfloat16);
+    return centroids + recalled + rows * (kCtkvrBudget + kWindow.sink + kWindow.recent) * kHeadDim * 2.0 * sizeof(bfloat16);
+  }
   const double attended = rows * (kBudget + kWindow.sink + kWindow.recent) * kHeadDim * 2.0 * sizeof(bfloat16);
   const double index = method == kQuest ? rows * double((n + kPageSize - 1) / kPageSize) * 2 * kHeadDim * sizeof(bfloat16)
                                         : rows * double(n) * kHeadDim * sizeof(bfloat16);
@@ -66,6 +76,7 @@ struct Layer {
   Device<bfloat16> k, v;
   Device<std::int32_t> lengths, slots;
   kvsift::DecodeStep<Selector> step;
+  double prepare_ms = 0;  ///< the selector's prepare of the whole batch, host-timed
 
   Layer(Selector selector, std::int64_t n_, int batch_, bool pdl, std::uint64_t seed)
       : n(n_), batch(batch_), k(elements()), v(elements()), lengths(batch_), slots(batch_),
@@ -76,8 +87,19 @@ struct Layer {
     fill_random(k.ptr, elements(), seed);
     fill_random(v.ptr, elements(), seed + 1);
     upload_full_batch(n, batch, lengths.ptr, slots.ptr);
-    step.prepare({.cache = cache().as_const(), .slots = slots.ptr}, Cuda{});
+    kvsift::PrefillInputs<bfloat16> prefill{.cache = cache().as_const(), .slots = slots.ptr};
+    std::unique_ptr<Device<bfloat16>> queries;
+    if constexpr (std::is_same_v<Selector, kvsift::Ctkvr<bfloat16, Cuda>>) {  // the last C prefill queries
+      const std::int32_t w = std::min<std::int32_t>(kCtkvrCentroids, std::int32_t(n / 16));
+      queries = std::make_unique<Device<bfloat16>>(std::size_t(batch) * kQHeads * w * kHeadDim);
+      fill_random(queries->ptr, std::size_t(batch) * kQHeads * w * kHeadDim, seed + 2);
+      prefill.queries = kvsift::SequenceView<const bfloat16>::packed(queries->ptr, batch, kQHeads, w, kHeadDim);
+    }
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto begin = std::chrono::steady_clock::now();
+    step.prepare(prefill, Cuda{});
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    prepare_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
   }
   std::size_t elements() const { return std::size_t(batch) * kKvHeads * std::size_t(n) * kHeadDim; }
   kvsift::KVCache<bfloat16> cache() const {
@@ -87,7 +109,9 @@ struct Layer {
 };
 
 int layers_for(int method, std::int64_t n, int batch) {
-  const double cache_bytes = 2.0 * batch * kKvHeads * double(n) * kHeadDim * sizeof(bfloat16);
+  // A CTKVR layer also keeps its lists (kv_heads * C * 2.5 rho' int32 per sequence: 168 MB).
+  const double index_bytes = method == kCtkvr ? double(batch) * kKvHeads * kCtkvrCentroids * 2.5 * kCtkvrBudget * 4 : 0.0;
+  const double cache_bytes = 2.0 * batch * kKvHeads * double(n) * kHeadDim * sizeof(bfloat16) + index_bytes;
   const int wanted = int(std::ceil(double(std::size_t(256) << 20) / step_bytes(method, n, batch)));
   const int fit = std::max(1, int(40e9 / cache_bytes));
   return std::clamp(wanted, 1, fit);
@@ -124,6 +148,7 @@ void run_step_benchmark(benchmark::State& state, int method, Make make_selector)
   });
   state.SetLabel(method_name(method));
   state.counters["layers"] = layers;
+  state.counters["prepare_ms"] = stack.front()->prepare_ms;
   if (between) return;  // the pair's time is not the step's: no bandwidth counter
   state.counters["GB/s"] = benchmark::Counter(step_bytes(method, n, batch) * double(state.iterations()),
                                               benchmark::Counter::kIsRate);
@@ -137,14 +162,20 @@ void BM_Step(benchmark::State& state) {
     run_step_benchmark<Selector>(state, kQuest, [&] {
       return Selector(limits(n, batch), {.budget = kBudget, .page_size = kPageSize});
     });
-  } else {
+  } else if (state.range(0) == kOracle) {
     using Selector = kvsift::OracleTopK<bfloat16, Cuda>;
     run_step_benchmark<Selector>(state, kOracle, [&] { return Selector(limits(n, batch), {.budget = kBudget}); });
+  } else {
+    using Selector = kvsift::Ctkvr<bfloat16, Cuda>;
+    run_step_benchmark<Selector>(state, kCtkvr, [&] {
+      return Selector(limits(n, batch), {.budget = kCtkvrBudget, .max_centroids = kCtkvrCentroids});
+    });
   }
 }
 BENCHMARK(BM_Step)
     ->ArgsProduct({{kQuest, kOracle}, {32768, 131072}, {1, 8}, {0, 1}, {0}})
     ->ArgsProduct({{kQuest}, {32768, 131072}, {1, 8}, {0, 1}, {1}})
+    ->ArgsProduct({{kCtkvr}, {32768, 131072}, {1, 8}, {1}, {0}})
     ->ArgNames({"method", "N", "batch", "pdl", "between"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)

@@ -21,8 +21,9 @@ struct CtkvrProblem {
   std::int32_t length;
   std::int32_t slot = 0;
 
-  CtkvrProblem(Random& rng, std::int32_t q_heads_, std::int32_t kv_heads_, std::int32_t prompt_, std::int32_t queries_)
-      : q_heads(q_heads_), kv_heads(kv_heads_), head_dim(32), capacity(prompt_ + 16), prompt(prompt_),
+  CtkvrProblem(Random& rng, std::int32_t q_heads_, std::int32_t kv_heads_, std::int32_t prompt_, std::int32_t queries_,
+               std::int32_t head_dim_ = 32)
+      : q_heads(q_heads_), kv_heads(kv_heads_), head_dim(head_dim_), capacity(prompt_ + 16), prompt(prompt_),
         queries(queries_), length(prompt_) {
     k = test::to_storage<half>(rng.normal(std::size_t(kv_heads) * capacity * head_dim));
     v = test::to_storage<half>(rng.normal(std::size_t(kv_heads) * capacity * head_dim));

@@ -150,7 +150,8 @@ def topk_rows(scores, k, *, batch, kv_heads, lengths=None, window=(0, 0), heads_
 
 class DecodeStep:
     """One layer's decode step: a selector ('oracle_topk' {budget}, 'quest' {budget, page_size},
-    'streaming_llm' {}), then sparse attention of its selection and the window (sink, recent), planned once for
+    'streaming_llm' {}, 'ctkvr' {budget, list_size, centroids, max_centroids, recalled_centroids, dynamic_update,
+    prepare_chunk}: selectors/ctkvr.hpp's CtkvrConfig), then sparse attention of its selection and the window (sink, recent), planned once for
     up to max_batch rows and sequences of up to max_seq_len tokens; the workspace is allocated here, once.
 
     prepare(cache, slots) indexes the prompts of joining sequences (slot = the sequence's selector state);
@@ -183,8 +184,10 @@ class DecodeStep:
             return torch.arange(batch, dtype=torch.int32, device="cuda")
         return np.arange(batch, dtype=np.int32)
 
-    def prepare(self, cache, slots=None, stream=None):
-        self._step.prepare(cache, self._slots(slots, cache.batch), _cache_stream(cache, stream))
+    def prepare(self, cache, slots=None, queries=None, stream=None):
+        """queries: the last W prefill queries [batch, q_heads, W, head_dim] (post-RoPE), for selectors that index
+        them (ctkvr)."""
+        self._step.prepare(cache, self._slots(slots, cache.batch), queries, _cache_stream(cache, stream))
 
     def run(self, q, cache, slots=None, *, k=None, v=None, o=None, lse=None, out_dtype=None, stream=None):
         o, lse = _state(q, q.shape[1], o, lse, out_dtype)

@@ -21,6 +21,7 @@
 
 #include "kvsift/core/error.hpp"
 #include "kvsift/cpu/backend.hpp"
+#include "kvsift/selectors/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
 #include "kvsift/selectors/streaming_llm.hpp"
@@ -470,7 +471,7 @@ struct StepConfig {
 class Step {
  public:
   virtual ~Step() = default;
-  virtual void prepare(const Cache& cache, Array slots, std::uintptr_t stream) = 0;
+  virtual void prepare(const Cache& cache, Array slots, std::optional<Array> queries, std::uintptr_t stream) = 0;
   virtual void run(Array q, const Cache& cache, Array slots, Array o, Array lse, std::optional<Array> k,
                    std::optional<Array> v, std::uintptr_t stream) = 0;
   virtual void release(const std::vector<std::int32_t>& slots) = 0;
@@ -490,12 +491,17 @@ class StepOf final : public Step {
   StepOf(S selector, const StepConfig& config, Pool* pool)
       : pool_(pool), step_(std::move(selector), step_config(config), context(0)), workspace_(step_.workspace_bytes()) {}
 
-  void prepare(const Cache& cache, Array slots, std::uintptr_t stream) override {
+  void prepare(const Cache& cache, Array slots, std::optional<Array> queries, std::uintptr_t stream) override {
     Args args("DecodeStep.prepare");
     const KVCache<const T> kv = cache.view<T>(args);
     check_device(args);
-    const std::int32_t* s = slots_of(args, slots, kv.batch());
-    step_.prepare({.cache = kv, .slots = s}, context(stream));
+    PrefillInputs<T> in{.cache = kv, .slots = slots_of(args, slots, kv.batch())};
+    if (queries) {  // [batch, q_heads, W, head_dim]: the last W prefill queries
+      const Array& a = args.take("queries", *queries, 4, storage_dtype<T>());
+      in.queries = {data_of<const T>(a), dim32(args, "queries", a, 0), dim32(args, "queries", a, 1),
+                    dim32(args, "queries", a, 2), dim32(args, "queries", a, 3), a.stride(0), a.stride(1), a.stride(2)};
+    }
+    step_.prepare(in, context(stream));
   }
 
   void run(Array q, const Cache& cache, Array slots, Array o, Array lse, std::optional<Array> k,
@@ -600,10 +606,20 @@ std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
     const std::int32_t budget = config_int(where, config, "budget", std::nullopt);
     const QuestConfig sc{.budget = budget, .page_size = config_int(where, config, "page_size", 16)};
     step = std::make_unique<StepOf<Quest<T, Context>>>(Quest<T, Context>(limits, sc), c, pool);
+  } else if (c.selector == "ctkvr") {
+    CtkvrConfig sc{};
+    sc.budget = config_int(where, config, "budget", sc.budget);
+    sc.list_size = config_int(where, config, "list_size", sc.list_size);
+    sc.centroids = config_int(where, config, "centroids", sc.centroids);
+    sc.max_centroids = config_int(where, config, "max_centroids", sc.max_centroids);
+    sc.recalled_centroids = config_int(where, config, "recalled_centroids", sc.recalled_centroids);
+    sc.dynamic_update = config_int(where, config, "dynamic_update", sc.dynamic_update ? 1 : 0) != 0;
+    sc.prepare_chunk = config_int(where, config, "prepare_chunk", sc.prepare_chunk);
+    step = std::make_unique<StepOf<Ctkvr<T, Context>>>(Ctkvr<T, Context>(limits, sc), c, pool);
   } else if (c.selector == "streaming_llm") {
     step = std::make_unique<StepOf<StreamingLLM<T, Context>>>(StreamingLLM<T, Context>(limits), c, pool);
   } else {
-    detail::throw_error(where, fmt::format("selector (= '{}') must be one of 'oracle_topk', 'quest', 'streaming_llm'",
+    detail::throw_error(where, fmt::format("selector (= '{}') must be one of 'oracle_topk', 'quest', 'streaming_llm', 'ctkvr'",
                                            c.selector));
   }
   KVSIFT_CHECK(nb::len(config) == 0, where, "selector_config has keys {} that {} does not take",
@@ -667,7 +683,7 @@ NB_MODULE(_kvsift, m) {
         "window"_a = std::pair{0, 0}, "heads_per_row"_a = 1, "pool"_a.none() = nb::none(), "stream"_a = 0);
 
   nb::class_<Step>(m, "Step", "One layer's decode step (a selector, sparse attention and its window)")
-      .def("prepare", &Step::prepare, "cache"_a, "slots"_a, "stream"_a = 0)
+      .def("prepare", &Step::prepare, "cache"_a, "slots"_a, "queries"_a = nb::none(), "stream"_a = 0)
       .def("run", &Step::run, "q"_a, "cache"_a, "slots"_a, "o"_a, "lse"_a, "k"_a = nb::none(), "v"_a = nb::none(),
            "stream"_a = 0)
       .def("release", &Step::release, "slots"_a)

@@ -77,7 +77,7 @@ INSTANTIATE_TEST_SUITE_P(GroupsAndLayouts, CudaCtkvr,
 TEST_P(CudaCtkvr, WholeListsGiveTheTopOfTheMiddleAtEveryStep) {
   SCOPED_TRACE(seed);
   const auto [group, paged] = GetParam();
-  CtkvrProblem p(rng, 2 * group, 2, 208, 16);  // capacity 224: 14 pages
+  CtkvrProblem p(rng, 2 * group, 2, 208, 16, 64);  // capacity 224: 14 pages; head_dim 64 (CUDA decode)
   DeviceCache cache(p, paged, rng.engine);
   cache.grow(p.length);
   DeviceBuffer<half> queries(p.prefill_q);

@@ -34,7 +34,7 @@ class DenseAttention:
     def __init__(self, model):
         self.model, self.k, self.v = model, {}, {}
 
-    def prefill(self, layer, k, v):
+    def prefill(self, layer, q, k, v):
         self.k[layer], self.v[layer] = k, v
 
     def decode(self, layer, q, k, v):
@@ -59,11 +59,15 @@ class KvsiftAttention:
             config, window = {}, (SINK, RECENT + self.budget)
         elif self.selector == "quest":
             config = {"budget": max(self.budget, 16), "page_size": 16}  # at least one page
+        elif self.selector == "ctkvr":
+            # The paper's C = N / 16, C' = 4, rho = 2.5 rho'; 512 centroid columns leave the dynamic update room
+            # to grow before its FIFO wraps (the default 2048 would cost 31 MB of lists per layer at rho' = 512).
+            config = {"budget": self.budget, "max_centroids": 512}
         return self.kvsift.DecodeStep(self.selector, config, q_heads=m.q_heads, kv_heads=m.kv_heads,
                                       head_dim=m.head_dim, max_seq_len=self.capacity, window=window,
                                       dtype="float16", pool=self.pool)
 
-    def prefill(self, layer, k, v):
+    def prefill(self, layer, q, k, v):
         m = self.model
         shape = (1, m.kv_heads, self.capacity, m.head_dim)
         cache_k, cache_v = np.zeros(shape, dtype=np.float16), np.zeros(shape, dtype=np.float16)
@@ -74,7 +78,8 @@ class KvsiftAttention:
         cache = self.kvsift.contiguous_cache(cache_k, cache_v, lengths)
         step = self._make_step()
         slots = np.zeros(1, dtype=np.int32)
-        step.prepare(cache, slots)
+        queries = np.ascontiguousarray(q.transpose(1, 0, 2)[None], dtype=np.float16)  # [1, q_heads, W, d]
+        step.prepare(cache, slots, queries=queries)
         self.layers[layer] = (step, cache, lengths, slots, (cache_k, cache_v))
 
     def decode(self, layer, q, k, v):
@@ -95,7 +100,7 @@ class Prefill:
     def __init__(self, model, ids):
         self.ids = list(ids)
         logits, captured = model.forward(self.ids, capture_layers=range(model.layers))
-        self.kv = [(captured[l]["k"], captured[l]["v"]) for l in range(model.layers)]
+        self.qkv = [(captured[l]["q"].astype(np.float16), captured[l]["k"], captured[l]["v"]) for l in range(model.layers)]
         self.last_logits = logits[-1]
 
 
@@ -110,8 +115,8 @@ def decode_block(model, attention, ids, start):
 
 
 def start_decoding(model, attention, prefill):
-    for layer, (k, v) in enumerate(prefill.kv):
-        attention.prefill(layer, k, v)
+    for layer, (q, k, v) in enumerate(prefill.qkv):
+        attention.prefill(layer, q, k, v)
 
 
 def log_softmax(logits):
