@@ -15,6 +15,8 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxGroup = 16;     ///< query heads per kv head that centroid_scores keeps in shared memory
 constexpr int kMaxHeadDim = 256;
+constexpr int kCentroidsPerBlock = 64;   ///< centroids scored per block: a batch-1 step still fills the GPU
+constexpr int kCandidatesPerBlock = 256;  ///< candidates per block of the logits and finish passes
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -31,7 +33,8 @@ __device__ __forceinline__ float lane_dot(const float* x, const T* y, int d, int
   return warp_sum(s);
 }
 
-/// Block (row = b * kv_heads + g): the group's unit queries in shared memory, then a warp per centroid.
+/// Block (row = b * kv_heads + g, chunk of kCentroidsPerBlock centroids): the group's unit queries in shared
+/// memory, then a warp per centroid. Chunks spread a batch-1 step over the GPU's SMs.
 template <class T>
 __global__ void __launch_bounds__(kThreads)
     centroid_scores_kernel(QueryView<const T> q, QueryCentroidsView<const T> centroids, const std::int32_t* slots,
@@ -40,13 +43,15 @@ __global__ void __launch_bounds__(kThreads)
   const std::int64_t row = blockIdx.x;
   const std::int32_t b = std::int32_t(row / kv_heads), g = std::int32_t(row % kv_heads);
   const std::int32_t group = q.heads / kv_heads, d = q.head_dim;
+  const std::int32_t begin = std::int32_t(blockIdx.y) * kCentroidsPerBlock;
+  const std::int32_t end = min(begin + kCentroidsPerBlock, centroids.capacity);
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const std::int32_t slot = slots[b];
   const bool bad_slot = slot < 0 || slot >= centroids.slots;
   const std::int32_t count = bad_slot ? -1 : centroids.counts[slot];
   float* out = scores.row(row);
   if (bad_slot || count < 0 || count > centroids.capacity) {  // the same for the whole block
-    for (std::int32_t c = threadIdx.x; c < centroids.capacity; c += kThreads) out[c] = __int_as_float(0x7fffffff);
+    for (std::int32_t c = begin + std::int32_t(threadIdx.x); c < end; c += kThreads) out[c] = __int_as_float(0x7fffffff);
     return;
   }
   for (std::int32_t j = warp; j < group; j += kWarps) {
@@ -62,7 +67,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = lane; i < d; i += 32) xs[i] *= scale;
   }
   __syncthreads();
-  for (std::int32_t c = warp; c < centroids.capacity; c += kWarps) {
+  for (std::int32_t c = begin + warp; c < end; c += kWarps) {
     float best = -INFINITY;
     if (c < count) {
       for (std::int32_t j = 0; j < group; ++j) best = max_nan(best, lane_dot(q_s + j * d, centroids.row(slot, g * group + j, c), d, lane));
@@ -98,35 +103,31 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-/// Block per row (b, g): logits (a warp per candidate, the group's heads in turn), each head's softmax over the
-/// row's candidates (block reductions in a fixed order), then the reduction over the group.
+/// Block (row (b, g), chunk of kCandidatesPerBlock candidates): a warp per candidate computes the group's
+/// scaled logits into the row's scratch [group, capacity]; NaN for a candidate outside [0, seq_len) (its key is
+/// not read). A row with a bad count is written NaN by candidate_finish_kernel.
 template <class T, class KV>
 __global__ void __launch_bounds__(kThreads)
-    candidate_scores_kernel(QueryView<const T> q, KV kv, SelectionView candidates, GroupScoreOptions options,
-                            float scale, MatrixView<float> scores, float* logits) {
-  __shared__ float reduce_s[kWarps];
-  __shared__ float head_max_s[kMaxGroup], head_sum_s[kMaxGroup];
+    candidate_logits_kernel(QueryView<const T> q, KV kv, SelectionView candidates, float scale, float* logits) {
   const std::int64_t row = blockIdx.x;
   const std::int32_t b = std::int32_t(row / kv.kv_heads), g = std::int32_t(row % kv.kv_heads);
   const std::int32_t group = q.heads / kv.kv_heads, d = q.head_dim, cap = candidates.capacity;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const std::int32_t count = candidates.counts[row];
-  float* out = scores.row(row);
-  if (count < 0 || count > cap) {
-    for (std::int32_t i = threadIdx.x; i < cap; i += kThreads) out[i] = __int_as_float(0x7fffffff);
-    return;
-  }
+  if (count < 0 || count > cap) return;
+  const std::int32_t begin = std::int32_t(blockIdx.y) * kCandidatesPerBlock;
+  const std::int32_t end = min(begin + kCandidatesPerBlock, count);
   const std::int32_t* ids = candidates.indices + row * cap;
   float* s = logits + row * std::int64_t(group) * cap;
   const std::int32_t length = kv.seq_len(b);
-  for (std::int32_t i = warp; i < count; i += kWarps) {
+  for (std::int32_t i = begin + warp; i < end; i += kWarps) {
     const std::int32_t t = ids[i];
     const bool inside = t >= 0 && t < length;
+    const T* k = inside ? kv.k_row(b, g, t) : nullptr;
     for (std::int32_t j = 0; j < group; ++j) {
       float dot = __int_as_float(0x7fffffff);
       if (inside) {  // the same for the whole warp
         const T* qh = q.row(b, g * group + j);
-        const T* k = kv.k_row(b, g, t);
         float part = 0.0f;
         for (int c = lane; c < d; c += 32) part = fmaf(to_float_device(qh[c]), to_float_device(k[c]), part);
         dot = scale * warp_sum(part);
@@ -134,40 +135,68 @@ __global__ void __launch_bounds__(kThreads)
       if (lane == 0) s[std::int64_t(j) * cap + i] = dot;
     }
   }
-  __syncthreads();
-  if (options.softmax) {
-    for (std::int32_t j = 0; j < group; ++j) {
-      const float* sh = s + std::int64_t(j) * cap;
-      float m = -INFINITY;
-      for (std::int32_t i = threadIdx.x; i < count; i += kThreads) m = max_nan(m, sh[i]);
-      for (int offset = 16; offset > 0; offset /= 2) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, offset));
-      if (lane == 0) reduce_s[warp] = m;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        float total = reduce_s[0];
-        for (int w = 1; w < kWarps; ++w) total = max_nan(total, reduce_s[w]);
-        head_max_s[j] = total;
-      }
-      __syncthreads();
-      const float top = head_max_s[j];
-      float sum = 0.0f;
-      for (std::int32_t i = threadIdx.x; i < count; i += kThreads) sum += expf(sh[i] - top);
-      sum = warp_sum(sum);
-      if (lane == 0) reduce_s[warp] = sum;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        float total = 0.0f;
-        for (int w = 0; w < kWarps; ++w) total += reduce_s[w];
-        head_sum_s[j] = total;
-      }
-      __syncthreads();
+}
+
+/// Block per row: each head's maximum and sum of exp(logit - maximum) over the row's candidates, block
+/// reductions in a fixed order, into stats [rows, group, 2].
+__global__ void __launch_bounds__(kThreads)
+    candidate_softmax_kernel(SelectionView candidates, std::int32_t group, const float* logits, float* stats) {
+  __shared__ float reduce_s[kWarps];
+  __shared__ float top_s;
+  const std::int64_t row = blockIdx.x;
+  const std::int32_t cap = candidates.capacity, count = candidates.counts[row];
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  if (count < 0 || count > cap) return;
+  for (std::int32_t j = 0; j < group; ++j) {
+    const float* sh = logits + (row * group + j) * std::int64_t(cap);
+    float m = -INFINITY;
+    for (std::int32_t i = threadIdx.x; i < count; i += kThreads) m = max_nan(m, sh[i]);
+    for (int offset = 16; offset > 0; offset /= 2) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    if (lane == 0) reduce_s[warp] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = reduce_s[0];
+      for (int w = 1; w < kWarps; ++w) total = max_nan(total, reduce_s[w]);
+      top_s = total;
     }
+    __syncthreads();
+    const float top = top_s;
+    float sum = 0.0f;
+    for (std::int32_t i = threadIdx.x; i < count; i += kThreads) sum += expf(sh[i] - top);
+    sum = warp_sum(sum);
+    __syncthreads();  // every warp has read top_s and reduce_s before they are rewritten
+    if (lane == 0) reduce_s[warp] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.0f;
+      for (int w = 0; w < kWarps; ++w) total += reduce_s[w];
+      stats[(row * group + j) * 2] = top;
+      stats[(row * group + j) * 2 + 1] = total;
+    }
+    __syncthreads();
   }
-  for (std::int32_t i = threadIdx.x; i < count; i += kThreads) {
+}
+
+/// Block (row, chunk): the reduction over the group of each candidate's logits or softmax weights.
+__global__ void __launch_bounds__(kThreads)
+    candidate_finish_kernel(SelectionView candidates, std::int32_t group, GroupScoreOptions options,
+                            const float* logits, const float* stats, MatrixView<float> scores) {
+  const std::int64_t row = blockIdx.x;
+  const std::int32_t cap = candidates.capacity, count = candidates.counts[row];
+  const std::int32_t begin = std::int32_t(blockIdx.y) * kCandidatesPerBlock;
+  float* out = scores.row(row);
+  if (count < 0 || count > cap) {
+    for (std::int32_t i = begin + std::int32_t(threadIdx.x); i < min(begin + kCandidatesPerBlock, cap); i += kThreads) {
+      out[i] = __int_as_float(0x7fffffff);
+    }
+    return;
+  }
+  const float* s = logits + row * std::int64_t(group) * cap;
+  for (std::int32_t i = begin + std::int32_t(threadIdx.x); i < min(begin + kCandidatesPerBlock, count); i += kThreads) {
     float r = 0.0f;
     for (std::int32_t j = 0; j < group; ++j) {
       float x = s[std::int64_t(j) * cap + i];
-      if (options.softmax) x = expf(x - head_max_s[j]) / head_sum_s[j];
+      if (options.softmax) x = expf(x - stats[(row * group + j) * 2]) / stats[(row * group + j) * 2 + 1];
       r = j == 0 ? x : options.reduce == GroupReduce::sum ? r + x : max_nan(r, x);
     }
     out[i] = r;
@@ -243,7 +272,8 @@ template <class T>
 cudaError_t launch_centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids,
                                    const std::int32_t* slots, std::int32_t kv_heads, const MatrixView<float>& scores,
                                    cudaStream_t stream) {
-  centroid_scores_kernel<T><<<unsigned(scores.rows), kThreads, 0, stream>>>(q, centroids, slots, kv_heads, scores);
+  const dim3 grid(unsigned(scores.rows), unsigned((centroids.capacity + kCentroidsPerBlock - 1) / kCentroidsPerBlock));
+  centroid_scores_kernel<T><<<grid, kThreads, 0, stream>>>(q, centroids, slots, kv_heads, scores);
   return cudaGetLastError();
 }
 
@@ -260,10 +290,16 @@ cudaError_t launch_store_centroids(const SequenceView<const T>& queries, const s
 template <class T, class KV>
 cudaError_t launch_candidate_scores(const QueryView<const T>& q, const KV& kv, const SelectionView& candidates,
                                     const GroupScoreOptions& options, const MatrixView<float>& scores, float* logits,
-                                    cudaStream_t stream) {
+                                    float* stats, cudaStream_t stream) {
   const float scale = options.sm_scale != 0.0f ? options.sm_scale : 1.0f / std::sqrt(float(q.head_dim));
-  candidate_scores_kernel<T, KV><<<unsigned(scores.rows), kThreads, 0, stream>>>(q, kv, candidates, options, scale,
-                                                                                   scores, logits);
+  const std::int32_t group = q.heads / kv.kv_heads;
+  // Chunks cover the capacity (the counts live on the device); blocks past a row's count return at once.
+  const dim3 grid(unsigned(scores.rows), unsigned((candidates.capacity + kCandidatesPerBlock - 1) / kCandidatesPerBlock));
+  candidate_logits_kernel<T, KV><<<grid, kThreads, 0, stream>>>(q, kv, candidates, scale, logits);
+  if (options.softmax) {
+    candidate_softmax_kernel<<<unsigned(scores.rows), kThreads, 0, stream>>>(candidates, group, logits, stats);
+  }
+  candidate_finish_kernel<<<grid, kThreads, 0, stream>>>(candidates, group, options, logits, stats, scores);
   return cudaGetLastError();
 }
 
@@ -283,10 +319,10 @@ cudaError_t launch_remap_selection(const SelectionView& positions, const Selecti
                                                  cudaStream_t);                                                       \
   template cudaError_t launch_candidate_scores<T, ContiguousKVView<const T>>(                                        \
       const QueryView<const T>&, const ContiguousKVView<const T>&, const SelectionView&, const GroupScoreOptions&,   \
-      const MatrixView<float>&, float*, cudaStream_t);                                                                \
+      const MatrixView<float>&, float*, float*, cudaStream_t);                                                        \
   template cudaError_t launch_candidate_scores<T, PagedKVView<const T>>(                                             \
       const QueryView<const T>&, const PagedKVView<const T>&, const SelectionView&, const GroupScoreOptions&,        \
-      const MatrixView<float>&, float*, cudaStream_t);
+      const MatrixView<float>&, float*, float*, cudaStream_t);
 KVSIFT_INSTANTIATE(float)
 KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)

@@ -20,8 +20,13 @@ void check_kernel_limits(const char* where, std::int32_t group, std::int32_t hea
   KVSIFT_CHECK(head_dim <= kMaxHeadDim, where, "head_dim (= {}) exceeds {}", head_dim, kMaxHeadDim);
 }
 
-float* layout_logits(WorkspaceLayout& layout, std::int64_t rows, std::int32_t group, std::int32_t capacity) {
-  return layout.allocate<float>(std::size_t(rows) * std::size_t(group) * std::size_t(capacity), "candidate_scores logits");
+struct CandidateBuffers {
+  float *logits, *stats;
+};
+CandidateBuffers layout_candidates(WorkspaceLayout& layout, std::int64_t rows, std::int32_t group, std::int32_t capacity) {
+  const std::size_t heads = std::size_t(rows) * std::size_t(group);
+  return {layout.allocate<float>(heads * std::size_t(capacity), "candidate_scores logits"),
+          layout.allocate<float>(heads * 2, "candidate_scores softmax statistics")};
 }
 
 }  // namespace
@@ -45,7 +50,7 @@ void store_centroids(const SequenceView<const T>& queries, const std::int32_t* d
 std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity) {
   kvsift::detail::check_candidate_scores_shape("cuda::candidate_scores_workspace_bytes", rows, group, capacity);
   WorkspaceLayout counting;
-  layout_logits(counting, rows, group, capacity);
+  layout_candidates(counting, rows, group, capacity);
   return counting.bytes();
 }
 
@@ -58,8 +63,9 @@ void candidate_scores(const QueryView<const T>& q, const KV& kv, const Selection
   const std::int32_t group = q.heads / kv.kv_heads;
   check_kernel_limits(where, group, q.head_dim);
   WorkspaceLayout layout(workspace, where);
-  float* logits = layout_logits(layout, scores.rows, group, candidates.capacity);
-  KVSIFT_CUDA_CHECK(detail::launch_candidate_scores(q, kv, candidates, options, scores, logits, stream));
+  const CandidateBuffers buffers = layout_candidates(layout, scores.rows, group, candidates.capacity);
+  KVSIFT_CUDA_CHECK(
+      detail::launch_candidate_scores(q, kv, candidates, options, scores, buffers.logits, buffers.stats, stream));
 }
 
 void remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out,

@@ -18,11 +18,12 @@
 
 namespace kvsift::cuda {
 
-/// Bytes of device workspace: the group's logits of every row, 4 * rows * group * capacity bytes.
+/// Bytes of device workspace: the group's logits of every row, 4 * rows * group * capacity bytes, and each head's
+/// softmax statistics.
 std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity);
 
-/// cpu::candidate_scores' contract, in device memory. Three passes in one launch, a block per row: the logits
-/// (a warp per candidate), each head's max and sum, the reduced scores.
+/// cpu::candidate_scores' contract, in device memory. Three launches: the logits (a warp per candidate, blocks
+/// over (row, chunk of candidates)), each head's max and sum (a block per row, with softmax), the reduced scores.
 template <class T, class KV>
 void candidate_scores(const QueryView<const T>& q, const KV& kv, const SelectionView& candidates,
                       const GroupScoreOptions& options, const MatrixView<float>& scores, std::span<std::byte> workspace,

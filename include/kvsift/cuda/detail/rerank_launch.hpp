@@ -23,11 +23,11 @@ cudaError_t launch_store_centroids(const SequenceView<const T>& queries, const s
                                    const std::int32_t* first, std::int32_t kv_heads,
                                    const QueryCentroidsView<T>& centroids, cudaStream_t stream);
 
-/// logits: [rows, group, candidates.capacity] fp32 scratch.
+/// logits: [rows, group, candidates.capacity] fp32 scratch; stats: [rows, group, 2] (each head's softmax max, sum).
 template <class T, class KV>
 cudaError_t launch_candidate_scores(const QueryView<const T>& q, const KV& kv, const SelectionView& candidates,
                                     const GroupScoreOptions& options, const MatrixView<float>& scores, float* logits,
-                                    cudaStream_t stream);
+                                    float* stats, cudaStream_t stream);
 
 cudaError_t launch_remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out,
                                    cudaStream_t stream);
