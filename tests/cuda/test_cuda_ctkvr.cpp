@@ -2,7 +2,8 @@
 // (pages scattered, the page table grown by the engine each step), against the fp64 reference of the CPU test
 // (tests/ctkvr_problem.hpp): with C' = C and whole lists, every step's selection is the top of the softmax over the
 // middle, max over the group, also after decoded tokens left the window and the dynamic update replaced lists;
-// the index after prepare holds no window token; the dynamic update stores the queries in FIFO order.
+// the index after prepare holds no window token; select + attend (with and without the update) replays from a
+// CUDA graph.
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -70,6 +71,7 @@ struct DeviceCache {
   }
 };
 
+class CudaCtkvrGraph : public test::GpuTest {};
 class CudaCtkvr : public test::GpuTest, public ::testing::WithParamInterface<std::tuple<std::int32_t, bool>> {};
 INSTANTIATE_TEST_SUITE_P(GroupsAndLayouts, CudaCtkvr,
                          ::testing::Combine(::testing::Values(1, 4), ::testing::Values(false, true)));
@@ -127,6 +129,67 @@ TEST_P(CudaCtkvr, WholeListsGiveTheTopOfTheMiddleAtEveryStep) {
                                              host_ids.begin() + std::size_t(g) * sel.capacity + host_counts[g]);
       test::expect_top_k(chosen, test::middle_softmax(p, q, g), budget, 1e-5, fmt::format("step {} kv head {}", s, g));
     }
+  }
+}
+
+/// select + attend captured in a CUDA graph: replays give the eager step's selection (without the dynamic update,
+/// which changes the index each step), and a step with the update captures and replays to valid selections.
+TEST_F(CudaCtkvrGraph, CaptureAndReplayEqualTheEagerStep) {
+  SCOPED_TRACE(seed);
+  for (const bool update : {false, true}) {
+    CtkvrProblem p(rng, 8, 2, 208, 16, 64);
+    DeviceCache cache(p, false, rng.engine);
+    cache.grow(p.length);
+    DeviceBuffer<half> queries(p.prefill_q), q(test::to_storage<half>(rng.normal(std::size_t(p.q_heads) * p.head_dim)));
+    DeviceBuffer<std::int32_t> slot(std::vector<std::int32_t>{0});
+    cudaStream_t stream;
+    KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const cuda::Context ctx{stream};
+    DecodeStep step(Selector(p.limits(), {.budget = 16, .list_size = 40, .centroids = 6, .max_centroids = 8,
+                                          .recalled_centroids = 3, .dynamic_update = update}),
+                    p.config(), ctx);
+    step.prepare({.cache = cache.view(p), .slots = slot.data(),
+                  .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
+                 ctx);
+    DeviceBuffer<std::byte> workspace(step.workspace_bytes());
+    DeviceBuffer<float> o(std::size_t(p.q_heads) * p.head_dim), lse(std::size_t(p.q_heads));
+    const auto run = [&] {
+      step.run({.q = QueryView<const half>::packed(q.data(), 1, p.q_heads, p.head_dim), .cache = cache.view(p),
+                .slots = slot.data()},
+               StateView<float>::packed(o.data(), lse.data(), 1, p.q_heads, p.head_dim),
+               {workspace.data(), workspace.size()}, ctx);
+    };
+    const auto selection = [&] {
+      KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const SelectionView sel = step.selection({workspace.data(), workspace.size()}, 1);
+      std::vector<std::int32_t> ids(std::size_t(p.kv_heads) * sel.capacity), counts(std::size_t(p.kv_heads));
+      KVSIFT_CUDA_CHECK(cudaMemcpy(ids.data(), sel.indices, ids.size() * 4, cudaMemcpyDeviceToHost));
+      KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), sel.counts, counts.size() * 4, cudaMemcpyDeviceToHost));
+      std::vector<std::vector<std::int32_t>> rows;
+      for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+        EXPECT_GT(counts[g], 0);
+        rows.emplace_back(ids.begin() + std::size_t(g) * sel.capacity, ids.begin() + std::size_t(g) * sel.capacity + std::max(counts[g], 0));
+      }
+      return rows;
+    };
+    run();
+    const auto eager = selection();
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    run();
+    KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 3; ++replay) {
+      KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      const auto replayed = selection();
+      if (!update) {
+        EXPECT_EQ(replayed, eager) << "replay " << replay;
+      }
+    }
+    KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
+    KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }
 
