@@ -103,16 +103,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-/// Block (row (b, g), chunk of kCandidatesPerBlock candidates): a warp per candidate computes the group's
-/// scaled logits into the row's scratch [group, capacity]; NaN for a candidate outside [0, seq_len) (its key is
-/// not read). A row with a bad count is written NaN by candidate_finish_kernel.
+/// Block (row (b, g), chunk of kCandidatesPerBlock candidates): each group of 8 lanes computes one candidate's
+/// scaled logits for the group's heads (the dot split over the 8 lanes, then a 3-step shuffle tree), 4 candidates
+/// per warp at once, into the row's scratch [group, capacity]. A warp per candidate, as first written, waited on
+/// its dependent shuffle reductions (docs/ctkvr.md). NaN for a candidate outside [0, seq_len) (its key is not
+/// read). A row with a bad count is written NaN by candidate_finish_kernel.
 template <class T, class KV>
 __global__ void __launch_bounds__(kThreads)
     candidate_logits_kernel(QueryView<const T> q, KV kv, SelectionView candidates, float scale, float* logits) {
+  constexpr int kLanes = 8, kPerWarp = 32 / kLanes;
   const std::int64_t row = blockIdx.x;
   const std::int32_t b = std::int32_t(row / kv.kv_heads), g = std::int32_t(row % kv.kv_heads);
   const std::int32_t group = q.heads / kv.kv_heads, d = q.head_dim, cap = candidates.capacity;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int sub = lane / kLanes, sublane = lane % kLanes;
   const std::int32_t count = candidates.counts[row];
   if (count < 0 || count > cap) return;
   const std::int32_t begin = std::int32_t(blockIdx.y) * kCandidatesPerBlock;
@@ -120,19 +124,22 @@ __global__ void __launch_bounds__(kThreads)
   const std::int32_t* ids = candidates.indices + row * cap;
   float* s = logits + row * std::int64_t(group) * cap;
   const std::int32_t length = kv.seq_len(b);
-  for (std::int32_t i = begin + warp; i < end; i += kWarps) {
-    const std::int32_t t = ids[i];
+  // i0 depends on the warp only, so every lane of a warp takes each iteration (the shuffles need them all).
+  for (std::int32_t i0 = begin + warp * kPerWarp; i0 < end; i0 += kWarps * kPerWarp) {
+    const std::int32_t i = i0 + sub;
+    const bool active = i < end;
+    const std::int32_t t = active ? ids[i] : -1;
     const bool inside = t >= 0 && t < length;
     const T* k = inside ? kv.k_row(b, g, t) : nullptr;
     for (std::int32_t j = 0; j < group; ++j) {
-      float dot = __int_as_float(0x7fffffff);
-      if (inside) {  // the same for the whole warp
+      float part = 0.0f;
+      if (inside) {
         const T* qh = q.row(b, g * group + j);
-        float part = 0.0f;
-        for (int c = lane; c < d; c += 32) part = fmaf(to_float_device(qh[c]), to_float_device(k[c]), part);
-        dot = scale * warp_sum(part);
+        for (int c = sublane; c < d; c += kLanes) part = fmaf(to_float_device(qh[c]), to_float_device(k[c]), part);
       }
-      if (lane == 0) s[std::int64_t(j) * cap + i] = dot;
+#pragma unroll
+      for (int offset = kLanes / 2; offset > 0; offset /= 2) part += __shfl_xor_sync(0xffffffffu, part, offset);
+      if (active && sublane == 0) s[std::int64_t(j) * cap + i] = inside ? scale * part : __int_as_float(0x7fffffff);
     }
   }
 }
