@@ -19,6 +19,7 @@
 #include <iterator>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvsift/eval/capture.hpp"
@@ -38,6 +39,14 @@ std::vector<double> parse_budgets(const std::string& list) {
     start = end + 1;
   }
   return out;
+}
+
+/// The references, then the retrieval selectors (eval/fidelity.hpp).
+template <class Context>
+std::vector<kvsift::BasicSelectorEntry<Context>> all_selectors() {
+  auto entries = kvsift::reference_selectors<Context>();
+  for (auto& method : kvsift::method_selectors<Context>()) entries.push_back(std::move(method));
+  return entries;
 }
 
 int usage() {
@@ -89,13 +98,11 @@ int main(int argc, char** argv) {
   }
 
   try {
-    const auto selectors = kvsift::reference_selectors();
+    const auto selectors = all_selectors<kvsift::cpu::Context>();
     std::vector<std::unique_ptr<kvsift::FidelityBackend>> owned;
     if (backend != "cuda") owned.push_back(kvsift::fidelity_backend(selectors));
 #if defined(KVSIFT_WITH_CUDA)
-    if (backend != "cpu") {
-      owned.push_back(kvsift::cuda::fidelity_backend(kvsift::reference_selectors<kvsift::cuda::Context>()));
-    }
+    if (backend != "cpu") owned.push_back(kvsift::cuda::fidelity_backend(all_selectors<kvsift::cuda::Context>()));
 #endif
     std::vector<kvsift::FidelityBackend*> backends;
     for (const auto& b : owned) backends.push_back(b.get());

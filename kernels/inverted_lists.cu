@@ -193,7 +193,9 @@ __global__ void __launch_bounds__(kReplaceThreads) replace_list_kernel(InvertedL
   const std::int32_t slot = slots[b], count = entries.counts[row];
   const bool slot_ok = slot >= 0 && slot < lists.slots;
   const std::int32_t l = slot_ok ? lists.cursors[std::int64_t(slot) * lists.kv_heads + h] : -1;
-  if (!slot_ok || count < 0 || count > entries.capacity || l < 0 || l >= lists.lists) {
+  const std::int32_t begin = slot_ok && lists.fifo_begin != nullptr ? lists.fifo_begin[slot] : 0;
+  if (!slot_ok || count < 0 || count > entries.capacity || l < 0 || l >= lists.lists || begin < 0 ||
+      begin >= lists.lists) {
     if (threadIdx.x == 0 && replaced != nullptr) replaced[row] = -1;
     return;  // the whole CTA
   }
@@ -207,7 +209,7 @@ __global__ void __launch_bounds__(kReplaceThreads) replace_list_kernel(InvertedL
   }
   if (threadIdx.x == 0) {
     lists.count(slot, h, l) = count;
-    lists.cursors[std::int64_t(slot) * lists.kv_heads + h] = (l + 1) % lists.lists;
+    lists.cursors[std::int64_t(slot) * lists.kv_heads + h] = lists.next_cursor(slot, l);
     if (replaced != nullptr) replaced[row] = l;
   }
 }

@@ -86,4 +86,23 @@ cudaError_t launch_topk_rows(const TopKRowsParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+namespace {
+
+__global__ void length_budgets_kernel(const std::int32_t* lengths, std::int32_t batch, std::int32_t heads,
+                                      LengthBudget budget, std::int32_t* row_k) {
+  const std::int64_t s = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (s < std::int64_t(batch) * heads) row_k[s] = budget(lengths[s / heads]);
+}
+
+}  // namespace
+
+cudaError_t launch_length_budgets(const std::int32_t* lengths, std::int32_t batch, std::int32_t heads,
+                                  const LengthBudget& budget, std::int32_t* row_k, cudaStream_t stream) {
+  constexpr int threads = 256;
+  const std::int64_t rows = std::int64_t(batch) * heads;
+  length_budgets_kernel<<<unsigned((rows + threads - 1) / threads), threads, 0, stream>>>(lengths, batch, heads, budget,
+                                                                                         row_k);
+  return cudaGetLastError();
+}
+
 }  // namespace kvsift::cuda::detail

@@ -21,6 +21,7 @@ template <class T>
 struct ListsProblem {
   std::int32_t slot_count, kv_heads, lists, list_capacity, batch;
   std::vector<std::int32_t> ids, counts, cursors;
+  std::vector<std::int32_t> fifo_begin;  ///< empty: no pinned lists
   std::vector<T> scores;
   std::vector<std::int32_t> slots, lengths;
   AttentionWindow window;
@@ -57,9 +58,23 @@ struct ListsProblem {
       chosen.counts[r] = n;
     }
   }
+  /// Pins the lists below a random fifo_begin per slot and moves the cursors into each slot's FIFO.
+  void pin(Random& rng) {
+    fifo_begin.resize(std::size_t(slot_count));
+    for (std::int32_t slot = 0; slot < slot_count; ++slot) {
+      const std::int32_t begin = rng.uniform_int(0, lists - 1);
+      fifo_begin[std::size_t(slot)] = begin;
+      for (std::int32_t h = 0; h < kv_heads; ++h) cursors[std::size_t(slot) * kv_heads + h] = rng.uniform_int(begin, lists - 1);
+    }
+  }
+  /// The FIFO's rule, written from the contract: the next list, or from the last back to the slot's first.
+  std::int32_t next_cursor(std::int32_t slot, std::int32_t l) const {
+    if (l + 1 < lists) return l + 1;
+    return fifo_begin.empty() ? 0 : fifo_begin[std::size_t(slot)];
+  }
   InvertedListsView<T> view() {
     return {ids.data(), scores.empty() ? nullptr : scores.data(), counts.data(), cursors.data(),
-            slot_count, kv_heads, lists, list_capacity};
+            slot_count, kv_heads, lists, list_capacity, fifo_begin.empty() ? nullptr : fifo_begin.data()};
   }
 };
 

@@ -151,7 +151,7 @@ def topk_rows(scores, k, *, batch, kv_heads, lengths=None, window=(0, 0), heads_
 class DecodeStep:
     """One layer's decode step: a selector ('oracle_topk' {budget}, 'quest' {budget, page_size},
     'streaming_llm' {}, 'ctkvr' {budget, list_size, centroids, max_centroids, recalled_centroids, dynamic_update,
-    prepare_chunk}: selectors/ctkvr.hpp's CtkvrConfig), then sparse attention of its selection and the window (sink, recent), planned once for
+    prepare_chunk, budget_fraction, pin_prefill_centroids}: selectors/ctkvr.hpp's CtkvrConfig), then sparse attention of its selection and the window (sink, recent), planned once for
     up to max_batch rows and sequences of up to max_seq_len tokens; the workspace is allocated here, once.
 
     prepare(cache, slots) indexes the prompts of joining sequences (slot = the sequence's selector state);

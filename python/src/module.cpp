@@ -591,6 +591,10 @@ std::int32_t config_int(const char* where, nb::dict& config, const char* key, st
   return nb::cast<std::int32_t>(config.attr("pop")(key));
 }
 
+double config_float(nb::dict& config, const char* key, double fallback) {
+  return config.contains(key) ? nb::cast<double>(config.attr("pop")(key)) : fallback;
+}
+
 template <class T, class Context>
 std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
   constexpr const char* where = "DecodeStep";
@@ -615,6 +619,9 @@ std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
     sc.recalled_centroids = config_int(where, config, "recalled_centroids", sc.recalled_centroids);
     sc.dynamic_update = config_int(where, config, "dynamic_update", sc.dynamic_update ? 1 : 0) != 0;
     sc.prepare_chunk = config_int(where, config, "prepare_chunk", sc.prepare_chunk);
+    sc.budget_fraction = config_float(config, "budget_fraction", sc.budget_fraction);
+    sc.pin_prefill_centroids =
+        config_int(where, config, "pin_prefill_centroids", sc.pin_prefill_centroids ? 1 : 0) != 0;
     step = std::make_unique<StepOf<Ctkvr<T, Context>>>(Ctkvr<T, Context>(limits, sc), c, pool);
   } else if (c.selector == "streaming_llm") {
     step = std::make_unique<StepOf<StreamingLLM<T, Context>>>(StreamingLLM<T, Context>(limits), c, pool);

@@ -147,7 +147,7 @@ void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, 
         for (std::int32_t i = 0; i < count; ++i) dst[i] = from_float<T>(src[i]);
       }
       lists.count(slots[b], h, l) = count;
-      cursor = (l + 1) % lists.lists;
+      cursor = lists.next_cursor(slots[b], l);
       if (replaced != nullptr) replaced[row] = l;
     }
   });

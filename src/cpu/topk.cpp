@@ -130,4 +130,10 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* length
   });
 }
 
+void length_budgets(const std::int32_t* lengths, std::int32_t batch, std::int32_t heads, const LengthBudget& budget,
+                    std::int32_t* row_k) {
+  kvsift::detail::check_length_budgets("cpu::length_budgets", lengths, batch, heads, budget, row_k);
+  for (std::int32_t b = 0; b < batch; ++b) std::fill_n(row_k + std::int64_t(b) * heads, heads, budget(lengths[b]));
+}
+
 }  // namespace kvsift::cpu

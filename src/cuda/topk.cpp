@@ -136,6 +136,12 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* d_leng
   KVSIFT_CUDA_CHECK(detail::launch_topk_rows(params, stream));
 }
 
+void length_budgets(const std::int32_t* d_lengths, std::int32_t batch, std::int32_t heads, const LengthBudget& budget,
+                    std::int32_t* d_row_k, cudaStream_t stream) {
+  kvsift::detail::check_length_budgets("cuda::length_budgets", d_lengths, batch, heads, budget, d_row_k);
+  KVSIFT_CUDA_CHECK(detail::launch_length_budgets(d_lengths, batch, heads, budget, d_row_k, stream));
+}
+
 std::size_t topk_workspace_bytes(std::int64_t rows, std::int32_t n, std::int32_t k, TopKAlgorithm algorithm) {
   check_topk_shape("cuda::topk_workspace_bytes", rows, n, k);
   WorkspaceLayout counting;

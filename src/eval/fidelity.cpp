@@ -56,6 +56,7 @@ struct HostCopy {
 }  // namespace
 
 template std::vector<BasicSelectorEntry<cpu::Context>> reference_selectors<cpu::Context>();
+template std::vector<BasicSelectorEntry<cpu::Context>> method_selectors<cpu::Context>();
 
 std::unique_ptr<FidelityBackend> fidelity_backend(std::vector<SelectorEntry> selectors, const cpu::Context& ctx) {
   return std::make_unique<detail::SelectorBackend<cpu::Context, HostCopy>>("cpu", std::move(selectors), ctx);

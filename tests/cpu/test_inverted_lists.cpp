@@ -185,8 +185,9 @@ TEST_F(InvertedLists, TryInsertKeepsTheOlderEntryOnATie) {
 }
 
 template <class T>
-void check_replace(Random& rng, bool with_scores, cpu::ThreadPool* pool) {
+void check_replace(Random& rng, bool with_scores, bool pinned, cpu::ThreadPool* pool) {
   ListsProblem<T> p(rng, 3, 2, 4, 6, 1, 50, with_scores);
+  if (pinned) p.pin(rng);
   auto ids = p.ids, counts = p.counts, cursors = p.cursors;
   auto scores = p.scores;
   for (std::int32_t step = 0; step < 9; ++step) {
@@ -213,7 +214,7 @@ void check_replace(Random& rng, bool with_scores, cpu::ThreadPool* pool) {
           ids[list * p.list_capacity + i] = entries.indices[r * cap + i];
           if (with_scores) scores[list * p.list_capacity + i] = from_float<T>(s[r * cap + i]);
         }
-        cursor = (cursor + 1) % p.lists;
+        cursor = p.next_cursor(p.slots[b], cursor);
       }
     }
     ASSERT_EQ(p.ids, ids);
@@ -227,9 +228,11 @@ TEST_F(InvertedLists, ReplaceListIsAFifoOverTheLists) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   cpu::ThreadPool pool(2);
   for (int repeat = 0; repeat < 5; ++repeat) {
-    check_replace<float>(rng, true, nullptr);
-    check_replace<half>(rng, true, &pool);
-    check_replace<half>(rng, false, nullptr);
+    for (const bool pinned : {false, true}) {
+      check_replace<float>(rng, true, pinned, nullptr);
+      check_replace<half>(rng, true, pinned, &pool);
+      check_replace<half>(rng, false, pinned, nullptr);
+    }
   }
 }
 
@@ -335,6 +338,12 @@ TEST_F(InvertedLists, BadInputIsRefused) {
   test::expect_error([&] { cpu::replace_list(lists, p.slots.data(), entries.view, e_scores5, nullptr); },
                      fmt::format("lists.cursors (= 4) of slot {}, kv_head 1 is outside [0, lists.lists = 4)", p.slots[1]));
   p.cursors[std::size_t(p.slots[1]) * p.kv_heads + 1] = 0;
+  std::vector<std::int32_t> fifo_begin(std::size_t(p.slot_count), 0);
+  fifo_begin[std::size_t(p.slots[0])] = 4;
+  auto pinned = lists;
+  pinned.fifo_begin = fifo_begin.data();
+  test::expect_error([&] { cpu::replace_list(pinned, p.slots.data(), entries.view, e_scores5, nullptr); },
+                     fmt::format("lists.fifo_begin (= 4) of slot {} is outside [0, lists.lists = 4)", p.slots[0]));
   entries.counts[3] = 6;
   test::expect_error([&] { cpu::replace_list(lists, p.slots.data(), entries.view, e_scores5, nullptr); },
                      "entries.counts (= 6) at batch 1, kv_head 1 is outside [0, capacity = 5]");

@@ -586,5 +586,54 @@ TEST_F(TopKRows, WorkspaceQueryAndRefusals) {
                      "options.window.sink (= 0) and options.window.recent (= -1) must be >= 0");
 }
 
+// ---- length_budgets --------------------------------------------------------------------------------------
+
+TEST(LengthBudgets, FloorOfTheFractionClampedAndBroadcastOverHeads) {
+  // Hand-worked: 4% of 1000 is 40; 4% of 24 is 0, raised to the minimum 2; 4% of 100000 is 4000, cut to 1024.
+  const std::vector<std::int32_t> lengths{1000, 24, 100000, 0, 51};
+  std::vector<std::int32_t> row_k(lengths.size() * 3, -7);
+  cpu::length_budgets(lengths.data(), 5, 3, {.fraction = 0.04, .minimum = 2, .maximum = 1024}, row_k.data());
+  const std::vector<std::int32_t> want{40, 40, 40, 2, 2, 2, 1024, 1024, 1024, 2, 2, 2, 2, 2, 2};
+  EXPECT_EQ(row_k, want);
+  // A²ATS's 3% on lengths where the product lands on whole numbers.
+  const std::vector<std::int32_t> exact{100, 300, 2048};
+  std::vector<std::int32_t> k3(exact.size(), -7);
+  cpu::length_budgets(exact.data(), 3, 1, {.fraction = 0.03, .minimum = 0, .maximum = 1 << 20}, k3.data());
+  EXPECT_EQ(k3, (std::vector<std::int32_t>{3, 9, 61}));
+}
+
+TEST(LengthBudgets, RandomLengthsAgainstTheFloorOfTheProduct) {
+  test::Random rng(test::test_seed());
+  for (int trial = 0; trial < 20; ++trial) {
+    const std::int32_t batch = rng.uniform_int(1, 16), heads = rng.uniform_int(1, 8);
+    const LengthBudget budget{.fraction = double(rng.uniform(0.001f, 1.0f)), .minimum = rng.uniform_int(0, 8),
+                              .maximum = rng.uniform_int(8, 5000)};
+    std::vector<std::int32_t> lengths(std::size_t(batch), 0);
+    for (auto& n : lengths) n = rng.uniform_int(0, 200000);
+    std::vector<std::int32_t> row_k(std::size_t(batch) * heads, -7);
+    cpu::length_budgets(lengths.data(), batch, heads, budget, row_k.data());
+    for (std::int32_t b = 0; b < batch; ++b) {
+      const double k = std::floor(budget.fraction * double(lengths[std::size_t(b)]));
+      const auto want = std::int32_t(std::clamp(k, double(budget.minimum), double(budget.maximum)));
+      for (std::int32_t h = 0; h < heads; ++h) EXPECT_EQ(row_k[std::size_t(b) * heads + h], want) << b << " " << h;
+    }
+  }
+}
+
+TEST(LengthBudgets, BadBudgetsAreRefused) {
+  std::int32_t lengths[2] = {10, 20}, row_k[2] = {};
+  const auto go = [&](LengthBudget budget, std::int32_t batch = 2) {
+    cpu::length_budgets(lengths, batch, 1, budget, row_k);
+  };
+  test::expect_error([&] { go({.fraction = 0, .maximum = 4}); }, "kvsift::cpu::length_budgets: budget.fraction (= 0) is outside (0, 1]");
+  test::expect_error([&] { go({.fraction = 1.5, .maximum = 4}); }, "budget.fraction (= 1.5) is outside (0, 1]");
+  test::expect_error([&] { go({.fraction = 0.5, .minimum = 5, .maximum = 4}); },
+                     "budget.minimum (= 5) is outside [0, budget.maximum = 4]");
+  test::expect_error([&] { go({.fraction = 0.5, .maximum = 4}, 0); }, "batch (= 0) and heads (= 1) must be positive");
+  test::expect_error([&] { cpu::length_budgets(nullptr, 2, 1, {.fraction = 0.5, .maximum = 4}, row_k); },
+                     "lengths and row_k must be non-null");
+  EXPECT_EQ(row_k[0], 0);  // nothing written by a refused call
+}
+
 }  // namespace
 }  // namespace kvsift

@@ -6,6 +6,7 @@
 // CUDA graph.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
 #include <vector>
 
@@ -72,13 +73,17 @@ struct DeviceCache {
 };
 
 class CudaCtkvrGraph : public test::GpuTest {};
-class CudaCtkvr : public test::GpuTest, public ::testing::WithParamInterface<std::tuple<std::int32_t, bool>> {};
+/// (group, paged, variant): variant 1 selects 5% of the current length (budget_fraction) and pins the six
+/// prefill centroids in eight columns, so the updates cycle over columns 6 and 7.
+class CudaCtkvr : public test::GpuTest,
+                  public ::testing::WithParamInterface<std::tuple<std::int32_t, bool, bool>> {};
 INSTANTIATE_TEST_SUITE_P(GroupsAndLayouts, CudaCtkvr,
-                         ::testing::Combine(::testing::Values(1, 4), ::testing::Values(false, true)));
+                         ::testing::Combine(::testing::Values(1, 4), ::testing::Values(false, true),
+                                            ::testing::Values(false, true)));
 
 TEST_P(CudaCtkvr, WholeListsGiveTheTopOfTheMiddleAtEveryStep) {
   SCOPED_TRACE(seed);
-  const auto [group, paged] = GetParam();
+  const auto [group, paged, variant] = GetParam();
   CtkvrProblem p(rng, 2 * group, 2, 208, 16, 64);  // capacity 224: 14 pages; head_dim 64 (CUDA decode)
   DeviceCache cache(p, paged, rng.engine);
   cache.grow(p.length);
@@ -86,18 +91,34 @@ TEST_P(CudaCtkvr, WholeListsGiveTheTopOfTheMiddleAtEveryStep) {
   DeviceBuffer<std::int32_t> slot(std::vector<std::int32_t>{0});
   const cuda::Context ctx{};
   const std::int32_t budget = 24;
-  DecodeStep step(Selector(p.limits(), {.budget = budget, .list_size = p.middle(), .centroids = 6, .max_centroids = 6,
-                                        .recalled_centroids = 6}),
+  // With C' = 6 of at most 8 columns, at least four whole prefill lists are recalled: the union is the middle.
+  const double fraction = variant ? 0.05 : 0.0;
+  const std::int32_t columns = variant ? 8 : 6;
+  DecodeStep step(Selector(p.limits(), {.budget = budget, .list_size = p.middle(), .centroids = 6,
+                                        .max_centroids = columns, .recalled_centroids = 6,
+                                        .budget_fraction = fraction, .pin_prefill_centroids = variant}),
                   p.config(), ctx);
   step.prepare({.cache = cache.view(p), .slots = slot.data(),
                 .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
                ctx);
   const auto lists = step.selector().index_lists();
-  std::vector<std::int32_t> ids(std::size_t(p.kv_heads) * 6 * p.middle()), counts(std::size_t(p.kv_heads) * 6);
-  KVSIFT_CUDA_CHECK(cudaMemcpy(ids.data(), lists.ids, ids.size() * 4, cudaMemcpyDeviceToHost));
-  KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), lists.counts, counts.size() * 4, cudaMemcpyDeviceToHost));
-  for (std::int32_t c : counts) EXPECT_EQ(c, p.middle());
-  for (std::int32_t id : ids) EXPECT_TRUE(id >= kCtkvrWindow.sink && id < p.prompt - kCtkvrWindow.recent) << id;
+  const auto download = [](const std::int32_t* d, std::size_t n) {
+    std::vector<std::int32_t> host(n);
+    KVSIFT_CUDA_CHECK(cudaMemcpy(host.data(), d, n * 4, cudaMemcpyDeviceToHost));
+    return host;
+  };
+  std::vector<std::int32_t> ids = download(lists.ids, std::size_t(p.kv_heads) * columns * p.middle());
+  const std::vector<std::int32_t> counts = download(lists.counts, std::size_t(p.kv_heads) * columns);
+  for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+    for (std::int32_t c = 0; c < 6; ++c) {
+      const std::size_t l = std::size_t(g) * columns + std::size_t(c);
+      EXPECT_EQ(counts[l], p.middle());
+      for (std::int32_t i = 0; i < counts[l]; ++i) {
+        const std::int32_t id = ids[l * std::size_t(p.middle()) + std::size_t(i)];
+        EXPECT_TRUE(id >= kCtkvrWindow.sink && id < p.prompt - kCtkvrWindow.recent) << id;
+      }
+    }
+  }
 
   DeviceBuffer<std::byte> workspace(step.workspace_bytes());
   DeviceBuffer<float> o(std::size_t(p.q_heads) * p.head_dim), lse(std::size_t(p.q_heads));
@@ -123,11 +144,22 @@ TEST_P(CudaCtkvr, WholeListsGiveTheTopOfTheMiddleAtEveryStep) {
     std::vector<std::int32_t> host_ids(std::size_t(p.kv_heads) * sel.capacity), host_counts(std::size_t(p.kv_heads));
     KVSIFT_CUDA_CHECK(cudaMemcpy(host_ids.data(), sel.indices, host_ids.size() * 4, cudaMemcpyDeviceToHost));
     KVSIFT_CUDA_CHECK(cudaMemcpy(host_counts.data(), sel.counts, host_counts.size() * 4, cudaMemcpyDeviceToHost));
+    const std::int32_t k = variant ? std::min(budget, std::int32_t(fraction * p.length)) : budget;
+    const std::vector<std::int32_t> unions = download(step.selector().last_union_sizes(), std::size_t(p.kv_heads));
     for (std::int32_t g = 0; g < p.kv_heads; ++g) {
       ASSERT_GE(host_counts[g], 0) << "step " << s;
       const std::vector<std::int32_t> chosen(host_ids.begin() + std::size_t(g) * sel.capacity,
                                              host_ids.begin() + std::size_t(g) * sel.capacity + host_counts[g]);
-      test::expect_top_k(chosen, test::middle_softmax(p, q, g), budget, 1e-5, fmt::format("step {} kv head {}", s, g));
+      test::expect_top_k(chosen, test::middle_softmax(p, q, g), k, 1e-5, fmt::format("step {} kv head {}", s, g));
+      if (s == 0) EXPECT_EQ(unions[std::size_t(g)], p.middle()) << "the prefill lists' union, kv head " << g;
+    }
+  }
+  if (variant) {  // ten updates over columns 6 and 7: the cursors are back at 6, the prefill lists untouched
+    for (const std::int32_t cursor : download(lists.cursors, std::size_t(p.kv_heads))) EXPECT_EQ(cursor, 6);
+    const std::vector<std::int32_t> after = download(lists.ids, ids.size());
+    for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+      const std::size_t first = std::size_t(g) * columns * std::size_t(p.middle());
+      EXPECT_TRUE(std::equal(ids.begin() + first, ids.begin() + first + 6 * std::size_t(p.middle()), after.begin() + first));
     }
   }
 }

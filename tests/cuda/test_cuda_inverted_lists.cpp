@@ -28,11 +28,11 @@ using test::Random;
 /// A ListsProblem's arrays on the device.
 template <class T>
 struct DeviceLists {
-  DeviceBuffer<std::int32_t> ids, counts, cursors, slots, lengths, chosen_indices, chosen_counts;
+  DeviceBuffer<std::int32_t> ids, counts, cursors, slots, lengths, chosen_indices, chosen_counts, fifo_begin;
   DeviceBuffer<T> scores;
   explicit DeviceLists(const ListsProblem<T>& p)
       : ids(p.ids), counts(p.counts), cursors(p.cursors), slots(p.slots), lengths(p.lengths),
-        chosen_indices(p.chosen.indices), chosen_counts(p.chosen.counts),
+        chosen_indices(p.chosen.indices), chosen_counts(p.chosen.counts), fifo_begin(p.fifo_begin),
         scores(p.scores.empty() ? DeviceBuffer<T>() : DeviceBuffer<T>(p.scores)) {}
   void upload(const ListsProblem<T>& p) {
     ids.upload(p.ids);
@@ -42,7 +42,7 @@ struct DeviceLists {
   }
   InvertedListsView<T> view(const ListsProblem<T>& p) const {
     return {ids.data(), p.scores.empty() ? nullptr : scores.data(), counts.data(), cursors.data(),
-            p.slot_count, p.kv_heads, p.lists, p.list_capacity};
+            p.slot_count, p.kv_heads, p.lists, p.list_capacity, p.fifo_begin.empty() ? nullptr : fifo_begin.data()};
   }
   SelectionView chosen(const ListsProblem<T>& p) const {
     auto v = p.chosen.view;
@@ -138,8 +138,16 @@ TEST_F(CudaInvertedLists, ReductionsEqualTheCpu) {
 }
 
 template <class T>
-void check_updates(Random& rng) {
+void check_updates(Random& rng, bool pinned) {
   ListsProblem<T> p(rng, 3, 2, 40, 70, 1, 500);  // lists longer than a warp
+  if (pinned) {  // every FIFO wraps within the steps, back to its slot's first list
+    p.pin(rng);
+    for (std::int32_t slot = 0; slot < p.slot_count; ++slot) {
+      for (std::int32_t h = 0; h < p.kv_heads; ++h) {
+        p.cursors[std::size_t(slot) * p.kv_heads + h] = std::max(p.fifo_begin[std::size_t(slot)], p.lists - 2);
+      }
+    }
+  }
   DeviceLists<T> d(p);
   const std::int32_t rows = p.batch * p.kv_heads;
   for (std::int32_t step = 0; step < 6; ++step) {
@@ -185,8 +193,10 @@ void check_updates(Random& rng) {
 TEST_F(CudaInvertedLists, UpdatesEqualTheCpu) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   for (int repeat = 0; repeat < 3; ++repeat) {
-    check_updates<float>(rng);
-    check_updates<half>(rng);
+    for (const bool pinned : {false, true}) {
+      check_updates<float>(rng, pinned);
+      check_updates<half>(rng, pinned);
+    }
   }
 }
 

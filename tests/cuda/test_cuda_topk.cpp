@@ -353,6 +353,26 @@ TEST_F(CudaTopK, TopKEqualsTheCpuTopKExactly) {
 
 // ---- without a GPU ----------------------------------------------------------------------------------------------
 
+TEST_F(CudaTopK, LengthBudgetsEqualTheCpuTwin) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (int trial = 0; trial < 10; ++trial) {
+    const std::int32_t batch = rng.uniform_int(1, 64), heads = rng.uniform_int(1, 8);
+    const LengthBudget budget{.fraction = double(rng.uniform(0.001f, 1.0f)), .minimum = rng.uniform_int(0, 8),
+                              .maximum = rng.uniform_int(8, 5000)};
+    std::vector<std::int32_t> lengths(static_cast<std::size_t>(batch));
+    for (auto& n : lengths) n = rng.uniform_int(0, 200000);
+    std::vector<std::int32_t> want(std::size_t(batch) * heads);
+    cpu::length_budgets(lengths.data(), batch, heads, budget, want.data());
+    const test::DeviceBuffer<std::int32_t> d_lengths(lengths);
+    test::DeviceBuffer<std::int32_t> d_row_k(want.size());
+    d_row_k.poison();
+    cuda::length_budgets(d_lengths.data(), batch, heads, budget, d_row_k.data(), nullptr);
+    EXPECT_EQ(d_row_k.download(), want);
+  }
+  test::expect_error([] { cuda::length_budgets(nullptr, 1, 1, {.fraction = 0.5, .maximum = 4}, nullptr, nullptr); },
+                     "kvsift::cuda::length_budgets: lengths and row_k must be non-null");
+}
+
 TEST(CudaTopKPlan, ClustersFillTheGpuInOneWave) {
   using cuda::detail::plan_topk_rows;
   const auto plan = [](std::int64_t rows, std::int32_t n, int max_cluster, int clusters16) {

@@ -7,8 +7,11 @@
 // - every refused configuration and prefill.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include "kvsift/cpu/backend.hpp"
@@ -76,6 +79,72 @@ TEST_P(CpuCtkvr, WholeListsGiveTheTopOfTheMiddleAtEveryStep) {
   });
 }
 
+TEST_P(CpuCtkvr, BudgetFractionFollowsTheLength) {
+  SCOPED_TRACE(seed);
+  const std::int32_t group = GetParam();
+  // 10% of 121..126 tokens is 12; 20% is 24..25, cut to the budget of 20.
+  for (const double fraction : {0.1, 0.2}) {
+    CtkvrProblem p(rng, 2 * group, 2, 120, 16);
+    DecodeStep step(Selector(p.limits(), {.budget = 20, .list_size = p.middle(), .centroids = 6, .max_centroids = 6,
+                                          .recalled_centroids = 6, .budget_fraction = fraction}),
+                    p.config(), {});
+    step.prepare(p.prefill(), {});
+    decode(p, step, rng, 6, [&](std::int32_t s, const std::vector<half>& q, const SelectionView& sel) {
+      const auto k = std::min<std::int32_t>(std::int32_t(std::floor(fraction * p.length)), 20);
+      for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+        const std::vector<std::int32_t> chosen(sel.row(0, g), sel.row(0, g) + sel.count(0, g));
+        test::expect_top_k(chosen, test::middle_softmax(p, q, g), k, 1e-5,
+                           fmt::format("fraction {} step {} kv head {}", fraction, s, g));
+      }
+    });
+  }
+}
+
+TEST_P(CpuCtkvr, UnionSizesCountTheRecalledListsDistinctIds) {
+  SCOPED_TRACE(seed);
+  const std::int32_t group = GetParam();
+  CtkvrProblem p(rng, 2 * group, 2, 120, 16);
+  const std::int32_t columns = 6, recalled = 2, list_size = 30;
+  DecodeStep step(Selector(p.limits(), {.budget = 16, .list_size = list_size, .centroids = columns,
+                                        .max_centroids = columns, .recalled_centroids = recalled,
+                                        .dynamic_update = false}),
+                  p.config(), {});
+  step.prepare(p.prefill(), {});
+  decode(p, step, rng, 4, [&](std::int32_t s, const std::vector<half>& q, const SelectionView&) {
+    const auto centroids = step.selector().index_centroids();
+    const auto lists = step.selector().index_lists();
+    for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+      // fp64: each column's cosine to the query, max over the group; the best `recalled` columns' lists.
+      std::vector<std::pair<double, std::int32_t>> ranked;
+      for (std::int32_t c = 0; c < columns; ++c) {
+        double best = -2;
+        for (std::int32_t h = g * group; h < (g + 1) * group; ++h) {
+          double dot = 0, qq = 0, cc = 0;
+          for (std::int32_t i = 0; i < p.head_dim; ++i) {
+            const double x = to_float(q[std::size_t(h) * p.head_dim + i]), y = to_float(centroids.row(0, h, c)[i]);
+            dot += x * y;
+            qq += x * x;
+            cc += y * y;
+          }
+          best = std::max(best, dot / std::sqrt(qq * cc));
+        }
+        ranked.emplace_back(-best, c);
+      }
+      std::sort(ranked.begin(), ranked.end());
+      std::set<std::int32_t> distinct;
+      for (std::int32_t r = 0; r < recalled; ++r) {
+        const std::int32_t c = ranked[std::size_t(r)].second;
+        for (std::int32_t i = 0; i < lists.count(0, g, c); ++i) {
+          const std::int32_t id = lists.list_ids(0, g, c)[i];
+          if (id >= kCtkvrWindow.sink_end(p.length) && id < kCtkvrWindow.recent_begin(p.length)) distinct.insert(id);
+        }
+      }
+      EXPECT_EQ(step.selector().last_union_sizes()[g], std::int32_t(distinct.size())) << "step " << s << " kv head " << g;
+      EXPECT_LE(std::int32_t(distinct.size()), recalled * list_size);
+    }
+  });
+}
+
 TEST_F(CpuCtkvr, AShortUnionGivesFewerIds) {
   SCOPED_TRACE(seed);
   CtkvrProblem p(rng, 4, 2, 100, 8);
@@ -91,7 +160,10 @@ TEST_F(CpuCtkvr, AShortUnionGivesFewerIds) {
   step.prepare(p.prefill(), {});
   decode(p, step, rng, 1, [&](std::int32_t, const std::vector<half>&, const SelectionView& sel) {
     // Union: the one list's 8 tokens and the token that left the recent window after prefill.
-    for (std::int32_t g = 0; g < p.kv_heads; ++g) EXPECT_EQ(sel.count(0, g), 9);
+    for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+      EXPECT_EQ(sel.count(0, g), 9);
+      EXPECT_EQ(step.selector().last_union_sizes()[g], 8);
+    }
   });
 }
 
@@ -122,6 +194,40 @@ TEST_F(CpuCtkvr, DynamicUpdateStoresQueriesInFifoOrder) {
   });
 }
 
+TEST_F(CpuCtkvr, PinnedPrefillCentroidsOutliveTheUpdates) {
+  SCOPED_TRACE(seed);
+  CtkvrProblem p(rng, 4, 2, 100, 8);
+  // Two prefill centroids pinned in four columns: the updates cycle over columns 2 and 3 alone.
+  DecodeStep step(Selector(p.limits(), {.budget = 8, .list_size = 8, .centroids = 2, .max_centroids = 4,
+                                        .recalled_centroids = 2, .pin_prefill_centroids = true}),
+                  p.config(), {});
+  step.prepare(p.prefill(), {});
+  const auto index = step.selector().index_centroids();
+  const std::vector<half> centroids(index.data, index.data + QueryCentroidsView<half>::elements(1, p.q_heads, 4, p.head_dim));
+  const auto lists = step.selector().index_lists();
+  const std::vector<std::int32_t> ids(lists.ids, lists.ids + std::size_t(p.kv_heads) * 4 * 8);
+  const std::vector<std::int32_t> counts(lists.counts, lists.counts + std::size_t(p.kv_heads) * 4);
+  decode(p, step, rng, 7, [&](std::int32_t s, const std::vector<half>&, const SelectionView&) {
+    const std::int32_t column = 2 + s % 2;
+    for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+      EXPECT_EQ(lists.cursors[g], column == 3 ? 2 : 3) << "step " << s;
+      EXPECT_EQ(lists.count(0, g, column), 8);
+      for (std::int32_t c = 0; c < 2; ++c) {  // the prefill's lists, unchanged
+        const std::size_t l = std::size_t(g) * 4 + std::size_t(c);
+        EXPECT_EQ(lists.counts[l], counts[l]);
+        EXPECT_TRUE(std::equal(ids.begin() + l * 8, ids.begin() + l * 8 + counts[l], lists.ids + l * 8)) << c;
+      }
+    }
+    for (std::int32_t h = 0; h < p.q_heads; ++h) {  // and the prefill's centroids
+      for (std::int32_t c = 0; c < 2; ++c) {
+        EXPECT_TRUE(test::same_bytes(std::vector<half>(index.row(0, h, c), index.row(0, h, c) + p.head_dim),
+                                     std::vector<half>(centroids.begin() + (index.row(0, h, c) - index.data),
+                                                       centroids.begin() + (index.row(0, h, c) - index.data) + p.head_dim)));
+      }
+    }
+  });
+}
+
 TEST_F(CpuCtkvr, BadConfigurationsAndPrefillsAreRefused) {
   CtkvrProblem p(rng, 4, 2, 100, 8);
   const SelectorLimits limits = p.limits();
@@ -142,6 +248,14 @@ TEST_F(CpuCtkvr, BadConfigurationsAndPrefillsAreRefused) {
                      "config.recalled_centroids (C' = 3) exceeds the sequence's centroids (C = 2)");
   test::expect_error([&] { prepare({.budget = 8, .list_size = 93, .centroids = 2, .recalled_centroids = 1}); },
                      "config.list_size (rho = 93) is larger than sequence 0's middle (92 of its 100 tokens");
+  test::expect_error([&] {
+    prepare({.budget = 8, .list_size = 8, .centroids = 4, .max_centroids = 4, .pin_prefill_centroids = true});
+  }, "config.pin_prefill_centroids leaves the dynamic update no column: sequence 0 has C = 4 centroids and "
+     "config.max_centroids is 4");
+  test::expect_error([&] { Selector(limits, {.budget = 8, .budget_fraction = 1.5}); },
+                     "config.budget_fraction (= 1.5) is outside [0, 1] (0: a fixed budget)");
+  test::expect_error([&] { Selector(limits, {.budget = 8, .budget_fraction = -0.1}); },
+                     "config.budget_fraction (= -0.1) is outside [0, 1]");
 }
 
 }  // namespace

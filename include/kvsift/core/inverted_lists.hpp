@@ -17,8 +17,8 @@ namespace kvsift {
 
 /// Lists of every (slot, kv head): ids [slots, kv_heads, lists, list_capacity] int32, scores (optional, same
 /// shape, T = float or half), counts [slots, kv_heads, lists] (list l holds entries [0, counts[l]), in no
-/// particular order), cursors (optional, [slots, kv_heads]: the list replace_list overwrites next, FIFO). All
-/// packed. A const T makes every array read-only (the reductions' input).
+/// particular order), cursors (optional, [slots, kv_heads]: the list replace_list overwrites next, FIFO over
+/// [fifo_begin[slot], lists)). All packed. A const T makes every array read-only (the reductions' input).
 template <class T>
 struct InvertedListsView {
   using index_type = std::conditional_t<std::is_const_v<T>, const std::int32_t, std::int32_t>;
@@ -31,7 +31,14 @@ struct InvertedListsView {
   std::int32_t kv_heads = 0;
   std::int32_t lists = 0;
   std::int32_t list_capacity = 0;
+  /// Optional [slots]: the first list of each slot's FIFO. replace_list's cursor wraps from lists - 1 to it, so
+  /// lists below it are never replaced (CTKVR's pinned prefill centroids); nullptr: 0.
+  index_type* fifo_begin = nullptr;
 
+  /// The cursor after replace_list overwrote list l of `slot`.
+  KVSIFT_HOST_DEVICE std::int32_t next_cursor(std::int64_t slot, std::int32_t l) const {
+    return l + 1 < lists ? l + 1 : fifo_begin != nullptr ? fifo_begin[slot] : 0;
+  }
   /// Index of list l of (slot, h) in counts.
   KVSIFT_HOST_DEVICE std::int64_t list_index(std::int64_t slot, std::int64_t h, std::int64_t l) const {
     return (slot * kv_heads + h) * lists + l;
@@ -54,7 +61,7 @@ struct InvertedListsView {
   constexpr InvertedListsView<const T> as_const() const
     requires(!std::is_const_v<T>)
   {
-    return {ids, scores, counts, cursors, slots, kv_heads, lists, list_capacity};
+    return {ids, scores, counts, cursors, slots, kv_heads, lists, list_capacity, fifo_begin};
   }
 };
 

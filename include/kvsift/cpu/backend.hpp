@@ -58,6 +58,11 @@ template <class V>
 void copy_from_host(const V* src, std::size_t n, V* dst, const Context&) {
   std::copy_n(src, n, dst);
 }
+/// A copy between two arrays of the context's memory, in the context's order: no synchronization, graph capturable.
+template <class V>
+void copy_within(const V* src, std::size_t n, V* dst, const Context&) {
+  std::copy_n(src, n, dst);
+}
 
 inline std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
                                                 std::int32_t max_tokens, const GroupScoreOptions& options,
@@ -78,6 +83,10 @@ inline void topk_rows(const MatrixView<const float>& scores, const std::int32_t*
                       const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
                       const Context& ctx) {
   cpu::topk_rows(scores, lengths, k, options, out, workspace, ctx.pool);
+}
+inline void length_budgets(const std::int32_t* lengths, std::int32_t batch, std::int32_t heads, const LengthBudget& budget,
+                           std::int32_t* row_k, const Context& ctx) {
+  cpu::length_budgets(lengths, batch, heads, budget, row_k);
 }
 
 template <class T>

@@ -68,10 +68,11 @@ void try_insert_lists(const InvertedListsView<T>& lists, const std::int32_t* slo
 
 /// CTKVR's FIFO update: for selection row (b, h) the list l = lists.cursors[slots[b] * kv_heads + h] of slot
 /// slots[b], kv head h, is overwritten by entries.row(b, h)[0, count) (and, when the lists keep scores, their
-/// scores.row(b * kv_heads + h), rounded to T), its count set, and the cursor advanced to (l + 1) % lists.lists;
+/// scores.row(b * kv_heads + h), rounded to T), its count set, and the cursor advanced to l + 1, or from the last
+/// list back to lists.fifo_begin[slot] (0 without fifo_begin);
 /// replaced[b * kv_heads + h] = l when replaced is given (the caller replaces the matching centroid). Entries are
 /// copied as they are (no filter, no order). Refused: a slot outside [0, lists.slots) or repeated, an entries count
-/// outside [0, entries.capacity], a cursor outside [0, lists.lists), entries.capacity > list_capacity, scores
+/// outside [0, entries.capacity], a cursor or fifo_begin outside [0, lists.lists), entries.capacity > list_capacity, scores
 /// given exactly when the lists have none.
 template <class T>
 void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, const SelectionView& entries,

@@ -78,4 +78,11 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* length
                const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
                ThreadPool* pool = nullptr);
 
+/// topk_rows' per-row budgets from the sequences' lengths: row_k[b * heads + h] = budget(lengths[b]) for every
+/// h < heads (core/ranking.hpp LengthBudget). Checked: non-null pointers, batch and heads positive,
+/// budget.fraction in (0, 1], budget.minimum in [0, budget.maximum]. Host memory; lengths [batch], row_k
+/// [batch * heads].
+void length_budgets(const std::int32_t* lengths, std::int32_t batch, std::int32_t heads, const LengthBudget& budget,
+                    std::int32_t* row_k);
+
 }  // namespace kvsift::cpu

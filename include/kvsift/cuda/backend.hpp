@@ -60,6 +60,11 @@ void copy_from_host(const V* src, std::size_t n, V* dst, const Context& ctx) {
   KVSIFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(V), cudaMemcpyDefault, ctx.stream));
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(ctx.stream));  // src may be gone when the copy would run
 }
+/// A copy between two arrays of the context's memory, in the context's order: no synchronization, graph capturable.
+template <class V>
+void copy_within(const V* src, std::size_t n, V* dst, const Context& ctx) {
+  if (n > 0) KVSIFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(V), cudaMemcpyDeviceToDevice, ctx.stream));
+}
 
 inline std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
                                                 std::int32_t max_tokens, const GroupScoreOptions& options,
@@ -80,6 +85,10 @@ inline void topk_rows(const MatrixView<const float>& scores, const std::int32_t*
                       const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
                       const Context& ctx) {
   cuda::topk_rows(scores, lengths, k, options, out, workspace, ctx.stream);
+}
+inline void length_budgets(const std::int32_t* lengths, std::int32_t batch, std::int32_t heads, const LengthBudget& budget,
+                           std::int32_t* row_k, const Context& ctx) {
+  cuda::length_budgets(lengths, batch, heads, budget, row_k, ctx.stream);
 }
 
 template <class T>

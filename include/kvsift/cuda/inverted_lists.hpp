@@ -15,7 +15,8 @@
 /// - try_insert_lists: a (row, list) whose slot is outside [0, lists.slots), whose list count is outside [0,
 ///   list_capacity] or whose new id is negative is left alone; two rows naming one slot race (the CPU refuses it).
 /// - replace_list: a row whose slot is outside [0, lists.slots), whose entries count is outside [0,
-///   entries.capacity] or whose cursor is outside [0, lists.lists) changes nothing and gets replaced = -1; two rows
+///   entries.capacity] or whose cursor or fifo_begin is outside [0, lists.lists) changes nothing and gets
+///   replaced = -1; two rows
 ///   naming one slot race.
 
 #include <cstddef>

@@ -43,6 +43,11 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* d_leng
                const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
                cudaStream_t stream);
 
+/// cpu::length_budgets' twin: row_k[b * heads + h] = budget(d_lengths[b]) (core/ranking.hpp LengthBudget), the
+/// same checks before the launch. Device memory; one launch, no allocation, graph capturable.
+void length_budgets(const std::int32_t* d_lengths, std::int32_t batch, std::int32_t heads, const LengthBudget& budget,
+                    std::int32_t* d_row_k, cudaStream_t stream);
+
 enum class TopKAlgorithm : std::uint8_t {
   /// topk_rows' single-launch radix select (four 8-bit histogram passes over rank words held in shared
   /// memory, then one compaction pass in index order).

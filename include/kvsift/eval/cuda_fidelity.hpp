@@ -14,6 +14,7 @@
 namespace kvsift {
 
 extern template std::vector<BasicSelectorEntry<cuda::Context>> reference_selectors<cuda::Context>();
+extern template std::vector<BasicSelectorEntry<cuda::Context>> method_selectors<cuda::Context>();
 
 namespace cuda {
 

@@ -49,6 +49,7 @@
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/context.hpp"
 #include "kvsift/eval/capture.hpp"
+#include "kvsift/selectors/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
 #include "kvsift/selectors/selector.hpp"
@@ -101,6 +102,25 @@ std::vector<BasicSelectorEntry<Context>> reference_selectors() {
   };
 }
 extern template std::vector<BasicSelectorEntry<cpu::Context>> reference_selectors<cpu::Context>();
+
+/// The retrieval selectors built so far, each at a budget of K tokens per kv head, window included, like the
+/// references. CTKVR keeps the paper's arrangement: a sink of min(4, K / 8) and a recent window of K / 4 beside
+/// rho' = the rest, lists of rho = 2.5 rho', C' = 4, C = P / 16 centroids from the prefill's last queries, the
+/// dynamic update on. Same instantiation points as reference_selectors.
+template <class Context = cpu::Context>
+std::vector<BasicSelectorEntry<Context>> method_selectors() {
+  using Setup = BasicSelectorSetup<Context>;
+  using Any = AnySelector<half, Context>;
+  return {
+      {"CTKVR",
+       [](std::int32_t k, const SelectorLimits& limits) {
+         const AttentionWindow window{std::min(4, k / 8), k / 4};
+         const std::int32_t budget = k - window.sink - window.recent;
+         return Setup{Any(Ctkvr<half, Context>(limits, {.budget = budget})), window};
+       }},
+  };
+}
+extern template std::vector<BasicSelectorEntry<cpu::Context>> method_selectors<cpu::Context>();
 
 /// One (selector entry, budget) decoding one capture layer on one backend, as an engine runs it. The harness's
 /// only contact with where selectors run: prepare() once, then run() at every decode position in order, and

@@ -12,7 +12,7 @@
 /// Include cpu/backend.hpp or cuda/backend.hpp before instantiating it.
 ///
 /// Memory per slot (index_bytes): centroids [q_heads, max_centroids, head_dim] in T, lists [kv_heads,
-/// max_centroids, rho] int32 with their counts, FIFO cursors and the prefill boundary. prepare allocates scratch,
+/// max_centroids, rho] int32 with their counts, FIFO cursors and first columns, the prefill boundary. prepare allocates scratch,
 /// reads the lengths (and a paged cache's page lists) on the host: on CUDA it synchronizes the stream.
 /// Workspace of select: the centroid scores [rows, max_centroids], the chosen lists, the candidates [rows,
 /// C' * rho + N] and their scores, the primitives' scratch (rows = batch * kv_heads, N the planned bound).
@@ -52,6 +52,14 @@ struct CtkvrConfig {
   bool dynamic_update = true;
   /// Centroids scored per pass in prepare (kvsift's choice: bounds its [chunk, N] score scratch).
   std::int32_t prepare_chunk = 32;
+  /// The paper's dynamic budget (its table 6, "dynamic 4%"): when > 0, each (sequence, kv head) selects
+  /// floor(budget_fraction * current length) tokens (the step's own included), at most `budget`, which stays
+  /// the selection's capacity and sizes the lists. 0: every row selects `budget`.
+  double budget_fraction = 0;
+  /// Keeps the prefill's centroids for the whole conversation: the dynamic update cycles over the spare columns
+  /// [C, max_centroids) alone (kvsift's choice; the paper evicts the oldest centroid, whatever made it). prepare
+  /// refuses a sequence whose C leaves no spare column.
+  bool pin_prefill_centroids = false;
 };
 
 template <class T, class Context>
@@ -74,7 +82,9 @@ class Ctkvr {
     list_ids_.resize(slots * kv * columns * std::size_t(config_.list_size));
     list_counts_.resize(slots * kv * columns);
     cursors_.resize(slots * kv);
+    fifo_begin_.resize(slots);
     boundaries_.resize(slots);
+    union_sizes_.resize(slots * kv);
     full_columns_.resize(slots);
   }
 
@@ -86,14 +96,19 @@ class Ctkvr {
   }
   InvertedListsView<const float> index_lists() const {
     return {list_ids_.data(), nullptr, list_counts_.data(), cursors_.data(), limits_.max_slots, limits_.kv_heads,
-            config_.max_centroids, config_.list_size};
+            config_.max_centroids, config_.list_size, fifo_begin_.data()};
   }
+  /// The last select's union sizes, [batch * kv_heads] in the context's memory: per (sequence, kv head) the
+  /// distinct ids of the C' recalled lists left after the window, before the unindexed middle joins them. Over
+  /// list_size * recalled_centroids it is the paper's deduplication coefficient (below 0.5 in its figure). Valid
+  /// for the rows of the last select until the next one.
+  const std::int32_t* last_union_sizes() const { return union_sizes_.data(); }
   std::int32_t capacity() const { return config_.budget; }
   const CtkvrConfig& config() const { return config_; }
   IndexBytes index_bytes() const {
     const std::size_t bytes = centroids_.size() * sizeof(T) +
                               (centroid_counts_.size() + list_ids_.size() + list_counts_.size() + cursors_.size() +
-                               boundaries_.size()) * sizeof(std::int32_t);
+                               fifo_begin_.size() + boundaries_.size()) * sizeof(std::int32_t);
     return Context::memory == MemorySpace::host ? IndexBytes{bytes, 0} : IndexBytes{0, bytes};
   }
 
@@ -155,6 +170,7 @@ class Ctkvr {
               TopKRowsOptions{}, chosen, w.centroid_topk, ctx);
     const SelectionView candidates{w.candidates, w.candidate_counts, nullptr, batch, kv, candidate_capacity};
     union_lists(lists().as_const(), chosen, in.slots, in.lengths, in.attention.window, candidates, w.union_scratch, ctx);
+    copy_within(w.candidate_counts, std::size_t(rows), union_sizes_.data(), ctx);
     append_range(candidates, in.slots, boundaries_.data(), in.lengths, in.attention.window, ctx);
 
     // Rerank: the exact softmax over the candidates, max over the group; the budget's best, back to token ids.
@@ -162,7 +178,13 @@ class Ctkvr {
     candidate_scores(in.q, in.cache, candidates, rerank_options(in.attention), scores, w.candidate_scratch, ctx);
     const SelectionView positions{out.indices, out.counts, out.log_weights, std::int32_t(rows), 1, out.capacity};
     const auto ranked = MatrixView<const float>::packed(w.candidate_scores, rows, candidate_capacity);
-    topk_rows(ranked, w.candidate_counts, config_.budget, TopKRowsOptions{}, positions, w.rerank_topk, ctx);
+    TopKRowsOptions budget_options{};
+    if (config_.budget_fraction > 0) {
+      length_budgets(in.lengths, batch, kv, {.fraction = config_.budget_fraction, .maximum = config_.budget}, w.row_k,
+                     ctx);
+      budget_options.row_k = w.row_k;
+    }
+    topk_rows(ranked, w.candidate_counts, config_.budget, budget_options, positions, w.rerank_topk, ctx);
     remap_selection(positions, candidates, positions, ctx);
 
     if (config_.dynamic_update) {
@@ -181,7 +203,7 @@ class Ctkvr {
  private:
   struct Buffers {
     float* centroid_scores;
-    std::int32_t *chosen, *chosen_counts, *candidates, *candidate_counts, *entries, *entry_counts, *replaced;
+    std::int32_t *chosen, *chosen_counts, *candidates, *candidate_counts, *entries, *entry_counts, *replaced, *row_k;
     float* candidate_scores;
     std::span<std::byte> centroid_topk, union_scratch, candidate_scratch, rerank_topk;
   };
@@ -202,6 +224,8 @@ class Ctkvr {
                  "config.budget (rho' = {}) exceeds list_size * recalled_centroids (rho * C' = {} * {})", c.budget,
                  c.list_size, c.recalled_centroids);
     KVSIFT_CHECK(c.prepare_chunk > 0, where, "config.prepare_chunk (= {}) must be positive", c.prepare_chunk);
+    KVSIFT_CHECK(c.budget_fraction >= 0 && c.budget_fraction <= 1, where,
+                 "config.budget_fraction (= {}) is outside [0, 1] (0: a fixed budget)", c.budget_fraction);
     return c;
   }
   static GroupScoreOptions rerank_options(const AttentionOptions& attention) {
@@ -224,6 +248,7 @@ class Ctkvr {
     b.entries = layout.allocate<std::int32_t>(r * std::size_t(config_.list_size), "CTKVR new list");
     b.entry_counts = layout.allocate<std::int32_t>(r, "CTKVR new list counts");
     b.replaced = layout.allocate<std::int32_t>(r, "CTKVR replaced columns");
+    b.row_k = config_.budget_fraction > 0 ? layout.allocate<std::int32_t>(r, "CTKVR budgets per row") : nullptr;
     b.centroid_topk = layout.span(topk_rows_workspace_bytes(rows, columns, config_.recalled_centroids, {}, ctx),
                                   "CTKVR centroid top-k scratch");
     b.union_scratch = layout.span(
@@ -242,7 +267,7 @@ class Ctkvr {
   }
   InvertedListsView<float> lists() {  // ids only (no scores: the score type is unused)
     return {list_ids_.data(), nullptr, list_counts_.data(), cursors_.data(), limits_.max_slots, limits_.kv_heads,
-            config_.max_centroids, config_.list_size};
+            config_.max_centroids, config_.list_size, fifo_begin_.data()};
   }
 
   /// Batch row b's index: its centroids, then per kv head and chunk of centroids the lists (group_scores with
@@ -260,6 +285,11 @@ class Ctkvr {
     KVSIFT_CHECK(config_.recalled_centroids <= c_count, where,
                  "config.recalled_centroids (C' = {}) exceeds the sequence's centroids (C = {})",
                  config_.recalled_centroids, c_count);
+    const bool pinned = config_.pin_prefill_centroids && config_.dynamic_update;
+    KVSIFT_CHECK(!pinned || c_count < config_.max_centroids, where,
+                 "config.pin_prefill_centroids leaves the dynamic update no column: sequence {} has C = {} centroids "
+                 "and config.max_centroids is {}; raise max_centroids or lower centroids",
+                 b, c_count, config_.max_centroids);
     const std::int32_t middle = std::max(0, window.recent_begin(length) - window.sink_end(length));
     KVSIFT_CHECK(config_.list_size <= middle, where,
                  "config.list_size (rho = {}) is larger than sequence {}'s middle ({} of its {} tokens, less the window)",
@@ -302,10 +332,11 @@ class Ctkvr {
                      ctx);
       }
     }
-    const std::int32_t count = c_count, boundary = window.recent_begin(length);
+    const std::int32_t count = c_count, boundary = window.recent_begin(length), fifo_begin = pinned ? c_count : 0;
     const std::vector<std::int32_t> cursors(std::size_t(limits_.kv_heads), c_count % config_.max_centroids);
     copy_from_host(&count, 1, centroid_counts_.data() + slot, ctx);
     copy_from_host(&boundary, 1, boundaries_.data() + slot, ctx);
+    copy_from_host(&fifo_begin, 1, fifo_begin_.data() + slot, ctx);
     copy_from_host(cursors.data(), cursors.size(), cursors_.data() + std::size_t(slot) * limits_.kv_heads, ctx);
   }
 
@@ -364,7 +395,8 @@ class Ctkvr {
   SelectorLimits limits_;
   CtkvrConfig config_;
   Array<T> centroids_;
-  Array<std::int32_t> centroid_counts_, list_ids_, list_counts_, cursors_, boundaries_, full_columns_;
+  Array<std::int32_t> centroid_counts_, list_ids_, list_counts_, cursors_, fifo_begin_, boundaries_, union_sizes_;
+  Array<std::int32_t> full_columns_;
 };
 
 }  // namespace kvsift

@@ -156,6 +156,11 @@ void check_replace_list(const char* where, const InvertedListsView<T>& lists, co
   if (contents != MemorySpace::host) return;
   check_list_slots(where, slots, entries.batch, lists.slots, true);
   for (std::int32_t b = 0; b < entries.batch; ++b) {
+    if (lists.fifo_begin != nullptr) {
+      const std::int32_t begin = lists.fifo_begin[slots[b]];
+      KVSIFT_CHECK(begin >= 0 && begin < lists.lists, where,
+                   "lists.fifo_begin (= {}) of slot {} is outside [0, lists.lists = {})", begin, slots[b], lists.lists);
+    }
     for (std::int32_t h = 0; h < entries.kv_heads; ++h) {
       check_selection_count(where, "entries", b, h, entries.count(b, h), entries.capacity);
       const std::int32_t cursor = lists.cursors[std::int64_t(slots[b]) * lists.kv_heads + h];

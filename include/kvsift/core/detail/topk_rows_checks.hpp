@@ -36,4 +36,15 @@ inline void check_topk_rows_call(const char* where, const MatrixView<const float
                "out.capacity (= {}) < options.heads_per_row * k (= {} * {})", out.capacity, heads, k);
 }
 
+/// A length_budgets call: its budget and its shape (the lengths live in the backend's memory).
+inline void check_length_budgets(const char* where, const std::int32_t* lengths, std::int32_t batch, std::int32_t heads,
+                                 const LengthBudget& budget, const std::int32_t* row_k) {
+  KVSIFT_CHECK(lengths != nullptr && row_k != nullptr, where, "lengths and row_k must be non-null");
+  KVSIFT_CHECK(batch > 0 && heads > 0, where, "batch (= {}) and heads (= {}) must be positive", batch, heads);
+  KVSIFT_CHECK(budget.fraction > 0 && budget.fraction <= 1, where, "budget.fraction (= {}) is outside (0, 1]",
+               budget.fraction);
+  KVSIFT_CHECK(budget.minimum >= 0 && budget.minimum <= budget.maximum, where,
+               "budget.minimum (= {}) is outside [0, budget.maximum = {}]", budget.minimum, budget.maximum);
+}
+
 }  // namespace kvsift::detail

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "kvsift/attention/options.hpp"
+#include "kvsift/core/ranking.hpp"
 #include "kvsift/core/views.hpp"
 
 namespace kvsift::cuda::detail {
@@ -95,6 +96,9 @@ struct TopKRowsParams {
 cudaError_t topk_rows_cluster_limits(int* max_cluster, int* clusters16);
 
 cudaError_t launch_topk_rows(const TopKRowsParams& params, cudaStream_t stream);
+
+cudaError_t launch_length_budgets(const std::int32_t* lengths, std::int32_t batch, std::int32_t heads,
+                                  const LengthBudget& budget, std::int32_t* row_k, cudaStream_t stream);
 
 // ---- top-K by two CUB radix sorts of (row, score) keys -------------------------------------------------
 

@@ -76,7 +76,10 @@ class SelectorBackend final : public FidelityBackend {
 
     AttentionWindow window() const override { return window_; }
     void prepare(std::int32_t prefill) override {
-      step_.prepare({.cache = layer_.cache(prefill), .slots = layer_.slot_.data()}, layer_.ctx_);
+      const std::int64_t token_stride = std::int64_t(layer_.q_heads_) * layer_.head_dim_;
+      const SequenceView<const half> queries{layer_.q_.data(), 1, layer_.q_heads_, prefill, layer_.head_dim_,
+                                             layer_.tokens_ * token_stride, layer_.head_dim_, token_stride};
+      step_.prepare({.cache = layer_.cache(prefill), .slots = layer_.slot_.data(), .queries = queries}, layer_.ctx_);
     }
     void run(std::int32_t position) override {
       const std::size_t q_offset = std::size_t(position) * layer_.q_heads_ * layer_.head_dim_;
