@@ -151,7 +151,9 @@ TEST_P(CudaCtkvr, WholeListsGiveTheTopOfTheMiddleAtEveryStep) {
       const std::vector<std::int32_t> chosen(host_ids.begin() + std::size_t(g) * sel.capacity,
                                              host_ids.begin() + std::size_t(g) * sel.capacity + host_counts[g]);
       test::expect_top_k(chosen, test::middle_softmax(p, q, g), k, 1e-5, fmt::format("step {} kv head {}", s, g));
-      if (s == 0) EXPECT_EQ(unions[std::size_t(g)], p.middle()) << "the prefill lists' union, kv head " << g;
+      if (s == 0) {
+        EXPECT_EQ(unions[std::size_t(g)], p.middle()) << "the prefill lists' union, kv head " << g;
+      }
     }
   }
   if (variant) {  // ten updates over columns 6 and 7: the cursors are back at 6, the prefill lists untouched

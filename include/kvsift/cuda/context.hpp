@@ -45,6 +45,37 @@ class Array {
   std::size_t size_ = 0;
 };
 
+/// Owning pinned host array (cudaMallocHost): the staging buffers of a step that moves data between the GPU and
+/// the CPU every step, so that its stream-ordered copies do not go through pageable memory. Allocated at
+/// construction, never in the hot path. Move-only.
+template <class T>
+class PinnedArray {
+ public:
+  PinnedArray() = default;
+  explicit PinnedArray(std::size_t count) : size_(count) {
+    if (count > 0) KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data_), count * sizeof(T)));
+  }
+  PinnedArray(const PinnedArray&) = delete;
+  PinnedArray& operator=(const PinnedArray&) = delete;
+  PinnedArray(PinnedArray&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+  PinnedArray& operator=(PinnedArray&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(size_, other.size_);
+    return *this;
+  }
+  ~PinnedArray() {
+    if (data_ != nullptr) cudaFreeHost(data_);
+  }
+  T* data() { return data_; }
+  const T* data() const { return data_; }
+  std::size_t size() const { return size_; }
+
+ private:
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
 struct Context {
   static constexpr MemorySpace memory = MemorySpace::device;
   template <class T>

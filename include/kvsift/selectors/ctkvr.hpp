@@ -62,6 +62,83 @@ struct CtkvrConfig {
   bool pin_prefill_centroids = false;
 };
 
+namespace detail {
+inline GroupScoreOptions ctkvr_rerank_options(const AttentionOptions& attention) {
+  return {.sm_scale = attention.sm_scale, .reduce = GroupReduce::max, .softmax = true};
+}
+}  // namespace detail
+
+/// CTKVR's rerank, the stage without index state: the exact softmax over each row's candidates (max over the
+/// group), the budget's best back to token ids, and, for the dynamic update, the top rho as the query's new
+/// list. Ctkvr::select runs it in the index's context; the paper's hybrid (step/ctkvr_hybrid_step.hpp) runs it on
+/// the CPU over the host cache while the index stays on the GPU. The config is the checked one of a Ctkvr.
+template <class T, class Context>
+class CtkvrRerank {
+  static_assert(BackendIncluded<Context>, "CtkvrRerank<T, Context>: include kvsift/cpu/backend.hpp or "
+                                          "kvsift/cuda/backend.hpp first");
+
+ public:
+  CtkvrRerank(const SelectorLimits& limits, const CtkvrConfig& config) : limits_(limits), config_(config) {}
+
+  /// Workspace of run() for `batch` rows of `candidate_capacity` candidates.
+  std::size_t workspace_bytes(std::int32_t batch, std::int32_t candidate_capacity, const Context& ctx) const {
+    WorkspaceLayout counting;
+    layout(counting, batch, candidate_capacity, ctx);
+    return counting.bytes();
+  }
+
+  /// candidates [batch, kv_heads, capacity] (token ids; counts per row) -> out [batch, kv_heads, >= budget] token
+  /// ids, ascending; and, when entries.indices is set, entries [batch, kv_heads, list_size] the top rho. q, cache
+  /// and lengths ([batch], the cache's) in the context's memory.
+  void run(const QueryView<const T>& q, const KVCache<const T>& cache, const std::int32_t* lengths,
+           const AttentionOptions& attention, const SelectionView& candidates, const SelectionView& out,
+           const SelectionView& entries, std::span<std::byte> workspace, const Context& ctx) const {
+    const std::int32_t batch = candidates.batch, capacity = candidates.capacity;
+    const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
+    WorkspaceLayout carving(workspace, "CtkvrRerank::run");
+    const Buffers w = layout(carving, batch, capacity, ctx);
+    const auto scores = MatrixView<float>::packed(w.scores, rows, capacity);
+    candidate_scores(q, cache, candidates, detail::ctkvr_rerank_options(attention), scores, w.scores_scratch, ctx);
+    const auto ranked = MatrixView<const float>::packed(w.scores, rows, capacity);
+    TopKRowsOptions budget_options{};
+    if (config_.budget_fraction > 0) {
+      length_budgets(lengths, batch, limits_.kv_heads, {.fraction = config_.budget_fraction, .maximum = config_.budget},
+                     w.row_k, ctx);
+      budget_options.row_k = w.row_k;
+    }
+    const SelectionView positions{out.indices, out.counts, out.log_weights, std::int32_t(rows), 1, out.capacity};
+    topk_rows(ranked, candidates.counts, config_.budget, budget_options, positions, w.topk_scratch, ctx);
+    remap_selection(positions, candidates, positions, ctx);
+    if (entries.indices == nullptr) return;
+    const SelectionView entry_rows{entries.indices, entries.counts, nullptr, std::int32_t(rows), 1, entries.capacity};
+    topk_rows(ranked, candidates.counts, config_.list_size, TopKRowsOptions{}, entry_rows, w.topk_scratch, ctx);
+    remap_selection(entry_rows, candidates, entry_rows, ctx);
+  }
+
+ private:
+  struct Buffers {
+    float* scores;
+    std::int32_t* row_k;
+    std::span<std::byte> scores_scratch, topk_scratch;
+  };
+  Buffers layout(WorkspaceLayout& layout, std::int32_t batch, std::int32_t capacity, const Context& ctx) const {
+    const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
+    Buffers b{};
+    b.scores = layout.allocate<float>(std::size_t(rows) * std::size_t(capacity), "CTKVR candidate scores");
+    b.row_k = config_.budget_fraction > 0 ? layout.allocate<std::int32_t>(std::size_t(rows), "CTKVR budgets per row")
+                                          : nullptr;
+    b.scores_scratch = layout.span(
+        candidate_scores_workspace_bytes(rows, limits_.q_heads / limits_.kv_heads, capacity, ctx),
+        "CTKVR candidate scores scratch");
+    const std::int32_t k = std::max(config_.budget, config_.dynamic_update ? config_.list_size : 0);
+    b.topk_scratch = layout.span(topk_rows_workspace_bytes(rows, capacity, k, {}, ctx), "CTKVR rerank top-k scratch");
+    return b;
+  }
+
+  SelectorLimits limits_;
+  CtkvrConfig config_;
+};
+
 template <class T, class Context>
 class Ctkvr {
   static_assert(BackendIncluded<Context>, "Ctkvr<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
@@ -73,7 +150,8 @@ class Ctkvr {
   using value_type = T;
   using context_type = Context;
 
-  Ctkvr(const SelectorLimits& limits, const CtkvrConfig& config) : limits_(limits), config_(checked(limits, config)) {
+  Ctkvr(const SelectorLimits& limits, const CtkvrConfig& config)
+      : limits_(limits), config_(checked(limits, config)), rerank_(limits, config_) {
     const auto slots = std::size_t(limits.max_slots), kv = std::size_t(limits.kv_heads);
     const auto columns = std::size_t(config_.max_centroids);
     centroids_.resize(QueryCentroidsView<T>::elements(limits.max_slots, limits.q_heads, config_.max_centroids,
@@ -98,10 +176,10 @@ class Ctkvr {
     return {list_ids_.data(), nullptr, list_counts_.data(), cursors_.data(), limits_.max_slots, limits_.kv_heads,
             config_.max_centroids, config_.list_size, fifo_begin_.data()};
   }
-  /// The last select's union sizes, [batch * kv_heads] in the context's memory: per (sequence, kv head) the
-  /// distinct ids of the C' recalled lists left after the window, before the unindexed middle joins them. Over
-  /// list_size * recalled_centroids it is the paper's deduplication coefficient (below 0.5 in its figure). Valid
-  /// for the rows of the last select until the next one.
+  /// The last select's (or recall's) union sizes, [batch * kv_heads] in the context's memory: per (sequence, kv
+  /// head) the distinct ids of the C' recalled lists left after the window, before the unindexed middle joins
+  /// them. Over list_size * recalled_centroids it is the paper's deduplication coefficient (below 0.5 in its
+  /// figure). Valid for the rows of the last call until the next one.
   const std::int32_t* last_union_sizes() const { return union_sizes_.data(); }
   std::int32_t capacity() const { return config_.budget; }
   const CtkvrConfig& config() const { return config_; }
@@ -111,17 +189,29 @@ class Ctkvr {
                                fifo_begin_.size() + boundaries_.size()) * sizeof(std::int32_t);
     return Context::memory == MemorySpace::host ? IndexBytes{bytes, 0} : IndexBytes{0, bytes};
   }
+  /// Candidates per row for sequences of up to `max_seq_len` tokens: C' lists and the unindexed middle.
+  std::int32_t candidate_capacity(std::int32_t max_seq_len) const {
+    return config_.recalled_centroids * config_.list_size + max_seq_len;
+  }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
     constexpr const char* where = "Ctkvr::select_workspace_bytes";
     detail::check_shape(where, limits_, shape);
+    const std::int32_t tokens = detail::planned_tokens(where, "shape.max_seq_len", limits_, shape.max_seq_len);
     WorkspaceLayout counting;
-    layout(counting, shape.batch, detail::planned_tokens(where, "shape.max_seq_len", limits_, shape.max_seq_len), ctx);
+    layout(counting, shape.batch, tokens, ctx);
     return counting.bytes();
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
     detail::check_shape("Ctkvr::append_workspace_bytes", limits_, shape);
     return 0;
+  }
+  /// Workspace of recall() for `shape`.
+  std::size_t recall_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
+    detail::check_shape("Ctkvr::recall_workspace_bytes", limits_, shape);
+    WorkspaceLayout counting;
+    layout_recall(counting, shape.batch, ctx);
+    return counting.bytes();
   }
 
   /// Builds the index of the joining sequences: centroids from in.queries (the last C of each head), lists over
@@ -154,58 +244,57 @@ class Ctkvr {
               const Context& ctx) {
     constexpr const char* where = "Ctkvr::select";
     detail::check_select(where, limits_, in, out, capacity(), Context::memory);
-    const std::int32_t batch = in.q.batch, kv = limits_.kv_heads;
+    const std::int32_t batch = in.q.batch;
     const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
-    const std::int64_t rows = std::int64_t(batch) * kv;
     WorkspaceLayout carving(workspace, where);
     const Buffers w = layout(carving, batch, tokens, ctx);
-    const std::int32_t columns = config_.max_centroids, recalled = config_.recalled_centroids;
-    const std::int32_t candidate_capacity = candidates_capacity(tokens);
+    const SelectionView candidates{w.candidates, w.candidate_counts, nullptr, batch, limits_.kv_heads,
+                                   candidate_capacity(tokens)};
+    recall_into(in, candidates, w.recall, ctx);
+    const SelectionView entries{w.entries, w.entry_counts, nullptr, batch, limits_.kv_heads, config_.list_size};
+    rerank_.run(in.q, in.cache, in.lengths, in.attention, candidates, out,
+                config_.dynamic_update ? entries : SelectionView{}, w.rerank, ctx);
+    if (config_.dynamic_update) update(in.q, in.slots, entries, w.replaced, ctx);
+  }
 
-    // Recall: the C' best centroids per (sequence, kv head), the union of their lists and the unindexed middle.
-    centroid_scores(in.q, centroids().as_const(), in.slots, kv, MatrixView<float>::packed(w.centroid_scores, rows, columns),
-                    ctx);
-    const SelectionView chosen{w.chosen, w.chosen_counts, nullptr, batch, kv, recalled};
-    topk_rows(MatrixView<const float>::packed(w.centroid_scores, rows, columns), full_columns_.data(), recalled,
-              TopKRowsOptions{}, chosen, w.centroid_topk, ctx);
-    const SelectionView candidates{w.candidates, w.candidate_counts, nullptr, batch, kv, candidate_capacity};
-    union_lists(lists().as_const(), chosen, in.slots, in.lengths, in.attention.window, candidates, w.union_scratch, ctx);
-    copy_within(w.candidate_counts, std::size_t(rows), union_sizes_.data(), ctx);
-    append_range(candidates, in.slots, boundaries_.data(), in.lengths, in.attention.window, ctx);
+  /// Select's first stage, alone (the hybrid placement's GPU part): the C' best centroids per (sequence, kv
+  /// head), the union of their lists and the unindexed middle, into `candidates` [batch, kv_heads,
+  /// candidate_capacity(max_seq_len)] (token ids, ascending within each part). in.cache is read for nothing
+  /// but its shape; in.lengths and in.slots as in select.
+  void recall(const SelectInputs<T>& in, const SelectionView& candidates, std::span<std::byte> workspace,
+              const Context& ctx) {
+    constexpr const char* where = "Ctkvr::recall";
+    detail::check_select(where, limits_, in, candidates, candidates.capacity, Context::memory);
+    const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
+    KVSIFT_CHECK(candidates.capacity >= candidate_capacity(tokens), where,
+                 "candidates.capacity (= {}) < candidate_capacity(max_seq_len) (= {})", candidates.capacity,
+                 candidate_capacity(tokens));
+    WorkspaceLayout carving(workspace, where);
+    recall_into(in, candidates, layout_recall(carving, in.q.batch, ctx), ctx);
+  }
 
-    // Rerank: the exact softmax over the candidates, max over the group; the budget's best, back to token ids.
-    const auto scores = MatrixView<float>::packed(w.candidate_scores, rows, candidate_capacity);
-    candidate_scores(in.q, in.cache, candidates, rerank_options(in.attention), scores, w.candidate_scratch, ctx);
-    const SelectionView positions{out.indices, out.counts, out.log_weights, std::int32_t(rows), 1, out.capacity};
-    const auto ranked = MatrixView<const float>::packed(w.candidate_scores, rows, candidate_capacity);
-    TopKRowsOptions budget_options{};
-    if (config_.budget_fraction > 0) {
-      length_budgets(in.lengths, batch, kv, {.fraction = config_.budget_fraction, .maximum = config_.budget}, w.row_k,
-                     ctx);
-      budget_options.row_k = w.row_k;
-    }
-    topk_rows(ranked, w.candidate_counts, config_.budget, budget_options, positions, w.rerank_topk, ctx);
-    remap_selection(positions, candidates, positions, ctx);
-
-    if (config_.dynamic_update) {
-      // The query becomes a centroid (FIFO over the columns) listing the top rho of its rerank.
-      const SelectionView entries{w.entries, w.entry_counts, nullptr, std::int32_t(rows), 1, config_.list_size};
-      topk_rows(ranked, w.candidate_counts, config_.list_size, TopKRowsOptions{}, entries, w.rerank_topk, ctx);
-      remap_selection(entries, candidates, entries, ctx);
-      const SelectionView row_entries{w.entries, w.entry_counts, nullptr, batch, kv, config_.list_size};
-      replace_list(lists(), in.slots, row_entries, MatrixView<const float>{}, w.replaced, ctx);
-      const SequenceView<const T> query{in.q.data, batch, in.q.heads, 1, in.q.head_dim, in.q.batch_stride,
-                                        in.q.head_stride, in.q.head_dim};
-      store_centroids(query, in.slots, w.replaced, kv, centroids(), ctx);
-    }
+  /// Select's last stage, alone: each row's query q becomes a centroid (FIFO over the columns) whose list is
+  /// entries' row [batch, kv_heads, list_size] (the rerank's top rho). `replaced` [batch * kv_heads] is scratch in
+  /// the context's memory. Nothing to do without the dynamic update.
+  void update(const QueryView<const T>& q, const std::int32_t* slots, const SelectionView& entries,
+              std::int32_t* replaced, const Context& ctx) {
+    if (!config_.dynamic_update) return;
+    replace_list(lists(), slots, entries, MatrixView<const float>{}, replaced, ctx);
+    const SequenceView<const T> query{q.data, q.batch, q.heads, 1, q.head_dim, q.batch_stride, q.head_stride,
+                                      q.head_dim};
+    store_centroids(query, slots, replaced, limits_.kv_heads, centroids(), ctx);
   }
 
  private:
-  struct Buffers {
+  struct RecallBuffers {
     float* centroid_scores;
-    std::int32_t *chosen, *chosen_counts, *candidates, *candidate_counts, *entries, *entry_counts, *replaced, *row_k;
-    float* candidate_scores;
-    std::span<std::byte> centroid_topk, union_scratch, candidate_scratch, rerank_topk;
+    std::int32_t *chosen, *chosen_counts;
+    std::span<std::byte> centroid_topk, union_scratch;
+  };
+  struct Buffers {
+    RecallBuffers recall;
+    std::int32_t *candidates, *candidate_counts, *entries, *entry_counts, *replaced;
+    std::span<std::byte> rerank;
   };
 
   static CtkvrConfig checked(const SelectorLimits& limits, CtkvrConfig c) {
@@ -228,37 +317,47 @@ class Ctkvr {
                  "config.budget_fraction (= {}) is outside [0, 1] (0: a fixed budget)", c.budget_fraction);
     return c;
   }
-  static GroupScoreOptions rerank_options(const AttentionOptions& attention) {
-    return {.sm_scale = attention.sm_scale, .reduce = GroupReduce::max, .softmax = true};
-  }
-  std::int32_t candidates_capacity(std::int32_t tokens) const {
-    return config_.recalled_centroids * config_.list_size + tokens;
-  }
-  Buffers layout(WorkspaceLayout& layout, std::int32_t batch, std::int32_t tokens, const Context& ctx) const {
+  RecallBuffers layout_recall(WorkspaceLayout& layout, std::int32_t batch, const Context& ctx) const {
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
     const auto r = std::size_t(rows);
-    const std::int32_t columns = config_.max_centroids, cap = candidates_capacity(tokens);
-    Buffers b{};
+    const std::int32_t columns = config_.max_centroids;
+    RecallBuffers b{};
     b.centroid_scores = layout.allocate<float>(r * std::size_t(columns), "CTKVR centroid scores");
     b.chosen = layout.allocate<std::int32_t>(r * std::size_t(config_.recalled_centroids), "CTKVR chosen lists");
     b.chosen_counts = layout.allocate<std::int32_t>(r, "CTKVR chosen counts");
-    b.candidates = layout.allocate<std::int32_t>(r * std::size_t(cap), "CTKVR candidates");
-    b.candidate_counts = layout.allocate<std::int32_t>(r, "CTKVR candidate counts");
-    b.candidate_scores = layout.allocate<float>(r * std::size_t(cap), "CTKVR candidate scores");
-    b.entries = layout.allocate<std::int32_t>(r * std::size_t(config_.list_size), "CTKVR new list");
-    b.entry_counts = layout.allocate<std::int32_t>(r, "CTKVR new list counts");
-    b.replaced = layout.allocate<std::int32_t>(r, "CTKVR replaced columns");
-    b.row_k = config_.budget_fraction > 0 ? layout.allocate<std::int32_t>(r, "CTKVR budgets per row") : nullptr;
     b.centroid_topk = layout.span(topk_rows_workspace_bytes(rows, columns, config_.recalled_centroids, {}, ctx),
                                   "CTKVR centroid top-k scratch");
     b.union_scratch = layout.span(
         list_reduction_workspace_bytes(rows, config_.recalled_centroids, config_.list_size, false, ctx),
         "CTKVR union scratch");
-    b.candidate_scratch = layout.span(candidate_scores_workspace_bytes(rows, limits_.q_heads / limits_.kv_heads, cap, ctx),
-                                      "CTKVR candidate scores scratch");
-    const std::int32_t k = std::max(config_.budget, config_.dynamic_update ? config_.list_size : 0);
-    b.rerank_topk = layout.span(topk_rows_workspace_bytes(rows, cap, k, {}, ctx), "CTKVR rerank top-k scratch");
     return b;
+  }
+  Buffers layout(WorkspaceLayout& layout, std::int32_t batch, std::int32_t tokens, const Context& ctx) const {
+    const auto r = std::size_t(std::int64_t(batch) * limits_.kv_heads);
+    const std::int32_t cap = candidate_capacity(tokens);
+    Buffers b{};
+    b.recall = layout_recall(layout, batch, ctx);
+    b.candidates = layout.allocate<std::int32_t>(r * std::size_t(cap), "CTKVR candidates");
+    b.candidate_counts = layout.allocate<std::int32_t>(r, "CTKVR candidate counts");
+    b.entries = layout.allocate<std::int32_t>(r * std::size_t(config_.list_size), "CTKVR new list");
+    b.entry_counts = layout.allocate<std::int32_t>(r, "CTKVR new list counts");
+    b.replaced = layout.allocate<std::int32_t>(r, "CTKVR replaced columns");
+    b.rerank = layout.span(rerank_.workspace_bytes(batch, cap, ctx), "CTKVR rerank");
+    return b;
+  }
+
+  void recall_into(const SelectInputs<T>& in, const SelectionView& candidates, const RecallBuffers& w,
+                   const Context& ctx) {
+    const std::int32_t batch = in.q.batch, kv = limits_.kv_heads, columns = config_.max_centroids;
+    const std::int64_t rows = std::int64_t(batch) * kv;
+    centroid_scores(in.q, centroids().as_const(), in.slots, kv, MatrixView<float>::packed(w.centroid_scores, rows, columns),
+                    ctx);
+    const SelectionView chosen{w.chosen, w.chosen_counts, nullptr, batch, kv, config_.recalled_centroids};
+    topk_rows(MatrixView<const float>::packed(w.centroid_scores, rows, columns), full_columns_.data(),
+              config_.recalled_centroids, TopKRowsOptions{}, chosen, w.centroid_topk, ctx);
+    union_lists(lists().as_const(), chosen, in.slots, in.lengths, in.attention.window, candidates, w.union_scratch, ctx);
+    copy_within(candidates.counts, std::size_t(rows), union_sizes_.data(), ctx);
+    append_range(candidates, in.slots, boundaries_.data(), in.lengths, in.attention.window, ctx);
   }
 
   QueryCentroidsView<T> centroids() {
@@ -302,7 +401,7 @@ class Ctkvr {
     store_centroids(last, slot_pointer, nullptr, limits_.kv_heads, centroids(), ctx);
 
     const std::int32_t group = limits_.q_heads / limits_.kv_heads, chunk = std::min(config_.prepare_chunk, c_count);
-    const GroupScoreOptions options = rerank_options(in.attention);
+    const GroupScoreOptions options = detail::ctkvr_rerank_options(in.attention);
     Array<float> scores(std::size_t(chunk) * std::size_t(length));
     Array<std::byte> group_ws(group_scores_workspace_bytes(chunk, group, 1, length, options, ctx));
     Array<std::byte> topk_ws(topk_rows_workspace_bytes(chunk, length, config_.list_size, {.window = window}, ctx));
@@ -394,6 +493,7 @@ class Ctkvr {
 
   SelectorLimits limits_;
   CtkvrConfig config_;
+  CtkvrRerank<T, Context> rerank_;
   Array<T> centroids_;
   Array<std::int32_t> centroid_counts_, list_ids_, list_counts_, cursors_, fifo_begin_, boundaries_, union_sizes_;
   Array<std::int32_t> full_columns_;
