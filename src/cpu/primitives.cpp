@@ -6,6 +6,7 @@
 #include <numeric>
 #include <type_traits>
 
+#include "kvsift/core/detail/rerank_checks.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/kmeans_seeding.hpp"
 #include "kvsift/core/validate.hpp"
@@ -13,6 +14,7 @@
 #include "kvsift/cpu/context.hpp"
 #include "kvsift/cpu/detail/primitives_kernels.hpp"
 #include "kvsift/cpu/kmeans.hpp"
+#include "kvsift/cpu/rerank.hpp"
 #include "kvsift/cpu/segment_mean.hpp"
 #include "kvsift/cpu/simd.hpp"
 
@@ -57,6 +59,23 @@ GroupScoreWorkspace layout_group_scores(WorkspaceLayout& layout, std::int64_t ro
   ws.chunk_max = layout.allocate<float>(partials, "chunk_max");
   ws.chunk_sum = layout.allocate<float>(partials, "chunk_sum");
   return ws;
+}
+
+/// Both phases of a group_scores job (its logits, then with softmax the weights), at the active SIMD level, in
+/// work items of one chunk of one row on `pool`.
+template <class T, class KV>
+void run_group_scores(const detail::GroupScoreJob<T, KV>& job, std::int64_t rows, ThreadPool* pool) {
+  const std::int64_t items = rows * job.chunks;
+  with_simd_level([&]<SimdLevel L>() {
+    const bool bf16_dot = L == SimdLevel::avx512 && std::is_same_v<T, bfloat16> && cpu_has_avx512_bf16();
+    parallel_for(pool, items, [&](std::int64_t begin, std::int64_t end) {
+      detail::group_logits_items<L, T, KV>(job, begin, end, bf16_dot);
+    });
+    if (!job.softmax) return;
+    parallel_for(pool, items, [&](std::int64_t begin, std::int64_t end) {
+      detail::group_softmax_items<L, T, KV>(job, begin, end);
+    });
+  });
 }
 
 void check_group_reduce(const char* where, const GroupScoreOptions& options) {
@@ -121,17 +140,54 @@ void group_scores(const QueryView<const T>& q, const KV& kv, const MatrixView<fl
   job.logits = ws.logits;
   job.chunk_max = ws.chunk_max;
   job.chunk_sum = ws.chunk_sum;
-  const std::int64_t items = rows * job.chunks;
-  with_simd_level([&]<SimdLevel L>() {
-    const bool bf16_dot = L == SimdLevel::avx512 && std::is_same_v<T, bfloat16> && cpu_has_avx512_bf16();
-    parallel_for(pool, items, [&](std::int64_t begin, std::int64_t end) {
-      detail::group_logits_items<L, T, KV>(job, begin, end, bf16_dot);
-    });
-    if (!job.softmax) return;
-    parallel_for(pool, items, [&](std::int64_t begin, std::int64_t end) {
-      detail::group_softmax_items<L, T, KV>(job, begin, end);
-    });
-  });
+  run_group_scores(job, rows, pool);
+}
+
+std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity) {
+  kvsift::detail::check_candidate_scores_shape("cpu::candidate_scores_workspace_bytes", rows, group, capacity);
+  WorkspaceLayout counting;
+  layout_group_scores(counting, rows, group, capacity, {.softmax = true});
+  return counting.bytes();
+}
+
+template <class T, class KV>
+void candidate_scores(const QueryView<const T>& q, const KV& kv, const SelectionView& candidates,
+                      const GroupScoreOptions& options, const MatrixView<float>& scores, std::span<std::byte> workspace,
+                      ThreadPool* pool) {
+  constexpr const char* where = "cpu::candidate_scores";
+  kvsift::detail::check_candidate_scores(where, q, kv, candidates, options, scores, MemorySpace::host);
+  KVSIFT_CHECK(q.head_dim <= detail::kMaxHeadDim, where, "head_dim (= {}) exceeds the CPU kernels' limit of {}",
+               q.head_dim, detail::kMaxHeadDim);
+  const std::int64_t rows = std::int64_t(q.batch) * kv.kv_heads;
+  for (std::int64_t row = 0; row < rows; ++row) {
+    const std::int32_t b = std::int32_t(row / kv.kv_heads), count = candidates.counts[row];
+    KVSIFT_CHECK(count >= 0 && count <= candidates.capacity, where,
+                 "candidates.counts[{}] (= {}) is outside [0, capacity = {}]", row, count, candidates.capacity);
+    const std::int32_t* ids = candidates.indices + row * candidates.capacity;
+    for (std::int32_t i = 0; i < count; ++i) {
+      KVSIFT_CHECK(ids[i] >= 0 && ids[i] < kv.seq_len(b), where,
+                   "candidate {} of row {} (= {}) is outside [0, seq_len = {})", i, row, ids[i], kv.seq_len(b));
+    }
+  }
+  // group_scores' job over the candidates: each row's positions indirect through its ids. The score rows are
+  // cut to the capacity, which sizes the workspace.
+  detail::GroupScoreJob<T, KV> job{.q = q,
+                                   .kv = kv,
+                                   .scores = {scores.data, rows, candidates.capacity, scores.row_stride},
+                                   .group = q.heads / kv.kv_heads,
+                                   .scale = AttentionOptions{.sm_scale = options.sm_scale}.resolved_scale(q.head_dim),
+                                   .sum = options.reduce == GroupReduce::sum,
+                                   .softmax = options.softmax,
+                                   .chunks = score_chunks(candidates.capacity),
+                                   .ids = candidates.indices,
+                                   .counts = candidates.counts,
+                                   .id_stride = candidates.capacity};
+  WorkspaceLayout layout(workspace, where);
+  const GroupScoreWorkspace ws = layout_group_scores(layout, rows, job.group, candidates.capacity, {.softmax = true});
+  job.logits = ws.logits;
+  job.chunk_max = ws.chunk_max;
+  job.chunk_sum = ws.chunk_sum;
+  run_group_scores(job, rows, pool);
 }
 
 template <class T>
@@ -315,6 +371,12 @@ KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& confi
   template void detail::check_group_scores<T, KV>(const char*, const QueryView<const T>&, const KV&,               \
                                                   const MatrixView<float>&, const GroupScoreOptions&, MemorySpace);
 KVSIFT_GROUP_SCORE_TYPES(KVSIFT_INSTANTIATE_GROUP_SCORES)
+#define KVSIFT_INSTANTIATE_CANDIDATE_SCORES(T, KV)                                                               \
+  template void candidate_scores<T, KV>(const QueryView<const T>&, const KV&, const SelectionView&,              \
+                                        const GroupScoreOptions&, const MatrixView<float>&, std::span<std::byte>, \
+                                        ThreadPool*);
+KVSIFT_GROUP_SCORE_TYPES(KVSIFT_INSTANTIATE_CANDIDATE_SCORES)
+#undef KVSIFT_INSTANTIATE_CANDIDATE_SCORES
 #undef KVSIFT_INSTANTIATE_GROUP_SCORES
 
 #define KVSIFT_INSTANTIATE(T)                                                                                      \

@@ -4,11 +4,16 @@
 // rows), the remap back to token ids (in place), thread independence, and every refused input.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "kvsift/cpu/query_centroids.hpp"
 #include "kvsift/cpu/rerank.hpp"
+#include "kvsift/cpu/simd.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 #include "rerank_problem.hpp"
 #include "test_util.hpp"
@@ -82,37 +87,51 @@ TYPED_TEST(CpuQueryCentroids, StoreWritesUnitQueriesAtTheirColumns) {
   EXPECT_TRUE(std::isnan(to_float(view.row(3, 0, 3)[0])));  // past row 0's columns [0, 3)
 }
 
-TEST(CpuRerank, CandidateScoresMatchFp64OnBothLayouts) {
+TEST(CpuRerank, CandidateScoresMatchFp64AtEverySimdLevelAndThreadCount) {
   const auto seed = test::test_seed();
   SCOPED_TRACE(seed);
   Random rng(seed);
-  const std::int32_t q_heads = 8, kv_heads = 2, d = 64, capacity = 50;
-  const std::vector<std::int32_t> lengths = {300, 40, 129};
-  const test::HostKV kv(rng, 3, kv_heads, 320, d, lengths);
-  const test::HostPagedKV paged(kv, 16, true, rng);
-  const std::vector<float> q = rng.normal(std::size_t(3) * q_heads * d);
-  const auto qv = QueryView<const float>::packed(q.data(), 3, q_heads, d);
-  const test::HostSelection candidates = test::random_candidates(rng, lengths, kv_heads, capacity);
-  cpu::ThreadPool pool(2);
-  for (const bool softmax : {true, false}) {
-    const GroupScoreOptions options{.sm_scale = 0.3f, .reduce = softmax ? GroupReduce::max : GroupReduce::sum,
-                                    .softmax = softmax};
-    const auto expected = test::candidate_reference(q, q_heads, kv.view(), candidates, 0.3, softmax, !softmax);
-    for (const bool use_paged : {false, true}) {
-      std::vector<float> scores(expected.size(), test::kPoison);
-      std::vector<std::byte> ws(cpu::candidate_scores_workspace_bytes(6, 4, capacity, &pool) + 256);
-      auto span = std::span<std::byte>(ws).subspan((256 - reinterpret_cast<std::uintptr_t>(ws.data()) % 256) % 256);
-      const auto sv = MatrixView<float>::packed(scores.data(), 6, capacity);
-      if (use_paged) {
-        cpu::candidate_scores(qv, paged.view, candidates.view, options, sv, span, &pool);
-      } else {
-        cpu::candidate_scores(qv, kv.view(), candidates.view, options, sv, span, &pool);
-      }
-      for (std::size_t i = 0; i < expected.size(); ++i) {
-        if (std::isnan(expected[i])) {
-          EXPECT_TRUE(std::isnan(scores[i])) << "written past the count at " << i;
-        } else {
-          EXPECT_NEAR(scores[i], expected[i], 1e-5 * std::max(1.0, std::abs(expected[i]))) << i << " paged " << use_paged;
+  const std::int32_t q_heads = 8, kv_heads = 2, d = 64;
+  for (const std::int32_t capacity : {50, 5000}) {  // one chunk of 2048 candidates, and three
+    const std::vector<std::int32_t> lengths = {capacity + 700, 40, 2100};
+    const test::HostKV kv(rng, 3, kv_heads, std::max(capacity + 720, 2100), d, lengths);
+    const test::HostPagedKV paged(kv, 16, true, rng);
+    const std::vector<float> q = rng.normal(std::size_t(3) * q_heads * d);
+    const auto qv = QueryView<const float>::packed(q.data(), 3, q_heads, d);
+    const test::HostSelection candidates = test::random_candidates(rng, lengths, kv_heads, capacity);
+    for (const cpu::SimdLevel level : test::available_simd_levels()) {
+      cpu::ScopedSimdLevel force(level);
+      for (const bool softmax : {true, false}) {
+        const GroupScoreOptions options{.sm_scale = 0.3f, .reduce = softmax ? GroupReduce::max : GroupReduce::sum,
+                                        .softmax = softmax};
+        const auto expected = test::candidate_reference(q, q_heads, kv.view(), candidates, 0.3, softmax, !softmax);
+        std::vector<float> first;
+        for (const bool use_paged : {false, true}) {
+          for (const std::int32_t threads : {1, 3}) {
+            cpu::ThreadPool pool(threads);
+            std::vector<float> scores(expected.size(), test::kPoison);
+            std::vector<std::byte> ws(cpu::candidate_scores_workspace_bytes(6, 4, capacity) + 256);
+            auto span = std::span<std::byte>(ws).subspan((256 - reinterpret_cast<std::uintptr_t>(ws.data()) % 256) % 256);
+            std::fill(span.begin(), span.end(), std::byte{0xff});
+            const auto sv = MatrixView<float>::packed(scores.data(), 6, capacity);
+            if (use_paged) {
+              cpu::candidate_scores(qv, paged.view, candidates.view, options, sv, span, &pool);
+            } else {
+              cpu::candidate_scores(qv, kv.view(), candidates.view, options, sv, span, &pool);
+            }
+            const std::string what = fmt::format("level {} capacity {} softmax {} paged {} threads {}",
+                                                 cpu::simd_level_name(level), capacity, softmax, use_paged, threads);
+            for (std::size_t i = 0; i < expected.size(); ++i) {
+              if (std::isnan(expected[i])) {
+                ASSERT_TRUE(std::isnan(scores[i])) << what << ": written past the count at " << i;
+              } else {
+                ASSERT_NEAR(scores[i], expected[i], 2e-5 * std::max(1.0, std::abs(expected[i]))) << what << " at " << i;
+              }
+            }
+            // Every layout and thread count gives the same bits.
+            if (first.empty()) first = scores;
+            EXPECT_TRUE(test::same_bytes(scores, first)) << what;
+          }
         }
       }
     }

@@ -92,7 +92,7 @@ TEST_F(CudaRerank, CandidateScoresAgreeWithTheCpuOnBothLayouts) {
   d_paged.k_pages = dk_pages.data(), d_paged.v_pages = dv_pages.data(), d_paged.page_indptr = dindptr.data();
   d_paged.page_indices = dindices.data(), d_paged.last_page_len = dlast.data();
   DeviceBuffer<std::byte> ws(cuda::candidate_scores_workspace_bytes(rows, 4, capacity));
-  std::vector<std::byte> host_ws(cpu::candidate_scores_workspace_bytes(rows, 4, capacity, nullptr) + 256);
+  std::vector<std::byte> host_ws(cpu::candidate_scores_workspace_bytes(rows, 4, capacity) + 256);
   auto host_span = std::span<std::byte>(host_ws).subspan((256 - reinterpret_cast<std::uintptr_t>(host_ws.data()) % 256) % 256);
   const auto qv = QueryView<const float>::packed(q.data(), 3, q_heads, d);
   const auto d_qv = QueryView<const float>::packed(dq.data(), 3, q_heads, d);

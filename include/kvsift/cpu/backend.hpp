@@ -192,8 +192,8 @@ void store_centroids(const SequenceView<const T>& queries, const std::int32_t* s
 
 // Rerank (cpu/rerank.hpp).
 inline std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity,
-                                                    const Context& ctx) {
-  return cpu::candidate_scores_workspace_bytes(rows, group, capacity, ctx.pool);
+                                                    const Context&) {
+  return cpu::candidate_scores_workspace_bytes(rows, group, capacity);
 }
 template <class T>
 void candidate_scores(const QueryView<const T>& q, const KVCache<const T>& cache, const SelectionView& candidates,

@@ -16,10 +16,9 @@
 namespace kvsift::cpu {
 
 /// Bytes of host workspace candidate_scores needs for `rows` candidate rows (batch * kv_heads) of up to
-/// `capacity` candidates, groups of `group` query heads: per thread (min(rows, threads) of `pool`) the group's
-/// logits, 4 * group * capacity bytes.
-std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity,
-                                             const ThreadPool* pool);
+/// `capacity` candidates, groups of `group` query heads: group_scores' softmax buffers over `capacity` tokens,
+/// each head's logits (4 * rows * group * capacity bytes) and its partial maxima and sums per chunk of 2048.
+std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity);
 
 /// group_scores (cpu/primitives.hpp) over a row's candidates instead of every token: for row (b, g) and
 /// candidate i < candidates.count(b, g), token t = candidates.row(b, g)[i],
@@ -28,7 +27,10 @@ std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t gro
 ///   LSE_h over the row's candidates (softmax over the recalled set, CTKVR's rerank).
 /// Entries past the count are not written. kv contiguous or paged (its batch, kv_heads = candidates' shape);
 /// scores [batch * kv_heads, >= candidates.capacity] fp32. Refused: a count outside [0, capacity], a candidate
-/// outside [0, seq_len(b)). workspace: candidate_scores_workspace_bytes(rows, q_heads / kv_heads, capacity, pool).
+/// outside [0, seq_len(b)). workspace: candidate_scores_workspace_bytes(rows, q_heads / kv_heads, capacity).
+/// group_scores' kernels (SIMD, a key row read once per tile of 8 heads, bf16 dot products on AVX-512 BF16),
+/// the work split in chunks of 2048 candidates of a row on `pool`: the sums are taken per chunk, so the result is
+/// the same for every thread count. Implemented in src/cpu/primitives.cpp with group_scores.
 template <class T, class KV>
 void candidate_scores(const QueryView<const T>& q, const KV& kv, const SelectionView& candidates,
                       const GroupScoreOptions& options, const MatrixView<float>& scores, std::span<std::byte> workspace,

@@ -150,7 +150,7 @@ void group_logits_items(const GroupScoreJob<T, KV>& job, std::int64_t begin, std
   for (std::int64_t item = begin; item < end; ++item) {
     const std::int64_t row = item / job.chunks, chunk = item % job.chunks;
     const std::int64_t b = row / job.kv.kv_heads, g = row % job.kv.kv_heads;
-    const auto [first, last] = chunk_tokens(chunk, job.kv.seq_len(b));
+    const auto [first, last] = chunk_tokens(chunk, job.length(row, b));
     if (first == last) continue;
     float* scores = job.scores.row(row);
 
@@ -167,7 +167,7 @@ void group_logits_items(const GroupScoreJob<T, KV>& job, std::int64_t begin, std
       }
       const auto fill = [&](int slot, std::int32_t from) {
         const int rows = std::max(0, std::min<std::int32_t>(kTokenBlock, last - from));
-        for (int t = 0; t < rows; ++t) k_rows[slot][t] = job.kv.k_row(b, g, from + t);
+        for (int t = 0; t < rows; ++t) k_rows[slot][t] = job.kv.k_row(b, g, job.token(row, from + t));
         return rows;
       };
       int slot = 0;
@@ -284,7 +284,7 @@ void group_softmax_items(const GroupScoreJob<T, KV>& job, std::int64_t begin, st
   for (std::int64_t item = begin; item < end; ++item) {
     const std::int64_t row = item / job.chunks, chunk = item % job.chunks;
     const std::int64_t b = row / job.kv.kv_heads;
-    const std::int32_t length = job.kv.seq_len(b);
+    const std::int32_t length = job.length(row, b);
     const auto [first, last] = chunk_tokens(chunk, length);
     if (first == last) continue;
     float* scores = job.scores.row(row);

@@ -40,6 +40,16 @@ struct GroupScoreJob {
   float* logits = nullptr;     ///< softmax: [rows, group, scores.cols], scaled logits (natural units)
   float* chunk_max = nullptr;  ///< softmax: [rows, chunks, group], each chunk's largest logit per head
   float* chunk_sum = nullptr;  ///< softmax: [rows, chunks, group], sum over the chunk of exp(logit - chunk_max)
+  /// Optional (cpu::candidate_scores): row r scores its candidates instead of every token, position t being
+  /// token ids[r * id_stride + t] for t < counts[r].
+  const std::int32_t* ids = nullptr;
+  const std::int32_t* counts = nullptr;
+  std::int64_t id_stride = 0;
+
+  /// Positions the row scores: its candidates, or every token of sequence b.
+  std::int32_t length(std::int64_t row, std::int64_t b) const { return ids != nullptr ? counts[row] : kv.seq_len(b); }
+  /// The token at position t of the row.
+  std::int32_t token(std::int64_t row, std::int32_t t) const { return ids != nullptr ? ids[row * id_stride + t] : t; }
 };
 
 /// Phase 1 of group_scores, work items [begin, end): every head's logits of the item's tokens, each key row
