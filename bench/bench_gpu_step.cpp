@@ -150,6 +150,18 @@ void run_step_benchmark(benchmark::State& state, int method, Make make_selector)
   state.SetLabel(method_name(method));
   state.counters["layers"] = layers;
   state.counters["prepare_ms"] = stack.front()->prepare_ms;
+  if constexpr (std::is_same_v<Selector, kvsift::Ctkvr<bfloat16, Cuda>>) {
+    // The last step's union of the recalled lists over rho * C' (the paper's deduplication coefficient; random
+    // keys here, so the lists barely overlap).
+    const auto& ctkvr = stack.back()->step.selector();
+    std::vector<std::int32_t> unions(std::size_t(batch) * kKvHeads);
+    KVSIFT_CUDA_CHECK(cudaMemcpy(unions.data(), ctkvr.last_union_sizes(), unions.size() * sizeof(std::int32_t),
+                                 cudaMemcpyDeviceToHost));
+    double sum = 0;
+    for (const std::int32_t u : unions) sum += u;
+    state.counters["union_over_rhoC"] = sum / double(unions.size()) /
+                                        (double(ctkvr.config().list_size) * ctkvr.config().recalled_centroids);
+  }
   if (between) return;  // the pair's time is not the step's: no bandwidth counter
   state.counters["GB/s"] = benchmark::Counter(step_bytes(method, n, batch) * double(state.iterations()),
                                               benchmark::Counter::kIsRate);
@@ -306,6 +318,45 @@ BENCHMARK(BM_StepStage)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);
+
+/// Ctkvr::prepare of one sequence's layer at the paper's defaults (C = min(2048, N / 16) centroids, rho = 2560
+/// over N keys): prepare_chunk centroids scored per pass (group_scores with softmax and max over the group over
+/// the sequence broadcast to the chunk, then topk_rows of the chunk's rows). Host wall clock of prepare and a
+/// synchronization; the target is 25 ms at 128K.
+void BM_CtkvrPrepare(benchmark::State& state) {
+  const std::int64_t n = state.range(0);
+  const int chunk = int(state.range(1));
+  const std::size_t elements = std::size_t(kKvHeads) * std::size_t(n) * kHeadDim;
+  Device<bfloat16> k(elements), v(elements);
+  Device<std::int32_t> lengths(1), slots(1);
+  fill_random(k.ptr, elements, 1);
+  fill_random(v.ptr, elements, 2);
+  upload_full_batch(n, 1, lengths.ptr, slots.ptr);
+  const std::int32_t w = std::min<std::int32_t>(kCtkvrCentroids, std::int32_t(n / 16));
+  Device<bfloat16> queries(std::size_t(kQHeads) * w * kHeadDim);
+  fill_random(queries.ptr, std::size_t(kQHeads) * w * kHeadDim, 3);
+  kvsift::Ctkvr<bfloat16, Cuda> selector(limits(n, 1), {.budget = kCtkvrBudget, .max_centroids = kCtkvrCentroids,
+                                                        .prepare_chunk = chunk});
+  const kvsift::PrefillInputs<bfloat16> in{
+      .cache = kvsift::ContiguousKVView<const bfloat16>::packed(k.ptr, v.ptr, 1, kKvHeads, std::int32_t(n), kHeadDim,
+                                                                lengths.ptr),
+      .slots = slots.ptr,
+      .queries = kvsift::SequenceView<const bfloat16>::packed(queries.ptr, 1, kQHeads, w, kHeadDim),
+      .attention = {.window = kWindow}};
+  for (auto _ : state) {
+    const auto begin = std::chrono::steady_clock::now();
+    selector.prepare(in, Cuda{});
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
+  }
+  state.SetLabel("CTKVR prepare");
+}
+BENCHMARK(BM_CtkvrPrepare)
+    ->ArgsProduct({{32768, 131072}, {32, 128, 512}})
+    ->ArgNames({"N", "chunk"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(2);
 
 /// CTKVR in the paper's hybrid placement (step/ctkvr_hybrid_step.hpp): index and recall on the GPU, rerank and
 /// the selection's attention on `threads` host threads over a pinned host copy of the cache, the window (4 + 64)
