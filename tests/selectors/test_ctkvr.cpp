@@ -228,6 +228,17 @@ TEST_F(CpuCtkvr, PinnedPrefillCentroidsOutliveTheUpdates) {
   });
 }
 
+TEST(CpuCtkvrIndex, IndexBytesCountCentroidsListsAndTheirState) {
+  // The paper's shape at one slot: 32 query heads of 128 in half, 8 kv heads, 2048 columns of rho = 2560 ids.
+  const Selector s({.max_slots = 1, .max_tokens = 131072, .q_heads = 32, .kv_heads = 8, .head_dim = 128},
+                   {.budget = 1024});
+  const std::size_t centroids = 32u * 2048 * 128 * sizeof(half), lists = 8u * 2048 * 2560 * 4;
+  const std::size_t state = 4 * (1 + 8 * 2048 + 8 + 1 + 1);  // centroid count, list counts, cursors, FIFO start, boundary
+  EXPECT_EQ(s.index_bytes().host, centroids + lists + state);
+  EXPECT_EQ(s.index_bytes().device, 0u);
+  EXPECT_EQ(centroids + lists + state, 184614956u);  // docs/ctkvr.md's index table
+}
+
 TEST_F(CpuCtkvr, BadConfigurationsAndPrefillsAreRefused) {
   CtkvrProblem p(rng, 4, 2, 100, 8);
   const SelectorLimits limits = p.limits();
