@@ -1,9 +1,15 @@
 // CUDA inverted lists (cuda/inverted_lists.hpp). The reductions: the chosen lists' entries into one fixed segment
 // per row, CUB's stable segmented sort by id, then one CTA per row keeps the first of each run of equal ids (and
-// sums the run's scores in sorted order, which the stable sort makes the entries' order, as on the CPU). The
+// sums the run's scores in sorted order, which the stable sort makes the entries' order, as on the CPU). The union
+// of a row of at most kBlockUnionItems entries (CTKVR's C' = 4 lists of 2560) is one launch instead: a CTA per row
+// loads its entries into registers, sorts them with a block radix sort over only the bits its largest id needs,
+// and writes the first of each run. The
 // bounded-list updates: a warp per (row, list) for try-insert, a CTA per row for the FIFO replacement; scores are
 // rounded to T by core/dtype.hpp's conversion (constexpr, so callable here), which gives the CPU's bits, NaN's too
 // (CUDA's intrinsic writes another NaN payload).
+#include <cub/block/block_discontinuity.cuh>
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_segmented_sort.cuh>
 
@@ -18,7 +24,10 @@ constexpr int kFillThreads = 256;
 constexpr int kCompactThreads = 256;
 constexpr int kCompactItems = 4;
 constexpr int kInsertThreads = 256;
-constexpr int kReplaceThreads = 128;
+constexpr int kReplaceThreads = 512;  // a CTA copies a list of up to a few thousand ids
+constexpr int kBlockUnionThreads = 1024;
+constexpr int kBlockUnionPerThread = kBlockUnionItems / kBlockUnionThreads;
+static_assert(kBlockUnionPerThread * kBlockUnionThreads == kBlockUnionItems);
 
 using kvsift::detail::kAbsentListEntry;
 
@@ -118,6 +127,88 @@ __global__ void __launch_bounds__(kCompactThreads) compact_list_entries(ListRedu
     __syncthreads();  // the scan storage is reused by the next tile
   }
   if (threadIdx.x == 0) p.out.counts[row] = written;
+}
+
+/// The union of one row of at most kBlockUnionItems entries: each thread loads entries [t * kPerThread, (t + 1) *
+/// kPerThread) of the row's segment (the chosen lists one after another), dropped ones as a sentinel above every
+/// kept id; a block radix sort over the bits of the largest kept id; then the first entry of each run of equal ids
+/// is written at its rank.
+template <class T>
+__global__ void __launch_bounds__(kBlockUnionThreads) union_lists_block(ListReductionParams<T> p) {
+  using Sort = cub::BlockRadixSort<std::uint32_t, kBlockUnionThreads, kBlockUnionPerThread>;
+  using Reduce = cub::BlockReduce<std::uint32_t, kBlockUnionThreads>;
+  using Heads = cub::BlockDiscontinuity<std::uint32_t, kBlockUnionThreads>;
+  using Scan = cub::BlockScan<std::int32_t, kBlockUnionThreads>;
+  __shared__ union {
+    typename Sort::TempStorage sort;
+    typename Reduce::TempStorage reduce;
+    typename Heads::TempStorage heads;
+    typename Scan::TempStorage scan;
+  } storage;
+  __shared__ std::uint32_t largest;
+  const std::int64_t row = blockIdx.x;
+  std::int32_t chosen_count = 0;
+  if (!reduction_row_valid(p, row, &chosen_count)) {
+    if (threadIdx.x == 0) p.out.counts[row] = -1;
+    return;  // the whole CTA
+  }
+  const std::int64_t b = row / p.chosen.kv_heads, h = row % p.chosen.kv_heads;
+  const std::int32_t slot = p.slots[b], length = p.lengths[b], capacity = p.lists.list_capacity;
+  const std::int32_t n = chosen_count * capacity;
+  constexpr std::uint32_t kDropped = 0xffffffffu;
+  std::uint32_t keys[kBlockUnionPerThread];
+  std::uint32_t top = 0;  // the largest kept id + 1, 0 when none
+#pragma unroll
+  for (int j = 0; j < kBlockUnionPerThread; ++j) {
+    const std::int32_t k = std::int32_t(threadIdx.x) * kBlockUnionPerThread + j;
+    keys[j] = kDropped;
+    if (k >= n) continue;
+    const std::int32_t l = p.chosen.indices[row * p.chosen.capacity + k / capacity], position = k % capacity;
+    if (l < 0 || l >= p.lists.lists) continue;
+    const std::int32_t list_count = p.lists.count(slot, h, l);
+    if (list_count < 0 || list_count > capacity || position >= list_count) continue;
+    const std::int32_t id = p.lists.list_ids(slot, h, l)[position];
+    if (!kvsift::detail::list_entry_kept(id, length, p.window)) continue;
+    keys[j] = std::uint32_t(id);
+    top = max(top, std::uint32_t(id) + 1);
+  }
+  const std::uint32_t block_top =
+      Reduce(storage.reduce).Reduce(top, [](std::uint32_t a, std::uint32_t c) { return a > c ? a : c; });
+  if (threadIdx.x == 0) largest = block_top;
+  __syncthreads();
+  const std::uint32_t bound = largest;  // every kept id < bound
+  if (bound == 0) {
+    if (threadIdx.x == 0) p.out.counts[row] = 0;
+    return;
+  }
+  // Dropped entries become the sentinel 2^bits - 1 >= bound, which sorts after every kept id.
+  const int bits = 32 - __clz(bound);
+  const std::uint32_t sentinel = bits == 32 ? kDropped : (1u << bits) - 1u;
+#pragma unroll
+  for (int j = 0; j < kBlockUnionPerThread; ++j) keys[j] = keys[j] == kDropped ? sentinel : keys[j];
+  Sort(storage.sort).Sort(keys, 0, bits);
+  __syncthreads();
+  int flags[kBlockUnionPerThread];
+  Heads(storage.heads).FlagHeads(flags, keys, [](std::uint32_t a, std::uint32_t c) { return a != c; });
+  std::int32_t heads = 0;
+#pragma unroll
+  for (int j = 0; j < kBlockUnionPerThread; ++j) {
+    flags[j] = flags[j] && keys[j] != sentinel;
+    heads += flags[j];
+  }
+  __syncthreads();
+  std::int32_t position = 0, total = 0;
+  Scan(storage.scan).ExclusiveSum(heads, position, total);
+  std::int32_t* dst = p.out.indices + row * p.out.capacity;
+  float* weights = p.out.log_weights != nullptr ? p.out.log_weights + row * p.out.capacity : nullptr;
+#pragma unroll
+  for (int j = 0; j < kBlockUnionPerThread; ++j) {
+    if (!flags[j]) continue;
+    dst[position] = std::int32_t(keys[j]);
+    if (weights != nullptr) weights[position] = 0.0f;
+    ++position;
+  }
+  if (threadIdx.x == 0) p.out.counts[row] = total;
 }
 
 /// The lower of two entries of a full list by the lists' order, the earlier position on equal (score, id): a
@@ -233,6 +324,10 @@ cudaError_t list_reduction_cub_bytes(std::int64_t rows, std::int32_t segment, bo
 template <class T>
 cudaError_t launch_list_reduction(const ListReductionParams<T>& p, const ListReductionBuffers& buf,
                                   cudaStream_t stream) {
+  if (p.sums.data == nullptr && p.segment <= kBlockUnionItems) {
+    union_lists_block<T><<<unsigned(p.rows), kBlockUnionThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
   const std::int64_t items = p.rows * p.segment;
   fill_list_entries<T><<<grid_stride_blocks(items, kFillThreads), kFillThreads, 0, stream>>>(p, buf);
   if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;

@@ -16,7 +16,8 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxGroup = 16;     ///< query heads per kv head that centroid_scores keeps in shared memory
 constexpr int kMaxHeadDim = 256;
 constexpr int kCentroidsPerBlock = 64;   ///< centroids scored per block: a batch-1 step still fills the GPU
-constexpr int kCandidatesPerBlock = 256;  ///< candidates per block of the logits and finish passes
+constexpr int kRemapThreads = 1024;  ///< a block per row: 1024 threads keep ~3 dependent gathers per thread
+static_assert(kCandidatesPerBlock == kThreads, "the softmax partials take one candidate per thread");
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -25,6 +26,25 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 /// max that keeps NaN (fmaxf would drop it), as the CPU's.
 __device__ __forceinline__ float max_nan(float a, float b) { return a != a || b != b ? __int_as_float(0x7fffffff) : fmaxf(a, b); }
+__device__ __forceinline__ float warp_max_nan(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+/// The block's maximum (NaN kept) or sum of x, in a fixed order; every thread gets it. `scratch`: kWarps floats,
+/// free again when it returns.
+template <bool Max>
+__device__ float block_reduce(float x, float* scratch) {
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  x = Max ? warp_max_nan(x) : warp_sum(x);
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  float total = scratch[0];
+  for (int w = 1; w < kWarps; ++w) total = Max ? max_nan(total, scratch[w]) : total + scratch[w];
+  __syncthreads();
+  return total;
+}
 
 template <class T>
 __device__ __forceinline__ float lane_dot(const float* x, const T* y, int d, int lane) {
@@ -107,10 +127,13 @@ __global__ void __launch_bounds__(kThreads)
 /// scaled logits for the group's heads (the dot split over the 8 lanes, then a 3-step shuffle tree), 4 candidates
 /// per warp at once, into the row's scratch [group, capacity]. A warp per candidate, as first written, waited on
 /// its dependent shuffle reductions (docs/ctkvr.md). NaN for a candidate outside [0, seq_len) (its key is not
-/// read). A row with a bad count is written NaN by candidate_finish_kernel.
+/// read). A row with a bad count is written NaN by candidate_finish_kernel. With `partials` (softmax), each head's
+/// maximum over the chunk and sum of exp(logit - maximum), into partials [rows, chunks, group, 2].
 template <class T, class KV>
 __global__ void __launch_bounds__(kThreads)
-    candidate_logits_kernel(QueryView<const T> q, KV kv, SelectionView candidates, float scale, float* logits) {
+    candidate_logits_kernel(QueryView<const T> q, KV kv, SelectionView candidates, float scale, float* logits,
+                            float* partials) {
+  __shared__ float scratch[kWarps];
   constexpr int kLanes = 8, kPerWarp = 32 / kLanes;
   const std::int64_t row = blockIdx.x;
   const std::int32_t b = std::int32_t(row / kv.kv_heads), g = std::int32_t(row % kv.kv_heads);
@@ -142,52 +165,27 @@ __global__ void __launch_bounds__(kThreads)
       if (active && sublane == 0) s[std::int64_t(j) * cap + i] = inside ? scale * part : __int_as_float(0x7fffffff);
     }
   }
-}
-
-/// Block per row: each head's maximum and sum of exp(logit - maximum) over the row's candidates, block
-/// reductions in a fixed order, into stats [rows, group, 2].
-__global__ void __launch_bounds__(kThreads)
-    candidate_softmax_kernel(SelectionView candidates, std::int32_t group, const float* logits, float* stats) {
-  __shared__ float reduce_s[kWarps];
-  __shared__ float top_s;
-  const std::int64_t row = blockIdx.x;
-  const std::int32_t cap = candidates.capacity, count = candidates.counts[row];
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  if (count < 0 || count > cap) return;
+  if (partials == nullptr || begin >= end) return;  // the same for the whole block
+  __syncthreads();  // the chunk's logits, written by other lanes, are visible to the block
+  const std::int32_t i = begin + std::int32_t(threadIdx.x);
+  float* out = partials + (row * gridDim.y + blockIdx.y) * std::int64_t(group) * 2;
   for (std::int32_t j = 0; j < group; ++j) {
-    const float* sh = logits + (row * group + j) * std::int64_t(cap);
-    float m = -INFINITY;
-    for (std::int32_t i = threadIdx.x; i < count; i += kThreads) m = max_nan(m, sh[i]);
-    for (int offset = 16; offset > 0; offset /= 2) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    if (lane == 0) reduce_s[warp] = m;
-    __syncthreads();
+    const float x = i < end ? s[std::int64_t(j) * cap + i] : -INFINITY;
+    const float top = block_reduce<true>(x, scratch);
+    const float sum = block_reduce<false>(i < end ? expf(x - top) : 0.0f, scratch);
     if (threadIdx.x == 0) {
-      float total = reduce_s[0];
-      for (int w = 1; w < kWarps; ++w) total = max_nan(total, reduce_s[w]);
-      top_s = total;
+      out[j * 2] = top;
+      out[j * 2 + 1] = sum;
     }
-    __syncthreads();
-    const float top = top_s;
-    float sum = 0.0f;
-    for (std::int32_t i = threadIdx.x; i < count; i += kThreads) sum += expf(sh[i] - top);
-    sum = warp_sum(sum);
-    __syncthreads();  // every warp has read top_s and reduce_s before they are rewritten
-    if (lane == 0) reduce_s[warp] = sum;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float total = 0.0f;
-      for (int w = 0; w < kWarps; ++w) total += reduce_s[w];
-      stats[(row * group + j) * 2] = top;
-      stats[(row * group + j) * 2 + 1] = total;
-    }
-    __syncthreads();
   }
 }
 
-/// Block (row, chunk): the reduction over the group of each candidate's logits or softmax weights.
+/// Block (row, chunk): the reduction over the group of each candidate's logits or softmax weights. With softmax,
+/// each head's LSE first, from the row's chunk partials (a warp per head, a fixed order).
 __global__ void __launch_bounds__(kThreads)
     candidate_finish_kernel(SelectionView candidates, std::int32_t group, GroupScoreOptions options,
-                            const float* logits, const float* stats, MatrixView<float> scores) {
+                            const float* logits, const float* partials, MatrixView<float> scores) {
+  __shared__ float top_s[kMaxGroup], sum_s[kMaxGroup];
   const std::int64_t row = blockIdx.x;
   const std::int32_t cap = candidates.capacity, count = candidates.counts[row];
   const std::int32_t begin = std::int32_t(blockIdx.y) * kCandidatesPerBlock;
@@ -198,12 +196,34 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
+  if (begin >= count) return;  // the same for the whole block
+  if (options.softmax) {
+    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+    const std::int32_t chunks = (count + kCandidatesPerBlock - 1) / kCandidatesPerBlock;
+    const float* p = partials + row * std::int64_t(gridDim.y) * group * 2;
+    for (std::int32_t j = warp; j < group; j += kWarps) {
+      float top = -INFINITY;
+      for (std::int32_t c = lane; c < chunks; c += 32) top = max_nan(top, p[(std::int64_t(c) * group + j) * 2]);
+      top = warp_max_nan(top);
+      float sum = 0.0f;
+      for (std::int32_t c = lane; c < chunks; c += 32) {
+        const float* chunk = p + (std::int64_t(c) * group + j) * 2;
+        sum += chunk[1] * expf(chunk[0] - top);
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        top_s[j] = top;
+        sum_s[j] = sum;
+      }
+    }
+    __syncthreads();
+  }
   const float* s = logits + row * std::int64_t(group) * cap;
   for (std::int32_t i = begin + std::int32_t(threadIdx.x); i < min(begin + kCandidatesPerBlock, count); i += kThreads) {
     float r = 0.0f;
     for (std::int32_t j = 0; j < group; ++j) {
       float x = s[std::int64_t(j) * cap + i];
-      if (options.softmax) x = expf(x - stats[(row * group + j) * 2]) / stats[(row * group + j) * 2 + 1];
+      if (options.softmax) x = expf(x - top_s[j]) / sum_s[j];
       r = j == 0 ? x : options.reduce == GroupReduce::sum ? r + x : max_nan(r, x);
     }
     out[i] = r;
@@ -211,7 +231,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 /// Block per row: out[i] = ids[positions[i]]; a bad count or position marks the row's count -1.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kRemapThreads)
     remap_selection_kernel(SelectionView positions, SelectionView ids, SelectionView out) {
   const std::int64_t row = blockIdx.x;
   const std::int32_t count = positions.counts[row], available = ids.counts[row];
@@ -221,7 +241,7 @@ __global__ void __launch_bounds__(kThreads)
   std::int32_t* to = out.indices + row * out.capacity;
   float* weights = out.log_weights != nullptr ? out.log_weights + row * out.capacity : nullptr;
   bool mine = false;
-  for (std::int32_t i = threadIdx.x; !bad && i < count; i += kThreads) {
+  for (std::int32_t i = threadIdx.x; !bad && i < count; i += kRemapThreads) {
     const std::int32_t position = p[i];  // read before to[i], the same entry when out is positions
     if (position < 0 || position >= available) {
       mine = true;
@@ -247,10 +267,15 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   const kvsift::detail::TokenRange range = kvsift::detail::unindexed_range(first[slots[b]], length, window);
-  std::int32_t below = 0;
-  for (std::int32_t i0 = 0; i0 < count; i0 += kThreads) {
-    const std::int32_t i = i0 + std::int32_t(threadIdx.x);
-    below += __syncthreads_count(i < count && ids[i] < range.begin);
+  // The row is ascending: the entries below the range are a prefix, found by binary search (every thread alike).
+  std::int32_t below = 0, above = count;
+  while (below < above) {
+    const std::int32_t mid = below + (above - below) / 2;
+    if (ids[mid] < range.begin) {
+      below = mid + 1;
+    } else {
+      above = mid;
+    }
   }
   const std::int64_t added = max(std::int64_t(0), std::int64_t(range.end) - range.begin);
   if (below + added > rows.capacity) {
@@ -302,10 +327,8 @@ cudaError_t launch_candidate_scores(const QueryView<const T>& q, const KV& kv, c
   const std::int32_t group = q.heads / kv.kv_heads;
   // Chunks cover the capacity (the counts live on the device); blocks past a row's count return at once.
   const dim3 grid(unsigned(scores.rows), unsigned((candidates.capacity + kCandidatesPerBlock - 1) / kCandidatesPerBlock));
-  candidate_logits_kernel<T, KV><<<grid, kThreads, 0, stream>>>(q, kv, candidates, scale, logits);
-  if (options.softmax) {
-    candidate_softmax_kernel<<<unsigned(scores.rows), kThreads, 0, stream>>>(candidates, group, logits, stats);
-  }
+  candidate_logits_kernel<T, KV>
+      <<<grid, kThreads, 0, stream>>>(q, kv, candidates, scale, logits, options.softmax ? stats : nullptr);
   candidate_finish_kernel<<<grid, kThreads, 0, stream>>>(candidates, group, options, logits, stats, scores);
   return cudaGetLastError();
 }
@@ -313,7 +336,7 @@ cudaError_t launch_candidate_scores(const QueryView<const T>& q, const KV& kv, c
 cudaError_t launch_remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out,
                                    cudaStream_t stream) {
   const std::int64_t rows = std::int64_t(positions.batch) * positions.kv_heads;
-  remap_selection_kernel<<<unsigned(rows), kThreads, 0, stream>>>(positions, ids, out);
+  remap_selection_kernel<<<unsigned(rows), kRemapThreads, 0, stream>>>(positions, ids, out);
   return cudaGetLastError();
 }
 

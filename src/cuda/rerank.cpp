@@ -26,7 +26,8 @@ struct CandidateBuffers {
 CandidateBuffers layout_candidates(WorkspaceLayout& layout, std::int64_t rows, std::int32_t group, std::int32_t capacity) {
   const std::size_t heads = std::size_t(rows) * std::size_t(group);
   return {layout.allocate<float>(heads * std::size_t(capacity), "candidate_scores logits"),
-          layout.allocate<float>(heads * 2, "candidate_scores softmax statistics")};
+          layout.allocate<float>(heads * std::size_t(detail::candidate_chunks(capacity)) * 2,
+                                 "candidate_scores softmax partials")};
 }
 
 }  // namespace

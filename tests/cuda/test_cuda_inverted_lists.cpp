@@ -5,6 +5,8 @@
 // (which run without a GPU).
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -102,16 +104,17 @@ void expect_out_equal(const test::HostSelection& cpu, const std::vector<float>& 
 class CudaInvertedLists : public test::GpuTest {};
 
 template <class T>
-void check_reductions(Random& rng, bool by_key) {
-  SCOPED_TRACE(by_key ? "reduce_lists_by_key" : "union_lists");
-  ListsProblem<T> p(rng, 5, 2, 9, 33, 4, 300);
+void check_reductions(Random& rng, bool by_key, std::int32_t list_capacity = 33, std::int32_t max_len = 300) {
+  SCOPED_TRACE(fmt::format("{}, lists of {}, lengths up to {}", by_key ? "reduce_lists_by_key" : "union_lists",
+                           list_capacity, max_len));
+  ListsProblem<T> p(rng, 5, 2, 9, list_capacity, 4, max_len);
   DeviceLists<T> d(p);
-  const std::int32_t rows = p.batch * p.kv_heads, capacity = 4 * 33;
+  const std::int32_t rows = p.batch * p.kv_heads, capacity = 4 * list_capacity;
   test::HostSelection cpu_out(p.batch, p.kv_heads, capacity, true);
   std::vector<float> cpu_sums(cpu_out.indices.size(), test::kPoison);
-  cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(rows, 4, 33, by_key));
+  cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(rows, 4, list_capacity, by_key));
   DeviceOut gpu(p.batch, p.kv_heads, capacity);
-  DeviceBuffer<std::byte> ws(cuda::list_reduction_workspace_bytes(rows, 4, 33, by_key));
+  DeviceBuffer<std::byte> ws(cuda::list_reduction_workspace_bytes(rows, 4, list_capacity, by_key));
   ws.poison();
   if (by_key) {
     cpu::reduce_lists_by_key(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window,
@@ -125,6 +128,16 @@ void check_reductions(Random& rng, bool by_key) {
                       {ws.data(), ws.size()}, nullptr);
   }
   expect_out_equal(cpu_out, cpu_sums, gpu, by_key);
+}
+
+// The union of up to 10,240 entries per row runs as one CTA per row (a block radix sort); CTKVR's C' = 4 lists of
+// 2560 fill it exactly, and 4 x 3000 takes the segmented sort. Ids up to 200,003: 18 bits to sort.
+TEST_F(CudaInvertedLists, UnionsAtTheBlockSortsBoundEqualTheCpu) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const std::int32_t list_capacity : {2560, 3000}) {
+    check_reductions<half>(rng, false, list_capacity, 200000);
+    check_reductions<float>(rng, false, list_capacity, 5000);  // many equal ids
+  }
 }
 
 TEST_F(CudaInvertedLists, ReductionsEqualTheCpu) {

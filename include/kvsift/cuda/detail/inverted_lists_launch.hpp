@@ -26,6 +26,11 @@ struct ListReductionBuffers {
   std::size_t cub_temp_bytes = 0;
 };
 
+/// A union (no scores) of at most this many entries per row (chosen.capacity * list_capacity) is one launch: a
+/// CTA per row sorts them in registers (kernels/inverted_lists.cu). Larger ones and the reduce by key take the
+/// segmented sort.
+inline constexpr std::int32_t kBlockUnionItems = 10240;
+
 template <class T>
 struct ListReductionParams {
   InvertedListsView<const T> lists;

@@ -23,7 +23,14 @@ cudaError_t launch_store_centroids(const SequenceView<const T>& queries, const s
                                    const std::int32_t* first, std::int32_t kv_heads,
                                    const QueryCentroidsView<T>& centroids, cudaStream_t stream);
 
-/// logits: [rows, group, candidates.capacity] fp32 scratch; stats: [rows, group, 2] (each head's softmax max, sum).
+/// Candidates per block of the logits and finish passes, and so per softmax partial.
+inline constexpr std::int32_t kCandidatesPerBlock = 256;
+inline std::int32_t candidate_chunks(std::int32_t capacity) {
+  return (capacity + kCandidatesPerBlock - 1) / kCandidatesPerBlock;
+}
+
+/// logits: [rows, group, candidates.capacity] fp32 scratch; stats: [rows, candidate_chunks(capacity), group, 2]
+/// (each chunk's softmax maximum and sum of exponentials per head, combined by the finish pass).
 template <class T, class KV>
 cudaError_t launch_candidate_scores(const QueryView<const T>& q, const KV& kv, const SelectionView& candidates,
                                     const GroupScoreOptions& options, const MatrixView<float>& scores, float* logits,
