@@ -46,15 +46,38 @@ __device__ float block_reduce(float x, float* scratch) {
   return total;
 }
 
+/// Lane `sublane`'s share of dot(q, row) when 8 lanes split a row of d elements: a contiguous span of d / 8
+/// elements, read 16 bytes at a time where the span and the row allow it (d a multiple of 64 for 16-bit types, of
+/// 32 for fp32, the row 16-byte aligned), else dims sublane, sublane + 8, ... one by one. q: fp32 (shared memory).
+/// The caller adds the 8 shares with a 3-step shuffle tree.
 template <class T>
-__device__ __forceinline__ float lane_dot(const float* x, const T* y, int d, int lane) {
+__device__ __forceinline__ float octet_dot_part(const float* q, const T* row, int d, int sublane) {
+  constexpr int kPerLoad = int(16 / sizeof(T));
+  const int span = d / 8;
   float s = 0.0f;
-  for (int i = lane; i < d; i += 32) s = fmaf(x[i], to_float_device(y[i]), s);
-  return warp_sum(s);
+  if (d % 8 == 0 && span % kPerLoad == 0 && reinterpret_cast<std::uintptr_t>(row) % 16 == 0) {
+    const T* p = row + sublane * span;
+    const float* x = q + sublane * span;
+    for (int i = 0; i < span; i += kPerLoad) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(p + i);
+      const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int e = 0; e < kPerLoad; ++e) s = fmaf(x[i + e], to_float_device(v[e]), s);
+    }
+    return s;
+  }
+  for (int c = sublane; c < d; c += 8) s = fmaf(q[c], to_float_device(row[c]), s);
+  return s;
+}
+__device__ __forceinline__ float octet_sum(float part) {
+#pragma unroll
+  for (int offset = 4; offset > 0; offset /= 2) part += __shfl_xor_sync(0xffffffffu, part, offset);
+  return part;
 }
 
 /// Block (row = b * kv_heads + g, chunk of kCentroidsPerBlock centroids): the group's unit queries in shared
-/// memory, then a warp per centroid. Chunks spread a batch-1 step over the GPU's SMs.
+/// memory, then 8 lanes per centroid (4 centroids per warp at once, octet_dot_part). Chunks spread a batch-1 step
+/// over the GPU's SMs.
 template <class T>
 __global__ void __launch_bounds__(kThreads)
     centroid_scores_kernel(QueryView<const T> q, QueryCentroidsView<const T> centroids, const std::int32_t* slots,
@@ -87,12 +110,17 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = lane; i < d; i += 32) xs[i] *= scale;
   }
   __syncthreads();
-  for (std::int32_t c = begin + warp; c < end; c += kWarps) {
+  const int sub = lane / 8, sublane = lane % 8;
+  // c0 depends on the warp only, so every lane of a warp takes each iteration (the shuffles need them all).
+  for (std::int32_t c0 = begin + warp * 4; c0 < end; c0 += kWarps * 4) {
+    const std::int32_t c = c0 + sub;
+    const bool mine = c < end && c < count;
     float best = -INFINITY;
-    if (c < count) {
-      for (std::int32_t j = 0; j < group; ++j) best = max_nan(best, lane_dot(q_s + j * d, centroids.row(slot, g * group + j, c), d, lane));
+    for (std::int32_t j = 0; j < group; ++j) {
+      const float part = mine ? octet_dot_part(q_s + j * d, centroids.row(slot, g * group + j, c), d, sublane) : 0.0f;
+      best = max_nan(best, octet_sum(part));
     }
-    if (lane == 0) out[c] = best;
+    if (c < end && sublane == 0) out[c] = mine ? best : -INFINITY;
   }
 }
 
@@ -134,6 +162,7 @@ __global__ void __launch_bounds__(kThreads)
     candidate_logits_kernel(QueryView<const T> q, KV kv, SelectionView candidates, float scale, float* logits,
                             float* partials) {
   __shared__ float scratch[kWarps];
+  __shared__ float q_s[kMaxGroup * kMaxHeadDim];
   constexpr int kLanes = 8, kPerWarp = 32 / kLanes;
   const std::int64_t row = blockIdx.x;
   const std::int32_t b = std::int32_t(row / kv.kv_heads), g = std::int32_t(row % kv.kv_heads);
@@ -147,6 +176,11 @@ __global__ void __launch_bounds__(kThreads)
   const std::int32_t* ids = candidates.indices + row * cap;
   float* s = logits + row * std::int64_t(group) * cap;
   const std::int32_t length = kv.seq_len(b);
+  if (begin >= end) return;  // the same for the whole block
+  for (std::int32_t e = std::int32_t(threadIdx.x); e < group * d; e += kThreads) {
+    q_s[e] = to_float_device(q.row(b, g * group + e / d)[e % d]);
+  }
+  __syncthreads();
   // i0 depends on the warp only, so every lane of a warp takes each iteration (the shuffles need them all).
   for (std::int32_t i0 = begin + warp * kPerWarp; i0 < end; i0 += kWarps * kPerWarp) {
     const std::int32_t i = i0 + sub;
@@ -155,17 +189,11 @@ __global__ void __launch_bounds__(kThreads)
     const bool inside = t >= 0 && t < length;
     const T* k = inside ? kv.k_row(b, g, t) : nullptr;
     for (std::int32_t j = 0; j < group; ++j) {
-      float part = 0.0f;
-      if (inside) {
-        const T* qh = q.row(b, g * group + j);
-        for (int c = sublane; c < d; c += kLanes) part = fmaf(to_float_device(qh[c]), to_float_device(k[c]), part);
-      }
-#pragma unroll
-      for (int offset = kLanes / 2; offset > 0; offset /= 2) part += __shfl_xor_sync(0xffffffffu, part, offset);
+      const float part = octet_sum(inside ? octet_dot_part(q_s + j * d, k, d, sublane) : 0.0f);
       if (active && sublane == 0) s[std::int64_t(j) * cap + i] = inside ? scale * part : __int_as_float(0x7fffffff);
     }
   }
-  if (partials == nullptr || begin >= end) return;  // the same for the whole block
+  if (partials == nullptr) return;  // the same for the whole block
   __syncthreads();  // the chunk's logits, written by other lanes, are visible to the block
   const std::int32_t i = begin + std::int32_t(threadIdx.x);
   float* out = partials + (row * gridDim.y + blockIdx.y) * std::int64_t(group) * 2;
