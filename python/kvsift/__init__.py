@@ -151,7 +151,8 @@ def topk_rows(scores, k, *, batch, kv_heads, lengths=None, window=(0, 0), heads_
 class DecodeStep:
     """One layer's decode step: a selector ('oracle_topk' {budget}, 'quest' {budget, page_size},
     'streaming_llm' {}, 'ctkvr' {budget, list_size, centroids, max_centroids, recalled_centroids, dynamic_update,
-    prepare_chunk, budget_fraction, pin_prefill_centroids}: selectors/ctkvr.hpp's CtkvrConfig), then sparse attention of its selection and the window (sink, recent), planned once for
+    prepare_chunk, budget_fraction, pin_prefill_centroids}: selectors/ctkvr.hpp's CtkvrConfig), then sparse
+    attention of its selection and the window (sink, recent), planned once for
     up to max_batch rows and sequences of up to max_seq_len tokens; the workspace is allocated here, once.
 
     prepare(cache, slots) indexes the prompts of joining sequences (slot = the sequence's selector state);
@@ -196,6 +197,12 @@ class DecodeStep:
 
     def release(self, slots):
         self._step.release([int(s) for s in slots])
+
+    def union_sizes(self, batch=1):
+        """ctkvr: the last run's union of the recalled lists per (sequence, kv head), [batch, kv_heads] int32, before
+        the unindexed middle joins it; over list_size * recalled_centroids it is the paper's deduplication
+        coefficient. Other selectors raise kvsift.Error. On CUDA this synchronizes the step's stream."""
+        return np.asarray(self._step.union_sizes(batch), dtype=np.int32).reshape(batch, -1)
 
     def selection(self, batch=1):
         """The last run's selection as numpy (indices [batch, kv_heads, capacity], counts [batch, kv_heads]);

@@ -476,6 +476,7 @@ class Step {
                    std::optional<Array> v, std::uintptr_t stream) = 0;
   virtual void release(const std::vector<std::int32_t>& slots) = 0;
   virtual std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> selection(std::int32_t batch) = 0;
+  virtual std::vector<std::int32_t> union_sizes(std::int32_t batch) = 0;
   virtual std::int32_t capacity() const = 0;
   virtual std::size_t workspace_bytes() const = 0;
   virtual std::string name() const = 0;
@@ -546,6 +547,19 @@ class StepOf final : public Step {
 #endif
     }
     return {std::move(indices), std::move(counts)};
+  }
+  std::vector<std::int32_t> union_sizes(std::int32_t batch) override {
+    constexpr const char* where = "DecodeStep.union_sizes";
+    if constexpr (requires { step_.selector().last_union_sizes(); }) {
+      KVSIFT_CHECK(batch >= 1 && batch <= step_.config().max_batch, where, "batch (= {}) is outside [1, max_batch = {}]",
+                   batch, step_.config().max_batch);
+      std::vector<std::int32_t> sizes(std::size_t(batch) * step_.config().kv_heads);
+      copy_to_host(step_.selector().last_union_sizes(), sizes.size(), sizes.data(), context(0));
+      return sizes;
+    } else {
+      detail::throw_error(where, fmt::format("the selector ({}) reports no union sizes (ctkvr does)",
+                                             step_.selector().name()));
+    }
   }
   std::int32_t capacity() const override { return step_.selector().capacity(); }
   std::size_t workspace_bytes() const override { return step_.workspace_bytes(); }
@@ -695,6 +709,7 @@ NB_MODULE(_kvsift, m) {
            "stream"_a = 0)
       .def("release", &Step::release, "slots"_a)
       .def("selection", &Step::selection, "batch"_a)
+      .def("union_sizes", &Step::union_sizes, "batch"_a)
       .def_prop_ro("capacity", &Step::capacity)
       .def_prop_ro("workspace_bytes", &Step::workspace_bytes)
       .def_prop_ro("name", &Step::name);

@@ -143,3 +143,43 @@ def test_step_on_a_paged_cache_equals_the_contiguous_one(rng):
         np.testing.assert_array_equal(paged_indices[0, h, :counts[0, h]], indices[0, h, :counts[0, h]])
     np.testing.assert_allclose(outs[1][0], outs[0][0], atol=1e-6)
     np.testing.assert_allclose(outs[1][1], outs[0][1], atol=1e-6)
+
+
+def test_ctkvr_with_whole_lists_selects_the_top_of_the_middle_and_reports_its_union(rng):
+    # C' = C and lists holding the prompt's whole middle: each step's selection is the budget's best tokens of the
+    # middle by the softmax over it, max over the GQA group; the union of the lists is the prompt's middle.
+    k, v, lengths, cache = make_cache(rng, [300])
+    middle = 300 - WINDOW[0] - WINDOW[1]
+    budget = 20
+    step = kvsift.DecodeStep("ctkvr", {"budget": budget, "list_size": middle, "centroids": 6, "max_centroids": 6,
+                                       "recalled_centroids": 6},
+                             q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_seq_len=CAPACITY, window=WINDOW)
+    queries = rng.standard_normal((1, Q_HEADS, 8, HEAD_DIM)).astype(np.float16)
+    slots = np.zeros(1, dtype=np.int32)
+    step.prepare(cache, slots, queries=queries)
+    for s in range(3):
+        lengths += 1
+        q = rng.standard_normal((1, Q_HEADS, HEAD_DIM)).astype(np.float16)
+        new_k = rng.standard_normal((1, KV_HEADS, HEAD_DIM)).astype(np.float16)
+        new_v = rng.standard_normal((1, KV_HEADS, HEAD_DIM)).astype(np.float16)
+        step.run(q, cache, slots, k=new_k, v=new_v)
+        indices, counts = step.selection()
+        unions = step.union_sizes()
+        assert unions.shape == (1, KV_HEADS)
+        lo, hi = WINDOW[0], lengths[0] - WINDOW[1]
+        for g in range(KV_HEADS):
+            if s == 0:
+                assert unions[0, g] == middle
+            logits = np.einsum("hd,td->ht", q[0, g * GROUP:(g + 1) * GROUP].astype(np.float64),
+                               k[0, g, lo:hi].astype(np.float64)) / np.sqrt(HEAD_DIM)
+            weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+            best = (weights / weights.sum(axis=1, keepdims=True)).max(axis=0)
+            assert counts[0, g] == budget
+            chosen = indices[0, g, :budget] - lo
+            kth = np.sort(best)[::-1][budget - 1]
+            assert (best[chosen] >= kth - 1e-5).all()
+            assert (np.delete(best, chosen) <= kth + 1e-5).all()
+    oracle = kvsift.DecodeStep("oracle_topk", {"budget": 8}, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                               max_seq_len=CAPACITY)
+    with pytest.raises(kvsift.Error, match="reports no union sizes"):
+        oracle.union_sizes()

@@ -51,6 +51,7 @@ class KvsiftAttention:
         self.kvsift, self.model, self.pool = kvsift, model, pool
         self.selector, self.budget, self.capacity = selector, budget, capacity
         self.layers = {}
+        self.union_ratios = []  # ctkvr: each step's union of the recalled lists over rho * C', per kv head
 
     def _make_step(self):
         m = self.model
@@ -91,6 +92,8 @@ class KvsiftAttention:
         for i in range(len(q)):
             lengths[0] += 1
             step.run(q16[i:i + 1], cache, slots, k=k16[i:i + 1], v=v16[i:i + 1], o=out[i:i + 1], lse=lse[i:i + 1])
+            if self.selector == "ctkvr":  # the paper's deduplication coefficient (its rho = 2.5 rho', C' = 4)
+                self.union_ratios.extend(step.union_sizes()[0] / (5 * self.budget // 2 * 4))
         return out
 
 
@@ -235,8 +238,15 @@ def main():
             top1 = float(np.mean(logits[:-1].argmax(axis=-1) == dense_top1))
             name = "dense (kvsift fp16)" if label == "all" else selector
             rows.append({"method": name, "budget": label, "tokens": budget, "ppl": ppl, "top1": top1})
-            print(f"  {name:<20} {label:>5}: ppl {ppl:8.3f}  top-1 agreement {top1:.4f}  ({time.time() - began:.0f} s)",
-                  flush=True)
+            union = ""
+            if attention.union_ratios:
+                ratios = np.array(attention.union_ratios)
+                rows[-1]["union_over_rho_c"] = {"mean": float(ratios.mean()), "p10": float(np.percentile(ratios, 10)),
+                                                "p90": float(np.percentile(ratios, 90))}
+                union = f"  union / (rho C') {ratios.mean():.3f} (p10 {np.percentile(ratios, 10):.3f}, " \
+                        f"p90 {np.percentile(ratios, 90):.3f})"
+            print(f"  {name:<20} {label:>5}: ppl {ppl:8.3f}  top-1 agreement {top1:.4f}{union}  "
+                  f"({time.time() - began:.0f} s)", flush=True)
         results["texts"].append({"text": path, "tokens": args.tokens, "prefill": args.prefill, "rows": rows})
 
     text = open(args.texts.split(",")[0], encoding="utf-8").read()
