@@ -73,6 +73,39 @@ class PinnedBuffer {
   std::size_t count_ = 0;
 };
 
+/// Work on `stream` captured once into a CUDA graph and replayed by launch(): the graph tests' boilerplate. Owns
+/// the graph and its executable (the stream stays the caller's). A capture whose work throws is ended first.
+class CapturedGraph {
+ public:
+  template <class Work>
+  CapturedGraph(cudaStream_t stream, Work&& work, cudaStreamCaptureMode mode = cudaStreamCaptureModeThreadLocal)
+      : stream_(stream) {
+    KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, mode));
+    try {
+      work();
+    } catch (...) {
+      cudaGraph_t partial = nullptr;
+      if (cudaStreamEndCapture(stream, &partial) == cudaSuccess && partial != nullptr) cudaGraphDestroy(partial);
+      throw;
+    }
+    KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph_));
+    KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  ~CapturedGraph() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+    if (graph_ != nullptr) cudaGraphDestroy(graph_);
+  }
+  /// One replay, enqueued on the stream.
+  void launch() const { KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec_, stream_)); }
+
+ private:
+  cudaStream_t stream_;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 }  // namespace kvsift::test
 
 #include <gtest/gtest.h>

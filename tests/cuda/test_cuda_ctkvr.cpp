@@ -208,21 +208,16 @@ TEST_F(CudaCtkvrGraph, CaptureAndReplayEqualTheEagerStep) {
     };
     run();
     const auto eager = selection();
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    run();
-    KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const test::CapturedGraph graph(stream, [&] {
+      run();
+    }, cudaStreamCaptureModeGlobal);
     for (int replay = 0; replay < 3; ++replay) {
-      KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      graph.launch();
       const auto replayed = selection();
       if (!update) {
         EXPECT_EQ(replayed, eager) << "replay " << replay;
       }
     }
-    KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
     KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }

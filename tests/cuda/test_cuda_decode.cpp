@@ -646,26 +646,21 @@ TEST_F(CudaDecode, WorkspaceQueryIsExactAndGraphCaptureReplays) {
       "workspace too small");
   cudaStream_t stream;
   KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  cuda::sparse_decode(p.device_q(), p.device_paged(), p.device_selection(), p.device_out(), {workspace.data(), bytes},
-                      stream, options);
-  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const test::CapturedGraph graph(stream, [&] {
+    cuda::sparse_decode(p.device_q(), p.device_paged(), p.device_selection(), p.device_out(), {workspace.data(), bytes},
+                        stream, options);
+  });
   for (int replay = 0; replay < 3; ++replay) {
     p.d_o.poison();
     p.d_lse.poison();
     // Between replays another call may have used the workspace; its split counters must not confuse this one.
     if (replay == 2) workspace.poison();
-    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch();
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     const auto o = p.d_o.download();
     EXPECT_EQ(0, std::memcmp(o.data(), expected.first.data(), o.size() * sizeof(bfloat16))) << "replay " << replay;
     EXPECT_EQ(p.d_lse.download(), expected.second);
   }
-  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 

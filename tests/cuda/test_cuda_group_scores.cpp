@@ -332,24 +332,19 @@ TEST_F(CudaGroupScores, GraphReplayEqualsEagerBitForBit) {
     DeviceBuffer<std::byte> workspace(bytes);
     cudaStream_t stream;
     KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    cuda::group_scores(p.device_q(), p.device_paged(), {scores.data(), shape.rows, shape.cols, shape.stride()}, options,
-                       {workspace.data(), bytes}, stream);
-    KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const test::CapturedGraph graph(stream, [&] {
+      cuda::group_scores(p.device_q(), p.device_paged(), {scores.data(), shape.rows, shape.cols, shape.stride()}, options,
+                         {workspace.data(), bytes}, stream);
+    });
     for (int replay = 0; replay < 2; ++replay) {
       scores.poison();
       workspace.poison();
       KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets ran on the legacy stream, which `stream` does not wait for
-      KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      graph.launch();
       KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
       const auto replayed = scores.download();
       EXPECT_EQ(0, std::memcmp(replayed.data(), eager.data(), eager.size() * sizeof(float))) << "replay " << replay;
     }
-    KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
     KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }

@@ -253,15 +253,12 @@ TEST_F(CudaInvertedLists, GraphReplayEqualsEager) {
   reset();
   step();
   const auto eager = outputs();
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  step();
-  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const test::CapturedGraph graph(stream, [&] {
+    step();
+  });
   for (int replay = 0; replay < 3; ++replay) {
     reset();
-    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch();
     const auto got = outputs();
     EXPECT_EQ(std::get<0>(got), std::get<0>(eager)) << replay;
     EXPECT_EQ(std::get<1>(got), std::get<1>(eager)) << replay;
@@ -272,8 +269,6 @@ TEST_F(CudaInvertedLists, GraphReplayEqualsEager) {
     EXPECT_TRUE(same_bytes(std::get<6>(got), std::get<6>(eager))) << replay;
     EXPECT_EQ(std::get<7>(got), std::get<7>(eager)) << replay;
   }
-  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 

@@ -199,22 +199,17 @@ TEST_F(CudaRope, GraphReplayEqualsTheEagerRun) {
   step();
   const auto eager = outputs();
   EXPECT_FALSE(std::any_of(std::get<0>(eager).begin(), std::get<0>(eager).end(), [](float v) { return std::isnan(v); }));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  step();
-  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const test::CapturedGraph graph(stream, [&] {
+    step();
+  });
   for (int replay = 0; replay < 3; ++replay) {
     reset();
-    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch();
     const auto got = outputs();
     EXPECT_TRUE(same_bytes(std::get<0>(got), std::get<0>(eager))) << "cos, replay " << replay;
     EXPECT_TRUE(same_bytes(std::get<1>(got), std::get<1>(eager))) << "sin, replay " << replay;
     EXPECT_TRUE(same_bytes(std::get<2>(got), std::get<2>(eager))) << "x, replay " << replay;
   }
-  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 

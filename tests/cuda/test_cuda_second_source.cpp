@@ -185,15 +185,12 @@ TEST_F(CudaSecondSourceStep, StepsCapturedInAGraphReplayAsEager) {
       eager_lse.push_back(lses[i].download());
       for (const float x : eager_lse.back()) ASSERT_TRUE(std::isfinite(x)) << "step " << i;
     }
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    steps();
-    KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const test::CapturedGraph graph(stream, [&] {
+      steps();
+    });
     for (int replay = 0; replay < 2; ++replay) {
       poison();
-      KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      graph.launch();
       KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
       for (int i = 0; i < kSteps; ++i) {
         EXPECT_TRUE(same_bytes(outputs[i].download(), eager_o[i])) << "page_size " << page_size << " replay " << replay
@@ -201,8 +198,6 @@ TEST_F(CudaSecondSourceStep, StepsCapturedInAGraphReplayAsEager) {
         EXPECT_TRUE(same_bytes(lses[i].download(), eager_lse[i])) << "replay " << replay << " step " << i << " LSE";
       }
     }
-    KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
     KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }

@@ -135,21 +135,16 @@ TEST_F(CudaSegmentMean, GraphReplayEqualsTheEagerRun) {
   d.run(stream);
   const auto eager = outputs();
   EXPECT_EQ(eager.second, std::get<1>(on_cpu(p, rows)));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  d.run(stream);
-  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const test::CapturedGraph graph(stream, [&] {
+    d.run(stream);
+  });
   for (int replay = 0; replay < 3; ++replay) {
     d.reset();
-    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch();
     const auto got = outputs();
     EXPECT_EQ(std::memcmp(got.first.data(), eager.first.data(), got.first.size() * sizeof(float)), 0) << replay;
     EXPECT_EQ(got.second, eager.second) << replay;
   }
-  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 

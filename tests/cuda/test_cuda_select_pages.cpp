@@ -137,22 +137,17 @@ TEST_F(CudaSelectPages, GraphReplaysEqualTheEagerRun) {
   DeviceBuffer<std::byte> workspace;
   select(p, s.max_pages, eager.view, stream, workspace);
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  cuda::select_pages(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.max_pages,
-                     s.pages_per_row, replay.view, {workspace.data(), workspace.size()}, cuda::Context{stream});
-  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const test::CapturedGraph graph(stream, [&] {
+    cuda::select_pages(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.max_pages,
+                       s.pages_per_row, replay.view, {workspace.data(), workspace.size()}, cuda::Context{stream});
+  });
   for (int run = 0; run < 2; ++run) {
     replay.indices.poison();
     replay.counts.poison();
-    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch();
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     expect_same_rows(replay, eager, "replay");
   }
-  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 

@@ -232,24 +232,19 @@ void expect_graph_replays_equal_eager(Random& rng, const Config& config) {
   }
 
   reset();
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  steps();
-  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const test::CapturedGraph graph(stream, [&] {
+    steps();
+  });
   for (int replay = 0; replay < 2; ++replay) {
     SCOPED_TRACE(fmt::format("replay {}", replay));
     if (replay > 0) reset();
-    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch();
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     const auto graph_o = o.download();
     const auto graph_lse = lse.download();
     ASSERT_EQ(0, std::memcmp(graph_o.data(), eager_o.data(), graph_o.size() * sizeof(T)));
     ASSERT_EQ(0, std::memcmp(graph_lse.data(), eager_lse.data(), graph_lse.size() * sizeof(float)));
   }
-  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 

@@ -252,12 +252,9 @@ TEST_F(CudaTopK, GraphReplaysEqualEagerRuns) {
     DeviceProblem d(p);
     cudaStream_t stream;
     KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    d.run(p, stream);
-    KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const test::CapturedGraph graph(stream, [&] {
+      d.run(p, stream);
+    });
     // Two replays, each on fresh scores uploaded into the captured buffers, each against an eager run.
     for (int replay = 0; replay < 2; ++replay) {
       SCOPED_TRACE(testing::Message() << "replay " << replay);
@@ -268,7 +265,7 @@ TEST_F(CudaTopK, GraphReplaysEqualEagerRuns) {
       d.row_k.upload(p.row_k);
       d.poison();
       KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());  // cudaMemset runs on the legacy stream, which `stream` does not wait for
-      KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      graph.launch();
       KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
       const Selection replayed = d.download();
       d.poison();
@@ -280,8 +277,6 @@ TEST_F(CudaTopK, GraphReplaysEqualEagerRuns) {
       EXPECT_EQ(replayed.counts, eager.counts);
       expect_same(p, cpu_topk_rows(p), eager);
     }
-    KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
     KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }
