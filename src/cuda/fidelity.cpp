@@ -28,7 +28,7 @@ struct StreamCopy {
 
 std::unique_ptr<FidelityBackend> fidelity_backend(std::vector<SelectorEntry> selectors, const Context& ctx) {
   KVSIFT_CHECK(device_available(), "cuda::fidelity_backend", "no CUDA device on this machine");
-  return std::make_unique<detail::SelectorBackend<Context, StreamCopy>>("cuda", std::move(selectors), ctx);
+  return std::make_unique<kvsift::detail::SelectorBackend<Context, StreamCopy>>("cuda", std::move(selectors), ctx);
 }
 
 }  // namespace cuda

@@ -11,29 +11,42 @@
 
 namespace kvsift::cuda {
 
-/// Owning device array of a selector's or step's state: allocated at construction or prepare (cudaMalloc), never
-/// in the hot path. Move-only; resize() discards the contents.
-template <class T>
-class Array {
+namespace detail {
+
+/// Where an OwnedArray's memory comes from: the device (cudaMalloc) or pinned host memory (cudaMallocHost).
+struct DeviceMemory {
+  static cudaError_t allocate(void** p, std::size_t bytes) { return cudaMalloc(p, bytes); }
+  static cudaError_t release(void* p) { return cudaFree(p); }
+};
+struct PinnedHostMemory {
+  static cudaError_t allocate(void** p, std::size_t bytes) { return cudaMallocHost(p, bytes); }
+  static cudaError_t release(void* p) { return cudaFreeHost(p); }
+};
+
+/// An owning array of `count` T from Memory, allocated at construction or resize() (never in a hot path).
+/// Move-only; resize() discards the contents.
+template <class T, class Memory>
+class OwnedArray {
  public:
-  Array() = default;
-  explicit Array(std::size_t count) { resize(count); }
-  Array(const Array&) = delete;
-  Array& operator=(const Array&) = delete;
-  Array(Array&& other) noexcept : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
-  Array& operator=(Array&& other) noexcept {
+  OwnedArray() = default;
+  explicit OwnedArray(std::size_t count) { resize(count); }
+  OwnedArray(const OwnedArray&) = delete;
+  OwnedArray& operator=(const OwnedArray&) = delete;
+  OwnedArray(OwnedArray&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+  OwnedArray& operator=(OwnedArray&& other) noexcept {
     std::swap(data_, other.data_);
     std::swap(size_, other.size_);
     return *this;
   }
-  ~Array() {
-    if (data_ != nullptr) cudaFree(data_);
+  ~OwnedArray() {
+    if (data_ != nullptr) Memory::release(data_);
   }
   void resize(std::size_t count) {
-    if (data_ != nullptr) KVSIFT_CUDA_CHECK(cudaFree(data_));
+    if (data_ != nullptr) KVSIFT_CUDA_CHECK(Memory::release(data_));
     data_ = nullptr;
     size_ = 0;
-    if (count > 0) KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&data_), count * sizeof(T)));
+    if (count > 0) KVSIFT_CUDA_CHECK(Memory::allocate(reinterpret_cast<void**>(&data_), count * sizeof(T)));
     size_ = count;
   }
   T* data() { return data_; }
@@ -45,36 +58,16 @@ class Array {
   std::size_t size_ = 0;
 };
 
-/// Owning pinned host array (cudaMallocHost): the staging buffers of a step that moves data between the GPU and
-/// the CPU every step, so that its stream-ordered copies do not go through pageable memory. Allocated at
-/// construction, never in the hot path. Move-only.
-template <class T>
-class PinnedArray {
- public:
-  PinnedArray() = default;
-  explicit PinnedArray(std::size_t count) : size_(count) {
-    if (count > 0) KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data_), count * sizeof(T)));
-  }
-  PinnedArray(const PinnedArray&) = delete;
-  PinnedArray& operator=(const PinnedArray&) = delete;
-  PinnedArray(PinnedArray&& other) noexcept
-      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
-  PinnedArray& operator=(PinnedArray&& other) noexcept {
-    std::swap(data_, other.data_);
-    std::swap(size_, other.size_);
-    return *this;
-  }
-  ~PinnedArray() {
-    if (data_ != nullptr) cudaFreeHost(data_);
-  }
-  T* data() { return data_; }
-  const T* data() const { return data_; }
-  std::size_t size() const { return size_; }
+}  // namespace detail
 
- private:
-  T* data_ = nullptr;
-  std::size_t size_ = 0;
-};
+/// Owning device array of a selector's or step's state.
+template <class T>
+using Array = detail::OwnedArray<T, detail::DeviceMemory>;
+
+/// Owning pinned host array: the staging buffers of a step that moves data between the GPU and the CPU every
+/// step, so that its stream-ordered copies do not go through pageable memory.
+template <class T>
+using PinnedArray = detail::OwnedArray<T, detail::PinnedHostMemory>;
 
 struct Context {
   static constexpr MemorySpace memory = MemorySpace::device;
