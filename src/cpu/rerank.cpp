@@ -1,14 +1,11 @@
-// Reranking candidates on the CPU (cpu/rerank.hpp).
+// Reranking candidates on the CPU (cpu/rerank.hpp): the remap back to token ids and the unindexed range.
+// candidate_scores is group_scores' job over candidate ids, in src/cpu/primitives.cpp.
 #include "kvsift/cpu/rerank.hpp"
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 
 #include "kvsift/core/detail/rerank_checks.hpp"
 #include "kvsift/core/inverted_lists.hpp"
-#include "kvsift/core/dtype.hpp"
-#include "kvsift/core/workspace.hpp"
 
 namespace kvsift::cpu {
 
@@ -61,6 +58,5 @@ void append_range(const SelectionView& rows, const std::int32_t* slots, const st
     rows.counts[row] = std::int32_t(count + added);
   }
 }
-
 
 }  // namespace kvsift::cpu
