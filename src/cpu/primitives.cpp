@@ -78,6 +78,14 @@ void run_group_scores(const detail::GroupScoreJob<T, KV>& job, std::int64_t rows
   });
 }
 
+void check_heads_per_row(const char* where, std::int32_t group, const GroupScoreOptions& options) {
+  if (options.heads_per_row == 0) return;
+  KVSIFT_CHECK(options.heads_per_row > 0 && group % options.heads_per_row == 0, where,
+               "options.heads_per_row (= {}) must divide the group (q_heads / kv_heads = {})", options.heads_per_row,
+               group);
+  KVSIFT_CHECK(options.softmax, where, "options.heads_per_row (= {}) needs options.softmax", options.heads_per_row);
+}
+
 void check_group_reduce(const char* where, const GroupScoreOptions& options) {
   KVSIFT_CHECK(options.reduce == GroupReduce::max || options.reduce == GroupReduce::sum, where,
                "options.reduce (= {}) is neither GroupReduce::max nor GroupReduce::sum", int(options.reduce));
@@ -92,6 +100,7 @@ void detail::check_group_scores_shape(const char* where, std::int32_t batch, std
                kv_heads, max_tokens);
   KVSIFT_CHECK(q_heads % kv_heads == 0, where, "q_heads (= {}) is not a multiple of kv_heads (= {})", q_heads, kv_heads);
   check_group_reduce(where, options);
+  check_heads_per_row(where, q_heads / kv_heads, options);
 }
 
 template <class T, class KV>
@@ -103,8 +112,14 @@ void detail::check_group_scores(const char* where, const QueryView<const T>& q, 
   validate(scores, where, "scores");
   check_query_matches_kv(where, q, kv);
   check_group_reduce(where, options);
-  KVSIFT_CHECK(scores.rows == std::int64_t(kv.batch) * kv.kv_heads, where,
+  const std::int32_t group = q.heads / kv.kv_heads;
+  check_heads_per_row(where, group, options);
+  const std::int32_t per_row = options.score_rows_per_row(group);
+  KVSIFT_CHECK(per_row > 1 || scores.rows == std::int64_t(kv.batch) * kv.kv_heads, where,
                "scores.rows (= {}) != kv.batch * kv.kv_heads (= {} * {})", scores.rows, kv.batch, kv.kv_heads);
+  KVSIFT_CHECK(scores.rows == std::int64_t(kv.batch) * kv.kv_heads * per_row, where,
+               "scores.rows (= {}) != kv.batch * kv.kv_heads * score rows per kv head (= {} * {} * {})", scores.rows,
+               kv.batch, kv.kv_heads, per_row);
   for (std::int32_t b = 0; b < kv.batch && contents == MemorySpace::host; ++b) {
     KVSIFT_CHECK(kv.seq_len(b) <= scores.cols, where, "scores.cols (= {}) < kv.seq_len({}) (= {})", scores.cols, b,
                  kv.seq_len(b));
@@ -134,7 +149,8 @@ void group_scores(const QueryView<const T>& q, const KV& kv, const MatrixView<fl
                                    .scale = AttentionOptions{.sm_scale = options.sm_scale}.resolved_scale(q.head_dim),
                                    .sum = options.reduce == GroupReduce::sum,
                                    .softmax = options.softmax,
-                                   .chunks = score_chunks(scores.cols)};
+                                   .chunks = score_chunks(scores.cols),
+                                   .heads_per_row = options.heads_per_row};
   WorkspaceLayout layout(workspace, where);
   const GroupScoreWorkspace ws = layout_group_scores(layout, rows, job.group, scores.cols, options);
   job.logits = ws.logits;

@@ -100,6 +100,7 @@ void group_scores(const QueryView<const T>& q, const KV& kv, const MatrixView<fl
                                     .kv = kv,
                                     .scores = scores,
                                     .group = group,
+                                    .heads_per_row = options.heads_per_row > 0 ? options.heads_per_row : group,
                                     .head_tiles = (group + kHeadsPerTile - 1) / kHeadsPerTile,
                                     .chunks = group_score_chunks(scores.cols),
                                     .scale = AttentionOptions{.sm_scale = options.sm_scale}.resolved_scale(q.head_dim),

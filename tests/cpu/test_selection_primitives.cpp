@@ -276,6 +276,63 @@ TEST_F(GroupScores, IdenticalForEveryThreadCount) {
   }
 }
 
+// heads_per_row: each set of the group's heads reduces into its own score row, exactly as a group_scores call
+// whose group is that set alone (one kv head, so the set is a plain sub-view of the queries): the same bits.
+TEST_F(GroupScores, HeadsPerRowReducesEachSetLikeAGroupOfItsOwn) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const auto check = [&]<class T>(T, std::int32_t page_size) {
+    const ScoreProblem<T> p(rng, 2, 12, 1, 64, {rng.uniform_int(1, 3000), 2500}, page_size);
+    for (const std::int32_t per : {1, 3, 4, 12}) {
+      for (const GroupReduce reduce : {GroupReduce::max, GroupReduce::sum}) {
+        const GroupScoreOptions options{.reduce = reduce, .softmax = true, .heads_per_row = per};
+        const std::int32_t sets = 12 / per, cols = p.longest() + 3;
+        ScoreMatrix all(std::int64_t(p.batch) * sets, cols);
+        PoisonedWorkspace ws(cpu::group_scores_workspace_bytes(p.batch, 12, 1, cols, options));
+        const auto run = [&](const QueryView<const T>& q, const MatrixView<float>& out, std::span<std::byte> w,
+                             const GroupScoreOptions& o) {
+          if (page_size > 0) {
+            cpu::group_scores(q, p.paged(), out, o, w);
+          } else {
+            cpu::group_scores(q, p.contiguous(), out, o, w);
+          }
+        };
+        run(p.q_view(), all.view(), ws.span(), options);
+        for (std::int32_t set = 0; set < sets; ++set) {
+          QueryView<const T> q = p.q_view();
+          q.data += std::int64_t(set) * per * q.head_stride;
+          q.heads = per;
+          const GroupScoreOptions whole{.reduce = reduce, .softmax = true};
+          ScoreMatrix alone(p.batch, cols);
+          PoisonedWorkspace alone_ws(cpu::group_scores_workspace_bytes(p.batch, per, 1, cols, whole));
+          run(q, alone.view(), alone_ws.span(), whole);
+          for (std::int32_t b = 0; b < p.batch; ++b) {
+            for (std::int32_t t = 0; t < cols + 5; ++t) {
+              const float got = all.at(std::int64_t(b) * sets + set, t), want = alone.at(b, t);
+              ASSERT_TRUE(std::memcmp(&got, &want, sizeof(float)) == 0 || (std::isnan(got) && std::isnan(want)))
+                  << type_name<T>() << " per " << per << " set " << set << " sequence " << b << " token " << t;
+            }
+          }
+        }
+      }
+    }
+  };
+  for (const std::int32_t page_size : {0, 16}) {
+    check(float{}, page_size);
+    check(bfloat16{}, page_size);
+  }
+  // Refused: a set size that does not divide the group, raw scores in sets, scores without a row per set.
+  const ScoreProblem<float> p(rng, 1, 12, 1, 64, {100}, 0);
+  std::vector<float> scores(3 * 100);
+  const auto go = [&](const GroupScoreOptions& o, std::int64_t rows) {
+    cpu::group_scores(p.q_view(), p.contiguous(), MatrixView<float>::packed(scores.data(), rows, 100), o, {});
+  };
+  test::expect_error([&] { go({.softmax = true, .heads_per_row = 5}, 3); },
+                     "options.heads_per_row (= 5) must divide the group (q_heads / kv_heads = 12)");
+  test::expect_error([&] { go({.heads_per_row = 4}, 3); }, "options.heads_per_row (= 4) needs options.softmax");
+  test::expect_error([&] { go({.softmax = true, .heads_per_row = 4}, 2); },
+                     "scores.rows (= 2) != kv.batch * kv.kv_heads * score rows per kv head (= 1 * 1 * 3)");
+}
+
 TEST_F(GroupScores, WorkspaceQueryAndRefusals) {
   const ScoreProblem<half> p(rng, 2, 6, 2, 32, {40, 12}, 0);
   const GroupScoreOptions softmax{.softmax = true}, raw{};

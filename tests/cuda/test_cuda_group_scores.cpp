@@ -317,6 +317,33 @@ TEST_F(CudaGroupScores, NaNNeverVanishes) {
   check(bfloat16{});
 }
 
+// heads_per_row: the sets of each group's heads, each reduced into its own score row, as on the CPU.
+TEST_F(CudaGroupScores, HeadsPerRowMatchesTheCpu) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const std::int32_t per : {2, 4}) {
+    for (const bool paged : {false, true}) {
+      GroupProblem<bfloat16> p(rng, 2, 8, 2, 128, {rng.uniform_int(1, 3000), 2100}, paged ? 16 : 0);
+      p.upload();
+      const GroupScoreOptions options{.reduce = GroupReduce::max, .softmax = true, .heads_per_row = per};
+      const std::int32_t sets = 4 / per;
+      const ScoreShape shape{p.rows() * sets, p.longest() + 3};
+      const std::vector<float> cpu_scores = run_cpu(p, paged, shape, options), gpu = run_cuda(p, paged, shape, options);
+      for (std::int64_t row = 0; row < shape.rows; ++row) {
+        const std::int32_t n = p.length(std::int32_t(row / sets / p.kv_heads));
+        for (std::int64_t t = 0; t < shape.stride(); ++t) {
+          const std::size_t i = std::size_t(row * shape.stride() + t);
+          if (t >= n) {
+            ASSERT_TRUE(std::isnan(gpu[i])) << "written past the sequence: row " << row << " token " << t;
+          } else {  // softmax weights: relative error of the logits' fp32 rounding (d = 128)
+            ASSERT_NEAR(gpu[i], cpu_scores[i], 2e-3 * std::abs(cpu_scores[i]) + 1e-30)
+                << "per " << per << " row " << row << " token " << t;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_F(CudaGroupScores, GraphReplayEqualsEagerBitForBit) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   GroupProblem<bfloat16> p(rng, 2, 32, 8, 128, {3000, 1100}, 16);

@@ -63,6 +63,12 @@ template <class V>
 void copy_within(const V* src, std::size_t n, V* dst, const Context&) {
   std::copy_n(src, n, dst);
 }
+/// copy_within of `rows` rows of `width` elements, the rows `src_stride` and `dst_stride` elements apart.
+template <class V>
+void copy_rows_within(const V* src, std::int64_t src_stride, V* dst, std::int64_t dst_stride, std::int64_t width,
+                      std::int64_t rows, const Context&) {
+  for (std::int64_t r = 0; r < rows; ++r) std::copy_n(src + r * src_stride, width, dst + r * dst_stride);
+}
 
 inline std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
                                                 std::int32_t max_tokens, const GroupScoreOptions& options,

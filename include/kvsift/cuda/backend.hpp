@@ -65,6 +65,16 @@ template <class V>
 void copy_within(const V* src, std::size_t n, V* dst, const Context& ctx) {
   if (n > 0) KVSIFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(V), cudaMemcpyDeviceToDevice, ctx.stream));
 }
+/// copy_within of `rows` rows of `width` elements, the rows `src_stride` and `dst_stride` elements apart.
+template <class V>
+void copy_rows_within(const V* src, std::int64_t src_stride, V* dst, std::int64_t dst_stride, std::int64_t width,
+                      std::int64_t rows, const Context& ctx) {
+  if (width > 0 && rows > 0) {
+    KVSIFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, std::size_t(dst_stride) * sizeof(V), src, std::size_t(src_stride) * sizeof(V),
+                                        std::size_t(width) * sizeof(V), std::size_t(rows), cudaMemcpyDeviceToDevice,
+                                        ctx.stream));
+  }
+}
 
 inline std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
                                                 std::int32_t max_tokens, const GroupScoreOptions& options,

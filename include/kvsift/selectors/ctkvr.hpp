@@ -298,6 +298,9 @@ class Ctkvr {
     std::span<std::byte> rerank;
   };
 
+  /// Query heads per scoring row in prepare: the CUDA group-score kernels' tile (two of the CPU's).
+  static constexpr std::int32_t kPrepareTileHeads = 16;
+
   static CtkvrConfig checked(const SelectorLimits& limits, CtkvrConfig c) {
     constexpr const char* where = "Ctkvr";
     detail::check_limits(where, limits);
@@ -371,7 +374,8 @@ class Ctkvr {
   }
 
   /// Batch row b's index: its centroids, then per kv head and chunk of centroids the lists (group_scores with
-  /// softmax and max over the sequence broadcast to the chunk's rows, topk_rows straight into the list storage).
+  /// softmax, each centroid's heads reduced by max into its own row, over the sequence broadcast to the chunk's
+  /// rows of centroids; topk_rows straight into the list storage).
   void prepare_sequence(const PrefillInputs<T>& in, std::int32_t b, std::int32_t slot, std::int32_t length,
                         const Context& ctx) {
     constexpr const char* where = "Ctkvr::prepare";
@@ -401,23 +405,36 @@ class Ctkvr {
                                      in.queries.token_stride};
     store_centroids(last, slot_pointer, nullptr, limits_.kv_heads, centroids(), ctx);
 
+    // Rows of `per_row` centroids: a row's per_row * G query heads (packed) fill one 16-head tile of the scoring
+    // kernels, so each read of K serves per_row centroids; each centroid's G heads reduce into its own score row
+    // (heads_per_row). The sequence is broadcast to the chunk's rows. A chunk's last row may hold stale or zero
+    // queries past its centroids: their score rows are not ranked.
     const std::int32_t group = limits_.q_heads / limits_.kv_heads, chunk = std::min(config_.prepare_chunk, c_count);
-    const GroupScoreOptions options = detail::ctkvr_rerank_options(in.attention);
-    Array<float> scores(std::size_t(chunk) * std::size_t(length));
-    Array<std::byte> group_ws(group_scores_workspace_bytes(chunk, group, 1, length, options, ctx));
+    const std::int32_t d = limits_.head_dim, per_row = std::max(1, kPrepareTileHeads / group);
+    const std::int32_t max_rows = (chunk + per_row - 1) / per_row;
+    GroupScoreOptions options = detail::ctkvr_rerank_options(in.attention);
+    options.heads_per_row = group;
+    const std::vector<T> zeros(std::size_t(max_rows) * per_row * group * d, T{});
+    Array<T> packed(zeros.size());
+    copy_from_host(zeros.data(), zeros.size(), packed.data(), ctx);
+    Array<float> scores(std::size_t(max_rows) * per_row * std::size_t(length));
+    Array<std::byte> group_ws(group_scores_workspace_bytes(max_rows, per_row * group, 1, length, options, ctx));
     Array<std::byte> topk_ws(topk_rows_workspace_bytes(chunk, length, config_.list_size, {.window = window}, ctx));
     const std::vector<std::int32_t> host_lengths(std::size_t(chunk), length);
     Array<std::int32_t> chunk_lengths(host_lengths.size());
     copy_from_host(host_lengths.data(), host_lengths.size(), chunk_lengths.data(), ctx);
-    const BroadcastCache broadcast = broadcast_cache(in.cache, b, chunk, chunk_lengths.data(), ctx);
+    const BroadcastCache broadcast = broadcast_cache(in.cache, b, max_rows, chunk_lengths.data(), ctx);
     for (std::int32_t g = 0; g < limits_.kv_heads; ++g) {
       for (std::int32_t c0 = 0; c0 < c_count; c0 += chunk) {
-        const std::int32_t n = std::min(chunk, c_count - c0);
-        const QueryView<const T> q{in.queries.row(b, g * group, first_query + c0), n, group, in.queries.head_dim,
-                                   in.queries.token_stride, in.queries.head_stride};
-        const KVCache<const T> cache = broadcast.head(g, n);
-        const auto chunk_scores = MatrixView<float>::packed(scores.data(), n, length);
-        group_scores(q, cache, chunk_scores, options, std::span<std::byte>(group_ws.data(), group_ws.size()), ctx);
+        const std::int32_t n = std::min(chunk, c_count - c0), rows = (n + per_row - 1) / per_row;
+        for (std::int32_t j = 0; j < group; ++j) {  // packed head c * G + j: centroid c's query head g * G + j
+          copy_rows_within(in.queries.row(b, g * group + j, first_query + c0), in.queries.token_stride,
+                           packed.data() + std::int64_t(j) * d, std::int64_t(group) * d, d, n, ctx);
+        }
+        const QueryView<const T> q{packed.data(), rows, per_row * group, d, std::int64_t(per_row) * group * d, d};
+        const auto chunk_scores = MatrixView<float>::packed(scores.data(), std::int64_t(rows) * per_row, length);
+        group_scores(q, broadcast.head(g, rows), chunk_scores, options,
+                     std::span<std::byte>(group_ws.data(), group_ws.size()), ctx);
         const std::int64_t list = (std::int64_t(slot) * limits_.kv_heads + g) * config_.max_centroids + c0;
         const SelectionView into{list_ids_.data() + list * config_.list_size, list_counts_.data() + list, nullptr, n, 1,
                                  config_.list_size};

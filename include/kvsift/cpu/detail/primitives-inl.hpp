@@ -287,48 +287,52 @@ void group_softmax_items(const GroupScoreJob<T, KV>& job, std::int64_t begin, st
     const std::int32_t length = job.length(row, b);
     const auto [first, last] = chunk_tokens(chunk, length);
     if (first == last) continue;
-    float* scores = job.scores.row(row);
     const std::int32_t row_chunks = (length + kScoreChunk - 1) / kScoreChunk;
     const float* chunk_max = job.chunk_max + row * job.chunks * job.group;
     const float* chunk_sum = job.chunk_sum + row * job.chunks * job.group;
-    bool finite = true;
-    for (std::int32_t h = 0; h < job.group; ++h) {
-      finite = finite && std::isfinite(head_lse(chunk_max, chunk_sum, row_chunks, job.group, h));
-    }
-    if (!finite) {  // NaN never vanishes: a head without a softmax makes the whole row NaN
-      std::fill(scores + first, scores + last, std::numeric_limits<float>::quiet_NaN());
-      continue;
-    }
-    // Sum: the heads' weights exp(s - LSE), added in head order. Max: the largest s - LSE over the heads, and
-    // one exp at the end (exp is increasing), instead of one per head.
-    const V log2e = Ops::set1(kLog2e);
-    for (std::int32_t h = 0; h < job.group; ++h) {
-      const V shift = Ops::set1(head_lse(chunk_max, chunk_sum, row_chunks, job.group, h));
-      const float* head_logits = job.logits + (row * job.group + h) * cols;
-      for (std::int32_t start = first; start < last; start += kTokenBlock) {
-        const int block = std::min<std::int32_t>(kTokenBlock, last - start), padded = (block + W - 1) / W * W;
-        const float* logits = head_logits + start;
-        if (block < padded) {  // the row's last block: padded to whole vectors with weight 0, never written out
-          std::copy_n(logits, block, buffer);
-          std::fill(buffer + block, buffer + padded, neg_inf);
-          logits = buffer;
-        }
-        for (int t = 0; t < padded; t += W) {
-          const V x = Ops::sub(Ops::load(logits + t), shift);
-          float* a = acc + (start - first) + t;
-          if (job.sum) {
-            const V w = Ops::exp2(Ops::mul(x, log2e));
-            Ops::store(a, h == 0 ? w : Ops::add(Ops::load(a), w));
-          } else {
-            Ops::store(a, h == 0 ? x : Ops::max(Ops::load(a), x));
+    // The group's heads in sets of `per`, each reduced into its own score row (one set: the whole group).
+    const std::int32_t per = job.heads_per_row > 0 ? job.heads_per_row : job.group, sets = job.group / per;
+    for (std::int32_t set = 0; set < sets; ++set) {
+      float* scores = job.scores.row(row * sets + set);
+      bool finite = true;
+      for (std::int32_t h = set * per; h < (set + 1) * per; ++h) {
+        finite = finite && std::isfinite(head_lse(chunk_max, chunk_sum, row_chunks, job.group, h));
+      }
+      if (!finite) {  // NaN never vanishes: a head without a softmax makes its whole score row NaN
+        std::fill(scores + first, scores + last, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      // Sum: the heads' weights exp(s - LSE), added in head order. Max: the largest s - LSE over the heads, and
+      // one exp at the end (exp is increasing), instead of one per head.
+      const V log2e = Ops::set1(kLog2e);
+      for (std::int32_t h = set * per; h < (set + 1) * per; ++h) {
+        const V shift = Ops::set1(head_lse(chunk_max, chunk_sum, row_chunks, job.group, h));
+        const float* head_logits = job.logits + (row * job.group + h) * cols;
+        for (std::int32_t start = first; start < last; start += kTokenBlock) {
+          const int block = std::min<std::int32_t>(kTokenBlock, last - start), padded = (block + W - 1) / W * W;
+          const float* logits = head_logits + start;
+          if (block < padded) {  // the row's last block: padded to whole vectors with weight 0, never written out
+            std::copy_n(logits, block, buffer);
+            std::fill(buffer + block, buffer + padded, neg_inf);
+            logits = buffer;
+          }
+          for (int t = 0; t < padded; t += W) {
+            const V x = Ops::sub(Ops::load(logits + t), shift);
+            float* a = acc + (start - first) + t;
+            if (job.sum) {
+              const V w = Ops::exp2(Ops::mul(x, log2e));
+              Ops::store(a, h == set * per ? w : Ops::add(Ops::load(a), w));
+            } else {
+              Ops::store(a, h == set * per ? x : Ops::max(Ops::load(a), x));
+            }
           }
         }
       }
+      if (!job.sum) {
+        for (std::int32_t t = 0; t < last - first; t += W) Ops::store(acc + t, Ops::exp2(Ops::mul(Ops::load(acc + t), log2e)));
+      }
+      std::copy_n(acc, last - first, scores + first);
     }
-    if (!job.sum) {
-      for (std::int32_t t = 0; t < last - first; t += W) Ops::store(acc + t, Ops::exp2(Ops::mul(Ops::load(acc + t), log2e)));
-    }
-    std::copy_n(acc, last - first, scores + first);
   }
 }
 

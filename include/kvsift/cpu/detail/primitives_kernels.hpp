@@ -37,6 +37,7 @@ struct GroupScoreJob {
   bool sum = false;          ///< reduce over the group by sum (else by max)
   bool softmax = false;      ///< reduce softmax weights (else raw logits)
   std::int32_t chunks = 1;   ///< per row: ceil(scores.cols / kScoreChunk)
+  std::int32_t heads_per_row = 0;  ///< softmax: heads reduced into each score row (0: the whole group)
   float* logits = nullptr;     ///< softmax: [rows, group, scores.cols], scaled logits (natural units)
   float* chunk_max = nullptr;  ///< softmax: [rows, chunks, group], each chunk's largest logit per head
   float* chunk_sum = nullptr;  ///< softmax: [rows, chunks, group], sum over the chunk of exp(logit - chunk_max)

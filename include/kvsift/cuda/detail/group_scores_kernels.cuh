@@ -52,8 +52,9 @@ template <class T, class KV>
 struct GroupScoreParams {
   QueryView<const T> q;
   KV kv;                        ///< ContiguousKVView<const T> or PagedKVView<const T>; V is never read
-  MatrixView<float> scores;     ///< [batch * kv_heads, cols]
+  MatrixView<float> scores;     ///< [batch * kv_heads * (group / heads_per_row), cols]
   std::int32_t group = 1;       ///< q_heads / kv_heads
+  std::int32_t heads_per_row = 1;  ///< softmax: heads reduced into each score row (the group, or a divisor)
   std::int32_t head_tiles = 1;  ///< ceil(group / kHeadsPerTile)
   std::int32_t chunks = 1;      ///< ceil(scores.cols / kGroupScoreChunk): CTAs per row
   float scale = 1.0f;           ///< resolved sm_scale
@@ -368,7 +369,6 @@ __global__ void __launch_bounds__(kGroupSoftmaxThreads)
   const int row_chunks = (length + kGroupScoreChunk - 1) / kGroupScoreChunk;
   const float* chunk_max = p.chunk_max + row * p.chunks * p.group;
   const float* chunk_sum = p.chunk_sum + row * p.chunks * p.group;
-  bool finite = true;
   for (int h = warp; h < p.group; h += kWarps) {
     float m = neg_inf;
     for (int c = lane; c < row_chunks; c += 32) m = max_nan(m, chunk_max[c * p.group + h]);
@@ -385,24 +385,29 @@ __global__ void __launch_bounds__(kGroupSoftmaxThreads)
       lse = m + logf(sum);
     }
     if (lane == 0) s_lse[h] = lse;
-    finite = finite && isfinite(lse);
   }
-  // NaN never vanishes: a head without a softmax makes the whole row NaN.
-  const bool row_finite = __syncthreads_and(finite) != 0;
+  __syncthreads();  // every head's LSE in s_lse
 
-  float* out = p.scores.row(row);
-  for (int t = first + int(threadIdx.x); t < last; t += kGroupSoftmaxThreads) {
-    if (!row_finite) {
-      out[t] = std::numeric_limits<float>::quiet_NaN();
-      continue;
+  // The heads in sets of heads_per_row, each reduced into its own score row. NaN never vanishes: a head without
+  // a softmax makes its set's whole row NaN.
+  const int per = p.heads_per_row, sets = p.group / per;
+  for (int set = 0; set < sets; ++set) {
+    bool set_finite = true;
+    for (int h = set * per; h < (set + 1) * per; ++h) set_finite = set_finite && isfinite(s_lse[h]);
+    float* out = p.scores.row(row * sets + set);
+    for (int t = first + int(threadIdx.x); t < last; t += kGroupSoftmaxThreads) {
+      if (!set_finite) {
+        out[t] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      // Sum: the heads' weights in head order. Max: the largest logit - LSE, then one exp (exp is increasing).
+      float acc = p.sum ? 0.0f : neg_inf;
+      for (int h = set * per; h < (set + 1) * per; ++h) {
+        const float x = p.logits[(row * p.group + h) * p.logit_stride + t] - s_lse[h];
+        acc = p.sum ? acc + exp2f(x * kLog2e) : fmaxf(acc, x);
+      }
+      out[t] = p.sum ? acc : exp2f(acc * kLog2e);
     }
-    // Sum: the heads' weights in head order. Max: the largest logit - LSE, then one exp (exp is increasing).
-    float acc = p.sum ? 0.0f : neg_inf;
-    for (int h = 0; h < p.group; ++h) {
-      const float x = p.logits[(row * p.group + h) * p.logit_stride + t] - s_lse[h];
-      acc = p.sum ? acc + exp2f(x * kLog2e) : fmaxf(acc, x);
-    }
-    out[t] = p.sum ? acc : exp2f(acc * kLog2e);
   }
 }
 
