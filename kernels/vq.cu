@@ -347,21 +347,27 @@ cudaError_t launch_vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>&
     constexpr auto kernel = lut_scan_kernel<T, D>;
     const std::size_t smem = vq_fused_smem_bytes(q.heads / codebook.kv_heads, codebook.codewords, D);
     if (cudaError_t s = open_shared_memory(kernel); s != cudaSuccess) return s;
+    // The cluster split exists only in code compiled for sm_90 or later (__CUDA_ARCH__ >= 900): PTX of an older
+    // architecture JIT-compiled for a newer GPU (CMAKE_CUDA_ARCHITECTURES=80 on an H100) fills the whole table in
+    // every block instead.
+    cudaFuncAttributes built{};
+    if (cudaError_t s = cudaFuncGetAttributes(&built, kernel); s != cudaSuccess) return s;
+    const std::int32_t cluster = built.ptxVersion >= 90 && built.binaryVersion >= 90 ? grid.cluster : 1;
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(unsigned(grid.parts), unsigned(codebook.kv_heads), unsigned(q.batch));
     config.blockDim = dim3(kThreads);
     config.dynamicSmemBytes = smem;
     config.stream = stream;
     cudaLaunchAttribute attribute{};
-    if (grid.cluster > 1) {
+    if (cluster > 1) {
       attribute.id = cudaLaunchAttributeClusterDimension;
-      attribute.val.clusterDim.x = unsigned(grid.cluster);
+      attribute.val.clusterDim.x = unsigned(cluster);
       attribute.val.clusterDim.y = 1;
       attribute.val.clusterDim.z = 1;
       config.attrs = &attribute;
       config.numAttrs = 1;
     }
-    return cudaLaunchKernelEx(&config, kernel, q, codebook, codes, slots, lengths, scores, grid.cluster);
+    return cudaLaunchKernelEx(&config, kernel, q, codebook, codes, slots, lengths, scores, cluster);
   });
 }
 
