@@ -108,6 +108,8 @@ std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads
                batch, q_heads, kv_heads);
   kvsift::detail::check_vq_codewords(where, "codewords", codewords);
   kvsift::detail::check_vq_head_dim(where, "codebook", head_dim);
+  check_grid(where, batch);
+  check_group(where, q_heads, kv_heads);  // what the run refuses, the query refuses too
   if (fused_fits(q_heads / kv_heads, codewords, head_dim)) return 0;
   WorkspaceLayout counting;
   counting.allocate<float>(checked_mul(std::size_t(batch) * std::size_t(q_heads), std::size_t(codewords), "vq_lut_scan tables"),

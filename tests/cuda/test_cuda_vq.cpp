@@ -297,6 +297,11 @@ TEST(CudaVqBadInput, RefusedBeforeAnyDeviceCall) {
       [&] { cuda::vq_lut_scan(q, book, VqCodesView<const std::uint16_t>::packed(c, 1, 4, 10), ints, ints, MatrixView<float>::packed(f, 8, 10), {}, nullptr); },
       "codes.kv_heads (= 4) != codebook.kv_heads (= 2)");
   test::expect_error([] { (void)cuda::vq_lut_scan_workspace_bytes(1, 8, 2, 70000, 64); }, "codewords (= 70000) is outside");
+  // The query refuses what the run refuses.
+  test::expect_error([] { (void)cuda::vq_lut_scan_workspace_bytes(1, 130, 2, 4096, 64); },
+                     "cuda::vq_lut_scan_workspace_bytes: q_heads / kv_heads (= 65) exceeds 64 query heads per kv head");
+  test::expect_error([] { (void)cuda::vq_lut_scan_workspace_bytes(70000, 8, 2, 4096, 64); },
+                     "batch (= 70000) exceeds the launch limit of 65535 sequences");
 }
 
 }  // namespace
