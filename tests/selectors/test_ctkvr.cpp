@@ -263,6 +263,17 @@ TEST_F(CpuCtkvr, BadConfigurationsAndPrefillsAreRefused) {
     prepare({.budget = 8, .list_size = 8, .centroids = 4, .max_centroids = 4, .pin_prefill_centroids = true});
   }, "config.pin_prefill_centroids leaves the dynamic update no column: sequence 0 has C = 4 centroids and "
      "config.max_centroids is 4");
+  {  // a selection smaller than the budget
+    Selector selector(limits, {.budget = 8, .list_size = 8, .centroids = 2, .recalled_centroids = 2});
+    selector.prepare(p.prefill(), {});
+    std::vector<std::int32_t> ids(2 * 7), counts(2);
+    const std::vector<half> q(std::size_t(p.q_heads) * p.head_dim, half{});
+    test::expect_error([&] {
+      selector.select({.q = QueryView<const half>::packed(q.data(), 1, p.q_heads, p.head_dim), .cache = p.cache(),
+                       .slots = &p.slot, .lengths = &p.length, .attention = {.window = kCtkvrWindow}},
+                      SelectionView{ids.data(), counts.data(), nullptr, 1, p.kv_heads, 7}, {}, {});
+    }, "out.capacity (= 7)");
+  }
   test::expect_error([&] { Selector(limits, {.budget = 8, .budget_fraction = 1.5}); },
                      "config.budget_fraction (= 1.5) is outside [0, 1] (0: a fixed budget)");
   test::expect_error([&] { Selector(limits, {.budget = 8, .budget_fraction = -0.1}); },
