@@ -657,6 +657,12 @@ TEST(LengthBudgets, FloorOfTheFractionClampedAndBroadcastOverHeads) {
   std::vector<std::int32_t> k3(exact.size(), -7);
   cpu::length_budgets(exact.data(), 3, 1, {.fraction = 0.03, .minimum = 0, .maximum = 1 << 20}, k3.data());
   EXPECT_EQ(k3, (std::vector<std::int32_t>{3, 9, 61}));
+  // CSAttention's 5% with its 64-token window counted inside: floor(0.05 * n) - 64, at least 0.
+  const std::vector<std::int32_t> long_lengths{131072, 1300, 1000};
+  std::vector<std::int32_t> k5(long_lengths.size(), -7);
+  cpu::length_budgets(long_lengths.data(), 3, 1, {.fraction = 0.05, .minimum = 0, .maximum = 1 << 20, .reserved = 64},
+                      k5.data());
+  EXPECT_EQ(k5, (std::vector<std::int32_t>{6489, 1, 0}));
 }
 
 TEST(LengthBudgets, RandomLengthsAgainstTheFloorOfTheProduct) {
@@ -664,13 +670,13 @@ TEST(LengthBudgets, RandomLengthsAgainstTheFloorOfTheProduct) {
   for (int trial = 0; trial < 20; ++trial) {
     const std::int32_t batch = rng.uniform_int(1, 16), heads = rng.uniform_int(1, 8);
     const LengthBudget budget{.fraction = double(rng.uniform(0.001f, 1.0f)), .minimum = rng.uniform_int(0, 8),
-                              .maximum = rng.uniform_int(8, 5000)};
+                              .maximum = rng.uniform_int(8, 5000), .reserved = rng.uniform_int(0, 100)};
     std::vector<std::int32_t> lengths(std::size_t(batch), 0);
     for (auto& n : lengths) n = rng.uniform_int(0, 200000);
     std::vector<std::int32_t> row_k(std::size_t(batch) * heads, -7);
     cpu::length_budgets(lengths.data(), batch, heads, budget, row_k.data());
     for (std::int32_t b = 0; b < batch; ++b) {
-      const double k = std::floor(budget.fraction * double(lengths[std::size_t(b)]));
+      const double k = std::floor(budget.fraction * double(lengths[std::size_t(b)])) - budget.reserved;
       const auto want = std::int32_t(std::clamp(k, double(budget.minimum), double(budget.maximum)));
       for (std::int32_t h = 0; h < heads; ++h) EXPECT_EQ(row_k[std::size_t(b) * heads + h], want) << b << " " << h;
     }
@@ -687,6 +693,7 @@ TEST(LengthBudgets, BadBudgetsAreRefused) {
   test::expect_error([&] { go({.fraction = 0.5, .minimum = 5, .maximum = 4}); },
                      "budget.minimum (= 5) is outside [0, budget.maximum = 4]");
   test::expect_error([&] { go({.fraction = 0.5, .maximum = 4}, 0); }, "batch (= 0) and heads (= 1) must be positive");
+  test::expect_error([&] { go({.fraction = 0.5, .maximum = 4, .reserved = -1}); }, "budget.reserved (= -1) must be >= 0");
   test::expect_error([&] { cpu::length_budgets(nullptr, 2, 1, {.fraction = 0.5, .maximum = 4}, row_k); },
                      "lengths and row_k must be non-null");
   EXPECT_EQ(row_k[0], 0);  // nothing written by a refused call

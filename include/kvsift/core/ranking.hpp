@@ -29,16 +29,19 @@ KVSIFT_HOST_DEVICE inline std::uint64_t rank_key(float score, std::int32_t index
 }
 
 /// A budget that follows the context: a sequence of `length` tokens (the step's own included) gets
-/// clamp(floor(fraction * length), minimum, maximum) tokens. CTKVR's "dynamic 4%" and A²ATS's 0.03 * len;
+/// clamp(floor(fraction * length) - reserved, minimum, maximum) tokens. CTKVR's "dynamic 4%" and A²ATS's 0.03 * len;
 /// length_budgets (cpu/topk.hpp, cuda/topk.hpp) writes it as topk_rows' row_k. One formula for host and device
 /// code, in double, so both backends round alike.
 struct LengthBudget {
   double fraction = 0;       ///< in (0, 1]
   std::int32_t minimum = 0;  ///< in [0, maximum]
   std::int32_t maximum = 0;  ///< the selection's capacity, topk_rows' k
+  /// Tokens of the budget spent elsewhere (CSAttention counts its attention window inside K = rho * length).
+  std::int32_t reserved = 0;
 
   KVSIFT_HOST_DEVICE std::int32_t operator()(std::int32_t length) const {
-    const double k = static_cast<double>(static_cast<std::int64_t>(fraction * static_cast<double>(length)));
+    const double k =
+        static_cast<double>(static_cast<std::int64_t>(fraction * static_cast<double>(length)) - reserved);
     return k < minimum ? minimum : k > maximum ? maximum : static_cast<std::int32_t>(k);
   }
 };

@@ -27,6 +27,7 @@
 #include "kvsift/cpu/query_centroids.hpp"
 #include "kvsift/cpu/rerank.hpp"
 #include "kvsift/cpu/rope.hpp"
+#include "kvsift/cpu/score_tables.hpp"
 #include "kvsift/cpu/segment_mean.hpp"
 #include "kvsift/cpu/topk.hpp"
 #include "kvsift/cpu/vq.hpp"
@@ -242,6 +243,60 @@ template <class T>
 void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, const SelectionView& entries,
                   const MatrixView<const float>& scores, std::int32_t* replaced, const Context& ctx) {
   cpu::replace_list(lists, slots, entries, scores, replaced, ctx.pool);
+}
+
+// Score tables (core/score_tables.hpp, cpu/score_tables.hpp).
+template <class T>
+void subspace_scores(const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
+                     std::int32_t list_count, const KVCache<const T>& cache, std::int32_t row,
+                     std::int32_t token_begin, std::int32_t tokens, const MatrixView<float>& out, const Context& ctx) {
+  cpu::subspace_scores(base, table_head, list_begin, list_count, cache, row, token_begin, tokens, out, ctx.pool);
+}
+inline std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32_t tokens, const Context& ctx) {
+  return cpu::store_table_lists_workspace_bytes(list_rows, tokens, ctx.pool);
+}
+inline void store_table_lists(const MatrixView<const float>& scores, std::int32_t tokens, std::int32_t keep,
+                              const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
+                              std::span<std::byte> workspace, const Context& ctx) {
+  cpu::store_table_lists(scores, tokens, keep, base, table_head, list_begin, workspace, ctx.pool);
+}
+template <class T>
+void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<const T>& cache,
+                   const std::int32_t* slots, const std::int32_t* lengths, const Context& ctx) {
+  cpu::append_tables(tables, cache, slots, lengths, ctx.pool);
+}
+template <class T>
+void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const std::int32_t>& tables,
+                       const std::int32_t* slots, std::int32_t probes, const SelectionView& chosen,
+                       const Context& ctx) {
+  cpu::nearest_centroids(q, tables, slots, probes, chosen, ctx.pool);
+}
+inline std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t heads_per_row,
+                                                      std::int32_t max_tokens, const Context& ctx) {
+  return cpu::table_scores_dense_workspace_bytes(rows, heads_per_row, max_tokens, ctx.pool);
+}
+inline void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
+                               std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
+                               const AttentionWindow& window, const LengthBudget& budget,
+                               const MatrixView<float>& scores, std::int32_t* row_k, std::int32_t max_tokens,
+                               std::span<std::byte> workspace, const Context& ctx) {
+  cpu::table_scores_dense(tables, chosen, heads_per_row, slots, lengths, window, budget, scores, row_k, max_tokens,
+                          workspace, ctx.pool);
+}
+inline std::int64_t table_scores_sparse_capacity(std::int32_t chosen_capacity, std::int32_t length, const Context&) {
+  return cpu::table_scores_sparse_capacity(chosen_capacity, length);
+}
+inline std::size_t table_scores_sparse_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity,
+                                                       std::int32_t length, const Context& ctx) {
+  return cpu::table_scores_sparse_workspace_bytes(rows, chosen_capacity, length, ctx.pool);
+}
+inline void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
+                                std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
+                                const AttentionWindow& window, const LengthBudget& budget, const SelectionView& out,
+                                const MatrixView<float>& sums, std::int32_t* row_k, std::span<std::byte> workspace,
+                                const Context& ctx) {
+  cpu::table_scores_sparse(tables, chosen, heads_per_row, slots, lengths, window, budget, out, sums, row_k, workspace,
+                           ctx.pool);
 }
 
 // KV gathers (cpu/gather.hpp).

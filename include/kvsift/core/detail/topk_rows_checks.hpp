@@ -45,6 +45,7 @@ inline void check_length_budgets(const char* where, const std::int32_t* lengths,
                budget.fraction);
   KVSIFT_CHECK(budget.minimum >= 0 && budget.minimum <= budget.maximum, where,
                "budget.minimum (= {}) is outside [0, budget.maximum = {}]", budget.minimum, budget.maximum);
+  KVSIFT_CHECK(budget.reserved >= 0, where, "budget.reserved (= {}) must be >= 0", budget.reserved);
 }
 
 }  // namespace kvsift::detail
