@@ -264,6 +264,44 @@ TEST_P(CpuCsattention, ListsStayTheTopLAndTheSelectionTheTopKAtEveryStep) {
   EXPECT_EQ(selections[0], selections[1]) << "the dense and sort reductions selected differently";
 }
 
+TEST_P(CpuCsattention, SearchPeriodReusesTheSelectionAndAddsWhatLeftTheWindow) {
+  SCOPED_TRACE(seed);
+  const std::int32_t group = std::get<0>(GetParam());
+  CtkvrProblem p(rng, 2 * group, 2, 120, 16);
+  const CsattentionConfig config = csattention_schedule(CsattentionSchedule::keep15_every4, small_config(GetParam(), 0.25));
+  ASSERT_EQ(config.search_period, 4);
+  DecodeStep step(Selector(p.limits(), config), p.config(), {});
+  step.prepare(p.prefill(), {});
+  EXPECT_EQ(step.selector().capacity(), std::int32_t(0.15 * p.capacity) + 3);
+  const auto t = step.selector().index_tables();
+  std::vector<std::vector<std::int32_t>> searched(std::size_t(p.kv_heads));
+  std::int32_t searched_length = 0;
+  decode(p, step, rng, 10, [&](std::int32_t s, const std::vector<half>& q, const SelectionView& sel) {
+    EXPECT_EQ(step.selector().searches_next(), (s + 1) % 4 == 0) << "after step " << s;
+    for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+      const std::vector<std::int32_t> chosen(sel.row(0, g), sel.row(0, g) + sel.count(0, g));
+      if (s % 4 == 0) {  // a search
+        const std::int32_t k = std::int32_t(std::floor(0.15 * p.length)) - 8;
+        test::expect_top_k(chosen, candidate_scores(p, t, q, g), k, 1e-6, fmt::format("step {} kv head {}", s, g));
+        searched[std::size_t(g)] = chosen;
+        searched_length = p.length;
+        continue;
+      }
+      // The search's tokens, then every middle token from where the window began at the search.
+      std::vector<std::int32_t> want = searched[std::size_t(g)];
+      for (std::int32_t id = kCtkvrWindow.recent_begin(searched_length); id < kCtkvrWindow.recent_begin(p.length); ++id) {
+        want.push_back(id);
+      }
+      EXPECT_EQ(chosen, want) << "step " << s << " kv head " << g;
+      // With the window, every token generated since the search is attended.
+      for (std::int32_t id = searched_length - 1; id < p.length; ++id) {
+        EXPECT_TRUE(id >= kCtkvrWindow.recent_begin(p.length) || std::binary_search(chosen.begin(), chosen.end(), id))
+            << id;
+      }
+    }
+  });
+}
+
 TEST_F(CpuCsattention, IndexBytesCountBaseAndOverlay) {
   const SelectorLimits limits{.max_slots = 2, .max_tokens = 1000, .q_heads = 8, .kv_heads = 2, .head_dim = 64};
   for (const auto tables : {CsattentionTables::per_query_head, CsattentionTables::per_kv_head}) {
@@ -288,6 +326,8 @@ TEST_F(CpuCsattention, BadConfigurationsAndPrefillsAreRefused) {
                      "config.probes (= 5) is outside [1, min(centroids = 4, 64)]");
   test::expect_error([&] { Selector(p.limits(), {.centroids = 0}); }, "config.centroids (C = 0) must be positive");
   test::expect_error([&] { Selector(p.limits(), {.overlay_capacity = 0}); }, "config.overlay_capacity (= 0) must be positive");
+  test::expect_error([&] { Selector(p.limits(), {.search_period = 0}); }, "config.search_period (P = 0) must be >= 1");
+  test::expect_error([&] { Selector(p.limits(), {.budget = 200}); }, "config.budget (= 200) is outside [0, limits.max_tokens = 116]");
   // C above the prefill queries (8 here).
   Selector many(p.limits(), {.centroids = 9});
   test::expect_error([&] { many.prepare(p.prefill(), {}); },

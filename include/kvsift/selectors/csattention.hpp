@@ -55,12 +55,33 @@ struct CsattentionConfig {
   double list_fraction = 0.2;                        ///< alpha: L = floor(alpha * N) keys per list, N the prompt's length
   std::int32_t max_list_length = 32768;              ///< the absolute cap on L (kvsift's choice)
   double keep_fraction = 0.05;                       ///< rho: K = floor(rho * length) tokens, the window's included
+  /// When > 0, a fixed K = budget tokens per row, the window's included, in place of rho * length (equal budgets
+  /// beside other selectors, as the fidelity harness compares them).
+  std::int32_t budget = 0;
+  /// P: a search every P selects; the P - 1 between reuse its selection and add the tokens that left the recent
+  /// window since (new tokens are in the window until then). The batch must keep its rows between searches;
+  /// prepare forces the next select to search. searches_next() says which kind the next select is (on CUDA, a
+  /// graph captures one kind: capture one of each and replay them in that order).
+  std::int32_t search_period = 1;
   std::int32_t probes = 1;                           ///< centroids per subspace a query reads (the paper: 1)
   CsattentionReduce reduce = CsattentionReduce::dense;
   /// Evictions per list a sequence's inserts may make (kvsift's choice: the overlay's bound, docs/csattention.md).
   std::int32_t overlay_capacity = 1024;
   std::int32_t prepare_chunk = 128;                  ///< lists scored per pass in prepare ([chunk, N] fp32 scratch)
 };
+
+/// The paper's schedules (its table 3): keep ratio rho and search period P.
+enum class CsattentionSchedule : std::uint8_t { keep5_every1, keep5_every2, keep15_every4, keep20_every8 };
+inline CsattentionConfig csattention_schedule(CsattentionSchedule schedule, CsattentionConfig config = {}) {
+  static constexpr struct {
+    double rho;
+    std::int32_t period;
+  } kSchedules[] = {{0.05, 1}, {0.05, 2}, {0.15, 4}, {0.20, 8}};
+  const auto& chosen = kSchedules[std::size_t(schedule)];
+  config.keep_fraction = chosen.rho;
+  config.search_period = chosen.period;
+  return config;
+}
 
 template <class T, class Context>
 class Csattention {
@@ -86,12 +107,21 @@ class Csattention {
     overlay_ids_.resize(lists * std::size_t(config_.overlay_capacity));
     overlay_scores_.resize(lists * std::size_t(config_.overlay_capacity));
     overlay_sizes_.resize(lists);
+    if (config_.search_period > 1) {
+      kept_.resize(std::size_t(slots) * std::size_t(limits.kv_heads) * std::size_t(capacity_));
+      kept_counts_.resize(std::size_t(slots) * std::size_t(limits.kv_heads));
+      first_.resize(std::size_t(slots));
+      rows_.resize(std::size_t(slots));
+    }
   }
 
   std::string_view name() const { return "CSAttention"; }
   const CsattentionConfig& config() const { return config_; }
-  /// The most tokens a row selects: floor(rho * max_tokens) (a step selects floor(rho * length) less its window).
+  /// The most tokens a row selects: K (budget, or floor(rho * max_tokens); a step selects floor(rho * length) less
+  /// its window), plus P - 1 for the tokens a reused selection adds.
   std::int32_t capacity() const { return capacity_; }
+  /// Whether the next select searches (P = 1: always).
+  bool searches_next() const { return calls_until_search_ == 0; }
   /// The tables, in the context's memory: for tests and inspection.
   ScoreTablesView<const std::int32_t> index_tables() const { return const_cast<Csattention*>(this)->tables().as_const(); }
   IndexBytes index_bytes() const {
@@ -141,6 +171,12 @@ class Csattention {
     copy_to_host(context_lengths.data(), lengths.size(), lengths.data(), ctx);
     copy_to_host(in.slots, slots.size(), slots.data(), ctx);
     for (std::int32_t b = 0; b < batch; ++b) prepare_sequence(in, b, slots[b], lengths[b], ctx);
+    if (config_.search_period > 1) {
+      std::vector<std::int32_t> identity(std::size_t(limits_.max_slots));
+      for (std::int32_t r = 0; r < limits_.max_slots; ++r) identity[std::size_t(r)] = r;
+      copy_from_host(identity.data(), identity.size(), rows_.data(), ctx);
+    }
+    calls_until_search_ = 0;
   }
 
   /// Inserts each row's new key (position lengths[b] - 1) into its slot's lists.
@@ -154,6 +190,46 @@ class Csattention {
               const Context& ctx) {
     constexpr const char* where = "Csattention::select";
     detail::check_select(where, limits_, in, out, capacity(), Context::memory);
+    const std::int32_t batch = in.q.batch, kv = limits_.kv_heads, group = limits_.q_heads / kv;
+    const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
+    const std::int64_t rows = std::int64_t(batch) * kv;
+    if (calls_until_search_ > 0) {
+      KVSIFT_CHECK(batch == searched_batch_, where,
+                   "a reused selection needs the batch of its search: {} rows now, {} at the search", batch,
+                   searched_batch_);
+      --calls_until_search_;
+      reuse(in, out, ctx);
+      return;
+    }
+    calls_until_search_ = config_.search_period - 1;
+    searched_batch_ = batch;
+    search(in, out, workspace, ctx);
+    if (config_.search_period == 1) return;
+    copy_rows_within(out.indices, out.capacity, kept_.data(), capacity_, capacity_, rows, ctx);
+    copy_within(out.counts, std::size_t(rows), kept_counts_.data(), ctx);
+    const AttentionWindow& window = in.attention.window;  // first[b] = length - R: where the window began
+    length_budgets(in.lengths, batch, 1, {.fraction = 1, .maximum = limits_.max_tokens, .reserved = window.recent},
+                   first_.data(), ctx);
+  }
+
+ private:
+  struct Buffers {
+    std::int32_t *chosen, *chosen_counts, *row_k, *candidates, *candidate_counts;
+    float* scores;
+    std::span<std::byte> reduce, topk;
+  };
+
+  /// The last search's selection and the middle tokens that left the recent window since.
+  void reuse(const SelectInputs<T>& in, const SelectionView& out, const Context& ctx) {
+    const std::int64_t rows = std::int64_t(in.q.batch) * limits_.kv_heads;
+    copy_rows_within(kept_.data(), capacity_, out.indices, out.capacity, capacity_, rows, ctx);
+    copy_within(kept_counts_.data(), std::size_t(rows), out.counts, ctx);
+    const SelectionView rows_view{out.indices, out.counts, nullptr, in.q.batch, limits_.kv_heads, out.capacity};
+    append_range(rows_view, rows_.data(), first_.data(), in.lengths, in.attention.window, ctx);
+  }
+
+  void search(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace, const Context& ctx) {
+    constexpr const char* where = "Csattention::select";
     const std::int32_t batch = in.q.batch, kv = limits_.kv_heads, group = limits_.q_heads / kv;
     const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     const std::int64_t rows = std::int64_t(batch) * kv;
@@ -181,13 +257,6 @@ class Csattention {
     remap_selection(positions, candidates, positions, ctx);
   }
 
- private:
-  struct Buffers {
-    std::int32_t *chosen, *chosen_counts, *row_k, *candidates, *candidate_counts;
-    float* scores;
-    std::span<std::byte> reduce, topk;
-  };
-
   static CsattentionConfig checked(const SelectorLimits& limits, const CsattentionConfig& c) {
     constexpr const char* where = "Csattention";
     detail::check_limits(where, limits);
@@ -207,6 +276,9 @@ class Csattention {
                  "config.probes (= {}) is outside [1, min(centroids = {}, {})]", c.probes, c.centroids, kMaxTableProbes);
     KVSIFT_CHECK(c.overlay_capacity > 0, where, "config.overlay_capacity (= {}) must be positive", c.overlay_capacity);
     KVSIFT_CHECK(c.prepare_chunk > 0, where, "config.prepare_chunk (= {}) must be positive", c.prepare_chunk);
+    KVSIFT_CHECK(c.budget >= 0 && c.budget <= limits.max_tokens, where,
+                 "config.budget (= {}) is outside [0, limits.max_tokens = {}]", c.budget, limits.max_tokens);
+    KVSIFT_CHECK(c.search_period >= 1, where, "config.search_period (P = {}) must be >= 1", c.search_period);
     KVSIFT_CHECK(c.reduce == CsattentionReduce::dense || c.reduce == CsattentionReduce::sort, where,
                  "config.reduce (= {}) is not a CsattentionReduce", int(c.reduce));
     KVSIFT_CHECK(c.tables == CsattentionTables::per_query_head || c.tables == CsattentionTables::per_kv_head, where,
@@ -221,9 +293,13 @@ class Csattention {
   std::int32_t chosen_capacity() const {
     return limits_.q_heads / limits_.kv_heads * config_.subspaces * config_.probes;
   }
+  /// K less the window, at most the searched capacity.
   LengthBudget budget(const AttentionWindow& window) const {
-    return {.fraction = config_.keep_fraction, .minimum = 0, .maximum = capacity_, .reserved = window.sink + window.recent};
+    const std::int32_t reserved = window.sink + window.recent;
+    if (config_.budget > 0) return {.fraction = 1, .maximum = std::max(0, config_.budget - reserved), .reserved = reserved};
+    return {.fraction = config_.keep_fraction, .maximum = searched_capacity(), .reserved = reserved};
   }
+  std::int32_t searched_capacity() const { return capacity_ - (config_.search_period - 1); }
   std::int32_t sparse_capacity(const Context& ctx) const {
     return std::int32_t(table_scores_sparse_capacity(chosen_capacity(), max_length_, ctx));
   }
@@ -351,13 +427,19 @@ class Csattention {
   CsattentionConfig config_;
   std::int32_t max_length_ = std::clamp(std::int32_t(config_.list_fraction * double(limits_.max_tokens)), 1,
                                         config_.max_list_length);
-  std::int32_t capacity_ = std::max(1, std::int32_t(config_.keep_fraction * double(limits_.max_tokens)));
+  std::int32_t capacity_ =
+      (config_.budget > 0 ? config_.budget : std::max(1, std::int32_t(config_.keep_fraction * double(limits_.max_tokens)))) +
+      config_.search_period - 1;
+  std::int32_t calls_until_search_ = 0, searched_batch_ = 0;
   Array<float> centroids_;
   Array<std::int32_t> base_ids_;
   Array<half> base_scores_;
   Array<std::int32_t> base_counts_, slot_base_, evicted_, overlay_ids_;
   Array<half> overlay_scores_;
   Array<std::int32_t> overlay_sizes_;
+  // Search period > 1: the searched selection per batch row, where each row's window began at the search, and
+  // the identity map of batch rows (append_range indexes `first` by slot).
+  Array<std::int32_t> kept_, kept_counts_, first_, rows_;
 };
 
 }  // namespace kvsift
