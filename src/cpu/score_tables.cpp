@@ -54,7 +54,22 @@ struct ChosenList {
     for (std::int32_t p = 0; p < kept; ++p) f(base_ids[p], base_scores[p]);
     for (std::int32_t p = 0; p < overlay_size; ++p) f(overlay_ids[p], overlay_scores[p]);
   }
+  std::int64_t floor() const {
+    return detail::list_floor(base_ids, base_scores, kept, overlay_ids, overlay_scores, overlay_size,
+                              [](half x) { return half_to_float(x); });
+  }
 };
+
+/// Each chosen entry's contribution to its block's sum: weight * (fixed score - floor).
+struct EntryValue {
+  std::int64_t weight, floor;
+  std::int64_t operator()(half score) const { return weight * (fixed_score(half_to_float(score)) - floor); }
+};
+EntryValue entry_value(const TableScoreOptions& options, const ChosenList& list, const SelectionView& chosen,
+                       std::int64_t row, std::int32_t i) {
+  return {options.weights != nullptr ? options.weights[row * chosen.capacity + i] : kTableWeightOne,
+          options.from_floor ? list.floor() : 0};
+}
 ChosenList chosen_list(const ScoreTablesView<const std::int32_t>& t, std::int32_t slot, std::int32_t id) {
   const std::int32_t base = t.slot_base[slot], h = id / t.lists(), l = id % t.lists();
   const std::int64_t list = t.list_index(base, h, l), own = t.list_index(slot, h, l);
@@ -158,7 +173,8 @@ void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<co
 
 template <class T>
 void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const std::int32_t>& tables,
-                       const std::int32_t* slots, std::int32_t probes, const SelectionView& chosen, ThreadPool* pool) {
+                       const std::int32_t* slots, std::int32_t probes, const SelectionView& chosen,
+                       std::int32_t* weights, ThreadPool* pool) {
   constexpr const char* where = "cpu::nearest_centroids";
   detail::check_nearest_centroids(where, q, tables, slots, probes, chosen, MemorySpace::host);
   const ScoreTablesView<const std::int32_t>& t = tables;
@@ -184,10 +200,17 @@ void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const 
             for (; p > 0 && best[p - 1] > key; --p) best[p] = best[p - 1];
             best[p] = key;
           }
+          const std::int64_t at = (j * t.subspaces + s) * probes;
           for (std::int32_t p = 0; p < probes; ++p) {
-            dst[(j * t.subspaces + s) * probes + p] =
-                table_head * t.lists() + s * c_count + std::int32_t(best[p] & 0xffffffffu);
+            dst[at + p] = table_head * t.lists() + s * c_count + std::int32_t(best[p] & 0xffffffffu);
           }
+          if (weights == nullptr) continue;
+          float square_sum = 0.0f;
+          for (std::int32_t e = 0; e < t.width; ++e) {
+            const float x = to_float(query[subspace_channel(t.split, s, e, t.width, q.head_dim)]);
+            square_sum = std::fma(x, x, square_sum);
+          }
+          std::fill_n(weights + row * chosen.capacity + at, probes, table_weight(std::sqrt(square_sum)));
         }
       }
       chosen.counts[row] = group * t.subspaces * probes;
@@ -208,12 +231,12 @@ std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t h
 }
 
 void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
-                        std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
+                        const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
                         const AttentionWindow& window, const LengthBudget& budget, const MatrixView<float>& scores,
                         std::int32_t* row_k, std::int32_t max_tokens, std::span<std::byte> workspace,
                         ThreadPool* pool) {
   constexpr const char* where = "cpu::table_scores_dense";
-  detail::check_table_scores(where, tables, chosen, heads_per_row, slots, lengths, window, budget, scores, max_tokens,
+  detail::check_table_scores(where, tables, chosen, options, heads_per_row, slots, lengths, window, budget, scores, max_tokens,
                              row_k, MemorySpace::host);
   for (std::int32_t b = 0; b < chosen.batch; ++b) {
     KVSIFT_CHECK(lengths[b] <= max_tokens, where, "lengths[{}] (= {}) exceeds max_tokens (= {})", b, lengths[b],
@@ -233,9 +256,11 @@ void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const
     std::fill_n(candidate, length, 0);
     for (std::int32_t i = 0; i < count; ++i) {
       std::int64_t* const head_sums = block_sums + std::int64_t(i / per_head) * length;
-      chosen_list(tables, slots[b], chosen.row(b, g)[i]).for_each([&](std::int32_t id, half score) {
+      const ChosenList list = chosen_list(tables, slots[b], chosen.row(b, g)[i]);
+      const EntryValue value = entry_value(options, list, chosen, row, i);
+      list.for_each([&](std::int32_t id, half score) {
         if (!detail::list_entry_kept(id, length, window)) return;
-        head_sums[id] += fixed_score(half_to_float(score));
+        head_sums[id] += value(score);
         candidate[id] = 1;
       });
     }
@@ -271,13 +296,13 @@ std::size_t table_scores_sparse_workspace_bytes(std::int64_t rows, std::int32_t 
 }
 
 void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
-                         std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
+                         const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
                          const AttentionWindow& window, const LengthBudget& budget, const SelectionView& out,
                          const MatrixView<float>& sums, std::int32_t* row_k, std::span<std::byte> workspace,
                          ThreadPool* pool) {
   constexpr const char* where = "cpu::table_scores_sparse";
   const std::int64_t capacity = table_scores_sparse_capacity(chosen.capacity, tables.length);
-  detail::check_table_scores(where, tables, chosen, heads_per_row, slots, lengths, window, budget, sums, out.capacity,
+  detail::check_table_scores(where, tables, chosen, options, heads_per_row, slots, lengths, window, budget, sums, out.capacity,
                              row_k, MemorySpace::host);
   detail::check_sparse_out(where, out, chosen, heads_per_row, capacity);
   const std::int64_t rows = std::int64_t(chosen.batch) * chosen.kv_heads, workers = workers_for(rows, pool);
@@ -293,9 +318,11 @@ void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, cons
     std::int64_t n = 0;
     for (std::int32_t i = 0; i < count; ++i) {
       const std::uint64_t block = std::uint64_t(i / per_head);
-      chosen_list(tables, slots[b], chosen.row(b, g)[i]).for_each([&](std::int32_t id, half score) {
+      const ChosenList list = chosen_list(tables, slots[b], chosen.row(b, g)[i]);
+      const EntryValue value = entry_value(options, list, chosen, row, i);
+      list.for_each([&](std::int32_t id, half score) {
         if (!detail::list_entry_kept(id, length, window)) return;
-        values[n] = fixed_score(half_to_float(score));
+        values[n] = value(score);
         keys[n] = std::uint64_t(id) << 32 | block << 24 | std::uint64_t(n);
         ++n;
       });
@@ -333,7 +360,8 @@ void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, cons
   template void append_tables<T>(const ScoreTablesView<std::int32_t>&, const KVCache<const T>&, const std::int32_t*,   \
                                  const std::int32_t*, ThreadPool*);                                                    \
   template void nearest_centroids<T>(const QueryView<const T>&, const ScoreTablesView<const std::int32_t>&,            \
-                                     const std::int32_t*, std::int32_t, const SelectionView&, ThreadPool*);
+                                     const std::int32_t*, std::int32_t, const SelectionView&, std::int32_t*,         \
+                                     ThreadPool*);
 KVSIFT_INSTANTIATE(float)
 KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)

@@ -116,18 +116,38 @@ std::vector<std::int32_t> nearest(const ScoreTablesView<const std::int32_t>& t, 
   return out;
 }
 
-/// fp64 scores of kv head g's candidates: per head the sum of its nearest lists' stored scores, max over heads
-/// (0 where a head lacks the key); middle tokens only.
+/// The weight of query sub-vector s by the formula the backends promise (core/score_tables.hpp table_weight).
+double sub_vector_weight(const ScoreTablesView<const std::int32_t>& t, const half* q, std::int32_t s) {
+  float square_sum = 0.0f;
+  for (std::int32_t j = 0; j < t.width; ++j) {
+    const float x = to_float(q[subspace_channel(t.split, s, j, t.width, t.head_dim())]);
+    square_sum = std::fma(x, x, square_sum);
+  }
+  return table_weight(std::sqrt(square_sum)) / double(kTableWeightOne);
+}
+
+/// fp64 scores of kv head g's candidates: per head the sum over its nearest lists of weight * (stored score -
+/// floor), max over heads (0 where a head lacks the key); middle tokens only. Weights: the sub-vector norms
+/// (weighted) or 1; floor: the list's lowest score (from_floor) or 0.
 std::map<std::int32_t, double> candidate_scores(const CtkvrProblem& p, const ScoreTablesView<const std::int32_t>& t,
-                                                const std::vector<half>& q, std::int32_t g) {
+                                                const std::vector<half>& q, std::int32_t g, bool weighted = false,
+                                                bool from_floor = false) {
   const std::int32_t group = p.q_heads / p.kv_heads;
   std::vector<std::map<std::int32_t, double>> per_head(static_cast<std::size_t>(group));
   for (std::int32_t j = 0; j < group; ++j) {
     const std::int32_t h = g * group + j, th = h * t.table_heads / p.q_heads;
     for (const std::int32_t l : nearest(t, q.data() + std::size_t(h) * p.head_dim, th)) {
-      for (const auto& [id, score] : read_list(t, th, l)) {
+      const std::map<std::int32_t, float> list = read_list(t, th, l);
+      double floor = 0;
+      if (from_floor && !list.empty()) {
+        floor = 1e300;
+        for (const auto& entry : list) floor = std::min(floor, double(entry.second));
+      }
+      const double weight =
+          weighted ? sub_vector_weight(t, q.data() + std::size_t(h) * p.head_dim, l / t.centroids_per_subspace) : 1.0;
+      for (const auto& [id, score] : list) {
         if (id >= kCtkvrWindow.sink_end(p.length) && id < kCtkvrWindow.recent_begin(p.length)) {
-          per_head[std::size_t(j)][id] += score;
+          per_head[std::size_t(j)][id] += weight * (score - floor);
         }
       }
     }
@@ -154,9 +174,10 @@ INSTANTIATE_TEST_SUITE_P(Modes, CpuCsattention,
                                                               CsattentionTables::per_kv_head),
                                             ::testing::Values(SubspaceSplit::contiguous, SubspaceSplit::rope_pairs)));
 
-CsattentionConfig small_config(const Mode& mode, double alpha) {
+CsattentionConfig small_config(const Mode& mode, double alpha, bool kvsift_options = false) {
   return {.subspaces = 8, .split = std::get<2>(mode), .tables = std::get<1>(mode), .centroids = 6,
-          .list_fraction = alpha, .keep_fraction = 0.2, .overlay_capacity = 64, .prepare_chunk = 20};
+          .list_fraction = alpha, .keep_fraction = 0.2, .weight_by_norm = kvsift_options,
+          .from_floor = kvsift_options, .overlay_capacity = 64, .prepare_chunk = 20};
 }
 
 TEST_P(CpuCsattention, WholeListsSumToTheQuerysPartialScores) {
@@ -171,7 +192,8 @@ TEST_P(CpuCsattention, WholeListsSumToTheQuerysPartialScores) {
   const std::int32_t chosen_cap = group * 8;
   std::vector<std::int32_t> chosen(std::size_t(p.kv_heads * chosen_cap), -7), chosen_counts(std::size_t(p.kv_heads), -7);
   const SelectionView chosen_view{chosen.data(), chosen_counts.data(), nullptr, 1, p.kv_heads, chosen_cap};
-  cpu::nearest_centroids(QueryView<const half>::packed(q.data(), 1, p.q_heads, p.head_dim), t, &p.slot, 1, chosen_view);
+  cpu::nearest_centroids(QueryView<const half>::packed(q.data(), 1, p.q_heads, p.head_dim), t, &p.slot, 1, chosen_view,
+                         nullptr);
   for (std::int32_t g = 0; g < p.kv_heads; ++g) {
     ASSERT_EQ(chosen_counts[std::size_t(g)], chosen_cap);
     for (std::int32_t j = 0; j < group; ++j) {
@@ -188,14 +210,14 @@ TEST_P(CpuCsattention, WholeListsSumToTheQuerysPartialScores) {
   std::vector<std::int32_t> row_k(std::size_t(p.kv_heads), -7);
   cpu::Array<std::byte> ws(cpu::table_scores_dense_workspace_bytes(p.kv_heads, group, p.prompt));
   std::vector<std::int32_t> lengths{p.prompt};
-  cpu::table_scores_dense(t, chosen_view, group, &p.slot, lengths.data(), kCtkvrWindow, budget,
+  cpu::table_scores_dense(t, chosen_view, {}, group, &p.slot, lengths.data(), kCtkvrWindow, budget,
                           MatrixView<float>::packed(dense.data(), p.kv_heads, p.prompt), row_k.data(), p.prompt, ws.bytes());
   const std::int32_t cap = std::int32_t(cpu::table_scores_sparse_capacity(chosen_cap, t.length));
   std::vector<std::int32_t> ids(std::size_t(p.kv_heads * cap), -7), counts(std::size_t(p.kv_heads), -7);
   std::vector<float> sums(std::size_t(p.kv_heads * cap), -7.0f);
   std::vector<std::int32_t> sparse_k(std::size_t(p.kv_heads), -7);
   cpu::Array<std::byte> sparse_ws(cpu::table_scores_sparse_workspace_bytes(p.kv_heads, chosen_cap, t.length));
-  cpu::table_scores_sparse(t, chosen_view, group, &p.slot, lengths.data(), kCtkvrWindow, budget,
+  cpu::table_scores_sparse(t, chosen_view, {}, group, &p.slot, lengths.data(), kCtkvrWindow, budget,
                            {ids.data(), counts.data(), nullptr, 1, p.kv_heads, cap},
                            MatrixView<float>::packed(sums.data(), p.kv_heads, cap), sparse_k.data(), sparse_ws.bytes());
   const std::int32_t lo = kCtkvrWindow.sink_end(p.prompt), hi = kCtkvrWindow.recent_begin(p.prompt);
@@ -239,11 +261,13 @@ TEST_P(CpuCsattention, ListsStayTheTopLAndTheSelectionTheTopKAtEveryStep) {
   SCOPED_TRACE(seed);
   const std::int32_t group = std::get<0>(GetParam());
   CtkvrProblem p(rng, 2 * group, 2, 120, 16);
+  for (const bool options : {false, true}) {  // the paper's sums; weighted by the norms, from the lists' floors
+  SCOPED_TRACE(options ? "weight_by_norm and from_floor" : "the paper's sums");
   std::vector<std::vector<std::int32_t>> selections[2];
   for (const CsattentionReduce reduce : {CsattentionReduce::dense, CsattentionReduce::sort}) {
     CtkvrProblem run = p;
     Random steps_rng(seed + 1);
-    CsattentionConfig config = small_config(GetParam(), 0.25);
+    CsattentionConfig config = small_config(GetParam(), 0.25, options);
     config.reduce = reduce;
     DecodeStep step(Selector(run.limits(), config), run.config(), {});
     step.prepare(run.prefill(), {});
@@ -255,20 +279,23 @@ TEST_P(CpuCsattention, ListsStayTheTopLAndTheSelectionTheTopKAtEveryStep) {
       const std::int32_t k = std::int32_t(std::floor(0.2 * run.length)) - 8;
       for (std::int32_t g = 0; g < p.kv_heads; ++g) {
         const std::vector<std::int32_t> chosen(sel.row(0, g), sel.row(0, g) + sel.count(0, g));
-        test::expect_top_k(chosen, candidate_scores(run, t, q, g), k, 1e-6, fmt::format("step {} kv head {}", s, g));
+        test::expect_top_k(chosen, candidate_scores(run, t, q, g, options, options), k, 1e-5,
+                           fmt::format("step {} kv head {}", s, g));
         selections[int(reduce)].push_back(chosen);
       }
     });
     EXPECT_TRUE(std::equal(base_ids.begin(), base_ids.end(), t.base_ids)) << "an insert changed the base";
   }
   EXPECT_EQ(selections[0], selections[1]) << "the dense and sort reductions selected differently";
+  }
 }
 
 TEST_P(CpuCsattention, SearchPeriodReusesTheSelectionAndAddsWhatLeftTheWindow) {
   SCOPED_TRACE(seed);
   const std::int32_t group = std::get<0>(GetParam());
   CtkvrProblem p(rng, 2 * group, 2, 120, 16);
-  const CsattentionConfig config = csattention_schedule(CsattentionSchedule::keep15_every4, small_config(GetParam(), 0.25));
+  const CsattentionConfig config =
+      csattention_schedule(CsattentionSchedule::keep15_every4, small_config(GetParam(), 0.25, true));
   ASSERT_EQ(config.search_period, 4);
   DecodeStep step(Selector(p.limits(), config), p.config(), {});
   step.prepare(p.prefill(), {});
@@ -282,7 +309,8 @@ TEST_P(CpuCsattention, SearchPeriodReusesTheSelectionAndAddsWhatLeftTheWindow) {
       const std::vector<std::int32_t> chosen(sel.row(0, g), sel.row(0, g) + sel.count(0, g));
       if (s % 4 == 0) {  // a search
         const std::int32_t k = std::int32_t(std::floor(0.15 * p.length)) - 8;
-        test::expect_top_k(chosen, candidate_scores(p, t, q, g), k, 1e-6, fmt::format("step {} kv head {}", s, g));
+        test::expect_top_k(chosen, candidate_scores(p, t, q, g, true, true), k, 1e-5,
+                           fmt::format("step {} kv head {}", s, g));
         searched[std::size_t(g)] = chosen;
         searched_length = p.length;
         continue;

@@ -18,9 +18,12 @@
 /// while the overlay has room; overlay_capacity bounds the evictions.
 ///
 /// Scores: a partial score is rounded to fp16 when it is computed (table_score), and is ranked and compared as
-/// stored. Sums over lists are exact: an fp16 value is a multiple of 2^-24, so sums run in int64 units of 2^-24
-/// (fixed_score) in any order with one result, rounded to fp32 once at the end (fixed_to_float).
+/// stored. Sums over lists are exact: an fp16 value is a multiple of 2^-24 and a weight (table_weight) an integer
+/// count of 2^-6, so weighted sums run in int64 units of 2^-30 in any order with one result, rounded to fp32 once
+/// at the end (fixed_to_float). Bounds that keep them exact: |score| <= 65504 (2^40 units), weights <= 2^12, at
+/// most kMaxTableBlock entries per query head's sum: below 2^63.
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -63,10 +66,40 @@ KVSIFT_HOST_DEVICE constexpr float table_score(float x) {
 KVSIFT_HOST_DEVICE constexpr std::int64_t fixed_score(float table_value) {
   return static_cast<std::int64_t>(table_value * 16777216.0f);
 }
-/// An exact sum of fixed scores as fp32: rounded once (to nearest even), then scaled by 2^-24 (exact).
-KVSIFT_HOST_DEVICE inline float fixed_to_float(std::int64_t sum) {
-  return static_cast<float>(sum) * (1.0f / 16777216.0f);
+/// Weights of chosen lists, in units of 2^-6: kTableWeightOne is 1.
+inline constexpr std::int32_t kTableWeightOne = 64;
+inline constexpr std::int32_t kMaxTableWeight = 4096;
+/// Entries of one query head's sum at most: subspaces * probes chosen lists (kvsift checks the product).
+inline constexpr std::int32_t kMaxTableBlock = 512;
+/// A query sub-vector's norm as a weight: round(norm * 64) (to nearest, ties to even), clamped to [0, 4096]; NaN
+/// gives 0. norm is the fp32 square root (correctly rounded) of the fp32 FMA sum of squares in ascending
+/// element order.
+KVSIFT_HOST_DEVICE inline std::int32_t table_weight(float norm) {
+  const float scaled = norm * 64.0f;
+  if (!(scaled > 0.0f)) return 0;
+  if (scaled >= float(kMaxTableWeight)) return kMaxTableWeight;
+#if defined(__CUDA_ARCH__)
+  return __float2int_rn(scaled);
+#else
+  return static_cast<std::int32_t>(std::nearbyint(scaled));
+#endif
 }
+/// An exact weighted sum (units of 2^-30) as fp32: rounded once (to nearest even), then scaled by 2^-30 (exact).
+KVSIFT_HOST_DEVICE inline float fixed_to_float(std::int64_t sum) {
+  return static_cast<float>(sum) * (1.0f / 1073741824.0f);
+}
+
+/// How the reductions weigh an entry of a chosen list: weight * (score - floor).
+struct TableScoreOptions {
+  /// Optional [rows, chosen.capacity]: each chosen list's weight (nearest_centroids' query sub-vector norms);
+  /// nullptr: every list kTableWeightOne (the paper's w_b = 1).
+  const std::int32_t* weights = nullptr;
+  /// false: floor 0 (the paper: a key absent from a list adds nothing, as if its partial score were 0). true: the
+  /// list's lowest entry, so a key absent from a list counts as if it scored that list's lowest, an upper bound on
+  /// its true partial (kvsift's option, docs/csattention.md: truncated lists otherwise favour keys whose negative
+  /// partials they drop).
+  bool from_floor = false;
+};
 
 /// The tables of `bases` prompts and the overlays of `slots` sequences. All arrays packed, row-major in the
 /// order of their shapes; lists per table head = subspaces * centroids. C (const-qualified or not) is the
@@ -241,6 +274,19 @@ KVSIFT_HOST_DEVICE bool insert_table_key(const std::int32_t* base_ids, const hal
   heap_scores[0] = from_f(value);
   sift_down_table_heap(heap_ids, heap_scores, heap_size, 0, to_f);
   return true;
+}
+
+/// The lowest entry's fixed score of a list (its kept base part highest first, its overlay a min-heap); 0 when the
+/// list is empty.
+template <class ToFloat>
+KVSIFT_HOST_DEVICE std::int64_t list_floor(const std::int32_t* base_ids, const half* base_scores, std::int32_t kept,
+                                           const std::int32_t* heap_ids, const half* heap_scores, std::int32_t heap_size,
+                                           ToFloat to_f) {
+  if (kept == 0 && heap_size == 0) return 0;
+  if (heap_size == 0) return fixed_score(to_f(base_scores[kept - 1]));
+  if (kept == 0) return fixed_score(to_f(heap_scores[0]));
+  const float base = to_f(base_scores[kept - 1]), heap = to_f(heap_scores[0]);
+  return fixed_score(table_entry_below(base, base_ids[kept - 1], heap, heap_ids[0]) ? base : heap);
 }
 
 }  // namespace detail

@@ -268,19 +268,19 @@ void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<co
 template <class T>
 void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const std::int32_t>& tables,
                        const std::int32_t* slots, std::int32_t probes, const SelectionView& chosen,
-                       const Context& ctx) {
-  cpu::nearest_centroids(q, tables, slots, probes, chosen, ctx.pool);
+                       std::int32_t* weights, const Context& ctx) {
+  cpu::nearest_centroids(q, tables, slots, probes, chosen, weights, ctx.pool);
 }
 inline std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t heads_per_row,
                                                       std::int32_t max_tokens, const Context& ctx) {
   return cpu::table_scores_dense_workspace_bytes(rows, heads_per_row, max_tokens, ctx.pool);
 }
 inline void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
-                               std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
+                               const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
                                const AttentionWindow& window, const LengthBudget& budget,
                                const MatrixView<float>& scores, std::int32_t* row_k, std::int32_t max_tokens,
                                std::span<std::byte> workspace, const Context& ctx) {
-  cpu::table_scores_dense(tables, chosen, heads_per_row, slots, lengths, window, budget, scores, row_k, max_tokens,
+  cpu::table_scores_dense(tables, chosen, options, heads_per_row, slots, lengths, window, budget, scores, row_k, max_tokens,
                           workspace, ctx.pool);
 }
 inline std::int64_t table_scores_sparse_capacity(std::int32_t chosen_capacity, std::int32_t length, const Context&) {
@@ -291,11 +291,11 @@ inline std::size_t table_scores_sparse_workspace_bytes(std::int64_t rows, std::i
   return cpu::table_scores_sparse_workspace_bytes(rows, chosen_capacity, length, ctx.pool);
 }
 inline void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
-                                std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
+                                const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
                                 const AttentionWindow& window, const LengthBudget& budget, const SelectionView& out,
                                 const MatrixView<float>& sums, std::int32_t* row_k, std::span<std::byte> workspace,
                                 const Context& ctx) {
-  cpu::table_scores_sparse(tables, chosen, heads_per_row, slots, lengths, window, budget, out, sums, row_k, workspace,
+  cpu::table_scores_sparse(tables, chosen, options, heads_per_row, slots, lengths, window, budget, out, sums, row_k, workspace,
                            ctx.pool);
 }
 

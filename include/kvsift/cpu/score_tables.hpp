@@ -61,22 +61,25 @@ void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<co
 /// chosen.kv_heads) in order, subspaces s in order, the `probes` centroids c of table head t = h * table_heads /
 /// q.heads (in slot slots[b]'s base) with the largest q^(s) . c (kvsift's ranking rule: higher, then the smaller
 /// c; the cosine order, the query's norm being a positive factor), best first, as list ids t * lists + s *
-/// centroids + c: chosen.row(b, g)[(j * subspaces + s) * probes + p], count G * subspaces * probes. Checked:
+/// centroids + c: chosen.row(b, g)[(j * subspaces + s) * probes + p], count G * subspaces * probes. weights
+/// (optional, [batch * kv_heads, chosen.capacity], same positions): table_weight(|q^(s)|) for each entry. Checked:
 /// q.heads a multiple of table_heads, table_heads a multiple of chosen.kv_heads, head_dim, probes in [1,
-/// min(centroids, kMaxTableProbes)], chosen.capacity >= G * subspaces * probes, slots and their bases in range. Threads: rows.
+/// min(centroids, kMaxTableProbes)], subspaces * probes <= kMaxTableBlock, chosen.capacity >= G * subspaces *
+/// probes, slots and their bases in range. Threads: rows.
 template <class T>
 void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const std::int32_t>& tables,
                        const std::int32_t* slots, std::int32_t probes, const SelectionView& chosen,
-                       ThreadPool* pool = nullptr);
+                       std::int32_t* weights, ThreadPool* pool = nullptr);
 
 /// The candidates and scores of the chosen lists, the value both reductions compute. For selection row (b, g)
 /// with G = heads_per_row, the chosen ids split into G equal blocks, one per query head (nearest_centroids'
 /// order); each chosen list is the slot's list (base part and overlay, core/score_tables.hpp), and its entries
 /// count when list_entry_kept(id, lengths[b], window). A token is a candidate when some block has it; block j's
-/// sum S_j(token) adds the fixed scores of its entries with that id (exactly, int64), 0 without one; the
-/// token's score is fixed_to_float(max_j S_j). row_k[s] = min(budget(lengths[b]), candidates of the row).
-/// Checked: chosen counts in [0, capacity] and divisible by G, list ids in [0, table_heads * lists), slots,
-/// bases, lengths >= 0, the lists' counts.
+/// sum S_j(token) adds weight * (fixed score - floor) of its entries with that id (core/score_tables.hpp
+/// TableScoreOptions; exactly, int64), 0 without one; the token's score is fixed_to_float(max_j S_j). row_k[s] =
+/// min(budget(lengths[b]), candidates of the row). Checked: chosen counts in [0, capacity] and divisible by G,
+/// at most kMaxTableBlock per block, list ids in [0, table_heads * lists), weights in [0, kMaxTableWeight],
+/// slots, bases, lengths >= 0, the lists' counts.
 
 /// Host workspace of table_scores_dense: 8 * heads_per_row * max_tokens + max_tokens bytes per thread
 /// (min(rows, threads)).
@@ -86,7 +89,7 @@ std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t h
 /// a token that is no candidate (columns past the length are not written). scores [batch * kv_heads, >=
 /// max_tokens], lengths[b] <= max_tokens (refused otherwise). Threads: rows.
 void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
-                        std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
+                        const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
                         const AttentionWindow& window, const LengthBudget& budget, const MatrixView<float>& scores,
                         std::int32_t* row_k, std::int32_t max_tokens, std::span<std::byte> workspace,
                         ThreadPool* pool = nullptr);
@@ -100,7 +103,7 @@ std::size_t table_scores_sparse_workspace_bytes(std::int64_t rows, std::int32_t 
 /// number, sums.row(b * kv_heads + g)[i] the score of candidate i. out [batch, kv_heads, >= chosen.capacity *
 /// length]; log-weights, if out has them, 0. Threads: rows.
 void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
-                         std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
+                         const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
                          const AttentionWindow& window, const LengthBudget& budget, const SelectionView& out,
                          const MatrixView<float>& sums, std::int32_t* row_k, std::span<std::byte> workspace,
                          ThreadPool* pool = nullptr);

@@ -64,6 +64,12 @@ struct CsattentionConfig {
   /// graph captures one kind: capture one of each and replay them in that order).
   std::int32_t search_period = 1;
   std::int32_t probes = 1;                           ///< centroids per subspace a query reads (the paper: 1)
+  /// Weigh each chosen list by the norm of the query's sub-vector (the paper: w_b = 1; kvsift's option, its
+  /// section 2.3's observation: docs/csattention.md measures it).
+  bool weight_by_norm = true;
+  /// Count a key absent from a chosen list as that list's lowest score rather than 0 (kvsift's option,
+  /// TableScoreOptions::from_floor; the paper: 0).
+  bool from_floor = true;
   CsattentionReduce reduce = CsattentionReduce::dense;
   /// Evictions per list a sequence's inserts may make (kvsift's choice: the overlay's bound, docs/csattention.md).
   std::int32_t overlay_capacity = 1024;
@@ -214,7 +220,7 @@ class Csattention {
 
  private:
   struct Buffers {
-    std::int32_t *chosen, *chosen_counts, *row_k, *candidates, *candidate_counts;
+    std::int32_t *chosen, *chosen_counts, *weights, *row_k, *candidates, *candidate_counts;
     float* scores;
     std::span<std::byte> reduce, topk;
   };
@@ -237,11 +243,12 @@ class Csattention {
     const Buffers w = layout(carving, batch, tokens, ctx);
     const auto t = tables().as_const();
     const SelectionView chosen{w.chosen, w.chosen_counts, nullptr, batch, kv, chosen_capacity()};
-    nearest_centroids(in.q, t, in.slots, config_.probes, chosen, ctx);
+    nearest_centroids(in.q, t, in.slots, config_.probes, chosen, w.weights, ctx);
+    const TableScoreOptions options{.weights = w.weights, .from_floor = config_.from_floor};
     const LengthBudget budget = this->budget(in.attention.window);
     if (config_.reduce == CsattentionReduce::dense) {
       const auto scores = MatrixView<float>::packed(w.scores, rows, tokens);
-      table_scores_dense(t, chosen, group, in.slots, in.lengths, in.attention.window, budget, scores, w.row_k, tokens,
+      table_scores_dense(t, chosen, options, group, in.slots, in.lengths, in.attention.window, budget, scores, w.row_k, tokens,
                          w.reduce, ctx);
       topk_rows(MatrixView<const float>{scores.data, scores.rows, scores.cols, scores.row_stride}, in.lengths, capacity(), {.window = in.attention.window, .row_k = w.row_k}, out,
                 w.topk, ctx);
@@ -250,7 +257,7 @@ class Csattention {
     const std::int32_t cap = sparse_capacity(ctx);
     const SelectionView candidates{w.candidates, w.candidate_counts, nullptr, batch, kv, cap};
     const auto sums = MatrixView<float>::packed(w.scores, rows, cap);
-    table_scores_sparse(t, chosen, group, in.slots, in.lengths, in.attention.window, budget, candidates, sums, w.row_k,
+    table_scores_sparse(t, chosen, options, group, in.slots, in.lengths, in.attention.window, budget, candidates, sums, w.row_k,
                         w.reduce, ctx);
     const SelectionView positions{out.indices, out.counts, out.log_weights, std::int32_t(rows), 1, out.capacity};
     topk_rows(MatrixView<const float>{sums.data, sums.rows, sums.cols, sums.row_stride}, w.candidate_counts, capacity(), {.row_k = w.row_k}, positions, w.topk, ctx);
@@ -274,6 +281,9 @@ class Csattention {
                  "config.keep_fraction (rho = {}) is outside (0, 1]", c.keep_fraction);
     KVSIFT_CHECK(c.probes >= 1 && c.probes <= std::min(c.centroids, kMaxTableProbes), where,
                  "config.probes (= {}) is outside [1, min(centroids = {}, {})]", c.probes, c.centroids, kMaxTableProbes);
+    KVSIFT_CHECK(std::int64_t(c.subspaces) * c.probes <= kMaxTableBlock, where,
+                 "config.subspaces * probes (= {} * {}) exceeds {} lists per query head", c.subspaces, c.probes,
+                 kMaxTableBlock);
     KVSIFT_CHECK(c.overlay_capacity > 0, where, "config.overlay_capacity (= {}) must be positive", c.overlay_capacity);
     KVSIFT_CHECK(c.prepare_chunk > 0, where, "config.prepare_chunk (= {}) must be positive", c.prepare_chunk);
     KVSIFT_CHECK(c.budget >= 0 && c.budget <= limits.max_tokens, where,
@@ -311,6 +321,9 @@ class Csattention {
     Buffers b{};
     b.chosen = layout.allocate<std::int32_t>(r * std::size_t(chosen_capacity()), "CSAttention chosen lists");
     b.chosen_counts = layout.allocate<std::int32_t>(r, "CSAttention chosen counts");
+    b.weights = config_.weight_by_norm
+                    ? layout.allocate<std::int32_t>(r * std::size_t(chosen_capacity()), "CSAttention list weights")
+                    : nullptr;
     b.row_k = layout.allocate<std::int32_t>(r, "CSAttention budgets");
     if (config_.reduce == CsattentionReduce::dense) {
       b.scores = layout.allocate<float>(r * std::size_t(tokens), "CSAttention token scores");

@@ -175,6 +175,9 @@ void check_nearest_centroids(const char* where, const QueryView<const T>& q, con
   KVSIFT_CHECK(probes >= 1 && probes <= t.centroids_per_subspace && probes <= kMaxTableProbes, where,
                "probes (= {}) is outside [1, min(centroids_per_subspace = {}, {})]", probes, t.centroids_per_subspace,
                kMaxTableProbes);
+  KVSIFT_CHECK(std::int64_t(t.subspaces) * probes <= kMaxTableBlock, where,
+               "tables.subspaces * probes (= {} * {}) exceeds {} lists per query head", t.subspaces, probes,
+               kMaxTableBlock);
   const std::int64_t needed = std::int64_t(q.heads / chosen.kv_heads) * t.subspaces * probes;
   KVSIFT_CHECK(chosen.capacity >= needed, where, "chosen.capacity (= {}) < heads per row * subspaces * probes (= {})",
                chosen.capacity, needed);
@@ -184,7 +187,8 @@ void check_nearest_centroids(const char* where, const QueryView<const T>& q, con
 
 /// table_scores_dense and table_scores_sparse (sums / dense scores: `scores`, [rows, >= columns]).
 inline void check_table_scores(const char* where, const ScoreTablesView<const std::int32_t>& t,
-                               const SelectionView& chosen, std::int32_t heads_per_row, const std::int32_t* slots,
+                               const SelectionView& chosen, const TableScoreOptions& options,
+                               std::int32_t heads_per_row, const std::int32_t* slots,
                                const std::int32_t* lengths, const AttentionWindow& window, const LengthBudget& budget,
                                const MatrixView<float>& scores, std::int64_t columns, const std::int32_t* row_k,
                                MemorySpace contents) {
@@ -196,6 +200,9 @@ inline void check_table_scores(const char* where, const ScoreTablesView<const st
   check_positive(where, "chosen", "capacity", chosen.capacity);
   KVSIFT_CHECK(heads_per_row >= 1 && chosen.capacity % heads_per_row == 0, where,
                "chosen.capacity (= {}) is not a multiple of heads_per_row (= {})", chosen.capacity, heads_per_row);
+  KVSIFT_CHECK(chosen.capacity / heads_per_row <= kMaxTableBlock, where,
+               "chosen.capacity / heads_per_row (= {} / {}) exceeds {} lists per query head", chosen.capacity,
+               heads_per_row, kMaxTableBlock);
   KVSIFT_CHECK(slots != nullptr && lengths != nullptr && row_k != nullptr, where,
                "slots, lengths and row_k must be non-null");
   validate(window, where, "window");
@@ -224,6 +231,11 @@ inline void check_table_scores(const char* where, const ScoreTablesView<const st
                      "chosen.indices[{}] (= {}) at batch {}, kv_head {} is outside [0, table_heads * lists = {})", i,
                      id, b, g, table_lists);
         check_slot_list(where, t, slots[b], base, id / t.lists(), id % t.lists());
+        if (options.weights == nullptr) continue;
+        const std::int32_t weight = options.weights[chosen.row_index(b, g) * chosen.capacity + i];
+        KVSIFT_CHECK(weight >= 0 && weight <= kMaxTableWeight, where,
+                     "options.weights[{}] (= {}) at batch {}, kv_head {} is outside [0, {}]", i, weight, b, g,
+                     kMaxTableWeight);
       }
     }
   }
