@@ -49,6 +49,7 @@
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/context.hpp"
 #include "kvsift/eval/capture.hpp"
+#include "kvsift/selectors/csattention.hpp"
 #include "kvsift/selectors/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
@@ -106,7 +107,9 @@ extern template std::vector<BasicSelectorEntry<cpu::Context>> reference_selector
 /// The retrieval selectors built so far, each at a budget of K tokens per kv head, window included, like the
 /// references. CTKVR keeps the paper's arrangement: a sink of min(4, K / 8) and a recent window of K / 4 beside
 /// rho' = the rest, lists of rho = 2.5 rho', C' = 4, C = P / 16 centroids from the prefill's last queries, the
-/// dynamic update on. Same instantiation points as reference_selectors.
+/// dynamic update on. CSAttention: its defaults (m = 8, C = 128, alpha = 0.2, tables per kv head, one probe)
+/// at a fixed K, no sink and a recent window of min(64, K / 4); "CSAttention/q" the same with tables per query head.
+/// Same instantiation points as reference_selectors.
 template <class Context = cpu::Context>
 std::vector<BasicSelectorEntry<Context>> method_selectors() {
   using Setup = BasicSelectorSetup<Context>;
@@ -117,6 +120,16 @@ std::vector<BasicSelectorEntry<Context>> method_selectors() {
          const AttentionWindow window{std::min(4, k / 8), k / 4};
          const std::int32_t budget = k - window.sink - window.recent;
          return Setup{Any(Ctkvr<half, Context>(limits, {.budget = budget})), window};
+       }},
+      {"CSAttention",
+       [](std::int32_t k, const SelectorLimits& limits) {
+         return Setup{Any(Csattention<half, Context>(limits, {.budget = k})), {0, std::min(64, k / 4)}};
+       }},
+      {"CSAttention/q",
+       [](std::int32_t k, const SelectorLimits& limits) {
+         return Setup{Any(Csattention<half, Context>(
+                          limits, {.tables = CsattentionTables::per_query_head, .budget = k})),
+                      {0, std::min(64, k / 4)}};
        }},
   };
 }
