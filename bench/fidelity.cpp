@@ -2,7 +2,7 @@
 // attention captures; see include/kvsift/eval/fidelity.hpp for what is measured.
 //
 //   kvsift_fidelity [--backend cpu|cuda|both] [--positions N] [--prefill F] [--budgets 0.01,0.02,0.05]
-//                   [--plot-data FILE] CAPTURE...
+//                   [--plot-data FILE] [--csattention-variants] CAPTURE...
 //
 // Prints per capture a line on the decoded range and the budget, then one markdown table with a row per
 // (layer, budget, selector). --backend picks where the selectors' decode steps run (eval/fidelity.hpp,
@@ -11,6 +11,7 @@
 // from the CPU's and by how much mass. --plot-data writes, per (capture, layer), a gnuplot data block (blocks
 // separated by two blank lines, each preceded by a "# panel NAME" line) of the first backend's rows: budget in
 // percent, then mass recall mean, p10 and p90 per selector (NaN where it refused), for bench/fidelity_plot.gp.
+// --csattention-variants adds CSAttention's variants (eval/fidelity.hpp csattention_variants).
 #include <fmt/format.h>
 
 #include <cstdio>
@@ -41,18 +42,20 @@ std::vector<double> parse_budgets(const std::string& list) {
   return out;
 }
 
-/// The references, then the retrieval selectors (eval/fidelity.hpp).
+/// The references, then the retrieval selectors (eval/fidelity.hpp), then the variants asked for.
 template <class Context>
-std::vector<kvsift::BasicSelectorEntry<Context>> all_selectors() {
+std::vector<kvsift::BasicSelectorEntry<Context>> all_selectors(bool csattention_variants) {
   auto entries = kvsift::reference_selectors<Context>();
   for (auto& method : kvsift::method_selectors<Context>()) entries.push_back(std::move(method));
+  if (!csattention_variants) return entries;
+  for (auto& variant : kvsift::csattention_variants<Context>()) entries.push_back(std::move(variant));
   return entries;
 }
 
 int usage() {
   std::fprintf(stderr,
                "usage: kvsift_fidelity [--backend cpu|cuda|both] [--positions N] [--prefill F] [--budgets F,F,...] "
-               "[--plot-data FILE] CAPTURE...\n");
+               "[--plot-data FILE] [--csattention-variants] CAPTURE...\n");
   return 2;
 }
 
@@ -61,6 +64,7 @@ int usage() {
 int main(int argc, char** argv) {
   kvsift::FidelityOptions options;
   std::string backend = "cpu", plot_data;
+  bool variants = false;
   std::vector<std::string> captures;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -76,6 +80,8 @@ int main(int argc, char** argv) {
       options.budgets = parse_budgets(argv[++i]);
     } else if (arg == "--plot-data" && has_value) {
       plot_data = argv[++i];
+    } else if (arg == "--csattention-variants") {
+      variants = true;
     } else if (arg.starts_with("--")) {
       return usage();
     } else {
@@ -98,11 +104,11 @@ int main(int argc, char** argv) {
   }
 
   try {
-    const auto selectors = all_selectors<kvsift::cpu::Context>();
+    const auto selectors = all_selectors<kvsift::cpu::Context>(variants);
     std::vector<std::unique_ptr<kvsift::FidelityBackend>> owned;
     if (backend != "cuda") owned.push_back(kvsift::fidelity_backend(selectors));
 #if defined(KVSIFT_WITH_CUDA)
-    if (backend != "cpu") owned.push_back(kvsift::cuda::fidelity_backend(all_selectors<kvsift::cuda::Context>()));
+    if (backend != "cpu") owned.push_back(kvsift::cuda::fidelity_backend(all_selectors<kvsift::cuda::Context>(variants)));
 #endif
     std::vector<kvsift::FidelityBackend*> backends;
     for (const auto& b : owned) backends.push_back(b.get());

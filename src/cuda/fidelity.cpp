@@ -11,6 +11,7 @@ namespace kvsift {
 
 template std::vector<BasicSelectorEntry<cuda::Context>> reference_selectors<cuda::Context>();
 template std::vector<BasicSelectorEntry<cuda::Context>> method_selectors<cuda::Context>();
+template std::vector<BasicSelectorEntry<cuda::Context>> csattention_variants<cuda::Context>();
 
 namespace cuda {
 namespace {

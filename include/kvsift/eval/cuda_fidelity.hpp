@@ -15,6 +15,7 @@ namespace kvsift {
 
 extern template std::vector<BasicSelectorEntry<cuda::Context>> reference_selectors<cuda::Context>();
 extern template std::vector<BasicSelectorEntry<cuda::Context>> method_selectors<cuda::Context>();
+extern template std::vector<BasicSelectorEntry<cuda::Context>> csattention_variants<cuda::Context>();
 
 namespace cuda {
 

@@ -45,6 +45,8 @@
 #include <string_view>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/context.hpp"
@@ -125,14 +127,37 @@ std::vector<BasicSelectorEntry<Context>> method_selectors() {
        [](std::int32_t k, const SelectorLimits& limits) {
          return Setup{Any(Csattention<half, Context>(limits, {.budget = k})), {0, std::min(64, k / 4)}};
        }},
-      {"CSAttention/q",
-       [](std::int32_t k, const SelectorLimits& limits) {
-         return Setup{Any(Csattention<half, Context>(
-                          limits, {.tables = CsattentionTables::per_query_head, .budget = k})),
-                      {0, std::min(64, k / 4)}};
-       }},
   };
 }
+
+/// CSAttention's variants beside its defaults (docs/csattention.md): the paper's sums (no weights, absent keys 0),
+/// each of kvsift's two options alone, tables per query head, two probes, and the alpha sweep. Same window and
+/// budget as method_selectors' entry.
+template <class Context = cpu::Context>
+std::vector<BasicSelectorEntry<Context>> csattention_variants() {
+  using Setup = BasicSelectorSetup<Context>;
+  using Any = AnySelector<half, Context>;
+  const auto entry = [](std::string name, auto edit) {
+    return BasicSelectorEntry<Context>{std::move(name), [edit](std::int32_t k, const SelectorLimits& limits) {
+                                         CsattentionConfig config{.budget = k};
+                                         edit(config);
+                                         return Setup{Any(Csattention<half, Context>(limits, config)),
+                                                      {0, std::min(64, k / 4)}};
+                                       }};
+  };
+  std::vector<BasicSelectorEntry<Context>> out{
+      entry("CS paper", [](CsattentionConfig& c) { c.weight_by_norm = c.from_floor = false; }),
+      entry("CS weights only", [](CsattentionConfig& c) { c.from_floor = false; }),
+      entry("CS floor only", [](CsattentionConfig& c) { c.weight_by_norm = false; }),
+      entry("CS per q head", [](CsattentionConfig& c) { c.tables = CsattentionTables::per_query_head; }),
+      entry("CS probes 2", [](CsattentionConfig& c) { c.probes = 2; }),
+  };
+  for (const double alpha : {0.05, 0.1, 0.25, 0.4}) {
+    out.push_back(entry(fmt::format("CS alpha {}", alpha), [alpha](CsattentionConfig& c) { c.list_fraction = alpha; }));
+  }
+  return out;
+}
+extern template std::vector<BasicSelectorEntry<cpu::Context>> csattention_variants<cpu::Context>();
 extern template std::vector<BasicSelectorEntry<cpu::Context>> method_selectors<cpu::Context>();
 
 /// One (selector entry, budget) decoding one capture layer on one backend, as an engine runs it. The harness's
