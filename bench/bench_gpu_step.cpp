@@ -27,6 +27,7 @@
 #include "gpu_bench.hpp"
 #include "projection_gemm.hpp"
 #include "kvsift/cuda/backend.hpp"
+#include "kvsift/selectors/csattention.hpp"
 #include "kvsift/selectors/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
@@ -41,11 +42,18 @@ using Cuda = kvsift::cuda::Context;
 
 constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kBudget = 2048, kPageSize = 16;
 constexpr kvsift::AttentionWindow kWindow{4, 64};
-enum Method : int { kQuest = 0, kOracle = 1, kCtkvr = 2 };
+enum Method : int { kQuest = 0, kOracle = 1, kCtkvr = 2, kCsattention = 3 };
 /// CTKVR at the paper's defaults: rho' = 1024, rho = 2560, C = min(2048, N / 16), C' = 4.
 constexpr int kCtkvrBudget = 1024, kCtkvrCentroids = 2048;
+/// CSAttention's prefill queries (W >= C = 128).
+constexpr int kCsattentionQueries = 1024;
 
-const char* method_name(int m) { return m == kQuest ? "Quest" : m == kOracle ? "OracleTopK" : "CTKVR"; }
+const char* method_name(int m) {
+  return m == kQuest ? "Quest" : m == kOracle ? "OracleTopK" : m == kCtkvr ? "CTKVR" : "CSAttention";
+}
+
+/// CSAttention's list length at N tokens (defaults: alpha = 0.2, m = 8, C = 128, tables per kv head).
+double csattention_list(std::int64_t n) { return std::min(0.2 * double(n), 32768.0); }
 
 /// The bytes one step must read: the selector's index or keys, and the K/V rows it attends.
 double step_bytes(int method, std::int64_t n, int batch) {
@@ -54,6 +62,10 @@ double step_bytes(int method, std::int64_t n, int batch) {
     const double centroids = double(batch) * kQHeads * kCtkvrCentroids * kHeadDim * sizeof(bfloat16);
     const double recalled = rows * 4.0 * 2.5 * kCtkvrBudget * kHeadDim * sizeof(bfloat16);
     return centroids + recalled + rows * (kCtkvrBudget + kWindow.sink + kWindow.recent) * kHeadDim * 2.0 * sizeof(bfloat16);
+  }
+  if (method == kCsattention) {  // each query head's 8 chosen lists (int32 id, fp16 score), the rho = 5% attended rows
+    const double lists = double(batch) * kQHeads * 8 * csattention_list(n) * 6;
+    return lists + rows * (0.05 * double(n) + kWindow.sink) * kHeadDim * 2.0 * sizeof(bfloat16);
   }
   const double attended = rows * (kBudget + kWindow.sink + kWindow.recent) * kHeadDim * 2.0 * sizeof(bfloat16);
   const double index = method == kQuest ? rows * double((n + kPageSize - 1) / kPageSize) * 2 * kHeadDim * sizeof(bfloat16)
@@ -90,8 +102,11 @@ struct Layer {
     upload_full_batch(n, batch, lengths.ptr, slots.ptr);
     kvsift::PrefillInputs<bfloat16> prefill{.cache = cache().as_const(), .slots = slots.ptr};
     std::unique_ptr<Device<bfloat16>> queries;
-    if constexpr (std::is_same_v<Selector, kvsift::Ctkvr<bfloat16, Cuda>>) {  // the last C prefill queries
-      const std::int32_t w = std::min<std::int32_t>(kCtkvrCentroids, std::int32_t(n / 16));
+    if constexpr (std::is_same_v<Selector, kvsift::Ctkvr<bfloat16, Cuda>> ||
+                  std::is_same_v<Selector, kvsift::Csattention<bfloat16, Cuda>>) {  // the last W prefill queries
+      const std::int32_t w = std::is_same_v<Selector, kvsift::Ctkvr<bfloat16, Cuda>>
+                                 ? std::min<std::int32_t>(kCtkvrCentroids, std::int32_t(n / 16))
+                                 : kCsattentionQueries;
       queries = std::make_unique<Device<bfloat16>>(std::size_t(batch) * kQHeads * w * kHeadDim);
       fill_random(queries->ptr, std::size_t(batch) * kQHeads * w * kHeadDim, seed + 2);
       prefill.queries = kvsift::SequenceView<const bfloat16>::packed(queries->ptr, batch, kQHeads, w, kHeadDim);
@@ -110,8 +125,12 @@ struct Layer {
 };
 
 int layers_for(int method, std::int64_t n, int batch) {
-  // A CTKVR layer also keeps its lists (kv_heads * C * 2.5 rho' int32 per sequence: 168 MB).
-  const double index_bytes = method == kCtkvr ? double(batch) * kKvHeads * kCtkvrCentroids * 2.5 * kCtkvrBudget * 4 : 0.0;
+  // A CTKVR layer also keeps its lists (kv_heads * C * 2.5 rho' int32 per sequence: 168 MB); a CSAttention layer
+  // its tables (kv_heads * m * C lists of L entries, 6 bytes each, and a 1024-entry overlay: 1.3 GB at 128K).
+  const double index_bytes =
+      method == kCtkvr        ? double(batch) * kKvHeads * kCtkvrCentroids * 2.5 * kCtkvrBudget * 4
+      : method == kCsattention ? double(batch) * kKvHeads * 8 * 128 * (csattention_list(n) + 1024) * 6
+                               : 0.0;
   const double cache_bytes = 2.0 * batch * kKvHeads * double(n) * kHeadDim * sizeof(bfloat16) + index_bytes;
   const int wanted = int(std::ceil(double(std::size_t(256) << 20) / step_bytes(method, n, batch)));
   const int fit = std::max(1, int(40e9 / cache_bytes));
@@ -178,18 +197,28 @@ void BM_Step(benchmark::State& state) {
   } else if (state.range(0) == kOracle) {
     using Selector = kvsift::OracleTopK<bfloat16, Cuda>;
     run_step_benchmark<Selector>(state, kOracle, [&] { return Selector(limits(n, batch), {.budget = kBudget}); });
-  } else {
+  } else if (state.range(0) == kCtkvr) {
     using Selector = kvsift::Ctkvr<bfloat16, Cuda>;
     run_step_benchmark<Selector>(state, kCtkvr, [&] {
       return Selector(limits(n, batch), {.budget = kCtkvrBudget, .max_centroids = kCtkvrCentroids});
     });
+  } else {  // CSAttention at its defaults; search period P = range(5), reduce = range(6) (0 dense, 1 sort)
+    using Selector = kvsift::Csattention<bfloat16, Cuda>;
+    run_step_benchmark<Selector>(state, kCsattention, [&] {
+      kvsift::CsattentionConfig config;
+      config.search_period = std::int32_t(state.range(5));
+      config.reduce = state.range(6) == 0 ? kvsift::CsattentionReduce::dense : kvsift::CsattentionReduce::sort;
+      return Selector(limits(n, batch), config);
+    });
   }
 }
 BENCHMARK(BM_Step)
-    ->ArgsProduct({{kQuest, kOracle}, {32768, 131072}, {1, 8}, {0, 1}, {0}})
-    ->ArgsProduct({{kQuest}, {32768, 131072}, {1, 8}, {0, 1}, {1}})
-    ->ArgsProduct({{kCtkvr}, {32768, 131072}, {1, 8}, {1}, {0}})
-    ->ArgNames({"method", "N", "batch", "pdl", "between"})
+    ->ArgsProduct({{kQuest, kOracle}, {32768, 131072}, {1, 8}, {0, 1}, {0}, {1}, {0}})
+    ->ArgsProduct({{kQuest}, {32768, 131072}, {1, 8}, {0, 1}, {1}, {1}, {0}})
+    ->ArgsProduct({{kCtkvr}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0}})
+    ->ArgsProduct({{kCsattention}, {32768, 131072}, {1, 8}, {1}, {0}, {1, 4, 8}, {0}})
+    ->ArgsProduct({{kCsattention}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {1}})
+    ->ArgNames({"method", "N", "batch", "pdl", "between", "P", "sort"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);
@@ -353,6 +382,46 @@ void BM_CtkvrPrepare(benchmark::State& state) {
 }
 BENCHMARK(BM_CtkvrPrepare)
     ->ArgsProduct({{32768, 131072}, {32, 128, 512}})
+    ->ArgNames({"N", "chunk"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(2);
+
+/// Csattention::prepare of one sequence's layer at its defaults (m = 8, C = 128, alpha = 0.2, tables per kv head,
+/// 10 Lloyd steps over W = 1024 prefill queries of each group's 4 heads): per kv head the batched k-means of its 8
+/// subspaces, then per chunk of lists the partial scores over the N keys and their top L. Host wall clock of
+/// prepare and a synchronization; the target is 25 ms at 128K.
+void BM_CsattentionPrepare(benchmark::State& state) {
+  const std::int64_t n = state.range(0);
+  const int chunk = int(state.range(1));
+  const std::size_t elements = std::size_t(kKvHeads) * std::size_t(n) * kHeadDim;
+  Device<bfloat16> k(elements), v(elements);
+  Device<std::int32_t> lengths(1), slots(1);
+  fill_random(k.ptr, elements, 1);
+  fill_random(v.ptr, elements, 2);
+  upload_full_batch(n, 1, lengths.ptr, slots.ptr);
+  Device<bfloat16> queries(std::size_t(kQHeads) * kCsattentionQueries * kHeadDim);
+  fill_random(queries.ptr, std::size_t(kQHeads) * kCsattentionQueries * kHeadDim, 3);
+  kvsift::CsattentionConfig config;
+  config.prepare_chunk = chunk;
+  kvsift::Csattention<bfloat16, Cuda> selector(limits(n, 1), config);
+  const kvsift::PrefillInputs<bfloat16> in{
+      .cache = kvsift::ContiguousKVView<const bfloat16>::packed(k.ptr, v.ptr, 1, kKvHeads, std::int32_t(n), kHeadDim,
+                                                                lengths.ptr),
+      .slots = slots.ptr,
+      .queries = kvsift::SequenceView<const bfloat16>::packed(queries.ptr, 1, kQHeads, kCsattentionQueries, kHeadDim),
+      .attention = {.window = kWindow}};
+  for (auto _ : state) {
+    const auto begin = std::chrono::steady_clock::now();
+    selector.prepare(in, Cuda{});
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
+  }
+  state.SetLabel("CSAttention prepare");
+  state.counters["index_MB"] = double(selector.index_bytes().device) / 1e6;
+}
+BENCHMARK(BM_CsattentionPrepare)
+    ->ArgsProduct({{32768, 131072}, {128, 1024}})
     ->ArgNames({"N", "chunk"})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)

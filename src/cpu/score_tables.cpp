@@ -88,6 +88,7 @@ void subspace_scores(const BaseTablesView& base, std::int32_t table_head, std::i
                      std::int32_t list_count, const KVCache<const T>& cache, std::int32_t row,
                      std::int32_t token_begin, std::int32_t tokens, const MatrixView<float>& out, ThreadPool* pool) {
   constexpr const char* where = "cpu::subspace_scores";
+  cache.visit([&](const auto& kv) { validate(kv, where, "cache", MemorySpace::host); });
   detail::check_subspace_scores(where, base, table_head, list_begin, list_count, cache, row, token_begin, tokens, out);
   KVSIFT_CHECK(std::int64_t(token_begin) + tokens <= cache.seq_len(row), where,
                "tokens [{}, {} + {}) reach past sequence {}'s length {}", token_begin, token_begin, tokens, row,
@@ -146,6 +147,7 @@ template <class T>
 void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<const T>& cache,
                    const std::int32_t* slots, const std::int32_t* lengths, ThreadPool* pool) {
   constexpr const char* where = "cpu::append_tables";
+  cache.visit([&](const auto& kv) { validate(kv, where, "cache", MemorySpace::host); });
   detail::check_append_tables(where, tables, cache, slots, lengths, MemorySpace::host);
   const ScoreTablesView<std::int32_t>& t = tables;
   const std::int32_t head_dim = cache.head_dim();

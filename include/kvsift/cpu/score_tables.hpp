@@ -38,10 +38,11 @@ void subspace_scores(const BaseTablesView& base, std::int32_t table_head, std::i
 std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32_t tokens, const ThreadPool* pool = nullptr);
 
 /// Fills lists [list_begin, list_begin + scores.rows) of table head `table_head` of `base`: list r takes the
-/// min(keep, tokens) best columns (keep in [1, base.length]: the prompt's L) t < tokens of scores row r (ranked by kvsift's rule on the stored
-/// values: higher score, then the smaller column), ids = the columns (token positions from 0), scores as fp16,
-/// highest first; its count. scores holds table scores (subspace_scores' output; other values are ranked as
-/// they are and rounded by table_score). Checked: the range, tokens in [0, scores.cols].
+/// min(keep, tokens) best columns t < tokens of scores row r (keep in [1, base.length]: the prompt's L; ranked by
+/// kvsift's rule on the stored values: higher score, then the smaller column), ids = the columns (token positions
+/// from 0), scores as fp16, highest first; its count. Values are ranked as table_score rounds them (subspace_scores' output is already
+/// rounded; other values, NaN and infinities included, are rounded first). Checked: the range, tokens in [0,
+/// scores.cols], keep.
 void store_table_lists(const MatrixView<const float>& scores, std::int32_t tokens, std::int32_t keep,
                        const BaseTablesView& base,
                        std::int32_t table_head, std::int32_t list_begin, std::span<std::byte> workspace,
@@ -52,7 +53,8 @@ void store_table_lists(const MatrixView<const float>& scores, std::int32_t token
 /// slots[b], with value table_score(centroid(base of the slot, t, s, c) . k^(s)), by the rule of
 /// core/score_tables.hpp detail::insert_table_key. Checked: slots in [0, tables.slots), distinct, their base in
 /// [0, tables.bases); lengths in [1, the cache's length]; every touched list's counts consistent (base count in
-/// [0, length], evicted in [0, base count], overlay size in [0, overlay_capacity]). Threads: (row, table head).
+/// [0, length], evicted in [0, base count], overlay size in [0, min(overlay_capacity, evicted)]: core/detail/
+/// score_tables_checks.hpp check_slot_list). Threads: (row, table head).
 template <class T>
 void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<const T>& cache,
                    const std::int32_t* slots, const std::int32_t* lengths, ThreadPool* pool = nullptr);

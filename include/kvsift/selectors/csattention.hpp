@@ -196,9 +196,8 @@ class Csattention {
               const Context& ctx) {
     constexpr const char* where = "Csattention::select";
     detail::check_select(where, limits_, in, out, capacity(), Context::memory);
-    const std::int32_t batch = in.q.batch, kv = limits_.kv_heads, group = limits_.q_heads / kv;
-    const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
-    const std::int64_t rows = std::int64_t(batch) * kv;
+    const std::int32_t batch = in.q.batch;
+    const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
     if (calls_until_search_ > 0) {
       KVSIFT_CHECK(batch == searched_batch_, where,
                    "a reused selection needs the batch of its search: {} rows now, {} at the search", batch,
