@@ -151,7 +151,10 @@ def topk_rows(scores, k, *, batch, kv_heads, lengths=None, window=(0, 0), heads_
 class DecodeStep:
     """One layer's decode step: a selector ('oracle_topk' {budget}, 'quest' {budget, page_size},
     'streaming_llm' {}, 'ctkvr' {budget, list_size, centroids, max_centroids, recalled_centroids, dynamic_update,
-    prepare_chunk, budget_fraction, pin_prefill_centroids}: selectors/ctkvr.hpp's CtkvrConfig), then sparse
+    prepare_chunk, budget_fraction, pin_prefill_centroids}: selectors/ctkvr.hpp's CtkvrConfig; 'csattention' {budget
+    (tokens, the window's included; 0: keep_fraction of the length), keep_fraction, list_fraction, subspaces,
+    centroids, probes, search_period, per_query_head, weight_by_norm, from_floor}: selectors/csattention.hpp's
+    CsattentionConfig), then sparse
     attention of its selection and the window (sink, recent), planned once for
     up to max_batch rows and sequences of up to max_seq_len tokens; the workspace is allocated here, once.
 

@@ -21,6 +21,7 @@
 
 #include "kvsift/core/error.hpp"
 #include "kvsift/cpu/backend.hpp"
+#include "kvsift/selectors/csattention.hpp"
 #include "kvsift/selectors/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
@@ -637,10 +638,24 @@ std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
     sc.pin_prefill_centroids =
         config_int(where, config, "pin_prefill_centroids", sc.pin_prefill_centroids ? 1 : 0) != 0;
     step = std::make_unique<StepOf<Ctkvr<T, Context>>>(Ctkvr<T, Context>(limits, sc), c, pool);
+  } else if (c.selector == "csattention") {
+    CsattentionConfig sc{};
+    sc.budget = config_int(where, config, "budget", sc.budget);
+    sc.keep_fraction = config_float(config, "keep_fraction", sc.keep_fraction);
+    sc.list_fraction = config_float(config, "list_fraction", sc.list_fraction);
+    sc.subspaces = config_int(where, config, "subspaces", sc.subspaces);
+    sc.centroids = config_int(where, config, "centroids", sc.centroids);
+    sc.probes = config_int(where, config, "probes", sc.probes);
+    sc.search_period = config_int(where, config, "search_period", sc.search_period);
+    if (config_int(where, config, "per_query_head", 0) != 0) sc.tables = CsattentionTables::per_query_head;
+    sc.weight_by_norm = config_int(where, config, "weight_by_norm", sc.weight_by_norm ? 1 : 0) != 0;
+    sc.from_floor = config_int(where, config, "from_floor", sc.from_floor ? 1 : 0) != 0;
+    step = std::make_unique<StepOf<Csattention<T, Context>>>(Csattention<T, Context>(limits, sc), c, pool);
   } else if (c.selector == "streaming_llm") {
     step = std::make_unique<StepOf<StreamingLLM<T, Context>>>(StreamingLLM<T, Context>(limits), c, pool);
   } else {
-    detail::throw_error(where, fmt::format("selector (= '{}') must be one of 'oracle_topk', 'quest', 'streaming_llm', 'ctkvr'",
+    detail::throw_error(where, fmt::format("selector (= '{}') must be one of 'oracle_topk', 'quest', 'streaming_llm', "
+                                           "'ctkvr', 'csattention'",
                                            c.selector));
   }
   KVSIFT_CHECK(nb::len(config) == 0, where, "selector_config has keys {} that {} does not take",

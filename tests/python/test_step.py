@@ -183,3 +183,38 @@ def test_ctkvr_with_whole_lists_selects_the_top_of_the_middle_and_reports_its_un
                                max_seq_len=CAPACITY)
     with pytest.raises(kvsift.Error, match="reports no union sizes"):
         oracle.union_sizes()
+
+
+def test_csattention_selects_its_budget_and_attends_it(rng):
+    # Plumbing of CsattentionConfig through the package (the selection itself is tested against fp64 in C++):
+    # the budget counts the window, so each row selects budget - sink - recent middle tokens, and the output is the
+    # attention over them and the window.
+    k, v, lengths, cache = make_cache(rng, [300])
+    budget = 40
+    step = kvsift.DecodeStep("csattention", {"budget": budget, "centroids": 4, "subspaces": 4, "list_fraction": 0.5},
+                             q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_seq_len=CAPACITY, window=WINDOW)
+    slots = np.zeros(1, dtype=np.int32)
+    step.prepare(cache, slots, queries=rng.standard_normal((1, Q_HEADS, 8, HEAD_DIM)).astype(np.float16))
+    for _ in range(3):
+        lengths += 1
+        q = rng.standard_normal((1, Q_HEADS, HEAD_DIM)).astype(np.float16)
+        new_k = rng.standard_normal((1, KV_HEADS, HEAD_DIM)).astype(np.float16)
+        new_v = rng.standard_normal((1, KV_HEADS, HEAD_DIM)).astype(np.float16)
+        o, lse = poisoned(q.shape, np.float32), poisoned(q.shape[:2], np.float32)
+        step.run(q, cache, slots, k=new_k, v=new_v, o=o, lse=lse)
+        indices, counts = step.selection()
+        assert (counts == budget - sum(WINDOW)).all()
+        for g in range(KV_HEADS):
+            chosen = indices[0, g, :counts[0, g]]
+            assert len(set(chosen.tolist())) == len(chosen)
+            assert ((chosen >= WINDOW[0]) & (chosen < lengths[0] - WINDOW[1])).all()
+        for (b, h), (ref_o, ref_lse) in expected_state(q, k, v, lengths, indices, counts, WINDOW).items():
+            np.testing.assert_allclose(o[b, h], ref_o, atol=2e-3, rtol=0)
+            np.testing.assert_allclose(lse[b, h], ref_lse, atol=1e-4, rtol=1e-5)
+    shape = dict(q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_seq_len=CAPACITY)
+    for config, message in [({"list_fraction": 0.0}, "config.list_fraction (alpha = 0) is outside (0, 1]"),
+                            ({"subspaces": 5}, "config.subspaces (m = 5) does not divide head_dim (= 64)"),
+                            ({"lists": 3}, "keys dict_keys(['lists'])")]:
+        with pytest.raises(kvsift.Error) as raised:
+            kvsift.DecodeStep("csattention", config, **shape)
+        assert message in str(raised.value), f"{message!r} not in {str(raised.value)!r}"

@@ -64,6 +64,8 @@ class KvsiftAttention:
             # The paper's C = N / 16, C' = 4, rho = 2.5 rho'; 512 centroid columns leave the dynamic update room
             # to grow before its FIFO wraps (the default 2048 would cost 31 MB of lists per layer at rho' = 512).
             config = {"budget": self.budget, "max_centroids": 512}
+        elif self.selector == "csattention":
+            config = {"budget": self.budget + SINK + RECENT}  # its budget counts the window
         return self.kvsift.DecodeStep(self.selector, config, q_heads=m.q_heads, kv_heads=m.kv_heads,
                                       head_dim=m.head_dim, max_seq_len=self.capacity, window=window,
                                       dtype="float16", pool=self.pool)

@@ -154,6 +154,10 @@ std::vector<BasicSelectorEntry<Context>> csattention_variants() {
   };
   for (const double alpha : {0.05, 0.1, 0.25, 0.4}) {
     out.push_back(entry(fmt::format("CS alpha {}", alpha), [alpha](CsattentionConfig& c) { c.list_fraction = alpha; }));
+    out.push_back(entry(fmt::format("CS per q head alpha {}", alpha), [alpha](CsattentionConfig& c) {
+      c.tables = CsattentionTables::per_query_head;
+      c.list_fraction = alpha;
+    }));
   }
   return out;
 }
