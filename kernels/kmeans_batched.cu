@@ -1,7 +1,8 @@
 // cuda::kmeans_batched: every problem's points to fp32 (one launch), every problem's greedy k-means++ seeding
 // (one launch, a CTA per problem running the loop over centroids), then per Lloyd step the batched assignment
 // (kernels/kmeans.cu), one segment_mean over every problem's clusters and a finishing launch (cosine
-// normalization, reseeding). The per-problem math is core/kmeans_batched.hpp's, which the CPU runs too: a
+// normalization, reseeding), or per mini-batch step a draw-and-assign launch, an update launch and, with reseed,
+// the finishing launch over the drawn points. The per-problem math is core/kmeans_batched.hpp's, which the CPU runs too: a
 // thread owns a seeding segment and a warp a group, so every sum runs in the order the CPU runs it.
 #include "kvsift/core/kmeans_seeding.hpp"
 #include "kvsift/cuda/detail/kmeans_batched_launch.hpp"
@@ -142,13 +143,15 @@ __global__ void __launch_bounds__(kBatchedKMeansThreads, 1)
   }
 }
 
-/// One CTA per problem, after an update: cosine centroids normalized, then with reseed the empty clusters, in
-/// ascending id, each take the next point in the reseed order (core/kmeans_batched.hpp), one block-wide
-/// selection per empty cluster.
+/// One CTA per problem, after an update: with `normalize`, the cosine centroids it moved (counts > 0); then with
+/// reseed the empty clusters (counts 0), in ascending id, each take the next row in the reseed order
+/// (core/kmeans_batched.hpp), one block-wide selection per empty cluster. The problem's `rows` rows are its
+/// points, or with ids (mini-batch) its drawn points ids[r]; keys and ties go by point index, as on the CPU.
 __global__ void __launch_bounds__(kBatchedKMeansThreads, 1)
-    finish_batched(const float* all_points, const float* all_weights, std::int64_t n, std::int32_t dim, bool cosine,
-                   bool reseed, std::int32_t clusters, const std::int32_t* all_assignment,
-                   const std::int32_t* all_counts, float* all_centroids, float* all_keys) {
+    finish_batched(const float* all_points, const float* all_weights, const std::int32_t* all_ids, std::int64_t n,
+                   std::int64_t rows, std::int32_t dim, bool cosine, bool normalize, bool reseed, std::int32_t clusters,
+                   const std::int32_t* all_assignment, const std::int32_t* all_counts, float* all_centroids,
+                   float* all_keys) {
   using namespace kvsift::detail;
   __shared__ float warp_keys[kSeedGroups];
   __shared__ std::int64_t warp_best[kSeedGroups];
@@ -159,22 +162,25 @@ __global__ void __launch_bounds__(kBatchedKMeansThreads, 1)
   const std::int64_t p = blockIdx.x;
   const float* x = all_points + p * n * dim;
   const float* weights = all_weights == nullptr ? nullptr : all_weights + p * n;
-  const std::int32_t* assignment = all_assignment + p * n;
+  const std::int32_t* ids = all_ids == nullptr ? nullptr : all_ids + p * rows;
+  const std::int32_t* assignment = all_assignment + p * rows;
   const std::int32_t* counts = all_counts + p * clusters;
   float* centroids = all_centroids + p * clusters * dim;
-  float* keys = all_keys + p * n;
+  float* keys = all_keys + p * rows;
+  const auto point = [&](std::int64_t r) { return ids == nullptr ? r : std::int64_t(ids[r]); };
 
   int any_empty = 0;
   for (std::int32_t c = s; c < clusters; c += kBatchedKMeansThreads) {
-    if (cosine && counts[c] > 0) normalize_row(centroids + std::int64_t(c) * dim, dim);
+    if (normalize && counts[c] > 0) normalize_row(centroids + std::int64_t(c) * dim, dim);
     any_empty |= counts[c] == 0;
   }
   if (__syncthreads_or(any_empty) == 0 || !reseed) return;  // also the barrier after the normalization
 
-  const SeedSegment seg = seed_segment(n, s);
-  for (std::int64_t i = seg.begin; i < seg.end; ++i) {
-    const float d = kmeans_distance(x + i * dim, centroids + std::int64_t(assignment[i]) * dim, dim, cosine);
-    keys[i] = (weights == nullptr ? 1.0f : weights[i]) * d;
+  const SeedSegment seg = seed_segment(rows, s);
+  for (std::int64_t r = seg.begin; r < seg.end; ++r) {
+    const std::int64_t i = point(r);
+    const float d = kmeans_distance(x + i * dim, centroids + std::int64_t(assignment[r]) * dim, dim, cosine);
+    keys[r] = (weights == nullptr ? 1.0f : weights[i]) * d;
   }
   __syncthreads();
   float previous_key = INFINITY;
@@ -183,9 +189,10 @@ __global__ void __launch_bounds__(kBatchedKMeansThreads, 1)
     if (counts[c] != 0) continue;
     std::int64_t best = -1;
     float best_key = 0.0f;
-    for (std::int64_t i = seg.begin; i < seg.end; ++i) {
-      if (reseed_after(keys[i], i, previous_key, previous) && reseed_before(keys[i], i, best_key, best)) {
-        best = i, best_key = keys[i];
+    for (std::int64_t r = seg.begin; r < seg.end; ++r) {
+      const std::int64_t i = point(r);
+      if (reseed_after(keys[r], i, previous_key, previous) && reseed_before(keys[r], i, best_key, best)) {
+        best = i, best_key = keys[r];
       }
     }
 #pragma unroll
@@ -212,27 +219,145 @@ __global__ void __launch_bounds__(kBatchedKMeansThreads, 1)
   }
 }
 
+// ---- mini-batch steps (BatchedKMeansConfig::batch_size): core/kmeans_batched.hpp's functions per drawn point
+// and per cluster, each cluster's sums in batch order, so the CPU's loops give the same bits.
+
+constexpr int kNearestThreads = 256;
+/// Centroid floats staged in shared memory (the default dynamic limit); larger panels are read from global.
+constexpr std::int64_t kStagedCentroidFloats = 48 * 1024 / sizeof(float);
+constexpr int kUpdateChunk = 1024;  ///< batch slots an update CTA stages at a time
+
+/// Slot b of problem blockIdx.y: with draw, the point minibatch_point(seed + p, iteration, b), recorded in
+/// drawn; without, point b. out[p * rows + b] = its nearest centroid (nearest_centroid).
+__global__ void __launch_bounds__(kNearestThreads)
+    nearest_minibatch(const float* all_points, std::int64_t n, std::int32_t dim, bool cosine, std::int32_t clusters,
+                      const float* all_centroids, bool staged, std::int64_t rows, bool draw, std::uint64_t seed,
+                      std::int32_t iteration, std::int32_t* all_drawn, std::int32_t* all_out) {
+  extern __shared__ float staged_centroids[];  // [clusters, dim] when staged
+  const std::int64_t p = blockIdx.y;
+  const float* centroids = all_centroids + p * clusters * dim;
+  if (staged) {
+    for (std::int64_t e = threadIdx.x; e < std::int64_t(clusters) * dim; e += kNearestThreads) {
+      staged_centroids[e] = centroids[e];
+    }
+    __syncthreads();
+    centroids = staged_centroids;
+  }
+  const std::int64_t b = std::int64_t(blockIdx.x) * kNearestThreads + threadIdx.x;
+  if (b >= rows) return;
+  std::int64_t i = b;
+  if (draw) {
+    i = kvsift::detail::minibatch_point(kvsift::detail::batched_kmeans_seed(seed, p), iteration, std::int32_t(b), n);
+    all_drawn[p * rows + b] = std::int32_t(i);
+  }
+  all_out[p * rows + b] = kvsift::detail::nearest_centroid(all_points + (p * n + i) * dim, centroids, clusters, dim, cosine);
+}
+
+/// One CTA per (cluster blockIdx.x, problem blockIdx.y), a thread per channel: the cluster's drawn points' weight
+/// and weighted sums in batch order, then its move to the running weighted mean (cpu/kmeans.hpp), normalized
+/// for cosine by one thread as the CPU does it; counts[c] = 1 once it draws a point.
+__global__ void update_minibatch(const float* all_points, const float* all_weights, std::int64_t n, std::int32_t dim,
+                                 bool cosine, std::int32_t clusters, std::int32_t batch, const std::int32_t* all_drawn,
+                                 const std::int32_t* all_nearest, std::int32_t* all_counts, double* all_absorbed,
+                                 float* all_centroids) {
+  using namespace kvsift::detail;
+  __shared__ std::int32_t members[kUpdateChunk];  // the chunk's drawn points, -1 for another cluster's
+  const std::int64_t p = blockIdx.y;
+  const std::int32_t c = std::int32_t(blockIdx.x), j = std::int32_t(threadIdx.x);
+  const float* x = all_points + p * n * dim;
+  const float* weights = all_weights == nullptr ? nullptr : all_weights + p * n;
+  const std::int32_t* drawn = all_drawn + p * batch;
+  const std::int32_t* nearest = all_nearest + p * batch;
+  double weight = 0.0, sum = 0.0;
+  bool reached = false;
+  for (std::int32_t first = 0; first < batch; first += kUpdateChunk) {
+    const int count = min(kUpdateChunk, batch - first);
+    __syncthreads();  // the previous chunk is consumed
+    for (int e = threadIdx.x; e < count; e += blockDim.x) members[e] = nearest[first + e] == c ? drawn[first + e] : -1;
+    __syncthreads();
+    for (int e = 0; e < count; ++e) {
+      const std::int64_t i = members[e];
+      if (i < 0) continue;
+      const float w = weights == nullptr ? 1.0f : weights[i];
+      if (j < dim) sum = add_minibatch_sum(sum, w, x[i * dim + j]);
+      weight += double(w);
+      reached = true;
+    }
+  }
+  const std::int64_t row = p * clusters + c;
+  if (reached && j == 0) all_counts[row] = 1;
+  if (!(weight > 0.0)) return;  // no weight drawn: the centroid stays (uniform over the CTA)
+  float* centroid = all_centroids + row * dim;
+  const double absorbed = all_absorbed[row], after = absorbed + weight;
+  if (j < dim) centroid[j] = minibatch_channel(centroid[j], absorbed, sum, after);
+  __syncthreads();  // the row is written; absorbed is read
+  if (j == 0) {
+    all_absorbed[row] = after;
+    if (cosine) normalize_row(centroid, dim);
+  }
+}
+
+__global__ void reset_minibatch(std::int64_t count, std::int32_t* counts, double* absorbed) {
+  const std::int64_t e = std::int64_t(blockIdx.x) * kNearestThreads + threadIdx.x;
+  if (e < count) counts[e] = 0, absorbed[e] = 0.0;
+}
+
+/// Mini-batch steps and the final assignment, after the seeding (launch_kmeans_batched).
+cudaError_t launch_minibatch_steps(const float* points, const float* weights, std::int32_t problems, std::int64_t n,
+                                   std::int32_t dim, const BatchedKMeansConfig& config, float* centroids,
+                                   std::int32_t* assignment, const BatchedKMeansBuffers& b, cudaStream_t stream) {
+  const bool cosine = config.metric == KMeansMetric::cosine, reseed = config.empty == EmptyCluster::reseed;
+  const std::int32_t k = config.clusters, batch = config.batch_size;
+  const std::int64_t segments = std::int64_t(problems) * k;
+  reset_minibatch<<<unsigned((segments + kNearestThreads - 1) / kNearestThreads), kNearestThreads, 0, stream>>>(
+      segments, b.counts, b.absorbed);
+  const bool staged = std::int64_t(k) * dim <= kStagedCentroidFloats;
+  const std::size_t staged_bytes = staged ? std::size_t(k) * dim * sizeof(float) : 0;
+  const auto nearest = [&](std::int64_t rows, bool draw, std::int32_t iteration, std::int32_t* out) {
+    const dim3 blocks(unsigned((rows + kNearestThreads - 1) / kNearestThreads), unsigned(problems));
+    nearest_minibatch<<<blocks, kNearestThreads, staged_bytes, stream>>>(points, n, dim, cosine, k, centroids, staged, rows,
+                                                                         draw, config.seed, iteration, b.drawn, out);
+  };
+  const unsigned channel_threads = unsigned((dim + 31) / 32 * 32);
+  for (std::int32_t it = 0; it < config.iterations; ++it) {
+    nearest(batch, true, it, b.drawn_nearest);
+    update_minibatch<<<dim3(unsigned(k), unsigned(problems)), channel_threads, 0, stream>>>(
+        points, weights, n, dim, cosine, k, batch, b.drawn, b.drawn_nearest, b.counts, b.absorbed, centroids);
+    if (reseed) {
+      finish_batched<<<unsigned(problems), kBatchedKMeansThreads, 0, stream>>>(
+          points, weights, b.drawn, n, batch, dim, cosine, false, true, k, b.drawn_nearest, b.counts, centroids, b.nearest);
+    }
+    if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
+  }
+  nearest(n, false, 0, assignment);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 template <class T>
-cudaError_t launch_kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights, std::int32_t clusters,
-                                  std::int32_t iterations, bool cosine, bool reseed, std::uint64_t seed, float* centroids,
-                                  std::int32_t* assignment, const BatchedKMeansBuffers& b, cudaStream_t stream) {
-  const std::int32_t problems = points.problems, dim = points.cols;
+cudaError_t launch_kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights,
+                                  const BatchedKMeansConfig& config, float* centroids, std::int32_t* assignment,
+                                  const BatchedKMeansBuffers& b, cudaStream_t stream) {
+  const std::int32_t problems = points.problems, dim = points.cols, clusters = config.clusters;
   const std::int64_t n = points.rows;
+  const bool cosine = config.metric == KMeansMetric::cosine, reseed = config.empty == EmptyCluster::reseed;
   const dim3 prepare_blocks(unsigned((n + kPrepareThreads - 1) / kPrepareThreads), unsigned(problems));
   prepare_batched_points<<<prepare_blocks, kPrepareThreads, 0, stream>>>(points, cosine, b.points);
   const std::int32_t per_step = kvsift::detail::kmeans_candidates_per_step(clusters);
   const std::size_t candidate_bytes = std::size_t(kSeedCandidatesPerPass) * std::size_t(dim) * sizeof(float);
   seed_batched<<<unsigned(problems), kBatchedKMeansThreads, candidate_bytes, stream>>>(
-      b.points, weights, n, dim, cosine, clusters, per_step, seed, centroids, b.nearest);
+      b.points, weights, n, dim, cosine, clusters, per_step, config.seed, centroids, b.nearest);
   if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
+  if (kvsift::detail::is_minibatch(config.batch_size, n)) {
+    return launch_minibatch_steps(b.points, weights, problems, n, dim, config, centroids, assignment, b, stream);
+  }
 
   const auto fp32_points = BatchedMatrixView<const float>::packed(b.points, problems, n, dim);
   const auto fp32_centroids = BatchedMatrixView<const float>::packed(centroids, problems, clusters, dim);
   const auto all_points = MatrixView<const float>::packed(b.points, problems * n, dim);
   const auto all_centroids = MatrixView<float>::packed(centroids, std::int64_t(problems) * clusters, dim);
-  for (std::int32_t it = 0; it < iterations; ++it) {
+  for (std::int32_t it = 0; it < config.iterations; ++it) {
     if (cudaError_t s = launch_assign_nearest_batched(fp32_points, fp32_centroids, cosine, assignment, b.keys, stream);
         s != cudaSuccess) {
       return s;
@@ -244,7 +369,8 @@ cudaError_t launch_kmeans_batched(const BatchedMatrixView<const T>& points, cons
     }
     if (cosine || reseed) {
       finish_batched<<<unsigned(problems), kBatchedKMeansThreads, 0, stream>>>(
-          b.points, weights, n, dim, cosine, reseed, clusters, assignment, b.counts, centroids, b.nearest);
+          b.points, weights, nullptr, n, n, dim, cosine, cosine, reseed, clusters, assignment, b.counts, centroids,
+          b.nearest);
       if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
     }
   }
@@ -252,8 +378,8 @@ cudaError_t launch_kmeans_batched(const BatchedMatrixView<const T>& points, cons
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                         \
-  template cudaError_t launch_kmeans_batched<T>(const BatchedMatrixView<const T>&, const float*, std::int32_t,        \
-                                                std::int32_t, bool, bool, std::uint64_t, float*, std::int32_t*,       \
+  template cudaError_t launch_kmeans_batched<T>(const BatchedMatrixView<const T>&, const float*,                      \
+                                                const BatchedKMeansConfig&, float*, std::int32_t*,                    \
                                                 const BatchedKMeansBuffers&, cudaStream_t);
 KVSIFT_INSTANTIATE(float)
 KVSIFT_INSTANTIATE(half)

@@ -27,22 +27,36 @@ struct BatchedKMeansWorkspace {
   float* points;        ///< [problems, n, dim]: fp32, normalized for cosine
   float* nearest;       ///< [problems, n]: seeding distances; reseed keys
   std::int32_t* keys;   ///< [problems, n]: p * clusters + assignment, the update's segments
-  std::int32_t* counts; ///< [problems, clusters]
+  std::int32_t* counts; ///< [problems, clusters]; mini-batch: 1 once a cluster has drawn a point
   std::span<std::byte> segment_mean;
   float* panels;        ///< [problems, panel_floats]: each problem's centroids packed for the assigner
   std::size_t panel_floats;
+  // keys, segment_mean and panels serve the full batch only; the rest below the mini-batch only (else null).
+  std::int32_t* drawn;        ///< [problems, batch]: the step's points
+  std::int32_t* drawn_nearest;  ///< [problems, batch]: their nearest centroids
+  double* absorbed;           ///< [problems, clusters]: the weight each centroid has absorbed
+  double* sums;               ///< [problems, clusters, dim + 1]: the step's weighted sums, then its weight
 };
 
 BatchedKMeansWorkspace layout_batched_kmeans(WorkspaceLayout& layout, std::int32_t problems, std::int64_t n,
-                                             std::int32_t dim, std::int32_t clusters) {
+                                             std::int32_t dim, const BatchedKMeansConfig& config) {
   constexpr const char* what = "batched k-means workspace";
+  const std::int32_t clusters = config.clusters;
   const std::size_t rows = checked_mul(std::size_t(problems), std::size_t(n), what);
   const std::size_t segments = checked_mul(std::size_t(problems), std::size_t(clusters), what);
   BatchedKMeansWorkspace ws{};
   ws.points = layout.allocate<float>(checked_mul(rows, std::size_t(dim), what), "kmeans_batched points");
   ws.nearest = layout.allocate<float>(rows, "kmeans_batched nearest distances");
-  ws.keys = layout.allocate<std::int32_t>(rows, "kmeans_batched update keys");
   ws.counts = layout.allocate<std::int32_t>(segments, "kmeans_batched cluster counts");
+  if (kvsift::detail::is_minibatch(config.batch_size, n)) {
+    const std::size_t drawn = checked_mul(std::size_t(problems), std::size_t(config.batch_size), what);
+    ws.drawn = layout.allocate<std::int32_t>(drawn, "kmeans_batched drawn points");
+    ws.drawn_nearest = layout.allocate<std::int32_t>(drawn, "kmeans_batched drawn points' centroids");
+    ws.absorbed = layout.allocate<double>(segments, "kmeans_batched absorbed weights");
+    ws.sums = layout.allocate<double>(checked_mul(segments, std::size_t(dim) + 1, what), "kmeans_batched step sums");
+    return ws;
+  }
+  ws.keys = layout.allocate<std::int32_t>(rows, "kmeans_batched update keys");
   ws.segment_mean =
       layout.span(segment_mean_workspace_bytes(std::int64_t(rows), std::int32_t(segments)), "kmeans_batched segment_mean");
   ws.panel_floats = checked_mul(std::size_t(detail::score_panel_padded(clusters)), std::size_t(dim) + 1, what);
@@ -128,18 +142,19 @@ void seed_problem(const float* x, const float* weights, std::int64_t n, std::int
   }
 }
 
-/// Step 3's end for one problem: cosine centroids normalized, empty clusters reseeded.
-void finish_problem(const float* x, const float* weights, std::int64_t n, std::int32_t dim, bool cosine, bool reseed,
-                    std::int32_t clusters, const std::int32_t* assignment, const std::int32_t* counts, float* centroids,
-                    float* keys) {
+/// EmptyCluster::reseed for one problem: its clusters with counts 0, in ascending id, take rows in the reseed
+/// order (core/kmeans_batched.hpp). Row r is point ids[r] (r without ids): its key is the point's weight times
+/// its distance to centroid assignment[r], and ties go to the smaller point, so a point drawn twice serves once.
+void reseed_problem(const float* x, const float* weights, const std::int32_t* ids, std::int64_t rows, std::int32_t dim,
+                    bool cosine, std::int32_t clusters, const std::int32_t* assignment, const std::int32_t* counts,
+                    float* centroids, float* keys) {
   using namespace kvsift::detail;
-  for (std::int32_t c = 0; c < clusters && cosine; ++c) {
-    if (counts[c] > 0) normalize_row(centroids + std::int64_t(c) * dim, dim);
-  }
-  if (!reseed || std::find(counts, counts + clusters, 0) == counts + clusters) return;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const float d = kmeans_distance(x + i * dim, centroids + std::int64_t(assignment[i]) * dim, dim, cosine);
-    keys[i] = (weights == nullptr ? 1.0f : weights[i]) * d;
+  if (std::find(counts, counts + clusters, 0) == counts + clusters) return;
+  const auto point = [&](std::int64_t r) { return ids == nullptr ? r : std::int64_t(ids[r]); };
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t i = point(r);
+    const float d = kmeans_distance(x + i * dim, centroids + std::int64_t(assignment[r]) * dim, dim, cosine);
+    keys[r] = (weights == nullptr ? 1.0f : weights[i]) * d;
   }
   float previous_key = INFINITY;
   std::int64_t previous = -1;
@@ -147,14 +162,53 @@ void finish_problem(const float* x, const float* weights, std::int64_t n, std::i
     if (counts[c] != 0) continue;
     std::int64_t best = -1;
     float best_key = 0.0f;
-    for (std::int64_t i = 0; i < n; ++i) {
-      if (reseed_after(keys[i], i, previous_key, previous) && reseed_before(keys[i], i, best_key, best)) {
-        best = i, best_key = keys[i];
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t i = point(r);
+      if (reseed_after(keys[r], i, previous_key, previous) && reseed_before(keys[r], i, best_key, best)) {
+        best = i, best_key = keys[r];
       }
     }
     if (best < 0) return;  // every point taken (or NaN keys)
     std::copy_n(x + best * dim, dim, centroids + std::int64_t(c) * dim);
     previous = best, previous_key = best_key;
+  }
+}
+
+/// Step 3's end for one problem: cosine centroids normalized, empty clusters reseeded.
+void finish_problem(const float* x, const float* weights, std::int64_t n, std::int32_t dim, bool cosine, bool reseed,
+                    std::int32_t clusters, const std::int32_t* assignment, const std::int32_t* counts, float* centroids,
+                    float* keys) {
+  for (std::int32_t c = 0; c < clusters && cosine; ++c) {
+    if (counts[c] > 0) kvsift::detail::normalize_row(centroids + std::int64_t(c) * dim, dim);
+  }
+  if (reseed) reseed_problem(x, weights, nullptr, n, dim, cosine, clusters, assignment, counts, centroids, keys);
+}
+
+/// One mini-batch step's update of one problem (BatchedKMeansConfig::batch_size): the drawn points' weights and
+/// weighted sums per centroid in batch order, then each centroid that drew weight moves to its running weighted
+/// mean and, for cosine, is normalized. counts: set to 1 for every centroid that draws a point.
+void minibatch_update(const float* x, const float* weights, std::int32_t batch, std::int32_t dim, bool cosine,
+                      std::int32_t clusters, const std::int32_t* drawn, const std::int32_t* drawn_nearest,
+                      std::int32_t* counts, double* absorbed, double* sums, float* centroids) {
+  using namespace kvsift::detail;
+  const std::int64_t stride = std::int64_t(dim) + 1;
+  std::fill_n(sums, clusters * stride, 0.0);
+  for (std::int32_t b = 0; b < batch; ++b) {
+    const std::int64_t i = drawn[b];
+    const float w = weights == nullptr ? 1.0f : weights[i];
+    double* sum = sums + drawn_nearest[b] * stride;
+    for (std::int32_t j = 0; j < dim; ++j) sum[j] = add_minibatch_sum(sum[j], w, x[i * dim + j]);
+    sum[dim] += double(w);
+    counts[drawn_nearest[b]] = 1;
+  }
+  for (std::int32_t c = 0; c < clusters; ++c) {
+    const double* sum = sums + c * stride;
+    if (!(sum[dim] > 0.0)) continue;  // no weight drawn: the centroid stays
+    const double after = absorbed[c] + sum[dim];
+    float* centroid = centroids + std::int64_t(c) * dim;
+    for (std::int32_t j = 0; j < dim; ++j) centroid[j] = minibatch_channel(centroid[j], absorbed[c], sum[j], after);
+    absorbed[c] = after;
+    if (cosine) normalize_row(centroid, dim);
   }
 }
 
@@ -207,6 +261,7 @@ void detail::check_batched_kmeans_shape(const char* where, std::int32_t problems
                "config.metric (= {}) is neither KMeansMetric::l2 nor KMeansMetric::cosine", int(config.metric));
   KVSIFT_CHECK(config.empty == EmptyCluster::keep || config.empty == EmptyCluster::reseed, where,
                "config.empty (= {}) is neither EmptyCluster::keep nor EmptyCluster::reseed", int(config.empty));
+  KVSIFT_CHECK(config.batch_size >= 0, where, "config.batch_size (= {}) must be >= 0 (0: full batch)", config.batch_size);
 }
 
 template <class T>
@@ -226,7 +281,7 @@ std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n
                                            const BatchedKMeansConfig& config) {
   detail::check_batched_kmeans_shape("cpu::batched_kmeans_workspace_bytes", problems, n, dim, config);
   WorkspaceLayout counting;
-  layout_batched_kmeans(counting, problems, n, dim, config.clusters);
+  layout_batched_kmeans(counting, problems, n, dim, config);
   return counting.bytes();
 }
 
@@ -242,7 +297,7 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
                  "weights[{}] (= {}) is not a finite value >= 0 (problem {}, point {})", i, weights[i], i / n, i % n);
   }
   WorkspaceLayout layout(workspace, where);
-  const BatchedKMeansWorkspace ws = layout_batched_kmeans(layout, problems, n, dim, k);
+  const BatchedKMeansWorkspace ws = layout_batched_kmeans(layout, problems, n, dim, config);
   const bool cosine = config.metric == KMeansMetric::cosine;
   const auto problem_points = [&](std::int64_t p) { return ws.points + p * n * dim; };
   const auto problem_weights = [&](std::int64_t p) { return weights == nullptr ? nullptr : weights + p * n; };
@@ -289,19 +344,58 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
       });
     });
   };
-  const auto all_points = MatrixView<const float>::packed(ws.points, problems * n, dim);
-  const auto all_centroids = MatrixView<float>::packed(centroids, std::int64_t(problems) * k, dim);
-  for (std::int32_t it = 0; it < config.iterations; ++it) {
+  const bool reseed = config.empty == EmptyCluster::reseed;
+  if (!kvsift::detail::is_minibatch(config.batch_size, n)) {
+    const auto all_points = MatrixView<const float>::packed(ws.points, problems * n, dim);
+    const auto all_centroids = MatrixView<float>::packed(centroids, std::int64_t(problems) * k, dim);
+    for (std::int32_t it = 0; it < config.iterations; ++it) {
+      assign();
+      segment_mean(all_points, ws.keys, problems * k, weights, all_centroids, ws.counts, ws.segment_mean, pool);
+      parallel_for(pool, problems, [&](std::int64_t begin, std::int64_t end) {
+        for (std::int64_t p = begin; p < end; ++p) {
+          finish_problem(problem_points(p), problem_weights(p), n, dim, cosine, reseed, k, assignment + p * n,
+                         ws.counts + p * k, problem_centroids(p), ws.nearest + p * n);
+        }
+      });
+    }
     assign();
-    segment_mean(all_points, ws.keys, problems * k, weights, all_centroids, ws.counts, ws.segment_mean, pool);
+    return;
+  }
+
+  // Mini-batch steps: the core/kmeans_batched.hpp functions, per drawn point and per cluster, as the CUDA kernels.
+  const std::int32_t batch = config.batch_size;
+  std::fill_n(ws.counts, std::int64_t(problems) * k, 0);
+  std::fill_n(ws.absorbed, std::int64_t(problems) * k, 0.0);
+  for (std::int32_t it = 0; it < config.iterations; ++it) {
     parallel_for(pool, problems, [&](std::int64_t begin, std::int64_t end) {
       for (std::int64_t p = begin; p < end; ++p) {
-        finish_problem(problem_points(p), problem_weights(p), n, dim, cosine, config.empty == EmptyCluster::reseed, k,
-                       assignment + p * n, ws.counts + p * k, problem_centroids(p), ws.nearest + p * n);
+        const std::uint64_t problem_seed = kvsift::detail::batched_kmeans_seed(config.seed, p);
+        std::int32_t* drawn = ws.drawn + p * batch;
+        std::int32_t* drawn_nearest = ws.drawn_nearest + p * batch;
+        for (std::int32_t b = 0; b < batch; ++b) {
+          drawn[b] = std::int32_t(kvsift::detail::minibatch_point(problem_seed, it, b, n));
+          drawn_nearest[b] = kvsift::detail::nearest_centroid(problem_points(p) + std::int64_t(drawn[b]) * dim,
+                                                              problem_centroids(p), k, dim, cosine);
+        }
+        minibatch_update(problem_points(p), problem_weights(p), batch, dim, cosine, k, drawn, drawn_nearest,
+                         ws.counts + p * k, ws.absorbed + p * k, ws.sums + p * k * (std::int64_t(dim) + 1),
+                         problem_centroids(p));
+        if (reseed) {
+          reseed_problem(problem_points(p), problem_weights(p), drawn, batch, dim, cosine, k, drawn_nearest,
+                         ws.counts + p * k, problem_centroids(p), ws.nearest + p * n);
+        }
       }
     });
   }
-  assign();
+  parallel_for(pool, problems * row_items, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t item = begin; item < end; ++item) {
+      const std::int64_t p = item / row_items, first = item % row_items * kAssignRows;
+      for (std::int64_t i = first; i < std::min(n, first + kAssignRows); ++i) {
+        assignment[p * n + i] =
+            kvsift::detail::nearest_centroid(problem_points(p) + i * dim, problem_centroids(p), k, dim, cosine);
+      }
+    }
+  });
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                     \

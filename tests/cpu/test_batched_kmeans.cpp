@@ -1,5 +1,6 @@
 // cpu::kmeans_batched against an fp64 reference of one problem written here, planted blobs, weights, the
-// empty-cluster rules, strided subspace views, batching, thread counts, dtypes, the workspace API and refusals.
+// empty-cluster rules, strided subspace views, batching, thread counts, dtypes, the workspace API and refusals;
+// the mini-batch steps against an fp64 reference of their own, and batch_size >= n as the full batch.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -357,6 +358,261 @@ TEST_F(CpuBatchedKMeans, WorkspaceQueryRunAndContents) {
   for (const std::int32_t a : assignment) EXPECT_TRUE(a >= 0 && a < k);
 }
 
+// ---- mini-batch steps: an fp64 reference of one problem from the library's seeding -------------------------
+
+struct MiniBatchReference {
+  std::vector<double> centroids;
+  std::vector<std::int32_t> assignment;
+  /// The closest call of any choice: a drawn point's second-best minus best distance, or the gap between the
+  /// reseed keys of a point taken and the next in the order (two points of a two-point cluster tie exactly).
+  double choice_margin = std::numeric_limits<double>::infinity();
+  std::vector<double> margin;                                     // per point, at the final assignment
+};
+
+/// The mini-batch contract (cpu/kmeans.hpp) in fp64 from `seeded` centroids: the draws of
+/// detail::minibatch_point, nearest centroids by distance64, each centroid's running weighted mean, reseeding of
+/// the clusters no drawn point has reached, in the reseed order over the drawn points.
+MiniBatchReference reference_minibatch(const std::vector<float>& raw, const std::vector<float>& w, std::int64_t n, int d,
+                                       int k, int iterations, int batch, bool cosine, bool reseed, std::uint64_t seed,
+                                       const std::vector<float>& seeded) {
+  std::vector<double> x(raw.begin(), raw.end());
+  for (std::int64_t i = 0; i < n && cosine; ++i) {
+    double s = 0;
+    for (int j = 0; j < d; ++j) s += x[i * d + j] * x[i * d + j];
+    for (int j = 0; j < d; ++j) x[i * d + j] /= std::sqrt(s);
+  }
+  MiniBatchReference r;
+  r.centroids.assign(seeded.begin(), seeded.end());
+  const auto nearest = [&](std::int64_t i, double* margin) {
+    double best = std::numeric_limits<double>::infinity(), second = best;
+    std::int32_t id = 0;
+    for (int c = 0; c < k; ++c) {
+      const double dist = distance64(&x[i * d], &r.centroids[std::size_t(c) * d], d, cosine);
+      if (dist < best) {
+        second = best, best = dist, id = c;
+      } else {
+        second = std::min(second, dist);
+      }
+    }
+    *margin = second - best;
+    return id;
+  };
+  std::vector<double> absorbed(k, 0.0);
+  std::vector<bool> reached(k, false);
+  for (int it = 0; it < iterations; ++it) {
+    std::vector<std::int64_t> drawn(batch);
+    std::vector<std::int32_t> a(batch);
+    std::vector<double> sum(std::size_t(k) * d, 0.0), weight(k, 0.0);
+    for (int b = 0; b < batch; ++b) {
+      drawn[b] = detail::minibatch_point(seed, it, b, n);
+      double margin = 0;
+      a[b] = nearest(drawn[b], &margin);
+      r.choice_margin = std::min(r.choice_margin, margin);
+      reached[a[b]] = true;
+      weight[a[b]] += w[drawn[b]];
+      for (int j = 0; j < d; ++j) sum[std::size_t(a[b]) * d + j] += w[drawn[b]] * x[drawn[b] * d + j];
+    }
+    for (int c = 0; c < k; ++c) {
+      if (weight[c] == 0) continue;
+      double* row = &r.centroids[std::size_t(c) * d];
+      double norm = 0;
+      for (int j = 0; j < d; ++j) row[j] = (absorbed[c] * row[j] + sum[std::size_t(c) * d + j]) / (absorbed[c] + weight[c]);
+      for (int j = 0; j < d; ++j) norm += row[j] * row[j];
+      for (int j = 0; j < d && cosine; ++j) row[j] /= std::sqrt(norm);
+      absorbed[c] += weight[c];
+    }
+    // Reseeding: the drawn points, distinct, by descending key, then ascending index.
+    std::vector<std::pair<double, std::int64_t>> order;
+    for (int b = 0; b < batch && reseed; ++b) {
+      order.emplace_back(-w[drawn[b]] * distance64(&x[drawn[b] * d], &r.centroids[std::size_t(a[b]) * d], d, cosine), drawn[b]);
+    }
+    std::sort(order.begin(), order.end());
+    order.erase(std::unique(order.begin(), order.end()), order.end());
+    std::size_t next = 0;
+    for (int c = 0; c < k && reseed; ++c) {
+      if (reached[c] || next == order.size()) continue;
+      if (next + 1 < order.size()) r.choice_margin = std::min(r.choice_margin, order[next + 1].first - order[next].first);
+      std::copy_n(&x[order[next++].second * d], d, &r.centroids[std::size_t(c) * d]);
+    }
+  }
+  r.assignment.resize(n);
+  r.margin.resize(n);
+  for (std::int64_t i = 0; i < n; ++i) r.assignment[i] = nearest(i, &r.margin[i]);
+  return r;
+}
+
+TEST_F(CpuBatchedKMeans, MiniBatchMatchesTheFp64Reference) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const bool cosine : {false, true}) {
+    for (const bool weighted : {false, true}) {
+      for (const bool reseed : {false, true}) {
+        // A choice within rounding of a tie may go the other way and move everything after it: such data is
+        // drawn again.
+        constexpr double kTieMargin = 1e-4;
+        bool compared = false;
+        for (int attempt = 0; attempt < 8 && !compared; ++attempt) {
+          const std::int64_t n = 300 + rng.uniform_int(0, 200);
+          const int d = 8 + rng.uniform_int(0, 12), k = 10, iterations = 7;
+          const int batch = reseed ? 15 : 40 + rng.uniform_int(0, 60);  // 15: clusters go unreached
+          const auto x = rng.normal(std::size_t(n) * d);
+          std::vector<float> w(n, 1.0f);
+          for (float& v : w) v = weighted ? rng.uniform(0.0f, 3.0f) : 1.0f;
+          if (weighted) w[rng.uniform_int(0, int(n) - 1)] = 0.0f;
+          const std::uint64_t s = seed + std::uint64_t(attempt);
+          const BatchedKMeansConfig config{.clusters = k, .iterations = iterations,
+                                           .metric = cosine ? KMeansMetric::cosine : KMeansMetric::l2, .seed = s,
+                                           .empty = reseed ? EmptyCluster::reseed : EmptyCluster::keep,
+                                           .batch_size = batch};
+          SCOPED_TRACE(testing::Message() << "cosine " << cosine << " weighted " << weighted << " reseed " << reseed
+                                          << " n " << n << " d " << d << " batch " << batch << " attempt " << attempt);
+          const auto view = BatchedMatrixView<const float>::packed(x.data(), 1, n, d);
+          const float* weights = weighted ? w.data() : nullptr;
+          auto seeding = config;
+          seeding.iterations = 0;
+          const auto seeded = run(view, weights, seeding);
+          const auto got = run(view, weights, config);
+          const auto want = reference_minibatch(x, w, n, d, k, iterations, batch, cosine, reseed, s, seeded.centroids);
+          if (want.choice_margin < kTieMargin) continue;
+          compared = true;
+          for (std::size_t e = 0; e < got.centroids.size(); ++e) ASSERT_NEAR(got.centroids[e], want.centroids[e], 2e-5) << e;
+          for (std::int64_t i = 0; i < n; ++i) {
+            if (got.assignment[i] != want.assignment[i]) {
+              EXPECT_LT(want.margin[i], kTieMargin) << "point " << i;
+            }
+          }
+          // Mini-batch steps move the centroids unlike full-batch ones.
+          auto full = config;
+          full.batch_size = 0;
+          EXPECT_FALSE(test::same_bytes(run(view, weights, full).centroids, got.centroids));
+        }
+        EXPECT_TRUE(compared) << "every attempt had a choice near a tie";
+      }
+    }
+  }
+}
+
+TEST_F(CpuBatchedKMeans, MiniBatchReseedsClustersNoDrawReaches) {
+  // Cosine, e1 x 4, e2 x 4 and a zero row (ReseedTakesTheFarthestPointFirst's points), k = 4, a batch of 1 and
+  // one step: the step reaches one cluster a, which moves onto the drawn point (its first weight replaces the
+  // seed). With reseed the smallest unreached id takes the drawn point too, and the other unreached clusters
+  // stay, as the batch has no next point.
+  const int d = 2, n = 9, k = 4;
+  std::vector<float> x;
+  for (int i = 0; i < 8; ++i) x.push_back(i < 4 ? 1.0f : 0.0f), x.push_back(i < 4 ? 0.0f : 1.0f);
+  x.push_back(0.0f), x.push_back(0.0f);
+  const auto view = BatchedMatrixView<const float>::packed(x.data(), 1, n, d);
+  for (std::uint64_t s = seed; s < seed + 20; ++s) {
+    const BatchedKMeansConfig keep{.clusters = k, .iterations = 1, .metric = KMeansMetric::cosine, .seed = s, .batch_size = 1};
+    auto reseed = keep;
+    reseed.empty = EmptyCluster::reseed;
+    auto seeding = keep;
+    seeding.iterations = 0;
+    const auto seeded = run(view, nullptr, seeding), kept = run(view, nullptr, keep), got = run(view, nullptr, reseed);
+    const std::int64_t drawn = detail::minibatch_point(s, 0, 0, n);
+    // The drawn point's cluster: the reference's nearest (distance64 ranks as nearest_centroid here: exact values).
+    std::vector<double> xd(x.begin(), x.end()), cd(seeded.centroids.begin(), seeded.centroids.end());
+    int a = 0;
+    for (int c = 1; c < k; ++c) {
+      if (distance64(&xd[drawn * d], &cd[c * d], d, true) < distance64(&xd[drawn * d], &cd[a * d], d, true)) a = c;
+    }
+    // keep: only cluster a moves (to the drawn point: its first weight replaces the seed, then normalized).
+    for (int c = 0; c < k; ++c) {
+      const bool same = std::equal(kept.centroids.begin() + c * d, kept.centroids.begin() + (c + 1) * d, seeded.centroids.begin() + c * d);
+      if (c != a) {
+        EXPECT_TRUE(same) << "seed " << s << " cluster " << c;
+      }
+    }
+    // reseed: the first unreached cluster (smallest id != a) takes the drawn point, every other one stays.
+    const int first = a == 0 ? 1 : 0;
+    for (int c = 0; c < k; ++c) {
+      if (c == a) continue;
+      const float* want = c == first ? &x[drawn * d] : &seeded.centroids[c * d];
+      EXPECT_TRUE(std::equal(got.centroids.begin() + c * d, got.centroids.begin() + (c + 1) * d, want)) << "seed " << s << " cluster " << c;
+    }
+  }
+}
+
+TEST_F(CpuBatchedKMeans, MiniBatchOfAtLeastNIsTheFullBatch) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const int problems = 3, n = 120, d = 16, k = 7;
+  const auto x = rng.normal(std::size_t(problems) * n * d);
+  std::vector<float> w(std::size_t(problems) * n);
+  for (float& v : w) v = rng.uniform(0.5f, 2.0f);
+  const auto view = BatchedMatrixView<const float>::packed(x.data(), problems, n, d);
+  for (const auto metric : {KMeansMetric::l2, KMeansMetric::cosine}) {
+    const BatchedKMeansConfig full{.clusters = k, .iterations = 5, .metric = metric, .seed = seed, .empty = EmptyCluster::reseed};
+    const auto want = run(view, w.data(), full);
+    for (const int batch : {n, n + 1, 1 << 30}) {
+      auto config = full;
+      config.batch_size = batch;
+      EXPECT_EQ(cpu::batched_kmeans_workspace_bytes(problems, n, d, config), cpu::batched_kmeans_workspace_bytes(problems, n, d, full));
+      const auto got = run(view, w.data(), config);
+      EXPECT_TRUE(test::same_bytes(got.centroids, want.centroids)) << "batch " << batch;
+      EXPECT_TRUE(test::same_bytes(got.assignment, want.assignment)) << "batch " << batch;
+    }
+    auto below = full;
+    below.batch_size = n - 1;
+    EXPECT_FALSE(test::same_bytes(run(view, w.data(), below).centroids, want.centroids));
+  }
+}
+
+TEST_F(CpuBatchedKMeans, MiniBatchProblemsAreIndependentOfEachOtherAndOfThreads) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const int problems : {1, 5}) {
+    const int n = 200 + rng.uniform_int(0, 100), d = 12, k = 9;
+    const auto x = rng.normal(std::size_t(problems) * n * d);
+    std::vector<float> w(std::size_t(problems) * n);
+    for (float& v : w) v = rng.uniform(0.5f, 2.0f);
+    const BatchedKMeansConfig config{.clusters = k, .iterations = 6, .metric = KMeansMetric::cosine, .seed = seed,
+                                     .empty = EmptyCluster::reseed, .batch_size = 33};
+    cpu::ThreadPool pool(3);
+    const auto all = run(BatchedMatrixView<const float>::packed(x.data(), problems, n, d), w.data(), config, &pool);
+    const auto serial = run(BatchedMatrixView<const float>::packed(x.data(), problems, n, d), w.data(), config);
+    EXPECT_TRUE(test::same_bytes(all.centroids, serial.centroids));
+    EXPECT_TRUE(test::same_bytes(all.assignment, serial.assignment));
+    for (int p = 0; p < problems; ++p) {
+      auto one_config = config;
+      one_config.seed = seed + std::uint64_t(p);
+      const auto one = run(BatchedMatrixView<const float>::packed(&x[std::size_t(p) * n * d], 1, n, d), &w[std::size_t(p) * n], one_config);
+      EXPECT_TRUE(std::equal(one.centroids.begin(), one.centroids.end(), all.centroids.begin() + std::size_t(p) * k * d)) << p;
+      EXPECT_TRUE(std::equal(one.assignment.begin(), one.assignment.end(), all.assignment.begin() + std::size_t(p) * n)) << p;
+    }
+  }
+}
+
+TEST_F(CpuBatchedKMeans, MiniBatchRecoversWellSeparatedBlobs) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const int k = 5, per = 200, d = 16, n = k * per;
+  const auto [points, truth] = test::planted_clusters(rng, k, per, d);
+  for (const auto metric : {KMeansMetric::l2, KMeansMetric::cosine}) {
+    const BatchedKMeansConfig config{.clusters = k, .iterations = 10, .metric = metric, .seed = seed, .batch_size = 64};
+    const auto got = run(BatchedMatrixView<const float>::packed(points.data(), 1, n, d), nullptr, config);
+    std::map<std::int32_t, std::set<std::int32_t>> found;
+    for (int i = 0; i < n; ++i) found[truth[i]].insert(got.assignment[i]);
+    for (const auto& [t, f] : found) EXPECT_EQ(f.size(), 1u) << "metric " << int(metric) << " planted cluster " << t;
+  }
+}
+
+TEST_F(CpuBatchedKMeans, MiniBatchWorkspaceQueryRunAndContents) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const int problems = 4, n = 150, d = 16, k = 6;
+  const auto x = rng.normal(std::size_t(problems) * n * d);
+  const BatchedKMeansConfig config{.clusters = k, .iterations = 3, .metric = KMeansMetric::cosine, .seed = seed,
+                                   .empty = EmptyCluster::reseed, .batch_size = 20};
+  std::vector<float> centroids(std::size_t(problems) * k * d);
+  std::vector<std::int32_t> assignment(std::size_t(problems) * n);
+  const auto view = BatchedMatrixView<const float>::packed(x.data(), problems, n, d);
+  test::check_workspace(
+      cpu::batched_kmeans_workspace_bytes(problems, n, d, config),
+      [&](std::span<std::byte> ws) { cpu::kmeans_batched(view, nullptr, config, centroids.data(), assignment.data(), ws); },
+      [&] { return test::bytes_of(centroids, assignment); },
+      [&] {
+        std::fill(centroids.begin(), centroids.end(), test::kPoison);
+        std::fill(assignment.begin(), assignment.end(), test::kPoisonIndex);
+      });
+  for (const std::int32_t a : assignment) EXPECT_TRUE(a >= 0 && a < k);
+}
+
 TEST_F(CpuBatchedKMeans, BadInputIsRefused) {
   const int n = 20, d = 4;
   std::vector<float> x(std::size_t(2) * n * d, 1.0f), c(64 * d), w(2 * n, 1.0f);
@@ -373,6 +629,10 @@ TEST_F(CpuBatchedKMeans, BadInputIsRefused) {
   test::expect_error([&] { call(view, nullptr, {.clusters = 3, .iterations = -1}); }, "config.iterations (= -1)");
   test::expect_error([&] { call(view, nullptr, {.clusters = 3, .metric = KMeansMetric(7)}); }, "config.metric (= 7)");
   test::expect_error([&] { call(view, nullptr, {.clusters = 3, .empty = EmptyCluster(9)}); }, "config.empty (= 9)");
+  test::expect_error([&] { call(view, nullptr, {.clusters = 3, .batch_size = -1}); },
+                     {"cpu::kmeans_batched", "config.batch_size (= -1) must be >= 0"});
+  test::expect_error([&] { cpu::batched_kmeans_workspace_bytes(2, n, d, {.clusters = 3, .batch_size = -5}); },
+                     {"cpu::batched_kmeans_workspace_bytes", "config.batch_size (= -5) must be >= 0"});
   auto bad = view;
   bad.problems = 0;
   test::expect_error([&] { call(bad, nullptr, ok); }, "problems (= 0) must be >= 1");

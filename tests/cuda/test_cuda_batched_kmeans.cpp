@@ -1,7 +1,8 @@
 // cuda::kmeans_batched against its CPU twin (whose tests check it against an fp64 reference): the seeding bit
 // for bit (iterations = 0), and after Lloyd steps the same centroids and assignment unless a point sits within
 // rounding of a tie (the assigners' fp32 dot products sum in other orders); P in {1, 3, 64}, weights, reseeding,
-// strided subspace views, fp16/bf16; the workspace API with a graph replay; refusals before any device call.
+// strided subspace views, fp16/bf16; mini-batch steps bit for bit on any data (batch_size >= n: the full batch);
+// the workspace API with a graph replay; refusals before any device call.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -196,22 +197,79 @@ TEST_F(CudaBatchedKMeans, ReseedsEmptyClustersAsTheCpu) {
   }
 }
 
+/// Mini-batch steps run core/kmeans_batched.hpp's functions in the same orders on both backends: equal bytes on
+/// any data, ties included.
+template <class T>
+void expect_minibatch_equals_cpu(const Problems& p, const BatchedKMeansConfig& config) {
+  const std::vector<T> values = test::to_storage<T>(p.values);
+  const Result want = on_cpu(p, values, config), got = on_gpu(p, values, config);
+  EXPECT_TRUE(test::same_bytes(got.centroids, want.centroids)) << "centroids, batch " << config.batch_size;
+  EXPECT_TRUE(test::same_bytes(got.assignment, want.assignment)) << "assignment, batch " << config.batch_size;
+}
+
+TEST_F(CudaBatchedKMeans, MiniBatchEqualsTheCpuBitForBit) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const int problems : {1, 3, 64}) {
+    for (const auto metric : {KMeansMetric::l2, KMeansMetric::cosine}) {
+      SCOPED_TRACE(testing::Message() << "problems " << problems << " metric " << int(metric));
+      // Batches of one slot, of several update chunks (1024 slots), and small enough to leave clusters unreached.
+      const std::int32_t batch = problems == 1 ? 1 : problems == 3 ? 1000 + rng.uniform_int(0, 2000) : 40;
+      const BatchedKMeansConfig config{.clusters = 24, .iterations = 6, .metric = metric, .seed = seed,
+                                       .empty = problems == 1 ? EmptyCluster::keep : EmptyCluster::reseed,
+                                       .batch_size = batch};
+      expect_minibatch_equals_cpu<float>(make_problems(rng, problems, 3000 + rng.uniform_int(0, 1000), 16, problems != 3),
+                                         config);
+    }
+  }
+}
+
+TEST_F(CudaBatchedKMeans, MiniBatchEqualsTheCpuForWideRowsAndStorageTypes) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  // dim 128, k 100: the centroids (50 KiB) exceed the shared-memory stage and are read from global memory.
+  const Problems wide = make_problems(rng, 2, 2500, 128, true);
+  const BatchedKMeansConfig config{.clusters = 100, .iterations = 4, .metric = KMeansMetric::cosine, .seed = seed,
+                                   .empty = EmptyCluster::reseed, .batch_size = 700};
+  expect_minibatch_equals_cpu<half>(wide, config);
+  expect_minibatch_equals_cpu<bfloat16>(wide, {.clusters = 40, .iterations = 4, .seed = seed, .batch_size = 333});
+  // dim not a multiple of 4 or 32; fewer points than the reseed kernel's segments
+  expect_minibatch_equals_cpu<float>(make_problems(rng, 5, 333, 7, true),
+                                     {.clusters = 9, .iterations = 5, .seed = seed, .empty = EmptyCluster::reseed,
+                                      .batch_size = 17});
+}
+
+TEST_F(CudaBatchedKMeans, MiniBatchOfAtLeastNIsTheFullBatch) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const Problems p = planted_problems(rng, 3, 6, 40, 16, true);
+  const BatchedKMeansConfig full{.clusters = 6, .iterations = 4, .metric = KMeansMetric::cosine, .seed = seed,
+                                 .empty = EmptyCluster::reseed};
+  const Result want = on_gpu(p, p.values, full);
+  for (const std::int32_t batch : {std::int32_t(p.n), std::int32_t(p.n) + 1}) {
+    auto config = full;
+    config.batch_size = batch;
+    const Result got = on_gpu(p, p.values, config);
+    EXPECT_TRUE(test::same_bytes(got.centroids, want.centroids)) << batch;
+    EXPECT_TRUE(test::same_bytes(got.assignment, want.assignment)) << batch;
+  }
+}
+
 TEST_F(CudaBatchedKMeans, WorkspaceQueryRunAndGraphReplay) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   const Problems p = make_problems(rng, 8, 1000, 16, true);
-  const BatchedKMeansConfig config{.clusters = 32, .iterations = 3, .metric = KMeansMetric::cosine, .seed = seed,
-                                   .empty = EmptyCluster::reseed};
-  DeviceBuffer<float> values(p.values), weights(p.weights);
-  DeviceBuffer<float> centroids(std::size_t(p.problems) * config.clusters * p.dim);
-  DeviceBuffer<std::int32_t> assignment(std::size_t(p.problems) * p.n);
-  test::check_device_workspace(
-      cuda::batched_kmeans_workspace_bytes(p.problems, p.n, p.dim, config),
-      [&](std::span<std::byte> ws, cudaStream_t stream) {
-        cuda::kmeans_batched(p.view<float>(values.data()), weights.data(), config, centroids.data(), assignment.data(), ws,
-                             stream);
-      },
-      [&] { return test::bytes_of(centroids.download(), assignment.download()); },
-      [&] { centroids.poison(), assignment.poison(); });
+  for (const std::int32_t batch : {0, 100}) {
+    const BatchedKMeansConfig config{.clusters = 32, .iterations = 3, .metric = KMeansMetric::cosine, .seed = seed,
+                                     .empty = EmptyCluster::reseed, .batch_size = batch};
+    DeviceBuffer<float> values(p.values), weights(p.weights);
+    DeviceBuffer<float> centroids(std::size_t(p.problems) * config.clusters * p.dim);
+    DeviceBuffer<std::int32_t> assignment(std::size_t(p.problems) * p.n);
+    test::check_device_workspace(
+        cuda::batched_kmeans_workspace_bytes(p.problems, p.n, p.dim, config),
+        [&](std::span<std::byte> ws, cudaStream_t stream) {
+          cuda::kmeans_batched(p.view<float>(values.data()), weights.data(), config, centroids.data(), assignment.data(), ws,
+                               stream);
+        },
+        [&] { return test::bytes_of(centroids.download(), assignment.download()); },
+        [&] { centroids.poison(), assignment.poison(); });
+  }
 }
 
 TEST(CudaBatchedKMeansBadInput, RefusedBeforeAnyDeviceCall) {
@@ -224,6 +282,10 @@ TEST(CudaBatchedKMeansBadInput, RefusedBeforeAnyDeviceCall) {
   const BatchedKMeansConfig ok{.clusters = 3};
   test::expect_error([&] { cuda::kmeans_batched(view, nullptr, {.clusters = 21}, c.data(), a.data(), ws, nullptr); },
                      {"cuda::kmeans_batched", "config.clusters (= 21) is outside [1, n = 20]"});
+  test::expect_error([&] { cuda::kmeans_batched(view, nullptr, {.clusters = 3, .batch_size = -1}, c.data(), a.data(), ws, nullptr); },
+                     {"cuda::kmeans_batched", "config.batch_size (= -1) must be >= 0"});
+  test::expect_error([] { cuda::batched_kmeans_workspace_bytes(2, 20, 4, {.clusters = 3, .batch_size = -2}); },
+                     {"cuda::batched_kmeans_workspace_bytes", "config.batch_size (= -2) must be >= 0"});
   test::expect_error([&] { cuda::kmeans_batched(view, nullptr, ok, nullptr, a.data(), ws, nullptr); },
                      "centroids is a null pointer");
   test::expect_error([&] { cuda::kmeans_batched(view, nullptr, ok, c.data(), nullptr, ws, nullptr); },

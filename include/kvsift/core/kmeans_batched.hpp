@@ -9,11 +9,16 @@
 /// segment order; the total runs over the groups in order. The CUDA kernel maps a segment to a thread and a
 /// group to a warp; the CPU runs the same loops. Every product-and-add is an explicit fused multiply-add, so
 /// neither compiler may contract differently.
+///
+/// The mini-batch mode (BatchedKMeansConfig::batch_size) is written here whole: its draws, its nearest centroid
+/// and its centroid step are per-point or per-cluster functions over fixed orders, so the backends agree on its
+/// centroids and assignments bit for bit, ties included.
 
 #include <cmath>
 #include <cstdint>
 
 #include "kvsift/core/config.hpp"
+#include "kvsift/core/kmeans_seeding.hpp"
 #include "kvsift/core/views.hpp"
 
 namespace kvsift {
@@ -38,6 +43,14 @@ struct BatchedKMeansConfig {
   KMeansMetric metric = KMeansMetric::l2;
   std::uint64_t seed = 0;  ///< problem p draws from seed + p (p = 0 draws as cpu::kmeans with this seed)
   EmptyCluster empty = EmptyCluster::keep;
+  /// Points per problem that each step draws (mini-batch k-means, Sculley 2010), >= 0. 0, or >= the points per
+  /// problem: full-batch Lloyd steps (a batch as large as the problem is the full batch, bit for bit, which is
+  /// exact and no dearer than drawing n points with replacement, which would miss about 1/e of them). Otherwise
+  /// step t draws batch_size points per problem uniformly with replacement (detail::minibatch_point, from
+  /// seed + p and t), assigns them, and moves each centroid that drew weight W (its drawn points' weights) to
+  /// (v c + sum of its drawn w x) / (v + W), v += W, where v, the weight the centroid has absorbed since the
+  /// seeding, starts at 0: Sculley's per-centroid learning rate 1 / v, a batch at a time. See cpu::kmeans_batched.
+  std::int32_t batch_size = 0;
 };
 
 /// P problems of [rows, cols] each: row i of problem p at data + p * problem_stride + i * row_stride (elements;
@@ -167,6 +180,58 @@ KVSIFT_HOST_DEVICE inline bool reseed_after(float key, std::int64_t i, float pre
 /// Whether (key, i) precedes (best_key, best) in the reseed order (best = -1: nothing yet).
 KVSIFT_HOST_DEVICE inline bool reseed_before(float key, std::int64_t i, float best_key, std::int64_t best) {
   return best < 0 || key > best_key || (key == best_key && i < best);
+}
+
+/// Whether kmeans_batched runs mini-batch steps on problems of n points (BatchedKMeansConfig::batch_size).
+KVSIFT_HOST_DEVICE constexpr bool is_minibatch(std::int32_t batch_size, std::int64_t n) {
+  return batch_size > 0 && batch_size < n;
+}
+
+/// Point `slot` of step `iteration`'s batch of a problem of n points drawing from problem_seed
+/// (batched_kmeans_seed): uniform over [0, n) with replacement (modulo bias below n / 2^64). A stream of its own:
+/// the salt keeps it apart from the seeding's draws of the same seed.
+KVSIFT_HOST_DEVICE constexpr std::int64_t minibatch_point(std::uint64_t problem_seed, std::int32_t iteration,
+                                                          std::int32_t slot, std::int64_t n) {
+  constexpr std::uint64_t kSalt = 0x6d696e6962617463ull;  // "minibatc"
+  const std::uint64_t word = mix64(mix64(problem_seed ^ kSalt) ^ ((std::uint64_t(std::uint32_t(iteration)) << 32) |
+                                                                   std::uint32_t(slot)));
+  return std::int64_t(word % std::uint64_t(n));
+}
+
+/// The mini-batch assignment: the centroid (of k rows [k, dim]) nearest to x, by the largest dot product
+/// (cosine; both normalized) or the smallest sum of squared differences (L2), fp32 fused multiply-adds in
+/// ascending channel order; ties: the smaller id.
+KVSIFT_HOST_DEVICE inline std::int32_t nearest_centroid(const float* x, const float* centroids, std::int32_t k,
+                                                        std::int32_t dim, bool cosine) {
+  std::int32_t best = 0;
+  float best_score = 0.0f;
+  for (std::int32_t c = 0; c < k; ++c) {
+    const float* y = centroids + std::int64_t(c) * dim;
+    float score = 0.0f;
+    if (cosine) {
+      for (std::int32_t j = 0; j < dim; ++j) score = fma_f32(x[j], y[j], score);
+      score = -score;  // ranked smallest first, as the L2 distance
+    } else {
+      for (std::int32_t j = 0; j < dim; ++j) {
+        const float diff = x[j] - y[j];
+        score = fma_f32(diff, diff, score);
+      }
+    }
+    if (c == 0 || score < best_score) best = c, best_score = score;
+  }
+  return best;
+}
+
+/// A drawn point's term in its centroid's weighted sum of one channel, accumulated in fp64 in batch order (the
+/// fp32 product is exact there).
+KVSIFT_HOST_DEVICE inline double add_minibatch_sum(double sum, float weight, float value) {
+  return fma_f64(double(weight), double(value), sum);
+}
+
+/// One channel of a centroid's mini-batch step: (absorbed * c + sum) / (absorbed + batch weight), rounded once.
+/// absorbed = 0 (the first weight the centroid draws) gives the drawn points' weighted mean.
+KVSIFT_HOST_DEVICE inline float minibatch_channel(float c, double absorbed, double sum, double absorbed_after) {
+  return float(fma_f64(absorbed, double(c), sum) / absorbed_after);
 }
 
 }  // namespace detail

@@ -18,7 +18,9 @@
 namespace kvsift::cpu {
 
 /// Bytes of host workspace (256-byte aligned): the points in fp32 (4 * problems * n * dim), the seeding's
-/// distances, the update's keys and counts, the segment means' workspace and the problems' centroid panels.
+/// distances, the clusters' counts, and for full-batch steps the update's keys, the segment means' workspace and
+/// the problems' centroid panels, for mini-batch steps the drawn points and their centroids
+/// (8 * problems * batch_size) and the clusters' sums (8 * problems * clusters * (dim + 2)).
 std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n, std::int32_t dim,
                                            const BatchedKMeansConfig& config);
 
@@ -39,15 +41,27 @@ std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n
 ///      smaller index), one point each, so no point serves two clusters in one step. A reseeded centroid may
 ///      still end up empty where it duplicates another centroid (ties go to the smaller id).
 ///   4. A final assignment, so the returned assignment matches the returned centroids.
+/// Mini-batch steps (config.batch_size in [1, n); BatchedKMeansConfig::batch_size) replace step 3 and 4: step t
+/// draws batch_size points per problem with replacement (detail::minibatch_point(seed + p, t, slot)) and gives
+/// each its nearest centroid (detail::nearest_centroid: ranked by 1 - cosine or the squared L2 distance itself;
+/// ties: smaller id). Each centroid c that drew weight W_c > 0 (the sum of its drawn points' w, a point drawn twice
+/// counting twice) becomes (v_c c + sum of its drawn w_i x_i) / (v_c + W_c), then v_c += W_c, with v_c = 0 after
+/// the seeding (the first draws replace the seed by their weighted mean); sums in fp64 in batch order; normalized
+/// for cosine. One that drew only weight 0 stays. With EmptyCluster::reseed, the clusters that no drawn point has
+/// yet reached take the step's drawn points in the reseed order (keys w_i d(x_i, c_{a_i}) after the update; a
+/// point drawn twice serves once); they keep v_c = 0. The final assignment uses detail::nearest_centroid too.
 /// centroids: [problems, clusters, dim] fp32, packed; assignment: [problems, n] packed. Weights: [problems, n]
 /// packed, finite and >= 0 (refused otherwise), or nullptr.
 ///
-/// Same results as cuda::kmeans_batched: the seeding bit for bit; assignments and centroids unless a point sits
-/// within fp32 rounding of a tie between two centroids (the backends' dot products sum in other orders), which
-/// can then change what follows. With pool: problems in parallel for the seeding, (problem, rows) items for the
-/// assignment, segments for the update; the results do not depend on the thread count.
+/// Same results as cuda::kmeans_batched: the seeding bit for bit; with mini-batch steps everything bit for bit;
+/// with full-batch steps assignments and centroids unless a point sits within fp32 rounding of a tie between two
+/// centroids (the backends' dot products sum in other orders), which can then change what follows. With pool:
+/// problems in parallel for the seeding and the mini-batch steps, (problem, rows) items for the assignment,
+/// segments for the full-batch update; the results do not depend on the thread count.
 ///
-/// Costs per problem: seeding k (2 + ln k + 2) n dim fp32 FMAs, each Lloyd step k n dim (assignment) + n dim.
+/// Costs per problem: seeding k (2 + ln k + 2) n dim fp32 FMAs, each Lloyd step k n dim (assignment) + n dim,
+/// each mini-batch step batch_size (k + 1) dim (scalar here, unlike the SIMD full-batch assigner), the final
+/// assignment k n dim.
 template <class T>
 void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights, const BatchedKMeansConfig& config,
                     float* centroids, std::int32_t* assignment, std::span<std::byte> workspace,
@@ -55,7 +69,7 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
 
 namespace detail {
 /// The checks both backends share: problems >= 1, n in [1, 2^31) with problems * n < 2^31, dim in [1, 256],
-/// clusters in [1, n], iterations >= 0, a known metric and empty-cluster policy.
+/// clusters in [1, n], iterations >= 0, a known metric and empty-cluster policy, batch_size >= 0.
 void check_batched_kmeans_shape(const char* where, std::int32_t problems, std::int64_t n, std::int32_t dim,
                                 const BatchedKMeansConfig& config);
 /// The shape checks, plus: points is a valid view (problem_stride >= 0), weights (if any) 4-byte aligned,

@@ -15,9 +15,14 @@ namespace kvsift::cuda::detail {
 struct BatchedKMeansBuffers {
   float* points;         ///< [problems, n, dim]: fp32, normalized for cosine
   float* nearest;        ///< [problems, n]: seeding distances; reseed keys
+  std::int32_t* counts;  ///< [problems, clusters]; mini-batch: 1 once a cluster has drawn a point
+  // Full-batch steps only (else null):
   std::int32_t* keys;    ///< [problems, n]: p * clusters + assignment, the update's segments
-  std::int32_t* counts;  ///< [problems, clusters]
   SegmentMeanBuffers segment_mean;  ///< over problems * n rows and problems * clusters segments
+  // Mini-batch steps only (else null):
+  std::int32_t* drawn;          ///< [problems, batch_size]: the step's points
+  std::int32_t* drawn_nearest;  ///< [problems, batch_size]: their nearest centroids
+  double* absorbed;             ///< [problems, clusters]: the weight each centroid has absorbed
 };
 
 /// Threads of the seeding and finishing kernels: a segment per thread (core/kmeans_batched.hpp).
@@ -29,11 +34,11 @@ cudaError_t launch_assign_nearest_batched(const BatchedMatrixView<const float>& 
                                           const BatchedMatrixView<const float>& centroids, bool cosine,
                                           std::int32_t* assignment, std::int32_t* keys, cudaStream_t stream);
 
-/// The whole of cuda::kmeans_batched, stream-ordered: points and weights as the caller gave them, centroids
-/// [problems, clusters, dim] and assignment [problems, n] packed.
+/// The whole of cuda::kmeans_batched, stream-ordered: points and weights as the caller gave them, a validated
+/// config, centroids [problems, clusters, dim] and assignment [problems, n] packed.
 template <class T>
-cudaError_t launch_kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights, std::int32_t clusters,
-                                  std::int32_t iterations, bool cosine, bool reseed, std::uint64_t seed, float* centroids,
-                                  std::int32_t* assignment, const BatchedKMeansBuffers& buffers, cudaStream_t stream);
+cudaError_t launch_kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights,
+                                  const BatchedKMeansConfig& config, float* centroids, std::int32_t* assignment,
+                                  const BatchedKMeansBuffers& buffers, cudaStream_t stream);
 
 }  // namespace kvsift::cuda::detail
