@@ -13,7 +13,8 @@
 // Inputs rotate over `layers` independent caches (each with its own selector), as consecutive layers of a
 // model do, so that what one call reads is not in L2 for the next: enough layers that the bytes a step reads
 // exceed 256 MB, as far as 40 GB of caches allow. Counters: layers, and GB/s of the bytes a step must read
-// (the selector's index or keys, and the selected and window K/V rows).
+// (the selector's index or keys, and the selected and window K/V rows); CSAttention's `union`, the mean number of
+// distinct kept keys a row's chosen lists hold (once, after the timed steps).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -180,6 +181,33 @@ void run_step_benchmark(benchmark::State& state, int method, Make make_selector)
     for (const std::int32_t u : unions) sum += u;
     state.counters["union_over_rhoC"] = sum / double(unions.size()) /
                                         (double(ctkvr.config().list_size) * ctkvr.config().recalled_centroids);
+  }
+  if constexpr (std::is_same_v<Selector, kvsift::Csattention<bfloat16, Cuda>>) {
+    // The mean union of a row's chosen lists (its group's heads'), their kept entries: the dense reduction's
+    // candidate count with an unbounded budget, once, on the last layer's tables as the timed steps left them.
+    const auto& selector = stack.back()->step.selector();
+    const auto tables = selector.index_tables();
+    const std::int32_t capacity = kQHeads / kKvHeads * selector.config().subspaces * selector.config().probes;
+    const std::int64_t rows = std::int64_t(batch) * kKvHeads;
+    Device<std::int32_t> chosen(static_cast<std::size_t>(rows * capacity)), counts(static_cast<std::size_t>(rows)),
+        row_k(static_cast<std::size_t>(rows));
+    Device<float> scores(std::size_t(rows) * std::size_t(n));
+    const std::size_t ws_bytes = kvsift::cuda::table_scores_dense_workspace_bytes(rows, kQHeads / kKvHeads, std::int32_t(n));
+    Device<std::byte> ws(ws_bytes);
+    const kvsift::SelectionView chosen_view{chosen.ptr, counts.ptr, nullptr, batch, kKvHeads, capacity};
+    const auto& layer = *stack.back();
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());  // the timed steps' stream is done
+    kvsift::cuda::nearest_centroids(qv, tables, layer.slots.ptr, selector.config().probes, chosen_view, nullptr,
+                                    nullptr);
+    kvsift::cuda::table_scores_dense(tables, chosen_view, {}, kQHeads / kKvHeads, layer.slots.ptr, layer.lengths.ptr,
+                                     kWindow, {.fraction = 1, .maximum = std::int32_t(n)},
+                                     kvsift::MatrixView<float>::packed(scores.ptr, rows, std::int32_t(n)), row_k.ptr,
+                                     std::int32_t(n), {ws.ptr, ws_bytes}, nullptr);
+    std::vector<std::int32_t> unions(static_cast<std::size_t>(rows));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(unions.data(), row_k.ptr, unions.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+    double sum = 0;
+    for (const std::int32_t u : unions) sum += u;
+    state.counters["union"] = sum / double(unions.size());
   }
   if (between) return;  // the pair's time is not the step's: no bandwidth counter
   state.counters["GB/s"] = benchmark::Counter(step_bytes(method, n, batch) * double(state.iterations()),

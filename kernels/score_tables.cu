@@ -4,6 +4,7 @@
 // one thread per list; the reductions add fixed-point integers, which are exact and so independent of the order
 // the atomics or the sort leave them in. Conversions to fp16 go through core/dtype.hpp's (constexpr, so callable
 // here) where a stored value is written, so the bits are the CPU's.
+#include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
@@ -14,6 +15,7 @@
 #include <cstdint>
 
 #include "kvsift/core/inverted_lists.hpp"
+#include "kvsift/cuda/detail/block_select.cuh"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
 #include "kvsift/cuda/detail/score_tables_launch.hpp"
 #include "kvsift/cuda/dtype.cuh"
@@ -26,7 +28,6 @@ constexpr int kScoreLists = kSubspaceScoreLists;
 constexpr int kStreamThreads = 256;  ///< the grid-stride kernels
 constexpr int kProbeThreads = 256;
 constexpr int kProbeWarps = kProbeThreads / 32;
-constexpr int kRowThreads = 256;  ///< dense: a CTA per row or per (row, chosen list)
 
 using kvsift::detail::kAbsentListEntry;
 
@@ -89,24 +90,41 @@ __device__ __forceinline__ std::uint16_t table_rank_key(float score) {
   return std::uint16_t(~ascending & 0xffffu);
 }
 
-/// The sort keys of list rows [0, rows) of a chunk (its row r is scores row row_begin + r), columns ascending.
-__global__ void __launch_bounds__(kStreamThreads)
-    table_list_keys(MatrixView<const float> scores, std::int32_t tokens, std::int64_t row_begin, std::int64_t rows,
-                    TableListBuffers buf) {
-  const std::int64_t total = rows * tokens;
-  for (std::int64_t e = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; e < total;
-       e += std::int64_t(gridDim.x) * blockDim.x) {
-    const std::int64_t r = e / tokens;
-    const std::int32_t t = std::int32_t(e % tokens);
-    buf.keys[0][e] = std::uint32_t(r) << 16 | table_rank_key(scores.row(row_begin + r)[t]);
-    buf.columns[0][e] = t;
+constexpr int kListSelectThreads = 512;
+using ListSelect = BlockRadixSelect<kListSelectThreads>;
+
+/// A CTA per list row r of a chunk (scores row row_begin + r): its columns' rank keys into its own stretch of
+/// keys[1] (free until the sort), then the best `kept` of them by BlockRadixSelect, ties to the smaller column
+/// (the ranking's rule), written in column order at r * kept as (r << 16 | rank key, column): the stable sort
+/// that follows keeps that order among equal keys.
+__global__ void __launch_bounds__(kListSelectThreads)
+    select_table_lists(MatrixView<const float> scores, std::int32_t tokens, std::int32_t kept, std::int64_t row_begin,
+                       TableListBuffers buf) {
+  __shared__ typename ListSelect::TempStorage temp;
+  const std::int64_t r = blockIdx.x;
+  const float* row = scores.row(row_begin + r);
+  std::uint16_t* row_keys = reinterpret_cast<std::uint16_t*>(buf.keys[1]) + r * tokens;
+  for (std::int32_t i = std::int32_t(threadIdx.x); i < tokens; i += kListSelectThreads) {
+    row_keys[i] = table_rank_key(row[i]);
   }
+  __syncthreads();
+  const auto word_at = [&](std::int32_t i) { return std::uint32_t(row_keys[i]) << 16; };
+  ListSelect select(temp);
+  const SelectThreshold threshold = select.find(word_at, tokens, std::uint32_t(kept), SingleBlock{});
+  select.emit(
+      word_at, tokens, threshold,
+      [&](std::int32_t i, std::uint32_t position) {
+        const std::int64_t at = r * kept + position;
+        buf.keys[0][at] = std::uint32_t(r) << 16 | row_keys[i];
+        buf.columns[0][at] = i;
+      },
+      SingleBlock{});
 }
 
-/// Entry p < kept of list row r of a chunk from its sorted columns (columns[r * tokens + p]); the count once per row
+/// Entry p < kept of list row r of a chunk from its sorted columns (columns[r * kept + p]); the count once per row
 /// (also when nothing is kept, when columns is not read).
 __global__ void __launch_bounds__(kStreamThreads)
-    write_table_lists(MatrixView<const float> scores, std::int32_t tokens, std::int32_t kept, BaseTablesView base,
+    write_table_lists(MatrixView<const float> scores, std::int32_t kept, BaseTablesView base,
                       std::int64_t first_list, std::int64_t row_begin, std::int64_t rows, const std::int32_t* columns) {
   const std::int32_t span = max(kept, 1);
   const std::int64_t total = rows * span;
@@ -117,7 +135,7 @@ __global__ void __launch_bounds__(kStreamThreads)
     const std::int64_t list = first_list + row_begin + r;
     if (p == 0) base.counts[list] = kept;
     if (p >= kept) continue;
-    const std::int32_t column = columns[r * tokens + p];
+    const std::int32_t column = columns[r * kept + p];
     base.ids[list * base.length + p] = column;
     base.scores[list * base.length + p] =
         kvsift::float_to_half(kvsift::table_score(scores.row(row_begin + r)[column]));
@@ -316,71 +334,137 @@ __device__ EntryValue entry_value(const TableScoresParams& p, const ChosenList& 
   return {weight, p.options.from_floor ? list.floor() : 0, true};
 }
 
-/// Clears [0, length) of every row's block sums and flags (a bad length clears nothing or the whole row).
-__global__ void __launch_bounds__(kStreamThreads)
-    clear_dense_sums(TableScoresParams p, std::int32_t max_tokens, DenseTableBuffers buf) {
-  const std::int64_t total = p.rows * max_tokens;
-  for (std::int64_t e = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; e < total;
-       e += std::int64_t(gridDim.x) * blockDim.x) {
-    const std::int64_t row = e / max_tokens;
-    const std::int32_t t = std::int32_t(e % max_tokens);
-    if (t >= p.lengths[row / p.chosen.kv_heads]) continue;
-    buf.flags[e] = 0;
-    for (std::int32_t j = 0; j < p.heads_per_row; ++j) buf.sums[(row * p.heads_per_row + j) * max_tokens + t] = 0;
-  }
+/// Another CTA's shared variable in this cluster (the CTA's own below sm_90, where clusters are of one CTA).
+template <class V>
+__device__ __forceinline__ V* cluster_shared(V* local, std::uint32_t rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().map_shared_rank(local, rank);
+#else
+  return local;
+#endif
 }
 
-/// A CTA per (row, chosen list i): the list's kept entries into its query-head block's sums.
-__global__ void __launch_bounds__(kRowThreads)
-    scatter_dense_sums(TableScoresParams p, std::int32_t max_tokens, DenseTableBuffers buf) {
-  const std::int64_t items = p.rows * p.chosen.capacity;
-  for (std::int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const std::int64_t row = item / p.chosen.capacity;
-    const std::int32_t i = std::int32_t(item % p.chosen.capacity);
-    const TableRow r = table_row(p, row, max_tokens);
-    if (!r.valid || i >= r.count) continue;  // uniform across the CTA
-    const std::int32_t block = i / (r.count / p.heads_per_row);
-    const ChosenList list = chosen_list(p.tables, r, p.chosen.indices[row * p.chosen.capacity + i]);
-    const EntryValue value = entry_value(p, list, row, i);
-    if (!value.valid) continue;
-    auto* sums = reinterpret_cast<unsigned long long*>(buf.sums + (row * p.heads_per_row + block) * max_tokens);
-    std::uint8_t* flags = buf.flags + row * max_tokens;
-    for (std::int32_t e = std::int32_t(threadIdx.x); e < list.entries(); e += kRowThreads) {
-      const std::int32_t id = list.id(e);
-      if (!kvsift::detail::list_entry_kept(id, r.length, p.window)) continue;
-      atomicAdd(sums + id, static_cast<unsigned long long>(value(list.score(e))));  // two's complement
-      flags[id] = 1;
-    }
-  }
-}
+/// A chosen list as the dense scan reads it: its entries and what each adds (an empty list where it adds
+/// nothing).
+struct DenseList {
+  ChosenList list;
+  EntryValue value;
+};
 
-/// A CTA per row: each token's max over the blocks (0 where a block lacks it), -inf for no candidate; row_k.
-__global__ void __launch_bounds__(kRowThreads)
-    finish_dense_scores(TableScoresParams p, MatrixView<float> scores, std::int32_t max_tokens, DenseTableBuffers buf) {
-  using Reduce = cub::BlockReduce<std::int32_t, kRowThreads>;
+/// A cluster per (row, window) of cluster << key_shift tokens; CTA `rank` owns tokens [begin, begin + keys) of
+/// the window, begin = window_begin + rank * keys. Per query-head block, the cluster's CTAs share every chosen
+/// list's entries (entry e to CTA e / kDenseThreads % cluster) and add each kept entry of the window into its
+/// owner's int64 sum (64-bit atomics, exact in any order) and set its flag; after the block, each owner folds
+/// its sums into its running maximum, rounded to fp32 (rounding is monotonic, so the maximum of the rounded sums
+/// is the rounded maximum the CPU computes) and clears them. Then every owned token below the length gets its
+/// score and the CTA's candidate count goes to counts; dense_row_k sums them.
+__global__ void __launch_bounds__(kDenseThreads)
+    dense_window_scores(TableScoresParams p, MatrixView<float> scores, std::int32_t max_tokens, DenseTablePlan plan,
+                        DenseTableBuffers buf) {
+  using Reduce = cub::BlockReduce<std::int32_t, kDenseThreads>;
   __shared__ typename Reduce::TempStorage reduce;
-  const std::int64_t row = blockIdx.x;
+  extern __shared__ __align__(16) unsigned char dense_smem[];
+  auto* lists = reinterpret_cast<DenseList*>(dense_smem);
+  auto* sums = reinterpret_cast<unsigned long long*>(lists + kDenseLists);
+  const std::int32_t keys = 1 << plan.key_shift;
+  auto* best = reinterpret_cast<float*>(sums + keys);
+  auto* flags = reinterpret_cast<std::uint8_t*>(best + keys);
+  const ClusterGroup cluster;
+  const auto rank = std::uint32_t(blockIdx.x % unsigned(plan.cluster));  // a 1-D cluster's block rank
+  const std::int64_t part = blockIdx.x / unsigned(plan.cluster);  // row * windows + window
+  const std::int64_t row = part / plan.windows;
+  const std::int64_t window_begin = (part % plan.windows) * plan.cluster << plan.key_shift;
   const TableRow r = table_row(p, row, max_tokens);
-  if (!r.valid) {
-    if (threadIdx.x == 0) p.row_k[row] = -1;
-    return;  // the whole CTA
+  if (!r.valid || window_begin >= r.length) return;  // the whole cluster
+  for (std::int32_t k = std::int32_t(threadIdx.x); k < keys; k += kDenseThreads) {
+    sums[k] = 0;
+    best[k] = -INFINITY;
+    flags[k] = 0;
   }
-  const std::int64_t* sums = buf.sums + row * p.heads_per_row * max_tokens;
-  const std::uint8_t* flags = buf.flags + row * max_tokens;
-  float* dst = scores.row(row);
-  std::int32_t candidates = 0;
-  for (std::int32_t t = std::int32_t(threadIdx.x); t < r.length; t += kRowThreads) {
-    if (flags[t] == 0) {
-      dst[t] = -INFINITY;
-      continue;
+  // Kept entries of the window: [lo, hi), the window's tokens inside the middle (list_entry_kept).
+  const std::int32_t lo = std::int32_t(max(window_begin, std::int64_t(p.window.sink_end(r.length))));
+  const std::int32_t hi = std::int32_t(min(window_begin + (std::int64_t(plan.cluster) << plan.key_shift),
+                                           std::int64_t(p.window.recent_begin(r.length))));
+  const std::int32_t per_block = r.count / p.heads_per_row;
+  const std::int32_t first = std::int32_t(rank) * kDenseThreads + std::int32_t(threadIdx.x);
+  const std::int32_t stride = plan.cluster * kDenseThreads;
+  cluster.sync();  // every CTA's sums are cleared before any other adds to them
+  for (std::int32_t i0 = 0; i0 < r.count; i0 += kDenseLists) {
+    const std::int32_t n = min(kDenseLists, r.count - i0);
+    __syncthreads();  // the previous group's lists are read
+    for (std::int32_t q = std::int32_t(threadIdx.x); q < n; q += kDenseThreads) {
+      DenseList d{chosen_list(p.tables, r, p.chosen.indices[row * p.chosen.capacity + i0 + q]), {}};
+      d.value = entry_value(p, d.list, row, i0 + q);
+      if (!d.value.valid) d.list = {};
+      lists[q] = d;
     }
-    std::int64_t best = sums[t];
-    for (std::int32_t j = 1; j < p.heads_per_row; ++j) best = max64(best, sums[std::int64_t(j) * max_tokens + t]);
-    dst[t] = kvsift::fixed_to_float(best);
-    ++candidates;
+    __syncthreads();
+    for (std::int32_t q = 0; q < n; ++q) {
+      const DenseList d = lists[q];
+      const std::int32_t entries = d.list.entries();
+      for (std::int32_t e0 = first; e0 < entries; e0 += 4 * stride) {
+        std::int32_t ids[4];
+        half values[4] = {};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {  // the loads first, all in flight
+          const std::int32_t e = e0 + u * stride;
+          ids[u] = e < entries ? d.list.id(e) : -1;
+          if (e < entries) values[u] = d.list.score(e);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if (ids[u] < lo || ids[u] >= hi) continue;
+          const std::int32_t offset = std::int32_t(ids[u] - window_begin);
+          const std::uint32_t owner = std::uint32_t(offset >> plan.key_shift);
+          const std::int32_t key = offset & (keys - 1);
+          const auto add = static_cast<unsigned long long>(d.value(values[u]));  // two's complement
+          if (plan.cluster == 1) {
+            atomicAdd(sums + key, add);
+            flags[key] = 1;
+          } else {
+            atomicAdd(cluster_shared(sums + key, owner), add);
+            *cluster_shared(flags + key, owner) = 1;
+          }
+        }
+      }
+      if ((i0 + q + 1) % per_block != 0) continue;  // the block's last list: fold its sums
+      cluster.sync();  // every add of the block is done
+      for (std::int32_t k = std::int32_t(threadIdx.x); k < keys; k += kDenseThreads) {
+        best[k] = fmaxf(best[k], kvsift::fixed_to_float(static_cast<std::int64_t>(sums[k])));
+        sums[k] = 0;
+      }
+      if (i0 + q + 1 < r.count) cluster.sync();  // cleared before the next block adds (none after the last)
+    }
+  }
+  __syncthreads();  // the last fold is done (no other CTA writes here after its cluster barrier)
+  const std::int64_t begin = window_begin + (std::int64_t(rank) << plan.key_shift);
+  const std::int32_t owned = std::int32_t(max(std::int64_t(0), min(std::int64_t(keys), r.length - begin)));
+  float* dst = scores.row(row) + begin;
+  std::int32_t candidates = 0;
+  for (std::int32_t k = std::int32_t(threadIdx.x); k < owned; k += kDenseThreads) {
+    dst[k] = flags[k] != 0 ? best[k] : -INFINITY;
+    candidates += flags[k];
   }
   const std::int32_t total = Reduce(reduce).Sum(candidates);
-  if (threadIdx.x == 0) p.row_k[row] = min(p.budget(r.length), total);
+  if (threadIdx.x == 0) buf.counts[row * buf.parts + (part % plan.windows) * plan.cluster + rank] = total;
+}
+
+/// A thread per row: row_k from the sum of its CTAs' counts over the windows below its length (-1 for a bad row).
+__global__ void __launch_bounds__(kStreamThreads)
+    dense_row_k(TableScoresParams p, std::int32_t max_tokens, DenseTablePlan plan, DenseTableBuffers buf) {
+  for (std::int64_t row = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; row < p.rows;
+       row += std::int64_t(gridDim.x) * blockDim.x) {
+    const TableRow r = table_row(p, row, max_tokens);
+    if (!r.valid) {
+      p.row_k[row] = -1;
+      continue;
+    }
+    const std::int64_t window_keys = std::int64_t(plan.cluster) << plan.key_shift;
+    const std::int64_t parts = (r.length + window_keys - 1) / window_keys * plan.cluster;
+    std::int32_t total = 0;
+    for (std::int64_t q = 0; q < parts; ++q) total += buf.counts[row * buf.parts + q];
+    p.row_k[row] = min(p.budget(r.length), total);
+  }
 }
 
 /// One thread per entry of every row's segment: entry k is position k % length of chosen list k / length. Kept
@@ -514,14 +598,13 @@ cudaError_t launch_store_table_lists(const MatrixView<const float>& scores, std:
   const std::int64_t first_list = std::int64_t(table_head) * base.lists() + list_begin;
   if (tokens == 0) {  // every count 0
     write_table_lists<<<grid_stride_blocks(scores.rows, kStreamThreads), kStreamThreads, 0, stream>>>(
-        scores, tokens, kept, base, first_list, 0, scores.rows, nullptr);
+        scores, kept, base, first_list, 0, scores.rows, nullptr);
     return cudaGetLastError();
   }
   const int end_bit = table_list_end_bit(std::min(scores.rows, kTableListSortRows));
   for (std::int64_t row_begin = 0; row_begin < scores.rows; row_begin += kTableListSortRows) {
-    const std::int64_t rows = std::min(scores.rows - row_begin, kTableListSortRows), items = rows * tokens;
-    table_list_keys<<<grid_stride_blocks(items, kStreamThreads), kStreamThreads, 0, stream>>>(scores, tokens,
-                                                                                              row_begin, rows, buf);
+    const std::int64_t rows = std::min(scores.rows - row_begin, kTableListSortRows), items = rows * kept;
+    select_table_lists<<<unsigned(rows), kListSelectThreads, 0, stream>>>(scores, tokens, kept, row_begin, buf);
     if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
     cub::DoubleBuffer<std::uint32_t> keys(buf.keys[0], buf.keys[1]);
     cub::DoubleBuffer<std::int32_t> columns(buf.columns[0], buf.columns[1]);
@@ -531,7 +614,7 @@ cudaError_t launch_store_table_lists(const MatrixView<const float>& scores, std:
       return s;
     }
     write_table_lists<<<grid_stride_blocks(rows * kept, kStreamThreads), kStreamThreads, 0, stream>>>(
-        scores, tokens, kept, base, first_list, row_begin, rows, columns.Current());
+        scores, kept, base, first_list, row_begin, rows, columns.Current());
     if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
   }
   return cudaSuccess;
@@ -556,17 +639,82 @@ cudaError_t launch_nearest_centroids(const QueryView<const T>& q, const ScoreTab
   return cudaGetLastError();
 }
 
-cudaError_t launch_table_scores_dense(const TableScoresParams& p, const MatrixView<float>& scores,
-                                      std::int32_t max_tokens, const DenseTableBuffers& buf, cudaStream_t stream) {
-  const std::int64_t cleared = p.rows * max_tokens;
-  if (cleared > 0) {
-    clear_dense_sums<<<grid_stride_blocks(cleared, kStreamThreads), kStreamThreads, 0, stream>>>(p, max_tokens, buf);
-    if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
+DenseTablePlan plan_dense_tables(std::int64_t rows, std::int32_t max_tokens, std::int32_t cluster,
+                                 int multiprocessors, std::size_t smem_limit) {
+  DenseTablePlan plan;
+  plan.cluster = cluster;
+  if (rows == 0 || max_tokens == 0) return plan;
+  const std::size_t list_bytes = kDenseLists * sizeof(DenseList);
+  int max_shift = 0;  // the largest range that fits, at least kDenseMinKeys
+  while ((std::size_t(1) << (max_shift + 1)) * kDenseKeyBytes + list_bytes <= smem_limit) ++max_shift;
+  while ((std::int32_t(1) << max_shift) < kDenseMinKeys) ++max_shift;
+  const auto windows_for = [&](int shift) {
+    const std::int64_t window = std::int64_t(cluster) << shift;
+    return (std::int64_t(max_tokens) + window - 1) / window;
+  };
+  // Narrower ranges (more windows: each reads the row's lists again) while the grid fits twice the multiprocessors.
+  int shift = max_shift;
+  while ((std::int32_t(1) << (shift - 1)) >= kDenseMinKeys &&
+         rows * windows_for(shift - 1) * cluster <= 2 * std::int64_t(multiprocessors)) {
+    --shift;
   }
-  const std::int64_t lists = p.rows * p.chosen.capacity;
-  scatter_dense_sums<<<grid_stride_blocks(lists, 1), kRowThreads, 0, stream>>>(p, max_tokens, buf);
-  if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
-  finish_dense_scores<<<unsigned(p.rows), kRowThreads, 0, stream>>>(p, scores, max_tokens, buf);
+  // The smallest power-of-two range that still needs no more windows.
+  const std::int64_t windows = windows_for(shift);
+  while (shift > 5 && windows_for(shift - 1) == windows) --shift;
+  plan.windows = std::int32_t(windows);
+  plan.key_shift = shift;
+  plan.smem_bytes = list_bytes + (std::size_t(1) << shift) * kDenseKeyBytes;
+  return plan;
+}
+
+cudaError_t dense_tables_cluster(std::int32_t* cluster) {
+  // Clusters exist only in code compiled for sm_90 or later: PTX of an older architecture JIT-compiled for a
+  // newer GPU runs with clusters of one.
+  cudaFuncAttributes built{};
+  if (cudaError_t s = cudaFuncGetAttributes(&built, dense_window_scores); s != cudaSuccess) return s;
+  *cluster = built.ptxVersion >= 90 && built.binaryVersion >= 90 ? kDenseClusterMax : 1;
+  return cudaSuccess;
+}
+
+cudaError_t launch_table_scores_dense(const TableScoresParams& p, const MatrixView<float>& scores,
+                                      std::int32_t max_tokens, const DenseTablePlan& plan,
+                                      const DenseTableBuffers& buf, cudaStream_t stream) {
+  if (plan.windows > 0) {
+    // The device's limit less the kernel's static shared memory, never a call's own size (another thread may
+    // launch too).
+    int device = 0, limit = 0;
+    if (cudaError_t s = cudaGetDevice(&device); s != cudaSuccess) return s;
+    if (cudaError_t s = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+        s != cudaSuccess) {
+      return s;
+    }
+    cudaFuncAttributes built{};
+    if (cudaError_t s = cudaFuncGetAttributes(&built, dense_window_scores); s != cudaSuccess) return s;
+    if (cudaError_t s = cudaFuncSetAttribute(dense_window_scores, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             limit - int(built.sharedSizeBytes));
+        s != cudaSuccess) {
+      return s;
+    }
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(unsigned(p.rows * plan.windows * plan.cluster));
+    config.blockDim = dim3(kDenseThreads);
+    config.dynamicSmemBytes = plan.smem_bytes;
+    config.stream = stream;
+    cudaLaunchAttribute attribute{};
+    if (plan.cluster > 1) {
+      attribute.id = cudaLaunchAttributeClusterDimension;
+      attribute.val.clusterDim.x = unsigned(plan.cluster);
+      attribute.val.clusterDim.y = 1;
+      attribute.val.clusterDim.z = 1;
+      config.attrs = &attribute;
+      config.numAttrs = 1;
+    }
+    if (cudaError_t s = cudaLaunchKernelEx(&config, dense_window_scores, p, scores, max_tokens, plan, buf);
+        s != cudaSuccess) {
+      return s;
+    }
+  }
+  dense_row_k<<<grid_stride_blocks(p.rows, kStreamThreads), kStreamThreads, 0, stream>>>(p, max_tokens, plan, buf);
   return cudaGetLastError();
 }
 

@@ -37,12 +37,11 @@ detail::TableListBuffers layout_table_lists(WorkspaceLayout& layout, std::int64_
   return b;
 }
 
-detail::DenseTableBuffers layout_dense(WorkspaceLayout& layout, std::int64_t rows, std::int32_t heads_per_row,
-                                       std::int32_t max_tokens) {
-  const std::size_t tokens =
-      checked_mul(std::size_t(rows), std::size_t(max_tokens), "cuda table_scores_dense workspace");
-  return {layout.allocate<std::int64_t>(checked_mul(tokens, std::size_t(heads_per_row), "block sums"), "block sums"),
-          layout.allocate<std::uint8_t>(tokens, "candidate flags")};
+detail::DenseTableBuffers layout_dense(WorkspaceLayout& layout, std::int64_t rows, std::int32_t max_tokens) {
+  const std::int64_t parts = detail::dense_parts_bound(max_tokens);
+  return {layout.allocate<std::int32_t>(checked_mul(std::size_t(rows), std::size_t(parts), "cuda table_scores_dense"),
+                                        "candidate counts"),
+          parts};
 }
 
 detail::SparseTableBuffers layout_sparse(WorkspaceLayout& layout, std::int64_t rows, std::int32_t segment) {
@@ -139,7 +138,7 @@ std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t h
                "rows (= {}) and heads_per_row (= {}) must be positive, max_tokens (= {}) >= 0", rows, heads_per_row,
                max_tokens);
   WorkspaceLayout counting;
-  layout_dense(counting, rows, heads_per_row, max_tokens);
+  layout_dense(counting, rows, max_tokens);
   return counting.bytes();
 }
 
@@ -154,11 +153,16 @@ void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const
   KVSIFT_CHECK(max_tokens >= 0, where, "max_tokens (= {}) is negative", max_tokens);
   const detail::TableScoresParams params =
       table_scores_params(tables, chosen, options, heads_per_row, d_slots, d_lengths, window, budget, d_row_k);
-  KVSIFT_CHECK(params.rows <= INT32_MAX, where, "chosen.batch * kv_heads (= {} * {}) exceeds 2^31 - 1 CTAs",
-               chosen.batch, chosen.kv_heads);
   WorkspaceLayout layout(workspace, where);
-  const detail::DenseTableBuffers buffers = layout_dense(layout, params.rows, heads_per_row, max_tokens);
-  KVSIFT_CUDA_CHECK(detail::launch_table_scores_dense(params, scores, max_tokens, buffers, stream));
+  const detail::DenseTableBuffers buffers = layout_dense(layout, params.rows, max_tokens);
+  std::int32_t cluster = 1;
+  KVSIFT_CUDA_CHECK(detail::dense_tables_cluster(&cluster));
+  const detail::DenseTablePlan plan = detail::plan_dense_tables(
+      params.rows, max_tokens, cluster, multiprocessor_count(), std::size_t(max_shared_memory_per_block()) / 2);
+  KVSIFT_CHECK(params.rows * plan.windows * plan.cluster <= INT32_MAX, where,
+               "chosen.batch * kv_heads (= {} * {}) over {} tokens needs more than 2^31 - 1 CTAs", chosen.batch,
+               chosen.kv_heads, max_tokens);
+  KVSIFT_CUDA_CHECK(detail::launch_table_scores_dense(params, scores, max_tokens, plan, buffers, stream));
 }
 
 std::int64_t table_scores_sparse_capacity(std::int32_t chosen_capacity, std::int32_t length) {

@@ -288,6 +288,15 @@ TEST_F(CudaScoreTables, SelectEqualsTheCpu) {
   for_every_problem<CheckSelect>(rng);
 }
 
+/// Rows of tens of thousands of tokens: the dense reduction's rows span several windows of several CTAs.
+TEST_F(CudaScoreTables, LongRowsReduceEqualTheCpu) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  TablesProblem<half> p(rng, {.batch = 2, .length = 6000, .probes = 3, .capacity = 70000});
+  DeviceTables<half> d(p);
+  check_reductions(p, d, {p.weights.data(), true}, "long rows");
+  check_reductions(p, d, {nullptr, false}, "long rows");
+}
+
 /// append, nearest_centroids and both reductions captured once and replayed (state restored, outputs poisoned)
 /// equal the eager run.
 TEST_F(CudaScoreTables, GraphReplayEqualsEager) {

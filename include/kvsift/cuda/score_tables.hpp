@@ -7,7 +7,7 @@
 /// of the atomics and of the sort is immaterial. The cache is a concrete view (ContiguousKVView or PagedKVView of
 /// const T; cuda/backend.hpp dispatches a KVCache); T is float, half or bfloat16. options.weights is device memory.
 /// Beyond the CPU's checks: table_scores_sparse takes at most 2^31 - 1 entries (rows * chosen.capacity * length)
-/// a call, table_scores_dense at most 2^31 - 1 rows.
+/// a call, table_scores_dense at most 2^31 - 1 CTAs (its rows times their windows and clusters).
 ///
 /// Shapes are checked on the host before the launch as on the CPU; the arrays' contents (slots, slot_base,
 /// lengths, the cache's lengths, chosen counts and list ids, the lists' counts) live on the device and are not,
@@ -52,11 +52,11 @@ void subspace_scores(const BaseTablesView& base, std::int32_t table_head, std::i
 /// key and a column, twice, and CUB's radix-sort scratch (16 * rows * tokens bytes and a little).
 std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32_t tokens);
 
-/// cpu::store_table_lists. Three launches per 65,536 rows: every column's key, its row above its 16-bit rank key (a
-/// table score is an fp16 value, so its rank word has 16 significant bits), CUB's radix sort of the keys with the
-/// columns over the bits in use (stable, so ascending columns among equal scores: the ranking's tie rule), then
-/// the first min(keep, tokens) of each row into the lists. workspace: store_table_lists_workspace_bytes(
-/// scores.rows, tokens).
+/// cpu::store_table_lists. Three launches per 65,536 rows: a CTA per row finds the row's best min(keep, tokens)
+/// by a radix select of their 16-bit rank keys (a table score is an fp16 value, so its rank word has 16
+/// significant bits; ties at the threshold to the smaller column, the ranking's rule) and writes them in column
+/// order, each key above its row; CUB's stable radix sort of those keys with the columns over the bits in use;
+/// then each row's entries into its list. workspace: store_table_lists_workspace_bytes(scores.rows, tokens).
 void store_table_lists(const MatrixView<const float>& scores, std::int32_t tokens, std::int32_t keep,
                        const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
                        std::span<std::byte> workspace, cudaStream_t stream);
@@ -74,12 +74,15 @@ void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const 
                        const std::int32_t* d_slots, std::int32_t probes, const SelectionView& chosen,
                        std::int32_t* d_weights, cudaStream_t stream);
 
-/// Device workspace of table_scores_dense: 8 * heads_per_row * max_tokens + max_tokens bytes per row (each query-
-/// head block's int64 sums and the candidate flags).
+/// Device workspace of table_scores_dense: a count per CTA, 4 * (ceil(max_tokens / 1024) + 8) bytes per row.
 std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t heads_per_row, std::int32_t max_tokens);
-/// cpu::table_scores_dense. Three launches: the rows' sums and flags over [0, length) cleared, a CTA per (row,
-/// chosen list) adding its entries' values (weight * (fixed score - floor)) with 64-bit atomics (exact, so in any
-/// order), a CTA per row writing the scores and row_k.
+/// cpu::table_scores_dense. Two launches. A thread-block cluster per (row, window of tokens) (sm_90: 8 CTAs; one
+/// CTA elsewhere), each CTA holding a range of the window's tokens in shared memory: per query-head block, the
+/// cluster's CTAs share the scan of the block's chosen lists and add each kept entry's value (weight * (fixed
+/// score - floor)) to its token's owner's int64 sum through distributed shared memory (64-bit atomics, exact, so
+/// in any order); the owners fold each block's sums
+/// into a running maximum as fp32 (rounding is monotonic: the maximum of the rounded sums is the rounded
+/// maximum) and write the scores and their candidate counts. Then a thread per row writes row_k.
 void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
                         const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* d_slots,
                         const std::int32_t* d_lengths, const AttentionWindow& window, const LengthBudget& budget,

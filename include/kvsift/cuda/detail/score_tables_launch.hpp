@@ -74,15 +74,46 @@ struct TableScoresParams {
   std::int64_t rows;  ///< chosen.batch * chosen.kv_heads
 };
 
-/// table_scores_dense's scratch: sums [rows, heads_per_row, max_tokens] int64 (units of 2^-24), flags [rows,
-/// max_tokens] (1: the token is a candidate).
+/// table_scores_dense: thread-block clusters of kDenseClusterMax CTAs (sm_90; one CTA elsewhere), each CTA owning
+/// a power-of-two range of a row's tokens in shared memory (an int64 sum, the running maximum as fp32, a flag).
+/// A cluster covers one window of cluster * keys tokens of one row; its CTAs share the scan of the row's chosen
+/// lists and add each kept entry into the owning CTA's sum through distributed shared memory.
+inline constexpr int kDenseThreads = 512;
+inline constexpr int kDenseClusterMax = 8;
+inline constexpr std::int32_t kDenseMinKeys = 1024;  ///< a CTA's range at least (the plan's bound on windows)
+inline constexpr int kDenseLists = 64;               ///< chosen lists whose device values a CTA holds at once
+inline constexpr int kDenseKeyBytes = 8 + 4 + 1;     ///< sum, maximum, flag
+
+/// A row's windows and its CTAs' ranges; rows * windows * cluster CTAs.
+struct DenseTablePlan {
+  std::int32_t cluster = 1;
+  std::int32_t windows = 0;
+  std::int32_t key_shift = 0;  ///< a CTA owns 1 << key_shift tokens
+  std::size_t smem_bytes = 0;
+};
+/// The plan for `rows` rows of max_tokens: the fewest windows whose ranges fit `smem_limit` bytes a CTA (half
+/// of the largest block, so that two CTAs share a multiprocessor), then more, down to kDenseMinKeys tokens a
+/// CTA, while the grid fits twice the multiprocessors.
+DenseTablePlan plan_dense_tables(std::int64_t rows, std::int32_t max_tokens, std::int32_t cluster,
+                                 int multiprocessors, std::size_t smem_limit);
+/// Windows * cluster of a plan at most: the counts' columns the workspace holds per row.
+inline std::int64_t dense_parts_bound(std::int32_t max_tokens) {
+  return (std::int64_t(max_tokens) + kDenseMinKeys - 1) / kDenseMinKeys + kDenseClusterMax;
+}
+
+/// table_scores_dense's scratch: each CTA's candidate count, [rows, dense_parts_bound(max_tokens)].
 struct DenseTableBuffers {
-  std::int64_t* sums = nullptr;
-  std::uint8_t* flags = nullptr;
+  std::int32_t* counts = nullptr;
+  std::int64_t parts = 0;  ///< the row stride of counts
 };
 
+/// The cluster size the dense kernel can run with on the current device: kDenseClusterMax where its binary has
+/// clusters (sm_90 or later), else 1.
+cudaError_t dense_tables_cluster(std::int32_t* cluster);
+
 cudaError_t launch_table_scores_dense(const TableScoresParams& params, const MatrixView<float>& scores,
-                                      std::int32_t max_tokens, const DenseTableBuffers& buffers, cudaStream_t stream);
+                                      std::int32_t max_tokens, const DenseTablePlan& plan,
+                                      const DenseTableBuffers& buffers, cudaStream_t stream);
 
 /// table_scores_sparse's scratch: one segment of chosen.capacity * tables.length entries per row; entry k of a row
 /// is position k % length of its chosen list k / length. The sort's spare buffers serve the compaction after it.
