@@ -33,6 +33,16 @@ int max_shared_memory_per_block() {
   return cached_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>("cuda::max_shared_memory_per_block");
 }
 
+bool device_readable_host(const void* p) {
+  if (p == nullptr) return false;
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeHost || attributes.type == cudaMemoryTypeManaged;
+}
+
 bool device_available() {
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);

@@ -107,21 +107,13 @@ HybridDecoder<T>::~HybridDecoder() = default;
 
 namespace {
 
-bool is_pinned_host(const void* p) {
-  cudaPointerAttributes attributes{};
-  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return attributes.type == cudaMemoryTypeHost;
-}
 template <class T>
 bool is_pinned_host(const ContiguousKVView<const T>& kv) {
-  return is_pinned_host(kv.k) && is_pinned_host(kv.v);
+  return device_readable_host(kv.k) && device_readable_host(kv.v);
 }
 template <class T>
 bool is_pinned_host(const PagedKVView<const T>& kv) {
-  return is_pinned_host(kv.k_pages) && is_pinned_host(kv.v_pages);
+  return device_readable_host(kv.k_pages) && device_readable_host(kv.v_pages);
 }
 
 }  // namespace

@@ -54,4 +54,9 @@ int max_shared_memory_per_block();
 /// True when at least one CUDA device is usable (false on machines without a GPU or driver).
 bool device_available();
 
+/// True when the device can read `p` in place: page-locked host memory (cudaMallocHost, cudaHostAlloc,
+/// cudaHostRegister) or managed memory. False for pageable or device memory and for null; clears the error a
+/// pointer unknown to CUDA leaves behind.
+bool device_readable_host(const void* p);
+
 }  // namespace kvsift::cuda
