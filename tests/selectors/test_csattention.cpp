@@ -335,7 +335,9 @@ TEST_F(CpuCsattention, IndexBytesCountBaseAndOverlay) {
   for (const auto tables : {CsattentionTables::per_query_head, CsattentionTables::per_kv_head}) {
     const Selector s(limits, {.tables = tables, .centroids = 16, .list_fraction = 0.1, .overlay_capacity = 32});
     const std::size_t heads = tables == CsattentionTables::per_query_head ? 8 : 2, lists = 2 * heads * 8 * 16;
-    EXPECT_EQ(s.index_bytes().host, lists * 8 * 4 + lists * 100 * 6 + lists * 32 * 6 + lists * 4 * 3 + 2 * 4);
+    // Two base storages and two slots' overlays; on the host, per storage its references, N and L, per slot its base.
+    EXPECT_EQ(s.index_bytes().host,
+              lists * 8 * 4 + lists * 100 * 6 + lists * 32 * 6 + lists * 4 * 3 + 2 * 4 + 2 * 3 * 4 + 2 * 4);
     EXPECT_EQ(s.capacity(), 50);
   }
 }

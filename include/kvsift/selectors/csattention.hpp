@@ -10,20 +10,62 @@
 /// store_table_lists, append_tables, nearest_centroids, table_scores_dense / table_scores_sparse, length
 /// budgets, topk_rows (docs/csattention.md). Include cpu/backend.hpp or cuda/backend.hpp before instantiating it.
 ///
-/// Memory (index_bytes): per slot its base (centroids [table_heads, m, C, w] fp32, lists [table_heads, m * C,
-/// L_max] int32 + fp16 with counts) and its overlay ([table_heads, m * C, overlay_capacity] int32 + fp16, evicted
-/// counts and sizes). prepare allocates scratch and reads the lengths (and page lists) on the host: on CUDA it
-/// synchronizes the stream. append and select neither allocate nor synchronize.
+/// Bases and slots (core/score_tables.hpp): a base is the index of one prompt (centroids and lists); a slot (a live
+/// sequence) reads one base and owns an overlay, where the keys its decoding inserts go, so a base is never written
+/// while a slot reads it. Bases live in a pool of max_slots storages apart from the slots, with reference counts
+/// on the host:
+///   - prepare: each joining slot drops its base and gets one built from its prompt in a storage no slot reads
+///     (there is one: the other slots read at most max_slots - 1).
+///   - share(source_slot, slots): the listed slots read source_slot's base, overlays emptied (evictions 0), with
+///     no k-means nor list building: sequences whose caches hold the prompt that base was built from (tokens
+///     [0, N), N = the source's prompt length) share its index, as the paper reuses tables across requests with a
+///     common prefill. A sharer's tokens after N are inserted by append, one call per token in order
+///     (AppendInputs::lengths = position + 1), before its first select; decoding then inserts as usual.
+///   - release(slots): the slots drop their bases; a base no slot reads is free for the next prepare.
+///   - save_base(slot, file) / load_base(file, slots): the base a slot reads, in a versioned binary file (below);
+///     a load makes the listed slots read it as share does (their caches must hold the prompt it was built from).
+/// A slot that has no base (never prepared, shared nor loaded, or released) is refused by share, release and
+/// save_base; it must not be passed to append or select.
+///
+/// Base files (core/index_file.hpp's framing: magic "KVCSBASE", version 1, zlib's CRC-32 of everything before it
+/// last), values little-endian, no padding:
+///   int32 kv_heads, q_heads, head_dim, config.subspaces (m); uint32 config.split, config.tables (the enums'
+///   values); int32 config.centroids (C), table_heads, width (head_dim / m); fp64 config.list_fraction; int32
+///   config.max_list_length; uint64 config.seed; int32 config.kmeans_iterations (the fields a loading selector
+///   must have, each compared)
+///   int32 N (the prompt's length), L (list_length(N), the entries per list)
+///   fp32 centroids [table_heads, m, C, width]
+///   int32 ids [table_heads, m * C, L]: each list highest first (the list order); entries at and after its count 0
+///   fp16 scores [table_heads, m * C, L]: likewise
+///   int32 counts [table_heads, m * C]
+/// load_base refuses, naming what differs: another magic, another version, a file that ends early (at any byte),
+/// a checksum that differs (corrupted), a field above that differs (its name, the file's value, this selector's),
+/// L above this selector's L_max (the entries it stores per list), N above limits.max_tokens, counts or ids out of
+/// range. A refused load leaves the selector as it was: it stages the file on the host and commits only then.
+///
+/// Memory (index_bytes): max_slots base storages (centroids [table_heads, m, C, w] fp32, lists [table_heads, m *
+/// C, L_max] int32 + fp16 with counts) and per slot an overlay ([table_heads, m * C, overlay_capacity] int32 + fp16,
+/// evicted counts and sizes), in the context's memory; on the host, the pool's bookkeeping (O(max_slots)).
+/// Synchronization: prepare allocates scratch and reads the lengths (and page lists) on the host; share and
+/// load_base (which allocates its staging) write the slots' state: on CUDA each synchronizes the stream; save_base
+/// copies the base to the host (and synchronizes); release touches only the host bookkeeping. append and select
+/// neither allocate nor synchronize.
+///
+/// Thread safety, as every selector's (selectors/selector.hpp): prepare, share, load_base, release, append and
+/// select must not run concurrently on one object; save_base, a const call, may run with the other const calls.
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <iosfwd>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/index_file.hpp"
 #include "kvsift/core/kmeans_batched.hpp"
 #include "kvsift/core/ranking.hpp"
 #include "kvsift/core/score_tables.hpp"
@@ -89,6 +131,10 @@ inline CsattentionConfig csattention_schedule(CsattentionSchedule schedule, Csat
   return config;
 }
 
+/// CSAttention's base files (format above, in Csattention's comment).
+inline constexpr IndexFileFormat kCsattentionBaseFile{
+    .name = "CSAttention base", .magic = {'K', 'V', 'C', 'S', 'B', 'A', 'S', 'E'}, .version = 1};
+
 template <class T, class Context>
 class Csattention {
   static_assert(BackendIncluded<Context>, "Csattention<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
@@ -109,6 +155,8 @@ class Csattention {
     base_scores_.resize(lists * std::size_t(max_length_));
     base_counts_.resize(lists);
     slot_base_.resize(std::size_t(slots));
+    base_info_.resize(std::size_t(slots));
+    host_slot_base_.assign(std::size_t(slots), -1);
     evicted_.resize(lists);
     overlay_ids_.resize(lists * std::size_t(config_.overlay_capacity));
     overlay_scores_.resize(lists * std::size_t(config_.overlay_capacity));
@@ -136,7 +184,9 @@ class Csattention {
                               (base_scores_.size() + overlay_scores_.size()) * sizeof(half) +
                               (base_counts_.size() + slot_base_.size() + evicted_.size() + overlay_sizes_.size()) *
                                   sizeof(std::int32_t);
-    return Context::memory == MemorySpace::host ? IndexBytes{bytes, 0} : IndexBytes{0, bytes};
+    const std::size_t bookkeeping =
+        base_info_.size() * sizeof(BaseInfo) + host_slot_base_.size() * sizeof(std::int32_t);
+    return Context::memory == MemorySpace::host ? IndexBytes{bytes + bookkeeping, 0} : IndexBytes{bookkeeping, bytes};
   }
   /// L for a prompt of n tokens.
   std::int32_t list_length(std::int32_t n) const {
@@ -156,8 +206,9 @@ class Csattention {
     return 0;
   }
 
-  /// Builds each joining sequence's tables from its prompt (in.cache) and its last W prefill queries
-  /// (in.queries, W >= C), and empties its overlay. Allocates scratch; on CUDA synchronizes the stream.
+  /// Builds each joining sequence's base from its prompt (in.cache) and its last W prefill queries (in.queries,
+  /// W >= C) in a free storage (the slot's old base, if any, dropped first: one shared with other slots stays
+  /// theirs), and empties its overlay. in.slots distinct. Allocates scratch; on CUDA synchronizes the stream.
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
     constexpr const char* where = "Csattention::prepare";
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
@@ -176,13 +227,72 @@ class Csattention {
     sequence_lengths(in.cache, context_lengths.data(), ctx);
     copy_to_host(context_lengths.data(), lengths.size(), lengths.data(), ctx);
     copy_to_host(in.slots, slots.size(), slots.data(), ctx);
-    for (std::int32_t b = 0; b < batch; ++b) prepare_sequence(in, b, slots[b], lengths[b], ctx);
-    if (config_.search_period > 1) {
-      std::vector<std::int32_t> identity(std::size_t(limits_.max_slots));
-      for (std::int32_t r = 0; r < limits_.max_slots; ++r) identity[std::size_t(r)] = r;
-      copy_from_host(identity.data(), identity.size(), rows_.data(), ctx);
+    check_slots(where, "in.slots", slots);
+    for (std::int32_t b = 0; b < batch; ++b) {
+      KVSIFT_CHECK(in.attention.window.recent < lengths[b], where,
+                   "the recent window (R = {}) covers sequence {}'s whole prompt ({} tokens): nothing is left to index",
+                   in.attention.window.recent, b, lengths[b]);
     }
-    calls_until_search_ = 0;
+    for (std::int32_t b = 0; b < batch; ++b) {
+      const std::int32_t slot = slots[std::size_t(b)], length = lengths[std::size_t(b)];
+      detach(slot);
+      const std::int32_t base = free_base();
+      build_base(in, b, base, length, ctx);
+      base_info_[std::size_t(base)] = {.references = 0, .prompt = length, .list_length = list_length(length)};
+      attach(base, {&slot, 1}, ctx);
+    }
+    joined(ctx);
+  }
+
+  /// The listed slots (distinct; source_slot may be one: its overlay is emptied) read source_slot's base with empty
+  /// overlays, each dropping its own base first (see the class comment: their caches must hold the base's prompt,
+  /// their later tokens go through append). Refuses a source_slot without a base. On CUDA synchronizes the stream.
+  void share(std::int32_t source_slot, std::span<const std::int32_t> slots, const Context& ctx) {
+    constexpr const char* where = "Csattention::share";
+    const std::int32_t base = base_of(where, "source_slot", source_slot);
+    check_slots(where, "slots", slots);
+    attach(base, slots, ctx);
+    joined(ctx);
+  }
+
+  /// Sequences leave: the listed slots (distinct, each with a base) drop their bases; a base no slot reads is free.
+  /// Host bookkeeping only (no context: selectors/selector.hpp's release).
+  void release(std::span<const std::int32_t> slots) {
+    constexpr const char* where = "Csattention::release";
+    check_slots(where, "slots", slots);
+    for (std::size_t i = 0; i < slots.size(); ++i) base_of(where, fmt::format("slots[{}]", i), slots[i]);
+    for (const std::int32_t slot : slots) detach(slot);
+  }
+
+  /// Writes the base `slot` reads (not its overlay) as a base file (the class comment's format). Refuses a slot
+  /// without a base and a stream that fails. On CUDA copies the base to the host and synchronizes the stream.
+  void save_base(std::int32_t slot, std::ostream& out, const Context& ctx) const {
+    constexpr const char* where = "Csattention::save_base";
+    write_base(download(base_of(where, "slot", slot), ctx), out, where);
+  }
+  /// save_base to `path` (written to path.partial, renamed over `path` once complete).
+  void save_base(std::int32_t slot, const std::string& path, const Context& ctx) const {
+    constexpr const char* where = "Csattention::save_base";
+    const HostBase staged = download(base_of(where, "slot", slot), ctx);
+    write_index_file(path, where, [&](std::ostream& out) { write_base(staged, out, where); });
+  }
+
+  /// Reads one base file from `in` (left after its checksum) and makes the listed slots (distinct, at least one)
+  /// read it with empty overlays, each dropping its own base first, as share does. Refuses a file of another
+  /// format, version, shape or configuration, a truncated or corrupted one (the class comment), and leaves the
+  /// selector unchanged then. Allocates the staging; on CUDA synchronizes the stream.
+  void load_base(std::istream& in, std::span<const std::int32_t> slots, const Context& ctx) {
+    constexpr const char* where = "Csattention::load_base";
+    check_load_slots(where, slots);
+    commit(read_base(in, "stream", where), slots, ctx);
+  }
+  /// load_base from `path`, also refusing bytes after the file's checksum.
+  void load_base(const std::string& path, std::span<const std::int32_t> slots, const Context& ctx) {
+    constexpr const char* where = "Csattention::load_base";
+    check_load_slots(where, slots);
+    HostBase staged;
+    read_index_file(path, where, [&](std::istream& in) { staged = read_base(in, path, where); });
+    commit(staged, slots, ctx);
   }
 
   /// Inserts each row's new key (position lengths[b] - 1) into its slot's lists.
@@ -190,7 +300,6 @@ class Csattention {
     detail::check_cache("Csattention::append", limits_, in.cache, in.slots, Context::memory);
     append_tables(tables(), in.cache, in.slots, in.lengths, ctx);
   }
-  void release(std::span<const std::int32_t>) {}  // a joining sequence's prepare rebuilds its slot
 
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
@@ -340,6 +449,205 @@ class Csattention {
     return b;
   }
 
+  /// What the host knows of a base storage.
+  struct BaseInfo {
+    std::int32_t references = 0;   ///< slots that read it; 0: free
+    std::int32_t prompt = 0;       ///< N, its prompt's length
+    std::int32_t list_length = 0;  ///< L = list_length(N)
+  };
+  /// One base on the host in the storage's layout (lists L_max entries apart): what save_base writes from and
+  /// load_base stages into.
+  struct HostBase {
+    BaseInfo info;
+    std::vector<float> centroids;
+    std::vector<std::int32_t> ids;
+    std::vector<half> scores;
+    std::vector<std::int32_t> counts;
+  };
+
+  /// Slots listed by a call: each in range, none twice.
+  void check_slots(const char* where, const char* name, std::span<const std::int32_t> slots) const {
+    std::vector<bool> seen(std::size_t(limits_.max_slots), false);
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      const std::int32_t slot = slots[i];
+      KVSIFT_CHECK(slot >= 0 && slot < limits_.max_slots, where, "{}[{}] (= {}) is outside [0, limits.max_slots = {})",
+                   name, i, slot, limits_.max_slots);
+      KVSIFT_CHECK(!seen[std::size_t(slot)], where, "{} lists slot {} twice", name, slot);
+      seen[std::size_t(slot)] = true;
+    }
+  }
+  void check_load_slots(const char* where, std::span<const std::int32_t> slots) const {
+    KVSIFT_CHECK(!slots.empty(), where, "slots is empty: a loaded base needs a slot to read it");
+    check_slots(where, "slots", slots);
+  }
+  /// The base `slot` reads, refusing a slot out of range or without one; name: the argument, for the message.
+  std::int32_t base_of(const char* where, std::string_view name, std::int32_t slot) const {
+    KVSIFT_CHECK(slot >= 0 && slot < limits_.max_slots, where, "{} (= {}) is outside [0, limits.max_slots = {})", name,
+                 slot, limits_.max_slots);
+    const std::int32_t base = host_slot_base_[std::size_t(slot)];
+    KVSIFT_CHECK(base >= 0, where,
+                 "{} (= {}) has no base: it was not prepared, shared or loaded since the selector's construction or "
+                 "its release",
+                 name, slot);
+    return base;
+  }
+
+  /// `slot` stops reading its base (if any).
+  void detach(std::int32_t slot) {
+    std::int32_t& base = host_slot_base_[std::size_t(slot)];
+    if (base >= 0) --base_info_[std::size_t(base)].references;
+    base = -1;
+  }
+  /// A storage no slot reads. One exists whenever some slot reads none (the joining slot, detached first): the
+  /// other slots read at most max_slots - 1 storages.
+  std::int32_t free_base() const {
+    const auto free = std::find_if(base_info_.begin(), base_info_.end(),
+                                   [](const BaseInfo& info) { return info.references == 0; });
+    KVSIFT_DASSERT(free != base_info_.end());
+    return std::int32_t(free - base_info_.begin());
+  }
+  /// `slots` read `base` with empty overlays, each dropping its own base first.
+  void attach(std::int32_t base, std::span<const std::int32_t> slots, const Context& ctx) {
+    const std::size_t slot_lists = base_lists();
+    const std::vector<std::int32_t> zeros(slot_lists, 0);
+    for (const std::int32_t slot : slots) {
+      ++base_info_[std::size_t(base)].references;  // first: a slot that already reads `base` keeps it referenced
+      detach(slot);
+      host_slot_base_[std::size_t(slot)] = base;
+      copy_from_host(zeros.data(), slot_lists, evicted_.data() + std::size_t(slot) * slot_lists, ctx);
+      copy_from_host(zeros.data(), slot_lists, overlay_sizes_.data() + std::size_t(slot) * slot_lists, ctx);
+    }
+    // A slot without a base reads -1: the primitives refuse it rather than read a storage rebuilt for another.
+    copy_from_host(host_slot_base_.data(), host_slot_base_.size(), slot_base_.data(), ctx);
+  }
+  /// Sequences joined (prepare, share, load_base): the next select searches, over the identity row map.
+  void joined(const Context& ctx) {
+    if (config_.search_period > 1) {
+      std::vector<std::int32_t> identity(std::size_t(limits_.max_slots));
+      for (std::int32_t r = 0; r < limits_.max_slots; ++r) identity[std::size_t(r)] = r;
+      copy_from_host(identity.data(), identity.size(), rows_.data(), ctx);
+    }
+    calls_until_search_ = 0;
+  }
+
+  /// Lists per base (and per slot), and the element offsets of storage `base` in the base arrays.
+  std::size_t base_lists() const {
+    return std::size_t(table_heads()) * std::size_t(config_.subspaces) * std::size_t(config_.centroids);
+  }
+  std::size_t centroid_offset(std::int32_t base) const { return count_offset(base) * std::size_t(width()); }
+  std::size_t entry_offset(std::int32_t base) const { return count_offset(base) * std::size_t(max_length_); }
+  std::size_t count_offset(std::int32_t base) const { return std::size_t(base) * base_lists(); }
+
+  HostBase download(std::int32_t base, const Context& ctx) const {
+    const std::size_t lists = base_lists();
+    HostBase h{.info = base_info_[std::size_t(base)],
+               .centroids = std::vector<float>(lists * std::size_t(width())),
+               .ids = std::vector<std::int32_t>(lists * std::size_t(max_length_)),
+               .scores = std::vector<half>(lists * std::size_t(max_length_)),
+               .counts = std::vector<std::int32_t>(lists)};
+    copy_to_host(centroids_.data() + centroid_offset(base), h.centroids.size(), h.centroids.data(), ctx);
+    copy_to_host(base_ids_.data() + entry_offset(base), h.ids.size(), h.ids.data(), ctx);
+    copy_to_host(base_scores_.data() + entry_offset(base), h.scores.size(), h.scores.data(), ctx);
+    copy_to_host(base_counts_.data() + count_offset(base), h.counts.size(), h.counts.data(), ctx);
+    return h;
+  }
+  /// Makes `slots` read a staged (checked) base: their old bases dropped, it is copied into a free storage.
+  void commit(const HostBase& h, std::span<const std::int32_t> slots, const Context& ctx) {
+    for (const std::int32_t slot : slots) detach(slot);
+    const std::int32_t base = free_base();
+    copy_from_host(h.centroids.data(), h.centroids.size(), centroids_.data() + centroid_offset(base), ctx);
+    copy_from_host(h.ids.data(), h.ids.size(), base_ids_.data() + entry_offset(base), ctx);
+    copy_from_host(h.scores.data(), h.scores.size(), base_scores_.data() + entry_offset(base), ctx);
+    copy_from_host(h.counts.data(), h.counts.size(), base_counts_.data() + count_offset(base), ctx);
+    base_info_[std::size_t(base)] = {.references = 0, .prompt = h.info.prompt, .list_length = h.info.list_length};
+    attach(base, slots, ctx);
+    joined(ctx);
+  }
+
+  /// The fields of a base file before N and L, in their order: f(name, value) with this selector's values. An
+  /// enum's name lists its values (the file stores the number).
+  template <class F>
+  void file_fields(F&& f) const {
+    f("kv_heads", limits_.kv_heads);
+    f("q_heads", limits_.q_heads);
+    f("head_dim", limits_.head_dim);
+    f("config.subspaces", config_.subspaces);
+    f("config.split (0 contiguous, 1 rope_pairs)", std::uint32_t(config_.split));
+    f("config.tables (0 per_query_head, 1 per_kv_head)", std::uint32_t(config_.tables));
+    f("config.centroids", config_.centroids);
+    f("table_heads", table_heads());
+    f("width", width());
+    f("config.list_fraction", config_.list_fraction);
+    f("config.max_list_length", config_.max_list_length);
+    f("config.seed", config_.seed);
+    f("config.kmeans_iterations", config_.kmeans_iterations);
+  }
+
+  void write_base(const HostBase& h, std::ostream& out, const char* where) const {
+    IndexFileWriter w(out, kCsattentionBaseFile, where);
+    file_fields([&](std::string_view, const auto& value) { w.write(value); });
+    w.write(h.info.prompt);
+    w.write(h.info.list_length);
+    w.write_array(std::span<const float>(h.centroids));
+    const std::size_t lists = base_lists(), l = std::size_t(h.info.list_length);
+    // Each list's first L entries, those at and after its count zeroed: a file depends on the base alone.
+    const auto write_lists = [&]<class V>(const std::vector<V>& entries, V zero) {
+      std::vector<V> row(l);
+      for (std::size_t list = 0; list < lists; ++list) {
+        const V* first = entries.data() + list * std::size_t(max_length_);
+        std::fill(std::copy(first, first + h.counts[list], row.begin()), row.end(), zero);
+        w.write_array(std::span<const V>(row));
+      }
+    };
+    write_lists(h.ids, std::int32_t(0));
+    write_lists(h.scores, half{0});
+    w.write_array(std::span<const std::int32_t>(h.counts));
+    w.finish();
+  }
+
+  /// Reads and checks one base file into host staging; the selector is not touched.
+  HostBase read_base(std::istream& in, const std::string& source, const char* where) const {
+    IndexFileReader r(in, kCsattentionBaseFile, source, where);
+    file_fields([&](std::string_view name, const auto& value) { r.read_expected(name, value); });
+    const auto prompt = r.read<std::int32_t>("the prompt length N");
+    const auto length = r.read<std::int32_t>("the list length L");
+    KVSIFT_CHECK(length >= 1 && length <= max_length_, where,
+                 "{}: the list length (L = {}) is outside [1, this selector's L_max = {}] (the entries it stores per "
+                 "list: config.list_fraction * limits.max_tokens, at most config.max_list_length)",
+                 source, length, max_length_);
+    KVSIFT_CHECK(prompt >= 1 && prompt <= limits_.max_tokens, where,
+                 "{}: the prompt length (N = {}) is outside [1, limits.max_tokens = {}]", source, prompt,
+                 limits_.max_tokens);
+    r.expect("the list length L of the prompt length N", length, list_length(prompt));
+    const std::size_t lists = base_lists(), l = std::size_t(length);
+    HostBase h{.info = {.references = 0, .prompt = prompt, .list_length = length},
+               .centroids = std::vector<float>(lists * std::size_t(width())),
+               .ids = std::vector<std::int32_t>(lists * std::size_t(max_length_)),
+               .scores = std::vector<half>(lists * std::size_t(max_length_)),
+               .counts = std::vector<std::int32_t>(lists)};
+    r.read_array(std::span<float>(h.centroids), "the centroids");
+    for (std::size_t list = 0; list < lists; ++list) {
+      r.read_array(std::span<std::int32_t>(h.ids.data() + list * std::size_t(max_length_), l), "the ids");
+    }
+    for (std::size_t list = 0; list < lists; ++list) {
+      r.read_array(std::span<half>(h.scores.data() + list * std::size_t(max_length_), l), "the scores");
+    }
+    r.read_array(std::span<std::int32_t>(h.counts), "the counts");
+    r.finish();
+    // A file with a valid checksum that was written wrong: what the primitives would index with.
+    for (std::size_t list = 0; list < lists; ++list) {
+      const std::int32_t count = h.counts[list];
+      KVSIFT_CHECK(count >= 0 && count <= length, where, "{}: list {} has count {}, outside [0, L = {}]", source, list,
+                   count, length);
+      const std::int32_t* ids = h.ids.data() + list * std::size_t(max_length_);
+      for (std::int32_t p = 0; p < count; ++p) {
+        KVSIFT_CHECK(ids[p] >= 0 && ids[p] < prompt, where, "{}: list {} entry {} has id {}, outside [0, N = {})",
+                     source, list, p, ids[p], prompt);
+      }
+    }
+    return h;
+  }
+
   ScoreTablesView<std::int32_t> tables() {
     return {centroids_.data(),
             base_ids_.data(),
@@ -361,11 +669,10 @@ class Csattention {
             config_.split};
   }
   BaseTablesView base_tables(std::int32_t base) {
-    const std::size_t lists = std::size_t(table_heads()) * std::size_t(config_.subspaces * config_.centroids);
-    return {centroids_.data() + std::size_t(base) * lists * std::size_t(width()),
-            base_ids_.data() + std::size_t(base) * lists * std::size_t(max_length_),
-            base_scores_.data() + std::size_t(base) * lists * std::size_t(max_length_),
-            base_counts_.data() + std::size_t(base) * lists,
+    return {centroids_.data() + centroid_offset(base),
+            base_ids_.data() + entry_offset(base),
+            base_scores_.data() + entry_offset(base),
+            base_counts_.data() + count_offset(base),
             table_heads(),
             config_.subspaces,
             config_.centroids,
@@ -374,19 +681,15 @@ class Csattention {
             config_.split};
   }
 
-  /// Batch row b's base in slot `slot`: per table head, the k-means of its queries' sub-vectors (the queries of
-  /// the heads that read it, packed per subspace), then per chunk of lists the partial scores over the prompt and
-  /// their top L; the slot's overlay emptied.
-  void prepare_sequence(const PrefillInputs<T>& in, std::int32_t b, std::int32_t slot, std::int32_t length,
-                        const Context& ctx) {
-    constexpr const char* where = "Csattention::prepare";
-    KVSIFT_CHECK(in.attention.window.recent < length, where,
-                 "the recent window (R = {}) covers sequence {}'s whole prompt ({} tokens): nothing is left to index",
-                 in.attention.window.recent, b, length);
+  /// Batch row b's base in storage `base`: per table head, the k-means of its queries' sub-vectors (the queries
+  /// of the heads that read it, packed per subspace), then per chunk of lists the partial scores over the prompt
+  /// and their top L.
+  void build_base(const PrefillInputs<T>& in, std::int32_t b, std::int32_t base_index, std::int32_t length,
+                  const Context& ctx) {
     const std::int32_t heads = table_heads(), m = config_.subspaces, w = width(), d = limits_.head_dim;
     const std::int32_t heads_per_table = limits_.q_heads / heads, queries = in.queries.tokens;
     const std::int64_t points = std::int64_t(heads_per_table) * queries;
-    const BaseTablesView base = base_tables(slot);
+    const BaseTablesView base = base_tables(base_index);
     const BatchedKMeansConfig kmeans{.clusters = config_.centroids,
                                      .iterations = config_.kmeans_iterations,
                                      .metric = KMeansMetric::cosine,
@@ -428,11 +731,6 @@ class Csattention {
                           std::span<std::byte>(store_ws.data(), store_ws.size()), ctx);
       }
     }
-    const std::size_t slot_lists = std::size_t(heads) * std::size_t(lists);
-    const std::vector<std::int32_t> zeros(slot_lists, 0);
-    copy_from_host(zeros.data(), slot_lists, evicted_.data() + std::size_t(slot) * slot_lists, ctx);
-    copy_from_host(zeros.data(), slot_lists, overlay_sizes_.data() + std::size_t(slot) * slot_lists, ctx);
-    copy_from_host(&slot, 1, slot_base_.data() + slot, ctx);
   }
 
   SelectorLimits limits_;
@@ -449,6 +747,9 @@ class Csattention {
   Array<std::int32_t> base_counts_, slot_base_, evicted_, overlay_ids_;
   Array<half> overlay_scores_;
   Array<std::int32_t> overlay_sizes_;
+  // The pool's bookkeeping: per storage, per slot the storage it reads (-1: none), mirrored in slot_base_.
+  std::vector<BaseInfo> base_info_;
+  std::vector<std::int32_t> host_slot_base_;
   // Search period > 1: the searched selection per batch row, where each row's window began at the search, and
   // the identity map of batch rows (append_range indexes `first` by slot).
   Array<std::int32_t> kept_, kept_counts_, first_, rows_;
