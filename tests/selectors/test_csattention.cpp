@@ -330,6 +330,55 @@ TEST_P(CpuCsattention, SearchPeriodReusesTheSelectionAndAddsWhatLeftTheWindow) {
   });
 }
 
+TEST_P(CpuCsattention, KMeansTrainsOnEverySthQueryAndTheMiniBatchOption) {
+  // max_points_per_centroid caps a problem's points near C * max (C = 6): the centroids must be those of the same
+  // selector without the cap over a prefill holding only every s-th query, s = floor(pooled / (C * max)).
+  SCOPED_TRACE(seed);
+  const std::int32_t group = std::get<0>(GetParam());
+  CtkvrProblem p(rng, 2 * group, 2, 120, 40);
+  const std::int32_t per_table = std::get<1>(GetParam()) == CsattentionTables::per_kv_head ? group : 1;
+  const std::int32_t most = per_table == 1 ? 2 : 5;  // s = 3 (14 queries kept) or 5 (8 kept): at least C
+  const std::int32_t stride = per_table * p.queries / (6 * most), kept = (p.queries + stride - 1) / stride;
+  ASSERT_GT(stride, 1);
+  CsattentionConfig capped = small_config(GetParam(), 0.5), whole = capped;
+  capped.max_points_per_centroid = most;
+  whole.max_points_per_centroid = 0;
+  Selector a(p.limits(), capped), b(p.limits(), whole);
+  a.prepare(p.prefill(), {});
+  std::vector<half> sampled;
+  for (std::int32_t h = 0; h < p.q_heads; ++h) {
+    for (std::int32_t t = 0; t < p.queries; t += stride) {
+      const half* row = p.prefill_q.data() + (std::size_t(h) * p.queries + t) * p.head_dim;
+      sampled.insert(sampled.end(), row, row + p.head_dim);
+    }
+  }
+  PrefillInputs<half> strided = p.prefill();
+  strided.queries = SequenceView<const half>::packed(sampled.data(), 1, p.q_heads, kept, p.head_dim);
+  b.prepare(strided, {});
+  const auto ta = a.index_tables(), tb = b.index_tables();
+  const std::size_t centroids = std::size_t(ta.table_heads) * 8 * 6 * ta.width;
+  ASSERT_EQ(std::memcmp(ta.centroids, tb.centroids, centroids * sizeof(float)), 0);
+  ASSERT_EQ(std::memcmp(ta.base_ids, tb.base_ids, std::size_t(ta.table_heads) * 8 * 6 * ta.length * 4), 0);
+  // Mini-batch: a batch at least the problem's points is the full batch, bit for bit; a small one moves the
+  // centroids elsewhere, still unit norm.
+  const auto centroids_of = [&](std::int32_t batch) {
+    CsattentionConfig config = whole;
+    config.kmeans_batch = batch;
+    Selector selector(p.limits(), config);
+    selector.prepare(p.prefill(), {});
+    const float* c = selector.index_tables().centroids;
+    return std::vector<float>(c, c + centroids);
+  };
+  const std::vector<float> full = centroids_of(0), small = centroids_of(3);
+  ASSERT_EQ(centroids_of(per_table * p.queries), full);
+  ASSERT_NE(small, full);
+  for (std::size_t c = 0; c < small.size(); c += std::size_t(ta.width)) {
+    double norm = 0;
+    for (std::int32_t j = 0; j < ta.width; ++j) norm += double(small[c + j]) * small[c + j];
+    ASSERT_NEAR(norm, 1.0, 1e-5) << "centroid " << c / std::size_t(ta.width);
+  }
+}
+
 TEST_F(CpuCsattention, IndexBytesCountBaseAndOverlay) {
   const SelectorLimits limits{.max_slots = 2, .max_tokens = 1000, .q_heads = 8, .kv_heads = 2, .head_dim = 64};
   for (const auto tables : {CsattentionTables::per_query_head, CsattentionTables::per_kv_head}) {
@@ -356,6 +405,10 @@ TEST_F(CpuCsattention, BadConfigurationsAndPrefillsAreRefused) {
                      "config.probes (= 5) is outside [1, min(centroids = 4, 64)]");
   test::expect_error([&] { Selector(p.limits(), {.centroids = 0}); }, "config.centroids (C = 0) must be positive");
   test::expect_error([&] { Selector(p.limits(), {.overlay_capacity = 0}); }, "config.overlay_capacity (= 0) must be positive");
+  test::expect_error([&] { Selector(p.limits(), {.max_points_per_centroid = -1}); },
+                     "config.max_points_per_centroid (= -1) must be >= 0 (0: every query)");
+  test::expect_error([&] { Selector(p.limits(), {.kmeans_batch = -2}); },
+                     "config.kmeans_batch (= -2) must be >= 0 (0: full batch)");
   test::expect_error([&] { Selector(p.limits(), {.search_period = 0}); }, "config.search_period (P = 0) must be >= 1");
   test::expect_error([&] { Selector(p.limits(), {.budget = 200}); }, "config.budget (= 200) is outside [0, limits.max_tokens = 116]");
   // C above the prefill queries (8 here).

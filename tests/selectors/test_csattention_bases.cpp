@@ -319,9 +319,9 @@ TEST_P(CpuCsattentionFiles, RefusedFilesNameWhatDiffersAndChangeNothing) {
     expect_error([&] { load(target, bad, {0, 1}); }, {"kvsift::Csattention::load_base: stream: " + message});
     ASSERT_EQ(raw_state(target), state) << "a refused load changed the selector: " << message;
   };
-  // The layout: 80 bytes of framing and fields, the centroids, ids and scores of L = 30 per list, counts, CRC.
+  // The layout: 88 bytes of framing and fields, the centroids, ids and scores of L = 30 per list, counts, CRC.
   const std::size_t heads = tables == CsattentionTables::per_kv_head ? 2 : 4, lists = heads * 8 * 6;
-  const std::size_t centroids = 80, ids = centroids + lists * 4 * 4, scores = ids + lists * 30 * 4,
+  const std::size_t centroids = 88, ids = centroids + lists * 4 * 4, scores = ids + lists * 30 * 4,
                     counts = scores + lists * 30 * 2;
   ASSERT_EQ(file.size(), counts + lists * 4 + 4);
 
@@ -371,12 +371,16 @@ TEST_P(CpuCsattentionFiles, RefusedFilesNameWhatDiffersAndChangeNothing) {
   refused(with([](CsattentionConfig& x) { x.seed = 7; }), "config.seed differs: the file has 7, expected 0");
   refused(with([](CsattentionConfig& x) { x.kmeans_iterations = 3; }),
           "config.kmeans_iterations differs: the file has 3, expected 10");
+  refused(with([](CsattentionConfig& x) { x.max_points_per_centroid = 64; }),
+          "config.max_points_per_centroid differs: the file has 64, expected 256");
+  refused(with([](CsattentionConfig& x) { x.kmeans_batch = 16; }),
+          "config.kmeans_batch differs: the file has 16, expected 0");
   // A prompt of 200 tokens (L = 50) from a selector for longer sequences: above this one's L_max = 0.25 * 136.
   refused(file_of(CtkvrProblem(rng, 4, 2, 200, 16), config(tables)),
           "the list length (L = 50) is outside [1, this selector's L_max = 34]");
   // Files written wrong, with a valid checksum.
-  refused(rewritten(file, 72, 137), "the prompt length (N = 137) is outside [1, limits.max_tokens = 136]");
-  refused(rewritten(file, 76, 29), "the list length L of the prompt length N differs: the file has 29, expected 30");
+  refused(rewritten(file, 80, 137), "the prompt length (N = 137) is outside [1, limits.max_tokens = 136]");
+  refused(rewritten(file, 84, 29), "the list length L of the prompt length N differs: the file has 29, expected 30");
   refused(rewritten(file, counts + 4, 31), "list 1 has count 31, outside [0, L = 30]");
   refused(rewritten(file, ids + 30 * 4 + 8, 120), "list 1 entry 2 has id 120, outside [0, N = 120)");
 

@@ -152,8 +152,10 @@ std::vector<BasicSelectorEntry<Context>> csattention_variants() {
       entry("CS per q head", [](CsattentionConfig& c) { c.tables = CsattentionTables::per_query_head; }),
       entry("CS probes 2", [](CsattentionConfig& c) { c.probes = 2; }),
   };
-  for (const double alpha : {0.05, 0.1, 0.25, 0.4}) {
-    out.push_back(entry(fmt::format("CS alpha {}", alpha), [alpha](CsattentionConfig& c) { c.list_fraction = alpha; }));
+  for (const double alpha : {0.05, 0.1, 0.2, 0.25, 0.4}) {
+    if (alpha != CsattentionConfig{}.list_fraction) {  // the default is the "CSAttention" entry
+      out.push_back(entry(fmt::format("CS alpha {}", alpha), [alpha](CsattentionConfig& c) { c.list_fraction = alpha; }));
+    }
     out.push_back(entry(fmt::format("CS per q head alpha {}", alpha), [alpha](CsattentionConfig& c) {
       c.tables = CsattentionTables::per_query_head;
       c.list_fraction = alpha;

@@ -31,7 +31,8 @@
 /// last), values little-endian, no padding:
 ///   int32 kv_heads, q_heads, head_dim, config.subspaces (m); uint32 config.split, config.tables (the enums'
 ///   values); int32 config.centroids (C), table_heads, width (head_dim / m); fp64 config.list_fraction; int32
-///   config.max_list_length; uint64 config.seed; int32 config.kmeans_iterations (the fields a loading selector
+///   config.max_list_length; uint64 config.seed; int32 config.kmeans_iterations, config.max_points_per_centroid,
+///   config.kmeans_batch (the fields a loading selector
 ///   must have, each compared)
 ///   int32 N (the prompt's length), L (list_length(N), the entries per list)
 ///   fp32 centroids [table_heads, m, C, width]
@@ -92,9 +93,19 @@ struct CsattentionConfig {
   SubspaceSplit split = SubspaceSplit::contiguous;   ///< rope_pairs keeps NeoX rotation pairs in one subspace
   CsattentionTables tables = CsattentionTables::per_kv_head;  ///< kvsift's choice, measured in docs/csattention.md
   std::int32_t centroids = 128;                      ///< C per subspace (the paper: 64, 128, 200)
-  std::int32_t kmeans_iterations = 10;               ///< Lloyd steps of the full-batch cosine k-means
+  std::int32_t kmeans_iterations = 10;               ///< Lloyd steps of the cosine k-means
+  /// k-means trains on at most about this many points per centroid and problem (FAISS's max_points_per_centroid;
+  /// kvsift's choice): with more pooled prefill queries Q than C times it, every s-th query of each head is used,
+  /// s = floor(Q / (C * max_points_per_centroid)), so a problem keeps between C * max and 2 * C * max points.
+  /// 0: every query.
+  std::int32_t max_points_per_centroid = 256;
+  /// Points drawn per Lloyd step and problem by mini-batch k-means (the paper's; BatchedKMeansConfig::batch_size);
+  /// 0: full batch (the default). Deterministic either way.
+  std::int32_t kmeans_batch = 0;
   std::uint64_t seed = 0;                            ///< k-means seeding; problem (table head t, subspace s) draws from seed + t * m + s
-  double list_fraction = 0.2;                        ///< alpha: L = floor(alpha * N) keys per list, N the prompt's length
+  /// alpha: L = floor(alpha * N) keys per list, N the prompt's length (the paper: "typically 0.2-0.4"; kvsift's
+  /// default from the sweep in docs/csattention.md: recall flat from 0.05 to 0.4, bytes and time linear in alpha)
+  double list_fraction = 0.1;
   std::int32_t max_list_length = 32768;              ///< the absolute cap on L (kvsift's choice)
   double keep_fraction = 0.05;                       ///< rho: K = floor(rho * length) tokens, the window's included
   /// When > 0, a fixed K = budget tokens per row, the window's included, in place of rho * length (equal budgets
@@ -382,6 +393,9 @@ class Csattention {
                  limits.head_dim, c.subspaces);
     KVSIFT_CHECK(c.centroids > 0, where, "config.centroids (C = {}) must be positive", c.centroids);
     KVSIFT_CHECK(c.kmeans_iterations >= 0, where, "config.kmeans_iterations (= {}) must be >= 0", c.kmeans_iterations);
+    KVSIFT_CHECK(c.max_points_per_centroid >= 0, where, "config.max_points_per_centroid (= {}) must be >= 0 (0: every query)",
+                 c.max_points_per_centroid);
+    KVSIFT_CHECK(c.kmeans_batch >= 0, where, "config.kmeans_batch (= {}) must be >= 0 (0: full batch)", c.kmeans_batch);
     KVSIFT_CHECK(c.list_fraction > 0 && c.list_fraction <= 1, where,
                  "config.list_fraction (alpha = {}) is outside (0, 1]", c.list_fraction);
     KVSIFT_CHECK(c.max_list_length > 0, where, "config.max_list_length (= {}) must be positive", c.max_list_length);
@@ -581,6 +595,8 @@ class Csattention {
     f("config.max_list_length", config_.max_list_length);
     f("config.seed", config_.seed);
     f("config.kmeans_iterations", config_.kmeans_iterations);
+    f("config.max_points_per_centroid", config_.max_points_per_centroid);
+    f("config.kmeans_batch", config_.kmeans_batch);
   }
 
   void write_base(const HostBase& h, std::ostream& out, const char* where) const {
@@ -681,43 +697,47 @@ class Csattention {
             config_.split};
   }
 
-  /// Batch row b's base in storage `base`: per table head, the k-means of its queries' sub-vectors (the queries
-  /// of the heads that read it, packed per subspace), then per chunk of lists the partial scores over the prompt
-  /// and their top L.
+  /// Batch row b's base in storage `base`: one batched k-means over every (table head, subspace) problem, whose
+  /// points are the sub-vectors of the queries of the heads that read the table (every s-th query, see
+  /// max_points_per_centroid), then per table head and chunk of lists the partial scores over the prompt and their
+  /// top L.
   void build_base(const PrefillInputs<T>& in, std::int32_t b, std::int32_t base_index, std::int32_t length,
                   const Context& ctx) {
     const std::int32_t heads = table_heads(), m = config_.subspaces, w = width(), d = limits_.head_dim;
-    const std::int32_t heads_per_table = limits_.q_heads / heads, queries = in.queries.tokens;
+    const std::int32_t heads_per_table = limits_.q_heads / heads;
+    const std::int64_t pooled = std::int64_t(heads_per_table) * in.queries.tokens;
+    const std::int64_t most = std::int64_t(config_.centroids) * config_.max_points_per_centroid;
+    const std::int32_t stride = most > 0 ? std::int32_t(std::max<std::int64_t>(1, pooled / most)) : 1;
+    const std::int32_t queries = (in.queries.tokens + stride - 1) / stride;  // per head, rows 0, s, 2s, ...
     const std::int64_t points = std::int64_t(heads_per_table) * queries;
+    const std::int32_t problems = heads * m;
     const BaseTablesView base = base_tables(base_index);
+    // Problem t * m + s draws from seed + t * m + s (BatchedKMeansConfig::seed).
     const BatchedKMeansConfig kmeans{.clusters = config_.centroids,
                                      .iterations = config_.kmeans_iterations,
                                      .metric = KMeansMetric::cosine,
-                                     .seed = 0,
-                                     .empty = EmptyCluster::reseed};
-    Array<T> packed(std::size_t(m) * std::size_t(points) * std::size_t(w));
-    Array<std::int32_t> assignment(std::size_t(m) * std::size_t(points));
-    Array<std::byte> kmeans_ws(batched_kmeans_workspace_bytes(m, points, w, kmeans, ctx));
+                                     .seed = config_.seed,
+                                     .empty = EmptyCluster::reseed,
+                                     .batch_size = config_.kmeans_batch};
+    Array<T> packed(std::size_t(problems) * std::size_t(points) * std::size_t(w));
+    Array<std::int32_t> assignment(std::size_t(problems) * std::size_t(points));
+    Array<std::byte> kmeans_ws(batched_kmeans_workspace_bytes(problems, points, w, kmeans, ctx));
+    const bool pairs = config_.split == SubspaceSplit::rope_pairs;
+    const std::int32_t run = pairs ? w / 2 : w;  // a subspace is one channel run (contiguous) or two (rope_pairs)
     for (std::int32_t t = 0; t < heads; ++t) {
       for (std::int32_t j = 0; j < heads_per_table; ++j) {
         const T* first = in.queries.row(b, t * heads_per_table + j, 0);
         for (std::int32_t s = 0; s < m; ++s) {
-          T* dst = packed.data() + (std::int64_t(s) * points + std::int64_t(j) * queries) * w;
-          // A subspace is one channel run (contiguous) or two of w / 2 (rope_pairs); copy_rows_within per run.
-          const bool pairs = config_.split == SubspaceSplit::rope_pairs;
-          const std::int32_t run = pairs ? w / 2 : w;
+          T* dst = packed.data() + (std::int64_t(t * m + s) * points + std::int64_t(j) * queries) * w;
           for (std::int32_t part = 0; part < (pairs ? 2 : 1); ++part) {
             const std::int32_t channel = subspace_channel(config_.split, s, part * run, w, d);
-            copy_rows_within(first + channel, in.queries.token_stride, dst + part * run, w, run, queries, ctx);
+            copy_rows_within(first + channel, in.queries.token_stride * stride, dst + part * run, w, run, queries, ctx);
           }
         }
       }
-      BatchedKMeansConfig head_kmeans = kmeans;
-      head_kmeans.seed = config_.seed + std::uint64_t(t) * std::uint64_t(m);
-      kmeans_batched(BatchedMatrixView<const T>::packed(packed.data(), m, points, w), nullptr, head_kmeans,
-                     base.centroids + std::int64_t(t) * m * config_.centroids * w, assignment.data(),
-                     std::span<std::byte>(kmeans_ws.data(), kmeans_ws.size()), ctx);
     }
+    kmeans_batched(BatchedMatrixView<const T>::packed(packed.data(), problems, points, w), nullptr, kmeans,
+                   base.centroids, assignment.data(), std::span<std::byte>(kmeans_ws.data(), kmeans_ws.size()), ctx);
     const std::int32_t lists = m * config_.centroids, chunk = std::min(config_.prepare_chunk, lists);
     const std::int32_t keep = list_length(length);
     Array<float> scores(std::size_t(chunk) * std::size_t(length));
