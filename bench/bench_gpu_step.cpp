@@ -54,10 +54,14 @@ const char* method_name(int m) {
 }
 
 /// CSAttention's list length at N tokens (defaults: alpha = 0.2, m = 8, C = 128, tables per kv head).
-double csattention_list(std::int64_t n) { return std::min(0.2 * double(n), 32768.0); }
+/// L at the default alpha, or at alpha_percent / 100 when it is not 0 (BM_Step's "alpha" argument).
+double csattention_list(std::int64_t n, std::int64_t alpha_percent = 0) {
+  const double alpha = alpha_percent > 0 ? double(alpha_percent) / 100 : kvsift::CsattentionConfig{}.list_fraction;
+  return std::min(std::floor(alpha * double(n)), 32768.0);
+}
 
 /// The bytes one step must read: the selector's index or keys, and the K/V rows it attends.
-double step_bytes(int method, std::int64_t n, int batch) {
+double step_bytes(int method, std::int64_t n, int batch, std::int64_t alpha_percent) {
   const double rows = double(batch) * kKvHeads;
   if (method == kCtkvr) {  // the centroids of every query head, the recalled keys (at most C' rho), the attended rows
     const double centroids = double(batch) * kQHeads * kCtkvrCentroids * kHeadDim * sizeof(bfloat16);
@@ -65,7 +69,7 @@ double step_bytes(int method, std::int64_t n, int batch) {
     return centroids + recalled + rows * (kCtkvrBudget + kWindow.sink + kWindow.recent) * kHeadDim * 2.0 * sizeof(bfloat16);
   }
   if (method == kCsattention) {  // each query head's 8 chosen lists (int32 id, fp16 score), the rho = 5% attended rows
-    const double lists = double(batch) * kQHeads * 8 * csattention_list(n) * 6;
+    const double lists = double(batch) * kQHeads * 8 * csattention_list(n, alpha_percent) * 6;
     return lists + rows * (0.05 * double(n) + kWindow.sink) * kHeadDim * 2.0 * sizeof(bfloat16);
   }
   const double attended = rows * (kBudget + kWindow.sink + kWindow.recent) * kHeadDim * 2.0 * sizeof(bfloat16);
@@ -125,15 +129,15 @@ struct Layer {
   }
 };
 
-int layers_for(int method, std::int64_t n, int batch) {
+int layers_for(int method, std::int64_t n, int batch, std::int64_t alpha_percent) {
   // A CTKVR layer also keeps its lists (kv_heads * C * 2.5 rho' int32 per sequence: 168 MB); a CSAttention layer
   // its tables (kv_heads * m * C lists of L entries, 6 bytes each, and a 1024-entry overlay: 1.3 GB at 128K).
   const double index_bytes =
       method == kCtkvr        ? double(batch) * kKvHeads * kCtkvrCentroids * 2.5 * kCtkvrBudget * 4
-      : method == kCsattention ? double(batch) * kKvHeads * 8 * 128 * (csattention_list(n) + 1024) * 6
+      : method == kCsattention ? double(batch) * kKvHeads * 8 * 128 * (csattention_list(n, alpha_percent) + 1024) * 6
                                : 0.0;
   const double cache_bytes = 2.0 * batch * kKvHeads * double(n) * kHeadDim * sizeof(bfloat16) + index_bytes;
-  const int wanted = int(std::ceil(double(std::size_t(256) << 20) / step_bytes(method, n, batch)));
+  const int wanted = int(std::ceil(double(std::size_t(256) << 20) / step_bytes(method, n, batch, alpha_percent)));
   const int fit = std::max(1, int(40e9 / cache_bytes));
   return std::clamp(wanted, 1, fit);
 }
@@ -150,7 +154,7 @@ void run_step_benchmark(benchmark::State& state, int method, Make make_selector)
   const bool pdl = state.range(3) != 0;
   std::unique_ptr<ProjectionGemm> between;
   if (state.range(4) != 0) between = std::make_unique<ProjectionGemm>(batch);
-  const int layers = layers_for(method, n, batch);
+  const int layers = layers_for(method, n, batch, state.range(7));
   std::vector<std::unique_ptr<Layer<Selector>>> stack;
   for (int l = 0; l < layers; ++l) {
     stack.push_back(std::make_unique<Layer<Selector>>(make_selector(), n, batch, pdl, 17 * l + 1));
@@ -210,7 +214,7 @@ void run_step_benchmark(benchmark::State& state, int method, Make make_selector)
     state.counters["union"] = sum / double(unions.size());
   }
   if (between) return;  // the pair's time is not the step's: no bandwidth counter
-  state.counters["GB/s"] = benchmark::Counter(step_bytes(method, n, batch) * double(state.iterations()),
+  state.counters["GB/s"] = benchmark::Counter(step_bytes(method, n, batch, state.range(7)) * double(state.iterations()),
                                               benchmark::Counter::kIsRate);
 }
 
@@ -230,23 +234,27 @@ void BM_Step(benchmark::State& state) {
     run_step_benchmark<Selector>(state, kCtkvr, [&] {
       return Selector(limits(n, batch), {.budget = kCtkvrBudget, .max_centroids = kCtkvrCentroids});
     });
-  } else {  // CSAttention at its defaults; search period P = range(5), reduce = range(6) (0 dense, 1 sort)
+  } else {  // CSAttention at its defaults; search period P = range(5), reduce = range(6) (0 dense, 1 sort), alpha
+            // range(7) percent (0: the default)
     using Selector = kvsift::Csattention<bfloat16, Cuda>;
     run_step_benchmark<Selector>(state, kCsattention, [&] {
       kvsift::CsattentionConfig config;
       config.search_period = std::int32_t(state.range(5));
       config.reduce = state.range(6) == 0 ? kvsift::CsattentionReduce::dense : kvsift::CsattentionReduce::sort;
+      if (state.range(7) > 0) config.list_fraction = double(state.range(7)) / 100;
       return Selector(limits(n, batch), config);
     });
   }
 }
 BENCHMARK(BM_Step)
-    ->ArgsProduct({{kQuest, kOracle}, {32768, 131072}, {1, 8}, {0, 1}, {0}, {1}, {0}})
-    ->ArgsProduct({{kQuest}, {32768, 131072}, {1, 8}, {0, 1}, {1}, {1}, {0}})
-    ->ArgsProduct({{kCtkvr}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0}})
-    ->ArgsProduct({{kCsattention}, {32768, 131072}, {1, 8}, {1}, {0}, {1, 4, 8}, {0}})
-    ->ArgsProduct({{kCsattention}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {1}})
-    ->ArgNames({"method", "N", "batch", "pdl", "between", "P", "sort"})
+    ->ArgsProduct({{kQuest, kOracle}, {32768, 131072}, {1, 8}, {0, 1}, {0}, {1}, {0}, {0}})
+    ->ArgsProduct({{kQuest}, {32768, 131072}, {1, 8}, {0, 1}, {1}, {1}, {0}, {0}})
+    ->ArgsProduct({{kCtkvr}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0}, {0}})
+    ->ArgsProduct({{kCsattention}, {32768, 131072}, {1, 8}, {1}, {0}, {1, 4, 8}, {0}, {0}})
+    ->ArgsProduct({{kCsattention}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {1}, {0}})
+    ->ArgsProduct({{kCsattention}, {131072}, {1, 8}, {0}, {0, 1}, {1}, {0}, {0}})  // PDL off; kernels between
+    ->ArgsProduct({{kCsattention}, {131072}, {1, 8}, {1}, {0}, {1}, {0}, {5, 20, 40}})  // the alpha sweep
+    ->ArgNames({"method", "N", "batch", "pdl", "between", "P", "sort", "alpha"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);
@@ -297,7 +305,7 @@ void BM_StepStage(benchmark::State& state) {
   const std::int64_t n = state.range(1);
   const int batch = int(state.range(2));
   const bool quest = stage <= kExpand || stage == kPrepare || stage == kSelectPages;
-  const int layers = layers_for(quest ? kQuest : kOracle, n, batch);
+  const int layers = layers_for(quest ? kQuest : kOracle, n, batch, 0);
   std::vector<std::unique_ptr<StageLayer>> stack;
   for (int l = 0; l < layers; ++l) stack.push_back(std::make_unique<StageLayer>(n, batch, 31 * l + 5));
   const std::int64_t rows = std::int64_t(batch) * kKvHeads;
