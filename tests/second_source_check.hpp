@@ -13,6 +13,8 @@
 /// Its memory is the context's: host vectors are copied in at construction with copy_to_context, which a GPU
 /// test defines for cuda::Context.
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -218,6 +220,31 @@ HostState two_source_reference(const std::vector<T>& q, std::int32_t q_heads, co
     }
   }
   return ref;
+}
+
+/// A step's state (O in O_T, LSE fp32) against the reference where kv row `bad_row` had a count outside its
+/// capacity: that row's query heads NaN in O and LSE, every other head within `o_tolerance` (O, absolute) and 1e-3
+/// relative (LSE). `group` query heads per kv row.
+template <class O_T>
+void expect_state_with_bad_row(const std::vector<O_T>& o, const std::vector<float>& lse, const HostState& ref,
+                               std::int32_t heads, std::int32_t group, std::int32_t head_dim, std::int32_t bad_row,
+                               float o_tolerance) {
+  for (std::int32_t head = 0; head < heads; ++head) {
+    const bool in_bad_row = head / group == bad_row;
+    for (std::int32_t c = 0; c < head_dim; ++c) {
+      const float got = to_float(o[std::size_t(head) * head_dim + c]);
+      if (in_bad_row) {
+        ASSERT_TRUE(std::isnan(got)) << "head " << head << " channel " << c;
+      } else {
+        ASSERT_NEAR(got, ref.o[std::size_t(head) * head_dim + c], o_tolerance) << "head " << head << " channel " << c;
+      }
+    }
+    if (in_bad_row) {
+      EXPECT_TRUE(std::isnan(lse[head])) << "head " << head;
+    } else {
+      EXPECT_NEAR(lse[head], ref.lse[head], 1e-3 * std::max(1.0f, std::abs(ref.lse[head]))) << "head " << head;
+    }
+  }
 }
 
 }  // namespace kvsift::test

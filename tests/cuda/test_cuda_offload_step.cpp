@@ -253,22 +253,7 @@ TEST_F(OffloadStep, WeightsAndBadCountRows) {
   const HostState ref = two_source_reference<T>(p.q, kQHeads, p.kv_values, kWindow, indices, counts, kBudget, &weights,
                                                 nullptr, slots, 1.0 / std::sqrt(double(kHeadDim)));
   const std::vector<float> o = d_o.download(), lse = d_lse.download();
-  for (std::int32_t head = 0; head < kBatch * kQHeads; ++head) {
-    const bool in_bad_row = head / (kQHeads / kKvHeads) == bad_row;
-    for (std::int32_t c = 0; c < kHeadDim; ++c) {
-      const float got = o[std::size_t(head) * kHeadDim + c];
-      if (in_bad_row) {
-        ASSERT_TRUE(std::isnan(got)) << "head " << head << " channel " << c;
-      } else {
-        ASSERT_NEAR(got, ref.o[std::size_t(head) * kHeadDim + c], 1e-3) << "head " << head << " channel " << c;
-      }
-    }
-    if (in_bad_row) {
-      EXPECT_TRUE(std::isnan(lse[head])) << "head " << head;
-    } else {
-      EXPECT_NEAR(lse[head], ref.lse[head], 1e-3 * std::max(1.0f, std::abs(ref.lse[head]))) << "head " << head;
-    }
-  }
+  expect_state_with_bad_row(o, lse, ref, kBatch * kQHeads, kQHeads / kKvHeads, kHeadDim, bad_row, 1e-3f);
 }
 
 // run() refuses inputs whose batches disagree or exceed the plan, a pool larger than the planned one, and a host

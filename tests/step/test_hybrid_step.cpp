@@ -171,22 +171,7 @@ TEST_F(HybridStep, WeightsAndBadCountRows) {
                                                 kBudget, &weights, nullptr, slots, 1.0 / std::sqrt(double(kHeadDim)));
   const std::vector<T> o = d_o.download();
   const std::vector<float> lse = d_lse.download();
-  for (std::int32_t head = 0; head < kBatch * kQHeads; ++head) {
-    const bool in_bad_row = head / (kQHeads / kKvHeads) == bad_row;
-    for (std::int32_t c = 0; c < kHeadDim; ++c) {
-      const float got = to_float(o[std::size_t(head) * kHeadDim + c]);
-      if (in_bad_row) {
-        ASSERT_TRUE(std::isnan(got)) << "head " << head << " channel " << c;
-      } else {
-        ASSERT_NEAR(got, ref.o[std::size_t(head) * kHeadDim + c], 5e-3) << "head " << head << " channel " << c;
-      }
-    }
-    if (in_bad_row) {
-      EXPECT_TRUE(std::isnan(lse[head])) << "head " << head;
-    } else {
-      EXPECT_NEAR(lse[head], ref.lse[head], 1e-3 * std::max(1.0f, std::abs(ref.lse[head]))) << "head " << head;
-    }
-  }
+  expect_state_with_bad_row(o, lse, ref, kBatch * kQHeads, kQHeads / kKvHeads, kHeadDim, bad_row, 5e-3f);
 }
 
 // The hybrid placement attends no second source: a selector with one is refused at construction, before any
