@@ -139,7 +139,7 @@ void HybridDecoder<T>::decode(const QueryView<const T>& q_device, const QueryVie
                "tokens it attends (all of them for a sequence shorter than its budget)");
   validate(host_kv, where, "host_kv", MemorySpace::host);
   KVSIFT_CHECK(is_pinned_host(host_kv), where,
-               "host_kv's K and V must be pinned host memory (cudaMallocHost or cudaHostRegister)");
+               "host_kv's K and V must be pinned host memory (cudaMallocHost or cudaHostRegister) or managed memory");
   if (c.validate_indices) {
     validate(selection, host_kv, where, "selection");
     check_selection_contents(selection, host_kv, where, "selection", /*refuse_duplicates=*/true, c.attention.window);

@@ -421,6 +421,12 @@ TEST_F(CpuCsattention, BadConfigurationsAndPrefillsAreRefused) {
   in.attention.window = {.sink = 0, .recent = 100};
   test::expect_error([&] { fine.prepare(in, {}); },
                      "the recent window (R = 100) covers sequence 0's whole prompt (100 tokens): nothing is left to index");
+  // A prompt longer than the selector's limits (its base could not be saved and loaded back).
+  SelectorLimits short_limits = p.limits();
+  short_limits.max_tokens = 99;
+  Selector small(short_limits, {.centroids = 4});
+  test::expect_error([&] { small.prepare(p.prefill(), {}); },
+                     "Csattention::prepare: sequence 0's prompt (100 tokens) exceeds limits.max_tokens (= 99)");
 }
 
 }  // namespace

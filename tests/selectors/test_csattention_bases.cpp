@@ -199,12 +199,11 @@ TEST_F(CpuCsattentionBases, ReprepareAndReleaseNeverTouchAnotherSlotsBase) {
   shared.prepare(in_slot(d, 1).prefill(), {});
   EXPECT_EQ(t.slot_base[1], first) << "the freed storage is the free one";
   expect_same_index(shared.selector(), 0, ref_c.selector(), 0, "slot 0 after slot 1's release and prepare");
-  // Both share slot 1's base, then leave; a release of a slot without a base is refused.
+  // Both share slot 1's base, then leave; releasing a slot without a base again changes nothing.
   shared.selector().share(1, std::vector<std::int32_t>{0}, {});
   EXPECT_EQ(t.slot_base[0], t.slot_base[1]);
   shared.release(std::vector<std::int32_t>{0, 1});
-  test::expect_error([&] { shared.release(std::vector<std::int32_t>{1}); },
-                     "Csattention::release: slots[0] (= 1) has no base: it was not prepared, shared or loaded");
+  shared.release(std::vector<std::int32_t>{1});
   // Every storage is free again: two new prompts get one each.
   CtkvrProblem e = in_slot(c, 1);
   shared.prepare(a.prefill(), {});
@@ -228,7 +227,6 @@ TEST_F(CpuCsattentionBases, BadSlotsAreRefusedAndChangeNothing) {
   expect_error([&] { s.share(0, V{1, -1}, {}); },
                "Csattention::share: slots[1] (= -1) is outside [0, limits.max_slots = 3)");
   expect_error([&] { s.release(V{5}); }, "Csattention::release: slots[0] (= 5) is outside [0, limits.max_slots = 3)");
-  expect_error([&] { s.release(V{0, 2}); }, "Csattention::release: slots[1] (= 2) has no base");
   expect_error([&] { s.release(V{0, 0}); }, "Csattention::release: slots lists slot 0 twice");
   expect_error([&] { saved(s, 1); }, "Csattention::save_base: slot (= 1) has no base");
   expect_error([&] { saved(s, 3); }, "Csattention::save_base: slot (= 3) is outside [0, limits.max_slots = 3)");

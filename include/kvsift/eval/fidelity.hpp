@@ -156,10 +156,12 @@ std::vector<BasicSelectorEntry<Context>> csattention_variants() {
     if (alpha != CsattentionConfig{}.list_fraction) {  // the default is the "CSAttention" entry
       out.push_back(entry(fmt::format("CS alpha {}", alpha), [alpha](CsattentionConfig& c) { c.list_fraction = alpha; }));
     }
-    out.push_back(entry(fmt::format("CS per q head alpha {}", alpha), [alpha](CsattentionConfig& c) {
-      c.tables = CsattentionTables::per_query_head;
-      c.list_fraction = alpha;
-    }));
+    if (alpha != CsattentionConfig{}.list_fraction) {  // the default is the "CS per q head" entry
+      out.push_back(entry(fmt::format("CS per q head alpha {}", alpha), [alpha](CsattentionConfig& c) {
+        c.tables = CsattentionTables::per_query_head;
+        c.list_fraction = alpha;
+      }));
+    }
   }
   return out;
 }

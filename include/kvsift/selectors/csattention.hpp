@@ -96,7 +96,7 @@ struct CsattentionConfig {
   std::int32_t kmeans_iterations = 10;               ///< Lloyd steps of the cosine k-means
   /// k-means trains on at most about this many points per centroid and problem (FAISS's max_points_per_centroid;
   /// kvsift's choice): with more pooled prefill queries Q than C times it, every s-th query of each head is used,
-  /// s = floor(Q / (C * max_points_per_centroid)), so a problem keeps between C * max and 2 * C * max points.
+  /// s = floor(Q / (C * max_points_per_centroid)), so a problem keeps about C * max to 2 * C * max points.
   /// 0: every query.
   std::int32_t max_points_per_centroid = 256;
   /// Points drawn per Lloyd step and problem by mini-batch k-means (the paper's; BatchedKMeansConfig::batch_size);
@@ -239,10 +239,12 @@ class Csattention {
     copy_to_host(context_lengths.data(), lengths.size(), lengths.data(), ctx);
     copy_to_host(in.slots, slots.size(), slots.data(), ctx);
     check_slots(where, "in.slots", slots);
-    for (std::int32_t b = 0; b < batch; ++b) {
+    for (std::int32_t b = 0; b < batch; ++b) {  // every refusal before the first row changes anything
       KVSIFT_CHECK(in.attention.window.recent < lengths[b], where,
                    "the recent window (R = {}) covers sequence {}'s whole prompt ({} tokens): nothing is left to index",
                    in.attention.window.recent, b, lengths[b]);
+      KVSIFT_CHECK(lengths[b] <= limits_.max_tokens, where, "sequence {}'s prompt ({} tokens) exceeds limits.max_tokens (= {})",
+                   b, lengths[b], limits_.max_tokens);
     }
     for (std::int32_t b = 0; b < batch; ++b) {
       const std::int32_t slot = slots[std::size_t(b)], length = lengths[std::size_t(b)];
@@ -266,12 +268,11 @@ class Csattention {
     joined(ctx);
   }
 
-  /// Sequences leave: the listed slots (distinct, each with a base) drop their bases; a base no slot reads is free.
-  /// Host bookkeeping only (no context: selectors/selector.hpp's release).
+  /// Sequences leave: the listed slots (distinct) drop their bases; a base no slot reads is free. A slot without a
+  /// base (never joined, or released before) has nothing to drop, as with every other selector's release. Host
+  /// bookkeeping only (no context: selectors/selector.hpp's release).
   void release(std::span<const std::int32_t> slots) {
-    constexpr const char* where = "Csattention::release";
-    check_slots(where, "slots", slots);
-    for (std::size_t i = 0; i < slots.size(); ++i) base_of(where, fmt::format("slots[{}]", i), slots[i]);
+    check_slots("Csattention::release", "slots", slots);
     for (const std::int32_t slot : slots) detach(slot);
   }
 
