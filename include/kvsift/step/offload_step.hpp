@@ -39,7 +39,9 @@
 /// Sync points: before the selector overwrites the pinned selection, the host waits for the previous step's copies
 /// of it (an event: normally long done). With config.validate_indices the selection is checked on the host, with no
 /// stream sync. Not graph-capturable: the search runs on the host every step and the copies are sized from its
-/// counts (the GPU work of a step is stream-ordered and could be, the search not).
+/// counts (the GPU work of a step is stream-ordered and could be, the search not). The step's device buffers are
+/// reused by every run and guarded by stream order alone: consecutive runs take the same stream (or the caller
+/// orders a new stream after the previous one).
 /// A selection row whose count is outside [0, capacity] (a primitive's -1) gathers nothing and gets NaN in O and LSE
 /// of its query heads, carried by the merge. Rows must be in the middle of their sequences, distinct, inside the
 /// host cache: a token outside it is not gathered (its staging slot keeps an older row), which validate_indices
