@@ -14,7 +14,10 @@
 // model do, so that what one call reads is not in L2 for the next: enough layers that the bytes a step reads
 // exceed 256 MB, as far as 40 GB of caches allow. Counters: layers, and GB/s of the bytes a step must read
 // (the selector's index or keys, and the selected and window K/V rows); CSAttention's `union`, the mean number of
-// distinct kept keys a row's chosen lists hold (once, after the timed steps).
+// distinct kept keys a row's chosen lists hold (once, after the timed steps). A²ATS (method 4) selects K = 3% of N
+// per query head over random codebooks (a2ats_bench_codebooks.hpp), united over the group (sort:0) or by the group's
+// maximum (sort:1); its GB/s counts the codes, the codebook and the rows attended, measured after the timed steps
+// (`selected`: the mean selection per kv head; `touched`: window + selection over N, the paper's sparsity).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -25,9 +28,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "a2ats_bench_codebooks.hpp"
 #include "gpu_bench.hpp"
 #include "projection_gemm.hpp"
 #include "kvsift/cuda/backend.hpp"
+#include "kvsift/selectors/a2ats.hpp"
 #include "kvsift/selectors/csattention.hpp"
 #include "kvsift/selectors/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
@@ -43,14 +48,14 @@ using Cuda = kvsift::cuda::Context;
 
 constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kBudget = 2048, kPageSize = 16;
 constexpr kvsift::AttentionWindow kWindow{4, 64};
-enum Method : int { kQuest = 0, kOracle = 1, kCtkvr = 2, kCsattention = 3 };
+enum Method : int { kQuest = 0, kOracle = 1, kCtkvr = 2, kCsattention = 3, kA2ats = 4 };
 /// CTKVR at the paper's defaults: rho' = 1024, rho = 2560, C = min(2048, N / 16), C' = 4.
 constexpr int kCtkvrBudget = 1024, kCtkvrCentroids = 2048;
 /// CSAttention's prefill queries (W >= C = 128).
 constexpr int kCsattentionQueries = 1024;
 
 const char* method_name(int m) {
-  return m == kQuest ? "Quest" : m == kOracle ? "OracleTopK" : m == kCtkvr ? "CTKVR" : "CSAttention";
+  return m == kQuest ? "Quest" : m == kOracle ? "OracleTopK" : m == kCtkvr ? "CTKVR" : m == kCsattention ? "CSAttention" : "A2ATS";
 }
 
 /// CSAttention's list length at N tokens (defaults: alpha = 0.2, m = 8, C = 128, tables per kv head).
@@ -67,6 +72,11 @@ double step_bytes(int method, std::int64_t n, int batch, std::int64_t alpha_perc
     const double centroids = double(batch) * kQHeads * kCtkvrCentroids * kHeadDim * sizeof(bfloat16);
     const double recalled = rows * 4.0 * 2.5 * kCtkvrBudget * kHeadDim * sizeof(bfloat16);
     return centroids + recalled + rows * (kCtkvrBudget + kWindow.sink + kWindow.recent) * kHeadDim * 2.0 * sizeof(bfloat16);
+  }
+  if (method == kA2ats) {  // codes, the codebook (bf16), and until measured a selection of 3% N per kv head
+    const double codebook = double(kKvHeads) * 4096 * kHeadDim * sizeof(bfloat16);
+    return rows * double(n) * 2 + codebook +
+           rows * (std::floor(0.03 * double(n)) + kWindow.sink + kWindow.recent) * kHeadDim * 2.0 * sizeof(bfloat16);
   }
   if (method == kCsattention) {  // each query head's 8 chosen lists (int32 id, fp16 score), the rho = 5% attended rows
     const double lists = double(batch) * kQHeads * 8 * csattention_list(n, alpha_percent) * 6;
@@ -135,6 +145,7 @@ int layers_for(int method, std::int64_t n, int batch, std::int64_t alpha_percent
   const double index_bytes =
       method == kCtkvr        ? double(batch) * kKvHeads * kCtkvrCentroids * 2.5 * kCtkvrBudget * 4
       : method == kCsattention ? double(batch) * kKvHeads * 8 * 128 * (csattention_list(n, alpha_percent) + 1024) * 6
+      : method == kA2ats       ? double(batch) * kKvHeads * double(n) * 2 + double(n) * kHeadDim * 4
                                : 0.0;
   const double cache_bytes = 2.0 * batch * kKvHeads * double(n) * kHeadDim * sizeof(bfloat16) + index_bytes;
   const int wanted = int(std::ceil(double(std::size_t(256) << 20) / step_bytes(method, n, batch, alpha_percent)));
@@ -213,9 +224,26 @@ void run_step_benchmark(benchmark::State& state, int method, Make make_selector)
     for (const std::int32_t u : unions) sum += u;
     state.counters["union"] = sum / double(unions.size());
   }
+  double bytes = step_bytes(method, n, batch, state.range(7));
+  if constexpr (std::is_same_v<Selector, kvsift::A2ats<bfloat16, Cuda>>) {
+    // The last step's selection sizes (in the workspace until the next run), then the bytes with them.
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    const kvsift::SelectionView selection =
+        stack.front()->step.selection({workspace.ptr, stack.front()->step.workspace_bytes()}, batch);
+    std::vector<std::int32_t> counts(std::size_t(batch) * kKvHeads);
+    KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), selection.counts, counts.size() * sizeof(std::int32_t),
+                                 cudaMemcpyDeviceToHost));
+    double selected = 0;
+    for (const std::int32_t c : counts) selected += c;
+    selected /= double(counts.size());
+    state.counters["selected"] = selected;
+    state.counters["touched"] = (selected + kWindow.sink + kWindow.recent) / double(n);
+    const double rows = double(batch) * kKvHeads;
+    bytes = rows * double(n) * 2 + double(kKvHeads) * 4096 * kHeadDim * sizeof(bfloat16) +
+            rows * (selected + kWindow.sink + kWindow.recent) * kHeadDim * 2.0 * sizeof(bfloat16);
+  }
   if (between) return;  // the pair's time is not the step's: no bandwidth counter
-  state.counters["GB/s"] = benchmark::Counter(step_bytes(method, n, batch, state.range(7)) * double(state.iterations()),
-                                              benchmark::Counter::kIsRate);
+  state.counters["GB/s"] = benchmark::Counter(bytes * double(state.iterations()), benchmark::Counter::kIsRate);
 }
 
 void BM_Step(benchmark::State& state) {
@@ -233,6 +261,13 @@ void BM_Step(benchmark::State& state) {
     using Selector = kvsift::Ctkvr<bfloat16, Cuda>;
     run_step_benchmark<Selector>(state, kCtkvr, [&] {
       return Selector(limits(n, batch), {.budget = kCtkvrBudget, .max_centroids = kCtkvrCentroids});
+    });
+  } else if (state.range(0) == kA2ats) {  // K = 3% per query head; range(6): 0 union, 1 group maximum
+    using Selector = kvsift::A2ats<bfloat16, Cuda>;
+    run_step_benchmark<Selector>(state, kA2ats, [&] {
+      const kvsift::A2atsConfig config{.group_rule = state.range(6) == 0 ? kvsift::A2atsGroupRule::union_of_heads
+                                                                         : kvsift::A2atsGroupRule::group_max};
+      return Selector(limits(n, batch), config, a2ats_bench_codebooks(kKvHeads, kHeadDim), Cuda{});
     });
   } else {  // CSAttention at its defaults; search period P = range(5), reduce = range(6) (0 dense, 1 sort), alpha
             // range(7) percent (0: the default)
@@ -254,6 +289,8 @@ BENCHMARK(BM_Step)
     ->ArgsProduct({{kCsattention}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {1}, {0}})
     ->ArgsProduct({{kCsattention}, {131072}, {1, 8}, {0}, {0, 1}, {1}, {0}, {0}})  // PDL off; kernels between
     ->ArgsProduct({{kCsattention}, {131072}, {1, 8}, {1}, {0}, {1}, {0}, {5, 20, 40}})  // the alpha sweep
+    ->ArgsProduct({{kA2ats}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0, 1}, {0}})
+    ->ArgsProduct({{kA2ats}, {131072}, {1, 8}, {0}, {0, 1}, {1}, {0}, {0}})  // PDL off; kernels between
     ->ArgNames({"method", "N", "batch", "pdl", "between", "P", "sort", "alpha"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
@@ -462,6 +499,47 @@ BENCHMARK(BM_CsattentionPrepare)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->Iterations(2);
+
+/// A2ats::prepare of one sequence's layer: the code of each of the N keys of the 8 kv heads (4096 codewords, d 128),
+/// from the engine's pre-RoPE keys (pre:1) or from the post-RoPE cache rotated back (pre:0). Host wall clock of
+/// prepare and a synchronization; the target is 5 ms at 128K.
+void BM_A2atsPrepare(benchmark::State& state) {
+  const std::int64_t n = state.range(0);
+  const bool pre_rope = state.range(1) != 0;
+  const std::size_t elements = std::size_t(kKvHeads) * std::size_t(n) * kHeadDim;
+  Device<bfloat16> k(elements), v(elements), k_pre(pre_rope ? elements : 0);
+  Device<std::int32_t> lengths(1), slots(1);
+  fill_random(k.ptr, elements, 1);
+  fill_random(v.ptr, elements, 2);
+  if (pre_rope) fill_random(k_pre.ptr, elements, 3);
+  upload_full_batch(n, 1, lengths.ptr, slots.ptr);
+  kvsift::A2ats<bfloat16, Cuda> selector(limits(n, 1), {}, a2ats_bench_codebooks(kKvHeads, kHeadDim), Cuda{});
+  kvsift::PrefillInputs<bfloat16> in{
+      .cache = kvsift::ContiguousKVView<const bfloat16>::packed(k.ptr, v.ptr, 1, kKvHeads, std::int32_t(n), kHeadDim,
+                                                                lengths.ptr),
+      .slots = slots.ptr,
+      .attention = {.window = kWindow}};
+  if (pre_rope) {  // [batch, kv_heads, n, d]: the cache's layout
+    in.k_pre_rope = kvsift::SequenceView<const bfloat16>::packed(k_pre.ptr, 1, kKvHeads, std::int32_t(n), kHeadDim);
+  }
+  for (auto _ : state) {
+    const auto begin = std::chrono::steady_clock::now();
+    selector.prepare(in, Cuda{});
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
+  }
+  state.SetLabel("A2ATS prepare");
+  const kvsift::A2atsIndexBytes parts = selector.index_parts();
+  state.counters["codes_MB"] = double(parts.codes) / 1e6;
+  state.counters["codebooks_MB"] = double(parts.codebooks) / 1e6;
+  state.counters["rope_table_MB"] = double(parts.rope_table) / 1e6;
+}
+BENCHMARK(BM_A2atsPrepare)
+    ->ArgsProduct({{32768, 131072}, {0, 1}})
+    ->ArgNames({"N", "pre"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3);
 
 /// CTKVR in the paper's hybrid placement (step/ctkvr_hybrid_step.hpp): index and recall on the GPU, rerank and
 /// the selection's attention on `threads` host threads over a pinned host copy of the cache, the window (4 + 64)

@@ -2,7 +2,7 @@
 // attention captures; see include/kvsift/eval/fidelity.hpp for what is measured.
 //
 //   kvsift_fidelity [--backend cpu|cuda|both] [--positions N] [--prefill F] [--budgets 0.01,0.02,0.05]
-//                   [--plot-data FILE] [--csattention-variants] CAPTURE...
+//                   [--plot-data FILE] [--csattention-variants] [--a2ats NAME=CODEBOOKS]... CAPTURE...
 //
 // Prints per capture a line on the decoded range and the budget, then one markdown table with a row per
 // (layer, budget, selector). --backend picks where the selectors' decode steps run (eval/fidelity.hpp,
@@ -11,7 +11,9 @@
 // from the CPU's and by how much mass. --plot-data writes, per (capture, layer), a gnuplot data block (blocks
 // separated by two blank lines, each preceded by a "# panel NAME" line) of the first backend's rows: budget in
 // percent, then mass recall mean, p10 and p90 per selector (NaN where it refused), for bench/fidelity_plot.gp.
-// --csattention-variants adds CSAttention's variants (eval/fidelity.hpp csattention_variants).
+// --csattention-variants adds CSAttention's variants (eval/fidelity.hpp csattention_variants). Each --a2ats adds
+// A²ATS over a codebook file (kvsift_a2ats_codebook) labelled NAME (eval/fidelity.hpp a2ats_selectors; the first
+// one also with the group-maximum rule); the file must match each capture's shapes and RoPE.
 #include <fmt/format.h>
 
 #include <cstdio>
@@ -42,11 +44,37 @@ std::vector<double> parse_budgets(const std::string& list) {
   return out;
 }
 
+struct NamedCodebooks {
+  std::string name;
+  std::shared_ptr<const kvsift::A2atsCodebooks> codebooks;
+};
+
+/// The codebooks of each --a2ats NAME=PATH, refused unless they fit the capture's shapes and RoPE.
+std::vector<NamedCodebooks> load_codebooks(const std::vector<std::pair<std::string, std::string>>& files,
+                                           const kvsift::Capture& capture) {
+  kvsift::A2atsCodebookExpectation expected;
+  expected.q_heads = capture.q_heads;
+  expected.kv_heads = capture.kv_heads;
+  expected.head_dim = capture.head_dim;
+  expected.rope = capture.rope;
+  std::vector<NamedCodebooks> out;
+  for (const auto& [name, path] : files) {
+    out.push_back({name, std::make_shared<const kvsift::A2atsCodebooks>(kvsift::load_a2ats_codebooks(path, expected))});
+  }
+  return out;
+}
+
 /// The references, then the retrieval selectors (eval/fidelity.hpp), then the variants asked for.
 template <class Context>
-std::vector<kvsift::BasicSelectorEntry<Context>> all_selectors(bool csattention_variants) {
+std::vector<kvsift::BasicSelectorEntry<Context>> all_selectors(bool csattention_variants,
+                                                               const std::vector<NamedCodebooks>& a2ats) {
   auto entries = kvsift::reference_selectors<Context>();
   for (auto& method : kvsift::method_selectors<Context>()) entries.push_back(std::move(method));
+  for (std::size_t i = 0; i < a2ats.size(); ++i) {
+    for (auto& e : kvsift::a2ats_selectors<Context>(a2ats[i].name, a2ats[i].codebooks, i == 0)) {
+      entries.push_back(std::move(e));
+    }
+  }
   if (!csattention_variants) return entries;
   for (auto& variant : kvsift::csattention_variants<Context>()) entries.push_back(std::move(variant));
   return entries;
@@ -55,7 +83,7 @@ std::vector<kvsift::BasicSelectorEntry<Context>> all_selectors(bool csattention_
 int usage() {
   std::fprintf(stderr,
                "usage: kvsift_fidelity [--backend cpu|cuda|both] [--positions N] [--prefill F] [--budgets F,F,...] "
-               "[--plot-data FILE] [--csattention-variants] CAPTURE...\n");
+               "[--plot-data FILE] [--csattention-variants] [--a2ats NAME=CODEBOOKS]... CAPTURE...\n");
   return 2;
 }
 
@@ -66,6 +94,7 @@ int main(int argc, char** argv) {
   std::string backend = "cpu", plot_data;
   bool variants = false;
   std::vector<std::string> captures;
+  std::vector<std::pair<std::string, std::string>> a2ats;  // (name, codebook file)
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const bool has_value = i + 1 < argc;
@@ -82,6 +111,11 @@ int main(int argc, char** argv) {
       plot_data = argv[++i];
     } else if (arg == "--csattention-variants") {
       variants = true;
+    } else if (arg == "--a2ats" && has_value) {
+      const std::string value = argv[++i];
+      const std::size_t eq = value.find('=');
+      if (eq == std::string::npos || eq == 0 || eq + 1 == value.size()) return usage();
+      a2ats.emplace_back(value.substr(0, eq), value.substr(eq + 1));
     } else if (arg.starts_with("--")) {
       return usage();
     } else {
@@ -104,17 +138,20 @@ int main(int argc, char** argv) {
   }
 
   try {
-    const auto selectors = all_selectors<kvsift::cpu::Context>(variants);
-    std::vector<std::unique_ptr<kvsift::FidelityBackend>> owned;
-    if (backend != "cuda") owned.push_back(kvsift::fidelity_backend(selectors));
-#if defined(KVSIFT_WITH_CUDA)
-    if (backend != "cpu") owned.push_back(kvsift::cuda::fidelity_backend(all_selectors<kvsift::cuda::Context>(variants)));
-#endif
-    std::vector<kvsift::FidelityBackend*> backends;
-    for (const auto& b : owned) backends.push_back(b.get());
     std::string plot;  // the gnuplot blocks, one per (capture, layer)
     for (const auto& path : captures) {
       const kvsift::Capture capture = kvsift::read_capture(path);
+      const std::vector<NamedCodebooks> codebooks = load_codebooks(a2ats, capture);
+      const auto selectors = all_selectors<kvsift::cpu::Context>(variants, codebooks);
+      std::vector<std::unique_ptr<kvsift::FidelityBackend>> owned;
+      if (backend != "cuda") owned.push_back(kvsift::fidelity_backend(selectors));
+#if defined(KVSIFT_WITH_CUDA)
+      if (backend != "cpu") {
+        owned.push_back(kvsift::cuda::fidelity_backend(all_selectors<kvsift::cuda::Context>(variants, codebooks)));
+      }
+#endif
+      std::vector<kvsift::FidelityBackend*> backends;
+      for (const auto& b : owned) backends.push_back(b.get());
       fmt::print("\n### {}: {}, {} tokens, layers", capture.text_id, capture.model, capture.tokens);
       for (const auto& layer : capture.layers) fmt::print(" {}", layer.layer);
       fmt::print("\n\n");

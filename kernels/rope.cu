@@ -24,18 +24,24 @@ __global__ void rope_table_kernel(RopeConfig config, RopeTableView table) {
   }
 }
 
+/// Row b's rotation (a position or a signed delta) and whether it is one: launch_rope's RopeAmounts rule.
+__device__ bool row_rotation(const RopeAmounts& amounts, std::int64_t b, std::int64_t& rotation) {
+  const std::int64_t p = std::int64_t(amounts.values[b]) + amounts.offset;
+  rotation = amounts.kind == RopeAmountKind::to_target ? std::int64_t(amounts.target) - p : p;
+  return amounts.kind == RopeAmountKind::delta || p >= 0;
+}
+
 template <class T>
-__global__ void rope_kernel(RopeRows<T> rows, const std::int32_t* amounts, RopeTableView table, bool delta,
-                            bool inverse, double scale) {
+__global__ void rope_kernel(RopeRows<T> rows, RopeAmounts amounts, RopeTableView table, bool inverse, double scale) {
   const std::int32_t half = table.pairs();
   const std::int64_t total = rows.batch * rows.heads * half;
   for (std::int64_t e = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; e < total;
        e += std::int64_t(gridDim.x) * blockDim.x) {
     const std::int32_t i = std::int32_t(e % half);
     const std::int64_t vector = e / half, b = vector / rows.heads, h = vector % rows.heads;
-    const std::int32_t amount = amounts[b];
+    std::int64_t rotation = 0;
     float c = 0.0f, s = 0.0f;
-    const bool inside = (delta || amount >= 0) && rope_lookup(table, amount, inverse, i, c, s);
+    const bool inside = row_rotation(amounts, b, rotation) && rope_lookup(table, rotation, inverse, i, c, s);
     std::int32_t a = 0, pair_b = 0;
     rope_pair(table.layout, i, half, a, pair_b);
     T* v = rows.data + b * rows.batch_stride + h * rows.head_stride;
@@ -59,16 +65,16 @@ cudaError_t launch_build_rope_table(const RopeConfig& config, const RopeTableVie
 }
 
 template <class T>
-cudaError_t launch_rope(const RopeRows<T>& rows, const std::int32_t* amounts, const RopeTableView& table, bool delta,
-                        bool inverse, double scale, cudaStream_t stream) {
+cudaError_t launch_rope(const RopeRows<T>& rows, const RopeAmounts& amounts, const RopeTableView& table, bool inverse,
+                        double scale, cudaStream_t stream) {
   rope_kernel<T><<<grid_stride_blocks(rows.batch * rows.heads * table.pairs(), kThreads), kThreads, 0, stream>>>(
-      rows, amounts, table, delta, inverse, scale);
+      rows, amounts, table, inverse, scale);
   return cudaGetLastError();
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                        \
-  template cudaError_t launch_rope<T>(const RopeRows<T>&, const std::int32_t*, const RopeTableView&, bool, bool, \
-                                      double, cudaStream_t);
+  template cudaError_t launch_rope<T>(const RopeRows<T>&, const RopeAmounts&, const RopeTableView&, bool, double, \
+                                      cudaStream_t);
 KVSIFT_INSTANTIATE(float)
 KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)

@@ -4,7 +4,6 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -15,8 +14,6 @@ namespace kvsift::cuda::detail {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kEncodeRows = 32;       ///< keys per encode block: 16 row pairs
-constexpr int kEncodeCodewords = 64;  ///< codewords per encode tile: 16 threads x 4
 
 using kvsift::detail::vq_destination;
 using kvsift::detail::vq_scan_length;
@@ -91,18 +88,33 @@ __device__ void load_group_queries(const QueryView<const T>& q, std::int32_t b, 
 }
 
 /// This block's share (part of parts) of the tokens of (sequence b, kv head g): each code read once, written to the
-/// group's score rows through table(h, code).
+/// group's score rows through table(h, code), or with group_max their maximum (vq_group_max in head order) to the
+/// kv head's one row.
 template <class Table>
 __device__ void scan_tokens(const Table& table, std::int32_t codewords, std::int32_t b, std::int32_t g,
-                            std::int32_t group, std::int32_t q_heads, const VqCodesView<const std::uint16_t>& codes,
-                            const std::int32_t* slots, const std::int32_t* lengths, const MatrixView<float>& scores,
+                            std::int32_t group, const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
+                            const std::int32_t* lengths, const MatrixView<float>& scores, bool group_max,
                             std::int32_t part, std::int32_t parts) {
   const std::int32_t n = vq_scan_length(lengths[b], scores.cols, codes.max_tokens);
   const std::int32_t slot = slots[b];
   const bool valid = slot >= 0 && slot < codes.slots;
   const std::uint16_t* row = valid ? codes.row(slot, g) : nullptr;
-  float* out = scores.row(std::int64_t(b) * q_heads + std::int64_t(g) * group);
+  const std::int64_t kv_row = std::int64_t(b) * codes.kv_heads + g;
+  float* out = scores.row(group_max ? kv_row : kv_row * group);
   const std::int64_t stride = std::int64_t(parts) * blockDim.x;
+  if (group_max) {
+#pragma unroll 4
+    for (std::int64_t t = std::int64_t(part) * blockDim.x + threadIdx.x; t < n; t += stride) {
+      const std::int32_t code = valid ? std::int32_t(row[t]) : codewords;
+      float m = vq_nan();
+      if (code < codewords) {
+        m = table(0, code);
+        for (std::int32_t h = 1; h < group; ++h) m = kvsift::detail::vq_group_max(m, table(h, code));
+      }
+      out[t] = m;
+    }
+    return;
+  }
 #pragma unroll 4
   for (std::int64_t t = std::int64_t(part) * blockDim.x + threadIdx.x; t < n; t += stride) {
     const std::int32_t code = valid ? std::int32_t(row[t]) : codewords;
@@ -119,101 +131,6 @@ __global__ void codeword_norms(MatrixView<const float> centroids, float* norms) 
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (lane == 0) norms[warp] = sum;
-}
-
-/// Block (row tile, kv head h): z = k L for kEncodeRows keys, then every codeword tile against them. Thread
-/// (ty, tx) = (tid / 16, tid % 16) scores rows 2 ty, 2 ty + 1 against codewords tx + 16 u (u < 4) of each tile
-/// (conflict-free banks with the rows padded to D + 1), keeps its best, and the 16 tx lanes reduce by shuffle.
-template <class T, int D>
-__global__ void __launch_bounds__(kThreads)
-    encode_kernel(HeadsView<const T> keys, VqEncodeCodebook codebook, VqCodesView<std::uint16_t> codes,
-                  VqCodeDestination destination) {
-  extern __shared__ float smem[];
-  constexpr int kPitch = D + 1;
-  float* z_s = smem;                                  // [kEncodeRows, kPitch]
-  float* tile_s = z_s + kEncodeRows * kPitch;         // [kEncodeCodewords, kPitch]; the keys [kEncodeRows, D] first
-  float* offset_s = tile_s + kEncodeCodewords * kPitch;  // [kEncodeCodewords]
-  const std::int32_t h = blockIdx.y, count = codebook.codewords;
-  const std::int64_t r0 = std::int64_t(blockIdx.x) * kEncodeRows;
-  const int tid = int(threadIdx.x);
-
-  float* k_s = tile_s;
-  for (int i = tid; i < kEncodeRows * D; i += kThreads) {
-    const std::int64_t r = r0 + i / D;
-    k_s[i] = r < keys.batch ? to_float_device(keys.row(r, h)[i % D]) : 0.0f;
-  }
-  __syncthreads();
-  {
-    // Column j of z for rows rg, rg + groups, ...: z_j = sum_{i >= j} k_i L[i][j] in ascending i.
-    constexpr int kGroups = kThreads / D, kRowsPer = kEncodeRows / kGroups;
-    const int j = tid % D, rg = tid / D;
-    const float* transform = codebook.transform + std::int64_t(h) * D * D;
-    float acc[kRowsPer];
-#pragma unroll
-    for (int r = 0; r < kRowsPer; ++r) acc[r] = 0.0f;
-    for (int i = j; i < D; ++i) {
-      const float l = transform[i * D + j];
-#pragma unroll
-      for (int r = 0; r < kRowsPer; ++r) acc[r] = fmaf(k_s[(rg + r * kGroups) * D + i], l, acc[r]);
-    }
-#pragma unroll
-    for (int r = 0; r < kRowsPer; ++r) z_s[(rg + r * kGroups) * kPitch + j] = acc[r];
-  }
-
-  const int ty = tid / 16, tx = tid % 16;
-  float best[2] = {-INFINITY, -INFINITY};
-  std::int32_t best_code[2] = {0, 0};
-  const float* centroids = codebook.centroids + std::int64_t(h) * count * D;
-  const float* norms = codebook.norms + std::int64_t(h) * count;
-  for (std::int32_t c0 = 0; c0 < count; c0 += kEncodeCodewords) {
-    __syncthreads();  // z_s written (first tile) / the previous tile consumed; k_s is dead after the first
-    for (int i = tid; i < kEncodeCodewords * D; i += kThreads) {
-      const std::int32_t c = c0 + i / D;
-      tile_s[(i / D) * kPitch + i % D] = c < count ? centroids[std::int64_t(c) * D + i % D] : 0.0f;
-    }
-    if (tid < kEncodeCodewords) offset_s[tid] = c0 + tid < count ? -0.5f * norms[c0 + tid] : 0.0f;
-    __syncthreads();
-    float acc[2][4] = {};
-#pragma unroll 8
-    for (int j = 0; j < D; ++j) {
-      const float z0 = z_s[(2 * ty) * kPitch + j], z1 = z_s[(2 * ty + 1) * kPitch + j];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const float w = tile_s[(tx + 16 * u) * kPitch + j];
-        acc[0][u] = fmaf(z0, w, acc[0][u]);
-        acc[1][u] = fmaf(z1, w, acc[1][u]);
-      }
-    }
-    // Ascending c within a thread and a strict >: the first (smallest) of equal scores stays.
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const std::int32_t c = c0 + tx + 16 * u;
-      if (c >= count) continue;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float s = acc[r][u] + offset_s[tx + 16 * u];
-        if (s > best[r]) best[r] = s, best_code[r] = c;
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-#pragma unroll
-    for (int offset = 8; offset > 0; offset /= 2) {
-      const float s = __shfl_xor_sync(0xffffffffu, best[r], offset);
-      const std::int32_t c = __shfl_xor_sync(0xffffffffu, best_code[r], offset);
-      if (s > best[r] || (s == best[r] && c < best_code[r])) best[r] = s, best_code[r] = c;
-    }
-  }
-  if (tx != 0) return;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const std::int64_t row = r0 + 2 * ty + r;
-    std::int32_t slot = 0, position = 0;
-    if (row < keys.batch && vq_destination(destination, codes, row, &slot, &position)) {
-      codes.row(slot, h)[position] = std::uint16_t(best_code[r]);
-    }
-  }
 }
 
 /// Block (codeword tile, kv head g, sequence b): the group's tables for kThreads codewords.
@@ -233,12 +150,12 @@ __global__ void __launch_bounds__(kThreads)
 /// Block (part, kv head g, sequence b) of the two-launch scan: tables read from global memory.
 __global__ void __launch_bounds__(kThreads)
     scan_kernel(MatrixView<const float> lut, std::int32_t q_heads, VqCodesView<const std::uint16_t> codes,
-                const std::int32_t* slots, const std::int32_t* lengths, MatrixView<float> scores) {
+                const std::int32_t* slots, const std::int32_t* lengths, MatrixView<float> scores, bool group_max) {
   const std::int32_t b = blockIdx.z, g = blockIdx.y, group = q_heads / codes.kv_heads;
   const float* first = lut.row(std::int64_t(b) * q_heads + std::int64_t(g) * group);
   const std::int64_t stride = lut.row_stride;
   const auto table = [&](std::int32_t h, std::int32_t code) { return __ldg(first + h * stride + code); };
-  scan_tokens(table, lut.cols, b, g, group, q_heads, codes, slots, lengths, scores, blockIdx.x, gridDim.x);
+  scan_tokens(table, lut.cols, b, g, group, codes, slots, lengths, scores, group_max, blockIdx.x, gridDim.x);
 }
 
 /// Block (part, kv head g, sequence b) of the fused form. The `cluster` blocks of a cluster (consecutive in x)
@@ -248,7 +165,7 @@ __global__ void __launch_bounds__(kThreads)
 template <class T, int D>
 __global__ void __launch_bounds__(kThreads)
     lut_scan_kernel(QueryView<const T> q, VqCodebook<T> codebook, VqCodesView<const std::uint16_t> codes,
-                    const std::int32_t* slots, const std::int32_t* lengths, MatrixView<float> scores,
+                    const std::int32_t* slots, const std::int32_t* lengths, MatrixView<float> scores, bool group_max,
                     std::int32_t cluster) {
   extern __shared__ float smem[];
   const std::int32_t b = blockIdx.z, g = blockIdx.y, group = q.heads / codebook.kv_heads;
@@ -281,7 +198,7 @@ __global__ void __launch_bounds__(kThreads)
 #endif
   __syncthreads();
   const auto table = [&](std::int32_t h, std::int32_t code) { return lut_s[std::int64_t(h) * count + code]; };
-  scan_tokens(table, count, b, g, group, q.heads, codes, slots, lengths, scores, blockIdx.x, gridDim.x);
+  scan_tokens(table, count, b, g, group, codes, slots, lengths, scores, group_max, blockIdx.x, gridDim.x);
 }
 
 /// Calls fn.template operator()<D>() for the supported head_dim (64 or 128; checked by the caller).
@@ -296,22 +213,6 @@ cudaError_t launch_vq_codeword_norms(const MatrixView<const float>& centroids, f
   const std::int64_t blocks = (centroids.rows * 32 + kThreads - 1) / kThreads;
   codeword_norms<<<unsigned(blocks), kThreads, 0, stream>>>(centroids, norms);
   return cudaGetLastError();
-}
-
-template <class T>
-cudaError_t launch_vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook,
-                             const VqCodesView<std::uint16_t>& codes, const VqCodeDestination& destination,
-                             cudaStream_t stream) {
-  return with_head_dim(keys.head_dim, [&]<int D>() {
-    constexpr auto kernel = encode_kernel<T, D>;
-    constexpr int kPitch = D + 1;
-    const std::size_t smem =
-        sizeof(float) * (kEncodeRows * kPitch + std::max(kEncodeCodewords * kPitch, kEncodeRows * D) + kEncodeCodewords);
-    if (cudaError_t s = open_shared_memory(kernel); s != cudaSuccess) return s;
-    const dim3 grid(unsigned((keys.batch + kEncodeRows - 1) / kEncodeRows), unsigned(keys.heads));
-    kernel<<<grid, kThreads, smem, stream>>>(keys, codebook, codes, destination);
-    return cudaGetLastError();
-  });
 }
 
 template <class T>
@@ -330,19 +231,19 @@ cudaError_t launch_vq_lut(const QueryView<const T>& q, const VqCodebook<T>& code
 
 cudaError_t launch_vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch,
                                 const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
-                                const std::int32_t* lengths, const MatrixView<float>& scores, const VqScanGrid& grid,
-                                cudaStream_t stream) {
+                                const std::int32_t* lengths, const MatrixView<float>& scores,
+                                const VqScanOptions& options, const VqScanGrid& grid, cudaStream_t stream) {
   const auto q_heads = std::int32_t(lut.rows / batch);
   scan_kernel<<<dim3(unsigned(grid.parts), unsigned(codes.kv_heads), unsigned(batch)), kThreads, 0, stream>>>(
-      lut, q_heads, codes, slots, lengths, scores);
+      lut, q_heads, codes, slots, lengths, scores, options.group_max);
   return cudaGetLastError();
 }
 
 template <class T>
 cudaError_t launch_vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook,
                                const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
-                               const std::int32_t* lengths, const MatrixView<float>& scores, const VqScanGrid& grid,
-                               cudaStream_t stream) {
+                               const std::int32_t* lengths, const MatrixView<float>& scores,
+                               const VqScanOptions& options, const VqScanGrid& grid, cudaStream_t stream) {
   return with_head_dim(q.head_dim, [&]<int D>() {
     constexpr auto kernel = lut_scan_kernel<T, D>;
     const std::size_t smem = vq_fused_smem_bytes(q.heads / codebook.kv_heads, codebook.codewords, D);
@@ -367,19 +268,17 @@ cudaError_t launch_vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>&
       config.attrs = &attribute;
       config.numAttrs = 1;
     }
-    return cudaLaunchKernelEx(&config, kernel, q, codebook, codes, slots, lengths, scores, cluster);
+    return cudaLaunchKernelEx(&config, kernel, q, codebook, codes, slots, lengths, scores, options.group_max, cluster);
   });
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                         \
-  template cudaError_t launch_vq_encode<T>(const HeadsView<const T>&, const VqEncodeCodebook&,                       \
-                                           const VqCodesView<std::uint16_t>&, const VqCodeDestination&, cudaStream_t); \
   template cudaError_t launch_vq_lut<T>(const QueryView<const T>&, const VqCodebook<T>&, const MatrixView<float>&,   \
                                         cudaStream_t);                                                                \
   template cudaError_t launch_vq_lut_scan<T>(const QueryView<const T>&, const VqCodebook<T>&,                        \
                                              const VqCodesView<const std::uint16_t>&, const std::int32_t*,            \
-                                             const std::int32_t*, const MatrixView<float>&, const VqScanGrid&,        \
-                                             cudaStream_t);
+                                             const std::int32_t*, const MatrixView<float>&, const VqScanOptions&,     \
+                                             const VqScanGrid&, cudaStream_t);
 KVSIFT_INSTANTIATE(float)
 KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)

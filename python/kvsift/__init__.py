@@ -154,7 +154,8 @@ class DecodeStep:
     prepare_chunk, budget_fraction, pin_prefill_centroids}: selectors/ctkvr.hpp's CtkvrConfig; 'csattention' {budget
     (tokens, the window's included; 0: keep_fraction of the length), keep_fraction, list_fraction, subspaces,
     centroids, probes, search_period, per_query_head, weight_by_norm, from_floor}: selectors/csattention.hpp's
-    CsattentionConfig), then sparse
+    CsattentionConfig; 'a2ats' {codebooks (a kvsift_a2ats_codebook file), layer, budget_fraction, max_budget,
+    group_max}: selectors/a2ats.hpp's A2atsConfig, the keys rotated back from the cache), then sparse
     attention of its selection and the window (sink, recent), planned once for
     up to max_batch rows and sequences of up to max_seq_len tokens; the workspace is allocated here, once.
 

@@ -21,6 +21,8 @@
 
 #include "kvsift/core/error.hpp"
 #include "kvsift/cpu/backend.hpp"
+#include "kvsift/selectors/a2ats.hpp"
+#include "kvsift/selectors/a2ats_codebook.hpp"
 #include "kvsift/selectors/csattention.hpp"
 #include "kvsift/selectors/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
@@ -651,11 +653,28 @@ std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
     sc.weight_by_norm = config_int(where, config, "weight_by_norm", sc.weight_by_norm ? 1 : 0) != 0;
     sc.from_floor = config_int(where, config, "from_floor", sc.from_floor ? 1 : 0) != 0;
     step = std::make_unique<StepOf<Csattention<T, Context>>>(Csattention<T, Context>(limits, sc), c, pool);
+  } else if (c.selector == "a2ats") {
+    // The codebook file (kvsift_a2ats_codebook) and the layer this step decodes; the file must match the step's
+    // shapes (its RoPE is the one the selector rotates with).
+    KVSIFT_CHECK(config.contains("codebooks"), where, "selector_config lacks 'codebooks' (a codebook file's path)");
+    const std::string path = nb::cast<std::string>(config.attr("pop")("codebooks"));
+    const std::int32_t layer = config_int(where, config, "layer", std::nullopt);
+    A2atsCodebookExpectation expected;
+    expected.q_heads = c.q_heads;
+    expected.kv_heads = c.kv_heads;
+    expected.head_dim = c.head_dim;
+    const A2atsCodebooks codebooks = load_a2ats_codebooks(path, expected);
+    A2atsConfig sc{};
+    sc.budget_fraction = config_float(config, "budget_fraction", sc.budget_fraction);
+    sc.max_budget = config_int(where, config, "max_budget", sc.max_budget);
+    if (config_int(where, config, "group_max", 0) != 0) sc.group_rule = A2atsGroupRule::group_max;
+    step = std::make_unique<StepOf<A2ats<T, Context>>>(A2ats<T, Context>(limits, sc, codebooks.layer(layer), Context{}),
+                                                       c, pool);
   } else if (c.selector == "streaming_llm") {
     step = std::make_unique<StepOf<StreamingLLM<T, Context>>>(StreamingLLM<T, Context>(limits), c, pool);
   } else {
     detail::throw_error(where, fmt::format("selector (= '{}') must be one of 'oracle_topk', 'quest', 'streaming_llm', "
-                                           "'ctkvr', 'csattention'",
+                                           "'ctkvr', 'csattention', 'a2ats'",
                                            c.selector));
   }
   KVSIFT_CHECK(nb::len(config) == 0, where, "selector_config has keys {} that {} does not take",

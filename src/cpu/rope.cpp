@@ -25,28 +25,34 @@ void rotate_vector(T* v, const RopeTableView& table, std::int64_t delta, bool in
   }
 }
 
-void check_positions(const char* where, const std::int32_t* positions, std::int64_t count, const RopeTableView& table) {
+/// Row r's position, positions[r] + offset, inside the table.
+void check_positions(const char* where, const std::int32_t* positions, std::int32_t offset, std::int64_t count,
+                     const RopeTableView& table) {
   for (std::int64_t r = 0; r < count; ++r) {
-    KVSIFT_CHECK(positions[r] >= 0 && positions[r] < table.positions, where,
-                 "positions[{}] (= {}) is outside the table's positions [0, {})", r, positions[r], table.positions);
+    const std::int64_t p = std::int64_t(positions[r]) + offset;
+    KVSIFT_CHECK(p >= 0 && p < table.positions, where,
+                 "positions[{}] + {} (= {}) is outside the table's positions [0, {})", r, offset, p, table.positions);
   }
 }
 
-void check_deltas(const char* where, const std::int32_t* deltas, std::int64_t count, const RopeTableView& table) {
+/// Row r's rotation, amount(r), a delta the table holds.
+template <class Amount>
+void check_deltas(const char* where, const Amount& amount, std::int64_t count, const RopeTableView& table) {
   for (std::int64_t r = 0; r < count; ++r) {
-    KVSIFT_CHECK(std::llabs(deltas[r]) < table.positions, where,
-                 "|deltas[{}]| (= |{}|) is not below the table's positions (= {})", r, deltas[r], table.positions);
+    KVSIFT_CHECK(std::llabs(amount(r)) < table.positions, where,
+                 "the rotation of row {} (= {} positions) is not below the table's positions (= {})", r, amount(r),
+                 table.positions);
   }
 }
 
-/// Rotates the heads of batch row b by amount[b] (a position or a delta).
-template <class T>
-void rotate_heads(const HeadsView<T>& x, const std::int32_t* amount, const RopeTableView& table, bool inverse,
-                  double scale, ThreadPool* pool) {
+/// Rotates the heads of batch row b by amount(b) (a position or a delta).
+template <class T, class Amount>
+void rotate_heads(const HeadsView<T>& x, const Amount& amount, const RopeTableView& table, bool inverse, double scale,
+                  ThreadPool* pool) {
   parallel_for(pool, std::int64_t(x.batch) * x.heads, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t e = begin; e < end; ++e) {
       const std::int64_t b = e / x.heads, h = e % x.heads;
-      rotate_vector(x.row(b, h), table, amount[b], inverse, scale);
+      rotate_vector(x.row(b, h), table, amount(b), inverse, scale);
     }
   });
 }
@@ -76,10 +82,17 @@ void build_rope_table(const RopeConfig& config, const RopeTableView& table, Thre
 template <class T>
 void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, const RopeTableView& table, bool inverse,
                 ThreadPool* pool) {
+  apply_rope(x, positions, 0, table, inverse, pool);
+}
+
+template <class T>
+void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
+                const RopeTableView& table, bool inverse, ThreadPool* pool) {
   constexpr const char* where = "cpu::apply_rope";
   kvsift::detail::check_rope_rows(where, x, positions, table, "positions");
-  check_positions(where, positions, x.batch, table);
-  rotate_heads(x, positions, table, inverse, forward_scale(table, inverse), pool);
+  check_positions(where, positions, position_offset, x.batch, table);
+  const auto position = [&](std::int64_t b) { return std::int64_t(positions[b]) + position_offset; };
+  rotate_heads(x, position, table, inverse, forward_scale(table, inverse), pool);
 }
 
 template <class T>
@@ -87,7 +100,7 @@ void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const 
                 ThreadPool* pool) {
   constexpr const char* where = "cpu::apply_rope";
   kvsift::detail::check_rope_rows(where, rows, positions, table, "positions");
-  check_positions(where, positions, rows.rows, table);
+  check_positions(where, positions, 0, rows.rows, table);
   const double scale = forward_scale(table, inverse);
   parallel_for(pool, rows.rows, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin; r < end; ++r) rotate_vector(rows.row(r), table, positions[r], inverse, scale);
@@ -98,14 +111,35 @@ template <class T>
 void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* deltas, const RopeTableView& table, ThreadPool* pool) {
   constexpr const char* where = "cpu::rotate_by_delta";
   kvsift::detail::check_rope_rows(where, x, deltas, table, "deltas");
-  check_deltas(where, deltas, x.batch, table);
-  rotate_heads(x, deltas, table, /*inverse=*/false, 1.0, pool);
+  const auto delta = [&](std::int64_t b) { return std::int64_t(deltas[b]); };
+  check_deltas(where, delta, x.batch, table);
+  rotate_heads(x, delta, table, /*inverse=*/false, 1.0, pool);
+}
+
+template <class T>
+void rotate_to_position(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
+                        std::int32_t target, const RopeTableView& table, ThreadPool* pool) {
+  constexpr const char* where = "cpu::rotate_to_position";
+  kvsift::detail::check_rope_rows(where, x, positions, table, "positions");
+  kvsift::detail::check_rope_target(where, target);
+  for (std::int64_t b = 0; b < x.batch; ++b) {
+    KVSIFT_CHECK(std::int64_t(positions[b]) + position_offset >= 0, where,
+                 "positions[{}] + {} (= {}) is a negative position", b, position_offset,
+                 std::int64_t(positions[b]) + position_offset);
+  }
+  const auto delta = [&](std::int64_t b) { return std::int64_t(target) - (std::int64_t(positions[b]) + position_offset); };
+  check_deltas(where, delta, x.batch, table);
+  rotate_heads(x, delta, table, /*inverse=*/false, 1.0, pool);
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                   \
   template void apply_rope<T>(const HeadsView<T>&, const std::int32_t*, const RopeTableView&, bool, ThreadPool*); \
   template void apply_rope<T>(const MatrixView<T>&, const std::int32_t*, const RopeTableView&, bool, ThreadPool*); \
-  template void rotate_by_delta<T>(const HeadsView<T>&, const std::int32_t*, const RopeTableView&, ThreadPool*);
+  template void apply_rope<T>(const HeadsView<T>&, const std::int32_t*, std::int32_t, const RopeTableView&, bool,   \
+                              ThreadPool*);                                                                        \
+  template void rotate_by_delta<T>(const HeadsView<T>&, const std::int32_t*, const RopeTableView&, ThreadPool*);   \
+  template void rotate_to_position<T>(const HeadsView<T>&, const std::int32_t*, std::int32_t, std::int32_t,        \
+                                      const RopeTableView&, ThreadPool*);
 KVSIFT_INSTANTIATE(float)
 KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)

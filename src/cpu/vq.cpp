@@ -75,16 +75,43 @@ void scan_row_scalar(const float* lut, std::int32_t codewords, const std::uint16
   for (std::int32_t t = 0; t < n; ++t) out[t] = codes[t] < codewords ? lut[codes[t]] : kNaN;
 }
 
-/// Scans the codes of (sequence b, kv head g) into the group's score rows; lut(h) is head h's table.
+/// out[t] = max over the group's tables of lut(u)[codes[t]] (vq_group_max in head order), NaN for a code past the
+/// codebook: one code read per token, the group's entries reduced in registers.
+template <class Lut>
+void scan_row_group_max(const Lut& lut, std::int32_t group, std::int32_t codewords, const std::uint16_t* codes,
+                        std::int32_t n, float* out) {
+  for (std::int32_t t = 0; t < n; ++t) {
+    const std::int32_t code = codes[t];
+    if (code >= codewords) {
+      out[t] = kNaN;
+      continue;
+    }
+    float m = lut(0)[code];
+    for (std::int32_t u = 1; u < group; ++u) m = kvsift::detail::vq_group_max(m, lut(u)[code]);
+    out[t] = m;
+  }
+}
+
+/// Scans the codes of (sequence b, kv head g) into the group's score rows, or its one row with group_max;
+/// lut(h) is head h's table.
 template <class Lut>
 void scan_group(const Lut& lut, std::int32_t codewords, std::int64_t b, std::int32_t g, std::int32_t group,
-                std::int32_t q_heads, const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
-                const std::int32_t* lengths, const MatrixView<float>& scores, bool avx512) {
+                const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots, const std::int32_t* lengths,
+                const MatrixView<float>& scores, const VqScanOptions& options, bool avx512) {
   const std::int32_t n = kvsift::detail::vq_scan_length(lengths[b], scores.cols, codes.max_tokens);
   const std::int32_t slot = slots[b];
   const bool valid = slot >= 0 && slot < codes.slots;
+  if (options.group_max) {
+    float* out = scores.row(b * codes.kv_heads + g);
+    if (!valid) {
+      std::fill_n(out, n, kNaN);
+    } else {
+      scan_row_group_max(lut, group, codewords, codes.row(slot, g), n, out);
+    }
+    return;
+  }
   for (std::int32_t u = 0; u < group; ++u) {
-    float* out = scores.row(b * q_heads + std::int64_t(g) * group + u);
+    float* out = scores.row((b * codes.kv_heads + g) * group + u);
     if (!valid) {
       std::fill_n(out, n, kNaN);
     } else if (avx512) {
@@ -184,14 +211,14 @@ void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const Ma
 
 void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch, const VqCodesView<const std::uint16_t>& codes,
                   const std::int32_t* slots, const std::int32_t* lengths, const MatrixView<float>& scores,
-                  ThreadPool* pool) {
+                  const VqScanOptions& options, ThreadPool* pool) {
   constexpr const char* where = "cpu::vq_code_scan";
   KVSIFT_CHECK(batch > 0 && lut.rows % batch == 0, where, "lut.rows (= {}) is not a positive multiple of batch (= {})",
                lut.rows, batch);
   const auto q_heads = std::int32_t(lut.rows / batch);
   kvsift::detail::check_vq_lut_shape(where, "lut", lut, batch, q_heads, lut.cols);
   kvsift::detail::check_vq_codewords(where, "lut.cols", lut.cols);
-  kvsift::detail::check_vq_scan(where, batch, q_heads, codes, slots, lengths, scores);
+  kvsift::detail::check_vq_scan(where, batch, q_heads, codes, slots, lengths, scores, options);
   const std::int32_t group = q_heads / codes.kv_heads;
   const bool avx512 = active_simd_level() == SimdLevel::avx512;
   parallel_for(pool, std::int64_t(batch) * codes.kv_heads, [&](std::int64_t begin, std::int64_t end) {
@@ -199,7 +226,7 @@ void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch, const 
       const std::int64_t b = item / codes.kv_heads;
       const auto g = std::int32_t(item % codes.kv_heads);
       const auto table = [&](std::int32_t u) { return lut.row(b * q_heads + std::int64_t(g) * group + u); };
-      scan_group(table, lut.cols, b, g, group, q_heads, codes, slots, lengths, scores, avx512);
+      scan_group(table, lut.cols, b, g, group, codes, slots, lengths, scores, options, avx512);
     }
   });
 }
@@ -223,10 +250,10 @@ std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads
 template <class T>
 void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
                  const std::int32_t* slots, const std::int32_t* lengths, const MatrixView<float>& scores,
-                 std::span<std::byte> workspace, ThreadPool* pool) {
+                 const VqScanOptions& options, std::span<std::byte> workspace, ThreadPool* pool) {
   constexpr const char* where = "cpu::vq_lut_scan";
   kvsift::detail::check_vq_query(where, q, codebook);
-  kvsift::detail::check_vq_scan(where, q.batch, q.heads, codes, slots, lengths, scores);
+  kvsift::detail::check_vq_scan(where, q.batch, q.heads, codes, slots, lengths, scores, options);
   KVSIFT_CHECK(codes.kv_heads == codebook.kv_heads, where, "codes.kv_heads (= {}) != codebook.kv_heads (= {})",
                codes.kv_heads, codebook.kv_heads);
   const std::int32_t group = q.heads / codebook.kv_heads, count = codebook.codewords;
@@ -243,7 +270,7 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
           const auto g = std::int32_t(item % codebook.kv_heads);
           group_lut<L>(q, b, g * group, group, codebook, g, lut, count);
           const auto table = [&](std::int32_t u) { return lut + std::int64_t(u) * count; };
-          scan_group(table, count, b, g, group, q.heads, codes, slots, lengths, scores, L == SimdLevel::avx512);
+          scan_group(table, count, b, g, group, codes, slots, lengths, scores, options, L == SimdLevel::avx512);
         }
       }
     });
@@ -255,8 +282,8 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
                              const VqCodeDestination&, std::span<std::byte>, ThreadPool*);                           \
   template void vq_lut<T>(const QueryView<const T>&, const VqCodebook<T>&, const MatrixView<float>&, ThreadPool*);  \
   template void vq_lut_scan<T>(const QueryView<const T>&, const VqCodebook<T>&, const VqCodesView<const std::uint16_t>&, \
-                               const std::int32_t*, const std::int32_t*, const MatrixView<float>&, std::span<std::byte>, \
-                               ThreadPool*);
+                               const std::int32_t*, const std::int32_t*, const MatrixView<float>&,                 \
+                               const VqScanOptions&, std::span<std::byte>, ThreadPool*);
 KVSIFT_INSTANTIATE(float)
 KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)

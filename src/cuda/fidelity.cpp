@@ -12,6 +12,8 @@ namespace kvsift {
 template std::vector<BasicSelectorEntry<cuda::Context>> reference_selectors<cuda::Context>();
 template std::vector<BasicSelectorEntry<cuda::Context>> method_selectors<cuda::Context>();
 template std::vector<BasicSelectorEntry<cuda::Context>> csattention_variants<cuda::Context>();
+template std::vector<BasicSelectorEntry<cuda::Context>> a2ats_selectors<cuda::Context>(
+    const std::string&, std::shared_ptr<const A2atsCodebooks>, bool);
 
 namespace cuda {
 namespace {

@@ -35,9 +35,15 @@ void build_rope_table(const RopeConfig& config, const RopeTableView& table, cuda
 template <class T>
 void apply_rope(const HeadsView<T>& x, const std::int32_t* d_positions, const RopeTableView& table, bool inverse,
                 cudaStream_t stream) {
+  apply_rope(x, d_positions, 0, table, inverse, stream);
+}
+
+template <class T>
+void apply_rope(const HeadsView<T>& x, const std::int32_t* d_positions, std::int32_t position_offset,
+                const RopeTableView& table, bool inverse, cudaStream_t stream) {
   kvsift::detail::check_rope_rows("cuda::apply_rope", x, d_positions, table, "d_positions");
-  KVSIFT_CUDA_CHECK(detail::launch_rope(heads_rows(x), d_positions, table, /*delta=*/false, inverse,
-                                        forward_scale(table, inverse), stream));
+  const detail::RopeAmounts amounts{.values = d_positions, .offset = position_offset};
+  KVSIFT_CUDA_CHECK(detail::launch_rope(heads_rows(x), amounts, table, inverse, forward_scale(table, inverse), stream));
 }
 
 template <class T>
@@ -45,21 +51,36 @@ void apply_rope(const MatrixView<T>& rows, const std::int32_t* d_positions, cons
                 cudaStream_t stream) {
   kvsift::detail::check_rope_rows("cuda::apply_rope", rows, d_positions, table, "d_positions");
   const detail::RopeRows<T> r{rows.data, rows.rows, 1, rows.row_stride, 0};
-  KVSIFT_CUDA_CHECK(
-      detail::launch_rope(r, d_positions, table, /*delta=*/false, inverse, forward_scale(table, inverse), stream));
+  KVSIFT_CUDA_CHECK(detail::launch_rope(r, {.values = d_positions}, table, inverse, forward_scale(table, inverse), stream));
 }
 
 template <class T>
 void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* d_deltas, const RopeTableView& table,
                      cudaStream_t stream) {
   kvsift::detail::check_rope_rows("cuda::rotate_by_delta", x, d_deltas, table, "d_deltas");
-  KVSIFT_CUDA_CHECK(detail::launch_rope(heads_rows(x), d_deltas, table, /*delta=*/true, /*inverse=*/false, 1.0, stream));
+  const detail::RopeAmounts amounts{.values = d_deltas, .kind = detail::RopeAmountKind::delta};
+  KVSIFT_CUDA_CHECK(detail::launch_rope(heads_rows(x), amounts, table, /*inverse=*/false, 1.0, stream));
+}
+
+template <class T>
+void rotate_to_position(const HeadsView<T>& x, const std::int32_t* d_positions, std::int32_t position_offset,
+                        std::int32_t target, const RopeTableView& table, cudaStream_t stream) {
+  constexpr const char* where = "cuda::rotate_to_position";
+  kvsift::detail::check_rope_rows(where, x, d_positions, table, "d_positions");
+  kvsift::detail::check_rope_target(where, target);
+  const detail::RopeAmounts amounts{.values = d_positions, .kind = detail::RopeAmountKind::to_target,
+                                    .offset = position_offset, .target = target};
+  KVSIFT_CUDA_CHECK(detail::launch_rope(heads_rows(x), amounts, table, /*inverse=*/false, 1.0, stream));
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                      \
   template void apply_rope<T>(const HeadsView<T>&, const std::int32_t*, const RopeTableView&, bool, cudaStream_t); \
   template void apply_rope<T>(const MatrixView<T>&, const std::int32_t*, const RopeTableView&, bool, cudaStream_t); \
-  template void rotate_by_delta<T>(const HeadsView<T>&, const std::int32_t*, const RopeTableView&, cudaStream_t);
+  template void apply_rope<T>(const HeadsView<T>&, const std::int32_t*, std::int32_t, const RopeTableView&, bool,    \
+                              cudaStream_t);                                                                        \
+  template void rotate_by_delta<T>(const HeadsView<T>&, const std::int32_t*, const RopeTableView&, cudaStream_t);    \
+  template void rotate_to_position<T>(const HeadsView<T>&, const std::int32_t*, std::int32_t, std::int32_t,         \
+                                      const RopeTableView&, cudaStream_t);
 KVSIFT_INSTANTIATE(float)
 KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)

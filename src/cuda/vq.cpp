@@ -8,6 +8,7 @@
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
+#include "kvsift/cuda/detail/vq_encode_launch.hpp"
 #include "kvsift/cuda/detail/vq_launch.hpp"
 
 namespace kvsift::cuda {
@@ -51,6 +52,17 @@ bool fused_fits(std::int32_t group, std::int32_t codewords, std::int32_t head_di
 
 MatrixView<const float> as_const(const MatrixView<float>& m) { return {m.data, m.rows, m.cols, m.row_stride}; }
 
+/// Blocks per (row group, kv head) of the few-rows encode: as many as give every SM one block, at most a portable
+/// cluster (sm_90; else 1) and one per 64-codeword stage of the codebook.
+std::int32_t encode_split(std::int64_t rows, std::int32_t kv_heads, std::int32_t codewords) {
+  if (compute_capability_major() < 9) return 1;
+  const std::int64_t pairs = (rows + detail::kVqEncodeGroupRows - 1) / detail::kVqEncodeGroupRows * kv_heads;
+  const std::int64_t stages = (std::int64_t(codewords) + detail::kVqEncodeChunk - 1) / detail::kVqEncodeChunk;
+  const std::int64_t split = std::min({std::int64_t(multiprocessor_count()) / pairs,
+                                       std::int64_t(detail::kVqEncodeMaxSplit), stages});
+  return std::int32_t(std::max<std::int64_t>(1, split));
+}
+
 }  // namespace
 
 void vq_codeword_norms(const MatrixView<const float>& centroids, float* d_norms, cudaStream_t stream) {
@@ -70,7 +82,14 @@ void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook,
                const VqCodeDestination& destination, std::span<std::byte>, cudaStream_t stream) {
   constexpr const char* where = "cuda::vq_encode";
   kvsift::detail::check_vq_encode(where, keys, codebook, codes);
-  KVSIFT_CUDA_CHECK(detail::launch_vq_encode(keys, codebook, codes, destination, stream));
+  KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(codebook.centroids) % 16 == 0, where,
+               "codebook.centroids ({}) is not 16-byte aligned", static_cast<const void*>(codebook.centroids));
+  if (keys.batch <= detail::kVqEncodeFewRows) {
+    KVSIFT_CUDA_CHECK(detail::launch_vq_encode_few(keys, codebook, codes, destination,
+                                                   encode_split(keys.batch, keys.heads, codebook.codewords), stream));
+    return;
+  }
+  KVSIFT_CUDA_CHECK(detail::launch_vq_encode_mma(keys, codebook, codes, destination, stream));
 }
 
 template <class T>
@@ -87,16 +106,16 @@ void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const Ma
 
 void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch, const VqCodesView<const std::uint16_t>& codes,
                   const std::int32_t* d_slots, const std::int32_t* d_lengths, const MatrixView<float>& scores,
-                  cudaStream_t stream) {
+                  const VqScanOptions& options, cudaStream_t stream) {
   constexpr const char* where = "cuda::vq_code_scan";
   KVSIFT_CHECK(batch > 0 && lut.rows % batch == 0, where, "lut.rows (= {}) is not a positive multiple of batch (= {})",
                lut.rows, batch);
   const auto q_heads = std::int32_t(lut.rows / batch);
   kvsift::detail::check_vq_lut_shape(where, "lut", lut, batch, q_heads, lut.cols);
   kvsift::detail::check_vq_codewords(where, "lut.cols", lut.cols);
-  kvsift::detail::check_vq_scan(where, batch, q_heads, codes, d_slots, d_lengths, scores);
+  kvsift::detail::check_vq_scan(where, batch, q_heads, codes, d_slots, d_lengths, scores, options);
   check_grid(where, batch);
-  KVSIFT_CUDA_CHECK(detail::launch_vq_code_scan(lut, batch, codes, d_slots, d_lengths, scores,
+  KVSIFT_CUDA_CHECK(detail::launch_vq_code_scan(lut, batch, codes, d_slots, d_lengths, scores, options,
                                                 scan_grid(batch, codes.kv_heads, scores.cols, 1), stream));
 }
 
@@ -120,10 +139,10 @@ std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads
 template <class T>
 void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
                  const std::int32_t* d_slots, const std::int32_t* d_lengths, const MatrixView<float>& scores,
-                 std::span<std::byte> workspace, cudaStream_t stream) {
+                 const VqScanOptions& options, std::span<std::byte> workspace, cudaStream_t stream) {
   constexpr const char* where = "cuda::vq_lut_scan";
   kvsift::detail::check_vq_query(where, q, codebook);
-  kvsift::detail::check_vq_scan(where, q.batch, q.heads, codes, d_slots, d_lengths, scores);
+  kvsift::detail::check_vq_scan(where, q.batch, q.heads, codes, d_slots, d_lengths, scores, options);
   KVSIFT_CHECK(codes.kv_heads == codebook.kv_heads, where, "codes.kv_heads (= {}) != codebook.kv_heads (= {})",
                codes.kv_heads, codebook.kv_heads);
   check_grid(where, q.batch);
@@ -133,7 +152,7 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
   const std::int32_t group = q.heads / codebook.kv_heads, count = codebook.codewords;
   if (fused_fits(group, count, q.head_dim)) {
     const std::int32_t cluster = compute_capability_major() >= 9 ? kFusedCluster : 1;
-    KVSIFT_CUDA_CHECK(detail::launch_vq_lut_scan(q, codebook, codes, d_slots, d_lengths, scores,
+    KVSIFT_CUDA_CHECK(detail::launch_vq_lut_scan(q, codebook, codes, d_slots, d_lengths, scores, options,
                                                  scan_grid(q.batch, codebook.kv_heads, scores.cols, cluster), stream));
     return;
   }
@@ -142,7 +161,7 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
   float* tables = layout.allocate<float>(entries, "vq_lut_scan tables");
   const auto lut = MatrixView<float>::packed(tables, std::int64_t(q.batch) * q.heads, count);
   KVSIFT_CUDA_CHECK(detail::launch_vq_lut(q, codebook, lut, stream));
-  KVSIFT_CUDA_CHECK(detail::launch_vq_code_scan(as_const(lut), q.batch, codes, d_slots, d_lengths, scores,
+  KVSIFT_CUDA_CHECK(detail::launch_vq_code_scan(as_const(lut), q.batch, codes, d_slots, d_lengths, scores, options,
                                                 scan_grid(q.batch, codebook.kv_heads, scores.cols, 1), stream));
 }
 
@@ -151,8 +170,8 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
                              const VqCodeDestination&, std::span<std::byte>, cudaStream_t);                          \
   template void vq_lut<T>(const QueryView<const T>&, const VqCodebook<T>&, const MatrixView<float>&, cudaStream_t); \
   template void vq_lut_scan<T>(const QueryView<const T>&, const VqCodebook<T>&, const VqCodesView<const std::uint16_t>&, \
-                               const std::int32_t*, const std::int32_t*, const MatrixView<float>&, std::span<std::byte>, \
-                               cudaStream_t);
+                               const std::int32_t*, const std::int32_t*, const MatrixView<float>&,                 \
+                               const VqScanOptions&, std::span<std::byte>, cudaStream_t);
 KVSIFT_INSTANTIATE(float)
 KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)

@@ -58,6 +58,8 @@ struct HostCopy {
 template std::vector<BasicSelectorEntry<cpu::Context>> reference_selectors<cpu::Context>();
 template std::vector<BasicSelectorEntry<cpu::Context>> method_selectors<cpu::Context>();
 template std::vector<BasicSelectorEntry<cpu::Context>> csattention_variants<cpu::Context>();
+template std::vector<BasicSelectorEntry<cpu::Context>> a2ats_selectors<cpu::Context>(
+    const std::string&, std::shared_ptr<const A2atsCodebooks>, bool);
 
 std::unique_ptr<FidelityBackend> fidelity_backend(std::vector<SelectorEntry> selectors, const cpu::Context& ctx) {
   return std::make_unique<detail::SelectorBackend<cpu::Context, HostCopy>>("cpu", std::move(selectors), ctx);

@@ -353,6 +353,50 @@ TEST_F(CpuRope, DeltasRotateAnAlreadyRotatedVector) {
   }
 }
 
+TEST_F(CpuRope, PositionOffsetsAndRotationToAFixedPositionFollowTheFp64Reference) {
+  // A²ATS's two rotations with the lengths as positions: the step's key at lengths[b] - 1 back to pre-RoPE
+  // (apply_rope inverse, offset -1), and the step's query from lengths[b] - 1 to the fixed position b
+  // (rotate_to_position), against core/rope.hpp's fp64 apply_rope; each equals the delta / plain form bit for bit.
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const std::int32_t batch = 6, heads = 4, d = 128, positions = 40000;
+  for (const auto& [name, c] : configs(96, RopeLayout::neox)) {
+    SCOPED_TRACE(name);
+    Table table(c, d, positions);
+    std::vector<std::int32_t> lengths(batch), last(batch), delta(batch);
+    const std::int32_t target = 2048, offset = -1;
+    for (int b = 0; b < batch; ++b) {
+      lengths[b] = b == 0 ? 1 : rng.uniform_int(1, positions);
+      last[b] = lengths[b] + offset;
+      delta[b] = target - last[b];
+    }
+    const auto pre = rng.normal(std::size_t(batch) * heads * d);
+    const auto view = [&](std::vector<float>& v) { return HeadsView<float>::packed(v.data(), batch, heads, d); };
+    // Keys: rotated to their positions in fp64, then undone from the lengths with offset -1.
+    auto keys = pre;
+    for (int b = 0; b < batch; ++b) {
+      for (int h = 0; h < heads; ++h) apply_rope(keys.data() + (std::size_t(b) * heads + h) * d, d, last[b], c);
+    }
+    auto plain = keys;
+    cpu::apply_rope(view(keys), lengths.data(), offset, table.view, true);
+    cpu::apply_rope(view(plain), last.data(), table.view, true);
+    ASSERT_EQ(std::memcmp(keys.data(), plain.data(), keys.size() * sizeof(float)), 0);
+    for (std::size_t e = 0; e < keys.size(); ++e) ASSERT_NEAR(keys[e], pre[e], 3e-6 * (1 + std::abs(pre[e]))) << e;
+    // Queries: post-RoPE at lengths - 1, rotated to the target: the fp64 rotation of the pre-RoPE query to it.
+    auto q = pre;
+    for (int b = 0; b < batch; ++b) {
+      for (int h = 0; h < heads; ++h) apply_rope(q.data() + (std::size_t(b) * heads + h) * d, d, last[b], c);
+    }
+    auto by_delta = q;
+    cpu::ThreadPool pool(3);
+    cpu::rotate_to_position(view(q), lengths.data(), offset, target, table.view, &pool);
+    cpu::rotate_by_delta(view(by_delta), delta.data(), table.view);
+    ASSERT_EQ(std::memcmp(q.data(), by_delta.data(), q.size() * sizeof(float)), 0);
+    auto want = pre;
+    for (std::size_t v = 0; v < want.size() / d; ++v) apply_rope(want.data() + v * d, d, target, c);
+    for (std::size_t e = 0; e < q.size(); ++e) ASSERT_NEAR(q[e], want[e], 4e-6 * (1 + std::abs(want[e]))) << e;
+  }
+}
+
 TEST_F(CpuRope, ResultsDoNotDependOnTheThreadCount) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   const auto c = configs(128, RopeLayout::neox)[3].config;
@@ -385,13 +429,24 @@ TEST(CpuRopeBadInput, RefusedWithTheirMessages) {
   for (const std::int32_t bad : {-1, 100}) {
     std::vector<std::int32_t> p{0, bad};
     test::expect_error([&] { cpu::apply_rope(heads, p.data(), table, false); },
-                       {"cpu::apply_rope", fmt::format("positions[1] (= {}) is outside the table's positions [0, 100)", bad)});
+                       {"cpu::apply_rope", fmt::format("positions[1] + 0 (= {}) is outside the table's positions [0, 100)", bad)});
     std::vector<std::int32_t> r{0, 1, bad, 2};
-    test::expect_error([&] { cpu::apply_rope(rows, r.data(), table, true); }, {fmt::format("positions[2] (= {})", bad)});
+    test::expect_error([&] { cpu::apply_rope(rows, r.data(), table, true); }, {fmt::format("positions[2] + 0 (= {})", bad)});
+    std::vector<std::int32_t> lengths{1, bad + 1};
+    test::expect_error([&] { cpu::apply_rope(heads, lengths.data(), -1, table, true); },
+                       {"cpu::apply_rope", fmt::format("positions[1] + -1 (= {}) is outside the table's positions", bad)});
   }
   std::vector<std::int32_t> deltas{-99, -100};
   test::expect_error([&] { cpu::rotate_by_delta(heads, deltas.data(), table); },
-                     {"cpu::rotate_by_delta", "|deltas[1]| (= |-100|) is not below the table's positions (= 100)"});
+                     {"cpu::rotate_by_delta", "the rotation of row 1 (= -100 positions) is not below the table's positions (= 100)"});
+  std::vector<std::int32_t> lengths{1, 121};  // rows at positions 0 and 120
+  test::expect_error([&] { cpu::rotate_to_position(heads, lengths.data(), -1, 20, table); },
+                     {"cpu::rotate_to_position", "the rotation of row 1 (= -100 positions)"});
+  test::expect_error([&] { cpu::rotate_to_position(heads, lengths.data(), -2, 20, table); },
+                     {"cpu::rotate_to_position", "positions[0] + -2 (= -1) is a negative position"});
+  test::expect_error([&] { cpu::rotate_to_position(heads, lengths.data(), -1, -3, table); },
+                     {"cpu::rotate_to_position", "target (= -3) must be >= 0"});
+  test::expect_error([&] { cpu::rotate_to_position(heads, nullptr, -1, 3, table); }, {"cpu::rotate_to_position", "positions is a null"});
   // The table.
   auto t = table;
   t.rotary_dim = 130;

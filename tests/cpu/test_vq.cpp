@@ -204,6 +204,30 @@ TEST(VqLut, TablesAreQueryDotCodeword) {
   }
 }
 
+/// VqScanOptions::group_max: each kv head's row is the maximum of its group's per-head rows (`per_head`, [batch *
+/// q_heads, cols]), NaN where any of them is NaN, the sentinel where they hold it (past the length).
+void expect_group_max(const std::vector<float>& per_head, const std::vector<float>& maxima, std::int32_t batch,
+                      std::int32_t q_heads, std::int32_t kv_heads, std::int32_t cols) {
+  const std::int32_t group = q_heads / kv_heads;
+  for (std::int64_t row = 0; row < std::int64_t(batch) * kv_heads; ++row) {
+    for (std::int32_t t = 0; t < cols; ++t) {
+      bool nan = false;
+      float best = -INFINITY;
+      for (std::int32_t u = 0; u < group; ++u) {
+        const float x = per_head[std::size_t((row * group + u) * cols + t)];
+        nan = nan || std::isnan(x);
+        best = std::max(best, x);
+      }
+      const float got = maxima[std::size_t(row * cols + t)];
+      if (nan) {
+        ASSERT_TRUE(std::isnan(got)) << "row " << row << " token " << t;
+      } else {
+        ASSERT_EQ(got, best) << "row " << row << " token " << t;
+      }
+    }
+  }
+}
+
 TEST(VqCodeScan, ScoresAreTableEntriesOfTheCodes) {
   Random rng(test::test_seed());
   cpu::ThreadPool pool(3);
@@ -217,8 +241,13 @@ TEST(VqCodeScan, ScoresAreTableEntriesOfTheCodes) {
       const ScanProblem sp(rng, batch, q_heads, kv_heads, codewords, cols, true);
       std::vector<float> scores(std::size_t(batch) * q_heads * cols, kScoreSentinel);
       cpu::vq_code_scan(sp.lut_view(), batch, sp.codes_view(), sp.slot_of.data(), sp.lengths.data(),
-                        MatrixView<float>::packed(scores.data(), std::int64_t(batch) * q_heads, cols), &pool);
+                        MatrixView<float>::packed(scores.data(), std::int64_t(batch) * q_heads, cols), {}, &pool);
       EXPECT_TRUE(test::same_bytes(scores, sp.expected(sp.lut)));
+      std::vector<float> maxima(std::size_t(batch) * kv_heads * cols, kScoreSentinel);
+      cpu::vq_code_scan(sp.lut_view(), batch, sp.codes_view(), sp.slot_of.data(), sp.lengths.data(),
+                        MatrixView<float>::packed(maxima.data(), std::int64_t(batch) * kv_heads, cols),
+                        {.group_max = true}, &pool);
+      expect_group_max(scores, maxima, batch, q_heads, kv_heads, cols);
     }
   }
 }
@@ -242,10 +271,18 @@ void check_lut_scan(Random& rng, std::int32_t batch, std::int32_t q_heads, std::
   test::check_workspace(
       cpu::vq_lut_scan_workspace_bytes(batch, q_heads, kv_heads, codewords, d, pool),
       [&](std::span<std::byte> ws) {
-        cpu::vq_lut_scan(qv, codebook, sp.codes_view(), sp.slot_of.data(), sp.lengths.data(), scores_view, ws, pool);
+        cpu::vq_lut_scan(qv, codebook, sp.codes_view(), sp.slot_of.data(), sp.lengths.data(), scores_view, {}, ws, pool);
       },
       [&] { return test::bytes_of(scores); }, [&] { std::fill(scores.begin(), scores.end(), kScoreSentinel); });
   EXPECT_TRUE(test::same_bytes(scores, want)) << "the fused scan differs from vq_lut then vq_code_scan";
+  // The group maximum: the same workspace; each code read once, the group's entries reduced.
+  std::vector<float> maxima(std::size_t(batch) * kv_heads * cols, kScoreSentinel);
+  cpu::Array<std::byte> ws(cpu::vq_lut_scan_workspace_bytes(batch, q_heads, kv_heads, codewords, d, pool));
+  std::memset(ws.data(), 0xff, ws.size());
+  cpu::vq_lut_scan(qv, codebook, sp.codes_view(), sp.slot_of.data(), sp.lengths.data(),
+                   MatrixView<float>::packed(maxima.data(), std::int64_t(batch) * kv_heads, cols), {.group_max = true},
+                   ws.bytes(), pool);
+  expect_group_max(scores, maxima, batch, q_heads, kv_heads, cols);
 }
 
 TEST(VqLutScan, EqualsTheTablesThenTheScan) {
@@ -276,7 +313,7 @@ TEST(VqCodeScan, Avx512GathersAndScalarLoadsAgreeAndAreTimed) {
     double best = 1e30;
     for (int rep = 0; rep < 5; ++rep) {
       const auto start = std::chrono::steady_clock::now();
-      cpu::vq_code_scan(sp.lut_view(), 1, sp.codes_view(), sp.slot_of.data(), lengths_full.data(), view);
+      cpu::vq_code_scan(sp.lut_view(), 1, sp.codes_view(), sp.slot_of.data(), lengths_full.data(), view, {});
       best = std::min(best, std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
     }
     std::printf("[ timing ] vq_code_scan %s, one thread, 128K tokens x 32 heads: %.0f us (%.2f GB/s written)\n",
@@ -338,23 +375,35 @@ TEST(VqBadInput, RefusedWithTheirMessages) {
   const auto table = MatrixView<const float>::packed(lut.data(), 16, 16);
   const auto cv = VqCodesView<const std::uint16_t>::packed(codes.data(), 2, 2, 10);
   test::expect_error(
-      [&] { cpu::vq_code_scan(table, 2, cv, slots, lengths, MatrixView<float>::packed(scores.data(), 15, 10)); },
+      [&] { cpu::vq_code_scan(table, 2, cv, slots, lengths, MatrixView<float>::packed(scores.data(), 15, 10), {}); },
       "scores.rows (= 15) != batch * q_heads (= 2 * 8)");
   test::expect_error(
-      [&] { cpu::vq_code_scan(table, 3, cv, slots, lengths, MatrixView<float>::packed(scores.data(), 16, 10)); },
+      [&] {
+        cpu::vq_code_scan(table, 2, cv, slots, lengths, MatrixView<float>::packed(scores.data(), 16, 10),
+                          {.group_max = true});
+      },
+      "scores.rows (= 16) != batch * kv_heads (options.group_max) (= 2 * 2)");
+  test::expect_error(
+      [&] { cpu::vq_code_scan(table, 3, cv, slots, lengths, MatrixView<float>::packed(scores.data(), 16, 10), {}); },
       "lut.rows (= 16) is not a positive multiple of batch (= 3)");
   test::expect_error(
-      [&] { cpu::vq_code_scan(table, 2, cv, nullptr, lengths, MatrixView<float>::packed(scores.data(), 16, 10)); },
+      [&] { cpu::vq_code_scan(table, 2, cv, nullptr, lengths, MatrixView<float>::packed(scores.data(), 16, 10), {}); },
       "slots and lengths must be non-null");
   test::expect_error(
       [&] {
         cpu::vq_lut_scan(qv, book, VqCodesView<const std::uint16_t>::packed(codes.data(), 1, 4, 10), slots, lengths,
-                         MatrixView<float>::packed(scores.data(), 16, 10), {});
+                         MatrixView<float>::packed(scores.data(), 16, 10), {}, {});
       },
       "codes.kv_heads (= 4) != codebook.kv_heads (= 2)");
+  test::expect_error(
+      [&] {
+        cpu::vq_lut_scan(qv, book, cv, slots, lengths, MatrixView<float>::packed(scores.data(), 16, 10),
+                         {.group_max = true}, {});
+      },
+      "scores.rows (= 16) != batch * kv_heads (options.group_max) (= 2 * 2)");
   test::expect_error([] { (void)cpu::vq_lut_scan_workspace_bytes(1, 6, 4, 16, 64, nullptr); },
                      "q_heads a multiple of kv_heads");
-  test::expect_error([&] { cpu::vq_lut_scan(qv, book, cv, slots, lengths, MatrixView<float>::packed(scores.data(), 16, 10), {}); },
+  test::expect_error([&] { cpu::vq_lut_scan(qv, book, cv, slots, lengths, MatrixView<float>::packed(scores.data(), 16, 10), {}, {}); },
                      "workspace too small");
 }
 

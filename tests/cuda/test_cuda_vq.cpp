@@ -1,7 +1,7 @@
 // CUDA codebook quantization, lookup tables and code scan (cuda/vq.hpp) against the fp64 references of
 // tests/vq_problem.hpp and against the CPU twins: codes the fp64 argmin and the CPU's except within the stated
 // epsilon of a tie; tables within fp32 rounding of fp64 and of the CPU's; scans of one table equal to the CPU's
-// bit for bit; the fused form equal to vq_lut then vq_code_scan bit for bit (one-launch form and the two-launch
+// bit for bit (per head and the group maximum); the fused form equal to vq_lut then vq_code_scan bit for bit (one-launch form and the two-launch
 // form of tables too large for shared memory). Prefill and append destinations, slots out of order, ragged and
 // clamped lengths, invalid codes and slots; outputs and workspaces poisoned; every call also captured in a CUDA
 // graph and replayed (workspace_check.hpp); refusals before any device call.
@@ -125,6 +125,34 @@ TEST_F(CudaVq, EncodeIsTheFp64ArgminAndTheCpus) {
   check_encode<half>(rng, 1, 4096, 64, 33);
   check_encode<bfloat16>(rng, 1, 4096, 128, 100);
   check_encode<half>(rng, 3, 256, 64, 130);
+  // Several blocks of 256 keys, the last one partial (the tensor-core kernel's row tiles).
+  check_encode<bfloat16>(rng, 2, 4096, 128, 600);
+  check_encode<half>(rng, 2, 64, 64, 530);
+  check_encode<float>(rng, 1, 1000, 128, 257);  // a partial last tile of 32 codewords
+}
+
+TEST_F(CudaVq, EncodeOfFewRowsIsTheFp64ArgminAndTheCpus) {
+  // Up to 256 rows the few-rows kernel runs: a cluster of blocks per (8 rows, kv head), each a slice of the
+  // codewords (8 kv heads: clusters of 8; 33 rows: 5 row groups, clusters of 3).
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const std::int32_t rows : {1, 3, 8, 33}) {
+    check_encode<bfloat16>(rng, 8, 4096, 128, rows);
+    check_encode<half>(rng, 8, 64, 64, rows);
+  }
+  check_encode<half>(rng, 2, 1000, 128, 3);     // slices of 125 codewords: partial 64-codeword stages
+  check_encode<float>(rng, 1, 4096, 64, 256);   // the most rows it takes: 32 row groups
+  check_encode<bfloat16>(rng, 3, 40, 128, 17);  // fewer codewords than one stage
+}
+
+TEST(CudaVqBadInput, EncodeRefusesUnalignedCentroids) {
+  // Host pointers stand in for device memory: the refusal comes before a device call reads them.
+  alignas(16) static float f[64];
+  alignas(16) static half h[64];
+  static std::uint16_t c[64];
+  const VqEncodeCodebook cb{f, f + 1, f, 2, 16, 64};
+  test::expect_error([&] { cuda::vq_encode(HeadsView<const half>::packed(h, 64, 2, 64), cb,
+                                           VqCodesView<std::uint16_t>::packed(c, 2, 2, 10), {}, {}, nullptr); },
+                     {"cuda::vq_encode: codebook.centroids (", ") is not 16-byte aligned"});
 }
 
 /// The key-space codebook rounded to T, [kv_heads, codewords, d].
@@ -190,7 +218,7 @@ TEST_F(CudaVq, CodeScanEqualsTheCpuBitForBit) {
     const std::int64_t rows = std::int64_t(batch) * q_heads;
     std::vector<float> want(std::size_t(rows) * cols, test::kScoreSentinel);
     cpu::vq_code_scan(sp.lut_view(), batch, sp.codes_view(), sp.slot_of.data(), sp.lengths.data(),
-                      MatrixView<float>::packed(want.data(), rows, cols));
+                      MatrixView<float>::packed(want.data(), rows, cols), {});
     EXPECT_TRUE(test::same_bytes(want, sp.expected(sp.lut)));
     DeviceBuffer<float> d_lut(sp.lut), d_scores(want.size());
     DeviceBuffer<std::uint16_t> d_codes(sp.codes);
@@ -202,10 +230,23 @@ TEST_F(CudaVq, CodeScanEqualsTheCpuBitForBit) {
           cuda::vq_code_scan(MatrixView<const float>::packed(d_lut.data(), rows, codewords), batch,
                              VqCodesView<const std::uint16_t>::packed(d_codes.data(), sp.slots, kv_heads, sp.max_tokens),
                              d_slots.data(), d_lengths.data(), MatrixView<float>::packed(d_scores.data(), rows, cols),
-                             stream);
+                             {}, stream);
         },
         download_all(d_scores), [&] { d_scores.upload(sentinel); });
     EXPECT_TRUE(test::same_bytes(d_scores.download(), want));
+    // The group maximum (one row per kv head) equals the CPU's bit for bit (the CPU test checks it against the
+    // maximum of the per-head rows).
+    const std::int64_t kv_rows = std::int64_t(batch) * kv_heads;
+    std::vector<float> want_max(std::size_t(kv_rows) * cols, test::kScoreSentinel);
+    cpu::vq_code_scan(sp.lut_view(), batch, sp.codes_view(), sp.slot_of.data(), sp.lengths.data(),
+                      MatrixView<float>::packed(want_max.data(), kv_rows, cols), {.group_max = true});
+    DeviceBuffer<float> d_max(want_max.size());
+    d_max.upload(std::vector<float>(want_max.size(), test::kScoreSentinel));
+    cuda::vq_code_scan(MatrixView<const float>::packed(d_lut.data(), rows, codewords), batch,
+                       VqCodesView<const std::uint16_t>::packed(d_codes.data(), sp.slots, kv_heads, sp.max_tokens),
+                       d_slots.data(), d_lengths.data(), MatrixView<float>::packed(d_max.data(), kv_rows, cols),
+                       {.group_max = true}, nullptr);
+    EXPECT_TRUE(test::same_bytes(d_max.download(), want_max)) << "group maximum";
   }
 }
 
@@ -235,7 +276,7 @@ void check_lut_scan(Random& rng, std::int32_t batch, std::int32_t q_heads, std::
   const std::vector<float> sentinel(want.size(), test::kScoreSentinel);
   d_scores.upload(sentinel);
   cuda::vq_code_scan(MatrixView<const float>::packed(d_lut.data(), rows, codewords), batch, codes, d_slots.data(),
-                     d_lengths.data(), scores, nullptr);
+                     d_lengths.data(), scores, {}, nullptr);
   EXPECT_TRUE(test::same_bytes(d_scores.download(), want)) << "vq_lut then vq_code_scan";
 
   const std::size_t bytes = cuda::vq_lut_scan_workspace_bytes(batch, q_heads, kv_heads, codewords, d);
@@ -243,10 +284,26 @@ void check_lut_scan(Random& rng, std::int32_t batch, std::int32_t q_heads, std::
   test::check_device_workspace(
       bytes,
       [&](std::span<std::byte> ws, cudaStream_t stream) {
-        cuda::vq_lut_scan(qv, codebook, codes, d_slots.data(), d_lengths.data(), scores, ws, stream);
+        cuda::vq_lut_scan(qv, codebook, codes, d_slots.data(), d_lengths.data(), scores, {}, ws, stream);
       },
       download_all(d_scores), [&] { d_scores.upload(sentinel); });
   EXPECT_TRUE(test::same_bytes(d_scores.download(), want)) << "the fused form differs from vq_lut then vq_code_scan";
+  // The group maximum of the fused (or two-launch) form: the CPU's group-maximum scan of the device's tables.
+  const std::int64_t kv_rows = std::int64_t(batch) * kv_heads;
+  std::vector<float> want_max(std::size_t(kv_rows) * cols, test::kScoreSentinel);
+  cpu::vq_code_scan(MatrixView<const float>::packed(lut.data(), rows, codewords), batch, sp.codes_view(),
+                    sp.slot_of.data(), sp.lengths.data(), MatrixView<float>::packed(want_max.data(), kv_rows, cols),
+                    {.group_max = true});
+  DeviceBuffer<float> d_max(want_max.size());
+  const std::vector<float> max_sentinel(want_max.size(), test::kScoreSentinel);
+  test::check_device_workspace(
+      bytes,
+      [&](std::span<std::byte> ws, cudaStream_t stream) {
+        cuda::vq_lut_scan(qv, codebook, codes, d_slots.data(), d_lengths.data(),
+                          MatrixView<float>::packed(d_max.data(), kv_rows, cols), {.group_max = true}, ws, stream);
+      },
+      download_all(d_max), [&] { d_max.upload(max_sentinel); });
+  EXPECT_TRUE(test::same_bytes(d_max.download(), want_max)) << "group maximum";
 }
 
 TEST_F(CudaVq, FusedTablesAndScanEqualTheTwoLaunches) {
@@ -288,13 +345,19 @@ TEST(CudaVqBadInput, RefusedBeforeAnyDeviceCall) {
                      "q_heads / kv_heads (= 65) exceeds 64 query heads per kv head");
   const auto read = VqCodesView<const std::uint16_t>::packed(c, 2, 2, 10);
   test::expect_error(
-      [&] { cuda::vq_code_scan(MatrixView<const float>::packed(f, 8, 16), 1, read, ints, ints, MatrixView<float>::packed(f, 4, 10), nullptr); },
+      [&] { cuda::vq_code_scan(MatrixView<const float>::packed(f, 8, 16), 1, read, ints, ints, MatrixView<float>::packed(f, 4, 10), {}, nullptr); },
       "scores.rows (= 4) != batch * q_heads (= 1 * 8)");
   test::expect_error(
-      [&] { cuda::vq_code_scan(MatrixView<const float>::packed(f, 8, 16), 1, VqCodesView<const std::uint16_t>::packed(c, 2, 3, 10), ints, ints, MatrixView<float>::packed(f, 8, 10), nullptr); },
+      [&] {
+        cuda::vq_code_scan(MatrixView<const float>::packed(f, 8, 16), 1, read, ints, ints,
+                           MatrixView<float>::packed(f, 8, 10), {.group_max = true}, nullptr);
+      },
+      "scores.rows (= 8) != batch * kv_heads (options.group_max) (= 1 * 2)");
+  test::expect_error(
+      [&] { cuda::vq_code_scan(MatrixView<const float>::packed(f, 8, 16), 1, VqCodesView<const std::uint16_t>::packed(c, 2, 3, 10), ints, ints, MatrixView<float>::packed(f, 8, 10), {}, nullptr); },
       "q_heads (= 8) is not a multiple of codes.kv_heads (= 3)");
   test::expect_error(
-      [&] { cuda::vq_lut_scan(q, book, VqCodesView<const std::uint16_t>::packed(c, 1, 4, 10), ints, ints, MatrixView<float>::packed(f, 8, 10), {}, nullptr); },
+      [&] { cuda::vq_lut_scan(q, book, VqCodesView<const std::uint16_t>::packed(c, 1, 4, 10), ints, ints, MatrixView<float>::packed(f, 8, 10), {}, {}, nullptr); },
       "codes.kv_heads (= 4) != codebook.kv_heads (= 2)");
   test::expect_error([] { (void)cuda::vq_lut_scan_workspace_bytes(1, 8, 2, 70000, 64); }, "codewords (= 70000) is outside");
   // The query refuses what the run refuses.

@@ -71,17 +71,17 @@ using Any = AnySelector<half, cpu::Context>;
 /// The last K tokens of [0, p] (a window of recent tokens alone), and the first K (a sink only, never the own
 /// token).
 SelectorEntry recent_entry() {
-  return {"Recent", [](std::int32_t k, const SelectorLimits& limits) {
+  return {"Recent", [](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
             return SelectorSetup{Any(StreamingLLM<half, cpu::Context>(limits)), {0, k}};
           }};
 }
 SelectorEntry oldest_entry() {
-  return {"Oldest", [](std::int32_t k, const SelectorLimits& limits) {
+  return {"Oldest", [](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
             return SelectorSetup{Any(StreamingLLM<half, cpu::Context>(limits)), {k, 0}};
           }};
 }
 SelectorEntry oracle_entry() {
-  return {"OracleTopK", [](std::int32_t k, const SelectorLimits& limits) {
+  return {"OracleTopK", [](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
             return SelectorSetup{Any(OracleTopK<half, cpu::Context>(limits, {.budget = k}))};
           }};
 }
@@ -450,7 +450,7 @@ TEST(FidelityBackendsByHand, DifferingSelectionsAndRefusalsAreReportedWithTheMas
     e.name = std::move(name);
     return e;
   };
-  const SelectorEntry quest{"Page", [](std::int32_t k, const SelectorLimits& limits) {
+  const SelectorEntry quest{"Page", [](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
                               return SelectorSetup{Any(Quest<half, cpu::Context>(limits, {.budget = k, .page_size = 16}))};
                             }};
   const auto first = fidelity_backend({named(recent_entry(), "Keep"), quest});

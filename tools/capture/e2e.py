@@ -46,14 +46,14 @@ class DenseAttention:
 class KvsiftAttention:
     """One kvsift DecodeStep per layer on the CPU, over a contiguous fp16 cache of `capacity` tokens."""
 
-    def __init__(self, model, selector, budget, capacity, pool):
+    def __init__(self, model, selector, budget, capacity, pool, codebooks=None):
         import kvsift
-        self.kvsift, self.model, self.pool = kvsift, model, pool
+        self.kvsift, self.model, self.pool, self.codebooks = kvsift, model, pool, codebooks
         self.selector, self.budget, self.capacity = selector, budget, capacity
         self.layers = {}
         self.union_ratios = []  # ctkvr: each step's union of the recalled lists over rho * C', per kv head
 
-    def _make_step(self):
+    def _make_step(self, layer):
         m = self.model
         config, window = {"budget": self.budget}, (SINK, RECENT)
         if self.selector == "streaming_llm":
@@ -66,6 +66,13 @@ class KvsiftAttention:
             config = {"budget": self.budget, "max_centroids": 512}
         elif self.selector == "csattention":
             config = {"budget": self.budget + SINK + RECENT}  # its budget counts the window
+        elif self.selector == "a2ats":
+            # The authors' union of each query head's top K at equal tokens: K = budget / g, so the union never
+            # exceeds the budget (fewer where the group's heads agree). Codebooks of another text (--a2ats-codebooks).
+            if not self.codebooks:
+                raise SystemExit("--selectors a2ats needs --a2ats-codebooks")
+            config = {"codebooks": self.codebooks, "layer": layer, "budget_fraction": 1.0,
+                      "max_budget": max(1, self.budget // (m.q_heads // m.kv_heads))}
         return self.kvsift.DecodeStep(self.selector, config, q_heads=m.q_heads, kv_heads=m.kv_heads,
                                       head_dim=m.head_dim, max_seq_len=self.capacity, window=window,
                                       dtype="float16", pool=self.pool)
@@ -79,7 +86,7 @@ class KvsiftAttention:
         lengths = np.array([len(k)], dtype=np.int32)
         # The cache is a view: the step sees the arrays, and lengths[0] grows in place.
         cache = self.kvsift.contiguous_cache(cache_k, cache_v, lengths)
-        step = self._make_step()
+        step = self._make_step(layer)
         slots = np.zeros(1, dtype=np.int32)
         queries = np.ascontiguousarray(q.transpose(1, 0, 2)[None], dtype=np.float16)  # [1, q_heads, W, d]
         step.prepare(cache, slots, queries=queries)
@@ -207,6 +214,7 @@ def main():
     parser.add_argument("--passkey-tokens", type=int, default=2048)
     parser.add_argument("--passkey-decoded", type=int, default=32,
                         help="tokens before the end of the passkey prompt decoded sparsely (the question is ~10)")
+    parser.add_argument("--a2ats-codebooks", help="A²ATS's codebook file (kvsift_a2ats_codebook), for --selectors a2ats")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", help="write the tables here (docs/e2e.md's results)")
@@ -235,7 +243,7 @@ def main():
             (s, label, b) for s in selectors for label, b in budgets_for(args.tokens, args)]
         for selector, label, budget in configs:
             began = time.time()
-            attention = KvsiftAttention(model, selector, budget, args.tokens, pool)
+            attention = KvsiftAttention(model, selector, budget, args.tokens, pool, args.a2ats_codebooks)
             logits, ppl = text_quality(model, attention, prefill, decoded)
             top1 = float(np.mean(logits[:-1].argmax(axis=-1) == dense_top1))
             name = "dense (kvsift fp16)" if label == "all" else selector
@@ -261,7 +269,7 @@ def main():
         entry["answers"]["dense (numpy fp32)"] = {"answer": answer, "found": str(key) in answer}
         for selector in selectors:
             for label, budget in budgets_for(len(ids), args):
-                attention = KvsiftAttention(model, selector, budget, len(ids) + 8, pool)
+                attention = KvsiftAttention(model, selector, budget, len(ids) + 8, pool, args.a2ats_codebooks)
                 answer = passkey_answer(model, attention, prefill, rest)
                 entry["answers"][f"{selector} {label}"] = {"answer": answer, "found": str(key) in answer}
         print(f"passkey {key} ({len(ids)} tokens): " + ", ".join(

@@ -9,7 +9,8 @@
 /// codeword nearest to z = k L in L2, which is the codeword minimising (k - C_c) H (k - C_c)^T:
 ///   code(k) = argmin_c |C^z_c|^2 - 2 z . C^z_c   (ties: the smaller c).
 /// A decode query q~ (already rotated to A²ATS's fixed position) scores token t as q~ . C_code(t): a lookup table
-/// lut[c] = q~ . C_c per query head, then scores[t] = lut[codes[t]].
+/// lut[c] = q~ . C_c per query head, then scores[t] = lut[codes[t]] (or, VqScanOptions::group_max, the maximum of
+/// the GQA group's entries).
 
 #include <cstdint>
 
@@ -88,7 +89,21 @@ struct VqCodeDestination {
   std::int32_t position_offset = 0;
 };
 
+/// Options of the code scans (vq_code_scan, vq_lut_scan on both backends).
+struct VqScanOptions {
+  /// One score row per (sequence, kv head) instead of one per query head: scores [batch * kv_heads, cols], row
+  /// b * kv_heads + g holding for each token the maximum over g's query heads of their table entries (NaN when
+  /// any is NaN). Each code is still read once; the group's scores are reduced before they are written, so the
+  /// scan writes a group's worth fewer bytes (A²ATS's group-maximum rule, where topk_rows then takes one row per
+  /// kv head).
+  bool group_max = false;
+};
+
 namespace detail {
+
+/// The group maximum's reduction, in head order: the larger of the running maximum m and a head's entry x, NaN
+/// once either is NaN; the same function on both backends, so their group maxima agree bit for bit.
+KVSIFT_HOST_DEVICE inline float vq_group_max(float m, float x) { return (m > x || m != m) ? m : x; }
 
 /// Where row r's codes go: false when outside the codes view (the row is skipped).
 template <class C>

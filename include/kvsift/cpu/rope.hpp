@@ -27,6 +27,13 @@ template <class T>
 void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, const RopeTableView& table, bool inverse,
                 ThreadPool* pool = nullptr);
 
+/// The same with row b at position positions[b] + position_offset: the sequences' lengths serve as positions
+/// (the step's token sits at lengths[b] - 1: position_offset = -1), a chunk of consecutive tokens reads one iota
+/// array (position_offset = the chunk's first). Refused as above, for the offset positions.
+template <class T>
+void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
+                const RopeTableView& table, bool inverse, ThreadPool* pool = nullptr);
+
 /// The same on the rows of a matrix [rows, head_dim] (keys; one position per row).
 template <class T>
 void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const RopeTableView& table, bool inverse,
@@ -38,5 +45,13 @@ void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const 
 template <class T>
 void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* deltas, const RopeTableView& table,
                      ThreadPool* pool = nullptr);
+
+/// Rotates every head vector of batch row b, already rotated to its position p_b = positions[b] +
+/// position_offset, to position `target`: rotate_by_delta by target - p_b (the attention factor untouched).
+/// A²ATS's q R_b for the step's queries: positions = the lengths, position_offset = -1, target = b, with no
+/// delta array to compute first. Refused: target < 0, a p_b < 0, |target - p_b| >= table.positions.
+template <class T>
+void rotate_to_position(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
+                        std::int32_t target, const RopeTableView& table, ThreadPool* pool = nullptr);
 
 }  // namespace kvsift::cpu

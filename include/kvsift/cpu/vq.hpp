@@ -46,11 +46,13 @@ void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const Ma
 /// head h and token t < n_b = min(lengths[b], scores.cols, codes.max_tokens) (0 if negative):
 ///   scores.row(b * q_heads + h)[t] = lut.row(b * q_heads + h)[codes.row(slots[b], h / group)[t]],
 /// NaN where the code is >= lut.cols or slots[b] is outside [0, codes.slots). Nothing is written at t >= n_b.
-/// Each code is read once per group. slots and lengths [batch]. AVX-512 gathers where the CPU has them (the scan
-/// is a copy: every level writes the same bits).
+/// With options.group_max (core/vq.hpp) scores has batch * kv_heads rows instead: row b * kv_heads + g holds
+/// max over u < group of lut.row(b * q_heads + g * group + u)[code] (core/vq.hpp vq_group_max, in head order).
+/// Each code is read once per group. slots and lengths [batch]. AVX-512 gathers where the CPU has them, for the
+/// per-head scan (a copy: every level writes the same bits); the group maximum reads the tables with scalar loads.
 void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch, const VqCodesView<const std::uint16_t>& codes,
                   const std::int32_t* slots, const std::int32_t* lengths, const MatrixView<float>& scores,
-                  ThreadPool* pool = nullptr);
+                  const VqScanOptions& options, ThreadPool* pool = nullptr);
 
 /// Bytes of host workspace vq_lut_scan needs: per thread of `pool` (at most batch * kv_heads of them) the
 /// lookup tables of one group, 4 * (q_heads / kv_heads) * codewords bytes. head_dim is checked, not used (the
@@ -60,10 +62,11 @@ std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads
 
 /// vq_lut then vq_code_scan, one (sequence, kv head) at a time with the group's tables in the workspace: the same
 /// scores, bit for bit, without the [batch * q_heads, codewords] table in memory. scores [q.batch * q.heads,
-/// cols]; codes.kv_heads == codebook.kv_heads; slots and lengths [q.batch].
+/// cols] ([q.batch * kv_heads, cols] with options.group_max); codes.kv_heads == codebook.kv_heads; slots and
+/// lengths [q.batch]. The workspace does not depend on the options.
 template <class T>
 void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
                  const std::int32_t* slots, const std::int32_t* lengths, const MatrixView<float>& scores,
-                 std::span<std::byte> workspace, ThreadPool* pool = nullptr);
+                 const VqScanOptions& options, std::span<std::byte> workspace, ThreadPool* pool = nullptr);
 
 }  // namespace kvsift::cpu

@@ -181,6 +181,16 @@ template <class T>
 void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* deltas, const RopeTableView& table, const Context& ctx) {
   cuda::rotate_by_delta(x, deltas, table, ctx.stream);
 }
+template <class T>
+void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
+                const RopeTableView& table, bool inverse, const Context& ctx) {
+  cuda::apply_rope(x, positions, position_offset, table, inverse, ctx.stream);
+}
+template <class T>
+void rotate_to_position(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
+                        std::int32_t target, const RopeTableView& table, const Context& ctx) {
+  cuda::rotate_to_position(x, positions, position_offset, target, table, ctx.stream);
+}
 
 // Query centroids (core/query_centroids.hpp, cuda/query_centroids.hpp).
 template <class T>
@@ -299,8 +309,9 @@ void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const Ma
 }
 inline void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch,
                          const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
-                         const std::int32_t* lengths, const MatrixView<float>& scores, const Context& ctx) {
-  cuda::vq_code_scan(lut, batch, codes, slots, lengths, scores, ctx.stream);
+                         const std::int32_t* lengths, const MatrixView<float>& scores, const VqScanOptions& options,
+                         const Context& ctx) {
+  cuda::vq_code_scan(lut, batch, codes, slots, lengths, scores, options, ctx.stream);
 }
 inline std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
                                                std::int32_t codewords, std::int32_t head_dim, const Context&) {
@@ -309,8 +320,9 @@ inline std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t 
 template <class T>
 void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook,
                  const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots, const std::int32_t* lengths,
-                 const MatrixView<float>& scores, std::span<std::byte> workspace, const Context& ctx) {
-  cuda::vq_lut_scan(q, codebook, codes, slots, lengths, scores, workspace, ctx.stream);
+                 const MatrixView<float>& scores, const VqScanOptions& options, std::span<std::byte> workspace,
+                 const Context& ctx) {
+  cuda::vq_lut_scan(q, codebook, codes, slots, lengths, scores, options, workspace, ctx.stream);
 }
 
 // Score tables (core/score_tables.hpp, cuda/score_tables.hpp).

@@ -21,6 +21,11 @@ template <class T>
 void apply_rope(const HeadsView<T>& x, const std::int32_t* d_positions, const RopeTableView& table, bool inverse,
                 cudaStream_t stream);
 
+/// cpu::apply_rope's position-offset form: row b at d_positions[b] + position_offset.
+template <class T>
+void apply_rope(const HeadsView<T>& x, const std::int32_t* d_positions, std::int32_t position_offset,
+                const RopeTableView& table, bool inverse, cudaStream_t stream);
+
 template <class T>
 void apply_rope(const MatrixView<T>& rows, const std::int32_t* d_positions, const RopeTableView& table, bool inverse,
                 cudaStream_t stream);
@@ -28,5 +33,11 @@ void apply_rope(const MatrixView<T>& rows, const std::int32_t* d_positions, cons
 template <class T>
 void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* d_deltas, const RopeTableView& table,
                      cudaStream_t stream);
+
+/// cpu::rotate_to_position's contract (target checked on the host); a row whose position d_positions[b] +
+/// position_offset is negative or whose |target - position| is not below table.positions gets NaN.
+template <class T>
+void rotate_to_position(const HeadsView<T>& x, const std::int32_t* d_positions, std::int32_t position_offset,
+                        std::int32_t target, const RopeTableView& table, cudaStream_t stream);
 
 }  // namespace kvsift::cuda

@@ -24,9 +24,15 @@ void vq_codeword_norms(const MatrixView<const float>& centroids, float* d_norms,
 /// 0: vq_encode keeps its scratch in shared memory. Checks the arguments as the CPU's query does.
 std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_dim);
 
-/// cpu::vq_encode's contract. One block per 32 rows and kv head: z = k L for its rows in shared memory, then
-/// tiles of 64 codewords against them (fp32 FMAs), the best code per row kept in registers (ties: smaller code).
-/// workspace may be empty.
+/// cpu::vq_encode's contract (kernels/vq_encode.cu), two kernels by the row count:
+/// - up to 256 rows (an append): blocks of 8 rows of one kv head, each scoring a slice of the codewords in fp32
+///   (the exact argmin), the slices of one (row group, kv head) a cluster of up to 8 blocks on sm_90 whose winners
+///   merge through distributed shared memory in rank order (one block per (row group, kv head) elsewhere);
+/// - more rows (a prefill): on tensor cores, one block per 256 rows and kv head: z = k L in fp32 into shared
+///   memory, then bf16 mma.sync of z against 32-codeword tiles of C^z, each row's best bf16 scores kept in
+///   registers; where another codeword's bf16 score is within the bf16 error bound of the leader's, the best four
+///   are re-scored in fp32 and the best fp32 score wins (ties: smaller code).
+/// codebook.centroids must be 16-byte aligned (refused otherwise). workspace may be empty; one launch.
 template <class T>
 void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook, const VqCodesView<std::uint16_t>& codes,
                const VqCodeDestination& destination, std::span<std::byte> workspace, cudaStream_t stream);
@@ -37,10 +43,11 @@ void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook,
 template <class T>
 void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, cudaStream_t stream);
 
-/// cpu::vq_code_scan's contract, the tables read from global memory (L1/L2).
+/// cpu::vq_code_scan's contract, the tables read from global memory (L1/L2); the group maximum equals the CPU's
+/// bit for bit from equal tables (one reduction, core/vq.hpp vq_group_max, in head order).
 void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch, const VqCodesView<const std::uint16_t>& codes,
                   const std::int32_t* d_slots, const std::int32_t* d_lengths, const MatrixView<float>& scores,
-                  cudaStream_t stream);
+                  const VqScanOptions& options, cudaStream_t stream);
 
 /// Bytes of device workspace vq_lut_scan needs: 0 when the group's tables and queries fit one block's shared
 /// memory on this device (4 * group * (codewords + head_dim) bytes: 65 KB at group 4, 4096 codewords), else the
@@ -56,6 +63,6 @@ std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads
 template <class T>
 void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
                  const std::int32_t* d_slots, const std::int32_t* d_lengths, const MatrixView<float>& scores,
-                 std::span<std::byte> workspace, cudaStream_t stream);
+                 const VqScanOptions& options, std::span<std::byte> workspace, cudaStream_t stream);
 
 }  // namespace kvsift::cuda

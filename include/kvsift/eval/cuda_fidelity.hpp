@@ -16,6 +16,8 @@ namespace kvsift {
 extern template std::vector<BasicSelectorEntry<cuda::Context>> reference_selectors<cuda::Context>();
 extern template std::vector<BasicSelectorEntry<cuda::Context>> method_selectors<cuda::Context>();
 extern template std::vector<BasicSelectorEntry<cuda::Context>> csattention_variants<cuda::Context>();
+extern template std::vector<BasicSelectorEntry<cuda::Context>> a2ats_selectors<cuda::Context>(
+    const std::string&, std::shared_ptr<const A2atsCodebooks>, bool);
 
 namespace cuda {
 

@@ -51,6 +51,8 @@
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/context.hpp"
 #include "kvsift/eval/capture.hpp"
+#include "kvsift/selectors/a2ats.hpp"
+#include "kvsift/selectors/a2ats_codebook.hpp"
 #include "kvsift/selectors/csattention.hpp"
 #include "kvsift/selectors/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
@@ -68,13 +70,16 @@ struct BasicSelectorSetup {
   AttentionWindow window{};
 };
 
-/// A selector by name, and how to make one for a budget in tokens (window included) and the capture's
-/// limits. make() throws kvsift::Error when the method cannot run at that budget (e.g. Quest below one page);
-/// the harness reports that instead.
+/// A selector by name, and how to make one for a budget in tokens (window included), the capture's limits and
+/// the model layer it decodes (CaptureLayer::layer: A²ATS loads that layer's codebooks). make() throws
+/// kvsift::Error when the method cannot run at that budget (e.g. Quest below one page); the harness reports
+/// that instead.
 template <class Context>
 struct BasicSelectorEntry {
   std::string name;
-  std::function<BasicSelectorSetup<Context>(std::int32_t budget_tokens, const SelectorLimits& limits)> make;
+  std::function<BasicSelectorSetup<Context>(std::int32_t budget_tokens, const SelectorLimits& limits,
+                                            std::int32_t layer)>
+      make;
 };
 
 using SelectorSetup = BasicSelectorSetup<cpu::Context>;
@@ -90,16 +95,16 @@ std::vector<BasicSelectorEntry<Context>> reference_selectors() {
   using Any = AnySelector<half, Context>;
   return {
       {"OracleTopK",
-       [](std::int32_t k, const SelectorLimits& limits) {
+       [](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
          return Setup{Any(OracleTopK<half, Context>(limits, {.budget = k}))};
        }},
       {"StreamingLLM",
-       [](std::int32_t k, const SelectorLimits& limits) {
+       [](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
          const std::int32_t sink = std::min(4, k);
          return Setup{Any(StreamingLLM<half, Context>(limits)), {sink, k - sink}};
        }},
       {"Quest",
-       [](std::int32_t k, const SelectorLimits& limits) {
+       [](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
          return Setup{Any(Quest<half, Context>(limits, {.budget = k, .page_size = 16}))};
        }},
   };
@@ -118,13 +123,13 @@ std::vector<BasicSelectorEntry<Context>> method_selectors() {
   using Any = AnySelector<half, Context>;
   return {
       {"CTKVR",
-       [](std::int32_t k, const SelectorLimits& limits) {
+       [](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
          const AttentionWindow window{std::min(4, k / 8), k / 4};
          const std::int32_t budget = k - window.sink - window.recent;
          return Setup{Any(Ctkvr<half, Context>(limits, {.budget = budget})), window};
        }},
       {"CSAttention",
-       [](std::int32_t k, const SelectorLimits& limits) {
+       [](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
          return Setup{Any(Csattention<half, Context>(limits, {.budget = k})), {0, std::min(64, k / 4)}};
        }},
   };
@@ -138,7 +143,7 @@ std::vector<BasicSelectorEntry<Context>> csattention_variants() {
   using Setup = BasicSelectorSetup<Context>;
   using Any = AnySelector<half, Context>;
   const auto entry = [](std::string name, auto edit) {
-    return BasicSelectorEntry<Context>{std::move(name), [edit](std::int32_t k, const SelectorLimits& limits) {
+    return BasicSelectorEntry<Context>{std::move(name), [edit](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
                                          CsattentionConfig config{.budget = k};
                                          edit(config);
                                          return Setup{Any(Csattention<half, Context>(limits, config)),
@@ -166,6 +171,37 @@ std::vector<BasicSelectorEntry<Context>> csattention_variants() {
   return out;
 }
 extern template std::vector<BasicSelectorEntry<cpu::Context>> csattention_variants<cpu::Context>();
+
+/// A²ATS over a set of codebooks (selectors/a2ats.hpp; they must cover every captured layer, the layer's RoPE and
+/// shapes), labelled `name`, at a budget of K tokens per kv head, window included, like the other methods: a sink
+/// of min(4, K / 8) and a recent window of min(64, K / 4), the rest K' = K - window for the selection. The entry
+/// `name` is the authors' rule at equal tokens: the union of each query head's top floor(K' / g), never more than
+/// K' tokens (fewer where the group's heads agree; FidelityRow::mean_selected says how many); with `group_max`
+/// also "NAME max", the top K' of the group's maximum score. The codebooks are shared by every step made.
+template <class Context = cpu::Context>
+std::vector<BasicSelectorEntry<Context>> a2ats_selectors(const std::string& name,
+                                                         std::shared_ptr<const A2atsCodebooks> codebooks,
+                                                         bool group_max) {
+  using Setup = BasicSelectorSetup<Context>;
+  using Any = AnySelector<half, Context>;
+  const auto entry = [codebooks](std::string label, A2atsGroupRule rule) {
+    return BasicSelectorEntry<Context>{
+        std::move(label), [codebooks, rule](std::int32_t k, const SelectorLimits& limits, std::int32_t layer) {
+          const AttentionWindow window{std::min(4, k / 8), std::min(64, k / 4)};
+          const std::int32_t middle = k - window.sink - window.recent;
+          const std::int32_t group = limits.q_heads / limits.kv_heads;
+          const std::int32_t per_row = rule == A2atsGroupRule::union_of_heads ? middle / group : middle;
+          KVSIFT_CHECK(per_row >= 1, "a2ats_selectors", "a budget of {} tokens leaves no query head a token", k);
+          const A2atsConfig config{.budget_fraction = 1.0, .max_budget = per_row, .group_rule = rule};
+          return Setup{Any(A2ats<half, Context>(limits, config, codebooks->layer(layer), Context{})), window};
+        }};
+  };
+  std::vector<BasicSelectorEntry<Context>> out{entry(name, A2atsGroupRule::union_of_heads)};
+  if (group_max) out.push_back(entry(name + " max", A2atsGroupRule::group_max));
+  return out;
+}
+extern template std::vector<BasicSelectorEntry<cpu::Context>> a2ats_selectors<cpu::Context>(
+    const std::string&, std::shared_ptr<const A2atsCodebooks>, bool);
 extern template std::vector<BasicSelectorEntry<cpu::Context>> method_selectors<cpu::Context>();
 
 /// One (selector entry, budget) decoding one capture layer on one backend, as an engine runs it. The harness's

@@ -94,6 +94,10 @@ struct PrefillInputs {
   KVCache<const T> cache{};          ///< the engine's cache holding the prompts (post-RoPE keys)
   const std::int32_t* slots = nullptr;  ///< [cache.batch()], context memory
   SequenceView<const T> queries{};   ///< optional: the last W prefill queries [batch, q_heads, W, head_dim] (W may be 0)
+  /// optional: the prompts' keys before RoPE [batch, kv_heads, n, head_dim], n >= every prompt's length (token t
+  /// of row b is the cache's key t unrotated), for methods that index pre-RoPE keys (A²ATS); without it they
+  /// undo RoPE on the cache's keys (inverse rotation; divides out YaRN's attention factor).
+  SequenceView<const T> k_pre_rope{};
   RopeConfig rope{};                 ///< the model's RoPE, for methods that need pre-RoPE keys
   std::int32_t layer = 0;
   /// sm_scale and the window the selections will leave out (an index built at prefill excludes the window's

@@ -65,6 +65,11 @@ inline void check_rope_table_build(const char* where, const RopeConfig& config, 
                table.attention_factor, config.attention_factor());
 }
 
+/// rotate_to_position's target: a position.
+inline void check_rope_target(const char* where, std::int32_t target) {
+  KVSIFT_CHECK(target >= 0, where, "target (= {}) must be >= 0", target);
+}
+
 /// Rows of x, their positions (or deltas) and the table agree; rows * pairs fits the launch's index type.
 template <class V>
 void check_rope_rows(const char* where, const V& x, const std::int32_t* positions, const RopeTableView& table,

@@ -82,17 +82,19 @@ inline void check_vq_lut_shape(const char* where, const char* name, const Matrix
                q_heads, codewords);
 }
 
-/// A scan: scores [batch * q_heads, cols], codes with kv_heads dividing q_heads, slots and lengths [batch].
+/// A scan: scores [batch * q_heads, cols] (group_max: [batch * kv_heads, cols]), codes with kv_heads dividing
+/// q_heads, slots and lengths [batch].
 inline void check_vq_scan(const char* where, std::int32_t batch, std::int32_t q_heads,
                           const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
-                          const std::int32_t* lengths, const MatrixView<float>& scores) {
+                          const std::int32_t* lengths, const MatrixView<float>& scores, const VqScanOptions& options) {
   check_vq_codes(where, "codes", codes);
   KVSIFT_CHECK(q_heads % codes.kv_heads == 0, where, "q_heads (= {}) is not a multiple of codes.kv_heads (= {})",
                q_heads, codes.kv_heads);
   KVSIFT_CHECK(slots != nullptr && lengths != nullptr, where, "slots and lengths must be non-null");
   validate(scores, where, "scores");
-  KVSIFT_CHECK(scores.rows == std::int64_t(batch) * q_heads, where,
-               "scores.rows (= {}) != batch * q_heads (= {} * {})", scores.rows, batch, q_heads);
+  const std::int32_t heads = options.group_max ? codes.kv_heads : q_heads;
+  KVSIFT_CHECK(scores.rows == std::int64_t(batch) * heads, where, "scores.rows (= {}) != batch * {} (= {} * {})",
+               scores.rows, options.group_max ? "kv_heads (options.group_max)" : "q_heads", batch, heads);
 }
 
 }  // namespace kvsift::detail

@@ -20,12 +20,22 @@ struct RopeRows {
   std::int64_t head_stride = 0;
 };
 
+/// What row b's value v = values[b] says: p = v + offset is a position to rotate to (back from it with inverse;
+/// negative: out of range), a signed delta, or a position to rotate from to `target` (by target - p).
+enum class RopeAmountKind : std::uint8_t { position, delta, to_target };
+struct RopeAmounts {
+  const std::int32_t* values = nullptr;  ///< [batch], device memory
+  RopeAmountKind kind = RopeAmountKind::position;
+  std::int32_t offset = 0;
+  std::int32_t target = 0;  ///< to_target only
+};
+
 cudaError_t launch_build_rope_table(const RopeConfig& config, const RopeTableView& table, cudaStream_t stream);
 
-/// Rotates row b's vectors by amounts[b]: a position (`delta` false; negative ones are out of range) or a signed
-/// delta; `inverse` turns the rotation back, and the result is multiplied by `scale`.
+/// Rotates row b's vectors as amounts says for b; `inverse` turns the rotation back, and the result is
+/// multiplied by `scale`. A row whose rotation the table does not hold gets NaN in its rotary channels.
 template <class T>
-cudaError_t launch_rope(const RopeRows<T>& rows, const std::int32_t* amounts, const RopeTableView& table, bool delta,
-                        bool inverse, double scale, cudaStream_t stream);
+cudaError_t launch_rope(const RopeRows<T>& rows, const RopeAmounts& amounts, const RopeTableView& table, bool inverse,
+                        double scale, cudaStream_t stream);
 
 }  // namespace kvsift::cuda::detail

@@ -30,24 +30,19 @@ struct VqScanGrid {
 cudaError_t launch_vq_codeword_norms(const MatrixView<const float>& centroids, float* norms, cudaStream_t stream);
 
 template <class T>
-cudaError_t launch_vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook,
-                             const VqCodesView<std::uint16_t>& codes, const VqCodeDestination& destination,
-                             cudaStream_t stream);
-
-template <class T>
 cudaError_t launch_vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut,
                           cudaStream_t stream);
 
 cudaError_t launch_vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch,
                                 const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
-                                const std::int32_t* lengths, const MatrixView<float>& scores, const VqScanGrid& grid,
-                                cudaStream_t stream);
+                                const std::int32_t* lengths, const MatrixView<float>& scores,
+                                const VqScanOptions& options, const VqScanGrid& grid, cudaStream_t stream);
 
 /// The one-launch form; the caller has checked that vq_fused_smem_bytes fits the device's block.
 template <class T>
 cudaError_t launch_vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook,
                                const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
-                               const std::int32_t* lengths, const MatrixView<float>& scores, const VqScanGrid& grid,
-                               cudaStream_t stream);
+                               const std::int32_t* lengths, const MatrixView<float>& scores,
+                               const VqScanOptions& options, const VqScanGrid& grid, cudaStream_t stream);
 
 }  // namespace kvsift::cuda::detail

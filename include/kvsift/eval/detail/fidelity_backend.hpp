@@ -43,8 +43,11 @@ class SelectorBackend final : public FidelityBackend {
     q_heads_ = capture.q_heads;
     kv_heads_ = capture.kv_heads;
     head_dim_ = capture.head_dim;
+    layer_ = layer.layer;
+    rope_ = capture.rope;
     q_ = upload(layer.q);
     k_ = upload(layer.k);
+    k_pre_ = upload(layer.k_pre);
     v_ = upload(layer.v);
     // lengths_[t] = t + 1: the cache holding [0, t] is read through &lengths_[t], no per-step copy.
     std::vector<std::int32_t> lengths(static_cast<std::size_t>(tokens_));
@@ -57,7 +60,7 @@ class SelectorBackend final : public FidelityBackend {
   std::unique_ptr<FidelityStep> step(std::size_t i, std::int32_t budget_tokens) override {
     const SelectorLimits limits{.max_slots = 1, .max_tokens = tokens_, .q_heads = q_heads_, .kv_heads = kv_heads_,
                                 .head_dim = head_dim_};
-    return std::make_unique<Step>(*this, entries_.at(i).make(budget_tokens, limits));
+    return std::make_unique<Step>(*this, entries_.at(i).make(budget_tokens, limits, layer_));
   }
 
  private:
@@ -79,13 +82,19 @@ class SelectorBackend final : public FidelityBackend {
       const std::int64_t token_stride = std::int64_t(layer_.q_heads_) * layer_.head_dim_;
       const SequenceView<const half> queries{layer_.q_.data(), 1, layer_.q_heads_, prefill, layer_.head_dim_,
                                              layer_.tokens_ * token_stride, layer_.head_dim_, token_stride};
-      step_.prepare({.cache = layer_.cache(prefill), .slots = layer_.slot_.data(), .queries = queries}, layer_.ctx_);
+      step_.prepare({.cache = layer_.cache(prefill),
+                     .slots = layer_.slot_.data(),
+                     .queries = queries,
+                     .k_pre_rope = layer_.pre_rope_keys(prefill),
+                     .rope = layer_.rope_},
+                    layer_.ctx_);
     }
     void run(std::int32_t position) override {
       const std::size_t q_offset = std::size_t(position) * layer_.q_heads_ * layer_.head_dim_;
       step_.run(StepInputs<half>{.q = QueryView<const half>::packed(layer_.q_.data() + q_offset, 1, layer_.q_heads_,
                                                                     layer_.head_dim_),
                                  .cache = layer_.cache(position + 1),
+                                 .k_pre_rope = layer_.pre_rope_key(position),
                                  .slots = layer_.slot_.data()},
                 StateView<float>::packed(o_.data(), lse_.data(), 1, layer_.q_heads_, layer_.head_dim_), workspace(),
                 layer_.ctx_);
@@ -127,11 +136,23 @@ class SelectorBackend final : public FidelityBackend {
                                   head_dim_, tokens_ * token_stride, head_dim_, token_stride};
   }
 
+  /// The capture's pre-RoPE keys of tokens [0, length) as [1, kv_heads, length, head_dim], and of token t alone
+  /// as [1, kv_heads, head_dim]: the keys an engine has before RoPE, for selectors that code them (A²ATS).
+  SequenceView<const half> pre_rope_keys(std::int32_t length) const {
+    const std::int64_t token_stride = std::int64_t(kv_heads_) * head_dim_;
+    return {k_pre_.data(), 1, kv_heads_, length, head_dim_, tokens_ * token_stride, head_dim_, token_stride};
+  }
+  HeadsView<const half> pre_rope_key(std::int32_t t) const {
+    return HeadsView<const half>::packed(k_pre_.data() + std::size_t(t) * kv_heads_ * head_dim_, 1, kv_heads_,
+                                         head_dim_);
+  }
+
   std::string name_;
   std::vector<BasicSelectorEntry<Context>> entries_;
   Context ctx_;
-  std::int32_t tokens_ = 0, q_heads_ = 0, kv_heads_ = 0, head_dim_ = 0;
-  Array<half> q_, k_, v_;
+  RopeConfig rope_{};
+  std::int32_t layer_ = 0, tokens_ = 0, q_heads_ = 0, kv_heads_ = 0, head_dim_ = 0;
+  Array<half> q_, k_, k_pre_, v_;
   Array<std::int32_t> lengths_, slot_;
 };
 

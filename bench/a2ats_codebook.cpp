@@ -1,0 +1,217 @@
+// kvsift_a2ats_codebook: builds A²ATS codebooks (selectors/a2ats_codebook.hpp) from tools/capture captures and
+// writes the versioned codebook file.
+//
+//   kvsift_a2ats_codebook --captures A.kvscap[,B.kvscap...] --out FILE [--layers 3,15 | all] [--codewords N]
+//                         [--offset 2048] [--window 64] [--plain] [--no-wrope] [--model-id TEXT]
+//                         [--model-layers N] [--iterations 50] [--seed 0] [--threads N] [--compare-plain]
+//
+// Several captures are several texts of one model (positions restart with each); every one must hold the layers
+// asked for (all: every layer the first capture holds). --plain calibrates without query awareness (L = I),
+// --no-wrope on post-RoPE keys and queries at their own positions (the paper's ablations). --model-layers is the
+// model's layer count the file records (default: the highest layer the first capture holds + 1, which is the
+// model's when it captured every layer); --model-id defaults to the
+// captures' model. Prints a markdown table, a row per layer: keys per kv head, codewords, the ridge each kv
+// head's Cholesky took, the Lloyd steps and how far one more would move the centroids (relative to the RMS norm
+// of the transformed keys), the attention-score error J' of the codebook on its own calibration data (relative,
+// mean over kv heads; a2ats_score_error) and the build time; --compare-plain adds J' of plain k-means codebooks
+// built from the same keys (a second k-means per layer).
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvsift/core/error.hpp"
+#include "kvsift/cpu/thread_pool.hpp"
+#include "kvsift/eval/capture.hpp"
+#include "kvsift/selectors/a2ats_codebook.hpp"
+
+namespace {
+
+std::vector<std::string> split(const std::string& list) {
+  std::vector<std::string> out;
+  for (std::size_t start = 0; start <= list.size();) {
+    const std::size_t end = std::min(list.find(',', start), list.size());
+    out.push_back(list.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
+int usage() {
+  std::fprintf(stderr,
+               "usage: kvsift_a2ats_codebook --captures A.kvscap[,B.kvscap...] --out FILE [--layers L,L,... | all] "
+               "[--codewords N] [--offset B] [--window W] [--plain] [--no-wrope] [--model-id TEXT] "
+               "[--model-layers N] [--iterations N] [--seed N] [--threads N] [--compare-plain]\n");
+  return 2;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/// One layer's calibration inputs from every capture, texts one after another, in fp32.
+struct LayerInputs {
+  std::vector<float> queries, keys;  // [tokens, q_heads, d], [tokens, kv_heads, d]
+  std::vector<std::int32_t> starts;
+  std::int32_t tokens = 0;
+
+  LayerInputs(const std::vector<kvsift::Capture>& captures, std::int32_t layer) {
+    for (const auto& c : captures) {
+      const auto it = std::find_if(c.layers.begin(), c.layers.end(), [&](const auto& l) { return l.layer == layer; });
+      starts.push_back(tokens);
+      tokens += c.tokens;
+      for (const kvsift::half x : it->q_pre) queries.push_back(kvsift::to_float(x));
+      for (const kvsift::half x : it->k_pre) keys.push_back(kvsift::to_float(x));
+    }
+  }
+  kvsift::A2atsCalibrationInputs view(const kvsift::Capture& c) const {
+    const std::int32_t d = c.head_dim;
+    return {.queries = {queries.data(), 1, c.q_heads, tokens, d, std::int64_t(queries.size()), d,
+                        std::int64_t(c.q_heads) * d},
+            .keys = {keys.data(), 1, c.kv_heads, tokens, d, std::int64_t(keys.size()), d, std::int64_t(c.kv_heads) * d},
+            .text_starts = starts};
+  }
+};
+
+double mean(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0) / double(v.size()); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> capture_paths;
+  std::string out, layers_arg = "all", model_id;
+  kvsift::A2atsCodebookParams params;
+  params.codewords = 4096;
+  kvsift::A2atsCalibrationConfig config;
+  std::int32_t model_layers = 0;
+  int threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  bool compare_plain = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const bool has_value = i + 1 < argc;
+    if (arg == "--captures" && has_value) {
+      capture_paths = split(argv[++i]);
+    } else if (arg == "--out" && has_value) {
+      out = argv[++i];
+    } else if (arg == "--layers" && has_value) {
+      layers_arg = argv[++i];
+    } else if (arg == "--codewords" && has_value) {
+      params.codewords = std::atoi(argv[++i]);
+    } else if (arg == "--offset" && has_value) {
+      params.offset = std::atoi(argv[++i]);
+    } else if (arg == "--window" && has_value) {
+      params.window = std::atoi(argv[++i]);
+    } else if (arg == "--plain") {
+      params.query_aware = false;
+    } else if (arg == "--no-wrope") {
+      params.windowed_rope = false;
+    } else if (arg == "--model-id" && has_value) {
+      model_id = argv[++i];
+    } else if (arg == "--model-layers" && has_value) {
+      model_layers = std::atoi(argv[++i]);
+    } else if (arg == "--iterations" && has_value) {
+      config.kmeans_iterations = std::atoi(argv[++i]);
+    } else if (arg == "--seed" && has_value) {
+      config.seed = std::strtoull(argv[++i], nullptr, 10);
+    } else if (arg == "--threads" && has_value) {
+      threads = std::atoi(argv[++i]);
+    } else if (arg == "--compare-plain") {
+      compare_plain = true;
+    } else {
+      return usage();
+    }
+  }
+  if (capture_paths.empty() || out.empty() || threads < 1) return usage();
+
+  try {
+    std::vector<kvsift::Capture> captures;
+    for (const auto& path : capture_paths) captures.push_back(kvsift::read_capture(path));
+    const kvsift::Capture& first = captures.front();
+    std::vector<std::int32_t> layers;
+    if (layers_arg == "all") {
+      for (const auto& l : first.layers) layers.push_back(l.layer);
+    } else {
+      for (const auto& l : split(layers_arg)) layers.push_back(std::atoi(l.c_str()));
+    }
+    std::sort(layers.begin(), layers.end());
+    layers.erase(std::unique(layers.begin(), layers.end()), layers.end());
+    std::int32_t keys = 0;
+    for (std::size_t i = 0; i < captures.size(); ++i) {
+      const kvsift::Capture& c = captures[i];
+      const auto& p = capture_paths[i];
+      KVSIFT_CHECK(c.model == first.model && c.q_heads == first.q_heads && c.kv_heads == first.kv_heads &&
+                       c.head_dim == first.head_dim && c.rope.theta == first.rope.theta &&
+                       c.rope.resolved_rotary_dim(c.head_dim) == first.rope.resolved_rotary_dim(first.head_dim) &&
+                       c.rope.layout == first.rope.layout && c.rope.scaling.kind == first.rope.scaling.kind,
+                   "kvsift_a2ats_codebook", "{} is of another model or shape than {} (model, heads, head_dim, RoPE)", p,
+                   capture_paths.front());
+      for (const std::int32_t layer : layers) {
+        KVSIFT_CHECK(std::any_of(c.layers.begin(), c.layers.end(), [&](const auto& l) { return l.layer == layer; }),
+                     "kvsift_a2ats_codebook", "{} holds no layer {}", p, layer);
+      }
+      keys += c.tokens;
+    }
+    KVSIFT_CHECK(params.codewords >= 1 && params.codewords <= keys, "kvsift_a2ats_codebook",
+                 "--codewords {} is more than the {} keys per kv head the captures hold: use --codewords {} or fewer "
+                 "(or calibrate on more text)",
+                 params.codewords, keys, keys);
+    params.model_id = model_id.empty() ? first.model : model_id;
+    std::int32_t captured = 0;
+    for (const auto& l : first.layers) captured = std::max(captured, l.layer + 1);
+    params.layers = model_layers > 0 ? model_layers : captured;
+    params.calibrated_layers = layers;
+    params.kv_heads = first.kv_heads;
+    params.q_heads = first.q_heads;
+    params.head_dim = first.head_dim;
+    params.rope = first.rope;
+    kvsift::A2atsCodebooks codebooks(params);
+    kvsift::cpu::ThreadPool pool(threads);
+
+    fmt::print("## A2ATS codebooks: {}\n\n", params.model_id);
+    fmt::print("captures: {} ({} keys per kv head); {} kv heads, {} query heads, head_dim {}; codewords {}, b = {}, "
+               "w = {}, query_aware {}, windowed_rope {}; {} Lloyd steps, seed {}, {} threads\n\n",
+               fmt::join(capture_paths, ", "), keys, params.kv_heads, params.q_heads, params.head_dim,
+               params.codewords, params.offset, params.window, params.query_aware, params.windowed_rope,
+               config.kmeans_iterations, config.seed, threads);
+    fmt::print("| layer | keys/head | codewords | ridge per kv head | Lloyd steps | max movement | J' | {}build s |\n",
+               compare_plain ? "J' plain | " : "");
+    fmt::print("|---|---|---|---|---|---|---|{}---|\n", compare_plain ? "---|" : "");
+    double total = 0.0;
+    for (const std::int32_t layer : layers) {
+      const LayerInputs data(captures, layer);
+      const auto inputs = data.view(first);
+      const auto start = std::chrono::steady_clock::now();
+      const kvsift::A2atsCalibrationReport report = kvsift::calibrate_a2ats_layer(codebooks, layer, inputs, config, &pool);
+      const double build = seconds_since(start);
+      total += build;
+      const double error = mean(kvsift::a2ats_score_error(codebooks, layer, inputs, &pool));
+      std::string plain;
+      if (compare_plain) {
+        kvsift::A2atsCodebookParams plain_params = params;
+        plain_params.query_aware = false;
+        plain_params.calibrated_layers = {layer};
+        kvsift::A2atsCodebooks reference(plain_params);
+        kvsift::calibrate_a2ats_layer(reference, layer, inputs, config, &pool);
+        plain = fmt::format("{:.4f} | ", mean(kvsift::a2ats_score_error(reference, layer, inputs, &pool)));
+      }
+      fmt::print("| {} | {} | {} | {:g} | {} | {:.2e} | {:.4f} | {}{:.2f} |\n", layer, report.keys, params.codewords,
+                 fmt::join(report.ridge, ", "), report.kmeans_iterations,
+                 *std::max_element(report.movement.begin(), report.movement.end()), error, plain, build);
+      std::fflush(stdout);
+    }
+    kvsift::save_a2ats_codebooks(out, codebooks);
+    fmt::print("\nwrote {}: {} layers, {} bytes of codebooks; build {:.1f} s in all ({:.2f} s per layer)\n", out,
+               layers.size(), codebooks.bytes(), total, total / double(layers.size()));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvsift_a2ats_codebook: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
