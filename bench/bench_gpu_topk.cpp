@@ -2,6 +2,8 @@
 // window, one k for all), as graph replays (the benchmark's time) and eager calls (eager_us). heads_per_row 4
 // unites groups of 4 score rows (A²ATS's per-query-head top-K over a GQA group of 4), a second launch.
 // Targets on the H100 (docs/primitives.md): k = 2048 of 131072 in <= 10 us for 1 row, <= 20 us for 8.
+// A²ATS's decode step at 128K (q 32 / kv 8, K = 3% = 3932 per row): 32 score rows united by 4 (batch 1) and 256
+// (batch 8); the group-max rule's 8 and 64 rows of one head each (issue 23: ~10 us for the whole top-k at batch 1).
 #include <random>
 #include <vector>
 
@@ -39,6 +41,8 @@ void BM_CudaTopKRows(benchmark::State& state) {
 BENCHMARK(BM_CudaTopKRows)
     ->ArgsProduct({{8192, 32768, 131072}, {1, 8, 64}, {128, 2048}, {1}})
     ->ArgsProduct({{8192, 32768, 131072}, {8}, {128, 2048}, {4}})
+    ->ArgsProduct({{131072}, {8, 64}, {3932}, {1}})
+    ->ArgsProduct({{131072}, {32, 256}, {3932}, {4}})
     ->ArgNames({"N", "rows", "K", "heads_per_row"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)

@@ -9,45 +9,44 @@ namespace {
 constexpr auto kSelectKernel = topk_rows_select<kTopKRowsThreads>;
 constexpr auto kUnionKernel = topk_rows_union<kTopKUnionThreads>;
 
-std::size_t select_smem_bytes(std::int32_t words) { return std::size_t(words) * sizeof(std::uint32_t); }
-
 }  // namespace
 
-cudaError_t topk_rows_cluster_limits(int* max_cluster, int* clusters16) {
-  *max_cluster = 1;
-  *clusters16 = 0;
+cudaError_t topk_rows_cluster_capacity(TopKClusterCapacity* capacity) {
+  capacity->fill(0);
   int device = 0, major = 0;
   if (cudaError_t s = cudaGetDevice(&device); s != cudaSuccess) return s;
   if (cudaError_t s = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device); s != cudaSuccess) return s;
   if (major < 9) return cudaSuccess;
-  *max_cluster = kTopKMaxPortableCluster;
-  const std::size_t smem = select_smem_bytes(kTopKMaxSmemWords);
+  const std::size_t smem = topk_rows_select_smem_bytes(kTopKMaxSmemWords);
   if (cudaError_t s = cudaFuncSetAttribute(kSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
       s != cudaSuccess) {
     return s;
   }
-  if (cudaFuncSetAttribute(kSelectKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-    (void)cudaGetLastError();  // no non-portable clusters here: 8 it is
-    return cudaSuccess;
+  for (int log2 = 1; log2 < int(capacity->size()); ++log2) {
+    const int size = 1 << log2;
+    if (size > kTopKMaxPortableCluster &&
+        cudaFuncSetAttribute(kSelectKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+      (void)cudaGetLastError();  // no non-portable clusters here
+      break;
+    }
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(unsigned(size));
+    config.blockDim = dim3(kTopKRowsThreads);
+    config.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = unsigned(size);
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kSelectKernel, &config) != cudaSuccess) {
+      (void)cudaGetLastError();
+      break;
+    }
+    (*capacity)[std::size_t(log2)] = clusters;
   }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(16);
-  config.blockDim = dim3(kTopKRowsThreads);
-  config.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = 16;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kSelectKernel, &config) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return cudaSuccess;
-  }
-  *max_cluster = 16;
-  *clusters16 = clusters;
   return cudaSuccess;
 }
 
@@ -55,14 +54,14 @@ cudaError_t launch_topk_rows(const TopKRowsParams& p, cudaStream_t stream) {
   if (p.k == 0 || p.scores.rows == 0) return cudaSuccess;
   // Always the GPU's limit, never lowered: a launch from another host thread may rely on it.
   if (cudaError_t s = cudaFuncSetAttribute(kSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(select_smem_bytes(p.launch.smem_limit_words)));
+                                           int(topk_rows_select_smem_bytes(p.launch.smem_limit_words)));
       s != cudaSuccess) {
     return s;
   }
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(unsigned(p.scores.rows * p.launch.cluster));
   config.blockDim = dim3(kTopKRowsThreads);
-  config.dynamicSmemBytes = select_smem_bytes(p.launch.smem_words);
+  config.dynamicSmemBytes = topk_rows_select_smem_bytes(p.launch.smem_words);
   config.stream = stream;
   cudaLaunchAttribute attribute{};
   if (p.launch.cluster > 1) {

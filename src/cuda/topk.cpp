@@ -30,7 +30,6 @@ void check_topk_rows_shape(const char* where, std::int64_t score_rows, std::int3
 
 struct TopKRowsBuffers {
   std::int32_t* picks = nullptr;
-  std::int32_t* pick_counts = nullptr;
   std::uint32_t* union_bits = nullptr;
 };
 
@@ -41,7 +40,6 @@ TopKRowsBuffers layout_topk_rows(WorkspaceLayout& layout, std::int64_t score_row
   if (heads_per_row == 1) return b;
   constexpr const char* what = "cuda topk_rows workspace";
   b.picks = layout.allocate<std::int32_t>(checked_mul(std::size_t(score_rows), std::size_t(k), what), "topk picks");
-  b.pick_counts = layout.allocate<std::int32_t>(std::size_t(score_rows), "topk pick counts");
   const std::int32_t words = detail::topk_union_words(max_tokens);
   if (words > detail::kTopKUnionSmemWords) {
     b.union_bits = layout.allocate<std::uint32_t>(
@@ -50,31 +48,30 @@ TopKRowsBuffers layout_topk_rows(WorkspaceLayout& layout, std::int64_t score_row
   return b;
 }
 
-/// The current device's cluster limits, queried once per device (as multiprocessor_count is).
-struct ClusterLimits {
-  int max_cluster;
-  int clusters16;
-};
-
-ClusterLimits cluster_limits() {
+/// The current device's cluster capacity, queried once per device (as multiprocessor_count is): 8 bits a
+/// size (counts clamped to 255, which only lowers the cluster size chosen) and bit 40 set once queried.
+detail::TopKClusterCapacity cluster_capacity() {
   constexpr int kMaxDevices = 64;
-  static std::array<std::atomic<int>, kMaxDevices> cache{};  // max_cluster + 32 * (clusters16 + 1); 0: not queried
+  constexpr std::uint64_t kQueried = std::uint64_t(1) << 40;
+  static std::array<std::atomic<std::uint64_t>, kMaxDevices> cache{};
   int device = 0;
   KVSIFT_CUDA_CHECK(cudaGetDevice(&device));
   KVSIFT_CHECK(device >= 0 && device < kMaxDevices, "cuda::topk_rows", "device ordinal {} >= {}", device, kMaxDevices);
-  int packed = cache[device].load(std::memory_order_relaxed);
+  std::uint64_t packed = cache[device].load(std::memory_order_relaxed);
   if (packed == 0) {
-    int max_cluster = 1, clusters16 = 0;
-    KVSIFT_CUDA_CHECK(detail::topk_rows_cluster_limits(&max_cluster, &clusters16));
-    packed = max_cluster + 32 * (clusters16 + 1);
+    detail::TopKClusterCapacity capacity{};
+    KVSIFT_CUDA_CHECK(detail::topk_rows_cluster_capacity(&capacity));
+    packed = kQueried;
+    for (std::size_t i = 0; i < capacity.size(); ++i) packed |= std::uint64_t(std::clamp(capacity[i], 0, 255)) << (8 * i);
     cache[device].store(packed, std::memory_order_relaxed);
   }
-  return {packed % 32, packed / 32 - 1};
+  detail::TopKClusterCapacity capacity{};
+  for (std::size_t i = 0; i < capacity.size(); ++i) capacity[i] = int((packed >> (8 * i)) & 0xffu);
+  return capacity;
 }
 
 detail::TopKRowsLaunch plan_launch(std::int64_t score_rows, std::int32_t max_tokens) {
-  const ClusterLimits limits = cluster_limits();
-  return detail::plan_topk_rows(score_rows, max_tokens, multiprocessor_count(), limits.max_cluster, limits.clusters16,
+  return detail::plan_topk_rows(score_rows, max_tokens, multiprocessor_count(), cluster_capacity(),
                                 detail::topk_rows_smem_limit_words(max_shared_memory_per_block()));
 }
 
@@ -129,7 +126,6 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* d_leng
                                       .heads_per_row = heads,
                                       .out = out,
                                       .picks = buffers.picks,
-                                      .pick_counts = buffers.pick_counts,
                                       .union_bits = buffers.union_bits,
                                       .union_words = detail::topk_union_words(scores.cols),
                                       .launch = plan_launch(scores.rows, scores.cols)};
@@ -173,7 +169,6 @@ void topk(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* d
       .heads_per_row = 1,
       .out = {d_indices, nullptr, nullptr, std::int32_t(scores.rows), 1, k},
       .picks = nullptr,
-      .pick_counts = nullptr,
       .union_bits = nullptr,
       .union_words = 0,
       .launch = plan_launch(scores.rows, scores.cols)};

@@ -217,6 +217,22 @@ TEST_F(CudaTopK, GroupUnionsOfEverySizeAndLongRows) {
   check_against_cpu(Problem(rng, 64, 8, 1, 3000, 128, {4, 64}, Scores::few_values, true));
 }
 
+TEST_F(CudaTopK, A2atsDecodeStepSizes) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  // A²ATS's decode step at 128K (q 32 / kv 8, K = 3% = 3932): 32 score rows united by 4, and the group-max
+  // rule's 8 rows of one head, at full length and with ties; then batch 8 (256 and 64 score rows), ragged.
+  // Per-row k and the window throughout.
+  for (const Scores kind : {Scores::continuous, Scores::few_values}) {
+    for (const std::int32_t heads : {4, 1}) {
+      Problem p(rng, 1, 8, heads, 131072, 3932, {4, 64}, kind, true);
+      p.lengths.assign(1, p.cols);
+      check_against_cpu(p);
+    }
+  }
+  check_against_cpu(Problem(rng, 8, 8, 4, 131072, 3932, {4, 64}, Scores::continuous, true));
+  check_against_cpu(Problem(rng, 8, 8, 1, 131072, 3932, {0, 0}, Scores::few_values, true));
+}
+
 TEST_F(CudaTopK, OutOfRangeDeviceInputsGiveCountMinusOne) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   for (const std::int32_t heads : {1, 4}) {
@@ -370,35 +386,39 @@ TEST_F(CudaTopK, LengthBudgetsEqualTheCpuTwin) {
 
 TEST(CudaTopKPlan, ClustersFillTheGpuInOneWave) {
   using cuda::detail::plan_topk_rows;
-  const auto plan = [](std::int64_t rows, std::int32_t n, int max_cluster, int clusters16) {
-    const auto launch = plan_topk_rows(rows, n, 132, max_cluster, clusters16, 32768);
+  // An H100-like capacity (132 SMs, one select CTA per SM; clusters stay inside a GPC): 30 clusters of 4 at once.
+  const cuda::detail::TopKClusterCapacity h100{0, 66, 30, 16, 7}, portable{0, 66, 30, 16, 0}, none{};
+  const auto plan = [](std::int64_t rows, std::int32_t n, const cuda::detail::TopKClusterCapacity& capacity) {
+    const auto launch = plan_topk_rows(rows, n, 132, capacity, 32768);
     return std::pair{launch.cluster, launch.smem_words};
   };
-  EXPECT_EQ(plan(1, 131072, 16, 7), std::pair(16, 8192));    // one row: 16 SMs, 32 KiB each
-  EXPECT_EQ(plan(8, 131072, 16, 7), std::pair(8, 16384));    // 8 rows: 16-CTA clusters would not all fit at once
-  EXPECT_EQ(plan(4, 131072, 16, 7), std::pair(16, 8192));
-  EXPECT_EQ(plan(1, 131072, 8, 0), std::pair(8, 16384));     // portable clusters only
-  EXPECT_EQ(plan(64, 131072, 16, 7), std::pair(2, 0));       // 65,536 scores per CTA: re-read from L2
-  EXPECT_EQ(plan(1, 8192, 16, 7), std::pair(4, 2048));       // short rows keep 2048 scores per CTA
-  EXPECT_EQ(plan(1, 3000, 16, 7), std::pair(1, 3000));
-  EXPECT_EQ(plan(700, 3000, 16, 7), std::pair(1, 3000));     // more rows than SMs
-  EXPECT_EQ(plan(1, 131072, 1, 0), std::pair(1, 0));         // no clusters (sm_80): one CTA, from L2
+  EXPECT_EQ(plan(1, 131072, h100), std::pair(16, 8192));    // one row: 16 SMs, 32 KiB each
+  EXPECT_EQ(plan(8, 131072, h100), std::pair(8, 16384));    // 8 rows: 16-CTA clusters would not all fit at once
+  EXPECT_EQ(plan(4, 131072, h100), std::pair(16, 8192));
+  EXPECT_EQ(plan(1, 131072, portable), std::pair(8, 16384));  // portable clusters only
+  // 32 rows: clusters of 4, though not all fit at once (faster than 2 CTAs of 65,536 scores, half from L2).
+  EXPECT_EQ(plan(32, 131072, h100), std::pair(4, 32768));
+  EXPECT_EQ(plan(64, 131072, h100), std::pair(2, 32768));   // 65,536 scores per CTA: the rest from L2
+  EXPECT_EQ(plan(1, 8192, h100), std::pair(4, 2048));       // short rows keep 2048 scores per CTA
+  EXPECT_EQ(plan(1, 3000, h100), std::pair(1, 3000));
+  EXPECT_EQ(plan(700, 3000, h100), std::pair(1, 3000));     // more rows than SMs
+  EXPECT_EQ(plan(1, 131072, none), std::pair(1, 32768));    // no clusters (sm_80): one CTA, the rest from L2
   EXPECT_EQ(cuda::detail::topk_union_words(64), 3);          // a middle [lo, hi) spans at most 64/32 + 1 words
-  // Shared memory per block: 227 KiB (H100) allows the 128 KiB slice, 99 KiB (sm_89) less; a short limit
-  // sends the slices to L2.
-  EXPECT_EQ(cuda::detail::topk_rows_smem_limit_words(227 * 1024), 32768);
-  EXPECT_EQ(cuda::detail::topk_rows_smem_limit_words(99 * 1024), (99 * 1024 - 8192) / 4);
-  EXPECT_EQ(plan_topk_rows(8, 131072, 132, 8, 0, 16000).smem_words, 0);
-  EXPECT_EQ(plan_topk_rows(8, 131072, 132, 8, 0, 16000).smem_limit_words, 16000);
+  // Shared memory per block: 227 KiB (H100) allows the 176 KiB slice, 99 KiB (sm_89) less; a short limit
+  // sends the rest of the slices to L2.
+  EXPECT_EQ(cuda::detail::topk_rows_smem_limit_words(227 * 1024), cuda::detail::kTopKMaxSmemWords);
+  EXPECT_EQ(cuda::detail::topk_rows_smem_limit_words(99 * 1024), (99 * 1024 - cuda::detail::kTopKStaticSmemBytes) / 4);
+  EXPECT_EQ(plan_topk_rows(8, 131072, 132, portable, 16000).smem_words, 16000);
+  EXPECT_EQ(plan_topk_rows(8, 131072, 132, portable, 16000).smem_limit_words, 16000);
 }
 
 TEST(CudaTopKBadInput, RefusedBeforeAnyDeviceCall) {
   EXPECT_EQ(cuda::topk_rows_workspace_bytes(8, 131072, 2048, {}), 0u);  // one score row per selection row: none
-  // Four rows of 1000 scores, k = 16, 2 per selection row: picks and their counts, bitmaps in shared memory.
-  EXPECT_EQ(cuda::topk_rows_workspace_bytes(4, 1000, 16, {.heads_per_row = 2}), 256u + 256u);
+  // Four rows of 1000 scores, k = 16, 2 per selection row: the picks, bitmaps in shared memory.
+  EXPECT_EQ(cuda::topk_rows_workspace_bytes(4, 1000, 16, {.heads_per_row = 2}), 256u);
   // Past 360,416 tokens the bitmaps (one per selection row) join them.
   EXPECT_EQ(cuda::topk_rows_workspace_bytes(4, 500000, 16, {.heads_per_row = 2}),
-            256u + 256u + (2 * (500000 / 32 + 1) * 4 + 255) / 256 * 256);
+            256u + (2 * (500000 / 32 + 1) * 4 + 255) / 256 * 256);
   test::expect_error([] { cuda::topk_rows_workspace_bytes(0, 10, 1, {}); },
                      "kvsift::cuda::topk_rows_workspace_bytes: score_rows (= 0) and max_tokens (= 10) must be positive");
   test::expect_error([] { cuda::topk_rows_workspace_bytes(4, 10, 0, {}); }, "k (= 0) must be positive");

@@ -17,8 +17,8 @@
 namespace kvsift::cuda {
 
 /// Bytes of device workspace (256-byte aligned) topk_rows needs for `score_rows` score rows of max_tokens =
-/// scores.cols scores: none for heads_per_row = 1; for heads_per_row > 1 each score row's picks (4 * k + 4
-/// bytes) and, past 360,416 tokens, a bitmap of each selection row's middle (max_tokens / 8 bytes). Shapes
+/// scores.cols scores: none for heads_per_row = 1; for heads_per_row > 1 each score row's picks (4 * k bytes)
+/// and, past 360,416 tokens, a bitmap of each selection row's middle (max_tokens / 8 bytes). Shapes
 /// only (no device query); k and the options are checked as the run checks them.
 std::size_t topk_rows_workspace_bytes(std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
                                       const TopKRowsOptions& options);
