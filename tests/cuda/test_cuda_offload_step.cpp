@@ -330,8 +330,8 @@ TEST(OffloadStepBadInput, ASelectorWithASecondSourceIsRefused) {
                                 .head_dim = 64, .max_seq_len = 64},
                                cpu);
       },
-      "OffloadDecodeStep: the selector (TwoSources) has a second source (second_source_capacity() = 4), which the "
-      "offload placement does not attend: run it with DecodeStep on the GPU or the CPU");
+      "OffloadDecodeStep: the selector (TwoSources) has a second source (second_source_capacity() = 4), which this "
+      "placement does not attend: run it with DecodeStep on the GPU or the CPU");
 }
 
 TEST(OffloadStepBadInput, RefusesAnEmptyPlan) {

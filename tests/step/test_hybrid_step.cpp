@@ -191,8 +191,8 @@ TEST(HybridStepBadInput, ASelectorWithASecondSourceIsRefused) {
                                .head_dim = 64, .max_seq_len = 64},
                               cpu);
       },
-      "HybridDecodeStep: the selector (TwoSources) has a second source (second_source_capacity() = 4), which the "
-      "hybrid placement does not attend: run it with DecodeStep on the GPU or the CPU");
+      "HybridDecodeStep: the selector (TwoSources) has a second source (second_source_capacity() = 4), which this "
+      "placement does not attend: run it with DecodeStep on the GPU or the CPU");
 }
 
 }  // namespace

@@ -241,8 +241,8 @@ void windowed_rope_decode(const QueryView<const T>& q, const KVCache<const std::
   const SelectionView nothing{b.no_indices, b.no_counts, nullptr, q.batch, cache.kv_heads(), 1};
   clear_counts(nothing, ctx);
   sparse_decode(q, cache, nothing, partial(0), detail::windowed_rope_local(params), false, true, b.decode, ctx);
-  sparse_decode(QueryView<const T>::packed(b.q_rotated, q.batch, q.heads, q.head_dim), pre_rope_cache, selection, partial(1), detail::windowed_rope_distant(params), false, true, b.decode,
-                ctx);
+  sparse_decode(QueryView<const T>::packed(b.q_rotated, q.batch, q.heads, q.head_dim), pre_rope_cache, selection,
+                partial(1), detail::windowed_rope_distant(params), false, true, b.decode, ctx);
 
   // 4. Both, by LSE, into `out`.
   const StateView<const float> partials[] = {partial(0).as_const(), partial(1).as_const()};

@@ -101,8 +101,8 @@ class GpuSelectHybridStep {
         log_weights_(selector_writes_log_weights(selector_)),
         rows_(std::size_t(config.max_batch) * std::size_t(config.kv_heads)),
         query_elements_(std::size_t(config.max_batch) * std::size_t(config.q_heads) * std::size_t(config.head_dim)),
-        device_memory_(workspace_bytes(part_)),
-        device_(carve(part_, device_memory_)),
+        device_memory_(part_.workspace_bytes()),
+        device_(part_.carve({device_memory_.data(), device_memory_.size()}, "GpuSelectHybridStep")),
         h_counts_(rows_),
         h_indices_(rows_ * std::size_t(part_.capacity())),
         h_log_weights_(log_weights_ ? rows_ * std::size_t(part_.capacity()) : 0),
@@ -197,20 +197,8 @@ class GpuSelectHybridStep {
     constexpr const char* where = "GpuSelectHybridStep";
     KVSIFT_CHECK(config.max_batch > 0, where, "config.max_batch (= {}) must be positive", config.max_batch);
     KVSIFT_CHECK(config.max_seq_len > 0, where, "config.max_seq_len (= {}) must be positive", config.max_seq_len);
-    KVSIFT_CHECK(selector_second_source_capacity(selector) == 0, where,
-                 "the selector ({}) has a second source (second_source_capacity() = {}), which this placement does "
-                 "not attend: run it with DecodeStep on the GPU",
-                 selector.name(), selector_second_source_capacity(selector));
+    detail::refuse_second_source(where, selector, "on the GPU");
     return config;
-  }
-  static std::size_t workspace_bytes(const Part& part) {
-    WorkspaceLayout counting;
-    part.layout(counting);
-    return counting.bytes();
-  }
-  static typename Part::Buffers carve(const Part& part, cuda::Array<std::byte>& memory) {
-    WorkspaceLayout carving({memory.data(), memory.size()}, "GpuSelectHybridStep");
-    return part.layout(carving);
   }
   static void copy_to_host(const void* src, void* dst, std::size_t bytes, const cuda::Context& ctx) {
     KVSIFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, ctx.stream));

@@ -58,8 +58,8 @@ class HybridDecodeStep {
       : selector_(std::move(selector)),
         config_(checked(config, selector_)),
         part_(selector_, {config.max_batch, config.q_heads, config.kv_heads, config.head_dim, config.max_seq_len}, ctx),
-        workspace_(workspace_bytes(part_)),
-        buffers_(carve(part_, workspace_)),
+        workspace_(part_.workspace_bytes()),
+        buffers_(part_.carve(workspace_.bytes(), "HybridDecodeStep")),
         decoder_({.batch = config.max_batch, .q_heads = config.q_heads, .kv_heads = config.kv_heads,
                   .head_dim = config.head_dim, .attention = config.attention,
                   .validate_indices = config.validate_indices},
@@ -103,20 +103,8 @@ class HybridDecodeStep {
   static const DecodeStepConfig& checked(const DecodeStepConfig& config, const S& selector) {
     constexpr const char* where = "HybridDecodeStep";
     KVSIFT_CHECK(config.max_batch > 0, where, "config.max_batch (= {}) must be positive", config.max_batch);
-    KVSIFT_CHECK(selector_second_source_capacity(selector) == 0, where,
-                 "the selector ({}) has a second source (second_source_capacity() = {}), which the hybrid placement "
-                 "does not attend: run it with DecodeStep on the GPU or the CPU",
-                 selector.name(), selector_second_source_capacity(selector));
+    detail::refuse_second_source(where, selector, "on the GPU or the CPU");
     return config;
-  }
-  static std::size_t workspace_bytes(const Part& part) {
-    WorkspaceLayout counting;
-    part.layout(counting);
-    return counting.bytes();
-  }
-  static typename Part::Buffers carve(const Part& part, cpu::Array<std::byte>& workspace) {
-    WorkspaceLayout carving(workspace.bytes(), "HybridDecodeStep");
-    return part.layout(carving);
   }
 
   S selector_;

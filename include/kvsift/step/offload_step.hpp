@@ -98,11 +98,8 @@ class OffloadDecodeStep {
         part_(selector_, {config.max_batch, config.q_heads, config.kv_heads, config.head_dim, config.max_seq_len}, ctx),
         planned_threads_(workspace_threads(ctx)),
         log_weights_(selector_writes_log_weights(selector_)) {
-    WorkspaceLayout host_counting;
-    part_.layout(host_counting);
-    host_memory_.resize(host_counting.bytes());
-    WorkspaceLayout host_carving({host_memory_.data(), host_memory_.size()}, "OffloadDecodeStep");
-    host_ = part_.layout(host_carving);
+    host_memory_.resize(part_.workspace_bytes());
+    host_ = part_.carve({host_memory_.data(), host_memory_.size()}, "OffloadDecodeStep");
 
     for (std::int32_t batch = 1; batch <= config.max_batch; ++batch) {
       const auto bytes = [&](std::int32_t capacity, const AttentionOptions& attention) {
@@ -265,10 +262,7 @@ class OffloadDecodeStep {
     KVSIFT_CHECK(config.max_batch > 0, where, "config.max_batch (= {}) must be positive", config.max_batch);
     KVSIFT_CHECK(config.max_seq_len > 0, where, "config.max_seq_len (= {}) must be positive", config.max_seq_len);
     validate(config.attention.window, where, "config.attention.window");
-    KVSIFT_CHECK(selector_second_source_capacity(selector) == 0, where,
-                 "the selector ({}) has a second source (second_source_capacity() = {}), which the offload "
-                 "placement does not attend: run it with DecodeStep on the GPU or the CPU",
-                 selector.name(), selector_second_source_capacity(selector));
+    detail::refuse_second_source(where, selector, "on the GPU or the CPU");
     return config;
   }
 

@@ -71,6 +71,18 @@ class SelectorPart {
     return b;
   }
 
+  /// A workspace holding this part alone (the placements that own their selector's memory): its bytes, and its
+  /// buffers carved from `memory` of at least that many bytes.
+  std::size_t workspace_bytes() const {
+    WorkspaceLayout counting;
+    layout(counting);
+    return counting.bytes();
+  }
+  Buffers carve(std::span<std::byte> memory, const char* where) const {
+    WorkspaceLayout carving(memory, where);
+    return layout(carving);
+  }
+
   SelectionView selection(const Buffers& b, std::int32_t batch) const {
     return {b.indices, b.counts, b.log_weights, batch, kv_heads_, capacity_};
   }
@@ -93,5 +105,15 @@ class SelectorPart {
   bool log_weights_;
   std::size_t append_bytes_ = 0, select_bytes_ = 0;
 };
+
+/// Refuses, in the constructor of placement `where`, a selector with a second source (selectors/selector.hpp),
+/// which only DecodeStep attends; `instead` names where to run it.
+template <KVSelector S>
+void refuse_second_source(const char* where, const S& selector, const char* instead) {
+  KVSIFT_CHECK(selector_second_source_capacity(selector) == 0, where,
+               "the selector ({}) has a second source (second_source_capacity() = {}), which this placement does not "
+               "attend: run it with DecodeStep {}",
+               selector.name(), selector_second_source_capacity(selector), instead);
+}
 
 }  // namespace kvsift::detail
