@@ -146,10 +146,17 @@ int main(int argc, char** argv) {
     for (std::size_t i = 0; i < captures.size(); ++i) {
       const kvsift::Capture& c = captures[i];
       const auto& p = capture_paths[i];
+      const kvsift::RopeScalingConfig &x = c.rope.scaling, &y = first.rope.scaling;
+      const bool same_scaling = x.kind == y.kind && x.factor == y.factor &&
+                                x.original_max_position_embeddings == y.original_max_position_embeddings &&
+                                x.low_freq_factor == y.low_freq_factor && x.high_freq_factor == y.high_freq_factor &&
+                                x.beta_fast == y.beta_fast && x.beta_slow == y.beta_slow && x.truncate == y.truncate &&
+                                x.attention_factor == y.attention_factor && x.mscale == y.mscale &&
+                                x.mscale_all_dim == y.mscale_all_dim;
       KVSIFT_CHECK(c.model == first.model && c.q_heads == first.q_heads && c.kv_heads == first.kv_heads &&
                        c.head_dim == first.head_dim && c.rope.theta == first.rope.theta &&
                        c.rope.resolved_rotary_dim(c.head_dim) == first.rope.resolved_rotary_dim(first.head_dim) &&
-                       c.rope.layout == first.rope.layout && c.rope.scaling.kind == first.rope.scaling.kind,
+                       c.rope.layout == first.rope.layout && same_scaling,
                    "kvsift_a2ats_codebook", "{} is of another model or shape than {} (model, heads, head_dim, RoPE)", p,
                    capture_paths.front());
       for (const std::int32_t layer : layers) {
@@ -201,9 +208,13 @@ int main(int argc, char** argv) {
         kvsift::calibrate_a2ats_layer(reference, layer, inputs, config, &pool);
         plain = fmt::format("{:.4f} | ", mean(kvsift::a2ats_score_error(reference, layer, inputs, &pool)));
       }
+      const double movement = *std::max_element(report.movement.begin(), report.movement.end());
       fmt::print("| {} | {} | {} | {:g} | {} | {:.2e} | {:.4f} | {}{:.2f} |\n", layer, report.keys, params.codewords,
-                 fmt::join(report.ridge, ", "), report.kmeans_iterations,
-                 *std::max_element(report.movement.begin(), report.movement.end()), error, plain, build);
+                 fmt::join(report.ridge, ", "), report.kmeans_iterations, movement, error, plain, build);
+      if (movement >= 1e-4) {  // the convergence rule: Lloyd until the centroids move less than 1e-4
+        std::fprintf(stderr, "kvsift_a2ats_codebook: warning: layer %d has not converged (one more Lloyd step would "
+                             "move a centroid by %.2e of the keys' RMS norm): raise --iterations\n", layer, movement);
+      }
       std::fflush(stdout);
     }
     kvsift::save_a2ats_codebooks(out, codebooks);

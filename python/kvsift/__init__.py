@@ -155,7 +155,8 @@ class DecodeStep:
     (tokens, the window's included; 0: keep_fraction of the length), keep_fraction, list_fraction, subspaces,
     centroids, probes, search_period, per_query_head, weight_by_norm, from_floor}: selectors/csattention.hpp's
     CsattentionConfig; 'a2ats' {codebooks (a kvsift_a2ats_codebook file), layer, budget_fraction, max_budget,
-    group_max}: selectors/a2ats.hpp's A2atsConfig, the keys rotated back from the cache), then sparse
+    group_max; rope_theta, rope_dim, rope_interleaved: the model's RoPE, which the file's must equal}:
+    selectors/a2ats.hpp's A2atsConfig, the keys rotated back from the cache), then sparse
     attention of its selection and the window (sink, recent), planned once for
     up to max_batch rows and sequences of up to max_seq_len tokens; the workspace is allocated here, once.
 

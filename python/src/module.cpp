@@ -663,6 +663,12 @@ std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
     expected.q_heads = c.q_heads;
     expected.kv_heads = c.kv_heads;
     expected.head_dim = c.head_dim;
+    if (config.contains("rope_theta")) {  // the model's RoPE, compared with the file's (no scaling here)
+      RopeConfig rope{.theta = config_float(config, "rope_theta", 0.0)};
+      rope.rotary_dim = config_int(where, config, "rope_dim", 0);
+      rope.layout = config_int(where, config, "rope_interleaved", 0) != 0 ? RopeLayout::interleaved : RopeLayout::neox;
+      expected.rope = rope;
+    }
     const A2atsCodebooks codebooks = load_a2ats_codebooks(path, expected);
     A2atsConfig sc{};
     sc.budget_fraction = config_float(config, "budget_fraction", sc.budget_fraction);

@@ -31,6 +31,15 @@ constexpr std::size_t kMaxModelIdBytes = 4096;
 /// amplify the fp32 rounding of C^z by more than 1e6 in C = C^z L^-1, leaving C noise in that direction.
 constexpr double kPivotFloor = 1e-12;
 
+/// Bytes from the read position to the end of `in` (0 if the stream cannot tell); the position is kept.
+std::size_t bytes_left(std::istream& in) {
+  const std::streampos here = in.tellg();
+  in.seekg(0, std::ios::end);
+  const std::streampos end = in.tellg();
+  in.seekg(here);
+  return here >= 0 && end >= here ? std::size_t(end - here) : 0;
+}
+
 /// What no A2atsCodebooks accepts in `p`, in words ("" when it is fine): the constructor and a file's load
 /// refuse with it.
 std::string params_problem(const A2atsCodebookParams& p) {
@@ -363,6 +372,11 @@ A2atsCodebooks read_codebooks(std::istream& in, const std::string& source, const
   const auto held = r.read<std::int32_t>("the count of calibrated layers");
   KVSIFT_CHECK(held >= 1 && held <= p.layers, where, "{}: the count of calibrated layers ({}) is outside [1, layers = {}]",
                source, held, p.layers);
+  // The layer list is bounded by the file's size before it is allocated (the header's counts are not checked by
+  // the checksum until the end).
+  KVSIFT_CHECK(std::size_t(held) * sizeof(std::int32_t) <= bytes_left(in), where,
+               "{}: truncated: the header lists {} calibrated layers, more than the file's remaining {} bytes hold",
+               source, held, bytes_left(in));
   p.calibrated_layers.resize(std::size_t(held));
   r.read_array(std::span<std::int32_t>(p.calibrated_layers), "the calibrated layers");
   FileFields f{};
@@ -396,13 +410,10 @@ A2atsCodebooks read_codebooks(std::istream& in, const std::string& source, const
   // anything: the checksum is checked only at the end).
   const std::size_t layer_floats = transform_floats(p) + 2 * codebook_floats(p);
   const std::size_t needed = checked_mul(std::size_t(held), checked_mul(layer_floats, 4, where), where) + 4;
-  const std::streampos here = in.tellg();
-  in.seekg(0, std::ios::end);
-  const std::streampos end = in.tellg();
-  in.seekg(here);
-  KVSIFT_CHECK(here >= 0 && end >= here && std::size_t(end - here) >= needed, where,
+  const std::size_t left = bytes_left(in);
+  KVSIFT_CHECK(left >= needed, where,
                "{}: truncated: the header asks for {} bytes of codebooks and checksum after byte {}, the file holds {}",
-               source, needed, std::int64_t(here), std::int64_t(end - here));
+               source, needed, std::int64_t(in.tellg()), left);
   A2atsCodebooks codebooks(p);
   for (const std::int32_t layer : p.calibrated_layers) {
     r.read_array(std::span<float>(codebooks.transform(layer), transform_floats(p)), fmt::format("layer {} L", layer));
@@ -492,10 +503,12 @@ A2atsCalibrationReport calibrate_a2ats_layer(A2atsCodebooks& codebooks, std::int
                                 .movement = std::vector<double>(std::size_t(kv_heads), 0.0)};
 
   // L per kv head, then the transformed keys z [kv_heads, n, d] that k-means clusters.
+  // L is stored once every head has one: a refused head leaves the layer's codebooks as they were.
   std::vector<float> z(std::size_t(kv_heads) * std::size_t(n) * d);
+  std::vector<float> transforms(std::size_t(kv_heads) * d * d);
   cpu::parallel_for(pool, kv_heads, [&](std::int64_t begin, std::int64_t end) {
     for (auto h = std::int32_t(begin); h < end; ++h) {
-      float* l = transform + std::size_t(h) * d * d;
+      float* l = transforms.data() + std::size_t(h) * d * d;
       std::fill_n(l, std::size_t(d) * d, 0.0f);
       if (!p.query_aware) {
         for (std::int32_t i = 0; i < d; ++i) l[std::size_t(i) * d + i] = 1.0f;
@@ -525,6 +538,7 @@ A2atsCalibrationReport calibrate_a2ats_layer(A2atsCodebooks& codebooks, std::int
       transformed_keys(p, inputs, positions, h, l, z.data() + std::size_t(h) * std::size_t(n) * d);
     }
   });
+  std::copy(transforms.begin(), transforms.end(), transform);
 
   // C^z: every kv head of the layer in one batched call, written in place.
   const BatchedKMeansConfig kmeans{.clusters = k,

@@ -281,6 +281,19 @@ TEST_F(GpuSelectStep, RefusesMismatchedInputs) {
   GpuSelectStepInputs<T> no_slots = in;
   no_slots.slots = nullptr;
   expect_error([&] { step.run(no_slots, out, gpu); }, "GpuSelectHybridStep::run: in.slots is a null pointer");
+  // The host side and the output, refused before the search changes the selector.
+  std::vector<T> pageable_k(p.k), pageable_v(p.v);
+  GpuSelectStepInputs<T> pageable = in;
+  pageable.host_cache.contiguous.k = pageable_k.data();
+  pageable.host_cache.contiguous.v = pageable_v.data();
+  expect_error([&] { step.run(pageable, out, gpu); },
+               "GpuSelectHybridStep::run: in.host_cache's K and V must be pinned host memory");
+  GpuSelectStepInputs<T> other_heads = in;
+  other_heads.host_cache.contiguous.kv_heads = kKvHeads + 1;
+  expect_error([&] { step.run(other_heads, out, gpu); }, "GpuSelectHybridStep::run: in.host_cache");
+  auto short_out = out;
+  short_out.heads = kQHeads - 1;
+  expect_error([&] { step.run(in, short_out, gpu); }, "GpuSelectHybridStep::run: out is [2, 3, 128]");
 }
 
 // Refused at construction, before any device work (these run without a GPU).

@@ -370,6 +370,8 @@ TEST_F(A2atsCalibration, RankDeficientQueriesRetryWithALargerRidgeAndRefuseAfter
   expect_error([&] { calibrate_a2ats_layer(codebooks, 0, x.inputs(), {.ridge = 1e-16, .ridge_attempts = 2}); },
                "kvsift::calibrate_a2ats_layer: layer 0, kv head 0: the Cholesky of H / RMS(H) + ridge I failed 2 "
                "times, last with ridge ");
+  // The refused calibration left the layer as the last one made it.
+  expect_factor(codebooks.layer(0), x, p, 0, report.ridge[0]);
 }
 
 TEST_F(A2atsCalibration, BadInputsAreRefused) {

@@ -66,14 +66,18 @@ class KvsiftAttention:
             config = {"budget": self.budget, "max_centroids": 512}
         elif self.selector == "csattention":
             config = {"budget": self.budget + SINK + RECENT}  # its budget counts the window
-        elif self.selector == "a2ats":
-            # The authors' union of each query head's top K at equal tokens: K = budget / g, so the union never
-            # exceeds the budget (fewer where the group's heads agree). Codebooks of another text (--a2ats-codebooks).
+        elif self.selector in ("a2ats", "a2ats_max"):
+            # Codebooks of another text (--a2ats-codebooks). a2ats: the authors' union of each query head's top K at
+            # equal tokens, K = budget / g, so the union never exceeds the budget (fewer where the group's heads
+            # agree); a2ats_max: the top `budget` of the group's maximum score, exactly the budget.
             if not self.codebooks:
-                raise SystemExit("--selectors a2ats needs --a2ats-codebooks")
-            config = {"codebooks": self.codebooks, "layer": layer, "budget_fraction": 1.0,
-                      "max_budget": max(1, self.budget // (m.q_heads // m.kv_heads))}
-        return self.kvsift.DecodeStep(self.selector, config, q_heads=m.q_heads, kv_heads=m.kv_heads,
+                raise SystemExit(f"--selectors {self.selector} needs --a2ats-codebooks")
+            group_max = self.selector == "a2ats_max"
+            config = {"codebooks": self.codebooks, "layer": layer, "budget_fraction": 1.0, "group_max": int(group_max),
+                      "max_budget": self.budget if group_max else max(1, self.budget // (m.q_heads // m.kv_heads)),
+                      "rope_theta": m.rope_theta, "rope_dim": m.rope_dim, "rope_interleaved": 1}
+        kind = "a2ats" if self.selector == "a2ats_max" else self.selector
+        return self.kvsift.DecodeStep(kind, config, q_heads=m.q_heads, kv_heads=m.kv_heads,
                                       head_dim=m.head_dim, max_seq_len=self.capacity, window=window,
                                       dtype="float16", pool=self.pool)
 

@@ -130,19 +130,20 @@ class A2ats {
     for (std::size_t i = 0; i < entries; ++i) rounded[i] = from_float<T>(codebooks.codebook[i]);
     copy_from_host(rounded.data(), rounded.size(), codebook_.data(), ctx);
     codes_.resize(std::size_t(limits.max_slots) * std::size_t(kv) * std::size_t(limits.max_tokens));
+    if (windowed_rope_ && shared_table.cos != nullptr) {
+      check_shared_table(shared_table);
+      table_ = shared_table;
+    } else if (windowed_rope_) {
+      cos_.resize(std::size_t(RopeTableView::elements(rope_, d, table_positions_)));
+      sin_.resize(cos_.size());
+      table_ = RopeTableView::make(rope_, d, table_positions_, cos_.data(), sin_.data());
+      build_rope_table(rope_, table_, ctx);
+    }
+    // Last, and synchronizing (copy_from_host waits for its stream): the norms and the table are built when the
+    // constructor returns, whatever stream the selector later runs on.
     const std::vector<std::int32_t> ones(std::size_t(limits.max_slots) * std::size_t(kv), 1);
     ones_.resize(ones.size());
     copy_from_host(ones.data(), ones.size(), ones_.data(), ctx);
-    if (!windowed_rope_) return;
-    if (shared_table.cos != nullptr) {
-      check_shared_table(shared_table);
-      table_ = shared_table;
-      return;
-    }
-    cos_.resize(std::size_t(RopeTableView::elements(rope_, d, table_positions_)));
-    sin_.resize(cos_.size());
-    table_ = RopeTableView::make(rope_, d, table_positions_, cos_.data(), sin_.data());
-    build_rope_table(rope_, table_, ctx);
   }
 
   // Move-only: table_ points into the selector's own arrays (a move keeps them; a copy would not).

@@ -50,6 +50,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -158,6 +159,25 @@ class GpuSelectHybridStep {
                  "to the host in one copy",
                  in.q.batch_stride, std::int64_t(in.q.heads) * in.q.head_stride);
     KVSIFT_CHECK(in.slots != nullptr, where, "in.slots is a null pointer");
+    // What the decoder would refuse after the search, refused before it: a refused call leaves the selector as it
+    // was (an append that ran would not run again the same way for every selector).
+    in.host_cache.visit([&](const auto& kv) {
+      validate(kv, where, "in.host_cache", MemorySpace::host);
+      KVSIFT_CHECK(kv.kv_heads == config_.kv_heads && kv.head_dim == config_.head_dim, where,
+                   "in.host_cache has {} kv heads of head_dim {}; the step was planned for {} and {}", kv.kv_heads,
+                   kv.head_dim, config_.kv_heads, config_.head_dim);
+    });
+    const void* host_k = in.host_cache.is_paged() ? static_cast<const void*>(in.host_cache.paged.k_pages)
+                                                  : static_cast<const void*>(in.host_cache.contiguous.k);
+    const void* host_v = in.host_cache.is_paged() ? static_cast<const void*>(in.host_cache.paged.v_pages)
+                                                  : static_cast<const void*>(in.host_cache.contiguous.v);
+    KVSIFT_CHECK(cuda::device_readable_host(host_k) && cuda::device_readable_host(host_v), where,
+                 "in.host_cache's K and V must be pinned host memory (cudaMallocHost or cudaHostRegister) or managed "
+                 "memory");
+    validate(out, where, "out");
+    KVSIFT_CHECK(out.batch == batch && out.heads == config_.q_heads && out.head_dim == config_.head_dim, where,
+                 "out is [{}, {}, {}]; the step writes [{}, {}, {}]", out.batch, out.heads, out.head_dim, batch,
+                 config_.q_heads, config_.head_dim);
 
     // 1. The search on the GPU.
     part_.run(selector_,
