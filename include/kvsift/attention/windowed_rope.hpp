@@ -67,6 +67,23 @@ struct WindowedRopeParams {
   bool validate_indices = false;
 };
 
+/// q~ = q R_b: each query head of batch row b, at position lengths[b] - 1, copied into `out` (packed, in the
+/// context's memory) and rotated to position `target` (rotate_to_position; the attention factor q carries is left
+/// alone). Any strides of q. The windowed-RoPE query of eq. 11, for A²ATS's tables and windowed_rope_decode alike.
+template <class T, class Context>
+void rotate_query_to(const QueryView<const T>& q, const std::int32_t* lengths, std::int32_t target,
+                     const RopeTableView& table, const QueryView<T>& out, const Context& ctx) {
+  const std::int32_t d = q.head_dim;
+  if (q.batch_stride == std::int64_t(q.heads) * q.head_stride) {  // one copy of every row
+    copy_rows_within(q.data, q.head_stride, out.data, d, d, std::int64_t(q.batch) * q.heads, ctx);
+  } else {
+    for (std::int32_t b = 0; b < q.batch; ++b) {
+      copy_rows_within(q.row(b, 0), q.head_stride, out.row(b, 0), d, d, q.heads, ctx);
+    }
+  }
+  rotate_to_position(out, lengths, -1, target, table, ctx);
+}
+
 /// The shapes that size the workspace: those of the run's q and selection.
 struct WindowedRopeShape {
   std::int32_t batch = 0;
@@ -230,9 +247,8 @@ void windowed_rope_decode(const QueryView<const T>& q, const KVCache<const std::
   }
 
   // 1. q~: q rotated from p = length - 1 to b.
-  const HeadsView<T> q_rotated = HeadsView<T>::packed(b.q_rotated, q.batch, q.heads, q.head_dim);
-  copy_rows_within(q.data, q.head_stride, b.q_rotated, q.head_dim, q.head_dim, std::int64_t(q.batch) * q.heads, ctx);
-  rotate_to_position(q_rotated, b.lengths, -1, params.offset, params.rope, ctx);
+  rotate_query_to(q, b.lengths, params.offset, params.rope,
+                  QueryView<T>::packed(b.q_rotated, q.batch, q.heads, q.head_dim), ctx);
 
   // 2-3. The local window over the post-RoPE cache, the sinks and the selection over the pre-RoPE one.
   const auto partial = [&](int i) {

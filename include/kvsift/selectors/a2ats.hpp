@@ -50,6 +50,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvsift/attention/windowed_rope.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/ranking.hpp"
@@ -289,8 +290,7 @@ class A2ats {
     QueryView<const T> q = in.q;
     if (windowed_rope_) {  // q~ = q R_b: the step's query, at lengths[b] - 1, rotated to b
       const auto rotated = QueryView<T>::packed(w.rotated, batch, limits_.q_heads, limits_.head_dim);
-      copy_query(in.q, rotated, ctx);
-      rotate_to_position(rotated, in.lengths, -1, offset_, rope_table(), ctx);
+      rotate_query_to(in.q, in.lengths, offset_, rope_table(), rotated, ctx);
       q = as_const(rotated);
     }
     const std::int64_t rows = std::int64_t(batch) * score_heads();
@@ -383,15 +383,6 @@ class A2ats {
 
   /// The step's queries into the packed q~ buffer: one strided copy where a batch row's heads are evenly spaced
   /// from one row to the next, else one per batch row.
-  void copy_query(const QueryView<const T>& q, const QueryView<T>& to, const Context& ctx) const {
-    const std::int32_t d = limits_.head_dim;
-    if (q.batch_stride == std::int64_t(q.heads) * q.head_stride) {
-      copy_rows_within(q.data, q.head_stride, to.data, d, d, std::int64_t(q.batch) * q.heads, ctx);
-      return;
-    }
-    for (std::int32_t b = 0; b < q.batch; ++b) copy_rows_within(q.row(b, 0), q.head_stride, to.row(b, 0), d, d, q.heads, ctx);
-  }
-
   /// prepare without pre-RoPE keys: chunks of the prompts gathered from the cache (one selection row per (sequence,
   /// kv head), tokens [c0, c0 + n_b)), rotated back from positions c0 + i (an iota with offset c0), coded.
   void encode_from_cache(const KVCache<const T>& cache, const std::vector<std::int32_t>& lengths,
