@@ -2,7 +2,8 @@
 // attention captures; see include/kvsift/eval/fidelity.hpp for what is measured.
 //
 //   kvsift_fidelity [--backend cpu|cuda|both] [--positions N] [--prefill F] [--budgets 0.01,0.02,0.05]
-//                   [--plot-data FILE] [--csattention-variants] [--a2ats NAME=CODEBOOKS]... CAPTURE...
+//                   [--plot-data FILE] [--csattention-variants] [--centroidkv] [--only NAME,...]
+//                   [--a2ats NAME=CODEBOOKS]... CAPTURE...
 //
 // Prints per capture a line on the decoded range and the budget, then one markdown table with a row per
 // (layer, budget, selector). --backend picks where the selectors' decode steps run (eval/fidelity.hpp,
@@ -13,15 +14,19 @@
 // percent, then mass recall mean, p10 and p90 per selector (NaN where it refused), for bench/fidelity_plot.gp.
 // --csattention-variants adds CSAttention's variants (eval/fidelity.hpp csattention_variants). Each --a2ats adds
 // A²ATS over a codebook file (kvsift_a2ats_codebook) labelled NAME (eval/fidelity.hpp a2ats_selectors; the first
-// one also with the group-maximum rule); the file must match each capture's shapes and RoPE.
+// one also with the group-maximum rule); the file must match each capture's shapes and RoPE. --centroidkv adds
+// CentroidKV at equal entries (eval/fidelity.hpp centroid_kv_selectors; the CPU backend only for now). --only keeps
+// the selectors of those names (e.g. the references beside CentroidKV at budgets where CTKVR refuses the prefill).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <iterator>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -67,9 +72,15 @@ std::vector<NamedCodebooks> load_codebooks(const std::vector<std::pair<std::stri
 /// The references, then the retrieval selectors (eval/fidelity.hpp), then the variants asked for.
 template <class Context>
 std::vector<kvsift::BasicSelectorEntry<Context>> all_selectors(bool csattention_variants,
-                                                               const std::vector<NamedCodebooks>& a2ats) {
+                                                               const std::vector<NamedCodebooks>& a2ats,
+                                                               bool centroid_kv, double prefill) {
   auto entries = kvsift::reference_selectors<Context>();
   for (auto& method : kvsift::method_selectors<Context>()) entries.push_back(std::move(method));
+  if constexpr (std::is_same_v<Context, kvsift::cpu::Context>) {
+    if (centroid_kv) {
+      for (auto& e : kvsift::centroid_kv_selectors<Context>(prefill)) entries.push_back(std::move(e));
+    }
+  }
   for (std::size_t i = 0; i < a2ats.size(); ++i) {
     for (auto& e : kvsift::a2ats_selectors<Context>(a2ats[i].name, a2ats[i].codebooks, i == 0)) {
       entries.push_back(std::move(e));
@@ -80,10 +91,20 @@ std::vector<kvsift::BasicSelectorEntry<Context>> all_selectors(bool csattention_
   return entries;
 }
 
+/// The entries named in `only` (all of them when it is empty).
+template <class Context>
+std::vector<kvsift::BasicSelectorEntry<Context>> keep_only(std::vector<kvsift::BasicSelectorEntry<Context>> entries,
+                                                           const std::vector<std::string>& only) {
+  if (!only.empty()) {
+    std::erase_if(entries, [&](const auto& e) { return std::find(only.begin(), only.end(), e.name) == only.end(); });
+  }
+  return entries;
+}
+
 int usage() {
   std::fprintf(stderr,
                "usage: kvsift_fidelity [--backend cpu|cuda|both] [--positions N] [--prefill F] [--budgets F,F,...] "
-               "[--plot-data FILE] [--csattention-variants] [--a2ats NAME=CODEBOOKS]... CAPTURE...\n");
+               "[--plot-data FILE] [--csattention-variants] [--centroidkv] [--only NAME,...] [--a2ats NAME=CODEBOOKS]... CAPTURE...\n");
   return 2;
 }
 
@@ -92,7 +113,8 @@ int usage() {
 int main(int argc, char** argv) {
   kvsift::FidelityOptions options;
   std::string backend = "cpu", plot_data;
-  bool variants = false;
+  bool variants = false, centroid_kv = false;
+  std::vector<std::string> only;  // empty: every selector
   std::vector<std::string> captures;
   std::vector<std::pair<std::string, std::string>> a2ats;  // (name, codebook file)
   for (int i = 1; i < argc; ++i) {
@@ -111,6 +133,14 @@ int main(int argc, char** argv) {
       plot_data = argv[++i];
     } else if (arg == "--csattention-variants") {
       variants = true;
+    } else if (arg == "--centroidkv") {
+      centroid_kv = true;
+    } else if (arg == "--only" && has_value) {
+      for (std::string names = argv[++i]; !names.empty();) {
+        const std::size_t comma = names.find(',');
+        only.push_back(names.substr(0, comma));
+        names = comma == std::string::npos ? "" : names.substr(comma + 1);
+      }
     } else if (arg == "--a2ats" && has_value) {
       const std::string value = argv[++i];
       const std::size_t eq = value.find('=');
@@ -123,6 +153,10 @@ int main(int argc, char** argv) {
     }
   }
   if (captures.empty()) return usage();
+  if (centroid_kv && backend != "cpu") {
+    std::fprintf(stderr, "kvsift_fidelity: --centroidkv runs on the CPU backend only for now\n");
+    return 2;
+  }
   if (backend != "cpu") {
 #if defined(KVSIFT_WITH_CUDA)
     const bool available = kvsift::cuda::device_available();
@@ -142,12 +176,13 @@ int main(int argc, char** argv) {
     for (const auto& path : captures) {
       const kvsift::Capture capture = kvsift::read_capture(path);
       const std::vector<NamedCodebooks> codebooks = load_codebooks(a2ats, capture);
-      const auto selectors = all_selectors<kvsift::cpu::Context>(variants, codebooks);
+      const auto selectors = keep_only(all_selectors<kvsift::cpu::Context>(variants, codebooks, centroid_kv, options.prefill), only);
       std::vector<std::unique_ptr<kvsift::FidelityBackend>> owned;
       if (backend != "cuda") owned.push_back(kvsift::fidelity_backend(selectors));
 #if defined(KVSIFT_WITH_CUDA)
       if (backend != "cpu") {
-        owned.push_back(kvsift::cuda::fidelity_backend(all_selectors<kvsift::cuda::Context>(variants, codebooks)));
+        owned.push_back(kvsift::cuda::fidelity_backend(
+            keep_only(all_selectors<kvsift::cuda::Context>(variants, codebooks, false, options.prefill), only)));
       }
 #endif
       std::vector<kvsift::FidelityBackend*> backends;

@@ -1,6 +1,8 @@
 // CUDA KV gathers (cuda/gather.hpp): a warp per copied row (K and V), and for the difference gather a CTA per
-// selection row that assigns slots first. The source may be pinned host memory read through its device-accessible
-// pointers: the copy loops issue independent 16-byte loads across the warp so that many PCIe reads are in flight.
+// selection row that assigns slots first (launched apart from the copies: step/elastic_kv.hpp copies one
+// assignment into several layers, and commits it as its per-slot resident state). The source may be pinned host
+// memory read through its device-accessible pointers: the copy loops issue independent 16-byte loads across the
+// warp so that many PCIe reads are in flight.
 #include <cub/block/block_scan.cuh>
 
 #include "kvsift/core/dtype.hpp"
@@ -58,15 +60,23 @@ __device__ __forceinline__ std::uint32_t free_bits(const std::uint32_t* used, st
 
 /// One CTA per selection row: kept tokens keep their slots (marked in `used`), new ones take the free slots in
 /// ascending order, their positions in current listed in params.fresh for the copy kernel.
-template <class T>
-__global__ void __launch_bounds__(kAssignThreads) assign_slots_kernel(DifferenceParams<T> p) {
+__global__ void __launch_bounds__(kAssignThreads) assign_slots_kernel(DifferenceSlots p) {
   using BlockScan = cub::BlockScan<std::int32_t, kAssignThreads>;
   __shared__ typename BlockScan::TempStorage scan;
   __shared__ std::uint32_t used[kResidentWords];
   __shared__ std::int32_t free_before[kResidentWords];  // free slots in the words before each word
   const std::int64_t row = blockIdx.x;
-  const std::int32_t capacity = p.resident.capacity;
-  const std::int32_t prev_count = p.previous.counts[row], cur_count = p.current.counts[row];
+  const std::int32_t capacity = p.resident_capacity;
+  std::int64_t prev_row = row;
+  if (p.previous_rows != nullptr) {
+    const std::int32_t slot = p.previous_rows[row / p.current.kv_heads];
+    if (slot < 0 || slot >= p.previous.batch) {
+      if (threadIdx.x == 0) p.copied[row] = -1;
+      return;  // the whole CTA
+    }
+    prev_row = std::int64_t(slot) * p.current.kv_heads + row % p.current.kv_heads;
+  }
+  const std::int32_t prev_count = p.previous.counts[prev_row], cur_count = p.current.counts[row];
   if (prev_count < 0 || prev_count > min(p.previous.capacity, capacity) || cur_count < 0 ||
       cur_count > p.current.capacity) {
     if (threadIdx.x == 0) p.copied[row] = -1;
@@ -75,8 +85,8 @@ __global__ void __launch_bounds__(kAssignThreads) assign_slots_kernel(Difference
   const std::int32_t words = (capacity + 31) / 32;
   for (std::int32_t w = threadIdx.x; w < words; w += kAssignThreads) used[w] = 0;
   __syncthreads();
-  const std::int32_t* prev = p.previous.indices + row * p.previous.capacity;
-  const std::int32_t* prev_slots = p.previous_slots + row * p.previous.capacity;
+  const std::int32_t* prev = p.previous.indices + prev_row * p.previous.capacity;
+  const std::int32_t* prev_slots = p.previous_slots + prev_row * p.previous.capacity;
   const std::int32_t* cur = p.current.indices + row * p.current.capacity;
   std::int32_t* cur_slots = p.current_slots + row * p.current.capacity;
   for (std::int32_t j = threadIdx.x; j < cur_count; j += kAssignThreads) {
@@ -133,20 +143,46 @@ __global__ void __launch_bounds__(kAssignThreads) assign_slots_kernel(Difference
 
 /// A warp per (row, new entry k < copied[row]).
 template <class T, bool Vec16>
-__global__ void __launch_bounds__(kCopyThreads) copy_fresh_kernel(DifferenceParams<T> p) {
+__global__ void __launch_bounds__(kCopyThreads) copy_fresh_kernel(KVCache<const T> src, DifferenceSlots p,
+                                                                   KVCache<T> dst) {
   const int lane = threadIdx.x % 32;
   const std::int64_t warps = std::int64_t(gridDim.x) * (blockDim.x / 32);
   const std::int32_t capacity = p.current.capacity;
   const std::int64_t items = std::int64_t(p.current.batch) * p.current.kv_heads * capacity;
-  const KVCache<T> dst(p.resident);
   for (std::int64_t item = (blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x) / 32; item < items; item += warps) {
     const std::int64_t row = item / capacity, b = row / p.current.kv_heads, h = row % p.current.kv_heads;
     const std::int32_t k = std::int32_t(item % capacity);
     if (k >= p.copied[row]) continue;  // also a row refused with -1
     const std::int32_t j = p.fresh[row * capacity + k];
     const std::int32_t token = p.current.indices[row * capacity + j], slot = p.current_slots[row * capacity + j];
-    if (token < 0 || token >= p.src.seq_len(b) || slot < 0 || slot >= p.resident.capacity) continue;
-    copy_kv<T, Vec16>(p.src, b, h, token, dst, slot, lane);
+    if (token < 0 || token >= src.seq_len(b) || slot < 0 || slot >= p.resident_capacity) continue;
+    copy_kv<T, Vec16>(src, b, h, token, dst, slot, lane);
+  }
+}
+
+/// A thread per (row, entry): the row's current tokens and slots into its sequence slot's resident state.
+__global__ void commit_difference_kernel(DifferenceSlots p, std::int32_t* prev_indices, std::int32_t* prev_counts,
+                                         std::int32_t* prev_slots, std::int32_t* slot_counts,
+                                         unsigned long long* moved_rows) {
+  const std::int32_t capacity = p.current.capacity;
+  const std::int64_t items = std::int64_t(p.current.batch) * p.current.kv_heads * capacity;
+  const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x;
+  for (std::int64_t item = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; item < items; item += stride) {
+    const std::int64_t row = item / capacity;
+    const std::int32_t i = std::int32_t(item % capacity), copied = p.copied[row];
+    if (i == 0) slot_counts[row] = copied < 0 ? -1 : p.current.counts[row];
+    const std::int32_t slot = p.previous_rows[row / p.current.kv_heads];
+    if (slot < 0 || slot >= p.previous.batch) continue;  // a bad slot: no state to write (copied is -1)
+    const std::int64_t prev_row = std::int64_t(slot) * p.current.kv_heads + row % p.current.kv_heads;
+    const std::int32_t count = copied < 0 ? 0 : p.current.counts[row];  // a bad row forgets what is resident
+    if (i == 0) {
+      prev_counts[prev_row] = count;
+      if (copied > 0) atomicAdd(moved_rows, static_cast<unsigned long long>(copied));
+    }
+    if (i < count) {
+      prev_indices[prev_row * p.previous.capacity + i] = p.current.indices[row * capacity + i];
+      prev_slots[prev_row * p.previous.capacity + i] = p.current_slots[row * capacity + i];
+    }
   }
 }
 
@@ -165,24 +201,39 @@ cudaError_t launch_gather_kv(const KVCache<const T>& src, const SelectionView& r
   return cudaGetLastError();
 }
 
+cudaError_t launch_assign_difference_slots(const DifferenceSlots& slots, cudaStream_t stream) {
+  const std::int64_t rows = std::int64_t(slots.current.batch) * slots.current.kv_heads;
+  assign_slots_kernel<<<unsigned(rows), kAssignThreads, 0, stream>>>(slots);
+  return cudaGetLastError();
+}
+
 template <class T>
-cudaError_t launch_gather_kv_difference(const DifferenceParams<T>& params, bool vec16, cudaStream_t stream) {
-  const std::int64_t rows = std::int64_t(params.current.batch) * params.current.kv_heads;
-  assign_slots_kernel<T><<<unsigned(rows), kAssignThreads, 0, stream>>>(params);
-  if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
-  const unsigned blocks = grid_stride_blocks(rows * params.current.capacity * 32, kCopyThreads);
+cudaError_t launch_copy_difference(const KVCache<const T>& src, const DifferenceSlots& slots,
+                                   const KVCache<T>& resident, bool vec16, cudaStream_t stream) {
+  const std::int64_t rows = std::int64_t(slots.current.batch) * slots.current.kv_heads;
+  const unsigned blocks = grid_stride_blocks(rows * slots.current.capacity * 32, kCopyThreads);
   if (vec16) {
-    copy_fresh_kernel<T, true><<<blocks, kCopyThreads, 0, stream>>>(params);
+    copy_fresh_kernel<T, true><<<blocks, kCopyThreads, 0, stream>>>(src, slots, resident);
   } else {
-    copy_fresh_kernel<T, false><<<blocks, kCopyThreads, 0, stream>>>(params);
+    copy_fresh_kernel<T, false><<<blocks, kCopyThreads, 0, stream>>>(src, slots, resident);
   }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_commit_difference(const DifferenceSlots& slots, std::int32_t* previous_indices,
+                                     std::int32_t* previous_counts, std::int32_t* previous_slots,
+                                     std::int32_t* slot_counts, unsigned long long* moved_rows, cudaStream_t stream) {
+  const std::int64_t items = std::int64_t(slots.current.batch) * slots.current.kv_heads * slots.current.capacity;
+  commit_difference_kernel<<<grid_stride_blocks(items, kCopyThreads), kCopyThreads, 0, stream>>>(
+      slots, previous_indices, previous_counts, previous_slots, slot_counts, moved_rows);
   return cudaGetLastError();
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                      \
   template cudaError_t launch_gather_kv<T>(const KVCache<const T>&, const SelectionView&, const KVCache<T>&, bool,   \
                                            cudaStream_t);                                                          \
-  template cudaError_t launch_gather_kv_difference<T>(const DifferenceParams<T>&, bool, cudaStream_t);
+  template cudaError_t launch_copy_difference<T>(const KVCache<const T>&, const DifferenceSlots&, const KVCache<T>&, \
+                                                 bool, cudaStream_t);
 KVSIFT_INSTANTIATE(float)
 KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)

@@ -14,19 +14,7 @@ namespace kvsift::cuda {
 namespace {
 
 static_assert(detail::kDifferenceMaxSlots == kvsift::detail::kMaxResidentSlots);
-
-template <class T>
-bool rows_16b_aligned(const KVCache<T>& cache) {
-  const auto aligned = [](auto... values) { return ((std::uintptr_t(values) % 16 == 0) && ...); };
-  const std::size_t row_bytes = std::size_t(cache.head_dim()) * sizeof(T);
-  if (cache.is_paged()) {
-    const auto& v = cache.paged;
-    return aligned(v.k_pages, v.v_pages, row_bytes, v.page_stride * sizeof(T), v.token_stride * sizeof(T),
-                   v.head_stride * sizeof(T));
-  }
-  const auto& v = cache.contiguous;
-  return aligned(v.k, v.v, row_bytes, v.batch_stride * sizeof(T), v.head_stride * sizeof(T), v.token_stride * sizeof(T));
-}
+using detail::rows_16b_aligned;
 
 std::int32_t* layout_difference(WorkspaceLayout& layout, std::int32_t batch, std::int32_t kv_heads,
                                 std::int32_t current_capacity) {
@@ -66,17 +54,18 @@ void gather_kv_difference(const KVCache<const T>& src, const SelectionView& prev
   KVSIFT_CHECK(std::int64_t(current.batch) * current.kv_heads <= INT32_MAX, where,
                "current.batch * kv_heads (= {} * {}) exceeds 2^31 - 1 CTAs", current.batch, current.kv_heads);
   WorkspaceLayout layout(workspace, where);
-  const detail::DifferenceParams<T> params{.src = src,
-                                           .previous = previous,
-                                           .previous_slots = d_previous_slots,
-                                           .current = current,
-                                           .current_slots = d_current_slots,
-                                           .resident = resident,
-                                           .copied = d_copied,
-                                           .fresh = layout_difference(layout, current.batch, current.kv_heads,
-                                                                      current.capacity)};
-  const bool vec16 = rows_16b_aligned(src) && rows_16b_aligned(KVCache<T>(resident));
-  KVSIFT_CUDA_CHECK(detail::launch_gather_kv_difference(params, vec16, stream));
+  const detail::DifferenceSlots slots{
+      .previous = previous,
+      .previous_slots = d_previous_slots,
+      .current = current,
+      .current_slots = d_current_slots,
+      .resident_capacity = resident.capacity,
+      .copied = d_copied,
+      .fresh = layout_difference(layout, current.batch, current.kv_heads, current.capacity)};
+  const KVCache<T> dst(resident);
+  KVSIFT_CUDA_CHECK(detail::launch_assign_difference_slots(slots, stream));
+  KVSIFT_CUDA_CHECK(
+      detail::launch_copy_difference(src, slots, dst, rows_16b_aligned(src) && rows_16b_aligned(dst), stream));
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                        \

@@ -58,6 +58,7 @@ struct HostCopy {
 template std::vector<BasicSelectorEntry<cpu::Context>> reference_selectors<cpu::Context>();
 template std::vector<BasicSelectorEntry<cpu::Context>> method_selectors<cpu::Context>();
 template std::vector<BasicSelectorEntry<cpu::Context>> csattention_variants<cpu::Context>();
+template std::vector<BasicSelectorEntry<cpu::Context>> centroid_kv_selectors<cpu::Context>(double);
 template std::vector<BasicSelectorEntry<cpu::Context>> a2ats_selectors<cpu::Context>(
     const std::string&, std::shared_ptr<const A2atsCodebooks>, bool);
 

@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "kvsift/attention/options.hpp"
+#include "kvsift/core/copy_heads.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/kv_cache.hpp"
 #include "kvsift/core/rope.hpp"
@@ -73,14 +74,7 @@ struct WindowedRopeParams {
 template <class T, class Context>
 void rotate_query_to(const QueryView<const T>& q, const std::int32_t* lengths, std::int32_t target,
                      const RopeTableView& table, const QueryView<T>& out, const Context& ctx) {
-  const std::int32_t d = q.head_dim;
-  if (q.batch_stride == std::int64_t(q.heads) * q.head_stride) {  // one copy of every row
-    copy_rows_within(q.data, q.head_stride, out.data, d, d, std::int64_t(q.batch) * q.heads, ctx);
-  } else {
-    for (std::int32_t b = 0; b < q.batch; ++b) {
-      copy_rows_within(q.row(b, 0), q.head_stride, out.row(b, 0), d, d, q.heads, ctx);
-    }
-  }
+  copy_heads_packed(q, out.data, ctx);
   rotate_to_position(out, lengths, -1, target, table, ctx);
 }
 

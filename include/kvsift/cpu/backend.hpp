@@ -22,11 +22,13 @@
 #include "kvsift/cpu/gather.hpp"
 #include "kvsift/cpu/inverted_lists.hpp"
 #include "kvsift/cpu/kmeans.hpp"
+#include "kvsift/cpu/merge_store.hpp"
 #include "kvsift/cpu/page_bounds.hpp"
 #include "kvsift/cpu/primitives.hpp"
 #include "kvsift/cpu/query_centroids.hpp"
 #include "kvsift/cpu/rerank.hpp"
 #include "kvsift/cpu/rope.hpp"
+#include "kvsift/cpu/score_rows.hpp"
 #include "kvsift/cpu/score_tables.hpp"
 #include "kvsift/cpu/segment_mean.hpp"
 #include "kvsift/cpu/topk.hpp"
@@ -94,6 +96,10 @@ inline void topk_rows(const MatrixView<const float>& scores, const std::int32_t*
 inline void length_budgets(const std::int32_t* lengths, std::int32_t batch, std::int32_t heads, const LengthBudget& budget,
                            std::int32_t* row_k, const Context& ctx) {
   cpu::length_budgets(lengths, batch, heads, budget, row_k);
+}
+inline void max_score_rows(const MatrixView<const float>& scores, std::int32_t group, const std::int32_t* lengths,
+                           const MatrixView<float>& out, const Context&) {
+  cpu::max_score_rows(scores, group, lengths, out);
 }
 
 template <class T>
@@ -369,6 +375,38 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook,
                  const MatrixView<float>& scores, const VqScanOptions& options, std::span<std::byte> workspace,
                  const Context& ctx) {
   cpu::vq_lut_scan(q, codebook, codes, slots, lengths, scores, options, workspace, ctx.pool);
+}
+
+// The merge store (core/merge_store.hpp, cpu/merge_store.hpp).
+template <class T>
+void merge_store_load(const KVCache<const T>& cache, const std::int32_t* slots, const MergeStoreView<T>& store,
+                      const Context& ctx) {
+  cpu::merge_store_load(cache, slots, store, ctx.pool);
+}
+inline std::size_t merge_round_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t capacity,
+                                               const Context& ctx) {
+  return cpu::merge_round_workspace_bytes(batch, kv_heads, capacity, ctx.pool);
+}
+template <class T>
+void merge_round(const MergeStoreView<T>& store, const std::int32_t* slots, std::int32_t batch,
+                 const std::int32_t* budgets, const MergeRoundParams& params, std::span<std::byte> workspace,
+                 const Context& ctx) {
+  cpu::merge_round(store, slots, batch, budgets, params, workspace, ctx.pool);
+}
+template <class T>
+void merge_store_append(const KVCache<const T>& cache, const std::int32_t* slots, const std::int32_t* lengths,
+                        const MergeStoreView<T>& store, const Context& ctx) {
+  cpu::merge_store_append(cache, slots, lengths, store, ctx.pool);
+}
+template <class T>
+void merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* src_slots, const MergeStoreView<T>& dst,
+                      const std::int32_t* dst_slots, std::int32_t batch, const Context& ctx) {
+  cpu::merge_store_copy(src, src_slots, dst, dst_slots, batch, ctx.pool);
+}
+template <class T>
+void merge_store_selection(const MergeStoreView<const T>& store, const std::int32_t* slots, const SelectionView& out,
+                           const Context& ctx) {
+  cpu::merge_store_selection(store, slots, out, ctx.pool);
 }
 
 }  // namespace kvsift::cpu

@@ -21,11 +21,13 @@
 #include "kvsift/cuda/gather.hpp"
 #include "kvsift/cuda/inverted_lists.hpp"
 #include "kvsift/cuda/kmeans.hpp"
+#include "kvsift/cuda/merge_store.hpp"
 #include "kvsift/cuda/page_bounds.hpp"
 #include "kvsift/cuda/primitives.hpp"
 #include "kvsift/cuda/rope.hpp"
 #include "kvsift/cuda/query_centroids.hpp"
 #include "kvsift/cuda/rerank.hpp"
+#include "kvsift/cuda/score_rows.hpp"
 #include "kvsift/cuda/score_tables.hpp"
 #include "kvsift/cuda/segment_mean.hpp"
 #include "kvsift/cuda/topk.hpp"
@@ -100,6 +102,10 @@ inline void topk_rows(const MatrixView<const float>& scores, const std::int32_t*
 inline void length_budgets(const std::int32_t* lengths, std::int32_t batch, std::int32_t heads, const LengthBudget& budget,
                            std::int32_t* row_k, const Context& ctx) {
   cuda::length_budgets(lengths, batch, heads, budget, row_k, ctx.stream);
+}
+inline void max_score_rows(const MatrixView<const float>& scores, std::int32_t group, const std::int32_t* lengths,
+                           const MatrixView<float>& out, const Context& ctx) {
+  cuda::max_score_rows(scores, group, lengths, out, ctx.stream);
 }
 
 template <class T>
@@ -379,6 +385,38 @@ inline void table_scores_sparse(const ScoreTablesView<const std::int32_t>& table
                                 std::int32_t* row_k, std::span<std::byte> workspace, const Context& ctx) {
   cuda::table_scores_sparse(tables, chosen, options, heads_per_row, slots, lengths, window, budget, out, sums, row_k,
                             workspace, ctx.stream);
+}
+
+// The merge store (core/merge_store.hpp, cuda/merge_store.hpp).
+template <class T>
+void merge_store_load(const KVCache<const T>& cache, const std::int32_t* slots, const MergeStoreView<T>& store,
+                      const Context& ctx) {
+  cuda::merge_store_load(cache, slots, store, ctx.stream);
+}
+inline std::size_t merge_round_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t capacity,
+                                               const Context&) {
+  return cuda::merge_round_workspace_bytes(batch, kv_heads, capacity);
+}
+template <class T>
+void merge_round(const MergeStoreView<T>& store, const std::int32_t* slots, std::int32_t batch,
+                 const std::int32_t* budgets, const MergeRoundParams& params, std::span<std::byte> workspace,
+                 const Context& ctx) {
+  cuda::merge_round(store, slots, batch, budgets, params, workspace, ctx.stream);
+}
+template <class T>
+void merge_store_append(const KVCache<const T>& cache, const std::int32_t* slots, const std::int32_t* lengths,
+                        const MergeStoreView<T>& store, const Context& ctx) {
+  cuda::merge_store_append(cache, slots, lengths, store, ctx.stream);
+}
+template <class T>
+void merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* src_slots, const MergeStoreView<T>& dst,
+                      const std::int32_t* dst_slots, std::int32_t batch, const Context& ctx) {
+  cuda::merge_store_copy(src, src_slots, dst, dst_slots, batch, ctx.stream);
+}
+template <class T>
+void merge_store_selection(const MergeStoreView<const T>& store, const std::int32_t* slots, const SelectionView& out,
+                           const Context& ctx) {
+  cuda::merge_store_selection(store, slots, out, ctx.stream);
 }
 
 }  // namespace kvsift::cuda

@@ -36,6 +36,7 @@
 ///   - tokens selected, since a method may select fewer than K (Quest takes whole pages).
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -53,6 +54,7 @@
 #include "kvsift/eval/capture.hpp"
 #include "kvsift/selectors/a2ats.hpp"
 #include "kvsift/selectors/a2ats_codebook.hpp"
+#include "kvsift/selectors/centroid_kv.hpp"
 #include "kvsift/selectors/csattention.hpp"
 #include "kvsift/selectors/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
@@ -134,6 +136,31 @@ std::vector<BasicSelectorEntry<Context>> method_selectors() {
        }},
   };
 }
+
+/// CentroidKV (selectors/centroid_kv.hpp, docs/centroidkv.md) holding K entries per kv head after the prefill, as
+/// the references hold K tokens: its ratio R = (K + 1/2) / P, P = round(prefill * tokens) the prompt (so B =
+/// floor(R P) = K; R <= 1), no window (the store holds sinks and recent tokens). Between decode-time rounds a row
+/// grows to at most K + interval - 1 entries. "CentroidKV" has the paper's 16 sinks and 64 recent entries (refused
+/// below K = 81); "CentroidKV 4+16" 4 and 16, for small budgets. Same instantiation points as reference_selectors
+/// (the CPU for now).
+template <class Context = cpu::Context>
+std::vector<BasicSelectorEntry<Context>> centroid_kv_selectors(double prefill) {
+  using Setup = BasicSelectorSetup<Context>;
+  using Any = AnySelector<half, Context>;
+  const auto entry = [prefill](std::string name, std::int32_t sinks, std::int32_t recent) {
+    return BasicSelectorEntry<Context>{
+        std::move(name), [=](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
+          const double prompt = std::max(1.0, double(std::lround(prefill * limits.max_tokens)));
+          const CentroidKVConfig config{.budget_ratio = float(std::min(1.0, (k + 0.5) / prompt)), .sinks = sinks,
+                                        .recent = recent};
+          // A budget the prefill cannot meet is refused here, where the harness reports it.
+          (void)detail::centroid_kv_prefill_rounds("centroid_kv_selectors", config, std::int32_t(prompt));
+          return Setup{Any(CentroidKV<half, Context>(limits, config, Context{}))};
+        }};
+  };
+  return {entry("CentroidKV", 16, 64), entry("CentroidKV 4+16", 4, 16)};
+}
+extern template std::vector<BasicSelectorEntry<cpu::Context>> centroid_kv_selectors<cpu::Context>(double);
 
 /// CSAttention's variants beside its defaults (docs/csattention.md): the paper's sums (no weights, absent keys 0),
 /// each of kvsift's two options alone, tables per query head, two probes, and the alpha sweep. Same window and

@@ -1,0 +1,149 @@
+// SpeContext's decode step (step/specontext_step.hpp) on the GPU in the model shape: 32 layers, q_heads 32,
+// kv_heads 8, head_dim 128, bf16, every sequence N tokens, B = 2048, all KV on the GPU. A call is one whole decode
+// step of the model's attention: mode 0 (SpeContext) the retrieval head's selection (append + select) and the sparse
+// attention of all 32 layers over that one selection and the current token (window 0 + 1, the paper's); mode 1
+// (dense) 32 layers of kvsift's dense decode; mode 2 the head's selection alone. cuDNN SDPA on the same shapes is
+// bench/sdpa_baseline.py (one layer; x 32 for the model). Timed by time_calls (gpu_bench.hpp): graph replays (the
+// manual time) and eager calls (eager_us). pdl 0: every attention launched without programmatic dependent launch;
+// between 1: a projection GEMM (projection_gemm.hpp) after every layer, 32 per step, as a model's other kernels
+// sit between its attention calls (the time is then per step with its 32 GEMMs; BM_ProjectionGemm x 32 subtracts).
+//
+// Layer caches: 32 distinct ones where they fit in 48 GB; otherwise (128K, batch 8: 4.3 GB a layer) the 32 layers
+// cycle over as many distinct caches as fit (counter `distinct`), which times as 32 distinct layers would: each
+// layer's K/V exceed the 50 MB L2 many times, so no layer finds the previous one's rows in it. The head's query,
+// key and prompt keys are random (the head model is outside kvsift); its owned K cache is [batch, 8, N, 128] bf16.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <memory>
+#include <vector>
+
+#include "gpu_bench.hpp"
+#include "projection_gemm.hpp"
+#include "kvsift/cuda/backend.hpp"
+#include "kvsift/selectors/specontext.hpp"
+#include "kvsift/step/specontext_step.hpp"
+
+namespace {
+
+using kvsift::bfloat16;
+using namespace kvsift::bench;
+using Cuda = kvsift::cuda::Context;
+
+constexpr int kLayers = 32, kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kBudget = 2048;
+enum Mode : int { kSpeContext = 0, kDense = 1, kSelectOnly = 2 };
+
+/// The model's layer caches, the head's inputs and a prepared SpeContext step.
+struct Model {
+  std::int64_t n;
+  int batch, distinct;
+  std::vector<std::unique_ptr<Device<bfloat16>>> k, v;
+  Device<std::int32_t> lengths, slots;
+  Device<bfloat16> q_r, k_r, q, o;
+  Device<float> lse;
+  std::unique_ptr<kvsift::SpeContextStep<bfloat16, Cuda>> step;
+  std::unique_ptr<Device<std::byte>> workspace;
+
+  Model(std::int64_t n_, int batch_, bool pdl)
+      : n(n_), batch(batch_), distinct(std::clamp(int(48e9 / (2.0 * double(elements()) * sizeof(bfloat16))), 1, kLayers)),
+        lengths(batch_), slots(batch_), q_r(std::size_t(batch_) * kQHeads * kHeadDim),
+        k_r(std::size_t(batch_) * kKvHeads * kHeadDim), q(std::size_t(batch_) * kQHeads * kHeadDim),
+        o(std::size_t(batch_) * kQHeads * kHeadDim), lse(std::size_t(batch_) * kQHeads) {
+    for (int l = 0; l < distinct; ++l) {
+      k.push_back(std::make_unique<Device<bfloat16>>(elements()));
+      v.push_back(std::make_unique<Device<bfloat16>>(elements()));
+      fill_random(k.back()->ptr, elements(), 17 * l + 1);
+      fill_random(v.back()->ptr, elements(), 17 * l + 2);
+    }
+    fill_random(q_r.ptr, std::size_t(batch) * kQHeads * kHeadDim, 91);
+    fill_random(k_r.ptr, std::size_t(batch) * kKvHeads * kHeadDim, 92);
+    fill_random(q.ptr, std::size_t(batch) * kQHeads * kHeadDim, 93);
+    std::vector<std::int32_t> host_lengths(static_cast<std::size_t>(batch), std::int32_t(n));
+    std::vector<std::int32_t> host_slots(static_cast<std::size_t>(batch));
+    for (int b = 0; b < batch; ++b) host_slots[std::size_t(b)] = b;
+    KVSIFT_CUDA_CHECK(cudaMemcpy(lengths.ptr, host_lengths.data(), batch * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(slots.ptr, host_slots.data(), batch * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+    const kvsift::SelectorLimits limits{.max_slots = batch, .max_tokens = std::int32_t(n), .q_heads = kQHeads,
+                                        .kv_heads = kKvHeads, .head_dim = kHeadDim};
+    kvsift::SpeContextConfig config{.budget = kBudget, .rope = kvsift::specontext_yarn_rope(500000.0, 64.0, 2048)};
+    step = std::make_unique<kvsift::SpeContextStep<bfloat16, Cuda>>(
+        kvsift::SpeContext<bfloat16, Cuda>(limits, config, Cuda{}),
+        kvsift::SpeContextStepConfig{.layers = kLayers, .max_batch = batch, .q_heads = kQHeads, .kv_heads = kKvHeads,
+                                     .head_dim = kHeadDim, .max_seq_len = std::int32_t(n), .programmatic_launch = pdl},
+        Cuda{});
+    workspace = std::make_unique<Device<std::byte>>(step->workspace_bytes());
+    // The head's prompt keys: layer 0's K stands in for them (random values, the head's shape).
+    step->prepare({.cache = cache(0).as_const(), .slots = slots.ptr,
+                   .k_pre_rope = kvsift::SequenceView<const bfloat16>::packed(k[0]->ptr, batch, kKvHeads, std::int32_t(n),
+                                                                               kHeadDim)},
+                  Cuda{});
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  std::size_t elements() const { return std::size_t(batch) * kKvHeads * std::size_t(n) * kHeadDim; }
+  kvsift::KVCache<bfloat16> cache(int layer) const {
+    const int c = layer % distinct;
+    return kvsift::ContiguousKVView<bfloat16>::packed(k[std::size_t(c)]->ptr, v[std::size_t(c)]->ptr, batch, kKvHeads,
+                                                      std::int32_t(n), kHeadDim, lengths.ptr);
+  }
+  std::span<std::byte> ws() const { return {workspace->ptr, step->workspace_bytes()}; }
+  void select(cudaStream_t stream) {
+    step->select({.q = kvsift::QueryView<const bfloat16>::packed(q_r.ptr, batch, kQHeads, kHeadDim),
+                  .k = kvsift::HeadsView<const bfloat16>::packed(k_r.ptr, batch, kKvHeads, kHeadDim),
+                  .cache = cache(0).as_const(), .slots = slots.ptr},
+                 ws(), Cuda{stream});
+  }
+  void attend(int layer, cudaStream_t stream) {
+    step->attend({.q = kvsift::QueryView<const bfloat16>::packed(q.ptr, batch, kQHeads, kHeadDim), .cache = cache(layer),
+                  .layer = layer},
+                 kvsift::StateView<bfloat16>::packed(o.ptr, lse.ptr, batch, kQHeads, kHeadDim), ws(), Cuda{stream});
+  }
+};
+
+void BM_SpeContextStep(benchmark::State& state) {
+  const int mode = int(state.range(0));
+  const std::int64_t n = state.range(1);
+  const int batch = int(state.range(2));
+  const bool pdl = state.range(3) != 0;
+  Model model(n, batch, pdl);
+  std::unique_ptr<ProjectionGemm> between;
+  if (state.range(4) != 0) between = std::make_unique<ProjectionGemm>(batch);
+  const auto qv = kvsift::QueryView<const bfloat16>::packed(model.q.ptr, batch, kQHeads, kHeadDim);
+  const auto out = kvsift::StateView<bfloat16>::packed(model.o.ptr, model.lse.ptr, batch, kQHeads, kHeadDim);
+  const kvsift::cuda::DecodeOptions dense_options{.programmatic_launch = pdl};
+  const std::size_t dense_bytes =
+      kvsift::cuda::dense_decode_workspace_bytes(qv, model.cache(0).as_const().contiguous, dense_options);
+  Device<std::byte> dense_ws(std::max<std::size_t>(dense_bytes, 256));
+  time_calls(state, [&](int i, cudaStream_t stream) {
+    if (mode != kDense) model.select(stream);
+    if (mode == kSelectOnly) return;
+    for (int l = 0; l < kLayers; ++l) {
+      if (mode == kSpeContext) {
+        model.attend(l, stream);
+      } else {
+        kvsift::cuda::dense_decode(qv, model.cache(l).as_const().contiguous, out, {dense_ws.ptr, dense_bytes}, stream,
+                                   dense_options);
+      }
+      if (between) (*between)(i * kLayers + l, stream);
+    }
+  });
+  state.SetLabel(mode == kSpeContext ? "SpeContext" : mode == kDense ? "dense" : "head select");
+  state.counters["distinct"] = model.distinct;
+  state.counters["head_cache_MB"] = double(model.step->selector().index_bytes().device) / 1e6;
+  if (mode == kSelectOnly || between) return;
+  // The bytes a step must read: the head's keys (SpeContext) and every layer's attended K/V rows.
+  const double rows = double(batch) * kKvHeads, row_bytes = kHeadDim * sizeof(bfloat16);
+  const double bytes = mode == kDense ? kLayers * rows * double(n) * 2 * row_bytes
+                                      : rows * double(n) * row_bytes + kLayers * rows * (kBudget + 1) * 2 * row_bytes;
+  state.counters["GB/s"] = benchmark::Counter(bytes * double(state.iterations()), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_SpeContextStep)
+    ->ArgsProduct({{kSpeContext, kDense}, {131072, 32768}, {1, 8}, {1}, {0}})
+    ->ArgsProduct({{kSelectOnly}, {131072, 32768}, {1, 8}, {1}, {0}})
+    ->ArgsProduct({{kSpeContext, kDense}, {131072}, {1, 8}, {0}, {0}})  // PDL off
+    ->ArgsProduct({{kSpeContext, kDense}, {131072}, {1, 8}, {1}, {1}})  // a GEMM between layers
+    ->ArgNames({"mode", "N", "batch", "pdl", "between"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(0.1);
+
+}  // namespace

@@ -1,0 +1,318 @@
+// CentroidKV on the CPU (selectors/centroid_kv.hpp), through DecodeStep: the prefill meets each budget exactly,
+// decode-time rounds bring rows back to it, the degrees always sum to the tokens seen, and every step's output is
+// equation 3 over the store (an fp64 reference reading the store). Identical keys reproduce dense attention, a
+// ratio of 1 (no merge) gives dense attention; the empty primary selection merges as nothing. Every refusal.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "attention_check.hpp"
+#include "kvsift/cpu/backend.hpp"
+#include "kvsift/selectors/centroid_kv.hpp"
+#include "kvsift/step/decode_step.hpp"
+
+namespace kvsift::test {
+namespace {
+
+using CentroidKVTest = SeededTest;
+
+constexpr std::int32_t kQHeads = 8, kKvHeads = 2, kHeadDim = 64, kMaxTokens = 1200;
+
+/// Prompts of the given lengths in a cache with room for decode steps, their slots out of order.
+template <class T>
+struct Problem {
+  HostKV kv;
+  std::vector<T> k, v;
+  std::vector<std::int32_t> slots;
+  SelectorLimits limits{.max_slots = 3, .max_tokens = kMaxTokens, .q_heads = kQHeads, .kv_heads = kKvHeads,
+                        .head_dim = kHeadDim};
+
+  Problem(Random& rng, std::vector<std::int32_t> prompts, std::vector<std::int32_t> slots_)
+      : kv(rng, std::int32_t(prompts.size()), kKvHeads, kMaxTokens, kHeadDim, prompts), slots(std::move(slots_)) {
+    round_values();
+  }
+  void round_values() {
+    k = to_storage<T>(kv.k);
+    v = to_storage<T>(kv.v);
+    for (std::size_t i = 0; i < k.size(); ++i) kv.k[i] = to_float(k[i]), kv.v[i] = to_float(v[i]);
+  }
+  std::int32_t batch() const { return kv.batch; }
+  KVCache<T> cache() {
+    return ContiguousKVView<T>::packed(k.data(), v.data(), kv.batch, kKvHeads, kMaxTokens, kHeadDim, kv.seq_lens.data());
+  }
+  DecodeStepConfig step_config() const {
+    return {.max_batch = kv.batch, .q_heads = kQHeads, .kv_heads = kKvHeads, .head_dim = kHeadDim,
+            .max_seq_len = kMaxTokens};
+  }
+  /// A random token appended to every row (values rounded to T).
+  void grow(Random& rng) {
+    for (std::int32_t b = 0; b < kv.batch; ++b) {
+      const std::int32_t t = kv.seq_lens[b]++;
+      for (std::int32_t h = 0; h < kKvHeads; ++h) {
+        const std::size_t at = ((std::size_t(b) * kKvHeads + h) * kMaxTokens + t) * kHeadDim;
+        const std::vector<float> nk = rng.normal(kHeadDim), nv = rng.normal(kHeadDim);
+        for (std::int32_t c = 0; c < kHeadDim; ++c) {
+          k[at + c] = from_float<T>(nk[c]), v[at + c] = from_float<T>(nv[c]);
+          kv.k[at + c] = to_float(k[at + c]), kv.v[at + c] = to_float(v[at + c]);
+        }
+      }
+    }
+  }
+};
+
+/// Equation 3 in fp64 over the store's live entries of each row's slot, weights log(degree).
+template <class T>
+HostState store_reference(const std::vector<T>& q, const MergeStoreView<const T>& store,
+                          const std::vector<std::int32_t>& slots) {
+  const auto batch = std::int32_t(slots.size());
+  HostState ref(batch, kQHeads, kHeadDim);
+  std::vector<float> kf, vf, qf(kHeadDim);
+  std::vector<double> o;
+  for (std::int32_t b = 0; b < batch; ++b) {
+    for (std::int32_t g = 0; g < kKvHeads; ++g) {
+      const std::int64_t row = store.row(slots[b], g);
+      const std::int32_t count = store.count[row];
+      kf.assign(std::size_t(count) * kHeadDim, 0.0f);
+      vf.assign(kf.size(), 0.0f);
+      std::vector<const float*> ks, vs;
+      std::vector<double> w;
+      for (std::int32_t i = 0; i < count; ++i) {
+        const std::int32_t slot = store.row_order(row)[i];
+        for (std::int32_t c = 0; c < kHeadDim; ++c) {
+          kf[std::size_t(i) * kHeadDim + c] = to_float(store.k_slot(row, slot)[c]);
+          vf[std::size_t(i) * kHeadDim + c] = to_float(store.v_slot(row, slot)[c]);
+        }
+        ks.push_back(&kf[std::size_t(i) * kHeadDim]);
+        vs.push_back(&vf[std::size_t(i) * kHeadDim]);
+        w.push_back(std::log(double(store.row_degree(row)[i])));
+      }
+      for (std::int32_t h = g * (kQHeads / kKvHeads); h < (g + 1) * (kQHeads / kKvHeads); ++h) {
+        for (std::int32_t c = 0; c < kHeadDim; ++c) qf[c] = to_float(q[(std::size_t(b) * kQHeads + h) * kHeadDim + c]);
+        const double lse = naive_attention(qf.data(), ks, vs, w, kHeadDim, 1.0 / std::sqrt(double(kHeadDim)), o);
+        ref.lse[std::size_t(b) * kQHeads + h] = float(lse);
+        for (std::int32_t c = 0; c < kHeadDim; ++c) ref.o[(std::size_t(b) * kQHeads + h) * kHeadDim + c] = float(o[c]);
+      }
+    }
+  }
+  return ref;
+}
+
+/// Dense attention in fp64 over every cached token of each row.
+template <class T>
+HostState dense_reference(const std::vector<T>& q, const HostKV& kv) {
+  HostState ref(kv.batch, kQHeads, kHeadDim);
+  std::vector<float> qf(kHeadDim);
+  std::vector<double> o;
+  for (std::int32_t b = 0; b < kv.batch; ++b) {
+    for (std::int32_t g = 0; g < kKvHeads; ++g) {
+      std::vector<const float*> ks, vs;
+      for (std::int32_t t = 0; t < kv.seq_lens[b]; ++t) {
+        const std::size_t at = ((std::size_t(b) * kKvHeads + g) * kMaxTokens + t) * kHeadDim;
+        ks.push_back(&kv.k[at]);
+        vs.push_back(&kv.v[at]);
+      }
+      const std::vector<double> w(ks.size(), 0.0);
+      for (std::int32_t h = g * (kQHeads / kKvHeads); h < (g + 1) * (kQHeads / kKvHeads); ++h) {
+        for (std::int32_t c = 0; c < kHeadDim; ++c) qf[c] = to_float(q[(std::size_t(b) * kQHeads + h) * kHeadDim + c]);
+        const double lse = naive_attention(qf.data(), ks, vs, w, kHeadDim, 1.0 / std::sqrt(double(kHeadDim)), o);
+        ref.lse[std::size_t(b) * kQHeads + h] = float(lse);
+        for (std::int32_t c = 0; c < kHeadDim; ++c) ref.o[(std::size_t(b) * kQHeads + h) * kHeadDim + c] = float(o[c]);
+      }
+    }
+  }
+  return ref;
+}
+
+/// One step on a poisoned workspace into a poisoned output; returns O and LSE.
+template <class T, class Step>
+std::pair<std::vector<T>, std::vector<float>> run_step(Step& step, Problem<T>& p, const std::vector<T>& q,
+                                                       cpu::Array<std::byte>& workspace, const cpu::Context& ctx) {
+  std::memset(workspace.data(), 0xff, workspace.size());
+  std::vector<T> o(q.size(), from_float<T>(kPoison));
+  std::vector<float> lse(std::size_t(p.batch()) * kQHeads, kPoison);
+  step.run(StepInputs<T>{.q = QueryView<const T>::packed(q.data(), p.batch(), kQHeads, kHeadDim), .cache = p.cache(),
+                         .slots = p.slots.data()},
+           StateView<T>::packed(o.data(), lse.data(), p.batch(), kQHeads, kHeadDim), workspace.bytes(), ctx);
+  return {o, lse};
+}
+
+template <class T>
+std::int64_t degree_sum(const MergeStoreView<const T>& store, std::int64_t row) {
+  std::int64_t total = 0;
+  for (std::int32_t i = 0; i < store.count[row]; ++i) total += store.row_degree(row)[i];
+  return total;
+}
+
+template <class T>
+void expect_prefill_and_decode_match_the_store(Random& rng, std::int32_t threads) {
+  SCOPED_TRACE(fmt::format("{} threads {}", dtype_label<T>(), threads));
+  Problem<T> p(rng, {1000, 700}, {2, 0});
+  cpu::ThreadPool pool(threads);
+  const cpu::Context ctx{.pool = &pool};
+  const CentroidKVConfig config{};
+  DecodeStep step(CentroidKV<T, cpu::Context>(p.limits, config, ctx), p.step_config(), ctx);
+  EXPECT_EQ(step.selector().second_source_capacity(), 300 + 64);
+  step.prepare({.cache = p.cache(), .slots = p.slots.data()}, ctx);
+  const MergeStoreView<const T> store = step.selector().store();
+  const std::vector<std::int32_t> budgets{250, 175};
+  for (std::int32_t b = 0; b < 2; ++b) {
+    EXPECT_EQ(step.selector().budgets()[p.slots[b]], budgets[b]);
+    for (std::int32_t h = 0; h < kKvHeads; ++h) {
+      const std::int64_t row = store.row(p.slots[b], h);
+      EXPECT_EQ(store.count[row], budgets[b]) << "the prefill meets the budget exactly";
+      EXPECT_EQ(degree_sum(store, row), p.kv.seq_lens[b]) << "degrees sum to the prompt's tokens";
+    }
+  }
+  cpu::Array<std::byte> workspace(step.workspace_bytes());
+  std::vector<std::int32_t> before(2 * kKvHeads);
+  for (std::int32_t s = 1; s <= 70; ++s) {
+    for (std::int32_t b = 0; b < 2; ++b) {
+      for (std::int32_t h = 0; h < kKvHeads; ++h) before[b * kKvHeads + h] = store.count[store.row(p.slots[b], h)];
+    }
+    p.grow(rng);
+    const std::vector<T> q = to_storage<T>(rng.normal(std::size_t(2) * kQHeads * kHeadDim));
+    const auto [o, lse] = run_step(step, p, q, workspace, ctx);
+    for (std::int32_t b = 0; b < 2; ++b) {
+      for (std::int32_t h = 0; h < kKvHeads; ++h) {
+        const std::int64_t row = store.row(p.slots[b], h);
+        const std::int32_t was = before[b * kKvHeads + h];
+        const std::int32_t merged =
+            detail::merge_round_links(was, budgets[b], detail::centroid_kv_decode_params(config));
+        ASSERT_EQ(store.count[row], was - merged + 1) << "step " << s << " row " << b;
+        if (was < budgets[b] + config.interval) {
+          ASSERT_EQ(merged, 0);
+        }
+        ASSERT_EQ(degree_sum(store, row), p.kv.seq_lens[b]) << "degrees sum to the tokens seen, step " << s;
+      }
+    }
+    if (s == 65) {
+      // The 250-row's round merges exactly s - B; the 175-row's middle has too few links for 64 merges at r_init.
+      EXPECT_EQ(store.count[store.row(p.slots[0], 0)], budgets[0] + 1);
+      EXPECT_GT(store.count[store.row(p.slots[1], 0)], budgets[1] + 1);
+    }
+    expect_close(o, lse, store_reference(q, store, p.slots), fmt::format("step {}", s));
+  }
+}
+
+TEST_F(CentroidKVTest, PrefillAndDecodeMatchEquation3OverTheStore) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  expect_prefill_and_decode_match_the_store<bfloat16>(rng, 3);
+  expect_prefill_and_decode_match_the_store<half>(rng, 1);
+}
+
+// Identical keys in a row: equation 3 is exact whatever the merges (every logit equal), so the merged store
+// attends as the dense cache up to the rounding of the merged values and of log n.
+TEST_F(CentroidKVTest, IdenticalKeysReproduceDenseAttention) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  using T = half;
+  Problem<T> p(rng, {900, 400}, {1, 2});
+  for (std::int32_t b = 0; b < 2; ++b) {
+    for (std::int32_t h = 0; h < kKvHeads; ++h) {
+      const std::size_t first = (std::size_t(b) * kKvHeads + h) * kMaxTokens * kHeadDim;
+      for (std::int32_t t = 1; t < kMaxTokens; ++t) {
+        std::copy_n(&p.kv.k[first], kHeadDim, &p.kv.k[first + std::size_t(t) * kHeadDim]);
+      }
+    }
+  }
+  // Values around 2: the output (their mean) is then not a small difference of large terms, so the rounding of
+  // the merged values stays within the tolerance relative to it.
+  for (float& x : p.kv.v) x += 2.0f;
+  p.round_values();
+  const cpu::Context ctx{};
+  DecodeStep step(CentroidKV<T, cpu::Context>(p.limits, {.budget_ratio = 0.25f}, ctx), p.step_config(), ctx);
+  step.prepare({.cache = p.cache(), .slots = p.slots.data()}, ctx);
+  EXPECT_EQ(step.selector().store().count[std::int64_t(p.slots[0]) * kKvHeads], 225);
+  p.grow(rng);  // the step's token: the same key again
+  for (std::int32_t b = 0; b < 2; ++b) {
+    for (std::int32_t h = 0; h < kKvHeads; ++h) {
+      const std::size_t first = (std::size_t(b) * kKvHeads + h) * kMaxTokens * kHeadDim;
+      const std::size_t last = first + std::size_t(p.kv.seq_lens[b] - 1) * kHeadDim;
+      std::copy_n(&p.k[first], kHeadDim, &p.k[last]);
+      std::copy_n(&p.kv.k[first], kHeadDim, &p.kv.k[last]);
+    }
+  }
+  cpu::Array<std::byte> workspace(step.workspace_bytes());
+  const std::vector<T> q = to_storage<T>(rng.normal(std::size_t(2) * kQHeads * kHeadDim));
+  const auto [o, lse] = run_step(step, p, q, workspace, ctx);
+  // Every round rounds its merged values to T once more: the store's values drift by up to half an ulp per round.
+  const std::int32_t rounds = detail::centroid_kv_prefill_rounds("test", {}, 900);
+  const HostState dense = dense_reference(q, p.kv);
+  double max_ref = 0;
+  for (const float x : dense.o) max_ref = std::max(max_ref, double(std::abs(x)));
+  const double tolerance = (rounds + 2) * 0.5 * std::ldexp(max_ref, -10);
+  for (std::size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(to_float(o[i]), dense.o[i], tolerance) << "O " << i;
+  for (std::size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], dense.lse[i], 1e-3 * std::max(1.0f, std::abs(dense.lse[i])));
+}
+
+// R = 1: no round runs, the store is the prompt, and the step (an empty primary selection merged with the
+// store's partial) is dense attention.
+TEST_F(CentroidKVTest, NoMergeGivesDenseAttention) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  using T = bfloat16;
+  Problem<T> p(rng, {600, 333}, {0, 2});
+  const cpu::Context ctx{};
+  DecodeStep step(CentroidKV<T, cpu::Context>(p.limits, {.budget_ratio = 1.0f}, ctx), p.step_config(), ctx);
+  step.prepare({.cache = p.cache(), .slots = p.slots.data()}, ctx);
+  p.grow(rng);
+  cpu::Array<std::byte> workspace(step.workspace_bytes());
+  const std::vector<T> q = to_storage<T>(rng.normal(std::size_t(2) * kQHeads * kHeadDim));
+  const auto [o, lse] = run_step(step, p, q, workspace, ctx);
+  expect_close(o, lse, dense_reference(q, p.kv), "R = 1 vs dense");
+  const SelectionView primary = step.selection(workspace.bytes(), 2);
+  for (std::int32_t r = 0; r < 2 * kKvHeads; ++r) EXPECT_EQ(primary.counts[r], 0) << "the primary selection is empty";
+  const IndexBytes bytes = step.selector().index_bytes();
+  EXPECT_EQ(bytes.device, 0u);
+  EXPECT_GE(bytes.host, std::size_t(3) * kKvHeads * (kMaxTokens + 64) * kHeadDim * 2 * sizeof(T));
+}
+
+TEST_F(CentroidKVTest, BadInputsAreRefused) {
+  using T = bfloat16;
+  const cpu::Context ctx{};
+  Problem<T> p(rng, {1000}, {1});
+  expect_error([&] { (void)CentroidKV<T, cpu::Context>(p.limits, {.budget_ratio = 0.0f}, ctx); },
+               "CentroidKV: config.budget_ratio (= 0) is outside (0, 1]");
+  expect_error([&] { (void)CentroidKV<T, cpu::Context>(p.limits, {.interval = 0}, ctx); }, "config.interval (= 0) must be >= 1");
+  expect_error([&] { (void)CentroidKV<T, cpu::Context>(p.limits, {.r_init = 0.1f}, ctx); }, "need 0 <= r_min <= r_init <= 1");
+  expect_error([&] { (void)CentroidKV<T, cpu::Context>(p.limits, {.chunk = 1}, ctx); }, "config.chunk (= 1) must be >= 2");
+  // A window: the store holds sinks and recent tokens itself.
+  DecodeStepConfig windowed = p.step_config();
+  windowed.attention.window = {4, 16};
+  DecodeStep step(CentroidKV<T, cpu::Context>(p.limits, {}, ctx), windowed, ctx);
+  expect_error([&] { step.prepare({.cache = p.cache(), .slots = p.slots.data()}, ctx); },
+               "CentroidKV::prepare: the attention window (sink 4, recent 16) must be empty");
+  CentroidKV<T, cpu::Context> selector(p.limits, {}, ctx);
+  selector.prepare({.cache = p.cache(), .slots = p.slots.data()}, ctx);
+  const std::vector<T> q = to_storage<T>(rng.normal(std::size_t(kQHeads) * kHeadDim));
+  HostSelection out(1, kKvHeads, 1, false);
+  expect_error(
+      [&] {
+        selector.select({.q = QueryView<const T>::packed(q.data(), 1, kQHeads, kHeadDim), .cache = p.cache(),
+                         .slots = p.slots.data(), .lengths = p.kv.seq_lens.data(), .attention = {.window = {0, 8}}},
+                        out.view, {}, ctx);
+      },
+      "CentroidKV::select: the attention window (sink 0, recent 8) must be empty");
+  // Budgets that cannot be met.
+  const auto prepare_with = [&](const CentroidKVConfig& config, std::int32_t n) {
+    Problem<T> short_prompt(rng, {n}, {0});
+    CentroidKV<T, cpu::Context> s(short_prompt.limits, config, ctx);
+    s.prepare({.cache = short_prompt.cache(), .slots = short_prompt.slots.data()}, ctx);
+  };
+  expect_error([&] { prepare_with({}, 300); },
+               "CentroidKV::prepare: a prompt of n = 300 tokens at budget_ratio R = 0.25 has budget B = 75 <= sinks + "
+               "recent (= 80)");
+  expect_error([&] { prepare_with({.max_rounds = 1}, 1000); },
+               "a prompt of n = 1000 tokens at R = 0.25 (B = 250) needs more than config.max_rounds (= 1) rounds");
+  expect_error([&] { prepare_with({}, 324); }, "a prompt of n = 324 tokens at R = 0.25 (B = 81)");
+  // A prompt longer than the limits.
+  Problem<T> fits(rng, {1000}, {0});
+  SelectorLimits small = fits.limits;
+  small.max_tokens = 999;
+  CentroidKV<T, cpu::Context> tight(small, {}, ctx);
+  expect_error([&] { tight.prepare({.cache = fits.cache(), .slots = fits.slots.data()}, ctx); },
+               "CentroidKV::prepare: sequence 0's prompt (1000 tokens) is outside [1, limits.max_tokens = 999]");
+}
+
+}  // namespace
+}  // namespace kvsift::test

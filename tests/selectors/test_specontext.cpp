@@ -1,0 +1,356 @@
+// SpeContext on the CPU: the retrieval head's selection (owned and engine-kept paged head caches, per kv head and
+// batch-level) against an fp64 brute force with its own YaRN RoPE, short sequences, the multi-layer step's outputs
+// against fp64 sparse attention over each layer's cache with the one selection, max_score_rows, and every refusal.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "kvsift/cpu/backend.hpp"
+#include "kvsift/selectors/specontext.hpp"
+#include "kvsift/step/specontext_step.hpp"
+#include "specontext_problem.hpp"
+
+namespace kvsift::test {
+namespace {
+
+static_assert(KVSelector<SpeContext<bfloat16, cpu::Context>>);
+
+cpu::Array<std::byte> poisoned(std::size_t bytes) {
+  cpu::Array<std::byte> w(bytes);
+  std::fill_n(w.data(), bytes, std::byte{0xff});
+  return w;
+}
+
+template <class T>
+class CpuSpeContext : public SeededTest {};
+using StorageTypes = testing::Types<bfloat16, half>;
+TYPED_TEST_SUITE(CpuSpeContext, StorageTypes);
+
+/// A problem on the CPU: the layer caches (layer 0's lengths serve the head), the head's pages when the engine
+/// keeps them, and the views the selector and the step take.
+template <class T>
+struct CpuFixture {
+  SpeContextProblem<T> p;
+  std::vector<std::int32_t> seq_lens;  ///< the layers' lengths: the prompts', then the step's
+  std::vector<T> head_pages;       ///< the engine's paged head cache
+  std::vector<T> head_contiguous;  ///< the engine's contiguous head cache
+  typename SpeContextProblem<T>::PageTable table;
+  cpu::Context ctx{};
+
+  CpuFixture(Random& rng, const SpeContextSpec& spec) : p(rng, spec), seq_lens(p.prompt_lengths) {
+    if (spec.head_page_size > 0) {
+      head_pages.assign(std::size_t(p.head_num_pages) * spec.head_page_size * spec.kv_heads * spec.head_dim,
+                        from_float<T>(kPoison));
+      table = p.page_table(seq_lens);
+    }
+    if (spec.head_contiguous) {
+      head_contiguous.assign(std::size_t(spec.batch) * spec.kv_heads * spec.max_tokens * spec.head_dim,
+                             from_float<T>(kPoison));
+    }
+  }
+  bool engine() const { return p.spec.head_page_size > 0 || p.spec.head_contiguous; }
+  void to_step() {
+    seq_lens = p.lengths;
+    if (p.spec.head_page_size > 0) table = p.page_table(seq_lens);
+  }
+  KVCache<T> layer(std::int32_t l) {
+    const auto& s = p.spec;
+    return ContiguousKVView<T>::packed(p.layer_k[std::size_t(l)].data(), p.layer_v[std::size_t(l)].data(), s.batch,
+                                       s.kv_heads, s.max_tokens, s.head_dim, seq_lens.data());
+  }
+  /// The cache the selector reads lengths from (and, engine-kept, the head's).
+  KVCache<const T> head_input() {
+    const auto& s = p.spec;
+    if (s.head_contiguous) {
+      return ContiguousKVView<const T>::packed(head_contiguous.data(), head_contiguous.data(), s.batch, s.kv_heads,
+                                               s.max_tokens, s.head_dim, seq_lens.data());
+    }
+    return s.head_page_size > 0 ? KVCache<const T>(p.head_view(head_pages.data(), table)) : KVCache<const T>(layer(0));
+  }
+  SpeContextConfig config(std::int32_t budget, SpeContextMode mode) const {
+    return {.budget = budget, .mode = mode,
+            .head_cache = engine() ? SpeContextHeadCache::engine : SpeContextHeadCache::owned, .rope = test_head_rope()};
+  }
+  PrefillInputs<T> prefill() {
+    const auto& s = p.spec;
+    return {.cache = head_input(), .slots = p.slots.data(),
+            .k_pre_rope = SequenceView<const T>::packed(p.k_r.data(), s.batch, s.kv_heads, s.max_tokens, s.head_dim)};
+  }
+  HeadsView<const T> k_step() const {
+    return HeadsView<const T>::packed(p.k_step.data(), p.spec.batch, p.spec.kv_heads, p.spec.head_dim);
+  }
+  QueryView<const T> q_r() const {
+    return QueryView<const T>::packed(p.q_r.data(), p.spec.batch, p.spec.q_heads, p.spec.head_dim);
+  }
+};
+
+/// prepare, then one step (append + select) of a selector; returns the selection.
+template <class T>
+HostSelection run_selector(CpuFixture<T>& f, SpeContext<T, cpu::Context>& s, const AttentionWindow& window) {
+  const auto& c = f.p.spec;
+  s.prepare(f.prefill(), f.ctx);
+  f.to_step();
+  const SelectShape shape{c.batch, c.q_heads, c.kv_heads, c.head_dim, 0};
+  auto append_ws = poisoned(s.append_workspace_bytes(shape, f.ctx));
+  auto select_ws = poisoned(s.select_workspace_bytes(shape, f.ctx));
+  const KVCache<const T> cache = f.head_input();
+  s.append({.cache = cache, .slots = f.p.slots.data(), .lengths = f.seq_lens.data(), .k_pre_rope = f.k_step()},
+           append_ws.bytes(), f.ctx);
+  HostSelection out(c.batch, c.kv_heads, s.capacity(), false);
+  s.select({.q = f.q_r(), .cache = cache, .slots = f.p.slots.data(), .lengths = f.seq_lens.data(),
+            .attention = {.window = window}},
+           out.view, select_ws.bytes(), f.ctx);
+  return out;
+}
+
+/// The head cache's rotated keys equal the reference's (fp64 rotation rounded to T; one ulp where the two
+/// rotations round to neighbours).
+template <class T>
+void expect_head_keys(const SpeContextProblem<T>& p, const KVCache<const T>& head) {
+  const std::int32_t d = p.spec.head_dim;
+  std::int64_t far = 0;
+  for (std::int32_t b = 0; b < p.spec.batch; ++b) {
+    for (std::int32_t g = 0; g < p.spec.kv_heads; ++g) {
+      for (std::int32_t t = 0; t < p.lengths[std::size_t(b)]; ++t) {
+        const auto want = p.rotated_key(b, g, t);
+        const T* got = head.visit([&](const auto& v) { return v.k_row(b, g, t); });
+        for (std::int32_t c = 0; c < d; ++c) {
+          const double diff = std::abs(to_float(got[c]) - want[std::size_t(c)]);
+          if (!(diff <= 1e-2 * std::abs(want[std::size_t(c)]) + 1e-6)) ++far;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(far, 0) << "head keys differ from the reference rotation by more than an ulp";
+}
+
+TYPED_TEST(CpuSpeContext, HeadSelectionEqualsBruteForce) {
+  using T = TypeParam;
+  SCOPED_TRACE(this->seed);
+  for (const bool batch_level : {false, true}) {
+    for (const AttentionWindow window : {specontext_window({}), specontext_window({4, 64})}) {
+      for (const std::int32_t cache_kind : {0, 1, 2}) {  // owned, engine-kept paged, engine-kept contiguous
+        CpuFixture<T> f(this->rng, {.head_page_size = cache_kind == 1 ? 16 : 0, .head_contiguous = cache_kind == 2});
+        const SpeContextMode mode = batch_level ? SpeContextMode::batch_level : SpeContextMode::per_kv_head;
+        SpeContext<T, cpu::Context> s(f.p.limits(), f.config(24, mode), f.ctx);
+        const HostSelection out = run_selector(f, s, window);
+        const char* kinds[] = {"owned", "engine paged", "engine contiguous"};
+        const std::string what = fmt::format("{} window {}+{} {}", batch_level ? "batch-level" : "per kv head",
+                                             window.sink, window.recent, kinds[cache_kind]);
+        expect_head_selection(f.p, out.indices, out.counts, s.capacity(), 24, window, batch_level, what);
+        const KVCache<const T> head = s.head_cache(f.head_input(), f.p.slots.data(), f.seq_lens.data(), f.p.spec.batch);
+        expect_head_keys(f.p, head);
+      }
+    }
+  }
+}
+
+/// Through AnySelector (the type-erased interface the fidelity harness drives): the same selection as the selector
+/// called directly on the same problem.
+TYPED_TEST(CpuSpeContext, AnySelectorDrivesIt) {
+  using T = TypeParam;
+  SCOPED_TRACE(this->seed);
+  CpuFixture<T> f(this->rng, {});
+  CpuFixture<T> g = f;  // the same problem, its own lengths
+  SpeContext<T, cpu::Context> direct(f.p.limits(), f.config(24, SpeContextMode::per_kv_head), f.ctx);
+  const HostSelection want = run_selector(f, direct, specontext_window({}));
+  AnySelector<T, cpu::Context> any(SpeContext<T, cpu::Context>(g.p.limits(), g.config(24, SpeContextMode::per_kv_head), g.ctx));
+  EXPECT_EQ(any.name(), "SpeContext");
+  EXPECT_EQ(any.capacity(), 24);
+  const auto& c = g.p.spec;
+  any.prepare(g.prefill(), g.ctx);
+  g.to_step();
+  const SelectShape shape{c.batch, c.q_heads, c.kv_heads, c.head_dim, 0};
+  auto append_ws = poisoned(any.append_workspace_bytes(shape, g.ctx));
+  auto select_ws = poisoned(any.select_workspace_bytes(shape, g.ctx));
+  any.append({.cache = g.head_input(), .slots = g.p.slots.data(), .lengths = g.seq_lens.data(), .k_pre_rope = g.k_step()},
+             append_ws.bytes(), g.ctx);
+  HostSelection got(c.batch, c.kv_heads, any.capacity(), false);
+  any.select({.q = g.q_r(), .cache = g.head_input(), .slots = g.p.slots.data(), .lengths = g.seq_lens.data(),
+              .attention = {.window = specontext_window({})}},
+             got.view, select_ws.bytes(), g.ctx);
+  EXPECT_EQ(got.counts, want.counts);
+  EXPECT_EQ(got.indices, want.indices);
+}
+
+TYPED_TEST(CpuSpeContext, ShortSequencesSelectEverything) {
+  using T = TypeParam;
+  SCOPED_TRACE(this->seed);
+  for (const bool batch_level : {false, true}) {
+    CpuFixture<T> f(this->rng, {.max_tokens = 128, .min_length = 3, .max_length = 100});
+    SpeContext<T, cpu::Context> s(f.p.limits(),
+                                  f.config(120, batch_level ? SpeContextMode::batch_level : SpeContextMode::per_kv_head),
+                                  f.ctx);
+    const AttentionWindow window = specontext_window({});
+    const HostSelection out = run_selector(f, s, window);
+    for (std::int32_t b = 0; b < f.p.spec.batch; ++b) {
+      std::vector<std::int32_t> all(std::size_t(f.p.lengths[std::size_t(b)] - 1));  // every token but the window's
+      std::iota(all.begin(), all.end(), 0);
+      for (std::int32_t g = 0; g < f.p.spec.kv_heads; ++g) {
+        EXPECT_EQ(selection_row(out.indices, out.counts, b * f.p.spec.kv_heads + g, s.capacity()), all)
+            << "row (" << b << ", " << g << ")";
+      }
+    }
+  }
+}
+
+TYPED_TEST(CpuSpeContext, StepAttendsEveryLayerWithTheOneSelection) {
+  using T = TypeParam;
+  SCOPED_TRACE(this->seed);
+  for (const AttentionWindow window : {AttentionWindow{}, AttentionWindow{4, 64}}) {
+    for (const std::int32_t page_size : {0, 32}) {
+      CpuFixture<T> f(this->rng, {.head_page_size = page_size});
+      const auto& c = f.p.spec;
+      SpeContextStep<T, cpu::Context> step(
+          SpeContext<T, cpu::Context>(f.p.limits(), f.config(32, SpeContextMode::per_kv_head), f.ctx),
+          {.attention = {.window = window}, .layers = c.layers, .max_batch = c.batch, .q_heads = c.q_heads,
+           .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = c.max_tokens},
+          f.ctx);
+      auto ws = poisoned(step.workspace_bytes());
+      step.prepare(f.prefill(), f.ctx);
+      f.to_step();
+      step.select({.q = f.q_r(), .k = f.k_step(), .cache = f.head_input(), .slots = f.p.slots.data()}, ws.bytes(), f.ctx);
+      const SelectionView sel = step.selection(ws.bytes(), c.batch);
+      const std::vector<std::int32_t> indices(sel.indices, sel.indices + std::size_t(c.batch) * c.kv_heads * sel.capacity);
+      const std::vector<std::int32_t> counts(sel.counts, sel.counts + std::size_t(c.batch) * c.kv_heads);
+      const AttentionWindow effective = step.attention().window;
+      EXPECT_EQ(effective.recent, std::max(window.recent, 1));
+      expect_head_selection(f.p, indices, counts, sel.capacity, 32, effective, false, "step");
+      for (std::int32_t l = 0; l < c.layers; ++l) {
+        HostState out(c.batch, c.q_heads, c.head_dim);
+        std::vector<T> o(out.o.size(), from_float<T>(kPoison));
+        const std::size_t step_at = std::size_t(l) * c.batch * c.kv_heads * c.head_dim;
+        step.attend({.q = QueryView<const T>::packed(f.p.layer_q.data() + std::size_t(l) * c.batch * c.q_heads * c.head_dim,
+                                                     c.batch, c.q_heads, c.head_dim),
+                     .cache = f.layer(l),
+                     .k = HeadsView<const T>::packed(f.p.step_k.data() + step_at, c.batch, c.kv_heads, c.head_dim),
+                     .v = HeadsView<const T>::packed(f.p.step_v.data() + step_at, c.batch, c.kv_heads, c.head_dim),
+                     .layer = l},
+                    StateView<T>::packed(o.data(), out.lse.data(), c.batch, c.q_heads, c.head_dim), ws.bytes(), f.ctx);
+        expect_close(o, out.lse, f.p.attention(l, indices, counts, sel.capacity, effective),
+                     fmt::format("layer {} window {}+{}", l, window.sink, window.recent));
+      }
+    }
+  }
+}
+
+TEST(CpuMaxScoreRows, EqualsScalarMaxAndRefusesBadShapes) {
+  Random rng(test_seed());
+  const std::int32_t rows = 3, group = 4, cols = 50;
+  const auto scores = rng.normal(std::size_t(rows) * group * cols);
+  const std::vector<std::int32_t> lengths = {50, 17, 0};
+  std::vector<float> out(std::size_t(rows) * cols, kPoison);
+  cpu::max_score_rows(MatrixView<const float>::packed(scores.data(), rows * group, cols), group, lengths.data(),
+                      MatrixView<float>::packed(out.data(), rows, cols));
+  for (std::int32_t r = 0; r < rows; ++r) {
+    for (std::int32_t t = 0; t < cols; ++t) {
+      const float got = out[std::size_t(r) * cols + t];
+      if (t >= lengths[std::size_t(r)]) {
+        EXPECT_TRUE(std::isnan(got)) << "column past the length written";
+        continue;
+      }
+      float want = -INFINITY;
+      for (std::int32_t j = 0; j < group; ++j) want = std::max(want, scores[(std::size_t(r) * group + j) * cols + t]);
+      EXPECT_EQ(got, want);
+    }
+  }
+  const auto in = MatrixView<const float>::packed(scores.data(), rows * group, cols);
+  expect_error([&] { cpu::max_score_rows(in, 0, lengths.data(), MatrixView<float>::packed(out.data(), rows, cols)); },
+               {"group (= 0)"});
+  expect_error([&] { cpu::max_score_rows(in, 3, lengths.data(), MatrixView<float>::packed(out.data(), rows, cols)); },
+               {"scores.rows (= 12)"});
+  expect_error([&] { cpu::max_score_rows(in, group, nullptr, MatrixView<float>::packed(out.data(), rows, cols)); },
+               {"must be non-null"});
+}
+
+TEST(CpuSpeContextBadInput, RefusesEveryBadArgument) {
+  Random rng(test_seed());
+  using T = bfloat16;
+  CpuFixture<T> f(rng, {});
+  const auto& c = f.p.spec;
+  const SpeContextConfig config = f.config(16, SpeContextMode::per_kv_head);
+  expect_error([&] { SpeContext<T, cpu::Context>(f.p.limits(), {.budget = 0}, f.ctx); }, {"config.budget (= 0)"});
+  expect_error([&] { SpeContext<T, cpu::Context>(f.p.limits(), {.budget = -3}, f.ctx); }, {"config.budget (= -3)"});
+  expect_error([&] { SpeContext<T, cpu::Context>(f.p.limits(), {.budget = c.max_tokens + 1}, f.ctx); }, {"config.budget"});
+  expect_error([&] { SpeContext<T, cpu::Context>(f.p.limits(), {.budget = 16, .mode = SpeContextMode(7)}, f.ctx); }, {"config.mode"});
+  expect_error([&] { SpeContext<T, cpu::Context>(f.p.limits(), {.budget = 16, .sm_scale = -1.0f}, f.ctx); }, {"config.sm_scale"});
+  expect_error([&] { SpeContext<T, cpu::Context>(f.p.limits(), {.budget = 16, .rope = {.rotary_dim = 3}}, f.ctx); },
+               {"config.rope.rotary_dim (= 3)"});
+  // The head's head counts must be the model's.
+  SelectorLimits other = f.p.limits();
+  other.q_heads = c.q_heads * 2;
+  expect_error(
+      [&] {
+        SpeContextStep<T, cpu::Context>(SpeContext<T, cpu::Context>(other, config, f.ctx),
+                                        {.layers = 2, .max_batch = c.batch, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
+                                         .head_dim = c.head_dim, .max_seq_len = c.max_tokens},
+                                        f.ctx);
+      },
+      {"retrieval head has q_heads 8", "must be equal"});
+  expect_error(
+      [&] {
+        SpeContextStep<T, cpu::Context>(SpeContext<T, cpu::Context>(f.p.limits(), config, f.ctx),
+                                        {.layers = 0, .max_batch = c.batch, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
+                                         .head_dim = c.head_dim, .max_seq_len = c.max_tokens},
+                                        f.ctx);
+      },
+      {"config.layers (= 0)"});
+
+  SpeContext<T, cpu::Context> s(f.p.limits(), config, f.ctx);
+  // prepare: no head keys, too short, a prompt past max_tokens.
+  PrefillInputs<T> bad = f.prefill();
+  bad.k_pre_rope = {};
+  expect_error([&] { s.prepare(bad, f.ctx); }, {"in.k_pre_rope", "must be given"});
+  bad = f.prefill();
+  bad.k_pre_rope.tokens = 5;
+  expect_error([&] { s.prepare(bad, f.ctx); }, {"in.k_pre_rope is [2, 2, 5, 64]"});
+  bad = f.prefill();
+  bad.k_pre_rope.heads = 1;
+  expect_error([&] { s.prepare(bad, f.ctx); }, {"in.k_pre_rope is [2, 1,"});
+  {
+    SpeContextProblem<T> shorter(rng, {.max_tokens = 64, .min_length = 60, .max_length = 64});
+    std::vector<std::int32_t> long_lengths(std::size_t(c.batch), 100);
+    const KVCache<const T> cache = ContiguousKVView<const T>::packed(f.p.layer_k[0].data(), f.p.layer_v[0].data(),
+                                                                     c.batch, c.kv_heads, c.max_tokens, c.head_dim,
+                                                                     long_lengths.data());
+    SpeContext<T, cpu::Context> small(shorter.limits(), {.budget = 8}, f.ctx);
+    std::vector<std::int32_t> slots = {0, 1};
+    expect_error([&] { small.prepare({.cache = cache, .slots = slots.data(), .k_pre_rope = f.prefill().k_pre_rope}, f.ctx); },
+                 {"prompt (100 tokens) exceeds limits.max_tokens (= 64)"});
+  }
+  s.prepare(f.prefill(), f.ctx);
+  f.to_step();
+  const SelectShape shape{c.batch, c.q_heads, c.kv_heads, c.head_dim, 0};
+  auto append_ws = poisoned(s.append_workspace_bytes(shape, f.ctx));
+  auto select_ws = poisoned(s.select_workspace_bytes(shape, f.ctx));
+  const AppendInputs<T> append{.cache = f.head_input(), .slots = f.p.slots.data(), .lengths = f.seq_lens.data(),
+                               .k_pre_rope = f.k_step()};
+  AppendInputs<T> a = append;
+  a.k_pre_rope = {};
+  expect_error([&] { s.append(a, append_ws.bytes(), f.ctx); }, {"in.k_pre_rope", "must be given"});
+  a = append;
+  a.k_pre_rope.heads = 1;  // a head with fewer kv heads than the model
+  expect_error([&] { s.append(a, append_ws.bytes(), f.ctx); }, {"in.k_pre_rope is [2, 1, 64]", "kv_heads = 2"});
+  a = append;
+  std::vector<std::int32_t> past = f.seq_lens;
+  past[1] = c.max_tokens + 1;  // a position past max_tokens
+  a.lengths = past.data();
+  expect_error([&] { s.append(a, append_ws.bytes(), f.ctx); }, {"outside the table's positions [0, 256)"});
+  expect_error([&] { s.append(append, std::span<std::byte>(append_ws.data(), 8), f.ctx); }, {"SpeContext::append"});
+  s.append(append, append_ws.bytes(), f.ctx);
+  HostSelection out(c.batch, c.kv_heads, s.capacity(), false);
+  const SelectInputs<T> select{.q = f.q_r(), .cache = f.head_input(), .slots = f.p.slots.data(),
+                               .lengths = f.seq_lens.data(), .attention = {.window = specontext_window({})}};
+  SelectInputs<T> in = select;
+  in.q.heads = c.q_heads / 2;  // a head with fewer query heads than the model
+  expect_error([&] { s.select(in, out.view, select_ws.bytes(), f.ctx); }, {"in.q [2, 2, 64]", "q_heads = 4"});
+  in = select;
+  in.lengths = past.data();
+  expect_error([&] { s.select(in, out.view, select_ws.bytes(), f.ctx); }, {"outside the table's positions"});
+  HostSelection small_out(c.batch, c.kv_heads, s.capacity() - 1, false);
+  expect_error([&] { s.select(select, small_out.view, select_ws.bytes(), f.ctx); }, {"out.capacity (= 15)"});
+  expect_error([&] { s.release(std::vector<std::int32_t>{f.p.max_slots}); }, {"slots[0] (= 3)"});
+}
+
+}  // namespace
+}  // namespace kvsift::test
