@@ -14,11 +14,17 @@
 //     cache (the step reads one token of it) and rotate their stores past 256 MB. freed_MB: the engine cache's K/V
 //     bytes minus the selector's (index_bytes), per layer. Dense decode on the same shapes: BM_DenseDecode
 //     (bench_decode.cpp); cuDNN SDPA: bench/sdpa_baseline.py.
+//   - BM_CentroidKVStepStage: each launch group of that step alone, timed the same way, after the prefill (s = B):
+//     stage 0 the decode-time round (a no-op at s = B), 1 the append (after a 4-byte-per-row reset of the counts,
+//     which the time includes, so that the rows never fill), 2 the select (clear of the empty primary's counts,
+//     the store's selection), 3 the attention of the empty primary selection, 4 the attention of the store, 5 the
+//     LSE merge of the two partials. Stages 0, 1 and 3 are what a step spends besides attending the store.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "gpu_bench.hpp"
@@ -189,18 +195,29 @@ BENCHMARK(BM_CentroidKVRound)
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);
 
+/// A decode step's selector limits, the bytes it reads (the store's K/V, all attended) and the layers that rotate
+/// the stores past 256 MB.
+struct StepShape {
+  kvsift::CentroidKVConfig config;
+  kvsift::SelectorLimits limits;
+  double step_bytes;
+  int layers;
+  StepShape(std::int64_t n, int batch)
+      : config{.budget_ratio = kRatio},
+        limits{.max_slots = batch, .max_tokens = std::int32_t(n), .q_heads = kQHeads, .kv_heads = kKvHeads,
+               .head_dim = kHeadDim},
+        step_bytes(2.0 * batch * kKvHeads * double(store_capacity(n, config)) * kHeadDim * sizeof(bfloat16)),
+        layers(std::clamp(int(std::ceil(double(std::size_t(256) << 20) / step_bytes)), 1, 8)) {}
+};
+
 void BM_CentroidKVStep(benchmark::State& state) {
   const std::int64_t n = state.range(0);
   const int batch = int(state.range(1));
   const Cache cache(n, batch);
-  const kvsift::CentroidKVConfig config{.budget_ratio = kRatio};
-  const kvsift::SelectorLimits limits{.max_slots = batch, .max_tokens = std::int32_t(n), .q_heads = kQHeads,
-                                      .kv_heads = kKvHeads, .head_dim = kHeadDim};
+  const StepShape shape(n, batch);
+  const auto& [config, limits, step_bytes, layers] = shape;
   const kvsift::DecodeStepConfig step_config{.max_batch = batch, .q_heads = kQHeads, .kv_heads = kKvHeads,
                                              .head_dim = kHeadDim, .max_seq_len = std::int32_t(n)};
-  // The bytes a step reads: the store's K/V (all attended).
-  const double step_bytes = 2.0 * batch * kKvHeads * double(store_capacity(n, config)) * kHeadDim * sizeof(bfloat16);
-  const int layers = std::clamp(int(std::ceil(double(std::size_t(256) << 20) / step_bytes)), 1, 8);
   std::vector<std::unique_ptr<kvsift::DecodeStep<Selector>>> stack;
   for (int l = 0; l < layers; ++l) {
     stack.push_back(
@@ -228,6 +245,91 @@ void BM_CentroidKVStep(benchmark::State& state) {
 BENCHMARK(BM_CentroidKVStep)
     ->ArgsProduct({{32768, 131072}, {1, 8}})
     ->ArgNames({"N", "batch"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(0.1);
+
+/// The selector's store, to drive its rounds and appends one launch group at a time (the bench owns the selector).
+kvsift::MergeStoreView<bfloat16> writable(const Selector& selector) {
+  const kvsift::MergeStoreView<const bfloat16> s = selector.store();
+  return {const_cast<bfloat16*>(s.k),         const_cast<bfloat16*>(s.v),     const_cast<std::int32_t*>(s.order),
+          const_cast<std::int32_t*>(s.degree), const_cast<float*>(s.log_degree), const_cast<std::int32_t*>(s.count),
+          s.slots,                             s.kv_heads,                        s.capacity,
+          s.head_dim};
+}
+
+void BM_CentroidKVStepStage(benchmark::State& state) {
+  const int stage = int(state.range(0));
+  const std::int64_t n = state.range(1);
+  const int batch = int(state.range(2));
+  const Cache cache(n, batch);
+  const StepShape shape(n, batch);
+  const auto& [config, limits, step_bytes, layers] = shape;
+  std::vector<std::unique_ptr<Selector>> stack;
+  for (int l = 0; l < layers; ++l) {
+    stack.push_back(std::make_unique<Selector>(limits, config, Cuda{}));
+    stack.back()->prepare({.cache = cache.cache().as_const(), .slots = cache.slots.ptr}, Cuda{});
+  }
+  const std::int32_t capacity = stack.front()->second_source_capacity();
+  const std::size_t rows = std::size_t(batch) * kKvHeads;
+  Device<std::int32_t> saved_counts(rows * stack.size());  // each layer's counts at s = B, for the append's reset
+  for (std::size_t l = 0; l < stack.size(); ++l) {
+    KVSIFT_CUDA_CHECK(
+        cudaMemcpy(saved_counts.ptr + l * rows, stack[l]->store().count, rows * 4, cudaMemcpyDeviceToDevice));
+  }
+  Device<bfloat16> q(std::size_t(batch) * kQHeads * kHeadDim), o(std::size_t(batch) * kQHeads * kHeadDim);
+  Device<float> partial_o(2 * std::size_t(batch) * kQHeads * kHeadDim), partial_lse(2 * std::size_t(batch) * kQHeads),
+      lse(std::size_t(batch) * kQHeads);
+  Device<std::int32_t> primary_indices(rows), primary_counts(rows);
+  fill_random(q.ptr, std::size_t(batch) * kQHeads * kHeadDim, 99);
+  const std::size_t ws_bytes = std::max(
+      kvsift::cuda::merge_round_workspace_bytes(batch, kKvHeads, capacity),
+      kvsift::cuda::sparse_decode_workspace_bytes(batch, kQHeads, kKvHeads, kHeadDim, capacity, std::int32_t(n), {},
+                                                  false, Cuda{}));
+  Device<std::byte> ws(ws_bytes);
+  const std::span<std::byte> workspace(ws.ptr, ws_bytes);
+  const auto qv = kvsift::QueryView<const bfloat16>::packed(q.ptr, batch, kQHeads, kHeadDim);
+  // The step's primary selection: capacity 1 (DecodeStep's least; sparse decode takes no empty one), counts 0.
+  const kvsift::SelectionView primary{primary_indices.ptr, primary_counts.ptr, nullptr, batch, kKvHeads, 1};
+  const kvsift::StateView<float> partials[] = {
+      kvsift::StateView<float>::packed(partial_o.ptr, partial_lse.ptr, batch, kQHeads, kHeadDim),
+      kvsift::StateView<float>::packed(partial_o.ptr + std::size_t(batch) * kQHeads * kHeadDim,
+                                       partial_lse.ptr + std::size_t(batch) * kQHeads, batch, kQHeads, kHeadDim)};
+  const kvsift::StateView<const float> merged[] = {partials[0].as_const(), partials[1].as_const()};
+  const auto out = kvsift::StateView<bfloat16>::packed(o.ptr, lse.ptr, batch, kQHeads, kHeadDim);
+  const kvsift::SelectInputs<bfloat16> in{
+      .q = qv, .cache = cache.cache().as_const(), .slots = cache.slots.ptr, .lengths = cache.lengths.ptr};
+  for (auto& selector : stack) selector->select(in, primary, {}, Cuda{});  // stages 3 and 4 read the selections
+  const auto round_params = kvsift::detail::centroid_kv_decode_params(config);
+  time_calls(state, [&](int i, cudaStream_t stream) {
+    const std::size_t l = std::size_t(i) % stack.size();
+    const Selector& selector = *stack[l];
+    const Cuda ctx{stream};
+    switch (stage) {
+      case 0:
+        kvsift::cuda::merge_round(writable(selector), cache.slots.ptr, batch, selector.budgets(), round_params,
+                                  workspace, stream);
+        break;
+      case 1:
+        KVSIFT_CUDA_CHECK(cudaMemcpyAsync(writable(selector).count, saved_counts.ptr + l * rows, rows * 4,
+                                          cudaMemcpyDeviceToDevice, stream));
+        kvsift::cuda::merge_store_append(in.cache, cache.slots.ptr, cache.lengths.ptr, writable(selector), stream);
+        break;
+      case 2: stack[l]->select(in, primary, {}, ctx); break;
+      case 3: kvsift::cuda::sparse_decode(qv, in.cache, primary, partials[0], {}, false, true, workspace, ctx); break;
+      case 4: {
+        const kvsift::SecondSource<bfloat16> second = selector.second_source(in);
+        kvsift::cuda::sparse_decode(qv, second.cache, second.selection, partials[1], {}, false, true, workspace, ctx);
+        break;
+      }
+      default: kvsift::cuda::merge_states(std::span<const kvsift::StateView<const float>>(merged), out, ctx);
+    }
+  });
+  state.counters["layers"] = layers;
+}
+BENCHMARK(BM_CentroidKVStepStage)
+    ->ArgsProduct({{0, 1, 2, 3, 4, 5}, {32768, 131072}, {1, 8}})
+    ->ArgNames({"stage", "N", "batch"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);

@@ -12,16 +12,32 @@
 // cycle over as many distinct caches as fit (counter `distinct`), which times as 32 distinct layers would: each
 // layer's K/V exceed the 50 MB L2 many times, so no layer finds the previous one's rows in it. The head's query,
 // key and prompt keys are random (the head model is outside kvsift); its owned K cache is [batch, 8, N, 128] bf16.
+//
+// BM_SpeContextOffload: the last layers' KV in pinned host memory (step/specontext_offload.hpp), as many as the
+// planner (step/offload_planner.hpp, algorithm 2) offloads at N for a GPU of gpu_GB GB holding Llama-3.1-8B's
+// weights (16.06 GB bf16; the retrieval head made of the model's own projections, M_D = 0; factor 1.3, the +1 head
+// layer, alpha = 4). Selections persist as measured on captures (docs/specontext.md): each step keeps 85% of the
+// last one's tokens per (sequence, kv head): a ring of 16 synthetic selections (a window of B tokens sliding by
+// 15% of B over 16 * 0.15 B random distinct tokens, so step 15 -> 0 keeps 85% too) written over the head's own
+// selection before the copies (SpeContextOffload::load), so every layer attends it. mode 3: the step (head
+// selection, copies of the offloaded layers on a side stream, the attention of all 32 layers: GPU layers from the
+// GPU caches, offloaded ones from their resident rows); mode 4: the copies alone (the side stream's update joined
+// back, nothing else). Counters: offloaded, rows and MB moved per step (K and V of every offloaded layer), kept.
+// The copying hidden behind attention: (mode 4 + mode 0 - mode 3) / mode 4 at the same N and batch.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <vector>
 
 #include "gpu_bench.hpp"
 #include "projection_gemm.hpp"
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/selectors/specontext.hpp"
+#include "kvsift/step/offload_planner.hpp"
+#include "kvsift/step/specontext_offload.hpp"
 #include "kvsift/step/specontext_step.hpp"
 
 namespace {
@@ -31,7 +47,7 @@ using namespace kvsift::bench;
 using Cuda = kvsift::cuda::Context;
 
 constexpr int kLayers = 32, kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kBudget = 2048;
-enum Mode : int { kSpeContext = 0, kDense = 1, kSelectOnly = 2 };
+enum Mode : int { kSpeContext = 0, kDense = 1, kSelectOnly = 2, kOffloaded = 3, kCopiesOnly = 4 };
 
 /// The model's layer caches, the head's inputs and a prepared SpeContext step.
 struct Model {
@@ -142,6 +158,154 @@ BENCHMARK(BM_SpeContextStep)
     ->ArgsProduct({{kSpeContext, kDense}, {131072}, {1, 8}, {0}, {0}})  // PDL off
     ->ArgsProduct({{kSpeContext, kDense}, {131072}, {1, 8}, {1}, {1}})  // a GEMM between layers
     ->ArgNames({"mode", "N", "batch", "pdl", "between"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(0.1);
+
+/// The planner's offloaded layers for the model above on a GPU of `gpu_gb` GB at `n` tokens, `batch` requests.
+kvsift::OffloadPlan planned(std::int64_t n, int batch, std::int64_t gpu_gb) {
+  const kvsift::OffloadPlannerParams params{.gpu_bytes = gpu_gb * 1'000'000'000,
+                                            .model_bytes = 16'060'000'000,
+                                            .layers = kLayers,
+                                            .kv_heads = kKvHeads,
+                                            .head_dim = kHeadDim,
+                                            .group = kQHeads / kKvHeads,
+                                            .requests = batch,
+                                            .budget = kBudget};
+  return kvsift::plan_offload(kvsift::sequence_thresholds(params), n);
+}
+
+/// Model with its last plan.offloaded layers' KV in pinned host memory (copies of the GPU caches' values) and the
+/// ring of synthetic selections.
+struct OffloadedModel {
+  static constexpr int kRing = 16;
+  static constexpr std::int32_t kShift = kBudget * 15 / 100;  // tokens replaced per step: 85% kept
+  Model model;
+  int first;
+  std::vector<bfloat16*> host_k, host_v;
+  std::int32_t* host_lengths = nullptr;
+  std::vector<kvsift::KVCache<const bfloat16>> host_caches;
+  std::unique_ptr<kvsift::SpeContextOffload<bfloat16>> offload;
+  Device<std::int32_t> ring_indices, ring_counts;
+  cudaStream_t side = nullptr;
+
+  OffloadedModel(std::int64_t n, int batch, int offloaded)
+      : model(n, batch, true),
+        first(kLayers - offloaded),
+        ring_indices(std::size_t(kRing) * batch * kKvHeads * kBudget),
+        ring_counts(std::size_t(kRing) * batch * kKvHeads) {
+    KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_lengths), batch * sizeof(std::int32_t)));
+    std::fill(host_lengths, host_lengths + batch, std::int32_t(n));
+    const std::size_t bytes = model.elements() * sizeof(bfloat16);
+    for (int l = first; l < kLayers; ++l) {
+      bfloat16 *k = nullptr, *v = nullptr;
+      KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&k), bytes));
+      KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&v), bytes));
+      const kvsift::ContiguousKVView<bfloat16> gpu = model.cache(l).contiguous;
+      KVSIFT_CUDA_CHECK(cudaMemcpy(k, gpu.k, bytes, cudaMemcpyDeviceToHost));
+      KVSIFT_CUDA_CHECK(cudaMemcpy(v, gpu.v, bytes, cudaMemcpyDeviceToHost));
+      host_k.push_back(k);
+      host_v.push_back(v);
+      host_caches.emplace_back(host_cache(l).as_const());
+    }
+    offload = std::make_unique<kvsift::SpeContextOffload<bfloat16>>(*model.step, offloaded);
+    KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    // The ring: per (sequence, kv head) a pool of kRing * kShift distinct middle tokens in random order; selection
+    // j is the pool's window [j * kShift, j * kShift + B) (cyclic), ascending.
+    const std::size_t rows = std::size_t(batch) * kKvHeads;
+    std::vector<std::int32_t> indices(std::size_t(kRing) * rows * kBudget), counts(std::size_t(kRing) * rows, kBudget);
+    std::mt19937 rng(7);
+    std::vector<std::int32_t> tokens(std::size_t(n) - 1);
+    const std::size_t pool = std::size_t(kRing) * kShift;
+    for (std::size_t r = 0; r < rows; ++r) {
+      std::iota(tokens.begin(), tokens.end(), 0);
+      for (std::size_t i = 0; i < pool; ++i) std::swap(tokens[i], tokens[i + rng() % (tokens.size() - i)]);
+      for (int j = 0; j < kRing; ++j) {
+        std::int32_t* row = indices.data() + (std::size_t(j) * rows + r) * kBudget;
+        for (std::int32_t m = 0; m < kBudget; ++m) row[m] = tokens[(std::size_t(j) * kShift + std::size_t(m)) % pool];
+        std::sort(row, row + kBudget);
+      }
+    }
+    KVSIFT_CUDA_CHECK(cudaMemcpy(ring_indices.ptr, indices.data(), indices.size() * 4, cudaMemcpyHostToDevice));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(ring_counts.ptr, counts.data(), counts.size() * 4, cudaMemcpyHostToDevice));
+  }
+  ~OffloadedModel() {
+    offload.reset();
+    cudaStreamDestroy(side);
+    for (bfloat16* p : host_k) cudaFreeHost(p);
+    for (bfloat16* p : host_v) cudaFreeHost(p);
+    cudaFreeHost(host_lengths);
+  }
+  kvsift::KVCache<bfloat16> host_cache(int layer) const {
+    const std::size_t j = std::size_t(layer - first);
+    return kvsift::ContiguousKVView<bfloat16>::packed(host_k[j], host_v[j], model.batch, kKvHeads,
+                                                      std::int32_t(model.n), kHeadDim, host_lengths);
+  }
+  /// Selection i % kRing over the step's, then the offloaded layers' copies on the side stream.
+  void load(int i, cudaStream_t stream) {
+    const kvsift::SelectionView sel = model.step->selection(model.ws(), model.batch);
+    const std::size_t rows = std::size_t(model.batch) * kKvHeads, j = std::size_t(i % kRing);
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(sel.indices, ring_indices.ptr + j * rows * kBudget, rows * kBudget * 4,
+                                      cudaMemcpyDeviceToDevice, stream));
+    KVSIFT_CUDA_CHECK(
+        cudaMemcpyAsync(sel.counts, ring_counts.ptr + j * rows, rows * 4, cudaMemcpyDeviceToDevice, stream));
+    offload->load(*model.step, model.batch, model.slots.ptr, host_caches, model.ws(), Cuda{stream}, side);
+  }
+  void step(int i, cudaStream_t stream) {
+    model.select(stream);
+    load(i, stream);
+    const auto q = kvsift::QueryView<const bfloat16>::packed(model.q.ptr, model.batch, kQHeads, kHeadDim);
+    const auto token = kvsift::HeadsView<const bfloat16>::packed(model.k_r.ptr, model.batch, kKvHeads, kHeadDim);
+    const auto out = kvsift::StateView<bfloat16>::packed(model.o.ptr, model.lse.ptr, model.batch, kQHeads, kHeadDim);
+    for (int l = 0; l < kLayers; ++l) {
+      if (l < first) {  // as Model::attend
+        offload->attend(*model.step, {.q = q, .cache = model.cache(l), .layer = l}, out, model.ws(), Cuda{stream});
+      } else {  // the step's token (the head's k_r stands in for its K and V) written to the host cache
+        offload->attend(*model.step, {.q = q, .cache = host_cache(l), .k = token, .v = token, .layer = l}, out,
+                        model.ws(), Cuda{stream});
+      }
+    }
+  }
+  void copies_only(int i, cudaStream_t stream) {
+    load(i, stream);
+    for (int l = 0; l < kLayers - first; ++l) offload->elastic().wait(l, stream);
+  }
+};
+
+void BM_SpeContextOffload(benchmark::State& state) {
+  const int mode = int(state.range(0));
+  const std::int64_t n = state.range(1);
+  const int batch = int(state.range(2));
+  const kvsift::OffloadPlan plan = planned(n, batch, state.range(3));
+  if (plan.offloaded == 0) {
+    state.SkipWithError("the planner offloads no layer at this length and memory");
+    return;
+  }
+  OffloadedModel m(n, batch, plan.offloaded);
+  const auto call = [&](int i, cudaStream_t stream) {
+    if (mode == kOffloaded) {
+      m.step(i, stream);
+    } else {
+      m.copies_only(i, stream);
+    }
+  };
+  time_calls(state, call);
+  // One steady step's copies (ring selection 1 after 0), read back outside the timing.
+  cudaStream_t stream;
+  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  call(0, stream);
+  call(1, stream);
+  const kvsift::ElasticStats stats = m.offload->elastic().last_step_stats(stream);
+  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+  state.SetLabel(mode == kOffloaded ? "SpeContext offloaded step" : "offloaded layers' copies alone");
+  state.counters["offloaded"] = plan.offloaded;
+  state.counters["rows_per_step"] = double(stats.rows);
+  state.counters["MB_per_step"] = double(stats.bytes) / 1e6;
+  state.counters["kept"] = 1.0 - double(stats.rows_per_layer) / (double(batch) * kKvHeads * kBudget);
+}
+BENCHMARK(BM_SpeContextOffload)
+    ->ArgsProduct({{kOffloaded, kCopiesOnly}, {131072}, {1}, {36, 32}})
+    ->ArgNames({"mode", "N", "batch", "gpu_GB"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);

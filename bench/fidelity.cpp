@@ -15,7 +15,8 @@
 // --csattention-variants adds CSAttention's variants (eval/fidelity.hpp csattention_variants). Each --a2ats adds
 // A²ATS over a codebook file (kvsift_a2ats_codebook) labelled NAME (eval/fidelity.hpp a2ats_selectors; the first
 // one also with the group-maximum rule); the file must match each capture's shapes and RoPE. --centroidkv adds
-// CentroidKV at equal entries (eval/fidelity.hpp centroid_kv_selectors; the CPU backend only for now). --only keeps
+// CentroidKV at equal entries (eval/fidelity.hpp centroid_kv_selectors; the CPU backend only for now) and, after
+// each table, the output and LSE error columns alone (fidelity_error_markdown). --only keeps
 // the selectors of those names (e.g. the references beside CentroidKV at budgets where CTKVR refuses the prefill).
 #include <fmt/format.h>
 
@@ -194,6 +195,10 @@ int main(int argc, char** argv) {
       for (const auto& r : comparison.results) {
         if (backends.size() > 1) fmt::print("#### Backend: {}\n\n", r.backend);
         fmt::print("{}", kvsift::fidelity_markdown(r));
+        if (centroid_kv) {
+          fmt::print("\nOutput and LSE error (|LSE - LSE_dense|, natural log) against dense attention:\n\n{}",
+                     kvsift::fidelity_error_markdown(std::span<const kvsift::FidelityRow>(r.rows)));
+        }
         if (backends.size() > 1) fmt::print("\n");
       }
       for (const auto& d : comparison.differences) fmt::print("{}", kvsift::fidelity_markdown(d));

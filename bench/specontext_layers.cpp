@@ -191,7 +191,8 @@ int main(int argc, char** argv) {
         layer_ids = ids;
         shape = this_shape;
         // The harness's protocol (eval/fidelity.hpp): P = round(prefill * tokens), N positions evenly spread over
-        // [P, tokens - 1] (P + round(i (decoded - 1) / (N - 1))), K = max(1, round(F (P + 1))).
+        // [P, tokens - 1] (P + round(i (decoded - 1) / (N - 1))), K = max(1, round(F (P + 1))). A copy of the few
+        // lines private to src/eval/fidelity.cpp, kept until the harness exports them: change both together.
         const bool share = options.prefill > 0.0 && options.prefill < 1.0;
         const auto first = share ? std::int32_t(std::lround(options.prefill * capture.tokens)) : 0;
         KVSIFT_CHECK(share && first >= 1 && first < capture.tokens, where,

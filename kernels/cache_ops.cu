@@ -11,12 +11,13 @@ __global__ void sequence_lengths_kernel(KVCache<const T> cache, std::int32_t* le
   if (b < cache.batch()) lengths[b] = cache.seq_len(b);
 }
 
-/// One CTA per (batch row, kv head); a row of length 0 has no position for the token and is skipped.
+/// One CTA per (batch row, kv head); a row of length 0 has no position for the token, and a row whose length its
+/// storage cannot hold (KVCache::seq_len_fits) has a bad one: both are skipped.
 template <class T>
 __global__ void write_step_kv_kernel(KVCache<T> cache, HeadsView<const T> k, HeadsView<const T> v) {
   const int b = blockIdx.x / cache.kv_heads(), h = blockIdx.x % cache.kv_heads();
   const std::int32_t t = cache.seq_len(b) - 1;
-  if (t < 0) return;
+  if (t < 0 || !cache.seq_len_fits(b)) return;
   T* k_dst = cache.k_row(b, h, t);
   T* v_dst = cache.v_row(b, h, t);
   const T* k_src = k.row(b, h);

@@ -89,8 +89,12 @@ __global__ void __launch_bounds__(kAssignThreads) assign_slots_kernel(Difference
   const std::int32_t* prev_slots = p.previous_slots + prev_row * p.previous.capacity;
   const std::int32_t* cur = p.current.indices + row * p.current.capacity;
   std::int32_t* cur_slots = p.current_slots + row * p.current.capacity;
+  const std::int32_t token_end =
+      p.source_lengths != nullptr ? p.source_lengths[row / p.current.kv_heads] : 0x7fffffff;
+  int outside = 0;  // a token the copies would skip: the row is bad rather than recorded resident unloaded
   for (std::int32_t j = threadIdx.x; j < cur_count; j += kAssignThreads) {
     const std::int32_t token = cur[j];
+    if (p.source_lengths != nullptr && (token < 0 || token >= token_end)) outside = 1;
     std::int32_t lo = 0, hi = prev_count;  // the first previous token >= token
     while (lo < hi) {
       const std::int32_t mid = (lo + hi) / 2;
@@ -102,7 +106,10 @@ __global__ void __launch_bounds__(kAssignThreads) assign_slots_kernel(Difference
     if (slot >= 0) atomicOr(&used[slot / 32], 1u << (slot % 32));
     cur_slots[j] = slot;
   }
-  __syncthreads();
+  if (__syncthreads_or(outside)) {
+    if (threadIdx.x == 0) p.copied[row] = -1;
+    return;  // the whole CTA
+  }
   // Exclusive prefix of the words' free counts: each thread sums a run of consecutive words.
   const std::int32_t per_thread = (words + kAssignThreads - 1) / kAssignThreads;
   const std::int32_t w_begin = min(words, std::int32_t(threadIdx.x) * per_thread);

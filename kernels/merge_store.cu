@@ -3,10 +3,6 @@
 // fp32 for float keys, the argmax per A entry), then cuda::topk_rows ranks the links, then the merges and the
 // compaction, each a CTA per (row, chunk) that finds its chunk's chosen links by binary search in the row's sorted
 // list (the list's position of a chunk's first link is the number of entries merged away before the chunk).
-// core/merge_store.hpp carries the host checks too (core/error.hpp, fmt): nvcc's front end cannot evaluate fmt's
-// consteval format strings, so this translation unit, which formats nothing, takes fmt's runtime ones.
-#define FMT_CONSTEVAL
-#define FMT_USE_CONSTEXPR 1
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -415,9 +411,25 @@ __global__ void __launch_bounds__(kThreads) merge_compact_kernel(MergeRoundLaunc
 
 // ---- load, append, copy, selection -----------------------------------------------------------------------------
 
+/// A K row and a V row of `dim` values by one warp. 16-byte vectors, K's and V's in one index space so that every
+/// lane has work (head_dim 128 in 16 bits: 16 vectors each), where the four rows start 16-byte aligned and a row is
+/// a whole number of vectors (every packed store, and a cache of head_dim a multiple of 8 16-bit values); else
+/// value by value. Load and copy move whole stores with it: element-wise they ran at under half of the bandwidth.
 template <class T>
-__device__ __forceinline__ void copy_row(const T* src, T* dst, std::int32_t dim, int lane) {
-  for (std::int32_t d = lane; d < dim; d += 32) dst[d] = src[d];
+__device__ __forceinline__ void copy_kv_rows(const T* src_k, const T* src_v, T* dst_k, T* dst_v, std::int32_t dim,
+                                             int lane) {
+  const std::size_t bytes = std::size_t(dim) * sizeof(T);
+  const auto address = [](const void* x) { return reinterpret_cast<std::uintptr_t>(x); };
+  if (((address(src_k) | address(src_v) | address(dst_k) | address(dst_v) | bytes) % sizeof(uint4)) == 0) {
+    const auto vectors = std::int32_t(bytes / sizeof(uint4));
+    for (std::int32_t i = lane; i < 2 * vectors; i += 32) {
+      const bool is_k = i < vectors;
+      const std::int32_t at = is_k ? i : i - vectors;
+      reinterpret_cast<uint4*>(is_k ? dst_k : dst_v)[at] = reinterpret_cast<const uint4*>(is_k ? src_k : src_v)[at];
+    }
+    return;
+  }
+  for (std::int32_t d = lane; d < dim; d += 32) dst_k[d] = src_k[d], dst_v[d] = src_v[d];
 }
 
 /// A warp per (batch row b, kv head h, slot t).
@@ -436,8 +448,8 @@ __global__ void __launch_bounds__(kCopyThreads) merge_store_load_kernel(KVCache<
     const std::int32_t n = cache.seq_len(b);
     const bool fits = n >= 0 && n <= store.capacity;
     if (fits && t < n) {
-      copy_row(cache.k_row(b, h, t), store.k_slot(row, t), store.head_dim, lane);
-      copy_row(cache.v_row(b, h, t), store.v_slot(row, t), store.head_dim, lane);
+      copy_kv_rows(cache.k_row(b, h, t), cache.v_row(b, h, t), store.k_slot(row, t), store.v_slot(row, t),
+                   store.head_dim, lane);
     }
     if (lane == 0) {
       store.row_order(row)[t] = t;
@@ -464,8 +476,8 @@ __global__ void __launch_bounds__(kCopyThreads) merge_store_append_kernel(KVCach
   const std::int32_t at = count >= 0 && count < store.capacity ? store.row_order(row)[count] : -1;
   const bool ok = at >= 0 && at < store.capacity && length >= 1 && length <= cache.seq_len(b);
   if (ok) {
-    copy_row(cache.k_row(b, h, length - 1), store.k_slot(row, at), store.head_dim, lane);
-    copy_row(cache.v_row(b, h, length - 1), store.v_slot(row, at), store.head_dim, lane);
+    copy_kv_rows(cache.k_row(b, h, length - 1), cache.v_row(b, h, length - 1), store.k_slot(row, at),
+                 store.v_slot(row, at), store.head_dim, lane);
   }
   __syncwarp();  // every lane has read count
   if (lane == 0) {
@@ -496,8 +508,8 @@ __global__ void __launch_bounds__(kCopyThreads) merge_store_copy_kernel(MergeSto
     if (fits && i < count) {
       const std::int32_t slot = src.row_order(from)[i];
       if (slot >= 0 && slot < src.capacity) {
-        copy_row(src.k_slot(from, slot), dst.k_slot(to, i), dst.head_dim, lane);
-        copy_row(src.v_slot(from, slot), dst.v_slot(to, i), dst.head_dim, lane);
+        copy_kv_rows(src.k_slot(from, slot), src.v_slot(from, slot), dst.k_slot(to, i), dst.v_slot(to, i),
+                     dst.head_dim, lane);
       }
     }
     if (lane == 0) {

@@ -276,9 +276,13 @@ struct SpeContextProblem {
   }
 };
 
+/// The tolerance of a SpeContext score against the fp64 reference, relative to the row's largest: fp32 sums, and
+/// the rotations' roundings to T (one ulp of T apart from the reference's on some elements).
+inline constexpr double kSpeContextScoreEps = 4e-3;
+
 /// Checks a SpeContext selection [batch, kv_heads, capacity] against the reference scores: per row, the top
-/// `budget` of the window's middle, within eps of the k-th score (fp32 sums and RoPE roundings); batch_level rows
-/// of a sequence are equal.
+/// `budget` of the window's middle, within kSpeContextScoreEps of the k-th score; batch_level rows of a sequence
+/// are equal.
 template <class T>
 void expect_head_selection(const SpeContextProblem<T>& p, const std::vector<std::int32_t>& indices,
                            const std::vector<std::int32_t>& counts, std::int32_t capacity, std::int32_t budget,
@@ -291,7 +295,7 @@ void expect_head_selection(const SpeContextProblem<T>& p, const std::vector<std:
       std::map<std::int32_t, double> middle;
       for (std::int32_t t = window.sink_end(len); t < window.recent_begin(len); ++t) middle[t] = scores[std::size_t(t)];
       const auto row = selection_row(indices, counts, b * kv + g, capacity);
-      expect_top_k(row, middle, budget, 4e-3 * *std::max_element(scores.begin(), scores.end()),
+      expect_top_k(row, middle, budget, kSpeContextScoreEps * *std::max_element(scores.begin(), scores.end()),
                    fmt::format("{}: row ({}, {}) of length {}", what, b, g, len));
       if (batch_level && g > 0) {
         EXPECT_EQ(row, selection_row(indices, counts, b * kv, capacity)) << what << ": kv heads differ in row " << b;

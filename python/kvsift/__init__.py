@@ -16,8 +16,8 @@ from . import _kvsift
 
 __all__ = [
     "Error", "KVCache", "ThreadPool", "has_cuda", "contiguous_cache", "paged_cache", "sparse_decode", "dense_decode",
-    "merge_states", "topk_rows", "DecodeStep", "to_padded", "from_padded", "positions_to_slots", "lse_to_base2",
-    "lse_from_base2",
+    "merge_states", "topk_rows", "DecodeStep", "SpeContextStep", "to_padded", "from_padded", "positions_to_slots",
+    "lse_to_base2", "lse_from_base2",
 ]
 
 _ALIGNMENT = 256  # kvsift's workspace alignment (core/workspace.hpp)
@@ -156,8 +156,10 @@ class DecodeStep:
     centroids, probes, search_period, per_query_head, weight_by_norm, from_floor}: selectors/csattention.hpp's
     CsattentionConfig; 'a2ats' {codebooks (a kvsift_a2ats_codebook file), layer, budget_fraction, max_budget,
     group_max; rope_theta, rope_dim, rope_interleaved: the model's RoPE, which the file's must equal}:
-    selectors/a2ats.hpp's A2atsConfig, the keys rotated back from the cache), then sparse
-    attention of its selection and the window (sink, recent), planned once for
+    selectors/a2ats.hpp's A2atsConfig, the keys rotated back from the cache; 'centroidkv' {budget_ratio, sinks,
+    recent, chunk, r_init, r_step, r_min, interval, max_rounds}: selectors/centroid_kv.hpp's CentroidKVConfig, a
+    merge store of floor(budget_ratio * prompt length) entries attended whole with log-degree weights, window (0, 0)),
+    then sparse attention of its selection and the window (sink, recent), planned once for
     up to max_batch rows and sequences of up to max_seq_len tokens; the workspace is allocated here, once.
 
     prepare(cache, slots) indexes the prompts of joining sequences (slot = the sequence's selector state);
@@ -170,7 +172,7 @@ class DecodeStep:
         self._step = _kvsift.make_step(selector, dict(config or {}), dtype, device, q_heads, kv_heads, head_dim,
                                        max_batch, max_seq_len, max_slots or max_batch, tuple(window), sm_scale,
                                        validate, pool)
-        self.selector, self.device, self.dtype = selector, device, dtype
+        self.selector, self.device, self.dtype, self._kv_heads = selector, device, dtype, kv_heads
 
     @property
     def capacity(self):
@@ -209,9 +211,81 @@ class DecodeStep:
         coefficient. Other selectors raise kvsift.Error. On CUDA this synchronizes the step's stream."""
         return np.asarray(self._step.union_sizes(batch), dtype=np.int32).reshape(batch, -1)
 
+    def store_sizes(self):
+        """centroidkv: the entries its merge store holds per (slot, kv head), [max_slots, kv_heads] int32. Other
+        selectors raise kvsift.Error. On CUDA this synchronizes."""
+        return np.asarray(self._step.store_sizes(), dtype=np.int32).reshape(-1, self._kv_heads)
+
     def selection(self, batch=1):
         """The last run's selection as numpy (indices [batch, kv_heads, capacity], counts [batch, kv_heads]);
         on CUDA, synchronize the step's stream first. For evaluation, not the hot path."""
+        indices, counts = self._step.selection(batch)
+        counts = np.asarray(counts, dtype=np.int32).reshape(batch, -1)
+        return np.asarray(indices, dtype=np.int32).reshape(batch, counts.shape[1], -1), counts
+
+
+class SpeContextStep:
+    """A model's decode step with SpeContext (selectors/specontext.hpp, step/specontext_step.hpp): once per step,
+    before layer 0, the retrieval head's query q_r [batch, q_heads, head_dim] and new key k_r [batch, kv_heads,
+    head_dim], both before RoPE, select the `budget` best tokens per (sequence, kv head) (mode 'per_kv_head': each
+    group's max softmax weight; 'batch_level': one set per sequence); then every layer attends that one selection
+    and the window (sink, recent; recent raised to at least 1, the current token). The head's RoPE: rope_theta,
+    rope_dim (0: head_dim), rope_interleaved, and YaRN when yarn_factor is given (over
+    yarn_original_max_position_embeddings). sm_scale is the layers', head_sm_scale the head's (0: 1/sqrt(head_dim)).
+    The head's keys live in the step (max_slots sequences of up to max_seq_len tokens).
+
+    prepare(cache, k_pre, slots) stores the head's prompt keys k_pre [batch, kv_heads, n, head_dim] (pre-RoPE;
+    lengths from cache); select(q, k, cache, slots) appends the step's head key and selects (cache: any layer's,
+    whose lengths count the step's token); attend(layer, q, cache, k=, v=) writes the layer's k, v (when given) at
+    lengths[b] - 1 and attends, returning (o, lse); selection=(indices, counts) attends that selection instead of
+    the last select's (e.g. one kept from an earlier step, see selection())."""
+
+    def __init__(self, *, layers, q_heads, kv_heads, head_dim, max_seq_len, rope_theta, budget=2048,
+                 mode="per_kv_head", window=(0, 0), rope_dim=0, rope_interleaved=False, yarn_factor=None,
+                 yarn_original_max_position_embeddings=2048, sm_scale=0.0, head_sm_scale=0.0, max_batch=1,
+                 max_slots=None, dtype="float16", device="cpu", validate=False, pool=None):
+        self._step = _kvsift.make_specontext_step(
+            dtype, device, layers, q_heads, kv_heads, head_dim, max_seq_len, budget, mode, tuple(window),
+            float(rope_theta), rope_dim, bool(rope_interleaved), yarn_factor, yarn_original_max_position_embeddings,
+            sm_scale, head_sm_scale, max_batch, max_slots or max_batch, validate, pool)
+        self.device, self.dtype = device, dtype
+
+    @property
+    def capacity(self):
+        """Middle tokens a selection row holds at most (the budget)."""
+        return self._step.capacity
+
+    @property
+    def window(self):
+        """The (sink, recent) window every layer attends (recent at least 1)."""
+        return self._step.window
+
+    @property
+    def workspace_bytes(self):
+        return self._step.workspace_bytes
+
+    _slots = DecodeStep._slots
+
+    def prepare(self, cache, k_pre, slots=None, stream=None):
+        self._step.prepare(cache, self._slots(slots, cache.batch), k_pre, _cache_stream(cache, stream))
+
+    def select(self, q, k, cache, slots=None, stream=None):
+        self._step.select(q, k, cache, self._slots(slots, q.shape[0]), _stream(q, stream))
+
+    def attend(self, layer, q, cache, *, k=None, v=None, o=None, lse=None, out_dtype=None, selection=None,
+               stream=None):
+        o, lse = _state(q, q.shape[1], o, lse, out_dtype)
+        indices, counts = selection if selection is not None else (None, None)
+        self._step.attend(layer, q, cache, o, lse, k, v, indices, counts, _stream(q, stream))
+        return o, lse
+
+    def release(self, slots):
+        self._step.release([int(s) for s in slots])
+
+    def selection(self, batch=1):
+        """The last select's selection as numpy (indices [batch, kv_heads, capacity], counts [batch, kv_heads]);
+        on CUDA, synchronize the step's stream first. For evaluation, or to attend it later (attend's selection=)
+        after moving it to the step's device."""
         indices, counts = self._step.selection(batch)
         counts = np.asarray(counts, dtype=np.int32).reshape(batch, -1)
         return np.asarray(indices, dtype=np.int32).reshape(batch, counts.shape[1], -1), counts

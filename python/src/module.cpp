@@ -23,18 +23,20 @@
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/selectors/a2ats.hpp"
 #include "kvsift/selectors/a2ats_codebook.hpp"
+#include "kvsift/selectors/centroid_kv.hpp"
 #include "kvsift/selectors/csattention.hpp"
 #include "kvsift/selectors/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
+#include "kvsift/selectors/specontext.hpp"
 #include "kvsift/selectors/streaming_llm.hpp"
 #include "kvsift/step/decode_step.hpp"
+#include "kvsift/step/specontext_step.hpp"
 #ifndef KVSIFT_WITH_CUDA
 #define KVSIFT_WITH_CUDA 0
 #endif
 #if KVSIFT_WITH_CUDA
 #include "kvsift/cuda/backend.hpp"
-#include "kvsift/cuda/check.hpp"
 #endif
 
 namespace nb = nanobind;
@@ -312,6 +314,46 @@ cuda::DecodeOptions dense_options(const KV& view, const AttentionOptions& attent
 }
 #endif
 
+/// The backend a context runs on, and the context of one call: the pool's threads, or the CUDA stream.
+template <class Context>
+constexpr Device kDeviceOf = Context::memory == MemorySpace::host ? Device::cpu : Device::cuda;
+
+template <class Context>
+Context context_of(Pool* pool, [[maybe_unused]] std::uintptr_t stream) {
+  if constexpr (kDeviceOf<Context> == Device::cpu) {
+    return Context{pool_of(pool)};
+  } else {
+#if KVSIFT_WITH_CUDA
+    return Context{stream_of(stream)};
+#endif
+  }
+}
+
+/// The arrays of a step's call are on the device it was built for.
+void check_step_device(const Args& args, Device built_for) {
+  KVSIFT_CHECK(args.device() == built_for, args.where(), "the arrays are on {}, the step was built for {}",
+               args.device() == Device::cpu ? "cpu" : "cuda", built_for == Device::cpu ? "cpu" : "cuda");
+}
+
+/// A step's slots [batch] (int32, packed): each batch row's selector slot.
+const std::int32_t* slots_of(Args& args, const Array& slots, std::int32_t batch) {
+  args.take_packed("slots", slots, 1, nb::dtype<std::int32_t>());
+  args.check_dim("slots", slots, 0, batch, "batch");
+  return data_of<const std::int32_t>(slots);
+}
+
+/// A selection's first `batch` rows on the host (indices, counts): for evaluation, after the step's stream (on
+/// CUDA the caller synchronizes it first).
+template <class Context>
+std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> selection_on_host(const SelectionView& s,
+                                                                                  std::int32_t batch,
+                                                                                  const Context& ctx) {
+  std::vector<std::int32_t> indices(std::size_t(batch) * s.kv_heads * s.capacity), counts(std::size_t(batch) * s.kv_heads);
+  copy_to_host(s.indices, indices.size(), indices.data(), ctx);
+  copy_to_host(s.counts, counts.size(), counts.data(), ctx);
+  return {std::move(indices), std::move(counts)};
+}
+
 // ---- functional API ------------------------------------------------------------------------------------------
 
 std::size_t decode_workspace_bytes(const std::string& kind, Array q, const Cache& cache, std::int32_t capacity,
@@ -480,6 +522,7 @@ class Step {
   virtual void release(const std::vector<std::int32_t>& slots) = 0;
   virtual std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> selection(std::int32_t batch) = 0;
   virtual std::vector<std::int32_t> union_sizes(std::int32_t batch) = 0;
+  virtual std::vector<std::int32_t> store_sizes() = 0;
   virtual std::int32_t capacity() const = 0;
   virtual std::size_t workspace_bytes() const = 0;
   virtual std::string name() const = 0;
@@ -490,7 +533,7 @@ class StepOf final : public Step {
  public:
   using T = typename S::value_type;
   using Context = typename S::context_type;
-  static constexpr Device kDevice = Context::memory == MemorySpace::host ? Device::cpu : Device::cuda;
+  static constexpr Device kDevice = kDeviceOf<Context>;
 
   StepOf(S selector, const StepConfig& config, Pool* pool)
       : pool_(pool), step_(std::move(selector), step_config(config), context(0)), workspace_(step_.workspace_bytes()) {}
@@ -498,7 +541,7 @@ class StepOf final : public Step {
   void prepare(const Cache& cache, Array slots, std::optional<Array> queries, std::uintptr_t stream) override {
     Args args("DecodeStep.prepare");
     const KVCache<const T> kv = cache.view<T>(args);
-    check_device(args);
+    check_step_device(args, kDevice);
     PrefillInputs<T> in{.cache = kv, .slots = slots_of(args, slots, kv.batch())};
     if (queries) {  // [batch, q_heads, W, head_dim]: the last W prefill queries
       const Array& a = args.take("queries", *queries, 4, storage_dtype<T>());
@@ -512,7 +555,7 @@ class StepOf final : public Step {
            std::optional<Array> v, std::uintptr_t stream) override {
     Args args("DecodeStep.run");
     StepInputs<T> in{.q = heads_view<T>(args, "q", q), .cache = cache.view<T>(args)};
-    check_device(args);
+    check_step_device(args, kDevice);
     in.slots = slots_of(args, slots, in.q.batch);
     KVSIFT_CHECK(k.has_value() == v.has_value(), args.where(), "k and v must be given together");
     if (k) {
@@ -537,19 +580,7 @@ class StepOf final : public Step {
   std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> selection(std::int32_t batch) override {
     KVSIFT_CHECK(batch >= 1 && batch <= step_.config().max_batch, "DecodeStep.selection",
                  "batch (= {}) is outside [1, max_batch = {}]", batch, step_.config().max_batch);
-    const SelectionView s = step_.selection(workspace(), batch);
-    std::vector<std::int32_t> indices(std::size_t(batch) * s.kv_heads * s.capacity), counts(std::size_t(batch) * s.kv_heads);
-    if constexpr (kDevice == Device::cpu) {
-      std::copy_n(s.indices, indices.size(), indices.data());
-      std::copy_n(s.counts, counts.size(), counts.data());
-    } else {
-#if KVSIFT_WITH_CUDA
-      // A read for evaluation, after the step's stream: the caller synchronizes that stream first.
-      KVSIFT_CUDA_CHECK(cudaMemcpy(indices.data(), s.indices, indices.size() * 4, cudaMemcpyDeviceToHost));
-      KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), s.counts, counts.size() * 4, cudaMemcpyDeviceToHost));
-#endif
-    }
-    return {std::move(indices), std::move(counts)};
+    return selection_on_host(step_.selection(workspace(), batch), batch, context(0));
   }
   std::vector<std::int32_t> union_sizes(std::int32_t batch) override {
     constexpr const char* where = "DecodeStep.union_sizes";
@@ -564,6 +595,18 @@ class StepOf final : public Step {
                                              step_.selector().name()));
     }
   }
+  std::vector<std::int32_t> store_sizes() override {
+    if constexpr (requires { step_.selector().store(); }) {
+      const auto store = step_.selector().store();
+      std::vector<std::int32_t> sizes(std::size_t(store.slots) * std::size_t(store.kv_heads));
+      copy_to_host(store.count, sizes.size(), sizes.data(), context(0));
+      return sizes;
+    } else {
+      detail::throw_error("DecodeStep.store_sizes", fmt::format("the selector ({}) keeps no store of its own "
+                                                                "(centroidkv does)",
+                                                                step_.selector().name()));
+    }
+  }
   std::int32_t capacity() const override { return step_.selector().capacity(); }
   std::size_t workspace_bytes() const override { return step_.workspace_bytes(); }
   std::string name() const override { return std::string(step_.selector().name()); }
@@ -574,24 +617,7 @@ class StepOf final : public Step {
             .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = c.max_seq_len,
             .validate_indices = c.validate};
   }
-  Context context(std::uintptr_t stream) const {
-    if constexpr (kDevice == Device::cpu) {
-      return Context{pool_ ? pool_->pool.get() : nullptr};
-    } else {
-#if KVSIFT_WITH_CUDA
-      return Context{stream_of(stream)};
-#endif
-    }
-  }
-  void check_device(const Args& args) const {
-    KVSIFT_CHECK(args.device() == kDevice, args.where(), "the arrays are on {}, the step was built for {}",
-                 args.device() == Device::cpu ? "cpu" : "cuda", kDevice == Device::cpu ? "cpu" : "cuda");
-  }
-  static const std::int32_t* slots_of(Args& args, const Array& slots, std::int32_t batch) {
-    args.take_packed("slots", slots, 1, nb::dtype<std::int32_t>());
-    args.check_dim("slots", slots, 0, batch, "batch");
-    return data_of<const std::int32_t>(slots);
-  }
+  Context context(std::uintptr_t stream) const { return context_of<Context>(pool_, stream); }
 
   std::span<std::byte> workspace() { return {workspace_.data(), workspace_.size()}; }
 
@@ -676,11 +702,23 @@ std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
     if (config_int(where, config, "group_max", 0) != 0) sc.group_rule = A2atsGroupRule::group_max;
     step = std::make_unique<StepOf<A2ats<T, Context>>>(A2ats<T, Context>(limits, sc, codebooks.layer(layer), Context{}),
                                                        c, pool);
+  } else if (c.selector == "centroidkv") {
+    CentroidKVConfig sc{};
+    sc.budget_ratio = float(config_float(config, "budget_ratio", sc.budget_ratio));
+    sc.sinks = config_int(where, config, "sinks", sc.sinks);
+    sc.recent = config_int(where, config, "recent", sc.recent);
+    sc.chunk = config_int(where, config, "chunk", sc.chunk);
+    sc.r_init = float(config_float(config, "r_init", sc.r_init));
+    sc.r_step = float(config_float(config, "r_step", sc.r_step));
+    sc.r_min = float(config_float(config, "r_min", sc.r_min));
+    sc.interval = config_int(where, config, "interval", sc.interval);
+    sc.max_rounds = config_int(where, config, "max_rounds", sc.max_rounds);
+    step = std::make_unique<StepOf<CentroidKV<T, Context>>>(CentroidKV<T, Context>(limits, sc, Context{}), c, pool);
   } else if (c.selector == "streaming_llm") {
     step = std::make_unique<StepOf<StreamingLLM<T, Context>>>(StreamingLLM<T, Context>(limits), c, pool);
   } else {
     detail::throw_error(where, fmt::format("selector (= '{}') must be one of 'oracle_topk', 'quest', 'streaming_llm', "
-                                           "'ctkvr', 'csattention', 'a2ats'",
+                                           "'ctkvr', 'csattention', 'a2ats', 'centroidkv'",
                                            c.selector));
   }
   KVSIFT_CHECK(nb::len(config) == 0, where, "selector_config has keys {} that {} does not take",
@@ -702,6 +740,176 @@ std::unique_ptr<Step> make_step(const std::string& selector, nb::dict selector_c
     if (device == "cpu") return make_step_of<T, cpu::Context>(c, pool);
 #if KVSIFT_WITH_CUDA
     if (device == "cuda") return make_step_of<T, cuda::Context>(c, nullptr);
+#endif
+    detail::throw_error(where, fmt::format("device (= '{}') must be 'cpu'{}", device,
+                                           KVSIFT_WITH_CUDA ? " or 'cuda'" : " (this build has no CUDA backend)"));
+  };
+  return dtype == "float16" ? with_context(half{}) : with_context(bfloat16{});
+}
+
+// ---- SpeContext's model-level step ---------------------------------------------------------------------------
+
+struct SpeStepConfig {
+  std::string dtype, device, mode;
+  std::int32_t layers, q_heads, kv_heads, head_dim, max_batch, max_seq_len, max_slots, budget;
+  std::pair<std::int32_t, std::int32_t> window;
+  float sm_scale, head_sm_scale;
+  double rope_theta;
+  std::int32_t rope_dim;
+  bool rope_interleaved;
+  std::optional<double> yarn_factor;
+  std::int32_t yarn_original_max_position_embeddings;
+  bool validate;
+};
+
+/// A SpeContextStep (one per model: one selection per step from the retrieval head, attended by every layer) of
+/// any storage type and backend behind one Python class. Its head cache is the selector's own (owned).
+class SpeStep {
+ public:
+  virtual ~SpeStep() = default;
+  virtual void prepare(const Cache& cache, Array slots, Array k_pre, std::uintptr_t stream) = 0;
+  virtual void select(Array q, Array k, const Cache& cache, Array slots, std::uintptr_t stream) = 0;
+  virtual void attend(std::int32_t layer, Array q, const Cache& cache, Array o, Array lse, std::optional<Array> k,
+                      std::optional<Array> v, std::optional<Array> indices, std::optional<Array> counts,
+                      std::uintptr_t stream) = 0;
+  virtual void release(const std::vector<std::int32_t>& slots) = 0;
+  virtual std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> selection(std::int32_t batch) = 0;
+  virtual std::int32_t capacity() const = 0;
+  virtual std::pair<std::int32_t, std::int32_t> window() const = 0;
+  virtual std::size_t workspace_bytes() const = 0;
+};
+
+template <class T, class Context>
+class SpeStepOf final : public SpeStep {
+ public:
+  static constexpr Device kDevice = kDeviceOf<Context>;
+
+  SpeStepOf(const SpeStepConfig& c, Pool* pool)
+      : pool_(pool), step_(SpeContext<T, Context>(limits(c), selector_config(c), context(0)), step_config(c), context(0)),
+        workspace_(step_.workspace_bytes()) {}
+
+  void prepare(const Cache& cache, Array slots, Array k_pre, std::uintptr_t stream) override {
+    Args args("SpeContextStep.prepare");
+    PrefillInputs<T> in{.cache = cache.view<T>(args)};
+    check_step_device(args, kDevice);
+    in.slots = slots_of(args, slots, in.cache.batch());
+    args.take("k_pre", k_pre, 4, storage_dtype<T>());  // [batch, kv_heads, n, head_dim]
+    in.k_pre_rope = {data_of<const T>(k_pre), dim32(args, "k_pre", k_pre, 0), dim32(args, "k_pre", k_pre, 1),
+                     dim32(args, "k_pre", k_pre, 2), dim32(args, "k_pre", k_pre, 3), k_pre.stride(0), k_pre.stride(1),
+                     k_pre.stride(2)};
+    step_.prepare(in, context(stream));
+  }
+
+  void select(Array q, Array k, const Cache& cache, Array slots, std::uintptr_t stream) override {
+    Args args("SpeContextStep.select");
+    SpeContextHeadInputs<T> in{.q = heads_view<T>(args, "q", q), .k = heads_view<T>(args, "k", k),
+                               .cache = cache.view<T>(args)};
+    check_step_device(args, kDevice);
+    in.slots = slots_of(args, slots, in.q.batch);
+    call_unlocked([&] { step_.select(in, workspace(), context(stream)); });
+  }
+
+  void attend(std::int32_t layer, Array q, const Cache& cache, Array o, Array lse, std::optional<Array> k,
+              std::optional<Array> v, std::optional<Array> indices, std::optional<Array> counts,
+              std::uintptr_t stream) override {
+    Args args("SpeContextStep.attend");
+    SpeContextLayerInputs<T> in{.q = heads_view<T>(args, "q", q), .cache = cache.view<T>(args), .layer = layer};
+    check_step_device(args, kDevice);
+    KVSIFT_CHECK(k.has_value() == v.has_value(), args.where(), "k and v must be given together");
+    if (k) {
+      const HeadsView<const T> kh = heads_view<T>(args, "k", *k);
+      const HeadsView<const T> vh = heads_view<T>(args, "v", *v);
+      in.k = kh, in.v = vh;
+    }
+    KVSIFT_CHECK(indices.has_value() == counts.has_value(), args.where(), "indices and counts must be given together");
+    // A given selection (e.g. one kept from an earlier select) is attended with the step's window, as its own.
+    std::optional<SelectionView> given;
+    if (indices) given = selection_view(args, *indices, *counts, std::nullopt);
+    with_output_type<T>(args, "o", o, [&](auto to) {
+      using TO = decltype(to);
+      const StateView<TO> out = state_view<TO>(args, "o", o, "lse", lse);
+      call_unlocked([&] {
+        if (given) {
+          step_.attend_selection(in, *given, step_.attention().window, out, workspace(), context(stream));
+        } else {
+          step_.attend(in, out, workspace(), context(stream));
+        }
+      });
+    });
+  }
+
+  void release(const std::vector<std::int32_t>& slots) override { step_.release(slots); }
+  std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> selection(std::int32_t batch) override {
+    return selection_on_host(step_.selection(workspace(), batch), batch, context(0));
+  }
+  std::int32_t capacity() const override { return step_.selector().capacity(); }
+  std::pair<std::int32_t, std::int32_t> window() const override {
+    const AttentionWindow w = step_.attention().window;
+    return {w.sink, w.recent};
+  }
+  std::size_t workspace_bytes() const override { return step_.workspace_bytes(); }
+
+ private:
+  static SelectorLimits limits(const SpeStepConfig& c) {
+    return {.max_slots = c.max_slots, .max_tokens = c.max_seq_len, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
+            .head_dim = c.head_dim};
+  }
+  static SpeContextConfig selector_config(const SpeStepConfig& c) {
+    constexpr const char* where = "SpeContextStep";
+    KVSIFT_CHECK(c.mode == "per_kv_head" || c.mode == "batch_level", where,
+                 "mode (= '{}') must be 'per_kv_head' or 'batch_level'", c.mode);
+    SpeContextConfig sc{.budget = c.budget,
+                        .mode = c.mode == "per_kv_head" ? SpeContextMode::per_kv_head : SpeContextMode::batch_level,
+                        .sm_scale = c.head_sm_scale};
+    sc.rope = c.yarn_factor ? specontext_yarn_rope(c.rope_theta, *c.yarn_factor, c.yarn_original_max_position_embeddings)
+                            : RopeConfig{.theta = c.rope_theta};
+    sc.rope.rotary_dim = c.rope_dim;
+    sc.rope.layout = c.rope_interleaved ? RopeLayout::interleaved : RopeLayout::neox;
+    return sc;
+  }
+  static SpeContextStepConfig step_config(const SpeStepConfig& c) {
+    return {.attention = attention_options(c.window, c.sm_scale), .layers = c.layers, .max_batch = c.max_batch,
+            .q_heads = c.q_heads, .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = c.max_seq_len,
+            .validate_indices = c.validate};
+  }
+  Context context(std::uintptr_t stream) const { return context_of<Context>(pool_, stream); }
+  /// CPU work runs without the GIL (other Python threads go on); CUDA work only enqueues.
+  template <class F>
+  static void call_unlocked(F&& f) {
+    if constexpr (kDevice == Device::cpu) {
+      nb::gil_scoped_release unlocked;
+      f();
+    } else {
+      f();
+    }
+  }
+  std::span<std::byte> workspace() { return {workspace_.data(), workspace_.size()}; }
+
+  Pool* pool_;  // kept alive by the Python object (nb::keep_alive)
+  SpeContextStep<T, Context> step_;
+  typename Context::template array<std::byte> workspace_;
+};
+
+std::unique_ptr<SpeStep> make_specontext_step(const std::string& dtype, const std::string& device, std::int32_t layers,
+                                              std::int32_t q_heads, std::int32_t kv_heads, std::int32_t head_dim,
+                                              std::int32_t max_seq_len, std::int32_t budget, const std::string& mode,
+                                              std::pair<std::int32_t, std::int32_t> window, double rope_theta,
+                                              std::int32_t rope_dim, bool rope_interleaved,
+                                              std::optional<double> yarn_factor,
+                                              std::int32_t yarn_original_max_position_embeddings, float sm_scale,
+                                              float head_sm_scale, std::int32_t max_batch, std::int32_t max_slots,
+                                              bool validate, Pool* pool) {
+  const SpeStepConfig c{dtype,      device,      mode,        layers,       q_heads,    kv_heads,
+                        head_dim,   max_batch,   max_seq_len, max_slots,    budget,     window,
+                        sm_scale,   head_sm_scale, rope_theta, rope_dim,    rope_interleaved, yarn_factor,
+                        yarn_original_max_position_embeddings, validate};
+  constexpr const char* where = "SpeContextStep";
+  KVSIFT_CHECK(dtype == "float16" || dtype == "bfloat16", where, "dtype (= '{}') must be 'float16' or 'bfloat16'", dtype);
+  const auto with_context = [&](auto t) -> std::unique_ptr<SpeStep> {
+    using T = decltype(t);
+    if (device == "cpu") return std::make_unique<SpeStepOf<T, cpu::Context>>(c, pool);
+#if KVSIFT_WITH_CUDA
+    if (device == "cuda") return std::make_unique<SpeStepOf<T, cuda::Context>>(c, nullptr);
 #endif
     detail::throw_error(where, fmt::format("device (= '{}') must be 'cpu'{}", device,
                                            KVSIFT_WITH_CUDA ? " or 'cuda'" : " (this build has no CUDA backend)"));
@@ -750,9 +958,25 @@ NB_MODULE(_kvsift, m) {
       .def("release", &Step::release, "slots"_a)
       .def("selection", &Step::selection, "batch"_a)
       .def("union_sizes", &Step::union_sizes, "batch"_a)
+      .def("store_sizes", &Step::store_sizes)
       .def_prop_ro("capacity", &Step::capacity)
       .def_prop_ro("workspace_bytes", &Step::workspace_bytes)
       .def_prop_ro("name", &Step::name);
+  nb::class_<SpeStep>(m, "SpeContextStep", "A model's decode step with one SpeContext selection per step")
+      .def("prepare", &SpeStep::prepare, "cache"_a, "slots"_a, "k_pre"_a, "stream"_a = 0)
+      .def("select", &SpeStep::select, "q"_a, "k"_a, "cache"_a, "slots"_a, "stream"_a = 0)
+      .def("attend", &SpeStep::attend, "layer"_a, "q"_a, "cache"_a, "o"_a, "lse"_a, "k"_a = nb::none(),
+           "v"_a = nb::none(), "indices"_a = nb::none(), "counts"_a = nb::none(), "stream"_a = 0)
+      .def("release", &SpeStep::release, "slots"_a)
+      .def("selection", &SpeStep::selection, "batch"_a)
+      .def_prop_ro("capacity", &SpeStep::capacity)
+      .def_prop_ro("window", &SpeStep::window)
+      .def_prop_ro("workspace_bytes", &SpeStep::workspace_bytes);
+  m.def("make_specontext_step", &make_specontext_step, "dtype"_a, "device"_a, "layers"_a, "q_heads"_a, "kv_heads"_a,
+        "head_dim"_a, "max_seq_len"_a, "budget"_a, "mode"_a, "window"_a, "rope_theta"_a, "rope_dim"_a,
+        "rope_interleaved"_a, "yarn_factor"_a.none(), "yarn_original_max_position_embeddings"_a, "sm_scale"_a,
+        "head_sm_scale"_a, "max_batch"_a, "max_slots"_a, "validate"_a, "pool"_a.none() = nb::none(),
+        nb::keep_alive<0, 21>());
   m.def("make_step", &make_step, "selector"_a, "selector_config"_a, "dtype"_a, "device"_a, "q_heads"_a, "kv_heads"_a,
         "head_dim"_a, "max_batch"_a, "max_seq_len"_a, "max_slots"_a, "window"_a, "sm_scale"_a, "validate"_a,
         "pool"_a.none() = nb::none(), nb::keep_alive<0, 14>());

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "kvsift/core/dtype.hpp"
+#include "kvsift/core/detail/merge_store_checks.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/detail/primitives_kernels.hpp"
@@ -239,14 +240,6 @@ void for_rows(ThreadPool* pool, std::int32_t batch, std::int32_t kv_heads, Fn&& 
   });
 }
 
-template <class T, class U>
-void check_cache_matches(const char* where, const KVCache<const T>& cache, const MergeStoreView<U>& store) {
-  KVSIFT_CHECK(cache.kv_heads() == store.kv_heads && cache.head_dim() == store.head_dim, where,
-               "cache kv_heads (= {}) / head_dim (= {}) != the store's ({}, {})", cache.kv_heads(), cache.head_dim(),
-               store.kv_heads, store.head_dim);
-  KVSIFT_CHECK(cache.batch() > 0, where, "cache batch (= {}) must be positive", cache.batch());
-}
-
 }  // namespace
 
 template <class T>
@@ -254,7 +247,7 @@ void merge_store_load(const KVCache<const T>& cache, const std::int32_t* slots, 
                       ThreadPool* pool) {
   constexpr const char* where = "cpu::merge_store_load";
   kvsift::detail::check_merge_store(where, "store", store);
-  check_cache_matches(where, cache, store);
+  kvsift::detail::check_cache_matches(where, cache, store);
   check_slots(where, "slots", slots, cache.batch(), store);
   for (std::int32_t b = 0; b < cache.batch(); ++b) {
     KVSIFT_CHECK(cache.seq_len(b) >= 0 && cache.seq_len(b) <= store.capacity, where,
@@ -297,6 +290,7 @@ void merge_round(const MergeStoreView<T>& store, const std::int32_t* slots, std:
   KVSIFT_CHECK(batch > 0, where, "batch (= {}) must be positive", batch);
   KVSIFT_CHECK(budgets != nullptr, where, "budgets must be non-null");
   check_slots(where, "slots", slots, batch, store);
+  kvsift::detail::check_distinct_slots(where, "slots", slots, batch);
   check_counts(where, "store", slots, batch, store);
   const std::int64_t rows = std::int64_t(batch) * store.kv_heads, threads = round_threads(pool);
   WorkspaceLayout carving(workspace, where);
@@ -334,8 +328,9 @@ void merge_store_append(const KVCache<const T>& cache, const std::int32_t* slots
                         const MergeStoreView<T>& store, ThreadPool* pool) {
   constexpr const char* where = "cpu::merge_store_append";
   kvsift::detail::check_merge_store(where, "store", store);
-  check_cache_matches(where, cache, store);
+  kvsift::detail::check_cache_matches(where, cache, store);
   check_slots(where, "slots", slots, cache.batch(), store);
+  kvsift::detail::check_distinct_slots(where, "slots", slots, cache.batch());
   check_counts(where, "store", slots, cache.batch(), store);
   KVSIFT_CHECK(lengths != nullptr, where, "lengths must be non-null");
   for (std::int32_t b = 0; b < cache.batch(); ++b) {
@@ -363,14 +358,10 @@ template <class T>
 void merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* src_slots, const MergeStoreView<T>& dst,
                       const std::int32_t* dst_slots, std::int32_t batch, ThreadPool* pool) {
   constexpr const char* where = "cpu::merge_store_copy";
-  kvsift::detail::check_merge_store(where, "src", src);
-  kvsift::detail::check_merge_store(where, "dst", dst);
-  KVSIFT_CHECK(src.kv_heads == dst.kv_heads && src.head_dim == dst.head_dim, where,
-               "src kv_heads (= {}) / head_dim (= {}) != dst's ({}, {})", src.kv_heads, src.head_dim, dst.kv_heads,
-               dst.head_dim);
-  KVSIFT_CHECK(batch > 0, where, "batch (= {}) must be positive", batch);
+  kvsift::detail::check_merge_store_copy(where, src, dst, batch);
   check_slots(where, "src_slots", src_slots, batch, src);
   check_slots(where, "dst_slots", dst_slots, batch, dst);
+  kvsift::detail::check_distinct_slots(where, "dst_slots", dst_slots, batch);
   check_counts(where, "src", src_slots, batch, src);
   for (std::int32_t b = 0; b < batch; ++b) {
     for (std::int32_t h = 0; h < src.kv_heads; ++h) {
@@ -399,13 +390,7 @@ template <class T>
 void merge_store_selection(const MergeStoreView<const T>& store, const std::int32_t* slots, const SelectionView& out,
                            ThreadPool* pool) {
   constexpr const char* where = "cpu::merge_store_selection";
-  kvsift::detail::check_merge_store(where, "store", store);
-  KVSIFT_CHECK(out.indices != nullptr && out.counts != nullptr && out.log_weights != nullptr, where,
-               "out.indices, out.counts and out.log_weights must be non-null");
-  KVSIFT_CHECK(out.batch > 0 && out.kv_heads == store.kv_heads && out.capacity >= store.capacity, where,
-               "out [batch = {}, kv_heads = {}, capacity = {}] must have batch > 0, the store's kv_heads (= {}) and "
-               "capacity >= the store's (= {})",
-               out.batch, out.kv_heads, out.capacity, store.kv_heads, store.capacity);
+  kvsift::detail::check_merge_store_selection(where, store, out);
   check_slots(where, "slots", slots, out.batch, store);
   check_counts(where, "store", slots, out.batch, store);
   for_rows(pool, out.batch, store.kv_heads, [&](std::int32_t b, std::int32_t h) {

@@ -1,12 +1,13 @@
-// The merge store on CUDA: the shape checks shared with the CPU (core/merge_store.hpp; device contents unread),
-// the round's workspace, then the launchers of kernels/merge_store.cu and, between the matching and the merges,
-// cuda::topk_rows as the ranking.
+// The merge store on CUDA: the shape checks shared with the CPU (core/detail/merge_store_checks.hpp; device
+// contents unread), the round's workspace, then the launchers of kernels/merge_store.cu and, between the matching
+// and the merges, cuda::topk_rows as the ranking.
 #include "kvsift/cuda/merge_store.hpp"
 
 #include <algorithm>
 #include <climits>
 
 #include "kvsift/core/dtype.hpp"
+#include "kvsift/core/detail/merge_store_checks.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -43,14 +44,6 @@ detail::MergeRoundLaunch<T> layout_merge_round(WorkspaceLayout& layout, std::int
   return p;
 }
 
-template <class T, class U>
-void check_cache_matches(const char* where, const KVCache<const T>& cache, const MergeStoreView<U>& store) {
-  KVSIFT_CHECK(cache.kv_heads() == store.kv_heads && cache.head_dim() == store.head_dim, where,
-               "cache kv_heads (= {}) / head_dim (= {}) != the store's ({}, {})", cache.kv_heads(), cache.head_dim(),
-               store.kv_heads, store.head_dim);
-  KVSIFT_CHECK(cache.batch() > 0, where, "cache batch (= {}) must be positive", cache.batch());
-}
-
 void check_rows(const char* where, std::int64_t rows) {
   KVSIFT_CHECK(rows <= 65535, where, "batch * kv_heads (= {}) exceeds 65535 (the kernels' grid rows)", rows);
 }
@@ -62,7 +55,7 @@ void merge_store_load(const KVCache<const T>& cache, const std::int32_t* d_slots
                       cudaStream_t stream) {
   constexpr const char* where = "cuda::merge_store_load";
   kvsift::detail::check_merge_store(where, "store", store);
-  check_cache_matches(where, cache, store);
+  kvsift::detail::check_cache_matches(where, cache, store);
   KVSIFT_CHECK(d_slots != nullptr, where, "slots must be non-null");
   KVSIFT_CUDA_CHECK(detail::launch_merge_store_load(cache, d_slots, store, stream));
 }
@@ -120,7 +113,7 @@ void merge_store_append(const KVCache<const T>& cache, const std::int32_t* d_slo
                         const MergeStoreView<T>& store, cudaStream_t stream) {
   constexpr const char* where = "cuda::merge_store_append";
   kvsift::detail::check_merge_store(where, "store", store);
-  check_cache_matches(where, cache, store);
+  kvsift::detail::check_cache_matches(where, cache, store);
   KVSIFT_CHECK(d_slots != nullptr && d_lengths != nullptr, where, "slots and lengths must be non-null");
   KVSIFT_CUDA_CHECK(detail::launch_merge_store_append(cache, d_slots, d_lengths, store, stream));
 }
@@ -129,12 +122,7 @@ template <class T>
 void merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* d_src_slots, const MergeStoreView<T>& dst,
                       const std::int32_t* d_dst_slots, std::int32_t batch, cudaStream_t stream) {
   constexpr const char* where = "cuda::merge_store_copy";
-  kvsift::detail::check_merge_store(where, "src", src);
-  kvsift::detail::check_merge_store(where, "dst", dst);
-  KVSIFT_CHECK(src.kv_heads == dst.kv_heads && src.head_dim == dst.head_dim, where,
-               "src kv_heads (= {}) / head_dim (= {}) != dst's ({}, {})", src.kv_heads, src.head_dim, dst.kv_heads,
-               dst.head_dim);
-  KVSIFT_CHECK(batch > 0, where, "batch (= {}) must be positive", batch);
+  kvsift::detail::check_merge_store_copy(where, src, dst, batch);
   KVSIFT_CHECK(d_src_slots != nullptr && d_dst_slots != nullptr, where, "src_slots and dst_slots must be non-null");
   KVSIFT_CUDA_CHECK(detail::launch_merge_store_copy(src, d_src_slots, dst, d_dst_slots, batch, stream));
 }
@@ -143,13 +131,7 @@ template <class T>
 void merge_store_selection(const MergeStoreView<const T>& store, const std::int32_t* d_slots, const SelectionView& out,
                            cudaStream_t stream) {
   constexpr const char* where = "cuda::merge_store_selection";
-  kvsift::detail::check_merge_store(where, "store", store);
-  KVSIFT_CHECK(out.indices != nullptr && out.counts != nullptr && out.log_weights != nullptr, where,
-               "out.indices, out.counts and out.log_weights must be non-null");
-  KVSIFT_CHECK(out.batch > 0 && out.kv_heads == store.kv_heads && out.capacity >= store.capacity, where,
-               "out [batch = {}, kv_heads = {}, capacity = {}] must have batch > 0, the store's kv_heads (= {}) and "
-               "capacity >= the store's (= {})",
-               out.batch, out.kv_heads, out.capacity, store.kv_heads, store.capacity);
+  kvsift::detail::check_merge_store_selection(where, store, out);
   KVSIFT_CHECK(d_slots != nullptr, where, "slots must be non-null");
   KVSIFT_CUDA_CHECK(detail::launch_merge_store_selection(store, d_slots, out, stream));
 }

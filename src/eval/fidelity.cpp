@@ -95,7 +95,7 @@ struct Run {
   std::size_t budget_index = 0;
   std::unique_ptr<FidelityStep> step;
   std::string refused;
-  std::vector<double> mass, error;  ///< per (evaluated position, query head)
+  std::vector<double> mass, error, lse_error;  ///< per (evaluated position, query head)
   double id_recall = 0.0, selected = 0.0;  ///< sums over (evaluated position, kv head)
 };
 
@@ -201,7 +201,7 @@ FidelityComparison evaluate_fidelity(const Capture& capture, std::span<FidelityB
 
   const std::int32_t qh = capture.q_heads, kvh = capture.kv_heads, d = capture.head_dim;
   const std::size_t state_size = std::size_t(qh) * d;
-  std::vector<float> o(state_size), o_dense(state_size), lse_dense(qh);
+  std::vector<float> o(state_size), o_dense(state_size), lse(qh), lse_dense(qh);
   std::vector<std::int32_t> rank, order;
   std::vector<float> score;
   // Per kv head, the first backend's attended set of the run being compared (ascending), and this backend's.
@@ -248,7 +248,7 @@ FidelityComparison evaluate_fidelity(const Capture& capture, std::span<FidelityB
           run.step->run(pos);
           if (!evaluated) continue;
           // The attended set: the window's tokens, then the selection.
-          const SelectionView selection = run.step->read(o);
+          const SelectionView selection = run.step->read(o, lse);
           const AttentionWindow window = run.step->window();
           check_selection_contents(selection, kv, where, "selection", /*refuse_duplicates=*/true, window);
           SelectionBuffer attended(1, kvh, window.size(length) + std::max(1, selection.capacity), false);
@@ -265,6 +265,9 @@ FidelityComparison evaluate_fidelity(const Capture& capture, std::span<FidelityB
           run.mass.insert(run.mass.end(), mass.begin(), mass.end());
           const auto error = relative_l2_error_per_row(o, o_dense, std::size_t(d));
           run.error.insert(run.error.end(), error.begin(), error.end());
+          for (std::int32_t h = 0; h < qh; ++h) {
+            run.lse_error.push_back(std::abs(double(lse[std::size_t(h)]) - double(lse_dense[std::size_t(h)])));
+          }
           const std::int32_t top = std::min(budget_tokens[run.budget_index], length);  // the oracle's top-K
           for (std::int32_t g = 0; g < kvh; ++g) {
             std::int32_t hits = 0;
@@ -318,6 +321,8 @@ FidelityComparison evaluate_fidelity(const Capture& capture, std::span<FidelityB
           row.mass_recall_p90 = quantile(run.mass, 0.9);
           row.output_error = mean(run.error);
           row.output_error_p90 = quantile(run.error, 0.9);
+          row.lse_error = mean(run.lse_error);
+          row.lse_error_p90 = quantile(run.lse_error, 0.9);
         }
         if (k > 0 && run.refused.empty() != runs[0][r].refused.empty()) {
           const bool first_refused = !runs[0][r].refused.empty();
@@ -354,6 +359,23 @@ std::string fidelity_markdown(std::span<const FidelityRow> rows) {
     fmt::format_to(std::back_inserter(out),
                    "| {} | {} | {:g}% | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.1f} |\n", r.layer, r.selector, 100 * r.budget, r.budget_tokens, r.mass_recall, r.mass_recall_p10,
                    r.mass_recall_p90, r.output_error, r.output_error_p90, r.id_recall, r.mean_selected);
+  }
+  return out;
+}
+
+std::string fidelity_error_markdown(std::span<const FidelityRow> rows) {
+  std::string out =
+      "| layer | selector | budget | K | output error | error p90 | LSE error | LSE error p90 |\n"
+      "|---|---|---|---|---|---|---|---|\n";
+  for (const auto& r : rows) {
+    if (!r.refused.empty()) {
+      fmt::format_to(std::back_inserter(out), "| {} | {} | {:g}% | {} | refused: {} | | | |\n", r.layer, r.selector,
+                     100 * r.budget, r.budget_tokens, r.refused);
+      continue;
+    }
+    fmt::format_to(std::back_inserter(out), "| {} | {} | {:g}% | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} |\n", r.layer,
+                   r.selector, 100 * r.budget, r.budget_tokens, r.output_error, r.output_error_p90, r.lse_error,
+                   r.lse_error_p90);
   }
   return out;
 }

@@ -97,7 +97,7 @@ TEST(OffloadPlanner, PlansByHand) {
 }
 
 TEST(OffloadPlanner, IssueModelShape) {
-  // The issue's shape, docs/specontext_planner.md's table: L 32, H 8, D 128, alpha 4, bf16, B 2048, 80e9 bytes of
+  // The issue's shape, docs/specontext.md's table: L 32, H 8, D 128, alpha 4, bf16, B 2048, 80e9 bytes of
   // GPU, M_O 16,060,000,000 (8.03B parameters in bf16), M_D 1,092,616,192 (128256 x 4096 embedding + 4096 x 4096
   // Wq + 4096 x 1024 Wk, bf16). weights 17,152,616,192; +30%: 5,145,784,857.6 -> 5,145,784,858;
   // runtime 22,298,401,050; free 57,701,598,950. R 1: c = 4 * 8 * 128 = 4096, K = 37:

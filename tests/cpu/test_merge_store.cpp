@@ -10,6 +10,7 @@
 #include <numeric>
 
 #include "kvsift/cpu/merge_store.hpp"
+#include "merge_store_problem.hpp"
 #include "test_util.hpp"
 #include "workspace_check.hpp"
 
@@ -25,25 +26,6 @@ using cpu::merge_store_selection;
 using cpu::ThreadPool;
 using MergeStore = SeededTest;
 
-/// A store in host vectors; K/V and log-degrees start poisoned.
-template <class T>
-struct HostStore {
-  std::int32_t slots, heads, capacity, d;
-  std::vector<T> k, v;
-  std::vector<std::int32_t> order, degree, count;
-  std::vector<float> log_degree;
-
-  HostStore(std::int32_t slots_, std::int32_t heads_, std::int32_t capacity_, std::int32_t d_)
-      : slots(slots_), heads(heads_), capacity(capacity_), d(d_),
-        k(MergeStoreView<T>::kv_elements(slots_, heads_, capacity_, d_), from_float<T>(kPoison)), v(k),
-        order(MergeStoreView<T>::entries(slots_, heads_, capacity_), kPoisonIndex), degree(order),
-        count(std::size_t(slots_) * heads_, kPoisonIndex), log_degree(order.size(), kPoison) {}
-  MergeStoreView<T> view() {
-    return {k.data(), v.data(), order.data(), degree.data(), log_degree.data(), count.data(), slots, heads, capacity, d};
-  }
-  std::vector<std::byte> bytes() const { return bytes_of(k, v, order, degree, log_degree, count); }
-};
-
 /// A row of `count` entries in random slots (a random permutation), degrees 1..4, random keys and values in
 /// sequence order; about half of the middle's A entries are near-duplicates of a neighbouring B entry (noise of
 /// random scale, so that their similarities spread), and one key of the middle is zero.
@@ -53,7 +35,7 @@ void fill_row(Random& rng, HostStore<T>& s, std::int64_t row, std::int32_t count
   std::iota(order, order + s.capacity, 0);
   std::shuffle(order, order + s.capacity, rng.engine);
   s.count[row] = count;
-  std::vector<float> keys = rng.normal(std::size_t(count) * s.d), values = rng.normal(keys.size());
+  std::vector<float> keys = rng.normal(std::size_t(count) * s.head_dim), values = rng.normal(keys.size());
   const auto c = detail::MergeChunks::of(count, p);
   for (std::int32_t j = 0; j < c.chunks(); ++j) {
     const std::int32_t first = c.chunk_begin(j), size = c.chunk_size(j);
@@ -61,20 +43,22 @@ void fill_row(Random& rng, HostStore<T>& s, std::int64_t row, std::int32_t count
       if (rng.uniform_int(0, 1) == 0) continue;
       const std::int32_t b = (a + 1 < first + size && rng.uniform_int(0, 1) == 0) ? a + 1 : a - 1;
       const float noise = rng.uniform(0.02f, 0.7f);
-      for (std::int32_t x = 0; x < s.d; ++x) keys[a * s.d + x] = keys[b * s.d + x] + noise * rng.normal(1)[0];
+      for (std::int32_t x = 0; x < s.head_dim; ++x) {
+        keys[a * s.head_dim + x] = keys[b * s.head_dim + x] + noise * rng.normal(1)[0];
+      }
     }
   }
   if (c.middle_end - c.middle_begin > 2) {
     const std::int32_t zero = rng.uniform_int(c.middle_begin, c.middle_end - 1);
-    std::fill_n(&keys[std::size_t(zero) * s.d], s.d, 0.0f);
+    std::fill_n(&keys[std::size_t(zero) * s.head_dim], s.head_dim, 0.0f);
   }
   for (std::int32_t p_ = 0; p_ < count; ++p_) {
     const std::int32_t deg = rng.uniform_int(1, 4);
     s.degree[row * s.capacity + p_] = deg;
     s.log_degree[row * s.capacity + p_] = std::log(float(deg));
-    for (std::int32_t x = 0; x < s.d; ++x) {
-      s.k[(row * s.capacity + order[p_]) * s.d + x] = from_float<T>(keys[std::size_t(p_) * s.d + x]);
-      s.v[(row * s.capacity + order[p_]) * s.d + x] = from_float<T>(values[std::size_t(p_) * s.d + x]);
+    for (std::int32_t x = 0; x < s.head_dim; ++x) {
+      s.k[(row * s.capacity + order[p_]) * s.head_dim + x] = from_float<T>(keys[std::size_t(p_) * s.head_dim + x]);
+      s.v[(row * s.capacity + order[p_]) * s.head_dim + x] = from_float<T>(values[std::size_t(p_) * s.head_dim + x]);
     }
   }
 }
@@ -85,13 +69,13 @@ void fill_row(Random& rng, HostStore<T>& s, std::int64_t row, std::int32_t count
 template <class T>
 bool reference_round(HostStore<T>& s, const std::vector<std::int32_t>& slots, const std::vector<std::int32_t>& budgets,
                      const MergeRoundParams& p) {
-  const std::int32_t d = s.d;
+  const std::int32_t d = s.head_dim;
   const auto key = [&](std::int64_t row, std::int32_t pos, std::int32_t x) {
     return double(to_float(s.k[(row * s.capacity + s.order[row * s.capacity + pos]) * d + x]));
   };
   for (const std::int32_t slot : slots) {
-    for (std::int32_t h = 0; h < s.heads; ++h) {
-      const std::int64_t row = std::int64_t(slot) * s.heads + h;
+    for (std::int32_t h = 0; h < s.kv_heads; ++h) {
+      const std::int64_t row = std::int64_t(slot) * s.kv_heads + h;
       const std::int32_t count = s.count[row], budget = budgets[slot];
       if (count < budget + p.trigger || count <= p.sinks + p.recent) continue;
       const std::int32_t lo = p.sinks, hi = count - p.recent;
@@ -199,8 +183,8 @@ float storage_eps() {
 template <class T>
 void expect_same_store(const HostStore<T>& got, const HostStore<T>& want, const std::vector<std::int32_t>& slots) {
   for (const std::int32_t slot : slots) {
-    for (std::int32_t h = 0; h < got.heads; ++h) {
-      const std::int64_t row = std::int64_t(slot) * got.heads + h;
+    for (std::int32_t h = 0; h < got.kv_heads; ++h) {
+      const std::int64_t row = std::int64_t(slot) * got.kv_heads + h;
       ASSERT_EQ(got.count[row], want.count[row]) << "slot " << slot << " head " << h;
       for (std::int32_t i = 0; i < got.capacity; ++i) {
         ASSERT_EQ(got.order[row * got.capacity + i], want.order[row * got.capacity + i]) << "order " << i;
@@ -209,8 +193,8 @@ void expect_same_store(const HostStore<T>& got, const HostStore<T>& want, const 
         const std::int64_t at = row * got.capacity + i;
         ASSERT_EQ(got.degree[at], want.degree[at]) << "degree " << i;
         ASSERT_NEAR(got.log_degree[at], want.log_degree[at], 1e-6) << "log_degree " << i;
-        const std::int64_t slot_at = (row * got.capacity + got.order[at]) * got.d;
-        for (std::int32_t c = 0; c < got.d; ++c) {
+        const std::int64_t slot_at = (row * got.capacity + got.order[at]) * got.head_dim;
+        for (std::int32_t c = 0; c < got.head_dim; ++c) {
           const float gk = to_float(got.k[slot_at + c]), wk = to_float(want.k[slot_at + c]);
           const float gv = to_float(got.v[slot_at + c]), wv = to_float(want.v[slot_at + c]);
           ASSERT_NEAR(gk, wk, 2 * storage_eps<T>() * std::max(1.0f, std::abs(wk))) << "K of entry " << i << " ch " << c;
@@ -418,6 +402,21 @@ TEST_F(MergeStore, BadInputsAreRefused) {
   expect_error([&] { merge_store_selection(full.view().as_const(), slot.data(), sel.view); }, "capacity >= the store's (= 40)");
   expect_error([&] { merge_store_selection(full.view().as_const(), slot.data(), unweighted.view); },
                "out.log_weights must be non-null");
+  // A slot twice: two rows would merge or append into one store row at once.
+  const std::vector<std::int32_t> twice{1, 1}, twice_lengths{40, 40};
+  cpu::Array<std::byte> ws2(merge_round_workspace_bytes(2, 1, 40));
+  expect_error([&] { merge_round(full.view(), twice.data(), 2, budgets.data(), {}, ws2.bytes()); },
+               "cpu::merge_round: slots[0] and slots[1] are both slot 1: each row of a call must be distinct");
+  const std::vector<std::int32_t> pair{0, 1};
+  HostStore<T> big(2, 1, 50, 8);
+  expect_error([&] { merge_store_copy(full.view().as_const(), pair.data(), big.view(), twice.data(), 2); },
+               "cpu::merge_store_copy: dst_slots[0] and dst_slots[1] are both slot 1");
+  HostKV kv2(rng, 2, 1, 40, 8, {39, 39});
+  std::vector<T> k2 = to_storage<T>(kv2.k), v2 = to_storage<T>(kv2.v);
+  const KVCache<const T> cache2 =
+      ContiguousKVView<const T>::packed(k2.data(), v2.data(), 2, 1, 40, 8, kv2.seq_lens.data());
+  expect_error([&] { merge_store_append(cache2, twice.data(), kv2.seq_lens.data(), big.view()); },
+               "cpu::merge_store_append: slots[0] and slots[1] are both slot 1");
   cpu::Array<std::byte> ws(merge_round_workspace_bytes(1, 1, 40));
   expect_error([&] { merge_round(full.view(), slot.data(), 1, budgets.data(), {.chunk = 1}, ws.bytes()); },
                "cpu::merge_round: params.chunk (= 1) must be >= 2");

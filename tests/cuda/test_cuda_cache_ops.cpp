@@ -91,5 +91,37 @@ TYPED_TEST(CudaCacheOps, ARowOfLengthZeroIsSkipped) {
   EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(T)));
 }
 
+// A length its storage cannot hold (a device value the host cannot refuse) would address another row's memory:
+// the row is skipped, the others written.
+TYPED_TEST(CudaCacheOps, ARowLongerThanItsStorageIsSkipped) {
+  using T = TypeParam;
+  const std::vector<T> k(2 * 1 * 8 * 16, from_float<T>(1.0f));
+  const std::vector<T> token = to_storage<T>(this->rng.normal(2 * 16));
+  const DeviceBuffer<T> d_token(token);
+  const HeadsView<const T> step = HeadsView<const T>::packed(d_token.data(), 2, 1, 16);
+  std::vector<T> want = k;
+  std::copy_n(token.begin(), 16, want.begin() + 2 * 16);  // row 0, position 2
+  {  // contiguous, capacity 8: row 1's length 9
+    DeviceBuffer<T> d_k(k), d_v(k);
+    DeviceBuffer<std::int32_t> d_lens(std::vector<std::int32_t>{3, 9});
+    cuda::write_step_kv(KVCache<T>(ContiguousKVView<T>::packed(d_k.data(), d_v.data(), 2, 1, 8, 16, d_lens.data())),
+                        step, step, nullptr);
+    const auto got = d_k.download();
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(T)));
+  }
+  {  // paged, pages of 4: row 0 in page 0 (3 tokens), row 1 in page 2, whose last page claims 5 tokens
+    DeviceBuffer<T> d_k(k), d_v(k);
+    DeviceBuffer<std::int32_t> d_indptr(std::vector<std::int32_t>{0, 1, 2}), d_pages(std::vector<std::int32_t>{0, 2}),
+        d_last(std::vector<std::int32_t>{3, 5});
+    const PagedKVView<T> paged{.k_pages = d_k.data(), .v_pages = d_v.data(), .page_indptr = d_indptr.data(),
+                               .page_indices = d_pages.data(), .last_page_len = d_last.data(), .batch = 2,
+                               .kv_heads = 1, .head_dim = 16, .page_size = 4, .num_pages = 4,
+                               .page_stride = 4 * 16, .token_stride = 16, .head_stride = 4 * 16};
+    cuda::write_step_kv(KVCache<T>(paged), step, step, nullptr);
+    const auto got = d_k.download();
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(T)));  // page 0, position 2 = element 32
+  }
+}
+
 }  // namespace
 }  // namespace kvsift::test

@@ -5,12 +5,13 @@
 // pinned host cache by the token-space selection, bit for bit; each row's copied rows equal |new \ resident| and the
 // slots follow the contract's rule (tests/gather_problem.hpp's std::map reference, per sequence slot); the step's
 // token written through write_current is attended from its slot; a captured update + waits replays as the eager
-// run; the refusals.
+// run; a row listing a token past the host length is bad, nothing of it kept; the refusals.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -555,6 +556,67 @@ TEST_F(CudaElasticKV, BadRowsHaveTheDefinedResult) {
   EXPECT_EQ(copied[2], -1);
 }
 
+/// A row listing a token at or past its host cache's length (here the step's own token, listed before the engine
+/// has written its host row and grown the length) is bad: copied -1 and count -1, nothing of it kept resident, so
+/// the next step copies every token of that row again; the other rows are served.
+TEST_F(CudaElasticKV, TokenPastTheHostLengthMakesTheRowBad) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  using T = half;
+  const ElasticKVConfig config{
+      .layers = 2, .max_slots = 2, .max_batch = 2, .kv_heads = 2, .head_dim = 64, .capacity = 16};
+  Streams streams;
+  HostPool<T> pool(rng, config.layers, 2, 2, 60, 64);
+  pool.join(rng, 0, 50);
+  pool.join(rng, 1, 40);
+  ElasticKV<T> elastic(config);
+  const std::vector<std::int32_t> slots = {1, 0};
+  test::HostSelection none(2, 2, 16, false), current(2, 2, 16, false);
+  std::fill(none.counts.begin(), none.counts.end(), 0);
+  next_step_selection(rng, none, current, {40, 50});
+  // Row 1 (batch row 0 = slot 1, kv head 1) ends with token 40, its sequence's next one.
+  if (current.counts[1] < 16) ++current.counts[1];
+  current.indices[16 + std::size_t(current.counts[1]) - 1] = 40;
+  std::vector<DeviceBuffer<T>> read_k, read_v;
+  for (std::int32_t l = 0; l < config.layers; ++l) {
+    read_k.emplace_back(std::size_t(2) * 2 * 16 * 64);
+    read_v.emplace_back(read_k.back().size());
+  }
+  std::vector<KVCache<const T>> hosts;
+  for (std::int32_t l = 0; l < config.layers; ++l) hosts.push_back(KVCache<const T>(pool.view(l, slots, true)));
+  std::vector<std::int32_t> copied(4), counts(4);
+  // Outlives each run: resident(l), read after it, is a paged view whose page table is the update's slots.
+  std::optional<DeviceSelection> d;
+  const auto run = [&](const test::HostSelection& sel) {
+    d.emplace(sel, slots);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());  // the uploads ran on the legacy stream
+    elastic.update({.selection = d->view, .slots = d->slots.data(), .host_caches = hosts}, streams.main, streams.side);
+    for (std::int32_t l = 0; l < config.layers; ++l) elastic.wait(l, streams.main);
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(streams.main));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(copied.data(), elastic.copied(), 16, cudaMemcpyDeviceToHost));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), elastic.selection().counts, 16, cudaMemcpyDeviceToHost));
+  };
+  run(current);
+  EXPECT_EQ(copied[1], -1);
+  EXPECT_EQ(counts[1], -1);
+  for (const std::size_t r : {0u, 2u, 3u}) {
+    EXPECT_EQ(copied[r], current.counts[r]) << "row " << r;
+    EXPECT_EQ(counts[r], current.counts[r]) << "row " << r;
+  }
+  // The next step lists the row's valid tokens again: none was kept, every one is copied, and every layer's
+  // resident rows equal the gather of its host cache.
+  current.counts[1] -= 1;
+  run(current);
+  EXPECT_EQ(copied[1], current.counts[1]) << "the bad row's tokens were kept resident";
+  EXPECT_EQ(copied[0], 0);
+  EXPECT_EQ(counts[1], current.counts[1]);
+  for (std::int32_t l = 0; l < config.layers; ++l) {
+    const auto [k, v] = read_resident(elastic, l, 2, read_k[std::size_t(l)], read_v[std::size_t(l)], streams.main);
+    const auto [ek, ev] = expected_rows(pool.view(l, slots, true), current, config.capacity, config.head_dim);
+    ASSERT_TRUE(same_bytes(k, ek)) << "resident K of layer " << l;
+    ASSERT_TRUE(same_bytes(v, ev)) << "resident V of layer " << l;
+  }
+}
+
 /// Refusals of update and the accessors on a live object (need a GPU: the constructor allocates).
 TEST_F(CudaElasticKV, RefusesBadInputs) {
   using T = half;
@@ -602,6 +664,10 @@ TEST_F(CudaElasticKV, RefusesBadInputs) {
   std::vector<T> pageable_k(std::size_t(2) * 2 * 40 * 64), pageable_v(pageable_k.size());
   wrong[1] = KVCache<const T>(ContiguousKVView<const T>::packed(pageable_k.data(), pageable_v.data(), 2, 2, 40, 64,
                                                                 pool.contiguous_lens->data()));
+  test::expect_error([&] { update(d.view, wrong, streams.side); },
+                     {"in.host_caches[1]'s k", "is not pinned host memory"});
+  update(d.view, hosts, streams.side);
+  // The pointers that passed are not queried again; a new one still is.
   test::expect_error([&] { update(d.view, wrong, streams.side); },
                      {"in.host_caches[1]'s k", "is not pinned host memory"});
   update(d.view, hosts, streams.side);

@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <set>
 #include <vector>
 
@@ -24,42 +23,18 @@
 #include "kvsift/cuda/merge_store.hpp"
 #include "kvsift/selectors/centroid_kv.hpp"
 #include "kvsift/step/decode_step.hpp"
+#include "merge_store_problem.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {
 namespace {
 
 using test::DeviceBuffer;
+using test::HostStore;
 using test::Random;
 
 /// Two similarities closer than this (fp64) may order either way in fp32 on the two backends.
 constexpr double kTieEpsilon = 3e-6;
-
-/// A merge store in host vectors: the CPU twin's, and the round trip of the device's.
-template <class T>
-struct HostStore {
-  std::int32_t slots, kv_heads, capacity, head_dim;
-  std::vector<T> k, v;
-  std::vector<std::int32_t> order, degree, count;
-  std::vector<float> log_degree;
-
-  HostStore(std::int32_t slots_, std::int32_t kv_heads_, std::int32_t capacity_, std::int32_t head_dim_)
-      : slots(slots_), kv_heads(kv_heads_), capacity(capacity_), head_dim(head_dim_),
-        k(MergeStoreView<T>::kv_elements(slots, kv_heads, capacity, head_dim)), v(k.size()),
-        order(MergeStoreView<T>::entries(slots, kv_heads, capacity)), degree(order.size()),
-        count(std::size_t(slots) * kv_heads), log_degree(order.size()) {
-    std::memset(k.data(), 0xff, k.size() * sizeof(T));  // poison, as DeviceBuffer::poison
-    std::memset(v.data(), 0xff, v.size() * sizeof(T));
-    std::fill(order.begin(), order.end(), -1);
-    std::fill(degree.begin(), degree.end(), -1);
-    std::fill(count.begin(), count.end(), -1);
-    std::fill(log_degree.begin(), log_degree.end(), test::kPoison);
-  }
-  MergeStoreView<T> view() {
-    return {k.data(), v.data(), order.data(), degree.data(), log_degree.data(), count.data(),
-            slots,    kv_heads, capacity,     head_dim};
-  }
-};
 
 template <class T>
 struct DeviceStore {
@@ -290,23 +265,31 @@ TEST_F(CudaMergeStore, RoundsEqualTheCpusBf16) { check_rounds<bfloat16>(rng); }
 TEST_F(CudaMergeStore, RoundsEqualTheCpusFp32) { check_rounds<float>(rng); }
 
 /// Load, copy, append and selection against the CPU's, and the device-value rules.
+/// head_dim 64 copies K/V rows in 16-byte vectors, 36 (72-byte rows in 16 bits) value by value.
 template <class T>
-void check_primitives(Random& rng) {
-  constexpr std::int32_t kKvHeads = 2, kHeadDim = 64, kTokens = 400;
-  CacheProblem<T> cache(rng, kKvHeads, kTokens, kHeadDim, {380, 250, 99});
+void check_primitives(Random& rng, std::int32_t head_dim) {
+  constexpr std::int32_t kKvHeads = 2, kTokens = 400;
+  CacheProblem<T> cache(rng, kKvHeads, kTokens, head_dim, {380, 250, 99});
   const std::int32_t batch = cache.batch;
   // The prompt-sized store (slots = batch rows), one prefill round, then the copy into a 3-slot store.
   const std::vector<std::int32_t> identity{0, 1, 2}, slots{1, 2, 0}, budgets{95, 62, 24};
   DeviceBuffer<std::int32_t> d_identity(identity), d_slots(slots), d_budgets(budgets);
-  HostStore<T> temp(batch, kKvHeads, kTokens, kHeadDim);
+  HostStore<T> temp(batch, kKvHeads, kTokens, head_dim);
   DeviceStore<T> d_temp(temp);
   cpu::merge_store_load(cache.host(), identity.data(), temp.view());
+  cuda::merge_store_load(cache.device(), d_identity.data(), d_temp.view(), nullptr);
+  {
+    const HostStore<T> got = d_temp.download();
+    for (std::int64_t row = 0; row < std::int64_t(temp.count.size()); ++row) {
+      expect_same_row(temp, got, row, "load", /*exact=*/true);
+    }
+  }
   cpu::Array<std::byte> ws(cpu::merge_round_workspace_bytes(batch, kKvHeads, kTokens));
   cpu::merge_round(temp.view(), identity.data(), batch, budgets.data(), MergeRoundParams{.trigger = 1}, ws.bytes());
   d_temp.upload(temp);
 
   constexpr std::int32_t kCapacity = 320;
-  HostStore<T> host(3, kKvHeads, kCapacity, kHeadDim);
+  HostStore<T> host(3, kKvHeads, kCapacity, head_dim);
   DeviceStore<T> device(host);
   cpu::merge_store_copy(MergeStoreView<T>(temp.view()).as_const(), identity.data(), host.view(), slots.data(), batch);
   cuda::merge_store_copy(d_temp.view().as_const(), d_identity.data(), device.view(), d_slots.data(), batch, nullptr);
@@ -320,7 +303,7 @@ void check_primitives(Random& rng) {
     for (auto& l : lens) ++l;
     cache.d_lens.upload(lens);
     const auto host_cache = ContiguousKVView<const T>::packed(cache.k.data(), cache.v.data(), batch, kKvHeads, kTokens,
-                                                              kHeadDim, lens.data());
+                                                              head_dim, lens.data());
     cpu::merge_store_append(KVCache<const T>(host_cache), slots.data(), lens.data(), host.view());
     cuda::merge_store_append(cache.device(), d_slots.data(), cache.d_lens.data(), device.view(), nullptr);
   }
@@ -356,8 +339,9 @@ void check_primitives(Random& rng) {
   for (std::int32_t h = 0; h < kKvHeads; ++h) EXPECT_EQ(got_counts[std::size_t(3 * kKvHeads + h)], -1) << "bad slot";
 }
 
-TEST_F(CudaMergeStore, LoadCopyAppendSelectionEqualTheCpusBf16) { check_primitives<bfloat16>(rng); }
-TEST_F(CudaMergeStore, LoadCopyAppendSelectionEqualTheCpusFp16) { check_primitives<half>(rng); }
+TEST_F(CudaMergeStore, LoadCopyAppendSelectionEqualTheCpusBf16) { check_primitives<bfloat16>(rng, 64); }
+TEST_F(CudaMergeStore, LoadCopyAppendSelectionEqualTheCpusFp16) { check_primitives<half>(rng, 64); }
+TEST_F(CudaMergeStore, LoadCopyAppendSelectionEqualTheCpusUnvectorizedRows) { check_primitives<bfloat16>(rng, 36); }
 
 /// What the CPU refuses marks the row: count -1, which a round leaves alone, an append keeps and a selection
 /// reports.
@@ -462,6 +446,17 @@ TEST(CudaMergeStoreBadInput, RefusedBeforeAnyDeviceCall) {
 using CpuCentroidKV = CentroidKV<bfloat16, cpu::Context>;
 using CudaCentroidKV = CentroidKV<bfloat16, cuda::Context>;
 
+/// The kernels' bounds are refused at construction (before any allocation), not at the first prepare or append.
+TEST(CudaCentroidKVBadInput, KernelBoundsRefusedAtConstruction) {
+  const SelectorLimits limits{.max_slots = 2, .max_tokens = 1000, .q_heads = 8, .kv_heads = 2, .head_dim = 128};
+  test::expect_error([&] { (void)CudaCentroidKV(limits, {.chunk = 512}, cuda::Context{}); },
+                     "CentroidKV: config.chunk (= 512) exceeds 256 (the CUDA matching kernel's bound)");
+  SelectorLimits wide = limits;
+  wide.head_dim = 512;
+  test::expect_error([&] { (void)CudaCentroidKV(wide, {}, cuda::Context{}); },
+                     "CentroidKV: limits.head_dim (= 512) exceeds 256");
+}
+
 class CudaCentroidKVStep : public test::GpuTest {};
 
 /// prepare + 130 decode steps (decode-time rounds at the 64th and 128th) on the CPU, on the GPU eagerly and on the
@@ -499,6 +494,30 @@ TEST_F(CudaCentroidKVStep, PrepareAndDecodeStepsEqualTheCpusAndTheGraphReplaysEq
       dk.data(), dv.data(), kBatch, kKvHeads, kTokens, kHeadDim, d_lens.data());
   gpu.prepare({.cache = device_prefill, .slots = d_slots.data()}, ctx);
   replayed.prepare({.cache = device_prefill, .slots = d_slots.data()}, ctx);
+  // As check_rounds: a round whose merges hinge on a near tie may merge differently on the two backends, and the
+  // stores (and outputs) differ from then on. Replay the prefill's rounds on the host to find one; from the first
+  // near tie (prefill or decode-time round) on, only the graph replay is compared with the eager GPU step.
+  const CentroidKVConfig ckv{};
+  bool diverged = false;
+  {
+    HostStore<bfloat16> pre(kBatch, kKvHeads, kTokens, kHeadDim);
+    const std::vector<std::int32_t> rows{0, 1};
+    std::vector<std::int32_t> budgets(kBatch);
+    std::int32_t rounds = 0;
+    for (std::int32_t b = 0; b < kBatch; ++b) {
+      budgets[std::size_t(b)] = detail::centroid_kv_budget(ckv, prompts[std::size_t(b)]);
+      rounds = std::max(rounds, detail::centroid_kv_prefill_rounds("test", ckv, prompts[std::size_t(b)]));
+    }
+    cpu::merge_store_load(host_prefill, rows.data(), pre.view());
+    cpu::Array<std::byte> pre_workspace(cpu::merge_round_workspace_bytes(kBatch, kKvHeads, kTokens));
+    for (std::int32_t j = 0; j < rounds && !diverged; ++j) {
+      const MergeRoundParams params = detail::centroid_kv_prefill_params(ckv, j);
+      for (std::int64_t row = 0; row < std::int64_t(kBatch) * kKvHeads; ++row) {
+        diverged |= near_tie(pre, row, budgets[std::size_t(row / kKvHeads)], params);
+      }
+      cpu::merge_round(pre.view(), rows.data(), kBatch, budgets.data(), params, pre_workspace.bytes());
+    }
+  }
 
   const auto compare_stores = [&](const std::string& what) {
     const MergeStoreView<const bfloat16> want = cpu.selector().store();
@@ -516,9 +535,22 @@ TEST_F(CudaCentroidKVStep, PrepareAndDecodeStepsEqualTheCpusAndTheGraphReplaysEq
     fetch(b, got_view, cudaMemcpyDeviceToHost);
     fetch(c, graph_view, cudaMemcpyDeviceToHost);
     for (std::int64_t row = 0; row < std::int64_t(a.count.size()); ++row) {
-      expect_same_row(a, b, row, what + " (eager)");
+      if (!diverged) expect_same_row(a, b, row, what + " (eager)");
       expect_same_row(b, c, row, what + " (graph)", true);
     }
+  };
+  // Whether the next decode-time round (on the CPU store as it is now) hinges on a near tie.
+  const auto decode_tie = [&] {
+    const MergeStoreView<const bfloat16> want = cpu.selector().store();
+    HostStore<bfloat16> now(want.slots, kKvHeads, want.capacity, kHeadDim);
+    std::copy_n(want.k, now.k.size(), now.k.data());
+    std::copy_n(want.order, now.order.size(), now.order.data());
+    std::copy_n(want.count, now.count.size(), now.count.data());
+    bool tie = false;
+    for (std::int64_t row = 0; row < std::int64_t(now.count.size()); ++row) {
+      tie |= near_tie(now, row, cpu.selector().budgets()[row / kKvHeads], detail::centroid_kv_decode_params(ckv));
+    }
+    return tie;
   };
   compare_stores("after prepare");
 
@@ -539,6 +571,7 @@ TEST_F(CudaCentroidKVStep, PrepareAndDecodeStepsEqualTheCpusAndTheGraphReplaysEq
                                   cudaStreamCaptureModeGlobal);
   for (std::int32_t s = 0; s < kSteps; ++s) {
     SCOPED_TRACE("step " + std::to_string(s));
+    diverged |= decode_tie();
     for (auto& l : lens) ++l;  // the engine wrote the step's token
     d_lens.upload(lens);
     d_lens_graph.upload(lens);
@@ -558,12 +591,14 @@ TEST_F(CudaCentroidKVStep, PrepareAndDecodeStepsEqualTheCpusAndTheGraphReplaysEq
     const std::vector<float> got_lse = lse.download();
     ASSERT_TRUE(test::same_bytes(got_o, o_graph.download()) && test::same_bytes(got_lse, lse_graph.download()))
         << "the replay differs from the eager step";
-    for (std::size_t i = 0; i < got_o.size(); ++i) {
+    for (std::size_t i = 0; i < got_o.size() && !diverged; ++i) {
       ASSERT_NEAR(to_float(got_o[i]), to_float(host_o[i]), 2e-2) << "O " << i;
     }
     for (std::size_t i = 0; i < got_lse.size(); ++i) {
       ASSERT_TRUE(std::isfinite(got_lse[i]));
-      ASSERT_NEAR(got_lse[i], host_lse[i], 1e-3 * std::max(1.0f, std::abs(host_lse[i]))) << "LSE " << i;
+      if (!diverged) {
+        ASSERT_NEAR(got_lse[i], host_lse[i], 1e-3 * std::max(1.0f, std::abs(host_lse[i]))) << "LSE " << i;
+      }
     }
     if (s == 63 || s == 64 || s == kSteps - 1) compare_stores("after step " + std::to_string(s));
   }

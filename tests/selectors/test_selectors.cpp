@@ -363,6 +363,23 @@ TEST(CpuCacheOps, LengthsTokenWriteAndEmptySelection) {
                                         HeadsView<const float>::packed(k.data(), 2, 1, 16)); },
                "cache.seq_len(1) is 0: the cache has no position for the step's token");
   EXPECT_EQ(empty_row.k, before);
+  // A length past the storage (contiguous capacity 8; a page of 4 holding 5) would write another row's memory:
+  // refused, nothing written.
+  std::vector<std::int32_t> too_long{5, 9};
+  const KVCache<float> overlong = ContiguousKVView<float>::packed(empty_row.k.data(), empty_row.v.data(), 2, 1, 8, 16,
+                                                                  too_long.data());
+  expect_error([&] { cpu::write_step_kv(overlong, HeadsView<const float>::packed(k.data(), 2, 1, 16),
+                                        HeadsView<const float>::packed(k.data(), 2, 1, 16)); },
+               "cache.seq_len(1) (= 9) does not fit the cache's storage");
+  const std::vector<std::int32_t> indptr{0, 1, 2}, pages{0, 1}, last{3, 5};
+  const KVCache<float> overfull_page = PagedKVView<float>{
+      .k_pages = empty_row.k.data(), .v_pages = empty_row.v.data(), .page_indptr = indptr.data(),
+      .page_indices = pages.data(), .last_page_len = last.data(), .batch = 2, .kv_heads = 1, .head_dim = 16,
+      .page_size = 4, .num_pages = 2, .page_stride = 4 * 16, .token_stride = 16, .head_stride = 4 * 16};
+  expect_error([&] { cpu::write_step_kv(overfull_page, HeadsView<const float>::packed(k.data(), 2, 1, 16),
+                                        HeadsView<const float>::packed(k.data(), 2, 1, 16)); },
+               "cache.seq_len(1) (= 5) does not fit the cache's storage");
+  EXPECT_EQ(empty_row.k, before);
   std::vector<std::int32_t> counts(6, 7);
   cpu::clear_counts(SelectionView{nullptr, counts.data(), nullptr, 3, 2, 4});
   EXPECT_EQ(counts, std::vector<std::int32_t>(6, 0));

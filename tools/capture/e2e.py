@@ -10,8 +10,12 @@ one at a time in order: the same computation as token-by-token decoding (positio
 positions <= t of layer l - 1 only), with the projections and MLPs batched.
 
 Budgets are middle tokens per (sequence, kv head), besides a window that every method attends (4 sinks + 16
-recent tokens): StreamingLLM spends the budget on more recent tokens. A budget in percent is of the context
-length of the measurement (4096 for the texts, the passkey length for passkeys).
+recent tokens): StreamingLLM spends the budget on more recent tokens; CentroidKV's merge store holds budget + 20
+entries (its own sinks and recent are the window's) and the step attends no window. A budget in percent is of the
+context length of the measurement (4096 for the texts, the passkey length for passkeys).
+
+SpeContext (the layer-0 head): the model's layer-0 pre-RoPE q and k, which exist before the layers run, are the
+retrieval head's q_r and k_r; one SpeContextStep serves all layers with one selection per position.
 """
 import argparse
 import json
@@ -26,7 +30,29 @@ from model import Model
 SINK, RECENT = 4, 16
 
 
-class DenseAttention:
+class Attention:
+    """Hooks for a selector that selects once per position for every layer (SpeContext's retrieval head): the
+    head's prompt keys, and each block's head inputs before layer 0 runs. The per-layer ones ignore them."""
+
+    def prefill_head(self, k_pre):
+        pass
+
+    def select_block(self, q_pre, k_pre):
+        pass
+
+
+def contiguous_cache(kvsift, model, k, v, capacity):
+    """A contiguous fp16 cache of `capacity` tokens holding k, v ([tokens, kv_heads, head_dim]): (the view, its
+    lengths, the arrays). The view sees the arrays, and lengths[0] grows in place."""
+    shape = (1, model.kv_heads, capacity, model.head_dim)
+    cache_k, cache_v = np.zeros(shape, dtype=np.float16), np.zeros(shape, dtype=np.float16)
+    cache_k[0, :, :len(k)] = k.transpose(1, 0, 2)
+    cache_v[0, :, :len(v)] = v.transpose(1, 0, 2)
+    lengths = np.array([len(k)], dtype=np.int32)
+    return kvsift.contiguous_cache(cache_k, cache_v, lengths), lengths, (cache_k, cache_v)
+
+
+class DenseAttention(Attention):
     """The fp32 numpy reference: every layer attends to its whole cache."""
 
     name = "dense (numpy fp32)"
@@ -43,7 +69,7 @@ class DenseAttention:
         return self.model.attention(q, self.k[layer], self.v[layer])
 
 
-class KvsiftAttention:
+class KvsiftAttention(Attention):
     """One kvsift DecodeStep per layer on the CPU, over a contiguous fp16 cache of `capacity` tokens."""
 
     def __init__(self, model, selector, budget, capacity, pool, codebooks=None):
@@ -53,11 +79,20 @@ class KvsiftAttention:
         self.layers = {}
         self.union_ratios = []  # ctkvr: each step's union of the recalled lists over rho * C', per kv head
 
-    def _make_step(self, layer):
+    def _make_step(self, layer, prompt):
         m = self.model
         config, window = {"budget": self.budget}, (SINK, RECENT)
         if self.selector == "streaming_llm":
             config, window = {}, (SINK, RECENT + self.budget)
+        elif self.selector == "centroidkv":
+            # Equal memory: the store's B = floor(R * prompt) entries are the others' budget plus their window, and
+            # its unmerged sinks and recent entries are that window (the paper's 16 + 64 would not fit B = 60 at
+            # 1%); the step attends no window, the store holds those tokens. Between decode-time rounds the store
+            # grows to B + interval (64: kvsift's default). + 0.5: floor(R * prompt) clear of fp32 rounding; at
+            # most the whole prompt, as the others' selections.
+            ratio = min(1.0, (self.budget + SINK + RECENT + 0.5) / prompt)
+            config = {"budget_ratio": ratio, "sinks": SINK, "recent": RECENT}
+            window = (0, 0)
         elif self.selector == "quest":
             config = {"budget": max(self.budget, 16), "page_size": 16}  # at least one page
         elif self.selector == "ctkvr":
@@ -82,19 +117,12 @@ class KvsiftAttention:
                                       dtype="float16", pool=self.pool)
 
     def prefill(self, layer, q, k, v):
-        m = self.model
-        shape = (1, m.kv_heads, self.capacity, m.head_dim)
-        cache_k, cache_v = np.zeros(shape, dtype=np.float16), np.zeros(shape, dtype=np.float16)
-        cache_k[0, :, :len(k)] = k.transpose(1, 0, 2)
-        cache_v[0, :, :len(v)] = v.transpose(1, 0, 2)
-        lengths = np.array([len(k)], dtype=np.int32)
-        # The cache is a view: the step sees the arrays, and lengths[0] grows in place.
-        cache = self.kvsift.contiguous_cache(cache_k, cache_v, lengths)
-        step = self._make_step(layer)
+        cache, lengths, arrays = contiguous_cache(self.kvsift, self.model, k, v, self.capacity)
+        step = self._make_step(layer, len(k))
         slots = np.zeros(1, dtype=np.int32)
         queries = np.ascontiguousarray(q.transpose(1, 0, 2)[None], dtype=np.float16)  # [1, q_heads, W, d]
         step.prepare(cache, slots, queries=queries)
-        self.layers[layer] = (step, cache, lengths, slots, (cache_k, cache_v))
+        self.layers[layer] = (step, cache, lengths, slots, arrays)
 
     def decode(self, layer, q, k, v):
         step, cache, lengths, slots, _ = self.layers[layer]
@@ -110,6 +138,64 @@ class KvsiftAttention:
         return out
 
 
+class SpeContextAttention(Attention):
+    """SpeContext with the layer-0 head: one kvsift SpeContextStep for the model (B = the budget, window 4 + 16,
+    the head's RoPE the model's), contiguous fp16 caches of `capacity` tokens per layer.
+
+    The blocks run layer-major, but the head's inputs of a whole block (layer 0's pre-RoPE q and k of the
+    block's embeddings) exist before layer 0 runs, so select_block makes every position's selection first, each
+    seeing the head's keys up to its position only (the head's own lengths), and keeps them; each layer then
+    attends position i with selection i. The same selections and arithmetic as token-major decoding."""
+
+    def __init__(self, model, budget, capacity, pool):
+        import kvsift
+        m = model
+        self.kvsift, self.model, self.capacity = kvsift, model, capacity
+        self.step = kvsift.SpeContextStep(layers=m.layers, q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
+                                          max_seq_len=capacity, rope_theta=m.rope_theta, rope_dim=m.rope_dim,
+                                          rope_interleaved=True, budget=budget, window=(SINK, RECENT), pool=pool)
+        self.slots = np.zeros(1, dtype=np.int32)
+        self.layers, self.selections = {}, []
+
+    def prefill(self, layer, q, k, v):
+        self.layers[layer] = contiguous_cache(self.kvsift, self.model, k, v, self.capacity)
+
+    def prefill_head(self, k_pre):
+        # The head reads a cache only for its lengths: layer 0's arrays with lengths of the head's own, which run
+        # ahead of the layers' during a block.
+        cache_k, cache_v = self.layers[0][2]
+        self.head_lengths = np.array([len(k_pre)], dtype=np.int32)
+        self.head_cache = self.kvsift.contiguous_cache(cache_k, cache_v, self.head_lengths)
+        keys = np.ascontiguousarray(k_pre.transpose(1, 0, 2)[None], dtype=np.float16)  # [1, kv_heads, n, d]
+        self.step.prepare(self.head_cache, keys, self.slots)
+
+    def select_block(self, q_pre, k_pre):
+        q16, k16 = q_pre.astype(np.float16), k_pre.astype(np.float16)
+        self.selections = []
+        for i in range(len(q16)):
+            self.head_lengths[0] += 1
+            self.step.select(q16[i:i + 1], k16[i:i + 1], self.head_cache, self.slots)
+            self.selections.append(self.step.selection(1))
+
+    def decode(self, layer, q, k, v):
+        cache, lengths, _ = self.layers[layer]
+        m = self.model
+        out = np.empty((len(q), m.q_heads, m.head_dim), dtype=np.float32)
+        lse = np.empty((len(q), m.q_heads), dtype=np.float32)
+        q16, k16, v16 = q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)
+        for i in range(len(q)):
+            lengths[0] += 1
+            self.step.attend(layer, q16[i:i + 1], cache, k=k16[i:i + 1], v=v16[i:i + 1], o=out[i:i + 1],
+                             lse=lse[i:i + 1], selection=self.selections[i])
+        return out
+
+
+def make_attention(model, selector, budget, capacity, pool, codebooks):
+    if selector == "specontext":
+        return SpeContextAttention(model, budget, capacity, pool)
+    return KvsiftAttention(model, selector, budget, capacity, pool, codebooks)
+
+
 class Prefill:
     """The dense prefill of ids, shared by every configuration: each layer's K and V, and the last logits."""
 
@@ -117,6 +203,7 @@ class Prefill:
         self.ids = list(ids)
         logits, captured = model.forward(self.ids, capture_layers=range(model.layers))
         self.qkv = [(captured[l]["q"].astype(np.float16), captured[l]["k"], captured[l]["v"]) for l in range(model.layers)]
+        self.head_k = captured[0]["k_pre"]  # SpeContext's layer-0 head
         self.last_logits = logits[-1]
 
 
@@ -125,7 +212,9 @@ def decode_block(model, attention, ids, start):
     x = model.embed(ids)
     positions = np.arange(start, start + len(ids))
     for layer in range(model.layers):
-        _, q, _, k, v = model.qkv(layer, x, positions)
+        q_pre, q, k_pre, k, v = model.qkv(layer, x, positions)
+        if layer == 0:
+            attention.select_block(q_pre, k_pre)
         x = model.finish_layer(layer, x, attention.decode(layer, q, k, v))
     return model.logits(x)
 
@@ -133,6 +222,7 @@ def decode_block(model, attention, ids, start):
 def start_decoding(model, attention, prefill):
     for layer, (q, k, v) in enumerate(prefill.qkv):
         attention.prefill(layer, q, k, v)
+    attention.prefill_head(prefill.head_k)
 
 
 def log_softmax(logits):
@@ -247,13 +337,13 @@ def main():
             (s, label, b) for s in selectors for label, b in budgets_for(args.tokens, args)]
         for selector, label, budget in configs:
             began = time.time()
-            attention = KvsiftAttention(model, selector, budget, args.tokens, pool, args.a2ats_codebooks)
+            attention = make_attention(model, selector, budget, args.tokens, pool, args.a2ats_codebooks)
             logits, ppl = text_quality(model, attention, prefill, decoded)
             top1 = float(np.mean(logits[:-1].argmax(axis=-1) == dense_top1))
             name = "dense (kvsift fp16)" if label == "all" else selector
             rows.append({"method": name, "budget": label, "tokens": budget, "ppl": ppl, "top1": top1})
             union = ""
-            if attention.union_ratios:
+            if getattr(attention, "union_ratios", None):  # ctkvr's
                 ratios = np.array(attention.union_ratios)
                 rows[-1]["union_over_rho_c"] = {"mean": float(ratios.mean()), "p10": float(np.percentile(ratios, 10)),
                                                 "p90": float(np.percentile(ratios, 90))}
@@ -273,7 +363,7 @@ def main():
         entry["answers"]["dense (numpy fp32)"] = {"answer": answer, "found": str(key) in answer}
         for selector in selectors:
             for label, budget in budgets_for(len(ids), args):
-                attention = KvsiftAttention(model, selector, budget, len(ids) + 8, pool, args.a2ats_codebooks)
+                attention = make_attention(model, selector, budget, len(ids) + 8, pool, args.a2ats_codebooks)
                 answer = passkey_answer(model, attention, prefill, rest)
                 entry["answers"][f"{selector} {label}"] = {"answer": answer, "found": str(key) in answer}
         print(f"passkey {key} ({len(ids)} tokens): " + ", ".join(

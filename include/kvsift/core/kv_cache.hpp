@@ -33,6 +33,14 @@ struct KVCache {
   KVSIFT_HOST_DEVICE std::int32_t seq_len(std::int64_t b) const {
     return is_paged() ? paged.seq_len(b) : contiguous.seq_len(b);
   }
+  /// Whether row b's length agrees with its storage: contiguous, seq_len(b) <= capacity; paged, the last page holds
+  /// 1 .. page_size tokens (or the row has no pages). A length is a device value the host cannot check: the CUDA
+  /// step's token write skips a row that fails this rather than write into another row's memory.
+  KVSIFT_HOST_DEVICE bool seq_len_fits(std::int64_t b) const {
+    if (!is_paged()) return contiguous.seq_len(b) <= contiguous.capacity;
+    const bool has_pages = paged.page_indptr[b + 1] > paged.page_indptr[b];
+    return !has_pages || (paged.last_page_len[b] >= 1 && paged.last_page_len[b] <= paged.page_size);
+  }
   KVSIFT_HOST_DEVICE T* k_row(std::int64_t b, std::int64_t h, std::int64_t t) const {
     return is_paged() ? paged.k_row(b, h, t) : contiguous.k_row(b, h, t);
   }

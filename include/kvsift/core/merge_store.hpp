@@ -28,14 +28,12 @@
 /// Results are deterministic; the CPU and CUDA twins make the same merges except where two similarities are within
 /// fp32 rounding of each other.
 
-#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
 #include "kvsift/core/config.hpp"
-#include "kvsift/core/error.hpp"
 #include "kvsift/core/views.hpp"
 
 namespace kvsift {
@@ -83,6 +81,12 @@ struct MergeStoreView {
   }
 };
 
+/// Largest head_dim of a store (the CPU matching's tile bound; the kernels' too).
+inline constexpr std::int32_t kMergeMaxHeadDim = 256;
+/// Longest chunk (params.chunk) the CUDA matching kernel takes: a chunk's 128 A by 128 B similarities live in one
+/// CTA (cuda::kMergeMaxChunk). Here so that CentroidKV refuses a longer one at construction on a device context.
+inline constexpr std::int32_t kMergeMaxDeviceChunk = 256;
+
 /// One merge round's parameters (host values). CentroidKV: sinks 16, recent 64, chunk 256; ratio r_j of the
 /// schedule; trigger 1 at prefill (merge while s > B), g at decoding (merge once s >= B + g).
 struct MergeRoundParams {
@@ -127,29 +131,6 @@ KVSIFT_HOST_DEVICE inline std::int32_t merge_round_links(std::int32_t count, std
   const auto by_ratio = std::int32_t(std::floor(double(p.ratio) * double(c.links())));
   const std::int32_t excess = count - budget;
   return by_ratio < excess ? by_ratio : excess;
-}
-
-/// The checks every merge-store primitive makes of a store view (both backends): non-null arrays, positive
-/// shapes, head_dim <= 256 (the CPU matching's tile bound; the kernels' too).
-template <class T>
-void check_merge_store(const char* where, const char* name, const MergeStoreView<T>& store) {
-  KVSIFT_CHECK(store.k != nullptr && store.v != nullptr && store.order != nullptr && store.degree != nullptr &&
-                   store.log_degree != nullptr && store.count != nullptr,
-               where, "{}: every array (k, v, order, degree, log_degree, count) must be non-null", name);
-  KVSIFT_CHECK(store.slots > 0 && store.kv_heads > 0 && store.capacity > 0, where,
-               "{}: slots (= {}), kv_heads (= {}) and capacity (= {}) must be positive", name, store.slots,
-               store.kv_heads, store.capacity);
-  KVSIFT_CHECK(store.head_dim > 0 && store.head_dim <= 256, where, "{}: head_dim (= {}) is outside [1, 256]", name,
-               store.head_dim);
-}
-
-/// The checks of a round's parameters (both backends).
-inline void check_merge_round_params(const char* where, const MergeRoundParams& p) {
-  KVSIFT_CHECK(p.sinks >= 0 && p.recent >= 0, where, "params.sinks (= {}) and params.recent (= {}) must be >= 0",
-               p.sinks, p.recent);
-  KVSIFT_CHECK(p.chunk >= 2, where, "params.chunk (= {}) must be >= 2 (a chunk pairs A with B entries)", p.chunk);
-  KVSIFT_CHECK(p.ratio >= 0.0f && p.ratio <= 1.0f, where, "params.ratio (= {}) is outside [0, 1]", p.ratio);
-  KVSIFT_CHECK(p.trigger >= 1, where, "params.trigger (= {}) must be >= 1", p.trigger);
 }
 
 }  // namespace detail

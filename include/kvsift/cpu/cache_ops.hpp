@@ -29,6 +29,10 @@ void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const H
   for (std::int32_t b = 0; b < cache.batch(); ++b) {  // every row first: a refusal writes nothing
     KVSIFT_CHECK(cache.seq_len(b) > 0, where, "cache.seq_len({}) is 0: the cache has no position for the step's token",
                  b);
+    KVSIFT_CHECK(cache.seq_len_fits(b), where,
+                 "cache.seq_len({}) (= {}) does not fit the cache's storage (contiguous capacity, or the last page's "
+                 "length in [1, page_size])",
+                 b, cache.seq_len(b));
   }
   for (std::int32_t b = 0; b < cache.batch(); ++b) {
     const std::int32_t t = cache.seq_len(b) - 1;

@@ -36,7 +36,7 @@ std::size_t merge_round_workspace_bytes(std::int32_t batch, std::int32_t kv_head
 /// chunk) on the pool with the SIMD level's blocked dot products (cpu/simd.hpp; its fp32 rounding may order two
 /// near-equal similarities differently at another level), the ranking, merges and compaction per row. A NaN
 /// similarity ranks below every other. Refuses: a row whose count is outside [0, capacity], a slot outside
-/// [0, store.slots), a bad params (detail::check_merge_round_params), a workspace smaller than
+/// [0, store.slots) or twice (detail::check_distinct_slots), a bad params (detail::check_merge_round_params), a workspace smaller than
 /// merge_round_workspace_bytes(batch, store.kv_heads, store.capacity, pool).
 template <class T>
 void merge_round(const MergeStoreView<T>& store, const std::int32_t* slots, std::int32_t batch,
@@ -44,14 +44,14 @@ void merge_round(const MergeStoreView<T>& store, const std::int32_t* slots, std:
                  ThreadPool* pool = nullptr);
 
 /// The token at lengths[b] - 1 of cache row b into slot order[count] of every row (slots[b], h): degree 1,
-/// log_degree 0, count + 1. Refuses a full row (count == capacity), naming slot and head.
+/// log_degree 0, count + 1. Refuses a full row (count == capacity), naming slot and head, and a slot twice.
 template <class T>
 void merge_store_append(const KVCache<const T>& cache, const std::int32_t* slots, const std::int32_t* lengths,
                         const MergeStoreView<T>& store, ThreadPool* pool = nullptr);
 
 /// The live entries of (src_slots[b], h) of src into (dst_slots[b], h) of dst, b < batch: in sequence order at
 /// slots 0 .. count - 1 (order identity over the whole row, so the free slots follow ascending), with their
-/// degrees. Refuses a count above dst.capacity, naming the row. (The end of a prefill: from the prompt-sized store
+/// degrees. Refuses a count above dst.capacity, naming the row, and a dst slot twice. (The end of a prefill: from the prompt-sized store
 /// into the selector's.) src and dst may not overlap.
 template <class T>
 void merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* src_slots, const MergeStoreView<T>& dst,

@@ -1,7 +1,8 @@
 #pragma once
 /// CUDA twins of cpu/cache_ops.hpp: each batch row's length, writing a step's new token, an empty selection.
 /// Device memory; stream-ordered, no allocation, no host sync, CUDA-graph capturable. The lengths live on the
-/// device, so write_step_kv cannot refuse a row of length 0 before the launch: it skips that row.
+/// device, so write_step_kv cannot refuse a row of length 0, or one whose length its storage cannot hold
+/// (KVCache::seq_len_fits), before the launch: it skips that row.
 
 #include <cstdint>
 

@@ -32,7 +32,7 @@
 namespace kvsift::cuda {
 
 /// Longest chunk (params.chunk) the matching kernel takes: a chunk's 128 A by 128 B similarities live in one CTA.
-inline constexpr std::int32_t kMergeMaxChunk = 256;
+inline constexpr std::int32_t kMergeMaxChunk = kMergeMaxDeviceChunk;
 
 /// cpu::merge_store_load. One launch, a warp per (row, slot).
 template <class T>
@@ -44,7 +44,8 @@ void merge_store_load(const KVCache<const T>& cache, const std::int32_t* d_slots
 /// positions' order, degree and log-degree (the compaction is out of place), about 18 bytes per entry.
 std::size_t merge_round_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t capacity);
 
-/// cpu::merge_round, plus the refusal of params.chunk > kMergeMaxChunk. Every row decides on the device whether it
+/// cpu::merge_round, plus the refusal of params.chunk > kMergeMaxChunk, less that of a slot twice (the slots are
+/// device values: the step's are trusted, as by every selector; append and copy likewise). Every row decides on the device whether it
 /// takes part (merge_round_links of its count and budget), so a decode-time round can be launched every step and
 /// costs a few microseconds where no row merges. Launches: the matching (a CTA per (row, chunk): the chunk's keys
 /// through shared memory, the A x B dot products on tensor cores for half / bfloat16, SIMT fp32 for float, the

@@ -28,6 +28,10 @@
 ///   - output error: ||O_step - O_dense|| / ||O_dense|| of the head's output (head_dim values): O_step is the
 ///     decode step's own output (the backend's kernel, fp32 accumulation and output), O_dense the fp64 reference's
 ///     (relative_l2_error_per_row);
+///   - LSE error: |LSE_step - LSE_dense| of the head's log-sum-exp of scaled scores (natural log; exp of it is the
+///     ratio of the two softmax denominators), printed only by fidelity_error_markdown (kvsift_fidelity
+///     --centroidkv): for a selector it is -log of the exact mass recall, for CentroidKV it measures how well the
+///     log-degree weights stand in for the merged tokens;
 /// and per (position, kv head), means only:
 ///   - id recall: the share of the oracle's top-K ids that the selection holds. The oracle ranks the tokens of
 ///     a kv head once per position by the largest softmax weight any query head of its GQA group gives them
@@ -244,9 +248,9 @@ class FidelityStep {
   /// One decode step of the query at `position` over the cache holding [0, position], its own token included:
   /// the selector's append and select, then sparse attention over the window and the selection (fp32 output).
   virtual void run(std::int32_t position) = 0;
-  /// The last run's output [q_heads, head_dim] (fp32) into `o`, and its selection (batch 1), both in host memory;
-  /// waits for the run. The view stays valid until the next run().
-  virtual SelectionView read(std::span<float> o) = 0;
+  /// The last run's output [q_heads, head_dim] (fp32) into `o`, its LSE [q_heads] into `lse`, and its selection
+  /// (batch 1), all in host memory; waits for the run. The view stays valid until the next run().
+  virtual SelectionView read(std::span<float> o, std::span<float> lse) = 0;
 };
 
 /// Where the harness runs its selector entries: a backend holds one capture layer as the engine's fp16 cache
@@ -290,6 +294,8 @@ struct FidelityRow {
   double mass_recall_p90 = 0.0;
   double output_error = 0.0;        ///< over (evaluated position, query head): mean and 90th percentile
   double output_error_p90 = 0.0;
+  double lse_error = 0.0;           ///< over (evaluated position, query head): mean and 90th percentile
+  double lse_error_p90 = 0.0;
   double id_recall = 0.0;           ///< mean over (evaluated position, kv head)
   double mean_selected = 0.0;       ///< tokens selected per (evaluated position, kv head)
 };
@@ -347,6 +353,10 @@ std::string fidelity_markdown(std::span<const FidelityRow> rows);
 
 /// A line stating the decoded range, the evaluated positions and K's definition, then the table.
 std::string fidelity_markdown(const FidelityResult& result);
+
+/// The error columns alone: layer, selector, budget, K, output error (mean, p90), LSE error (mean, p90); for
+/// selectors whose selection the other columns do not describe (CentroidKV).
+std::string fidelity_error_markdown(std::span<const FidelityRow> rows);
 
 /// One paragraph: how many of the selections differed from the first backend's, by how much mass at most, in
 /// which rows, and the rows only one backend refused.

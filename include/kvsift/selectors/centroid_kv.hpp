@@ -8,13 +8,15 @@
 /// store), so the step's attention window must be empty: prepare and select refuse one.
 ///
 /// Life cycle, per layer (written once for both backends: only backend calls and context arrays):
-///   - prepare: the joining prompts are loaded into a temporary prompt-sized store, merged by rounds j = 0, 1, ...
-///     at ratio r_j = max(r_init - j r_step, r_min), trigger 1, until every row has s <= B (the number of rounds is
-///     a host function of n: detail::centroid_kv_prefill_rounds), then copied into the selector's store. Refused:
-///     B <= sinks + recent (the budget cannot be met), a schedule above max_rounds or one that stalls. Allocates
-///     the temporary store; on CUDA synchronizes (the lengths are read on the host).
-///   - append (each decode step, the token already in the cache): one decode-time round at r_init with trigger
-///     `interval` (a row with s >= B + interval merges min(floor(r_init links), s - B) links, decided per row
+///   - prepare: each joining prompt in turn is loaded into a temporary prompt-sized store, merged by rounds
+///     j = 0, 1, ... at ratio r_j = max(r_init - j r_step, r_min), trigger 1, until every row has s <= B (the number
+///     of rounds is a host function of n: detail::centroid_kv_prefill_rounds), then copied into the selector's
+///     store. Refused: a slot twice, B <= sinks + recent (the budget cannot be met), a schedule above max_rounds or
+///     one that stalls. Allocates, once per call, a one-sequence store of the longest joining prompt (K and V
+///     [kv_heads, n, head_dim] in T, order, degree and log_degree [kv_heads, n]) and merge_round's workspace for it;
+///     on CUDA synchronizes (the lengths are read on the host, each budget is copied from it).
+///   - append (each decode step, the token already in the cache): one decode-time round at ratio 1 with trigger
+///     `interval` (a row with s >= B + interval merges min(links, s - B) links, decided per row
 ///     inside the primitive: no host sync), then the token enters with degree 1. This is algorithm 1's order
 ///     (add, attend, then compress), shifted by one step: the compression of step i runs before step i + 1's
 ///     token is added.
@@ -33,9 +35,12 @@
 #include <numeric>
 #include <span>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
+#include "kvsift/core/detail/merge_store_checks.hpp"
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/kv_cache.hpp"
 #include "kvsift/core/merge_store.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
@@ -50,7 +55,7 @@ struct CentroidKVConfig {
   std::int32_t sinks = 16;       ///< n1: the first entries, never merged
   std::int32_t recent = 64;      ///< n2: the last entries, never merged
   std::int32_t chunk = 256;      ///< c: entries per chunk of the middle
-  float r_init = 0.8f;           ///< ratio of the first prefill round and of every decode-time round
+  float r_init = 0.8f;           ///< ratio of the first prefill round (decode-time rounds: 1)
   float r_step = 0.2f;           ///< δ_r: decrease per prefill round
   float r_min = 0.2f;            ///< floor of the prefill schedule
   std::int32_t interval = 64;    ///< g: a decode-time round runs once s >= B + g
@@ -77,13 +82,20 @@ inline std::int32_t centroid_kv_budget(const CentroidKVConfig& c, std::int32_t n
   return std::int32_t(std::floor(double(c.budget_ratio) * double(n)));
 }
 
-/// Round j's parameters at prefill (ratio r_j, trigger 1) and at decoding (r_init, trigger interval).
+/// Round j's parameters at prefill (ratio r_j, trigger 1) and at decoding (below).
 inline MergeRoundParams centroid_kv_prefill_params(const CentroidKVConfig& c, std::int32_t j) {
   const float r = std::max(c.r_init - float(j) * c.r_step, c.r_min);
   return {.sinks = c.sinks, .recent = c.recent, .chunk = c.chunk, .ratio = r, .trigger = 1};
 }
+/// The decode-time round runs at ratio 1 (issue 24): it merges min(links, s - B), so a row is back to exactly B after
+/// each round once its middle has s - B links (B >= sinks + recent + interval for an even chunk: 144 at the defaults).
+/// At r_init it merged min(floor(r_init links), s - B), short of s - B for small B (B = 175 at the defaults: 63 of
+/// 64), and could merge nothing (interval 1, B = 81: floor(0.8 * 1) = 0), so the row overflowed. At ratio 1 every
+/// round makes progress: prepare ensures B > sinks + recent, so a row of B + interval entries has a middle of >= 2
+/// entries, >= 1 link, and s stays <= B + interval (the store's capacity holds it, B <= ceil(R max_tokens)); with
+/// fewer than interval links the row stays between B + 1 and B + interval. r_init only shapes the prefill schedule.
 inline MergeRoundParams centroid_kv_decode_params(const CentroidKVConfig& c) {
-  return {.sinks = c.sinks, .recent = c.recent, .chunk = c.chunk, .ratio = c.r_init, .trigger = c.interval};
+  return {.sinks = c.sinks, .recent = c.recent, .chunk = c.chunk, .ratio = 1.0f, .trigger = c.interval};
 }
 
 /// The prefill rounds a prompt of n tokens takes to reach its budget (the counts of the rounds follow from n
@@ -130,6 +142,13 @@ class CentroidKV {
       : limits_(limits), config_(config) {
     detail::check_limits("CentroidKV", limits);
     detail::check_centroid_kv_config("CentroidKV", config);
+    // The merge store's bounds, refused here rather than at the first prepare or append.
+    KVSIFT_CHECK(limits.head_dim <= kMergeMaxHeadDim, "CentroidKV", "limits.head_dim (= {}) exceeds {} (the merge store's bound)",
+                 limits.head_dim, kMergeMaxHeadDim);
+    if constexpr (Context::memory == MemorySpace::device) {
+      KVSIFT_CHECK(config.chunk <= kMergeMaxDeviceChunk, "CentroidKV",
+                   "config.chunk (= {}) exceeds {} (the CUDA matching kernel's bound)", config.chunk, kMergeMaxDeviceChunk);
+    }
     capacity_ = std::int32_t(std::ceil(double(config.budget_ratio) * double(limits.max_tokens))) + config.interval;
     const std::size_t rows = std::size_t(limits.max_slots) * std::size_t(limits.kv_heads);
     const std::size_t entries = MergeStoreView<T>::entries(limits.max_slots, limits.kv_heads, capacity_);
@@ -195,42 +214,45 @@ class CentroidKV {
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
     check_no_window(where, in.attention.window);
     const auto rows = std::size_t(batch);
-    std::vector<std::int32_t> lengths(rows), slots(rows), budgets(rows);
+    std::vector<std::int32_t> lengths(rows), slots(rows), budgets(rows), rounds(rows);
     Array<std::int32_t> context_lengths(rows);
     sequence_lengths(in.cache, context_lengths.data(), ctx);
     copy_to_host(context_lengths.data(), rows, lengths.data(), ctx);
     copy_to_host(in.slots, rows, slots.data(), ctx);
-    std::int32_t longest = 1, rounds = 0;
+    std::int32_t longest = 1;
     for (std::size_t b = 0; b < rows; ++b) {
       KVSIFT_CHECK(slots[b] >= 0 && slots[b] < limits_.max_slots, where,
                    "in.slots[{}] (= {}) is outside [0, limits.max_slots = {})", b, slots[b], limits_.max_slots);
       KVSIFT_CHECK(lengths[b] > 0 && lengths[b] <= limits_.max_tokens, where,
                    "sequence {}'s prompt ({} tokens) is outside [1, limits.max_tokens = {}]", b, lengths[b],
                    limits_.max_tokens);
-      rounds = std::max(rounds, detail::centroid_kv_prefill_rounds(where, config_, lengths[b]));
+      rounds[b] = detail::centroid_kv_prefill_rounds(where, config_, lengths[b]);
       budgets[b] = detail::centroid_kv_budget(config_, lengths[b]);
       longest = std::max(longest, lengths[b]);
     }
-    // The prompt-sized store: row b is batch row b's (slot b).
-    const std::size_t entries = MergeStoreView<T>::entries(batch, limits_.kv_heads, longest);
-    Array<T> k(MergeStoreView<T>::kv_elements(batch, limits_.kv_heads, longest, limits_.head_dim)), v(k.size());
-    Array<std::int32_t> order(entries), degree(entries), count(rows * std::size_t(limits_.kv_heads));
+    detail::check_distinct_slots(where, "in.slots", slots.data(), batch);
+    // One prompt-sized store of one row, reused by each joining sequence in turn: its memory is bounded by the
+    // longest prompt, not by the batch's (128K tokens x 8 sequences would be ~4.3 GB at once).
+    const std::size_t entries = MergeStoreView<T>::entries(1, limits_.kv_heads, longest);
+    Array<T> k(MergeStoreView<T>::kv_elements(1, limits_.kv_heads, longest, limits_.head_dim)), v(k.size());
+    Array<std::int32_t> order(entries), degree(entries), count(std::size_t(limits_.kv_heads));
     Array<float> log_degree(entries);
-    Array<std::int32_t> temp_slots(rows), temp_budgets(rows);
-    std::vector<std::int32_t> identity(rows);
-    std::iota(identity.begin(), identity.end(), 0);
-    copy_from_host(identity.data(), rows, temp_slots.data(), ctx);
-    copy_from_host(budgets.data(), rows, temp_budgets.data(), ctx);
+    Array<std::int32_t> temp_slot(1), temp_budget(1);
+    const std::int32_t zero = 0;
+    copy_from_host(&zero, 1, temp_slot.data(), ctx);
     const MergeStoreView<T> temp{k.data(),     v.data(), order.data(), degree.data(), log_degree.data(),
-                                 count.data(), batch,    limits_.kv_heads, longest,   limits_.head_dim};
-    merge_store_load(in.cache, temp_slots.data(), temp, ctx);
-    Array<std::byte> workspace(merge_round_workspace_bytes(batch, limits_.kv_heads, longest, ctx));
+                                 count.data(), 1,        limits_.kv_heads, longest,   limits_.head_dim};
+    Array<std::byte> workspace(merge_round_workspace_bytes(1, limits_.kv_heads, longest, ctx));
     const std::span<std::byte> bytes(workspace.data(), workspace.size());
-    for (std::int32_t j = 0; j < rounds; ++j) {
-      merge_round(temp, temp_slots.data(), batch, temp_budgets.data(), detail::centroid_kv_prefill_params(config_, j),
-                  bytes, ctx);
+    for (std::size_t b = 0; b < rows; ++b) {
+      copy_from_host(&budgets[b], 1, temp_budget.data(), ctx);
+      merge_store_load(cache_row(in.cache, std::int32_t(b)), temp_slot.data(), temp, ctx);
+      for (std::int32_t j = 0; j < rounds[b]; ++j) {
+        merge_round(temp, temp_slot.data(), 1, temp_budget.data(), detail::centroid_kv_prefill_params(config_, j), bytes,
+                    ctx);
+      }
+      merge_store_copy(temp.as_const(), temp_slot.data(), mutable_store(), in.slots + b, 1, ctx);
     }
-    merge_store_copy(temp.as_const(), temp_slots.data(), mutable_store(), in.slots, batch, ctx);
     // Last, and synchronizing (copy_from_host waits for its stream): the temporary store's work is done before its
     // arrays are freed on return.
     for (std::size_t b = 0; b < rows; ++b) copy_from_host(&budgets[b], 1, budgets_.data() + slots[b], ctx);
@@ -271,6 +293,21 @@ class CentroidKV {
                  "the attention window (sink {}, recent {}) must be empty: CentroidKV's store holds the sinks and the "
                  "recent tokens itself",
                  window.sink, window.recent);
+  }
+  /// Row b of a cache as a cache of one row (prepare loads one joining sequence at a time).
+  static KVCache<const T> cache_row(const KVCache<const T>& cache, std::int32_t b) {
+    return cache.visit([&](auto view) -> KVCache<const T> {
+      if constexpr (std::is_same_v<decltype(view), PagedKVView<const T>>) {
+        view.page_indptr += b;  // the row's pages: page_indices[page_indptr[b] ...] as before
+        view.last_page_len += b;
+      } else {
+        view.k += b * view.batch_stride;
+        view.v += b * view.batch_stride;
+        if (view.seq_lens != nullptr) view.seq_lens += b;
+      }
+      view.batch = 1;
+      return view;
+    });
   }
   MergeStoreView<T> mutable_store() {
     return {k_.data(), v_.data(), order_.data(), degree_.data(), log_degree_.data(), count_.data(),

@@ -43,14 +43,17 @@
 /// (per_kv_head), or the scores [batch * kv_heads, N] and [batch, N] fp32, a [batch, B] selection and
 /// group_scores' and topk_rows' scratch (batch_level); N = min(max_seq_len, max_tokens). A length past N gets count
 /// -1 on CUDA and is refused on the CPU (topk_rows). A length past max_tokens is refused on the CPU (RoPE and the
-/// cache view); on CUDA lengths and slots are trusted, as the decode step trusts them, but unlike a selection row
-/// a bad one is not contained: append writes the step's key at lengths[b] - 1 of page slots[b], so a length past
-/// max_tokens or a bad slot writes outside that slot's rows (check them while integrating). The RoPE table holds
-/// max_tokens positions (4 * rotary_dim bytes each: 64 MiB at 128K and head_dim 128).
+/// cache view). On CUDA lengths and slots are trusted, as the decode step trusts them; a length past max_tokens is
+/// contained: append's write skips that row (the head cache's view fails KVCache::seq_len_fits), its RoPE position
+/// is past the table (NaN) and select gives it count -1, other rows untouched. A slot outside [0, max_slots) is
+/// not: append writes the step's key into page slots[b], outside the owned array (check slots while integrating).
+/// The RoPE table holds max_tokens positions (4 * rotary_dim bytes each: 64 MiB at 128K and head_dim 128).
 ///
 /// Written once for both backends (include cpu/backend.hpp or cuda/backend.hpp before instantiating it). CPU and
 /// CUDA pick the same tokens except among candidates whose fp32 scores differ by less than the backends' rounding
-/// (OracleTopK's statement); the rotations are the same bit for bit (the shared table).
+/// (OracleTopK's statement). The rotations share their arithmetic (core/rope.hpp) but each backend builds its table
+/// with its own fp64 cos/sin and inverse frequencies: an entry may differ by an fp32 ulp, so a rotated element
+/// may differ by one ulp of T (rarely: under 1% of them in the tests).
 
 #include <algorithm>
 #include <cstddef>
@@ -287,11 +290,17 @@ class SpeContext {
   }
 
   /// The selection for the step's head query q_r (in.q, pre-RoPE), rotated to lengths[b] - 1, over the head's
-  /// cache (the step's key appended first); in.attention.window is left out (the step attends it).
+  /// cache (the step's key appended first); in.attention.window is left out (the step attends it). Refused besides
+  /// every selector's checks: a window whose recent part is below 1 (the step's own token would be neither
+  /// selected nor attended; specontext_window gives the window to use).
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
     constexpr const char* where = "SpeContext::select";
     detail::check_select(where, limits_, in, out, capacity(), Context::memory);
+    KVSIFT_CHECK(in.attention.window.recent >= 1, where,
+                 "in.attention.window.recent (= {}) must be >= 1: the selection leaves the window out and the step's "
+                 "own token is attended only through it (use specontext_window(window))",
+                 in.attention.window.recent);
     const std::int32_t batch = in.q.batch, kv = limits_.kv_heads;
     const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     WorkspaceLayout carving(workspace, where);

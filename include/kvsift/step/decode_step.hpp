@@ -18,7 +18,9 @@
 ///      and the selection, into `out` (storage type, or fp32 for a partial to merge later). A selector with a
 ///      second source (selector.hpp SecondSource, CentroidKV's merged rows): the selection with the window and
 ///      the second source without it are attended into two fp32 partials in the workspace and merged by LSE
-///      into `out` (three launches on CUDA where there is one without it).
+///      into `out` (three launches on CUDA where there is one without it). A selector whose primary selection is
+///      always empty (capacity() == 0, CentroidKV) under an empty window has nothing but the second source to
+///      attend: one launch into `out`, no partials.
 /// A selection row whose count is outside [0, capacity] (a primitive's -1) gets NaN in O and LSE of its query
 /// heads (core/views.hpp SelectionView::counts).
 /// The selection stays in the workspace until the next run: selection(workspace, batch) reads it (the fidelity
@@ -92,7 +94,9 @@ class DecodeStep {
   DecodeStep(S selector, const DecodeStepConfig& config, const Context& ctx)
       : selector_(std::move(selector)), config_(checked(config)),
         part_(selector_, {config.max_batch, config.q_heads, config.kv_heads, config.head_dim, config.max_seq_len}, ctx),
-        second_capacity_(selector_second_source_capacity(selector_)), planned_threads_(workspace_threads(ctx)) {
+        second_capacity_(selector_second_source_capacity(selector_)),
+        second_source_only_(second_capacity_ > 0 && selector_.capacity() == 0 && config.attention.window.empty()),
+        planned_threads_(workspace_threads(ctx)) {
     KVSIFT_CHECK(second_capacity_ >= 0, "DecodeStep", "the selector's second_source_capacity() (= {}) is negative",
                  second_capacity_);
     // Fewer rows may split more (a CPU pool's threads, a GPU's SMs): the largest need of any batch size. The
@@ -169,7 +173,7 @@ class DecodeStep {
  private:
   struct Buffers {
     typename detail::SelectorPart<S>::Buffers selector;
-    float* partial_o[2] = {};  ///< only with a second source: the primary's and the second source's fp32 states
+    float* partial_o[2] = {};  ///< only with a second source and a primary that may list entries: their fp32 states
     float* partial_lse[2] = {};
     std::span<std::byte> decode;
   };
@@ -185,6 +189,11 @@ class DecodeStep {
                                                             .lengths = b.selector.lengths,
                                                             .attention = config_.attention, .layer = in.layer});
     check_second_source("DecodeStep::run", second, in.q.batch);
+    if (second_source_only_) {
+      sparse_decode(in.q, second.cache, second.selection, out, second_attention(), config_.validate_indices,
+                    config_.programmatic_launch, b.decode, ctx);
+      return;
+    }
     const std::int32_t batch = in.q.batch;
     const StateView<float> partials[] = {
         StateView<float>::packed(b.partial_o[0], b.partial_lse[0], batch, config_.q_heads, config_.head_dim),
@@ -226,7 +235,7 @@ class DecodeStep {
   Buffers layout(WorkspaceLayout& layout) const {
     Buffers b;
     b.selector = part_.layout(layout);
-    if (second_capacity_ > 0) {
+    if (second_capacity_ > 0 && !second_source_only_) {
       const std::size_t states = std::size_t(config_.max_batch) * std::size_t(config_.q_heads);
       for (int i = 0; i < 2; ++i) {
         b.partial_o[i] = layout.allocate<float>(states * std::size_t(config_.head_dim), "DecodeStep partial O");
@@ -241,6 +250,7 @@ class DecodeStep {
   DecodeStepConfig config_;
   detail::SelectorPart<S> part_;
   std::int32_t second_capacity_;
+  bool second_source_only_;  ///< no primary entries and no window: the second source alone, into `out`
   std::int32_t planned_threads_;
   std::size_t decode_bytes_ = 0;
   std::size_t workspace_bytes_ = 0;

@@ -1,5 +1,6 @@
 #pragma once
-/// ElasticKV: SpeContext's elastic loading (docs/selector_framework.md placement (d); docs/specontext_elastic.md).
+/// ElasticKV: SpeContext's elastic loading (docs/selector_framework.md placement (d); docs/specontext.md,
+/// "Offloaded layers"; in the step: step/specontext_offload.hpp).
 /// SpeContext makes one selection per decode step, before layer 0, and every layer attends it. For the layers whose
 /// KV lives in pinned host memory ("offloaded"), ElasticKV keeps on the GPU, per (offloaded layer, sequence slot, kv
 /// head), a resident row of capacity + 1 slots: slots [0, capacity) hold the rows of the last selection, slot
@@ -29,19 +30,26 @@
 ///
 /// Rules: the first step after construction or release() of a slot finds nothing resident (every token copied); a
 /// sequence shorter than the budget lists all its tokens (count = length <= capacity: attend_all is refused, the rows
-/// must name the tokens); rows ascending and distinct, tokens below the host cache's length (the CUDA gather's rules:
-/// a token outside the cache is not copied). A row with a count outside [0, capacity] or a slot outside [0,
-/// max_slots) gets count -1 in the slot-space selection (the attention writes NaN) and forgets what is resident.
+/// must name the tokens); rows ascending and distinct. A row with a count outside [0, capacity], a slot outside [0,
+/// max_slots) or a token outside [0, seq_len(b)) of the host caches (layer 0's lengths, which every offloaded
+/// layer's must equal: one model's layers hold the same tokens) gets count -1 in the slot-space selection (the
+/// attention writes NaN) and forgets what is resident, so no unloaded row is ever kept as resident. A token the
+/// lengths count but whose host row is not written yet (the step's own, once the engine has grown the lengths) is
+/// not detectable: the selection must not list it (SpeContextStep's never does, its window holds the token).
 ///
 /// Counters: copied() [batch * kv_heads] device, each row's rows copied this step (per layer: every layer copies the
 /// same rows); a device total of rows copied since construction (per layer). last_step_stats(main) and
 /// moved_rows_total(main) read them back on the main stream and synchronize it: call them outside the step.
 /// Memory, all allocated in the constructor: device, the resident K and V [layers, max_slots, kv_heads, capacity + 1,
-/// head_dim] in T, the resident state per slot (tokens, slots, counts), the slot-space selection, the copied counts
-/// and the assignment's scratch. update() allocates nothing and never synchronizes the host; it is capturable.
+/// head_dim] in T, the resident state per slot (tokens, slots, counts), the slot-space selection, the copied counts,
+/// the host lengths and the assignment's scratch. update() allocates nothing and never synchronizes the host; it is
+/// capturable. Its check that the host caches are pinned queries CUDA only for a pointer that differs from the one
+/// the same layer and field had at the last check (cudaPointerGetAttributes costs about a microsecond, and the
+/// engine's caches rarely move): memory freed and reused as pageable at the same address is not detected.
 /// Device values (slots, counts, tokens) are trusted as by the CUDA gathers; shapes are checked on the host.
 /// Thread safety: one object serves one thread at a time.
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -127,6 +135,7 @@ class ElasticKV {
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
     fork_ = make_event();
     for (std::int32_t l = 0; l < config.layers; ++l) layer_events_.push_back(make_event());
+    pinned_.resize(std::size_t(config.layers));
   }
 
   const ElasticKVConfig& config() const { return config_; }
@@ -134,7 +143,7 @@ class ElasticKV {
   /// One step's difference, assigned once and copied for every offloaded layer on `side` (see above). Refused: a
   /// selection whose capacity is not config.capacity, whose batch is outside [1, max_batch], whose kv_heads differ,
   /// with attend_all; host caches not one per layer, of another shape, or (checked outside stream capture: the
-  /// pointer query is not a stream operation) not device-readable host memory; side == main.
+  /// pointer query is not a stream operation; once per new pointer) not device-readable host memory; side == main.
   void update(const ElasticInputs<T>& in, cudaStream_t main, cudaStream_t side) {
     constexpr const char* where = "ElasticKV::update";
     const SelectionView& s = in.selection;
@@ -182,9 +191,11 @@ class ElasticKV {
                                                .current_slots = buffers_.slot_indices,
                                                .resident_capacity = config_.capacity,
                                                .copied = buffers_.copied,
-                                               .fresh = buffers_.fresh};
+                                               .fresh = buffers_.fresh,
+                                               .source_lengths = buffers_.lengths};
     KVSIFT_CUDA_CHECK(cudaEventRecord(fork_.get(), main));
     KVSIFT_CUDA_CHECK(cudaStreamWaitEvent(side, fork_.get(), 0));
+    cuda::sequence_lengths(in.host_caches.front(), buffers_.lengths, side);
     KVSIFT_CUDA_CHECK(cuda::detail::launch_assign_difference_slots(assign, side));
     KVSIFT_CUDA_CHECK(cuda::detail::launch_commit_difference(assign, buffers_.state_indices, buffers_.state_counts,
                                                              buffers_.state_slots, buffers_.slot_counts,
@@ -214,9 +225,10 @@ class ElasticKV {
   }
 
   /// Layer `layer`'s resident rows for the last update's batch (row b is sequence slot slots[b]): a paged view of
-  /// one page of capacity + 1 slots per row, every row full, the step's token in the last slot. Writable for that
-  /// token only (cuda::write_step_kv writes it there: SpeContextStep::attend_selection given k and v, or
-  /// write_current); slots [0, capacity) belong to update.
+  /// one page of capacity + 1 slots per row, every row full, the step's token in the last slot. Its page table is
+  /// the update's `slots` array itself: valid while that array is. Writable for that token only
+  /// (cuda::write_step_kv writes it there: SpeContextStep::attend_selection given k and v, or write_current);
+  /// slots [0, capacity) belong to update.
   KVCache<T> resident(std::int32_t layer) const {
     check_layer(layer, "ElasticKV::resident");
     return resident_rows(layer);
@@ -287,8 +299,12 @@ class ElasticKV {
     std::int32_t* fresh = nullptr;         ///< [max_batch, kv_heads, capacity] the assignment's new entries
     std::int32_t* page_indptr = nullptr;   ///< [max_batch + 1] 0, 1, ..., max_batch
     std::int32_t* page_len = nullptr;      ///< [max_batch] capacity + 1
+    std::int32_t* lengths = nullptr;       ///< [max_batch] the host caches' lengths of the last update
     unsigned long long* moved_rows = nullptr;
   };
+  /// Per layer, the host cache's pointers that passed check_pinned, by field (a paged view's five, a contiguous
+  /// view's first three).
+  using PinnedPointers = std::array<const void*, 5>;
   struct EventDeleter {
     void operator()(cudaEvent_t event) const { cudaEventDestroy(event); }
   };
@@ -314,25 +330,28 @@ class ElasticKV {
     return Event(event);
   }
 
-  /// The copies read the host cache's rows and its lengths or page table on the device.
-  static void check_pinned(const KVCache<const T>& cache, std::size_t layer) {
-    const auto check = [&](const void* p, const char* name) {
-      if (p == nullptr) return;  // validate_cache names a missing array
+  /// The copies read the host cache's rows and its lengths or page table on the device. A pointer equal to the
+  /// one this layer's field had when last checked passed then and is not queried again.
+  void check_pinned(const KVCache<const T>& cache, std::size_t layer) {
+    PinnedPointers& known = pinned_[layer];
+    const auto check = [&](const void* p, std::size_t field, const char* name) {
+      if (p == nullptr || p == known[field]) return;  // validate_cache names a missing array
       KVSIFT_CHECK(cuda::device_readable_host(p), "ElasticKV::update",
                    "in.host_caches[{}]'s {} ({}) is not pinned host memory: the GPU reads it (cudaMallocHost or "
                    "cudaHostRegister)",
                    layer, name, p);
+      known[field] = p;
     };
     if (cache.is_paged()) {
-      check(cache.paged.k_pages, "k_pages");
-      check(cache.paged.v_pages, "v_pages");
-      check(cache.paged.page_indptr, "page_indptr");
-      check(cache.paged.page_indices, "page_indices");
-      check(cache.paged.last_page_len, "last_page_len");
+      check(cache.paged.k_pages, 0, "k_pages");
+      check(cache.paged.v_pages, 1, "v_pages");
+      check(cache.paged.page_indptr, 2, "page_indptr");
+      check(cache.paged.page_indices, 3, "page_indices");
+      check(cache.paged.last_page_len, 4, "last_page_len");
     } else {
-      check(cache.contiguous.k, "k");
-      check(cache.contiguous.v, "v");
-      check(cache.contiguous.seq_lens, "seq_lens");
+      check(cache.contiguous.k, 0, "k");
+      check(cache.contiguous.v, 1, "v");
+      check(cache.contiguous.seq_lens, 2, "seq_lens");
     }
   }
 
@@ -377,6 +396,7 @@ class ElasticKV {
     b.fresh = layout.allocate<std::int32_t>(batch_rows * capacity, "ElasticKV new entries");
     b.page_indptr = layout.allocate<std::int32_t>(std::size_t(config_.max_batch) + 1, "ElasticKV page indptr");
     b.page_len = layout.allocate<std::int32_t>(std::size_t(config_.max_batch), "ElasticKV page lengths");
+    b.lengths = layout.allocate<std::int32_t>(std::size_t(config_.max_batch), "ElasticKV host lengths");
     b.moved_rows = layout.allocate<unsigned long long>(1, "ElasticKV moved rows");
     return b;
   }
@@ -388,6 +408,7 @@ class ElasticKV {
   Buffers buffers_;
   Event fork_;
   std::vector<Event> layer_events_;
+  std::vector<PinnedPointers> pinned_;  ///< [layers], null until checked
   std::int32_t batch_ = 0;
   const std::int32_t* slots_ = nullptr;
   float* log_weights_ = nullptr;

@@ -27,6 +27,13 @@
 /// early by at most one token relative to eq. 8's "<=". A stateful engine that only ever offloads gets the same
 /// n from the stateless plan, because the thresholds are nondecreasing and S only grows.
 ///
+/// The planner's buffer and ElasticKV's (step/elastic_kv.hpp) differ: the planner counts an offloaded layer's GPU
+/// buffer as R requests x B tokens (c * B), ElasticKV allocates B + 1 slots (the selection and the step's token)
+/// for each of max_slots sequences, plus, once for all offloaded layers, its resident state (two int32 per slot and
+/// kv head: 8 / (2 * bytes_per_element * D) of one layer's buffer, 1.6% at D 128 and 2 bytes). To plan for
+/// ElasticKV, pass requests = max_slots and budget = B + 1: every term then counts max_slots sequences (the S-token
+/// layers too: exact when every slot is live, an over-count otherwise); the state is not counted.
+///
 /// Monotone thresholds: S_n^T (before the floor) is nondecreasing in n iff Mem_GPU - runtime >= b * K, i.e. (by
 /// default) iff the memory left for KV holds at least B tokens in all K layers. Otherwise offloading a layer costs
 /// more (its B-token buffer) than it frees (its S < B tokens), and sequence_thresholds refuses the budget.

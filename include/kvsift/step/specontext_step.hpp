@@ -13,9 +13,10 @@
 /// current token as its recent part (specontext_window): the step's own token is always attended, exactly once,
 /// since the selection leaves the window out.
 ///
-/// Offloaded layers (the elastic placement, step/elastic_kv.hpp): attend_selection attends any cache with any
-/// selection and window, e.g. a resident buffer of B rows per (sequence, kv head) with the selection mapped to
-/// slot space; selection(workspace, batch) is the one selection such a component diffs against its last one.
+/// Offloaded layers (the elastic placement: step/specontext_offload.hpp over step/elastic_kv.hpp): attend_selection
+/// attends any cache with any selection and window, e.g. a resident buffer of B + 1 rows per (sequence, kv head)
+/// with the selection mapped to slot space; selection(workspace, batch) is the one selection such a component
+/// diffs against its last one.
 ///
 /// Memory and calls: views in the context's memory; the workspace of workspace_bytes() bytes (256-byte aligned,
 /// contents irrelevant) holds the lengths, the selection, the selector's append and select scratch and the
@@ -23,8 +24,9 @@
 /// allocate nothing and never synchronize the host (except with config.validate_indices on CUDA); on CUDA, select
 /// and the attention of every layer are stream-ordered and CUDA-graph capturable. attend reads the selection of
 /// the last select over the same workspace, for the same batch rows. Trusted on the device (CUDA; checked on the
-/// CPU), as by DecodeStep: slots, lengths (<= config.max_seq_len) and page tables; a bad slot or length reaches
-/// the head's cache write (selectors/specontext.hpp), so check them while integrating.
+/// CPU), as by DecodeStep: slots, lengths (<= config.max_seq_len) and page tables. A length past the bound is
+/// contained (that row's selection count is -1, the attention writes NaN, the head's cache write skips it); a bad
+/// slot still reaches the owned head cache's write (selectors/specontext.hpp), so check slots while integrating.
 /// Thread safety: one step serves one thread at a time; it owns its selector.
 
 #include <algorithm>
@@ -109,6 +111,8 @@ class SpeContextStep {
   const Selector& selector() const { return selector_; }
   const SpeContextStepConfig& config() const { return config_; }
   std::size_t workspace_bytes() const { return workspace_bytes_; }
+  /// The selection's capacity: entries per (sequence, kv head), the selector's budget (at least 1).
+  std::int32_t capacity() const { return part_.capacity(); }
   /// The layers' attention: config.attention with the window's recent part at least 1.
   AttentionOptions attention() const {
     return {.sm_scale = config_.attention.sm_scale, .window = specontext_window(config_.attention.window)};

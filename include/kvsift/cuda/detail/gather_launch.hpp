@@ -36,6 +36,10 @@ struct DifferenceSlots {
   std::int32_t resident_capacity = 0;  ///< slots of a resident row that new tokens may take, [0, capacity)
   std::int32_t* copied = nullptr;
   std::int32_t* fresh = nullptr;  ///< workspace [rows, current.capacity]: each row's new entries' positions in current
+  /// Optional [current.batch], device-readable: the source's lengths. Given, a row listing a token outside [0,
+  /// source_lengths[b]) is bad (copied -1), so no state records a row its copy skips; without, such a token is
+  /// assigned a slot but not copied (cuda::gather_kv_difference's rule).
+  const std::int32_t* source_lengths = nullptr;
 };
 
 /// The first launch: current_slots, copied and fresh of every row; no KV is read.

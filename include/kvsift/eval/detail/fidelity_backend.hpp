@@ -99,13 +99,15 @@ class SelectorBackend final : public FidelityBackend {
                 StateView<float>::packed(o_.data(), lse_.data(), 1, layer_.q_heads_, layer_.head_dim_), workspace(),
                 layer_.ctx_);
     }
-    SelectionView read(std::span<float> o) override {
+    SelectionView read(std::span<float> o, std::span<float> lse) override {
       const SelectionView from = step_.selection(workspace(), 1);
       const SelectionView& to = selection_.view();
       const std::size_t rows = std::size_t(layer_.kv_heads_);
-      KVSIFT_CHECK(o.size() == o_.size(), "FidelityStep::read", "o holds {} values; the output has {}", o.size(),
-                   o_.size());
+      KVSIFT_CHECK(o.size() == o_.size() && lse.size() == lse_.size(), "FidelityStep::read",
+                   "o holds {} values and lse {}; the output has {} and {}", o.size(), lse.size(), o_.size(),
+                   lse_.size());
       Copy::copy(o.data(), o_.data(), o_.size() * sizeof(float), layer_.ctx_);
+      Copy::copy(lse.data(), lse_.data(), lse_.size() * sizeof(float), layer_.ctx_);
       Copy::copy(to.indices, from.indices, rows * std::size_t(from.capacity) * sizeof(std::int32_t), layer_.ctx_);
       Copy::copy(to.counts, from.counts, rows * sizeof(std::int32_t), layer_.ctx_);
       Copy::wait(layer_.ctx_);
