@@ -253,7 +253,9 @@ TEST_F(OffloadStep, WeightsAndBadCountRows) {
   const HostState ref = two_source_reference<T>(p.q, kQHeads, p.kv_values, kWindow, indices, counts, kBudget, &weights,
                                                 nullptr, slots, 1.0 / std::sqrt(double(kHeadDim)));
   const std::vector<float> o = d_o.download(), lse = d_lse.download();
-  expect_state_with_bad_row(o, lse, ref, kBatch * kQHeads, kQHeads / kKvHeads, kHeadDim, bad_row, 1e-3f);
+  // 4e-3: the GPU kernel rounds the probabilities to bf16 for the P.V product (relative 2^-9); 1e-3 failed one
+  // seed by 1.1e-3 on the H100 (2026-11-27), as the hybrid step's test allows 5e-3.
+  expect_state_with_bad_row(o, lse, ref, kBatch * kQHeads, kQHeads / kKvHeads, kHeadDim, bad_row, 4e-3f);
 }
 
 // run() refuses inputs whose batches disagree or exceed the plan, a pool larger than the planned one, and a host
