@@ -31,18 +31,9 @@
 #include "kvsift/cpu/thread_pool.hpp"
 #include "kvsift/eval/capture.hpp"
 #include "kvsift/selectors/a2ats_codebook.hpp"
+#include "cli_list.hpp"
 
 namespace {
-
-std::vector<std::string> split(const std::string& list) {
-  std::vector<std::string> out;
-  for (std::size_t start = 0; start <= list.size();) {
-    const std::size_t end = std::min(list.find(',', start), list.size());
-    out.push_back(list.substr(start, end - start));
-    start = end + 1;
-  }
-  return out;
-}
 
 int usage() {
   std::fprintf(stderr,
@@ -97,7 +88,7 @@ int main(int argc, char** argv) {
     const std::string arg = argv[i];
     const bool has_value = i + 1 < argc;
     if (arg == "--captures" && has_value) {
-      capture_paths = split(argv[++i]);
+      capture_paths = kvsift::bench::split_list(argv[++i]);
     } else if (arg == "--out" && has_value) {
       out = argv[++i];
     } else if (arg == "--layers" && has_value) {
@@ -138,7 +129,7 @@ int main(int argc, char** argv) {
     if (layers_arg == "all") {
       for (const auto& l : first.layers) layers.push_back(l.layer);
     } else {
-      for (const auto& l : split(layers_arg)) layers.push_back(std::atoi(l.c_str()));
+      for (const auto& l : kvsift::bench::split_list(layers_arg)) layers.push_back(std::atoi(l.c_str()));
     }
     std::sort(layers.begin(), layers.end());
     layers.erase(std::unique(layers.begin(), layers.end()), layers.end());

@@ -28,20 +28,11 @@
 #include "kvsift/cpu/thread_pool.hpp"
 #include "kvsift/eval/capture.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
+#include "cli_list.hpp"
 
 namespace {
 
 using kvsift::half;
-
-std::vector<std::string> split(const std::string& list) {
-  std::vector<std::string> out;
-  for (std::size_t start = 0; start <= list.size();) {
-    const std::size_t end = std::min(list.find(',', start), list.size());
-    out.push_back(list.substr(start, end - start));
-    start = end + 1;
-  }
-  return out;
-}
 
 int usage() {
   std::fprintf(stderr,
@@ -149,12 +140,12 @@ int main(int argc, char** argv) try {
   kvsift::cpu::ThreadPool pool(threads);
   const kvsift::cpu::Context ctx{&pool};
 
-  std::vector<std::string> budget_names = split(budgets_arg);
+  std::vector<std::string> budget_names = kvsift::bench::split_list(budgets_arg);
   std::vector<std::vector<Tally>> tallies;  // [layer][budget], pooled over captures
   std::vector<std::int32_t> layer_ids;
   std::vector<std::int32_t> budgets;
   std::int32_t tokens = 0;
-  for (const std::string& path : split(captures)) {
+  for (const std::string& path : kvsift::bench::split_list(captures)) {
     const kvsift::Capture cap = kvsift::read_capture(path);
     if (budgets.empty()) {
       tokens = cap.tokens;
@@ -167,7 +158,7 @@ int main(int argc, char** argv) try {
       if (layers_arg == "all") {
         for (std::size_t i = 0; i < cap.layers.size(); ++i) layer_ids.push_back(cap.layers[i].layer);
       } else {
-        for (const std::string& l : split(layers_arg)) layer_ids.push_back(std::atoi(l.c_str()));
+        for (const std::string& l : kvsift::bench::split_list(layers_arg)) layer_ids.push_back(std::atoi(l.c_str()));
       }
       tallies.assign(layer_ids.size(), std::vector<Tally>(budgets.size()));
     }
