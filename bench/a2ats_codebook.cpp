@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -34,6 +33,8 @@
 #include "cli_list.hpp"
 
 namespace {
+
+constexpr const char* kTool = "kvsift_a2ats_codebook";
 
 int usage() {
   std::fprintf(stderr,
@@ -75,145 +76,140 @@ double mean(const std::vector<double>& v) { return std::accumulate(v.begin(), v.
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   std::vector<std::string> capture_paths;
-  std::string out, layers_arg = "all", model_id;
+  std::string out, model_id;
+  std::vector<std::int32_t> layers;  // empty: every layer the first capture holds (--layers all)
   kvsift::A2atsCodebookParams params;
   params.codewords = 4096;
   kvsift::A2atsCalibrationConfig config;
-  std::int32_t model_layers = 0;
+  std::int32_t model_layers = 0;  // 0: the highest layer the first capture holds + 1
   int threads = int(std::max(1u, std::thread::hardware_concurrency()));
   bool compare_plain = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const bool has_value = i + 1 < argc;
-    if (arg == "--captures" && has_value) {
-      capture_paths = kvsift::bench::split_list(argv[++i]);
-    } else if (arg == "--out" && has_value) {
-      out = argv[++i];
-    } else if (arg == "--layers" && has_value) {
-      layers_arg = argv[++i];
-    } else if (arg == "--codewords" && has_value) {
-      params.codewords = std::atoi(argv[++i]);
-    } else if (arg == "--offset" && has_value) {
-      params.offset = std::atoi(argv[++i]);
-    } else if (arg == "--window" && has_value) {
-      params.window = std::atoi(argv[++i]);
-    } else if (arg == "--plain") {
+  kvsift::bench::Arguments args(kTool, argc, argv);
+  while (args.next()) {
+    if (args.is("--captures")) {
+      capture_paths = kvsift::bench::split_list(args.value());
+    } else if (args.is("--out")) {
+      out = args.value();
+    } else if (args.is("--layers")) {
+      layers = kvsift::bench::parse_layers(kTool, "--layers", args.value());
+    } else if (args.is("--codewords")) {
+      params.codewords = args.integer<std::int32_t>(1);
+    } else if (args.is("--offset")) {
+      params.offset = args.integer<std::int32_t>(0);
+    } else if (args.is("--window")) {
+      params.window = args.integer<std::int32_t>(0);
+    } else if (args.is("--plain")) {
       params.query_aware = false;
-    } else if (arg == "--no-wrope") {
+    } else if (args.is("--no-wrope")) {
       params.windowed_rope = false;
-    } else if (arg == "--model-id" && has_value) {
-      model_id = argv[++i];
-    } else if (arg == "--model-layers" && has_value) {
-      model_layers = std::atoi(argv[++i]);
-    } else if (arg == "--iterations" && has_value) {
-      config.kmeans_iterations = std::atoi(argv[++i]);
-    } else if (arg == "--seed" && has_value) {
-      config.seed = std::strtoull(argv[++i], nullptr, 10);
-    } else if (arg == "--threads" && has_value) {
-      threads = std::atoi(argv[++i]);
-    } else if (arg == "--compare-plain") {
+    } else if (args.is("--model-id")) {
+      model_id = args.value();
+    } else if (args.is("--model-layers")) {
+      model_layers = args.integer<std::int32_t>(1);
+    } else if (args.is("--iterations")) {
+      config.kmeans_iterations = args.integer<std::int32_t>(0);
+    } else if (args.is("--seed")) {
+      config.seed = args.integer<std::uint64_t>(0);
+    } else if (args.is("--threads")) {
+      threads = args.integer<int>(1);
+    } else if (args.is("--compare-plain")) {
       compare_plain = true;
     } else {
-      return usage();
+      args.refuse();
     }
   }
-  if (capture_paths.empty() || out.empty() || threads < 1) return usage();
+  if (capture_paths.empty() || out.empty()) return usage();
 
-  try {
-    std::vector<kvsift::Capture> captures;
-    for (const auto& path : capture_paths) captures.push_back(kvsift::read_capture(path));
-    const kvsift::Capture& first = captures.front();
-    std::vector<std::int32_t> layers;
-    if (layers_arg == "all") {
-      for (const auto& l : first.layers) layers.push_back(l.layer);
-    } else {
-      for (const auto& l : kvsift::bench::split_list(layers_arg)) layers.push_back(std::atoi(l.c_str()));
-    }
-    std::sort(layers.begin(), layers.end());
-    layers.erase(std::unique(layers.begin(), layers.end()), layers.end());
-    std::int32_t keys = 0;
-    for (std::size_t i = 0; i < captures.size(); ++i) {
-      const kvsift::Capture& c = captures[i];
-      const auto& p = capture_paths[i];
-      const kvsift::RopeScalingConfig &x = c.rope.scaling, &y = first.rope.scaling;
-      const bool same_scaling = x.kind == y.kind && x.factor == y.factor &&
-                                x.original_max_position_embeddings == y.original_max_position_embeddings &&
-                                x.low_freq_factor == y.low_freq_factor && x.high_freq_factor == y.high_freq_factor &&
-                                x.beta_fast == y.beta_fast && x.beta_slow == y.beta_slow && x.truncate == y.truncate &&
-                                x.attention_factor == y.attention_factor && x.mscale == y.mscale &&
-                                x.mscale_all_dim == y.mscale_all_dim;
-      KVSIFT_CHECK(c.model == first.model && c.q_heads == first.q_heads && c.kv_heads == first.kv_heads &&
-                       c.head_dim == first.head_dim && c.rope.theta == first.rope.theta &&
-                       c.rope.resolved_rotary_dim(c.head_dim) == first.rope.resolved_rotary_dim(first.head_dim) &&
-                       c.rope.layout == first.rope.layout && same_scaling,
-                   "kvsift_a2ats_codebook", "{} is of another model or shape than {} (model, heads, head_dim, RoPE)", p,
-                   capture_paths.front());
-      for (const std::int32_t layer : layers) {
-        KVSIFT_CHECK(std::any_of(c.layers.begin(), c.layers.end(), [&](const auto& l) { return l.layer == layer; }),
-                     "kvsift_a2ats_codebook", "{} holds no layer {}", p, layer);
-      }
-      keys += c.tokens;
-    }
-    KVSIFT_CHECK(params.codewords >= 1 && params.codewords <= keys, "kvsift_a2ats_codebook",
-                 "--codewords {} is more than the {} keys per kv head the captures hold: use --codewords {} or fewer "
-                 "(or calibrate on more text)",
-                 params.codewords, keys, keys);
-    params.model_id = model_id.empty() ? first.model : model_id;
-    std::int32_t captured = 0;
-    for (const auto& l : first.layers) captured = std::max(captured, l.layer + 1);
-    params.layers = model_layers > 0 ? model_layers : captured;
-    params.calibrated_layers = layers;
-    params.kv_heads = first.kv_heads;
-    params.q_heads = first.q_heads;
-    params.head_dim = first.head_dim;
-    params.rope = first.rope;
-    kvsift::A2atsCodebooks codebooks(params);
-    kvsift::cpu::ThreadPool pool(threads);
-
-    fmt::print("## A2ATS codebooks: {}\n\n", params.model_id);
-    fmt::print("captures: {} ({} keys per kv head); {} kv heads, {} query heads, head_dim {}; codewords {}, b = {}, "
-               "w = {}, query_aware {}, windowed_rope {}; {} Lloyd steps, seed {}, {} threads\n\n",
-               fmt::join(capture_paths, ", "), keys, params.kv_heads, params.q_heads, params.head_dim,
-               params.codewords, params.offset, params.window, params.query_aware, params.windowed_rope,
-               config.kmeans_iterations, config.seed, threads);
-    fmt::print("| layer | keys/head | codewords | ridge per kv head | Lloyd steps | max movement | J' | {}build s |\n",
-               compare_plain ? "J' plain | " : "");
-    fmt::print("|---|---|---|---|---|---|---|{}---|\n", compare_plain ? "---|" : "");
-    double total = 0.0;
+  std::vector<kvsift::Capture> captures;
+  for (const auto& path : capture_paths) captures.push_back(kvsift::read_capture(path));
+  const kvsift::Capture& first = captures.front();
+  if (layers.empty()) {
+    for (const auto& l : first.layers) layers.push_back(l.layer);
+  }
+  std::sort(layers.begin(), layers.end());
+  layers.erase(std::unique(layers.begin(), layers.end()), layers.end());
+  std::int32_t keys = 0;
+  for (std::size_t i = 0; i < captures.size(); ++i) {
+    const kvsift::Capture& c = captures[i];
+    const auto& p = capture_paths[i];
+    const kvsift::RopeScalingConfig &x = c.rope.scaling, &y = first.rope.scaling;
+    const bool same_scaling = x.kind == y.kind && x.factor == y.factor &&
+                              x.original_max_position_embeddings == y.original_max_position_embeddings &&
+                              x.low_freq_factor == y.low_freq_factor && x.high_freq_factor == y.high_freq_factor &&
+                              x.beta_fast == y.beta_fast && x.beta_slow == y.beta_slow && x.truncate == y.truncate &&
+                              x.attention_factor == y.attention_factor && x.mscale == y.mscale &&
+                              x.mscale_all_dim == y.mscale_all_dim;
+    KVSIFT_CHECK(c.model == first.model && c.q_heads == first.q_heads && c.kv_heads == first.kv_heads &&
+                     c.head_dim == first.head_dim && c.rope.theta == first.rope.theta &&
+                     c.rope.resolved_rotary_dim(c.head_dim) == first.rope.resolved_rotary_dim(first.head_dim) &&
+                     c.rope.layout == first.rope.layout && same_scaling,
+                 "kvsift_a2ats_codebook", "{} is of another model or shape than {} (model, heads, head_dim, RoPE)", p,
+                 capture_paths.front());
     for (const std::int32_t layer : layers) {
-      const LayerInputs data(captures, layer);
-      const auto inputs = data.view(first);
-      const auto start = std::chrono::steady_clock::now();
-      const kvsift::A2atsCalibrationReport report = kvsift::calibrate_a2ats_layer(codebooks, layer, inputs, config, &pool);
-      const double build = seconds_since(start);
-      total += build;
-      const double error = mean(kvsift::a2ats_score_error(codebooks, layer, inputs, &pool));
-      std::string plain;
-      if (compare_plain) {
-        kvsift::A2atsCodebookParams plain_params = params;
-        plain_params.query_aware = false;
-        plain_params.calibrated_layers = {layer};
-        kvsift::A2atsCodebooks reference(plain_params);
-        kvsift::calibrate_a2ats_layer(reference, layer, inputs, config, &pool);
-        plain = fmt::format("{:.4f} | ", mean(kvsift::a2ats_score_error(reference, layer, inputs, &pool)));
-      }
-      const double movement = *std::max_element(report.movement.begin(), report.movement.end());
-      fmt::print("| {} | {} | {} | {:g} | {} | {:.2e} | {:.4f} | {}{:.2f} |\n", layer, report.keys, params.codewords,
-                 fmt::join(report.ridge, ", "), report.kmeans_iterations, movement, error, plain, build);
-      if (movement >= 1e-4) {  // the convergence rule: Lloyd until the centroids move less than 1e-4
-        std::fprintf(stderr, "kvsift_a2ats_codebook: warning: layer %d has not converged (one more Lloyd step would "
-                             "move a centroid by %.2e of the keys' RMS norm): raise --iterations\n", layer, movement);
-      }
-      std::fflush(stdout);
+      KVSIFT_CHECK(std::any_of(c.layers.begin(), c.layers.end(), [&](const auto& l) { return l.layer == layer; }),
+                   "kvsift_a2ats_codebook", "{} holds no layer {}", p, layer);
     }
-    kvsift::save_a2ats_codebooks(out, codebooks);
-    fmt::print("\nwrote {}: {} layers, {} bytes of codebooks; build {:.1f} s in all ({:.2f} s per layer)\n", out,
-               layers.size(), codebooks.bytes(), total, total / double(layers.size()));
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "kvsift_a2ats_codebook: %s\n", e.what());
-    return 1;
+    keys += c.tokens;
   }
+  KVSIFT_CHECK(params.codewords <= keys, "kvsift_a2ats_codebook",
+               "--codewords {} is more than the {} keys per kv head the captures hold: use --codewords {} or fewer "
+               "(or calibrate on more text)",
+               params.codewords, keys, keys);
+  params.model_id = model_id.empty() ? first.model : model_id;
+  std::int32_t captured = 0;
+  for (const auto& l : first.layers) captured = std::max(captured, l.layer + 1);
+  params.layers = model_layers > 0 ? model_layers : captured;
+  params.calibrated_layers = layers;
+  params.kv_heads = first.kv_heads;
+  params.q_heads = first.q_heads;
+  params.head_dim = first.head_dim;
+  params.rope = first.rope;
+  kvsift::A2atsCodebooks codebooks(params);
+  kvsift::cpu::ThreadPool pool(threads);
+
+  fmt::print("## A2ATS codebooks: {}\n\n", params.model_id);
+  fmt::print("captures: {} ({} keys per kv head); {} kv heads, {} query heads, head_dim {}; codewords {}, b = {}, "
+             "w = {}, query_aware {}, windowed_rope {}; {} Lloyd steps, seed {}, {} threads\n\n",
+             fmt::join(capture_paths, ", "), keys, params.kv_heads, params.q_heads, params.head_dim,
+             params.codewords, params.offset, params.window, params.query_aware, params.windowed_rope,
+             config.kmeans_iterations, config.seed, threads);
+  fmt::print("| layer | keys/head | codewords | ridge per kv head | Lloyd steps | max movement | J' | {}build s |\n",
+             compare_plain ? "J' plain | " : "");
+  fmt::print("|---|---|---|---|---|---|---|{}---|\n", compare_plain ? "---|" : "");
+  double total = 0.0;
+  for (const std::int32_t layer : layers) {
+    const LayerInputs data(captures, layer);
+    const auto inputs = data.view(first);
+    const auto start = std::chrono::steady_clock::now();
+    const kvsift::A2atsCalibrationReport report = kvsift::calibrate_a2ats_layer(codebooks, layer, inputs, config, &pool);
+    const double build = seconds_since(start);
+    total += build;
+    const double error = mean(kvsift::a2ats_score_error(codebooks, layer, inputs, &pool));
+    std::string plain;
+    if (compare_plain) {
+      kvsift::A2atsCodebookParams plain_params = params;
+      plain_params.query_aware = false;
+      plain_params.calibrated_layers = {layer};
+      kvsift::A2atsCodebooks reference(plain_params);
+      kvsift::calibrate_a2ats_layer(reference, layer, inputs, config, &pool);
+      plain = fmt::format("{:.4f} | ", mean(kvsift::a2ats_score_error(reference, layer, inputs, &pool)));
+    }
+    const double movement = *std::max_element(report.movement.begin(), report.movement.end());
+    fmt::print("| {} | {} | {} | {:g} | {} | {:.2e} | {:.4f} | {}{:.2f} |\n", layer, report.keys, params.codewords,
+               fmt::join(report.ridge, ", "), report.kmeans_iterations, movement, error, plain, build);
+    if (movement >= 1e-4) {  // the convergence rule: Lloyd until the centroids move less than 1e-4
+      std::fprintf(stderr, "kvsift_a2ats_codebook: warning: layer %d has not converged (one more Lloyd step would "
+                           "move a centroid by %.2e of the keys' RMS norm): raise --iterations\n", layer, movement);
+    }
+    std::fflush(stdout);
+  }
+  kvsift::save_a2ats_codebooks(out, codebooks);
+  fmt::print("\nwrote {}: {} layers, {} bytes of codebooks; build {:.1f} s in all ({:.2f} s per layer)\n", out,
+             layers.size(), codebooks.bytes(), total, total / double(layers.size()));
   return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "kvsift_a2ats_codebook: %s\n", e.what());
+  return 1;
 }

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <set>
@@ -37,6 +38,7 @@
 #include "kvsift/selectors/oracle_topk.hpp"
 #include "kvsift/selectors/quest.hpp"
 #include "kvsift/step/decode_step.hpp"
+#include "cli_list.hpp"
 
 #if defined(KVSIFT_WITH_CUDA)
 #include <cuda_runtime_api.h>
@@ -266,9 +268,17 @@ void real_data_table(const std::string& path) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  // `kvsift_demo --quick` runs only the smallest context, for smoke tests.
-  const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+int main(int argc, char** argv) try {
+  // `kvsift_demo --quick` runs only the smallest context, for smoke tests; it has no other option.
+  bool quick = false;
+  kvsift::bench::Arguments args("kvsift_demo", argc, argv);
+  while (args.next()) {
+    if (args.is("--quick")) {
+      quick = true;
+    } else {
+      args.refuse();
+    }
+  }
   const std::vector<std::int32_t> contexts = quick ? std::vector<std::int32_t>{8192} : std::vector<std::int32_t>{8192, 32768, 131072};
   const std::vector<double> budgets = {0.01, 0.02, 0.05};
   const int threads = int(std::max(1u, std::thread::hardware_concurrency()));
@@ -395,4 +405,7 @@ int main(int argc, char** argv) {
   }
   real_data_table(KVSIFT_DEMO_CAPTURE);
   return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "kvsift_demo: %s\n", e.what());
+  return 1;
 }

@@ -17,12 +17,13 @@
 // one also with the group-maximum rule); the file must match each capture's shapes and RoPE. --centroidkv adds
 // CentroidKV at equal entries (eval/fidelity.hpp centroid_kv_selectors; the CPU backend only for now) and, after
 // each table, the output and LSE error columns alone (fidelity_error_markdown). --only keeps
-// the selectors of those names (e.g. the references beside CentroidKV at budgets where CTKVR refuses the prefill).
+// the selectors of those names (e.g. the references beside CentroidKV at budgets where CTKVR refuses the prefill);
+// a name no selector has is refused, listing theirs. Numbers are read whole (bench/cli_list.hpp): "abc", "12x" or
+// an unknown option end the run with a message naming the option and the text.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <iterator>
 #include <memory>
@@ -37,18 +38,11 @@
 #if defined(KVSIFT_WITH_CUDA)
 #include "kvsift/eval/cuda_fidelity.hpp"
 #endif
+#include "cli_list.hpp"
 
 namespace {
 
-std::vector<double> parse_budgets(const std::string& list) {
-  std::vector<double> out;
-  for (std::size_t start = 0; start <= list.size();) {
-    const std::size_t end = std::min(list.find(',', start), list.size());
-    out.push_back(std::stod(list.substr(start, end - start)));
-    start = end + 1;
-  }
-  return out;
-}
+constexpr const char* kTool = "kvsift_fidelity";
 
 struct NamedCodebooks {
   std::string name;
@@ -92,11 +86,14 @@ std::vector<kvsift::BasicSelectorEntry<Context>> all_selectors(bool csattention_
   return entries;
 }
 
-/// The entries named in `only` (all of them when it is empty).
+/// The entries named in `only` (all of them when it is empty); refuses a name no entry has, listing theirs.
 template <class Context>
 std::vector<kvsift::BasicSelectorEntry<Context>> keep_only(std::vector<kvsift::BasicSelectorEntry<Context>> entries,
                                                            const std::vector<std::string>& only) {
   if (!only.empty()) {
+    std::vector<std::string> names;
+    for (const auto& e : entries) names.push_back(e.name);
+    kvsift::bench::check_names(kTool, "--only", only, names);
     std::erase_if(entries, [&](const auto& e) { return std::find(only.begin(), only.end(), e.name) == only.end(); });
   }
   return entries;
@@ -111,46 +108,42 @@ int usage() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   kvsift::FidelityOptions options;
   std::string backend = "cpu", plot_data;
   bool variants = false, centroid_kv = false;
   std::vector<std::string> only;  // empty: every selector
   std::vector<std::string> captures;
   std::vector<std::pair<std::string, std::string>> a2ats;  // (name, codebook file)
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const bool has_value = i + 1 < argc;
-    if (arg == "--backend" && has_value) {
-      backend = argv[++i];
-      if (backend != "cpu" && backend != "cuda" && backend != "both") return usage();
-    } else if (arg == "--positions" && has_value) {
-      options.decode_positions = std::atoi(argv[++i]);
-    } else if (arg == "--prefill" && has_value) {
-      options.prefill = std::atof(argv[++i]);
-    } else if (arg == "--budgets" && has_value) {
-      options.budgets = parse_budgets(argv[++i]);
-    } else if (arg == "--plot-data" && has_value) {
-      plot_data = argv[++i];
-    } else if (arg == "--csattention-variants") {
+  kvsift::bench::Arguments args(kTool, argc, argv);
+  while (args.next()) {
+    if (args.is("--backend")) {
+      backend = args.value();
+      kvsift::bench::check_names(kTool, "--backend", {backend}, {"cpu", "cuda", "both"});
+    } else if (args.is("--positions")) {
+      options.decode_positions = args.integer<std::int32_t>(1);
+    } else if (args.is("--prefill")) {
+      options.prefill = args.real();
+    } else if (args.is("--budgets")) {
+      options.budgets = args.reals();
+    } else if (args.is("--plot-data")) {
+      plot_data = args.value();
+    } else if (args.is("--csattention-variants")) {
       variants = true;
-    } else if (arg == "--centroidkv") {
+    } else if (args.is("--centroidkv")) {
       centroid_kv = true;
-    } else if (arg == "--only" && has_value) {
-      for (std::string names = argv[++i]; !names.empty();) {
-        const std::size_t comma = names.find(',');
-        only.push_back(names.substr(0, comma));
-        names = comma == std::string::npos ? "" : names.substr(comma + 1);
-      }
-    } else if (arg == "--a2ats" && has_value) {
-      const std::string value = argv[++i];
+    } else if (args.is("--only")) {
+      only = kvsift::bench::split_list(args.value());
+    } else if (args.is("--a2ats")) {
+      const std::string value = args.value();
       const std::size_t eq = value.find('=');
-      if (eq == std::string::npos || eq == 0 || eq + 1 == value.size()) return usage();
+      KVSIFT_CHECK(eq != std::string::npos && eq != 0 && eq + 1 != value.size(), kTool,
+                   "--a2ats must be NAME=CODEBOOKS (a label and a kvsift_a2ats_codebook file), got '{}'", value);
       a2ats.emplace_back(value.substr(0, eq), value.substr(eq + 1));
-    } else if (arg.starts_with("--")) {
-      return usage();
+    } else if (args.arg().starts_with("--")) {
+      args.refuse();
     } else {
-      captures.push_back(arg);
+      captures.push_back(args.arg());
     }
   }
   if (captures.empty()) return usage();
@@ -172,69 +165,67 @@ int main(int argc, char** argv) {
     }
   }
 
-  try {
-    std::string plot;  // the gnuplot blocks, one per (capture, layer)
-    for (const auto& path : captures) {
-      const kvsift::Capture capture = kvsift::read_capture(path);
-      const std::vector<NamedCodebooks> codebooks = load_codebooks(a2ats, capture);
-      const auto selectors = keep_only(all_selectors<kvsift::cpu::Context>(variants, codebooks, centroid_kv, options.prefill), only);
-      std::vector<std::unique_ptr<kvsift::FidelityBackend>> owned;
-      if (backend != "cuda") owned.push_back(kvsift::fidelity_backend(selectors));
+  std::string plot;  // the gnuplot blocks, one per (capture, layer)
+  for (const auto& path : captures) {
+    const kvsift::Capture capture = kvsift::read_capture(path);
+    const std::vector<NamedCodebooks> codebooks = load_codebooks(a2ats, capture);
+    const auto selectors = keep_only(all_selectors<kvsift::cpu::Context>(variants, codebooks, centroid_kv, options.prefill), only);
+    std::vector<std::unique_ptr<kvsift::FidelityBackend>> owned;
+    if (backend != "cuda") owned.push_back(kvsift::fidelity_backend(selectors));
 #if defined(KVSIFT_WITH_CUDA)
-      if (backend != "cpu") {
-        owned.push_back(kvsift::cuda::fidelity_backend(
-            keep_only(all_selectors<kvsift::cuda::Context>(variants, codebooks, false, options.prefill), only)));
-      }
+    if (backend != "cpu") {
+      owned.push_back(kvsift::cuda::fidelity_backend(
+          keep_only(all_selectors<kvsift::cuda::Context>(variants, codebooks, false, options.prefill), only)));
+    }
 #endif
-      std::vector<kvsift::FidelityBackend*> backends;
-      for (const auto& b : owned) backends.push_back(b.get());
-      fmt::print("\n### {}: {}, {} tokens, layers", capture.text_id, capture.model, capture.tokens);
-      for (const auto& layer : capture.layers) fmt::print(" {}", layer.layer);
-      fmt::print("\n\n");
-      const auto comparison = kvsift::evaluate_fidelity(capture, backends, options);
-      for (const auto& r : comparison.results) {
-        if (backends.size() > 1) fmt::print("#### Backend: {}\n\n", r.backend);
-        fmt::print("{}", kvsift::fidelity_markdown(r));
-        if (centroid_kv) {
-          fmt::print("\nOutput and LSE error (|LSE - LSE_dense|, natural log) against dense attention:\n\n{}",
-                     kvsift::fidelity_error_markdown(std::span<const kvsift::FidelityRow>(r.rows)));
-        }
-        if (backends.size() > 1) fmt::print("\n");
+    std::vector<kvsift::FidelityBackend*> backends;
+    for (const auto& b : owned) backends.push_back(b.get());
+    fmt::print("\n### {}: {}, {} tokens, layers", capture.text_id, capture.model, capture.tokens);
+    for (const auto& layer : capture.layers) fmt::print(" {}", layer.layer);
+    fmt::print("\n\n");
+    const auto comparison = kvsift::evaluate_fidelity(capture, backends, options);
+    for (const auto& r : comparison.results) {
+      if (backends.size() > 1) fmt::print("#### Backend: {}\n\n", r.backend);
+      fmt::print("{}", kvsift::fidelity_markdown(r));
+      if (centroid_kv) {
+        fmt::print("\nOutput and LSE error (|LSE - LSE_dense|, natural log) against dense attention:\n\n{}",
+                   kvsift::fidelity_error_markdown(std::span<const kvsift::FidelityRow>(r.rows)));
       }
-      for (const auto& d : comparison.differences) fmt::print("{}", kvsift::fidelity_markdown(d));
-      const auto& result = comparison.results.front();
-      const std::string stem = std::filesystem::path(path).stem().string();
-      for (const auto& layer : capture.layers) {
-        fmt::format_to(std::back_inserter(plot), "{}# panel {}:layer_{}\nbudget_percent", plot.empty() ? "" : "\n\n",
-                       stem, layer.layer);
-        for (const auto& s : selectors) fmt::format_to(std::back_inserter(plot), " {0} {0}_p10 {0}_p90", s.name);
-        plot += "\n";
-        for (const double budget : options.budgets) {
-          fmt::format_to(std::back_inserter(plot), "{:g}", 100 * budget);
-          for (const auto& s : selectors) {
-            for (const auto& r : result.rows) {
-              if (r.layer != layer.layer || r.budget != budget || r.selector != s.name) continue;
-              if (r.refused.empty()) {
-                fmt::format_to(std::back_inserter(plot), " {:.4f} {:.4f} {:.4f}", r.mass_recall, r.mass_recall_p10,
-                               r.mass_recall_p90);
-              } else {  // refused at this budget: gnuplot leaves a gap
-                plot += " NaN NaN NaN";
-              }
+      if (backends.size() > 1) fmt::print("\n");
+    }
+    for (const auto& d : comparison.differences) fmt::print("{}", kvsift::fidelity_markdown(d));
+    const auto& result = comparison.results.front();
+    const std::string stem = std::filesystem::path(path).stem().string();
+    for (const auto& layer : capture.layers) {
+      fmt::format_to(std::back_inserter(plot), "{}# panel {}:layer_{}\nbudget_percent", plot.empty() ? "" : "\n\n",
+                     stem, layer.layer);
+      for (const auto& s : selectors) fmt::format_to(std::back_inserter(plot), " {0} {0}_p10 {0}_p90", s.name);
+      plot += "\n";
+      for (const double budget : options.budgets) {
+        fmt::format_to(std::back_inserter(plot), "{:g}", 100 * budget);
+        for (const auto& s : selectors) {
+          for (const auto& r : result.rows) {
+            if (r.layer != layer.layer || r.budget != budget || r.selector != s.name) continue;
+            if (r.refused.empty()) {
+              fmt::format_to(std::back_inserter(plot), " {:.4f} {:.4f} {:.4f}", r.mass_recall, r.mass_recall_p10,
+                             r.mass_recall_p90);
+            } else {  // refused at this budget: gnuplot leaves a gap
+              plot += " NaN NaN NaN";
             }
           }
-          plot += "\n";
         }
+        plot += "\n";
       }
     }
-    if (!plot_data.empty()) {
-      std::FILE* f = std::fopen(plot_data.c_str(), "w");
-      KVSIFT_CHECK(f != nullptr, "kvsift_fidelity", "cannot write {}", plot_data);
-      fmt::print(f, "{}", plot);
-      std::fclose(f);
-    }
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "kvsift_fidelity: %s\n", e.what());
-    return 1;
+  }
+  if (!plot_data.empty()) {
+    std::FILE* f = std::fopen(plot_data.c_str(), "w");
+    KVSIFT_CHECK(f != nullptr, "kvsift_fidelity", "cannot write {}", plot_data);
+    fmt::print(f, "{}", plot);
+    std::fclose(f);
   }
   return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "kvsift_fidelity: %s\n", e.what());
+  return 1;
 }

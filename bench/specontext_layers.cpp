@@ -25,7 +25,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -37,10 +36,13 @@
 #include "kvsift/eval/capture.hpp"
 #include "kvsift/eval/metrics.hpp"
 #include "kvsift/selectors/oracle_topk.hpp"
+#include "cli_list.hpp"
 
 namespace {
 
 using kvsift::half;
+
+constexpr const char* kTool = "kvsift_specontext_layers";
 
 struct Options {
   std::int32_t positions = 64;
@@ -50,17 +52,6 @@ struct Options {
   kvsift::AttentionWindow window{};
   std::string csv;
 };
-
-template <class T>
-std::vector<T> parse_list(const std::string& list) {
-  std::vector<T> out;
-  for (std::size_t start = 0; start <= list.size();) {
-    const std::size_t end = std::min(list.find(',', start), list.size());
-    out.push_back(static_cast<T>(std::stod(list.substr(start, end - start))));
-    start = end + 1;
-  }
-  return out;
-}
 
 /// A budget column: its label and K.
 struct Budget {
@@ -94,7 +85,8 @@ Recalls measure(const kvsift::Capture& capture, const std::vector<std::int32_t>&
   }
   Recalls sums(budgets.size(), std::vector<double>(std::size_t(layers) * layers, 0.0));
   const std::int32_t slot = 0;
-  std::int32_t length = 0;
+  std::int32_t length = capture.tokens;  // the oracles index nothing, but a slot holds a sequence before its steps
+  for (auto& oracle : oracles) oracle.prepare({.cache = capture.kv(0, &length), .slots = &slot}, ctx);
   std::vector<kvsift::AttentionWeights> attention(static_cast<std::size_t>(layers));
   for (const std::int32_t pos : positions) {
     length = pos + 1;  // the query at pos attends [0, pos], its own token included
@@ -147,182 +139,179 @@ int usage() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   Options options;
   std::vector<std::string> files;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const bool has_value = i + 1 < argc;
-    if (arg == "--positions" && has_value) {
-      options.positions = std::atoi(argv[++i]);
-    } else if (arg == "--prefill" && has_value) {
-      options.prefill = std::atof(argv[++i]);
-    } else if (arg == "--budgets" && has_value) {
-      options.fractions = parse_list<double>(argv[++i]);
-    } else if (arg == "--tokens" && has_value) {
-      options.tokens = parse_list<std::int32_t>(argv[++i]);
-    } else if (arg == "--window" && has_value) {
-      const auto w = parse_list<std::int32_t>(argv[++i]);
-      if (w.size() != 2 || w[0] < 0 || w[1] < 0) return usage();
+  kvsift::bench::Arguments args(kTool, argc, argv);
+  while (args.next()) {
+    if (args.is("--positions")) {
+      options.positions = args.integer<std::int32_t>(1);
+    } else if (args.is("--prefill")) {
+      options.prefill = args.real();
+    } else if (args.is("--budgets")) {
+      options.fractions = args.reals();
+    } else if (args.is("--tokens")) {
+      options.tokens = args.integers<std::int32_t>(1);
+    } else if (args.is("--window")) {
+      const std::string value = args.value();
+      const auto w = kvsift::bench::parse_integers<std::int32_t>(kTool, "--window", value, 0);
+      KVSIFT_CHECK(w.size() == 2, kTool, "--window must be SINK,RECENT (two token counts), got '{}'", value);
       options.window = {w[0], w[1]};
-    } else if (arg == "--csv" && has_value) {
-      options.csv = argv[++i];
-    } else if (arg.starts_with("--")) {
-      return usage();
+    } else if (args.is("--csv")) {
+      options.csv = args.value();
+    } else if (args.arg().starts_with("--")) {
+      args.refuse();
     } else {
-      files.push_back(arg);
+      files.push_back(args.arg());
     }
   }
-  if (files.empty() || options.fractions.size() + options.tokens.size() == 0) return usage();
+  if (files.empty()) return usage();
 
-  try {
-    constexpr const char* where = "kvsift_specontext_layers";
-    std::vector<Recalls> per_capture;
-    std::vector<std::int32_t> layer_ids, positions;
-    std::vector<Budget> budgets;
-    std::string shape;
-    for (const std::string& file : files) {
-      const kvsift::Capture capture = kvsift::read_capture(file);
-      std::vector<std::int32_t> ids;
-      for (const auto& l : capture.layers) ids.push_back(l.layer);
-      const std::string this_shape = fmt::format("{} tokens, {} q heads, {} kv heads, head_dim {}", capture.tokens,
-                                                 capture.q_heads, capture.kv_heads, capture.head_dim);
-      if (per_capture.empty()) {
-        layer_ids = ids;
-        shape = this_shape;
-        // The harness's protocol (eval/fidelity.hpp): P = round(prefill * tokens), N positions evenly spread over
-        // [P, tokens - 1] (P + round(i (decoded - 1) / (N - 1))), K = max(1, round(F (P + 1))). A copy of the few
-        // lines private to src/eval/fidelity.cpp, kept until the harness exports them: change both together.
-        const bool share = options.prefill > 0.0 && options.prefill < 1.0;
-        const auto first = share ? std::int32_t(std::lround(options.prefill * capture.tokens)) : 0;
-        KVSIFT_CHECK(share && first >= 1 && first < capture.tokens, where,
-                     "--prefill {} leaves no prefill or no decode position of {} tokens", options.prefill,
-                     capture.tokens);
-        const std::int32_t decoded = capture.tokens - first, n = options.positions;
-        KVSIFT_CHECK(n >= 1 && n <= decoded, where, "--positions {} is outside [1, {}]", n, decoded);
-        for (std::int32_t i = 0; i < n; ++i) {
-          const std::int64_t step = n == 1 ? 0 : (std::int64_t(i) * (decoded - 1) + (n - 1) / 2) / (n - 1);
-          positions.push_back(n == 1 ? capture.tokens - 1 : first + std::int32_t(step));
-        }
-        for (const double f : options.fractions) {
-          KVSIFT_CHECK(f > 0.0 && f <= 1.0, where, "budget fraction {} is outside (0, 1]", f);
-          budgets.push_back({fmt::format("{:g}%", 100 * f),
-                             std::max<std::int32_t>(1, std::int32_t(std::lround(f * (first + 1))))});
-        }
-        for (const std::int32_t k : options.tokens) {
-          KVSIFT_CHECK(k >= 1 && k <= first + 1, where, "budget of {} tokens is outside [1, P + 1 = {}]", k, first + 1);
-          budgets.push_back({fmt::format("{} tok", k), k});
-        }
+  std::vector<Recalls> per_capture;
+  std::vector<std::int32_t> layer_ids, positions;
+  std::vector<Budget> budgets;
+  std::string shape;
+  for (const std::string& file : files) {
+    const kvsift::Capture capture = kvsift::read_capture(file);
+    std::vector<std::int32_t> ids;
+    for (const auto& l : capture.layers) ids.push_back(l.layer);
+    const std::string this_shape = fmt::format("{} tokens, {} q heads, {} kv heads, head_dim {}", capture.tokens,
+                                               capture.q_heads, capture.kv_heads, capture.head_dim);
+    if (per_capture.empty()) {
+      layer_ids = ids;
+      shape = this_shape;
+      // The harness's protocol (eval/fidelity.hpp): P = round(prefill * tokens), N positions evenly spread over
+      // [P, tokens - 1] (P + round(i (decoded - 1) / (N - 1))), K = max(1, round(F (P + 1))). A copy of the few
+      // lines private to src/eval/fidelity.cpp, kept until the harness exports them: change both together.
+      const bool share = options.prefill > 0.0 && options.prefill < 1.0;
+      const auto first = share ? std::int32_t(std::lround(options.prefill * capture.tokens)) : 0;
+      KVSIFT_CHECK(share && first >= 1 && first < capture.tokens, kTool,
+                   "--prefill {} leaves no prefill or no decode position of {} tokens", options.prefill,
+                   capture.tokens);
+      const std::int32_t decoded = capture.tokens - first, n = options.positions;
+      KVSIFT_CHECK(n >= 1 && n <= decoded, kTool, "--positions {} is outside [1, {}]", n, decoded);
+      for (std::int32_t i = 0; i < n; ++i) {
+        const std::int64_t step = n == 1 ? 0 : (std::int64_t(i) * (decoded - 1) + (n - 1) / 2) / (n - 1);
+        positions.push_back(n == 1 ? capture.tokens - 1 : first + std::int32_t(step));
       }
-      KVSIFT_CHECK(ids == layer_ids && this_shape == shape, where,
-                   "{} holds layers {} ({}), the first capture layers {} ({})", file, fmt::join(ids, ","), this_shape,
-                   fmt::join(layer_ids, ","), shape);
-      std::fprintf(stderr, "%s: %s, %zu layers\n", file.c_str(), this_shape.c_str(), ids.size());
-      per_capture.push_back(measure(capture, positions, budgets, options.window));
-    }
-
-    const std::size_t layers = layer_ids.size(), captures = per_capture.size();
-    // pooled[b][s * layers + t]: the mean over captures; ratio = pooled proxy / pooled own oracle (the diagonal).
-    Recalls pooled(budgets.size(), std::vector<double>(layers * layers, 0.0)), ratio = pooled;
-    for (std::size_t b = 0; b < budgets.size(); ++b) {
-      for (const Recalls& r : per_capture) {
-        for (std::size_t i = 0; i < layers * layers; ++i) pooled[b][i] += r[b][i] / double(captures);
+      for (const double f : options.fractions) {
+        KVSIFT_CHECK(f > 0.0 && f <= 1.0, kTool, "budget fraction {} is outside (0, 1]", f);
+        budgets.push_back({fmt::format("{:g}%", 100 * f),
+                           std::max<std::int32_t>(1, std::int32_t(std::lround(f * (first + 1))))});
       }
-      for (std::size_t s = 0; s < layers; ++s) {
-        for (std::size_t t = 0; t < layers; ++t) ratio[b][s * layers + t] = pooled[b][s * layers + t] / pooled[b][t * layers + t];
+      for (const std::int32_t k : options.tokens) {
+        KVSIFT_CHECK(k >= 1 && k <= first + 1, kTool, "budget of {} tokens is outside [1, P + 1 = {}]", k, first + 1);
+        budgets.push_back({fmt::format("{} tok", k), k});
       }
     }
-    // Per (budget, source): the mean and minimum ratio over targets, the worst target, and the minimum over
-    // (capture, target) of the per-capture ratio.
-    struct Summary {
-      double mean = 0.0, min = 0.0, capture_min = 0.0;
-      std::size_t worst = 0;
-    };
-    const auto summarize = [&](std::size_t b, std::size_t s) {
-      Summary out{.min = INFINITY, .capture_min = INFINITY};
-      for (std::size_t t = 0; t < layers; ++t) {
-        const double r = ratio[b][s * layers + t];
-        out.mean += r / double(layers);
-        if (r < out.min) {
-          out.min = r;
-          out.worst = t;
-        }
-        for (const Recalls& c : per_capture) {
-          out.capture_min = std::min(out.capture_min, c[b][s * layers + t] / c[b][t * layers + t]);
-        }
-      }
-      return out;
-    };
+    KVSIFT_CHECK(ids == layer_ids && this_shape == shape, kTool,
+                 "{} holds layers {} ({}), the first capture layers {} ({})", file, fmt::join(ids, ","), this_shape,
+                 fmt::join(layer_ids, ","), shape);
+    std::fprintf(stderr, "%s: %s, %zu layers\n", file.c_str(), this_shape.c_str(), ids.size());
+    per_capture.push_back(measure(capture, positions, budgets, options.window));
+  }
 
-    std::string md;
-    auto out = std::back_inserter(md);
-    fmt::format_to(out, "Captures: {} ({}; layers {}). Prefill [0, {}), {} positions evaluated in {}..{}; window: "
-                        "sink {}, recent {}.\n\n",
-                   captures, shape, fmt::join(layer_ids, ","), positions.front(), positions.size(), positions.front(),
-                   positions.back(), options.window.sink, options.window.recent);
-    fmt::format_to(out, "Own OracleTopK mass recall per layer (mean over captures of the mean over positions and "
-                        "query heads):\n\n| layer |");
-    for (const Budget& b : budgets) fmt::format_to(out, " {} (K {}) |", b.label, b.tokens);
-    md += "\n|---|";
-    for (std::size_t b = 0; b < budgets.size(); ++b) md += "---|";
-    md += "\n";
-    for (std::size_t t = 0; t < layers; ++t) {
-      fmt::format_to(out, "| {} |", layer_ids[t]);
-      for (std::size_t b = 0; b < budgets.size(); ++b) fmt::format_to(out, " {:.3f} |", pooled[b][t * layers + t]);
-      md += "\n";
+  const std::size_t layers = layer_ids.size(), captures = per_capture.size();
+  // pooled[b][s * layers + t]: the mean over captures; ratio = pooled proxy / pooled own oracle (the diagonal).
+  Recalls pooled(budgets.size(), std::vector<double>(layers * layers, 0.0)), ratio = pooled;
+  for (std::size_t b = 0; b < budgets.size(); ++b) {
+    for (const Recalls& r : per_capture) {
+      for (std::size_t i = 0; i < layers * layers; ++i) pooled[b][i] += r[b][i] / double(captures);
     }
-    md += "\nProxy from each source layer: mass recall in each target layer / the target's own oracle's, over the "
-          "targets: mean, min (the worst target), and the min over (capture, target).\n\n| source |";
-    for (const Budget& b : budgets) fmt::format_to(out, " {0} mean | {0} min (layer) | {0} capture min |", b.label);
-    md += "\n|---|";
-    for (std::size_t b = 0; b < budgets.size(); ++b) md += "---|---|---|";
-    md += "\n";
     for (std::size_t s = 0; s < layers; ++s) {
-      fmt::format_to(out, "| {} |", layer_ids[s]);
-      for (std::size_t b = 0; b < budgets.size(); ++b) {
-        const Summary x = summarize(b, s);
-        fmt::format_to(out, " {:.3f} | {:.3f} ({}) | {:.3f} |", x.mean, x.min, layer_ids[x.worst], x.capture_min);
-      }
-      md += "\n";
+      for (std::size_t t = 0; t < layers; ++t) ratio[b][s * layers + t] = pooled[b][s * layers + t] / pooled[b][t * layers + t];
     }
-    md += "\nBest source per budget, by the mean and by the min over targets; targets below 0.9 with it:\n\n";
-    for (std::size_t b = 0; b < budgets.size(); ++b) {
-      std::size_t by_mean = 0, by_min = 0;
-      for (std::size_t s = 1; s < layers; ++s) {
-        if (summarize(b, s).mean > summarize(b, by_mean).mean) by_mean = s;
-        if (summarize(b, s).min > summarize(b, by_min).min) by_min = s;
+  }
+  // Per (budget, source): the mean and minimum ratio over targets, the worst target, and the minimum over
+  // (capture, target) of the per-capture ratio.
+  struct Summary {
+    double mean = 0.0, min = 0.0, capture_min = 0.0;
+    std::size_t worst = 0;
+  };
+  const auto summarize = [&](std::size_t b, std::size_t s) {
+    Summary out{.min = INFINITY, .capture_min = INFINITY};
+    for (std::size_t t = 0; t < layers; ++t) {
+      const double r = ratio[b][s * layers + t];
+      out.mean += r / double(layers);
+      if (r < out.min) {
+        out.min = r;
+        out.worst = t;
       }
-      for (const std::size_t best : {by_mean, by_min}) {
-        std::vector<std::string> failing;
-        for (std::size_t t = 0; t < layers; ++t) {
-          if (ratio[b][best * layers + t] < 0.9) {
-            failing.push_back(fmt::format("{} ({:.3f})", layer_ids[t], ratio[b][best * layers + t]));
-          }
-        }
-        fmt::format_to(out, "- {} (K {}), best by {}: source {} (mean {:.3f}, min {:.3f}); below 0.9: {}\n",
-                       budgets[b].label, budgets[b].tokens, best == by_mean ? "mean" : "min", layer_ids[best],
-                       summarize(b, best).mean, summarize(b, best).min,
-                       failing.empty() ? std::string("none") : fmt::format("{}", fmt::join(failing, ", ")));
-        if (by_mean == by_min) break;
+      for (const Recalls& c : per_capture) {
+        out.capture_min = std::min(out.capture_min, c[b][s * layers + t] / c[b][t * layers + t]);
       }
     }
-    std::fwrite(md.data(), 1, md.size(), stdout);
+    return out;
+  };
 
-    if (!options.csv.empty()) {
-      std::ofstream csv(options.csv);
-      KVSIFT_CHECK(bool(csv), where, "cannot write --csv {}", options.csv);
-      csv << "source\\target";
-      for (const std::int32_t t : layer_ids) csv << ',' << t;
-      csv << '\n';
-      for (std::size_t s = 0; s < layers; ++s) {
-        csv << layer_ids[s];
-        for (std::size_t t = 0; t < layers; ++t) csv << fmt::format(",{:.4f}", ratio[0][s * layers + t]);
-        csv << '\n';
-      }
+  std::string md;
+  auto out = std::back_inserter(md);
+  fmt::format_to(out, "Captures: {} ({}; layers {}). Prefill [0, {}), {} positions evaluated in {}..{}; window: "
+                      "sink {}, recent {}.\n\n",
+                 captures, shape, fmt::join(layer_ids, ","), positions.front(), positions.size(), positions.front(),
+                 positions.back(), options.window.sink, options.window.recent);
+  fmt::format_to(out, "Own OracleTopK mass recall per layer (mean over captures of the mean over positions and "
+                      "query heads):\n\n| layer |");
+  for (const Budget& b : budgets) fmt::format_to(out, " {} (K {}) |", b.label, b.tokens);
+  md += "\n|---|";
+  for (std::size_t b = 0; b < budgets.size(); ++b) md += "---|";
+  md += "\n";
+  for (std::size_t t = 0; t < layers; ++t) {
+    fmt::format_to(out, "| {} |", layer_ids[t]);
+    for (std::size_t b = 0; b < budgets.size(); ++b) fmt::format_to(out, " {:.3f} |", pooled[b][t * layers + t]);
+    md += "\n";
+  }
+  md += "\nProxy from each source layer: mass recall in each target layer / the target's own oracle's, over the "
+        "targets: mean, min (the worst target), and the min over (capture, target).\n\n| source |";
+  for (const Budget& b : budgets) fmt::format_to(out, " {0} mean | {0} min (layer) | {0} capture min |", b.label);
+  md += "\n|---|";
+  for (std::size_t b = 0; b < budgets.size(); ++b) md += "---|---|---|";
+  md += "\n";
+  for (std::size_t s = 0; s < layers; ++s) {
+    fmt::format_to(out, "| {} |", layer_ids[s]);
+    for (std::size_t b = 0; b < budgets.size(); ++b) {
+      const Summary x = summarize(b, s);
+      fmt::format_to(out, " {:.3f} | {:.3f} ({}) | {:.3f} |", x.mean, x.min, layer_ids[x.worst], x.capture_min);
     }
-  } catch (const kvsift::Error& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 1;
+    md += "\n";
+  }
+  md += "\nBest source per budget, by the mean and by the min over targets; targets below 0.9 with it:\n\n";
+  for (std::size_t b = 0; b < budgets.size(); ++b) {
+    std::size_t by_mean = 0, by_min = 0;
+    for (std::size_t s = 1; s < layers; ++s) {
+      if (summarize(b, s).mean > summarize(b, by_mean).mean) by_mean = s;
+      if (summarize(b, s).min > summarize(b, by_min).min) by_min = s;
+    }
+    for (const std::size_t best : {by_mean, by_min}) {
+      std::vector<std::string> failing;
+      for (std::size_t t = 0; t < layers; ++t) {
+        if (ratio[b][best * layers + t] < 0.9) {
+          failing.push_back(fmt::format("{} ({:.3f})", layer_ids[t], ratio[b][best * layers + t]));
+        }
+      }
+      fmt::format_to(out, "- {} (K {}), best by {}: source {} (mean {:.3f}, min {:.3f}); below 0.9: {}\n",
+                     budgets[b].label, budgets[b].tokens, best == by_mean ? "mean" : "min", layer_ids[best],
+                     summarize(b, best).mean, summarize(b, best).min,
+                     failing.empty() ? std::string("none") : fmt::format("{}", fmt::join(failing, ", ")));
+      if (by_mean == by_min) break;
+    }
+  }
+  std::fwrite(md.data(), 1, md.size(), stdout);
+
+  if (!options.csv.empty()) {
+    std::ofstream csv(options.csv);
+    KVSIFT_CHECK(bool(csv), kTool, "cannot write --csv {}", options.csv);
+    csv << "source\\target";
+    for (const std::int32_t t : layer_ids) csv << ',' << t;
+    csv << '\n';
+    for (std::size_t s = 0; s < layers; ++s) {
+      csv << layer_ids[s];
+      for (std::size_t t = 0; t < layers; ++t) csv << fmt::format(",{:.4f}", ratio[0][s * layers + t]);
+      csv << '\n';
+    }
   }
   return 0;
+} catch (const kvsift::Error& e) {
+  std::fprintf(stderr, "%s\n", e.what());
+  return 1;
 }

@@ -17,8 +17,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -33,6 +33,8 @@
 namespace {
 
 using kvsift::half;
+
+constexpr const char* kTool = "kvsift_specontext_persistence";
 
 int usage() {
   std::fprintf(stderr,
@@ -78,6 +80,8 @@ Tally measure(const kvsift::Capture& cap, std::size_t layer, std::int32_t budget
   std::vector<std::int32_t> counts[2] = {std::vector<std::int32_t>(cap.kv_heads),
                                          std::vector<std::int32_t>(cap.kv_heads)};
   const std::int32_t slot = 0;
+  std::int32_t prompt = cap.tokens;  // the oracle indexes nothing, but a slot holds a sequence before its steps
+  selector.prepare({.cache = kvsift::KVCache<const half>(cap.kv(layer, &prompt)), .slots = &slot}, ctx);
   const auto queries = cap.queries(layer);
   Tally tally;
   const std::int32_t first = std::max(1, cap.tokens - steps) - 1;  // one step before the first compared
@@ -114,63 +118,83 @@ Tally measure(const kvsift::Capture& cap, std::size_t layer, std::int32_t budget
   return tally;
 }
 
+/// A --budgets item: `value` tokens, or `value` percent of the capture's length.
+struct BudgetArg {
+  std::string text;
+  double value = 0;
+  bool percent = false;
+};
+
+/// "2048,2%" -> {2048 tokens, 2 percent}: token counts are positive integers, percentages positive numbers.
+std::vector<BudgetArg> parse_budgets(const std::string& list) {
+  std::vector<BudgetArg> out;
+  kvsift::bench::for_each_list_item("--budgets", list, [&](const std::string& label, const std::string& item) {
+    BudgetArg b{.text = item, .percent = item.ends_with('%')};
+    if (b.percent) {
+      b.value = kvsift::bench::parse_real(kTool, label, std::string_view(item).substr(0, item.size() - 1));
+      KVSIFT_CHECK(b.value > 0, kTool, "{} must be a positive percentage, got '{}'", label, item);
+    } else {
+      const auto tokens = kvsift::parse_number<std::int32_t>(item);
+      KVSIFT_CHECK(tokens && *tokens >= 1, kTool, "{} must be a token count (a positive integer) or a percentage "
+                   "(such as 2%), got '{}'", label, item);
+      b.value = *tokens;
+    }
+    out.push_back(b);
+  });
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
-  std::string captures, layers_arg = "all", budgets_arg = "2048,2%";
+  std::string captures;
+  std::vector<std::int32_t> layer_ids;  // empty: every layer the first capture holds (--layers all)
+  std::vector<BudgetArg> budget_args = parse_budgets("2048,2%");
   std::int32_t steps = 256;
   int threads = int(std::max(1u, std::thread::hardware_concurrency()));
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (i + 1 >= argc) return usage();
-    if (a == "--captures")
-      captures = argv[++i];
-    else if (a == "--layers")
-      layers_arg = argv[++i];
-    else if (a == "--steps")
-      steps = std::atoi(argv[++i]);
-    else if (a == "--budgets")
-      budgets_arg = argv[++i];
-    else if (a == "--threads")
-      threads = std::atoi(argv[++i]);
-    else
-      return usage();
+  kvsift::bench::Arguments args(kTool, argc, argv);
+  while (args.next()) {
+    if (args.is("--captures")) {
+      captures = args.value();
+    } else if (args.is("--layers")) {
+      layer_ids = kvsift::bench::parse_layers(kTool, "--layers", args.value());
+    } else if (args.is("--steps")) {
+      steps = args.integer<std::int32_t>(1);
+    } else if (args.is("--budgets")) {
+      budget_args = parse_budgets(args.value());
+    } else if (args.is("--threads")) {
+      threads = args.integer<int>(1);
+    } else {
+      args.refuse();
+    }
   }
-  if (captures.empty() || steps < 1 || threads < 1) return usage();
+  if (captures.empty()) return usage();
   kvsift::cpu::ThreadPool pool(threads);
   const kvsift::cpu::Context ctx{&pool};
 
-  std::vector<std::string> budget_names = kvsift::bench::split_list(budgets_arg);
   std::vector<std::vector<Tally>> tallies;  // [layer][budget], pooled over captures
-  std::vector<std::int32_t> layer_ids;
   std::vector<std::int32_t> budgets;
   std::int32_t tokens = 0;
   for (const std::string& path : kvsift::bench::split_list(captures)) {
     const kvsift::Capture cap = kvsift::read_capture(path);
     if (budgets.empty()) {
       tokens = cap.tokens;
-      for (const std::string& b : budget_names) {
-        const bool percent = !b.empty() && b.back() == '%';
-        const double value = std::atof(b.c_str());
-        budgets.push_back(std::int32_t(percent ? std::lround(value / 100.0 * cap.tokens) : std::lround(value)));
-        KVSIFT_CHECK(budgets.back() > 0, "kvsift_specontext_persistence", "budget {} is not positive", b);
+      for (const BudgetArg& b : budget_args) {
+        budgets.push_back(b.percent ? std::int32_t(std::lround(b.value / 100.0 * cap.tokens)) : std::int32_t(b.value));
+        KVSIFT_CHECK(budgets.back() > 0, kTool, "budget {} rounds to 0 of the capture's {} tokens", b.text, cap.tokens);
       }
-      if (layers_arg == "all") {
+      if (layer_ids.empty()) {
         for (std::size_t i = 0; i < cap.layers.size(); ++i) layer_ids.push_back(cap.layers[i].layer);
-      } else {
-        for (const std::string& l : kvsift::bench::split_list(layers_arg)) layer_ids.push_back(std::atoi(l.c_str()));
       }
       tallies.assign(layer_ids.size(), std::vector<Tally>(budgets.size()));
     }
-    KVSIFT_CHECK(cap.tokens == tokens, "kvsift_specontext_persistence", "{} holds {} tokens, the first capture {}",
-                 path, cap.tokens, tokens);
+    KVSIFT_CHECK(cap.tokens == tokens, kTool, "{} holds {} tokens, the first capture {}", path, cap.tokens, tokens);
     for (std::size_t li = 0; li < layer_ids.size(); ++li) {
       std::size_t index = cap.layers.size();
       for (std::size_t i = 0; i < cap.layers.size(); ++i) {
         if (cap.layers[i].layer == layer_ids[li]) index = i;
       }
-      KVSIFT_CHECK(index < cap.layers.size(), "kvsift_specontext_persistence", "{} has no layer {}", path,
-                   layer_ids[li]);
+      KVSIFT_CHECK(index < cap.layers.size(), kTool, "{} has no layer {}", path, layer_ids[li]);
       for (std::size_t bi = 0; bi < budgets.size(); ++bi) {
         tallies[li][bi].add(measure(cap, index, budgets[bi], std::min(steps, cap.tokens - 1), ctx));
       }
@@ -183,7 +207,8 @@ int main(int argc, char** argv) try {
              captures, tokens, steps);
   std::string header = "| layer |", rule = "|---|";
   for (std::size_t bi = 0; bi < budgets.size(); ++bi) {
-    header += fmt::format(" B = {} ({}): persist | lowest step | rows moved / step |", budgets[bi], budget_names[bi]);
+    header += fmt::format(" B = {} ({}): persist | lowest step | rows moved / step |", budgets[bi],
+                          budget_args[bi].text);
     rule += "---|---|---|";
   }
   fmt::print("{}\n{}\n", header, rule);

@@ -65,6 +65,14 @@ def _empty(shape, dtype, like):
     return np.empty(shape, dtype=dtype)
 
 
+def _full(shape, value, dtype, like):
+    """An array of `dtype` filled with `value`, beside `like`."""
+    if _is_torch(like):
+        import torch
+        return torch.full(shape, value, dtype=getattr(torch, dtype), device=like.device)
+    return np.full(shape, value, dtype=dtype)
+
+
 def _workspace(nbytes, like):
     """A 256-byte aligned uint8 workspace of nbytes beside `like` (None for 0 bytes)."""
     if nbytes == 0:
@@ -84,8 +92,22 @@ def _state(q, heads, o, lse, out_dtype):
     return o, lse
 
 
+def _check_arrays(where, **arrays):
+    """Refuses, by name, what the bindings would reject without saying why: an argument that is no numpy array
+    or torch tensor, and a read-only numpy array (kvsift writes the cache's step token and every output)."""
+    for name, x in arrays.items():
+        if _is_torch(x):
+            continue
+        if not isinstance(x, np.ndarray):
+            raise Error(f"kvsift.{where}: {name} must be a numpy array or a torch tensor, not {type(x).__name__}")
+        if not x.flags.writeable:
+            raise Error(f"kvsift.{where}: {name} is a read-only numpy array (flags.writeable is False): pass a "
+                        f"writable one, e.g. np.array({name})")
+
+
 def contiguous_cache(k, v, lengths):
     """K and V [batch, kv_heads, capacity, head_dim] (any strides but the last) and lengths [batch] int32."""
+    _check_arrays("contiguous_cache", k=k, v=v, lengths=lengths)
     return KVCache.contiguous(k, v, lengths)
 
 
@@ -93,14 +115,22 @@ def paged_cache(k_pages, v_pages, page_indptr, page_indices, last_page_len, layo
     """vLLM / FlashInfer pages: NHD [num_pages, page_size, kv_heads, head_dim] or HND [num_pages, kv_heads,
     page_size, head_dim]; sequence b owns page_indices[page_indptr[b]:page_indptr[b + 1]], its last page holding
     last_page_len[b] tokens."""
+    _check_arrays("paged_cache", k_pages=k_pages, v_pages=v_pages, page_indptr=page_indptr, page_indices=page_indices,
+                  last_page_len=last_page_len)
     return KVCache.paged(k_pages, v_pages, page_indptr, page_indices, last_page_len, layout)
 
 
 def sparse_decode(q, cache, indices, counts, *, log_weights=None, window=(0, 0), sm_scale=0.0, o=None, lse=None,
-                  out_dtype=None, validate=False, pool=None, workspace=None, stream=None):
+                  out_dtype=None, validate=True, pool=None, workspace=None, stream=None):
     """Query heads of q [batch, q_heads, head_dim] attend to the window (sink, recent) and to the selection
     indices [batch, kv_heads, capacity] (int32, the first counts[b, h] of each row; optional natural-log
-    log_weights added to the scaled logits). Returns (o, lse)."""
+    log_weights added to the scaled logits). Returns (o, lse).
+
+    validate (default True): every count and index is checked (in the sequence, outside the window, no
+    duplicate) and a bad one refused by name before anything is read; an index outside the cache would
+    otherwise read outside its memory. On CUDA the check synchronizes the stream and cannot be captured in a
+    graph: pass validate=False there, for selections the engine has checked."""
+    _check_arrays("sparse_decode", q=q, indices=indices, counts=counts)
     o, lse = _state(q, q.shape[1], o, lse, out_dtype)
     if workspace is None:
         workspace = _workspace(_kvsift.decode_workspace_bytes("sparse", q, cache, indices.shape[-1], tuple(window),
@@ -124,6 +154,8 @@ def dense_decode(q, cache, *, sm_scale=0.0, max_seq_len=0, o=None, lse=None, out
 def merge_states(partials, *, o=None, lse=None, out_dtype=None, stream=None):
     """The LSE merge of partial states [(o_i, lse_i), ...] (float32 partials into float32 or a storage type, or
     a storage type into itself). Returns (o, lse)."""
+    if len(partials) == 0:
+        raise Error("kvsift.merge_states: partials is empty: it takes at least one (o, lse) pair")
     first = partials[0][0]
     o, lse = _state(first, first.shape[1], o, lse, out_dtype)
     _kvsift.merge_states([(p_o, p_lse) for p_o, p_lse in partials], o, lse, _stream(first, stream))
@@ -135,7 +167,9 @@ def topk_rows(scores, k, *, batch, kv_heads, lengths=None, window=(0, 0), heads_
     """Per selection row (b, h) the k best of scores [batch * kv_heads * heads_per_row, tokens] (float32) among
     its sequence's first lengths[b] tokens, outside the window, ties to the smaller index; with
     heads_per_row > 1 the union of its score rows' picks. Returns (indices [batch, kv_heads, heads_per_row * k]
-    int32 ascending, counts [batch, kv_heads])."""
+    int32 ascending, counts [batch, kv_heads]). lengths None: every sequence has scores.shape[1] tokens."""
+    if lengths is None:
+        lengths = _full((batch,), scores.shape[1], "int32", scores)
     if indices is None:
         indices = _empty((batch, kv_heads, heads_per_row * k), "int32", scores)
     if counts is None:
@@ -164,7 +198,9 @@ class DecodeStep:
 
     prepare(cache, slots) indexes the prompts of joining sequences (slot = the sequence's selector state);
     run(q, cache, slots, k=, v=) writes the step's k, v (when given) at position lengths[b] - 1 (the caller has
-    grown the lengths), selects and attends, returning (o, lse); release(slots) frees sequences' slots."""
+    grown the lengths), selects and attends, returning (o, lse); release(slots) frees sequences' slots. A slot
+    holds a sequence from its prepare to its release: run on a slot without one, and release of one, are refused
+    naming the slot (on CUDA, run checks its slots with validate=True: they are device values there)."""
 
     def __init__(self, selector, config=None, *, q_heads, kv_heads, head_dim, max_seq_len, max_batch=1,
                  max_slots=None, window=(0, 0), sm_scale=0.0, dtype="float16", device="cpu", validate=False,
@@ -184,13 +220,16 @@ class DecodeStep:
         return self._step.workspace_bytes
 
     def _slots(self, slots, batch):
-        """Rows 0..batch-1 in slots 0..batch-1 unless given (made per call: pass them in a hot path)."""
-        if slots is not None:
+        """Rows 0..batch-1 in slots 0..batch-1 unless given (made per call: pass them in a hot path); a list (or
+        other sequence) of ints becomes an int32 array on the step's device."""
+        if slots is None:
+            slots = range(batch)
+        if _is_torch(slots) or isinstance(slots, np.ndarray):
             return slots
         if self.device == "cuda":
             import torch
-            return torch.arange(batch, dtype=torch.int32, device="cuda")
-        return np.arange(batch, dtype=np.int32)
+            return torch.tensor(list(slots), dtype=torch.int32, device="cuda")
+        return np.array(list(slots), dtype=np.int32)
 
     def prepare(self, cache, slots=None, queries=None, stream=None):
         """queries: the last W prefill queries [batch, q_heads, W, head_dim] (post-RoPE), for selectors that index
@@ -273,10 +312,14 @@ class SpeContextStep:
         self._step.select(q, k, cache, self._slots(slots, q.shape[0]), _stream(q, stream))
 
     def attend(self, layer, q, cache, *, k=None, v=None, o=None, lse=None, out_dtype=None, selection=None,
-               stream=None):
+               validate=True, stream=None):
+        """selection: (indices, counts) made outside the step, attended instead of the last select's; validate
+        (default True) checks it first (counts, range, duplicates, window; on CUDA synchronizing the stream).
+        Without it, attend refuses to run before the step's first select (and after prepare or release, until
+        the next select)."""
         o, lse = _state(q, q.shape[1], o, lse, out_dtype)
         indices, counts = selection if selection is not None else (None, None)
-        self._step.attend(layer, q, cache, o, lse, k, v, indices, counts, _stream(q, stream))
+        self._step.attend(layer, q, cache, o, lse, k, v, indices, counts, validate, _stream(q, stream))
         return o, lse
 
     def release(self, slots):

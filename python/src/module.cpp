@@ -10,6 +10,7 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -626,16 +627,32 @@ class StepOf final : public Step {
   typename Context::template array<std::byte> workspace_;
 };
 
+/// selector_config[key], popped: a Python int (True and False count as 1 and 0) in int32's range. Anything else
+/// is refused naming the key and the value (a float, a string, 2**40), not converted.
 std::int32_t config_int(const char* where, nb::dict& config, const char* key, std::optional<std::int32_t> fallback) {
   if (!config.contains(key)) {
     KVSIFT_CHECK(fallback.has_value(), where, "selector_config lacks '{}'", key);
     return *fallback;
   }
-  return nb::cast<std::int32_t>(config.attr("pop")(key));
+  const nb::object value = config.attr("pop")(key);
+  std::int64_t v = 0;
+  const bool integer = nb::isinstance<nb::int_>(value) && nb::try_cast<std::int64_t>(value, v);
+  KVSIFT_CHECK(integer && v >= std::numeric_limits<std::int32_t>::min() && v <= std::numeric_limits<std::int32_t>::max(),
+               where, "selector_config['{}'] (= {}) must be an integer in [-2**31, 2**31 - 1]", key,
+               nb::repr(value).c_str());
+  return std::int32_t(v);
 }
 
-double config_float(nb::dict& config, const char* key, double fallback) {
-  return config.contains(key) ? nb::cast<double>(config.attr("pop")(key)) : fallback;
+/// selector_config[key], popped: a finite Python float or int; anything else is refused naming the key and value.
+double config_float(const char* where, nb::dict& config, const char* key, double fallback) {
+  if (!config.contains(key)) return fallback;
+  const nb::object value = config.attr("pop")(key);
+  double v = 0;
+  const bool number = (nb::isinstance<nb::float_>(value) || nb::isinstance<nb::int_>(value)) &&
+                      nb::try_cast<double>(value, v);
+  KVSIFT_CHECK(number && std::isfinite(v), where, "selector_config['{}'] (= {}) must be a finite number", key,
+               nb::repr(value).c_str());
+  return v;
 }
 
 template <class T, class Context>
@@ -662,15 +679,15 @@ std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
     sc.recalled_centroids = config_int(where, config, "recalled_centroids", sc.recalled_centroids);
     sc.dynamic_update = config_int(where, config, "dynamic_update", sc.dynamic_update ? 1 : 0) != 0;
     sc.prepare_chunk = config_int(where, config, "prepare_chunk", sc.prepare_chunk);
-    sc.budget_fraction = config_float(config, "budget_fraction", sc.budget_fraction);
+    sc.budget_fraction = config_float(where, config, "budget_fraction", sc.budget_fraction);
     sc.pin_prefill_centroids =
         config_int(where, config, "pin_prefill_centroids", sc.pin_prefill_centroids ? 1 : 0) != 0;
     step = std::make_unique<StepOf<Ctkvr<T, Context>>>(Ctkvr<T, Context>(limits, sc), c, pool);
   } else if (c.selector == "csattention") {
     CsattentionConfig sc{};
     sc.budget = config_int(where, config, "budget", sc.budget);
-    sc.keep_fraction = config_float(config, "keep_fraction", sc.keep_fraction);
-    sc.list_fraction = config_float(config, "list_fraction", sc.list_fraction);
+    sc.keep_fraction = config_float(where, config, "keep_fraction", sc.keep_fraction);
+    sc.list_fraction = config_float(where, config, "list_fraction", sc.list_fraction);
     sc.subspaces = config_int(where, config, "subspaces", sc.subspaces);
     sc.centroids = config_int(where, config, "centroids", sc.centroids);
     sc.probes = config_int(where, config, "probes", sc.probes);
@@ -683,34 +700,37 @@ std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
     // The codebook file (kvsift_a2ats_codebook) and the layer this step decodes; the file must match the step's
     // shapes (its RoPE is the one the selector rotates with).
     KVSIFT_CHECK(config.contains("codebooks"), where, "selector_config lacks 'codebooks' (a codebook file's path)");
-    const std::string path = nb::cast<std::string>(config.attr("pop")("codebooks"));
+    const nb::object path_value = config.attr("pop")("codebooks");
+    KVSIFT_CHECK(nb::isinstance<nb::str>(path_value), where, "selector_config['codebooks'] (= {}) must be a file path (str)",
+                 nb::repr(path_value).c_str());
+    const std::string path = nb::cast<std::string>(path_value);
     const std::int32_t layer = config_int(where, config, "layer", std::nullopt);
     A2atsCodebookExpectation expected;
     expected.q_heads = c.q_heads;
     expected.kv_heads = c.kv_heads;
     expected.head_dim = c.head_dim;
     if (config.contains("rope_theta")) {  // the model's RoPE, compared with the file's (no scaling here)
-      RopeConfig rope{.theta = config_float(config, "rope_theta", 0.0)};
+      RopeConfig rope{.theta = config_float(where, config, "rope_theta", 0.0)};
       rope.rotary_dim = config_int(where, config, "rope_dim", 0);
       rope.layout = config_int(where, config, "rope_interleaved", 0) != 0 ? RopeLayout::interleaved : RopeLayout::neox;
       expected.rope = rope;
     }
     const A2atsCodebooks codebooks = load_a2ats_codebooks(path, expected);
     A2atsConfig sc{};
-    sc.budget_fraction = config_float(config, "budget_fraction", sc.budget_fraction);
+    sc.budget_fraction = config_float(where, config, "budget_fraction", sc.budget_fraction);
     sc.max_budget = config_int(where, config, "max_budget", sc.max_budget);
     if (config_int(where, config, "group_max", 0) != 0) sc.group_rule = A2atsGroupRule::group_max;
     step = std::make_unique<StepOf<A2ats<T, Context>>>(A2ats<T, Context>(limits, sc, codebooks.layer(layer), Context{}),
                                                        c, pool);
   } else if (c.selector == "centroidkv") {
     CentroidKVConfig sc{};
-    sc.budget_ratio = float(config_float(config, "budget_ratio", sc.budget_ratio));
+    sc.budget_ratio = float(config_float(where, config, "budget_ratio", sc.budget_ratio));
     sc.sinks = config_int(where, config, "sinks", sc.sinks);
     sc.recent = config_int(where, config, "recent", sc.recent);
     sc.chunk = config_int(where, config, "chunk", sc.chunk);
-    sc.r_init = float(config_float(config, "r_init", sc.r_init));
-    sc.r_step = float(config_float(config, "r_step", sc.r_step));
-    sc.r_min = float(config_float(config, "r_min", sc.r_min));
+    sc.r_init = float(config_float(where, config, "r_init", sc.r_init));
+    sc.r_step = float(config_float(where, config, "r_step", sc.r_step));
+    sc.r_min = float(config_float(where, config, "r_min", sc.r_min));
     sc.interval = config_int(where, config, "interval", sc.interval);
     sc.max_rounds = config_int(where, config, "max_rounds", sc.max_rounds);
     step = std::make_unique<StepOf<CentroidKV<T, Context>>>(CentroidKV<T, Context>(limits, sc, Context{}), c, pool);
@@ -771,7 +791,7 @@ class SpeStep {
   virtual void select(Array q, Array k, const Cache& cache, Array slots, std::uintptr_t stream) = 0;
   virtual void attend(std::int32_t layer, Array q, const Cache& cache, Array o, Array lse, std::optional<Array> k,
                       std::optional<Array> v, std::optional<Array> indices, std::optional<Array> counts,
-                      std::uintptr_t stream) = 0;
+                      bool validate_selection, std::uintptr_t stream) = 0;
   virtual void release(const std::vector<std::int32_t>& slots) = 0;
   virtual std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> selection(std::int32_t batch) = 0;
   virtual std::int32_t capacity() const = 0;
@@ -811,7 +831,7 @@ class SpeStepOf final : public SpeStep {
 
   void attend(std::int32_t layer, Array q, const Cache& cache, Array o, Array lse, std::optional<Array> k,
               std::optional<Array> v, std::optional<Array> indices, std::optional<Array> counts,
-              std::uintptr_t stream) override {
+              bool validate_selection, std::uintptr_t stream) override {
     Args args("SpeContextStep.attend");
     SpeContextLayerInputs<T> in{.q = heads_view<T>(args, "q", q), .cache = cache.view<T>(args), .layer = layer};
     check_step_device(args, kDevice);
@@ -830,7 +850,8 @@ class SpeStepOf final : public SpeStep {
       const StateView<TO> out = state_view<TO>(args, "o", o, "lse", lse);
       call_unlocked([&] {
         if (given) {
-          step_.attend_selection(in, *given, step_.attention().window, out, workspace(), context(stream));
+          step_.attend_selection(in, *given, step_.attention().window, out, workspace(), context(stream),
+                                 validate_selection);
         } else {
           step_.attend(in, out, workspace(), context(stream));
         }
@@ -966,7 +987,8 @@ NB_MODULE(_kvsift, m) {
       .def("prepare", &SpeStep::prepare, "cache"_a, "slots"_a, "k_pre"_a, "stream"_a = 0)
       .def("select", &SpeStep::select, "q"_a, "k"_a, "cache"_a, "slots"_a, "stream"_a = 0)
       .def("attend", &SpeStep::attend, "layer"_a, "q"_a, "cache"_a, "o"_a, "lse"_a, "k"_a = nb::none(),
-           "v"_a = nb::none(), "indices"_a = nb::none(), "counts"_a = nb::none(), "stream"_a = 0)
+           "v"_a = nb::none(), "indices"_a = nb::none(), "counts"_a = nb::none(), "validate_selection"_a = true,
+           "stream"_a = 0)
       .def("release", &SpeStep::release, "slots"_a)
       .def("selection", &SpeStep::selection, "batch"_a)
       .def_prop_ro("capacity", &SpeStep::capacity)

@@ -102,6 +102,8 @@ void IndexFileReader::finish() {
   KVSIFT_CHECK(stored == contents, where_,
                "{}: corrupted: the stored checksum is {:#010x}, the contents' CRC-32 is {:#010x}", source_, stored,
                contents);
+  KVSIFT_CHECK(non_finite_.empty(), where_, "{}: {}: a floating-point value of an index file must be finite", source_,
+               non_finite_);
 }
 
 void write_index_file(const std::string& path, const char* where, const std::function<void(std::ostream&)>& write) {
@@ -126,11 +128,18 @@ void write_index_file(const std::string& path, const char* where, const std::fun
 }
 
 void read_index_file(const std::string& path, const char* where, const std::function<void(std::istream&)>& read) {
-  std::ifstream in(path, std::ios::binary);
-  KVSIFT_CHECK(in.is_open(), where, "cannot open '{}'", path);
+  std::ifstream in = open_input_file(path, where);
   read(in);
   KVSIFT_CHECK(in.peek() == std::ifstream::traits_type::eof(), where,
                "{}: bytes follow the checksum: not one index file (or a corrupted one)", path);
+}
+
+std::ifstream open_input_file(const std::string& path, const char* where) {
+  std::ifstream in(path, std::ios::binary);
+  KVSIFT_CHECK(in.is_open(), where, "cannot open '{}'", path);
+  std::error_code error;
+  KVSIFT_CHECK(!std::filesystem::is_directory(path, error), where, "'{}' is a directory, not a file", path);
+  return in;
 }
 
 }  // namespace kvsift

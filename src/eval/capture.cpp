@@ -1,11 +1,16 @@
 #include "kvsift/eval/capture.hpp"
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <sstream>
+#include <vector>
 
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/index_file.hpp"
+#include "kvsift/eval/parse_number.hpp"
 
 namespace kvsift {
 namespace {
@@ -22,24 +27,49 @@ std::string expect_line(std::istringstream& header, const char* key, const std::
   return line.substr(prefix.size());
 }
 
-std::int64_t parse_int(const std::string& text, const char* key, const std::string& path, std::int64_t min = 1) {
-  std::size_t used = 0;
-  long long value = 0;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
+/// A header value that must be an integer T in [min, T's maximum]: int32 for the shapes and layer numbers (as
+/// kvsift's views hold them), int64 for the arrays' byte offsets and sizes.
+template <class T = std::int32_t>
+T parse_int(const std::string& text, const char* key, const std::string& path, T min = 1) {
+  const auto value = parse_number<T>(text);
+  KVSIFT_CHECK(value && *value >= min, kWhere, "{}: '{}' must be an integer in [{}, {}], found '{}'", path, key, min,
+               std::numeric_limits<T>::max(), text);
+  return *value;
+}
+
+/// A header value that must be a finite number > 0 (rope_theta).
+double parse_positive(const std::string& text, const char* key, const std::string& path) {
+  const auto value = parse_number<double>(text);
+  KVSIFT_CHECK(value && std::isfinite(*value) && *value > 0.0, kWhere,
+               "{}: '{}' must be a finite number > 0, found '{}'", path, key, text);
+  return *value;
+}
+
+/// The whitespace-separated words of `text`.
+std::vector<std::string> words(const std::string& text) {
+  std::istringstream in(text);
+  std::vector<std::string> out;
+  for (std::string word; in >> word;) out.push_back(word);
+  return out;
+}
+
+/// Refuses array `name` of `layer` ([tokens, heads, head_dim]) if it holds a NaN or an infinity, naming the first.
+void check_finite(const std::vector<half>& data, const std::string& name, std::int32_t layer, std::int64_t heads,
+                  std::int64_t head_dim, const std::string& path) {
+  for (std::size_t i = 0; i < data.size(); ++i) {
+    const float x = to_float(data[i]);
+    const auto at = std::int64_t(i);
+    KVSIFT_CHECK(std::isfinite(x), kWhere,
+                 "{}: array {} of layer {} holds a non-finite value ({}) at token {}, head {}, channel {}: a capture's "
+                 "arrays must be finite",
+                 path, name, layer, x, at / (heads * head_dim), at / head_dim % heads, at % head_dim);
   }
-  KVSIFT_CHECK(used == text.size() && value >= min, kWhere, "{}: '{}' must be an integer >= {}, found '{}'", path, key,
-               min, text);
-  return value;
 }
 
 }  // namespace
 
 Capture read_capture(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  KVSIFT_CHECK(file.good(), kWhere, "cannot open '{}'", path);
+  std::ifstream file = open_input_file(path, kWhere);
   const std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   KVSIFT_CHECK(bytes.size() >= 12 && std::memcmp(bytes.data(), kMagic, 8) == 0, kWhere,
                "{}: not a kvsift capture (the file does not start with 'KVSCAP01')", path);
@@ -53,19 +83,18 @@ Capture read_capture(const std::string& path) {
   Capture c;
   c.model = expect_line(header, "model", path);
   c.text_id = expect_line(header, "text_id", path);
-  c.tokens = std::int32_t(parse_int(expect_line(header, "tokens", path), "tokens", path));
+  c.tokens = parse_int(expect_line(header, "tokens", path), "tokens", path);
   std::vector<std::int32_t> layer_ids;
-  {
-    std::istringstream list(expect_line(header, "layers", path));
-    for (std::string item; list >> item;) layer_ids.push_back(std::int32_t(parse_int(item, "layers", path, 0)));
+  for (const std::string& item : words(expect_line(header, "layers", path))) {
+    layer_ids.push_back(parse_int(item, "layers", path, 0));
   }
-  c.q_heads = std::int32_t(parse_int(expect_line(header, "q_heads", path), "q_heads", path));
-  c.kv_heads = std::int32_t(parse_int(expect_line(header, "kv_heads", path), "kv_heads", path));
-  c.head_dim = std::int32_t(parse_int(expect_line(header, "head_dim", path), "head_dim", path));
+  c.q_heads = parse_int(expect_line(header, "q_heads", path), "q_heads", path);
+  c.kv_heads = parse_int(expect_line(header, "kv_heads", path), "kv_heads", path);
+  c.head_dim = parse_int(expect_line(header, "head_dim", path), "head_dim", path);
   KVSIFT_CHECK(c.q_heads % c.kv_heads == 0, kWhere, "{}: q_heads (= {}) is not a multiple of kv_heads (= {})", path,
                c.q_heads, c.kv_heads);
-  c.rope.theta = std::stod(expect_line(header, "rope_theta", path));
-  c.rope.rotary_dim = std::int32_t(parse_int(expect_line(header, "rope_dim", path), "rope_dim", path));
+  c.rope.theta = parse_positive(expect_line(header, "rope_theta", path), "rope_theta", path);
+  c.rope.rotary_dim = parse_int(expect_line(header, "rope_dim", path), "rope_dim", path);
   const std::string layout = expect_line(header, "rope_layout", path);
   KVSIFT_CHECK(layout == "interleaved" || layout == "neox", kWhere, "{}: rope_layout '{}' is not interleaved or neox",
                path, layout);
@@ -79,12 +108,22 @@ Capture read_capture(const std::string& path) {
     layer.layer = id;
     std::vector<half>* targets[] = {&layer.q_pre, &layer.q, &layer.k_pre, &layer.k, &layer.v};
     for (int a = 0; a < 5; ++a) {
-      std::istringstream fields(expect_line(header, "array", path));
-      std::string name;
-      std::int64_t layer_index = -1, d0 = 0, d1 = 0, d2 = 0, offset = -1, size = -1;
-      fields >> name >> layer_index >> d0 >> d1 >> d2 >> offset >> size;
-      KVSIFT_CHECK(!fields.fail() && name == names[a] && layer_index == id, kWhere,
-                   "{}: expected array '{}' of layer {}, found '{}' of layer {}", path, names[a], id, name, layer_index);
+      // "array NAME LAYER TOKENS HEADS HEAD_DIM OFFSET BYTES"
+      const std::string line = expect_line(header, "array", path);
+      const std::vector<std::string> fields = words(line);
+      KVSIFT_CHECK(fields.size() == 7, kWhere,
+                   "{}: header line 'array {}' is not 'array NAME LAYER TOKENS HEADS HEAD_DIM OFFSET BYTES'", path,
+                   line);
+      const std::string& name = fields[0];
+      const std::int32_t layer_index = parse_int(fields[1], "array layer", path, 0);
+      KVSIFT_CHECK(name == names[a] && layer_index == id, kWhere,
+                   "{}: expected array '{}' of layer {}, found '{}' of layer {}", path, names[a], id, name,
+                   layer_index);
+      const std::int64_t d0 = parse_int(fields[2], "array tokens", path);
+      const std::int64_t d1 = parse_int(fields[3], "array heads", path);
+      const std::int64_t d2 = parse_int(fields[4], "array head_dim", path);
+      const auto offset = parse_int<std::int64_t>(fields[5], "array offset", path, 0),
+                 size = parse_int<std::int64_t>(fields[6], "array bytes", path, 0);
       const std::int64_t heads = a < 2 ? c.q_heads : c.kv_heads;
       KVSIFT_CHECK(d0 == c.tokens && d1 == heads && d2 == c.head_dim, kWhere,
                    "{}: array {} of layer {} has shape [{}, {}, {}], expected [{}, {}, {}]", path, name, id, d0, d1,
@@ -96,6 +135,7 @@ Capture read_capture(const std::string& path) {
                    offset, offset + size, bytes.size());
       targets[a]->resize(std::size_t(d0 * d1 * d2));
       std::memcpy(targets[a]->data(), bytes.data() + offset, std::size_t(size));
+      check_finite(*targets[a], name, id, heads, c.head_dim, path);
     }
   }
   return c;

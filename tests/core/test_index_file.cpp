@@ -1,12 +1,13 @@
 // The index-file framing (core/index_file.hpp) against references written here: a bitwise CRC-32 (and zlib's
 // published check values), the documented byte layout, and every refusal: a cut at every byte, a flipped bit at
-// every byte after the version, another magic and version, a differing field, a failed stream, the path helpers'
-// missing files and trailing bytes.
+// every byte after the version, another magic and version, a differing field, a non-finite value, a failed stream,
+// the path helpers' missing files, directories and trailing bytes.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -199,6 +200,34 @@ TEST_F(IndexFile, ExpectNamesTheFieldAndBothValues) {
   expect_error([&] { read_expecting(4, 0.5); }, "a.idx: config.fraction differs: the file has 0.25, expected 0.5");
 }
 
+TEST_F(IndexFile, RefusesANonFiniteValueWithAValidChecksumNamingTheFieldAndElement) {
+  SCOPED_TRACE(seed);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  Fields f = random_fields(rng);
+  const std::size_t i = std::size_t(rng.uniform_int(0, std::int32_t(f.values.size()) - 1));
+  f.values.back() = inf;  // not before i: the first non-finite value is named
+  f.values[i] = nan;
+  const std::size_t values_at = 12 + 4 + 8 + 8 + 4;
+  expect_error([&] { read_bytes(write_file(f), f); },
+               fmt::format("test::read: stream: the values holds a non-finite value (nan) at element {} (byte {}): a "
+                           "floating-point value of an index file must be finite",
+                           i, values_at + 4 * i));
+  f = random_fields(rng);
+  f.scores.back() = half{0xfc00};  // -inf in fp16
+  const std::size_t scores_at = values_at + 4 * f.values.size() + 4;
+  expect_error([&] { read_bytes(write_file(f), f); },
+               fmt::format("stream: the scores holds a non-finite value (-inf) at element {} (byte {})",
+                           f.scores.size() - 1, scores_at + 2 * (f.scores.size() - 1)));
+  f = random_fields(rng);
+  f.fraction = std::numeric_limits<double>::quiet_NaN();  // a field, not an array
+  expect_error([&] { read_bytes(write_file(f), f); },
+               "stream: fraction holds a non-finite value (nan) at element 0 (byte 24)");
+  // A damaged file is corrupted first: the checksum is checked before the values.
+  std::string damaged = write_file(f);
+  damaged[12] = static_cast<char>(damaged[12] ^ 1);
+  expect_error([&] { read_bytes(damaged, f); }, "stream: corrupted: the stored checksum is 0x");
+}
+
 TEST_F(IndexFile, WriterRefusesAFailedStream) {
   std::ostringstream out(std::ios::binary);
   IndexFileWriter w(out, kFormat, "test::write");
@@ -236,6 +265,11 @@ TEST_F(IndexFile, PathHelpersWriteWholeFilesAndRefuseMissingOnesAndTrailingBytes
   std::filesystem::remove(path);
   expect_error([&] { read_index_file(path, "test::read", [](std::istream&) {}); },
                "test::read: cannot open '" + path + "'");
+  const std::string directory = testing::TempDir() + "kvsift_index_file_test_directory";
+  std::filesystem::create_directories(directory);
+  expect_error([&] { read_index_file(directory, "test::read", [](std::istream&) {}); },
+               "test::read: '" + directory + "' is a directory, not a file");
+  std::filesystem::remove(directory);
   const std::string nowhere = testing::TempDir() + "kvsift_no_such_directory/a.idx";
   expect_error([&] { write_index_file(nowhere, "test::write", [](std::ostream&) {}); },
                "test::write: cannot open '" + nowhere + ".partial' for writing");

@@ -108,9 +108,9 @@ TEST_F(InvertedLists, UnionOfListsWithoutScores) {
   }
 }
 
-/// The lists' order, written from the contract: lower score, NaN lowest, then the larger id.
+/// The lists' order, written from the contract: lower score, NaN highest, then the larger id.
 bool below(float sa, std::int32_t ia, float sb, std::int32_t ib) {
-  if (std::isnan(sa) != std::isnan(sb)) return std::isnan(sa);
+  if (std::isnan(sa) != std::isnan(sb)) return std::isnan(sb);
   if (!std::isnan(sa) && sa != sb) return sa < sb;
   return ia > ib;
 }

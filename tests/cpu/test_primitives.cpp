@@ -71,11 +71,11 @@ TEST_F(CpuPrimitives, SortUniqueKeepsEachIndexOnceAscending) {
   EXPECT_EQ(std::vector<std::int32_t>(idx.begin(), idx.begin() + n), std::vector<std::int32_t>(expected.begin(), expected.end()));
 }
 
-/// kvsift's ranking rule, stated independently of the implementation: higher score first, NaN last, on equal
+/// kvsift's ranking rule, stated independently of the implementation: NaN first, then higher score, on equal
 /// scores the smaller index first.
 bool ranks_before(float a, std::int32_t ia, float b, std::int32_t ib) {
   const bool a_nan = std::isnan(a), b_nan = std::isnan(b);
-  if (a_nan != b_nan) return b_nan;
+  if (a_nan != b_nan) return a_nan;
   if (!a_nan && a != b) return a > b;
   return ia < ib;
 }

@@ -392,11 +392,11 @@ TEST_F(GroupScores, WorkspaceQueryAndRefusals) {
 
 // ---- topk_rows ---------------------------------------------------------------------------------------------
 
-/// kvsift's ranking rule, stated independently of the implementation: higher score first, NaN last, on equal
+/// kvsift's ranking rule, stated independently of the implementation: NaN first, then higher score, on equal
 /// scores the smaller index first.
 bool ranks_before(float a, std::int32_t ia, float b, std::int32_t ib) {
   const bool a_nan = std::isnan(a), b_nan = std::isnan(b);
-  if (a_nan != b_nan) return b_nan;
+  if (a_nan != b_nan) return a_nan;
   if (!a_nan && a != b) return a > b;
   return ia < ib;
 }
@@ -527,7 +527,7 @@ TEST_F(TopKRows, BestOfTheMiddleUnderTheTieRuleForEveryThreadCount) {
   }
 }
 
-TEST_F(TopKRows, TiesGoToTheSmallerIndexAndNaNRanksLast) {
+TEST_F(TopKRows, TiesGoToTheSmallerIndexAndNaNRanksFirst) {
   // One row of 12 tokens, window 2 + 2: the middle is [2, 10).
   std::vector<float> scores = {9, 9, 1, NAN, 5, 5, -INFINITY, 5, NAN, 0.0f, 9, 9};
   scores[9] = -0.0f;
@@ -539,12 +539,12 @@ TEST_F(TopKRows, TiesGoToTheSmallerIndexAndNaNRanksLast) {
     cpu::topk_rows(MatrixView<const float>::packed(scores.data(), 1, 12), &length, k, options, sel.view, workspace.span());
     return std::vector<std::int32_t>(sel.indices.begin(), sel.indices.begin() + sel.counts[0]);
   };
-  EXPECT_EQ(top(1), (std::vector<std::int32_t>{4}));           // 5 at 4, 5 and 7: the smallest index
-  EXPECT_EQ(top(3), (std::vector<std::int32_t>{4, 5, 7}));
-  EXPECT_EQ(top(4), (std::vector<std::int32_t>{2, 4, 5, 7}));  // then 1 at 2
-  EXPECT_EQ(top(5), (std::vector<std::int32_t>{2, 4, 5, 7, 9}));  // then -0
-  EXPECT_EQ(top(6), (std::vector<std::int32_t>{2, 4, 5, 6, 7, 9}));  // then -inf, before both NaN
-  EXPECT_EQ(top(7), (std::vector<std::int32_t>{2, 3, 4, 5, 6, 7, 9}));  // NaN last, smaller index first
+  EXPECT_EQ(top(1), (std::vector<std::int32_t>{3}));           // NaN at 3 and 8 first: the smaller index
+  EXPECT_EQ(top(2), (std::vector<std::int32_t>{3, 8}));
+  EXPECT_EQ(top(3), (std::vector<std::int32_t>{3, 4, 8}));     // then 5 at 4, 5 and 7: the smallest index
+  EXPECT_EQ(top(5), (std::vector<std::int32_t>{3, 4, 5, 7, 8}));
+  EXPECT_EQ(top(6), (std::vector<std::int32_t>{2, 3, 4, 5, 7, 8}));  // then 1 at 2
+  EXPECT_EQ(top(7), (std::vector<std::int32_t>{2, 3, 4, 5, 7, 8, 9}));  // then -0, before -inf
   EXPECT_EQ(top(20), (std::vector<std::int32_t>{2, 3, 4, 5, 6, 7, 8, 9}));  // the whole middle
 }
 

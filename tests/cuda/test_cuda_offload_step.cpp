@@ -237,6 +237,7 @@ TEST_F(OffloadStep, WeightsAndBadCountRows) {
   OffloadDecodeStep step(
       MarksARowBad(TwoSources<T, cpu::Context, true, false>(limits, kBudget, kBatch, weights, {}, cpu), bad_row), config,
       cpu);
+  step.prepare({.cache = host.at(p.kv_values.seq_lens), .slots = slots.data()}, cpu);
   DeviceBuffer<float> d_o(p.q.size()), d_lse(std::size_t(kBatch) * kQHeads);
   d_o.poison();
   d_lse.poison();

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -106,6 +107,7 @@ TEST(Capture, RealAttentionIsConcentratedAndTheOracleKeepsIt) {
   const std::span<std::byte> workspace(static_cast<std::byte*>(std::align(256, storage.size() - 256, base, space)),
                                        storage.size() - 256);
   test::HostSelection sel(1, c.kv_heads, budget, false);
+  oracle.prepare({.cache = cache, .slots = &slot}, {});
   oracle.select({.q = QueryView<const half>::packed(layer.q.data() + std::size_t(c.tokens - 1) * c.q_heads * c.head_dim,
                                                     1, c.q_heads, c.head_dim),
                  .cache = cache, .slots = &slot, .lengths = &length},
@@ -126,6 +128,74 @@ TEST(Capture, TruncatedOrInconsistentFilesAreRefused) {
             std::string::npos)
       << error_for(wrong_heads);
   test::expect_error([] { read_capture("/nonexistent/capture.kvscap"); }, "cannot open '/nonexistent/capture.kvscap'");
+}
+
+/// `bytes` (a capture) with header line `from` replaced by `to`: the header's size is rewritten, the arrays stay
+/// at their offsets (the header is padded, so a slightly longer line fits).
+std::string with_header_line(std::string bytes, const std::string& from, const std::string& to) {
+  std::uint32_t size = 0;
+  std::memcpy(&size, bytes.data() + 8, 4);
+  std::string header = bytes.substr(12, size);
+  const auto at = header.find(from + "\n");
+  EXPECT_NE(at, std::string::npos) << from;
+  header.replace(at, from.size(), to);
+  size = std::uint32_t(header.size());
+  std::memcpy(bytes.data() + 8, &size, 4);
+  bytes.replace(12, header.size(), header);
+  return bytes;
+}
+
+TEST(Capture, HeaderNumbersMustBeWholeNumbersOfTheirKind) {
+  const std::string good = read_all(kCapture);
+  const std::string prefix = "kvsift::read_capture: " + testing::TempDir() + "kvsift_bad_capture.kvscap: ";
+  const std::string theta = "rope_theta 100000.0";
+  for (const std::string text : {"nan", "-5", "1e5xyz", "inf", "0", "", "0x10"}) {
+    EXPECT_EQ(error_for(with_header_line(good, theta, "rope_theta " + text)),
+              prefix + "'rope_theta' must be a finite number > 0, found '" + text + "'");
+  }
+  EXPECT_EQ(error_for(with_header_line(good, theta, "rope_theta 1e5")), "");  // Python's repr of large floats
+  EXPECT_EQ(error_for(with_header_line(good, "tokens 512", "tokens 99999999999")),
+            prefix + "'tokens' must be an integer in [1, 2147483647], found '99999999999'");
+  EXPECT_EQ(error_for(with_header_line(good, "layers 3 15", "layers 3 -15")),
+            prefix + "'layers' must be an integer in [0, 2147483647], found '-15'");
+  const std::string k = "array k 3 512 3 64 1376896 196608";
+  EXPECT_EQ(error_for(with_header_line(good, k, k + "x")),
+            prefix + "'array bytes' must be an integer in [0, 9223372036854775807], found '196608x'");
+  EXPECT_EQ(error_for(with_header_line(good, k, "array k 3 512 3 64.0 1376896 196608")),
+            prefix + "'array head_dim' must be an integer in [1, 2147483647], found '64.0'");
+  EXPECT_EQ(error_for(with_header_line(good, k, k + " 7")),
+            prefix + "header line 'array " + k.substr(6) + " 7' is not 'array NAME LAYER TOKENS HEADS HEAD_DIM "
+                     "OFFSET BYTES'");
+}
+
+TEST(Capture, NonFiniteArraysAreRefusedNamingTheArrayAndTheFirstPosition) {
+  const std::string good = read_all(kCapture);
+  const std::string prefix = "kvsift::read_capture: " + testing::TempDir() + "kvsift_bad_capture.kvscap: ";
+  // Offsets from the header (array NAME LAYER TOKENS HEADS HEAD_DIM OFFSET BYTES), element [token, head, channel].
+  const struct {
+    std::size_t offset;
+    std::int32_t heads, token, head, channel;
+    std::uint16_t bits;
+    std::string message;
+  } cases[] = {
+      {3146368, 3, 5, 1, 7, 0x7e00,
+       "array k of layer 15 holds a non-finite value (nan) at token 5, head 1, channel 7"},
+      {1573504, 3, 511, 2, 63, 0x7c00,
+       "array v of layer 3 holds a non-finite value (inf) at token 511, head 2, channel 63"},
+      {640, 9, 0, 0, 0, 0xfc00,
+       "array q_pre of layer 3 holds a non-finite value (-inf) at token 0, head 0, channel 0"},
+  };
+  for (const auto& c : cases) {
+    std::string bad = good;
+    const std::size_t at = c.offset + 2 * ((std::size_t(c.token) * c.heads + c.head) * 64 + c.channel);
+    std::memcpy(bad.data() + at, &c.bits, 2);
+    EXPECT_EQ(error_for(bad), prefix + c.message + ": a capture's arrays must be finite");
+  }
+}
+
+TEST(Capture, ADirectoryIsRefusedAsADirectory) {
+  test::expect_error([] { read_capture(testing::TempDir()); },
+                     "kvsift::read_capture: '" + testing::TempDir() + "' is a directory, not a file");
 }
 
 }  // namespace

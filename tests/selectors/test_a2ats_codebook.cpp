@@ -667,6 +667,38 @@ TEST_F(A2atsCodebookFiles, RefusedLoadsNameWhatIsWrong) {
   EXPECT_EQ(load_a2ats_codebooks(path, expected).params().codewords, 16);
 }
 
+TEST_F(A2atsCodebookFiles, NonFiniteValuesWithAValidChecksumAreRefusedByLayerArrayAndElement) {
+  SCOPED_TRACE(seed);
+  const A2atsCodebooks codebooks = make();
+  const A2atsCodebookExpectation expected = expecting(codebooks.params());
+  const std::string file = bytes_of(codebooks);
+  // The layout of RefusedLoadsNameWhatIsWrong: per layer (1, then 3) L [2, 64, 64], C^z and C [2, 16, 64], fp32.
+  const std::size_t arrays = 12 + 4 + 10 + 4 + 4 + 2 * 4 + 128, l_bytes = 2 * 64 * 64 * 4, c_bytes = 2 * 16 * 64 * 4;
+  const std::size_t layer_bytes = l_bytes + 2 * c_bytes;
+  ASSERT_EQ(file.size(), arrays + 2 * layer_bytes + 4);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const struct {
+    std::size_t at;
+    float value;
+    std::string message;
+  } cases[] = {
+      {arrays + 4 * 100, nan, "layer 1 L holds a non-finite value (nan) at element 100"},
+      {arrays + l_bytes + 4 * 7, -inf, "layer 1 C^z holds a non-finite value (-inf) at element 7"},
+      {arrays + layer_bytes + l_bytes + c_bytes + 4 * 2047, inf,
+       "layer 3 C holds a non-finite value (inf) at element 2047"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.message);
+    write(rewritten(file, c.at, c.value));
+    expect_error([&] { load_a2ats_codebooks(path, expected); },
+                 {fmt::format("kvsift::load_a2ats_codebooks: {}: {} (byte {})", path, c.message, c.at),
+                  "a floating-point value of an index file must be finite"});
+  }
+  // A directory given as the path.
+  expect_error([&] { load_a2ats_codebooks(testing::TempDir(), expected); },
+               "kvsift::load_a2ats_codebooks: '" + testing::TempDir() + "' is a directory, not a file");
+}
+
 TEST_F(A2atsCodebookFiles, RefusedSavesLeaveNoFile) {
   SCOPED_TRACE(seed);
   const std::string missing = testing::TempDir() + "kvsift_no_such_dir/codebooks.a2cb";

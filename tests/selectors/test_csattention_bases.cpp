@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -199,11 +200,12 @@ TEST_F(CpuCsattentionBases, ReprepareAndReleaseNeverTouchAnotherSlotsBase) {
   shared.prepare(in_slot(d, 1).prefill(), {});
   EXPECT_EQ(t.slot_base[1], first) << "the freed storage is the free one";
   expect_same_index(shared.selector(), 0, ref_c.selector(), 0, "slot 0 after slot 1's release and prepare");
-  // Both share slot 1's base, then leave; releasing a slot without a base again changes nothing.
+  // Both share slot 1's base, then leave; releasing a slot without a sequence again is refused and changes nothing.
   shared.selector().share(1, std::vector<std::int32_t>{0}, {});
   EXPECT_EQ(t.slot_base[0], t.slot_base[1]);
   shared.release(std::vector<std::int32_t>{0, 1});
-  shared.release(std::vector<std::int32_t>{1});
+  test::expect_error([&] { shared.release(std::vector<std::int32_t>{1}); },
+                     "Csattention::release: slots[0] (= 1) holds no sequence: it was released");
   // Every storage is free again: two new prompts get one each.
   CtkvrProblem e = in_slot(c, 1);
   shared.prepare(a.prefill(), {});
@@ -291,10 +293,11 @@ TEST_P(CpuCsattentionFiles, ASavedBaseLoadsIntoAnotherSelectorAndDecodesTheSame)
   std::filesystem::remove(path);
 }
 
-/// A copy of `file` with the int32 at `offset` set to `value` and the checksum made valid again: a file written
+/// A copy of `file` with the value at `offset` set to `value` and the checksum made valid again: a file written
 /// wrong rather than damaged.
-std::string rewritten(std::string file, std::size_t offset, std::int32_t value) {
-  std::memcpy(file.data() + offset, &value, 4);
+template <class V>
+std::string rewritten(std::string file, std::size_t offset, V value) {
+  std::memcpy(file.data() + offset, &value, sizeof(V));
   const std::uint32_t crc = crc32({reinterpret_cast<const std::byte*>(file.data()), file.size() - 4});
   std::memcpy(file.data() + file.size() - 4, &crc, 4);
   return file;
@@ -399,6 +402,32 @@ TEST_P(CpuCsattentionFiles, RefusedFilesNameWhatDiffersAndChangeNothing) {
   load(target, file, {1});
   EXPECT_TRUE(base_of(target, 1) == base_of(source, 0));
   EXPECT_EQ(saved(target, 0), target_file);
+}
+
+TEST_P(CpuCsattentionFiles, NonFiniteCentroidsOrScoresWithAValidChecksumAreRefused) {
+  SCOPED_TRACE(seed);
+  CtkvrProblem a(rng, 4, 2, 120, 16);
+  Selector source(limits(a, 2), config(GetParam()));
+  source.prepare(a.prefill(), {});
+  const std::string file = saved(source, 0);
+  Selector target(limits(a, 2), config(GetParam()));
+  target.prepare(a.prefill(), {});
+  const auto state = raw_state(target);
+  // The layout of RefusedFilesNameWhatDiffersAndChangeNothing: fields, centroids (4 floats per list), ids and
+  // scores of L = 30 per list.
+  const std::size_t lists = (GetParam() == CsattentionTables::per_kv_head ? 2 : 4) * 8 * 6;
+  const std::size_t centroids = 88, scores = centroids + lists * 4 * 4 + lists * 30 * 4;
+  const std::string prefix = "kvsift::Csattention::load_base: stream: ";
+  expect_error([&] { load(target, rewritten(file, centroids + 9 * 4, std::numeric_limits<float>::quiet_NaN()), {0}); },
+               {prefix + "the centroids holds a non-finite value (nan) at element 9 (byte 124)",
+                "a floating-point value of an index file must be finite"});
+  const std::size_t at = scores + (5 * 30 + 2) * 2;  // list 5, entry 2 (within its count: lists are full)
+  expect_error([&] { load(target, rewritten(file, at, half{0x7c00}), {0}); },
+               prefix + fmt::format("the scores of list 5 holds a non-finite value (inf) at element 2 (byte {})", at));
+  EXPECT_EQ(raw_state(target), state) << "a refused load changed the selector";
+  // A directory given as the path.
+  expect_error([&] { target.load_base(testing::TempDir(), std::vector<std::int32_t>{0}, {}); },
+               "kvsift::Csattention::load_base: '" + testing::TempDir() + "' is a directory, not a file");
 }
 
 }  // namespace

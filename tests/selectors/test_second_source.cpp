@@ -58,10 +58,12 @@ struct StepProblem {
   TwoSources<T, cpu::Context, Weights, Second> selector(const cpu::Context& ctx) const {
     return {limits, kBudget, 3, weights, second, ctx};
   }
-  /// Runs one step on a poisoned workspace into a poisoned output; returns O (as TO), LSE and the selection.
+  /// Prepares the sequences, then runs one step on a poisoned workspace into a poisoned output; returns O (as
+  /// TO), LSE and the selection.
   template <class TO, class Step>
   std::tuple<std::vector<TO>, std::vector<float>, SelectionView> run(Step& step, cpu::Array<std::byte>& workspace,
                                                                       const cpu::Context& ctx) {
+    step.prepare({.cache = cache(), .slots = slots.data()}, ctx);
     std::memset(workspace.data(), 0xff, workspace.size());
     std::vector<TO> o(p.q.size());
     std::memset(o.data(), 0xff, o.size() * sizeof(TO));
@@ -85,7 +87,6 @@ void expect_step_matches_reference(Random& rng, std::int32_t page_size) {
   StepProblem<T> sp(rng, page_size);
   const cpu::Context ctx{};
   DecodeStep step(sp.template selector<Weights, Second>(ctx), sp.config, ctx);
-  step.prepare({.cache = sp.cache(), .slots = sp.slots.data()}, ctx);
   cpu::Array<std::byte> workspace(step.workspace_bytes());
   const auto [o, lse, selection] = sp.template run<T>(step, workspace, ctx);
   EXPECT_EQ(selection.log_weights != nullptr, Weights) << "the selection has log-weights iff the selector writes them";
@@ -233,6 +234,7 @@ TEST_F(SecondSourceStep, BadInputSecondSourceViewsAreRefused) {
   };
   DecodeStep wrong(WrongBatch(sp.limits, StepProblem<half>::kBudget, 3, sp.weights, sp.second, ctx), sp.config, ctx);
   cpu::Array<std::byte> ws(wrong.workspace_bytes());
+  wrong.prepare({.cache = sp.cache(), .slots = sp.slots.data()}, ctx);
   expect_error(
       [&] {
         wrong.run(StepInputs<half>{.q = sp.p.q_view(), .cache = sp.cache(), .slots = sp.slots.data()},

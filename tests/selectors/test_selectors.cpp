@@ -296,6 +296,7 @@ TEST(DecodeStepRefusals, BadConfigurationsAndInputs) {
   auto workspace = poisoned_workspace(step.workspace_bytes());
   const StepInputs<bfloat16> in{.q = QueryView<const bfloat16>::packed(q.data(), 2, 4, 64), .cache = cache,
                                 .slots = slots.data()};
+  step.prepare({.cache = cache, .slots = slots.data()}, {});
   step.run(in, out, workspace.bytes(), {});
   auto wrong = in;
   wrong.q.batch = 3;
@@ -420,6 +421,7 @@ TEST(CpuSelectorRefusals, BadConfigurationsAndInputs) {
                                   .slots = slots.data(), .lengths = lens.data()};
   const SelectionView out{indices.data(), counts.data(), nullptr, 2, 2, 8};
   auto workspace = poisoned_workspace(selector.select_workspace_bytes({2, 4, 2, 64, 64}, {}));
+  selector.prepare({.cache = cache, .slots = slots.data()}, {});
   selector.select(in, out, workspace.bytes(), {});
   EXPECT_EQ(counts, (std::vector<std::int32_t>{8, 8, 8, 8}));
   const std::vector<std::int32_t> bad_slots{2, 0};

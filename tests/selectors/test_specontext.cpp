@@ -326,6 +326,8 @@ TEST(CpuSpeContextBadInput, RefusesEveryBadArgument) {
                  {"prompt (100 tokens) exceeds limits.max_tokens (= 64)"});
   }
   s.prepare(f.prefill(), f.ctx);
+  AnySelector<T, cpu::Context> any(SpeContext<T, cpu::Context>(f.p.limits(), config, f.ctx));
+  any.prepare(f.prefill(), f.ctx);
   f.to_step();
   const SelectShape shape{c.batch, c.q_heads, c.kv_heads, c.head_dim, 0};
   auto append_ws = poisoned(s.append_workspace_bytes(shape, f.ctx));
@@ -361,7 +363,6 @@ TEST(CpuSpeContextBadInput, RefusesEveryBadArgument) {
     in.attention.window = no_recent;
     expect_error([&] { s.select(in, out.view, select_ws.bytes(), f.ctx); },
                  {"in.attention.window.recent (= 0) must be >= 1", "specontext_window"});
-    AnySelector<T, cpu::Context> any(SpeContext<T, cpu::Context>(f.p.limits(), config, f.ctx));
     expect_error([&] { any.select(in, out.view, select_ws.bytes(), f.ctx); }, {"in.attention.window.recent (= 0)"});
   }
   expect_error([&] { s.release(std::vector<std::int32_t>{f.p.max_slots}); }, {"slots[0] (= 3)"});

@@ -153,6 +153,7 @@ TEST_F(HybridStep, WeightsAndBadCountRows) {
   HybridDecodeStep hybrid(
       MarksARowBad(TwoSources<T, cpu::Context, true, false>(limits, kBudget, kBatch, weights, {}, cpu), bad_row), config,
       cpu);
+  hybrid.prepare({.cache = host_cache, .slots = slots.data()}, cpu);
   DeviceBuffer<T> d_o(p.q.size());
   DeviceBuffer<float> d_lse(std::size_t(kBatch) * kQHeads);
   KVSIFT_CUDA_CHECK(cudaMemset(d_o.data(), 0, d_o.size() * sizeof(T)));

@@ -16,16 +16,22 @@
 /// and what is wrong: a magic other than the format's (not that kind of file), a version other than the one the
 /// reader reads, a stream that ends before a value (truncated: the byte offset and the field), a checksum that
 /// differs (corrupted), and, through expect(), a field that differs from what the caller needs (its name, the
-/// file's value and the expected one). The caller stages what it reads and commits nothing before finish() has
-/// checked the checksum, so that bad input loses nothing. Fields are checked as they are read, so a file of another
-/// shape is refused before its arrays (sized from checked fields) are read.
+/// file's value and the expected one), and a floating-point value (fp64, fp32, fp16, bf16; a field or an array
+/// element) that is NaN or infinite: no format stores one, and a selector reading one from a well-formed file would
+/// hide it (a NaN centroid or codeword is never the nearest, so the output stays finite). That refusal names the
+/// field or array, the first bad element and its byte offset; it comes from finish(), after the checksum, so that a
+/// damaged file is reported as corrupted rather than as holding a NaN. The caller stages what it reads and commits
+/// nothing before finish() has checked the checksum, so that bad input loses nothing. Fields are checked as they
+/// are read, so a file of another shape is refused before its arrays (sized from checked fields) are read.
 ///
 /// Thread safety: a writer or reader is one stream's state; distinct objects are independent.
 
 #include <array>
 #include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <fstream>
 #include <functional>
 #include <iosfwd>
 #include <span>
@@ -33,6 +39,7 @@
 #include <string_view>
 #include <type_traits>
 
+#include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
 
 namespace kvsift {
@@ -91,11 +98,13 @@ class IndexFileReader {
   V read(std::string_view field) {
     V value;
     read_bytes(&value, sizeof(V), field);
+    note_non_finite(std::span<const V>(&value, 1), field);
     return value;
   }
   template <IndexFileValue V>
   void read_array(std::span<V> values, std::string_view field) {
     read_bytes(values.data(), values.size_bytes(), field);
+    note_non_finite(std::span<const V>(values), field);
   }
   /// Refuses a field whose value in the file (`found`) differs from `expected`, naming it and both values.
   template <class V>
@@ -110,7 +119,7 @@ class IndexFileReader {
     expect(field, found, expected);
     return found;
   }
-  /// Reads the checksum and refuses a file whose contents do not give it.
+  /// Reads the checksum and refuses a file whose contents do not give it, then one that holds a non-finite value.
   void finish();
 
   const std::string& source() const { return source_; }
@@ -118,12 +127,33 @@ class IndexFileReader {
 
  private:
   void read_bytes(void* data, std::size_t bytes, std::string_view field);
+  /// Records the first non-finite value of `values`, just read as `field`, for finish() to refuse.
+  template <class V>
+  void note_non_finite(std::span<const V> values, std::string_view field) {
+    if constexpr (StorageType<V> || std::is_same_v<V, double>) {
+      if (!non_finite_.empty()) return;
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        double x = 0.0;
+        if constexpr (std::is_same_v<V, double>) {
+          x = values[i];
+        } else {
+          x = to_float(values[i]);
+        }
+        if (!std::isfinite(x)) {
+          non_finite_ = fmt::format("{} holds a non-finite value ({}) at element {} (byte {})", field, x, i,
+                                    offset_ - values.size_bytes() + i * sizeof(V));
+          return;
+        }
+      }
+    }
+  }
 
   std::istream& in_;
   std::string source_;
   const char* where_;
   std::uint32_t crc_ = 0;
   std::uint64_t offset_ = 0;
+  std::string non_finite_;  ///< the first non-finite value read (note_non_finite); empty: none
 };
 
 /// Writes `path` through write(stream): into `path`.partial, renamed over `path` once complete, so that a failed
@@ -131,7 +161,12 @@ class IndexFileReader {
 void write_index_file(const std::string& path, const char* where, const std::function<void(std::ostream&)>& write);
 /// Opens `path` for read(stream), which reads one file with an IndexFileReader whose source is `path` and only
 /// stages it: bytes after what read consumed are refused after it returns, so commit once this call has returned.
-/// Refuses a file that cannot be opened.
+/// Refuses a file that cannot be opened (open_input_file).
 void read_index_file(const std::string& path, const char* where, const std::function<void(std::istream&)>& read);
+
+/// Opens `path` for binary reading, refusing with kvsift::Error naming `where` and the path one that cannot be
+/// opened and one that is a directory (which opens on Linux, then reads as an empty file: "truncated at byte 0"
+/// would be the message otherwise). Index files and captures (eval/capture.hpp) open their paths with it.
+std::ifstream open_input_file(const std::string& path, const char* where);
 
 }  // namespace kvsift

@@ -88,11 +88,12 @@ KVSIFT_HOST_DEVICE constexpr TokenRange unindexed_range(std::int32_t first, std:
   return {first > sinks ? first : sinks, window.recent_begin(length)};
 }
 
-/// The bounded lists' order (core/ranking.hpp's rule): a is below b when its score is lower, NaN below every
-/// number, and on equal scores (or both NaN) when its id is larger (the newer token: ids are positions).
+/// The bounded lists' order (core/ranking.hpp's rule): a is below b when its score is lower, NaN above every
+/// number (a NaN-scored token enters its lists and is selected: NaN never vanishes), and on equal scores (or both
+/// NaN) when its id is larger (the newer token: ids are positions).
 KVSIFT_HOST_DEVICE constexpr bool list_entry_below(float score_a, std::int32_t id_a, float score_b, std::int32_t id_b) {
   const bool nan_a = score_a != score_a, nan_b = score_b != score_b;
-  if (nan_a != nan_b) return nan_a;
+  if (nan_a != nan_b) return nan_b;
   if (!nan_a && score_a != score_b) return score_a < score_b;
   return id_a > id_b;
 }

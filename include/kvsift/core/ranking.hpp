@@ -1,7 +1,9 @@
 #pragma once
 /// kvsift's one ranking rule, shared by every top-K (CPU and CUDA, host and device code): higher score first;
-/// on equal scores the smaller index first; NaN ranks below every number (-inf included); -0 and +0 are one
-/// score. And the options of the per-row top-K into a selection (cpu::topk_rows, cuda::topk_rows).
+/// on equal scores the smaller index first; NaN ranks above every number (+inf included); -0 and +0 are one
+/// score. NaN first so that it never vanishes: a token whose score is NaN (a NaN key, or a NaN query's) is
+/// selected, and the attention over it is NaN, as dense attention would be; ranked last it would be dropped and
+/// the step's output would look finite. And the options of the per-row top-K into a selection (cpu::topk_rows, cuda::topk_rows).
 
 #include <cstdint>
 #include <cstring>
@@ -11,7 +13,7 @@
 
 namespace kvsift {
 
-/// The score half of rank_key: ascending order of the word is higher score first, NaN last. Integer
+/// The score half of rank_key: ascending order of the word is NaN first, then higher score first. Integer
 /// operations only (no branch on the sign, which random scores would mispredict half the time).
 KVSIFT_HOST_DEVICE inline std::uint32_t rank_word(float score) {
   std::uint32_t bits;
@@ -20,7 +22,7 @@ KVSIFT_HOST_DEVICE inline std::uint32_t rank_word(float score) {
   bits = magnitude == 0 ? 0u : bits;  // -0 and +0 are equal scores
   // Ascending float order as unsigned integers: negative numbers flip every bit, the others the sign bit.
   const std::uint32_t ascending = bits ^ (std::uint32_t(std::int32_t(bits) >> 31) | 0x80000000u);
-  return magnitude > 0x7f800000u ? 0xffffffffu : ~ascending;  // NaN last
+  return magnitude > 0x7f800000u ? 0u : ~ascending;  // NaN first (no number's word is 0: +inf's is 0x007fffff)
 }
 
 /// A score and its index packed into one integer whose ascending order is the ranking rule.

@@ -2,7 +2,7 @@
 /// CPU top-K selection shared by every selector.
 ///
 /// Order and ties: kvsift's ranking rule (core/ranking.hpp): the K largest scores win; on equal scores the
-/// smaller index wins; NaN ranks below every number. Output indices are written in ascending index order, so
+/// smaller index wins; NaN ranks above every number. Output indices are written in ascending index order, so
 /// CPU and CUDA results (cuda/topk.hpp) compare exactly.
 
 #include <algorithm>
@@ -61,7 +61,7 @@ std::size_t topk_rows_workspace_bytes(std::int64_t score_rows, std::int32_t max_
 /// s = r / heads_per_row = b * out.kv_heads + g and holds the scores of tokens [0, lengths[b]). Candidates are
 /// the middle [window.sink_end(len), window.recent_begin(len)) (sparse decode attends the window anyway,
 /// attention/options.hpp). Each score row picks its min(k_s, middle size) best candidates, k_s = row_k[s] if
-/// options.row_k is given, else k: higher score first, NaN below every number, on equal scores the smaller
+/// options.row_k is given, else k: higher score first, NaN above every number, on equal scores the smaller
 /// index (core/ranking.hpp). Into out.row(b, g) goes the union of the picks of s's score rows, distinct and
 /// ascending, and its size into out.counts[s]; a middle of at most k_s tokens is taken whole, an empty
 /// sequence (or k_s = 0) gets count 0. Log-weights, if out has them, are set to 0 for the written entries;

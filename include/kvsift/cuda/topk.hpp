@@ -1,6 +1,6 @@
 #pragma once
 /// CUDA top-K shared by every selector, the twin of cpu/topk.hpp: the same ranking rule (core/ranking.hpp:
-/// higher score first, on equal scores the smaller index, NaN below every number) and identical results.
+/// higher score first, on equal scores the smaller index, NaN above every number) and identical results.
 /// Device memory; caller-owned workspace (size from the matching *_workspace_bytes query); no allocation, no
 /// host sync; stream-ordered; CUDA-graph capturable; reentrant (concurrent calls need distinct workspaces).
 /// Deterministic: the chosen set is a function of the scores alone, and so is the output order (ascending).

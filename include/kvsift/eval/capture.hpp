@@ -2,7 +2,12 @@
 /// Captures of real attention inputs written by tools/capture (format in tools/capture/capture.py): for
 /// chosen layers of a real model, every position's pre- and post-RoPE Q and K, and V, in fp16.
 /// read_capture validates everything it reads and refuses a truncated or inconsistent file with
-/// kvsift::Error naming the problem.
+/// kvsift::Error naming the problem: a path that is a directory, a header value that is not a number of its kind
+/// (every count and index an integer in range, rope_theta a finite number > 0: "12x", "nan", "-5" are refused,
+/// naming the field and the text), and an array holding a NaN or an infinity (naming the array, the layer and the
+/// first such value's token, head and channel). Non-finite data is refused at load, not propagated by the
+/// statistics: read_capture is the one way captures enter kvsift, and the fidelity harness's percentiles and the
+/// selectors would otherwise let a NaN vanish (a NaN key is never selected; a sorted NaN leaves p10 and p90 finite).
 
 #include <cstdint>
 #include <string>

@@ -116,7 +116,7 @@ class A2ats {
                         ? config_.max_budget
                         : std::max(1, std::int32_t(config_.budget_fraction * double(limits.max_tokens)))),
         codewords_(codebooks.codewords), offset_(codebooks.offset), windowed_rope_(codebooks.windowed_rope),
-        rope_(codebooks.rope), table_positions_(table_positions(limits, codebooks)) {
+        rope_(codebooks.rope), table_positions_(table_positions(limits, codebooks)), slot_states_(limits.max_slots) {
     const std::int32_t kv = limits.kv_heads, d = limits.head_dim;
     const std::size_t entries = std::size_t(kv) * std::size_t(codewords_) * std::size_t(d);
     transform_.resize(std::size_t(kv) * std::size_t(d) * std::size_t(d));
@@ -245,15 +245,17 @@ class A2ats {
           vq_encode(keys, encode_codebook(), codes_view(), {.slot = slots[std::size_t(b)]}, encode_bytes, ctx);
         }
       }
-      return;
+    } else {
+      encode_from_cache(in.cache, lengths, slots, longest, encode_bytes, ctx);
     }
-    encode_from_cache(in.cache, lengths, slots, longest, encode_bytes, ctx);
+    slot_states_.mark_prepared(slots);
   }
 
   /// Codes the step's token (position lengths[b] - 1) of each batch row into its slot.
   void append(const AppendInputs<T>& in, std::span<std::byte> workspace, const Context& ctx) {
     constexpr const char* where = "A2ats::append";
-    const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
+    const std::int32_t batch =
+        detail::check_step_cache(where, limits_, slot_states_, in.cache, in.slots, Context::memory);
     KVSIFT_CHECK(in.lengths != nullptr, where, "in.lengths must be non-null");
     WorkspaceLayout carving(workspace, where);
     const AppendBuffers w = append_layout(carving, batch, ctx);
@@ -282,7 +284,7 @@ class A2ats {
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
     constexpr const char* where = "A2ats::select";
-    detail::check_select(where, limits_, in, out, capacity(), Context::memory);
+    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
     const std::int32_t batch = in.q.batch, kv = limits_.kv_heads;
     const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     WorkspaceLayout carving(workspace, where);
@@ -304,12 +306,8 @@ class A2ats {
   }
 
   /// Sequences leave; their codes stay until a prepare of the slot overwrites them (nothing else to free).
-  void release(std::span<const std::int32_t> slots) {
-    for (std::size_t i = 0; i < slots.size(); ++i) {
-      KVSIFT_CHECK(slots[i] >= 0 && slots[i] < limits_.max_slots, "A2ats::release",
-                   "slots[{}] (= {}) is outside [0, limits.max_slots = {})", i, slots[i], limits_.max_slots);
-    }
-  }
+  void release(std::span<const std::int32_t> slots) { slot_states_.release("A2ats::release", slots); }
+  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
 
  private:
   struct SelectBuffers {
@@ -453,6 +451,7 @@ class A2ats {
   bool windowed_rope_;
   RopeConfig rope_;
   std::int32_t table_positions_;
+  detail::SlotStates slot_states_;
   Array<float> transform_, centroids_, norms_;
   Array<T> codebook_;
   Array<std::uint16_t> codes_;

@@ -178,8 +178,9 @@ struct A2atsCodebookExpectation {
 /// Reads a file written by save_a2ats_codebooks. Refused, naming the path and what is wrong: a missing file,
 /// another magic, another version, a file that ends early (at any byte) or whose header describes more bytes
 /// than it holds, a checksum that differs (corrupted), bytes after the checksum, header values that no
-/// A2atsCodebooks accepts, and each field `expected` sets that differs (its name, the file's value and the
-/// expected one). A refused load returns nothing.
+/// A2atsCodebooks accepts, each field `expected` sets that differs (its name, the file's value and the
+/// expected one), a path that is a directory, and a NaN or an infinity in any value (core/index_file.hpp: the
+/// layer's array, L, C^z or C, and the first such element). A refused load returns nothing.
 A2atsCodebooks load_a2ats_codebooks(const std::filesystem::path& path, const A2atsCodebookExpectation& expected);
 
 }  // namespace kvsift

@@ -139,7 +139,7 @@ class CentroidKV {
   /// Allocates the store for limits.max_slots sequences of up to limits.max_tokens prompt tokens and puts every
   /// row in its empty state (count 0, order identity, budget 0).
   CentroidKV(const SelectorLimits& limits, const CentroidKVConfig& config, const Context& ctx)
-      : limits_(limits), config_(config) {
+      : limits_(limits), config_(config), slot_states_(limits.max_slots) {
     detail::check_limits("CentroidKV", limits);
     detail::check_centroid_kv_config("CentroidKV", config);
     // The merge store's bounds, refused here rather than at the first prepare or append.
@@ -256,11 +256,13 @@ class CentroidKV {
     // Last, and synchronizing (copy_from_host waits for its stream): the temporary store's work is done before its
     // arrays are freed on return.
     for (std::size_t b = 0; b < rows; ++b) copy_from_host(&budgets[b], 1, budgets_.data() + slots[b], ctx);
+    slot_states_.mark_prepared(slots);
   }
 
   void append(const AppendInputs<T>& in, std::span<std::byte> workspace, const Context& ctx) {
     constexpr const char* where = "CentroidKV::append";
-    const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
+    const std::int32_t batch =
+        detail::check_step_cache(where, limits_, slot_states_, in.cache, in.slots, Context::memory);
     KVSIFT_CHECK(in.lengths != nullptr, where, "in.lengths must be non-null");
     WorkspaceLayout carving(workspace, where);
     const std::span<std::byte> round_bytes =
@@ -272,7 +274,7 @@ class CentroidKV {
 
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte>, const Context& ctx) {
     constexpr const char* where = "CentroidKV::select";
-    detail::check_select(where, limits_, in, out, capacity(), Context::memory);
+    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
     check_no_window(where, in.attention.window);
     clear_counts(out, ctx);
     merge_store_selection(store(), in.slots, second_selection(in.q.batch), ctx);
@@ -285,7 +287,8 @@ class CentroidKV {
   }
 
   /// Nothing to free: a released slot's rows stay as they are until a prepare loads the slot's next sequence.
-  void release(std::span<const std::int32_t>) {}
+  void release(std::span<const std::int32_t> slots) { slot_states_.release("CentroidKV::release", slots); }
+  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
 
  private:
   static void check_no_window(const char* where, const AttentionWindow& window) {
@@ -321,6 +324,7 @@ class CentroidKV {
   SelectorLimits limits_;
   CentroidKVConfig config_;
   std::int32_t capacity_ = 0;
+  detail::SlotStates slot_states_;
   Array<T> k_, v_;
   Array<std::int32_t> order_, degree_, count_, budgets_, indices_, counts_, page_indptr_, last_page_len_;
   Array<float> log_degree_, weights_;

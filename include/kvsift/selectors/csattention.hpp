@@ -158,7 +158,7 @@ class Csattention {
   using context_type = Context;
 
   Csattention(const SelectorLimits& limits, const CsattentionConfig& config)
-      : limits_(limits), config_(checked(limits, config)) {
+      : limits_(limits), config_(checked(limits, config)), slot_states_(limits.max_slots) {
     const std::int32_t slots = limits.max_slots, heads = table_heads(), m = config_.subspaces, c = config_.centroids;
     const std::size_t lists = ScoreTablesView<std::int32_t>::list_count(slots, heads, m, c);
     centroids_.resize(ScoreTablesView<std::int32_t>::centroid_elements(slots, heads, m, c, width()));
@@ -220,6 +220,8 @@ class Csattention {
   /// Builds each joining sequence's base from its prompt (in.cache) and its last W prefill queries (in.queries,
   /// W >= C) in a free storage (the slot's old base, if any, dropped first: one shared with other slots stays
   /// theirs), and empties its overlay. in.slots distinct. Allocates scratch; on CUDA synchronizes the stream.
+  /// Refused before anything changes: a non-finite prefill query, or prompt key on the CPU
+  /// (detail::check_finite_prompt).
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
     constexpr const char* where = "Csattention::prepare";
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
@@ -246,6 +248,7 @@ class Csattention {
       KVSIFT_CHECK(lengths[b] <= limits_.max_tokens, where, "sequence {}'s prompt ({} tokens) exceeds limits.max_tokens (= {})",
                    b, lengths[b], limits_.max_tokens);
     }
+    detail::check_finite_prompt(where, in.cache, lengths, in.queries, ctx);
     for (std::int32_t b = 0; b < batch; ++b) {
       const std::int32_t slot = slots[std::size_t(b)], length = lengths[std::size_t(b)];
       detach(slot);
@@ -268,13 +271,15 @@ class Csattention {
     joined(ctx);
   }
 
-  /// Sequences leave: the listed slots (distinct) drop their bases; a base no slot reads is free. A slot without a
-  /// base (never joined, or released before) has nothing to drop, as with every other selector's release. Host
-  /// bookkeeping only (no context: selectors/selector.hpp's release).
+  /// Sequences leave: the listed slots (distinct, each holding a sequence: prepared, shared or loaded, and not
+  /// released since) drop their bases; a base no slot reads is free. Host bookkeeping only (no context:
+  /// selectors/selector.hpp's release).
   void release(std::span<const std::int32_t> slots) {
-    check_slots("Csattention::release", "slots", slots);
+    slot_states_.release("Csattention::release", slots);
     for (const std::int32_t slot : slots) detach(slot);
   }
+  /// Whether `slot` holds a sequence (selectors/detail/slot_states.hpp): prepared, shared or loaded.
+  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
 
   /// Writes the base `slot` reads (not its overlay) as a base file (the class comment's format). Refuses a slot
   /// without a base and a stream that fails. On CUDA copies the base to the host and synchronizes the stream.
@@ -291,8 +296,9 @@ class Csattention {
 
   /// Reads one base file from `in` (left after its checksum) and makes the listed slots (distinct, at least one)
   /// read it with empty overlays, each dropping its own base first, as share does. Refuses a file of another
-  /// format, version, shape or configuration, a truncated or corrupted one (the class comment), and leaves the
-  /// selector unchanged then. Allocates the staging; on CUDA synchronizes the stream.
+  /// format, version, shape or configuration, a truncated or corrupted one (the class comment), one whose
+  /// centroids or scores hold a NaN or an infinity (core/index_file.hpp: the array, list and element), and leaves
+  /// the selector unchanged then. Allocates the staging; on CUDA synchronizes the stream.
   void load_base(std::istream& in, std::span<const std::int32_t> slots, const Context& ctx) {
     constexpr const char* where = "Csattention::load_base";
     check_load_slots(where, slots);
@@ -309,14 +315,14 @@ class Csattention {
 
   /// Inserts each row's new key (position lengths[b] - 1) into its slot's lists.
   void append(const AppendInputs<T>& in, std::span<std::byte>, const Context& ctx) {
-    detail::check_cache("Csattention::append", limits_, in.cache, in.slots, Context::memory);
+    detail::check_step_cache("Csattention::append", limits_, slot_states_, in.cache, in.slots, Context::memory);
     append_tables(tables(), in.cache, in.slots, in.lengths, ctx);
   }
 
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
     constexpr const char* where = "Csattention::select";
-    detail::check_select(where, limits_, in, out, capacity(), Context::memory);
+    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
     const std::int32_t batch = in.q.batch;
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
     if (calls_until_search_ > 0) {
@@ -534,6 +540,7 @@ class Csattention {
     }
     // A slot without a base reads -1: the primitives refuse it rather than read a storage rebuilt for another.
     copy_from_host(host_slot_base_.data(), host_slot_base_.size(), slot_base_.data(), ctx);
+    slot_states_.mark_prepared(slots);
   }
   /// Sequences joined (prepare, share, load_base): the next select searches, over the identity row map.
   void joined(const Context& ctx) {
@@ -647,7 +654,8 @@ class Csattention {
       r.read_array(std::span<std::int32_t>(h.ids.data() + list * std::size_t(max_length_), l), "the ids");
     }
     for (std::size_t list = 0; list < lists; ++list) {
-      r.read_array(std::span<half>(h.scores.data() + list * std::size_t(max_length_), l), "the scores");
+      r.read_array(std::span<half>(h.scores.data() + list * std::size_t(max_length_), l),
+                   fmt::format("the scores of list {}", list));
     }
     r.read_array(std::span<std::int32_t>(h.counts), "the counts");
     r.finish();
@@ -762,6 +770,7 @@ class Csattention {
       (config_.budget > 0 ? config_.budget : std::max(1, std::int32_t(config_.keep_fraction * double(limits_.max_tokens)))) +
       config_.search_period - 1;
   std::int32_t calls_until_search_ = 0, searched_batch_ = 0;
+  detail::SlotStates slot_states_;
   Array<float> centroids_;
   Array<std::int32_t> base_ids_;
   Array<half> base_scores_;

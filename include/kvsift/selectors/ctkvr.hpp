@@ -152,7 +152,7 @@ class Ctkvr {
   using context_type = Context;
 
   Ctkvr(const SelectorLimits& limits, const CtkvrConfig& config)
-      : limits_(limits), config_(checked(limits, config)), rerank_(limits, config_) {
+      : limits_(limits), config_(checked(limits, config)), rerank_(limits, config_), slot_states_(limits.max_slots) {
     const auto slots = std::size_t(limits.max_slots), kv = std::size_t(limits.kv_heads);
     const auto columns = std::size_t(config_.max_centroids);
     centroids_.resize(QueryCentroidsView<T>::elements(limits.max_slots, limits.q_heads, config_.max_centroids,
@@ -216,7 +216,8 @@ class Ctkvr {
   }
 
   /// Builds the index of the joining sequences: centroids from in.queries (the last C of each head), lists over
-  /// the prompt's keys, less in.attention's window. Allocates scratch; on CUDA synchronizes the stream.
+  /// the prompt's keys, less in.attention's window. Allocates scratch; on CUDA synchronizes the stream. Refused
+  /// before anything changes: a non-finite prefill query, or prompt key on the CPU (detail::check_finite_prompt).
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
     constexpr const char* where = "Ctkvr::prepare";
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
@@ -232,19 +233,23 @@ class Ctkvr {
     sequence_lengths(in.cache, context_lengths.data(), ctx);
     copy_to_host(context_lengths.data(), lengths.size(), lengths.data(), ctx);
     copy_to_host(in.slots, slots.size(), slots.data(), ctx);
+    detail::check_finite_prompt(where, in.cache, lengths, in.queries, ctx);
     const std::vector<std::int32_t> full(std::size_t(limits_.max_slots), config_.max_centroids);
     copy_from_host(full.data(), full.size(), full_columns_.data(), ctx);
     for (std::int32_t b = 0; b < batch; ++b) prepare_sequence(in, b, slots[b], lengths[b], ctx);
+    slot_states_.mark_prepared(slots);
   }
   void append(const AppendInputs<T>& in, std::span<std::byte>, const Context&) {
-    detail::check_cache("Ctkvr::append", limits_, in.cache, in.slots, Context::memory);
+    detail::check_step_cache("Ctkvr::append", limits_, slot_states_, in.cache, in.slots, Context::memory);
   }
-  void release(std::span<const std::int32_t>) {}  // a joining sequence's prepare rebuilds its slot
+  /// A joining sequence's prepare rebuilds its slot.
+  void release(std::span<const std::int32_t> slots) { slot_states_.release("Ctkvr::release", slots); }
+  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
 
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
     constexpr const char* where = "Ctkvr::select";
-    detail::check_select(where, limits_, in, out, capacity(), Context::memory);
+    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
     const std::int32_t batch = in.q.batch;
     const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     WorkspaceLayout carving(workspace, where);
@@ -265,7 +270,7 @@ class Ctkvr {
   void recall(const SelectInputs<T>& in, const SelectionView& candidates, std::span<std::byte> workspace,
               const Context& ctx) {
     constexpr const char* where = "Ctkvr::recall";
-    detail::check_select(where, limits_, in, candidates, candidates.capacity, Context::memory);
+    detail::check_select(where, limits_, slot_states_, in, candidates, candidates.capacity, Context::memory);
     const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     KVSIFT_CHECK(candidates.capacity >= candidate_capacity(tokens), where,
                  "candidates.capacity (= {}) < candidate_capacity(max_seq_len) (= {})", candidates.capacity,
@@ -512,6 +517,7 @@ class Ctkvr {
   SelectorLimits limits_;
   CtkvrConfig config_;
   CtkvrRerank<T, Context> rerank_;
+  detail::SlotStates slot_states_;
   Array<T> centroids_;
   Array<std::int32_t> centroid_counts_, list_ids_, list_counts_, cursors_, fifo_begin_, boundaries_, union_sizes_;
   Array<std::int32_t> full_columns_;

@@ -43,7 +43,8 @@ class OracleTopK {
   using value_type = T;
   using context_type = Context;
 
-  OracleTopK(const SelectorLimits& limits, const OracleTopKConfig& config) : limits_(limits), config_(config) {
+  OracleTopK(const SelectorLimits& limits, const OracleTopKConfig& config)
+      : limits_(limits), config_(config), slot_states_(limits.max_slots) {
     detail::check_limits("OracleTopK", limits);
     KVSIFT_CHECK(config.budget > 0, "OracleTopK", "config.budget (= {}) must be positive", config.budget);
   }
@@ -65,18 +66,21 @@ class OracleTopK {
     return 0;
   }
 
-  void prepare(const PrefillInputs<T>& in, const Context&) {
+  /// No index, but the life cycle of every selector: a slot is prepared before its steps (slot_states.hpp).
+  void prepare(const PrefillInputs<T>& in, const Context& ctx) {
     detail::check_cache("OracleTopK::prepare", limits_, in.cache, in.slots, Context::memory);
+    slot_states_.mark_prepared(in.slots, in.cache.batch(), ctx);
   }
   void append(const AppendInputs<T>& in, std::span<std::byte>, const Context&) {
-    detail::check_cache("OracleTopK::append", limits_, in.cache, in.slots, Context::memory);
+    detail::check_step_cache("OracleTopK::append", limits_, slot_states_, in.cache, in.slots, Context::memory);
   }
-  void release(std::span<const std::int32_t>) {}
+  void release(std::span<const std::int32_t> slots) { slot_states_.release("OracleTopK::release", slots); }
+  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
 
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
     constexpr const char* where = "OracleTopK::select";
-    detail::check_select(where, limits_, in, out, capacity(), Context::memory);
+    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
     const std::int32_t batch = in.q.batch;
     const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     WorkspaceLayout carving(workspace, where);
@@ -113,6 +117,7 @@ class OracleTopK {
 
   SelectorLimits limits_;
   OracleTopKConfig config_;
+  detail::SlotStates slot_states_;
 };
 
 }  // namespace kvsift

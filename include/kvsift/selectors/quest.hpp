@@ -41,7 +41,7 @@ class Quest {
   using context_type = Context;
 
   Quest(const SelectorLimits& limits, const QuestConfig& config)
-      : limits_(limits), config_(config), max_pages_(checked_pages(limits, config)) {
+      : limits_(limits), config_(config), max_pages_(checked_pages(limits, config)), slot_states_(limits.max_slots) {
     bounds_.resize(PageBoundsView<T>::bytes(limits.max_slots, limits.kv_heads, max_pages_, limits.head_dim) /
                    sizeof(T));
   }
@@ -69,17 +69,21 @@ class Quest {
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
     detail::check_cache("Quest::prepare", limits_, in.cache, in.slots, Context::memory);
     build_page_bounds(in.cache, in.slots, bounds(), ctx);
+    slot_states_.mark_prepared(in.slots, in.cache.batch(), ctx);
   }
   void append(const AppendInputs<T>& in, std::span<std::byte>, const Context& ctx) {
-    detail::check_cache("Quest::append", limits_, in.cache, in.slots, Context::memory);
+    detail::check_step_cache("Quest::append", limits_, slot_states_, in.cache, in.slots, Context::memory);
     append_page_bounds(in.cache, in.slots, bounds(), ctx);
   }
-  void release(std::span<const std::int32_t>) {}  // a joining sequence's prepare rebuilds its slot's bounds
+  /// A joining sequence's prepare rebuilds its slot's bounds.
+  void release(std::span<const std::int32_t> slots) { slot_states_.release("Quest::release", slots); }
+  /// Whether `slot` holds a prepared sequence (selectors/detail/slot_states.hpp).
+  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
 
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
     constexpr const char* where = "Quest::select";
-    detail::check_select(where, limits_, in, out, capacity(), Context::memory);
+    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
     select_pages(in.q, bounds().as_const(), in.slots, in.lengths, in.attention.window,
                  planned_pages(where, "in.max_seq_len", in.max_seq_len), pages_per_row(), out, workspace, ctx);
   }
@@ -103,6 +107,7 @@ class Quest {
   SelectorLimits limits_;
   QuestConfig config_;
   std::int32_t max_pages_;
+  detail::SlotStates slot_states_;
   typename Context::template array<T> bounds_;
 };
 

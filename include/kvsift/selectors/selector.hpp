@@ -35,6 +35,11 @@
 ///     per row of the second selection) and `SecondSource<T> second_source(const SelectInputs<T>& in) const`,
 ///     the views of the second source that the last select wrote for in's rows. The step attends it whole,
 ///     with no window, as a second fp32 partial and merges it with the primary one by LSE.
+///   - `bool prepared(std::int32_t slot) const`: whether `slot` holds a prepared sequence (not released since).
+///     kvsift's selectors keep this life cycle on the host (selectors/detail/slot_states.hpp): append and select
+///     refuse host slots without a sequence, release refuses a slot without one; a decode step with
+///     validate_indices checks a CUDA step's device slots through it. selector_slot_prepared reads it (true when
+///     absent).
 ///
 /// Thread safety: a selector is not synchronized: prepare, append, select and release must not run
 /// concurrently on one object; const calls (capacity, *_workspace_bytes, index_bytes, name) may run
@@ -168,6 +173,17 @@ bool selector_writes_log_weights(const S& selector) {
   }
 }
 
+/// Whether `slot` holds a prepared sequence of `selector` (its optional `prepared(slot)`; true without it: a
+/// selector that keeps no life cycle accepts every slot).
+template <KVSelector S>
+bool selector_slot_prepared(const S& selector, std::int32_t slot) {
+  if constexpr (requires { { selector.prepared(slot) } -> std::convertible_to<bool>; }) {
+    return selector.prepared(slot);
+  } else {
+    return true;
+  }
+}
+
 /// A selector type that may have a second source (AnySelector does; its second_source_capacity() says whether
 /// the wrapped one has).
 template <class S>
@@ -216,6 +232,7 @@ class AnySelector {
   IndexBytes index_bytes() const { return impl_->index_bytes(); }
   std::string_view name() const { return impl_->name(); }
   bool writes_log_weights() const { return impl_->writes_log_weights(); }
+  bool prepared(std::int32_t slot) const { return impl_->prepared(slot); }
   std::int32_t second_source_capacity() const { return impl_->second_source_capacity(); }
   /// Only for a wrapped selector with a second source (second_source_capacity() > 0); refused otherwise.
   SecondSource<T> second_source(const SelectInputs<T>& in) const { return impl_->second_source(in); }
@@ -233,6 +250,7 @@ class AnySelector {
     virtual IndexBytes index_bytes() const = 0;
     virtual std::string_view name() const = 0;
     virtual bool writes_log_weights() const = 0;
+    virtual bool prepared(std::int32_t slot) const = 0;
     virtual std::int32_t second_source_capacity() const = 0;
     virtual SecondSource<T> second_source(const SelectInputs<T>&) const = 0;
   };
@@ -258,6 +276,7 @@ class AnySelector {
     IndexBytes index_bytes() const override { return selector.index_bytes(); }
     std::string_view name() const override { return selector.name(); }
     bool writes_log_weights() const override { return selector_writes_log_weights(selector); }
+    bool prepared(std::int32_t slot) const override { return selector_slot_prepared(selector, slot); }
     std::int32_t second_source_capacity() const override { return selector_second_source_capacity(selector); }
     SecondSource<T> second_source(const SelectInputs<T>& in) const override {
       if constexpr (requires { selector.second_source(in); }) {

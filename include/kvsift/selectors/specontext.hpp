@@ -129,7 +129,8 @@ class SpeContext {
   /// selector's; budget <= 0 or above max_tokens; an unknown mode or cache kind; a negative sm_scale; a RoPE whose
   /// rotary_dim is odd or above head_dim.
   SpeContext(const SelectorLimits& limits, const SpeContextConfig& config, const Context& ctx)
-      : limits_(limits), config_(checked(limits, config)), oracle_(limits, {.budget = config.budget}) {
+      : limits_(limits), config_(checked(limits, config)), oracle_(limits, {.budget = config.budget}),
+        slot_states_(limits.max_slots) {
     const std::int32_t d = limits.head_dim;
     cos_.resize(std::size_t(RopeTableView::elements(config.rope, d, limits.max_tokens)));
     sin_.resize(cos_.size());
@@ -208,6 +209,9 @@ class SpeContext {
     KVSIFT_CHECK(k.batch == batch && k.heads == kv && k.head_dim == d && k.tokens >= longest, where,
                  "in.k_pre_rope is [{}, {}, {}, {}]; expected [batch = {}, kv_heads = {}, >= {} tokens, head_dim = {}]",
                  k.batch, k.heads, k.tokens, k.head_dim, batch, kv, longest, d);
+    // Nothing is refused past this point: the slots hold their sequences (the scorer's too, for its select).
+    slot_states_.mark_prepared(slots);
+    oracle_.prepare(in, ctx);
     if (longest == 0) return;
     // Staging of one prompt's rotated keys [kv_heads, n, d]; entry i of every head's row is its token i, so
     // gather_kv copies staging row i to the head cache's position i.
@@ -269,7 +273,8 @@ class SpeContext {
   /// head's cache.
   void append(const AppendInputs<T>& in, std::span<std::byte> workspace, const Context& ctx) {
     constexpr const char* where = "SpeContext::append";
-    const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
+    const std::int32_t batch =
+        detail::check_step_cache(where, limits_, slot_states_, in.cache, in.slots, Context::memory);
     KVSIFT_CHECK(in.lengths != nullptr, where, "in.lengths must be non-null");
     KVSIFT_CHECK(in.k_pre_rope.data != nullptr, where,
                  "in.k_pre_rope (the retrieval head's key of the step's token, before RoPE) must be given");
@@ -296,7 +301,7 @@ class SpeContext {
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
     constexpr const char* where = "SpeContext::select";
-    detail::check_select(where, limits_, in, out, capacity(), Context::memory);
+    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
     KVSIFT_CHECK(in.attention.window.recent >= 1, where,
                  "in.attention.window.recent (= {}) must be >= 1: the selection leaves the window out and the step's "
                  "own token is attended only through it (use specontext_window(window))",
@@ -336,11 +341,10 @@ class SpeContext {
 
   /// Sequences leave; their keys stay until a prepare of the slot overwrites them.
   void release(std::span<const std::int32_t> slots) {
-    for (std::size_t i = 0; i < slots.size(); ++i) {
-      KVSIFT_CHECK(slots[i] >= 0 && slots[i] < limits_.max_slots, "SpeContext::release",
-                   "slots[{}] (= {}) is outside [0, limits.max_slots = {})", i, slots[i], limits_.max_slots);
-    }
+    slot_states_.release("SpeContext::release", slots);
+    oracle_.release(slots);
   }
+  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
 
   /// The head's K cache of the step's `batch` rows, post-RoPE (its V aliases K): the slots' pages of the owned
   /// array (lengths[b] tokens), or `cache` itself when the engine keeps it. For tests and inspection.
@@ -437,6 +441,7 @@ class SpeContext {
   SelectorLimits limits_;
   SpeContextConfig config_;
   OracleTopK<T, Context> oracle_;
+  detail::SlotStates slot_states_;
   Array<float> cos_, sin_;
   RopeTableView table_{};
   Array<T> keys_;                   ///< owned head cache [max_slots, kv_heads, max_tokens, head_dim] (else empty)

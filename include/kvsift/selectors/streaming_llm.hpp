@@ -23,7 +23,9 @@ class StreamingLLM {
   using value_type = T;
   using context_type = Context;
 
-  explicit StreamingLLM(const SelectorLimits& limits) : limits_(limits) { detail::check_limits("StreamingLLM", limits); }
+  explicit StreamingLLM(const SelectorLimits& limits) : limits_(limits), slot_states_(limits.max_slots) {
+    detail::check_limits("StreamingLLM", limits);
+  }
 
   std::string_view name() const { return "StreamingLLM"; }
   std::int32_t capacity() const { return 0; }
@@ -36,20 +38,24 @@ class StreamingLLM {
     detail::check_shape("StreamingLLM::append_workspace_bytes", limits_, shape);
     return 0;
   }
-  void prepare(const PrefillInputs<T>& in, const Context&) {
+  /// No index, but the life cycle of every selector: a slot is prepared before its steps (slot_states.hpp).
+  void prepare(const PrefillInputs<T>& in, const Context& ctx) {
     detail::check_cache("StreamingLLM::prepare", limits_, in.cache, in.slots, Context::memory);
+    slot_states_.mark_prepared(in.slots, in.cache.batch(), ctx);
   }
   void append(const AppendInputs<T>& in, std::span<std::byte>, const Context&) {
-    detail::check_cache("StreamingLLM::append", limits_, in.cache, in.slots, Context::memory);
+    detail::check_step_cache("StreamingLLM::append", limits_, slot_states_, in.cache, in.slots, Context::memory);
   }
-  void release(std::span<const std::int32_t>) {}
+  void release(std::span<const std::int32_t> slots) { slot_states_.release("StreamingLLM::release", slots); }
+  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte>, const Context& ctx) {
-    detail::check_select("StreamingLLM::select", limits_, in, out, capacity(), Context::memory);
+    detail::check_select("StreamingLLM::select", limits_, slot_states_, in, out, capacity(), Context::memory);
     clear_counts(out, ctx);
   }
 
  private:
   SelectorLimits limits_;
+  detail::SlotStates slot_states_;
 };
 
 }  // namespace kvsift

@@ -32,6 +32,8 @@
 /// nothing, queries nothing and never synchronizes the host (except with config.validate_indices on CUDA,
 /// which checks the selection and throws on the host).
 ///
+/// The selector's life cycle (selectors/detail/slot_states.hpp): every slot of a run holds a prepared sequence, not
+/// released since; the CPU checks it on every run, CUDA with config.validate_indices (the slots are device values).
 /// Trusted on the device (CUDA; checked on the CPU): the slots (in [0, the selector's max_slots)), every
 /// sequence's length (<= config.max_seq_len and the selector's max_tokens) and the cache's page tables. A
 /// primitive that meets a bad device value marks that selection row with count -1 (cuda/topk.hpp,
@@ -143,6 +145,7 @@ class DecodeStep {
                  workspace_threads(ctx), planned_threads_);
     WorkspaceLayout carving(workspace, where);
     const Buffers b = layout(carving);
+    if (config_.validate_indices) detail::check_device_slots(where, selector_, in.slots, in.q.batch, ctx);
     if (in.k.data != nullptr || in.v.data != nullptr) {
       KVSIFT_CHECK(in.k.data != nullptr && in.v.data != nullptr, where, "in.k and in.v must be given together");
       write_step_kv(in.cache, in.k, in.v, ctx);

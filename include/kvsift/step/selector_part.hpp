@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/error.hpp"
@@ -105,6 +106,25 @@ class SelectorPart {
   bool log_weights_;
   std::size_t append_bytes_ = 0, select_bytes_ = 0;
 };
+
+/// A step's device slots against the selector's life cycle (selector_slot_prepared), for the steps'
+/// validate_indices: read on the host, which synchronizes the stream, as that validation does anyway. Host slots
+/// need no such call: the selector's append and select check them on every call.
+template <KVSelector S>
+void check_device_slots(const char* where, const S& selector, const std::int32_t* slots, std::int32_t batch,
+                        const typename S::context_type& ctx) {
+  if constexpr (S::context_type::memory == MemorySpace::device) {
+    KVSIFT_CHECK(slots != nullptr, where, "in.slots must be non-null");
+    std::vector<std::int32_t> host(std::size_t(batch > 0 ? batch : 0));
+    copy_to_host(slots, host.size(), host.data(), ctx);
+    for (std::size_t b = 0; b < host.size(); ++b) {
+      KVSIFT_CHECK(selector_slot_prepared(selector, host[b]), where,
+                   "in.slots[{}] (= {}) holds no prepared sequence of the selector ({}): prepare it first (a released "
+                   "slot, or one outside [0, max_slots), holds none)",
+                   b, host[b], selector.name());
+    }
+  }
+}
 
 /// Refuses, in the constructor of placement `where`, a selector with a second source (selectors/selector.hpp),
 /// which only DecodeStep attends; `instead` names where to run it.

@@ -96,11 +96,12 @@ class SpeContextStep {
       : selector_(std::move(selector)), config_(checked(config, selector_.limits())),
         part_(selector_, {config.max_batch, config.q_heads, config.kv_heads, config.head_dim, config.max_seq_len}, ctx),
         planned_threads_(workspace_threads(ctx)) {
-    for (std::int32_t batch = 1; batch <= config.max_batch; ++batch) {  // fewer rows may split more
+    // Fewer rows may split more; planned with validation, which attend_selection may ask for per call.
+    for (std::int32_t batch = 1; batch <= config.max_batch; ++batch) {
       decode_bytes_ = std::max(decode_bytes_, sparse_decode_workspace_bytes(
                                                   batch, config.q_heads, config.kv_heads, config.head_dim,
                                                   part_.capacity(), config.max_seq_len, attention(),
-                                                  config.validate_indices, ctx));
+                                                  /*validate_indices=*/true, ctx));
     }
     WorkspaceLayout counting;
     layout(counting);
@@ -118,12 +119,18 @@ class SpeContextStep {
     return {.sm_scale = config_.attention.sm_scale, .window = specontext_window(config_.attention.window)};
   }
 
-  /// Prefill of joining sequences: the head's prompt keys (in.k_pre_rope) into its cache (may allocate).
+  /// Prefill of joining sequences: the head's prompt keys (in.k_pre_rope) into its cache (may allocate). The
+  /// batch changes: attend refuses to run until the next select.
   void prepare(PrefillInputs<T> in, const Context& ctx) {
     in.attention = attention();
     selector_.prepare(in, ctx);
+    selected_batch_ = 0;
   }
-  void release(std::span<const std::int32_t> slots) { selector_.release(slots); }
+  /// Sequences leave (the selector refuses a slot without one); attend refuses to run until the next select.
+  void release(std::span<const std::int32_t> slots) {
+    selector_.release(slots);
+    selected_batch_ = 0;
+  }
 
   /// The step's selection, once, before layer 0.
   void select(const SpeContextHeadInputs<T>& in, std::span<std::byte> workspace, const Context& ctx) {
@@ -132,30 +139,40 @@ class SpeContextStep {
     KVSIFT_CHECK(in.cache.batch() == in.q.batch, where, "in.cache batch (= {}) != in.q.batch (= {})", in.cache.batch(),
                  in.q.batch);
     WorkspaceLayout carving(workspace, where);
+    const Buffers b = layout(carving);
+    selected_batch_ = 0;  // a refused select leaves no selection to attend
+    if (config_.validate_indices) detail::check_device_slots(where, selector_, in.slots, in.q.batch, ctx);
     part_.run(selector_,
               {.q = in.q, .cache = in.cache, .slots = in.slots, .k_pre_rope = in.k, .attention = attention(), .layer = 0},
-              layout(carving).selector, ctx);
+              b.selector, ctx);
+    selected_batch_ = in.q.batch;
   }
 
-  /// Layer in.layer's attention over the selection of the last select and the window.
+  /// Layer in.layer's attention over the selection of the last select and the window. Refused before any select,
+  /// after a prepare or release (until the next select), and for more rows than the last select's.
   template <class TO>
   void attend(const SpeContextLayerInputs<T>& in, const StateView<TO>& out, std::span<std::byte> workspace,
               const Context& ctx) {
+    constexpr const char* where = "SpeContextStep::attend";
+    check_layer_inputs(where, in, ctx);
+    KVSIFT_CHECK(selected_batch_ > 0, where,
+                 "no selection to attend: call select for the step first (after construction, prepare and release, "
+                 "attend waits for a select)");
+    KVSIFT_CHECK(in.q.batch <= selected_batch_, where, "in.q.batch (= {}) exceeds the rows of the last select (= {})",
+                 in.q.batch, selected_batch_);
     attend_selection(in, selection(workspace, in.q.batch), attention().window, out, workspace, ctx);
   }
 
   /// Layer in.layer's attention over any `selection` (its batch and kv heads the layer's) and `window`: the seam
-  /// for offloaded layers, attended from a resident buffer (in.cache) with a slot-space selection.
+  /// for offloaded layers, attended from a resident buffer (in.cache) with a slot-space selection. The selection
+  /// is checked (counts, range, duplicates, window) with config.validate_indices or `validate_indices`: a
+  /// selection made outside the step (Python's attend(selection=) checks by default).
   template <class TO>
   void attend_selection(const SpeContextLayerInputs<T>& in, const SelectionView& selection,
                         const AttentionWindow& window, const StateView<TO>& out, std::span<std::byte> workspace,
-                        const Context& ctx) {
+                        const Context& ctx, bool validate_indices = false) {
     constexpr const char* where = "SpeContextStep::attend";
-    check_batch(where, in.q.batch, ctx);
-    KVSIFT_CHECK(in.layer >= 0 && in.layer < config_.layers, where, "in.layer (= {}) is outside [0, config.layers = {})",
-                 in.layer, config_.layers);
-    KVSIFT_CHECK(in.cache.batch() == in.q.batch, where, "in.cache batch (= {}) != in.q.batch (= {})", in.cache.batch(),
-                 in.q.batch);
+    check_layer_inputs(where, in, ctx);
     KVSIFT_CHECK(selection.capacity <= part_.capacity(), where,
                  "selection.capacity (= {}) exceeds the planned capacity (= {})", selection.capacity, part_.capacity());
     WorkspaceLayout carving(workspace, where);
@@ -166,7 +183,7 @@ class SpeContextStep {
     }
     sparse_decode(in.q, KVCache<const T>(in.cache), selection, out,
                   AttentionOptions{.sm_scale = config_.attention.sm_scale, .window = window},
-                  config_.validate_indices, config_.programmatic_launch, b.decode, ctx);
+                  config_.validate_indices || validate_indices, config_.programmatic_launch, b.decode, ctx);
   }
 
   /// The selection of the last select over this workspace, for its `batch` rows (context memory).
@@ -190,6 +207,14 @@ class SpeContextStep {
     KVSIFT_CHECK(workspace_threads(ctx) <= planned_threads_, where,
                  "the context has {} threads, the step was planned for {}: plan the step with the pool it runs on",
                  workspace_threads(ctx), planned_threads_);
+  }
+
+  void check_layer_inputs(const char* where, const SpeContextLayerInputs<T>& in, const Context& ctx) const {
+    check_batch(where, in.q.batch, ctx);
+    KVSIFT_CHECK(in.layer >= 0 && in.layer < config_.layers, where, "in.layer (= {}) is outside [0, config.layers = {})",
+                 in.layer, config_.layers);
+    KVSIFT_CHECK(in.cache.batch() == in.q.batch, where, "in.cache batch (= {}) != in.q.batch (= {})", in.cache.batch(),
+                 in.q.batch);
   }
 
   static const SpeContextStepConfig& checked(const SpeContextStepConfig& config, const SelectorLimits& head) {
@@ -222,6 +247,7 @@ class SpeContextStep {
   SpeContextStepConfig config_;
   detail::SelectorPart<Selector> part_;
   std::int32_t planned_threads_;
+  std::int32_t selected_batch_ = 0;  ///< rows of the last select (0: none to attend)
   std::size_t decode_bytes_ = 0;
   std::size_t workspace_bytes_ = 0;
 };

@@ -2,11 +2,14 @@
 /// Checks every selector makes of its limits and of each call's inputs, written once so that all of them
 /// refuse bad inputs with the same messages.
 
+#include <cmath>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/validate.hpp"
+#include "kvsift/selectors/detail/slot_states.hpp"
 #include "kvsift/selectors/selector.hpp"
 
 namespace kvsift::detail {
@@ -53,6 +56,16 @@ std::int32_t check_cache(const char* where, const SelectorLimits& limits, const 
   return cache.batch();
 }
 
+/// An append's cache against the limits, and its slots against the selector's life cycle (slot_states.hpp: host
+/// slots must hold a prepared sequence); returns its batch.
+template <class T>
+std::int32_t check_step_cache(const char* where, const SelectorLimits& limits, const SlotStates& states,
+                              const KVCache<const T>& cache, const std::int32_t* slots, MemorySpace memory) {
+  const std::int32_t batch = check_cache(where, limits, cache, slots, memory);
+  states.require(where, slots, batch, memory);
+  return batch;
+}
+
 /// A select call's query and output against the limits and the cache; capacity: the selector's.
 template <class T>
 void check_select(const char* where, const SelectorLimits& limits, const SelectInputs<T>& in,
@@ -70,6 +83,58 @@ void check_select(const char* where, const SelectorLimits& limits, const SelectI
                "out [batch = {}, kv_heads = {}] != [{}, {}]", out.batch, out.kv_heads, batch, limits.kv_heads);
   KVSIFT_CHECK(out.capacity >= capacity, where, "out.capacity (= {}) is smaller than the selector's capacity (= {})",
                out.capacity, capacity);
+}
+
+/// check_select, and the selector's life cycle: host slots must hold a prepared sequence (slot_states.hpp).
+template <class T>
+void check_select(const char* where, const SelectorLimits& limits, const SlotStates& states, const SelectInputs<T>& in,
+                  const SelectionView& out, std::int32_t capacity, MemorySpace memory) {
+  check_select(where, limits, in, out, capacity, memory);
+  states.require(where, in.slots, in.q.batch, memory);
+}
+
+/// NaN never vanishes in an index built at prepare: a non-finite prompt key or prefill query would poison the
+/// centroids or lists it joins (or be left out of them), and the steps after it would look finite where dense
+/// attention is not. Refused by position instead. The keys are scanned where the host can read them (a CPU cache,
+/// `lengths[b]` tokens of row b); a device cache's are not (its prompt is megabytes: the CUDA prepare trusts it).
+/// The prefill queries, W per head, are read on the host on either backend (a CUDA copy synchronizes the stream,
+/// as prepare does anyway).
+template <class T, class Context>
+void check_finite_prompt(const char* where, const KVCache<const T>& cache, std::span<const std::int32_t> lengths,
+                         const SequenceView<const T>& queries, const Context& ctx) {
+  if constexpr (Context::memory == MemorySpace::host) {
+    for (std::size_t b = 0; b < lengths.size(); ++b) {
+      for (std::int32_t h = 0; h < cache.kv_heads(); ++h) {
+        for (std::int32_t t = 0; t < lengths[b]; ++t) {
+          const T* row = cache.k_row(std::int64_t(b), h, t);
+          for (std::int32_t i = 0; i < cache.head_dim(); ++i) {
+            KVSIFT_CHECK(std::isfinite(to_float(row[i])), where,
+                         "the prompt's keys hold a non-finite value at sequence {}, kv head {}, token {}, channel {} "
+                         "(= {}): NaN and inf are refused rather than indexed",
+                         b, h, t, i, to_float(row[i]));
+          }
+        }
+      }
+    }
+  }
+  if (queries.tokens <= 0 || queries.head_dim <= 0) return;
+  // One copy per (sequence, head): its W queries, strides and all.
+  const std::size_t span = std::size_t(queries.tokens - 1) * std::size_t(queries.token_stride) + std::size_t(queries.head_dim);
+  std::vector<T> block(span);
+  for (std::int32_t b = 0; b < queries.batch; ++b) {
+    for (std::int32_t h = 0; h < queries.heads; ++h) {
+      copy_to_host(queries.row(b, h, 0), span, block.data(), ctx);
+      for (std::int32_t w = 0; w < queries.tokens; ++w) {
+        for (std::int32_t i = 0; i < queries.head_dim; ++i) {
+          const float x = to_float(block[std::size_t(w) * std::size_t(queries.token_stride) + std::size_t(i)]);
+          KVSIFT_CHECK(std::isfinite(x), where,
+                       "in.queries holds a non-finite value at sequence {}, head {}, query {}, channel {} (= {}): NaN "
+                       "and inf are refused rather than indexed",
+                       b, h, w, i, x);
+        }
+      }
+    }
+  }
 }
 
 /// The token columns of a select workspace sized for a bound on the sequences' lengths (SelectShape::max_seq_len
