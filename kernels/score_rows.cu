@@ -1,7 +1,8 @@
-// max_score_rows on CUDA (cuda/score_rows.hpp): a grid-stride loop over (row, column); fmaxf in the CPU's order,
-// so the results are the CPU's bit for bit (a maximum rounds nothing).
+// max_score_rows on CUDA (cuda/score_rows.hpp): a grid-stride loop over (row, column); max_nan in the CPU's order,
+// so the results are the CPU's bit for bit (a maximum rounds nothing), NaN's payload aside.
 #include <algorithm>
 
+#include "kvsift/attention/state.hpp"
 #include "kvsift/cuda/detail/score_rows_launch.hpp"
 
 namespace kvsift::cuda::detail {
@@ -13,7 +14,7 @@ __global__ void max_score_rows_kernel(MatrixView<const float> scores, std::int32
   const std::int32_t n = min(max(lengths[r], 0), out.cols);
   for (std::int32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += gridDim.x * blockDim.x) {
     float m = scores.row(r * group)[t];
-    for (std::int32_t j = 1; j < group; ++j) m = fmaxf(m, scores.row(r * group + j)[t]);
+    for (std::int32_t j = 1; j < group; ++j) m = max_nan(m, scores.row(r * group + j)[t]);
     out.row(r)[t] = m;
   }
 }

@@ -45,7 +45,7 @@ struct GroupScoreWorkspace {
 };
 
 std::int32_t score_chunks(std::int32_t max_tokens) {
-  return (max_tokens + detail::kScoreChunk - 1) / detail::kScoreChunk;
+  return std::int32_t((std::int64_t(max_tokens) + detail::kScoreChunk - 1) / detail::kScoreChunk);
 }
 
 GroupScoreWorkspace layout_group_scores(WorkspaceLayout& layout, std::int64_t rows, std::int32_t group,

@@ -2,6 +2,7 @@
 #include "kvsift/cpu/topk.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "kvsift/core/detail/topk_rows_checks.hpp"
@@ -123,8 +124,12 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* length
           std::sort(picked, picked + std::int64_t(heads) * picks);
           count = std::int32_t(std::unique_copy(picked, picked + std::int64_t(heads) * picks, indices) - indices);
         }
-        out.counts[s] = count;
         if (out.log_weights != nullptr) std::fill_n(out.log_weights + s * out.capacity, count, 0.0f);
+        if (options.nan_marks_row && picks > 0) {
+          const float* const row = scores.row(s);
+          if (std::any_of(row + lo, row + hi, [](float x) { return std::isnan(x); })) count = -1;
+        }
+        out.counts[s] = count;
       }
     }
   });

@@ -548,6 +548,45 @@ TEST_F(TopKRows, TiesGoToTheSmallerIndexAndNaNRanksFirst) {
   EXPECT_EQ(top(20), (std::vector<std::int32_t>{2, 3, 4, 5, 6, 7, 8, 9}));  // the whole middle
 }
 
+// nan_marks_row: a row with a NaN among its candidates (the middle) gets count -1, whether it takes k of them or
+// the whole middle; NaN in the window (not a candidate) or in a row with k_s = 0 (nothing read) changes nothing;
+// without the option the same rows select as the ranking rule says.
+TEST_F(TopKRows, NanMarksRowGivesCountMinusOneForANanCandidate) {
+  constexpr std::int32_t kCols = 12;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // Window 2 + 2: the middle of a 12-token row is [2, 10).
+  std::vector<float> scores = {
+      nan, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, nan,  // row 0: NaN in the window only
+      0, 1, 2, 3, 4, nan, 6, 7, 8, 9, 1, 2,    // row 1: NaN at 5, in the middle
+      0, 1, 2, nan, 4, 5, 6, 7, 8, 9, 1, 2,    // row 2: NaN at 3, a row that takes its whole (short) middle
+      0, 1, 2, 3, nan, 5, 6, 7, 8, 9, 1, 2,    // row 3: NaN at 4, k_s = 0
+  };
+  const std::vector<std::int32_t> lengths = {12, 12, 7, 12};  // row 2: middle [2, 5) of 3 tokens <= k
+  const std::vector<std::int32_t> row_k = {4, 4, 4, 0};
+  const auto run = [&](bool nan_marks_row) {
+    const TopKRowsOptions options{.window = {2, 2}, .row_k = row_k.data(), .nan_marks_row = nan_marks_row};
+    test::HostSelection sel(4, 1, 4, false);
+    std::fill(sel.counts.begin(), sel.counts.end(), 99);
+    PoisonedWorkspace workspace(cpu::topk_rows_workspace_bytes(4, kCols, 4, options, nullptr));
+    cpu::topk_rows(MatrixView<const float>::packed(scores.data(), 4, kCols), lengths.data(), 4, options, sel.view,
+                   workspace.span());
+    return sel;
+  };
+  const auto marked = run(true);
+  EXPECT_EQ(marked.counts, (std::vector<std::int32_t>{4, -1, -1, 0}));
+  EXPECT_EQ(std::vector<std::int32_t>(marked.indices.begin(), marked.indices.begin() + 4),
+            (std::vector<std::int32_t>{6, 7, 8, 9}));
+  const auto plain = run(false);
+  EXPECT_EQ(plain.counts, (std::vector<std::int32_t>{4, 4, 3, 0}));
+  EXPECT_EQ(std::vector<std::int32_t>(plain.indices.begin() + 4, plain.indices.begin() + 8),
+            (std::vector<std::int32_t>{5, 7, 8, 9}));  // NaN first, then the best three
+  test::expect_error(
+      [&] {
+        (void)cpu::topk_rows_workspace_bytes(4, kCols, 4, {.heads_per_row = 2, .nan_marks_row = true}, nullptr);
+      },
+      "options.nan_marks_row needs options.heads_per_row == 1 (it is 2)");
+}
+
 TEST_F(TopKRows, PerRowKAndTheUnionOfAGroup) {
   // Two selection rows (batch 1, kv_heads 2) of two score rows each, 10 tokens, no window.
   const std::vector<float> scores = {

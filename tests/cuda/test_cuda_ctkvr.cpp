@@ -3,10 +3,11 @@
 // (tests/ctkvr_problem.hpp): with C' = C and whole lists, every step's selection is the top of the softmax over the
 // middle, max over the group, also after decoded tokens left the window and the dynamic update replaced lists;
 // the index after prepare holds no window token; select + attend (with and without the update) replays from a
-// CUDA graph.
+// CUDA graph; a non-finite prompt key is refused at prepare, as on the CPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -219,6 +220,51 @@ TEST_F(CudaCtkvrGraph, CaptureAndReplayEqualTheEagerStep) {
       }
     }
     KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+}
+
+
+/// A NaN prompt key (kv head 1, token 101, channel 7: in the middle) is refused at prepare by its position and
+/// value, with a later inf of the same head and a NaN past the prompt (not a key) beside it, contiguous and paged;
+/// the slot stays unprepared. The same prompt made finite prepares.
+class CudaCtkvrPrompt : public test::GpuTest {};
+TEST_F(CudaCtkvrPrompt, ANonFinitePromptKeyIsRefusedAtPrepare) {
+  SCOPED_TRACE(seed);
+  for (const bool paged : {false, true}) {
+    SCOPED_TRACE(paged ? "paged" : "contiguous");
+    CtkvrProblem p(rng, 4, 2, 208, 16, 64);
+    const auto key = [&](std::int32_t h, std::int32_t t, std::int32_t i) -> half& {
+      return p.k[(std::size_t(h) * p.capacity + std::size_t(t)) * p.head_dim + std::size_t(i)];
+    };
+    const std::vector<half> finite = p.k;
+    key(1, 101, 7) = from_float<half>(std::numeric_limits<float>::quiet_NaN());
+    key(1, 150, 0) = from_float<half>(std::numeric_limits<float>::infinity());
+    key(0, 210, 3) = from_float<half>(std::numeric_limits<float>::quiet_NaN());  // past the prompt's 208 tokens
+    DeviceBuffer<half> queries(p.prefill_q);
+    DeviceBuffer<std::int32_t> slot(std::vector<std::int32_t>{0});
+    const cuda::Context ctx{};
+    DecodeStep step(Selector(p.limits(), {.budget = 16, .list_size = 40, .centroids = 6, .max_centroids = 8,
+                                          .recalled_centroids = 3}),
+                    p.config(), ctx);
+    const auto prepare = [&](const DeviceCache& cache) {
+      step.prepare({.cache = cache.view(p), .slots = slot.data(),
+                    .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
+                   ctx);
+    };
+    {
+      DeviceCache cache(p, paged, rng.engine);
+      cache.grow(p.length);
+      test::expect_error([&] { prepare(cache); },
+                         {"Ctkvr::prepare: the prompt's keys hold a non-finite value at sequence 0, kv head 1, token "
+                          "101, channel 7 (= nan): NaN and inf are refused rather than indexed"});
+      EXPECT_FALSE(step.selector().prepared(0)) << "a refused prepare prepares nothing";
+    }
+    p.k = finite;
+    key(0, 210, 3) = from_float<half>(std::numeric_limits<float>::quiet_NaN());
+    DeviceCache cache(p, paged, rng.engine);
+    cache.grow(p.length);
+    prepare(cache);
+    EXPECT_TRUE(step.selector().prepared(0));
   }
 }
 

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <numeric>
+#include <string>
+#include <vector>
 
 #include "gpu_test.hpp"
 #include "kvsift/cuda/backend.hpp"
@@ -127,6 +129,41 @@ TYPED_TEST(CudaSelectors, QuestTakesTheBestPagesWhole) {
     const auto sel = run_step(step, f, ctx);
     expect_quest_selection(f.p, sel.indices, sel.counts, 256, 16, 16, kWindow);
   }
+}
+
+// The life cycle on CUDA: a step's slots are device values, which DecodeStep checks against the selector's slot
+// states with validate_indices (selectors/detail/slot_states.hpp); release (host slots) refuses a slot without
+// a sequence on every path; prepare (which reads the slots on the host) marks them.
+TYPED_TEST(CudaSelectors, ValidatingStepsRefuseSlotsWithoutASequence) {
+  using T = TypeParam;
+  SCOPED_TRACE(testing::Message() << "seed " << this->seed);
+  DeviceFixture<T> f(this->rng, CaseSpec{.batch = 2, .q_heads = 8, .kv_heads = 2, .head_dim = 64, .tokens = 600,
+                                         .k = 0, .page_size = 0, .log_weights = false});
+  const auto& c = f.p.spec;
+  const cuda::Context ctx{};
+  DecodeStepConfig config = f.config();
+  config.validate_indices = true;
+  DecodeStep step(OracleTopK<T, cuda::Context>(f.limits(), {.budget = 32}), config, ctx);
+  DeviceBuffer<std::byte> workspace(step.workspace_bytes());
+  DeviceBuffer<T> o(std::size_t(c.batch) * c.q_heads * c.head_dim);
+  DeviceBuffer<float> lse(std::size_t(c.batch) * c.q_heads);
+  const auto run = [&] {
+    workspace.poison();
+    step.run(StepInputs<T>{.q = f.q_view(), .cache = f.cache(), .slots = f.d_slots.data()},
+             StateView<T>::packed(o.data(), lse.data(), c.batch, c.q_heads, c.head_dim),
+             {workspace.data(), workspace.size()}, ctx);
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
+  };
+  expect_error(run, {"DecodeStep::run: in.slots[0] (= " + std::to_string(f.slots[0]) +
+                     ") holds no prepared sequence of the selector (OracleTopK)"});
+  expect_error([&] { step.release(std::vector<std::int32_t>{0}); },
+               {"OracleTopK::release: slots[0] (= 0) holds no sequence: it was never prepared"});
+  step.prepare({.cache = f.cache(), .slots = f.d_slots.data()}, ctx);
+  EXPECT_TRUE(step.selector().prepared(0) && step.selector().prepared(1));
+  run();
+  step.release(std::vector<std::int32_t>{f.slots[1]});
+  expect_error(run, {"in.slots[1] (= " + std::to_string(f.slots[1]) + ") holds no prepared sequence"});
+  expect_error([&] { step.release(std::vector<std::int32_t>{f.slots[1]}); }, {"it was released"});
 }
 
 TYPED_TEST(CudaSelectors, StreamingLLMAttendsTheWindowAlone) {

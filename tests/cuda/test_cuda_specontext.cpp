@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <functional>
 #include <iterator>
 #include <cstring>
@@ -364,7 +365,9 @@ class CudaSpeContextPrimitives : public GpuTest {};
 
 TEST_F(CudaSpeContextPrimitives, MaxScoreRowsEqualsCpuBitForBit) {
   const std::int32_t rows = 5, group = 8, cols = 3000;
-  const auto scores = rng.normal(std::size_t(rows) * group * cols);
+  auto scores = rng.normal(std::size_t(rows) * group * cols);
+  // A NaN in one head of row 0 (column 17, group member 3): the maximum there is NaN on both (payloads may differ).
+  scores[std::size_t(3) * cols + 17] = std::numeric_limits<float>::quiet_NaN();
   const std::vector<std::int32_t> lengths = {3000, 1, 0, 2999, 5000};
   std::vector<float> want(std::size_t(rows) * cols);
   std::memset(want.data(), 0xff, want.size() * sizeof(float));  // the device poison's bits: unwritten columns compare
@@ -375,53 +378,76 @@ TEST_F(CudaSpeContextPrimitives, MaxScoreRowsEqualsCpuBitForBit) {
   d_out.poison();
   cuda::max_score_rows(MatrixView<const float>::packed(d_scores.data(), rows * group, cols), group, d_lengths.data(),
                        MatrixView<float>::packed(d_out.data(), rows, cols), nullptr);
-  const auto got = d_out.download();
+  auto got = d_out.download();
+  EXPECT_TRUE(std::isnan(got[17]) && std::isnan(want[17])) << got[17] << " " << want[17];
+  got[17] = want[17] = 0.0f;
   EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
 }
 
 /// CUDA trusts the lengths: one of max_tokens + 1 (the owned head cache's page is max_tokens rows) in batch row 1.
 /// append skips that row's write (no other sequence's head keys change; the valid rows' step keys are written at
 /// their positions) and select gives the row count -1; the other rows are selected.
+/// A SpeContext selector on the GPU over a problem's retrieval head (owned head cache, layer 0's lengths): the
+/// problem's device copies, prepare of every prompt, and one step (append, then select into counts [batch *
+/// kv_heads], counts poisoned with 0x7f bytes rather than -1 so that an unwritten count shows).
+template <class T>
+struct DeviceHeadStep {
+  static constexpr std::int32_t kBudget = 16;
+  const SpeContextProblem<T>& p;
+  cuda::Context ctx{};
+  SpeContext<T, cuda::Context> s;
+  DeviceBuffer<std::int32_t> slots, lens;
+  DeviceBuffer<T> layer_k, layer_v, k_r, q_r, k_step;
+  KVCache<const T> cache;
+
+  DeviceHeadStep(const SpeContextProblem<T>& problem, SpeContextMode mode)
+      : p(problem), s(p.limits(), selector_config(p, mode, kBudget), ctx), slots(p.slots), lens(p.prompt_lengths),
+        layer_k(p.layer_k[0]), layer_v(p.layer_v[0]), k_r(p.k_r), q_r(p.q_r), k_step(p.k_step) {
+    const auto& c = p.spec;
+    cache = ContiguousKVView<const T>::packed(layer_k.data(), layer_v.data(), c.batch, c.kv_heads, c.max_tokens,
+                                              c.head_dim, lens.data());
+    s.prepare({.cache = cache, .slots = slots.data(),
+               .k_pre_rope = SequenceView<const T>::packed(k_r.data(), c.batch, c.kv_heads, c.max_tokens, c.head_dim)},
+              ctx);
+  }
+  std::vector<std::int32_t> step(const DeviceBuffer<std::int32_t>& step_lens) {
+    const auto& c = p.spec;
+    const SelectShape shape{c.batch, c.q_heads, c.kv_heads, c.head_dim, 0};
+    DeviceBuffer<std::byte> append_ws(s.append_workspace_bytes(shape, ctx)), select_ws(s.select_workspace_bytes(shape, ctx));
+    append_ws.poison();
+    select_ws.poison();
+    s.append({.cache = cache, .slots = slots.data(), .lengths = step_lens.data(),
+              .k_pre_rope = HeadsView<const T>::packed(k_step.data(), c.batch, c.kv_heads, c.head_dim)},
+             {append_ws.data(), append_ws.size()}, ctx);
+    DeviceBuffer<std::int32_t> indices(std::size_t(c.batch) * c.kv_heads * kBudget), counts(std::size_t(c.batch) * c.kv_heads);
+    indices.poison();
+    KVSIFT_CUDA_CHECK(cudaMemset(counts.data(), 0x7f, counts.size() * sizeof(std::int32_t)));
+    s.select({.q = QueryView<const T>::packed(q_r.data(), c.batch, c.q_heads, c.head_dim), .cache = cache,
+              .slots = slots.data(), .lengths = step_lens.data(), .attention = {.window = specontext_window({})}},
+             SelectionView{indices.data(), counts.data(), nullptr, c.batch, c.kv_heads, kBudget},
+             {select_ws.data(), select_ws.size()}, ctx);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    return counts.download();
+  }
+};
+
 TEST_F(CudaSpeContextPrimitives, LengthPastMaxTokensIsContained) {
   using T = bfloat16;
   const SpeContextProblem<T> p(rng, {.batch = 3, .max_tokens = 256, .min_length = 40, .max_length = 200});
   const auto& c = p.spec;
-  const std::int32_t budget = 16;
-  const cuda::Context ctx{};
-  SpeContext<T, cuda::Context> s(p.limits(), selector_config(p, SpeContextMode::per_kv_head, budget), ctx);
-  DeviceBuffer<std::int32_t> slots(p.slots), lens(p.prompt_lengths);
-  DeviceBuffer<T> layer_k(p.layer_k[0]), layer_v(p.layer_v[0]), k_r(p.k_r), q_r(p.q_r), k_step(p.k_step);
-  const KVCache<const T> cache = ContiguousKVView<const T>::packed(layer_k.data(), layer_v.data(), c.batch,
-                                                                   c.kv_heads, c.max_tokens, c.head_dim, lens.data());
-  s.prepare({.cache = cache, .slots = slots.data(),
-             .k_pre_rope = SequenceView<const T>::packed(k_r.data(), c.batch, c.kv_heads, c.max_tokens, c.head_dim)},
-            ctx);
+  DeviceHeadStep<T> d(p, SpeContextMode::per_kv_head);
   std::vector<std::int32_t> lengths = p.lengths;
   lengths[1] = c.max_tokens + 1;
   DeviceBuffer<std::int32_t> step_lens(lengths);
   const std::size_t owned_size = std::size_t(p.max_slots) * c.kv_heads * c.max_tokens * c.head_dim;
-  const T* owned = s.head_cache(cache, slots.data(), step_lens.data(), c.batch).paged.k_pages;
+  const T* owned = d.s.head_cache(d.cache, d.slots.data(), step_lens.data(), c.batch).paged.k_pages;
   const auto read_owned = [&] {
     std::vector<T> x(owned_size);
     KVSIFT_CUDA_CHECK(cudaMemcpy(x.data(), owned, owned_size * sizeof(T), cudaMemcpyDeviceToHost));
     return bits(x);
   };
   const auto before = read_owned();
-  const SelectShape shape{c.batch, c.q_heads, c.kv_heads, c.head_dim, 0};
-  DeviceBuffer<std::byte> append_ws(s.append_workspace_bytes(shape, ctx)), select_ws(s.select_workspace_bytes(shape, ctx));
-  append_ws.poison();
-  select_ws.poison();
-  s.append({.cache = cache, .slots = slots.data(), .lengths = step_lens.data(),
-            .k_pre_rope = HeadsView<const T>::packed(k_step.data(), c.batch, c.kv_heads, c.head_dim)},
-           {append_ws.data(), append_ws.size()}, ctx);
-  DeviceBuffer<std::int32_t> indices(std::size_t(c.batch) * c.kv_heads * budget), counts(std::size_t(c.batch) * c.kv_heads);
-  indices.poison();
-  counts.poison();
-  s.select({.q = QueryView<const T>::packed(q_r.data(), c.batch, c.q_heads, c.head_dim), .cache = cache,
-            .slots = slots.data(), .lengths = step_lens.data(), .attention = {.window = specontext_window({})}},
-           SelectionView{indices.data(), counts.data(), nullptr, c.batch, c.kv_heads, budget},
-           {select_ws.data(), select_ws.size()}, ctx);
-  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got_counts = d.step(step_lens);
   auto after = read_owned();
   for (std::int32_t b = 0; b < c.batch; ++b) {
     if (b == 1) continue;
@@ -436,9 +462,30 @@ TEST_F(CudaSpeContextPrimitives, LengthPastMaxTokensIsContained) {
     }
   }
   EXPECT_EQ(after, before) << "the row past max_tokens wrote into the head cache";
-  const auto got_counts = counts.download();
   for (std::int32_t row = 0; row < c.batch * c.kv_heads; ++row) {
-    EXPECT_EQ(got_counts[std::size_t(row)], row / c.kv_heads == 1 ? -1 : budget) << "row " << row;
+    EXPECT_EQ(got_counts[std::size_t(row)], row / c.kv_heads == 1 ? -1 : DeviceHeadStep<T>::kBudget) << "row " << row;
+  }
+}
+
+/// NaN in the retrieval head's query never vanishes on CUDA either: the rows it scores get count -1 (per kv head,
+/// or the whole sequence in batch_level mode, through max_score_rows' NaN-keeping maximum), the others select.
+TEST_F(CudaSpeContextPrimitives, ANanHeadQueryMarksTheRowsItScores) {
+  using T = bfloat16;
+  for (const SpeContextMode mode : {SpeContextMode::per_kv_head, SpeContextMode::batch_level}) {
+    SCOPED_TRACE(mode == SpeContextMode::per_kv_head ? "per_kv_head" : "batch_level");
+    SpeContextProblem<T> p(rng, {.batch = 2, .max_tokens = 256, .min_length = 40, .max_length = 200});
+    const auto& c = p.spec;
+    const std::int32_t group = c.q_heads / c.kv_heads;
+    p.q_r[(std::size_t(1) * c.q_heads + group) * c.head_dim + 3] = from_float<T>(std::numeric_limits<float>::quiet_NaN());
+    DeviceHeadStep<T> d(p, mode);
+    const auto got = d.step(DeviceBuffer<std::int32_t>(p.lengths));
+    for (std::int32_t b = 0; b < c.batch; ++b) {
+      for (std::int32_t g = 0; g < c.kv_heads; ++g) {
+        const bool marked = b == 1 && (g == 1 || mode == SpeContextMode::batch_level);
+        EXPECT_EQ(got[std::size_t(b) * c.kv_heads + g], marked ? -1 : DeviceHeadStep<T>::kBudget)
+            << "row (" << b << ", " << g << ")";
+      }
+    }
   }
 }
 

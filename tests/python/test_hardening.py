@@ -74,7 +74,7 @@ def test_life_cycle_is_checked_per_slot(rng, selector):
     assert np.isfinite(o).all()
 
 
-@pytest.mark.parametrize("selector", ["quest", "centroidkv"])
+@pytest.mark.parametrize("selector", ["oracle_topk", "quest", "centroidkv"])
 def test_a_nan_key_in_the_prompt_makes_its_heads_output_nan(rng, selector):
     config, _ = SELECTORS[selector]
     s = step(selector, config, window=(0, 0) if selector == "centroidkv" else (4, 16))
@@ -102,6 +102,24 @@ def test_a_nan_key_or_prefill_query_is_refused_at_prepare(rng, selector):
         s.prepare(kv, [0], queries=queries)
 
 
+def test_specontext_a_nan_head_query_makes_its_heads_output_nan(rng):
+    s = kvsift.SpeContextStep(layers=1, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_seq_len=CAPACITY,
+                              rope_theta=10000.0, budget=16)
+    k, v, lengths, kv = cache(rng, [120])
+    s.prepare(kv, rng.standard_normal((1, KV_HEADS, 120, HEAD_DIM)).astype(np.float16))
+    lengths += 1  # the step's token
+    q_r = query(rng)
+    q_r[0, 2, 5] = np.nan  # the retrieval head's query head 2: kv head 1's group
+    s.select(q_r, rng.standard_normal((1, KV_HEADS, HEAD_DIM)).astype(np.float16), kv)
+    _, counts = s.selection()
+    np.testing.assert_array_equal(counts[0], [16, -1])
+    o, lse = s.attend(0, query(rng), kv, k=rng.standard_normal((1, KV_HEADS, HEAD_DIM)).astype(np.float16),
+                      v=rng.standard_normal((1, KV_HEADS, HEAD_DIM)).astype(np.float16))
+    group = Q_HEADS // KV_HEADS
+    assert np.isnan(lse[0, group:]).all() and np.isnan(o[0, group:]).all()
+    assert np.isfinite(lse[0, :group]).all()
+
+
 def test_specontext_attend_needs_a_select_and_checks_a_given_selection(rng):
     s = kvsift.SpeContextStep(layers=2, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_seq_len=CAPACITY,
                               rope_theta=10000.0, budget=16)
@@ -124,6 +142,9 @@ def test_messages_name_the_argument_and_value(rng):
         step("oracle_topk", {"budget": 2 ** 40})
     with pytest.raises(kvsift.Error, match=r"selector_config\['keep_fraction'\] \(= 'x'\) must be a finite number"):
         step("csattention", {"keep_fraction": "x"})
+    with pytest.raises(kvsift.Error, match=r"limits.max_tokens \(= 2147483647\) is outside \[1, 2\^30"):
+        kvsift.DecodeStep("oracle_topk", {"budget": 8}, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                          max_seq_len=2 ** 31 - 1)
     k, v, lengths, _ = cache(rng, [10])
     k.flags.writeable = False
     with pytest.raises(kvsift.Error, match=r"contiguous_cache: k is a read-only numpy array"):

@@ -4,6 +4,7 @@
 // refused input.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <memory>
 #include <numeric>
 
@@ -403,7 +404,9 @@ TEST(CpuSelectorRefusals, BadConfigurationsAndInputs) {
   expect_error([&] { Oracle(bad, {.budget = 8}); }, "limits.max_slots (= 0) must be positive");
   bad = limits;
   bad.max_tokens = 0;
-  expect_error([&] { Oracle(bad, {.budget = 8}); }, "limits.max_tokens (= 0) must be positive");
+  expect_error([&] { Oracle(bad, {.budget = 8}); }, "limits.max_tokens (= 0) is outside [1, 2^30 = 1073741824]");
+  bad.max_tokens = std::numeric_limits<std::int32_t>::max();  // sums of token counts would overflow int32
+  expect_error([&] { Oracle(bad, {.budget = 8}); }, "limits.max_tokens (= 2147483647) is outside [1, 2^30");
   Oracle selector(limits, {.budget = 8});
   expect_error([&] { (void)selector.select_workspace_bytes({3, 4, 2, 64, 64}, {}); },
                "shape.batch (= 3) is outside [1, limits.max_slots = 2]");

@@ -270,6 +270,35 @@ TEST(CpuMaxScoreRows, EqualsScalarMaxAndRefusesBadShapes) {
                {"must be non-null"});
 }
 
+// NaN in the retrieval head's query never vanishes: its softmax weights are NaN, and the rows it scores get count
+// -1 (sparse decode then writes NaN there, as dense attention over a NaN score would), per kv head, or for the
+// whole sequence in batch_level mode; the other rows select as before.
+TEST(CpuSpeContextNan, ANanHeadQueryMarksTheRowsItScores) {
+  Random rng(test_seed());
+  using T = bfloat16;
+  for (const SpeContextMode mode : {SpeContextMode::per_kv_head, SpeContextMode::batch_level}) {
+    SCOPED_TRACE(mode == SpeContextMode::per_kv_head ? "per_kv_head" : "batch_level");
+    CpuFixture<T> f(rng, {});
+    const auto& c = f.p.spec;
+    const std::int32_t group = c.q_heads / c.kv_heads;
+    // Batch row 1, query head `group` (kv head 1's first), one channel.
+    f.p.q_r[(std::size_t(1) * c.q_heads + group) * c.head_dim + 3] = from_float<T>(std::numeric_limits<float>::quiet_NaN());
+    SpeContext<T, cpu::Context> s(f.p.limits(), f.config(16, mode), f.ctx);
+    const HostSelection out = run_selector(f, s, specontext_window({}));
+    for (std::int32_t b = 0; b < c.batch; ++b) {
+      for (std::int32_t g = 0; g < c.kv_heads; ++g) {
+        const bool marked = b == 1 && (g == 1 || mode == SpeContextMode::batch_level);
+        const std::int32_t count = out.counts[std::size_t(b) * c.kv_heads + g];
+        if (marked) {
+          EXPECT_EQ(count, -1) << "row (" << b << ", " << g << ")";
+        } else {
+          EXPECT_EQ(count, 16) << "row (" << b << ", " << g << ")";
+        }
+      }
+    }
+  }
+}
+
 TEST(CpuSpeContextBadInput, RefusesEveryBadArgument) {
   Random rng(test_seed());
   using T = bfloat16;

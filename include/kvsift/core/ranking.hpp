@@ -59,6 +59,13 @@ struct TopKRowsOptions {
   /// Score rows per selection row (a GQA group of query heads): each score row takes its own top-k, and
   /// the selection row gets their union (distinct, ascending), so out.capacity >= heads_per_row * k.
   std::int32_t heads_per_row = 1;
+  /// A selection row any of whose candidates scores NaN gets count -1, which sparse decode turns into NaN O and
+  /// LSE for its query heads (core/views.hpp SelectionView::counts), as dense attention over a NaN score would
+  /// give. For scores that are softmax weights (OracleTopK, SpeContext): one NaN logit makes its head's every
+  /// weight NaN, so ranking NaN first (above) can no longer single the bad token out, and a NaN query would
+  /// otherwise select the row's first tokens and attend them as if nothing had happened. A row with k_s = 0
+  /// reads nothing and keeps count 0. Requires heads_per_row == 1.
+  bool nan_marks_row = false;
 };
 
 }  // namespace kvsift

@@ -50,6 +50,12 @@ void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const H
   cpu::write_step_kv(cache, k, v);
 }
 inline void clear_counts(const SelectionView& out, const Context&) { cpu::clear_counts(out); }
+/// out[0..4) = {b, h, t, i} of the cache's first non-finite key among tokens t < lengths[b], or four -1
+/// (cpu/cache_ops.hpp). lengths and out: context (host) memory.
+template <class T>
+void first_nonfinite_key(const KVCache<const T>& cache, const std::int32_t* lengths, std::int32_t* out, const Context&) {
+  cpu::first_nonfinite_key(cache, lengths, out);
+}
 
 /// Copies n values between context memory and the host: a selector's prepare reading lengths and page tables
 /// (never append or select, where the CUDA twin's synchronization would break graph capture).

@@ -8,14 +8,16 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kvsift/attention/state.hpp"
 #include "kvsift/core/detail/score_rows_checks.hpp"
 #include "kvsift/core/views.hpp"
 
 namespace kvsift::cpu {
 
-/// out.row(r)[t] = fmax over j < group of scores.row(r * group + j)[t], for t < min(lengths[r], out.cols) (fmax:
-/// a NaN loses to a number, so NaN only where every score is NaN); columns at or past that are not written (the
-/// scores there are not read: top-K reads a row's first lengths[r] columns). A negative length writes nothing.
+/// out.row(r)[t] = max over j < group of scores.row(r * group + j)[t], for t < min(lengths[r], out.cols), NaN where
+/// any of them is NaN (attention/state.hpp max_nan: NaN never vanishes; fmax would let a number win); columns at or
+/// past that are not written (the scores there are not read: top-K reads a row's first lengths[r] columns). A
+/// negative length writes nothing.
 /// Refused: group <= 0, scores.rows != out.rows * group, different or non-positive columns, null pointers.
 inline void max_score_rows(const MatrixView<const float>& scores, std::int32_t group, const std::int32_t* lengths,
                            const MatrixView<float>& out) {
@@ -27,7 +29,7 @@ inline void max_score_rows(const MatrixView<const float>& scores, std::int32_t g
     std::copy_n(first, n, dst);
     for (std::int32_t j = 1; j < group; ++j) {
       const float* src = scores.row(r * group + j);
-      for (std::int32_t t = 0; t < n; ++t) dst[t] = std::fmax(dst[t], src[t]);
+      for (std::int32_t t = 0; t < n; ++t) dst[t] = max_nan(dst[t], src[t]);
     }
   }
 }

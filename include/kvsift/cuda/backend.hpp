@@ -50,6 +50,14 @@ void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const H
   cuda::write_step_kv(cache, k, v, ctx.stream);
 }
 inline void clear_counts(const SelectionView& out, const Context& ctx) { cuda::clear_counts(out, ctx.stream); }
+/// out[0..4) = {b, h, t, i} of the cache's first non-finite key among tokens t < lengths[b], or four -1
+/// (cuda/cache_ops.hpp). lengths and out: context (device) memory, out 8-byte aligned; stream-ordered, no host
+/// sync: read out after synchronizing (copy_to_host).
+template <class T>
+void first_nonfinite_key(const KVCache<const T>& cache, const std::int32_t* lengths, std::int32_t* out,
+                         const Context& ctx) {
+  cuda::first_nonfinite_key(cache, lengths, out, ctx.stream);
+}
 
 /// Copies n values between context (device) memory and the host, then synchronizes the stream: for a selector's
 /// prepare only (lengths, page tables), never append or select.

@@ -1,5 +1,6 @@
 #pragma once
-/// Reductions of score rows on the GPU, the twin of cpu/score_rows.hpp (read its contract): equal bit for bit.
+/// Reductions of score rows on the GPU, the twin of cpu/score_rows.hpp (read its contract): equal bit for bit, but
+/// for a NaN's payload (the device's max.NaN writes the canonical NaN).
 /// Device memory; no allocation, no host sync; stream-ordered; CUDA-graph capturable. Lengths are read on the
 /// device: a length past out.cols is clamped to it (top-K then marks that row).
 

@@ -220,8 +220,7 @@ class Csattention {
   /// Builds each joining sequence's base from its prompt (in.cache) and its last W prefill queries (in.queries,
   /// W >= C) in a free storage (the slot's old base, if any, dropped first: one shared with other slots stays
   /// theirs), and empties its overlay. in.slots distinct. Allocates scratch; on CUDA synchronizes the stream.
-  /// Refused before anything changes: a non-finite prefill query, or prompt key on the CPU
-  /// (detail::check_finite_prompt).
+  /// Refused before anything changes: a non-finite prefill query or prompt key (detail::check_finite_prompt).
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
     constexpr const char* where = "Csattention::prepare";
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
@@ -248,7 +247,7 @@ class Csattention {
       KVSIFT_CHECK(lengths[b] <= limits_.max_tokens, where, "sequence {}'s prompt ({} tokens) exceeds limits.max_tokens (= {})",
                    b, lengths[b], limits_.max_tokens);
     }
-    detail::check_finite_prompt(where, in.cache, lengths, in.queries, ctx);
+    detail::check_finite_prompt(where, in.cache, context_lengths.data(), in.queries, ctx);
     for (std::int32_t b = 0; b < batch; ++b) {
       const std::int32_t slot = slots[std::size_t(b)], length = lengths[std::size_t(b)];
       detach(slot);

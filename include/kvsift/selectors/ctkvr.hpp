@@ -217,7 +217,7 @@ class Ctkvr {
 
   /// Builds the index of the joining sequences: centroids from in.queries (the last C of each head), lists over
   /// the prompt's keys, less in.attention's window. Allocates scratch; on CUDA synchronizes the stream. Refused
-  /// before anything changes: a non-finite prefill query, or prompt key on the CPU (detail::check_finite_prompt).
+  /// before anything changes: a non-finite prefill query or prompt key (detail::check_finite_prompt).
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
     constexpr const char* where = "Ctkvr::prepare";
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
@@ -233,7 +233,7 @@ class Ctkvr {
     sequence_lengths(in.cache, context_lengths.data(), ctx);
     copy_to_host(context_lengths.data(), lengths.size(), lengths.data(), ctx);
     copy_to_host(in.slots, slots.size(), slots.data(), ctx);
-    detail::check_finite_prompt(where, in.cache, lengths, in.queries, ctx);
+    detail::check_finite_prompt(where, in.cache, context_lengths.data(), in.queries, ctx);
     const std::vector<std::int32_t> full(std::size_t(limits_.max_slots), config_.max_centroids);
     copy_from_host(full.data(), full.size(), full_columns_.data(), ctx);
     for (std::int32_t b = 0; b < batch; ++b) prepare_sequence(in, b, slots[b], lengths[b], ctx);

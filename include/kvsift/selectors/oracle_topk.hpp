@@ -5,7 +5,9 @@
 /// all of the sequence's tokens (as CTKVR and SpeContext reduce a group, by max): group_scores with softmax
 /// and max (fp32, fp32 accumulation). Of the middle tokens (the attention window's tokens are the kernel's),
 /// the `budget` best are selected by topk_rows (ties: the smaller index); a middle of at most `budget` tokens
-/// is taken whole. No index: it reads the engine's cache at every step (index_bytes() = {0, 0}).
+/// is taken whole. No index: it reads the engine's cache at every step (index_bytes() = {0, 0}). NaN never
+/// vanishes: a NaN (or +inf) logit makes its head's weights NaN, and a row with a NaN candidate gets count -1
+/// (TopKRowsOptions::nan_marks_row), so the step's output there is NaN, as dense attention's.
 /// Written once for both backends (S::context_type cpu::Context or cuda::Context); CPU and CUDA pick the same
 /// tokens except among candidates whose fp32 scores differ by less than the two backends' rounding (the
 /// scores' sums run in different orders), which the tests state.
@@ -88,8 +90,10 @@ class OracleTopK {
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
     const auto scores = MatrixView<float>::packed(buffers.scores, rows, tokens);
     group_scores(in.q, in.cache, scores, score_options(in.attention), buffers.group_scores, ctx);
+    // A NaN key or query makes its heads' every softmax weight NaN: the row is marked bad (count -1, NaN output),
+    // as dense attention's output is NaN there.
     topk_rows(MatrixView<const float>::packed(buffers.scores, rows, tokens), in.lengths, config_.budget,
-              TopKRowsOptions{.window = in.attention.window}, out, buffers.topk, ctx);
+              TopKRowsOptions{.window = in.attention.window, .nan_marks_row = true}, out, buffers.topk, ctx);
   }
 
  private:

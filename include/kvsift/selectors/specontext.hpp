@@ -330,7 +330,7 @@ class SpeContext {
     max_score_rows(MatrixView<const float>::packed(w.scores, rows, tokens), kv, in.lengths,
                    MatrixView<float>::packed(w.sequence_scores, batch, tokens), ctx);
     topk_rows(MatrixView<const float>::packed(w.sequence_scores, batch, tokens), in.lengths, config_.budget,
-              TopKRowsOptions{.window = in.attention.window},
+              TopKRowsOptions{.window = in.attention.window, .nan_marks_row = true},
               SelectionView{w.indices, w.counts, nullptr, batch, 1, config_.budget}, w.topk, ctx);
     for (std::int32_t h = 0; h < kv; ++h) {
       copy_rows_within(w.indices, config_.budget, out.row(0, h), std::int64_t(kv) * out.capacity, config_.budget,

@@ -110,6 +110,7 @@ class CtkvrHybridStep {
                  "be config.max_batch (= {})",
                  in.q_device.batch, in.q_host.batch, in.device_cache.batch(), in.host_cache.batch(), batch);
     KVSIFT_CHECK(in.slots != nullptr, where, "in.slots is a null pointer");
+    detail::check_slots_prepared(where, index_, std::span<const std::int32_t>(in.slots, std::size_t(batch)));
     const cuda::Context gpu{stream};
     const auto begin = std::chrono::steady_clock::now();
 

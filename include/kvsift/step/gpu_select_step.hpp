@@ -179,6 +179,7 @@ class GpuSelectHybridStep {
                  "out is [{}, {}, {}]; the step writes [{}, {}, {}]", out.batch, out.heads, out.head_dim, batch,
                  config_.q_heads, config_.head_dim);
 
+    if (config_.validate_indices) detail::check_device_slots(where, selector_, in.slots, batch, ctx);
     // 1. The search on the GPU.
     part_.run(selector_,
               {.q = in.q, .cache = in.device_cache, .slots = in.slots, .k_pre_rope = in.k_pre_rope,

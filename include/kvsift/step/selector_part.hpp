@@ -107,9 +107,21 @@ class SelectorPart {
   std::size_t append_bytes_ = 0, select_bytes_ = 0;
 };
 
-/// A step's device slots against the selector's life cycle (selector_slot_prepared), for the steps'
-/// validate_indices: read on the host, which synchronizes the stream, as that validation does anyway. Host slots
-/// need no such call: the selector's append and select check them on every call.
+/// A step's slots, in host memory, against the selector's life cycle (selector_slot_prepared): for the placements
+/// whose selector runs on the device while the step holds the slots on the host (CtkvrHybridStep).
+template <KVSelector S>
+void check_slots_prepared(const char* where, const S& selector, std::span<const std::int32_t> host_slots) {
+  for (std::size_t b = 0; b < host_slots.size(); ++b) {
+    KVSIFT_CHECK(selector_slot_prepared(selector, host_slots[b]), where,
+                 "in.slots[{}] (= {}) holds no prepared sequence of the selector ({}): prepare it first (a released "
+                 "slot, or one outside [0, max_slots), holds none)",
+                 b, host_slots[b], selector.name());
+  }
+}
+
+/// A step's device slots against the selector's life cycle, for the steps' validate_indices: read on the host,
+/// which synchronizes the stream, as that validation does anyway. Host slots need no such call: the selector's
+/// append and select check them on every call.
 template <KVSelector S>
 void check_device_slots(const char* where, const S& selector, const std::int32_t* slots, std::int32_t batch,
                         const typename S::context_type& ctx) {
@@ -117,12 +129,7 @@ void check_device_slots(const char* where, const S& selector, const std::int32_t
     KVSIFT_CHECK(slots != nullptr, where, "in.slots must be non-null");
     std::vector<std::int32_t> host(std::size_t(batch > 0 ? batch : 0));
     copy_to_host(slots, host.size(), host.data(), ctx);
-    for (std::size_t b = 0; b < host.size(); ++b) {
-      KVSIFT_CHECK(selector_slot_prepared(selector, host[b]), where,
-                   "in.slots[{}] (= {}) holds no prepared sequence of the selector ({}): prepare it first (a released "
-                   "slot, or one outside [0, max_slots), holds none)",
-                   b, host[b], selector.name());
-    }
+    check_slots_prepared(where, selector, host);
   }
 }
 

@@ -17,6 +17,8 @@ inline void check_topk_rows_shape(const char* where, std::int64_t score_rows, st
                score_rows, max_tokens);
   KVSIFT_CHECK(k > 0, where, "k (= {}) must be positive", k);
   KVSIFT_CHECK(options.heads_per_row >= 1, where, "options.heads_per_row (= {}) must be >= 1", options.heads_per_row);
+  KVSIFT_CHECK(!options.nan_marks_row || options.heads_per_row == 1, where,
+               "options.nan_marks_row needs options.heads_per_row == 1 (it is {})", options.heads_per_row);
   validate(options.window, where, "options.window");
 }
 

@@ -143,7 +143,10 @@ __global__ void __launch_bounds__(kThreads) topk_rows_select(const __grid_consta
     if (rank == 0 && threadIdx.x == 0 && count_out != nullptr) *count_out = -1;
     return;
   }
-  if (rank == 0 && threadIdx.x == 0 && count_out != nullptr) *count_out = job.picks;
+  // With nan_marks_row the count waits for the NaN scan below (a row with no pick reads nothing: count 0).
+  if (rank == 0 && threadIdx.x == 0 && count_out != nullptr && (!p.nan_marks_row || job.picks == 0)) {
+    *count_out = job.picks;
+  }
   if (job.picks == 0) return;
   std::int32_t* const indices =
       grouped ? p.picks + score_row * p.k : p.out.indices + job.selection_row * p.out.capacity;
@@ -185,6 +188,15 @@ __global__ void __launch_bounds__(kThreads) topk_rows_select(const __grid_consta
     __syncthreads();
   }
   const auto word_at = [&](std::int32_t i) { return i < cached ? slice_words[i] : rank_word(__ldg(scores + i)); };
+  // nan_marks_row: whether this CTA's slice holds a NaN (rank word 0, core/ranking.hpp); written before find and
+  // emit, whose cluster barriers order it against rank 0's remote read at the end.
+  __shared__ std::uint32_t slice_has_nan;
+  if (p.nan_marks_row) {
+    bool mine = false;
+    for (std::int32_t i = threadIdx.x; i < count; i += kThreads) mine |= word_at(i) == 0u;
+    const bool any = __syncthreads_or(mine) != 0;
+    if (threadIdx.x == 0) slice_has_nan = any ? 1u : 0u;
+  }
   const auto out = [&](std::int32_t i, std::uint32_t position) {
     indices[position] = begin + i;
     if (weights != nullptr) weights[position] = 0.0f;
@@ -193,6 +205,12 @@ __global__ void __launch_bounds__(kThreads) topk_rows_select(const __grid_consta
   const SelectThreshold threshold = job.picks == middle ? SelectThreshold::all(std::uint32_t(middle))
                                                         : Find(find_temp).find(word_at, count, job.picks, group);
   Select(temp).emit(word_at, count, threshold, out, group);
+  if (p.nan_marks_row) {
+    if (rank == 0 && threadIdx.x == 0 && count_out != nullptr) {
+      *count_out = group.sum(&slice_has_nan) > 0 ? -1 : job.picks;
+    }
+    group.finish();  // every CTA's flag stays readable until rank 0 has read it
+  }
 }
 
 /// The body of topk_rows_union for selection row blockIdx.x (valid job) with its bitmap at `bits`.

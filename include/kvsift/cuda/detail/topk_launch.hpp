@@ -94,6 +94,7 @@ struct TopKRowsParams {
   std::int32_t k;                      ///< k >= 0
   AttentionWindow window;
   std::int32_t heads_per_row;
+  bool nan_marks_row;                  ///< TopKRowsOptions::nan_marks_row (heads_per_row == 1)
   SelectionView out;                   ///< counts may be null (cuda::topk: every row has k)
   std::int32_t* picks;                 ///< heads_per_row > 1: [score rows, k], each score row's picks
   std::uint32_t* union_bits;           ///< [selection rows, union_words] where the bitmap exceeds shared memory

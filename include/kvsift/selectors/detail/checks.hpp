@@ -2,6 +2,7 @@
 /// Checks every selector makes of its limits and of each call's inputs, written once so that all of them
 /// refuse bad inputs with the same messages.
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <span>
@@ -14,9 +15,14 @@
 
 namespace kvsift::detail {
 
+/// The longest sequence a selector is built for: token counts and sums of them (a row's candidates, C' * rho + N;
+/// pages rounded up) are int32 in the kernels' arithmetic, and 2^30 keeps every such sum in range.
+inline constexpr std::int32_t kMaxSelectorTokens = std::int32_t(1) << 30;
+
 inline void check_limits(const char* where, const SelectorLimits& limits) {
   KVSIFT_CHECK(limits.max_slots > 0, where, "limits.max_slots (= {}) must be positive", limits.max_slots);
-  KVSIFT_CHECK(limits.max_tokens > 0, where, "limits.max_tokens (= {}) must be positive", limits.max_tokens);
+  KVSIFT_CHECK(limits.max_tokens > 0 && limits.max_tokens <= kMaxSelectorTokens, where,
+               "limits.max_tokens (= {}) is outside [1, 2^30 = {}]", limits.max_tokens, kMaxSelectorTokens);
   KVSIFT_CHECK(limits.kv_heads > 0 && limits.q_heads > 0 && limits.q_heads % limits.kv_heads == 0, where,
                "limits.q_heads (= {}) must be a positive multiple of limits.kv_heads (= {})", limits.q_heads,
                limits.kv_heads);
@@ -95,27 +101,41 @@ void check_select(const char* where, const SelectorLimits& limits, const SlotSta
 
 /// NaN never vanishes in an index built at prepare: a non-finite prompt key or prefill query would poison the
 /// centroids or lists it joins (or be left out of them), and the steps after it would look finite where dense
-/// attention is not. Refused by position instead. The keys are scanned where the host can read them (a CPU cache,
-/// `lengths[b]` tokens of row b); a device cache's are not (its prompt is megabytes: the CUDA prepare trusts it).
-/// The prefill queries, W per head, are read on the host on either backend (a CUDA copy synchronizes the stream,
-/// as prepare does anyway).
+/// attention is not. Refused by position instead, the first offender in (sequence, kv head, token, channel) order,
+/// on either backend. The keys of row b's first `lengths[b]` tokens (context memory, [cache.batch()]) are scanned
+/// in the cache's memory by first_nonfinite_key (on CUDA one pass at memory bandwidth); its answer, and the
+/// offending value for the message, come back by copy_to_host (on CUDA, synchronizing the stream, as prepare does
+/// anyway). The prefill queries, W per head, are read on the host on either backend. Allocates 16 bytes of
+/// context memory.
 template <class T, class Context>
-void check_finite_prompt(const char* where, const KVCache<const T>& cache, std::span<const std::int32_t> lengths,
+void check_finite_prompt(const char* where, const KVCache<const T>& cache, const std::int32_t* lengths,
                          const SequenceView<const T>& queries, const Context& ctx) {
-  if constexpr (Context::memory == MemorySpace::host) {
-    for (std::size_t b = 0; b < lengths.size(); ++b) {
-      for (std::int32_t h = 0; h < cache.kv_heads(); ++h) {
-        for (std::int32_t t = 0; t < lengths[b]; ++t) {
-          const T* row = cache.k_row(std::int64_t(b), h, t);
-          for (std::int32_t i = 0; i < cache.head_dim(); ++i) {
-            KVSIFT_CHECK(std::isfinite(to_float(row[i])), where,
-                         "the prompt's keys hold a non-finite value at sequence {}, kv head {}, token {}, channel {} "
-                         "(= {}): NaN and inf are refused rather than indexed",
-                         b, h, t, i, to_float(row[i]));
-          }
-        }
-      }
+  typename Context::template array<std::int32_t> found(4);
+  first_nonfinite_key(cache, lengths, found.data(), ctx);
+  std::array<std::int32_t, 4> at{};
+  copy_to_host(found.data(), at.size(), at.data(), ctx);
+  if (at[0] >= 0) {
+    const auto [b, h, t, i] = at;
+    const T* row = nullptr;
+    std::int32_t page = 0;
+    const std::int32_t page_entries[2] = {0, 1};
+    if (cache.is_paged()) {  // the page of token t, read from the table by copy; then addressed by the view itself
+      std::int32_t first_page = 0;
+      copy_to_host(cache.paged.page_indptr + b, 1, &first_page, ctx);
+      copy_to_host(cache.paged.page_indices + first_page + t / cache.paged.page_size, 1, &page, ctx);
+      PagedKVView<const T> one_page = cache.paged;
+      one_page.page_indptr = page_entries;
+      one_page.page_indices = &page;
+      row = one_page.k_row(0, h, t % one_page.page_size);
+    } else {
+      row = cache.contiguous.k_row(b, h, t);
     }
+    T value{};
+    copy_to_host(row + i, 1, &value, ctx);
+    KVSIFT_CHECK(false, where,
+                 "the prompt's keys hold a non-finite value at sequence {}, kv head {}, token {}, channel {} "
+                 "(= {}): NaN and inf are refused rather than indexed",
+                 b, h, t, i, to_float(value));
   }
   if (queries.tokens <= 0 || queries.head_dim <= 0) return;
   // One copy per (sequence, head): its W queries, strides and all.
