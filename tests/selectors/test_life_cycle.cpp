@@ -1,6 +1,6 @@
 // Every selector's life cycle per slot and NaN in what it reads, through DecodeStep on the CPU: one test body per
-// case, run by each selector through its line in kSelectors (the A²ATS and SpeContext cases, which need a codebook
-// or the retrieval head's keys, are in their own tests).
+// case, run by each selector through its line in selector_cases() (SpeContext, whose step takes the retrieval
+// head's keys, has its cases in test_specontext.cpp).
 //   - run before prepare, run after release, release of a slot without a sequence (never prepared, released,
 //     outside the slots, listed twice) are refused naming the slot, and a refused release changes nothing;
 //   - a NaN key in the prompt's middle makes the output of its kv head's query heads NaN, as dense attention's,
@@ -15,8 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "a2ats_problem.hpp"
 #include "ctkvr_problem.hpp"
 #include "kvsift/cpu/backend.hpp"
+#include "kvsift/selectors/a2ats.hpp"
 #include "kvsift/selectors/centroid_kv.hpp"
 #include "kvsift/selectors/csattention.hpp"
 #include "kvsift/selectors/ctkvr.hpp"
@@ -44,6 +46,17 @@ struct SelectorCase {
 };
 
 constexpr AttentionWindow kWindow{4, 16};
+constexpr std::int32_t kHeadDim = 64;  // A²ATS takes 64 or 128
+
+/// A²ATS's codebooks for kv_heads 2 and kHeadDim: clustered codewords of a problem of their own (the selector copies
+/// them; the keys it codes are any cache's).
+const A2atsLayerCodebooks& a2ats_codebooks() {
+  static Random rng(test_seed());
+  static const A2atsProblem<half> problem(rng, A2atsCodebookKind::clustered, 1, 8, 2, 64, {64}, {}, 2048, true, 24,
+                                          kHeadDim);
+  static const A2atsLayerCodebooks codebooks = problem.codebooks();
+  return codebooks;
+}
 
 const std::vector<SelectorCase>& selector_cases() {
   static const std::vector<SelectorCase> cases = {
@@ -65,6 +78,11 @@ const std::vector<SelectorCase>& selector_cases() {
              l, {.subspaces = 8, .centroids = 6, .list_fraction = 0.25, .keep_fraction = 0.2, .prepare_chunk = 20}));
        },
        kWindow, NanPolicy::refused_at_prepare, NanPolicy::refused_at_prepare},
+      {"A2ats",
+       [](const SelectorLimits& l) {
+         return Any(A2ats<half, cpu::Context>(l, {.budget_fraction = 0.1}, a2ats_codebooks(), cpu::Context{}));
+       },
+       kWindow, NanPolicy::refused_at_prepare, NanPolicy::not_read},
       {"CentroidKV",
        [](const SelectorLimits& l) {
          return Any(CentroidKV<half, cpu::Context>(l, {.budget_ratio = 0.5f, .sinks = 4, .recent = 16}, {}));
@@ -78,7 +96,7 @@ class LifeCycle : public testing::TestWithParam<std::size_t> {
  protected:
   const SelectorCase& sc() const { return selector_cases()[GetParam()]; }
   Random rng{test_seed()};
-  CtkvrProblem p{rng, 8, 2, 200, 16};
+  CtkvrProblem p{rng, 8, 2, 200, 16, kHeadDim};
 
   SelectorLimits limits() const {
     SelectorLimits l = p.limits();

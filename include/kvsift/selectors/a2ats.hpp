@@ -205,8 +205,9 @@ class A2ats {
 
   /// Codes every prompt token [0, length_b) of each joining sequence into its slot (in.slots distinct): from
   /// in.k_pre_rope when given (and the codebook is windowed), else from the cache's keys rotated back. Refused: a
-  /// prompt above limits.max_tokens, a k_pre_rope of another shape or shorter than a prompt, before any slot
-  /// changes. Allocates scratch; on CUDA synchronizes the stream.
+  /// prompt above limits.max_tokens, a non-finite prompt key in the cache (detail::check_finite_prompt), a
+  /// k_pre_rope of another shape or shorter than a prompt, before any slot changes. Allocates scratch; on CUDA
+  /// synchronizes the stream.
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
     constexpr const char* where = "A2ats::prepare";
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
@@ -227,6 +228,8 @@ class A2ats {
                    b, length, limits_.max_tokens);
       longest = std::max(longest, length);
     }
+    // A NaN key would be coded as some codeword, whose finite score may leave it out: refused, as CTKVR does.
+    detail::check_finite_prompt(where, in.cache, context_lengths.data(), SequenceView<const T>{}, ctx);
     if (pre_rope) {
       const SequenceView<const T>& k = in.k_pre_rope;
       validate(k, where, "in.k_pre_rope");
