@@ -4,6 +4,8 @@
 // Targets on the H100 (docs/primitives.md): k = 2048 of 131072 in <= 10 us for 1 row, <= 20 us for 8.
 // A²ATS's decode step at 128K (q 32 / kv 8, K = 3% = 3932 per row): 32 score rows united by 4 (batch 1) and 256
 // (batch 8); the group-max rule's 8 and 64 rows of one head each (issue 23: ~10 us for the whole top-k at batch 1).
+// nan_marks_row 1: OracleTopK's and SpeContext's option (a row with a NaN candidate gets count -1), whose cost is
+// one more pass over each CTA's slice and a cluster read of the flags.
 #include <random>
 #include <vector>
 
@@ -16,6 +18,7 @@ namespace {
 void BM_CudaTopKRows(benchmark::State& state) {
   const std::int32_t n = std::int32_t(state.range(0)), rows = std::int32_t(state.range(1));
   const std::int32_t k = std::int32_t(state.range(2)), heads_per_row = std::int32_t(state.range(3));
+  const bool nan_marks_row = state.range(4) != 0;
   const std::int32_t selection_rows = rows / heads_per_row;
   std::vector<float> host(std::size_t(rows) * n);
   std::mt19937_64 rng(11);
@@ -30,7 +33,7 @@ void BM_CudaTopKRows(benchmark::State& state) {
   const std::int32_t capacity = heads_per_row * k;
   Device<std::int32_t> indices{std::size_t(selection_rows) * capacity}, counts{std::size_t(selection_rows)};
   const SelectionView out{indices.ptr, counts.ptr, nullptr, selection_rows, 1, capacity};
-  const TopKRowsOptions options{.heads_per_row = heads_per_row};
+  const TopKRowsOptions options{.heads_per_row = heads_per_row, .nan_marks_row = nan_marks_row};
   const std::size_t bytes = cuda::topk_rows_workspace_bytes(rows, n, k, options);
   Device<std::byte> workspace(std::max<std::size_t>(bytes, 1));
   time_calls(state, [&](int, cudaStream_t stream) {
@@ -39,11 +42,11 @@ void BM_CudaTopKRows(benchmark::State& state) {
   });
 }
 BENCHMARK(BM_CudaTopKRows)
-    ->ArgsProduct({{8192, 32768, 131072}, {1, 8, 64}, {128, 2048}, {1}})
-    ->ArgsProduct({{8192, 32768, 131072}, {8}, {128, 2048}, {4}})
-    ->ArgsProduct({{131072}, {8, 64}, {3932}, {1}})
-    ->ArgsProduct({{131072}, {32, 256}, {3932}, {4}})
-    ->ArgNames({"N", "rows", "K", "heads_per_row"})
+    ->ArgsProduct({{8192, 32768, 131072}, {1, 8, 64}, {128, 2048}, {1}, {0, 1}})
+    ->ArgsProduct({{8192, 32768, 131072}, {8}, {128, 2048}, {4}, {0}})
+    ->ArgsProduct({{131072}, {8, 64}, {3932}, {1}, {0}})
+    ->ArgsProduct({{131072}, {32, 256}, {3932}, {4}, {0}})
+    ->ArgNames({"N", "rows", "K", "heads_per_row", "nan_marks_row"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);

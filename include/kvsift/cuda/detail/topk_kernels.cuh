@@ -161,6 +161,11 @@ __global__ void __launch_bounds__(kThreads) topk_rows_select(const __grid_consta
   // The first `cached` scores of the slice as rank words in shared memory, the rest read from L2 on each pass
   // (a slice longer than the GPU's shared memory, e.g. 2 CTAs per row of 128K).
   const std::int32_t cached = min(count, p.launch.smem_words);
+  // nan_marks_row: whether this CTA's slice holds a NaN (rank word 0, core/ranking.hpp), seen as the words are
+  // made (no pass of its own over shared memory: measured on the H200, a separate pass cost 1-3 us at 1-8 rows and
+  // 7 us at 64 rows of 128K); written before find and emit, whose cluster barriers order it against rank 0's remote
+  // read at the end.
+  __shared__ std::uint32_t slice_has_nan;
   {
     // 16-byte loads, kLoads of them in flight per thread before the first store (the slice is the CTA's whole
     // input).
@@ -168,6 +173,7 @@ __global__ void __launch_bounds__(kThreads) topk_rows_select(const __grid_consta
     const std::int32_t skew = std::int32_t(reinterpret_cast<std::uintptr_t>(scores) / sizeof(float) % 4);
     const std::int32_t head = min(cached, (4 - skew) % 4), vectors = (cached - head) / 4, tail = head + 4 * vectors;
     const float4* const in = reinterpret_cast<const float4*>(scores + head);
+    std::uint32_t least = ~0u;  // this thread's smallest word: 0 where it met a NaN
     for (std::int32_t v = threadIdx.x; v < vectors; v += kThreads * kLoads) {
       float4 f[kLoads];
 #pragma unroll
@@ -175,28 +181,37 @@ __global__ void __launch_bounds__(kThreads) topk_rows_select(const __grid_consta
 #pragma unroll
       for (int j = 0; j < kLoads; ++j) {
         if (v + j * kThreads < vectors) {
+          const std::uint32_t w0 = rank_word(f[j].x), w1 = rank_word(f[j].y), w2 = rank_word(f[j].z),
+                              w3 = rank_word(f[j].w);
           std::uint32_t* const to = slice_words + head + 4 * (v + j * kThreads);
-          to[0] = rank_word(f[j].x);
-          to[1] = rank_word(f[j].y);
-          to[2] = rank_word(f[j].z);
-          to[3] = rank_word(f[j].w);
+          to[0] = w0;
+          to[1] = w1;
+          to[2] = w2;
+          to[3] = w3;
+          least = min(least, min(min(w0, w1), min(w2, w3)));
         }
       }
     }
-    if (std::int32_t(threadIdx.x) < head) slice_words[threadIdx.x] = rank_word(scores[threadIdx.x]);
-    if (std::int32_t(threadIdx.x) < cached - tail) slice_words[tail + threadIdx.x] = rank_word(scores[tail + threadIdx.x]);
-    __syncthreads();
+    if (std::int32_t(threadIdx.x) < head) {
+      const std::uint32_t w = rank_word(scores[threadIdx.x]);
+      slice_words[threadIdx.x] = w;
+      least = min(least, w);
+    }
+    if (std::int32_t(threadIdx.x) < cached - tail) {
+      const std::uint32_t w = rank_word(scores[tail + threadIdx.x]);
+      slice_words[tail + threadIdx.x] = w;
+      least = min(least, w);
+    }
+    if (p.nan_marks_row) {
+      // The part of the slice past shared memory, read from L2 once more.
+      for (std::int32_t i = cached + threadIdx.x; i < count; i += kThreads) least = min(least, rank_word(__ldg(scores + i)));
+      const bool any = __syncthreads_or(least == 0u) != 0;
+      if (threadIdx.x == 0) slice_has_nan = any ? 1u : 0u;
+    } else {
+      __syncthreads();
+    }
   }
   const auto word_at = [&](std::int32_t i) { return i < cached ? slice_words[i] : rank_word(__ldg(scores + i)); };
-  // nan_marks_row: whether this CTA's slice holds a NaN (rank word 0, core/ranking.hpp); written before find and
-  // emit, whose cluster barriers order it against rank 0's remote read at the end.
-  __shared__ std::uint32_t slice_has_nan;
-  if (p.nan_marks_row) {
-    bool mine = false;
-    for (std::int32_t i = threadIdx.x; i < count; i += kThreads) mine |= word_at(i) == 0u;
-    const bool any = __syncthreads_or(mine) != 0;
-    if (threadIdx.x == 0) slice_has_nan = any ? 1u : 0u;
-  }
   const auto out = [&](std::int32_t i, std::uint32_t position) {
     indices[position] = begin + i;
     if (weights != nullptr) weights[position] = 0.0f;
