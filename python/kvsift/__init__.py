@@ -199,8 +199,10 @@ class DecodeStep:
     prepare(cache, slots) indexes the prompts of joining sequences (slot = the sequence's selector state);
     run(q, cache, slots, k=, v=) writes the step's k, v (when given) at position lengths[b] - 1 (the caller has
     grown the lengths), selects and attends, returning (o, lse); release(slots) frees sequences' slots. A slot
-    holds a sequence from its prepare to its release: run on a slot without one, and release of one, are refused
-    naming the slot (on CUDA, run checks its slots with validate=True: they are device values there)."""
+    holds a sequence from its prepare to its release (prepared(slot) says whether it does): run on a slot without
+    one, and release of one, are refused naming the slot. On CUDA, slots given as a list, a numpy array or left
+    out are checked on the host before they are copied to the device; a CUDA tensor of slots is checked with
+    validate=True (which synchronizes), else trusted."""
 
     def __init__(self, selector, config=None, *, q_heads, kv_heads, head_dim, max_seq_len, max_batch=1,
                  max_slots=None, window=(0, 0), sm_scale=0.0, dtype="float16", device="cpu", validate=False,
@@ -219,17 +221,31 @@ class DecodeStep:
     def workspace_bytes(self):
         return self._step.workspace_bytes
 
-    def _slots(self, slots, batch):
+    def prepared(self, slot):
+        """Whether `slot` holds a prepared sequence (prepared, not released since)."""
+        return self._step.prepared(int(slot))
+
+    def _slots(self, slots, batch, where=None):
         """Rows 0..batch-1 in slots 0..batch-1 unless given (made per call: pass them in a hot path); a list (or
-        other sequence) of ints becomes an int32 array on the step's device."""
+        other sequence) of ints becomes an int32 array on the step's device. `where`: a step's call on a CUDA step,
+        whose device slots the C++ step trusts (unless validate=True): slots the host holds are checked here
+        against the life cycle first, so that a wild slot is refused rather than read on the device."""
         if slots is None:
             slots = range(batch)
-        if _is_torch(slots) or isinstance(slots, np.ndarray):
+        if _is_torch(slots) and (slots.is_cuda or self.device != "cuda"):
             return slots
+        if isinstance(slots, np.ndarray) and self.device != "cuda":
+            return slots
+        host = [int(s) for s in (slots.tolist() if hasattr(slots, "tolist") else slots)]
+        if where is not None and self.device == "cuda":
+            for i, s in enumerate(host):
+                if not self._step.prepared(s):
+                    raise Error(f"kvsift.{where}: slots[{i}] (= {s}) holds no prepared sequence (never prepared, "
+                                f"released, or outside the step's slots): prepare it first")
         if self.device == "cuda":
             import torch
-            return torch.tensor(list(slots), dtype=torch.int32, device="cuda")
-        return np.array(list(slots), dtype=np.int32)
+            return torch.tensor(host, dtype=torch.int32, device="cuda")
+        return np.array(host, dtype=np.int32)
 
     def prepare(self, cache, slots=None, queries=None, stream=None):
         """queries: the last W prefill queries [batch, q_heads, W, head_dim] (post-RoPE), for selectors that index
@@ -238,7 +254,7 @@ class DecodeStep:
 
     def run(self, q, cache, slots=None, *, k=None, v=None, o=None, lse=None, out_dtype=None, stream=None):
         o, lse = _state(q, q.shape[1], o, lse, out_dtype)
-        self._step.run(q, cache, self._slots(slots, q.shape[0]), o, lse, k, v, _stream(q, stream))
+        self._step.run(q, cache, self._slots(slots, q.shape[0], "DecodeStep.run"), o, lse, k, v, _stream(q, stream))
         return o, lse
 
     def release(self, slots):
@@ -304,12 +320,13 @@ class SpeContextStep:
         return self._step.workspace_bytes
 
     _slots = DecodeStep._slots
+    prepared = DecodeStep.prepared
 
     def prepare(self, cache, k_pre, slots=None, stream=None):
         self._step.prepare(cache, self._slots(slots, cache.batch), k_pre, _cache_stream(cache, stream))
 
     def select(self, q, k, cache, slots=None, stream=None):
-        self._step.select(q, k, cache, self._slots(slots, q.shape[0]), _stream(q, stream))
+        self._step.select(q, k, cache, self._slots(slots, q.shape[0], "SpeContextStep.select"), _stream(q, stream))
 
     def attend(self, layer, q, cache, *, k=None, v=None, o=None, lse=None, out_dtype=None, selection=None,
                validate=True, stream=None):

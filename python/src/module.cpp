@@ -527,6 +527,7 @@ class Step {
   virtual std::int32_t capacity() const = 0;
   virtual std::size_t workspace_bytes() const = 0;
   virtual std::string name() const = 0;
+  virtual bool prepared(std::int32_t slot) const = 0;
 };
 
 template <class S>
@@ -611,6 +612,7 @@ class StepOf final : public Step {
   std::int32_t capacity() const override { return step_.selector().capacity(); }
   std::size_t workspace_bytes() const override { return step_.workspace_bytes(); }
   std::string name() const override { return std::string(step_.selector().name()); }
+  bool prepared(std::int32_t slot) const override { return selector_slot_prepared(step_.selector(), slot); }
 
  private:
   static DecodeStepConfig step_config(const StepConfig& c) {
@@ -797,6 +799,7 @@ class SpeStep {
   virtual std::int32_t capacity() const = 0;
   virtual std::pair<std::int32_t, std::int32_t> window() const = 0;
   virtual std::size_t workspace_bytes() const = 0;
+  virtual bool prepared(std::int32_t slot) const = 0;
 };
 
 template <class T, class Context>
@@ -869,6 +872,7 @@ class SpeStepOf final : public SpeStep {
     return {w.sink, w.recent};
   }
   std::size_t workspace_bytes() const override { return step_.workspace_bytes(); }
+  bool prepared(std::int32_t slot) const override { return step_.selector().prepared(slot); }
 
  private:
   static SelectorLimits limits(const SpeStepConfig& c) {
@@ -982,7 +986,8 @@ NB_MODULE(_kvsift, m) {
       .def("store_sizes", &Step::store_sizes)
       .def_prop_ro("capacity", &Step::capacity)
       .def_prop_ro("workspace_bytes", &Step::workspace_bytes)
-      .def_prop_ro("name", &Step::name);
+      .def_prop_ro("name", &Step::name)
+      .def("prepared", &Step::prepared, "slot"_a);
   nb::class_<SpeStep>(m, "SpeContextStep", "A model's decode step with one SpeContext selection per step")
       .def("prepare", &SpeStep::prepare, "cache"_a, "slots"_a, "k_pre"_a, "stream"_a = 0)
       .def("select", &SpeStep::select, "q"_a, "k"_a, "cache"_a, "slots"_a, "stream"_a = 0)
@@ -993,7 +998,8 @@ NB_MODULE(_kvsift, m) {
       .def("selection", &SpeStep::selection, "batch"_a)
       .def_prop_ro("capacity", &SpeStep::capacity)
       .def_prop_ro("window", &SpeStep::window)
-      .def_prop_ro("workspace_bytes", &SpeStep::workspace_bytes);
+      .def_prop_ro("workspace_bytes", &SpeStep::workspace_bytes)
+      .def("prepared", &SpeStep::prepared, "slot"_a);
   m.def("make_specontext_step", &make_specontext_step, "dtype"_a, "device"_a, "layers"_a, "q_heads"_a, "kv_heads"_a,
         "head_dim"_a, "max_seq_len"_a, "budget"_a, "mode"_a, "window"_a, "rope_theta"_a, "rope_dim"_a,
         "rope_interleaved"_a, "yarn_factor"_a.none(), "yarn_original_max_position_embeddings"_a, "sm_scale"_a,

@@ -61,10 +61,13 @@ def test_life_cycle_is_checked_per_slot(rng, selector):
         s.run(query(rng), kv, [0])
     with pytest.raises(kvsift.Error, match=r"slots\[0\] \(= 1\) holds no sequence: it was never prepared"):
         s.release([1])
+    assert not s.prepared(0)
     s.prepare(kv, [0], queries=queries)
+    assert s.prepared(0) and not s.prepared(1) and not s.prepared(7)
     o, lse = s.run(query(rng), kv, [0])  # a list of slots is taken as int32
     assert np.isfinite(o).all() and np.isfinite(lse).all()
     s.release([0])
+    assert not s.prepared(0)
     with pytest.raises(kvsift.Error, match=r"slots\[0\] \(= 0\) holds no sequence: it was released"):
         s.run(query(rng), kv, [0])
     with pytest.raises(kvsift.Error, match=r"it was released"):
