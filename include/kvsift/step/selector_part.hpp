@@ -14,6 +14,7 @@
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/kv_cache.hpp"
+#include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/selectors/selector.hpp"
 

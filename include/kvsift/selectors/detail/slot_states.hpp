@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "kvsift/core/error.hpp"
-#include "kvsift/core/views.hpp"
+#include "kvsift/core/validate.hpp"
 
 namespace kvsift::detail {
 
