@@ -3,6 +3,8 @@ kvsift), random problems, and output poisoning."""
 import numpy as np
 import pytest
 
+import kvsift
+
 
 @pytest.fixture
 def rng(request):
@@ -27,6 +29,16 @@ def attended_tokens(length, window, selected):
     sink, recent = window
     tokens = set(range(min(sink, length))) | set(range(max(0, length - recent), length)) | set(int(t) for t in selected)
     return sorted(tokens)
+
+
+def random_float16_cache(rng, lengths, kv_heads, capacity, head_dim):
+    """A contiguous float16 cache of normal K and V [batch, kv_heads, capacity, head_dim] with `lengths`:
+    (k, v, lengths as int32, the kvsift.KVCache over them)."""
+    shape = (len(lengths), kv_heads, capacity, head_dim)
+    k = rng.standard_normal(shape).astype(np.float16)
+    v = rng.standard_normal(shape).astype(np.float16)
+    lengths = np.array(lengths, dtype=np.int32)
+    return k, v, lengths, kvsift.contiguous_cache(k, v, lengths)
 
 
 def poisoned(shape, dtype):

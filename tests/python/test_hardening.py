@@ -4,16 +4,13 @@ import numpy as np
 import pytest
 
 import kvsift
+from conftest import random_float16_cache
 
 Q_HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 4, 2, 64, 256
 
 
 def cache(rng, lengths):
-    shape = (len(lengths), KV_HEADS, CAPACITY, HEAD_DIM)
-    k = rng.standard_normal(shape).astype(np.float16)
-    v = rng.standard_normal(shape).astype(np.float16)
-    lengths = np.array(lengths, dtype=np.int32)
-    return k, v, lengths, kvsift.contiguous_cache(k, v, lengths)
+    return random_float16_cache(rng, lengths, KV_HEADS, CAPACITY, HEAD_DIM)
 
 
 def query(rng, batch=1):

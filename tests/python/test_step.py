@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import kvsift
-from conftest import attended_tokens, poisoned, reference_attention
+from conftest import attended_tokens, poisoned, random_float16_cache, reference_attention
 
 Q_HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 6, 2, 64, 512
 GROUP = Q_HEADS // KV_HEADS
@@ -11,11 +11,7 @@ WINDOW = (4, 16)
 
 
 def make_cache(rng, lengths):
-    shape = (len(lengths), KV_HEADS, CAPACITY, HEAD_DIM)
-    k = rng.standard_normal(shape).astype(np.float16)
-    v = rng.standard_normal(shape).astype(np.float16)
-    lengths = np.array(lengths, dtype=np.int32)
-    return k, v, lengths, kvsift.contiguous_cache(k, v, lengths)
+    return random_float16_cache(rng, lengths, KV_HEADS, CAPACITY, HEAD_DIM)
 
 
 def expected_state(q, k, v, lengths, indices, counts, window):
