@@ -9,7 +9,10 @@ build: deps
 	cmake --preset release
 	cmake --build --preset release -j $(JOBS)
 
-demo: build
+# Only the demo's targets: the first thing a new user runs should not wait for every test and benchmark.
+demo: deps
+	cmake --preset release
+	cmake --build --preset release -j $(JOBS) --target kvsift_demo
 	build/release/bench/kvsift_demo
 
 test: build

@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "kvsift/selectors/a2ats_codebook.hpp"
+#include "kvsift/selectors/a2ats/codebook.hpp"
 
 namespace kvsift::bench {
 

@@ -7,12 +7,6 @@
 // cache, K = 2048, on 1 thread and all.
 #include <benchmark/benchmark.h>
 
-#if defined(KVSIFT_BENCH_FAISS)
-#include <faiss/Clustering.h>
-#include <faiss/IndexFlat.h>
-#include <omp.h>
-#endif
-
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -37,8 +31,6 @@
 namespace {
 
 using namespace kvsift;
-
-constexpr int kKMeansDim = 128, kKMeansIterations = 10;
 
 void BM_StreamTriad(benchmark::State& state) {
   const int threads = int(state.range(0));
@@ -228,21 +220,6 @@ void BM_GatherProbe(benchmark::State& state) {
   state.counters["thp_MiB"] = anon_huge_page_mib();
 }
 
-void BM_CpuTopK(benchmark::State& state) {
-  const std::int32_t n = std::int32_t(state.range(0)), k = std::int32_t(state.range(1));
-  std::mt19937_64 rng(3);
-  std::normal_distribution<float> dist;
-  std::vector<float> scores(n);
-  for (auto& x : scores) x = dist(rng);
-  std::vector<std::int32_t> out(k);
-  std::vector<std::uint64_t> scratch;
-  for (auto _ : state) {
-    cpu::topk_indices(scores, k, out, scratch);
-    benchmark::DoNotOptimize(out.data());
-  }
-}
-BENCHMARK(BM_CpuTopK)->ArgsProduct({{131072, 1 << 20}, {256, 2048, 8192}})->ArgNames({"N", "K"})->Unit(benchmark::kMicrosecond);
-
 constexpr std::int32_t kSelectK = 2048;
 
 /// Workspace buffers for the selection benchmarks: 256-byte aligned, never freed (one per shape).
@@ -343,75 +320,6 @@ void selection_shapes(benchmark::internal::Benchmark* b, bool with_softmax) {
 BENCHMARK(BM_CpuGroupScores)->Apply([](auto* b) { selection_shapes(b, true); })->ArgNames({"tokens", "threads", "softmax"})->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CpuTopKRows)->Apply([](auto* b) { selection_shapes(b, false); })->ArgNames({"tokens", "threads"})->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CpuSelectStep)->Apply([](auto* b) { selection_shapes(b, false); })->ArgNames({"tokens", "threads"})->UseRealTime()->Unit(benchmark::kMicrosecond);
-
-/// Keys of one kv head to cluster: n normal vectors of head_dim 128.
-std::vector<float> kmeans_points(std::int32_t n) {
-  std::mt19937_64 rng(4);
-  std::normal_distribution<float> dist;
-  std::vector<float> keys(std::size_t(n) * kKMeansDim);
-  for (auto& x : keys) x = dist(rng);
-  return keys;
-}
-
-/// Mean squared distance of each point to its centroid: the k-means objective, to compare quality.
-double mean_squared_error(const std::vector<float>& points, const float* centroids, const std::int32_t* assignment) {
-  const std::size_t n = points.size() / kKMeansDim;
-  double total = 0.0;
-  for (std::size_t i = 0; i < n; ++i) {
-    for (int c = 0; c < kKMeansDim; ++c) {
-      const double diff = double(points[i * kKMeansDim + c]) - centroids[std::size_t(assignment[i]) * kKMeansDim + c];
-      total += diff * diff;
-    }
-  }
-  return total / double(n);
-}
-
-/// k-means (L2, 10 iterations, k-means++ seeding) of n keys of head_dim 128 into n / 64 clusters, as a
-/// cluster-based selector indexes one kv head. Counter mse: the objective reached.
-void BM_CpuKMeans(benchmark::State& state) {
-  const std::int32_t n = std::int32_t(state.range(0)), threads = std::int32_t(state.range(1));
-  const auto keys = kmeans_points(n);
-  cpu::ThreadPool pool(threads);
-  cpu::KMeansResult result;
-  for (auto _ : state) {
-    result = cpu::kmeans<float>(MatrixView<const float>::packed(keys.data(), n, kKMeansDim),
-                                {.clusters = n / 64, .iterations = kKMeansIterations, .seed = 1}, {}, &pool);
-    benchmark::DoNotOptimize(result.centroids.data());
-  }
-  state.counters["mse"] = mean_squared_error(keys, result.centroids.data(), result.assignment.data());
-}
-BENCHMARK(BM_CpuKMeans)->Args({8192, 1})->Args({8192, 2})->ArgNames({"N", "threads"})->Unit(benchmark::kMillisecond)->Iterations(1);
-
-#if defined(KVSIFT_BENCH_FAISS)
-/// The same clustering by FAISS (faiss::Clustering over IndexFlatL2: random seeding, same cluster count and
-/// iterations, no subsampling since n / k = 64 < max_points_per_centroid), on `threads` OpenMP threads.
-void BM_FaissKMeans(benchmark::State& state) {
-  const std::int32_t n = std::int32_t(state.range(0)), threads = std::int32_t(state.range(1));
-  const std::int32_t clusters = n / 64;
-  const auto keys = kmeans_points(n);
-  omp_set_num_threads(threads);
-  faiss::ClusteringParameters params;
-  params.niter = kKMeansIterations;
-  params.seed = 1;
-  params.verbose = false;
-  std::vector<float> centroids;
-  for (auto _ : state) {
-    faiss::Clustering clustering(kKMeansDim, clusters, params);
-    faiss::IndexFlatL2 index(kKMeansDim);
-    clustering.train(n, keys.data(), index);
-    centroids = clustering.centroids;
-    benchmark::DoNotOptimize(centroids.data());
-  }
-  faiss::IndexFlatL2 index(kKMeansDim);
-  index.add(clusters, centroids.data());
-  std::vector<float> distances(n);
-  std::vector<faiss::Index::idx_t> labels(n);  // faiss::idx_t from 1.7.4 on
-  index.search(n, keys.data(), 1, distances.data(), labels.data());
-  const std::vector<std::int32_t> assignment(labels.begin(), labels.end());
-  state.counters["mse"] = mean_squared_error(keys, centroids.data(), assignment.data());
-}
-BENCHMARK(BM_FaissKMeans)->Args({8192, 1})->Args({8192, 2})->ArgNames({"N", "threads"})->Unit(benchmark::kMillisecond)->Iterations(1);
-#endif
 
 void thread_counts(benchmark::internal::Benchmark* b, bool with_k) {
   const int all = int(std::max(1u, std::thread::hardware_concurrency()));

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <functional>
 #include <thread>
 #include <numeric>
 #include <random>
@@ -19,8 +18,6 @@
 
 #include "kvsift/cuda/decode.hpp"
 #include "kvsift/step/hybrid_decoder.hpp"
-#include "kvsift/cuda/primitives.hpp"
-#include "kvsift/cuda/topk.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 #include "kvsift/cuda/check.hpp"
 #include "gpu_bench.hpp"
@@ -300,113 +297,6 @@ void BM_HybridDecode(benchmark::State& state) {
   cudaFreeHost(hv);
 }
 BENCHMARK(BM_HybridDecode)->Arg(32768)->Arg(131072)->ArgName("N")->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.2);
-
-/// Top-K over rows of scores: rows 8 (one per kv head), N scores per row; algorithm 0 = radix select, 1 =
-/// CUB radix sort.
-void BM_CudaTopK(benchmark::State& state) {
-  const std::int32_t n = std::int32_t(state.range(0)), k = std::int32_t(state.range(1));
-  const auto algorithm = state.range(2) == 0 ? kvsift::cuda::TopKAlgorithm::radix_select : kvsift::cuda::TopKAlgorithm::radix_sort;
-  constexpr std::int64_t kRows = 8;
-  std::vector<float> host(std::size_t(kRows) * n);
-  std::mt19937_64 rng(9);
-  std::normal_distribution<float> dist;
-  for (auto& x : host) x = dist(rng);
-  Device<float> scores(host.size());
-  Device<std::int32_t> out(std::size_t(kRows) * k);
-  KVSIFT_CUDA_CHECK(cudaMemcpy(scores.ptr, host.data(), host.size() * 4, cudaMemcpyHostToDevice));
-  const std::size_t bytes = kvsift::cuda::topk_workspace_bytes(kRows, n, k, algorithm);
-  Device<std::byte> ws(bytes);
-  time_calls(state, [&](int, cudaStream_t stream) {
-    kvsift::cuda::topk(kvsift::MatrixView<const float>::packed(scores.ptr, kRows, n), k, out.ptr, {ws.ptr, bytes}, stream,
-                       algorithm);
-  });
-}
-BENCHMARK(BM_CudaTopK)->ArgsProduct({{131072, 1 << 20}, {256, 2048, 8192}, {0, 1}})->ArgNames({"N", "K", "sort"})->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.1);
-
-/// Deduplication of 64 selection rows of 8192 entries drawn from 16K tokens (about a third repeat).
-void BM_CudaSortUnique(benchmark::State& state) {
-  constexpr std::int64_t kRows = 64;
-  constexpr std::int32_t kCapacity = 8192;
-  std::vector<std::int32_t> host(std::size_t(kRows) * kCapacity), counts(kRows, kCapacity);
-  std::mt19937_64 rng(5);
-  for (auto& x : host) x = std::int32_t(rng() % 16384);
-  Device<std::int32_t> unsorted(host.size()), indices(host.size()), d_counts(kRows), unique(kRows);
-  KVSIFT_CUDA_CHECK(cudaMemcpy(unsorted.ptr, host.data(), host.size() * 4, cudaMemcpyHostToDevice));
-  KVSIFT_CUDA_CHECK(cudaMemcpy(d_counts.ptr, counts.data(), counts.size() * 4, cudaMemcpyHostToDevice));
-  const std::size_t bytes = kvsift::cuda::sort_unique_workspace_bytes(kRows, kCapacity);
-  Device<std::byte> ws(bytes);
-  time_calls(state, [&](int, cudaStream_t stream) {
-    // Sorting is in place, so every call restores the unsorted rows first (a 2 MB device copy, in the time).
-    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(indices.ptr, unsorted.ptr, host.size() * 4, cudaMemcpyDeviceToDevice, stream));
-    kvsift::cuda::sort_unique(indices.ptr, kRows, kCapacity, d_counts.ptr, unique.ptr, {ws.ptr, bytes}, stream);
-  });
-}
-BENCHMARK(BM_CudaSortUnique)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.1);
-
-constexpr int kKMeansDim = 128, kKMeansIterations = 10;
-
-/// Nearest-centroid assignment of N keys (head_dim 128) to N / 64 centroids: the k-means step on the GPU.
-void BM_CudaAssignNearest(benchmark::State& state) {
-  const std::int32_t n = std::int32_t(state.range(0)), k = n / 64;
-  std::mt19937_64 rng(4);
-  std::normal_distribution<float> dist;
-  std::vector<float> points(std::size_t(n) * kKMeansDim), centroids(std::size_t(k) * kKMeansDim);
-  for (auto& x : points) x = dist(rng);
-  for (auto& x : centroids) x = dist(rng);
-  Device<float> d_points(points.size()), d_centroids(centroids.size());
-  Device<std::int32_t> assignment(n);
-  KVSIFT_CUDA_CHECK(cudaMemcpy(d_points.ptr, points.data(), points.size() * 4, cudaMemcpyHostToDevice));
-  KVSIFT_CUDA_CHECK(cudaMemcpy(d_centroids.ptr, centroids.data(), centroids.size() * 4, cudaMemcpyHostToDevice));
-  time_calls(state, [&](int, cudaStream_t stream) {
-    kvsift::cuda::assign_nearest(kvsift::MatrixView<const float>::packed(d_points.ptr, n, kKMeansDim),
-                                 kvsift::MatrixView<const float>::packed(d_centroids.ptr, k, kKMeansDim),
-                                 kvsift::cpu::KMeansMetric::l2, assignment.ptr, stream);
-  });
-}
-BENCHMARK(BM_CudaAssignNearest)->Arg(8192)->Arg(131072)->ArgName("N")->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.1);
-
-/// cpu::kmeans with the GPU assigner (seeding and centroid updates on one CPU thread), as BM_CpuKMeans in
-/// kvsift_bench_cpu runs it with the CPU assigner: 8192 keys into 128 clusters, 10 iterations.
-void BM_KMeansWithGpuAssigner(benchmark::State& state) {
-  const std::int32_t n = std::int32_t(state.range(0));
-  std::mt19937_64 rng(4);
-  std::normal_distribution<float> dist;
-  std::vector<float> keys(std::size_t(n) * kKMeansDim);
-  for (auto& x : keys) x = dist(rng);
-  kvsift::cuda::DeviceKMeansAssigner assigner;
-  for (auto _ : state) {
-    const auto result = kvsift::cpu::kmeans<float>(kvsift::MatrixView<const float>::packed(keys.data(), n, kKMeansDim),
-                                                   {.clusters = n / 64, .iterations = kKMeansIterations, .seed = 1},
-                                                   std::ref(assigner));
-    benchmark::DoNotOptimize(result.centroids.data());
-  }
-}
-BENCHMARK(BM_KMeansWithGpuAssigner)->Arg(8192)->ArgName("N")->Unit(benchmark::kMillisecond)->Iterations(3);
-
-/// cuda::kmeans, seeding and updates on the device too: N keys (fp32, head_dim 128) into N / 64 clusters,
-/// 10 iterations; GPU time of one call (event-timed: thousands of small launches, not worth a graph).
-void BM_CudaKMeans(benchmark::State& state) {
-  const std::int32_t n = std::int32_t(state.range(0));
-  const kvsift::cpu::KMeansConfig config{.clusters = n / 64, .iterations = kKMeansIterations, .seed = 1};
-  std::mt19937_64 rng(4);
-  std::normal_distribution<float> dist;
-  std::vector<float> keys(std::size_t(n) * kKMeansDim);
-  for (auto& x : keys) x = dist(rng);
-  Device<float> d_keys(keys.size()), centroids(std::size_t(config.clusters) * kKMeansDim);
-  Device<std::int32_t> assignment(n);
-  KVSIFT_CUDA_CHECK(cudaMemcpy(d_keys.ptr, keys.data(), keys.size() * 4, cudaMemcpyHostToDevice));
-  const std::size_t bytes = kvsift::cuda::kmeans_workspace_bytes(n, kKMeansDim, config);
-  Device<std::byte> workspace(bytes);
-  EventTimer timer;
-  const auto call = [&] {
-    kvsift::cuda::kmeans(kvsift::MatrixView<const float>::packed(d_keys.ptr, n, kKMeansDim), config,
-                         kvsift::MatrixView<float>::packed(centroids.ptr, config.clusters, kKMeansDim), assignment.ptr,
-                         {workspace.ptr, bytes}, nullptr);
-  };
-  call();  // warm-up: module load
-  for (auto _ : state) state.SetIterationTime(timer.seconds(call));
-}
-BENCHMARK(BM_CudaKMeans)->Arg(8192)->Arg(131072)->ArgName("N")->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(3);
 
 }  // namespace
 

@@ -1,4 +1,4 @@
-// CentroidKV on the GPU (selectors/centroid_kv.hpp, cuda/merge_store.hpp), per layer, in the shape:
+// CentroidKV on the GPU (selectors/centroid_kv/centroid_kv.hpp, selectors/centroid_kv/cuda/merge_store.hpp), per layer, in the shape:
 // q_heads 32, kv_heads 8, head_dim 128, bf16, every sequence N tokens long, R = 0.25 (B = N / 4), the paper's
 // defaults (16 sinks, 64 recent, chunk 256, r 0.8 - 0.2 j >= 0.2, decode-time round once s >= B + 64).
 //   - BM_CentroidKVPrepare: the prefill compression of a layer, as the selector's prepare runs it on buffers
@@ -29,7 +29,7 @@
 
 #include "gpu_bench.hpp"
 #include "kvsift/cuda/backend.hpp"
-#include "kvsift/selectors/centroid_kv.hpp"
+#include "kvsift/selectors/centroid_kv/centroid_kv.hpp"
 #include "kvsift/step/decode_step.hpp"
 
 namespace {

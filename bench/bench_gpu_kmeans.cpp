@@ -4,8 +4,7 @@
 // (8 subspaces of one kv head's 4 query heads: 4 x 128K points each) with full-batch and mini-batch steps
 // (batch_size 4096, 16384), and A2ATS's offline codebooks (8 heads, dim 128, L2, C = 1024). Counter `fit`: the
 // result's mean cosine of a point and its centroid (cosine) or mean squared distance (L2), over every point,
-// so that mini-batch rows show what they give up. BM_CudaKMeansSingle: today's one-problem cuda::kmeans at
-// A2ATS's shape, once per head, for comparison. One call is tens to hundreds of milliseconds, so each
+// so that mini-batch rows show what they give up. One call is tens to hundreds of milliseconds, so each
 // iteration times one call with events (manual time), after a warm-up call.
 #include <benchmark/benchmark.h>
 
@@ -16,7 +15,6 @@
 
 #include "gpu_bench.hpp"
 #include "kvsift/cuda/kmeans.hpp"
-#include "kvsift/cuda/primitives.hpp"
 
 namespace {
 
@@ -62,7 +60,7 @@ void BM_CudaKMeansBatched(benchmark::State& state) {
   const kvsift::BatchedKMeansConfig config{
       .clusters = std::int32_t(state.range(3)),
       .iterations = std::int32_t(state.range(4)),
-      .metric = state.range(5) != 0 ? kvsift::cpu::KMeansMetric::cosine : kvsift::cpu::KMeansMetric::l2,
+      .metric = state.range(5) != 0 ? kvsift::KMeansMetric::cosine : kvsift::KMeansMetric::l2,
       .seed = 1,
       .empty = kvsift::EmptyCluster::reseed,
       .batch_size = std::int32_t(state.range(6))};
@@ -96,40 +94,6 @@ BENCHMARK(BM_CudaKMeansBatched)
     ->ArgNames({"P", "n", "dim", "C", "iters", "cosine", "batch"})
     ->UseManualTime()
     ->Iterations(3)
-    ->Unit(benchmark::kMillisecond);
-
-/// Today's cuda::kmeans, one call per problem (A2ATS's shape: P heads one after another).
-void BM_CudaKMeansSingle(benchmark::State& state) {
-  const auto problems = std::int32_t(state.range(0));
-  const std::int64_t n = state.range(1);
-  const auto dim = std::int32_t(state.range(2));
-  const kvsift::cpu::KMeansConfig config{.clusters = std::int32_t(state.range(3)),
-                                         .iterations = std::int32_t(state.range(4)), .seed = 1};
-  const std::size_t elems = std::size_t(problems) * n * dim;
-  Device<bfloat16> points(elems);
-  Device<float> centroids(std::size_t(config.clusters) * dim);
-  Device<std::int32_t> assignment{std::size_t(n)};
-  const std::size_t bytes = kvsift::cuda::kmeans_workspace_bytes(n, dim, config);
-  Device<std::byte> workspace(bytes);
-  kvsift::bench::fill_random(points.ptr, elems, 1);
-  const auto call = [&] {
-    for (std::int32_t p = 0; p < problems; ++p) {
-      kvsift::cuda::kmeans(kvsift::MatrixView<const bfloat16>::packed(points.ptr + std::size_t(p) * n * dim, n, dim), config,
-                           kvsift::MatrixView<float>::packed(centroids.ptr, config.clusters, dim), assignment.ptr,
-                           {workspace.ptr, bytes}, nullptr);
-    }
-  };
-  call();
-  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  kvsift::bench::EventTimer timer;
-  for (auto _ : state) state.SetIterationTime(timer.seconds(call));
-}
-BENCHMARK(BM_CudaKMeansSingle)
-    ->Args({8, 32768, 128, 1024, 10})
-    ->Args({64, 32768, 16, 128, 10})  // CSAttention's sizes (L2: cuda::kmeans takes no reseed policy)
-    ->ArgNames({"P", "n", "dim", "C", "iters"})
-    ->UseManualTime()
-    ->Iterations(2)
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

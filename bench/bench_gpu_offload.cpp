@@ -20,7 +20,7 @@
 #include "gpu_bench.hpp"
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/cuda/backend.hpp"
-#include "kvsift/selectors/csattention.hpp"
+#include "kvsift/selectors/csattention/csattention.hpp"
 #include "kvsift/step/offload_step.hpp"
 
 namespace {

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "gpu_bench.hpp"
-#include "kvsift/cuda/page_bounds.hpp"
+#include "kvsift/selectors/quest/cuda/page_bounds.hpp"
 
 namespace {
 

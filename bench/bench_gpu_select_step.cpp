@@ -19,7 +19,7 @@
 #include "a2ats_bench_codebooks.hpp"
 #include "gpu_bench.hpp"
 #include "kvsift/cuda/backend.hpp"
-#include "kvsift/selectors/a2ats.hpp"
+#include "kvsift/selectors/a2ats/a2ats.hpp"
 #include "kvsift/step/gpu_select_step.hpp"
 
 namespace {

@@ -1,4 +1,4 @@
-// SpeContext's decode step (step/specontext_step.hpp) on the GPU in the model shape: 32 layers, q_heads 32,
+// SpeContext's decode step (selectors/specontext/step.hpp) on the GPU in the model shape: 32 layers, q_heads 32,
 // kv_heads 8, head_dim 128, bf16, every sequence N tokens, B = 2048, all KV on the GPU. A call is one whole decode
 // step of the model's attention: mode 0 (SpeContext) the retrieval head's selection (append + select) and the sparse
 // attention of all 32 layers over that one selection and the current token (window 0 + 1, the paper's); mode 1
@@ -13,8 +13,8 @@
 // layer's K/V exceed the 50 MB L2 many times, so no layer finds the previous one's rows in it. The head's query,
 // key and prompt keys are random (the head model is outside kvsift); its owned K cache is [batch, 8, N, 128] bf16.
 //
-// BM_SpeContextOffload: the last layers' KV in pinned host memory (step/specontext_offload.hpp), as many as the
-// planner (step/offload_planner.hpp, algorithm 2) offloads at N for a GPU of gpu_GB GB holding Llama-3.1-8B's
+// BM_SpeContextOffload: the last layers' KV in pinned host memory (selectors/specontext/offload.hpp), as many as the
+// planner (selectors/specontext/offload_planner.hpp, algorithm 2) offloads at N for a GPU of gpu_GB GB holding Llama-3.1-8B's
 // weights (16.06 GB bf16; the retrieval head made of the model's own projections, M_D = 0; factor 1.3, the +1 head
 // layer, alpha = 4). Selections persist as measured on captures (docs/specontext.md): each step keeps 85% of the
 // last one's tokens per (sequence, kv head): a ring of 16 synthetic selections (a window of B tokens sliding by
@@ -35,10 +35,10 @@
 #include "gpu_bench.hpp"
 #include "projection_gemm.hpp"
 #include "kvsift/cuda/backend.hpp"
-#include "kvsift/selectors/specontext.hpp"
-#include "kvsift/step/offload_planner.hpp"
-#include "kvsift/step/specontext_offload.hpp"
-#include "kvsift/step/specontext_step.hpp"
+#include "kvsift/selectors/specontext/specontext.hpp"
+#include "kvsift/selectors/specontext/offload_planner.hpp"
+#include "kvsift/selectors/specontext/offload.hpp"
+#include "kvsift/selectors/specontext/step.hpp"
 
 namespace {
 

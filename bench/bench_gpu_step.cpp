@@ -32,12 +32,12 @@
 #include "gpu_bench.hpp"
 #include "projection_gemm.hpp"
 #include "kvsift/cuda/backend.hpp"
-#include "kvsift/selectors/a2ats.hpp"
-#include "kvsift/selectors/csattention.hpp"
-#include "kvsift/selectors/ctkvr.hpp"
-#include "kvsift/selectors/oracle_topk.hpp"
-#include "kvsift/selectors/quest.hpp"
-#include "kvsift/step/ctkvr_hybrid_step.hpp"
+#include "kvsift/selectors/a2ats/a2ats.hpp"
+#include "kvsift/selectors/csattention/csattention.hpp"
+#include "kvsift/selectors/ctkvr/ctkvr.hpp"
+#include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
+#include "kvsift/selectors/quest/quest.hpp"
+#include "kvsift/selectors/ctkvr/hybrid_step.hpp"
 #include "kvsift/step/decode_step.hpp"
 
 namespace {
@@ -541,7 +541,7 @@ BENCHMARK(BM_A2atsPrepare)
     ->Unit(benchmark::kMillisecond)
     ->Iterations(3);
 
-/// CTKVR in the paper's hybrid placement (step/ctkvr_hybrid_step.hpp): index and recall on the GPU, rerank and
+/// CTKVR in the paper's hybrid placement (selectors/ctkvr/hybrid_step.hpp): index and recall on the GPU, rerank and
 /// the selection's attention on `threads` host threads over a pinned host copy of the cache, the window (4 + 64)
 /// on the GPU, merged there. One layer (the host cache is the point, not L2), every sequence N tokens long. Time:
 /// host wall clock of run() and a stream synchronization. Counters (µs per step, host clock): the recall as the

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "gpu_bench.hpp"
-#include "kvsift/cuda/vq.hpp"
+#include "kvsift/selectors/a2ats/cuda/vq.hpp"
 
 namespace kvsift::bench {
 namespace {

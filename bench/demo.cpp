@@ -35,10 +35,10 @@
 #include "kvsift/cpu/thread_pool.hpp"
 #include "kvsift/eval/fidelity.hpp"
 #include "kvsift/cpu/backend.hpp"
-#include "kvsift/selectors/oracle_topk.hpp"
-#include "kvsift/selectors/quest.hpp"
+#include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
+#include "kvsift/selectors/quest/quest.hpp"
 #include "kvsift/step/decode_step.hpp"
-#include "cli_list.hpp"
+#include "../tools/cli_list.hpp"
 
 #if defined(KVSIFT_WITH_CUDA)
 #include <cuda_runtime_api.h>

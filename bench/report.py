@@ -1,6 +1,6 @@
 """Turns kvsift_bench_decode's JSON and sdpa_baseline.py's JSON lines into the markdown tables of
 docs/bench/ (dense against SDPA, dense against cuDNN with and without PDL and between GEMMs, sparse, split
-counts, placement, PDL, warps, hybrid, primitives). Usage: report.py bench_decode.json sdpa.jsonl gpu.txt"""
+counts, placement, PDL, warps, hybrid). Usage: report.py bench_decode.json sdpa.jsonl gpu.txt"""
 import json
 import re
 import sys
@@ -130,27 +130,6 @@ def versus_cudnn(runs, sdpa_jsonl):
         print(f"\ntorch GEMM batch={e['batch']} could not be captured in a graph: {e['graph_error']}")
 
 
-def primitives(runs):
-    rows = {k: r for k, r in runs.items() if k.startswith("BM_CudaTopK")}
-    if rows:
-        print("\n### CUDA top-K, 8 rows of N fp32 scores, GPU time per call (graph replays)\n")
-        print("| N | K | radix select us | CUB radix sort us | sort / select |")
-        print("|---|---|---|---|---|")
-        for name, r in rows.items():
-            m = re.match(r"BM_CudaTopK/N:(\d+)/K:(\d+)/sort:0", name)
-            sort = m and rows.get(name.replace("/sort:0", "/sort:1"))
-            if m and sort:
-                print(f"| {m[1]} | {m[2]} | {r['us']:.1f} | {sort['us']:.1f} | {sort['us'] / r['us']:.1f}x |")
-    others = [(k, r) for k, r in runs.items() if re.match(r"BM_(CudaSortUnique|CudaAssignNearest|KMeansWithGpuAssigner|CudaKMeans)", k)]
-    if others:
-        print("\n### Other CUDA primitives (median)\n")
-        print("| benchmark | time |")
-        print("|---|---|")
-        for name, r in others:
-            unit = "ms" if re.match(r"BM_(Cuda)?KMeans", name) else "us"
-            print(f"| {re.sub(r'/(min_time|iterations):[^/]*', '', name)} | {r['us']:.1f} {unit} |")
-
-
 def hybrid(runs):
     rows = [(k, r) for k, r in runs.items() if k.startswith("BM_HybridDecode")]
     if not rows:
@@ -220,4 +199,3 @@ if __name__ == "__main__":
     comparison(medians(sys.argv[1]), "The attention window (sink 4 + recent 64) in the same launch as the K selected: "
                "without against with", "/window:0", "/window:1", ("no window", "window"))
     hybrid(medians(sys.argv[1]))
-    primitives(medians(sys.argv[1]))

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds kvsift on the GPU machine, runs the CUDA and CPU tests, the CUDA tests under compute-sanitizer
 # (memcheck, racecheck), the decode benchmarks and the PyTorch SDPA baseline, and writes logs, JSON and a
-# markdown report to $OUT (default ./device-out). Run from the repository root. Usage:
-#   bench/run_device.sh [build] [test] [sanitize] [bench] [cpubench] [profile] [demo] [python]
+# markdown report to the output folder. Run from the repository root. Usage:
+#   bench/run_device.sh [--build DIR] [--out DIR] [build] [test] [sanitize] [bench] [cpubench] [profile] [demo] [python]
+# --build: the CMake build folder (else $KVSIFT_DEVICE_BUILD, else build/device); --out: where logs and reports go
+# (else $OUT, else device-out). The Python stage builds and installs under the build folder too.
 # python: the Python package built with CUDA by pip, offline from the wheels in build/wheelhouse (carried;
 # docs/python.md), and tests/python with torch on the GPU.
 # No argument: all but python, profile (Nsight Compute on four decode shapes) and demo (kvsift_demo, whose GPU table
@@ -13,9 +15,19 @@
 # cpubench (medians of 3 repetitions).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
-BUILD=${KVSIFT_DEVICE_BUILD:-/tmp/kvsift-device-build}
-mkdir -p "$OUT"
-stages=${*:-build test sanitize bench cpubench}
+BUILD=${KVSIFT_DEVICE_BUILD:-$PWD/build/device}
+stages=()
+while (($#)); do
+  case $1 in
+    --build) BUILD=$(realpath -m "$2"); shift 2 ;;
+    --out) OUT=$(realpath -m "$2"); shift 2 ;;
+    build|test|sanitize|bench|cpubench|profile|demo|python) stages+=("$1"); shift ;;
+    *) echo "bench/run_device.sh: unknown argument '$1' (stages: build test sanitize bench cpubench profile demo python; options: --build DIR, --out DIR)" >&2; exit 2 ;;
+  esac
+done
+((${#stages[@]})) || stages=(build test sanitize bench cpubench)
+stages=${stages[*]}
+mkdir -p "$OUT" "$BUILD"
 status=0
 has() { [[ " $stages " == *" $1 "* ]]; }
 step() { echo "== $* ($(date +%T))"; }
@@ -37,17 +49,17 @@ if has test; then
 fi
 if has python; then
   step "python package (pip, offline, CUDA) and tests/python"
-  # Into the Python that has torch when it is a venv of its own (the device image's /opt/torch/.venv: a venv over
+  # Into the Python that has torch when it is a venv of its own (as images that ship torch in a venv have it: a venv over
   # it would not see torch), else into a venv over the system's packages.
   py=python3
   if ! "$py" -c "import sys; sys.exit(sys.prefix == sys.base_prefix)"; then
-    [ -x /tmp/kvsift-pyenv/bin/python ] || python3 -m venv --system-site-packages /tmp/kvsift-pyenv
-    py=/tmp/kvsift-pyenv/bin/python
+    [ -x "$BUILD/pyenv/bin/python" ] || python3 -m venv --system-site-packages "$BUILD/pyenv"
+    py=$BUILD/pyenv/bin/python
   fi
   "$py" -m pip install -q --no-index --find-links build/wheelhouse scikit-build-core nanobind pytest || status=1
   "$py" -c "import numpy" 2>/dev/null || "$py" -m pip install -q --no-index --find-links build/wheelhouse numpy
   KVSIFT_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip install -q --no-index --no-build-isolation . \
-    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90a-real -C build-dir=/tmp/kvsift-python-build > "$OUT/python_build.log" 2>&1 \
+    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90a-real -C build-dir="$BUILD/python" > "$OUT/python_build.log" 2>&1 \
     || { tail -30 "$OUT/python_build.log"; status=1; }
   "$py" -m pytest -q -rs tests/python 2>&1 | tee "$OUT/python_tests.log" | tail -15 || status=1
 fi
@@ -72,7 +84,7 @@ if has cpubench; then
   step "cpu benchmarks (host of the GPU machine)"
   { lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)"; echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled)"; } | tee "$OUT/cpu.txt"
   "$BUILD/bench/kvsift_bench_cpu" --benchmark_min_time=0.1 --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
-    --benchmark_filter="${KVSIFT_CPUBENCH_FILTER:-Triad|Gather|InCache|K:16384|K:4096/threads:1/|TopK|KMeans}" \
+    --benchmark_filter="${KVSIFT_CPUBENCH_FILTER:-Triad|Gather|InCache|K:16384|K:4096/threads:1/|TopK}" \
     > "$OUT/bench_cpu.txt" 2>&1 || status=1
   grep -E "^BM.*median" "$OUT/bench_cpu.txt" | awk '{print $1, $2, $3, $(NF-1), $NF}'
 fi

@@ -28,11 +28,12 @@ if(KVSIFT_WITH_CUDA)
   message(STATUS "kvsift: CUDA backend ON (${CMAKE_CUDA_COMPILER_VERSION}, archs ${CMAKE_CUDA_ARCHITECTURES})")
 endif()
 
-# Adds every kernels/*.cu translation unit and the host code of the CUDA backend (src/cuda/) to `target`
+# Adds every kernels/*.cu translation unit (the shared ones, and each selector's in kernels/selectors/<name>/) and
+# the host code of the CUDA backend (src/cuda/, src/selectors/<name>/cuda/) to `target`
 # (kvsift_cuda, see CMakeLists.txt) and links the CUDA runtime.
 function(kvsift_add_cuda_sources target)
-  file(GLOB cuda_sources CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/kernels/*.cu ${PROJECT_SOURCE_DIR}/src/cuda/*.cpp
-       ${PROJECT_SOURCE_DIR}/src/step/*.cpp)
+  file(GLOB cuda_sources CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/kernels/*.cu ${PROJECT_SOURCE_DIR}/kernels/selectors/*/*.cu
+       ${PROJECT_SOURCE_DIR}/src/cuda/*.cpp ${PROJECT_SOURCE_DIR}/src/selectors/*/cuda/*.cpp ${PROJECT_SOURCE_DIR}/src/step/*.cpp)
   target_sources(${target} PRIVATE ${cuda_sources})
   target_link_libraries(${target} PUBLIC CUDA::cudart)
   target_compile_definitions(${target} PUBLIC KVSIFT_WITH_CUDA=1)

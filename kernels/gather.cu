@@ -1,5 +1,5 @@
 // CUDA KV gathers (cuda/gather.hpp): a warp per copied row (K and V), and for the difference gather a CTA per
-// selection row that assigns slots first (launched apart from the copies: step/elastic_kv.hpp copies one
+// selection row that assigns slots first (launched apart from the copies: selectors/specontext/elastic_kv.hpp copies one
 // assignment into several layers, and commits it as its per-slot resident state). The source may be pinned host
 // memory read through its device-accessible pointers: the copy loops issue independent 16-byte loads across the
 // warp so that many PCIe reads are in flight.

@@ -1,10 +1,11 @@
-// Query centroids and rerank on CUDA (cuda/query_centroids.hpp, cuda/rerank.hpp). Every dot product is split
-// over a warp's lanes (lane l takes dimensions l, l + 32, ...) and reduced by a fixed shuffle tree, so results do
-// not depend on scheduling; no atomics.
+// Rerank on CUDA (cuda/rerank.hpp): candidates' exact group scores, remapping and range appends. Every dot product
+// is split over lanes and reduced by a fixed shuffle tree (cuda/detail/group_dot.cuh), so results do not depend on
+// scheduling; no atomics.
 #include <cmath>
 #include <cstdint>
 
 #include "kvsift/core/inverted_lists.hpp"
+#include "kvsift/cuda/detail/group_dot.cuh"
 #include "kvsift/cuda/detail/rerank_launch.hpp"
 #include "kvsift/cuda/dtype.cuh"
 
@@ -13,24 +14,10 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxGroup = 16;     ///< query heads per kv head that centroid_scores keeps in shared memory
-constexpr int kMaxHeadDim = 256;
-constexpr int kCentroidsPerBlock = 64;   ///< centroids scored per block: a batch-1 step still fills the GPU
+constexpr int kMaxGroup = kGroupDotMaxGroup;  ///< query heads per kv head kept in shared memory
+constexpr int kMaxHeadDim = kGroupDotMaxHeadDim;
 constexpr int kRemapThreads = 1024;  ///< a block per row: 1024 threads keep ~3 dependent gathers per thread
 static_assert(kCandidatesPerBlock == kThreads, "the softmax partials take one candidate per thread");
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
-/// max that keeps NaN (fmaxf would drop it), as the CPU's.
-__device__ __forceinline__ float max_nan(float a, float b) { return a != a || b != b ? __int_as_float(0x7fffffff) : fmaxf(a, b); }
-__device__ __forceinline__ float warp_max_nan(float x) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, offset));
-  return x;
-}
 
 /// The block's maximum (NaN kept) or sum of x, in a fixed order; every thread gets it. `scratch`: kWarps floats,
 /// free again when it returns.
@@ -44,111 +31,6 @@ __device__ float block_reduce(float x, float* scratch) {
   for (int w = 1; w < kWarps; ++w) total = Max ? max_nan(total, scratch[w]) : total + scratch[w];
   __syncthreads();
   return total;
-}
-
-/// Lane `sublane`'s share of dot(q, row) when 8 lanes split a row of d elements: a contiguous span of d / 8
-/// elements, read 16 bytes at a time where the span and the row allow it (d a multiple of 64 for 16-bit types, of
-/// 32 for fp32, the row 16-byte aligned), else dims sublane, sublane + 8, ... one by one. q: fp32 (shared memory).
-/// The caller adds the 8 shares with a 3-step shuffle tree.
-template <class T>
-__device__ __forceinline__ float octet_dot_part(const float* q, const T* row, int d, int sublane) {
-  constexpr int kPerLoad = int(16 / sizeof(T));
-  const int span = d / 8;
-  float s = 0.0f;
-  if (d % 8 == 0 && span % kPerLoad == 0 && reinterpret_cast<std::uintptr_t>(row) % 16 == 0) {
-    const T* p = row + sublane * span;
-    const float* x = q + sublane * span;
-    for (int i = 0; i < span; i += kPerLoad) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(p + i);
-      const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-      for (int e = 0; e < kPerLoad; ++e) s = fmaf(x[i + e], to_float_device(v[e]), s);
-    }
-    return s;
-  }
-  for (int c = sublane; c < d; c += 8) s = fmaf(q[c], to_float_device(row[c]), s);
-  return s;
-}
-__device__ __forceinline__ float octet_sum(float part) {
-#pragma unroll
-  for (int offset = 4; offset > 0; offset /= 2) part += __shfl_xor_sync(0xffffffffu, part, offset);
-  return part;
-}
-
-/// Block (row = b * kv_heads + g, chunk of kCentroidsPerBlock centroids): the group's unit queries in shared
-/// memory, then 8 lanes per centroid (4 centroids per warp at once, octet_dot_part). Chunks spread a batch-1 step
-/// over the GPU's SMs.
-template <class T>
-__global__ void __launch_bounds__(kThreads)
-    centroid_scores_kernel(QueryView<const T> q, QueryCentroidsView<const T> centroids, const std::int32_t* slots,
-                           std::int32_t kv_heads, MatrixView<float> scores) {
-  __shared__ float q_s[kMaxGroup * kMaxHeadDim];
-  const std::int64_t row = blockIdx.x;
-  const std::int32_t b = std::int32_t(row / kv_heads), g = std::int32_t(row % kv_heads);
-  const std::int32_t group = q.heads / kv_heads, d = q.head_dim;
-  const std::int32_t begin = std::int32_t(blockIdx.y) * kCentroidsPerBlock;
-  const std::int32_t end = min(begin + kCentroidsPerBlock, centroids.capacity);
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  const std::int32_t slot = slots[b];
-  const bool bad_slot = slot < 0 || slot >= centroids.slots;
-  const std::int32_t count = bad_slot ? -1 : centroids.counts[slot];
-  float* out = scores.row(row);
-  if (bad_slot || count < 0 || count > centroids.capacity) {  // the same for the whole block
-    for (std::int32_t c = begin + std::int32_t(threadIdx.x); c < end; c += kThreads) out[c] = __int_as_float(0x7fffffff);
-    return;
-  }
-  for (std::int32_t j = warp; j < group; j += kWarps) {
-    const T* x = q.row(b, g * group + j);
-    float* xs = q_s + j * d;
-    float sq = 0.0f;
-    for (int i = lane; i < d; i += 32) {
-      xs[i] = to_float_device(x[i]);
-      sq = fmaf(xs[i], xs[i], sq);
-    }
-    sq = warp_sum(sq);
-    const float scale = kvsift::detail::inverse_norm(sq);
-    for (int i = lane; i < d; i += 32) xs[i] *= scale;
-  }
-  __syncthreads();
-  const int sub = lane / 8, sublane = lane % 8;
-  // c0 depends on the warp only, so every lane of a warp takes each iteration (the shuffles need them all).
-  for (std::int32_t c0 = begin + warp * 4; c0 < end; c0 += kWarps * 4) {
-    const std::int32_t c = c0 + sub;
-    const bool mine = c < end && c < count;
-    float best = -INFINITY;
-    for (std::int32_t j = 0; j < group; ++j) {
-      const float part = mine ? octet_dot_part(q_s + j * d, centroids.row(slot, g * group + j, c), d, sublane) : 0.0f;
-      best = max_nan(best, octet_sum(part));
-    }
-    if (c < end && sublane == 0) out[c] = mine ? best : -INFINITY;
-  }
-}
-
-/// A warp per (b, h, i): the query normalised in fp32, rounded to T.
-template <class T>
-__global__ void __launch_bounds__(kThreads)
-    store_centroids_kernel(SequenceView<const T> queries, const std::int32_t* slots, const std::int32_t* first,
-                           std::int32_t kv_heads, QueryCentroidsView<T> centroids) {
-  const std::int64_t item = std::int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int lane = int(threadIdx.x) % 32;
-  const std::int64_t per_row = std::int64_t(queries.heads) * queries.tokens;
-  if (item >= std::int64_t(queries.batch) * per_row) return;  // whole warps leave together
-  const std::int32_t b = std::int32_t(item / per_row), h = std::int32_t(item % per_row / queries.tokens),
-                     i = std::int32_t(item % queries.tokens);
-  const std::int32_t group = queries.heads / kv_heads, slot = slots[b];
-  const std::int32_t column = (first != nullptr ? first[std::int64_t(b) * kv_heads + h / group] : 0) + i;
-  if (slot < 0 || slot >= centroids.slots || column < 0 || column >= centroids.capacity) return;
-  const T* x = queries.row(b, h, i);
-  float sq = 0.0f;
-  for (int j = lane; j < queries.head_dim; j += 32) sq = fmaf(to_float_device(x[j]), to_float_device(x[j]), sq);
-  const float scale = kvsift::detail::inverse_norm(warp_sum(sq));
-  T* out = centroids.row(slot, h, column);
-  for (int j = lane; j < queries.head_dim; j += 32) out[j] = from_float_device<T>(to_float_device(x[j]) * scale);
-  if (h == 0 && i == queries.tokens - 1 && lane == 0) {  // one writer per slot
-    std::int32_t end = queries.tokens;
-    for (std::int32_t g = 0; first != nullptr && g < kv_heads; ++g) end = max(end, first[std::int64_t(b) * kv_heads + g] + queries.tokens);
-    centroids.counts[slot] = max(centroids.counts[slot], end);
-  }
 }
 
 /// Block (row (b, g), chunk of kCandidatesPerBlock candidates): each group of 8 lanes computes one candidate's
@@ -328,25 +210,6 @@ cudaError_t launch_append_range(const SelectionView& rows, const std::int32_t* s
   return cudaGetLastError();
 }
 
-template <class T>
-cudaError_t launch_centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids,
-                                   const std::int32_t* slots, std::int32_t kv_heads, const MatrixView<float>& scores,
-                                   cudaStream_t stream) {
-  const dim3 grid(unsigned(scores.rows), unsigned((centroids.capacity + kCentroidsPerBlock - 1) / kCentroidsPerBlock));
-  centroid_scores_kernel<T><<<grid, kThreads, 0, stream>>>(q, centroids, slots, kv_heads, scores);
-  return cudaGetLastError();
-}
-
-template <class T>
-cudaError_t launch_store_centroids(const SequenceView<const T>& queries, const std::int32_t* slots,
-                                   const std::int32_t* first, std::int32_t kv_heads,
-                                   const QueryCentroidsView<T>& centroids, cudaStream_t stream) {
-  const std::int64_t items = std::int64_t(queries.batch) * queries.heads * queries.tokens;
-  store_centroids_kernel<T><<<unsigned((items + kWarps - 1) / kWarps), kThreads, 0, stream>>>(queries, slots, first,
-                                                                                               kv_heads, centroids);
-  return cudaGetLastError();
-}
-
 template <class T, class KV>
 cudaError_t launch_candidate_scores(const QueryView<const T>& q, const KV& kv, const SelectionView& candidates,
                                     const GroupScoreOptions& options, const MatrixView<float>& scores, float* logits,
@@ -369,12 +232,6 @@ cudaError_t launch_remap_selection(const SelectionView& positions, const Selecti
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                         \
-  template cudaError_t launch_centroid_scores<T>(const QueryView<const T>&, const QueryCentroidsView<const T>&,      \
-                                                 const std::int32_t*, std::int32_t, const MatrixView<float>&,         \
-                                                 cudaStream_t);                                                       \
-  template cudaError_t launch_store_centroids<T>(const SequenceView<const T>&, const std::int32_t*,                  \
-                                                 const std::int32_t*, std::int32_t, const QueryCentroidsView<T>&,     \
-                                                 cudaStream_t);                                                       \
   template cudaError_t launch_candidate_scores<T, ContiguousKVView<const T>>(                                        \
       const QueryView<const T>&, const ContiguousKVView<const T>&, const SelectionView&, const GroupScoreOptions&,   \
       const MatrixView<float>&, float*, float*, cudaStream_t);                                                        \

@@ -1,6 +1,6 @@
 // CUDA top-K into selection rows (cuda/topk.hpp): the select kernel, one thread-block cluster per score row,
-// and the union kernel of heads_per_row > 1 (detail/topk_kernels.cuh). cuda::topk's radix select is the same
-// launch.
+// and the union kernel of heads_per_row > 1 (detail/topk_kernels.cuh).
+#include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/topk_kernels.cuh"
 
 namespace kvsift::cuda::detail {
@@ -13,19 +13,14 @@ constexpr auto kUnionKernel = topk_rows_union<kTopKUnionThreads>;
 
 cudaError_t topk_rows_cluster_capacity(TopKClusterCapacity* capacity) {
   capacity->fill(0);
-  int device = 0, major = 0;
-  if (cudaError_t s = cudaGetDevice(&device); s != cudaSuccess) return s;
-  if (cudaError_t s = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device); s != cudaSuccess) return s;
+  int major = 0;
+  if (cudaError_t s = device_attribute<cudaDevAttrComputeCapabilityMajor>(&major); s != cudaSuccess) return s;
   if (major < 9) return cudaSuccess;
   const std::size_t smem = topk_rows_select_smem_bytes(kTopKMaxSmemWords);
-  if (cudaError_t s = cudaFuncSetAttribute(kSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-      s != cudaSuccess) {
-    return s;
-  }
+  if (cudaError_t s = open_shared_memory<kSelectKernel>(); s != cudaSuccess) return s;
   for (int log2 = 1; log2 < int(capacity->size()); ++log2) {
     const int size = 1 << log2;
-    if (size > kTopKMaxPortableCluster &&
-        cudaFuncSetAttribute(kSelectKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    if (size > kTopKMaxPortableCluster && allow_nonportable_clusters<kSelectKernel>() != cudaSuccess) {
       (void)cudaGetLastError();  // no non-portable clusters here
       break;
     }
@@ -51,34 +46,18 @@ cudaError_t topk_rows_cluster_capacity(TopKClusterCapacity* capacity) {
 }
 
 cudaError_t launch_topk_rows(const TopKRowsParams& p, cudaStream_t stream) {
-  if (p.k == 0 || p.scores.rows == 0) return cudaSuccess;
-  // Always the GPU's limit, never lowered: a launch from another host thread may rely on it.
-  if (cudaError_t s = cudaFuncSetAttribute(kSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(topk_rows_select_smem_bytes(p.launch.smem_limit_words)));
+  if (cudaError_t s = open_shared_memory<kSelectKernel>(); s != cudaSuccess) return s;
+  if (p.launch.cluster > kTopKMaxPortableCluster) {
+    if (cudaError_t s = allow_nonportable_clusters<kSelectKernel>(); s != cudaSuccess) return s;
+  }
+  if (cudaError_t s = launch(kSelectKernel,
+                             {.grid = dim3(unsigned(p.scores.rows * p.launch.cluster)), .block = dim3(kTopKRowsThreads),
+                              .smem = topk_rows_select_smem_bytes(p.launch.smem_words), .stream = stream,
+                              .cluster = p.launch.cluster},
+                             p);
       s != cudaSuccess) {
     return s;
   }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(unsigned(p.scores.rows * p.launch.cluster));
-  config.blockDim = dim3(kTopKRowsThreads);
-  config.dynamicSmemBytes = topk_rows_select_smem_bytes(p.launch.smem_words);
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  if (p.launch.cluster > 1) {
-    if (p.launch.cluster > kTopKMaxPortableCluster) {
-      if (cudaError_t s = cudaFuncSetAttribute(kSelectKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-          s != cudaSuccess) {
-        return s;
-      }
-    }
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = unsigned(p.launch.cluster);
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-  }
-  if (cudaError_t s = cudaLaunchKernelEx(&config, kSelectKernel, p); s != cudaSuccess) return s;
   if (p.heads_per_row == 1) return cudaSuccess;
   const std::size_t union_smem = p.union_bits != nullptr ? 0 : std::size_t(p.union_words) * sizeof(std::uint32_t);
   kUnionKernel<<<unsigned(p.scores.rows / p.heads_per_row), kTopKUnionThreads, union_smem, stream>>>(p);

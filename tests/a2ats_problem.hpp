@@ -1,5 +1,5 @@
 #pragma once
-// A²ATS problems (selectors/a2ats.hpp) and the fp64 / scalar references of its rule, shared by the CPU and CUDA
+// A²ATS problems (selectors/a2ats/a2ats.hpp) and the fp64 / scalar references of its rule, shared by the CPU and CUDA
 // selector tests: every key of every sequence generated up front (pre-RoPE, in T) and the cache holding them rotated
 // to their positions in fp64 (rounded to T); a codebook over them built here in fp64 (C^z = C L); queries rotated to
 // their positions in fp64, and q~ = q R_b recomputed from the rounded post-RoPE query; scores q~ . C_code in fp64.
@@ -17,7 +17,7 @@
 #include <fmt/format.h>
 
 #include "kvsift/core/rope.hpp"
-#include "kvsift/selectors/a2ats.hpp"
+#include "kvsift/selectors/a2ats/a2ats.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "test_util.hpp"
 

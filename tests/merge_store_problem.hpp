@@ -7,7 +7,7 @@
 #include <cstring>
 #include <vector>
 
-#include "kvsift/core/merge_store.hpp"
+#include "kvsift/selectors/centroid_kv/merge_store.hpp"
 #include "workspace_check.hpp"
 
 namespace kvsift::test {

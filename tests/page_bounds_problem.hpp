@@ -9,9 +9,9 @@
 #include <numeric>
 #include <vector>
 
-#include "kvsift/core/detail/page_bounds_checks.hpp"
+#include "kvsift/selectors/quest/detail/page_bounds_checks.hpp"
 #include "kvsift/core/dtype.hpp"
-#include "kvsift/core/page_bounds_view.hpp"
+#include "kvsift/selectors/quest/page_bounds_view.hpp"
 #include "test_util.hpp"
 
 namespace kvsift::test {

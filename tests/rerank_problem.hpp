@@ -1,5 +1,5 @@
 #pragma once
-// Problems and fp64 references of the query-centroid and rerank primitives (cpu/query_centroids.hpp,
+// Problems and fp64 references of the query-centroid and rerank primitives (selectors/ctkvr/cpu/query_centroids.hpp,
 // cpu/rerank.hpp and their CUDA twins), shared by the CPU and CUDA tests.
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 #include <numeric>
 #include <vector>
 
-#include "kvsift/core/query_centroids.hpp"
+#include "kvsift/selectors/ctkvr/query_centroids.hpp"
 #include "test_util.hpp"
 
 namespace kvsift::test {

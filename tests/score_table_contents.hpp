@@ -1,5 +1,5 @@
 #pragma once
-/// What a slot of score tables (core/score_tables.hpp) reads, as plain host values that compare with ==: its base
+/// What a slot of score tables (selectors/csattention/score_tables.hpp) reads, as plain host values that compare with ==: its base
 /// (centroids; per list the count and the entries below it) and its overlay (per list the evictions, the size and
 /// the heap's entries below it). Storage indices and unused entries are left out, so that two selectors compare
 /// by contents wherever their pools placed a base. Shared by the CPU and CUDA CSAttention tests (host views only:
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "kvsift/core/score_tables.hpp"
+#include "kvsift/selectors/csattention/score_tables.hpp"
 
 namespace kvsift::test {
 

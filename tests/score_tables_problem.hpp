@@ -1,5 +1,5 @@
 #pragma once
-/// Random subspace score tables for the CPU and CUDA score-table tests (core/score_tables.hpp), backend-neutral
+/// Random subspace score tables for the CPU and CUDA score-table tests (selectors/csattention/score_tables.hpp), backend-neutral
 /// host arrays consistent with ScoreTablesView's contract: unit centroids (some repeated, so that dot products
 /// tie, and some zero); base lists highest first in the list order, from a few table scores so that scores tie,
 /// with ragged counts (empty and full lists); per slot overlays whose sizes equal their evictions (a few fall short,
@@ -20,7 +20,7 @@
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/inverted_lists.hpp"
 #include "kvsift/core/kv_cache.hpp"
-#include "kvsift/core/score_tables.hpp"
+#include "kvsift/selectors/csattention/score_tables.hpp"
 #include "kvsift/core/views.hpp"
 #include "test_util.hpp"
 

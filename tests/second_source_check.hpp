@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "kvsift/core/kv_cache.hpp"
-#include "kvsift/selectors/oracle_topk.hpp"
+#include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
 #include "kvsift/selectors/selector.hpp"
 #include "test_util.hpp"
 

@@ -13,7 +13,7 @@
 #include <random>
 #include <vector>
 
-#include "kvsift/core/vq.hpp"
+#include "kvsift/selectors/a2ats/vq.hpp"
 #include "test_util.hpp"
 
 namespace kvsift::test {

@@ -1,5 +1,5 @@
 #pragma once
-/// A windowed-RoPE problem (attention/windowed_rope.hpp, A²ATS's eq. 11) and its fp64 reference, in host memory;
+/// A windowed-RoPE problem (selectors/a2ats/windowed_rope.hpp, A²ATS's eq. 11) and its fp64 reference, in host memory;
 /// shared by the CPU and CUDA tests.
 
 #include <fmt/format.h>
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "kvsift/attention/windowed_rope.hpp"
+#include "kvsift/selectors/a2ats/windowed_rope.hpp"
 #include "kvsift/core/rope.hpp"
 #include "kvsift/cpu/rope.hpp"
 #include "test_util.hpp"

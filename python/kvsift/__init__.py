@@ -185,13 +185,13 @@ def topk_rows(scores, k, *, batch, kv_heads, lengths=None, window=(0, 0), heads_
 class DecodeStep:
     """One layer's decode step: a selector ('oracle_topk' {budget}, 'quest' {budget, page_size},
     'streaming_llm' {}, 'ctkvr' {budget, list_size, centroids, max_centroids, recalled_centroids, dynamic_update,
-    prepare_chunk, budget_fraction, pin_prefill_centroids}: selectors/ctkvr.hpp's CtkvrConfig; 'csattention' {budget
+    prepare_chunk, budget_fraction, pin_prefill_centroids}: selectors/ctkvr/ctkvr.hpp's CtkvrConfig; 'csattention' {budget
     (tokens, the window's included; 0: keep_fraction of the length), keep_fraction, list_fraction, subspaces,
-    centroids, probes, search_period, per_query_head, weight_by_norm, from_floor}: selectors/csattention.hpp's
+    centroids, probes, search_period, per_query_head, weight_by_norm, from_floor}: selectors/csattention/csattention.hpp's
     CsattentionConfig; 'a2ats' {codebooks (a kvsift_a2ats_codebook file), layer, budget_fraction, max_budget,
     group_max; rope_theta, rope_dim, rope_interleaved: the model's RoPE, which the file's must equal}:
-    selectors/a2ats.hpp's A2atsConfig, the keys rotated back from the cache; 'centroidkv' {budget_ratio, sinks,
-    recent, chunk, r_init, r_step, r_min, interval, max_rounds}: selectors/centroid_kv.hpp's CentroidKVConfig, a
+    selectors/a2ats/a2ats.hpp's A2atsConfig, the keys rotated back from the cache; 'centroidkv' {budget_ratio, sinks,
+    recent, chunk, r_init, r_step, r_min, interval, max_rounds}: selectors/centroid_kv/centroid_kv.hpp's CentroidKVConfig, a
     merge store of floor(budget_ratio * prompt length) entries attended whole with log-degree weights, window (0, 0)),
     then sparse attention of its selection and the window (sink, recent), planned once for
     up to max_batch rows and sequences of up to max_seq_len tokens; the workspace is allocated here, once.
@@ -280,7 +280,7 @@ class DecodeStep:
 
 
 class SpeContextStep:
-    """A model's decode step with SpeContext (selectors/specontext.hpp, step/specontext_step.hpp): once per step,
+    """A model's decode step with SpeContext (selectors/specontext/specontext.hpp, selectors/specontext/step.hpp): once per step,
     before layer 0, the retrieval head's query q_r [batch, q_heads, head_dim] and new key k_r [batch, kv_heads,
     head_dim], both before RoPE, select the `budget` best tokens per (sequence, kv head) (mode 'per_kv_head': each
     group's max softmax weight; 'batch_level': one set per sequence); then every layer attends that one selection

@@ -22,17 +22,17 @@
 
 #include "kvsift/core/error.hpp"
 #include "kvsift/cpu/backend.hpp"
-#include "kvsift/selectors/a2ats.hpp"
-#include "kvsift/selectors/a2ats_codebook.hpp"
-#include "kvsift/selectors/centroid_kv.hpp"
-#include "kvsift/selectors/csattention.hpp"
-#include "kvsift/selectors/ctkvr.hpp"
-#include "kvsift/selectors/oracle_topk.hpp"
-#include "kvsift/selectors/quest.hpp"
-#include "kvsift/selectors/specontext.hpp"
-#include "kvsift/selectors/streaming_llm.hpp"
+#include "kvsift/selectors/a2ats/a2ats.hpp"
+#include "kvsift/selectors/a2ats/codebook.hpp"
+#include "kvsift/selectors/centroid_kv/centroid_kv.hpp"
+#include "kvsift/selectors/csattention/csattention.hpp"
+#include "kvsift/selectors/ctkvr/ctkvr.hpp"
+#include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
+#include "kvsift/selectors/quest/quest.hpp"
+#include "kvsift/selectors/specontext/specontext.hpp"
+#include "kvsift/selectors/streaming_llm/streaming_llm.hpp"
 #include "kvsift/step/decode_step.hpp"
-#include "kvsift/step/specontext_step.hpp"
+#include "kvsift/selectors/specontext/step.hpp"
 #ifndef KVSIFT_WITH_CUDA
 #define KVSIFT_WITH_CUDA 0
 #endif

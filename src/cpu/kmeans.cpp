@@ -5,13 +5,12 @@
 
 #include <algorithm>
 #include <array>
-#include <climits>
 #include <cmath>
 
+#include "kvsift/core/detail/kmeans_checks.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/kmeans_seeding.hpp"
-#include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/segment_mean.hpp"
 #include "kvsift/cpu/simd.hpp"
@@ -246,40 +245,9 @@ detail::ScorePanel detail::pack_score_panel(const MatrixView<const float>& vecto
   return panel;
 }
 
-void detail::check_batched_kmeans_shape(const char* where, std::int32_t problems, std::int64_t n, std::int32_t dim,
-                                        const BatchedKMeansConfig& config) {
-  KVSIFT_CHECK(problems >= 1, where, "problems (= {}) must be >= 1", problems);
-  KVSIFT_CHECK(n >= 1 && n <= INT32_MAX, where, "n (= {}) is outside [1, 2^31)", n);
-  KVSIFT_CHECK(std::int64_t(problems) * n <= INT32_MAX, where, "problems * n (= {} * {}) exceeds 2^31 - 1", problems, n);
-  KVSIFT_CHECK(dim >= 1 && dim <= 256, where, "dim (= {}) is outside [1, 256]", dim);
-  KVSIFT_CHECK(config.clusters >= 1 && config.clusters <= n, where, "config.clusters (= {}) is outside [1, n = {}]",
-               config.clusters, n);
-  KVSIFT_CHECK(std::int64_t(problems) * config.clusters <= INT32_MAX, where,
-               "problems * config.clusters (= {} * {}) exceeds 2^31 - 1", problems, config.clusters);
-  KVSIFT_CHECK(config.iterations >= 0, where, "config.iterations (= {}) must be >= 0", config.iterations);
-  KVSIFT_CHECK(config.metric == KMeansMetric::l2 || config.metric == KMeansMetric::cosine, where,
-               "config.metric (= {}) is neither KMeansMetric::l2 nor KMeansMetric::cosine", int(config.metric));
-  KVSIFT_CHECK(config.empty == EmptyCluster::keep || config.empty == EmptyCluster::reseed, where,
-               "config.empty (= {}) is neither EmptyCluster::keep nor EmptyCluster::reseed", int(config.empty));
-  KVSIFT_CHECK(config.batch_size >= 0, where, "config.batch_size (= {}) must be >= 0 (0: full batch)", config.batch_size);
-}
-
-template <class T>
-void detail::check_batched_kmeans(const char* where, const BatchedMatrixView<const T>& points, const float* weights,
-                                  const BatchedKMeansConfig& config, const float* centroids,
-                                  const std::int32_t* assignment) {
-  check_batched_kmeans_shape(where, points.problems, points.rows, points.cols, config);
-  validate(points.problem(0), where, "points");
-  KVSIFT_CHECK(points.problem_stride >= 0, where, "points.problem_stride (= {}) must be >= 0", points.problem_stride);
-  KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(weights) % alignof(float) == 0, where,
-               "weights ({}) is not {}-byte aligned", static_cast<const void*>(weights), alignof(float));
-  KVSIFT_CHECK(centroids != nullptr, where, "centroids is a null pointer");
-  KVSIFT_CHECK(assignment != nullptr, where, "assignment is a null pointer");
-}
-
 std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n, std::int32_t dim,
                                            const BatchedKMeansConfig& config) {
-  detail::check_batched_kmeans_shape("cpu::batched_kmeans_workspace_bytes", problems, n, dim, config);
+  kvsift::detail::check_batched_kmeans_shape("cpu::batched_kmeans_workspace_bytes", problems, n, dim, config);
   WorkspaceLayout counting;
   layout_batched_kmeans(counting, problems, n, dim, config);
   return counting.bytes();
@@ -289,7 +257,7 @@ template <class T>
 void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights, const BatchedKMeansConfig& config,
                     float* centroids, std::int32_t* assignment, std::span<std::byte> workspace, ThreadPool* pool) {
   constexpr const char* where = "cpu::kmeans_batched";
-  detail::check_batched_kmeans(where, points, weights, config, centroids, assignment);
+  kvsift::detail::check_batched_kmeans(where, points, weights, config, centroids, assignment);
   const std::int32_t problems = points.problems, dim = points.cols, k = config.clusters;
   const std::int64_t n = points.rows;
   for (std::int64_t i = 0; weights != nullptr && i < problems * n; ++i) {
@@ -400,9 +368,7 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
 
 #define KVSIFT_INSTANTIATE(T)                                                                                     \
   template void kmeans_batched<T>(const BatchedMatrixView<const T>&, const float*, const BatchedKMeansConfig&,    \
-                                  float*, std::int32_t*, std::span<std::byte>, ThreadPool*);                      \
-  template void detail::check_batched_kmeans<T>(const char*, const BatchedMatrixView<const T>&, const float*,     \
-                                                const BatchedKMeansConfig&, const float*, const std::int32_t*);
+                                  float*, std::int32_t*, std::span<std::byte>, ThreadPool*);
 KVSIFT_INSTANTIATE(float)
 KVSIFT_INSTANTIATE(half)
 KVSIFT_INSTANTIATE(bfloat16)

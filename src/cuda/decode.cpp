@@ -128,8 +128,7 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   validate(q, where, "q");
   validate(kv, where, "kv", MemorySpace::device);
   check_query_matches_kv(where, q, kv);
-  KVSIFT_CHECK(q.head_dim == 64 || q.head_dim == 128 || q.head_dim == 256, where,
-               "head_dim (= {}) is not supported by the CUDA decode kernels (supported: 64, 128, 256)", q.head_dim);
+  kvsift::detail::check_supported(where, "head_dim", q.head_dim, kCudaAttentionHeadDims, "the CUDA decode kernels");
   KVSIFT_CHECK(q.batch <= 65535, where, "q.batch (= {}) exceeds the CUDA grid limit 65535", q.batch);
   check_decode_options(where, options);  // before any device query, so that bad options fail on any machine
   check_aligned(where, "q.data", q.data, q.batch_stride, q.head_stride);
@@ -255,8 +254,7 @@ std::size_t sparse_decode_workspace_bytes(const SparseDecodeShape& shape, const 
   KVSIFT_CHECK(shape.kv_heads > 0 && shape.q_heads > 0 && shape.q_heads % shape.kv_heads == 0, where,
                "shape.q_heads (= {}) must be a positive multiple of shape.kv_heads (= {})", shape.q_heads,
                shape.kv_heads);
-  KVSIFT_CHECK(shape.head_dim == 64 || shape.head_dim == 128 || shape.head_dim == 256, where,
-               "head_dim (= {}) is not supported by the CUDA decode kernels (supported: 64, 128, 256)", shape.head_dim);
+  kvsift::detail::check_supported(where, "head_dim", shape.head_dim, kCudaAttentionHeadDims, "the CUDA decode kernels");
   KVSIFT_CHECK(shape.capacity >= 0, where, "shape.capacity (= {}) must be >= 0", shape.capacity);
   detail::check_decode_options(where, options);
   validate(options.attention.window, where, "options.attention.window");

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "kvsift/attention/options.hpp"
+#include "kvsift/core/detail/group_scores_checks.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -45,8 +46,7 @@ GroupScoreWorkspace layout_group_scores(WorkspaceLayout& layout, std::int64_t ro
 /// shared memory.
 void check_cuda_shape(const char* where, std::int32_t head_dim, std::int64_t rows, std::int32_t group,
                       std::int32_t max_tokens) {
-  KVSIFT_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256, where,
-               "head_dim (= {}) is not supported by the CUDA group-score kernels (supported: 64, 128, 256)", head_dim);
+  kvsift::detail::check_supported(where, "head_dim", head_dim, kCudaAttentionHeadDims, "the CUDA group-score kernels");
   KVSIFT_CHECK(group <= detail::kGroupScoreMaxGroup, where, "q_heads / kv_heads (= {}) exceeds the CUDA kernels' limit of {}",
                group, detail::kGroupScoreMaxGroup);
   const std::int64_t ctas = rows * group_score_chunks(max_tokens);
@@ -79,7 +79,7 @@ void check_keys_aligned(const char* where, const PagedKVView<const T>& kv) {
 std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
                                          std::int32_t max_tokens, const GroupScoreOptions& options) {
   constexpr const char* where = "cuda::group_scores_workspace_bytes";
-  cpu::detail::check_group_scores_shape(where, batch, q_heads, kv_heads, max_tokens, options);
+  kvsift::detail::check_group_scores_shape(where, batch, q_heads, kv_heads, max_tokens, options);
   WorkspaceLayout counting;
   layout_group_scores(counting, std::int64_t(batch) * kv_heads, q_heads / kv_heads, max_tokens, options);
   return counting.bytes();
@@ -89,7 +89,7 @@ template <class T, class KV>
 void group_scores(const QueryView<const T>& q, const KV& kv, const MatrixView<float>& scores,
                   const GroupScoreOptions& options, std::span<std::byte> workspace, cudaStream_t stream) {
   constexpr const char* where = "cuda::group_scores";
-  cpu::detail::check_group_scores(where, q, kv, scores, options, MemorySpace::device);
+  kvsift::detail::check_group_scores(where, q, kv, scores, options, MemorySpace::device);
   const std::int64_t rows = std::int64_t(kv.batch) * kv.kv_heads;
   const std::int32_t group = q.heads / kv.kv_heads;
   check_cuda_shape(where, q.head_dim, rows, group, scores.cols);

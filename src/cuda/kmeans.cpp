@@ -1,6 +1,8 @@
 // cuda::kmeans_batched: validation and workspace layout (host compiler); kernels in kernels/kmeans_batched.cu.
 #include "kvsift/cuda/kmeans.hpp"
 
+#include "kvsift/core/detail/kmeans_checks.hpp"
+#include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
 #include "kvsift/cuda/detail/kmeans_batched_launch.hpp"
@@ -41,7 +43,7 @@ detail::BatchedKMeansBuffers layout_kmeans_batched(WorkspaceLayout& layout, std:
 std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n, std::int32_t dim,
                                            const BatchedKMeansConfig& config) {
   constexpr const char* where = "cuda::batched_kmeans_workspace_bytes";
-  cpu::detail::check_batched_kmeans_shape(where, problems, n, dim, config);
+  kvsift::detail::check_batched_kmeans_shape(where, problems, n, dim, config);
   check_problems(where, problems);
   WorkspaceLayout counting;
   layout_kmeans_batched(counting, problems, n, dim, config);
@@ -52,7 +54,7 @@ template <class T>
 void kmeans_batched(const BatchedMatrixView<const T>& points, const float* d_weights, const BatchedKMeansConfig& config,
                     float* d_centroids, std::int32_t* d_assignment, std::span<std::byte> workspace, cudaStream_t stream) {
   constexpr const char* where = "cuda::kmeans_batched";
-  cpu::detail::check_batched_kmeans(where, points, d_weights, config, d_centroids, d_assignment);
+  kvsift::detail::check_batched_kmeans(where, points, d_weights, config, d_centroids, d_assignment);
   check_problems(where, points.problems);
   WorkspaceLayout layout(workspace, where);
   const detail::BatchedKMeansBuffers buffers = layout_kmeans_batched(layout, points.problems, points.rows, points.cols, config);

@@ -1,24 +1,24 @@
-// Query centroids and rerank on CUDA (cuda/query_centroids.hpp, cuda/rerank.hpp): the checks shared with the
-// CPU, the kernels' own limits, the workspace, then the launchers of kernels/rerank.cu.
-#include "kvsift/cuda/query_centroids.hpp"
+// Rerank on CUDA (cuda/rerank.hpp): the checks shared with the CPU, the kernels' own limits, the workspace, then the
+// launchers of kernels/rerank.cu.
 #include "kvsift/cuda/rerank.hpp"
 
 #include "kvsift/core/detail/rerank_checks.hpp"
-#include "kvsift/core/detail/query_centroids_checks.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
 #include "kvsift/cuda/detail/rerank_launch.hpp"
 
 namespace kvsift::cuda {
-namespace {
+namespace detail {
 
-constexpr std::int32_t kMaxGroup = 16, kMaxHeadDim = 256;  // kernels/rerank.cu's shared arrays
-
-void check_kernel_limits(const char* where, std::int32_t group, std::int32_t head_dim) {
-  KVSIFT_CHECK(group <= kMaxGroup, where, "the GQA group (= {} query heads per kv head) exceeds {}", group, kMaxGroup);
-  KVSIFT_CHECK(head_dim <= kMaxHeadDim, where, "head_dim (= {}) exceeds {}", head_dim, kMaxHeadDim);
+void check_group_dot_limits(const char* where, std::int32_t group, std::int32_t head_dim) {
+  KVSIFT_CHECK(group <= kGroupDotMaxGroup, where, "the GQA group (= {} query heads per kv head) exceeds {}", group,
+               kGroupDotMaxGroup);
+  KVSIFT_CHECK(head_dim <= kGroupDotMaxHeadDim, where, "head_dim (= {}) exceeds {}", head_dim, kGroupDotMaxHeadDim);
 }
+
+}  // namespace detail
+namespace {
 
 struct CandidateBuffers {
   float *logits, *stats;
@@ -31,22 +31,6 @@ CandidateBuffers layout_candidates(WorkspaceLayout& layout, std::int64_t rows, s
 }
 
 }  // namespace
-
-template <class T>
-void centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids, const std::int32_t* d_slots,
-                     std::int32_t kv_heads, const MatrixView<float>& scores, cudaStream_t stream) {
-  constexpr const char* where = "cuda::centroid_scores";
-  kvsift::detail::check_centroid_scores(where, q, centroids, d_slots, kv_heads, scores);
-  check_kernel_limits(where, q.heads / kv_heads, q.head_dim);
-  KVSIFT_CUDA_CHECK(detail::launch_centroid_scores(q, centroids, d_slots, kv_heads, scores, stream));
-}
-
-template <class T>
-void store_centroids(const SequenceView<const T>& queries, const std::int32_t* d_slots, const std::int32_t* d_first,
-                     std::int32_t kv_heads, const QueryCentroidsView<T>& centroids, cudaStream_t stream) {
-  kvsift::detail::check_store_centroids("cuda::store_centroids", queries, d_slots, kv_heads, centroids);
-  KVSIFT_CUDA_CHECK(detail::launch_store_centroids(queries, d_slots, d_first, kv_heads, centroids, stream));
-}
 
 std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity) {
   kvsift::detail::check_candidate_scores_shape("cuda::candidate_scores_workspace_bytes", rows, group, capacity);
@@ -62,7 +46,7 @@ void candidate_scores(const QueryView<const T>& q, const KV& kv, const Selection
   constexpr const char* where = "cuda::candidate_scores";
   kvsift::detail::check_candidate_scores(where, q, kv, candidates, options, scores, MemorySpace::device);
   const std::int32_t group = q.heads / kv.kv_heads;
-  check_kernel_limits(where, group, q.head_dim);
+  detail::check_group_dot_limits(where, group, q.head_dim);
   WorkspaceLayout layout(workspace, where);
   const CandidateBuffers buffers = layout_candidates(layout, scores.rows, group, candidates.capacity);
   KVSIFT_CUDA_CHECK(
@@ -82,10 +66,6 @@ void append_range(const SelectionView& rows, const std::int32_t* d_slots, const 
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                         \
-  template void centroid_scores<T>(const QueryView<const T>&, const QueryCentroidsView<const T>&,                   \
-                                   const std::int32_t*, std::int32_t, const MatrixView<float>&, cudaStream_t);        \
-  template void store_centroids<T>(const SequenceView<const T>&, const std::int32_t*, const std::int32_t*,            \
-                                   std::int32_t, const QueryCentroidsView<T>&, cudaStream_t);                         \
   template void candidate_scores<T, ContiguousKVView<const T>>(const QueryView<const T>&,                            \
                                                                const ContiguousKVView<const T>&, const SelectionView&, \
                                                                const GroupScoreOptions&, const MatrixView<float>&,    \

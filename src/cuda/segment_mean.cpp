@@ -1,5 +1,5 @@
 // Segment means on CUDA (cuda/segment_mean.hpp): the checks shared with the CPU, the workspace layout (also
-// cuda::kmeans's), then the launcher of kernels/segment_mean.cu.
+// cuda::kmeans_batched's), then the launcher of kernels/segment_mean.cu.
 #include "kvsift/cuda/segment_mean.hpp"
 
 #include "kvsift/core/detail/segment_mean_checks.hpp"

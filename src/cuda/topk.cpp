@@ -1,22 +1,18 @@
 // CUDA top-K (cuda/topk.hpp): validation, launch shape and workspace layout (host compiler); kernels in
-// kernels/topk_rows.cu and kernels/topk.cu.
+// kernels/topk_rows.cu.
 #include "kvsift/cuda/topk.hpp"
 
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <climits>
 
 #include "kvsift/core/detail/topk_rows_checks.hpp"
-#include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
 #include "kvsift/cuda/detail/topk_launch.hpp"
 
 namespace kvsift::cuda {
 namespace {
-
-// ---- topk_rows ------------------------------------------------------------------------------------------
 
 /// Grid x holds score rows * cluster CTAs (cluster <= 16).
 constexpr std::int64_t kMaxScoreRows = (std::int64_t(1) << 31) / 16;
@@ -75,30 +71,6 @@ detail::TopKRowsLaunch plan_launch(std::int64_t score_rows, std::int32_t max_tok
                                 detail::topk_rows_smem_limit_words(max_shared_memory_per_block()));
 }
 
-// ---- topk ---------------------------------------------------------------------------------------------------
-
-void check_topk_shape(const char* where, std::int64_t rows, std::int32_t n, std::int32_t k) {
-  KVSIFT_CHECK(rows > 0 && n > 0, where, "rows (= {}) and n (= {}) must be positive", rows, n);
-  KVSIFT_CHECK(k >= 0 && k <= n, where, "k (= {}) is outside [0, n = {}]", k, n);
-  KVSIFT_CHECK(rows < kMaxScoreRows, where, "rows (= {}) must be below {}", rows, kMaxScoreRows);
-}
-
-detail::TopKSortBuffers layout_topk_sort(WorkspaceLayout& layout, std::int64_t rows, std::int32_t n, std::int32_t k) {
-  std::size_t first = 0, second = 0;
-  KVSIFT_CUDA_CHECK(detail::topk_sort_cub_bytes(rows, n, k, &first, &second));
-  const std::size_t total = std::size_t(rows) * std::size_t(n), chosen = std::size_t(rows) * std::size_t(k);
-  detail::TopKSortBuffers b{};
-  b.keys_in = layout.allocate<unsigned long long>(total, "topk keys_in");
-  b.keys_out = layout.allocate<unsigned long long>(total, "topk keys_out");
-  b.values_in = layout.allocate<std::int32_t>(total, "topk values_in");
-  b.values_out = layout.allocate<std::int32_t>(total, "topk values_out");
-  b.chosen_in = layout.allocate<unsigned long long>(chosen, "topk chosen_in");
-  b.chosen_out = layout.allocate<unsigned long long>(chosen, "topk chosen_out");
-  b.cub_temp_bytes = std::max(first, second);
-  b.cub_temp = layout.allocate<std::byte>(b.cub_temp_bytes, "topk cub temporary storage");
-  return b;
-}
-
 }  // namespace
 
 std::size_t topk_rows_workspace_bytes(std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
@@ -137,44 +109,6 @@ void length_budgets(const std::int32_t* d_lengths, std::int32_t batch, std::int3
                     std::int32_t* d_row_k, cudaStream_t stream) {
   kvsift::detail::check_length_budgets("cuda::length_budgets", d_lengths, batch, heads, budget, d_row_k);
   KVSIFT_CUDA_CHECK(detail::launch_length_budgets(d_lengths, batch, heads, budget, d_row_k, stream));
-}
-
-std::size_t topk_workspace_bytes(std::int64_t rows, std::int32_t n, std::int32_t k, TopKAlgorithm algorithm) {
-  check_topk_shape("cuda::topk_workspace_bytes", rows, n, k);
-  WorkspaceLayout counting;
-  if (algorithm == TopKAlgorithm::radix_sort) layout_topk_sort(counting, rows, n, k);
-  return counting.bytes();
-}
-
-void topk(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* d_indices, std::span<std::byte> workspace,
-          cudaStream_t stream, TopKAlgorithm algorithm) {
-  constexpr const char* where = "cuda::topk";
-  validate(scores, where, "scores");
-  check_topk_shape(where, scores.rows, scores.cols, k);
-  KVSIFT_CHECK(d_indices != nullptr || k == 0, where, "d_indices is a null pointer");
-  KVSIFT_CHECK(algorithm == TopKAlgorithm::radix_select || algorithm == TopKAlgorithm::radix_sort, where,
-               "unknown TopKAlgorithm ({})", int(algorithm));
-  WorkspaceLayout layout(workspace, where);
-  if (algorithm == TopKAlgorithm::radix_sort) {
-    KVSIFT_CUDA_CHECK(detail::launch_topk_sort(scores, k, d_indices, layout_topk_sort(layout, scores.rows, scores.cols, k),
-                                               stream));
-    return;
-  }
-  // topk_rows' kernel with every row scores.cols long, no window and no counts: rows of exactly k indices.
-  const detail::TopKRowsParams params{
-      .scores = scores,
-      .lengths = nullptr,
-      .row_k = nullptr,
-      .k = k,
-      .window = {},
-      .heads_per_row = 1,
-      .nan_marks_row = false,
-      .out = {d_indices, nullptr, nullptr, std::int32_t(scores.rows), 1, k},
-      .picks = nullptr,
-      .union_bits = nullptr,
-      .union_words = 0,
-      .launch = plan_launch(scores.rows, scores.cols)};
-  KVSIFT_CUDA_CHECK(detail::launch_topk_rows(params, stream));
 }
 
 }  // namespace kvsift::cuda

@@ -1,4 +1,4 @@
-// Windowed-RoPE decode attention on the CPU (attention/windowed_rope.hpp, A²ATS's eq. 11) against an fp64 reference of
+// Windowed-RoPE decode attention on the CPU (selectors/a2ats/windowed_rope.hpp, A²ATS's eq. 11) against an fp64 reference of
 // the equation written here: pre-RoPE keys and queries drawn at random, rotated to their absolute positions by the
 // fp64 apply_rope of core/rope.hpp; the last w tokens by q.k over post-RoPE rows, the sinks and the selection by
 // (q rotated by b - p).k_pre. Dense (every middle token listed) and sparse selections in any order, GQA groups 1 and
@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "attention_check.hpp"
-#include "kvsift/attention/windowed_rope.hpp"
+#include "kvsift/selectors/a2ats/windowed_rope.hpp"
 #include "kvsift/cpu/backend.hpp"
 #include "test_util.hpp"
 #include "windowed_rope_problem.hpp"

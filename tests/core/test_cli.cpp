@@ -1,4 +1,4 @@
-// The command-line reading of the tools in bench/ (bench/cli_list.hpp) and the strict number parser under it
+// The command-line reading of the tools (tools/cli_list.hpp) and the strict number parser under it
 // (eval/parse_number.hpp): junk, empty text, overflow and non-finite numbers are refused, naming the tool, the
 // option (and the list item) and the text given; unknown options, options without their value and unknown names
 // are refused too.
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "../../bench/cli_list.hpp"
+#include "../../tools/cli_list.hpp"
 #include "kvsift/eval/parse_number.hpp"
 #include "test_util.hpp"
 

@@ -1,4 +1,4 @@
-// SpeContext's memory planner (step/offload_planner.hpp): algorithm 1's thresholds and algorithm 2's plans on
+// SpeContext's memory planner (selectors/specontext/offload_planner.hpp): algorithm 1's thresholds and algorithm 2's plans on
 // examples worked by hand, the literal line 3 exceeding the memory, monotone thresholds and tight plans on random
 // inputs against an fp64 evaluation of equation 7, and every refusal.
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@
 #include <limits>
 #include <vector>
 
-#include "kvsift/step/offload_planner.hpp"
+#include "kvsift/selectors/specontext/offload_planner.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {

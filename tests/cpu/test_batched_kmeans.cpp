@@ -21,8 +21,6 @@
 namespace kvsift {
 namespace {
 
-using cpu::KMeansMetric;
-
 class CpuBatchedKMeans : public test::SeededTest {};
 
 struct Result {

@@ -1,4 +1,4 @@
-// The merge store's CPU primitives (cpu/merge_store.hpp): one round against an independent fp64 scalar reference
+// The merge store's CPU primitives (selectors/centroid_kv/cpu/merge_store.hpp): one round against an independent fp64 scalar reference
 // written here (links, ranking, degree-weighted means, the partition of `order`) on random stores with planted
 // near-duplicates, scrambled orders and degrees above 1; fan-in; the trigger; load, append, copy and selection;
 // the workspace contract; every refusal.
@@ -9,7 +9,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "kvsift/cpu/merge_store.hpp"
+#include "kvsift/selectors/centroid_kv/cpu/merge_store.hpp"
 #include "merge_store_problem.hpp"
 #include "test_util.hpp"
 #include "workspace_check.hpp"
@@ -63,7 +63,7 @@ void fill_row(Random& rng, HostStore<T>& s, std::int64_t row, std::int32_t count
   }
 }
 
-/// The fp64 reference of one round over the given rows (written from core/merge_store.hpp's rules, sharing no
+/// The fp64 reference of one round over the given rows (written from selectors/centroid_kv/merge_store.hpp's rules, sharing no
 /// code with the implementation). Returns false when the data is ambiguous for fp32 (two candidate similarities
 /// within 1e-4 of each other where the choice matters): the caller draws again.
 template <class T>
@@ -435,7 +435,7 @@ TEST_F(MergeStore, BadInputsAreRefused) {
 }
 
 // Theorem A.1 of the paper, by brute force: for every convex, decreasing score of the distance, the alternating
-// partition that merge rounds use (B = even local positions, A = odd, core/merge_store.hpp) maximizes the sum of
+// partition that merge rounds use (B = even local positions, A = odd, selectors/centroid_kv/merge_store.hpp) maximizes the sum of
 // f(|x - y|) over the pairs (x in A, y in B) among all splits of 2n positions into two halves, 2n <= 12.
 TEST(MergeStoreTheorem, AlternatingPartitionIsOptimal) {
   const std::vector<std::pair<const char*, double (*)(double)>> scores{

@@ -1,4 +1,4 @@
-// Page bounds on the CPU (cpu/page_bounds.hpp) against references written here from the raw keys: the bounds
+// Page bounds on the CPU (selectors/quest/cpu/page_bounds.hpp) against references written here from the raw keys: the bounds
 // are the fp64 min and max of each page's keys, the scores fp64 sums of max(q * lo, q * hi) maxed over the
 // GQA group, the windowed pages decided token by token, the expansion token by token. Slots are permuted
 // (continuous batching), lengths ragged (0, partial last pages, full pages), caches contiguous and paged, in
@@ -16,8 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include "kvsift/core/page_bounds_view.hpp"
-#include "kvsift/cpu/page_bounds.hpp"
+#include "kvsift/selectors/quest/page_bounds_view.hpp"
+#include "kvsift/selectors/quest/cpu/page_bounds.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 #include "page_bounds_problem.hpp"
 #include "test_util.hpp"

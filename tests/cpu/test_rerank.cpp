@@ -1,4 +1,4 @@
-// Query centroids and rerank on the CPU (cpu/query_centroids.hpp, cpu/rerank.hpp) against the fp64 references of
+// Query centroids and rerank on the CPU (selectors/ctkvr/cpu/query_centroids.hpp, cpu/rerank.hpp) against the fp64 references of
 // tests/rerank_problem.hpp, outputs poisoned: centroid scores (partial slots, GQA), stored centroids (unit, at
 // their columns), candidate scores (contiguous and paged caches, softmax + max and raw + sum, empty and full
 // rows), the remap back to token ids (in place), thread independence, and every refused input.
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "kvsift/cpu/query_centroids.hpp"
+#include "kvsift/selectors/ctkvr/cpu/query_centroids.hpp"
 #include "kvsift/cpu/rerank.hpp"
 #include "kvsift/cpu/simd.hpp"
 #include "kvsift/cpu/thread_pool.hpp"

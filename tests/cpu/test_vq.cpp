@@ -1,4 +1,4 @@
-// CPU codebook quantization, lookup tables and code scan (cpu/vq.hpp) against fp64 references written from the
+// CPU codebook quantization, lookup tables and code scan (selectors/a2ats/cpu/vq.hpp) against fp64 references written from the
 // paper's definitions (tests/vq_problem.hpp): codes are the argmin of (k - C_c) H (k - C_c)^T except within a
 // stated epsilon of a tie, tables are q . C_c within fp32 rounding, scans copy table entries exactly. Random
 // lower-triangular L (upper triangle NaN: never read), codewords 16 / 256 / 4096, head_dim 64 / 128, fp32 / fp16 /
@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "kvsift/cpu/context.hpp"
-#include "kvsift/cpu/vq.hpp"
+#include "kvsift/selectors/a2ats/cpu/vq.hpp"
 #include "test_util.hpp"
 #include "vq_problem.hpp"
 #include "workspace_check.hpp"
@@ -298,7 +298,7 @@ TEST(VqLutScan, EqualsTheTablesThenTheScan) {
 }
 
 /// Both row scans at the benchmark's shape (128K tokens, 32 query heads over 8 kv heads, 4096 codewords): the
-/// same bits, and the time of each (printed; cpu/vq.hpp's choice of gathers rests on it).
+/// same bits, and the time of each (printed; selectors/a2ats/cpu/vq.hpp's choice of gathers rests on it).
 TEST(VqCodeScan, Avx512GathersAndScalarLoadsAgreeAndAreTimed) {
   if (cpu::detected_simd_level() != cpu::SimdLevel::avx512) GTEST_SKIP() << "no AVX-512 on this CPU";
   Random rng(test::test_seed());

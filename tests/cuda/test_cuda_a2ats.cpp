@@ -1,4 +1,4 @@
-// A²ATS on CUDA (selectors/a2ats.hpp with cuda::Context) against its CPU twin, in lockstep: clustered codebooks with
+// A²ATS on CUDA (selectors/a2ats/a2ats.hpp with cuda::Context) against its CPU twin, in lockstep: clustered codebooks with
 // keys far from any tie (so the backends' fp32 codes agree) and codewords whose table entries are far apart (so their
 // fp32 tables rank alike): after prepare (pre-RoPE keys given, or recovered from the cache in chunks) the codes are
 // equal, and at every step, appends included, the codes and the selections are equal and follow the rule's
@@ -18,7 +18,7 @@
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/cuda/backend.hpp"
-#include "kvsift/selectors/a2ats.hpp"
+#include "kvsift/selectors/a2ats/a2ats.hpp"
 #include "kvsift/step/decode_step.hpp"
 
 namespace kvsift {

@@ -21,7 +21,6 @@
 namespace kvsift {
 namespace {
 
-using cpu::KMeansMetric;
 using test::DeviceBuffer;
 
 struct Result {

@@ -1,4 +1,4 @@
-// CSAttention on CUDA (selectors/csattention.hpp with cuda::Context) against its CPU twin, in lockstep through a
+// CSAttention on CUDA (selectors/csattention/csattention.hpp with cuda::Context) against its CPU twin, in lockstep through a
 // DecodeStep each: after prepare the tables are equal (the k-means, the lists, bit for bit), and at every decode
 // step, appends included, the selections and the overlays are equal; contiguous and paged caches, GQA and not,
 // both reductions, both table modes, the search period. select + attend + append replay from a CUDA graph while
@@ -18,7 +18,7 @@
 #include "cuda/gpu_test.hpp"
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/cuda/backend.hpp"
-#include "kvsift/selectors/csattention.hpp"
+#include "kvsift/selectors/csattention/csattention.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "score_table_contents.hpp"
 

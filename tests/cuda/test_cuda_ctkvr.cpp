@@ -1,4 +1,4 @@
-// CTKVR on CUDA (selectors/ctkvr.hpp with cuda::Context) through a DecodeStep on a contiguous and a paged cache
+// CTKVR on CUDA (selectors/ctkvr/ctkvr.hpp with cuda::Context) through a DecodeStep on a contiguous and a paged cache
 // (pages scattered, the page table grown by the engine each step), against the fp64 reference of the CPU test
 // (tests/ctkvr_problem.hpp): with C' = C and whole lists, every step's selection is the top of the softmax over the
 // middle, max over the group, also after decoded tokens left the window and the dynamic update replaced lists;
@@ -14,7 +14,7 @@
 #include "ctkvr_problem.hpp"
 #include "cuda/gpu_test.hpp"
 #include "kvsift/cuda/backend.hpp"
-#include "kvsift/selectors/ctkvr.hpp"
+#include "kvsift/selectors/ctkvr/ctkvr.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "selector_check.hpp"
 

@@ -1,4 +1,4 @@
-// ElasticKV (step/elastic_kv.hpp), SpeContext's elastic loading, against references written from its contract:
+// ElasticKV (selectors/specontext/elastic_kv.hpp), SpeContext's elastic loading, against references written from its contract:
 // after every update of a run of random overlapping selections (the first step with nothing resident, a sequence
 // shorter than the budget listing all its tokens, sequences leaving and joining slots), each offloaded layer's
 // resident rows read on the main stream after wait() through the slot-space selection equal the CPU gather of its
@@ -20,7 +20,7 @@
 #include "kvsift/cpu/gather.hpp"
 #include "kvsift/cuda/decode.hpp"
 #include "kvsift/cuda/gather.hpp"
-#include "kvsift/step/elastic_kv.hpp"
+#include "kvsift/selectors/specontext/elastic_kv.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {

@@ -19,8 +19,8 @@
 #include "cuda/gpu_test.hpp"
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/cuda/backend.hpp"
-#include "kvsift/selectors/oracle_topk.hpp"
-#include "kvsift/selectors/quest.hpp"
+#include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
+#include "kvsift/selectors/quest/quest.hpp"
 #include "kvsift/step/gpu_select_step.hpp"
 #include "second_source_check.hpp"
 

@@ -1,4 +1,4 @@
-// The merge store on CUDA (cuda/merge_store.hpp) against its CPU twin (cpu/merge_store.hpp, itself tested against
+// The merge store on CUDA (selectors/centroid_kv/cuda/merge_store.hpp) against its CPU twin (selectors/centroid_kv/cpu/merge_store.hpp, itself tested against
 // an fp64 reference in tests/cpu): load, append, copy and selection bit for bit; merge rounds (prefill schedules and
 // a decode-time round) on keys with planted near-duplicates, fp32, fp16 and bf16, device outputs and workspace
 // poisoned. The round's similarities are fp32 sums in another order on each backend, so a row whose merges hinge
@@ -18,10 +18,10 @@
 
 #include "cuda/gpu_test.hpp"
 #include "kvsift/cpu/backend.hpp"
-#include "kvsift/cpu/merge_store.hpp"
+#include "kvsift/selectors/centroid_kv/cpu/merge_store.hpp"
 #include "kvsift/cuda/backend.hpp"
-#include "kvsift/cuda/merge_store.hpp"
-#include "kvsift/selectors/centroid_kv.hpp"
+#include "kvsift/selectors/centroid_kv/cuda/merge_store.hpp"
+#include "kvsift/selectors/centroid_kv/centroid_kv.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "merge_store_problem.hpp"
 #include "test_util.hpp"

@@ -1,4 +1,4 @@
-// CUDA page bounds (cuda/page_bounds.hpp) against their CPU twins (whose own tests check them against fp64):
+// CUDA page bounds (selectors/quest/cuda/page_bounds.hpp) against their CPU twins (whose own tests check them against fp64):
 // build, append and expand bit for bit, page scores within fp32 summation order; contiguous and paged caches,
 // fp32, fp16 and bf16, every supported head_dim; outputs poisoned first. Also: append + page_scores + expand
 // captured in a CUDA graph and replayed equal the eager run (through workspace_check.hpp), and the device-value
@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "cuda/gpu_test.hpp"
-#include "kvsift/cpu/page_bounds.hpp"
-#include "kvsift/cuda/page_bounds.hpp"
+#include "kvsift/selectors/quest/cpu/page_bounds.hpp"
+#include "kvsift/selectors/quest/cuda/page_bounds.hpp"
 #include "page_bounds_problem.hpp"
 #include "test_util.hpp"
 #include "workspace_check.hpp"
@@ -374,7 +374,7 @@ TEST(CudaPageBoundsBadInput, RefusedBeforeAnyDeviceCall) {
                           PageBoundsView<const float>::packed(bounds_data, 2, 2, 4, 96, 8), slots, lens, {},
                           MatrixView<float>::packed(scores.data(), 4, 4), counts, nullptr);
       },
-      {"cuda::page_scores", "bounds.head_dim (= 96) is not supported; supported: 64, 128, 256"});
+      {"cuda::page_scores", "bounds.head_dim (= 96) is not supported by the CUDA page-score kernels (supported: 64, 128, 256)"});
   test::expect_error(
       [&] {
         cuda::page_scores(QueryView<const float>::packed(q.data(), 2, 4, 64),

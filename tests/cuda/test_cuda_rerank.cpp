@@ -1,4 +1,4 @@
-// Query centroids and rerank on CUDA (cuda/query_centroids.hpp, cuda/rerank.hpp) against their CPU twins (whose
+// Query centroids and rerank on CUDA (selectors/ctkvr/cuda/query_centroids.hpp, cuda/rerank.hpp) against their CPU twins (whose
 // tests check them against fp64) on the same inputs, outputs poisoned: centroid scores (GQA, partial slots),
 // stored centroids, candidate scores (contiguous and paged, softmax + max and raw + sum), the remap in place;
 // the device-value rules (bad slot or count: NaN row; bad position: count -1); the host-side refusals (run
@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "cuda/gpu_test.hpp"
-#include "kvsift/cpu/query_centroids.hpp"
+#include "kvsift/selectors/ctkvr/cpu/query_centroids.hpp"
 #include "kvsift/cpu/rerank.hpp"
-#include "kvsift/cuda/query_centroids.hpp"
+#include "kvsift/selectors/ctkvr/cuda/query_centroids.hpp"
 #include "kvsift/cuda/rerank.hpp"
 #include "rerank_problem.hpp"
 #include "test_util.hpp"

@@ -1,4 +1,4 @@
-// CUDA score tables (cuda/score_tables.hpp) against their CPU twins, bit for bit, on random tables
+// CUDA score tables (selectors/csattention/cuda/score_tables.hpp) against their CPU twins, bit for bit, on random tables
 // (score_tables_problem.hpp): GQA group 4, tables per query head and per kv head, both subspace splits, contiguous
 // and paged caches, fp16 and bf16, outputs poisoned first (0xff bytes on both sides, so whole arrays compare).
 // Also: the step's primitives captured in a CUDA graph and replayed equal the eager run, the device-value rules,
@@ -364,7 +364,7 @@ TEST_F(CudaScoreTables, GraphReplayEqualsEager) {
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-/// Device values the host cannot check get cuda/score_tables.hpp's results.
+/// Device values the host cannot check get selectors/csattention/cuda/score_tables.hpp's results.
 TEST_F(CudaScoreTables, OutOfRangeDeviceValuesHaveTheDefinedResult) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   TablesProblem<half> p(rng, {.batch = 4, .q_heads = 4, .kv_heads = 1, .table_heads = 4});

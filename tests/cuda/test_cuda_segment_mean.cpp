@@ -2,7 +2,7 @@
 // reference): means and counts bit for bit (the same fp64 sums in the same order) for fp32, fp16 and bf16 rows,
 // strided views, weights or none, rows in no segment, empty and zero-weight segments (means left as they were),
 // with poisoned counts and workspace; a captured CUDA graph replays the eager results; refused inputs are
-// refused before any device call. cuda::kmeans's centroid updates run on it (test_cuda_primitives.cpp).
+// refused before any device call. cuda::kmeans_batched's centroid updates run on it (test_cuda_batched_kmeans.cpp).
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -11,9 +11,9 @@
 
 #include "gpu_test.hpp"
 #include "kvsift/cuda/backend.hpp"
-#include "kvsift/selectors/oracle_topk.hpp"
-#include "kvsift/selectors/quest.hpp"
-#include "kvsift/selectors/streaming_llm.hpp"
+#include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
+#include "kvsift/selectors/quest/quest.hpp"
+#include "kvsift/selectors/streaming_llm/streaming_llm.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "selector_check.hpp"
 

@@ -5,7 +5,7 @@
 // for the rows both backends select alike, the CPU's; the graph capture of select and
 // the attention of all layers, replayed, equal to the eager run bit for bit; a length past max_tokens contained to
 // its row; max_score_rows equal to the CPU's.
-// Offloaded layers (step/specontext_offload.hpp): a 4-layer model over 5 steps of growing sequences with the last 2
+// Offloaded layers (selectors/specontext/offload.hpp): a 4-layer model over 5 steps of growing sequences with the last 2
 // layers' KV in pinned host caches equals the same step with every layer on the GPU (the selections identical, the
 // GPU layers bit for bit, every layer within rounding of fp64 attention over the selection and the step's token),
 // moves |new \ resident| rows per step; its captured step (select, copies, every layer) replays as the eager one;
@@ -26,9 +26,9 @@
 #include "gpu_test.hpp"
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/cuda/backend.hpp"
-#include "kvsift/selectors/specontext.hpp"
-#include "kvsift/step/specontext_offload.hpp"
-#include "kvsift/step/specontext_step.hpp"
+#include "kvsift/selectors/specontext/specontext.hpp"
+#include "kvsift/selectors/specontext/offload.hpp"
+#include "kvsift/selectors/specontext/step.hpp"
 #include "specontext_problem.hpp"
 
 namespace kvsift::test {

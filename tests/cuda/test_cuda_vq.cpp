@@ -1,4 +1,4 @@
-// CUDA codebook quantization, lookup tables and code scan (cuda/vq.hpp) against the fp64 references of
+// CUDA codebook quantization, lookup tables and code scan (selectors/a2ats/cuda/vq.hpp) against the fp64 references of
 // tests/vq_problem.hpp and against the CPU twins: codes the fp64 argmin and the CPU's except within the stated
 // epsilon of a tie; tables within fp32 rounding of fp64 and of the CPU's; scans of one table equal to the CPU's
 // bit for bit (per head and the group maximum); the fused form equal to vq_lut then vq_code_scan bit for bit (one-launch form and the two-launch
@@ -14,8 +14,8 @@
 
 #include "cuda/gpu_test.hpp"
 #include "kvsift/cpu/context.hpp"
-#include "kvsift/cpu/vq.hpp"
-#include "kvsift/cuda/vq.hpp"
+#include "kvsift/selectors/a2ats/cpu/vq.hpp"
+#include "kvsift/selectors/a2ats/cuda/vq.hpp"
 #include "test_util.hpp"
 #include "vq_problem.hpp"
 #include "workspace_check.hpp"

@@ -1,4 +1,4 @@
-// Windowed-RoPE decode attention on CUDA (attention/windowed_rope.hpp, A²ATS's eq. 11): the problem of the CPU test
+// Windowed-RoPE decode attention on CUDA (selectors/a2ats/windowed_rope.hpp, A²ATS's eq. 11): the problem of the CPU test
 // (tests/windowed_rope_problem.hpp) on the device, against the same fp64 reference of the equation: sparse and dense
 // selections, GQA groups 1 and 4, fp16 and bf16, outputs in the storage type and fp32, contiguous and paged caches.
 // Then the CPU twin (the same composition over cpu::Context) within rounding, a graph capture replayed equal to the
@@ -11,7 +11,7 @@
 
 #include "attention_check.hpp"
 #include "cuda/gpu_test.hpp"
-#include "kvsift/attention/windowed_rope.hpp"
+#include "kvsift/selectors/a2ats/windowed_rope.hpp"
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/cuda/backend.hpp"
 #include "windowed_rope_problem.hpp"

@@ -23,9 +23,9 @@
 #include "kvsift/cuda/inverted_lists.hpp"
 #include "kvsift/cuda/primitives.hpp"
 #include "kvsift/cuda/topk.hpp"
-#include "kvsift/selectors/oracle_topk.hpp"
-#include "kvsift/selectors/quest.hpp"
-#include "kvsift/selectors/streaming_llm.hpp"
+#include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
+#include "kvsift/selectors/quest/quest.hpp"
+#include "kvsift/selectors/streaming_llm/streaming_llm.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "selector_check.hpp"
 #include "workspace_check.hpp"
@@ -165,93 +165,6 @@ TEST_F(CudaWorkspaces, GroupScores) {
       }
     }
   }
-}
-
-TEST_F(CudaWorkspaces, TopK) {
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
-  const std::int64_t rows = 5;
-  const std::int32_t n = 3000, k = 40;
-  const auto scores = rng.normal(std::size_t(rows) * n);
-  DeviceBuffer<float> d_scores(scores);
-  DeviceBuffer<std::int32_t> indices(std::size_t(rows) * k);
-  for (const auto algorithm : {cuda::TopKAlgorithm::radix_select, cuda::TopKAlgorithm::radix_sort}) {
-    SCOPED_TRACE(testing::Message() << "algorithm " << int(algorithm));
-    check_device_workspace(
-        cuda::topk_workspace_bytes(rows, n, k, algorithm),
-        [&](std::span<std::byte> ws, cudaStream_t stream) {
-          cuda::topk(MatrixView<const float>::packed(d_scores.data(), rows, n), k, indices.data(), ws, stream, algorithm);
-        },
-        download_all(indices), poison_all(indices));
-    const auto got = indices.download();
-    std::vector<std::uint64_t> scratch;
-    for (std::int64_t r = 0; r < rows; ++r) {
-      std::vector<std::int32_t> want(k);
-      cpu::topk_indices(std::span(scores.data() + r * n, std::size_t(n)), k, want, scratch);
-      EXPECT_EQ(std::vector<std::int32_t>(got.begin() + r * k, got.begin() + (r + 1) * k), want) << "row " << r;
-    }
-  }
-}
-
-TEST_F(CudaWorkspaces, SortUnique) {
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
-  const std::int64_t rows = 6;
-  const std::int32_t capacity = 300;
-  std::vector<std::int32_t> input(std::size_t(rows) * capacity), counts(rows);
-  for (auto& x : input) x = rng.uniform_int(0, 200);  // many repeats
-  for (auto& c : counts) c = rng.uniform_int(0, capacity);
-  DeviceBuffer<std::int32_t> indices(input.size()), d_counts(counts), unique(static_cast<std::size_t>(rows));
-  // Sorting is in place: restoring the input is part of poisoning, and a refused call must leave it as it was.
-  const auto poison = [&] {
-    indices.upload(input);
-    unique.poison();
-  };
-  // Entries past each row's distinct values are unspecified: the image holds the counts and the distinct values,
-  // or the whole row where the count is not a valid one (poisoned, or a refused call's untouched input).
-  const auto read = [&] {
-    const auto got = indices.download();
-    const auto got_unique = unique.download();
-    std::vector<std::int32_t> image(got_unique);
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int32_t u = got_unique[r] >= 0 && got_unique[r] <= capacity ? got_unique[r] : capacity;
-      image.insert(image.end(), got.begin() + r * capacity, got.begin() + r * capacity + u);
-    }
-    return bytes_of(image);
-  };
-  check_device_workspace(
-      cuda::sort_unique_workspace_bytes(rows, capacity),
-      [&](std::span<std::byte> ws, cudaStream_t stream) {
-        cuda::sort_unique(indices.data(), rows, capacity, d_counts.data(), unique.data(), ws, stream);
-      },
-      read, poison);
-  const auto got = indices.download();
-  const auto got_unique = unique.download();
-  for (std::int64_t r = 0; r < rows; ++r) {
-    std::vector<std::int32_t> want(input.begin() + r * capacity, input.begin() + r * capacity + counts[r]);
-    std::sort(want.begin(), want.end());
-    want.erase(std::unique(want.begin(), want.end()), want.end());
-    ASSERT_EQ(got_unique[r], std::int32_t(want.size())) << "row " << r;
-    EXPECT_EQ(std::vector<std::int32_t>(got.begin() + r * capacity, got.begin() + r * capacity + got_unique[r]), want)
-        << "row " << r;
-  }
-}
-
-TEST_F(CudaWorkspaces, KMeans) {
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
-  const std::int32_t clusters = 6, per = 40, d = 32, n = clusters * per;
-  const auto [points, truth] = planted_clusters(rng, clusters, per, d);
-  const cpu::KMeansConfig config{.clusters = clusters, .iterations = 4, .metric = cpu::KMeansMetric::l2, .seed = seed};
-  DeviceBuffer<float> d_points(points), centroids(std::size_t(clusters) * d);
-  DeviceBuffer<std::int32_t> assignment(n);
-  check_device_workspace(
-      cuda::kmeans_workspace_bytes(n, d, config),
-      [&](std::span<std::byte> ws, cudaStream_t stream) {
-        cuda::kmeans(MatrixView<const float>::packed(d_points.data(), n, d), config,
-                     MatrixView<float>::packed(centroids.data(), clusters, d), assignment.data(), ws, stream);
-      },
-      download_all(centroids, assignment), poison_all(centroids, assignment));
-  const auto want = cpu::kmeans<float>(MatrixView<const float>::packed(points.data(), n, d), config);
-  EXPECT_EQ(assignment.download(), want.assignment);
-  EXPECT_EQ(centroids.download(), want.centroids);  // same seeds and assignments: sums in the CPU's order
 }
 
 /// The reductions over inverted lists in device memory, against their CPU twin bit for bit (the twin's tests

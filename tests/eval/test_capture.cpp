@@ -12,7 +12,7 @@
 #include "kvsift/eval/metrics.hpp"
 #include "kvsift/eval/capture.hpp"
 #include "kvsift/cpu/backend.hpp"
-#include "kvsift/selectors/oracle_topk.hpp"
+#include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {

@@ -16,9 +16,9 @@
 #include "kvsift/eval/capture.hpp"
 #include "kvsift/eval/fidelity.hpp"
 #include "kvsift/cpu/backend.hpp"
-#include "kvsift/selectors/oracle_topk.hpp"
-#include "kvsift/selectors/quest.hpp"
-#include "kvsift/selectors/streaming_llm.hpp"
+#include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
+#include "kvsift/selectors/quest/quest.hpp"
+#include "kvsift/selectors/streaming_llm/streaming_llm.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {

@@ -1,4 +1,4 @@
-// A²ATS on the CPU (selectors/a2ats.hpp) against the references of tests/a2ats_problem.hpp, written from the paper:
+// A²ATS on the CPU (selectors/a2ats/a2ats.hpp) against the references of tests/a2ats_problem.hpp, written from the paper:
 // - with a codebook holding every key exactly, each key's code is its own codeword and the table entry of a token is
 //   q R_b k_pre (eq. 11's non-local logit) to fp32 precision;
 // - codes equal the fp64 argmin's (keys well away from ties) from the pre-RoPE keys and from keys recovered from the
@@ -22,7 +22,7 @@
 #include "attention_check.hpp"
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/cpu/backend.hpp"
-#include "kvsift/selectors/a2ats.hpp"
+#include "kvsift/selectors/a2ats/a2ats.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "test_util.hpp"
 

@@ -1,4 +1,4 @@
-// A²ATS codebooks (selectors/a2ats_codebook.hpp): calibration against fp64 references written here, and the
+// A²ATS codebooks (selectors/a2ats/codebook.hpp): calibration against fp64 references written here, and the
 // codebook file.
 // - on queries with a few dominant directions (the paper's figure 3), the query-aware codebook's attention-score
 //   error J' on held-out queries and keys is well below plain k-means's; a2ats_score_error agrees with a
@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "kvsift/core/index_file.hpp"
-#include "kvsift/selectors/a2ats_codebook.hpp"
+#include "kvsift/selectors/a2ats/codebook.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {
@@ -425,7 +425,7 @@ TEST(A2atsCodebooks, ParamsAndLayersAreChecked) {
   refused([](auto& p) { p.layers = 0; }, "layers (= 0) must be positive");
   refused([](auto& p) { p.kv_heads = 0; }, "kv_heads (= 0) must be positive");
   refused([](auto& p) { p.q_heads = 5; }, "q_heads (= 5) must be a positive multiple of kv_heads (= 2)");
-  refused([](auto& p) { p.head_dim = 96; }, "head_dim (= 96) must be 64 or 128");
+  refused([](auto& p) { p.head_dim = 96; }, "head_dim (= 96) must be one of 64, 128");
   refused([](auto& p) { p.codewords = 0; }, "codewords (= 0) is outside [1, 65536]");
   refused([](auto& p) { p.codewords = 65537; }, "codewords (= 65537) is outside [1, 65536]");
   refused([](auto& p) { p.offset = -1; }, "offset (= -1) must be >= 0");
@@ -648,7 +648,7 @@ TEST_F(A2atsCodebookFiles, RefusedLoadsNameWhatIsWrong) {
   refused(rewritten(file, fields + 116, std::uint32_t(1)), "dtype (0 fp32) differs: the file has 1, expected 0",
           expected);
   refused(rewritten(file, fields + 8, std::int32_t(96)),
-          "the header describes codebooks no A2atsCodebooks holds: head_dim (= 96) must be 64 or 128", rope_only(*expected.rope));
+          "the header describes codebooks no A2atsCodebooks holds: head_dim (= 96) must be one of 64, 128", rope_only(*expected.rope));
   refused(rewritten(file, fields + 120, std::uint32_t(7)), "an enum or flag of the header is out of range", expected);
   refused(rewritten(file, fields + 12, std::int32_t(65536)), "truncated: the header asks for ", rope_only(*expected.rope));
   refused(rewritten(file, layers_at + 8, std::int32_t(3)),

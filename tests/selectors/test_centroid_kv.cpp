@@ -1,4 +1,4 @@
-// CentroidKV on the CPU (selectors/centroid_kv.hpp), through DecodeStep: the prefill meets each budget exactly,
+// CentroidKV on the CPU (selectors/centroid_kv/centroid_kv.hpp), through DecodeStep: the prefill meets each budget exactly,
 // decode-time rounds bring rows back to it, the degrees always sum to the tokens seen, and every step's output is
 // equation 3 over the store (an fp64 reference reading the store). Identical keys reproduce dense attention, a
 // ratio of 1 (no merge) gives dense attention; the empty primary selection merges as nothing. Every refusal.
@@ -10,7 +10,7 @@
 
 #include "attention_check.hpp"
 #include "kvsift/cpu/backend.hpp"
-#include "kvsift/selectors/centroid_kv.hpp"
+#include "kvsift/selectors/centroid_kv/centroid_kv.hpp"
 #include "kvsift/step/decode_step.hpp"
 
 namespace kvsift::test {
@@ -351,7 +351,7 @@ TEST_F(CentroidKVTest, BadInputsAreRefused) {
   small.max_tokens = 999;
   CentroidKV<T, cpu::Context> tight(small, {}, ctx);
   expect_error([&] { tight.prepare({.cache = fits.cache(), .slots = fits.slots.data()}, ctx); },
-               "CentroidKV::prepare: sequence 0's prompt (1000 tokens) is outside [1, limits.max_tokens = 999]");
+               "CentroidKV::prepare: sequence 0's prompt (1000 tokens) exceeds limits.max_tokens (= 999)");
 }
 
 }  // namespace

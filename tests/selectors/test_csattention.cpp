@@ -1,4 +1,4 @@
-// CSAttention on the CPU (selectors/csattention.hpp) through a DecodeStep, against references written here:
+// CSAttention on the CPU (selectors/csattention/csattention.hpp) through a DecodeStep, against references written here:
 // - with alpha = 1 every list holds the whole prompt, and both reductions give every key fp64's sum over the
 //   subspaces of c . k^(s) for the query's nearest centroids (fp16 rounding apart); the nearest centroids are
 //   fp64's cosine argmax;
@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "kvsift/cpu/backend.hpp"
-#include "kvsift/selectors/csattention.hpp"
+#include "kvsift/selectors/csattention/csattention.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "ctkvr_problem.hpp"
 #include "selector_check.hpp"
@@ -116,7 +116,7 @@ std::vector<std::int32_t> nearest(const ScoreTablesView<const std::int32_t>& t, 
   return out;
 }
 
-/// The weight of query sub-vector s by the formula the backends promise (core/score_tables.hpp table_weight).
+/// The weight of query sub-vector s by the formula the backends promise (selectors/csattention/score_tables.hpp table_weight).
 double sub_vector_weight(const ScoreTablesView<const std::int32_t>& t, const half* q, std::int32_t s) {
   float square_sum = 0.0f;
   for (std::int32_t j = 0; j < t.width; ++j) {

@@ -1,4 +1,4 @@
-// CSAttention's base pool and base files (selectors/csattention.hpp) on the CPU. The reference of a slot that
+// CSAttention's base pool and base files (selectors/csattention/csattention.hpp) on the CPU. The reference of a slot that
 // shares or loads a base is a sequence with the same prompt prepared alone in its own selector: after share or
 // load, and at every decode step after (same tokens, appends included), the slot reads the same index (centroids,
 // lists, overlay) and selects the same tokens; another slot's inserts and a re-prepare of the source never touch a
@@ -18,7 +18,7 @@
 
 #include "ctkvr_problem.hpp"
 #include "kvsift/cpu/backend.hpp"
-#include "kvsift/selectors/csattention.hpp"
+#include "kvsift/selectors/csattention/csattention.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "score_table_contents.hpp"
 #include "test_util.hpp"

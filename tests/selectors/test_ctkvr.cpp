@@ -1,4 +1,4 @@
-// CTKVR on the CPU (selectors/ctkvr.hpp) through a DecodeStep, against fp64 references written here:
+// CTKVR on the CPU (selectors/ctkvr/ctkvr.hpp) through a DecodeStep, against fp64 references written here:
 // - with C' = C and lists holding every middle token, the selection is the top-budget of the softmax over the
 //   middle, max over the group (OracleTopK on the same candidate set), at every step, also after decoded tokens
 //   left the recent window (they stay candidates) and after the dynamic update replaced lists; GQA and not;
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "kvsift/cpu/backend.hpp"
-#include "kvsift/selectors/ctkvr.hpp"
+#include "kvsift/selectors/ctkvr/ctkvr.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "ctkvr_problem.hpp"
 #include "selector_check.hpp"

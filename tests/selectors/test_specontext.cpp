@@ -9,8 +9,8 @@
 #include <type_traits>
 
 #include "kvsift/cpu/backend.hpp"
-#include "kvsift/selectors/specontext.hpp"
-#include "kvsift/step/specontext_step.hpp"
+#include "kvsift/selectors/specontext/specontext.hpp"
+#include "kvsift/selectors/specontext/step.hpp"
 #include "specontext_problem.hpp"
 
 namespace kvsift::test {

@@ -1,4 +1,4 @@
-// CTKVR in the paper's hybrid placement (step/ctkvr_hybrid_step.hpp): index and recall on the GPU, rerank and the
+// CTKVR in the paper's hybrid placement (selectors/ctkvr/hybrid_step.hpp): index and recall on the GPU, rerank and the
 // selection's attention on the CPU over a pinned host cache, the window on the GPU, merged on the GPU. Against
 // fp64 references written from the contract (tests/ctkvr_problem.hpp): with C' = C and whole lists, every step's
 // host selection is the top of the softmax over the middle, max over the group, also after decoded tokens left the
@@ -14,7 +14,7 @@
 #include "ctkvr_problem.hpp"
 #include "cuda/gpu_test.hpp"
 #include "kvsift/attention/reference.hpp"
-#include "kvsift/step/ctkvr_hybrid_step.hpp"
+#include "kvsift/selectors/ctkvr/hybrid_step.hpp"
 #include "selector_check.hpp"
 
 namespace kvsift {

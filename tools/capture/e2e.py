@@ -312,7 +312,7 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", help="write the tables here (docs/e2e.md's results)")
-    parser.add_argument("--plot-data", help="write gnuplot data here (bench/e2e_plot.gp)")
+    parser.add_argument("--plot-data", help="write gnuplot data here (tools/e2e_plot.gp)")
     args = parser.parse_args()
 
     import kvsift

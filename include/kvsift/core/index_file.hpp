@@ -1,6 +1,6 @@
 #pragma once
 /// kvsift's binary index files: the framing every persisted index shares (CSAttention bases,
-/// selectors/csattention.hpp; the A²ATS codebook next), so that a format only writes and checks its own fields.
+/// selectors/csattention/csattention.hpp; the A²ATS codebook next), so that a format only writes and checks its own fields.
 /// (Captures, eval/capture.hpp, are another thing: a text header that tools/capture writes, no checksum.)
 ///
 /// Layout, values little-endian, no padding:

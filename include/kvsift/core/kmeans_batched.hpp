@@ -23,7 +23,7 @@
 
 namespace kvsift {
 
-/// How k-means compares points with centroids (cpu::kmeans, cuda::kmeans, and the batched twins).
+/// How k-means compares points with centroids (cpu::kmeans_batched, cuda::kmeans_batched, cpu::assign_nearest).
 enum class KMeansMetric : std::uint8_t {
   l2,      ///< nearest centroid by squared Euclidean distance; centroid = mean
   cosine,  ///< largest cosine similarity; points and centroids are compared normalized, centroid = normalized mean
@@ -31,7 +31,7 @@ enum class KMeansMetric : std::uint8_t {
 
 /// What becomes of a cluster left with no points by a k-means update.
 enum class EmptyCluster : std::uint8_t {
-  keep,    ///< it keeps its previous centroid (cpu::kmeans's rule)
+  keep,    ///< it keeps its previous centroid
   reseed,  ///< it moves onto a point far from its own centroid (see cpu::kmeans_batched)
 };
 
@@ -41,7 +41,7 @@ struct BatchedKMeansConfig {
   std::int32_t clusters = 0;     ///< per problem, in [1, points per problem]
   std::int32_t iterations = 10;  ///< Lloyd steps, a fixed count (no early stop)
   KMeansMetric metric = KMeansMetric::l2;
-  std::uint64_t seed = 0;  ///< problem p draws from seed + p (p = 0 draws as cpu::kmeans with this seed)
+  std::uint64_t seed = 0;  ///< problem p draws from seed + p
   EmptyCluster empty = EmptyCluster::keep;
   /// Points per problem that each step draws (mini-batch k-means, Sculley 2010), >= 0. 0, or >= the points per
   /// problem: full-batch Lloyd steps (a batch as large as the problem is the full batch, bit for bit, which is
@@ -99,7 +99,7 @@ KVSIFT_HOST_DEVICE inline double fma_f64(double a, double b, double c) {
 #endif
 }
 
-/// Problem p's seed: p = 0 draws as a single-problem cpu::kmeans / cuda::kmeans with the same seed.
+/// Problem p's seed: problem p of a batch draws as problem 0 of a batch with seed + p.
 KVSIFT_HOST_DEVICE constexpr std::uint64_t batched_kmeans_seed(std::uint64_t seed, std::int64_t problem) {
   return seed + std::uint64_t(problem);
 }
@@ -163,7 +163,7 @@ KVSIFT_HOST_DEVICE inline std::int64_t draw_seed_candidate(const double* offsets
   return seg.end > seg.begin ? seg.end - 1 : 0;
 }
 
-/// Scales a row to unit norm (sum of squares in fp64, ascending), as cpu::kmeans normalizes; a zero row stays.
+/// Scales a row to unit norm (sum of squares in fp64, ascending); a zero row stays.
 KVSIFT_HOST_DEVICE inline void normalize_row(float* x, std::int32_t dim) {
   double square_sum = 0.0;
   for (std::int32_t j = 0; j < dim; ++j) square_sum = fma_f64(double(x[j]), double(x[j]), square_sum);

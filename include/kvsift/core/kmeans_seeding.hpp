@@ -1,5 +1,5 @@
 #pragma once
-/// The random draws of k-means++ seeding, shared by cpu::kmeans and cuda::kmeans. Each draw is a pure function
+/// The random draws of k-means++ seeding, shared by cpu::kmeans_batched and cuda::kmeans_batched. Each draw is a pure function
 /// of (seed, centroid, trial), computed alike on the host and the device, so both backends draw the same
 /// candidates from the same seed: they then choose the same centroids unless two candidates' potentials, or a
 /// draw and a running sum, tie within the rounding of their different summation orders.

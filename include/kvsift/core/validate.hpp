@@ -19,6 +19,7 @@
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/rope.hpp"
+#include "kvsift/core/supported_values.hpp"
 #include "kvsift/core/views.hpp"
 
 namespace kvsift {
@@ -32,6 +33,14 @@ struct Dim {
   std::int64_t extent;
   std::int64_t stride;
 };
+
+/// Refuses `value` of `name` unless it is one of `values` (core/supported_values.hpp); `by`, when given, names what
+/// supports them ("the CUDA decode kernels").
+inline void check_supported(const char* where, const char* name, std::int64_t value, std::span<const int> values,
+                            const char* by = nullptr) {
+  KVSIFT_CHECK(is_supported(values, value), where, "{} (= {}) is not supported{}{} (supported: {})", name, value,
+               by != nullptr ? " by " : "", by != nullptr ? by : "", supported_text(values));
+}
 
 inline void check_positive(const char* where, const char* name, const char* field, std::int64_t value) {
   KVSIFT_CHECK(value > 0, where, "{}.{} (= {}) must be positive", name, field, value);

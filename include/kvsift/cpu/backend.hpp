@@ -12,9 +12,6 @@
 
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/kv_cache.hpp"
-#include "kvsift/core/detail/page_bounds_checks.hpp"
-#include "kvsift/core/detail/select_pages_in_steps.hpp"
-#include "kvsift/core/page_bounds_view.hpp"
 #include "kvsift/core/ranking.hpp"
 #include "kvsift/cpu/cache_ops.hpp"
 #include "kvsift/cpu/context.hpp"
@@ -22,17 +19,11 @@
 #include "kvsift/cpu/gather.hpp"
 #include "kvsift/cpu/inverted_lists.hpp"
 #include "kvsift/cpu/kmeans.hpp"
-#include "kvsift/cpu/merge_store.hpp"
-#include "kvsift/cpu/page_bounds.hpp"
 #include "kvsift/cpu/primitives.hpp"
-#include "kvsift/cpu/query_centroids.hpp"
 #include "kvsift/cpu/rerank.hpp"
 #include "kvsift/cpu/rope.hpp"
-#include "kvsift/cpu/score_rows.hpp"
-#include "kvsift/cpu/score_tables.hpp"
 #include "kvsift/cpu/segment_mean.hpp"
 #include "kvsift/cpu/topk.hpp"
-#include "kvsift/cpu/vq.hpp"
 
 namespace kvsift::cpu {
 
@@ -103,47 +94,6 @@ inline void length_budgets(const std::int32_t* lengths, std::int32_t batch, std:
                            std::int32_t* row_k, const Context& ctx) {
   cpu::length_budgets(lengths, batch, heads, budget, row_k);
 }
-inline void max_score_rows(const MatrixView<const float>& scores, std::int32_t group, const std::int32_t* lengths,
-                           const MatrixView<float>& out, const Context&) {
-  cpu::max_score_rows(scores, group, lengths, out);
-}
-
-template <class T>
-void build_page_bounds(const KVCache<const T>& cache, const std::int32_t* slots, const PageBoundsView<T>& bounds,
-                       const Context& ctx) {
-  cache.visit([&](const auto& kv) { cpu::build_page_bounds(kv, slots, bounds, ctx.pool); });
-}
-template <class T>
-void append_page_bounds(const KVCache<const T>& cache, const std::int32_t* slots, const PageBoundsView<T>& bounds,
-                        const Context& ctx) {
-  cache.visit([&](const auto& kv) { cpu::append_page_bounds(kv, slots, bounds, ctx.pool); });
-}
-template <class T>
-void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* slots,
-                 const std::int32_t* lengths, const AttentionWindow& window, const MatrixView<float>& scores,
-                 std::int32_t* page_counts, const Context& ctx) {
-  cpu::page_scores(q, bounds, slots, lengths, window, scores, page_counts, ctx.pool);
-}
-inline void expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* lengths,
-                         const AttentionWindow& window, const SelectionView& out, const Context& ctx) {
-  cpu::expand_pages(pages, page_size, lengths, window, out, ctx.pool);
-}
-/// Quest's selection: page scores of sequences of up to max_pages pages (<= bounds.max_pages: the planned
-/// bound), the best pages_per_row pages, their middle tokens (three primitives).
-inline std::size_t select_pages_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t max_pages,
-                                                std::int32_t pages_per_row, const Context& ctx) {
-  return kvsift::detail::select_pages_in_steps_workspace_bytes(batch, kv_heads, max_pages, pages_per_row, ctx);
-}
-template <class T>
-void select_pages(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* slots,
-                  const std::int32_t* lengths, const AttentionWindow& window, std::int32_t max_pages,
-                  std::int32_t pages_per_row, const SelectionView& out, std::span<std::byte> workspace,
-                  const Context& ctx) {
-  kvsift::detail::check_select_pages("cpu::select_pages", q, bounds, slots, lengths, window, max_pages, pages_per_row,
-                                     out);
-  kvsift::detail::select_pages_in_steps(q, bounds, slots, lengths, window, max_pages, pages_per_row, out, workspace,
-                                        ctx);
-}
 
 /// Sparse decode of the window and the selection, O in the storage type or fp32 (TO); the workspace depends on
 /// the batch and the pool's threads.
@@ -207,18 +157,6 @@ void segment_mean(const MatrixView<const T>& rows, const std::int32_t* assignmen
   cpu::segment_mean(rows, assignment, segments, weights, means, counts, workspace, ctx.pool);
 }
 
-// Query centroids (core/query_centroids.hpp, cpu/query_centroids.hpp).
-template <class T>
-void centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids, const std::int32_t* slots,
-                     std::int32_t kv_heads, const MatrixView<float>& scores, const Context& ctx) {
-  cpu::centroid_scores(q, centroids, slots, kv_heads, scores, ctx.pool);
-}
-template <class T>
-void store_centroids(const SequenceView<const T>& queries, const std::int32_t* slots, const std::int32_t* first,
-                     std::int32_t kv_heads, const QueryCentroidsView<T>& centroids, const Context& ctx) {
-  cpu::store_centroids(queries, slots, first, kv_heads, centroids, ctx.pool);
-}
-
 // Rerank (cpu/rerank.hpp).
 inline std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity,
                                                     const Context&) {
@@ -267,60 +205,6 @@ void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, 
   cpu::replace_list(lists, slots, entries, scores, replaced, ctx.pool);
 }
 
-// Score tables (core/score_tables.hpp, cpu/score_tables.hpp).
-template <class T>
-void subspace_scores(const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
-                     std::int32_t list_count, const KVCache<const T>& cache, std::int32_t row,
-                     std::int32_t token_begin, std::int32_t tokens, const MatrixView<float>& out, const Context& ctx) {
-  cpu::subspace_scores(base, table_head, list_begin, list_count, cache, row, token_begin, tokens, out, ctx.pool);
-}
-inline std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32_t tokens, const Context& ctx) {
-  return cpu::store_table_lists_workspace_bytes(list_rows, tokens, ctx.pool);
-}
-inline void store_table_lists(const MatrixView<const float>& scores, std::int32_t tokens, std::int32_t keep,
-                              const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
-                              std::span<std::byte> workspace, const Context& ctx) {
-  cpu::store_table_lists(scores, tokens, keep, base, table_head, list_begin, workspace, ctx.pool);
-}
-template <class T>
-void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<const T>& cache,
-                   const std::int32_t* slots, const std::int32_t* lengths, const Context& ctx) {
-  cpu::append_tables(tables, cache, slots, lengths, ctx.pool);
-}
-template <class T>
-void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const std::int32_t>& tables,
-                       const std::int32_t* slots, std::int32_t probes, const SelectionView& chosen,
-                       std::int32_t* weights, const Context& ctx) {
-  cpu::nearest_centroids(q, tables, slots, probes, chosen, weights, ctx.pool);
-}
-inline std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t heads_per_row,
-                                                      std::int32_t max_tokens, const Context& ctx) {
-  return cpu::table_scores_dense_workspace_bytes(rows, heads_per_row, max_tokens, ctx.pool);
-}
-inline void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
-                               const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
-                               const AttentionWindow& window, const LengthBudget& budget,
-                               const MatrixView<float>& scores, std::int32_t* row_k, std::int32_t max_tokens,
-                               std::span<std::byte> workspace, const Context& ctx) {
-  cpu::table_scores_dense(tables, chosen, options, heads_per_row, slots, lengths, window, budget, scores, row_k, max_tokens,
-                          workspace, ctx.pool);
-}
-inline std::int64_t table_scores_sparse_capacity(std::int32_t chosen_capacity, std::int32_t length, const Context&) {
-  return cpu::table_scores_sparse_capacity(chosen_capacity, length);
-}
-inline std::size_t table_scores_sparse_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity,
-                                                       std::int32_t length, const Context& ctx) {
-  return cpu::table_scores_sparse_workspace_bytes(rows, chosen_capacity, length, ctx.pool);
-}
-inline void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
-                                const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
-                                const AttentionWindow& window, const LengthBudget& budget, const SelectionView& out,
-                                const MatrixView<float>& sums, std::int32_t* row_k, std::span<std::byte> workspace,
-                                const Context& ctx) {
-  cpu::table_scores_sparse(tables, chosen, options, heads_per_row, slots, lengths, window, budget, out, sums, row_k, workspace,
-                           ctx.pool);
-}
-
 // KV gathers (cpu/gather.hpp).
 template <class T>
 void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, const Context& ctx) {
@@ -349,70 +233,13 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
   cpu::kmeans_batched(points, weights, config, centroids, assignment, workspace, ctx.pool);
 }
 
-// Codebook quantization, lookup tables and code scan (cpu/vq.hpp).
-inline void vq_codeword_norms(const MatrixView<const float>& centroids, float* norms, const Context& ctx) {
-  cpu::vq_codeword_norms(centroids, norms, ctx.pool);
-}
-inline std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_dim, const Context& ctx) {
-  return cpu::vq_encode_workspace_bytes(codewords, head_dim, ctx.pool);
-}
-template <class T>
-void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook, const VqCodesView<std::uint16_t>& codes,
-               const VqCodeDestination& destination, std::span<std::byte> workspace, const Context& ctx) {
-  cpu::vq_encode(keys, codebook, codes, destination, workspace, ctx.pool);
-}
-template <class T>
-void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, const Context& ctx) {
-  cpu::vq_lut(q, codebook, lut, ctx.pool);
-}
-inline void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch,
-                         const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
-                         const std::int32_t* lengths, const MatrixView<float>& scores, const VqScanOptions& options,
-                         const Context& ctx) {
-  cpu::vq_code_scan(lut, batch, codes, slots, lengths, scores, options, ctx.pool);
-}
-inline std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
-                                               std::int32_t codewords, std::int32_t head_dim, const Context& ctx) {
-  return cpu::vq_lut_scan_workspace_bytes(batch, q_heads, kv_heads, codewords, head_dim, ctx.pool);
-}
-template <class T>
-void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook,
-                 const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots, const std::int32_t* lengths,
-                 const MatrixView<float>& scores, const VqScanOptions& options, std::span<std::byte> workspace,
-                 const Context& ctx) {
-  cpu::vq_lut_scan(q, codebook, codes, slots, lengths, scores, options, workspace, ctx.pool);
-}
-
-// The merge store (core/merge_store.hpp, cpu/merge_store.hpp).
-template <class T>
-void merge_store_load(const KVCache<const T>& cache, const std::int32_t* slots, const MergeStoreView<T>& store,
-                      const Context& ctx) {
-  cpu::merge_store_load(cache, slots, store, ctx.pool);
-}
-inline std::size_t merge_round_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t capacity,
-                                               const Context& ctx) {
-  return cpu::merge_round_workspace_bytes(batch, kv_heads, capacity, ctx.pool);
-}
-template <class T>
-void merge_round(const MergeStoreView<T>& store, const std::int32_t* slots, std::int32_t batch,
-                 const std::int32_t* budgets, const MergeRoundParams& params, std::span<std::byte> workspace,
-                 const Context& ctx) {
-  cpu::merge_round(store, slots, batch, budgets, params, workspace, ctx.pool);
-}
-template <class T>
-void merge_store_append(const KVCache<const T>& cache, const std::int32_t* slots, const std::int32_t* lengths,
-                        const MergeStoreView<T>& store, const Context& ctx) {
-  cpu::merge_store_append(cache, slots, lengths, store, ctx.pool);
-}
-template <class T>
-void merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* src_slots, const MergeStoreView<T>& dst,
-                      const std::int32_t* dst_slots, std::int32_t batch, const Context& ctx) {
-  cpu::merge_store_copy(src, src_slots, dst, dst_slots, batch, ctx.pool);
-}
-template <class T>
-void merge_store_selection(const MergeStoreView<const T>& store, const std::int32_t* slots, const SelectionView& out,
-                           const Context& ctx) {
-  cpu::merge_store_selection(store, slots, out, ctx.pool);
-}
-
 }  // namespace kvsift::cpu
+
+// Each selector's own overloads live in its folder (selectors/<name>/cpu/backend.hpp), after the shared ones above,
+// which they use; this file gathers them, so that including it gives an algorithm the whole backend.
+#include "kvsift/selectors/quest/cpu/backend.hpp"
+#include "kvsift/selectors/ctkvr/cpu/backend.hpp"
+#include "kvsift/selectors/csattention/cpu/backend.hpp"
+#include "kvsift/selectors/a2ats/cpu/backend.hpp"
+#include "kvsift/selectors/centroid_kv/cpu/backend.hpp"
+#include "kvsift/selectors/specontext/cpu/backend.hpp"

@@ -2,8 +2,7 @@
 /// Batched k-means on the CPU: many small independent problems (layers x heads x subspaces) in one call, with
 /// optional sample weights. The twin of cuda/kmeans.hpp, with the same arguments but the pool, and the same
 /// seeding bits (core/kmeans_batched.hpp). Host memory; caller workspace, no allocation; deterministic and
-/// independent of the thread count. The single large problem of offline clustering keeps cpu::kmeans
-/// (cpu/primitives.hpp).
+/// independent of the thread count. Argument checks: core/detail/kmeans_checks.hpp.
 
 #include <cstddef>
 #include <cstdint>
@@ -27,7 +26,7 @@ std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n
 /// k-means of each problem p < points.problems, independently: problem p's points are points.row(p, i), i < n =
 /// points.rows, dim = points.cols, with weight w_i = weights[p * n + i] (1 with weights == nullptr).
 ///   1. Points are converted to fp32 and, for cosine, normalized (spherical k-means).
-///   2. Greedy k-means++ seeding (as cpu::kmeans): centroid 0 is the point drawn by kmeans_first_point; each
+///   2. Greedy k-means++ seeding: centroid 0 is the point drawn by kmeans_first_point; each
 ///      next one is the best, by total potential sum_i w_i min(D_i, d(x_i, y)), of 2 + ln k candidates y drawn
 ///      with probability proportional to w_i D_i (D_i: distance to the nearest centroid so far; d: squared L2, or
 ///      1 - cosine), with the draws of core/kmeans_seeding.hpp from seed + p. When every point's potential is 0,
@@ -68,16 +67,6 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
                     ThreadPool* pool = nullptr);
 
 namespace detail {
-/// The checks both backends share: problems >= 1, n in [1, 2^31) with problems * n < 2^31, dim in [1, 256],
-/// clusters in [1, n], iterations >= 0, a known metric and empty-cluster policy, batch_size >= 0.
-void check_batched_kmeans_shape(const char* where, std::int32_t problems, std::int64_t n, std::int32_t dim,
-                                const BatchedKMeansConfig& config);
-/// The shape checks, plus: points is a valid view (problem_stride >= 0), weights (if any) 4-byte aligned,
-/// centroids and assignment non-null.
-template <class T>
-void check_batched_kmeans(const char* where, const BatchedMatrixView<const T>& points, const float* weights,
-                          const BatchedKMeansConfig& config, const float* centroids, const std::int32_t* assignment);
-
 /// Packs `vectors` into a ScorePanel over caller storage: tiles [padded * dim] and offsets [padded] floats,
 /// padded = vectors.rows rounded up to ScorePanel::kPanelPadding; offsets -|v|^2 / 2 with with_half_norms, else 0.
 ScorePanel pack_score_panel(const MatrixView<const float>& vectors, bool with_half_norms, float* tiles, float* offsets);

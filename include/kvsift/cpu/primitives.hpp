@@ -1,21 +1,16 @@
 #pragma once
 /// CPU primitives shared by every selector (no selector writes its own): scoring the decode query's GQA
-/// groups against the KV cache, scoring a query against many vectors, gathering rows, index deduplication,
-/// k-means. Top-K lives in cpu/topk.hpp, RoPE in cpu/rope.hpp,
-/// segment means in cpu/segment_mean.hpp.
-/// Host memory. Deterministic: the same inputs (and seed) give the same outputs, whatever the thread count.
+/// groups against the KV cache, and the nearest-centroid assignment. Top-K lives in cpu/topk.hpp, RoPE in
+/// cpu/rope.hpp, segment means in cpu/segment_mean.hpp, batched k-means in cpu/kmeans.hpp.
+/// Host memory. Deterministic: the same inputs give the same outputs, whatever the thread count.
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <span>
-#include <vector>
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/group_scores_options.hpp"
 #include "kvsift/core/kmeans_batched.hpp"
-#include "kvsift/core/rope.hpp"
-#include "kvsift/core/validate.hpp"
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 
@@ -55,64 +50,11 @@ template <class T, class KV>
 void group_scores(const QueryView<const T>& q, const KV& kv, const MatrixView<float>& scores,
                   const GroupScoreOptions& options, std::span<std::byte> workspace, ThreadPool* pool = nullptr);
 
-/// scores[i] = scale * dot(q, rows.row(i)) for every row (fp32 accumulation); q has rows.cols entries.
-template <class T>
-void gemv_scores(std::span<const float> q, const MatrixView<const T>& rows, float scale, std::span<float> scores,
-                 ThreadPool* pool = nullptr);
-
-/// dst.row(i) = src.row(indices[i]); indices must be in [0, src.rows).
-template <class T>
-void gather_rows(const MatrixView<const T>& src, std::span<const std::int32_t> indices, const MatrixView<T>& dst);
-
-/// Sorts indices ascending and removes repeats; returns the number of distinct indices, which now lead.
-std::size_t sort_unique(std::span<std::int32_t> indices);
-
-using KMeansMetric = kvsift::KMeansMetric;  // core/kmeans_batched.hpp
-
-struct KMeansConfig {
-  std::int32_t clusters = 0;
-  std::int32_t iterations = 10;  ///< fixed count (no early stop), so cost and result are predictable
-  KMeansMetric metric = KMeansMetric::l2;
-  std::uint64_t seed = 0;        ///< the seeding draws from this seed only
-};
-
-struct KMeansResult {
-  std::vector<float> centroids;        ///< [clusters, dim]
-  std::vector<std::int32_t> assignment;  ///< [points]: the nearest centroid (ties: smaller id)
-};
-
-/// Fills assignment[i] with the nearest centroid of point i under the metric (ties: smaller id). The CPU
-/// assigner ranks centroids by x.c - |c|^2 / 2 (L2) or x.c (cosine) with SIMD dot products, so points almost
-/// exactly between two centroids may resolve differently at different SIMD levels. Points are
-/// fp32 [n, dim] (normalized for cosine), centroids [k, dim]. The CPU assigner is cpu::assign_nearest; a
-/// backend may pass its own (e.g. a GPU one), which is how one k-means serves every backend.
-using KMeansAssigner = std::function<void(const MatrixView<const float>& points, const MatrixView<const float>& centroids,
-                                          KMeansMetric metric, std::span<std::int32_t> assignment)>;
-
+/// Fills assignment[i] with the nearest centroid of point i under the metric (core/kmeans_batched.hpp; ties:
+/// smaller id), ranked by x.c - |c|^2 / 2 (L2) or x.c (cosine) with SIMD dot products, so points almost exactly
+/// between two centroids may resolve differently at different SIMD levels. Points are fp32 [n, dim] (normalized
+/// for cosine), centroids [k, dim]; host memory. Points in parallel on `pool` (nullptr: the calling thread).
 void assign_nearest(const MatrixView<const float>& points, const MatrixView<const float>& centroids, KMeansMetric metric,
                     std::span<std::int32_t> assignment, ThreadPool* pool = nullptr);
-
-/// k-means with greedy k-means++ seeding (2 + ln k candidates per centroid) and a fixed number of Lloyd
-/// iterations. An empty cluster keeps its previous centroid. Deterministic for a given seed, whose draws are
-/// those of cuda::kmeans (core/kmeans_seeding.hpp). clusters must be in [1, points.rows].
-template <class T>
-KMeansResult kmeans(const MatrixView<const T>& points, const KMeansConfig& config, const KMeansAssigner& assigner = {},
-                    ThreadPool* pool = nullptr);
-
-namespace detail {
-/// The argument checks that cpu::group_scores and cuda::group_scores share (each adds its own head_dim and
-/// memory rules): q, kv and scores are valid views (kv's lengths and page tables are read only where
-/// `contents` is host memory), q matches kv, scores has one row per (sequence, kv head), options.reduce is
-/// known, and, with host contents, every sequence fits in scores.cols.
-template <class T, class KV>
-void check_group_scores(const char* where, const QueryView<const T>& q, const KV& kv, const MatrixView<float>& scores,
-                        const GroupScoreOptions& options, MemorySpace contents);
-/// The checks of the arguments of group_scores_workspace_bytes that both backends share.
-void check_group_scores_shape(const char* where, std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
-                              std::int32_t max_tokens, const GroupScoreOptions& options);
-/// The checks of a k-means configuration that cpu::kmeans and cuda::kmeans share: clusters in [1, points],
-/// iterations >= 0.
-void check_kmeans_config(const char* where, std::int64_t points, const KMeansConfig& config);
-}  // namespace detail
 
 }  // namespace kvsift::cpu

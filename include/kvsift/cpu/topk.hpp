@@ -5,46 +5,16 @@
 /// smaller index wins; NaN ranks above every number. Output indices are written in ascending index order, so
 /// CPU and CUDA results (cuda/topk.hpp) compare exactly.
 
-#include <algorithm>
-#include <climits>
 #include <cstddef>
 #include <cstdint>
-#include <numeric>
 #include <span>
-#include <vector>
 
 #include "kvsift/attention/options.hpp"
-#include "kvsift/core/error.hpp"
 #include "kvsift/core/ranking.hpp"
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 
 namespace kvsift::cpu {
-
-namespace detail {
-/// Writes into out[0, k) the indices held by the k smallest of keys[0, n) (rank_key order), ascending;
-/// reorders the keys. 0 <= k <= n.
-inline void best_of_keys(std::uint64_t* keys, std::int64_t n, std::int32_t k, std::int32_t* out) {
-  std::nth_element(keys, keys + k, keys + n);
-  for (std::int32_t i = 0; i < k; ++i) out[i] = std::int32_t(keys[i] & 0xffffffffu);
-  std::sort(out, out + k);
-}
-}  // namespace detail
-
-/// Writes into out[0, k) the indices of the k best of `scores`, ascending. `scratch` is reused between
-/// calls to avoid allocation (it grows to scores.size()).
-inline void topk_indices(std::span<const float> scores, std::int32_t k, std::span<std::int32_t> out,
-                         std::vector<std::uint64_t>& scratch) {
-  constexpr const char* where = "cpu::topk_indices";
-  KVSIFT_CHECK(k >= 0 && static_cast<std::size_t>(k) <= scores.size(), where,
-               "k (= {}) is outside [0, number of scores = {}]", k, scores.size());
-  KVSIFT_CHECK(out.size() >= static_cast<std::size_t>(k), where, "out.size() (= {}) < k (= {})", out.size(), k);
-  KVSIFT_CHECK(scores.size() <= std::size_t(INT32_MAX), where, "number of scores (= {}) exceeds 2^31 - 1",
-               scores.size());
-  scratch.resize(scores.size());
-  for (std::size_t i = 0; i < scores.size(); ++i) scratch[i] = rank_key(scores[i], std::int32_t(i));
-  detail::best_of_keys(scratch.data(), std::int64_t(scores.size()), k, out.data());
-}
 
 /// Bytes of host workspace (256-byte aligned) topk_rows needs for `score_rows` score rows of max_tokens =
 /// scores.cols scores on `pool` (nullptr: one thread): for each of min(selection rows, threads) threads,

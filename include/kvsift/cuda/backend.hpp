@@ -10,28 +10,20 @@
 
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/kv_cache.hpp"
-#include "kvsift/core/detail/page_bounds_checks.hpp"
-#include "kvsift/core/detail/select_pages_in_steps.hpp"
-#include "kvsift/core/page_bounds_view.hpp"
 #include "kvsift/core/ranking.hpp"
-#include "kvsift/cpu/primitives.hpp"
+#include "kvsift/core/group_scores_options.hpp"
+#include "kvsift/core/kmeans_batched.hpp"
 #include "kvsift/cuda/cache_ops.hpp"
 #include "kvsift/cuda/context.hpp"
 #include "kvsift/cuda/decode.hpp"
 #include "kvsift/cuda/gather.hpp"
 #include "kvsift/cuda/inverted_lists.hpp"
 #include "kvsift/cuda/kmeans.hpp"
-#include "kvsift/cuda/merge_store.hpp"
-#include "kvsift/cuda/page_bounds.hpp"
 #include "kvsift/cuda/primitives.hpp"
 #include "kvsift/cuda/rope.hpp"
-#include "kvsift/cuda/query_centroids.hpp"
 #include "kvsift/cuda/rerank.hpp"
-#include "kvsift/cuda/score_rows.hpp"
-#include "kvsift/cuda/score_tables.hpp"
 #include "kvsift/cuda/segment_mean.hpp"
 #include "kvsift/cuda/topk.hpp"
-#include "kvsift/cuda/vq.hpp"
 
 namespace kvsift::cuda {
 
@@ -111,47 +103,6 @@ inline void length_budgets(const std::int32_t* lengths, std::int32_t batch, std:
                            std::int32_t* row_k, const Context& ctx) {
   cuda::length_budgets(lengths, batch, heads, budget, row_k, ctx.stream);
 }
-inline void max_score_rows(const MatrixView<const float>& scores, std::int32_t group, const std::int32_t* lengths,
-                           const MatrixView<float>& out, const Context& ctx) {
-  cuda::max_score_rows(scores, group, lengths, out, ctx.stream);
-}
-
-template <class T>
-void build_page_bounds(const KVCache<const T>& cache, const std::int32_t* slots, const PageBoundsView<T>& bounds,
-                       const Context& ctx) {
-  cache.visit([&](const auto& kv) { cuda::build_page_bounds(kv, slots, bounds, ctx.stream); });
-}
-template <class T>
-void append_page_bounds(const KVCache<const T>& cache, const std::int32_t* slots, const PageBoundsView<T>& bounds,
-                        const Context& ctx) {
-  cache.visit([&](const auto& kv) { cuda::append_page_bounds(kv, slots, bounds, ctx.stream); });
-}
-template <class T>
-void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* slots,
-                 const std::int32_t* lengths, const AttentionWindow& window, const MatrixView<float>& scores,
-                 std::int32_t* page_counts, const Context& ctx) {
-  cuda::page_scores(q, bounds, slots, lengths, window, scores, page_counts, ctx.stream);
-}
-inline void expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* lengths,
-                         const AttentionWindow& window, const SelectionView& out, const Context& ctx) {
-  cuda::expand_pages(pages, page_size, lengths, window, out, ctx.stream);
-}
-/// Quest's selection: page scores of sequences of up to max_pages pages (<= bounds.max_pages: the planned bound;
-/// longer ones get count -1), the best pages_per_row pages, their middle tokens (three kernels).
-inline std::size_t select_pages_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t max_pages,
-                                                std::int32_t pages_per_row, const Context& ctx) {
-  return kvsift::detail::select_pages_in_steps_workspace_bytes(batch, kv_heads, max_pages, pages_per_row, ctx);
-}
-template <class T>
-void select_pages(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* slots,
-                  const std::int32_t* lengths, const AttentionWindow& window, std::int32_t max_pages,
-                  std::int32_t pages_per_row, const SelectionView& out, std::span<std::byte> workspace,
-                  const Context& ctx) {
-  kvsift::detail::check_select_pages("cuda::select_pages", q, bounds, slots, lengths, window, max_pages,
-                                     pages_per_row, out);
-  kvsift::detail::select_pages_in_steps(q, bounds, slots, lengths, window, max_pages, pages_per_row, out, workspace,
-                                        ctx);
-}
 
 /// Sparse decode of the window and the selection, O in the storage type or fp32 (TO).
 inline std::size_t sparse_decode_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
@@ -204,18 +155,6 @@ template <class T>
 void rotate_to_position(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
                         std::int32_t target, const RopeTableView& table, const Context& ctx) {
   cuda::rotate_to_position(x, positions, position_offset, target, table, ctx.stream);
-}
-
-// Query centroids (core/query_centroids.hpp, cuda/query_centroids.hpp).
-template <class T>
-void centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids, const std::int32_t* slots,
-                     std::int32_t kv_heads, const MatrixView<float>& scores, const Context& ctx) {
-  cuda::centroid_scores(q, centroids, slots, kv_heads, scores, ctx.stream);
-}
-template <class T>
-void store_centroids(const SequenceView<const T>& queries, const std::int32_t* slots, const std::int32_t* first,
-                     std::int32_t kv_heads, const QueryCentroidsView<T>& centroids, const Context& ctx) {
-  cuda::store_centroids(queries, slots, first, kv_heads, centroids, ctx.stream);
 }
 
 // Rerank (cuda/rerank.hpp).
@@ -305,126 +244,13 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
   cuda::kmeans_batched(points, weights, config, centroids, assignment, workspace, ctx.stream);
 }
 
-// Codebook quantization, lookup tables and code scan (cuda/vq.hpp).
-inline void vq_codeword_norms(const MatrixView<const float>& centroids, float* norms, const Context& ctx) {
-  cuda::vq_codeword_norms(centroids, norms, ctx.stream);
-}
-inline std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_dim, const Context&) {
-  return cuda::vq_encode_workspace_bytes(codewords, head_dim);
-}
-template <class T>
-void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook, const VqCodesView<std::uint16_t>& codes,
-               const VqCodeDestination& destination, std::span<std::byte> workspace, const Context& ctx) {
-  cuda::vq_encode(keys, codebook, codes, destination, workspace, ctx.stream);
-}
-template <class T>
-void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, const Context& ctx) {
-  cuda::vq_lut(q, codebook, lut, ctx.stream);
-}
-inline void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch,
-                         const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
-                         const std::int32_t* lengths, const MatrixView<float>& scores, const VqScanOptions& options,
-                         const Context& ctx) {
-  cuda::vq_code_scan(lut, batch, codes, slots, lengths, scores, options, ctx.stream);
-}
-inline std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
-                                               std::int32_t codewords, std::int32_t head_dim, const Context&) {
-  return cuda::vq_lut_scan_workspace_bytes(batch, q_heads, kv_heads, codewords, head_dim);
-}
-template <class T>
-void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook,
-                 const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots, const std::int32_t* lengths,
-                 const MatrixView<float>& scores, const VqScanOptions& options, std::span<std::byte> workspace,
-                 const Context& ctx) {
-  cuda::vq_lut_scan(q, codebook, codes, slots, lengths, scores, options, workspace, ctx.stream);
-}
-
-// Score tables (core/score_tables.hpp, cuda/score_tables.hpp).
-template <class T>
-void subspace_scores(const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
-                     std::int32_t list_count, const KVCache<const T>& cache, std::int32_t row,
-                     std::int32_t token_begin, std::int32_t tokens, const MatrixView<float>& out, const Context& ctx) {
-  cache.visit([&](const auto& kv) {
-    cuda::subspace_scores(base, table_head, list_begin, list_count, kv, row, token_begin, tokens, out, ctx.stream);
-  });
-}
-inline std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32_t tokens, const Context&) {
-  return cuda::store_table_lists_workspace_bytes(list_rows, tokens);
-}
-inline void store_table_lists(const MatrixView<const float>& scores, std::int32_t tokens, std::int32_t keep,
-                              const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
-                              std::span<std::byte> workspace, const Context& ctx) {
-  cuda::store_table_lists(scores, tokens, keep, base, table_head, list_begin, workspace, ctx.stream);
-}
-template <class T>
-void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<const T>& cache,
-                   const std::int32_t* slots, const std::int32_t* lengths, const Context& ctx) {
-  cache.visit([&](const auto& kv) { cuda::append_tables(tables, kv, slots, lengths, ctx.stream); });
-}
-template <class T>
-void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const std::int32_t>& tables,
-                       const std::int32_t* slots, std::int32_t probes, const SelectionView& chosen,
-                       std::int32_t* weights, const Context& ctx) {
-  cuda::nearest_centroids(q, tables, slots, probes, chosen, weights, ctx.stream);
-}
-inline std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t heads_per_row,
-                                                      std::int32_t max_tokens, const Context&) {
-  return cuda::table_scores_dense_workspace_bytes(rows, heads_per_row, max_tokens);
-}
-inline void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
-                               const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* slots,
-                               const std::int32_t* lengths, const AttentionWindow& window, const LengthBudget& budget,
-                               const MatrixView<float>& scores, std::int32_t* row_k, std::int32_t max_tokens,
-                               std::span<std::byte> workspace, const Context& ctx) {
-  cuda::table_scores_dense(tables, chosen, options, heads_per_row, slots, lengths, window, budget, scores, row_k,
-                           max_tokens, workspace, ctx.stream);
-}
-inline std::int64_t table_scores_sparse_capacity(std::int32_t chosen_capacity, std::int32_t length, const Context&) {
-  return cuda::table_scores_sparse_capacity(chosen_capacity, length);
-}
-inline std::size_t table_scores_sparse_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity,
-                                                       std::int32_t length, const Context&) {
-  return cuda::table_scores_sparse_workspace_bytes(rows, chosen_capacity, length);
-}
-inline void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
-                                const TableScoreOptions& options, std::int32_t heads_per_row,
-                                const std::int32_t* slots, const std::int32_t* lengths, const AttentionWindow& window,
-                                const LengthBudget& budget, const SelectionView& out, const MatrixView<float>& sums,
-                                std::int32_t* row_k, std::span<std::byte> workspace, const Context& ctx) {
-  cuda::table_scores_sparse(tables, chosen, options, heads_per_row, slots, lengths, window, budget, out, sums, row_k,
-                            workspace, ctx.stream);
-}
-
-// The merge store (core/merge_store.hpp, cuda/merge_store.hpp).
-template <class T>
-void merge_store_load(const KVCache<const T>& cache, const std::int32_t* slots, const MergeStoreView<T>& store,
-                      const Context& ctx) {
-  cuda::merge_store_load(cache, slots, store, ctx.stream);
-}
-inline std::size_t merge_round_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t capacity,
-                                               const Context&) {
-  return cuda::merge_round_workspace_bytes(batch, kv_heads, capacity);
-}
-template <class T>
-void merge_round(const MergeStoreView<T>& store, const std::int32_t* slots, std::int32_t batch,
-                 const std::int32_t* budgets, const MergeRoundParams& params, std::span<std::byte> workspace,
-                 const Context& ctx) {
-  cuda::merge_round(store, slots, batch, budgets, params, workspace, ctx.stream);
-}
-template <class T>
-void merge_store_append(const KVCache<const T>& cache, const std::int32_t* slots, const std::int32_t* lengths,
-                        const MergeStoreView<T>& store, const Context& ctx) {
-  cuda::merge_store_append(cache, slots, lengths, store, ctx.stream);
-}
-template <class T>
-void merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* src_slots, const MergeStoreView<T>& dst,
-                      const std::int32_t* dst_slots, std::int32_t batch, const Context& ctx) {
-  cuda::merge_store_copy(src, src_slots, dst, dst_slots, batch, ctx.stream);
-}
-template <class T>
-void merge_store_selection(const MergeStoreView<const T>& store, const std::int32_t* slots, const SelectionView& out,
-                           const Context& ctx) {
-  cuda::merge_store_selection(store, slots, out, ctx.stream);
-}
-
 }  // namespace kvsift::cuda
+
+// Each selector's own overloads live in its folder (selectors/<name>/cuda/backend.hpp), after the shared ones above,
+// which they use; this file gathers them, so that including it gives an algorithm the whole backend.
+#include "kvsift/selectors/quest/cuda/backend.hpp"
+#include "kvsift/selectors/ctkvr/cuda/backend.hpp"
+#include "kvsift/selectors/csattention/cuda/backend.hpp"
+#include "kvsift/selectors/a2ats/cuda/backend.hpp"
+#include "kvsift/selectors/centroid_kv/cuda/backend.hpp"
+#include "kvsift/selectors/specontext/cuda/backend.hpp"

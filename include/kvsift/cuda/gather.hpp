@@ -46,7 +46,7 @@ std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_
 /// row), marks their slots in a shared-memory bitmap, and gives the new tokens the free slots in ascending order
 /// (a block scan over the bitmap's free counts, then a select within the word); then a warp per new entry copies
 /// its K and V rows from src. The two launches are separate launchers (cuda/detail/gather_launch.hpp), so that
-/// step/elastic_kv.hpp assigns slots once and copies once per offloaded layer.
+/// selectors/specontext/elastic_kv.hpp assigns slots once and copies once per offloaded layer.
 template <class T>
 void gather_kv_difference(const KVCache<const T>& src, const SelectionView& previous,
                           const std::int32_t* d_previous_slots, const SelectionView& current,

@@ -1,7 +1,8 @@
 #pragma once
 /// Batched k-means on CUDA: cpu/kmeans.hpp's twin, with the same arguments but the stream. Device memory
 /// (points, weights, centroids, assignment, workspace); no allocation, no host sync; stream-ordered and
-/// CUDA-graph capturable; deterministic (fixed summation orders, no float atomics).
+/// CUDA-graph capturable; deterministic (fixed summation orders, no float atomics). Argument checks:
+/// core/detail/kmeans_checks.hpp.
 
 #include <cuda_runtime_api.h>
 
@@ -10,7 +11,6 @@
 #include <span>
 
 #include "kvsift/core/kmeans_batched.hpp"
-#include "kvsift/cpu/kmeans.hpp"
 
 namespace kvsift::cuda {
 

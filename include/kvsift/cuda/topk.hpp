@@ -48,22 +48,4 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* d_leng
 void length_budgets(const std::int32_t* d_lengths, std::int32_t batch, std::int32_t heads, const LengthBudget& budget,
                     std::int32_t* d_row_k, cudaStream_t stream);
 
-enum class TopKAlgorithm : std::uint8_t {
-  /// topk_rows' single-launch radix select (four 8-bit histogram passes over rank words held in shared
-  /// memory, then one compaction pass in index order).
-  radix_select,
-  /// CUB radix sorts of every (row, score) key, then of the chosen (row, index) pairs; an independent
-  /// algorithm, kept as a cross-check.
-  radix_sort,
-};
-
-/// Top-K per row: scores [rows, n] (row stride scores.row_stride) → indices [rows, k] (row stride k) of each
-/// row's k best scores, ascending; 0 <= k <= n. Both algorithms give identical results (tested against
-/// cpu::topk_indices); radix_select is the default. The workspace size depends on the algorithm (none for
-/// radix_select).
-std::size_t topk_workspace_bytes(std::int64_t rows, std::int32_t n, std::int32_t k,
-                                 TopKAlgorithm algorithm = TopKAlgorithm::radix_select);
-void topk(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* d_indices, std::span<std::byte> workspace,
-          cudaStream_t stream, TopKAlgorithm algorithm = TopKAlgorithm::radix_select);
-
 }  // namespace kvsift::cuda

@@ -56,15 +56,15 @@
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/context.hpp"
 #include "kvsift/eval/capture.hpp"
-#include "kvsift/selectors/a2ats.hpp"
-#include "kvsift/selectors/a2ats_codebook.hpp"
-#include "kvsift/selectors/centroid_kv.hpp"
-#include "kvsift/selectors/csattention.hpp"
-#include "kvsift/selectors/ctkvr.hpp"
-#include "kvsift/selectors/oracle_topk.hpp"
-#include "kvsift/selectors/quest.hpp"
+#include "kvsift/selectors/a2ats/a2ats.hpp"
+#include "kvsift/selectors/a2ats/codebook.hpp"
+#include "kvsift/selectors/centroid_kv/centroid_kv.hpp"
+#include "kvsift/selectors/csattention/csattention.hpp"
+#include "kvsift/selectors/ctkvr/ctkvr.hpp"
+#include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
+#include "kvsift/selectors/quest/quest.hpp"
 #include "kvsift/selectors/selector.hpp"
-#include "kvsift/selectors/streaming_llm.hpp"
+#include "kvsift/selectors/streaming_llm/streaming_llm.hpp"
 
 namespace kvsift {
 
@@ -141,7 +141,7 @@ std::vector<BasicSelectorEntry<Context>> method_selectors() {
   };
 }
 
-/// CentroidKV (selectors/centroid_kv.hpp, docs/centroidkv.md) holding K entries per kv head after the prefill, as
+/// CentroidKV (selectors/centroid_kv/centroid_kv.hpp, docs/centroidkv.md) holding K entries per kv head after the prefill, as
 /// the references hold K tokens: its ratio R = (K + 1/2) / P, P = round(prefill * tokens) the prompt (so B =
 /// floor(R P) = K; R <= 1), no window (the store holds sinks and recent tokens). Between decode-time rounds a row
 /// grows to at most K + interval - 1 entries. "CentroidKV" has the paper's 16 sinks and 64 recent entries (refused
@@ -203,7 +203,7 @@ std::vector<BasicSelectorEntry<Context>> csattention_variants() {
 }
 extern template std::vector<BasicSelectorEntry<cpu::Context>> csattention_variants<cpu::Context>();
 
-/// A²ATS over a set of codebooks (selectors/a2ats.hpp; they must cover every captured layer, the layer's RoPE and
+/// A²ATS over a set of codebooks (selectors/a2ats/a2ats.hpp; they must cover every captured layer, the layer's RoPE and
 /// shapes), labelled `name`, at a budget of K tokens per kv head, window included, like the other methods: a sink
 /// of min(4, K / 8) and a recent window of min(64, K / 4), the rest K' = K - window for the selection. The entry
 /// `name` is the authors' rule at equal tokens: the union of each query head's top floor(K' / g), never more than

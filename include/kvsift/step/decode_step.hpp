@@ -37,7 +37,7 @@
 /// Trusted on the device (CUDA; checked on the CPU): the slots (in [0, the selector's max_slots)), every
 /// sequence's length (<= config.max_seq_len and the selector's max_tokens) and the cache's page tables. A
 /// primitive that meets a bad device value marks that selection row with count -1 (cuda/topk.hpp,
-/// cuda/page_bounds.hpp); config.validate_indices refuses it by name, without it that row's output is NaN
+/// selectors/quest/cuda/page_bounds.hpp); config.validate_indices refuses it by name, without it that row's output is NaN
 /// (memory stays in bounds). Run with validate_indices while integrating.
 /// Thread safety: one step serves one thread at a time; it owns its selector.
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kvsift/core/dtype.hpp"
+#include "kvsift/core/group_scores_options.hpp"
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/detail/decode_kernels.hpp"
 #include "kvsift/cpu/simd.hpp"
@@ -17,13 +18,6 @@ namespace kvsift::cpu::detail {
 /// block (kTokenBlock, decode_kernels.hpp), so blocks never straddle chunks.
 inline constexpr std::int32_t kScoreChunk = 2048;
 static_assert(kScoreChunk % kTokenBlock == 0);
-
-/// Calls X(T, KV) for every (storage type, cache view) group_scores is built for: the one list that the
-/// per-ISA kernels and the public entry point are instantiated from.
-#define KVSIFT_GROUP_SCORE_TYPES(X)                                                            \
-  X(float, ContiguousKVView<const float>) X(float, PagedKVView<const float>)                   \
-  X(half, ContiguousKVView<const half>) X(half, PagedKVView<const half>)                       \
-  X(bfloat16, ContiguousKVView<const bfloat16>) X(bfloat16, PagedKVView<const bfloat16>)
 
 /// Everything one group_scores call needs. Rows are (sequence, kv head) pairs, row = b * kv_heads + g; a work
 /// item is one chunk of one row, item = row * chunks + chunk.

@@ -96,6 +96,33 @@ struct SelectThreshold {
   __device__ bool equal(std::uint32_t word) const { return (word & mask) == prefix; }
 };
 
+/// A radix pass's decision, in shared memory for every thread of the CTA.
+struct RadixDecision {
+  std::uint32_t digit, before, in_digit;
+};
+
+/// The decision of one radix pass, shared by BlockRadixSelect::find and LaneHistogramSelect::find
+/// (detail/topk_kernels.cuh): from this CTA's counts of the pass's kBins digits (`histogram`, summed over the
+/// group), the digit that holds the `remaining`-th best item. Narrows the threshold `t` to it and counts
+/// `remaining` down by the items of better digits; true when every item of that digit is taken (the threshold
+/// needs no more bits: the same in every CTA). Every thread of the CTA calls it (a block scan and a barrier).
+template <class BlockScan, int kBins, class Group>
+__device__ bool choose_radix_digit(const std::uint32_t* histogram, int shift, const Group& group,
+                                   typename BlockScan::TempStorage& scan, RadixDecision& decision, SelectThreshold& t,
+                                   std::uint32_t& remaining) {
+  const std::uint32_t in_bin = threadIdx.x < kBins ? group.sum(&histogram[threadIdx.x]) : 0u;
+  std::uint32_t before = 0;
+  BlockScan(scan).ExclusiveSum(in_bin, before);
+  if (threadIdx.x < kBins && before < remaining && remaining <= before + in_bin) {
+    decision = {std::uint32_t(threadIdx.x), before, in_bin};
+  }
+  __syncthreads();
+  t.prefix |= decision.digit << shift;
+  t.mask |= std::uint32_t(kBins - 1) << shift;
+  remaining -= decision.before;
+  return decision.in_digit == remaining;
+}
+
 template <int kThreads, int kItemsPerThread = 4>
 class BlockRadixSelect {
  public:
@@ -116,7 +143,7 @@ class BlockRadixSelect {
     std::uint32_t histogram[2][kBins];
     std::uint32_t better;  ///< this CTA's items better than the threshold, then tied with it
     std::uint32_t equal;
-    std::uint32_t digit, before, in_digit;  ///< the pass's decision, for every thread
+    RadixDecision decision;
     std::uint32_t group_better, group_equal;
     union {
       typename BlockScan::TempStorage scan;
@@ -145,20 +172,9 @@ class BlockRadixSelect {
         if (((word ^ t.prefix) & t.mask) == 0) atomicAdd(&histogram[(word >> shift) & (kBins - 1)], 1u);
       }
       group.sync();
-      const std::uint32_t in_bin = threadIdx.x < kBins ? group.sum(&histogram[threadIdx.x]) : 0u;
-      std::uint32_t before = 0;
-      BlockScan(temp_.scan).ExclusiveSum(in_bin, before);
-      if (threadIdx.x < kBins && before < remaining && remaining <= before + in_bin) {
-        temp_.digit = threadIdx.x;
-        temp_.before = before;
-        temp_.in_digit = in_bin;
+      if (choose_radix_digit<BlockScan, kBins>(histogram, shift, group, temp_.scan, temp_.decision, t, remaining)) {
+        break;
       }
-      __syncthreads();
-      t.prefix |= temp_.digit << shift;
-      t.mask |= std::uint32_t(kBins - 1) << shift;
-      remaining -= temp_.before;
-      // Every item of the digit is taken: the threshold needs no more bits (the same in every CTA).
-      if (temp_.in_digit == remaining) break;
     }
     t.take_equal = remaining;
     return t;

@@ -18,13 +18,14 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
+#include "kvsift/core/supported_values.hpp"
 #include "kvsift/cuda/detail/decode_launch.hpp"
 #include "kvsift/cuda/detail/decode_params.hpp"
+#include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/merge_kernels.cuh"
 #include "kvsift/attention/state.hpp"
 #include "kvsift/cuda/dtype.cuh"
@@ -443,34 +444,20 @@ bool dispatch_int(int value, F&& f) {
   return ((value == Values ? (f.template operator()<Values>(), true) : false) || ...);
 }
 
-/// Raises a kernel's dynamic shared-memory limit past 48 KB, once per kernel and device (the setting is per
-/// device). The kernel is a template argument so that every kernel has its own flag.
-template <auto Kernel>
-cudaError_t allow_dynamic_smem(std::size_t bytes) {
-  static std::atomic<unsigned long long> done_on_devices{0};
-  int device = 0;
-  if (const cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
-  const unsigned long long bit = 1ull << (device % 64);
-  if (done_on_devices.load(std::memory_order_acquire) & bit) return cudaSuccess;
-  const cudaError_t status = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  if (status == cudaSuccess) done_on_devices.fetch_or(bit, std::memory_order_release);
-  return status;
-}
-
 /// The one place where the runtime head_dim, warp count and window become template arguments: calls
 /// fn(kernel, dynamic_smem_bytes, threads) for the matching decode kernel, once its shared-memory limit is
-/// raised. Returns cudaErrorInvalidValue for an unsupported head_dim or warp count (the host entry points
+/// raised (cuda/detail/launch.cuh). Returns cudaErrorInvalidValue for an unsupported head_dim or warp count (the host entry points
 /// validate both, the warp count against the device's shared memory, before).
 template <class T, class Fn>
 cudaError_t with_decode_kernel(const DecodeParams<T>& p, Fn&& fn) {
   cudaError_t status = cudaErrorInvalidValue;
-  dispatch_int<64, 128, 256>(p.q.head_dim, [&]<int HeadDim>() {
+  dispatch_value<kCudaAttentionHeadDims>(p.q.head_dim, [&]<int HeadDim>() {
     dispatch_int<kDecodeMinWarps, kDecodeMaxWarps>(p.cta_warps, [&]<int Warps>() {
       constexpr std::size_t smem = decode_shared_bytes(HeadDim, Warps);
       if constexpr (smem <= kLargestBlockSharedMemory) {
         dispatch_int<0, 1>(p.window.empty() ? 0 : 1, [&]<int Windowed>() {
           constexpr auto kernel = decode_attention_kernel<HeadDim, T, Warps, Windowed != 0>;
-          status = allow_dynamic_smem<kernel>(smem);
+          status = open_shared_memory<kernel>();
           if (status == cudaSuccess) status = fn(kernel, smem, 32 * Warps);
         });
       }
@@ -479,35 +466,18 @@ cudaError_t with_decode_kernel(const DecodeParams<T>& p, Fn&& fn) {
   return status;
 }
 
-/// Launches `kernel` on `stream`, as a programmatic dependent of the stream's previous kernel when
-/// `programmatic` (sm_90: its CTAs may be scheduled while that kernel finishes and must wait with
-/// griddepcontrol.wait before reading its results; elsewhere the attribute only orders the kernels as usual).
-template <class Kernel, class Params>
-cudaError_t launch_kernel(Kernel kernel, dim3 grid, int threads, std::size_t smem, cudaStream_t stream,
-                          bool programmatic, const Params& p) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = programmatic ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, p);
-}
-
 template <class T>
 cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream, bool programmatic) {
   const int kv_heads = p.paged ? p.paged_kv.kv_heads : p.kv.kv_heads;
   const dim3 grid(p.num_splits, kv_heads * p.head_tiles, p.q.batch);
   const cudaError_t status = with_decode_kernel(p, [&](auto kernel, std::size_t smem, int threads) {
-    return launch_kernel(kernel, grid, threads, smem, stream, programmatic, p);
+    return launch(kernel, {.grid = grid, .block = dim3(threads), .smem = smem, .stream = stream, .programmatic = programmatic},
+                  p);
   });
   if (status != cudaSuccess || p.num_splits == 1) return status;
   // The merge is always a programmatic dependent of the decode grid: its launch overlaps the grid's tail.
-  return launch_kernel(merge_splits_kernel<T>, dim3(p.q.batch * p.q.heads), kMergeThreads, 0, stream, true, p);
+  return launch(merge_splits_kernel<T>,
+                {.grid = dim3(p.q.batch * p.q.heads), .block = dim3(kMergeThreads), .stream = stream, .programmatic = true}, p);
 }
 
 template <class T>

@@ -1,6 +1,6 @@
 #pragma once
 /// Launchers of the CUDA KV gathers (cuda/gather.hpp), for the host code in src/cuda/gather.cpp and
-/// step/elastic_kv.hpp (which applies one difference to several layers); kernels in
+/// selectors/specontext/elastic_kv.hpp (which applies one difference to several layers); kernels in
 /// kernels/gather.cu. Launchers return the launch status and never throw.
 
 #include <cuda_runtime_api.h>
@@ -25,7 +25,7 @@ cudaError_t launch_gather_kv(const KVCache<const T>& src, const SelectionView& r
 
 /// The slot bookkeeping of a difference gather, shared by its two launches. Row r = b * kv_heads + h of `current`
 /// (batch row b) takes its previous row from `previous` row previous_rows[b] * kv_heads + h when previous_rows is
-/// given (the resident state kept per sequence slot, step/elastic_kv.hpp; a slot outside [0, previous.batch) makes
+/// given (the resident state kept per sequence slot, selectors/specontext/elastic_kv.hpp; a slot outside [0, previous.batch) makes
 /// the row bad: copied = -1), else row r.
 struct DifferenceSlots {
   SelectionView previous;
@@ -52,7 +52,7 @@ template <class T>
 cudaError_t launch_copy_difference(const KVCache<const T>& src, const DifferenceSlots& slots,
                                    const KVCache<T>& resident, bool vec16, cudaStream_t stream);
 
-/// Elastic state per sequence slot (step/elastic_kv.hpp), after launch_assign_difference_slots (previous_rows
+/// Elastic state per sequence slot (selectors/specontext/elastic_kv.hpp), after launch_assign_difference_slots (previous_rows
 /// given): row previous_rows[b] * kv_heads + h of (previous, previous_slots) becomes current's row and its slots
 /// (count 0 for a bad row: nothing is known resident); slot_counts[r] ([current rows]) receives current's count, or
 /// -1 for a bad row (copied -1: the attention then writes NaN, not rows of unassigned slots); *moved_rows grows by

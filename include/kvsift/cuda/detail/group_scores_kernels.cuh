@@ -26,8 +26,8 @@
 #include <cstdint>
 
 #include "kvsift/core/dtype.hpp"
+#include "kvsift/core/group_scores_options.hpp"
 #include "kvsift/core/views.hpp"
-#include "kvsift/cpu/detail/primitives_kernels.hpp"
 
 namespace kvsift::cuda::detail {
 
@@ -79,7 +79,7 @@ struct GroupScoreParams {
 template <class T, class KV>
 cudaError_t launch_group_scores(const GroupScoreParams<T, KV>& p, cudaStream_t stream);
 
-// The (type, cache) list is the CPU twin's, written once (cpu/detail/primitives_kernels.hpp).
+// The (type, cache) list both backends are built for, written once (core/group_scores_options.hpp).
 #define KVSIFT_CUDA_GROUP_SCORES_EXTERN(T, KV) \
   extern template cudaError_t launch_group_scores<T, KV>(const GroupScoreParams<T, KV>&, cudaStream_t);
 KVSIFT_GROUP_SCORE_TYPES(KVSIFT_CUDA_GROUP_SCORES_EXTERN)
@@ -415,10 +415,10 @@ template <class T, class KV>
 cudaError_t launch_group_scores(const GroupScoreParams<T, KV>& p, cudaStream_t stream) {
   const unsigned ctas = unsigned(std::int64_t(p.kv.batch) * p.kv.kv_heads * p.chunks);
   cudaError_t status = cudaErrorInvalidValue;  // an unsupported head_dim (the host refuses it before)
-  dispatch_int<64, 128, 256>(p.q.head_dim, [&]<int HeadDim>() {
+  dispatch_value<kCudaAttentionHeadDims>(p.q.head_dim, [&]<int HeadDim>() {
     constexpr std::size_t smem = group_score_shared_bytes(HeadDim, int(sizeof(T)));
     constexpr auto kernel = group_logits_kernel<HeadDim, T, KV>;
-    status = allow_dynamic_smem<kernel>(smem);
+    status = open_shared_memory<kernel>();
     if (status != cudaSuccess) return;
     kernel<<<ctas, 32 * kGroupScoreWarps, smem, stream>>>(p);
     status = cudaGetLastError();

@@ -1,7 +1,6 @@
 #pragma once
-/// The workspace and launchers of cuda::kmeans_batched (kernels/kmeans_batched.cu; the batched assignment kernel
-/// lives in kernels/kmeans.cu, shared with cuda::assign_nearest). Launchers return the launch status and never
-/// throw.
+/// The workspace and launchers of cuda::kmeans_batched (kernels/kmeans_batched.cu; the assignment kernel lives in
+/// kernels/kmeans.cu). Launchers return the launch status and never throw.
 
 #include <cuda_runtime_api.h>
 
@@ -28,7 +27,7 @@ struct BatchedKMeansBuffers {
 /// Threads of the seeding and finishing kernels: a segment per thread (core/kmeans_batched.hpp).
 inline constexpr int kBatchedKMeansThreads = kvsift::detail::kSeedSegments;
 
-/// Every problem's nearest centroid per point (cuda::assign_nearest's ranking and ties), blockIdx.y the
+/// Every problem's nearest centroid per point (cpu::assign_nearest's ranking and ties), blockIdx.y the
 /// problem: assignment[p * n + i] = the local id; keys, when not null, [p * n + i] = p * centroids.rows + that id.
 cudaError_t launch_assign_nearest_batched(const BatchedMatrixView<const float>& points,
                                           const BatchedMatrixView<const float>& centroids, bool cosine,

@@ -1,5 +1,5 @@
 #pragma once
-/// The launchers of kernels/rerank.cu (cuda/query_centroids.hpp, cuda/rerank.hpp). They return the launch
+/// The launchers of kernels/rerank.cu (cuda/rerank.hpp). They return the launch
 /// status and never throw; the host entry points (src/cuda/rerank.cpp) check the arguments first.
 
 #include <cuda_runtime_api.h>
@@ -8,20 +8,14 @@
 
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/group_scores_options.hpp"
-#include "kvsift/core/query_centroids.hpp"
 #include "kvsift/core/views.hpp"
 
 namespace kvsift::cuda::detail {
 
-template <class T>
-cudaError_t launch_centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids,
-                                   const std::int32_t* slots, std::int32_t kv_heads, const MatrixView<float>& scores,
-                                   cudaStream_t stream);
-
-template <class T>
-cudaError_t launch_store_centroids(const SequenceView<const T>& queries, const std::int32_t* slots,
-                                   const std::int32_t* first, std::int32_t kv_heads,
-                                   const QueryCentroidsView<T>& centroids, cudaStream_t stream);
+/// The GQA group and head_dim that the group-dot kernels (these and CTKVR's query centroids) keep in shared memory,
+/// and their check, naming the caller (host code: src/cuda/rerank.cpp; the .cu files never include the error layer).
+inline constexpr std::int32_t kGroupDotMaxGroup = 16, kGroupDotMaxHeadDim = 256;
+void check_group_dot_limits(const char* where, std::int32_t group, std::int32_t head_dim);
 
 /// Candidates per block of the logits and finish passes, and so per softmax partial.
 inline constexpr std::int32_t kCandidatesPerBlock = 256;

@@ -1,6 +1,6 @@
 #pragma once
-/// The workspace and launcher of cuda::segment_mean (kernels/segment_mean.cu), also run by cuda::kmeans for
-/// its centroid updates. The launcher returns the launch status and never throws.
+/// The workspace and launcher of cuda::segment_mean (kernels/segment_mean.cu), also run by cuda::kmeans_batched
+/// for its centroid updates. The launcher returns the launch status and never throws.
 
 #include <cuda_runtime_api.h>
 

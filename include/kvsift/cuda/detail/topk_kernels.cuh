@@ -1,5 +1,5 @@
 #pragma once
-/// Kernels of cuda::topk_rows (and cuda::topk's radix select): one thread-block cluster per score row finds
+/// Kernels of cuda::topk_rows: one thread-block cluster per score row finds
 /// the threshold with LaneHistogramSelect and writes the chosen indices with BlockRadixSelect::emit over the
 /// row's middle, its CTAs each holding a contiguous slice; a second kernel unites the rows of a GQA group
 /// (heads_per_row > 1). Launched by kernels/topk_rows.cu.
@@ -25,7 +25,7 @@ struct TopKRowJob {
   __device__ static TopKRowJob of(const TopKRowsParams& p, std::int64_t score_row) {
     TopKRowJob job{};
     job.selection_row = score_row / p.heads_per_row;
-    const std::int32_t length = p.lengths != nullptr ? p.lengths[job.selection_row / p.out.kv_heads] : p.scores.cols;
+    const std::int32_t length = p.lengths[job.selection_row / p.out.kv_heads];
     const std::int32_t k = p.row_k != nullptr ? p.row_k[job.selection_row] : p.k;
     job.valid = length >= 0 && length <= p.scores.cols && k >= 0 && k <= p.k;
     if (!job.valid) return job;
@@ -61,7 +61,7 @@ class LaneHistogramSelect {
     std::uint32_t copies[kBins * kLanes];  ///< [bin][lane]; all zero between passes (the summing threads clear them)
     /// The CTA's sums, read by the other CTAs of the group; double-buffered as BlockRadixSelect's.
     std::uint32_t histogram[2][kBins];
-    std::uint32_t digit, before, in_digit;
+    RadixDecision decision;
     typename BlockScan::TempStorage scan;
   };
 
@@ -99,19 +99,10 @@ class LaneHistogramSelect {
         if (part == 0) temp_.histogram[pass & 1][bin] = sum;
       }
       group.sync();
-      const std::uint32_t in_bin = threadIdx.x < kBins ? group.sum(&temp_.histogram[pass & 1][threadIdx.x]) : 0u;
-      std::uint32_t before = 0;
-      BlockScan(temp_.scan).ExclusiveSum(in_bin, before);
-      if (threadIdx.x < kBins && before < remaining && remaining <= before + in_bin) {
-        temp_.digit = threadIdx.x;
-        temp_.before = before;
-        temp_.in_digit = in_bin;
+      if (choose_radix_digit<BlockScan, kBins>(temp_.histogram[pass & 1], shift, group, temp_.scan, temp_.decision, t,
+                                               remaining)) {
+        break;
       }
-      __syncthreads();
-      t.prefix |= temp_.digit << shift;
-      t.mask |= std::uint32_t(kBins - 1) << shift;
-      remaining -= temp_.before;
-      if (temp_.in_digit == remaining) break;  // every item of the digit is taken (the same in every CTA)
     }
     t.take_equal = remaining;
     return t;
@@ -137,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) topk_rows_select(const __grid_consta
   const TopKRowJob job = TopKRowJob::of(p, score_row);
   const bool grouped = p.heads_per_row > 1;
   // Grouped rows write no count: the union takes job.picks (the same for every score row of a selection row).
-  std::int32_t* const count_out = !grouped && p.out.counts != nullptr ? p.out.counts + job.selection_row : nullptr;
+  std::int32_t* const count_out = grouped ? nullptr : p.out.counts + job.selection_row;
   // Everything below depends on the score row alone, so each cluster takes the same branches.
   if (!job.valid) {
     if (rank == 0 && threadIdx.x == 0 && count_out != nullptr) *count_out = -1;

@@ -1,7 +1,7 @@
 #pragma once
 /// Params, launch shapes and launchers of the CUDA top-K (cuda/topk.hpp), for the host code in
-/// src/cuda/topk.cpp. Kernels: kernels/topk_rows.cu (device code in detail/topk_kernels.cuh) and
-/// kernels/topk.cu (the CUB sort). Launchers return the launch status and never throw.
+/// src/cuda/topk.cpp. Kernels: kernels/topk_rows.cu (device code in detail/topk_kernels.cuh). Launchers return
+/// the launch status and never throw.
 
 #include <cuda_runtime_api.h>
 
@@ -89,13 +89,13 @@ inline std::int32_t topk_union_words(std::int32_t max_tokens) { return (max_toke
 /// Everything one topk_rows launch reads and writes (device pointers).
 struct TopKRowsParams {
   MatrixView<const float> scores;      ///< [selection rows * heads_per_row, max_tokens]
-  const std::int32_t* lengths;         ///< [out.batch]; nullptr: every row is scores.cols long
+  const std::int32_t* lengths;         ///< [out.batch]
   const std::int32_t* row_k;           ///< [selection rows] or nullptr
-  std::int32_t k;                      ///< k >= 0
+  std::int32_t k;                      ///< k > 0
   AttentionWindow window;
   std::int32_t heads_per_row;
   bool nan_marks_row;                  ///< TopKRowsOptions::nan_marks_row (heads_per_row == 1)
-  SelectionView out;                   ///< counts may be null (cuda::topk: every row has k)
+  SelectionView out;
   std::int32_t* picks;                 ///< heads_per_row > 1: [score rows, k], each score row's picks
   std::uint32_t* union_bits;           ///< [selection rows, union_words] where the bitmap exceeds shared memory
   std::int32_t union_words;
@@ -109,25 +109,5 @@ cudaError_t launch_topk_rows(const TopKRowsParams& params, cudaStream_t stream);
 
 cudaError_t launch_length_budgets(const std::int32_t* lengths, std::int32_t batch, std::int32_t heads,
                                   const LengthBudget& budget, std::int32_t* row_k, cudaStream_t stream);
-
-// ---- top-K by two CUB radix sorts of (row, score) keys -------------------------------------------------
-
-/// Sizes of the two CUB radix sorts (temporary storage only).
-cudaError_t topk_sort_cub_bytes(std::int64_t rows, std::int32_t n, std::int32_t k, std::size_t* first_sort,
-                                std::size_t* second_sort);
-
-struct TopKSortBuffers {
-  unsigned long long* keys_in;
-  unsigned long long* keys_out;
-  std::int32_t* values_in;
-  std::int32_t* values_out;
-  unsigned long long* chosen_in;
-  unsigned long long* chosen_out;
-  void* cub_temp;
-  std::size_t cub_temp_bytes;
-};
-
-cudaError_t launch_topk_sort(const MatrixView<const float>& scores, std::int32_t k, std::int32_t* indices,
-                             const TopKSortBuffers& buffers, cudaStream_t stream);
 
 }  // namespace kvsift::cuda::detail

@@ -10,6 +10,7 @@
 
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/validate.hpp"
+#include "kvsift/core/workspace.hpp"
 #include "kvsift/selectors/detail/slot_states.hpp"
 #include "kvsift/selectors/selector.hpp"
 
@@ -60,6 +61,30 @@ std::int32_t check_cache(const char* where, const SelectorLimits& limits, const 
     }
   }
   return cache.batch();
+}
+
+/// A prepare's rows, read to the host: each sequence's slot and prompt length (its cache's seq_len). Refused by
+/// name, before the caller changes any slot: a slot outside [0, limits.max_slots), a prompt longer than
+/// limits.max_tokens. The lengths are also left in `context_lengths` (batch ints of the context's memory) for the
+/// primitives that read them. On CUDA it synchronizes the stream: prepare only.
+struct PrefillRows {
+  std::vector<std::int32_t> lengths, slots;
+};
+template <class T, class Context>
+PrefillRows read_prefill_rows(const char* where, const SelectorLimits& limits, const KVCache<const T>& cache,
+                              const std::int32_t* slots, std::int32_t* context_lengths, const Context& ctx) {
+  const auto rows = std::size_t(cache.batch());
+  PrefillRows r{std::vector<std::int32_t>(rows), std::vector<std::int32_t>(rows)};
+  sequence_lengths(cache, context_lengths, ctx);
+  copy_to_host(context_lengths, rows, r.lengths.data(), ctx);
+  copy_to_host(slots, rows, r.slots.data(), ctx);
+  for (std::size_t b = 0; b < rows; ++b) {
+    KVSIFT_CHECK(r.slots[b] >= 0 && r.slots[b] < limits.max_slots, where,
+                 "in.slots[{}] (= {}) is outside [0, limits.max_slots = {})", b, r.slots[b], limits.max_slots);
+    KVSIFT_CHECK(r.lengths[b] <= limits.max_tokens, where,
+                 "sequence {}'s prompt ({} tokens) exceeds limits.max_tokens (= {})", b, r.lengths[b], limits.max_tokens);
+  }
+  return r;
 }
 
 /// An append's cache against the limits, and its slots against the selector's life cycle (slot_states.hpp: host
@@ -165,6 +190,18 @@ inline std::int32_t planned_tokens(const char* where, const char* name, const Se
   KVSIFT_CHECK(max_seq_len >= 0 && max_seq_len <= limits.max_tokens, where,
                "{} (= {}) is outside [0, limits.max_tokens = {}]", name, max_seq_len, limits.max_tokens);
   return max_seq_len > 0 ? max_seq_len : limits.max_tokens;
+}
+
+/// A select workspace query: `shape` checked against the limits, then the bytes of `layout(counting, tokens)`
+/// (tokens: the planned sequence bound, detail::planned_tokens), the same layout code the call carves with.
+template <class Layout>
+std::size_t planned_workspace_bytes(const char* where, const SelectorLimits& limits, const SelectShape& shape,
+                                    Layout&& layout) {
+  check_shape(where, limits, shape);
+  const std::int32_t tokens = planned_tokens(where, "shape.max_seq_len", limits, shape.max_seq_len);
+  WorkspaceLayout counting;
+  layout(counting, tokens);
+  return counting.bytes();
 }
 
 }  // namespace kvsift::detail

@@ -1,0 +1,48 @@
+#pragma once
+/// The launchers of selectors/a2ats/cuda/vq.hpp (kernels/selectors/a2ats/vq.cu). They return the launch status and never throw; src/selectors/a2ats/cuda/vq.cpp
+/// checks the arguments first.
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvsift/core/views.hpp"
+#include "kvsift/selectors/a2ats/vq.hpp"
+
+namespace kvsift::cuda::detail {
+
+/// Query heads per kv head that the lookup-table kernels take (their queries sit in shared memory).
+inline constexpr std::int32_t kVqMaxGroup = 64;
+
+/// Shared memory of the fused lut + scan block: the group's tables and queries, fp32.
+constexpr std::size_t vq_fused_smem_bytes(std::int32_t group, std::int32_t codewords, std::int32_t head_dim) {
+  return sizeof(float) * std::size_t(group) * (std::size_t(codewords) + std::size_t(head_dim));
+}
+
+/// Blocks per (sequence, kv head) of a scan, split over its tokens (a multiple of `cluster`), and the cluster size
+/// of the fused form (8 on sm_90, else 1), chosen on the host (src/selectors/a2ats/cuda/vq.cpp) from the device's limits.
+struct VqScanGrid {
+  std::int32_t parts = 1;
+  std::int32_t cluster = 1;
+};
+
+cudaError_t launch_vq_codeword_norms(const MatrixView<const float>& centroids, float* norms, cudaStream_t stream);
+
+template <class T>
+cudaError_t launch_vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut,
+                          cudaStream_t stream);
+
+cudaError_t launch_vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch,
+                                const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
+                                const std::int32_t* lengths, const MatrixView<float>& scores,
+                                const VqScanOptions& options, const VqScanGrid& grid, cudaStream_t stream);
+
+/// The one-launch form; the caller has checked that vq_fused_smem_bytes fits the device's block.
+template <class T>
+cudaError_t launch_vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook,
+                               const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
+                               const std::int32_t* lengths, const MatrixView<float>& scores,
+                               const VqScanOptions& options, const VqScanGrid& grid, cudaStream_t stream);
+
+}  // namespace kvsift::cuda::detail

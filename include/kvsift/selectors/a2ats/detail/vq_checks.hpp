@@ -1,0 +1,100 @@
+#pragma once
+/// The argument checks that selectors/a2ats/cpu/vq.hpp and selectors/a2ats/cuda/vq.hpp share: the same refusals with the same words on both
+/// backends. Values in the backend's memory (slots, lengths, positions, codes) are not read here.
+
+#include <cstdint>
+
+#include "kvsift/core/error.hpp"
+#include "kvsift/core/validate.hpp"
+#include "kvsift/core/views.hpp"
+#include "kvsift/selectors/a2ats/vq.hpp"
+
+namespace kvsift::detail {
+
+inline void check_vq_head_dim(const char* where, const char* name, std::int32_t head_dim) {
+  KVSIFT_CHECK(is_supported(kVqHeadDims, head_dim), where, "{}.head_dim (= {}) is not supported (supported: {})", name,
+               head_dim, supported_text(kVqHeadDims));
+}
+
+inline void check_vq_codewords(const char* where, const char* name, std::int32_t codewords) {
+  KVSIFT_CHECK(codewords >= 1 && codewords <= kVqMaxCodewords, where, "{} (= {}) is outside [1, {}]", name, codewords,
+               kVqMaxCodewords);
+}
+
+template <class C>
+void check_vq_codes(const char* where, const char* name, const VqCodesView<C>& codes) {
+  KVSIFT_CHECK(codes.data != nullptr, where, "{}.data is a null pointer", name);
+  KVSIFT_CHECK(codes.slots > 0 && codes.kv_heads > 0 && codes.max_tokens > 0, where,
+               "{} is [{}, {}, {}]; every dimension must be positive", name, codes.slots, codes.kv_heads,
+               codes.max_tokens);
+  check_no_overlap<3>(where, name,
+                              {{{"slot", codes.slots, codes.slot_stride},
+                                {"head", codes.kv_heads, codes.head_stride},
+                                {"token", codes.max_tokens, 1}}});
+}
+
+inline void check_vq_norms_shape(const char* where, const MatrixView<const float>& centroids, const float* norms) {
+  validate(centroids, where, "centroids");
+  KVSIFT_CHECK(norms != nullptr, where, "norms is a null pointer");
+}
+
+template <class T>
+void check_vq_encode(const char* where, const HeadsView<const T>& keys, const VqEncodeCodebook& codebook,
+                     const VqCodesView<std::uint16_t>& codes) {
+  validate(keys, where, "keys");
+  check_vq_head_dim(where, "keys", keys.head_dim);
+  check_vq_codewords(where, "codebook.codewords", codebook.codewords);
+  KVSIFT_CHECK(codebook.transform != nullptr && codebook.centroids != nullptr && codebook.norms != nullptr, where,
+               "codebook.transform, codebook.centroids and codebook.norms must be non-null");
+  KVSIFT_CHECK(codebook.kv_heads == keys.heads && codebook.head_dim == keys.head_dim, where,
+               "codebook is [kv_heads = {}, head_dim = {}]; keys has {} heads of head_dim {}", codebook.kv_heads,
+               codebook.head_dim, keys.heads, keys.head_dim);
+  check_vq_codes(where, "codes", codes);
+  KVSIFT_CHECK(codes.kv_heads == keys.heads, where, "codes.kv_heads (= {}) != keys.heads (= {})", codes.kv_heads,
+               keys.heads);
+}
+
+template <class T>
+void check_vq_codebook(const char* where, const VqCodebook<T>& codebook) {
+  KVSIFT_CHECK(codebook.data != nullptr, where, "codebook.data is a null pointer");
+  KVSIFT_CHECK(codebook.kv_heads > 0, where, "codebook.kv_heads (= {}) must be positive", codebook.kv_heads);
+  check_vq_codewords(where, "codebook.codewords", codebook.codewords);
+  check_vq_head_dim(where, "codebook", codebook.head_dim);
+}
+
+/// The group shape of q against the codebook: q.heads a multiple of codebook.kv_heads, the same head_dim.
+template <class T>
+void check_vq_query(const char* where, const QueryView<const T>& q, const VqCodebook<T>& codebook) {
+  validate(q, where, "q");
+  check_vq_codebook(where, codebook);
+  KVSIFT_CHECK(q.head_dim == codebook.head_dim, where, "q.head_dim (= {}) != codebook.head_dim (= {})", q.head_dim,
+               codebook.head_dim);
+  KVSIFT_CHECK(q.heads % codebook.kv_heads == 0, where, "q.heads (= {}) is not a multiple of codebook.kv_heads (= {})",
+               q.heads, codebook.kv_heads);
+}
+
+/// lut [batch * q_heads, codewords]: row b * q_heads + h is query head h of sequence b.
+inline void check_vq_lut_shape(const char* where, const char* name, const MatrixView<const float>& lut,
+                               std::int32_t batch, std::int32_t q_heads, std::int32_t codewords) {
+  validate(lut, where, name);
+  KVSIFT_CHECK(lut.rows == std::int64_t(batch) * q_heads && lut.cols == codewords, where,
+               "{} is [{}, {}]; expected [batch * q_heads = {} * {}, codewords = {}]", name, lut.rows, lut.cols, batch,
+               q_heads, codewords);
+}
+
+/// A scan: scores [batch * q_heads, cols] (group_max: [batch * kv_heads, cols]), codes with kv_heads dividing
+/// q_heads, slots and lengths [batch].
+inline void check_vq_scan(const char* where, std::int32_t batch, std::int32_t q_heads,
+                          const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
+                          const std::int32_t* lengths, const MatrixView<float>& scores, const VqScanOptions& options) {
+  check_vq_codes(where, "codes", codes);
+  KVSIFT_CHECK(q_heads % codes.kv_heads == 0, where, "q_heads (= {}) is not a multiple of codes.kv_heads (= {})",
+               q_heads, codes.kv_heads);
+  KVSIFT_CHECK(slots != nullptr && lengths != nullptr, where, "slots and lengths must be non-null");
+  validate(scores, where, "scores");
+  const std::int32_t heads = options.group_max ? codes.kv_heads : q_heads;
+  KVSIFT_CHECK(scores.rows == std::int64_t(batch) * heads, where, "scores.rows (= {}) != batch * {} (= {} * {})",
+               scores.rows, options.group_max ? "kv_heads (options.group_max)" : "q_heads", batch, heads);
+}
+
+}  // namespace kvsift::detail

@@ -1,0 +1,328 @@
+#pragma once
+/// CentroidKV (chunked soft matching, docs/centroidkv.md): per layer and kv head the prompt's K/V are merged into
+/// at most B = floor(R n) entries (n the prompt's length), each the degree-weighted mean of the tokens it absorbed,
+/// attended whole with weight log(degree) added to its scaled logit (the paper's equation 3). It does not select
+/// from the engine's cache: it replaces it by its merge store (selectors/centroid_kv/merge_store.hpp), the decode step's second
+/// source (selectors/selector.hpp SecondSource), attended through a paged view whose page table is the step's
+/// slots. Its primary selection is empty (counts 0: every token, sinks and recent ones included, lives in the
+/// store), so the step's attention window must be empty: prepare and select refuse one.
+///
+/// Life cycle, per layer (written once for both backends: only backend calls and context arrays):
+///   - prepare: each joining prompt in turn is loaded into a temporary prompt-sized store, merged by rounds
+///     j = 0, 1, ... at ratio r_j = max(r_init - j r_step, r_min), trigger 1, until every row has s <= B (the number
+///     of rounds is a host function of n: detail::centroid_kv_prefill_rounds), then copied into the selector's
+///     store. Refused: a slot twice, B <= sinks + recent (the budget cannot be met), a schedule above max_rounds or
+///     one that stalls. Allocates, once per call, a one-sequence store of the longest joining prompt (K and V
+///     [kv_heads, n, head_dim] in T, order, degree and log_degree [kv_heads, n]) and merge_round's workspace for it;
+///     on CUDA synchronizes (the lengths are read on the host, each budget is copied from it).
+///   - append (each decode step, the token already in the cache): one decode-time round at ratio 1 with trigger
+///     `interval` (a row with s >= B + interval merges min(links, s - B) links, decided per row
+///     inside the primitive: no host sync), then the token enters with degree 1. This is algorithm 1's order
+///     (add, attend, then compress), shifted by one step: the compression of step i runs before step i + 1's
+///     token is added.
+///   - select: clears the primary counts and lists every store row's live entries with their log-degrees.
+///
+/// Memory (the context's; index_bytes): K and V [max_slots, kv_heads, capacity, head_dim] in T, order, degree
+/// (int32) and log_degree (fp32) [max_slots, kv_heads, capacity], counts, budgets, the second source's selection
+/// [max_slots, kv_heads, capacity] (indices, log-weights) and its page table; capacity = ceil(R max_tokens) +
+/// interval. Workspace of append: merge_round's for the step's batch; of select: none.
+/// Include cpu/backend.hpp or cuda/backend.hpp (the primitives of the context) before instantiating it.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <span>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "kvsift/selectors/centroid_kv/detail/merge_store_checks.hpp"
+#include "kvsift/core/error.hpp"
+#include "kvsift/core/kv_cache.hpp"
+#include "kvsift/selectors/centroid_kv/merge_store.hpp"
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/selectors/detail/checks.hpp"
+#include "kvsift/selectors/selector.hpp"
+
+namespace kvsift {
+
+/// The paper's defaults (§6: 16 sinks, 64 recent, chunk 256, r_init 0.8, decay 0.2); r_min, interval and
+/// max_rounds are kvsift's (the paper gives none, issue 24).
+struct CentroidKVConfig {
+  float budget_ratio = 0.25f;    ///< R: each sequence keeps B = floor(R n) entries after its prefill of n tokens
+  std::int32_t sinks = 16;       ///< n1: the first entries, never merged
+  std::int32_t recent = 64;      ///< n2: the last entries, never merged
+  std::int32_t chunk = 256;      ///< c: entries per chunk of the middle
+  float r_init = 0.8f;           ///< ratio of the first prefill round (decode-time rounds: 1)
+  float r_step = 0.2f;           ///< δ_r: decrease per prefill round
+  float r_min = 0.2f;            ///< floor of the prefill schedule
+  std::int32_t interval = 64;    ///< g: a decode-time round runs once s >= B + g
+  std::int32_t max_rounds = 64;  ///< prefill rounds allowed; a prompt needing more is refused
+};
+
+namespace detail {
+
+inline void check_centroid_kv_config(const char* where, const CentroidKVConfig& c) {
+  KVSIFT_CHECK(c.budget_ratio > 0.0f && c.budget_ratio <= 1.0f, where, "config.budget_ratio (= {}) is outside (0, 1]",
+               c.budget_ratio);
+  KVSIFT_CHECK(c.sinks >= 0 && c.recent >= 0, where, "config.sinks (= {}) and config.recent (= {}) must be >= 0",
+               c.sinks, c.recent);
+  KVSIFT_CHECK(c.chunk >= 2, where, "config.chunk (= {}) must be >= 2", c.chunk);
+  KVSIFT_CHECK(c.r_min >= 0.0f && c.r_min <= c.r_init && c.r_init <= 1.0f && c.r_step >= 0.0f, where,
+               "config.r_min (= {}), r_init (= {}) and r_step (= {}) need 0 <= r_min <= r_init <= 1 and r_step >= 0",
+               c.r_min, c.r_init, c.r_step);
+  KVSIFT_CHECK(c.interval >= 1, where, "config.interval (= {}) must be >= 1", c.interval);
+  KVSIFT_CHECK(c.max_rounds >= 1, where, "config.max_rounds (= {}) must be >= 1", c.max_rounds);
+}
+
+/// A prompt's budget B = floor(R n).
+inline std::int32_t centroid_kv_budget(const CentroidKVConfig& c, std::int32_t n) {
+  return std::int32_t(std::floor(double(c.budget_ratio) * double(n)));
+}
+
+/// Round j's parameters at prefill (ratio r_j, trigger 1) and at decoding (below).
+inline MergeRoundParams centroid_kv_prefill_params(const CentroidKVConfig& c, std::int32_t j) {
+  const float r = std::max(c.r_init - float(j) * c.r_step, c.r_min);
+  return {.sinks = c.sinks, .recent = c.recent, .chunk = c.chunk, .ratio = r, .trigger = 1};
+}
+/// The decode-time round runs at ratio 1 (issue 24): it merges min(links, s - B), so a row is back to exactly B after
+/// each round once its middle has s - B links (B >= sinks + recent + interval for an even chunk: 144 at the defaults).
+/// At r_init it merged min(floor(r_init links), s - B), short of s - B for small B (B = 175 at the defaults: 63 of
+/// 64), and could merge nothing (interval 1, B = 81: floor(0.8 * 1) = 0), so the row overflowed. At ratio 1 every
+/// round makes progress: prepare ensures B > sinks + recent, so a row of B + interval entries has a middle of >= 2
+/// entries, >= 1 link, and s stays <= B + interval (the store's capacity holds it, B <= ceil(R max_tokens)); with
+/// fewer than interval links the row stays between B + 1 and B + interval. r_init only shapes the prefill schedule.
+inline MergeRoundParams centroid_kv_decode_params(const CentroidKVConfig& c) {
+  return {.sinks = c.sinks, .recent = c.recent, .chunk = c.chunk, .ratio = 1.0f, .trigger = c.interval};
+}
+
+/// The prefill rounds a prompt of n tokens takes to reach its budget (the counts of the rounds follow from n
+/// alone: detail::merge_round_links). Refuses B <= sinks + recent, a round that merges nothing while s > B (too
+/// few links for the ratio) and more than max_rounds rounds, naming n, R and B.
+inline std::int32_t centroid_kv_prefill_rounds(const char* where, const CentroidKVConfig& c, std::int32_t n) {
+  const std::int32_t budget = centroid_kv_budget(c, n);
+  KVSIFT_CHECK(budget > c.sinks + c.recent, where,
+               "a prompt of n = {} tokens at budget_ratio R = {} has budget B = {} <= sinks + recent (= {}): "
+               "CentroidKV cannot meet it",
+               n, c.budget_ratio, budget, c.sinks + c.recent);
+  std::int32_t s = n, rounds = 0;
+  while (s > budget) {
+    KVSIFT_CHECK(rounds < c.max_rounds, where,
+                 "a prompt of n = {} tokens at R = {} (B = {}) needs more than config.max_rounds (= {}) rounds", n,
+                 c.budget_ratio, budget, c.max_rounds);
+    const std::int32_t merged = merge_round_links(s, budget, centroid_kv_prefill_params(c, rounds));
+    KVSIFT_CHECK(merged > 0, where,
+                 "a prompt of n = {} tokens at R = {} (B = {}) stalls at {} entries after {} rounds: round {} merges "
+                 "nothing (too few links for its ratio)",
+                 n, c.budget_ratio, budget, s, rounds, rounds);
+    s -= merged;
+    ++rounds;
+  }
+  return rounds;
+}
+
+}  // namespace detail
+
+template <class T, class Context>
+class CentroidKV {
+  static_assert(BackendIncluded<Context>, "CentroidKV<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
+                                          "kvsift/cuda/backend.hpp (cuda::Context) before instantiating it");
+  template <class V>
+  using Array = typename Context::template array<V>;
+
+ public:
+  using value_type = T;
+  using context_type = Context;
+
+  /// Allocates the store for limits.max_slots sequences of up to limits.max_tokens prompt tokens and puts every
+  /// row in its empty state (count 0, order identity, budget 0).
+  CentroidKV(const SelectorLimits& limits, const CentroidKVConfig& config, const Context& ctx)
+      : limits_(limits), config_(config), slot_states_(limits.max_slots) {
+    detail::check_limits("CentroidKV", limits);
+    detail::check_centroid_kv_config("CentroidKV", config);
+    // The merge store's bounds, refused here rather than at the first prepare or append.
+    KVSIFT_CHECK(limits.head_dim <= kMergeMaxHeadDim, "CentroidKV", "limits.head_dim (= {}) exceeds {} (the merge store's bound)",
+                 limits.head_dim, kMergeMaxHeadDim);
+    if constexpr (Context::memory == MemorySpace::device) {
+      KVSIFT_CHECK(config.chunk <= kMergeMaxDeviceChunk, "CentroidKV",
+                   "config.chunk (= {}) exceeds {} (the CUDA matching kernel's bound)", config.chunk, kMergeMaxDeviceChunk);
+    }
+    capacity_ = std::int32_t(std::ceil(double(config.budget_ratio) * double(limits.max_tokens))) + config.interval;
+    const std::size_t rows = std::size_t(limits.max_slots) * std::size_t(limits.kv_heads);
+    const std::size_t entries = MergeStoreView<T>::entries(limits.max_slots, limits.kv_heads, capacity_);
+    k_.resize(MergeStoreView<T>::kv_elements(limits.max_slots, limits.kv_heads, capacity_, limits.head_dim));
+    v_.resize(k_.size());
+    order_.resize(entries);
+    degree_.resize(entries);
+    log_degree_.resize(entries);
+    count_.resize(rows);
+    budgets_.resize(std::size_t(limits.max_slots));
+    indices_.resize(entries);
+    counts_.resize(rows);
+    weights_.resize(entries);
+    page_indptr_.resize(std::size_t(limits.max_slots) + 1);
+    last_page_len_.resize(std::size_t(limits.max_slots));
+    std::vector<std::int32_t> order(entries);
+    for (std::size_t i = 0; i < entries; ++i) order[i] = std::int32_t(i % std::size_t(capacity_));
+    copy_from_host(order.data(), entries, order_.data(), ctx);
+    const std::vector<std::int32_t> zeros(rows, 0), capacities(std::size_t(limits.max_slots), capacity_);
+    copy_from_host(zeros.data(), rows, count_.data(), ctx);
+    copy_from_host(zeros.data(), budgets_.size(), budgets_.data(), ctx);
+    std::vector<std::int32_t> indptr(page_indptr_.size());
+    std::iota(indptr.begin(), indptr.end(), 0);
+    copy_from_host(indptr.data(), indptr.size(), page_indptr_.data(), ctx);
+    copy_from_host(capacities.data(), capacities.size(), last_page_len_.data(), ctx);
+  }
+
+  std::string_view name() const { return "CentroidKV"; }
+  const CentroidKVConfig& config() const { return config_; }
+  /// The primary selection is empty: every entry is the second source's.
+  std::int32_t capacity() const { return 0; }
+  static constexpr bool writes_log_weights() { return false; }
+  std::int32_t second_source_capacity() const { return capacity_; }
+
+  IndexBytes index_bytes() const {
+    const std::size_t bytes = (k_.size() + v_.size()) * sizeof(T) +
+                              (order_.size() + degree_.size() + count_.size() + budgets_.size() + indices_.size() +
+                               counts_.size() + page_indptr_.size() + last_page_len_.size()) *
+                                  sizeof(std::int32_t) +
+                              (log_degree_.size() + weights_.size()) * sizeof(float);
+    return Context::memory == MemorySpace::host ? IndexBytes{bytes, 0} : IndexBytes{0, bytes};
+  }
+
+  /// The store, in the context's memory: for tests and inspection.
+  MergeStoreView<const T> store() const {
+    return {k_.data(), v_.data(), order_.data(), degree_.data(), log_degree_.data(), count_.data(),
+            limits_.max_slots, limits_.kv_heads, capacity_, limits_.head_dim};
+  }
+  /// Each slot's budget B (context memory, [max_slots]).
+  const std::int32_t* budgets() const { return budgets_.data(); }
+
+  std::size_t select_workspace_bytes(const SelectShape& shape, const Context&) const {
+    detail::check_shape("CentroidKV::select_workspace_bytes", limits_, shape);
+    return 0;
+  }
+  std::size_t append_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
+    detail::check_shape("CentroidKV::append_workspace_bytes", limits_, shape);
+    return merge_round_workspace_bytes(shape.batch, limits_.kv_heads, capacity_, ctx);
+  }
+
+  void prepare(const PrefillInputs<T>& in, const Context& ctx) {
+    constexpr const char* where = "CentroidKV::prepare";
+    const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
+    check_no_window(where, in.attention.window);
+    const auto rows = std::size_t(batch);
+    std::vector<std::int32_t> budgets(rows), rounds(rows);
+    Array<std::int32_t> context_lengths(rows);
+    const auto [lengths, slots] =
+        detail::read_prefill_rows(where, limits_, in.cache, in.slots, context_lengths.data(), ctx);
+    std::int32_t longest = 1;
+    for (std::size_t b = 0; b < rows; ++b) {
+      KVSIFT_CHECK(lengths[b] > 0, where, "sequence {}'s prompt is empty (0 tokens): nothing to merge", b);
+      rounds[b] = detail::centroid_kv_prefill_rounds(where, config_, lengths[b]);
+      budgets[b] = detail::centroid_kv_budget(config_, lengths[b]);
+      longest = std::max(longest, lengths[b]);
+    }
+    detail::check_distinct_slots(where, "in.slots", slots.data(), batch);
+    // One prompt-sized store of one row, reused by each joining sequence in turn: its memory is bounded by the
+    // longest prompt, not by the batch's (128K tokens x 8 sequences would be ~4.3 GB at once).
+    const std::size_t entries = MergeStoreView<T>::entries(1, limits_.kv_heads, longest);
+    Array<T> k(MergeStoreView<T>::kv_elements(1, limits_.kv_heads, longest, limits_.head_dim)), v(k.size());
+    Array<std::int32_t> order(entries), degree(entries), count(std::size_t(limits_.kv_heads));
+    Array<float> log_degree(entries);
+    Array<std::int32_t> temp_slot(1), temp_budget(1);
+    const std::int32_t zero = 0;
+    copy_from_host(&zero, 1, temp_slot.data(), ctx);
+    const MergeStoreView<T> temp{k.data(),     v.data(), order.data(), degree.data(), log_degree.data(),
+                                 count.data(), 1,        limits_.kv_heads, longest,   limits_.head_dim};
+    Array<std::byte> workspace(merge_round_workspace_bytes(1, limits_.kv_heads, longest, ctx));
+    const std::span<std::byte> bytes(workspace.data(), workspace.size());
+    for (std::size_t b = 0; b < rows; ++b) {
+      copy_from_host(&budgets[b], 1, temp_budget.data(), ctx);
+      merge_store_load(cache_row(in.cache, std::int32_t(b)), temp_slot.data(), temp, ctx);
+      for (std::int32_t j = 0; j < rounds[b]; ++j) {
+        merge_round(temp, temp_slot.data(), 1, temp_budget.data(), detail::centroid_kv_prefill_params(config_, j), bytes,
+                    ctx);
+      }
+      merge_store_copy(temp.as_const(), temp_slot.data(), mutable_store(), in.slots + b, 1, ctx);
+    }
+    // Last, and synchronizing (copy_from_host waits for its stream): the temporary store's work is done before its
+    // arrays are freed on return.
+    for (std::size_t b = 0; b < rows; ++b) copy_from_host(&budgets[b], 1, budgets_.data() + slots[b], ctx);
+    slot_states_.mark_prepared(slots);
+  }
+
+  void append(const AppendInputs<T>& in, std::span<std::byte> workspace, const Context& ctx) {
+    constexpr const char* where = "CentroidKV::append";
+    const std::int32_t batch =
+        detail::check_step_cache(where, limits_, slot_states_, in.cache, in.slots, Context::memory);
+    KVSIFT_CHECK(in.lengths != nullptr, where, "in.lengths must be non-null");
+    WorkspaceLayout carving(workspace, where);
+    const std::span<std::byte> round_bytes =
+        carving.span(merge_round_workspace_bytes(batch, limits_.kv_heads, capacity_, ctx), "CentroidKV round scratch");
+    merge_round(mutable_store(), in.slots, batch, budgets_.data(), detail::centroid_kv_decode_params(config_),
+                round_bytes, ctx);
+    merge_store_append(in.cache, in.slots, in.lengths, mutable_store(), ctx);
+  }
+
+  void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte>, const Context& ctx) {
+    constexpr const char* where = "CentroidKV::select";
+    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
+    check_no_window(where, in.attention.window);
+    clear_counts(out, ctx);
+    merge_store_selection(store(), in.slots, second_selection(in.q.batch), ctx);
+  }
+
+  /// The store's rows of the step's slots, with the selection the last select wrote (valid until the next one).
+  SecondSource<T> second_source(const SelectInputs<T>& in) const {
+    return {merge_store_paged_view(store(), in.slots, page_indptr_.data(), last_page_len_.data(), in.q.batch),
+            second_selection(in.q.batch)};
+  }
+
+  /// Nothing to free: a released slot's rows stay as they are until a prepare loads the slot's next sequence.
+  void release(std::span<const std::int32_t> slots) { slot_states_.release("CentroidKV::release", slots); }
+  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
+
+ private:
+  static void check_no_window(const char* where, const AttentionWindow& window) {
+    KVSIFT_CHECK(window.empty(), where,
+                 "the attention window (sink {}, recent {}) must be empty: CentroidKV's store holds the sinks and the "
+                 "recent tokens itself",
+                 window.sink, window.recent);
+  }
+  /// Row b of a cache as a cache of one row (prepare loads one joining sequence at a time).
+  static KVCache<const T> cache_row(const KVCache<const T>& cache, std::int32_t b) {
+    return cache.visit([&](auto view) -> KVCache<const T> {
+      if constexpr (std::is_same_v<decltype(view), PagedKVView<const T>>) {
+        view.page_indptr += b;  // the row's pages: page_indices[page_indptr[b] ...] as before
+        view.last_page_len += b;
+      } else {
+        view.k += b * view.batch_stride;
+        view.v += b * view.batch_stride;
+        if (view.seq_lens != nullptr) view.seq_lens += b;
+      }
+      view.batch = 1;
+      return view;
+    });
+  }
+  MergeStoreView<T> mutable_store() {
+    return {k_.data(), v_.data(), order_.data(), degree_.data(), log_degree_.data(), count_.data(),
+            limits_.max_slots, limits_.kv_heads, capacity_, limits_.head_dim};
+  }
+  SelectionView second_selection(std::int32_t batch) const {
+    return {const_cast<std::int32_t*>(indices_.data()), const_cast<std::int32_t*>(counts_.data()),
+            const_cast<float*>(weights_.data()), batch, limits_.kv_heads, capacity_};
+  }
+
+  SelectorLimits limits_;
+  CentroidKVConfig config_;
+  std::int32_t capacity_ = 0;
+  detail::SlotStates slot_states_;
+  Array<T> k_, v_;
+  Array<std::int32_t> order_, degree_, count_, budgets_, indices_, counts_, page_indptr_, last_page_len_;
+  Array<float> log_degree_, weights_;
+};
+
+}  // namespace kvsift

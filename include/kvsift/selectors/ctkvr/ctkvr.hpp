@@ -1,0 +1,520 @@
+#pragma once
+/// CTKVR (Lin et al., 2025): centroid-then-token KV retrieval. The last C prefill queries of a sequence are its
+/// query centroids; each centroid's list holds, per kv head, the rho keys it attends most (the largest softmax
+/// weight any query head of the group gives them, over all the prompt's keys). A decode query recalls the lists
+/// of its C' most cosine-similar centroids (max over the group), reranks their union, plus the middle tokens no
+/// list can hold (those that left the recent window after prefill), by the exact softmax over that set (max over
+/// the group), and selects the best rho' (the budget). With the dynamic centroid update, the query then becomes a
+/// centroid whose list is the top rho of its rerank.
+///
+/// Written once for both backends from the shared primitives: centroid_scores, topk_rows, union_lists,
+/// append_range, candidate_scores, remap_selection, replace_list, store_centroids (docs/primitives.md).
+/// Include cpu/backend.hpp or cuda/backend.hpp before instantiating it.
+///
+/// Memory per slot (index_bytes): centroids [q_heads, max_centroids, head_dim] in T, lists [kv_heads,
+/// max_centroids, rho] int32 with their counts, FIFO cursors and first columns, the prefill boundary. prepare allocates scratch,
+/// reads the lengths (and a paged cache's page lists) on the host: on CUDA it synchronizes the stream.
+/// Workspace of select: the centroid scores [rows, max_centroids], the chosen lists, the candidates [rows,
+/// C' * rho + N] and their scores, the primitives' scratch (rows = batch * kv_heads, N the planned bound).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "kvsift/core/error.hpp"
+#include "kvsift/core/group_scores_options.hpp"
+#include "kvsift/core/inverted_lists.hpp"
+#include "kvsift/selectors/ctkvr/query_centroids.hpp"
+#include "kvsift/core/ranking.hpp"
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/selectors/detail/checks.hpp"
+#include "kvsift/selectors/selector.hpp"
+
+namespace kvsift {
+
+struct CtkvrConfig {
+  /// rho': tokens selected per (sequence, kv head) besides the attention window (the paper: 512 or 1024).
+  std::int32_t budget = 1024;
+  /// rho: keys per centroid list; 0: 5 * budget / 2 (the paper's rho = 2.5 rho').
+  std::int32_t list_size = 0;
+  /// C: centroids of a sequence, its last C prefill queries; 0: clamp(N / 16, 1, max_centroids), N the prompt's
+  /// length (the paper's min(2048, length / 16)). PrefillInputs::queries must hold at least C queries.
+  std::int32_t centroids = 0;
+  /// Centroid (and list) columns per slot. kvsift's choice: the dynamic update fills spare columns before it
+  /// evicts the oldest centroid, so a short prompt's index grows with the conversation up to this bound.
+  std::int32_t max_centroids = 2048;
+  /// C': centroids recalled per (sequence, kv head).
+  std::int32_t recalled_centroids = 4;
+  /// The dynamic centroid update (the paper's DCU, on by default).
+  bool dynamic_update = true;
+  /// Centroids scored per pass in prepare (kvsift's choice: bounds its [chunk, N] fp32 score scratch, 64 MiB at
+  /// 128K tokens; on the H100, 128 takes 40 ms at 32K where 32 takes 55, docs/ctkvr.md).
+  std::int32_t prepare_chunk = 128;
+  /// The paper's dynamic budget (its table 6, "dynamic 4%"): when > 0, each (sequence, kv head) selects
+  /// floor(budget_fraction * current length) tokens (the step's own included), at most `budget`, which stays
+  /// the selection's capacity and sizes the lists. 0: every row selects `budget`.
+  double budget_fraction = 0;
+  /// Keeps the prefill's centroids for the whole conversation: the dynamic update cycles over the spare columns
+  /// [C, max_centroids) alone (kvsift's choice; the paper evicts the oldest centroid, whatever made it). prepare
+  /// refuses a sequence whose C leaves no spare column.
+  bool pin_prefill_centroids = false;
+};
+
+namespace detail {
+inline GroupScoreOptions ctkvr_rerank_options(const AttentionOptions& attention) {
+  return {.sm_scale = attention.sm_scale, .reduce = GroupReduce::max, .softmax = true};
+}
+}  // namespace detail
+
+/// CTKVR's rerank, the stage without index state: the exact softmax over each row's candidates (max over the
+/// group), the budget's best back to token ids, and, for the dynamic update, the top rho as the query's new
+/// list. Ctkvr::select runs it in the index's context; the paper's hybrid (selectors/ctkvr/hybrid_step.hpp) runs it on
+/// the CPU over the host cache while the index stays on the GPU. The config is the checked one of a Ctkvr.
+template <class T, class Context>
+class CtkvrRerank {
+  static_assert(BackendIncluded<Context>, "CtkvrRerank<T, Context>: include kvsift/cpu/backend.hpp or "
+                                          "kvsift/cuda/backend.hpp first");
+
+ public:
+  CtkvrRerank(const SelectorLimits& limits, const CtkvrConfig& config) : limits_(limits), config_(config) {}
+
+  /// Workspace of run() for `batch` rows of `candidate_capacity` candidates.
+  std::size_t workspace_bytes(std::int32_t batch, std::int32_t candidate_capacity, const Context& ctx) const {
+    WorkspaceLayout counting;
+    layout(counting, batch, candidate_capacity, ctx);
+    return counting.bytes();
+  }
+
+  /// candidates [batch, kv_heads, capacity] (token ids; counts per row) -> out [batch, kv_heads, >= budget] token
+  /// ids, ascending; and, when entries.indices is set, entries [batch, kv_heads, list_size] the top rho. q, cache
+  /// and lengths ([batch], the cache's) in the context's memory.
+  void run(const QueryView<const T>& q, const KVCache<const T>& cache, const std::int32_t* lengths,
+           const AttentionOptions& attention, const SelectionView& candidates, const SelectionView& out,
+           const SelectionView& entries, std::span<std::byte> workspace, const Context& ctx) const {
+    const std::int32_t batch = candidates.batch, capacity = candidates.capacity;
+    const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
+    WorkspaceLayout carving(workspace, "CtkvrRerank::run");
+    const Buffers w = layout(carving, batch, capacity, ctx);
+    const auto scores = MatrixView<float>::packed(w.scores, rows, capacity);
+    candidate_scores(q, cache, candidates, detail::ctkvr_rerank_options(attention), scores, w.scores_scratch, ctx);
+    const auto ranked = MatrixView<const float>::packed(w.scores, rows, capacity);
+    TopKRowsOptions budget_options{};
+    if (config_.budget_fraction > 0) {
+      length_budgets(lengths, batch, limits_.kv_heads, {.fraction = config_.budget_fraction, .maximum = config_.budget},
+                     w.row_k, ctx);
+      budget_options.row_k = w.row_k;
+    }
+    const SelectionView positions{out.indices, out.counts, out.log_weights, std::int32_t(rows), 1, out.capacity};
+    topk_rows(ranked, candidates.counts, config_.budget, budget_options, positions, w.topk_scratch, ctx);
+    remap_selection(positions, candidates, positions, ctx);
+    if (entries.indices == nullptr) return;
+    const SelectionView entry_rows{entries.indices, entries.counts, nullptr, std::int32_t(rows), 1, entries.capacity};
+    topk_rows(ranked, candidates.counts, config_.list_size, TopKRowsOptions{}, entry_rows, w.topk_scratch, ctx);
+    remap_selection(entry_rows, candidates, entry_rows, ctx);
+  }
+
+ private:
+  struct Buffers {
+    float* scores;
+    std::int32_t* row_k;
+    std::span<std::byte> scores_scratch, topk_scratch;
+  };
+  Buffers layout(WorkspaceLayout& layout, std::int32_t batch, std::int32_t capacity, const Context& ctx) const {
+    const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
+    Buffers b{};
+    b.scores = layout.allocate<float>(std::size_t(rows) * std::size_t(capacity), "CTKVR candidate scores");
+    b.row_k = config_.budget_fraction > 0 ? layout.allocate<std::int32_t>(std::size_t(rows), "CTKVR budgets per row")
+                                          : nullptr;
+    b.scores_scratch = layout.span(
+        candidate_scores_workspace_bytes(rows, limits_.q_heads / limits_.kv_heads, capacity, ctx),
+        "CTKVR candidate scores scratch");
+    const std::int32_t k = std::max(config_.budget, config_.dynamic_update ? config_.list_size : 0);
+    b.topk_scratch = layout.span(topk_rows_workspace_bytes(rows, capacity, k, {}, ctx), "CTKVR rerank top-k scratch");
+    return b;
+  }
+
+  SelectorLimits limits_;
+  CtkvrConfig config_;
+};
+
+template <class T, class Context>
+class Ctkvr {
+  static_assert(BackendIncluded<Context>, "Ctkvr<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
+                                          "kvsift/cuda/backend.hpp (cuda::Context) before instantiating it");
+  template <class V>
+  using Array = typename Context::template array<V>;
+
+ public:
+  using value_type = T;
+  using context_type = Context;
+
+  Ctkvr(const SelectorLimits& limits, const CtkvrConfig& config)
+      : limits_(limits), config_(checked(limits, config)), rerank_(limits, config_), slot_states_(limits.max_slots) {
+    const auto slots = std::size_t(limits.max_slots), kv = std::size_t(limits.kv_heads);
+    const auto columns = std::size_t(config_.max_centroids);
+    centroids_.resize(QueryCentroidsView<T>::elements(limits.max_slots, limits.q_heads, config_.max_centroids,
+                                                      limits.head_dim));
+    centroid_counts_.resize(slots);
+    list_ids_.resize(slots * kv * columns * std::size_t(config_.list_size));
+    list_counts_.resize(slots * kv * columns);
+    cursors_.resize(slots * kv);
+    fifo_begin_.resize(slots);
+    boundaries_.resize(slots);
+    union_sizes_.resize(slots * kv);
+    full_columns_.resize(slots);
+  }
+
+  std::string_view name() const { return "CTKVR"; }
+  /// Views of the index, in the context's memory: for tests and inspection.
+  QueryCentroidsView<const T> index_centroids() const {
+    return {centroids_.data(), centroid_counts_.data(), limits_.max_slots, limits_.q_heads, config_.max_centroids,
+            limits_.head_dim};
+  }
+  InvertedListsView<const float> index_lists() const {
+    return {list_ids_.data(), nullptr, list_counts_.data(), cursors_.data(), limits_.max_slots, limits_.kv_heads,
+            config_.max_centroids, config_.list_size, fifo_begin_.data()};
+  }
+  /// The last select's (or recall's) union sizes, [batch * kv_heads] in the context's memory: per (sequence, kv
+  /// head) the distinct ids of the C' recalled lists left after the window, before the unindexed middle joins
+  /// them. Over list_size * recalled_centroids it is the paper's deduplication coefficient (below 0.5 in its
+  /// figure). Valid for the rows of the last call until the next one.
+  const std::int32_t* last_union_sizes() const { return union_sizes_.data(); }
+  std::int32_t capacity() const { return config_.budget; }
+  const CtkvrConfig& config() const { return config_; }
+  IndexBytes index_bytes() const {
+    const std::size_t bytes = centroids_.size() * sizeof(T) +
+                              (centroid_counts_.size() + list_ids_.size() + list_counts_.size() + cursors_.size() +
+                               fifo_begin_.size() + boundaries_.size()) * sizeof(std::int32_t);
+    return Context::memory == MemorySpace::host ? IndexBytes{bytes, 0} : IndexBytes{0, bytes};
+  }
+  /// Candidates per row for sequences of up to `max_seq_len` tokens: C' lists and the unindexed middle.
+  std::int32_t candidate_capacity(std::int32_t max_seq_len) const {
+    return config_.recalled_centroids * config_.list_size + max_seq_len;
+  }
+
+  std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
+    return detail::planned_workspace_bytes(
+        "Ctkvr::select_workspace_bytes", limits_, shape,
+        [&](WorkspaceLayout& counting, std::int32_t tokens) { layout(counting, shape.batch, tokens, ctx); });
+  }
+  std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
+    detail::check_shape("Ctkvr::append_workspace_bytes", limits_, shape);
+    return 0;
+  }
+  /// Workspace of recall() for `shape`.
+  std::size_t recall_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
+    detail::check_shape("Ctkvr::recall_workspace_bytes", limits_, shape);
+    WorkspaceLayout counting;
+    layout_recall(counting, shape.batch, ctx);
+    return counting.bytes();
+  }
+
+  /// Builds the index of the joining sequences: centroids from in.queries (the last C of each head), lists over
+  /// the prompt's keys, less in.attention's window. Allocates scratch; on CUDA synchronizes the stream. Refused
+  /// before anything changes: a non-finite prefill query or prompt key (detail::check_finite_prompt).
+  void prepare(const PrefillInputs<T>& in, const Context& ctx) {
+    constexpr const char* where = "Ctkvr::prepare";
+    const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
+    validate(in.queries, where, "in.queries");
+    KVSIFT_CHECK(in.queries.batch == batch && in.queries.heads == limits_.q_heads &&
+                     in.queries.head_dim == limits_.head_dim,
+                 where, "in.queries [{}, {}, W, {}] != [batch = {}, q_heads = {}, W, head_dim = {}]", in.queries.batch,
+                 in.queries.heads, in.queries.head_dim, batch, limits_.q_heads, limits_.head_dim);
+    validate(in.attention.window, where, "in.attention.window");
+    Array<std::int32_t> context_lengths(static_cast<std::size_t>(batch));
+    const auto [lengths, slots] =
+        detail::read_prefill_rows(where, limits_, in.cache, in.slots, context_lengths.data(), ctx);
+    detail::check_finite_prompt(where, in.cache, context_lengths.data(), in.queries, ctx);
+    const std::vector<std::int32_t> full(std::size_t(limits_.max_slots), config_.max_centroids);
+    copy_from_host(full.data(), full.size(), full_columns_.data(), ctx);
+    for (std::int32_t b = 0; b < batch; ++b) prepare_sequence(in, b, slots[b], lengths[b], ctx);
+    slot_states_.mark_prepared(slots);
+  }
+  void append(const AppendInputs<T>& in, std::span<std::byte>, const Context&) {
+    detail::check_step_cache("Ctkvr::append", limits_, slot_states_, in.cache, in.slots, Context::memory);
+  }
+  /// A joining sequence's prepare rebuilds its slot.
+  void release(std::span<const std::int32_t> slots) { slot_states_.release("Ctkvr::release", slots); }
+  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
+
+  void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
+              const Context& ctx) {
+    constexpr const char* where = "Ctkvr::select";
+    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
+    const std::int32_t batch = in.q.batch;
+    const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
+    WorkspaceLayout carving(workspace, where);
+    const Buffers w = layout(carving, batch, tokens, ctx);
+    const SelectionView candidates{w.candidates, w.candidate_counts, nullptr, batch, limits_.kv_heads,
+                                   candidate_capacity(tokens)};
+    recall_into(in, candidates, w.recall, ctx);
+    const SelectionView entries{w.entries, w.entry_counts, nullptr, batch, limits_.kv_heads, config_.list_size};
+    rerank_.run(in.q, in.cache, in.lengths, in.attention, candidates, out,
+                config_.dynamic_update ? entries : SelectionView{}, w.rerank, ctx);
+    if (config_.dynamic_update) update(in.q, in.slots, entries, w.replaced, ctx);
+  }
+
+  /// Select's first stage, alone (the hybrid placement's GPU part): the C' best centroids per (sequence, kv
+  /// head), the union of their lists and the unindexed middle, into `candidates` [batch, kv_heads,
+  /// candidate_capacity(max_seq_len)] (token ids, ascending within each part). in.cache is read for nothing
+  /// but its shape; in.lengths and in.slots as in select.
+  void recall(const SelectInputs<T>& in, const SelectionView& candidates, std::span<std::byte> workspace,
+              const Context& ctx) {
+    constexpr const char* where = "Ctkvr::recall";
+    detail::check_select(where, limits_, slot_states_, in, candidates, candidates.capacity, Context::memory);
+    const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
+    KVSIFT_CHECK(candidates.capacity >= candidate_capacity(tokens), where,
+                 "candidates.capacity (= {}) < candidate_capacity(max_seq_len) (= {})", candidates.capacity,
+                 candidate_capacity(tokens));
+    WorkspaceLayout carving(workspace, where);
+    recall_into(in, candidates, layout_recall(carving, in.q.batch, ctx), ctx);
+  }
+
+  /// Select's last stage, alone: each row's query q becomes a centroid (FIFO over the columns) whose list is
+  /// entries' row [batch, kv_heads, list_size] (the rerank's top rho). `replaced` [batch * kv_heads] is scratch in
+  /// the context's memory. Nothing to do without the dynamic update.
+  void update(const QueryView<const T>& q, const std::int32_t* slots, const SelectionView& entries,
+              std::int32_t* replaced, const Context& ctx) {
+    if (!config_.dynamic_update) return;
+    replace_list(lists(), slots, entries, MatrixView<const float>{}, replaced, ctx);
+    const SequenceView<const T> query{q.data, q.batch, q.heads, 1, q.head_dim, q.batch_stride, q.head_stride,
+                                      q.head_dim};
+    store_centroids(query, slots, replaced, limits_.kv_heads, centroids(), ctx);
+  }
+
+ private:
+  struct RecallBuffers {
+    float* centroid_scores;
+    std::int32_t *chosen, *chosen_counts;
+    std::span<std::byte> centroid_topk, union_scratch;
+  };
+  struct Buffers {
+    RecallBuffers recall;
+    std::int32_t *candidates, *candidate_counts, *entries, *entry_counts, *replaced;
+    std::span<std::byte> rerank;
+  };
+
+  /// Query heads per scoring row in prepare: the CUDA group-score kernels' tile (two of the CPU's).
+  static constexpr std::int32_t kPrepareTileHeads = 16;
+
+  static CtkvrConfig checked(const SelectorLimits& limits, CtkvrConfig c) {
+    constexpr const char* where = "Ctkvr";
+    detail::check_limits(where, limits);
+    KVSIFT_CHECK(c.budget > 0, where, "config.budget (= {}) must be positive", c.budget);
+    if (c.list_size == 0) c.list_size = 5 * c.budget / 2;
+    KVSIFT_CHECK(c.list_size > 0, where, "config.list_size (= {}) must be positive", c.list_size);
+    KVSIFT_CHECK(c.max_centroids > 0, where, "config.max_centroids (= {}) must be positive", c.max_centroids);
+    KVSIFT_CHECK(c.centroids >= 0 && c.centroids <= c.max_centroids, where,
+                 "config.centroids (= {}) is outside [0, max_centroids = {}]", c.centroids, c.max_centroids);
+    KVSIFT_CHECK(c.recalled_centroids > 0 && c.recalled_centroids <= c.max_centroids, where,
+                 "config.recalled_centroids (C' = {}) is outside [1, max_centroids = {}]", c.recalled_centroids,
+                 c.max_centroids);
+    KVSIFT_CHECK(c.budget <= std::int64_t(c.list_size) * c.recalled_centroids, where,
+                 "config.budget (rho' = {}) exceeds list_size * recalled_centroids (rho * C' = {} * {})", c.budget,
+                 c.list_size, c.recalled_centroids);
+    KVSIFT_CHECK(c.prepare_chunk > 0, where, "config.prepare_chunk (= {}) must be positive", c.prepare_chunk);
+    KVSIFT_CHECK(c.budget_fraction >= 0 && c.budget_fraction <= 1, where,
+                 "config.budget_fraction (= {}) is outside [0, 1] (0: a fixed budget)", c.budget_fraction);
+    return c;
+  }
+  RecallBuffers layout_recall(WorkspaceLayout& layout, std::int32_t batch, const Context& ctx) const {
+    const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
+    const auto r = std::size_t(rows);
+    const std::int32_t columns = config_.max_centroids;
+    RecallBuffers b{};
+    b.centroid_scores = layout.allocate<float>(r * std::size_t(columns), "CTKVR centroid scores");
+    b.chosen = layout.allocate<std::int32_t>(r * std::size_t(config_.recalled_centroids), "CTKVR chosen lists");
+    b.chosen_counts = layout.allocate<std::int32_t>(r, "CTKVR chosen counts");
+    b.centroid_topk = layout.span(topk_rows_workspace_bytes(rows, columns, config_.recalled_centroids, {}, ctx),
+                                  "CTKVR centroid top-k scratch");
+    b.union_scratch = layout.span(
+        list_reduction_workspace_bytes(rows, config_.recalled_centroids, config_.list_size, false, ctx),
+        "CTKVR union scratch");
+    return b;
+  }
+  Buffers layout(WorkspaceLayout& layout, std::int32_t batch, std::int32_t tokens, const Context& ctx) const {
+    const auto r = std::size_t(std::int64_t(batch) * limits_.kv_heads);
+    const std::int32_t cap = candidate_capacity(tokens);
+    Buffers b{};
+    b.recall = layout_recall(layout, batch, ctx);
+    b.candidates = layout.allocate<std::int32_t>(r * std::size_t(cap), "CTKVR candidates");
+    b.candidate_counts = layout.allocate<std::int32_t>(r, "CTKVR candidate counts");
+    b.entries = layout.allocate<std::int32_t>(r * std::size_t(config_.list_size), "CTKVR new list");
+    b.entry_counts = layout.allocate<std::int32_t>(r, "CTKVR new list counts");
+    b.replaced = layout.allocate<std::int32_t>(r, "CTKVR replaced columns");
+    b.rerank = layout.span(rerank_.workspace_bytes(batch, cap, ctx), "CTKVR rerank");
+    return b;
+  }
+
+  void recall_into(const SelectInputs<T>& in, const SelectionView& candidates, const RecallBuffers& w,
+                   const Context& ctx) {
+    const std::int32_t batch = in.q.batch, kv = limits_.kv_heads, columns = config_.max_centroids;
+    const std::int64_t rows = std::int64_t(batch) * kv;
+    centroid_scores(in.q, centroids().as_const(), in.slots, kv, MatrixView<float>::packed(w.centroid_scores, rows, columns),
+                    ctx);
+    const SelectionView chosen{w.chosen, w.chosen_counts, nullptr, batch, kv, config_.recalled_centroids};
+    topk_rows(MatrixView<const float>::packed(w.centroid_scores, rows, columns), full_columns_.data(),
+              config_.recalled_centroids, TopKRowsOptions{}, chosen, w.centroid_topk, ctx);
+    union_lists(lists().as_const(), chosen, in.slots, in.lengths, in.attention.window, candidates, w.union_scratch, ctx);
+    copy_within(candidates.counts, std::size_t(rows), union_sizes_.data(), ctx);
+    append_range(candidates, in.slots, boundaries_.data(), in.lengths, in.attention.window, ctx);
+  }
+
+  QueryCentroidsView<T> centroids() {
+    return {centroids_.data(), centroid_counts_.data(), limits_.max_slots, limits_.q_heads, config_.max_centroids,
+            limits_.head_dim};
+  }
+  InvertedListsView<float> lists() {  // ids only (no scores: the score type is unused)
+    return {list_ids_.data(), nullptr, list_counts_.data(), cursors_.data(), limits_.max_slots, limits_.kv_heads,
+            config_.max_centroids, config_.list_size, fifo_begin_.data()};
+  }
+
+  /// Batch row b's index: its centroids, then per kv head and chunk of centroids the lists (group_scores with
+  /// softmax, each centroid's heads reduced by max into its own row, over the sequence broadcast to the chunk's
+  /// rows of centroids; topk_rows straight into the list storage).
+  void prepare_sequence(const PrefillInputs<T>& in, std::int32_t b, std::int32_t slot, std::int32_t length,
+                        const Context& ctx) {
+    constexpr const char* where = "Ctkvr::prepare";
+    const AttentionWindow window = in.attention.window;
+    const std::int32_t c_count =
+        config_.centroids > 0 ? config_.centroids : std::clamp(length / 16, 1, config_.max_centroids);
+    KVSIFT_CHECK(in.queries.tokens >= c_count, where,
+                 "in.queries holds {} queries per head; CTKVR needs the last C = {} (config.centroids, or "
+                 "clamp(N / 16, 1, max_centroids) with N = {})",
+                 in.queries.tokens, c_count, length);
+    KVSIFT_CHECK(config_.recalled_centroids <= c_count, where,
+                 "config.recalled_centroids (C' = {}) exceeds the sequence's centroids (C = {})",
+                 config_.recalled_centroids, c_count);
+    const bool pinned = config_.pin_prefill_centroids && config_.dynamic_update;
+    KVSIFT_CHECK(!pinned || c_count < config_.max_centroids, where,
+                 "config.pin_prefill_centroids leaves the dynamic update no column: sequence {} has C = {} centroids "
+                 "and config.max_centroids is {}; raise max_centroids or lower centroids",
+                 b, c_count, config_.max_centroids);
+    const std::int32_t middle = std::max(0, window.recent_begin(length) - window.sink_end(length));
+    KVSIFT_CHECK(config_.list_size <= middle, where,
+                 "config.list_size (rho = {}) is larger than sequence {}'s middle ({} of its {} tokens, less the window)",
+                 config_.list_size, b, middle, length);
+    const std::int32_t first_query = in.queries.tokens - c_count;
+    const std::int32_t* slot_pointer = in.slots + b;
+    const SequenceView<const T> last{in.queries.row(b, 0, first_query), 1, in.queries.heads, c_count,
+                                     in.queries.head_dim, in.queries.batch_stride, in.queries.head_stride,
+                                     in.queries.token_stride};
+    store_centroids(last, slot_pointer, nullptr, limits_.kv_heads, centroids(), ctx);
+
+    // Rows of `per_row` centroids: a row's per_row * G query heads (packed) fill one 16-head tile of the scoring
+    // kernels, so each read of K serves per_row centroids; each centroid's G heads reduce into its own score row
+    // (heads_per_row). The sequence is broadcast to the chunk's rows. A chunk's last row may hold stale or zero
+    // queries past its centroids: their score rows are not ranked.
+    const std::int32_t group = limits_.q_heads / limits_.kv_heads, chunk = std::min(config_.prepare_chunk, c_count);
+    const std::int32_t d = limits_.head_dim, per_row = std::max(1, kPrepareTileHeads / group);
+    const std::int32_t max_rows = (chunk + per_row - 1) / per_row;
+    GroupScoreOptions options = detail::ctkvr_rerank_options(in.attention);
+    options.heads_per_row = group;
+    const std::vector<T> zeros(std::size_t(max_rows) * per_row * group * d, T{});
+    Array<T> packed(zeros.size());
+    copy_from_host(zeros.data(), zeros.size(), packed.data(), ctx);
+    Array<float> scores(std::size_t(max_rows) * per_row * std::size_t(length));
+    Array<std::byte> group_ws(group_scores_workspace_bytes(max_rows, per_row * group, 1, length, options, ctx));
+    Array<std::byte> topk_ws(topk_rows_workspace_bytes(chunk, length, config_.list_size, {.window = window}, ctx));
+    const std::vector<std::int32_t> host_lengths(std::size_t(chunk), length);
+    Array<std::int32_t> chunk_lengths(host_lengths.size());
+    copy_from_host(host_lengths.data(), host_lengths.size(), chunk_lengths.data(), ctx);
+    const BroadcastCache broadcast = broadcast_cache(in.cache, b, max_rows, chunk_lengths.data(), ctx);
+    for (std::int32_t g = 0; g < limits_.kv_heads; ++g) {
+      for (std::int32_t c0 = 0; c0 < c_count; c0 += chunk) {
+        const std::int32_t n = std::min(chunk, c_count - c0), rows = (n + per_row - 1) / per_row;
+        for (std::int32_t j = 0; j < group; ++j) {  // packed head c * G + j: centroid c's query head g * G + j
+          copy_rows_within(in.queries.row(b, g * group + j, first_query + c0), in.queries.token_stride,
+                           packed.data() + std::int64_t(j) * d, std::int64_t(group) * d, d, n, ctx);
+        }
+        const QueryView<const T> q{packed.data(), rows, per_row * group, d, std::int64_t(per_row) * group * d, d};
+        const auto chunk_scores = MatrixView<float>::packed(scores.data(), std::int64_t(rows) * per_row, length);
+        group_scores(q, broadcast.head(g, rows), chunk_scores, options,
+                     std::span<std::byte>(group_ws.data(), group_ws.size()), ctx);
+        const std::int64_t list = (std::int64_t(slot) * limits_.kv_heads + g) * config_.max_centroids + c0;
+        const SelectionView into{list_ids_.data() + list * config_.list_size, list_counts_.data() + list, nullptr, n, 1,
+                                 config_.list_size};
+        topk_rows(MatrixView<const float>::packed(scores.data(), n, length), chunk_lengths.data(), config_.list_size,
+                  TopKRowsOptions{.window = window}, into, std::span<std::byte>(topk_ws.data(), topk_ws.size()), ctx);
+      }
+      // Spare columns hold empty lists until the dynamic update fills them.
+      const std::int64_t spare = (std::int64_t(slot) * limits_.kv_heads + g) * config_.max_centroids + c_count;
+      if (c_count < config_.max_centroids) {
+        clear_counts(SelectionView{list_ids_.data(), list_counts_.data() + spare, nullptr, config_.max_centroids - c_count,
+                                   1, 1},
+                     ctx);
+      }
+    }
+    const std::int32_t count = c_count, boundary = window.recent_begin(length), fifo_begin = pinned ? c_count : 0;
+    const std::vector<std::int32_t> cursors(std::size_t(limits_.kv_heads), c_count % config_.max_centroids);
+    copy_from_host(&count, 1, centroid_counts_.data() + slot, ctx);
+    copy_from_host(&boundary, 1, boundaries_.data() + slot, ctx);
+    copy_from_host(&fifo_begin, 1, fifo_begin_.data() + slot, ctx);
+    copy_from_host(cursors.data(), cursors.size(), cursors_.data() + std::size_t(slot) * limits_.kv_heads, ctx);
+  }
+
+  /// Sequence b of the cache as `rows` identical rows, one kv head at a time: contiguous by a zero batch
+  /// stride, paged by repeating its page list (built on the host).
+  struct BroadcastCache {
+    KVCache<const T> base;
+    Array<std::int32_t> indptr, pages, last;
+    const std::int32_t* lengths;
+    std::int32_t sequence;
+
+    KVCache<const T> head(std::int32_t g, std::int32_t rows) const {
+      if (!base.is_paged()) {
+        ContiguousKVView<const T> v = base.contiguous;
+        v.k = v.k_row(sequence, g, 0);
+        v.v = v.v_row(sequence, g, 0);
+        v.seq_lens = lengths;
+        v.batch = rows;
+        v.kv_heads = 1;
+        v.batch_stride = 0;
+        return v;
+      }
+      PagedKVView<const T> v = base.paged;
+      v.k_pages += std::int64_t(g) * v.head_stride;
+      v.v_pages += std::int64_t(g) * v.head_stride;
+      v.page_indptr = indptr.data();
+      v.page_indices = pages.data();
+      v.last_page_len = last.data();
+      v.batch = rows;
+      v.kv_heads = 1;
+      return v;
+    }
+  };
+  BroadcastCache broadcast_cache(const KVCache<const T>& cache, std::int32_t b, std::int32_t rows,
+                                 const std::int32_t* lengths, const Context& ctx) const {
+    BroadcastCache out{cache, {}, {}, {}, lengths, b};
+    if (!cache.is_paged()) return out;
+    const PagedKVView<const T>& p = cache.paged;
+    std::int32_t bounds[2], last_len = 0;
+    copy_to_host(p.page_indptr + b, 2, bounds, ctx);
+    copy_to_host(p.last_page_len + b, 1, &last_len, ctx);
+    const std::int32_t count = bounds[1] - bounds[0];
+    std::vector<std::int32_t> own(std::size_t(std::max(count, 0))), indptr(std::size_t(rows) + 1), pages, last(std::size_t(rows), last_len);
+    copy_to_host(p.page_indices + bounds[0], own.size(), own.data(), ctx);
+    for (std::int32_t r = 0; r <= rows; ++r) indptr[std::size_t(r)] = r * count;
+    for (std::int32_t r = 0; r < rows; ++r) pages.insert(pages.end(), own.begin(), own.end());
+    out.indptr.resize(indptr.size());
+    out.pages.resize(std::max<std::size_t>(pages.size(), 1));
+    out.last.resize(last.size());
+    copy_from_host(indptr.data(), indptr.size(), out.indptr.data(), ctx);
+    copy_from_host(pages.data(), pages.size(), out.pages.data(), ctx);
+    copy_from_host(last.data(), last.size(), out.last.data(), ctx);
+    return out;
+  }
+
+  SelectorLimits limits_;
+  CtkvrConfig config_;
+  CtkvrRerank<T, Context> rerank_;
+  detail::SlotStates slot_states_;
+  Array<T> centroids_;
+  Array<std::int32_t> centroid_counts_, list_ids_, list_counts_, cursors_, fifo_begin_, boundaries_, union_sizes_;
+  Array<std::int32_t> full_columns_;
+};
+
+}  // namespace kvsift

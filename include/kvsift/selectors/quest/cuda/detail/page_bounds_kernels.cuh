@@ -1,0 +1,360 @@
+#pragma once
+/// Kernels and launchers of cuda/page_bounds.hpp. The launchers' declarations compile anywhere (the host
+/// compiler's src/selectors/quest/cuda/page_bounds.cpp checks the arguments and calls them); their bodies and the kernels
+/// compile under nvcc only, instantiated once in kernels/page_bounds.cu. Launchers return the launch status and
+/// never throw. Every kernel reads the device values it depends on (slots, lengths, counts) itself and follows
+/// the out-of-range rules of cuda/page_bounds.hpp.
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kvsift/attention/options.hpp"
+#include "kvsift/core/supported_values.hpp"
+#include "kvsift/selectors/quest/page_bounds_view.hpp"
+#include "kvsift/core/views.hpp"
+
+namespace kvsift::cuda::detail {
+
+/// page_scores: pages per CTA, between these bounds, the most that still gives two CTAs per SM (plan_score_chunk):
+/// long chunks spare CTAs their q staging (256 pages: 21.9 us at 128K, batch 1, against 27.7 us in chunks of 64),
+/// but short calls need the CTAs (64 pages: 8.6 us at 32K, batch 1, against 17.2 us in chunks of 256).
+/// kScoreHeadTile: the query heads whose q a CTA keeps in registers at once.
+inline constexpr int kScoreMinPagesPerCta = 64;
+inline constexpr int kScoreMaxPagesPerCta = 256;
+inline constexpr int kScoreHeadTile = 8;
+inline constexpr int kScoreThreads = 256;
+/// Two CTAs per SM (at most 128 registers a thread; q takes 64): 16 warps, each with a 16-byte load per lane of
+/// a page in flight, about the 16 KB per SM that HBM3 bandwidth times latency asks for. Unbounded, ptxas used
+/// 144 registers and one CTA fit.
+inline constexpr int kScoreCtasPerSm = 2;
+/// Steps of kPagesPerWarp pages whose loads a warp issues before it uses the first (four spill at the kernel's
+/// 128 registers).
+inline constexpr int kScoreStepsInFlight = 2;
+/// expand_pages: threads of the one CTA per selection row, each taking one chosen page per round.
+inline constexpr int kExpandThreads = 128;
+
+template <class T>
+struct PageScoreParams {
+  QueryView<const T> q;
+  PageBoundsView<const T> bounds;
+  const std::int32_t* slots;
+  const std::int32_t* lengths;
+  AttentionWindow window;
+  MatrixView<float> scores;
+  std::int32_t* page_counts;
+  std::int32_t group;       ///< q.heads / bounds.kv_heads
+  std::int32_t page_limit;  ///< min(bounds.max_pages, scores.cols): a row with more pages is refused on the device
+  std::int32_t chunk;       ///< pages per CTA (plan_score_chunk)
+  std::int32_t chunks;      ///< CTAs per row: ceil(page_limit / chunk)
+};
+
+/// page_scores' pages per CTA for `rows` rows of `page_limit` pages on `sms` SMs (kScoreMinPagesPerCta).
+inline std::int32_t plan_score_chunk(std::int64_t rows, std::int32_t page_limit, int sms) {
+  std::int32_t chunk = kScoreMaxPagesPerCta;
+  while (chunk > kScoreMinPagesPerCta &&
+         rows * ((page_limit + chunk - 1) / chunk) < std::int64_t(kScoreCtasPerSm) * sms) {
+    chunk /= 2;
+  }
+  return chunk;
+}
+
+template <class T, class KV>
+cudaError_t launch_build_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds,
+                                     cudaStream_t stream);
+template <class T, class KV>
+cudaError_t launch_append_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds,
+                                      cudaStream_t stream);
+/// params.chunks * rows CTAs; head_dim must be one of kCudaAttentionHeadDims (core/supported_values.hpp).
+template <class T>
+cudaError_t launch_page_scores(const PageScoreParams<T>& params, cudaStream_t stream);
+cudaError_t launch_expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* lengths,
+                                const AttentionWindow& window, const SelectionView& out, cudaStream_t stream);
+
+}  // namespace kvsift::cuda::detail
+
+#if defined(__CUDACC__)
+
+#include <cub/block/block_scan.cuh>
+
+#include "kvsift/cuda/detail/primitives_kernels.cuh"
+#include "kvsift/cuda/dtype.cuh"
+
+namespace kvsift::cuda::detail {
+
+inline constexpr int kPageBoundsThreads = 256;
+
+/// One thread per (batch row, kv head, page, channel): consecutive threads read consecutive channels of a key
+/// row, so each token's row is one coalesced read. Build runs at prefill; nothing here is tuned.
+template <class T, class KV>
+__global__ void build_page_bounds_kernel(KV kv, const std::int32_t* slots, PageBoundsView<T> bounds) {
+  const std::int64_t per_row = std::int64_t(bounds.max_pages) * bounds.head_dim;
+  const std::int64_t total = std::int64_t(kv.batch) * kv.kv_heads * per_row;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t row = i / per_row, page = i % per_row / bounds.head_dim, c = i % bounds.head_dim;
+    const std::int64_t b = row / kv.kv_heads, h = row % kv.kv_heads;
+    const std::int32_t slot = slots[b], len = kv.seq_len(b);
+    const std::int64_t first = page * bounds.page_size;
+    if (slot < 0 || slot >= bounds.slots || len > bounds.max_tokens() || first >= len) continue;
+    const std::int64_t end = min(std::int64_t(len), first + bounds.page_size);
+    T lo = kv.k_row(b, h, first)[c], hi = lo;
+    float lo_f = to_float_device(lo), hi_f = lo_f;
+    for (std::int64_t t = first + 1; t < end; ++t) {
+      const T k = kv.k_row(b, h, t)[c];
+      const float x = to_float_device(k);
+      if (kvsift::detail::replaces_min(x, lo_f)) lo = k, lo_f = x;
+      if (kvsift::detail::replaces_max(x, hi_f)) hi = k, hi_f = x;
+    }
+    bounds.lo(slot, h, page)[c] = lo;
+    bounds.hi(slot, h, page)[c] = hi;
+  }
+}
+
+/// One thread per (batch row, kv head, channel) of the step's token.
+template <class T, class KV>
+__global__ void append_page_bounds_kernel(KV kv, const std::int32_t* slots, PageBoundsView<T> bounds) {
+  const std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x;
+  if (i >= std::int64_t(kv.batch) * kv.kv_heads * bounds.head_dim) return;
+  const std::int64_t row = i / bounds.head_dim, c = i % bounds.head_dim;
+  const std::int64_t b = row / kv.kv_heads, h = row % kv.kv_heads;
+  const std::int32_t slot = slots[b], len = kv.seq_len(b);
+  if (slot < 0 || slot >= bounds.slots || len <= 0 || len > bounds.max_tokens()) return;
+  const std::int32_t t = len - 1;
+  const bool starts_page = t % bounds.page_size == 0;
+  const T k = kv.k_row(b, h, t)[c];
+  const float x = to_float_device(k);
+  T* lo = bounds.lo(slot, h, t / bounds.page_size) + c;
+  T* hi = lo + bounds.head_dim;
+  if (starts_page || kvsift::detail::replaces_min(x, to_float_device(*lo))) *lo = k;
+  if (starts_page || kvsift::detail::replaces_max(x, to_float_device(*hi))) *hi = k;
+}
+
+/// How page_scores spreads a page over lanes: each lane holds kChannels channels of lo and of hi, read as
+/// kVecsPerLane 16-byte vectors per half; the kLanes lanes of a page read consecutive vectors, so one load
+/// instruction covers whole 32-byte sectors of kPagesPerWarp pages.
+template <class T, int HeadDim>
+struct ScoreShape {
+  static constexpr int kVec = 16 / int(sizeof(T));
+  static constexpr int kVecsPerHalf = HeadDim / kVec;
+  static constexpr int kLanes = kVecsPerHalf < 32 ? kVecsPerHalf : 32;
+  static constexpr int kVecsPerLane = kVecsPerHalf / kLanes;
+  static constexpr int kChannels = kVecsPerLane * kVec;
+  static constexpr int kPagesPerWarp = 32 / kLanes;
+  static constexpr int kPagesPerCtaStep = kPagesPerWarp * (kScoreThreads / 32);
+  static_assert(HeadDim % kVec == 0 && kVecsPerHalf % kLanes == 0);
+};
+
+/// Channel e of vector j of a lane (lane_in_page) of a page.
+template <class S>
+__device__ __forceinline__ int score_channel(int j, int e, int lane_in_page) {
+  return (j * S::kLanes + lane_in_page) * S::kVec + e;
+}
+
+/// The pages of one (row, kv head g) in [first_page, last_page), scored by the CTA: per tile of up to
+/// kScoreHeadTile query heads of the group, the CTA stages the tile's q in shared memory and each lane keeps its
+/// channels of it in registers; then each warp takes kPagesPerWarp pages per step, kScoreStepsInFlight steps at a
+/// time (every load of those steps issued before the first is used: a short read needs many bytes in flight per
+/// SM): every lane reads its vectors of lo and hi once, forms its channels' partial sums for every head of the
+/// tile, and the page's lanes add them by shuffles. store(page, score, tile) is called by one lane per page and
+/// tile, the same lane in every tile; from the second tile on, the caller keeps the maximum (max_keep_nan).
+/// Pages whose tokens are all in the window score -inf; a page with a NaN bound scores NaN.
+template <class T, int HeadDim, class Store>
+__device__ __forceinline__ void score_pages(const QueryView<const T>& q_view, const PageBoundsView<const T>& bounds,
+                                            std::int32_t slot, std::int64_t b, std::int64_t g, std::int32_t group,
+                                            std::int32_t len, const AttentionWindow& window, std::int64_t first_page,
+                                            std::int64_t last_page, float (&q_tile)[kScoreHeadTile][HeadDim],
+                                            Store store) {
+  using S = ScoreShape<T, HeadDim>;
+  constexpr int kSteps = kScoreStepsInFlight / S::kVecsPerLane > 0 ? kScoreStepsInFlight / S::kVecsPerLane : 1;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int lane_in_page = lane % S::kLanes, page_in_warp = lane / S::kLanes;
+  const unsigned page_lanes = (S::kLanes == 32 ? 0xffffffffu : (1u << S::kLanes) - 1u) << (page_in_warp * S::kLanes);
+  for (std::int32_t tile = 0; tile < group; tile += kScoreHeadTile) {
+    const int heads = min(kScoreHeadTile, group - tile);
+    __syncthreads();  // the previous tile's q is read into registers by every thread
+    for (int i = threadIdx.x; i < kScoreHeadTile * HeadDim; i += blockDim.x) {
+      const int h = i / HeadDim, c = i % HeadDim;
+      q_tile[h][c] = h < heads ? to_float_device(q_view.row(b, g * group + tile + h)[c]) : 0.0f;
+    }
+    __syncthreads();
+    float q[kScoreHeadTile][S::kChannels];
+#pragma unroll
+    for (int h = 0; h < kScoreHeadTile; ++h) {
+#pragma unroll
+      for (int j = 0; j < S::kVecsPerLane; ++j) {
+#pragma unroll
+        for (int e = 0; e < S::kVec; ++e) q[h][j * S::kVec + e] = q_tile[h][score_channel<S>(j, e, lane_in_page)];
+      }
+    }
+    const std::int64_t pages_per_cta_step = std::int64_t(S::kPagesPerWarp) * (blockDim.x / 32);
+    for (std::int64_t step0 = first_page + warp * S::kPagesPerWarp; step0 < last_page;
+         step0 += kSteps * pages_per_cta_step) {
+      // Every lane of the warp goes through the shuffles below; inactive ones read nothing and write nothing.
+      uint4 lo_v[kSteps][S::kVecsPerLane], hi_v[kSteps][S::kVecsPerLane];
+#pragma unroll
+      for (int u = 0; u < kSteps; ++u) {
+        const std::int64_t page = step0 + u * pages_per_cta_step + page_in_warp;
+        const bool active = page < last_page;
+        const uint4* src = reinterpret_cast<const uint4*>(bounds.lo(slot, g, active ? page : first_page));
+#pragma unroll
+        for (int j = 0; j < S::kVecsPerLane; ++j) {
+          lo_v[u][j] = active ? src[j * S::kLanes + lane_in_page] : make_uint4(0, 0, 0, 0);
+          hi_v[u][j] = active ? src[S::kVecsPerHalf + j * S::kLanes + lane_in_page] : make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kSteps; ++u) {
+        const std::int64_t page = step0 + u * pages_per_cta_step + page_in_warp;
+        const bool active = page < last_page;
+        float lo[S::kChannels], hi[S::kChannels];
+        bool nan = false;
+#pragma unroll
+        for (int j = 0; j < S::kVecsPerLane; ++j) {
+          const T* lo_t = reinterpret_cast<const T*>(&lo_v[u][j]);
+          const T* hi_t = reinterpret_cast<const T*>(&hi_v[u][j]);
+#pragma unroll
+          for (int e = 0; e < S::kVec; ++e) {
+            lo[j * S::kVec + e] = to_float_device(lo_t[e]);
+            hi[j * S::kVec + e] = to_float_device(hi_t[e]);
+            nan |= kvsift::detail::bound_is_nan(lo[j * S::kVec + e], hi[j * S::kVec + e]);
+          }
+        }
+        float best = -INFINITY;
+#pragma unroll
+        for (int h = 0; h < kScoreHeadTile; ++h) {
+          if (h >= heads) break;  // uniform across the warp, so every lane reaches the same shuffles
+          float sum = 0.0f;
+#pragma unroll
+          for (int c = 0; c < S::kChannels; ++c) {
+            sum = fmaf(q[h][c], kvsift::detail::bound_factor(q[h][c], lo[c], hi[c]), sum);
+          }
+#pragma unroll
+          for (int offset = S::kLanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+          best = kvsift::detail::max_keep_nan(best, sum);
+        }
+        nan = (__ballot_sync(0xffffffffu, nan) & page_lanes) != 0;
+        if (!active || lane_in_page != 0) continue;
+        std::int64_t middle_first = 0, middle_last = 0;
+        kvsift::detail::page_middle(page, bounds.page_size, len, window, &middle_first, &middle_last);
+        const float score = middle_first >= middle_last ? -INFINITY : nan ? __int_as_float(0x7fffffff) : best;
+        store(page, score, tile);
+      }
+    }
+  }
+}
+
+/// One CTA per (row, chunk of p.chunk pages), scoring them into p.scores (score_pages).
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) page_scores_kernel(const __grid_constant__ PageScoreParams<T> p) {
+  __shared__ float q_tile[kScoreHeadTile][HeadDim];
+  const std::int64_t row = blockIdx.x / p.chunks, chunk = blockIdx.x % p.chunks;
+  const std::int32_t kv_heads = p.bounds.kv_heads;
+  const std::int64_t b = row / kv_heads, g = row % kv_heads;
+  const std::int32_t slot = p.slots[b], len = p.lengths[b];
+  const std::int64_t pages = kvsift::detail::page_count(len, p.bounds.page_size);
+  const bool valid = slot >= 0 && slot < p.bounds.slots && len >= 0 && pages <= p.page_limit;
+  if (chunk == 0 && g == 0 && threadIdx.x == 0) p.page_counts[b] = valid ? std::int32_t(pages) : -1;
+  const std::int64_t first_page = chunk * p.chunk;
+  if (!valid || first_page >= pages) return;  // the whole CTA: no barrier below is skipped by part of it
+  const std::int64_t last_page = min(first_page + p.chunk, pages);
+  float* out = p.scores.row(row);
+  score_pages<T, HeadDim>(p.q, p.bounds, slot, b, g, p.group, len, p.window, first_page, last_page, q_tile,
+                          [&](std::int64_t page, float score, std::int32_t tile) {
+                            out[page] = tile == 0 ? score : kvsift::detail::max_keep_nan(out[page], score);
+                          });
+}
+
+/// Shared memory of expand_row.
+template <int Threads>
+struct ExpandStorage {
+  typename cub::BlockScan<std::int32_t, Threads>::TempStorage scan;
+  std::int32_t ends[Threads];    ///< one past each page's last output position in the round
+  std::int64_t firsts[Threads];  ///< each page's first middle token
+};
+
+/// The middle tokens of `count` chosen pages written in order to dst (and weight 0 where weights is set), by
+/// the CTA; returns how many. Per round of Threads pages, each thread counts its page's middle tokens, a block
+/// scan places them, and the threads then write the round's tokens in order, each finding its token's page by
+/// binary search over the scanned ends (coalesced stores).
+template <int Threads>
+__device__ std::int32_t expand_row(ExpandStorage<Threads>& s, const std::int32_t* chosen, std::int32_t count,
+                                   std::int32_t page_size, std::int32_t len, const AttentionWindow& window,
+                                   std::int32_t* dst, float* weights) {
+  using Scan = cub::BlockScan<std::int32_t, Threads>;
+  std::int32_t written = 0;
+  for (std::int32_t round = 0; round < count; round += Threads) {
+    const std::int32_t i = round + std::int32_t(threadIdx.x);
+    std::int64_t first = 0, last = 0;
+    if (i < count) kvsift::detail::page_middle(chosen[i], page_size, len, window, &first, &last);
+    const std::int32_t n = first < last ? std::int32_t(last - first) : 0;
+    std::int32_t offset = 0, total = 0;
+    Scan(s.scan).ExclusiveSum(n, offset, total);
+    s.ends[threadIdx.x] = offset + n;
+    s.firsts[threadIdx.x] = first;
+    __syncthreads();
+    for (std::int32_t j = threadIdx.x; j < total; j += Threads) {
+      int lo = 0, hi = Threads - 1;  // the first page whose end exceeds j
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (s.ends[mid] > j) hi = mid;
+        else lo = mid + 1;
+      }
+      const std::int32_t start = lo == 0 ? 0 : s.ends[lo - 1];
+      dst[written + j] = std::int32_t(s.firsts[lo] + (j - start));
+      if (weights) weights[written + j] = 0.0f;
+    }
+    written += total;
+    __syncthreads();  // ends, firsts and the scan storage are rewritten by the next round
+  }
+  return written;
+}
+
+/// One CTA per selection row (a template only so that the header may define it).
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
+    expand_pages_kernel(SelectionView pages, std::int32_t page_size, const std::int32_t* lengths,
+                        AttentionWindow window, SelectionView out) {
+  __shared__ ExpandStorage<Threads> storage;
+  const std::int64_t row = blockIdx.x, b = row / pages.kv_heads;
+  const std::int32_t count = pages.counts[row];
+  if (count < 0 || count > pages.capacity) {
+    if (threadIdx.x == 0) out.counts[row] = -1;
+    return;
+  }
+  float* weights = out.log_weights ? out.log_weights + row * out.capacity : nullptr;
+  const std::int32_t written = expand_row(storage, pages.indices + row * pages.capacity, count, page_size, lengths[b],
+                                          window, out.indices + row * out.capacity, weights);
+  if (threadIdx.x == 0) out.counts[row] = written;
+}
+
+template <class T, class KV>
+cudaError_t launch_build_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds,
+                                     cudaStream_t stream) {
+  const std::int64_t items = std::int64_t(kv.batch) * kv.kv_heads * bounds.max_pages * bounds.head_dim;
+  build_page_bounds_kernel<T, KV><<<grid_stride_blocks(items, kPageBoundsThreads), kPageBoundsThreads, 0, stream>>>(
+      kv, slots, bounds);
+  return cudaGetLastError();
+}
+
+template <class T, class KV>
+cudaError_t launch_append_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds,
+                                      cudaStream_t stream) {
+  const std::int64_t items = std::int64_t(kv.batch) * kv.kv_heads * bounds.head_dim;
+  const unsigned blocks = unsigned((items + kPageBoundsThreads - 1) / kPageBoundsThreads);
+  append_page_bounds_kernel<T, KV><<<blocks, kPageBoundsThreads, 0, stream>>>(kv, slots, bounds);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_page_scores(const PageScoreParams<T>& params, cudaStream_t stream) {
+  const unsigned blocks = unsigned(std::int64_t(params.chunks) * params.scores.rows);
+  const bool dispatched = dispatch_value<kCudaAttentionHeadDims>(params.bounds.head_dim, [&]<int HeadDim>() {
+    page_scores_kernel<T, HeadDim><<<blocks, kScoreThreads, 0, stream>>>(params);
+  });
+  return dispatched ? cudaGetLastError() : cudaErrorInvalidValue;
+}
+
+}  // namespace kvsift::cuda::detail
+
+#endif  // defined(__CUDACC__)

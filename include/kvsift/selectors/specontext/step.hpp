@@ -1,0 +1,255 @@
+#pragma once
+/// SpeContextStep: a model's decode step with one SpeContext selection per step (selectors/specontext/specontext.hpp), the
+/// framework's "decode step that takes a selection made outside it" (docs/selector_framework.md, placement (a)
+/// with every layer's KV on the GPU; (d) elastic is selectors/specontext/elastic_kv.hpp's). One object per model, not per layer:
+///   - select(head inputs) once per step, before layer 0: the lengths (from the given cache), the head's append
+///     (its k_r rotated and stored) and select (its q_r rotated, top B per kv head), written once for every
+///     placement (step/selector_part.hpp), into the step's workspace;
+///   - attend(layer inputs) per layer: the step's token written into that layer's cache when given, then sparse
+///     attention of that layer's cache over THE selection and the window, into `out` (T, or fp32).
+/// Every layer's sequences have the same lengths (the same tokens), so absolute positions serve every layer.
+///
+/// The window: config.attention.window (0 + 0 by default, the paper's; 4 + 64 as an option) with at least the
+/// current token as its recent part (specontext_window): the step's own token is always attended, exactly once,
+/// since the selection leaves the window out.
+///
+/// Offloaded layers (the elastic placement: selectors/specontext/offload.hpp over selectors/specontext/elastic_kv.hpp): attend_selection
+/// attends any cache with any selection and window, e.g. a resident buffer of B + 1 rows per (sequence, kv head)
+/// with the selection mapped to slot space; selection(workspace, batch) is the one selection such a component
+/// diffs against its last one.
+///
+/// Memory and calls: views in the context's memory; the workspace of workspace_bytes() bytes (256-byte aligned,
+/// contents irrelevant) holds the lengths, the selection, the selector's append and select scratch and the
+/// decode's scratch, at offsets fixed at construction for every batch up to config.max_batch. select and attend
+/// allocate nothing and never synchronize the host (except with config.validate_indices on CUDA); on CUDA, select
+/// and the attention of every layer are stream-ordered and CUDA-graph capturable. attend reads the selection of
+/// the last select over the same workspace, for the same batch rows. Trusted on the device (CUDA; checked on the
+/// CPU), as by DecodeStep: slots, lengths (<= config.max_seq_len) and page tables. A length past the bound is
+/// contained (that row's selection count is -1, the attention writes NaN, the head's cache write skips it); a bad
+/// slot still reaches the owned head cache's write (selectors/specontext/specontext.hpp), so check slots while integrating.
+/// Thread safety: one step serves one thread at a time; it owns its selector.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <utility>
+
+#include "kvsift/attention/options.hpp"
+#include "kvsift/core/error.hpp"
+#include "kvsift/core/kv_cache.hpp"
+#include "kvsift/core/validate.hpp"
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/selectors/specontext/specontext.hpp"
+#include "kvsift/step/selector_part.hpp"
+
+namespace kvsift {
+
+struct SpeContextStepConfig {
+  /// The layers' sm_scale and window (its recent part raised to at least 1: specontext_window).
+  AttentionOptions attention{};
+  std::int32_t layers = 0;       ///< the model's layers; attend takes a layer in [0, layers)
+  std::int32_t max_batch = 1;    ///< batch rows per step (<= the selector's slots)
+  std::int32_t q_heads = 0;      ///< the model's; the head's must be the same
+  std::int32_t kv_heads = 0;
+  std::int32_t head_dim = 0;
+  std::int32_t max_seq_len = 0;  ///< bound on every sequence's length, the step's token included
+  /// Check the selection (counts, range, duplicates, window) before each layer's attention and throw naming the
+  /// first bad entry; on CUDA this synchronizes the stream and cannot be captured in a graph.
+  bool validate_indices = false;
+  /// CUDA: launch each attention as a programmatic dependent of the kernel before it (PDL, sm_90). Ignored on the CPU.
+  bool programmatic_launch = true;
+};
+
+/// The retrieval head's step: its vectors before RoPE, and the cache the lengths come from.
+template <class T>
+struct SpeContextHeadInputs {
+  QueryView<const T> q{};   ///< q_r [batch, q_heads, head_dim]
+  HeadsView<const T> k{};   ///< k_r of the step's token [batch, kv_heads, head_dim]
+  /// Owned head cache: any of the model's layer caches (read for the lengths, which count the step's token).
+  /// Engine-kept head cache: the head's cache, grown to count the step's token.
+  KVCache<const T> cache{};
+  const std::int32_t* slots = nullptr;  ///< [batch] each row's selector slot
+};
+
+/// One layer's attention.
+template <class T>
+struct SpeContextLayerInputs {
+  QueryView<const T> q{};  ///< the layer's post-RoPE query [batch, q_heads, head_dim]
+  KVCache<T> cache{};      ///< the layer's cache; seq_len(b) counts the step's token
+  HeadsView<const T> k{};  ///< optional: the step's K [batch, kv_heads, head_dim] to write first
+  HeadsView<const T> v{};  ///< with k
+  std::int32_t layer = 0;
+};
+
+template <class T, class Context>
+class SpeContextStep {
+ public:
+  using value_type = T;
+  using context_type = Context;
+  using Selector = SpeContext<T, Context>;
+
+  /// Plans the step for every batch of 1 .. config.max_batch rows on `ctx`. Refused: the head's (the selector's)
+  /// q_heads, kv_heads or head_dim other than the model's (config), layers <= 0, max_batch outside [1, the
+  /// selector's max_slots], max_seq_len outside [1, its max_tokens], a bad window.
+  SpeContextStep(Selector selector, const SpeContextStepConfig& config, const Context& ctx)
+      : selector_(std::move(selector)), config_(checked(config, selector_.limits())),
+        part_(selector_, {config.max_batch, config.q_heads, config.kv_heads, config.head_dim, config.max_seq_len}, ctx),
+        planned_threads_(workspace_threads(ctx)) {
+    // Fewer rows may split more; planned with validation, which attend_selection may ask for per call.
+    for (std::int32_t batch = 1; batch <= config.max_batch; ++batch) {
+      decode_bytes_ = std::max(decode_bytes_, sparse_decode_workspace_bytes(
+                                                  batch, config.q_heads, config.kv_heads, config.head_dim,
+                                                  part_.capacity(), config.max_seq_len, attention(),
+                                                  /*validate_indices=*/true, ctx));
+    }
+    WorkspaceLayout counting;
+    layout(counting);
+    workspace_bytes_ = counting.bytes();
+  }
+
+  Selector& selector() { return selector_; }
+  const Selector& selector() const { return selector_; }
+  const SpeContextStepConfig& config() const { return config_; }
+  std::size_t workspace_bytes() const { return workspace_bytes_; }
+  /// The selection's capacity: entries per (sequence, kv head), the selector's budget (at least 1).
+  std::int32_t capacity() const { return part_.capacity(); }
+  /// The layers' attention: config.attention with the window's recent part at least 1.
+  AttentionOptions attention() const {
+    return {.sm_scale = config_.attention.sm_scale, .window = specontext_window(config_.attention.window)};
+  }
+
+  /// Prefill of joining sequences: the head's prompt keys (in.k_pre_rope) into its cache (may allocate). The
+  /// batch changes: attend refuses to run until the next select.
+  void prepare(PrefillInputs<T> in, const Context& ctx) {
+    in.attention = attention();
+    selector_.prepare(in, ctx);
+    selected_batch_ = 0;
+  }
+  /// Sequences leave (the selector refuses a slot without one); attend refuses to run until the next select.
+  void release(std::span<const std::int32_t> slots) {
+    selector_.release(slots);
+    selected_batch_ = 0;
+  }
+
+  /// The step's selection, once, before layer 0.
+  void select(const SpeContextHeadInputs<T>& in, std::span<std::byte> workspace, const Context& ctx) {
+    constexpr const char* where = "SpeContextStep::select";
+    check_batch(where, in.q.batch, ctx);
+    KVSIFT_CHECK(in.cache.batch() == in.q.batch, where, "in.cache batch (= {}) != in.q.batch (= {})", in.cache.batch(),
+                 in.q.batch);
+    WorkspaceLayout carving(workspace, where);
+    const Buffers b = layout(carving);
+    selected_batch_ = 0;  // a refused select leaves no selection to attend
+    if (config_.validate_indices) detail::check_device_slots(where, selector_, in.slots, in.q.batch, ctx);
+    part_.run(selector_,
+              {.q = in.q, .cache = in.cache, .slots = in.slots, .k_pre_rope = in.k, .attention = attention(), .layer = 0},
+              b.selector, ctx);
+    selected_batch_ = in.q.batch;
+  }
+
+  /// Layer in.layer's attention over the selection of the last select and the window. Refused before any select,
+  /// after a prepare or release (until the next select), and for more rows than the last select's.
+  template <class TO>
+  void attend(const SpeContextLayerInputs<T>& in, const StateView<TO>& out, std::span<std::byte> workspace,
+              const Context& ctx) {
+    constexpr const char* where = "SpeContextStep::attend";
+    check_layer_inputs(where, in, ctx);
+    KVSIFT_CHECK(selected_batch_ > 0, where,
+                 "no selection to attend: call select for the step first (after construction, prepare and release, "
+                 "attend waits for a select)");
+    KVSIFT_CHECK(in.q.batch <= selected_batch_, where, "in.q.batch (= {}) exceeds the rows of the last select (= {})",
+                 in.q.batch, selected_batch_);
+    attend_selection(in, selection(workspace, in.q.batch), attention().window, out, workspace, ctx);
+  }
+
+  /// Layer in.layer's attention over any `selection` (its batch and kv heads the layer's) and `window`: the seam
+  /// for offloaded layers, attended from a resident buffer (in.cache) with a slot-space selection. The selection
+  /// is checked (counts, range, duplicates, window) with config.validate_indices or `validate_indices`: a
+  /// selection made outside the step (Python's attend(selection=) checks by default).
+  template <class TO>
+  void attend_selection(const SpeContextLayerInputs<T>& in, const SelectionView& selection,
+                        const AttentionWindow& window, const StateView<TO>& out, std::span<std::byte> workspace,
+                        const Context& ctx, bool validate_indices = false) {
+    constexpr const char* where = "SpeContextStep::attend";
+    check_layer_inputs(where, in, ctx);
+    KVSIFT_CHECK(selection.capacity <= part_.capacity(), where,
+                 "selection.capacity (= {}) exceeds the planned capacity (= {})", selection.capacity, part_.capacity());
+    WorkspaceLayout carving(workspace, where);
+    const Buffers b = layout(carving);
+    if (in.k.data != nullptr || in.v.data != nullptr) {
+      KVSIFT_CHECK(in.k.data != nullptr && in.v.data != nullptr, where, "in.k and in.v must be given together");
+      write_step_kv(in.cache, in.k, in.v, ctx);
+    }
+    sparse_decode(in.q, KVCache<const T>(in.cache), selection, out,
+                  AttentionOptions{.sm_scale = config_.attention.sm_scale, .window = window},
+                  config_.validate_indices || validate_indices, config_.programmatic_launch, b.decode, ctx);
+  }
+
+  /// The selection of the last select over this workspace, for its `batch` rows (context memory).
+  SelectionView selection(std::span<std::byte> workspace, std::int32_t batch) const {
+    constexpr const char* where = "SpeContextStep::selection";
+    KVSIFT_CHECK(batch > 0 && batch <= config_.max_batch, where, "batch (= {}) is outside [1, config.max_batch = {}]",
+                 batch, config_.max_batch);
+    WorkspaceLayout carving(workspace, where);
+    return part_.selection(layout(carving).selector, batch);
+  }
+
+ private:
+  struct Buffers {
+    typename detail::SelectorPart<Selector>::Buffers selector;
+    std::span<std::byte> decode;
+  };
+
+  void check_batch(const char* where, std::int32_t batch, const Context& ctx) const {
+    KVSIFT_CHECK(batch > 0 && batch <= config_.max_batch, where, "batch (= {}) is outside [1, config.max_batch = {}]",
+                 batch, config_.max_batch);
+    KVSIFT_CHECK(workspace_threads(ctx) <= planned_threads_, where,
+                 "the context has {} threads, the step was planned for {}: plan the step with the pool it runs on",
+                 workspace_threads(ctx), planned_threads_);
+  }
+
+  void check_layer_inputs(const char* where, const SpeContextLayerInputs<T>& in, const Context& ctx) const {
+    check_batch(where, in.q.batch, ctx);
+    KVSIFT_CHECK(in.layer >= 0 && in.layer < config_.layers, where, "in.layer (= {}) is outside [0, config.layers = {})",
+                 in.layer, config_.layers);
+    KVSIFT_CHECK(in.cache.batch() == in.q.batch, where, "in.cache batch (= {}) != in.q.batch (= {})", in.cache.batch(),
+                 in.q.batch);
+  }
+
+  static const SpeContextStepConfig& checked(const SpeContextStepConfig& config, const SelectorLimits& head) {
+    constexpr const char* where = "SpeContextStep";
+    KVSIFT_CHECK(head.q_heads == config.q_heads && head.kv_heads == config.kv_heads && head.head_dim == config.head_dim,
+                 where,
+                 "the retrieval head has q_heads {}, kv_heads {}, head_dim {}; the model (config) has {}, {}, {}: they "
+                 "must be equal",
+                 head.q_heads, head.kv_heads, head.head_dim, config.q_heads, config.kv_heads, config.head_dim);
+    KVSIFT_CHECK(config.layers > 0, where, "config.layers (= {}) must be positive", config.layers);
+    KVSIFT_CHECK(config.max_batch > 0 && config.max_batch <= head.max_slots, where,
+                 "config.max_batch (= {}) is outside [1, the selector's max_slots = {}]", config.max_batch,
+                 head.max_slots);
+    KVSIFT_CHECK(config.max_seq_len > 0 && config.max_seq_len <= head.max_tokens, where,
+                 "config.max_seq_len (= {}) is outside [1, the selector's max_tokens = {}]", config.max_seq_len,
+                 head.max_tokens);
+    validate(config.attention.window, where, "config.attention.window");
+    return config;
+  }
+
+  /// The one layout behind workspace_bytes() (counting) and the calls (carving), sized at construction.
+  Buffers layout(WorkspaceLayout& layout) const {
+    Buffers b;
+    b.selector = part_.layout(layout);
+    b.decode = layout.span(decode_bytes_, "SpeContextStep decode scratch");
+    return b;
+  }
+
+  Selector selector_;
+  SpeContextStepConfig config_;
+  detail::SelectorPart<Selector> part_;
+  std::int32_t planned_threads_;
+  std::int32_t selected_batch_ = 0;  ///< rows of the last select (0: none to attend)
+  std::size_t decode_bytes_ = 0;
+  std::size_t workspace_bytes_ = 0;
+};
+
+}  // namespace kvsift

@@ -1,0 +1,267 @@
+// Codebook quantization, lookup tables and code scan on CUDA (selectors/a2ats/cuda/vq.hpp). The lookup-table entries of the
+// two-launch and the fused forms come from one device function (same FMAs in the same order), so the fused
+// scores equal vq_lut then vq_code_scan bit for bit; the scan itself only copies table entries.
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kvsift/cuda/detail/launch.cuh"
+#include "kvsift/cuda/dtype.cuh"
+#include "kvsift/selectors/a2ats/cuda/detail/vq_launch.hpp"
+
+namespace kvsift::cuda::detail {
+namespace {
+
+constexpr int kThreads = 256;
+
+using kvsift::detail::vq_destination;
+using kvsift::detail::vq_scan_length;
+
+__device__ __forceinline__ float vq_nan() { return __int_as_float(0x7fc00000); }
+
+/// Eight consecutive elements as fp32 (16-byte aligned for 2-byte types, 32-byte aligned for float).
+__device__ __forceinline__ void load8(const float* p, float* x) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+template <class T>
+__device__ __forceinline__ void load8(const T* p, float* x) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    x[2 * i] = to_float_device(T{std::uint16_t(words[i] & 0xffffu)});
+    x[2 * i + 1] = to_float_device(T{std::uint16_t(words[i] >> 16)});
+  }
+}
+
+/// out[h * out_stride + c] = q_h . C_c for the group's heads h < group (queries q_s [group, D] fp32 in shared
+/// memory) and codewords c in [begin, end), one thread per codeword; ascending-j FMAs, four heads per pass.
+template <class T, int D>
+__device__ void lut_entries(const float* q_s, std::int32_t group, const T* head_codewords, std::int32_t begin,
+                            std::int32_t end, float* out, std::int64_t out_stride) {
+  for (std::int32_t c = begin + std::int32_t(threadIdx.x); c < end; c += blockDim.x) {
+    const T* w = head_codewords + std::int64_t(c) * D;
+    for (std::int32_t h0 = 0; h0 < group; h0 += 4) {
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const float* qh[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) qh[u] = q_s + std::int64_t(h0 + u < group ? h0 + u : h0) * D;
+#pragma unroll 4
+      for (int j = 0; j < D; j += 8) {
+        float x[8];
+        load8(w + j, x);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[u] = fmaf(qh[u][j + e], x[e], acc[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if (h0 + u < group) out[(h0 + u) * out_stride + c] = acc[u];
+      }
+    }
+  }
+}
+
+/// The group's queries of sequence b, kv head g into q_s [group, D] as fp32.
+template <class T, int D>
+__device__ void load_group_queries(const QueryView<const T>& q, std::int32_t b, std::int32_t g, std::int32_t group,
+                                   float* q_s) {
+  for (std::int32_t i = threadIdx.x; i < group * D; i += blockDim.x) {
+    q_s[i] = to_float_device(q.row(b, std::int64_t(g) * group + i / D)[i % D]);
+  }
+}
+
+/// This block's share (part of parts) of the tokens of (sequence b, kv head g): each code read once, written to the
+/// group's score rows through table(h, code), or with group_max their maximum (vq_group_max in head order) to the
+/// kv head's one row.
+template <class Table>
+__device__ void scan_tokens(const Table& table, std::int32_t codewords, std::int32_t b, std::int32_t g,
+                            std::int32_t group, const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
+                            const std::int32_t* lengths, const MatrixView<float>& scores, bool group_max,
+                            std::int32_t part, std::int32_t parts) {
+  const std::int32_t n = vq_scan_length(lengths[b], scores.cols, codes.max_tokens);
+  const std::int32_t slot = slots[b];
+  const bool valid = slot >= 0 && slot < codes.slots;
+  const std::uint16_t* row = valid ? codes.row(slot, g) : nullptr;
+  const std::int64_t kv_row = std::int64_t(b) * codes.kv_heads + g;
+  float* out = scores.row(group_max ? kv_row : kv_row * group);
+  const std::int64_t stride = std::int64_t(parts) * blockDim.x;
+  if (group_max) {
+#pragma unroll 4
+    for (std::int64_t t = std::int64_t(part) * blockDim.x + threadIdx.x; t < n; t += stride) {
+      const std::int32_t code = valid ? std::int32_t(row[t]) : codewords;
+      float m = vq_nan();
+      if (code < codewords) {
+        m = table(0, code);
+        for (std::int32_t h = 1; h < group; ++h) m = kvsift::detail::vq_group_max(m, table(h, code));
+      }
+      out[t] = m;
+    }
+    return;
+  }
+#pragma unroll 4
+  for (std::int64_t t = std::int64_t(part) * blockDim.x + threadIdx.x; t < n; t += stride) {
+    const std::int32_t code = valid ? std::int32_t(row[t]) : codewords;
+    for (std::int32_t h = 0; h < group; ++h) out[h * scores.row_stride + t] = code < codewords ? table(h, code) : vq_nan();
+  }
+}
+
+__global__ void codeword_norms(MatrixView<const float> centroids, float* norms) {
+  const std::int64_t warp = (std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = int(threadIdx.x % 32);
+  if (warp >= centroids.rows) return;  // whole warps leave together: rows are per warp
+  float sum = 0.0f;
+  for (std::int32_t j = lane; j < centroids.cols; j += 32) sum = fmaf(centroids.row(warp)[j], centroids.row(warp)[j], sum);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane == 0) norms[warp] = sum;
+}
+
+/// Block (codeword tile, kv head g, sequence b): the group's tables for kThreads codewords.
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads)
+    lut_kernel(QueryView<const T> q, VqCodebook<T> codebook, MatrixView<float> lut) {
+  extern __shared__ float q_s[];  // [group, D]
+  const std::int32_t b = blockIdx.z, g = blockIdx.y, group = q.heads / codebook.kv_heads;
+  load_group_queries<T, D>(q, b, g, group, q_s);
+  __syncthreads();
+  const std::int32_t begin = std::int32_t(blockIdx.x) * kThreads;
+  const std::int32_t end = min(begin + kThreads, codebook.codewords);
+  lut_entries<T, D>(q_s, group, codebook.row(g, 0), begin, end, lut.row(std::int64_t(b) * q.heads + std::int64_t(g) * group),
+                    lut.row_stride);
+}
+
+/// Block (part, kv head g, sequence b) of the two-launch scan: tables read from global memory.
+__global__ void __launch_bounds__(kThreads)
+    scan_kernel(MatrixView<const float> lut, std::int32_t q_heads, VqCodesView<const std::uint16_t> codes,
+                const std::int32_t* slots, const std::int32_t* lengths, MatrixView<float> scores, bool group_max) {
+  const std::int32_t b = blockIdx.z, g = blockIdx.y, group = q_heads / codes.kv_heads;
+  const float* first = lut.row(std::int64_t(b) * q_heads + std::int64_t(g) * group);
+  const std::int64_t stride = lut.row_stride;
+  const auto table = [&](std::int32_t h, std::int32_t code) { return __ldg(first + h * stride + code); };
+  scan_tokens(table, lut.cols, b, g, group, codes, slots, lengths, scores, group_max, blockIdx.x, gridDim.x);
+}
+
+/// Block (part, kv head g, sequence b) of the fused form. The `cluster` blocks of a cluster (consecutive in x)
+/// build one eighth of the tables each into their own shared memory, then copy the other eighths through
+/// distributed shared memory; every thread reaches both cluster barriers (no early exit before the scan). The
+/// second barrier also keeps each block's tables alive until every block of its cluster has copied them.
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads)
+    lut_scan_kernel(QueryView<const T> q, VqCodebook<T> codebook, VqCodesView<const std::uint16_t> codes,
+                    const std::int32_t* slots, const std::int32_t* lengths, MatrixView<float> scores, bool group_max,
+                    std::int32_t cluster) {
+  extern __shared__ float smem[];
+  const std::int32_t b = blockIdx.z, g = blockIdx.y, group = q.heads / codebook.kv_heads;
+  const std::int32_t count = codebook.codewords;
+  float* lut_s = smem;                                 // [group, count]
+  float* q_s = smem + std::int64_t(group) * count;     // [group, D]
+  load_group_queries<T, D>(q, b, g, group, q_s);
+  __syncthreads();
+  std::int32_t rank = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cluster > 1) rank = std::int32_t(cooperative_groups::this_cluster().block_rank());
+#endif
+  const auto slice_begin = [&](std::int32_t r) { return std::int32_t(std::int64_t(count) * r / cluster); };
+  lut_entries<T, D>(q_s, group, codebook.row(g, 0), slice_begin(rank), slice_begin(rank + 1), lut_s, count);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cluster > 1) {
+    cooperative_groups::cluster_group blocks = cooperative_groups::this_cluster();
+    blocks.sync();
+    for (std::int32_t r = 0; r < cluster; ++r) {
+      if (r == rank) continue;
+      const float* remote = blocks.map_shared_rank(lut_s, unsigned(r));
+      const std::int32_t begin = slice_begin(r), width = slice_begin(r + 1) - begin;
+      for (std::int32_t i = threadIdx.x; i < group * width; i += blockDim.x) {
+        const std::int64_t at = std::int64_t(i / width) * count + begin + i % width;
+        lut_s[at] = remote[at];
+      }
+    }
+    blocks.sync();
+  }
+#endif
+  __syncthreads();
+  const auto table = [&](std::int32_t h, std::int32_t code) { return lut_s[std::int64_t(h) * count + code]; };
+  scan_tokens(table, count, b, g, group, codes, slots, lengths, scores, group_max, blockIdx.x, gridDim.x);
+}
+
+/// fn.template operator()<D>() for D = head_dim, one of kVqHeadDims (checked by the caller).
+template <class F>
+cudaError_t with_head_dim(std::int32_t head_dim, F&& fn) {
+  cudaError_t status = cudaErrorInvalidValue;
+  dispatch_value<kVqHeadDims>(head_dim, [&]<int D>() { status = fn.template operator()<D>(); });
+  return status;
+}
+
+}  // namespace
+
+cudaError_t launch_vq_codeword_norms(const MatrixView<const float>& centroids, float* norms, cudaStream_t stream) {
+  const std::int64_t blocks = (centroids.rows * 32 + kThreads - 1) / kThreads;
+  codeword_norms<<<unsigned(blocks), kThreads, 0, stream>>>(centroids, norms);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut,
+                          cudaStream_t stream) {
+  return with_head_dim(q.head_dim, [&]<int D>() {
+    const std::size_t smem = sizeof(float) * std::size_t(q.heads / codebook.kv_heads) * D;
+    constexpr auto kernel = lut_kernel<T, D>;
+    if (cudaError_t s = open_shared_memory<kernel>(); s != cudaSuccess) return s;
+    const dim3 grid(unsigned((codebook.codewords + kThreads - 1) / kThreads), unsigned(codebook.kv_heads),
+                    unsigned(q.batch));
+    kernel<<<grid, kThreads, smem, stream>>>(q, codebook, lut);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch,
+                                const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
+                                const std::int32_t* lengths, const MatrixView<float>& scores,
+                                const VqScanOptions& options, const VqScanGrid& grid, cudaStream_t stream) {
+  const auto q_heads = std::int32_t(lut.rows / batch);
+  scan_kernel<<<dim3(unsigned(grid.parts), unsigned(codes.kv_heads), unsigned(batch)), kThreads, 0, stream>>>(
+      lut, q_heads, codes, slots, lengths, scores, options.group_max);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook,
+                               const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
+                               const std::int32_t* lengths, const MatrixView<float>& scores,
+                               const VqScanOptions& options, const VqScanGrid& grid, cudaStream_t stream) {
+  return with_head_dim(q.head_dim, [&]<int D>() {
+    constexpr auto kernel = lut_scan_kernel<T, D>;
+    const std::size_t smem = vq_fused_smem_bytes(q.heads / codebook.kv_heads, codebook.codewords, D);
+    if (cudaError_t s = open_shared_memory<kernel>(); s != cudaSuccess) return s;
+    // The cluster split exists only in code compiled for sm_90 or later (__CUDA_ARCH__ >= 900): PTX of an older
+    // architecture JIT-compiled for a newer GPU (CMAKE_CUDA_ARCHITECTURES=80 on an H100) fills the whole table in
+    // every block instead.
+    bool sm90 = false;
+    if (cudaError_t s = built_for_sm90<kernel>(&sm90); s != cudaSuccess) return s;
+    const std::int32_t cluster = sm90 ? grid.cluster : 1;
+    return launch(kernel,
+                  {.grid = dim3(unsigned(grid.parts), unsigned(codebook.kv_heads), unsigned(q.batch)),
+                   .block = dim3(kThreads), .smem = smem, .stream = stream, .cluster = cluster},
+                  q, codebook, codes, slots, lengths, scores, options.group_max, cluster);
+  });
+}
+
+#define KVSIFT_INSTANTIATE(T)                                                                                         \
+  template cudaError_t launch_vq_lut<T>(const QueryView<const T>&, const VqCodebook<T>&, const MatrixView<float>&,   \
+                                        cudaStream_t);                                                                \
+  template cudaError_t launch_vq_lut_scan<T>(const QueryView<const T>&, const VqCodebook<T>&,                        \
+                                             const VqCodesView<const std::uint16_t>&, const std::int32_t*,            \
+                                             const std::int32_t*, const MatrixView<float>&, const VqScanOptions&,     \
+                                             const VqScanGrid&, cudaStream_t);
+KVSIFT_INSTANTIATE(float)
+KVSIFT_INSTANTIATE(half)
+KVSIFT_INSTANTIATE(bfloat16)
+#undef KVSIFT_INSTANTIATE
+
+}  // namespace kvsift::cuda::detail

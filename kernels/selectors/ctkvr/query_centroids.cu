@@ -1,0 +1,129 @@
+// CTKVR's query centroids on CUDA (selectors/ctkvr/cuda/query_centroids.hpp): scores of a step's queries against
+// the stored centroids, and the store of a prefill's normalised queries. Dots split over 8 lanes and fixed shuffle
+// trees (cuda/detail/group_dot.cuh): results do not depend on scheduling; no atomics.
+#include <cmath>
+#include <cstdint>
+
+#include "kvsift/cuda/detail/group_dot.cuh"
+#include "kvsift/cuda/dtype.cuh"
+#include "kvsift/selectors/ctkvr/cuda/detail/query_centroids_launch.hpp"
+
+namespace kvsift::cuda::detail {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxGroup = kGroupDotMaxGroup;  ///< query heads per kv head kept in shared memory
+constexpr int kMaxHeadDim = kGroupDotMaxHeadDim;
+constexpr int kCentroidsPerBlock = 64;  ///< centroids scored per block: a batch-1 step still fills the GPU
+
+/// Block (row = b * kv_heads + g, chunk of kCentroidsPerBlock centroids): the group's unit queries in shared
+/// memory, then 8 lanes per centroid (4 centroids per warp at once, octet_dot_part). Chunks spread a batch-1 step
+/// over the GPU's SMs.
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    centroid_scores_kernel(QueryView<const T> q, QueryCentroidsView<const T> centroids, const std::int32_t* slots,
+                           std::int32_t kv_heads, MatrixView<float> scores) {
+  __shared__ float q_s[kMaxGroup * kMaxHeadDim];
+  const std::int64_t row = blockIdx.x;
+  const std::int32_t b = std::int32_t(row / kv_heads), g = std::int32_t(row % kv_heads);
+  const std::int32_t group = q.heads / kv_heads, d = q.head_dim;
+  const std::int32_t begin = std::int32_t(blockIdx.y) * kCentroidsPerBlock;
+  const std::int32_t end = min(begin + kCentroidsPerBlock, centroids.capacity);
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const std::int32_t slot = slots[b];
+  const bool bad_slot = slot < 0 || slot >= centroids.slots;
+  const std::int32_t count = bad_slot ? -1 : centroids.counts[slot];
+  float* out = scores.row(row);
+  if (bad_slot || count < 0 || count > centroids.capacity) {  // the same for the whole block
+    for (std::int32_t c = begin + std::int32_t(threadIdx.x); c < end; c += kThreads) out[c] = __int_as_float(0x7fffffff);
+    return;
+  }
+  for (std::int32_t j = warp; j < group; j += kWarps) {
+    const T* x = q.row(b, g * group + j);
+    float* xs = q_s + j * d;
+    float sq = 0.0f;
+    for (int i = lane; i < d; i += 32) {
+      xs[i] = to_float_device(x[i]);
+      sq = fmaf(xs[i], xs[i], sq);
+    }
+    sq = warp_sum(sq);
+    const float scale = kvsift::detail::inverse_norm(sq);
+    for (int i = lane; i < d; i += 32) xs[i] *= scale;
+  }
+  __syncthreads();
+  const int sub = lane / 8, sublane = lane % 8;
+  // c0 depends on the warp only, so every lane of a warp takes each iteration (the shuffles need them all).
+  for (std::int32_t c0 = begin + warp * 4; c0 < end; c0 += kWarps * 4) {
+    const std::int32_t c = c0 + sub;
+    const bool mine = c < end && c < count;
+    float best = -INFINITY;
+    for (std::int32_t j = 0; j < group; ++j) {
+      const float part = mine ? octet_dot_part(q_s + j * d, centroids.row(slot, g * group + j, c), d, sublane) : 0.0f;
+      best = max_nan(best, octet_sum(part));
+    }
+    if (c < end && sublane == 0) out[c] = mine ? best : -INFINITY;
+  }
+}
+
+/// A warp per (b, h, i): the query normalised in fp32, rounded to T.
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    store_centroids_kernel(SequenceView<const T> queries, const std::int32_t* slots, const std::int32_t* first,
+                           std::int32_t kv_heads, QueryCentroidsView<T> centroids) {
+  const std::int64_t item = std::int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = int(threadIdx.x) % 32;
+  const std::int64_t per_row = std::int64_t(queries.heads) * queries.tokens;
+  if (item >= std::int64_t(queries.batch) * per_row) return;  // whole warps leave together
+  const std::int32_t b = std::int32_t(item / per_row), h = std::int32_t(item % per_row / queries.tokens),
+                     i = std::int32_t(item % queries.tokens);
+  const std::int32_t group = queries.heads / kv_heads, slot = slots[b];
+  const std::int32_t column = (first != nullptr ? first[std::int64_t(b) * kv_heads + h / group] : 0) + i;
+  if (slot < 0 || slot >= centroids.slots || column < 0 || column >= centroids.capacity) return;
+  const T* x = queries.row(b, h, i);
+  float sq = 0.0f;
+  for (int j = lane; j < queries.head_dim; j += 32) sq = fmaf(to_float_device(x[j]), to_float_device(x[j]), sq);
+  const float scale = kvsift::detail::inverse_norm(warp_sum(sq));
+  T* out = centroids.row(slot, h, column);
+  for (int j = lane; j < queries.head_dim; j += 32) out[j] = from_float_device<T>(to_float_device(x[j]) * scale);
+  if (h == 0 && i == queries.tokens - 1 && lane == 0) {  // one writer per slot
+    std::int32_t end = queries.tokens;
+    for (std::int32_t g = 0; first != nullptr && g < kv_heads; ++g) end = max(end, first[std::int64_t(b) * kv_heads + g] + queries.tokens);
+    centroids.counts[slot] = max(centroids.counts[slot], end);
+  }
+}
+
+}  // namespace
+
+template <class T>
+cudaError_t launch_centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids,
+                                   const std::int32_t* slots, std::int32_t kv_heads, const MatrixView<float>& scores,
+                                   cudaStream_t stream) {
+  const dim3 grid(unsigned(scores.rows), unsigned((centroids.capacity + kCentroidsPerBlock - 1) / kCentroidsPerBlock));
+  centroid_scores_kernel<T><<<grid, kThreads, 0, stream>>>(q, centroids, slots, kv_heads, scores);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_store_centroids(const SequenceView<const T>& queries, const std::int32_t* slots,
+                                   const std::int32_t* first, std::int32_t kv_heads,
+                                   const QueryCentroidsView<T>& centroids, cudaStream_t stream) {
+  const std::int64_t items = std::int64_t(queries.batch) * queries.heads * queries.tokens;
+  store_centroids_kernel<T><<<unsigned((items + kWarps - 1) / kWarps), kThreads, 0, stream>>>(queries, slots, first,
+                                                                                               kv_heads, centroids);
+  return cudaGetLastError();
+}
+
+#define KVSIFT_INSTANTIATE(T)                                                                                         \
+  template cudaError_t launch_centroid_scores<T>(const QueryView<const T>&, const QueryCentroidsView<const T>&,      \
+                                                 const std::int32_t*, std::int32_t, const MatrixView<float>&,         \
+                                                 cudaStream_t);                                                       \
+  template cudaError_t launch_store_centroids<T>(const SequenceView<const T>&, const std::int32_t*,                  \
+                                                 const std::int32_t*, std::int32_t, const QueryCentroidsView<T>&,     \
+                                                 cudaStream_t);
+KVSIFT_INSTANTIATE(float)
+KVSIFT_INSTANTIATE(half)
+KVSIFT_INSTANTIATE(bfloat16)
+#undef KVSIFT_INSTANTIATE
+
+}  // namespace kvsift::cuda::detail

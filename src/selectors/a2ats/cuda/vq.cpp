@@ -1,0 +1,180 @@
+// Codebook quantization, lookup tables and code scan on CUDA (selectors/a2ats/cuda/vq.hpp): the checks shared with the CPU, the
+// launch shapes (blocks per sequence and kv head, the cluster of the fused form), then kernels/selectors/a2ats/vq.cu's launchers.
+#include "kvsift/selectors/a2ats/cuda/vq.hpp"
+
+#include <algorithm>
+
+#include "kvsift/selectors/a2ats/detail/vq_checks.hpp"
+#include "kvsift/core/dtype.hpp"
+#include "kvsift/core/workspace.hpp"
+#include "kvsift/cuda/check.hpp"
+#include "kvsift/selectors/a2ats/cuda/detail/vq_encode_launch.hpp"
+#include "kvsift/selectors/a2ats/cuda/detail/vq_launch.hpp"
+
+namespace kvsift::cuda {
+namespace {
+
+constexpr std::int32_t kScanThreads = 256;
+constexpr std::int32_t kTokensPerThread = 8;  ///< a block's share is at least this many tokens per thread
+constexpr std::int32_t kBlocksPerSm = 2;      ///< scan blocks in flight per SM aimed at (fused: the tables' shared memory allows ~3 at 64 KB)
+constexpr std::int32_t kFusedCluster = 8;     ///< portable cluster size on sm_90
+
+/// Blocks per (sequence, kv head): enough for kBlocksPerSm per SM over all rows, no more than the longest row needs,
+/// a multiple of `cluster`.
+detail::VqScanGrid scan_grid(std::int32_t batch, std::int32_t kv_heads, std::int32_t cols, std::int32_t cluster) {
+  const std::int64_t rows = std::int64_t(batch) * kv_heads;
+  const std::int64_t wanted = (std::int64_t(kBlocksPerSm) * multiprocessor_count() + rows - 1) / rows;
+  const std::int64_t useful = (std::int64_t(cols) + kScanThreads * kTokensPerThread - 1) / (kScanThreads * kTokensPerThread);
+  std::int64_t parts = std::max<std::int64_t>(1, std::min(wanted, useful));
+  parts = (parts + cluster - 1) / cluster * cluster;
+  return {std::int32_t(parts), cluster};
+}
+
+int compute_capability_major() {
+  int device = 0, major = 0;
+  KVSIFT_CUDA_CHECK(cudaGetDevice(&device));
+  KVSIFT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major;
+}
+
+void check_grid(const char* where, std::int32_t batch) {
+  KVSIFT_CHECK(batch <= 65535, where, "batch (= {}) exceeds the launch limit of 65535 sequences", batch);
+}
+
+void check_group(const char* where, std::int32_t q_heads, std::int32_t kv_heads) {
+  KVSIFT_CHECK(q_heads / kv_heads <= detail::kVqMaxGroup, where,
+               "q_heads / kv_heads (= {}) exceeds {} query heads per kv head", q_heads / kv_heads, detail::kVqMaxGroup);
+}
+
+bool fused_fits(std::int32_t group, std::int32_t codewords, std::int32_t head_dim) {
+  return detail::vq_fused_smem_bytes(group, codewords, head_dim) <= std::size_t(max_shared_memory_per_block());
+}
+
+MatrixView<const float> as_const(const MatrixView<float>& m) { return {m.data, m.rows, m.cols, m.row_stride}; }
+
+/// Blocks per (row group, kv head) of the few-rows encode: as many as give every SM one block, at most a portable
+/// cluster (sm_90; else 1) and one per 64-codeword stage of the codebook.
+std::int32_t encode_split(std::int64_t rows, std::int32_t kv_heads, std::int32_t codewords) {
+  if (compute_capability_major() < 9) return 1;
+  const std::int64_t pairs = (rows + detail::kVqEncodeGroupRows - 1) / detail::kVqEncodeGroupRows * kv_heads;
+  const std::int64_t stages = (std::int64_t(codewords) + detail::kVqEncodeChunk - 1) / detail::kVqEncodeChunk;
+  const std::int64_t split = std::min({std::int64_t(multiprocessor_count()) / pairs,
+                                       std::int64_t(detail::kVqEncodeMaxSplit), stages});
+  return std::int32_t(std::max<std::int64_t>(1, split));
+}
+
+}  // namespace
+
+void vq_codeword_norms(const MatrixView<const float>& centroids, float* d_norms, cudaStream_t stream) {
+  kvsift::detail::check_vq_norms_shape("cuda::vq_codeword_norms", centroids, d_norms);
+  KVSIFT_CUDA_CHECK(detail::launch_vq_codeword_norms(centroids, d_norms, stream));
+}
+
+std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_dim) {
+  constexpr const char* where = "cuda::vq_encode_workspace_bytes";
+  kvsift::detail::check_vq_codewords(where, "codewords", codewords);
+  kvsift::detail::check_vq_head_dim(where, "codebook", head_dim);
+  return 0;
+}
+
+template <class T>
+void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook, const VqCodesView<std::uint16_t>& codes,
+               const VqCodeDestination& destination, std::span<std::byte>, cudaStream_t stream) {
+  constexpr const char* where = "cuda::vq_encode";
+  kvsift::detail::check_vq_encode(where, keys, codebook, codes);
+  KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(codebook.centroids) % 16 == 0, where,
+               "codebook.centroids ({}) is not 16-byte aligned", static_cast<const void*>(codebook.centroids));
+  if (keys.batch <= detail::kVqEncodeFewRows) {
+    KVSIFT_CUDA_CHECK(detail::launch_vq_encode_few(keys, codebook, codes, destination,
+                                                   encode_split(keys.batch, keys.heads, codebook.codewords), stream));
+    return;
+  }
+  KVSIFT_CUDA_CHECK(detail::launch_vq_encode_mma(keys, codebook, codes, destination, stream));
+}
+
+template <class T>
+void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, cudaStream_t stream) {
+  constexpr const char* where = "cuda::vq_lut";
+  kvsift::detail::check_vq_query(where, q, codebook);
+  kvsift::detail::check_vq_lut_shape(where, "lut", as_const(lut), q.batch, q.heads, codebook.codewords);
+  check_grid(where, q.batch);
+  check_group(where, q.heads, codebook.kv_heads);
+  KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(codebook.data) % 16 == 0, where,
+               "codebook.data ({}) is not 16-byte aligned", static_cast<const void*>(codebook.data));
+  KVSIFT_CUDA_CHECK(detail::launch_vq_lut(q, codebook, lut, stream));
+}
+
+void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch, const VqCodesView<const std::uint16_t>& codes,
+                  const std::int32_t* d_slots, const std::int32_t* d_lengths, const MatrixView<float>& scores,
+                  const VqScanOptions& options, cudaStream_t stream) {
+  constexpr const char* where = "cuda::vq_code_scan";
+  KVSIFT_CHECK(batch > 0 && lut.rows % batch == 0, where, "lut.rows (= {}) is not a positive multiple of batch (= {})",
+               lut.rows, batch);
+  const auto q_heads = std::int32_t(lut.rows / batch);
+  kvsift::detail::check_vq_lut_shape(where, "lut", lut, batch, q_heads, lut.cols);
+  kvsift::detail::check_vq_codewords(where, "lut.cols", lut.cols);
+  kvsift::detail::check_vq_scan(where, batch, q_heads, codes, d_slots, d_lengths, scores, options);
+  check_grid(where, batch);
+  KVSIFT_CUDA_CHECK(detail::launch_vq_code_scan(lut, batch, codes, d_slots, d_lengths, scores, options,
+                                                scan_grid(batch, codes.kv_heads, scores.cols, 1), stream));
+}
+
+std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
+                                        std::int32_t codewords, std::int32_t head_dim) {
+  constexpr const char* where = "cuda::vq_lut_scan_workspace_bytes";
+  KVSIFT_CHECK(batch > 0 && kv_heads > 0 && q_heads > 0 && q_heads % kv_heads == 0, where,
+               "batch (= {}), q_heads (= {}) and kv_heads (= {}) must be positive, q_heads a multiple of kv_heads",
+               batch, q_heads, kv_heads);
+  kvsift::detail::check_vq_codewords(where, "codewords", codewords);
+  kvsift::detail::check_vq_head_dim(where, "codebook", head_dim);
+  check_grid(where, batch);
+  check_group(where, q_heads, kv_heads);  // what the run refuses, the query refuses too
+  if (fused_fits(q_heads / kv_heads, codewords, head_dim)) return 0;
+  WorkspaceLayout counting;
+  counting.allocate<float>(checked_mul(std::size_t(batch) * std::size_t(q_heads), std::size_t(codewords), "vq_lut_scan tables"),
+                           "vq_lut_scan tables");
+  return counting.bytes();
+}
+
+template <class T>
+void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
+                 const std::int32_t* d_slots, const std::int32_t* d_lengths, const MatrixView<float>& scores,
+                 const VqScanOptions& options, std::span<std::byte> workspace, cudaStream_t stream) {
+  constexpr const char* where = "cuda::vq_lut_scan";
+  kvsift::detail::check_vq_query(where, q, codebook);
+  kvsift::detail::check_vq_scan(where, q.batch, q.heads, codes, d_slots, d_lengths, scores, options);
+  KVSIFT_CHECK(codes.kv_heads == codebook.kv_heads, where, "codes.kv_heads (= {}) != codebook.kv_heads (= {})",
+               codes.kv_heads, codebook.kv_heads);
+  check_grid(where, q.batch);
+  check_group(where, q.heads, codebook.kv_heads);
+  KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(codebook.data) % 16 == 0, where,
+               "codebook.data ({}) is not 16-byte aligned", static_cast<const void*>(codebook.data));
+  const std::int32_t group = q.heads / codebook.kv_heads, count = codebook.codewords;
+  if (fused_fits(group, count, q.head_dim)) {
+    const std::int32_t cluster = compute_capability_major() >= 9 ? kFusedCluster : 1;
+    KVSIFT_CUDA_CHECK(detail::launch_vq_lut_scan(q, codebook, codes, d_slots, d_lengths, scores, options,
+                                                 scan_grid(q.batch, codebook.kv_heads, scores.cols, cluster), stream));
+    return;
+  }
+  WorkspaceLayout layout(workspace, where);
+  const std::size_t entries = std::size_t(q.batch) * std::size_t(q.heads) * std::size_t(count);
+  float* tables = layout.allocate<float>(entries, "vq_lut_scan tables");
+  const auto lut = MatrixView<float>::packed(tables, std::int64_t(q.batch) * q.heads, count);
+  KVSIFT_CUDA_CHECK(detail::launch_vq_lut(q, codebook, lut, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_vq_code_scan(as_const(lut), q.batch, codes, d_slots, d_lengths, scores, options,
+                                                scan_grid(q.batch, codebook.kv_heads, scores.cols, 1), stream));
+}
+
+#define KVSIFT_INSTANTIATE(T)                                                                                        \
+  template void vq_encode<T>(const HeadsView<const T>&, const VqEncodeCodebook&, const VqCodesView<std::uint16_t>&, \
+                             const VqCodeDestination&, std::span<std::byte>, cudaStream_t);                          \
+  template void vq_lut<T>(const QueryView<const T>&, const VqCodebook<T>&, const MatrixView<float>&, cudaStream_t); \
+  template void vq_lut_scan<T>(const QueryView<const T>&, const VqCodebook<T>&, const VqCodesView<const std::uint16_t>&, \
+                               const std::int32_t*, const std::int32_t*, const MatrixView<float>&,                 \
+                               const VqScanOptions&, std::span<std::byte>, cudaStream_t);
+KVSIFT_INSTANTIATE(float)
+KVSIFT_INSTANTIATE(half)
+KVSIFT_INSTANTIATE(bfloat16)
+#undef KVSIFT_INSTANTIATE
+
+}  // namespace kvsift::cuda

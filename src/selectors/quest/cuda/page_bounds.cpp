@@ -1,0 +1,84 @@
+// Page bounds on CUDA: the shape checks shared with the CPU (selectors/quest/detail/page_bounds_checks.hpp, device
+// contents unread), the launch-size limits, then the launchers of kernels/page_bounds.cu.
+#include "kvsift/selectors/quest/cuda/page_bounds.hpp"
+
+#include <algorithm>
+#include <climits>
+
+#include "kvsift/selectors/quest/detail/page_bounds_checks.hpp"
+#include "kvsift/core/dtype.hpp"
+#include "kvsift/core/validate.hpp"
+#include "kvsift/cuda/check.hpp"
+#include "kvsift/selectors/quest/cuda/detail/page_bounds_kernels.cuh"
+
+namespace kvsift::cuda {
+
+template <class T, class KV>
+void build_page_bounds(const KV& kv, const std::int32_t* d_slots, const PageBoundsView<T>& bounds,
+                       cudaStream_t stream) {
+  kvsift::detail::check_page_bounds_update("cuda::build_page_bounds", kv, d_slots, bounds, MemorySpace::device);
+  KVSIFT_CUDA_CHECK(detail::launch_build_page_bounds(kv, d_slots, bounds, stream));
+}
+
+template <class T, class KV>
+void append_page_bounds(const KV& kv, const std::int32_t* d_slots, const PageBoundsView<T>& bounds,
+                        cudaStream_t stream) {
+  constexpr const char* where = "cuda::append_page_bounds";
+  kvsift::detail::check_page_bounds_update(where, kv, d_slots, bounds, MemorySpace::device);
+  KVSIFT_CHECK(std::int64_t(kv.batch) * kv.kv_heads * bounds.head_dim <= std::int64_t(INT32_MAX), where,
+               "kv.batch * kv_heads * head_dim (= {} * {} * {}) exceeds 2^31 - 1 threads", kv.batch, kv.kv_heads,
+               bounds.head_dim);
+  KVSIFT_CUDA_CHECK(detail::launch_append_page_bounds(kv, d_slots, bounds, stream));
+}
+
+template <class T>
+void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* d_slots,
+                 const std::int32_t* d_lengths, const AttentionWindow& window, const MatrixView<float>& scores,
+                 std::int32_t* d_page_counts, cudaStream_t stream) {
+  constexpr const char* where = "cuda::page_scores";
+  kvsift::detail::check_page_scores(where, q, bounds, d_slots, d_lengths, window, scores, d_page_counts,
+                                    MemorySpace::device);
+  kvsift::detail::check_supported(where, "bounds.head_dim", bounds.head_dim, kCudaAttentionHeadDims,
+                                  "the CUDA page-score kernels");
+  const std::int32_t page_limit = std::int32_t(std::min<std::int64_t>(bounds.max_pages, scores.cols));
+  const std::int32_t chunk = detail::plan_score_chunk(scores.rows, page_limit, multiprocessor_count());
+  const std::int32_t chunks = (page_limit + chunk - 1) / chunk;
+  KVSIFT_CHECK(scores.rows * chunks <= std::int64_t(INT32_MAX), where,
+               "scores.rows * page chunks (= {} * {}) exceeds 2^31 - 1 CTAs", scores.rows, chunks);
+  const detail::PageScoreParams<T> params{.q = q,
+                                          .bounds = bounds,
+                                          .slots = d_slots,
+                                          .lengths = d_lengths,
+                                          .window = window,
+                                          .scores = scores,
+                                          .page_counts = d_page_counts,
+                                          .group = q.heads / bounds.kv_heads,
+                                          .page_limit = page_limit,
+                                          .chunk = chunk,
+                                          .chunks = chunks};
+  KVSIFT_CUDA_CHECK(detail::launch_page_scores(params, stream));
+}
+
+void expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* d_lengths,
+                  const AttentionWindow& window, const SelectionView& out, cudaStream_t stream) {
+  kvsift::detail::check_expand_pages("cuda::expand_pages", pages, page_size, d_lengths, window, out,
+                                     MemorySpace::device);
+  KVSIFT_CUDA_CHECK(detail::launch_expand_pages(pages, page_size, d_lengths, window, out, stream));
+}
+
+#define KVSIFT_INSTANTIATE_UPDATES(T, KV)                                                                       \
+  template void build_page_bounds<T, KV>(const KV&, const std::int32_t*, const PageBoundsView<T>&, cudaStream_t); \
+  template void append_page_bounds<T, KV>(const KV&, const std::int32_t*, const PageBoundsView<T>&, cudaStream_t);
+#define KVSIFT_INSTANTIATE(T)                                                                                     \
+  KVSIFT_INSTANTIATE_UPDATES(T, ContiguousKVView<const T>)                                                        \
+  KVSIFT_INSTANTIATE_UPDATES(T, PagedKVView<const T>)                                                             \
+  template void page_scores<T>(const QueryView<const T>&, const PageBoundsView<const T>&, const std::int32_t*,     \
+                               const std::int32_t*, const AttentionWindow&, const MatrixView<float>&,            \
+                               std::int32_t*, cudaStream_t);
+KVSIFT_INSTANTIATE(float)
+KVSIFT_INSTANTIATE(half)
+KVSIFT_INSTANTIATE(bfloat16)
+#undef KVSIFT_INSTANTIATE
+#undef KVSIFT_INSTANTIATE_UPDATES
+
+}  // namespace kvsift::cuda
