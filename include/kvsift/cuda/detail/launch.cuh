@@ -22,89 +22,79 @@ namespace kvsift::cuda::detail {
 
 inline constexpr int kLaunchMaxDevices = 64;
 
-/// A once-per-device bit set: which devices have done a thing. Devices past kLaunchMaxDevices are never marked,
-/// so they redo it at every call (correct, only slower).
-class PerDeviceOnce {
+/// A non-negative int per device, computed once per device (stored + 1: 0 means not computed yet). Devices past
+/// kLaunchMaxDevices compute it at every call.
+class PerDeviceValue {
  public:
-  bool done(int device) const {
-    return device < kLaunchMaxDevices && (bits_.load(std::memory_order_acquire) & bit(device)) != 0;
-  }
-  void mark(int device) {
-    if (device < kLaunchMaxDevices) bits_.fetch_or(bit(device), std::memory_order_release);
+  template <class Compute>
+  cudaError_t get(int* value, Compute&& compute) {
+    int device = 0;
+    if (const cudaError_t s = cudaGetDevice(&device); s != cudaSuccess) return s;
+    if (device < kLaunchMaxDevices) {
+      if (const int stored = known_[std::size_t(device)].load(std::memory_order_relaxed); stored != 0) {
+        *value = stored - 1;
+        return cudaSuccess;
+      }
+    }
+    if (const cudaError_t s = compute(device, value); s != cudaSuccess) return s;
+    if (device < kLaunchMaxDevices) known_[std::size_t(device)].store(*value + 1, std::memory_order_relaxed);
+    return cudaSuccess;
   }
 
  private:
-  static std::uint64_t bit(int device) { return std::uint64_t{1} << device; }
-  std::atomic<std::uint64_t> bits_{0};
+  std::array<std::atomic<int>, kLaunchMaxDevices> known_{};
 };
 
 /// `*value` = the current device's attribute A, queried from the driver once per device.
 template <cudaDeviceAttr A>
 cudaError_t device_attribute(int* value) {
-  static std::array<std::atomic<int>, kLaunchMaxDevices> known{};  // the value + 1; 0: not queried yet
-  int device = 0;
-  if (const cudaError_t s = cudaGetDevice(&device); s != cudaSuccess) return s;
-  if (device < kLaunchMaxDevices) {
-    if (const int stored = known[std::size_t(device)].load(std::memory_order_relaxed); stored != 0) {
-      *value = stored - 1;
-      return cudaSuccess;
-    }
-  }
-  if (const cudaError_t s = cudaDeviceGetAttribute(value, A, device); s != cudaSuccess) return s;
-  if (device < kLaunchMaxDevices) known[std::size_t(device)].store(*value + 1, std::memory_order_relaxed);
-  return cudaSuccess;
+  static PerDeviceValue memo;
+  return memo.get(value, [](int device, int* v) { return cudaDeviceGetAttribute(v, A, device); });
 }
 
 /// Opens Kernel to the device's opt-in shared memory per block, less the kernel's static shared memory.
 template <auto Kernel>
 cudaError_t open_shared_memory() {
-  static PerDeviceOnce opened;
-  int device = 0;
-  if (const cudaError_t s = cudaGetDevice(&device); s != cudaSuccess) return s;
-  if (opened.done(device)) return cudaSuccess;
-  int limit = 0;
-  if (const cudaError_t s = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&limit); s != cudaSuccess) {
-    return s;
-  }
-  cudaFuncAttributes built{};
-  if (const cudaError_t s = cudaFuncGetAttributes(&built, Kernel); s != cudaSuccess) return s;
-  const cudaError_t s =
-      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit - int(built.sharedSizeBytes));
-  if (s == cudaSuccess) opened.mark(device);
-  return s;
+  static PerDeviceValue opened;
+  int done = 0;
+  return opened.get(&done, [](int, int* v) {
+    int limit = 0;
+    if (const cudaError_t s = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&limit); s != cudaSuccess) {
+      return s;
+    }
+    cudaFuncAttributes built{};
+    if (const cudaError_t s = cudaFuncGetAttributes(&built, Kernel); s != cudaSuccess) return s;
+    *v = 1;
+    return cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit - int(built.sharedSizeBytes));
+  });
 }
 
 /// Allows Kernel clusters beyond the portable size of 8 CTAs (sm_90). A device without them returns its error
 /// (and the caller stays at portable sizes).
 template <auto Kernel>
 cudaError_t allow_nonportable_clusters() {
-  static PerDeviceOnce allowed;
-  int device = 0;
-  if (const cudaError_t s = cudaGetDevice(&device); s != cudaSuccess) return s;
-  if (allowed.done(device)) return cudaSuccess;
-  const cudaError_t s = cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-  if (s == cudaSuccess) allowed.mark(device);
-  return s;
+  static PerDeviceValue allowed;
+  int done = 0;
+  return allowed.get(&done, [](int, int* v) {
+    *v = 1;
+    return cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  });
 }
 
 /// Whether the code of Kernel that runs on the current device was built for sm_90 or later (its cluster paths
 /// exist only there: PTX of an older architecture JIT-compiled for a newer GPU has none).
 template <auto Kernel>
 cudaError_t built_for_sm90(bool* yes) {
-  static std::array<std::atomic<int>, kLaunchMaxDevices> known{};  // 0: not asked yet, 1: no, 2: yes
-  int device = 0;
-  if (const cudaError_t s = cudaGetDevice(&device); s != cudaSuccess) return s;
-  if (device < kLaunchMaxDevices) {
-    if (const int stored = known[std::size_t(device)].load(std::memory_order_relaxed); stored != 0) {
-      *yes = stored == 2;
-      return cudaSuccess;
-    }
-  }
-  cudaFuncAttributes built{};
-  if (const cudaError_t s = cudaFuncGetAttributes(&built, Kernel); s != cudaSuccess) return s;
-  *yes = built.ptxVersion >= 90 && built.binaryVersion >= 90;
-  if (device < kLaunchMaxDevices) known[std::size_t(device)].store(*yes ? 2 : 1, std::memory_order_relaxed);
-  return cudaSuccess;
+  static PerDeviceValue memo;
+  int built = 0;
+  const cudaError_t s = memo.get(&built, [](int, int* v) {
+    cudaFuncAttributes attributes{};
+    const cudaError_t status = cudaFuncGetAttributes(&attributes, Kernel);
+    *v = attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90 ? 1 : 0;
+    return status;
+  });
+  *yes = built == 1;
+  return s;
 }
 
 /// Where and how a kernel runs: `cluster` CTAs along x form a thread-block cluster when > 1 (grid.x a multiple
