@@ -22,15 +22,24 @@ cudaError_t launch_check_selection(const DecodeParams<T>& p, cudaStream_t stream
 template <class TI, class TO>
 cudaError_t launch_merge_states(const MergeParams<TI, TO>& p, cudaStream_t stream);
 
-extern template cudaError_t launch_decode<half>(const DecodeParams<half>&, cudaStream_t, bool);
-extern template cudaError_t launch_decode<bfloat16>(const DecodeParams<bfloat16>&, cudaStream_t, bool);
-extern template cudaError_t launch_check_selection<half>(const DecodeParams<half>&, cudaStream_t);
-extern template cudaError_t launch_check_selection<bfloat16>(const DecodeParams<bfloat16>&, cudaStream_t);
-extern template cudaError_t launch_merge_states<half, half>(const MergeParams<half, half>&, cudaStream_t);
-extern template cudaError_t launch_merge_states<bfloat16, bfloat16>(const MergeParams<bfloat16, bfloat16>&,
-                                                                    cudaStream_t);
-extern template cudaError_t launch_merge_states<float, float>(const MergeParams<float, float>&, cudaStream_t);
-extern template cudaError_t launch_merge_states<float, half>(const MergeParams<float, half>&, cudaStream_t);
-extern template cudaError_t launch_merge_states<float, bfloat16>(const MergeParams<float, bfloat16>&, cudaStream_t);
+/// The decode family's instances, one list: the storage types that decode, its validation pass and its same-type
+/// merge are built for, and the outputs of the merge of fp32 partials (a decode step's partials, the CPU side of
+/// hybrid decode). The list generates the extern declarations below and the explicit instantiations
+/// (kernels/decode.cu); a type added here is built and declared at once.
+#define KVSIFT_DECODE_STORAGE_TYPES(X) X(half) X(bfloat16)
+#define KVSIFT_MERGE_FP32_OUTPUT_TYPES(X) X(float) X(half) X(bfloat16)
+#define KVSIFT_DECODE_LAUNCHERS(PREFIX, T)                                                         \
+  PREFIX template cudaError_t launch_decode<T>(const DecodeParams<T>&, cudaStream_t, bool);        \
+  PREFIX template cudaError_t launch_check_selection<T>(const DecodeParams<T>&, cudaStream_t);     \
+  PREFIX template cudaError_t launch_merge_states<T, T>(const MergeParams<T, T>&, cudaStream_t);
+#define KVSIFT_MERGE_FP32_LAUNCHER(PREFIX, TO) \
+  PREFIX template cudaError_t launch_merge_states<float, TO>(const MergeParams<float, TO>&, cudaStream_t);
+
+#define KVSIFT_DECODE_EXTERN(T) KVSIFT_DECODE_LAUNCHERS(extern, T)
+#define KVSIFT_MERGE_FP32_EXTERN(TO) KVSIFT_MERGE_FP32_LAUNCHER(extern, TO)
+KVSIFT_DECODE_STORAGE_TYPES(KVSIFT_DECODE_EXTERN)
+KVSIFT_MERGE_FP32_OUTPUT_TYPES(KVSIFT_MERGE_FP32_EXTERN)
+#undef KVSIFT_DECODE_EXTERN
+#undef KVSIFT_MERGE_FP32_EXTERN
 
 }  // namespace kvsift::cuda::detail
