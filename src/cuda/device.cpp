@@ -2,6 +2,7 @@
 #include <atomic>
 
 #include "kvsift/cuda/check.hpp"
+#include "kvsift/cuda/pinned_host.hpp"
 
 namespace kvsift::cuda {
 
@@ -51,6 +52,16 @@ bool device_available() {
     return false;
   }
   return count > 0;
+}
+
+void PinnedHostCheck::require_field(std::size_t field, const void* p, const char* field_name, const char* where,
+                                    std::string_view cache) {
+  if (p == nullptr || p == known_[field]) return;
+  KVSIFT_CHECK(device_readable_host(p), where,
+               "{}'s {} ({}) is not pinned host memory: the GPU reads it in place (cudaMallocHost, cudaHostRegister "
+               "or managed memory)",
+               cache, field_name, p);
+  known_[field] = p;
 }
 
 }  // namespace kvsift::cuda

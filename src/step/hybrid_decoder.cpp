@@ -105,19 +105,6 @@ HybridDecoder<T>::HybridDecoder(const HybridDecoderConfig& config, cpu::ThreadPo
 template <class T>
 HybridDecoder<T>::~HybridDecoder() = default;
 
-namespace {
-
-template <class T>
-bool is_pinned_host(const ContiguousKVView<const T>& kv) {
-  return device_readable_host(kv.k) && device_readable_host(kv.v);
-}
-template <class T>
-bool is_pinned_host(const PagedKVView<const T>& kv) {
-  return device_readable_host(kv.k_pages) && device_readable_host(kv.v_pages);
-}
-
-}  // namespace
-
 template <class T>
 template <class DeviceKV, class HostKV>
 void HybridDecoder<T>::decode(const QueryView<const T>& q_device, const QueryView<const T>& q_host,
@@ -138,8 +125,7 @@ void HybridDecoder<T>::decode(const QueryView<const T>& q_device, const QueryVie
                "selection.attend_all is set: the host cache holds only the middle, so a row lists the middle "
                "tokens it attends (all of them for a sequence shorter than its budget)");
   validate(host_kv, where, "host_kv", MemorySpace::host);
-  KVSIFT_CHECK(is_pinned_host(host_kv), where,
-               "host_kv's K and V must be pinned host memory (cudaMallocHost or cudaHostRegister) or managed memory");
+  pinned_.require(host_kv, PinnedHostCheck::Arrays::kv, where, "host_kv");
   if (c.validate_indices) {
     validate(selection, host_kv, where, "selection");
     check_selection_contents(selection, host_kv, where, "selection", /*refuse_duplicates=*/true, c.attention.window);

@@ -287,7 +287,7 @@ TEST_F(GpuSelectStep, RefusesMismatchedInputs) {
   pageable.host_cache.contiguous.k = pageable_k.data();
   pageable.host_cache.contiguous.v = pageable_v.data();
   expect_error([&] { step.run(pageable, out, gpu); },
-               "GpuSelectHybridStep::run: in.host_cache's K and V must be pinned host memory");
+               {"GpuSelectHybridStep::run: in.host_cache's k (", ") is not pinned host memory"});
   GpuSelectStepInputs<T> other_heads = in;
   other_heads.host_cache.contiguous.kv_heads = kKvHeads + 1;
   expect_error([&] { step.run(other_heads, out, gpu); }, "GpuSelectHybridStep::run: in.host_cache");

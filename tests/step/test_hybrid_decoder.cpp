@@ -214,7 +214,7 @@ TEST_F(HybridDecode, BadArgumentsAreRefused) {
   };
   const std::vector<bfloat16> pageable_k(c.k), pageable_v(c.v);
   expect_error([&] { decode(c.contiguous(pageable_k.data(), pageable_v.data()), sel.view); },
-               "host_kv's K and V must be pinned host memory");
+               {"cuda::HybridDecoder::decode: host_kv's k (", ") is not pinned host memory"});
   std::vector<std::uint8_t> attend_all(std::size_t(c.kBatch) * c.kKvHeads, 1);
   SelectionView all = sel.view;
   all.attend_all = attend_all.data();

@@ -54,6 +54,7 @@
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/cuda/check.hpp"
+#include "kvsift/cuda/pinned_host.hpp"
 #include "kvsift/selectors/selector.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "kvsift/step/hybrid_decoder.hpp"
@@ -167,13 +168,7 @@ class GpuSelectHybridStep {
                    "in.host_cache has {} kv heads of head_dim {}; the step was planned for {} and {}", kv.kv_heads,
                    kv.head_dim, config_.kv_heads, config_.head_dim);
     });
-    const void* host_k = in.host_cache.is_paged() ? static_cast<const void*>(in.host_cache.paged.k_pages)
-                                                  : static_cast<const void*>(in.host_cache.contiguous.k);
-    const void* host_v = in.host_cache.is_paged() ? static_cast<const void*>(in.host_cache.paged.v_pages)
-                                                  : static_cast<const void*>(in.host_cache.contiguous.v);
-    KVSIFT_CHECK(cuda::device_readable_host(host_k) && cuda::device_readable_host(host_v), where,
-                 "in.host_cache's K and V must be pinned host memory (cudaMallocHost or cudaHostRegister) or managed "
-                 "memory");
+    pinned_.require(in.host_cache, cuda::PinnedHostCheck::Arrays::kv, where, "in.host_cache");
     validate(out, where, "out");
     KVSIFT_CHECK(out.batch == batch && out.heads == config_.q_heads && out.head_dim == config_.head_dim, where,
                  "out is [{}, {}, {}]; the step writes [{}, {}, {}]", out.batch, out.heads, out.head_dim, batch,
@@ -237,6 +232,7 @@ class GpuSelectHybridStep {
   cuda::PinnedArray<T> h_q_;
   cuda::HybridDecoder<T> decoder_;
   GpuSelectStepTimes times_;
+  cuda::PinnedHostCheck pinned_;  ///< the host cache's K and V, checked once per array
 };
 
 }  // namespace kvsift

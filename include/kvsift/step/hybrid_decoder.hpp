@@ -37,6 +37,7 @@
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
+#include "kvsift/cuda/pinned_host.hpp"
 
 namespace kvsift::cuda {
 
@@ -81,6 +82,7 @@ class HybridDecoder {
   cpu::ThreadPool* pool_;
   std::unique_ptr<Buffers> buffers_;
   HybridStepTimes times_;
+  PinnedHostCheck pinned_;  ///< host_kv's K and V, checked once per array
 };
 
 #define KVSIFT_DECLARE_HYBRID_DECODE(T, DeviceKV, HostKV)                                                         \

@@ -67,6 +67,7 @@
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/cuda/check.hpp"
+#include "kvsift/cuda/pinned_host.hpp"
 #include "kvsift/selectors/selector.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "kvsift/step/hybrid_step.hpp"
@@ -266,29 +267,11 @@ class OffloadDecodeStep {
     return config;
   }
 
-  /// The GPU reads the host cache's rows, lengths and page table: they must be pinned (or managed) host memory.
-  static void check_host_cache(const KVCache<const T>& cache) {
+  /// The GPU reads the host cache's rows, lengths and page table: they must be pinned (or managed) host memory
+  /// (checked once per array: cuda/pinned_host.hpp).
+  void check_host_cache(const KVCache<const T>& cache) {
     constexpr const char* where = "OffloadDecodeStep::run";
-    const auto check = [&](const void* p, const char* name) {
-      if (p == nullptr) return;  // validate() below names a missing array
-      KVSIFT_CHECK(cuda::device_readable_host(p), where,
-                   "in.host_cache's {} ({}) is not pinned host memory: the GPU reads it (cudaMallocHost or "
-                   "cudaHostRegister)",
-                   name, p);
-    };
-    if (cache.is_paged()) {
-      const auto& kv = cache.paged;
-      check(kv.k_pages, "k_pages");
-      check(kv.v_pages, "v_pages");
-      check(kv.page_indptr, "page_indptr");
-      check(kv.page_indices, "page_indices");
-      check(kv.last_page_len, "last_page_len");
-    } else {
-      const auto& kv = cache.contiguous;
-      check(kv.k, "k");
-      check(kv.v, "v");
-      check(kv.seq_lens, "seq_lens");
-    }
+    pinned_.require(cache, cuda::PinnedHostCheck::Arrays::kv_and_tables, where, "in.host_cache");
     cache.visit([&](const auto& kv) { validate(kv, where, "in.host_cache", MemorySpace::host); });
   }
 
@@ -334,6 +317,7 @@ class OffloadDecodeStep {
   bool copy_pending_ = false;
   std::int32_t last_batch_ = 1;
   OffloadStepStats stats_;
+  cuda::PinnedHostCheck pinned_;
 };
 
 }  // namespace kvsift

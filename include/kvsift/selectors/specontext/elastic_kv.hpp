@@ -49,11 +49,11 @@
 /// Device values (slots, counts, tokens) are trusted as by the CUDA gathers; shapes are checked on the host.
 /// Thread safety: one object serves one thread at a time.
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -70,6 +70,7 @@
 #include "kvsift/cuda/check.hpp"
 #include "kvsift/cuda/context.hpp"
 #include "kvsift/cuda/detail/gather_launch.hpp"
+#include "kvsift/cuda/pinned_host.hpp"
 
 namespace kvsift {
 
@@ -136,6 +137,7 @@ class ElasticKV {
     fork_ = make_event();
     for (std::int32_t l = 0; l < config.layers; ++l) layer_events_.push_back(make_event());
     pinned_.resize(std::size_t(config.layers));
+    for (std::int32_t l = 0; l < config.layers; ++l) pinned_names_.push_back(fmt::format("in.host_caches[{}]", l));
   }
 
   const ElasticKVConfig& config() const { return config_; }
@@ -302,9 +304,6 @@ class ElasticKV {
     std::int32_t* lengths = nullptr;       ///< [max_batch] the host caches' lengths of the last update
     unsigned long long* moved_rows = nullptr;
   };
-  /// Per layer, the host cache's pointers that passed check_pinned, by field (a paged view's five, a contiguous
-  /// view's first three).
-  using PinnedPointers = std::array<const void*, 5>;
   struct EventDeleter {
     void operator()(cudaEvent_t event) const { cudaEventDestroy(event); }
   };
@@ -330,29 +329,11 @@ class ElasticKV {
     return Event(event);
   }
 
-  /// The copies read the host cache's rows and its lengths or page table on the device. A pointer equal to the
-  /// one this layer's field had when last checked passed then and is not queried again.
+  /// The copies read the host cache's rows and its lengths or page table on the device: pinned host memory,
+  /// checked once per array and layer (cuda/pinned_host.hpp).
   void check_pinned(const KVCache<const T>& cache, std::size_t layer) {
-    PinnedPointers& known = pinned_[layer];
-    const auto check = [&](const void* p, std::size_t field, const char* name) {
-      if (p == nullptr || p == known[field]) return;  // validate_cache names a missing array
-      KVSIFT_CHECK(cuda::device_readable_host(p), "ElasticKV::update",
-                   "in.host_caches[{}]'s {} ({}) is not pinned host memory: the GPU reads it (cudaMallocHost or "
-                   "cudaHostRegister)",
-                   layer, name, p);
-      known[field] = p;
-    };
-    if (cache.is_paged()) {
-      check(cache.paged.k_pages, 0, "k_pages");
-      check(cache.paged.v_pages, 1, "v_pages");
-      check(cache.paged.page_indptr, 2, "page_indptr");
-      check(cache.paged.page_indices, 3, "page_indices");
-      check(cache.paged.last_page_len, 4, "last_page_len");
-    } else {
-      check(cache.contiguous.k, 0, "k");
-      check(cache.contiguous.v, 1, "v");
-      check(cache.contiguous.seq_lens, 2, "seq_lens");
-    }
+    pinned_[layer].require(cache, cuda::PinnedHostCheck::Arrays::kv_and_tables, "ElasticKV::update",
+                           pinned_names_[layer]);
   }
 
   void check_layer(std::int32_t layer, const char* where) const {
@@ -408,7 +389,8 @@ class ElasticKV {
   Buffers buffers_;
   Event fork_;
   std::vector<Event> layer_events_;
-  std::vector<PinnedPointers> pinned_;  ///< [layers], null until checked
+  std::vector<cuda::PinnedHostCheck> pinned_;  ///< [layers]: each layer's host cache, its arrays checked once
+  std::vector<std::string> pinned_names_;       ///< [layers] "in.host_caches[l]", named in a refusal
   std::int32_t batch_ = 0;
   const std::int32_t* slots_ = nullptr;
   float* log_weights_ = nullptr;
