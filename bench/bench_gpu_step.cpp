@@ -176,7 +176,7 @@ void run_step_benchmark(benchmark::State& state, int method, Make make_selector)
   Device<std::byte> workspace(stack.front()->step.workspace_bytes());
   const auto qv = kvsift::QueryView<const bfloat16>::packed(q.ptr, batch, kQHeads, kHeadDim);
   const auto out = kvsift::StateView<bfloat16>::packed(o.ptr, lse.ptr, batch, kQHeads, kHeadDim);
-  time_calls(state, [&](int i, cudaStream_t stream) {
+  const double seconds = time_calls(state, [&](int i, cudaStream_t stream) {
     auto& layer = *stack[std::size_t(i) % stack.size()];
     layer.step.run({.q = qv, .cache = layer.cache(), .slots = layer.slots.ptr}, out,
                    {workspace.ptr, layer.step.workspace_bytes()}, Cuda{stream});
@@ -244,6 +244,7 @@ void run_step_benchmark(benchmark::State& state, int method, Make make_selector)
   }
   if (between) return;  // the pair's time is not the step's: no bandwidth counter
   state.counters["GB/s"] = benchmark::Counter(bytes * double(state.iterations()), benchmark::Counter::kIsRate);
+  if (bytes > 0) report_latency_model(state, bytes, seconds);
 }
 
 void BM_Step(benchmark::State& state) {
@@ -302,13 +303,38 @@ BENCHMARK(BM_Step)
 /// page bounds of every token, once per prefill; target <= 1 ms per layer at 128K), and Quest's selection as the
 /// step runs it (select_pages: the three stages back to back, gaps included). Inputs that a step reads
 /// cold (page bounds, keys, the selected K/V rows) rotate over layers as in BM_Step; what a step's previous
-/// kernel has just written (scores, selections) stays hot, as in the step.
+/// kernel has just written (scores, selections) stays hot, as in the step. Counters, the latency model: MB (the
+/// bytes the stage must move, stage_bytes), floor_us (those bytes at the copy bandwidth), x_floor (time / floor)
+/// and launches (kernels, memsets and copies per call in the captured graph).
 enum Stage : int { kAppend, kPageScores, kPageTopK, kExpand, kGroupScores, kTokenTopK, kAttend, kPrepare, kSelectPages };
 const char* stage_name(int s) {
   static const char* names[] = {"quest_append", "quest_page_scores", "quest_topk_pages", "quest_expand_pages",
                                 "oracle_group_scores", "oracle_topk_tokens", "sparse_attention", "quest_prepare",
                                 "quest_select_pages"};
   return names[s];
+}
+
+/// The bytes a stage must move at least (reads and writes of its inputs and outputs, once each; bf16 keys, fp32
+/// scores, int32 indices), the latency model's numerator: the floor is these bytes at the copy bandwidth.
+double stage_bytes(int stage, std::int64_t n, int batch) {
+  const double rows = double(batch) * kKvHeads, key = kHeadDim * 2.0, pages = double((n + kPageSize - 1) / kPageSize);
+  const double page_k = kBudget / kPageSize, query = double(batch) * kQHeads * key;
+  const double page_scores = rows * pages * (2 * key) + query + rows * pages * 4;
+  const double page_topk = rows * pages * 4 + rows * page_k * 4;
+  const double expand = rows * page_k * 4 + rows * kBudget * 4;
+  switch (stage) {
+    case kAppend: return rows * (key + 2 * (2 * key));  // the new key; its page's bounds read and written
+    case kPageScores: return page_scores;
+    case kPageTopK: return page_topk;
+    case kExpand: return expand;
+    case kGroupScores: return rows * n * key + query + 2 * double(batch) * kQHeads * n * 4 + rows * n * 4;  // logits out and in
+    case kTokenTopK: return rows * n * 4 + rows * kBudget * 4;
+    case kAttend:
+      return rows * (kBudget + kWindow.sink + kWindow.recent) * 2 * key + rows * kBudget * 4 + 2 * query;
+    case kPrepare: return rows * n * key + rows * pages * 2 * key;
+    case kSelectPages: return page_scores + page_topk + expand;
+  }
+  return 0;
 }
 
 struct StageLayer {
@@ -409,7 +435,9 @@ void BM_StepStage(benchmark::State& state) {
   // A real selection for the later stages: Quest's whole chain once.
   for (int which : {kPageScores, kPageTopK, kExpand}) run_stage(which, *stack.front(), nullptr);
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  time_calls(state, [&](int i, cudaStream_t stream) { run_stage(stage, *stack[std::size_t(i) % stack.size()], stream); });
+  const double seconds =
+      time_calls(state, [&](int i, cudaStream_t stream) { run_stage(stage, *stack[std::size_t(i) % stack.size()], stream); });
+  report_latency_model(state, stage_bytes(stage, n, batch), seconds);
   state.SetLabel(stage_name(stage));
   state.counters["layers"] = layers;
 }

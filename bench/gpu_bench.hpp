@@ -74,15 +74,59 @@ inline void fill_random(bfloat16* d_data, std::size_t n, std::uint64_t seed) {
   }
 }
 
+/// The device's copy bandwidth in bytes per second: a 1 GiB device-to-device copy (2 GiB moved), the best of
+/// three, measured once per process. A stage's floor is its bytes over it (report_latency_model).
+inline double copy_bandwidth() {
+  static const double bandwidth = [] {
+    const std::size_t bytes = std::size_t(1) << 30;
+    Device<std::byte> a(bytes), b(bytes);
+    KVSIFT_CUDA_CHECK(cudaMemset(a.ptr, 1, bytes));
+    EventTimer timer;
+    double best = 0;
+    for (int i = 0; i < 4; ++i) {  // the first is a warm-up
+      const double s = timer.seconds([&] { KVSIFT_CUDA_CHECK(cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice)); });
+      if (i > 0) best = std::max(best, double(2 * bytes) / s);
+    }
+    return best;
+  }();
+  return bandwidth;
+}
+
+/// The latency model's counters of a call that must move `bytes` (read and written) and took `seconds` (GPU time
+/// per call, time_calls' result): MB, the floor in µs at the copy bandwidth, and the time over the floor (1.0:
+/// the call costs what its bytes cost). time_calls sets the launches per call.
+inline void report_latency_model(benchmark::State& state, double bytes, double seconds) {
+  const double floor_us = bytes / copy_bandwidth() * 1e6;
+  state.counters["MB"] = bytes * 1e-6;
+  state.counters["floor_us"] = floor_us;
+  if (floor_us > 0 && seconds > 0) state.counters["x_floor"] = seconds * 1e6 / floor_us;
+}
+
+/// Kernels, memsets and copies per call in a captured graph of `calls` calls: the launches a call costs.
+inline double launches_per_call(cudaGraph_t graph, int calls) {
+  std::size_t count = 0;
+  KVSIFT_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &count));
+  std::vector<cudaGraphNode_t> nodes(count);
+  KVSIFT_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &count));
+  std::size_t launches = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type{};
+    KVSIFT_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+    launches += type == cudaGraphNodeTypeKernel || type == cudaGraphNodeTypeMemset || type == cudaGraphNodeTypeMemcpy;
+  }
+  return double(launches) / calls;
+}
+
 /// Times `call(i)` two ways. The benchmark's manual time is the GPU time per call, from replays of a CUDA
 /// graph holding kCallsPerGraph calls (no host gaps, as an engine replaying graphs sees it). The counter
 /// eager_us times direct calls exactly as bench/sdpa_baseline.py times PyTorch SDPA: events around each of
 /// kEagerCalls back-to-back calls, no synchronization between them, the median; where a call is shorter
-/// than its host launch path, the host's time shows in it.
+/// than its host launch path, the host's time shows in it. The counter launches: kernels, memsets and copies
+/// per call in the captured graph. Returns the mean GPU time per call (seconds) of the replays.
 constexpr int kCallsPerGraph = 16;
 constexpr int kEagerCalls = 50;
 template <class Call>
-void time_calls(benchmark::State& state, Call&& call) {
+double time_calls(benchmark::State& state, Call&& call) {
   cudaStream_t stream;
   KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   EventTimer timer;
@@ -112,8 +156,10 @@ void time_calls(benchmark::State& state, Call&& call) {
   KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   for (int i = 0; i < kCallsPerGraph; ++i) call(i, stream);
   KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  state.counters["launches"] = launches_per_call(graph, kCallsPerGraph);
   KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  double total_s = 0;
   for (auto _ : state) {
     KVSIFT_CUDA_CHECK(cudaEventRecord(timer.start, stream));
     KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
@@ -122,11 +168,14 @@ void time_calls(benchmark::State& state, Call&& call) {
     float ms = 0;
     KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&ms, timer.start, timer.stop));
     state.SetIterationTime(ms * 1e-3 / kCallsPerGraph);
+    total_s += ms * 1e-3 / kCallsPerGraph;
   }
+
   state.counters["eager_us"] = eager[kEagerCalls / 2];
   KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
   KVSIFT_CUDA_CHECK(cudaGraphDestroy(graph));
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+  return state.iterations() > 0 ? total_s / double(state.iterations()) : 0.0;
 }
 
 }  // namespace kvsift::bench

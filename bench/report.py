@@ -14,7 +14,9 @@ def medians(path):
         name = b["run_name"]
         out[name] = {"us": b["real_time"], "gbs": b.get("GB/s", 0) / 1e9, "bytes": b.get("bytes", 0),
                      "eager_us": b.get("eager_us", 0), "cpu_us": b.get("cpu_us", 0),
-                     "gpu_window_us": b.get("gpu_window_us", 0), "K": b.get("K", 0)}
+                     "gpu_window_us": b.get("gpu_window_us", 0), "K": b.get("K", 0),
+                     "mb": b.get("MB", 0), "floor_us": b.get("floor_us", 0), "x_floor": b.get("x_floor", 0),
+                     "launches": b.get("launches", 0), "label": b.get("label", "")}
     return out
 
 
@@ -173,6 +175,22 @@ def placement(runs):
         print(f"| N {n}, batch {batch} | {instance} | {r['us']:.1f} |")
 
 
+def latency_model(runs):
+    """The latency model of the decode step: per stage (BM_StepStage) and per step (BM_Step), the bytes it must move,
+    their floor at the measured copy bandwidth, the time and how far above the floor it is, and its launches."""
+    for bench, title in (("BM_StepStage", "Stages of the Quest and OracleTopK steps"), ("BM_Step", "Steps")):
+        rows = [(k, r) for k, r in runs.items() if k.startswith(bench + "/") and r["floor_us"]]
+        if not rows:
+            continue
+        print(f"\n### Latency model: {title} (GPU time per call from graph replays)\n")
+        print("| what | shape | MB | floor us | us | x floor | launches |")
+        print("|---|---|---|---|---|---|---|")
+        for name, r in rows:
+            shape = "/".join(p for p in name.split("/")[1:] if re.match(r"(N|batch|pdl|P|sort|alpha):", p))
+            print(f"| {r['label']} | {shape} | {r['mb']:.2f} | {r['floor_us']:.2f} | {r['us']:.1f} | "
+                  f"{r['x_floor']:.1f} | {r['launches']:.0f} |")
+
+
 def comparison(runs, title, this, that, columns):
     """Benchmarks whose name holds `this` beside their twins with `that` in its place."""
     rows = [(k, r) for k, r in runs.items() if this in k and runs.get(k.replace(this, that))]
@@ -199,3 +217,4 @@ if __name__ == "__main__":
     comparison(medians(sys.argv[1]), "The attention window (sink 4 + recent 64) in the same launch as the K selected: "
                "without against with", "/window:0", "/window:1", ("no window", "window"))
     hybrid(medians(sys.argv[1]))
+    latency_model(medians(sys.argv[1]))
