@@ -1,26 +1,21 @@
-#include <array>
-#include <atomic>
-
 #include "kvsift/cuda/check.hpp"
+#include "kvsift/cuda/detail/per_device.hpp"
 #include "kvsift/cuda/pinned_host.hpp"
 
 namespace kvsift::cuda {
 
 namespace {
 
-/// Device attributes do not change while a process runs: each is queried once per device.
+/// A device attribute of the current device, queried once per device (cuda/detail/per_device.hpp), on devices
+/// with an ordinal below the ones cached.
 template <cudaDeviceAttr Attribute>
 int cached_attribute(const char* where) {
-  constexpr int kMaxDevices = 64;
-  static std::array<std::atomic<int>, kMaxDevices> cache{};  // 0: not queried yet
   int device = 0;
   KVSIFT_CUDA_CHECK(cudaGetDevice(&device));
-  KVSIFT_CHECK(device >= 0 && device < kMaxDevices, where, "device ordinal {} >= {}", device, kMaxDevices);
-  int value = cache[device].load(std::memory_order_relaxed);
-  if (value == 0) {
-    KVSIFT_CUDA_CHECK(cudaDeviceGetAttribute(&value, Attribute, device));
-    cache[device].store(value, std::memory_order_relaxed);
-  }
+  KVSIFT_CHECK(device >= 0 && device < detail::kCachedDevices, where, "device ordinal {} >= {}", device,
+               detail::kCachedDevices);
+  int value = 0;
+  KVSIFT_CUDA_CHECK(detail::device_attribute<Attribute>(device, &value));
   return value;
 }
 

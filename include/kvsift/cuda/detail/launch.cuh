@@ -1,6 +1,6 @@
 #pragma once
 /// The launch layer of kvsift's kernels: what a launcher needs beyond `<<<>>>`, written once.
-///   - device_attribute<A>(): a device attribute of the current device, queried once per device;
+///   - device_attribute<A>() (cuda/detail/per_device.hpp): a device attribute, queried once per device;
 ///   - open_shared_memory<Kernel>(): a kernel opened to the device's whole dynamic shared memory, once per device
 ///     and kernel (always the device's limit, never a call's own size, so that a launch from another host thread
 ///     never finds it lowered);
@@ -12,45 +12,12 @@
 /// call for attributes. Everything returns the CUDA status and never throws (this header is for .cu files).
 #include <cuda_runtime.h>
 
-#include <array>
-#include <atomic>
 #include <cstddef>
-#include <cstdint>
 #include <utility>
 
+#include "kvsift/cuda/detail/per_device.hpp"
+
 namespace kvsift::cuda::detail {
-
-inline constexpr int kLaunchMaxDevices = 64;
-
-/// A non-negative int per device, computed once per device (stored + 1: 0 means not computed yet). Devices past
-/// kLaunchMaxDevices compute it at every call.
-class PerDeviceValue {
- public:
-  template <class Compute>
-  cudaError_t get(int* value, Compute&& compute) {
-    int device = 0;
-    if (const cudaError_t s = cudaGetDevice(&device); s != cudaSuccess) return s;
-    if (device < kLaunchMaxDevices) {
-      if (const int stored = known_[std::size_t(device)].load(std::memory_order_relaxed); stored != 0) {
-        *value = stored - 1;
-        return cudaSuccess;
-      }
-    }
-    if (const cudaError_t s = compute(device, value); s != cudaSuccess) return s;
-    if (device < kLaunchMaxDevices) known_[std::size_t(device)].store(*value + 1, std::memory_order_relaxed);
-    return cudaSuccess;
-  }
-
- private:
-  std::array<std::atomic<int>, kLaunchMaxDevices> known_{};
-};
-
-/// `*value` = the current device's attribute A, queried from the driver once per device.
-template <cudaDeviceAttr A>
-cudaError_t device_attribute(int* value) {
-  static PerDeviceValue memo;
-  return memo.get(value, [](int device, int* v) { return cudaDeviceGetAttribute(v, A, device); });
-}
 
 /// Opens Kernel to the device's opt-in shared memory per block, less the kernel's static shared memory.
 template <auto Kernel>
