@@ -190,13 +190,6 @@ __global__ void __launch_bounds__(kThreads)
   scan_tokens(table, count, b, g, group, codes, slots, lengths, scores, group_max, blockIdx.x, gridDim.x);
 }
 
-/// fn.template operator()<D>() for D = head_dim, one of kVqHeadDims (checked by the caller).
-template <class F>
-cudaError_t with_head_dim(std::int32_t head_dim, F&& fn) {
-  cudaError_t status = cudaErrorInvalidValue;
-  dispatch_value<kVqHeadDims>(head_dim, [&]<int D>() { status = fn.template operator()<D>(); });
-  return status;
-}
 
 }  // namespace
 
@@ -209,7 +202,7 @@ cudaError_t launch_vq_codeword_norms(const MatrixView<const float>& centroids, f
 template <class T>
 cudaError_t launch_vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut,
                           cudaStream_t stream) {
-  return with_head_dim(q.head_dim, [&]<int D>() {
+  return with_vq_head_dim(q.head_dim, [&]<int D>() {
     const std::size_t smem = sizeof(float) * std::size_t(q.heads / codebook.kv_heads) * D;
     constexpr auto kernel = lut_kernel<T, D>;
     if (cudaError_t s = open_shared_memory<kernel>(); s != cudaSuccess) return s;
@@ -235,7 +228,7 @@ cudaError_t launch_vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>&
                                const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
                                const std::int32_t* lengths, const MatrixView<float>& scores,
                                const VqScanOptions& options, const VqScanGrid& grid, cudaStream_t stream) {
-  return with_head_dim(q.head_dim, [&]<int D>() {
+  return with_vq_head_dim(q.head_dim, [&]<int D>() {
     constexpr auto kernel = lut_scan_kernel<T, D>;
     const std::size_t smem = vq_fused_smem_bytes(q.heads / codebook.kv_heads, codebook.codewords, D);
     if (cudaError_t s = open_shared_memory<kernel>(); s != cudaSuccess) return s;

@@ -45,6 +45,7 @@
 #include "kvsift/cuda/detail/decode_kernels.cuh"
 #include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/selectors/a2ats/cuda/detail/vq_encode_launch.hpp"
+#include "kvsift/selectors/a2ats/cuda/detail/vq_launch.hpp"
 #include "kvsift/cuda/dtype.cuh"
 
 namespace kvsift::cuda::detail {
@@ -547,9 +548,7 @@ cudaError_t launch_vq_encode_mma(const HeadsView<const T>& keys, const VqEncodeC
     kernel<<<grid, kThreads, smem, stream>>>(keys, codebook, codes, destination);
     return cudaGetLastError();
   };
-  cudaError_t status = cudaErrorInvalidValue;  // a head_dim outside kVqHeadDims (the host refuses it before)
-  dispatch_value<kVqHeadDims>(keys.head_dim, [&]<int D>() { status = launch_for.template operator()<D>(); });
-  return status;
+  return with_vq_head_dim(keys.head_dim, launch_for);
 }
 
 template <class T>
@@ -569,9 +568,7 @@ cudaError_t launch_vq_encode_few(const HeadsView<const T>& keys, const VqEncodeC
                    .block = dim3(kThreads), .smem = smem, .stream = stream, .cluster = parts},
                   keys, codebook, codes, destination, parts);
   };
-  cudaError_t status = cudaErrorInvalidValue;  // a head_dim outside kVqHeadDims (the host refuses it before)
-  dispatch_value<kVqHeadDims>(keys.head_dim, [&]<int D>() { status = launch_for.template operator()<D>(); });
-  return status;
+  return with_vq_head_dim(keys.head_dim, launch_for);
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                  \

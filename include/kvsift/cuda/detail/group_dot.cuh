@@ -4,6 +4,7 @@
 /// shuffle order, and a dot product split over 8 lanes. Results do not depend on scheduling.
 #include <cstdint>
 
+#include "kvsift/attention/state.hpp"
 #include "kvsift/cuda/dtype.cuh"
 
 namespace kvsift::cuda::detail {
@@ -13,8 +14,7 @@ __device__ __forceinline__ float warp_sum(float x) {
   for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;
 }
-/// max that keeps NaN (fmaxf would drop it), as the CPU's.
-__device__ __forceinline__ float max_nan(float a, float b) { return a != a || b != b ? __int_as_float(0x7fffffff) : fmaxf(a, b); }
+/// The warp's maximum that keeps NaN (attention/state.hpp max_nan, the CPU's rule).
 __device__ __forceinline__ float warp_max_nan(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, offset));

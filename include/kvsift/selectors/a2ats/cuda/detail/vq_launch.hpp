@@ -45,4 +45,13 @@ cudaError_t launch_vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>&
                                const std::int32_t* lengths, const MatrixView<float>& scores,
                                const VqScanOptions& options, const VqScanGrid& grid, cudaStream_t stream);
 
+/// fn.template operator()<D>() for D = head_dim, one of kVqHeadDims (the host refuses any other first); an
+/// unsupported head_dim returns cudaErrorInvalidValue. The one head_dim dispatch of the VQ launchers.
+template <class F>
+cudaError_t with_vq_head_dim(std::int32_t head_dim, F&& fn) {
+  cudaError_t status = cudaErrorInvalidValue;
+  dispatch_value<kVqHeadDims>(head_dim, [&]<int D>() { status = fn.template operator()<D>(); });
+  return status;
+}
+
 }  // namespace kvsift::cuda::detail
