@@ -267,6 +267,7 @@ void BM_HybridDecode(benchmark::State& state) {
                                                                      seq_lens.data());
   const kvsift::SelectionView sel{idx.data(), counts.data(), nullptr, 1, kKvHeads, k_sel};
   const auto out = kvsift::StateView<bfloat16>::packed(o.ptr, lse.ptr, 1, kQHeads, kHeadDim);
+  SplitBlocks blocks(decoder.workspace_bytes());
   // The window's GPU time alone: the decoder's own call (the window and an empty selection).
   const kvsift::SelectionView empty{d_empty.ptr + kKvHeads, d_empty.ptr, nullptr, 1, kKvHeads, 1};
   const kvsift::cuda::DecodeOptions window_options{.attention = {.window = window}};
@@ -280,11 +281,11 @@ void BM_HybridDecode(benchmark::State& state) {
     }));
   }
   double cpu_total = 0.0;
-  for (int warm = 0; warm < 2; ++warm) decoder.decode(qd, qh, dev, host, sel, out, nullptr);
+  for (int warm = 0; warm < 2; ++warm) decoder.decode(qd, qh, dev, host, sel, out, blocks.view(), nullptr);
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   for (auto _ : state) {
     const auto start = std::chrono::steady_clock::now();
-    decoder.decode(qd, qh, dev, host, sel, out, nullptr);
+    decoder.decode(qd, qh, dev, host, sel, out, blocks.view(), nullptr);
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(nullptr));
     state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     cpu_total += decoder.last_step_times().cpu_seconds;

@@ -1,4 +1,4 @@
-// CSAttention's CPU<->GPU mode (step/offload_step.hpp): the search on `threads` host threads over a pinned host copy
+// CSAttention's CPU<->GPU mode (DecodeStep<S, placement::MiddleOnGpu>, step/split_step.hpp): the search on `threads` host threads over a pinned host copy
 // of the cache, the selection copied to the GPU, the selected K/V rows gathered there from the pinned host cache over
 // PCIe, the window (4 + 64) attended from the device cache, merged on the GPU. CSAttention at its defaults (m = 8,
 // C = 128, alpha = 0.2, rho = 5%, P = 1, tables per kv head) in the shape: q_heads 32, kv_heads 8, head_dim
@@ -21,7 +21,7 @@
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/selectors/csattention/csattention.hpp"
-#include "kvsift/step/offload_step.hpp"
+#include "kvsift/step/split_step.hpp"
 
 namespace {
 
@@ -65,42 +65,47 @@ void BM_OffloadStep(benchmark::State& state) {
   const kvsift::cpu::Context cpu{&pool};
   const kvsift::SelectorLimits limits{.max_slots = batch, .max_tokens = std::int32_t(n), .q_heads = kQHeads,
                                       .kv_heads = kKvHeads, .head_dim = kHeadDim};
-  kvsift::OffloadDecodeStep step(kvsift::Csattention<bfloat16, kvsift::cpu::Context>(limits, {}),
-                                 {.attention = {.window = kWindow}, .max_batch = batch, .q_heads = kQHeads,
-                                  .kv_heads = kKvHeads, .head_dim = kHeadDim, .max_seq_len = std::int32_t(n)},
-                                 cpu);
-  const kvsift::HybridStepInputs<bfloat16> in{
+  cudaStream_t stream;
+  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const kvsift::SplitContext split{.gpu = {stream}, .cpu = cpu};
+  using Selector = kvsift::Csattention<bfloat16, kvsift::cpu::Context>;
+  kvsift::DecodeStep<Selector, kvsift::placement::MiddleOnGpu> step(
+      Selector(limits, {}),
+      {.attention = {.window = kWindow}, .max_batch = batch, .q_heads = kQHeads, .kv_heads = kKvHeads,
+       .head_dim = kHeadDim, .max_seq_len = std::int32_t(n)},
+      split);
+  SplitBlocks blocks(step.workspace_bytes());
+  const kvsift::SplitWorkspace workspace = blocks.view();
+  const kvsift::StepInputs<bfloat16> in{
+      .q = kvsift::QueryView<const bfloat16>::packed(host_q.data(), batch, kQHeads, kHeadDim),
+      .cache = kvsift::ContiguousKVView<bfloat16>::packed(host_k.data(), host_v.data(), batch, kKvHeads, std::int32_t(n),
+                                                          kHeadDim, host_lengths.data()),
+      .slots = host_slots.data(),
       .q_device = kvsift::QueryView<const bfloat16>::packed(q.ptr, batch, kQHeads, kHeadDim),
-      .q_host = kvsift::QueryView<const bfloat16>::packed(host_q.data(), batch, kQHeads, kHeadDim),
       .device_cache = kvsift::ContiguousKVView<const bfloat16>::packed(k.ptr, v.ptr, batch, kKvHeads, std::int32_t(n),
-                                                                       kHeadDim, lengths.ptr),
-      .host_cache = kvsift::ContiguousKVView<const bfloat16>::packed(host_k.data(), host_v.data(), batch, kKvHeads,
-                                                                     std::int32_t(n), kHeadDim, host_lengths.data()),
-      .slots = host_slots.data()};
+                                                                       kHeadDim, lengths.ptr)};
   const auto prepare_begin = std::chrono::steady_clock::now();
-  step.prepare({.cache = in.host_cache, .slots = host_slots.data(),
+  step.prepare({.cache = in.cache, .slots = host_slots.data(),
                 .queries = kvsift::SequenceView<const bfloat16>::packed(host_prefill.data(), batch, kQHeads,
                                                                         kPrefillQueries, kHeadDim)},
                cpu);
   const double prepare_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - prepare_begin).count();
 
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const auto out = kvsift::StateView<bfloat16>::packed(o.ptr, lse.ptr, batch, kQHeads, kHeadDim);
-  for (int i = 0; i < 2; ++i) step.run(in, out, stream, cpu);  // warm-up
+  for (int i = 0; i < 2; ++i) step.run(in, out, workspace, split);  // warm-up
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   double select = 0, wall = 0, pcie = 0, kv = 0;
   for (auto _ : state) {
     const auto begin = std::chrono::steady_clock::now();
-    step.run(in, out, stream, cpu);
+    step.run(in, out, workspace, split);
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     state.SetIterationTime(seconds);
-    const kvsift::OffloadStepStats& stats = step.last_step_stats();
+    const kvsift::StepStats& stats = step.last_step_stats();
     wall += seconds;
     select += stats.select_seconds;
-    pcie += double(stats.selection_bytes + stats.kv_bytes);
-    kv += double(stats.kv_bytes);
+    pcie += double(stats.to_device_bytes + stats.gathered_kv_bytes);
+    kv += double(stats.gathered_kv_bytes);
   }
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   const double steps = double(std::max<std::int64_t>(1, state.iterations()));

@@ -1,4 +1,4 @@
-// The GPU-select / CPU-attend placement (step/gpu_select_step.hpp, A²ATS's §4.3): the selector appends and selects on
+// A GPU selector in DecodeStep<S, placement::MiddleOnCpu> (step/split_step.hpp, A²ATS's §4.3): the selector appends and selects on
 // the GPU, its selection (and the query) crosses to pinned host memory, `threads` host threads attend it over the
 // pinned host copy of the whole cache while the GPU attends the window (4 + 64) from the device cache, merged on the
 // GPU. The selector is A²ATS at its defaults (K = 3% per query head, union over the group; random codebooks,
@@ -8,7 +8,7 @@
 // Time: host wall clock of run() and a stream synchronization, per step. Counters, per step: select_us, the GPU's
 // lengths + append + select and the copies to the host, waited for (the GPU select time as the host sees it);
 // cpu_attention_us, the host's attention of the selection; merge_us, the rest (enqueueing, the window's and the
-// merge's tail after the CPU is done); PCIe_MB, both directions (GpuSelectHybridStep::bytes_per_step).
+// merge's tail after the CPU is done); PCIe_MB, both directions (StepStats' to_host_bytes and to_device_bytes).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -20,7 +20,7 @@
 #include "gpu_bench.hpp"
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/selectors/a2ats/a2ats.hpp"
-#include "kvsift/step/gpu_select_step.hpp"
+#include "kvsift/step/split_step.hpp"
 
 namespace {
 
@@ -56,40 +56,43 @@ void BM_GpuSelectStep(benchmark::State& state) {
   kvsift::cpu::ThreadPool pool(threads);
   const kvsift::SelectorLimits limits{.max_slots = batch, .max_tokens = std::int32_t(n), .q_heads = kQHeads,
                                       .kv_heads = kKvHeads, .head_dim = kHeadDim};
-  kvsift::GpuSelectHybridStep step(kvsift::A2ats<bfloat16, kvsift::cuda::Context>(
-                                       limits, {}, a2ats_bench_codebooks(kKvHeads, kHeadDim), gpu),
-                                   {.attention = {.window = kWindow}, .max_batch = batch, .q_heads = kQHeads,
-                                    .kv_heads = kKvHeads, .head_dim = kHeadDim, .max_seq_len = std::int32_t(n)},
-                                   gpu, &pool);
-  const kvsift::GpuSelectStepInputs<bfloat16> in{
+  const kvsift::SplitContext split{.gpu = gpu, .cpu = {&pool}};
+  using Selector = kvsift::A2ats<bfloat16, kvsift::cuda::Context>;
+  kvsift::DecodeStep<Selector, kvsift::placement::MiddleOnCpu> step(
+      Selector(limits, {}, a2ats_bench_codebooks(kKvHeads, kHeadDim), gpu),
+      {.attention = {.window = kWindow}, .max_batch = batch, .q_heads = kQHeads, .kv_heads = kKvHeads,
+       .head_dim = kHeadDim, .max_seq_len = std::int32_t(n)},
+      split);
+  SplitBlocks blocks(step.workspace_bytes());
+  const kvsift::StepInputs<bfloat16> in{
       .q = kvsift::QueryView<const bfloat16>::packed(q.ptr, batch, kQHeads, kHeadDim),
-      .device_cache = kvsift::ContiguousKVView<const bfloat16>::packed(k.ptr, v.ptr, batch, kKvHeads, std::int32_t(n),
-                                                                       kHeadDim, lengths.ptr),
+      .cache = kvsift::ContiguousKVView<bfloat16>::packed(k.ptr, v.ptr, batch, kKvHeads, std::int32_t(n), kHeadDim,
+                                                          lengths.ptr),
+      .slots = slots.ptr,
       .host_cache = kvsift::ContiguousKVView<const bfloat16>::packed(host_k.data(), host_v.data(), batch, kKvHeads,
-                                                                     std::int32_t(n), kHeadDim, host_lengths.data()),
-      .slots = slots.ptr};
-  step.prepare({.cache = in.device_cache, .slots = slots.ptr}, gpu);
+                                                                     std::int32_t(n), kHeadDim, host_lengths.data())};
+  step.prepare({.cache = in.cache, .slots = slots.ptr}, gpu);
   const auto out = kvsift::StateView<bfloat16>::packed(o.ptr, lse.ptr, batch, kQHeads, kHeadDim);
-  for (int i = 0; i < 2; ++i) step.run(in, out, gpu);  // warm-up
+  for (int i = 0; i < 2; ++i) step.run(in, out, blocks.view(), split);  // warm-up
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   double select = 0, cpu = 0, wall = 0;
   for (auto _ : state) {
     const auto begin = std::chrono::steady_clock::now();
-    step.run(in, out, gpu);
+    step.run(in, out, blocks.view(), split);
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     state.SetIterationTime(seconds);
     wall += seconds;
-    select += step.last_step_times().select;
-    cpu += step.last_step_times().cpu_attention;
+    select += step.last_step_stats().select_seconds;
+    cpu += step.last_step_stats().cpu_attention_seconds;
   }
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   const double steps = double(std::max<std::int64_t>(1, state.iterations()));
-  const kvsift::GpuSelectStepBytes bytes = step.bytes_per_step();
+  const kvsift::StepStats& stats = step.last_step_stats();
   state.counters["select_us"] = select / steps * 1e6;
   state.counters["cpu_attention_us"] = cpu / steps * 1e6;
   state.counters["merge_us"] = (wall - select - cpu) / steps * 1e6;
-  state.counters["PCIe_MB"] = double(bytes.to_host + bytes.to_device) / 1e6;
+  state.counters["PCIe_MB"] = double(stats.to_host_bytes + stats.to_device_bytes) / 1e6;
   state.SetLabel("A2ATS GPU select, CPU attention");
 }
 BENCHMARK(BM_GpuSelectStep)

@@ -37,8 +37,8 @@
 #include "kvsift/selectors/ctkvr/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
 #include "kvsift/selectors/quest/quest.hpp"
-#include "kvsift/selectors/ctkvr/hybrid_step.hpp"
 #include "kvsift/step/decode_step.hpp"
+#include "kvsift/step/split_step.hpp"
 
 namespace {
 
@@ -569,12 +569,13 @@ BENCHMARK(BM_A2atsPrepare)
     ->Unit(benchmark::kMillisecond)
     ->Iterations(3);
 
-/// CTKVR in the paper's hybrid placement (selectors/ctkvr/hybrid_step.hpp): index and recall on the GPU, rerank and
-/// the selection's attention on `threads` host threads over a pinned host copy of the cache, the window (4 + 64)
-/// on the GPU, merged there. One layer (the host cache is the point, not L2), every sequence N tokens long. Time:
-/// host wall clock of run() and a stream synchronization. Counters (µs per step, host clock): the recall as the
-/// host waits for its candidates, the CPU's rerank, the CPU's attention, and the decoder's whole call, in which the
-/// GPU's window attention runs beside the CPU's.
+/// CTKVR in the paper's hybrid placement (DecodeStep<Ctkvr<T, cuda::Context>, placement::MiddleOnCpu>, its host
+/// stage): index and recall on the GPU, rerank and the selection's attention on `threads` host threads over a
+/// pinned host copy of the cache, the window (4 + 64) on the GPU, merged there. One layer (the host cache is the
+/// point, not L2), every sequence N tokens long. Time: host wall clock of run() and a stream synchronization.
+/// Counters (µs per step, host clock): select_us, the recall as the host waits for its candidates plus the CPU's
+/// rerank and the update's enqueue; cpu_attention_us, the CPU's attention; merge_us, the rest (the window's attention
+/// runs beside the CPU's).
 void BM_CtkvrHybrid(benchmark::State& state) {
   const std::int64_t n = state.range(0);
   const int batch = int(state.range(1)), threads = int(state.range(2));
@@ -586,58 +587,55 @@ void BM_CtkvrHybrid(benchmark::State& state) {
   fill_random(v.ptr, elements, 2);
   fill_random(q.ptr, std::size_t(batch) * kQHeads * kHeadDim, 99);
   upload_full_batch(n, batch, lengths.ptr, slots.ptr);
-  kvsift::cuda::PinnedArray<bfloat16> host_k(elements), host_v(elements), host_q(std::size_t(batch) * kQHeads * kHeadDim);
+  kvsift::cuda::PinnedArray<bfloat16> host_k(elements), host_v(elements);
   KVSIFT_CUDA_CHECK(cudaMemcpy(host_k.data(), k.ptr, elements * sizeof(bfloat16), cudaMemcpyDeviceToHost));
   KVSIFT_CUDA_CHECK(cudaMemcpy(host_v.data(), v.ptr, elements * sizeof(bfloat16), cudaMemcpyDeviceToHost));
-  KVSIFT_CUDA_CHECK(cudaMemcpy(host_q.data(), q.ptr, host_q.size() * sizeof(bfloat16), cudaMemcpyDeviceToHost));
   const std::vector<std::int32_t> host_lengths(static_cast<std::size_t>(batch), static_cast<std::int32_t>(n));
-  std::vector<std::int32_t> host_slots(static_cast<std::size_t>(batch));
-  for (int b = 0; b < batch; ++b) host_slots[std::size_t(b)] = b;
 
   kvsift::cpu::ThreadPool pool(threads);
-  kvsift::CtkvrHybridStep<bfloat16> step(limits(n, batch), {.budget = kCtkvrBudget, .max_centroids = kCtkvrCentroids},
-                                         {.attention = {.window = kWindow}, .max_batch = batch, .q_heads = kQHeads,
-                                          .kv_heads = kKvHeads, .head_dim = kHeadDim, .max_seq_len = std::int32_t(n)},
-                                         &pool);
-  const auto device_cache = kvsift::ContiguousKVView<const bfloat16>::packed(k.ptr, v.ptr, batch, kKvHeads,
-                                                                              std::int32_t(n), kHeadDim, lengths.ptr);
+  cudaStream_t stream;
+  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const kvsift::SplitContext split{.gpu = {stream}, .cpu = {&pool}};
+  using Selector = kvsift::Ctkvr<bfloat16, Cuda>;
+  kvsift::DecodeStep<Selector, kvsift::placement::MiddleOnCpu> step(
+      Selector(limits(n, batch), {.budget = kCtkvrBudget, .max_centroids = kCtkvrCentroids}),
+      {.attention = {.window = kWindow}, .max_batch = batch, .q_heads = kQHeads, .kv_heads = kKvHeads,
+       .head_dim = kHeadDim, .max_seq_len = std::int32_t(n)},
+      split);
+  SplitBlocks blocks(step.workspace_bytes());
+  const auto device_cache =
+      kvsift::ContiguousKVView<bfloat16>::packed(k.ptr, v.ptr, batch, kKvHeads, std::int32_t(n), kHeadDim, lengths.ptr);
   const std::int32_t w = std::min<std::int32_t>(kCtkvrCentroids, std::int32_t(n / 16));
   Device<bfloat16> queries(std::size_t(batch) * kQHeads * w * kHeadDim);
   fill_random(queries.ptr, std::size_t(batch) * kQHeads * w * kHeadDim, 3);
   step.prepare({.cache = device_cache, .slots = slots.ptr,
                 .queries = kvsift::SequenceView<const bfloat16>::packed(queries.ptr, batch, kQHeads, w, kHeadDim)},
-               Cuda{});
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const kvsift::HybridStepInputs<bfloat16> in{
-      .q_device = kvsift::QueryView<const bfloat16>::packed(q.ptr, batch, kQHeads, kHeadDim),
-      .q_host = kvsift::QueryView<const bfloat16>::packed(host_q.data(), batch, kQHeads, kHeadDim),
-      .device_cache = device_cache,
+               Cuda{stream});
+  const kvsift::StepInputs<bfloat16> in{
+      .q = kvsift::QueryView<const bfloat16>::packed(q.ptr, batch, kQHeads, kHeadDim),
+      .cache = device_cache,
+      .slots = slots.ptr,
       .host_cache = kvsift::ContiguousKVView<const bfloat16>::packed(host_k.data(), host_v.data(), batch, kKvHeads,
-                                                                     std::int32_t(n), kHeadDim, host_lengths.data()),
-      .slots = host_slots.data()};
+                                                                     std::int32_t(n), kHeadDim, host_lengths.data())};
   const auto out = kvsift::StateView<bfloat16>::packed(o.ptr, lse.ptr, batch, kQHeads, kHeadDim);
-  const kvsift::cpu::Context cpu{&pool};
-  for (int i = 0; i < 2; ++i) step.run(in, out, stream, cpu);  // warm-up
+  for (int i = 0; i < 2; ++i) step.run(in, out, blocks.view(), split);  // warm-up
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-  kvsift::CtkvrHybridTimes sum{};
+  double select = 0, cpu_attention = 0, wall = 0;
   for (auto _ : state) {
     const auto begin = std::chrono::steady_clock::now();
-    step.run(in, out, stream, cpu);
+    step.run(in, out, blocks.view(), split);
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
-    const auto& t = step.last_step_times();
-    sum.recall += t.recall;
-    sum.rerank += t.rerank;
-    sum.attention.cpu_seconds += t.attention.cpu_seconds;
-    sum.attention.call_seconds += t.attention.call_seconds;
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    state.SetIterationTime(seconds);
+    wall += seconds;
+    select += step.last_step_stats().select_seconds;
+    cpu_attention += step.last_step_stats().cpu_attention_seconds;
   }
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   const double per_step = 1e6 / double(std::max<std::int64_t>(1, state.iterations()));
-  state.counters["recall_us"] = sum.recall * per_step;
-  state.counters["rerank_us"] = sum.rerank * per_step;
-  state.counters["cpu_attention_us"] = sum.attention.cpu_seconds * per_step;
-  state.counters["decoder_call_us"] = sum.attention.call_seconds * per_step;
+  state.counters["select_us"] = select * per_step;
+  state.counters["cpu_attention_us"] = cpu_attention * per_step;
+  state.counters["merge_us"] = (wall - select - cpu_attention) * per_step;
   state.SetLabel("CTKVR hybrid");
 }
 BENCHMARK(BM_CtkvrHybrid)

@@ -12,6 +12,8 @@
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/cuda/check.hpp"
+#include "kvsift/cuda/context.hpp"
+#include "kvsift/step/hybrid_decoder.hpp"
 
 namespace kvsift::bench {
 
@@ -28,6 +30,18 @@ struct Device {
   explicit Device(std::size_t n) { KVSIFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), n * sizeof(T))); }
   ~Device() { cudaFree(ptr); }
   Device(const Device&) = delete;
+};
+
+/// A split step's or cuda::HybridDecoder's workspace: a device block and a pinned host block of the planned bytes.
+struct SplitBlocks {
+  explicit SplitBlocks(const SplitWorkspaceBytes& bytes)
+      : bytes_(bytes), device(std::max<std::size_t>(bytes.device, 1)), host(bytes.host) {}
+  SplitWorkspace view() { return {{device.ptr, bytes_.device}, {host.data(), bytes_.host}}; }
+
+ private:
+  SplitWorkspaceBytes bytes_;
+  Device<std::byte> device;
+  cuda::PinnedArray<std::byte> host;
 };
 
 struct EventTimer {

@@ -32,6 +32,14 @@ __global__ void write_step_kv_kernel(KVCache<T> cache, HeadsView<const T> k, Hea
   }
 }
 
+/// Entry i of every row is i (write_identity_indices), grid-stride over rows x capacity.
+__global__ void identity_indices_kernel(std::int32_t* indices, std::int64_t rows, std::int32_t capacity) {
+  const std::int64_t total = rows * capacity;
+  for (std::int64_t e = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += std::int64_t(gridDim.x) * blockDim.x) {
+    indices[e] = std::int32_t(e % capacity);
+  }
+}
 
 /// first_nonfinite_key's scan. The key of element (b, h, t, i) is its flat position with 2^31 token slots per
 /// (b, h) row, ((b * kv_heads + h) * 2^31 + t) * head_dim + i: order-preserving, so the smallest key written by any
@@ -221,6 +229,14 @@ void launch_scan(const View& kv, const std::int32_t* lengths, unsigned long long
 template <class T>
 cudaError_t launch_sequence_lengths(const KVCache<const T>& cache, std::int32_t* lengths, cudaStream_t stream) {
   sequence_lengths_kernel<T><<<(cache.batch() + 127) / 128, 128, 0, stream>>>(cache, lengths);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_identity_indices(std::int32_t* indices, std::int64_t rows, std::int32_t capacity,
+                                   cudaStream_t stream) {
+  constexpr int threads = 256;
+  const std::int64_t blocks = std::min<std::int64_t>((rows * capacity + threads - 1) / threads, 1024);
+  if (blocks > 0) identity_indices_kernel<<<unsigned(blocks), threads, 0, stream>>>(indices, rows, capacity);
   return cudaGetLastError();
 }
 

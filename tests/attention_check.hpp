@@ -162,6 +162,16 @@ struct HostDecodeProblem {
   /// The paged layout with the page data at (k_data, v_data): host arrays here, device copies in GPU tests.
   PagedKVView<const T> paged(const T* k_data, const T* v_data, const std::int32_t* indptr, const std::int32_t* pages,
                              const std::int32_t* last) const {
+    return paged_over<const T>(k_data, v_data, indptr, pages, last);
+  }
+  /// The same over writable pages (a step's cache).
+  PagedKVView<T> writable_paged(T* k_data, T* v_data, const std::int32_t* indptr, const std::int32_t* pages,
+                                const std::int32_t* last) const {
+    return paged_over<T>(k_data, v_data, indptr, pages, last);
+  }
+  template <class U>
+  PagedKVView<U> paged_over(U* k_data, U* v_data, const std::int32_t* indptr, const std::int32_t* pages,
+                            const std::int32_t* last) const {
     const auto& h = paged_values->view;
     return {k_data, v_data, indptr, pages, last, h.batch, h.kv_heads, h.head_dim, h.page_size, h.num_pages,
             h.page_stride, h.token_stride, h.head_stride};

@@ -49,6 +49,17 @@ void clear_counts(const SelectionView& out, cudaStream_t stream) {
                                     stream));
 }
 
+void write_identity_indices(const SelectionView& out, cudaStream_t stream) {
+  constexpr const char* where = "cuda::write_identity_indices";
+  KVSIFT_CHECK(out.batch >= 0 && out.kv_heads >= 0 && out.capacity >= 0, where,
+               "out's batch (= {}), kv_heads (= {}) and capacity (= {}) must not be negative", out.batch, out.kv_heads,
+               out.capacity);
+  const std::int64_t rows = std::int64_t(out.batch) * out.kv_heads;
+  if (rows == 0 || out.capacity == 0) return;
+  KVSIFT_CHECK(out.indices != nullptr, where, "out.indices must be non-null");
+  KVSIFT_CUDA_CHECK(detail::launch_identity_indices(out.indices, rows, out.capacity, stream));
+}
+
 #define KVSIFT_INSTANTIATE_CACHE_OPS(T)                                                                     \
   template void sequence_lengths<T>(const KVCache<const T>&, std::int32_t*, cudaStream_t);                  \
   template void write_step_kv<T>(const KVCache<T>&, const HeadsView<const T>&, const HeadsView<const T>&, \

@@ -59,4 +59,22 @@ void PinnedHostCheck::require_field(std::size_t field, const void* p, const char
   known_[field] = p;
 }
 
+HostBlockFence::HostBlockFence() {
+  cudaEvent_t event = nullptr;
+  KVSIFT_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  event_.reset(event);
+}
+
+void HostBlockFence::record(cudaStream_t stream) {
+  KVSIFT_CUDA_CHECK(cudaEventRecord(event_.get(), stream));
+  pending_ = true;
+}
+
+void HostBlockFence::wait() {
+  if (pending_) KVSIFT_CUDA_CHECK(cudaEventSynchronize(event_.get()));
+  pending_ = false;
+}
+
+void HostBlockFence::Destroy::operator()(cudaEvent_t event) const { cudaEventDestroy(event); }
+
 }  // namespace kvsift::cuda

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kvsift/cuda/check.hpp"
+#include "kvsift/step/hybrid_decoder.hpp"
 
 namespace kvsift::test {
 
@@ -71,6 +72,21 @@ class PinnedBuffer {
  private:
   T* data_ = nullptr;
   std::size_t count_ = 0;
+};
+
+/// A split step's or cuda::HybridDecoder's workspace: a device block and a pinned host block of the planned
+/// bytes, both poisoned (0xff bytes: NaN floats, -1 integers), since a run must write everything it reads.
+class SplitBuffers {
+ public:
+  explicit SplitBuffers(const SplitWorkspaceBytes& bytes)
+      : device_(bytes.device), host_(std::vector<std::byte>(bytes.host, std::byte{0xff})) {
+    if (bytes.device > 0) KVSIFT_CUDA_CHECK(cudaMemset(device_.data(), 0xff, bytes.device));
+  }
+  SplitWorkspace view() const { return {{device_.data(), device_.size()}, {host_.data(), host_.size()}}; }
+
+ private:
+  DeviceBuffer<std::byte> device_;
+  PinnedBuffer<std::byte> host_;
 };
 
 /// Work on `stream` captured once into a CUDA graph and replayed by launch(): the graph tests' boilerplate. Owns

@@ -84,6 +84,26 @@ TYPED_TEST(CudaCacheOps, EqualTheCpuTwins) {
   EXPECT_EQ(indices.download(), std::vector<std::int32_t>(24, -1));
 }
 
+// write_identity_indices: entry i of every row is i (past 1024 blocks' worth of entries, so the grid strides), the
+// counts untouched; an empty selection writes nothing; a negative shape and missing indices are refused.
+TEST(CudaIdentityIndices, EveryRowListsItsSlotsInOrder) {
+  constexpr std::int32_t kBatch = 3, kHeads = 4, kCapacity = 30000;
+  DeviceBuffer<std::int32_t> counts(kBatch * kHeads), indices(std::size_t(kBatch) * kHeads * kCapacity);
+  counts.poison();
+  indices.poison();
+  const SelectionView rows{indices.data(), counts.data(), nullptr, kBatch, kHeads, kCapacity};
+  cuda::write_identity_indices(rows, nullptr);
+  const std::vector<std::int32_t> got = indices.download();
+  for (std::size_t e = 0; e < got.size(); ++e) ASSERT_EQ(got[e], std::int32_t(e % kCapacity)) << "entry " << e;
+  EXPECT_EQ(counts.download(), std::vector<std::int32_t>(kBatch * kHeads, -1));
+  cuda::write_identity_indices(SelectionView{nullptr, nullptr, nullptr, 0, kHeads, kCapacity}, nullptr);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  expect_error([&] { cuda::write_identity_indices(SelectionView{nullptr, counts.data(), nullptr, 1, 1, 4}, nullptr); },
+               "cuda::write_identity_indices: out.indices must be non-null");
+  expect_error([&] { cuda::write_identity_indices(SelectionView{indices.data(), nullptr, nullptr, 1, 1, -2}, nullptr); },
+               "cuda::write_identity_indices: out's batch (= 1), kv_heads (= 1) and capacity (= -2) must not be negative");
+}
+
 TYPED_TEST(CudaCacheOps, ARowOfLengthZeroIsSkipped) {
   using T = TypeParam;
   std::vector<T> k(2 * 1 * 8 * 16, from_float<T>(1.0f));

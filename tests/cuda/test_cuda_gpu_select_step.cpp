@@ -1,11 +1,11 @@
-// The GPU-select / CPU-attend placement (step/gpu_select_step.hpp, A²ATS's §4.3): a CUDA selector appends and
+// DecodeStep<S, placement::MiddleOnCpu> with a GPU selector (step/split_step.hpp, A²ATS's §4.3): it appends and
 // selects on the GPU, its selection is copied to pinned host memory, the CPU attends it over the pinned host cache
 // while the GPU attends the window from the device cache, merged on the GPU. Against the fp64 reference of sparse
 // attention over the step's own selection (and its log-weights) and the window, at every step of growing sequences:
 // OracleTopK, Quest and a selector writing log-weights, contiguous and paged host caches, GQA groups 1 and 4, fp16 and
 // bf16. The device cache's middle V rows are NaN (the GPU attends only the window; the selectors read keys) and the
-// host cache's sink rows are NaN (the CPU attends only the selection); outputs are poisoned before each step. Then
-// every refusal.
+// host cache's sink rows are NaN (the CPU attends only the selection); the workspace is poisoned once, the outputs
+// before each step. Then every refusal.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
@@ -21,7 +21,7 @@
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
 #include "kvsift/selectors/quest/quest.hpp"
-#include "kvsift/step/gpu_select_step.hpp"
+#include "kvsift/step/split_step.hpp"
 #include "second_source_check.hpp"
 
 namespace kvsift::test {
@@ -32,11 +32,13 @@ void copy_to_context<cuda::Context>(void* dst, const void* src, std::size_t byte
 
 namespace {
 
-// The placement takes CUDA selectors only, at compile time.
-template <class S>
-concept GpuSelectable = requires { typename GpuSelectHybridStep<S>; };
-static_assert(GpuSelectable<OracleTopK<half, cuda::Context>>);
-static_assert(!GpuSelectable<OracleTopK<half, cpu::Context>>, "a CPU selector must not build a GPU-select step");
+// The placement takes selectors of both backends; MiddleOnGpu only CPU ones, at compile time.
+template <class S, class P>
+concept Placeable = requires { typename DecodeStep<S, P>; };
+static_assert(Placeable<OracleTopK<half, cuda::Context>, placement::MiddleOnCpu>);
+static_assert(Placeable<OracleTopK<half, cpu::Context>, placement::MiddleOnCpu>);
+static_assert(!Placeable<OracleTopK<half, cuda::Context>, placement::MiddleOnGpu>,
+              "a GPU selector's middle on the GPU is the local placement");
 
 constexpr AttentionWindow kWindow{.sink = 4, .recent = 32};
 constexpr std::int32_t kBatch = 2, kKvHeads = 2, kHeadDim = 128, kTokens = 640, kSteps = 3, kBudget = 48;
@@ -129,15 +131,17 @@ void expect_step_equals_reference(Random& rng, Method method, std::int32_t page_
   const DeviceBuffer<T> d_k(p.k), d_v(dv);
   DeviceBuffer<std::int32_t> d_lengths(lengths);
   const DeviceBuffer<std::int32_t> d_slots(slots);
-  const KVCache<const T> device_cache =
-      ContiguousKVView<const T>::packed(d_k.data(), d_v.data(), kBatch, kKvHeads, kTokens, kHeadDim, d_lengths.data());
+  const KVCache<T> device_cache =
+      ContiguousKVView<T>::packed(d_k.data(), d_v.data(), kBatch, kKvHeads, kTokens, kHeadDim, d_lengths.data());
   HostCache<T> host(p, page_size);
 
   std::vector<float> weights(std::size_t(kBatch) * kKvHeads * kBudget);
   for (float& w : weights) w = rng.uniform(-2.0f, 2.0f);
+  const SplitContext split{.gpu = gpu, .cpu = {&pool}};
   const auto run_steps = [&](auto selector) {
-    GpuSelectHybridStep step(std::move(selector), config, gpu, &pool);
+    DecodeStep<decltype(selector), placement::MiddleOnCpu> step(std::move(selector), config, split);
     step.prepare({.cache = device_cache, .slots = d_slots.data()}, gpu);
+    const SplitBuffers workspace(step.workspace_bytes());
     DeviceBuffer<T> d_q(p.q.size()), d_o(p.q.size());
     DeviceBuffer<float> d_lse(std::size_t(kBatch) * q_heads);
     for (std::int32_t s = 1; s <= kSteps; ++s) {
@@ -149,12 +153,12 @@ void expect_step_equals_reference(Random& rng, Method method, std::int32_t page_
       d_q.upload(p.q);
       d_o.poison();
       d_lse.poison();
-      step.run({.q = QueryView<const T>::packed(d_q.data(), kBatch, q_heads, kHeadDim), .device_cache = device_cache,
-                .host_cache = host.at(now), .slots = d_slots.data()},
-               StateView<T>::packed(d_o.data(), d_lse.data(), kBatch, q_heads, kHeadDim), gpu);
+      step.run({.q = QueryView<const T>::packed(d_q.data(), kBatch, q_heads, kHeadDim), .cache = device_cache,
+                .slots = d_slots.data(), .host_cache = host.at(now)},
+               StateView<T>::packed(d_o.data(), d_lse.data(), kBatch, q_heads, kHeadDim), workspace.view(), split);
       KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
 
-      const SelectionView got = step.selection();
+      const SelectionView got = step.selection(workspace.view());
       const auto full = ContiguousKVView<const float>::packed(p.kv_values.k.data(), p.kv_values.v.data(), kBatch,
                                                               kKvHeads, kTokens, kHeadDim, now.data());
       check_selection_contents(got, full, "test", "the step's selection", /*refuse_duplicates=*/true, kWindow);
@@ -166,13 +170,14 @@ void expect_step_equals_reference(Random& rng, Method method, std::int32_t page_
       expect_close<T>(d_o.download(), d_lse.download(), ref, "GPU-select step output");
     }
     const std::size_t rows = std::size_t(kBatch) * kKvHeads, weight_copies = method == Method::weighted ? 2 : 1;
-    EXPECT_EQ(step.bytes_per_step().to_host,
+    const StepStats& stats = step.last_step_stats();
+    EXPECT_EQ(stats.to_host_bytes,
               rows * 4 * (1 + weight_copies * std::size_t(step.selector().capacity())) + p.q.size() * sizeof(T));
-    EXPECT_EQ(step.bytes_per_step().to_device, std::size_t(kBatch) * q_heads * (kHeadDim + 1) * sizeof(float));
-    const GpuSelectStepTimes& times = step.last_step_times();
-    EXPECT_GT(times.select, 0.0);
-    EXPECT_GT(times.cpu_attention, 0.0);
-    EXPECT_GE(times.total, times.select + times.cpu_attention);
+    EXPECT_EQ(stats.to_device_bytes, std::size_t(kBatch) * q_heads * (kHeadDim + 1) * sizeof(float));
+    EXPECT_EQ(stats.gathered_kv_bytes, 0u);
+    EXPECT_GT(stats.select_seconds, 0.0);
+    EXPECT_GT(stats.cpu_attention_seconds, 0.0);
+    EXPECT_GE(stats.call_seconds, stats.select_seconds + stats.cpu_attention_seconds);
   };
   switch (method) {
     case Method::oracle:
@@ -223,13 +228,14 @@ TEST_F(GpuSelectStep, ASelectorWithASecondSourceIsRefused) {
   using Selector = TwoSources<half, cuda::Context, false, true>;
   expect_error(
       [&] {
-        GpuSelectHybridStep step(Selector(limits, 8, 2, {}, second, gpu),
-                                 {.attention = {.window = {4, 16}}, .max_batch = 2, .q_heads = 4, .kv_heads = 1,
-                                  .head_dim = 64, .max_seq_len = 64},
-                                 gpu);
+        DecodeStep<Selector, placement::MiddleOnCpu> step(Selector(limits, 8, 2, {}, second, gpu),
+                                                          {.attention = {.window = {4, 16}}, .max_batch = 2,
+                                                           .q_heads = 4, .kv_heads = 1, .head_dim = 64,
+                                                           .max_seq_len = 64},
+                                                          SplitContext{.gpu = gpu});
       },
-      "GpuSelectHybridStep: the selector (TwoSources) has a second source (second_source_capacity() = 4), which this "
-      "placement does not attend: run it with DecodeStep on the GPU");
+      "DecodeStep<MiddleOnCpu>: the selector (TwoSources) has a second source (second_source_capacity() = 4), which "
+      "this placement does not attend: run it with DecodeStep in placement::Local");
 }
 
 // run() refuses inputs whose batches differ from the plan, a query of other heads or with uneven head rows, and no
@@ -242,58 +248,78 @@ TEST_F(GpuSelectStep, RefusesMismatchedInputs) {
   const cuda::Context gpu{nullptr};
   const SelectorLimits limits{.max_slots = kBatch, .max_tokens = 64, .q_heads = kQHeads, .kv_heads = kKvHeads,
                               .head_dim = kHeadDim};
-  GpuSelectHybridStep step(OracleTopK<T, cuda::Context>(limits, {.budget = 8}),
-                           {.attention = {.window = {4, 8}}, .max_batch = kBatch, .q_heads = kQHeads,
-                            .kv_heads = kKvHeads, .head_dim = kHeadDim, .max_seq_len = 64},
-                           gpu);
+  const SplitContext split{.gpu = gpu};
+  DecodeStep<OracleTopK<T, cuda::Context>, placement::MiddleOnCpu> step(
+      OracleTopK<T, cuda::Context>(limits, {.budget = 8}),
+      {.attention = {.window = {4, 8}}, .max_batch = kBatch, .q_heads = kQHeads, .kv_heads = kKvHeads,
+       .head_dim = kHeadDim, .max_seq_len = 64},
+      split);
+  const SplitBuffers buffers(step.workspace_bytes());
+  const SplitWorkspace workspace = buffers.view();
   HostCache<T> host(p, 0);
   const DeviceBuffer<T> d_k(p.k), d_v(p.v), d_q(p.q);
   const DeviceBuffer<std::int32_t> d_lengths(p.kv_values.seq_lens), d_slots(std::vector<std::int32_t>{0, 1});
   DeviceBuffer<T> d_o(p.q.size());
   DeviceBuffer<float> d_lse(std::size_t(kBatch) * kQHeads);
-  const GpuSelectStepInputs<T> in{
+  const StepInputs<T> in{
       .q = QueryView<const T>::packed(d_q.data(), kBatch, kQHeads, kHeadDim),
-      .device_cache = ContiguousKVView<const T>::packed(d_k.data(), d_v.data(), kBatch, kKvHeads, 64, kHeadDim,
-                                                        d_lengths.data()),
-      .host_cache = host.at(p.kv_values.seq_lens),
-      .slots = d_slots.data()};
+      .cache = ContiguousKVView<T>::packed(d_k.data(), d_v.data(), kBatch, kKvHeads, 64, kHeadDim, d_lengths.data()),
+      .slots = d_slots.data(),
+      .host_cache = host.at(p.kv_values.seq_lens)};
   const auto out = StateView<T>::packed(d_o.data(), d_lse.data(), kBatch, kQHeads, kHeadDim);
-  step.prepare({.cache = in.device_cache, .slots = d_slots.data()}, gpu);
-  step.run(in, out, gpu);  // the inputs as given are fine
+  step.prepare({.cache = in.cache, .slots = d_slots.data()}, gpu);
+  step.run(in, out, workspace, split);  // the inputs as given are fine
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
 
-  GpuSelectStepInputs<T> one_row = in;
+  constexpr const char* where = "DecodeStep<MiddleOnCpu>::run: ";
+  const auto refused = [&](const StepInputs<T>& bad, const std::string& message) {
+    expect_error([&] { step.run(bad, out, workspace, split); }, message);
+  };
+  StepInputs<T> one_row = in;
   one_row.q.batch = 1;
-  expect_error([&] { step.run(one_row, out, gpu); },
-               "GpuSelectHybridStep::run: in.q.batch (= 1) and the caches' batches (device 2, host 2) must be "
-               "config.max_batch (= 2)");
-  GpuSelectStepInputs<T> one_host_row = in;
+  refused(one_row, fmt::format("{}in.q.batch (= 1) must be config.max_batch (= 2)", where));
+  StepInputs<T> one_host_row = in;
   one_host_row.host_cache.contiguous.batch = 1;
-  expect_error([&] { step.run(one_host_row, out, gpu); }, "the caches' batches (device 2, host 1)");
-  GpuSelectStepInputs<T> fewer_heads = in;
+  refused(one_host_row, fmt::format("{}in.host_cache's batch (= 1) must be the run's (= 2)", where));
+  StepInputs<T> one_device_row = in;
+  one_device_row.cache.contiguous.batch = 1;
+  refused(one_device_row, "in.q.batch (= 2) and in.cache's batch (= 1) must be the run's batch (= 2)");
+  StepInputs<T> with_device_views = in;
+  with_device_views.device_cache = in.cache;
+  refused(with_device_views, "in.q_device or in.device_cache is set: a GPU selector's in.q and in.cache are the device's");
+  StepInputs<T> fewer_heads = in;
   fewer_heads.q.heads = 2;
-  expect_error([&] { step.run(fewer_heads, out, gpu); },
-               "GpuSelectHybridStep::run: in.q has 2 heads of head_dim 128; the step was planned for 4 and 128");
-  GpuSelectStepInputs<T> gapped = in;
+  fewer_heads.q.batch_stride = 2 * fewer_heads.q.head_stride;
+  refused(fewer_heads, fmt::format("{}in.q has 2 heads of head_dim 128; the step was planned for 4 and 128", where));
+  StepInputs<T> gapped = in;
   gapped.q.batch_stride += 8;
-  expect_error([&] { step.run(gapped, out, gpu); },
-               "GpuSelectHybridStep::run: in.q.batch_stride (= 520) must be heads * head_stride (= 512)");
-  GpuSelectStepInputs<T> no_slots = in;
+  refused(gapped, fmt::format("{}in.q.batch_stride (= 520) must be heads * head_stride (= 512)", where));
+  StepInputs<T> no_slots = in;
   no_slots.slots = nullptr;
-  expect_error([&] { step.run(no_slots, out, gpu); }, "GpuSelectHybridStep::run: in.slots is a null pointer");
+  refused(no_slots, fmt::format("{}in.slots is a null pointer", where));
   // The host side and the output, refused before the search changes the selector.
   std::vector<T> pageable_k(p.k), pageable_v(p.v);
-  GpuSelectStepInputs<T> pageable = in;
+  StepInputs<T> pageable = in;
   pageable.host_cache.contiguous.k = pageable_k.data();
   pageable.host_cache.contiguous.v = pageable_v.data();
-  expect_error([&] { step.run(pageable, out, gpu); },
-               {"GpuSelectHybridStep::run: in.host_cache's k (", ") is not pinned host memory"});
-  GpuSelectStepInputs<T> other_heads = in;
+  expect_error([&] { step.run(pageable, out, workspace, split); },
+               {"DecodeStep<MiddleOnCpu>::run: in.host_cache's k (", ") is not pinned host memory"});
+  StepInputs<T> other_heads = in;
   other_heads.host_cache.contiguous.kv_heads = kKvHeads + 1;
-  expect_error([&] { step.run(other_heads, out, gpu); }, "GpuSelectHybridStep::run: in.host_cache");
+  refused(other_heads, fmt::format("{}in.host_cache", where));
   auto short_out = out;
   short_out.heads = kQHeads - 1;
-  expect_error([&] { step.run(in, short_out, gpu); }, "GpuSelectHybridStep::run: out is [2, 3, 128]");
+  expect_error([&] { step.run(in, short_out, workspace, split); }, fmt::format("{}out is [2, 3, 128]", where));
+  std::vector<std::byte> pageable_block(step.workspace_bytes().host + WorkspaceLayout::kAlignment);
+  const std::size_t skip = (WorkspaceLayout::kAlignment -
+                            reinterpret_cast<std::uintptr_t>(pageable_block.data()) % WorkspaceLayout::kAlignment) %
+                           WorkspaceLayout::kAlignment;
+  expect_error(
+      [&] {
+        step.run(in, out, {.device = workspace.device, .host = std::span<std::byte>(pageable_block).subspan(skip)},
+                 split);
+      },
+      {"DecodeStep<MiddleOnCpu>::run: workspace.host's data (", ") is not pinned host memory"});
 }
 
 // Refused at construction, before any device work (these run without a GPU).
@@ -304,13 +330,14 @@ TEST(GpuSelectStepBadInput, RefusesAnEmptyPlan) {
                                 .head_dim = 64, .max_seq_len = 64};
   DecodeStepConfig no_rows = config;
   no_rows.max_batch = 0;
-  expect_error([&] { GpuSelectHybridStep step(OracleTopK<half, cuda::Context>(limits, {.budget = 8}), no_rows, gpu); },
-               "GpuSelectHybridStep: config.max_batch (= 0) must be positive");
+  using Step = DecodeStep<OracleTopK<half, cuda::Context>, placement::MiddleOnCpu>;
+  expect_error([&] { Step step(OracleTopK<half, cuda::Context>(limits, {.budget = 8}), no_rows, SplitContext{.gpu = gpu}); },
+               "DecodeStep<MiddleOnCpu>: config.max_batch (= 0) must be positive");
   DecodeStepConfig no_length = config;
   no_length.max_seq_len = 0;
   expect_error(
-      [&] { GpuSelectHybridStep step(OracleTopK<half, cuda::Context>(limits, {.budget = 8}), no_length, gpu); },
-      "GpuSelectHybridStep: config.max_seq_len (= 0) must be positive");
+      [&] { Step step(OracleTopK<half, cuda::Context>(limits, {.budget = 8}), no_length, SplitContext{.gpu = gpu}); },
+      "DecodeStep<MiddleOnCpu>: config.max_seq_len (= 0) must be positive");
 }
 
 }  // namespace

@@ -1,10 +1,10 @@
-// The decode step's offload placement (step/offload_step.hpp): a CPU selector over a pinned host cache, its
+// DecodeStep<S, placement::MiddleOnGpu> (step/split_step.hpp): a CPU selector over a pinned host cache, its
 // selection copied to the GPU, the selected rows gathered there from the pinned host cache, the window attended
 // from the device cache, both merged on the GPU. Against the fp64 reference of sparse attention over the step's own
 // selection and the window, at every step of growing sequences (the selector's append sees each new token):
 // OracleTopK, Quest and CSAttention, contiguous and paged host caches, GQA groups 1 and 4, fp16 and bf16. The
-// device cache's middle rows are NaN (only the window may be read there) and the output is poisoned before each
-// step. Then log-weights and bad rows, and every refusal.
+// device cache's middle rows are NaN (only the window may be read there), the workspace is poisoned once and the
+// output before each step. Then log-weights and bad rows, and every refusal.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -20,7 +20,7 @@
 #include "kvsift/selectors/csattention/csattention.hpp"
 #include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
 #include "kvsift/selectors/quest/quest.hpp"
-#include "kvsift/step/offload_step.hpp"
+#include "kvsift/step/split_step.hpp"
 #include "second_source_check.hpp"
 
 namespace kvsift::test {
@@ -33,7 +33,7 @@ namespace {
 
 // The placement takes CPU selectors only, at compile time.
 template <class S>
-concept Offloadable = requires { typename OffloadDecodeStep<S>; };
+concept Offloadable = requires { typename DecodeStep<S, placement::MiddleOnGpu>; };
 static_assert(Offloadable<OracleTopK<half, cpu::Context>>);
 static_assert(!Offloadable<OracleTopK<half, cuda::Context>>, "a CUDA selector must not build an offload step");
 static_assert(!Offloadable<Quest<bfloat16, cuda::Context>>, "a CUDA selector must not build an offload step");
@@ -61,11 +61,11 @@ class PinnedHostCache {
         last_(p.kv_values.seq_lens) {}
 
   /// Sets every sequence's length (the GPU must have finished with the previous step's table).
-  KVCache<const T> at(const std::vector<std::int32_t>& lengths) {
+  KVCache<T> at(const std::vector<std::int32_t>& lengths) {
     std::copy(lengths.begin(), lengths.end(), lengths_.data());
     if (page_size_ == 0) {
-      return ContiguousKVView<const T>::packed(k_.data(), v_.data(), p_.spec.batch, p_.spec.kv_heads, p_.spec.tokens,
-                                               p_.spec.head_dim, lengths_.data());
+      return ContiguousKVView<T>::packed(k_.data(), v_.data(), p_.spec.batch, p_.spec.kv_heads, p_.spec.tokens,
+                                         p_.spec.head_dim, lengths_.data());
     }
     const HostPagedKV& full = *p_.paged_values;
     indptr_.data()[0] = 0;
@@ -75,7 +75,7 @@ class PinnedHostCache {
       indptr_.data()[b + 1] = indptr_.data()[b] + pages;
       last_.data()[b] = lengths[b] - (pages - 1) * page_size_;
     }
-    return p_.paged(k_.data(), v_.data(), indptr_.data(), indices_.data(), last_.data());
+    return p_.writable_paged(k_.data(), v_.data(), indptr_.data(), indices_.data(), last_.data());
   }
 
  private:
@@ -138,7 +138,9 @@ void expect_offload_equals_reference(Random& rng, Method method, std::int32_t pa
   const KVCache<const T> device_cache =
       ContiguousKVView<const T>::packed(d_k.data(), d_v.data(), kBatch, kKvHeads, kTokens, kHeadDim, d_lengths.data());
 
-  OffloadDecodeStep step(make_selector<T>(method, limits), config, cpu);
+  const SplitContext split{.cpu = cpu};
+  DecodeStep<AnySelector<T, cpu::Context>, placement::MiddleOnGpu> step(make_selector<T>(method, limits), config, split);
+  const SplitBuffers workspace(step.workspace_bytes());
   const std::vector<T> prefill_q = to_storage<T>(rng.normal(std::size_t(kBatch) * q_heads * kPrefillQueries * kHeadDim));
   step.prepare({.cache = host.at(lengths), .slots = slots.data(),
                 .queries = SequenceView<const T>::packed(prefill_q.data(), kBatch, q_heads, kPrefillQueries, kHeadDim)},
@@ -153,12 +155,12 @@ void expect_offload_equals_reference(Random& rng, Method method, std::int32_t pa
     d_q.upload(p.q);
     d_o.poison();
     d_lse.poison();
-    step.run({.q_device = QueryView<const T>::packed(d_q.data(), kBatch, q_heads, kHeadDim), .q_host = p.q_view(),
-              .device_cache = device_cache, .host_cache = host.at(lengths), .slots = slots.data()},
-             StateView<T>::packed(d_o.data(), d_lse.data(), kBatch, q_heads, kHeadDim), nullptr, cpu);
+    step.run({.q = p.q_view(), .cache = host.at(lengths), .slots = slots.data(),
+              .q_device = QueryView<const T>::packed(d_q.data(), kBatch, q_heads, kHeadDim), .device_cache = device_cache},
+             StateView<T>::packed(d_o.data(), d_lse.data(), kBatch, q_heads, kHeadDim), workspace.view(), split);
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
 
-    const SelectionView got = step.selection();
+    const SelectionView got = step.selection(workspace.view());
     std::size_t selected = 0;
     std::int32_t longest = 0;
     for (std::int32_t r = 0; r < kBatch * kKvHeads; ++r) {
@@ -166,9 +168,9 @@ void expect_offload_equals_reference(Random& rng, Method method, std::int32_t pa
       longest = std::max(longest, got.counts[r]);
     }
     ASSERT_GT(longest, 0) << "the selector chose nothing: the gather is not exercised";
-    const OffloadStepStats& stats = step.last_step_stats();
-    EXPECT_EQ(stats.kv_bytes, selected * 2 * kHeadDim * sizeof(T));
-    EXPECT_EQ(stats.selection_bytes, std::size_t(kBatch) * kKvHeads * (1 + std::size_t(longest)) * sizeof(std::int32_t));
+    const StepStats& stats = step.last_step_stats();
+    EXPECT_EQ(stats.gathered_kv_bytes, selected * 2 * kHeadDim * sizeof(T));
+    EXPECT_EQ(stats.to_device_bytes, std::size_t(kBatch) * kKvHeads * (1 + std::size_t(longest)) * sizeof(std::int32_t));
     HostState ref(kBatch, q_heads, kHeadDim);
     reference::sparse_decode(p.q_view(),
                              ContiguousKVView<const float>::packed(p.kv_values.k.data(), p.kv_values.v.data(), kBatch,
@@ -234,18 +236,20 @@ TEST_F(OffloadStep, WeightsAndBadCountRows) {
   const DeviceBuffer<std::int32_t> d_lengths(p.kv_values.seq_lens);
   const KVCache<const T> device_cache =
       ContiguousKVView<const T>::packed(d_k.data(), d_v.data(), kBatch, kKvHeads, kTokens, kHeadDim, d_lengths.data());
-  OffloadDecodeStep step(
+  const SplitContext split{.cpu = cpu};
+  DecodeStep<MarksARowBad, placement::MiddleOnGpu> step(
       MarksARowBad(TwoSources<T, cpu::Context, true, false>(limits, kBudget, kBatch, weights, {}, cpu), bad_row), config,
-      cpu);
+      split);
   step.prepare({.cache = host.at(p.kv_values.seq_lens), .slots = slots.data()}, cpu);
+  const SplitBuffers workspace(step.workspace_bytes());
   DeviceBuffer<float> d_o(p.q.size()), d_lse(std::size_t(kBatch) * kQHeads);
   d_o.poison();
   d_lse.poison();
-  step.run({.q_device = QueryView<const T>::packed(d_q.data(), kBatch, kQHeads, kHeadDim), .q_host = p.q_view(),
-            .device_cache = device_cache, .host_cache = host.at(p.kv_values.seq_lens), .slots = slots.data()},
-           StateView<float>::packed(d_o.data(), d_lse.data(), kBatch, kQHeads, kHeadDim), nullptr, cpu);
+  step.run({.q = p.q_view(), .cache = host.at(p.kv_values.seq_lens), .slots = slots.data(),
+            .q_device = QueryView<const T>::packed(d_q.data(), kBatch, kQHeads, kHeadDim), .device_cache = device_cache},
+           StateView<float>::packed(d_o.data(), d_lse.data(), kBatch, kQHeads, kHeadDim), workspace.view(), split);
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  const SelectionView s = step.selection();
+  const SelectionView s = step.selection(workspace.view());
   ASSERT_NE(s.log_weights, nullptr);
   std::vector<std::int32_t> indices(s.indices, s.indices + std::size_t(kBatch) * kKvHeads * kBudget);
   std::vector<std::int32_t> counts(s.counts, s.counts + kBatch * kKvHeads);
@@ -270,50 +274,70 @@ TEST_F(OffloadStep, RefusesMismatchedInputs) {
   const cpu::Context cpu{};
   const SelectorLimits limits{.max_slots = kBatch, .max_tokens = 64, .q_heads = kQHeads, .kv_heads = kKvHeads,
                               .head_dim = kHeadDim};
-  OffloadDecodeStep step(OracleTopK<T, cpu::Context>(limits, {.budget = 8}),
-                         {.attention = {.window = {4, 8}}, .max_batch = kBatch, .q_heads = kQHeads, .kv_heads = kKvHeads,
-                          .head_dim = kHeadDim, .max_seq_len = 64},
-                         cpu);
+  const SplitContext split{.cpu = cpu};
+  DecodeStep<OracleTopK<T, cpu::Context>, placement::MiddleOnGpu> step(
+      OracleTopK<T, cpu::Context>(limits, {.budget = 8}),
+      {.attention = {.window = {4, 8}}, .max_batch = kBatch, .q_heads = kQHeads, .kv_heads = kKvHeads,
+       .head_dim = kHeadDim, .max_seq_len = 64},
+      split);
+  const SplitBuffers buffers(step.workspace_bytes());
+  const SplitWorkspace workspace = buffers.view();
   PinnedHostCache<T> host(p, 0);
   const DeviceBuffer<T> d_k(p.k), d_v(p.v), d_q(p.q);
   const DeviceBuffer<std::int32_t> d_lengths(p.kv_values.seq_lens);
   DeviceBuffer<T> d_o(p.q.size());
   DeviceBuffer<float> d_lse(std::size_t(kBatch) * kQHeads);
-  const HybridStepInputs<T> in{
+  const StepInputs<T> in{
+      .q = p.q_view(),
+      .cache = host.at(p.kv_values.seq_lens),
+      .slots = slots.data(),
       .q_device = QueryView<const T>::packed(d_q.data(), kBatch, kQHeads, kHeadDim),
-      .q_host = p.q_view(),
       .device_cache = ContiguousKVView<const T>::packed(d_k.data(), d_v.data(), kBatch, kKvHeads, 64, kHeadDim,
-                                                        d_lengths.data()),
-      .host_cache = host.at(p.kv_values.seq_lens),
-      .slots = slots.data()};
+                                                        d_lengths.data())};
   const auto out = StateView<T>::packed(d_o.data(), d_lse.data(), kBatch, kQHeads, kHeadDim);
-  step.prepare({.cache = in.host_cache, .slots = slots.data()}, cpu);
-  step.run(in, out, nullptr, cpu);  // the inputs as given are fine
+  step.prepare({.cache = in.cache, .slots = slots.data()}, cpu);
+  step.run(in, out, workspace, split);  // the inputs as given are fine
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
 
-  HybridStepInputs<T> one_device_row = in;
+  StepInputs<T> one_device_row = in;
   one_device_row.q_device.batch = 1;
-  expect_error([&] { step.run(one_device_row, out, nullptr, cpu); },
-               "OffloadDecodeStep::run: in.q_device.batch (= 1), the device cache's batch (= 2) and the host cache's "
-               "(= 2) must be in.q_host.batch (= 2)");
-  HybridStepInputs<T> short_device_cache = in;
+  expect_error([&] { step.run(one_device_row, out, workspace, split); },
+               "DecodeStep<MiddleOnGpu>::run: in.q_device.batch (= 1) and in.device_cache's batch (= 2) must be the "
+               "run's batch (= 2)");
+  StepInputs<T> short_device_cache = in;
   short_device_cache.device_cache.contiguous.batch = 1;
-  expect_error([&] { step.run(short_device_cache, out, nullptr, cpu); },
-               "the device cache's batch (= 1) and the host cache's (= 2) must be in.q_host.batch (= 2)");
-  HybridStepInputs<T> three_rows = in;
-  three_rows.q_host.batch = 3;
-  expect_error([&] { step.run(three_rows, out, nullptr, cpu); },
-               "OffloadDecodeStep::run: in.q_host.batch (= 3) is outside [1, config.max_batch = 2]");
+  expect_error([&] { step.run(short_device_cache, out, workspace, split); },
+               "in.q_device.batch (= 2) and in.device_cache's batch (= 1) must be the run's batch (= 2)");
+  StepInputs<T> three_rows = in;
+  three_rows.q.batch = 3;
+  expect_error([&] { step.run(three_rows, out, workspace, split); },
+               "DecodeStep<MiddleOnGpu>::run: in.q.batch (= 3) is outside [1, config.max_batch = 2]");
+  StepInputs<T> with_token = in;
+  with_token.k = HeadsView<const T>::packed(d_q.data(), kBatch, kKvHeads, kHeadDim);
+  expect_error([&] { step.run(with_token, out, workspace, split); },
+               "DecodeStep<MiddleOnGpu>::run: in.k or in.v is set: a split step reads caches the engine has written "
+               "the step's token to");
+  StepInputs<T> with_host_cache = in;
+  with_host_cache.host_cache = in.cache;
+  expect_error([&] { step.run(with_host_cache, out, workspace, split); },
+               "in.host_cache is set: a CPU selector's host cache is in.cache, its device cache in.device_cache");
 
   cpu::ThreadPool pool(2);
-  expect_error([&] { step.run(in, out, nullptr, cpu::Context{&pool}); },
-               "OffloadDecodeStep::run: the context has 2 threads, the step was planned for 1");
+  expect_error([&] { step.run(in, out, workspace, SplitContext{.cpu = cpu::Context{&pool}}); },
+               "DecodeStep<MiddleOnGpu>::run: the context has 2 threads, the step was planned for 1");
 
-  // The problem's own host vectors: pageable, which the GPU cannot read.
-  HybridStepInputs<T> pageable = in;
-  pageable.host_cache = p.contiguous();
-  expect_error([&] { step.run(pageable, out, nullptr, cpu); },
-               {"OffloadDecodeStep::run: in.host_cache's k (", ") is not pinned host memory"});
+  // The problem's own host vectors: pageable, which the GPU cannot read; and a pageable host block.
+  std::vector<T> pageable_k = p.k, pageable_v = p.v;
+  StepInputs<T> pageable = in;
+  pageable.cache = ContiguousKVView<T>::packed(pageable_k.data(), pageable_v.data(), kBatch, kKvHeads, 64, kHeadDim,
+                                               host.at(p.kv_values.seq_lens).contiguous.seq_lens);
+  expect_error([&] { step.run(pageable, out, workspace, split); },
+               {"DecodeStep<MiddleOnGpu>::run: in.cache's k (", ") is not pinned host memory"});
+  cpu::Array<std::byte> pageable_block(step.workspace_bytes().host);
+  expect_error([&] { step.run(in, out, {.device = workspace.device, .host = pageable_block.bytes()}, split); },
+               {"DecodeStep<MiddleOnGpu>::run: workspace.host's data (", ") is not pinned host memory"});
+  expect_error([&] { step.run(in, out, {.device = workspace.device.first(64), .host = workspace.host}, split); },
+               "workspace too small");
 }
 
 // Refused at construction, before any device work (these run without a GPU): a selector with a second source, and
@@ -328,13 +352,14 @@ TEST(OffloadStepBadInput, ASelectorWithASecondSourceIsRefused) {
   using Selector = TwoSources<half, cpu::Context, false, true>;
   expect_error(
       [&] {
-        OffloadDecodeStep step(Selector(limits, 8, 2, {}, second, cpu),
-                               {.attention = {.window = {4, 16}}, .max_batch = 2, .q_heads = 4, .kv_heads = 1,
-                                .head_dim = 64, .max_seq_len = 64},
-                               cpu);
+        DecodeStep<Selector, placement::MiddleOnGpu> step(Selector(limits, 8, 2, {}, second, cpu),
+                                                          {.attention = {.window = {4, 16}}, .max_batch = 2,
+                                                           .q_heads = 4, .kv_heads = 1, .head_dim = 64,
+                                                           .max_seq_len = 64},
+                                                          SplitContext{.cpu = cpu});
       },
-      "OffloadDecodeStep: the selector (TwoSources) has a second source (second_source_capacity() = 4), which this "
-      "placement does not attend: run it with DecodeStep on the GPU or the CPU");
+      "DecodeStep<MiddleOnGpu>: the selector (TwoSources) has a second source (second_source_capacity() = 4), which "
+      "this placement does not attend: run it with DecodeStep in placement::Local");
 }
 
 TEST(OffloadStepBadInput, RefusesAnEmptyPlan) {
@@ -344,12 +369,14 @@ TEST(OffloadStepBadInput, RefusesAnEmptyPlan) {
                                 .head_dim = 64, .max_seq_len = 64};
   DecodeStepConfig no_rows = config;
   no_rows.max_batch = 0;
-  expect_error([&] { OffloadDecodeStep step(OracleTopK<half, cpu::Context>(limits, {.budget = 8}), no_rows, cpu); },
-               "OffloadDecodeStep: config.max_batch (= 0) must be positive");
+  using Step = DecodeStep<OracleTopK<half, cpu::Context>, placement::MiddleOnGpu>;
+  const SplitContext split{.cpu = cpu};
+  expect_error([&] { Step step(OracleTopK<half, cpu::Context>(limits, {.budget = 8}), no_rows, split); },
+               "DecodeStep<MiddleOnGpu>: config.max_batch (= 0) must be positive");
   DecodeStepConfig no_length = config;
   no_length.max_seq_len = 0;
-  expect_error([&] { OffloadDecodeStep step(OracleTopK<half, cpu::Context>(limits, {.budget = 8}), no_length, cpu); },
-               "OffloadDecodeStep: config.max_seq_len (= 0) must be positive");
+  expect_error([&] { Step step(OracleTopK<half, cpu::Context>(limits, {.budget = 8}), no_length, split); },
+               "DecodeStep<MiddleOnGpu>: config.max_seq_len (= 0) must be positive");
 }
 
 }  // namespace

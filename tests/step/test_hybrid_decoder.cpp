@@ -178,10 +178,11 @@ TEST_F(HybridDecode, MatchesTheReferenceOverWindowAndSelectionForEveryLayout) {
         auto config = c.config();
         config.validate_indices = validate;
         cuda::HybridDecoder<bfloat16> decoder(config, validate ? &pool : nullptr);
-        for (int step = 0; step < 2; ++step) {  // the second step reuses the decoder's buffers
+        const test::SplitBuffers workspace(decoder.workspace_bytes());  // poisoned: the decoder writes what it reads
+        for (int step = 0; step < 2; ++step) {  // the second step reuses the workspace
           c.d_o.poison();
           c.d_lse.poison();
-          decoder.decode(c.q_device(), c.q_host(), device_kv, host_kv, sel.view, c.out(), nullptr);
+          decoder.decode(c.q_device(), c.q_host(), device_kv, host_kv, sel.view, c.out(), workspace.view(), nullptr);
           KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
           test::expect_close(c.d_o.download(), c.d_lse.download(), ref,
                              fmt::format("{}, {} middle, validate {}, step {}", layouts,
@@ -209,12 +210,30 @@ TEST_F(HybridDecode, BadArgumentsAreRefused) {
   auto config = c.config();
   config.validate_indices = true;
   cuda::HybridDecoder<bfloat16> decoder(config);
+  const test::SplitBuffers workspace(decoder.workspace_bytes());
   const auto decode = [&](const auto& host_kv, const SelectionView& s) {
-    decoder.decode(c.q_device(), c.q_host(), c.device_contiguous(), host_kv, s, c.out(), nullptr);
+    decoder.decode(c.q_device(), c.q_host(), c.device_contiguous(), host_kv, s, c.out(), workspace.view(), nullptr);
   };
   const std::vector<bfloat16> pageable_k(c.k), pageable_v(c.v);
   expect_error([&] { decode(c.contiguous(pageable_k.data(), pageable_v.data()), sel.view); },
                {"cuda::HybridDecoder::decode: host_kv's k (", ") is not pinned host memory"});
+  std::vector<std::byte> pageable_block(decoder.workspace_bytes().host + WorkspaceLayout::kAlignment);
+  const std::size_t skip = (WorkspaceLayout::kAlignment - reinterpret_cast<std::uintptr_t>(pageable_block.data()) %
+                                                           WorkspaceLayout::kAlignment) % WorkspaceLayout::kAlignment;
+  expect_error(
+      [&] {
+        decoder.decode(c.q_device(), c.q_host(), c.device_contiguous(), c.host_contiguous(), sel.view, c.out(),
+                       {.device = workspace.view().device,
+                        .host = std::span<std::byte>(pageable_block).subspan(skip, decoder.workspace_bytes().host)},
+                       nullptr);
+      },
+      {"cuda::HybridDecoder::decode: workspace.host's data (", ") is not pinned host memory"});
+  expect_error(
+      [&] {
+        decoder.decode(c.q_device(), c.q_host(), c.device_contiguous(), c.host_contiguous(), sel.view, c.out(),
+                       {.device = workspace.view().device.first(256), .host = workspace.view().host}, nullptr);
+      },
+      "cuda::HybridDecoder::decode: workspace too small");
   std::vector<std::uint8_t> attend_all(std::size_t(c.kBatch) * c.kKvHeads, 1);
   SelectionView all = sel.view;
   all.attend_all = attend_all.data();
@@ -226,7 +245,7 @@ TEST_F(HybridDecode, BadArgumentsAreRefused) {
   expect_error(
       [&] {
         decoder.decode(QueryView<const bfloat16>::packed(c.d_q.data(), c.kBatch, 4, c.kDim), c.q_host(),
-                       c.device_contiguous(), c.host_contiguous(), sel.view, c.out(), nullptr);
+                       c.device_contiguous(), c.host_contiguous(), sel.view, c.out(), workspace.view(), nullptr);
       },
       "q_device shape [3, 4, 128] != configured [batch = 3, q_heads = 8, head_dim = 128]");
 }

@@ -1,7 +1,7 @@
-// The decode step's hybrid placement: a CPU selector over a pinned host cache, the window attended on the GPU,
-// the selection on the CPU, merged on the GPU. Against the CPU placement (DecodeStep) of the same selector on the
-// same data: the same selection bit for bit (the same CPU code), and an output that is the fp64 reference's
-// over window and selection; contiguous and paged host caches.
+// DecodeStep<S, placement::MiddleOnCpu> with a CPU selector: the selector over a pinned host cache, the window
+// attended on the GPU, the selection on the CPU, merged on the GPU. Against the local placement of the same selector
+// on the same data: the same selection bit for bit (the same CPU code), and an output that is the fp64 reference's
+// over window and selection; contiguous and paged host caches; a poisoned workspace.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -12,7 +12,7 @@
 #include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
 #include "kvsift/selectors/quest/quest.hpp"
 #include "kvsift/step/decode_step.hpp"
-#include "kvsift/step/hybrid_step.hpp"
+#include "kvsift/step/split_step.hpp"
 #include "second_source_check.hpp"
 #include "selector_check.hpp"
 
@@ -43,13 +43,12 @@ void expect_hybrid_equals_cpu_placement(Random& rng, std::int32_t page_size, con
   const cpu::Context cpu{};
   // The host cache, pinned: the problem's contiguous or paged arrays.
   const PinnedBuffer<T> host_k(page_size == 0 ? p.k : p.k_pages), host_v(page_size == 0 ? p.v : p.v_pages);
-  const KVCache<const T> host_cache =
+  const KVCache<T> host_cache =
       page_size == 0
-          ? KVCache<const T>(ContiguousKVView<const T>::packed(host_k.data(), host_v.data(), spec.batch,
-                                                                 spec.kv_heads, spec.tokens, spec.head_dim,
-                                                                 p.kv_values.seq_lens.data()))
-          : KVCache<const T>(p.paged(host_k.data(), host_v.data(), p.paged_values->indptr.data(),
-                                     p.paged_values->indices.data(), p.paged_values->last_len.data()));
+          ? KVCache<T>(ContiguousKVView<T>::packed(host_k.data(), host_v.data(), spec.batch, spec.kv_heads, spec.tokens,
+                                                   spec.head_dim, p.kv_values.seq_lens.data()))
+          : KVCache<T>(p.writable_paged(host_k.data(), host_v.data(), p.paged_values->indptr.data(),
+                                        p.paged_values->indices.data(), p.paged_values->last_len.data()));
   // The device cache: every row (the decoder reads the window's only).
   const DeviceBuffer<T> d_k(p.k), d_v(p.v), d_q(p.q);
   const DeviceBuffer<std::int32_t> d_lengths(p.kv_values.seq_lens);
@@ -79,18 +78,23 @@ void expect_hybrid_equals_cpu_placement(Random& rng, std::int32_t page_size, con
                workspace.bytes(), cpu);
   const SelectionView want = cpu_step.selection(workspace.bytes(), spec.batch);
 
-  // The hybrid placement.
-  HybridDecodeStep hybrid(Selector<T, cpu::Context>(limits, selector_config), config, cpu);
+  // The split placement.
+  const SplitContext split{.cpu = cpu};
+  DecodeStep<Selector<T, cpu::Context>, placement::MiddleOnCpu> hybrid(Selector<T, cpu::Context>(limits, selector_config),
+                                                                       config, split);
   hybrid.prepare({.cache = host_cache, .slots = slots.data()}, cpu);
+  const SplitBuffers hybrid_workspace(hybrid.workspace_bytes());
   DeviceBuffer<T> d_o(o_cpu.size());
   DeviceBuffer<float> d_lse(lse_cpu.size());
   d_o.poison();
   d_lse.poison();
-  hybrid.run({.q_device = QueryView<const T>::packed(d_q.data(), spec.batch, spec.q_heads, spec.head_dim),
-              .q_host = p.q_view(), .device_cache = device_cache, .host_cache = host_cache, .slots = slots.data()},
-             StateView<T>::packed(d_o.data(), d_lse.data(), spec.batch, spec.q_heads, spec.head_dim), nullptr, cpu);
+  hybrid.run({.q = p.q_view(), .cache = host_cache, .slots = slots.data(),
+              .q_device = QueryView<const T>::packed(d_q.data(), spec.batch, spec.q_heads, spec.head_dim),
+              .device_cache = device_cache},
+             StateView<T>::packed(d_o.data(), d_lse.data(), spec.batch, spec.q_heads, spec.head_dim),
+             hybrid_workspace.view(), split);
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  const SelectionView got = hybrid.selection();
+  const SelectionView got = hybrid.selection(hybrid_workspace.view());
   for (std::int32_t r = 0; r < spec.batch * spec.kv_heads; ++r) {
     ASSERT_EQ(got.counts[r], want.counts[r]) << "row " << r;
     for (std::int32_t i = 0; i < got.counts[r]; ++i) {
@@ -144,25 +148,27 @@ TEST_F(HybridStep, WeightsAndBadCountRows) {
   const DecodeStepConfig config{.attention = {.window = {4, 16}}, .max_batch = kBatch, .q_heads = kQHeads,
                                 .kv_heads = kKvHeads, .head_dim = kHeadDim, .max_seq_len = kTokens};
   const PinnedBuffer<T> host_k(p.k), host_v(p.v);
-  const KVCache<const T> host_cache = ContiguousKVView<const T>::packed(
-      host_k.data(), host_v.data(), kBatch, kKvHeads, kTokens, kHeadDim, p.kv_values.seq_lens.data());
+  const KVCache<T> host_cache = ContiguousKVView<T>::packed(host_k.data(), host_v.data(), kBatch, kKvHeads, kTokens,
+                                                            kHeadDim, p.kv_values.seq_lens.data());
   const DeviceBuffer<T> d_k(p.k), d_v(p.v), d_q(p.q);
   const DeviceBuffer<std::int32_t> d_lengths(p.kv_values.seq_lens);
   const KVCache<const T> device_cache =
       ContiguousKVView<const T>::packed(d_k.data(), d_v.data(), kBatch, kKvHeads, kTokens, kHeadDim, d_lengths.data());
-  HybridDecodeStep hybrid(
+  const SplitContext split{.cpu = cpu};
+  DecodeStep<MarksARowBad, placement::MiddleOnCpu> hybrid(
       MarksARowBad(TwoSources<T, cpu::Context, true, false>(limits, kBudget, kBatch, weights, {}, cpu), bad_row), config,
-      cpu);
+      split);
   hybrid.prepare({.cache = host_cache, .slots = slots.data()}, cpu);
+  const SplitBuffers workspace(hybrid.workspace_bytes());
   DeviceBuffer<T> d_o(p.q.size());
   DeviceBuffer<float> d_lse(std::size_t(kBatch) * kQHeads);
   KVSIFT_CUDA_CHECK(cudaMemset(d_o.data(), 0, d_o.size() * sizeof(T)));
   KVSIFT_CUDA_CHECK(cudaMemset(d_lse.data(), 0, d_lse.size() * sizeof(float)));
-  hybrid.run({.q_device = QueryView<const T>::packed(d_q.data(), kBatch, kQHeads, kHeadDim), .q_host = p.q_view(),
-              .device_cache = device_cache, .host_cache = host_cache, .slots = slots.data()},
-             StateView<T>::packed(d_o.data(), d_lse.data(), kBatch, kQHeads, kHeadDim), nullptr, cpu);
+  hybrid.run({.q = p.q_view(), .cache = host_cache, .slots = slots.data(),
+              .q_device = QueryView<const T>::packed(d_q.data(), kBatch, kQHeads, kHeadDim), .device_cache = device_cache},
+             StateView<T>::packed(d_o.data(), d_lse.data(), kBatch, kQHeads, kHeadDim), workspace.view(), split);
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  const SelectionView s = hybrid.selection();
+  const SelectionView s = hybrid.selection(workspace.view());
   ASSERT_NE(s.log_weights, nullptr);
   std::vector<std::int32_t> indices(s.indices, s.indices + std::size_t(kBatch) * kKvHeads * kBudget);
   std::vector<std::int32_t> counts(s.counts, s.counts + kBatch * kKvHeads);
@@ -187,13 +193,14 @@ TEST(HybridStepBadInput, ASelectorWithASecondSourceIsRefused) {
   using Selector = TwoSources<half, cpu::Context, false, true>;
   expect_error(
       [&] {
-        HybridDecodeStep step(Selector(limits, 8, 2, {}, second, cpu),
-                              {.attention = {.window = {4, 16}}, .max_batch = 2, .q_heads = 4, .kv_heads = 1,
-                               .head_dim = 64, .max_seq_len = 64},
-                              cpu);
+        DecodeStep<Selector, placement::MiddleOnCpu> step(Selector(limits, 8, 2, {}, second, cpu),
+                                                          {.attention = {.window = {4, 16}}, .max_batch = 2,
+                                                           .q_heads = 4, .kv_heads = 1, .head_dim = 64,
+                                                           .max_seq_len = 64},
+                                                          SplitContext{.cpu = cpu});
       },
-      "HybridDecodeStep: the selector (TwoSources) has a second source (second_source_capacity() = 4), which this "
-      "placement does not attend: run it with DecodeStep on the GPU or the CPU");
+      "DecodeStep<MiddleOnCpu>: the selector (TwoSources) has a second source (second_source_capacity() = 4), which "
+      "this placement does not attend: run it with DecodeStep in placement::Local");
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 #pragma once
 /// CUDA twins of cpu/cache_ops.hpp: each batch row's length, writing a step's new token, an empty selection, the
-/// first non-finite key. Device memory; stream-ordered, no allocation, no host sync, CUDA-graph capturable. The lengths live on the
+/// identity selection, the first non-finite key. Device memory; stream-ordered, no allocation, no host sync, CUDA-graph capturable. The lengths live on the
 /// device, so write_step_kv cannot refuse a row of length 0, or one whose length its storage cannot hold
 /// (KVCache::seq_len_fits), before the launch: it skips that row.
 
@@ -24,6 +24,11 @@ void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const H
                    cudaStream_t stream);
 
 void clear_counts(const SelectionView& out, cudaStream_t stream);
+
+/// Entry i of every row of `out` is i, for i < out.capacity (its counts are not written): the selection that lists
+/// a staging buffer's slots in order (DecodeStep<S, placement::MiddleOnGpu> attends its gathered rows so). One
+/// launch; no-op for an empty selection.
+void write_identity_indices(const SelectionView& out, cudaStream_t stream);
 
 /// The first non-finite key (NaN, +inf or -inf) of the cache's rows, in (b, h, t, i) order: rows b <
 /// cache.batch(), kv heads h, tokens t < d_lengths[b] (device memory; a length <= 0 scans nothing, a longer one

@@ -1,14 +1,19 @@
 #pragma once
 /// PinnedHostCheck: the check that a cache's host arrays are memory the GPU reads in place (page-locked by
-/// cudaMallocHost, cudaHostAlloc or cudaHostRegister, or managed), done once per array. The placements that read
-/// an offloaded cache from the GPU (OffloadDecodeStep, GpuSelectHybridStep, cuda::HybridDecoder, ElasticKV) keep
+/// cudaMallocHost, cudaHostAlloc or cudaHostRegister, or managed), done once per array (and that of a workspace's host
+/// block, which copies read and write asynchronously). The placements that read
+/// an offloaded cache from the GPU (DecodeStep's split placements, cuda::HybridDecoder, ElasticKV) keep
 /// one per cache they read and call it on every step: a pointer equal to the one last found readable for that
 /// field is not queried again (the query, cudaPointerGetAttributes, is a driver call). Memory unpinned and
 /// reused at the same address is not noticed. Not thread-safe: one per step object, as the steps are.
 
 #include <array>
 #include <cstddef>
+#include <memory>
 #include <string_view>
+#include <type_traits>
+
+#include <cuda_runtime_api.h>
 
 #include "kvsift/core/kv_cache.hpp"
 
@@ -41,12 +46,34 @@ class PinnedHostCheck {
   void require(const KVCache<const T>& cache, Arrays arrays, const char* where, std::string_view name) {
     cache.visit([&](const auto& kv) { require(kv, arrays, where, name); });
   }
+  /// A block the step copies from or to asynchronously (a workspace's host block, named `name`).
+  void require(const void* block, const char* where, std::string_view name) {
+    require_field(5, block, "data", where, name);
+  }
 
  private:
   void require_field(std::size_t field, const void* p, const char* field_name, const char* where,
                      std::string_view cache);
 
-  std::array<const void*, 5> known_{};  ///< per field, the pointer last found readable (null: none yet)
+  std::array<const void*, 6> known_{};  ///< per field, the pointer last found readable (null: none yet)
+};
+
+/// The fence between the stream's asynchronous copies out of (or into) a pinned host block and the host's next
+/// write of that block: record() after enqueuing the copies, wait() before writing the block again (at once when
+/// nothing is recorded, else until the stream has passed the copies: normally long done). Owns one event
+/// (cudaEventDisableTiming), created by the constructor. Not thread-safe: one per step object, as the steps are.
+class HostBlockFence {
+ public:
+  HostBlockFence();
+  void record(cudaStream_t stream);
+  void wait();
+
+ private:
+  struct Destroy {
+    void operator()(cudaEvent_t event) const;
+  };
+  std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, Destroy> event_;
+  bool pending_ = false;
 };
 
 }  // namespace kvsift::cuda

@@ -35,6 +35,15 @@
 ///     per row of the second selection) and `SecondSource<T> second_source(const SelectInputs<T>& in) const`,
 ///     the views of the second source that the last select wrote for in's rows. The step attends it whole,
 ///     with no window, as a second fp32 partial and merges it with the primary one by LSE.
+///   - a host stage (HasHostStage, CTKVR's recall + rerank): select as a recall on the selector's context, which reads
+///     its index and no K/V row, and a stage that finishes the selection on the CPU over a host cache. A GPU
+///     selector with one runs only the recall on the GPU in a split placement (step/split_step.hpp), so the device
+///     cache need hold only the window. `std::int32_t candidate_capacity(std::int32_t max_seq_len) const`,
+///     `recall_workspace_bytes(shape, ctx)`, `recall(in, candidates, workspace, ctx)`, `host_stage()` (an object
+///     with `workspace_bytes(batch, candidate_capacity, cpu_ctx)` and `run(q, cache, lengths, attention,
+///     candidates, out, update_entries, workspace, cpu_ctx)`, all host memory), `std::int32_t update_capacity()
+///     const` (entries per row of an index update the host stage writes, 0: none) and `update(q, slots, entries,
+///     replaced, ctx)`, which applies them on the selector's context.
 ///   - `bool prepared(std::int32_t slot) const`: whether `slot` holds a prepared sequence (not released since).
 ///     kvsift's selectors keep this life cycle on the host (selectors/detail/slot_states.hpp): append and select
 ///     refuse host slots without a sequence, release refuses a slot without one; a decode step with
@@ -190,6 +199,15 @@ template <class S>
 concept HasSecondSource = requires(const S& s, const SelectInputs<typename S::value_type>& in) {
   { s.second_source_capacity() } -> std::convertible_to<std::int32_t>;
   { s.second_source(in) } -> std::same_as<SecondSource<typename S::value_type>>;
+};
+
+/// A selector that declares a host stage (above): its select splits into a recall on its context and a finish on
+/// the CPU.
+template <class S>
+concept HasHostStage = requires(const S& s, std::int32_t max_seq_len) {
+  { s.candidate_capacity(max_seq_len) } -> std::same_as<std::int32_t>;
+  { s.update_capacity() } -> std::same_as<std::int32_t>;
+  s.host_stage();
 };
 
 /// Entries per row of S's second source (its optional `second_source_capacity()`); 0: S has none.

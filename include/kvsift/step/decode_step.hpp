@@ -1,10 +1,13 @@
 #pragma once
-/// DecodeStep: one layer's decode step, select -> sparse attention (with the window) in one object, planned
-/// once. Include cpu/backend.hpp or cuda/backend.hpp (or both) before using it with that backend's selectors.
+/// DecodeStep<S, Placement>: one layer's decode step, select -> sparse attention (with the window) in one object,
+/// planned once, for selector S in a placement (step/placement.hpp). Include cpu/backend.hpp or cuda/backend.hpp (or
+/// both) before using it with that backend's selectors. This header defines the shared part (DecodeStepConfig,
+/// StepInputs, detail::StepBase) and the local placement; step/split_step.hpp the placements that split the step
+/// over the GPU and the CPU.
 ///
-/// The placement follows the selector's context: with a cuda::Context everything runs on one stream (select,
-/// attend), CUDA-graph capturable end to end; with a cpu::Context everything runs on the thread pool. (The
-/// hybrid placement, the window on the GPU and the selected middle on the CPU, is step/hybrid_decoder.hpp.)
+/// placement::Local (the default) follows the selector's context: with a cuda::Context everything runs on one
+/// stream (select, attend), CUDA-graph capturable end to end; with a cpu::Context everything runs on the thread
+/// pool.
 ///
 /// run() per step, in this order (docs/selector_framework.md):
 ///   1. the step's token: if in.k and in.v are given, they are written into the cache at position
@@ -42,6 +45,7 @@
 /// Thread safety: one step serves one thread at a time; it owns its selector.
 
 #include <algorithm>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -53,6 +57,7 @@
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/selectors/selector.hpp"
+#include "kvsift/step/placement.hpp"
 #include "kvsift/step/selector_part.hpp"
 
 namespace kvsift {
@@ -72,19 +77,92 @@ struct DecodeStepConfig {
   bool programmatic_launch = true;
 };
 
+/// One step's inputs, for every placement. The selector's views (q, cache, slots, k_pre_rope) are in the memory of
+/// the selector's context; the split placements (step/split_step.hpp) take the other side's views too.
 template <class T>
 struct StepInputs {
   QueryView<const T> q{};               ///< [batch, q_heads, head_dim], post-RoPE
-  KVCache<T> cache{};                   ///< the engine's cache; seq_len(b) counts the step's token
-  HeadsView<const T> k{};               ///< optional: the step's new K [batch, kv_heads, head_dim] to write first
+  KVCache<T> cache{};                   ///< the cache the selector reads; seq_len(b) counts the step's token
+  HeadsView<const T> k{};               ///< local placement, optional: the step's new K [batch, kv_heads, head_dim] to write first
   HeadsView<const T> v{};               ///< with k
   HeadsView<const T> k_pre_rope{};      ///< optional, for selectors that index pre-RoPE keys
-  const std::int32_t* slots = nullptr;  ///< [batch] each row's selector slot, context memory
+  const std::int32_t* slots = nullptr;  ///< [batch] each row's selector slot
   std::int32_t layer = 0;
+  /// A CPU selector in a split placement: the same queries in device memory, and the engine's device cache (at
+  /// least the window's rows at their positions), from which the GPU attends the window.
+  QueryView<const T> q_device{};
+  KVCache<const T> device_cache{};
+  /// A GPU selector in placement::MiddleOnCpu: the pinned host cache holding the middle's rows at their positions
+  /// (its lengths or page table in host memory), from which the CPU attends the selection.
+  KVCache<const T> host_cache{};
 };
 
+namespace detail {
+
+/// What every placement of DecodeStep shares: the selector it owns, the checked configuration, the selector's
+/// part of the step (step/selector_part.hpp), planned for every batch up to config.max_batch on the selector's
+/// context, and the life cycle calls.
 template <KVSelector S>
-class DecodeStep {
+class StepBase {
+ public:
+  using value_type = typename S::value_type;
+  using selector_context = typename S::context_type;
+
+  S& selector() { return selector_; }
+  const S& selector() const { return selector_; }
+  const DecodeStepConfig& config() const { return config_; }
+
+  /// Prefill of joining sequences on the selector's context: the selector's prepare (may allocate), with the
+  /// step's attention options.
+  void prepare(PrefillInputs<value_type> in, const selector_context& ctx) {
+    in.attention = config_.attention;
+    selector_.prepare(in, ctx);
+  }
+  /// Sequences leave: the selector's release.
+  void release(std::span<const std::int32_t> slots) { selector_.release(slots); }
+
+ protected:
+  StepBase(S selector, const DecodeStepConfig& config, const selector_context& ctx, const char* where)
+      : selector_(std::move(selector)), config_(checked(config, where)),
+        part_(selector_, {config.max_batch, config.q_heads, config.kv_heads, config.head_dim, config.max_seq_len}, ctx),
+        planned_threads_(workspace_threads(ctx)) {}
+
+  /// The run's batch within the plan, on a pool no larger than the planned one.
+  void check_run(const char* where, std::int32_t batch, const selector_context& ctx) const {
+    check_planned_run(where, "in.q.batch", batch, config_.max_batch, workspace_threads(ctx), planned_threads_);
+  }
+  SelectorStepInputs<value_type> selector_inputs(const StepInputs<value_type>& in) const {
+    return {.q = in.q, .cache = in.cache, .slots = in.slots, .k_pre_rope = in.k_pre_rope,
+            .attention = config_.attention, .layer = in.layer};
+  }
+
+  S selector_;
+  DecodeStepConfig config_;
+  SelectorPart<S> part_;
+  std::int32_t planned_threads_;
+
+ private:
+  static const DecodeStepConfig& checked(const DecodeStepConfig& config, const char* where) {
+    KVSIFT_CHECK(config.max_batch > 0, where, "config.max_batch (= {}) must be positive", config.max_batch);
+    KVSIFT_CHECK(config.max_seq_len > 0, where, "config.max_seq_len (= {}) must be positive", config.max_seq_len);
+    validate(config.attention.window, where, "config.attention.window");
+    return config;
+  }
+};
+
+}  // namespace detail
+
+/// The local placement (the primary template); the split placements are specializations in step/split_step.hpp.
+template <KVSelector S, class Placement = placement::Local>
+  requires placement::Fits<Placement, typename S::context_type>
+class DecodeStep : public detail::StepBase<S> {
+  static_assert(std::same_as<Placement, placement::Local>,
+                "DecodeStep's split placements are defined in kvsift/step/split_step.hpp: include it");
+  using Base = detail::StepBase<S>;
+  using Base::config_;
+  using Base::part_;
+  using Base::selector_;
+
  public:
   using value_type = typename S::value_type;
   using context_type = typename S::context_type;
@@ -94,11 +172,9 @@ class DecodeStep {
   /// Plans the step for every batch of 1 .. config.max_batch rows on `ctx` (a CPU pool's thread count sizes
   /// per-thread scratch: run() refuses a larger pool). May allocate (the selector's own state).
   DecodeStep(S selector, const DecodeStepConfig& config, const Context& ctx)
-      : selector_(std::move(selector)), config_(checked(config)),
-        part_(selector_, {config.max_batch, config.q_heads, config.kv_heads, config.head_dim, config.max_seq_len}, ctx),
+      : Base(std::move(selector), config, ctx, "DecodeStep"),
         second_capacity_(selector_second_source_capacity(selector_)),
-        second_source_only_(second_capacity_ > 0 && selector_.capacity() == 0 && config.attention.window.empty()),
-        planned_threads_(workspace_threads(ctx)) {
+        second_source_only_(second_capacity_ > 0 && selector_.capacity() == 0 && config.attention.window.empty()) {
     KVSIFT_CHECK(second_capacity_ >= 0, "DecodeStep", "the selector's second_source_capacity() (= {}) is negative",
                  second_capacity_);
     // Fewer rows may split more (a CPU pool's threads, a GPU's SMs): the largest need of any batch size. The
@@ -120,29 +196,17 @@ class DecodeStep {
     workspace_bytes_ = counting.bytes();
   }
 
-  S& selector() { return selector_; }
-  const S& selector() const { return selector_; }
-  const DecodeStepConfig& config() const { return config_; }
   std::size_t workspace_bytes() const { return workspace_bytes_; }
-
-  /// Prefill of joining sequences: the selector's prepare (may allocate), with the step's attention options.
-  void prepare(PrefillInputs<T> in, const Context& ctx) {
-    in.attention = config_.attention;
-    selector_.prepare(in, ctx);
-  }
-  /// Sequences leave: the selector's release.
-  void release(std::span<const std::int32_t> slots) { selector_.release(slots); }
 
   template <class TO>
   void run(const StepInputs<T>& in, const StateView<TO>& out, std::span<std::byte> workspace, const Context& ctx) {
     constexpr const char* where = "DecodeStep::run";
-    KVSIFT_CHECK(in.q.batch > 0 && in.q.batch <= config_.max_batch, where,
-                 "in.q.batch (= {}) is outside [1, config.max_batch = {}]", in.q.batch, config_.max_batch);
+    this->check_run(where, in.q.batch, ctx);
     KVSIFT_CHECK(in.cache.batch() == in.q.batch, where, "in.cache batch (= {}) != in.q.batch (= {})",
                  in.cache.batch(), in.q.batch);
-    KVSIFT_CHECK(workspace_threads(ctx) <= planned_threads_, where,
-                 "the context has {} threads, the step was planned for {}: plan the step with the pool it runs on",
-                 workspace_threads(ctx), planned_threads_);
+    KVSIFT_CHECK(in.q_device.data == nullptr && in.device_cache.batch() == 0 && in.host_cache.batch() == 0, where,
+                 "in.q_device, in.device_cache or in.host_cache is set: they are the split placements' "
+                 "(step/split_step.hpp); the local placement attends in.cache");
     WorkspaceLayout carving(workspace, where);
     const Buffers b = layout(carving);
     if (config_.validate_indices) detail::check_device_slots(where, selector_, in.slots, in.q.batch, ctx);
@@ -150,9 +214,7 @@ class DecodeStep {
       KVSIFT_CHECK(in.k.data != nullptr && in.v.data != nullptr, where, "in.k and in.v must be given together");
       write_step_kv(in.cache, in.k, in.v, ctx);
     }
-    const detail::SelectorStepInputs<T> selector_inputs{.q = in.q, .cache = in.cache, .slots = in.slots,
-                                                        .k_pre_rope = in.k_pre_rope, .attention = config_.attention,
-                                                        .layer = in.layer};
+    const detail::SelectorStepInputs<T> selector_inputs = this->selector_inputs(in);
     part_.run(selector_, selector_inputs, b.selector, ctx);
     const SelectionView selection = part_.selection(b.selector, in.q.batch);
     if constexpr (HasSecondSource<S>) {
@@ -209,13 +271,6 @@ class DecodeStep {
     merge_states(std::span<const StateView<const float>>(merged), out, ctx);
   }
 
-  static const DecodeStepConfig& checked(const DecodeStepConfig& config) {
-    constexpr const char* where = "DecodeStep";
-    KVSIFT_CHECK(config.max_batch > 0, where, "config.max_batch (= {}) must be positive", config.max_batch);
-    KVSIFT_CHECK(config.max_seq_len > 0, where, "config.max_seq_len (= {}) must be positive", config.max_seq_len);
-    validate(config.attention.window, where, "config.attention.window");
-    return config;
-  }
   /// The second source is attended whole: the step's scale, no window.
   AttentionOptions second_attention() const { return {.sm_scale = config_.attention.sm_scale}; }
 
@@ -249,12 +304,8 @@ class DecodeStep {
     return b;
   }
 
-  S selector_;
-  DecodeStepConfig config_;
-  detail::SelectorPart<S> part_;
   std::int32_t second_capacity_;
   bool second_source_only_;  ///< no primary entries and no window: the second source alone, into `out`
-  std::int32_t planned_threads_;
   std::size_t decode_bytes_ = 0;
   std::size_t workspace_bytes_ = 0;
 };

@@ -23,21 +23,42 @@
 /// returns. It does not wait for the GPU, except that before overwriting the pinned CPU state it waits for
 /// the previous step's copy of it (normally long finished).
 ///
-/// Ownership and cost: the decoder owns every buffer it needs (device, pinned), allocated once in the
-/// constructor; decode() allocates nothing (except with config.validate_indices, which checks the selection
-/// on the host with a bitmap). Outputs: O [batch, q_heads, head_dim] in T and LSE [batch, q_heads] (natural
-/// log), device memory. Thread safety: one decoder serves one thread at a time.
+/// Memory: the caller's SplitWorkspace of workspace_bytes() (a device block and a pinned host block, 256-byte
+/// aligned, contents irrelevant: every call writes what it reads, the window's empty counts included). The stream
+/// reads the host block until it passes the merge; the next decode() waits for that copy before writing the block
+/// again, so the same workspace serves consecutive steps. The constructor plans and creates one event; decode()
+/// allocates nothing (except with config.validate_indices, which checks the selection on the host with a bitmap).
+/// Outputs: O [batch, q_heads, head_dim] in T and LSE [batch, q_heads] (natural log), device memory.
+/// Thread safety: one decoder serves one thread at a time.
 
+#include <cstddef>
 #include <cstdint>
-#include <memory>
+#include <span>
 
 #include <cuda_runtime_api.h>
 
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/views.hpp"
+#include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 #include "kvsift/cuda/pinned_host.hpp"
+
+namespace kvsift {
+
+/// The caller-owned memory of work on both sides of PCIe (cuda::HybridDecoder, the split placements of DecodeStep):
+/// `device` in device memory, `host` in pinned host memory (cudaMallocHost or cudaHostRegister: copies read and
+/// write it asynchronously), each 256-byte aligned and at least its planned bytes.
+struct SplitWorkspace {
+  std::span<std::byte> device{};
+  std::span<std::byte> host{};
+};
+struct SplitWorkspaceBytes {
+  std::size_t device = 0;
+  std::size_t host = 0;
+};
+
+}  // namespace kvsift
 
 namespace kvsift::cuda {
 
@@ -67,28 +88,37 @@ class HybridDecoder {
   HybridDecoder(const HybridDecoder&) = delete;
   HybridDecoder& operator=(const HybridDecoder&) = delete;
 
+  /// The workspace decode() carves (shapes only, fixed at construction).
+  SplitWorkspaceBytes workspace_bytes() const;
+
   /// One decode step (see above). q_device and q_host hold the same queries [batch, q_heads, head_dim]
   /// (device and host memory). DeviceKV and HostKV: ContiguousKVView<const T> or PagedKVView<const T>.
   template <class DeviceKV, class HostKV>
   void decode(const QueryView<const T>& q_device, const QueryView<const T>& q_host, const DeviceKV& device_kv,
-              const HostKV& host_kv, const SelectionView& selection, const StateView<T>& out, cudaStream_t stream);
+              const HostKV& host_kv, const SelectionView& selection, const StateView<T>& out,
+              const SplitWorkspace& workspace, cudaStream_t stream);
 
   const HybridDecoderConfig& config() const { return config_; }
   const HybridStepTimes& last_step_times() const { return times_; }
 
  private:
   struct Buffers;
+  /// The one layout behind workspace_bytes() (counting) and decode() (carving).
+  Buffers layout(WorkspaceLayout& device, WorkspaceLayout& host) const;
+
   HybridDecoderConfig config_;
   cpu::ThreadPool* pool_;
-  std::unique_ptr<Buffers> buffers_;
+  std::size_t decode_bytes_ = 0, cpu_decode_bytes_ = 0;
+  SplitWorkspaceBytes workspace_bytes_;
+  HostBlockFence copied_;  ///< the last copy of the CPU state out of the host block
   HybridStepTimes times_;
-  PinnedHostCheck pinned_;  ///< host_kv's K and V, checked once per array
+  PinnedHostCheck pinned_;  ///< host_kv's K and V and the workspace's host block, checked once per array
 };
 
 #define KVSIFT_DECLARE_HYBRID_DECODE(T, DeviceKV, HostKV)                                                         \
   extern template void HybridDecoder<T>::decode<DeviceKV, HostKV>(                                               \
       const QueryView<const T>&, const QueryView<const T>&, const DeviceKV&, const HostKV&, const SelectionView&, \
-      const StateView<T>&, cudaStream_t);
+      const StateView<T>&, const SplitWorkspace&, cudaStream_t);
 #define KVSIFT_DECLARE_HYBRID(T)                                                                                  \
   extern template class HybridDecoder<T>;                                                                        \
   KVSIFT_DECLARE_HYBRID_DECODE(T, ContiguousKVView<const T>, ContiguousKVView<const T>)                          \

@@ -1,8 +1,8 @@
 #pragma once
-/// The selector's part of a decode step, written once for every placement (DecodeStep on the GPU or the CPU,
-/// HybridDecodeStep): its workspace (lengths, the selection with its log-weights when the selector writes them,
-/// the selector's append and select scratch), planned once for every batch up to max_batch, and the sequence
-/// lengths -> append -> select, so that a selector is driven identically wherever the attention runs.
+/// The selector's part of a decode step, written once for every placement of DecodeStep (step/placement.hpp): its
+/// workspace (lengths, the selection with its log-weights when the selector writes them, the selector's append and
+/// select scratch), planned once for every batch up to max_batch, and the sequence lengths -> append -> select, so
+/// that a selector is driven identically wherever the attention runs.
 /// Include the context's backend header (cpu/backend.hpp, cuda/backend.hpp) before using it.
 
 #include <algorithm>
@@ -92,14 +92,21 @@ class SelectorPart {
   /// lengths[b] = cache.seq_len(b), once, for the selector; then its append (the index learns the step's token)
   /// and its select (the middle tokens, into the buffers' selection of in.q.batch rows).
   void run(S& selector, const SelectorStepInputs<T>& in, const Buffers& b, const Context& ctx) const {
+    append(selector, in, b, ctx);
+    selector.select(select_inputs(in, b), selection(b, in.q.batch), b.select, ctx);
+  }
+  /// The lengths and the append alone: a placement that runs the select in stages (a host stage) goes on from here.
+  void append(S& selector, const SelectorStepInputs<T>& in, const Buffers& b, const Context& ctx) const {
     sequence_lengths(in.cache, b.lengths, ctx);
     selector.append({.cache = in.cache, .slots = in.slots, .lengths = b.lengths, .k_pre_rope = in.k_pre_rope,
                      .layer = in.layer},
                     b.append, ctx);
-    // max_seq_len: the bound the select scratch was sized with (SelectShape::max_seq_len).
-    selector.select({.q = in.q, .cache = in.cache, .slots = in.slots, .lengths = b.lengths,
-                     .attention = in.attention, .layer = in.layer, .max_seq_len = max_seq_len_},
-                    selection(b, in.q.batch), b.select, ctx);
+  }
+  /// The select's inputs over the part's lengths; max_seq_len is the bound the scratch was sized with
+  /// (SelectShape::max_seq_len).
+  SelectInputs<T> select_inputs(const SelectorStepInputs<T>& in, const Buffers& b) const {
+    return {.q = in.q, .cache = in.cache, .slots = in.slots, .lengths = b.lengths, .attention = in.attention,
+            .layer = in.layer, .max_seq_len = max_seq_len_};
   }
 
  private:
@@ -108,8 +115,18 @@ class SelectorPart {
   std::size_t append_bytes_ = 0, select_bytes_ = 0;
 };
 
-/// A step's slots, in host memory, against the selector's life cycle (selector_slot_prepared): for the placements
-/// whose selector runs on the device while the step holds the slots on the host (CtkvrHybridStep).
+/// A step's run of `batch` rows (named `batch_name`) against its plan: within [1, max_batch], on a context of no more
+/// threads than the one planned (a CPU pool's thread count sizes per-thread scratch).
+inline void check_planned_run(const char* where, const char* batch_name, std::int32_t batch, std::int32_t max_batch,
+                              std::int32_t threads, std::int32_t planned_threads) {
+  KVSIFT_CHECK(batch > 0 && batch <= max_batch, where, "{} (= {}) is outside [1, config.max_batch = {}]", batch_name,
+               batch, max_batch);
+  KVSIFT_CHECK(threads <= planned_threads, where,
+               "the context has {} threads, the step was planned for {}: plan the step with the pool it runs on",
+               threads, planned_threads);
+}
+
+/// A step's slots, in host memory, against the selector's life cycle (selector_slot_prepared).
 template <KVSelector S>
 void check_slots_prepared(const char* where, const S& selector, std::span<const std::int32_t> host_slots) {
   for (std::size_t b = 0; b < host_slots.size(); ++b) {

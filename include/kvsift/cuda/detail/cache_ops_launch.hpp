@@ -18,6 +18,9 @@ template <class T>
 cudaError_t launch_write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const HeadsView<const T>& v,
                                  cudaStream_t stream);
 
+cudaError_t launch_identity_indices(std::int32_t* indices, std::int64_t rows, std::int32_t capacity,
+                                   cudaStream_t stream);
+
 /// cuda::first_nonfinite_key after its checks: key memset, scan over `multiprocessors` SMs' worth of CTAs, decode.
 template <class T>
 cudaError_t launch_first_nonfinite_key(const KVCache<const T>& cache, const std::int32_t* lengths, std::int32_t* out,

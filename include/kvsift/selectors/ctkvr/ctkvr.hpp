@@ -30,6 +30,7 @@
 #include "kvsift/selectors/ctkvr/query_centroids.hpp"
 #include "kvsift/core/ranking.hpp"
 #include "kvsift/core/workspace.hpp"
+#include "kvsift/cpu/context.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
 #include "kvsift/selectors/selector.hpp"
 
@@ -71,8 +72,9 @@ inline GroupScoreOptions ctkvr_rerank_options(const AttentionOptions& attention)
 
 /// CTKVR's rerank, the stage without index state: the exact softmax over each row's candidates (max over the
 /// group), the budget's best back to token ids, and, for the dynamic update, the top rho as the query's new
-/// list. Ctkvr::select runs it in the index's context; the paper's hybrid (selectors/ctkvr/hybrid_step.hpp) runs it on
-/// the CPU over the host cache while the index stays on the GPU. The config is the checked one of a Ctkvr.
+/// list. Ctkvr::select runs it in the index's context; the paper's hybrid runs it on the CPU over the host cache
+/// while the index stays on the GPU (Ctkvr::host_stage in DecodeStep<Ctkvr<T, cuda::Context>,
+/// placement::MiddleOnCpu>, step/split_step.hpp). The config is the checked one of a Ctkvr.
 template <class T, class Context>
 class CtkvrRerank {
   static_assert(BackendIncluded<Context>, "CtkvrRerank<T, Context>: include kvsift/cpu/backend.hpp or "
@@ -272,6 +274,12 @@ class Ctkvr {
     WorkspaceLayout carving(workspace, where);
     recall_into(in, candidates, layout_recall(carving, in.q.batch, ctx), ctx);
   }
+
+  /// The host stage (selectors/selector.hpp HasHostStage): the rerank of recall's candidates over a host cache, on
+  /// the CPU, with this selector's limits and configuration.
+  CtkvrRerank<T, cpu::Context> host_stage() const { return {limits_, config_}; }
+  /// Entries per (sequence, kv head) of the dynamic update's new list; 0 without the update.
+  std::int32_t update_capacity() const { return config_.dynamic_update ? config_.list_size : 0; }
 
   /// Select's last stage, alone: each row's query q becomes a centroid (FIFO over the columns) whose list is
   /// entries' row [batch, kv_heads, list_size] (the rerank's top rho). `replaced` [batch * kv_heads] is scratch in

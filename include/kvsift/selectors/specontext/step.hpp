@@ -202,11 +202,7 @@ class SpeContextStep {
   };
 
   void check_batch(const char* where, std::int32_t batch, const Context& ctx) const {
-    KVSIFT_CHECK(batch > 0 && batch <= config_.max_batch, where, "batch (= {}) is outside [1, config.max_batch = {}]",
-                 batch, config_.max_batch);
-    KVSIFT_CHECK(workspace_threads(ctx) <= planned_threads_, where,
-                 "the context has {} threads, the step was planned for {}: plan the step with the pool it runs on",
-                 workspace_threads(ctx), planned_threads_);
+    detail::check_planned_run(where, "batch", batch, config_.max_batch, workspace_threads(ctx), planned_threads_);
   }
 
   void check_layer_inputs(const char* where, const SpeContextLayerInputs<T>& in, const Context& ctx) const {

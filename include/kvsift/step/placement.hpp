@@ -1,0 +1,39 @@
+#pragma once
+/// Where a decode step's parts run: the second template argument of DecodeStep<S, Placement>
+/// (step/decode_step.hpp). A step has three parts: the selection (the selector's append and select), the attention
+/// of the selected middle, and the attention of the sink + recent window, merged with the middle's by LSE. The
+/// selection always runs on the selector's context (cpu::Context or cuda::Context); the placement says where the
+/// two attentions run and where the KV rows they read live:
+///
+/// | placement   | selector | window | middle                                             | header              |
+/// |-------------|----------|--------|----------------------------------------------------|---------------------|
+/// | Local       | GPU      | GPU    | GPU, from the device cache (one launch with the window) | step/decode_step.hpp |
+/// | Local       | CPU      | CPU    | CPU, from the host cache (one call with the window)     | step/decode_step.hpp |
+/// | MiddleOnCpu | CPU      | GPU    | CPU, from the pinned host cache it selected over    | step/split_step.hpp |
+/// | MiddleOnCpu | GPU      | GPU    | CPU, from a pinned host cache; the selection copied to the host | step/split_step.hpp |
+/// | MiddleOnGpu | CPU      | GPU    | GPU, its rows gathered over PCIe from the pinned host cache | step/split_step.hpp |
+///
+/// (A GPU selector's middle attended on the GPU is the local placement.) The split placements merge the two fp32
+/// partials on the GPU and take a SplitWorkspace (a device and a pinned host block) and a SplitContext (a stream and
+/// a CPU pool).
+
+#include <concepts>
+
+#include "kvsift/core/validate.hpp"
+
+namespace kvsift::placement {
+
+/// Selection and attention on the selector's context: one stream (graph-capturable) or one thread pool.
+struct Local {};
+/// The selected middle attended on the CPU from pinned host KV, the window on the GPU, merged on the GPU.
+struct MiddleOnCpu {};
+/// A CPU selector's selection copied to the GPU, its rows gathered from pinned host KV and attended on the GPU
+/// with the window.
+struct MiddleOnGpu {};
+
+/// Whether placement P takes a selector on `Context` (MiddleOnGpu: CPU selectors only).
+template <class P, class Context>
+concept Fits = std::same_as<P, Local> || std::same_as<P, MiddleOnCpu> ||
+               (std::same_as<P, MiddleOnGpu> && Context::memory == MemorySpace::host);
+
+}  // namespace kvsift::placement
