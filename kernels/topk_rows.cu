@@ -1,6 +1,8 @@
-// CUDA top-K into selection rows (cuda/topk.hpp): the select kernel, one thread-block cluster per score row,
-// and the union kernel of heads_per_row > 1 (detail/topk_kernels.cuh).
+// CUDA top-K into selection rows (cuda/topk.hpp): one thread-block cluster per score row, the held kernel
+// (detail/topk_held_kernels.cuh) where a row fits the cluster's registers, else the slice kernel, then the union
+// kernel of heads_per_row > 1 (detail/topk_kernels.cuh).
 #include "kvsift/cuda/detail/launch.cuh"
+#include "kvsift/cuda/detail/topk_held_kernels.cuh"
 #include "kvsift/cuda/detail/topk_kernels.cuh"
 
 namespace kvsift::cuda::detail {
@@ -8,6 +10,46 @@ namespace {
 
 constexpr auto kSelectKernel = topk_rows_select<kTopKRowsThreads>;
 constexpr auto kUnionKernel = topk_rows_union<kTopKUnionThreads>;
+
+/// The held kernel of kTopKHeldShapes[I], launched for p.
+template <std::size_t I>
+cudaError_t launch_held(const TopKRowsParams& p, cudaStream_t stream) {
+  constexpr auto kernel = topk_rows_held<kTopKHeldShapes[I].threads, kTopKHeldShapes[I].items>;
+  if (cudaError_t s = open_shared_memory<kernel>(); s != cudaSuccess) return s;
+  if (p.launch.cluster > kTopKMaxPortableCluster) {
+    if (cudaError_t s = allow_nonportable_clusters<kernel>(); s != cudaSuccess) return s;
+  }
+  return launch(kernel,
+                {.grid = dim3(unsigned(p.scores.rows * p.launch.cluster)),
+                 .block = dim3(unsigned(kTopKHeldShapes[I].threads)),
+                 .smem = topk_held_smem_bytes(),
+                 .stream = stream,
+                 .cluster = p.launch.cluster},
+                p);
+}
+
+cudaError_t launch_select(const TopKRowsParams& p, cudaStream_t stream) {
+  switch (p.launch.held) {
+    case 1:
+      return launch_held<0>(p, stream);
+    case 2:
+      return launch_held<1>(p, stream);
+    case 3:
+      return launch_held<2>(p, stream);
+    default:
+      break;
+  }
+  static_assert(kTopKHeldShapes.size() == 3, "one case per held shape");
+  if (cudaError_t s = open_shared_memory<kSelectKernel>(); s != cudaSuccess) return s;
+  if (p.launch.cluster > kTopKMaxPortableCluster) {
+    if (cudaError_t s = allow_nonportable_clusters<kSelectKernel>(); s != cudaSuccess) return s;
+  }
+  return launch(kSelectKernel,
+                {.grid = dim3(unsigned(p.scores.rows * p.launch.cluster)), .block = dim3(kTopKRowsThreads),
+                 .smem = topk_rows_select_smem_bytes(p.launch.smem_words), .stream = stream,
+                 .cluster = p.launch.cluster},
+                p);
+}
 
 }  // namespace
 
@@ -46,18 +88,7 @@ cudaError_t topk_rows_cluster_capacity(TopKClusterCapacity* capacity) {
 }
 
 cudaError_t launch_topk_rows(const TopKRowsParams& p, cudaStream_t stream) {
-  if (cudaError_t s = open_shared_memory<kSelectKernel>(); s != cudaSuccess) return s;
-  if (p.launch.cluster > kTopKMaxPortableCluster) {
-    if (cudaError_t s = allow_nonportable_clusters<kSelectKernel>(); s != cudaSuccess) return s;
-  }
-  if (cudaError_t s = launch(kSelectKernel,
-                             {.grid = dim3(unsigned(p.scores.rows * p.launch.cluster)), .block = dim3(kTopKRowsThreads),
-                              .smem = topk_rows_select_smem_bytes(p.launch.smem_words), .stream = stream,
-                              .cluster = p.launch.cluster},
-                             p);
-      s != cudaSuccess) {
-    return s;
-  }
+  if (cudaError_t s = launch_select(p, stream); s != cudaSuccess) return s;
   if (p.heads_per_row == 1) return cudaSuccess;
   const std::size_t union_smem = p.union_bits != nullptr ? 0 : std::size_t(p.union_words) * sizeof(std::uint32_t);
   kUnionKernel<<<unsigned(p.scores.rows / p.heads_per_row), kTopKUnionThreads, union_smem, stream>>>(p);

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "cuda/gpu_test.hpp"
@@ -342,28 +343,35 @@ TEST(CudaTopKPlan, ClustersFillTheGpuInOneWave) {
   using cuda::detail::plan_topk_rows;
   // An H100-like capacity (132 SMs, one select CTA per SM; clusters stay inside a GPC): 30 clusters of 4 at once.
   const cuda::detail::TopKClusterCapacity h100{0, 66, 30, 16, 7}, portable{0, 66, 30, 16, 0}, none{};
+  // (cluster, held shape, slice words): held 1, 2, 3 are 512 x 4, 1024 x 8 and 1024 x 16 words in registers.
   const auto plan = [](std::int64_t rows, std::int32_t n, const cuda::detail::TopKClusterCapacity& capacity) {
     const auto launch = plan_topk_rows(rows, n, 132, capacity, 32768);
-    return std::pair{launch.cluster, launch.smem_words};
+    return std::tuple{launch.cluster, launch.held, launch.smem_words};
   };
-  EXPECT_EQ(plan(1, 131072, h100), std::pair(16, 8192));    // one row: 16 SMs, 32 KiB each
-  EXPECT_EQ(plan(8, 131072, h100), std::pair(8, 16384));    // 8 rows: 16-CTA clusters would not all fit at once
-  EXPECT_EQ(plan(4, 131072, h100), std::pair(16, 8192));
-  EXPECT_EQ(plan(1, 131072, portable), std::pair(8, 16384));  // portable clusters only
-  // 32 rows: clusters of 4, though not all fit at once (faster than 2 CTAs of 65,536 scores, half from L2).
-  EXPECT_EQ(plan(32, 131072, h100), std::pair(4, 32768));
-  EXPECT_EQ(plan(64, 131072, h100), std::pair(2, 32768));   // 65,536 scores per CTA: the rest from L2
-  EXPECT_EQ(plan(1, 8192, h100), std::pair(4, 2048));       // short rows keep 2048 scores per CTA
-  EXPECT_EQ(plan(1, 3000, h100), std::pair(1, 3000));
-  EXPECT_EQ(plan(700, 3000, h100), std::pair(1, 3000));     // more rows than SMs
-  EXPECT_EQ(plan(1, 131072, none), std::pair(1, 32768));    // no clusters (sm_80): one CTA, the rest from L2
+  // The held kernel where a row fits a cluster's registers with at most half the SMs busy.
+  EXPECT_EQ(plan(1, 131072, h100), std::tuple(16, 2, 0));   // one row: 16 CTAs of 8192 words
+  EXPECT_EQ(plan(4, 131072, h100), std::tuple(16, 2, 0));
+  EXPECT_EQ(plan(8, 131072, h100), std::tuple(8, 3, 0));    // 8 rows: 16-CTA clusters would not all fit at once
+  EXPECT_EQ(plan(1, 131072, portable), std::tuple(8, 3, 0));  // portable clusters only
+  EXPECT_EQ(plan(1, 8192, h100), std::tuple(4, 1, 0));
+  EXPECT_EQ(plan(8, 8192, h100), std::tuple(4, 1, 0));      // Quest's pages at 128K, batch 1
+  EXPECT_EQ(plan(1, 3000, h100), std::tuple(2, 1, 0));
+  EXPECT_EQ(plan(64, 8192, h100), std::tuple(1, 2, 0));
+  EXPECT_EQ(plan(1, 16384, none), std::tuple(1, 3, 0));     // no clusters (sm_80): one CTA's registers
+  // Else the slice kernel. 32 rows: clusters of 4, though not all fit at once (faster than 2 CTAs of 65,536
+  // scores, half from L2).
+  EXPECT_EQ(plan(32, 131072, h100), std::tuple(4, 0, 32768));
+  EXPECT_EQ(plan(64, 131072, h100), std::tuple(2, 0, 32768));   // 65,536 scores per CTA: the rest from L2
+  EXPECT_EQ(plan(700, 3000, h100), std::tuple(1, 0, 3000));     // more rows than SMs
+  EXPECT_EQ(plan(1, 1 << 21, h100), std::tuple(16, 0, 32768));  // past 16 x 16384 words
+  EXPECT_EQ(plan(1, 131072, none), std::tuple(1, 0, 32768));    // no clusters: one CTA, the rest from L2
   EXPECT_EQ(cuda::detail::topk_union_words(64), 3);          // a middle [lo, hi) spans at most 64/32 + 1 words
   // Shared memory per block: 227 KiB (H100) allows the 176 KiB slice, 99 KiB (sm_89) less; a short limit
   // sends the rest of the slices to L2.
   EXPECT_EQ(cuda::detail::topk_rows_smem_limit_words(227 * 1024), cuda::detail::kTopKMaxSmemWords);
   EXPECT_EQ(cuda::detail::topk_rows_smem_limit_words(99 * 1024), (99 * 1024 - cuda::detail::kTopKStaticSmemBytes) / 4);
-  EXPECT_EQ(plan_topk_rows(8, 131072, 132, portable, 16000).smem_words, 16000);
-  EXPECT_EQ(plan_topk_rows(8, 131072, 132, portable, 16000).smem_limit_words, 16000);
+  EXPECT_EQ(plan_topk_rows(64, 131072, 132, portable, 16000).smem_words, 16000);
+  EXPECT_EQ(plan_topk_rows(64, 131072, 132, portable, 16000).smem_limit_words, 16000);
 }
 
 TEST(CudaTopKBadInput, RefusedBeforeAnyDeviceCall) {

@@ -1,5 +1,6 @@
 #pragma once
-/// Kernels of cuda::topk_rows: one thread-block cluster per score row finds
+/// The slice kernel of cuda::topk_rows (the held kernel, detail/topk_held_kernels.cuh, serves rows that fit a
+/// cluster's registers): one thread-block cluster per score row finds
 /// the threshold with LaneHistogramSelect and writes the chosen indices with BlockRadixSelect::emit over the
 /// row's middle, its CTAs each holding a contiguous slice; a second kernel unites the rows of a GQA group
 /// (heads_per_row > 1). Launched by kernels/topk_rows.cu.

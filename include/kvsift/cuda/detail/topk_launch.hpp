@@ -55,24 +55,53 @@ inline constexpr std::int32_t kTopKMaxPortableCluster = 8;
 /// against 94 µs, H100, 2026-11-27), so plan_topk_rows requires all clusters at once only for 16.
 using TopKClusterCapacity = std::array<int, 5>;
 
+/// The held kernel's CTA shapes (detail/topk_held_kernels.cuh): threads x rank words each holds in registers,
+/// smallest first. TopKRowsLaunch::held = i + 1 names kTopKHeldShapes[i].
+struct TopKHeldShape {
+  int threads, items;
+};
+inline constexpr std::array<TopKHeldShape, 3> kTopKHeldShapes{{{512, 4}, {1024, 8}, {1024, 16}}};
+
 struct TopKRowsLaunch {
   std::int32_t cluster = 1;           ///< CTAs per score row, a power of two <= 16
-  std::int32_t smem_words = 0;        ///< leading rank words of a CTA's slice in shared memory (the rest: L2)
-  std::int32_t smem_limit_words = 0;  ///< the GPU's limit (the kernel's attribute, never lowered)
+  std::int32_t held = 0;              ///< 0: the slice kernel; i > 0: the held kernel of kTopKHeldShapes[i - 1]
+  std::int32_t smem_words = 0;        ///< slice kernel: leading rank words of a CTA's slice in shared memory
+  std::int32_t smem_limit_words = 0;  ///< the GPU's limit (the slice kernel's attribute, never lowered)
 };
 
-/// The launch shape: score rows (each a cluster of `cluster` CTAs) on `sms` SMs. The cluster grows (powers
-/// of two) while the grid's CTAs are at most the SMs, the GPU has clusters of that size (16: holds all of
-/// them at once; see TopKClusterCapacity), and each slice keeps kTopKMinSliceWords scores. Up to
-/// smem_limit_words (topk_rows_smem_limit_words) of each slice go to shared memory.
+/// Whether the GPU places clusters of 2^log2 CTAs for `score_rows` rows (see TopKClusterCapacity: portable sizes
+/// where it holds any, 16 where it holds them all at once).
+inline bool topk_clusters_placed(int log2, std::int64_t score_rows, const TopKClusterCapacity& capacity) {
+  if (log2 == 0) return true;
+  const int held = capacity[std::size_t(log2)];
+  return (std::int32_t(1) << log2) <= kTopKMaxPortableCluster ? held > 0 : score_rows <= held;
+}
+
+/// The launch shape: score rows on `sms` SMs. The held kernel where a row fits a cluster's registers: the smallest
+/// CTA shape of kTopKHeldShapes whose cluster (a power of two of at most 16 the GPU places) holds max_tokens words,
+/// with at most half the SMs busy (measured faster than the slice kernel at 1 and 8 rows of 131072 and 8 rows of
+/// 8192; more rows keep the slice kernel). Else the slice kernel: the cluster grows (powers of two) while the
+/// grid's CTAs are at most the SMs, the GPU places clusters of that size, and each slice keeps kTopKMinSliceWords
+/// scores; up to smem_limit_words (topk_rows_smem_limit_words) of each slice go to shared memory.
 inline TopKRowsLaunch plan_topk_rows(std::int64_t score_rows, std::int32_t max_tokens, int sms,
                                      const TopKClusterCapacity& capacity, std::int32_t smem_limit_words) {
   TopKRowsLaunch launch;
   launch.smem_limit_words = smem_limit_words;
+  for (std::size_t i = 0; i < kTopKHeldShapes.size(); ++i) {
+    const std::int64_t tile = std::int64_t(kTopKHeldShapes[i].threads) * kTopKHeldShapes[i].items;
+    int log2 = 0;
+    while (log2 < 4 && (tile << log2) < max_tokens) ++log2;
+    if ((tile << log2) < max_tokens || !topk_clusters_placed(log2, score_rows, capacity) ||
+        score_rows * (std::int64_t(1) << log2) > sms / 2) {
+      continue;
+    }
+    launch.cluster = std::int32_t(1) << log2;
+    launch.held = std::int32_t(i) + 1;
+    return launch;
+  }
   for (int log2 = 1; log2 < int(capacity.size()); ++log2) {
     const std::int32_t next = std::int32_t(1) << log2;
-    const int held = capacity[std::size_t(log2)];
-    const bool fits = (next <= kTopKMaxPortableCluster ? held > 0 : score_rows <= held) && score_rows * next <= sms &&
+    const bool fits = topk_clusters_placed(log2, score_rows, capacity) && score_rows * next <= sms &&
                       (max_tokens + next - 1) / next >= kTopKMinSliceWords;
     if (!fits) break;
     launch.cluster = next;

@@ -1,0 +1,467 @@
+#pragma once
+/// topk_rows' held kernel (kernels/topk_rows.cu): for rows whose middle fits a cluster's registers, each CTA of the
+/// row's cluster loads its slice once (coalesced 16-byte loads where aligned) and keeps it in registers as rank
+/// words (core/ranking.hpp: smaller word, better score). Steps, with two cluster barriers in the usual case:
+///   1. an 8-bit histogram of the words' top digit per CTA; cluster barrier; every CTA reads all the cluster's
+///      histograms over distributed shared memory and finds the same threshold digit, and per CTA the counts
+///      better than and inside the threshold bin;
+///   2. when the bin holds at most kHeldCandidates items (~3K of 128K normal scores): each CTA copies its bin's
+///      words to its shared memory; cluster barrier; every CTA pulls all the lists and finishes the threshold
+///      alone (12-bit passes over the candidates, then one warp ranks the last <= 32), with only CTA barriers;
+///      else one more 8-bit cluster pass per digit, until the bin is small or the word is whole;
+///   3. emit: a block scan of (better, tied) counts per thread places every chosen index in ascending order, ties
+///      at the threshold to the smaller index: the same set and order as BlockRadixSelect (detail/block_select.cuh)
+///      and cpu::topk_rows.
+/// Measured on the H200 against the slice kernel (topk_kernels.cuh), k = 2048 of 131072: 13.4 against 19.7 µs
+/// for 1 row, 17.1 against 24.0 µs for 8 (docs/experiments.md#topk-cluster-prototype).
+
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kvsift/core/ranking.hpp"
+#include "kvsift/cuda/detail/topk_kernels.cuh"
+
+namespace kvsift::cuda::detail {
+
+/// Words of a CTA's threshold-bin copy (the candidates' buffer): a bin with more items takes another cluster pass.
+inline constexpr int kHeldCandidates = 6144;
+/// A word no rank_word is (NaN's is 0, -inf's 0xff800000): the padding of a CTA's registers past its slice.
+inline constexpr std::uint32_t kNoWord = 0xffffffffu;
+
+/// Dynamic shared memory of the held kernel: this CTA's bin copy, read by the cluster.
+inline constexpr std::size_t topk_held_smem_bytes() { return (kHeldCandidates + 4) * sizeof(std::uint32_t); }
+
+/// The cluster operations of the held kernel; a cluster of one CTA where clusters do not exist (before sm_90).
+struct HeldCluster {
+  int size;
+  __device__ void sync() const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (size > 1) {
+      cooperative_groups::this_cluster().sync();
+      return;
+    }
+#endif
+    __syncthreads();
+  }
+  /// This CTA is done reading the others' shared memory (wait() before exit keeps its own alive for them).
+  __device__ void arrive() const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (size > 1) asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+  }
+  __device__ void wait() const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (size > 1) asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+  }
+  template <class U>
+  __device__ const U* of_rank(const U* local, int rank) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (size > 1) return cooperative_groups::this_cluster().map_shared_rank(const_cast<U*>(local), rank);
+#endif
+    return local;
+  }
+};
+
+/// kComponents independent exclusive sums over the CTA (one warp per component), with their totals; two barriers.
+/// `buffer` holds kComponents x 32 words; consecutive calls alternate between two buffers (no trailing barrier).
+template <int kThreads, int kComponents>
+__device__ __forceinline__ void held_block_scan(const std::uint32_t (&value)[kComponents],
+                                                std::uint32_t (&exclusive)[kComponents],
+                                                std::uint32_t (&total)[kComponents], std::uint32_t* buffer) {
+  constexpr int kWarps = kThreads / 32;
+  static_assert(kComponents <= kWarps, "one warp per component");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  std::uint32_t x[kComponents];
+#pragma unroll
+  for (int m = 0; m < kComponents; ++m) {
+    x[m] = value[m];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const std::uint32_t y = __shfl_up_sync(0xffffffffu, x[m], o);
+      if (lane >= o) x[m] += y;
+    }
+  }
+  if (lane == 31) {
+#pragma unroll
+    for (int m = 0; m < kComponents; ++m) buffer[m * 32 + warp] = x[m];
+  }
+  __syncthreads();
+  if (warp < kComponents) {
+    std::uint32_t s = lane < kWarps ? buffer[warp * 32 + lane] : 0u;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const std::uint32_t y = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += y;
+    }
+    buffer[warp * 32 + lane] = s;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < kComponents; ++m) {
+    exclusive[m] = (warp > 0 ? buffer[m * 32 + warp - 1] : 0u) + x[m] - value[m];
+    total[m] = buffer[m * 32 + kWarps - 1];
+  }
+}
+
+/// Grid: score rows * cluster CTAs along x, clusters of p.launch.cluster consecutive CTAs (one per score row); the
+/// plan guarantees cluster * kThreads * kItems >= scores.cols. Dynamic shared memory: topk_held_smem_bytes().
+template <int kThreads, int kItems>
+__global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant__ TopKRowsParams p) {
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kVec = kItems < 4 ? kItems : 4;  // item (thread t, group g, q) is slice index (g * kThreads + t) * kVec + q
+  constexpr int kGroups = kItems / kVec;
+  constexpr int kMaxCluster = 16;
+  static_assert(kThreads >= 256 && kThreads % 32 == 0 && kItems % kVec == 0 && kGroups <= kWarps, "shape");
+  static_assert(kThreads * kVec < 65536, "16-bit packed counts per group");
+  __shared__ __align__(16) std::uint32_t histogram[2][256];                      // read by the cluster
+  __shared__ __align__(16) std::uint32_t bins[kMaxCluster * 256];                 // the cluster's histograms, then bins
+  __shared__ __align__(16) std::uint32_t candidates[kHeldCandidates + 4 * kMaxCluster];  // every CTA's bin copy
+  __shared__ __align__(16) std::uint32_t scan_buffer[2][(kGroups > 1 ? kGroups : 1) * 32];
+  __shared__ std::uint32_t before_bin[kMaxCluster], in_bin_of[kMaxCluster], better_of[kMaxCluster],
+      tied_of[kMaxCluster];
+  __shared__ std::uint32_t offsets[kMaxCluster + 1];
+  __shared__ std::uint32_t last_few[32];
+  __shared__ std::uint32_t decision[3];
+  __shared__ std::uint32_t cursor, few_cursor;
+  __shared__ std::uint32_t slice_has_nan;  // read by rank 0 with nan_marks_row
+  extern __shared__ __align__(16) std::uint32_t bin_copy[];  // this CTA's bin, read by the cluster
+
+  const HeldCluster cluster{p.launch.cluster};
+  const int size = p.launch.cluster;
+  const int rank = int(blockIdx.x % size);  // clusters tile x
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const std::int64_t score_row = blockIdx.x / size;
+  const TopKRowJob job = TopKRowJob::of(p, score_row);
+  const bool grouped = p.heads_per_row > 1;
+  std::int32_t* const count_out = grouped ? nullptr : p.out.counts + job.selection_row;
+  // Everything below up to the first cluster barrier depends on the score row alone: each cluster takes the same
+  // branches.
+  if (!job.valid) {
+    if (rank == 0 && tid == 0 && count_out != nullptr) *count_out = -1;
+    return;
+  }
+  if (rank == 0 && tid == 0 && count_out != nullptr && (!p.nan_marks_row || job.picks == 0)) *count_out = job.picks;
+  if (job.picks == 0) return;
+  std::int32_t* const indices = grouped ? p.picks + score_row * p.k : p.out.indices + job.selection_row * p.out.capacity;
+  float* const weights =
+      grouped || p.out.log_weights == nullptr ? nullptr : p.out.log_weights + job.selection_row * p.out.capacity;
+  const std::int32_t middle = job.hi - job.lo;
+  if (job.picks == middle && !p.nan_marks_row) {  // the whole middle, nothing to rank
+    for (std::int32_t i = rank * kThreads + tid; i < middle; i += size * kThreads) {
+      indices[i] = job.lo + i;
+      if (weights != nullptr) weights[i] = 0.0f;
+    }
+    return;
+  }
+  const std::int32_t slice = ((middle + size - 1) / size + 3) & ~3;
+  const std::int32_t begin = min(middle, rank * slice);
+  const std::int32_t count = min(middle, begin + slice) - begin;
+  const float* const scores = p.scores.row(score_row) + job.lo + begin;
+
+  // Load: each warp instruction reads consecutive 16-byte vectors (coalesced); kNoWord past the slice.
+  std::uint32_t word[kItems];
+  const auto load_scalar = [&] {
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      const int i = (g * kThreads + tid) * kVec;
+#pragma unroll
+      for (int q = 0; q < kVec; ++q) word[kVec * g + q] = i + q < count ? rank_word(__ldg(scores + i + q)) : kNoWord;
+    }
+  };
+  if constexpr (kVec != 4) {
+    load_scalar();
+  } else if ((reinterpret_cast<std::uintptr_t>(scores) & 15) != 0) {
+    load_scalar();
+  } else {
+    float4 f[kGroups];
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      const int i = (g * kThreads + tid) * kVec;
+      f[g] = i + 4 <= count ? __ldg(reinterpret_cast<const float4*>(scores + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      const int i = (g * kThreads + tid) * kVec;
+      if (i + 4 <= count) {
+        word[kVec * g + 0] = rank_word(f[g].x);
+        word[kVec * g + 1] = rank_word(f[g].y);
+        word[kVec * g + 2] = rank_word(f[g].z);
+        word[kVec * g + 3] = rank_word(f[g].w);
+      } else {
+#pragma unroll
+        for (int q = 0; q < kVec; ++q) word[kVec * g + q] = i + q < count ? rank_word(__ldg(scores + i + q)) : kNoWord;
+      }
+    }
+  }
+  for (int i = tid; i < 512; i += kThreads) (&histogram[0][0])[i] = 0;
+  if (tid == 0) {
+    cursor = 0;
+    few_cursor = 0;
+  }
+  if (p.nan_marks_row) {
+    // NaN's word is 0; written before the first cluster barrier, read by rank 0 after it.
+    bool nan = false;
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) nan = nan || word[j] == 0u;
+    const bool any = __syncthreads_or(nan) != 0;
+    if (tid == 0) slice_has_nan = any ? 1u : 0u;
+  } else {
+    __syncthreads();
+  }
+
+  int scan_turn = 0;
+  std::uint32_t prefix = 0, mask = 0, remaining = std::uint32_t(job.picks), in_bin = 0;
+  int bits = 0, pass = 0;
+  bool gathered = false;
+  // ---- cluster passes: 8-bit digits, one cluster barrier each
+  for (;;) {
+    const int shift = 24 - bits;
+    std::uint32_t* const h = histogram[pass & 1];
+    if (pass >= 2) {
+      if (tid < 256) h[tid] = 0;
+      __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      if (word[j] != kNoWord && (word[j] & mask) == prefix) atomicAdd(&h[(word[j] >> shift) & 255u], 1u);
+    }
+    cluster.sync();  // every CTA's histogram of this pass is complete
+    if (pass == 0 && p.nan_marks_row && rank == 0 && tid == 0 && count_out != nullptr) {
+      std::uint32_t nan = 0;
+      for (int q = 0; q < size; ++q) nan |= *cluster.of_rank(&slice_has_nan, q);
+      *count_out = nan != 0 ? -1 : job.picks;
+    }
+    for (int t = tid; t < size * 64; t += kThreads) {  // all-gather, 16-byte remote loads
+      const int q = t >> 6, v = t & 63;
+      reinterpret_cast<uint4*>(bins)[t] = reinterpret_cast<const uint4*>(cluster.of_rank(&h[0], q))[v];
+    }
+    __syncthreads();
+    std::uint32_t c[1] = {0u}, exclusive[1], total[1];
+    if (tid < 256) {
+      for (int q = 0; q < size; ++q) c[0] += bins[q * 256 + tid];
+    }
+    held_block_scan<kThreads, 1>(c, exclusive, total, scan_buffer[scan_turn]);
+    scan_turn ^= 1;
+    if (tid < 256 && exclusive[0] < remaining && remaining <= exclusive[0] + c[0]) {
+      decision[0] = tid;
+      decision[1] = exclusive[0];
+      decision[2] = c[0];
+    }
+    __syncthreads();
+    const std::uint32_t digit = decision[0], before = decision[1];
+    in_bin = decision[2];
+    for (int q = warp; q < size; q += kWarps) {
+      std::uint32_t s = 0;
+      for (std::uint32_t b = lane; b < digit; b += 32) s += bins[q * 256 + b];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (lane == 0) {
+        before_bin[q] = (pass > 0 ? before_bin[q] : 0u) + s;
+        in_bin_of[q] = bins[q * 256 + digit];
+      }
+    }
+    __syncthreads();
+    prefix |= digit << shift;
+    mask |= 255u << shift;
+    remaining -= before;
+    bits += 8;
+    ++pass;
+    if (in_bin == remaining || bits == 32) break;  // threshold found without candidates
+    if (in_bin <= std::uint32_t(kHeldCandidates)) {
+      gathered = true;
+      break;
+    }
+  }
+
+  if (gathered) {
+    // This CTA's bin into bin_copy (one shared atomic per warp), padded to 4 words with a word that never matches
+    // the prefix.
+    std::uint32_t mine = 0;
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) mine += (word[j] != kNoWord && (word[j] & mask) == prefix) ? 1u : 0u;
+    std::uint32_t inclusive = mine;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const std::uint32_t y = __shfl_up_sync(0xffffffffu, inclusive, o);
+      if (lane >= o) inclusive += y;
+    }
+    std::uint32_t warp_base = 0;
+    if (lane == 31 && inclusive > 0) warp_base = atomicAdd(&cursor, inclusive);
+    std::uint32_t position = __shfl_sync(0xffffffffu, warp_base, 31) + inclusive - mine;
+    if (mine > 0) {
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) {
+        if (word[j] != kNoWord && (word[j] & mask) == prefix) bin_copy[position++] = word[j];
+      }
+    }
+    const std::uint32_t pad = prefix ^ 0x80000000u;
+    const std::uint32_t own = in_bin_of[rank];
+    if (tid < int(((own + 3) & ~3u) - own)) bin_copy[own + tid] = pad;
+    if (tid == 0) {
+      std::uint32_t o = 0;
+      for (int q = 0; q < size; ++q) {
+        offsets[q] = o;
+        o += (in_bin_of[q] + 3) & ~3u;
+      }
+      offsets[size] = o;
+    }
+    cluster.sync();  // every CTA's bin copy is complete
+    const std::uint32_t vectors = offsets[size] / 4;
+    for (std::uint32_t v = tid; v < vectors; v += kThreads) {  // pull every copy, 16-byte remote loads
+      int q = 0;
+      while (q + 1 < size && offsets[q + 1] <= 4 * v) ++q;
+      const uint4* from = reinterpret_cast<const uint4*>(cluster.of_rank(&bin_copy[0], q));
+      reinterpret_cast<uint4*>(candidates)[v] = from[v - offsets[q] / 4];
+    }
+    cluster.arrive();  // done reading the others
+    __syncthreads();
+    // ---- the rest of the threshold from the candidates, in this CTA alone
+    const std::uint32_t n = offsets[size];
+    int done_bits = bits;
+    while (done_bits < 32) {
+      const int width = min(12, 32 - done_bits);
+      const int shift = 32 - done_bits - width;
+      const std::uint32_t digits = 1u << width;
+      for (std::uint32_t i = tid; i < digits; i += kThreads) bins[i] = 0;
+      __syncthreads();
+      for (std::uint32_t i = tid; i < n; i += kThreads) {
+        const std::uint32_t x = candidates[i];
+        if ((x & mask) == prefix) atomicAdd(&bins[(x >> shift) & (digits - 1)], 1u);
+      }
+      __syncthreads();
+      const std::uint32_t per_thread = digits >= kThreads ? digits / kThreads : 1u;
+      const std::uint32_t first = tid * per_thread;
+      std::uint32_t s[1] = {0u}, exclusive[1], total[1];
+      if (first < digits) {
+        for (std::uint32_t e = 0; e < per_thread; ++e) s[0] += bins[first + e];
+      }
+      held_block_scan<kThreads, 1>(s, exclusive, total, scan_buffer[scan_turn]);
+      scan_turn ^= 1;
+      if (first < digits && exclusive[0] < remaining && remaining <= exclusive[0] + s[0]) {
+        std::uint32_t cumulative = exclusive[0];
+        for (std::uint32_t e = 0; e < per_thread; ++e) {
+          const std::uint32_t cc = bins[first + e];
+          if (remaining <= cumulative + cc) {
+            decision[0] = first + e;
+            decision[1] = cumulative;
+            decision[2] = cc;
+            break;
+          }
+          cumulative += cc;
+        }
+      }
+      __syncthreads();
+      prefix |= decision[0] << shift;
+      mask |= (digits - 1) << shift;
+      remaining -= decision[1];
+      const std::uint32_t left = decision[2];
+      done_bits += width;
+      if (left == remaining || done_bits == 32) break;
+      if (left <= 32) {
+        // Few left: one warp ranks them directly.
+        for (std::uint32_t i = tid; i < n; i += kThreads) {
+          const std::uint32_t x = candidates[i];
+          if ((x & mask) == prefix) last_few[atomicAdd(&few_cursor, 1u)] = x;
+        }
+        __syncthreads();
+        if (warp == 0) {
+          const std::uint32_t x = lane < int(left) ? last_few[lane] : kNoWord;
+          std::uint32_t less = 0, less_or_equal = 0;
+#pragma unroll
+          for (int m = 0; m < 32; ++m) {
+            const std::uint32_t y = __shfl_sync(0xffffffffu, x, m);
+            if (m < int(left)) {
+              less += y < x ? 1u : 0u;
+              less_or_equal += y <= x ? 1u : 0u;
+            }
+          }
+          if (lane < int(left) && less < remaining && remaining <= less_or_equal) {  // equal lanes write equal values
+            decision[0] = x;
+            decision[1] = less;
+          }
+        }
+        __syncthreads();
+        prefix = decision[0];
+        mask = 0xffffffffu;
+        remaining -= decision[1];
+        break;
+      }
+    }
+    // Per source rank: its candidates better than / tied with the threshold.
+    for (int q = warp; q < size; q += kWarps) {
+      const std::uint32_t o = offsets[q], end = o + in_bin_of[q];
+      std::uint32_t better = 0, tied = 0;
+      for (std::uint32_t b = o; b < end; b += 32) {
+        const std::uint32_t i = b + lane;
+        const std::uint32_t x = i < end ? candidates[i] & mask : kNoWord;
+        better += __popc(__ballot_sync(0xffffffffu, i < end && x < prefix));
+        tied += __popc(__ballot_sync(0xffffffffu, i < end && x == prefix));
+      }
+      if (lane == 0) {
+        better_of[q] = before_bin[q] + better;
+        tied_of[q] = tied;
+      }
+    }
+    __syncthreads();
+  } else {
+    if (tid < size) {
+      better_of[tid] = before_bin[tid];
+      tied_of[tid] = in_bin_of[tid];
+    }
+    cluster.arrive();  // the others may still read this CTA's histogram
+    __syncthreads();
+  }
+
+  // ---- emit in ascending index order; ties at the threshold: the first `take_tied` in index order
+  const std::uint32_t take_tied = remaining;
+  std::uint32_t better = 0, tied = 0;
+  for (int q = 0; q < rank; ++q) {
+    better += better_of[q];
+    tied += tied_of[q];
+  }
+  std::uint32_t packed[kGroups], exclusive[kGroups], total[kGroups];
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    std::uint32_t lt = 0, eq = 0;
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) {
+      const std::uint32_t x = word[kVec * g + q];
+      lt += (x != kNoWord && (x & mask) < prefix) ? 1u : 0u;
+      eq += (x != kNoWord && (x & mask) == prefix) ? 1u : 0u;
+    }
+    packed[g] = lt | (eq << 16);
+  }
+  held_block_scan<kThreads, kGroups>(packed, exclusive, total, scan_buffer[scan_turn]);
+  const std::int32_t first_index = job.lo + begin;
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    std::uint32_t at_better = better + (exclusive[g] & 0xffffu), at_tied = tied + (exclusive[g] >> 16);
+    if (packed[g] != 0) {
+#pragma unroll
+      for (int q = 0; q < kVec; ++q) {
+        const std::uint32_t x = word[kVec * g + q];
+        const std::int32_t index = first_index + (g * kThreads + tid) * kVec + q;
+        std::int32_t at = -1;
+        if (x != kNoWord && (x & mask) < prefix) {
+          at = std::int32_t(at_better + min(at_tied, take_tied));
+          ++at_better;
+        } else if (x != kNoWord && (x & mask) == prefix) {
+          if (at_tied < take_tied) at = std::int32_t(at_better + at_tied);
+          ++at_tied;
+        }
+        if (at >= 0) {
+          indices[at] = index;
+          if (weights != nullptr) weights[at] = 0.0f;
+        }
+      }
+    }
+    better += total[g] & 0xffffu;
+    tied += total[g] >> 16;
+  }
+  cluster.wait();
+}
+
+}  // namespace kvsift::cuda::detail
