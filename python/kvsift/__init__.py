@@ -202,15 +202,36 @@ class DecodeStep:
     holds a sequence from its prepare to its release (prepared(slot) says whether it does): run on a slot without
     one, and release of one, are refused naming the slot. On CUDA, slots given as a list, a numpy array or left
     out are checked on the host before they are copied to the device; a CUDA tensor of slots is checked with
-    validate=True (which synchronizes), else trusted."""
+    validate=True (which synchronizes), else trusted.
+
+    placement (include/kvsift/step/placement.hpp): 'local' (the default: select and attend on `device`), or a split
+    over the GPU and the CPU (CUDA builds): 'middle_on_cpu' (the window attended on the GPU, the selected middle on
+    the CPU from a pinned host cache, merged on the GPU; every run has max_batch rows) or, with device='cpu',
+    'middle_on_gpu' (the selection copied to the GPU, its rows gathered there from the pinned host cache). The
+    selector runs on `device`: q, cache and slots are its arrays. A CPU selector's run also takes q_device and
+    device_cache (the GPU's query and cache, holding at least the window's rows); a GPU selector's host_cache (pinned
+    host memory, e.g. torch's pin_memory(), holding the middle's rows). The engine writes each step's token to every
+    cache before run (k, v are refused). o and lse are on the GPU. stats() reports the last run's host times and
+    bytes over PCIe. A selector with a second source (centroidkv) runs in 'local' only."""
 
     def __init__(self, selector, config=None, *, q_heads, kv_heads, head_dim, max_seq_len, max_batch=1,
                  max_slots=None, window=(0, 0), sm_scale=0.0, dtype="float16", device="cpu", validate=False,
-                 pool=None):
-        self._step = _kvsift.make_step(selector, dict(config or {}), dtype, device, q_heads, kv_heads, head_dim,
-                                       max_batch, max_seq_len, max_slots or max_batch, tuple(window), sm_scale,
-                                       validate, pool)
+                 pool=None, placement="local"):
+        args = (selector, dict(config or {}), dtype, device)
+        shape = (q_heads, kv_heads, head_dim, max_batch, max_seq_len, max_slots or max_batch, tuple(window), sm_scale,
+                 validate, pool)
+        if placement == "local":
+            self._step = _kvsift.make_step(*args, *shape)
+        elif placement in ("middle_on_cpu", "middle_on_gpu"):
+            if not _kvsift.has_cuda:
+                raise Error(f"kvsift.DecodeStep: placement (= '{placement}') splits the step over the GPU and the "
+                            f"CPU, and this kvsift build has no CUDA backend")
+            self._step = _kvsift.make_split_step(*args, placement, *shape)
+        else:
+            raise Error(f"kvsift.DecodeStep: placement (= {placement!r}) must be 'local', 'middle_on_cpu' or "
+                        f"'middle_on_gpu'")
         self.selector, self.device, self.dtype, self._kv_heads = selector, device, dtype, kv_heads
+        self.placement = placement
 
     @property
     def capacity(self):
@@ -219,7 +240,13 @@ class DecodeStep:
 
     @property
     def workspace_bytes(self):
+        """The workspace the step owns: bytes in its device's memory ('local'), or (device, pinned host) bytes."""
         return self._step.workspace_bytes
+
+    def _local_only(self, what):
+        if self.placement != "local":
+            raise Error(f"kvsift.DecodeStep.{what}: reported by the 'local' placement only (this step's is "
+                        f"'{self.placement}')")
 
     def prepared(self, slot):
         """Whether `slot` holds a prepared sequence (prepared, not released since)."""
@@ -252,10 +279,33 @@ class DecodeStep:
         them (ctkvr)."""
         self._step.prepare(cache, self._slots(slots, cache.batch), queries, _cache_stream(cache, stream))
 
-    def run(self, q, cache, slots=None, *, k=None, v=None, o=None, lse=None, out_dtype=None, stream=None):
-        o, lse = _state(q, q.shape[1], o, lse, out_dtype)
-        self._step.run(q, cache, self._slots(slots, q.shape[0], "DecodeStep.run"), o, lse, k, v, _stream(q, stream))
+    def run(self, q, cache, slots=None, *, k=None, v=None, q_device=None, device_cache=None, host_cache=None, o=None,
+            lse=None, out_dtype=None, stream=None):
+        if self.placement == "local":
+            if q_device is not None or device_cache is not None or host_cache is not None:
+                raise Error("kvsift.DecodeStep.run: q_device, device_cache and host_cache are the split placements'; "
+                            "this step's placement is 'local'")
+            o, lse = _state(q, q.shape[1], o, lse, out_dtype)
+            self._step.run(q, cache, self._slots(slots, q.shape[0], "DecodeStep.run"), o, lse, k, v, _stream(q, stream))
+            return o, lse
+        if k is not None or v is not None:
+            raise Error("kvsift.DecodeStep.run: k and v are refused by a split step, which reads caches the engine has "
+                        "written the step's token to")
+        gpu_q = q_device if self.device == "cpu" else q
+        if gpu_q is None:
+            raise Error("kvsift.DecodeStep.run: a CPU selector's split step takes q_device and device_cache (the "
+                        "GPU's query and cache)")
+        o, lse = _state(gpu_q, q.shape[1], o, lse, out_dtype)
+        self._step.run(q, cache, self._slots(slots, q.shape[0], "DecodeStep.run"), o, lse, q_device, device_cache,
+                       host_cache, _stream(gpu_q, stream))
         return o, lse
+
+    def stats(self):
+        """A split step's last run: select_seconds, cpu_attention_seconds, call_seconds (host times),
+        to_host_bytes, to_device_bytes, gathered_kv_bytes (over PCIe)."""
+        if self.placement == "local":
+            raise Error("kvsift.DecodeStep.stats: the split placements report stats; this step's placement is 'local'")
+        return self._step.stats()
 
     def release(self, slots):
         self._step.release([int(s) for s in slots])
@@ -264,16 +314,23 @@ class DecodeStep:
         """ctkvr: the last run's union of the recalled lists per (sequence, kv head), [batch, kv_heads] int32, before
         the unindexed middle joins it; over list_size * recalled_centroids it is the paper's deduplication
         coefficient. Other selectors raise kvsift.Error. On CUDA this synchronizes the step's stream."""
+        self._local_only("union_sizes")
         return np.asarray(self._step.union_sizes(batch), dtype=np.int32).reshape(batch, -1)
 
     def store_sizes(self):
         """centroidkv: the entries its merge store holds per (slot, kv head), [max_slots, kv_heads] int32. Other
         selectors raise kvsift.Error. On CUDA this synchronizes."""
+        self._local_only("store_sizes")
         return np.asarray(self._step.store_sizes(), dtype=np.int32).reshape(-1, self._kv_heads)
 
     def selection(self, batch=1):
         """The last run's selection as numpy (indices [batch, kv_heads, capacity], counts [batch, kv_heads]);
-        on CUDA, synchronize the step's stream first. For evaluation, not the hot path."""
+        on CUDA, synchronize the step's stream first. For evaluation, not the hot path. A split step's is its last
+        run's rows (batch is not read)."""
+        if self.placement != "local":
+            indices, counts = self._step.selection()
+            counts = np.asarray(counts, dtype=np.int32).reshape(-1, self._kv_heads)
+            return np.asarray(indices, dtype=np.int32).reshape(counts.shape[0], self._kv_heads, -1), counts
         indices, counts = self._step.selection(batch)
         counts = np.asarray(counts, dtype=np.int32).reshape(batch, -1)
         return np.asarray(indices, dtype=np.int32).reshape(batch, counts.shape[1], -1), counts

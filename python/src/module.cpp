@@ -38,6 +38,7 @@
 #endif
 #if KVSIFT_WITH_CUDA
 #include "kvsift/cuda/backend.hpp"
+#include "kvsift/step/split_step.hpp"
 #endif
 
 namespace nb = nanobind;
@@ -513,6 +514,23 @@ struct StepConfig {
   bool validate;
 };
 
+/// A step's prepare inputs: the cache and slots, and the last W prefill queries [batch, q_heads, W, head_dim] when
+/// given, on the step's device.
+template <class T>
+PrefillInputs<T> prefill_inputs(const Cache& cache, const Array& slots, const std::optional<Array>& queries,
+                                Device step_device) {
+  Args args("DecodeStep.prepare");
+  const KVCache<const T> kv = cache.view<T>(args);
+  check_step_device(args, step_device);
+  PrefillInputs<T> in{.cache = kv, .slots = slots_of(args, slots, kv.batch())};
+  if (queries) {
+    const Array& a = args.take("queries", *queries, 4, storage_dtype<T>());
+    in.queries = {data_of<const T>(a), dim32(args, "queries", a, 0), dim32(args, "queries", a, 1),
+                  dim32(args, "queries", a, 2), dim32(args, "queries", a, 3), a.stride(0), a.stride(1), a.stride(2)};
+  }
+  return in;
+}
+
 /// A DecodeStep of any selector, storage type and backend behind one Python class.
 class Step {
  public:
@@ -541,16 +559,7 @@ class StepOf final : public Step {
       : pool_(pool), step_(std::move(selector), step_config(config), context(0)), workspace_(step_.workspace_bytes()) {}
 
   void prepare(const Cache& cache, Array slots, std::optional<Array> queries, std::uintptr_t stream) override {
-    Args args("DecodeStep.prepare");
-    const KVCache<const T> kv = cache.view<T>(args);
-    check_step_device(args, kDevice);
-    PrefillInputs<T> in{.cache = kv, .slots = slots_of(args, slots, kv.batch())};
-    if (queries) {  // [batch, q_heads, W, head_dim]: the last W prefill queries
-      const Array& a = args.take("queries", *queries, 4, storage_dtype<T>());
-      in.queries = {data_of<const T>(a), dim32(args, "queries", a, 0), dim32(args, "queries", a, 1),
-                    dim32(args, "queries", a, 2), dim32(args, "queries", a, 3), a.stride(0), a.stride(1), a.stride(2)};
-    }
-    step_.prepare(in, context(stream));
+    step_.prepare(prefill_inputs<T>(cache, slots, queries, kDevice), context(stream));
   }
 
   void run(Array q, const Cache& cache, Array slots, Array o, Array lse, std::optional<Array> k,
@@ -629,6 +638,119 @@ class StepOf final : public Step {
   typename Context::template array<std::byte> workspace_;
 };
 
+#if KVSIFT_WITH_CUDA
+/// A DecodeStep split over the GPU and the CPU (step/split_step.hpp: placement 'middle_on_cpu' or 'middle_on_gpu')
+/// of any selector, storage type and selector backend behind one Python class. The step's arrays on the selector's
+/// side (q, cache, slots) are on its device; a CPU selector's run also takes the device's q and cache (the window),
+/// a GPU selector's the pinned host cache (the middle). The object owns its workspace (a device and a pinned host
+/// block), allocated once.
+class SplitStep {
+ public:
+  virtual ~SplitStep() = default;
+  virtual void prepare(const Cache& cache, Array slots, std::optional<Array> queries, std::uintptr_t stream) = 0;
+  virtual void run(Array q, const Cache& cache, Array slots, Array o, Array lse, std::optional<Array> q_device,
+                   std::optional<Cache> device_cache, std::optional<Cache> host_cache, std::uintptr_t stream) = 0;
+  virtual void release(const std::vector<std::int32_t>& slots) = 0;
+  virtual std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> selection() = 0;
+  virtual nb::dict stats() const = 0;
+  virtual std::int32_t capacity() const = 0;
+  virtual std::pair<std::size_t, std::size_t> workspace_bytes() const = 0;
+  virtual std::string name() const = 0;
+  virtual bool prepared(std::int32_t slot) const = 0;
+};
+
+template <class S, class Placement>
+class SplitStepOf final : public SplitStep {
+ public:
+  using T = typename S::value_type;
+  using Context = typename S::context_type;
+  static constexpr Device kDevice = kDeviceOf<Context>;
+
+  SplitStepOf(S selector, const StepConfig& config, Pool* pool)
+      : pool_(pool),
+        step_(std::move(selector), step_config(config), SplitContext{.cpu = {pool_of(pool)}}),
+        device_(step_.workspace_bytes().device),
+        host_(step_.workspace_bytes().host) {}
+
+  void prepare(const Cache& cache, Array slots, std::optional<Array> queries, std::uintptr_t stream) override {
+    step_.prepare(prefill_inputs<T>(cache, slots, queries, kDevice), context_of<Context>(pool_, stream));
+  }
+
+  void run(Array q, const Cache& cache, Array slots, Array o, Array lse, std::optional<Array> q_device,
+           std::optional<Cache> device_cache, std::optional<Cache> host_cache, std::uintptr_t stream) override {
+    constexpr const char* where = "DecodeStep.run";
+    Args args(where), device_args(where), host_args(where);
+    StepInputs<T> in{.q = heads_view<T>(args, "q", q), .cache = cache.view<T>(args)};
+    check_step_device(args, kDevice);
+    in.slots = slots_of(args, slots, in.q.batch);
+    if constexpr (kDevice == Device::cpu) {
+      KVSIFT_CHECK(q_device && device_cache && !host_cache, where,
+                   "a CPU selector's split step takes q_device and device_cache (the window's, on the GPU), not "
+                   "host_cache (its cache is `cache`)");
+      in.q_device = heads_view<T>(device_args, "q_device", *q_device);
+      in.device_cache = device_cache->view<T>(device_args);
+      check_step_device(device_args, Device::cuda);
+    } else {
+      KVSIFT_CHECK(host_cache && !q_device && !device_cache, where,
+                   "a GPU selector's split step takes host_cache (the middle's, pinned), not q_device or device_cache "
+                   "(its query and cache are `q` and `cache`)");
+      in.host_cache = host_cache->view<T>(host_args);
+      check_step_device(host_args, Device::cpu);
+    }
+    Args out_args(where);
+    with_output_type<T>(out_args, "o", o, [&](auto to) {
+      using TO = decltype(to);
+      const StateView<TO> out = state_view<TO>(out_args, "o", o, "lse", lse);
+      check_step_device(out_args, Device::cuda);
+      if constexpr (std::is_same_v<Placement, placement::MiddleOnCpu> && !std::is_same_v<TO, T>) {
+        detail::throw_error(where, "o must have the storage type with placement 'middle_on_cpu' (its merge rounds once)");
+      } else {
+        nb::gil_scoped_release unlocked;
+        step_.run(in, out, workspace(), SplitContext{.gpu = {stream_of(stream)}, .cpu = {pool_of(pool_)}});
+      }
+    });
+  }
+
+  void release(const std::vector<std::int32_t>& slots) override { step_.release(slots); }
+  std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> selection() override {
+    const SelectionView s = step_.selection(workspace());
+    std::vector<std::int32_t> indices(s.indices, s.indices + std::size_t(s.batch) * s.kv_heads * s.capacity);
+    std::vector<std::int32_t> counts(s.counts, s.counts + std::size_t(s.batch) * s.kv_heads);
+    return {std::move(indices), std::move(counts)};
+  }
+  nb::dict stats() const override {
+    const StepStats& s = step_.last_step_stats();
+    nb::dict d;
+    d["select_seconds"] = s.select_seconds;
+    d["cpu_attention_seconds"] = s.cpu_attention_seconds;
+    d["call_seconds"] = s.call_seconds;
+    d["to_host_bytes"] = s.to_host_bytes;
+    d["to_device_bytes"] = s.to_device_bytes;
+    d["gathered_kv_bytes"] = s.gathered_kv_bytes;
+    return d;
+  }
+  std::int32_t capacity() const override { return step_.selector().capacity(); }
+  std::pair<std::size_t, std::size_t> workspace_bytes() const override {
+    return {step_.workspace_bytes().device, step_.workspace_bytes().host};
+  }
+  std::string name() const override { return std::string(step_.selector().name()); }
+  bool prepared(std::int32_t slot) const override { return selector_slot_prepared(step_.selector(), slot); }
+
+ private:
+  static DecodeStepConfig step_config(const StepConfig& c) {
+    return {.attention = attention_options(c.window, c.sm_scale), .max_batch = c.max_batch, .q_heads = c.q_heads,
+            .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = c.max_seq_len,
+            .validate_indices = c.validate};
+  }
+  SplitWorkspace workspace() { return {{device_.data(), device_.size()}, {host_.data(), host_.size()}}; }
+
+  Pool* pool_;  // kept alive by the Python object (nb::keep_alive)
+  DecodeStep<S, Placement> step_;
+  cuda::Array<std::byte> device_;
+  cuda::PinnedArray<std::byte> host_;
+};
+#endif
+
 /// selector_config[key], popped: a Python int (True and False count as 1 and 0) in int32's range. Anything else
 /// is refused naming the key and the value (a float, a string, 2**40), not converted.
 std::int32_t config_int(const char* where, nb::dict& config, const char* key, std::optional<std::int32_t> fallback) {
@@ -657,21 +779,22 @@ double config_float(const char* where, nb::dict& config, const char* key, double
   return v;
 }
 
-template <class T, class Context>
-std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
+/// The selector c names, on Context, handed to wrap(selector) (a step of some placement), whose result it returns.
+template <class T, class Context, class Wrap>
+auto make_selector_step(const StepConfig& c, Wrap&& wrap) {
   constexpr const char* where = "DecodeStep";
   const SelectorLimits limits{.max_slots = c.max_slots, .max_tokens = c.max_seq_len, .q_heads = c.q_heads,
                               .kv_heads = c.kv_heads, .head_dim = c.head_dim};
   // A copy: each key read is removed, and what remains is refused by name.
   nb::dict config = nb::cast<nb::dict>(c.selector_config.attr("copy")());
-  std::unique_ptr<Step> step;
+  decltype(wrap(StreamingLLM<T, Context>(limits))) step;
   if (c.selector == "oracle_topk") {
     const OracleTopKConfig sc{.budget = config_int(where, config, "budget", std::nullopt)};
-    step = std::make_unique<StepOf<OracleTopK<T, Context>>>(OracleTopK<T, Context>(limits, sc), c, pool);
+    step = wrap(OracleTopK<T, Context>(limits, sc));
   } else if (c.selector == "quest") {
     const std::int32_t budget = config_int(where, config, "budget", std::nullopt);
     const QuestConfig sc{.budget = budget, .page_size = config_int(where, config, "page_size", 16)};
-    step = std::make_unique<StepOf<Quest<T, Context>>>(Quest<T, Context>(limits, sc), c, pool);
+    step = wrap(Quest<T, Context>(limits, sc));
   } else if (c.selector == "ctkvr") {
     CtkvrConfig sc{};
     sc.budget = config_int(where, config, "budget", sc.budget);
@@ -684,7 +807,7 @@ std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
     sc.budget_fraction = config_float(where, config, "budget_fraction", sc.budget_fraction);
     sc.pin_prefill_centroids =
         config_int(where, config, "pin_prefill_centroids", sc.pin_prefill_centroids ? 1 : 0) != 0;
-    step = std::make_unique<StepOf<Ctkvr<T, Context>>>(Ctkvr<T, Context>(limits, sc), c, pool);
+    step = wrap(Ctkvr<T, Context>(limits, sc));
   } else if (c.selector == "csattention") {
     CsattentionConfig sc{};
     sc.budget = config_int(where, config, "budget", sc.budget);
@@ -697,7 +820,7 @@ std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
     if (config_int(where, config, "per_query_head", 0) != 0) sc.tables = CsattentionTables::per_query_head;
     sc.weight_by_norm = config_int(where, config, "weight_by_norm", sc.weight_by_norm ? 1 : 0) != 0;
     sc.from_floor = config_int(where, config, "from_floor", sc.from_floor ? 1 : 0) != 0;
-    step = std::make_unique<StepOf<Csattention<T, Context>>>(Csattention<T, Context>(limits, sc), c, pool);
+    step = wrap(Csattention<T, Context>(limits, sc));
   } else if (c.selector == "a2ats") {
     // The codebook file (kvsift_a2ats_codebook) and the layer this step decodes; the file must match the step's
     // shapes (its RoPE is the one the selector rotates with).
@@ -722,8 +845,7 @@ std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
     sc.budget_fraction = config_float(where, config, "budget_fraction", sc.budget_fraction);
     sc.max_budget = config_int(where, config, "max_budget", sc.max_budget);
     if (config_int(where, config, "group_max", 0) != 0) sc.group_rule = A2atsGroupRule::group_max;
-    step = std::make_unique<StepOf<A2ats<T, Context>>>(A2ats<T, Context>(limits, sc, codebooks.layer(layer), Context{}),
-                                                       c, pool);
+    step = wrap(A2ats<T, Context>(limits, sc, codebooks.layer(layer), Context{}));
   } else if (c.selector == "centroidkv") {
     CentroidKVConfig sc{};
     sc.budget_ratio = float(config_float(where, config, "budget_ratio", sc.budget_ratio));
@@ -735,9 +857,9 @@ std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
     sc.r_min = float(config_float(where, config, "r_min", sc.r_min));
     sc.interval = config_int(where, config, "interval", sc.interval);
     sc.max_rounds = config_int(where, config, "max_rounds", sc.max_rounds);
-    step = std::make_unique<StepOf<CentroidKV<T, Context>>>(CentroidKV<T, Context>(limits, sc, Context{}), c, pool);
+    step = wrap(CentroidKV<T, Context>(limits, sc, Context{}));
   } else if (c.selector == "streaming_llm") {
-    step = std::make_unique<StepOf<StreamingLLM<T, Context>>>(StreamingLLM<T, Context>(limits), c, pool);
+    step = wrap(StreamingLLM<T, Context>(limits));
   } else {
     detail::throw_error(where, fmt::format("selector (= '{}') must be one of 'oracle_topk', 'quest', 'streaming_llm', "
                                            "'ctkvr', 'csattention', 'a2ats', 'centroidkv'",
@@ -747,6 +869,51 @@ std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
                nb::cast<std::string>(nb::str(config.attr("keys")())), c.selector);
   return step;
 }
+
+template <class T, class Context>
+std::unique_ptr<Step> make_step_of(const StepConfig& c, Pool* pool) {
+  return make_selector_step<T, Context>(c, [&](auto selector) -> std::unique_ptr<Step> {
+    return std::make_unique<StepOf<decltype(selector)>>(std::move(selector), c, pool);
+  });
+}
+
+#if KVSIFT_WITH_CUDA
+/// A split step (placement 'middle_on_cpu' or 'middle_on_gpu') of the selector c names, on `device`'s backend.
+std::unique_ptr<SplitStep> make_split_step(const std::string& selector, nb::dict selector_config,
+                                           const std::string& dtype, const std::string& device,
+                                           const std::string& placement_name, std::int32_t q_heads, std::int32_t kv_heads,
+                                           std::int32_t head_dim, std::int32_t max_batch, std::int32_t max_seq_len,
+                                           std::int32_t max_slots, std::pair<std::int32_t, std::int32_t> window,
+                                           float sm_scale, bool validate, Pool* pool) {
+  const StepConfig c{selector, dtype, device, selector_config, q_heads, kv_heads, head_dim, max_batch, max_seq_len,
+                     max_slots, window, sm_scale, validate};
+  constexpr const char* where = "DecodeStep";
+  KVSIFT_CHECK(dtype == "float16" || dtype == "bfloat16", where, "dtype (= '{}') must be 'float16' or 'bfloat16'", dtype);
+  KVSIFT_CHECK(device == "cpu" || device == "cuda", where, "device (= '{}') must be 'cpu' or 'cuda'", device);
+  KVSIFT_CHECK(placement_name == "middle_on_cpu" || (placement_name == "middle_on_gpu" && device == "cpu"), where,
+               "placement (= '{}') with device '{}' must be 'local', 'middle_on_cpu', or 'middle_on_gpu' with a CPU "
+               "selector (a GPU selector's middle on the GPU is 'local')",
+               placement_name, device);
+  const auto with_context = [&](auto t, auto context, auto place) -> std::unique_ptr<SplitStep> {
+    using T = decltype(t);
+    using Context = decltype(context);
+    using Placement = decltype(place);
+    return make_selector_step<T, Context>(c, [&](auto s) -> std::unique_ptr<SplitStep> {
+      if constexpr (placement::Fits<Placement, Context>) {
+        return std::make_unique<SplitStepOf<decltype(s), Placement>>(std::move(s), c, pool);
+      } else {
+        return nullptr;  // refused above
+      }
+    });
+  };
+  const auto with_placement = [&](auto t) {
+    if (device == "cuda") return with_context(t, cuda::Context{}, placement::MiddleOnCpu{});
+    if (placement_name == "middle_on_cpu") return with_context(t, cpu::Context{}, placement::MiddleOnCpu{});
+    return with_context(t, cpu::Context{}, placement::MiddleOnGpu{});
+  };
+  return dtype == "float16" ? with_placement(half{}) : with_placement(bfloat16{});
+}
+#endif
 
 std::unique_ptr<Step> make_step(const std::string& selector, nb::dict selector_config, const std::string& dtype,
                                 const std::string& device, std::int32_t q_heads, std::int32_t kv_heads,
@@ -988,6 +1155,22 @@ NB_MODULE(_kvsift, m) {
       .def_prop_ro("workspace_bytes", &Step::workspace_bytes)
       .def_prop_ro("name", &Step::name)
       .def("prepared", &Step::prepared, "slot"_a);
+#if KVSIFT_WITH_CUDA
+  nb::class_<SplitStep>(m, "SplitStep", "One layer's decode step split over the GPU and the CPU (step/split_step.hpp)")
+      .def("prepare", &SplitStep::prepare, "cache"_a, "slots"_a, "queries"_a = nb::none(), "stream"_a = 0)
+      .def("run", &SplitStep::run, "q"_a, "cache"_a, "slots"_a, "o"_a, "lse"_a, "q_device"_a = nb::none(),
+           "device_cache"_a = nb::none(), "host_cache"_a = nb::none(), "stream"_a = 0)
+      .def("release", &SplitStep::release, "slots"_a)
+      .def("selection", &SplitStep::selection)
+      .def("stats", &SplitStep::stats)
+      .def_prop_ro("capacity", &SplitStep::capacity)
+      .def_prop_ro("workspace_bytes", &SplitStep::workspace_bytes)
+      .def_prop_ro("name", &SplitStep::name)
+      .def("prepared", &SplitStep::prepared, "slot"_a);
+  m.def("make_split_step", &make_split_step, "selector"_a, "selector_config"_a, "dtype"_a, "device"_a, "placement"_a,
+        "q_heads"_a, "kv_heads"_a, "head_dim"_a, "max_batch"_a, "max_seq_len"_a, "max_slots"_a, "window"_a,
+        "sm_scale"_a, "validate"_a, "pool"_a.none() = nb::none(), nb::keep_alive<0, 15>());
+#endif
   nb::class_<SpeStep>(m, "SpeContextStep", "A model's decode step with one SpeContext selection per step")
       .def("prepare", &SpeStep::prepare, "cache"_a, "slots"_a, "k_pre"_a, "stream"_a = 0)
       .def("select", &SpeStep::select, "q"_a, "k"_a, "cache"_a, "slots"_a, "stream"_a = 0)
