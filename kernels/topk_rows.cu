@@ -24,7 +24,8 @@ cudaError_t launch_held(const TopKRowsParams& p, cudaStream_t stream) {
                  .block = dim3(unsigned(kTopKHeldShapes[I].threads)),
                  .smem = topk_held_smem_bytes(),
                  .stream = stream,
-                 .cluster = p.launch.cluster},
+                 .cluster = p.launch.cluster,
+                 .programmatic = true},
                 p);
 }
 
@@ -47,7 +48,7 @@ cudaError_t launch_select(const TopKRowsParams& p, cudaStream_t stream) {
   return launch(kSelectKernel,
                 {.grid = dim3(unsigned(p.scores.rows * p.launch.cluster)), .block = dim3(kTopKRowsThreads),
                  .smem = topk_rows_select_smem_bytes(p.launch.smem_words), .stream = stream,
-                 .cluster = p.launch.cluster},
+                 .cluster = p.launch.cluster, .programmatic = true},
                 p);
 }
 
@@ -91,8 +92,10 @@ cudaError_t launch_topk_rows(const TopKRowsParams& p, cudaStream_t stream) {
   if (cudaError_t s = launch_select(p, stream); s != cudaSuccess) return s;
   if (p.heads_per_row == 1) return cudaSuccess;
   const std::size_t union_smem = p.union_bits != nullptr ? 0 : std::size_t(p.union_words) * sizeof(std::uint32_t);
-  kUnionKernel<<<unsigned(p.scores.rows / p.heads_per_row), kTopKUnionThreads, union_smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch(kUnionKernel,
+                {.grid = dim3(unsigned(p.scores.rows / p.heads_per_row)), .block = dim3(kTopKUnionThreads),
+                 .smem = union_smem, .stream = stream, .programmatic = true},
+                p);
 }
 
 namespace {

@@ -143,7 +143,10 @@ TEST_P(CtkvrHybrid, SelectionsAndOutputsFollowTheReferenceAtEveryStep) {
   }
 }
 
-TEST(CtkvrHybridBadInput, MismatchedShapesAreRefused) {
+// A step planned for more rows than the selector's slots, or for other heads, is refused by name (the GPU selector
+// allocates its index when it is built: this runs on a GPU).
+using CtkvrHybridRefusals = test::GpuTest;
+TEST_F(CtkvrHybridRefusals, MismatchedShapesAreRefused) {
   const SelectorLimits limits{.max_slots = 2, .max_tokens = 512, .q_heads = 8, .kv_heads = 2, .head_dim = 64};
   const DecodeStepConfig config{.attention = {.window = kCtkvrWindow}, .max_batch = 3, .q_heads = 8, .kv_heads = 2,
                                 .head_dim = 64, .max_seq_len = 512};

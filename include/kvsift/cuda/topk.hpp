@@ -2,7 +2,9 @@
 /// CUDA top-K shared by every selector, the twin of cpu/topk.hpp: the same ranking rule (core/ranking.hpp:
 /// higher score first, on equal scores the smaller index, NaN above every number) and identical results.
 /// Device memory; caller-owned workspace (size from the matching *_workspace_bytes query); no allocation, no
-/// host sync; stream-ordered; CUDA-graph capturable; reentrant (concurrent calls need distinct workspaces).
+/// host sync; stream-ordered; CUDA-graph capturable; reentrant (concurrent calls need distinct workspaces). topk_rows'
+/// kernels are launched as programmatic dependents (PDL, sm_90: cuda/detail/launch.cuh programmatic_start): each
+/// waits for the stream's previous kernel before touching memory, and lets the next one be scheduled early.
 /// Deterministic: the chosen set is a function of the scores alone, and so is the output order (ascending).
 
 #include <cstddef>

@@ -6,9 +6,10 @@ namespace kvsift::cuda::detail {
 
 cudaError_t launch_expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* lengths,
                                 const AttentionWindow& window, const SelectionView& out, cudaStream_t stream) {
-  expand_pages_kernel<kExpandThreads><<<unsigned(std::int64_t(pages.batch) * pages.kv_heads), kExpandThreads, 0, stream>>>(
-      pages, page_size, lengths, window, out);
-  return cudaGetLastError();
+  return launch(expand_pages_kernel<kExpandThreads>,
+                {.grid = dim3(unsigned(std::int64_t(pages.batch) * pages.kv_heads)), .block = dim3(kExpandThreads),
+                 .stream = stream, .programmatic = true},
+                pages, page_size, lengths, window, out);
 }
 
 #define KVSIFT_INSTANTIATE_UPDATES(T, KV)                                                                           \

@@ -133,13 +133,9 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
   constexpr int kStages = kDecodeStages, kRowsPerStep = kDecodeRowsPerStep, kRowsPerCtaStep = Warps * kRowsPerStep;
   constexpr int kKSteps = HeadDim / 16, kNTiles = HeadDim / 8;
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Launched as a programmatic dependent, this CTA may be resident before the stream's previous kernel has
-  // finished: nothing global is read before its writes are complete and visible (a no-op otherwise). Then
-  // the split merge (this grid's programmatic dependent) may be scheduled; it waits for this grid in turn.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
+  // Launched as a programmatic dependent: the split merge (this grid's programmatic dependent) may be scheduled
+  // once this grid's predecessor is done; it waits for this grid in turn.
+  programmatic_start();
   extern __shared__ uint4 smem[];
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int frag_row = lane / 4, frag_col = 2 * (lane % 4);  // this lane's place in MMA fragments

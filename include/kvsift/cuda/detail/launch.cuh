@@ -64,6 +64,17 @@ cudaError_t built_for_sm90(bool* yes) {
   return s;
 }
 
+/// The first statement of a kernel that may be launched as a programmatic dependent (LaunchShape::programmatic): its
+/// CTAs may be resident before the stream's previous kernel has finished, so it waits until that kernel's writes are
+/// complete and visible before it reads or writes anything global, then lets the stream's next kernel be scheduled
+/// (which waits in turn). A no-op for a launch without the attribute and before sm_90.
+__device__ __forceinline__ void programmatic_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 /// Where and how a kernel runs: `cluster` CTAs along x form a thread-block cluster when > 1 (grid.x a multiple
 /// of it); `programmatic`: a programmatic dependent of the stream's previous kernel (sm_90: its CTAs may start
 /// while that kernel finishes and wait with griddepcontrol.wait before reading its results; elsewhere the

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "kvsift/cuda/detail/decode_params.hpp"
+#include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/attention/state.hpp"
 #include "kvsift/cuda/dtype.cuh"
 
@@ -71,10 +72,7 @@ __device__ void merge_row(int n, int head_dim, LseOf lse_of, OOf o_of, WriteO wr
 /// storage type or, for an fp32 output (p.out_f32), in fp32: rounded once either way.
 template <class T>
 __global__ void merge_splits_kernel(const __grid_constant__ DecodeParams<T> p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the decode grid's partials are complete and visible
-  asm volatile("griddepcontrol.launch_dependents;");   // the stream's next decode may be scheduled
-#endif
+  programmatic_start();  // the decode grid's partials are complete and visible; the next decode may be scheduled
   const int b = blockIdx.x / p.q.heads, h = blockIdx.x % p.q.heads;
   const float* lse = &p.partials.lse_at(b, h, 0);
   const float* o = p.partials.o_row(b, h, 0, p.q.head_dim);

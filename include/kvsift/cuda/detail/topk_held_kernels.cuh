@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "kvsift/core/ranking.hpp"
+#include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/topk_kernels.cuh"
 
 namespace kvsift::cuda::detail {
@@ -129,6 +130,7 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
   __shared__ std::uint32_t slice_has_nan;  // read by rank 0 with nan_marks_row
   extern __shared__ __align__(16) std::uint32_t bin_copy[];  // this CTA's bin, read by the cluster
 
+  programmatic_start();  // the scores, lengths and budgets
   const HeldCluster cluster{p.launch.cluster};
   const int size = p.launch.cluster;
   const int rank = int(blockIdx.x % size);  // clusters tile x

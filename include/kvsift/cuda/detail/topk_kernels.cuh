@@ -11,6 +11,7 @@
 
 #include "kvsift/core/ranking.hpp"
 #include "kvsift/cuda/detail/block_select.cuh"
+#include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/topk_launch.hpp"
 
 namespace kvsift::cuda::detail {
@@ -123,6 +124,7 @@ __global__ void __launch_bounds__(kThreads) topk_rows_select(const __grid_consta
   __shared__ typename Select::TempStorage temp;
   __shared__ typename Find::TempStorage find_temp;
   extern __shared__ std::uint32_t slice_words[];
+  programmatic_start();  // the scores, lengths and budgets
   const std::int32_t cluster = p.launch.cluster;
   const std::int64_t score_row = blockIdx.x / cluster;
   const std::int32_t rank = std::int32_t(blockIdx.x % cluster);  // the cluster's block rank: clusters tile x
@@ -278,6 +280,7 @@ __global__ void __launch_bounds__(kThreads) topk_rows_union(const __grid_constan
   using BlockScan = cub::BlockScan<std::uint32_t, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename BlockScan::TempStorage scan;
   extern __shared__ std::uint32_t shared_bits[];
+  programmatic_start();  // the select kernel's picks
   const std::int64_t s = blockIdx.x;
   const std::int64_t first_row = s * p.heads_per_row;
   const TopKRowJob job = TopKRowJob::of(p, first_row);

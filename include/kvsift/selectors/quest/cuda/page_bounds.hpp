@@ -1,7 +1,8 @@
 #pragma once
 /// Page bounds on the GPU, the twin of selectors/quest/cpu/page_bounds.hpp (read its contracts; the differences are here).
 /// Device memory for every pointer and view; stream-ordered; no allocation, no host sync, no workspace;
-/// CUDA-graph capturable; deterministic; reentrant with distinct outputs. build, append and expand equal the
+/// CUDA-graph capturable; deterministic; reentrant with distinct outputs; page_scores and expand_pages are launched as
+/// programmatic dependents (PDL, sm_90), as topk_rows between them is (cuda/topk.hpp). build, append and expand equal the
 /// CPU's results exactly; page_scores sums each head's channels in another order (within fp32 rounding of the
 /// CPU's sum, a few ulps of sum_c |q_c| * max(|lo_c|, |hi_c|)).
 ///

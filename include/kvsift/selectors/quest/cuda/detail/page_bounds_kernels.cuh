@@ -77,6 +77,7 @@ cudaError_t launch_expand_pages(const SelectionView& pages, std::int32_t page_si
 
 #include <cub/block/block_scan.cuh>
 
+#include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
 #include "kvsift/cuda/dtype.cuh"
 
@@ -248,6 +249,7 @@ __device__ __forceinline__ void score_pages(const QueryView<const T>& q_view, co
 template <class T, int HeadDim>
 __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) page_scores_kernel(const __grid_constant__ PageScoreParams<T> p) {
   __shared__ float q_tile[kScoreHeadTile][HeadDim];
+  programmatic_start();  // the lengths, the bounds' append
   const std::int64_t row = blockIdx.x / p.chunks, chunk = blockIdx.x % p.chunks;
   const std::int32_t kv_heads = p.bounds.kv_heads;
   const std::int64_t b = row / kv_heads, g = row % kv_heads;
@@ -316,6 +318,7 @@ __global__ void __launch_bounds__(Threads)
     expand_pages_kernel(SelectionView pages, std::int32_t page_size, const std::int32_t* lengths,
                         AttentionWindow window, SelectionView out) {
   __shared__ ExpandStorage<Threads> storage;
+  programmatic_start();  // the chosen pages
   const std::int64_t row = blockIdx.x, b = row / pages.kv_heads;
   const std::int32_t count = pages.counts[row];
   if (count < 0 || count > pages.capacity) {
@@ -349,10 +352,12 @@ cudaError_t launch_append_page_bounds(const KV& kv, const std::int32_t* slots, c
 template <class T>
 cudaError_t launch_page_scores(const PageScoreParams<T>& params, cudaStream_t stream) {
   const unsigned blocks = unsigned(std::int64_t(params.chunks) * params.scores.rows);
+  cudaError_t status = cudaSuccess;
   const bool dispatched = dispatch_value<kCudaAttentionHeadDims>(params.bounds.head_dim, [&]<int HeadDim>() {
-    page_scores_kernel<T, HeadDim><<<blocks, kScoreThreads, 0, stream>>>(params);
+    status = launch(page_scores_kernel<T, HeadDim>,
+                    {.grid = dim3(blocks), .block = dim3(kScoreThreads), .stream = stream, .programmatic = true}, params);
   });
-  return dispatched ? cudaGetLastError() : cudaErrorInvalidValue;
+  return dispatched ? status : cudaErrorInvalidValue;
 }
 
 }  // namespace kvsift::cuda::detail
