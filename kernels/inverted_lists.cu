@@ -23,7 +23,6 @@ namespace {
 constexpr int kFillThreads = 256;
 constexpr int kCompactThreads = 256;
 constexpr int kCompactItems = 4;
-constexpr int kInsertThreads = 256;
 constexpr int kReplaceThreads = 512;  // a CTA copies a list of up to a few thousand ids
 constexpr int kBlockUnionThreads = 1024;
 constexpr int kBlockUnionPerThread = kBlockUnionItems / kBlockUnionThreads;
@@ -211,68 +210,6 @@ __global__ void __launch_bounds__(kBlockUnionThreads) union_lists_block(ListRedu
   if (threadIdx.x == 0) p.out.counts[row] = total;
 }
 
-/// The lower of two entries of a full list by the lists' order, the earlier position on equal (score, id): a
-/// total order, so a butterfly of these leaves every lane with the list's one lowest entry.
-struct LowestEntry {
-  float score;
-  std::int32_t id;
-  std::int32_t position;  ///< -1: none yet
-};
-__device__ LowestEntry lower_entry(const LowestEntry& a, const LowestEntry& b) {
-  if (a.position < 0) return b;
-  if (b.position < 0) return a;
-  if (kvsift::detail::list_entry_below(b.score, b.id, a.score, a.id)) return b;
-  if (kvsift::detail::list_entry_below(a.score, a.id, b.score, b.id)) return a;
-  return b.position < a.position ? b : a;
-}
-
-/// One warp per (row, list).
-template <class T>
-__global__ void __launch_bounds__(kInsertThreads) try_insert_kernel(InvertedListsView<T> lists,
-                                                                     const std::int32_t* slots,
-                                                                     const std::int32_t* ids,
-                                                                     MatrixView<const float> scores) {
-  const int lane = threadIdx.x % 32;
-  const std::int64_t warps = std::int64_t(gridDim.x) * (blockDim.x / 32);
-  const std::int64_t items = scores.rows * lists.lists;
-  for (std::int64_t item = (blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x) / 32; item < items; item += warps) {
-    const std::int64_t row = item / lists.lists, l = item % lists.lists;
-    const std::int64_t b = row / lists.kv_heads, h = row % lists.kv_heads;
-    const std::int32_t slot = slots[b], id = ids[b];
-    if (slot < 0 || slot >= lists.slots || id < 0) continue;  // uniform across the warp
-    std::int32_t& count = lists.count(slot, h, l);
-    const std::int32_t n = count;
-    if (n < 0 || n > lists.list_capacity) continue;
-    const T score = kvsift::from_float<T>(scores.row(row)[l]);  // the host's rounding, NaN bits included
-    std::int32_t* list_ids = lists.list_ids(slot, h, l);
-    T* list_scores = lists.list_scores(slot, h, l);
-    if (n < lists.list_capacity) {
-      __syncwarp();  // every lane has read the count before lane 0 bumps it (lanes may run apart)
-      if (lane == 0) {
-        list_ids[n] = id;
-        list_scores[n] = score;
-        count = n + 1;
-      }
-      continue;
-    }
-    LowestEntry lowest{0.0f, 0, -1};
-    for (std::int32_t position = lane; position < n; position += 32) {
-      lowest = lower_entry(lowest, {to_float_device(list_scores[position]), list_ids[position], position});
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      const LowestEntry other{__shfl_xor_sync(0xffffffffu, lowest.score, offset),
-                              __shfl_xor_sync(0xffffffffu, lowest.id, offset),
-                              __shfl_xor_sync(0xffffffffu, lowest.position, offset)};
-      lowest = lower_entry(lowest, other);
-    }
-    if (lane == 0 && kvsift::detail::list_entry_below(lowest.score, lowest.id, to_float_device(score), id)) {
-      list_ids[lowest.position] = id;
-      list_scores[lowest.position] = score;
-    }
-  }
-}
-
 /// One CTA per row: every thread reads the cursor before thread 0 advances it (the barrier between).
 template <class T>
 __global__ void __launch_bounds__(kReplaceThreads) replace_list_kernel(InvertedListsView<T> lists,
@@ -349,16 +286,6 @@ cudaError_t launch_list_reduction(const ListReductionParams<T>& p, const ListRed
 }
 
 template <class T>
-cudaError_t launch_try_insert_lists(const InvertedListsView<T>& lists, const std::int32_t* slots,
-                                    const std::int32_t* ids, const MatrixView<const float>& scores,
-                                    cudaStream_t stream) {
-  const std::int64_t threads = scores.rows * lists.lists * 32;
-  try_insert_kernel<T><<<grid_stride_blocks(threads, kInsertThreads), kInsertThreads, 0, stream>>>(lists, slots, ids,
-                                                                                                   scores);
-  return cudaGetLastError();
-}
-
-template <class T>
 cudaError_t launch_replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots,
                                 const SelectionView& entries, const MatrixView<const float>& scores,
                                 std::int32_t* replaced, cudaStream_t stream) {
@@ -370,8 +297,6 @@ cudaError_t launch_replace_list(const InvertedListsView<T>& lists, const std::in
 #define KVSIFT_INSTANTIATE(T)                                                                                       \
   template cudaError_t launch_list_reduction<T>(const ListReductionParams<T>&, const ListReductionBuffers&,          \
                                                 cudaStream_t);                                                      \
-  template cudaError_t launch_try_insert_lists<T>(const InvertedListsView<T>&, const std::int32_t*,                   \
-                                                  const std::int32_t*, const MatrixView<const float>&, cudaStream_t); \
   template cudaError_t launch_replace_list<T>(const InvertedListsView<T>&, const std::int32_t*, const SelectionView&, \
                                               const MatrixView<const float>&, std::int32_t*, cudaStream_t);
 KVSIFT_INSTANTIATE(float)

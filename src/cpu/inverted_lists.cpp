@@ -104,35 +104,6 @@ void reduce_lists_by_key(const InvertedListsView<const T>& lists, const Selectio
 }
 
 template <class T>
-void try_insert_lists(const InvertedListsView<T>& lists, const std::int32_t* slots, const std::int32_t* ids,
-                      const MatrixView<const float>& scores, ThreadPool* pool) {
-  detail::check_try_insert("cpu::try_insert_lists", lists, slots, ids, scores, MemorySpace::host);
-  parallel_for(pool, scores.rows * lists.lists, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t item = begin; item < end; ++item) {
-      const std::int64_t row = item / lists.lists, l = item % lists.lists;
-      const std::int64_t b = row / lists.kv_heads, h = row % lists.kv_heads;
-      const T score = from_float<T>(scores.row(row)[l]);
-      const float s = to_float(score);
-      std::int32_t* const list_ids = lists.list_ids(slots[b], h, l);
-      T* const list_scores = lists.list_scores(slots[b], h, l);
-      std::int32_t& count = lists.count(slots[b], h, l);
-      std::int32_t at = count;
-      if (count == lists.list_capacity) {
-        at = 0;
-        for (std::int32_t p = 1; p < count; ++p) {
-          if (detail::list_entry_below(to_float(list_scores[p]), list_ids[p], to_float(list_scores[at]), list_ids[at])) at = p;
-        }
-        if (!detail::list_entry_below(to_float(list_scores[at]), list_ids[at], s, ids[b])) continue;
-      } else {
-        ++count;
-      }
-      list_ids[at] = ids[b];
-      list_scores[at] = score;
-    }
-  });
-}
-
-template <class T>
 void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, const SelectionView& entries,
                   const MatrixView<const float>& scores, std::int32_t* replaced, ThreadPool* pool) {
   detail::check_replace_list("cpu::replace_list", lists, slots, entries, scores, MemorySpace::host);
@@ -160,8 +131,6 @@ void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, 
   template void reduce_lists_by_key<T>(const InvertedListsView<const T>&, const SelectionView&, const std::int32_t*,  \
                                        const std::int32_t*, const AttentionWindow&, const SelectionView&,             \
                                        const MatrixView<float>&, std::span<std::byte>, ThreadPool*);                 \
-  template void try_insert_lists<T>(const InvertedListsView<T>&, const std::int32_t*, const std::int32_t*,            \
-                                    const MatrixView<const float>&, ThreadPool*);                                    \
   template void replace_list<T>(const InvertedListsView<T>&, const std::int32_t*, const SelectionView&,               \
                                 const MatrixView<const float>&, std::int32_t*, ThreadPool*);
 KVSIFT_INSTANTIATE(float)

@@ -86,13 +86,6 @@ void reduce_lists_by_key(const InvertedListsView<const T>& lists, const Selectio
 }
 
 template <class T>
-void try_insert_lists(const InvertedListsView<T>& lists, const std::int32_t* d_slots, const std::int32_t* d_ids,
-                      const MatrixView<const float>& scores, cudaStream_t stream) {
-  kvsift::detail::check_try_insert("cuda::try_insert_lists", lists, d_slots, d_ids, scores, MemorySpace::device);
-  KVSIFT_CUDA_CHECK(detail::launch_try_insert_lists(lists, d_slots, d_ids, scores, stream));
-}
-
-template <class T>
 void replace_list(const InvertedListsView<T>& lists, const std::int32_t* d_slots, const SelectionView& entries,
                   const MatrixView<const float>& scores, std::int32_t* d_replaced, cudaStream_t stream) {
   constexpr const char* where = "cuda::replace_list";
@@ -109,8 +102,6 @@ void replace_list(const InvertedListsView<T>& lists, const std::int32_t* d_slots
   template void reduce_lists_by_key<T>(const InvertedListsView<const T>&, const SelectionView&, const std::int32_t*,  \
                                        const std::int32_t*, const AttentionWindow&, const SelectionView&,             \
                                        const MatrixView<float>&, std::span<std::byte>, cudaStream_t);                \
-  template void try_insert_lists<T>(const InvertedListsView<T>&, const std::int32_t*, const std::int32_t*,            \
-                                    const MatrixView<const float>&, cudaStream_t);                                   \
   template void replace_list<T>(const InvertedListsView<T>&, const std::int32_t*, const SelectionView&,               \
                                 const MatrixView<const float>&, std::int32_t*, cudaStream_t);
 KVSIFT_INSTANTIATE(float)

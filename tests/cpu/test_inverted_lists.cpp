@@ -108,82 +108,6 @@ TEST_F(InvertedLists, UnionOfListsWithoutScores) {
   }
 }
 
-/// The lists' order, written from the contract: lower score, NaN highest, then the larger id.
-bool below(float sa, std::int32_t ia, float sb, std::int32_t ib) {
-  if (std::isnan(sa) != std::isnan(sb)) return std::isnan(sb);
-  if (!std::isnan(sa) && sa != sb) return sa < sb;
-  return ia > ib;
-}
-
-template <class T>
-void check_try_insert(Random& rng, cpu::ThreadPool* pool) {
-  ListsProblem<T> p(rng, 3, 2, 6, 5, 1, 50);
-  std::vector<std::int32_t> ids = p.ids, counts = p.counts;
-  std::vector<T> scores = p.scores;
-  for (std::int32_t step = 0; step < 12; ++step) {
-    std::vector<std::int32_t> new_ids(p.batch);
-    for (auto& id : new_ids) id = 100 + step;
-    std::vector<float> s(std::size_t(p.batch) * p.kv_heads * p.lists);
-    for (auto& x : s) {
-      const int kind = rng.uniform_int(0, 9);
-      x = kind == 0 ? NAN : float(rng.uniform_int(-8, 8)) * 0.375f;  // ties with stored scores happen
-    }
-    cpu::try_insert_lists(p.view(), p.slots.data(), new_ids.data(),
-                          MatrixView<const float>::packed(s.data(), std::int64_t(p.batch) * p.kv_heads, p.lists), pool);
-    for (std::int32_t b = 0; b < p.batch; ++b) {
-      for (std::int32_t h = 0; h < p.kv_heads; ++h) {
-        for (std::int32_t l = 0; l < p.lists; ++l) {
-          const std::size_t list = (std::size_t(p.slots[b]) * p.kv_heads + h) * p.lists + l;
-          const T score = from_float<T>(s[(std::size_t(b) * p.kv_heads + h) * p.lists + l]);
-          std::int32_t* li = ids.data() + list * p.list_capacity;
-          T* ls = scores.data() + list * p.list_capacity;
-          if (counts[list] < p.list_capacity) {
-            li[counts[list]] = new_ids[b];
-            ls[counts[list]++] = score;
-            continue;
-          }
-          std::vector<std::int32_t> order(p.list_capacity);
-          std::iota(order.begin(), order.end(), 0);
-          const std::int32_t lowest = *std::min_element(order.begin(), order.end(), [&](std::int32_t x, std::int32_t y) {
-            return below(to_float(ls[x]), li[x], to_float(ls[y]), li[y]);
-          });
-          if (below(to_float(ls[lowest]), li[lowest], to_float(score), new_ids[b])) {
-            li[lowest] = new_ids[b];
-            ls[lowest] = score;
-          }
-        }
-      }
-    }
-    ASSERT_EQ(p.counts, counts) << "step " << step;
-    ASSERT_EQ(p.ids, ids) << "step " << step;
-    ASSERT_EQ(std::memcmp(p.scores.data(), scores.data(), scores.size() * sizeof(T)), 0) << "step " << step;
-  }
-}
-
-TEST_F(InvertedLists, TryInsertMatchesMinElementReference) {
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
-  cpu::ThreadPool pool(2);
-  for (int repeat = 0; repeat < 10; ++repeat) {
-    check_try_insert<float>(rng, nullptr);
-    check_try_insert<half>(rng, &pool);
-  }
-}
-
-TEST_F(InvertedLists, TryInsertKeepsTheOlderEntryOnATie) {
-  // One full list of scores {1, 2}: a new key of score 1 stays out, of score 1.5 replaces the 1.
-  std::vector<std::int32_t> ids = {7, 3}, counts = {2};
-  std::vector<float> scores = {1.0f, 2.0f};
-  const InvertedListsView<float> lists{ids.data(), scores.data(), counts.data(), nullptr, 1, 1, 1, 2};
-  const std::int32_t slot = 0, id = 9;
-  float s = 1.0f;
-  cpu::try_insert_lists(lists, &slot, &id, MatrixView<const float>::packed(&s, 1, 1));
-  EXPECT_EQ(ids, (std::vector<std::int32_t>{7, 3}));
-  s = 1.5f;
-  cpu::try_insert_lists(lists, &slot, &id, MatrixView<const float>::packed(&s, 1, 1));
-  EXPECT_EQ(ids, (std::vector<std::int32_t>{9, 3}));
-  EXPECT_EQ(scores, (std::vector<float>{1.5f, 2.0f}));
-}
-
 template <class T>
 void check_replace(Random& rng, bool with_scores, bool pinned, cpu::ThreadPool* pool) {
   ListsProblem<T> p(rng, 3, 2, 4, 6, 1, 50, with_scores);
@@ -299,25 +223,8 @@ TEST_F(InvertedLists, BadInputIsRefused) {
   }, "sums is [4, 14], not [out.batch * kv_heads = 4, >= out.capacity = 15]");
   test::expect_error([&] { cpu::list_reduction_workspace_bytes(0, 3, 5, false); }, "rows (= 0)");
 
-  // try_insert_lists
-  std::vector<float> s(std::size_t(p.batch) * p.kv_heads * p.lists, 1.0f);
-  std::vector<std::int32_t> ids = {40, 40};
-  const auto s_view = MatrixView<const float>::packed(s.data(), std::int64_t(p.batch) * p.kv_heads, p.lists);
-  test::expect_error([&] { cpu::try_insert_lists(lists, p.slots.data(), ids.data(), MatrixView<const float>::packed(s.data(), 4, 3)); },
-                     {"cpu::try_insert_lists", "scores.cols (= 3) != lists.lists (= 4)"});
-  test::expect_error([&] { cpu::try_insert_lists(lists, p.slots.data(), ids.data(), MatrixView<const float>::packed(s.data(), 3, 4)); },
-                     "scores.rows (= 3) is not a multiple of lists.kv_heads (= 2)");
-  std::vector<std::int32_t> same_slots = {p.slots[0], p.slots[0]};
-  test::expect_error([&] { cpu::try_insert_lists(lists, same_slots.data(), ids.data(), s_view); },
-                     fmt::format("slots[1] (= {}) repeats slots[0]", p.slots[0]));
-  ids[1] = -3;
-  test::expect_error([&] { cpu::try_insert_lists(lists, p.slots.data(), ids.data(), s_view); }, "ids[1] (= -3) is negative");
-  auto unscored = lists;
-  unscored.scores = nullptr;
-  test::expect_error([&] { cpu::try_insert_lists(unscored, p.slots.data(), ids.data(), s_view); },
-                     "lists.scores is a null pointer");
-
   // replace_list
+  const std::vector<float> s(std::size_t(p.batch) * p.kv_heads * p.lists, 1.0f);
   test::HostSelection entries(p.batch, p.kv_heads, 5, false);
   std::fill(entries.counts.begin(), entries.counts.end(), 2);
   std::fill(entries.indices.begin(), entries.indices.end(), 1);

@@ -164,18 +164,6 @@ void check_updates(Random& rng, bool pinned) {
   DeviceLists<T> d(p);
   const std::int32_t rows = p.batch * p.kv_heads;
   for (std::int32_t step = 0; step < 6; ++step) {
-    std::vector<std::int32_t> ids(p.batch, 600 + step);
-    std::vector<float> s(std::size_t(rows) * p.lists);
-    for (auto& x : s) x = rng.uniform_int(0, 15) == 0 ? NAN : float(rng.uniform_int(-8, 8)) * 0.375f;
-    DeviceBuffer<std::int32_t> d_ids(ids);
-    DeviceBuffer<float> d_s(s);
-    cpu::try_insert_lists(p.view(), p.slots.data(), ids.data(), MatrixView<const float>::packed(s.data(), rows, p.lists));
-    cuda::try_insert_lists(d.view(p), d.slots.data(), d_ids.data(),
-                           MatrixView<const float>::packed(d_s.data(), rows, p.lists), nullptr);
-    ASSERT_EQ(d.counts.download(), p.counts) << "try_insert step " << step;
-    ASSERT_EQ(d.ids.download(), p.ids) << "try_insert step " << step;
-    ASSERT_TRUE(same_bytes(d.scores.download(), p.scores)) << "try_insert step " << step;
-
     const std::int32_t cap = rng.uniform_int(1, p.list_capacity);
     test::HostSelection entries(p.batch, p.kv_heads, cap, false);
     for (std::size_t r = 0; r < entries.counts.size(); ++r) {
@@ -213,8 +201,8 @@ TEST_F(CudaInvertedLists, UpdatesEqualTheCpu) {
   }
 }
 
-/// reduce_lists_by_key + union_lists + try_insert_lists captured once and replayed (lists restored and outputs
-/// poisoned before each replay) equal the eager run.
+/// reduce_lists_by_key + union_lists captured once and replayed (lists restored and outputs poisoned before each
+/// replay) equal the eager run.
 TEST_F(CudaInvertedLists, GraphReplayEqualsEager) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   ListsProblem<half> p(rng, 4, 2, 8, 40, 3, 200);
@@ -223,11 +211,6 @@ TEST_F(CudaInvertedLists, GraphReplayEqualsEager) {
   DeviceOut by_key(p.batch, p.kv_heads, capacity), uni(p.batch, p.kv_heads, capacity);
   DeviceBuffer<std::byte> ws_key(cuda::list_reduction_workspace_bytes(rows, 3, 40, true));
   DeviceBuffer<std::byte> ws_union(cuda::list_reduction_workspace_bytes(rows, 3, 40, false));
-  std::vector<std::int32_t> ids(p.batch, 900);
-  std::vector<float> s(std::size_t(rows) * p.lists);
-  for (auto& x : s) x = rng.uniform(-3.0f, 3.0f);
-  DeviceBuffer<std::int32_t> d_ids(ids);
-  DeviceBuffer<float> d_s(s);
   cudaStream_t stream = nullptr;
   KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const auto step = [&] {
@@ -235,8 +218,6 @@ TEST_F(CudaInvertedLists, GraphReplayEqualsEager) {
                               by_key.view, by_key.sums_view, {ws_key.data(), ws_key.size()}, stream);
     cuda::union_lists(d.view(p).as_const(), d.chosen(p), d.slots.data(), d.lengths.data(), p.window, uni.view,
                       {ws_union.data(), ws_union.size()}, stream);
-    cuda::try_insert_lists(d.view(p), d.slots.data(), d_ids.data(),
-                           MatrixView<const float>::packed(d_s.data(), rows, p.lists), stream);
   };
   const auto outputs = [&] {
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -344,11 +325,7 @@ TEST(CudaInvertedListsBadInput, RefusedBeforeAnyDeviceCall) {
     cuda::reduce_lists_by_key(no_scores, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out15.view,
                               MatrixView<float>::packed(sums.data(), 4, 15), {ws.data(), ws.size()}, nullptr);
   }, {"cuda::reduce_lists_by_key", "lists.scores is a null pointer"});
-  std::vector<float> s(16);
-  std::vector<std::int32_t> ids(2);
-  test::expect_error([&] {
-    cuda::try_insert_lists(p.view(), p.slots.data(), ids.data(), MatrixView<const float>::packed(s.data(), 4, 3), nullptr);
-  }, {"cuda::try_insert_lists", "scores.cols (= 3) != lists.lists (= 4)"});
+  std::vector<float> s(24);
   test::HostSelection wide(2, 2, 6, false);
   test::expect_error([&] {
     cuda::replace_list(p.view(), p.slots.data(), wide.view, MatrixView<const float>::packed(s.data(), 4, 6), nullptr,

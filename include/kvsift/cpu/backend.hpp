@@ -195,11 +195,6 @@ void reduce_lists_by_key(const InvertedListsView<const T>& lists, const Selectio
   cpu::reduce_lists_by_key(lists, chosen, slots, lengths, window, out, sums, workspace, ctx.pool);
 }
 template <class T>
-void try_insert_lists(const InvertedListsView<T>& lists, const std::int32_t* slots, const std::int32_t* ids,
-                      const MatrixView<const float>& scores, const Context& ctx) {
-  cpu::try_insert_lists(lists, slots, ids, scores, ctx.pool);
-}
-template <class T>
 void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, const SelectionView& entries,
                   const MatrixView<const float>& scores, std::int32_t* replaced, const Context& ctx) {
   cpu::replace_list(lists, slots, entries, scores, replaced, ctx.pool);

@@ -53,19 +53,6 @@ void reduce_lists_by_key(const InvertedListsView<const T>& lists, const Selectio
                          const SelectionView& out, const MatrixView<float>& sums, std::span<std::byte> workspace,
                          ThreadPool* pool = nullptr);
 
-/// CSAttention's streaming update: batch row b's new key (token ids[b], usually lengths[b] - 1) tries into every
-/// list l of slot slots[b], kv head h, with score s = scores.row(b * kv_heads + h)[l] rounded to T. A list with
-/// room appends it (whatever s is). A full list finds its lowest entry by the lists' order (lower score first, NaN
-/// lowest, on ties the larger id: core/inverted_lists.hpp list_entry_below; among equal (score, id) the first
-/// position) and the new entry replaces it exactly when the lowest is below the new one; the new id is the
-/// largest, so a tie keeps the older entry, and a NaN score never enters a full list. The caller inserts each
-/// token once (a list is not searched for the id). Shapes: scores [batch * kv_heads, lists.lists]; slots, ids
-/// [batch]. Requires lists.scores. Refused: a slot outside [0, lists.slots) or repeated, a negative id, a list
-/// count outside [0, list_capacity]. Threads: (row, list) items on `pool`.
-template <class T>
-void try_insert_lists(const InvertedListsView<T>& lists, const std::int32_t* slots, const std::int32_t* ids,
-                      const MatrixView<const float>& scores, ThreadPool* pool = nullptr);
-
 /// CTKVR's FIFO update: for selection row (b, h) the list l = lists.cursors[slots[b] * kv_heads + h] of slot
 /// slots[b], kv head h, is overwritten by entries.row(b, h)[0, count) (and, when the lists keep scores, their
 /// scores.row(b * kv_heads + h), rounded to T), its count set, and the cursor advanced to l + 1, or from the last

@@ -12,8 +12,6 @@
 /// - union_lists / reduce_lists_by_key: a row whose slot is outside [0, lists.slots), whose length is negative or
 ///   whose chosen count is outside [0, chosen.capacity] gets out count -1 and no entries; a chosen list id outside
 ///   [0, lists.lists), or a chosen list whose count is outside [0, list_capacity], contributes nothing.
-/// - try_insert_lists: a (row, list) whose slot is outside [0, lists.slots), whose list count is outside [0,
-///   list_capacity] or whose new id is negative is left alone; two rows naming one slot race (the CPU refuses it).
 /// - replace_list: a row whose slot is outside [0, lists.slots), whose entries count is outside [0,
 ///   entries.capacity] or whose cursor or fifo_begin is outside [0, lists.lists) changes nothing and gets
 ///   replaced = -1; two rows
@@ -53,12 +51,6 @@ void reduce_lists_by_key(const InvertedListsView<const T>& lists, const Selectio
                          const std::int32_t* d_slots, const std::int32_t* d_lengths, const AttentionWindow& window,
                          const SelectionView& out, const MatrixView<float>& sums, std::span<std::byte> workspace,
                          cudaStream_t stream);
-
-/// cpu::try_insert_lists. One launch, one warp per (row, list): a full list is scanned for its lowest entry
-/// (scores and ids read once; a warp reduction), then lane 0 replaces it or not.
-template <class T>
-void try_insert_lists(const InvertedListsView<T>& lists, const std::int32_t* d_slots, const std::int32_t* d_ids,
-                      const MatrixView<const float>& scores, cudaStream_t stream);
 
 /// cpu::replace_list. One launch, one CTA per row; replaced may be nullptr.
 template <class T>

@@ -104,30 +104,6 @@ void check_list_reduction(const char* where, const InvertedListsView<const T>& l
   }
 }
 
-/// try_insert_lists: ids [batch], scores [batch * kv_heads, lists].
-template <class T>
-void check_try_insert(const char* where, const InvertedListsView<T>& lists, const std::int32_t* slots,
-                      const std::int32_t* ids, const MatrixView<const float>& scores, MemorySpace contents) {
-  check_inverted_lists(where, lists);
-  check_pointer(where, "lists", "scores", lists.scores);
-  validate(scores, where, "scores");
-  KVSIFT_CHECK(slots != nullptr, where, "slots is a null pointer");
-  KVSIFT_CHECK(ids != nullptr, where, "ids is a null pointer");
-  KVSIFT_CHECK(scores.rows % lists.kv_heads == 0, where, "scores.rows (= {}) is not a multiple of lists.kv_heads (= {})",
-               scores.rows, lists.kv_heads);
-  KVSIFT_CHECK(scores.cols == lists.lists, where, "scores.cols (= {}) != lists.lists (= {})", scores.cols, lists.lists);
-  KVSIFT_CHECK(scores.rows <= INT32_MAX, where, "scores.rows (= {}) exceeds 2^31 - 1", scores.rows);
-  if (contents != MemorySpace::host) return;
-  const std::int32_t batch = std::int32_t(scores.rows / lists.kv_heads);
-  check_list_slots(where, slots, batch, lists.slots, true);
-  for (std::int32_t b = 0; b < batch; ++b) {
-    KVSIFT_CHECK(ids[b] >= 0, where, "ids[{}] (= {}) is negative", b, ids[b]);
-    for (std::int32_t h = 0; h < lists.kv_heads; ++h) {
-      for (std::int32_t l = 0; l < lists.lists; ++l) check_list_count(where, lists, slots[b], h, l);
-    }
-  }
-}
-
 /// replace_list: entries [batch, kv_heads, capacity <= list_capacity], scores [batch * kv_heads, >= capacity] when
 /// the lists have scores, replaced [batch * kv_heads] optional.
 template <class T>

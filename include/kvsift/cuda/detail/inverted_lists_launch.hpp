@@ -51,10 +51,6 @@ template <class T>
 cudaError_t launch_list_reduction(const ListReductionParams<T>& params, const ListReductionBuffers& buffers,
                                   cudaStream_t stream);
 template <class T>
-cudaError_t launch_try_insert_lists(const InvertedListsView<T>& lists, const std::int32_t* slots,
-                                    const std::int32_t* ids, const MatrixView<const float>& scores,
-                                    cudaStream_t stream);
-template <class T>
 cudaError_t launch_replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots,
                                 const SelectionView& entries, const MatrixView<const float>& scores,
                                 std::int32_t* replaced, cudaStream_t stream);
