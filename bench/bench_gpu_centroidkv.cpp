@@ -95,6 +95,7 @@ struct Cache {
 struct Prefill {
   const Cache& cache;
   kvsift::CentroidKVConfig config{.budget_ratio = kRatio};
+  std::vector<kvsift::MergeRoundParams> schedule;
   std::int32_t rounds, budget;
   StoreBuffers temp, store;
   Device<std::int32_t> budgets;
@@ -102,7 +103,8 @@ struct Prefill {
   std::size_t workspace_bytes;
 
   explicit Prefill(const Cache& c)
-      : cache(c), rounds(kvsift::detail::centroid_kv_prefill_rounds("bench", config, std::int32_t(c.n))),
+      : cache(c), schedule(kvsift::detail::centroid_kv_prefill_schedule("bench", config, std::int32_t(c.n))),
+        rounds(std::int32_t(schedule.size())),
         budget(kvsift::detail::centroid_kv_budget(config, std::int32_t(c.n))), temp(c.batch, std::int32_t(c.n)),
         store(c.batch, store_capacity(c.n, config)), budgets(std::size_t(c.batch)),
         workspace(kvsift::cuda::merge_round_workspace_bytes(c.batch, kKvHeads, std::int32_t(c.n))),
@@ -114,10 +116,9 @@ struct Prefill {
     kvsift::cuda::merge_store_load(cache.cache().as_const(), cache.slots.ptr, temp.view(), stream);
   }
   void merge(cudaStream_t stream) const {
-    for (std::int32_t j = 0; j < rounds; ++j) {
-      kvsift::cuda::merge_round(temp.view(), cache.slots.ptr, cache.batch, budgets.ptr,
-                                kvsift::detail::centroid_kv_prefill_params(config, j), {workspace.ptr, workspace_bytes},
-                                stream);
+    for (const kvsift::MergeRoundParams& round : schedule) {
+      kvsift::cuda::merge_round(temp.view(), cache.slots.ptr, cache.batch, budgets.ptr, round,
+                                {workspace.ptr, workspace_bytes}, stream);
     }
   }
   void copy(cudaStream_t stream) const {

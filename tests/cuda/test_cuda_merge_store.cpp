@@ -502,20 +502,16 @@ TEST_F(CudaCentroidKVStep, PrepareAndDecodeStepsEqualTheCpusAndTheGraphReplaysEq
   {
     HostStore<bfloat16> pre(kBatch, kKvHeads, kTokens, kHeadDim);
     const std::vector<std::int32_t> rows{0, 1};
-    std::vector<std::int32_t> budgets(kBatch);
-    std::int32_t rounds = 0;
-    for (std::int32_t b = 0; b < kBatch; ++b) {
-      budgets[std::size_t(b)] = detail::centroid_kv_budget(ckv, prompts[std::size_t(b)]);
-      rounds = std::max(rounds, detail::centroid_kv_prefill_rounds("test", ckv, prompts[std::size_t(b)]));
-    }
     cpu::merge_store_load(host_prefill, rows.data(), pre.view());
-    cpu::Array<std::byte> pre_workspace(cpu::merge_round_workspace_bytes(kBatch, kKvHeads, kTokens));
-    for (std::int32_t j = 0; j < rounds && !diverged; ++j) {
-      const MergeRoundParams params = detail::centroid_kv_prefill_params(ckv, j);
-      for (std::int64_t row = 0; row < std::int64_t(kBatch) * kKvHeads; ++row) {
-        diverged |= near_tie(pre, row, budgets[std::size_t(row / kKvHeads)], params);
+    cpu::Array<std::byte> pre_workspace(cpu::merge_round_workspace_bytes(1, kKvHeads, kTokens));
+    // Each prompt's own schedule, one prompt at a time, as the selector runs them.
+    for (std::int32_t b = 0; b < kBatch && !diverged; ++b) {
+      const std::int32_t budget = detail::centroid_kv_budget(ckv, prompts[std::size_t(b)]);
+      for (const MergeRoundParams& params : detail::centroid_kv_prefill_schedule("test", ckv, prompts[std::size_t(b)])) {
+        for (std::int32_t h = 0; h < kKvHeads; ++h) diverged |= near_tie(pre, std::int64_t(b) * kKvHeads + h, budget, params);
+        if (diverged) break;
+        cpu::merge_round(pre.view(), rows.data() + b, 1, &budget, params, pre_workspace.bytes());
       }
-      cpu::merge_round(pre.view(), rows.data(), kBatch, budgets.data(), params, pre_workspace.bytes());
     }
   }
 

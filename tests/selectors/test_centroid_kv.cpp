@@ -267,13 +267,47 @@ TEST_F(CentroidKVTest, IdenticalKeysReproduceDenseAttention) {
   const std::vector<T> q = to_storage<T>(rng.normal(std::size_t(2) * kQHeads * kHeadDim));
   const auto [o, lse] = run_step(step, p, q, workspace, ctx);
   // Every round rounds its merged values to T once more: the store's values drift by up to half an ulp per round.
-  const std::int32_t rounds = detail::centroid_kv_prefill_rounds("test", {}, 900);
+  const auto rounds = std::int32_t(detail::centroid_kv_prefill_schedule("test", {}, 900).size());
   const HostState dense = dense_reference(q, p.kv);
   double max_ref = 0;
   for (const float x : dense.o) max_ref = std::max(max_ref, double(std::abs(x)));
   const double tolerance = (rounds + 2) * 0.5 * std::ldexp(max_ref, -10);
   for (std::size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(to_float(o[i]), dense.o[i], tolerance) << "O " << i;
   for (std::size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], dense.lse[i], 1e-3 * std::max(1.0f, std::abs(dense.lse[i])));
+}
+
+// No budget above the minimum stalls: a budget at the minimum's edge, a schedule cut to 1 or 0 rounds at its own
+// ratios, small ratios of long prompts: every row of the store ends with exactly B = floor(R n) entries.
+TEST_F(CentroidKVTest, EveryBudgetAboveTheMinimumIsMet) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  using T = bfloat16;
+  const cpu::Context ctx{};
+  const std::pair<CentroidKVConfig, std::int32_t> cases[] = {
+      {{}, 324},                                    // B = 81: the schedule's own ratio would merge nothing
+      {{.max_rounds = 1}, 1000},                    // one round at r_init, then ratio 1
+      {{.max_rounds = 0}, 700},                     // ratio 1 throughout
+      {{.budget_ratio = 0.07f}, kMaxTokens},        // B = 84, just above the minimum
+      {{.budget_ratio = 0.05f, .sinks = 4, .recent = 16}, kMaxTokens - 7}};
+  for (const auto& [config, n] : cases) {
+    SCOPED_TRACE(testing::Message() << "n " << n << " R " << config.budget_ratio << " max_rounds " << config.max_rounds);
+    Problem<T> prompt(rng, {n}, {0});
+    CentroidKV<T, cpu::Context> selector(prompt.limits, config, ctx);
+    selector.prepare({.cache = prompt.cache(), .slots = prompt.slots.data()}, ctx);
+    const std::int32_t budget = detail::centroid_kv_budget(config, n);
+    const auto store = selector.store();
+    for (std::int32_t h = 0; h < kKvHeads; ++h) EXPECT_EQ(store.count[h], budget) << "kv head " << h;
+  }
+  // The schedule alone, over a grid: ratio-1 rounds always merge, so it ends at B within a few dozen rounds.
+  for (const std::int32_t n : {200, 1000, 4096, 131072}) {
+    for (const float ratio : {0.01f, 0.02f, 0.05f, 0.25f, 0.9f}) {
+      const CentroidKVConfig config{.budget_ratio = ratio};
+      if (detail::centroid_kv_budget(config, n) <= config.sinks + config.recent) {
+        expect_error([&] { (void)detail::centroid_kv_prefill_schedule("test", config, n); }, "its smallest budget is 81");
+        continue;
+      }
+      EXPECT_LT(detail::centroid_kv_prefill_schedule("test", config, n).size(), 64u) << "n " << n << " R " << ratio;
+    }
+  }
 }
 
 // R = 1: no round runs, the store is the prompt, and the step (an empty primary selection merged with the
@@ -331,10 +365,7 @@ TEST_F(CentroidKVTest, BadInputsAreRefused) {
   };
   expect_error([&] { prepare_with({}, 300); },
                "CentroidKV::prepare: a prompt of n = 300 tokens at budget_ratio R = 0.25 has budget B = 75 <= sinks + "
-               "recent (= 80)");
-  expect_error([&] { prepare_with({.max_rounds = 1}, 1000); },
-               "a prompt of n = 1000 tokens at R = 0.25 (B = 250) needs more than config.max_rounds (= 1) rounds");
-  expect_error([&] { prepare_with({}, 324); }, "a prompt of n = 324 tokens at R = 0.25 (B = 81)");
+               "recent (= 80): CentroidKV cannot meet it; its smallest budget is 81 tokens (R >= 0.27 for this prompt)");
   // A slot twice (issue 24's review): two rows of the prefill would write one store row.
   Problem<T> twice(rng, {1000, 900}, {1, 1});
   CentroidKV<T, cpu::Context> twice_selector(twice.limits, {}, ctx);

@@ -158,7 +158,7 @@ std::vector<BasicSelectorEntry<Context>> centroid_kv_selectors(double prefill) {
           const CentroidKVConfig config{.budget_ratio = float(std::min(1.0, (k + 0.5) / prompt)), .sinks = sinks,
                                         .recent = recent};
           // A budget the prefill cannot meet is refused here, where the harness reports it.
-          (void)detail::centroid_kv_prefill_rounds("centroid_kv_selectors", config, std::int32_t(prompt));
+          (void)detail::centroid_kv_prefill_schedule("centroid_kv_selectors", config, std::int32_t(prompt));
           return Setup{Any(CentroidKV<half, Context>(limits, config, Context{}))};
         }};
   };

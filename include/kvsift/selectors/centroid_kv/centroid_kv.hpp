@@ -9,10 +9,11 @@
 ///
 /// Life cycle, per layer (written once for both backends: only backend calls and context arrays):
 ///   - prepare: each joining prompt in turn is loaded into a temporary prompt-sized store, merged by rounds
-///     j = 0, 1, ... at ratio r_j = max(r_init - j r_step, r_min), trigger 1, until every row has s <= B (the number
-///     of rounds is a host function of n: detail::centroid_kv_prefill_rounds), then copied into the selector's
-///     store. Refused: a slot twice, B <= sinks + recent (the budget cannot be met), a schedule above max_rounds or
-///     one that stalls. Allocates, once per call, a one-sequence store of the longest joining prompt (K and V
+///     j = 0, 1, ... at ratio r_j = max(r_init - j r_step, r_min), trigger 1, until every row has s <= B; a round
+///     whose ratio would merge nothing, and every round past max_rounds, runs at ratio 1 (the schedule is a host
+///     function of n: detail::centroid_kv_prefill_schedule), so no budget above the minimum stalls; then copied into
+///     the selector's store. Refused: a slot twice, B <= sinks + recent (the budget cannot be met: the message names
+///     the smallest). Allocates, once per call, a one-sequence store of the longest joining prompt (K and V
 ///     [kv_heads, n, head_dim] in T, order, degree and log_degree [kv_heads, n]) and merge_round's workspace for it;
 ///     on CUDA synchronizes (the lengths are read on the host, each budget is copied from it).
 ///   - append (each decode step, the token already in the cache): one decode-time round at ratio 1 with trigger
@@ -59,7 +60,7 @@ struct CentroidKVConfig {
   float r_step = 0.2f;           ///< δ_r: decrease per prefill round
   float r_min = 0.2f;            ///< floor of the prefill schedule
   std::int32_t interval = 64;    ///< g: a decode-time round runs once s >= B + g
-  std::int32_t max_rounds = 64;  ///< prefill rounds allowed; a prompt needing more is refused
+  std::int32_t max_rounds = 64;  ///< prefill rounds at the schedule's ratios; later rounds run at ratio 1
 };
 
 namespace detail {
@@ -74,7 +75,7 @@ inline void check_centroid_kv_config(const char* where, const CentroidKVConfig& 
                "config.r_min (= {}), r_init (= {}) and r_step (= {}) need 0 <= r_min <= r_init <= 1 and r_step >= 0",
                c.r_min, c.r_init, c.r_step);
   KVSIFT_CHECK(c.interval >= 1, where, "config.interval (= {}) must be >= 1", c.interval);
-  KVSIFT_CHECK(c.max_rounds >= 1, where, "config.max_rounds (= {}) must be >= 1", c.max_rounds);
+  KVSIFT_CHECK(c.max_rounds >= 0, where, "config.max_rounds (= {}) must be >= 0", c.max_rounds);
 }
 
 /// A prompt's budget B = floor(R n).
@@ -98,29 +99,36 @@ inline MergeRoundParams centroid_kv_decode_params(const CentroidKVConfig& c) {
   return {.sinks = c.sinks, .recent = c.recent, .chunk = c.chunk, .ratio = 1.0f, .trigger = c.interval};
 }
 
-/// The prefill rounds a prompt of n tokens takes to reach its budget (the counts of the rounds follow from n
-/// alone: detail::merge_round_links). Refuses B <= sinks + recent, a round that merges nothing while s > B (too
-/// few links for the ratio) and more than max_rounds rounds, naming n, R and B.
-inline std::int32_t centroid_kv_prefill_rounds(const char* where, const CentroidKVConfig& c, std::int32_t n) {
+/// The prefill schedule of a prompt of n tokens: its rounds' parameters, until it holds at most B = floor(R n) entries
+/// (the counts of the rounds follow from n alone: detail::merge_round_links). Round j merges at ratio
+/// r_j = max(r_init - j r_step, r_min), trigger 1, for j < max_rounds while that ratio merges something; a round whose
+/// ratio would merge nothing (too few links for it: a small budget) and every round past max_rounds runs at ratio 1,
+/// merging min(links, s - B). Such a round always merges: B > sinks + recent leaves a middle of >= 2 entries while
+/// s > B, so >= 1 link (chunk >= 2). So every budget above sinks + recent is met, and no prompt stalls. Refused: B <=
+/// sinks + recent, naming the smallest budget (and ratio) this prompt can have.
+inline std::vector<MergeRoundParams> centroid_kv_prefill_schedule(const char* where, const CentroidKVConfig& c,
+                                                                 std::int32_t n) {
   const std::int32_t budget = centroid_kv_budget(c, n);
   KVSIFT_CHECK(budget > c.sinks + c.recent, where,
                "a prompt of n = {} tokens at budget_ratio R = {} has budget B = {} <= sinks + recent (= {}): "
-               "CentroidKV cannot meet it",
-               n, c.budget_ratio, budget, c.sinks + c.recent);
-  std::int32_t s = n, rounds = 0;
+               "CentroidKV cannot meet it; its smallest budget is {} tokens (R >= {:.4g} for this prompt)",
+               n, c.budget_ratio, budget, c.sinks + c.recent, c.sinks + c.recent + 1,
+               double(c.sinks + c.recent + 1) / double(n));
+  std::vector<MergeRoundParams> schedule;
+  std::int32_t s = n;
   while (s > budget) {
-    KVSIFT_CHECK(rounds < c.max_rounds, where,
-                 "a prompt of n = {} tokens at R = {} (B = {}) needs more than config.max_rounds (= {}) rounds", n,
-                 c.budget_ratio, budget, c.max_rounds);
-    const std::int32_t merged = merge_round_links(s, budget, centroid_kv_prefill_params(c, rounds));
-    KVSIFT_CHECK(merged > 0, where,
-                 "a prompt of n = {} tokens at R = {} (B = {}) stalls at {} entries after {} rounds: round {} merges "
-                 "nothing (too few links for its ratio)",
-                 n, c.budget_ratio, budget, s, rounds, rounds);
+    MergeRoundParams round = centroid_kv_prefill_params(c, std::int32_t(schedule.size()));
+    std::int32_t merged = std::int32_t(schedule.size()) < c.max_rounds ? merge_round_links(s, budget, round) : 0;
+    if (merged == 0) {
+      round.ratio = 1.0f;
+      merged = merge_round_links(s, budget, round);
+    }
+    KVSIFT_CHECK(merged > 0, where, "a prompt of n = {} tokens (B = {}) has no link to merge at {} entries", n,
+                 budget, s);  // unreachable while B > sinks + recent and chunk >= 2 (checked)
+    schedule.push_back(round);
     s -= merged;
-    ++rounds;
   }
-  return rounds;
+  return schedule;
 }
 
 }  // namespace detail
@@ -214,14 +222,15 @@ class CentroidKV {
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
     check_no_window(where, in.attention.window);
     const auto rows = std::size_t(batch);
-    std::vector<std::int32_t> budgets(rows), rounds(rows);
+    std::vector<std::int32_t> budgets(rows);
+    std::vector<std::vector<MergeRoundParams>> schedules(rows);
     Array<std::int32_t> context_lengths(rows);
     const auto [lengths, slots] =
         detail::read_prefill_rows(where, limits_, in.cache, in.slots, context_lengths.data(), ctx);
     std::int32_t longest = 1;
     for (std::size_t b = 0; b < rows; ++b) {
       KVSIFT_CHECK(lengths[b] > 0, where, "sequence {}'s prompt is empty (0 tokens): nothing to merge", b);
-      rounds[b] = detail::centroid_kv_prefill_rounds(where, config_, lengths[b]);
+      schedules[b] = detail::centroid_kv_prefill_schedule(where, config_, lengths[b]);
       budgets[b] = detail::centroid_kv_budget(config_, lengths[b]);
       longest = std::max(longest, lengths[b]);
     }
@@ -242,9 +251,8 @@ class CentroidKV {
     for (std::size_t b = 0; b < rows; ++b) {
       copy_from_host(&budgets[b], 1, temp_budget.data(), ctx);
       merge_store_load(cache_row(in.cache, std::int32_t(b)), temp_slot.data(), temp, ctx);
-      for (std::int32_t j = 0; j < rounds[b]; ++j) {
-        merge_round(temp, temp_slot.data(), 1, temp_budget.data(), detail::centroid_kv_prefill_params(config_, j), bytes,
-                    ctx);
+      for (const MergeRoundParams& round : schedules[b]) {
+        merge_round(temp, temp_slot.data(), 1, temp_budget.data(), round, bytes, ctx);
       }
       merge_store_copy(temp.as_const(), temp_slot.data(), mutable_store(), in.slots + b, 1, ctx);
     }
