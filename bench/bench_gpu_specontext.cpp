@@ -84,8 +84,10 @@ struct Model {
     kvsift::SpeContextConfig config{.budget = kBudget, .rope = kvsift::specontext_yarn_rope(500000.0, 64.0, 2048)};
     step = std::make_unique<kvsift::SpeContextStep<bfloat16, Cuda>>(
         kvsift::SpeContext<bfloat16, Cuda>(limits, config, Cuda{}),
-        kvsift::SpeContextStepConfig{.layers = kLayers, .max_batch = batch, .q_heads = kQHeads, .kv_heads = kKvHeads,
-                                     .head_dim = kHeadDim, .max_seq_len = std::int32_t(n), .programmatic_launch = pdl},
+        kvsift::SpeContextStepConfig{.step = {.max_batch = batch, .q_heads = kQHeads, .kv_heads = kKvHeads,
+                                              .head_dim = kHeadDim, .max_seq_len = std::int32_t(n),
+                                              .programmatic_launch = pdl},
+                                     .layers = kLayers},
         Cuda{});
     workspace = std::make_unique<Device<std::byte>>(step->workspace_bytes());
     // The head's prompt keys: layer 0's K stands in for them (random values, the head's shape).

@@ -1060,9 +1060,10 @@ class SpeStepOf final : public SpeStep {
     return sc;
   }
   static SpeContextStepConfig step_config(const SpeStepConfig& c) {
-    return {.attention = attention_options(c.window, c.sm_scale), .layers = c.layers, .max_batch = c.max_batch,
-            .q_heads = c.q_heads, .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = c.max_seq_len,
-            .validate_indices = c.validate};
+    return {.step = {.attention = attention_options(c.window, c.sm_scale), .max_batch = c.max_batch,
+                     .q_heads = c.q_heads, .kv_heads = c.kv_heads, .head_dim = c.head_dim,
+                     .max_seq_len = c.max_seq_len, .validate_indices = c.validate},
+            .layers = c.layers};
   }
   Context context(std::uintptr_t stream) const { return context_of<Context>(pool_, stream); }
   /// CPU work runs without the GIL (other Python threads go on); CUDA work only enqueues.

@@ -92,8 +92,9 @@ struct Arrays {
 template <class T>
 SpeContextStepConfig step_config(const SpeContextProblem<T>& p, const AttentionWindow& window) {
   const auto& c = p.spec;
-  return {.attention = {.window = window}, .layers = c.layers, .max_batch = c.batch, .q_heads = c.q_heads,
-          .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = c.max_tokens};
+  return {.step = {.attention = {.window = window}, .max_batch = c.batch, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
+                   .head_dim = c.head_dim, .max_seq_len = c.max_tokens},
+          .layers = c.layers};
 }
 template <class T>
 SpeContextConfig selector_config(const SpeContextProblem<T>& p, SpeContextMode mode, std::int32_t budget) {
@@ -585,7 +586,9 @@ OffloadRun run_offload_model(const OffloadModel<T>& m, std::int32_t offloaded, b
   const SelectorLimits limits{.max_slots = M::max_slots, .max_tokens = n, .q_heads = qh, .kv_heads = kv, .head_dim = d};
   SpeContextStep<T, cuda::Context> step(
       SpeContext<T, cuda::Context>(limits, {.budget = M::budget, .rope = test_head_rope()}, ctx),
-      {.layers = M::layers, .max_batch = batch, .q_heads = qh, .kv_heads = kv, .head_dim = d, .max_seq_len = n}, ctx);
+      {.step = {.max_batch = batch, .q_heads = qh, .kv_heads = kv, .head_dim = d, .max_seq_len = n},
+       .layers = M::layers},
+      ctx);
   std::optional<SpeContextOffload<T>> offload;
   if (offloaded > 0) offload.emplace(step, offloaded);
   DeviceBuffer<std::byte> ws(step.workspace_bytes());
@@ -811,19 +814,19 @@ TEST_F(CudaSpeContextOffloadBadInput, Refuses) {
   const auto make_step = [&](AttentionWindow window) {
     return SpeContextStep<T, cuda::Context>(
         SpeContext<T, cuda::Context>(limits, {.budget = 16, .rope = test_head_rope()}, ctx),
-        {.attention = {.window = window},
-         .layers = layers,
-         .max_batch = batch,
-         .q_heads = qh,
-         .kv_heads = kv,
-         .head_dim = d,
-         .max_seq_len = n},
+        {.step = {.attention = {.window = window},
+                  .max_batch = batch,
+                  .q_heads = qh,
+                  .kv_heads = kv,
+                  .head_dim = d,
+                  .max_seq_len = n},
+         .layers = layers},
         ctx);
   };
   auto step = make_step({});
   expect_error([&] { (void)SpeContextOffload<T>(step, 0); },
                {"SpeContextOffload", "offloaded (= 0)", "use the step alone"});
-  expect_error([&] { (void)SpeContextOffload<T>(step, 4); }, {"offloaded (= 4)", "step.config().layers = 3"});
+  expect_error([&] { (void)SpeContextOffload<T>(step, 4); }, {"offloaded (= 4)", "step.layers() = 3"});
   {
     const auto wide = make_step({4, 64});
     expect_error([&] { (void)SpeContextOffload<T>(wide, 1); },

@@ -210,8 +210,9 @@ TYPED_TEST(CpuSpeContext, StepAttendsEveryLayerWithTheOneSelection) {
       const auto& c = f.p.spec;
       SpeContextStep<T, cpu::Context> step(
           SpeContext<T, cpu::Context>(f.p.limits(), f.config(32, SpeContextMode::per_kv_head), f.ctx),
-          {.attention = {.window = window}, .layers = c.layers, .max_batch = c.batch, .q_heads = c.q_heads,
-           .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = c.max_tokens},
+          {.step = {.attention = {.window = window}, .max_batch = c.batch, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
+                    .head_dim = c.head_dim, .max_seq_len = c.max_tokens},
+           .layers = c.layers},
           f.ctx);
       auto ws = poisoned(step.workspace_bytes());
       step.prepare(f.prefill(), f.ctx);
@@ -318,16 +319,18 @@ TEST(CpuSpeContextBadInput, RefusesEveryBadArgument) {
   expect_error(
       [&] {
         SpeContextStep<T, cpu::Context>(SpeContext<T, cpu::Context>(other, config, f.ctx),
-                                        {.layers = 2, .max_batch = c.batch, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
-                                         .head_dim = c.head_dim, .max_seq_len = c.max_tokens},
+                                        {.step = {.max_batch = c.batch, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
+                                                  .head_dim = c.head_dim, .max_seq_len = c.max_tokens},
+                                         .layers = 2},
                                         f.ctx);
       },
       {"retrieval head has q_heads 8", "must be equal"});
   expect_error(
       [&] {
         SpeContextStep<T, cpu::Context>(SpeContext<T, cpu::Context>(f.p.limits(), config, f.ctx),
-                                        {.layers = 0, .max_batch = c.batch, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
-                                         .head_dim = c.head_dim, .max_seq_len = c.max_tokens},
+                                        {.step = {.max_batch = c.batch, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
+                                                  .head_dim = c.head_dim, .max_seq_len = c.max_tokens},
+                                         .layers = 0},
                                         f.ctx);
       },
       {"config.layers (= 0)"});

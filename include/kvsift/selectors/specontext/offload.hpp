@@ -46,7 +46,7 @@ class SpeContextOffload {
   using Step = SpeContextStep<T, cuda::Context>;
 
   /// The last `offloaded` of step's layers, for its batches and the selector's slots. Refused: offloaded outside
-  /// [1, step.config().layers] (0: use the step alone), a step whose window is not {0, 1}.
+  /// [1, step.layers()] (0: use the step alone), a step whose window is not {0, 1}.
   SpeContextOffload(const Step& step, std::int32_t offloaded)
       : first_(checked_first(step, offloaded)),
         elastic_(ElasticKVConfig{.layers = offloaded,
@@ -56,7 +56,7 @@ class SpeContextOffload {
                                  .head_dim = step.config().head_dim,
                                  .capacity = step.capacity()}) {}
 
-  /// The first offloaded layer: layers [first_offloaded(), step.config().layers) are on the host.
+  /// The first offloaded layer: layers [first_offloaded(), step.layers()) are on the host.
   std::int32_t first_offloaded() const { return first_; }
   std::int32_t offloaded_layers() const { return elastic_.config().layers; }
   bool offloaded(std::int32_t layer) const { return layer >= first_; }
@@ -86,7 +86,7 @@ class SpeContextOffload {
   template <class TO>
   void attend(Step& step, const SpeContextLayerInputs<T>& in, const StateView<TO>& out, std::span<std::byte> workspace,
               const cuda::Context& ctx) {
-    if (!offloaded(in.layer) || in.layer >= step.config().layers) {  // a GPU layer, or one the step refuses
+    if (!offloaded(in.layer) || in.layer >= step.layers()) {  // a GPU layer, or one the step refuses
       step.attend(in, out, workspace, ctx);
       return;
     }
@@ -107,9 +107,9 @@ class SpeContextOffload {
  private:
   static std::int32_t checked_first(const Step& step, std::int32_t offloaded) {
     constexpr const char* where = "SpeContextOffload";
-    const std::int32_t layers = step.config().layers;
+    const std::int32_t layers = step.layers();
     KVSIFT_CHECK(offloaded >= 1 && offloaded <= layers, where,
-                 "offloaded (= {}) is outside [1, step.config().layers = {}]: with none offloaded use the step alone",
+                 "offloaded (= {}) is outside [1, step.layers() = {}]: with none offloaded use the step alone",
                  offloaded, layers);
     const AttentionWindow window = step.attention().window;
     KVSIFT_CHECK(window.sink == 0 && window.recent == 1, where,

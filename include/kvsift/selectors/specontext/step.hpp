@@ -20,7 +20,7 @@
 ///
 /// Memory and calls: views in the context's memory; the workspace of workspace_bytes() bytes (256-byte aligned,
 /// contents irrelevant) holds the lengths, the selection, the selector's append and select scratch and the
-/// decode's scratch, at offsets fixed at construction for every batch up to config.max_batch. select and attend
+/// decode's scratch, at offsets fixed at construction for every batch up to config.step.max_batch. select and attend
 /// allocate nothing and never synchronize the host (except with config.validate_indices on CUDA); on CUDA, select
 /// and the attention of every layer are stream-ordered and CUDA-graph capturable. attend reads the selection of
 /// the last select over the same workspace, for the same batch rows. Trusted on the device (CUDA; checked on the
@@ -41,24 +41,18 @@
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/selectors/specontext/specontext.hpp"
+#include "kvsift/step/decode_step.hpp"
 #include "kvsift/step/selector_part.hpp"
 
 namespace kvsift {
 
 struct SpeContextStepConfig {
-  /// The layers' sm_scale and window (its recent part raised to at least 1: specontext_window).
-  AttentionOptions attention{};
-  std::int32_t layers = 0;       ///< the model's layers; attend takes a layer in [0, layers)
-  std::int32_t max_batch = 1;    ///< batch rows per step (<= the selector's slots)
-  std::int32_t q_heads = 0;      ///< the model's; the head's must be the same
-  std::int32_t kv_heads = 0;
-  std::int32_t head_dim = 0;
-  std::int32_t max_seq_len = 0;  ///< bound on every sequence's length, the step's token included
-  /// Check the selection (counts, range, duplicates, window) before each layer's attention and throw naming the
-  /// first bad entry; on CUDA this synchronizes the stream and cannot be captured in a graph.
-  bool validate_indices = false;
-  /// CUDA: launch each attention as a programmatic dependent of the kernel before it (PDL, sm_90). Ignored on the CPU.
-  bool programmatic_launch = true;
+  /// Every layer's decode step (step/decode_step.hpp): sm_scale and window (its recent part raised to at least 1:
+  /// specontext_window), batch rows per step (<= the selector's slots), the model's heads and head_dim (the
+  /// head's must be the same), the bound on every sequence's length, validation (of the selection before each
+  /// layer's attention; on CUDA it synchronizes and cannot be captured) and PDL.
+  DecodeStepConfig step{};
+  std::int32_t layers = 0;  ///< the model's layers; attend takes a layer in [0, layers)
 };
 
 /// The retrieval head's step: its vectors before RoPE, and the cache the lengths come from.
@@ -82,45 +76,38 @@ struct SpeContextLayerInputs {
   std::int32_t layer = 0;
 };
 
+/// The model-level step over detail::StepBase (step/decode_step.hpp): the selector, the layers' DecodeStepConfig, the
+/// selector's part of the step and the planned-run check are the decode step's own.
 template <class T, class Context>
-class SpeContextStep {
+class SpeContextStep : public detail::StepBase<SpeContext<T, Context>> {
+  using Base = detail::StepBase<SpeContext<T, Context>>;
+  using Base::config_;
+  using Base::part_;
+  using Base::planned_threads_;
+  using Base::selector_;
+
  public:
   using value_type = T;
   using context_type = Context;
   using Selector = SpeContext<T, Context>;
 
-  /// Plans the step for every batch of 1 .. config.max_batch rows on `ctx`. Refused: the head's (the selector's)
-  /// q_heads, kv_heads or head_dim other than the model's (config), layers <= 0, max_batch outside [1, the
+  /// Plans the step for every batch of 1 .. config.step.max_batch rows on `ctx`. Refused: the head's (the selector's)
+  /// q_heads, kv_heads or head_dim other than the model's (config.step), layers <= 0, max_batch outside [1, the
   /// selector's max_slots], max_seq_len outside [1, its max_tokens], a bad window.
   SpeContextStep(Selector selector, const SpeContextStepConfig& config, const Context& ctx)
-      : selector_(std::move(selector)), config_(checked(config, selector_.limits())),
-        part_(selector_, {config.max_batch, config.q_heads, config.kv_heads, config.head_dim, config.max_seq_len}, ctx),
-        planned_threads_(workspace_threads(ctx)) {
-    // Fewer rows may split more; planned with validation, which attend_selection may ask for per call.
-    for (std::int32_t batch = 1; batch <= config.max_batch; ++batch) {
-      decode_bytes_ = std::max(decode_bytes_, sparse_decode_workspace_bytes(
-                                                  batch, config.q_heads, config.kv_heads, config.head_dim,
-                                                  part_.capacity(), config.max_seq_len, attention(),
-                                                  /*validate_indices=*/true, ctx));
-    }
-    WorkspaceLayout counting;
-    layout(counting);
-    workspace_bytes_ = counting.bytes();
-  }
+      : SpeContextStep(checked(config, selector.limits()), std::move(selector), ctx) {}
 
-  Selector& selector() { return selector_; }
-  const Selector& selector() const { return selector_; }
-  const SpeContextStepConfig& config() const { return config_; }
+  std::int32_t layers() const { return layers_; }
   std::size_t workspace_bytes() const { return workspace_bytes_; }
   /// The selection's capacity: entries per (sequence, kv head), the selector's budget (at least 1).
   std::int32_t capacity() const { return part_.capacity(); }
-  /// The layers' attention: config.attention with the window's recent part at least 1.
+  /// The layers' attention: config().attention with the window's recent part at least 1.
   AttentionOptions attention() const {
     return {.sm_scale = config_.attention.sm_scale, .window = specontext_window(config_.attention.window)};
   }
 
-  /// Prefill of joining sequences: the head's prompt keys (in.k_pre_rope) into its cache (may allocate). The
-  /// batch changes: attend refuses to run until the next select.
+  /// Prefill of joining sequences: the head's prompt keys (in.k_pre_rope) into its cache (may allocate), with the
+  /// layers' attention. The batch changes: attend refuses to run until the next select.
   void prepare(PrefillInputs<T> in, const Context& ctx) {
     in.attention = attention();
     selector_.prepare(in, ctx);
@@ -201,33 +188,47 @@ class SpeContextStep {
     std::span<std::byte> decode;
   };
 
+  /// The constructor's body, once the configuration is checked (the selector is moved only here).
+  SpeContextStep(const SpeContextStepConfig& config, Selector&& selector, const Context& ctx)
+      : Base(std::move(selector), config.step, ctx, "SpeContextStep"), layers_(config.layers) {
+    // Fewer rows may split more; planned with validation, which attend_selection may ask for per call.
+    for (std::int32_t batch = 1; batch <= config_.max_batch; ++batch) {
+      decode_bytes_ = std::max(decode_bytes_, sparse_decode_workspace_bytes(
+                                                  batch, config_.q_heads, config_.kv_heads, config_.head_dim,
+                                                  part_.capacity(), config_.max_seq_len, attention(),
+                                                  /*validate_indices=*/true, ctx));
+    }
+    WorkspaceLayout counting;
+    layout(counting);
+    workspace_bytes_ = counting.bytes();
+  }
+
   void check_batch(const char* where, std::int32_t batch, const Context& ctx) const {
     detail::check_planned_run(where, "batch", batch, config_.max_batch, workspace_threads(ctx), planned_threads_);
   }
 
   void check_layer_inputs(const char* where, const SpeContextLayerInputs<T>& in, const Context& ctx) const {
     check_batch(where, in.q.batch, ctx);
-    KVSIFT_CHECK(in.layer >= 0 && in.layer < config_.layers, where, "in.layer (= {}) is outside [0, config.layers = {})",
-                 in.layer, config_.layers);
+    KVSIFT_CHECK(in.layer >= 0 && in.layer < layers_, where, "in.layer (= {}) is outside [0, config.layers = {})",
+                 in.layer, layers_);
     KVSIFT_CHECK(in.cache.batch() == in.q.batch, where, "in.cache batch (= {}) != in.q.batch (= {})", in.cache.batch(),
                  in.q.batch);
   }
 
   static const SpeContextStepConfig& checked(const SpeContextStepConfig& config, const SelectorLimits& head) {
     constexpr const char* where = "SpeContextStep";
-    KVSIFT_CHECK(head.q_heads == config.q_heads && head.kv_heads == config.kv_heads && head.head_dim == config.head_dim,
-                 where,
-                 "the retrieval head has q_heads {}, kv_heads {}, head_dim {}; the model (config) has {}, {}, {}: they "
-                 "must be equal",
-                 head.q_heads, head.kv_heads, head.head_dim, config.q_heads, config.kv_heads, config.head_dim);
+    const DecodeStepConfig& c = config.step;
+    KVSIFT_CHECK(head.q_heads == c.q_heads && head.kv_heads == c.kv_heads && head.head_dim == c.head_dim, where,
+                 "the retrieval head has q_heads {}, kv_heads {}, head_dim {}; the model (config.step) has {}, {}, {}: "
+                 "they must be equal",
+                 head.q_heads, head.kv_heads, head.head_dim, c.q_heads, c.kv_heads, c.head_dim);
     KVSIFT_CHECK(config.layers > 0, where, "config.layers (= {}) must be positive", config.layers);
-    KVSIFT_CHECK(config.max_batch > 0 && config.max_batch <= head.max_slots, where,
-                 "config.max_batch (= {}) is outside [1, the selector's max_slots = {}]", config.max_batch,
+    KVSIFT_CHECK(c.max_batch > 0 && c.max_batch <= head.max_slots, where,
+                 "config.step.max_batch (= {}) is outside [1, the selector's max_slots = {}]", c.max_batch,
                  head.max_slots);
-    KVSIFT_CHECK(config.max_seq_len > 0 && config.max_seq_len <= head.max_tokens, where,
-                 "config.max_seq_len (= {}) is outside [1, the selector's max_tokens = {}]", config.max_seq_len,
+    KVSIFT_CHECK(c.max_seq_len > 0 && c.max_seq_len <= head.max_tokens, where,
+                 "config.step.max_seq_len (= {}) is outside [1, the selector's max_tokens = {}]", c.max_seq_len,
                  head.max_tokens);
-    validate(config.attention.window, where, "config.attention.window");
     return config;
   }
 
@@ -239,10 +240,7 @@ class SpeContextStep {
     return b;
   }
 
-  Selector selector_;
-  SpeContextStepConfig config_;
-  detail::SelectorPart<Selector> part_;
-  std::int32_t planned_threads_;
+  std::int32_t layers_;
   std::int32_t selected_batch_ = 0;  ///< rows of the last select (0: none to attend)
   std::size_t decode_bytes_ = 0;
   std::size_t workspace_bytes_ = 0;
