@@ -5,7 +5,7 @@
 /// (DecodeStepConfig), the inputs (StepInputs), the selector's part of the step (step/selector_part.hpp: lengths,
 /// append, select, run on the selector's context) and the life cycle (prepare, release); they add:
 ///   - a SplitContext: the GPU's stream and the CPU's pool (a CPU selector runs on that pool, a GPU one on that
-///     stream; the pool's size is planned at construction and a larger one refused by run());
+///     stream; the CPU's scratch is planned for the pool given at construction, and run() refuses another);
 ///   - a caller-owned SplitWorkspace of workspace_bytes(): a device block and a pinned host block (256-byte aligned,
 ///     contents irrelevant: every run writes what it reads). The GPU reads the host block until the stream passes
 ///     the run's merge; the next run over it waits for that (an event), so one workspace serves consecutive steps.
@@ -26,7 +26,12 @@
 ///   - a GPU selector selects over in.cache (device) with in.q and in.slots in device memory; then its counts, its
 ///     indices (whole capacity), its log-weights and the query are copied into the host block, one stream
 ///     synchronization; the CPU reads in.host_cache (pinned). Bytes to the host: 4 * rows * (1 + capacity) (twice
-///     the capacity part with log-weights) plus the query; rows = batch * kv_heads.
+///     the capacity part with log-weights) plus the query; rows = batch * kv_heads;
+///   - a GPU selector with a host stage (selectors/selector.hpp HasHostStage: CTKVR) runs only its lengths, append
+///     and recall on the GPU; the candidates' counts and the query, then their rows up to the longest, are copied to
+///     the host (two synchronizations); the host stage finishes the selection on the CPU over in.host_cache, and
+///     its index update goes back to the GPU (the entries copied, the selector's update on the stream). The device
+///     cache then need hold only the window's rows.
 ///
 /// placement::MiddleOnGpu (CSAttention's CPU<->GPU mode), CPU selectors only (a GPU selector's middle on the GPU is
 /// placement::Local): 1. the window from in.device_cache into an fp32 partial, enqueued first so that it overlaps the
