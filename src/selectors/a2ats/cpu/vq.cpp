@@ -138,7 +138,7 @@ void vq_codeword_norms(const MatrixView<const float>& centroids, float* norms, T
 std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_dim, const ThreadPool* pool) {
   constexpr const char* where = "cpu::vq_encode_workspace_bytes";
   kvsift::detail::check_vq_codewords(where, "codewords", codewords);
-  kvsift::detail::check_vq_head_dim(where, "codebook", head_dim);
+  kvsift::detail::check_supported(where, "codebook.head_dim", head_dim, kVqHeadDims);
   WorkspaceLayout counting;
   layout_encode(counting, codewords, head_dim, threads_of(pool));
   return counting.bytes();
@@ -238,7 +238,7 @@ std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads
                "batch (= {}), q_heads (= {}) and kv_heads (= {}) must be positive, q_heads a multiple of kv_heads",
                batch, q_heads, kv_heads);
   kvsift::detail::check_vq_codewords(where, "codewords", codewords);
-  kvsift::detail::check_vq_head_dim(where, "codebook", head_dim);
+  kvsift::detail::check_supported(where, "codebook.head_dim", head_dim, kVqHeadDims);
   const std::int64_t threads = std::min<std::int64_t>(threads_of(pool), std::int64_t(batch) * kv_heads);
   WorkspaceLayout counting;
   counting.allocate<float>(checked_mul(std::size_t(threads) * std::size_t(q_heads / kv_heads), std::size_t(codewords),

@@ -73,7 +73,7 @@ void vq_codeword_norms(const MatrixView<const float>& centroids, float* d_norms,
 std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_dim) {
   constexpr const char* where = "cuda::vq_encode_workspace_bytes";
   kvsift::detail::check_vq_codewords(where, "codewords", codewords);
-  kvsift::detail::check_vq_head_dim(where, "codebook", head_dim);
+  kvsift::detail::check_supported(where, "codebook.head_dim", head_dim, kVqHeadDims);
   return 0;
 }
 
@@ -126,7 +126,7 @@ std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads
                "batch (= {}), q_heads (= {}) and kv_heads (= {}) must be positive, q_heads a multiple of kv_heads",
                batch, q_heads, kv_heads);
   kvsift::detail::check_vq_codewords(where, "codewords", codewords);
-  kvsift::detail::check_vq_head_dim(where, "codebook", head_dim);
+  kvsift::detail::check_supported(where, "codebook.head_dim", head_dim, kVqHeadDims);
   check_grid(where, batch);
   check_group(where, q_heads, kv_heads);  // what the run refuses, the query refuses too
   if (fused_fits(q_heads / kv_heads, codewords, head_dim)) return 0;

@@ -11,11 +11,6 @@
 
 namespace kvsift::detail {
 
-inline void check_vq_head_dim(const char* where, const char* name, std::int32_t head_dim) {
-  KVSIFT_CHECK(is_supported(kVqHeadDims, head_dim), where, "{}.head_dim (= {}) is not supported (supported: {})", name,
-               head_dim, supported_text(kVqHeadDims));
-}
-
 inline void check_vq_codewords(const char* where, const char* name, std::int32_t codewords) {
   KVSIFT_CHECK(codewords >= 1 && codewords <= kVqMaxCodewords, where, "{} (= {}) is outside [1, {}]", name, codewords,
                kVqMaxCodewords);
@@ -42,7 +37,7 @@ template <class T>
 void check_vq_encode(const char* where, const HeadsView<const T>& keys, const VqEncodeCodebook& codebook,
                      const VqCodesView<std::uint16_t>& codes) {
   validate(keys, where, "keys");
-  check_vq_head_dim(where, "keys", keys.head_dim);
+  check_supported(where, "keys.head_dim", keys.head_dim, kVqHeadDims);
   check_vq_codewords(where, "codebook.codewords", codebook.codewords);
   KVSIFT_CHECK(codebook.transform != nullptr && codebook.centroids != nullptr && codebook.norms != nullptr, where,
                "codebook.transform, codebook.centroids and codebook.norms must be non-null");
@@ -59,7 +54,7 @@ void check_vq_codebook(const char* where, const VqCodebook<T>& codebook) {
   KVSIFT_CHECK(codebook.data != nullptr, where, "codebook.data is a null pointer");
   KVSIFT_CHECK(codebook.kv_heads > 0, where, "codebook.kv_heads (= {}) must be positive", codebook.kv_heads);
   check_vq_codewords(where, "codebook.codewords", codebook.codewords);
-  check_vq_head_dim(where, "codebook", codebook.head_dim);
+  check_supported(where, "codebook.head_dim", codebook.head_dim, kVqHeadDims);
 }
 
 /// The group shape of q against the codebook: q.heads a multiple of codebook.kv_heads, the same head_dim.
