@@ -514,6 +514,20 @@ struct StepConfig {
   bool validate;
 };
 
+/// Every placement's DecodeStepConfig from the Python step's arguments.
+DecodeStepConfig decode_step_config(const StepConfig& c) {
+  return {.attention = attention_options(c.window, c.sm_scale), .max_batch = c.max_batch, .q_heads = c.q_heads,
+          .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = c.max_seq_len, .validate_indices = c.validate};
+}
+
+/// f(T{}) for the step's dtype name, 'float16' or 'bfloat16' (else refused).
+template <class F>
+decltype(auto) with_step_dtype(const std::string& dtype, F&& f) {
+  KVSIFT_CHECK(dtype == "float16" || dtype == "bfloat16", "DecodeStep", "dtype (= '{}') must be 'float16' or 'bfloat16'",
+               dtype);
+  return dtype == "float16" ? f(half{}) : f(bfloat16{});
+}
+
 /// A step's prepare inputs: the cache and slots, and the last W prefill queries [batch, q_heads, W, head_dim] when
 /// given, on the step's device.
 template <class T>
@@ -556,7 +570,7 @@ class StepOf final : public Step {
   static constexpr Device kDevice = kDeviceOf<Context>;
 
   StepOf(S selector, const StepConfig& config, Pool* pool)
-      : pool_(pool), step_(std::move(selector), step_config(config), context(0)), workspace_(step_.workspace_bytes()) {}
+      : pool_(pool), step_(std::move(selector), decode_step_config(config), context(0)), workspace_(step_.workspace_bytes()) {}
 
   void prepare(const Cache& cache, Array slots, std::optional<Array> queries, std::uintptr_t stream) override {
     step_.prepare(prefill_inputs<T>(cache, slots, queries, kDevice), context(stream));
@@ -624,11 +638,6 @@ class StepOf final : public Step {
   bool prepared(std::int32_t slot) const override { return selector_slot_prepared(step_.selector(), slot); }
 
  private:
-  static DecodeStepConfig step_config(const StepConfig& c) {
-    return {.attention = attention_options(c.window, c.sm_scale), .max_batch = c.max_batch, .q_heads = c.q_heads,
-            .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = c.max_seq_len,
-            .validate_indices = c.validate};
-  }
   Context context(std::uintptr_t stream) const { return context_of<Context>(pool_, stream); }
 
   std::span<std::byte> workspace() { return {workspace_.data(), workspace_.size()}; }
@@ -668,7 +677,7 @@ class SplitStepOf final : public SplitStep {
 
   SplitStepOf(S selector, const StepConfig& config, Pool* pool)
       : pool_(pool),
-        step_(std::move(selector), step_config(config), SplitContext{.cpu = {pool_of(pool)}}),
+        step_(std::move(selector), decode_step_config(config), SplitContext{.cpu = {pool_of(pool)}}),
         device_(step_.workspace_bytes().device),
         host_(step_.workspace_bytes().host) {}
 
@@ -737,11 +746,6 @@ class SplitStepOf final : public SplitStep {
   bool prepared(std::int32_t slot) const override { return selector_slot_prepared(step_.selector(), slot); }
 
  private:
-  static DecodeStepConfig step_config(const StepConfig& c) {
-    return {.attention = attention_options(c.window, c.sm_scale), .max_batch = c.max_batch, .q_heads = c.q_heads,
-            .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = c.max_seq_len,
-            .validate_indices = c.validate};
-  }
   SplitWorkspace workspace() { return {{device_.data(), device_.size()}, {host_.data(), host_.size()}}; }
 
   Pool* pool_;  // kept alive by the Python object (nb::keep_alive)
@@ -887,13 +891,6 @@ std::unique_ptr<SplitStep> make_split_step(const std::string& selector, nb::dict
                                            float sm_scale, bool validate, Pool* pool) {
   const StepConfig c{selector, dtype, device, selector_config, q_heads, kv_heads, head_dim, max_batch, max_seq_len,
                      max_slots, window, sm_scale, validate};
-  constexpr const char* where = "DecodeStep";
-  KVSIFT_CHECK(dtype == "float16" || dtype == "bfloat16", where, "dtype (= '{}') must be 'float16' or 'bfloat16'", dtype);
-  KVSIFT_CHECK(device == "cpu" || device == "cuda", where, "device (= '{}') must be 'cpu' or 'cuda'", device);
-  KVSIFT_CHECK(placement_name == "middle_on_cpu" || (placement_name == "middle_on_gpu" && device == "cpu"), where,
-               "placement (= '{}') with device '{}' must be 'local', 'middle_on_cpu', or 'middle_on_gpu' with a CPU "
-               "selector (a GPU selector's middle on the GPU is 'local')",
-               placement_name, device);
   const auto with_context = [&](auto t, auto context, auto place) -> std::unique_ptr<SplitStep> {
     using T = decltype(t);
     using Context = decltype(context);
@@ -907,11 +904,17 @@ std::unique_ptr<SplitStep> make_split_step(const std::string& selector, nb::dict
     });
   };
   const auto with_placement = [&](auto t) {
+    constexpr const char* where = "DecodeStep";
+    KVSIFT_CHECK(device == "cpu" || device == "cuda", where, "device (= '{}') must be 'cpu' or 'cuda'", device);
+    KVSIFT_CHECK(placement_name == "middle_on_cpu" || (placement_name == "middle_on_gpu" && device == "cpu"), where,
+                 "placement (= '{}') with device '{}' must be 'local', 'middle_on_cpu', or 'middle_on_gpu' with a CPU "
+                 "selector (a GPU selector's middle on the GPU is 'local')",
+                 placement_name, device);
     if (device == "cuda") return with_context(t, cuda::Context{}, placement::MiddleOnCpu{});
     if (placement_name == "middle_on_cpu") return with_context(t, cpu::Context{}, placement::MiddleOnCpu{});
     return with_context(t, cpu::Context{}, placement::MiddleOnGpu{});
   };
-  return dtype == "float16" ? with_placement(half{}) : with_placement(bfloat16{});
+  return with_step_dtype(dtype, with_placement);
 }
 #endif
 
@@ -923,7 +926,6 @@ std::unique_ptr<Step> make_step(const std::string& selector, nb::dict selector_c
   const StepConfig c{selector, dtype, device, selector_config, q_heads, kv_heads, head_dim, max_batch, max_seq_len,
                      max_slots, window, sm_scale, validate};
   constexpr const char* where = "DecodeStep";
-  KVSIFT_CHECK(dtype == "float16" || dtype == "bfloat16", where, "dtype (= '{}') must be 'float16' or 'bfloat16'", dtype);
   const auto with_context = [&](auto t) -> std::unique_ptr<Step> {
     using T = decltype(t);
     if (device == "cpu") return make_step_of<T, cpu::Context>(c, pool);
@@ -933,7 +935,7 @@ std::unique_ptr<Step> make_step(const std::string& selector, nb::dict selector_c
     detail::throw_error(where, fmt::format("device (= '{}') must be 'cpu'{}", device,
                                            KVSIFT_WITH_CUDA ? " or 'cuda'" : " (this build has no CUDA backend)"));
   };
-  return dtype == "float16" ? with_context(half{}) : with_context(bfloat16{});
+  return with_step_dtype(dtype, with_context);
 }
 
 // ---- SpeContext's model-level step ---------------------------------------------------------------------------
