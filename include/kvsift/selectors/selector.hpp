@@ -320,4 +320,20 @@ concept BackendIncluded = requires(const Context* ctx) {
   { backend_included(ctx) } -> std::same_as<bool>;
 };
 
+/// Context's array of V: a selector's memory (host for cpu::Context, device for cuda::Context).
+template <class Context, class V>
+using ContextArray = typename Context::template array<V>;
+
+/// The base every selector class over (T, Context) derives from: KVSelector's types, and the BackendIncluded
+/// check at the selector's instantiation (the compiler's note names the selector that was instantiated).
+template <class T, class Context>
+struct SelectorTypes {
+  static_assert(BackendIncluded<Context>, "a kvsift selector<T, Context>: include kvsift/cpu/backend.hpp "
+                                          "(cpu::Context) or kvsift/cuda/backend.hpp (cuda::Context) before "
+                                          "instantiating it");
+
+  using value_type = T;
+  using context_type = Context;
+};
+
 }  // namespace kvsift

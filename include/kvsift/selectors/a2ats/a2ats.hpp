@@ -91,16 +91,8 @@ struct A2atsIndexBytes {
 };
 
 template <class T, class Context>
-class A2ats {
-  static_assert(BackendIncluded<Context>, "A2ats<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
-                                          "kvsift/cuda/backend.hpp (cuda::Context) before instantiating it");
-  template <class V>
-  using Array = typename Context::template array<V>;
-
+class A2ats : public SelectorTypes<T, Context> {
  public:
-  using value_type = T;
-  using context_type = Context;
-
   /// Uploads one layer's codebooks (host fp32; the view may be dropped afterwards) into the context's memory and
   /// builds the RoPE table, or, with `shared_table` (its cos non-null), rotates with that one: the table is the same
   /// for every layer of a model, so the layers' selectors can share one (64 MiB at 128K tokens and head_dim 128;
@@ -180,7 +172,7 @@ class A2ats {
   IndexBytes index_bytes() const {
     const A2atsIndexBytes parts = index_parts();
     const std::size_t total = parts.codes + parts.codebooks + parts.rope_table;
-    return Context::memory == MemorySpace::host ? IndexBytes{total, 0} : IndexBytes{0, total};
+    return detail::context_index_bytes<Context>(total);
   }
   /// The codes of every slot, in the context's memory: for tests and inspection.
   VqCodesView<const std::uint16_t> codes() const {
@@ -194,10 +186,8 @@ class A2ats {
         [&](WorkspaceLayout& counting, std::int32_t tokens) { select_layout(counting, shape.batch, tokens, ctx); });
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    detail::check_shape("A2ats::append_workspace_bytes", limits_, shape);
-    WorkspaceLayout counting;
-    append_layout(counting, shape.batch, ctx);
-    return counting.bytes();
+    return detail::workspace_bytes("A2ats::append_workspace_bytes", limits_, shape,
+                                   [&](WorkspaceLayout& counting) { append_layout(counting, shape.batch, ctx); });
   }
 
   /// Codes every prompt token [0, length_b) of each joining sequence into its slot (in.slots distinct): from
@@ -208,7 +198,7 @@ class A2ats {
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
     constexpr const char* where = "A2ats::prepare";
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
-    Array<std::int32_t> context_lengths(static_cast<std::size_t>(batch));
+    ContextArray<Context, std::int32_t> context_lengths(static_cast<std::size_t>(batch));
     const auto [lengths, slots] =
         detail::read_prefill_rows(where, limits_, in.cache, in.slots, context_lengths.data(), ctx);
     const bool pre_rope = windowed_rope_ && in.k_pre_rope.data != nullptr;
@@ -222,7 +212,7 @@ class A2ats {
                    where, "in.k_pre_rope is [{}, {}, {}, {}]; expected [batch = {}, kv_heads = {}, >= {} tokens, head_dim = {}]",
                    k.batch, k.heads, k.tokens, k.head_dim, batch, limits_.kv_heads, longest, limits_.head_dim);
     }
-    Array<std::byte> encode_ws(vq_encode_workspace_bytes(codewords_, limits_.head_dim, ctx));
+    ContextArray<Context, std::byte> encode_ws(vq_encode_workspace_bytes(codewords_, limits_.head_dim, ctx));
     const std::span<std::byte> encode_bytes(encode_ws.data(), encode_ws.size());
     if (pre_rope) {
       for (std::int32_t b = 0; b < batch; ++b) {
@@ -379,8 +369,8 @@ class A2ats {
     std::vector<std::int32_t> host_indices(rows * std::size_t(chunk)), host_counts(rows);
     std::vector<std::int32_t> offsets(static_cast<std::size_t>(chunk));
     std::iota(offsets.begin(), offsets.end(), 0);
-    Array<std::int32_t> indices(host_indices.size()), counts(rows), positions(offsets.size());
-    Array<T> keys(rows * std::size_t(chunk) * std::size_t(d)), values(keys.size());
+    ContextArray<Context, std::int32_t> indices(host_indices.size()), counts(rows), positions(offsets.size());
+    ContextArray<Context, T> keys(rows * std::size_t(chunk) * std::size_t(d)), values(keys.size());
     copy_from_host(offsets.data(), offsets.size(), positions.data(), ctx);
     const KVCache<T> gathered = ContiguousKVView<T>::packed(keys.data(), values.data(), batch, kv, chunk, d);
     for (std::int32_t c0 = 0; c0 < longest; c0 += chunk) {
@@ -439,11 +429,11 @@ class A2ats {
   RopeConfig rope_;
   std::int32_t table_positions_;
   detail::SlotStates slot_states_;
-  Array<float> transform_, centroids_, norms_;
-  Array<T> codebook_;
-  Array<std::uint16_t> codes_;
-  Array<std::int32_t> ones_;
-  Array<float> cos_, sin_;  ///< the selector's own table (empty when shared)
+  ContextArray<Context, float> transform_, centroids_, norms_;
+  ContextArray<Context, T> codebook_;
+  ContextArray<Context, std::uint16_t> codes_;
+  ContextArray<Context, std::int32_t> ones_;
+  ContextArray<Context, float> cos_, sin_;  ///< the selector's own table (empty when shared)
   RopeTableView table_{};    ///< the table it rotates with: its own or the shared one
 };
 

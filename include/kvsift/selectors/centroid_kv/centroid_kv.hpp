@@ -134,16 +134,8 @@ inline std::vector<MergeRoundParams> centroid_kv_prefill_schedule(const char* wh
 }  // namespace detail
 
 template <class T, class Context>
-class CentroidKV {
-  static_assert(BackendIncluded<Context>, "CentroidKV<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
-                                          "kvsift/cuda/backend.hpp (cuda::Context) before instantiating it");
-  template <class V>
-  using Array = typename Context::template array<V>;
-
+class CentroidKV : public SelectorTypes<T, Context> {
  public:
-  using value_type = T;
-  using context_type = Context;
-
   /// Allocates the store for limits.max_slots sequences of up to limits.max_tokens prompt tokens and puts every
   /// row in its empty state (count 0, order identity, budget 0).
   CentroidKV(const SelectorLimits& limits, const CentroidKVConfig& config, const Context& ctx)
@@ -197,7 +189,7 @@ class CentroidKV {
                                counts_.size() + page_indptr_.size() + last_page_len_.size()) *
                                   sizeof(std::int32_t) +
                               (log_degree_.size() + weights_.size()) * sizeof(float);
-    return Context::memory == MemorySpace::host ? IndexBytes{bytes, 0} : IndexBytes{0, bytes};
+    return detail::context_index_bytes<Context>(bytes);
   }
 
   /// The store, in the context's memory: for tests and inspection.
@@ -209,8 +201,7 @@ class CentroidKV {
   const std::int32_t* budgets() const { return budgets_.data(); }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context&) const {
-    detail::check_shape("CentroidKV::select_workspace_bytes", limits_, shape);
-    return 0;
+    return detail::no_workspace_bytes("CentroidKV::select_workspace_bytes", limits_, shape);
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
     detail::check_shape("CentroidKV::append_workspace_bytes", limits_, shape);
@@ -224,7 +215,7 @@ class CentroidKV {
     const auto rows = std::size_t(batch);
     std::vector<std::int32_t> budgets(rows);
     std::vector<std::vector<MergeRoundParams>> schedules(rows);
-    Array<std::int32_t> context_lengths(rows);
+    ContextArray<Context, std::int32_t> context_lengths(rows);
     const auto [lengths, slots] =
         detail::read_prefill_rows(where, limits_, in.cache, in.slots, context_lengths.data(), ctx);
     std::int32_t longest = 1;
@@ -238,15 +229,16 @@ class CentroidKV {
     // One prompt-sized store of one row, reused by each joining sequence in turn: its memory is bounded by the
     // longest prompt, not by the batch's (128K tokens x 8 sequences would be ~4.3 GB at once).
     const std::size_t entries = MergeStoreView<T>::entries(1, limits_.kv_heads, longest);
-    Array<T> k(MergeStoreView<T>::kv_elements(1, limits_.kv_heads, longest, limits_.head_dim)), v(k.size());
-    Array<std::int32_t> order(entries), degree(entries), count(std::size_t(limits_.kv_heads));
-    Array<float> log_degree(entries);
-    Array<std::int32_t> temp_slot(1), temp_budget(1);
+    ContextArray<Context, T> k(MergeStoreView<T>::kv_elements(1, limits_.kv_heads, longest, limits_.head_dim)),
+        v(k.size());
+    ContextArray<Context, std::int32_t> order(entries), degree(entries), count(std::size_t(limits_.kv_heads));
+    ContextArray<Context, float> log_degree(entries);
+    ContextArray<Context, std::int32_t> temp_slot(1), temp_budget(1);
     const std::int32_t zero = 0;
     copy_from_host(&zero, 1, temp_slot.data(), ctx);
     const MergeStoreView<T> temp{k.data(),     v.data(), order.data(), degree.data(), log_degree.data(),
                                  count.data(), 1,        limits_.kv_heads, longest,   limits_.head_dim};
-    Array<std::byte> workspace(merge_round_workspace_bytes(1, limits_.kv_heads, longest, ctx));
+    ContextArray<Context, std::byte> workspace(merge_round_workspace_bytes(1, limits_.kv_heads, longest, ctx));
     const std::span<std::byte> bytes(workspace.data(), workspace.size());
     for (std::size_t b = 0; b < rows; ++b) {
       copy_from_host(&budgets[b], 1, temp_budget.data(), ctx);
@@ -328,9 +320,10 @@ class CentroidKV {
   CentroidKVConfig config_;
   std::int32_t capacity_ = 0;
   detail::SlotStates slot_states_;
-  Array<T> k_, v_;
-  Array<std::int32_t> order_, degree_, count_, budgets_, indices_, counts_, page_indptr_, last_page_len_;
-  Array<float> log_degree_, weights_;
+  ContextArray<Context, T> k_, v_;
+  ContextArray<Context, std::int32_t> order_, degree_, count_, budgets_, indices_, counts_, page_indptr_,
+      last_page_len_;
+  ContextArray<Context, float> log_degree_, weights_;
 };
 
 }  // namespace kvsift

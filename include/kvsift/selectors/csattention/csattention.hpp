@@ -147,16 +147,8 @@ inline constexpr IndexFileFormat kCsattentionBaseFile{
     .name = "CSAttention base", .magic = {'K', 'V', 'C', 'S', 'B', 'A', 'S', 'E'}, .version = 1};
 
 template <class T, class Context>
-class Csattention {
-  static_assert(BackendIncluded<Context>, "Csattention<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
-                                          "kvsift/cuda/backend.hpp (cuda::Context) before instantiating it");
-  template <class V>
-  using Array = typename Context::template array<V>;
-
+class Csattention : public SelectorTypes<T, Context> {
  public:
-  using value_type = T;
-  using context_type = Context;
-
   Csattention(const SelectorLimits& limits, const CsattentionConfig& config)
       : limits_(limits), config_(checked(limits, config)), slot_states_(limits.max_slots) {
     const std::int32_t slots = limits.max_slots, heads = table_heads(), m = config_.subspaces, c = config_.centroids;
@@ -197,7 +189,7 @@ class Csattention {
                                   sizeof(std::int32_t);
     const std::size_t bookkeeping =
         base_info_.size() * sizeof(BaseInfo) + host_slot_base_.size() * sizeof(std::int32_t);
-    return Context::memory == MemorySpace::host ? IndexBytes{bytes + bookkeeping, 0} : IndexBytes{bookkeeping, bytes};
+    return detail::context_index_bytes<Context>(bytes, bookkeeping);
   }
   /// L for a prompt of n tokens.
   std::int32_t list_length(std::int32_t n) const {
@@ -210,8 +202,7 @@ class Csattention {
         [&](WorkspaceLayout& counting, std::int32_t tokens) { layout(counting, shape.batch, tokens, ctx); });
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
-    detail::check_shape("Csattention::append_workspace_bytes", limits_, shape);
-    return 0;
+    return detail::no_workspace_bytes("Csattention::append_workspace_bytes", limits_, shape);
   }
 
   /// Builds each joining sequence's base from its prompt (in.cache) and its last W prefill queries (in.queries,
@@ -221,17 +212,13 @@ class Csattention {
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
     constexpr const char* where = "Csattention::prepare";
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
-    validate(in.queries, where, "in.queries");
-    KVSIFT_CHECK(in.queries.batch == batch && in.queries.heads == limits_.q_heads &&
-                     in.queries.head_dim == limits_.head_dim,
-                 where, "in.queries [{}, {}, W, {}] != [batch = {}, q_heads = {}, W, head_dim = {}]", in.queries.batch,
-                 in.queries.heads, in.queries.head_dim, batch, limits_.q_heads, limits_.head_dim);
+    detail::check_prefill_queries(where, limits_, in.queries, batch);
     validate(in.attention.window, where, "in.attention.window");
     KVSIFT_CHECK(in.queries.tokens >= config_.centroids, where,
                  "in.queries holds {} prefill queries per head, fewer than config.centroids (C = {})",
                  in.queries.tokens, config_.centroids);
     const auto rows = static_cast<std::size_t>(batch);
-    Array<std::int32_t> context_lengths(rows);
+    ContextArray<Context, std::int32_t> context_lengths(rows);
     const auto [lengths, slots] =
         detail::read_prefill_rows(where, limits_, in.cache, in.slots, context_lengths.data(), ctx);
     check_slots(where, "in.slots", slots);
@@ -720,9 +707,9 @@ class Csattention {
                                      .seed = config_.seed,
                                      .empty = EmptyCluster::reseed,
                                      .batch_size = config_.kmeans_batch};
-    Array<T> packed(std::size_t(problems) * std::size_t(points) * std::size_t(w));
-    Array<std::int32_t> assignment(std::size_t(problems) * std::size_t(points));
-    Array<std::byte> kmeans_ws(batched_kmeans_workspace_bytes(problems, points, w, kmeans, ctx));
+    ContextArray<Context, T> packed(std::size_t(problems) * std::size_t(points) * std::size_t(w));
+    ContextArray<Context, std::int32_t> assignment(std::size_t(problems) * std::size_t(points));
+    ContextArray<Context, std::byte> kmeans_ws(batched_kmeans_workspace_bytes(problems, points, w, kmeans, ctx));
     const bool pairs = config_.split == SubspaceSplit::rope_pairs;
     const std::int32_t run = pairs ? w / 2 : w;  // a subspace is one channel run (contiguous) or two (rope_pairs)
     for (std::int32_t t = 0; t < heads; ++t) {
@@ -741,8 +728,8 @@ class Csattention {
                    base.centroids, assignment.data(), std::span<std::byte>(kmeans_ws.data(), kmeans_ws.size()), ctx);
     const std::int32_t lists = m * config_.centroids, chunk = std::min(config_.prepare_chunk, lists);
     const std::int32_t keep = list_length(length);
-    Array<float> scores(std::size_t(chunk) * std::size_t(length));
-    Array<std::byte> store_ws(store_table_lists_workspace_bytes(chunk, length, ctx));
+    ContextArray<Context, float> scores(std::size_t(chunk) * std::size_t(length));
+    ContextArray<Context, std::byte> store_ws(store_table_lists_workspace_bytes(chunk, length, ctx));
     for (std::int32_t t = 0; t < heads; ++t) {
       for (std::int32_t l0 = 0; l0 < lists; l0 += chunk) {
         const std::int32_t n = std::min(chunk, lists - l0);
@@ -763,18 +750,18 @@ class Csattention {
       config_.search_period - 1;
   std::int32_t calls_until_search_ = 0, searched_batch_ = 0;
   detail::SlotStates slot_states_;
-  Array<float> centroids_;
-  Array<std::int32_t> base_ids_;
-  Array<half> base_scores_;
-  Array<std::int32_t> base_counts_, slot_base_, evicted_, overlay_ids_;
-  Array<half> overlay_scores_;
-  Array<std::int32_t> overlay_sizes_;
+  ContextArray<Context, float> centroids_;
+  ContextArray<Context, std::int32_t> base_ids_;
+  ContextArray<Context, half> base_scores_;
+  ContextArray<Context, std::int32_t> base_counts_, slot_base_, evicted_, overlay_ids_;
+  ContextArray<Context, half> overlay_scores_;
+  ContextArray<Context, std::int32_t> overlay_sizes_;
   // The pool's bookkeeping: per storage, per slot the storage it reads (-1: none), mirrored in slot_base_.
   std::vector<BaseInfo> base_info_;
   std::vector<std::int32_t> host_slot_base_;
   // Search period > 1: the searched selection per batch row, where each row's window began at the search, and
   // the identity map of batch rows (append_range indexes `first` by slot).
-  Array<std::int32_t> kept_, kept_counts_, first_, rows_;
+  ContextArray<Context, std::int32_t> kept_, kept_counts_, first_, rows_;
 };
 
 }  // namespace kvsift

@@ -143,16 +143,8 @@ class CtkvrRerank {
 };
 
 template <class T, class Context>
-class Ctkvr {
-  static_assert(BackendIncluded<Context>, "Ctkvr<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
-                                          "kvsift/cuda/backend.hpp (cuda::Context) before instantiating it");
-  template <class V>
-  using Array = typename Context::template array<V>;
-
+class Ctkvr : public SelectorTypes<T, Context> {
  public:
-  using value_type = T;
-  using context_type = Context;
-
   Ctkvr(const SelectorLimits& limits, const CtkvrConfig& config)
       : limits_(limits), config_(checked(limits, config)), rerank_(limits, config_), slot_states_(limits.max_slots) {
     const auto slots = std::size_t(limits.max_slots), kv = std::size_t(limits.kv_heads);
@@ -190,7 +182,7 @@ class Ctkvr {
     const std::size_t bytes = centroids_.size() * sizeof(T) +
                               (centroid_counts_.size() + list_ids_.size() + list_counts_.size() + cursors_.size() +
                                fifo_begin_.size() + boundaries_.size()) * sizeof(std::int32_t);
-    return Context::memory == MemorySpace::host ? IndexBytes{bytes, 0} : IndexBytes{0, bytes};
+    return detail::context_index_bytes<Context>(bytes);
   }
   /// Candidates per row for sequences of up to `max_seq_len` tokens: C' lists and the unindexed middle.
   std::int32_t candidate_capacity(std::int32_t max_seq_len) const {
@@ -203,15 +195,12 @@ class Ctkvr {
         [&](WorkspaceLayout& counting, std::int32_t tokens) { layout(counting, shape.batch, tokens, ctx); });
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
-    detail::check_shape("Ctkvr::append_workspace_bytes", limits_, shape);
-    return 0;
+    return detail::no_workspace_bytes("Ctkvr::append_workspace_bytes", limits_, shape);
   }
   /// Workspace of recall() for `shape`.
   std::size_t recall_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    detail::check_shape("Ctkvr::recall_workspace_bytes", limits_, shape);
-    WorkspaceLayout counting;
-    layout_recall(counting, shape.batch, ctx);
-    return counting.bytes();
+    return detail::workspace_bytes("Ctkvr::recall_workspace_bytes", limits_, shape,
+                                   [&](WorkspaceLayout& counting) { layout_recall(counting, shape.batch, ctx); });
   }
 
   /// Builds the index of the joining sequences: centroids from in.queries (the last C of each head), lists over
@@ -220,13 +209,9 @@ class Ctkvr {
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
     constexpr const char* where = "Ctkvr::prepare";
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
-    validate(in.queries, where, "in.queries");
-    KVSIFT_CHECK(in.queries.batch == batch && in.queries.heads == limits_.q_heads &&
-                     in.queries.head_dim == limits_.head_dim,
-                 where, "in.queries [{}, {}, W, {}] != [batch = {}, q_heads = {}, W, head_dim = {}]", in.queries.batch,
-                 in.queries.heads, in.queries.head_dim, batch, limits_.q_heads, limits_.head_dim);
+    detail::check_prefill_queries(where, limits_, in.queries, batch);
     validate(in.attention.window, where, "in.attention.window");
-    Array<std::int32_t> context_lengths(static_cast<std::size_t>(batch));
+    ContextArray<Context, std::int32_t> context_lengths(static_cast<std::size_t>(batch));
     const auto [lengths, slots] =
         detail::read_prefill_rows(where, limits_, in.cache, in.slots, context_lengths.data(), ctx);
     detail::check_finite_prompt(where, in.cache, context_lengths.data(), in.queries, ctx);
@@ -422,13 +407,15 @@ class Ctkvr {
     GroupScoreOptions options = detail::ctkvr_rerank_options(in.attention);
     options.heads_per_row = group;
     const std::vector<T> zeros(std::size_t(max_rows) * per_row * group * d, T{});
-    Array<T> packed(zeros.size());
+    ContextArray<Context, T> packed(zeros.size());
     copy_from_host(zeros.data(), zeros.size(), packed.data(), ctx);
-    Array<float> scores(std::size_t(max_rows) * per_row * std::size_t(length));
-    Array<std::byte> group_ws(group_scores_workspace_bytes(max_rows, per_row * group, 1, length, options, ctx));
-    Array<std::byte> topk_ws(topk_rows_workspace_bytes(chunk, length, config_.list_size, {.window = window}, ctx));
+    ContextArray<Context, float> scores(std::size_t(max_rows) * per_row * std::size_t(length));
+    ContextArray<Context, std::byte> group_ws(
+        group_scores_workspace_bytes(max_rows, per_row * group, 1, length, options, ctx));
+    ContextArray<Context, std::byte> topk_ws(
+        topk_rows_workspace_bytes(chunk, length, config_.list_size, {.window = window}, ctx));
     const std::vector<std::int32_t> host_lengths(std::size_t(chunk), length);
-    Array<std::int32_t> chunk_lengths(host_lengths.size());
+    ContextArray<Context, std::int32_t> chunk_lengths(host_lengths.size());
     copy_from_host(host_lengths.data(), host_lengths.size(), chunk_lengths.data(), ctx);
     const BroadcastCache broadcast = broadcast_cache(in.cache, b, max_rows, chunk_lengths.data(), ctx);
     for (std::int32_t g = 0; g < limits_.kv_heads; ++g) {
@@ -468,7 +455,7 @@ class Ctkvr {
   /// stride, paged by repeating its page list (built on the host).
   struct BroadcastCache {
     KVCache<const T> base;
-    Array<std::int32_t> indptr, pages, last;
+    ContextArray<Context, std::int32_t> indptr, pages, last;
     const std::int32_t* lengths;
     std::int32_t sequence;
 
@@ -520,9 +507,10 @@ class Ctkvr {
   CtkvrConfig config_;
   CtkvrRerank<T, Context> rerank_;
   detail::SlotStates slot_states_;
-  Array<T> centroids_;
-  Array<std::int32_t> centroid_counts_, list_ids_, list_counts_, cursors_, fifo_begin_, boundaries_, union_sizes_;
-  Array<std::int32_t> full_columns_;
+  ContextArray<Context, T> centroids_;
+  ContextArray<Context, std::int32_t> centroid_counts_, list_ids_, list_counts_, cursors_, fifo_begin_, boundaries_,
+      union_sizes_;
+  ContextArray<Context, std::int32_t> full_columns_;
 };
 
 }  // namespace kvsift

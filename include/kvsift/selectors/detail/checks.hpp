@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -192,16 +193,49 @@ inline std::int32_t planned_tokens(const char* where, const char* name, const Se
   return max_seq_len > 0 ? max_seq_len : limits.max_tokens;
 }
 
-/// A select workspace query: `shape` checked against the limits, then the bytes of `layout(counting, tokens)`
-/// (tokens: the planned sequence bound, detail::planned_tokens), the same layout code the call carves with.
+/// A workspace query: `shape` checked against the limits, then the bytes of `layout(counting)`, the same layout
+/// code the call carves with.
+template <class Layout>
+std::size_t workspace_bytes(const char* where, const SelectorLimits& limits, const SelectShape& shape,
+                            Layout&& layout) {
+  check_shape(where, limits, shape);
+  WorkspaceLayout counting;
+  layout(counting);
+  return counting.bytes();
+}
+
+/// The workspace query of a call that takes none: `shape` checked against the limits all the same, 0 bytes.
+inline std::size_t no_workspace_bytes(const char* where, const SelectorLimits& limits, const SelectShape& shape) {
+  check_shape(where, limits, shape);
+  return 0;
+}
+
+/// A select workspace query: workspace_bytes of `layout(counting, tokens)` (tokens: the planned sequence bound,
+/// detail::planned_tokens).
 template <class Layout>
 std::size_t planned_workspace_bytes(const char* where, const SelectorLimits& limits, const SelectShape& shape,
                                     Layout&& layout) {
-  check_shape(where, limits, shape);
-  const std::int32_t tokens = planned_tokens(where, "shape.max_seq_len", limits, shape.max_seq_len);
-  WorkspaceLayout counting;
-  layout(counting, tokens);
-  return counting.bytes();
+  return workspace_bytes(where, limits, shape, [&](WorkspaceLayout& counting) {
+    layout(counting, planned_tokens(where, "shape.max_seq_len", limits, shape.max_seq_len));
+  });
+}
+
+/// A prepare's prefill queries (the last W of each head, W free) against its batch and the limits.
+template <class T>
+void check_prefill_queries(const char* where, const SelectorLimits& limits, const SequenceView<const T>& queries,
+                           std::int32_t batch) {
+  validate(queries, where, "in.queries");
+  KVSIFT_CHECK(queries.batch == batch && queries.heads == limits.q_heads && queries.head_dim == limits.head_dim,
+               where, "in.queries [{}, {}, W, {}] != [batch = {}, q_heads = {}, W, head_dim = {}]", queries.batch,
+               queries.heads, queries.head_dim, batch, limits.q_heads, limits.head_dim);
+}
+
+/// A selector's IndexBytes: `context_bytes` in Context's memory (host for cpu::Context, device for cuda::Context)
+/// and `host_bytes` the host keeps on either.
+template <class Context>
+IndexBytes context_index_bytes(std::size_t context_bytes, std::size_t host_bytes = 0) {
+  return Context::memory == MemorySpace::host ? IndexBytes{context_bytes + host_bytes, 0}
+                                              : IndexBytes{host_bytes, context_bytes};
 }
 
 }  // namespace kvsift::detail

@@ -37,14 +37,8 @@ struct OracleTopKConfig {
 };
 
 template <class T, class Context>
-class OracleTopK {
-  static_assert(BackendIncluded<Context>, "OracleTopK<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
-                                          "kvsift/cuda/backend.hpp (cuda::Context) before instantiating it");
-
+class OracleTopK : public SelectorTypes<T, Context> {
  public:
-  using value_type = T;
-  using context_type = Context;
-
   OracleTopK(const SelectorLimits& limits, const OracleTopKConfig& config)
       : limits_(limits), config_(config), slot_states_(limits.max_slots) {
     detail::check_limits("OracleTopK", limits);
@@ -61,8 +55,7 @@ class OracleTopK {
         [&](WorkspaceLayout& counting, std::int32_t tokens) { layout(counting, shape.batch, tokens, ctx); });
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
-    detail::check_shape("OracleTopK::append_workspace_bytes", limits_, shape);
-    return 0;
+    return detail::no_workspace_bytes("OracleTopK::append_workspace_bytes", limits_, shape);
   }
 
   /// No index, but the life cycle of every selector: a slot is prepared before its steps (slot_states.hpp).

@@ -32,14 +32,8 @@ struct QuestConfig {
 };
 
 template <class T, class Context>
-class Quest {
-  static_assert(BackendIncluded<Context>, "Quest<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
-                                          "kvsift/cuda/backend.hpp (cuda::Context) before instantiating it");
-
+class Quest : public SelectorTypes<T, Context> {
  public:
-  using value_type = T;
-  using context_type = Context;
-
   Quest(const SelectorLimits& limits, const QuestConfig& config)
       : limits_(limits), config_(config), max_pages_(checked_pages(limits, config)), slot_states_(limits.max_slots) {
     bounds_.resize(PageBoundsView<T>::bytes(limits.max_slots, limits.kv_heads, max_pages_, limits.head_dim) /
@@ -51,7 +45,7 @@ class Quest {
   std::int32_t capacity() const { return pages_per_row() * config_.page_size; }
   IndexBytes index_bytes() const {
     const std::size_t bytes = bounds_.size() * sizeof(T);
-    return Context::memory == MemorySpace::host ? IndexBytes{bytes, 0} : IndexBytes{0, bytes};
+    return detail::context_index_bytes<Context>(bytes);
   }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
@@ -62,8 +56,7 @@ class Quest {
                                         ctx);
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
-    detail::check_shape("Quest::append_workspace_bytes", limits_, shape);
-    return 0;
+    return detail::no_workspace_bytes("Quest::append_workspace_bytes", limits_, shape);
   }
 
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
@@ -108,7 +101,7 @@ class Quest {
   QuestConfig config_;
   std::int32_t max_pages_;
   detail::SlotStates slot_states_;
-  typename Context::template array<T> bounds_;
+  ContextArray<Context, T> bounds_;
 };
 
 }  // namespace kvsift

@@ -115,16 +115,8 @@ constexpr AttentionWindow specontext_window(AttentionWindow window) {
 }
 
 template <class T, class Context>
-class SpeContext {
-  static_assert(BackendIncluded<Context>, "SpeContext<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
-                                          "kvsift/cuda/backend.hpp (cuda::Context) before instantiating it");
-  template <class V>
-  using Array = typename Context::template array<V>;
-
+class SpeContext : public SelectorTypes<T, Context> {
  public:
-  using value_type = T;
-  using context_type = Context;
-
   /// Builds the head's RoPE table (max_tokens positions) and, when owned, its K cache. Refused: limits as every
   /// selector's; budget <= 0 or above max_tokens; an unknown mode or cache kind; a negative sm_scale; a RoPE whose
   /// rotary_dim is odd or above head_dim.
@@ -162,7 +154,7 @@ class SpeContext {
   IndexBytes index_bytes() const {
     const std::size_t total = keys_.size() * sizeof(T) + (cos_.size() + sin_.size()) * sizeof(float) +
                               page_indptr_.size() * sizeof(std::int32_t);
-    return Context::memory == MemorySpace::host ? IndexBytes{total, 0} : IndexBytes{0, total};
+    return detail::context_index_bytes<Context>(total);
   }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
@@ -171,10 +163,8 @@ class SpeContext {
         [&](WorkspaceLayout& counting, std::int32_t tokens) { select_layout(counting, shape, tokens, ctx); });
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    detail::check_shape("SpeContext::append_workspace_bytes", limits_, shape);
-    WorkspaceLayout counting;
-    append_layout(counting, shape.batch, ctx);
-    return counting.bytes();
+    return detail::workspace_bytes("SpeContext::append_workspace_bytes", limits_, shape,
+                                   [&](WorkspaceLayout& counting) { append_layout(counting, shape.batch, ctx); });
   }
 
   /// Rotates every prompt key k_r of the joining sequences (in.k_pre_rope, required) to its position and stores
@@ -186,7 +176,7 @@ class SpeContext {
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
     const std::int32_t kv = limits_.kv_heads, d = limits_.head_dim;
     const auto rows = std::size_t(batch);
-    Array<std::int32_t> context_lengths(rows);
+    ContextArray<Context, std::int32_t> context_lengths(rows);
     const auto [lengths, slots] =
         detail::read_prefill_rows(where, limits_, in.cache, in.slots, context_lengths.data(), ctx);
     const std::int32_t longest = *std::max_element(lengths.begin(), lengths.end());
@@ -207,14 +197,14 @@ class SpeContext {
       std::iota(host_indices.begin() + std::ptrdiff_t(row * std::size_t(longest)),
                 host_indices.begin() + std::ptrdiff_t((row + 1) * std::size_t(longest)), 0);
     }
-    Array<T> staging(std::size_t(kv) * std::size_t(longest) * std::size_t(d));
-    Array<std::int32_t> indices(host_indices.size()), counts(static_cast<std::size_t>(kv)),
+    ContextArray<Context, T> staging(std::size_t(kv) * std::size_t(longest) * std::size_t(d));
+    ContextArray<Context, std::int32_t> indices(host_indices.size()), counts(static_cast<std::size_t>(kv)),
         positions(static_cast<std::size_t>(longest));
     copy_from_host(host_indices.data(), host_indices.size(), indices.data(), ctx);
     copy_from_host(host_indices.data(), std::size_t(longest), positions.data(), ctx);
     // A paged engine cache's row b alone: its pages from page_indptr[b] on, with a page_indptr of its own.
     std::vector<std::int32_t> page_indptr;
-    Array<std::int32_t> row_indptr(2);
+    ContextArray<Context, std::int32_t> row_indptr(2);
     if (config_.head_cache == SpeContextHeadCache::engine && in.cache.is_paged()) {
       page_indptr.resize(rows + 1);
       copy_to_host(in.cache.paged.page_indptr, rows + 1, page_indptr.data(), ctx);
@@ -429,10 +419,10 @@ class SpeContext {
   SpeContextConfig config_;
   OracleTopK<T, Context> oracle_;
   detail::SlotStates slot_states_;
-  Array<float> cos_, sin_;
+  ContextArray<Context, float> cos_, sin_;
   RopeTableView table_{};
-  Array<T> keys_;                   ///< owned head cache [max_slots, kv_heads, max_tokens, head_dim] (else empty)
-  Array<std::int32_t> page_indptr_;  ///< [max_slots + 1] iota: one page per batch row
+  ContextArray<Context, T> keys_;  ///< owned head cache [max_slots, kv_heads, max_tokens, head_dim] (else empty)
+  ContextArray<Context, std::int32_t> page_indptr_;  ///< [max_slots + 1] iota: one page per batch row
 };
 
 }  // namespace kvsift

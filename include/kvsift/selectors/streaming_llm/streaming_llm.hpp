@@ -15,14 +15,8 @@
 namespace kvsift {
 
 template <class T, class Context>
-class StreamingLLM {
-  static_assert(BackendIncluded<Context>, "StreamingLLM<T, Context>: include kvsift/cpu/backend.hpp (cpu::Context) or "
-                                          "kvsift/cuda/backend.hpp (cuda::Context) before instantiating it");
-
+class StreamingLLM : public SelectorTypes<T, Context> {
  public:
-  using value_type = T;
-  using context_type = Context;
-
   explicit StreamingLLM(const SelectorLimits& limits) : limits_(limits), slot_states_(limits.max_slots) {
     detail::check_limits("StreamingLLM", limits);
   }
@@ -31,19 +25,17 @@ class StreamingLLM {
   std::int32_t capacity() const { return 0; }
   IndexBytes index_bytes() const { return {}; }
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context&) const {
-    detail::check_shape("StreamingLLM::select_workspace_bytes", limits_, shape);
-    return 0;
+    return detail::no_workspace_bytes("StreamingLLM::select_workspace_bytes", limits_, shape);
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
-    detail::check_shape("StreamingLLM::append_workspace_bytes", limits_, shape);
-    return 0;
+    return detail::no_workspace_bytes("StreamingLLM::append_workspace_bytes", limits_, shape);
   }
   /// No index, but the life cycle of every selector: a slot is prepared before its steps (slot_states.hpp).
   /// Refused: a prompt longer than limits.max_tokens (the bound every selector keeps), before any slot changes.
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
     constexpr const char* where = "StreamingLLM::prepare";
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
-    typename Context::template array<std::int32_t> context_lengths(static_cast<std::size_t>(batch));
+    ContextArray<Context, std::int32_t> context_lengths(static_cast<std::size_t>(batch));
     const auto rows = detail::read_prefill_rows(where, limits_, in.cache, in.slots, context_lengths.data(), ctx);
     slot_states_.mark_prepared(rows.slots);
   }
