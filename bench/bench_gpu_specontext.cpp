@@ -19,7 +19,7 @@
 // layer, alpha = 4). Selections persist as measured on captures (docs/specontext.md): each step keeps 85% of the
 // last one's tokens per (sequence, kv head): a ring of 16 synthetic selections (a window of B tokens sliding by
 // 15% of B over 16 * 0.15 B random distinct tokens, so step 15 -> 0 keeps 85% too) written over the head's own
-// selection before the copies (SpeContextOffload::load), so every layer attends it. mode 3: the step (head
+// selection before the copies (the LayersOnHost step's load), so every layer attends it. mode 3: the step (head
 // selection, copies of the offloaded layers on a side stream, the attention of all 32 layers: GPU layers from the
 // GPU caches, offloaded ones from their resident rows); mode 4: the copies alone (the side stream's update joined
 // back, nothing else). Counters: offloaded, rows and MB moved per step (K and V of every offloaded layer), kept.
@@ -57,7 +57,8 @@ struct Model {
   Device<std::int32_t> lengths, slots;
   Device<bfloat16> q_r, k_r, q, o;
   Device<float> lse;
-  std::unique_ptr<kvsift::SpeContextStep<bfloat16, Cuda>> step;
+  std::unique_ptr<kvsift::SpeContextStep<bfloat16, Cuda>> step;  ///< null once moved into an offloaded placement
+  std::size_t workspace_bytes = 0;
   std::unique_ptr<Device<std::byte>> workspace;
 
   Model(std::int64_t n_, int batch_, bool pdl)
@@ -89,7 +90,8 @@ struct Model {
                                               .programmatic_launch = pdl},
                                      .layers = kLayers},
         Cuda{});
-    workspace = std::make_unique<Device<std::byte>>(step->workspace_bytes());
+    workspace_bytes = step->workspace_bytes();
+    workspace = std::make_unique<Device<std::byte>>(workspace_bytes);
     // The head's prompt keys: layer 0's K stands in for them (random values, the head's shape).
     step->prepare({.cache = cache(0).as_const(), .slots = slots.ptr,
                    .k_pre_rope = kvsift::SequenceView<const bfloat16>::packed(k[0]->ptr, batch, kKvHeads, std::int32_t(n),
@@ -103,13 +105,13 @@ struct Model {
     return kvsift::ContiguousKVView<bfloat16>::packed(k[std::size_t(c)]->ptr, v[std::size_t(c)]->ptr, batch, kKvHeads,
                                                       std::int32_t(n), kHeadDim, lengths.ptr);
   }
-  std::span<std::byte> ws() const { return {workspace->ptr, step->workspace_bytes()}; }
-  void select(cudaStream_t stream) {
-    step->select({.q = kvsift::QueryView<const bfloat16>::packed(q_r.ptr, batch, kQHeads, kHeadDim),
-                  .k = kvsift::HeadsView<const bfloat16>::packed(k_r.ptr, batch, kKvHeads, kHeadDim),
-                  .cache = cache(0).as_const(), .slots = slots.ptr},
-                 ws(), Cuda{stream});
+  std::span<std::byte> ws() const { return {workspace->ptr, workspace_bytes}; }
+  kvsift::SpeContextHeadInputs<bfloat16> head_inputs() const {
+    return {.q = kvsift::QueryView<const bfloat16>::packed(q_r.ptr, batch, kQHeads, kHeadDim),
+            .k = kvsift::HeadsView<const bfloat16>::packed(k_r.ptr, batch, kKvHeads, kHeadDim),
+            .cache = cache(0).as_const(), .slots = slots.ptr};
   }
+  void select(cudaStream_t stream) { step->select(head_inputs(), ws(), Cuda{stream}); }
   void attend(int layer, cudaStream_t stream) {
     step->attend({.q = kvsift::QueryView<const bfloat16>::packed(q.ptr, batch, kQHeads, kHeadDim), .cache = cache(layer),
                   .layer = layer},
@@ -187,7 +189,7 @@ struct OffloadedModel {
   std::vector<bfloat16*> host_k, host_v;
   std::int32_t* host_lengths = nullptr;
   std::vector<kvsift::KVCache<const bfloat16>> host_caches;
-  std::unique_ptr<kvsift::SpeContextOffload<bfloat16>> offload;
+  std::unique_ptr<kvsift::SpeContextStep<bfloat16, Cuda, kvsift::placement::LayersOnHost>> offload;
   Device<std::int32_t> ring_indices, ring_counts;
   cudaStream_t side = nullptr;
 
@@ -210,7 +212,9 @@ struct OffloadedModel {
       host_v.push_back(v);
       host_caches.emplace_back(host_cache(l).as_const());
     }
-    offload = std::make_unique<kvsift::SpeContextOffload<bfloat16>>(*model.step, offloaded);
+    offload = std::make_unique<kvsift::SpeContextStep<bfloat16, Cuda, kvsift::placement::LayersOnHost>>(
+        std::move(*model.step), offloaded);
+    model.step.reset();
     KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
     // The ring: per (sequence, kv head) a pool of kRing * kShift distinct middle tokens in random order; selection
     // j is the pool's window [j * kShift, j * kShift + B) (cyclic), ascending.
@@ -245,26 +249,26 @@ struct OffloadedModel {
   }
   /// Selection i % kRing over the step's, then the offloaded layers' copies on the side stream.
   void load(int i, cudaStream_t stream) {
-    const kvsift::SelectionView sel = model.step->selection(model.ws(), model.batch);
+    const kvsift::SelectionView sel = offload->selection(model.ws(), model.batch);
     const std::size_t rows = std::size_t(model.batch) * kKvHeads, j = std::size_t(i % kRing);
     KVSIFT_CUDA_CHECK(cudaMemcpyAsync(sel.indices, ring_indices.ptr + j * rows * kBudget, rows * kBudget * 4,
                                       cudaMemcpyDeviceToDevice, stream));
     KVSIFT_CUDA_CHECK(
         cudaMemcpyAsync(sel.counts, ring_counts.ptr + j * rows, rows * 4, cudaMemcpyDeviceToDevice, stream));
-    offload->load(*model.step, model.batch, model.slots.ptr, host_caches, model.ws(), Cuda{stream}, side);
+    offload->load(model.batch, model.slots.ptr, host_caches, model.ws(), {Cuda{stream}, side});
   }
   void step(int i, cudaStream_t stream) {
-    model.select(stream);
+    offload->local_step().select(model.head_inputs(), model.ws(), Cuda{stream});
     load(i, stream);
     const auto q = kvsift::QueryView<const bfloat16>::packed(model.q.ptr, model.batch, kQHeads, kHeadDim);
     const auto token = kvsift::HeadsView<const bfloat16>::packed(model.k_r.ptr, model.batch, kKvHeads, kHeadDim);
     const auto out = kvsift::StateView<bfloat16>::packed(model.o.ptr, model.lse.ptr, model.batch, kQHeads, kHeadDim);
     for (int l = 0; l < kLayers; ++l) {
       if (l < first) {  // as Model::attend
-        offload->attend(*model.step, {.q = q, .cache = model.cache(l), .layer = l}, out, model.ws(), Cuda{stream});
+        offload->attend({.q = q, .cache = model.cache(l), .layer = l}, out, model.ws(), {Cuda{stream}, side});
       } else {  // the step's token (the head's k_r stands in for its K and V) written to the host cache
-        offload->attend(*model.step, {.q = q, .cache = host_cache(l), .k = token, .v = token, .layer = l}, out,
-                        model.ws(), Cuda{stream});
+        offload->attend({.q = q, .cache = host_cache(l), .k = token, .v = token, .layer = l}, out, model.ws(),
+                        {Cuda{stream}, side});
       }
     }
   }

@@ -572,8 +572,9 @@ struct OffloadRun {
   std::vector<std::int64_t> rows_moved;                    ///< per step, rows copied per offloaded layer
 };
 
-/// The model's steps through SpeContextStep alone (offloaded 0) or with its last `offloaded` layers' KV in pinned
-/// host caches (SpeContextOffload), eager or one captured step replayed per step. Outputs poisoned before each step.
+/// The model's steps through the local SpeContextStep (offloaded 0) or its placement::LayersOnHost with the last
+/// `offloaded` layers' KV in pinned host caches, eager or one captured step replayed per step. Outputs poisoned
+/// before each step.
 template <class T>
 OffloadRun run_offload_model(const OffloadModel<T>& m, std::int32_t offloaded, bool graph) {
   using M = OffloadModel<T>;
@@ -583,15 +584,25 @@ OffloadRun run_offload_model(const OffloadModel<T>& m, std::int32_t offloaded, b
   KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&main, cudaStreamNonBlocking));
   KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
   const cuda::Context ctx{main};
+  const OffloadContext offload_ctx{.gpu = ctx, .copy_stream = side};
   const SelectorLimits limits{.max_slots = M::max_slots, .max_tokens = n, .q_heads = qh, .kv_heads = kv, .head_dim = d};
-  SpeContextStep<T, cuda::Context> step(
-      SpeContext<T, cuda::Context>(limits, {.budget = M::budget, .rope = test_head_rope()}, ctx),
-      {.step = {.max_batch = batch, .q_heads = qh, .kv_heads = kv, .head_dim = d, .max_seq_len = n},
-       .layers = M::layers},
-      ctx);
-  std::optional<SpeContextOffload<T>> offload;
-  if (offloaded > 0) offload.emplace(step, offloaded);
-  DeviceBuffer<std::byte> ws(step.workspace_bytes());
+  std::optional<SpeContextStep<T, cuda::Context>> local;
+  std::optional<SpeContextStep<T, cuda::Context, placement::LayersOnHost>> offload;
+  local.emplace(SpeContext<T, cuda::Context>(limits, {.budget = M::budget, .rope = test_head_rope()}, ctx),
+                SpeContextStepConfig{
+                    .step = {.max_batch = batch, .q_heads = qh, .kv_heads = kv, .head_dim = d, .max_seq_len = n},
+                    .layers = M::layers},
+                ctx);
+  if (offloaded > 0) {  // the local step moved into the placement
+    offload.emplace(std::move(*local), offloaded);
+    local.reset();
+  }
+  // Calls f(step, its context) on whichever step runs.
+  const auto on_step = [&](auto&& f) {
+    if (offload) return f(*offload, offload_ctx);
+    return f(*local, ctx);
+  };
+  DeviceBuffer<std::byte> ws(on_step([](auto& step, auto&) { return step.workspace_bytes(); }));
   ws.poison();
   std::vector<DeviceBuffer<T>> dk, dv;
   std::vector<std::unique_ptr<PinnedBuffer<T>>> hk, hv;
@@ -625,22 +636,21 @@ OffloadRun run_offload_model(const OffloadModel<T>& m, std::int32_t offloaded, b
   };
   std::vector<KVCache<const T>> host_caches;
   for (std::int32_t l = first; l < M::layers; ++l) host_caches.emplace_back(cache(l));
-  step.prepare({.cache = KVCache<const T>(cache(0)),
-                .slots = slots.data(),
-                .k_pre_rope = SequenceView<const T>::packed(head_k.data(), batch, kv, n, d)},
-               ctx);
+  on_step([&](auto& step, const auto& step_ctx) {
+    step.prepare({.cache = KVCache<const T>(cache(0)),
+                  .slots = slots.data(),
+                  .k_pre_rope = SequenceView<const T>::packed(head_k.data(), batch, kv, n, d)},
+                 step_ctx);
+  });
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(main));
   const std::span<std::byte> workspace{ws.data(), ws.size()};
   const auto work = [&] {
     const SpeContextHeadInputs<T> head{.q = QueryView<const T>::packed(q_r.data(), batch, qh, d),
                                        .k = HeadsView<const T>::packed(k_r.data(), batch, kv, d),
                                        .cache = KVCache<const T>(cache(0)),
-                                       .slots = slots.data()};
-    if (offload) {
-      offload->select(step, head, host_caches, workspace, ctx, side);
-    } else {
-      step.select(head, workspace, ctx);
-    }
+                                       .slots = slots.data(),
+                                       .host_caches = host_caches};
+    on_step([&](auto& step, const auto& step_ctx) { step.select(head, workspace, step_ctx); });
     for (std::int32_t l = 0; l < M::layers; ++l) {
       const std::size_t rows = std::size_t(l) * batch * kv * d;
       const SpeContextLayerInputs<T> in{
@@ -650,11 +660,7 @@ OffloadRun run_offload_model(const OffloadModel<T>& m, std::int32_t offloaded, b
           .v = HeadsView<const T>::packed(step_v.data() + rows, batch, kv, d),
           .layer = l};
       const auto out = StateView<float>::packed(o[std::size_t(l)].data(), lse[std::size_t(l)].data(), batch, qh, d);
-      if (offload) {
-        offload->attend(step, in, out, workspace, ctx);
-      } else {
-        step.attend(in, out, workspace, ctx);
-      }
+      on_step([&](auto& step, const auto& step_ctx) { step.attend(in, out, workspace, step_ctx); });
     }
   };
   std::unique_ptr<CapturedGraph> captured;
@@ -686,7 +692,7 @@ OffloadRun run_offload_model(const OffloadModel<T>& m, std::int32_t offloaded, b
       work();
     }
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(main));
-    const SelectionView sel = step.selection(workspace, batch);
+    const SelectionView sel = on_step([&](auto& step, auto&) { return step.selection(workspace, batch); });
     std::vector<std::int32_t> indices(std::size_t(batch) * kv * sel.capacity), counts(std::size_t(batch) * kv);
     KVSIFT_CUDA_CHECK(cudaMemcpy(indices.data(), sel.indices, indices.size() * 4, cudaMemcpyDeviceToHost));
     KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), sel.counts, counts.size() * 4, cudaMemcpyDeviceToHost));
@@ -823,19 +829,18 @@ TEST_F(CudaSpeContextOffloadBadInput, Refuses) {
          .layers = layers},
         ctx);
   };
+  using Offloaded = SpeContextStep<T, cuda::Context, placement::LayersOnHost>;
   auto step = make_step({});
-  expect_error([&] { (void)SpeContextOffload<T>(step, 0); },
-               {"SpeContextOffload", "offloaded (= 0)", "use the step alone"});
-  expect_error([&] { (void)SpeContextOffload<T>(step, 4); }, {"offloaded (= 4)", "step.layers() = 3"});
+  // Refused before the local step is moved from: it is still whole (moved in below).
+  expect_error([&] { (void)Offloaded(std::move(step), 0); },
+               {"SpeContextStep<LayersOnHost>", "offloaded (= 0)", "use the local step"});
+  expect_error([&] { (void)Offloaded(std::move(step), 4); }, {"offloaded (= 4)", "config.layers = 3"});
   {
-    const auto wide = make_step({4, 64});
-    expect_error([&] { (void)SpeContextOffload<T>(wide, 1); },
-                 {"SpeContextOffload", "window is 4 + 64", "must be 0 + 1"});
+    auto wide = make_step({4, 64});
+    expect_error([&] { (void)Offloaded(std::move(wide), 1); },
+                 {"SpeContextStep<LayersOnHost>", "window is 4 + 64", "must be 0 + 1"});
   }
-  SpeContextOffload<T> offload(step, 1);
-  EXPECT_EQ(offload.first_offloaded(), 2);
-  EXPECT_TRUE(offload.offloaded(2));
-  EXPECT_FALSE(offload.offloaded(1));
+  EXPECT_EQ(step.layers(), layers);
   DeviceBuffer<std::byte> ws(step.workspace_bytes());
   DeviceBuffer<T> q(std::size_t(batch) * qh * d), kr(std::size_t(batch) * kv * d), k(std::size_t(batch) * kv * n * d),
       v(k.size());
@@ -850,24 +855,40 @@ TEST_F(CudaSpeContextOffloadBadInput, Refuses) {
   const auto query = QueryView<const T>::packed(q.data(), batch, qh, d);
   const auto token = HeadsView<const T>::packed(kr.data(), batch, kv, d);
   const std::span<std::byte> workspace{ws.data(), ws.size()};
-  expect_error([&] { offload.attend(step, {.q = query, .cache = host_cache, .layer = 3}, out, workspace, ctx); },
-               {"SpeContextStep::attend", "in.layer (= 3)"});
-  expect_error([&] { offload.attend(step, {.q = query, .cache = host_cache, .layer = 2}, out, workspace, ctx); },
-               {"SpeContextOffload::attend", "layer 2 is offloaded", "in.k and in.v"});
-  expect_error(
-      [&] {
-        offload.attend(step, {.q = query, .cache = host_cache, .k = token, .v = token, .layer = 2}, out, workspace,
-                       ctx);
-      },
-      {"ElasticKV::write_current", "no update has run"});
-  const SpeContextHeadInputs<T> head{
-      .q = query, .k = token, .cache = KVCache<const T>(gpu_cache), .slots = slots.data()};
-  const std::vector<KVCache<const T>> none;
-  expect_error([&] { offload.select(step, head, none, workspace, ctx, nullptr); },
-               {"ElasticKV::update", "in.host_caches has 0 caches", "config.layers is 1"});
   const std::vector<KVCache<const T>> hosts = {KVCache<const T>(host_cache)};
-  expect_error([&] { offload.select(step, head, hosts, workspace, ctx, main); },
+  SpeContextHeadInputs<T> head{.q = query, .k = token, .cache = KVCache<const T>(gpu_cache), .slots = slots.data()};
+  head.host_caches = hosts;
+  expect_error([&] { step.select(head, workspace, ctx); },
+               {"SpeContextStep::select", "in.host_caches (size 1)", "placement::LayersOnHost"});
+
+  Offloaded offload(std::move(step), 1);
+  EXPECT_EQ(offload.first_offloaded(), 2);
+  EXPECT_TRUE(offload.offloaded(2));
+  EXPECT_FALSE(offload.offloaded(1));
+  expect_error([&] { offload.set_offloaded_layers(4); }, {"offloaded (= 4)", "config.layers = 3"});
+  EXPECT_EQ(offload.first_offloaded(), 2) << "a refused change leaves the placement as it was";
+  cudaStream_t copies = nullptr;
+  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&copies, cudaStreamNonBlocking));
+  const OffloadContext octx{.gpu = ctx, .copy_stream = copies};
+  const SpeContextLayerInputs<T> offloaded_layer{.q = query, .cache = host_cache, .k = token, .v = token, .layer = 2};
+  expect_error([&] { offload.attend({.q = query, .cache = host_cache, .layer = 3}, out, workspace, octx); },
+               {"SpeContextStep::attend", "in.layer (= 3)"});
+  expect_error([&] { offload.attend({.q = query, .cache = host_cache, .layer = 2}, out, workspace, octx); },
+               {"SpeContextStep<LayersOnHost>::attend", "layer 2 is offloaded", "in.k and in.v"});
+  expect_error([&] { offload.attend(offloaded_layer, out, workspace, octx); },
+               {"SpeContextStep<LayersOnHost>::attend", "loaded for 0 rows", "select (or load) the step first"});
+  head.host_caches = {};
+  expect_error([&] { offload.select(head, workspace, octx); },
+               {"ElasticKV::update", "in.host_caches has 0 caches", "config.layers is 1"});
+  head.host_caches = hosts;
+  expect_error([&] { offload.select(head, workspace, {.gpu = ctx, .copy_stream = main}); },
                {"ElasticKV::update", "the main and side streams are one stream"});
+  expect_error([&] { offload.attend(offloaded_layer, out, workspace, octx); }, {"loaded for 0 rows"});
+  offload.set_offloaded_layers(2);
+  EXPECT_EQ(offload.first_offloaded(), 1);
+  EXPECT_EQ(offload.offloaded_layers(), 2);
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(copies));
+  KVSIFT_CUDA_CHECK(cudaStreamDestroy(copies));
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(main));
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(main));
 }

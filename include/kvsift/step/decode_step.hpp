@@ -131,6 +131,13 @@ class StepBase {
   void check_run(const char* where, std::int32_t batch, const selector_context& ctx) const {
     check_planned_run(where, "in.q.batch", batch, config_.max_batch, workspace_threads(ctx), planned_threads_);
   }
+  /// The selection of the last run over `selector` (the selector's part of a carved workspace) for `batch` rows.
+  SelectionView planned_selection(const char* where, const typename SelectorPart<S>::Buffers& selector,
+                                  std::int32_t batch) const {
+    KVSIFT_CHECK(batch > 0 && batch <= config_.max_batch, where, "batch (= {}) is outside [1, config.max_batch = {}]",
+                 batch, config_.max_batch);
+    return part_.selection(selector, batch);
+  }
   SelectorStepInputs<value_type> selector_inputs(const StepInputs<value_type>& in) const {
     return {.q = in.q, .cache = in.cache, .slots = in.slots, .k_pre_rope = in.k_pre_rope,
             .attention = config_.attention, .layer = in.layer};
@@ -229,10 +236,8 @@ class DecodeStep : public detail::StepBase<S> {
   /// selector().second_source).
   SelectionView selection(std::span<std::byte> workspace, std::int32_t batch) const {
     constexpr const char* where = "DecodeStep::selection";
-    KVSIFT_CHECK(batch > 0 && batch <= config_.max_batch, where, "batch (= {}) is outside [1, config.max_batch = {}]",
-                 batch, config_.max_batch);
     WorkspaceLayout carving(workspace, where);
-    return part_.selection(layout(carving).selector, batch);
+    return this->planned_selection(where, layout(carving).selector, batch);
   }
 
  private:

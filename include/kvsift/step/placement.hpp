@@ -16,6 +16,11 @@
 /// (A GPU selector's middle attended on the GPU is the local placement.) The split placements merge the two fp32
 /// partials on the GPU and take a SplitWorkspace (a device and a pinned host block) and a SplitContext (a stream and
 /// a CPU pool).
+///
+/// The model-level step (SpeContextStep<T, Context, Placement>, one selection per step attended by every layer)
+/// takes Local, every layer's KV in the context's memory, or LayersOnHost (CUDA): its last layers' KV in pinned
+/// host caches, attended from GPU-resident rows that an elastic loader keeps current with the step's selection
+/// (selectors/specontext/offload.hpp; an OffloadContext: the stream and a copy stream).
 
 #include <concepts>
 
@@ -30,6 +35,9 @@ struct MiddleOnCpu {};
 /// A CPU selector's selection copied to the GPU, its rows gathered from pinned host KV and attended on the GPU
 /// with the window.
 struct MiddleOnGpu {};
+/// A model-level step's last layers with their KV in pinned host memory, attended from GPU-resident rows copied as
+/// the selection changes (SpeContextStep only; not a placement of DecodeStep).
+struct LayersOnHost {};
 
 /// Whether placement P takes a selector on `Context` (MiddleOnGpu: CPU selectors only).
 template <class P, class Context>

@@ -13,10 +13,12 @@
 /// current token as its recent part (specontext_window): the step's own token is always attended, exactly once,
 /// since the selection leaves the window out.
 ///
-/// Offloaded layers (the elastic placement: selectors/specontext/offload.hpp over selectors/specontext/elastic_kv.hpp): attend_selection
-/// attends any cache with any selection and window, e.g. a resident buffer of B + 1 rows per (sequence, kv head)
-/// with the selection mapped to slot space; selection(workspace, batch) is the one selection such a component
-/// diffs against its last one.
+/// Placements (step/placement.hpp): placement::Local (this file), every layer's KV in the context's memory; and
+/// placement::LayersOnHost (CUDA, selectors/specontext/offload.hpp), the last layers' KV in pinned host caches,
+/// attended from GPU-resident rows that ElasticKV keeps current with the step's one selection. That placement is
+/// built on this one's seams: attend_selection attends any cache with any selection and window (a resident buffer
+/// of B + 1 rows per (sequence, kv head) with the selection mapped to slot space), and selection(workspace, batch)
+/// is the one selection the loader diffs against its last one.
 ///
 /// Memory and calls: views in the context's memory; the workspace of workspace_bytes() bytes (256-byte aligned,
 /// contents irrelevant) holds the lengths, the selection, the selector's append and select scratch and the
@@ -30,6 +32,7 @@
 /// Thread safety: one step serves one thread at a time; it owns its selector.
 
 #include <algorithm>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -42,6 +45,7 @@
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/selectors/specontext/specontext.hpp"
 #include "kvsift/step/decode_step.hpp"
+#include "kvsift/step/placement.hpp"
 #include "kvsift/step/selector_part.hpp"
 
 namespace kvsift {
@@ -64,6 +68,9 @@ struct SpeContextHeadInputs {
   /// Engine-kept head cache: the head's cache, grown to count the step's token.
   KVCache<const T> cache{};
   const std::int32_t* slots = nullptr;  ///< [batch] each row's selector slot
+  /// placement::LayersOnHost only (refused by the local step): the offloaded layers' pinned host caches, one per
+  /// layer in order, their lengths counting the step's token.
+  std::span<const KVCache<const T>> host_caches{};
 };
 
 /// One layer's attention.
@@ -77,9 +84,13 @@ struct SpeContextLayerInputs {
 };
 
 /// The model-level step over detail::StepBase (step/decode_step.hpp): the selector, the layers' DecodeStepConfig, the
-/// selector's part of the step and the planned-run check are the decode step's own.
-template <class T, class Context>
+/// selector's part of the step and the planned-run check are the decode step's own. This primary template is the
+/// local placement; placement::LayersOnHost is its specialization in selectors/specontext/offload.hpp.
+template <class T, class Context, class Placement = placement::Local>
 class SpeContextStep : public detail::StepBase<SpeContext<T, Context>> {
+  static_assert(std::same_as<Placement, placement::Local>,
+                "SpeContextStep<T, Context, Placement>: Placement is placement::Local, or placement::LayersOnHost with "
+                "cuda::Context (include kvsift/selectors/specontext/offload.hpp)");
   using Base = detail::StepBase<SpeContext<T, Context>>;
   using Base::config_;
   using Base::part_;
@@ -125,6 +136,9 @@ class SpeContextStep : public detail::StepBase<SpeContext<T, Context>> {
     check_batch(where, in.q.batch, ctx);
     KVSIFT_CHECK(in.cache.batch() == in.q.batch, where, "in.cache batch (= {}) != in.q.batch (= {})", in.cache.batch(),
                  in.q.batch);
+    KVSIFT_CHECK(in.host_caches.empty(), where,
+                 "in.host_caches (size {}) is for placement::LayersOnHost: this step's layers are all local",
+                 in.host_caches.size());
     WorkspaceLayout carving(workspace, where);
     const Buffers b = layout(carving);
     selected_batch_ = 0;  // a refused select leaves no selection to attend
@@ -176,10 +190,8 @@ class SpeContextStep : public detail::StepBase<SpeContext<T, Context>> {
   /// The selection of the last select over this workspace, for its `batch` rows (context memory).
   SelectionView selection(std::span<std::byte> workspace, std::int32_t batch) const {
     constexpr const char* where = "SpeContextStep::selection";
-    KVSIFT_CHECK(batch > 0 && batch <= config_.max_batch, where, "batch (= {}) is outside [1, config.max_batch = {}]",
-                 batch, config_.max_batch);
     WorkspaceLayout carving(workspace, where);
-    return part_.selection(layout(carving).selector, batch);
+    return Base::planned_selection(where, layout(carving).selector, batch);
   }
 
  private:
