@@ -266,9 +266,7 @@ cudaError_t launch_first_nonfinite_key(const KVCache<const T>& cache, const std:
                                                const HeadsView<const T>&, cudaStream_t);               \
   template cudaError_t launch_first_nonfinite_key<T>(const KVCache<const T>&, const std::int32_t*, std::int32_t*, \
                                                      int, cudaStream_t);
-KVSIFT_INSTANTIATE_CACHE_OPS(half)
-KVSIFT_INSTANTIATE_CACHE_OPS(bfloat16)
-KVSIFT_INSTANTIATE_CACHE_OPS(float)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE_CACHE_OPS)
 #undef KVSIFT_INSTANTIATE_CACHE_OPS
 
 }  // namespace kvsift::cuda::detail

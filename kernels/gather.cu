@@ -241,9 +241,7 @@ cudaError_t launch_commit_difference(const DifferenceSlots& slots, std::int32_t*
                                            cudaStream_t);                                                          \
   template cudaError_t launch_copy_difference<T>(const KVCache<const T>&, const DifferenceSlots&, const KVCache<T>&, \
                                                  bool, cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda::detail

@@ -299,8 +299,7 @@ cudaError_t launch_replace_list(const InvertedListsView<T>& lists, const std::in
                                                 cudaStream_t);                                                      \
   template cudaError_t launch_replace_list<T>(const InvertedListsView<T>&, const std::int32_t*, const SelectionView&, \
                                               const MatrixView<const float>&, std::int32_t*, cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
+KVSIFT_LIST_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda::detail

@@ -381,9 +381,7 @@ cudaError_t launch_kmeans_batched(const BatchedMatrixView<const T>& points, cons
   template cudaError_t launch_kmeans_batched<T>(const BatchedMatrixView<const T>&, const float*,                      \
                                                 const BatchedKMeansConfig&, float*, std::int32_t*,                    \
                                                 const BatchedKMeansBuffers&, cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda::detail

@@ -238,9 +238,7 @@ cudaError_t launch_remap_selection(const SelectionView& positions, const Selecti
   template cudaError_t launch_candidate_scores<T, PagedKVView<const T>>(                                             \
       const QueryView<const T>&, const PagedKVView<const T>&, const SelectionView&, const GroupScoreOptions&,        \
       const MatrixView<float>&, float*, float*, cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda::detail

@@ -24,11 +24,12 @@ __global__ void rope_table_kernel(RopeConfig config, RopeTableView table) {
   }
 }
 
-/// Row b's rotation (a position or a signed delta) and whether it is one: launch_rope's RopeAmounts rule.
+/// Row b's rotation (to a position, or from one to the target) and whether its position is one: launch_rope's
+/// RopeAmounts rule.
 __device__ bool row_rotation(const RopeAmounts& amounts, std::int64_t b, std::int64_t& rotation) {
   const std::int64_t p = std::int64_t(amounts.values[b]) + amounts.offset;
   rotation = amounts.kind == RopeAmountKind::to_target ? std::int64_t(amounts.target) - p : p;
-  return amounts.kind == RopeAmountKind::delta || p >= 0;
+  return p >= 0;
 }
 
 template <class T>
@@ -75,9 +76,7 @@ cudaError_t launch_rope(const RopeRows<T>& rows, const RopeAmounts& amounts, con
 #define KVSIFT_INSTANTIATE(T)                                                                                        \
   template cudaError_t launch_rope<T>(const RopeRows<T>&, const RopeAmounts&, const RopeTableView&, bool, double, \
                                       cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda::detail

@@ -110,9 +110,7 @@ cudaError_t launch_segment_mean(const MatrixView<const T>& rows, const std::int3
   template cudaError_t launch_segment_mean<T>(const MatrixView<const T>&, const std::int32_t*, std::int32_t,         \
                                               const float*, const MatrixView<float>&, std::int32_t*,                 \
                                               const SegmentMeanBuffers&, cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda::detail

@@ -180,16 +180,12 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
   template void dense_decode<T, KV, TO>(const QueryView<const T>&, const KV&, const StateView<TO>&,              \
                                         const DecodeOptions&, ThreadPool*, std::span<std::byte>);
 #define KVSIFT_INSTANTIATE_OUTPUTS(T, KV) KVSIFT_INSTANTIATE(T, KV, T) KVSIFT_INSTANTIATE(T, KV, float)
-KVSIFT_INSTANTIATE_OUTPUTS(half, ContiguousKVView<const half>)
-KVSIFT_INSTANTIATE_OUTPUTS(half, PagedKVView<const half>)
-KVSIFT_INSTANTIATE_OUTPUTS(bfloat16, ContiguousKVView<const bfloat16>)
-KVSIFT_INSTANTIATE_OUTPUTS(bfloat16, PagedKVView<const bfloat16>)
+KVSIFT_DECODE_TYPES(KVSIFT_INSTANTIATE_OUTPUTS)
 #undef KVSIFT_INSTANTIATE_OUTPUTS
 #undef KVSIFT_INSTANTIATE
-template void merge_states<float, float>(std::span<const StateView<const float>>, const StateView<float>&);
-template void merge_states<half, half>(std::span<const StateView<const half>>, const StateView<half>&);
-template void merge_states<bfloat16, bfloat16>(std::span<const StateView<const bfloat16>>, const StateView<bfloat16>&);
-template void merge_states<float, half>(std::span<const StateView<const float>>, const StateView<half>&);
-template void merge_states<float, bfloat16>(std::span<const StateView<const float>>, const StateView<bfloat16>&);
+#define KVSIFT_INSTANTIATE_MERGE(TI, TO) \
+  template void merge_states<TI, TO>(std::span<const StateView<const TI>>, const StateView<TO>&);
+KVSIFT_MERGE_TYPES(KVSIFT_INSTANTIATE_MERGE)
+#undef KVSIFT_INSTANTIATE_MERGE
 
 }  // namespace kvsift::cpu

@@ -114,9 +114,7 @@ void gather_kv_difference(const KVCache<const T>& src, const SelectionView& prev
   template void gather_kv_difference<T>(const KVCache<const T>&, const SelectionView&, const std::int32_t*,           \
                                         const SelectionView&, std::int32_t*, const ContiguousKVView<T>&,             \
                                         std::int32_t*, std::span<std::byte>, ThreadPool*);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cpu

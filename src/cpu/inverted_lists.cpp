@@ -133,8 +133,7 @@ void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, 
                                        const MatrixView<float>&, std::span<std::byte>, ThreadPool*);                 \
   template void replace_list<T>(const InvertedListsView<T>&, const std::int32_t*, const SelectionView&,               \
                                 const MatrixView<const float>&, std::int32_t*, ThreadPool*);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
+KVSIFT_LIST_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cpu

@@ -369,9 +369,7 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
 #define KVSIFT_INSTANTIATE(T)                                                                                     \
   template void kmeans_batched<T>(const BatchedMatrixView<const T>&, const float*, const BatchedKMeansConfig&,    \
                                   float*, std::int32_t*, std::span<std::byte>, ThreadPool*);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cpu

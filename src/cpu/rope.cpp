@@ -108,15 +108,6 @@ void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const 
 }
 
 template <class T>
-void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* deltas, const RopeTableView& table, ThreadPool* pool) {
-  constexpr const char* where = "cpu::rotate_by_delta";
-  kvsift::detail::check_rope_rows(where, x, deltas, table, "deltas");
-  const auto delta = [&](std::int64_t b) { return std::int64_t(deltas[b]); };
-  check_deltas(where, delta, x.batch, table);
-  rotate_heads(x, delta, table, /*inverse=*/false, 1.0, pool);
-}
-
-template <class T>
 void rotate_to_position(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
                         std::int32_t target, const RopeTableView& table, ThreadPool* pool) {
   constexpr const char* where = "cpu::rotate_to_position";
@@ -137,12 +128,9 @@ void rotate_to_position(const HeadsView<T>& x, const std::int32_t* positions, st
   template void apply_rope<T>(const MatrixView<T>&, const std::int32_t*, const RopeTableView&, bool, ThreadPool*); \
   template void apply_rope<T>(const HeadsView<T>&, const std::int32_t*, std::int32_t, const RopeTableView&, bool,   \
                               ThreadPool*);                                                                        \
-  template void rotate_by_delta<T>(const HeadsView<T>&, const std::int32_t*, const RopeTableView&, ThreadPool*);   \
   template void rotate_to_position<T>(const HeadsView<T>&, const std::int32_t*, std::int32_t, std::int32_t,        \
                                       const RopeTableView&, ThreadPool*);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cpu

@@ -81,9 +81,7 @@ void segment_mean(const MatrixView<const T>& rows, const std::int32_t* assignmen
 #define KVSIFT_INSTANTIATE(T)                                                                                 \
   template void segment_mean<T>(const MatrixView<const T>&, const std::int32_t*, std::int32_t, const float*, \
                                 const MatrixView<float>&, std::int32_t*, std::span<std::byte>, ThreadPool*);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cpu

@@ -65,9 +65,7 @@ void write_identity_indices(const SelectionView& out, cudaStream_t stream) {
   template void write_step_kv<T>(const KVCache<T>&, const HeadsView<const T>&, const HeadsView<const T>&, \
                                  cudaStream_t);                                                         \
   template void first_nonfinite_key<T>(const KVCache<const T>&, const std::int32_t*, std::int32_t*, cudaStream_t);
-KVSIFT_INSTANTIATE_CACHE_OPS(half)
-KVSIFT_INSTANTIATE_CACHE_OPS(bfloat16)
-KVSIFT_INSTANTIATE_CACHE_OPS(float)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE_CACHE_OPS)
 #undef KVSIFT_INSTANTIATE_CACHE_OPS
 
 }  // namespace kvsift::cuda

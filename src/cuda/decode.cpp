@@ -316,32 +316,11 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
 }
 
 // Host entry points only: both output types share the launchers (and so the kernels) of kernels/decode_*.cu.
-#define KVSIFT_INSTANTIATE_DECODE_OUTPUT(T, KV, TO)                                                              \
-  template void sparse_decode<T, KV, TO>(const QueryView<const T>&, const KV&, const SelectionView&,             \
-                                         const StateView<TO>&, std::span<std::byte>, cudaStream_t,               \
-                                         const DecodeOptions&);                                                  \
-  template void dense_decode<T, KV, TO>(const QueryView<const T>&, const KV&, const StateView<TO>&,             \
-                                        std::span<std::byte>, cudaStream_t, const DecodeOptions&);
-#define KVSIFT_INSTANTIATE_DECODE(T, KV)                                                                        \
-  template std::size_t sparse_decode_workspace_bytes<T, KV>(const QueryView<const T>&, const KV&,                \
-                                                            const SelectionView&, const DecodeOptions&);        \
-  template std::size_t dense_decode_workspace_bytes<T, KV>(const QueryView<const T>&, const KV&,                 \
-                                                           const DecodeOptions&);                                \
-  KVSIFT_INSTANTIATE_DECODE_OUTPUT(T, KV, T)                                                                     \
-  KVSIFT_INSTANTIATE_DECODE_OUTPUT(T, KV, float)
-KVSIFT_INSTANTIATE_DECODE(half, ContiguousKVView<const half>)
-KVSIFT_INSTANTIATE_DECODE(half, PagedKVView<const half>)
-KVSIFT_INSTANTIATE_DECODE(bfloat16, ContiguousKVView<const bfloat16>)
-KVSIFT_INSTANTIATE_DECODE(bfloat16, PagedKVView<const bfloat16>)
+#define KVSIFT_INSTANTIATE_DECODE(T, KV) KVSIFT_CUDA_DECODE(, T, KV)
+#define KVSIFT_INSTANTIATE_MERGE(TI, TO) KVSIFT_CUDA_MERGE(, TI, TO)
+KVSIFT_DECODE_TYPES(KVSIFT_INSTANTIATE_DECODE)
+KVSIFT_MERGE_TYPES(KVSIFT_INSTANTIATE_MERGE)
 #undef KVSIFT_INSTANTIATE_DECODE
-#undef KVSIFT_INSTANTIATE_DECODE_OUTPUT
-template void merge_states<half, half>(std::span<const StateView<const half>>, const StateView<half>&, cudaStream_t);
-template void merge_states<bfloat16, bfloat16>(std::span<const StateView<const bfloat16>>, const StateView<bfloat16>&,
-                                               cudaStream_t);
-template void merge_states<float, float>(std::span<const StateView<const float>>, const StateView<float>&,
-                                         cudaStream_t);
-template void merge_states<float, half>(std::span<const StateView<const float>>, const StateView<half>&, cudaStream_t);
-template void merge_states<float, bfloat16>(std::span<const StateView<const float>>, const StateView<bfloat16>&,
-                                            cudaStream_t);
+#undef KVSIFT_INSTANTIATE_MERGE
 
 }  // namespace kvsift::cuda

@@ -104,8 +104,7 @@ void replace_list(const InvertedListsView<T>& lists, const std::int32_t* d_slots
                                        const MatrixView<float>&, std::span<std::byte>, cudaStream_t);                \
   template void replace_list<T>(const InvertedListsView<T>&, const std::int32_t*, const SelectionView&,               \
                                 const MatrixView<const float>&, std::int32_t*, cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
+KVSIFT_LIST_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda

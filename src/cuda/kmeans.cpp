@@ -64,9 +64,7 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* d_wei
 #define KVSIFT_INSTANTIATE(T)                                                                                       \
   template void kmeans_batched<T>(const BatchedMatrixView<const T>&, const float*, const BatchedKMeansConfig&, \
                                   float*, std::int32_t*, std::span<std::byte>, cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda

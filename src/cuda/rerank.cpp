@@ -73,9 +73,7 @@ void append_range(const SelectionView& rows, const std::int32_t* d_slots, const 
   template void candidate_scores<T, PagedKVView<const T>>(const QueryView<const T>&, const PagedKVView<const T>&,    \
                                                           const SelectionView&, const GroupScoreOptions&,             \
                                                           const MatrixView<float>&, std::span<std::byte>, cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda

@@ -55,14 +55,6 @@ void apply_rope(const MatrixView<T>& rows, const std::int32_t* d_positions, cons
 }
 
 template <class T>
-void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* d_deltas, const RopeTableView& table,
-                     cudaStream_t stream) {
-  kvsift::detail::check_rope_rows("cuda::rotate_by_delta", x, d_deltas, table, "d_deltas");
-  const detail::RopeAmounts amounts{.values = d_deltas, .kind = detail::RopeAmountKind::delta};
-  KVSIFT_CUDA_CHECK(detail::launch_rope(heads_rows(x), amounts, table, /*inverse=*/false, 1.0, stream));
-}
-
-template <class T>
 void rotate_to_position(const HeadsView<T>& x, const std::int32_t* d_positions, std::int32_t position_offset,
                         std::int32_t target, const RopeTableView& table, cudaStream_t stream) {
   constexpr const char* where = "cuda::rotate_to_position";
@@ -78,12 +70,9 @@ void rotate_to_position(const HeadsView<T>& x, const std::int32_t* d_positions, 
   template void apply_rope<T>(const MatrixView<T>&, const std::int32_t*, const RopeTableView&, bool, cudaStream_t); \
   template void apply_rope<T>(const HeadsView<T>&, const std::int32_t*, std::int32_t, const RopeTableView&, bool,    \
                               cudaStream_t);                                                                        \
-  template void rotate_by_delta<T>(const HeadsView<T>&, const std::int32_t*, const RopeTableView&, cudaStream_t);    \
   template void rotate_to_position<T>(const HeadsView<T>&, const std::int32_t*, std::int32_t, std::int32_t,         \
                                       const RopeTableView&, cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda

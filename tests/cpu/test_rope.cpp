@@ -1,7 +1,7 @@
 // RoPE on the CPU (core/rope.hpp, cpu/rope.hpp) against fp64 references written here from Hugging Face
 // transformers' rope_init formulas (modeling_rope_utils.py: default, linear, llama3, yarn): inverse
 // frequencies and attention factors of shipped configurations, the cos/sin table, rotations of fp32, fp16 and
-// bf16 heads and key rows in both layouts with full and partial rotary dims, inverse, position deltas, thread
+// bf16 heads and key rows in both layouts with full and partial rotary dims, inverse, rotation from a position to another, thread
 // independence, and every refused input.
 #include <gtest/gtest.h>
 
@@ -323,31 +323,26 @@ TEST_F(CpuRope, InverseUndoesAndTheMatrixFormEqualsTheHeadsForm) {
   }
 }
 
-TEST_F(CpuRope, DeltasRotateAnAlreadyRotatedVector) {
+TEST_F(CpuRope, RotationToAPositionMovesAnAlreadyRotatedVector) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
-  const std::int32_t batch = 6, heads = 8, d = 128, positions = 65536;
+  const std::int32_t batch = 6, heads = 8, d = 128, positions = 65536, target = 2048;  // A²ATS's fixed position b
   for (const auto& [name, c] : configs(128, RopeLayout::neox)) {
     SCOPED_TRACE(name);
     Table table(c, d, positions);
     const auto pre = rng.normal(std::size_t(batch) * heads * d);
-    std::vector<std::int32_t> p(batch), target(batch), delta(batch), back(batch);
-    for (int b = 0; b < batch; ++b) {
-      p[b] = rng.uniform_int(0, positions - 1);
-      target[b] = b == 0 ? 2048 : rng.uniform_int(0, positions - 1);  // A²ATS's fixed position b
-      delta[b] = target[b] - p[b];
-      back[b] = -p[b];
-    }
-    // qR_b: rotate to p, then by target - p; equals rotating to target directly.
+    std::vector<std::int32_t> p(batch), to(batch, target);
+    for (int b = 0; b < batch; ++b) p[b] = b == 0 ? target : rng.uniform_int(0, positions - 1);
+    // qR_b: rotate to p, then from p to the target; equals rotating to the target directly.
     auto q = pre, direct = pre;
     const auto view = [&](std::vector<float>& v) { return HeadsView<float>::packed(v.data(), batch, heads, d); };
     cpu::apply_rope(view(q), p.data(), table.view, false);
-    cpu::rotate_by_delta(view(q), delta.data(), table.view);
-    cpu::apply_rope(view(direct), target.data(), table.view, false);
+    cpu::rotate_to_position(view(q), p.data(), 0, target, table.view);
+    cpu::apply_rope(view(direct), to.data(), table.view, false);
     for (std::size_t e = 0; e < q.size(); ++e) ASSERT_NEAR(q[e], direct[e], 3e-6 * (1 + std::abs(direct[e]))) << e;
-    // Rotating to p then by -p leaves the pre-RoPE vector times the attention factor.
+    // Rotating to p then from p to 0 leaves the pre-RoPE vector times the attention factor.
     auto r = pre;
     cpu::apply_rope(view(r), p.data(), table.view, false);
-    cpu::rotate_by_delta(view(r), back.data(), table.view);
+    cpu::rotate_to_position(view(r), p.data(), 0, 0, table.view);
     const double af = ref_attention_factor(c);
     for (std::size_t e = 0; e < r.size(); ++e) ASSERT_NEAR(r[e], pre[e] * af, 3e-6 * (1 + std::abs(pre[e]))) << e;
   }
@@ -356,18 +351,17 @@ TEST_F(CpuRope, DeltasRotateAnAlreadyRotatedVector) {
 TEST_F(CpuRope, PositionOffsetsAndRotationToAFixedPositionFollowTheFp64Reference) {
   // A²ATS's two rotations with the lengths as positions: the step's key at lengths[b] - 1 back to pre-RoPE
   // (apply_rope inverse, offset -1), and the step's query from lengths[b] - 1 to the fixed position b
-  // (rotate_to_position), against core/rope.hpp's fp64 apply_rope; each equals the delta / plain form bit for bit.
+  // (rotate_to_position), against core/rope.hpp's fp64 apply_rope; the key's equals the plain form bit for bit.
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   const std::int32_t batch = 6, heads = 4, d = 128, positions = 40000;
   for (const auto& [name, c] : configs(96, RopeLayout::neox)) {
     SCOPED_TRACE(name);
     Table table(c, d, positions);
-    std::vector<std::int32_t> lengths(batch), last(batch), delta(batch);
+    std::vector<std::int32_t> lengths(batch), last(batch);
     const std::int32_t target = 2048, offset = -1;
     for (int b = 0; b < batch; ++b) {
       lengths[b] = b == 0 ? 1 : rng.uniform_int(1, positions);
       last[b] = lengths[b] + offset;
-      delta[b] = target - last[b];
     }
     const auto pre = rng.normal(std::size_t(batch) * heads * d);
     const auto view = [&](std::vector<float>& v) { return HeadsView<float>::packed(v.data(), batch, heads, d); };
@@ -386,11 +380,8 @@ TEST_F(CpuRope, PositionOffsetsAndRotationToAFixedPositionFollowTheFp64Reference
     for (int b = 0; b < batch; ++b) {
       for (int h = 0; h < heads; ++h) apply_rope(q.data() + (std::size_t(b) * heads + h) * d, d, last[b], c);
     }
-    auto by_delta = q;
     cpu::ThreadPool pool(3);
     cpu::rotate_to_position(view(q), lengths.data(), offset, target, table.view, &pool);
-    cpu::rotate_by_delta(view(by_delta), delta.data(), table.view);
-    ASSERT_EQ(std::memcmp(q.data(), by_delta.data(), q.size() * sizeof(float)), 0);
     auto want = pre;
     for (std::size_t v = 0; v < want.size() / d; ++v) apply_rope(want.data() + v * d, d, target, c);
     for (std::size_t e = 0; e < q.size(); ++e) ASSERT_NEAR(q[e], want[e], 4e-6 * (1 + std::abs(want[e]))) << e;
@@ -436,12 +427,10 @@ TEST(CpuRopeBadInput, RefusedWithTheirMessages) {
     test::expect_error([&] { cpu::apply_rope(heads, lengths.data(), -1, table, true); },
                        {"cpu::apply_rope", fmt::format("positions[1] + -1 (= {}) is outside the table's positions", bad)});
   }
-  std::vector<std::int32_t> deltas{-99, -100};
-  test::expect_error([&] { cpu::rotate_by_delta(heads, deltas.data(), table); },
-                     {"cpu::rotate_by_delta", "the rotation of row 1 (= -100 positions) is not below the table's positions (= 100)"});
   std::vector<std::int32_t> lengths{1, 121};  // rows at positions 0 and 120
   test::expect_error([&] { cpu::rotate_to_position(heads, lengths.data(), -1, 20, table); },
-                     {"cpu::rotate_to_position", "the rotation of row 1 (= -100 positions)"});
+                     {"cpu::rotate_to_position",
+                      "the rotation of row 1 (= -100 positions) is not below the table's positions (= 100)"});
   test::expect_error([&] { cpu::rotate_to_position(heads, lengths.data(), -2, 20, table); },
                      {"cpu::rotate_to_position", "positions[0] + -2 (= -1) is a negative position"});
   test::expect_error([&] { cpu::rotate_to_position(heads, lengths.data(), -1, -3, table); },
@@ -456,7 +445,8 @@ TEST(CpuRopeBadInput, RefusedWithTheirMessages) {
   t = table, t.cos = nullptr;
   test::expect_error([&] { cpu::apply_rope(heads, pos.data(), t, false); }, "table.cos and table.sin must be non-null");
   t = table, t.positions = 0;
-  test::expect_error([&] { cpu::rotate_by_delta(heads, pos.data(), t); }, "table.positions (= 0) must be positive");
+  test::expect_error([&] { cpu::rotate_to_position(heads, pos.data(), 0, 0, t); },
+                     "table.positions (= 0) must be positive");
   t = table, t.attention_factor = 0.0f;
   test::expect_error([&] { cpu::apply_rope(rows, pos.data(), t, false); }, "table.attention_factor (= 0)");
   t = table, t.layout = RopeLayout(9);

@@ -1,7 +1,7 @@
 // CUDA RoPE (cuda/rope.hpp) against its CPU twin (whose tests check it against fp64 references from the HF
 // formulas): the table within one fp32 ulp of the CPU's (the device's fp64 pow/log/cos/sin may round otherwise),
 // every rotation bit for bit from the same table (fp32, fp16, bf16; heads with strides, key rows; both layouts,
-// partial rotary dims, every scaling; inverse; deltas; lengths as positions with an offset; rotation to a
+// partial rotary dims, every scaling; inverse; lengths as positions with an offset; rotation to a
 // fixed position); positions outside the table give NaN rotary channels;
 // table + rotations captured in a CUDA graph replay the eager results; refused inputs are refused before any
 // device call.
@@ -83,29 +83,23 @@ void check_rotations_equal_the_cpu(Random& rng) {
                                       << int(c.scaling.kind));
       Tables t(c, d, positions);
       const auto x = test::to_storage<T>(rng.normal(std::size_t(batch_stride) * batch, 2.0f));
-      std::vector<std::int32_t> pos(batch), deltas(batch);
-      for (int b = 0; b < batch; ++b) {
-        pos[b] = rng.uniform_int(0, positions - 1);
-        deltas[b] = rng.uniform_int(-(positions - 1), positions - 1);
-      }
-      DeviceBuffer<std::int32_t> d_pos(pos), d_deltas(deltas);
+      std::vector<std::int32_t> pos(batch);
+      for (int b = 0; b < batch; ++b) pos[b] = rng.uniform_int(0, positions - 1);
+      DeviceBuffer<std::int32_t> d_pos(pos);
       const auto heads_view = [&](T* data) { return HeadsView<T>{data, batch, heads, d, batch_stride, head_stride}; };
       // Lengths as positions (offset -1) and A²ATS's fixed target: |2048 - (lengths - 1)| within the table.
       std::vector<std::int32_t> lengths(batch);
       for (auto& l : lengths) l = rng.uniform_int(1, positions);
       DeviceBuffer<std::int32_t> d_lengths(lengths);
-      for (int mode = 0; mode < 5; ++mode) {  // forward, inverse, delta, inverse from the lengths, to a target
+      for (int mode = 0; mode < 4; ++mode) {  // forward, inverse, inverse from the lengths, to a target
         std::vector<T> expected = x;
         DeviceBuffer<T> d_x(x);
-        if (mode == 4) {
+        if (mode == 3) {
           cpu::rotate_to_position(heads_view(expected.data()), lengths.data(), -1, 2048, t.host);
           cuda::rotate_to_position(heads_view(d_x.data()), d_lengths.data(), -1, 2048, t.device, nullptr);
-        } else if (mode == 3) {
+        } else if (mode == 2) {
           cpu::apply_rope(heads_view(expected.data()), lengths.data(), -1, t.host, true);
           cuda::apply_rope(heads_view(d_x.data()), d_lengths.data(), -1, t.device, true, nullptr);
-        } else if (mode == 2) {
-          cpu::rotate_by_delta(heads_view(expected.data()), deltas.data(), t.host);
-          cuda::rotate_by_delta(heads_view(d_x.data()), d_deltas.data(), t.device, nullptr);
         } else {
           cpu::apply_rope(heads_view(expected.data()), pos.data(), t.host, mode == 1);
           cuda::apply_rope(heads_view(d_x.data()), d_pos.data(), t.device, mode == 1, nullptr);
@@ -148,25 +142,21 @@ TEST_F(CudaRope, PositionsOutsideTheTableGiveNanRotaryChannels) {
   const RopeConfig c{.rotary_dim = 32};
   Tables t(c, d, 100);
   const auto x = rng.normal(std::size_t(batch) * heads * d);
-  // Positions (plain, and as lengths with offset -1), deltas, and positions rotated to target 50.
-  const std::vector<std::int32_t> pos{5, -1, 100, 99}, lengths{6, 0, 101, 100}, deltas{-99, -100, 100, 0};
+  // Positions (plain, and as lengths with offset -1), and positions rotated to target 50.
+  const std::vector<std::int32_t> pos{5, -1, 100, 99}, lengths{6, 0, 101, 100};
   const std::vector<std::int32_t> from{5, 150, 149, -1};  // to 50: by 45, -100 (outside), -99, a negative position
-  DeviceBuffer<std::int32_t> d_pos(pos), d_lengths(lengths), d_deltas(deltas), d_from(from);
-  for (int mode = 0; mode < 4; ++mode) {
+  DeviceBuffer<std::int32_t> d_pos(pos), d_lengths(lengths), d_from(from);
+  for (int mode = 0; mode < 3; ++mode) {
     DeviceBuffer<float> d_x(x);
     const auto view = HeadsView<float>::packed(d_x.data(), batch, heads, d);
     std::vector<bool> inside(batch);
     for (int b = 0; b < batch; ++b) {
-      inside[b] = mode == 2   ? std::abs(deltas[b]) < 100
-                  : mode == 3 ? from[b] >= 0 && std::abs(50 - from[b]) < 100
-                              : pos[b] >= 0 && pos[b] < 100;
+      inside[b] = mode == 2 ? from[b] >= 0 && std::abs(50 - from[b]) < 100 : pos[b] >= 0 && pos[b] < 100;
     }
     if (mode == 0) cuda::apply_rope(view, d_pos.data(), t.device, false, nullptr);
     if (mode == 1) cuda::apply_rope(view, d_lengths.data(), -1, t.device, true, nullptr);
-    if (mode == 2) cuda::rotate_by_delta(view, d_deltas.data(), t.device, nullptr);
-    if (mode == 3) cuda::rotate_to_position(view, d_from.data(), 0, 50, t.device, nullptr);
+    if (mode == 2) cuda::rotate_to_position(view, d_from.data(), 0, 50, t.device, nullptr);
     const auto got = d_x.download();
-    const bool delta = mode >= 2;
     for (int b = 0; b < batch; ++b) {
       for (int h = 0; h < heads; ++h) {
         for (int ch = 0; ch < d; ++ch) {
@@ -174,7 +164,7 @@ TEST_F(CudaRope, PositionsOutsideTheTableGiveNanRotaryChannels) {
           if (ch >= 32) {
             ASSERT_EQ(got[e], x[e]) << "channel past rotary_dim changed";
           } else {
-            ASSERT_EQ(std::isnan(got[e]), !inside[b]) << "mode " << mode << " delta " << delta << " b " << b << " ch " << ch;
+            ASSERT_EQ(std::isnan(got[e]), !inside[b]) << "mode " << mode << " b " << b << " ch " << ch;
           }
         }
       }
@@ -190,18 +180,16 @@ TEST_F(CudaRope, GraphReplayEqualsTheEagerRun) {
   const auto table = RopeTableView::make(c, d, positions, d_cos.data(), d_sin.data());
   const auto x = test::to_storage<bfloat16>(rng.normal(std::size_t(batch) * heads * d));
   DeviceBuffer<bfloat16> d_x(x.size());
-  std::vector<std::int32_t> pos(batch), deltas(batch), lengths(batch);
-  for (int b = 0; b < batch; ++b) {
-    pos[b] = rng.uniform_int(0, positions - 1), deltas[b] = 2048 - pos[b], lengths[b] = rng.uniform_int(1, positions);
-  }
-  DeviceBuffer<std::int32_t> d_pos(pos), d_deltas(deltas), d_lengths(lengths);
+  std::vector<std::int32_t> pos(batch), lengths(batch);
+  for (int b = 0; b < batch; ++b) pos[b] = rng.uniform_int(0, positions - 1), lengths[b] = rng.uniform_int(1, positions);
+  DeviceBuffer<std::int32_t> d_pos(pos), d_lengths(lengths);
   cudaStream_t stream;
   KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const auto view = HeadsView<bfloat16>::packed(d_x.data(), batch, heads, d);
   const auto step = [&] {
     cuda::build_rope_table(c, table, stream);
     cuda::apply_rope(view, d_pos.data(), table, false, stream);
-    cuda::rotate_by_delta(view, d_deltas.data(), table, stream);
+    cuda::rotate_to_position(view, d_pos.data(), 0, 2048, table, stream);
     cuda::apply_rope(view, d_lengths.data(), -1, table, true, stream);
     cuda::rotate_to_position(view, d_lengths.data(), -1, 2048, table, stream);
   };
@@ -244,8 +232,6 @@ TEST(CudaRopeBadInput, RefusedBeforeAnyDeviceCall) {
   std::int32_t pos[4] = {};
   test::expect_error([&] { cuda::apply_rope(heads, nullptr, table, false, nullptr); },
                      {"cuda::apply_rope", "d_positions is a null pointer"});
-  test::expect_error([&] { cuda::rotate_by_delta(heads, nullptr, table, nullptr); },
-                     {"cuda::rotate_by_delta", "d_deltas is a null pointer"});
   test::expect_error([&] { cuda::apply_rope(heads, nullptr, -1, table, true, nullptr); },
                      {"cuda::apply_rope", "d_positions is a null pointer"});
   test::expect_error([&] { cuda::rotate_to_position(heads, nullptr, -1, 2048, table, nullptr); },
@@ -257,7 +243,8 @@ TEST(CudaRopeBadInput, RefusedBeforeAnyDeviceCall) {
   test::expect_error([&] { cuda::apply_rope(rows, pos, t, false, nullptr); },
                      {"cuda::apply_rope", "table.rotary_dim (= 130)", "[2, head_dim = 128]"});
   t = table, t.sin = nullptr;
-  test::expect_error([&] { cuda::rotate_by_delta(heads, pos, t, nullptr); }, "table.cos and table.sin must be non-null");
+  test::expect_error([&] { cuda::rotate_to_position(heads, pos, 0, 0, t, nullptr); },
+                     "table.cos and table.sin must be non-null");
   t = table, t.attention_factor = -1.0f;
   test::expect_error([&] { cuda::apply_rope(heads, pos, t, true, nullptr); }, "table.attention_factor (= -1)");
   test::expect_error([&] { cuda::build_rope_table(RopeConfig{.layout = RopeLayout::interleaved}, table, nullptr); },

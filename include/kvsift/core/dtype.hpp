@@ -10,6 +10,23 @@
 
 #include "kvsift/core/config.hpp"
 
+/// The instance lists. Each calls X for every type (or type and cache view) a family is built for, and is the one
+/// list its explicit instantiations, extern declarations and call-shape tests are generated from: a type added
+/// to a list is built, declared and tested at once, on both backends.
+/// Every storage type: the primitives (kernels/*.cu, src/**.cpp).
+#define KVSIFT_STORAGE_TYPES(X) X(float) X(half) X(bfloat16)
+/// The decode attention family's storage types (no fp32 KV cache): decode, its validation pass, the merges.
+#define KVSIFT_DECODE_STORAGE_TYPES(X) X(half) X(bfloat16)
+/// X(T, KV) for both cache views of storage type T (core/views.hpp).
+#define KVSIFT_KV_VIEWS_OF(T, X) X(T, ContiguousKVView<const T>) X(T, PagedKVView<const T>)
+/// The decode attention family's (storage type, cache view) pairs.
+#define KVSIFT_DECODE_TYPES(X) KVSIFT_KV_VIEWS_OF(half, X) KVSIFT_KV_VIEWS_OF(bfloat16, X)
+/// merge_states' (partials, output) pairs: every storage type to itself, and fp32 partials to a 16-bit output.
+#define KVSIFT_MERGE_TYPES(X) X(float, float) X(half, half) X(bfloat16, bfloat16) X(float, half) X(float, bfloat16)
+/// group_scores' and candidate_scores' (storage type, cache view) pairs.
+#define KVSIFT_GROUP_SCORE_TYPES(X) \
+  KVSIFT_KV_VIEWS_OF(float, X) KVSIFT_KV_VIEWS_OF(half, X) KVSIFT_KV_VIEWS_OF(bfloat16, X)
+
 namespace kvsift {
 
 enum class DType : std::uint8_t { f32, f16, bf16 };

@@ -7,13 +7,6 @@
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/views.hpp"
 
-/// Calls X(T, KV) for every (storage type, cache view) group_scores is built for: the one list that both
-/// backends' kernels and public entry points are instantiated from.
-#define KVSIFT_GROUP_SCORE_TYPES(X)                                                            \
-  X(float, ContiguousKVView<const float>) X(float, PagedKVView<const float>)                   \
-  X(half, ContiguousKVView<const half>) X(half, PagedKVView<const half>)                       \
-  X(bfloat16, ContiguousKVView<const bfloat16>) X(bfloat16, PagedKVView<const bfloat16>)
-
 namespace kvsift {
 
 /// How group_scores reduces a token's scores over the query heads of a GQA group.

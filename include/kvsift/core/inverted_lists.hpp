@@ -13,6 +13,9 @@
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/config.hpp"
 
+/// The key score types inverted lists are built for (both backends' explicit instantiations).
+#define KVSIFT_LIST_STORAGE_TYPES(X) X(float) X(half)
+
 namespace kvsift {
 
 /// Lists of every (slot, kv head): ids [slots, kv_heads, lists, list_capacity] int32, scores (optional, same

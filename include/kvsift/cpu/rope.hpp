@@ -39,15 +39,9 @@ template <class T>
 void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const RopeTableView& table, bool inverse,
                 ThreadPool* pool = nullptr);
 
-/// Rotates every head vector of batch row b of x, already rotated to some position p, by deltas[b] positions
-/// (negative: back), so that it is at p + deltas[b]: A²ATS's qR_b, the post-RoPE query rotated by b - p. The
-/// attention factor is not applied (x carries it already). Refused: |deltas[b]| >= table.positions.
-template <class T>
-void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* deltas, const RopeTableView& table,
-                     ThreadPool* pool = nullptr);
-
 /// Rotates every head vector of batch row b, already rotated to its position p_b = positions[b] +
-/// position_offset, to position `target`: rotate_by_delta by target - p_b (the attention factor untouched).
+/// position_offset, to position `target`: a rotation by target - p_b (negative: back; the attention factor x
+/// carries is left as is).
 /// A²ATS's q R_b for the step's queries: positions = the lengths, position_offset = -1, target = b, with no
 /// delta array to compute first. Refused: target < 0, a p_b < 0, |target - p_b| >= table.positions.
 template <class T>

@@ -143,10 +143,6 @@ void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const 
   cuda::apply_rope(rows, positions, table, inverse, ctx.stream);
 }
 template <class T>
-void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* deltas, const RopeTableView& table, const Context& ctx) {
-  cuda::rotate_by_delta(x, deltas, table, ctx.stream);
-}
-template <class T>
 void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
                 const RopeTableView& table, bool inverse, const Context& ctx) {
   cuda::apply_rope(x, positions, position_offset, table, inverse, ctx.stream);

@@ -115,34 +115,28 @@ void dense_decode(const QueryView<const T>& q, const KV& kv, const StateView<TO>
 template <class TI, class TO>
 void merge_states(std::span<const StateView<const TI>> partials, const StateView<TO>& out, cudaStream_t stream);
 
-#define KVSIFT_DECLARE_DECODE_OUTPUT(T, KV, TO)                                                                   \
-  extern template void sparse_decode<T, KV, TO>(const QueryView<const T>&, const KV&, const SelectionView&,      \
+/// The entry points' instances, written once with PREFIX: `extern` declares them here, nothing instantiates them
+/// (src/cuda/decode.cpp), over the lists of core/dtype.hpp.
+#define KVSIFT_CUDA_DECODE_OUTPUT(PREFIX, T, KV, TO)                                                           \
+  PREFIX template void sparse_decode<T, KV, TO>(const QueryView<const T>&, const KV&, const SelectionView&,      \
                                                 const StateView<TO>&, std::span<std::byte>, cudaStream_t,        \
                                                 const DecodeOptions&);                                           \
-  extern template void dense_decode<T, KV, TO>(const QueryView<const T>&, const KV&, const StateView<TO>&,      \
+  PREFIX template void dense_decode<T, KV, TO>(const QueryView<const T>&, const KV&, const StateView<TO>&,      \
                                                std::span<std::byte>, cudaStream_t, const DecodeOptions&);
-#define KVSIFT_DECLARE_DECODE(T, KV)                                                                             \
-  extern template std::size_t sparse_decode_workspace_bytes<T, KV>(const QueryView<const T>&, const KV&,         \
+#define KVSIFT_CUDA_DECODE(PREFIX, T, KV)                                                                      \
+  PREFIX template std::size_t sparse_decode_workspace_bytes<T, KV>(const QueryView<const T>&, const KV&,         \
                                                                    const SelectionView&, const DecodeOptions&); \
-  extern template std::size_t dense_decode_workspace_bytes<T, KV>(const QueryView<const T>&, const KV&,          \
+  PREFIX template std::size_t dense_decode_workspace_bytes<T, KV>(const QueryView<const T>&, const KV&,          \
                                                                   const DecodeOptions&);                         \
-  KVSIFT_DECLARE_DECODE_OUTPUT(T, KV, T)                                                                         \
-  KVSIFT_DECLARE_DECODE_OUTPUT(T, KV, float)
-KVSIFT_DECLARE_DECODE(half, ContiguousKVView<const half>)
-KVSIFT_DECLARE_DECODE(half, PagedKVView<const half>)
-KVSIFT_DECLARE_DECODE(bfloat16, ContiguousKVView<const bfloat16>)
-KVSIFT_DECLARE_DECODE(bfloat16, PagedKVView<const bfloat16>)
+  KVSIFT_CUDA_DECODE_OUTPUT(PREFIX, T, KV, T)                                                                    \
+  KVSIFT_CUDA_DECODE_OUTPUT(PREFIX, T, KV, float)
+#define KVSIFT_CUDA_MERGE(PREFIX, TI, TO) \
+  PREFIX template void merge_states<TI, TO>(std::span<const StateView<const TI>>, const StateView<TO>&, cudaStream_t);
+#define KVSIFT_DECLARE_DECODE(T, KV) KVSIFT_CUDA_DECODE(extern, T, KV)
+#define KVSIFT_DECLARE_MERGE(TI, TO) KVSIFT_CUDA_MERGE(extern, TI, TO)
+KVSIFT_DECODE_TYPES(KVSIFT_DECLARE_DECODE)
+KVSIFT_MERGE_TYPES(KVSIFT_DECLARE_MERGE)
 #undef KVSIFT_DECLARE_DECODE
-#undef KVSIFT_DECLARE_DECODE_OUTPUT
-extern template void merge_states<half, half>(std::span<const StateView<const half>>, const StateView<half>&,
-                                              cudaStream_t);
-extern template void merge_states<bfloat16, bfloat16>(std::span<const StateView<const bfloat16>>,
-                                                      const StateView<bfloat16>&, cudaStream_t);
-extern template void merge_states<float, float>(std::span<const StateView<const float>>, const StateView<float>&,
-                                                cudaStream_t);
-extern template void merge_states<float, half>(std::span<const StateView<const float>>, const StateView<half>&,
-                                               cudaStream_t);
-extern template void merge_states<float, bfloat16>(std::span<const StateView<const float>>,
-                                                   const StateView<bfloat16>&, cudaStream_t);
+#undef KVSIFT_DECLARE_MERGE
 
 }  // namespace kvsift::cuda

@@ -30,10 +30,6 @@ template <class T>
 void apply_rope(const MatrixView<T>& rows, const std::int32_t* d_positions, const RopeTableView& table, bool inverse,
                 cudaStream_t stream);
 
-template <class T>
-void rotate_by_delta(const HeadsView<T>& x, const std::int32_t* d_deltas, const RopeTableView& table,
-                     cudaStream_t stream);
-
 /// cpu::rotate_to_position's contract (target checked on the host); a row whose position d_positions[b] +
 /// position_offset is negative or whose |target - position| is not below table.positions gets NaN.
 template <class T>

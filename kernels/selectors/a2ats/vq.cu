@@ -252,9 +252,7 @@ cudaError_t launch_vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>&
                                              const VqCodesView<const std::uint16_t>&, const std::int32_t*,            \
                                              const std::int32_t*, const MatrixView<float>&, const VqScanOptions&,     \
                                              const VqScanGrid&, cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda::detail

@@ -578,9 +578,7 @@ cudaError_t launch_vq_encode_few(const HeadsView<const T>& keys, const VqEncodeC
   template cudaError_t launch_vq_encode_few<T>(const HeadsView<const T>&, const VqEncodeCodebook&,           \
                                                const VqCodesView<std::uint16_t>&, const VqCodeDestination&, \
                                                std::int32_t, cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda::detail

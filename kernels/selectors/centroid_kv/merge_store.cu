@@ -615,9 +615,7 @@ cudaError_t launch_merge_store_selection(const MergeStoreView<const T>& store, c
                                                   cudaStream_t);                                                   \
   template cudaError_t launch_merge_store_selection<T>(const MergeStoreView<const T>&, const std::int32_t*,        \
                                                        const SelectionView&, cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda::detail

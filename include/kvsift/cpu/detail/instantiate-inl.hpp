@@ -53,17 +53,12 @@ namespace kvsift::cpu::detail {
 #define KVSIFT_INSTANTIATE_DECODE(T, KV)                                                                          \
   template void decode_items<KVSIFT_CPU_LEVEL, T, KV, T>(const DecodeJob<T, KV, T>&, std::int64_t, std::int64_t, bool); \
   template void decode_items<KVSIFT_CPU_LEVEL, T, KV, float>(const DecodeJob<T, KV, float>&, std::int64_t, std::int64_t, bool);
-KVSIFT_INSTANTIATE_DECODE(half, ContiguousKVView<const half>)
-KVSIFT_INSTANTIATE_DECODE(half, PagedKVView<const half>)
-KVSIFT_INSTANTIATE_DECODE(bfloat16, ContiguousKVView<const bfloat16>)
-KVSIFT_INSTANTIATE_DECODE(bfloat16, PagedKVView<const bfloat16>)
+KVSIFT_DECODE_TYPES(KVSIFT_INSTANTIATE_DECODE)
 #undef KVSIFT_INSTANTIATE_DECODE
 
 #define KVSIFT_INSTANTIATE_GEMV(T) \
   template void gemv_rows<KVSIFT_CPU_LEVEL, T>(const float*, const MatrixView<const T>&, float, float*, std::int64_t, std::int64_t);
-KVSIFT_INSTANTIATE_GEMV(float)
-KVSIFT_INSTANTIATE_GEMV(half)
-KVSIFT_INSTANTIATE_GEMV(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE_GEMV)
 #undef KVSIFT_INSTANTIATE_GEMV
 
 #define KVSIFT_INSTANTIATE_GROUP_SCORES(T, KV)                                                                       \

@@ -22,12 +22,10 @@ cudaError_t launch_check_selection(const DecodeParams<T>& p, cudaStream_t stream
 template <class TI, class TO>
 cudaError_t launch_merge_states(const MergeParams<TI, TO>& p, cudaStream_t stream);
 
-/// The decode family's instances, one list: the storage types that decode, its validation pass and its same-type
-/// merge are built for, and the outputs of the merge of fp32 partials (a decode step's partials, the CPU side of
-/// hybrid decode). The list generates the extern declarations below and the explicit instantiations
-/// (kernels/decode.cu); a type added here is built and declared at once.
-#define KVSIFT_DECODE_STORAGE_TYPES(X) X(half) X(bfloat16)
-#define KVSIFT_MERGE_FP32_OUTPUT_TYPES(X) X(float) X(half) X(bfloat16)
+/// The decode family's instances: KVSIFT_DECODE_STORAGE_TYPES (core/dtype.hpp) for decode, its validation pass and
+/// its same-type merge, and every storage type as the output of the merge of fp32 partials (a decode step's
+/// partials, the CPU side of hybrid decode). The lists generate the extern declarations below and the explicit
+/// instantiations (kernels/decode.cu).
 #define KVSIFT_DECODE_LAUNCHERS(PREFIX, T)                                                         \
   PREFIX template cudaError_t launch_decode<T>(const DecodeParams<T>&, cudaStream_t, bool);        \
   PREFIX template cudaError_t launch_check_selection<T>(const DecodeParams<T>&, cudaStream_t);     \
@@ -38,7 +36,7 @@ cudaError_t launch_merge_states(const MergeParams<TI, TO>& p, cudaStream_t strea
 #define KVSIFT_DECODE_EXTERN(T) KVSIFT_DECODE_LAUNCHERS(extern, T)
 #define KVSIFT_MERGE_FP32_EXTERN(TO) KVSIFT_MERGE_FP32_LAUNCHER(extern, TO)
 KVSIFT_DECODE_STORAGE_TYPES(KVSIFT_DECODE_EXTERN)
-KVSIFT_MERGE_FP32_OUTPUT_TYPES(KVSIFT_MERGE_FP32_EXTERN)
+KVSIFT_STORAGE_TYPES(KVSIFT_MERGE_FP32_EXTERN)
 #undef KVSIFT_DECODE_EXTERN
 #undef KVSIFT_MERGE_FP32_EXTERN
 

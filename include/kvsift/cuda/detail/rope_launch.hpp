@@ -21,8 +21,8 @@ struct RopeRows {
 };
 
 /// What row b's value v = values[b] says: p = v + offset is a position to rotate to (back from it with inverse;
-/// negative: out of range), a signed delta, or a position to rotate from to `target` (by target - p).
-enum class RopeAmountKind : std::uint8_t { position, delta, to_target };
+/// negative: out of range), or a position to rotate from to `target` (by target - p; a negative p is out of range).
+enum class RopeAmountKind : std::uint8_t { position, to_target };
 struct RopeAmounts {
   const std::int32_t* values = nullptr;  ///< [batch], device memory
   RopeAmountKind kind = RopeAmountKind::position;

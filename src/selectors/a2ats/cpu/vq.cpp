@@ -284,9 +284,7 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
   template void vq_lut_scan<T>(const QueryView<const T>&, const VqCodebook<T>&, const VqCodesView<const std::uint16_t>&, \
                                const std::int32_t*, const std::int32_t*, const MatrixView<float>&,                 \
                                const VqScanOptions&, std::span<std::byte>, ThreadPool*);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cpu

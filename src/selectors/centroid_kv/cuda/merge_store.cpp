@@ -147,9 +147,7 @@ void merge_store_selection(const MergeStoreView<const T>& store, const std::int3
                                     const std::int32_t*, std::int32_t, cudaStream_t);                                  \
   template void merge_store_selection<T>(const MergeStoreView<const T>&, const std::int32_t*, const SelectionView&,    \
                                          cudaStream_t);
-KVSIFT_INSTANTIATE_MERGE_STORE(float)
-KVSIFT_INSTANTIATE_MERGE_STORE(half)
-KVSIFT_INSTANTIATE_MERGE_STORE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE_MERGE_STORE)
 #undef KVSIFT_INSTANTIATE_MERGE_STORE
 
 }  // namespace kvsift::cuda

@@ -364,9 +364,7 @@ void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, cons
   template void nearest_centroids<T>(const QueryView<const T>&, const ScoreTablesView<const std::int32_t>&,            \
                                      const std::int32_t*, std::int32_t, const SelectionView&, std::int32_t*,         \
                                      ThreadPool*);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cpu

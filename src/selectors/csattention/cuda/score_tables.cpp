@@ -215,9 +215,7 @@ void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, cons
   template void nearest_centroids<T>(const QueryView<const T>&, const ScoreTablesView<const std::int32_t>&,          \
                                      const std::int32_t*, std::int32_t, const SelectionView&, std::int32_t*,         \
                                      cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda

@@ -101,9 +101,7 @@ void store_centroids(const SequenceView<const T>& queries, const std::int32_t* s
                                    const std::int32_t*, std::int32_t, const MatrixView<float>&, ThreadPool*);        \
   template void store_centroids<T>(const SequenceView<const T>&, const std::int32_t*, const std::int32_t*,           \
                                    std::int32_t, const QueryCentroidsView<T>&, ThreadPool*);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cpu

@@ -30,9 +30,7 @@ void store_centroids(const SequenceView<const T>& queries, const std::int32_t* d
                                    const std::int32_t*, std::int32_t, const MatrixView<float>&, cudaStream_t);        \
   template void store_centroids<T>(const SequenceView<const T>&, const std::int32_t*, const std::int32_t*,            \
                                    std::int32_t, const QueryCentroidsView<T>&, cudaStream_t);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 
 }  // namespace kvsift::cuda

@@ -169,9 +169,7 @@ void expand_pages(const SelectionView& pages, std::int32_t page_size, const std:
   template void page_scores<T>(const QueryView<const T>&, const PageBoundsView<const T>&, const std::int32_t*,   \
                                const std::int32_t*, const AttentionWindow&, const MatrixView<float>&,          \
                                std::int32_t*, ThreadPool*);
-KVSIFT_INSTANTIATE(float)
-KVSIFT_INSTANTIATE(half)
-KVSIFT_INSTANTIATE(bfloat16)
+KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 #undef KVSIFT_INSTANTIATE_UPDATES
 
