@@ -12,6 +12,7 @@
 
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/config.hpp"
+#include "kvsift/core/slot_grid.hpp"
 
 /// The key score types inverted lists are built for (both backends' explicit instantiations).
 #define KVSIFT_LIST_STORAGE_TYPES(X) X(float) X(half)
@@ -42,15 +43,17 @@ struct InvertedListsView {
   KVSIFT_HOST_DEVICE std::int32_t next_cursor(std::int64_t slot, std::int32_t l) const {
     return l + 1 < lists ? l + 1 : fifo_begin != nullptr ? fifo_begin[slot] : 0;
   }
+  /// The grid of ids and scores; counts are the same grid with rows of one element.
+  KVSIFT_HOST_DEVICE SlotGrid grid() const { return {slots, kv_heads, lists, list_capacity}; }
   /// Index of list l of (slot, h) in counts.
   KVSIFT_HOST_DEVICE std::int64_t list_index(std::int64_t slot, std::int64_t h, std::int64_t l) const {
-    return (slot * kv_heads + h) * lists + l;
+    return grid().row_index(slot, h, l);
   }
   KVSIFT_HOST_DEVICE index_type* list_ids(std::int64_t slot, std::int64_t h, std::int64_t l) const {
-    return ids + list_index(slot, h, l) * list_capacity;
+    return ids + grid().offset(slot, h, l);
   }
   KVSIFT_HOST_DEVICE T* list_scores(std::int64_t slot, std::int64_t h, std::int64_t l) const {
-    return scores ? scores + list_index(slot, h, l) * list_capacity : nullptr;
+    return scores ? scores + grid().offset(slot, h, l) : nullptr;
   }
   KVSIFT_HOST_DEVICE index_type& count(std::int64_t slot, std::int64_t h, std::int64_t l) const {
     return counts[list_index(slot, h, l)];
@@ -59,7 +62,7 @@ struct InvertedListsView {
   /// Entries of a shape (ids, and scores if any, each hold this many; counts hold slots * kv_heads * lists).
   static constexpr std::size_t entries(std::int32_t slots, std::int32_t kv_heads, std::int32_t lists,
                                        std::int32_t list_capacity) {
-    return std::size_t(slots) * std::size_t(kv_heads) * std::size_t(lists) * std::size_t(list_capacity);
+    return SlotGrid{slots, kv_heads, lists, list_capacity}.elements();
   }
   constexpr InvertedListsView<const T> as_const() const
     requires(!std::is_const_v<T>)

@@ -29,6 +29,15 @@ void check_inverted_lists(const char* where, const InvertedListsView<T>& lists) 
                lists.kv_heads, lists.lists, lists.list_capacity);
 }
 
+/// The selection-shaped rows a list function reads (chosen lists, new entries): arrays set, batch and capacity
+/// positive (kv_heads is checked against the lists').
+inline void check_selection_rows(const char* where, const char* name, const SelectionView& rows) {
+  check_pointer(where, name, "indices", rows.indices);
+  check_pointer(where, name, "counts", rows.counts);
+  check_positive(where, name, "batch", rows.batch);
+  check_positive(where, name, "capacity", rows.capacity);
+}
+
 /// slots[b] in [0, slot_count) for every batch row; with `distinct`, no slot twice (two rows updating one slot's
 /// lists would race).
 inline void check_list_slots(const char* where, const std::int32_t* slots, std::int32_t batch, std::int32_t slot_count,
@@ -60,10 +69,7 @@ void check_list_reduction(const char* where, const InvertedListsView<const T>& l
                           const std::int32_t* slots, const std::int32_t* lengths, const AttentionWindow& window,
                           const SelectionView& out, const MatrixView<float>* sums, MemorySpace contents) {
   check_inverted_lists(where, lists);
-  check_pointer(where, "chosen", "indices", chosen.indices);
-  check_pointer(where, "chosen", "counts", chosen.counts);
-  check_positive(where, "chosen", "batch", chosen.batch);
-  check_positive(where, "chosen", "capacity", chosen.capacity);
+  check_selection_rows(where, "chosen", chosen);
   check_pointer(where, "out", "indices", out.indices);
   check_pointer(where, "out", "counts", out.counts);
   KVSIFT_CHECK(slots != nullptr, where, "slots is a null pointer");
@@ -111,10 +117,7 @@ void check_replace_list(const char* where, const InvertedListsView<T>& lists, co
                         const SelectionView& entries, const MatrixView<const float>& scores, MemorySpace contents) {
   check_inverted_lists(where, lists);
   check_pointer(where, "lists", "cursors", lists.cursors);
-  check_pointer(where, "entries", "indices", entries.indices);
-  check_pointer(where, "entries", "counts", entries.counts);
-  check_positive(where, "entries", "batch", entries.batch);
-  check_positive(where, "entries", "capacity", entries.capacity);
+  check_selection_rows(where, "entries", entries);
   KVSIFT_CHECK(slots != nullptr, where, "slots is a null pointer");
   KVSIFT_CHECK(entries.kv_heads == lists.kv_heads, where, "entries.kv_heads (= {}) != lists.kv_heads (= {})",
                entries.kv_heads, lists.kv_heads);

@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "kvsift/core/config.hpp"
+#include "kvsift/core/slot_grid.hpp"
 #include "kvsift/core/views.hpp"
 
 namespace kvsift {
@@ -58,21 +59,23 @@ struct MergeStoreView {
   std::int32_t capacity = 0;
   std::int32_t head_dim = 0;
 
-  KVSIFT_HOST_DEVICE std::int64_t row(std::int64_t slot, std::int64_t h) const { return slot * kv_heads + h; }
+  /// The grid of K and V; order, degree and log_degree are the same grid with rows of one element.
+  KVSIFT_HOST_DEVICE SlotGrid grid() const { return {slots, kv_heads, capacity, head_dim}; }
+  KVSIFT_HOST_DEVICE std::int64_t row(std::int64_t slot, std::int64_t h) const { return grid().block(slot, h); }
   /// K and V of slot `s` (a pool slot, not an order position) of a row.
-  KVSIFT_HOST_DEVICE T* k_slot(std::int64_t row, std::int64_t s) const { return k + (row * capacity + s) * head_dim; }
-  KVSIFT_HOST_DEVICE T* v_slot(std::int64_t row, std::int64_t s) const { return v + (row * capacity + s) * head_dim; }
-  KVSIFT_HOST_DEVICE index_type* row_order(std::int64_t row) const { return order + row * capacity; }
-  KVSIFT_HOST_DEVICE index_type* row_degree(std::int64_t row) const { return degree + row * capacity; }
-  KVSIFT_HOST_DEVICE weight_type* row_log_degree(std::int64_t row) const { return log_degree + row * capacity; }
+  KVSIFT_HOST_DEVICE T* k_slot(std::int64_t row, std::int64_t s) const { return k + grid().offset(row, s); }
+  KVSIFT_HOST_DEVICE T* v_slot(std::int64_t row, std::int64_t s) const { return v + grid().offset(row, s); }
+  KVSIFT_HOST_DEVICE index_type* row_order(std::int64_t row) const { return order + grid().row_index(row, 0); }
+  KVSIFT_HOST_DEVICE index_type* row_degree(std::int64_t row) const { return degree + grid().row_index(row, 0); }
+  KVSIFT_HOST_DEVICE weight_type* row_log_degree(std::int64_t row) const { return log_degree + grid().row_index(row, 0); }
 
   /// Elements of K (and of V) and of order (and degree, log_degree) of a shape.
   static constexpr std::size_t kv_elements(std::int32_t slots, std::int32_t kv_heads, std::int32_t capacity,
                                            std::int32_t head_dim) {
-    return std::size_t(slots) * std::size_t(kv_heads) * std::size_t(capacity) * std::size_t(head_dim);
+    return SlotGrid{slots, kv_heads, capacity, head_dim}.elements();
   }
   static constexpr std::size_t entries(std::int32_t slots, std::int32_t kv_heads, std::int32_t capacity) {
-    return std::size_t(slots) * std::size_t(kv_heads) * std::size_t(capacity);
+    return SlotGrid{slots, kv_heads, capacity}.elements();
   }
   constexpr MergeStoreView<const T> as_const() const
     requires(!std::is_const_v<T>)

@@ -31,6 +31,7 @@
 #include "kvsift/core/config.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/inverted_lists.hpp"
+#include "kvsift/core/slot_grid.hpp"
 
 namespace kvsift {
 
@@ -143,10 +144,10 @@ struct ScoreTablesView {
   KVSIFT_HOST_DEVICE std::int32_t head_dim() const { return subspaces * width; }
   /// Index of list l of table head t of base (or slot) `owner` in the per-list arrays.
   KVSIFT_HOST_DEVICE std::int64_t list_index(std::int64_t owner, std::int64_t t, std::int64_t l) const {
-    return (owner * table_heads + t) * lists() + l;
+    return SlotGrid{.heads = table_heads, .rows = lists()}.row_index(owner, t, l);
   }
   KVSIFT_HOST_DEVICE const float* centroid(std::int64_t base, std::int64_t t, std::int64_t s, std::int64_t c) const {
-    return centroids + (((base * table_heads + t) * subspaces + s) * centroids_per_subspace + c) * width;
+    return centroids + SlotGrid{bases, table_heads, lists(), width}.offset(base, t, s * centroids_per_subspace + c);
   }
   KVSIFT_HOST_DEVICE std::int64_t base_entry(std::int64_t base, std::int64_t t, std::int64_t l) const {
     return list_index(base, t, l) * length;

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "kvsift/core/config.hpp"
+#include "kvsift/core/slot_grid.hpp"
 #include "kvsift/core/views.hpp"
 
 namespace kvsift {
@@ -28,12 +29,13 @@ struct QueryCentroidsView {
   std::int32_t capacity = 0;
   std::int32_t head_dim = 0;
 
+  KVSIFT_HOST_DEVICE SlotGrid grid() const { return {slots, q_heads, capacity, head_dim}; }
   KVSIFT_HOST_DEVICE T* row(std::int64_t slot, std::int64_t h, std::int64_t c) const {
-    return data + ((slot * q_heads + h) * capacity + c) * head_dim;
+    return data + grid().offset(slot, h, c);
   }
   static constexpr std::size_t elements(std::int32_t slots, std::int32_t q_heads, std::int32_t capacity,
                                         std::int32_t head_dim) {
-    return std::size_t(slots) * std::size_t(q_heads) * std::size_t(capacity) * std::size_t(head_dim);
+    return SlotGrid{slots, q_heads, capacity, head_dim}.elements();
   }
   constexpr QueryCentroidsView<const T> as_const() const
     requires(!std::is_const_v<T>)

@@ -11,6 +11,7 @@
 
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/config.hpp"
+#include "kvsift/core/slot_grid.hpp"
 
 namespace kvsift {
 
@@ -27,8 +28,10 @@ struct PageBoundsView {
   std::int32_t head_dim = 0;
   std::int32_t page_size = 0;
 
+  /// A page's row holds lo then hi.
+  KVSIFT_HOST_DEVICE SlotGrid grid() const { return {slots, kv_heads, max_pages, 2 * std::int64_t(head_dim)}; }
   KVSIFT_HOST_DEVICE T* lo(std::int64_t slot, std::int64_t h, std::int64_t page) const {
-    return data + ((slot * kv_heads + h) * max_pages + page) * 2 * head_dim;
+    return data + grid().offset(slot, h, page);
   }
   /// The maximum follows the minimum: hi(...) == lo(...) + head_dim.
   KVSIFT_HOST_DEVICE T* hi(std::int64_t slot, std::int64_t h, std::int64_t page) const {
@@ -45,7 +48,7 @@ struct PageBoundsView {
   /// view whose element count exceeds 2^62, so for any accepted view this does not overflow.
   static constexpr std::size_t bytes(std::int32_t slots, std::int32_t kv_heads, std::int32_t max_pages,
                                      std::int32_t head_dim) {
-    return std::size_t(slots) * std::size_t(kv_heads) * std::size_t(max_pages) * 2 * std::size_t(head_dim) * sizeof(T);
+    return SlotGrid{slots, kv_heads, max_pages, 2 * std::int64_t(head_dim)}.elements() * sizeof(T);
   }
   /// The same bounds, read-only (page_scores' input).
   constexpr PageBoundsView<const T> as_const() const
