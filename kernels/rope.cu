@@ -33,19 +33,20 @@ __device__ bool row_rotation(const RopeAmounts& amounts, std::int64_t b, std::in
 }
 
 template <class T>
-__global__ void rope_kernel(RopeRows<T> rows, RopeAmounts amounts, RopeTableView table, bool inverse, double scale) {
+__global__ void rope_kernel(BatchedMatrixView<T> vectors, RopeAmounts amounts, RopeTableView table, bool inverse,
+                            double scale) {
   const std::int32_t half = table.pairs();
-  const std::int64_t total = rows.batch * rows.heads * half;
+  const std::int64_t total = vectors.rows * vectors.problems * half;
   for (std::int64_t e = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; e < total;
        e += std::int64_t(gridDim.x) * blockDim.x) {
     const std::int32_t i = std::int32_t(e % half);
-    const std::int64_t vector = e / half, b = vector / rows.heads, h = vector % rows.heads;
+    const std::int64_t vector = e / half, b = vector / vectors.problems, h = vector % vectors.problems;
     std::int64_t rotation = 0;
     float c = 0.0f, s = 0.0f;
     const bool inside = row_rotation(amounts, b, rotation) && rope_lookup(table, rotation, inverse, i, c, s);
     std::int32_t a = 0, pair_b = 0;
     rope_pair(table.layout, i, half, a, pair_b);
-    T* v = rows.data + b * rows.batch_stride + h * rows.head_stride;
+    T* v = vectors.row(h, b);
     float xa = NAN, xb = NAN;
     if (inside) {
       xa = to_float_device(v[a]), xb = to_float_device(v[pair_b]);
@@ -66,16 +67,16 @@ cudaError_t launch_build_rope_table(const RopeConfig& config, const RopeTableVie
 }
 
 template <class T>
-cudaError_t launch_rope(const RopeRows<T>& rows, const RopeAmounts& amounts, const RopeTableView& table, bool inverse,
-                        double scale, cudaStream_t stream) {
-  rope_kernel<T><<<grid_stride_blocks(rows.batch * rows.heads * table.pairs(), kThreads), kThreads, 0, stream>>>(
-      rows, amounts, table, inverse, scale);
+cudaError_t launch_rope(const BatchedMatrixView<T>& vectors, const RopeAmounts& amounts, const RopeTableView& table,
+                        bool inverse, double scale, cudaStream_t stream) {
+  const std::int64_t pairs = vectors.rows * vectors.problems * table.pairs();
+  rope_kernel<T><<<grid_stride_blocks(pairs, kThreads), kThreads, 0, stream>>>(vectors, amounts, table, inverse, scale);
   return cudaGetLastError();
 }
 
-#define KVSIFT_INSTANTIATE(T)                                                                                        \
-  template cudaError_t launch_rope<T>(const RopeRows<T>&, const RopeAmounts&, const RopeTableView&, bool, double, \
-                                      cudaStream_t);
+#define KVSIFT_INSTANTIATE(T)                                                                                     \
+  template cudaError_t launch_rope<T>(const BatchedMatrixView<T>&, const RopeAmounts&, const RopeTableView&, bool, \
+                                      double, cudaStream_t);
 KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 

@@ -16,9 +16,10 @@ double forward_scale(const RopeTableView& table, bool inverse) {
   return inverse ? 1.0 / double(table.attention_factor) : double(table.attention_factor);
 }
 
+/// x's vectors for the kernel: problem h, row b.
 template <class T>
-detail::RopeRows<T> heads_rows(const HeadsView<T>& x) {
-  return {x.data, x.batch, x.heads, x.batch_stride, x.head_stride};
+BatchedMatrixView<T> heads_rows(const HeadsView<T>& x) {
+  return {x.data, x.heads, x.batch, x.head_dim, x.head_stride, x.batch_stride};
 }
 
 }  // namespace
@@ -50,7 +51,7 @@ template <class T>
 void apply_rope(const MatrixView<T>& rows, const std::int32_t* d_positions, const RopeTableView& table, bool inverse,
                 cudaStream_t stream) {
   kvsift::detail::check_rope_rows("cuda::apply_rope", rows, d_positions, table, "d_positions");
-  const detail::RopeRows<T> r{rows.data, rows.rows, 1, rows.row_stride, 0};
+  const BatchedMatrixView<T> r{rows.data, 1, rows.rows, rows.cols, 0, rows.row_stride};
   KVSIFT_CUDA_CHECK(detail::launch_rope(r, {.values = d_positions}, table, inverse, forward_scale(table, inverse), stream));
 }
 

@@ -53,28 +53,6 @@ struct BatchedKMeansConfig {
   std::int32_t batch_size = 0;
 };
 
-/// P problems of [rows, cols] each: row i of problem p at data + p * problem_stride + i * row_stride (elements;
-/// cols is the contiguous dimension). Both strides are free, so the subspace columns of a query matrix
-/// [n, heads * head_dim] are problems without a copy: problem (head h, subspace s) of width w starts at column
-/// h * head_dim + s * w, i.e. problem_stride = w when problems enumerate (h, s) in order, row_stride =
-/// heads * head_dim.
-template <class T>
-struct BatchedMatrixView {
-  T* data = nullptr;
-  std::int32_t problems = 0;
-  std::int64_t rows = 0;
-  std::int32_t cols = 0;
-  std::int64_t problem_stride = 0;
-  std::int64_t row_stride = 0;
-
-  KVSIFT_HOST_DEVICE T* row(std::int64_t p, std::int64_t i) const { return data + p * problem_stride + i * row_stride; }
-  KVSIFT_HOST_DEVICE MatrixView<T> problem(std::int64_t p) const { return {data + p * problem_stride, rows, cols, row_stride}; }
-
-  static constexpr BatchedMatrixView packed(T* data, std::int32_t problems, std::int64_t rows, std::int32_t cols) {
-    return {data, problems, rows, cols, rows * cols, cols};
-  }
-};
-
 namespace detail {
 
 inline constexpr int kSeedSegments = 1024;  ///< segments per problem of the seeding's sums (a CUDA block's threads)

@@ -103,6 +103,13 @@ class SplitStepBase : public StepBase<S> {
   using T = typename S::value_type;
   using Clock = std::chrono::steady_clock;
   static constexpr bool kGpuSelector = S::context_type::memory == MemorySpace::device;
+  /// A run's caches by side: the host's (the CPU reads it, pinned), the device's (the GPU attends the window from it).
+  static KVCache<const T> host_cache_of(const StepInputs<T>& in) {
+    return kGpuSelector ? in.host_cache : KVCache<const T>(in.cache);
+  }
+  static KVCache<const T> device_cache_of(const StepInputs<T>& in) {
+    return kGpuSelector ? KVCache<const T>(in.cache) : in.device_cache;
+  }
 
   static const typename S::context_type& selector_context(const SplitContext& ctx) {
     if constexpr (kGpuSelector) {
@@ -130,7 +137,7 @@ class SplitStepBase : public StepBase<S> {
                  "in.q.batch (= {}) and in.cache's batch (= {}) must be the run's batch (= {})", in.q.batch,
                  in.cache.batch(), batch);
     KVSIFT_CHECK(in.slots != nullptr, where, "in.slots is a null pointer");
-    const KVCache<const T>& host_cache = kGpuSelector ? in.host_cache : KVCache<const T>(in.cache);
+    const KVCache<const T> host_cache = host_cache_of(in);
     const char* host_name = kGpuSelector ? "in.host_cache" : "in.cache";
     if constexpr (kGpuSelector) {
       KVSIFT_CHECK(in.q_device.data == nullptr && in.device_cache.batch() == 0, where,
@@ -283,8 +290,7 @@ class DecodeStep<S, placement::MiddleOnCpu> : public detail::SplitStepBase<S> {
 
     // The window on the GPU, the selection on the CPU, merged on the stream.
     const QueryView<const T> q_device = kGpuSelector ? in.q : in.q_device;
-    const KVCache<const T> device_cache = kGpuSelector ? KVCache<const T>(in.cache) : in.device_cache;
-    const KVCache<const T> host_cache = kGpuSelector ? in.host_cache : KVCache<const T>(in.cache);
+    const KVCache<const T> device_cache = Base::device_cache_of(in), host_cache = Base::host_cache_of(in);
     device_cache.visit([&](const auto& device_kv) {
       host_cache.visit([&](const auto& host_kv) {
         decoder_.decode(q_device, q_host, device_kv, host_kv, host_selection(b), out, b.decoder, ctx.gpu.stream);

@@ -29,8 +29,9 @@ struct SingleBlock {
 
 /// The CTAs of this thread-block cluster, at most 16 (sm_90; a cluster of one CTA elsewhere, or in a launch without
 /// clusters): sync() is a cluster barrier (it orders shared-memory writes before it against distributed reads
-/// after it), sums read the same shared variable of every CTA. finish() keeps each CTA's shared memory alive
-/// until no CTA reads it.
+/// after it), sums read the same shared variable of every CTA, of_rank maps a shared variable to another CTA's.
+/// finish() keeps each CTA's shared memory alive until no CTA reads it; arrive() and wait() are its two halves
+/// for a kernel with work between them (this CTA is done reading the others; the others are done with it).
 struct ClusterGroup {
   __device__ void sync() const {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -53,8 +54,23 @@ struct ClusterGroup {
   __device__ void finish() const {
     if (size() > 1) sync();
   }
-
- private:
+  __device__ void arrive() const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (size() > 1) asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+  }
+  __device__ void wait() const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (size() > 1) asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+  }
+  template <class U>
+  __device__ const U* of_rank(const U* local, std::uint32_t rank) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (size() > 1) return cooperative_groups::this_cluster().map_shared_rank(const_cast<U*>(local), rank);
+#endif
+    return local;
+  }
   __device__ std::uint32_t size() const {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     return cooperative_groups::this_cluster().num_blocks();

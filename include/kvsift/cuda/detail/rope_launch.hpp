@@ -7,18 +7,9 @@
 #include <cstdint>
 
 #include "kvsift/core/rope.hpp"
+#include "kvsift/core/views.hpp"
 
 namespace kvsift::cuda::detail {
-
-/// Vectors to rotate: batch rows of `heads` vectors each; amounts[b] rotates every vector of row b.
-template <class T>
-struct RopeRows {
-  T* data = nullptr;
-  std::int64_t batch = 0;
-  std::int32_t heads = 0;
-  std::int64_t batch_stride = 0;
-  std::int64_t head_stride = 0;
-};
 
 /// What row b's value v = values[b] says: p = v + offset is a position to rotate to (back from it with inverse;
 /// negative: out of range), or a position to rotate from to `target` (by target - p; a negative p is out of range).
@@ -32,10 +23,11 @@ struct RopeAmounts {
 
 cudaError_t launch_build_rope_table(const RopeConfig& config, const RopeTableView& table, cudaStream_t stream);
 
-/// Rotates row b's vectors as amounts says for b; `inverse` turns the rotation back, and the result is
-/// multiplied by `scale`. A row whose rotation the table does not hold gets NaN in its rotary channels.
+/// Rotates the vectors of row b (vectors.row(p, b) for every problem p: a row's heads) as amounts says for b;
+/// `inverse` turns the rotation back, and the result is multiplied by `scale`. A row whose rotation the table does
+/// not hold gets NaN in its rotary channels.
 template <class T>
-cudaError_t launch_rope(const RopeRows<T>& rows, const RopeAmounts& amounts, const RopeTableView& table, bool inverse,
-                        double scale, cudaStream_t stream);
+cudaError_t launch_rope(const BatchedMatrixView<T>& vectors, const RopeAmounts& amounts, const RopeTableView& table,
+                        bool inverse, double scale, cudaStream_t stream);
 
 }  // namespace kvsift::cuda::detail

@@ -34,38 +34,6 @@ inline constexpr std::uint32_t kNoWord = 0xffffffffu;
 /// Dynamic shared memory of the held kernel: this CTA's bin copy, read by the cluster.
 inline constexpr std::size_t topk_held_smem_bytes() { return (kHeldCandidates + 4) * sizeof(std::uint32_t); }
 
-/// The cluster operations of the held kernel; a cluster of one CTA where clusters do not exist (before sm_90).
-struct HeldCluster {
-  int size;
-  __device__ void sync() const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (size > 1) {
-      cooperative_groups::this_cluster().sync();
-      return;
-    }
-#endif
-    __syncthreads();
-  }
-  /// This CTA is done reading the others' shared memory (wait() before exit keeps its own alive for them).
-  __device__ void arrive() const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (size > 1) asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-#endif
-  }
-  __device__ void wait() const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (size > 1) asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-  }
-  template <class U>
-  __device__ const U* of_rank(const U* local, int rank) const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (size > 1) return cooperative_groups::this_cluster().map_shared_rank(const_cast<U*>(local), rank);
-#endif
-    return local;
-  }
-};
-
 /// kComponents independent exclusive sums over the CTA (one warp per component), with their totals; two barriers.
 /// `buffer` holds kComponents x 32 words; consecutive calls alternate between two buffers (no trailing barrier).
 template <int kThreads, int kComponents>
@@ -131,7 +99,7 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
   extern __shared__ __align__(16) std::uint32_t bin_copy[];  // this CTA's bin, read by the cluster
 
   programmatic_start();  // the scores, lengths and budgets
-  const HeldCluster cluster{p.launch.cluster};
+  const ClusterGroup cluster;  // a cluster of p.launch.cluster CTAs
   const int size = p.launch.cluster;
   const int rank = int(blockIdx.x % size);  // clusters tile x
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
