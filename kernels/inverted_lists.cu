@@ -1,21 +1,19 @@
-// CUDA inverted lists (cuda/inverted_lists.hpp). The reductions: the chosen lists' entries into one fixed segment
-// per row, CUB's stable segmented sort by id, then one CTA per row keeps the first of each run of equal ids (and
-// sums the run's scores in sorted order, which the stable sort makes the entries' order, as on the CPU). The union
-// of a row of at most kBlockUnionItems entries (CTKVR's C' = 4 lists of 2560) is one launch instead: a CTA per row
-// loads its entries into registers, sorts them with a block radix sort over only the bits its largest id needs,
-// and writes the first of each run. The
-// bounded-list updates: a warp per (row, list) for try-insert, a CTA per row for the FIFO replacement; scores are
-// rounded to T by core/dtype.hpp's conversion (constexpr, so callable here), which gives the CPU's bits, NaN's too
-// (CUDA's intrinsic writes another NaN payload).
+// CUDA inverted lists (cuda/inverted_lists.hpp). The union: the chosen lists' entries into one fixed segment per
+// row, CUB's segmented sort by id, then one CTA per row keeps the first of each run of equal ids. A row of at most
+// kBlockUnionItems entries (CTKVR's C' = 4 lists of 2560) is one launch instead: a CTA per row loads its entries
+// into registers, sorts them with a block radix sort over only the bits its largest id needs, and writes the first
+// of each run. The FIFO replacement: a CTA per row; scores are rounded to T by core/dtype.hpp's conversion
+// (constexpr, so callable here), which gives the CPU's bits, NaN's too (CUDA's intrinsic writes another NaN
+// payload).
 #include <cub/block/block_discontinuity.cuh>
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_segmented_sort.cuh>
 
+#include "kvsift/core/dtype.hpp"
 #include "kvsift/cuda/detail/inverted_lists_launch.hpp"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
-#include "kvsift/cuda/dtype.cuh"
 
 namespace kvsift::cuda::detail {
 namespace {
@@ -60,24 +58,19 @@ __global__ void fill_list_entries(ListReductionParams<T> p, ListReductionBuffers
     const std::int64_t b = row / p.chosen.kv_heads, h = row % p.chosen.kv_heads;
     const std::int32_t slot = p.slots[b], l = p.chosen.indices[row * p.chosen.capacity + i];
     std::int32_t key = kAbsentListEntry;
-    float value = 0.0f;
     if (l >= 0 && l < p.lists.lists) {
       const std::int32_t list_count = p.lists.count(slot, h, l);
       if (list_count >= 0 && list_count <= p.lists.list_capacity && position < list_count) {
         const std::int32_t id = p.lists.list_ids(slot, h, l)[position];
-        if (kvsift::detail::list_entry_kept(id, p.lengths[b], p.window)) {
-          key = id;
-          if (buf.values_in != nullptr) value = to_float_device(p.lists.list_scores(slot, h, l)[position]);
-        }
+        if (kvsift::detail::list_entry_kept(id, p.lengths[b], p.window)) key = id;
       }
     }
     buf.keys_in[e] = key;
-    if (buf.values_in != nullptr) buf.values_in[e] = value;
   }
 }
 
 /// One CTA per row over its sorted segment: the first entry of each run of equal ids (absent entries sort last)
-/// is written at its rank among runs; with scores, that entry's thread adds the run's values in order.
+/// is written at its rank among runs.
 template <class T>
 __global__ void __launch_bounds__(kCompactThreads) compact_list_entries(ListReductionParams<T> p,
                                                                          ListReductionBuffers buf) {
@@ -91,10 +84,8 @@ __global__ void __launch_bounds__(kCompactThreads) compact_list_entries(ListRedu
   }
   const std::int32_t n = chosen_count * p.lists.list_capacity;
   const std::int32_t* keys = buf.keys_out + row * p.segment;
-  const float* values = buf.values_out != nullptr ? buf.values_out + row * p.segment : nullptr;
   std::int32_t* dst = p.out.indices + row * p.out.capacity;
   float* weights = p.out.log_weights != nullptr ? p.out.log_weights + row * p.out.capacity : nullptr;
-  float* sums = p.sums.data != nullptr ? p.sums.row(row) : nullptr;
   std::int32_t written = 0;
   for (std::int32_t tile = 0; tile < n; tile += kCompactThreads * kCompactItems) {
     const std::int32_t first = tile + std::int32_t(threadIdx.x) * kCompactItems;
@@ -116,11 +107,6 @@ __global__ void __launch_bounds__(kCompactThreads) compact_list_entries(ListRedu
       const std::int32_t at = written + position++;
       dst[at] = key[j];
       if (weights != nullptr) weights[at] = 0.0f;
-      if (sums != nullptr) {
-        float sum = 0.0f;
-        for (std::int32_t i = first + j; i < n && keys[i] == key[j]; ++i) sum += values[i];
-        sums[at] = sum;
-      }
     }
     written += total;
     __syncthreads();  // the scan storage is reused by the next tile
@@ -244,16 +230,9 @@ __global__ void __launch_bounds__(kReplaceThreads) replace_list_kernel(InvertedL
 
 }  // namespace
 
-cudaError_t list_reduction_cub_bytes(std::int64_t rows, std::int32_t segment, bool with_scores, std::size_t* bytes) {
-  const std::int64_t items = rows * segment;
-  if (with_scores) {
-    return cub::DeviceSegmentedSort::StableSortPairs(
-        nullptr, *bytes, static_cast<const std::int32_t*>(nullptr), static_cast<std::int32_t*>(nullptr),
-        static_cast<const float*>(nullptr), static_cast<float*>(nullptr), items, rows,
-        static_cast<const std::int32_t*>(nullptr), static_cast<const std::int32_t*>(nullptr));
-  }
+cudaError_t list_reduction_cub_bytes(std::int64_t rows, std::int32_t segment, std::size_t* bytes) {
   return cub::DeviceSegmentedSort::SortKeys(nullptr, *bytes, static_cast<const std::int32_t*>(nullptr),
-                                            static_cast<std::int32_t*>(nullptr), items, rows,
+                                            static_cast<std::int32_t*>(nullptr), rows * segment, rows,
                                             static_cast<const std::int32_t*>(nullptr),
                                             static_cast<const std::int32_t*>(nullptr));
 }
@@ -261,7 +240,7 @@ cudaError_t list_reduction_cub_bytes(std::int64_t rows, std::int32_t segment, bo
 template <class T>
 cudaError_t launch_list_reduction(const ListReductionParams<T>& p, const ListReductionBuffers& buf,
                                   cudaStream_t stream) {
-  if (p.sums.data == nullptr && p.segment <= kBlockUnionItems) {
+  if (p.segment <= kBlockUnionItems) {
     union_lists_block<T><<<unsigned(p.rows), kBlockUnionThreads, 0, stream>>>(p);
     return cudaGetLastError();
   }
@@ -269,17 +248,9 @@ cudaError_t launch_list_reduction(const ListReductionParams<T>& p, const ListRed
   fill_list_entries<T><<<grid_stride_blocks(items, kFillThreads), kFillThreads, 0, stream>>>(p, buf);
   if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
   std::size_t bytes = buf.cub_temp_bytes;
-  const cudaError_t sorted =
-      buf.values_in != nullptr
-          ? cub::DeviceSegmentedSort::StableSortPairs(buf.cub_temp, bytes, static_cast<const std::int32_t*>(buf.keys_in),
-                                                      buf.keys_out, static_cast<const float*>(buf.values_in),
-                                                      buf.values_out, items, p.rows,
-                                                      static_cast<const std::int32_t*>(buf.segment_begin),
-                                                      static_cast<const std::int32_t*>(buf.segment_end), stream)
-          : cub::DeviceSegmentedSort::SortKeys(buf.cub_temp, bytes, static_cast<const std::int32_t*>(buf.keys_in),
-                                               buf.keys_out, items, p.rows,
-                                               static_cast<const std::int32_t*>(buf.segment_begin),
-                                               static_cast<const std::int32_t*>(buf.segment_end), stream);
+  const cudaError_t sorted = cub::DeviceSegmentedSort::SortKeys(
+      buf.cub_temp, bytes, static_cast<const std::int32_t*>(buf.keys_in), buf.keys_out, items, p.rows,
+      static_cast<const std::int32_t*>(buf.segment_begin), static_cast<const std::int32_t*>(buf.segment_end), stream);
   if (sorted != cudaSuccess) return sorted;
   compact_list_entries<T><<<unsigned(p.rows), kCompactThreads, 0, stream>>>(p, buf);
   return cudaGetLastError();

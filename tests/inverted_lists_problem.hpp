@@ -1,13 +1,13 @@
 #pragma once
 /// Random inverted lists for the CPU and CUDA inverted-list tests: ragged list counts (empty and full lists),
 /// ids that repeat across lists and fall outside the sequences (negative, past the length, in the window),
-/// scores exactly representable in T, batch rows in a random subset of the slots, and chosen list ids per row;
-/// and the reductions' reference.
+/// optional scores (which the union must ignore and replace_list writes), batch rows in a random subset of the
+/// slots, and chosen list ids per row; and the union's reference.
 
 #include <algorithm>
 #include <cstdint>
-#include <map>
 #include <numeric>
+#include <set>
 #include <vector>
 
 #include "kvsift/attention/options.hpp"
@@ -43,8 +43,7 @@ struct ListsProblem {
     for (auto& c : cursors) c = rng.uniform_int(0, lists - 1);
     if (with_scores) {
       scores.resize(entries);
-      // A few distinct values, so that equal ids and equal scores both occur.
-      for (auto& s : scores) s = from_float<T>(float(rng.uniform_int(-8, 8)) * 0.375f + rng.uniform(-1.0f, 1.0f));
+      for (auto& s : scores) s = from_float<T>(rng.uniform(-4.0f, 4.0f));
     }
     slots.resize(slot_count);
     std::iota(slots.begin(), slots.end(), 0);
@@ -78,11 +77,11 @@ struct ListsProblem {
   }
 };
 
-/// The reductions' reference (union_lists, reduce_lists_by_key): per selection row, every kept id's fp32 sum in
-/// the entries' order (std::map keeps ids sorted), written from the contract.
+/// union_lists' reference, written from the contract: per selection row, the set of kept ids of the chosen lists
+/// (std::set iterates them ascending, the union's order).
 template <class T>
-std::vector<std::map<std::int32_t, float>> reference_sums(const ListsProblem<T>& p) {
-  std::vector<std::map<std::int32_t, float>> rows(std::size_t(p.batch) * p.kv_heads);
+std::vector<std::set<std::int32_t>> reference_union(const ListsProblem<T>& p) {
+  std::vector<std::set<std::int32_t>> rows(std::size_t(p.batch) * p.kv_heads);
   for (std::int32_t b = 0; b < p.batch; ++b) {
     const std::int32_t len = p.lengths[b];
     const std::int32_t lo = std::min(p.window.sink, len), hi = std::max(lo, len - p.window.recent);
@@ -93,9 +92,7 @@ std::vector<std::map<std::int32_t, float>> reference_sums(const ListsProblem<T>&
         const std::size_t list = (std::size_t(p.slots[b]) * p.kv_heads + h) * p.lists + l;
         for (std::int32_t e = 0; e < p.counts[list]; ++e) {
           const std::int32_t id = p.ids[list * p.list_capacity + e];
-          if (id < lo || id >= hi) continue;
-          float& sum = rows[r][id];  // a new id starts at 0.0f
-          sum += p.scores.empty() ? 0.0f : to_float(p.scores[list * p.list_capacity + e]);
+          if (id >= lo && id < hi) rows[r].insert(id);
         }
       }
     }

@@ -1,5 +1,5 @@
 // Inverted lists on CUDA: the shape checks shared with the CPU (core/detail/inverted_lists_checks.hpp, device
-// contents unread), the reductions' one workspace layout, then the launchers of kernels/inverted_lists.cu.
+// contents unread), the union's one workspace layout, then the launchers of kernels/inverted_lists.cu.
 #include "kvsift/cuda/inverted_lists.hpp"
 
 #include <climits>
@@ -13,51 +13,23 @@
 namespace kvsift::cuda {
 namespace {
 
-/// The single layout behind list_reduction_workspace_bytes and the carving of the reductions.
-detail::ListReductionBuffers layout_reduction(WorkspaceLayout& layout, std::int64_t rows, std::int32_t segment,
-                                              bool with_scores) {
+/// The single layout behind list_reduction_workspace_bytes and the carving of union_lists.
+detail::ListReductionBuffers layout_reduction(WorkspaceLayout& layout, std::int64_t rows, std::int32_t segment) {
   const std::size_t items = checked_mul(std::size_t(rows), std::size_t(segment), "cuda list reduction workspace");
   detail::ListReductionBuffers b;
   b.keys_in = layout.allocate<std::int32_t>(items, "keys_in");
   b.keys_out = layout.allocate<std::int32_t>(items, "keys_out");
-  if (with_scores) {
-    b.values_in = layout.allocate<float>(items, "values_in");
-    b.values_out = layout.allocate<float>(items, "values_out");
-  }
   b.segment_begin = layout.allocate<std::int32_t>(std::size_t(rows), "segment_begin");
   b.segment_end = layout.allocate<std::int32_t>(std::size_t(rows), "segment_end");
-  KVSIFT_CUDA_CHECK(detail::list_reduction_cub_bytes(rows, segment, with_scores, &b.cub_temp_bytes));
+  KVSIFT_CUDA_CHECK(detail::list_reduction_cub_bytes(rows, segment, &b.cub_temp_bytes));
   b.cub_temp = layout.allocate<std::byte>(b.cub_temp_bytes, "cub_temp");
   return b;
 }
 
-template <class T>
-void reduce(const char* where, const InvertedListsView<const T>& lists, const SelectionView& chosen,
-            const std::int32_t* d_slots, const std::int32_t* d_lengths, const AttentionWindow& window,
-            const SelectionView& out, const MatrixView<float>* sums, std::span<std::byte> workspace,
-            cudaStream_t stream) {
-  kvsift::detail::check_list_reduction(where, lists, chosen, d_slots, d_lengths, window, out, sums,
-                                       MemorySpace::device);
-  KVSIFT_CHECK(std::int64_t(chosen.batch) * chosen.kv_heads <= INT32_MAX, where,
-               "chosen.batch * kv_heads (= {} * {}) exceeds 2^31 - 1 CTAs", chosen.batch, chosen.kv_heads);
-  const detail::ListReductionParams<T> params{.lists = lists,
-                                              .chosen = chosen,
-                                              .slots = d_slots,
-                                              .lengths = d_lengths,
-                                              .window = window,
-                                              .out = out,
-                                              .sums = sums != nullptr ? *sums : MatrixView<float>{},
-                                              .rows = std::int64_t(chosen.batch) * chosen.kv_heads,
-                                              .segment = chosen.capacity * lists.list_capacity};
-  WorkspaceLayout layout(workspace, where);
-  const detail::ListReductionBuffers buffers = layout_reduction(layout, params.rows, params.segment, sums != nullptr);
-  KVSIFT_CUDA_CHECK(detail::launch_list_reduction(params, buffers, stream));
-}
-
 }  // namespace
 
-std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t list_capacity,
-                                           bool with_scores) {
+std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity,
+                                           std::int32_t list_capacity) {
   constexpr const char* where = "cuda::list_reduction_workspace_bytes";
   KVSIFT_CHECK(rows > 0 && chosen_capacity > 0 && list_capacity > 0, where,
                "rows (= {}), chosen_capacity (= {}) and list_capacity (= {}) must be positive", rows, chosen_capacity,
@@ -66,7 +38,7 @@ std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chose
                "rows * chosen_capacity * list_capacity (= {} * {} * {}) exceeds 2^31 - 1 entries", rows,
                chosen_capacity, list_capacity);
   WorkspaceLayout counting;
-  layout_reduction(counting, rows, chosen_capacity * list_capacity, with_scores);
+  layout_reduction(counting, rows, chosen_capacity * list_capacity);
   return counting.bytes();
 }
 
@@ -74,15 +46,21 @@ template <class T>
 void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* d_slots,
                  const std::int32_t* d_lengths, const AttentionWindow& window, const SelectionView& out,
                  std::span<std::byte> workspace, cudaStream_t stream) {
-  reduce("cuda::union_lists", lists, chosen, d_slots, d_lengths, window, out, nullptr, workspace, stream);
-}
-
-template <class T>
-void reduce_lists_by_key(const InvertedListsView<const T>& lists, const SelectionView& chosen,
-                         const std::int32_t* d_slots, const std::int32_t* d_lengths, const AttentionWindow& window,
-                         const SelectionView& out, const MatrixView<float>& sums, std::span<std::byte> workspace,
-                         cudaStream_t stream) {
-  reduce("cuda::reduce_lists_by_key", lists, chosen, d_slots, d_lengths, window, out, &sums, workspace, stream);
+  constexpr const char* where = "cuda::union_lists";
+  kvsift::detail::check_list_reduction(where, lists, chosen, d_slots, d_lengths, window, out, MemorySpace::device);
+  KVSIFT_CHECK(std::int64_t(chosen.batch) * chosen.kv_heads <= INT32_MAX, where,
+               "chosen.batch * kv_heads (= {} * {}) exceeds 2^31 - 1 CTAs", chosen.batch, chosen.kv_heads);
+  const detail::ListReductionParams<T> params{.lists = lists,
+                                              .chosen = chosen,
+                                              .slots = d_slots,
+                                              .lengths = d_lengths,
+                                              .window = window,
+                                              .out = out,
+                                              .rows = std::int64_t(chosen.batch) * chosen.kv_heads,
+                                              .segment = chosen.capacity * lists.list_capacity};
+  WorkspaceLayout layout(workspace, where);
+  const detail::ListReductionBuffers buffers = layout_reduction(layout, params.rows, params.segment);
+  KVSIFT_CUDA_CHECK(detail::launch_list_reduction(params, buffers, stream));
 }
 
 template <class T>
@@ -99,9 +77,6 @@ void replace_list(const InvertedListsView<T>& lists, const std::int32_t* d_slots
   template void union_lists<T>(const InvertedListsView<const T>&, const SelectionView&, const std::int32_t*,          \
                                const std::int32_t*, const AttentionWindow&, const SelectionView&, std::span<std::byte>, \
                                cudaStream_t);                                                                        \
-  template void reduce_lists_by_key<T>(const InvertedListsView<const T>&, const SelectionView&, const std::int32_t*,  \
-                                       const std::int32_t*, const AttentionWindow&, const SelectionView&,             \
-                                       const MatrixView<float>&, std::span<std::byte>, cudaStream_t);                \
   template void replace_list<T>(const InvertedListsView<T>&, const std::int32_t*, const SelectionView&,               \
                                 const MatrixView<const float>&, std::int32_t*, cudaStream_t);
 KVSIFT_LIST_STORAGE_TYPES(KVSIFT_INSTANTIATE)

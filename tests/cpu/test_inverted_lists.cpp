@@ -1,17 +1,12 @@
-// Inverted lists on the CPU (cpu/inverted_lists.hpp) against references with std::set and std::map (the
-// reductions' in inverted_lists_problem.hpp, shared with the workspace tests): the union is the set of kept ids,
-// the reduction a map id -> fp32 sum added in the entries' order (the contract's
-// order, so the comparison is exact), try-insert a min_element by the lists' order, replace a plain FIFO. Ragged
-// lengths (0 included), windows, empty and full lists, ids repeated across lists and outside the sequence, lists
-// chosen twice, permuted slots, fp32 and fp16 scores, with and without a pool; every refusal has its message
+// Inverted lists on the CPU (cpu/inverted_lists.hpp) against references written from the contracts: the union
+// is the std::set of kept ids (inverted_lists_problem.hpp, shared with the workspace tests), replace a plain FIFO.
+// Ragged lengths (0 included), windows, empty and full lists, ids repeated across lists and outside the sequence,
+// lists chosen twice, permuted slots, fp32 and fp16 scores, with and without a pool; every refusal has its message
 // checked.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
 
-#include <cmath>
-#include <cstring>
-#include <map>
 #include <set>
 #include <vector>
 
@@ -26,7 +21,7 @@ namespace {
 
 using test::ListsProblem;
 using test::Random;
-using test::reference_sums;
+using test::reference_union;
 
 /// A 256-byte aligned host workspace.
 struct Workspace {
@@ -36,58 +31,41 @@ struct Workspace {
 };
 
 template <class T>
-void check_reductions(Random& rng, bool by_key, bool weights, cpu::ThreadPool* pool) {
-  SCOPED_TRACE(testing::Message() << (by_key ? "reduce_lists_by_key" : "union_lists") << (weights ? " weights" : "")
-                                  << (pool ? " pool" : ""));
+void check_union(Random& rng, bool weights, cpu::ThreadPool* pool) {
+  SCOPED_TRACE(testing::Message() << (weights ? "weights" : "") << (pool ? " pool" : ""));
   ListsProblem<T> p(rng, 4, 2, 7, 9, 4, 40);
-  auto lists = p.view().as_const();
   const std::int32_t capacity = p.chosen.view.capacity * p.list_capacity + rng.uniform_int(0, 3);
   test::HostSelection out(p.batch, p.kv_heads, capacity, weights);
-  std::vector<float> sums(out.indices.size(), test::kPoison);
-  const auto sums_view = MatrixView<float>::packed(sums.data(), std::int64_t(p.batch) * p.kv_heads, capacity);
   Workspace ws(cpu::list_reduction_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, p.chosen.view.capacity,
-                                                   p.list_capacity, by_key, pool));
-  if (by_key) {
-    cpu::reduce_lists_by_key(lists, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view, sums_view,
-                             ws.span(), pool);
-  } else {
-    cpu::union_lists(lists, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view, ws.span(), pool);
-  }
-  const auto expected = reference_sums(p);
+                                                   p.list_capacity, pool));
+  cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view,
+                   ws.span(), pool);
+  const auto expected = reference_union(p);
   for (std::size_t r = 0; r < expected.size(); ++r) {
     ASSERT_EQ(out.counts[r], std::int32_t(expected[r].size())) << "row " << r;
     std::int32_t i = 0;
-    for (const auto& [id, sum] : expected[r]) {
+    for (const std::int32_t id : expected[r]) {  // ascending, as the union is written
       const std::size_t at = r * capacity + i++;
       EXPECT_EQ(out.indices[at], id) << "row " << r;
       if (weights) {
         EXPECT_EQ(out.log_weights[at], 0.0f);
       }
-      if (by_key) {
-        EXPECT_EQ(std::memcmp(&sums[at], &sum, sizeof(float)), 0) << "row " << r << " id " << id << ": " << sums[at]
-                                                                  << " vs " << sum;
-      }
     }
     for (std::int32_t j = i; j < capacity; ++j) {
       EXPECT_EQ(out.indices[r * capacity + j], test::kPoisonIndex) << "written past the count";
-      if (by_key) {
-        EXPECT_TRUE(std::isnan(sums[r * capacity + j])) << "sum written past the count";
-      }
     }
   }
 }
 
 class InvertedLists : public test::SeededTest {};
 
-TEST_F(InvertedLists, UnionAndReduceByKeyMatchSetAndMapReferences) {
+TEST_F(InvertedLists, UnionMatchesSetReference) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   cpu::ThreadPool pool(3);
   for (int repeat = 0; repeat < 20; ++repeat) {
-    for (bool by_key : {false, true}) {
-      for (cpu::ThreadPool* pl : {static_cast<cpu::ThreadPool*>(nullptr), &pool}) {
-        check_reductions<float>(rng, by_key, repeat % 2 == 0, pl);
-        check_reductions<half>(rng, by_key, repeat % 2 == 1, pl);
-      }
+    for (cpu::ThreadPool* pl : {static_cast<cpu::ThreadPool*>(nullptr), &pool}) {
+      check_union<float>(rng, repeat % 2 == 0, pl);
+      check_union<half>(rng, repeat % 2 == 1, pl);
     }
   }
 }
@@ -96,15 +74,13 @@ TEST_F(InvertedLists, UnionOfListsWithoutScores) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   ListsProblem<half> p(rng, 3, 2, 5, 6, 3, 30, false);
   test::HostSelection out(p.batch, p.kv_heads, 3 * 6, false);
-  Workspace ws(cpu::list_reduction_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, 3, 6, false));
+  Workspace ws(cpu::list_reduction_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, 3, 6));
   cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view,
                    ws.span());
-  const auto expected = reference_sums(p);
+  const auto expected = reference_union(p);
   for (std::size_t r = 0; r < expected.size(); ++r) {
-    std::set<std::int32_t> got(out.indices.begin() + r * 18, out.indices.begin() + r * 18 + out.counts[r]);
-    std::set<std::int32_t> want;
-    for (const auto& kv : expected[r]) want.insert(kv.first);
-    EXPECT_EQ(got, want) << "row " << r;
+    const std::set<std::int32_t> got(out.indices.begin() + r * 18, out.indices.begin() + r * 18 + out.counts[r]);
+    EXPECT_EQ(got, expected[r]) << "row " << r;
   }
 }
 
@@ -164,7 +140,7 @@ TEST_F(InvertedLists, BadInputIsRefused) {
   ListsProblem<float> p(rng, 2, 2, 4, 5, 3, 30);
   const auto lists = p.view();
   test::HostSelection out(p.batch, p.kv_heads, 15, false);
-  Workspace ws(cpu::list_reduction_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, 3, 5, false));
+  Workspace ws(cpu::list_reduction_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, 3, 5));
   const auto run_union = [&](InvertedListsView<const float> l, const SelectionView& chosen, const SelectionView& o,
                              std::span<std::byte> w) {
     cpu::union_lists(l, chosen, p.slots.data(), p.lengths.data(), p.window, o, w);
@@ -208,28 +184,15 @@ TEST_F(InvertedLists, BadInputIsRefused) {
   test::expect_error([&] { run_union(lists.as_const(), other_heads, out.view, ws.span()); },
                      "chosen.kv_heads (= 1) != lists.kv_heads (= 2)");
 
-  // reduce_lists_by_key: sums' shape and the lists' scores.
-  std::vector<float> sums(out.indices.size());
-  const auto sums_view = MatrixView<float>::packed(sums.data(), 4, 15);
-  auto no_scores = lists.as_const();
-  no_scores.scores = nullptr;
-  test::expect_error([&] {
-    cpu::reduce_lists_by_key(no_scores, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view, sums_view,
-                             ws.span());
-  }, {"cpu::reduce_lists_by_key", "lists.scores is a null pointer"});
-  test::expect_error([&] {
-    cpu::reduce_lists_by_key(lists.as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view,
-                             MatrixView<float>::packed(sums.data(), 4, 14), ws.span());
-  }, "sums is [4, 14], not [out.batch * kv_heads = 4, >= out.capacity = 15]");
-  test::expect_error([&] { cpu::list_reduction_workspace_bytes(0, 3, 5, false); }, "rows (= 0)");
+  test::expect_error([&] { cpu::list_reduction_workspace_bytes(0, 3, 5); }, "rows (= 0)");
 
   // replace_list
-  const std::vector<float> s(std::size_t(p.batch) * p.kv_heads * p.lists, 1.0f);
   test::HostSelection entries(p.batch, p.kv_heads, 5, false);
   std::fill(entries.counts.begin(), entries.counts.end(), 2);
   std::fill(entries.indices.begin(), entries.indices.end(), 1);
+  const std::vector<float> s(entries.indices.size(), 1.0f);
   const auto e_scores = MatrixView<const float>::packed(s.data(), 4, 2);
-  const auto e_scores5 = MatrixView<const float>::packed(sums.data(), 4, 5);
+  const auto e_scores5 = MatrixView<const float>::packed(s.data(), 4, 5);
   test::expect_error([&] { cpu::replace_list(lists, p.slots.data(), entries.view, MatrixView<const float>{}, nullptr); },
                      {"cpu::replace_list", "lists.scores is set but scores.data is null"});
   test::expect_error([&] { cpu::replace_list(lists, p.slots.data(), entries.view, e_scores, nullptr); },

@@ -143,48 +143,34 @@ TEST_F(CpuWorkspaces, GroupScores) {
   }
 }
 
-TEST_F(CpuWorkspaces, ListReductions) {
+TEST_F(CpuWorkspaces, UnionLists) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   cpu::ThreadPool pool(3);
-  for (const bool by_key : {false, true}) {
-    for (cpu::ThreadPool* tp : {static_cast<cpu::ThreadPool*>(nullptr), &pool}) {
-      SCOPED_TRACE(testing::Message() << (by_key ? "reduce_lists_by_key" : "union_lists") << " pool "
-                                      << (tp ? tp->size() : 0));
-      ListsProblem<half> p(rng, 4, 2, 7, 9, 4, 60);
-      const auto lists = p.view().as_const();
-      const std::int32_t rows = p.batch * p.kv_heads, capacity = p.chosen.view.capacity * p.list_capacity;
-      HostSelection out(p.batch, p.kv_heads, capacity, /*with_weights=*/true);
-      std::vector<float> sums(out.indices.size());
-      const auto sums_view = MatrixView<float>::packed(sums.data(), rows, capacity);
-      check_workspace(
-          cpu::list_reduction_workspace_bytes(rows, p.chosen.view.capacity, p.list_capacity, by_key, tp),
-          [&](std::span<std::byte> ws) {
-            if (by_key) {
-              cpu::reduce_lists_by_key(lists, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view,
-                                       sums_view, ws, tp);
-            } else {
-              cpu::union_lists(lists, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view, ws, tp);
-            }
-          },
-          [&] { return bytes_of(out.indices, out.counts, out.log_weights, sums); },
-          [&] {
-            std::fill(out.indices.begin(), out.indices.end(), kPoisonIndex);
-            std::fill(out.counts.begin(), out.counts.end(), kPoisonIndex);
-            std::fill(out.log_weights.begin(), out.log_weights.end(), kPoison);
-            std::fill(sums.begin(), sums.end(), kPoison);
-          });
-      const auto want = reference_sums(p);
-      for (std::int32_t r = 0; r < rows; ++r) {
-        ASSERT_EQ(out.counts[r], std::int32_t(want[r].size())) << "row " << r;
-        std::size_t at = std::size_t(r) * capacity;
-        for (const auto& [id, sum] : want[r]) {
-          EXPECT_EQ(out.indices[at], id) << "row " << r;
-          EXPECT_EQ(out.log_weights[at], 0.0f) << "row " << r;
-          if (by_key) {
-            EXPECT_TRUE(same_bytes(std::vector{sums[at]}, std::vector{sum})) << "row " << r << " id " << id;
-          }
-          ++at;
-        }
+  for (cpu::ThreadPool* tp : {static_cast<cpu::ThreadPool*>(nullptr), &pool}) {
+    SCOPED_TRACE(testing::Message() << "pool " << (tp ? tp->size() : 0));
+    ListsProblem<half> p(rng, 4, 2, 7, 9, 4, 60);
+    const auto lists = p.view().as_const();
+    const std::int32_t rows = p.batch * p.kv_heads, capacity = p.chosen.view.capacity * p.list_capacity;
+    HostSelection out(p.batch, p.kv_heads, capacity, /*with_weights=*/true);
+    check_workspace(
+        cpu::list_reduction_workspace_bytes(rows, p.chosen.view.capacity, p.list_capacity, tp),
+        [&](std::span<std::byte> ws) {
+          cpu::union_lists(lists, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view, ws, tp);
+        },
+        [&] { return bytes_of(out.indices, out.counts, out.log_weights); },
+        [&] {
+          std::fill(out.indices.begin(), out.indices.end(), kPoisonIndex);
+          std::fill(out.counts.begin(), out.counts.end(), kPoisonIndex);
+          std::fill(out.log_weights.begin(), out.log_weights.end(), kPoison);
+        });
+    const auto want = reference_union(p);
+    for (std::int32_t r = 0; r < rows; ++r) {
+      ASSERT_EQ(out.counts[r], std::int32_t(want[r].size())) << "row " << r;
+      std::size_t at = std::size_t(r) * capacity;
+      for (const std::int32_t id : want[r]) {
+        EXPECT_EQ(out.indices[at], id) << "row " << r;
+        EXPECT_EQ(out.log_weights[at], 0.0f) << "row " << r;
+        ++at;
       }
     }
   }

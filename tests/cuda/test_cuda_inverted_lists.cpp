@@ -1,14 +1,12 @@
 // CUDA inverted lists (cuda/inverted_lists.hpp) against their CPU twins (whose tests check them against std::set
-// and std::map references), bit for bit: union, reduce by key (the fp32 sums included), try-insert and FIFO
-// replacement over several steps, fp32 and fp16 scores, outputs poisoned first. Also: the reductions and an update
-// captured in a CUDA graph and replayed equal the eager run, the device-value rules, and the host-side refusals
+// references and a plain FIFO), bit for bit: the union on both of its paths (one CTA per row, the segmented sort)
+// and the FIFO replacement over several steps, fp32 and fp16 scores, outputs poisoned first. Also: the union
+// captured in a CUDA graph and replayed equals the eager run, the device-value rules, and the host-side refusals
 // (which run without a GPU).
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
 
-#include <cmath>
-#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -54,32 +52,28 @@ struct DeviceLists {
   }
 };
 
-/// Device selection buffers, poisoned (indices and counts -1, weights and sums NaN).
+/// Device selection buffers, poisoned (indices and counts -1, weights NaN).
 struct DeviceOut {
   DeviceBuffer<std::int32_t> indices, counts;
-  DeviceBuffer<float> weights, sums;
+  DeviceBuffer<float> weights;
   SelectionView view;
-  MatrixView<float> sums_view;
   DeviceOut(std::int32_t batch, std::int32_t kv_heads, std::int32_t capacity)
       : indices(std::size_t(batch) * kv_heads * capacity), counts(std::size_t(batch) * kv_heads),
-        weights(indices.size()), sums(indices.size()) {
+        weights(indices.size()) {
     view = {indices.data(), counts.data(), weights.data(), batch, kv_heads, capacity};
-    sums_view = MatrixView<float>::packed(sums.data(), std::int64_t(batch) * kv_heads, capacity);
     poison();
   }
   void poison() {
     indices.poison();
     counts.poison();
     weights.poison();
-    sums.poison();
   }
 };
 
 /// The device results equal the host ones on every written entry; entries past a count are not written.
-void expect_out_equal(const test::HostSelection& cpu, const std::vector<float>& cpu_sums, const DeviceOut& gpu,
-                      bool by_key) {
+void expect_out_equal(const test::HostSelection& cpu, const DeviceOut& gpu) {
   const auto counts = gpu.counts.download(), indices = gpu.indices.download();
-  const auto weights = gpu.weights.download(), sums = gpu.sums.download();
+  const auto weights = gpu.weights.download();
   const std::int32_t capacity = cpu.view.capacity;
   ASSERT_EQ(counts, cpu.counts);
   for (std::size_t r = 0; r < counts.size(); ++r) {
@@ -88,14 +82,8 @@ void expect_out_equal(const test::HostSelection& cpu, const std::vector<float>& 
       if (i < counts[r]) {
         EXPECT_EQ(indices[at], cpu.indices[at]) << "row " << r << " entry " << i;
         EXPECT_EQ(weights[at], 0.0f);
-        if (by_key) {
-          EXPECT_EQ(std::memcmp(&sums[at], &cpu_sums[at], sizeof(float)), 0) << sums[at] << " vs " << cpu_sums[at];
-        }
       } else {
         EXPECT_EQ(indices[at], -1) << "written past the count";
-        if (by_key) {
-          EXPECT_TRUE(std::isnan(sums[at]));
-        }
       }
     }
   }
@@ -104,30 +92,21 @@ void expect_out_equal(const test::HostSelection& cpu, const std::vector<float>& 
 class CudaInvertedLists : public test::GpuTest {};
 
 template <class T>
-void check_reductions(Random& rng, bool by_key, std::int32_t list_capacity = 33, std::int32_t max_len = 300) {
-  SCOPED_TRACE(fmt::format("{}, lists of {}, lengths up to {}", by_key ? "reduce_lists_by_key" : "union_lists",
-                           list_capacity, max_len));
+void check_union(Random& rng, std::int32_t list_capacity = 33, std::int32_t max_len = 300) {
+  SCOPED_TRACE(fmt::format("lists of {}, lengths up to {}", list_capacity, max_len));
   ListsProblem<T> p(rng, 5, 2, 9, list_capacity, 4, max_len);
   DeviceLists<T> d(p);
   const std::int32_t rows = p.batch * p.kv_heads, capacity = 4 * list_capacity;
   test::HostSelection cpu_out(p.batch, p.kv_heads, capacity, true);
-  std::vector<float> cpu_sums(cpu_out.indices.size(), test::kPoison);
-  cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(rows, 4, list_capacity, by_key));
+  cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(rows, 4, list_capacity));
   DeviceOut gpu(p.batch, p.kv_heads, capacity);
-  DeviceBuffer<std::byte> ws(cuda::list_reduction_workspace_bytes(rows, 4, list_capacity, by_key));
+  DeviceBuffer<std::byte> ws(cuda::list_reduction_workspace_bytes(rows, 4, list_capacity));
   ws.poison();
-  if (by_key) {
-    cpu::reduce_lists_by_key(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window,
-                             cpu_out.view, MatrixView<float>::packed(cpu_sums.data(), rows, capacity), cpu_ws.bytes());
-    cuda::reduce_lists_by_key(d.view(p).as_const(), d.chosen(p), d.slots.data(), d.lengths.data(), p.window, gpu.view,
-                              gpu.sums_view, {ws.data(), ws.size()}, nullptr);
-  } else {
-    cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, cpu_out.view,
-                     cpu_ws.bytes());
-    cuda::union_lists(d.view(p).as_const(), d.chosen(p), d.slots.data(), d.lengths.data(), p.window, gpu.view,
-                      {ws.data(), ws.size()}, nullptr);
-  }
-  expect_out_equal(cpu_out, cpu_sums, gpu, by_key);
+  cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, cpu_out.view,
+                   cpu_ws.bytes());
+  cuda::union_lists(d.view(p).as_const(), d.chosen(p), d.slots.data(), d.lengths.data(), p.window, gpu.view,
+                    {ws.data(), ws.size()}, nullptr);
+  expect_out_equal(cpu_out, gpu);
 }
 
 // The union of up to 10,240 entries per row runs as one CTA per row (a block radix sort); CTKVR's C' = 4 lists of
@@ -135,18 +114,16 @@ void check_reductions(Random& rng, bool by_key, std::int32_t list_capacity = 33,
 TEST_F(CudaInvertedLists, UnionsAtTheBlockSortsBoundEqualTheCpu) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   for (const std::int32_t list_capacity : {2560, 3000}) {
-    check_reductions<half>(rng, false, list_capacity, 200000);
-    check_reductions<float>(rng, false, list_capacity, 5000);  // many equal ids
+    check_union<half>(rng, list_capacity, 200000);
+    check_union<float>(rng, list_capacity, 5000);  // many equal ids
   }
 }
 
-TEST_F(CudaInvertedLists, ReductionsEqualTheCpu) {
+TEST_F(CudaInvertedLists, SmallUnionsEqualTheCpu) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   for (int repeat = 0; repeat < 5; ++repeat) {
-    for (bool by_key : {false, true}) {
-      check_reductions<float>(rng, by_key);
-      check_reductions<half>(rng, by_key);
-    }
+    check_union<float>(rng);
+    check_union<half>(rng);
   }
 }
 
@@ -201,35 +178,35 @@ TEST_F(CudaInvertedLists, UpdatesEqualTheCpu) {
   }
 }
 
-/// reduce_lists_by_key + union_lists captured once and replayed (lists restored and outputs poisoned before each
-/// replay) equal the eager run.
+/// The union captured once and replayed (outputs poisoned before each replay) equals the eager run, on both of its
+/// paths: 3 lists of 40 (one CTA per row) and of 3500 (over 10,240 entries: the segmented sort).
 TEST_F(CudaInvertedLists, GraphReplayEqualsEager) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
-  ListsProblem<half> p(rng, 4, 2, 8, 40, 3, 200);
-  DeviceLists<half> d(p);
-  const std::int32_t rows = p.batch * p.kv_heads, capacity = 3 * 40;
-  DeviceOut by_key(p.batch, p.kv_heads, capacity), uni(p.batch, p.kv_heads, capacity);
-  DeviceBuffer<std::byte> ws_key(cuda::list_reduction_workspace_bytes(rows, 3, 40, true));
-  DeviceBuffer<std::byte> ws_union(cuda::list_reduction_workspace_bytes(rows, 3, 40, false));
+  ListsProblem<half> small(rng, 4, 2, 8, 40, 3, 200), large(rng, 4, 2, 8, 3500, 3, 20000);
+  const DeviceLists<half> d_small(small), d_large(large);
+  const std::int32_t rows = small.batch * small.kv_heads;
+  DeviceOut out_small(small.batch, small.kv_heads, 3 * 40), out_large(large.batch, large.kv_heads, 3 * 3500);
+  DeviceBuffer<std::byte> ws_small(cuda::list_reduction_workspace_bytes(rows, 3, 40));
+  DeviceBuffer<std::byte> ws_large(cuda::list_reduction_workspace_bytes(rows, 3, 3500));
   cudaStream_t stream = nullptr;
   KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const auto step = [&] {
-    cuda::reduce_lists_by_key(d.view(p).as_const(), d.chosen(p), d.slots.data(), d.lengths.data(), p.window,
-                              by_key.view, by_key.sums_view, {ws_key.data(), ws_key.size()}, stream);
-    cuda::union_lists(d.view(p).as_const(), d.chosen(p), d.slots.data(), d.lengths.data(), p.window, uni.view,
-                      {ws_union.data(), ws_union.size()}, stream);
+    cuda::union_lists(d_small.view(small).as_const(), d_small.chosen(small), d_small.slots.data(),
+                      d_small.lengths.data(), small.window, out_small.view, {ws_small.data(), ws_small.size()},
+                      stream);
+    cuda::union_lists(d_large.view(large).as_const(), d_large.chosen(large), d_large.slots.data(),
+                      d_large.lengths.data(), large.window, out_large.view, {ws_large.data(), ws_large.size()},
+                      stream);
   };
   const auto outputs = [&] {
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    return std::make_tuple(by_key.indices.download(), by_key.counts.download(), by_key.sums.download(),
-                           uni.indices.download(), uni.counts.download(), d.ids.download(), d.scores.download(),
-                           d.counts.download());
+    return std::make_tuple(out_small.indices.download(), out_small.counts.download(), out_large.indices.download(),
+                           out_large.counts.download());
   };
   const auto reset = [&] {
-    d.upload(p);
-    by_key.poison();
-    uni.poison();
-    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());  // the legacy-stream uploads and memsets before the non-blocking stream
+    out_small.poison();
+    out_large.poison();
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());  // the legacy-stream memsets before the non-blocking stream
   };
   reset();
   step();
@@ -240,25 +217,17 @@ TEST_F(CudaInvertedLists, GraphReplayEqualsEager) {
   for (int replay = 0; replay < 3; ++replay) {
     reset();
     graph.launch();
-    const auto got = outputs();
-    EXPECT_EQ(std::get<0>(got), std::get<0>(eager)) << replay;
-    EXPECT_EQ(std::get<1>(got), std::get<1>(eager)) << replay;
-    EXPECT_TRUE(same_bytes(std::get<2>(got), std::get<2>(eager))) << replay;
-    EXPECT_EQ(std::get<3>(got), std::get<3>(eager)) << replay;
-    EXPECT_EQ(std::get<4>(got), std::get<4>(eager)) << replay;
-    EXPECT_EQ(std::get<5>(got), std::get<5>(eager)) << replay;
-    EXPECT_TRUE(same_bytes(std::get<6>(got), std::get<6>(eager))) << replay;
-    EXPECT_EQ(std::get<7>(got), std::get<7>(eager)) << replay;
+    EXPECT_EQ(outputs(), eager) << replay;
   }
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-/// Device values the host cannot check get the defined results: a bad slot, a negative length or a chosen count
-/// past the capacity give count -1; a chosen list id outside the lists contributes nothing (as if not chosen); a
-/// bad cursor replaces nothing (replaced -1).
-TEST_F(CudaInvertedLists, OutOfRangeDeviceValuesHaveTheDefinedResult) {
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
-  ListsProblem<float> p(rng, 4, 1, 6, 10, 2, 60);
+/// A bad slot, a negative length or a chosen count past the capacity give the row count -1 and no entries; a
+/// chosen list id outside the lists contributes nothing (as if not chosen). Lists of `list_capacity`: 10 takes the
+/// one-CTA-per-row path, 5200 (2 x 5200 > 10,240 entries) the segmented sort.
+void check_bad_union_rows(Random& rng, std::int32_t list_capacity) {
+  SCOPED_TRACE(testing::Message() << "lists of " << list_capacity);
+  ListsProblem<float> p(rng, 4, 1, 6, list_capacity, 2, 60);
   p.chosen.counts = {2, 2, 2, 2};
   for (auto& l : p.chosen.indices) l = rng.uniform_int(0, p.lists - 1);
   ListsProblem<float> bad = p;
@@ -267,30 +236,37 @@ TEST_F(CudaInvertedLists, OutOfRangeDeviceValuesHaveTheDefinedResult) {
   bad.chosen.counts[2] = 3;
   bad.chosen.indices[3 * 2 + 1] = p.lists;  // row 3's second list
   p.chosen.counts[3] = 1;                   // the CPU reference for row 3: its first list alone
-  DeviceLists<float> d(bad);
-  DeviceOut gpu(4, 1, 20);
-  DeviceBuffer<std::byte> ws(cuda::list_reduction_workspace_bytes(4, 2, 10, true));
-  cuda::reduce_lists_by_key(d.view(bad).as_const(), d.chosen(bad), d.slots.data(), d.lengths.data(), p.window, gpu.view,
-                            gpu.sums_view, {ws.data(), ws.size()}, nullptr);
-  test::HostSelection cpu_out(4, 1, 20, true);
-  std::vector<float> cpu_sums(80, test::kPoison);
-  cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(4, 2, 10, true));
-  cpu::reduce_lists_by_key(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, cpu_out.view,
-                           MatrixView<float>::packed(cpu_sums.data(), 4, 20), cpu_ws.bytes());
+  const DeviceLists<float> d(bad);
+  const std::int32_t capacity = 2 * list_capacity;
+  DeviceOut gpu(4, 1, capacity);
+  DeviceBuffer<std::byte> ws(cuda::list_reduction_workspace_bytes(4, 2, list_capacity));
+  cuda::union_lists(d.view(bad).as_const(), d.chosen(bad), d.slots.data(), d.lengths.data(), p.window, gpu.view,
+                    {ws.data(), ws.size()}, nullptr);
+  test::HostSelection cpu_out(4, 1, capacity, true);
+  cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(4, 2, list_capacity));
+  cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, cpu_out.view,
+                   cpu_ws.bytes());
   const auto counts = gpu.counts.download(), indices = gpu.indices.download();
-  const auto sums = gpu.sums.download();
   EXPECT_EQ(counts[0], -1);
   EXPECT_EQ(counts[1], -1);
   EXPECT_EQ(counts[2], -1);
   ASSERT_EQ(counts[3], cpu_out.counts[3]);
-  for (std::int32_t i = 0; i < counts[3]; ++i) {
-    EXPECT_EQ(indices[60 + i], cpu_out.indices[60 + i]);
-    EXPECT_EQ(sums[60 + i], cpu_sums[60 + i]);
-  }
-  for (std::int32_t i = 0; i < 60; ++i) EXPECT_EQ(indices[i], -1) << "a refused row was written";
+  const std::size_t row3 = 3 * std::size_t(capacity);
+  for (std::int32_t i = 0; i < counts[3]; ++i) EXPECT_EQ(indices[row3 + i], cpu_out.indices[row3 + i]);
+  for (std::size_t i = 0; i < row3; ++i) EXPECT_EQ(indices[i], -1) << "a refused row was written";
+}
 
-  bad.cursors[std::size_t(p.slots[1])] = p.lists;
-  d.upload(bad);
+/// Device values the host cannot check get the defined results: the union's bad rows (check_bad_union_rows) on
+/// both paths; a bad cursor replaces nothing (replaced -1).
+TEST_F(CudaInvertedLists, OutOfRangeDeviceValuesHaveTheDefinedResult) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  check_bad_union_rows(rng, 10);
+  check_bad_union_rows(rng, 5200);
+
+  ListsProblem<float> bad(rng, 4, 1, 6, 10, 2, 60);
+  bad.slots[0] = bad.slot_count;
+  bad.cursors[std::size_t(bad.slots[1])] = bad.lists;
+  DeviceLists<float> d(bad);
   test::HostSelection entries(4, 1, 3, false);
   std::fill(entries.counts.begin(), entries.counts.end(), 1);
   DeviceBuffer<std::int32_t> e_idx(entries.indices), e_cnt(entries.counts), replaced(4);
@@ -304,7 +280,7 @@ TEST_F(CudaInvertedLists, OutOfRangeDeviceValuesHaveTheDefinedResult) {
   const auto got = replaced.download();
   EXPECT_EQ(got[0], -1);  // slot outside
   EXPECT_EQ(got[1], -1);  // cursor outside
-  EXPECT_EQ(got[2], bad.cursors[std::size_t(p.slots[2])]);
+  EXPECT_EQ(got[2], bad.cursors[std::size_t(bad.slots[2])]);
 }
 
 /// Host-side refusals: shapes only, before any device call (no GPU needed).
@@ -317,21 +293,13 @@ TEST(CudaInvertedListsBadInput, RefusedBeforeAnyDeviceCall) {
     cuda::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out.view,
                       {ws.data(), ws.size()}, nullptr);
   }, {"cuda::union_lists", "out.capacity (= 14) < chosen.capacity * lists.list_capacity (= 3 * 5)"});
-  std::vector<float> sums(60);
-  auto no_scores = p.view().as_const();
-  no_scores.scores = nullptr;
-  test::HostSelection out15(2, 2, 15, false);
-  test::expect_error([&] {
-    cuda::reduce_lists_by_key(no_scores, p.chosen.view, p.slots.data(), p.lengths.data(), p.window, out15.view,
-                              MatrixView<float>::packed(sums.data(), 4, 15), {ws.data(), ws.size()}, nullptr);
-  }, {"cuda::reduce_lists_by_key", "lists.scores is a null pointer"});
   std::vector<float> s(24);
   test::HostSelection wide(2, 2, 6, false);
   test::expect_error([&] {
     cuda::replace_list(p.view(), p.slots.data(), wide.view, MatrixView<const float>::packed(s.data(), 4, 6), nullptr,
                        nullptr);
   }, {"cuda::replace_list", "entries.capacity (= 6) exceeds lists.list_capacity (= 5)"});
-  test::expect_error([&] { cuda::list_reduction_workspace_bytes(1 << 20, 1 << 10, 1 << 10, true); },
+  test::expect_error([&] { cuda::list_reduction_workspace_bytes(1 << 20, 1 << 10, 1 << 10); },
                      "exceeds 2^31 - 1 entries");
 }
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <numeric>
 #include <string>
@@ -167,65 +168,47 @@ TEST_F(CudaWorkspaces, GroupScores) {
   }
 }
 
-/// The reductions over inverted lists in device memory, against their CPU twin bit for bit (the twin's tests
-/// check it against std::map references).
-TEST_F(CudaWorkspaces, ListReductions) {
+/// union_lists over inverted lists in device memory, against its CPU twin (whose tests check it against std::set
+/// references): 4 lists of 33 take the one-CTA-per-row path, 4 of 2600 (over 10,240 entries) the segmented sort,
+/// the path that uses the workspace.
+TEST_F(CudaWorkspaces, UnionLists) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
-  for (const bool by_key : {false, true}) {
-    SCOPED_TRACE(by_key ? "reduce_lists_by_key" : "union_lists");
-    ListsProblem<half> p(rng, 5, 2, 9, 33, 4, 300);
+  for (const std::int32_t list_capacity : {33, 2600}) {
+    SCOPED_TRACE(testing::Message() << "lists of " << list_capacity);
+    ListsProblem<half> p(rng, 5, 2, 9, list_capacity, 4, 10 * list_capacity, /*with_scores=*/false);
     const std::int32_t rows = p.batch * p.kv_heads, capacity = p.chosen.view.capacity * p.list_capacity;
     DeviceBuffer<std::int32_t> ids(p.ids), counts(p.counts), cursors(p.cursors), slots(p.slots), lengths(p.lengths),
         chosen_indices(p.chosen.indices), chosen_counts(p.chosen.counts);
-    DeviceBuffer<half> scores(p.scores);
-    const InvertedListsView<const half> lists{ids.data(), scores.data(), counts.data(), cursors.data(),
-                                              p.slot_count, p.kv_heads, p.lists, p.list_capacity};
+    const InvertedListsView<const half> lists{ids.data(), nullptr, counts.data(), cursors.data(), p.slot_count,
+                                              p.kv_heads, p.lists, p.list_capacity};
     SelectionView chosen = p.chosen.view;
     chosen.indices = chosen_indices.data();
     chosen.counts = chosen_counts.data();
     DeviceBuffer<std::int32_t> out_indices(std::size_t(rows) * capacity), out_counts(static_cast<std::size_t>(rows));
-    DeviceBuffer<float> out_weights(out_indices.size()), sums(out_indices.size());
+    DeviceBuffer<float> out_weights(out_indices.size());
     const SelectionView out{out_indices.data(), out_counts.data(), out_weights.data(), p.batch, p.kv_heads, capacity};
-    const auto sums_view = MatrixView<float>::packed(sums.data(), rows, capacity);
     check_device_workspace(
-        cuda::list_reduction_workspace_bytes(rows, p.chosen.view.capacity, p.list_capacity, by_key),
+        cuda::list_reduction_workspace_bytes(rows, p.chosen.view.capacity, p.list_capacity),
         [&](std::span<std::byte> ws, cudaStream_t stream) {
-          if (by_key) {
-            cuda::reduce_lists_by_key(lists, chosen, slots.data(), lengths.data(), p.window, out, sums_view, ws,
-                                      stream);
-          } else {
-            cuda::union_lists(lists, chosen, slots.data(), lengths.data(), p.window, out, ws, stream);
-          }
+          cuda::union_lists(lists, chosen, slots.data(), lengths.data(), p.window, out, ws, stream);
         },
-        download_all(out_indices, out_counts, out_weights, sums),
-        poison_all(out_indices, out_counts, out_weights, sums));
+        download_all(out_indices, out_counts, out_weights), poison_all(out_indices, out_counts, out_weights));
 
     HostSelection want(p.batch, p.kv_heads, capacity, /*with_weights=*/true);
-    std::vector<float> want_sums(want.indices.size(), kPoison);
-    cpu::Array<std::byte> cpu_ws(
-        cpu::list_reduction_workspace_bytes(rows, p.chosen.view.capacity, p.list_capacity, by_key));
-    if (by_key) {
-      cpu::reduce_lists_by_key(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window,
-                               want.view, MatrixView<float>::packed(want_sums.data(), rows, capacity), cpu_ws.bytes());
-    } else {
-      cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, want.view,
-                       cpu_ws.bytes());
-    }
+    cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(rows, p.chosen.view.capacity, p.list_capacity));
+    cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, want.view,
+                     cpu_ws.bytes());
     const auto got_counts = out_counts.download(), got_indices = out_indices.download();
-    const auto got_weights = out_weights.download(), got_sums = sums.download();
+    const auto got_weights = out_weights.download();
     ASSERT_EQ(got_counts, want.counts);
     for (std::int32_t r = 0; r < rows; ++r) {
       const auto first = std::ptrdiff_t(r) * capacity, last = first + want.counts[r];
       EXPECT_TRUE(std::equal(got_indices.begin() + first, got_indices.begin() + last, want.indices.begin() + first))
           << "row " << r;
-      EXPECT_TRUE(same_bytes(std::vector<float>(got_weights.begin() + first, got_weights.begin() + last),
-                             std::vector<float>(want.log_weights.begin() + first, want.log_weights.begin() + last)))
+      EXPECT_EQ(std::memcmp(got_weights.data() + first, want.log_weights.data() + first,
+                            std::size_t(last - first) * sizeof(float)),
+                0)
           << "row " << r;
-      if (by_key) {
-        EXPECT_TRUE(same_bytes(std::vector<float>(got_sums.begin() + first, got_sums.begin() + last),
-                               std::vector<float>(want_sums.begin() + first, want_sums.begin() + last)))
-            << "row " << r;
-      }
       // entries past the count are not written: still the poison (all bits set: -1)
       EXPECT_TRUE(std::all_of(got_indices.begin() + last, got_indices.begin() + first + capacity,
                               [](std::int32_t i) { return i == -1; }))

@@ -1,10 +1,10 @@
 #pragma once
 /// Inverted lists: per (slot, kv head), `lists` bounded lists of token ids with optional scores. CTKVR keeps one
-/// list per query centroid (the top-rho keys of that centroid, ids only) and recalls the union of the lists its
-/// query chose; CSAttention keeps one list per (subspace, centroid) with the keys' partial scores and sums the
-/// scores of the chosen lists per key (reduce by key). Backend-neutral: the view and the per-entry rules below
-/// are shared by cpu/inverted_lists.hpp and cuda/inverted_lists.hpp (the view does not say where its memory
-/// lives).
+/// list per query centroid (the top-rho keys of that centroid, ids only), recalls the union of the lists its query
+/// chose and replaces its lists first in, first out. Backend-neutral: the view and the per-entry rules below are
+/// shared by cpu/inverted_lists.hpp and cuda/inverted_lists.hpp (the view does not say where its memory lives).
+/// CSAttention keeps its scored lists in its own score tables (selectors/csattention/score_tables.hpp), which use
+/// the per-entry rules but not the view.
 
 #include <cstddef>
 #include <cstdint>
@@ -20,15 +20,16 @@
 namespace kvsift {
 
 /// Lists of every (slot, kv head): ids [slots, kv_heads, lists, list_capacity] int32, scores (optional, same
-/// shape, T = float or half), counts [slots, kv_heads, lists] (list l holds entries [0, counts[l]), in no
-/// particular order), cursors (optional, [slots, kv_heads]: the list replace_list overwrites next, FIFO over
-/// [fifo_begin[slot], lists)). All packed. A const T makes every array read-only (the reductions' input).
+/// shape, T = float or half; replace_list writes them), counts [slots, kv_heads, lists] (list l holds entries [0,
+/// counts[l]), in no particular order), cursors (optional, [slots, kv_heads]: the list replace_list overwrites
+/// next, FIFO over [fifo_begin[slot], lists)). All packed. A const T makes every array read-only (the union's
+/// input).
 template <class T>
 struct InvertedListsView {
   using index_type = std::conditional_t<std::is_const_v<T>, const std::int32_t, std::int32_t>;
 
   index_type* ids = nullptr;
-  T* scores = nullptr;           ///< nullptr: lists without scores (union and replace only)
+  T* scores = nullptr;           ///< nullptr: lists without scores; the union never reads them
   index_type* counts = nullptr;
   index_type* cursors = nullptr;  ///< nullptr: no FIFO state (replace_list refuses it)
   std::int32_t slots = 0;
@@ -73,8 +74,8 @@ struct InvertedListsView {
 
 namespace detail {
 
-/// Key of a dropped or absent entry in the reductions' sort: above every token id (ids are < 2^31 - 1, since a
-/// length is at most 2^31 - 1), so it sorts last.
+/// Key of a dropped or absent entry in a sort of list entries (the CUDA union's, CSAttention's score tables'):
+/// above every token id (ids are < 2^31 - 1, since a length is at most 2^31 - 1), so it sorts last.
 inline constexpr std::int32_t kAbsentListEntry = 0x7fffffff;
 
 /// Whether a list entry is a candidate of a sequence of `length` tokens: inside [0, length) and outside the

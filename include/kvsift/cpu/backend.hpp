@@ -175,20 +175,14 @@ inline void append_range(const SelectionView& rows, const std::int32_t* slots, c
 
 // Inverted lists (core/inverted_lists.hpp, cpu/inverted_lists.hpp).
 inline std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity,
-                                                  std::int32_t list_capacity, bool with_scores, const Context& ctx) {
-  return cpu::list_reduction_workspace_bytes(rows, chosen_capacity, list_capacity, with_scores, ctx.pool);
+                                                  std::int32_t list_capacity, const Context& ctx) {
+  return cpu::list_reduction_workspace_bytes(rows, chosen_capacity, list_capacity, ctx.pool);
 }
 template <class T>
 void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
                  const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
                  std::span<std::byte> workspace, const Context& ctx) {
   cpu::union_lists(lists, chosen, slots, lengths, window, out, workspace, ctx.pool);
-}
-template <class T>
-void reduce_lists_by_key(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
-                         const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
-                         const MatrixView<float>& sums, std::span<std::byte> workspace, const Context& ctx) {
-  cpu::reduce_lists_by_key(lists, chosen, slots, lengths, window, out, sums, workspace, ctx.pool);
 }
 template <class T>
 void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, const SelectionView& entries,

@@ -1,8 +1,7 @@
 #pragma once
-/// Inverted lists on the CPU (core/inverted_lists.hpp): the union of the lists a query chose (CTKVR's recall),
-/// their scores reduced by key (CSAttention's gather-and-sum), and the two bounded-list updates (CSAttention's
-/// try-insert of the new key, CTKVR's FIFO replacement of one list). The twin of cuda/inverted_lists.hpp, with
-/// the same arguments but the pool and the same results, bit for bit (the sums too: both add in one fixed order).
+/// Inverted lists on the CPU (core/inverted_lists.hpp): the union of the lists a query chose (CTKVR's recall) and
+/// the FIFO replacement of one list (CTKVR's update). The twin of cuda/inverted_lists.hpp, with the same
+/// arguments but the pool and the same results, bit for bit.
 /// Host memory. No allocation; deterministic and independent of the thread count; reentrant with distinct
 /// outputs and workspaces. Every argument is checked, array contents included (slots, lengths, list ids, counts).
 /// T: float or half (the lists' score type; lists without scores may use either).
@@ -18,12 +17,11 @@
 
 namespace kvsift::cpu {
 
-/// Bytes of host workspace of union_lists (with_scores false) and reduce_lists_by_key (true) for `rows` selection
-/// rows (batch * kv_heads) choosing up to `chosen_capacity` lists of `list_capacity` entries: 8 * chosen_capacity *
-/// list_capacity bytes for each of min(rows, threads) threads, either way (with_scores keeps the CUDA twin's
-/// arguments). A run on a larger pool than the query's is refused.
+/// Bytes of host workspace of union_lists for `rows` selection rows (batch * kv_heads) choosing up to
+/// `chosen_capacity` lists of `list_capacity` entries: 4 * chosen_capacity * list_capacity bytes (the kept ids,
+/// sorted in place) for each of min(rows, threads) threads. A run on a larger pool than the query's is refused.
 std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t list_capacity,
-                                           bool with_scores, const ThreadPool* pool = nullptr);
+                                           const ThreadPool* pool = nullptr);
 
 /// The union of the chosen lists (CTKVR's recall): for selection row (b, h), the lists chosen.row(b, h)[0,
 /// count) of slot slots[b], kv head h; out.row(b, h) receives every distinct id of their entries that lies in
@@ -35,23 +33,11 @@ std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chose
 /// Shapes: chosen and out [batch, lists.kv_heads]; slots and lengths [batch]. Refused: a slot outside [0,
 /// lists.slots), a negative length, a chosen count outside [0, chosen.capacity], a list id outside [0,
 /// lists.lists), a chosen list's count outside [0, list_capacity], more than 2^31 - 1 entries in all.
-/// workspace: list_reduction_workspace_bytes(batch * kv_heads, chosen.capacity, lists.list_capacity, false, pool).
+/// workspace: list_reduction_workspace_bytes(batch * kv_heads, chosen.capacity, lists.list_capacity, pool).
 template <class T>
 void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
                  const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
                  std::span<std::byte> workspace, ThreadPool* pool = nullptr);
-
-/// The chosen lists' scores summed per id (CSAttention's reduce by key): the same rows, ids and filter as
-/// union_lists, and sums.row(b * kv_heads + h)[i] = the fp32 sum of the scores of every kept entry with id
-/// out.row(b, h)[i], added in the order of the entries (chosen list by chosen list, then position in the list),
-/// starting from 0.0f. A list chosen twice counts twice. Candidates for a top-K over sparse (id, score) pairs.
-/// Log-weights, if out has them, are 0. Requires lists.scores; sums [batch * kv_heads, >= out.capacity]. Same
-/// refusals as union_lists; workspace: list_reduction_workspace_bytes(..., true, pool).
-template <class T>
-void reduce_lists_by_key(const InvertedListsView<const T>& lists, const SelectionView& chosen,
-                         const std::int32_t* slots, const std::int32_t* lengths, const AttentionWindow& window,
-                         const SelectionView& out, const MatrixView<float>& sums, std::span<std::byte> workspace,
-                         ThreadPool* pool = nullptr);
 
 /// CTKVR's FIFO update: for selection row (b, h) the list l = lists.cursors[slots[b] * kv_heads + h] of slot
 /// slots[b], kv head h, is overwritten by entries.row(b, h)[0, count) (and, when the lists keep scores, their

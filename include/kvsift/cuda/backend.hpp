@@ -186,20 +186,14 @@ void segment_mean(const MatrixView<const T>& rows, const std::int32_t* assignmen
 
 // Inverted lists (core/inverted_lists.hpp, cuda/inverted_lists.hpp).
 inline std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity,
-                                                  std::int32_t list_capacity, bool with_scores, const Context&) {
-  return cuda::list_reduction_workspace_bytes(rows, chosen_capacity, list_capacity, with_scores);
+                                                  std::int32_t list_capacity, const Context&) {
+  return cuda::list_reduction_workspace_bytes(rows, chosen_capacity, list_capacity);
 }
 template <class T>
 void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
                  const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
                  std::span<std::byte> workspace, const Context& ctx) {
   cuda::union_lists(lists, chosen, slots, lengths, window, out, workspace, ctx.stream);
-}
-template <class T>
-void reduce_lists_by_key(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
-                         const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
-                         const MatrixView<float>& sums, std::span<std::byte> workspace, const Context& ctx) {
-  cuda::reduce_lists_by_key(lists, chosen, slots, lengths, window, out, sums, workspace, ctx.stream);
 }
 template <class T>
 void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, const SelectionView& entries,

@@ -1,17 +1,16 @@
 #pragma once
 /// Inverted lists on the GPU, the twin of cpu/inverted_lists.hpp (read its contracts; the differences are here).
 /// Device memory for every pointer and view; stream-ordered; no allocation, no host sync; CUDA-graph capturable;
-/// deterministic; reentrant with distinct outputs and workspaces. Results equal the CPU's bit for bit, the sums
-/// of reduce_lists_by_key included (a stable segmented sort keeps the entries' order among equal ids, and one
-/// thread adds each id's scores in that order, as the CPU does). A NaN sum is NaN on both, its payload may differ;
-/// scores stored by the updates are rounded by core/dtype.hpp's conversion on both, NaN bits included.
+/// deterministic; reentrant with distinct outputs and workspaces. Results equal the CPU's bit for bit: the union
+/// is a set of ids, ascending; scores stored by replace_list are rounded by core/dtype.hpp's conversion on both,
+/// NaN bits included.
 ///
 /// Shapes are checked on the host before the launch as on the CPU; the arrays' contents (slots, lengths, chosen
 /// list ids and counts, list counts, cursors, ids) live on the device and are not, so each function defines what
 /// a bad value does, and none reads or writes out of bounds:
-/// - union_lists / reduce_lists_by_key: a row whose slot is outside [0, lists.slots), whose length is negative or
-///   whose chosen count is outside [0, chosen.capacity] gets out count -1 and no entries; a chosen list id outside
-///   [0, lists.lists), or a chosen list whose count is outside [0, list_capacity], contributes nothing.
+/// - union_lists: a row whose slot is outside [0, lists.slots), whose length is negative or whose chosen count is
+///   outside [0, chosen.capacity] gets out count -1 and no entries; a chosen list id outside [0, lists.lists), or
+///   a chosen list whose count is outside [0, list_capacity], contributes nothing.
 /// - replace_list: a row whose slot is outside [0, lists.slots), whose entries count is outside [0,
 ///   entries.capacity] or whose cursor or fifo_begin is outside [0, lists.lists) changes nothing and gets
 ///   replaced = -1; two rows
@@ -29,28 +28,19 @@
 
 namespace kvsift::cuda {
 
-/// Device workspace of union_lists and reduce_lists_by_key (shapes only): for rows * chosen_capacity *
-/// list_capacity entries, their keys twice (and for `with_scores` their scores twice), segment offsets and CUB's
-/// segmented-sort scratch.
-std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t list_capacity,
-                                           bool with_scores);
+/// Device workspace of union_lists (shapes only): for rows * chosen_capacity * list_capacity entries, their keys
+/// twice, segment offsets and CUB's segmented-sort scratch (the sorted path's; sized whichever path runs).
+std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t list_capacity);
 
-/// cpu::union_lists. Three launches: the chosen lists' entries into fixed segments of chosen.capacity *
-/// list_capacity keys per row (dropped and absent entries get a key above every id), CUB's segmented sort, then
-/// one CTA per row keeps the first of each run of equal ids. workspace: list_reduction_workspace_bytes(batch *
-/// kv_heads, chosen.capacity, lists.list_capacity, false).
+/// cpu::union_lists. Rows of up to 10,240 entries (chosen.capacity * list_capacity): one launch, a CTA per row
+/// sorting its entries in registers. Larger: three launches, the chosen lists' entries into fixed segments of
+/// chosen.capacity * list_capacity keys per row (dropped and absent entries get a key above every id), CUB's
+/// segmented sort, then one CTA per row keeps the first of each run of equal ids. workspace:
+/// list_reduction_workspace_bytes(batch * kv_heads, chosen.capacity, lists.list_capacity).
 template <class T>
 void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* d_slots,
                  const std::int32_t* d_lengths, const AttentionWindow& window, const SelectionView& out,
                  std::span<std::byte> workspace, cudaStream_t stream);
-
-/// cpu::reduce_lists_by_key: union_lists' launches with the scores as the sort's values (a stable sort), the
-/// last CTA summing each run. workspace: list_reduction_workspace_bytes(..., true).
-template <class T>
-void reduce_lists_by_key(const InvertedListsView<const T>& lists, const SelectionView& chosen,
-                         const std::int32_t* d_slots, const std::int32_t* d_lengths, const AttentionWindow& window,
-                         const SelectionView& out, const MatrixView<float>& sums, std::span<std::byte> workspace,
-                         cudaStream_t stream);
 
 /// cpu::replace_list. One launch, one CTA per row; replaced may be nullptr.
 template <class T>

@@ -62,12 +62,11 @@ void check_list_count(const char* where, const InvertedListsView<T>& lists, std:
                h, l, lists.list_capacity);
 }
 
-/// union_lists and reduce_lists_by_key: `out` receives the reduction of the lists `chosen` names; `sums` (reduce
-/// only; nullptr data for union) its scores.
+/// union_lists: `out` receives the union of the lists `chosen` names.
 template <class T>
 void check_list_reduction(const char* where, const InvertedListsView<const T>& lists, const SelectionView& chosen,
                           const std::int32_t* slots, const std::int32_t* lengths, const AttentionWindow& window,
-                          const SelectionView& out, const MatrixView<float>* sums, MemorySpace contents) {
+                          const SelectionView& out, MemorySpace contents) {
   check_inverted_lists(where, lists);
   check_selection_rows(where, "chosen", chosen);
   check_pointer(where, "out", "indices", out.indices);
@@ -86,13 +85,6 @@ void check_list_reduction(const char* where, const InvertedListsView<const T>& l
   KVSIFT_CHECK(std::int64_t(chosen.batch) * chosen.kv_heads * segment <= INT32_MAX, where,
                "chosen.batch * kv_heads * capacity * lists.list_capacity (= {} * {} * {} * {}) exceeds 2^31 - 1 entries",
                chosen.batch, chosen.kv_heads, chosen.capacity, lists.list_capacity);
-  if (sums != nullptr) {
-    validate(*sums, where, "sums");
-    KVSIFT_CHECK(sums->rows == std::int64_t(out.batch) * out.kv_heads && sums->cols >= out.capacity, where,
-                 "sums is [{}, {}], not [out.batch * kv_heads = {}, >= out.capacity = {}]", sums->rows, sums->cols,
-                 std::int64_t(out.batch) * out.kv_heads, out.capacity);
-    check_pointer(where, "lists", "scores", lists.scores);
-  }
   if (contents != MemorySpace::host) return;
   check_list_slots(where, slots, chosen.batch, lists.slots, false);
   for (std::int32_t b = 0; b < chosen.batch; ++b) {

@@ -14,21 +14,19 @@
 
 namespace kvsift::cuda::detail {
 
-/// The reductions' scratch, carved from the caller's workspace (src/cuda/inverted_lists.cpp's one layout).
+/// The union's scratch, carved from the caller's workspace (src/cuda/inverted_lists.cpp's one layout); the
+/// one-launch path of small rows uses none of it.
 struct ListReductionBuffers {
   std::int32_t* keys_in = nullptr;   ///< [rows * segment]: the entries' ids, dropped ones kAbsentListEntry
   std::int32_t* keys_out = nullptr;  ///< [rows * segment]: sorted per row
-  float* values_in = nullptr;        ///< [rows * segment] (reduce only): the entries' scores in fp32
-  float* values_out = nullptr;
   std::int32_t* segment_begin = nullptr;  ///< [rows]
   std::int32_t* segment_end = nullptr;    ///< [rows]
   void* cub_temp = nullptr;
   std::size_t cub_temp_bytes = 0;
 };
 
-/// A union (no scores) of at most this many entries per row (chosen.capacity * list_capacity) is one launch: a
-/// CTA per row sorts them in registers (kernels/inverted_lists.cu). Larger ones and the reduce by key take the
-/// segmented sort.
+/// A union of at most this many entries per row (chosen.capacity * list_capacity) is one launch: a CTA per row
+/// sorts them in registers (kernels/inverted_lists.cu). Larger ones take the segmented sort.
 inline constexpr std::int32_t kBlockUnionItems = 10240;
 
 template <class T>
@@ -39,13 +37,12 @@ struct ListReductionParams {
   const std::int32_t* lengths;
   AttentionWindow window;
   SelectionView out;
-  MatrixView<float> sums;  ///< data == nullptr: the union
-  std::int64_t rows;       ///< chosen.batch * chosen.kv_heads
-  std::int32_t segment;    ///< chosen.capacity * lists.list_capacity
+  std::int64_t rows;     ///< chosen.batch * chosen.kv_heads
+  std::int32_t segment;  ///< chosen.capacity * lists.list_capacity
 };
 
-/// CUB's segmented-sort scratch for rows * segment entries, keys only or with fp32 values.
-cudaError_t list_reduction_cub_bytes(std::int64_t rows, std::int32_t segment, bool with_scores, std::size_t* bytes);
+/// CUB's segmented-sort scratch for rows * segment keys.
+cudaError_t list_reduction_cub_bytes(std::int64_t rows, std::int32_t segment, std::size_t* bytes);
 
 template <class T>
 cudaError_t launch_list_reduction(const ListReductionParams<T>& params, const ListReductionBuffers& buffers,

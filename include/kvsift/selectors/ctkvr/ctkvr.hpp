@@ -324,7 +324,7 @@ class Ctkvr : public SelectorTypes<T, Context> {
     b.centroid_topk = layout.span(topk_rows_workspace_bytes(rows, columns, config_.recalled_centroids, {}, ctx),
                                   "CTKVR centroid top-k scratch");
     b.union_scratch = layout.span(
-        list_reduction_workspace_bytes(rows, config_.recalled_centroids, config_.list_size, false, ctx),
+        list_reduction_workspace_bytes(rows, config_.recalled_centroids, config_.list_size, ctx),
         "CTKVR union scratch");
     return b;
   }
