@@ -215,6 +215,20 @@ TEST_F(CudaTopK, RowsEqualTheCpuTwinExactly) {
   }
 }
 
+// The held kernel's clusters (2 to 16 CTAs a row: 1 score row of 16K or 32K words in CTAs of 2048, 8 rows in CTAs
+// of 8192) at sizes compute-sanitizer's racecheck gets through quickly: bench/run_device.sh's racecheck runs this
+// test instead of the 128K-row ones.
+TEST_F(CudaTopK, HeldClustersAtSanitizerSizes) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const AttentionWindow windows[] = {{0, 0}, {4, 64}};
+  for (const std::int32_t cols : {16384, 32768}) {
+    for (const std::int32_t k : {128, 2048}) {
+      check_against_cpu(Problem(rng, 1, 1, 1, cols, k, windows[rng.uniform_int(0, 1)], Scores::continuous, false));
+      check_against_cpu(Problem(rng, 1, 2, 4, cols, k, windows[rng.uniform_int(0, 1)], Scores::few_values, true));
+    }
+  }
+}
+
 TEST_F(CudaTopK, GroupUnionsOfEverySizeAndLongRows) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   for (const std::int32_t heads : {2, 3, 8, 16}) {
