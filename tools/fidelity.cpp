@@ -2,7 +2,7 @@
 // attention captures; see include/kvsift/eval/fidelity.hpp for what is measured.
 //
 //   kvsift_fidelity [--backend cpu|cuda|both] [--positions N] [--prefill F] [--budgets 0.01,0.02,0.05]
-//                   [--plot-data FILE] [--csattention-variants] [--centroidkv] [--only NAME,...]
+//                   [--plot-data FILE] [--csattention-variants] [--centroidkv] [--rerank C] [--only NAME,...]
 //                   [--a2ats NAME=CODEBOOKS]... CAPTURE...
 //
 // Prints per capture a line on the decoded range and the budget, then one markdown table with a row per
@@ -16,7 +16,8 @@
 // A²ATS over a codebook file (kvsift_a2ats_codebook) labelled NAME (eval/fidelity.hpp a2ats_selectors; the first
 // one also with the group-maximum rule); the file must match each capture's shapes and RoPE. --centroidkv adds
 // CentroidKV at equal entries (eval/fidelity.hpp centroid_kv_selectors; the CPU backend only for now) and, after
-// each table, the output and LSE error columns alone (fidelity_error_markdown). --only keeps
+// each table, the output and LSE error columns alone (fidelity_error_markdown). --rerank C adds the rerank stage
+// after Quest and CSAttention, each proposing C times its budget (eval/fidelity.hpp rerank_selectors). --only keeps
 // the selectors of those names (e.g. the references beside CentroidKV at budgets where CTKVR refuses the prefill);
 // a name no selector has is refused, listing theirs. Numbers are read whole (tools/cli_list.hpp): "abc", "12x" or
 // an unknown option end the run with a message naming the option and the text.
@@ -68,9 +69,13 @@ std::vector<NamedCodebooks> load_codebooks(const std::vector<std::pair<std::stri
 template <class Context>
 std::vector<kvsift::BasicSelectorEntry<Context>> all_selectors(bool csattention_variants,
                                                                const std::vector<NamedCodebooks>& a2ats,
-                                                               bool centroid_kv, double prefill) {
+                                                               bool centroid_kv, double prefill,
+                                                               std::int32_t rerank_factor) {
   auto entries = kvsift::reference_selectors<Context>();
   for (auto& method : kvsift::method_selectors<Context>()) entries.push_back(std::move(method));
+  if (rerank_factor > 0) {
+    for (auto& e : kvsift::rerank_selectors<Context>(rerank_factor)) entries.push_back(std::move(e));
+  }
   if constexpr (std::is_same_v<Context, kvsift::cpu::Context>) {
     if (centroid_kv) {
       for (auto& e : kvsift::centroid_kv_selectors<Context>(prefill)) entries.push_back(std::move(e));
@@ -102,7 +107,8 @@ std::vector<kvsift::BasicSelectorEntry<Context>> keep_only(std::vector<kvsift::B
 int usage() {
   std::fprintf(stderr,
                "usage: kvsift_fidelity [--backend cpu|cuda|both] [--positions N] [--prefill F] [--budgets F,F,...] "
-               "[--plot-data FILE] [--csattention-variants] [--centroidkv] [--only NAME,...] [--a2ats NAME=CODEBOOKS]... CAPTURE...\n");
+               "[--plot-data FILE] [--csattention-variants] [--centroidkv] [--rerank C] [--only NAME,...] "
+               "[--a2ats NAME=CODEBOOKS]... CAPTURE...\n");
   return 2;
 }
 
@@ -112,6 +118,7 @@ int main(int argc, char** argv) try {
   kvsift::FidelityOptions options;
   std::string backend = "cpu", plot_data;
   bool variants = false, centroid_kv = false;
+  std::int32_t rerank_factor = 0;  // 0: no rerank entries
   std::vector<std::string> only;  // empty: every selector
   std::vector<std::string> captures;
   std::vector<std::pair<std::string, std::string>> a2ats;  // (name, codebook file)
@@ -132,6 +139,8 @@ int main(int argc, char** argv) try {
       variants = true;
     } else if (args.is("--centroidkv")) {
       centroid_kv = true;
+    } else if (args.is("--rerank")) {
+      rerank_factor = args.integer<std::int32_t>(1);
     } else if (args.is("--only")) {
       only = kvsift::bench::split_list(args.value());
     } else if (args.is("--a2ats")) {
@@ -169,13 +178,15 @@ int main(int argc, char** argv) try {
   for (const auto& path : captures) {
     const kvsift::Capture capture = kvsift::read_capture(path);
     const std::vector<NamedCodebooks> codebooks = load_codebooks(a2ats, capture);
-    const auto selectors = keep_only(all_selectors<kvsift::cpu::Context>(variants, codebooks, centroid_kv, options.prefill), only);
+    const auto selectors = keep_only(
+        all_selectors<kvsift::cpu::Context>(variants, codebooks, centroid_kv, options.prefill, rerank_factor), only);
     std::vector<std::unique_ptr<kvsift::FidelityBackend>> owned;
     if (backend != "cuda") owned.push_back(kvsift::fidelity_backend(selectors));
 #if defined(KVSIFT_WITH_CUDA)
     if (backend != "cpu") {
       owned.push_back(kvsift::cuda::fidelity_backend(
-          keep_only(all_selectors<kvsift::cuda::Context>(variants, codebooks, false, options.prefill), only)));
+          keep_only(all_selectors<kvsift::cuda::Context>(variants, codebooks, false, options.prefill, rerank_factor),
+                    only)));
     }
 #endif
     std::vector<kvsift::FidelityBackend*> backends;

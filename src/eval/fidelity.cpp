@@ -57,6 +57,7 @@ struct HostCopy {
 
 template std::vector<BasicSelectorEntry<cpu::Context>> reference_selectors<cpu::Context>();
 template std::vector<BasicSelectorEntry<cpu::Context>> method_selectors<cpu::Context>();
+template std::vector<BasicSelectorEntry<cpu::Context>> rerank_selectors<cpu::Context>(std::int32_t);
 template std::vector<BasicSelectorEntry<cpu::Context>> csattention_variants<cpu::Context>();
 template std::vector<BasicSelectorEntry<cpu::Context>> centroid_kv_selectors<cpu::Context>(double);
 template std::vector<BasicSelectorEntry<cpu::Context>> a2ats_selectors<cpu::Context>(

@@ -26,9 +26,9 @@
 /// output is the selector's; Session and Bound below keep every input and output in the context's memory, at
 /// fixed addresses per batch, so the CUDA tests capture enqueue() in a graph and replay it.
 ///
-/// The cases of kvsift's eight selectors are defined at the end of this file (shared by the CPU and the CUDA
-/// instantiations). A new selector adds its case there and its INSTANTIATE line in tests/selectors/
-/// test_conformance.cpp (and tests/cuda/test_cuda_conformance.cpp for CUDA).
+/// The cases of kvsift's eight selectors, and of the rerank stage after Quest, are defined at the end of this file
+/// (shared by the CPU and the CUDA instantiations). A new selector adds its case there and its INSTANTIATE line in
+/// tests/selectors/test_conformance.cpp (and tests/cuda/test_cuda_conformance.cpp for CUDA).
 
 #include <gtest/gtest.h>
 
@@ -54,6 +54,7 @@
 #include "kvsift/selectors/ctkvr/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
 #include "kvsift/selectors/quest/quest.hpp"
+#include "kvsift/selectors/rerank.hpp"
 #include "kvsift/selectors/selector.hpp"
 #include "kvsift/selectors/specontext/specontext.hpp"
 #include "kvsift/selectors/streaming_llm/streaming_llm.hpp"
@@ -688,6 +689,21 @@ struct QuestCase {
   template <class Context>
   static selector<Context> make(const SelectorLimits& l, const Context&) {
     return selector<Context>(l, {.budget = 32, .page_size = 8});
+  }
+};
+
+/// The rerank stage after a proposer (selectors/rerank.hpp): Quest proposing 4 x 16 candidates, 16 kept. Its
+/// refusals are the proposer's (Reranked checks its output alone).
+struct RerankedQuestCase {
+  template <class Context>
+  using selector = Reranked<Quest<half, Context>>;
+  static constexpr std::string_view where = "Quest";
+  static constexpr AttentionWindow window = kWindow;
+  static constexpr bool prefill_queries = false, pre_rope_keys = false;
+  static constexpr std::int32_t cpu_cuda_slack = 2 * 8 + 2;  // Quest's two pages, then the rerank's fp32 near-ties
+  template <class Context>
+  static selector<Context> make(const SelectorLimits& l, const Context&) {
+    return selector<Context>(Quest<half, Context>(l, {.budget = 64, .page_size = 8}), {.budget = 16});
   }
 };
 

@@ -1,7 +1,7 @@
-// The reference selectors (OracleTopK, Quest, StreamingLLM) on the CPU, through the decode step: selections
-// against fp64 references of their scores, outputs against the fp64 reference attention over window and
-// selection, on contiguous and paged bf16 and fp16 caches with ragged lengths; the steps append tokens; every
-// refused input.
+// The reference selectors (OracleTopK, Quest, StreamingLLM) and the rerank stage (selectors/rerank.hpp) on the CPU,
+// through the decode step: selections against fp64 references of their scores, outputs against the fp64 reference
+// attention over window and selection, on contiguous and paged bf16 and fp16 caches with ragged lengths; the steps
+// append tokens; every refused input.
 #include <gtest/gtest.h>
 
 #include <limits>
@@ -11,6 +11,7 @@
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
 #include "kvsift/selectors/quest/quest.hpp"
+#include "kvsift/selectors/rerank.hpp"
 #include "kvsift/selectors/streaming_llm/streaming_llm.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "selector_check.hpp"
@@ -120,6 +121,72 @@ TYPED_TEST(CpuSelectors, QuestTakesTheBestPagesWhole) {
     auto workspace = poisoned_workspace(step.workspace_bytes());
     const auto sel = run_step(step, f, workspace, ctx);
     expect_quest_selection(f.p, sel.indices, sel.counts, 96, 12, 8, kWindow);
+  }
+}
+
+/// The rerank's exact score of each candidate of row (b, g), in fp64: the group's softmax weight over the
+/// candidates alone, max over the group's heads.
+template <class T>
+std::map<std::int32_t, double> rerank_scores(const HostDecodeProblem<T>& p, std::int32_t b, std::int32_t g,
+                                             const std::vector<std::int32_t>& candidates, double scale) {
+  const auto& c = p.spec;
+  const std::int32_t group = c.q_heads / c.kv_heads;
+  const auto kv = p.kv_values.view();
+  std::map<std::int32_t, double> best;
+  std::vector<double> logits(candidates.size());
+  for (std::int32_t h = g * group; h < (g + 1) * group; ++h) {
+    double max_logit = -std::numeric_limits<double>::infinity();
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+      double dot = 0;
+      for (std::int32_t d = 0; d < c.head_dim; ++d) {
+        dot += double(to_float(p.q[(std::size_t(b) * c.q_heads + h) * c.head_dim + d])) * kv.k_row(b, g, candidates[i])[d];
+      }
+      logits[i] = scale * dot;
+      max_logit = std::max(max_logit, logits[i]);
+    }
+    double sum = 0;
+    for (const double l : logits) sum += std::exp(l - max_logit);
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+      best[candidates[i]] = std::max(best[candidates[i]], std::exp(logits[i] - max_logit) / sum);
+    }
+  }
+  return best;
+}
+
+TYPED_TEST(CpuSelectors, RerankedQuestKeepsTheBestOfQuestsCandidatesByTheExactScore) {
+  using T = TypeParam;
+  for (const std::int32_t page_size : {0, 16}) {
+    const CaseSpec spec{.batch = 3, .q_heads = 8, .kv_heads = 2, .head_dim = 64, .tokens = 600, .k = 0,
+                        .page_size = page_size, .log_weights = false};
+    SCOPED_TRACE(describe(spec) + fmt::format(" seed {}", this->seed));
+    StepFixture<T> f(this->rng, spec);
+    cpu::ThreadPool pool(2);
+    const cpu::Context ctx{&pool};
+    const QuestConfig proposer{.budget = 128, .page_size = 8};
+    // Quest alone gives the candidates: the same inputs give the reranked step's proposer the same selection.
+    DecodeStep quest(Quest<T, cpu::Context>(f.limits(), proposer), f.config(kWindow), ctx);
+    quest.prepare({.cache = f.cache(), .slots = f.slots.data()}, ctx);
+    auto quest_workspace = poisoned_workspace(quest.workspace_bytes());
+    const auto candidates = run_step(quest, f, quest_workspace, ctx);
+    const std::int32_t budget = 32;
+    DecodeStep step(Reranked(Quest<T, cpu::Context>(f.limits(), proposer), {.budget = budget}), f.config(kWindow),
+                    ctx);
+    EXPECT_EQ(step.selector().capacity(), budget);
+    EXPECT_EQ(step.selector().name(), "Quest + rerank");
+    step.prepare({.cache = f.cache(), .slots = f.slots.data()}, ctx);
+    auto workspace = poisoned_workspace(step.workspace_bytes());
+    const auto sel = run_step(step, f, workspace, ctx);  // the output against the reference attention too
+    for (std::int32_t b = 0; b < spec.batch; ++b) {
+      for (std::int32_t g = 0; g < spec.kv_heads; ++g) {
+        const std::int32_t row = b * spec.kv_heads + g;
+        const auto proposed = selection_row(candidates.indices, candidates.counts, row, proposer.budget);
+        const auto scores = rerank_scores(f.p, b, g, proposed, 1.0 / std::sqrt(64.0));
+        double top = 0;
+        for (const auto& [id, score] : scores) top = std::max(top, score);
+        expect_top_k(selection_row(sel.indices, sel.counts, row, budget), scores, budget, 1e-4 * top,
+                     fmt::format("row ({}, {})", b, g));
+      }
+    }
   }
 }
 
@@ -385,6 +452,29 @@ TEST(CpuCacheOps, LengthsTokenWriteAndEmptySelection) {
   std::vector<std::int32_t> counts(6, 7);
   cpu::clear_counts(SelectionView{nullptr, counts.data(), nullptr, 3, 2, 4});
   EXPECT_EQ(counts, std::vector<std::int32_t>(6, 0));
+}
+
+TEST(CpuSelectorRefusals, RerankConfigurations) {
+  using QuestCpu = Quest<bfloat16, cpu::Context>;
+  const SelectorLimits limits{.max_slots = 2, .max_tokens = 256, .q_heads = 4, .kv_heads = 2, .head_dim = 64};
+  const auto quest = [&] { return QuestCpu(limits, {.budget = 64, .page_size = 16}); };
+  expect_error([&] { Reranked(quest(), {.budget = 0}); }, {"Reranked", "config.budget (= 0) must be positive"});
+  expect_error([&] { Reranked(quest(), {.budget = 65}); },
+               {"Reranked", "config.budget (= 65) exceeds the proposer's capacity (= 64)", "build Quest with"});
+  expect_error([&] { Reranked(quest(), {.budget = 16, .entries = 4}); },
+               {"Reranked", "config.entries (= 4) must be 0"});
+  expect_error([&] { Reranked(quest(), {.budget = 16, .budget_fraction = 1.5}); },
+               "config.budget_fraction (= 1.5) is outside [0, 1]");
+  expect_error([&] { Reranked(quest(), {.budget = 16, .budget_fraction = std::nan("")}); },
+               "config.budget_fraction (= nan) is outside [0, 1]");
+  const RerankStage<bfloat16, cpu::Context> stage(limits, {.budget = 8});
+  std::vector<std::int32_t> indices(2 * 2 * 8), counts(4);
+  const SelectionView short_out{indices.data(), counts.data(), nullptr, 2, 2, 4};
+  expect_error([&] { stage.run({}, {}, nullptr, {}, {}, short_out, {}, {}, {}); },
+               {"RerankStage::run", "out.capacity (= 4) < config.budget (= 8)"});
+  const SelectionView out{indices.data(), counts.data(), nullptr, 2, 2, 8};
+  expect_error([&] { stage.run({}, {}, nullptr, {}, {}, out, out, {}, {}); },
+               {"RerankStage::run", "entries (capacity 8) given with config.entries = 0"});
 }
 
 TEST(CpuSelectorRefusals, BadConfigurationsAndInputs) {

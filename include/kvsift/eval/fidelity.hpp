@@ -63,6 +63,7 @@
 #include "kvsift/selectors/ctkvr/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
 #include "kvsift/selectors/quest/quest.hpp"
+#include "kvsift/selectors/rerank.hpp"
 #include "kvsift/selectors/selector.hpp"
 #include "kvsift/selectors/streaming_llm/streaming_llm.hpp"
 
@@ -140,6 +141,37 @@ std::vector<BasicSelectorEntry<Context>> method_selectors() {
        }},
   };
 }
+
+/// The rerank stage (selectors/rerank.hpp) after Quest and CSAttention, at the budgets and windows of their own
+/// entries: each proposes `factor` times as many tokens (capped at the capture's length), the stage keeps the
+/// entry's budget by the exact scores. "Quest + rerank", "CSAttention + rerank". Same instantiation points as
+/// reference_selectors.
+template <class Context = cpu::Context>
+std::vector<BasicSelectorEntry<Context>> rerank_selectors(std::int32_t factor) {
+  using Setup = BasicSelectorSetup<Context>;
+  using Any = AnySelector<half, Context>;
+  KVSIFT_CHECK(factor >= 1, "rerank_selectors", "factor (= {}) must be >= 1", factor);
+  const auto proposed = [factor](std::int32_t k, const SelectorLimits& limits) {
+    return std::int32_t(std::min<std::int64_t>(std::int64_t(factor) * k, limits.max_tokens));
+  };
+  return {
+      {"Quest + rerank",
+       [proposed](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
+         Quest<half, Context> quest(limits, {.budget = proposed(k, limits), .page_size = 16});
+         const std::int32_t kept = std::min(k, quest.capacity());
+         return Setup{Any(Reranked(std::move(quest), {.budget = kept}))};
+       }},
+      {"CSAttention + rerank",
+       [proposed](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
+         // CSAttention's budget holds its window (K less the window selected); the rerank keeps as many.
+         const AttentionWindow window{0, std::min(64, k / 4)};
+         Csattention<half, Context> csattention(limits, {.budget = proposed(k, limits)});
+         const std::int32_t kept = std::max(1, k - window.sink - window.recent);
+         return Setup{Any(Reranked(std::move(csattention), {.budget = kept})), window};
+       }},
+  };
+}
+extern template std::vector<BasicSelectorEntry<cpu::Context>> rerank_selectors<cpu::Context>(std::int32_t);
 
 /// CentroidKV (selectors/centroid_kv/centroid_kv.hpp, docs/centroidkv.md) holding K entries per kv head after the prefill, as
 /// the references hold K tokens: its ratio R = (K + 1/2) / P, P = round(prefill * tokens) the prompt (so B =

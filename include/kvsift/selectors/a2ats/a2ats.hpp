@@ -152,6 +152,7 @@ class A2ats : public SelectorTypes<T, Context> {
   }
 
   std::string_view name() const { return "A2ATS"; }
+  const SelectorLimits& limits() const { return limits_; }
   const A2atsConfig& config() const { return config_; }
   /// K's bound (config.max_budget, or floor(f * max_tokens)).
   std::int32_t max_budget() const { return max_budget_; }

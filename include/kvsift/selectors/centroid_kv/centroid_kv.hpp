@@ -177,6 +177,7 @@ class CentroidKV : public SelectorTypes<T, Context> {
   }
 
   std::string_view name() const { return "CentroidKV"; }
+  const SelectorLimits& limits() const { return limits_; }
   const CentroidKVConfig& config() const { return config_; }
   /// The primary selection is empty: every entry is the second source's.
   std::int32_t capacity() const { return 0; }

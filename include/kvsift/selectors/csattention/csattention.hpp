@@ -173,6 +173,7 @@ class Csattention : public SelectorTypes<T, Context> {
   }
 
   std::string_view name() const { return "CSAttention"; }
+  const SelectorLimits& limits() const { return limits_; }
   const CsattentionConfig& config() const { return config_; }
   /// The most tokens a row selects: K (budget, or floor(rho * max_tokens); a step selects floor(rho * length) less
   /// its window), plus P - 1 for the tokens a reused selection adds.

@@ -32,6 +32,7 @@
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/context.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
+#include "kvsift/selectors/rerank.hpp"
 #include "kvsift/selectors/selector.hpp"
 
 namespace kvsift {
@@ -65,88 +66,23 @@ struct CtkvrConfig {
 };
 
 namespace detail {
-inline GroupScoreOptions ctkvr_rerank_options(const AttentionOptions& attention) {
-  return {.sm_scale = attention.sm_scale, .reduce = GroupReduce::max, .softmax = true};
+/// CTKVR's rerank (selectors/rerank.hpp): the budget's best of the recalled candidates and, with the dynamic
+/// update, the top rho as the query's new list.
+inline RerankConfig ctkvr_rerank_config(const CtkvrConfig& config) {
+  return {.budget = config.budget,
+          .budget_fraction = config.budget_fraction,
+          .entries = config.dynamic_update ? config.list_size : 0};
 }
 }  // namespace detail
-
-/// CTKVR's rerank, the stage without index state: the exact softmax over each row's candidates (max over the
-/// group), the budget's best back to token ids, and, for the dynamic update, the top rho as the query's new
-/// list. Ctkvr::select runs it in the index's context; the paper's hybrid runs it on the CPU over the host cache
-/// while the index stays on the GPU (Ctkvr::host_stage in DecodeStep<Ctkvr<T, cuda::Context>,
-/// placement::MiddleOnCpu>, step/split_step.hpp). The config is the checked one of a Ctkvr.
-template <class T, class Context>
-class CtkvrRerank {
-  static_assert(BackendIncluded<Context>, "CtkvrRerank<T, Context>: include kvsift/cpu/backend.hpp or "
-                                          "kvsift/cuda/backend.hpp first");
-
- public:
-  CtkvrRerank(const SelectorLimits& limits, const CtkvrConfig& config) : limits_(limits), config_(config) {}
-
-  /// Workspace of run() for `batch` rows of `candidate_capacity` candidates.
-  std::size_t workspace_bytes(std::int32_t batch, std::int32_t candidate_capacity, const Context& ctx) const {
-    WorkspaceLayout counting;
-    layout(counting, batch, candidate_capacity, ctx);
-    return counting.bytes();
-  }
-
-  /// candidates [batch, kv_heads, capacity] (token ids; counts per row) -> out [batch, kv_heads, >= budget] token
-  /// ids, ascending; and, when entries.indices is set, entries [batch, kv_heads, list_size] the top rho. q, cache
-  /// and lengths ([batch], the cache's) in the context's memory.
-  void run(const QueryView<const T>& q, const KVCache<const T>& cache, const std::int32_t* lengths,
-           const AttentionOptions& attention, const SelectionView& candidates, const SelectionView& out,
-           const SelectionView& entries, std::span<std::byte> workspace, const Context& ctx) const {
-    const std::int32_t batch = candidates.batch, capacity = candidates.capacity;
-    const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
-    WorkspaceLayout carving(workspace, "CtkvrRerank::run");
-    const Buffers w = layout(carving, batch, capacity, ctx);
-    const auto scores = MatrixView<float>::packed(w.scores, rows, capacity);
-    candidate_scores(q, cache, candidates, detail::ctkvr_rerank_options(attention), scores, w.scores_scratch, ctx);
-    const auto ranked = MatrixView<const float>::packed(w.scores, rows, capacity);
-    TopKRowsOptions budget_options{};
-    if (config_.budget_fraction > 0) {
-      length_budgets(lengths, batch, limits_.kv_heads, {.fraction = config_.budget_fraction, .maximum = config_.budget},
-                     w.row_k, ctx);
-      budget_options.row_k = w.row_k;
-    }
-    const SelectionView positions{out.indices, out.counts, out.log_weights, std::int32_t(rows), 1, out.capacity};
-    topk_rows(ranked, candidates.counts, config_.budget, budget_options, positions, w.topk_scratch, ctx);
-    remap_selection(positions, candidates, positions, ctx);
-    if (entries.indices == nullptr) return;
-    const SelectionView entry_rows{entries.indices, entries.counts, nullptr, std::int32_t(rows), 1, entries.capacity};
-    topk_rows(ranked, candidates.counts, config_.list_size, TopKRowsOptions{}, entry_rows, w.topk_scratch, ctx);
-    remap_selection(entry_rows, candidates, entry_rows, ctx);
-  }
-
- private:
-  struct Buffers {
-    float* scores;
-    std::int32_t* row_k;
-    std::span<std::byte> scores_scratch, topk_scratch;
-  };
-  Buffers layout(WorkspaceLayout& layout, std::int32_t batch, std::int32_t capacity, const Context& ctx) const {
-    const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
-    Buffers b{};
-    b.scores = layout.allocate<float>(std::size_t(rows) * std::size_t(capacity), "CTKVR candidate scores");
-    b.row_k = config_.budget_fraction > 0 ? layout.allocate<std::int32_t>(std::size_t(rows), "CTKVR budgets per row")
-                                          : nullptr;
-    b.scores_scratch = layout.span(
-        candidate_scores_workspace_bytes(rows, limits_.q_heads / limits_.kv_heads, capacity, ctx),
-        "CTKVR candidate scores scratch");
-    const std::int32_t k = std::max(config_.budget, config_.dynamic_update ? config_.list_size : 0);
-    b.topk_scratch = layout.span(topk_rows_workspace_bytes(rows, capacity, k, {}, ctx), "CTKVR rerank top-k scratch");
-    return b;
-  }
-
-  SelectorLimits limits_;
-  CtkvrConfig config_;
-};
 
 template <class T, class Context>
 class Ctkvr : public SelectorTypes<T, Context> {
  public:
   Ctkvr(const SelectorLimits& limits, const CtkvrConfig& config)
-      : limits_(limits), config_(checked(limits, config)), rerank_(limits, config_), slot_states_(limits.max_slots) {
+      : limits_(limits),
+        config_(checked(limits, config)),
+        rerank_(limits, detail::ctkvr_rerank_config(config_)),
+        slot_states_(limits.max_slots) {
     const auto slots = std::size_t(limits.max_slots), kv = std::size_t(limits.kv_heads);
     const auto columns = std::size_t(config_.max_centroids);
     centroids_.resize(QueryCentroidsView<T>::elements(limits.max_slots, limits.q_heads, config_.max_centroids,
@@ -162,6 +98,7 @@ class Ctkvr : public SelectorTypes<T, Context> {
   }
 
   std::string_view name() const { return "CTKVR"; }
+  const SelectorLimits& limits() const { return limits_; }
   /// Views of the index, in the context's memory: for tests and inspection.
   QueryCentroidsView<const T> index_centroids() const {
     return {centroids_.data(), centroid_counts_.data(), limits_.max_slots, limits_.q_heads, config_.max_centroids,
@@ -262,7 +199,7 @@ class Ctkvr : public SelectorTypes<T, Context> {
 
   /// The host stage (selectors/selector.hpp HasHostStage): the rerank of recall's candidates over a host cache, on
   /// the CPU, with this selector's limits and configuration.
-  CtkvrRerank<T, cpu::Context> host_stage() const { return {limits_, config_}; }
+  RerankStage<T, cpu::Context> host_stage() const { return {limits_, detail::ctkvr_rerank_config(config_)}; }
   /// Entries per (sequence, kv head) of the dynamic update's new list; 0 without the update.
   std::int32_t update_capacity() const { return config_.dynamic_update ? config_.list_size : 0; }
 
@@ -404,7 +341,7 @@ class Ctkvr : public SelectorTypes<T, Context> {
     const std::int32_t group = limits_.q_heads / limits_.kv_heads, chunk = std::min(config_.prepare_chunk, c_count);
     const std::int32_t d = limits_.head_dim, per_row = std::max(1, kPrepareTileHeads / group);
     const std::int32_t max_rows = (chunk + per_row - 1) / per_row;
-    GroupScoreOptions options = detail::ctkvr_rerank_options(in.attention);
+    GroupScoreOptions options = detail::rerank_score_options(in.attention);
     options.heads_per_row = group;
     const std::vector<T> zeros(std::size_t(max_rows) * per_row * group * d, T{});
     ContextArray<Context, T> packed(zeros.size());
@@ -505,7 +442,7 @@ class Ctkvr : public SelectorTypes<T, Context> {
 
   SelectorLimits limits_;
   CtkvrConfig config_;
-  CtkvrRerank<T, Context> rerank_;
+  RerankStage<T, Context> rerank_;
   detail::SlotStates slot_states_;
   ContextArray<Context, T> centroids_;
   ContextArray<Context, std::int32_t> centroid_counts_, list_ids_, list_counts_, cursors_, fifo_begin_, boundaries_,

@@ -46,6 +46,7 @@ class OracleTopK : public SelectorTypes<T, Context> {
   }
 
   std::string_view name() const { return "OracleTopK"; }
+  const SelectorLimits& limits() const { return limits_; }
   std::int32_t capacity() const { return config_.budget; }
   IndexBytes index_bytes() const { return {}; }
 

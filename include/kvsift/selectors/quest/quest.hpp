@@ -41,6 +41,7 @@ class Quest : public SelectorTypes<T, Context> {
   }
 
   std::string_view name() const { return "Quest"; }
+  const SelectorLimits& limits() const { return limits_; }
   /// Whole pages: the budget rounded down to pages.
   std::int32_t capacity() const { return pages_per_row() * config_.page_size; }
   IndexBytes index_bytes() const {

@@ -22,6 +22,7 @@ class StreamingLLM : public SelectorTypes<T, Context> {
   }
 
   std::string_view name() const { return "StreamingLLM"; }
+  const SelectorLimits& limits() const { return limits_; }
   std::int32_t capacity() const { return 0; }
   IndexBytes index_bytes() const { return {}; }
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context&) const {
