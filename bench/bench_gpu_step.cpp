@@ -18,6 +18,8 @@
 // per query head over random codebooks (a2ats_bench_codebooks.hpp), united over the group (sort:0) or by the group's
 // maximum (sort:1); its GB/s counts the codes, the codebook and the rows attended, measured after the timed steps
 // (`selected`: the mean selection per kv head; `touched`: window + selection over N, the paper's sparsity).
+// Method 5 is Quest proposing kRerankFactor x 2048 tokens for the rerank stage (selectors/rerank.hpp), which keeps
+// 2048: its cost against method 0 is the stage's (the proposals' keys read once more, their scores, a top-k).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -36,6 +38,7 @@
 #include "kvsift/selectors/csattention/csattention.hpp"
 #include "kvsift/selectors/ctkvr/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
+#include "kvsift/selectors/rerank.hpp"
 #include "kvsift/selectors/quest/quest.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "kvsift/step/split_step.hpp"
@@ -48,14 +51,21 @@ using Cuda = kvsift::cuda::Context;
 
 constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kBudget = 2048, kPageSize = 16;
 constexpr kvsift::AttentionWindow kWindow{4, 64};
-enum Method : int { kQuest = 0, kOracle = 1, kCtkvr = 2, kCsattention = 3, kA2ats = 4 };
+enum Method : int { kQuest = 0, kOracle = 1, kCtkvr = 2, kCsattention = 3, kA2ats = 4, kQuestRerank = 5 };
+/// Quest's proposals per kept token under the rerank stage (method 5).
+constexpr int kRerankFactor = 4;
 /// CTKVR at the paper's defaults: rho' = 1024, rho = 2560, C = min(2048, N / 16), C' = 4.
 constexpr int kCtkvrBudget = 1024, kCtkvrCentroids = 2048;
 /// CSAttention's prefill queries (W >= C = 128).
 constexpr int kCsattentionQueries = 1024;
 
 const char* method_name(int m) {
-  return m == kQuest ? "Quest" : m == kOracle ? "OracleTopK" : m == kCtkvr ? "CTKVR" : m == kCsattention ? "CSAttention" : "A2ATS";
+  return m == kQuest          ? "Quest"
+         : m == kOracle       ? "OracleTopK"
+         : m == kCtkvr        ? "CTKVR"
+         : m == kCsattention  ? "CSAttention"
+         : m == kQuestRerank  ? "Quest + rerank"
+                              : "A2ATS";
 }
 
 /// CSAttention's list length at N tokens (defaults: alpha = 0.2, m = 8, C = 128, tables per kv head).
@@ -83,8 +93,11 @@ double step_bytes(int method, std::int64_t n, int batch, std::int64_t alpha_perc
     return lists + rows * (0.05 * double(n) + kWindow.sink) * kHeadDim * 2.0 * sizeof(bfloat16);
   }
   const double attended = rows * (kBudget + kWindow.sink + kWindow.recent) * kHeadDim * 2.0 * sizeof(bfloat16);
-  const double index = method == kQuest ? rows * double((n + kPageSize - 1) / kPageSize) * 2 * kHeadDim * sizeof(bfloat16)
-                                        : rows * double(n) * kHeadDim * sizeof(bfloat16);
+  const double pages = rows * double((n + kPageSize - 1) / kPageSize) * 2 * kHeadDim * sizeof(bfloat16);
+  if (method == kQuestRerank) {  // the bounds, then the proposals' keys for their exact scores
+    return pages + rows * double(kRerankFactor) * kBudget * kHeadDim * sizeof(bfloat16) + attended;
+  }
+  const double index = method == kQuest ? pages : rows * double(n) * kHeadDim * sizeof(bfloat16);
   return index + attended;
 }
 
@@ -255,6 +268,13 @@ void BM_Step(benchmark::State& state) {
     run_step_benchmark<Selector>(state, kQuest, [&] {
       return Selector(limits(n, batch), {.budget = kBudget, .page_size = kPageSize});
     });
+  } else if (state.range(0) == kQuestRerank) {
+    using Selector = kvsift::Reranked<kvsift::Quest<bfloat16, Cuda>>;
+    run_step_benchmark<Selector>(state, kQuestRerank, [&] {
+      return Selector(kvsift::Quest<bfloat16, Cuda>(limits(n, batch),
+                                                    {.budget = kRerankFactor * kBudget, .page_size = kPageSize}),
+                      {.budget = kBudget});
+    });
   } else if (state.range(0) == kOracle) {
     using Selector = kvsift::OracleTopK<bfloat16, Cuda>;
     run_step_benchmark<Selector>(state, kOracle, [&] { return Selector(limits(n, batch), {.budget = kBudget}); });
@@ -284,6 +304,7 @@ void BM_Step(benchmark::State& state) {
 }
 BENCHMARK(BM_Step)
     ->ArgsProduct({{kQuest, kOracle}, {32768, 131072}, {1, 8}, {0, 1}, {0}, {1}, {0}, {0}})
+    ->ArgsProduct({{kQuestRerank}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0}, {0}})
     ->ArgsProduct({{kQuest}, {32768, 131072}, {1, 8}, {0, 1}, {1}, {1}, {0}, {0}})
     ->ArgsProduct({{kCtkvr}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0}, {0}})
     ->ArgsProduct({{kCsattention}, {32768, 131072}, {1, 8}, {1}, {0}, {1, 4, 8}, {0}, {0}})
