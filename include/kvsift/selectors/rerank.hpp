@@ -139,9 +139,10 @@ class RerankStage {
 };
 
 /// S (the proposer, a KVSelector with limits()) followed by the rerank stage: see above. Refused at construction:
-/// config.budget above S's capacity (nothing to choose from would be left; equal keeps S's selection, reordered
-/// by nothing), config.entries (no index to update here), an S that writes log-weights (its entries carry weights
-/// the rerank would drop). An S with a second source does not compile (its rows are not the cache's tokens).
+/// config.budget above S's capacity (at S's capacity the stage keeps all of S's selection, so the proposer should
+/// be built with c x K, c > 1), config.entries (no index to update here), an S that writes log-weights (its entries
+/// carry weights the rerank would drop). An S with a second source does not compile (its rows are not the
+/// cache's tokens).
 template <KVSelector S>
 class Reranked : public SelectorTypes<typename S::value_type, typename S::context_type> {
   using T = typename S::value_type;
