@@ -1,10 +1,12 @@
 // Rerank on CUDA (cuda/rerank.hpp): candidates' exact group scores, remapping and range appends. Every dot product
 // is split over lanes and reduced by a fixed shuffle tree (cuda/detail/group_dot.cuh), so results do not depend on
 // scheduling; no atomics.
+#include <array>
 #include <cmath>
 #include <cstdint>
 
 #include "kvsift/core/inverted_lists.hpp"
+#include "kvsift/core/supported_values.hpp"
 #include "kvsift/cuda/detail/group_dot.cuh"
 #include "kvsift/cuda/detail/rerank_launch.hpp"
 #include "kvsift/cuda/dtype.cuh"
@@ -16,7 +18,13 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxGroup = kGroupDotMaxGroup;  ///< query heads per kv head kept in shared memory
 constexpr int kMaxHeadDim = kGroupDotMaxHeadDim;
-constexpr int kRemapThreads = 1024;  ///< a block per row: 1024 threads keep ~3 dependent gathers per thread
+constexpr int kRemapThreads = 1024;
+/// 16-byte vectors per lane of a key row that candidate_logits_kernel holds in registers (head_dim 64, 128, 256 of
+/// 16-bit types; 32, 64, 128 of fp32); other sizes take the element-by-element path.
+constexpr std::array<int, 3> kHeldKeyVectors{1, 2, 4};
+/// Two CTAs of candidate_logits_kernel per SM (at most 128 registers a thread): 256 CTAs of a batch-1 row set in
+/// one wave on 132 SMs.
+constexpr int kLogitsCtasPerSm = 2;  ///< a block per row: 1024 threads keep ~3 dependent gathers per thread
 static_assert(kCandidatesPerBlock == kThreads, "the softmax partials take one candidate per thread");
 
 /// The block's maximum (NaN kept) or sum of x, in a fixed order; every thread gets it. `scratch`: kWarps floats,
@@ -33,19 +41,54 @@ __device__ float block_reduce(float x, float* scratch) {
   return total;
 }
 
+/// acc[u] += dot(q, key[u]) for every held step u: a lane's share of kSteps key rows held as kVecs 16-byte vectors
+/// each (its d / 8 contiguous elements, octet_dot_part's span), against the same span of q (fp32, shared memory,
+/// 16-byte aligned). Each q load serves all kSteps rows: with one load per multiply-add, shared memory (4-way bank
+/// conflicts between the 8 lanes' spans) bounded the kernel at 29 µs where its keys take 4.
+template <class T, int kVecs, int kSteps>
+__device__ __forceinline__ void octet_dot_held(const float* q, const uint4 (&key)[kSteps][kVecs],
+                                               float (&acc)[kSteps]) {
+  constexpr int kPerLoad = int(16 / sizeof(T));
+  static_assert(kPerLoad % 4 == 0, "q read as float4");
+#pragma unroll
+  for (int m = 0; m < kVecs; ++m) {
+#pragma unroll
+    for (int e4 = 0; e4 < kPerLoad; e4 += 4) {
+      const float4 x = *reinterpret_cast<const float4*>(q + m * kPerLoad + e4);
+#pragma unroll
+      for (int u = 0; u < kSteps; ++u) {
+        const T* v = reinterpret_cast<const T*>(&key[u][m]) + e4;
+        acc[u] = fmaf(x.x, to_float_device(v[0]), acc[u]);
+        acc[u] = fmaf(x.y, to_float_device(v[1]), acc[u]);
+        acc[u] = fmaf(x.z, to_float_device(v[2]), acc[u]);
+        acc[u] = fmaf(x.w, to_float_device(v[3]), acc[u]);
+      }
+    }
+  }
+}
+
 /// Block (row (b, g), chunk of kCandidatesPerBlock candidates): each group of 8 lanes computes one candidate's
 /// scaled logits for the group's heads (the dot split over the 8 lanes, then a 3-step shuffle tree), 4 candidates
-/// per warp at once, into the row's scratch [group, capacity]. A warp per candidate, as first written, waited on
-/// its dependent shuffle reductions (docs/ctkvr.md). NaN for a candidate outside [0, seq_len) (its key is not
-/// read). A row with a bad count is written NaN by candidate_finish_kernel. With `partials` (softmax), each head's
-/// maximum over the chunk and sum of exp(logit - maximum), into partials [rows, chunks, group, 2].
-template <class T, class KV>
-__global__ void __launch_bounds__(kThreads)
+/// per warp at once, into the row's scratch [group, capacity]. With kVecs > 0 (head_dim * sizeof(T) = kVecs * 128
+/// bytes) a warp first reads the ids of kSteps such steps (one per lane), then issues all their key loads, then
+/// computes: two dependent memory latencies per batch of candidates instead of two per 4 candidates (35.7 µs for
+/// 8192 candidates per kv head at 128K, batch 1, H200, when each step waited on its id and then its key). A key row
+/// that is not 16-byte aligned, and kVecs = 0 (any head_dim), take octet_dot_part. NaN for a candidate outside
+/// [0, seq_len) (its key is not read). A row with a bad count is written NaN by candidate_finish_kernel. With
+/// `partials` (softmax), each head's maximum over the chunk and sum of exp(logit - maximum), into partials
+/// [rows, chunks, group, 2].
+template <class T, class KV, int kVecs>
+__global__ void __launch_bounds__(kThreads, kLogitsCtasPerSm)
     candidate_logits_kernel(QueryView<const T> q, KV kv, SelectionView candidates, float scale, float* logits,
                             float* partials) {
   __shared__ float scratch[kWarps];
-  __shared__ float q_s[kMaxGroup * kMaxHeadDim];
+  __shared__ __align__(16) float q_s[kMaxGroup * kMaxHeadDim];
   constexpr int kLanes = 8, kPerWarp = 32 / kLanes;
+  // Steps whose keys a lane holds at once: 16 vectors (64 registers) but at most one id per lane; 12 at kVecs 4,
+  // where 16 spilled under the 128-register bound.
+  constexpr int kVectorsInFlight = kVecs == 4 ? 12 : 16;
+  constexpr int kSteps = kVecs == 0 ? 1 : (kVectorsInFlight / kVecs < 32 / kPerWarp ? kVectorsInFlight / kVecs : 32 / kPerWarp);
+  constexpr int kBatch = kPerWarp * kSteps;  ///< candidates of a warp's batch
   const std::int64_t row = blockIdx.x;
   const std::int32_t b = std::int32_t(row / kv.kv_heads), g = std::int32_t(row % kv.kv_heads);
   const std::int32_t group = q.heads / kv.kv_heads, d = q.head_dim, cap = candidates.capacity;
@@ -63,16 +106,43 @@ __global__ void __launch_bounds__(kThreads)
     q_s[e] = to_float_device(q.row(b, g * group + e / d)[e % d]);
   }
   __syncthreads();
+  const int span = d / kLanes;
   // i0 depends on the warp only, so every lane of a warp takes each iteration (the shuffles need them all).
-  for (std::int32_t i0 = begin + warp * kPerWarp; i0 < end; i0 += kWarps * kPerWarp) {
-    const std::int32_t i = i0 + sub;
-    const bool active = i < end;
-    const std::int32_t t = active ? ids[i] : -1;
-    const bool inside = t >= 0 && t < length;
-    const T* k = inside ? kv.k_row(b, g, t) : nullptr;
+  for (std::int32_t i0 = begin + warp * kBatch; i0 < end; i0 += kWarps * kBatch) {
+    const std::int32_t my_id = lane < kBatch && i0 + lane < end ? ids[i0 + lane] : -1;
+    uint4 key[kSteps][kVecs > 0 ? kVecs : 1];
+    std::uint32_t inside = 0, held = 0;  // bit u: step u's candidate lies in [0, length); its key is in key[u]
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      const std::int32_t t = __shfl_sync(0xffffffffu, my_id, u * kPerWarp + sub);
+#pragma unroll
+      for (int m = 0; m < (kVecs > 0 ? kVecs : 1); ++m) key[u][m] = make_uint4(0, 0, 0, 0);
+      if (t < 0 || t >= length) continue;
+      inside |= 1u << u;
+      if constexpr (kVecs > 0) {
+        const T* k = kv.k_row(b, g, t);
+        if (reinterpret_cast<std::uintptr_t>(k) % 16 != 0) continue;
+        held |= 1u << u;
+        const uint4* src = reinterpret_cast<const uint4*>(k + sublane * span);
+#pragma unroll
+        for (int m = 0; m < kVecs; ++m) key[u][m] = src[m];
+      }
+    }
     for (std::int32_t j = 0; j < group; ++j) {
-      const float part = octet_sum(inside ? octet_dot_part(q_s + j * d, k, d, sublane) : 0.0f);
-      if (active && sublane == 0) s[std::int64_t(j) * cap + i] = inside ? scale * part : __int_as_float(0x7fffffff);
+      const float* qj = q_s + j * d;
+      float acc[kSteps] = {};
+      if constexpr (kVecs > 0) octet_dot_held<T, kVecs, kSteps>(qj + sublane * span, key, acc);
+#pragma unroll
+      for (int u = 0; u < kSteps; ++u) {
+        const std::int32_t i = i0 + u * kPerWarp + sub;
+        const bool active = i < end, in = (inside >> u) & 1u, in_registers = (held >> u) & 1u;
+        // The element-by-element path (kVecs = 0, or a row not 16-byte aligned) finds its row again.
+        const std::int32_t t = __shfl_sync(0xffffffffu, my_id, u * kPerWarp + sub);
+        float part = in_registers ? acc[u] : 0.0f;
+        if (in && !in_registers) part = octet_dot_part(qj, kv.k_row(b, g, t), d, sublane);
+        part = octet_sum(part);
+        if (active && sublane == 0) s[std::int64_t(j) * cap + i] = in ? scale * part : __int_as_float(0x7fffffff);
+      }
     }
   }
   if (partials == nullptr) return;  // the same for the whole block
@@ -218,8 +288,15 @@ cudaError_t launch_candidate_scores(const QueryView<const T>& q, const KV& kv, c
   const std::int32_t group = q.heads / kv.kv_heads;
   // Chunks cover the capacity (the counts live on the device); blocks past a row's count return at once.
   const dim3 grid(unsigned(scores.rows), unsigned((candidates.capacity + kCandidatesPerBlock - 1) / kCandidatesPerBlock));
-  candidate_logits_kernel<T, KV>
-      <<<grid, kThreads, 0, stream>>>(q, kv, candidates, scale, logits, options.softmax ? stats : nullptr);
+  float* const partials = options.softmax ? stats : nullptr;
+  // A key row of kVecs 16-byte vectors per lane (head_dim * sizeof(T) = kVecs * 128 bytes) is held in registers.
+  const std::int64_t row_bytes = std::int64_t(q.head_dim) * std::int64_t(sizeof(T));
+  const int vecs = row_bytes % 128 == 0 ? int(row_bytes / 128) : 0;
+  if (!dispatch_value<kHeldKeyVectors>(vecs, [&]<int kVecs>() {
+        candidate_logits_kernel<T, KV, kVecs><<<grid, kThreads, 0, stream>>>(q, kv, candidates, scale, logits, partials);
+      })) {
+    candidate_logits_kernel<T, KV, 0><<<grid, kThreads, 0, stream>>>(q, kv, candidates, scale, logits, partials);
+  }
   candidate_finish_kernel<<<grid, kThreads, 0, stream>>>(candidates, group, options, logits, stats, scores);
   return cudaGetLastError();
 }

@@ -70,6 +70,35 @@ struct DeviceSelection {
   }
 };
 
+/// cuda::expand_pages of `pages` (host) equals cpu::expand_pages bit for bit: counts, entries, weights 0 where
+/// asked; entries past each count stay as they were (the host's poison, the device's -1 and NaN).
+void expect_expand_equals_cpu(const test::HostSelection& pages, std::int32_t ps, const std::vector<std::int32_t>& lens,
+                              const std::int32_t* d_lens, const AttentionWindow& window, bool weights) {
+  const std::int32_t rows = pages.view.batch * pages.view.kv_heads;
+  test::HostSelection out(pages.view.batch, pages.view.kv_heads, pages.view.capacity * ps, weights);
+  cpu::expand_pages(pages.view, ps, lens.data(), window, out.view);
+  DeviceBuffer<std::int32_t> d_page_ids(pages.indices), d_page_counts(pages.counts);
+  SelectionView d_pages = pages.view;
+  d_pages.indices = d_page_ids.data();
+  d_pages.counts = d_page_counts.data();
+  DeviceSelection d_out(out.view, weights);
+  cuda::expand_pages(d_pages, ps, d_lens, window, d_out.view, nullptr);
+  ASSERT_EQ(d_out.counts.download(), out.counts);
+  const auto got = d_out.indices.download();
+  const auto got_weights = d_out.weights.download();
+  for (std::int32_t row = 0; row < rows; ++row) {
+    const std::size_t base = std::size_t(row) * out.view.capacity;
+    for (std::int32_t i = 0; i < out.view.capacity; ++i) {
+      const std::int32_t want = i < out.counts[row] ? out.indices[base + i] : -1;
+      ASSERT_EQ(got[base + i], want) << "row " << row << " entry " << i;
+      if (weights) {
+        ASSERT_TRUE(i < out.counts[row] ? got_weights[base + i] == 0.0f : std::isnan(got_weights[base + i]))
+            << "row " << row << " weight " << i;
+      }
+    }
+  }
+}
+
 /// Scores of the CPU and the GPU agree: counts exactly, unwritten and -inf entries exactly, others within the
 /// fp32 rounding of the two summation orders, which this bounds by 2 * head_dim roundings of the magnitude
 /// sum_c |q_c| * max(|lo_c|, |hi_c|) (taken over the group's heads).
@@ -194,31 +223,7 @@ void check_against_cpu(Random& rng, std::int32_t head_dim, bool paged) {
     expect_scores_match(scores, d_scores.download(), q, p, q_heads, cols, "page_scores");
 
     for (bool weights : {false, true}) {
-      const auto pages = random_pages(rng, full, kv_heads, 5, ps);
-      test::HostSelection out(batch, kv_heads, 5 * ps, weights);
-      cpu::expand_pages(pages.view, ps, full.data(), window, out.view);
-      DeviceBuffer<std::int32_t> d_page_ids(pages.indices), d_page_counts(pages.counts);
-      SelectionView d_pages = pages.view;
-      d_pages.indices = d_page_ids.data();
-      d_pages.counts = d_page_counts.data();
-      DeviceSelection d_out(out.view, weights);
-      cuda::expand_pages(d_pages, ps, p.d_lens.data(), window, d_out.view, nullptr);
-      const auto got_counts = d_out.counts.download();
-      const auto got = d_out.indices.download();
-      const auto got_weights = d_out.weights.download();
-      ASSERT_EQ(got_counts, out.counts);
-      for (std::int32_t row = 0; row < batch * kv_heads; ++row) {
-        const std::size_t base = std::size_t(row) * out.view.capacity;
-        for (std::int32_t i = 0; i < out.view.capacity; ++i) {
-          // Entries past the count stay as they were: the host's poison, the device's -1.
-          const std::int32_t want = i < out.counts[row] ? out.indices[base + i] : -1;
-          ASSERT_EQ(got[base + i], want) << "row " << row << " entry " << i;
-          if (weights) {
-            ASSERT_TRUE(i < out.counts[row] ? got_weights[base + i] == 0.0f : std::isnan(got_weights[base + i]))
-                << "row " << row << " weight " << i;
-          }
-        }
-      }
+      expect_expand_equals_cpu(random_pages(rng, full, kv_heads, 5, ps), ps, full, p.d_lens.data(), window, weights);
     }
   }
 }
@@ -231,6 +236,25 @@ TEST_F(CudaPageBounds, EqualsTheCpuForEveryTypeLayoutAndHeadDim) {
     check_against_cpu<half>(rng, 128, paged);
     check_against_cpu<float>(rng, 64, paged);
     check_against_cpu<float>(rng, 256, paged);
+  }
+}
+
+/// expand_pages over rows of up to 300 chosen pages (ten chunks of the kernel's 32), page sizes below, at and above
+/// a warp's 32 lanes, with and without a window and weights, against the CPU twin; entries past each count stay
+/// poisoned.
+TEST_F(CudaPageBounds, ExpandOfManyPagesEqualsTheCpu) {
+  const std::vector<std::int32_t> lens = {4097, 3000, 1, 700, 9600};
+  const std::int32_t kv_heads = 3, capacity = 300;
+  DeviceBuffer<std::int32_t> d_lens(lens);
+  for (const std::int32_t ps : {8, 16, 64}) {
+    for (const AttentionWindow window : {AttentionWindow{}, AttentionWindow{4, 40}, AttentionWindow{0, 700}}) {
+      for (const bool weights : {false, true}) {
+        SCOPED_TRACE("page_size " + std::to_string(ps) + ", window " + std::to_string(window.sink) + " + " +
+                     std::to_string(window.recent) + (weights ? ", weights" : ""));
+        expect_expand_equals_cpu(random_pages(rng, lens, kv_heads, capacity, ps), ps, lens, d_lens.data(), window,
+                                 weights);
+      }
+    }
   }
 }
 

@@ -5,7 +5,10 @@
 // without a GPU).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "cuda/gpu_test.hpp"
@@ -114,6 +117,63 @@ TEST_F(CudaRerank, CandidateScoresAgreeWithTheCpuOnBothLayouts) {
       SCOPED_TRACE(use_paged ? "paged" : "contiguous");
       expect_close(scores.download(), cpu_scores, 2e-5);
     }
+  }
+}
+
+/// candidate_scores on `T` keys of head_dim d (softmax + max) against the CPU twin: the logits kernel holds a row's
+/// key in registers for d * sizeof(T) of 128, 256 or 512 bytes and reads it element by element otherwise, and for
+/// rows not 16-byte aligned (`shifted`: the cache starts one element past an aligned address). On the device, a
+/// candidate past its sequence's end or negative scores NaN and, under the softmax, makes its whole row NaN (the
+/// CPU refuses such candidates on the host).
+template <class T>
+void check_candidate_scores(Random& rng, std::int32_t d, bool shifted) {
+  SCOPED_TRACE(std::to_string(d) + (shifted ? ", rows not 16-byte aligned" : ""));
+  const std::int32_t q_heads = 8, kv_heads = 2, batch = 2, max_len = 2500, capacity = 600;
+  const std::vector<std::int32_t> lengths = {2500, 900};
+  const std::int64_t rows = std::int64_t(batch) * kv_heads, shift = shifted ? 1 : 0;
+  const std::size_t elements = std::size_t(batch) * kv_heads * max_len * d + 1;
+  const std::vector<T> k = test::to_storage<T>(rng.normal(elements)), v = test::to_storage<T>(rng.normal(elements));
+  const std::vector<T> q = test::to_storage<T>(rng.normal(std::size_t(batch) * q_heads * d));
+  const test::HostSelection candidates = test::random_candidates(rng, lengths, kv_heads, capacity);
+  // The device's row 2 (b 1, h 0) starts with two candidates outside its sequence.
+  constexpr std::int32_t kBadRow = 2;
+  std::vector<std::int32_t> device_ids = candidates.indices, device_counts = candidates.counts;
+  device_ids[std::size_t(kBadRow) * capacity] = -3;
+  device_ids[std::size_t(kBadRow) * capacity + 1] = lengths[1];
+  device_counts[kBadRow] = std::max(device_counts[kBadRow], 2);
+  DeviceBuffer<T> dk(k), dv(v), dq(q);
+  DeviceBuffer<std::int32_t> dlens(lengths), cand_ids(device_ids), cand_counts(device_counts);
+  const SelectionView d_candidates{cand_ids.data(), cand_counts.data(), nullptr, batch, kv_heads, capacity};
+  const auto kv = ContiguousKVView<const T>::packed(k.data() + shift, v.data() + shift, batch, kv_heads, max_len, d,
+                                                    lengths.data());
+  const auto d_kv = ContiguousKVView<const T>::packed(dk.data() + shift, dv.data() + shift, batch, kv_heads, max_len,
+                                                      d, dlens.data());
+  const GroupScoreOptions options{.reduce = GroupReduce::max, .softmax = true};
+  const std::int32_t group = q_heads / kv_heads;
+  std::vector<std::byte> host_ws(cpu::candidate_scores_workspace_bytes(rows, group, capacity) + 256);
+  auto host_span = std::span<std::byte>(host_ws).subspan((256 - reinterpret_cast<std::uintptr_t>(host_ws.data()) % 256) % 256);
+  std::vector<float> cpu_scores(std::size_t(rows) * capacity, test::kPoison);
+  cpu::candidate_scores(QueryView<const T>::packed(q.data(), batch, q_heads, d), kv, candidates.view, options,
+                        MatrixView<float>::packed(cpu_scores.data(), rows, capacity), host_span);
+  DeviceBuffer<std::byte> ws(cuda::candidate_scores_workspace_bytes(rows, group, capacity));
+  DeviceBuffer<float> scores(std::vector<float>(cpu_scores.size(), test::kPoison));
+  cuda::candidate_scores(QueryView<const T>::packed(dq.data(), batch, q_heads, d), d_kv, d_candidates, options,
+                         MatrixView<float>::packed(scores.data(), rows, capacity), {ws.data(), ws.size()}, nullptr);
+  std::vector<float> got = scores.download();
+  for (std::int32_t i = 0; i < capacity; ++i) {
+    float& x = got[std::size_t(kBadRow) * capacity + i];
+    if (i < device_counts[kBadRow]) EXPECT_TRUE(std::isnan(x)) << "row " << kBadRow << " entry " << i << ": " << x;
+    x = cpu_scores[std::size_t(kBadRow) * capacity + i];  // the other rows are compared below
+  }
+  expect_close(got, cpu_scores, 2e-5);
+}
+
+TEST_F(CudaRerank, CandidateScoresAgreeWithTheCpuForEveryKeyRowSize) {
+  SCOPED_TRACE(seed);
+  for (const bool shifted : {false, true}) {
+    for (const std::int32_t d : {64, 128, 256}) check_candidate_scores<bfloat16>(rng, d, shifted);
+    check_candidate_scores<half>(rng, 128, shifted);
+    for (const std::int32_t d : {32, 96, 128}) check_candidate_scores<float>(rng, d, shifted);
   }
 }
 

@@ -7,7 +7,8 @@ namespace kvsift::cuda::detail {
 cudaError_t launch_expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* lengths,
                                 const AttentionWindow& window, const SelectionView& out, cudaStream_t stream) {
   return launch(expand_pages_kernel<kExpandThreads>,
-                {.grid = dim3(unsigned(std::int64_t(pages.batch) * pages.kv_heads)), .block = dim3(kExpandThreads),
+                {.grid = dim3(unsigned(std::int64_t(pages.batch) * pages.kv_heads), unsigned(expand_chunks(pages.capacity))),
+                 .block = dim3(kExpandThreads),
                  .stream = stream, .programmatic = true},
                 pages, page_size, lengths, window, out);
 }
