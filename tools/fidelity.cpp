@@ -17,8 +17,9 @@
 // one also with the group-maximum rule); the file must match each capture's shapes and RoPE. --centroidkv adds
 // CentroidKV at equal entries (eval/fidelity.hpp centroid_kv_selectors; the CPU backend only for now) and, after
 // each table, the output and LSE error columns alone (fidelity_error_markdown). --rerank C adds the rerank stage
-// after Quest and CSAttention, each proposing C times its budget (eval/fidelity.hpp rerank_selectors). --only keeps
-// the selectors of those names (e.g. the references beside CentroidKV at budgets where CTKVR refuses the prefill);
+// after Quest and CSAttention, each proposing C times its budget (eval/fidelity.hpp rerank_selectors), and after the
+// first --a2ats's group-maximum rule (a2ats_selectors). --only keeps the selectors of those names (e.g. the
+// references beside CentroidKV at budgets where CTKVR refuses the prefill);
 // a name no selector has is refused, listing theirs. Numbers are read whole (tools/cli_list.hpp): "abc", "12x" or
 // an unknown option end the run with a message naming the option and the text.
 #include <fmt/format.h>
@@ -82,7 +83,7 @@ std::vector<kvsift::BasicSelectorEntry<Context>> all_selectors(bool csattention_
     }
   }
   for (std::size_t i = 0; i < a2ats.size(); ++i) {
-    for (auto& e : kvsift::a2ats_selectors<Context>(a2ats[i].name, a2ats[i].codebooks, i == 0)) {
+    for (auto& e : kvsift::a2ats_selectors<Context>(a2ats[i].name, a2ats[i].codebooks, i == 0, rerank_factor)) {
       entries.push_back(std::move(e));
     }
   }

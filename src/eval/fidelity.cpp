@@ -61,7 +61,7 @@ template std::vector<BasicSelectorEntry<cpu::Context>> rerank_selectors<cpu::Con
 template std::vector<BasicSelectorEntry<cpu::Context>> csattention_variants<cpu::Context>();
 template std::vector<BasicSelectorEntry<cpu::Context>> centroid_kv_selectors<cpu::Context>(double);
 template std::vector<BasicSelectorEntry<cpu::Context>> a2ats_selectors<cpu::Context>(
-    const std::string&, std::shared_ptr<const A2atsCodebooks>, bool);
+    const std::string&, std::shared_ptr<const A2atsCodebooks>, bool, std::int32_t);
 
 std::unique_ptr<FidelityBackend> fidelity_backend(std::vector<SelectorEntry> selectors, const cpu::Context& ctx) {
   return std::make_unique<detail::SelectorBackend<cpu::Context, HostCopy>>("cpu", std::move(selectors), ctx);

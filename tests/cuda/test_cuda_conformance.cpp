@@ -49,7 +49,9 @@ INSTANTIATE_TYPED_TEST_SUITE_P(RerankedQuest, Conformance, OnCuda<RerankedQuestC
 INSTANTIATE_TYPED_TEST_SUITE_P(StreamingLLM, Conformance, OnCuda<StreamingLLMCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(Ctkvr, Conformance, OnCuda<CtkvrCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(Csattention, Conformance, OnCuda<CsattentionCase>);
+INSTANTIATE_TYPED_TEST_SUITE_P(RerankedCsattention, Conformance, OnCuda<RerankedCsattentionCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(A2ats, Conformance, OnCuda<A2atsCase>);
+INSTANTIATE_TYPED_TEST_SUITE_P(RerankedA2ats, Conformance, OnCuda<RerankedA2atsCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(CentroidKV, Conformance, OnCuda<CentroidKVCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(SpeContext, Conformance, OnCuda<SpeContextCase>);
 
@@ -170,7 +172,9 @@ INSTANTIATE_TYPED_TEST_SUITE_P(RerankedQuest, CudaTwin, RerankedQuestCase);
 INSTANTIATE_TYPED_TEST_SUITE_P(StreamingLLM, CudaTwin, StreamingLLMCase);
 INSTANTIATE_TYPED_TEST_SUITE_P(Ctkvr, CudaTwin, CtkvrCase);
 INSTANTIATE_TYPED_TEST_SUITE_P(Csattention, CudaTwin, CsattentionCase);
+INSTANTIATE_TYPED_TEST_SUITE_P(RerankedCsattention, CudaTwin, RerankedCsattentionCase);
 INSTANTIATE_TYPED_TEST_SUITE_P(A2ats, CudaTwin, A2atsCase);
+INSTANTIATE_TYPED_TEST_SUITE_P(RerankedA2ats, CudaTwin, RerankedA2atsCase);
 INSTANTIATE_TYPED_TEST_SUITE_P(CentroidKV, CudaTwin, CentroidKVCase);
 INSTANTIATE_TYPED_TEST_SUITE_P(SpeContext, CudaTwin, SpeContextCase);
 

@@ -772,6 +772,26 @@ struct A2atsCase {
   }
 };
 
+/// The rerank stage after CSAttention and after A²ATS, as after Quest: each proposes its configured capacity,
+/// a quarter of it kept.
+template <class Proposer>
+struct RerankedCase {
+  template <class Context>
+  using selector = Reranked<typename Proposer::template selector<Context>>;
+  static constexpr std::string_view where = Proposer::where;
+  static constexpr AttentionWindow window = Proposer::window;
+  static constexpr bool prefill_queries = Proposer::prefill_queries, pre_rope_keys = Proposer::pre_rope_keys;
+  static constexpr std::int32_t cpu_cuda_slack = Proposer::cpu_cuda_slack + 2;  // and the rerank's fp32 near-ties
+  template <class Context>
+  static selector<Context> make(const SelectorLimits& l, const Context& ctx) {
+    auto proposer = Proposer::template make<Context>(l, ctx);
+    const std::int32_t kept = std::max(1, proposer.capacity() / 4);
+    return selector<Context>(std::move(proposer), {.budget = kept});
+  }
+};
+using RerankedCsattentionCase = RerankedCase<CsattentionCase>;
+using RerankedA2atsCase = RerankedCase<A2atsCase>;
+
 struct CentroidKVCase {
   template <class Context>
   using selector = CentroidKV<half, Context>;

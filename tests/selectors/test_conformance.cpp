@@ -13,7 +13,9 @@ INSTANTIATE_TYPED_TEST_SUITE_P(RerankedQuest, Conformance, OnCpu<RerankedQuestCa
 INSTANTIATE_TYPED_TEST_SUITE_P(StreamingLLM, Conformance, OnCpu<StreamingLLMCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(Ctkvr, Conformance, OnCpu<CtkvrCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(Csattention, Conformance, OnCpu<CsattentionCase>);
+INSTANTIATE_TYPED_TEST_SUITE_P(RerankedCsattention, Conformance, OnCpu<RerankedCsattentionCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(A2ats, Conformance, OnCpu<A2atsCase>);
+INSTANTIATE_TYPED_TEST_SUITE_P(RerankedA2ats, Conformance, OnCpu<RerankedA2atsCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(CentroidKV, Conformance, OnCpu<CentroidKVCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(SpeContext, Conformance, OnCpu<SpeContextCase>);
 

@@ -18,7 +18,7 @@ extern template std::vector<BasicSelectorEntry<cuda::Context>> method_selectors<
 extern template std::vector<BasicSelectorEntry<cuda::Context>> rerank_selectors<cuda::Context>(std::int32_t);
 extern template std::vector<BasicSelectorEntry<cuda::Context>> csattention_variants<cuda::Context>();
 extern template std::vector<BasicSelectorEntry<cuda::Context>> a2ats_selectors<cuda::Context>(
-    const std::string&, std::shared_ptr<const A2atsCodebooks>, bool);
+    const std::string&, std::shared_ptr<const A2atsCodebooks>, bool, std::int32_t);
 
 namespace cuda {
 

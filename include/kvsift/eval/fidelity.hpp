@@ -240,31 +240,42 @@ extern template std::vector<BasicSelectorEntry<cpu::Context>> csattention_varian
 /// of min(4, K / 8) and a recent window of min(64, K / 4), the rest K' = K - window for the selection. The entry
 /// `name` is the authors' rule at equal tokens: the union of each query head's top floor(K' / g), never more than
 /// K' tokens (fewer where the group's heads agree; FidelityRow::mean_selected says how many); with `group_max`
-/// also "NAME max", the top K' of the group's maximum score. The codebooks are shared by every step made.
+/// also "NAME max", the top K' of the group's maximum score, and with `rerank_factor` > 0 (and group_max) "NAME max
+/// + rerank": that selection at rerank_factor x K' (at most the middle), the rerank stage keeping K' of it by the exact
+/// scores (selectors/rerank.hpp). The codebooks are shared by every step made.
 template <class Context = cpu::Context>
 std::vector<BasicSelectorEntry<Context>> a2ats_selectors(const std::string& name,
                                                          std::shared_ptr<const A2atsCodebooks> codebooks,
-                                                         bool group_max) {
+                                                         bool group_max, std::int32_t rerank_factor = 0) {
   using Setup = BasicSelectorSetup<Context>;
   using Any = AnySelector<half, Context>;
-  const auto entry = [codebooks](std::string label, A2atsGroupRule rule) {
+  KVSIFT_CHECK(rerank_factor >= 0, "a2ats_selectors", "rerank_factor (= {}) must be >= 0", rerank_factor);
+  // factor 0: the selection itself; else the proposer of a rerank to K'.
+  const auto entry = [codebooks](std::string label, A2atsGroupRule rule, std::int32_t factor) {
     return BasicSelectorEntry<Context>{
-        std::move(label), [codebooks, rule](std::int32_t k, const SelectorLimits& limits, std::int32_t layer) {
+        std::move(label), [codebooks, rule, factor](std::int32_t k, const SelectorLimits& limits, std::int32_t layer) {
           const AttentionWindow window{std::min(4, k / 8), std::min(64, k / 4)};
           const std::int32_t middle = k - window.sink - window.recent;
           const std::int32_t group = limits.q_heads / limits.kv_heads;
           const std::int32_t per_row = rule == A2atsGroupRule::union_of_heads ? middle / group : middle;
           KVSIFT_CHECK(per_row >= 1, "a2ats_selectors", "a budget of {} tokens leaves no query head a token", k);
-          const A2atsConfig config{.budget_fraction = 1.0, .max_budget = per_row, .group_rule = rule};
-          return Setup{Any(A2ats<half, Context>(limits, config, codebooks->layer(layer), Context{})), window};
+          const std::int32_t proposed =
+              factor == 0 ? per_row : std::int32_t(std::min<std::int64_t>(std::int64_t(factor) * per_row, limits.max_tokens));
+          const A2atsConfig config{.budget_fraction = 1.0, .max_budget = proposed, .group_rule = rule};
+          A2ats<half, Context> a2ats(limits, config, codebooks->layer(layer), Context{});
+          if (factor == 0) return Setup{Any(std::move(a2ats)), window};
+          return Setup{Any(Reranked(std::move(a2ats), {.budget = per_row})), window};
         }};
   };
-  std::vector<BasicSelectorEntry<Context>> out{entry(name, A2atsGroupRule::union_of_heads)};
-  if (group_max) out.push_back(entry(name + " max", A2atsGroupRule::group_max));
+  std::vector<BasicSelectorEntry<Context>> out{entry(name, A2atsGroupRule::union_of_heads, 0)};
+  if (group_max) out.push_back(entry(name + " max", A2atsGroupRule::group_max, 0));
+  if (group_max && rerank_factor > 0) {
+    out.push_back(entry(name + " max + rerank", A2atsGroupRule::group_max, rerank_factor));
+  }
   return out;
 }
 extern template std::vector<BasicSelectorEntry<cpu::Context>> a2ats_selectors<cpu::Context>(
-    const std::string&, std::shared_ptr<const A2atsCodebooks>, bool);
+    const std::string&, std::shared_ptr<const A2atsCodebooks>, bool, std::int32_t);
 extern template std::vector<BasicSelectorEntry<cpu::Context>> method_selectors<cpu::Context>();
 
 /// One (selector entry, budget) decoding one capture layer on one backend, as an engine runs it. The harness's
