@@ -211,7 +211,12 @@ int main(int argc, char** argv) try {
     for (const auto& layer : capture.layers) {
       fmt::format_to(std::back_inserter(plot), "{}# panel {}:layer_{}\nbudget_percent", plot.empty() ? "" : "\n\n",
                      stem, layer.layer);
-      for (const auto& s : selectors) fmt::format_to(std::back_inserter(plot), " {0} {0}_p10 {0}_p90", s.name);
+      for (const auto& s : selectors) {
+        // gnuplot splits the header at blanks: "Quest + rerank" becomes one word, "Quest_+_rerank".
+        std::string word = s.name;
+        std::replace(word.begin(), word.end(), ' ', '_');
+        fmt::format_to(std::back_inserter(plot), " {0} {0}_p10 {0}_p90", word);
+      }
       plot += "\n";
       for (const double budget : options.budgets) {
         fmt::format_to(std::back_inserter(plot), "{:g}", 100 * budget);

@@ -8,6 +8,7 @@ selectors = (columns - 1) / 3
 set terminal pngcairo size (420 * n), 520 font ",10"
 set output out
 set datafile missing "NaN"
+set termoption noenhanced  # selector names hold underscores
 set xlabel "budget (% of the context at the first decode position)"
 set ylabel "mass recall (mean, p10-p90)"
 set yrange [0:1]

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvsift/eval/capture.hpp"
@@ -362,6 +363,31 @@ TEST(Fidelity, OracleBoundsEveryReferenceAndRetrievalBeatsRecencyAtLargerBudgets
   EXPECT_LT(row_for(result.rows, "StreamingLLM", 0.2, 3).mass_recall, 0.5);
   EXPECT_GT(row_for(result.rows, "Quest", 0.2, 3).mass_recall,
             row_for(result.rows, "StreamingLLM", 0.2, 3).mass_recall);
+}
+
+TEST(Fidelity, RerankEntriesKeepTheirBudgetAndMoreMassThanTheirProposers) {
+  // Prefill [0, 256): K = 51 at 20%; 32 positions over 256..511. The rerank keeps its entry's tokens, never beats
+  // the oracle, and at 20% beats its proposer alone (layers 3 / 15: Quest 0.475 / 0.498, with the rerank 0.827 /
+  // 0.826; CSAttention 0.828 / 0.729, with it 0.878 / 0.845; OracleTopK 0.885 / 0.873).
+  auto selectors = reference_selectors();
+  for (auto& e : method_selectors()) selectors.push_back(std::move(e));
+  for (auto& e : rerank_selectors(4)) selectors.push_back(std::move(e));
+  const auto result = evaluate_fidelity(capture(), selectors, {.budgets = {0.2}, .decode_positions = 32, .prefill = 0.5});
+  for (const std::int32_t layer : {3, 15}) {
+    SCOPED_TRACE(testing::Message() << "layer " << layer);
+    const auto& oracle = row_for(result.rows, "OracleTopK", 0.2, layer);
+    for (const auto& [proposer, reranked] : {std::pair{"Quest", "Quest + rerank"},
+                                             std::pair{"CSAttention", "CSAttention + rerank"}}) {
+      const auto& alone = row_for(result.rows, proposer, 0.2, layer);
+      const auto& r = row_for(result.rows, reranked, 0.2, layer);
+      ASSERT_TRUE(r.refused.empty()) << r.refused;
+      EXPECT_LE(r.mean_selected, r.budget_tokens) << reranked;
+      EXPECT_LE(r.mass_recall, oracle.mass_recall + 1e-12) << reranked;
+      EXPECT_GT(r.mass_recall, alone.mass_recall + 0.03) << reranked << " against " << proposer;
+      EXPECT_GT(r.mass_recall, 0.75) << reranked;
+    }
+  }
+  EXPECT_THROW(rerank_selectors(0), Error);
 }
 
 TEST(Fidelity, RefusedBudgetsAndBadOptionsAreReported) {
