@@ -192,7 +192,9 @@ class DecodeStep:
     group_max; rope_theta, rope_dim, rope_interleaved: the model's RoPE, which the file's must equal}:
     selectors/a2ats/a2ats.hpp's A2atsConfig, the keys rotated back from the cache; 'centroidkv' {budget_ratio, sinks,
     recent, chunk, r_init, r_step, r_min, interval, max_rounds}: selectors/centroid_kv/centroid_kv.hpp's CentroidKVConfig, a
-    merge store of floor(budget_ratio * prompt length) entries attended whole with log-degree weights, window (0, 0)),
+    merge store of floor(budget_ratio * prompt length) entries attended whole with log-degree weights, window (0, 0);
+    'quest', 'csattention' and 'a2ats' also take {rerank}: the rerank stage after them (selectors/rerank.hpp), which
+    keeps `rerank` tokens of their selection by the exact group softmax, their own budget being the proposals'),
     then sparse attention of its selection and the window (sink, recent), planned once for
     up to max_batch rows and sequences of up to max_seq_len tokens; the workspace is allocated here, once.
 

@@ -29,6 +29,7 @@
 #include "kvsift/selectors/ctkvr/ctkvr.hpp"
 #include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
 #include "kvsift/selectors/quest/quest.hpp"
+#include "kvsift/selectors/rerank.hpp"
 #include "kvsift/selectors/specontext/specontext.hpp"
 #include "kvsift/selectors/streaming_llm/streaming_llm.hpp"
 #include "kvsift/step/decode_step.hpp"
@@ -792,13 +793,20 @@ auto make_selector_step(const StepConfig& c, Wrap&& wrap) {
   // A copy: each key read is removed, and what remains is refused by name.
   nb::dict config = nb::cast<nb::dict>(c.selector_config.attr("copy")());
   decltype(wrap(StreamingLLM<T, Context>(limits))) step;
+  // selector_config['rerank'] (Quest, CSAttention, A²ATS): the rerank stage after the selector (selectors/rerank.hpp),
+  // keeping that many of its selection by the exact scores; the selector's own budget is its proposals'.
+  const auto maybe_reranked = [&](auto selector) {
+    if (!config.contains("rerank")) return wrap(std::move(selector));
+    const RerankConfig rerank{.budget = config_int(where, config, "rerank", std::nullopt)};
+    return wrap(Reranked(std::move(selector), rerank));
+  };
   if (c.selector == "oracle_topk") {
     const OracleTopKConfig sc{.budget = config_int(where, config, "budget", std::nullopt)};
     step = wrap(OracleTopK<T, Context>(limits, sc));
   } else if (c.selector == "quest") {
     const std::int32_t budget = config_int(where, config, "budget", std::nullopt);
     const QuestConfig sc{.budget = budget, .page_size = config_int(where, config, "page_size", 16)};
-    step = wrap(Quest<T, Context>(limits, sc));
+    step = maybe_reranked(Quest<T, Context>(limits, sc));
   } else if (c.selector == "ctkvr") {
     CtkvrConfig sc{};
     sc.budget = config_int(where, config, "budget", sc.budget);
@@ -824,7 +832,7 @@ auto make_selector_step(const StepConfig& c, Wrap&& wrap) {
     if (config_int(where, config, "per_query_head", 0) != 0) sc.tables = CsattentionTables::per_query_head;
     sc.weight_by_norm = config_int(where, config, "weight_by_norm", sc.weight_by_norm ? 1 : 0) != 0;
     sc.from_floor = config_int(where, config, "from_floor", sc.from_floor ? 1 : 0) != 0;
-    step = wrap(Csattention<T, Context>(limits, sc));
+    step = maybe_reranked(Csattention<T, Context>(limits, sc));
   } else if (c.selector == "a2ats") {
     // The codebook file (kvsift_a2ats_codebook) and the layer this step decodes; the file must match the step's
     // shapes (its RoPE is the one the selector rotates with).
@@ -849,7 +857,7 @@ auto make_selector_step(const StepConfig& c, Wrap&& wrap) {
     sc.budget_fraction = config_float(where, config, "budget_fraction", sc.budget_fraction);
     sc.max_budget = config_int(where, config, "max_budget", sc.max_budget);
     if (config_int(where, config, "group_max", 0) != 0) sc.group_rule = A2atsGroupRule::group_max;
-    step = wrap(A2ats<T, Context>(limits, sc, codebooks.layer(layer), Context{}));
+    step = maybe_reranked(A2ats<T, Context>(limits, sc, codebooks.layer(layer), Context{}));
   } else if (c.selector == "centroidkv") {
     CentroidKVConfig sc{};
     sc.budget_ratio = float(config_float(where, config, "budget_ratio", sc.budget_ratio));

@@ -214,3 +214,51 @@ def test_csattention_selects_its_budget_and_attends_it(rng):
         with pytest.raises(kvsift.Error) as raised:
             kvsift.DecodeStep("csattention", config, **shape)
         assert message in str(raised.value), f"{message!r} not in {str(raised.value)!r}"
+
+
+def test_rerank_keeps_the_best_of_the_selectors_proposals_by_the_exact_group_softmax(rng):
+    # Quest proposes 128 tokens (8 pages of 16), the rerank keeps 24: the 24 of those proposals with the largest
+    # group maximum of each query head's softmax over the proposals, against numpy in fp64.
+    pool = kvsift.ThreadPool(2)
+    k, v, lengths, cache = make_cache(rng, [300, 451])
+    kept = 24
+
+    def make(config):
+        return kvsift.DecodeStep("quest", config, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                 max_seq_len=CAPACITY, max_batch=2, window=WINDOW, pool=pool)
+
+    proposer, reranked = make({"budget": 128, "page_size": 16}), make({"budget": 128, "page_size": 16, "rerank": kept})
+    assert reranked.capacity == kept
+    slots = np.array([0, 1], dtype=np.int32)
+    proposer.prepare(cache, slots)
+    reranked.prepare(cache, slots)
+    lengths += 1
+    q = rng.standard_normal((2, Q_HEADS, HEAD_DIM)).astype(np.float16)
+    for step in (proposer, reranked):
+        o, lse = poisoned(q.shape, np.float32), poisoned(q.shape[:2], np.float32)
+        step.run(q, cache, slots, o=o, lse=lse)
+    proposals, proposal_counts = proposer.selection(2)
+    indices, counts = reranked.selection(2)
+    for b in range(2):
+        for g in range(KV_HEADS):
+            candidates = proposals[b, g, :proposal_counts[b, g]]
+            assert counts[b, g] == min(kept, len(candidates))
+            logits = q[b, g * GROUP:(g + 1) * GROUP].astype(np.float64) @ k[b, g, candidates].astype(np.float64).T
+            logits /= np.sqrt(HEAD_DIM)
+            weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+            score = (weights / weights.sum(axis=1, keepdims=True)).max(axis=0)
+            chosen = indices[b, g, :counts[b, g]]
+            assert (np.diff(chosen) > 0).all() and set(chosen.tolist()) <= set(candidates.tolist())
+            # Every kept token scores at least as high as every dropped one (up to fp32 rounding).
+            kept_scores = score[np.isin(candidates, chosen)]
+            dropped = score[~np.isin(candidates, chosen)]
+            if len(dropped):
+                assert kept_scores.min() >= dropped.max() - 1e-6
+
+
+def test_rerank_is_refused_above_the_proposers_capacity_and_for_selectors_without_it():
+    args = dict(q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_seq_len=CAPACITY)
+    with pytest.raises(kvsift.Error, match=r"config.budget \(= 200\) exceeds the proposer's capacity \(= 128\)"):
+        kvsift.DecodeStep("quest", {"budget": 128, "rerank": 200}, **args)
+    with pytest.raises(kvsift.Error, match=r"selector_config has keys .*'rerank'.* that ctkvr does not take"):
+        kvsift.DecodeStep("ctkvr", {"budget": 32, "rerank": 16}, **args)

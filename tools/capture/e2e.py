@@ -14,6 +14,9 @@ recent tokens): StreamingLLM spends the budget on more recent tokens; CentroidKV
 entries (its own sinks and recent are the window's) and the step attends no window. A budget in percent is of the
 context length of the measurement (4096 for the texts, the passkey length for passkeys).
 
+"<selector>_rerank" (quest, csattention, a2ats_max): the selector proposes RERANK_FACTOR times the budget, the rerank
+stage (selectors/rerank.hpp) keeps the budget's tokens of those proposals by their exact group softmax.
+
 SpeContext (the layer-0 head): the model's layer-0 pre-RoPE q and k, which exist before the layers run, are the
 retrieval head's q_r and k_r; one SpeContextStep serves all layers with one selection per position.
 """
@@ -28,6 +31,7 @@ from capture import passkey_text
 from model import Model
 
 SINK, RECENT = 4, 16
+RERANK_FACTOR = 4  # "<selector>_rerank": the selector proposes this many times the tokens the rerank keeps
 
 
 class Attention:
@@ -75,7 +79,12 @@ class KvsiftAttention(Attention):
     def __init__(self, model, selector, budget, capacity, pool, codebooks=None):
         import kvsift
         self.kvsift, self.model, self.pool, self.codebooks = kvsift, model, pool, codebooks
-        self.selector, self.budget, self.capacity = selector, budget, capacity
+        # "<selector>_rerank": the selector followed by the rerank stage (quest, csattention, a2ats_max)
+        self.reranked = selector.endswith("_rerank")
+        self.selector = selector.removesuffix("_rerank")
+        if self.reranked and self.selector not in ("quest", "csattention", "a2ats_max"):
+            raise SystemExit(f"--selectors {selector}: the rerank stage follows quest, csattention or a2ats_max")
+        self.budget, self.capacity = budget, capacity
         self.layers = {}
         self.union_ratios = []  # ctkvr: each step's union of the recalled lists over rho * C', per kv head
 
@@ -111,6 +120,13 @@ class KvsiftAttention(Attention):
             config = {"codebooks": self.codebooks, "layer": layer, "budget_fraction": 1.0, "group_max": int(group_max),
                       "max_budget": self.budget if group_max else max(1, self.budget // (m.q_heads // m.kv_heads)),
                       "rope_theta": m.rope_theta, "rope_dim": m.rope_dim, "rope_interleaved": 1}
+        if self.reranked:  # the selector proposes RERANK_FACTOR times its selection, the rerank keeps the budget's
+            kept = config.get("max_budget", config.get("budget"))
+            proposed = min(RERANK_FACTOR * kept, self.capacity)
+            if self.selector == "csattention":  # its budget counts the window; the rerank keeps the middle's share
+                kept = self.budget
+                proposed = min(RERANK_FACTOR * kept + SINK + RECENT, self.capacity)
+            config = dict(config, rerank=kept, **{"max_budget" if "max_budget" in config else "budget": proposed})
         kind = "a2ats" if self.selector == "a2ats_max" else self.selector
         return self.kvsift.DecodeStep(kind, config, q_heads=m.q_heads, kv_heads=m.kv_heads,
                                       head_dim=m.head_dim, max_seq_len=self.capacity, window=window,
