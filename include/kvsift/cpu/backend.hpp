@@ -220,9 +220,12 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
 
 }  // namespace kvsift::cpu
 
-// Each selector's own overloads live in its folder (selectors/<name>/cpu/backend.hpp), after the shared ones above,
-// which they use; this file gathers them, so that including it gives an algorithm the whole backend.
-#include "kvsift/selectors/quest/cpu/backend.hpp"
+// Each selector's own calls, after the shared ones above, which they use: its primitives, which take the context
+// last (selectors/<name>/cpu/), and what it does over them, written once over the context (selectors/<name>/backend.hpp);
+// or its overloads (selectors/<name>/cpu/backend.hpp). This file gathers them, so that including it gives an
+// algorithm the whole backend.
+#include "kvsift/selectors/quest/cpu/page_bounds.hpp"
+#include "kvsift/selectors/quest/backend.hpp"
 #include "kvsift/selectors/ctkvr/cpu/backend.hpp"
 #include "kvsift/selectors/csattention/cpu/backend.hpp"
 #include "kvsift/selectors/a2ats/cpu/backend.hpp"

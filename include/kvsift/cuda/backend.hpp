@@ -231,9 +231,12 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
 
 }  // namespace kvsift::cuda
 
-// Each selector's own overloads live in its folder (selectors/<name>/cuda/backend.hpp), after the shared ones above,
-// which they use; this file gathers them, so that including it gives an algorithm the whole backend.
-#include "kvsift/selectors/quest/cuda/backend.hpp"
+// Each selector's own calls, after the shared ones above, which they use: its primitives, which take the context
+// last (selectors/<name>/cuda/), and what it does over them, written once over the context (selectors/<name>/backend.hpp);
+// or its overloads (selectors/<name>/cuda/backend.hpp). This file gathers them, so that including it gives an
+// algorithm the whole backend.
+#include "kvsift/selectors/quest/cuda/page_bounds.hpp"
+#include "kvsift/selectors/quest/backend.hpp"
 #include "kvsift/selectors/ctkvr/cuda/backend.hpp"
 #include "kvsift/selectors/csattention/cuda/backend.hpp"
 #include "kvsift/selectors/a2ats/cuda/backend.hpp"
