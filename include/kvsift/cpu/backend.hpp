@@ -226,7 +226,7 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
 // algorithm the whole backend.
 #include "kvsift/selectors/quest/cpu/page_bounds.hpp"
 #include "kvsift/selectors/quest/backend.hpp"
-#include "kvsift/selectors/ctkvr/cpu/backend.hpp"
+#include "kvsift/selectors/ctkvr/cpu/query_centroids.hpp"
 #include "kvsift/selectors/csattention/cpu/backend.hpp"
 #include "kvsift/selectors/a2ats/cpu/backend.hpp"
 #include "kvsift/selectors/centroid_kv/cpu/backend.hpp"

@@ -237,7 +237,7 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
 // algorithm the whole backend.
 #include "kvsift/selectors/quest/cuda/page_bounds.hpp"
 #include "kvsift/selectors/quest/backend.hpp"
-#include "kvsift/selectors/ctkvr/cuda/backend.hpp"
+#include "kvsift/selectors/ctkvr/cuda/query_centroids.hpp"
 #include "kvsift/selectors/csattention/cuda/backend.hpp"
 #include "kvsift/selectors/a2ats/cuda/backend.hpp"
 #include "kvsift/selectors/centroid_kv/cuda/backend.hpp"

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "kvsift/selectors/quest/detail/page_bounds_checks.hpp"
+#include "kvsift/selectors/quest/detail/page_bounds_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 
 namespace kvsift::cpu {
@@ -160,17 +161,6 @@ void expand_pages(const SelectionView& pages, std::int32_t page_size, const std:
   });
 }
 
-#define KVSIFT_INSTANTIATE_UPDATES(T, KV)                                                                     \
-  template void build_page_bounds<T, KV>(const KV&, const std::int32_t*, const PageBoundsView<T>&, const Context&); \
-  template void append_page_bounds<T, KV>(const KV&, const std::int32_t*, const PageBoundsView<T>&, const Context&);
-#define KVSIFT_INSTANTIATE(T)                                                                                   \
-  KVSIFT_INSTANTIATE_UPDATES(T, ContiguousKVView<const T>)                                                      \
-  KVSIFT_INSTANTIATE_UPDATES(T, PagedKVView<const T>)                                                           \
-  template void page_scores<T>(const QueryView<const T>&, const PageBoundsView<const T>&, const std::int32_t*,   \
-                               const std::int32_t*, const AttentionWindow&, const MatrixView<float>&,          \
-                               std::int32_t*, const Context&);
-KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
-#undef KVSIFT_INSTANTIATE
-#undef KVSIFT_INSTANTIATE_UPDATES
+KVSIFT_STORAGE_TYPES(KVSIFT_PAGE_BOUNDS_INSTANCES)
 
 }  // namespace kvsift::cpu

@@ -6,6 +6,7 @@
 #include <climits>
 
 #include "kvsift/selectors/quest/detail/page_bounds_checks.hpp"
+#include "kvsift/selectors/quest/detail/page_bounds_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -66,17 +67,6 @@ void expand_pages(const SelectionView& pages, std::int32_t page_size, const std:
   KVSIFT_CUDA_CHECK(detail::launch_expand_pages(pages, page_size, d_lengths, window, out, ctx.stream));
 }
 
-#define KVSIFT_INSTANTIATE_UPDATES(T, KV)                                                                       \
-  template void build_page_bounds<T, KV>(const KV&, const std::int32_t*, const PageBoundsView<T>&, const Context&); \
-  template void append_page_bounds<T, KV>(const KV&, const std::int32_t*, const PageBoundsView<T>&, const Context&);
-#define KVSIFT_INSTANTIATE(T)                                                                                     \
-  KVSIFT_INSTANTIATE_UPDATES(T, ContiguousKVView<const T>)                                                        \
-  KVSIFT_INSTANTIATE_UPDATES(T, PagedKVView<const T>)                                                             \
-  template void page_scores<T>(const QueryView<const T>&, const PageBoundsView<const T>&, const std::int32_t*,     \
-                               const std::int32_t*, const AttentionWindow&, const MatrixView<float>&,            \
-                               std::int32_t*, const Context&);
-KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
-#undef KVSIFT_INSTANTIATE
-#undef KVSIFT_INSTANTIATE_UPDATES
+KVSIFT_STORAGE_TYPES(KVSIFT_PAGE_BOUNDS_INSTANCES)
 
 }  // namespace kvsift::cuda
