@@ -240,5 +240,5 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
 #include "kvsift/selectors/ctkvr/cuda/query_centroids.hpp"
 #include "kvsift/selectors/csattention/cuda/backend.hpp"
 #include "kvsift/selectors/a2ats/cuda/backend.hpp"
-#include "kvsift/selectors/centroid_kv/cuda/backend.hpp"
+#include "kvsift/selectors/centroid_kv/cuda/merge_store.hpp"
 #include "kvsift/selectors/specontext/cuda/backend.hpp"
