@@ -228,6 +228,6 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
 #include "kvsift/selectors/quest/backend.hpp"
 #include "kvsift/selectors/ctkvr/cpu/query_centroids.hpp"
 #include "kvsift/selectors/csattention/cpu/backend.hpp"
-#include "kvsift/selectors/a2ats/cpu/backend.hpp"
+#include "kvsift/selectors/a2ats/cpu/vq.hpp"
 #include "kvsift/selectors/centroid_kv/cpu/merge_store.hpp"
 #include "kvsift/selectors/specontext/cpu/backend.hpp"

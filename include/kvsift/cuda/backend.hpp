@@ -239,6 +239,6 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
 #include "kvsift/selectors/quest/backend.hpp"
 #include "kvsift/selectors/ctkvr/cuda/query_centroids.hpp"
 #include "kvsift/selectors/csattention/cuda/backend.hpp"
-#include "kvsift/selectors/a2ats/cuda/backend.hpp"
+#include "kvsift/selectors/a2ats/cuda/vq.hpp"
 #include "kvsift/selectors/centroid_kv/cuda/merge_store.hpp"
 #include "kvsift/selectors/specontext/cuda/backend.hpp"
