@@ -221,13 +221,12 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
 }  // namespace kvsift::cpu
 
 // Each selector's own calls, after the shared ones above, which they use: its primitives, which take the context
-// last (selectors/<name>/cpu/), and what it does over them, written once over the context (selectors/<name>/backend.hpp);
-// or its overloads (selectors/<name>/cpu/backend.hpp). This file gathers them, so that including it gives an
-// algorithm the whole backend.
+// last (selectors/<name>/cpu/), and what it does over them, written once over the context (selectors/<name>/backend.hpp,
+// where it has one). This file gathers them, so that including it gives an algorithm the whole backend.
 #include "kvsift/selectors/quest/cpu/page_bounds.hpp"
 #include "kvsift/selectors/quest/backend.hpp"
 #include "kvsift/selectors/ctkvr/cpu/query_centroids.hpp"
-#include "kvsift/selectors/csattention/cpu/backend.hpp"
+#include "kvsift/selectors/csattention/cpu/score_tables.hpp"
 #include "kvsift/selectors/a2ats/cpu/vq.hpp"
 #include "kvsift/selectors/centroid_kv/cpu/merge_store.hpp"
-#include "kvsift/selectors/specontext/cpu/backend.hpp"
+#include "kvsift/selectors/specontext/cpu/score_rows.hpp"

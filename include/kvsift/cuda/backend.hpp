@@ -232,13 +232,12 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
 }  // namespace kvsift::cuda
 
 // Each selector's own calls, after the shared ones above, which they use: its primitives, which take the context
-// last (selectors/<name>/cuda/), and what it does over them, written once over the context (selectors/<name>/backend.hpp);
-// or its overloads (selectors/<name>/cuda/backend.hpp). This file gathers them, so that including it gives an
-// algorithm the whole backend.
+// last (selectors/<name>/cuda/), and what it does over them, written once over the context (selectors/<name>/backend.hpp,
+// where it has one). This file gathers them, so that including it gives an algorithm the whole backend.
 #include "kvsift/selectors/quest/cuda/page_bounds.hpp"
 #include "kvsift/selectors/quest/backend.hpp"
 #include "kvsift/selectors/ctkvr/cuda/query_centroids.hpp"
-#include "kvsift/selectors/csattention/cuda/backend.hpp"
+#include "kvsift/selectors/csattention/cuda/score_tables.hpp"
 #include "kvsift/selectors/a2ats/cuda/vq.hpp"
 #include "kvsift/selectors/centroid_kv/cuda/merge_store.hpp"
-#include "kvsift/selectors/specontext/cuda/backend.hpp"
+#include "kvsift/selectors/specontext/cuda/score_rows.hpp"
