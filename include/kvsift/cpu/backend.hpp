@@ -1,9 +1,11 @@
 #pragma once
 /// The CPU backend of algorithms written once for both backends (selectors, the decode step): every shared
 /// primitive with a cpu::Context as its last argument. An algorithm calls them unqualified, and
-/// argument-dependent lookup on its context type picks this file's overloads or cuda/backend.hpp's, whose
-/// arguments are the same. Each overload forwards to the primitive documented in its own header; the cache
-/// arrives as a KVCache and is dispatched to the primitive's contiguous or paged instantiation here, once.
+/// argument-dependent lookup on its context type picks the CPU's functions or cuda/backend.hpp's, whose
+/// arguments are the same. A primitive that takes the context itself (cpu/rope.hpp) is reached through its
+/// include here; the others through this file's overloads, each a forward to the primitive documented in its own
+/// header, where the cache arrives as a KVCache and is dispatched to the primitive's contiguous or paged
+/// instantiation, once.
 
 #include <algorithm>
 #include <cstddef>
@@ -115,31 +117,6 @@ void sparse_decode(const QueryView<const T>& q, const KVCache<const T>& cache, c
 template <class TI, class TO>
 void merge_states(std::span<const StateView<const TI>> partials, const StateView<TO>& out, const Context&) {
   cpu::merge_states<TI, TO>(partials, out);
-}
-
-// RoPE (core/rope.hpp, cpu/rope.hpp).
-inline void build_rope_table(const RopeConfig& config, const RopeTableView& table, const Context& ctx) {
-  cpu::build_rope_table(config, table, ctx.pool);
-}
-template <class T>
-void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, const RopeTableView& table, bool inverse,
-                const Context& ctx) {
-  cpu::apply_rope(x, positions, table, inverse, ctx.pool);
-}
-template <class T>
-void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const RopeTableView& table, bool inverse,
-                const Context& ctx) {
-  cpu::apply_rope(rows, positions, table, inverse, ctx.pool);
-}
-template <class T>
-void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
-                const RopeTableView& table, bool inverse, const Context& ctx) {
-  cpu::apply_rope(x, positions, position_offset, table, inverse, ctx.pool);
-}
-template <class T>
-void rotate_to_position(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
-                        std::int32_t target, const RopeTableView& table, const Context& ctx) {
-  cpu::rotate_to_position(x, positions, position_offset, target, table, ctx.pool);
 }
 
 // Segment mean (cpu/segment_mean.hpp).

@@ -128,30 +128,6 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
   cuda::merge_states<TI, TO>(partials, out, ctx.stream);
 }
 
-// RoPE (core/rope.hpp, cuda/rope.hpp).
-inline void build_rope_table(const RopeConfig& config, const RopeTableView& table, const Context& ctx) {
-  cuda::build_rope_table(config, table, ctx.stream);
-}
-template <class T>
-void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, const RopeTableView& table, bool inverse,
-                const Context& ctx) {
-  cuda::apply_rope(x, positions, table, inverse, ctx.stream);
-}
-template <class T>
-void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const RopeTableView& table, bool inverse,
-                const Context& ctx) {
-  cuda::apply_rope(rows, positions, table, inverse, ctx.stream);
-}
-template <class T>
-void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
-                const RopeTableView& table, bool inverse, const Context& ctx) {
-  cuda::apply_rope(x, positions, position_offset, table, inverse, ctx.stream);
-}
-template <class T>
-void rotate_to_position(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
-                        std::int32_t target, const RopeTableView& table, const Context& ctx) {
-  cuda::rotate_to_position(x, positions, position_offset, target, table, ctx.stream);
-}
 
 // Rerank (cuda/rerank.hpp).
 inline std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity,
