@@ -2,10 +2,11 @@
 /// The CPU backend of algorithms written once for both backends (selectors, the decode step): every shared
 /// primitive with a cpu::Context as its last argument. An algorithm calls them unqualified, and
 /// argument-dependent lookup on its context type picks the CPU's functions or cuda/backend.hpp's, whose
-/// arguments are the same. A primitive that takes the context itself (cpu/rope.hpp) is reached through its
-/// include here; the others through this file's overloads, each a forward to the primitive documented in its own
-/// header, where the cache arrives as a KVCache and is dispatched to the primitive's contiguous or paged
-/// instantiation, once.
+/// arguments are the same. A primitive that takes the context itself (cpu/rope.hpp, cpu/segment_mean.hpp,
+/// cpu/kmeans.hpp) is reached through its include here; the others through this file's overloads, each a forward
+/// to the primitive documented in its own header, where the cache arrives as a KVCache and is dispatched to the
+/// primitive's contiguous or paged instantiation, once. A forward must not keep the primitive's own signature: it
+/// would define the primitive as a call of itself.
 
 #include <algorithm>
 #include <cstddef>
@@ -119,17 +120,6 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
   cpu::merge_states<TI, TO>(partials, out);
 }
 
-// Segment mean (cpu/segment_mean.hpp).
-inline std::size_t segment_mean_workspace_bytes(std::int64_t rows, std::int32_t segments, const Context&) {
-  return cpu::segment_mean_workspace_bytes(rows, segments);
-}
-template <class T>
-void segment_mean(const MatrixView<const T>& rows, const std::int32_t* assignment, std::int32_t segments,
-                  const float* weights, const MatrixView<float>& means, std::int32_t* counts,
-                  std::span<std::byte> workspace, const Context& ctx) {
-  cpu::segment_mean(rows, assignment, segments, weights, means, counts, workspace, ctx.pool);
-}
-
 // Rerank (cpu/rerank.hpp).
 inline std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity,
                                                     const Context&) {
@@ -182,17 +172,6 @@ void gather_kv_difference(const KVCache<const T>& src, const SelectionView& prev
                           const SelectionView& current, std::int32_t* current_slots, const ContiguousKVView<T>& resident,
                           std::int32_t* copied, std::span<std::byte> workspace, const Context& ctx) {
   cpu::gather_kv_difference(src, previous, previous_slots, current, current_slots, resident, copied, workspace, ctx.pool);
-}
-
-// Batched k-means over many small problems (cpu/kmeans.hpp).
-inline std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n, std::int32_t dim,
-                                                  const BatchedKMeansConfig& config, const Context&) {
-  return cpu::batched_kmeans_workspace_bytes(problems, n, dim, config);
-}
-template <class T>
-void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights, const BatchedKMeansConfig& config,
-                    float* centroids, std::int32_t* assignment, std::span<std::byte> workspace, const Context& ctx) {
-  cpu::kmeans_batched(points, weights, config, centroids, assignment, workspace, ctx.pool);
 }
 
 }  // namespace kvsift::cpu

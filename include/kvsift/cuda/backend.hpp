@@ -128,7 +128,6 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
   cuda::merge_states<TI, TO>(partials, out, ctx.stream);
 }
 
-
 // Rerank (cuda/rerank.hpp).
 inline std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity,
                                                     const Context&) {
@@ -147,17 +146,6 @@ inline void remap_selection(const SelectionView& positions, const SelectionView&
 inline void append_range(const SelectionView& rows, const std::int32_t* slots, const std::int32_t* first,
                          const std::int32_t* lengths, const AttentionWindow& window, const Context& ctx) {
   cuda::append_range(rows, slots, first, lengths, window, ctx.stream);
-}
-
-// Segment mean (cuda/segment_mean.hpp).
-inline std::size_t segment_mean_workspace_bytes(std::int64_t rows, std::int32_t segments, const Context&) {
-  return cuda::segment_mean_workspace_bytes(rows, segments);
-}
-template <class T>
-void segment_mean(const MatrixView<const T>& rows, const std::int32_t* assignment, std::int32_t segments,
-                  const float* weights, const MatrixView<float>& means, std::int32_t* counts,
-                  std::span<std::byte> workspace, const Context& ctx) {
-  cuda::segment_mean(rows, assignment, segments, weights, means, counts, workspace, ctx.stream);
 }
 
 // Inverted lists (core/inverted_lists.hpp, cuda/inverted_lists.hpp).
@@ -192,17 +180,6 @@ void gather_kv_difference(const KVCache<const T>& src, const SelectionView& prev
                           const SelectionView& current, std::int32_t* current_slots, const ContiguousKVView<T>& resident,
                           std::int32_t* copied, std::span<std::byte> workspace, const Context& ctx) {
   cuda::gather_kv_difference(src, previous, previous_slots, current, current_slots, resident, copied, workspace, ctx.stream);
-}
-
-// Batched k-means over many small problems (cuda/kmeans.hpp).
-inline std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n, std::int32_t dim,
-                                                  const BatchedKMeansConfig& config, const Context&) {
-  return cuda::batched_kmeans_workspace_bytes(problems, n, dim, config);
-}
-template <class T>
-void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights, const BatchedKMeansConfig& config,
-                    float* centroids, std::int32_t* assignment, std::span<std::byte> workspace, const Context& ctx) {
-  cuda::kmeans_batched(points, weights, config, centroids, assignment, workspace, ctx.stream);
 }
 
 }  // namespace kvsift::cuda
