@@ -3,10 +3,10 @@
 /// primitive with a cpu::Context as its last argument. An algorithm calls them unqualified, and
 /// argument-dependent lookup on its context type picks the CPU's functions or cuda/backend.hpp's, whose
 /// arguments are the same. A primitive that takes the context itself (cpu/rope.hpp, cpu/segment_mean.hpp,
-/// cpu/kmeans.hpp) is reached through its include here; the others through this file's overloads, each a forward
-/// to the primitive documented in its own header, where the cache arrives as a KVCache and is dispatched to the
-/// primitive's contiguous or paged instantiation, once. A forward must not keep the primitive's own signature: it
-/// would define the primitive as a call of itself.
+/// cpu/kmeans.hpp, cpu/inverted_lists.hpp, cpu/gather.hpp) is reached through its include here; the others
+/// through this file's overloads, each a forward to the primitive documented in its own header, where the cache
+/// arrives as a KVCache and is dispatched to the primitive's contiguous or paged instantiation, once. A forward
+/// must not keep the primitive's own signature: it would define the primitive as a call of itself.
 
 #include <algorithm>
 #include <cstddef>
@@ -138,40 +138,6 @@ inline void remap_selection(const SelectionView& positions, const SelectionView&
 inline void append_range(const SelectionView& rows, const std::int32_t* slots, const std::int32_t* first,
                          const std::int32_t* lengths, const AttentionWindow& window, const Context&) {
   cpu::append_range(rows, slots, first, lengths, window);
-}
-
-// Inverted lists (core/inverted_lists.hpp, cpu/inverted_lists.hpp).
-inline std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity,
-                                                  std::int32_t list_capacity, const Context& ctx) {
-  return cpu::list_reduction_workspace_bytes(rows, chosen_capacity, list_capacity, ctx.pool);
-}
-template <class T>
-void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
-                 const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
-                 std::span<std::byte> workspace, const Context& ctx) {
-  cpu::union_lists(lists, chosen, slots, lengths, window, out, workspace, ctx.pool);
-}
-template <class T>
-void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, const SelectionView& entries,
-                  const MatrixView<const float>& scores, std::int32_t* replaced, const Context& ctx) {
-  cpu::replace_list(lists, slots, entries, scores, replaced, ctx.pool);
-}
-
-// KV gathers (cpu/gather.hpp).
-template <class T>
-void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, const Context& ctx) {
-  cpu::gather_kv(src, rows, dst, ctx.pool);
-}
-inline std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_t kv_heads,
-                                                        std::int32_t current_capacity, std::int32_t resident_capacity,
-                                                        const Context& ctx) {
-  return cpu::gather_kv_difference_workspace_bytes(batch, kv_heads, current_capacity, resident_capacity, ctx.pool);
-}
-template <class T>
-void gather_kv_difference(const KVCache<const T>& src, const SelectionView& previous, const std::int32_t* previous_slots,
-                          const SelectionView& current, std::int32_t* current_slots, const ContiguousKVView<T>& resident,
-                          std::int32_t* copied, std::span<std::byte> workspace, const Context& ctx) {
-  cpu::gather_kv_difference(src, previous, previous_slots, current, current_slots, resident, copied, workspace, ctx.pool);
 }
 
 }  // namespace kvsift::cpu

@@ -148,40 +148,6 @@ inline void append_range(const SelectionView& rows, const std::int32_t* slots, c
   cuda::append_range(rows, slots, first, lengths, window, ctx.stream);
 }
 
-// Inverted lists (core/inverted_lists.hpp, cuda/inverted_lists.hpp).
-inline std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity,
-                                                  std::int32_t list_capacity, const Context&) {
-  return cuda::list_reduction_workspace_bytes(rows, chosen_capacity, list_capacity);
-}
-template <class T>
-void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
-                 const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
-                 std::span<std::byte> workspace, const Context& ctx) {
-  cuda::union_lists(lists, chosen, slots, lengths, window, out, workspace, ctx.stream);
-}
-template <class T>
-void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, const SelectionView& entries,
-                  const MatrixView<const float>& scores, std::int32_t* replaced, const Context& ctx) {
-  cuda::replace_list(lists, slots, entries, scores, replaced, ctx.stream);
-}
-
-// KV gathers (cuda/gather.hpp).
-template <class T>
-void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, const Context& ctx) {
-  cuda::gather_kv(src, rows, dst, ctx.stream);
-}
-inline std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_t kv_heads,
-                                                        std::int32_t current_capacity, std::int32_t resident_capacity,
-                                                        const Context&) {
-  return cuda::gather_kv_difference_workspace_bytes(batch, kv_heads, current_capacity, resident_capacity);
-}
-template <class T>
-void gather_kv_difference(const KVCache<const T>& src, const SelectionView& previous, const std::int32_t* previous_slots,
-                          const SelectionView& current, std::int32_t* current_slots, const ContiguousKVView<T>& resident,
-                          std::int32_t* copied, std::span<std::byte> workspace, const Context& ctx) {
-  cuda::gather_kv_difference(src, previous, previous_slots, current, current_slots, resident, copied, workspace, ctx.stream);
-}
-
 }  // namespace kvsift::cuda
 
 // Each selector's own calls, after the shared ones above, which they use: its primitives, which take the context
