@@ -406,7 +406,7 @@ void BM_StepStage(benchmark::State& state) {
   const std::size_t ws_bytes = std::max(
       {kvsift::cuda::topk_rows_workspace_bytes(rows, std::int32_t(n), kBudget, {.window = kWindow}),
        kvsift::cuda::topk_rows_workspace_bytes(rows, pages, page_k, {}),
-       kvsift::cuda::select_pages_workspace_bytes(batch, kKvHeads, pages, page_k, Cuda{}),
+       kvsift::select_pages_workspace_bytes(batch, kKvHeads, pages, page_k, Cuda{}),
        kvsift::cuda::group_scores_workspace_bytes(batch, kQHeads, kKvHeads, std::int32_t(n), softmax),
        kvsift::cuda::sparse_decode_workspace_bytes(
            kvsift::cuda::SparseDecodeShape{batch, kQHeads, kKvHeads, kHeadDim, kBudget},
@@ -440,7 +440,7 @@ void BM_StepStage(benchmark::State& state) {
                                 stream);
         break;
       case kSelectPages:
-        kvsift::cuda::select_pages(qv, layer.bounds_view().as_const(), layer.slots.ptr, layer.lengths.ptr, kWindow, pages, page_k,
+        kvsift::select_pages(qv, layer.bounds_view().as_const(), layer.slots.ptr, layer.lengths.ptr, kWindow, pages, page_k,
                              token_sel, workspace, Cuda{stream});
         break;
       case kPrepare:  // Quest's prefill: the page bounds of the whole sequence

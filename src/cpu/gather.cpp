@@ -7,6 +7,7 @@
 #include <bit>
 
 #include "kvsift/core/detail/gather_checks.hpp"
+#include "kvsift/core/detail/gather_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
 
@@ -35,9 +36,9 @@ std::uint64_t* layout_difference(WorkspaceLayout& layout, std::int64_t workers, 
 }  // namespace
 
 template <class T>
-void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, ThreadPool* pool) {
-  detail::check_gather_kv("cpu::gather_kv", src, rows, dst, MemorySpace::host);
-  parallel_for(pool, std::int64_t(rows.batch) * rows.kv_heads, [&](std::int64_t begin, std::int64_t end) {
+void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, const Context& ctx) {
+  kvsift::detail::check_gather_kv("cpu::gather_kv", src, rows, dst, MemorySpace::host);
+  parallel_for(ctx.pool, std::int64_t(rows.batch) * rows.kv_heads, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t row = begin; row < end; ++row) {
       const std::int64_t b = row / rows.kv_heads, h = row % rows.kv_heads;
       const std::int32_t* tokens = rows.row(b, h);
@@ -48,13 +49,13 @@ void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVC
 
 std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_t kv_heads,
                                                  std::int32_t current_capacity, std::int32_t resident_capacity,
-                                                 const ThreadPool* pool) {
+                                                 const Context& ctx) {
   KVSIFT_CHECK(batch > 0 && kv_heads > 0 && current_capacity > 0 && resident_capacity > 0,
                "cpu::gather_kv_difference_workspace_bytes",
                "batch (= {}), kv_heads (= {}), current_capacity (= {}) and resident_capacity (= {}) must be positive",
                batch, kv_heads, current_capacity, resident_capacity);
   WorkspaceLayout counting;
-  layout_difference(counting, difference_workers(std::int64_t(batch) * kv_heads, pool), resident_capacity);
+  layout_difference(counting, difference_workers(std::int64_t(batch) * kv_heads, ctx.pool), resident_capacity);
   return counting.bytes();
 }
 
@@ -62,20 +63,21 @@ template <class T>
 void gather_kv_difference(const KVCache<const T>& src, const SelectionView& previous,
                           const std::int32_t* previous_slots, const SelectionView& current,
                           std::int32_t* current_slots, const ContiguousKVView<T>& resident, std::int32_t* copied,
-                          std::span<std::byte> workspace, ThreadPool* pool) {
+                          std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cpu::gather_kv_difference";
-  detail::check_gather_difference(where, src, previous, previous_slots, current, current_slots, resident, copied,
-                                  MemorySpace::device);
+  kvsift::detail::check_gather_difference(where, src, previous, previous_slots, current, current_slots, resident,
+                                          copied, MemorySpace::device);
   const std::int64_t rows = std::int64_t(current.batch) * current.kv_heads;
-  const std::int64_t workers = difference_workers(rows, pool);
+  const std::int64_t workers = difference_workers(rows, ctx.pool);
   const std::int64_t words = (std::int64_t(resident.capacity) + 63) / 64;
   WorkspaceLayout layout(workspace, where);
   std::uint64_t* const bitmaps = layout_difference(layout, workers, resident.capacity);
   std::fill_n(bitmaps, words, 0);
-  detail::check_gather_difference(where, src, previous, previous_slots, current, current_slots, resident, copied,
-                                  MemorySpace::host, std::span<std::uint64_t>(bitmaps, std::size_t(words)));
+  kvsift::detail::check_gather_difference(where, src, previous, previous_slots, current, current_slots, resident,
+                                          copied, MemorySpace::host,
+                                          std::span<std::uint64_t>(bitmaps, std::size_t(words)));
   const KVCache<T> dst(resident);
-  parallel_for(pool, workers, [&](std::int64_t worker_begin, std::int64_t worker_end) {
+  parallel_for(ctx.pool, workers, [&](std::int64_t worker_begin, std::int64_t worker_end) {
     for (std::int64_t worker = worker_begin; worker < worker_end; ++worker) {
       std::uint64_t* const used = bitmaps + worker * words;
       for (std::int64_t row = worker * rows / workers; row < (worker + 1) * rows / workers; ++row) {
@@ -109,12 +111,6 @@ void gather_kv_difference(const KVCache<const T>& src, const SelectionView& prev
   });
 }
 
-#define KVSIFT_INSTANTIATE(T)                                                                                        \
-  template void gather_kv<T>(const KVCache<const T>&, const SelectionView&, const KVCache<T>&, ThreadPool*);         \
-  template void gather_kv_difference<T>(const KVCache<const T>&, const SelectionView&, const std::int32_t*,           \
-                                        const SelectionView&, std::int32_t*, const ContiguousKVView<T>&,             \
-                                        std::int32_t*, std::span<std::byte>, ThreadPool*);
-KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
-#undef KVSIFT_INSTANTIATE
+KVSIFT_STORAGE_TYPES(KVSIFT_GATHER_INSTANCES)
 
 }  // namespace kvsift::cpu

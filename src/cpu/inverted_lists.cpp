@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "kvsift/core/detail/inverted_lists_checks.hpp"
+#include "kvsift/core/detail/inverted_lists_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
 
@@ -27,28 +28,28 @@ std::int32_t* layout_reduction(WorkspaceLayout& layout, std::int64_t workers, st
 }  // namespace
 
 std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t list_capacity,
-                                           const ThreadPool* pool) {
+                                           const Context& ctx) {
   constexpr const char* where = "cpu::list_reduction_workspace_bytes";
   KVSIFT_CHECK(rows > 0 && chosen_capacity > 0 && list_capacity > 0, where,
                "rows (= {}), chosen_capacity (= {}) and list_capacity (= {}) must be positive", rows, chosen_capacity,
                list_capacity);
   WorkspaceLayout counting;
-  layout_reduction(counting, reduction_workers(rows, pool), chosen_capacity, list_capacity);
+  layout_reduction(counting, reduction_workers(rows, ctx.pool), chosen_capacity, list_capacity);
   return counting.bytes();
 }
 
 template <class T>
 void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
                  const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
-                 std::span<std::byte> workspace, ThreadPool* pool) {
+                 std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cpu::union_lists";
-  detail::check_list_reduction(where, lists, chosen, slots, lengths, window, out, MemorySpace::host);
+  kvsift::detail::check_list_reduction(where, lists, chosen, slots, lengths, window, out, MemorySpace::host);
   const std::int64_t rows = std::int64_t(chosen.batch) * chosen.kv_heads;
-  const std::int64_t workers = reduction_workers(rows, pool);
+  const std::int64_t workers = reduction_workers(rows, ctx.pool);
   const std::int64_t segment = std::int64_t(chosen.capacity) * lists.list_capacity;
   WorkspaceLayout layout(workspace, where);
   std::int32_t* const scratch = layout_reduction(layout, workers, chosen.capacity, lists.list_capacity);
-  parallel_for(pool, workers, [&](std::int64_t worker_begin, std::int64_t worker_end) {
+  parallel_for(ctx.pool, workers, [&](std::int64_t worker_begin, std::int64_t worker_end) {
     for (std::int64_t worker = worker_begin; worker < worker_end; ++worker) {
       std::int32_t* const kept = scratch + worker * segment;
       for (std::int64_t row = worker * rows / workers; row < (worker + 1) * rows / workers; ++row) {
@@ -58,7 +59,7 @@ void union_lists(const InvertedListsView<const T>& lists, const SelectionView& c
         for (std::int32_t i = 0; i < chosen.count(b, h); ++i) {
           const std::int32_t* ids = lists.list_ids(slots[b], h, picked[i]);
           end = std::copy_if(ids, ids + lists.count(slots[b], h, picked[i]), end,
-                             [&](std::int32_t id) { return detail::list_entry_kept(id, lengths[b], window); });
+                             [&](std::int32_t id) { return kvsift::detail::list_entry_kept(id, lengths[b], window); });
         }
         std::sort(kept, end);
         end = std::unique(kept, end);
@@ -73,9 +74,9 @@ void union_lists(const InvertedListsView<const T>& lists, const SelectionView& c
 
 template <class T>
 void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, const SelectionView& entries,
-                  const MatrixView<const float>& scores, std::int32_t* replaced, ThreadPool* pool) {
-  detail::check_replace_list("cpu::replace_list", lists, slots, entries, scores, MemorySpace::host);
-  parallel_for(pool, std::int64_t(entries.batch) * entries.kv_heads, [&](std::int64_t begin, std::int64_t end) {
+                  const MatrixView<const float>& scores, std::int32_t* replaced, const Context& ctx) {
+  kvsift::detail::check_replace_list("cpu::replace_list", lists, slots, entries, scores, MemorySpace::host);
+  parallel_for(ctx.pool, std::int64_t(entries.batch) * entries.kv_heads, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t row = begin; row < end; ++row) {
       const std::int64_t b = row / entries.kv_heads, h = row % entries.kv_heads;
       std::int32_t& cursor = lists.cursors[std::int64_t(slots[b]) * lists.kv_heads + h];
@@ -92,13 +93,6 @@ void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, 
   });
 }
 
-#define KVSIFT_INSTANTIATE(T)                                                                                        \
-  template void union_lists<T>(const InvertedListsView<const T>&, const SelectionView&, const std::int32_t*,          \
-                               const std::int32_t*, const AttentionWindow&, const SelectionView&, std::span<std::byte>, \
-                               ThreadPool*);                                                                         \
-  template void replace_list<T>(const InvertedListsView<T>&, const std::int32_t*, const SelectionView&,               \
-                                const MatrixView<const float>&, std::int32_t*, ThreadPool*);
-KVSIFT_LIST_STORAGE_TYPES(KVSIFT_INSTANTIATE)
-#undef KVSIFT_INSTANTIATE
+KVSIFT_LIST_STORAGE_TYPES(KVSIFT_INVERTED_LISTS_INSTANCES)
 
 }  // namespace kvsift::cpu

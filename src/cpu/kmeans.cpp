@@ -246,7 +246,7 @@ detail::ScorePanel detail::pack_score_panel(const MatrixView<const float>& vecto
 }
 
 std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n, std::int32_t dim,
-                                           const BatchedKMeansConfig& config) {
+                                           const BatchedKMeansConfig& config, const Context&) {
   kvsift::detail::check_batched_kmeans_shape("cpu::batched_kmeans_workspace_bytes", problems, n, dim, config);
   WorkspaceLayout counting;
   layout_batched_kmeans(counting, problems, n, dim, config);
@@ -255,7 +255,7 @@ std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n
 
 template <class T>
 void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights, const BatchedKMeansConfig& config,
-                    float* centroids, std::int32_t* assignment, std::span<std::byte> workspace, ThreadPool* pool) {
+                    float* centroids, std::int32_t* assignment, std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cpu::kmeans_batched";
   kvsift::detail::check_batched_kmeans(where, points, weights, config, centroids, assignment);
   const std::int32_t problems = points.problems, dim = points.cols, k = config.clusters;
@@ -272,7 +272,7 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
   const auto problem_centroids = [&](std::int64_t p) { return centroids + p * k * dim; };
 
   const std::int64_t row_items = (n + kAssignRows - 1) / kAssignRows;
-  parallel_for(pool, problems * row_items, [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(ctx.pool, problems * row_items, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t item = begin; item < end; ++item) {
       const std::int64_t p = item / row_items, first = item % row_items * kAssignRows;
       for (std::int64_t i = first; i < std::min(n, first + kAssignRows); ++i) {
@@ -283,7 +283,7 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
       }
     }
   });
-  parallel_for(pool, problems, [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(ctx.pool, problems, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t p = begin; p < end; ++p) {
       seed_problem(problem_points(p), problem_weights(p), n, dim, cosine, k,
                    kvsift::detail::batched_kmeans_seed(config.seed, p), problem_centroids(p), ws.nearest + p * n);
@@ -291,7 +291,7 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
   });
 
   const auto assign = [&] {
-    parallel_for(pool, problems, [&](std::int64_t begin, std::int64_t end) {
+    parallel_for(ctx.pool, problems, [&](std::int64_t begin, std::int64_t end) {
       for (std::int64_t p = begin; p < end; ++p) {
         float* panel = ws.panels + p * ws.panel_floats;
         detail::pack_score_panel(MatrixView<const float>::packed(problem_centroids(p), k, dim), !cosine, panel,
@@ -299,7 +299,7 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
       }
     });
     with_simd_level([&]<SimdLevel L>() {
-      parallel_for(pool, problems * row_items, [&](std::int64_t begin, std::int64_t end) {
+      parallel_for(ctx.pool, problems * row_items, [&](std::int64_t begin, std::int64_t end) {
         for (std::int64_t item = begin; item < end; ++item) {
           const std::int64_t p = item / row_items, first = item % row_items * kAssignRows, last = std::min(n, first + kAssignRows);
           const float* panel = ws.panels + p * ws.panel_floats;
@@ -318,8 +318,8 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
     const auto all_centroids = MatrixView<float>::packed(centroids, std::int64_t(problems) * k, dim);
     for (std::int32_t it = 0; it < config.iterations; ++it) {
       assign();
-      segment_mean(all_points, ws.keys, problems * k, weights, all_centroids, ws.counts, ws.segment_mean, pool);
-      parallel_for(pool, problems, [&](std::int64_t begin, std::int64_t end) {
+      segment_mean(all_points, ws.keys, problems * k, weights, all_centroids, ws.counts, ws.segment_mean, ctx);
+      parallel_for(ctx.pool, problems, [&](std::int64_t begin, std::int64_t end) {
         for (std::int64_t p = begin; p < end; ++p) {
           finish_problem(problem_points(p), problem_weights(p), n, dim, cosine, reseed, k, assignment + p * n,
                          ws.counts + p * k, problem_centroids(p), ws.nearest + p * n);
@@ -335,7 +335,7 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
   std::fill_n(ws.counts, std::int64_t(problems) * k, 0);
   std::fill_n(ws.absorbed, std::int64_t(problems) * k, 0.0);
   for (std::int32_t it = 0; it < config.iterations; ++it) {
-    parallel_for(pool, problems, [&](std::int64_t begin, std::int64_t end) {
+    parallel_for(ctx.pool, problems, [&](std::int64_t begin, std::int64_t end) {
       for (std::int64_t p = begin; p < end; ++p) {
         const std::uint64_t problem_seed = kvsift::detail::batched_kmeans_seed(config.seed, p);
         std::int32_t* drawn = ws.drawn + p * batch;
@@ -355,7 +355,7 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
       }
     });
   }
-  parallel_for(pool, problems * row_items, [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(ctx.pool, problems * row_items, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t item = begin; item < end; ++item) {
       const std::int64_t p = item / row_items, first = item % row_items * kAssignRows;
       for (std::int64_t i = first; i < std::min(n, first + kAssignRows); ++i) {
@@ -368,7 +368,7 @@ void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weigh
 
 #define KVSIFT_INSTANTIATE(T)                                                                                     \
   template void kmeans_batched<T>(const BatchedMatrixView<const T>&, const float*, const BatchedKMeansConfig&,    \
-                                  float*, std::int32_t*, std::span<std::byte>, ThreadPool*);
+                                  float*, std::int32_t*, std::span<std::byte>, const Context&);
 KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 

@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "kvsift/core/detail/rope_checks.hpp"
+#include "kvsift/core/detail/rope_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 
 namespace kvsift::cpu {
@@ -48,8 +49,8 @@ void check_deltas(const char* where, const Amount& amount, std::int64_t count, c
 /// Rotates the heads of batch row b by amount(b) (a position or a delta).
 template <class T, class Amount>
 void rotate_heads(const HeadsView<T>& x, const Amount& amount, const RopeTableView& table, bool inverse, double scale,
-                  ThreadPool* pool) {
-  parallel_for(pool, std::int64_t(x.batch) * x.heads, [&](std::int64_t begin, std::int64_t end) {
+                  const Context& ctx) {
+  parallel_for(ctx.pool, std::int64_t(x.batch) * x.heads, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t e = begin; e < end; ++e) {
       const std::int64_t b = e / x.heads, h = e % x.heads;
       rotate_vector(x.row(b, h), table, amount(b), inverse, scale);
@@ -63,12 +64,12 @@ double forward_scale(const RopeTableView& table, bool inverse) {
 
 }  // namespace
 
-void build_rope_table(const RopeConfig& config, const RopeTableView& table, ThreadPool* pool) {
+void build_rope_table(const RopeConfig& config, const RopeTableView& table, const Context& ctx) {
   constexpr const char* where = "cpu::build_rope_table";
   kvsift::detail::check_rope_table_build(where, config, table);
   // A pair's column at a time: its inverse frequency is evaluated once.
   const std::int32_t half = table.pairs();
-  parallel_for(pool, half, [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(ctx.pool, half, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
       const double inv_freq = config.inv_freq(std::int32_t(i), table.rotary_dim);
       for (std::int32_t p = 0; p < table.positions; ++p) {
@@ -81,35 +82,35 @@ void build_rope_table(const RopeConfig& config, const RopeTableView& table, Thre
 
 template <class T>
 void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, const RopeTableView& table, bool inverse,
-                ThreadPool* pool) {
-  apply_rope(x, positions, 0, table, inverse, pool);
+                const Context& ctx) {
+  apply_rope(x, positions, 0, table, inverse, ctx);
 }
 
 template <class T>
 void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
-                const RopeTableView& table, bool inverse, ThreadPool* pool) {
+                const RopeTableView& table, bool inverse, const Context& ctx) {
   constexpr const char* where = "cpu::apply_rope";
   kvsift::detail::check_rope_rows(where, x, positions, table, "positions");
   check_positions(where, positions, position_offset, x.batch, table);
   const auto position = [&](std::int64_t b) { return std::int64_t(positions[b]) + position_offset; };
-  rotate_heads(x, position, table, inverse, forward_scale(table, inverse), pool);
+  rotate_heads(x, position, table, inverse, forward_scale(table, inverse), ctx.pool);
 }
 
 template <class T>
 void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const RopeTableView& table, bool inverse,
-                ThreadPool* pool) {
+                const Context& ctx) {
   constexpr const char* where = "cpu::apply_rope";
   kvsift::detail::check_rope_rows(where, rows, positions, table, "positions");
   check_positions(where, positions, 0, rows.rows, table);
   const double scale = forward_scale(table, inverse);
-  parallel_for(pool, rows.rows, [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(ctx.pool, rows.rows, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin; r < end; ++r) rotate_vector(rows.row(r), table, positions[r], inverse, scale);
   });
 }
 
 template <class T>
 void rotate_to_position(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
-                        std::int32_t target, const RopeTableView& table, ThreadPool* pool) {
+                        std::int32_t target, const RopeTableView& table, const Context& ctx) {
   constexpr const char* where = "cpu::rotate_to_position";
   kvsift::detail::check_rope_rows(where, x, positions, table, "positions");
   kvsift::detail::check_rope_target(where, target);
@@ -120,17 +121,9 @@ void rotate_to_position(const HeadsView<T>& x, const std::int32_t* positions, st
   }
   const auto delta = [&](std::int64_t b) { return std::int64_t(target) - (std::int64_t(positions[b]) + position_offset); };
   check_deltas(where, delta, x.batch, table);
-  rotate_heads(x, delta, table, /*inverse=*/false, 1.0, pool);
+  rotate_heads(x, delta, table, /*inverse=*/false, 1.0, ctx.pool);
 }
 
-#define KVSIFT_INSTANTIATE(T)                                                                                   \
-  template void apply_rope<T>(const HeadsView<T>&, const std::int32_t*, const RopeTableView&, bool, ThreadPool*); \
-  template void apply_rope<T>(const MatrixView<T>&, const std::int32_t*, const RopeTableView&, bool, ThreadPool*); \
-  template void apply_rope<T>(const HeadsView<T>&, const std::int32_t*, std::int32_t, const RopeTableView&, bool,   \
-                              ThreadPool*);                                                                        \
-  template void rotate_to_position<T>(const HeadsView<T>&, const std::int32_t*, std::int32_t, std::int32_t,        \
-                                      const RopeTableView&, ThreadPool*);
-KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
-#undef KVSIFT_INSTANTIATE
+KVSIFT_STORAGE_TYPES(KVSIFT_ROPE_INSTANCES)
 
 }  // namespace kvsift::cpu

@@ -26,7 +26,7 @@ constexpr std::int32_t kColumnBlock = 32;
 
 }  // namespace
 
-std::size_t segment_mean_workspace_bytes(std::int64_t rows, std::int32_t segments) {
+std::size_t segment_mean_workspace_bytes(std::int64_t rows, std::int32_t segments, const Context&) {
   kvsift::detail::check_segment_mean_shape("cpu::segment_mean_workspace_bytes", rows, segments);
   WorkspaceLayout counting;
   layout_segment_mean(counting, rows, segments);
@@ -36,7 +36,7 @@ std::size_t segment_mean_workspace_bytes(std::int64_t rows, std::int32_t segment
 template <class T>
 void segment_mean(const MatrixView<const T>& rows, const std::int32_t* assignment, std::int32_t segments,
                   const float* weights, const MatrixView<float>& means, std::int32_t* counts,
-                  std::span<std::byte> workspace, ThreadPool* pool) {
+                  std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cpu::segment_mean";
   kvsift::detail::check_segment_mean(where, rows, assignment, segments, means, counts);
   WorkspaceLayout layout(workspace, where);
@@ -55,7 +55,7 @@ void segment_mean(const MatrixView<const T>& rows, const std::int32_t* assignmen
     if (inside(assignment[i])) ws.members[ws.offsets[assignment[i] + 1]++] = std::int32_t(i);
   }
 
-  parallel_for(pool, segments, [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(ctx.pool, segments, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t s = begin; s < end; ++s) {
       const std::int32_t* first = ws.members + ws.offsets[s];
       const std::int32_t* last = ws.members + ws.offsets[s + 1];
@@ -80,7 +80,7 @@ void segment_mean(const MatrixView<const T>& rows, const std::int32_t* assignmen
 
 #define KVSIFT_INSTANTIATE(T)                                                                                 \
   template void segment_mean<T>(const MatrixView<const T>&, const std::int32_t*, std::int32_t, const float*, \
-                                const MatrixView<float>&, std::int32_t*, std::span<std::byte>, ThreadPool*);
+                                const MatrixView<float>&, std::int32_t*, std::span<std::byte>, const Context&);
 KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 

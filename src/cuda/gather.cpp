@@ -5,6 +5,7 @@
 #include <climits>
 
 #include "kvsift/core/detail/gather_checks.hpp"
+#include "kvsift/core/detail/gather_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -27,13 +28,15 @@ std::int32_t* layout_difference(WorkspaceLayout& layout, std::int32_t batch, std
 }  // namespace
 
 template <class T>
-void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, cudaStream_t stream) {
+void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, const Context& ctx) {
   kvsift::detail::check_gather_kv("cuda::gather_kv", src, rows, dst, MemorySpace::device);
-  KVSIFT_CUDA_CHECK(detail::launch_gather_kv(src, rows, dst, rows_16b_aligned(src) && rows_16b_aligned(dst), stream));
+  KVSIFT_CUDA_CHECK(
+      detail::launch_gather_kv(src, rows, dst, rows_16b_aligned(src) && rows_16b_aligned(dst), ctx.stream));
 }
 
 std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_t kv_heads,
-                                                 std::int32_t current_capacity, std::int32_t resident_capacity) {
+                                                 std::int32_t current_capacity, std::int32_t resident_capacity,
+                                                 const Context&) {
   KVSIFT_CHECK(batch > 0 && kv_heads > 0 && current_capacity > 0 && resident_capacity > 0,
                "cuda::gather_kv_difference_workspace_bytes",
                "batch (= {}), kv_heads (= {}), current_capacity (= {}) and resident_capacity (= {}) must be positive",
@@ -47,7 +50,7 @@ template <class T>
 void gather_kv_difference(const KVCache<const T>& src, const SelectionView& previous,
                           const std::int32_t* d_previous_slots, const SelectionView& current,
                           std::int32_t* d_current_slots, const ContiguousKVView<T>& resident, std::int32_t* d_copied,
-                          std::span<std::byte> workspace, cudaStream_t stream) {
+                          std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cuda::gather_kv_difference";
   kvsift::detail::check_gather_difference(where, src, previous, d_previous_slots, current, d_current_slots, resident,
                                           d_copied, MemorySpace::device);
@@ -63,17 +66,11 @@ void gather_kv_difference(const KVCache<const T>& src, const SelectionView& prev
       .copied = d_copied,
       .fresh = layout_difference(layout, current.batch, current.kv_heads, current.capacity)};
   const KVCache<T> dst(resident);
-  KVSIFT_CUDA_CHECK(detail::launch_assign_difference_slots(slots, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_assign_difference_slots(slots, ctx.stream));
   KVSIFT_CUDA_CHECK(
-      detail::launch_copy_difference(src, slots, dst, rows_16b_aligned(src) && rows_16b_aligned(dst), stream));
+      detail::launch_copy_difference(src, slots, dst, rows_16b_aligned(src) && rows_16b_aligned(dst), ctx.stream));
 }
 
-#define KVSIFT_INSTANTIATE(T)                                                                                        \
-  template void gather_kv<T>(const KVCache<const T>&, const SelectionView&, const KVCache<T>&, cudaStream_t);        \
-  template void gather_kv_difference<T>(const KVCache<const T>&, const SelectionView&, const std::int32_t*,           \
-                                        const SelectionView&, std::int32_t*, const ContiguousKVView<T>&,             \
-                                        std::int32_t*, std::span<std::byte>, cudaStream_t);
-KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
-#undef KVSIFT_INSTANTIATE
+KVSIFT_STORAGE_TYPES(KVSIFT_GATHER_INSTANCES)
 
 }  // namespace kvsift::cuda

@@ -5,6 +5,7 @@
 #include <climits>
 
 #include "kvsift/core/detail/inverted_lists_checks.hpp"
+#include "kvsift/core/detail/inverted_lists_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -29,7 +30,7 @@ detail::ListReductionBuffers layout_reduction(WorkspaceLayout& layout, std::int6
 }  // namespace
 
 std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity,
-                                           std::int32_t list_capacity) {
+                                           std::int32_t list_capacity, const Context&) {
   constexpr const char* where = "cuda::list_reduction_workspace_bytes";
   KVSIFT_CHECK(rows > 0 && chosen_capacity > 0 && list_capacity > 0, where,
                "rows (= {}), chosen_capacity (= {}) and list_capacity (= {}) must be positive", rows, chosen_capacity,
@@ -45,7 +46,7 @@ std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chose
 template <class T>
 void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* d_slots,
                  const std::int32_t* d_lengths, const AttentionWindow& window, const SelectionView& out,
-                 std::span<std::byte> workspace, cudaStream_t stream) {
+                 std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cuda::union_lists";
   kvsift::detail::check_list_reduction(where, lists, chosen, d_slots, d_lengths, window, out, MemorySpace::device);
   KVSIFT_CHECK(std::int64_t(chosen.batch) * chosen.kv_heads <= INT32_MAX, where,
@@ -60,26 +61,19 @@ void union_lists(const InvertedListsView<const T>& lists, const SelectionView& c
                                               .segment = chosen.capacity * lists.list_capacity};
   WorkspaceLayout layout(workspace, where);
   const detail::ListReductionBuffers buffers = layout_reduction(layout, params.rows, params.segment);
-  KVSIFT_CUDA_CHECK(detail::launch_list_reduction(params, buffers, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_list_reduction(params, buffers, ctx.stream));
 }
 
 template <class T>
 void replace_list(const InvertedListsView<T>& lists, const std::int32_t* d_slots, const SelectionView& entries,
-                  const MatrixView<const float>& scores, std::int32_t* d_replaced, cudaStream_t stream) {
+                  const MatrixView<const float>& scores, std::int32_t* d_replaced, const Context& ctx) {
   constexpr const char* where = "cuda::replace_list";
   kvsift::detail::check_replace_list(where, lists, d_slots, entries, scores, MemorySpace::device);
   KVSIFT_CHECK(std::int64_t(entries.batch) * entries.kv_heads <= INT32_MAX, where,
                "entries.batch * kv_heads (= {} * {}) exceeds 2^31 - 1 CTAs", entries.batch, entries.kv_heads);
-  KVSIFT_CUDA_CHECK(detail::launch_replace_list(lists, d_slots, entries, scores, d_replaced, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_replace_list(lists, d_slots, entries, scores, d_replaced, ctx.stream));
 }
 
-#define KVSIFT_INSTANTIATE(T)                                                                                        \
-  template void union_lists<T>(const InvertedListsView<const T>&, const SelectionView&, const std::int32_t*,          \
-                               const std::int32_t*, const AttentionWindow&, const SelectionView&, std::span<std::byte>, \
-                               cudaStream_t);                                                                        \
-  template void replace_list<T>(const InvertedListsView<T>&, const std::int32_t*, const SelectionView&,               \
-                                const MatrixView<const float>&, std::int32_t*, cudaStream_t);
-KVSIFT_LIST_STORAGE_TYPES(KVSIFT_INSTANTIATE)
-#undef KVSIFT_INSTANTIATE
+KVSIFT_LIST_STORAGE_TYPES(KVSIFT_INVERTED_LISTS_INSTANCES)
 
 }  // namespace kvsift::cuda

@@ -41,7 +41,7 @@ detail::BatchedKMeansBuffers layout_kmeans_batched(WorkspaceLayout& layout, std:
 }  // namespace
 
 std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n, std::int32_t dim,
-                                           const BatchedKMeansConfig& config) {
+                                           const BatchedKMeansConfig& config, const Context&) {
   constexpr const char* where = "cuda::batched_kmeans_workspace_bytes";
   kvsift::detail::check_batched_kmeans_shape(where, problems, n, dim, config);
   check_problems(where, problems);
@@ -52,18 +52,18 @@ std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n
 
 template <class T>
 void kmeans_batched(const BatchedMatrixView<const T>& points, const float* d_weights, const BatchedKMeansConfig& config,
-                    float* d_centroids, std::int32_t* d_assignment, std::span<std::byte> workspace, cudaStream_t stream) {
+                    float* d_centroids, std::int32_t* d_assignment, std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cuda::kmeans_batched";
   kvsift::detail::check_batched_kmeans(where, points, d_weights, config, d_centroids, d_assignment);
   check_problems(where, points.problems);
   WorkspaceLayout layout(workspace, where);
   const detail::BatchedKMeansBuffers buffers = layout_kmeans_batched(layout, points.problems, points.rows, points.cols, config);
-  KVSIFT_CUDA_CHECK(detail::launch_kmeans_batched(points, d_weights, config, d_centroids, d_assignment, buffers, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_kmeans_batched(points, d_weights, config, d_centroids, d_assignment, buffers, ctx.stream));
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                       \
   template void kmeans_batched<T>(const BatchedMatrixView<const T>&, const float*, const BatchedKMeansConfig&, \
-                                  float*, std::int32_t*, std::span<std::byte>, cudaStream_t);
+                                  float*, std::int32_t*, std::span<std::byte>, const Context&);
 KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 

@@ -24,7 +24,7 @@ detail::SegmentMeanBuffers detail::layout_segment_mean(WorkspaceLayout& layout, 
   return b;
 }
 
-std::size_t segment_mean_workspace_bytes(std::int64_t rows, std::int32_t segments) {
+std::size_t segment_mean_workspace_bytes(std::int64_t rows, std::int32_t segments, const Context&) {
   kvsift::detail::check_segment_mean_shape("cuda::segment_mean_workspace_bytes", rows, segments);
   WorkspaceLayout counting;
   detail::layout_segment_mean(counting, rows, segments);
@@ -34,7 +34,7 @@ std::size_t segment_mean_workspace_bytes(std::int64_t rows, std::int32_t segment
 template <class T>
 void segment_mean(const MatrixView<const T>& rows, const std::int32_t* d_assignment, std::int32_t segments,
                   const float* d_weights, const MatrixView<float>& means, std::int32_t* d_counts,
-                  std::span<std::byte> workspace, cudaStream_t stream) {
+                  std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cuda::segment_mean";
   kvsift::detail::check_segment_mean(where, rows, d_assignment, segments, means, d_counts);
   KVSIFT_CHECK(rows.cols <= 65535 * 128, where, "rows.cols (= {}) exceeds the launch limit of {} columns", rows.cols,
@@ -42,12 +42,12 @@ void segment_mean(const MatrixView<const T>& rows, const std::int32_t* d_assignm
   WorkspaceLayout layout(workspace, where);
   const detail::SegmentMeanBuffers buffers = detail::layout_segment_mean(layout, rows.rows, segments);
   KVSIFT_CUDA_CHECK(
-      detail::launch_segment_mean(rows, d_assignment, segments, d_weights, means, d_counts, buffers, stream));
+      detail::launch_segment_mean(rows, d_assignment, segments, d_weights, means, d_counts, buffers, ctx.stream));
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                 \
   template void segment_mean<T>(const MatrixView<const T>&, const std::int32_t*, std::int32_t, const float*, \
-                                const MatrixView<float>&, std::int32_t*, std::span<std::byte>, cudaStream_t);
+                                const MatrixView<float>&, std::int32_t*, std::span<std::byte>, const Context&);
 KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
 #undef KVSIFT_INSTANTIATE
 

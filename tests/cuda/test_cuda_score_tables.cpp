@@ -444,13 +444,13 @@ TEST(CudaScoreTablesBadInput, RefusedBeforeAnyDeviceCall) {
                             {ws.data(), ws.size()}, nullptr);
   }, {"cuda::store_table_lists", "keep (= 0) is outside [1, base.length = 24]"});
   test::expect_error([&] {
-    cuda::subspace_scores(p.base(p, 0), 0, 40, 20, p.cache(p, false).contiguous, 0, 0, 8,
+    cuda::subspace_scores(p.base(p, 0), 0, 40, 20, p.cache(p, false), 0, 0, 8,
                           MatrixView<float>::packed(s.data(), 20, 8), nullptr);
   }, {"cuda::subspace_scores", "lists [40, 40 + 20) are outside [0, base lists = 48)"});
   auto odd = p.tables(p);
   odd.table_heads = 3;
   test::expect_error([&] {
-    cuda::append_tables(odd, p.cache(p, true).paged, p.slots.data(), p.lengths.data(), nullptr);
+    cuda::append_tables(odd, p.cache(p, true), p.slots.data(), p.lengths.data(), nullptr);
   }, {"cuda::append_tables", "tables.table_heads (= 3) is not a multiple of kv_heads (= 2)"});
   test::expect_error([&] {
     cuda::nearest_centroids(p.query(p), p.tables(p).as_const(), p.slots.data(), 13, p.chosen_view(p), nullptr,

@@ -1,4 +1,4 @@
-// cuda::select_pages (Quest's selection: page_scores, topk_rows over the pages, expand_pages, each tested against
+// select_pages on CUDA (Quest's selection: page_scores, topk_rows over the pages, expand_pages, each tested against
 // its CPU twin elsewhere) as a whole: device values out of range, and sequences longer than the planned page bound,
 // give count -1 where the CPU refuses them; a graph replay equals the eager run; the host refuses bad arguments
 // by name. Outputs poisoned first.
@@ -95,15 +95,15 @@ void expect_same_rows(const Selection& got, const Selection& want, const std::st
   }
 }
 
-/// cuda::select_pages with its workspace.
+/// select_pages on CUDA, with its workspace.
 template <class T>
 void select(const Problem<T>& p, std::int32_t max_pages, const SelectionView& out, cudaStream_t stream,
             DeviceBuffer<std::byte>& workspace) {
   const cuda::Context ctx{stream};
   workspace = DeviceBuffer<std::byte>(
-      std::max<std::size_t>(1, cuda::select_pages_workspace_bytes(p.batch, p.shape.kv_heads, max_pages,
+      std::max<std::size_t>(1, select_pages_workspace_bytes(p.batch, p.shape.kv_heads, max_pages,
                                                                   p.shape.pages_per_row, ctx)));
-  cuda::select_pages(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), p.shape.window, max_pages,
+  select_pages(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), p.shape.window, max_pages,
                      p.shape.pages_per_row, out, {workspace.data(), workspace.size()}, ctx);
 }
 
@@ -138,7 +138,7 @@ TEST_F(CudaSelectPages, GraphReplaysEqualTheEagerRun) {
   select(p, s.max_pages, eager.view, stream, workspace);
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   const test::CapturedGraph graph(stream, [&] {
-    cuda::select_pages(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.max_pages,
+    select_pages(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.max_pages,
                        s.pages_per_row, replay.view, {workspace.data(), workspace.size()}, cuda::Context{stream});
   });
   for (int run = 0; run < 2; ++run) {
@@ -163,7 +163,7 @@ TEST(CudaSelectPagesBadInput, RefusedBeforeAnyDeviceCall) {
   const auto call = [&](std::int32_t max_pages, std::int32_t pages_per_row, const SelectionView& o,
                         const QueryView<const bfloat16>& qq) {
     return [=, &workspace] {
-      cuda::select_pages(qq, bv, slots.data(), lens.data(), AttentionWindow{}, max_pages, pages_per_row, o,
+      select_pages(qq, bv, slots.data(), lens.data(), AttentionWindow{}, max_pages, pages_per_row, o,
                          workspace, cuda::Context{});
     };
   };

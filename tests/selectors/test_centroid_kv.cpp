@@ -151,7 +151,7 @@ void expect_prefill_and_decode_match_the_store(Random& rng, std::int32_t threads
   SCOPED_TRACE(fmt::format("{} threads {}", dtype_label<T>(), threads));
   Problem<T> p(rng, {1000, 700}, {2, 0});
   cpu::ThreadPool pool(threads);
-  const cpu::Context ctx{.pool = &pool};
+  const cpu::Context ctx{&pool};
   const CentroidKVConfig config{};
   DecodeStep step(CentroidKV<T, cpu::Context>(p.limits, config, ctx), p.step_config(), ctx);
   EXPECT_EQ(step.selector().second_source_capacity(), 300 + 64);

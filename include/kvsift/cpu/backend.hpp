@@ -1,9 +1,12 @@
 #pragma once
 /// The CPU backend of algorithms written once for both backends (selectors, the decode step): every shared
 /// primitive with a cpu::Context as its last argument. An algorithm calls them unqualified, and
-/// argument-dependent lookup on its context type picks this file's overloads or cuda/backend.hpp's, whose
-/// arguments are the same. Each overload forwards to the primitive documented in its own header; the cache
-/// arrives as a KVCache and is dispatched to the primitive's contiguous or paged instantiation here, once.
+/// argument-dependent lookup on its context type picks the CPU's functions or cuda/backend.hpp's, whose
+/// arguments are the same. A primitive that takes the context itself (cpu/rope.hpp, cpu/segment_mean.hpp,
+/// cpu/kmeans.hpp, cpu/inverted_lists.hpp, cpu/gather.hpp) is reached through its include here; the others
+/// through this file's overloads, each a forward to the primitive documented in its own header, where the cache
+/// arrives as a KVCache and is dispatched to the primitive's contiguous or paged instantiation, once. A forward
+/// must not keep the primitive's own signature: it would define the primitive as a call of itself.
 
 #include <algorithm>
 #include <cstddef>
@@ -117,42 +120,6 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
   cpu::merge_states<TI, TO>(partials, out);
 }
 
-// RoPE (core/rope.hpp, cpu/rope.hpp).
-inline void build_rope_table(const RopeConfig& config, const RopeTableView& table, const Context& ctx) {
-  cpu::build_rope_table(config, table, ctx.pool);
-}
-template <class T>
-void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, const RopeTableView& table, bool inverse,
-                const Context& ctx) {
-  cpu::apply_rope(x, positions, table, inverse, ctx.pool);
-}
-template <class T>
-void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const RopeTableView& table, bool inverse,
-                const Context& ctx) {
-  cpu::apply_rope(rows, positions, table, inverse, ctx.pool);
-}
-template <class T>
-void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
-                const RopeTableView& table, bool inverse, const Context& ctx) {
-  cpu::apply_rope(x, positions, position_offset, table, inverse, ctx.pool);
-}
-template <class T>
-void rotate_to_position(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
-                        std::int32_t target, const RopeTableView& table, const Context& ctx) {
-  cpu::rotate_to_position(x, positions, position_offset, target, table, ctx.pool);
-}
-
-// Segment mean (cpu/segment_mean.hpp).
-inline std::size_t segment_mean_workspace_bytes(std::int64_t rows, std::int32_t segments, const Context&) {
-  return cpu::segment_mean_workspace_bytes(rows, segments);
-}
-template <class T>
-void segment_mean(const MatrixView<const T>& rows, const std::int32_t* assignment, std::int32_t segments,
-                  const float* weights, const MatrixView<float>& means, std::int32_t* counts,
-                  std::span<std::byte> workspace, const Context& ctx) {
-  cpu::segment_mean(rows, assignment, segments, weights, means, counts, workspace, ctx.pool);
-}
-
 // Rerank (cpu/rerank.hpp).
 inline std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity,
                                                     const Context&) {
@@ -173,58 +140,15 @@ inline void append_range(const SelectionView& rows, const std::int32_t* slots, c
   cpu::append_range(rows, slots, first, lengths, window);
 }
 
-// Inverted lists (core/inverted_lists.hpp, cpu/inverted_lists.hpp).
-inline std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity,
-                                                  std::int32_t list_capacity, const Context& ctx) {
-  return cpu::list_reduction_workspace_bytes(rows, chosen_capacity, list_capacity, ctx.pool);
-}
-template <class T>
-void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
-                 const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
-                 std::span<std::byte> workspace, const Context& ctx) {
-  cpu::union_lists(lists, chosen, slots, lengths, window, out, workspace, ctx.pool);
-}
-template <class T>
-void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, const SelectionView& entries,
-                  const MatrixView<const float>& scores, std::int32_t* replaced, const Context& ctx) {
-  cpu::replace_list(lists, slots, entries, scores, replaced, ctx.pool);
-}
-
-// KV gathers (cpu/gather.hpp).
-template <class T>
-void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, const Context& ctx) {
-  cpu::gather_kv(src, rows, dst, ctx.pool);
-}
-inline std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_t kv_heads,
-                                                        std::int32_t current_capacity, std::int32_t resident_capacity,
-                                                        const Context& ctx) {
-  return cpu::gather_kv_difference_workspace_bytes(batch, kv_heads, current_capacity, resident_capacity, ctx.pool);
-}
-template <class T>
-void gather_kv_difference(const KVCache<const T>& src, const SelectionView& previous, const std::int32_t* previous_slots,
-                          const SelectionView& current, std::int32_t* current_slots, const ContiguousKVView<T>& resident,
-                          std::int32_t* copied, std::span<std::byte> workspace, const Context& ctx) {
-  cpu::gather_kv_difference(src, previous, previous_slots, current, current_slots, resident, copied, workspace, ctx.pool);
-}
-
-// Batched k-means over many small problems (cpu/kmeans.hpp).
-inline std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n, std::int32_t dim,
-                                                  const BatchedKMeansConfig& config, const Context&) {
-  return cpu::batched_kmeans_workspace_bytes(problems, n, dim, config);
-}
-template <class T>
-void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights, const BatchedKMeansConfig& config,
-                    float* centroids, std::int32_t* assignment, std::span<std::byte> workspace, const Context& ctx) {
-  cpu::kmeans_batched(points, weights, config, centroids, assignment, workspace, ctx.pool);
-}
-
 }  // namespace kvsift::cpu
 
-// Each selector's own overloads live in its folder (selectors/<name>/cpu/backend.hpp), after the shared ones above,
-// which they use; this file gathers them, so that including it gives an algorithm the whole backend.
-#include "kvsift/selectors/quest/cpu/backend.hpp"
-#include "kvsift/selectors/ctkvr/cpu/backend.hpp"
-#include "kvsift/selectors/csattention/cpu/backend.hpp"
-#include "kvsift/selectors/a2ats/cpu/backend.hpp"
-#include "kvsift/selectors/centroid_kv/cpu/backend.hpp"
-#include "kvsift/selectors/specontext/cpu/backend.hpp"
+// Each selector's own calls, after the shared ones above, which they use: its primitives, which take the context
+// last (selectors/<name>/cpu/), and what it does over them, written once over the context (selectors/<name>/backend.hpp,
+// where it has one). This file gathers them, so that including it gives an algorithm the whole backend.
+#include "kvsift/selectors/quest/cpu/page_bounds.hpp"
+#include "kvsift/selectors/quest/backend.hpp"
+#include "kvsift/selectors/ctkvr/cpu/query_centroids.hpp"
+#include "kvsift/selectors/csattention/cpu/score_tables.hpp"
+#include "kvsift/selectors/a2ats/cpu/vq.hpp"
+#include "kvsift/selectors/centroid_kv/cpu/merge_store.hpp"
+#include "kvsift/selectors/specontext/cpu/score_rows.hpp"

@@ -53,7 +53,10 @@ struct Context {
   template <class T>
   using array = Array<T>;
 
-  ThreadPool* pool = nullptr;  ///< nullptr: the calling thread
+  /// Implicit: a primitive takes the context last, and a caller holding only a pool passes the pool.
+  constexpr Context(ThreadPool* pool = nullptr) : pool(pool) {}  // NOLINT: implicit
+
+  ThreadPool* pool;  ///< nullptr: the calling thread
 };
 
 }  // namespace kvsift::cpu

@@ -1,7 +1,7 @@
 #pragma once
 /// Gathers of KV rows on the CPU: selected tokens into a resident buffer (gather_kv) and SpeContext's elastic
 /// loading (gather_kv_difference: only the tokens a selection adds to the one resident now are copied, into the
-/// slots of the tokens it drops). The twin of cuda/gather.hpp, with the same arguments but the pool and the same
+/// slots of the tokens it drops). The twin of cuda/gather.hpp, with the same arguments but the context and the same
 /// results. Host memory. No allocation; deterministic and independent of the thread count; reentrant with
 /// distinct outputs. Every argument is checked, array contents included (counts, token ids, slots, lengths).
 
@@ -11,7 +11,7 @@
 
 #include "kvsift/core/kv_cache.hpp"
 #include "kvsift/core/views.hpp"
-#include "kvsift/cpu/thread_pool.hpp"
+#include "kvsift/cpu/context.hpp"
 
 namespace kvsift::cpu {
 
@@ -20,16 +20,16 @@ namespace kvsift::cpu {
 /// Bit copies, no conversion. src and dst: contiguous or paged, the same batch, kv_heads and head_dim; rows
 /// [batch, kv_heads]. dst.seq_len(b) is the number of slots of dst's row b (a contiguous buffer without seq_lens
 /// has `capacity`). Refused: a count outside [0, rows.capacity] or above dst.seq_len(b), a token outside [0,
-/// src.seq_len(b)). Threads: selection rows on `pool`.
+/// src.seq_len(b)). Threads: selection rows on ctx.pool.
 template <class T>
 void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst,
-               ThreadPool* pool = nullptr);
+               const Context& ctx = {});
 
 /// Bytes of host workspace of gather_kv_difference: a bitmap of resident_capacity bits for each of min(batch *
 /// kv_heads, threads) threads. A run on a larger pool than the query's is refused.
 std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_t kv_heads,
                                                  std::int32_t current_capacity, std::int32_t resident_capacity,
-                                                 const ThreadPool* pool = nullptr);
+                                                 const Context& ctx = {});
 
 /// Elastic loading (SpeContext): the resident buffer holds, in row (b, h), the K/V of the tokens of `previous`,
 /// token previous.row(b, h)[i] in slot previous_slots[(b * kv_heads + h) * previous.capacity + i] (the slot map:
@@ -48,11 +48,11 @@ std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_
 /// [0, capacity] (previous's also above resident.capacity), a row not strictly ascending, a token outside [0,
 /// src.seq_len(b)), a previous slot outside [0, resident.capacity) or repeated within its row.
 /// workspace: gather_kv_difference_workspace_bytes(batch, kv_heads, current.capacity, resident.capacity, pool).
-/// Threads: selection rows on `pool`.
+/// Threads: selection rows on ctx.pool.
 template <class T>
 void gather_kv_difference(const KVCache<const T>& src, const SelectionView& previous,
                           const std::int32_t* previous_slots, const SelectionView& current,
                           std::int32_t* current_slots, const ContiguousKVView<T>& resident, std::int32_t* copied,
-                          std::span<std::byte> workspace, ThreadPool* pool = nullptr);
+                          std::span<std::byte> workspace, const Context& ctx = {});
 
 }  // namespace kvsift::cpu

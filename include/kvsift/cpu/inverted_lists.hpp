@@ -13,7 +13,7 @@
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/inverted_lists.hpp"
 #include "kvsift/core/views.hpp"
-#include "kvsift/cpu/thread_pool.hpp"
+#include "kvsift/cpu/context.hpp"
 
 namespace kvsift::cpu {
 
@@ -21,7 +21,7 @@ namespace kvsift::cpu {
 /// `chosen_capacity` lists of `list_capacity` entries: 4 * chosen_capacity * list_capacity bytes (the kept ids,
 /// sorted in place) for each of min(rows, threads) threads. A run on a larger pool than the query's is refused.
 std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t list_capacity,
-                                           const ThreadPool* pool = nullptr);
+                                           const Context& ctx = {});
 
 /// The union of the chosen lists (CTKVR's recall): for selection row (b, h), the lists chosen.row(b, h)[0,
 /// count) of slot slots[b], kv head h; out.row(b, h) receives every distinct id of their entries that lies in
@@ -37,7 +37,7 @@ std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chose
 template <class T>
 void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
                  const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
-                 std::span<std::byte> workspace, ThreadPool* pool = nullptr);
+                 std::span<std::byte> workspace, const Context& ctx = {});
 
 /// CTKVR's FIFO update: for selection row (b, h) the list l = lists.cursors[slots[b] * kv_heads + h] of slot
 /// slots[b], kv head h, is overwritten by entries.row(b, h)[0, count) (and, when the lists keep scores, their
@@ -49,6 +49,6 @@ void union_lists(const InvertedListsView<const T>& lists, const SelectionView& c
 /// given exactly when the lists have none.
 template <class T>
 void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, const SelectionView& entries,
-                  const MatrixView<const float>& scores, std::int32_t* replaced, ThreadPool* pool = nullptr);
+                  const MatrixView<const float>& scores, std::int32_t* replaced, const Context& ctx = {});
 
 }  // namespace kvsift::cpu

@@ -1,6 +1,6 @@
 #pragma once
 /// Batched k-means on the CPU: many small independent problems (layers x heads x subspaces) in one call, with
-/// optional sample weights. The twin of cuda/kmeans.hpp, with the same arguments but the pool, and the same
+/// optional sample weights. The twin of cuda/kmeans.hpp, with the same arguments but the context, and the same
 /// seeding bits (core/kmeans_batched.hpp). Host memory; caller workspace, no allocation; deterministic and
 /// independent of the thread count. Argument checks: core/detail/kmeans_checks.hpp.
 
@@ -12,7 +12,7 @@
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/detail/primitives_kernels.hpp"
 #include "kvsift/cpu/primitives.hpp"
-#include "kvsift/cpu/thread_pool.hpp"
+#include "kvsift/cpu/context.hpp"
 
 namespace kvsift::cpu {
 
@@ -21,7 +21,7 @@ namespace kvsift::cpu {
 /// the problems' centroid panels, for mini-batch steps the drawn points and their centroids
 /// (8 * problems * batch_size) and the clusters' sums (8 * problems * clusters * (dim + 2)).
 std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n, std::int32_t dim,
-                                           const BatchedKMeansConfig& config);
+                                           const BatchedKMeansConfig& config, const Context& = {});
 
 /// k-means of each problem p < points.problems, independently: problem p's points are points.row(p, i), i < n =
 /// points.rows, dim = points.cols, with weight w_i = weights[p * n + i] (1 with weights == nullptr).
@@ -54,7 +54,7 @@ std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n
 ///
 /// Same results as cuda::kmeans_batched: the seeding bit for bit; with mini-batch steps everything bit for bit;
 /// with full-batch steps assignments and centroids unless a point sits within fp32 rounding of a tie between two
-/// centroids (the backends' dot products sum in other orders), which can then change what follows. With pool:
+/// centroids (the backends' dot products sum in other orders), which can then change what follows. With ctx.pool:
 /// problems in parallel for the seeding and the mini-batch steps, (problem, rows) items for the assignment,
 /// segments for the full-batch update; the results do not depend on the thread count.
 ///
@@ -64,7 +64,7 @@ std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n
 template <class T>
 void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights, const BatchedKMeansConfig& config,
                     float* centroids, std::int32_t* assignment, std::span<std::byte> workspace,
-                    ThreadPool* pool = nullptr);
+                    const Context& ctx = {});
 
 namespace detail {
 /// Packs `vectors` into a ScorePanel over caller storage: tiles [padded * dim] and offsets [padded] floats,

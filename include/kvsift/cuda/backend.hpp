@@ -128,31 +128,6 @@ void merge_states(std::span<const StateView<const TI>> partials, const StateView
   cuda::merge_states<TI, TO>(partials, out, ctx.stream);
 }
 
-// RoPE (core/rope.hpp, cuda/rope.hpp).
-inline void build_rope_table(const RopeConfig& config, const RopeTableView& table, const Context& ctx) {
-  cuda::build_rope_table(config, table, ctx.stream);
-}
-template <class T>
-void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, const RopeTableView& table, bool inverse,
-                const Context& ctx) {
-  cuda::apply_rope(x, positions, table, inverse, ctx.stream);
-}
-template <class T>
-void apply_rope(const MatrixView<T>& rows, const std::int32_t* positions, const RopeTableView& table, bool inverse,
-                const Context& ctx) {
-  cuda::apply_rope(rows, positions, table, inverse, ctx.stream);
-}
-template <class T>
-void apply_rope(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
-                const RopeTableView& table, bool inverse, const Context& ctx) {
-  cuda::apply_rope(x, positions, position_offset, table, inverse, ctx.stream);
-}
-template <class T>
-void rotate_to_position(const HeadsView<T>& x, const std::int32_t* positions, std::int32_t position_offset,
-                        std::int32_t target, const RopeTableView& table, const Context& ctx) {
-  cuda::rotate_to_position(x, positions, position_offset, target, table, ctx.stream);
-}
-
 // Rerank (cuda/rerank.hpp).
 inline std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity,
                                                     const Context&) {
@@ -173,69 +148,15 @@ inline void append_range(const SelectionView& rows, const std::int32_t* slots, c
   cuda::append_range(rows, slots, first, lengths, window, ctx.stream);
 }
 
-// Segment mean (cuda/segment_mean.hpp).
-inline std::size_t segment_mean_workspace_bytes(std::int64_t rows, std::int32_t segments, const Context&) {
-  return cuda::segment_mean_workspace_bytes(rows, segments);
-}
-template <class T>
-void segment_mean(const MatrixView<const T>& rows, const std::int32_t* assignment, std::int32_t segments,
-                  const float* weights, const MatrixView<float>& means, std::int32_t* counts,
-                  std::span<std::byte> workspace, const Context& ctx) {
-  cuda::segment_mean(rows, assignment, segments, weights, means, counts, workspace, ctx.stream);
-}
-
-// Inverted lists (core/inverted_lists.hpp, cuda/inverted_lists.hpp).
-inline std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity,
-                                                  std::int32_t list_capacity, const Context&) {
-  return cuda::list_reduction_workspace_bytes(rows, chosen_capacity, list_capacity);
-}
-template <class T>
-void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
-                 const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
-                 std::span<std::byte> workspace, const Context& ctx) {
-  cuda::union_lists(lists, chosen, slots, lengths, window, out, workspace, ctx.stream);
-}
-template <class T>
-void replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots, const SelectionView& entries,
-                  const MatrixView<const float>& scores, std::int32_t* replaced, const Context& ctx) {
-  cuda::replace_list(lists, slots, entries, scores, replaced, ctx.stream);
-}
-
-// KV gathers (cuda/gather.hpp).
-template <class T>
-void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, const Context& ctx) {
-  cuda::gather_kv(src, rows, dst, ctx.stream);
-}
-inline std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_t kv_heads,
-                                                        std::int32_t current_capacity, std::int32_t resident_capacity,
-                                                        const Context&) {
-  return cuda::gather_kv_difference_workspace_bytes(batch, kv_heads, current_capacity, resident_capacity);
-}
-template <class T>
-void gather_kv_difference(const KVCache<const T>& src, const SelectionView& previous, const std::int32_t* previous_slots,
-                          const SelectionView& current, std::int32_t* current_slots, const ContiguousKVView<T>& resident,
-                          std::int32_t* copied, std::span<std::byte> workspace, const Context& ctx) {
-  cuda::gather_kv_difference(src, previous, previous_slots, current, current_slots, resident, copied, workspace, ctx.stream);
-}
-
-// Batched k-means over many small problems (cuda/kmeans.hpp).
-inline std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n, std::int32_t dim,
-                                                  const BatchedKMeansConfig& config, const Context&) {
-  return cuda::batched_kmeans_workspace_bytes(problems, n, dim, config);
-}
-template <class T>
-void kmeans_batched(const BatchedMatrixView<const T>& points, const float* weights, const BatchedKMeansConfig& config,
-                    float* centroids, std::int32_t* assignment, std::span<std::byte> workspace, const Context& ctx) {
-  cuda::kmeans_batched(points, weights, config, centroids, assignment, workspace, ctx.stream);
-}
-
 }  // namespace kvsift::cuda
 
-// Each selector's own overloads live in its folder (selectors/<name>/cuda/backend.hpp), after the shared ones above,
-// which they use; this file gathers them, so that including it gives an algorithm the whole backend.
-#include "kvsift/selectors/quest/cuda/backend.hpp"
-#include "kvsift/selectors/ctkvr/cuda/backend.hpp"
-#include "kvsift/selectors/csattention/cuda/backend.hpp"
-#include "kvsift/selectors/a2ats/cuda/backend.hpp"
-#include "kvsift/selectors/centroid_kv/cuda/backend.hpp"
-#include "kvsift/selectors/specontext/cuda/backend.hpp"
+// Each selector's own calls, after the shared ones above, which they use: its primitives, which take the context
+// last (selectors/<name>/cuda/), and what it does over them, written once over the context (selectors/<name>/backend.hpp,
+// where it has one). This file gathers them, so that including it gives an algorithm the whole backend.
+#include "kvsift/selectors/quest/cuda/page_bounds.hpp"
+#include "kvsift/selectors/quest/backend.hpp"
+#include "kvsift/selectors/ctkvr/cuda/query_centroids.hpp"
+#include "kvsift/selectors/csattention/cuda/score_tables.hpp"
+#include "kvsift/selectors/a2ats/cuda/vq.hpp"
+#include "kvsift/selectors/centroid_kv/cuda/merge_store.hpp"
+#include "kvsift/selectors/specontext/cuda/score_rows.hpp"

@@ -74,7 +74,10 @@ struct Context {
   template <class T>
   using array = Array<T>;
 
-  cudaStream_t stream = nullptr;
+  /// Implicit: a primitive takes the context last, and a caller holding only a stream passes the stream.
+  constexpr Context(cudaStream_t stream = nullptr) : stream(stream) {}  // NOLINT: implicit
+
+  cudaStream_t stream;
 };
 
 }  // namespace kvsift::cuda

@@ -26,21 +26,21 @@
 #include <cstdint>
 #include <span>
 
-#include <cuda_runtime_api.h>
-
 #include "kvsift/core/kv_cache.hpp"
 #include "kvsift/core/views.hpp"
+#include "kvsift/cuda/context.hpp"
 
 namespace kvsift::cuda {
 
 /// cpu::gather_kv. One launch, a warp per (row, entry).
 template <class T>
-void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, cudaStream_t stream);
+void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, const Context& ctx);
 
 /// Device workspace of gather_kv_difference (shapes only): the new entries' positions, batch * kv_heads *
-/// current_capacity int32.
+/// current_capacity int32. The context, for the CPU's call shape, does not change it.
 std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_t kv_heads,
-                                                 std::int32_t current_capacity, std::int32_t resident_capacity);
+                                                 std::int32_t current_capacity, std::int32_t resident_capacity,
+                                                 const Context& = {});
 
 /// cpu::gather_kv_difference. Two launches: one CTA per row finds the kept tokens (binary search in the previous
 /// row), marks their slots in a shared-memory bitmap, and gives the new tokens the free slots in ascending order
@@ -51,6 +51,6 @@ template <class T>
 void gather_kv_difference(const KVCache<const T>& src, const SelectionView& previous,
                           const std::int32_t* d_previous_slots, const SelectionView& current,
                           std::int32_t* d_current_slots, const ContiguousKVView<T>& resident, std::int32_t* d_copied,
-                          std::span<std::byte> workspace, cudaStream_t stream);
+                          std::span<std::byte> workspace, const Context& ctx);
 
 }  // namespace kvsift::cuda

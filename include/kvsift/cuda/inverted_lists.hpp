@@ -20,17 +20,18 @@
 #include <cstdint>
 #include <span>
 
-#include <cuda_runtime_api.h>
-
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/inverted_lists.hpp"
 #include "kvsift/core/views.hpp"
+#include "kvsift/cuda/context.hpp"
 
 namespace kvsift::cuda {
 
 /// Device workspace of union_lists (shapes only): for rows * chosen_capacity * list_capacity entries, their keys
-/// twice, segment offsets and CUB's segmented-sort scratch (the sorted path's; sized whichever path runs).
-std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t list_capacity);
+/// twice, segment offsets and CUB's segmented-sort scratch (the sorted path's; sized whichever path runs). The
+/// context, for the CPU's call shape, does not change it.
+std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t list_capacity,
+                                           const Context& = {});
 
 /// cpu::union_lists. Rows of up to 10,240 entries (chosen.capacity * list_capacity): one launch, a CTA per row
 /// sorting its entries in registers. Larger: three launches, the chosen lists' entries into fixed segments of
@@ -40,11 +41,11 @@ std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chose
 template <class T>
 void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* d_slots,
                  const std::int32_t* d_lengths, const AttentionWindow& window, const SelectionView& out,
-                 std::span<std::byte> workspace, cudaStream_t stream);
+                 std::span<std::byte> workspace, const Context& ctx);
 
 /// cpu::replace_list. One launch, one CTA per row; replaced may be nullptr.
 template <class T>
 void replace_list(const InvertedListsView<T>& lists, const std::int32_t* d_slots, const SelectionView& entries,
-                  const MatrixView<const float>& scores, std::int32_t* d_replaced, cudaStream_t stream);
+                  const MatrixView<const float>& scores, std::int32_t* d_replaced, const Context& ctx);
 
 }  // namespace kvsift::cuda

@@ -1,16 +1,15 @@
 #pragma once
-/// Batched k-means on CUDA: cpu/kmeans.hpp's twin, with the same arguments but the stream. Device memory
+/// Batched k-means on CUDA: cpu/kmeans.hpp's twin, with the same arguments but the context. Device memory
 /// (points, weights, centroids, assignment, workspace); no allocation, no host sync; stream-ordered and
 /// CUDA-graph capturable; deterministic (fixed summation orders, no float atomics). Argument checks:
 /// core/detail/kmeans_checks.hpp.
-
-#include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
 
 #include "kvsift/core/kmeans_batched.hpp"
+#include "kvsift/cuda/context.hpp"
 
 namespace kvsift::cuda {
 
@@ -19,7 +18,7 @@ namespace kvsift::cuda {
 /// and segment_mean's workspace over problems * n rows, for mini-batch steps the drawn points and their
 /// centroids (8 * problems * batch_size) and the absorbed weights (8 * problems * clusters).
 std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n, std::int32_t dim,
-                                           const BatchedKMeansConfig& config);
+                                           const BatchedKMeansConfig& config, const Context& = {});
 
 /// cpu::kmeans_batched's contract (steps, mini-batch steps, weights, empty-cluster rules, outputs), on the
 /// device; the seeding's choices equal the CPU's bit for bit, and so do the mini-batch steps' results; full-batch
@@ -38,6 +37,6 @@ std::size_t batched_kmeans_workspace_bytes(std::int32_t problems, std::int64_t n
 /// assignment by a thread per point. Their centroids and assignments equal the CPU's bit for bit.
 template <class T>
 void kmeans_batched(const BatchedMatrixView<const T>& points, const float* d_weights, const BatchedKMeansConfig& config,
-                    float* d_centroids, std::int32_t* d_assignment, std::span<std::byte> workspace, cudaStream_t stream);
+                    float* d_centroids, std::int32_t* d_assignment, std::span<std::byte> workspace, const Context& ctx);
 
 }  // namespace kvsift::cuda

@@ -13,7 +13,6 @@
 #include "kvsift/selectors/centroid_kv/cuda/detail/merge_store_launch.hpp"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
 #include "kvsift/cuda/dtype.cuh"
-#include "kvsift/selectors/centroid_kv/cuda/merge_store.hpp"
 
 namespace kvsift::cuda::detail {
 namespace {
@@ -21,11 +20,11 @@ namespace {
 using kvsift::detail::MergeChunks;
 using kvsift::detail::merge_round_links;
 
-constexpr int kThreads = 256;                  // round kernels: a thread per entry of a full chunk
-constexpr int kSetSize = kMergeMaxChunk / 2;   // A (and B) entries of a chunk, at most
+constexpr int kThreads = 256;                        // round kernels: a thread per entry of a full chunk
+constexpr int kSetSize = kMergeMaxDeviceChunk / 2;   // A (and B) entries of a chunk, at most
 constexpr int kWarps = kThreads / 32;
 constexpr int kCopyThreads = 256;
-static_assert(kMergeMaxChunk == kThreads && kSetSize == 16 * kWarps);
+static_assert(kMergeMaxDeviceChunk == kThreads && kSetSize == 16 * kWarps);
 
 // ---- the row a round's CTA works on ------------------------------------------------------------------------
 
@@ -137,14 +136,14 @@ __device__ void match_chunk(const MergeRoundLaunch<T>& p, std::int32_t r, const 
     if (vec16) {
       // 16-byte loads: 8 keys' elements a thread, consecutive threads along a key.
       constexpr int kVecs = Tiles::kDims / 8;
-      for (std::int32_t i = tid; i < kMergeMaxChunk * kVecs; i += kThreads) {
+      for (std::int32_t i = tid; i < kMergeMaxDeviceChunk * kVecs; i += kThreads) {
         const std::int32_t e = i / kVecs, c = i % kVecs * 8, d = d0 + c;
         uint4 x = make_uint4(0, 0, 0, 0);
         if (e < size && d < dim) x = *reinterpret_cast<const uint4*>(p.store.k_slot(rr.row, slot_of[e]) + d);
         *reinterpret_cast<uint4*>(&(e % 2 == 1 ? tiles.a : tiles.b)[e / 2][c]) = x;
       }
     } else {
-      for (std::int32_t i = tid; i < kMergeMaxChunk * Tiles::kDims; i += kThreads) {
+      for (std::int32_t i = tid; i < kMergeMaxDeviceChunk * Tiles::kDims; i += kThreads) {
         const std::int32_t e = i / Tiles::kDims, c = i % Tiles::kDims, d = d0 + c;
         const T x = e < size && d < dim ? p.store.k_slot(rr.row, slot_of[e])[d] : T{};  // T{}: +0
         auto& set = e % 2 == 1 ? tiles.a : tiles.b;
@@ -240,8 +239,8 @@ __device__ void match_chunk(const MergeRoundLaunch<T>& p, std::int32_t r, const 
 template <class T>
 __global__ void __launch_bounds__(kThreads) merge_match_kernel(MergeRoundLaunch<T> p) {
   __shared__ MatchTiles<T> tiles;
-  __shared__ std::int32_t slot_of[kMergeMaxChunk];
-  __shared__ float inverse_norm[kMergeMaxChunk];
+  __shared__ std::int32_t slot_of[kMergeMaxDeviceChunk];
+  __shared__ float inverse_norm[kMergeMaxDeviceChunk];
   const std::int32_t r = blockIdx.y;
   const RoundRow rr = round_row(p, r);
   const MergeChunks chunks = MergeChunks::of(rr.count, p.params);

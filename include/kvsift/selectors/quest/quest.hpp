@@ -20,6 +20,7 @@
 #include <string_view>
 
 #include "kvsift/core/error.hpp"
+#include "kvsift/selectors/quest/backend.hpp"
 #include "kvsift/selectors/quest/page_bounds_view.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
 #include "kvsift/selectors/selector.hpp"

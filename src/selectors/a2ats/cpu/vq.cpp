@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "kvsift/selectors/a2ats/detail/vq_checks.hpp"
+#include "kvsift/selectors/a2ats/detail/vq_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/detail/primitives_kernels.hpp"
@@ -124,9 +125,9 @@ void scan_group(const Lut& lut, std::int32_t codewords, std::int64_t b, std::int
 
 }  // namespace
 
-void vq_codeword_norms(const MatrixView<const float>& centroids, float* norms, ThreadPool* pool) {
+void vq_codeword_norms(const MatrixView<const float>& centroids, float* norms, const Context& ctx) {
   kvsift::detail::check_vq_norms_shape("cpu::vq_codeword_norms", centroids, norms);
-  parallel_for(pool, centroids.rows, [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(ctx.pool, centroids.rows, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
       float norm = 0.0f;
       for (std::int32_t j = 0; j < centroids.cols; ++j) norm += centroids.row(i)[j] * centroids.row(i)[j];
@@ -135,21 +136,21 @@ void vq_codeword_norms(const MatrixView<const float>& centroids, float* norms, T
   });
 }
 
-std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_dim, const ThreadPool* pool) {
+std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_dim, const Context& ctx) {
   constexpr const char* where = "cpu::vq_encode_workspace_bytes";
   kvsift::detail::check_vq_codewords(where, "codewords", codewords);
   kvsift::detail::check_supported(where, "codebook.head_dim", head_dim, kVqHeadDims);
   WorkspaceLayout counting;
-  layout_encode(counting, codewords, head_dim, threads_of(pool));
+  layout_encode(counting, codewords, head_dim, threads_of(ctx.pool));
   return counting.bytes();
 }
 
 template <class T>
 void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook, const VqCodesView<std::uint16_t>& codes,
-               const VqCodeDestination& destination, std::span<std::byte> workspace, ThreadPool* pool) {
+               const VqCodeDestination& destination, std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cpu::vq_encode";
   kvsift::detail::check_vq_encode(where, keys, codebook, codes);
-  const std::int32_t d = keys.head_dim, count = codebook.codewords, threads = threads_of(pool);
+  const std::int32_t d = keys.head_dim, count = codebook.codewords, threads = threads_of(ctx.pool);
   WorkspaceLayout layout(workspace, where);
   const EncodeWorkspace ws = layout_encode(layout, count, d, threads);
   const std::int64_t padded = padded_codewords(count), blocks = (keys.batch + kEncodeBlock - 1) / kEncodeBlock;
@@ -169,7 +170,7 @@ void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook,
       }
       const float* transform = codebook.transform + std::int64_t(h) * d * d;
       // Thread slots, not chunks of rows: each slot owns its scratch and takes every threads-th block.
-      parallel_for(pool, threads, [&](std::int64_t slot_begin, std::int64_t slot_end) {
+      parallel_for(ctx.pool, threads, [&](std::int64_t slot_begin, std::int64_t slot_end) {
         for (std::int64_t s = slot_begin; s < slot_end; ++s) {
           float* z = ws.z + s * kEncodeBlock * d;
           std::int32_t* assigned = ws.assigned + s * kEncodeBlock;
@@ -191,14 +192,14 @@ void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook,
 }
 
 template <class T>
-void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, ThreadPool* pool) {
+void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, const Context& ctx) {
   constexpr const char* where = "cpu::vq_lut";
   kvsift::detail::check_vq_query(where, q, codebook);
   kvsift::detail::check_vq_lut_shape(where, "lut", MatrixView<const float>{lut.data, lut.rows, lut.cols, lut.row_stride},
                                      q.batch, q.heads, codebook.codewords);
   const std::int32_t group = q.heads / codebook.kv_heads;
   with_simd_level([&]<SimdLevel L>() {
-    parallel_for(pool, std::int64_t(q.batch) * codebook.kv_heads, [&](std::int64_t begin, std::int64_t end) {
+    parallel_for(ctx.pool, std::int64_t(q.batch) * codebook.kv_heads, [&](std::int64_t begin, std::int64_t end) {
       for (std::int64_t item = begin; item < end; ++item) {
         const std::int64_t b = item / codebook.kv_heads;
         const auto g = std::int32_t(item % codebook.kv_heads);
@@ -211,7 +212,7 @@ void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const Ma
 
 void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch, const VqCodesView<const std::uint16_t>& codes,
                   const std::int32_t* slots, const std::int32_t* lengths, const MatrixView<float>& scores,
-                  const VqScanOptions& options, ThreadPool* pool) {
+                  const VqScanOptions& options, const Context& ctx) {
   constexpr const char* where = "cpu::vq_code_scan";
   KVSIFT_CHECK(batch > 0 && lut.rows % batch == 0, where, "lut.rows (= {}) is not a positive multiple of batch (= {})",
                lut.rows, batch);
@@ -221,7 +222,7 @@ void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch, const 
   kvsift::detail::check_vq_scan(where, batch, q_heads, codes, slots, lengths, scores, options);
   const std::int32_t group = q_heads / codes.kv_heads;
   const bool avx512 = active_simd_level() == SimdLevel::avx512;
-  parallel_for(pool, std::int64_t(batch) * codes.kv_heads, [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(ctx.pool, std::int64_t(batch) * codes.kv_heads, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t item = begin; item < end; ++item) {
       const std::int64_t b = item / codes.kv_heads;
       const auto g = std::int32_t(item % codes.kv_heads);
@@ -232,14 +233,14 @@ void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch, const 
 }
 
 std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
-                                        std::int32_t codewords, std::int32_t head_dim, const ThreadPool* pool) {
+                                        std::int32_t codewords, std::int32_t head_dim, const Context& ctx) {
   constexpr const char* where = "cpu::vq_lut_scan_workspace_bytes";
   KVSIFT_CHECK(batch > 0 && kv_heads > 0 && q_heads > 0 && q_heads % kv_heads == 0, where,
                "batch (= {}), q_heads (= {}) and kv_heads (= {}) must be positive, q_heads a multiple of kv_heads",
                batch, q_heads, kv_heads);
   kvsift::detail::check_vq_codewords(where, "codewords", codewords);
   kvsift::detail::check_supported(where, "codebook.head_dim", head_dim, kVqHeadDims);
-  const std::int64_t threads = std::min<std::int64_t>(threads_of(pool), std::int64_t(batch) * kv_heads);
+  const std::int64_t threads = std::min<std::int64_t>(threads_of(ctx.pool), std::int64_t(batch) * kv_heads);
   WorkspaceLayout counting;
   counting.allocate<float>(checked_mul(std::size_t(threads) * std::size_t(q_heads / kv_heads), std::size_t(codewords),
                                        "vq_lut_scan tables"),
@@ -250,7 +251,7 @@ std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads
 template <class T>
 void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
                  const std::int32_t* slots, const std::int32_t* lengths, const MatrixView<float>& scores,
-                 const VqScanOptions& options, std::span<std::byte> workspace, ThreadPool* pool) {
+                 const VqScanOptions& options, std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cpu::vq_lut_scan";
   kvsift::detail::check_vq_query(where, q, codebook);
   kvsift::detail::check_vq_scan(where, q.batch, q.heads, codes, slots, lengths, scores, options);
@@ -258,11 +259,11 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
                codes.kv_heads, codebook.kv_heads);
   const std::int32_t group = q.heads / codebook.kv_heads, count = codebook.codewords;
   const std::int64_t items = std::int64_t(q.batch) * codebook.kv_heads;
-  const std::int64_t threads = std::min<std::int64_t>(threads_of(pool), items);
+  const std::int64_t threads = std::min<std::int64_t>(threads_of(ctx.pool), items);
   WorkspaceLayout layout(workspace, where);
   float* tables = layout.allocate<float>(std::size_t(threads) * std::size_t(group) * std::size_t(count), "vq_lut_scan tables");
   with_simd_level([&]<SimdLevel L>() {
-    parallel_for(pool, threads, [&](std::int64_t slot_begin, std::int64_t slot_end) {
+    parallel_for(ctx.pool, threads, [&](std::int64_t slot_begin, std::int64_t slot_end) {
       for (std::int64_t s = slot_begin; s < slot_end; ++s) {
         float* lut = tables + s * group * std::int64_t(count);
         for (std::int64_t item = s; item < items; item += threads) {
@@ -277,14 +278,6 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
   });
 }
 
-#define KVSIFT_INSTANTIATE(T)                                                                                        \
-  template void vq_encode<T>(const HeadsView<const T>&, const VqEncodeCodebook&, const VqCodesView<std::uint16_t>&, \
-                             const VqCodeDestination&, std::span<std::byte>, ThreadPool*);                           \
-  template void vq_lut<T>(const QueryView<const T>&, const VqCodebook<T>&, const MatrixView<float>&, ThreadPool*);  \
-  template void vq_lut_scan<T>(const QueryView<const T>&, const VqCodebook<T>&, const VqCodesView<const std::uint16_t>&, \
-                               const std::int32_t*, const std::int32_t*, const MatrixView<float>&,                 \
-                               const VqScanOptions&, std::span<std::byte>, ThreadPool*);
-KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
-#undef KVSIFT_INSTANTIATE
+KVSIFT_STORAGE_TYPES(KVSIFT_VQ_INSTANCES)
 
 }  // namespace kvsift::cpu

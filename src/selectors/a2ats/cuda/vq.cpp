@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "kvsift/selectors/a2ats/detail/vq_checks.hpp"
+#include "kvsift/selectors/a2ats/detail/vq_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -65,12 +66,12 @@ std::int32_t encode_split(std::int64_t rows, std::int32_t kv_heads, std::int32_t
 
 }  // namespace
 
-void vq_codeword_norms(const MatrixView<const float>& centroids, float* d_norms, cudaStream_t stream) {
+void vq_codeword_norms(const MatrixView<const float>& centroids, float* d_norms, const Context& ctx) {
   kvsift::detail::check_vq_norms_shape("cuda::vq_codeword_norms", centroids, d_norms);
-  KVSIFT_CUDA_CHECK(detail::launch_vq_codeword_norms(centroids, d_norms, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_vq_codeword_norms(centroids, d_norms, ctx.stream));
 }
 
-std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_dim) {
+std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_dim, const Context&) {
   constexpr const char* where = "cuda::vq_encode_workspace_bytes";
   kvsift::detail::check_vq_codewords(where, "codewords", codewords);
   kvsift::detail::check_supported(where, "codebook.head_dim", head_dim, kVqHeadDims);
@@ -79,21 +80,21 @@ std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_
 
 template <class T>
 void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook, const VqCodesView<std::uint16_t>& codes,
-               const VqCodeDestination& destination, std::span<std::byte>, cudaStream_t stream) {
+               const VqCodeDestination& destination, std::span<std::byte>, const Context& ctx) {
   constexpr const char* where = "cuda::vq_encode";
   kvsift::detail::check_vq_encode(where, keys, codebook, codes);
   KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(codebook.centroids) % 16 == 0, where,
                "codebook.centroids ({}) is not 16-byte aligned", static_cast<const void*>(codebook.centroids));
   if (keys.batch <= detail::kVqEncodeFewRows) {
     KVSIFT_CUDA_CHECK(detail::launch_vq_encode_few(keys, codebook, codes, destination,
-                                                   encode_split(keys.batch, keys.heads, codebook.codewords), stream));
+                                                   encode_split(keys.batch, keys.heads, codebook.codewords), ctx.stream));
     return;
   }
-  KVSIFT_CUDA_CHECK(detail::launch_vq_encode_mma(keys, codebook, codes, destination, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_vq_encode_mma(keys, codebook, codes, destination, ctx.stream));
 }
 
 template <class T>
-void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, cudaStream_t stream) {
+void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, const Context& ctx) {
   constexpr const char* where = "cuda::vq_lut";
   kvsift::detail::check_vq_query(where, q, codebook);
   kvsift::detail::check_vq_lut_shape(where, "lut", as_const(lut), q.batch, q.heads, codebook.codewords);
@@ -101,12 +102,12 @@ void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const Ma
   check_group(where, q.heads, codebook.kv_heads);
   KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(codebook.data) % 16 == 0, where,
                "codebook.data ({}) is not 16-byte aligned", static_cast<const void*>(codebook.data));
-  KVSIFT_CUDA_CHECK(detail::launch_vq_lut(q, codebook, lut, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_vq_lut(q, codebook, lut, ctx.stream));
 }
 
 void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch, const VqCodesView<const std::uint16_t>& codes,
                   const std::int32_t* d_slots, const std::int32_t* d_lengths, const MatrixView<float>& scores,
-                  const VqScanOptions& options, cudaStream_t stream) {
+                  const VqScanOptions& options, const Context& ctx) {
   constexpr const char* where = "cuda::vq_code_scan";
   KVSIFT_CHECK(batch > 0 && lut.rows % batch == 0, where, "lut.rows (= {}) is not a positive multiple of batch (= {})",
                lut.rows, batch);
@@ -116,11 +117,11 @@ void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch, const 
   kvsift::detail::check_vq_scan(where, batch, q_heads, codes, d_slots, d_lengths, scores, options);
   check_grid(where, batch);
   KVSIFT_CUDA_CHECK(detail::launch_vq_code_scan(lut, batch, codes, d_slots, d_lengths, scores, options,
-                                                scan_grid(batch, codes.kv_heads, scores.cols, 1), stream));
+                                                scan_grid(batch, codes.kv_heads, scores.cols, 1), ctx.stream));
 }
 
 std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
-                                        std::int32_t codewords, std::int32_t head_dim) {
+                                        std::int32_t codewords, std::int32_t head_dim, const Context&) {
   constexpr const char* where = "cuda::vq_lut_scan_workspace_bytes";
   KVSIFT_CHECK(batch > 0 && kv_heads > 0 && q_heads > 0 && q_heads % kv_heads == 0, where,
                "batch (= {}), q_heads (= {}) and kv_heads (= {}) must be positive, q_heads a multiple of kv_heads",
@@ -139,7 +140,7 @@ std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads
 template <class T>
 void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
                  const std::int32_t* d_slots, const std::int32_t* d_lengths, const MatrixView<float>& scores,
-                 const VqScanOptions& options, std::span<std::byte> workspace, cudaStream_t stream) {
+                 const VqScanOptions& options, std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cuda::vq_lut_scan";
   kvsift::detail::check_vq_query(where, q, codebook);
   kvsift::detail::check_vq_scan(where, q.batch, q.heads, codes, d_slots, d_lengths, scores, options);
@@ -153,26 +154,18 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
   if (fused_fits(group, count, q.head_dim)) {
     const std::int32_t cluster = compute_capability_major() >= 9 ? kFusedCluster : 1;
     KVSIFT_CUDA_CHECK(detail::launch_vq_lut_scan(q, codebook, codes, d_slots, d_lengths, scores, options,
-                                                 scan_grid(q.batch, codebook.kv_heads, scores.cols, cluster), stream));
+                                                 scan_grid(q.batch, codebook.kv_heads, scores.cols, cluster), ctx.stream));
     return;
   }
   WorkspaceLayout layout(workspace, where);
   const std::size_t entries = std::size_t(q.batch) * std::size_t(q.heads) * std::size_t(count);
   float* tables = layout.allocate<float>(entries, "vq_lut_scan tables");
   const auto lut = MatrixView<float>::packed(tables, std::int64_t(q.batch) * q.heads, count);
-  KVSIFT_CUDA_CHECK(detail::launch_vq_lut(q, codebook, lut, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_vq_lut(q, codebook, lut, ctx.stream));
   KVSIFT_CUDA_CHECK(detail::launch_vq_code_scan(as_const(lut), q.batch, codes, d_slots, d_lengths, scores, options,
-                                                scan_grid(q.batch, codebook.kv_heads, scores.cols, 1), stream));
+                                                scan_grid(q.batch, codebook.kv_heads, scores.cols, 1), ctx.stream));
 }
 
-#define KVSIFT_INSTANTIATE(T)                                                                                        \
-  template void vq_encode<T>(const HeadsView<const T>&, const VqEncodeCodebook&, const VqCodesView<std::uint16_t>&, \
-                             const VqCodeDestination&, std::span<std::byte>, cudaStream_t);                          \
-  template void vq_lut<T>(const QueryView<const T>&, const VqCodebook<T>&, const MatrixView<float>&, cudaStream_t); \
-  template void vq_lut_scan<T>(const QueryView<const T>&, const VqCodebook<T>&, const VqCodesView<const std::uint16_t>&, \
-                               const std::int32_t*, const std::int32_t*, const MatrixView<float>&,                 \
-                               const VqScanOptions&, std::span<std::byte>, cudaStream_t);
-KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
-#undef KVSIFT_INSTANTIATE
+KVSIFT_STORAGE_TYPES(KVSIFT_VQ_INSTANCES)
 
 }  // namespace kvsift::cuda

@@ -10,6 +10,7 @@
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/selectors/centroid_kv/detail/merge_store_checks.hpp"
+#include "kvsift/selectors/centroid_kv/detail/merge_store_instances.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/detail/primitives_kernels.hpp"
@@ -244,7 +245,7 @@ void for_rows(ThreadPool* pool, std::int32_t batch, std::int32_t kv_heads, Fn&& 
 
 template <class T>
 void merge_store_load(const KVCache<const T>& cache, const std::int32_t* slots, const MergeStoreView<T>& store,
-                      ThreadPool* pool) {
+                      const Context& ctx) {
   constexpr const char* where = "cpu::merge_store_load";
   kvsift::detail::check_merge_store(where, "store", store);
   kvsift::detail::check_cache_matches(where, cache, store);
@@ -255,7 +256,7 @@ void merge_store_load(const KVCache<const T>& cache, const std::int32_t* slots, 
                  store.capacity);
   }
   cache.visit([&](const auto& kv) {
-    for_rows(pool, kv.batch, store.kv_heads, [&](std::int32_t b, std::int32_t h) {
+    for_rows(ctx.pool, kv.batch, store.kv_heads, [&](std::int32_t b, std::int32_t h) {
       const std::int64_t row = store.row(slots[b], h);
       const std::int32_t n = kv.seq_len(b), d = store.head_dim;
       for (std::int32_t t = 0; t < n; ++t) {
@@ -271,19 +272,19 @@ void merge_store_load(const KVCache<const T>& cache, const std::int32_t* slots, 
 }
 
 std::size_t merge_round_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t capacity,
-                                        ThreadPool* pool) {
+                                        const Context& ctx) {
   constexpr const char* where = "cpu::merge_round_workspace_bytes";
   KVSIFT_CHECK(batch > 0 && kv_heads > 0 && capacity > 0, where,
                "batch (= {}), kv_heads (= {}) and capacity (= {}) must be positive", batch, kv_heads, capacity);
   WorkspaceLayout counting;
-  layout_merge_round(counting, std::int64_t(batch) * kv_heads, capacity, round_threads(pool));
+  layout_merge_round(counting, std::int64_t(batch) * kv_heads, capacity, round_threads(ctx.pool));
   return counting.bytes();
 }
 
 template <class T>
 void merge_round(const MergeStoreView<T>& store, const std::int32_t* slots, std::int32_t batch,
                  const std::int32_t* budgets, const MergeRoundParams& params, std::span<std::byte> workspace,
-                 ThreadPool* pool) {
+                 const Context& ctx) {
   constexpr const char* where = "cpu::merge_round";
   kvsift::detail::check_merge_store(where, "store", store);
   kvsift::detail::check_merge_round_params(where, params);
@@ -292,7 +293,7 @@ void merge_round(const MergeStoreView<T>& store, const std::int32_t* slots, std:
   check_slots(where, "slots", slots, batch, store);
   kvsift::detail::check_distinct_slots(where, "slots", slots, batch);
   check_counts(where, "store", slots, batch, store);
-  const std::int64_t rows = std::int64_t(batch) * store.kv_heads, threads = round_threads(pool);
+  const std::int64_t rows = std::int64_t(batch) * store.kv_heads, threads = round_threads(ctx.pool);
   WorkspaceLayout carving(workspace, where);
   const MergeRoundWorkspace ws = layout_merge_round(carving, rows, store.capacity, threads);
 
@@ -304,7 +305,7 @@ void merge_round(const MergeStoreView<T>& store, const std::int32_t* slots, std:
   const std::int64_t max_chunks = (std::int64_t(store.capacity) + params.chunk - 1) / params.chunk;
   const std::int64_t items = rows * max_chunks, runs = std::min(items, threads);
   with_simd_level([&]<SimdLevel L>() {
-    parallel_for(pool, runs, [&](std::int64_t run_begin, std::int64_t run_end) {
+    parallel_for(ctx.pool, runs, [&](std::int64_t run_begin, std::int64_t run_end) {
       for (std::int64_t run = run_begin; run < run_end; ++run) {
         for (std::int64_t item = run * items / runs; item < (run + 1) * items / runs; ++item) {
           const std::int64_t r = item / max_chunks;
@@ -316,7 +317,7 @@ void merge_round(const MergeStoreView<T>& store, const std::int32_t* slots, std:
       }
     });
   });
-  parallel_for(pool, rows, [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(ctx.pool, rows, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin; r < end; ++r) {
       if (ws.merges[r] > 0) merge_row(store, store_row(r), ws.merges[r], params, ws, r);
     }
@@ -325,7 +326,7 @@ void merge_round(const MergeStoreView<T>& store, const std::int32_t* slots, std:
 
 template <class T>
 void merge_store_append(const KVCache<const T>& cache, const std::int32_t* slots, const std::int32_t* lengths,
-                        const MergeStoreView<T>& store, ThreadPool* pool) {
+                        const MergeStoreView<T>& store, const Context& ctx) {
   constexpr const char* where = "cpu::merge_store_append";
   kvsift::detail::check_merge_store(where, "store", store);
   kvsift::detail::check_cache_matches(where, cache, store);
@@ -342,7 +343,7 @@ void merge_store_append(const KVCache<const T>& cache, const std::int32_t* slots
     }
   }
   cache.visit([&](const auto& kv) {
-    for_rows(pool, kv.batch, store.kv_heads, [&](std::int32_t b, std::int32_t h) {
+    for_rows(ctx.pool, kv.batch, store.kv_heads, [&](std::int32_t b, std::int32_t h) {
       const std::int64_t row = store.row(slots[b], h);
       const std::int32_t at = store.count[row], slot = store.row_order(row)[at];
       std::copy_n(kv.k_row(b, h, lengths[b] - 1), store.head_dim, store.k_slot(row, slot));
@@ -356,7 +357,7 @@ void merge_store_append(const KVCache<const T>& cache, const std::int32_t* slots
 
 template <class T>
 void merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* src_slots, const MergeStoreView<T>& dst,
-                      const std::int32_t* dst_slots, std::int32_t batch, ThreadPool* pool) {
+                      const std::int32_t* dst_slots, std::int32_t batch, const Context& ctx) {
   constexpr const char* where = "cpu::merge_store_copy";
   kvsift::detail::check_merge_store_copy(where, src, dst, batch);
   check_slots(where, "src_slots", src_slots, batch, src);
@@ -371,7 +372,7 @@ void merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* sr
                    src_slots[b], h, count, dst.capacity);
     }
   }
-  for_rows(pool, batch, src.kv_heads, [&](std::int32_t b, std::int32_t h) {
+  for_rows(ctx.pool, batch, src.kv_heads, [&](std::int32_t b, std::int32_t h) {
     const std::int64_t from = src.row(src_slots[b], h), to = dst.row(dst_slots[b], h);
     const std::int32_t count = src.count[from], d = src.head_dim;
     for (std::int32_t i = 0; i < count; ++i) {
@@ -388,12 +389,12 @@ void merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* sr
 
 template <class T>
 void merge_store_selection(const MergeStoreView<const T>& store, const std::int32_t* slots, const SelectionView& out,
-                           ThreadPool* pool) {
+                           const Context& ctx) {
   constexpr const char* where = "cpu::merge_store_selection";
   kvsift::detail::check_merge_store_selection(where, store, out);
   check_slots(where, "slots", slots, out.batch, store);
   check_counts(where, "store", slots, out.batch, store);
-  for_rows(pool, out.batch, store.kv_heads, [&](std::int32_t b, std::int32_t h) {
+  for_rows(ctx.pool, out.batch, store.kv_heads, [&](std::int32_t b, std::int32_t h) {
     const std::int64_t row = store.row(slots[b], h);
     const std::int32_t count = store.count[row];
     std::copy_n(store.row_order(row), count, out.row(b, h));
@@ -402,18 +403,6 @@ void merge_store_selection(const MergeStoreView<const T>& store, const std::int3
   });
 }
 
-#define KVSIFT_INSTANTIATE_MERGE_STORE(T)                                                                             \
-  template void merge_store_load<T>(const KVCache<const T>&, const std::int32_t*, const MergeStoreView<T>&,           \
-                                    ThreadPool*);                                                                      \
-  template void merge_round<T>(const MergeStoreView<T>&, const std::int32_t*, std::int32_t, const std::int32_t*,       \
-                               const MergeRoundParams&, std::span<std::byte>, ThreadPool*);                            \
-  template void merge_store_append<T>(const KVCache<const T>&, const std::int32_t*, const std::int32_t*,               \
-                                      const MergeStoreView<T>&, ThreadPool*);                                          \
-  template void merge_store_copy<T>(const MergeStoreView<const T>&, const std::int32_t*, const MergeStoreView<T>&,     \
-                                    const std::int32_t*, std::int32_t, ThreadPool*);                                   \
-  template void merge_store_selection<T>(const MergeStoreView<const T>&, const std::int32_t*, const SelectionView&,    \
-                                         ThreadPool*);
-KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE_MERGE_STORE)
-#undef KVSIFT_INSTANTIATE_MERGE_STORE
+KVSIFT_STORAGE_TYPES(KVSIFT_MERGE_STORE_INSTANCES)
 
 }  // namespace kvsift::cpu

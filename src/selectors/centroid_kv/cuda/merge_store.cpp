@@ -8,6 +8,7 @@
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/selectors/centroid_kv/detail/merge_store_checks.hpp"
+#include "kvsift/selectors/centroid_kv/detail/merge_store_instances.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -52,15 +53,16 @@ void check_rows(const char* where, std::int64_t rows) {
 
 template <class T>
 void merge_store_load(const KVCache<const T>& cache, const std::int32_t* d_slots, const MergeStoreView<T>& store,
-                      cudaStream_t stream) {
+                      const Context& ctx) {
   constexpr const char* where = "cuda::merge_store_load";
   kvsift::detail::check_merge_store(where, "store", store);
   kvsift::detail::check_cache_matches(where, cache, store);
   KVSIFT_CHECK(d_slots != nullptr, where, "slots must be non-null");
-  KVSIFT_CUDA_CHECK(detail::launch_merge_store_load(cache, d_slots, store, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_merge_store_load(cache, d_slots, store, ctx.stream));
 }
 
-std::size_t merge_round_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t capacity) {
+std::size_t merge_round_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t capacity,
+                                        const Context&) {
   constexpr const char* where = "cuda::merge_round_workspace_bytes";
   KVSIFT_CHECK(batch > 0 && kv_heads > 0 && capacity > 0, where,
                "batch (= {}), kv_heads (= {}) and capacity (= {}) must be positive", batch, kv_heads, capacity);
@@ -73,7 +75,7 @@ std::size_t merge_round_workspace_bytes(std::int32_t batch, std::int32_t kv_head
 template <class T>
 void merge_round(const MergeStoreView<T>& store, const std::int32_t* d_slots, std::int32_t batch,
                  const std::int32_t* d_budgets, const MergeRoundParams& params, std::span<std::byte> workspace,
-                 cudaStream_t stream) {
+                 const Context& ctx) {
   constexpr const char* where = "cuda::merge_round";
   kvsift::detail::check_merge_store(where, "store", store);
   kvsift::detail::check_merge_round_params(where, params);
@@ -97,57 +99,45 @@ void merge_round(const MergeStoreView<T>& store, const std::int32_t* d_slots, st
   const TopKRowsOptions ranking = ranking_options(p.merges);
   const std::span<std::byte> topk_workspace =
       layout.span(topk_rows_workspace_bytes(rows, p.max_links, p.max_links, ranking), "merge_round ranking");
-  KVSIFT_CUDA_CHECK(detail::launch_merge_match(p, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_merge_match(p, ctx.stream));
   const SelectionView chosen{.indices = p.chosen,
                              .counts = p.chosen_counts,
                              .batch = std::int32_t(rows),
                              .kv_heads = 1,
                              .capacity = p.max_links};
   topk_rows(MatrixView<const float>::packed(p.similarity, rows, p.max_links), p.lengths, p.max_links, ranking, chosen,
-            topk_workspace, stream);
-  KVSIFT_CUDA_CHECK(detail::launch_merge_apply(p, stream));
+            topk_workspace, ctx.stream);
+  KVSIFT_CUDA_CHECK(detail::launch_merge_apply(p, ctx.stream));
 }
 
 template <class T>
 void merge_store_append(const KVCache<const T>& cache, const std::int32_t* d_slots, const std::int32_t* d_lengths,
-                        const MergeStoreView<T>& store, cudaStream_t stream) {
+                        const MergeStoreView<T>& store, const Context& ctx) {
   constexpr const char* where = "cuda::merge_store_append";
   kvsift::detail::check_merge_store(where, "store", store);
   kvsift::detail::check_cache_matches(where, cache, store);
   KVSIFT_CHECK(d_slots != nullptr && d_lengths != nullptr, where, "slots and lengths must be non-null");
-  KVSIFT_CUDA_CHECK(detail::launch_merge_store_append(cache, d_slots, d_lengths, store, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_merge_store_append(cache, d_slots, d_lengths, store, ctx.stream));
 }
 
 template <class T>
 void merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* d_src_slots, const MergeStoreView<T>& dst,
-                      const std::int32_t* d_dst_slots, std::int32_t batch, cudaStream_t stream) {
+                      const std::int32_t* d_dst_slots, std::int32_t batch, const Context& ctx) {
   constexpr const char* where = "cuda::merge_store_copy";
   kvsift::detail::check_merge_store_copy(where, src, dst, batch);
   KVSIFT_CHECK(d_src_slots != nullptr && d_dst_slots != nullptr, where, "src_slots and dst_slots must be non-null");
-  KVSIFT_CUDA_CHECK(detail::launch_merge_store_copy(src, d_src_slots, dst, d_dst_slots, batch, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_merge_store_copy(src, d_src_slots, dst, d_dst_slots, batch, ctx.stream));
 }
 
 template <class T>
 void merge_store_selection(const MergeStoreView<const T>& store, const std::int32_t* d_slots, const SelectionView& out,
-                           cudaStream_t stream) {
+                           const Context& ctx) {
   constexpr const char* where = "cuda::merge_store_selection";
   kvsift::detail::check_merge_store_selection(where, store, out);
   KVSIFT_CHECK(d_slots != nullptr, where, "slots must be non-null");
-  KVSIFT_CUDA_CHECK(detail::launch_merge_store_selection(store, d_slots, out, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_merge_store_selection(store, d_slots, out, ctx.stream));
 }
 
-#define KVSIFT_INSTANTIATE_MERGE_STORE(T)                                                                             \
-  template void merge_store_load<T>(const KVCache<const T>&, const std::int32_t*, const MergeStoreView<T>&,           \
-                                    cudaStream_t);                                                                     \
-  template void merge_round<T>(const MergeStoreView<T>&, const std::int32_t*, std::int32_t, const std::int32_t*,       \
-                               const MergeRoundParams&, std::span<std::byte>, cudaStream_t);                           \
-  template void merge_store_append<T>(const KVCache<const T>&, const std::int32_t*, const std::int32_t*,               \
-                                      const MergeStoreView<T>&, cudaStream_t);                                         \
-  template void merge_store_copy<T>(const MergeStoreView<const T>&, const std::int32_t*, const MergeStoreView<T>&,     \
-                                    const std::int32_t*, std::int32_t, cudaStream_t);                                  \
-  template void merge_store_selection<T>(const MergeStoreView<const T>&, const std::int32_t*, const SelectionView&,    \
-                                         cudaStream_t);
-KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE_MERGE_STORE)
-#undef KVSIFT_INSTANTIATE_MERGE_STORE
+KVSIFT_STORAGE_TYPES(KVSIFT_MERGE_STORE_INSTANCES)
 
 }  // namespace kvsift::cuda

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "kvsift/selectors/csattention/detail/score_tables_checks.hpp"
+#include "kvsift/selectors/csattention/detail/score_tables_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
@@ -55,7 +56,7 @@ struct ChosenList {
     for (std::int32_t p = 0; p < overlay_size; ++p) f(overlay_ids[p], overlay_scores[p]);
   }
   std::int64_t floor() const {
-    return detail::list_floor(base_ids, base_scores, kept, overlay_ids, overlay_scores, overlay_size,
+    return kvsift::detail::list_floor(base_ids, base_scores, kept, overlay_ids, overlay_scores, overlay_size,
                               [](half x) { return half_to_float(x); });
   }
 };
@@ -86,16 +87,17 @@ constexpr float kNoCandidate = -std::numeric_limits<float>::infinity();
 template <class T>
 void subspace_scores(const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
                      std::int32_t list_count, const KVCache<const T>& cache, std::int32_t row,
-                     std::int32_t token_begin, std::int32_t tokens, const MatrixView<float>& out, ThreadPool* pool) {
+                     std::int32_t token_begin, std::int32_t tokens, const MatrixView<float>& out, const Context& ctx) {
   constexpr const char* where = "cpu::subspace_scores";
   cache.visit([&](const auto& kv) { validate(kv, where, "cache", MemorySpace::host); });
-  detail::check_subspace_scores(where, base, table_head, list_begin, list_count, cache, row, token_begin, tokens, out);
+  kvsift::detail::check_subspace_scores(where, base, table_head, list_begin, list_count, cache, row, token_begin, tokens,
+                                        out);
   KVSIFT_CHECK(std::int64_t(token_begin) + tokens <= cache.seq_len(row), where,
                "tokens [{}, {} + {}) reach past sequence {}'s length {}", token_begin, token_begin, tokens, row,
                cache.seq_len(row));
   const std::int32_t head_dim = cache.head_dim(), kv = table_head * cache.kv_heads() / base.table_heads;
   const std::int32_t c_count = base.centroids_per_subspace;
-  parallel_for(pool, list_count, [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(ctx.pool, list_count, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin; r < end; ++r) {
       const std::int32_t l = list_begin + std::int32_t(r), s = l / c_count;
       const float* centroid =
@@ -109,24 +111,24 @@ void subspace_scores(const BaseTablesView& base, std::int32_t table_head, std::i
   });
 }
 
-std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32_t tokens, const ThreadPool* pool) {
+std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32_t tokens, const Context& ctx) {
   KVSIFT_CHECK(list_rows > 0 && tokens >= 0, "cpu::store_table_lists_workspace_bytes",
                "list_rows (= {}) must be positive and tokens (= {}) >= 0", list_rows, tokens);
   WorkspaceLayout layout;
-  layout.allocate<std::uint64_t>(std::size_t(workers_for(list_rows, pool)) * std::size_t(tokens), "rank keys");
+  layout.allocate<std::uint64_t>(std::size_t(workers_for(list_rows, ctx.pool)) * std::size_t(tokens), "rank keys");
   return layout.bytes();
 }
 
 void store_table_lists(const MatrixView<const float>& scores, std::int32_t tokens, std::int32_t keep,
                        const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
-                       std::span<std::byte> workspace, ThreadPool* pool) {
+                       std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cpu::store_table_lists";
-  detail::check_store_table_lists(where, scores, tokens, keep, base, table_head, list_begin);
-  const std::int64_t workers = workers_for(scores.rows, pool);
+  kvsift::detail::check_store_table_lists(where, scores, tokens, keep, base, table_head, list_begin);
+  const std::int64_t workers = workers_for(scores.rows, ctx.pool);
   WorkspaceLayout layout(workspace, where);
   std::uint64_t* const scratch = layout.allocate<std::uint64_t>(std::size_t(workers) * std::size_t(tokens), "rank keys");
   const std::int32_t kept = std::min(keep, tokens);
-  for_workers(pool, scores.rows, workers, [&](std::int64_t w, std::int64_t r) {
+  for_workers(ctx.pool, scores.rows, workers, [&](std::int64_t w, std::int64_t r) {
     std::uint64_t* keys = scratch + w * tokens;
     const float* row = scores.row(r);
     for (std::int32_t t = 0; t < tokens; ++t) keys[t] = rank_key(table_score(row[t]), t);
@@ -145,14 +147,14 @@ void store_table_lists(const MatrixView<const float>& scores, std::int32_t token
 
 template <class T>
 void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<const T>& cache,
-                   const std::int32_t* slots, const std::int32_t* lengths, ThreadPool* pool) {
+                   const std::int32_t* slots, const std::int32_t* lengths, const Context& ctx) {
   constexpr const char* where = "cpu::append_tables";
   cache.visit([&](const auto& kv) { validate(kv, where, "cache", MemorySpace::host); });
-  detail::check_append_tables(where, tables, cache, slots, lengths, MemorySpace::host);
+  kvsift::detail::check_append_tables(where, tables, cache, slots, lengths, MemorySpace::host);
   const ScoreTablesView<std::int32_t>& t = tables;
   const std::int32_t head_dim = cache.head_dim();
   const std::int64_t items = std::int64_t(cache.batch()) * t.table_heads;
-  parallel_for(pool, items, [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(ctx.pool, items, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t item = begin; item < end; ++item) {
       const std::int32_t b = std::int32_t(item / t.table_heads), h = std::int32_t(item % t.table_heads);
       const std::int32_t slot = slots[b], base = t.slot_base[slot], id = lengths[b] - 1;
@@ -162,7 +164,7 @@ void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<co
         const float value = table_score(
             subspace_dot(t.centroid(base, h, s, l % t.centroids_per_subspace), key, t.split, s, t.width, head_dim));
         const std::int64_t own = t.list_index(slot, h, l);
-        detail::insert_table_key(t.base_ids + t.base_entry(base, h, l), t.base_scores + t.base_entry(base, h, l),
+        kvsift::detail::insert_table_key(t.base_ids + t.base_entry(base, h, l), t.base_scores + t.base_entry(base, h, l),
                                  t.base_counts[t.list_index(base, h, l)], t.evicted[own],
                                  t.overlay_ids + t.overlay_entry(slot, h, l),
                                  t.overlay_scores + t.overlay_entry(slot, h, l), t.overlay_sizes[own],
@@ -176,14 +178,14 @@ void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<co
 template <class T>
 void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const std::int32_t>& tables,
                        const std::int32_t* slots, std::int32_t probes, const SelectionView& chosen,
-                       std::int32_t* weights, ThreadPool* pool) {
+                       std::int32_t* weights, const Context& ctx) {
   constexpr const char* where = "cpu::nearest_centroids";
-  detail::check_nearest_centroids(where, q, tables, slots, probes, chosen, MemorySpace::host);
+  kvsift::detail::check_nearest_centroids(where, q, tables, slots, probes, chosen, MemorySpace::host);
   const ScoreTablesView<const std::int32_t>& t = tables;
   const std::int32_t group = q.heads / chosen.kv_heads, heads_per_table = q.heads / t.table_heads;
   const std::int32_t c_count = t.centroids_per_subspace;
   const std::int64_t rows = std::int64_t(chosen.batch) * chosen.kv_heads;
-  parallel_for(pool, rows, [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(ctx.pool, rows, [&](std::int64_t begin, std::int64_t end) {
     std::uint64_t best[kMaxProbes];  // the probes best so far, ascending rank keys
     for (std::int64_t row = begin; row < end; ++row) {
       const std::int64_t b = row / chosen.kv_heads, g = row % chosen.kv_heads;
@@ -221,12 +223,12 @@ void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const 
 }
 
 std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t heads_per_row, std::int32_t max_tokens,
-                                               const ThreadPool* pool) {
+                                               const Context& ctx) {
   KVSIFT_CHECK(rows > 0 && heads_per_row > 0 && max_tokens >= 0, "cpu::table_scores_dense_workspace_bytes",
                "rows (= {}) and heads_per_row (= {}) must be positive, max_tokens (= {}) >= 0", rows, heads_per_row,
                max_tokens);
   WorkspaceLayout layout;
-  const auto workers = std::size_t(workers_for(rows, pool));
+  const auto workers = std::size_t(workers_for(rows, ctx.pool));
   layout.allocate<std::int64_t>(workers * std::size_t(heads_per_row) * std::size_t(max_tokens), "block sums");
   layout.allocate<std::uint8_t>(workers * std::size_t(max_tokens), "candidate flags");
   return layout.bytes();
@@ -236,20 +238,20 @@ void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const
                         const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
                         const AttentionWindow& window, const LengthBudget& budget, const MatrixView<float>& scores,
                         std::int32_t* row_k, std::int32_t max_tokens, std::span<std::byte> workspace,
-                        ThreadPool* pool) {
+                        const Context& ctx) {
   constexpr const char* where = "cpu::table_scores_dense";
-  detail::check_table_scores(where, tables, chosen, options, heads_per_row, slots, lengths, window, budget, scores, max_tokens,
+  kvsift::detail::check_table_scores(where, tables, chosen, options, heads_per_row, slots, lengths, window, budget, scores, max_tokens,
                              row_k, MemorySpace::host);
   for (std::int32_t b = 0; b < chosen.batch; ++b) {
     KVSIFT_CHECK(lengths[b] <= max_tokens, where, "lengths[{}] (= {}) exceeds max_tokens (= {})", b, lengths[b],
                  max_tokens);
   }
-  const std::int64_t rows = std::int64_t(chosen.batch) * chosen.kv_heads, workers = workers_for(rows, pool);
+  const std::int64_t rows = std::int64_t(chosen.batch) * chosen.kv_heads, workers = workers_for(rows, ctx.pool);
   WorkspaceLayout layout(workspace, where);
   std::int64_t* const sums = layout.allocate<std::int64_t>(
       std::size_t(workers) * std::size_t(heads_per_row) * std::size_t(max_tokens), "block sums");
   std::uint8_t* const flags = layout.allocate<std::uint8_t>(std::size_t(workers) * std::size_t(max_tokens), "candidate flags");
-  for_workers(pool, rows, workers, [&](std::int64_t w, std::int64_t row) {
+  for_workers(ctx.pool, rows, workers, [&](std::int64_t w, std::int64_t row) {
     const std::int64_t b = row / chosen.kv_heads, g = row % chosen.kv_heads;
     const std::int32_t length = lengths[b], count = chosen.count(b, g), per_head = count / heads_per_row;
     std::int64_t* const block_sums = sums + w * std::int64_t(heads_per_row) * max_tokens;
@@ -261,7 +263,7 @@ void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const
       const ChosenList list = chosen_list(tables, slots[b], chosen.row(b, g)[i]);
       const EntryValue value = entry_value(options, list, chosen, row, i);
       list.for_each([&](std::int32_t id, half score) {
-        if (!detail::list_entry_kept(id, length, window)) return;
+        if (!kvsift::detail::list_entry_kept(id, length, window)) return;
         head_sums[id] += value(score);
         candidate[id] = 1;
       });
@@ -282,16 +284,16 @@ void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const
   });
 }
 
-std::int64_t table_scores_sparse_capacity(std::int32_t chosen_capacity, std::int32_t length) {
+std::int64_t table_scores_sparse_capacity(std::int32_t chosen_capacity, std::int32_t length, const Context&) {
   return std::int64_t(chosen_capacity) * length;
 }
 
 std::size_t table_scores_sparse_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t length,
-                                                const ThreadPool* pool) {
+                                                const Context& ctx) {
   KVSIFT_CHECK(rows > 0 && chosen_capacity > 0 && length > 0, "cpu::table_scores_sparse_workspace_bytes",
                "rows (= {}), chosen_capacity (= {}) and length (= {}) must be positive", rows, chosen_capacity, length);
   WorkspaceLayout layout;
-  const std::size_t entries = std::size_t(workers_for(rows, pool)) * std::size_t(table_scores_sparse_capacity(chosen_capacity, length));
+  const std::size_t entries = std::size_t(workers_for(rows, ctx.pool)) * std::size_t(table_scores_sparse_capacity(chosen_capacity, length));
   layout.allocate<std::uint64_t>(entries, "entry keys");
   layout.allocate<std::int64_t>(entries, "entry scores");
   return layout.bytes();
@@ -301,17 +303,17 @@ void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, cons
                          const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
                          const AttentionWindow& window, const LengthBudget& budget, const SelectionView& out,
                          const MatrixView<float>& sums, std::int32_t* row_k, std::span<std::byte> workspace,
-                         ThreadPool* pool) {
+                         const Context& ctx) {
   constexpr const char* where = "cpu::table_scores_sparse";
   const std::int64_t capacity = table_scores_sparse_capacity(chosen.capacity, tables.length);
-  detail::check_table_scores(where, tables, chosen, options, heads_per_row, slots, lengths, window, budget, sums, out.capacity,
+  kvsift::detail::check_table_scores(where, tables, chosen, options, heads_per_row, slots, lengths, window, budget, sums, out.capacity,
                              row_k, MemorySpace::host);
-  detail::check_sparse_out(where, out, chosen, heads_per_row, capacity);
-  const std::int64_t rows = std::int64_t(chosen.batch) * chosen.kv_heads, workers = workers_for(rows, pool);
+  kvsift::detail::check_sparse_out(where, out, chosen, heads_per_row, capacity);
+  const std::int64_t rows = std::int64_t(chosen.batch) * chosen.kv_heads, workers = workers_for(rows, ctx.pool);
   WorkspaceLayout layout(workspace, where);
   std::uint64_t* const key_scratch = layout.allocate<std::uint64_t>(std::size_t(workers * capacity), "entry keys");
   std::int64_t* const score_scratch = layout.allocate<std::int64_t>(std::size_t(workers * capacity), "entry scores");
-  for_workers(pool, rows, workers, [&](std::int64_t w, std::int64_t row) {
+  for_workers(ctx.pool, rows, workers, [&](std::int64_t w, std::int64_t row) {
     const std::int64_t b = row / chosen.kv_heads, g = row % chosen.kv_heads;
     const std::int32_t length = lengths[b], count = chosen.count(b, g), per_head = count / heads_per_row;
     std::uint64_t* const keys = key_scratch + w * capacity;
@@ -323,7 +325,7 @@ void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, cons
       const ChosenList list = chosen_list(tables, slots[b], chosen.row(b, g)[i]);
       const EntryValue value = entry_value(options, list, chosen, row, i);
       list.for_each([&](std::int32_t id, half score) {
-        if (!detail::list_entry_kept(id, length, window)) return;
+        if (!kvsift::detail::list_entry_kept(id, length, window)) return;
         values[n] = value(score);
         keys[n] = std::uint64_t(id) << 32 | block << 24 | std::uint64_t(n);
         ++n;
@@ -355,16 +357,6 @@ void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, cons
   });
 }
 
-#define KVSIFT_INSTANTIATE(T)                                                                                          \
-  template void subspace_scores<T>(const BaseTablesView&, std::int32_t, std::int32_t, std::int32_t,                    \
-                                   const KVCache<const T>&, std::int32_t, std::int32_t, std::int32_t,                  \
-                                   const MatrixView<float>&, ThreadPool*);                                             \
-  template void append_tables<T>(const ScoreTablesView<std::int32_t>&, const KVCache<const T>&, const std::int32_t*,   \
-                                 const std::int32_t*, ThreadPool*);                                                    \
-  template void nearest_centroids<T>(const QueryView<const T>&, const ScoreTablesView<const std::int32_t>&,            \
-                                     const std::int32_t*, std::int32_t, const SelectionView&, std::int32_t*,         \
-                                     ThreadPool*);
-KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
-#undef KVSIFT_INSTANTIATE
+KVSIFT_STORAGE_TYPES(KVSIFT_SCORE_TABLES_INSTANCES)
 
 }  // namespace kvsift::cpu

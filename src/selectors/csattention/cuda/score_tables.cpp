@@ -7,6 +7,7 @@
 #include <climits>
 
 #include "kvsift/selectors/csattention/detail/score_tables_checks.hpp"
+#include "kvsift/selectors/csattention/detail/score_tables_instances.hpp"
 #include "kvsift/core/kv_cache.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
@@ -77,24 +78,25 @@ detail::TableScoresParams table_scores_params(const ScoreTablesView<const std::i
 
 }  // namespace
 
-template <class KV>
+template <class T>
 void subspace_scores(const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
-                     std::int32_t list_count, const KV& kv, std::int32_t row, std::int32_t token_begin,
-                     std::int32_t tokens, const MatrixView<float>& out, cudaStream_t stream) {
+                     std::int32_t list_count, const KVCache<const T>& cache, std::int32_t row,
+                     std::int32_t token_begin, std::int32_t tokens, const MatrixView<float>& out, const Context& ctx) {
   constexpr const char* where = "cuda::subspace_scores";
-  using T = kv_element_t<KV>;
-  validate(kv, where, "cache", MemorySpace::device);
-  kvsift::detail::check_subspace_scores<T>(where, base, table_head, list_begin, list_count, KVCache<const T>(kv), row,
-                                           token_begin, tokens, out);
+  cache.visit([&](const auto& kv) { validate(kv, where, "cache", MemorySpace::device); });
+  kvsift::detail::check_subspace_scores<T>(where, base, table_head, list_begin, list_count, cache, row, token_begin,
+                                           tokens, out);
   const std::int64_t blocks =
       detail::subspace_scores_blocks(base.centroids_per_subspace, list_begin, list_count, tokens);
   KVSIFT_CHECK(blocks <= INT32_MAX, where, "lists [{}, {} + {}) over {} tokens need {} CTAs, more than 2^31 - 1",
                list_begin, list_begin, list_count, tokens, blocks);
-  KVSIFT_CUDA_CHECK(detail::launch_subspace_scores(base, table_head, list_begin, list_count, kv, row, token_begin,
-                                                   tokens, out, stream));
+  cache.visit([&](const auto& kv) {
+    KVSIFT_CUDA_CHECK(detail::launch_subspace_scores(base, table_head, list_begin, list_count, kv, row, token_begin,
+                                                     tokens, out, ctx.stream));
+  });
 }
 
-std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32_t tokens) {
+std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32_t tokens, const Context&) {
   constexpr const char* where = "cuda::store_table_lists_workspace_bytes";
   KVSIFT_CHECK(list_rows > 0 && tokens >= 0, where, "list_rows (= {}) must be positive and tokens (= {}) >= 0",
                list_rows, tokens);
@@ -105,35 +107,37 @@ std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32
 
 void store_table_lists(const MatrixView<const float>& scores, std::int32_t tokens, std::int32_t keep,
                        const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
-                       std::span<std::byte> workspace, cudaStream_t stream) {
+                       std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cuda::store_table_lists";
   kvsift::detail::check_store_table_lists(where, scores, tokens, keep, base, table_head, list_begin);
   WorkspaceLayout layout(workspace, where);
   const detail::TableListBuffers buffers = layout_table_lists(layout, scores.rows, tokens);
   KVSIFT_CUDA_CHECK(
-      detail::launch_store_table_lists(scores, tokens, keep, base, table_head, list_begin, buffers, stream));
+      detail::launch_store_table_lists(scores, tokens, keep, base, table_head, list_begin, buffers, ctx.stream));
 }
 
-template <class KV>
-void append_tables(const ScoreTablesView<std::int32_t>& tables, const KV& kv, const std::int32_t* d_slots,
-                   const std::int32_t* d_lengths, cudaStream_t stream) {
+template <class T>
+void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<const T>& cache,
+                   const std::int32_t* d_slots, const std::int32_t* d_lengths, const Context& ctx) {
   constexpr const char* where = "cuda::append_tables";
-  using T = kv_element_t<KV>;
-  validate(kv, where, "cache", MemorySpace::device);
-  kvsift::detail::check_append_tables<T>(where, tables, KVCache<const T>(kv), d_slots, d_lengths, MemorySpace::device);
-  KVSIFT_CUDA_CHECK(detail::launch_append_tables(tables, kv, d_slots, d_lengths, stream));
+  cache.visit([&](const auto& kv) { validate(kv, where, "cache", MemorySpace::device); });
+  kvsift::detail::check_append_tables<T>(where, tables, cache, d_slots, d_lengths, MemorySpace::device);
+  cache.visit([&](const auto& kv) {
+    KVSIFT_CUDA_CHECK(detail::launch_append_tables(tables, kv, d_slots, d_lengths, ctx.stream));
+  });
 }
 
 template <class T>
 void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const std::int32_t>& tables,
                        const std::int32_t* d_slots, std::int32_t probes, const SelectionView& chosen,
-                       std::int32_t* d_weights, cudaStream_t stream) {
+                       std::int32_t* d_weights, const Context& ctx) {
   kvsift::detail::check_nearest_centroids("cuda::nearest_centroids", q, tables, d_slots, probes, chosen,
                                           MemorySpace::device);
-  KVSIFT_CUDA_CHECK(detail::launch_nearest_centroids(q, tables, d_slots, probes, chosen, d_weights, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_nearest_centroids(q, tables, d_slots, probes, chosen, d_weights, ctx.stream));
 }
 
-std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t heads_per_row, std::int32_t max_tokens) {
+std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t heads_per_row, std::int32_t max_tokens,
+                                               const Context&) {
   KVSIFT_CHECK(rows > 0 && heads_per_row > 0 && max_tokens >= 0, "cuda::table_scores_dense_workspace_bytes",
                "rows (= {}) and heads_per_row (= {}) must be positive, max_tokens (= {}) >= 0", rows, heads_per_row,
                max_tokens);
@@ -146,7 +150,7 @@ void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const
                         const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* d_slots,
                         const std::int32_t* d_lengths, const AttentionWindow& window, const LengthBudget& budget, const MatrixView<float>& scores,
                         std::int32_t* d_row_k, std::int32_t max_tokens, std::span<std::byte> workspace,
-                        cudaStream_t stream) {
+                        const Context& ctx) {
   constexpr const char* where = "cuda::table_scores_dense";
   kvsift::detail::check_table_scores(where, tables, chosen, options, heads_per_row, d_slots, d_lengths, window, budget,
                                      scores, max_tokens, d_row_k, MemorySpace::device);
@@ -162,14 +166,15 @@ void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const
   KVSIFT_CHECK(params.rows * plan.windows * plan.cluster <= INT32_MAX, where,
                "chosen.batch * kv_heads (= {} * {}) over {} tokens needs more than 2^31 - 1 CTAs", chosen.batch,
                chosen.kv_heads, max_tokens);
-  KVSIFT_CUDA_CHECK(detail::launch_table_scores_dense(params, scores, max_tokens, plan, buffers, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_table_scores_dense(params, scores, max_tokens, plan, buffers, ctx.stream));
 }
 
-std::int64_t table_scores_sparse_capacity(std::int32_t chosen_capacity, std::int32_t length) {
+std::int64_t table_scores_sparse_capacity(std::int32_t chosen_capacity, std::int32_t length, const Context&) {
   return std::int64_t(chosen_capacity) * length;
 }
 
-std::size_t table_scores_sparse_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t length) {
+std::size_t table_scores_sparse_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t length,
+                                                const Context&) {
   constexpr const char* where = "cuda::table_scores_sparse_workspace_bytes";
   KVSIFT_CHECK(rows > 0 && chosen_capacity > 0 && length > 0, where,
                "rows (= {}), chosen_capacity (= {}) and length (= {}) must be positive", rows, chosen_capacity, length);
@@ -184,7 +189,7 @@ void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, cons
                          const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* d_slots,
                          const std::int32_t* d_lengths, const AttentionWindow& window, const LengthBudget& budget, const SelectionView& out,
                          const MatrixView<float>& sums, std::int32_t* d_row_k, std::span<std::byte> workspace,
-                         cudaStream_t stream) {
+                         const Context& ctx) {
   constexpr const char* where = "cuda::table_scores_sparse";
   const std::int64_t segment = table_scores_sparse_capacity(chosen.capacity, tables.length);
   kvsift::detail::check_table_scores(where, tables, chosen, options, heads_per_row, d_slots, d_lengths, window, budget,
@@ -195,27 +200,9 @@ void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, cons
   check_sparse_items(where, params.rows, segment, "chosen.capacity * tables.length");
   WorkspaceLayout layout(workspace, where);
   const detail::SparseTableBuffers buffers = layout_sparse(layout, params.rows, std::int32_t(segment));
-  KVSIFT_CUDA_CHECK(detail::launch_table_scores_sparse(params, out, sums, std::int32_t(segment), buffers, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_table_scores_sparse(params, out, sums, std::int32_t(segment), buffers, ctx.stream));
 }
 
-#define KVSIFT_INSTANTIATE(T)                                                                                        \
-  template void subspace_scores<ContiguousKVView<const T>>(const BaseTablesView&, std::int32_t, std::int32_t,       \
-                                                           std::int32_t, const ContiguousKVView<const T>&,          \
-                                                           std::int32_t, std::int32_t, std::int32_t,                \
-                                                           const MatrixView<float>&, cudaStream_t);                 \
-  template void subspace_scores<PagedKVView<const T>>(const BaseTablesView&, std::int32_t, std::int32_t,            \
-                                                      std::int32_t, const PagedKVView<const T>&, std::int32_t,      \
-                                                      std::int32_t, std::int32_t, const MatrixView<float>&,         \
-                                                      cudaStream_t);                                                \
-  template void append_tables<ContiguousKVView<const T>>(const ScoreTablesView<std::int32_t>&,                      \
-                                                         const ContiguousKVView<const T>&, const std::int32_t*,     \
-                                                         const std::int32_t*, cudaStream_t);                        \
-  template void append_tables<PagedKVView<const T>>(const ScoreTablesView<std::int32_t>&, const PagedKVView<const T>&, \
-                                                    const std::int32_t*, const std::int32_t*, cudaStream_t);        \
-  template void nearest_centroids<T>(const QueryView<const T>&, const ScoreTablesView<const std::int32_t>&,          \
-                                     const std::int32_t*, std::int32_t, const SelectionView&, std::int32_t*,         \
-                                     cudaStream_t);
-KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
-#undef KVSIFT_INSTANTIATE
+KVSIFT_STORAGE_TYPES(KVSIFT_SCORE_TABLES_INSTANCES)
 
 }  // namespace kvsift::cuda

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kvsift/selectors/ctkvr/detail/query_centroids_checks.hpp"
+#include "kvsift/selectors/ctkvr/detail/query_centroids_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 
 namespace kvsift::cpu {
@@ -35,7 +36,7 @@ float squared_norm(const T* x, std::int32_t n) {
 
 template <class T>
 void centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids, const std::int32_t* slots,
-                     std::int32_t kv_heads, const MatrixView<float>& scores, ThreadPool* pool) {
+                     std::int32_t kv_heads, const MatrixView<float>& scores, const Context& ctx) {
   constexpr const char* where = "cpu::centroid_scores";
   kvsift::detail::check_centroid_scores(where, q, centroids, slots, kv_heads, scores);
   check_slots(where, slots, q.batch, centroids.slots, false);
@@ -45,7 +46,7 @@ void centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const
                  "centroids.counts[{}] (= {}) is outside [0, capacity = {}]", slots[b], count, centroids.capacity);
   }
   const std::int32_t group = q.heads / kv_heads, d = q.head_dim;
-  parallel_for(pool, std::int64_t(q.batch) * kv_heads, [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(ctx.pool, std::int64_t(q.batch) * kv_heads, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t row = begin; row < end; ++row) {
       const std::int64_t b = row / kv_heads, g = row % kv_heads;
       const std::int32_t slot = slots[b], count = centroids.counts[slot];
@@ -67,7 +68,7 @@ void centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const
 
 template <class T>
 void store_centroids(const SequenceView<const T>& queries, const std::int32_t* slots, const std::int32_t* first,
-                     std::int32_t kv_heads, const QueryCentroidsView<T>& centroids, ThreadPool* pool) {
+                     std::int32_t kv_heads, const QueryCentroidsView<T>& centroids, const Context& ctx) {
   constexpr const char* where = "cpu::store_centroids";
   kvsift::detail::check_store_centroids(where, queries, slots, kv_heads, centroids);
   check_slots(where, slots, queries.batch, centroids.slots, true);
@@ -77,7 +78,7 @@ void store_centroids(const SequenceView<const T>& queries, const std::int32_t* s
                  "first[{}] (= {}) + {} queries passes centroids.capacity (= {})", row, first[row], queries.tokens,
                  centroids.capacity);
   }
-  parallel_for(pool, std::int64_t(queries.batch) * queries.heads, [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(ctx.pool, std::int64_t(queries.batch) * queries.heads, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t item = begin; item < end; ++item) {
       const std::int64_t b = item / queries.heads, h = item % queries.heads;
       const std::int32_t start = first != nullptr ? first[b * kv_heads + h / group] : 0;
@@ -96,12 +97,6 @@ void store_centroids(const SequenceView<const T>& queries, const std::int32_t* s
   }
 }
 
-#define KVSIFT_INSTANTIATE(T)                                                                                        \
-  template void centroid_scores<T>(const QueryView<const T>&, const QueryCentroidsView<const T>&,                  \
-                                   const std::int32_t*, std::int32_t, const MatrixView<float>&, ThreadPool*);        \
-  template void store_centroids<T>(const SequenceView<const T>&, const std::int32_t*, const std::int32_t*,           \
-                                   std::int32_t, const QueryCentroidsView<T>&, ThreadPool*);
-KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
-#undef KVSIFT_INSTANTIATE
+KVSIFT_STORAGE_TYPES(KVSIFT_QUERY_CENTROIDS_INSTANCES)
 
 }  // namespace kvsift::cpu

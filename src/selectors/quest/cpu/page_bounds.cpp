@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "kvsift/selectors/quest/detail/page_bounds_checks.hpp"
+#include "kvsift/selectors/quest/detail/page_bounds_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 
 namespace kvsift::cpu {
@@ -22,9 +23,9 @@ float bound_dot(const float* q, const float* lo, const float* hi, std::int32_t n
   float lanes[kLanes] = {};
   std::int32_t c = 0;
   for (; c + kLanes <= n; c += kLanes) {
-    for (std::int32_t j = 0; j < kLanes; ++j) lanes[j] += q[c + j] * detail::bound_factor(q[c + j], lo[c + j], hi[c + j]);
+    for (std::int32_t j = 0; j < kLanes; ++j) lanes[j] += q[c + j] * kvsift::detail::bound_factor(q[c + j], lo[c + j], hi[c + j]);
   }
-  for (std::int32_t j = 0; c < n; ++c, ++j) lanes[j] += q[c] * detail::bound_factor(q[c], lo[c], hi[c]);
+  for (std::int32_t j = 0; c < n; ++c, ++j) lanes[j] += q[c] * kvsift::detail::bound_factor(q[c], lo[c], hi[c]);
   float sum = 0.0f;
   for (const float lane : lanes) sum += lane;
   return sum;
@@ -35,24 +36,24 @@ template <class T>
 void fold_key(const T* k, T* lo, T* hi, std::int32_t head_dim, bool first) {
   for (std::int32_t c = 0; c < head_dim; ++c) {
     const float x = to_float(k[c]);
-    if (first || detail::replaces_min(x, to_float(lo[c]))) lo[c] = k[c];
-    if (first || detail::replaces_max(x, to_float(hi[c]))) hi[c] = k[c];
+    if (first || kvsift::detail::replaces_min(x, to_float(lo[c]))) lo[c] = k[c];
+    if (first || kvsift::detail::replaces_max(x, to_float(hi[c]))) hi[c] = k[c];
   }
 }
 
 }  // namespace
 
-template <class T, class KV>
-void build_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds, ThreadPool* pool) {
-  detail::check_page_bounds_update("cpu::build_page_bounds", kv, slots, bounds, MemorySpace::host);
+template <class T, KVCacheView KV>
+void build_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds, const Context& ctx) {
+  kvsift::detail::check_page_bounds_update("cpu::build_page_bounds", kv, slots, bounds, MemorySpace::host);
   const std::int64_t rows = std::int64_t(kv.batch) * kv.kv_heads;
-  const std::int64_t chunks = detail::page_count(bounds.max_pages, std::int32_t(kPagesPerItem));
-  parallel_for(pool, rows * chunks, [&](std::int64_t begin, std::int64_t end) {
+  const std::int64_t chunks = kvsift::detail::page_count(bounds.max_pages, std::int32_t(kPagesPerItem));
+  parallel_for(ctx.pool, rows * chunks, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t item = begin; item < end; ++item) {
       const std::int64_t b = item / chunks / kv.kv_heads, h = item / chunks % kv.kv_heads;
       const std::int32_t len = kv.seq_len(b);
       const std::int64_t first_page = item % chunks * kPagesPerItem;
-      const std::int64_t last_page = std::min(first_page + kPagesPerItem, detail::page_count(len, bounds.page_size));
+      const std::int64_t last_page = std::min(first_page + kPagesPerItem, kvsift::detail::page_count(len, bounds.page_size));
       for (std::int64_t p = first_page; p < last_page; ++p) {
         T* lo = bounds.lo(slots[b], h, p);
         const std::int64_t t_end = std::min<std::int64_t>(len, (p + 1) * bounds.page_size);
@@ -64,10 +65,10 @@ void build_page_bounds(const KV& kv, const std::int32_t* slots, const PageBounds
   });
 }
 
-template <class T, class KV>
-void append_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds, ThreadPool* pool) {
-  detail::check_page_bounds_update("cpu::append_page_bounds", kv, slots, bounds, MemorySpace::host);
-  parallel_for(pool, std::int64_t(kv.batch) * kv.kv_heads, [&](std::int64_t begin, std::int64_t end) {
+template <class T, KVCacheView KV>
+void append_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds, const Context& ctx) {
+  kvsift::detail::check_page_bounds_update("cpu::append_page_bounds", kv, slots, bounds, MemorySpace::host);
+  parallel_for(ctx.pool, std::int64_t(kv.batch) * kv.kv_heads, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t row = begin; row < end; ++row) {
       const std::int64_t b = row / kv.kv_heads, h = row % kv.kv_heads;
       const std::int32_t t = kv.seq_len(b) - 1;
@@ -81,13 +82,13 @@ void append_page_bounds(const KV& kv, const std::int32_t* slots, const PageBound
 template <class T>
 void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* slots,
                  const std::int32_t* lengths, const AttentionWindow& window, const MatrixView<float>& scores,
-                 std::int32_t* page_counts, ThreadPool* pool) {
-  detail::check_page_scores("cpu::page_scores", q, bounds, slots, lengths, window, scores, page_counts,
+                 std::int32_t* page_counts, const Context& ctx) {
+  kvsift::detail::check_page_scores("cpu::page_scores", q, bounds, slots, lengths, window, scores, page_counts,
                             MemorySpace::host);
   const std::int32_t kv_heads = bounds.kv_heads, group = q.heads / kv_heads, d = bounds.head_dim;
-  for (std::int32_t b = 0; b < q.batch; ++b) page_counts[b] = std::int32_t(detail::page_count(lengths[b], bounds.page_size));
-  const std::int64_t chunks = detail::page_count(bounds.max_pages, std::int32_t(kPagesPerItem));
-  parallel_for(pool, scores.rows * chunks, [&](std::int64_t begin, std::int64_t end) {
+  for (std::int32_t b = 0; b < q.batch; ++b) page_counts[b] = std::int32_t(kvsift::detail::page_count(lengths[b], bounds.page_size));
+  const std::int64_t chunks = kvsift::detail::page_count(bounds.max_pages, std::int32_t(kPagesPerItem));
+  parallel_for(ctx.pool, scores.rows * chunks, [&](std::int64_t begin, std::int64_t end) {
     // Per item, everything in fp32 on the stack: the group's query channels (a tile of heads, a chunk of
     // channels) converted once, each page's bounds converted once per chunk, so that the inner loop is
     // conversion-free and vectorizes; per (page, head) the chunks' partial sums add up in channel order.
@@ -119,19 +120,19 @@ void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bou
             for (std::int32_t c = 0; c < channels; ++c) {
               lo_f[c] = to_float(lo[c]);
               hi_f[c] = to_float(hi[c]);
-              nan[i] |= detail::bound_is_nan(lo_f[c], hi_f[c]);
+              nan[i] |= kvsift::detail::bound_is_nan(lo_f[c], hi_f[c]);
             }
             for (std::int32_t h = 0; h < heads; ++h) sums[i][h] += bound_dot(q_tile[h], lo_f, hi_f, channels);
           }
         }
         for (std::int64_t i = 0; i < pages; ++i) {
-          for (std::int32_t h = 0; h < heads; ++h) best[i] = detail::max_keep_nan(best[i], sums[i][h]);
+          for (std::int32_t h = 0; h < heads; ++h) best[i] = kvsift::detail::max_keep_nan(best[i], sums[i][h]);
         }
       }
       for (std::int64_t i = 0; i < pages; ++i) {
         const std::int64_t p = first_page + i;
         std::int64_t middle_first = 0, middle_last = 0;
-        detail::page_middle(p, bounds.page_size, len, window, &middle_first, &middle_last);
+        kvsift::detail::page_middle(p, bounds.page_size, len, window, &middle_first, &middle_last);
         out[p] = middle_first >= middle_last ? -std::numeric_limits<float>::infinity()
                  : nan[i]                    ? std::numeric_limits<float>::quiet_NaN()
                                              : best[i];
@@ -141,9 +142,9 @@ void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bou
 }
 
 void expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* lengths,
-                  const AttentionWindow& window, const SelectionView& out, ThreadPool* pool) {
-  detail::check_expand_pages("cpu::expand_pages", pages, page_size, lengths, window, out, MemorySpace::host);
-  parallel_for(pool, std::int64_t(pages.batch) * pages.kv_heads, [&](std::int64_t begin, std::int64_t end) {
+                  const AttentionWindow& window, const SelectionView& out, const Context& ctx) {
+  kvsift::detail::check_expand_pages("cpu::expand_pages", pages, page_size, lengths, window, out, MemorySpace::host);
+  parallel_for(ctx.pool, std::int64_t(pages.batch) * pages.kv_heads, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t row = begin; row < end; ++row) {
       const std::int64_t b = row / pages.kv_heads, g = row % pages.kv_heads;
       const std::int32_t* chosen = pages.row(b, g);
@@ -151,7 +152,7 @@ void expand_pages(const SelectionView& pages, std::int32_t page_size, const std:
       std::int32_t count = 0;
       for (std::int32_t i = 0; i < pages.count(b, g); ++i) {
         std::int64_t first = 0, last = 0;
-        detail::page_middle(chosen[i], page_size, lengths[b], window, &first, &last);
+        kvsift::detail::page_middle(chosen[i], page_size, lengths[b], window, &first, &last);
         for (std::int64_t t = first; t < last; ++t) dst[count++] = std::int32_t(t);
       }
       out.counts[row] = count;
@@ -160,17 +161,6 @@ void expand_pages(const SelectionView& pages, std::int32_t page_size, const std:
   });
 }
 
-#define KVSIFT_INSTANTIATE_UPDATES(T, KV)                                                                     \
-  template void build_page_bounds<T, KV>(const KV&, const std::int32_t*, const PageBoundsView<T>&, ThreadPool*); \
-  template void append_page_bounds<T, KV>(const KV&, const std::int32_t*, const PageBoundsView<T>&, ThreadPool*);
-#define KVSIFT_INSTANTIATE(T)                                                                                   \
-  KVSIFT_INSTANTIATE_UPDATES(T, ContiguousKVView<const T>)                                                      \
-  KVSIFT_INSTANTIATE_UPDATES(T, PagedKVView<const T>)                                                           \
-  template void page_scores<T>(const QueryView<const T>&, const PageBoundsView<const T>&, const std::int32_t*,   \
-                               const std::int32_t*, const AttentionWindow&, const MatrixView<float>&,          \
-                               std::int32_t*, ThreadPool*);
-KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
-#undef KVSIFT_INSTANTIATE
-#undef KVSIFT_INSTANTIATE_UPDATES
+KVSIFT_STORAGE_TYPES(KVSIFT_PAGE_BOUNDS_INSTANCES)
 
 }  // namespace kvsift::cpu

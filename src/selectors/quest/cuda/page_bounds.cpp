@@ -6,6 +6,7 @@
 #include <climits>
 
 #include "kvsift/selectors/quest/detail/page_bounds_checks.hpp"
+#include "kvsift/selectors/quest/detail/page_bounds_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -13,28 +14,28 @@
 
 namespace kvsift::cuda {
 
-template <class T, class KV>
+template <class T, KVCacheView KV>
 void build_page_bounds(const KV& kv, const std::int32_t* d_slots, const PageBoundsView<T>& bounds,
-                       cudaStream_t stream) {
+                       const Context& ctx) {
   kvsift::detail::check_page_bounds_update("cuda::build_page_bounds", kv, d_slots, bounds, MemorySpace::device);
-  KVSIFT_CUDA_CHECK(detail::launch_build_page_bounds(kv, d_slots, bounds, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_build_page_bounds(kv, d_slots, bounds, ctx.stream));
 }
 
-template <class T, class KV>
+template <class T, KVCacheView KV>
 void append_page_bounds(const KV& kv, const std::int32_t* d_slots, const PageBoundsView<T>& bounds,
-                        cudaStream_t stream) {
+                        const Context& ctx) {
   constexpr const char* where = "cuda::append_page_bounds";
   kvsift::detail::check_page_bounds_update(where, kv, d_slots, bounds, MemorySpace::device);
   KVSIFT_CHECK(std::int64_t(kv.batch) * kv.kv_heads * bounds.head_dim <= std::int64_t(INT32_MAX), where,
                "kv.batch * kv_heads * head_dim (= {} * {} * {}) exceeds 2^31 - 1 threads", kv.batch, kv.kv_heads,
                bounds.head_dim);
-  KVSIFT_CUDA_CHECK(detail::launch_append_page_bounds(kv, d_slots, bounds, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_append_page_bounds(kv, d_slots, bounds, ctx.stream));
 }
 
 template <class T>
 void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* d_slots,
                  const std::int32_t* d_lengths, const AttentionWindow& window, const MatrixView<float>& scores,
-                 std::int32_t* d_page_counts, cudaStream_t stream) {
+                 std::int32_t* d_page_counts, const Context& ctx) {
   constexpr const char* where = "cuda::page_scores";
   kvsift::detail::check_page_scores(where, q, bounds, d_slots, d_lengths, window, scores, d_page_counts,
                                     MemorySpace::device);
@@ -56,27 +57,16 @@ void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bou
                                           .page_limit = page_limit,
                                           .chunk = chunk,
                                           .chunks = chunks};
-  KVSIFT_CUDA_CHECK(detail::launch_page_scores(params, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_page_scores(params, ctx.stream));
 }
 
 void expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* d_lengths,
-                  const AttentionWindow& window, const SelectionView& out, cudaStream_t stream) {
+                  const AttentionWindow& window, const SelectionView& out, const Context& ctx) {
   kvsift::detail::check_expand_pages("cuda::expand_pages", pages, page_size, d_lengths, window, out,
                                      MemorySpace::device);
-  KVSIFT_CUDA_CHECK(detail::launch_expand_pages(pages, page_size, d_lengths, window, out, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_expand_pages(pages, page_size, d_lengths, window, out, ctx.stream));
 }
 
-#define KVSIFT_INSTANTIATE_UPDATES(T, KV)                                                                       \
-  template void build_page_bounds<T, KV>(const KV&, const std::int32_t*, const PageBoundsView<T>&, cudaStream_t); \
-  template void append_page_bounds<T, KV>(const KV&, const std::int32_t*, const PageBoundsView<T>&, cudaStream_t);
-#define KVSIFT_INSTANTIATE(T)                                                                                     \
-  KVSIFT_INSTANTIATE_UPDATES(T, ContiguousKVView<const T>)                                                        \
-  KVSIFT_INSTANTIATE_UPDATES(T, PagedKVView<const T>)                                                             \
-  template void page_scores<T>(const QueryView<const T>&, const PageBoundsView<const T>&, const std::int32_t*,     \
-                               const std::int32_t*, const AttentionWindow&, const MatrixView<float>&,            \
-                               std::int32_t*, cudaStream_t);
-KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
-#undef KVSIFT_INSTANTIATE
-#undef KVSIFT_INSTANTIATE_UPDATES
+KVSIFT_STORAGE_TYPES(KVSIFT_PAGE_BOUNDS_INSTANCES)
 
 }  // namespace kvsift::cuda

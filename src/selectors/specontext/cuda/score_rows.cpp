@@ -7,9 +7,9 @@
 namespace kvsift::cuda {
 
 void max_score_rows(const MatrixView<const float>& scores, std::int32_t group, const std::int32_t* d_lengths,
-                    const MatrixView<float>& out, cudaStream_t stream) {
+                    const MatrixView<float>& out, const Context& ctx) {
   kvsift::detail::check_max_score_rows("cuda::max_score_rows", scores, group, d_lengths, out);
-  KVSIFT_CUDA_CHECK(detail::launch_max_score_rows(scores, group, d_lengths, out, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_max_score_rows(scores, group, d_lengths, out, ctx.stream));
 }
 
 }  // namespace kvsift::cuda

@@ -1,13 +1,11 @@
 #pragma once
 /// Codebook quantization, lookup tables and code scan on CUDA: selectors/a2ats/cpu/vq.hpp's twin, with the same arguments but the
-/// stream (the math and views: selectors/a2ats/vq.hpp). Device memory for every pointer (views, slots, lengths, positions,
+/// context (the math and views: selectors/a2ats/vq.hpp). Device memory for every pointer (views, slots, lengths, positions,
 /// workspace); no allocation, no host sync; stream-ordered and CUDA-graph capturable; deterministic (no atomics).
 ///
 /// Results against the CPU: scans are copies of table entries, so equal tables give equal scores bit for bit;
 /// tables and codes are fp32 math summed in another order (FMAs), so tables agree within fp32 rounding and codes
 /// agree except where two codewords are within fp32 rounding of a tie.
-
-#include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -15,14 +13,16 @@
 
 #include "kvsift/core/views.hpp"
 #include "kvsift/selectors/a2ats/vq.hpp"
+#include "kvsift/cuda/context.hpp"
 
 namespace kvsift::cuda {
 
 /// cpu::vq_codeword_norms's contract in device memory (one warp per codeword; fp32, another summation order).
-void vq_codeword_norms(const MatrixView<const float>& centroids, float* d_norms, cudaStream_t stream);
+void vq_codeword_norms(const MatrixView<const float>& centroids, float* d_norms, const Context& ctx);
 
-/// 0: vq_encode keeps its scratch in shared memory. Checks the arguments as the CPU's query does.
-std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_dim);
+/// 0: vq_encode keeps its scratch in shared memory. Checks the arguments as the CPU's query does; the context, for
+/// the CPU's call shape, does not change the answer (nor vq_lut_scan_workspace_bytes').
+std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_dim, const Context& = {});
 
 /// cpu::vq_encode's contract (kernels/selectors/a2ats/vq_encode.cu), two kernels by the row count:
 /// - up to 256 rows (an append): blocks of 8 rows of one kv head, each scoring a slice of the codewords in fp32
@@ -35,25 +35,25 @@ std::size_t vq_encode_workspace_bytes(std::int32_t codewords, std::int32_t head_
 /// codebook.centroids must be 16-byte aligned (refused otherwise). workspace may be empty; one launch.
 template <class T>
 void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook, const VqCodesView<std::uint16_t>& codes,
-               const VqCodeDestination& destination, std::span<std::byte> workspace, cudaStream_t stream);
+               const VqCodeDestination& destination, std::span<std::byte> workspace, const Context& ctx);
 
 /// cpu::vq_lut's contract: one thread per codeword of each (sequence, kv head), the group's queries in shared
 /// memory. codebook.data must be 16-byte aligned; at most 64 query heads per kv head (both refused otherwise,
 /// here and in vq_lut_scan).
 template <class T>
-void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, cudaStream_t stream);
+void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, const Context& ctx);
 
 /// cpu::vq_code_scan's contract, the tables read from global memory (L1/L2); the group maximum equals the CPU's
 /// bit for bit from equal tables (one reduction, selectors/a2ats/vq.hpp vq_group_max, in head order).
 void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch, const VqCodesView<const std::uint16_t>& codes,
                   const std::int32_t* d_slots, const std::int32_t* d_lengths, const MatrixView<float>& scores,
-                  const VqScanOptions& options, cudaStream_t stream);
+                  const VqScanOptions& options, const Context& ctx);
 
 /// Bytes of device workspace vq_lut_scan needs: 0 when the group's tables and queries fit one block's shared
 /// memory on this device (4 * group * (codewords + head_dim) bytes: 65 KB at group 4, 4096 codewords), else the
 /// tables of every query head, 4 * batch * q_heads * codewords (the two-launch form).
 std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
-                                        std::int32_t codewords, std::int32_t head_dim);
+                                        std::int32_t codewords, std::int32_t head_dim, const Context& = {});
 
 /// cpu::vq_lut_scan's contract, the scores bit for bit those of vq_lut then vq_code_scan on this device. One
 /// launch where the group's tables fit shared memory: on sm_90 a cluster of 8 blocks builds the tables of one
@@ -63,6 +63,6 @@ std::size_t vq_lut_scan_workspace_bytes(std::int32_t batch, std::int32_t q_heads
 template <class T>
 void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
                  const std::int32_t* d_slots, const std::int32_t* d_lengths, const MatrixView<float>& scores,
-                 const VqScanOptions& options, std::span<std::byte> workspace, cudaStream_t stream);
+                 const VqScanOptions& options, std::span<std::byte> workspace, const Context& ctx);
 
 }  // namespace kvsift::cuda

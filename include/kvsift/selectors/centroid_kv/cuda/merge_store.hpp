@@ -1,6 +1,6 @@
 #pragma once
 /// The merge store's primitives on the GPU, the twin of selectors/centroid_kv/cpu/merge_store.hpp (read its contracts; the differences
-/// are here). Same arguments, with a stream instead of the pool. Device memory everywhere (store, slots, budgets,
+/// are here). Same arguments, with the CUDA context (its stream) instead of the CPU's. Device memory everywhere (store, slots, budgets,
 /// lengths, the cache's length arrays, workspace); stream-ordered; no allocation, no host sync; CUDA-graph
 /// capturable; deterministic.
 ///
@@ -23,11 +23,10 @@
 #include <cstdint>
 #include <span>
 
-#include <cuda_runtime_api.h>
-
 #include "kvsift/core/kv_cache.hpp"
 #include "kvsift/selectors/centroid_kv/merge_store.hpp"
 #include "kvsift/core/views.hpp"
+#include "kvsift/cuda/context.hpp"
 
 namespace kvsift::cuda {
 
@@ -37,12 +36,14 @@ inline constexpr std::int32_t kMergeMaxChunk = kMergeMaxDeviceChunk;
 /// cpu::merge_store_load. One launch, a warp per (row, slot).
 template <class T>
 void merge_store_load(const KVCache<const T>& cache, const std::int32_t* d_slots, const MergeStoreView<T>& store,
-                      cudaStream_t stream);
+                      const Context& ctx);
 
 /// Device workspace (256-byte aligned) of merge_round for `batch` rows of kv_heads heads in a store of `capacity`
 /// entries per row: per row capacity / 2 link similarities, targets and ranked links, and capacity order
-/// positions' order, degree and log-degree (the compaction is out of place), about 18 bytes per entry.
-std::size_t merge_round_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t capacity);
+/// positions' order, degree and log-degree (the compaction is out of place), about 18 bytes per entry. The context
+/// does not change it: it is there for the CPU's call shape.
+std::size_t merge_round_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t capacity,
+                                        const Context& = {});
 
 /// cpu::merge_round, plus the refusal of params.chunk > kMergeMaxChunk, less that of a slot twice (the slots are
 /// device values: the step's are trusted, as by every selector; append and copy likewise). Every row decides on the device whether it
@@ -56,21 +57,21 @@ std::size_t merge_round_workspace_bytes(std::int32_t batch, std::int32_t kv_head
 template <class T>
 void merge_round(const MergeStoreView<T>& store, const std::int32_t* d_slots, std::int32_t batch,
                  const std::int32_t* d_budgets, const MergeRoundParams& params, std::span<std::byte> workspace,
-                 cudaStream_t stream);
+                 const Context& ctx);
 
 /// cpu::merge_store_append. One launch, a warp per row.
 template <class T>
 void merge_store_append(const KVCache<const T>& cache, const std::int32_t* d_slots, const std::int32_t* d_lengths,
-                        const MergeStoreView<T>& store, cudaStream_t stream);
+                        const MergeStoreView<T>& store, const Context& ctx);
 
 /// cpu::merge_store_copy. One launch, a warp per (row, dst slot).
 template <class T>
 void merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* d_src_slots, const MergeStoreView<T>& dst,
-                      const std::int32_t* d_dst_slots, std::int32_t batch, cudaStream_t stream);
+                      const std::int32_t* d_dst_slots, std::int32_t batch, const Context& ctx);
 
 /// cpu::merge_store_selection. One launch, a thread per (row, position).
 template <class T>
 void merge_store_selection(const MergeStoreView<const T>& store, const std::int32_t* d_slots, const SelectionView& out,
-                           cudaStream_t stream);
+                           const Context& ctx);
 
 }  // namespace kvsift::cuda

@@ -1,7 +1,7 @@
 #pragma once
 /// Subspace score tables on the CPU (selectors/csattention/score_tables.hpp): CSAttention's build, streaming insert, nearest
 /// centroids and the two reductions of the chosen lists (dense accumulator; sort and reduce by key). The twin of
-/// selectors/csattention/cuda/score_tables.hpp, with the same arguments but the pool and the same results, bit for bit. Host memory;
+/// selectors/csattention/cuda/score_tables.hpp, with the same arguments but the context and the same results, bit for bit. Host memory;
 /// no allocation; deterministic and independent of the thread count; reentrant with distinct outputs and
 /// workspaces. Every argument is checked, array contents included (slots, lengths, chosen ids, counts).
 /// T: the cache's and queries' storage type (float, half, bfloat16).
@@ -18,7 +18,7 @@
 #include "kvsift/core/ranking.hpp"
 #include "kvsift/selectors/csattention/score_tables.hpp"
 #include "kvsift/core/views.hpp"
-#include "kvsift/cpu/thread_pool.hpp"
+#include "kvsift/cpu/context.hpp"
 
 namespace kvsift::cpu {
 
@@ -32,10 +32,10 @@ template <class T>
 void subspace_scores(const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
                      std::int32_t list_count, const KVCache<const T>& cache, std::int32_t row,
                      std::int32_t token_begin, std::int32_t tokens, const MatrixView<float>& out,
-                     ThreadPool* pool = nullptr);
+                     const Context& ctx = {});
 
 /// Host workspace of store_table_lists: 8 * tokens bytes per thread (min(list rows, threads)).
-std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32_t tokens, const ThreadPool* pool = nullptr);
+std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32_t tokens, const Context& ctx = {});
 
 /// Fills lists [list_begin, list_begin + scores.rows) of table head `table_head` of `base`: list r takes the
 /// min(keep, tokens) best columns t < tokens of scores row r (keep in [1, base.length]: the prompt's L; ranked by
@@ -46,7 +46,7 @@ std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32
 void store_table_lists(const MatrixView<const float>& scores, std::int32_t tokens, std::int32_t keep,
                        const BaseTablesView& base,
                        std::int32_t table_head, std::int32_t list_begin, std::span<std::byte> workspace,
-                       ThreadPool* pool = nullptr);
+                       const Context& ctx = {});
 
 /// The streaming insert (CSAttention's append): batch row b's key at position lengths[b] - 1 (kv head t *
 /// cache.kv_heads() / table_heads for table head t) tries into every list l of every table head t of slot
@@ -57,7 +57,7 @@ void store_table_lists(const MatrixView<const float>& scores, std::int32_t token
 /// score_tables_checks.hpp check_slot_list). Threads: (row, table head).
 template <class T>
 void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<const T>& cache,
-                   const std::int32_t* slots, const std::int32_t* lengths, ThreadPool* pool = nullptr);
+                   const std::int32_t* slots, const std::int32_t* lengths, const Context& ctx = {});
 
 /// The lists each query head reads: for selection row (b, g), query heads h = g * G + j (j < G, G = q.heads /
 /// chosen.kv_heads) in order, subspaces s in order, the `probes` centroids c of table head t = h * table_heads /
@@ -71,7 +71,7 @@ void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<co
 template <class T>
 void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const std::int32_t>& tables,
                        const std::int32_t* slots, std::int32_t probes, const SelectionView& chosen,
-                       std::int32_t* weights, ThreadPool* pool = nullptr);
+                       std::int32_t* weights, const Context& ctx = {});
 
 /// The candidates and scores of the chosen lists, the value both reductions compute. For selection row (b, g)
 /// with G = heads_per_row, the chosen ids split into G equal blocks, one per query head (nearest_centroids'
@@ -86,7 +86,7 @@ void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const 
 /// Host workspace of table_scores_dense: 8 * heads_per_row * max_tokens + max_tokens bytes per thread
 /// (min(rows, threads)).
 std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t heads_per_row, std::int32_t max_tokens,
-                                               const ThreadPool* pool = nullptr);
+                                               const Context& ctx = {});
 /// The dense accumulator: scores.row(b * kv_heads + g)[t] for t < lengths[b] is the candidate's score, -inf for
 /// a token that is no candidate (columns past the length are not written). scores [batch * kv_heads, >=
 /// max_tokens], lengths[b] <= max_tokens (refused otherwise). Threads: rows.
@@ -94,13 +94,13 @@ void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const
                         const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
                         const AttentionWindow& window, const LengthBudget& budget, const MatrixView<float>& scores,
                         std::int32_t* row_k, std::int32_t max_tokens, std::span<std::byte> workspace,
-                        ThreadPool* pool = nullptr);
+                        const Context& ctx = {});
 
-/// Entries a row of table_scores_sparse may hold: chosen.capacity * tables.length.
-std::int64_t table_scores_sparse_capacity(std::int32_t chosen_capacity, std::int32_t length);
+/// Entries a row of table_scores_sparse may hold: chosen.capacity * tables.length, whatever the context.
+std::int64_t table_scores_sparse_capacity(std::int32_t chosen_capacity, std::int32_t length, const Context& = {});
 /// Host workspace of table_scores_sparse: 16 * chosen_capacity * length bytes per thread (min(rows, threads)).
 std::size_t table_scores_sparse_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t length,
-                                                const ThreadPool* pool = nullptr);
+                                                const Context& ctx = {});
 /// The paper's sort and reduce by key: out.row(b, g) receives the row's candidates ascending and out.counts their
 /// number, sums.row(b * kv_heads + g)[i] the score of candidate i. out [batch, kv_heads, >= chosen.capacity *
 /// length]; log-weights, if out has them, 0. Threads: rows.
@@ -108,6 +108,6 @@ void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, cons
                          const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* slots, const std::int32_t* lengths,
                          const AttentionWindow& window, const LengthBudget& budget, const SelectionView& out,
                          const MatrixView<float>& sums, std::int32_t* row_k, std::span<std::byte> workspace,
-                         ThreadPool* pool = nullptr);
+                         const Context& ctx = {});
 
 }  // namespace kvsift::cpu

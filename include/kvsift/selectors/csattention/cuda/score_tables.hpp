@@ -4,8 +4,8 @@
 /// capturable; deterministic; reentrant with distinct outputs and workspaces. Results equal the CPU's bit for bit:
 /// the dot products and sums of squares are the same fused multiply-adds in the same order, the ranking is
 /// core/ranking.hpp's, the inserts run selectors/csattention/score_tables.hpp's rule, and the sums are exact integers, so the order
-/// of the atomics and of the sort is immaterial. The cache is a concrete view (ContiguousKVView or PagedKVView of
-/// const T; cuda/backend.hpp dispatches a KVCache); T is float, half or bfloat16. options.weights is device memory.
+/// of the atomics and of the sort is immaterial. The cache is a KVCache of const T, dispatched here to the kernels'
+/// contiguous or paged instantiation; T is float, half or bfloat16. options.weights is device memory.
 /// Beyond the CPU's checks: table_scores_sparse takes at most 2^31 - 1 entries (rows * chosen.capacity * length)
 /// a call, table_scores_dense at most 2^31 - 1 CTAs (its rows times their windows and clusters).
 ///
@@ -32,25 +32,26 @@
 #include <cstdint>
 #include <span>
 
-#include <cuda_runtime_api.h>
-
 #include "kvsift/attention/options.hpp"
+#include "kvsift/core/kv_cache.hpp"
 #include "kvsift/core/ranking.hpp"
 #include "kvsift/selectors/csattention/score_tables.hpp"
 #include "kvsift/core/views.hpp"
+#include "kvsift/cuda/context.hpp"
 
 namespace kvsift::cuda {
 
 /// cpu::subspace_scores. One launch: a thread per token scores 8 lists of one subspace, reading its key's
 /// sub-vector once for the 8 centroids.
-template <class KV>
+template <class T>
 void subspace_scores(const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
-                     std::int32_t list_count, const KV& kv, std::int32_t row, std::int32_t token_begin,
-                     std::int32_t tokens, const MatrixView<float>& out, cudaStream_t stream);
+                     std::int32_t list_count, const KVCache<const T>& cache, std::int32_t row,
+                     std::int32_t token_begin, std::int32_t tokens, const MatrixView<float>& out, const Context& ctx);
 
 /// Device workspace of store_table_lists (shapes only): for min(list_rows, 65536) rows of `tokens` a 32-bit sort
-/// key and a column, twice, and CUB's radix-sort scratch (16 * rows * tokens bytes and a little).
-std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32_t tokens);
+/// key and a column, twice, and CUB's radix-sort scratch (16 * rows * tokens bytes and a little). The context of
+/// this file's workspace and capacity queries is the CPU's call shape: it does not change the answer.
+std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32_t tokens, const Context& = {});
 
 /// cpu::store_table_lists. Three launches per 65,536 rows: a CTA per row finds the row's best min(keep, tokens)
 /// by a radix select of their 16-bit rank keys (a table score is an fp16 value, so its rank word has 16
@@ -59,12 +60,12 @@ std::size_t store_table_lists_workspace_bytes(std::int32_t list_rows, std::int32
 /// then each row's entries into its list. workspace: store_table_lists_workspace_bytes(scores.rows, tokens).
 void store_table_lists(const MatrixView<const float>& scores, std::int32_t tokens, std::int32_t keep,
                        const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
-                       std::span<std::byte> workspace, cudaStream_t stream);
+                       std::span<std::byte> workspace, const Context& ctx);
 
 /// cpu::append_tables. One launch, a thread per (batch row, table head, list).
-template <class KV>
-void append_tables(const ScoreTablesView<std::int32_t>& tables, const KV& kv, const std::int32_t* d_slots,
-                   const std::int32_t* d_lengths, cudaStream_t stream);
+template <class T>
+void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<const T>& cache,
+                   const std::int32_t* d_slots, const std::int32_t* d_lengths, const Context& ctx);
 
 /// cpu::nearest_centroids. One launch, a warp per (batch row, query head, subspace): each lane scores every 32nd
 /// centroid, and the warp merges each round of 32 into its sorted best `probes` (shared memory). d_weights may be
@@ -72,10 +73,11 @@ void append_tables(const ScoreTablesView<std::int32_t>& tables, const KV& kv, co
 template <class T>
 void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const std::int32_t>& tables,
                        const std::int32_t* d_slots, std::int32_t probes, const SelectionView& chosen,
-                       std::int32_t* d_weights, cudaStream_t stream);
+                       std::int32_t* d_weights, const Context& ctx);
 
 /// Device workspace of table_scores_dense: a count per CTA, 4 * (ceil(max_tokens / 1024) + 8) bytes per row.
-std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t heads_per_row, std::int32_t max_tokens);
+std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t heads_per_row, std::int32_t max_tokens,
+                                               const Context& = {});
 /// cpu::table_scores_dense. Two launches. A thread-block cluster per (row, window of tokens) (sm_90: 8 CTAs; one
 /// CTA elsewhere), each CTA holding a range of the window's tokens in shared memory: per query-head block, the
 /// cluster's CTAs share the scan of the block's chosen lists and add each kept entry's value (weight * (fixed
@@ -87,13 +89,14 @@ void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const
                         const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* d_slots,
                         const std::int32_t* d_lengths, const AttentionWindow& window, const LengthBudget& budget,
                         const MatrixView<float>& scores, std::int32_t* d_row_k, std::int32_t max_tokens,
-                        std::span<std::byte> workspace, cudaStream_t stream);
+                        std::span<std::byte> workspace, const Context& ctx);
 
 /// Entries a row of table_scores_sparse may hold: chosen.capacity * tables.length (as on the CPU).
-std::int64_t table_scores_sparse_capacity(std::int32_t chosen_capacity, std::int32_t length);
+std::int64_t table_scores_sparse_capacity(std::int32_t chosen_capacity, std::int32_t length, const Context& = {});
 /// Device workspace of table_scores_sparse (shapes only): for rows * chosen_capacity * length entries a 64-bit sort
 /// key and an ordinal, twice, and an int64 value (32 bytes an entry), and CUB's scratch.
-std::size_t table_scores_sparse_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t length);
+std::size_t table_scores_sparse_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t length,
+                                                const Context& = {});
 /// cpu::table_scores_sparse. Five launches: the chosen lists' entries into one fixed segment per row (key row << 31
 /// | id, dropped entries keyed past the row's ids; values by ordinal), CUB's radix sort of (key, ordinal) over the
 /// bits in use (stable, so each id's entries stay in chosen order, its query-head blocks ascending), the runs of
@@ -102,6 +105,6 @@ void table_scores_sparse(const ScoreTablesView<const std::int32_t>& tables, cons
                          const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* d_slots,
                          const std::int32_t* d_lengths, const AttentionWindow& window, const LengthBudget& budget,
                          const SelectionView& out, const MatrixView<float>& sums, std::int32_t* d_row_k,
-                         std::span<std::byte> workspace, cudaStream_t stream);
+                         std::span<std::byte> workspace, const Context& ctx);
 
 }  // namespace kvsift::cuda

@@ -7,7 +7,7 @@
 
 #include "kvsift/selectors/ctkvr/query_centroids.hpp"
 #include "kvsift/core/views.hpp"
-#include "kvsift/cpu/thread_pool.hpp"
+#include "kvsift/cpu/context.hpp"
 
 namespace kvsift::cpu {
 
@@ -16,10 +16,10 @@ namespace kvsift::cpu {
 ///   = q_h . centroid(s, h, c) / |q_h| (centroids are unit vectors; a zero query scores 0),
 /// fp32, accumulated in ascending dimension order; -inf for c in [counts[s], centroids.capacity). Columns past
 /// the capacity are not written. q [batch, q_heads, head_dim]; slots [batch], each in [0, centroids.slots), with
-/// counts[s] in [0, capacity]. Threads: rows on `pool`.
+/// counts[s] in [0, capacity]. Threads: rows on ctx.pool.
 template <class T>
 void centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const T>& centroids, const std::int32_t* slots,
-                     std::int32_t kv_heads, const MatrixView<float>& scores, ThreadPool* pool = nullptr);
+                     std::int32_t kv_heads, const MatrixView<float>& scores, const Context& ctx = {});
 
 /// Query i < n of head h of batch row b, normalised to unit length in fp32 (a zero query stays zero) and rounded
 /// to T, becomes centroid first[b * kv_heads + h / group] + i of slot slots[b] (first == nullptr: 0), and the
@@ -29,6 +29,6 @@ void centroid_scores(const QueryView<const T>& q, const QueryCentroidsView<const
 /// capacity).
 template <class T>
 void store_centroids(const SequenceView<const T>& queries, const std::int32_t* slots, const std::int32_t* first,
-                     std::int32_t kv_heads, const QueryCentroidsView<T>& centroids, ThreadPool* pool = nullptr);
+                     std::int32_t kv_heads, const QueryCentroidsView<T>& centroids, const Context& ctx = {});
 
 }  // namespace kvsift::cpu

@@ -22,33 +22,32 @@
 
 #include <cstdint>
 
-#include <cuda_runtime_api.h>
-
 #include "kvsift/attention/options.hpp"
 #include "kvsift/selectors/quest/page_bounds_view.hpp"
 #include "kvsift/core/views.hpp"
+#include "kvsift/cuda/context.hpp"
 
 namespace kvsift::cuda {
 
 /// cpu::build_page_bounds. kv: ContiguousKVView<const T> or PagedKVView<const T>; slots [kv.batch].
-template <class T, class KV>
+template <class T, KVCacheView KV>
 void build_page_bounds(const KV& kv, const std::int32_t* d_slots, const PageBoundsView<T>& bounds,
-                       cudaStream_t stream);
+                       const Context& ctx);
 
 /// cpu::append_page_bounds: one launch of batch * kv_heads * head_dim threads; the length is read on the device.
-template <class T, class KV>
+template <class T, KVCacheView KV>
 void append_page_bounds(const KV& kv, const std::int32_t* d_slots, const PageBoundsView<T>& bounds,
-                        cudaStream_t stream);
+                        const Context& ctx);
 
 /// cpu::page_scores. One launch; each page's bounds are read from memory once for up to 8 query heads of its
 /// group (a larger group re-reads them per tile of 8, from L2 where they fit).
 template <class T>
 void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* d_slots,
                  const std::int32_t* d_lengths, const AttentionWindow& window, const MatrixView<float>& scores,
-                 std::int32_t* d_page_counts, cudaStream_t stream);
+                 std::int32_t* d_page_counts, const Context& ctx);
 
 /// cpu::expand_pages. One launch, one CTA per selection row.
 void expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* d_lengths,
-                  const AttentionWindow& window, const SelectionView& out, cudaStream_t stream);
+                  const AttentionWindow& window, const SelectionView& out, const Context& ctx);
 
 }  // namespace kvsift::cuda

@@ -11,6 +11,7 @@
 #include "kvsift/attention/state.hpp"
 #include "kvsift/selectors/specontext/detail/score_rows_checks.hpp"
 #include "kvsift/core/views.hpp"
+#include "kvsift/cpu/context.hpp"
 
 namespace kvsift::cpu {
 
@@ -18,9 +19,10 @@ namespace kvsift::cpu {
 /// any of them is NaN (attention/state.hpp max_nan: NaN never vanishes; fmax would let a number win); columns at or
 /// past that are not written (the scores there are not read: top-K reads a row's first lengths[r] columns). A
 /// negative length writes nothing.
-/// Refused: group <= 0, scores.rows != out.rows * group, different or non-positive columns, null pointers.
+/// Refused: group <= 0, scores.rows != out.rows * group, different or non-positive columns, null pointers. Runs on
+/// the calling thread (a pass over rows that a step has already reduced); the context is the backends' call shape.
 inline void max_score_rows(const MatrixView<const float>& scores, std::int32_t group, const std::int32_t* lengths,
-                           const MatrixView<float>& out) {
+                           const MatrixView<float>& out, const Context& = {}) {
   kvsift::detail::check_max_score_rows("cpu::max_score_rows", scores, group, lengths, out);
   for (std::int64_t r = 0; r < out.rows; ++r) {
     const std::int32_t n = std::clamp(lengths[r], 0, out.cols);

@@ -6,14 +6,13 @@
 
 #include <cstdint>
 
-#include <cuda_runtime_api.h>
-
 #include "kvsift/core/views.hpp"
+#include "kvsift/cuda/context.hpp"
 
 namespace kvsift::cuda {
 
 /// cpu::max_score_rows. One launch, a thread per (row, column), columns in 16-byte loads where aligned.
 void max_score_rows(const MatrixView<const float>& scores, std::int32_t group, const std::int32_t* d_lengths,
-                    const MatrixView<float>& out, cudaStream_t stream);
+                    const MatrixView<float>& out, const Context& ctx);
 
 }  // namespace kvsift::cuda
