@@ -19,6 +19,7 @@
 #include <limits>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvsift/core/index_file.hpp"
@@ -199,42 +200,59 @@ Data anisotropic(Random& rng, const std::vector<std::vector<float>>& directions,
   return x;
 }
 
-/// J' of layer 0's codebooks on x, pair by pair in fp64: each key coded by the nearest C^z to z = k~ L.
-double reference_score_error(const A2atsCodebooks& codebooks, const Data& x) {
+/// J' of layer 0's codebooks on x, pair by pair in fp64: each key coded by the nearest C^z to z = k~ L. The library
+/// assigns in fp32, so a key whose nearest codewords are within fp32 rounding of each other (relative 1e-5) may take
+/// either: J' is returned as the range over those keys' choices, {low, high} (equal where no key is that close to
+/// a tie; a seed with such a key failed a single-value comparison by 0.18%).
+struct ScoreErrorRange {
+  double low, high;
+};
+ScoreErrorRange reference_score_error(const A2atsCodebooks& codebooks, const Data& x) {
   const A2atsCodebookParams& p = codebooks.params();
   const A2atsLayerCodebooks v = codebooks.layer(0);
   const std::int32_t d = x.d;
-  std::vector<std::vector<double>> queries, residuals, keys;
+  std::vector<std::vector<double>> queries, keys;
+  std::vector<std::vector<std::int32_t>> nearest;  // per key: every codeword within the tie margin of the best
   for (std::int32_t t = 0; t < x.tokens; ++t) {
     const std::vector<double> rotation = query_rotation(x, p, t);
     for (std::int32_t u = 0; u < x.q_heads; ++u) queries.push_back(times(x.query(t, u), rotation, d));
     const std::vector<double> k = scored_key(x, p, t, 0);
     const std::vector<double> z = times(k, v.transform, d);
-    std::int32_t best = 0;
-    double best_distance = std::numeric_limits<double>::infinity();
+    std::vector<double> distance(std::size_t(v.codewords), 0.0);
     for (std::int32_t c = 0; c < v.codewords; ++c) {
-      double distance = 0.0;
-      for (std::int32_t j = 0; j < d; ++j) distance += std::pow(z[std::size_t(j)] - v.centroids[std::size_t(c) * d + j], 2);
-      if (distance < best_distance) best = c, best_distance = distance;
+      for (std::int32_t j = 0; j < d; ++j) {
+        distance[std::size_t(c)] += std::pow(z[std::size_t(j)] - v.centroids[std::size_t(c) * d + j], 2);
+      }
     }
-    std::vector<double> r(k);
-    for (std::int32_t j = 0; j < d; ++j) r[std::size_t(j)] -= v.codebook[std::size_t(best) * d + j];
+    const double best = *std::min_element(distance.begin(), distance.end());
+    std::vector<std::int32_t> ties;
+    for (std::int32_t c = 0; c < v.codewords; ++c) {
+      if (distance[std::size_t(c)] <= best * (1 + 1e-5)) ties.push_back(c);
+    }
     keys.push_back(k);
-    residuals.push_back(r);
+    nearest.push_back(ties);
   }
-  double error = 0.0, total = 0.0;
   const auto dot = [&](const std::vector<double>& a, const std::vector<double>& b) {
     double s = 0.0;
     for (std::int32_t j = 0; j < d; ++j) s += a[std::size_t(j)] * b[std::size_t(j)];
     return s;
   };
-  for (const auto& q : queries) {
-    for (std::size_t t = 0; t < keys.size(); ++t) {
-      error += std::pow(dot(q, residuals[t]), 2);
-      total += std::pow(dot(q, keys[t]), 2);
+  double low = 0.0, high = 0.0, total = 0.0;
+  for (std::size_t t = 0; t < keys.size(); ++t) {
+    double least = std::numeric_limits<double>::infinity(), most = 0.0;
+    for (const std::int32_t c : nearest[t]) {
+      std::vector<double> r(keys[t]);
+      for (std::int32_t j = 0; j < d; ++j) r[std::size_t(j)] -= v.codebook[std::size_t(c) * d + j];
+      double error = 0.0;
+      for (const auto& q : queries) error += std::pow(dot(q, r), 2);
+      least = std::min(least, error);
+      most = std::max(most, error);
     }
+    low += least;
+    high += most;
+    for (const auto& q : queries) total += std::pow(dot(q, keys[t]), 2);
   }
-  return error / total;
+  return {low / total, high / total};
 }
 
 TEST_F(A2atsCalibration, QueryAwareCodebooksApproximateScoresBetterThanPlainKMeansOnHeldOutData) {
@@ -258,15 +276,19 @@ TEST_F(A2atsCalibration, QueryAwareCodebooksApproximateScoresBetterThanPlainKMea
     const A2atsCalibrationConfig config{.kmeans_iterations = 20, .seed = seed};
     calibrate_a2ats_layer(a, 0, calibration.inputs(), config);
     calibrate_a2ats_layer(b, 0, calibration.inputs(), config);
-    const double aware_error = reference_score_error(a, held_out), plain_error = reference_score_error(b, held_out);
+    const ScoreErrorRange aware_error = reference_score_error(a, held_out);
+    const ScoreErrorRange plain_error = reference_score_error(b, held_out);
     // Typically 0.1 against 0.95. Without windowed RoPE the queries' own rotations spread H over more
     // directions and the gain shrinks (0.6-0.8 against 0.95; the paper's table 2: query-aware VQ alone gains
     // little).
-    EXPECT_LT(aware_error, (windowed ? 0.3 : 1.0) * plain_error)
-        << "J' query-aware " << aware_error << ", plain " << plain_error;
-    // The library's J' (through H) is the pair-by-pair one.
-    EXPECT_NEAR(a2ats_score_error(a, 0, held_out.inputs())[0], aware_error, 1e-9 + 1e-6 * aware_error);
-    EXPECT_NEAR(a2ats_score_error(b, 0, held_out.inputs())[0], plain_error, 1e-9 + 1e-6 * plain_error);
+    EXPECT_LT(aware_error.high, (windowed ? 0.3 : 1.0) * plain_error.low)
+        << "J' query-aware " << aware_error.high << ", plain " << plain_error.low;
+    // The library's J' (through H) is the pair-by-pair one, within the range of near-tied keys' codewords.
+    for (const auto& [codebooks, range] : {std::pair{&a, aware_error}, std::pair{&b, plain_error}}) {
+      const double library = a2ats_score_error(*codebooks, 0, held_out.inputs())[0];
+      EXPECT_GE(library, range.low - 1e-9 - 1e-6 * range.low);
+      EXPECT_LE(library, range.high + 1e-9 + 1e-6 * range.high);
+    }
   }
 }
 
