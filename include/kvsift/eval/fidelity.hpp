@@ -52,6 +52,7 @@
 
 #include <fmt/format.h>
 
+#include "kvsift/attention/budget_split.hpp"
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/views.hpp"
 #include "kvsift/cpu/context.hpp"
@@ -119,7 +120,7 @@ std::vector<BasicSelectorEntry<Context>> reference_selectors() {
 extern template std::vector<BasicSelectorEntry<cpu::Context>> reference_selectors<cpu::Context>();
 
 /// The retrieval selectors built so far, each at a budget of K tokens per kv head, window included, like the
-/// references. CTKVR keeps the paper's arrangement: a sink of min(4, K / 8) and a recent window of K / 4 beside
+/// references (split into window and selection by split_budget, attention/budget_split.hpp). CTKVR keeps the paper's arrangement: a sink of min(4, K / 8) and a recent window of K / 4 beside
 /// rho' = the rest, lists of rho = 2.5 rho', C' = 4, C = P / 16 centroids from the prefill's last queries, the
 /// dynamic update on. CSAttention: its defaults (m = 8, C = 128, alpha = 0.2, tables per kv head, one probe)
 /// at a fixed K, no sink and a recent window of min(64, K / 4); "CSAttention/q" the same with tables per query head.
@@ -131,13 +132,12 @@ std::vector<BasicSelectorEntry<Context>> method_selectors() {
   return {
       {"CTKVR",
        [](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
-         const AttentionWindow window{std::min(4, k / 8), k / 4};
-         const std::int32_t budget = k - window.sink - window.recent;
-         return Setup{Any(Ctkvr<half, Context>(limits, {.budget = budget})), window};
+         const BudgetSplit split = split_budget(k, {.sink = 4, .recent = k});  // 4 sinks, a quarter of K recent
+         return Setup{Any(Ctkvr<half, Context>(limits, {.budget = split.selection})), split.window};
        }},
       {"CSAttention",
        [](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
-         return Setup{Any(Csattention<half, Context>(limits, {.budget = k})), {0, std::min(64, k / 4)}};
+         return Setup{Any(Csattention<half, Context>(limits, {.budget = k})), split_budget(k, {0, 64}).window};
        }},
   };
 }
@@ -159,19 +159,17 @@ std::vector<BasicSelectorEntry<Context>> rerank_selectors(std::int32_t factor) {
   return {
       {"Quest + rerank",
        [proposed](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
-         const AttentionWindow window{std::min(4, k / 8), k / 4};
-         const std::int32_t middle = k - window.sink - window.recent;
-         Quest<half, Context> quest(limits, {.budget = proposed(middle, limits), .page_size = 16});
-         const std::int32_t kept = std::min(middle, quest.capacity());
-         return Setup{Any(Reranked(std::move(quest), {.budget = kept})), window};
+         const BudgetSplit split = split_budget(k, {.sink = 4, .recent = k});
+         Quest<half, Context> quest(limits, {.budget = proposed(split.selection, limits), .page_size = 16});
+         const std::int32_t kept = std::min(split.selection, quest.capacity());
+         return Setup{Any(Reranked(std::move(quest), {.budget = kept})), split.window};
        }},
       {"CSAttention + rerank",
        [proposed](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
          // CSAttention's budget holds its window (K less the window selected); the rerank keeps as many.
-         const AttentionWindow window{0, std::min(64, k / 4)};
+         const BudgetSplit split = split_budget(k, {0, 64});
          Csattention<half, Context> csattention(limits, {.budget = proposed(k, limits)});
-         const std::int32_t kept = std::max(1, k - window.sink - window.recent);
-         return Setup{Any(Reranked(std::move(csattention), {.budget = kept})), window};
+         return Setup{Any(Reranked(std::move(csattention), {.budget = split.selection})), split.window};
        }},
   };
 }
@@ -214,7 +212,7 @@ std::vector<BasicSelectorEntry<Context>> csattention_variants() {
                                          CsattentionConfig config{.budget = k};
                                          edit(config);
                                          return Setup{Any(Csattention<half, Context>(limits, config)),
-                                                      {0, std::min(64, k / 4)}};
+                                                      split_budget(k, {0, 64}).window};
                                        }};
   };
   std::vector<BasicSelectorEntry<Context>> out{
@@ -258,8 +256,9 @@ std::vector<BasicSelectorEntry<Context>> a2ats_selectors(const std::string& name
   const auto entry = [codebooks](std::string label, A2atsGroupRule rule, std::int32_t factor) {
     return BasicSelectorEntry<Context>{
         std::move(label), [codebooks, rule, factor](std::int32_t k, const SelectorLimits& limits, std::int32_t layer) {
-          const AttentionWindow window{std::min(4, k / 8), std::min(64, k / 4)};
-          const std::int32_t middle = k - window.sink - window.recent;
+          const BudgetSplit split = split_budget(k, {4, 64});
+          const AttentionWindow window = split.window;
+          const std::int32_t middle = split.selection;
           const std::int32_t group = limits.q_heads / limits.kv_heads;
           const std::int32_t per_row = rule == A2atsGroupRule::union_of_heads ? middle / group : middle;
           KVSIFT_CHECK(per_row >= 1, "a2ats_selectors", "a budget of {} tokens leaves no query head a token", k);
