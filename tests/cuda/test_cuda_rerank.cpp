@@ -13,6 +13,7 @@
 
 #include "cuda/gpu_test.hpp"
 #include "kvsift/selectors/ctkvr/cpu/query_centroids.hpp"
+#include "kvsift/cpu/context.hpp"
 #include "kvsift/cpu/rerank.hpp"
 #include "kvsift/selectors/ctkvr/cuda/query_centroids.hpp"
 #include "kvsift/cuda/rerank.hpp"
@@ -95,8 +96,8 @@ TEST_F(CudaRerank, CandidateScoresAgreeWithTheCpuOnBothLayouts) {
   d_paged.k_pages = dk_pages.data(), d_paged.v_pages = dv_pages.data(), d_paged.page_indptr = dindptr.data();
   d_paged.page_indices = dindices.data(), d_paged.last_page_len = dlast.data();
   DeviceBuffer<std::byte> ws(cuda::candidate_scores_workspace_bytes(rows, 4, capacity));
-  std::vector<std::byte> host_ws(cpu::candidate_scores_workspace_bytes(rows, 4, capacity) + 256);
-  auto host_span = std::span<std::byte>(host_ws).subspan((256 - reinterpret_cast<std::uintptr_t>(host_ws.data()) % 256) % 256);
+  cpu::Array<std::byte> host_ws(cpu::candidate_scores_workspace_bytes(rows, 4, capacity));  // 256-byte aligned
+  const std::span<std::byte> host_span = host_ws.bytes();
   const auto qv = QueryView<const float>::packed(q.data(), 3, q_heads, d);
   const auto d_qv = QueryView<const float>::packed(dq.data(), 3, q_heads, d);
   for (const bool softmax : {true, false}) {
@@ -150,8 +151,8 @@ void check_candidate_scores(Random& rng, std::int32_t d, bool shifted) {
                                                       d, dlens.data());
   const GroupScoreOptions options{.reduce = GroupReduce::max, .softmax = true};
   const std::int32_t group = q_heads / kv_heads;
-  std::vector<std::byte> host_ws(cpu::candidate_scores_workspace_bytes(rows, group, capacity) + 256);
-  auto host_span = std::span<std::byte>(host_ws).subspan((256 - reinterpret_cast<std::uintptr_t>(host_ws.data()) % 256) % 256);
+  cpu::Array<std::byte> host_ws(cpu::candidate_scores_workspace_bytes(rows, group, capacity));  // 256-byte aligned
+  const std::span<std::byte> host_span = host_ws.bytes();
   std::vector<float> cpu_scores(std::size_t(rows) * capacity, test::kPoison);
   cpu::candidate_scores(QueryView<const T>::packed(q.data(), batch, q_heads, d), kv, candidates.view, options,
                         MatrixView<float>::packed(cpu_scores.data(), rows, capacity), host_span);

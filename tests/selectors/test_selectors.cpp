@@ -107,11 +107,16 @@ TYPED_TEST(CpuSelectors, OracleTopKIsTheExactTopKOfTheMiddle) {
   }
 }
 
+/// The Quest tests' problem: 600 tokens, GQA 8/2, head_dim 64, a contiguous cache (page_size 0) or a paged one.
+CaseSpec quest_case(std::int32_t page_size) {
+  return {.batch = 3, .q_heads = 8, .kv_heads = 2, .head_dim = 64, .tokens = 600, .k = 0, .page_size = page_size,
+          .log_weights = false};
+}
+
 TYPED_TEST(CpuSelectors, QuestTakesTheBestPagesWhole) {
   using T = TypeParam;
   for (const std::int32_t page_size : {0, 16}) {
-    const CaseSpec spec{.batch = 3, .q_heads = 8, .kv_heads = 2, .head_dim = 64, .tokens = 600, .k = 0,
-                        .page_size = page_size, .log_weights = false};
+    const CaseSpec spec = quest_case(page_size);
     SCOPED_TRACE(describe(spec) + fmt::format(" seed {}", this->seed));
     StepFixture<T> f(this->rng, spec);
     const cpu::Context ctx{};
@@ -156,8 +161,7 @@ std::map<std::int32_t, double> rerank_scores(const HostDecodeProblem<T>& p, std:
 TYPED_TEST(CpuSelectors, RerankedQuestKeepsTheBestOfQuestsCandidatesByTheExactScore) {
   using T = TypeParam;
   for (const std::int32_t page_size : {0, 16}) {
-    const CaseSpec spec{.batch = 3, .q_heads = 8, .kv_heads = 2, .head_dim = 64, .tokens = 600, .k = 0,
-                        .page_size = page_size, .log_weights = false};
+    const CaseSpec spec = quest_case(page_size);
     SCOPED_TRACE(describe(spec) + fmt::format(" seed {}", this->seed));
     StepFixture<T> f(this->rng, spec);
     cpu::ThreadPool pool(2);
