@@ -153,10 +153,8 @@ __global__ void __launch_bounds__(kBatchedKMeansThreads, 1)
                    const std::int32_t* all_assignment, const std::int32_t* all_counts, float* all_centroids,
                    float* all_keys) {
   using namespace kvsift::detail;
-  __shared__ float warp_keys[kSeedGroups];
-  __shared__ std::int64_t warp_best[kSeedGroups];
-  __shared__ float winner_key;
-  __shared__ std::int64_t winner;
+  __shared__ ReseedPick warp_picks[kSeedGroups];
+  __shared__ ReseedPick winner;
 
   const int s = int(threadIdx.x), lane = s % 32, group = s / 32;
   const std::int64_t p = blockIdx.x;
@@ -167,7 +165,6 @@ __global__ void __launch_bounds__(kBatchedKMeansThreads, 1)
   const std::int32_t* counts = all_counts + p * clusters;
   float* centroids = all_centroids + p * clusters * dim;
   float* keys = all_keys + p * rows;
-  const auto point = [&](std::int64_t r) { return ids == nullptr ? r : std::int64_t(ids[r]); };
 
   int any_empty = 0;
   for (std::int32_t c = s; c < clusters; c += kBatchedKMeansThreads) {
@@ -178,44 +175,35 @@ __global__ void __launch_bounds__(kBatchedKMeansThreads, 1)
 
   const SeedSegment seg = seed_segment(rows, s);
   for (std::int64_t r = seg.begin; r < seg.end; ++r) {
-    const std::int64_t i = point(r);
-    const float d = kmeans_distance(x + i * dim, centroids + std::int64_t(assignment[r]) * dim, dim, cosine);
-    keys[r] = (weights == nullptr ? 1.0f : weights[i]) * d;
+    keys[r] = reseed_key(x, weights, ids, r, centroids, assignment, dim, cosine);
   }
   __syncthreads();
-  float previous_key = INFINITY;
-  std::int64_t previous = -1;
+  ReseedPick previous{-1, INFINITY};
   for (std::int32_t c = 0; c < clusters; ++c) {
     if (counts[c] != 0) continue;
-    std::int64_t best = -1;
-    float best_key = 0.0f;
-    for (std::int64_t r = seg.begin; r < seg.end; ++r) {
-      const std::int64_t i = point(r);
-      if (reseed_after(keys[r], i, previous_key, previous) && reseed_before(keys[r], i, best_key, best)) {
-        best = i, best_key = keys[r];
-      }
-    }
+    ReseedPick best = next_reseed_pick(keys, ids, seg.begin, seg.end, previous);
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
-      const float other_key = __shfl_xor_sync(kFullMask, best_key, offset);
-      const std::int64_t other = __shfl_xor_sync(kFullMask, best, offset);
-      if (other >= 0 && reseed_before(other_key, other, best_key, best)) best = other, best_key = other_key;
+      const ReseedPick other{__shfl_xor_sync(kFullMask, best.point, offset),
+                             __shfl_xor_sync(kFullMask, best.key, offset)};
+      if (other.point >= 0 && reseed_before(other.key, other.point, best.key, best.point)) best = other;
     }
-    if (lane == 0) warp_keys[group] = best_key, warp_best[group] = best;
+    if (lane == 0) warp_picks[group] = best;
     __syncthreads();
     if (s == 0) {
-      best = -1;
+      best = no_reseed_pick();
       for (int g = 0; g < kSeedGroups; ++g) {
-        if (warp_best[g] >= 0 && reseed_before(warp_keys[g], warp_best[g], best_key, best)) {
-          best = warp_best[g], best_key = warp_keys[g];
-        }
+        const ReseedPick& pick = warp_picks[g];
+        if (pick.point >= 0 && reseed_before(pick.key, pick.point, best.key, best.point)) best = pick;
       }
-      winner = best, winner_key = best_key;
+      winner = best;
     }
     __syncthreads();
-    if (winner < 0) return;  // every point taken (or NaN keys)
-    for (int j = s; j < dim; j += kBatchedKMeansThreads) centroids[std::int64_t(c) * dim + j] = x[winner * dim + j];
-    previous = winner, previous_key = winner_key;
+    if (winner.point < 0) return;  // every point taken (or NaN keys)
+    for (int j = s; j < dim; j += kBatchedKMeansThreads) {
+      centroids[std::int64_t(c) * dim + j] = x[winner.point * dim + j];
+    }
+    previous = winner;
   }
 }
 

@@ -77,37 +77,33 @@ void gather_kv_difference(const KVCache<const T>& src, const SelectionView& prev
                                           copied, MemorySpace::host,
                                           std::span<std::uint64_t>(bitmaps, std::size_t(words)));
   const KVCache<T> dst(resident);
-  parallel_for(ctx.pool, workers, [&](std::int64_t worker_begin, std::int64_t worker_end) {
-    for (std::int64_t worker = worker_begin; worker < worker_end; ++worker) {
-      std::uint64_t* const used = bitmaps + worker * words;
-      for (std::int64_t row = worker * rows / workers; row < (worker + 1) * rows / workers; ++row) {
-        const std::int64_t b = row / current.kv_heads, h = row % current.kv_heads;
-        const std::int32_t* prev = previous.row(b, h);
-        const std::int32_t* prev_slots = previous_slots + row * previous.capacity;
-        const std::int32_t* cur = current.row(b, h);
-        std::int32_t* const cur_slots = current_slots + row * current.capacity;
-        const std::int32_t prev_count = previous.count(b, h), cur_count = current.count(b, h);
-        std::fill_n(used, words, 0);
-        for (std::int32_t j = 0; j < cur_count; ++j) {
-          const std::int32_t* found = std::lower_bound(prev, prev + prev_count, cur[j]);
-          const bool kept = found != prev + prev_count && *found == cur[j];
-          cur_slots[j] = kept ? prev_slots[found - prev] : -1;
-          if (kept) used[cur_slots[j] / 64] |= std::uint64_t(1) << (cur_slots[j] % 64);
-        }
-        std::int32_t fresh = 0;
-        std::int64_t word = 0;  // the free-slot scan only moves forward: new tokens take ascending slots
-        for (std::int32_t j = 0; j < cur_count; ++j) {
-          if (cur_slots[j] >= 0) continue;
-          while (used[word] == ~std::uint64_t(0)) ++word;  // a free slot exists: at most capacity tokens, all distinct
-          const std::int32_t slot = std::int32_t(word * 64 + std::countr_one(used[word]));
-          used[word] |= std::uint64_t(1) << (slot % 64);
-          cur_slots[j] = slot;
-          copy_kv_row(src, b, h, cur[j], dst, slot);
-          ++fresh;
-        }
-        copied[row] = fresh;
-      }
+  parallel_for_shares(ctx.pool, rows, workers, [&](std::int64_t worker, std::int64_t row) {
+    std::uint64_t* const used = bitmaps + worker * words;
+    const std::int64_t b = row / current.kv_heads, h = row % current.kv_heads;
+    const std::int32_t* prev = previous.row(b, h);
+    const std::int32_t* prev_slots = previous_slots + row * previous.capacity;
+    const std::int32_t* cur = current.row(b, h);
+    std::int32_t* const cur_slots = current_slots + row * current.capacity;
+    const std::int32_t prev_count = previous.count(b, h), cur_count = current.count(b, h);
+    std::fill_n(used, words, 0);
+    for (std::int32_t j = 0; j < cur_count; ++j) {
+      const std::int32_t* found = std::lower_bound(prev, prev + prev_count, cur[j]);
+      const bool kept = found != prev + prev_count && *found == cur[j];
+      cur_slots[j] = kept ? prev_slots[found - prev] : -1;
+      if (kept) used[cur_slots[j] / 64] |= std::uint64_t(1) << (cur_slots[j] % 64);
     }
+    std::int32_t fresh = 0;
+    std::int64_t word = 0;  // the free-slot scan only moves forward: new tokens take ascending slots
+    for (std::int32_t j = 0; j < cur_count; ++j) {
+      if (cur_slots[j] >= 0) continue;
+      while (used[word] == ~std::uint64_t(0)) ++word;  // a free slot exists: at most capacity tokens, all distinct
+      const std::int32_t slot = std::int32_t(word * 64 + std::countr_one(used[word]));
+      used[word] |= std::uint64_t(1) << (slot % 64);
+      cur_slots[j] = slot;
+      copy_kv_row(src, b, h, cur[j], dst, slot);
+      ++fresh;
+    }
+    copied[row] = fresh;
   });
 }
 

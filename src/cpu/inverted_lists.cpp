@@ -49,26 +49,22 @@ void union_lists(const InvertedListsView<const T>& lists, const SelectionView& c
   const std::int64_t segment = std::int64_t(chosen.capacity) * lists.list_capacity;
   WorkspaceLayout layout(workspace, where);
   std::int32_t* const scratch = layout_reduction(layout, workers, chosen.capacity, lists.list_capacity);
-  parallel_for(ctx.pool, workers, [&](std::int64_t worker_begin, std::int64_t worker_end) {
-    for (std::int64_t worker = worker_begin; worker < worker_end; ++worker) {
-      std::int32_t* const kept = scratch + worker * segment;
-      for (std::int64_t row = worker * rows / workers; row < (worker + 1) * rows / workers; ++row) {
-        const std::int64_t b = row / chosen.kv_heads, h = row % chosen.kv_heads;
-        const std::int32_t* picked = chosen.row(b, h);
-        std::int32_t* end = kept;
-        for (std::int32_t i = 0; i < chosen.count(b, h); ++i) {
-          const std::int32_t* ids = lists.list_ids(slots[b], h, picked[i]);
-          end = std::copy_if(ids, ids + lists.count(slots[b], h, picked[i]), end,
-                             [&](std::int32_t id) { return kvsift::detail::list_entry_kept(id, lengths[b], window); });
-        }
-        std::sort(kept, end);
-        end = std::unique(kept, end);
-        const auto count = std::int32_t(end - kept);
-        std::copy(kept, end, out.row(b, h));
-        if (float* const weights = out.weights_row(b, h)) std::fill_n(weights, count, 0.0f);
-        out.counts[row] = count;
-      }
+  parallel_for_shares(ctx.pool, rows, workers, [&](std::int64_t worker, std::int64_t row) {
+    std::int32_t* const kept = scratch + worker * segment;
+    const std::int64_t b = row / chosen.kv_heads, h = row % chosen.kv_heads;
+    const std::int32_t* picked = chosen.row(b, h);
+    std::int32_t* end = kept;
+    for (std::int32_t i = 0; i < chosen.count(b, h); ++i) {
+      const std::int32_t* ids = lists.list_ids(slots[b], h, picked[i]);
+      end = std::copy_if(ids, ids + lists.count(slots[b], h, picked[i]), end,
+                         [&](std::int32_t id) { return kvsift::detail::list_entry_kept(id, lengths[b], window); });
     }
+    std::sort(kept, end);
+    end = std::unique(kept, end);
+    const auto count = std::int32_t(end - kept);
+    std::copy(kept, end, out.row(b, h));
+    if (float* const weights = out.weights_row(b, h)) std::fill_n(weights, count, 0.0f);
+    out.counts[row] = count;
   });
 }
 

@@ -149,27 +149,14 @@ void reseed_problem(const float* x, const float* weights, const std::int32_t* id
                     float* centroids, float* keys) {
   using namespace kvsift::detail;
   if (std::find(counts, counts + clusters, 0) == counts + clusters) return;
-  const auto point = [&](std::int64_t r) { return ids == nullptr ? r : std::int64_t(ids[r]); };
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const std::int64_t i = point(r);
-    const float d = kmeans_distance(x + i * dim, centroids + std::int64_t(assignment[r]) * dim, dim, cosine);
-    keys[r] = (weights == nullptr ? 1.0f : weights[i]) * d;
-  }
-  float previous_key = INFINITY;
-  std::int64_t previous = -1;
+  for (std::int64_t r = 0; r < rows; ++r) keys[r] = reseed_key(x, weights, ids, r, centroids, assignment, dim, cosine);
+  ReseedPick previous{-1, INFINITY};
   for (std::int32_t c = 0; c < clusters; ++c) {
     if (counts[c] != 0) continue;
-    std::int64_t best = -1;
-    float best_key = 0.0f;
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t i = point(r);
-      if (reseed_after(keys[r], i, previous_key, previous) && reseed_before(keys[r], i, best_key, best)) {
-        best = i, best_key = keys[r];
-      }
-    }
-    if (best < 0) return;  // every point taken (or NaN keys)
-    std::copy_n(x + best * dim, dim, centroids + std::int64_t(c) * dim);
-    previous = best, previous_key = best_key;
+    const ReseedPick best = next_reseed_pick(keys, ids, 0, rows, previous);
+    if (best.point < 0) return;  // every point taken (or NaN keys)
+    std::copy_n(x + best.point * dim, dim, centroids + std::int64_t(c) * dim);
+    previous = best;
   }
 }
 

@@ -78,11 +78,8 @@ void check_keys_aligned(const char* where, const PagedKVView<const T>& kv) {
 
 std::size_t group_scores_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
                                          std::int32_t max_tokens, const GroupScoreOptions& options) {
-  constexpr const char* where = "cuda::group_scores_workspace_bytes";
-  kvsift::detail::check_group_scores_shape(where, batch, q_heads, kv_heads, max_tokens, options);
-  WorkspaceLayout counting;
-  layout_group_scores(counting, std::int64_t(batch) * kv_heads, q_heads / kv_heads, max_tokens, options);
-  return counting.bytes();
+  return kvsift::detail::group_scores_bytes("cuda::group_scores_workspace_bytes", batch, q_heads, kv_heads, max_tokens,
+                                            options, layout_group_scores);
 }
 
 template <class T, class KV>

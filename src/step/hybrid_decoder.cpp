@@ -142,20 +142,8 @@ void HybridDecoder<T>::decode(const QueryView<const T>& q_device, const QueryVie
   times_.call_seconds = std::chrono::duration<double>(Clock::now() - call_start).count();
 }
 
-#define KVSIFT_INSTANTIATE_HYBRID_DECODE(T, DeviceKV, HostKV)                                                    \
-  template void HybridDecoder<T>::decode<DeviceKV, HostKV>(const QueryView<const T>&, const QueryView<const T>&, \
-                                                           const DeviceKV&, const HostKV&, const SelectionView&, \
-                                                           const StateView<T>&, const SplitWorkspace&,    \
-                                                           cudaStream_t);
-#define KVSIFT_INSTANTIATE_HYBRID(T)                                                                             \
-  template class HybridDecoder<T>;                                                                              \
-  KVSIFT_INSTANTIATE_HYBRID_DECODE(T, ContiguousKVView<const T>, ContiguousKVView<const T>)                     \
-  KVSIFT_INSTANTIATE_HYBRID_DECODE(T, ContiguousKVView<const T>, PagedKVView<const T>)                          \
-  KVSIFT_INSTANTIATE_HYBRID_DECODE(T, PagedKVView<const T>, ContiguousKVView<const T>)                          \
-  KVSIFT_INSTANTIATE_HYBRID_DECODE(T, PagedKVView<const T>, PagedKVView<const T>)
-KVSIFT_INSTANTIATE_HYBRID(half)
-KVSIFT_INSTANTIATE_HYBRID(bfloat16)
+#define KVSIFT_INSTANTIATE_HYBRID(T) KVSIFT_HYBRID(, T)
+KVSIFT_DECODE_STORAGE_TYPES(KVSIFT_INSTANTIATE_HYBRID)
 #undef KVSIFT_INSTANTIATE_HYBRID
-#undef KVSIFT_INSTANTIATE_HYBRID_DECODE
 
 }  // namespace kvsift::cuda

@@ -62,16 +62,12 @@ inline constexpr int kSeedGroups = kSeedSegments / kSeedGroup;
 /// below it for k < 2981, larger k take more passes.
 inline constexpr int kSeedCandidatesPerPass = 8;
 
-KVSIFT_HOST_DEVICE inline float fma_f32(float a, float b, float c) {
+/// a * b + c rounded once, the same on host and device (float or double).
+template <class F>
+KVSIFT_HOST_DEVICE inline F fused_multiply_add(F a, F b, F c) {
 #if defined(__CUDA_ARCH__)
-  return __fmaf_rn(a, b, c);
-#else
-  return std::fma(a, b, c);
-#endif
-}
-KVSIFT_HOST_DEVICE inline double fma_f64(double a, double b, double c) {
-#if defined(__CUDA_ARCH__)
-  return __fma_rn(a, b, c);
+  if constexpr (sizeof(F) == 4) return __fmaf_rn(a, b, c);
+  else return __fma_rn(a, b, c);
 #else
   return std::fma(a, b, c);
 #endif
@@ -97,12 +93,12 @@ KVSIFT_HOST_DEVICE inline SeedSegment seed_segment(std::int64_t n, int s) {
 KVSIFT_HOST_DEVICE inline float kmeans_distance(const float* x, const float* c, std::int32_t dim, bool cosine) {
   float sum = 0.0f;
   if (cosine) {
-    for (std::int32_t j = 0; j < dim; ++j) sum = fma_f32(x[j], c[j], sum);
+    for (std::int32_t j = 0; j < dim; ++j) sum = fused_multiply_add<float>(x[j], c[j], sum);
     return sum < 1.0f ? 1.0f - sum : 0.0f;
   }
   for (std::int32_t j = 0; j < dim; ++j) {
     const float diff = x[j] - c[j];
-    sum = fma_f32(diff, diff, sum);
+    sum = fused_multiply_add<float>(diff, diff, sum);
   }
   return sum;
 }
@@ -112,7 +108,7 @@ KVSIFT_HOST_DEVICE inline float min_distance(float a, float b) { return b < a ? 
 
 /// The seeding potential of a point: weight * distance, accumulated in fp64.
 KVSIFT_HOST_DEVICE inline double add_potential(double sum, const float* weights, std::int64_t i, float distance) {
-  return fma_f64(weights == nullptr ? 1.0 : double(weights[i]), double(distance), sum);
+  return fused_multiply_add<double>(weights == nullptr ? 1.0 : double(weights[i]), double(distance), sum);
 }
 
 /// The candidate a draw `target` in [0, total) picks: the last segment whose offset is <= target (stepping back
@@ -144,7 +140,9 @@ KVSIFT_HOST_DEVICE inline std::int64_t draw_seed_candidate(const double* offsets
 /// Scales a row to unit norm (sum of squares in fp64, ascending); a zero row stays.
 KVSIFT_HOST_DEVICE inline void normalize_row(float* x, std::int32_t dim) {
   double square_sum = 0.0;
-  for (std::int32_t j = 0; j < dim; ++j) square_sum = fma_f64(double(x[j]), double(x[j]), square_sum);
+  for (std::int32_t j = 0; j < dim; ++j) {
+    square_sum = fused_multiply_add<double>(double(x[j]), double(x[j]), square_sum);
+  }
   if (square_sum == 0.0) return;
   const float inverse = float(1.0 / sqrt(square_sum));
   for (std::int32_t j = 0; j < dim; ++j) x[j] *= inverse;
@@ -158,6 +156,35 @@ KVSIFT_HOST_DEVICE inline bool reseed_after(float key, std::int64_t i, float pre
 /// Whether (key, i) precedes (best_key, best) in the reseed order (best = -1: nothing yet).
 KVSIFT_HOST_DEVICE inline bool reseed_before(float key, std::int64_t i, float best_key, std::int64_t best) {
   return best < 0 || key > best_key || (key == best_key && i < best);
+}
+
+/// A reseed candidate: a point and its key (point -1: none). Trivial, so a CUDA kernel may hold it in shared
+/// memory.
+struct ReseedPick {
+  std::int64_t point;
+  float key;
+};
+KVSIFT_HOST_DEVICE constexpr ReseedPick no_reseed_pick() { return {-1, 0.0f}; }
+/// The reseed key of row r (point ids[r], or r without ids): the point's weight times its distance to the
+/// centroid of its cluster assignment[r].
+KVSIFT_HOST_DEVICE inline float reseed_key(const float* x, const float* weights, const std::int32_t* ids,
+                                           std::int64_t r, const float* centroids, const std::int32_t* assignment,
+                                           std::int32_t dim, bool cosine) {
+  const std::int64_t i = ids == nullptr ? r : std::int64_t(ids[r]);
+  return (weights == nullptr ? 1.0f : weights[i]) *
+         kmeans_distance(x + i * dim, centroids + std::int64_t(assignment[r]) * dim, dim, cosine);
+}
+/// The first point of rows [begin, end) in the reseed order that comes after `previous` (the last one taken).
+KVSIFT_HOST_DEVICE inline ReseedPick next_reseed_pick(const float* keys, const std::int32_t* ids, std::int64_t begin,
+                                                      std::int64_t end, const ReseedPick& previous) {
+  ReseedPick best = no_reseed_pick();
+  for (std::int64_t r = begin; r < end; ++r) {
+    const std::int64_t i = ids == nullptr ? r : std::int64_t(ids[r]);
+    if (reseed_after(keys[r], i, previous.key, previous.point) && reseed_before(keys[r], i, best.key, best.point)) {
+      best = {i, keys[r]};
+    }
+  }
+  return best;
 }
 
 /// Whether kmeans_batched runs mini-batch steps on problems of n points (BatchedKMeansConfig::batch_size).
@@ -187,12 +214,12 @@ KVSIFT_HOST_DEVICE inline std::int32_t nearest_centroid(const float* x, const fl
     const float* y = centroids + std::int64_t(c) * dim;
     float score = 0.0f;
     if (cosine) {
-      for (std::int32_t j = 0; j < dim; ++j) score = fma_f32(x[j], y[j], score);
+      for (std::int32_t j = 0; j < dim; ++j) score = fused_multiply_add<float>(x[j], y[j], score);
       score = -score;  // ranked smallest first, as the L2 distance
     } else {
       for (std::int32_t j = 0; j < dim; ++j) {
         const float diff = x[j] - y[j];
-        score = fma_f32(diff, diff, score);
+        score = fused_multiply_add<float>(diff, diff, score);
       }
     }
     if (c == 0 || score < best_score) best = c, best_score = score;
@@ -203,13 +230,13 @@ KVSIFT_HOST_DEVICE inline std::int32_t nearest_centroid(const float* x, const fl
 /// A drawn point's term in its centroid's weighted sum of one channel, accumulated in fp64 in batch order (the
 /// fp32 product is exact there).
 KVSIFT_HOST_DEVICE inline double add_minibatch_sum(double sum, float weight, float value) {
-  return fma_f64(double(weight), double(value), sum);
+  return fused_multiply_add<double>(double(weight), double(value), sum);
 }
 
 /// One channel of a centroid's mini-batch step: (absorbed * c + sum) / (absorbed + batch weight), rounded once.
 /// absorbed = 0 (the first weight the centroid draws) gives the drawn points' weighted mean.
 KVSIFT_HOST_DEVICE inline float minibatch_channel(float c, double absorbed, double sum, double absorbed_after) {
-  return float(fma_f64(absorbed, double(c), sum) / absorbed_after);
+  return float(fused_multiply_add<double>(absorbed, double(c), sum) / absorbed_after);
 }
 
 }  // namespace detail

@@ -75,4 +75,16 @@ inline void parallel_for(ThreadPool* pool, std::int64_t count, const std::functi
   }
 }
 
+/// Rows [0, rows) in `workers` shares of consecutive rows (share w: [w * rows / workers, (w + 1) * rows / workers)),
+/// the shares run as parallel_for items: f(w, row) for each row of share w in order, so that a share's rows may
+/// reuse scratch of worker w's.
+template <class F>
+void parallel_for_shares(ThreadPool* pool, std::int64_t rows, std::int64_t workers, F&& f) {
+  parallel_for(pool, workers, [&](std::int64_t share_begin, std::int64_t share_end) {
+    for (std::int64_t w = share_begin; w < share_end; ++w) {
+      for (std::int64_t row = w * rows / workers; row < (w + 1) * rows / workers; ++row) f(w, row);
+    }
+  });
+}
+
 }  // namespace kvsift::cpu

@@ -115,19 +115,20 @@ class HybridDecoder {
   PinnedHostCheck pinned_;  ///< host_kv's K and V and the workspace's host block, checked once per array
 };
 
-#define KVSIFT_DECLARE_HYBRID_DECODE(T, DeviceKV, HostKV)                                                         \
-  extern template void HybridDecoder<T>::decode<DeviceKV, HostKV>(                                               \
+/// The instances, written once with PREFIX: `extern` declares them here, nothing instantiates them
+/// (src/step/hybrid_decoder.cpp).
+#define KVSIFT_HYBRID_DECODE(PREFIX, T, DeviceKV, HostKV)                                                         \
+  PREFIX template void HybridDecoder<T>::decode<DeviceKV, HostKV>(                                               \
       const QueryView<const T>&, const QueryView<const T>&, const DeviceKV&, const HostKV&, const SelectionView&, \
       const StateView<T>&, const SplitWorkspace&, cudaStream_t);
-#define KVSIFT_DECLARE_HYBRID(T)                                                                                  \
-  extern template class HybridDecoder<T>;                                                                        \
-  KVSIFT_DECLARE_HYBRID_DECODE(T, ContiguousKVView<const T>, ContiguousKVView<const T>)                          \
-  KVSIFT_DECLARE_HYBRID_DECODE(T, ContiguousKVView<const T>, PagedKVView<const T>)                               \
-  KVSIFT_DECLARE_HYBRID_DECODE(T, PagedKVView<const T>, ContiguousKVView<const T>)                               \
-  KVSIFT_DECLARE_HYBRID_DECODE(T, PagedKVView<const T>, PagedKVView<const T>)
-KVSIFT_DECLARE_HYBRID(half)
-KVSIFT_DECLARE_HYBRID(bfloat16)
+#define KVSIFT_HYBRID(PREFIX, T)                                                                                  \
+  PREFIX template class HybridDecoder<T>;                                                                        \
+  KVSIFT_HYBRID_DECODE(PREFIX, T, ContiguousKVView<const T>, ContiguousKVView<const T>)                          \
+  KVSIFT_HYBRID_DECODE(PREFIX, T, ContiguousKVView<const T>, PagedKVView<const T>)                               \
+  KVSIFT_HYBRID_DECODE(PREFIX, T, PagedKVView<const T>, ContiguousKVView<const T>)                               \
+  KVSIFT_HYBRID_DECODE(PREFIX, T, PagedKVView<const T>, PagedKVView<const T>)
+#define KVSIFT_DECLARE_HYBRID(T) KVSIFT_HYBRID(extern, T)
+KVSIFT_DECODE_STORAGE_TYPES(KVSIFT_DECLARE_HYBRID)
 #undef KVSIFT_DECLARE_HYBRID
-#undef KVSIFT_DECLARE_HYBRID_DECODE
 
 }  // namespace kvsift::cuda

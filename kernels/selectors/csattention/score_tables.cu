@@ -576,12 +576,16 @@ cudaError_t launch_subspace_scores(const BaseTablesView& base, std::int32_t tabl
 
 namespace {
 
-/// The key bits a sort of `rows` list rows orders: the rank key and the row.
-int table_list_end_bit(std::int64_t rows) {
-  int bits = 16;
-  while ((std::int64_t(1) << (bits - 16)) < rows) ++bits;
+/// The key bits a radix sort of keys (row, value) orders: the value's `value_bits` and enough for `rows` rows.
+int row_keyed_end_bit(int value_bits, std::int64_t rows) {
+  int bits = value_bits;
+  while ((std::int64_t(1) << (bits - value_bits)) < rows) ++bits;
   return bits;
 }
+/// A list sort orders the rank key (16 bits) and the row.
+int table_list_end_bit(std::int64_t rows) { return row_keyed_end_bit(16, rows); }
+/// The sparse sort's keys: the id (31 bits) and the row.
+constexpr int kSparseIdBits = 31;
 
 }  // namespace
 
@@ -694,24 +698,13 @@ cudaError_t launch_table_scores_dense(const TableScoresParams& p, const MatrixVi
   return cudaGetLastError();
 }
 
-namespace {
-
-/// The key bits the sparse sort orders: the id's 31 and the row's.
-int sparse_end_bit(std::int64_t rows) {
-  int bits = 31;
-  while ((std::int64_t(1) << (bits - 31)) < rows) ++bits;
-  return bits;
-}
-
-}  // namespace
-
 cudaError_t table_scores_sparse_cub_bytes(std::int64_t rows, std::int32_t segment, std::size_t* bytes) {
   const std::int64_t items = rows * segment;
   cub::DoubleBuffer<std::uint64_t> keys(nullptr, nullptr);
   cub::DoubleBuffer<std::int32_t> ordinals(nullptr, nullptr);
   std::size_t sort_bytes = 0, scan_bytes = 0;
   if (cudaError_t s = cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, keys, ordinals, items, 0,
-                                                      sparse_end_bit(rows));
+                                                      row_keyed_end_bit(kSparseIdBits, rows));
       s != cudaSuccess) {
     return s;
   }
@@ -731,7 +724,7 @@ cudaError_t launch_table_scores_sparse(const TableScoresParams& p, const Selecti
   cub::DoubleBuffer<std::int32_t> ordinals(buf.ordinals[0], buf.ordinals[1]);
   std::size_t bytes = buf.cub_temp_bytes;
   if (cudaError_t s = cub::DeviceRadixSort::SortPairs(buf.cub_temp, bytes, keys, ordinals, items, 0,
-                                                      sparse_end_bit(p.rows), stream);
+                                                      row_keyed_end_bit(kSparseIdBits, p.rows), stream);
       s != cudaSuccess) {
     return s;
   }

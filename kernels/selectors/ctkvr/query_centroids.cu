@@ -13,8 +13,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxGroup = kGroupDotMaxGroup;  ///< query heads per kv head kept in shared memory
-constexpr int kMaxHeadDim = kGroupDotMaxHeadDim;
 constexpr int kCentroidsPerBlock = 64;  ///< centroids scored per block: a batch-1 step still fills the GPU
 
 /// Block (row = b * kv_heads + g, chunk of kCentroidsPerBlock centroids): the group's unit queries in shared
@@ -24,7 +22,7 @@ template <class T>
 __global__ void __launch_bounds__(kThreads)
     centroid_scores_kernel(QueryView<const T> q, QueryCentroidsView<const T> centroids, const std::int32_t* slots,
                            std::int32_t kv_heads, MatrixView<float> scores) {
-  __shared__ float q_s[kMaxGroup * kMaxHeadDim];
+  __shared__ float q_s[kGroupDotMaxGroup * kGroupDotMaxHeadDim];
   const std::int64_t row = blockIdx.x;
   const std::int32_t b = std::int32_t(row / kv_heads), g = std::int32_t(row % kv_heads);
   const std::int32_t group = q.heads / kv_heads, d = q.head_dim;

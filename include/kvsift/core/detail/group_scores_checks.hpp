@@ -2,12 +2,14 @@
 /// The argument checks of group_scores that cpu/primitives.hpp and cuda/primitives.hpp share (each backend adds
 /// its own head_dim and memory rules): the same refusals with the same words on both backends.
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/group_scores_options.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/views.hpp"
+#include "kvsift/core/workspace.hpp"
 
 namespace kvsift::detail {
 
@@ -34,6 +36,17 @@ inline void check_group_scores_shape(const char* where, std::int32_t batch, std:
   KVSIFT_CHECK(q_heads % kv_heads == 0, where, "q_heads (= {}) is not a multiple of kv_heads (= {})", q_heads, kv_heads);
   check_group_scores_reduce(where, options);
   check_group_scores_heads_per_row(where, q_heads / kv_heads, options);
+}
+
+/// group_scores_workspace_bytes of either backend: the checked shape's scratch as the backend's
+/// layout(counting, rows, group, max_tokens, options) carves it.
+template <class Layout>
+std::size_t group_scores_bytes(const char* where, std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
+                               std::int32_t max_tokens, const GroupScoreOptions& options, Layout layout) {
+  check_group_scores_shape(where, batch, q_heads, kv_heads, max_tokens, options);
+  WorkspaceLayout counting;
+  layout(counting, std::int64_t(batch) * kv_heads, q_heads / kv_heads, max_tokens, options);
+  return counting.bytes();
 }
 
 /// A group_scores call: q, kv and scores are valid views (kv's lengths and page tables are read only where

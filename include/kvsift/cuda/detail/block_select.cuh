@@ -42,13 +42,13 @@ struct ClusterGroup {
 #endif
     __syncthreads();
   }
-  __device__ std::uint32_t rank() const {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return cooperative_groups::this_cluster().block_rank();
+  __device__ std::uint32_t rank() const { return cooperative_groups::this_cluster().block_rank(); }
+  __device__ std::uint32_t size() const { return cooperative_groups::this_cluster().num_blocks(); }
 #else
-    return 0;
+  __device__ std::uint32_t rank() const { return 0; }
+  __device__ std::uint32_t size() const { return 1; }
 #endif
-  }
   __device__ std::uint32_t sum(const std::uint32_t* local) const { return sum_ranks(local, size()); }
   __device__ std::uint32_t sum_before(const std::uint32_t* local) const { return sum_ranks(local, rank()); }
   __device__ void finish() const {
@@ -70,13 +70,6 @@ struct ClusterGroup {
     if (size() > 1) return cooperative_groups::this_cluster().map_shared_rank(const_cast<U*>(local), rank);
 #endif
     return local;
-  }
-  __device__ std::uint32_t size() const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return cooperative_groups::this_cluster().num_blocks();
-#else
-    return 1;
-#endif
   }
   /// The sum of *local over the CTAs of rank < ranks. Unrolled to the largest cluster, so that the remote
   /// loads are all in flight before the first one returns.

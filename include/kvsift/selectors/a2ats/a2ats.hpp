@@ -60,6 +60,7 @@
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/selectors/a2ats/codebook.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
+#include "kvsift/selectors/detail/selector_core.hpp"
 #include "kvsift/selectors/selector.hpp"
 
 namespace kvsift {
@@ -91,7 +92,7 @@ struct A2atsIndexBytes {
 };
 
 template <class T, class Context>
-class A2ats : public SelectorTypes<T, Context> {
+class A2ats : public SelectorTypes<T, Context>, public detail::SelectorCore<"A2ats"> {
  public:
   /// Uploads one layer's codebooks (host fp32; the view may be dropped afterwards) into the context's memory and
   /// builds the RoPE table, or, with `shared_table` (its cos non-null), rotates with that one: the table is the same
@@ -103,12 +104,12 @@ class A2ats : public SelectorTypes<T, Context> {
   /// layout or attention factor than the codebooks' RoPE.
   A2ats(const SelectorLimits& limits, const A2atsConfig& config, const A2atsLayerCodebooks& codebooks,
         const Context& ctx, const RopeTableView& shared_table = {})
-      : limits_(limits), config_(checked(limits, config, codebooks)),
+      : SelectorCore(limits), config_(checked(limits, config, codebooks)),
         max_budget_(config_.max_budget > 0
                         ? config_.max_budget
                         : std::max(1, std::int32_t(config_.budget_fraction * double(limits.max_tokens)))),
         codewords_(codebooks.codewords), offset_(codebooks.offset), windowed_rope_(codebooks.windowed_rope),
-        rope_(codebooks.rope), table_positions_(table_positions(limits, codebooks)), slot_states_(limits.max_slots) {
+        rope_(codebooks.rope), table_positions_(table_positions(limits, codebooks)) {
     const std::int32_t kv = limits.kv_heads, d = limits.head_dim;
     const std::size_t entries = std::size_t(kv) * std::size_t(codewords_) * std::size_t(d);
     transform_.resize(std::size_t(kv) * std::size_t(d) * std::size_t(d));
@@ -152,7 +153,6 @@ class A2ats : public SelectorTypes<T, Context> {
   }
 
   std::string_view name() const { return "A2ATS"; }
-  const SelectorLimits& limits() const { return limits_; }
   const A2atsConfig& config() const { return config_; }
   /// K's bound (config.max_budget, or floor(f * max_tokens)).
   std::int32_t max_budget() const { return max_budget_; }
@@ -182,13 +182,13 @@ class A2ats : public SelectorTypes<T, Context> {
   }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    return detail::planned_workspace_bytes(
-        "A2ats::select_workspace_bytes", limits_, shape,
-        [&](WorkspaceLayout& counting, std::int32_t tokens) { select_layout(counting, shape.batch, tokens, ctx); });
+    return planned_select_bytes(shape, [&](WorkspaceLayout& counting, std::int32_t tokens) {
+      select_layout(counting, shape.batch, tokens, ctx);
+    });
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    return detail::workspace_bytes("A2ats::append_workspace_bytes", limits_, shape,
-                                   [&](WorkspaceLayout& counting) { append_layout(counting, shape.batch, ctx); });
+    return layout_bytes<"append_workspace_bytes">(
+        shape, [&](WorkspaceLayout& counting) { append_layout(counting, shape.batch, ctx); });
   }
 
   /// Codes every prompt token [0, length_b) of each joining sequence into its slot (in.slots distinct): from
@@ -197,7 +197,7 @@ class A2ats : public SelectorTypes<T, Context> {
   /// k_pre_rope of another shape or shorter than a prompt, before any slot changes. Allocates scratch; on CUDA
   /// synchronizes the stream.
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
-    constexpr const char* where = "A2ats::prepare";
+    constexpr const char* where = entry_point<"prepare">();
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
     ContextArray<Context, std::int32_t> context_lengths(static_cast<std::size_t>(batch));
     const auto [lengths, slots] =
@@ -232,10 +232,8 @@ class A2ats : public SelectorTypes<T, Context> {
 
   /// Codes the step's token (position lengths[b] - 1) of each batch row into its slot.
   void append(const AppendInputs<T>& in, std::span<std::byte> workspace, const Context& ctx) {
-    constexpr const char* where = "A2ats::append";
-    const std::int32_t batch =
-        detail::check_step_cache(where, limits_, slot_states_, in.cache, in.slots, Context::memory);
-    KVSIFT_CHECK(in.lengths != nullptr, where, "in.lengths must be non-null");
+    constexpr const char* where = entry_point<"append">();
+    const std::int32_t batch = checked_positioned_append<Context>(where, in);
     WorkspaceLayout carving(workspace, where);
     const AppendBuffers w = append_layout(carving, batch, ctx);
     const VqCodeDestination destination{.slots = in.slots, .positions = in.lengths, .position_offset = -1};
@@ -262,10 +260,9 @@ class A2ats : public SelectorTypes<T, Context> {
 
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
-    constexpr const char* where = "A2ats::select";
-    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
+    constexpr const char* where = entry_point<"select">();
+    const std::int32_t tokens = checked_select<Context>(where, in, out, capacity());
     const std::int32_t batch = in.q.batch, kv = limits_.kv_heads;
-    const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     WorkspaceLayout carving(workspace, where);
     const SelectBuffers w = select_layout(carving, batch, tokens, ctx);
     QueryView<const T> q = in.q;
@@ -284,10 +281,6 @@ class A2ats : public SelectorTypes<T, Context> {
               w.topk, ctx);
   }
 
-  /// Sequences leave; their codes stay until a prepare of the slot overwrites them (nothing else to free).
-  void release(std::span<const std::int32_t> slots) { slot_states_.release("A2ats::release", slots); }
-  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
-
  private:
   struct SelectBuffers {
     T* rotated;
@@ -304,7 +297,6 @@ class A2ats : public SelectorTypes<T, Context> {
 
   static A2atsConfig checked(const SelectorLimits& limits, const A2atsConfig& c, const A2atsLayerCodebooks& cb) {
     constexpr const char* where = "A2ats";
-    detail::check_limits(where, limits);
     KVSIFT_CHECK(cb.kv_heads == limits.kv_heads && cb.head_dim == limits.head_dim, where,
                  "the codebook is [kv_heads = {}, head_dim = {}]; limits have kv_heads = {}, head_dim = {}", cb.kv_heads,
                  cb.head_dim, limits.kv_heads, limits.head_dim);
@@ -423,13 +415,11 @@ class A2ats : public SelectorTypes<T, Context> {
     return b;
   }
 
-  SelectorLimits limits_;
   A2atsConfig config_;
   std::int32_t max_budget_, codewords_, offset_;
   bool windowed_rope_;
   RopeConfig rope_;
   std::int32_t table_positions_;
-  detail::SlotStates slot_states_;
   ContextArray<Context, float> transform_, centroids_, norms_;
   ContextArray<Context, T> codebook_;
   ContextArray<Context, std::uint16_t> codes_;

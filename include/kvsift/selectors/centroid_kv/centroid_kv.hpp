@@ -45,6 +45,7 @@
 #include "kvsift/selectors/centroid_kv/merge_store.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
+#include "kvsift/selectors/detail/selector_core.hpp"
 #include "kvsift/selectors/selector.hpp"
 
 namespace kvsift {
@@ -134,13 +135,12 @@ inline std::vector<MergeRoundParams> centroid_kv_prefill_schedule(const char* wh
 }  // namespace detail
 
 template <class T, class Context>
-class CentroidKV : public SelectorTypes<T, Context> {
+class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore<"CentroidKV"> {
  public:
   /// Allocates the store for limits.max_slots sequences of up to limits.max_tokens prompt tokens and puts every
   /// row in its empty state (count 0, order identity, budget 0).
   CentroidKV(const SelectorLimits& limits, const CentroidKVConfig& config, const Context& ctx)
-      : limits_(limits), config_(config), slot_states_(limits.max_slots) {
-    detail::check_limits("CentroidKV", limits);
+      : SelectorCore(limits), config_(config) {
     detail::check_centroid_kv_config("CentroidKV", config);
     // The merge store's bounds, refused here rather than at the first prepare or append.
     KVSIFT_CHECK(limits.head_dim <= kMergeMaxHeadDim, "CentroidKV", "limits.head_dim (= {}) exceeds {} (the merge store's bound)",
@@ -177,7 +177,6 @@ class CentroidKV : public SelectorTypes<T, Context> {
   }
 
   std::string_view name() const { return "CentroidKV"; }
-  const SelectorLimits& limits() const { return limits_; }
   const CentroidKVConfig& config() const { return config_; }
   /// The primary selection is empty: every entry is the second source's.
   std::int32_t capacity() const { return 0; }
@@ -202,15 +201,15 @@ class CentroidKV : public SelectorTypes<T, Context> {
   const std::int32_t* budgets() const { return budgets_.data(); }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context&) const {
-    return detail::no_workspace_bytes("CentroidKV::select_workspace_bytes", limits_, shape);
+    return detail::no_workspace_bytes(entry_point<"select_workspace_bytes">(), limits_, shape);
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    detail::check_shape("CentroidKV::append_workspace_bytes", limits_, shape);
+    detail::check_shape(entry_point<"append_workspace_bytes">(), limits_, shape);
     return merge_round_workspace_bytes(shape.batch, limits_.kv_heads, capacity_, ctx);
   }
 
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
-    constexpr const char* where = "CentroidKV::prepare";
+    constexpr const char* where = entry_point<"prepare">();
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
     check_no_window(where, in.attention.window);
     const auto rows = std::size_t(batch);
@@ -256,10 +255,8 @@ class CentroidKV : public SelectorTypes<T, Context> {
   }
 
   void append(const AppendInputs<T>& in, std::span<std::byte> workspace, const Context& ctx) {
-    constexpr const char* where = "CentroidKV::append";
-    const std::int32_t batch =
-        detail::check_step_cache(where, limits_, slot_states_, in.cache, in.slots, Context::memory);
-    KVSIFT_CHECK(in.lengths != nullptr, where, "in.lengths must be non-null");
+    constexpr const char* where = entry_point<"append">();
+    const std::int32_t batch = checked_positioned_append<Context>(where, in);
     WorkspaceLayout carving(workspace, where);
     const std::span<std::byte> round_bytes =
         carving.span(merge_round_workspace_bytes(batch, limits_.kv_heads, capacity_, ctx), "CentroidKV round scratch");
@@ -269,8 +266,8 @@ class CentroidKV : public SelectorTypes<T, Context> {
   }
 
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte>, const Context& ctx) {
-    constexpr const char* where = "CentroidKV::select";
-    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
+    constexpr const char* where = entry_point<"select">();
+    checked_select<Context>(where, in, out, capacity());
     check_no_window(where, in.attention.window);
     clear_counts(out, ctx);
     merge_store_selection(store(), in.slots, second_selection(in.q.batch), ctx);
@@ -281,10 +278,6 @@ class CentroidKV : public SelectorTypes<T, Context> {
     return {merge_store_paged_view(store(), in.slots, page_indptr_.data(), last_page_len_.data(), in.q.batch),
             second_selection(in.q.batch)};
   }
-
-  /// Nothing to free: a released slot's rows stay as they are until a prepare loads the slot's next sequence.
-  void release(std::span<const std::int32_t> slots) { slot_states_.release("CentroidKV::release", slots); }
-  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
 
  private:
   static void check_no_window(const char* where, const AttentionWindow& window) {
@@ -317,10 +310,8 @@ class CentroidKV : public SelectorTypes<T, Context> {
             const_cast<float*>(weights_.data()), batch, limits_.kv_heads, capacity_};
   }
 
-  SelectorLimits limits_;
   CentroidKVConfig config_;
   std::int32_t capacity_ = 0;
-  detail::SlotStates slot_states_;
   ContextArray<Context, T> k_, v_;
   ContextArray<Context, std::int32_t> order_, degree_, count_, budgets_, indices_, counts_, page_indptr_,
       last_page_len_;

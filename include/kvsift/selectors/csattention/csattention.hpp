@@ -72,6 +72,7 @@
 #include "kvsift/selectors/csattention/score_tables.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
+#include "kvsift/selectors/detail/selector_core.hpp"
 #include "kvsift/selectors/selector.hpp"
 
 namespace kvsift {
@@ -147,10 +148,10 @@ inline constexpr IndexFileFormat kCsattentionBaseFile{
     .name = "CSAttention base", .magic = {'K', 'V', 'C', 'S', 'B', 'A', 'S', 'E'}, .version = 1};
 
 template <class T, class Context>
-class Csattention : public SelectorTypes<T, Context> {
+class Csattention : public SelectorTypes<T, Context>, public detail::SelectorCore<"Csattention"> {
  public:
   Csattention(const SelectorLimits& limits, const CsattentionConfig& config)
-      : limits_(limits), config_(checked(limits, config)), slot_states_(limits.max_slots) {
+      : SelectorCore(limits), config_(checked(limits, config)) {
     const std::int32_t slots = limits.max_slots, heads = table_heads(), m = config_.subspaces, c = config_.centroids;
     const std::size_t lists = ScoreTablesView<std::int32_t>::list_count(slots, heads, m, c);
     centroids_.resize(ScoreTablesView<std::int32_t>::centroid_elements(slots, heads, m, c, width()));
@@ -173,7 +174,6 @@ class Csattention : public SelectorTypes<T, Context> {
   }
 
   std::string_view name() const { return "CSAttention"; }
-  const SelectorLimits& limits() const { return limits_; }
   const CsattentionConfig& config() const { return config_; }
   /// The most tokens a row selects: K (budget, or floor(rho * max_tokens); a step selects floor(rho * length) less
   /// its window), plus P - 1 for the tokens a reused selection adds.
@@ -198,12 +198,8 @@ class Csattention : public SelectorTypes<T, Context> {
   }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    return detail::planned_workspace_bytes(
-        "Csattention::select_workspace_bytes", limits_, shape,
-        [&](WorkspaceLayout& counting, std::int32_t tokens) { layout(counting, shape.batch, tokens, ctx); });
-  }
-  std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
-    return detail::no_workspace_bytes("Csattention::append_workspace_bytes", limits_, shape);
+    return planned_select_bytes(
+        shape, [&](WorkspaceLayout& counting, std::int32_t tokens) { layout(counting, shape.batch, tokens, ctx); });
   }
 
   /// Builds each joining sequence's base from its prompt (in.cache) and its last W prefill queries (in.queries,
@@ -211,7 +207,7 @@ class Csattention : public SelectorTypes<T, Context> {
   /// theirs), and empties its overlay. in.slots distinct. Allocates scratch; on CUDA synchronizes the stream.
   /// Refused before anything changes: a non-finite prefill query or prompt key (detail::check_finite_prompt).
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
-    constexpr const char* where = "Csattention::prepare";
+    constexpr const char* where = entry_point<"prepare">();
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
     detail::check_prefill_queries(where, limits_, in.queries, batch);
     validate(in.attention.window, where, "in.attention.window");
@@ -244,7 +240,7 @@ class Csattention : public SelectorTypes<T, Context> {
   /// overlays, each dropping its own base first (see the class comment: their caches must hold the base's prompt,
   /// their later tokens go through append). Refuses a source_slot without a base. On CUDA synchronizes the stream.
   void share(std::int32_t source_slot, std::span<const std::int32_t> slots, const Context& ctx) {
-    constexpr const char* where = "Csattention::share";
+    constexpr const char* where = entry_point<"share">();
     const std::int32_t base = base_of(where, "source_slot", source_slot);
     check_slots(where, "slots", slots);
     attach(base, slots, ctx);
@@ -255,21 +251,19 @@ class Csattention : public SelectorTypes<T, Context> {
   /// released since) drop their bases; a base no slot reads is free. Host bookkeeping only (no context:
   /// selectors/selector.hpp's release).
   void release(std::span<const std::int32_t> slots) {
-    slot_states_.release("Csattention::release", slots);
+    SelectorCore::release(slots);
     for (const std::int32_t slot : slots) detach(slot);
   }
-  /// Whether `slot` holds a sequence (selectors/detail/slot_states.hpp): prepared, shared or loaded.
-  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
 
   /// Writes the base `slot` reads (not its overlay) as a base file (the class comment's format). Refuses a slot
   /// without a base and a stream that fails. On CUDA copies the base to the host and synchronizes the stream.
   void save_base(std::int32_t slot, std::ostream& out, const Context& ctx) const {
-    constexpr const char* where = "Csattention::save_base";
+    constexpr const char* where = entry_point<"save_base">();
     write_base(download(base_of(where, "slot", slot), ctx), out, where);
   }
   /// save_base to `path` (written to path.partial, renamed over `path` once complete).
   void save_base(std::int32_t slot, const std::string& path, const Context& ctx) const {
-    constexpr const char* where = "Csattention::save_base";
+    constexpr const char* where = entry_point<"save_base">();
     const HostBase staged = download(base_of(where, "slot", slot), ctx);
     write_index_file(path, where, [&](std::ostream& out) { write_base(staged, out, where); });
   }
@@ -280,13 +274,13 @@ class Csattention : public SelectorTypes<T, Context> {
   /// centroids or scores hold a NaN or an infinity (core/index_file.hpp: the array, list and element), and leaves
   /// the selector unchanged then. Allocates the staging; on CUDA synchronizes the stream.
   void load_base(std::istream& in, std::span<const std::int32_t> slots, const Context& ctx) {
-    constexpr const char* where = "Csattention::load_base";
+    constexpr const char* where = entry_point<"load_base">();
     check_load_slots(where, slots);
     commit(read_base(in, "stream", where), slots, ctx);
   }
   /// load_base from `path`, also refusing bytes after the file's checksum.
   void load_base(const std::string& path, std::span<const std::int32_t> slots, const Context& ctx) {
-    constexpr const char* where = "Csattention::load_base";
+    constexpr const char* where = entry_point<"load_base">();
     check_load_slots(where, slots);
     HostBase staged;
     read_index_file(path, where, [&](std::istream& in) { staged = read_base(in, path, where); });
@@ -295,14 +289,14 @@ class Csattention : public SelectorTypes<T, Context> {
 
   /// Inserts each row's new key (position lengths[b] - 1) into its slot's lists.
   void append(const AppendInputs<T>& in, std::span<std::byte>, const Context& ctx) {
-    detail::check_step_cache("Csattention::append", limits_, slot_states_, in.cache, in.slots, Context::memory);
+    checked_append<Context>(entry_point<"append">(), in);
     append_tables(tables(), in.cache, in.slots, in.lengths, ctx);
   }
 
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
-    constexpr const char* where = "Csattention::select";
-    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
+    constexpr const char* where = entry_point<"select">();
+    checked_select<Context>(where, in, out, capacity());
     const std::int32_t batch = in.q.batch;
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
     if (calls_until_search_ > 0) {
@@ -341,7 +335,7 @@ class Csattention : public SelectorTypes<T, Context> {
   }
 
   void search(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace, const Context& ctx) {
-    constexpr const char* where = "Csattention::select";
+    constexpr const char* where = entry_point<"select">();
     const std::int32_t batch = in.q.batch, kv = limits_.kv_heads, group = limits_.q_heads / kv;
     const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     const std::int64_t rows = std::int64_t(batch) * kv;
@@ -372,7 +366,6 @@ class Csattention : public SelectorTypes<T, Context> {
 
   static CsattentionConfig checked(const SelectorLimits& limits, const CsattentionConfig& c) {
     constexpr const char* where = "Csattention";
-    detail::check_limits(where, limits);
     KVSIFT_CHECK(c.subspaces > 0 && limits.head_dim % c.subspaces == 0, where,
                  "config.subspaces (m = {}) does not divide head_dim (= {})", c.subspaces, limits.head_dim);
     KVSIFT_CHECK(c.split == SubspaceSplit::contiguous || (limits.head_dim / c.subspaces) % 2 == 0, where,
@@ -742,7 +735,6 @@ class Csattention : public SelectorTypes<T, Context> {
     }
   }
 
-  SelectorLimits limits_;
   CsattentionConfig config_;
   std::int32_t max_length_ = std::clamp(std::int32_t(config_.list_fraction * double(limits_.max_tokens)), 1,
                                         config_.max_list_length);
@@ -750,7 +742,6 @@ class Csattention : public SelectorTypes<T, Context> {
       (config_.budget > 0 ? config_.budget : std::max(1, std::int32_t(config_.keep_fraction * double(limits_.max_tokens)))) +
       config_.search_period - 1;
   std::int32_t calls_until_search_ = 0, searched_batch_ = 0;
-  detail::SlotStates slot_states_;
   ContextArray<Context, float> centroids_;
   ContextArray<Context, std::int32_t> base_ids_;
   ContextArray<Context, half> base_scores_;

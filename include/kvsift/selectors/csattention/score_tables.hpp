@@ -201,6 +201,16 @@ KVSIFT_HOST_DEVICE constexpr bool table_entry_below(float score_a, std::int32_t 
   return list_entry_below(score_a, id_a, score_b, id_b);
 }
 
+/// Exchanges entries i and j of a heap (ids and scores).
+template <class Score>
+KVSIFT_HOST_DEVICE void swap_table_entries(std::int32_t* ids, Score* scores, std::int32_t i, std::int32_t j) {
+  const std::int32_t id = ids[i];
+  ids[i] = ids[j];
+  ids[j] = id;
+  const Score s = scores[i];
+  scores[i] = scores[j];
+  scores[j] = s;
+}
 /// Restores the min-heap property below position i of a heap of `size` entries (ids, scores as float values).
 template <class Score, class ToFloat>
 KVSIFT_HOST_DEVICE void sift_down_table_heap(std::int32_t* ids, Score* scores, std::int32_t size, std::int32_t i,
@@ -211,12 +221,7 @@ KVSIFT_HOST_DEVICE void sift_down_table_heap(std::int32_t* ids, Score* scores, s
     if (left < size && table_entry_below(to_f(scores[left]), ids[left], to_f(scores[lowest]), ids[lowest])) lowest = left;
     if (right < size && table_entry_below(to_f(scores[right]), ids[right], to_f(scores[lowest]), ids[lowest])) lowest = right;
     if (lowest == i) return;
-    const std::int32_t id = ids[i];
-    ids[i] = ids[lowest];
-    ids[lowest] = id;
-    const Score s = scores[i];
-    scores[i] = scores[lowest];
-    scores[lowest] = s;
+    swap_table_entries(ids, scores, i, lowest);
     i = lowest;
   }
 }
@@ -226,12 +231,7 @@ KVSIFT_HOST_DEVICE void sift_up_table_heap(std::int32_t* ids, Score* scores, std
   while (i > 0) {
     const std::int32_t parent = (i - 1) / 2;
     if (!table_entry_below(to_f(scores[i]), ids[i], to_f(scores[parent]), ids[parent])) return;
-    const std::int32_t id = ids[i];
-    ids[i] = ids[parent];
-    ids[parent] = id;
-    const Score s = scores[i];
-    scores[i] = scores[parent];
-    scores[parent] = s;
+    swap_table_entries(ids, scores, i, parent);
     i = parent;
   }
 }

@@ -32,6 +32,7 @@
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/context.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
+#include "kvsift/selectors/detail/selector_core.hpp"
 #include "kvsift/selectors/rerank.hpp"
 #include "kvsift/selectors/selector.hpp"
 
@@ -76,13 +77,10 @@ inline RerankConfig ctkvr_rerank_config(const CtkvrConfig& config) {
 }  // namespace detail
 
 template <class T, class Context>
-class Ctkvr : public SelectorTypes<T, Context> {
+class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctkvr"> {
  public:
   Ctkvr(const SelectorLimits& limits, const CtkvrConfig& config)
-      : limits_(limits),
-        config_(checked(limits, config)),
-        rerank_(limits, detail::ctkvr_rerank_config(config_)),
-        slot_states_(limits.max_slots) {
+      : SelectorCore(limits), config_(checked(limits, config)), rerank_(limits, detail::ctkvr_rerank_config(config_)) {
     const auto slots = std::size_t(limits.max_slots), kv = std::size_t(limits.kv_heads);
     const auto columns = std::size_t(config_.max_centroids);
     centroids_.resize(QueryCentroidsView<T>::elements(limits.max_slots, limits.q_heads, config_.max_centroids,
@@ -98,7 +96,6 @@ class Ctkvr : public SelectorTypes<T, Context> {
   }
 
   std::string_view name() const { return "CTKVR"; }
-  const SelectorLimits& limits() const { return limits_; }
   /// Views of the index, in the context's memory: for tests and inspection.
   QueryCentroidsView<const T> index_centroids() const {
     return {centroids_.data(), centroid_counts_.data(), limits_.max_slots, limits_.q_heads, config_.max_centroids,
@@ -127,24 +124,20 @@ class Ctkvr : public SelectorTypes<T, Context> {
   }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    return detail::planned_workspace_bytes(
-        "Ctkvr::select_workspace_bytes", limits_, shape,
-        [&](WorkspaceLayout& counting, std::int32_t tokens) { layout(counting, shape.batch, tokens, ctx); });
-  }
-  std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
-    return detail::no_workspace_bytes("Ctkvr::append_workspace_bytes", limits_, shape);
+    return planned_select_bytes(
+        shape, [&](WorkspaceLayout& counting, std::int32_t tokens) { layout(counting, shape.batch, tokens, ctx); });
   }
   /// Workspace of recall() for `shape`.
   std::size_t recall_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    return detail::workspace_bytes("Ctkvr::recall_workspace_bytes", limits_, shape,
-                                   [&](WorkspaceLayout& counting) { layout_recall(counting, shape.batch, ctx); });
+    return layout_bytes<"recall_workspace_bytes">(
+        shape, [&](WorkspaceLayout& counting) { layout_recall(counting, shape.batch, ctx); });
   }
 
   /// Builds the index of the joining sequences: centroids from in.queries (the last C of each head), lists over
   /// the prompt's keys, less in.attention's window. Allocates scratch; on CUDA synchronizes the stream. Refused
   /// before anything changes: a non-finite prefill query or prompt key (detail::check_finite_prompt).
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
-    constexpr const char* where = "Ctkvr::prepare";
+    constexpr const char* where = entry_point<"prepare">();
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
     detail::check_prefill_queries(where, limits_, in.queries, batch);
     validate(in.attention.window, where, "in.attention.window");
@@ -157,19 +150,16 @@ class Ctkvr : public SelectorTypes<T, Context> {
     for (std::int32_t b = 0; b < batch; ++b) prepare_sequence(in, b, slots[b], lengths[b], ctx);
     slot_states_.mark_prepared(slots);
   }
-  void append(const AppendInputs<T>& in, std::span<std::byte>, const Context&) {
-    detail::check_step_cache("Ctkvr::append", limits_, slot_states_, in.cache, in.slots, Context::memory);
-  }
-  /// A joining sequence's prepare rebuilds its slot.
-  void release(std::span<const std::int32_t> slots) { slot_states_.release("Ctkvr::release", slots); }
-  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
 
+  /// Nothing to append: the step's inputs are checked all the same.
+  void append(const AppendInputs<T>& in, std::span<std::byte>, const Context&) {
+    checked_append<Context>(entry_point<"append">(), in);
+  }
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
-    constexpr const char* where = "Ctkvr::select";
-    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
+    constexpr const char* where = entry_point<"select">();
+    const std::int32_t tokens = checked_select<Context>(where, in, out, capacity());
     const std::int32_t batch = in.q.batch;
-    const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     WorkspaceLayout carving(workspace, where);
     const Buffers w = layout(carving, batch, tokens, ctx);
     const SelectionView candidates{w.candidates, w.candidate_counts, nullptr, batch, limits_.kv_heads,
@@ -187,7 +177,7 @@ class Ctkvr : public SelectorTypes<T, Context> {
   /// but its shape; in.lengths and in.slots as in select.
   void recall(const SelectInputs<T>& in, const SelectionView& candidates, std::span<std::byte> workspace,
               const Context& ctx) {
-    constexpr const char* where = "Ctkvr::recall";
+    constexpr const char* where = entry_point<"recall">();
     detail::check_select(where, limits_, slot_states_, in, candidates, candidates.capacity, Context::memory);
     const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     KVSIFT_CHECK(candidates.capacity >= candidate_capacity(tokens), where,
@@ -232,7 +222,6 @@ class Ctkvr : public SelectorTypes<T, Context> {
 
   static CtkvrConfig checked(const SelectorLimits& limits, CtkvrConfig c) {
     constexpr const char* where = "Ctkvr";
-    detail::check_limits(where, limits);
     KVSIFT_CHECK(c.budget > 0, where, "config.budget (= {}) must be positive", c.budget);
     if (c.list_size == 0) c.list_size = 5 * c.budget / 2;
     KVSIFT_CHECK(c.list_size > 0, where, "config.list_size (= {}) must be positive", c.list_size);
@@ -307,7 +296,7 @@ class Ctkvr : public SelectorTypes<T, Context> {
   /// rows of centroids; topk_rows straight into the list storage).
   void prepare_sequence(const PrefillInputs<T>& in, std::int32_t b, std::int32_t slot, std::int32_t length,
                         const Context& ctx) {
-    constexpr const char* where = "Ctkvr::prepare";
+    constexpr const char* where = entry_point<"prepare">();
     const AttentionWindow window = in.attention.window;
     const std::int32_t c_count =
         config_.centroids > 0 ? config_.centroids : std::clamp(length / 16, 1, config_.max_centroids);
@@ -440,10 +429,8 @@ class Ctkvr : public SelectorTypes<T, Context> {
     return out;
   }
 
-  SelectorLimits limits_;
   CtkvrConfig config_;
   RerankStage<T, Context> rerank_;
-  detail::SlotStates slot_states_;
   ContextArray<Context, T> centroids_;
   ContextArray<Context, std::int32_t> centroid_counts_, list_ids_, list_counts_, cursors_, fifo_begin_, boundaries_,
       union_sizes_;

@@ -28,6 +28,7 @@
 #include "kvsift/core/ranking.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
+#include "kvsift/selectors/detail/selector_core.hpp"
 #include "kvsift/selectors/selector.hpp"
 
 namespace kvsift {
@@ -37,45 +38,37 @@ struct OracleTopKConfig {
 };
 
 template <class T, class Context>
-class OracleTopK : public SelectorTypes<T, Context> {
+class OracleTopK : public SelectorTypes<T, Context>, public detail::SelectorCore<"OracleTopK"> {
  public:
   OracleTopK(const SelectorLimits& limits, const OracleTopKConfig& config)
-      : limits_(limits), config_(config), slot_states_(limits.max_slots) {
-    detail::check_limits("OracleTopK", limits);
+      : SelectorCore(limits), config_(config) {
     KVSIFT_CHECK(config.budget > 0, "OracleTopK", "config.budget (= {}) must be positive", config.budget);
   }
 
   std::string_view name() const { return "OracleTopK"; }
-  const SelectorLimits& limits() const { return limits_; }
   std::int32_t capacity() const { return config_.budget; }
   IndexBytes index_bytes() const { return {}; }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    return detail::planned_workspace_bytes(
-        "OracleTopK::select_workspace_bytes", limits_, shape,
-        [&](WorkspaceLayout& counting, std::int32_t tokens) { layout(counting, shape.batch, tokens, ctx); });
-  }
-  std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
-    return detail::no_workspace_bytes("OracleTopK::append_workspace_bytes", limits_, shape);
+    return planned_select_bytes(
+        shape, [&](WorkspaceLayout& counting, std::int32_t tokens) { layout(counting, shape.batch, tokens, ctx); });
   }
 
   /// No index, but the life cycle of every selector: a slot is prepared before its steps (slot_states.hpp).
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
-    detail::check_cache("OracleTopK::prepare", limits_, in.cache, in.slots, Context::memory);
+    detail::check_cache(entry_point<"prepare">(), limits_, in.cache, in.slots, Context::memory);
     slot_states_.mark_prepared(in.slots, in.cache.batch(), ctx);
   }
-  void append(const AppendInputs<T>& in, std::span<std::byte>, const Context&) {
-    detail::check_step_cache("OracleTopK::append", limits_, slot_states_, in.cache, in.slots, Context::memory);
-  }
-  void release(std::span<const std::int32_t> slots) { slot_states_.release("OracleTopK::release", slots); }
-  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
 
+  /// Nothing to append: the step's inputs are checked all the same.
+  void append(const AppendInputs<T>& in, std::span<std::byte>, const Context&) {
+    checked_append<Context>(entry_point<"append">(), in);
+  }
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
-    constexpr const char* where = "OracleTopK::select";
-    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
+    constexpr const char* where = entry_point<"select">();
+    const std::int32_t tokens = checked_select<Context>(where, in, out, capacity());
     const std::int32_t batch = in.q.batch;
-    const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     WorkspaceLayout carving(workspace, where);
     const Buffers buffers = layout(carving, batch, tokens, ctx);
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
@@ -110,9 +103,7 @@ class OracleTopK : public SelectorTypes<T, Context> {
     return b;
   }
 
-  SelectorLimits limits_;
   OracleTopKConfig config_;
-  detail::SlotStates slot_states_;
 };
 
 }  // namespace kvsift

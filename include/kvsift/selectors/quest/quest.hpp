@@ -23,6 +23,7 @@
 #include "kvsift/selectors/quest/backend.hpp"
 #include "kvsift/selectors/quest/page_bounds_view.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
+#include "kvsift/selectors/detail/selector_core.hpp"
 #include "kvsift/selectors/selector.hpp"
 
 namespace kvsift {
@@ -33,16 +34,15 @@ struct QuestConfig {
 };
 
 template <class T, class Context>
-class Quest : public SelectorTypes<T, Context> {
+class Quest : public SelectorTypes<T, Context>, public detail::SelectorCore<"Quest"> {
  public:
   Quest(const SelectorLimits& limits, const QuestConfig& config)
-      : limits_(limits), config_(config), max_pages_(checked_pages(limits, config)), slot_states_(limits.max_slots) {
+      : SelectorCore(limits), config_(config), max_pages_(checked_pages(limits, config)) {
     bounds_.resize(PageBoundsView<T>::bytes(limits.max_slots, limits.kv_heads, max_pages_, limits.head_dim) /
                    sizeof(T));
   }
 
   std::string_view name() const { return "Quest"; }
-  const SelectorLimits& limits() const { return limits_; }
   /// Whole pages: the budget rounded down to pages.
   std::int32_t capacity() const { return pages_per_row() * config_.page_size; }
   IndexBytes index_bytes() const {
@@ -51,41 +51,32 @@ class Quest : public SelectorTypes<T, Context> {
   }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    constexpr const char* where = "Quest::select_workspace_bytes";
+    constexpr const char* where = entry_point<"select_workspace_bytes">();
     detail::check_shape(where, limits_, shape);
     return select_pages_workspace_bytes(shape.batch, limits_.kv_heads,
                                         planned_pages(where, "shape.max_seq_len", shape.max_seq_len), pages_per_row(),
                                         ctx);
   }
-  std::size_t append_workspace_bytes(const SelectShape& shape, const Context&) const {
-    return detail::no_workspace_bytes("Quest::append_workspace_bytes", limits_, shape);
-  }
 
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
-    detail::check_cache("Quest::prepare", limits_, in.cache, in.slots, Context::memory);
+    detail::check_cache(entry_point<"prepare">(), limits_, in.cache, in.slots, Context::memory);
     build_page_bounds(in.cache, in.slots, bounds(), ctx);
     slot_states_.mark_prepared(in.slots, in.cache.batch(), ctx);
   }
   void append(const AppendInputs<T>& in, std::span<std::byte>, const Context& ctx) {
-    detail::check_step_cache("Quest::append", limits_, slot_states_, in.cache, in.slots, Context::memory);
+    checked_append<Context>(entry_point<"append">(), in);
     append_page_bounds(in.cache, in.slots, bounds(), ctx);
   }
-  /// A joining sequence's prepare rebuilds its slot's bounds.
-  void release(std::span<const std::int32_t> slots) { slot_states_.release("Quest::release", slots); }
-  /// Whether `slot` holds a prepared sequence (selectors/detail/slot_states.hpp).
-  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
-
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
-    constexpr const char* where = "Quest::select";
-    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
+    constexpr const char* where = entry_point<"select">();
+    checked_select<Context>(where, in, out, capacity());
     select_pages(in.q, bounds().as_const(), in.slots, in.lengths, in.attention.window,
                  planned_pages(where, "in.max_seq_len", in.max_seq_len), pages_per_row(), out, workspace, ctx);
   }
 
  private:
   static std::int32_t checked_pages(const SelectorLimits& limits, const QuestConfig& config) {
-    detail::check_limits("Quest", limits);
     KVSIFT_CHECK(config.page_size > 0, "Quest", "config.page_size (= {}) must be positive", config.page_size);
     KVSIFT_CHECK(config.budget >= config.page_size, "Quest",
                  "config.budget (= {}) is smaller than one page (page_size = {})", config.budget, config.page_size);
@@ -99,10 +90,8 @@ class Quest : public SelectorTypes<T, Context> {
   PageBoundsView<T> bounds() {
     return {bounds_.data(), limits_.max_slots, limits_.kv_heads, max_pages_, limits_.head_dim, config_.page_size};
   }
-  SelectorLimits limits_;
   QuestConfig config_;
   std::int32_t max_pages_;
-  detail::SlotStates slot_states_;
   ContextArray<Context, T> bounds_;
 };
 

@@ -72,6 +72,7 @@
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/selectors/detail/checks.hpp"
+#include "kvsift/selectors/detail/selector_core.hpp"
 #include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
 #include "kvsift/selectors/selector.hpp"
 
@@ -115,14 +116,13 @@ constexpr AttentionWindow specontext_window(AttentionWindow window) {
 }
 
 template <class T, class Context>
-class SpeContext : public SelectorTypes<T, Context> {
+class SpeContext : public SelectorTypes<T, Context>, public detail::SelectorCore<"SpeContext"> {
  public:
   /// Builds the head's RoPE table (max_tokens positions) and, when owned, its K cache. Refused: limits as every
   /// selector's; budget <= 0 or above max_tokens; an unknown mode or cache kind; a negative sm_scale; a RoPE whose
   /// rotary_dim is odd or above head_dim.
   SpeContext(const SelectorLimits& limits, const SpeContextConfig& config, const Context& ctx)
-      : limits_(limits), config_(checked(limits, config)), oracle_(limits, {.budget = config.budget}),
-        slot_states_(limits.max_slots) {
+      : SelectorCore(limits), config_(checked(limits, config)), oracle_(limits, {.budget = config.budget}) {
     const std::int32_t d = limits.head_dim;
     cos_.resize(std::size_t(RopeTableView::elements(config.rope, d, limits.max_tokens)));
     sin_.resize(cos_.size());
@@ -148,7 +148,6 @@ class SpeContext : public SelectorTypes<T, Context> {
 
   std::string_view name() const { return "SpeContext"; }
   const SpeContextConfig& config() const { return config_; }
-  const SelectorLimits& limits() const { return limits_; }
   std::int32_t capacity() const { return config_.budget; }
   /// The head's K cache (when owned) and RoPE table.
   IndexBytes index_bytes() const {
@@ -158,13 +157,12 @@ class SpeContext : public SelectorTypes<T, Context> {
   }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    return detail::planned_workspace_bytes(
-        "SpeContext::select_workspace_bytes", limits_, shape,
-        [&](WorkspaceLayout& counting, std::int32_t tokens) { select_layout(counting, shape, tokens, ctx); });
+    return planned_select_bytes(
+        shape, [&](WorkspaceLayout& counting, std::int32_t tokens) { select_layout(counting, shape, tokens, ctx); });
   }
   std::size_t append_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
-    return detail::workspace_bytes("SpeContext::append_workspace_bytes", limits_, shape,
-                                   [&](WorkspaceLayout& counting) { append_layout(counting, shape.batch, ctx); });
+    return layout_bytes<"append_workspace_bytes">(
+        shape, [&](WorkspaceLayout& counting) { append_layout(counting, shape.batch, ctx); });
   }
 
   /// Rotates every prompt key k_r of the joining sequences (in.k_pre_rope, required) to its position and stores
@@ -172,7 +170,7 @@ class SpeContext : public SelectorTypes<T, Context> {
   /// any slot changes: no k_pre_rope, one of another shape or shorter than a prompt, a prompt above max_tokens, a
   /// slot outside [0, max_slots). Allocates its staging; on CUDA synchronizes the stream.
   void prepare(const PrefillInputs<T>& in, const Context& ctx) {
-    constexpr const char* where = "SpeContext::prepare";
+    constexpr const char* where = entry_point<"prepare">();
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
     const std::int32_t kv = limits_.kv_heads, d = limits_.head_dim;
     const auto rows = std::size_t(batch);
@@ -249,10 +247,8 @@ class SpeContext : public SelectorTypes<T, Context> {
   /// Rotates the step's key k_r (in.k_pre_rope, required) to position lengths[b] - 1 and writes it there in the
   /// head's cache.
   void append(const AppendInputs<T>& in, std::span<std::byte> workspace, const Context& ctx) {
-    constexpr const char* where = "SpeContext::append";
-    const std::int32_t batch =
-        detail::check_step_cache(where, limits_, slot_states_, in.cache, in.slots, Context::memory);
-    KVSIFT_CHECK(in.lengths != nullptr, where, "in.lengths must be non-null");
+    constexpr const char* where = entry_point<"append">();
+    const std::int32_t batch = checked_positioned_append<Context>(where, in);
     KVSIFT_CHECK(in.k_pre_rope.data != nullptr, where,
                  "in.k_pre_rope (the retrieval head's key of the step's token, before RoPE) must be given");
     validate(in.k_pre_rope, where, "in.k_pre_rope");
@@ -277,14 +273,13 @@ class SpeContext : public SelectorTypes<T, Context> {
   /// selected nor attended; specontext_window gives the window to use).
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
-    constexpr const char* where = "SpeContext::select";
-    detail::check_select(where, limits_, slot_states_, in, out, capacity(), Context::memory);
+    constexpr const char* where = entry_point<"select">();
+    const std::int32_t tokens = checked_select<Context>(where, in, out, capacity());
     KVSIFT_CHECK(in.attention.window.recent >= 1, where,
                  "in.attention.window.recent (= {}) must be >= 1: the selection leaves the window out and the step's "
                  "own token is attended only through it (use specontext_window(window))",
                  in.attention.window.recent);
     const std::int32_t batch = in.q.batch, kv = limits_.kv_heads;
-    const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     WorkspaceLayout carving(workspace, where);
     const SelectShape shape{batch, limits_.q_heads, kv, limits_.head_dim, in.max_seq_len};
     const SelectBuffers w = select_layout(carving, shape, tokens, ctx);
@@ -318,10 +313,9 @@ class SpeContext : public SelectorTypes<T, Context> {
 
   /// Sequences leave; their keys stay until a prepare of the slot overwrites them.
   void release(std::span<const std::int32_t> slots) {
-    slot_states_.release("SpeContext::release", slots);
+    SelectorCore::release(slots);
     oracle_.release(slots);
   }
-  bool prepared(std::int32_t slot) const { return slot_states_.prepared(slot); }
 
   /// The head's K cache of the step's `batch` rows, post-RoPE (its V aliases K): the slots' pages of the owned
   /// array (lengths[b] tokens), or `cache` itself when the engine keeps it. For tests and inspection.
@@ -343,7 +337,6 @@ class SpeContext : public SelectorTypes<T, Context> {
 
   static SpeContextConfig checked(const SelectorLimits& limits, const SpeContextConfig& c) {
     constexpr const char* where = "SpeContext";
-    detail::check_limits(where, limits);
     KVSIFT_CHECK(c.budget > 0 && c.budget <= limits.max_tokens, where,
                  "config.budget (= {}) is outside [1, limits.max_tokens = {}]", c.budget, limits.max_tokens);
     KVSIFT_CHECK(c.mode == SpeContextMode::per_kv_head || c.mode == SpeContextMode::batch_level, where,
@@ -415,10 +408,8 @@ class SpeContext : public SelectorTypes<T, Context> {
                               "SpeContext rotated head keys");
   }
 
-  SelectorLimits limits_;
   SpeContextConfig config_;
   OracleTopK<T, Context> oracle_;
-  detail::SlotStates slot_states_;
   ContextArray<Context, float> cos_, sin_;
   RopeTableView table_{};
   ContextArray<Context, T> keys_;  ///< owned head cache [max_slots, kv_heads, max_tokens, head_dim] (else empty)
