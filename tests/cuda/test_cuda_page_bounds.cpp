@@ -1,6 +1,8 @@
 // CUDA page bounds (selectors/quest/cuda/page_bounds.hpp) against their CPU twins (whose own tests check them against fp64):
 // build, append and expand bit for bit, page scores within fp32 summation order; contiguous and paged caches,
-// fp32, fp16 and bf16, every supported head_dim; outputs poisoned first. Also: append + page_scores + expand
+// fp32, fp16 and bf16, every supported head_dim; outputs poisoned first. Page scores run both kernels: the
+// streamed one (cuda::page_scores on an sm_90 GPU) and the direct one (cuda::detail::launch_page_scores_direct,
+// the path of code built before sm_90), which must agree bit for bit. Also: append + page_scores + expand
 // captured in a CUDA graph and replayed equal the eager run (through workspace_check.hpp), and the device-value
 // rules (a bad slot, length or count writes nothing, or -1 where there is a count).
 #include <gtest/gtest.h>
@@ -14,6 +16,7 @@
 
 #include "cuda/gpu_test.hpp"
 #include "kvsift/selectors/quest/cpu/page_bounds.hpp"
+#include "kvsift/selectors/quest/cuda/detail/page_bounds_kernels.cuh"
 #include "kvsift/selectors/quest/cuda/page_bounds.hpp"
 #include "page_bounds_problem.hpp"
 #include "test_util.hpp"
@@ -136,6 +139,27 @@ void expect_scores_match(const std::vector<float>& cpu, const std::vector<float>
   EXPECT_EQ(bad, 0) << what;
 }
 
+/// The direct kernel's scores and counts (cuda::detail::launch_page_scores_direct, with the parameters
+/// cuda::page_scores plans) equal `scores` and `counts`, cuda::page_scores' on the device, bit for bit: the two
+/// kernels share the lane layout and the arithmetic. On a GPU running sm_90 code, cuda::page_scores ran the
+/// streamed kernel, so this compares the two paths.
+template <class T>
+void expect_direct_equals(const std::vector<float>& scores, const std::vector<std::int32_t>& counts,
+                          const QueryView<const T>& q, const PageBoundsView<const T>& bounds,
+                          const std::int32_t* d_slots, const std::int32_t* d_lengths, const AttentionWindow& window,
+                          std::int32_t rows, std::int32_t cols, const std::string& what) {
+  DeviceBuffer<float> d_scores(std::vector<float>(scores.size(), kUntouched));
+  DeviceBuffer<std::int32_t> d_counts(counts.size());
+  d_counts.poison();
+  const auto view = MatrixView<float>::packed(d_scores.data(), rows, cols);
+  KVSIFT_CUDA_CHECK(cuda::detail::launch_page_scores_direct(
+      cuda::detail::plan_page_scores(q, bounds, d_slots, d_lengths, window, view, d_counts.data(),
+                                     cuda::multiprocessor_count()),
+      nullptr));
+  EXPECT_EQ(d_counts.download(), counts) << what << ": direct kernel";
+  EXPECT_TRUE(same_bytes(d_scores.download(), scores)) << what << ": direct kernel";
+}
+
 template <class T>
 void check_against_cpu(Random& rng, std::int32_t head_dim, bool paged) {
   SCOPED_TRACE(testing::Message() << "head_dim " << head_dim << (paged ? " paged" : " contiguous"));
@@ -220,7 +244,11 @@ void check_against_cpu(Random& rng, std::int32_t head_dim, bool paged) {
                       p.slot_ptr(true), p.d_lens.data(), window,
                       MatrixView<float>::packed(d_scores.data(), batch * kv_heads, cols), d_counts.data(), nullptr);
     EXPECT_EQ(d_counts.download(), counts);
-    expect_scores_match(scores, d_scores.download(), q, p, q_heads, cols, "page_scores");
+    const auto gpu = d_scores.download();
+    expect_scores_match(scores, gpu, q, p, q_heads, cols, "page_scores");
+    expect_direct_equals(gpu, counts, QueryView<const T>::packed(d_q.data(), batch, q_heads, head_dim),
+                         p.view(true).as_const(), p.slot_ptr(true), p.d_lens.data(), window, batch * kv_heads, cols,
+                         "page_scores");
 
     for (bool weights : {false, true}) {
       expect_expand_equals_cpu(random_pages(rng, full, kv_heads, 5, ps), ps, full, p.d_lens.data(), window, weights);
@@ -258,6 +286,54 @@ TEST_F(CudaPageBounds, ExpandOfManyPagesEqualsTheCpu) {
   }
 }
 
+/// Page scores of rows long enough that a CTA's chunk (64 pages here) goes round the streamed kernel's ring of
+/// four 16 KB stages more than once (fp32 at head_dim 256: 8 stages of 8 pages; with two head tiles, bf16 at
+/// head_dim 256 too: 4 stages of 16 pages, twice), and of row ends that cut a chunk and a stage short (5000
+/// tokens: 313 pages, the last chunk 57; 1037 tokens: 65 pages, the last chunk 1), an empty row and one mostly
+/// in the window; one or two head tiles; a page with one NaN channel, which scores NaN. Against the CPU, and the
+/// direct kernel bit for bit.
+template <class T>
+void check_long_rows(Random& rng, std::int32_t head_dim, std::int32_t group) {
+  SCOPED_TRACE(testing::Message() << "head_dim " << head_dim << ", group " << group << ", " << sizeof(T)
+                                  << "-byte type");
+  const std::vector<std::int32_t> lens = {5000, 1037, 0, 61};
+  const std::int32_t kv_heads = 2, ps = 16, batch = std::int32_t(lens.size()), q_heads = kv_heads * group;
+  Problem<T> p(rng, lens, kv_heads, head_dim, ps);
+  cpu::build_page_bounds(p.contiguous(false), p.slot_ptr(false), p.view(false));
+  const std::int32_t nan_page = 100;
+  p.view(false).hi(p.slots[0], 1, nan_page)[head_dim / 2] = from_float<T>(NAN);
+  p.d_bounds.upload(p.bounds);
+  const auto q = test::to_storage<T>(rng.normal(std::size_t(batch) * q_heads * head_dim));
+  DeviceBuffer<T> d_q(q);
+  const std::int32_t cols = p.max_pages + 5, rows = batch * kv_heads;
+  const AttentionWindow window{4, 40};
+  std::vector<float> scores(std::size_t(rows) * cols, kUntouched);
+  std::vector<std::int32_t> counts(batch);
+  DeviceBuffer<float> d_scores(scores);
+  DeviceBuffer<std::int32_t> d_counts(counts.size());
+  d_counts.poison();
+  const auto d_query = QueryView<const T>::packed(d_q.data(), batch, q_heads, head_dim);
+  cpu::page_scores(QueryView<const T>::packed(q.data(), batch, q_heads, head_dim), p.view(false).as_const(),
+                   p.slot_ptr(false), lens.data(), window, MatrixView<float>::packed(scores.data(), rows, cols),
+                   counts.data());
+  cuda::page_scores(d_query, p.view(true).as_const(), p.slot_ptr(true), p.d_lens.data(), window,
+                    MatrixView<float>::packed(d_scores.data(), rows, cols), d_counts.data(), nullptr);
+  EXPECT_EQ(d_counts.download(), counts);
+  const auto gpu = d_scores.download();
+  expect_scores_match(scores, gpu, q, p, q_heads, cols, "long rows");
+  EXPECT_TRUE(std::isnan(gpu[std::size_t(1) * cols + nan_page])) << "row 0, kv head 1: the NaN page";
+  expect_direct_equals(gpu, counts, d_query, p.view(true).as_const(), p.slot_ptr(true), p.d_lens.data(), window, rows,
+                       cols, "long rows");
+}
+
+TEST_F(CudaPageBounds, ScoresOfLongRowsEqualTheCpu) {
+  for (std::int32_t group : {4, 12}) {
+    for (std::int32_t d : {64, 256}) check_long_rows<float>(rng, d, group);
+    for (std::int32_t d : {64, 128}) check_long_rows<half>(rng, d, group);
+    for (std::int32_t d : {128, 256}) check_long_rows<bfloat16>(rng, d, group);
+  }
+}
+
 /// Group sizes from 1 to 16 (two head tiles) against the CPU, with a window.
 TEST_F(CudaPageBounds, ScoresEqualTheCpuForEveryGroupSize) {
   const std::vector<std::int32_t> lens = {300, 1000, 17};
@@ -282,7 +358,11 @@ TEST_F(CudaPageBounds, ScoresEqualTheCpuForEveryGroupSize) {
                       p.slot_ptr(true), p.d_lens.data(), window,
                       MatrixView<float>::packed(d_scores.data(), batch * kv_heads, cols), d_counts.data(), nullptr);
     EXPECT_EQ(d_counts.download(), counts);
-    expect_scores_match(scores, d_scores.download(), q, p, q_heads, cols, "group scores");
+    const auto gpu = d_scores.download();
+    expect_scores_match(scores, gpu, q, p, q_heads, cols, "group scores");
+    expect_direct_equals(gpu, counts, QueryView<const bfloat16>::packed(d_q.data(), batch, q_heads, d),
+                         p.view(true).as_const(), p.slot_ptr(true), p.d_lens.data(), window, batch * kv_heads, cols,
+                         "group scores");
   }
 }
 
@@ -368,6 +448,9 @@ TEST_F(CudaPageBounds, OutOfRangeDeviceValuesHaveTheDefinedResult) {
                     nullptr);
   EXPECT_EQ(d_counts.download(), (std::vector<std::int32_t>{5, -1, -1, -1}));
   const auto scores = d_scores.download();
+  expect_direct_equals(scores, d_counts.download(), QueryView<const float>::packed(d_q.data(), batch, 2, d),
+                       p.view(true).as_const(), p.slot_ptr(true), d_score_lens.data(), {}, batch, cols,
+                       "out-of-range values");
   for (std::int32_t row = 1; row < batch; ++row) {
     for (std::int32_t c = 0; c < cols; ++c) EXPECT_EQ(scores[row * cols + c], kUntouched) << row << " " << c;
   }

@@ -41,22 +41,10 @@ void page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bou
                                     MemorySpace::device);
   kvsift::detail::check_supported(where, "bounds.head_dim", bounds.head_dim, kCudaAttentionHeadDims,
                                   "the CUDA page-score kernels");
-  const std::int32_t page_limit = std::int32_t(std::min<std::int64_t>(bounds.max_pages, scores.cols));
-  const std::int32_t chunk = detail::plan_score_chunk(scores.rows, page_limit, multiprocessor_count());
-  const std::int32_t chunks = (page_limit + chunk - 1) / chunk;
-  KVSIFT_CHECK(scores.rows * chunks <= std::int64_t(INT32_MAX), where,
-               "scores.rows * page chunks (= {} * {}) exceeds 2^31 - 1 CTAs", scores.rows, chunks);
-  const detail::PageScoreParams<T> params{.q = q,
-                                          .bounds = bounds,
-                                          .slots = d_slots,
-                                          .lengths = d_lengths,
-                                          .window = window,
-                                          .scores = scores,
-                                          .page_counts = d_page_counts,
-                                          .group = q.heads / bounds.kv_heads,
-                                          .page_limit = page_limit,
-                                          .chunk = chunk,
-                                          .chunks = chunks};
+  const auto params = detail::plan_page_scores(q, bounds, d_slots, d_lengths, window, scores, d_page_counts,
+                                               multiprocessor_count());
+  KVSIFT_CHECK(scores.rows * params.chunks <= std::int64_t(INT32_MAX), where,
+               "scores.rows * page chunks (= {} * {}) exceeds 2^31 - 1 CTAs", scores.rows, params.chunks);
   KVSIFT_CUDA_CHECK(detail::launch_page_scores(params, ctx.stream));
 }
 

@@ -19,19 +19,31 @@ namespace kvsift::cuda::detail {
 
 /// page_scores: pages per CTA, between these bounds, the most that still gives two CTAs per SM (plan_score_chunk):
 /// long chunks spare CTAs their q staging (256 pages: 21.9 us at 128K, batch 1, against 27.7 us in chunks of 64),
-/// but short calls need the CTAs (64 pages: 8.6 us at 32K, batch 1, against 17.2 us in chunks of 256).
+/// but short calls need the CTAs (64 pages: 8.6 us at 32K, batch 1, against 17.2 us in chunks of 256). Measured
+/// with the direct kernel (below); not measured again for the streamed one.
 /// kScoreHeadTile: the query heads whose q a CTA keeps in registers at once.
 inline constexpr int kScoreMinPagesPerCta = 64;
 inline constexpr int kScoreMaxPagesPerCta = 256;
 inline constexpr int kScoreHeadTile = 8;
 inline constexpr int kScoreThreads = 256;
-/// Two CTAs per SM (at most 128 registers a thread; q takes 64): 16 warps, each with a 16-byte load per lane of
-/// a page in flight, about the 16 KB per SM that HBM3 bandwidth times latency asks for. Unbounded, ptxas used
-/// 144 registers and one CTA fit.
+/// Two CTAs per SM: at most 128 registers a thread (q takes 64; unbounded, ptxas gave the direct kernel 144
+/// registers and one CTA fit), and the streamed kernel's 64 KB ring plus q's 8 KB at most, twice, fit in 228 KB.
 inline constexpr int kScoreCtasPerSm = 2;
-/// Steps of kPagesPerWarp pages whose loads a warp issues before it uses the first (four spill at the kernel's
-/// 128 registers).
+/// The direct kernel (page_scores_direct_kernel, code built before sm_90): steps of kPagesPerWarp pages whose
+/// loads a warp issues before it uses the first (four spill at the kernel's 128 registers). That is one or two
+/// 16-byte loads per lane in flight, about 32 KB per SM: it streamed at 1.4 TB/s on the H100, latency-bound
+/// (docs/experiments.md#fused-quest-select).
 inline constexpr int kScoreStepsInFlight = 2;
+/// The streamed kernel (page_scores_kernel, sm_90): each CTA's pages pass through a ring of kScoreStages buffers
+/// of kScoreStageBytes in shared memory, each filled by one bulk asynchronous copy, so up to 64 KB per CTA and
+/// 128 KB per SM (two CTAs) are in flight while the warps score a stage that has landed. Bandwidth times loaded
+/// latency asks for about 32 KB per SM (4.2 TB/s over 132 SMs is 32 bytes per ns per SM, at ~1 us); four times
+/// that covers the start of each CTA, whose first stages are all in flight at once, and latency above 1 us.
+/// 16 KB stages hold 8 (fp32, head_dim 256) to 64 (16-bit, head_dim 64) pages: one or two page steps of every
+/// warp between the CTA barriers that free a buffer.
+inline constexpr int kScoreStages = 4;
+inline constexpr int kScoreStageBytes = 16 * 1024;
+inline constexpr int kScoreRingBytes = kScoreStages * kScoreStageBytes;
 /// expand_pages: a CTA per chunk of kExpandPagesPerCta chosen pages of a row (a lane of its first warp each).
 inline constexpr int kExpandThreads = 256;
 inline constexpr std::int32_t kExpandPagesPerCta = 32;
@@ -64,15 +76,41 @@ inline std::int32_t plan_score_chunk(std::int64_t rows, std::int32_t page_limit,
   return chunk;
 }
 
+/// The parameters cuda::page_scores launches with on a device of `sms` SMs (its arguments checked).
+template <class T>
+PageScoreParams<T> plan_page_scores(const QueryView<const T>& q, const PageBoundsView<const T>& bounds,
+                                    const std::int32_t* slots, const std::int32_t* lengths,
+                                    const AttentionWindow& window, const MatrixView<float>& scores,
+                                    std::int32_t* page_counts, int sms) {
+  const std::int32_t page_limit = std::int32_t(std::min<std::int64_t>(bounds.max_pages, scores.cols));
+  const std::int32_t chunk = plan_score_chunk(scores.rows, page_limit, sms);
+  return {.q = q,
+          .bounds = bounds,
+          .slots = slots,
+          .lengths = lengths,
+          .window = window,
+          .scores = scores,
+          .page_counts = page_counts,
+          .group = q.heads / bounds.kv_heads,
+          .page_limit = page_limit,
+          .chunk = chunk,
+          .chunks = (page_limit + chunk - 1) / chunk};
+}
+
 template <class T, class KV>
 cudaError_t launch_build_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds,
                                      cudaStream_t stream);
 template <class T, class KV>
 cudaError_t launch_append_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds,
                                       cudaStream_t stream);
-/// params.chunks * rows CTAs; head_dim must be one of kCudaAttentionHeadDims (core/supported_values.hpp).
+/// params.chunks * rows CTAs; head_dim must be one of kCudaAttentionHeadDims (core/supported_values.hpp). The
+/// streamed kernel where the device runs code built for sm_90 or later, else launch_page_scores_direct.
 template <class T>
 cudaError_t launch_page_scores(const PageScoreParams<T>& params, cudaStream_t stream);
+/// The same scores, bit for bit, from the direct kernel (each warp loads its pages' bounds into registers): the
+/// path of code built before sm_90, which has no bulk copies. Tests run it on any device.
+template <class T>
+cudaError_t launch_page_scores_direct(const PageScoreParams<T>& params, cudaStream_t stream);
 cudaError_t launch_expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* lengths,
                                 const AttentionWindow& window, const SelectionView& out, cudaStream_t stream);
 
@@ -136,7 +174,8 @@ __global__ void append_page_bounds_kernel(KV kv, const std::int32_t* slots, Page
 
 /// How page_scores spreads a page over lanes: each lane holds kChannels channels of lo and of hi, read as
 /// kVecsPerLane 16-byte vectors per half; the kLanes lanes of a page read consecutive vectors, so one load
-/// instruction covers whole 32-byte sectors of kPagesPerWarp pages.
+/// instruction covers whole 32-byte sectors of kPagesPerWarp pages (in shared memory, every quarter-warp reads
+/// 128 contiguous bytes: no bank conflict).
 template <class T, int HeadDim>
 struct ScoreShape {
   static constexpr int kVec = 16 / int(sizeof(T));
@@ -146,6 +185,7 @@ struct ScoreShape {
   static constexpr int kChannels = kVecsPerLane * kVec;
   static constexpr int kPagesPerWarp = 32 / kLanes;
   static constexpr int kPagesPerCtaStep = kPagesPerWarp * (kScoreThreads / 32);
+  static constexpr int kPageElems = 2 * HeadDim;  ///< lo then hi
   static_assert(HeadDim % kVec == 0 && kVecsPerHalf % kLanes == 0);
 };
 
@@ -155,14 +195,93 @@ __device__ __forceinline__ int score_channel(int j, int e, int lane_in_page) {
   return (j * S::kLanes + lane_in_page) * S::kVec + e;
 }
 
-/// The pages of one (row, kv head g) in [first_page, last_page), scored by the CTA: per tile of up to
-/// kScoreHeadTile query heads of the group, the CTA stages the tile's q in shared memory and each lane keeps its
-/// channels of it in registers; then each warp takes kPagesPerWarp pages per step, kScoreStepsInFlight steps at a
-/// time (every load of those steps issued before the first is used: a short read needs many bytes in flight per
-/// SM): every lane reads its vectors of lo and hi once, forms its channels' partial sums for every head of the
-/// tile, and the page's lanes add them by shuffles. store(page, score, tile) is called by one lane per page and
-/// tile, the same lane in every tile; from the second tile on, the caller keeps the maximum (max_keep_nan).
-/// Pages whose tokens are all in the window score -inf; a page with a NaN bound scores NaN.
+/// Stages the q of query heads [tile, tile + kScoreHeadTile) of kv head g's group in q_tile (zeros past the
+/// group), then each lane's channels of it in q; returns the tile's head count. Called by every thread of the
+/// CTA, once no thread reads q_tile any more (a barrier of the caller's); the barrier inside publishes the tile.
+template <class T, int HeadDim>
+__device__ __forceinline__ int load_q_tile(const QueryView<const T>& q_view, std::int64_t b, std::int64_t g,
+                                           std::int32_t group, std::int32_t tile,
+                                           float (&q_tile)[kScoreHeadTile][HeadDim],
+                                           float (&q)[kScoreHeadTile][ScoreShape<T, HeadDim>::kChannels],
+                                           int lane_in_page) {
+  using S = ScoreShape<T, HeadDim>;
+  const int heads = min(kScoreHeadTile, group - tile);
+  for (int i = threadIdx.x; i < kScoreHeadTile * HeadDim; i += blockDim.x) {
+    const int h = i / HeadDim, c = i % HeadDim;
+    q_tile[h][c] = h < heads ? to_float_device(q_view.row(b, g * group + tile + h)[c]) : 0.0f;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < kScoreHeadTile; ++h) {
+#pragma unroll
+    for (int j = 0; j < S::kVecsPerLane; ++j) {
+#pragma unroll
+      for (int e = 0; e < S::kVec; ++e) q[h][j * S::kVec + e] = q_tile[h][score_channel<S>(j, e, lane_in_page)];
+    }
+  }
+  return heads;
+}
+
+/// A page's bound for the tile's first `heads` heads, from the vectors of lo and hi its lanes read: the maximum
+/// over the heads of sum_c max(q_c lo_c, q_c hi_c) (partial sums per lane, added by shuffles over the page's
+/// lanes), NaN where a lane of the page (page_lanes) holds a NaN bound. Every lane of the warp calls it with the
+/// same `heads` (the shuffles), lanes of no page with any values, whose result nobody stores.
+template <class T, int HeadDim>
+__device__ __forceinline__ float page_bound(const float (&q)[kScoreHeadTile][ScoreShape<T, HeadDim>::kChannels],
+                                            const uint4 (&lo_v)[ScoreShape<T, HeadDim>::kVecsPerLane],
+                                            const uint4 (&hi_v)[ScoreShape<T, HeadDim>::kVecsPerLane], int heads,
+                                            unsigned page_lanes) {
+  using S = ScoreShape<T, HeadDim>;
+  float lo[S::kChannels], hi[S::kChannels];
+  bool nan = false;
+#pragma unroll
+  for (int j = 0; j < S::kVecsPerLane; ++j) {
+    const T* lo_t = reinterpret_cast<const T*>(&lo_v[j]);
+    const T* hi_t = reinterpret_cast<const T*>(&hi_v[j]);
+#pragma unroll
+    for (int e = 0; e < S::kVec; ++e) {
+      lo[j * S::kVec + e] = to_float_device(lo_t[e]);
+      hi[j * S::kVec + e] = to_float_device(hi_t[e]);
+      nan |= kvsift::detail::bound_is_nan(lo[j * S::kVec + e], hi[j * S::kVec + e]);
+    }
+  }
+  float best = -INFINITY;
+#pragma unroll
+  for (int h = 0; h < kScoreHeadTile; ++h) {
+    if (h >= heads) break;  // uniform across the warp, so every lane reaches the same shuffles
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < S::kChannels; ++c) {
+      sum = fmaf(q[h][c], kvsift::detail::bound_factor(q[h][c], lo[c], hi[c]), sum);
+    }
+#pragma unroll
+    for (int offset = S::kLanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    best = kvsift::detail::max_keep_nan(best, sum);
+  }
+  nan = (__ballot_sync(0xffffffffu, nan) & page_lanes) != 0;
+  return nan ? __int_as_float(0x7fffffff) : best;
+}
+
+/// A page's score: -inf when all its tokens are in the window, else its bound.
+__device__ __forceinline__ float windowed_score(std::int64_t page, float bound, std::int32_t page_size,
+                                                std::int32_t len, const AttentionWindow& window) {
+  std::int64_t middle_first = 0, middle_last = 0;
+  kvsift::detail::page_middle(page, page_size, len, window, &middle_first, &middle_last);
+  return middle_first >= middle_last ? -INFINITY : bound;
+}
+
+/// The lanes of a warp that read the page of lane `lane` (a shuffle and ballot group of page_bound).
+template <class S>
+__device__ __forceinline__ unsigned page_lane_mask(int lane) {
+  return (S::kLanes == 32 ? 0xffffffffu : (1u << S::kLanes) - 1u) << (lane / S::kLanes * S::kLanes);
+}
+
+/// The pages of one (row, kv head g) in [first_page, last_page), scored by the CTA from global memory: per tile of
+/// up to kScoreHeadTile query heads of the group (load_q_tile), each warp takes kPagesPerWarp pages per step,
+/// kScoreStepsInFlight steps at a time (every load of those steps issued before the first is used: a short read
+/// needs many bytes in flight per SM): every lane reads its vectors of lo and hi once into registers and the
+/// page's lanes form the bound (page_bound). store(page, score, tile) is called by one lane per page and tile,
+/// the same lane in every tile; from the second tile on, the caller keeps the maximum (max_keep_nan).
 template <class T, int HeadDim, class Store>
 __device__ __forceinline__ void score_pages(const QueryView<const T>& q_view, const PageBoundsView<const T>& bounds,
                                             std::int32_t slot, std::int64_t b, std::int64_t g, std::int32_t group,
@@ -173,24 +292,11 @@ __device__ __forceinline__ void score_pages(const QueryView<const T>& q_view, co
   constexpr int kSteps = kScoreStepsInFlight / S::kVecsPerLane > 0 ? kScoreStepsInFlight / S::kVecsPerLane : 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int lane_in_page = lane % S::kLanes, page_in_warp = lane / S::kLanes;
-  const unsigned page_lanes = (S::kLanes == 32 ? 0xffffffffu : (1u << S::kLanes) - 1u) << (page_in_warp * S::kLanes);
+  const unsigned page_lanes = page_lane_mask<S>(lane);
   for (std::int32_t tile = 0; tile < group; tile += kScoreHeadTile) {
-    const int heads = min(kScoreHeadTile, group - tile);
     __syncthreads();  // the previous tile's q is read into registers by every thread
-    for (int i = threadIdx.x; i < kScoreHeadTile * HeadDim; i += blockDim.x) {
-      const int h = i / HeadDim, c = i % HeadDim;
-      q_tile[h][c] = h < heads ? to_float_device(q_view.row(b, g * group + tile + h)[c]) : 0.0f;
-    }
-    __syncthreads();
     float q[kScoreHeadTile][S::kChannels];
-#pragma unroll
-    for (int h = 0; h < kScoreHeadTile; ++h) {
-#pragma unroll
-      for (int j = 0; j < S::kVecsPerLane; ++j) {
-#pragma unroll
-        for (int e = 0; e < S::kVec; ++e) q[h][j * S::kVec + e] = q_tile[h][score_channel<S>(j, e, lane_in_page)];
-      }
-    }
+    const int heads = load_q_tile<T, HeadDim>(q_view, b, g, group, tile, q_tile, q, lane_in_page);
     const std::int64_t pages_per_cta_step = std::int64_t(S::kPagesPerWarp) * (blockDim.x / 32);
     for (std::int64_t step0 = first_page + warp * S::kPagesPerWarp; step0 < last_page;
          step0 += kSteps * pages_per_cta_step) {
@@ -210,64 +316,172 @@ __device__ __forceinline__ void score_pages(const QueryView<const T>& q_view, co
 #pragma unroll
       for (int u = 0; u < kSteps; ++u) {
         const std::int64_t page = step0 + u * pages_per_cta_step + page_in_warp;
-        const bool active = page < last_page;
-        float lo[S::kChannels], hi[S::kChannels];
-        bool nan = false;
-#pragma unroll
-        for (int j = 0; j < S::kVecsPerLane; ++j) {
-          const T* lo_t = reinterpret_cast<const T*>(&lo_v[u][j]);
-          const T* hi_t = reinterpret_cast<const T*>(&hi_v[u][j]);
-#pragma unroll
-          for (int e = 0; e < S::kVec; ++e) {
-            lo[j * S::kVec + e] = to_float_device(lo_t[e]);
-            hi[j * S::kVec + e] = to_float_device(hi_t[e]);
-            nan |= kvsift::detail::bound_is_nan(lo[j * S::kVec + e], hi[j * S::kVec + e]);
-          }
-        }
-        float best = -INFINITY;
-#pragma unroll
-        for (int h = 0; h < kScoreHeadTile; ++h) {
-          if (h >= heads) break;  // uniform across the warp, so every lane reaches the same shuffles
-          float sum = 0.0f;
-#pragma unroll
-          for (int c = 0; c < S::kChannels; ++c) {
-            sum = fmaf(q[h][c], kvsift::detail::bound_factor(q[h][c], lo[c], hi[c]), sum);
-          }
-#pragma unroll
-          for (int offset = S::kLanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-          best = kvsift::detail::max_keep_nan(best, sum);
-        }
-        nan = (__ballot_sync(0xffffffffu, nan) & page_lanes) != 0;
-        if (!active || lane_in_page != 0) continue;
-        std::int64_t middle_first = 0, middle_last = 0;
-        kvsift::detail::page_middle(page, bounds.page_size, len, window, &middle_first, &middle_last);
-        const float score = middle_first >= middle_last ? -INFINITY : nan ? __int_as_float(0x7fffffff) : best;
-        store(page, score, tile);
+        const float bound = page_bound<T, HeadDim>(q, lo_v[u], hi_v[u], heads, page_lanes);
+        if (page >= last_page || lane_in_page != 0) continue;
+        store(page, windowed_score(page, bound, bounds.page_size, len, window), tile);
       }
     }
   }
 }
 
-/// One CTA per (row, chunk of p.chunk pages), scoring them into p.scores (score_pages).
+/// What every page-score CTA does first: the row's slot and length, page_counts (by the row's first CTA of kv
+/// head 0), and the CTA's pages [*first_page, *last_page) of the row; false when it has none (a bad slot or
+/// length, or a chunk past the row's pages: the same for the whole CTA, so no barrier after it is skipped by
+/// part of it).
+template <class T>
+__device__ __forceinline__ bool chunk_pages(const PageScoreParams<T>& p, std::int64_t row, std::int64_t chunk,
+                                            std::int32_t* slot, std::int32_t* len, std::int64_t* first_page,
+                                            std::int64_t* last_page) {
+  const std::int64_t b = row / p.bounds.kv_heads, g = row % p.bounds.kv_heads;
+  *slot = p.slots[b];
+  *len = p.lengths[b];
+  const std::int64_t pages = kvsift::detail::page_count(*len, p.bounds.page_size);
+  const bool valid = *slot >= 0 && *slot < p.bounds.slots && *len >= 0 && pages <= p.page_limit;
+  if (chunk == 0 && g == 0 && threadIdx.x == 0) p.page_counts[b] = valid ? std::int32_t(pages) : -1;
+  *first_page = chunk * p.chunk;
+  *last_page = min(*first_page + p.chunk, pages);
+  return valid && *first_page < pages;
+}
+
+/// One CTA per (row, chunk of p.chunk pages), scoring them into p.scores from global memory (score_pages).
 template <class T, int HeadDim>
-__global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) page_scores_kernel(const __grid_constant__ PageScoreParams<T> p) {
+__global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm)
+    page_scores_direct_kernel(const __grid_constant__ PageScoreParams<T> p) {
   __shared__ float q_tile[kScoreHeadTile][HeadDim];
   programmatic_start();  // the lengths, the bounds' append
   const std::int64_t row = blockIdx.x / p.chunks, chunk = blockIdx.x % p.chunks;
-  const std::int32_t kv_heads = p.bounds.kv_heads;
-  const std::int64_t b = row / kv_heads, g = row % kv_heads;
-  const std::int32_t slot = p.slots[b], len = p.lengths[b];
-  const std::int64_t pages = kvsift::detail::page_count(len, p.bounds.page_size);
-  const bool valid = slot >= 0 && slot < p.bounds.slots && len >= 0 && pages <= p.page_limit;
-  if (chunk == 0 && g == 0 && threadIdx.x == 0) p.page_counts[b] = valid ? std::int32_t(pages) : -1;
-  const std::int64_t first_page = chunk * p.chunk;
-  if (!valid || first_page >= pages) return;  // the whole CTA: no barrier below is skipped by part of it
-  const std::int64_t last_page = min(first_page + p.chunk, pages);
+  std::int32_t slot = 0, len = 0;
+  std::int64_t first_page = 0, last_page = 0;
+  if (!chunk_pages(p, row, chunk, &slot, &len, &first_page, &last_page)) return;
+  const std::int64_t b = row / p.bounds.kv_heads, g = row % p.bounds.kv_heads;
   float* out = p.scores.row(row);
   score_pages<T, HeadDim>(p.q, p.bounds, slot, b, g, p.group, len, p.window, first_page, last_page, q_tile,
                           [&](std::int64_t page, float score, std::int32_t tile) {
                             out[page] = tile == 0 ? score : kvsift::detail::max_keep_nan(out[page], score);
                           });
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+/// sm_90 bulk asynchronous copies: global to shared memory, `bytes` a multiple of 16 from and to 16-byte aligned
+/// addresses, completing their bytes on an mbarrier of the CTA (whose phase ends when the bytes its arrival
+/// expected have landed).
+__device__ __forceinline__ unsigned shared_word(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbarrier_init(std::uint64_t* barrier, unsigned arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_word(barrier)), "r"(arrivals) : "memory");
+}
+/// Orders this thread's shared-memory accesses so far (generic proxy) before later bulk copies' (async proxy):
+/// the mbarriers' initialization before their completions, a stage's reads before its refill.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+/// This thread's arrival, expecting `bytes` more of copies before the phase ends.
+__device__ __forceinline__ void mbarrier_arrive_expect(std::uint64_t* barrier, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_word(barrier)), "r"(bytes)
+               : "memory");
+}
+/// Waits until the phase of parity `parity` has ended.
+__device__ __forceinline__ void mbarrier_wait(std::uint64_t* barrier, unsigned parity) {
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(shared_word(barrier)), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes,
+                                                    std::uint64_t* barrier) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   shared_word(dst)),
+               "l"(src), "r"(bytes), "r"(shared_word(barrier))
+               : "memory");
+}
+#endif
+
+/// One CTA per (row, chunk of p.chunk pages), as page_scores_direct_kernel, with the chunk's bounds streamed
+/// through shared memory. They are contiguous (pages [first_page, last_page) of one slot and kv head, 2 x head_dim
+/// values each, 16-byte aligned: bounds.data is, and a page is a multiple of 256 bytes), cut into stages of
+/// kStagePages pages. Thread 0 fills a ring of kScoreStages buffers, one cp.async.bulk per stage completing on
+/// the buffer's mbarrier; every warp waits for the stage in turn and scores its pages in steps of kPagesPerWarp
+/// from shared memory (page_bound: the lane layout and arithmetic of the direct kernel, so the same scores bit
+/// for bit); after a proxy fence and a CTA barrier (every warp done with the buffer) thread 0 refills it with the
+/// stage kScoreStages ahead, so the ring keeps up to kScoreRingBytes in flight. A group of more than kScoreHeadTile
+/// heads streams the chunk once per tile of heads, as the direct kernel reads it; the ring runs on across tiles.
+/// Code built before sm_90 has an empty body: launch_page_scores runs the direct kernel there.
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm)
+    page_scores_kernel(const __grid_constant__ PageScoreParams<T> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using S = ScoreShape<T, HeadDim>;
+  constexpr int kPageBytes = S::kPageElems * int(sizeof(T));
+  constexpr int kStagePages = kScoreStageBytes / kPageBytes;
+  constexpr int kWarpSteps = (kStagePages + S::kPagesPerCtaStep - 1) / S::kPagesPerCtaStep;
+  static_assert(kPageBytes % 16 == 0 && kStagePages >= 1, "bulk copies move whole 16-byte units of whole pages");
+  extern __shared__ __align__(128) unsigned char ring[];  // kScoreStages buffers of kScoreStageBytes
+  __shared__ float q_tile[kScoreHeadTile][HeadDim];
+  __shared__ std::uint64_t landed[kScoreStages];  // buffer i's stage has landed (one phase per fill)
+  programmatic_start();  // the lengths, the bounds' append
+  const std::int64_t row = blockIdx.x / p.chunks, chunk = blockIdx.x % p.chunks;
+  std::int32_t slot = 0, len = 0;
+  std::int64_t first_page = 0, last_page = 0;
+  if (!chunk_pages(p, row, chunk, &slot, &len, &first_page, &last_page)) return;
+  const std::int64_t b = row / p.bounds.kv_heads, g = row % p.bounds.kv_heads;
+  const int pages = int(last_page - first_page);  // at most p.chunk
+  const int stages = (pages + kStagePages - 1) / kStagePages;
+  const int items = stages * ((p.group + kScoreHeadTile - 1) / kScoreHeadTile);  // (tile, stage) in order
+  const T* source = p.bounds.lo(slot, g, first_page);
+  const auto fill = [&](int item) {
+    const int stage = item % stages, buffer = item % kScoreStages;
+    const unsigned bytes = unsigned(min(kStagePages, pages - stage * kStagePages) * kPageBytes);
+    mbarrier_arrive_expect(&landed[buffer], bytes);
+    bulk_copy_to_shared(ring + buffer * kScoreStageBytes, source + std::int64_t(stage) * kStagePages * S::kPageElems,
+                        bytes, &landed[buffer]);
+  };
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kScoreStages; ++i) mbarrier_init(&landed[i], 1);
+    fence_proxy_async();
+    for (int item = 0; item < min(kScoreStages, items); ++item) fill(item);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int lane_in_page = lane % S::kLanes, page_in_warp = lane / S::kLanes;
+  const unsigned page_lanes = page_lane_mask<S>(lane);
+  float* out = p.scores.row(row);
+  float q[kScoreHeadTile][S::kChannels];
+  int heads = 0;
+  for (int item = 0; item < items; ++item) {
+    const int stage = item % stages, tile = item / stages * kScoreHeadTile, buffer = item % kScoreStages;
+    // A new tile: the barrier ending the previous item ordered every read of q_tile; the first tile's barrier
+    // also orders thread 0's mbarrier initialization before every thread's wait.
+    if (stage == 0) heads = load_q_tile<T, HeadDim>(p.q, b, g, p.group, tile, q_tile, q, lane_in_page);
+    mbarrier_wait(&landed[buffer], unsigned(item / kScoreStages) & 1u);
+    const T* staged = reinterpret_cast<const T*>(ring + buffer * kScoreStageBytes);
+    const int stage_pages = min(kStagePages, pages - stage * kStagePages);
+#pragma unroll
+    for (int step = 0; step < kWarpSteps; ++step) {
+      const int warp_first = step * S::kPagesPerCtaStep + warp * S::kPagesPerWarp;
+      if (warp_first >= stage_pages) break;  // uniform across the warp, so every lane reaches the same shuffles
+      // Lanes past the stage's pages read its first page (landed) and store nothing.
+      const int local = warp_first + page_in_warp;
+      const bool active = local < stage_pages;
+      const uint4* src = reinterpret_cast<const uint4*>(staged + (active ? local : 0) * S::kPageElems);
+      uint4 lo_v[S::kVecsPerLane], hi_v[S::kVecsPerLane];
+#pragma unroll
+      for (int j = 0; j < S::kVecsPerLane; ++j) {
+        lo_v[j] = src[j * S::kLanes + lane_in_page];
+        hi_v[j] = src[S::kVecsPerHalf + j * S::kLanes + lane_in_page];
+      }
+      const float bound = page_bound<T, HeadDim>(q, lo_v, hi_v, heads, page_lanes);
+      if (!active || lane_in_page != 0) continue;
+      const std::int64_t page = first_page + std::int64_t(stage) * kStagePages + local;
+      const float score = windowed_score(page, bound, p.bounds.page_size, len, p.window);
+      out[page] = tile == 0 ? score : kvsift::detail::max_keep_nan(out[page], score);
+    }
+    fence_proxy_async();  // this thread's reads of the buffer before thread 0's refill of it
+    __syncthreads();      // every warp is done with the buffer
+    if (threadIdx.x == 0 && item + kScoreStages < items) fill(item + kScoreStages);
+  }
+#endif
 }
 
 /// The middle tokens of chosen page `page` ([*first, first + return value)): page_middle's range, empty as 0.
@@ -371,8 +585,30 @@ template <class T>
 cudaError_t launch_page_scores(const PageScoreParams<T>& params, cudaStream_t stream) {
   const unsigned blocks = unsigned(std::int64_t(params.chunks) * params.scores.rows);
   cudaError_t status = cudaSuccess;
+  bool streamed = false;
   const bool dispatched = dispatch_value<kCudaAttentionHeadDims>(params.bounds.head_dim, [&]<int HeadDim>() {
-    status = launch(page_scores_kernel<T, HeadDim>,
+    constexpr auto kernel = page_scores_kernel<T, HeadDim>;
+    // Once per device and kernel (launch.cuh): whether its code has the bulk copies, and the opt-in to more than
+    // 48 KB of dynamic shared memory.
+    status = built_for_sm90<kernel>(&streamed);
+    if (status == cudaSuccess && streamed) status = open_shared_memory<kernel>();
+    if (status == cudaSuccess && streamed) {
+      status = launch(kernel,
+                      {.grid = dim3(blocks), .block = dim3(kScoreThreads), .smem = kScoreRingBytes, .stream = stream,
+                       .programmatic = true},
+                      params);
+    }
+  });
+  if (!dispatched) return cudaErrorInvalidValue;
+  return status != cudaSuccess || streamed ? status : launch_page_scores_direct(params, stream);
+}
+
+template <class T>
+cudaError_t launch_page_scores_direct(const PageScoreParams<T>& params, cudaStream_t stream) {
+  const unsigned blocks = unsigned(std::int64_t(params.chunks) * params.scores.rows);
+  cudaError_t status = cudaSuccess;
+  const bool dispatched = dispatch_value<kCudaAttentionHeadDims>(params.bounds.head_dim, [&]<int HeadDim>() {
+    status = launch(page_scores_direct_kernel<T, HeadDim>,
                     {.grid = dim3(blocks), .block = dim3(kScoreThreads), .stream = stream, .programmatic = true}, params);
   });
   return dispatched ? status : cudaErrorInvalidValue;
