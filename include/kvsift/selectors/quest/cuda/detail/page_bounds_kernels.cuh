@@ -17,13 +17,13 @@
 
 namespace kvsift::cuda::detail {
 
-/// page_scores: pages per CTA, between these bounds, the most that still gives two CTAs per SM (plan_score_chunk):
-/// long chunks spare CTAs their q staging (256 pages: 21.9 us at 128K, batch 1, against 27.7 us in chunks of 64),
-/// but short calls need the CTAs (64 pages: 8.6 us at 32K, batch 1, against 17.2 us in chunks of 256). Measured
-/// with the direct kernel (below); not measured again for the streamed one.
-/// kScoreHeadTile: the query heads whose q a CTA keeps in registers at once.
+/// page_scores: pages per CTA, a power of two between these bounds (plan_score_chunk): the shortest chunk whose
+/// CTAs fit in one wave (kScoreCtasPerSm per SM), so that each CTA streams its pages through the ring and no SM
+/// waits on a second, short wave; rows too many for one wave take the longest. The streamed kernel at 128K, batch
+/// 1 (8 rows of 8192 pages): 25.7 us in 512 CTAs of 128 pages (two waves, every CTA's chunk one ring's load, not
+/// streamed), docs/quest.md for the one-wave figure.
 inline constexpr int kScoreMinPagesPerCta = 64;
-inline constexpr int kScoreMaxPagesPerCta = 256;
+inline constexpr int kScoreMaxPagesPerCta = 8192;
 inline constexpr int kScoreHeadTile = 8;
 inline constexpr int kScoreThreads = 256;
 /// Two CTAs per SM: at most 128 registers a thread (q takes 64; unbounded, ptxas gave the direct kernel 144
@@ -68,10 +68,10 @@ struct PageScoreParams {
 
 /// page_scores' pages per CTA for `rows` rows of `page_limit` pages on `sms` SMs (kScoreMinPagesPerCta).
 inline std::int32_t plan_score_chunk(std::int64_t rows, std::int32_t page_limit, int sms) {
-  std::int32_t chunk = kScoreMaxPagesPerCta;
-  while (chunk > kScoreMinPagesPerCta &&
-         rows * ((page_limit + chunk - 1) / chunk) < std::int64_t(kScoreCtasPerSm) * sms) {
-    chunk /= 2;
+  std::int32_t chunk = kScoreMinPagesPerCta;
+  while (chunk < kScoreMaxPagesPerCta &&
+         rows * ((page_limit + chunk - 1) / chunk) > std::int64_t(kScoreCtasPerSm) * sms) {
+    chunk *= 2;
   }
   return chunk;
 }
