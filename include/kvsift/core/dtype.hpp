@@ -3,12 +3,14 @@
 /// `half` and `bfloat16` are 16-bit storage types with the bit layout of CUDA's __half / __nv_bfloat16, so
 /// device code may reinterpret pointers to them. Arithmetic always happens in fp32 (or wider).
 
+#include <array>
 #include <bit>
 #include <cstdint>
 #include <string_view>
 #include <type_traits>
 
 #include "kvsift/core/config.hpp"
+#include "kvsift/core/enum_names.hpp"
 
 /// The instance lists. Each calls X for every type (or type and cache view) a family is built for, and is the one
 /// list its explicit instantiations, extern declarations and call-shape tests are generated from: a type added
@@ -31,14 +33,8 @@ namespace kvsift {
 
 enum class DType : std::uint8_t { f32, f16, bf16 };
 
-constexpr std::string_view dtype_name(DType t) {
-  switch (t) {
-    case DType::f32: return "f32";
-    case DType::f16: return "f16";
-    case DType::bf16: return "bf16";
-  }
-  return "?";
-}
+inline constexpr std::array<std::string_view, 3> kDTypeNames{"f32", "f16", "bf16"};
+constexpr std::string_view dtype_name(DType t) { return enum_name(kDTypeNames, t); }
 
 struct half {
   std::uint16_t bits;

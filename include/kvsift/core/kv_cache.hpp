@@ -59,30 +59,7 @@ struct KVCache {
   template <class U>
     requires std::is_same_v<T, const U>
   constexpr KVCache(const KVCache<U>& other)  // NOLINT: implicit, as T* converts to const T*
-      : layout(other.layout),
-        contiguous{.k = other.contiguous.k,
-                   .v = other.contiguous.v,
-                   .seq_lens = other.contiguous.seq_lens,
-                   .batch = other.contiguous.batch,
-                   .kv_heads = other.contiguous.kv_heads,
-                   .capacity = other.contiguous.capacity,
-                   .head_dim = other.contiguous.head_dim,
-                   .batch_stride = other.contiguous.batch_stride,
-                   .head_stride = other.contiguous.head_stride,
-                   .token_stride = other.contiguous.token_stride},
-        paged{.k_pages = other.paged.k_pages,
-              .v_pages = other.paged.v_pages,
-              .page_indptr = other.paged.page_indptr,
-              .page_indices = other.paged.page_indices,
-              .last_page_len = other.paged.last_page_len,
-              .batch = other.paged.batch,
-              .kv_heads = other.paged.kv_heads,
-              .head_dim = other.paged.head_dim,
-              .page_size = other.paged.page_size,
-              .num_pages = other.paged.num_pages,
-              .page_stride = other.paged.page_stride,
-              .token_stride = other.paged.token_stride,
-              .head_stride = other.paged.head_stride} {}
+      : layout(other.layout), contiguous(other.contiguous.as_const()), paged(other.paged.as_const()) {}
   /// A writable view converts to a read-only cache directly.
   template <class U>
     requires std::is_same_v<T, const U>

@@ -71,49 +71,59 @@ void check_no_overlap(const char* where, const char* name, std::array<Dim, N> di
   }
 }
 
-}  // namespace detail
+/// A view's strided dimension: the field that holds its extent (refused by that name unless positive), the
+/// dimension's name in stride messages, its extent and stride.
+struct ShapeDim {
+  const char* field;
+  std::int64_t extent;
+  const char* dim;
+  std::int64_t stride;
+};
 
-template <class T>
-void validate(const HeadsView<T>& v, const char* where, const char* name) {
-  detail::check_pointer(where, name, "data", v.data);
-  detail::check_positive(where, name, "batch", v.batch);
-  detail::check_positive(where, name, "heads", v.heads);
-  detail::check_positive(where, name, "head_dim", v.head_dim);
-  detail::check_no_overlap<3>(where, name,
-                              {{{"batch", v.batch, v.batch_stride}, {"head", v.heads, v.head_stride}, {"head_dim", v.head_dim, 1}}});
+/// Every extent positive, then check_no_overlap over the same dimensions.
+template <std::size_t N>
+void check_shape(const char* where, const char* name, const std::array<ShapeDim, N>& dims) {
+  std::array<Dim, N> strided{};
+  for (std::size_t i = 0; i < N; ++i) {
+    check_positive(where, name, dims[i].field, dims[i].extent);
+    strided[i] = {dims[i].dim, dims[i].extent, dims[i].stride};
+  }
+  check_no_overlap<N>(where, name, strided);
 }
+
+}  // namespace detail
 
 template <class T>
 void validate(const MatrixView<T>& v, const char* where, const char* name) {
   detail::check_pointer(where, name, "data", v.data);
-  detail::check_positive(where, name, "rows", v.rows);
-  detail::check_positive(where, name, "cols", v.cols);
-  detail::check_no_overlap<2>(where, name, {{{"row", v.rows, v.row_stride}, {"col", v.cols, 1}}});
+  detail::check_shape<2>(where, name, {{{"rows", v.rows, "row", v.row_stride}, {"cols", v.cols, "col", 1}}});
 }
 
 template <class T>
 void validate(const SequenceView<T>& v, const char* where, const char* name) {
   detail::check_pointer(where, name, "data", v.data);
-  detail::check_positive(where, name, "batch", v.batch);
-  detail::check_positive(where, name, "heads", v.heads);
-  detail::check_positive(where, name, "tokens", v.tokens);
-  detail::check_positive(where, name, "head_dim", v.head_dim);
-  detail::check_no_overlap<4>(where, name,
-                              {{{"batch", v.batch, v.batch_stride},
-                                {"head", v.heads, v.head_stride},
-                                {"token", v.tokens, v.token_stride},
-                                {"head_dim", v.head_dim, 1}}});
+  detail::check_shape<4>(where, name,
+                         {{{"batch", v.batch, "batch", v.batch_stride},
+                           {"heads", v.heads, "head", v.head_stride},
+                           {"tokens", v.tokens, "token", v.token_stride},
+                           {"head_dim", v.head_dim, "head_dim", 1}}});
+}
+
+/// A HeadsView is a SequenceView of one token per (sequence, head).
+template <class T>
+void validate(const HeadsView<T>& v, const char* where, const char* name) {
+  validate(SequenceView<T>{v.data, v.batch, v.heads, 1, v.head_dim, v.batch_stride, v.head_stride, v.head_dim}, where,
+           name);
 }
 
 template <class T>
 void validate(const StateView<T>& v, const char* where, const char* name) {
   detail::check_pointer(where, name, "o", v.o);
   detail::check_pointer(where, name, "lse", v.lse);
-  detail::check_positive(where, name, "batch", v.batch);
-  detail::check_positive(where, name, "heads", v.heads);
-  detail::check_positive(where, name, "head_dim", v.head_dim);
-  detail::check_no_overlap<3>(
-      where, name, {{{"batch", v.batch, v.o_batch_stride}, {"head", v.heads, v.o_head_stride}, {"head_dim", v.head_dim, 1}}});
+  detail::check_shape<3>(where, name,
+                         {{{"batch", v.batch, "batch", v.o_batch_stride},
+                           {"heads", v.heads, "head", v.o_head_stride},
+                           {"head_dim", v.head_dim, "head_dim", 1}}});
   detail::check_no_overlap<2>(where, name, {{{"lse batch", v.batch, v.lse_batch_stride}, {"lse head", v.heads, 1}}});
 }
 
@@ -122,17 +132,14 @@ void validate(const ContiguousKVView<T>& v, const char* where, const char* name,
   detail::check_pointer(where, name, "k", v.k);
   detail::check_pointer(where, name, "v", v.v);
   detail::check_positive(where, name, "batch", v.batch);
-  detail::check_positive(where, name, "kv_heads", v.kv_heads);
-  detail::check_positive(where, name, "capacity", v.capacity);
-  detail::check_positive(where, name, "head_dim", v.head_dim);
   // A read-only view may broadcast one sequence over its batch (batch_stride 0: every row reads the same tokens,
   // with its own length), as CTKVR's prefill scores many centroid queries against one sequence.
   const bool broadcast = std::is_const_v<T> && v.batch_stride == 0;
-  detail::check_no_overlap<4>(where, name,
-                              {{{"batch", broadcast ? 1 : v.batch, v.batch_stride},
-                                {"head", v.kv_heads, v.head_stride},
-                                {"token", v.capacity, v.token_stride},
-                                {"head_dim", v.head_dim, 1}}});
+  detail::check_shape<4>(where, name,
+                         {{{"batch", broadcast ? 1 : v.batch, "batch", v.batch_stride},
+                           {"kv_heads", v.kv_heads, "head", v.head_stride},
+                           {"capacity", v.capacity, "token", v.token_stride},
+                           {"head_dim", v.head_dim, "head_dim", 1}}});
   if (contents == MemorySpace::host && v.seq_lens != nullptr) {
     for (std::int32_t b = 0; b < v.batch; ++b) {
       KVSIFT_CHECK(v.seq_lens[b] >= 0 && v.seq_lens[b] <= v.capacity, where,
@@ -149,15 +156,11 @@ void validate(const PagedKVView<T>& v, const char* where, const char* name, Memo
   detail::check_pointer(where, name, "page_indices", v.page_indices);
   detail::check_pointer(where, name, "last_page_len", v.last_page_len);
   detail::check_positive(where, name, "batch", v.batch);
-  detail::check_positive(where, name, "kv_heads", v.kv_heads);
-  detail::check_positive(where, name, "head_dim", v.head_dim);
-  detail::check_positive(where, name, "page_size", v.page_size);
-  detail::check_positive(where, name, "num_pages", v.num_pages);
-  detail::check_no_overlap<4>(where, name,
-                              {{{"page", v.num_pages, v.page_stride},
-                                {"token", v.page_size, v.token_stride},
-                                {"head", v.kv_heads, v.head_stride},
-                                {"head_dim", v.head_dim, 1}}});
+  detail::check_shape<4>(where, name,
+                         {{{"kv_heads", v.kv_heads, "head", v.head_stride},
+                           {"head_dim", v.head_dim, "head_dim", 1},
+                           {"page_size", v.page_size, "token", v.token_stride},
+                           {"num_pages", v.num_pages, "page", v.page_stride}}});
   if (contents != MemorySpace::host) return;
   KVSIFT_CHECK(v.page_indptr[0] == 0, where, "{}.page_indptr[0] (= {}) must be 0", name, v.page_indptr[0]);
   // Monotonicity first: page_indices is only read within [0, page_indptr[batch]).

@@ -121,6 +121,11 @@ struct ContiguousKVView {
                                            const std::int32_t* seq_lens = nullptr) {
     return {k,        v,        seq_lens, batch, kv_heads, capacity, head_dim, std::int64_t{kv_heads} * capacity * head_dim,
             std::int64_t{capacity} * head_dim, head_dim};
+  }  /// The same cache, read-only.
+  constexpr ContiguousKVView<const T> as_const() const
+    requires(!std::is_const_v<T>)
+  {
+    return {k, v, seq_lens, batch, kv_heads, capacity, head_dim, batch_stride, head_stride, token_stride};
   }
 };
 
@@ -156,7 +161,13 @@ struct PagedKVView {
     return page * page_stride + (t % page_size) * token_stride + h * head_stride;
   }
   KVSIFT_HOST_DEVICE T* k_row(std::int64_t b, std::int64_t h, std::int64_t t) const { return k_pages + offset(b, h, t); }
-  KVSIFT_HOST_DEVICE T* v_row(std::int64_t b, std::int64_t h, std::int64_t t) const { return v_pages + offset(b, h, t); }
+  KVSIFT_HOST_DEVICE T* v_row(std::int64_t b, std::int64_t h, std::int64_t t) const { return v_pages + offset(b, h, t); }  /// The same cache, read-only.
+  constexpr PagedKVView<const T> as_const() const
+    requires(!std::is_const_v<T>)
+  {
+    return {k_pages,   v_pages,   page_indptr, page_indices, last_page_len, batch,      kv_heads,
+            head_dim,  page_size, num_pages,   page_stride,  token_stride,  head_stride};
+  }
 };
 
 /// Either KV cache layout; algorithms are written once against this concept.

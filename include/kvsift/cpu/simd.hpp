@@ -6,22 +6,19 @@
 /// The level is the best one the CPU supports, lowered (never raised) by the environment variable
 /// KVSIFT_SIMD=scalar|avx2|avx512 or by set_simd_level_override() (tests use ScopedSimdLevel).
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string_view>
+
+#include "kvsift/core/enum_names.hpp"
 
 namespace kvsift::cpu {
 
 enum class SimdLevel : std::uint8_t { scalar, avx2, avx512 };
 
-constexpr std::string_view simd_level_name(SimdLevel level) {
-  switch (level) {
-    case SimdLevel::scalar: return "scalar";
-    case SimdLevel::avx2: return "avx2";
-    case SimdLevel::avx512: return "avx512";
-  }
-  return "?";
-}
+inline constexpr std::array<std::string_view, 3> kSimdLevelNames{"scalar", "avx2", "avx512"};
+constexpr std::string_view simd_level_name(SimdLevel level) { return enum_name(kSimdLevelNames, level); }
 
 /// The best level this CPU runs: avx512 needs AVX-512 F/BW/VL plus F16C and FMA (BF16 dot products are
 /// used when AVX512_BF16 is also present); avx2 needs AVX2, FMA and F16C.

@@ -324,23 +324,30 @@ __device__ __forceinline__ void score_pages(const QueryView<const T>& q_view, co
   }
 }
 
-/// What every page-score CTA does first: the row's slot and length, page_counts (by the row's first CTA of kv
-/// head 0), and the CTA's pages [*first_page, *last_page) of the row; false when it has none (a bad slot or
-/// length, or a chunk past the row's pages: the same for the whole CTA, so no barrier after it is skipped by
-/// part of it).
+/// What every page-score CTA does first (score_chunk): the row's slot and length, page_counts (by the row's first
+/// CTA of kv head 0), and the CTA's pages of the row; inactive when it has none (the same for the whole CTA, so no
+/// barrier after the test is skipped by part of it).
+struct ScoreChunk {
+  std::int64_t row, b, g;              ///< the row (b * kv_heads + g), its sequence and kv head
+  std::int32_t slot, len;              ///< the row's slot and length
+  std::int64_t first_page, last_page;  ///< the CTA's pages of the row
+  bool active;                         ///< false: no pages (a bad slot or length, or a chunk past the row's pages)
+};
 template <class T>
-__device__ __forceinline__ bool chunk_pages(const PageScoreParams<T>& p, std::int64_t row, std::int64_t chunk,
-                                            std::int32_t* slot, std::int32_t* len, std::int64_t* first_page,
-                                            std::int64_t* last_page) {
-  const std::int64_t b = row / p.bounds.kv_heads, g = row % p.bounds.kv_heads;
-  *slot = p.slots[b];
-  *len = p.lengths[b];
-  const std::int64_t pages = kvsift::detail::page_count(*len, p.bounds.page_size);
-  const bool valid = *slot >= 0 && *slot < p.bounds.slots && *len >= 0 && pages <= p.page_limit;
-  if (chunk == 0 && g == 0 && threadIdx.x == 0) p.page_counts[b] = valid ? std::int32_t(pages) : -1;
-  *first_page = chunk * p.chunk;
-  *last_page = min(*first_page + p.chunk, pages);
-  return valid && *first_page < pages;
+__device__ __forceinline__ ScoreChunk score_chunk(const PageScoreParams<T>& p) {
+  ScoreChunk c{};
+  c.row = blockIdx.x / p.chunks;
+  const std::int64_t chunk = blockIdx.x % p.chunks;
+  c.b = c.row / p.bounds.kv_heads, c.g = c.row % p.bounds.kv_heads;
+  c.slot = p.slots[c.b];
+  c.len = p.lengths[c.b];
+  const std::int64_t pages = kvsift::detail::page_count(c.len, p.bounds.page_size);
+  const bool valid = c.slot >= 0 && c.slot < p.bounds.slots && c.len >= 0 && pages <= p.page_limit;
+  if (chunk == 0 && c.g == 0 && threadIdx.x == 0) p.page_counts[c.b] = valid ? std::int32_t(pages) : -1;
+  c.first_page = chunk * p.chunk;
+  c.last_page = min(c.first_page + p.chunk, pages);
+  c.active = valid && c.first_page < pages;
+  return c;
 }
 
 /// One CTA per (row, chunk of p.chunk pages), scoring them into p.scores from global memory (score_pages).
@@ -349,13 +356,11 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm)
     page_scores_direct_kernel(const __grid_constant__ PageScoreParams<T> p) {
   __shared__ float q_tile[kScoreHeadTile][HeadDim];
   programmatic_start();  // the lengths, the bounds' append
-  const std::int64_t row = blockIdx.x / p.chunks, chunk = blockIdx.x % p.chunks;
-  std::int32_t slot = 0, len = 0;
-  std::int64_t first_page = 0, last_page = 0;
-  if (!chunk_pages(p, row, chunk, &slot, &len, &first_page, &last_page)) return;
-  const std::int64_t b = row / p.bounds.kv_heads, g = row % p.bounds.kv_heads;
-  float* out = p.scores.row(row);
-  score_pages<T, HeadDim>(p.q, p.bounds, slot, b, g, p.group, len, p.window, first_page, last_page, q_tile,
+  const ScoreChunk c = score_chunk(p);
+  if (!c.active) return;  // the whole CTA: no barrier below is skipped by part of it
+  float* out = p.scores.row(c.row);
+  score_pages<T, HeadDim>(p.q, p.bounds, c.slot, c.b, c.g, p.group, c.len, p.window, c.first_page, c.last_page,
+                          q_tile,
                           [&](std::int64_t page, float score, std::int32_t tile) {
                             out[page] = tile == 0 ? score : kvsift::detail::max_keep_nan(out[page], score);
                           });
@@ -422,15 +427,12 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm)
   __shared__ float q_tile[kScoreHeadTile][HeadDim];
   __shared__ std::uint64_t landed[kScoreStages];  // buffer i's stage has landed (one phase per fill)
   programmatic_start();  // the lengths, the bounds' append
-  const std::int64_t row = blockIdx.x / p.chunks, chunk = blockIdx.x % p.chunks;
-  std::int32_t slot = 0, len = 0;
-  std::int64_t first_page = 0, last_page = 0;
-  if (!chunk_pages(p, row, chunk, &slot, &len, &first_page, &last_page)) return;
-  const std::int64_t b = row / p.bounds.kv_heads, g = row % p.bounds.kv_heads;
-  const int pages = int(last_page - first_page);  // at most p.chunk
+  const ScoreChunk c = score_chunk(p);
+  if (!c.active) return;  // the whole CTA: no barrier below is skipped by part of it
+  const int pages = int(c.last_page - c.first_page);  // at most p.chunk
   const int stages = (pages + kStagePages - 1) / kStagePages;
   const int items = stages * ((p.group + kScoreHeadTile - 1) / kScoreHeadTile);  // (tile, stage) in order
-  const T* source = p.bounds.lo(slot, g, first_page);
+  const T* source = p.bounds.lo(c.slot, c.g, c.first_page);
   const auto fill = [&](int item) {
     const int stage = item % stages, buffer = item % kScoreStages;
     const unsigned bytes = unsigned(min(kStagePages, pages - stage * kStagePages) * kPageBytes);
@@ -446,14 +448,14 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int lane_in_page = lane % S::kLanes, page_in_warp = lane / S::kLanes;
   const unsigned page_lanes = page_lane_mask<S>(lane);
-  float* out = p.scores.row(row);
+  float* out = p.scores.row(c.row);
   float q[kScoreHeadTile][S::kChannels];
   int heads = 0;
   for (int item = 0; item < items; ++item) {
     const int stage = item % stages, tile = item / stages * kScoreHeadTile, buffer = item % kScoreStages;
     // A new tile: the barrier ending the previous item ordered every read of q_tile; the first tile's barrier
     // also orders thread 0's mbarrier initialization before every thread's wait.
-    if (stage == 0) heads = load_q_tile<T, HeadDim>(p.q, b, g, p.group, tile, q_tile, q, lane_in_page);
+    if (stage == 0) heads = load_q_tile<T, HeadDim>(p.q, c.b, c.g, p.group, tile, q_tile, q, lane_in_page);
     mbarrier_wait(&landed[buffer], unsigned(item / kScoreStages) & 1u);
     const T* staged = reinterpret_cast<const T*>(ring + buffer * kScoreStageBytes);
     const int stage_pages = min(kStagePages, pages - stage * kStagePages);
@@ -473,8 +475,8 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm)
       }
       const float bound = page_bound<T, HeadDim>(q, lo_v, hi_v, heads, page_lanes);
       if (!active || lane_in_page != 0) continue;
-      const std::int64_t page = first_page + std::int64_t(stage) * kStagePages + local;
-      const float score = windowed_score(page, bound, p.bounds.page_size, len, p.window);
+      const std::int64_t page = c.first_page + std::int64_t(stage) * kStagePages + local;
+      const float score = windowed_score(page, bound, p.bounds.page_size, c.len, p.window);
       out[page] = tile == 0 ? score : kvsift::detail::max_keep_nan(out[page], score);
     }
     fence_proxy_async();  // this thread's reads of the buffer before thread 0's refill of it
