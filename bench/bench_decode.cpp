@@ -110,7 +110,7 @@ BENCHMARK(BM_DensePlacement)
 /// warps 0: the CTA shape kvsift chooses for the GPU (8 warps on sm_90); 4: the shape of GPUs with less
 /// shared memory per block, for comparison.
 BENCHMARK(BM_DenseDecode)
-    ->ArgsProduct({{8192, 32768, 131072}, {1, 8}, {0}, {1}, {0}})
+    ->ArgsProduct({{8192, 32768, 131072, 524288, 1048576}, {1, 8}, {0}, {1}, {0}})
     ->ArgsProduct({{32768}, {1}, {8, 33}, {1}, {0}})
     ->ArgsProduct({{131072}, {8}, {1, 4}, {1}, {0}})
     ->ArgsProduct({{32768, 131072}, {1, 8}, {0}, {0}, {0}})

@@ -304,6 +304,7 @@ void BM_Step(benchmark::State& state) {
 }
 BENCHMARK(BM_Step)
     ->ArgsProduct({{kQuest, kOracle}, {32768, 131072}, {1, 8}, {0, 1}, {0}, {1}, {0}, {0}})
+    ->ArgsProduct({{kQuest, kOracle}, {8192, 524288, 1048576}, {1, 8}, {1}, {0}, {1}, {0}, {0}})  // the context sweep
     ->ArgsProduct({{kQuestRerank}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0}, {0}})
     ->ArgsProduct({{kQuest}, {32768, 131072}, {1, 8}, {0, 1}, {1}, {1}, {0}, {0}})
     ->ArgsProduct({{kCtkvr}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0}, {0}})
