@@ -1,10 +1,11 @@
-"""The context sweep: one decode step of one layer against context length (8K .. 1M tokens) at batch 1 and 8, for
+"""One decode step of one layer against context length (8K .. 1M tokens) at batch 1 and 8, for
 cuDNN SDPA, kvsift's dense decode, and the Quest and OracleTopK steps (q_heads 32, kv_heads 8, head_dim 128, bf16,
-2048 selected tokens; GPU time of CUDA graph replays). Reads sdpa_baseline.py's JSON lines and kvsift_bench_decode's
-JSON files (BM_DenseDecode and BM_Step rows, one run each); writes PREFIX.md (the table) and PREFIX.dat, and
-PREFIX.svg through gnuplot where it is installed.
+2048 selected tokens; GPU time of CUDA graph replays, one run each, cuDNN on the same machine).
 
-Usage: context_sweep.py PREFIX sdpa.jsonl bench_decode.json [bench_decode.json ...]"""
+Reads sdpa_baseline.py's JSON lines and kvsift_bench_decode's JSON files (BM_DenseDecode and BM_Step rows); writes
+PREFIX.md (the table) and PREFIX.dat, and PREFIX.svg through gnuplot where it is installed.
+
+Usage: context_sweep.py [--gpu NAME] PREFIX sdpa.jsonl bench_decode.json [bench_decode.json ...]"""
 import json
 import re
 import shutil
@@ -40,13 +41,18 @@ def read_sdpa(path, out):
             out[("cuDNN SDPA", r["N"], r["batch"])] = r["graph_us"]
 
 
-def main(prefix, sdpa_jsonl, *bench_jsons):
+def main(gpu, prefix, sdpa_jsonl, *bench_jsons):
     times = {}
     for path in bench_jsons:
         times.update(read_bench(path))
     read_sdpa(sdpa_jsonl, times)
     lengths = sorted({n for (_, n, _) in times})
+    name = prefix.rsplit("/", 1)[-1]
     with open(prefix + ".md", "w") as md, open(prefix + ".dat", "w") as dat:
+        md.write(f"# The context sweep{', ' + gpu if gpu else ''}\n\n" + " ".join(__doc__.split("\n\n")[0].split()) +
+                 f"\n\nThe plot: [{name}.svg]({name}.svg); the data: [{name}.dat]({name}.dat). Made by `python3 "
+                 f"bench/context_sweep.py{' --gpu ' + repr(gpu) if gpu else ''} {prefix} sdpa.jsonl sweep.json` (docs/quest.md has the benchmark "
+                 "commands); the GPU and the run are in docs/device_runs.md.\n\n")
         md.write("| N | batch | " + " | ".join(SERIES) + " | cuDNN / Quest | cuDNN / OracleTopK |\n")
         md.write("|---" * (len(SERIES) + 4) + "|\n")
         for batch in (1, 8):
@@ -71,6 +77,10 @@ def main(prefix, sdpa_jsonl, *bench_jsons):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 4:
+    args = sys.argv[1:]
+    gpu = ""
+    if args[:1] == ["--gpu"] and len(args) > 1:
+        gpu, args = args[1], args[2:]
+    if len(args) < 3:
         sys.exit(__doc__)
-    main(*sys.argv[1:])
+    main(gpu, *args)
