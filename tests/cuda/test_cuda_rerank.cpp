@@ -163,7 +163,9 @@ void check_candidate_scores(Random& rng, std::int32_t d, bool shifted) {
   std::vector<float> got = scores.download();
   for (std::int32_t i = 0; i < capacity; ++i) {
     float& x = got[std::size_t(kBadRow) * capacity + i];
-    if (i < device_counts[kBadRow]) EXPECT_TRUE(std::isnan(x)) << "row " << kBadRow << " entry " << i << ": " << x;
+    if (i < device_counts[kBadRow]) {
+      EXPECT_TRUE(std::isnan(x)) << "row " << kBadRow << " entry " << i << ": " << x;
+    }
     x = cpu_scores[std::size_t(kBadRow) * capacity + i];  // the other rows are compared below
   }
   expect_close(got, cpu_scores, 2e-5);
