@@ -261,7 +261,7 @@ class A2ats : public SelectorTypes<T, Context>, public detail::SelectorCore<"A2a
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
     constexpr const char* where = entry_point<"select">();
-    const std::int32_t tokens = checked_select<Context>(where, in, out, capacity());
+    const std::int32_t tokens = checked_planned_select<Context>(where, in, out, capacity());
     const std::int32_t batch = in.q.batch, kv = limits_.kv_heads;
     WorkspaceLayout carving(workspace, where);
     const SelectBuffers w = select_layout(carving, batch, tokens, ctx);

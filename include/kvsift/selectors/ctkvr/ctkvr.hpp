@@ -158,7 +158,7 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
     constexpr const char* where = entry_point<"select">();
-    const std::int32_t tokens = checked_select<Context>(where, in, out, capacity());
+    const std::int32_t tokens = checked_planned_select<Context>(where, in, out, capacity());
     const std::int32_t batch = in.q.batch;
     WorkspaceLayout carving(workspace, where);
     const Buffers w = layout(carving, batch, tokens, ctx);

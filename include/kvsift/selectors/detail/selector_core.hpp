@@ -88,12 +88,18 @@ class SelectorCore {
     KVSIFT_CHECK(in.lengths != nullptr, where, "in.lengths must be non-null");
     return batch;
   }
-  /// A select's inputs and output, for a selector of `capacity` (check_select); returns the planned token bound
-  /// of its workspace (planned_tokens of in.max_seq_len).
+  /// A select's inputs and output, for a selector of `capacity` (check_select).
   template <class Context, class T>
-  std::int32_t checked_select(const char* where, const SelectInputs<T>& in, const SelectionView& out,
-                              std::int32_t capacity) const {
+  void checked_select(const char* where, const SelectInputs<T>& in, const SelectionView& out,
+                      std::int32_t capacity) const {
     detail::check_select(where, limits_, slot_states_, in, out, capacity, Context::memory);
+  }
+  /// checked_select of a select whose workspace is planned for in.max_seq_len: returns its planned token bound
+  /// (planned_tokens, which refuses a bound outside [0, limits.max_tokens]).
+  template <class Context, class T>
+  std::int32_t checked_planned_select(const char* where, const SelectInputs<T>& in, const SelectionView& out,
+                                      std::int32_t capacity) const {
+    checked_select<Context>(where, in, out, capacity);
     return planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
   }
 

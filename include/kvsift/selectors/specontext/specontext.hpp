@@ -274,12 +274,13 @@ class SpeContext : public SelectorTypes<T, Context>, public detail::SelectorCore
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
     constexpr const char* where = entry_point<"select">();
-    const std::int32_t tokens = checked_select<Context>(where, in, out, capacity());
+    checked_select<Context>(where, in, out, capacity());
     KVSIFT_CHECK(in.attention.window.recent >= 1, where,
                  "in.attention.window.recent (= {}) must be >= 1: the selection leaves the window out and the step's "
                  "own token is attended only through it (use specontext_window(window))",
                  in.attention.window.recent);
     const std::int32_t batch = in.q.batch, kv = limits_.kv_heads;
+    const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     WorkspaceLayout carving(workspace, where);
     const SelectShape shape{batch, limits_.q_heads, kv, limits_.head_dim, in.max_seq_len};
     const SelectBuffers w = select_layout(carving, shape, tokens, ctx);
