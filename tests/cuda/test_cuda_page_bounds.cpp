@@ -1,17 +1,21 @@
 // CUDA page bounds (selectors/quest/cuda/page_bounds.hpp) against their CPU twins (whose own tests check them against fp64):
 // build, append and expand bit for bit, page scores within fp32 summation order; contiguous and paged caches,
-// fp32, fp16 and bf16, every supported head_dim; outputs poisoned first. Page scores run both kernels: the
-// streamed one (cuda::page_scores on an sm_90 GPU) and the direct one (cuda::detail::launch_page_scores_direct,
-// the path of code built before sm_90), which must agree bit for bit. Also: append + page_scores + expand
-// captured in a CUDA graph and replayed equal the eager run (through workspace_check.hpp), and the device-value
-// rules (a bad slot, length or count writes nothing, or -1 where there is a count).
+// fp32, fp16 and bf16, every supported head_dim; outputs poisoned first. Page scores also run the direct kernel
+// (cuda::detail::launch_page_scores_direct, the path of code built before sm_90): where cuda::page_scores ran the
+// streamed kernel (sm_90: fp32 bounds, groups above 8), the two agree bit for bit; where it ran the tensor-core
+// kernel (sm_90: 16-bit bounds, groups up to 8), which sums in another order, both are checked against the CPU.
+// A page's score does not depend on the chunk plan (one CTA per row gives the same bits). Also: append +
+// page_scores + expand captured in a CUDA graph and replayed equal the eager run (through workspace_check.hpp), and
+// the device-value rules (a bad slot, length or count writes nothing, or -1 where there is a count).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/gpu_test.hpp"
@@ -102,9 +106,10 @@ void expect_expand_equals_cpu(const test::HostSelection& pages, std::int32_t ps,
   }
 }
 
-/// Scores of the CPU and the GPU agree: counts exactly, unwritten and -inf entries exactly, others within the
-/// fp32 rounding of the two summation orders, which this bounds by 2 * head_dim roundings of the magnitude
-/// sum_c |q_c| * max(|lo_c|, |hi_c|) (taken over the group's heads).
+/// Scores of the CPU and the GPU agree: counts exactly, unwritten, NaN and +-inf entries exactly, others within
+/// the fp32 rounding of the two summation orders, which this bounds by 2 * head_dim roundings of the magnitude
+/// sum_c |q_c| * max(|lo_c|, |hi_c|) (taken over the group's heads). The tensor-core kernel's fp32 accumulation
+/// (mma.sync, whose additions need not round to nearest) is held to the same rule.
 template <class T>
 void expect_scores_match(const std::vector<float>& cpu, const std::vector<float>& gpu, const std::vector<T>& q,
                          const Problem<T>& p, std::int32_t q_heads, std::int32_t cols, const std::string& what) {
@@ -139,25 +144,40 @@ void expect_scores_match(const std::vector<float>& cpu, const std::vector<float>
   EXPECT_EQ(bad, 0) << what;
 }
 
-/// The direct kernel's scores and counts (cuda::detail::launch_page_scores_direct, with the parameters
-/// cuda::page_scores plans) equal `scores` and `counts`, cuda::page_scores' on the device, bit for bit: the two
-/// kernels share the lane layout and the arithmetic. On a GPU running sm_90 code, cuda::page_scores ran the
-/// streamed kernel, so this compares the two paths.
+/// The direct kernel (cuda::detail::launch_page_scores_direct, with the parameters cuda::page_scores plans)
+/// against cuda::page_scores' `scores` and `counts`: counts equal; scores bit for bit where cuda::page_scores ran a
+/// kernel of the direct one's lane layout and arithmetic (the streamed kernel, or the direct one itself); where it
+/// ran the tensor-core kernel, which sums in another order, `against_cpu` checks the direct kernel's scores
+/// instead (expect_scores_match). The choice itself is checked too: the tensor-core kernel exactly for 16-bit
+/// bounds and groups up to kScoreMmaMaxGroup, wherever the device runs sm_90 code.
 template <class T>
-void expect_direct_equals(const std::vector<float>& scores, const std::vector<std::int32_t>& counts,
+void expect_direct_agrees(const std::vector<float>& scores, const std::vector<std::int32_t>& counts,
                           const QueryView<const T>& q, const PageBoundsView<const T>& bounds,
                           const std::int32_t* d_slots, const std::int32_t* d_lengths, const AttentionWindow& window,
-                          std::int32_t rows, std::int32_t cols, const std::string& what) {
+                          std::int32_t rows, std::int32_t cols, const std::string& what,
+                          const std::function<void(const std::vector<float>&)>& against_cpu = nullptr) {
   DeviceBuffer<float> d_scores(std::vector<float>(scores.size(), kUntouched));
   DeviceBuffer<std::int32_t> d_counts(counts.size());
   d_counts.poison();
-  const auto view = MatrixView<float>::packed(d_scores.data(), rows, cols);
-  KVSIFT_CUDA_CHECK(cuda::detail::launch_page_scores_direct(
-      cuda::detail::plan_page_scores(q, bounds, d_slots, d_lengths, window, view, d_counts.data(),
-                                     cuda::multiprocessor_count()),
-      nullptr));
+  const auto params = cuda::detail::plan_page_scores(q, bounds, d_slots, d_lengths, window,
+                                                     MatrixView<float>::packed(d_scores.data(), rows, cols),
+                                                     d_counts.data(), cuda::multiprocessor_count());
+  using cuda::detail::PageScoreKernel;
+  PageScoreKernel kernel = PageScoreKernel::direct;
+  KVSIFT_CUDA_CHECK(cuda::detail::choose_page_score_kernel(params, &kernel));
+  if (kernel != PageScoreKernel::direct) {
+    EXPECT_EQ(kernel == PageScoreKernel::tensor_cores,
+              cuda::detail::kScoresOnTensorCores<T> && params.group <= cuda::detail::kScoreMmaMaxGroup)
+        << what << ": the kernel chosen";
+  }
+  KVSIFT_CUDA_CHECK(cuda::detail::launch_page_scores_direct(params, nullptr));
   EXPECT_EQ(d_counts.download(), counts) << what << ": direct kernel";
-  EXPECT_TRUE(same_bytes(d_scores.download(), scores)) << what << ": direct kernel";
+  if (kernel != PageScoreKernel::tensor_cores) {
+    EXPECT_TRUE(same_bytes(d_scores.download(), scores)) << what << ": direct kernel";
+    return;
+  }
+  ASSERT_TRUE(against_cpu) << what << ": the tensor-core kernel ran, and nothing to compare the direct one with";
+  against_cpu(d_scores.download());
 }
 
 template <class T>
@@ -246,9 +266,11 @@ void check_against_cpu(Random& rng, std::int32_t head_dim, bool paged) {
     EXPECT_EQ(d_counts.download(), counts);
     const auto gpu = d_scores.download();
     expect_scores_match(scores, gpu, q, p, q_heads, cols, "page_scores");
-    expect_direct_equals(gpu, counts, QueryView<const T>::packed(d_q.data(), batch, q_heads, head_dim),
+    expect_direct_agrees(gpu, counts, QueryView<const T>::packed(d_q.data(), batch, q_heads, head_dim),
                          p.view(true).as_const(), p.slot_ptr(true), p.d_lens.data(), window, batch * kv_heads, cols,
-                         "page_scores");
+                         "page_scores", [&](const std::vector<float>& direct) {
+                           expect_scores_match(scores, direct, q, p, q_heads, cols, "page_scores: direct kernel");
+                         });
 
     for (bool weights : {false, true}) {
       expect_expand_equals_cpu(random_pages(rng, full, kv_heads, 5, ps), ps, full, p.d_lens.data(), window, weights);
@@ -286,17 +308,21 @@ TEST_F(CudaPageBounds, ExpandOfManyPagesEqualsTheCpu) {
   }
 }
 
-/// Page scores of rows long enough that a CTA's chunk (64 pages here) goes round the streamed kernel's ring of
-/// four 16 KB stages more than once (fp32 at head_dim 256: 8 stages of 8 pages; with two head tiles, bf16 at
-/// head_dim 256 too: 4 stages of 16 pages, twice), and of row ends that cut a chunk and a stage short (5000
-/// tokens: 313 pages, the last chunk 57; 1037 tokens: 65 pages, the last chunk 1), an empty row and one mostly
-/// in the window; one or two head tiles; a page with one NaN channel, which scores NaN. Against the CPU, and the
-/// direct kernel bit for bit.
+/// Page scores of long rows, at the planned chunk (64 pages here) and with one CTA per row (chunks of 8192: the
+/// plan of a one-SM GPU), whose scores must be the same bits: a page's score does not depend on where it lies in
+/// a chunk. Rows long enough to go round each kernel's ring: the streamed kernel's four 16 KB stages, more than
+/// once per 64-page chunk in fp32 at head_dim 256 (8 stages of 8 pages) and, with two head tiles, in bf16 at
+/// head_dim 256; the tensor-core kernel's three stages of 128, 64 or 32 pages (head_dim 64, 128, 256) in the
+/// one-CTA runs (6200 tokens: 388 pages, 4 to 13 stages). Row ends that cut a chunk, a stage and an m16 tile short
+/// (388 pages: the last chunk 4 pages, and the one-CTA runs' last stage; 1037 tokens: 65 pages, the last chunk 1), an
+/// empty row and one mostly in the window (-inf pages); groups of 1 to 8 heads (one head tile, and for 16-bit
+/// bounds the tensor-core kernel) and 12 (two tiles: the streamed kernel); a page with one NaN channel, which
+/// scores NaN. Against the CPU, and the direct kernel (expect_direct_agrees).
 template <class T>
 void check_long_rows(Random& rng, std::int32_t head_dim, std::int32_t group) {
   SCOPED_TRACE(testing::Message() << "head_dim " << head_dim << ", group " << group << ", " << sizeof(T)
                                   << "-byte type");
-  const std::vector<std::int32_t> lens = {5000, 1037, 0, 61};
+  const std::vector<std::int32_t> lens = {6200, 1037, 0, 61};
   const std::int32_t kv_heads = 2, ps = 16, batch = std::int32_t(lens.size()), q_heads = kv_heads * group;
   Problem<T> p(rng, lens, kv_heads, head_dim, ps);
   cpu::build_page_bounds(p.contiguous(false), p.slot_ptr(false), p.view(false));
@@ -322,15 +348,33 @@ void check_long_rows(Random& rng, std::int32_t head_dim, std::int32_t group) {
   const auto gpu = d_scores.download();
   expect_scores_match(scores, gpu, q, p, q_heads, cols, "long rows");
   EXPECT_TRUE(std::isnan(gpu[std::size_t(1) * cols + nan_page])) << "row 0, kv head 1: the NaN page";
-  expect_direct_equals(gpu, counts, d_query, p.view(true).as_const(), p.slot_ptr(true), p.d_lens.data(), window, rows,
-                       cols, "long rows");
+  EXPECT_EQ(gpu[std::size_t(6) * cols + 3], -INFINITY) << "row 3, kv head 0: page 3 is in the window";
+  expect_direct_agrees(gpu, counts, d_query, p.view(true).as_const(), p.slot_ptr(true), p.d_lens.data(), window, rows,
+                       cols, "long rows", [&](const std::vector<float>& direct) {
+                         expect_scores_match(scores, direct, q, p, q_heads, cols, "long rows: direct kernel");
+                       });
+
+  DeviceBuffer<float> d_whole(std::vector<float>(scores.size(), kUntouched));
+  d_counts.poison();
+  const auto one_cta = cuda::detail::plan_page_scores(d_query, p.view(true).as_const(), p.slot_ptr(true),
+                                                      p.d_lens.data(), window,
+                                                      MatrixView<float>::packed(d_whole.data(), rows, cols),
+                                                      d_counts.data(), /*sms=*/1);
+  ASSERT_EQ(one_cta.chunks, 1);
+  KVSIFT_CUDA_CHECK(cuda::detail::launch_page_scores(one_cta, nullptr));
+  EXPECT_EQ(d_counts.download(), counts) << "one CTA per row";
+  EXPECT_TRUE(same_bytes(d_whole.download(), gpu)) << "one CTA per row";
 }
 
 TEST_F(CudaPageBounds, ScoresOfLongRowsEqualTheCpu) {
+  for (std::int32_t group : {1, 4, 8, 12}) {
+    for (std::int32_t d : {64, 128, 256}) {
+      check_long_rows<half>(rng, d, group);
+      check_long_rows<bfloat16>(rng, d, group);
+    }
+  }
   for (std::int32_t group : {4, 12}) {
     for (std::int32_t d : {64, 256}) check_long_rows<float>(rng, d, group);
-    for (std::int32_t d : {64, 128}) check_long_rows<half>(rng, d, group);
-    for (std::int32_t d : {128, 256}) check_long_rows<bfloat16>(rng, d, group);
   }
 }
 
@@ -360,9 +404,11 @@ TEST_F(CudaPageBounds, ScoresEqualTheCpuForEveryGroupSize) {
     EXPECT_EQ(d_counts.download(), counts);
     const auto gpu = d_scores.download();
     expect_scores_match(scores, gpu, q, p, q_heads, cols, "group scores");
-    expect_direct_equals(gpu, counts, QueryView<const bfloat16>::packed(d_q.data(), batch, q_heads, d),
+    expect_direct_agrees(gpu, counts, QueryView<const bfloat16>::packed(d_q.data(), batch, q_heads, d),
                          p.view(true).as_const(), p.slot_ptr(true), p.d_lens.data(), window, batch * kv_heads, cols,
-                         "group scores");
+                         "group scores", [&](const std::vector<float>& direct) {
+                           expect_scores_match(scores, direct, q, p, q_heads, cols, "group scores: direct kernel");
+                         });
   }
 }
 
@@ -437,24 +483,37 @@ TEST_F(CudaPageBounds, OutOfRangeDeviceValuesHaveTheDefinedResult) {
   ASSERT_TRUE(std::equal(p.bounds.begin(), p.bounds.end(), got.begin(),
                          [](float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }));
 
-  // Scores: row 1's slot, row 3's length over the bounds, and a negative length in row 2 give -1 and no scores.
+  // Scores: row 1's slot, row 3's length over the bounds, and a negative length in row 2 give -1 and no scores;
+  // the fp32 bounds (the streamed kernel on sm_90, and the direct one), then the same bounds in bf16 (the
+  // tensor-core kernel on sm_90).
   const std::vector<std::int32_t> score_lens = {40, 33, -5, 48};
   DeviceBuffer<std::int32_t> d_score_lens(score_lens);
   const auto q = rng.normal(std::size_t(batch) * 2 * d);
-  DeviceBuffer<float> d_q(q), d_scores(std::vector<float>(std::size_t(batch) * cols, kUntouched));
-  DeviceBuffer<std::int32_t> d_counts(batch);
-  cuda::page_scores(QueryView<const float>::packed(d_q.data(), batch, 2, d), p.view(true).as_const(), p.slot_ptr(true),
-                    d_score_lens.data(), {}, MatrixView<float>::packed(d_scores.data(), batch, cols), d_counts.data(),
-                    nullptr);
-  EXPECT_EQ(d_counts.download(), (std::vector<std::int32_t>{5, -1, -1, -1}));
-  const auto scores = d_scores.download();
-  expect_direct_equals(scores, d_counts.download(), QueryView<const float>::packed(d_q.data(), batch, 2, d),
-                       p.view(true).as_const(), p.slot_ptr(true), d_score_lens.data(), {}, batch, cols,
-                       "out-of-range values");
-  for (std::int32_t row = 1; row < batch; ++row) {
-    for (std::int32_t c = 0; c < cols; ++c) EXPECT_EQ(scores[row * cols + c], kUntouched) << row << " " << c;
-  }
-  for (std::int32_t c = 0; c < 5; ++c) EXPECT_NE(scores[c], kUntouched) << c;
+  const auto expect_defined_scores = [&]<class T>(const PageBoundsView<const T>& bounds, const char* what) {
+    DeviceBuffer<T> d_q(test::to_storage<T>(q));
+    DeviceBuffer<float> d_scores(std::vector<float>(std::size_t(batch) * cols, kUntouched));
+    DeviceBuffer<std::int32_t> d_counts(batch);
+    const auto qv = QueryView<const T>::packed(d_q.data(), batch, 2, d);
+    cuda::page_scores(qv, bounds, p.slot_ptr(true), d_score_lens.data(), {},
+                      MatrixView<float>::packed(d_scores.data(), batch, cols), d_counts.data(), nullptr);
+    const auto counts = d_counts.download();
+    EXPECT_EQ(counts, (std::vector<std::int32_t>{5, -1, -1, -1})) << what;
+    const auto scores = d_scores.download();
+    if constexpr (std::is_same_v<T, float>) {
+      expect_direct_agrees(scores, counts, qv, bounds, p.slot_ptr(true), d_score_lens.data(), {}, batch, cols,
+                           "out-of-range values");
+    }
+    for (std::int32_t row = 1; row < batch; ++row) {
+      for (std::int32_t c = 0; c < cols; ++c) {
+        EXPECT_EQ(scores[row * cols + c], kUntouched) << what << " " << row << " " << c;
+      }
+    }
+    for (std::int32_t c = 0; c < 5; ++c) EXPECT_NE(scores[c], kUntouched) << what << " " << c;
+  };
+  expect_defined_scores(p.view(true).as_const(), "fp32");
+  const DeviceBuffer<bfloat16> d_bounds16(test::to_storage<bfloat16>(p.d_bounds.download()));
+  expect_defined_scores(
+      PageBoundsView<const bfloat16>::packed(d_bounds16.data(), p.slot_count, kv_heads, p.max_pages, d, ps), "bf16");
 
   // Expand: counts -1 and capacity + 1 give out count -1 and no entries; page ids past the sequence or
   // negative give no tokens.

@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kvsift/attention/options.hpp"
+#include "kvsift/core/dtype.hpp"
 #include "kvsift/core/supported_values.hpp"
 #include "kvsift/selectors/quest/page_bounds_view.hpp"
 #include "kvsift/core/views.hpp"
@@ -44,6 +46,14 @@ inline constexpr int kScoreStepsInFlight = 2;
 inline constexpr int kScoreStages = 4;
 inline constexpr int kScoreStageBytes = 16 * 1024;
 inline constexpr int kScoreRingBytes = kScoreStages * kScoreStageBytes;
+/// The tensor-core kernel (page_scores_mma_kernel, sm_90, 16-bit bounds and groups of at most
+/// kScoreMmaMaxGroup heads: one n8 tile): the same grid and chunk plan, a ring of kScoreMmaStages stages of
+/// kScoreMmaStageBytes of bounds each (128, 64 or 32 pages at head_dim 64, 128, 256; about 33 KB padded), so
+/// two CTAs (about 99-102 KB of ring each) still fit an SM's 228 KB and the grid stays one wave: up to 192 KB
+/// per SM in flight as a CTA starts, 128 KB while its warps score a stage, as the streamed kernel's ring.
+inline constexpr std::int32_t kScoreMmaMaxGroup = 8;
+inline constexpr int kScoreMmaStages = 3;
+inline constexpr int kScoreMmaStageBytes = 32 * 1024;
 /// expand_pages: a CTA per chunk of kExpandPagesPerCta chosen pages of a row (a lane of its first warp each).
 inline constexpr int kExpandThreads = 256;
 inline constexpr std::int32_t kExpandPagesPerCta = 32;
@@ -103,12 +113,26 @@ cudaError_t launch_build_page_bounds(const KV& kv, const std::int32_t* slots, co
 template <class T, class KV>
 cudaError_t launch_append_page_bounds(const KV& kv, const std::int32_t* slots, const PageBoundsView<T>& bounds,
                                       cudaStream_t stream);
+/// Whether page_scores' bounds of type T may go through tensor cores: 16-bit types, whose products are exact in
+/// fp32 (mma.sync accumulates in fp32); fp32 bounds would be rounded to tf32.
+template <class T>
+inline constexpr bool kScoresOnTensorCores = std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
+/// The kernel launch_page_scores runs.
+enum class PageScoreKernel {
+  tensor_cores,  ///< page_scores_mma_kernel: kScoresOnTensorCores<T>, group <= kScoreMmaMaxGroup, code for sm_90
+  streamed,      ///< page_scores_kernel: the other cases where the device runs code built for sm_90 or later
+  direct,        ///< page_scores_direct_kernel: code built before sm_90
+};
+/// The kernel launch_page_scores runs for `params` on the current device (once per device and kernel: launch.cuh's
+/// built_for_sm90); cudaErrorInvalidValue for a head_dim outside kCudaAttentionHeadDims.
+template <class T>
+cudaError_t choose_page_score_kernel(const PageScoreParams<T>& params, PageScoreKernel* kernel);
 /// params.chunks * rows CTAs; head_dim must be one of kCudaAttentionHeadDims (core/supported_values.hpp). The
-/// streamed kernel where the device runs code built for sm_90 or later, else launch_page_scores_direct.
+/// kernel choose_page_score_kernel names.
 template <class T>
 cudaError_t launch_page_scores(const PageScoreParams<T>& params, cudaStream_t stream);
-/// The same scores, bit for bit, from the direct kernel (each warp loads its pages' bounds into registers): the
-/// path of code built before sm_90, which has no bulk copies. Tests run it on any device.
+/// The streamed kernel's scores, bit for bit, from the direct kernel (each warp loads its pages' bounds into
+/// registers): the path of code built before sm_90, which has no bulk copies. Tests run it on any device.
 template <class T>
 cudaError_t launch_page_scores_direct(const PageScoreParams<T>& params, cudaStream_t stream);
 cudaError_t launch_expand_pages(const SelectionView& pages, std::int32_t page_size, const std::int32_t* lengths,
@@ -118,6 +142,7 @@ cudaError_t launch_expand_pages(const SelectionView& pages, std::int32_t page_si
 
 #if defined(__CUDACC__)
 
+#include "kvsift/cuda/detail/decode_kernels.cuh"
 #include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
 #include "kvsift/cuda/dtype.cuh"
@@ -486,6 +511,150 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm)
 #endif
 }
 
+/// The tensor-core kernel's shape at one head_dim (16-bit bounds): a page's bounds row [lo | hi] is one row of A,
+/// K = 2 * HeadDim. Stages hold whole m16 tiles in rows padded by 16 bytes: unpadded, the 8 rows one ldmatrix
+/// matrix reads lie a multiple of 256 bytes apart, in the same 4 banks (8-way conflicts); padded, each row starts
+/// 4 banks after the previous one, so the 8 rows cover all 32.
+template <int HeadDim>
+struct MmaScoreShape {
+  static constexpr int kPageBytes = 2 * HeadDim * 2;
+  static constexpr int kRowBytes = kPageBytes + 16;
+  static constexpr int kStagePages = kScoreMmaStageBytes / kPageBytes;
+  static constexpr int kBufferBytes = kStagePages * kRowBytes;
+  static constexpr int kRingBytes = kScoreMmaStages * kBufferBytes;
+  static constexpr int kKSteps = 2 * HeadDim / 16;
+  static_assert(kStagePages % 16 == 0, "stages of whole m16 tiles");
+  static_assert(kRowBytes % 128 == 16, "rows 4 banks apart");
+};
+
+/// One CTA per (row, chunk of p.chunk pages), as page_scores_kernel, for 16-bit bounds and groups of at most
+/// kScoreMmaMaxGroup heads. A page's bound for head h,
+///   sum_c max(q_c lo_c, q_c hi_c) = sum_c min(q_c, 0) lo_c + max(q_c, 0) hi_c   (exact for lo <= hi)
+/// is dot([lo | hi], w_h) with w_h = [q- | q+], so a chunk's scores are the GEMM [pages x 2 head_dim] x [2 head_dim
+/// x group] on tensor cores (mma.sync m16n8k16, the group's heads as the 8 columns, zero past the group). The
+/// weights are q or zero, exact in T; the products are exact in fp32 and accumulate in fp32, in another order
+/// than the CUDA-core kernels', so the scores agree with theirs within fp32 summation, not bit for bit. A page's
+/// score is the same wherever it lies in a chunk (each row of C is its own dot products), so it does not depend
+/// on the chunk plan.
+/// NaN never vanishes: a NaN bound makes every product with it NaN, zero weights included (0 * NaN), so every
+/// column of its page; a NaN in q goes to the lo weight, as bound_factor picks lo. What differs from the CUDA-core
+/// kernels: an infinite bound multiplies a zero weight too (0 * inf = NaN), so a page with an infinite lo or hi
+/// scores NaN where they may give +-inf (build_page_bounds writes infinite bounds only from infinite keys).
+/// Warp 0 fills a ring of kScoreMmaStages buffers, one bulk copy per page into a padded row (lane i: the stage's
+/// pages i, i + 32, ...) completing on the buffer's mbarrier; each warp takes the stage's 16-page tiles t with
+/// t % 8 == warp: ldmatrix.x4 per k-step of 16 channels, one mma into the tile's C, whose rows' maxima over the
+/// group's columns (max_keep_nan; columns past the group are left out) are the pages' bounds. After a proxy fence
+/// and a CTA barrier warp 0 refills the buffer with the stage kScoreMmaStages ahead. Code built before sm_90 has
+/// an empty body: choose_page_score_kernel names the direct kernel there.
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm)
+    page_scores_mma_kernel(const __grid_constant__ PageScoreParams<T> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(kScoresOnTensorCores<T>);
+  using M = MmaScoreShape<HeadDim>;
+  constexpr int kWarps = kScoreThreads / 32;
+  extern __shared__ __align__(128) unsigned char ring[];  // kScoreMmaStages buffers of M::kBufferBytes
+  __shared__ std::uint64_t landed[kScoreMmaStages];       // buffer i's stage has landed (one phase per fill)
+  programmatic_start();  // the lengths, the bounds' append
+  const ScoreChunk c = score_chunk(p);
+  if (!c.active) return;  // the whole CTA: no barrier below is skipped by part of it
+  const int pages = int(c.last_page - c.first_page);  // at most p.chunk
+  const int stages = (pages + M::kStagePages - 1) / M::kStagePages;
+  const T* source = p.bounds.lo(c.slot, c.g, c.first_page);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Called by every lane of warp 0. The expectation comes first, so that no copy's bytes complete before it.
+  const auto fill = [&](int stage) {
+    const int buffer = stage % kScoreMmaStages, first = stage * M::kStagePages;
+    const int count = min(M::kStagePages, pages - first);
+    if (lane == 0) mbarrier_arrive_expect(&landed[buffer], unsigned(count * M::kPageBytes));
+    __syncwarp();
+    for (int i = lane; i < count; i += 32) {
+      bulk_copy_to_shared(ring + buffer * M::kBufferBytes + i * M::kRowBytes,
+                          source + std::int64_t(first + i) * (2 * HeadDim), M::kPageBytes, &landed[buffer]);
+    }
+  };
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kScoreMmaStages; ++i) mbarrier_init(&landed[i], 1);
+    fence_proxy_async();
+  }
+  __syncthreads();  // the initialization before warp 0's copies and every warp's waits
+  if (warp == 0) {
+    for (int stage = 0; stage < min(kScoreMmaStages, stages); ++stage) fill(stage);
+  }
+  // B fragments (while the first stages land), K = 2 * HeadDim rows by 8 columns: lane holds column n = lane / 4
+  // (head n of the group, zero past it) at rows 16 s + 2 (lane % 4) + {0, 1} (b[s][0]) and the same + 8 (b[s][1]),
+  // two T per register, the lower row in the lower half. Rows below HeadDim weigh lo: q where q < 0 or NaN (where
+  // bound_factor picks lo), else 0; rows from HeadDim weigh hi: q where q >= 0, else 0.
+  const int col = 2 * (lane % 4);
+  unsigned b[M::kKSteps][2];
+  {
+    const int n = lane / 4;
+    const T* q = n < p.group ? p.q.row(c.b, c.g * p.group + n) : nullptr;
+#pragma unroll
+    for (int s = 0; s < M::kKSteps / 2; ++s) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        unsigned lo_weights = 0, hi_weights = 0;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const T x = q != nullptr ? q[16 * s + col + 8 * r + e] : T{};
+          (to_float_device(x) >= 0.0f ? hi_weights : lo_weights) |= unsigned(x.bits) << (16 * e);
+        }
+        b[s][r] = lo_weights;
+        b[s + M::kKSteps / 2][r] = hi_weights;
+      }
+    }
+  }
+  float* out = p.scores.row(c.row);
+  const unsigned ring_word = shared_word(ring);
+  for (int stage = 0; stage < stages; ++stage) {
+    const int buffer = stage % kScoreMmaStages, first = stage * M::kStagePages;
+    const int count = min(M::kStagePages, pages - first);
+    mbarrier_wait(&landed[buffer], unsigned(stage / kScoreMmaStages) & 1u);
+    for (int tile = warp * 16; tile < count; tile += kWarps * 16) {  // uniform across the warp (.sync.aligned)
+      // ldmatrix.x4's matrices: rows 0-7 then 8-15 of the tile (lane & 15) at channels k, then the same at k + 8
+      // (lane / 16), giving A's a0..a3. Rows past the stage's pages read its last page (landed); nobody stores them.
+      const int row = min(tile + (lane & 15), count - 1);
+      const unsigned a_row = ring_word + unsigned(buffer * M::kBufferBytes + row * M::kRowBytes + lane / 16 * 16);
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int s = 0; s < M::kKSteps; ++s) {
+        unsigned a[4];
+        ldmatrix_x4(a, a_row + 32u * s);
+        mma_16x8x16<T>(acc, a, b[s][0], b[s][1]);
+      }
+      // C: this lane holds rows lane / 4 (acc[0], acc[1]) and lane / 4 + 8 (acc[2], acc[3]) at columns col, col + 1;
+      // the maximum over the group's columns, then over the row's 4 lanes.
+      float bound[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (col + e >= p.group) break;
+        bound[0] = kvsift::detail::max_keep_nan(bound[0], acc[e]);
+        bound[1] = kvsift::detail::max_keep_nan(bound[1], acc[2 + e]);
+      }
+#pragma unroll
+      for (int offset = 1; offset < 4; offset *= 2) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          bound[h] = kvsift::detail::max_keep_nan(bound[h], __shfl_xor_sync(0xffffffffu, bound[h], offset));
+        }
+      }
+      if (lane % 4 != 0) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int local = tile + lane / 4 + 8 * h;
+        if (local >= count) break;
+        const std::int64_t page = c.first_page + first + local;
+        out[page] = windowed_score(page, bound[h], p.bounds.page_size, c.len, p.window);
+      }
+    }
+    fence_proxy_async();  // this thread's reads of the buffer before warp 0's refill of it
+    __syncthreads();      // every warp is done with the buffer
+    if (warp == 0 && stage + kScoreMmaStages < stages) fill(stage + kScoreMmaStages);
+  }
+#endif
+}
+
 /// The middle tokens of chosen page `page` ([*first, first + return value)): page_middle's range, empty as 0.
 __device__ __forceinline__ std::int32_t page_middle_count(std::int32_t page, std::int32_t page_size, std::int32_t len,
                                                          const AttentionWindow& window, std::int64_t* first) {
@@ -584,25 +753,53 @@ cudaError_t launch_append_page_bounds(const KV& kv, const std::int32_t* slots, c
 }
 
 template <class T>
-cudaError_t launch_page_scores(const PageScoreParams<T>& params, cudaStream_t stream) {
-  const unsigned blocks = unsigned(std::int64_t(params.chunks) * params.scores.rows);
+cudaError_t choose_page_score_kernel(const PageScoreParams<T>& params, PageScoreKernel* kernel) {
+  *kernel = PageScoreKernel::direct;
   cudaError_t status = cudaSuccess;
-  bool streamed = false;
   const bool dispatched = dispatch_value<kCudaAttentionHeadDims>(params.bounds.head_dim, [&]<int HeadDim>() {
-    constexpr auto kernel = page_scores_kernel<T, HeadDim>;
-    // Once per device and kernel (launch.cuh): whether its code has the bulk copies, and the opt-in to more than
-    // 48 KB of dynamic shared memory.
-    status = built_for_sm90<kernel>(&streamed);
-    if (status == cudaSuccess && streamed) status = open_shared_memory<kernel>();
-    if (status == cudaSuccess && streamed) {
-      status = launch(kernel,
-                      {.grid = dim3(blocks), .block = dim3(kScoreThreads), .smem = kScoreRingBytes, .stream = stream,
-                       .programmatic = true},
-                      params);
+    bool sm90 = false;
+    if constexpr (kScoresOnTensorCores<T>) {
+      if (params.group <= kScoreMmaMaxGroup) {
+        status = built_for_sm90<page_scores_mma_kernel<T, HeadDim>>(&sm90);
+        if (sm90) *kernel = PageScoreKernel::tensor_cores;
+        return;
+      }
     }
+    status = built_for_sm90<page_scores_kernel<T, HeadDim>>(&sm90);
+    if (sm90) *kernel = PageScoreKernel::streamed;
   });
-  if (!dispatched) return cudaErrorInvalidValue;
-  return status != cudaSuccess || streamed ? status : launch_page_scores_direct(params, stream);
+  return dispatched ? status : cudaErrorInvalidValue;
+}
+
+/// A kernel of the sm_90 ring (page_scores_kernel, page_scores_mma_kernel) with `smem` bytes of ring, opted in to
+/// more than 48 KB of dynamic shared memory once per device and kernel (launch.cuh).
+template <auto Kernel, class T>
+cudaError_t launch_ring_scores(const PageScoreParams<T>& params, int smem, cudaStream_t stream) {
+  const cudaError_t status = open_shared_memory<Kernel>();
+  if (status != cudaSuccess) return status;
+  return launch(Kernel,
+                {.grid = dim3(unsigned(std::int64_t(params.chunks) * params.scores.rows)),
+                 .block = dim3(kScoreThreads), .smem = std::size_t(smem), .stream = stream, .programmatic = true},
+                params);
+}
+
+template <class T>
+cudaError_t launch_page_scores(const PageScoreParams<T>& params, cudaStream_t stream) {
+  PageScoreKernel kernel = PageScoreKernel::direct;
+  cudaError_t status = choose_page_score_kernel(params, &kernel);
+  if (status != cudaSuccess) return status;
+  if (kernel == PageScoreKernel::direct) return launch_page_scores_direct(params, stream);
+  dispatch_value<kCudaAttentionHeadDims>(params.bounds.head_dim, [&]<int HeadDim>() {  // choose's head_dims
+    if constexpr (kScoresOnTensorCores<T>) {
+      if (kernel == PageScoreKernel::tensor_cores) {
+        status = launch_ring_scores<page_scores_mma_kernel<T, HeadDim>>(params, MmaScoreShape<HeadDim>::kRingBytes,
+                                                                        stream);
+        return;
+      }
+    }
+    status = launch_ring_scores<page_scores_kernel<T, HeadDim>>(params, kScoreRingBytes, stream);
+  });
+  return status;
 }
 
 template <class T>
