@@ -1,9 +1,10 @@
 // CUDA top-K into selection rows (cuda/topk.hpp): one thread-block cluster per score row, the held kernel
 // (detail/topk_held_kernels.cuh) where a row fits the cluster's registers, else the slice kernel, then the union
-// kernel of heads_per_row > 1 (detail/topk_kernels.cuh).
+// kernel of heads_per_row > 1 (detail/topk_kernels.cuh); mass_budgets' kernel (detail/topk_mass_kernels.cuh).
 #include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/topk_held_kernels.cuh"
 #include "kvsift/cuda/detail/topk_kernels.cuh"
+#include "kvsift/cuda/detail/topk_mass_kernels.cuh"
 
 namespace kvsift::cuda::detail {
 namespace {
@@ -115,6 +116,13 @@ cudaError_t launch_length_budgets(const std::int32_t* lengths, std::int32_t batc
   length_budgets_kernel<<<unsigned((rows + threads - 1) / threads), threads, 0, stream>>>(lengths, batch, heads, budget,
                                                                                          row_k);
   return cudaGetLastError();
+}
+
+cudaError_t launch_mass_budgets(const MassBudgetsParams& p, cudaStream_t stream) {
+  return launch(mass_budgets_rows<kMassBudgetsThreads>,
+                {.grid = dim3(unsigned(p.scores.rows)), .block = dim3(kMassBudgetsThreads), .stream = stream,
+                 .programmatic = true},
+                p);
 }
 
 }  // namespace kvsift::cuda::detail

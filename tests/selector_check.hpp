@@ -13,7 +13,11 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "attention_check.hpp"
+#include "kvsift/core/ranking.hpp"
+#include "kvsift/selectors/rerank.hpp"
 
 namespace kvsift::test {
 
@@ -160,6 +164,79 @@ void expect_quest_selection(const HostDecodeProblem<T>& p, const std::vector<std
         max_abs = std::max(max_abs, std::abs(scores[page]));
       }
       expect_top_k({pages.begin(), pages.end()}, candidates, pages_per_row, 1e-4 * (1 + max_abs), what);
+    }
+  }
+}
+
+/// The rerank's exact score of each candidate of row (b, g), in fp64: the group's softmax weight over the
+/// candidates alone, max over the group's heads.
+template <class T>
+std::map<std::int32_t, double> rerank_scores(const HostDecodeProblem<T>& p, std::int32_t b, std::int32_t g,
+                                             const std::vector<std::int32_t>& candidates, double scale) {
+  const auto& c = p.spec;
+  const std::int32_t group = c.q_heads / c.kv_heads;
+  const auto kv = p.kv_values.view();
+  std::map<std::int32_t, double> best;
+  std::vector<double> logits(candidates.size());
+  for (std::int32_t h = g * group; h < (g + 1) * group; ++h) {
+    double max_logit = -std::numeric_limits<double>::infinity();
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+      double dot = 0;
+      for (std::int32_t d = 0; d < c.head_dim; ++d) {
+        dot += double(to_float(p.q[(std::size_t(b) * c.q_heads + h) * c.head_dim + d])) * kv.k_row(b, g, candidates[i])[d];
+      }
+      logits[i] = scale * dot;
+      max_logit = std::max(max_logit, logits[i]);
+    }
+    double sum = 0;
+    for (const double l : logits) sum += std::exp(l - max_logit);
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+      best[candidates[i]] = std::max(best[candidates[i]], std::exp(logits[i] - max_logit) / sum);
+    }
+  }
+  return best;
+}
+
+/// The rows of a reranked step with RerankConfig::mass (selectors/rerank.hpp), against fp64: row r keeps k of its
+/// proposed candidates (`candidates`, the proposer's step alone on the same inputs, capacity `proposed`), k within
+/// [min(floor, upper), upper], upper = min(budget, candidates, the length's budget with budget_fraction), k the
+/// fewest best whose fp64 scores hold config.mass of the row's (within 1e-5 of the row's mass: fp32 scores near
+/// the target may tip k by one) unless the floor or upper bound decided; and the kept set is the top k of the
+/// exact scores (expect_top_k, near-ties within 1e-4 of the top score free to trade places).
+template <class T, class Selection>
+void expect_reranked_mass_rows(const HostDecodeProblem<T>& p, const Selection& candidates, std::int32_t proposed,
+                               const Selection& sel, const RerankConfig& config, double scale) {
+  const auto& c = p.spec;
+  for (std::int32_t b = 0; b < c.batch; ++b) {
+    for (std::int32_t g = 0; g < c.kv_heads; ++g) {
+      const std::int32_t row = b * c.kv_heads + g;
+      const std::string what = fmt::format("row ({}, {})", b, g);
+      const auto ids = selection_row(candidates.indices, candidates.counts, row, proposed);
+      const auto scores = rerank_scores(p, b, g, ids, scale);
+      const auto kept = selection_row(sel.indices, sel.counts, row, config.budget);
+      std::vector<double> sorted;
+      for (const auto& [id, score] : scores) sorted.push_back(score);
+      std::sort(sorted.begin(), sorted.end(), std::greater<>());
+      std::int32_t upper = std::min<std::int32_t>(config.budget, std::int32_t(sorted.size()));
+      if (config.budget_fraction > 0) {
+        upper = std::min(upper, LengthBudget{.fraction = config.budget_fraction, .maximum = config.budget}(
+                                    p.kv_values.seq_lens[std::size_t(b)]));
+      }
+      const std::int32_t k = std::int32_t(kept.size());
+      EXPECT_GE(k, std::min(config.floor, upper)) << what;
+      EXPECT_LE(k, upper) << what;
+      double total = 0, held = 0;
+      for (const double s : sorted) total += s;
+      for (std::int32_t i = 0; i < k; ++i) held += sorted[std::size_t(i)];
+      const double target = config.mass * total, tolerance = 1e-5 * total;
+      if (k < upper) {
+        EXPECT_GE(held, target - tolerance) << what << ": " << k << " candidates hold too little";
+      }
+      if (k > config.floor) {
+        EXPECT_LT(held - sorted[std::size_t(k) - 1], target + tolerance) << what << ": " << k - 1 << " would do";
+      }
+      const double top = sorted.empty() ? 0.0 : sorted.front();
+      expect_top_k(kept, scores, k, 1e-4 * top, what);
     }
   }
 }

@@ -17,7 +17,8 @@
 // one also with the group-maximum rule); the file must match each capture's shapes and RoPE. --centroidkv adds
 // CentroidKV at equal entries (eval/fidelity.hpp centroid_kv_selectors; the CPU backend only for now) and, after
 // each table, the output and LSE error columns alone (fidelity_error_markdown). --rerank C adds the rerank stage
-// after Quest and CSAttention, each proposing C times its budget (eval/fidelity.hpp rerank_selectors), and after the
+// after Quest (also with an adaptive budget, "Quest + rerank (p 0.9)": compare it by its tokens selected) and
+// CSAttention, each proposing C times its budget (eval/fidelity.hpp rerank_selectors), and after the
 // first --a2ats's group-maximum rule (a2ats_selectors). --only keeps the selectors of those names (e.g. the
 // references beside CentroidKV at budgets where CTKVR refuses the prefill);
 // a name no selector has is refused, listing theirs. Numbers are read whole (tools/cli_list.hpp): "abc", "12x" or

@@ -70,6 +70,47 @@ void best_of_row(const float* scores, std::int32_t lo, std::int32_t hi, std::int
   }
 }
 
+/// MassBudget's k for one row of n measurable scores (core/ranking.hpp): the fewest largest whose units reach
+/// mass_target(mass, U). A radix select over mass_bits, most significant digit first: each pass counts the items
+/// and units per digit among the candidates that share the digits found so far, then walks the digits from the
+/// top until the units above and in a digit reach what is left of the target; the items of higher digits are
+/// kept outright. After the last digit the threshold bin holds one score, so mass_equal_picks finishes.
+std::int32_t mass_row_picks(const float* scores, std::int32_t n, double mass) {
+  std::int32_t counts[kMassRadixBins];
+  std::uint64_t units[kMassRadixBins];
+  std::uint64_t remaining = 0;
+  std::uint32_t prefix = 0, prefix_mask = 0;  // the digits found so far, and where they lie
+  std::int32_t kept = 0;
+  for (int pass = 0; pass < kMassRadixPasses; ++pass) {
+    const int shift = mass_digit_shift(pass);
+    const std::uint32_t digit_mask = mass_digit_mask(pass);
+    std::fill_n(counts, kMassRadixBins, 0);
+    std::fill_n(units, kMassRadixBins, std::uint64_t(0));
+    for (std::int32_t i = 0; i < n; ++i) {
+      const std::uint32_t bits = mass_bits(scores[i]);
+      if ((bits & prefix_mask) != prefix) continue;
+      const std::uint32_t digit = (bits >> shift) & digit_mask;
+      ++counts[digit];
+      units[digit] += mass_units(scores[i]);
+    }
+    if (pass == 0) {
+      std::uint64_t total = 0;
+      for (const std::uint64_t u : units) total += u;
+      remaining = mass_target(mass, total);
+      if (remaining == 0) return 0;
+    }
+    std::int32_t digit = std::int32_t(digit_mask);
+    for (; units[digit] < remaining; --digit) {  // the target lies within the row's units: some digit reaches it
+      remaining -= units[digit];
+      kept += counts[digit];
+    }
+    prefix |= std::uint32_t(digit) << shift;
+    prefix_mask |= digit_mask << shift;
+    if (pass == kMassRadixPasses - 1) return kept + mass_equal_picks(remaining, units[digit], counts[digit]);
+  }
+  return kept;  // not reached
+}
+
 }  // namespace
 
 std::size_t topk_rows_workspace_bytes(std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
@@ -139,6 +180,36 @@ void length_budgets(const std::int32_t* lengths, std::int32_t batch, std::int32_
                     std::int32_t* row_k) {
   kvsift::detail::check_length_budgets("cpu::length_budgets", lengths, batch, heads, budget, row_k);
   for (std::int32_t b = 0; b < batch; ++b) std::fill_n(row_k + std::int64_t(b) * heads, heads, budget(lengths[b]));
+}
+
+void mass_budgets(const MatrixView<const float>& scores, const std::int32_t* counts, const MassBudget& budget,
+                  std::int32_t* row_k, ThreadPool* pool) {
+  constexpr const char* where = "cpu::mass_budgets";
+  kvsift::detail::check_mass_budgets(where, scores, counts, budget, row_k);
+  for (std::int64_t r = 0; r < scores.rows; ++r) {
+    KVSIFT_CHECK(counts[r] >= -1 && counts[r] <= scores.cols, where,
+                 "counts[{}] (= {}) is outside [-1, scores.cols = {}]", r, counts[r], scores.cols);
+    KVSIFT_CHECK(budget.limits == nullptr || (budget.limits[r] >= 0 && budget.limits[r] <= budget.maximum), where,
+                 "budget.limits[{}] (= {}) is outside [0, budget.maximum = {}]", r,
+                 budget.limits == nullptr ? 0 : budget.limits[r], budget.maximum);
+  }
+  parallel_for(pool, scores.rows, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) {
+      const std::int32_t n = counts[r];
+      if (n < 0) {
+        row_k[r] = -1;
+        continue;
+      }
+      std::int32_t upper = std::min(budget.maximum, n);
+      if (budget.limits != nullptr) upper = std::min(upper, budget.limits[r]);
+      const float* const row = scores.row(r);
+      if (upper == 0 || !std::all_of(row, row + n, [](float s) { return mass_measurable(s); })) {
+        row_k[r] = upper;
+        continue;
+      }
+      row_k[r] = mass_row_k(mass_row_picks(row, n, budget.mass), budget.floor, upper);
+    }
+  });
 }
 
 }  // namespace kvsift::cpu

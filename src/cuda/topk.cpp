@@ -111,4 +111,14 @@ void length_budgets(const std::int32_t* d_lengths, std::int32_t batch, std::int3
   KVSIFT_CUDA_CHECK(detail::launch_length_budgets(d_lengths, batch, heads, budget, d_row_k, stream));
 }
 
+void mass_budgets(const MatrixView<const float>& scores, const std::int32_t* d_counts, const MassBudget& budget,
+                  std::int32_t* d_row_k, cudaStream_t stream) {
+  constexpr const char* where = "cuda::mass_budgets";
+  kvsift::detail::check_mass_budgets(where, scores, d_counts, budget, d_row_k);
+  KVSIFT_CHECK(scores.rows <= std::int64_t(0x7fffffff), where, "scores.rows (= {}) must be below 2^31 (one CTA a row)",
+               scores.rows);
+  KVSIFT_CUDA_CHECK(detail::launch_mass_budgets(
+      {.scores = scores, .counts = d_counts, .budget = budget, .row_k = d_row_k}, stream));
+}
+
 }  // namespace kvsift::cuda

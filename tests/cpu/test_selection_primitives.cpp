@@ -22,6 +22,7 @@
 #include "kvsift/cpu/simd.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 #include "kvsift/cpu/topk.hpp"
+#include "mass_budgets_problem.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {
@@ -736,6 +737,117 @@ TEST(LengthBudgets, BadBudgetsAreRefused) {
   test::expect_error([&] { cpu::length_budgets(nullptr, 2, 1, {.fraction = 0.5, .maximum = 4}, row_k); },
                      "lengths and row_k must be non-null");
   EXPECT_EQ(row_k[0], 0);  // nothing written by a refused call
+}
+
+// ---- mass_budgets -----------------------------------------------------------------------------------------
+
+std::vector<std::int32_t> run_mass_budgets(const std::vector<float>& scores, std::int32_t cols,
+                                           const std::vector<std::int32_t>& counts, MassBudget budget) {
+  std::vector<std::int32_t> row_k(counts.size(), -77);
+  cpu::mass_budgets(MatrixView<const float>::packed(scores.data(), std::int64_t(counts.size()), cols), counts.data(),
+                    budget, row_k.data());
+  return row_k;
+}
+
+TEST(MassBudgets, HandWorkedRows) {
+  // 1/2, 1/4, 1/8, 1/8 (any order): p = 0.75 takes the two best, 0.76 three, 1 all four; 0.5 the best alone.
+  const std::vector<float> row{0.125f, 0.5f, 0.125f, 0.25f};
+  const auto one = [&](MassBudget b, std::int32_t n = 4) { return run_mass_budgets(row, 4, {n}, b)[0]; };
+  EXPECT_EQ(one({.mass = 0.75, .maximum = 8}), 2);
+  EXPECT_EQ(one({.mass = 0.76, .maximum = 8}), 3);
+  EXPECT_EQ(one({.mass = 1.0, .maximum = 8}), 4);
+  EXPECT_EQ(one({.mass = 0.5, .maximum = 8}), 1);
+  EXPECT_EQ(one({.mass = 0.5, .floor = 3, .maximum = 8}), 3);   // raised to the floor
+  EXPECT_EQ(one({.mass = 1.0, .maximum = 2}), 2);               // cut to the maximum
+  EXPECT_EQ(one({.mass = 1.0, .floor = 3, .maximum = 8}, 2), 2);  // the row's two candidates: 1/8 and 1/2
+  EXPECT_EQ(one({.mass = 1.0, .maximum = 8}, 0), 0);
+  EXPECT_EQ(one({.mass = 1.0, .maximum = 8}, -1), -1);  // a row marked bad stays marked
+  const std::int32_t limit = 1;
+  EXPECT_EQ(one({.mass = 1.0, .maximum = 8, .limits = &limit}), 1);
+  // Ties: four equal scores, half the mass is two of them; all zeros need none (the floor).
+  EXPECT_EQ(run_mass_budgets({0.25f, 0.25f, 0.25f, 0.25f}, 4, {4}, {.mass = 0.5, .maximum = 4})[0], 2);
+  EXPECT_EQ(run_mass_budgets({0.0f, -0.0f, 0.0f}, 3, {3}, {.mass = 0.9, .floor = 2, .maximum = 4})[0], 2);
+  // One score holds all the mass: one candidate at any p; a NaN, an infinity, a negative or a score above 1
+  // keeps the maximum (the row's count here).
+  EXPECT_EQ(run_mass_budgets({0.0f, 1.0f, 0.0f}, 3, {3}, {.mass = 1.0, .maximum = 4})[0], 1);
+  for (const float bad : {NAN, INFINITY, -INFINITY, -0.5f, 1.0000001f}) {
+    EXPECT_EQ(run_mass_budgets({0.5f, bad, 0.25f}, 3, {3}, {.mass = 0.1, .maximum = 4})[0], 3) << bad;
+    EXPECT_EQ(run_mass_budgets({0.5f, 0.25f, bad}, 3, {2}, {.mass = 0.1, .maximum = 4})[0], 1) << bad;  // past the count
+  }
+  // The fixed point: 2^-41 is half a unit (rounds up to 1), 2^-42 rounds to 0; p = 1 needs every unit.
+  EXPECT_EQ(run_mass_budgets({0.5f, std::ldexp(1.0f, -41)}, 2, {2}, {.mass = 1.0, .maximum = 4})[0], 2);
+  EXPECT_EQ(run_mass_budgets({0.5f, std::ldexp(1.0f, -42)}, 2, {2}, {.mass = 1.0, .maximum = 4})[0], 1);
+}
+
+TEST(MassBudgets, RandomRowsEqualTheScalarReferenceAtEveryThreadCount) {
+  const std::uint64_t seed = test::test_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  test::Random rng(seed);
+  cpu::ThreadPool pool(3);
+  for (int trial = 0; trial < 60; ++trial) {
+    const std::int32_t cols_choices[] = {1, 2, 7, 100, 2048, 8192, rng.uniform_int(1, 10000)};
+    const test::MassBudgetsProblem p(rng, rng.uniform_int(1, 12), cols_choices[rng.uniform_int(0, 6)]);
+    SCOPED_TRACE(p.label());
+    const std::vector<std::int32_t> want = test::mass_budgets_reference(p);
+    for (cpu::ThreadPool* threads : {static_cast<cpu::ThreadPool*>(nullptr), &pool}) {
+      std::vector<std::int32_t> row_k(std::size_t(p.rows), -77);
+      cpu::mass_budgets(p.view(p.scores.data()), p.counts.data(), p.options(p.limits.data()), row_k.data(), threads);
+      ASSERT_EQ(row_k, want);
+    }
+    // The fp64 reading of the rule: the kept prefix holds p of the row's mass, one less would not (within the
+    // fixed point's rounding, half a unit a score), unless the floor or the upper bound decided.
+    for (std::int32_t r = 0; r < p.rows; ++r) {
+      const std::int32_t n = p.counts[std::size_t(r)], k = want[std::size_t(r)];
+      const float* const row = p.scores.data() + r * p.stride();
+      if (n <= 0 || p.kinds[std::size_t(r)] == test::MassRow::unmeasurable) continue;
+      std::vector<double> sorted(row, row + n);
+      std::sort(sorted.begin(), sorted.end(), std::greater<>());
+      const double total = std::accumulate(sorted.begin(), sorted.end(), 0.0), slack = n * std::ldexp(1.0, -40);
+      const double kept = std::accumulate(sorted.begin(), sorted.begin() + k, 0.0);
+      const std::int32_t upper =
+          std::min({p.budget.maximum, n, p.limits.empty() ? p.budget.maximum : p.limits[std::size_t(r)]});
+      if (k < upper) {
+        EXPECT_GE(kept, p.budget.mass * total - slack) << "row " << r;
+      }
+      if (k > p.budget.floor) {
+        EXPECT_LT(kept - sorted[std::size_t(k) - 1], p.budget.mass * total + slack) << "row " << r;
+      }
+    }
+  }
+}
+
+TEST(MassBudgets, BadArgumentsAreRefused) {
+  const std::vector<float> scores(8, 0.125f);
+  std::vector<std::int32_t> counts{4, 4}, row_k{-77, -77};
+  const auto go = [&](MassBudget b, std::int32_t cols = 4, const std::int32_t* c = nullptr) {
+    cpu::mass_budgets(MatrixView<const float>::packed(scores.data(), 2, cols), c != nullptr ? c : counts.data(), b,
+                      row_k.data());
+  };
+  test::expect_error([&] { go({.mass = 0, .maximum = 4}); }, "kvsift::cpu::mass_budgets: budget.mass (= 0) is outside (0, 1]");
+  test::expect_error([&] { go({.mass = 1.5, .maximum = 4}); }, "budget.mass (= 1.5) is outside (0, 1]");
+  test::expect_error([&] { go({.mass = std::nan(""), .maximum = 4}); }, "budget.mass (= nan) is outside (0, 1]");
+  test::expect_error([&] { go({.mass = 0.5, .floor = 0, .maximum = 4}); }, "budget.floor (= 0) must be >= 1");
+  test::expect_error([&] { go({.mass = 0.5, .floor = 5, .maximum = 4}); },
+                     "budget.maximum (= 4) is below budget.floor (= 5)");
+  const std::vector<std::int32_t> too_many{5, 0}, too_few{0, -2};
+  test::expect_error([&] { go({.mass = 0.5, .maximum = 4}, 4, too_many.data()); },
+                     "counts[0] (= 5) is outside [-1, scores.cols = 4]");
+  test::expect_error([&] { go({.mass = 0.5, .maximum = 4}, 4, too_few.data()); },
+                     "counts[1] (= -2) is outside [-1, scores.cols = 4]");
+  const std::vector<std::int32_t> limits{3, 5};
+  test::expect_error([&] { go({.mass = 0.5, .maximum = 4, .limits = limits.data()}); },
+                     "budget.limits[1] (= 5) is outside [0, budget.maximum = 4]");
+  test::expect_error([&] { cpu::mass_budgets(MatrixView<const float>::packed(scores.data(), 2, 4), nullptr,
+                                             {.mass = 0.5, .maximum = 4}, row_k.data()); },
+                     "counts and row_k must be non-null");
+  test::expect_error([&] { cpu::mass_budgets(MatrixView<const float>::packed(scores.data(), 2, 4), counts.data(),
+                                             {.mass = 0.5, .maximum = 4}, nullptr); },
+                     "counts and row_k must be non-null");
+  test::expect_error([&] { cpu::mass_budgets(MatrixView<const float>::packed(scores.data(), 1, kMassMaxCandidates + 1),
+                                             counts.data(), {.mass = 0.5, .maximum = 4}, row_k.data()); },
+                     "scores.cols (= 8388609) exceeds 8388608 candidates per row");
+  test::expect_error([&] { go({.mass = 0.5, .maximum = 4}, 0); }, "scores");
+  EXPECT_EQ(row_k, (std::vector<std::int32_t>{-77, -77}));  // nothing written by a refused call
 }
 
 }  // namespace

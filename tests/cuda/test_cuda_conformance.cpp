@@ -46,6 +46,7 @@ using OnCuda = On<Case, CudaBackend>;
 INSTANTIATE_TYPED_TEST_SUITE_P(OracleTopK, Conformance, OnCuda<OracleTopKCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(Quest, Conformance, OnCuda<QuestCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(RerankedQuest, Conformance, OnCuda<RerankedQuestCase>);
+INSTANTIATE_TYPED_TEST_SUITE_P(RerankedMassQuest, Conformance, OnCuda<RerankedMassQuestCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(StreamingLLM, Conformance, OnCuda<StreamingLLMCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(Ctkvr, Conformance, OnCuda<CtkvrCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(Csattention, Conformance, OnCuda<CsattentionCase>);
@@ -169,6 +170,7 @@ REGISTER_TYPED_TEST_SUITE_P(CudaTwin, SelectsAsTheCpuTwin, GraphReplayEqualsEage
 INSTANTIATE_TYPED_TEST_SUITE_P(OracleTopK, CudaTwin, OracleTopKCase);
 INSTANTIATE_TYPED_TEST_SUITE_P(Quest, CudaTwin, QuestCase);
 INSTANTIATE_TYPED_TEST_SUITE_P(RerankedQuest, CudaTwin, RerankedQuestCase);
+INSTANTIATE_TYPED_TEST_SUITE_P(RerankedMassQuest, CudaTwin, RerankedMassQuestCase);
 INSTANTIATE_TYPED_TEST_SUITE_P(StreamingLLM, CudaTwin, StreamingLLMCase);
 INSTANTIATE_TYPED_TEST_SUITE_P(Ctkvr, CudaTwin, CtkvrCase);
 INSTANTIATE_TYPED_TEST_SUITE_P(Csattention, CudaTwin, CsattentionCase);

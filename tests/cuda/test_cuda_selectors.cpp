@@ -13,6 +13,7 @@
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
 #include "kvsift/selectors/quest/quest.hpp"
+#include "kvsift/selectors/rerank.hpp"
 #include "kvsift/selectors/streaming_llm/streaming_llm.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "selector_check.hpp"
@@ -128,6 +129,30 @@ TYPED_TEST(CudaSelectors, QuestTakesTheBestPagesWhole) {
     DecodeStep step(Quest<T, cuda::Context>(f.limits(), {.budget = 256, .page_size = 16}), f.config(), ctx);
     const auto sel = run_step(step, f, ctx);
     expect_quest_selection(f.p, sel.indices, sel.counts, 256, 16, 16, kWindow);
+  }
+}
+
+// The CPU test's twin (tests/selectors/test_selectors.cpp): with RerankConfig::mass each row keeps the top-k of
+// its exact scores, k the fewest that hold p of the row's mass (mass_budgets on the device).
+TYPED_TEST(CudaSelectors, RerankedQuestWithMassKeepsTheFewestBestThatHoldIt) {
+  using T = TypeParam;
+  for (const std::int32_t page_size : {0, 16}) {
+    const CaseSpec spec{.batch = 3, .q_heads = 8, .kv_heads = 2, .head_dim = 128, .tokens = 3000, .k = 0,
+                        .page_size = page_size, .log_weights = false};
+    DeviceFixture<T> f(this->rng, spec);
+    const cuda::Context ctx{};
+    const QuestConfig proposer{.budget = 512, .page_size = 16};
+    DecodeStep quest(Quest<T, cuda::Context>(f.limits(), proposer), f.config(), ctx);
+    const auto candidates = run_step(quest, f, ctx);
+    for (const RerankConfig config : {RerankConfig{.budget = 128, .mass = 0.3},
+                                      RerankConfig{.budget = 128, .mass = 0.6, .floor = 16},
+                                      RerankConfig{.budget = 128, .budget_fraction = 0.02, .mass = 1.0, .floor = 2}}) {
+      SCOPED_TRACE(describe(spec) + fmt::format(" mass {} floor {} fraction {} seed {}", config.mass, config.floor,
+                                                config.budget_fraction, this->seed));
+      DecodeStep step(Reranked(Quest<T, cuda::Context>(f.limits(), proposer), config), f.config(), ctx);
+      const auto sel = run_step(step, f, ctx);
+      expect_reranked_mass_rows(f.p, candidates, proposer.budget, sel, config, 1.0 / std::sqrt(128.0));
+    }
   }
 }
 

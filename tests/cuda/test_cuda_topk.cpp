@@ -1,6 +1,6 @@
 // CUDA top-K against its CPU twin, exactly: cuda::topk_rows == cpu::topk_rows (index sets, order, counts,
 // log-weights) over fresh random shapes, ties, NaN and infinities, windows, per-row k and GQA unions; the -1
-// counts of device inputs out of range; graph capture and replay; the workspace contract. The launch-shape plan
+// counts of device inputs out of range; mass_budgets equal to its CPU twin bit for bit; graph capture and replay; the workspace contract. The launch-shape plan
 // and every refusal also run without a GPU.
 #include <gtest/gtest.h>
 
@@ -17,6 +17,7 @@
 #include "kvsift/cpu/topk.hpp"
 #include "kvsift/cuda/detail/topk_launch.hpp"
 #include "kvsift/cuda/topk.hpp"
+#include "mass_budgets_problem.hpp"
 #include "test_util.hpp"
 
 namespace kvsift {
@@ -353,6 +354,75 @@ TEST_F(CudaTopK, LengthBudgetsEqualTheCpuTwin) {
                      "kvsift::cuda::length_budgets: lengths and row_k must be non-null");
 }
 
+/// cuda::mass_budgets of a problem (row_k poisoned first: 0xff bytes, -1, or 0x7f where -1 is an answer) on `stream`.
+std::vector<std::int32_t> cuda_mass_budgets(const test::MassBudgetsProblem& p, cudaStream_t stream = nullptr) {
+  const DeviceBuffer<float> scores(p.scores);
+  const DeviceBuffer<std::int32_t> counts(p.counts);
+  const DeviceBuffer<std::int32_t> limits = p.limits.empty() ? DeviceBuffer<std::int32_t>() : DeviceBuffer<std::int32_t>(p.limits);
+  DeviceBuffer<std::int32_t> row_k(std::size_t(p.rows));
+  KVSIFT_CUDA_CHECK(cudaMemset(row_k.data(), 0x7f, row_k.size() * sizeof(std::int32_t)));
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  cuda::mass_budgets(p.view(scores.data()), counts.data(), p.options(limits.data()), row_k.data(), stream);
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return row_k.download();
+}
+
+TEST_F(CudaTopK, MassBudgetsEqualTheCpuTwinBitForBit) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (int trial = 0; trial < 80; ++trial) {
+    // The rerank's rows (c x K: 4 x 2048 = 8192, 4 x 512), odd sizes, and rows longer than any CTA's loop.
+    const std::int32_t cols_choices[] = {1, 7, 100, 2048, 8192, 33000, rng.uniform_int(1, 10000)};
+    const test::MassBudgetsProblem p(rng, rng.uniform_int(1, 16), cols_choices[rng.uniform_int(0, 6)]);
+    SCOPED_TRACE(p.label());
+    std::vector<std::int32_t> want(std::size_t(p.rows), -77);
+    cpu::mass_budgets(p.view(p.scores.data()), p.counts.data(), p.options(p.limits.data()), want.data());
+    EXPECT_EQ(want, test::mass_budgets_reference(p));
+    ASSERT_EQ(cuda_mass_budgets(p), want);
+  }
+}
+
+TEST_F(CudaTopK, MassBudgetsOfOutOfRangeDeviceInputsAreMinusOne) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  test::MassBudgetsProblem p(rng, 6, 300, false);
+  p.limits.assign(6, p.budget.maximum);
+  std::vector<std::int32_t> want = test::mass_budgets_reference(p);
+  p.counts[1] = p.cols + 1;  // past the row
+  p.counts[2] = -5;
+  p.limits[3] = -1;
+  p.limits[4] = p.budget.maximum + 1;
+  want[1] = want[2] = want[3] = want[4] = -1;
+  EXPECT_EQ(cuda_mass_budgets(p), want);
+}
+
+TEST_F(CudaTopK, MassBudgetsGraphReplaysEqualEagerRuns) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  test::MassBudgetsProblem p(rng, 8, 8192);
+  DeviceBuffer<float> scores(p.scores);
+  const DeviceBuffer<std::int32_t> counts(p.counts);
+  const DeviceBuffer<std::int32_t> limits = p.limits.empty() ? DeviceBuffer<std::int32_t>() : DeviceBuffer<std::int32_t>(p.limits);
+  DeviceBuffer<std::int32_t> row_k(std::size_t(p.rows));
+  cudaStream_t stream;
+  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::CapturedGraph graph(stream, [&] {
+    cuda::mass_budgets(p.view(scores.data()), counts.data(), p.options(limits.data()), row_k.data(), stream);
+  });
+  for (int replay = 0; replay < 2; ++replay) {
+    // Fresh scores into the captured buffer (the same counts, limits and budget).
+    for (std::int32_t r = 0; r < p.rows; ++r) {
+      float* const row = p.scores.data() + r * p.stride();
+      std::fill_n(row, p.stride(), NAN);
+      test::MassBudgetsProblem::fill_row(rng, row, std::max(p.counts[std::size_t(r)], 0), test::kMassRows[rng.uniform_int(0, 5)]);
+    }
+    scores.upload(p.scores);
+    row_k.poison();
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    graph.launch();
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(row_k.download(), test::mass_budgets_reference(p)) << "replay " << replay;
+  }
+  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 TEST(CudaTopKPlan, ClustersFillTheGpuInOneWave) {
   using cuda::detail::plan_topk_rows;
   // An H100-like capacity (132 SMs, one select CTA per SM; clusters stay inside a GPC): 30 clusters of 4 at once.
@@ -430,6 +500,20 @@ TEST(CudaTopKBadInput, RefusedBeforeAnyDeviceCall) {
                      "scores: strides inconsistent with shape");
   test::expect_error([&] { go(MatrixView<const float>::packed(scores, 8, 64), lengths, 5, {.heads_per_row = 2}, out); },
                      "kvsift::cuda::topk_rows: workspace too small: 'topk picks'");
+
+  // mass_budgets' checks (the shared ones, and the grid's), on the fake pointers.
+  const auto mass = [&](MatrixView<const float> s, MassBudget b, const std::int32_t* c = nullptr) {
+    cuda::mass_budgets(s, c != nullptr ? c : ints, b, ints, nullptr);
+  };
+  test::expect_error([&] { mass(view, {.mass = 0, .maximum = 4}); },
+                     "kvsift::cuda::mass_budgets: budget.mass (= 0) is outside (0, 1]");
+  test::expect_error([&] { mass(view, {.mass = 0.5, .floor = 0, .maximum = 4}); }, "budget.floor (= 0) must be >= 1");
+  test::expect_error([&] { mass(view, {.mass = 0.5, .floor = 5, .maximum = 4}); },
+                     "budget.maximum (= 4) is below budget.floor (= 5)");
+  test::expect_error([&] { cuda::mass_budgets(view, ints, {.mass = 0.5, .maximum = 4}, nullptr, nullptr); },
+                     "counts and row_k must be non-null");
+  test::expect_error([&] { mass(MatrixView<const float>::packed(scores, 1, kMassMaxCandidates + 1), {.mass = 0.5, .maximum = 4}); },
+                     "scores.cols (= 8388609) exceeds 8388608 candidates per row");
 }
 
 }  // namespace

@@ -387,6 +387,15 @@ TEST(Fidelity, RerankEntriesKeepTheirBudgetAndMoreMassThanTheirProposers) {
       EXPECT_GT(r.mass_recall, 0.75) << reranked;
     }
   }
+  // The adaptive budget keeps at most as many tokens as the fixed one, and holds no more mass than it.
+  for (const std::int32_t layer : {3, 15}) {
+    const auto& fixed = row_for(result.rows, "Quest + rerank", 0.2, layer);
+    const auto& adaptive = row_for(result.rows, "Quest + rerank (p 0.9)", 0.2, layer);
+    ASSERT_TRUE(adaptive.refused.empty()) << adaptive.refused;
+    EXPECT_LE(adaptive.mean_selected, fixed.mean_selected + 1e-9) << "layer " << layer;
+    EXPECT_LE(adaptive.mass_recall, fixed.mass_recall + 1e-9) << "layer " << layer;
+    EXPECT_GT(adaptive.mean_selected, 0) << "layer " << layer;
+  }
   EXPECT_THROW(rerank_selectors(0), Error);
 }
 

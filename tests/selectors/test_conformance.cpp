@@ -10,6 +10,7 @@ namespace {
 INSTANTIATE_TYPED_TEST_SUITE_P(OracleTopK, Conformance, OnCpu<OracleTopKCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(Quest, Conformance, OnCpu<QuestCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(RerankedQuest, Conformance, OnCpu<RerankedQuestCase>);
+INSTANTIATE_TYPED_TEST_SUITE_P(RerankedMassQuest, Conformance, OnCpu<RerankedMassQuestCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(StreamingLLM, Conformance, OnCpu<StreamingLLMCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(Ctkvr, Conformance, OnCpu<CtkvrCase>);
 INSTANTIATE_TYPED_TEST_SUITE_P(Csattention, Conformance, OnCpu<CsattentionCase>);

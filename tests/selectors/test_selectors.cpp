@@ -129,35 +129,6 @@ TYPED_TEST(CpuSelectors, QuestTakesTheBestPagesWhole) {
   }
 }
 
-/// The rerank's exact score of each candidate of row (b, g), in fp64: the group's softmax weight over the
-/// candidates alone, max over the group's heads.
-template <class T>
-std::map<std::int32_t, double> rerank_scores(const HostDecodeProblem<T>& p, std::int32_t b, std::int32_t g,
-                                             const std::vector<std::int32_t>& candidates, double scale) {
-  const auto& c = p.spec;
-  const std::int32_t group = c.q_heads / c.kv_heads;
-  const auto kv = p.kv_values.view();
-  std::map<std::int32_t, double> best;
-  std::vector<double> logits(candidates.size());
-  for (std::int32_t h = g * group; h < (g + 1) * group; ++h) {
-    double max_logit = -std::numeric_limits<double>::infinity();
-    for (std::size_t i = 0; i < candidates.size(); ++i) {
-      double dot = 0;
-      for (std::int32_t d = 0; d < c.head_dim; ++d) {
-        dot += double(to_float(p.q[(std::size_t(b) * c.q_heads + h) * c.head_dim + d])) * kv.k_row(b, g, candidates[i])[d];
-      }
-      logits[i] = scale * dot;
-      max_logit = std::max(max_logit, logits[i]);
-    }
-    double sum = 0;
-    for (const double l : logits) sum += std::exp(l - max_logit);
-    for (std::size_t i = 0; i < candidates.size(); ++i) {
-      best[candidates[i]] = std::max(best[candidates[i]], std::exp(logits[i] - max_logit) / sum);
-    }
-  }
-  return best;
-}
-
 TYPED_TEST(CpuSelectors, RerankedQuestKeepsTheBestOfQuestsCandidatesByTheExactScore) {
   using T = TypeParam;
   for (const std::int32_t page_size : {0, 16}) {
@@ -190,6 +161,19 @@ TYPED_TEST(CpuSelectors, RerankedQuestKeepsTheBestOfQuestsCandidatesByTheExactSc
         expect_top_k(selection_row(sel.indices, sel.counts, row, budget), scores, budget, 1e-4 * top,
                      fmt::format("row ({}, {})", b, g));
       }
+    }
+    // RerankConfig::mass: each row keeps the top-k of its exact scores with k the fewest that hold p of the row's
+    // mass (at least the floor, at most the budget and, with budget_fraction, the length's budget).
+    for (const RerankConfig config : {RerankConfig{.budget = 48, .mass = 0.3},
+                                      RerankConfig{.budget = 48, .mass = 0.6, .floor = 8},
+                                      RerankConfig{.budget = 48, .budget_fraction = 0.05, .mass = 1.0, .floor = 2}}) {
+      SCOPED_TRACE(describe(spec) + fmt::format(" mass {} floor {} fraction {} seed {}", config.mass, config.floor,
+                                                config.budget_fraction, this->seed));
+      DecodeStep adaptive(Reranked(Quest<T, cpu::Context>(f.limits(), proposer), config), f.config(kWindow), ctx);
+      adaptive.prepare({.cache = f.cache(), .slots = f.slots.data()}, ctx);
+      auto adaptive_workspace = poisoned_workspace(adaptive.workspace_bytes());
+      const auto kept = run_step(adaptive, f, adaptive_workspace, ctx);  // against the reference attention too
+      expect_reranked_mass_rows(f.p, candidates, proposer.budget, kept, config, 1.0 / std::sqrt(64.0));
     }
   }
 }
@@ -471,6 +455,15 @@ TEST(CpuSelectorRefusals, RerankConfigurations) {
                "config.budget_fraction (= 1.5) is outside [0, 1]");
   expect_error([&] { Reranked(quest(), {.budget = 16, .budget_fraction = std::nan("")}); },
                "config.budget_fraction (= nan) is outside [0, 1]");
+  expect_error([&] { Reranked(quest(), {.budget = 16, .mass = 1.5}); }, "config.mass (= 1.5) is outside [0, 1] (0: off)");
+  expect_error([&] { Reranked(quest(), {.budget = 16, .mass = -0.1}); }, "config.mass (= -0.1) is outside [0, 1]");
+  expect_error([&] { Reranked(quest(), {.budget = 16, .mass = std::nan("")}); }, "config.mass (= nan) is outside [0, 1]");
+  expect_error([&] { Reranked(quest(), {.budget = 16, .mass = 0.6, .floor = 0}); },
+               {"Reranked", "config.floor (= 0) is outside [1, config.budget = 16]"});
+  expect_error([&] { Reranked(quest(), {.budget = 16, .mass = 0.6, .floor = 17}); },
+               "config.floor (= 17) is outside [1, config.budget = 16]");
+  expect_error([&] { RerankStage<bfloat16, cpu::Context>(limits, {.budget = 8, .mass = 2}); },
+               {"RerankStage", "config.mass (= 2) is outside [0, 1]"});
   const RerankStage<bfloat16, cpu::Context> stage(limits, {.budget = 8});
   std::vector<std::int32_t> indices(2 * 2 * 8), counts(4);
   const SelectionView short_out{indices.data(), counts.data(), nullptr, 2, 2, 4};

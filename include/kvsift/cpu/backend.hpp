@@ -97,6 +97,10 @@ inline void length_budgets(const std::int32_t* lengths, std::int32_t batch, std:
                            std::int32_t* row_k, const Context& ctx) {
   cpu::length_budgets(lengths, batch, heads, budget, row_k);
 }
+inline void mass_budgets(const MatrixView<const float>& scores, const std::int32_t* counts, const MassBudget& budget,
+                         std::int32_t* row_k, const Context& ctx) {
+  cpu::mass_budgets(scores, counts, budget, row_k, ctx.pool);
+}
 
 /// Sparse decode of the window and the selection, O in the storage type or fp32 (TO); the workspace depends on
 /// the batch and the pool's threads.

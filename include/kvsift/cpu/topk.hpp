@@ -55,4 +55,19 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* length
 void length_budgets(const std::int32_t* lengths, std::int32_t batch, std::int32_t heads, const LengthBudget& budget,
                     std::int32_t* row_k);
 
+/// topk_rows' per-row budgets from the scores themselves (core/ranking.hpp MassBudget, top-p): for each row r of
+/// `scores` [rows, capacity] (the rerank's candidate scores, group-max softmax weights) whose first counts[r]
+/// entries are its candidates, row_k[r] = the fewest of its best candidates whose scores hold budget.mass of
+/// the row's total, in MassBudget's fixed point, clamped to [budget.floor, min(budget.maximum, counts[r],
+/// budget.limits[r])]. A row with a score outside [0, 1] (NaN, an infinity, a negative) keeps that upper bound;
+/// a row with counts[r] = -1 (a row an earlier stage marked bad) gets row_k[r] = -1, which topk_rows passes on
+/// as count -1 on CUDA (and refuses with the row's length on the CPU). Checked: non-null pointers, scores.cols in
+/// [1, kMassMaxCandidates], budget.mass in (0, 1], budget.floor >= 1, budget.maximum >= budget.floor, every
+/// counts[r] in [-1, scores.cols], every budget.limits[r] in [0, budget.maximum]. The result is cuda::mass_budgets'
+/// bit for bit (integer sums: no order dependence). Per row a radix select over the scores' bits that counts
+/// items and units per digit (3 passes of 11, 11 and 10 bits over the row, histograms on the stack); rows in
+/// parallel on `pool` (nullptr: the calling thread). Host memory; no allocation, no workspace.
+void mass_budgets(const MatrixView<const float>& scores, const std::int32_t* counts, const MassBudget& budget,
+                  std::int32_t* row_k, ThreadPool* pool = nullptr);
+
 }  // namespace kvsift::cpu

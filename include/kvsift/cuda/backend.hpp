@@ -103,6 +103,10 @@ inline void length_budgets(const std::int32_t* lengths, std::int32_t batch, std:
                            std::int32_t* row_k, const Context& ctx) {
   cuda::length_budgets(lengths, batch, heads, budget, row_k, ctx.stream);
 }
+inline void mass_budgets(const MatrixView<const float>& scores, const std::int32_t* counts, const MassBudget& budget,
+                         std::int32_t* row_k, const Context& ctx) {
+  cuda::mass_budgets(scores, counts, budget, row_k, ctx.stream);
+}
 
 /// Sparse decode of the window and the selection, O in the storage type or fp32 (TO).
 inline std::size_t sparse_decode_workspace_bytes(std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,

@@ -50,4 +50,14 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* d_leng
 void length_budgets(const std::int32_t* d_lengths, std::int32_t batch, std::int32_t heads, const LengthBudget& budget,
                     std::int32_t* d_row_k, cudaStream_t stream);
 
+/// cpu::mass_budgets' twin, bit for bit (core/ranking.hpp MassBudget): row_k[r] from the first counts[r] scores
+/// of row r. The same checks before the launch; counts and budget.limits live on the device, so a row whose
+/// count lies outside [0, scores.cols] or whose limit lies outside [0, budget.maximum] gets row_k[r] = -1
+/// (which topk_rows turns into count -1). One launch, one CTA per row (a radix select over the scores' bits
+/// whose histograms count items and fixed-point units per digit; uint64 shared atomics, so the sums are exact
+/// and order-independent), a programmatic dependent (PDL) like topk_rows'. Device memory; no allocation, no
+/// host sync, graph capturable.
+void mass_budgets(const MatrixView<const float>& scores, const std::int32_t* d_counts, const MassBudget& budget,
+                  std::int32_t* d_row_k, cudaStream_t stream);
+
 }  // namespace kvsift::cuda

@@ -147,7 +147,10 @@ std::vector<BasicSelectorEntry<Context>> method_selectors() {
 /// own entry's window and budget; "Quest + rerank" with CTKVR's window (a sink of min(4, K / 8), a recent window of
 /// K / 4) and the rest K' kept: Quest's own entry has no window, but after a rerank the window's recent tokens
 /// are worth more than Quest's K'-th page (GPL-3 capture, layer 15 at 2%: mass recall 0.440 without it, 0.718
-/// with it; layer 3 0.332 and 0.335). Same instantiation points as reference_selectors.
+/// with it; layer 3 0.332 and 0.335). "Quest + rerank (p 0.9)": the same with an adaptive budget (RerankConfig::mass
+/// = 0.9, floor 1): each row keeps the fewest of its best candidates holding 90% of their exact mass, at most K'; it
+/// selects fewer tokens than its budget, so compare it by FidelityRow::mean_selected (the cost actually paid), not
+/// by K. Same instantiation points as reference_selectors.
 template <class Context = cpu::Context>
 std::vector<BasicSelectorEntry<Context>> rerank_selectors(std::int32_t factor) {
   using Setup = BasicSelectorSetup<Context>;
@@ -163,6 +166,13 @@ std::vector<BasicSelectorEntry<Context>> rerank_selectors(std::int32_t factor) {
          Quest<half, Context> quest(limits, {.budget = proposed(split.selection, limits), .page_size = 16});
          const std::int32_t kept = std::min(split.selection, quest.capacity());
          return Setup{Any(Reranked(std::move(quest), {.budget = kept})), split.window};
+       }},
+      {"Quest + rerank (p 0.9)",
+       [proposed](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
+         const BudgetSplit split = split_budget(k, {.sink = 4, .recent = k});
+         Quest<half, Context> quest(limits, {.budget = proposed(split.selection, limits), .page_size = 16});
+         const std::int32_t kept = std::min(split.selection, quest.capacity());
+         return Setup{Any(Reranked(std::move(quest), {.budget = kept, .mass = 0.9})), split.window};
        }},
       {"CSAttention + rerank",
        [proposed](std::int32_t k, const SelectorLimits& limits, std::int32_t) {

@@ -7,12 +7,14 @@
 ///     the group, the softmax taken over the row's candidates (candidate_scores with rerank_score_options): the
 ///     ranking inside a head is the attention's own; across the group's heads each head's weights sum to one over
 ///     the candidates. Ties go to the smaller candidate ordinal (topk_rows' rule), so both backends agree exactly.
+///     With config.mass = p > 0 a row keeps fewer: the fewest of its best candidates whose scores sum to p of its
+///     total (top-p; mass_budgets, exact in fixed point on both backends), at least config.floor.
 ///   - Reranked<S>: a selector whose proposer S selects S.capacity() candidates (c x K: build S with the larger
 ///     budget) that the stage reduces to the best K = config.budget. The window stays the proposer's concern: it
 ///     never proposes window tokens, so none is kept. Cost: c x K keys read per (sequence, kv head) besides the
 ///     proposer's select.
-/// Written once for both backends from the shared primitives (candidate_scores, length_budgets, topk_rows,
-/// remap_selection); include cpu/backend.hpp or cuda/backend.hpp before instantiating either.
+/// Written once for both backends from the shared primitives (candidate_scores, length_budgets, mass_budgets,
+/// topk_rows, remap_selection); include cpu/backend.hpp or cuda/backend.hpp before instantiating either.
 
 #include <algorithm>
 #include <cmath>
@@ -40,6 +42,14 @@ struct RerankConfig {
   double budget_fraction = 0;
   /// > 0: also the best `entries` of each row's candidates, for an index update (CTKVR's new list). 0: none.
   std::int32_t entries = 0;
+  /// p in (0, 1]: each row keeps the fewest of its best candidates whose exact scores sum to at least p of the
+  /// row's total (top-p, as Twilight prunes; mass_budgets, core/ranking.hpp MassBudget, in fixed point: the same
+  /// rows on both backends), at least `floor` and at most `budget` (with budget_fraction, at most the length's
+  /// budget too: the smaller of the two). 0: off. The selection's counts then vary per row.
+  double mass = 0;
+  /// With mass > 0, the fewest candidates a row keeps (a row with fewer candidates keeps them all); in [1,
+  /// budget]. Default 1: the adaptive budget alone decides (a peaked row may keep a single token).
+  std::int32_t floor = 1;
 };
 
 namespace detail {
@@ -54,6 +64,10 @@ inline const RerankConfig& checked_rerank_config(const char* where, const Rerank
   KVSIFT_CHECK(std::isfinite(c.budget_fraction) && c.budget_fraction >= 0 && c.budget_fraction <= 1, where,
                "config.budget_fraction (= {}) is outside [0, 1]", c.budget_fraction);
   KVSIFT_CHECK(c.entries >= 0, where, "config.entries (= {}) must be >= 0", c.entries);
+  KVSIFT_CHECK(std::isfinite(c.mass) && c.mass >= 0 && c.mass <= 1, where,
+               "config.mass (= {}) is outside [0, 1] (0: off)", c.mass);
+  KVSIFT_CHECK(c.floor >= 1 && c.floor <= c.budget, where, "config.floor (= {}) is outside [1, config.budget = {}]",
+               c.floor, c.budget);
   return c;
 }
 
@@ -102,8 +116,14 @@ class RerankStage {
     TopKRowsOptions budget_options{};
     if (config_.budget_fraction > 0) {
       length_budgets(lengths, batch, limits_.kv_heads, {.fraction = config_.budget_fraction, .maximum = config_.budget},
-                     w.row_k, ctx);
-      budget_options.row_k = w.row_k;
+                     w.length_k, ctx);
+      budget_options.row_k = w.length_k;
+    }
+    if (config_.mass > 0) {
+      mass_budgets(ranked, candidates.counts,
+                   {.mass = config_.mass, .floor = config_.floor, .maximum = config_.budget, .limits = budget_options.row_k},
+                   w.mass_k, ctx);
+      budget_options.row_k = w.mass_k;
     }
     const SelectionView positions{out.indices, out.counts, out.log_weights, std::int32_t(rows), 1, out.capacity};
     topk_rows(ranked, candidates.counts, config_.budget, budget_options, positions, w.topk_scratch, ctx);
@@ -117,15 +137,18 @@ class RerankStage {
  private:
   struct Buffers {
     float* scores;
-    std::int32_t* row_k;
+    std::int32_t *length_k, *mass_k;  ///< the rows' budgets by length (budget_fraction) and by mass
     std::span<std::byte> scores_scratch, topk_scratch;
   };
   Buffers layout(WorkspaceLayout& layout, std::int32_t batch, std::int32_t capacity, const Context& ctx) const {
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
     Buffers b{};
     b.scores = layout.allocate<float>(std::size_t(rows) * std::size_t(capacity), "rerank candidate scores");
-    b.row_k = config_.budget_fraction > 0 ? layout.allocate<std::int32_t>(std::size_t(rows), "rerank budgets per row")
-                                          : nullptr;
+    b.length_k = config_.budget_fraction > 0
+                     ? layout.allocate<std::int32_t>(std::size_t(rows), "rerank budgets per row by length")
+                     : nullptr;
+    b.mass_k = config_.mass > 0 ? layout.allocate<std::int32_t>(std::size_t(rows), "rerank budgets per row by mass")
+                                : nullptr;
     b.scores_scratch = layout.span(
         candidate_scores_workspace_bytes(rows, limits_.q_heads / limits_.kv_heads, capacity, ctx),
         "rerank candidate scores scratch");

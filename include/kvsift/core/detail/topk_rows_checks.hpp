@@ -50,4 +50,20 @@ inline void check_length_budgets(const char* where, const std::int32_t* lengths,
   KVSIFT_CHECK(budget.reserved >= 0, where, "budget.reserved (= {}) must be >= 0", budget.reserved);
 }
 
+/// A mass_budgets call: the scores, the pointers and the budget (counts and limits live in the backend's memory).
+inline void check_mass_budgets(const char* where, const MatrixView<const float>& scores, const std::int32_t* counts,
+                               const MassBudget& budget, const std::int32_t* row_k) {
+  validate(scores, where, "scores");
+  KVSIFT_CHECK(scores.rows > 0 && scores.cols > 0, where, "scores [{}, {}] must have rows and columns", scores.rows,
+               scores.cols);
+  KVSIFT_CHECK(scores.cols <= kMassMaxCandidates, where,
+               "scores.cols (= {}) exceeds {} candidates per row (the fixed-point sums must stay below 2^63)",
+               scores.cols, kMassMaxCandidates);
+  KVSIFT_CHECK(counts != nullptr && row_k != nullptr, where, "counts and row_k must be non-null");
+  KVSIFT_CHECK(budget.mass > 0 && budget.mass <= 1, where, "budget.mass (= {}) is outside (0, 1]", budget.mass);
+  KVSIFT_CHECK(budget.floor >= 1, where, "budget.floor (= {}) must be >= 1", budget.floor);
+  KVSIFT_CHECK(budget.maximum >= budget.floor, where, "budget.maximum (= {}) is below budget.floor (= {})",
+               budget.maximum, budget.floor);
+}
+
 }  // namespace kvsift::detail

@@ -1,6 +1,7 @@
 #pragma once
 /// Params, launch shapes and launchers of the CUDA top-K (cuda/topk.hpp), for the host code in
-/// src/cuda/topk.cpp. Kernels: kernels/topk_rows.cu (device code in detail/topk_kernels.cuh). Launchers return
+/// src/cuda/topk.cpp. Kernels: kernels/topk_rows.cu (device code in detail/topk_kernels.cuh, detail/topk_held_kernels.cuh
+/// and detail/topk_mass_kernels.cuh). Launchers return
 /// the launch status and never throw.
 
 #include <cuda_runtime_api.h>
@@ -138,5 +139,20 @@ cudaError_t launch_topk_rows(const TopKRowsParams& params, cudaStream_t stream);
 
 cudaError_t launch_length_budgets(const std::int32_t* lengths, std::int32_t batch, std::int32_t heads,
                                   const LengthBudget& budget, std::int32_t* row_k, cudaStream_t stream);
+
+// ---- mass_budgets: one CTA per row -------------------------------------------------------------------------
+
+/// Threads of the mass_budgets kernel: 4 of MassBudget's 2048 radix bins per thread in its scan.
+inline constexpr int kMassBudgetsThreads = 512;
+
+/// Everything one mass_budgets launch reads and writes (device pointers).
+struct MassBudgetsParams {
+  MatrixView<const float> scores;  ///< [rows, capacity]
+  const std::int32_t* counts;      ///< [rows]
+  MassBudget budget;               ///< budget.limits: [rows] or nullptr
+  std::int32_t* row_k;             ///< [rows]
+};
+
+cudaError_t launch_mass_budgets(const MassBudgetsParams& params, cudaStream_t stream);
 
 }  // namespace kvsift::cuda::detail
