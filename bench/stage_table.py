@@ -11,6 +11,7 @@ method: 0 Quest, 1 OracleTopK, 2 CTKVR, 3 CSAttention, 4 A2ATS, 5 Quest + rerank
 import argparse
 import csv
 import io
+import os
 import subprocess
 import sys
 from collections import OrderedDict
@@ -21,9 +22,9 @@ METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.
 def profile(binary, bench_filter, ncu):
     """Nsight Compute's CSV rows (one per kernel launch) of the NVTX range's kernels."""
     command = [ncu, "--csv", "--print-units", "base", "--clock-control", "none", "--nvtx", "--nvtx-include", "kvsift step/",
-               "--metrics", ",".join(METRICS), binary, f"--benchmark_filter={bench_filter}",
-               "--benchmark_min_time=0.001s"]
-    text = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+               "--metrics", ",".join(METRICS), binary, f"--benchmark_filter={bench_filter}"]
+    environment = dict(os.environ, KVSIFT_PROFILE_ONE_STEP="1")  # BM_Step runs one step in the range, then skips
+    text = subprocess.run(command, check=True, capture_output=True, text=True, env=environment).stdout
     start = text.find('"ID"')
     if start < 0:
         sys.exit("stage_table.py: Nsight Compute profiled no kernel in the range 'kvsift step'")
@@ -33,8 +34,9 @@ def profile(binary, bench_filter, ncu):
 def to_unit(value, unit):
     """A metric value in seconds (time) or bytes."""
     x = float(value.replace(",", ""))
-    scale = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0, "byte": 1.0, "Kbyte": 1e3,
-             "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
+    scale = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0, "ns": 1e-9, "us": 1e-6, "ms": 1e-3,
+             "s": 1.0, "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12, "B": 1.0, "KB": 1e3,
+             "MB": 1e6, "GB": 1e9, "TB": 1e12}
     return x * scale[unit]
 
 

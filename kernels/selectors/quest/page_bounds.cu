@@ -21,6 +21,7 @@ cudaError_t launch_expand_pages(const SelectionView& pages, std::int32_t page_si
 #define KVSIFT_INSTANTIATE(T)                                                                                       \
   KVSIFT_INSTANTIATE_UPDATES(T, ContiguousKVView<const T>)                                                          \
   KVSIFT_INSTANTIATE_UPDATES(T, PagedKVView<const T>)                                                               \
+  template cudaError_t choose_page_score_kernel<T>(const PageScoreParams<T>&, PageScoreKernel*);                   \
   template cudaError_t launch_page_scores<T>(const PageScoreParams<T>&, cudaStream_t);                              \
   template cudaError_t launch_page_scores_direct<T>(const PageScoreParams<T>&, cudaStream_t);
 KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)
