@@ -5,12 +5,14 @@
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/cuda/detail/cache_ops_launch.hpp"
+#include "kvsift/cuda/detail/launch.cuh"
 
 namespace kvsift::cuda::detail {
 namespace {
 
 template <class T>
 __global__ void sequence_lengths_kernel(KVCache<const T> cache, std::int32_t* lengths) {
+  programmatic_start();  // the engine's lengths and page table for this step
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b < cache.batch()) lengths[b] = cache.seq_len(b);
 }
@@ -228,8 +230,10 @@ void launch_scan(const View& kv, const std::int32_t* lengths, unsigned long long
 
 template <class T>
 cudaError_t launch_sequence_lengths(const KVCache<const T>& cache, std::int32_t* lengths, cudaStream_t stream) {
-  sequence_lengths_kernel<T><<<(cache.batch() + 127) / 128, 128, 0, stream>>>(cache, lengths);
-  return cudaGetLastError();
+  return launch(sequence_lengths_kernel<T>,
+                {.grid = dim3(unsigned((cache.batch() + 127) / 128)), .block = dim3(128), .stream = stream,
+                 .programmatic = true},
+                cache, lengths);
 }
 
 cudaError_t launch_identity_indices(std::int32_t* indices, std::int64_t rows, std::int32_t capacity,

@@ -2,6 +2,8 @@
 /// topk_rows' held kernel (kernels/topk_rows.cu): for rows whose middle fits a cluster's registers, each CTA of the
 /// row's cluster loads its slice once (coalesced 16-byte loads where aligned) and keeps it in registers as rank
 /// words (core/ranking.hpp: smaller word, better score). Steps, with two cluster barriers in the usual case:
+///   0. a row on one CTA first finds the leading bits all its words share (its lowest and highest word agree
+///      there) and starts its digits below them (in a cluster the extra cluster barrier cost more than it saved);
 ///   1. an 8-bit histogram of the words' top digit per CTA; cluster barrier; every CTA reads all the cluster's
 ///      histograms over distributed shared memory and finds the same threshold digit, and per CTA the counts
 ///      better than and inside the threshold bin;
@@ -96,6 +98,8 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
   __shared__ std::uint32_t decision[3];
   __shared__ std::uint32_t cursor, few_cursor;
   __shared__ std::uint32_t slice_has_nan;  // read by rank 0 with nan_marks_row
+  __shared__ std::uint32_t lowest_word, highest_word;  // a one-CTA row's lowest and highest word
+  __shared__ std::uint32_t better_in_bin[kMaxCluster], tied_in_bin[kMaxCluster];
   extern __shared__ __align__(16) std::uint32_t bin_copy[];  // this CTA's bin, read by the cluster
 
   programmatic_start();  // the scores, lengths and budgets
@@ -167,9 +171,15 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
     }
   }
   for (int i = tid; i < 512; i += kThreads) (&histogram[0][0])[i] = 0;
+  if (tid < kMaxCluster) {
+    better_in_bin[tid] = 0;
+    tied_in_bin[tid] = 0;
+  }
   if (tid == 0) {
     cursor = 0;
     few_cursor = 0;
+    lowest_word = kNoWord;
+    highest_word = 0;
   }
   if (p.nan_marks_row) {
     // NaN's word is 0; written before the first cluster barrier, read by rank 0 after it.
@@ -182,13 +192,41 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
     __syncthreads();
   }
 
+  // ---- the bits every word of the row shares: all lie between the lowest and the highest, so the leading bits
+  // where those two agree are common, and the first digit starts below them. Scores of one magnitude (Quest's
+  // page bounds) share sign and exponent: a first digit there put the whole row into one bin, through one shared
+  // counter, and the candidate stage then took the whole row.
+  std::uint32_t lowest = 0, highest = kNoWord;  // no common bits assumed
+  if (size == 1) {
+    std::uint32_t low = kNoWord, high = 0;
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      if (word[j] != kNoWord) {
+        low = min(low, word[j]);
+        high = max(high, word[j]);
+      }
+    }
+    low = __reduce_min_sync(0xffffffffu, low);
+    high = __reduce_max_sync(0xffffffffu, high);
+    if (lane == 0) {
+      atomicMin(&lowest_word, low);
+      atomicMax(&highest_word, high);
+    }
+    __syncthreads();
+    lowest = lowest_word;
+    highest = highest_word;
+  }
   int scan_turn = 0;
-  std::uint32_t prefix = 0, mask = 0, remaining = std::uint32_t(job.picks), in_bin = 0;
-  int bits = 0, pass = 0;
+  // At most 24 common bits, so that a first pass always runs (it counts the CTAs' bins; all words equal end it).
+  int bits = min(lowest == highest ? 32 : __clz(lowest ^ highest), 24), pass = 0;
+  std::uint32_t mask = bits == 0 ? 0u : ~0u << (32 - bits);
+  std::uint32_t prefix = lowest & mask, remaining = std::uint32_t(job.picks), in_bin = 0;
   bool gathered = false;
-  // ---- cluster passes: 8-bit digits, one cluster barrier each
+  // ---- cluster passes: digits of up to 8 bits below the prefix, one cluster barrier each
   for (;;) {
-    const int shift = 24 - bits;
+    const int width = min(8, 32 - bits);
+    const int shift = 32 - bits - width;
+    const std::uint32_t digit_mask = (1u << width) - 1u;
     std::uint32_t* const h = histogram[pass & 1];
     if (pass >= 2) {
       if (tid < 256) h[tid] = 0;
@@ -196,7 +234,7 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
     }
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
-      if (word[j] != kNoWord && (word[j] & mask) == prefix) atomicAdd(&h[(word[j] >> shift) & 255u], 1u);
+      if (word[j] != kNoWord && (word[j] & mask) == prefix) atomicAdd(&h[(word[j] >> shift) & digit_mask], 1u);
     }
     cluster.sync();  // every CTA's histogram of this pass is complete
     if (pass == 0 && p.nan_marks_row && rank == 0 && tid == 0 && count_out != nullptr) {
@@ -235,9 +273,9 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
     }
     __syncthreads();
     prefix |= digit << shift;
-    mask |= 255u << shift;
+    mask |= digit_mask << shift;
     remaining -= before;
-    bits += 8;
+    bits += width;
     ++pass;
     if (in_bin == remaining || bits == 32) break;  // threshold found without candidates
     if (in_bin <= std::uint32_t(kHeldCandidates)) {
@@ -360,20 +398,26 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
         break;
       }
     }
-    // Per source rank: its candidates better than / tied with the threshold.
-    for (int q = warp; q < size; q += kWarps) {
-      const std::uint32_t o = offsets[q], end = o + in_bin_of[q];
+    // Per source rank: its candidates better than / tied with the threshold, each rank's copy spread over all
+    // warps (32 candidates a step, two shared atomics per warp and rank).
+    for (int q = 0; q < size; ++q) {
+      const std::uint32_t end = offsets[q] + in_bin_of[q];
       std::uint32_t better = 0, tied = 0;
-      for (std::uint32_t b = o; b < end; b += 32) {
+      for (std::uint32_t b = offsets[q] + 32u * std::uint32_t(warp); b < end; b += 32u * kWarps) {
         const std::uint32_t i = b + lane;
         const std::uint32_t x = i < end ? candidates[i] & mask : kNoWord;
         better += __popc(__ballot_sync(0xffffffffu, i < end && x < prefix));
         tied += __popc(__ballot_sync(0xffffffffu, i < end && x == prefix));
       }
-      if (lane == 0) {
-        better_of[q] = before_bin[q] + better;
-        tied_of[q] = tied;
+      if (lane == 0 && (better | tied) != 0) {
+        atomicAdd(&better_in_bin[q], better);
+        atomicAdd(&tied_in_bin[q], tied);
       }
+    }
+    __syncthreads();
+    if (tid < size) {
+      better_of[tid] = before_bin[tid] + better_in_bin[tid];
+      tied_of[tid] = tied_in_bin[tid];
     }
     __syncthreads();
   } else {

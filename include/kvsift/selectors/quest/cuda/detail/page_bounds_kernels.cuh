@@ -181,6 +181,7 @@ __global__ void build_page_bounds_kernel(KV kv, const std::int32_t* slots, PageB
 /// One thread per (batch row, kv head, channel) of the step's token.
 template <class T, class KV>
 __global__ void append_page_bounds_kernel(KV kv, const std::int32_t* slots, PageBoundsView<T> bounds) {
+  programmatic_start();  // the step's token in the cache
   const std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x;
   if (i >= std::int64_t(kv.batch) * kv.kv_heads * bounds.head_dim) return;
   const std::int64_t row = i / bounds.head_dim, c = i % bounds.head_dim;
@@ -748,8 +749,9 @@ cudaError_t launch_append_page_bounds(const KV& kv, const std::int32_t* slots, c
                                       cudaStream_t stream) {
   const std::int64_t items = std::int64_t(kv.batch) * kv.kv_heads * bounds.head_dim;
   const unsigned blocks = unsigned((items + kPageBoundsThreads - 1) / kPageBoundsThreads);
-  append_page_bounds_kernel<T, KV><<<blocks, kPageBoundsThreads, 0, stream>>>(kv, slots, bounds);
-  return cudaGetLastError();
+  return launch(append_page_bounds_kernel<T, KV>,
+                {.grid = dim3(blocks), .block = dim3(kPageBoundsThreads), .stream = stream, .programmatic = true}, kv,
+                slots, bounds);
 }
 
 template <class T>
