@@ -193,8 +193,11 @@ class DecodeStep:
     selectors/a2ats/a2ats.hpp's A2atsConfig, the keys rotated back from the cache; 'centroidkv' {budget_ratio, sinks,
     recent, chunk, r_init, r_step, r_min, interval, max_rounds}: selectors/centroid_kv/centroid_kv.hpp's CentroidKVConfig, a
     merge store of floor(budget_ratio * prompt length) entries attended whole with log-degree weights, window (0, 0);
-    'quest', 'csattention' and 'a2ats' also take {rerank}: the rerank stage after them (selectors/rerank.hpp), which
-    keeps `rerank` tokens of their selection by the exact group softmax, their own budget being the proposals'),
+    'quest', 'csattention' and 'a2ats' also take {rerank, rerank_mass, rerank_floor}: the rerank stage after them
+    (selectors/rerank.hpp), which keeps `rerank` tokens of their selection by the exact group softmax, their own
+    budget being the proposals'; with rerank_mass = p in (0, 1] (RerankConfig::mass, top-p; 0, the default: off) a
+    row keeps the fewest of its best candidates whose scores sum to p of its total, at least rerank_floor (in [1,
+    rerank], default 1) and at most rerank, so the selection's counts vary per row; both need rerank),
     then sparse attention of its selection and the window (sink, recent), planned once for
     up to max_batch rows and sequences of up to max_seq_len tokens; the workspace is allocated here, once.
 

@@ -794,10 +794,20 @@ auto make_selector_step(const StepConfig& c, Wrap&& wrap) {
   nb::dict config = nb::cast<nb::dict>(c.selector_config.attr("copy")());
   decltype(wrap(StreamingLLM<T, Context>(limits))) step;
   // selector_config['rerank'] (Quest, CSAttention, A²ATS): the rerank stage after the selector (selectors/rerank.hpp),
-  // keeping that many of its selection by the exact scores; the selector's own budget is its proposals'.
+  // keeping that many of its selection by the exact scores; the selector's own budget is its proposals'. With
+  // 'rerank_mass' (RerankConfig::mass, top-p; 0: off) and 'rerank_floor' (::floor) a row keeps fewer; their bounds
+  // are checked by Reranked. Without 'rerank' they have no stage to configure and are refused.
   const auto maybe_reranked = [&](auto selector) {
-    if (!config.contains("rerank")) return wrap(std::move(selector));
-    const RerankConfig rerank{.budget = config_int(where, config, "rerank", std::nullopt)};
+    if (!config.contains("rerank")) {
+      for (const char* key : {"rerank_mass", "rerank_floor"}) {
+        KVSIFT_CHECK(!config.contains(key), where,
+                     "selector_config['{}'] needs selector_config['rerank'] (the rerank stage it adapts)", key);
+      }
+      return wrap(std::move(selector));
+    }
+    RerankConfig rerank{.budget = config_int(where, config, "rerank", std::nullopt)};
+    rerank.mass = config_float(where, config, "rerank_mass", rerank.mass);
+    rerank.floor = config_int(where, config, "rerank_floor", rerank.floor);
     return wrap(Reranked(std::move(selector), rerank));
   };
   if (c.selector == "oracle_topk") {

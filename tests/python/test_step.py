@@ -216,44 +216,127 @@ def test_csattention_selects_its_budget_and_attends_it(rng):
         assert message in str(raised.value), f"{message!r} not in {str(raised.value)!r}"
 
 
-def test_rerank_keeps_the_best_of_the_selectors_proposals_by_the_exact_group_softmax(rng):
-    # Quest proposes 128 tokens (8 pages of 16), the rerank keeps 24: the 24 of those proposals with the largest
-    # group maximum of each query head's softmax over the proposals, against numpy in fp64.
+def rerank_scores(q, k, b, g, candidates):
+    """fp64 exact scores of the rerank stage: per candidate token of row (b, g), the GQA group's maximum of each
+    query head's softmax over the candidates."""
+    logits = q[b, g * GROUP:(g + 1) * GROUP].astype(np.float64) @ k[b, g, candidates].astype(np.float64).T
+    logits /= np.sqrt(HEAD_DIM)
+    weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return (weights / weights.sum(axis=1, keepdims=True)).max(axis=0)
+
+
+def assert_keeps_the_best(score, candidates, chosen):
+    """chosen: ascending, among the candidates, and every kept token scores at least as high as every dropped
+    one (up to fp32 rounding)."""
+    assert (np.diff(chosen) > 0).all() and set(chosen.tolist()) <= set(candidates.tolist())
+    kept_scores = score[np.isin(candidates, chosen)]
+    dropped = score[~np.isin(candidates, chosen)]
+    if len(dropped):
+        assert kept_scores.min() >= dropped.max() - 1e-6
+
+
+def reference_mass_budgets(score, mass, floor, budget, tolerance):
+    """The budgets a row may keep under RerankConfig::mass, from fp64 scores: k = the fewest best candidates whose
+    scores sum to >= mass of the row's total, clamped to [floor, min(budget, candidates)]. kvsift sums fp32 scores
+    (in fixed point), so where the cumulative mass at the boundary lies within `tolerance` of mass, k - 1 (the
+    k - 1 best already reach mass - tolerance) or k + 1 (the k best reach less than mass + tolerance) is allowed too,
+    nothing further."""
+    cumulative = np.cumsum(np.sort(score)[::-1]) / score.sum()
+    k = int(np.argmax(cumulative >= mass)) + 1
+    ks = {k}
+    if k > 1 and cumulative[k - 2] >= mass - tolerance:
+        ks.add(k - 1)
+    if k < len(score) and cumulative[k - 1] < mass + tolerance:
+        ks.add(k + 1)
+    return {min(max(j, floor), budget, len(score)) for j in ks}
+
+
+def propose_and_rerank(cache, lengths, q, rerank):
+    """Quest (128 proposals, pages of 16) and the same Quest followed by the rerank stage (selector_config's
+    rerank keys `rerank`) over two sequences: both prepared, the lengths grown by the step's token, both run on q
+    with o and lse poisoned. Returns the proposals (indices, counts), the rerank's (indices, counts) and its
+    (o, lse)."""
     pool = kvsift.ThreadPool(2)
-    k, v, lengths, cache = make_cache(rng, [300, 451])
-    kept = 24
 
     def make(config):
-        return kvsift.DecodeStep("quest", config, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                                 max_seq_len=CAPACITY, max_batch=2, window=WINDOW, pool=pool)
+        return kvsift.DecodeStep("quest", {"budget": 128, "page_size": 16, **config}, q_heads=Q_HEADS,
+                                 kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_seq_len=CAPACITY, max_batch=2,
+                                 window=WINDOW, pool=pool)
 
-    proposer, reranked = make({"budget": 128, "page_size": 16}), make({"budget": 128, "page_size": 16, "rerank": kept})
-    assert reranked.capacity == kept
+    proposer, reranked = make({}), make(rerank)
+    assert reranked.capacity == rerank["rerank"]
     slots = np.array([0, 1], dtype=np.int32)
     proposer.prepare(cache, slots)
     reranked.prepare(cache, slots)
     lengths += 1
-    q = rng.standard_normal((2, Q_HEADS, HEAD_DIM)).astype(np.float16)
     for step in (proposer, reranked):
         o, lse = poisoned(q.shape, np.float32), poisoned(q.shape[:2], np.float32)
         step.run(q, cache, slots, o=o, lse=lse)
-    proposals, proposal_counts = proposer.selection(2)
-    indices, counts = reranked.selection(2)
+    return proposer.selection(2), reranked.selection(2), (o, lse)
+
+
+def test_rerank_keeps_the_best_of_the_selectors_proposals_by_the_exact_group_softmax(rng):
+    # Quest proposes 128 tokens (8 pages of 16), the rerank keeps 24: the 24 of those proposals with the largest
+    # group maximum of each query head's softmax over the proposals, against numpy in fp64.
+    k, v, lengths, cache = make_cache(rng, [300, 451])
+    kept = 24
+    q = rng.standard_normal((2, Q_HEADS, HEAD_DIM)).astype(np.float16)
+    (proposals, proposal_counts), (indices, counts), _ = propose_and_rerank(cache, lengths, q, {"rerank": kept})
     for b in range(2):
         for g in range(KV_HEADS):
             candidates = proposals[b, g, :proposal_counts[b, g]]
             assert counts[b, g] == min(kept, len(candidates))
-            logits = q[b, g * GROUP:(g + 1) * GROUP].astype(np.float64) @ k[b, g, candidates].astype(np.float64).T
-            logits /= np.sqrt(HEAD_DIM)
-            weights = np.exp(logits - logits.max(axis=1, keepdims=True))
-            score = (weights / weights.sum(axis=1, keepdims=True)).max(axis=0)
-            chosen = indices[b, g, :counts[b, g]]
-            assert (np.diff(chosen) > 0).all() and set(chosen.tolist()) <= set(candidates.tolist())
-            # Every kept token scores at least as high as every dropped one (up to fp32 rounding).
-            kept_scores = score[np.isin(candidates, chosen)]
-            dropped = score[~np.isin(candidates, chosen)]
-            if len(dropped):
-                assert kept_scores.min() >= dropped.max() - 1e-6
+            assert_keeps_the_best(rerank_scores(q, k, b, g, candidates), candidates, indices[b, g, :counts[b, g]])
+
+
+@pytest.mark.parametrize("kept", [24, 100])
+def test_rerank_mass_keeps_the_fewest_best_proposals_holding_the_mass_between_floor_and_budget(rng, kept):
+    # selector_config rerank_mass = 0.9, rerank_floor = 2 after Quest's 128 proposals: each row keeps the fewest of
+    # its best proposals whose fp64 group-max softmax scores hold 0.9 of the row's total, in [2, kept], against
+    # numpy. Sequence 0 (300 tokens) has random queries: spread attention, so rows need ~90 candidates (kept = 24:
+    # the budget binds; 100: the rule decides). Sequence 1 (120 tokens: its 100 middle tokens are all proposed)
+    # has peaked attention: kv head 0's queries are a scaled key (one token holds nearly all of the mass, the
+    # floor decides: 2), kv head 1's queries are three different scaled keys (three tokens of ~1 each: 3).
+    k, v, lengths, cache = make_cache(rng, [300, 120])
+    mass, floor = 0.9, 2
+    q = rng.standard_normal((2, Q_HEADS, HEAD_DIM)).astype(np.float16)
+    q[1, :GROUP] = (2 * k[1, 0, 60]).astype(np.float16)
+    for h in range(GROUP):
+        q[1, GROUP + h] = (2 * k[1, 1, 20 + 30 * h]).astype(np.float16)
+    (proposals, proposal_counts), (indices, counts), (o, lse) = propose_and_rerank(
+        cache, lengths, q, {"rerank": kept, "rerank_mass": mass, "rerank_floor": floor})
+    assert (counts >= floor).all() and (counts <= kept).all()
+    assert (counts[1] == [2, 3]).all(), counts
+    for b in range(2):
+        for g in range(KV_HEADS):
+            candidates = proposals[b, g, :proposal_counts[b, g]]
+            score = rerank_scores(q, k, b, g, candidates)
+            # kvsift's scores are fp32 softmax weights of fp32 logits (64-term dots, |logit| <= ~20): relative
+            # errors of a few 1e-6, so the row's cumulative mass is known to 1e-5.
+            allowed = reference_mass_budgets(score, mass, floor, kept, tolerance=1e-5)
+            assert counts[b, g] in allowed, (b, g, counts[b, g], allowed)
+            assert_keeps_the_best(score, candidates, indices[b, g, :counts[b, g]])
+    # The attention is over the adaptive selection and the window (o, lse were poisoned).
+    for (b, h), (ref_o, ref_lse) in expected_state(q, k, v, lengths, indices, counts, WINDOW).items():
+        np.testing.assert_allclose(o[b, h], ref_o, atol=2e-3, rtol=0)
+        np.testing.assert_allclose(lse[b, h], ref_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"rerank": 24, "rerank_mass": 1.5}, "config.mass (= 1.5) is outside [0, 1]"),
+    ({"rerank": 24, "rerank_mass": -0.1}, "config.mass (= -0.1) is outside [0, 1]"),
+    ({"rerank": 24, "rerank_mass": "0.9"}, "selector_config['rerank_mass'] (= '0.9') must be a finite number"),
+    ({"rerank": 24, "rerank_floor": 0}, "config.floor (= 0) is outside [1, config.budget = 24]"),
+    ({"rerank": 24, "rerank_mass": 0.9, "rerank_floor": 25}, "config.floor (= 25) is outside [1, config.budget = 24]"),
+    ({"rerank_mass": 0.9}, "selector_config['rerank_mass'] needs selector_config['rerank']"),
+    ({"rerank_floor": 2}, "selector_config['rerank_floor'] needs selector_config['rerank']"),
+])
+def test_rerank_mass_and_floor_are_refused_out_of_range_and_without_rerank(config, message):
+    args = dict(q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_seq_len=CAPACITY)
+    with pytest.raises(kvsift.Error) as raised:
+        kvsift.DecodeStep("quest", {"budget": 128, **config}, **args)
+    assert isinstance(raised.value, ValueError)
+    assert message in str(raised.value), f"{message!r} not in {str(raised.value)!r}"
 
 
 def test_rerank_is_refused_above_the_proposers_capacity_and_for_selectors_without_it():
@@ -262,3 +345,5 @@ def test_rerank_is_refused_above_the_proposers_capacity_and_for_selectors_withou
         kvsift.DecodeStep("quest", {"budget": 128, "rerank": 200}, **args)
     with pytest.raises(kvsift.Error, match=r"selector_config has keys .*'rerank'.* that ctkvr does not take"):
         kvsift.DecodeStep("ctkvr", {"budget": 32, "rerank": 16}, **args)
+    with pytest.raises(kvsift.Error, match=r"selector_config has keys .*'rerank_mass'.* that ctkvr does not take"):
+        kvsift.DecodeStep("ctkvr", {"budget": 32, "rerank_mass": 0.9}, **args)
