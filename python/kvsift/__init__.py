@@ -4,8 +4,9 @@ arrays (CPU) and torch tensors (CPU or CUDA, on torch's current stream), without
 Storage is float16 or bfloat16 (numpy has no bfloat16: float16 there, either with torch); outputs O are the
 storage type or float32, LSE float32 in natural log. Errors of the C++ checks are raised as kvsift.Error (a
 ValueError) with the C++ message. Every function takes preallocated outputs (`o`, `lse`, `indices`, ...) and a
-`workspace`; left out, they are allocated per call, which an engine's hot path avoids. docs/python.md is the
-reference.
+`workspace`; left out, they are allocated per call, which an engine's hot path avoids. `import kvsift.torch_ops`
+registers them as torch custom ops (torch.ops.kvsift.*) that torch.compile traces and CUDA graphs capture.
+docs/python.md is the reference.
 """
 import math
 

@@ -1,0 +1,253 @@
+"""kvsift as torch operators: `import kvsift.torch_ops` registers custom ops in the namespace "kvsift"
+(torch.library, torch >= 2.4) with fake implementations, so that torch.compile(fullgraph=True) traces a model
+calling them without a graph break and a CUDA graph captures them (they run on torch's current stream, never
+synchronize, and read no device value on the host).
+
+A KV cache is passed as a list of tensors and its layout: 'contiguous' [k, v, lengths] (k, v [batch, kv_heads,
+capacity, head_dim], lengths [batch] int32), or 'NHD' / 'HND' [k_pages, v_pages, page_indptr, page_indices,
+last_page_len] (kvsift.paged_cache's arguments). Each operation comes twice:
+  - functional (kvsift::sparse_decode, dense_decode, merge_states, topk_rows, decode_step): returns new tensors;
+    under torch.compile with CUDA graphs their memory comes from the graph's pool;
+  - `_into` (kvsift::sparse_decode_into, ...): writes caller-given outputs and workspace (size it with the
+    *_workspace_bytes functions below) and returns nothing: nothing is allocated in the call.
+Sparse decode does not validate its selection here (validation synchronizes): pass selections the engine trusts,
+or check them once with kvsift.sparse_decode(validate=True).
+
+The decode step: register a kvsift.DecodeStep (placement 'local') with register_step, which returns the integer
+handle the decode_step ops take; prepare and release sequences on the step itself, outside the hot path. The op
+reads the cache (the engine has written the step's token to it) and the slots tensor (on the step's device).
+docs/python.md#torch-operators is the reference."""
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import DecodeStep, Error, KVCache, _kvsift, _stream, _workspace
+
+__all__ = ["register_step", "unregister_step", "sparse_decode_workspace_bytes", "dense_decode_workspace_bytes",
+           "topk_rows_workspace_bytes"]
+
+Tensor = torch.Tensor
+
+_CACHE_TENSORS = {"contiguous": "[k, v, lengths]", "NHD": "[k_pages, v_pages, page_indptr, page_indices, last_page_len]",
+                  "HND": "[k_pages, v_pages, page_indptr, page_indices, last_page_len]"}
+
+
+def _cache(where, cache, layout):
+    """The kvsift.KVCache over `cache`'s tensors in `layout`."""
+    if layout not in _CACHE_TENSORS:
+        raise Error(f"kvsift::{where}: layout (= {layout!r}) must be 'contiguous', 'NHD' or 'HND'")
+    expected = 3 if layout == "contiguous" else 5
+    if len(cache) != expected:
+        raise Error(f"kvsift::{where}: a {layout} cache is {expected} tensors {_CACHE_TENSORS[layout]}, "
+                    f"got {len(cache)}")
+    if layout == "contiguous":
+        return KVCache.contiguous(*cache)
+    return KVCache.paged(*cache, layout)
+
+
+def _new_state(q, heads, out_dtype):
+    """O [batch, heads, head_dim] in out_dtype (default q's) and LSE [batch, heads] float32, beside q."""
+    o = q.new_empty((q.shape[0], heads, q.shape[-1]), dtype=out_dtype or q.dtype)
+    return o, q.new_empty((q.shape[0], heads), dtype=torch.float32)
+
+
+# ---- workspace sizes of the _into ops ---------------------------------------------------------------------------
+
+def sparse_decode_workspace_bytes(q, cache, layout, capacity, window=(0, 0)):
+    """Bytes of sparse_decode_into's workspace for q, this cache and selections of `capacity` entries."""
+    return _kvsift.decode_workspace_bytes("sparse", q, _cache("sparse_decode_into", cache, layout), capacity,
+                                          tuple(window), False, 0, None)
+
+
+def dense_decode_workspace_bytes(q, cache, layout, max_seq_len=0):
+    """Bytes of dense_decode_into's workspace (max_seq_len: as dense_decode's)."""
+    return _kvsift.decode_workspace_bytes("dense", q, _cache("dense_decode_into", cache, layout), 0, (0, 0), False,
+                                          max_seq_len, None)
+
+
+def topk_rows_workspace_bytes(scores, k, window=(0, 0), heads_per_row=1):
+    """Bytes of topk_rows_into's workspace for these scores."""
+    return _kvsift.topk_rows_workspace_bytes(scores.shape[0], scores.shape[1], k, tuple(window), heads_per_row,
+                                             "cuda" if scores.is_cuda else "cpu", None)
+
+
+# ---- sparse and dense decode ------------------------------------------------------------------------------------
+
+@torch.library.custom_op("kvsift::sparse_decode_into", mutates_args=("o", "lse", "workspace"))
+def sparse_decode_into(q: Tensor, cache: List[Tensor], layout: str, indices: Tensor, counts: Tensor,
+                       log_weights: Optional[Tensor], window: List[int], sm_scale: float, o: Tensor, lse: Tensor,
+                       workspace: Optional[Tensor]) -> None:
+    _kvsift.sparse_decode(q, _cache("sparse_decode_into", cache, layout), indices, counts, o, lse, workspace,
+                          log_weights, tuple(window), sm_scale, False, None, _stream(q, None))
+
+
+@sparse_decode_into.register_fake
+def _(q, cache, layout, indices, counts, log_weights, window, sm_scale, o, lse, workspace):
+    return None
+
+
+@torch.library.custom_op("kvsift::sparse_decode", mutates_args=())
+def sparse_decode(q: Tensor, cache: List[Tensor], layout: str, indices: Tensor, counts: Tensor,
+                  log_weights: Optional[Tensor], window: List[int], sm_scale: float,
+                  out_dtype: Optional[torch.dtype]) -> Tuple[Tensor, Tensor]:
+    o, lse = _new_state(q, q.shape[1], out_dtype)
+    workspace = _workspace(sparse_decode_workspace_bytes(q, cache, layout, indices.shape[-1], window), q)
+    sparse_decode_into(q, cache, layout, indices, counts, log_weights, window, sm_scale, o, lse, workspace)
+    return o, lse
+
+
+@sparse_decode.register_fake
+def _(q, cache, layout, indices, counts, log_weights, window, sm_scale, out_dtype):
+    return _new_state(q, q.shape[1], out_dtype)
+
+
+@torch.library.custom_op("kvsift::dense_decode_into", mutates_args=("o", "lse", "workspace"))
+def dense_decode_into(q: Tensor, cache: List[Tensor], layout: str, sm_scale: float, max_seq_len: int, o: Tensor,
+                      lse: Tensor, workspace: Optional[Tensor]) -> None:
+    _kvsift.dense_decode(q, _cache("dense_decode_into", cache, layout), o, lse, workspace, sm_scale, max_seq_len,
+                         None, _stream(q, None))
+
+
+@dense_decode_into.register_fake
+def _(q, cache, layout, sm_scale, max_seq_len, o, lse, workspace):
+    return None
+
+
+@torch.library.custom_op("kvsift::dense_decode", mutates_args=())
+def dense_decode(q: Tensor, cache: List[Tensor], layout: str, sm_scale: float, max_seq_len: int,
+                 out_dtype: Optional[torch.dtype]) -> Tuple[Tensor, Tensor]:
+    o, lse = _new_state(q, q.shape[1], out_dtype)
+    workspace = _workspace(dense_decode_workspace_bytes(q, cache, layout, max_seq_len), q)
+    dense_decode_into(q, cache, layout, sm_scale, max_seq_len, o, lse, workspace)
+    return o, lse
+
+
+@dense_decode.register_fake
+def _(q, cache, layout, sm_scale, max_seq_len, out_dtype):
+    return _new_state(q, q.shape[1], out_dtype)
+
+
+# ---- merge and top-k --------------------------------------------------------------------------------------------
+
+def _check_partials(where, o_parts, lse_parts):
+    if len(o_parts) == 0 or len(o_parts) != len(lse_parts):
+        raise Error(f"kvsift::{where}: o_parts ({len(o_parts)} tensors) and lse_parts ({len(lse_parts)}) must be "
+                    f"the same number of partial states, at least one")
+
+
+@torch.library.custom_op("kvsift::merge_states_into", mutates_args=("o", "lse"))
+def merge_states_into(o_parts: List[Tensor], lse_parts: List[Tensor], o: Tensor, lse: Tensor) -> None:
+    _check_partials("merge_states_into", o_parts, lse_parts)
+    _kvsift.merge_states(list(zip(o_parts, lse_parts)), o, lse, _stream(o_parts[0], None))
+
+
+@merge_states_into.register_fake
+def _(o_parts, lse_parts, o, lse):
+    return None
+
+
+@torch.library.custom_op("kvsift::merge_states", mutates_args=())
+def merge_states(o_parts: List[Tensor], lse_parts: List[Tensor],
+                 out_dtype: Optional[torch.dtype]) -> Tuple[Tensor, Tensor]:
+    _check_partials("merge_states", o_parts, lse_parts)
+    o, lse = _new_state(o_parts[0], o_parts[0].shape[1], out_dtype)
+    merge_states_into(o_parts, lse_parts, o, lse)
+    return o, lse
+
+
+@merge_states.register_fake
+def _(o_parts, lse_parts, out_dtype):
+    _check_partials("merge_states", o_parts, lse_parts)
+    return _new_state(o_parts[0], o_parts[0].shape[1], out_dtype)
+
+
+@torch.library.custom_op("kvsift::topk_rows_into", mutates_args=("indices", "counts", "workspace"))
+def topk_rows_into(scores: Tensor, lengths: Tensor, k: int, window: List[int], heads_per_row: int, indices: Tensor,
+                   counts: Tensor, workspace: Optional[Tensor]) -> None:
+    _kvsift.topk_rows(scores, lengths, k, indices, counts, workspace, tuple(window), heads_per_row, None,
+                      _stream(scores, None))
+
+
+@topk_rows_into.register_fake
+def _(scores, lengths, k, window, heads_per_row, indices, counts, workspace):
+    return None
+
+
+def _new_selection(scores, lengths, k, kv_heads, heads_per_row):
+    batch = lengths.shape[0]
+    return (scores.new_empty((batch, kv_heads, heads_per_row * k), dtype=torch.int32),
+            scores.new_empty((batch, kv_heads), dtype=torch.int32))
+
+
+@torch.library.custom_op("kvsift::topk_rows", mutates_args=())
+def topk_rows(scores: Tensor, lengths: Tensor, k: int, kv_heads: int, window: List[int],
+              heads_per_row: int) -> Tuple[Tensor, Tensor]:
+    """Per (sequence b, kv head) the k best of its scores rows, as kvsift.topk_rows; lengths [batch] int32 gives
+    the batch."""
+    indices, counts = _new_selection(scores, lengths, k, kv_heads, heads_per_row)
+    workspace = _workspace(topk_rows_workspace_bytes(scores, k, window, heads_per_row), scores)
+    topk_rows_into(scores, lengths, k, window, heads_per_row, indices, counts, workspace)
+    return indices, counts
+
+
+@topk_rows.register_fake
+def _(scores, lengths, k, kv_heads, window, heads_per_row):
+    return _new_selection(scores, lengths, k, kv_heads, heads_per_row)
+
+
+# ---- the decode step ---------------------------------------------------------------------------------------------
+
+_steps = {}
+_next_handle = [1]
+
+
+def register_step(step):
+    """The handle the decode_step ops take for `step` (a kvsift.DecodeStep of placement 'local'), which this module
+    keeps alive until unregister_step."""
+    if not isinstance(step, DecodeStep):
+        raise Error(f"kvsift.torch_ops.register_step: step must be a kvsift.DecodeStep, not {type(step).__name__}")
+    if step.placement != "local":
+        raise Error(f"kvsift.torch_ops.register_step: the decode_step ops run the 'local' placement; this step's is "
+                    f"'{step.placement}' (call its run directly)")
+    handle = _next_handle[0]
+    _next_handle[0] += 1
+    _steps[handle] = step
+    return handle
+
+
+def unregister_step(handle):
+    """Forgets a handle of register_step (the step itself lives on while the caller holds it)."""
+    if _steps.pop(int(handle), None) is None:
+        raise Error(f"kvsift.torch_ops.unregister_step: handle (= {handle}) is not a registered step")
+
+
+def _step(where, handle):
+    step = _steps.get(handle)
+    if step is None:
+        raise Error(f"kvsift::{where}: step (= {handle}) is not a handle of kvsift.torch_ops.register_step "
+                    f"({len(_steps)} registered)")
+    return step
+
+
+@torch.library.custom_op("kvsift::decode_step_into", mutates_args=("o", "lse"))
+def decode_step_into(step: int, q: Tensor, cache: List[Tensor], layout: str, slots: Tensor, o: Tensor,
+                     lse: Tensor) -> None:
+    _step("decode_step_into", step).run(q, _cache("decode_step_into", cache, layout), slots, o=o, lse=lse)
+
+
+@decode_step_into.register_fake
+def _(step, q, cache, layout, slots, o, lse):
+    return None
+
+
+@torch.library.custom_op("kvsift::decode_step", mutates_args=())
+def decode_step(step: int, q: Tensor, cache: List[Tensor], layout: str, slots: Tensor,
+                out_dtype: Optional[torch.dtype]) -> Tuple[Tensor, Tensor]:
+    o, lse = _new_state(q, q.shape[1], out_dtype)
+    decode_step_into(step, q, cache, layout, slots, o, lse)
+    return o, lse
+
+
+@decode_step.register_fake
+def _(step, q, cache, layout, slots, out_dtype):
+    return _new_state(q, q.shape[1], out_dtype)

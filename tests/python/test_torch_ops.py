@@ -1,0 +1,292 @@
+"""kvsift.torch_ops: the torch custom ops against the package's direct calls (bit for bit: the same kernels) and an fp64
+reference, torch.library.opcheck (schema, fake tensors, AOT dispatch), torch.compile(fullgraph=True) with no graph
+break, a CUDA graph capture on the GPU, and the ops' refusals. Skipped without torch."""
+import numpy as np
+import pytest
+
+import kvsift
+from conftest import reference_attention
+
+torch = pytest.importorskip("torch")
+if not hasattr(torch.library, "custom_op"):
+    pytest.skip("kvsift.torch_ops needs torch >= 2.4 (torch.library.custom_op)", allow_module_level=True)
+import kvsift.torch_ops as torch_ops  # noqa: E402
+
+ops = torch.ops.kvsift
+Q_HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 8, 2, 64, 300
+LENGTHS = [300, 211]
+WINDOW = [4, 8]
+BUDGET = 24
+
+
+@pytest.fixture
+def gen(rng):
+    return torch.Generator().manual_seed(int(rng.integers(1 << 31)))
+
+
+def problem(gen, device="cpu"):
+    """q [batch, q_heads, head_dim], a contiguous cache's tensors [k, v, lengths] and a selection of BUDGET distinct
+    middle tokens per (sequence, kv head), ascending."""
+    batch = len(LENGTHS)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen).half()
+    k = torch.randn(batch, KV_HEADS, CAPACITY, HEAD_DIM, generator=gen).half()
+    v = torch.randn(batch, KV_HEADS, CAPACITY, HEAD_DIM, generator=gen).half()
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32)
+    indices = torch.empty(batch, KV_HEADS, BUDGET, dtype=torch.int32)
+    for b, n in enumerate(LENGTHS):
+        middle = torch.arange(WINDOW[0], n - WINDOW[1], dtype=torch.int32)
+        for h in range(KV_HEADS):
+            indices[b, h] = middle[torch.randperm(len(middle), generator=gen)[:BUDGET]].sort().values
+    counts = torch.full((batch, KV_HEADS), BUDGET, dtype=torch.int32)
+    counts[1, 1] = BUDGET // 2  # a row below capacity: its tail is never read
+    indices[1, 1, BUDGET // 2:] = -7
+    moved = [x.to(device) for x in (q, k, v, lengths, indices, counts)]
+    return moved[0], moved[1:4], moved[4], moved[5]
+
+
+def reference_sparse(q, cache, indices, counts, window):
+    """fp64 attention of every query head over the window and its kv head's selected tokens: (o, lse) numpy."""
+    k, v, lengths = (x.cpu().numpy() for x in cache)
+    q, indices, counts = q.cpu().numpy(), indices.cpu().numpy(), counts.cpu().numpy()
+    group = q.shape[1] // k.shape[1]
+    o, lse = np.zeros(q.shape), np.zeros(q.shape[:2])
+    for b in range(q.shape[0]):
+        n = lengths[b]
+        window_tokens = set(range(min(window[0], n))) | set(range(max(0, n - window[1]), n))
+        for h in range(q.shape[1]):
+            g = h // group
+            tokens = sorted(window_tokens | set(indices[b, g, :counts[b, g]].tolist()))
+            o[b, h], lse[b, h] = reference_attention(q[b, h], k[b, g, tokens], v[b, g, tokens], 1 / np.sqrt(q.shape[-1]))
+    return o, lse
+
+
+def expect_near_reference(o, lse, want_o, want_lse):
+    np.testing.assert_allclose(o.float().cpu().numpy(), want_o, atol=4e-3)
+    np.testing.assert_allclose(lse.cpu().numpy(), want_lse, atol=1e-4)
+
+
+def test_sparse_decode_equals_the_package_call_and_the_fp64_reference(gen):
+    q, cache, indices, counts = problem(gen)
+    o, lse = ops.sparse_decode(q, cache, "contiguous", indices, counts, None, WINDOW, 0.0, None)
+    want_o, want_lse = kvsift.sparse_decode(q, kvsift.contiguous_cache(*cache), indices, counts, window=tuple(WINDOW))
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    expect_near_reference(o, lse, *reference_sparse(q, cache, indices, counts, WINDOW))
+    # The _into op writes the caller's outputs and workspace, poisoned first.
+    o_into, lse_into = torch.full_like(o, float("nan")), torch.full_like(lse, float("nan"))
+    workspace_bytes = torch_ops.sparse_decode_workspace_bytes(q, cache, "contiguous", BUDGET, WINDOW)
+    workspace = torch.full((workspace_bytes,), 0xAB, dtype=torch.uint8) if workspace_bytes else None
+    ops.sparse_decode_into(q, cache, "contiguous", indices, counts, None, WINDOW, 0.0, o_into, lse_into, workspace)
+    assert torch.equal(o_into, o) and torch.equal(lse_into, lse)
+
+
+def test_sparse_decode_on_a_paged_cache_equals_the_contiguous_one(gen):
+    q, (k, v, lengths), indices, counts = problem(gen)
+    page_size = 16
+    pages_of = [-(-n // page_size) for n in LENGTHS]
+    order = torch.randperm(sum(pages_of), generator=gen).to(torch.int32)  # pages in shuffled places
+    k_pages = torch.full((sum(pages_of), page_size, KV_HEADS, HEAD_DIM), float("nan")).half()  # NHD
+    v_pages = torch.full_like(k_pages, float("nan"))
+    indptr, first = [0], 0
+    for b, n in enumerate(LENGTHS):
+        for p in range(pages_of[b]):
+            tokens = range(p * page_size, min(n, (p + 1) * page_size))
+            slot = order[first + p]
+            k_pages[slot, :len(tokens)] = k[b, :, tokens.start:tokens.stop].transpose(0, 1)
+            v_pages[slot, :len(tokens)] = v[b, :, tokens.start:tokens.stop].transpose(0, 1)
+        first += pages_of[b]
+        indptr.append(first)
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(LENGTHS, pages_of)], dtype=torch.int32)
+    paged = [k_pages, v_pages, torch.tensor(indptr, dtype=torch.int32), order, last]
+    o, lse = ops.sparse_decode(q, paged, "NHD", indices, counts, None, WINDOW, 0.0, None)
+    want_o, want_lse = ops.sparse_decode(q, [k, v, lengths], "contiguous", indices, counts, None, WINDOW, 0.0, None)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+
+
+def test_dense_decode_and_merge_states_equal_the_package_calls(gen):
+    q, cache, indices, counts = problem(gen)
+    o, lse = ops.dense_decode(q, cache, "contiguous", 0.0, 0, torch.float32)
+    want = kvsift.dense_decode(q, kvsift.contiguous_cache(*cache), out_dtype="float32")
+    assert torch.equal(o, want[0]) and torch.equal(lse, want[1])
+    everything = torch.full_like(indices, 0)
+    reference = reference_sparse(q, cache, everything, torch.zeros_like(counts), [CAPACITY, 0])
+    expect_near_reference(o, lse, *reference)
+    # The merge op against the package's merge of the same two states.
+    window_o, window_lse = ops.sparse_decode(q, cache, "contiguous", indices, torch.zeros_like(counts), None, WINDOW,
+                                             0.0, torch.float32)
+    merged = ops.merge_states([window_o, o], [window_lse, lse], torch.float16)
+    want_merged = kvsift.merge_states([(window_o, window_lse), (o, lse)], out_dtype="float16")
+    assert torch.equal(merged[0], want_merged[0]) and torch.equal(merged[1], want_merged[1])
+
+
+def test_topk_rows_equals_the_package_call(gen):
+    scores = torch.randn(len(LENGTHS) * KV_HEADS, CAPACITY, generator=gen)
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32)
+    indices, counts = ops.topk_rows(scores, lengths, BUDGET, KV_HEADS, WINDOW, 1)
+    want_indices, want_counts = kvsift.topk_rows(scores, BUDGET, batch=len(LENGTHS), kv_heads=KV_HEADS,
+                                                 lengths=lengths, window=tuple(WINDOW))
+    assert torch.equal(counts, want_counts) and torch.equal(indices, want_indices)
+    # An independent check: each row's picks are the BUDGET best of its middle, ascending.
+    for b, n in enumerate(LENGTHS):
+        for h in range(KV_HEADS):
+            middle = scores[b * KV_HEADS + h, WINDOW[0]:n - WINDOW[1]].double()
+            best = (middle.argsort(descending=True, stable=True)[:BUDGET] + WINDOW[0]).sort().values
+            assert indices[b, h].tolist() == best.tolist()
+
+
+def quest_step():
+    step = kvsift.DecodeStep("quest", {"budget": 64, "page_size": 16}, q_heads=Q_HEADS, kv_heads=KV_HEADS,
+                             head_dim=HEAD_DIM, max_seq_len=CAPACITY, max_batch=len(LENGTHS), window=tuple(WINDOW))
+    return step
+
+
+def test_decode_step_equals_the_steps_own_run(gen):
+    q, cache, _, _ = problem(gen)
+    through_op, direct = quest_step(), quest_step()
+    for step in (through_op, direct):
+        step.prepare(kvsift.contiguous_cache(*cache))
+    slots = torch.arange(len(LENGTHS), dtype=torch.int32)
+    handle = torch_ops.register_step(through_op)
+    try:
+        o, lse = ops.decode_step(handle, q, cache, "contiguous", slots, None)
+        want_o, want_lse = direct.run(q, kvsift.contiguous_cache(*cache), slots)
+        assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+        indices, counts = through_op.selection(len(LENGTHS))
+        expect_near_reference(o, lse, *reference_sparse(q, cache, torch.from_numpy(indices),
+                                                        torch.from_numpy(counts), WINDOW))
+        o_into, lse_into = torch.full_like(o, float("nan")), torch.full_like(lse, float("nan"))
+        ops.decode_step_into(handle, q, cache, "contiguous", slots, o_into, lse_into)
+        assert torch.equal(o_into, o) and torch.equal(lse_into, lse)
+    finally:
+        torch_ops.unregister_step(handle)
+
+
+def attention_layer(handle, q, k, v, lengths, indices, counts, scores):
+    """A model's attention as engines would write it: every op once, the results combined."""
+    cache = [k, v, lengths]
+    o_sparse, _ = ops.sparse_decode(q, cache, "contiguous", indices, counts, None, WINDOW, 0.0, torch.float32)
+    o_dense, lse_dense = ops.dense_decode(q, cache, "contiguous", 0.0, 0, torch.float32)
+    o_merged, _ = ops.merge_states([o_dense], [lse_dense], None)
+    picks, picked = ops.topk_rows(scores, lengths, BUDGET, KV_HEADS, WINDOW, 1)
+    o_step, _ = ops.decode_step(handle, q, cache, "contiguous", torch.arange(q.shape[0], dtype=torch.int32), None)
+    return o_sparse * 2 + o_merged.float(), picks, picked, o_step
+
+
+def test_torch_compile_traces_every_op_without_a_graph_break(gen):
+    q, (k, v, lengths), indices, counts = problem(gen)
+    scores = torch.randn(len(LENGTHS) * KV_HEADS, CAPACITY, generator=gen)
+    eager_step, compiled_step = quest_step(), quest_step()
+    for step in (eager_step, compiled_step):
+        step.prepare(kvsift.contiguous_cache(k, v, lengths))
+    eager_handle, compiled_handle = torch_ops.register_step(eager_step), torch_ops.register_step(compiled_step)
+    try:
+        want = attention_layer(eager_handle, q, k, v, lengths, indices, counts, scores)
+        torch._dynamo.reset()
+        compiled = torch.compile(attention_layer, fullgraph=True)  # a graph break raises
+        got = compiled(compiled_handle, q, k, v, lengths, indices, counts, scores)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    finally:
+        torch_ops.unregister_step(eager_handle)
+        torch_ops.unregister_step(compiled_handle)
+
+
+def test_opcheck_passes_for_every_op(gen):
+    q, cache, indices, counts = problem(gen)
+    scores = torch.randn(len(LENGTHS) * KV_HEADS, CAPACITY, generator=gen)
+    lengths = cache[2]
+    o, lse = torch.randn(q.shape, generator=gen), torch.randn(q.shape[:2], generator=gen)  # partial states
+    step = quest_step()
+    step.prepare(kvsift.contiguous_cache(*cache))
+    handle = torch_ops.register_step(step)
+    slots = torch.arange(len(LENGTHS), dtype=torch.int32)
+    cases = [
+        (ops.sparse_decode.default, (q, cache, "contiguous", indices, counts, None, WINDOW, 0.0, None)),
+        (ops.dense_decode.default, (q, cache, "contiguous", 0.0, 0, None)),
+        (ops.merge_states.default, ([o, o], [lse, lse], None)),
+        (ops.topk_rows.default, (scores, lengths, BUDGET, KV_HEADS, WINDOW, 1)),
+        (ops.sparse_decode_into.default, (q, cache, "contiguous", indices, counts, None, WINDOW, 0.0, o.clone(),
+                                          lse.clone(), None)),
+        (ops.decode_step.default, (handle, q, cache, "contiguous", slots, None)),
+    ]
+    try:
+        for op, args in cases:
+            torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    finally:
+        torch_ops.unregister_step(handle)
+
+
+def test_the_ops_refuse_bad_arguments_by_name(gen):
+    q, cache, indices, counts = problem(gen)
+    with pytest.raises(kvsift.Error, match=r"kvsift::sparse_decode_into: layout \(= 'NDH'\) must be"):
+        ops.sparse_decode(q, cache, "NDH", indices, counts, None, WINDOW, 0.0, None)
+    with pytest.raises(kvsift.Error, match=r"a contiguous cache is 3 tensors \[k, v, lengths\], got 2"):
+        ops.dense_decode(q, cache[:2], "contiguous", 0.0, 0, None)
+    with pytest.raises(kvsift.Error, match=r"o_parts \(2 tensors\) and lse_parts \(1\)"):
+        ops.merge_states([q, q], [q[..., 0]], None)
+    with pytest.raises(kvsift.Error, match=r"step \(= 123456\) is not a handle"):
+        ops.decode_step(123456, q, cache, "contiguous", torch.zeros(2, dtype=torch.int32), None)
+    with pytest.raises(kvsift.Error, match=r"register_step: step must be a kvsift.DecodeStep, not int"):
+        torch_ops.register_step(3)
+    with pytest.raises(kvsift.Error, match=r"unregister_step: handle \(= 99999\) is not a registered step"):
+        torch_ops.unregister_step(99999)
+    # The C++ checks reach torch's callers unchanged: counts of the wrong dtype.
+    with pytest.raises(kvsift.Error, match="counts"):
+        ops.sparse_decode(q, cache, "contiguous", indices, counts.long(), None, WINDOW, 0.0, None)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and kvsift.has_cuda), reason="needs a GPU and kvsift built with CUDA")
+def test_a_cuda_graph_replays_the_ops_as_eager_calls(gen):
+    q, cache, indices, counts = problem(gen, "cuda")
+    scores = torch.randn(len(LENGTHS) * KV_HEADS, CAPACITY, generator=gen).cuda()
+    step = kvsift.DecodeStep("quest", {"budget": 64, "page_size": 16}, q_heads=Q_HEADS, kv_heads=KV_HEADS,
+                             head_dim=HEAD_DIM, max_seq_len=CAPACITY, max_batch=len(LENGTHS), window=tuple(WINDOW),
+                             device="cuda")
+    step.prepare(kvsift.contiguous_cache(*cache))
+    handle = torch_ops.register_step(step)
+    slots = torch.arange(len(LENGTHS), dtype=torch.int32, device="cuda")
+    o = torch.full((q.shape[0], Q_HEADS, HEAD_DIM), float("nan"), dtype=torch.float16, device="cuda")
+    lse = torch.full((q.shape[0], Q_HEADS), float("nan"), device="cuda")
+    o_step, lse_step = torch.full_like(o, float("nan")), torch.full_like(lse, float("nan"))
+    workspace = torch.empty(torch_ops.sparse_decode_workspace_bytes(q, cache, "contiguous", BUDGET, WINDOW),
+                            dtype=torch.uint8, device="cuda")
+
+    def run():
+        ops.sparse_decode_into(q, cache, "contiguous", indices, counts, None, WINDOW, 0.0, o, lse, workspace)
+        ops.decode_step_into(handle, q, cache, "contiguous", slots, o_step, lse_step)
+        return ops.topk_rows(scores, cache[2], BUDGET, KV_HEADS, WINDOW, 1)
+
+    try:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            run()  # warm-up outside the capture (lazy initialization)
+        torch.cuda.synchronize()
+        want = [x.clone() for x in (o, lse, o_step, lse_step)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            picks, picked = run()
+        for x in (o, lse, o_step, lse_step):
+            x.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, expected in zip((o, lse, o_step, lse_step), want):
+            assert torch.equal(got, expected)
+        want_picks, want_picked = kvsift.topk_rows(scores, BUDGET, batch=len(LENGTHS), kv_heads=KV_HEADS,
+                                                   lengths=cache[2], window=tuple(WINDOW))
+        assert torch.equal(picked, want_picked) and torch.equal(picks, want_picks)
+    finally:
+        torch_ops.unregister_step(handle)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not (torch.cuda.is_available() and kvsift.has_cuda), reason="needs a GPU and kvsift built with CUDA"))])
+def test_the_torch_attention_example_checks_itself(device):
+    """examples/torch_attention.py: SDPA swapped for a kvsift decode step in a compiled attention module; its
+    main() raises SystemExit on a mismatch."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "torch_attention.py"
+    spec = importlib.util.spec_from_file_location("torch_attention", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch._dynamo.reset()
+    assert example.main(["--device", device]) == 0
