@@ -21,12 +21,10 @@
 // Method 5 is Quest proposing kRerankFactor x 2048 tokens for the rerank stage (selectors/rerank.hpp), which keeps
 // 2048: its cost against method 0 is the stage's (the proposals' keys read once more, their scores, a top-k).
 #include <benchmark/benchmark.h>
-#include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -191,20 +189,6 @@ void run_step_benchmark(benchmark::State& state, int method, Make make_selector)
   Device<std::byte> workspace(stack.front()->step.workspace_bytes());
   const auto qv = kvsift::QueryView<const bfloat16>::packed(q.ptr, batch, kQHeads, kHeadDim);
   const auto out = kvsift::StateView<bfloat16>::packed(o.ptr, lse.ptr, batch, kQHeads, kHeadDim);
-  // One eager step alone in the NVTX range "kvsift step", outside the timing: bench/stage_table.py profiles its
-  // kernels one by one (Nsight Compute) into the step's per-kernel table of bytes, floor and time.
-  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  nvtxRangePushA("kvsift step");
-  stack.front()->step.run({.q = qv, .cache = stack.front()->cache(), .slots = stack.front()->slots.ptr}, out,
-                          {workspace.ptr, stack.front()->step.workspace_bytes()}, Cuda{});
-  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  nvtxRangePop();
-  // Google Benchmark calls a benchmark several times (its iteration estimate); stage_table.py sets this so the
-  // range holds exactly one step.
-  if (std::getenv("KVSIFT_PROFILE_ONE_STEP") != nullptr) {
-    state.SkipWithError("KVSIFT_PROFILE_ONE_STEP: one eager step in the NVTX range, no timing");
-    return;
-  }
   const double seconds = time_calls(state, [&](int i, cudaStream_t stream) {
     auto& layer = *stack[std::size_t(i) % stack.size()];
     layer.step.run({.q = qv, .cache = layer.cache(), .slots = layer.slots.ptr}, out,

@@ -4,9 +4,11 @@
 #include <benchmark/benchmark.h>
 
 #include <cuda_runtime_api.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
@@ -137,6 +139,11 @@ inline double launches_per_call(cudaGraph_t graph, int calls) {
 /// kEagerCalls back-to-back calls, no synchronization between them, the median; where a call is shorter
 /// than its host launch path, the host's time shows in it. The counter launches: kernels, memsets and copies
 /// per call in the captured graph. Returns the mean GPU time per call (seconds) of the replays.
+///
+/// With the environment variable KVSIFT_PROFILE_ONE_STEP set, it runs one eager call after the warm-up, alone in
+/// the NVTX range "kvsift step", marks the benchmark skipped and returns 0: bench/stage_table.py profiles that
+/// call's kernels one by one (Nsight Compute) into a per-kernel table of bytes, floor and time. (Google Benchmark
+/// runs a benchmark several times to size its iterations; skipping keeps the range to one call.)
 constexpr int kCallsPerGraph = 16;
 constexpr int kEagerCalls = 50;
 template <class Call>
@@ -145,6 +152,16 @@ double time_calls(benchmark::State& state, Call&& call) {
   KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   EventTimer timer;
   for (int i = 0; i < 3; ++i) call(i, stream);  // warm-up: module load, occupancy query
+  if (std::getenv("KVSIFT_PROFILE_ONE_STEP") != nullptr) {
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    nvtxRangePushA("kvsift step");
+    call(3, stream);
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    nvtxRangePop();
+    KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+    state.SkipWithError("KVSIFT_PROFILE_ONE_STEP: one eager call in the NVTX range 'kvsift step', no timing");
+    return 0.0;
+  }
   std::vector<cudaEvent_t> starts(kEagerCalls), stops(kEagerCalls);
   for (int i = 0; i < kEagerCalls; ++i) {
     KVSIFT_CUDA_CHECK(cudaEventCreate(&starts[i]));

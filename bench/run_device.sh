@@ -7,7 +7,8 @@
 # (else $OUT, else device-out). The Python stage builds and installs under the build folder too.
 # python: the Python package built with CUDA by pip, offline from the wheels in build/wheelhouse (carried;
 # docs/python.md), and tests/python with torch on the GPU.
-# No argument: all but python, profile (Nsight Compute on four decode shapes) and demo (kvsift_demo, whose GPU table
+# No argument: all but python, profile (Nsight Compute on four decode shapes, and bench/stage_tables.sh: every
+# selector's step kernel by kernel into its docs page) and demo (kvsift_demo, whose GPU table
 # only a GPU machine prints). KVSIFT_BENCH_FILTER narrows bench
 # (default: every benchmark of kvsift_bench_decode, which report.py's tables all use, among them the dense
 # decode against cuDNN back to back with and without PDL and between projection GEMMs; each step prints its
@@ -113,6 +114,9 @@ if has profile; then
     grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit (Reg|Shared)|Issued Warp Per|No Eligible|Warp Cycles Per Issued" "$log" \
       | sed -E 's/ +/ /g' | cut -c1-110
   done
+  step "stage tables"
+  # The tables travel in $OUT/stage_tables/ (this checkout is a copy); bench/stage_tables.sh --apply puts them in docs.
+  bash bench/stage_tables.sh --tables "$OUT/stage_tables" "$BUILD/bench/kvsift_bench_decode" || status=1
 fi
 # The device tool returns at most 8 files: the logs travel as one archive beside the report and JSON.
 (cd "$OUT" && logs=$(ls | grep -v -E '\.(md|json)$|^logs\.tar\.gz$') && [[ -n "$logs" ]] && tar czf logs.tar.gz $logs && rm -f $logs)

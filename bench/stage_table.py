@@ -1,13 +1,15 @@
-"""The latency model of one selector's decode step, kernel by kernel: Nsight Compute profiles the kernels of the
-eager step that BM_Step runs alone in the NVTX range "kvsift step" (bench/bench_gpu_step.cpp), one at a time, and
-this prints per kernel its launches, the DRAM bytes it read and wrote, the floor (bytes / copy bandwidth), its GPU
-time and the time over the floor, then the step's sums. Kernels profiled one by one run without the overlap PDL
-gives a graph replay, so the sum is an upper bound on the replayed step (BM_Step's time).
+"""The latency model of one decode step, kernel by kernel: Nsight Compute profiles the kernels of the one eager call
+that a benchmark timed by time_calls (bench/gpu_bench.hpp) runs alone in the NVTX range "kvsift step" when
+KVSIFT_PROFILE_ONE_STEP is set, one at a time, and this prints per kernel its launches, the DRAM bytes it read and
+wrote, the floor (bytes / copy bandwidth), its GPU time and the time over the floor, then the step's sums. Kernels
+profiled one by one run without the overlap PDL gives a graph replay, so the sum is an upper bound on the replayed
+step (the benchmark's time). bench/stage_tables.sh writes every selector's table into its docs page.
 
 Usage (GPU machine, repository root, after building kvsift_bench_decode):
   python3 bench/stage_table.py BENCH_BINARY 'BM_Step/method:0/N:131072/batch:1/pdl:1/between:0/P:1/sort:0/alpha:0'
       [--bandwidth 4.2e12] [--ncu ncu]
-method: 0 Quest, 1 OracleTopK, 2 CTKVR, 3 CSAttention, 4 A2ATS, 5 Quest + rerank (BM_Step's ArgNames)."""
+BM_Step's method: 0 Quest, 1 OracleTopK, 2 CTKVR, 3 CSAttention, 4 A2ATS, 5 Quest + rerank; also
+BM_CentroidKVStep, BM_SpeContextStep (a model's step over its layers), BM_DenseDecode, BM_StepStage."""
 import argparse
 import csv
 import io
@@ -23,7 +25,7 @@ def profile(binary, bench_filter, ncu):
     """Nsight Compute's CSV rows (one per kernel launch) of the NVTX range's kernels."""
     command = [ncu, "--csv", "--print-units", "base", "--clock-control", "none", "--nvtx", "--nvtx-include", "kvsift step/",
                "--metrics", ",".join(METRICS), binary, f"--benchmark_filter={bench_filter}"]
-    environment = dict(os.environ, KVSIFT_PROFILE_ONE_STEP="1")  # BM_Step runs one step in the range, then skips
+    environment = dict(os.environ, KVSIFT_PROFILE_ONE_STEP="1")  # time_calls runs one call in the range, then skips
     text = subprocess.run(command, check=True, capture_output=True, text=True, env=environment).stdout
     start = text.find('"ID"')
     if start < 0:
@@ -43,7 +45,7 @@ def to_unit(value, unit):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("binary")
-    parser.add_argument("filter", help="one BM_Step benchmark (its full name up to alpha)")
+    parser.add_argument("filter", help="one benchmark timed by time_calls (its full name up to its last argument)")
     parser.add_argument("--bandwidth", type=float, default=4.2e12, help="copy bandwidth, bytes/s (BM_CopyBandwidth)")
     parser.add_argument("--ncu", default="ncu")
     args = parser.parse_args()
