@@ -6,7 +6,8 @@
 # --build: the CMake build folder (else $KVSIFT_DEVICE_BUILD, else build/device); --out: where logs and reports go
 # (else $OUT, else device-out). The Python stage builds and installs under the build folder too.
 # python: the Python package built with CUDA by pip, offline from the wheels in build/wheelhouse (carried;
-# docs/python.md), and tests/python with torch on the GPU.
+# docs/python.md), tests/python with torch on the GPU, then bench/model_decode.py (KVSIFT_MODEL_CONTEXTS,
+# KVSIFT_MODEL_BATCHES: its shapes).
 # No argument: all but python, profile (Nsight Compute on four decode shapes, and bench/stage_tables.sh: every
 # selector's step kernel by kernel into its docs page) and demo (kvsift_demo, whose GPU table
 # only a GPU machine prints). KVSIFT_BENCH_FILTER narrows bench
@@ -63,6 +64,9 @@ if has python; then
     -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90a-real -C build-dir="$BUILD/python" > "$OUT/python_build.log" 2>&1 \
     || { tail -30 "$OUT/python_build.log"; status=1; }
   "$py" -m pytest -q -rs tests/python 2>&1 | tee "$OUT/python_tests.log" | tail -15 || status=1
+  step "whole-model decode (bench/model_decode.py)"
+  "$py" bench/model_decode.py --contexts "${KVSIFT_MODEL_CONTEXTS:-32768,131072}" --batches "${KVSIFT_MODEL_BATCHES:-1,8}" \
+    --capacity --json "$OUT/model_decode.json" --markdown "$OUT/model_decode.md" 2>&1 | tail -30 || status=1
 fi
 if has sanitize; then
   # racecheck skips the top-k tests over 128K-token rows (minutes each under it); their kernels run at smaller

@@ -290,3 +290,15 @@ def test_the_torch_attention_example_checks_itself(device):
     spec.loader.exec_module(example)
     torch._dynamo.reset()
     assert example.main(["--device", device]) == 0
+
+
+def test_the_model_benchmark_wiring_checks_itself():
+    """bench/model_decode.py --tiny: what attention adds to a 2-layer model's logits, with kvsift's dense decode and
+    with OracleTopK keeping every token, equals SDPA's; a 16-token selection must differ."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "model_decode.py"
+    spec = importlib.util.spec_from_file_location("model_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny"]) == 0
