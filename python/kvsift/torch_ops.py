@@ -15,13 +15,15 @@ or check them once with kvsift.sparse_decode(validate=True).
 
 The decode step: register a kvsift.DecodeStep (placement 'local') with register_step, which returns the integer
 handle the decode_step ops take; prepare and release sequences on the step itself, outside the hot path. The op
-reads the cache (the engine has written the step's token to it) and the slots tensor (on the step's device).
+reads the cache (the engine has written the step's token to it) and the slots tensor (on the step's device). A
+kvsift.SpeContextStep registers the same way for specontext_select (once per model step; it returns a ticket) and
+specontext_attend (per layer, taking the ticket, which orders it after the select).
 docs/python.md#torch-operators is the reference."""
 from typing import List, Optional, Tuple
 
 import torch
 
-from . import DecodeStep, Error, KVCache, _kvsift, _stream, _workspace
+from . import DecodeStep, Error, KVCache, SpeContextStep, _kvsift, _stream, _workspace
 
 __all__ = ["register_step", "unregister_step", "sparse_decode_workspace_bytes", "dense_decode_workspace_bytes",
            "topk_rows_workspace_bytes"]
@@ -202,11 +204,12 @@ _next_handle = [1]
 
 
 def register_step(step):
-    """The handle the decode_step ops take for `step` (a kvsift.DecodeStep of placement 'local'), which this module
-    keeps alive until unregister_step."""
-    if not isinstance(step, DecodeStep):
-        raise Error(f"kvsift.torch_ops.register_step: step must be a kvsift.DecodeStep, not {type(step).__name__}")
-    if step.placement != "local":
+    """The handle the ops take for `step`, which this module keeps alive until unregister_step: a kvsift.DecodeStep
+    of placement 'local' (the decode_step ops) or a kvsift.SpeContextStep (the specontext ops)."""
+    if not isinstance(step, (DecodeStep, SpeContextStep)):
+        raise Error(f"kvsift.torch_ops.register_step: step must be a kvsift.DecodeStep or SpeContextStep, not "
+                    f"{type(step).__name__}")
+    if isinstance(step, DecodeStep) and step.placement != "local":
         raise Error(f"kvsift.torch_ops.register_step: the decode_step ops run the 'local' placement; this step's is "
                     f"'{step.placement}' (call its run directly)")
     handle = _next_handle[0]
@@ -221,11 +224,13 @@ def unregister_step(handle):
         raise Error(f"kvsift.torch_ops.unregister_step: handle (= {handle}) is not a registered step")
 
 
-def _step(where, handle):
+def _step(where, handle, kind=DecodeStep):
     step = _steps.get(handle)
     if step is None:
         raise Error(f"kvsift::{where}: step (= {handle}) is not a handle of kvsift.torch_ops.register_step "
                     f"({len(_steps)} registered)")
+    if not isinstance(step, kind):
+        raise Error(f"kvsift::{where}: step (= {handle}) is a {type(step).__name__}, this op runs a {kind.__name__}")
     return step
 
 
@@ -250,4 +255,49 @@ def decode_step(step: int, q: Tensor, cache: List[Tensor], layout: str, slots: T
 
 @decode_step.register_fake
 def _(step, q, cache, layout, slots, out_dtype):
+    return _new_state(q, q.shape[1], out_dtype)
+
+
+# ---- SpeContext: one selection per model step, every layer attends it ---------------------------------------------
+# specontext_select returns a ticket (one int32, zero) that each specontext_attend takes: the data dependency that
+# orders a step's attends after its select for a compiler that sees no other link between them (the selection lives
+# in the step).
+
+@torch.library.custom_op("kvsift::specontext_select", mutates_args=())
+def specontext_select(step: int, q: Tensor, k: Tensor, cache: List[Tensor], layout: str, slots: Tensor) -> Tensor:
+    """The retrieval head's q [batch, q_heads, head_dim] and new key k [batch, kv_heads, head_dim] (before RoPE)
+    append the key and select, as SpeContextStep.select; returns the ticket the step's attends take."""
+    _step("specontext_select", step, SpeContextStep).select(q, k, _cache("specontext_select", cache, layout), slots)
+    return torch.zeros(1, dtype=torch.int32, device=q.device)
+
+
+@specontext_select.register_fake
+def _(step, q, k, cache, layout, slots):
+    return q.new_empty((1,), dtype=torch.int32)
+
+
+@torch.library.custom_op("kvsift::specontext_attend_into", mutates_args=("o", "lse"))
+def specontext_attend_into(step: int, layer: int, q: Tensor, cache: List[Tensor], layout: str, ticket: Tensor,
+                           o: Tensor, lse: Tensor) -> None:
+    _step("specontext_attend_into", step, SpeContextStep).attend(
+        layer, q, _cache("specontext_attend_into", cache, layout), o=o, lse=lse)
+
+
+@specontext_attend_into.register_fake
+def _(step, layer, q, cache, layout, ticket, o, lse):
+    return None
+
+
+@torch.library.custom_op("kvsift::specontext_attend", mutates_args=())
+def specontext_attend(step: int, layer: int, q: Tensor, cache: List[Tensor], layout: str, ticket: Tensor,
+                      out_dtype: Optional[torch.dtype]) -> Tuple[Tensor, Tensor]:
+    """Layer `layer` attends the last select's selection and the window, as SpeContextStep.attend (the engine has
+    written the layer's token to its cache)."""
+    o, lse = _new_state(q, q.shape[1], out_dtype)
+    specontext_attend_into(step, layer, q, cache, layout, ticket, o, lse)
+    return o, lse
+
+
+@specontext_attend.register_fake
+def _(step, layer, q, cache, layout, ticket, out_dtype):
     return _new_state(q, q.shape[1], out_dtype)

@@ -225,7 +225,7 @@ def test_the_ops_refuse_bad_arguments_by_name(gen):
         ops.merge_states([q, q], [q[..., 0]], None)
     with pytest.raises(kvsift.Error, match=r"step \(= 123456\) is not a handle"):
         ops.decode_step(123456, q, cache, "contiguous", torch.zeros(2, dtype=torch.int32), None)
-    with pytest.raises(kvsift.Error, match=r"register_step: step must be a kvsift.DecodeStep, not int"):
+    with pytest.raises(kvsift.Error, match=r"register_step: step must be a kvsift.DecodeStep or SpeContextStep, not int"):
         torch_ops.register_step(3)
     with pytest.raises(kvsift.Error, match=r"unregister_step: handle \(= 99999\) is not a registered step"):
         torch_ops.unregister_step(99999)
@@ -302,3 +302,54 @@ def test_the_model_benchmark_wiring_checks_itself():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.main(["--tiny"]) == 0
+
+
+def test_specontext_ops_equal_the_steps_own_calls_and_compile(gen):
+    """specontext_select then specontext_attend per layer, through the ops (eager and compiled) and directly on a
+    twin step: the same selection and outputs bit for bit, over two model steps."""
+    layers, budget = 2, 32
+    q, (k0, v0, lengths), _, _ = problem(gen)
+    caches = [[k0, v0, lengths]] + [[torch.randn(k0.shape, generator=gen).half(),
+                                     torch.randn(v0.shape, generator=gen).half(), lengths] for _ in range(layers - 1)]
+    head_k = torch.randn(len(LENGTHS), KV_HEADS, CAPACITY, HEAD_DIM, generator=gen).half()
+
+    def make():
+        step = kvsift.SpeContextStep(layers=layers, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                     max_seq_len=CAPACITY, rope_theta=10000.0, budget=budget, window=tuple(WINDOW),
+                                     max_batch=len(LENGTHS))
+        prompt = lengths - 1  # the prompt, then one decode token
+        step.prepare(kvsift.contiguous_cache(k0, v0, prompt), head_k)
+        return step
+    eager_step, compiled_step, direct = make(), make(), make()
+    slots = torch.arange(len(LENGTHS), dtype=torch.int32)
+    handles = [torch_ops.register_step(s) for s in (eager_step, compiled_step)]
+
+    def model_step(handle, q_r, k_r, qs, *tensors):
+        ticket = ops.specontext_select(handle, q_r, k_r, [tensors[0], tensors[1], tensors[2]], "contiguous", slots)
+        outs = []
+        for layer in range(layers):
+            cache = [tensors[3 * layer], tensors[3 * layer + 1], tensors[3 * layer + 2]]
+            outs.append(ops.specontext_attend(handle, layer, qs[layer], cache, "contiguous", ticket, None)[0])
+        return torch.stack(outs)
+
+    compiled = torch.compile(model_step, fullgraph=True)
+    flat = [t for cache in caches for t in cache]
+    try:
+        for _ in range(2):
+            q_r = torch.randn(len(LENGTHS), Q_HEADS, HEAD_DIM, generator=gen).half()
+            k_r = torch.randn(len(LENGTHS), KV_HEADS, HEAD_DIM, generator=gen).half()
+            qs = torch.randn(layers, len(LENGTHS), Q_HEADS, HEAD_DIM, generator=gen).half()
+            direct.select(q_r, k_r, kvsift.contiguous_cache(*caches[0]), slots)
+            want = torch.stack([direct.attend(layer, qs[layer], kvsift.contiguous_cache(*caches[layer]))[0]
+                                for layer in range(layers)])
+            eager = model_step(handles[0], q_r, k_r, qs, *flat)
+            got = compiled(handles[1], q_r, k_r, qs, *flat)
+            assert torch.equal(eager, want) and torch.equal(got, want)
+            for step in (eager_step, compiled_step):
+                for a, b in zip(step.selection(len(LENGTHS)), direct.selection(len(LENGTHS))):
+                    np.testing.assert_array_equal(a, b)
+        with pytest.raises(kvsift.Error, match=r"is a SpeContextStep, this op runs a DecodeStep"):
+            ops.decode_step(handles[0], q, caches[0], "contiguous", slots, None)
+    finally:
+        for h in handles:
+            torch_ops.unregister_step(h)
