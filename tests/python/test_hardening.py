@@ -74,6 +74,31 @@ def test_life_cycle_is_checked_per_slot(rng, selector):
     assert np.isfinite(o).all()
 
 
+@pytest.mark.parametrize("selector", sorted(SELECTORS))
+def test_a_page_table_past_its_pages_is_refused_not_read(rng, selector):
+    """A paged cache whose table names a page it does not have: prepare and run refuse it by name (a CTKVR prepare
+    once read the keys through it and crashed the interpreter)."""
+    config, with_queries = SELECTORS[selector]
+    s = step(selector, config, window=(0, 0) if selector == "centroidkv" else (4, 16))
+    page, length = 16, 200
+    pages = -(-length // page)
+    k_pages = rng.standard_normal((pages, page, KV_HEADS, HEAD_DIM)).astype(np.float16)  # NHD
+    v_pages = rng.standard_normal(k_pages.shape).astype(np.float16)
+    indptr = np.array([0, pages], dtype=np.int32)
+    last = np.array([length - (pages - 1) * page], dtype=np.int32)
+    sound = np.arange(pages, dtype=np.int32)
+    wild = sound.copy()
+    wild[5] = 1 << 20
+    queries = rng.standard_normal((1, Q_HEADS, 16, HEAD_DIM)).astype(np.float16) if with_queries else None
+    message = rf"in.cache.page_indices\[5\] \(= {1 << 20}, sequence 0\) is outside \[0, num_pages = {pages}\)"
+    with pytest.raises(kvsift.Error, match=message):
+        s.prepare(kvsift.paged_cache(k_pages, v_pages, indptr, wild, last), [0], queries=queries)
+    assert not s.prepared(0)
+    s.prepare(kvsift.paged_cache(k_pages, v_pages, indptr, sound, last), [0], queries=queries)
+    with pytest.raises(kvsift.Error, match=message):
+        s.run(query(rng), kvsift.paged_cache(k_pages, v_pages, indptr, wild, last), [0])
+
+
 @pytest.mark.parametrize("selector", ["oracle_topk", "quest", "centroidkv"])
 def test_a_nan_key_in_the_prompt_makes_its_heads_output_nan(rng, selector):
     config, _ = SELECTORS[selector]

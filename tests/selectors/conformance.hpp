@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <numeric>
 #include <set>
 #include <span>
 #include <string>
@@ -645,9 +646,53 @@ TYPED_TEST_P(Conformance, RunsAreDeterministic) {
   }
 }
 
+TYPED_TEST_P(Conformance, RefusesAHostPageTableThatLeavesItsPages) {
+  // A paged cache whose page table names a page past its pages: on the CPU prepare, append and select would read
+  // keys through it (out of bounds), so each refuses it by name first (selectors/detail/checks.hpp's check_cache,
+  // core/validate.hpp). A device page table lives on the device, where it is trusted as every device value.
+  using Context = typename TestFixture::Context;
+  if constexpr (Context::memory != MemorySpace::host) {
+    GTEST_SKIP() << "a device page table is not read on the host";
+  } else {
+    SCOPED_TRACE(this->trace());
+    typename TestFixture::Sess s(this->ctx());
+    Sequence a = this->sequence();
+    const auto bound = s.bind({0});
+    bound->load(as_batch({&a}), s.context());
+    // NHD pages of 16 over the bound's K and V storage; their contents do not matter, nothing may read them.
+    constexpr std::int32_t kPage = 16;
+    const std::int32_t pages = (a.length + kPage - 1) / kPage;
+    const auto num_pages = std::int32_t(bound->k.size() / (std::size_t(kPage) * kKvHeads * kHeadDim));
+    std::vector<std::int32_t> indptr{0, pages}, last{a.length - (pages - 1) * kPage};
+    std::vector<std::int32_t> table(static_cast<std::size_t>(pages));
+    std::iota(table.begin(), table.end(), 0);
+    table.back() = num_pages;  // one past the pages
+    const PagedKVView<const half> wild{bound->k.data(), bound->v.data(), indptr.data(), table.data(), last.data(),
+                                       1, kKvHeads, kHeadDim, kPage, num_pages,
+                                       std::int64_t(kPage) * kKvHeads * kHeadDim, kKvHeads * kHeadDim, kHeadDim};
+    const std::initializer_list<std::string> named = {
+        fmt::format("in.cache.page_indices[{}] (= {}, sequence 0) is outside [0, num_pages = {})", pages - 1,
+                    num_pages, num_pages)};
+    auto prefill = s.prefill_inputs(*bound);
+    prefill.cache = wild;
+    expect_error([&] { s.selector().prepare(prefill, s.context()); }, named);
+    EXPECT_FALSE(selector_slot_prepared(s.selector(), 0)) << "a refused prepare prepares no slot";
+    // The same sequence prepared from a sound cache; then its step given the wild table.
+    s.prepare(as_batch({&a}), {0});
+    a.grow(this->rng);
+    bound->load(as_batch({&a}), s.context());
+    auto append = s.append_inputs(*bound);
+    append.cache = wild;
+    expect_error([&] { s.selector().append(append, bound->append_workspace(), s.context()); }, named);
+    auto select = s.select_inputs(*bound);
+    select.cache = wild;
+    expect_error([&] { s.selector().select(select, bound->out(), bound->select_workspace(), s.context()); }, named);
+  }
+}
+
 REGISTER_TYPED_TEST_SUITE_P(Conformance, SelectionsAreAscendingInRangeOutsideTheWindowAndWithinCapacity,
                             RefusesSlotsOutsideTheSlotsOrWithoutASequence, RefusesASequenceLongerThanMaxTokens,
-                            RefusesAnUndersizedWorkspace,
+                            RefusesAnUndersizedWorkspace, RefusesAHostPageTableThatLeavesItsPages,
                             JoiningAndLeavingSequencesLeaveTheOthersSelectionsAsAFreshSelectors,
                             RunsAreDeterministic);
 

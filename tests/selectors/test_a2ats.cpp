@@ -487,8 +487,10 @@ TEST(CpuA2atsBadInput, RefusedWithTheirMessages) {
   std::vector<std::int32_t> long_lengths{150, 201};
   PrefillInputs<half> in = prefill(p, true);
   in.cache = p.contiguous(p.k.data(), p.v.data(), long_lengths.data());
+  // This cache holds 200 tokens a row: a length of 201 is refused as the cache's own before the limits' (the
+  // limits' refusal, with room in the cache: Conformance.RefusesASequenceLongerThanMaxTokens).
   test::expect_error([&] { d.selector.prepare(in, {}); },
-                     "A2ats::prepare: sequence 1's prompt (201 tokens) exceeds limits.max_tokens (= 200)");
+                     "A2ats::prepare: in.cache.seq_lens[1] (= 201) is outside [0, capacity = 200]");
   in = prefill(p, true);
   in.k_pre_rope.tokens = 140;
   test::expect_error([&] { d.selector.prepare(in, {}); },

@@ -45,7 +45,9 @@ inline void check_shape(const char* where, const SelectorLimits& limits, const S
 }
 
 /// The cache of a call against the limits; returns its batch. Slots in host memory are checked too (on the
-/// device they are trusted, as every device-side value).
+/// device they are trusted, as every device-side value), and so is a host cache itself (core/validate.hpp: its
+/// lengths against its storage, a paged cache's page table against its pages), before a selector reads a key: a
+/// wild page id would otherwise be read outside the pages. O(pages) per call, beside the keys every call reads.
 template <class T>
 std::int32_t check_cache(const char* where, const SelectorLimits& limits, const KVCache<const T>& cache,
                          const std::int32_t* slots, MemorySpace memory) {
@@ -55,6 +57,7 @@ std::int32_t check_cache(const char* where, const SelectorLimits& limits, const 
                "cache kv_heads (= {}) / head_dim (= {}) != limits ({}, {})", cache.kv_heads(), cache.head_dim(),
                limits.kv_heads, limits.head_dim);
   KVSIFT_CHECK(slots != nullptr, where, "slots must be non-null");
+  cache.visit([&](const auto& view) { validate(view, where, "in.cache", memory); });
   if (memory == MemorySpace::host) {
     for (std::int32_t b = 0; b < cache.batch(); ++b) {
       KVSIFT_CHECK(slots[b] >= 0 && slots[b] < limits.max_slots, where,
