@@ -91,14 +91,14 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
   __shared__ __align__(16) std::uint32_t bins[kMaxCluster * 256];                 // the cluster's histograms, then bins
   __shared__ __align__(16) std::uint32_t candidates[kHeldCandidates + 4 * kMaxCluster];  // every CTA's bin copy
   __shared__ __align__(16) std::uint32_t scan_buffer[2][(kGroups > 1 ? kGroups : 1) * 32];
-  __shared__ std::uint32_t before_bin[kMaxCluster], in_bin_of[kMaxCluster], better_of[kMaxCluster],
-      tied_of[kMaxCluster];
+  __shared__ std::uint32_t before_bin[kMaxCluster], in_bin_of[kMaxCluster];
   __shared__ std::uint32_t offsets[kMaxCluster + 1];
   __shared__ std::uint32_t last_few[32];
   __shared__ std::uint32_t decision[3];
   __shared__ std::uint32_t cursor, few_cursor;
   __shared__ std::uint32_t slice_has_nan;  // read by rank 0 with nan_marks_row
   __shared__ std::uint32_t lowest_word, highest_word;  // a one-CTA row's lowest and highest word
+  // Per source rank, its bin copy's candidates better than / tied with the threshold (the gathered case).
   __shared__ std::uint32_t better_in_bin[kMaxCluster], tied_in_bin[kMaxCluster];
   extern __shared__ __align__(16) std::uint32_t bin_copy[];  // this CTA's bin, read by the cluster
 
@@ -398,12 +398,15 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
         break;
       }
     }
-    // Per source rank: its candidates better than / tied with the threshold, each rank's copy spread over all
-    // warps (32 candidates a step, two shared atomics per warp and rank).
-    for (int q = 0; q < size; ++q) {
+    // Per source rank: its candidates better than / tied with the threshold. Each rank's copy goes to
+    // kWarps / size warps (one warp per rank alone took 40% of a one-CTA row's time when its bin held the whole
+    // row), 32 candidates a step, two shared atomics per warp.
+    const int parts = max(1, kWarps / size);
+    for (int task = warp; task < size * parts; task += kWarps) {
+      const int q = task / parts, part = task % parts;
       const std::uint32_t end = offsets[q] + in_bin_of[q];
       std::uint32_t better = 0, tied = 0;
-      for (std::uint32_t b = offsets[q] + 32u * std::uint32_t(warp); b < end; b += 32u * kWarps) {
+      for (std::uint32_t b = offsets[q] + 32u * std::uint32_t(part); b < end; b += 32u * std::uint32_t(parts)) {
         const std::uint32_t i = b + lane;
         const std::uint32_t x = i < end ? candidates[i] & mask : kNoWord;
         better += __popc(__ballot_sync(0xffffffffu, i < end && x < prefix));
@@ -415,26 +418,16 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
       }
     }
     __syncthreads();
-    if (tid < size) {
-      better_of[tid] = before_bin[tid] + better_in_bin[tid];
-      tied_of[tid] = tied_in_bin[tid];
-    }
-    __syncthreads();
   } else {
-    if (tid < size) {
-      better_of[tid] = before_bin[tid];
-      tied_of[tid] = in_bin_of[tid];
-    }
     cluster.arrive();  // the others may still read this CTA's histogram
-    __syncthreads();
   }
 
   // ---- emit in ascending index order; ties at the threshold: the first `take_tied` in index order
   const std::uint32_t take_tied = remaining;
   std::uint32_t better = 0, tied = 0;
   for (int q = 0; q < rank; ++q) {
-    better += better_of[q];
-    tied += tied_of[q];
+    better += before_bin[q] + better_in_bin[q];  // better_in_bin: 0 unless gathered
+    tied += gathered ? tied_in_bin[q] : in_bin_of[q];
   }
   std::uint32_t packed[kGroups], exclusive[kGroups], total[kGroups];
 #pragma unroll
