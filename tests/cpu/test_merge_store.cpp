@@ -1,12 +1,13 @@
 // The merge store's CPU primitives (selectors/centroid_kv/cpu/merge_store.hpp): one round against an independent fp64 scalar reference
 // written here (links, ranking, degree-weighted means, the partition of `order`) on random stores with planted
 // near-duplicates, scrambled orders and degrees above 1; fan-in; the trigger; load, append, copy and selection;
-// the workspace contract; every refusal.
+// the workspace contract; the eviction of the window fallback; every refusal.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 #include "kvsift/selectors/centroid_kv/cpu/merge_store.hpp"
@@ -21,6 +22,7 @@ using cpu::merge_round;
 using cpu::merge_round_workspace_bytes;
 using cpu::merge_store_append;
 using cpu::merge_store_copy;
+using cpu::merge_store_evict;
 using cpu::merge_store_load;
 using cpu::merge_store_selection;
 using cpu::ThreadPool;
@@ -381,6 +383,54 @@ TEST_F(MergeStore, LoadAppendCopyAndSelection) {
   }
 }
 
+// An eviction drops the entry after a row's sinks where count >= B (order, degree and log-degree move down, the
+// freed slot goes last, K/V stay); a row below its budget, with sinks -1 or with no entry past its sinks, and a slot
+// not in the call are untouched bit for bit.
+TEST_F(MergeStore, EvictDropsTheOldestEntryAfterTheSinks) {
+  const MergeRoundParams fill{.sinks = 0, .recent = 0, .chunk = 4};
+  HostStore<half> s(5, 2, 20, 8);
+  const std::vector<std::int32_t> counts{12, 12, 10, 3, 12};  // per slot
+  for (std::int32_t r = 0; r < 10; ++r) fill_row(rng, s, r, counts[std::size_t(r / 2)], fill);
+  const std::vector<std::int32_t> slots{0, 2, 1, 3}, budgets{12, 5, 12, 3, 12}, sinks{3, -1, 0, 3, 3};
+  const HostStore<half> before = s;
+  ThreadPool pool(2);
+  merge_store_evict(s.view(), slots.data(), 4, budgets.data(), sinks.data(), &pool);
+  EXPECT_EQ(std::memcmp(s.k.data(), before.k.data(), s.k.size() * sizeof(half)), 0) << "K rows do not move";
+  EXPECT_EQ(std::memcmp(s.v.data(), before.v.data(), s.v.size() * sizeof(half)), 0) << "V rows do not move";
+  for (std::int32_t r = 0; r < 10; ++r) {
+    const std::size_t at = std::size_t(r) * 20;
+    const auto order = [&](const HostStore<half>& x) {
+      return std::vector<std::int32_t>(x.order.begin() + std::ptrdiff_t(at), x.order.begin() + std::ptrdiff_t(at + 20));
+    };
+    if (r >= 2) {  // slot 1: sinks -1; slot 2: below its budget; slot 3: nothing past its sinks; slot 4: not called
+      EXPECT_EQ(s.count[r], before.count[r]) << "row " << r;
+      EXPECT_EQ(order(s), order(before)) << "row " << r;
+      const auto d = std::ptrdiff_t(at);
+      EXPECT_TRUE(std::equal(s.degree.begin() + d, s.degree.begin() + d + 20, before.degree.begin() + d));
+      continue;
+    }
+    std::vector<std::int32_t> want = order(before);
+    std::rotate(want.begin() + 3, want.begin() + 4, want.begin() + 12);
+    EXPECT_EQ(s.count[r], 11) << "row " << r;
+    EXPECT_EQ(order(s), want) << "row " << r;
+    for (std::int32_t i = 0; i < 11; ++i) {
+      const std::size_t from = at + std::size_t(i < 3 ? i : i + 1);
+      EXPECT_EQ(s.degree[at + i], before.degree[from]) << "row " << r << " position " << i;
+      EXPECT_EQ(s.log_degree[at + i], before.log_degree[from]) << "row " << r << " position " << i;
+    }
+  }
+  // The next append writes the freed slot.
+  HostKV kv(rng, 1, 2, 4, 8, {4});
+  const std::vector<half> k = to_storage<half>(kv.k), v = to_storage<half>(kv.v);
+  const auto cache = ContiguousKVView<const half>::packed(k.data(), v.data(), 1, 2, 4, 8, kv.seq_lens.data());
+  merge_store_append(KVCache<const half>(cache), slots.data(), kv.seq_lens.data(), s.view());
+  for (std::int32_t h = 0; h < 2; ++h) {
+    EXPECT_EQ(s.count[h], 12);
+    const std::int32_t freed = before.order[std::size_t(h) * 20 + 3];
+    EXPECT_EQ(std::memcmp(&s.k[(std::size_t(h) * 20 + freed) * 8], cache.k_row(0, h, 3), 8 * sizeof(half)), 0);
+  }
+}
+
 TEST_F(MergeStore, BadInputsAreRefused) {
   using T = bfloat16;
   HostKV kv(rng, 1, 1, 40, 8, {40});
@@ -417,6 +467,13 @@ TEST_F(MergeStore, BadInputsAreRefused) {
       ContiguousKVView<const T>::packed(k2.data(), v2.data(), 2, 1, 40, 8, kv2.seq_lens.data());
   expect_error([&] { merge_store_append(cache2, twice.data(), kv2.seq_lens.data(), big.view()); },
                "cpu::merge_store_append: slots[0] and slots[1] are both slot 1");
+  const std::vector<std::int32_t> sinks{2, 2};
+  expect_error([&] { merge_store_evict(big.view(), twice.data(), 2, budgets.data(), sinks.data()); },
+               "cpu::merge_store_evict: slots[0] and slots[1] are both slot 1");
+  expect_error([&] { merge_store_evict(big.view(), slot.data(), 1, budgets.data(), nullptr); },
+               "cpu::merge_store_evict: budgets and sinks must be non-null");
+  expect_error([&] { merge_store_evict(full.view(), bad_slot.data(), 1, budgets.data(), sinks.data()); },
+               "cpu::merge_store_evict: slots[0] (= 2) is outside [0, store.slots = 2)");
   cpu::Array<std::byte> ws(merge_round_workspace_bytes(1, 1, 40));
   expect_error([&] { merge_round(full.view(), slot.data(), 1, budgets.data(), {.chunk = 1}, ws.bytes()); },
                "cpu::merge_round: params.chunk (= 1) must be >= 2");

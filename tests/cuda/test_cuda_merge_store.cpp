@@ -6,13 +6,16 @@
 // links) may merge otherwise: such rows are detected and skipped, and their share must stay small. Each round
 // starts both backends from the same (CPU) state. Also the device-value rules (count -1), the host refusals, and
 // CentroidKV<bf16, cuda::Context> against CentroidKV<bf16, cpu::Context> through DecodeStep (prepare + 130 steps,
-// two decode-time rounds), with a CUDA graph of one step replayed beside the eager steps, bit for bit.
+// two decode-time rounds), with a CUDA graph of one step replayed beside the eager steps, bit for bit. The window
+// fallback (issue 40): the eviction against the CPU's bit for bit, and a fallback selector's stores and steps
+// against the CPU's.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <set>
 #include <vector>
 
@@ -396,6 +399,50 @@ TEST_F(CudaMergeStore, BadDeviceValuesMarkTheRow) {
   EXPECT_EQ(d_counts.download(), (std::vector<std::int32_t>{-1, 60, 0, -1}));
 }
 
+/// The eviction against the CPU's, bit for bit: rows longer than a warp (84 entries move in three groups of 32), a
+/// row with no sinks, rows it leaves alone (below the budget, sinks -1), twice (the second time slot 2's row is
+/// below its budget); a row of count -1 or above the capacity is untouched.
+TEST_F(CudaMergeStore, EvictEqualsTheCpus) {
+  constexpr std::int32_t kSlots = 4, kKvHeads = 2, kCapacity = 100, kHeadDim = 16;
+  HostStore<bfloat16> host(kSlots, kKvHeads, kCapacity, kHeadDim);
+  host.k = test::to_storage<bfloat16>(rng.normal(host.k.size()));
+  host.v = test::to_storage<bfloat16>(rng.normal(host.v.size()));
+  const std::vector<std::int32_t> counts{70, 40, 90, 3};  // per slot
+  for (std::int32_t row = 0; row < kSlots * kKvHeads; ++row) {
+    std::int32_t* order = &host.order[std::size_t(row) * kCapacity];
+    std::iota(order, order + kCapacity, 0);
+    std::shuffle(order, order + kCapacity, rng.engine);
+    host.count[std::size_t(row)] = counts[std::size_t(row / kKvHeads)];
+    for (std::int32_t i = 0; i < kCapacity; ++i) {
+      const std::int32_t degree = rng.uniform_int(1, 5);
+      host.degree[std::size_t(row) * kCapacity + i] = degree;
+      host.log_degree[std::size_t(row) * kCapacity + i] = std::log(float(degree));
+    }
+  }
+  const std::vector<std::int32_t> slots{2, 0, 3, 1}, budgets{64, 41, 90, 3}, sinks{0, 2, 5, -1};
+  DeviceStore<bfloat16> device(host);
+  DeviceBuffer<std::int32_t> d_slots(slots), d_budgets(budgets), d_sinks(sinks);
+  const auto expect_same = [](const HostStore<bfloat16>& want, const HostStore<bfloat16>& got) {
+    EXPECT_TRUE(test::same_bytes(got.count, want.count));
+    EXPECT_TRUE(test::same_bytes(got.order, want.order));
+    EXPECT_TRUE(test::same_bytes(got.degree, want.degree));
+    EXPECT_TRUE(test::same_bytes(got.log_degree, want.log_degree));
+    EXPECT_TRUE(test::same_bytes(got.k, want.k) && test::same_bytes(got.v, want.v));
+  };
+  for (std::int32_t pass = 0; pass < 2; ++pass) {
+    cpu::merge_store_evict(host.view(), slots.data(), 4, budgets.data(), sinks.data());
+    cuda::merge_store_evict(device.view(), d_slots.data(), 4, d_budgets.data(), d_sinks.data(), nullptr);
+    expect_same(host, device.download());
+  }
+  EXPECT_EQ(host.count, (std::vector<std::int32_t>{68, 68, 40, 40, 89, 89, 3, 3}));
+  std::vector<std::int32_t> bad = host.count;
+  bad[0] = -1, bad[1] = kCapacity + 1;
+  device.count.upload(bad);
+  const HostStore<bfloat16> before = device.download();
+  cuda::merge_store_evict(device.view(), d_slots.data(), 4, d_budgets.data(), d_sinks.data(), nullptr);
+  expect_same(before, device.download());
+}
+
 /// Host refusals, before any device call (they run without a GPU).
 TEST(CudaMergeStoreBadInput, RefusedBeforeAnyDeviceCall) {
   auto* fake = reinterpret_cast<std::int32_t*>(std::uintptr_t(256));
@@ -439,6 +486,8 @@ TEST(CudaMergeStoreBadInput, RefusedBeforeAnyDeviceCall) {
                      "cache kv_heads (= 1)");
   test::expect_error([&] { cuda::merge_store_append(KVCache<const bfloat16>(cache), fake, fake, store, nullptr); },
                      "cache kv_heads (= 1)");
+  test::expect_error([&] { cuda::merge_store_evict(store, fake, 2, fake, nullptr, nullptr); },
+                     "cuda::merge_store_evict: budgets and sinks must be non-null");
 }
 
 // ---- CentroidKV through DecodeStep ------------------------------------------------------------------------------
@@ -459,13 +508,13 @@ TEST(CudaCentroidKVBadInput, KernelBoundsRefusedAtConstruction) {
 
 class CudaCentroidKVStep : public test::GpuTest {};
 
-/// prepare + 130 decode steps (decode-time rounds at the 64th and 128th) on the CPU, on the GPU eagerly and on the
-/// GPU through one captured step replayed: the GPU's stores and outputs equal the CPU's within rounding (the same
-/// merges), the replay's equal the eager run's bit for bit.
-TEST_F(CudaCentroidKVStep, PrepareAndDecodeStepsEqualTheCpusAndTheGraphReplaysEqualEager) {
-  SCOPED_TRACE(seed);
-  constexpr std::int32_t kBatch = 2, kQHeads = 8, kKvHeads = 2, kHeadDim = 128, kSteps = 130, kTokens = 1200;
-  const std::vector<std::int32_t> prompts{1000, 700}, slots{1, 0};
+/// prepare + `steps` decode steps on the CPU, on the GPU eagerly and on the GPU through one captured step replayed:
+/// the GPU's stores (after prepare, steps 63, 64 and the last) and outputs equal the CPU's within rounding (the same
+/// merges; bit for bit where `exact_stores`), the replay's equal the eager run's bit for bit.
+void expect_steps_equal_the_cpus(Random& rng, const CentroidKVConfig& ckv, const std::vector<std::int32_t>& prompts,
+                                 std::int32_t steps, bool exact_stores) {
+  constexpr std::int32_t kBatch = 2, kQHeads = 8, kKvHeads = 2, kHeadDim = 128, kTokens = 1200;
+  const std::vector<std::int32_t> slots{1, 0};
   const SelectorLimits limits{.max_slots = 2, .max_tokens = kTokens, .q_heads = kQHeads, .kv_heads = kKvHeads,
                               .head_dim = kHeadDim};
   const DecodeStepConfig config{.max_batch = kBatch, .q_heads = kQHeads, .kv_heads = kKvHeads, .head_dim = kHeadDim,
@@ -484,9 +533,9 @@ TEST_F(CudaCentroidKVStep, PrepareAndDecodeStepsEqualTheCpusAndTheGraphReplaysEq
   const auto device_cache = [&](const DeviceBuffer<std::int32_t>& l) {
     return ContiguousKVView<bfloat16>::packed(dk.data(), dv.data(), kBatch, kKvHeads, kTokens, kHeadDim, l.data());
   };
-  DecodeStep cpu(CpuCentroidKV(limits, {}, {}), config, {});
-  DecodeStep gpu(CudaCentroidKV(limits, {}, ctx), config, ctx);
-  DecodeStep replayed(CudaCentroidKV(limits, {}, ctx), config, ctx);
+  DecodeStep cpu(CpuCentroidKV(limits, ckv, {}), config, {});
+  DecodeStep gpu(CudaCentroidKV(limits, ckv, ctx), config, ctx);
+  DecodeStep replayed(CudaCentroidKV(limits, ckv, ctx), config, ctx);
   const KVCache<const bfloat16> host_prefill =
       ContiguousKVView<const bfloat16>::packed(k.data(), v.data(), kBatch, kKvHeads, kTokens, kHeadDim, lens.data());
   cpu.prepare({.cache = host_prefill, .slots = slots.data()}, {});
@@ -497,7 +546,6 @@ TEST_F(CudaCentroidKVStep, PrepareAndDecodeStepsEqualTheCpusAndTheGraphReplaysEq
   // As check_rounds: a round whose merges hinge on a near tie may merge differently on the two backends, and the
   // stores (and outputs) differ from then on. Replay the prefill's rounds on the host to find one; from the first
   // near tie (prefill or decode-time round) on, only the graph replay is compared with the eager GPU step.
-  const CentroidKVConfig ckv{};
   bool diverged = false;
   {
     HostStore<bfloat16> pre(kBatch, kKvHeads, kTokens, kHeadDim);
@@ -506,6 +554,7 @@ TEST_F(CudaCentroidKVStep, PrepareAndDecodeStepsEqualTheCpusAndTheGraphReplaysEq
     cpu::Array<std::byte> pre_workspace(cpu::merge_round_workspace_bytes(1, kKvHeads, kTokens));
     // Each prompt's own schedule, one prompt at a time, as the selector runs them.
     for (std::int32_t b = 0; b < kBatch && !diverged; ++b) {
+      if (detail::centroid_kv_window("test", ckv, prompts[std::size_t(b)]) >= 0) continue;  // no round
       const std::int32_t budget = detail::centroid_kv_budget(ckv, prompts[std::size_t(b)]);
       for (const MergeRoundParams& params : detail::centroid_kv_prefill_schedule("test", ckv, prompts[std::size_t(b)])) {
         for (std::int32_t h = 0; h < kKvHeads; ++h) diverged |= near_tie(pre, std::int64_t(b) * kKvHeads + h, budget, params);
@@ -531,7 +580,7 @@ TEST_F(CudaCentroidKVStep, PrepareAndDecodeStepsEqualTheCpusAndTheGraphReplaysEq
     fetch(b, got_view, cudaMemcpyDeviceToHost);
     fetch(c, graph_view, cudaMemcpyDeviceToHost);
     for (std::int64_t row = 0; row < std::int64_t(a.count.size()); ++row) {
-      if (!diverged) expect_same_row(a, b, row, what + " (eager)");
+      if (!diverged) expect_same_row(a, b, row, what + " (eager)", exact_stores);
       expect_same_row(b, c, row, what + " (graph)", true);
     }
   };
@@ -565,7 +614,7 @@ TEST_F(CudaCentroidKVStep, PrepareAndDecodeStepsEqualTheCpusAndTheGraphReplaysEq
   };
   const test::CapturedGraph graph(stream, [&] { run_gpu(replayed, d_lens_graph, graph_workspace, o_graph, lse_graph); },
                                   cudaStreamCaptureModeGlobal);
-  for (std::int32_t s = 0; s < kSteps; ++s) {
+  for (std::int32_t s = 0; s < steps; ++s) {
     SCOPED_TRACE("step " + std::to_string(s));
     diverged |= decode_tie();
     for (auto& l : lens) ++l;  // the engine wrote the step's token
@@ -596,9 +645,22 @@ TEST_F(CudaCentroidKVStep, PrepareAndDecodeStepsEqualTheCpusAndTheGraphReplaysEq
         ASSERT_NEAR(got_lse[i], host_lse[i], 1e-3 * std::max(1.0f, std::abs(host_lse[i]))) << "LSE " << i;
       }
     }
-    if (s == 63 || s == 64 || s == kSteps - 1) compare_stores("after step " + std::to_string(s));
+    if (s == 63 || s == 64 || s == steps - 1) compare_stores("after step " + std::to_string(s));
   }
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+/// 130 steps: decode-time rounds at the 64th and 128th.
+TEST_F(CudaCentroidKVStep, PrepareAndDecodeStepsEqualTheCpusAndTheGraphReplaysEqualEager) {
+  SCOPED_TRACE(seed);
+  expect_steps_equal_the_cpus(rng, {}, {1000, 700}, 130, false);
+}
+
+/// The window fallback (issue 40): budgets below the minimum (B = 75: 15 sinks and 60 recent; B = 5: 1 and 4), no
+/// merge, so the stores equal the CPU's bit for bit through 70 steps, each evicting on the device (in the graph too).
+TEST_F(CudaCentroidKVStep, WindowFallbackEqualsTheCpus) {
+  SCOPED_TRACE(seed);
+  expect_steps_equal_the_cpus(rng, {.below_minimum = CentroidKVBelowMinimum::window}, {300, 22}, 70, true);
 }
 
 }  // namespace

@@ -1,9 +1,12 @@
 // CentroidKV on the CPU (selectors/centroid_kv/centroid_kv.hpp), through DecodeStep: the prefill meets each budget exactly,
 // decode-time rounds bring rows back to it, the degrees always sum to the tokens seen, and every step's output is
 // equation 3 over the store (an fp64 reference reading the store). Identical keys reproduce dense attention, a
-// ratio of 1 (no merge) gives dense attention; the empty primary selection merges as nothing. Every refusal.
+// ratio of 1 (no merge) gives dense attention; the empty primary selection merges as nothing. The window fallback
+// below the minimum (issue 40): exactly the stated window, attended as an fp64 reference over those cached tokens,
+// at B entries through appends, and no change to merged rows. Every refusal.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -107,21 +110,30 @@ HostState store_reference(const std::vector<T>& q, const MergeStoreView<const T>
   return ref;
 }
 
+/// fp64 attention of batch row b over the cached tokens `tokens` of every kv head (weights 0), into ref.
+template <class T>
+void tokens_reference(const std::vector<T>& q, const HostKV& kv, std::int32_t b,
+                      const std::vector<std::int32_t>& tokens, HostState& ref) {
+  for (std::int32_t g = 0; g < kKvHeads; ++g) {
+    std::vector<const float*> ks, vs;
+    for (const std::int32_t t : tokens) {
+      const std::size_t at = ((std::size_t(b) * kKvHeads + g) * kMaxTokens + t) * kHeadDim;
+      ks.push_back(&kv.k[at]);
+      vs.push_back(&kv.v[at]);
+    }
+    const std::vector<double> w(ks.size(), 0.0);
+    attend_group(q, b, g, ks, vs, w, ref);
+  }
+}
+
 /// Dense attention in fp64 over every cached token of each row.
 template <class T>
 HostState dense_reference(const std::vector<T>& q, const HostKV& kv) {
   HostState ref(kv.batch, kQHeads, kHeadDim);
   for (std::int32_t b = 0; b < kv.batch; ++b) {
-    for (std::int32_t g = 0; g < kKvHeads; ++g) {
-      std::vector<const float*> ks, vs;
-      for (std::int32_t t = 0; t < kv.seq_lens[b]; ++t) {
-        const std::size_t at = ((std::size_t(b) * kKvHeads + g) * kMaxTokens + t) * kHeadDim;
-        ks.push_back(&kv.k[at]);
-        vs.push_back(&kv.v[at]);
-      }
-      const std::vector<double> w(ks.size(), 0.0);
-      attend_group(q, b, g, ks, vs, w, ref);
-    }
+    std::vector<std::int32_t> tokens(std::size_t(kv.seq_lens[b]));
+    std::iota(tokens.begin(), tokens.end(), 0);
+    tokens_reference(q, kv, b, tokens, ref);
   }
   return ref;
 }
@@ -331,6 +343,105 @@ TEST_F(CentroidKVTest, NoMergeGivesDenseAttention) {
   EXPECT_GE(bytes.host, std::size_t(3) * kKvHeads * (kMaxTokens + 64) * kHeadDim * 2 * sizeof(T));
 }
 
+/// The window fallback's tokens for a sequence of n tokens, budget B and s sinks: [0, s) and [n - (B - s), n).
+std::vector<std::int32_t> window_tokens(std::int32_t n, std::int32_t budget, std::int32_t sinks) {
+  std::vector<std::int32_t> tokens(std::size_t(budget), 0);
+  std::iota(tokens.begin(), tokens.begin() + sinks, 0);
+  std::iota(tokens.begin() + sinks, tokens.end(), n - (budget - sinks));
+  return tokens;
+}
+
+/// Every kv head's row of batch row b holds exactly `tokens` of the cache, in sequence order: their K and V bit for
+/// bit, degree 1, log-degree 0; its order is a permutation of the pool.
+template <class T>
+void expect_window_row(const MergeStoreView<const T>& store, const Problem<T>& p, std::int32_t b,
+                       const std::vector<std::int32_t>& tokens) {
+  for (std::int32_t h = 0; h < kKvHeads; ++h) {
+    SCOPED_TRACE(testing::Message() << "batch row " << b << " kv head " << h);
+    const std::int64_t row = store.row(p.slots[b], h);
+    ASSERT_EQ(store.count[row], std::int32_t(tokens.size()));
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      const std::int32_t slot = store.row_order(row)[i];
+      const std::size_t at = ((std::size_t(b) * kKvHeads + h) * kMaxTokens + tokens[i]) * kHeadDim;
+      ASSERT_EQ(std::memcmp(store.k_slot(row, slot), &p.k[at], kHeadDim * sizeof(T)), 0) << "K of token " << tokens[i];
+      ASSERT_EQ(std::memcmp(store.v_slot(row, slot), &p.v[at], kHeadDim * sizeof(T)), 0) << "V of token " << tokens[i];
+      ASSERT_EQ(store.row_degree(row)[i], 1);
+      ASSERT_EQ(store.row_log_degree(row)[i], 0.0f);
+    }
+    std::vector<std::int32_t> order(store.row_order(row), store.row_order(row) + store.capacity);
+    std::sort(order.begin(), order.end());
+    for (std::int32_t i = 0; i < store.capacity; ++i) ASSERT_EQ(order[std::size_t(i)], i) << "order is a permutation";
+  }
+}
+
+// Issue 40: with the window fallback chosen, a budget below the minimum is served by a window of B entries, the
+// first s = floor(B sinks / (sinks + recent)) tokens and the last B - s, through 70 decode steps (each evicting the
+// oldest after the sinks); a prompt above the minimum in the same batch is merged as always (a decode-time round at
+// step 64). Every step's output is the fp64 attention over exactly those cached tokens (the merged row: over its
+// store).
+TEST_F(CentroidKVTest, WindowFallbackBelowTheMinimum) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  using T = bfloat16;
+  // B = 75 (s = 15, 60 recent), 250 (merged), 5 (s = 1, 4 recent).
+  Problem<T> p(rng, {300, 1000, 22}, {2, 0, 1});
+  const cpu::Context ctx{};
+  const CentroidKVConfig config{.below_minimum = CentroidKVBelowMinimum::window};
+  DecodeStep step(CentroidKV<T, cpu::Context>(p.limits, config, ctx), p.step_config(), ctx);
+  step.prepare({.cache = p.cache(), .slots = p.slots.data()}, ctx);
+  const MergeStoreView<const T> store = step.selector().store();
+  const std::vector<std::int32_t> budgets{75, 250, 5}, sinks{15, -1, 1};
+  for (std::int32_t b = 0; b < 3; ++b) {
+    EXPECT_EQ(step.selector().budgets()[p.slots[b]], budgets[b]);
+    EXPECT_EQ(step.selector().window_sinks()[p.slots[b]], sinks[b]);
+  }
+  EXPECT_EQ(detail::centroid_kv_window_sinks(config, 80), 16) << "at sinks + recent: the configured split";
+  EXPECT_EQ(detail::centroid_kv_window_sinks(config, 1), 0) << "the newest token always has a place";
+  expect_window_row(store, p, 0, window_tokens(300, 75, 15));
+  expect_window_row(store, p, 2, window_tokens(22, 5, 1));
+  for (std::int32_t h = 0; h < kKvHeads; ++h) EXPECT_EQ(store.count[store.row(p.slots[1], h)], 250);
+  cpu::Array<std::byte> workspace(step.workspace_bytes());
+  for (std::int32_t s = 1; s <= 70; ++s) {
+    SCOPED_TRACE(testing::Message() << "step " << s);
+    p.grow(rng);
+    const std::vector<T> q = to_storage<T>(rng.normal(std::size_t(3) * kQHeads * kHeadDim));
+    const auto [o, lse] = run_step(step, p, q, workspace, ctx);
+    HostState ref = store_reference(q, store, p.slots);
+    for (const std::int32_t b : {0, 2}) {
+      const std::vector<std::int32_t> tokens = window_tokens(p.kv.seq_lens[b], budgets[b], sinks[b]);
+      expect_window_row(store, p, b, tokens);
+      tokens_reference(q, p.kv, b, tokens, ref);
+    }
+    for (std::int32_t h = 0; h < kKvHeads; ++h) {
+      const std::int64_t row = store.row(p.slots[1], h);
+      ASSERT_EQ(store.count[row], s < 65 ? 250 + s : 250 + s - 64) << "the merged row as without the fallback";
+      ASSERT_EQ(degree_sum(store, row), p.kv.seq_lens[1]);
+    }
+    expect_close(o, lse, ref, fmt::format("step {}", s));
+  }
+}
+
+// Choosing the fallback changes nothing where every budget is above the minimum: the same outputs bit for bit.
+TEST_F(CentroidKVTest, WindowFallbackLeavesMergedRowsAlone) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  using T = half;
+  Problem<T> p(rng, {1000, 700}, {1, 2});
+  const cpu::Context ctx{};
+  DecodeStep refuse(CentroidKV<T, cpu::Context>(p.limits, {}, ctx), p.step_config(), ctx);
+  DecodeStep window(CentroidKV<T, cpu::Context>(p.limits, {.below_minimum = CentroidKVBelowMinimum::window}, ctx),
+                    p.step_config(), ctx);
+  refuse.prepare({.cache = p.cache(), .slots = p.slots.data()}, ctx);
+  window.prepare({.cache = p.cache(), .slots = p.slots.data()}, ctx);
+  cpu::Array<std::byte> workspace(refuse.workspace_bytes());
+  for (std::int32_t s = 1; s <= 66; ++s) {
+    p.grow(rng);
+    const std::vector<T> q = to_storage<T>(rng.normal(std::size_t(2) * kQHeads * kHeadDim));
+    const auto [o, lse] = run_step(refuse, p, q, workspace, ctx);
+    const auto [o_window, lse_window] = run_step(window, p, q, workspace, ctx);
+    ASSERT_EQ(std::memcmp(o.data(), o_window.data(), o.size() * sizeof(T)), 0) << "step " << s;
+    ASSERT_EQ(std::memcmp(lse.data(), lse_window.data(), lse.size() * sizeof(float)), 0) << "step " << s;
+  }
+}
+
 TEST_F(CentroidKVTest, BadInputsAreRefused) {
   using T = bfloat16;
   const cpu::Context ctx{};
@@ -366,6 +477,12 @@ TEST_F(CentroidKVTest, BadInputsAreRefused) {
   expect_error([&] { prepare_with({}, 300); },
                "CentroidKV::prepare: a prompt of n = 300 tokens at budget_ratio R = 0.25 has budget B = 75 <= sinks + "
                "recent (= 80): CentroidKV cannot meet it; its smallest budget is 81 tokens (R >= 0.27 for this prompt)");
+  // The window fallback needs one entry.
+  expect_error([&] { prepare_with({.below_minimum = CentroidKVBelowMinimum::window}, 3); },
+               "CentroidKV::prepare: a prompt of n = 3 tokens at budget_ratio R = 0.25 has budget B = 0: even the "
+               "window fallback needs B >= 1");
+  expect_error([&] { (void)CentroidKV<T, cpu::Context>(p.limits, {.below_minimum = CentroidKVBelowMinimum(2)}, ctx); },
+               "CentroidKV: config.below_minimum (= 2) must be refuse (0) or window (1)");
   // A slot twice (issue 24's review): two rows of the prefill would write one store row.
   Problem<T> twice(rng, {1000, 900}, {1, 1});
   CentroidKV<T, cpu::Context> twice_selector(twice.limits, {}, ctx);

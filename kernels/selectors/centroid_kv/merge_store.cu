@@ -485,6 +485,38 @@ __global__ void __launch_bounds__(kCopyThreads) merge_store_append_kernel(KVCach
   }
 }
 
+/// A warp per (batch row b, kv head h): positions sinks + 1 .. count - 1 move down by one, 32 at a time (each group
+/// read before it is written, the later groups' reads after the earlier groups' writes).
+template <class T>
+__global__ void __launch_bounds__(kCopyThreads) merge_store_evict_kernel(MergeStoreView<T> store,
+                                                                         const std::int32_t* slots, std::int32_t batch,
+                                                                         const std::int32_t* budgets,
+                                                                         const std::int32_t* sinks) {
+  const int lane = threadIdx.x % 32;
+  const std::int64_t item = (blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x) / 32;
+  if (item >= std::int64_t(batch) * store.kv_heads) return;
+  const std::int32_t slot = slots[item / store.kv_heads];
+  if (slot < 0 || slot >= store.slots) return;
+  const std::int64_t row = store.row(slot, item % store.kv_heads);
+  const std::int32_t count = store.count[row], first = sinks[slot];
+  if (count > store.capacity || !kvsift::detail::merge_store_evicts(count, budgets[slot], first)) return;
+  std::int32_t* const order = store.row_order(row);
+  std::int32_t* const degree = store.row_degree(row);
+  float* const log_degree = store.row_log_degree(row);
+  const std::int32_t freed = order[first];
+  for (std::int32_t base = first; base < count - 1; base += 32) {
+    const std::int32_t p = base + lane;
+    const bool moves = p < count - 1;
+    const std::int32_t o = moves ? order[p + 1] : 0, d = moves ? degree[p + 1] : 0;
+    const float l = moves ? log_degree[p + 1] : 0.0f;
+    __syncwarp();
+    if (moves) order[p] = o, degree[p] = d, log_degree[p] = l;
+    __syncwarp();
+  }
+  __syncwarp();  // every lane has read count and freed
+  if (lane == 0) order[count - 1] = freed, store.count[row] = count - 1;
+}
+
 /// A warp per (batch row b, kv head h, dst slot i).
 template <class T>
 __global__ void __launch_bounds__(kCopyThreads) merge_store_copy_kernel(MergeStoreView<const T> src,
@@ -584,6 +616,15 @@ cudaError_t launch_merge_store_append(const KVCache<const T>& cache, const std::
 }
 
 template <class T>
+cudaError_t launch_merge_store_evict(const MergeStoreView<T>& store, const std::int32_t* slots, std::int32_t batch,
+                                     const std::int32_t* budgets, const std::int32_t* sinks, cudaStream_t stream) {
+  const std::int64_t threads = std::int64_t(batch) * store.kv_heads * 32;
+  const unsigned blocks = unsigned((threads + kCopyThreads - 1) / kCopyThreads);
+  merge_store_evict_kernel<T><<<blocks, kCopyThreads, 0, stream>>>(store, slots, batch, budgets, sinks);
+  return cudaGetLastError();
+}
+
+template <class T>
 cudaError_t launch_merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* src_slots,
                                     const MergeStoreView<T>& dst, const std::int32_t* dst_slots, std::int32_t batch,
                                     cudaStream_t stream) {
@@ -609,6 +650,8 @@ cudaError_t launch_merge_store_selection(const MergeStoreView<const T>& store, c
                                                   const MergeStoreView<T>&, cudaStream_t);                         \
   template cudaError_t launch_merge_store_append<T>(const KVCache<const T>&, const std::int32_t*,                  \
                                                     const std::int32_t*, const MergeStoreView<T>&, cudaStream_t);  \
+  template cudaError_t launch_merge_store_evict<T>(const MergeStoreView<T>&, const std::int32_t*, std::int32_t,    \
+                                                   const std::int32_t*, const std::int32_t*, cudaStream_t);        \
   template cudaError_t launch_merge_store_copy<T>(const MergeStoreView<const T>&, const std::int32_t*,             \
                                                   const MergeStoreView<T>&, const std::int32_t*, std::int32_t,     \
                                                   cudaStream_t);                                                   \

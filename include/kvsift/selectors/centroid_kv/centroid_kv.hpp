@@ -13,20 +13,25 @@
 ///     whose ratio would merge nothing, and every round past max_rounds, runs at ratio 1 (the schedule is a host
 ///     function of n: detail::centroid_kv_prefill_schedule), so no budget above the minimum stalls; then copied into
 ///     the selector's store. Refused: a slot twice, B <= sinks + recent (the budget cannot be met: the message names
-///     the smallest). Allocates, once per call, a one-sequence store of the longest joining prompt (K and V
-///     [kv_heads, n, head_dim] in T, order, degree and log_degree [kv_heads, n]) and merge_round's workspace for it;
-///     on CUDA synchronizes (the lengths are read on the host, each budget is copied from it).
+///     the smallest) unless config.below_minimum chooses the window fallback: such a slot keeps a window of B
+///     tokens instead (the first s = detail::centroid_kv_window_sinks(config, B) and the last B - s, degree 1, never
+///     merged; its temporary store's order is rewritten from the host). Allocates, once per call, a one-sequence
+///     store of the longest joining prompt (K and V [kv_heads, n, head_dim] in T, order, degree and log_degree
+///     [kv_heads, n]) and merge_round's workspace for it; on CUDA synchronizes (the lengths are read on the host,
+///     each budget is copied from it).
 ///   - append (each decode step, the token already in the cache): one decode-time round at ratio 1 with trigger
 ///     `interval` (a row with s >= B + interval merges min(links, s - B) links, decided per row
-///     inside the primitive: no host sync), then the token enters with degree 1. This is algorithm 1's order
+///     inside the primitive: no host sync; a window row, at B, never takes part), with the window fallback chosen
+///     an eviction (merge_store_evict: a window row at B drops its oldest entry after the s sinks, decided per row
+///     on the device; other rows untouched), then the token enters with degree 1. This is algorithm 1's order
 ///     (add, attend, then compress), shifted by one step: the compression of step i runs before step i + 1's
 ///     token is added.
 ///   - select: clears the primary counts and lists every store row's live entries with their log-degrees.
 ///
 /// Memory (the context's; index_bytes): K and V [max_slots, kv_heads, capacity, head_dim] in T, order, degree
-/// (int32) and log_degree (fp32) [max_slots, kv_heads, capacity], counts, budgets, the second source's selection
-/// [max_slots, kv_heads, capacity] (indices, log-weights) and its page table; capacity = ceil(R max_tokens) +
-/// interval. Workspace of append: merge_round's for the step's batch; of select: none.
+/// (int32) and log_degree (fp32) [max_slots, kv_heads, capacity], counts, budgets, window sinks, the second source's
+/// selection [max_slots, kv_heads, capacity] (indices, log-weights) and its page table; capacity = ceil(R
+/// max_tokens) + interval. Workspace of append: merge_round's for the step's batch; of select: none.
 /// Include cpu/backend.hpp or cuda/backend.hpp (the primitives of the context) before instantiating it.
 
 #include <algorithm>
@@ -50,8 +55,16 @@
 
 namespace kvsift {
 
+/// What prepare does with a prompt whose budget B = floor(R n) is at or below the merge's minimum, B <= sinks +
+/// recent (issue 40; docs/centroidkv.md's choices).
+enum class CentroidKVBelowMinimum : std::uint8_t {
+  refuse,  ///< refused, the message naming the smallest budget (sinks + recent + 1) and its ratio
+  window,  ///< a window of B tokens: the first s = detail::centroid_kv_window_sinks(config, B) and the last B - s,
+           ///< degree 1, never merged; each decode step evicts the oldest after the s sinks. B = 0 is refused.
+};
+
 /// The paper's defaults (§6: 16 sinks, 64 recent, chunk 256, r_init 0.8, decay 0.2); r_min, interval and
-/// max_rounds are kvsift's (the paper gives none, issue 24).
+/// max_rounds are kvsift's (the paper gives none, issue 24), and so is below_minimum (issue 40).
 struct CentroidKVConfig {
   float budget_ratio = 0.25f;    ///< R: each sequence keeps B = floor(R n) entries after its prefill of n tokens
   std::int32_t sinks = 16;       ///< n1: the first entries, never merged
@@ -62,6 +75,7 @@ struct CentroidKVConfig {
   float r_min = 0.2f;            ///< floor of the prefill schedule
   std::int32_t interval = 64;    ///< g: a decode-time round runs once s >= B + g
   std::int32_t max_rounds = 64;  ///< prefill rounds at the schedule's ratios; later rounds run at ratio 1
+  CentroidKVBelowMinimum below_minimum = CentroidKVBelowMinimum::refuse;  ///< B <= sinks + recent: refuse or window
 };
 
 namespace detail {
@@ -77,11 +91,35 @@ inline void check_centroid_kv_config(const char* where, const CentroidKVConfig& 
                c.r_min, c.r_init, c.r_step);
   KVSIFT_CHECK(c.interval >= 1, where, "config.interval (= {}) must be >= 1", c.interval);
   KVSIFT_CHECK(c.max_rounds >= 0, where, "config.max_rounds (= {}) must be >= 0", c.max_rounds);
+  KVSIFT_CHECK(c.below_minimum == CentroidKVBelowMinimum::refuse || c.below_minimum == CentroidKVBelowMinimum::window,
+               where, "config.below_minimum (= {}) must be refuse (0) or window (1)", int(c.below_minimum));
 }
 
 /// A prompt's budget B = floor(R n).
 inline std::int32_t centroid_kv_budget(const CentroidKVConfig& c, std::int32_t n) {
   return std::int32_t(std::floor(double(c.budget_ratio) * double(n)));
+}
+
+/// The sinks s of a window-fallback budget B, 1 <= B <= sinks + recent: the configured split scaled to B,
+/// s = floor(B sinks / (sinks + recent)), at most B - 1 so that the newest token always has a place. So the window
+/// holds at most the configured sinks and recent tokens (s <= sinks, B - s <= recent), and all of them at
+/// B = sinks + recent.
+inline std::int32_t centroid_kv_window_sinks(const CentroidKVConfig& c, std::int32_t budget) {
+  const auto scaled = std::int32_t(std::int64_t(budget) * c.sinks / (std::int64_t(c.sinks) + c.recent));
+  return std::min(scaled, budget - 1);
+}
+
+/// How a prompt of n tokens is kept: -1, merged by its schedule (B > sinks + recent; or B below that without the
+/// fallback, which centroid_kv_prefill_schedule refuses); else a window of B tokens with s sinks, returned. Refused:
+/// B = 0 with the fallback (a window needs one entry).
+inline std::int32_t centroid_kv_window(const char* where, const CentroidKVConfig& c, std::int32_t n) {
+  const std::int32_t budget = centroid_kv_budget(c, n);
+  if (budget > c.sinks + c.recent || c.below_minimum != CentroidKVBelowMinimum::window) return -1;
+  KVSIFT_CHECK(budget >= 1, where,
+               "a prompt of n = {} tokens at budget_ratio R = {} has budget B = 0: even the window fallback needs "
+               "B >= 1 (R >= {:.4g} for this prompt)",
+               n, c.budget_ratio, 1.0 / double(n));
+  return centroid_kv_window_sinks(c, budget);
 }
 
 /// Round j's parameters at prefill (ratio r_j, trigger 1) and at decoding (below).
@@ -96,6 +134,7 @@ inline MergeRoundParams centroid_kv_prefill_params(const CentroidKVConfig& c, st
 /// round makes progress: prepare ensures B > sinks + recent, so a row of B + interval entries has a middle of >= 2
 /// entries, >= 1 link, and s stays <= B + interval (the store's capacity holds it, B <= ceil(R max_tokens)); with
 /// fewer than interval links the row stays between B + 1 and B + interval. r_init only shapes the prefill schedule.
+/// A window-fallback row (B <= sinks + recent) stays at B (the eviction before each append), below the trigger.
 inline MergeRoundParams centroid_kv_decode_params(const CentroidKVConfig& c) {
   return {.sinks = c.sinks, .recent = c.recent, .chunk = c.chunk, .ratio = 1.0f, .trigger = c.interval};
 }
@@ -112,7 +151,8 @@ inline std::vector<MergeRoundParams> centroid_kv_prefill_schedule(const char* wh
   const std::int32_t budget = centroid_kv_budget(c, n);
   KVSIFT_CHECK(budget > c.sinks + c.recent, where,
                "a prompt of n = {} tokens at budget_ratio R = {} has budget B = {} <= sinks + recent (= {}): "
-               "CentroidKV cannot meet it; its smallest budget is {} tokens (R >= {:.4g} for this prompt)",
+               "CentroidKV cannot meet it; its smallest budget is {} tokens (R >= {:.4g} for this prompt), or "
+               "config.below_minimum = window keeps a window of B tokens",
                n, c.budget_ratio, budget, c.sinks + c.recent, c.sinks + c.recent + 1,
                double(c.sinks + c.recent + 1) / double(n));
   std::vector<MergeRoundParams> schedule;
@@ -159,6 +199,7 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
     log_degree_.resize(entries);
     count_.resize(rows);
     budgets_.resize(std::size_t(limits.max_slots));
+    window_sinks_.resize(std::size_t(limits.max_slots));
     indices_.resize(entries);
     counts_.resize(rows);
     weights_.resize(entries);
@@ -170,6 +211,8 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
     const std::vector<std::int32_t> zeros(rows, 0), capacities(std::size_t(limits.max_slots), capacity_);
     copy_from_host(zeros.data(), rows, count_.data(), ctx);
     copy_from_host(zeros.data(), budgets_.size(), budgets_.data(), ctx);
+    const std::vector<std::int32_t> merged(window_sinks_.size(), -1);
+    copy_from_host(merged.data(), merged.size(), window_sinks_.data(), ctx);
     std::vector<std::int32_t> indptr(page_indptr_.size());
     std::iota(indptr.begin(), indptr.end(), 0);
     copy_from_host(indptr.data(), indptr.size(), page_indptr_.data(), ctx);
@@ -185,8 +228,9 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
 
   IndexBytes index_bytes() const {
     const std::size_t bytes = (k_.size() + v_.size()) * sizeof(T) +
-                              (order_.size() + degree_.size() + count_.size() + budgets_.size() + indices_.size() +
-                               counts_.size() + page_indptr_.size() + last_page_len_.size()) *
+                              (order_.size() + degree_.size() + count_.size() + budgets_.size() +
+                               window_sinks_.size() + indices_.size() + counts_.size() + page_indptr_.size() +
+                               last_page_len_.size()) *
                                   sizeof(std::int32_t) +
                               (log_degree_.size() + weights_.size()) * sizeof(float);
     return detail::context_index_bytes<Context>(bytes);
@@ -199,6 +243,8 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
   }
   /// Each slot's budget B (context memory, [max_slots]).
   const std::int32_t* budgets() const { return budgets_.data(); }
+  /// Each slot's window sinks s, -1 for a merged slot (context memory, [max_slots]; CentroidKVBelowMinimum::window).
+  const std::int32_t* window_sinks() const { return window_sinks_.data(); }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context&) const {
     return detail::no_workspace_bytes(entry_point<"select_workspace_bytes">(), limits_, shape);
@@ -213,7 +259,7 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
     check_no_window(where, in.attention.window);
     const auto rows = std::size_t(batch);
-    std::vector<std::int32_t> budgets(rows);
+    std::vector<std::int32_t> budgets(rows), windows(rows);
     std::vector<std::vector<MergeRoundParams>> schedules(rows);
     ContextArray<Context, std::int32_t> context_lengths(rows);
     const auto [lengths, slots] =
@@ -221,7 +267,8 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
     std::int32_t longest = 1;
     for (std::size_t b = 0; b < rows; ++b) {
       KVSIFT_CHECK(lengths[b] > 0, where, "sequence {}'s prompt is empty (0 tokens): nothing to merge", b);
-      schedules[b] = detail::centroid_kv_prefill_schedule(where, config_, lengths[b]);
+      windows[b] = detail::centroid_kv_window(where, config_, lengths[b]);
+      if (windows[b] < 0) schedules[b] = detail::centroid_kv_prefill_schedule(where, config_, lengths[b]);
       budgets[b] = detail::centroid_kv_budget(config_, lengths[b]);
       longest = std::max(longest, lengths[b]);
     }
@@ -243,6 +290,7 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
     for (std::size_t b = 0; b < rows; ++b) {
       copy_from_host(&budgets[b], 1, temp_budget.data(), ctx);
       merge_store_load(cache_row(in.cache, std::int32_t(b)), temp_slot.data(), temp, ctx);
+      if (windows[b] >= 0) set_window(lengths[b], budgets[b], windows[b], temp, ctx);
       for (const MergeRoundParams& round : schedules[b]) {
         merge_round(temp, temp_slot.data(), 1, temp_budget.data(), round, bytes, ctx);
       }
@@ -250,7 +298,10 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
     }
     // Last, and synchronizing (copy_from_host waits for its stream): the temporary store's work is done before its
     // arrays are freed on return.
-    for (std::size_t b = 0; b < rows; ++b) copy_from_host(&budgets[b], 1, budgets_.data() + slots[b], ctx);
+    for (std::size_t b = 0; b < rows; ++b) {
+      copy_from_host(&budgets[b], 1, budgets_.data() + slots[b], ctx);
+      copy_from_host(&windows[b], 1, window_sinks_.data() + slots[b], ctx);
+    }
     slot_states_.mark_prepared(slots);
   }
 
@@ -262,6 +313,9 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
         carving.span(merge_round_workspace_bytes(batch, limits_.kv_heads, capacity_, ctx), "CentroidKV round scratch");
     merge_round(mutable_store(), in.slots, batch, budgets_.data(), detail::centroid_kv_decode_params(config_),
                 round_bytes, ctx);
+    if (config_.below_minimum == CentroidKVBelowMinimum::window) {
+      merge_store_evict(mutable_store(), in.slots, batch, budgets_.data(), window_sinks_.data(), ctx);
+    }
     merge_store_append(in.cache, in.slots, in.lengths, mutable_store(), ctx);
   }
 
@@ -285,6 +339,24 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
                  "the attention window (sink {}, recent {}) must be empty: CentroidKV's store holds the sinks and the "
                  "recent tokens itself",
                  window.sink, window.recent);
+  }
+  /// The window fallback in the temporary store, just loaded with a prompt of n tokens (token t in slot t, degree 1):
+  /// each row's order is rewritten so that its first B positions are the window, tokens [0, s) and [n - (B - s), n),
+  /// the rest following in ascending order, and its count set to B; merge_store_copy then keeps the window alone.
+  static void set_window(std::int32_t n, std::int32_t budget, std::int32_t sinks, const MergeStoreView<T>& temp,
+                         const Context& ctx) {
+    const std::int32_t first_recent = n - (budget - sinks);
+    std::vector<std::int32_t> order(MergeStoreView<T>::entries(1, temp.kv_heads, temp.capacity));
+    for (std::int32_t h = 0; h < temp.kv_heads; ++h) {
+      std::int32_t* row = order.data() + std::int64_t(h) * temp.capacity;
+      std::iota(row, row + sinks, 0);
+      std::iota(row + sinks, row + budget, first_recent);
+      std::iota(row + budget, row + n, sinks);
+      std::iota(row + n, row + temp.capacity, n);
+    }
+    copy_from_host(order.data(), order.size(), temp.order, ctx);
+    const std::vector<std::int32_t> counts(std::size_t(temp.kv_heads), budget);
+    copy_from_host(counts.data(), counts.size(), temp.count, ctx);
   }
   /// Row b of a cache as a cache of one row (prepare loads one joining sequence at a time).
   static KVCache<const T> cache_row(const KVCache<const T>& cache, std::int32_t b) {
@@ -313,8 +385,8 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
   CentroidKVConfig config_;
   std::int32_t capacity_ = 0;
   ContextArray<Context, T> k_, v_;
-  ContextArray<Context, std::int32_t> order_, degree_, count_, budgets_, indices_, counts_, page_indptr_,
-      last_page_len_;
+  ContextArray<Context, std::int32_t> order_, degree_, count_, budgets_, window_sinks_, indices_, counts_,
+      page_indptr_, last_page_len_;
   ContextArray<Context, float> log_degree_, weights_;
 };
 

@@ -27,6 +27,12 @@
 ///     leave, and count becomes s - m.
 /// Results are deterministic; the CPU and CUDA twins make the same merges except where two similarities are within
 /// fp32 rounding of each other.
+///
+/// An eviction (merge_store_evict: CentroidKV's window fallback, a slot whose budget is below the merge's minimum)
+/// drops one entry instead of merging: a row of slot s with sinks[s] >= 0 and count >= budgets[s] (so that an
+/// append would take it past B) loses the entry at order position sinks[s], the oldest after the kept first ones;
+/// the later positions' order, degree and log_degree move down by one, the freed slot goes to position count - 1
+/// (where the next append writes), and count - 1. K/V rows do not move.
 
 #include <cmath>
 #include <cstddef>
@@ -134,6 +140,12 @@ KVSIFT_HOST_DEVICE inline std::int32_t merge_round_links(std::int32_t count, std
   const auto by_ratio = std::int32_t(std::floor(double(p.ratio) * double(c.links())));
   const std::int32_t excess = count - budget;
   return by_ratio < excess ? by_ratio : excess;
+}
+
+/// Whether merge_store_evict drops an entry of a row of `count` entries, budget `budget`, keeping its first `sinks`
+/// (-1: never).
+KVSIFT_HOST_DEVICE inline bool merge_store_evicts(std::int32_t count, std::int32_t budget, std::int32_t sinks) {
+  return sinks >= 0 && count >= budget && count > sinks;
 }
 
 }  // namespace detail

@@ -356,6 +356,30 @@ void merge_store_append(const KVCache<const T>& cache, const std::int32_t* slots
 }
 
 template <class T>
+void merge_store_evict(const MergeStoreView<T>& store, const std::int32_t* slots, std::int32_t batch,
+                       const std::int32_t* budgets, const std::int32_t* sinks, const Context& ctx) {
+  constexpr const char* where = "cpu::merge_store_evict";
+  kvsift::detail::check_merge_store_evict(where, store, batch, budgets, sinks);
+  check_slots(where, "slots", slots, batch, store);
+  kvsift::detail::check_distinct_slots(where, "slots", slots, batch);
+  check_counts(where, "store", slots, batch, store);
+  for_rows(ctx.pool, batch, store.kv_heads, [&](std::int32_t b, std::int32_t h) {
+    const std::int64_t row = store.row(slots[b], h);
+    const std::int32_t count = store.count[row], first = sinks[slots[b]];
+    if (!kvsift::detail::merge_store_evicts(count, budgets[slots[b]], first)) return;
+    std::int32_t* const order = store.row_order(row);
+    std::int32_t* const degree = store.row_degree(row);
+    float* const log_degree = store.row_log_degree(row);
+    const std::int32_t freed = order[first];
+    std::copy(order + first + 1, order + count, order + first);
+    std::copy(degree + first + 1, degree + count, degree + first);
+    std::copy(log_degree + first + 1, log_degree + count, log_degree + first);
+    order[count - 1] = freed;
+    store.count[row] = count - 1;
+  });
+}
+
+template <class T>
 void merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* src_slots, const MergeStoreView<T>& dst,
                       const std::int32_t* dst_slots, std::int32_t batch, const Context& ctx) {
   constexpr const char* where = "cpu::merge_store_copy";

@@ -121,6 +121,15 @@ void merge_store_append(const KVCache<const T>& cache, const std::int32_t* d_slo
 }
 
 template <class T>
+void merge_store_evict(const MergeStoreView<T>& store, const std::int32_t* d_slots, std::int32_t batch,
+                       const std::int32_t* d_budgets, const std::int32_t* d_sinks, const Context& ctx) {
+  constexpr const char* where = "cuda::merge_store_evict";
+  kvsift::detail::check_merge_store_evict(where, store, batch, d_budgets, d_sinks);
+  KVSIFT_CHECK(d_slots != nullptr, where, "slots must be non-null");
+  KVSIFT_CUDA_CHECK(detail::launch_merge_store_evict(store, d_slots, batch, d_budgets, d_sinks, ctx.stream));
+}
+
+template <class T>
 void merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* d_src_slots, const MergeStoreView<T>& dst,
                       const std::int32_t* d_dst_slots, std::int32_t batch, const Context& ctx) {
   constexpr const char* where = "cuda::merge_store_copy";

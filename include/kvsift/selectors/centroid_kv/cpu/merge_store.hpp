@@ -49,6 +49,14 @@ template <class T>
 void merge_store_append(const KVCache<const T>& cache, const std::int32_t* slots, const std::int32_t* lengths,
                         const MergeStoreView<T>& store, const Context& ctx = {});
 
+/// The eviction (selectors/centroid_kv/merge_store.hpp's rules) over the rows (slots[b], h), b < batch: a row of slot
+/// s with detail::merge_store_evicts(count, budgets[s], sinks[s]) drops its entry at order position sinks[s];
+/// others are untouched. budgets and sinks have an entry per slot of the store. Refuses a slot outside [0,
+/// store.slots) or twice, a row whose count is outside [0, capacity], a null budgets or sinks.
+template <class T>
+void merge_store_evict(const MergeStoreView<T>& store, const std::int32_t* slots, std::int32_t batch,
+                       const std::int32_t* budgets, const std::int32_t* sinks, const Context& ctx = {});
+
 /// The live entries of (src_slots[b], h) of src into (dst_slots[b], h) of dst, b < batch: in sequence order at
 /// slots 0 .. count - 1 (order identity over the whole row, so the free slots follow ascending), with their
 /// degrees. Refuses a count above dst.capacity, naming the row, and a dst slot twice. (The end of a prefill: from the prompt-sized store

@@ -9,6 +9,7 @@
 /// - merge_store_load: a prompt longer than the capacity gives count -1;
 /// - merge_store_append: a full row, a row of count outside [0, capacity) or a length outside [1, seq_len] gives
 ///   count -1 (nothing is written); a row of count -1 stays -1;
+/// - merge_store_evict: a row of count outside [0, capacity] is untouched (so -1 stays -1);
 /// - merge_store_copy: a src count outside [0, min(src.capacity, dst.capacity)] gives dst count -1;
 /// - merge_store_selection: a count outside [0, capacity] gives out count -1;
 /// - merge_round: a row of count outside [0, capacity] sits the round out (so -1 stays -1).
@@ -63,6 +64,12 @@ void merge_round(const MergeStoreView<T>& store, const std::int32_t* d_slots, st
 template <class T>
 void merge_store_append(const KVCache<const T>& cache, const std::int32_t* d_slots, const std::int32_t* d_lengths,
                         const MergeStoreView<T>& store, const Context& ctx);
+
+/// cpu::merge_store_evict, less the refusal of a slot twice. One launch, a warp per row; a row decides on the device
+/// whether it evicts (detail::merge_store_evicts), so it can be launched every step.
+template <class T>
+void merge_store_evict(const MergeStoreView<T>& store, const std::int32_t* d_slots, std::int32_t batch,
+                       const std::int32_t* d_budgets, const std::int32_t* d_sinks, const Context& ctx);
 
 /// cpu::merge_store_copy. One launch, a warp per (row, dst slot).
 template <class T>

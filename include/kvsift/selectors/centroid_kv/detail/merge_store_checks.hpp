@@ -58,6 +58,15 @@ void check_cache_matches(const char* where, const KVCache<const T>& cache, const
   KVSIFT_CHECK(cache.batch() > 0, where, "cache batch (= {}) must be positive", cache.batch());
 }
 
+/// merge_store_evict's store, batch and per-slot arrays.
+template <class T>
+void check_merge_store_evict(const char* where, const MergeStoreView<T>& store, std::int32_t batch,
+                             const std::int32_t* budgets, const std::int32_t* sinks) {
+  check_merge_store(where, "store", store);
+  KVSIFT_CHECK(batch > 0, where, "batch (= {}) must be positive", batch);
+  KVSIFT_CHECK(budgets != nullptr && sinks != nullptr, where, "budgets and sinks must be non-null");
+}
+
 /// merge_store_copy's shapes: two stores of the same kv_heads and head_dim, a batch.
 template <class T, class U>
 void check_merge_store_copy(const char* where, const MergeStoreView<T>& src, const MergeStoreView<U>& dst,

@@ -11,6 +11,8 @@
                                const MergeRoundParams&, std::span<std::byte>, const Context&);                        \
   template void merge_store_append<T>(const KVCache<const T>&, const std::int32_t*, const std::int32_t*,              \
                                       const MergeStoreView<T>&, const Context&);                                      \
+  template void merge_store_evict<T>(const MergeStoreView<T>&, const std::int32_t*, std::int32_t,                    \
+                                     const std::int32_t*, const std::int32_t*, const Context&);                       \
   template void merge_store_copy<T>(const MergeStoreView<const T>&, const std::int32_t*, const MergeStoreView<T>&,    \
                                     const std::int32_t*, std::int32_t, const Context&);                               \
   template void merge_store_selection<T>(const MergeStoreView<const T>&, const std::int32_t*, const SelectionView&,   \

@@ -49,6 +49,9 @@ template <class T>
 cudaError_t launch_merge_store_append(const KVCache<const T>& cache, const std::int32_t* slots,
                                       const std::int32_t* lengths, const MergeStoreView<T>& store, cudaStream_t stream);
 template <class T>
+cudaError_t launch_merge_store_evict(const MergeStoreView<T>& store, const std::int32_t* slots, std::int32_t batch,
+                                     const std::int32_t* budgets, const std::int32_t* sinks, cudaStream_t stream);
+template <class T>
 cudaError_t launch_merge_store_copy(const MergeStoreView<const T>& src, const std::int32_t* src_slots,
                                     const MergeStoreView<T>& dst, const std::int32_t* dst_slots, std::int32_t batch,
                                     cudaStream_t stream);
