@@ -108,11 +108,12 @@ class SelectorPart {
     return {.q = in.q, .cache = in.cache, .slots = in.slots, .lengths = lengths(in.cache, b), .attention = in.attention,
             .layer = in.layer, .max_seq_len = max_seq_len_};
   }
-  /// The step's lengths, cache.seq_len(b): a contiguous cache's own seq_lens array, read in place (it is what
-  /// seq_len reads; a launch or a copy less per step), else b.lengths, which append fills first.
+  /// The step's lengths, cache.seq_len(b): the cache's own seq_lens array where seq_len reads one (a contiguous
+  /// cache with lengths, a paged one with seq_lens: vLLM's block tables always), read in place (a launch or a copy
+  /// less per step), else b.lengths, which append fills first (a FlashInfer page table, from its last_page_len).
   static const std::int32_t* lengths(const KVCache<const T>& cache, const Buffers& b) {
-    if (!cache.is_paged() && cache.contiguous.seq_lens != nullptr) return cache.contiguous.seq_lens;
-    return b.lengths;
+    const std::int32_t* own = cache.is_paged() ? cache.paged.seq_lens : cache.contiguous.seq_lens;
+    return own != nullptr ? own : b.lengths;
   }
 
  private:
