@@ -108,7 +108,7 @@ struct KeyVector {
 };
 
 /// Token t's key row of (b, h), for the scan: the paged view's address with 32-bit index arithmetic, its row's
-/// first page entry read once per row (`first_page`).
+/// first page-table position (either form: PagedKVView::first_page) read once per row (`first_page`).
 template <class T>
 __device__ __forceinline__ const T* scan_row(const ContiguousKVView<const T>& kv, std::int32_t, std::int32_t b,
                                              std::int32_t h, std::int32_t t) {
@@ -140,9 +140,9 @@ __global__ void __launch_bounds__(kScanThreads)
   for (std::int64_t row = blockIdx.y; row < rows && best == kNoKey; row += gridDim.y) {
     const std::int32_t b = std::int32_t(row / kv.kv_heads), h = std::int32_t(row % kv.kv_heads);
     const std::int32_t length = lengths[b];
-    std::int32_t first_page = 0;
+    std::int32_t first_page = 0;  // either page-table form (views.hpp): page_indptr[b] or b * block_table_stride
     if constexpr (std::is_same_v<View, PagedKVView<const T>>) {
-      if (length > 0) first_page = kv.page_indptr[b];
+      if (length > 0) first_page = std::int32_t(kv.first_page(b));
     }
     const unsigned long long row_key = (unsigned long long)(row) << 31;
     for (std::int64_t t0 = std::int64_t(blockIdx.x) * per_pass + sub; t0 < length && best == kNoKey;

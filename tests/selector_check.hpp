@@ -18,8 +18,19 @@
 #include "attention_check.hpp"
 #include "kvsift/core/ranking.hpp"
 #include "kvsift/selectors/rerank.hpp"
+#include "kvsift/step/decode_step.hpp"
 
 namespace kvsift::test {
+
+/// A CaseSpec's selector limits (a slot per batch row, its tokens as max_tokens) and decode step configuration.
+inline SelectorLimits case_limits(const CaseSpec& c) {
+  return {.max_slots = c.batch, .max_tokens = c.tokens, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
+          .head_dim = c.head_dim};
+}
+inline DecodeStepConfig case_step_config(const CaseSpec& c, const AttentionWindow& window) {
+  return {.attention = {.window = window}, .max_batch = c.batch, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
+          .head_dim = c.head_dim, .max_seq_len = c.tokens};
+}
 
 /// OracleTopK's score of every token [0, len) of row (b, g): the largest softmax weight over the group's heads,
 /// in fp64 from the problem's (already rounded) values.

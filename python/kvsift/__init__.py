@@ -16,9 +16,9 @@ from ._kvsift import Error, KVCache, ThreadPool, has_cuda
 from . import _kvsift
 
 __all__ = [
-    "Error", "KVCache", "ThreadPool", "has_cuda", "contiguous_cache", "paged_cache", "sparse_decode", "dense_decode",
-    "merge_states", "topk_rows", "DecodeStep", "SpeContextStep", "to_padded", "from_padded", "positions_to_slots",
-    "lse_to_base2", "lse_from_base2",
+    "Error", "KVCache", "ThreadPool", "has_cuda", "contiguous_cache", "paged_cache", "vllm_cache",
+    "vllm_interleaved_cache", "sparse_decode", "dense_decode", "merge_states", "topk_rows", "DecodeStep",
+    "SpeContextStep", "to_padded", "from_padded", "positions_to_slots", "lse_to_base2", "lse_from_base2",
 ]
 
 _ALIGNMENT = 256  # kvsift's workspace alignment (core/workspace.hpp)
@@ -119,6 +119,25 @@ def paged_cache(k_pages, v_pages, page_indptr, page_indices, last_page_len, layo
     _check_arrays("paged_cache", k_pages=k_pages, v_pages=v_pages, page_indptr=page_indptr, page_indices=page_indices,
                   last_page_len=last_page_len)
     return KVCache.paged(k_pages, v_pages, page_indptr, page_indices, last_page_len, layout)
+
+
+def vllm_cache(key_cache, value_cache, block_tables, seq_lens, layout="NHD"):
+    """vLLM's per-layer cache, read in place: key_cache and value_cache NHD [num_blocks, block_size, num_kv_heads,
+    head_size] or HND [num_blocks, num_kv_heads, block_size, head_size] (any strides but the last: kv_cache[:, 0] and
+    kv_cache[:, 1] of an interleaved one too); block_tables [batch, max_blocks] int32 (C-contiguous), sequence b's
+    blocks in order in its row, entries past its ceil(seq_lens[b] / block_size) blocks never read; seq_lens [batch]
+    int32, the step's token counted."""
+    _check_arrays("vllm_cache", key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                  seq_lens=seq_lens)
+    return KVCache.vllm(key_cache, value_cache, block_tables, seq_lens, layout)
+
+
+def vllm_interleaved_cache(kv_cache, block_tables, seq_lens, layout="NHD"):
+    """vLLM's FlashInfer-backend cache, K and V interleaved per block: kv_cache NHD [num_blocks, 2, block_size,
+    num_kv_heads, head_size] or HND [num_blocks, 2, num_kv_heads, block_size, head_size], C-contiguous (vLLM's HND
+    tensor after its stride order's permute); block_tables and seq_lens as vllm_cache's."""
+    _check_arrays("vllm_interleaved_cache", kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens)
+    return KVCache.vllm_interleaved(kv_cache, block_tables, seq_lens, layout)
 
 
 def sparse_decode(q, cache, indices, counts, *, log_weights=None, window=(0, 0), sm_scale=0.0, o=None, lse=None,

@@ -4,8 +4,9 @@ calling them without a graph break and a CUDA graph captures them (they run on t
 synchronize, and read no device value on the host).
 
 A KV cache is passed as a list of tensors and its layout: 'contiguous' [k, v, lengths] (k, v [batch, kv_heads,
-capacity, head_dim], lengths [batch] int32), or 'NHD' / 'HND' [k_pages, v_pages, page_indptr, page_indices,
-last_page_len] (kvsift.paged_cache's arguments). Each operation comes twice:
+capacity, head_dim], lengths [batch] int32), 'NHD' / 'HND' [k_pages, v_pages, page_indptr, page_indices,
+last_page_len] (kvsift.paged_cache's arguments), or 'vllm_NHD' / 'vllm_HND' [key_cache, value_cache, block_tables,
+seq_lens] (vLLM's per-layer cache and block tables, kvsift.vllm_cache's arguments). Each operation comes twice:
   - functional (kvsift::sparse_decode, dense_decode, merge_states, topk_rows, decode_step): returns new tensors;
     under torch.compile with CUDA graphs their memory comes from the graph's pool;
   - `_into` (kvsift::sparse_decode_into, ...): writes caller-given outputs and workspace (size it with the
@@ -30,20 +31,26 @@ __all__ = ["register_step", "unregister_step", "sparse_decode_workspace_bytes", 
 
 Tensor = torch.Tensor
 
-_CACHE_TENSORS = {"contiguous": "[k, v, lengths]", "NHD": "[k_pages, v_pages, page_indptr, page_indices, last_page_len]",
-                  "HND": "[k_pages, v_pages, page_indptr, page_indices, last_page_len]"}
+_PAGED = ["k_pages", "v_pages", "page_indptr", "page_indices", "last_page_len"]
+_VLLM = ["key_cache", "value_cache", "block_tables", "seq_lens"]
+# layout -> the cache's tensors, in order.
+_CACHE_TENSORS = {"contiguous": ["k", "v", "lengths"], "NHD": _PAGED, "HND": _PAGED, "vllm_NHD": _VLLM,
+                  "vllm_HND": _VLLM}
 
 
 def _cache(where, cache, layout):
     """The kvsift.KVCache over `cache`'s tensors in `layout`."""
     if layout not in _CACHE_TENSORS:
-        raise Error(f"kvsift::{where}: layout (= {layout!r}) must be 'contiguous', 'NHD' or 'HND'")
-    expected = 3 if layout == "contiguous" else 5
-    if len(cache) != expected:
-        raise Error(f"kvsift::{where}: a {layout} cache is {expected} tensors {_CACHE_TENSORS[layout]}, "
+        raise Error(f"kvsift::{where}: layout (= {layout!r}) must be one of "
+                    f"{', '.join(repr(name) for name in _CACHE_TENSORS)}")
+    names = _CACHE_TENSORS[layout]
+    if len(cache) != len(names):
+        raise Error(f"kvsift::{where}: a {layout} cache is {len(names)} tensors [{', '.join(names)}], "
                     f"got {len(cache)}")
     if layout == "contiguous":
         return KVCache.contiguous(*cache)
+    if layout.startswith("vllm_"):
+        return KVCache.vllm(*cache, layout[len("vllm_"):])
     return KVCache.paged(*cache, layout)
 
 

@@ -58,7 +58,9 @@ std::string dtype_name(nb::dlpack::dtype t) {
   if (t == kHalf) return "float16";
   if (t == kBfloat16) return "bfloat16";
   if (t == nb::dtype<float>()) return "float32";
+  if (t == nb::dtype<double>()) return "float64";
   if (t == nb::dtype<std::int32_t>()) return "int32";
+  if (t == nb::dtype<std::int64_t>()) return "int64";  // torch's default integers, e.g. a block table built as long
   if (t == nb::dtype<std::uint8_t>()) return "uint8";
   return fmt::format("(DLPack code {}, {} bits)", t.code, t.bits);
 }
@@ -167,29 +169,46 @@ HeadsView<const T> heads_view(Args& args, const char* name, const Array& a) {
 }
 
 /// The engine's cache as Python holds it: contiguous [batch, kv_heads, capacity, head_dim] K and V with
-/// lengths [batch], or paged (vLLM/FlashInfer: pages of page_size tokens, NHD or HND) with page_indptr,
-/// page_indices and last_page_len. Keeps its arrays alive; views are made per call.
+/// lengths [batch]; paged (pages of page_size tokens, NHD or HND) with FlashInfer's page_indptr, page_indices and
+/// last_page_len; or vLLM's (core/views.hpp's block-table form): key_cache and value_cache, or one kv_cache
+/// [num_blocks, 2, ...] with K and V interleaved per block, with block_tables [batch, max_blocks] and seq_lens
+/// [batch]. Keeps its arrays alive; views are made per call.
 class Cache {
  public:
   static Cache contiguous(Array k, Array v, Array lengths) {
     Cache c;
-    c.paged_ = false;
+    c.form_ = Form::contiguous;
     c.k_ = std::move(k), c.v_ = std::move(v), c.lengths_ = std::move(lengths);
     return c;
   }
   static Cache paged(Array k_pages, Array v_pages, Array page_indptr, Array page_indices, Array last_page_len,
                      const std::string& layout) {
-    KVSIFT_CHECK(layout == "NHD" || layout == "HND", "KVCache.paged", "layout (= '{}') must be 'NHD' or 'HND'", layout);
-    Cache c;
-    c.paged_ = true;
-    c.hnd_ = layout == "HND";
+    Cache c = paged_form("KVCache.paged", Form::paged, layout);
     c.k_ = std::move(k_pages), c.v_ = std::move(v_pages);
     c.indptr_ = std::move(page_indptr), c.indices_ = std::move(page_indices), c.last_ = std::move(last_page_len);
     return c;
   }
-  bool is_paged() const { return paged_; }
+  static Cache vllm(Array key_cache, Array value_cache, Array block_tables, Array seq_lens, const std::string& layout) {
+    Cache c = paged_form("KVCache.vllm", Form::vllm, layout);
+    c.k_ = std::move(key_cache), c.v_ = std::move(value_cache);
+    c.indices_ = std::move(block_tables), c.lengths_ = std::move(seq_lens);
+    return c;
+  }
+  /// kv_cache [num_blocks, 2, block_size, kv_heads, head_size] (NHD) or [num_blocks, 2, kv_heads, block_size,
+  /// head_size] (HND), C-contiguous (PagedKVView::vllm_interleaved's strides), held in k_.
+  static Cache vllm_interleaved(Array kv_cache, Array block_tables, Array seq_lens, const std::string& layout) {
+    Cache c = paged_form("KVCache.vllm_interleaved", Form::vllm_interleaved, layout);
+    c.k_ = std::move(kv_cache);
+    c.indices_ = std::move(block_tables), c.lengths_ = std::move(seq_lens);
+    return c;
+  }
+  bool is_paged() const { return form_ != Form::contiguous; }
   const Array& k() const { return k_; }
-  std::int32_t batch() const { return std::int32_t(paged_ ? indptr_.shape(0) - 1 : k_.shape(0)); }
+  std::int32_t batch() const {
+    if (form_ == Form::contiguous) return std::int32_t(k_.shape(0));
+    if (form_ == Form::paged) return std::int32_t(indptr_.shape(0) - 1);
+    return indices_.ndim() == 0 ? 0 : std::int32_t(indices_.shape(0));  // view() refuses a 0-dimensional table
+  }
   /// ("cpu" | "cuda" | "other", device id) of the keys: where a step's defaults (slots, stream) are made.
   std::pair<std::string, std::int32_t> device() const {
     const auto type = k_.device_type();
@@ -201,14 +220,28 @@ class Cache {
   template <class T>
   KVCache<T> view(Args& args) const {
     const auto i32 = nb::dtype<std::int32_t>();
-    args.take("cache.k", k_, 4, storage_dtype<T>());
-    args.take("cache.v", v_, 4, storage_dtype<T>());
+    if (form_ == Form::vllm_interleaved) {
+      // [num_blocks, 2, page...]: the page's dimensions are 2..4.
+      args.take_packed("cache.kv_cache", k_, 5, storage_dtype<T>());
+      args.check_dim("cache.kv_cache", k_, 1, 2, "K and V");
+      const std::size_t token_dim = hnd_ ? 3 : 2, head_dim_index = hnd_ ? 2 : 3;
+      const BlockTables tables = block_tables(args);
+      return PagedKVView<T>::vllm_interleaved(
+          data_of<T>(k_), tables.block_tables, tables.seq_lens, tables.batch, tables.max_blocks,
+          dim32(args, "cache.kv_cache", k_, 0), dim32(args, "cache.kv_cache", k_, token_dim),
+          dim32(args, "cache.kv_cache", k_, head_dim_index), dim32(args, "cache.kv_cache", k_, 4),
+          hnd_ ? PageLayout::hnd : PageLayout::nhd);
+    }
+    const char* k_name = form_ == Form::vllm ? "cache.key_cache" : "cache.k";
+    const char* v_name = form_ == Form::vllm ? "cache.value_cache" : "cache.v";
+    args.take(k_name, k_, 4, storage_dtype<T>());
+    args.take(v_name, v_, 4, storage_dtype<T>());
     for (std::size_t i = 0; i < 4; ++i) {
       KVSIFT_CHECK(k_.shape(i) == v_.shape(i) && k_.stride(i) == v_.stride(i), args.where(),
-                   "cache.k (shape {}) and cache.v (shape {}) must have one shape and one set of strides",
-                   shape_of(k_), shape_of(v_));
+                   "{} (shape {}) and {} (shape {}) must have one shape and one set of strides", k_name, shape_of(k_),
+                   v_name, shape_of(v_));
     }
-    if (!paged_) {
+    if (form_ == Form::contiguous) {
       args.take_packed("cache.lengths", lengths_, 1, i32);
       args.check_dim("cache.lengths", lengths_, 0, std::int64_t(k_.shape(0)), "batch, cache.k's dimension 0");
       return ContiguousKVView<T>{.k = data_of<T>(k_), .v = data_of<T>(v_), .seq_lens = data_of<const std::int32_t>(lengths_),
@@ -216,30 +249,72 @@ class Cache {
                                  .capacity = dim32(args, "cache.k", k_, 2), .head_dim = dim32(args, "cache.k", k_, 3),
                                  .batch_stride = k_.stride(0), .head_stride = k_.stride(1), .token_stride = k_.stride(2)};
     }
+    // NHD pages are [pages, page_size, kv_heads, head_dim], HND [pages, kv_heads, page_size, head_dim]; any strides
+    // but head_dim's (a vLLM kv_cache[:, 0] and [:, 1] too).
+    const std::size_t token_dim = hnd_ ? 2 : 1, head_dim_index = hnd_ ? 1 : 2;
+    PagedKVView<T> view{.k_pages = data_of<T>(k_), .v_pages = data_of<T>(v_),
+                        .kv_heads = dim32(args, k_name, k_, head_dim_index),
+                        .head_dim = dim32(args, k_name, k_, 3),
+                        .page_size = dim32(args, k_name, k_, token_dim),
+                        .num_pages = dim32(args, k_name, k_, 0),
+                        .page_stride = k_.stride(0),
+                        .token_stride = k_.stride(token_dim),
+                        .head_stride = k_.stride(head_dim_index)};
+    if (form_ == Form::vllm) {
+      const BlockTables tables = block_tables(args);
+      view.page_indices = tables.block_tables, view.seq_lens = tables.seq_lens;
+      view.batch = tables.batch, view.block_table_stride = tables.max_blocks;
+      return view;
+    }
     args.take_packed("cache.page_indptr", indptr_, 1, i32);
     args.take_packed("cache.page_indices", indices_, 1, i32);
     args.take_packed("cache.last_page_len", last_, 1, i32);
     KVSIFT_CHECK(indptr_.shape(0) >= 2, args.where(), "cache.page_indptr has shape {}: it holds batch + 1 >= 2 entries",
                  shape_of(indptr_));
     args.check_dim("cache.last_page_len", last_, 0, std::int64_t(indptr_.shape(0)) - 1, "batch");
-    // NHD pages are [pages, page_size, kv_heads, head_dim], HND [pages, kv_heads, page_size, head_dim].
-    const std::size_t token_dim = hnd_ ? 2 : 1, head_dim_index = hnd_ ? 1 : 2;
-    return PagedKVView<T>{.k_pages = data_of<T>(k_), .v_pages = data_of<T>(v_),
-                          .page_indptr = data_of<const std::int32_t>(indptr_),
-                          .page_indices = data_of<const std::int32_t>(indices_),
-                          .last_page_len = data_of<const std::int32_t>(last_),
-                          .batch = std::int32_t(indptr_.shape(0) - 1),
-                          .kv_heads = dim32(args, "cache.k", k_, head_dim_index),
-                          .head_dim = dim32(args, "cache.k", k_, 3),
-                          .page_size = dim32(args, "cache.k", k_, token_dim),
-                          .num_pages = dim32(args, "cache.k", k_, 0),
-                          .page_stride = k_.stride(0),
-                          .token_stride = k_.stride(token_dim),
-                          .head_stride = k_.stride(head_dim_index)};
+    view.page_indptr = data_of<const std::int32_t>(indptr_);
+    view.page_indices = data_of<const std::int32_t>(indices_);
+    view.last_page_len = data_of<const std::int32_t>(last_);
+    view.batch = std::int32_t(indptr_.shape(0) - 1);
+    return view;
   }
 
  private:
-  bool paged_ = false, hnd_ = false;
+  enum class Form { contiguous, paged, vllm, vllm_interleaved };
+
+  /// A paged form's cache, its layout checked ('NHD' or 'HND', the page's order of tokens and kv heads).
+  static Cache paged_form(const char* where, Form form, const std::string& layout) {
+    KVSIFT_CHECK(layout == "NHD" || layout == "HND", where, "layout (= '{}') must be 'NHD' or 'HND'", layout);
+    Cache c;
+    c.form_ = form;
+    c.hnd_ = layout == "HND";
+    return c;
+  }
+
+  /// vLLM's block_tables [batch, max_blocks] and seq_lens [batch] (int32, packed), checked against each other;
+  /// their contents (lengths, block ids, a row's room) are validate()'s, on the host.
+  struct BlockTables {
+    const std::int32_t* block_tables;
+    const std::int32_t* seq_lens;
+    std::int32_t batch, max_blocks;
+  };
+  BlockTables block_tables(Args& args) const {
+    const auto i32 = nb::dtype<std::int32_t>();
+    args.take_packed("cache.block_tables", indices_, 2, i32);
+    args.take_packed("cache.seq_lens", lengths_, 1, i32);
+    // max_blocks 0 would read as the CSR form (PagedKVView::block_table_stride == 0).
+    KVSIFT_CHECK(indices_.shape(0) >= 1 && indices_.shape(1) >= 1, args.where(),
+                 "cache.block_tables has shape {}: it holds batch >= 1 rows of max_blocks >= 1 entries",
+                 shape_of(indices_));
+    args.check_dim("cache.seq_lens", lengths_, 0, std::int64_t(indices_.shape(0)),
+                   "batch, cache.block_tables' dimension 0");
+    return {data_of<const std::int32_t>(indices_), data_of<const std::int32_t>(lengths_),
+            dim32(args, "cache.block_tables", indices_, 0), dim32(args, "cache.block_tables", indices_, 1)};
+  }
+
+  Form form_ = Form::contiguous;
+  bool hnd_ = false;
+  // lengths_: contiguous lengths or vLLM's seq_lens; indices_: CSR page_indices or vLLM's block_tables.
   Array k_, v_, lengths_, indptr_, indices_, last_;
 };
 
@@ -1143,10 +1218,15 @@ NB_MODULE(_kvsift, m) {
       .def(nb::init<int>(), "threads"_a)
       .def_prop_ro("size", [](const Pool& p) { return p.pool->size(); });
 
-  nb::class_<Cache>(m, "KVCache", "A contiguous or paged KV cache over the caller's arrays (no copy)")
+  nb::class_<Cache>(m, "KVCache", "A contiguous, paged or vLLM block-table KV cache over the caller's arrays "
+                                  "(no copy)")
       .def_static("contiguous", &Cache::contiguous, "k"_a, "v"_a, "lengths"_a)
       .def_static("paged", &Cache::paged, "k_pages"_a, "v_pages"_a, "page_indptr"_a, "page_indices"_a,
                   "last_page_len"_a, "layout"_a = "NHD")
+      .def_static("vllm", &Cache::vllm, "key_cache"_a, "value_cache"_a, "block_tables"_a, "seq_lens"_a,
+                  "layout"_a = "NHD")
+      .def_static("vllm_interleaved", &Cache::vllm_interleaved, "kv_cache"_a, "block_tables"_a, "seq_lens"_a,
+                  "layout"_a = "NHD")
       .def_prop_ro("is_paged", &Cache::is_paged)
       .def_prop_ro("batch", &Cache::batch)
       .def_prop_ro("device", &Cache::device);

@@ -201,6 +201,8 @@ void check_selection(const char* where, const DecodeParams<T>& p, cudaStream_t s
     seq_len = p.kv.capacity;
   } else if (!p.paged) {
     KVSIFT_CUDA_CHECK(cudaMemcpy(&seq_len, p.kv.seq_lens + b, sizeof(seq_len), cudaMemcpyDeviceToHost));
+  } else if (p.paged_kv.seq_lens != nullptr) {  // the block-table form, or CSR with seq_lens
+    KVSIFT_CUDA_CHECK(cudaMemcpy(&seq_len, p.paged_kv.seq_lens + b, sizeof(seq_len), cudaMemcpyDeviceToHost));
   } else {
     std::int32_t indptr[2], last = 0;
     KVSIFT_CUDA_CHECK(cudaMemcpy(indptr, p.paged_kv.page_indptr + b, sizeof(indptr), cudaMemcpyDeviceToHost));

@@ -20,6 +20,7 @@
 #include "kvsift/cuda/check.hpp"
 #include "attention_check.hpp"
 #include "test_util.hpp"
+#include "vllm_layout.hpp"
 
 namespace kvsift {
 namespace {
@@ -352,6 +353,67 @@ TEST_F(CudaDecode, ValidationModeRefusesBadIndicesAndDuplicatesAndWritesNothing)
     p.d_sel_counts.upload(p.sel_counts);
     const auto [o, lse] = p.run(true, {.validate_indices = true});  // clean input passes validation
     expect_close(o, lse, p.reference(true), "validated");
+  }
+}
+
+TEST_F(CudaDecode, VllmBlockTablesGiveTheCsrViewsBitsAndTheirLengths) {
+  // vLLM's caches as they are (tests/vllm_layout.hpp: NHD and HND, K and V separate or interleaved, shuffled blocks,
+  // garbage past each row's blocks) read through PagedKVView's block-table form on the device: dense and sparse
+  // decode give the bits of the CSR view of the same blocks and the reference's values; validation mode reads each
+  // row's length from seq_lens.
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const test::VllmLayout layout : test::kVllmLayouts) {
+    SCOPED_TRACE(test::vllm_layout_name(layout));
+    DecodeProblem<half> p(rng, CaseSpec{3, 8, 2, 128, 700, 96, 0, true, true, {4, 16}});
+    test::VllmCache<half> c(p.host.contiguous(), 16, layout, rng);
+    const auto csr = c.csr();
+    DeviceBuffer<half> d_k(c.key_cache);
+    DeviceBuffer<half> d_v = c.value_cache.empty() ? DeviceBuffer<half>() : DeviceBuffer<half>(c.value_cache);
+    DeviceBuffer<std::int32_t> d_tables(c.block_tables), d_lens(c.seq_lens), d_indptr(csr.indptr),
+        d_indices(csr.indices), d_last(csr.last);
+    const PagedKVView<const half> blocks =
+        c.view_over<const half>(d_k.data(), d_v.size() > 0 ? d_v.data() : nullptr, d_tables.data(), d_lens.data());
+    PagedKVView<const half> as_csr = blocks;
+    as_csr.page_indptr = d_indptr.data();
+    as_csr.page_indices = d_indices.data();
+    as_csr.last_page_len = d_last.data();
+    as_csr.block_table_stride = 0;
+    as_csr.seq_lens = nullptr;
+    const auto run = [&](const PagedKVView<const half>& kv, bool sparse, cuda::DecodeOptions options) {
+      options.max_seq_len = p.spec.tokens;
+      if (sparse) options.attention.window = p.spec.window;
+      const SelectionView selection = p.device_selection();
+      const std::size_t bytes = sparse ? cuda::sparse_decode_workspace_bytes(p.device_q(), kv, selection, options)
+                                       : cuda::dense_decode_workspace_bytes(p.device_q(), kv, options);
+      DeviceBuffer<std::byte> workspace(bytes);
+      workspace.poison();
+      p.d_o.poison();
+      p.d_lse.poison();
+      if (sparse) {
+        cuda::sparse_decode(p.device_q(), kv, selection, p.device_out(), {workspace.data(), bytes}, nullptr, options);
+      } else {
+        cuda::dense_decode(p.device_q(), kv, p.device_out(), {workspace.data(), bytes}, nullptr, options);
+      }
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+      return std::pair{p.d_o.download(), p.d_lse.download()};
+    };
+    for (const bool sparse : {false, true}) {
+      SCOPED_TRACE(sparse ? "sparse" : "dense");
+      const auto [o, lse] = run(blocks, sparse, {.validate_indices = sparse});
+      const auto [csr_o, csr_lse] = run(as_csr, sparse, {});
+      EXPECT_EQ(0, std::memcmp(o.data(), csr_o.data(), o.size() * sizeof(half)));
+      EXPECT_EQ(0, std::memcmp(lse.data(), csr_lse.data(), lse.size() * sizeof(float)));
+      expect_close(o, lse, p.reference(sparse), "block tables");
+    }
+    // Row (1, 0)'s first index one past its sequence's end: refused naming the length seq_lens holds.
+    const std::int32_t saved = p.sel_indices[2 * 96];
+    p.sel_indices[2 * 96] = c.seq_lens[1];
+    p.d_sel_indices.upload(p.sel_indices);
+    expect_error([&] { run(blocks, true, {.validate_indices = true}); },
+                 fmt::format("selection.indices[0] (= {}) at batch 1, kv_head 0 is outside [0, seq_len = {})",
+                             c.seq_lens[1], c.seq_lens[1]));
+    p.sel_indices[2 * 96] = saved;
+    p.d_sel_indices.upload(p.sel_indices);
   }
 }
 

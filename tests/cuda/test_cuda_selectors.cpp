@@ -60,14 +60,8 @@ struct DeviceFixture {
                           h.kv_heads, h.head_dim, h.page_size, h.num_pages, h.page_stride, h.token_stride, h.head_stride};
   }
   QueryView<const T> q_view() const { return QueryView<const T>::packed(q.data(), p.spec.batch, p.spec.q_heads, p.spec.head_dim); }
-  SelectorLimits limits() const {
-    return {.max_slots = p.spec.batch, .max_tokens = p.spec.tokens, .q_heads = p.spec.q_heads,
-            .kv_heads = p.spec.kv_heads, .head_dim = p.spec.head_dim};
-  }
-  DecodeStepConfig config() const {
-    return {.attention = {.window = kWindow}, .max_batch = p.spec.batch, .q_heads = p.spec.q_heads,
-            .kv_heads = p.spec.kv_heads, .head_dim = p.spec.head_dim, .max_seq_len = p.spec.tokens};
-  }
+  SelectorLimits limits() const { return case_limits(p.spec); }
+  DecodeStepConfig config() const { return case_step_config(p.spec, kWindow); }
 };
 
 struct StepResult {

@@ -41,5 +41,20 @@ def random_float16_cache(rng, lengths, kv_heads, capacity, head_dim):
     return k, v, lengths, kvsift.contiguous_cache(k, v, lengths)
 
 
+def middle_selection(rng, lengths, window, capacity, kv_heads):
+    """Random distinct middle tokens (outside the window) per (sequence, kv head), fewer than capacity in some rows,
+    -7 past each count: (indices [batch, kv_heads, capacity], counts [batch, kv_heads]) int32."""
+    batch = len(lengths)
+    indices = np.full((batch, kv_heads, capacity), -7, dtype=np.int32)
+    counts = np.zeros((batch, kv_heads), dtype=np.int32)
+    for b, length in enumerate(lengths):
+        middle = np.arange(window[0], length - window[1])
+        for h in range(kv_heads):
+            n = min(len(middle), int(rng.integers(0, capacity + 1)))
+            indices[b, h, :n] = rng.choice(middle, n, replace=False)
+            counts[b, h] = n
+    return indices, counts
+
+
 def poisoned(shape, dtype):
     return np.full(shape, np.nan, dtype=dtype)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import kvsift
-from conftest import attended_tokens, poisoned, reference_attention
+from conftest import attended_tokens, middle_selection, poisoned, reference_attention
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
 GROUP = Q_HEADS // KV_HEADS
@@ -17,20 +17,6 @@ def random_problem(rng, batch=2, capacity=300, lengths=(300, 173)):
     return q, k, v, np.array(lengths, dtype=np.int32)
 
 
-def middle_selection(rng, lengths, window, capacity):
-    """Random distinct middle tokens per (sequence, kv head), fewer than capacity in some rows."""
-    batch = len(lengths)
-    indices = np.full((batch, KV_HEADS, capacity), -7, dtype=np.int32)
-    counts = np.zeros((batch, KV_HEADS), dtype=np.int32)
-    for b, length in enumerate(lengths):
-        middle = np.arange(window[0], length - window[1])
-        for h in range(KV_HEADS):
-            n = min(len(middle), int(rng.integers(0, capacity + 1)))
-            indices[b, h, :n] = rng.choice(middle, n, replace=False)
-            counts[b, h] = n
-    return indices, counts
-
-
 def check_state(o, lse, expected, atol):
     for (b, h), (ref_o, ref_lse) in expected.items():
         np.testing.assert_allclose(o[b, h].astype(np.float64), ref_o, atol=atol, rtol=0, err_msg=f"o[{b}, {h}]")
@@ -41,7 +27,7 @@ def check_state(o, lse, expected, atol):
 def test_sparse_decode_matches_fp64(rng, out_dtype):
     q, k, v, lengths = random_problem(rng)
     window, scale = (4, 16), 0.11
-    indices, counts = middle_selection(rng, lengths, window, capacity=40)
+    indices, counts = middle_selection(rng, lengths, window, 40, KV_HEADS)
     log_weights = rng.uniform(0, 2, indices.shape).astype(np.float32)
     cache = kvsift.contiguous_cache(k, v, lengths)
     o, lse = poisoned(q.shape, out_dtype), poisoned(q.shape[:2], np.float32)
@@ -126,7 +112,7 @@ def test_topk_rows_matches_argsort(rng):
 def test_bad_inputs_raise_kvsift_error_naming_the_argument(rng):
     q, k, v, lengths = random_problem(rng)
     cache = kvsift.contiguous_cache(k, v, lengths)
-    indices, counts = middle_selection(rng, lengths, (0, 0), capacity=8)
+    indices, counts = middle_selection(rng, lengths, (0, 0), 8, KV_HEADS)
     counts[0, 0], indices[0, 0, 0] = max(counts[0, 0], 1), 5
     out_of_range = indices.copy()
     out_of_range[0, 0, 0] = 999

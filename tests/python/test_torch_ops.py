@@ -102,6 +102,70 @@ def test_sparse_decode_on_a_paged_cache_equals_the_contiguous_one(gen):
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
 
 
+def vllm_nhd(gen, k, v, lengths, block_size=16):
+    """vLLM's NHD cache [key_cache, value_cache, block_tables, seq_lens] of a contiguous one: each row's blocks in
+    shuffled places (three never used), garbage in the block-table entries past them, NaN where no token is."""
+    batch, kv_heads, _, head_dim = k.shape
+    blocks_of = [-(-int(n) // block_size) for n in lengths]
+    max_blocks = max(blocks_of) + 2
+    num_blocks = sum(blocks_of) + 3
+    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    block_tables = torch.randint(-2**31, 2**31 - 1, (batch, max_blocks), generator=gen, dtype=torch.int32)
+    key_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan")).half()
+    value_cache = torch.full_like(key_cache, float("nan"))
+    first = 0
+    for b, n in enumerate(lengths.tolist()):
+        block_tables[b, :blocks_of[b]] = ids[first:first + blocks_of[b]]
+        first += blocks_of[b]
+        for p in range(blocks_of[b]):
+            tokens = range(p * block_size, min(n, (p + 1) * block_size))
+            key_cache[block_tables[b, p], :len(tokens)] = k[b, :, tokens.start:tokens.stop].transpose(0, 1)
+            value_cache[block_tables[b, p], :len(tokens)] = v[b, :, tokens.start:tokens.stop].transpose(0, 1)
+    return [key_cache, value_cache, block_tables, lengths.clone()]
+
+
+def test_sparse_decode_and_decode_step_on_a_vllm_cache_equal_the_contiguous_one(gen):
+    q, cache, indices, counts = problem(gen)
+    vllm = vllm_nhd(gen, *cache)
+    o, lse = ops.sparse_decode(q, vllm, "vllm_NHD", indices, counts, None, WINDOW, 0.0, None)
+    want_o, want_lse = ops.sparse_decode(q, cache, "contiguous", indices, counts, None, WINDOW, 0.0, None)
+    assert o.isfinite().all() and torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    o_into, lse_into = torch.full_like(o, float("nan")), torch.full_like(lse, float("nan"))
+    workspace_bytes = torch_ops.sparse_decode_workspace_bytes(q, vllm, "vllm_NHD", BUDGET, WINDOW)
+    workspace = torch.full((workspace_bytes,), 0xAB, dtype=torch.uint8) if workspace_bytes else None
+    ops.sparse_decode_into(q, vllm, "vllm_NHD", indices, counts, None, WINDOW, 0.0, o_into, lse_into, workspace)
+    assert torch.equal(o_into, o) and torch.equal(lse_into, lse)
+    torch.library.opcheck(ops.sparse_decode.default, (q, vllm, "vllm_NHD", indices, counts, None, WINDOW, 0.0, None),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    # The decode step: each step prepared on its own cache, run through the op on it.
+    steps = {"contiguous": (quest_step(), cache), "vllm_NHD": (quest_step(), vllm)}
+    for layout, (step, tensors) in steps.items():
+        step.prepare(torch_ops._cache("decode_step", tensors, layout))
+    slots = torch.arange(len(LENGTHS), dtype=torch.int32)
+    handles = {layout: torch_ops.register_step(step) for layout, (step, _) in steps.items()}
+    try:
+        got, want = (ops.decode_step(handles[layout], q, steps[layout][1], layout, slots, None)
+                     for layout in ("vllm_NHD", "contiguous"))
+        assert got[0].isfinite().all() and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        (picked, picks), (got_picked, got_picks) = (steps[layout][0].selection(len(LENGTHS))
+                                                    for layout in ("contiguous", "vllm_NHD"))
+        assert np.array_equal(got_picks, picks) and (picks > 0).all()
+        for b in range(len(LENGTHS)):
+            for h in range(KV_HEADS):
+                assert np.array_equal(got_picked[b, h, :picks[b, h]], picked[b, h, :picks[b, h]])
+    finally:
+        for handle in handles.values():
+            torch_ops.unregister_step(handle)
+    with pytest.raises(kvsift.Error, match=r"layout \(= 'vllm_NDH'\) must be one of 'contiguous', 'NHD', 'HND', "
+                                           r"'vllm_NHD', 'vllm_HND'"):
+        ops.sparse_decode(q, vllm, "vllm_NDH", indices, counts, None, WINDOW, 0.0, None)
+    with pytest.raises(kvsift.Error, match=r"a vllm_HND cache is 4 tensors \[key_cache, value_cache, block_tables, "
+                                           r"seq_lens\], got 3"):
+        ops.dense_decode(q, vllm[:3], "vllm_HND", 0.0, 0, None)
+    with pytest.raises(kvsift.Error, match=r"cache.block_tables has dtype int64"):
+        ops.dense_decode(q, vllm[:2] + [vllm[2].long(), vllm[3]], "vllm_NHD", 0.0, 0, None)
+
+
 def test_dense_decode_and_merge_states_equal_the_package_calls(gen):
     q, cache, indices, counts = problem(gen)
     o, lse = ops.dense_decode(q, cache, "contiguous", 0.0, 0, torch.float32)

@@ -52,14 +52,8 @@ struct StepFixture {
                           p.paged_values->indices.data(), p.paged_values->last_len.data(), h.batch, h.kv_heads,
                           h.head_dim, h.page_size, h.num_pages, h.page_stride, h.token_stride, h.head_stride};
   }
-  SelectorLimits limits() const {
-    return {.max_slots = p.spec.batch, .max_tokens = p.spec.tokens, .q_heads = p.spec.q_heads,
-            .kv_heads = p.spec.kv_heads, .head_dim = p.spec.head_dim};
-  }
-  DecodeStepConfig config(const AttentionWindow& window) const {
-    return {.attention = {.window = window}, .max_batch = p.spec.batch, .q_heads = p.spec.q_heads,
-            .kv_heads = p.spec.kv_heads, .head_dim = p.spec.head_dim, .max_seq_len = p.spec.tokens};
-  }
+  SelectorLimits limits() const { return case_limits(p.spec); }
+  DecodeStepConfig config(const AttentionWindow& window) const { return case_step_config(p.spec, window); }
 };
 
 struct HostSelectionCopy {

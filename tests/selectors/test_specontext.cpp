@@ -38,6 +38,10 @@ struct CpuFixture {
   std::vector<T> head_pages;       ///< the engine's paged head cache
   std::vector<T> head_contiguous;  ///< the engine's contiguous head cache
   typename SpeContextProblem<T>::PageTable table;
+  /// With use_block_table(): the head's pages as vLLM's block table [batch, block_table_stride] (each row's pages,
+  /// then garbage) with seq_lens, PagedKVView's block-table form, in place of the CSR table.
+  std::vector<std::int32_t> block_table;
+  std::int64_t block_table_stride = 0;
   cpu::Context ctx{};
 
   CpuFixture(Random& rng, const SpeContextSpec& spec) : p(rng, spec), seq_lens(p.prompt_lengths) {
@@ -52,6 +56,16 @@ struct CpuFixture {
     }
   }
   bool engine() const { return p.spec.head_page_size > 0 || p.spec.head_contiguous; }
+  void use_block_table() {
+    std::size_t widest = 0;
+    for (const auto& pages : p.head_pages) widest = std::max(widest, pages.size());
+    block_table_stride = std::int64_t(widest) + 1;
+    block_table.assign(std::size_t(p.spec.batch) * std::size_t(block_table_stride), -1);
+    for (std::size_t b = 0; b < p.head_pages.size(); ++b) {
+      std::copy(p.head_pages[b].begin(), p.head_pages[b].end(), block_table.begin() + std::ptrdiff_t(b * block_table_stride));
+      block_table[(b + 1) * std::size_t(block_table_stride) - 1] = p.head_num_pages + 7;  // garbage past every row
+    }
+  }
   void to_step() {
     seq_lens = p.lengths;
     if (p.spec.head_page_size > 0) table = p.page_table(seq_lens);
@@ -68,7 +82,16 @@ struct CpuFixture {
       return ContiguousKVView<const T>::packed(head_contiguous.data(), head_contiguous.data(), s.batch, s.kv_heads,
                                                s.max_tokens, s.head_dim, seq_lens.data());
     }
-    return s.head_page_size > 0 ? KVCache<const T>(p.head_view(head_pages.data(), table)) : KVCache<const T>(layer(0));
+    if (s.head_page_size == 0) return layer(0);
+    PagedKVView<const T> view = p.head_view(head_pages.data(), table).as_const();
+    if (block_table_stride > 0) {
+      view.page_indptr = nullptr;
+      view.last_page_len = nullptr;
+      view.page_indices = block_table.data();
+      view.block_table_stride = block_table_stride;
+      view.seq_lens = seq_lens.data();
+    }
+    return view;
   }
   SpeContextConfig config(std::int32_t budget, SpeContextMode mode) const {
     return {.budget = budget, .mode = mode,
@@ -136,12 +159,15 @@ TYPED_TEST(CpuSpeContext, HeadSelectionEqualsBruteForce) {
   SCOPED_TRACE(this->seed);
   for (const bool batch_level : {false, true}) {
     for (const AttentionWindow window : {specontext_window({}), specontext_window({4, 64})}) {
-      for (const std::int32_t cache_kind : {0, 1, 2}) {  // owned, engine-kept paged, engine-kept contiguous
-        CpuFixture<T> f(this->rng, {.head_page_size = cache_kind == 1 ? 16 : 0, .head_contiguous = cache_kind == 2});
+      // owned, engine-kept paged (CSR), engine-kept contiguous, engine-kept paged as a vLLM block table
+      for (const std::int32_t cache_kind : {0, 1, 2, 3}) {
+        CpuFixture<T> f(this->rng, {.head_page_size = cache_kind == 1 || cache_kind == 3 ? 16 : 0,
+                                    .head_contiguous = cache_kind == 2});
+        if (cache_kind == 3) f.use_block_table();
         const SpeContextMode mode = batch_level ? SpeContextMode::batch_level : SpeContextMode::per_kv_head;
         SpeContext<T, cpu::Context> s(f.p.limits(), f.config(24, mode), f.ctx);
         const HostSelection out = run_selector(f, s, window);
-        const char* kinds[] = {"owned", "engine paged", "engine contiguous"};
+        const char* kinds[] = {"owned", "engine paged", "engine contiguous", "engine block table"};
         const std::string what = fmt::format("{} window {}+{} {}", batch_level ? "batch-level" : "per kv head",
                                              window.sink, window.recent, kinds[cache_kind]);
         expect_head_selection(f.p, out.indices, out.counts, s.capacity(), 24, window, batch_level, what);

@@ -33,11 +33,17 @@ struct KVCache {
   KVSIFT_HOST_DEVICE std::int32_t seq_len(std::int64_t b) const {
     return is_paged() ? paged.seq_len(b) : contiguous.seq_len(b);
   }
-  /// Whether row b's length agrees with its storage: contiguous, seq_len(b) <= capacity; paged, the last page holds
-  /// 1 .. page_size tokens (or the row has no pages). A length is a device value the host cannot check: the CUDA
-  /// step's token write skips a row that fails this rather than write into another row's memory.
+  /// Whether row b's length agrees with its storage: contiguous, seq_len(b) <= capacity; paged by last_page_len, the
+  /// last page holds 1 .. page_size tokens (or the row has no pages); paged by seq_lens (the block-table form, or CSR
+  /// with seq_lens), the length is >= 0 and its pages are within the row's page-table entries. A length is a device
+  /// value the host cannot check: the CUDA step's token write skips a row that fails this rather than write into
+  /// another row's memory.
   KVSIFT_HOST_DEVICE bool seq_len_fits(std::int64_t b) const {
     if (!is_paged()) return contiguous.seq_len(b) <= contiguous.capacity;
+    if (paged.seq_lens != nullptr) {
+      const std::int64_t n = paged.seq_lens[b];
+      return n >= 0 && (n + paged.page_size - 1) / paged.page_size <= paged.page_entries(b);
+    }
     const bool has_pages = paged.page_indptr[b + 1] > paged.page_indptr[b];
     return !has_pages || (paged.last_page_len[b] >= 1 && paged.last_page_len[b] <= paged.page_size);
   }

@@ -148,13 +148,30 @@ void validate(const ContiguousKVView<T>& v, const char* where, const char* name,
   }
 }
 
+/// A paged view in either form (views.hpp): the block-table form (block_table_stride > 0) needs seq_lens and reads
+/// neither page_indptr nor last_page_len; the CSR form needs page_indptr, and last_page_len unless seq_lens is set.
+/// With host contents, every length is checked against the pages its table gives it and every page read against
+/// [0, num_pages).
 template <class T>
 void validate(const PagedKVView<T>& v, const char* where, const char* name, MemorySpace contents) {
   detail::check_pointer(where, name, "k_pages", v.k_pages);
   detail::check_pointer(where, name, "v_pages", v.v_pages);
-  detail::check_pointer(where, name, "page_indptr", v.page_indptr);
-  detail::check_pointer(where, name, "page_indices", v.page_indices);
-  detail::check_pointer(where, name, "last_page_len", v.last_page_len);
+  KVSIFT_CHECK(v.block_table_stride >= 0, where,
+               "{}.block_table_stride (= {}) must be >= 0 (0: a CSR page table; > 0: a block table's row stride)", name,
+               v.block_table_stride);
+  const bool block_table = v.block_table_stride > 0;
+  if (block_table) {
+    detail::check_pointer(where, name, "page_indices", v.page_indices);
+    KVSIFT_CHECK(v.seq_lens != nullptr, where,
+                 "{}.seq_lens is a null pointer: the block-table form (block_table_stride = {}) takes the lengths from "
+                 "it",
+                 name, v.block_table_stride);
+  } else {
+    KVSIFT_CHECK(v.page_indptr != nullptr, where,
+                 "{}.page_indptr is a null pointer: the CSR form (block_table_stride = 0) reads it", name);
+    detail::check_pointer(where, name, "page_indices", v.page_indices);
+    if (v.seq_lens == nullptr) detail::check_pointer(where, name, "last_page_len", v.last_page_len);
+  }
   detail::check_positive(where, name, "batch", v.batch);
   detail::check_shape<4>(where, name,
                          {{{"kv_heads", v.kv_heads, "head", v.head_stride},
@@ -162,6 +179,25 @@ void validate(const PagedKVView<T>& v, const char* where, const char* name, Memo
                            {"page_size", v.page_size, "token", v.token_stride},
                            {"num_pages", v.num_pages, "page", v.page_stride}}});
   if (contents != MemorySpace::host) return;
+  if (block_table) {
+    for (std::int32_t b = 0; b < v.batch; ++b) {
+      const std::int32_t len = v.seq_lens[b];
+      KVSIFT_CHECK(len >= 0, where, "{}.seq_lens[{}] (= {}) is negative", name, b, len);
+      const std::int64_t pages = (std::int64_t(len) + v.page_size - 1) / v.page_size;
+      KVSIFT_CHECK(pages <= v.block_table_stride, where,
+                   "{}.block_table_stride (= {}) is smaller than the {} pages of {}.seq_lens[{}] (= {} tokens, "
+                   "page_size = {})",
+                   name, v.block_table_stride, pages, name, b, len, v.page_size);
+      for (std::int64_t i = 0; i < pages; ++i) {
+        const std::int64_t at = std::int64_t(b) * v.block_table_stride + i;
+        KVSIFT_CHECK(v.page_indices[at] >= 0 && v.page_indices[at] < v.num_pages, where,
+                     "{}.page_indices[{}] (= {}, block {} of sequence {}'s block-table row) is outside [0, num_pages "
+                     "= {})",
+                     name, at, v.page_indices[at], i, b, v.num_pages);
+      }
+    }
+    return;
+  }
   KVSIFT_CHECK(v.page_indptr[0] == 0, where, "{}.page_indptr[0] (= {}) must be 0", name, v.page_indptr[0]);
   // Monotonicity first: page_indices is only read within [0, page_indptr[batch]).
   for (std::int32_t b = 0; b < v.batch; ++b) {
@@ -170,7 +206,12 @@ void validate(const PagedKVView<T>& v, const char* where, const char* name, Memo
   }
   for (std::int32_t b = 0; b < v.batch; ++b) {
     const std::int32_t begin = v.page_indptr[b], end = v.page_indptr[b + 1];
-    if (end > begin) {
+    if (v.seq_lens != nullptr) {
+      const std::int64_t room = std::int64_t(end - begin) * v.page_size;
+      KVSIFT_CHECK(v.seq_lens[b] >= 0 && v.seq_lens[b] <= room, where,
+                   "{}.seq_lens[{}] (= {}) is outside [0, its {} pages * page_size = {}]", name, b, v.seq_lens[b],
+                   end - begin, room);
+    } else if (end > begin) {
       KVSIFT_CHECK(v.last_page_len[b] >= 1 && v.last_page_len[b] <= v.page_size, where,
                    "{}.last_page_len[{}] (= {}) is outside [1, page_size = {}]", name, b, v.last_page_len[b],
                    v.page_size);

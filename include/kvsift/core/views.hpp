@@ -129,20 +129,47 @@ struct ContiguousKVView {
   }
 };
 
-/// Paged KV cache in the layout of vLLM and FlashInfer. Sequence b owns pages
-/// page_indices[page_indptr[b] .. page_indptr[b+1]); all are full except the last, which holds
-/// last_page_len[b] tokens (1..page_size). A sequence with no pages holds no tokens.
-/// Token t of sequence b, kv head h, lives at pages + page * page_stride + (t % page_size) * token_stride +
-/// h * head_stride, with page = page_indices[page_indptr[b] + t / page_size]. NHD pages have
-/// token_stride = kv_heads * head_dim and head_stride = head_dim; HND pages head_stride = page_size * head_dim
-/// and token_stride = head_dim.
+/// How a page (a vLLM block) orders its tokens and kv heads: NHD [page_size, kv_heads, head_dim] (token-major) or
+/// HND [kv_heads, page_size, head_dim] (head-major).
+enum class PageLayout : std::uint8_t { nhd, hnd };
+
+/// Paged KV cache: pages of page_size tokens, K and V in page arrays of the same strides. Token t of sequence b,
+/// kv head h, lives at pages + page * page_stride + (t % page_size) * token_stride + h * head_stride, with
+/// page = page_indices[first_page(b) + t / page_size]. Strides in elements, head_dim contiguous:
+/// - NHD pages [num_pages, page_size, kv_heads, head_dim]: token_stride = kv_heads * head_dim, head_stride =
+///   head_dim, page_stride = page_size * kv_heads * head_dim;
+/// - HND pages [num_pages, kv_heads, page_size, head_dim]: head_stride = page_size * head_dim, token_stride =
+///   head_dim, page_stride as NHD's;
+/// - K and V interleaved per page ([num_pages, 2, page ...]): v_pages = k_pages + one page's elements and
+///   page_stride twice a page's elements.
+///
+/// The page table takes one of two forms, told apart by block_table_stride:
+/// - CSR, FlashInfer's (block_table_stride == 0): sequence b owns pages page_indices[page_indptr[b] ..
+///   page_indptr[b+1]); all are full except the last, which holds last_page_len[b] tokens (1..page_size). A
+///   sequence with no pages holds no tokens.
+/// - Block table, vLLM's (block_table_stride > 0): page_indices is a row-major [batch, block_table_stride] table
+///   (vLLM's block_tables [batch, max_num_blocks_per_seq], int32) and sequence b's pages are its row, from
+///   page_indices + b * block_table_stride. Only the first ceil(seq_len(b) / page_size) entries of a row are read;
+///   the rest may hold anything. seq_lens is required; page_indptr and last_page_len are not read (may be null).
+/// seq_lens [batch] (vLLM's seq_lens, the step's new token counted), when set, in either form: seq_len(b) =
+/// seq_lens[b], and last_page_len is not read. In the CSR form it must fit the sequence's pages.
+///
+/// vLLM's caches, all with block_tables and seq_lens as above (vllm() and vllm_interleaved() build the views):
+/// - NHD, K and V separate (its FlashAttention backend): key_cache and value_cache, each [num_blocks, block_size,
+///   num_kv_heads, head_size];
+/// - NHD, K and V interleaved (its FlashInfer backend): kv_cache [num_blocks, 2, block_size, num_kv_heads,
+///   head_size];
+/// - HND: [num_blocks, num_kv_heads, block_size, head_size] per K and V (interleaved: [num_blocks, 2, num_kv_heads,
+///   block_size, head_size]).
 template <class T>
 struct PagedKVView {
   T* k_pages = nullptr;
   T* v_pages = nullptr;
-  const std::int32_t* page_indptr = nullptr;    ///< [batch + 1], page_indptr[0] == 0, non-decreasing
-  const std::int32_t* page_indices = nullptr;   ///< [page_indptr[batch]], each in [0, num_pages)
-  const std::int32_t* last_page_len = nullptr;  ///< [batch]
+  const std::int32_t* page_indptr = nullptr;    ///< CSR: [batch + 1], page_indptr[0] == 0, non-decreasing
+  /// CSR: [page_indptr[batch]], each in [0, num_pages). Block table: [batch, block_table_stride], each used entry in
+  /// [0, num_pages).
+  const std::int32_t* page_indices = nullptr;
+  const std::int32_t* last_page_len = nullptr;  ///< CSR without seq_lens: [batch]
   std::int32_t batch = 0;
   std::int32_t kv_heads = 0;
   std::int32_t head_dim = 0;
@@ -151,22 +178,96 @@ struct PagedKVView {
   std::int64_t page_stride = 0;
   std::int64_t token_stride = 0;
   std::int64_t head_stride = 0;
+  /// 0: the CSR form; > 0: page_indices is a block table of this many entries per sequence (its row stride).
+  std::int64_t block_table_stride = 0;
+  /// Optional in the CSR form, required in the block-table form: [batch] each sequence's length.
+  const std::int32_t* seq_lens = nullptr;
 
+  KVSIFT_HOST_DEVICE bool is_block_table() const { return block_table_stride > 0; }
   KVSIFT_HOST_DEVICE std::int32_t seq_len(std::int64_t b) const {
+    if (seq_lens != nullptr) return seq_lens[b];
     const std::int32_t pages = page_indptr[b + 1] - page_indptr[b];
     return pages == 0 ? 0 : (pages - 1) * page_size + last_page_len[b];
   }
+  /// The position in page_indices of sequence b's first page.
+  KVSIFT_HOST_DEVICE std::int64_t first_page(std::int64_t b) const {
+    return block_table_stride > 0 ? b * block_table_stride : std::int64_t(page_indptr[b]);
+  }
+  /// The page-table entries sequence b may use: its block-table row, or its CSR pages.
+  KVSIFT_HOST_DEVICE std::int64_t page_entries(std::int64_t b) const {
+    return block_table_stride > 0 ? block_table_stride : std::int64_t(page_indptr[b + 1]) - page_indptr[b];
+  }
   KVSIFT_HOST_DEVICE std::int64_t offset(std::int64_t b, std::int64_t h, std::int64_t t) const {
-    const std::int64_t page = page_indices[page_indptr[b] + t / page_size];
+    const std::int64_t page = page_indices[first_page(b) + t / page_size];
     return page * page_stride + (t % page_size) * token_stride + h * head_stride;
   }
   KVSIFT_HOST_DEVICE T* k_row(std::int64_t b, std::int64_t h, std::int64_t t) const { return k_pages + offset(b, h, t); }
-  KVSIFT_HOST_DEVICE T* v_row(std::int64_t b, std::int64_t h, std::int64_t t) const { return v_pages + offset(b, h, t); }  /// The same cache, read-only.
+  KVSIFT_HOST_DEVICE T* v_row(std::int64_t b, std::int64_t h, std::int64_t t) const { return v_pages + offset(b, h, t); }
+
+  /// Sequence b alone, as a view of batch 1 over the same pages, in the same form. In the CSR form its
+  /// page_indptr is page_indptr + b, whose first entry is page_indptr[b], not 0: its rows and length are
+  /// sequence b's, but validate() refuses it (give it a page_indptr {0, pages} of its own where it is validated).
+  constexpr PagedKVView sequence(std::int64_t b) const {
+    PagedKVView v = *this;
+    if (block_table_stride > 0) {
+      v.page_indices += b * block_table_stride;
+    } else {
+      v.page_indptr += b;
+    }
+    if (v.last_page_len != nullptr) v.last_page_len += b;
+    if (v.seq_lens != nullptr) v.seq_lens += b;
+    v.batch = 1;
+    return v;
+  }
+
+  /// vLLM's paged cache, K and V in separate tensors: key_cache and value_cache [num_blocks, block_size,
+  /// num_kv_heads, head_size] (NHD) or [num_blocks, num_kv_heads, block_size, head_size] (HND), block_tables
+  /// [batch, max_blocks_per_seq] and seq_lens [batch] (int32, the step's token counted), all packed.
+  static constexpr PagedKVView vllm(T* key_cache, T* value_cache, const std::int32_t* block_tables,
+                                    const std::int32_t* seq_lens, std::int32_t batch, std::int32_t max_blocks_per_seq,
+                                    std::int32_t num_blocks, std::int32_t block_size, std::int32_t kv_heads,
+                                    std::int32_t head_dim, PageLayout layout = PageLayout::nhd) {
+    const std::int64_t page = std::int64_t(block_size) * kv_heads * head_dim;
+    const bool hnd = layout == PageLayout::hnd;
+    return {.k_pages = key_cache,
+            .v_pages = value_cache,
+            .page_indptr = nullptr,
+            .page_indices = block_tables,
+            .last_page_len = nullptr,
+            .batch = batch,
+            .kv_heads = kv_heads,
+            .head_dim = head_dim,
+            .page_size = block_size,
+            .num_pages = num_blocks,
+            .page_stride = page,
+            .token_stride = hnd ? std::int64_t(head_dim) : std::int64_t(kv_heads) * head_dim,
+            .head_stride = hnd ? std::int64_t(block_size) * head_dim : std::int64_t(head_dim),
+            .block_table_stride = max_blocks_per_seq,
+            .seq_lens = seq_lens};
+  }
+  /// vLLM's paged cache with K and V interleaved per block (its FlashInfer backend): kv_cache [num_blocks, 2,
+  /// block_size, num_kv_heads, head_size] (NHD) or [num_blocks, 2, num_kv_heads, block_size, head_size] (HND);
+  /// block_tables and seq_lens as vllm()'s.
+  static constexpr PagedKVView vllm_interleaved(T* kv_cache, const std::int32_t* block_tables,
+                                                const std::int32_t* seq_lens, std::int32_t batch,
+                                                std::int32_t max_blocks_per_seq, std::int32_t num_blocks,
+                                                std::int32_t block_size, std::int32_t kv_heads, std::int32_t head_dim,
+                                                PageLayout layout = PageLayout::nhd) {
+    const std::int64_t page = std::int64_t(block_size) * kv_heads * head_dim;
+    T* value_cache = kv_cache != nullptr ? kv_cache + page : nullptr;
+    PagedKVView view = vllm(kv_cache, value_cache, block_tables, seq_lens, batch, max_blocks_per_seq, num_blocks,
+                            block_size, kv_heads, head_dim, layout);
+    view.page_stride = 2 * page;
+    return view;
+  }
+
+  /// The same cache, read-only.
   constexpr PagedKVView<const T> as_const() const
     requires(!std::is_const_v<T>)
   {
     return {k_pages,   v_pages,   page_indptr, page_indices, last_page_len, batch,      kv_heads,
-            head_dim,  page_size, num_pages,   page_stride,  token_stride,  head_stride};
+            head_dim,  page_size, num_pages,   page_stride,  token_stride,  head_stride, block_table_stride,
+            seq_lens};
   }
 };
 

@@ -35,7 +35,7 @@ void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const H
                  b);
     KVSIFT_CHECK(cache.seq_len_fits(b), where,
                  "cache.seq_len({}) (= {}) does not fit the cache's storage (contiguous capacity, or the last page's "
-                 "length in [1, page_size])",
+                 "length in [1, page_size], or with seq_lens the pages of the row's page table)",
                  b, cache.seq_len(b));
   }
   for (std::int32_t b = 0; b < cache.batch(); ++b) {

@@ -29,8 +29,9 @@
 /// would get: correct, and up to seq_len / (capacity + window) times as long for that row.
 ///
 /// The KV cache's device arrays (seq_lens, page tables) are always trusted, in validation mode too: a length
-/// outside [0, capacity] (contiguous), a page index outside [0, num_pages) or a page_indptr/last_page_len
-/// that describes more pages than the sequence owns is undefined behaviour. Check them on the host
+/// outside [0, capacity] (contiguous), a page index outside [0, num_pages), a page_indptr/last_page_len
+/// that describes more pages than the sequence owns, or (a paged view with seq_lens, such as vLLM's block-table
+/// form) a length whose pages exceed the sequence's page-table entries is undefined behaviour. Check them on the host
 /// (validate(kv, ..., MemorySpace::host) in core/validate.hpp) where they are built.
 ///
 /// Hot path contract: no allocation and no host synchronization; the caller passes a stream and a

@@ -36,10 +36,11 @@ class PinnedHostCheck {
   void require(const PagedKVView<const T>& kv, Arrays arrays, const char* where, std::string_view cache) {
     require_field(0, kv.k_pages, "k_pages", where, cache);
     require_field(1, kv.v_pages, "v_pages", where, cache);
-    if (arrays == Arrays::kv_and_tables) {
-      require_field(2, kv.page_indptr, "page_indptr", where, cache);
+    if (arrays == Arrays::kv_and_tables) {  // only the arrays the view's form reads (views.hpp)
+      if (!kv.is_block_table()) require_field(2, kv.page_indptr, "page_indptr", where, cache);
       require_field(3, kv.page_indices, "page_indices", where, cache);
-      require_field(4, kv.last_page_len, "last_page_len", where, cache);
+      if (kv.seq_lens == nullptr) require_field(4, kv.last_page_len, "last_page_len", where, cache);
+      require_field(6, kv.seq_lens, "seq_lens", where, cache);
     }
   }
   template <class T>
@@ -55,7 +56,9 @@ class PinnedHostCheck {
   void require_field(std::size_t field, const void* p, const char* field_name, const char* where,
                      std::string_view cache);
 
-  std::array<const void*, 6> known_{};  ///< per field, the pointer last found readable (null: none yet)
+  /// Per field, the pointer last found readable (null: none yet): 0 k / k_pages, 1 v / v_pages, 2 seq_lens /
+  /// page_indptr, 3 page_indices, 4 last_page_len, 5 a workspace block, 6 a paged view's seq_lens.
+  std::array<const void*, 7> known_{};
 };
 
 /// The fence between the stream's asynchronous copies out of (or into) a pinned host block and the host's next

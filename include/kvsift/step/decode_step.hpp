@@ -256,7 +256,7 @@ class DecodeStep : public detail::StepBase<S> {
                           const Buffers& b, const Context& ctx) {
     const KVCache<const T> cache = in.cache;
     const SecondSource<T> second = selector_.second_source({.q = in.q, .cache = cache, .slots = in.slots,
-                                                            .lengths = b.selector.lengths,
+                                                            .lengths = part_.lengths(cache, b.selector),
                                                             .attention = config_.attention, .layer = in.layer});
     check_second_source("DecodeStep::run", second, in.q.batch);
     if (second_source_only_) {

@@ -89,7 +89,7 @@ class SelectorPart {
     return {b.indices, b.counts, b.log_weights, batch, kv_heads_, capacity_};
   }
 
-  /// lengths[b] = cache.seq_len(b), once, for the selector; then its append (the index learns the step's token)
+  /// The lengths (lengths()), once, for the selector; then its append (the index learns the step's token)
   /// and its select (the middle tokens, into the buffers' selection of in.q.batch rows).
   void run(S& selector, const SelectorStepInputs<T>& in, const Buffers& b, const Context& ctx) const {
     append(selector, in, b, ctx);
@@ -97,16 +97,23 @@ class SelectorPart {
   }
   /// The lengths and the append alone: a placement that runs the select in stages (a host stage) goes on from here.
   void append(S& selector, const SelectorStepInputs<T>& in, const Buffers& b, const Context& ctx) const {
-    sequence_lengths(in.cache, b.lengths, ctx);
-    selector.append({.cache = in.cache, .slots = in.slots, .lengths = b.lengths, .k_pre_rope = in.k_pre_rope,
+    if (lengths(in.cache, b) == b.lengths) sequence_lengths(in.cache, b.lengths, ctx);
+    selector.append({.cache = in.cache, .slots = in.slots, .lengths = lengths(in.cache, b), .k_pre_rope = in.k_pre_rope,
                      .layer = in.layer},
                     b.append, ctx);
   }
   /// The select's inputs over the part's lengths; max_seq_len is the bound the scratch was sized with
   /// (SelectShape::max_seq_len).
   SelectInputs<T> select_inputs(const SelectorStepInputs<T>& in, const Buffers& b) const {
-    return {.q = in.q, .cache = in.cache, .slots = in.slots, .lengths = b.lengths, .attention = in.attention,
+    return {.q = in.q, .cache = in.cache, .slots = in.slots, .lengths = lengths(in.cache, b), .attention = in.attention,
             .layer = in.layer, .max_seq_len = max_seq_len_};
+  }
+  /// The step's lengths, cache.seq_len(b): the cache's own seq_lens array where seq_len reads one (a contiguous
+  /// cache with lengths, a paged one with seq_lens: vLLM's block tables always), read in place (a launch or a copy
+  /// less per step), else b.lengths, which append fills first (a FlashInfer page table, from its last_page_len).
+  static const std::int32_t* lengths(const KVCache<const T>& cache, const Buffers& b) {
+    const std::int32_t* own = cache.is_paged() ? cache.paged.seq_lens : cache.contiguous.seq_lens;
+    return own != nullptr ? own : b.lengths;
   }
 
  private:

@@ -362,15 +362,14 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
   static KVCache<const T> cache_row(const KVCache<const T>& cache, std::int32_t b) {
     return cache.visit([&](auto view) -> KVCache<const T> {
       if constexpr (std::is_same_v<decltype(view), PagedKVView<const T>>) {
-        view.page_indptr += b;  // the row's pages: page_indices[page_indptr[b] ...] as before
-        view.last_page_len += b;
+        return view.sequence(b);  // either page-table form; CSR: page_indices[page_indptr[b] ...] as before
       } else {
         view.k += b * view.batch_stride;
         view.v += b * view.batch_stride;
         if (view.seq_lens != nullptr) view.seq_lens += b;
+        view.batch = 1;
+        return view;
       }
-      view.batch = 1;
-      return view;
     });
   }
   MergeStoreView<T> mutable_store() {

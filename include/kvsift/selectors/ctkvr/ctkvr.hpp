@@ -378,7 +378,7 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
   }
 
   /// Sequence b of the cache as `rows` identical rows, one kv head at a time: contiguous by a zero batch
-  /// stride, paged by repeating its page list (built on the host).
+  /// stride, paged by repeating its page list (built on the host, a CSR table whichever form the cache's is).
   struct BroadcastCache {
     KVCache<const T> base;
     ContextArray<Context, std::int32_t> indptr, pages, last;
@@ -402,6 +402,8 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
       v.page_indptr = indptr.data();
       v.page_indices = pages.data();
       v.last_page_len = last.data();
+      v.block_table_stride = 0;
+      v.seq_lens = nullptr;
       v.batch = rows;
       v.kv_heads = 1;
       return v;
@@ -412,12 +414,29 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
     BroadcastCache out{cache, {}, {}, {}, lengths, b};
     if (!cache.is_paged()) return out;
     const PagedKVView<const T>& p = cache.paged;
-    std::int32_t bounds[2], last_len = 0;
-    copy_to_host(p.page_indptr + b, 2, bounds, ctx);
-    copy_to_host(p.last_page_len + b, 1, &last_len, ctx);
-    const std::int32_t count = bounds[1] - bounds[0];
+    std::int32_t count = 0, last_len = 0;
+    std::int64_t first = 0;
+    if (p.seq_lens != nullptr) {  // the block-table form (or CSR with lengths): the pages the length needs
+      std::int32_t length = 0;
+      copy_to_host(p.seq_lens + b, 1, &length, ctx);
+      count = length > 0 ? (length - 1) / p.page_size + 1 : 0;
+      last_len = length - std::max(count - 1, 0) * p.page_size;
+      if (p.is_block_table()) {
+        first = std::int64_t(b) * p.block_table_stride;
+      } else {
+        std::int32_t entry = 0;
+        copy_to_host(p.page_indptr + b, 1, &entry, ctx);
+        first = entry;
+      }
+    } else {
+      std::int32_t bounds[2];
+      copy_to_host(p.page_indptr + b, 2, bounds, ctx);
+      copy_to_host(p.last_page_len + b, 1, &last_len, ctx);
+      count = bounds[1] - bounds[0];
+      first = bounds[0];
+    }
     std::vector<std::int32_t> own(std::size_t(std::max(count, 0))), indptr(std::size_t(rows) + 1), pages, last(std::size_t(rows), last_len);
-    copy_to_host(p.page_indices + bounds[0], own.size(), own.data(), ctx);
+    copy_to_host(p.page_indices + first, own.size(), own.data(), ctx);
     for (std::int32_t r = 0; r <= rows; ++r) indptr[std::size_t(r)] = r * count;
     for (std::int32_t r = 0; r < rows; ++r) pages.insert(pages.end(), own.begin(), own.end());
     out.indptr.resize(indptr.size());

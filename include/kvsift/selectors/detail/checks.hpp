@@ -149,12 +149,17 @@ void check_finite_prompt(const char* where, const KVCache<const T>& cache, const
     std::int32_t page = 0;
     const std::int32_t page_entries[2] = {0, 1};
     if (cache.is_paged()) {  // the page of token t, read from the table by copy; then addressed by the view itself
-      std::int32_t first_page = 0;
-      copy_to_host(cache.paged.page_indptr + b, 1, &first_page, ctx);
+      std::int64_t first_page = std::int64_t(b) * cache.paged.block_table_stride;  // the block-table form
+      if (!cache.paged.is_block_table()) {
+        std::int32_t entry = 0;
+        copy_to_host(cache.paged.page_indptr + b, 1, &entry, ctx);
+        first_page = entry;
+      }
       copy_to_host(cache.paged.page_indices + first_page + t / cache.paged.page_size, 1, &page, ctx);
-      PagedKVView<const T> one_page = cache.paged;
+      PagedKVView<const T> one_page = cache.paged;  // a CSR view of the one page (its length is not read)
       one_page.page_indptr = page_entries;
       one_page.page_indices = &page;
+      one_page.block_table_stride = 0;
       row = one_page.k_row(0, h, t % one_page.page_size);
     } else {
       row = cache.contiguous.k_row(b, h, t);

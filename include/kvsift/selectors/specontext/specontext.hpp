@@ -200,10 +200,11 @@ class SpeContext : public SelectorTypes<T, Context>, public detail::SelectorCore
         positions(static_cast<std::size_t>(longest));
     copy_from_host(host_indices.data(), host_indices.size(), indices.data(), ctx);
     copy_from_host(host_indices.data(), std::size_t(longest), positions.data(), ctx);
-    // A paged engine cache's row b alone: its pages from page_indptr[b] on, with a page_indptr of its own.
+    // A paged engine cache's row b alone: CSR, its pages from page_indptr[b] on, with a page_indptr of its own; a
+    // block table, its row and length (PagedKVView::sequence).
     std::vector<std::int32_t> page_indptr;
     ContextArray<Context, std::int32_t> row_indptr(2);
-    if (config_.head_cache == SpeContextHeadCache::engine && in.cache.is_paged()) {
+    if (config_.head_cache == SpeContextHeadCache::engine && in.cache.is_paged() && !in.cache.paged.is_block_table()) {
       page_indptr.resize(rows + 1);
       copy_to_host(in.cache.paged.page_indptr, rows + 1, page_indptr.data(), ctx);
     }
@@ -223,14 +224,14 @@ class SpeContext : public SelectorTypes<T, Context>, public detail::SelectorCore
       if (config_.head_cache == SpeContextHeadCache::owned) {
         row = writable_head_cache(in.cache, in.slots + b, context_lengths.data() + b, 1);
       } else if (in.cache.is_paged()) {
-        const std::int32_t first = page_indptr[std::size_t(b)], pages = page_indptr[std::size_t(b) + 1] - first;
-        const std::int32_t row_pages[2] = {0, pages};
-        copy_from_host(row_pages, 2, row_indptr.data(), ctx);
-        PagedKVView<T> paged = writable(in.cache).paged;
-        paged.page_indptr = row_indptr.data();
-        paged.page_indices += first;
-        paged.last_page_len += b;
-        paged.batch = 1;
+        PagedKVView<T> paged = writable(in.cache).paged.sequence(b);
+        if (!paged.is_block_table()) {
+          const std::int32_t first = page_indptr[std::size_t(b)], pages = page_indptr[std::size_t(b) + 1] - first;
+          const std::int32_t row_pages[2] = {0, pages};
+          copy_from_host(row_pages, 2, row_indptr.data(), ctx);
+          paged.page_indptr = row_indptr.data();
+          paged.page_indices += first;
+        }
         row = paged;
       } else {
         ContiguousKVView<T> contiguous = writable(in.cache).contiguous;
@@ -373,7 +374,7 @@ class SpeContext : public SelectorTypes<T, Context>, public detail::SelectorCore
       const PagedKVView<const T>& p = cache.paged;
       return PagedKVView<T>{const_cast<T*>(p.k_pages), const_cast<T*>(p.v_pages), p.page_indptr, p.page_indices,
                             p.last_page_len, p.batch, p.kv_heads, p.head_dim, p.page_size, p.num_pages,
-                            p.page_stride, p.token_stride, p.head_stride};
+                            p.page_stride, p.token_stride, p.head_stride, p.block_table_stride, p.seq_lens};
     }
     const ContiguousKVView<const T>& c = cache.contiguous;
     return ContiguousKVView<T>{const_cast<T*>(c.k), const_cast<T*>(c.v), c.seq_lens, c.batch, c.kv_heads, c.capacity,
