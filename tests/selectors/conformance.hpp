@@ -747,25 +747,23 @@ struct RerankedQuestCase {
   static constexpr bool prefill_queries = false, pre_rope_keys = false;
   static constexpr std::int32_t cpu_cuda_slack = 2 * 8 + 2;  // Quest's two pages, then the rerank's fp32 near-ties
   template <class Context>
+  static Quest<half, Context> proposer(const SelectorLimits& l) {
+    return Quest<half, Context>(l, {.budget = 64, .page_size = 8});
+  }
+  template <class Context>
   static selector<Context> make(const SelectorLimits& l, const Context&) {
-    return selector<Context>(Quest<half, Context>(l, {.budget = 64, .page_size = 8}), {.budget = 16});
+    return selector<Context>(proposer<Context>(l), {.budget = 16});
   }
 };
 
 /// RerankedQuestCase with an adaptive budget (RerankConfig::mass): each row keeps the fewest of its best candidates
 /// holding 90% of their exact mass, 4 to 16 of them. The twins' counts may differ by one where fp32 scores put a
 /// row's cumulative mass within rounding of the target.
-struct RerankedMassQuestCase {
-  template <class Context>
-  using selector = Reranked<Quest<half, Context>>;
-  static constexpr std::string_view where = "Quest";
-  static constexpr AttentionWindow window = kWindow;
-  static constexpr bool prefill_queries = false, pre_rope_keys = false;
+struct RerankedMassQuestCase : RerankedQuestCase {
   static constexpr std::int32_t cpu_cuda_slack = RerankedQuestCase::cpu_cuda_slack + 1;
   template <class Context>
   static selector<Context> make(const SelectorLimits& l, const Context&) {
-    return selector<Context>(Quest<half, Context>(l, {.budget = 64, .page_size = 8}),
-                             {.budget = 16, .mass = 0.9, .floor = 4});
+    return selector<Context>(proposer<Context>(l), {.budget = 16, .mass = 0.9, .floor = 4});
   }
 };
 
