@@ -20,6 +20,8 @@
 // (`selected`: the mean selection per kv head; `touched`: window + selection over N, the paper's sparsity).
 // Method 5 is Quest proposing kRerankFactor x 2048 tokens for the rerank stage (selectors/rerank.hpp), which keeps
 // 2048: its cost against method 0 is the stage's (the proposals' keys read once more, their scores, a top-k).
+// Method 6 is method 0 with DecodeStepConfig::page_selections: Quest writes its pages and the attention kernel
+// attends their middle tokens (no expansion launch).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -51,7 +53,7 @@ using Cuda = kvsift::cuda::Context;
 
 constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kBudget = 2048, kPageSize = 16;
 constexpr kvsift::AttentionWindow kWindow{4, 64};
-enum Method : int { kQuest = 0, kOracle = 1, kCtkvr = 2, kCsattention = 3, kA2ats = 4, kQuestRerank = 5 };
+enum Method : int { kQuest = 0, kOracle = 1, kCtkvr = 2, kCsattention = 3, kA2ats = 4, kQuestRerank = 5, kQuestPages = 6 };
 /// Quest's proposals per kept token under the rerank stage (method 5).
 constexpr int kRerankFactor = 4;
 /// CTKVR at the paper's defaults: rho' = 1024, rho = 2560, C = min(2048, N / 16), C' = 4.
@@ -65,6 +67,7 @@ const char* method_name(int m) {
          : m == kCtkvr        ? "CTKVR"
          : m == kCsattention  ? "CSAttention"
          : m == kQuestRerank  ? "Quest + rerank"
+         : m == kQuestPages   ? "Quest, pages attended directly"
                               : "A2ATS";
 }
 
@@ -97,7 +100,7 @@ double step_bytes(int method, std::int64_t n, int batch, std::int64_t alpha_perc
   if (method == kQuestRerank) {  // the bounds, then the proposals' keys for their exact scores
     return pages + rows * double(kRerankFactor) * kBudget * kHeadDim * sizeof(bfloat16) + attended;
   }
-  const double index = method == kQuest ? pages : rows * double(n) * kHeadDim * sizeof(bfloat16);
+  const double index = method == kQuest || method == kQuestPages ? pages : rows * double(n) * kHeadDim * sizeof(bfloat16);
   return index + attended;
 }
 
@@ -119,11 +122,12 @@ struct Layer {
   kvsift::DecodeStep<Selector> step;
   double prepare_ms = 0;  ///< the selector's prepare of the whole batch, host-timed
 
-  Layer(Selector selector, std::int64_t n_, int batch_, bool pdl, std::uint64_t seed)
+  Layer(Selector selector, std::int64_t n_, int batch_, bool pdl, std::uint64_t seed, bool page_selections)
       : n(n_), batch(batch_), k(elements()), v(elements()), lengths(batch_), slots(batch_),
         step(std::move(selector),
              {.attention = {.window = kWindow}, .max_batch = batch_, .q_heads = kQHeads, .kv_heads = kKvHeads,
-              .head_dim = kHeadDim, .max_seq_len = std::int32_t(n_), .programmatic_launch = pdl},
+              .head_dim = kHeadDim, .max_seq_len = std::int32_t(n_), .programmatic_launch = pdl,
+              .page_selections = page_selections},
              Cuda{}) {
     fill_random(k.ptr, elements(), seed);
     fill_random(v.ptr, elements(), seed + 1);
@@ -181,7 +185,7 @@ void run_step_benchmark(benchmark::State& state, int method, Make make_selector)
   const int layers = layers_for(method, n, batch, state.range(7));
   std::vector<std::unique_ptr<Layer<Selector>>> stack;
   for (int l = 0; l < layers; ++l) {
-    stack.push_back(std::make_unique<Layer<Selector>>(make_selector(), n, batch, pdl, 17 * l + 1));
+    stack.push_back(std::make_unique<Layer<Selector>>(make_selector(), n, batch, pdl, 17 * l + 1, method == kQuestPages));
   }
   Device<bfloat16> q(std::size_t(batch) * kQHeads * kHeadDim), o(std::size_t(batch) * kQHeads * kHeadDim);
   Device<float> lse(std::size_t(batch) * kQHeads);
@@ -263,9 +267,9 @@ void run_step_benchmark(benchmark::State& state, int method, Make make_selector)
 void BM_Step(benchmark::State& state) {
   const std::int64_t n = state.range(1);
   const int batch = int(state.range(2));
-  if (state.range(0) == kQuest) {
+  if (state.range(0) == kQuest || state.range(0) == kQuestPages) {
     using Selector = kvsift::Quest<bfloat16, Cuda>;
-    run_step_benchmark<Selector>(state, kQuest, [&] {
+    run_step_benchmark<Selector>(state, Method(state.range(0)), [&] {
       return Selector(limits(n, batch), {.budget = kBudget, .page_size = kPageSize});
     });
   } else if (state.range(0) == kQuestRerank) {
@@ -305,7 +309,7 @@ void BM_Step(benchmark::State& state) {
 BENCHMARK(BM_Step)
     ->ArgsProduct({{kQuest, kOracle}, {32768, 131072}, {1, 8}, {0, 1}, {0}, {1}, {0}, {0}})
     ->ArgsProduct({{kQuest, kOracle}, {8192, 524288, 1048576}, {1, 8}, {1}, {0}, {1}, {0}, {0}})  // the context sweep
-    ->ArgsProduct({{kQuestRerank}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0}, {0}})
+    ->ArgsProduct({{kQuestRerank, kQuestPages}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0}, {0}})
     ->ArgsProduct({{kQuest}, {32768, 131072}, {1, 8}, {0, 1}, {1}, {1}, {0}, {0}})
     ->ArgsProduct({{kCtkvr}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0}, {0}})
     ->ArgsProduct({{kCsattention}, {32768, 131072}, {1, 8}, {1}, {0}, {1, 4, 8}, {0}, {0}})
@@ -442,7 +446,7 @@ void BM_StepStage(benchmark::State& state) {
         break;
       case kSelectPages:
         kvsift::select_pages(qv, layer.bounds_view().as_const(), layer.slots.ptr, layer.lengths.ptr, kWindow, pages, page_k,
-                             token_sel, workspace, Cuda{stream});
+                             kvsift::PagesOut::tokens, token_sel, workspace, Cuda{stream});
         break;
       case kPrepare:  // Quest's prefill: the page bounds of the whole sequence
         kvsift::cuda::build_page_bounds(layer.cache().contiguous, layer.slots.ptr, layer.bounds_view(), stream);

@@ -15,6 +15,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 # name | docs page | benchmark (its full name up to the last argument)
 step="N:131072/batch:1/pdl:1/between:0/P:1/sort:0/alpha:0"
 tables="quest|quest.md|BM_Step/method:0/$step
+quest_pages|quest.md|BM_Step/method:6/$step
 oracle|quest.md|BM_Step/method:1/$step
 rerank|selector_framework.md|BM_Step/method:5/$step
 ctkvr|ctkvr.md|BM_Step/method:2/$step

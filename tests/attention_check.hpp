@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <memory>
 #include <numeric>
+#include <utility>
 
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/core/dtype.hpp"
@@ -225,6 +226,57 @@ UnionSelection window_as_selection(HostDecodeProblem<T>& p) {
   u.view = {u.indices.data(), u.counts.data(), c.log_weights ? u.log_weights.data() : nullptr, c.batch, c.kv_heads,
             capacity};
   return u;
+}
+
+/// A page-level selection over a problem's sequences (AttentionOptions::selection_page_size) and the same as tokens.
+struct PagesAndTokens {
+  UnionSelection pages;   ///< capacity pages_per_row: distinct page ids in random order, with log-weights when the problem has them
+  UnionSelection tokens;  ///< capacity pages_per_row * page_size: each page's middle tokens in order, its weight each
+};
+/// Per row a random count in [0, min(pages_per_row, the sequence's pages)] of distinct pages of `page_size` tokens
+/// from [0, ceil(seq_len / page_size)): pages in the window, across its edges and the partial last page among them.
+template <class T>
+PagesAndTokens random_page_selection(Random& rng, const HostDecodeProblem<T>& p, std::int32_t page_size,
+                                     std::int32_t pages_per_row) {
+  const CaseSpec& c = p.spec;
+  const std::size_t rows = std::size_t(c.batch) * c.kv_heads;
+  const std::int32_t token_capacity = pages_per_row * page_size;
+  const auto empty = [&](std::int32_t capacity) {
+    return UnionSelection{std::vector<std::int32_t>(rows * capacity, kPoisonIndex), std::vector<std::int32_t>(rows),
+                          std::vector<float>(c.log_weights ? rows * capacity : 0, kPoison), {}};
+  };
+  PagesAndTokens s{empty(pages_per_row), empty(token_capacity)};
+  for (std::int32_t b = 0; b < c.batch; ++b) {
+    const std::int32_t len = p.kv_values.seq_lens[b];
+    const std::int32_t lo = c.window.sink_end(len), hi = c.window.recent_begin(len);
+    const std::int32_t sequence_pages = (len + page_size - 1) / page_size;
+    std::vector<std::int32_t> order(static_cast<std::size_t>(sequence_pages));
+    std::iota(order.begin(), order.end(), 0);
+    for (std::int32_t h = 0; h < c.kv_heads; ++h) {
+      const std::size_t row = std::size_t(b) * c.kv_heads + h;
+      std::shuffle(order.begin(), order.end(), rng.engine);
+      const std::int32_t count = rng.uniform_int(0, std::min(pages_per_row, sequence_pages));
+      std::int32_t tokens = 0;
+      for (std::int32_t i = 0; i < count; ++i) {
+        const float weight = c.log_weights ? rng.uniform(-3.0f, 1.0f) : 0.0f;
+        s.pages.indices[row * pages_per_row + i] = order[i];
+        if (c.log_weights) s.pages.log_weights[row * pages_per_row + i] = weight;
+        for (std::int32_t t = order[i] * page_size; t < (order[i] + 1) * page_size; ++t) {
+          if (t < lo || t >= hi) continue;
+          s.tokens.indices[row * token_capacity + tokens] = t;
+          if (c.log_weights) s.tokens.log_weights[row * token_capacity + tokens] = weight;
+          ++tokens;
+        }
+      }
+      s.pages.counts[row] = count;
+      s.tokens.counts[row] = tokens;
+    }
+  }
+  for (auto [u, capacity] : {std::pair{&s.pages, pages_per_row}, std::pair{&s.tokens, token_capacity}}) {
+    u->view = {u->indices.data(), u->counts.data(), c.log_weights ? u->log_weights.data() : nullptr, c.batch,
+               c.kv_heads, capacity};
+  }
+  return s;
 }
 
 /// The non-finite inputs of the attention contract (attention/state.hpp), one per case.

@@ -119,6 +119,13 @@ DecodePlan plan_decode(const char* where, std::int64_t rows, std::int32_t max_to
   return plan;
 }
 
+/// The most entries a sparse row attends: its capacity in tokens (or pages of selection_page_size tokens) and the
+/// window's, which sizes the split plan.
+std::int32_t sparse_max_tokens(std::int32_t capacity, const AttentionOptions& attention) {
+  return std::int32_t(std::min<std::int64_t>(INT_MAX, std::int64_t(capacity) * attention.selection_page_size +
+                                                          attention.window.sink + attention.window.recent));
+}
+
 /// Validates everything the kernels rely on and fills the parameters (workspace pointers excepted). `out`
 /// (nullptr for the workspace queries) is in the storage type or fp32 (TO = T or float).
 template <class T, class KV, class TO = T>
@@ -150,12 +157,13 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   if (selection != nullptr) {
     validate(*selection, kv, where, "selection");
     validate(options.attention.window, where, "options.attention.window");
+    check_selection_page_size(where, "options.attention.selection_page_size", options.attention.selection_page_size);
     p.selection = *selection;
     p.window = options.attention.window;
-    max_tokens = std::int32_t(std::min<std::int64_t>(
-        INT_MAX, std::int64_t(selection->capacity) + p.window.sink + p.window.recent));
+    p.page_size = options.attention.selection_page_size;
+    max_tokens = sparse_max_tokens(selection->capacity, options.attention);
   } else {
-    check_no_window(where, options.attention.window);
+    check_no_window(where, options.attention);
     max_tokens = max_tokens_of(kv, options);
     KVSIFT_CHECK(max_tokens > 0, where,
                  "options.max_seq_len (= {}) must be positive for dense decode on a paged cache (an upper bound on "
@@ -214,7 +222,11 @@ void check_selection(const char* where, const DecodeParams<T>& p, cudaStream_t s
   KVSIFT_CUDA_CHECK(cudaMemcpy(indices.data(), p.selection.indices + row * p.selection.capacity,
                                indices.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
   std::vector<std::uint64_t> seen(std::size_t(std::max(seq_len, 0)) / 64 + 1, 0);
-  check_selection_entries(where, "selection", b, h, indices.data(), count, seq_len, p.window, seen);
+  if (p.page_size > 1) {
+    check_page_entries(where, "selection", b, h, indices.data(), count, seq_len, p.page_size, seen);
+  } else {
+    check_selection_entries(where, "selection", b, h, indices.data(), count, seq_len, p.window, seen);
+  }
   KVSIFT_CHECK(false, where, "the device check refused selection row (batch {}, kv_head {}), but its host copy "
                "passes: was the selection written concurrently with this call?", b, h);
 }
@@ -260,9 +272,9 @@ std::size_t sparse_decode_workspace_bytes(const SparseDecodeShape& shape, const 
   KVSIFT_CHECK(shape.capacity >= 0, where, "shape.capacity (= {}) must be >= 0", shape.capacity);
   detail::check_decode_options(where, options);
   validate(options.attention.window, where, "options.attention.window");
+  check_selection_page_size(where, "options.attention.selection_page_size", options.attention.selection_page_size);
   const std::int32_t head_tiles = (shape.q_heads / shape.kv_heads + kHeadsPerTile - 1) / kHeadsPerTile;
-  const auto max_tokens = std::int32_t(std::min<std::int64_t>(
-      INT_MAX, std::int64_t(shape.capacity) + options.attention.window.sink + options.attention.window.recent));
+  const std::int32_t max_tokens = detail::sparse_max_tokens(shape.capacity, options.attention);
   const detail::DecodePlan plan = detail::plan_decode(where, std::int64_t(shape.batch) * shape.kv_heads * head_tiles,
                                                       max_tokens, shape.head_dim, options, detail::current_device_limits());
   WorkspaceLayout counting;

@@ -199,6 +199,85 @@ TEST_F(CpuDecode, WindowIsTheSameAsSelectingItsTokensFirst) {
   }
 }
 
+/// A page-level selection (AttentionOptions::selection_page_size) attends each page's middle tokens: against the fp64
+/// reference, whose page mode equals its token mode over the pages' tokens exactly, at every SIMD level, split over
+/// threads or not, windows over page edges and wider than sequences, page sizes of 16 and 5, both cache layouts.
+TEST_F(CpuDecode, PageSelectionsAttendThePagesMiddleTokens) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(8);
+  for (SimdLevel level : test::available_simd_levels()) {
+    cpu::ScopedSimdLevel force(level);
+    for (const AttentionWindow window : {AttentionWindow{4, 64}, AttentionWindow{}, AttentionWindow{300, 400},
+                                         AttentionWindow{0, 37}}) {
+      for (std::int32_t page_size : {16, 5}) {
+        const bool split = rng.uniform_int(0, 1) == 1;
+        const CaseSpec spec{2, 8, 2, 64, rng.uniform_int(1500, 2500), 0, std::vector{0, 16}[rng.uniform_int(0, 1)],
+                            rng.uniform_int(0, 1) == 1, true, window};
+        SCOPED_TRACE(fmt::format("{} {} selection pages of {}{}", cpu::simd_level_name(level), test::describe(spec),
+                                 page_size, split ? ", split" : ""));
+        HostDecodeProblem<bfloat16> p(rng, spec);
+        const test::PagesAndTokens s = test::random_page_selection(rng, p, page_size, 90);
+        const AttentionOptions pages{.window = window, .selection_page_size = page_size};
+        test::HostState ref(spec.batch, spec.q_heads, spec.head_dim), ref_tokens(spec.batch, spec.q_heads, spec.head_dim);
+        reference::sparse_decode(p.q_view(), p.contiguous(), s.pages.view, ref.view, pages);
+        reference::sparse_decode(p.q_view(), p.contiguous(), s.tokens.view, ref_tokens.view, {.window = window});
+        EXPECT_EQ(ref.o, ref_tokens.o);
+        EXPECT_EQ(ref.lse, ref_tokens.lse);
+        const auto [o, lse] = run_cpu(p, true, split ? &pool : nullptr, split,
+                                      {.attention = pages, .validate_indices = rng.uniform_int(0, 1) == 1}, &s.pages.view);
+        test::expect_close(o, lse, ref, "pages");
+      }
+    }
+  }
+}
+
+/// Validation refuses a page outside the sequence's pages and a page listed twice, by position, and writes nothing;
+/// a page size below 1, and pages in dense decode, are refused.
+TEST_F(CpuDecode, PageSelectionsRefuseBadPages) {
+  HostDecodeProblem<half> p(rng, CaseSpec{2, 4, 2, 64, 500, 0, 0, false, false, {4, 64}});
+  test::PagesAndTokens s = test::random_page_selection(rng, p, 16, 8);
+  const AttentionOptions pages{.window = {4, 64}, .selection_page_size = 16};
+  const auto refused = [&](const std::string& message, const AttentionOptions& attention) {
+    std::vector<half> o(p.q.size(), from_float<half>(7.0f));
+    std::vector<float> lse(std::size_t(2) * 4, 7.0f);
+    test::expect_error(
+        [&] {
+          cpu::sparse_decode(p.q_view(), p.contiguous(), s.pages.view, StateView<half>::packed(o.data(), lse.data(), 2, 4, 64),
+                             {.attention = attention, .validate_indices = true});
+        },
+        message);
+    EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](half x) { return to_float(x) == 7.0f; })) << "O was written";
+    EXPECT_TRUE(std::all_of(lse.begin(), lse.end(), [](float x) { return x == 7.0f; })) << "LSE was written";
+  };
+  const std::int32_t len = p.kv_values.seq_lens[1], sequence_pages = (len + 15) / 16;
+  const std::size_t row = 1 * 2 + 1;
+  s.pages.counts[row] = 3;
+  s.pages.indices[row * 8 + 0] = 0;
+  s.pages.indices[row * 8 + 1] = sequence_pages - 1;
+  s.pages.indices[row * 8 + 2] = sequence_pages;  // one past the last page
+  refused(fmt::format("selection.indices[2] (= {}) at batch 1, kv_head 1 is outside the sequence's pages [0, {}) "
+                      "(page_size 16, seq_len {})",
+                      sequence_pages, sequence_pages, len),
+          pages);
+  s.pages.indices[row * 8 + 2] = -1;
+  refused(fmt::format("selection.indices[2] (= -1) at batch 1, kv_head 1 is outside the sequence's pages [0, {})",
+                      sequence_pages),
+          pages);
+  s.pages.indices[row * 8 + 2] = sequence_pages - 1;
+  refused("selection.indices[2] (= " + std::to_string(sequence_pages - 1) +
+              ") at batch 1, kv_head 1 repeats selection.indices[1]: a row lists each page at most once",
+          pages);
+  refused("cpu::sparse_decode: options.attention.selection_page_size (= 0) must be >= 1", {.selection_page_size = 0});
+  s.pages.indices[row * 8 + 2] = 1;
+  test::expect_error([&] { run_cpu(p, false, nullptr, false, {.attention = {.selection_page_size = 16}}); },
+                     "cpu::dense_decode: options selection_page_size (= 16) applies to sparse decode");
+  // The pages' window tokens are attended once (from the window), not refused.
+  const auto [o, lse] = run_cpu(p, true, nullptr, false, {.attention = pages, .validate_indices = true}, &s.pages.view);
+  test::HostState ref(2, 4, 64);
+  reference::sparse_decode(p.q_view(), p.contiguous(), s.pages.view, ref.view, pages);
+  test::expect_close(o, lse, ref, "pages 0 and the last");
+}
+
 TEST_F(CpuDecode, AttendAllRowsAttendEveryTokenOnce) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   cpu::ThreadPool pool(8);

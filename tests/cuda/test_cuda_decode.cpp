@@ -452,6 +452,61 @@ TEST_F(CudaDecode, WindowIsTheSameAsSelectingItsTokensFirst) {
                "options window (sink = 4, recent = 64) applies to sparse decode");
 }
 
+/// A page-level selection (AttentionOptions::selection_page_size): each page's middle tokens against the fp64
+/// reference over windows across page edges, page sizes 16 and 5, both cache layouts, splits and CTA shapes;
+/// validation refuses a page past the sequence's last and a page listed twice, by position, writing nothing.
+TEST_F(CudaDecode, PageSelectionsAttendThePagesMiddleTokens) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const AttentionWindow window : {AttentionWindow{4, 64}, AttentionWindow{}, AttentionWindow{300, 400},
+                                       AttentionWindow{0, 37}}) {
+    for (std::int32_t page_size : {16, 5}) {
+      const CaseSpec spec{3, 8, 2, 128, rng.uniform_int(500, 3000), 0, std::vector{0, 16}[rng.uniform_int(0, 1)],
+                          rng.uniform_int(0, 1) == 1, true, window};
+      SCOPED_TRACE(fmt::format("{} selection pages of {}", describe(spec), page_size));
+      DecodeProblem<bfloat16> p(rng, spec);
+      const test::PagesAndTokens s = test::random_page_selection(rng, p.host, page_size, 130);
+      const AttentionOptions pages{.window = window, .selection_page_size = page_size};
+      test::HostState ref(spec.batch, spec.q_heads, spec.head_dim);
+      reference::sparse_decode(p.host.q_view(), p.host.contiguous(), s.pages.view, ref.view, pages);
+      DeviceBuffer<std::int32_t> indices(s.pages.indices), counts(s.pages.counts);
+      DeviceBuffer<float> weights = spec.log_weights ? DeviceBuffer<float>(s.pages.log_weights) : DeviceBuffer<float>(1);
+      const SelectionView d{indices.data(), counts.data(), spec.log_weights ? weights.data() : nullptr, spec.batch,
+                            spec.kv_heads, s.pages.view.capacity};
+      for (std::int32_t splits : {0, 5}) {
+        for (std::int32_t warps : {4, 8}) {
+          const auto [o, lse] = p.run(true, {.attention = pages, .num_splits = splits, .cta_warps = warps,
+                                             .validate_indices = splits == 5}, &d);
+          expect_close(o, lse, ref, fmt::format("{} splits, {} warps", splits, warps));
+        }
+      }
+    }
+  }
+  DecodeProblem<half> w(rng, CaseSpec{2, 4, 2, 64, 500, 0, 0, false, false, {4, 64}});
+  test::PagesAndTokens s = test::random_page_selection(rng, w.host, 16, 8);
+  const std::int32_t len = w.host.kv_values.seq_lens[1], sequence_pages = (len + 15) / 16;
+  const std::size_t row = 1 * 2 + 1;
+  s.pages.counts[row] = 3;
+  s.pages.indices[row * 8 + 0] = 0;
+  s.pages.indices[row * 8 + 1] = sequence_pages - 1;
+  s.pages.indices[row * 8 + 2] = sequence_pages;
+  const AttentionOptions pages{.window = {4, 64}, .selection_page_size = 16};
+  const auto refused = [&](const std::string& message) {
+    DeviceBuffer<std::int32_t> indices(s.pages.indices), counts(s.pages.counts);
+    const SelectionView d{indices.data(), counts.data(), nullptr, 2, 2, 8};
+    expect_error([&] { w.run(true, {.attention = pages, .validate_indices = true}, &d); }, message);
+    for (half x : w.d_o.download()) ASSERT_TRUE(std::isnan(to_float(x))) << "O was written";
+    for (float x : w.d_lse.download()) ASSERT_TRUE(std::isnan(x)) << "LSE was written";
+  };
+  refused(fmt::format("selection.indices[2] (= {}) at batch 1, kv_head 1 is outside the sequence's pages [0, {}) "
+                      "(page_size 16, seq_len {})",
+                      sequence_pages, sequence_pages, len));
+  s.pages.indices[row * 8 + 2] = sequence_pages - 1;
+  refused(fmt::format("selection.indices[2] (= {}) at batch 1, kv_head 1 repeats selection.indices[1]",
+                      sequence_pages - 1));
+  expect_error([&] { w.run(false, {.attention = {.selection_page_size = 16}}); },
+               "options selection_page_size (= 16) applies to sparse decode");
+}
+
 TEST_F(CudaDecode, DuplicateIndicesAcrossTheBitmapPassesAreFound) {
   // 300000 tokens: the check's shared-memory bitmap covers 262144 per pass, so the duplicate sits in the
   // second pass.

@@ -104,7 +104,7 @@ void select(const Problem<T>& p, std::int32_t max_pages, const SelectionView& ou
       std::max<std::size_t>(1, select_pages_workspace_bytes(p.batch, p.shape.kv_heads, max_pages,
                                                                   p.shape.pages_per_row, ctx)));
   select_pages(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), p.shape.window, max_pages,
-                     p.shape.pages_per_row, out, {workspace.data(), workspace.size()}, ctx);
+                     p.shape.pages_per_row, PagesOut::tokens, out, {workspace.data(), workspace.size()}, ctx);
 }
 
 using CudaSelectPages = test::GpuTest;
@@ -139,7 +139,7 @@ TEST_F(CudaSelectPages, GraphReplaysEqualTheEagerRun) {
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   const test::CapturedGraph graph(stream, [&] {
     select_pages(p.query(), p.view(), p.slot_of_row.data(), p.lengths.data(), s.window, s.max_pages,
-                       s.pages_per_row, replay.view, {workspace.data(), workspace.size()}, cuda::Context{stream});
+                       s.pages_per_row, PagesOut::tokens, replay.view, {workspace.data(), workspace.size()}, cuda::Context{stream});
   });
   for (int run = 0; run < 2; ++run) {
     replay.indices.poison();
@@ -163,7 +163,7 @@ TEST(CudaSelectPagesBadInput, RefusedBeforeAnyDeviceCall) {
   const auto call = [&](std::int32_t max_pages, std::int32_t pages_per_row, const SelectionView& o,
                         const QueryView<const bfloat16>& qq) {
     return [=, &workspace] {
-      select_pages(qq, bv, slots.data(), lens.data(), AttentionWindow{}, max_pages, pages_per_row, o,
+      select_pages(qq, bv, slots.data(), lens.data(), AttentionWindow{}, max_pages, pages_per_row, PagesOut::tokens, o,
                          workspace, cuda::Context{});
     };
   };

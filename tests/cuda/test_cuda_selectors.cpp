@@ -91,7 +91,9 @@ StepResult run_step(Step& step, DeviceFixture<T>& f, const cuda::Context& ctx) {
   KVSIFT_CUDA_CHECK(cudaMemcpy(r.counts.data(), d_sel.counts, r.counts.size() * 4, cudaMemcpyDeviceToHost));
   const SelectionView h_sel{r.indices.data(), r.counts.data(), nullptr, c.batch, c.kv_heads, d_sel.capacity};
   HostState ref(c.batch, c.q_heads, c.head_dim);
-  reference::sparse_decode(f.p.q_view(), f.p.kv_values.view(), h_sel, ref.view, step.config().attention);
+  AttentionOptions attention = step.config().attention;
+  attention.selection_page_size = step.selection_page_size();  // tokens, or a page-level selection's pages
+  reference::sparse_decode(f.p.q_view(), f.p.kv_values.view(), h_sel, ref.view, attention);
   expect_close<T>(o.download(), lse.download(), ref, "step output");
   return r;
 }
@@ -123,6 +125,42 @@ TYPED_TEST(CudaSelectors, QuestTakesTheBestPagesWhole) {
     DecodeStep step(Quest<T, cuda::Context>(f.limits(), {.budget = 256, .page_size = 16}), f.config(), ctx);
     const auto sel = run_step(step, f, ctx);
     expect_quest_selection(f.p, sel.indices, sel.counts, 256, 16, 16, kWindow);
+  }
+}
+
+/// config.page_selections (the CPU test's twin): Quest writes its pages (one launch less) and the step attends their
+/// middle tokens (run_step: against the fp64 reference over those pages); the pages are the token step's, in order.
+TYPED_TEST(CudaSelectors, QuestsPagesAreAttendedWithoutExpansion) {
+  using T = TypeParam;
+  for (const std::int32_t page_size : {0, 16}) {
+    const CaseSpec spec{.batch = 3, .q_heads = 8, .kv_heads = 2, .head_dim = 128, .tokens = 3000, .k = 0,
+                        .page_size = page_size, .log_weights = false};
+    SCOPED_TRACE(describe(spec) + fmt::format(" seed {}", this->seed));
+    DeviceFixture<T> f(this->rng, spec);
+    const cuda::Context ctx{};
+    DecodeStep tokens(Quest<T, cuda::Context>(f.limits(), {.budget = 256, .page_size = 16}), f.config(), ctx);
+    DecodeStepConfig config = f.config();
+    config.page_selections = true;
+    DecodeStep pages(Quest<T, cuda::Context>(f.limits(), {.budget = 256, .page_size = 16}), config, ctx);
+    ASSERT_EQ(pages.selection_page_size(), 16);
+    const auto want = run_step(tokens, f, ctx);
+    const auto got = run_step(pages, f, ctx);
+    ASSERT_EQ(got.indices.size(), std::size_t(spec.batch) * spec.kv_heads * 16);  // 16 pages per row
+    for (std::int32_t b = 0; b < spec.batch; ++b) {
+      const std::int32_t len = f.p.kv_values.seq_lens[b];
+      for (std::int32_t h = 0; h < spec.kv_heads; ++h) {
+        const std::size_t row = std::size_t(b) * spec.kv_heads + h;
+        std::vector<std::int32_t> expanded;
+        for (std::int32_t i = 0; i < got.counts[row]; ++i) {
+          const std::int32_t page = got.indices[row * 16 + i];
+          for (std::int32_t t = page * 16; t < page * 16 + 16; ++t) {
+            if (t >= kWindow.sink_end(len) && t < kWindow.recent_begin(len)) expanded.push_back(t);
+          }
+        }
+        const auto first = want.indices.begin() + std::ptrdiff_t(row * 256);
+        EXPECT_EQ(expanded, std::vector<std::int32_t>(first, first + want.counts[row])) << "row " << row;
+      }
+    }
   }
 }
 

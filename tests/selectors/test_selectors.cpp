@@ -75,7 +75,9 @@ HostSelectionCopy run_step(Step& step, StepFixture<T>& f, cpu::Array<std::byte>&
   step.run(in, StateView<T>::packed(o.data(), out.lse.data(), c.batch, c.q_heads, c.head_dim), workspace.bytes(), ctx);
   const SelectionView sel = step.selection(workspace.bytes(), c.batch);
   HostState ref(c.batch, c.q_heads, c.head_dim);
-  reference::sparse_decode(f.p.q_view(), f.p.kv_values.view(), sel, ref.view, step.config().attention);
+  AttentionOptions attention = step.config().attention;
+  attention.selection_page_size = step.selection_page_size();  // tokens, or a page-level selection's pages
+  reference::sparse_decode(f.p.q_view(), f.p.kv_values.view(), sel, ref.view, attention);
   expect_close<T>(o, out.lse, ref, "step output");
   return {{sel.indices, sel.indices + std::size_t(sel.batch) * sel.kv_heads * sel.capacity},
           {sel.counts, sel.counts + std::size_t(sel.batch) * sel.kv_heads}};
@@ -120,6 +122,46 @@ TYPED_TEST(CpuSelectors, QuestTakesTheBestPagesWhole) {
     auto workspace = poisoned_workspace(step.workspace_bytes());
     const auto sel = run_step(step, f, workspace, ctx);
     expect_quest_selection(f.p, sel.indices, sel.counts, 96, 12, 8, kWindow);
+  }
+}
+
+/// config.page_selections: Quest writes its pages and the step attends their middle tokens (run_step: against the
+/// fp64 reference over those pages); the pages are the token step's pages, in its order.
+TYPED_TEST(CpuSelectors, QuestsPagesAreAttendedWithoutExpansion) {
+  using T = TypeParam;
+  for (const std::int32_t page_size : {0, 16}) {
+    const CaseSpec spec = quest_case(page_size);
+    SCOPED_TRACE(describe(spec) + fmt::format(" seed {}", this->seed));
+    StepFixture<T> f(this->rng, spec);
+    const cpu::Context ctx{};
+    const QuestConfig quest{.budget = 100, .page_size = 8};
+    DecodeStep tokens(Quest<T, cpu::Context>(f.limits(), quest), f.config(kWindow), ctx);
+    DecodeStepConfig config = f.config(kWindow);
+    config.page_selections = true;
+    DecodeStep pages(Quest<T, cpu::Context>(f.limits(), quest), config, ctx);
+    EXPECT_EQ(tokens.selection_page_size(), 1);
+    EXPECT_EQ(pages.selection_page_size(), 8);
+    for (auto* step : {&tokens, &pages}) step->prepare({.cache = f.cache(), .slots = f.slots.data()}, ctx);
+    auto token_workspace = poisoned_workspace(tokens.workspace_bytes());
+    auto page_workspace = poisoned_workspace(pages.workspace_bytes());
+    const auto want = run_step(tokens, f, token_workspace, ctx);
+    const auto got = run_step(pages, f, page_workspace, ctx);
+    const SelectionView page_view = pages.selection(page_workspace.bytes(), spec.batch);
+    ASSERT_EQ(page_view.capacity, 12);  // pages per row
+    for (std::int32_t b = 0; b < spec.batch; ++b) {
+      const std::int32_t len = f.p.kv_values.seq_lens[b];
+      for (std::int32_t h = 0; h < spec.kv_heads; ++h) {
+        const std::size_t row = std::size_t(b) * spec.kv_heads + h;
+        std::vector<std::int32_t> expanded;
+        for (std::int32_t i = 0; i < got.counts[row]; ++i) {
+          for (std::int32_t t = got.indices[row * 12 + i] * 8; t < got.indices[row * 12 + i] * 8 + 8; ++t) {
+            if (t >= kWindow.sink_end(len) && t < kWindow.recent_begin(len)) expanded.push_back(t);
+          }
+        }
+        const auto first = want.indices.begin() + std::ptrdiff_t(row * 96);
+        EXPECT_EQ(expanded, std::vector<std::int32_t>(first, first + want.counts[row])) << "row " << row;
+      }
+    }
   }
 }
 
@@ -333,6 +375,10 @@ TEST(DecodeStepRefusals, BadConfigurationsAndInputs) {
   bad.attention.window.recent = -2;
   expect_error([&] { DecodeStep(Oracle(limits, {.budget = 8}), bad, {}); }, "config.attention.window");
   bad = good;
+  bad.attention.selection_page_size = 16;
+  expect_error([&] { DecodeStep(Oracle(limits, {.budget = 8}), bad, {}); },
+               "config.attention.selection_page_size (= 16) must be 1: the step attends a selector's pages by itself");
+  bad = good;
   bad.max_batch = 3;  // more rows than the selector has slots
   expect_error([&] { DecodeStep(Oracle(limits, {.budget = 8}), bad, {}); }, "shape.batch (= 3) is outside [1, limits.max_slots = 2]");
 
@@ -348,6 +394,15 @@ TEST(DecodeStepRefusals, BadConfigurationsAndInputs) {
                                 .slots = slots.data()};
   step.prepare({.cache = cache, .slots = slots.data()}, {});
   step.run(in, out, workspace.bytes(), {});
+  // A selector asked for pages it does not write (OracleTopK selects tokens).
+  expect_error(
+      [&] {
+        step.selector().select({.q = in.q, .cache = cache, .slots = slots.data(), .lengths = lens.data(),
+                                .attention = {.selection_page_size = 16}, .max_seq_len = 64},
+                               step.selection(workspace.bytes(), 2), {}, {});
+      },
+      "in.attention.selection_page_size (= 16) is neither 1 (tokens) nor the selector's page size (none: it selects "
+      "tokens)");
   auto wrong = in;
   wrong.q.batch = 3;
   expect_error([&] { step.run(wrong, out, workspace.bytes(), {}); }, "in.q.batch (= 3) is outside [1, config.max_batch = 2]");

@@ -39,6 +39,12 @@ struct AttentionOptions {
   /// Sparse decode only: tokens attended besides the selection, in the same launch (dense decode refuses a
   /// non-empty window: it attends every token).
   AttentionWindow window{};
+  /// Sparse decode only: what a selection entry names. 1: a token. P > 1: a page id p, the P tokens
+  /// [p * P, (p + 1) * P), of which those of the middle [window.sink_end, window.recent_begin) of the sequence
+  /// are attended (a page's window tokens come from the window, its tokens at or past seq_len are none): a
+  /// page-level selection, as Quest's top pages, attended with no expansion into tokens. A row's count is its
+  /// pages, its log-weights one per page. Dense decode refuses P != 1.
+  std::int32_t selection_page_size = 1;
 
   float resolved_scale(std::int32_t head_dim) const {
     return sm_scale != 0.0f ? sm_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));

@@ -63,7 +63,7 @@ void dense_decode(const QueryView<TQ>& q, const KV& kv, const StateView<TO>& out
   validate(kv, where, "kv", MemorySpace::host);
   validate(out, where, "out");
   check_decode_shapes(where, q, kv, out);
-  check_no_window(where, opts.window);
+  check_no_window(where, opts);
   const std::int32_t group = q.heads / kv.kv_heads;
   const double scale = opts.resolved_scale(q.head_dim);
   std::vector<double> logits;
@@ -79,9 +79,10 @@ void dense_decode(const QueryView<TQ>& q, const KV& kv, const StateView<TO>& out
 /// Sparse decode attention: query head h of sequence b attends to the attention window (opts.window: its
 /// sink tokens, then its recent ones) and to the tokens selection.row(b, kv_head) lists, each selected
 /// token's logit plus its log-weight when the selection carries them. Selected tokens inside the window are
-/// refused (they would be attended twice); duplicates within a row are attended once per occurrence. A row
-/// whose selection.attend_all entry is nonzero attends every token [0, seq_len) once instead (its count,
-/// indices and log-weights are not read).
+/// refused (they would be attended twice); duplicates within a row are attended once per occurrence. With
+/// opts.selection_page_size P > 1 the row lists pages: each page's tokens of the middle (neither window nor at
+/// or past seq_len), in order, with the page's log-weight. A row whose selection.attend_all entry is nonzero
+/// attends every token [0, seq_len) once instead (its count, indices and log-weights are not read).
 template <class TQ, KVCacheView KV, class TO>
 void sparse_decode(const QueryView<TQ>& q, const KV& kv, const SelectionView& selection, const StateView<TO>& out,
                    const AttentionOptions& opts = {}) {
@@ -92,28 +93,45 @@ void sparse_decode(const QueryView<TQ>& q, const KV& kv, const SelectionView& se
   check_decode_shapes(where, q, kv, out);
   validate(selection, kv, where, "selection");
   validate(opts.window, where, "opts.window");
-  check_selection_contents(selection, kv, where, "selection", /*refuse_duplicates=*/false, opts.window);
-  const std::int32_t group = q.heads / kv.kv_heads;
+  check_selection_page_size(where, "opts.selection_page_size", opts.selection_page_size);
+  check_selection_contents(selection, kv, where, "selection", /*refuse_duplicates=*/false, opts.window,
+                           opts.selection_page_size);
+  const std::int32_t group = q.heads / kv.kv_heads, page_size = opts.selection_page_size;
   const double scale = opts.resolved_scale(q.head_dim);
   std::vector<double> logits;
+  std::vector<std::int32_t> tokens;  // a row's entries as tokens: the window's, then the selected ones
+  std::vector<float> weights;
   for (std::int32_t b = 0; b < q.batch; ++b) {
     const std::int32_t length = kv.seq_len(b), window = opts.window.size(length);
+    const std::int32_t lo = opts.window.sink_end(length), hi = opts.window.recent_begin(length);
     for (std::int32_t h = 0; h < q.heads; ++h) {
       const std::int32_t kv_head = h / group;
       const bool all = selection.attend_all != nullptr && selection.attend_all[selection.row_index(b, kv_head)] != 0;
-      const std::int32_t* idx = selection.row(b, kv_head);
-      const float* lw = selection.weights_row(b, kv_head);
       if (all) {
         detail::attend(
             q.row(b, h), kv, b, kv_head, length, [](std::int32_t i) { return i; },
             [](std::int32_t) { return 0.0f; }, scale, out.o_row(b, h), out.lse_at(b, h), logits);
         continue;
       }
+      const std::int32_t* idx = selection.row(b, kv_head);
+      const float* lw = selection.weights_row(b, kv_head);
+      tokens.clear();
+      weights.clear();
+      for (std::int32_t i = 0; i < window; ++i) {
+        tokens.push_back(opts.window.token(i, length));
+        weights.push_back(0.0f);
+      }
+      for (std::int32_t i = 0; i < selection.count(b, kv_head); ++i) {
+        const std::int64_t first = std::int64_t(idx[i]) * page_size;
+        for (std::int64_t t = first; t < first + page_size; ++t) {
+          if (page_size > 1 && (t < lo || t >= hi)) continue;
+          tokens.push_back(std::int32_t(t));
+          weights.push_back(lw == nullptr ? 0.0f : lw[i]);
+        }
+      }
       detail::attend(
-          q.row(b, h), kv, b, kv_head, window + selection.count(b, kv_head),
-          [&](std::int32_t i) { return i < window ? opts.window.token(i, length) : idx[i - window]; },
-          [&](std::int32_t i) { return i < window || lw == nullptr ? 0.0f : lw[i - window]; }, scale,
-          out.o_row(b, h), out.lse_at(b, h), logits);
+          q.row(b, h), kv, b, kv_head, std::int32_t(tokens.size()), [&](std::int32_t i) { return tokens[i]; },
+          [&](std::int32_t i) { return weights[i]; }, scale, out.o_row(b, h), out.lse_at(b, h), logits);
     }
   }
 }

@@ -273,13 +273,41 @@ inline void check_selection_entries(const char* where, const char* name, std::in
   for (std::int32_t i = 0; i < count && !seen.empty(); ++i) seen[std::size_t(idx[i]) / 64] = 0;
 }
 
+/// A page-level selection's row (AttentionOptions::selection_page_size > 1): page ids, each within the sequence's
+/// pages [0, ceil(seq_len / page_size)) and, with `seen` (a clear bitmap of at least that many bits, cleared again
+/// on return), listed once. Pages holding window tokens are allowed: the kernels attend only their middle tokens.
+inline void check_page_entries(const char* where, const char* name, std::int64_t b, std::int64_t h,
+                               const std::int32_t* idx, std::int32_t count, std::int32_t seq_len,
+                               std::int32_t page_size, std::span<std::uint64_t> seen = {}) {
+  const std::int32_t pages = std::int32_t((std::int64_t(seq_len) + page_size - 1) / page_size);
+  for (std::int32_t i = 0; i < count; ++i) {
+    KVSIFT_CHECK(idx[i] >= 0 && idx[i] < pages, where,
+                 "{}.indices[{}] (= {}) at batch {}, kv_head {} is outside the sequence's pages [0, {}) (page_size "
+                 "{}, seq_len {})",
+                 name, i, idx[i], b, h, pages, page_size, seq_len);
+    if (seen.empty()) continue;
+    std::uint64_t& word = seen[std::size_t(idx[i]) / 64];
+    const std::uint64_t bit = std::uint64_t(1) << (idx[i] % 64);
+    if (word & bit) {
+      const std::int32_t first = std::int32_t(std::find(idx, idx + i, idx[i]) - idx);
+      KVSIFT_CHECK(false, where,
+                   "{}.indices[{}] (= {}) at batch {}, kv_head {} repeats {}.indices[{}]: a row lists each page "
+                   "at most once",
+                   name, i, idx[i], b, h, name, first);
+    }
+    word |= bit;
+  }
+  for (std::int32_t i = 0; i < count && !seen.empty(); ++i) seen[std::size_t(idx[i]) / 64] = 0;
+}
+
 /// Checks every count and index of a selection in host memory against the cache's sequence lengths and the
-/// attention window, and, with `refuse_duplicates`, that no row lists a token twice (allocates a bitmap of
-/// the longest sequence). Rows that attend every token (SelectionView::attend_all) are skipped: their count
-/// and indices are not read.
+/// attention window (tokens), or the sequences' pages (page_size > 1: AttentionOptions::selection_page_size),
+/// and, with `refuse_duplicates`, that no row lists a token (page) twice (allocates a bitmap of the longest
+/// sequence). Rows that attend every token (SelectionView::attend_all) are skipped: their count and indices are
+/// not read.
 template <KVCacheView KV>
 void check_selection_contents(const SelectionView& s, const KV& kv, const char* where, const char* name,
-                              bool refuse_duplicates, const AttentionWindow& window = {}) {
+                              bool refuse_duplicates, const AttentionWindow& window = {}, std::int32_t page_size = 1) {
   std::vector<std::uint64_t> seen;
   if (refuse_duplicates) {
     std::int32_t longest = 0;
@@ -290,16 +318,28 @@ void check_selection_contents(const SelectionView& s, const KV& kv, const char* 
     for (std::int32_t h = 0; h < s.kv_heads; ++h) {
       if (s.attend_all != nullptr && s.attend_all[s.row_index(b, h)] != 0) continue;
       check_selection_count(where, name, b, h, s.count(b, h), s.capacity);
-      check_selection_entries(where, name, b, h, s.row(b, h), s.count(b, h), kv.seq_len(b), window, seen);
+      if (page_size > 1) {
+        check_page_entries(where, name, b, h, s.row(b, h), s.count(b, h), kv.seq_len(b), page_size, seen);
+      } else {
+        check_selection_entries(where, name, b, h, s.row(b, h), s.count(b, h), kv.seq_len(b), window, seen);
+      }
     }
   }
 }
 
-/// Dense decode attends every token: a window there is a caller's mistake, refused.
-inline void check_no_window(const char* where, const AttentionWindow& window) {
-  KVSIFT_CHECK(window.empty(), where,
+/// Dense decode attends every token: a window, or selection pages, there is a caller's mistake, refused.
+inline void check_no_window(const char* where, const AttentionOptions& options) {
+  KVSIFT_CHECK(options.window.empty(), where,
                "options window (sink = {}, recent = {}) applies to sparse decode; dense decode attends every token",
-               window.sink, window.recent);
+               options.window.sink, options.window.recent);
+  KVSIFT_CHECK(options.selection_page_size == 1, where,
+               "options selection_page_size (= {}) applies to sparse decode; dense decode attends every token",
+               options.selection_page_size);
+}
+
+/// What a selection entry names: a token (1) or a page of that many tokens.
+inline void check_selection_page_size(const char* where, const char* name, std::int32_t page_size) {
+  KVSIFT_CHECK(page_size >= 1, where, "{} (= {}) must be >= 1 (1: selections list tokens)", name, page_size);
 }
 
 /// A window's sizes are token counts.

@@ -214,6 +214,9 @@ class Reranked : public SelectorTypes<typename S::value_type, typename S::contex
                  "out [batch = {}, kv_heads = {}] != [{}, {}]", out.batch, out.kv_heads, in.q.batch, l.kv_heads);
     KVSIFT_CHECK(out.capacity >= capacity(), where,
                  "out.capacity (= {}) is smaller than the selector's capacity (= {})", out.capacity, capacity());
+    KVSIFT_CHECK(in.attention.selection_page_size == 1, where,
+                 "in.attention.selection_page_size (= {}) must be 1: the rerank selects tokens",
+                 in.attention.selection_page_size);
     const SelectShape shape{.batch = in.q.batch, .q_heads = l.q_heads, .kv_heads = l.kv_heads,
                             .head_dim = l.head_dim, .max_seq_len = in.max_seq_len};
     WorkspaceLayout carving(workspace, where);

@@ -44,6 +44,12 @@
 ///     candidates, out, update_entries, workspace, cpu_ctx)`, all host memory), `std::int32_t update_capacity()
 ///     const` (entries per row of an index update the host stage writes, 0: none) and `update(q, slots, entries,
 ///     replaced, ctx)`, which applies them on the selector's context.
+///   - page-level selections (Quest): `std::int32_t selection_page_size() const` (P > 1): select writes, when
+///     in.attention.selection_page_size is P, up to capacity() / P page ids per row (pages of P tokens, distinct,
+///     within the sequence's pages; sparse decode attends their middle tokens: attention/options.hpp), instead of
+///     the pages' tokens; with 1 it writes tokens as above. The local decode step asks for pages
+///     (DecodeStepConfig::page_selections), which spares the expansion into tokens. Every selector refuses a
+///     selection_page_size it does not write (selector_selection_page_size reads it: 1 when absent).
 ///   - `bool prepared(std::int32_t slot) const`: whether `slot` holds a prepared sequence (not released since).
 ///     kvsift's selectors keep this life cycle on the host (selectors/detail/slot_states.hpp): append and select
 ///     refuse host slots without a sequence, release refuses a slot without one; a decode step with
@@ -220,9 +226,19 @@ std::int32_t selector_second_source_capacity(const S& selector) {
   }
 }
 
+/// Tokens per page of S's page-level selections (its optional `selection_page_size()`); 1: S selects tokens only.
+template <class S>
+std::int32_t selector_selection_page_size(const S& selector) {
+  if constexpr (requires { { selector.selection_page_size() } -> std::convertible_to<std::int32_t>; }) {
+    return selector.selection_page_size();
+  } else {
+    return 1;
+  }
+}
+
 /// Owns any KVSelector of storage type T and context Context behind one runtime interface, the optional
-/// log-weights and second source included (as runtime answers: writes_log_weights(), second_source_capacity()
-/// 0 when the wrapped selector has none). Move-only; never empty after construction.
+/// log-weights, second source and page-level selections included (as runtime answers: writes_log_weights(),
+/// second_source_capacity() 0 and selection_page_size() 1 when the wrapped selector has none). Move-only; never empty after construction.
 template <class T, class Context>
 class AnySelector {
  public:
@@ -252,6 +268,7 @@ class AnySelector {
   bool writes_log_weights() const { return impl_->writes_log_weights(); }
   bool prepared(std::int32_t slot) const { return impl_->prepared(slot); }
   std::int32_t second_source_capacity() const { return impl_->second_source_capacity(); }
+  std::int32_t selection_page_size() const { return impl_->selection_page_size(); }
   /// Only for a wrapped selector with a second source (second_source_capacity() > 0); refused otherwise.
   SecondSource<T> second_source(const SelectInputs<T>& in) const { return impl_->second_source(in); }
 
@@ -270,6 +287,7 @@ class AnySelector {
     virtual bool writes_log_weights() const = 0;
     virtual bool prepared(std::int32_t slot) const = 0;
     virtual std::int32_t second_source_capacity() const = 0;
+    virtual std::int32_t selection_page_size() const = 0;
     virtual SecondSource<T> second_source(const SelectInputs<T>&) const = 0;
   };
   template <class S>
@@ -296,6 +314,7 @@ class AnySelector {
     bool writes_log_weights() const override { return selector_writes_log_weights(selector); }
     bool prepared(std::int32_t slot) const override { return selector_slot_prepared(selector, slot); }
     std::int32_t second_source_capacity() const override { return selector_second_source_capacity(selector); }
+    std::int32_t selection_page_size() const override { return selector_selection_page_size(selector); }
     SecondSource<T> second_source(const SelectInputs<T>& in) const override {
       if constexpr (requires { selector.second_source(in); }) {
         return selector.second_source(in);

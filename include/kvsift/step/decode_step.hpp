@@ -15,8 +15,9 @@
 ///      engine wrote them. A decode query attends to its own token, as in every engine.
 ///   2. lengths[b] = cache.seq_len(b), once, into the workspace (context memory), for the selector;
 ///   3. selector.append (the index learns the new token), then selector.select (the middle tokens, with their
-///      log-weights when the selector writes them: selectors/selector.hpp); steps 2-3 are step/selector_part.hpp,
-///      shared with the hybrid placement;
+///      log-weights when the selector writes them: selectors/selector.hpp; the pages of a selector with page-level
+///      selections, config.page_selections); steps 2-3 are step/selector_part.hpp, shared with the hybrid
+///      placement;
 ///   4. sparse attention over the window (config.attention.window, attended by the kernel in the same launch)
 ///      and the selection, into `out` (storage type, or fp32 for a partial to merge later). A selector with a
 ///      second source (selector.hpp SecondSource, CentroidKV's merged rows): the selection with the window and
@@ -27,7 +28,7 @@
 /// A selection row whose count is outside [0, capacity] (a primitive's -1) gets NaN in O and LSE of its query
 /// heads (core/views.hpp SelectionView::counts).
 /// The selection stays in the workspace until the next run: selection(workspace, batch) reads it (the fidelity
-/// harness scores it).
+/// harness scores it); selection_page_size() says whether it lists tokens (1) or pages.
 ///
 /// Memory: the views in StepInputs and `out` are in the context's memory; the workspace, of workspace_bytes()
 /// bytes (256-byte aligned, contents irrelevant), holds lengths, the selection (and its log-weights), the
@@ -75,6 +76,12 @@ struct DecodeStepConfig {
   /// CUDA: launch the attention as a programmatic dependent of the selector's last kernel (PDL, sm_90;
   /// cuda::DecodeOptions::programmatic_launch). Ignored on the CPU.
   bool programmatic_launch = true;
+  /// The local placement, a selector with page-level selections (selectors/selector.hpp selection_page_size,
+  /// Quest): true, the selector writes its chosen pages and the kernel attends their middle tokens (no expansion
+  /// into tokens: a launch less on CUDA), and the step's selection(workspace, batch) lists pages
+  /// (selection_page_size()); false, tokens, which selection() readers such as the fidelity harness expect.
+  /// config.attention.selection_page_size stays 1: the step sets it from the selector.
+  bool page_selections = false;
 };
 
 /// One step's inputs, for every placement. The selector's views (q, cache, slots, k_pre_rope) are in the memory of
@@ -112,6 +119,9 @@ class StepBase {
   const S& selector() const { return selector_; }
   const DecodeStepConfig& config() const { return config_; }
 
+  /// What the step's selection entries name (AttentionOptions::selection_page_size): 1 tokens, else pages.
+  std::int32_t selection_page_size() const { return attention_.selection_page_size; }
+
   /// Prefill of joining sequences on the selector's context: the selector's prepare (may allocate), with the
   /// step's attention options.
   void prepare(PrefillInputs<value_type> in, const selector_context& ctx) {
@@ -122,9 +132,13 @@ class StepBase {
   void release(std::span<const std::int32_t> slots) { selector_.release(slots); }
 
  protected:
-  StepBase(S selector, const DecodeStepConfig& config, const selector_context& ctx, const char* where)
+  /// `attends_pages`: this placement attends a selector's page-level selections (config.page_selections).
+  StepBase(S selector, const DecodeStepConfig& config, const selector_context& ctx, const char* where,
+           bool attends_pages = false)
       : selector_(std::move(selector)), config_(checked(config, where)),
-        part_(selector_, {config.max_batch, config.q_heads, config.kv_heads, config.head_dim, config.max_seq_len}, ctx),
+        attention_(with_pages(config, attends_pages && config.page_selections ? page_size_of(selector_) : 1)),
+        part_(selector_, {config.max_batch, config.q_heads, config.kv_heads, config.head_dim, config.max_seq_len}, ctx,
+              attention_.selection_page_size),
         planned_threads_(workspace_threads(ctx)) {}
 
   /// The run's batch within the plan, on a pool no larger than the planned one.
@@ -140,11 +154,12 @@ class StepBase {
   }
   SelectorStepInputs<value_type> selector_inputs(const StepInputs<value_type>& in) const {
     return {.q = in.q, .cache = in.cache, .slots = in.slots, .k_pre_rope = in.k_pre_rope,
-            .attention = config_.attention, .layer = in.layer};
+            .attention = attention_, .layer = in.layer};
   }
 
   S selector_;
   DecodeStepConfig config_;
+  AttentionOptions attention_;  ///< config.attention, with the selection's page size
   SelectorPart<S> part_;
   std::int32_t planned_threads_;
 
@@ -153,7 +168,23 @@ class StepBase {
     KVSIFT_CHECK(config.max_batch > 0, where, "config.max_batch (= {}) must be positive", config.max_batch);
     KVSIFT_CHECK(config.max_seq_len > 0, where, "config.max_seq_len (= {}) must be positive", config.max_seq_len);
     validate(config.attention.window, where, "config.attention.window");
+    KVSIFT_CHECK(config.attention.selection_page_size == 1, where,
+                 "config.attention.selection_page_size (= {}) must be 1: the step attends a selector's pages by "
+                 "itself (config.page_selections)",
+                 config.attention.selection_page_size);
     return config;
+  }
+  /// The selector's page size, where its pages are attended alone (a second source attends tokens beside them).
+  static std::int32_t page_size_of(const S& selector) {
+    if (selector_second_source_capacity(selector) != 0) return 1;
+    const std::int32_t page_size = selector_selection_page_size(selector);
+    KVSIFT_CHECK(page_size >= 1, "DecodeStep", "the selector's selection_page_size() (= {}) must be >= 1", page_size);
+    return page_size;
+  }
+  static AttentionOptions with_pages(const DecodeStepConfig& config, std::int32_t page_size) {
+    AttentionOptions attention = config.attention;
+    attention.selection_page_size = page_size;
+    return attention;
   }
 };
 
@@ -166,6 +197,7 @@ class DecodeStep : public detail::StepBase<S> {
   static_assert(std::same_as<Placement, placement::Local>,
                 "DecodeStep's split placements are defined in kvsift/step/split_step.hpp: include it");
   using Base = detail::StepBase<S>;
+  using Base::attention_;
   using Base::config_;
   using Base::part_;
   using Base::selector_;
@@ -179,7 +211,7 @@ class DecodeStep : public detail::StepBase<S> {
   /// Plans the step for every batch of 1 .. config.max_batch rows on `ctx` (a CPU pool's thread count sizes
   /// per-thread scratch: run() refuses a larger pool). May allocate (the selector's own state).
   DecodeStep(S selector, const DecodeStepConfig& config, const Context& ctx)
-      : Base(std::move(selector), config, ctx, "DecodeStep"),
+      : Base(std::move(selector), config, ctx, "DecodeStep", /*attends_pages=*/true),
         second_capacity_(selector_second_source_capacity(selector_)),
         second_source_only_(second_capacity_ > 0 && selector_.capacity() == 0 && config.attention.window.empty()) {
     KVSIFT_CHECK(second_capacity_ >= 0, "DecodeStep", "the selector's second_source_capacity() (= {}) is negative",
@@ -189,7 +221,7 @@ class DecodeStep : public detail::StepBase<S> {
     for (std::int32_t batch = 1; batch <= config.max_batch; ++batch) {
       decode_bytes_ = std::max(decode_bytes_, sparse_decode_workspace_bytes(
                                                   batch, config.q_heads, config.kv_heads, config.head_dim,
-                                                  part_.capacity(), config.max_seq_len, config.attention,
+                                                  part_.capacity(), config.max_seq_len, attention_,
                                                   config.validate_indices, ctx));
       if (second_capacity_ > 0) {
         decode_bytes_ = std::max(decode_bytes_, sparse_decode_workspace_bytes(
@@ -227,7 +259,7 @@ class DecodeStep : public detail::StepBase<S> {
     if constexpr (HasSecondSource<S>) {
       if (second_capacity_ > 0) return attend_two_sources(in, selection, out, b, ctx);
     }
-    sparse_decode(in.q, selector_inputs.cache, selection, out, config_.attention, config_.validate_indices,
+    sparse_decode(in.q, selector_inputs.cache, selection, out, attention_, config_.validate_indices,
                   config_.programmatic_launch, b.decode, ctx);
   }
 

@@ -46,9 +46,11 @@ class SelectorPart {
   };
 
   /// Fewer rows may split more (a CPU pool's threads): the largest need of any batch of 1 .. max_batch rows.
-  SelectorPart(const S& selector, const SelectShape& max_shape, const Context& ctx)
+  /// page_size > 1: the selector writes page-level selections of that page size (selector.hpp
+  /// selection_page_size), capacity() / page_size pages per row.
+  SelectorPart(const S& selector, const SelectShape& max_shape, const Context& ctx, std::int32_t page_size = 1)
       : max_batch_(max_shape.batch), kv_heads_(max_shape.kv_heads), max_seq_len_(max_shape.max_seq_len),
-        capacity_(std::max(1, selector.capacity())),
+        capacity_(std::max(1, (selector.capacity() + page_size - 1) / page_size)),
         log_weights_(selector_writes_log_weights(selector)) {
     for (std::int32_t batch = 1; batch <= max_shape.batch; ++batch) {
       SelectShape shape = max_shape;
@@ -58,6 +60,7 @@ class SelectorPart {
     }
   }
 
+  /// Entries per selection row: tokens, or pages of a page-level selection.
   std::int32_t capacity() const { return capacity_; }
 
   /// The part's share of a workspace layout (the one layout behind the byte count and the carving).

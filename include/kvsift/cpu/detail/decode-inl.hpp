@@ -183,6 +183,8 @@ void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std:
   float m[kHeadTile], l[kHeadTile];
   const T* k_rows[2][kTokenBlock];  // this block's rows and the next block's, alternating
   const T* v_rows[2][kTokenBlock];
+  bool masked[2][kTokenBlock];      // a page's entry outside the middle: logit -inf, rows from zero_row
+  alignas(64) static const T zero_row[kMaxHeadDim] = {};
   [[maybe_unused]] const T* q_rows[kHeadTile];  // the vdpbf16ps path reads the bf16 query directly
 
   for (std::int64_t item = item_begin; item < item_end; ++item) {
@@ -197,14 +199,27 @@ void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std:
     // start at NaN, so every head of the row ends NaN in O and LSE (split chunks too, which the merge keeps).
     const bool bad_row = !dense && (selected < 0 || selected > job.selection.capacity);
     const std::int32_t window = dense || bad_row ? 0 : job.window.size(length);  // entries before the selected ones
-    const std::int32_t row_count = dense ? length : bad_row ? 0 : window + selected;
+    // A page-level selection (job.page_size > 1) has page_size entries per page, its tokens in order; those of the
+    // window or past the sequence are masked entries (no row read, logit -inf).
+    const std::int32_t page_size = job.page_size;
+    const std::int32_t row_count =
+        dense ? length
+              : bad_row ? 0
+                        : std::int32_t(std::min<std::int64_t>(window + std::int64_t(selected) * page_size, INT32_MAX));
+    const std::int32_t middle_begin = job.window.sink_end(length), middle_end = job.window.recent_begin(length);
     const std::int32_t chunk_size = (row_count + job.splits - 1) / job.splits;
     const std::int32_t first = std::int32_t(std::min<std::int64_t>(row_count, chunk * chunk_size));
     const std::int32_t count = std::min(row_count, first + chunk_size);  // this item covers entries [first, count)
     const std::int32_t* indices = dense ? nullptr : job.selection.row(b, g);
     const float* log_weights = dense ? nullptr : job.selection.weights_row(b, g);
-    const auto token = [&](std::int32_t i) {
-      return dense ? i : i < window ? job.window.token(i, length) : indices[i - window];
+    // Entry i's token, -1 for a masked entry of a page.
+    const auto token = [&](std::int32_t i) -> std::int32_t {
+      if (dense) return i;
+      if (i < window) return job.window.token(i, length);
+      if (page_size == 1) return indices[i - window];
+      const std::int32_t j = i - window;
+      const std::int64_t t = std::int64_t(indices[j / page_size]) * page_size + j % page_size;
+      return t >= middle_begin && t < middle_end ? std::int32_t(t) : -1;
     };
 
     for (int h0 = 0; h0 < job.group; h0 += kHeadTile) {
@@ -228,8 +243,9 @@ void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std:
         const int rows = std::max(0, std::min<std::int32_t>(kTokenBlock, count - from));
         for (int t = 0; t < rows; ++t) {
           const std::int32_t tok = token(from + t);
-          k_rows[slot][t] = job.kv.k_row(b, g, tok);
-          v_rows[slot][t] = job.kv.v_row(b, g, tok);
+          masked[slot][t] = tok < 0;
+          k_rows[slot][t] = tok < 0 ? zero_row : job.kv.k_row(b, g, tok);
+          v_rows[slot][t] = tok < 0 ? zero_row : job.kv.v_row(b, g, tok);
         }
         return rows;
       };
@@ -247,11 +263,17 @@ void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std:
           block_logits_any<L, Heads>(q, q_rows, k_cur, block, d, logits, k_next, next_block, use_bf16_dot,
                                      job.scale_log2);
         });
-        if (log_weights != nullptr) {  // the selected entries' (window entries have none)
+        if (log_weights != nullptr) {  // the selected entries' (window entries have none), one per page
           for (int h = 0; h < heads; ++h) {
             for (int t = std::max(0, window - start); t < block; ++t) {
-              logits[h][t] += log_weights[start + t - window] * kLog2e;
+              logits[h][t] += log_weights[(start + t - window) / page_size] * kLog2e;
             }
+          }
+        }
+        if (page_size > 1) {
+          for (int t = 0; t < block; ++t) {
+            if (!masked[slot][t]) continue;
+            for (int h = 0; h < heads; ++h) logits[h][t] = neg_inf;
           }
         }
         const int block_padded = (block + W - 1) / W * W;

@@ -18,6 +18,7 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -126,7 +127,12 @@ __device__ __forceinline__ unsigned pack2(float low, float high) {
 /// entries. A compile-time choice: the window's index arithmetic on the dependent chain count -> index ->
 /// row cost the windowless calls 1.2 us at K = 2048 / batch 1 (10.2 -> 11.4) and 1.8 us at batch 8 (30.1 ->
 /// 31.9) when it was a runtime branch (H100 A/B, two rounds); the windowless kernel is the code it was.
-template <int HeadDim, class T, int Warps, bool Windowed>
+///
+/// Pages (implies Windowed, whose window may be empty): the selection lists pages of p.page_size tokens
+/// (AttentionOptions::selection_page_size), entry window + j being token j % page_size of page indices[j /
+/// page_size]; a page's tokens outside the middle [sink_end, recent_begin) are masked entries (no copy, bias -inf),
+/// so no expansion into tokens runs before the kernel and no page can make it read outside the sequence.
+template <int HeadDim, class T, int Warps, bool Windowed, bool Pages = false>
 __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
     decode_attention_kernel(const __grid_constant__ DecodeParams<T> p) {
   using Shape = DecodeShape<HeadDim>;
@@ -163,11 +169,20 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
   // not even the window, and its running maxima start at NaN, which the warp merge, the split merge and the
   // LSE carry into O and LSE of every head. One compare on values already loaded, before the loop.
   const bool bad_row = !dense && unsigned(selected) > unsigned(p.selection.capacity);
+  static_assert(Windowed || !Pages, "a page-level selection runs in the windowed kernel");
   int seq_len = 0, window = 0, count;
+  [[maybe_unused]] int middle_begin = 0, middle_end = 0;
   if constexpr (Windowed) {
     seq_len = p.seq_len(b);
     window = dense || bad_row ? 0 : p.window.size(seq_len);
-    count = dense ? seq_len : bad_row ? 0 : window + selected;
+    if constexpr (Pages) {
+      middle_begin = p.window.sink_end(seq_len);
+      middle_end = p.window.recent_begin(seq_len);
+      count = dense ? seq_len : bad_row ? 0 : int(min(std::int64_t(window) + std::int64_t(selected) * p.page_size,
+                                                           std::int64_t(INT_MAX)));
+    } else {
+      count = dense ? seq_len : bad_row ? 0 : window + selected;
+    }
   } else {
     count = dense ? p.seq_len(b) : bad_row ? 0 : selected;
   }
@@ -183,9 +198,17 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
   // The entry of this lane's own row at a step, and its token, loaded one step before its copies are issued
   // so that no lane waits on an index load between issuing copies and computing.
   const auto entry_of = [&](int step) { return begin + step * kRowsPerCtaStep + warp * kRowsPerStep + own_row; };
+  // A masked entry of a page (Pages) loads token -1.
   const auto load_token = [&](int step) {
     const int i = entry_of(step);
-    if constexpr (Windowed) {
+    if constexpr (Pages) {
+      if (i >= end) return 0;
+      if (dense) return i;
+      if (i < window) return p.window.token(i, seq_len);
+      const int j = i - window;
+      const std::int64_t token = std::int64_t(indices[j / p.page_size]) * p.page_size + j % p.page_size;
+      return token >= middle_begin && token < middle_end ? int(token) : -1;
+    } else if constexpr (Windowed) {
       if (i >= end) return 0;
       if (dense) return i;
       return i < window ? p.window.token(i, seq_len) : indices[i - window];
@@ -199,7 +222,7 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
   // 0 for a window row, or -inf for rows past the end (offset -1 marks those rows).
   const auto issue = [&](int step, int token) {
     const int stage = step % kStages, i = entry_of(step);
-    const bool valid = i < end;
+    const bool valid = i < end && (!Pages || token >= 0);
     const long long offset = valid ? p.kv_offset(b, kv_head, token) : -1;
     const int piece = lane % Shape::kPiecesPerRow;
 #pragma unroll
@@ -216,7 +239,7 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
       bool weighted = valid && log_weights != nullptr;
       if constexpr (Windowed) weighted = weighted && i >= window;  // window rows have no log-weight
       if (weighted) {
-        cp_async4(bias, log_weights + (i - window));
+        cp_async4(bias, log_weights + (Pages ? (i - window) / p.page_size : i - window));
       } else {
         store_shared(bias, valid ? 0.0f : negative_infinity<float>());
       }
@@ -411,7 +434,11 @@ __global__ void __launch_bounds__(kCheckThreads) check_selection_kernel(const __
   const std::int64_t row = blockIdx.x;
   if (p.selection.attend_all != nullptr && p.selection.attend_all[row] != 0) return;  // its entries are not read
   const int seq_len = p.seq_len(row / p.selection.kv_heads);
-  const int lo = p.window.sink_end(seq_len), hi = p.window.recent_begin(seq_len);  // the selectable middle
+  // The selectable middle, or a page-level selection's pages (every page of the sequence: a page's window tokens
+  // are masked in the kernel, not refused).
+  const bool pages = p.page_size > 1;
+  const int lo = pages ? 0 : p.window.sink_end(seq_len);
+  const int hi = pages ? int((std::int64_t(seq_len) + p.page_size - 1) / p.page_size) : p.window.recent_begin(seq_len);
   const int count = p.selection.counts[row];
   const std::int32_t* indices = p.selection.indices + row * p.selection.capacity;
   bool bad = count < 0 || count > p.selection.capacity;  // the same for the whole CTA
@@ -440,7 +467,7 @@ bool dispatch_int(int value, F&& f) {
   return ((value == Values ? (f.template operator()<Values>(), true) : false) || ...);
 }
 
-/// The one place where the runtime head_dim, warp count and window become template arguments: calls
+/// The one place where the runtime head_dim, warp count, window and selection pages become template arguments: calls
 /// fn(kernel, dynamic_smem_bytes, threads) for the matching decode kernel, once its shared-memory limit is
 /// raised (cuda/detail/launch.cuh). Returns cudaErrorInvalidValue for an unsupported head_dim or warp count (the host entry points
 /// validate both, the warp count against the device's shared memory, before).
@@ -451,8 +478,10 @@ cudaError_t with_decode_kernel(const DecodeParams<T>& p, Fn&& fn) {
     dispatch_int<kDecodeMinWarps, kDecodeMaxWarps>(p.cta_warps, [&]<int Warps>() {
       constexpr std::size_t smem = decode_shared_bytes(HeadDim, Warps);
       if constexpr (smem <= kLargestBlockSharedMemory) {
-        dispatch_int<0, 1>(p.window.empty() ? 0 : 1, [&]<int Windowed>() {
-          constexpr auto kernel = decode_attention_kernel<HeadDim, T, Warps, Windowed != 0>;
+        // 0: tokens, no window; 1: tokens after a window; 2: pages (after a window, which may be empty).
+        const int entries = p.page_size > 1 ? 2 : p.window.empty() ? 0 : 1;
+        dispatch_int<0, 1, 2>(entries, [&]<int Entries>() {
+          constexpr auto kernel = decode_attention_kernel<HeadDim, T, Warps, Entries != 0, Entries == 2>;
           status = open_shared_memory<kernel>();
           if (status == cudaSuccess) status = fn(kernel, smem, 32 * Warps);
         });

@@ -88,6 +88,7 @@ struct DecodeParams {
   std::int32_t cta_warps = kDecodeMaxWarps;  ///< warps per CTA: kDecodeMinWarps or kDecodeMaxWarps
   float scale_log2 = 0.0f;           ///< sm_scale * log2(e): logits are kept in base 2 inside the kernel
   AttentionWindow window{};          ///< sparse decode: attended before each row's selected entries
+  std::int32_t page_size = 1;        ///< sparse decode: tokens per selection entry (AttentionOptions::selection_page_size)
 
   KVSIFT_HOST_DEVICE std::int32_t seq_len(std::int64_t b) const { return paged ? paged_kv.seq_len(b) : kv.seq_len(b); }
   /// Element offset of a token's row from k_base() and v_base() (K and V share their strides).

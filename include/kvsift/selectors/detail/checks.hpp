@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "kvsift/core/error.hpp"
@@ -103,8 +104,10 @@ std::int32_t check_step_cache(const char* where, const SelectorLimits& limits, c
 
 /// A select call's query and output against the limits and the cache; capacity: the selector's.
 template <class T>
+/// `page_size`: the selector's page-level selections (selector.hpp selection_page_size; 1: tokens only), which
+/// in.attention.selection_page_size may ask for; `capacity` is then the out.capacity needed for pages.
 void check_select(const char* where, const SelectorLimits& limits, const SelectInputs<T>& in,
-                  const SelectionView& out, std::int32_t capacity, MemorySpace memory) {
+                  const SelectionView& out, std::int32_t capacity, MemorySpace memory, std::int32_t page_size = 1) {
   const std::int32_t batch = check_cache(where, limits, in.cache, in.slots, memory);
   validate(in.q, where, "in.q");
   KVSIFT_CHECK(in.q.batch == batch && in.q.heads == limits.q_heads && in.q.head_dim == limits.head_dim, where,
@@ -112,6 +115,10 @@ void check_select(const char* where, const SelectorLimits& limits, const SelectI
                in.q.head_dim, batch, limits.q_heads, limits.head_dim);
   KVSIFT_CHECK(in.lengths != nullptr, where, "in.lengths must be non-null");
   validate(in.attention.window, where, "in.attention.window");
+  const std::int32_t asked = in.attention.selection_page_size;
+  KVSIFT_CHECK(asked == 1 || (asked == page_size && page_size > 1), where,
+               "in.attention.selection_page_size (= {}) is neither 1 (tokens) nor the selector's page size ({})", asked,
+               page_size == 1 ? std::string("none: it selects tokens") : std::to_string(page_size));
   KVSIFT_CHECK(out.counts != nullptr && (out.indices != nullptr || out.capacity == 0), where,
                "out.counts, and out.indices unless out.capacity is 0, must be non-null");
   KVSIFT_CHECK(out.batch == batch && out.kv_heads == limits.kv_heads, where,
@@ -123,8 +130,8 @@ void check_select(const char* where, const SelectorLimits& limits, const SelectI
 /// check_select, and the selector's life cycle: host slots must hold a prepared sequence (slot_states.hpp).
 template <class T>
 void check_select(const char* where, const SelectorLimits& limits, const SlotStates& states, const SelectInputs<T>& in,
-                  const SelectionView& out, std::int32_t capacity, MemorySpace memory) {
-  check_select(where, limits, in, out, capacity, memory);
+                  const SelectionView& out, std::int32_t capacity, MemorySpace memory, std::int32_t page_size = 1) {
+  check_select(where, limits, in, out, capacity, memory, page_size);
   states.require(where, in.slots, in.q.batch, memory);
 }
 

@@ -90,9 +90,9 @@ class SelectorCore {
   }
   /// A select's inputs and output, for a selector of `capacity` (check_select).
   template <class Context, class T>
-  void checked_select(const char* where, const SelectInputs<T>& in, const SelectionView& out,
-                      std::int32_t capacity) const {
-    detail::check_select(where, limits_, slot_states_, in, out, capacity, Context::memory);
+  void checked_select(const char* where, const SelectInputs<T>& in, const SelectionView& out, std::int32_t capacity,
+                      std::int32_t page_size = 1) const {
+    detail::check_select(where, limits_, slot_states_, in, out, capacity, Context::memory, page_size);
   }
   /// checked_select of a select whose workspace is planned for in.max_seq_len: returns its planned token bound
   /// (planned_tokens, which refuses a bound outside [0, limits.max_tokens]).

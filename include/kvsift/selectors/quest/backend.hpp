@@ -31,7 +31,10 @@ void append_page_bounds(const KVCache<const T>& cache, const std::int32_t* slots
 }
 
 /// Quest's selection: page scores of sequences of up to max_pages pages (<= bounds.max_pages: the planned bound;
-/// a longer one is refused on the CPU and gets count -1 on CUDA), the best pages_per_row pages, their middle tokens.
+/// a longer one is refused on the CPU and gets count -1 on CUDA), the best pages_per_row pages, and, with
+/// PagesOut::tokens, their middle tokens (out.capacity >= pages_per_row * page_size); with PagesOut::pages the page
+/// ids themselves (out.capacity >= pages_per_row), which sparse decode attends with
+/// AttentionOptions::selection_page_size = bounds.page_size.
 template <class Context>
 std::size_t select_pages_workspace_bytes(std::int32_t batch, std::int32_t kv_heads, std::int32_t max_pages,
                                          std::int32_t pages_per_row, const Context& ctx) {
@@ -40,12 +43,13 @@ std::size_t select_pages_workspace_bytes(std::int32_t batch, std::int32_t kv_hea
 template <class T, class Context>
 void select_pages(const QueryView<const T>& q, const PageBoundsView<const T>& bounds, const std::int32_t* slots,
                   const std::int32_t* lengths, const AttentionWindow& window, std::int32_t max_pages,
-                  std::int32_t pages_per_row, const SelectionView& out, std::span<std::byte> workspace,
+                  std::int32_t pages_per_row, PagesOut what, const SelectionView& out, std::span<std::byte> workspace,
                   const Context& ctx) {
   // Refusals name the backend, as its primitives' do.
   constexpr const char* where = Context::memory == MemorySpace::host ? "cpu::select_pages" : "cuda::select_pages";
-  detail::check_select_pages(where, q, bounds, slots, lengths, window, max_pages, pages_per_row, out);
-  detail::select_pages_in_steps(q, bounds, slots, lengths, window, max_pages, pages_per_row, out, workspace, ctx);
+  detail::check_select_pages(where, q, bounds, slots, lengths, window, max_pages, pages_per_row, what, out);
+  detail::select_pages_in_steps(q, bounds, slots, lengths, window, max_pages, pages_per_row, what, out, workspace,
+                                ctx);
 }
 
 }  // namespace kvsift

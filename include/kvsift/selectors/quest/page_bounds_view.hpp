@@ -15,6 +15,10 @@
 
 namespace kvsift {
 
+/// What select_pages writes: the chosen pages' middle tokens, or the page ids (a page-level selection,
+/// AttentionOptions::selection_page_size).
+enum class PagesOut : std::uint8_t { tokens, pages };
+
 /// Bounds of every (slot, kv head, page): [slots, kv_heads, max_pages, 2, head_dim], packed, per page the
 /// channel-wise minimum (lo) then maximum (hi). Stored in the cache's storage type T: the minimum and maximum
 /// of T keys are T values, so nothing is rounded. A slot holds one sequence (continuous batching: batch rows

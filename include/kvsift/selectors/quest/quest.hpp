@@ -7,8 +7,9 @@
 /// window score -inf (the kernel attends the window itself); the best budget / page_size pages are selected
 /// whole, less their window tokens, so a row selects at most `budget` tokens.
 ///
-/// Per step: select_pages (page scores, top pages, their tokens: three primitives); append folds the step's key
-/// into its page (one launch). Written once for both backends; the index is bounds per slot, in the
+/// Per step: select_pages (page scores, top pages, their tokens: three primitives; the top pages themselves, two,
+/// when the caller attends pages: in.attention.selection_page_size == page_size, as the local decode step asks,
+/// selector.hpp); append folds the step's key into its page (one launch). Written once for both backends; the index is bounds per slot, in the
 /// context's memory: index_bytes() = 2 * sizeof(T) * head_dim * max_pages * kv_heads * max_slots.
 /// Workspace of select: select_pages' over ceil(N / page_size) pages per row, N the planned bound
 /// min(shape.max_seq_len, limits.max_tokens) (selector.hpp SelectShape). A sequence with more pages gets count
@@ -45,6 +46,8 @@ class Quest : public SelectorTypes<T, Context>, public detail::SelectorCore<"Que
   std::string_view name() const { return "Quest"; }
   /// Whole pages: the budget rounded down to pages.
   std::int32_t capacity() const { return pages_per_row() * config_.page_size; }
+  /// Page-level selections (selector.hpp): up to capacity() / page_size pages per row.
+  std::int32_t selection_page_size() const { return config_.page_size; }
   IndexBytes index_bytes() const {
     const std::size_t bytes = bounds_.size() * sizeof(T);
     return detail::context_index_bytes<Context>(bytes);
@@ -70,9 +73,11 @@ class Quest : public SelectorTypes<T, Context>, public detail::SelectorCore<"Que
   void select(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace,
               const Context& ctx) {
     constexpr const char* where = entry_point<"select">();
-    checked_select<Context>(where, in, out, capacity());
+    const bool pages = config_.page_size > 1 && in.attention.selection_page_size == config_.page_size;
+    checked_select<Context>(where, in, out, pages ? pages_per_row() : capacity(), config_.page_size);
     select_pages(in.q, bounds().as_const(), in.slots, in.lengths, in.attention.window,
-                 planned_pages(where, "in.max_seq_len", in.max_seq_len), pages_per_row(), out, workspace, ctx);
+                 planned_pages(where, "in.max_seq_len", in.max_seq_len), pages_per_row(),
+                 pages ? PagesOut::pages : PagesOut::tokens, out, workspace, ctx);
   }
 
  private:

@@ -105,7 +105,8 @@ void check_page_scores(const char* where, const QueryView<const T>& q, const Pag
 template <class T>
 void check_select_pages(const char* where, const QueryView<const T>& q, const PageBoundsView<const T>& bounds,
                         const std::int32_t* slots, const std::int32_t* lengths, const AttentionWindow& window,
-                        std::int32_t max_pages, std::int32_t pages_per_row, const SelectionView& out) {
+                        std::int32_t max_pages, std::int32_t pages_per_row, PagesOut what,
+                        const SelectionView& out) {
   validate(q, where, "q");
   check_page_bounds_view(where, bounds);
   validate(window, where, "window");
@@ -123,9 +124,15 @@ void check_select_pages(const char* where, const QueryView<const T>& q, const Pa
   KVSIFT_CHECK(out.batch == q.batch && out.kv_heads == bounds.kv_heads, where,
                "out is [batch = {}, kv_heads = {}], q.batch = {} and bounds.kv_heads = {}", out.batch, out.kv_heads,
                q.batch, bounds.kv_heads);
-  KVSIFT_CHECK(std::int64_t(out.capacity) >= std::int64_t(pages_per_row) * bounds.page_size, where,
-               "out.capacity (= {}) < pages_per_row * page_size (= {} * {})", out.capacity, pages_per_row,
-               bounds.page_size);
+  if (what == PagesOut::pages) {
+    KVSIFT_CHECK(out.capacity >= pages_per_row, where, "out.capacity (= {}) < pages_per_row (= {}) (out lists pages)",
+                 out.capacity, pages_per_row);
+    KVSIFT_CHECK(out.log_weights == nullptr, where, "out.log_weights must be null: pages have no log-weights");
+  } else {
+    KVSIFT_CHECK(std::int64_t(out.capacity) >= std::int64_t(pages_per_row) * bounds.page_size, where,
+                 "out.capacity (= {}) < pages_per_row * page_size (= {} * {})", out.capacity, pages_per_row,
+                 bounds.page_size);
+  }
 }
 
 inline void check_expand_pages(const char* where, const SelectionView& pages, std::int32_t page_size,

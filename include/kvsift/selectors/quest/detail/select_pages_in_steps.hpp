@@ -1,7 +1,7 @@
 #pragma once
 /// select_pages as three primitives of a backend: page_scores (max_pages columns: a sequence with more pages is
-/// refused, on the CPU, or marked count -1, on CUDA), topk_rows over the pages, expand_pages: select_pages on
-/// both backends (a kernel fusing the three was slower on the H100: docs/experiments.md#fused-quest-select).
+/// refused, on the CPU, or marked count -1, on CUDA), topk_rows over the pages, expand_pages (PagesOut::tokens;
+/// PagesOut::pages: topk_rows writes `out` itself, two primitives): select_pages on both backends (a kernel fusing the three was slower on the H100: docs/experiments.md#fused-quest-select).
 /// Written once over the context: the primitives are found by argument-dependent lookup on it (cpu/backend.hpp, cuda/backend.hpp,
 /// which include this header and declare them).
 
@@ -50,17 +50,19 @@ std::size_t select_pages_in_steps_workspace_bytes(std::int32_t batch, std::int32
 template <class T, class Context>
 void select_pages_in_steps(const QueryView<const T>& q, const PageBoundsView<const T>& bounds,
                            const std::int32_t* slots, const std::int32_t* lengths, const AttentionWindow& window,
-                           std::int32_t max_pages, std::int32_t pages_per_row, const SelectionView& out,
-                           std::span<std::byte> workspace, const Context& ctx) {
+                           std::int32_t max_pages, std::int32_t pages_per_row, PagesOut what,
+                           const SelectionView& out, std::span<std::byte> workspace, const Context& ctx) {
   WorkspaceLayout carving(workspace, "select_pages");
   const PagesInSteps b = pages_in_steps_layout(carving, q.batch, bounds.kv_heads, max_pages, pages_per_row, ctx);
   const std::int64_t rows = std::int64_t(q.batch) * bounds.kv_heads;
   page_scores(q, bounds, slots, lengths, window, MatrixView<float>::packed(b.scores, rows, max_pages), b.page_counts,
               ctx);
-  const SelectionView pages{b.pages, b.picks, nullptr, q.batch, bounds.kv_heads, pages_per_row};
+  const SelectionView pages = what == PagesOut::pages
+                                  ? out
+                                  : SelectionView{b.pages, b.picks, nullptr, q.batch, bounds.kv_heads, pages_per_row};
   topk_rows(MatrixView<const float>::packed(b.scores, rows, max_pages), b.page_counts, pages_per_row,
             TopKRowsOptions{}, pages, b.topk, ctx);
-  expand_pages(pages, bounds.page_size, lengths, window, out, ctx);
+  if (what == PagesOut::tokens) expand_pages(pages, bounds.page_size, lengths, window, out, ctx);
 }
 
 }  // namespace kvsift::detail
