@@ -228,6 +228,20 @@ UnionSelection window_as_selection(HostDecodeProblem<T>& p) {
   return u;
 }
 
+/// The tokens a page-level selection's row attends besides the window: each of its `count` pages' middle tokens, in
+/// order (a sequence of `len` tokens).
+inline std::vector<std::int32_t> page_middle_tokens(const std::int32_t* pages, std::int32_t count,
+                                                    std::int32_t page_size, std::int32_t len,
+                                                    const AttentionWindow& window) {
+  std::vector<std::int32_t> tokens;
+  for (std::int32_t i = 0; i < count; ++i) {
+    for (std::int32_t t = pages[i] * page_size; t < (pages[i] + 1) * page_size; ++t) {
+      if (t >= window.sink_end(len) && t < window.recent_begin(len)) tokens.push_back(t);
+    }
+  }
+  return tokens;
+}
+
 /// A page-level selection over a problem's sequences (AttentionOptions::selection_page_size) and the same as tokens.
 struct PagesAndTokens {
   UnionSelection pages;   ///< capacity pages_per_row: distinct page ids in random order, with log-weights when the problem has them

@@ -152,12 +152,8 @@ TYPED_TEST(CpuSelectors, QuestsPagesAreAttendedWithoutExpansion) {
       const std::int32_t len = f.p.kv_values.seq_lens[b];
       for (std::int32_t h = 0; h < spec.kv_heads; ++h) {
         const std::size_t row = std::size_t(b) * spec.kv_heads + h;
-        std::vector<std::int32_t> expanded;
-        for (std::int32_t i = 0; i < got.counts[row]; ++i) {
-          for (std::int32_t t = got.indices[row * 12 + i] * 8; t < got.indices[row * 12 + i] * 8 + 8; ++t) {
-            if (t >= kWindow.sink_end(len) && t < kWindow.recent_begin(len)) expanded.push_back(t);
-          }
-        }
+        const std::vector<std::int32_t> expanded =
+            test::page_middle_tokens(got.indices.data() + row * 12, got.counts[row], 8, len, kWindow);
         const auto first = want.indices.begin() + std::ptrdiff_t(row * 96);
         EXPECT_EQ(expanded, std::vector<std::int32_t>(first, first + want.counts[row])) << "row " << row;
       }

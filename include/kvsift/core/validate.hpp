@@ -242,6 +242,22 @@ inline void check_selection_count(const char* where, const char* name, std::int6
                "{}.counts (= {}) at batch {}, kv_head {} is outside [0, capacity = {}]", name, count, b, h, capacity);
 }
 
+/// Sets entry i's bit in `seen` (a bitmap over the row's values, checked in range), refusing a value listed before,
+/// naming its first listing; `unit` words the rule ("token", "page").
+inline void mark_once(const char* where, const char* name, std::int64_t b, std::int64_t h, const std::int32_t* idx,
+                      std::int32_t i, std::span<std::uint64_t> seen, const char* unit) {
+  std::uint64_t& word = seen[std::size_t(idx[i]) / 64];
+  const std::uint64_t bit = std::uint64_t(1) << (idx[i] % 64);
+  if (word & bit) {
+    const std::int32_t first = std::int32_t(std::find(idx, idx + i, idx[i]) - idx);
+    KVSIFT_CHECK(false, where,
+                 "{}.indices[{}] (= {}) at batch {}, kv_head {} repeats {}.indices[{}]: a row lists each {} at most "
+                 "once",
+                 name, i, idx[i], b, h, name, first, unit);
+  }
+  word |= bit;
+}
+
 /// Checks the entries of one selection row (host memory): every index in [0, seq_len) and outside the
 /// attention window (which sparse decode attends anyway) and, when `seen` is given, no index twice. `seen` is
 /// a bitmap of at least seq_len bits, all clear; it is cleared again before returning normally. The first
@@ -258,17 +274,7 @@ inline void check_selection_entries(const char* where, const char* name, std::in
                  "{}.indices[{}] (= {}) at batch {}, kv_head {} is in the attention window (sink [0, {}), recent "
                  "[{}, {})), which is attended without being selected",
                  name, i, idx[i], b, h, lo, hi, seq_len);
-    if (seen.empty()) continue;
-    std::uint64_t& word = seen[std::size_t(idx[i]) / 64];
-    const std::uint64_t bit = std::uint64_t(1) << (idx[i] % 64);
-    if (word & bit) {
-      const std::int32_t first = std::int32_t(std::find(idx, idx + i, idx[i]) - idx);
-      KVSIFT_CHECK(false, where,
-                   "{}.indices[{}] (= {}) at batch {}, kv_head {} repeats {}.indices[{}]: a row lists each token "
-                   "at most once",
-                   name, i, idx[i], b, h, name, first);
-    }
-    word |= bit;
+    if (!seen.empty()) mark_once(where, name, b, h, idx, i, seen, "token");
   }
   for (std::int32_t i = 0; i < count && !seen.empty(); ++i) seen[std::size_t(idx[i]) / 64] = 0;
 }
@@ -285,17 +291,7 @@ inline void check_page_entries(const char* where, const char* name, std::int64_t
                  "{}.indices[{}] (= {}) at batch {}, kv_head {} is outside the sequence's pages [0, {}) (page_size "
                  "{}, seq_len {})",
                  name, i, idx[i], b, h, pages, page_size, seq_len);
-    if (seen.empty()) continue;
-    std::uint64_t& word = seen[std::size_t(idx[i]) / 64];
-    const std::uint64_t bit = std::uint64_t(1) << (idx[i] % 64);
-    if (word & bit) {
-      const std::int32_t first = std::int32_t(std::find(idx, idx + i, idx[i]) - idx);
-      KVSIFT_CHECK(false, where,
-                   "{}.indices[{}] (= {}) at batch {}, kv_head {} repeats {}.indices[{}]: a row lists each page "
-                   "at most once",
-                   name, i, idx[i], b, h, name, first);
-    }
-    word |= bit;
+    if (!seen.empty()) mark_once(where, name, b, h, idx, i, seen, "page");
   }
   for (std::int32_t i = 0; i < count && !seen.empty(); ++i) seen[std::size_t(idx[i]) / 64] = 0;
 }
