@@ -7,7 +7,9 @@
 // sparse attention over the window and the selection) of each selector, with the attention floor (sparse
 // attention alone over the same selection). The selectors so far are the references: the exact OracleTopK,
 // which scores every key (it costs more than dense attention and is the quality upper bound, not a speed
-// path), and Quest (page bounds). Each retrieval selector joins this table as it lands.
+// path), and Quest (page bounds). Each retrieval selector joins this table as it lands. With a GPU, a last table
+// times dense decode and the Quest and OracleTopK steps at an engine's shape (q 32 / kv 8 / head_dim 128, budget
+// 2048) as CUDA graph replays: where selection pays.
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
@@ -15,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <random>
 #include <set>
 #include <span>
 #include <string>
@@ -167,16 +170,18 @@ class GpuTimer {
     std::byte* ws = workspace(bytes);
     return median_us([&] { kvsift::cuda::dense_decode(query(), kv(), out(), {ws, bytes}, stream_); });
   }
-  /// One CUDA decode step of a selector (prepared on the whole cache) per call.
+  /// One CUDA decode step of a selector (prepared on the whole cache) per call; `page_selections`: a selector's
+  /// pages attended directly (DecodeStepConfig::page_selections).
   template <class Selector>
-  double step_us(Selector selector, const kvsift::AttentionWindow& window) {
+  double step_us(Selector selector, const kvsift::AttentionWindow& window, bool page_selections = false) {
     const std::int32_t slot = 0;
     auto* d_slot = upload(std::vector<std::int32_t>{slot});
     auto* d_length = upload(std::vector<std::int32_t>{c_.tokens});
     const kvsift::cuda::Context ctx{stream_};
     kvsift::DecodeStep step(std::move(selector),
                             {.attention = {.window = window}, .max_batch = 1, .q_heads = c_.q_heads,
-                             .kv_heads = c_.kv_heads, .head_dim = c_.head_dim, .max_seq_len = c_.tokens},
+                             .kv_heads = c_.kv_heads, .head_dim = c_.head_dim, .max_seq_len = c_.tokens,
+                             .page_selections = page_selections},
                             ctx);
     const auto cache = kvsift::ContiguousKVView<bfloat16>::packed(k_, v_, c_.batch, c_.kv_heads, c_.tokens, c_.head_dim,
                                                                    d_length);
@@ -262,6 +267,46 @@ class GpuTimer {
   cudaStream_t stream_{};
   cudaEvent_t start_{}, stop_{};
 };
+#endif
+
+#if defined(KVSIFT_WITH_CUDA)
+/// The GPU at an engine's shape: q_heads 32, kv_heads 8, head_dim 128, bf16, batch 1, a budget of 2048 tokens
+/// (128 Quest pages of 16) besides a window of 4 sinks and the last 64 tokens, on random keys and values (the
+/// times do not depend on them); CUDA graph replays. Where a selector's whole step (append, select, attend) is
+/// cheaper than kvsift's dense decode, selection pays.
+void engine_shape_gpu_table(const std::vector<std::int32_t>& contexts) {
+  constexpr std::int32_t kBudget = 2048;
+  constexpr kvsift::AttentionWindow kWindow{4, 64};
+  fmt::print("\nGPU at an engine's shape (q_heads 32, kv_heads 8, head_dim 128, bf16, batch 1; budget {} + window {} + "
+             "{}; random K/V), {}; CUDA graphs of 16 calls, median of 20 replays\n\n",
+             kBudget, kWindow.sink, kWindow.recent, GpuTimer::device_name());
+  fmt::print("{:>8} | {:>9} | {:>17} | {:>17} | {:>17}\n", "context", "dense us", "Quest step us", "Quest pages us",
+             "OracleTopK us");
+  std::mt19937 engine(2026);
+  std::uniform_real_distribution<float> value(-1.0f, 1.0f);
+  for (std::int32_t tokens : contexts) {
+    const kvsift::SyntheticWorkloadConfig c{.tokens = tokens, .q_heads = 32, .kv_heads = 8, .head_dim = 128};
+    const auto random_bf16 = [&](std::size_t n) {
+      std::vector<bfloat16> x(n);
+      for (auto& e : x) e = kvsift::float_to_bfloat16(value(engine));
+      return x;
+    };
+    const std::size_t kv_elements = std::size_t(c.kv_heads) * std::size_t(tokens) * std::size_t(c.head_dim);
+    GpuTimer gpu(random_bf16(std::size_t(c.q_heads) * c.head_dim), random_bf16(kv_elements), random_bf16(kv_elements), c);
+    const kvsift::SelectorLimits limits{.max_tokens = tokens, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
+                                        .head_dim = c.head_dim};
+    using Cuda = kvsift::cuda::Context;
+    const kvsift::QuestConfig quest{.budget = kBudget, .page_size = 16};
+    const double dense = gpu.dense_us();
+    const double quest_tokens = gpu.step_us(kvsift::Quest<bfloat16, Cuda>(limits, quest), kWindow);
+    const double quest_pages = gpu.step_us(kvsift::Quest<bfloat16, Cuda>(limits, quest), kWindow, true);
+    const double oracle = gpu.step_us(kvsift::OracleTopK<bfloat16, Cuda>(limits, {.budget = kBudget}), kWindow);
+    const auto cell = [&](double us) { return fmt::format("{:.1f} ({:.2f}x)", us, dense / us); };
+    fmt::print("{:>8} | {:>9.1f} | {:>17} | {:>17} | {:>17}\n", tokens, dense, cell(quest_tokens), cell(quest_pages),
+               cell(oracle));
+  }
+  fmt::print("(x: dense / step; above 1x the selector's step is faster than dense attention)\n");
+}
 #endif
 
 /// The real-data table: the fidelity harness (OracleTopK, StreamingLLM, Quest) on the committed capture.
@@ -414,6 +459,7 @@ int main(int argc, char** argv) try {
       fmt::print("{:>10} {:>8} {:>5.0f}% {:>5} | {:>9.1f} {:>8.1f} {:>10.1f} {:>13.2f}\n", r.selector, r.tokens,
                  100 * r.budget, r.k, r.gpu_dense_us, r.gpu_step_us, r.gpu_attend_us, r.gpu_step_us / r.gpu_dense_us);
     }
+    engine_shape_gpu_table(contexts);
 #endif
   }
   real_data_table(KVSIFT_DEMO_CAPTURE);

@@ -161,6 +161,7 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
     p.selection = *selection;
     p.window = options.attention.window;
     p.page_size = options.attention.selection_page_size;
+    p.pages = FastDivisor(std::uint32_t(p.page_size));
     max_tokens = sparse_max_tokens(selection->capacity, options.attention);
   } else {
     check_no_window(where, options.attention);

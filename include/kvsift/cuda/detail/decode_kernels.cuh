@@ -205,9 +205,11 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
       if (i >= end) return 0;
       if (dense) return i;
       if (i < window) return p.window.token(i, seq_len);
-      const int j = i - window;
-      const std::int64_t token = std::int64_t(indices[j / p.page_size]) * p.page_size + j % p.page_size;
-      return token >= middle_begin && token < middle_end ? int(token) : -1;
+      // Unsigned arithmetic: any page id, however wild, gives a token that the range check keeps inside the
+      // sequence (or masks), with no signed overflow.
+      const std::uint32_t j = std::uint32_t(i - window), slot = p.pages.quotient(j);
+      const std::uint32_t token = std::uint32_t(indices[slot]) * std::uint32_t(p.page_size) + (j - slot * p.page_size);
+      return token >= std::uint32_t(middle_begin) && token < std::uint32_t(middle_end) ? int(token) : -1;
     } else if constexpr (Windowed) {
       if (i >= end) return 0;
       if (dense) return i;
@@ -239,7 +241,7 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
       bool weighted = valid && log_weights != nullptr;
       if constexpr (Windowed) weighted = weighted && i >= window;  // window rows have no log-weight
       if (weighted) {
-        cp_async4(bias, log_weights + (Pages ? (i - window) / p.page_size : i - window));
+        cp_async4(bias, log_weights + (Pages ? int(p.pages.quotient(std::uint32_t(i - window))) : i - window));
       } else {
         store_shared(bias, valid ? 0.0f : negative_infinity<float>());
       }

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvsift/core/fast_divisor.hpp"
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/views.hpp"
 
@@ -89,6 +90,7 @@ struct DecodeParams {
   float scale_log2 = 0.0f;           ///< sm_scale * log2(e): logits are kept in base 2 inside the kernel
   AttentionWindow window{};          ///< sparse decode: attended before each row's selected entries
   std::int32_t page_size = 1;        ///< sparse decode: tokens per selection entry (AttentionOptions::selection_page_size)
+  FastDivisor pages{};               ///< division by page_size in the entries' address path
 
   KVSIFT_HOST_DEVICE std::int32_t seq_len(std::int64_t b) const { return paged ? paged_kv.seq_len(b) : kv.seq_len(b); }
   /// Element offset of a token's row from k_base() and v_base() (K and V share their strides).
