@@ -14,7 +14,7 @@ store at ratio R: R of it), not allocated.
 
 Usage (GPU machine, repository root, kvsift installed with CUDA; bench/run_device.sh python builds it):
   python3 bench/model_decode.py [--contexts 32768,131072,524288] [--batches 1,8,32] \\
-      [--attention sdpa_cudnn,sdpa_flash,kvsift_dense,quest,oracle_topk,centroidkv] [--json model.json] \\
+      [--attention sdpa_cudnn,sdpa_flash,kvsift_dense,quest,quest_pages,oracle_topk,centroidkv] [--json model.json] \\
       [--markdown model.md] [--capacity]
   python3 bench/model_decode.py --tiny       # a 2-layer model of 1024 tokens on the CPU: the wiring's self-check"""
 import argparse
@@ -39,9 +39,12 @@ TINY = dict(layers=2, hidden=256, q_heads=4, kv_heads=2, head_dim=64, ffn=512, v
 # Each selector at its documented defaults, budget 2048 + window (4, 64) as BM_Step (docs/quest.md).
 SELECTORS = {
     "quest": ("quest", {"budget": 2048, "page_size": 16}, (4, 64)),
+    "quest_pages": ("quest", {"budget": 2048, "page_size": 16}, (4, 64)),
     "oracle_topk": ("oracle_topk", {"budget": 2048}, (4, 64)),
     "centroidkv": ("centroidkv", {"budget_ratio": 0.25}, (0, 0)),
 }
+# DecodeStep options beyond the selector's: Quest's pages attended directly (DecodeStepConfig::page_selections).
+STEP_OPTIONS = {"quest_pages": {"page_selections": True}}
 ATTENTIONS = ("sdpa_cudnn", "sdpa_flash", "sdpa_math", "kvsift_dense", *SELECTORS)
 
 
@@ -129,7 +132,7 @@ def make_attention(name, model):
         step = kvsift.DecodeStep(selector, config, q_heads=s["q_heads"], kv_heads=s["kv_heads"],
                                  head_dim=s["head_dim"], max_seq_len=model.context + 1, max_batch=model.batch,
                                  window=window, dtype=str(model.cache_dtype).replace("torch.", ""),
-                                 device=model.device)
+                                 device=model.device, **STEP_OPTIONS.get(name, {}))
         model.lengths.fill_(model.context)  # the prompt, before the step's token
         step.prepare(kvsift.contiguous_cache(model.k[i], model.v[i], model.lengths))
         handles.append(kvsift.torch_ops.register_step(step))
@@ -250,7 +253,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="32768,131072,524288", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--batches", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
-    parser.add_argument("--attention", default="sdpa_cudnn,sdpa_flash,kvsift_dense,quest,oracle_topk,centroidkv",
+    parser.add_argument("--attention", default="sdpa_cudnn,sdpa_flash,kvsift_dense,quest,quest_pages,oracle_topk,centroidkv",
                         type=lambda s: s.split(","))
     parser.add_argument("--json")
     parser.add_argument("--markdown")

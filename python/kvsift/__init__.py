@@ -237,16 +237,24 @@ class DecodeStep:
     device_cache (the GPU's query and cache, holding at least the window's rows); a GPU selector's host_cache (pinned
     host memory, e.g. torch's pin_memory(), holding the middle's rows). The engine writes each step's token to every
     cache before run (k, v are refused). o and lse are on the GPU. stats() reports the last run's host times and
-    bytes over PCIe. A selector with a second source (centroidkv) runs in 'local' only."""
+    bytes over PCIe. A selector with a second source (centroidkv) runs in 'local' only.
+
+    page_selections=True ('local' only; DecodeStepConfig::page_selections): a selector with page-level selections
+    (quest) writes its chosen pages and the attention attends their middle tokens, with no expansion into tokens (a
+    launch less per step on CUDA); selection() then lists page ids and selection_page_size is the page size (1
+    otherwise)."""
 
     def __init__(self, selector, config=None, *, q_heads, kv_heads, head_dim, max_seq_len, max_batch=1,
                  max_slots=None, window=(0, 0), sm_scale=0.0, dtype="float16", device="cpu", validate=False,
-                 pool=None, placement="local"):
+                 pool=None, placement="local", page_selections=False):
         args = (selector, dict(config or {}), dtype, device)
         shape = (q_heads, kv_heads, head_dim, max_batch, max_seq_len, max_slots or max_batch, tuple(window), sm_scale,
                  validate, pool)
+        if page_selections and placement != "local":
+            raise Error(f"kvsift.DecodeStep: page_selections applies to placement 'local' (placement = "
+                        f"{placement!r}: its CPU and GPU halves exchange tokens)")
         if placement == "local":
-            self._step = _kvsift.make_step(*args, *shape)
+            self._step = _kvsift.make_step(*args, *shape, bool(page_selections))
         elif placement in ("middle_on_cpu", "middle_on_gpu"):
             if not _kvsift.has_cuda:
                 raise Error(f"kvsift.DecodeStep: placement (= '{placement}') splits the step over the GPU and the "
@@ -262,6 +270,11 @@ class DecodeStep:
     def capacity(self):
         """Middle tokens a selection row holds at most."""
         return self._step.capacity
+
+    @property
+    def selection_page_size(self):
+        """What selection() lists: tokens (1), or pages of this many tokens (page_selections=True)."""
+        return self._step.selection_page_size if self.placement == "local" else 1
 
     @property
     def workspace_bytes(self):

@@ -588,12 +588,14 @@ struct StepConfig {
   std::pair<std::int32_t, std::int32_t> window;
   float sm_scale;
   bool validate;
+  bool page_selections = false;  ///< the local placement: DecodeStepConfig::page_selections
 };
 
 /// Every placement's DecodeStepConfig from the Python step's arguments.
 DecodeStepConfig decode_step_config(const StepConfig& c) {
   return {.attention = attention_options(c.window, c.sm_scale), .max_batch = c.max_batch, .q_heads = c.q_heads,
-          .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = c.max_seq_len, .validate_indices = c.validate};
+          .kv_heads = c.kv_heads, .head_dim = c.head_dim, .max_seq_len = c.max_seq_len, .validate_indices = c.validate,
+          .page_selections = c.page_selections};
 }
 
 /// f(T{}) for the step's dtype name, 'float16' or 'bfloat16' (else refused).
@@ -633,6 +635,7 @@ class Step {
   virtual std::vector<std::int32_t> union_sizes(std::int32_t batch) = 0;
   virtual std::vector<std::int32_t> store_sizes() = 0;
   virtual std::int32_t capacity() const = 0;
+  virtual std::int32_t selection_page_size() const = 0;
   virtual std::size_t workspace_bytes() const = 0;
   virtual std::string name() const = 0;
   virtual bool prepared(std::int32_t slot) const = 0;
@@ -709,6 +712,7 @@ class StepOf final : public Step {
     }
   }
   std::int32_t capacity() const override { return step_.selector().capacity(); }
+  std::int32_t selection_page_size() const override { return step_.selection_page_size(); }
   std::size_t workspace_bytes() const override { return step_.workspace_bytes(); }
   std::string name() const override { return std::string(step_.selector().name()); }
   bool prepared(std::int32_t slot) const override { return selector_slot_prepared(step_.selector(), slot); }
@@ -1015,9 +1019,9 @@ std::unique_ptr<Step> make_step(const std::string& selector, nb::dict selector_c
                                 const std::string& device, std::int32_t q_heads, std::int32_t kv_heads,
                                 std::int32_t head_dim, std::int32_t max_batch, std::int32_t max_seq_len,
                                 std::int32_t max_slots, std::pair<std::int32_t, std::int32_t> window, float sm_scale,
-                                bool validate, Pool* pool) {
-  const StepConfig c{selector, dtype, device, selector_config, q_heads, kv_heads, head_dim, max_batch, max_seq_len,
-                     max_slots, window, sm_scale, validate};
+                                bool validate, Pool* pool, bool page_selections) {
+  const StepConfig c{selector, dtype,     device,  selector_config, q_heads,  kv_heads,       head_dim,
+                     max_batch, max_seq_len, max_slots, window,        sm_scale, validate, page_selections};
   constexpr const char* where = "DecodeStep";
   const auto with_context = [&](auto t) -> std::unique_ptr<Step> {
     using T = decltype(t);
@@ -1253,6 +1257,7 @@ NB_MODULE(_kvsift, m) {
       .def("union_sizes", &Step::union_sizes, "batch"_a)
       .def("store_sizes", &Step::store_sizes)
       .def_prop_ro("capacity", &Step::capacity)
+      .def_prop_ro("selection_page_size", &Step::selection_page_size)
       .def_prop_ro("workspace_bytes", &Step::workspace_bytes)
       .def_prop_ro("name", &Step::name)
       .def("prepared", &Step::prepared, "slot"_a);
@@ -1291,5 +1296,5 @@ NB_MODULE(_kvsift, m) {
         nb::keep_alive<0, 21>());
   m.def("make_step", &make_step, "selector"_a, "selector_config"_a, "dtype"_a, "device"_a, "q_heads"_a, "kv_heads"_a,
         "head_dim"_a, "max_batch"_a, "max_seq_len"_a, "max_slots"_a, "window"_a, "sm_scale"_a, "validate"_a,
-        "pool"_a.none() = nb::none(), nb::keep_alive<0, 14>());
+        "pool"_a.none() = nb::none(), "page_selections"_a = false, nb::keep_alive<0, 14>());
 }

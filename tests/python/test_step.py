@@ -61,6 +61,34 @@ def test_step_attends_its_selection_and_writes_the_token(rng, selector, config):
             np.testing.assert_allclose(lse[b, h], ref_lse, atol=1e-4, rtol=1e-5)
 
 
+def test_quests_pages_are_attended_without_expansion(rng):
+    """page_selections=True: the step lists Quest's pages (selection_page_size 16), whose middle tokens are the token
+    step's selection in order, and attends them: the fp64 reference over those tokens."""
+    k, v, lengths, cache = make_cache(rng, [300, 451])
+    steps = [kvsift.DecodeStep("quest", {"budget": 64, "page_size": 16}, q_heads=Q_HEADS, kv_heads=KV_HEADS,
+                               head_dim=HEAD_DIM, max_seq_len=CAPACITY, max_batch=2, window=WINDOW, page_selections=pages)
+             for pages in (False, True)]
+    assert [s.selection_page_size for s in steps] == [1, 16]
+    for s in steps:
+        s.prepare(cache, [0, 1])
+    q = rng.standard_normal((2, Q_HEADS, HEAD_DIM)).astype(np.float16)
+    tokens_state, pages_state = (s.run(q, cache, [0, 1], out_dtype="float32") for s in steps)
+    (indices, counts), (pages, page_counts) = steps[0].selection(2), steps[1].selection(2)
+    assert pages.shape[2] == 4
+    for b in range(2):
+        middle = range(WINDOW[0], lengths[b] - WINDOW[1])
+        for g in range(KV_HEADS):
+            expanded = [t for p in pages[b, g, :page_counts[b, g]] for t in range(16 * p, 16 * p + 16) if t in middle]
+            assert expanded == indices[b, g, :counts[b, g]].tolist()
+    expected = expected_state(q, k, v, lengths, indices, counts, WINDOW)
+    for (b, h), (ref_o, ref_lse) in expected.items():
+        np.testing.assert_allclose(pages_state[0][b, h], ref_o, atol=2e-3, rtol=0)
+        np.testing.assert_allclose(pages_state[1][b, h], ref_lse, atol=1e-4, rtol=1e-5)
+    with pytest.raises(kvsift.Error, match="page_selections applies to placement 'local'"):
+        kvsift.DecodeStep("quest", {"budget": 64}, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                          max_seq_len=CAPACITY, placement="middle_on_cpu", page_selections=True)
+
+
 def test_oracle_with_the_whole_budget_is_dense(rng):
     k, v, lengths, cache = make_cache(rng, [CAPACITY])
     step = kvsift.DecodeStep("oracle_topk", {"budget": CAPACITY}, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
