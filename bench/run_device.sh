@@ -7,7 +7,7 @@
 # (else $OUT, else device-out). The Python stage builds and installs under the build folder too.
 # python: the Python package built with CUDA by pip, offline from the wheels in build/wheelhouse (carried;
 # docs/python.md), tests/python with torch on the GPU, then bench/model_decode.py (KVSIFT_MODEL_CONTEXTS,
-# KVSIFT_MODEL_BATCHES: its shapes).
+# KVSIFT_MODEL_BATCHES: its shapes) and bench/torch_op_overhead.py.
 # No argument: all but python, profile (Nsight Compute on four decode shapes, and bench/stage_tables.sh: every
 # selector's step kernel by kernel into its docs page) and demo (kvsift_demo, whose GPU table
 # only a GPU machine prints). KVSIFT_BENCH_FILTER narrows bench
@@ -67,6 +67,9 @@ if has python; then
   step "whole-model decode (bench/model_decode.py)"
   "$py" bench/model_decode.py --contexts "${KVSIFT_MODEL_CONTEXTS:-32768,131072}" --batches "${KVSIFT_MODEL_BATCHES:-1,8}" \
     --capacity --json "$OUT/model_decode.json" --markdown "$OUT/model_decode.md" 2>&1 | tail -30 || status=1
+  step "the torch op path's cost over the direct call (bench/torch_op_overhead.py)"
+  "$py" bench/torch_op_overhead.py > "$OUT/torch_op_overhead.txt" 2>&1 || status=1
+  tail -12 "$OUT/torch_op_overhead.txt"
 fi
 if has sanitize; then
   # racecheck skips the top-k tests over 128K-token rows (minutes each under it); their kernels run at smaller
