@@ -252,4 +252,22 @@ void expect_reranked_mass_rows(const HostDecodeProblem<T>& p, const Selection& c
   }
 }
 
+/// A step's page-level selection (`pages`: pages_per_row page ids of page_size tokens a row) expands, row by row,
+/// to the token step's selection of the same inputs (`tokens`: capacity entries a row): each page's middle tokens,
+/// in its order (config.page_selections against the expansion into tokens).
+template <class T, class Selection>
+void expect_pages_expand_to_tokens(const HostDecodeProblem<T>& p, const Selection& pages, std::int32_t pages_per_row,
+                                   std::int32_t page_size, const Selection& tokens, std::int32_t capacity,
+                                   const AttentionWindow& window) {
+  for (std::int32_t b = 0; b < p.spec.batch; ++b) {
+    for (std::int32_t h = 0; h < p.spec.kv_heads; ++h) {
+      const std::size_t row = std::size_t(b) * p.spec.kv_heads + h;
+      const std::vector<std::int32_t> expanded = page_middle_tokens(
+          pages.indices.data() + row * pages_per_row, pages.counts[row], page_size, p.kv_values.seq_lens[b], window);
+      const auto first = tokens.indices.begin() + std::ptrdiff_t(row * capacity);
+      EXPECT_EQ(expanded, std::vector<std::int32_t>(first, first + tokens.counts[row])) << "row " << row;
+    }
+  }
+}
+
 }  // namespace kvsift::test

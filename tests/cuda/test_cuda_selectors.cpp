@@ -146,16 +146,7 @@ TYPED_TEST(CudaSelectors, QuestsPagesAreAttendedWithoutExpansion) {
     const auto want = run_step(tokens, f, ctx);
     const auto got = run_step(pages, f, ctx);
     ASSERT_EQ(got.indices.size(), std::size_t(spec.batch) * spec.kv_heads * 16);  // 16 pages per row
-    for (std::int32_t b = 0; b < spec.batch; ++b) {
-      const std::int32_t len = f.p.kv_values.seq_lens[b];
-      for (std::int32_t h = 0; h < spec.kv_heads; ++h) {
-        const std::size_t row = std::size_t(b) * spec.kv_heads + h;
-        const std::vector<std::int32_t> expanded =
-            test::page_middle_tokens(got.indices.data() + row * 16, got.counts[row], 16, len, kWindow);
-        const auto first = want.indices.begin() + std::ptrdiff_t(row * 256);
-        EXPECT_EQ(expanded, std::vector<std::int32_t>(first, first + want.counts[row])) << "row " << row;
-      }
-    }
+    expect_pages_expand_to_tokens(f.p, got, 16, 16, want, 256, kWindow);
   }
 }
 

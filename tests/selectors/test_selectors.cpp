@@ -148,16 +148,7 @@ TYPED_TEST(CpuSelectors, QuestsPagesAreAttendedWithoutExpansion) {
     const auto got = run_step(pages, f, page_workspace, ctx);
     const SelectionView page_view = pages.selection(page_workspace.bytes(), spec.batch);
     ASSERT_EQ(page_view.capacity, 12);  // pages per row
-    for (std::int32_t b = 0; b < spec.batch; ++b) {
-      const std::int32_t len = f.p.kv_values.seq_lens[b];
-      for (std::int32_t h = 0; h < spec.kv_heads; ++h) {
-        const std::size_t row = std::size_t(b) * spec.kv_heads + h;
-        const std::vector<std::int32_t> expanded =
-            test::page_middle_tokens(got.indices.data() + row * 12, got.counts[row], 8, len, kWindow);
-        const auto first = want.indices.begin() + std::ptrdiff_t(row * 96);
-        EXPECT_EQ(expanded, std::vector<std::int32_t>(first, first + want.counts[row])) << "row " << row;
-      }
-    }
+    expect_pages_expand_to_tokens(f.p, got, 12, 8, want, 96, kWindow);
   }
 }
 
