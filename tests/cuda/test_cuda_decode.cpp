@@ -695,6 +695,22 @@ TEST_F(CudaDecode, InfiniteScaleMasksTheRowsPastTheEnd) {
       EXPECT_EQ(lse32, ref.lse);
     }
   }
+  // A page-level selection whose pages hold window tokens and tokens past the end (masked entries): those are
+  // masked outright too, so the state stays empty.
+  const AttentionOptions pages{.sm_scale = inf, .window = {2, 5}, .selection_page_size = 16};
+  std::vector<std::int32_t> page_ids(std::size_t(2) * 2 * 3), counts(std::size_t(2) * 2);
+  for (std::size_t row = 0; row < counts.size(); ++row) {
+    const std::int32_t len = p.host.kv_values.seq_lens[row / 2];
+    counts[row] = (len + 15) / 16;  // every page of the sequence, the partial last one included
+    for (std::int32_t i = 0; i < counts[row]; ++i) page_ids[row * 3 + i] = counts[row] - 1 - i;
+  }
+  DeviceBuffer<std::int32_t> d_pages(page_ids), d_counts(counts);
+  const SelectionView d{d_pages.data(), d_counts.data(), nullptr, 2, 2, 3};
+  for (std::int32_t splits : {1, 3}) {
+    const auto [o32, lse32] = p.template run<float>(true, {.attention = pages, .num_splits = splits}, &d);
+    for (float x : o32) ASSERT_EQ(x, 0.0f) << splits << " splits";
+    for (float x : lse32) ASSERT_EQ(x, -INFINITY) << splits << " splits";
+  }
 }
 
 TEST_F(CudaDecode, ValidationPassesEndOverASequenceNearTwoToThe31) {

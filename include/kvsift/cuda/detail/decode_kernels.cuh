@@ -312,6 +312,15 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
       bias[nt][1] = pair.y * kLog2e;
       row_valid[nt][0] = step_first + nt * 8 + frag_col < end;
       row_valid[nt][1] = step_first + nt * 8 + frag_col + 1 < end;
+      if constexpr (Pages) {
+        // A page's masked entry (bias -inf; without log-weights nothing else has that bias) is masked outright, as
+        // a row past the end is: its zero-filled K times an infinite scale would be NaN. With log-weights a weight
+        // of -inf is indistinguishable from it and stays a biased row.
+        if (log_weights == nullptr) {
+          row_valid[nt][0] = row_valid[nt][0] && pair.x != negative_infinity<float>();
+          row_valid[nt][1] = row_valid[nt][1] && pair.y != negative_infinity<float>();
+        }
+      }
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
