@@ -42,6 +42,9 @@ HybridDecoder<T>::HybridDecoder(const HybridDecoderConfig& config, cpu::ThreadPo
   validate(config.attention.window, where, "config.attention.window");
   KVSIFT_CHECK(!config.attention.window.empty(), where,
                "config.attention.window is empty: the GPU part attends the window (sink + recent > 0)");
+  KVSIFT_CHECK(config.attention.selection_page_size == 1, where,
+               "config.attention.selection_page_size (= {}) must be 1: the CPU part attends selections of tokens",
+               config.attention.selection_page_size);
   decode_bytes_ = sparse_decode_workspace_bytes(
       SparseDecodeShape{config.batch, config.q_heads, config.kv_heads, config.head_dim, 1}, {.attention = config.attention});
   cpu_decode_bytes_ = cpu::decode_workspace_bytes(config.batch, config.q_heads, config.kv_heads, config.head_dim, pool);

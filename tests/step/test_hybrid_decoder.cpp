@@ -207,6 +207,13 @@ TEST_F(HybridDecode, BadArgumentsAreRefused) {
         cuda::HybridDecoder<bfloat16> decoder(config);
       },
       "cuda::HybridDecoder: config.attention.window is empty");
+  expect_error(
+      [&] {
+        auto config = c.config();
+        config.attention.selection_page_size = 16;
+        cuda::HybridDecoder<bfloat16> decoder(config);
+      },
+      "cuda::HybridDecoder: config.attention.selection_page_size (= 16) must be 1");
   auto config = c.config();
   config.validate_indices = true;
   cuda::HybridDecoder<bfloat16> decoder(config);
