@@ -149,11 +149,15 @@ void BM_SparseDecode(benchmark::State& state) {
   const int k_sel = int(state.range(0)), batch = int(state.range(1));
   const bool clustered = state.range(2) != 0;
   // window:1 adds the attention window of the benchmarks (sink 4 + recent 64) to the K selected.
+  // merge: DecodeOptions::split_merge (0 automatic, 1 cluster, 2 kernel), split CTAs merging in their cluster or in
+  // a second kernel. Forced clusters at batch 1 only: the H200 holds 15 clusters of 8 and 30 of 4 decode CTAs, fewer
+  // than batch 2's 16 rows of 8 splits and batch 4's 32 rows of 4, which SplitMerge::cluster refuses.
   const kvsift::AttentionWindow window = state.range(6) != 0 ? kvsift::AttentionWindow{4, 64} : kvsift::AttentionWindow{};
   const kvsift::cuda::DecodeOptions options{.attention = {.window = window},
                                             .num_splits = std::int32_t(state.range(3)),
                                             .cta_warps = std::int32_t(state.range(5)),
-                                            .programmatic_launch = state.range(4) != 0};
+                                            .programmatic_launch = state.range(4) != 0,
+                                            .split_merge = kvsift::cuda::SplitMerge(state.range(7))};
   const int tokens = 131072;
   const int middle = window.recent_begin(tokens) - window.sink_end(tokens);  // where selections are drawn
   const std::size_t kv_elems = std::size_t(batch) * kKvHeads * tokens * kHeadDim;
@@ -205,13 +209,15 @@ void BM_SparseDecode(benchmark::State& state) {
   state.counters["bytes"] = bytes;
 }
 BENCHMARK(BM_SparseDecode)
-    ->ArgsProduct({{256, 1024, 2048, 8192}, {1, 8}, {0, 1}, {0}, {1}, {0}, {0}})
-    ->ArgsProduct({{2048}, {1}, {0}, {8, 32}, {1}, {0}, {0}})
-    ->ArgsProduct({{2048, 4096, 8192}, {8}, {0}, {1, 2, 4}, {1}, {0}, {0}})
-    ->ArgsProduct({{256, 2048}, {1, 8}, {0}, {0}, {0}, {0}, {0}})
-    ->ArgsProduct({{256, 2048, 8192}, {1, 8}, {0}, {0}, {1}, {4}, {0}})
-    ->ArgsProduct({{2048}, {1, 8}, {0}, {0}, {1}, {0}, {1}})
-    ->ArgNames({"K", "batch", "clustered", "splits", "pdl", "warps", "window"})
+    ->ArgsProduct({{256, 1024, 2048, 8192}, {1, 8}, {0, 1}, {0}, {1}, {0}, {0}, {0}})
+    ->ArgsProduct({{2048}, {1}, {0}, {8, 32}, {1}, {0}, {0}, {0}})
+    ->ArgsProduct({{2048, 4096, 8192}, {8}, {0}, {1, 2, 4}, {1}, {0}, {0}, {0}})
+    ->ArgsProduct({{256, 2048}, {1, 8}, {0}, {0}, {0}, {0}, {0}, {0}})
+    ->ArgsProduct({{256, 2048, 8192}, {1, 8}, {0}, {0}, {1}, {4}, {0}, {0}})
+    ->ArgsProduct({{2048}, {1, 8}, {0}, {0}, {1}, {0}, {1}, {0}})
+    ->ArgsProduct({{2048}, {2, 4}, {0}, {0}, {1}, {0}, {1}, {0, 2}})
+    ->ArgsProduct({{2048}, {1}, {0}, {0}, {1}, {0}, {1}, {1, 2}})
+    ->ArgNames({"K", "batch", "clustered", "splits", "pdl", "warps", "window", "merge"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);

@@ -68,23 +68,8 @@ cudaError_t topk_rows_cluster_capacity(TopKClusterCapacity* capacity) {
       (void)cudaGetLastError();  // no non-portable clusters here
       break;
     }
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(unsigned(size));
-    config.blockDim = dim3(kTopKRowsThreads);
-    config.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = unsigned(size);
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kSelectKernel, &config) != cudaSuccess) {
-      (void)cudaGetLastError();
-      break;
-    }
-    (*capacity)[std::size_t(log2)] = clusters;
+    max_active_clusters<kSelectKernel>(size, kTopKRowsThreads, smem, &(*capacity)[std::size_t(log2)]);
+    if ((*capacity)[std::size_t(log2)] == 0) break;
   }
   return cudaSuccess;
 }

@@ -7,6 +7,7 @@
 #include <climits>
 #include <cstdint>
 #include <span>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "kvsift/attention/state.hpp"
 #include "kvsift/cuda/detail/decode_launch.hpp"
 #include "kvsift/cuda/detail/decode_plan.hpp"
+#include "kvsift/cuda/detail/per_device.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -31,10 +33,12 @@ struct DecodeWorkspace {
 };
 
 /// The single layout function behind both the size query (counting layout) and the run (carving layout).
+/// split_partials: num_splits > 1 with the merge kernel (a cluster merge keeps its partials in shared memory).
 inline DecodeWorkspace layout_workspace(WorkspaceLayout& layout, std::int64_t batch, std::int64_t q_heads,
-                                        std::int64_t head_dim, std::int32_t num_splits, bool validate_indices) {
+                                        std::int64_t head_dim, std::int32_t num_splits, bool split_partials,
+                                        bool validate_indices) {
   DecodeWorkspace ws;
-  if (num_splits > 1) {
+  if (split_partials) {
     const std::size_t rows = checked_mul(std::size_t(batch * q_heads), std::size_t(num_splits), "decode workspace");
     ws.partial_o = layout.allocate<float>(checked_mul(rows, std::size_t(head_dim), "decode workspace"), "partial_o");
     ws.partial_lse = layout.allocate<float>(rows, "partial_lse");
@@ -73,7 +77,10 @@ std::int32_t max_tokens_of(const PagedKVView<const T>&, const DecodeOptions& opt
 }
 
 DeviceLimits current_device_limits() {
-  return {multiprocessor_count(), std::size_t(max_shared_memory_per_block())};
+  static PerDeviceCounts<std::tuple_size_v<DecodeClusterCapacity>> clusters;
+  DeviceLimits limits{multiprocessor_count(), std::size_t(max_shared_memory_per_block()), {}};
+  KVSIFT_CUDA_CHECK(clusters.get(&limits.clusters, [](DecodeClusterCapacity* c) { return decode_cluster_capacity(c); }));
+  return limits;
 }
 
 void check_decode_options(const char* where, const DecodeOptions& options) {
@@ -81,6 +88,11 @@ void check_decode_options(const char* where, const DecodeOptions& options) {
   KVSIFT_CHECK(options.cta_warps == 0 || options.cta_warps == kDecodeMinWarps || options.cta_warps == kDecodeMaxWarps,
                where, "options.cta_warps (= {}) must be 0 (chosen per GPU), {} or {}", options.cta_warps,
                kDecodeMinWarps, kDecodeMaxWarps);
+  KVSIFT_CHECK(std::size_t(options.split_merge) < kSplitMergeNames.size(), where,
+               "options.split_merge (= {}) is not a SplitMerge (automatic, cluster or kernel)", int(options.split_merge));
+  KVSIFT_CHECK(options.split_merge != SplitMerge::cluster || options.num_splits <= kClusterMergeMaxSplits, where,
+               "options.num_splits (= {}) exceeds {}, the most CTAs options.split_merge (= cluster) merges in a cluster",
+               options.num_splits, kClusterMergeMaxSplits);
 }
 
 /// Warps per CTA: the caller's 4 or 8, or 8 where the GPU gives a block the shared memory for it, else 4.
@@ -108,14 +120,31 @@ DecodePlan plan_decode(const char* where, std::int64_t rows, std::int32_t max_to
                "{} warps per CTA need {} bytes of shared memory per block at head_dim {}; this GPU allows {}",
                plan.cta_warps, shared_bytes, head_dim, limits.shared_memory_per_block);
 
+  const bool short_rows = max_tokens <= kClusterMergeMaxTokens;
   if (options.num_splits > 0) {
     plan.num_splits = options.num_splits;
-    return plan;
+  } else {
+    std::int64_t splits = std::max<std::int64_t>(limits.multiprocessors / rows, 1);
+    splits = std::min<std::int64_t>(splits, (std::int64_t(max_tokens) + kMinTokensPerSplit - 1) / kMinTokensPerSplit);
+    if (splits == 2 && plan.cta_warps == kDecodeMaxWarps && max_tokens < kMinTokensToSplitInTwo) splits = 1;
+    // Short rows merge in a cluster (SplitMerge::automatic): at most kClusterMergeMaxSplits CTAs a row.
+    const bool capped = options.split_merge == SplitMerge::cluster ||
+                        (options.split_merge == SplitMerge::automatic && short_rows &&
+                         rows <= limits.clusters[std::size_t(kClusterMergeMaxSplits)]);
+    if (capped) splits = std::min<std::int64_t>(splits, kClusterMergeMaxSplits);
+    plan.num_splits = static_cast<std::int32_t>(std::max<std::int64_t>(splits, 1));
   }
-  std::int64_t splits = std::max<std::int64_t>(limits.multiprocessors / rows, 1);
-  splits = std::min<std::int64_t>(splits, (std::int64_t(max_tokens) + kMinTokensPerSplit - 1) / kMinTokensPerSplit);
-  if (splits == 2 && plan.cta_warps == kDecodeMaxWarps && max_tokens < kMinTokensToSplitInTwo) splits = 1;
-  plan.num_splits = static_cast<std::int32_t>(std::max<std::int64_t>(splits, 1));
+  if (plan.num_splits == 1 || options.split_merge == SplitMerge::kernel) return plan;
+  // Every row's cluster at once: a cluster left for a second wave would double the call.
+  const bool placed = plan.num_splits <= kClusterMergeMaxSplits && rows <= limits.clusters[std::size_t(plan.num_splits)];
+  if (options.split_merge == SplitMerge::cluster) {
+    KVSIFT_CHECK(placed, where,
+                 "options.split_merge (= cluster): this GPU holds {} clusters of {} decode CTAs at once, fewer than the "
+                 "{} rows (0: its code has no clusters, which need sm_90)",
+                 plan.num_splits <= kClusterMergeMaxSplits ? limits.clusters[std::size_t(plan.num_splits)] : 0,
+                 plan.num_splits, rows);
+  }
+  plan.cluster_merge = placed && (short_rows || options.split_merge == SplitMerge::cluster);
   return plan;
 }
 
@@ -186,6 +215,7 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
                                       q.head_dim, options, current_device_limits());
   p.num_splits = plan.num_splits;
   p.cta_warps = plan.cta_warps;
+  p.cluster_merge = plan.cluster_merge;
   p.scale_log2 = options.attention.resolved_scale(q.head_dim) * kLog2e;
   return p;
 }
@@ -237,13 +267,14 @@ void run_decode(const char* where, DecodeParams<T> p, std::span<std::byte> works
                 const DecodeOptions& options) {
   const bool validate_indices = options.validate_indices;
   WorkspaceLayout layout(workspace, where);
+  const bool split_partials = p.num_splits > 1 && !p.cluster_merge;
   const DecodeWorkspace ws =
-      layout_workspace(layout, p.q.batch, p.q.heads, p.q.head_dim, p.num_splits, validate_indices);
-  if (p.num_splits > 1) {  // [batch, q_heads, num_splits, head_dim] in the workspace
+      layout_workspace(layout, p.q.batch, p.q.heads, p.q.head_dim, p.num_splits, split_partials, validate_indices);
+  if (split_partials) {  // [batch, q_heads, num_splits, head_dim] in the workspace
     const std::int64_t splits = p.num_splits;
     p.partials = {ws.partial_o, ws.partial_lse, p.q.heads * splits * p.q.head_dim, splits * p.q.head_dim,
                   p.q.heads * splits, splits};
-  } else if (p.out_f32.o != nullptr) {  // unsplit with an fp32 output: the kernel writes that output itself
+  } else if (p.out_f32.o != nullptr && p.num_splits == 1) {  // unsplit with an fp32 output: written by the kernel
     p.partials = {p.out_f32.o, p.out_f32.lse, p.out_f32.o_batch_stride, p.out_f32.o_head_stride,
                   p.out_f32.lse_batch_stride, 1};
   }
@@ -259,7 +290,8 @@ std::size_t sparse_decode_workspace_bytes(const QueryView<const T>& q, const KV&
                                           const DecodeOptions& options) {
   const auto p = detail::make_params<T, KV, T>("cuda::sparse_decode_workspace_bytes", q, kv, &selection, nullptr, options);
   WorkspaceLayout counting;
-  detail::layout_workspace(counting, q.batch, q.heads, q.head_dim, p.num_splits, options.validate_indices);
+  detail::layout_workspace(counting, q.batch, q.heads, q.head_dim, p.num_splits, p.num_splits > 1 && !p.cluster_merge,
+                           options.validate_indices);
   return counting.bytes();
 }
 
@@ -280,7 +312,7 @@ std::size_t sparse_decode_workspace_bytes(const SparseDecodeShape& shape, const 
                                                       max_tokens, shape.head_dim, options, detail::current_device_limits());
   WorkspaceLayout counting;
   detail::layout_workspace(counting, shape.batch, shape.q_heads, shape.head_dim, plan.num_splits,
-                           options.validate_indices);
+                           plan.num_splits > 1 && !plan.cluster_merge, options.validate_indices);
   return counting.bytes();
 }
 
@@ -296,7 +328,8 @@ template <class T, class KV>
 std::size_t dense_decode_workspace_bytes(const QueryView<const T>& q, const KV& kv, const DecodeOptions& options) {
   const auto p = detail::make_params<T, KV, T>("cuda::dense_decode_workspace_bytes", q, kv, nullptr, nullptr, options);
   WorkspaceLayout counting;
-  detail::layout_workspace(counting, q.batch, q.heads, q.head_dim, p.num_splits, false);
+  detail::layout_workspace(counting, q.batch, q.heads, q.head_dim, p.num_splits, p.num_splits > 1 && !p.cluster_merge,
+                           false);
   return counting.bytes();
 }
 

@@ -4,11 +4,12 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
+#include <tuple>
 
 #include "kvsift/core/detail/topk_rows_checks.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
+#include "kvsift/cuda/detail/per_device.hpp"
 #include "kvsift/cuda/detail/topk_launch.hpp"
 
 namespace kvsift::cuda {
@@ -44,25 +45,12 @@ TopKRowsBuffers layout_topk_rows(WorkspaceLayout& layout, std::int64_t score_row
   return b;
 }
 
-/// The current device's cluster capacity, queried once per device (as multiprocessor_count is): 8 bits a
-/// size (counts clamped to 255, which only lowers the cluster size chosen) and bit 40 set once queried.
+/// The current device's cluster capacity, queried once per device (as multiprocessor_count is); counts clamped to
+/// PerDeviceCounts' range, which only lowers the cluster size chosen.
 detail::TopKClusterCapacity cluster_capacity() {
-  constexpr int kMaxDevices = 64;
-  constexpr std::uint64_t kQueried = std::uint64_t(1) << 40;
-  static std::array<std::atomic<std::uint64_t>, kMaxDevices> cache{};
-  int device = 0;
-  KVSIFT_CUDA_CHECK(cudaGetDevice(&device));
-  KVSIFT_CHECK(device >= 0 && device < kMaxDevices, "cuda::topk_rows", "device ordinal {} >= {}", device, kMaxDevices);
-  std::uint64_t packed = cache[device].load(std::memory_order_relaxed);
-  if (packed == 0) {
-    detail::TopKClusterCapacity capacity{};
-    KVSIFT_CUDA_CHECK(detail::topk_rows_cluster_capacity(&capacity));
-    packed = kQueried;
-    for (std::size_t i = 0; i < capacity.size(); ++i) packed |= std::uint64_t(std::clamp(capacity[i], 0, 255)) << (8 * i);
-    cache[device].store(packed, std::memory_order_relaxed);
-  }
+  static detail::PerDeviceCounts<std::tuple_size_v<detail::TopKClusterCapacity>> cache;
   detail::TopKClusterCapacity capacity{};
-  for (std::size_t i = 0; i < capacity.size(); ++i) capacity[i] = int((packed >> (8 * i)) & 0xffu);
+  KVSIFT_CUDA_CHECK(cache.get(&capacity, [](detail::TopKClusterCapacity* c) { return detail::topk_rows_cluster_capacity(c); }));
   return capacity;
 }
 

@@ -86,7 +86,8 @@ TYPED_TEST(CudaCacheOps, EqualTheCpuTwins) {
 
 // write_identity_indices: entry i of every row is i (past 1024 blocks' worth of entries, so the grid strides), the
 // counts untouched; an empty selection writes nothing; a negative shape and missing indices are refused.
-TEST(CudaIdentityIndices, EveryRowListsItsSlotsInOrder) {
+class CudaIdentityIndices : public GpuTest {};
+TEST_F(CudaIdentityIndices, EveryRowListsItsSlotsInOrder) {
   constexpr std::int32_t kBatch = 3, kHeads = 4, kCapacity = 30000;
   DeviceBuffer<std::int32_t> counts(kBatch * kHeads), indices(std::size_t(kBatch) * kHeads * kCapacity);
   counts.poison();

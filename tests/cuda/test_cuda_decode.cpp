@@ -322,6 +322,74 @@ TEST_F(CudaDecode, SplitCountDoesNotChangeTheResultBeyondRounding) {
   EXPECT_EQ(first.second, plain.second);
 }
 
+// The cluster merge (SplitMerge::cluster) and the merge kernel merge the same fp32 states with the same code, so
+// their outputs agree bit for bit; the merge kernel's are checked against the fp64 reference here and everywhere
+// else. Shapes: sparse and dense, contiguous and paged, windows, page-level selections, log-weights, two GQA tiles
+// (group 20), head_dim 64 / 128 / 256, both CTA shapes, fp32 outputs, a NaN input and a bad count row.
+TEST_F(CudaDecode, ClusterMergeIsTheMergeKernelBitForBit) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  if (cuda::detail::current_device_limits().clusters[2] == 0) GTEST_SKIP() << "this GPU runs no clusters";
+  const auto check = [&]<class T, class TO = T>(T, const CaseSpec& spec, cuda::DecodeOptions options, auto corrupt) {
+    SCOPED_TRACE(fmt::format("{} {} {} splits {} warps {} page selections {}", dtype_label<T>(),
+                             std::is_same_v<TO, float> ? "fp32 out" : "storage out", describe(spec), options.num_splits,
+                             options.cta_warps, options.attention.selection_page_size));
+    DecodeProblem<T> p(rng, spec);
+    const bool has_reference = corrupt(p);  // false where the fp64 reference does not model the input
+    const bool sparse = spec.k > 0;
+    options.split_merge = cuda::SplitMerge::kernel;
+    const auto [o, lse] = p.template run<TO>(sparse, options);
+    options.split_merge = cuda::SplitMerge::cluster;
+    const auto [cluster_o, cluster_lse] = p.template run<TO>(sparse, options);
+    ASSERT_EQ(o.size(), cluster_o.size());
+    EXPECT_EQ(0, std::memcmp(o.data(), cluster_o.data(), o.size() * sizeof(TO)));
+    EXPECT_EQ(0, std::memcmp(lse.data(), cluster_lse.data(), lse.size() * sizeof(float)));
+    if constexpr (std::is_same_v<TO, T>) {
+      if (has_reference && options.attention.selection_page_size == 1) {
+        test::expect_close_with_nan(cluster_o, cluster_lse, p.reference(sparse), "cluster merge");
+      }
+    }
+  };
+  const auto nothing = [](auto&) { return true; };
+  const auto bad_count_row = [](auto& p) {  // NaN in every head of the row (BadCountRowsAreNaN)
+    p.sel_counts[1] = -1;
+    p.upload_selection();
+    return false;
+  };
+  const auto nan_key = [](auto& p) {
+    test::corrupt(p.host, test::Corruption::k_nan);
+    p.d_q.upload(p.host.q);
+    p.d_k.upload(p.host.k);
+    return true;
+  };
+  for (const std::int32_t splits : {2, 3, 5, 8}) {
+    for (const std::int32_t warps : {4, 8}) {
+      const cuda::DecodeOptions options{.num_splits = splits, .cta_warps = warps};
+      check(bfloat16{}, CaseSpec{2, 8, 2, 128, 1500, 600, 0, true}, options, nothing);
+      check(half{}, CaseSpec{3, 8, 2, 128, 1500, 300, 16, true, true, AttentionWindow{4, 64}}, options, nothing);
+      check(bfloat16{}, CaseSpec{2, 8, 2, 128, 2000, 0, 0, false}, options, nothing);
+      check(half{}, CaseSpec{1, 40, 2, 64, 3000, 1500, 16, false}, options, nothing);
+      check.template operator()<bfloat16, float>(bfloat16{}, CaseSpec{2, 12, 3, 64, 900, 200, 0, true}, options,
+                                                 nothing);
+      check(half{}, CaseSpec{2, 8, 2, 128, 900, 48, 16, true, true, AttentionWindow{4, 32}}, options, bad_count_row);
+      check(bfloat16{}, CaseSpec{2, 8, 2, 128, 1200, 600, 0, true, false}, options, nan_key);
+    }
+    check(bfloat16{}, CaseSpec{1, 4, 1, 256, 700, 200, 0, false}, {.num_splits = splits, .cta_warps = 4}, nothing);
+    cuda::DecodeOptions pages{.attention = {.window = {4, 64}, .selection_page_size = 16}, .num_splits = splits};
+    check(bfloat16{}, CaseSpec{2, 8, 2, 128, 4000, 40, 0, false, true, AttentionWindow{4, 64}}, pages,
+          [](auto& p) {  // page ids: entry j of a row lists page j * 3 + 1 of the sequence's pages
+            for (std::size_t r = 0; r < p.sel_counts.size(); ++r) {
+              const std::int32_t len = p.host.kv_values.seq_lens[r / std::size_t(p.spec.kv_heads)];
+              const std::int32_t pages = (len + 15) / 16;
+              std::int32_t n = 0;
+              for (std::int32_t j = 0; j < p.spec.k && j * 3 + 1 < pages; ++j) p.sel_indices[r * p.spec.k + j] = j * 3 + 1, ++n;
+              p.sel_counts[r] = n;
+            }
+            p.upload_selection();
+            return false;  // page ids (PageSelectionsAttendThePagesMiddleTokens checks them against the reference)
+          });
+  }
+}
+
 TEST_F(CudaDecode, ValidationModeRefusesBadIndicesAndDuplicatesAndWritesNothing) {
   for (std::int32_t page_size : {0, 16}) {
     DecodeProblem<half> p(rng, CaseSpec{3, 4, 2, 64, 500, 32, page_size, false, false});
@@ -766,35 +834,45 @@ TEST_F(CudaDecode, AttendAllRowsAttendEveryTokenOnce) {
 TEST_F(CudaDecode, WorkspaceQueryIsExactAndGraphCaptureReplays) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   DecodeProblem<bfloat16> p(rng, CaseSpec{2, 8, 2, 128, 9000, 2048, 16, true});
-  const auto expected = p.run(true);
-  const cuda::DecodeOptions options{.max_seq_len = 9000};
-  const std::size_t bytes = cuda::sparse_decode_workspace_bytes(p.device_q(), p.device_paged(), p.device_selection(), options);
-  ASSERT_GT(bytes, 0u);
-  DeviceBuffer<std::byte> workspace(bytes);
-  expect_error(
-      [&] {
-        cuda::sparse_decode(p.device_q(), p.device_paged(), p.device_selection(), p.device_out(),
-                            {workspace.data(), bytes - 256}, nullptr, options);
-      },
-      "workspace too small");
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const test::CapturedGraph graph(stream, [&] {
-    cuda::sparse_decode(p.device_q(), p.device_paged(), p.device_selection(), p.device_out(), {workspace.data(), bytes},
-                        stream, options);
-  });
-  for (int replay = 0; replay < 3; ++replay) {
-    p.d_o.poison();
-    p.d_lse.poison();
-    // Between replays another call may have used the workspace; its split counters must not confuse this one.
-    if (replay == 2) workspace.poison();
-    graph.launch();
-    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const auto o = p.d_o.download();
-    EXPECT_EQ(0, std::memcmp(o.data(), expected.first.data(), o.size() * sizeof(bfloat16))) << "replay " << replay;
-    EXPECT_EQ(p.d_lse.download(), expected.second);
+  const auto expected = p.run(true, {.num_splits = 8, .split_merge = cuda::SplitMerge::kernel});
+  // The merge kernel's partials live in the workspace; a cluster merge needs none (where the GPU runs clusters).
+  for (const cuda::SplitMerge merge : {cuda::SplitMerge::kernel, cuda::SplitMerge::cluster}) {
+    SCOPED_TRACE(fmt::format("split_merge {}", cuda::split_merge_name(merge)));
+    if (merge == cuda::SplitMerge::cluster && cuda::detail::current_device_limits().clusters[8] < 4) continue;
+    const cuda::DecodeOptions options{.num_splits = 8, .max_seq_len = 9000, .split_merge = merge};
+    const std::size_t bytes =
+        cuda::sparse_decode_workspace_bytes(p.device_q(), p.device_paged(), p.device_selection(), options);
+    DeviceBuffer<std::byte> workspace(std::max<std::size_t>(bytes, 256));
+    if (merge == cuda::SplitMerge::kernel) {
+      ASSERT_GT(bytes, 0u);
+      expect_error(
+          [&] {
+            cuda::sparse_decode(p.device_q(), p.device_paged(), p.device_selection(), p.device_out(),
+                                {workspace.data(), bytes - 256}, nullptr, options);
+          },
+          "workspace too small");
+    } else {
+      EXPECT_EQ(bytes, 0u);
+    }
+    cudaStream_t stream;
+    KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const test::CapturedGraph graph(stream, [&] {
+      cuda::sparse_decode(p.device_q(), p.device_paged(), p.device_selection(), p.device_out(),
+                          {workspace.data(), bytes}, stream, options);
+    });
+    for (int replay = 0; replay < 3; ++replay) {
+      p.d_o.poison();
+      p.d_lse.poison();
+      // Between replays another call may have used the workspace; its split counters must not confuse this one.
+      if (replay == 2) workspace.poison();
+      graph.launch();
+      KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const auto o = p.d_o.download();
+      EXPECT_EQ(0, std::memcmp(o.data(), expected.first.data(), o.size() * sizeof(bfloat16))) << "replay " << replay;
+      EXPECT_EQ(p.d_lse.download(), expected.second);
+    }
+    KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 // Launch planning takes the GPU's limits as an argument, so its rules run here against several GPUs' limits,
@@ -843,6 +921,51 @@ TEST(CudaDecodePlan, SplitsAndWarpsFollowTheShapeAndTheGpusLimits) {
   expect_error([&] { plan(h100, 8, 2048, 128, {.cta_warps = 5}); }, "options.cta_warps (= 5) must be 0 (chosen per GPU), 4 or 8");
 }
 
+// Where split CTAs merge: in a cluster for short rows on a GPU that places every row's cluster at once (the splits
+// capped at 8), else in the merge kernel; the caller's SplitMerge wins where the GPU can run it.
+TEST(CudaDecodePlan, ShortRowsMergeInAClusterWhereEveryClusterFits) {
+  using cuda::SplitMerge;
+  using cuda::detail::DeviceLimits;
+  // 132 SMs in GPCs of 16 to 18: one CTA per SM, so 16 clusters of 8, 66 of 2.
+  const DeviceLimits h200{132, 232448, {0, 0, 66, 44, 32, 24, 20, 16, 16}}, no_clusters{132, 232448};
+  const auto plan = [](const DeviceLimits& gpu, std::int64_t rows, std::int32_t tokens, cuda::DecodeOptions options = {}) {
+    const auto p = cuda::detail::plan_decode("test", rows, tokens, 128, options, gpu);
+    return std::pair{p.num_splits, p.cluster_merge};
+  };
+  struct Case {
+    const char* why;
+    DeviceLimits gpu;
+    std::int64_t rows;
+    std::int32_t tokens;
+    cuda::DecodeOptions options;
+    std::pair<std::int32_t, bool> splits_and_cluster;
+  };
+  const Case cases[] = {
+      {"a sparse step at batch 1: 8 splits in a cluster, not 16 and a merge kernel", h200, 8, 2116, {}, {8, true}},
+      {"up to kClusterMergeMaxTokens", h200, 8, 4096, {}, {8, true}},
+      {"longer rows keep every SM streaming", h200, 8, 4097, {}, {16, false}},
+      {"dense 128K", h200, 8, 131072, {}, {16, false}},
+      {"no clusters on this GPU", no_clusters, 8, 2116, {}, {16, false}},
+      {"fewer splits are not capped", h200, 20, 2116, {}, {6, true}},
+      {"rows beyond the clusters of 7 the GPU holds at once: the merge kernel", h200, 17, 2116, {}, {7, false}},
+      {"... and of 4", h200, 33, 2116, {}, {4, false}},
+      {"one split needs no merge", h200, 64, 2116, {}, {1, false}},
+      {"the caller's split count", h200, 8, 2116, {.num_splits = 3}, {3, true}},
+      {"... above 8: the merge kernel", h200, 8, 2116, {.num_splits = 16}, {16, false}},
+      {"the caller's merge kernel", h200, 8, 2116, {.split_merge = SplitMerge::kernel}, {16, false}},
+      {"the caller's cluster merge on long rows: capped at 8", h200, 8, 131072, {.split_merge = SplitMerge::cluster}, {8, true}},
+  };
+  for (const Case& c : cases) EXPECT_EQ(plan(c.gpu, c.rows, c.tokens, c.options), c.splits_and_cluster) << c.why;
+  expect_error([&] { plan(h200, 8, 2116, {.num_splits = 9, .split_merge = SplitMerge::cluster}); },
+               "options.num_splits (= 9) exceeds 8, the most CTAs options.split_merge (= cluster) merges in a cluster");
+  expect_error([&] { plan(no_clusters, 8, 2116, {.split_merge = SplitMerge::cluster}); },
+               "options.split_merge (= cluster): this GPU holds 0 clusters of 8 decode CTAs at once, fewer than the 8 rows");
+  expect_error([&] { plan(h200, 40, 2116, {.num_splits = 8, .split_merge = SplitMerge::cluster}); },
+               "this GPU holds 16 clusters of 8 decode CTAs at once, fewer than the 40 rows");
+  expect_error([&] { plan(h200, 8, 2116, {.split_merge = SplitMerge(7)}); },
+               "options.split_merge (= 7) is not a SplitMerge (automatic, cluster or kernel)");
+}
+
 // Bad input is refused on the host before any device call, so these tests run without a GPU as well.
 TEST(CudaDecodeBadInput, RefusedBeforeAnyDeviceCall) {
   alignas(16) static half q[2 * 8 * 128], k[2 * 2 * 64 * 128], v[2 * 2 * 64 * 128], o[2 * 8 * 128];
@@ -872,6 +995,10 @@ TEST(CudaDecodeBadInput, RefusedBeforeAnyDeviceCall) {
   expect_error([&] { sparse(qv, kv, SelectionView{nullptr, counts, nullptr, 2, 2, 8}); }, "selection.indices is a null pointer");
   expect_error([&] { sparse(qv, kv, SelectionView{indices, counts, nullptr, 2, 2, 0}); }, "selection.capacity (= 0) must be positive");
   expect_error([&] { sparse(qv, kv, sel, {.num_splits = -1}); }, "options.num_splits (= -1) must be >= 0");
+  expect_error([&] { sparse(qv, kv, sel, {.split_merge = cuda::SplitMerge(5)}); },
+               "options.split_merge (= 5) is not a SplitMerge (automatic, cluster or kernel)");
+  expect_error([&] { sparse(qv, kv, sel, {.num_splits = 12, .split_merge = cuda::SplitMerge::cluster}); },
+               "options.num_splits (= 12) exceeds 8, the most CTAs options.split_merge (= cluster) merges in a cluster");
   expect_error([&] { sparse(qv, kv, sel, {.attention = {.window = {2, -3}}}); },
                "cuda::sparse_decode: options.attention.window.sink (= 2) and options.attention.window.recent (= -3) must be >= 0");
   expect_error([&] { cuda::dense_decode(qv, kv, out, {no_workspace, 0}, nullptr, {.attention = {.window = {0, 8}}}); },

@@ -41,17 +41,40 @@
 /// Deterministic: the same inputs and options on one GPU give bit-identical results.
 /// Thread safety: reentrant; concurrent calls need distinct workspaces.
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 
 #include <cuda_runtime_api.h>
 
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/dtype.hpp"
+#include "kvsift/core/enum_names.hpp"
 #include "kvsift/core/views.hpp"
 
 namespace kvsift::cuda {
+
+/// How the CTAs that split a row (num_splits > 1) merge their partial states (the same merge, bit for bit).
+enum class SplitMerge : std::uint8_t {
+  /// cluster where the device runs the sm_90 code and the row is short (at most kClusterMergeMaxTokens entries,
+  /// split in at most kClusterMergeMaxSplits CTAs: the split plan caps the splits there), else kernel.
+  automatic,
+  /// The row's CTAs form a thread-block cluster and merge over distributed shared memory at their end: no
+  /// partials in the workspace and no second kernel. At most kClusterMergeMaxSplits splits; sm_90 code only.
+  cluster,
+  /// The CTAs write fp32 partials to the workspace and a second kernel merges them (any GPU, any split count).
+  kernel,
+};
+inline constexpr std::array<std::string_view, 3> kSplitMergeNames{"automatic", "cluster", "kernel"};
+constexpr std::string_view split_merge_name(SplitMerge m) { return enum_name(kSplitMergeNames, m); }
+/// SplitMerge::cluster's largest cluster: the portable size, which every sm_90 GPU places.
+inline constexpr std::int32_t kClusterMergeMaxSplits = 8;
+/// SplitMerge::automatic merges in a cluster rows of up to this many entries (tokens, or a sparse row's window
+/// plus selected tokens): a sparse step's 2K-4K tokens are too few to keep more than 8 CTAs a row busy, and the
+/// merge kernel's launch and partials cost more than the SMs left idle. Longer rows keep every SM streaming.
+inline constexpr std::int32_t kClusterMergeMaxTokens = 4096;
 
 struct DecodeOptions {
   AttentionOptions attention{};
@@ -74,6 +97,8 @@ struct DecodeOptions {
   /// signals early (griddepcontrol.launch_dependents), as kvsift's split merge does; otherwise the kernel
   /// starts when the previous one ends, as without it. Ignored before sm_90.
   bool programmatic_launch = true;
+  /// How split CTAs merge (SplitMerge). With num_splits > kClusterMergeMaxSplits, cluster is refused.
+  SplitMerge split_merge = SplitMerge::automatic;
 };
 
 /// The shapes that size sparse decode's workspace, for a query before any view exists (a decode step's plan):

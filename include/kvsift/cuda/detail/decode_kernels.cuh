@@ -16,6 +16,7 @@
 /// their online-softmax states through shared memory at the end, and CTAs of one row merge in
 /// merge_splits_kernel when num_splits > 1.
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -111,6 +112,29 @@ __device__ __forceinline__ unsigned pack2(float low, float high) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(high), "f"(low));
   }
   return r;
+}
+
+/// The cluster merge (p.cluster_merge): the CTAs of a row, one cluster along x (rank = split), hold their states in
+/// shared memory (cta_o [kHeadsPerTile][HeadDim], cta_lse [kHeadsPerTile]); after a cluster barrier, CTA r merges
+/// the tile's heads r, r + num_splits, ... from every CTA's memory (merge_split_row, as the merge kernel does from
+/// the workspace: the same output, bit for bit), and a second barrier keeps each CTA's memory alive until the last
+/// read. Replaces the partials' stores, the merge kernel's launch and its loads. Built for sm_90 only (the plan
+/// never sets cluster_merge elsewhere).
+template <int HeadDim, class T>
+__device__ __forceinline__ void merge_in_cluster(const DecodeParams<T>& p, int b, int kv_head, int first_head,
+                                                 float* cta_o, float* cta_lse) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  cluster.sync();  // every CTA's state is complete
+  const int heads = min(kHeadsPerTile, p.group - first_head);
+  for (int head = int(cluster.block_rank()); head < heads; head += p.num_splits) {
+    merge_split_row(
+        p, b, kv_head * p.group + first_head + head,
+        [&](int i) { return cluster.map_shared_rank(cta_lse, i)[head]; },
+        [&](int i, int c) { return cluster.map_shared_rank(cta_o, i)[head * HeadDim + c]; });
+  }
+  cluster.sync();  // no CTA's memory goes while another reads it
+#endif
 }
 
 /// Eight warps per CTA where the shared memory allows, where four was the first choice: with one CTA per SM,
@@ -382,6 +406,8 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
   float* s_m = reinterpret_cast<float*>(smem);   // [warp][head]
   float* s_l = s_m + Warps * kHeadsPerTile;      // [warp][head]
   float* s_o = s_l + Warps * kHeadsPerTile;      // [warp][head][kMergeRowFloats]
+  float* cta_o = reinterpret_cast<float*>(smem) + decode_warp_states_bytes(HeadDim, Warps) / 4;  // [head][HeadDim]
+  float* cta_lse = cta_o + kHeadsPerTile * HeadDim;                                              // [head]
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int head = frag_row + 8 * h;
@@ -416,7 +442,10 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
     const float o = denom == 0.0f ? 0.0f : value / denom;
     const float lse = denom == 0.0f ? negative_infinity<float>() : (m_max + log2f(denom)) * kLn2;
     const int h = kv_head * p.group + first_head + head;
-    if (p.partials.o == nullptr) {
+    if (p.cluster_merge) {
+      cta_o[head * HeadDim + c] = o;
+      if (c == 0) cta_lse[head] = lse;
+    } else if (p.partials.o == nullptr) {
       p.out.o_row(b, h)[c] = from_float_device<T>(o);
       if (c == 0) p.out.lse_at(b, h) = lse;
     } else {  // split partials, or an fp32 output
@@ -424,6 +453,7 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
       if (c == 0) p.partials.lse_at(b, h, split) = lse;
     }
   }
+  if (p.cluster_merge) merge_in_cluster<HeadDim>(p, b, kv_head, first_head, cta_o, cta_lse);
 }
 
 }  // namespace kvsift::cuda::detail
@@ -507,10 +537,12 @@ cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream, bool pr
   const int kv_heads = p.paged ? p.paged_kv.kv_heads : p.kv.kv_heads;
   const dim3 grid(p.num_splits, kv_heads * p.head_tiles, p.q.batch);
   const cudaError_t status = with_decode_kernel(p, [&](auto kernel, std::size_t smem, int threads) {
-    return launch(kernel, {.grid = grid, .block = dim3(threads), .smem = smem, .stream = stream, .programmatic = programmatic},
+    return launch(kernel,
+                  {.grid = grid, .block = dim3(threads), .smem = smem, .stream = stream,
+                   .cluster = p.cluster_merge ? p.num_splits : 1, .programmatic = programmatic},
                   p);
   });
-  if (status != cudaSuccess || p.num_splits == 1) return status;
+  if (status != cudaSuccess || p.num_splits == 1 || p.cluster_merge) return status;
   // The merge is always a programmatic dependent of the decode grid: its launch overlaps the grid's tail.
   return launch(merge_splits_kernel<T>,
                 {.grid = dim3(p.q.batch * p.q.heads), .block = dim3(kMergeThreads), .stream = stream, .programmatic = true}, p);

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kvsift/cuda/detail/decode_params.hpp"
+#include "kvsift/cuda/detail/decode_plan.hpp"
 #include "kvsift/core/dtype.hpp"
 
 namespace kvsift::cuda::detail {
@@ -13,6 +14,10 @@ namespace kvsift::cuda::detail {
 /// previous kernel when `programmatic`, and, when p.num_splits > 1, the split merge.
 template <class T>
 cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream, bool programmatic);
+
+/// The GPU's DecodeClusterCapacity (cudaOccupancyMaxActiveClusters of the eight-warp head_dim 128 decode kernel, the
+/// largest in shared memory); all 0 where that kernel's code was not built for sm_90.
+cudaError_t decode_cluster_capacity(DecodeClusterCapacity* capacity);
 
 /// Validation mode: checks every selection row's count and indices (range, duplicates) on the device and
 /// writes the smallest offending row to *p.first_bad_row (left as is when every row is valid).

@@ -39,11 +39,18 @@ constexpr std::size_t decode_stage_bytes(int head_dim) {
 /// (8 heads x 4 column pairs per warp) then fall on 32 distinct banks per half-warp, where unpadded rows put
 /// the 8 heads on one bank (an 8-way conflict; removing it saved 0.3-0.4 us per call on the H100).
 constexpr int decode_merge_row_floats(int head_dim) { return head_dim + 8; }
+/// Bytes of the warps' states in the CTA's final merge: per warp and head, O (padded) and the running max and sum.
+constexpr std::size_t decode_warp_states_bytes(int head_dim, int warps) {
+  return std::size_t(warps) * kHeadsPerTile * (decode_merge_row_floats(head_dim) + 2) * 4;
+}
+/// Bytes of the CTA's merged state, which its cluster reads in a cluster merge: O [kHeadsPerTile][head_dim] and
+/// LSE [kHeadsPerTile], after the warps' states.
+constexpr std::size_t decode_cta_state_bytes(int head_dim) { return std::size_t(kHeadsPerTile) * (head_dim + 1) * 4; }
 /// Dynamic shared memory of a decode CTA with `warps` warps: the warps' pipelines, whose bytes later hold
-/// the warps' states for the final merge.
+/// the warps' states for the final merge, then the CTA's state.
 constexpr std::size_t decode_shared_bytes(int head_dim, int warps) {
   const std::size_t pipelines = std::size_t(warps) * kDecodeStages * decode_stage_bytes(head_dim);
-  const std::size_t merge = std::size_t(warps) * kHeadsPerTile * (decode_merge_row_floats(head_dim) + 2) * 4;
+  const std::size_t merge = decode_warp_states_bytes(head_dim, warps) + decode_cta_state_bytes(head_dim);
   return pipelines > merge ? pipelines : merge;
 }
 
@@ -86,6 +93,9 @@ struct DecodeParams {
   std::int32_t group = 1;            ///< q_heads / kv_heads
   std::int32_t head_tiles = 1;       ///< CTAs along the GQA group (group split into tiles of kHeadsPerTile heads)
   std::int32_t num_splits = 1;       ///< CTAs along the tokens of one (sequence, kv head)
+  /// num_splits > 1: the row's CTAs form a cluster (along x) and merge their states over distributed shared memory
+  /// into out or out_f32 (SplitMerge::cluster); partials unused. Else the split merge kernel reads the partials.
+  bool cluster_merge = false;
   std::int32_t cta_warps = kDecodeMaxWarps;  ///< warps per CTA: kDecodeMinWarps or kDecodeMaxWarps
   float scale_log2 = 0.0f;           ///< sm_scale * log2(e): logits are kept in base 2 inside the kernel
   AttentionWindow window{};          ///< sparse decode: attended before each row's selected entries

@@ -64,6 +64,27 @@ cudaError_t built_for_sm90(bool* yes) {
   return s;
 }
 
+/// `*clusters` = how many clusters of `size` CTAs of Kernel (`threads` each, `smem` bytes of dynamic shared memory) the
+/// device holds at once (cudaOccupancyMaxActiveClusters); 0, with the error cleared, where it places none of that size.
+template <auto Kernel>
+void max_active_clusters(int size, int threads, std::size_t smem, int* clusters) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(unsigned(size));
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = unsigned(size);
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  if (cudaOccupancyMaxActiveClusters(clusters, Kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();
+    *clusters = 0;
+  }
+}
+
 /// The first statement of a kernel that may be launched as a programmatic dependent (LaunchShape::programmatic): its
 /// CTAs may be resident before the stream's previous kernel has finished, so it waits until that kernel's writes are
 /// complete and visible before it reads or writes anything global, then lets the stream's next kernel be scheduled

@@ -68,20 +68,16 @@ __device__ void merge_row(int n, int head_dim, LseOf lse_of, OOf o_of, WriteO wr
   if (threadIdx.x == 0) write_lse(merged_lse(lse_max, weight_sum));
 }
 
-/// Split-K epilogue: merges the num_splits fp32 partials of each (sequence, q head) into the output, in the
-/// storage type or, for an fp32 output (p.out_f32), in fp32: rounded once either way.
-template <class T>
-__global__ void merge_splits_kernel(const __grid_constant__ DecodeParams<T> p) {
-  programmatic_start();  // the decode grid's partials are complete and visible; the next decode may be scheduled
-  const int b = blockIdx.x / p.q.heads, h = blockIdx.x % p.q.heads;
-  const float* lse = &p.partials.lse_at(b, h, 0);
-  const float* o = p.partials.o_row(b, h, 0, p.q.head_dim);
+/// The split merge of (sequence b, q head h): merge_row over the num_splits fp32 states that lse_of(i) and o_of(i, c)
+/// read, into the output, in the storage type or, for an fp32 output (p.out_f32), in fp32: rounded once either way.
+/// The merge kernel reads the workspace's partials, a cluster merge its CTAs' shared memory: the same result.
+template <class T, class LseOf, class OOf>
+__device__ void merge_split_row(const DecodeParams<T>& p, int b, int h, LseOf lse_of, OOf o_of) {
   const bool f32 = p.out_f32.o != nullptr;
   T* out = p.out.o_row(b, h);
   float* out_f32 = p.out_f32.o_row(b, h);
   merge_row(
-      p.num_splits, p.q.head_dim, [&](int i) { return lse[i]; },
-      [&](int i, int c) { return o[std::int64_t(i) * p.q.head_dim + c]; },
+      p.num_splits, p.q.head_dim, lse_of, o_of,
       [&](int c, float v) {
         if (f32) {
           out_f32[c] = v;
@@ -90,6 +86,17 @@ __global__ void merge_splits_kernel(const __grid_constant__ DecodeParams<T> p) {
         }
       },
       [&](float v) { (f32 ? p.out_f32.lse_at(b, h) : p.out.lse_at(b, h)) = v; });
+}
+
+/// Split-K epilogue: merges the num_splits fp32 partials of each (sequence, q head) into the output.
+template <class T>
+__global__ void merge_splits_kernel(const __grid_constant__ DecodeParams<T> p) {
+  programmatic_start();  // the decode grid's partials are complete and visible; the next decode may be scheduled
+  const int b = blockIdx.x / p.q.heads, h = blockIdx.x % p.q.heads;
+  const float* lse = &p.partials.lse_at(b, h, 0);
+  const float* o = p.partials.o_row(b, h, 0, p.q.head_dim);
+  merge_split_row(
+      p, b, h, [&](int i) { return lse[i]; }, [&](int i, int c) { return o[std::int64_t(i) * p.q.head_dim + c]; });
 }
 
 template <class TI, class TO>

@@ -5,9 +5,11 @@
 /// points, src/cuda/device.cpp, share it).
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 
 namespace kvsift::cuda::detail {
 
@@ -55,5 +57,37 @@ cudaError_t device_attribute(int* value) {
   if (const cudaError_t s = cudaGetDevice(&device); s != cudaSuccess) return s;
   return device_attribute<A>(device, value);
 }
+
+/// N small non-negative counts per device, computed together once per device (a GPU's cluster capacities): packed
+/// into one atomic word, 63 / N bits each (counts clamped to that range), bit 63 set once computed. Devices past
+/// kCachedDevices compute them at every call.
+template <std::size_t N>
+class PerDeviceCounts {
+  static constexpr int kBits = 63 / int(N);
+  static_assert(kBits >= 6, "at most 10 counts of at least 6 bits");
+  static constexpr std::uint64_t kComputed = std::uint64_t(1) << 63, kMask = (std::uint64_t(1) << kBits) - 1;
+
+ public:
+  /// The counts for the current device, compute(counts) the first time.
+  template <class Compute>
+  cudaError_t get(std::array<int, N>* counts, Compute&& compute) {
+    int device = 0;
+    if (const cudaError_t s = cudaGetDevice(&device); s != cudaSuccess) return s;
+    std::uint64_t packed = device < kCachedDevices ? known_[std::size_t(device)].load(std::memory_order_relaxed) : 0;
+    if (packed == 0) {
+      if (const cudaError_t s = compute(counts); s != cudaSuccess) return s;
+      packed = kComputed;
+      for (std::size_t i = 0; i < N; ++i) {
+        packed |= std::uint64_t(std::clamp<int>((*counts)[i], 0, int(kMask))) << (kBits * int(i));
+      }
+      if (device < kCachedDevices) known_[std::size_t(device)].store(packed, std::memory_order_relaxed);
+    }
+    for (std::size_t i = 0; i < N; ++i) (*counts)[i] = int((packed >> (kBits * int(i))) & kMask);
+    return cudaSuccess;
+  }
+
+ private:
+  std::array<std::atomic<std::uint64_t>, kCachedDevices> known_{};
+};
 
 }  // namespace kvsift::cuda::detail
