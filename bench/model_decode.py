@@ -10,27 +10,35 @@ over SDPA on the same shape, and the share of the step spent in attention (the s
 out). The caches hold random keys and values (prefill is not timed); each selector prepares its index over them.
 `--capacity` adds the largest batch that fits at 128K on this GPU for dense attention and for the selectors that
 free memory: computed from the model's weights and the bytes a sequence keeps (the whole KV cache, or CentroidKV's
-store at ratio R: R of it), not allocated.
+store at ratio R: R of it), not allocated. `--plot` draws the step time against context, a line per attention and a
+panel per batch, as SVG (gnuplot where installed, else matplotlib); `--from-json` reads the rows of an earlier
+`--json` instead of running, to redraw the table and the plot anywhere (no GPU, no torch).
 
 Usage (GPU machine, repository root, kvsift installed with CUDA; bench/run_device.sh python builds it):
   python3 bench/model_decode.py [--contexts 32768,131072,524288] [--batches 1,8,32] \\
       [--attention sdpa_cudnn,sdpa_flash,kvsift_dense,quest,quest_pages,oracle_topk,centroidkv] [--json model.json] \\
-      [--markdown model.md] [--capacity]
+      [--markdown model.md] [--capacity] [--plot model.svg]
+  python3 bench/model_decode.py --from-json model.json [--gpu NAME] [--markdown model.md] [--plot model.svg]
   python3 bench/model_decode.py --tiny       # a 2-layer model of 1024 tokens on the CPU: the wiring's self-check"""
 import argparse
 import json
 import math
 import os
+import shutil
+import subprocess
 import sys
 
-import torch
-import torch.nn.functional as F
+try:  # --from-json redraws saved rows on a machine without torch
+    import torch
+    import torch.nn.functional as F
 
-import kvsift
-import kvsift.torch_ops  # noqa: F401  (registers torch.ops.kvsift)
+    import kvsift
+    import kvsift.torch_ops  # noqa: F401  (registers torch.ops.kvsift)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sdpa_baseline import graph_time_us  # noqa: E402  (timed as the attention baselines are)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sdpa_baseline import graph_time_us  # noqa: E402  (timed as the attention baselines are)
+except ImportError:
+    torch = None
 
 LLAMA_8B = dict(layers=32, hidden=4096, q_heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256,
                 rope_theta=500000.0)
@@ -157,7 +165,7 @@ def weight_bytes(shape):
 
 
 def run(args):
-    shape = LLAMA_8B
+    shape, gpu = LLAMA_8B, torch.cuda.get_device_name()
     rows = []
     for context in args.contexts:
         for batch in args.batches:
@@ -187,7 +195,8 @@ def run(args):
                     base_us = us
                 rows.append(dict(attention=name, context=context, batch=batch, step_us=us,
                                  tokens_per_s=batch / us * 1e6, attention_share=max(0.0, 1 - none_us / us),
-                                 speedup_over_sdpa=(base_us / us) if base_us else None, no_attention_us=none_us))
+                                 speedup_over_sdpa=(base_us / us) if base_us else None, no_attention_us=none_us,
+                                 gpu=gpu))
                 print(json.dumps(rows[-1]), flush=True)
             del model
             torch.cuda.empty_cache()
@@ -212,6 +221,58 @@ def markdown(rows, gpu):
         lines.append(f"| {r['attention']} | {r['context']} | {r['batch']} | {r['step_us']:.0f} | "
                      f"{r['tokens_per_s']:.0f} | {speedup} | {100 * r['attention_share']:.0f}% |")
     return "\n".join(lines) + "\n"
+
+
+def plot(rows, path, gpu):
+    """An SVG at `path` of the step time (ms) against context, a line per attention (one colour in every panel), a
+    panel per batch: gnuplot where installed, else matplotlib. Returns whether either drew it."""
+    names = list(dict.fromkeys(r["attention"] for r in rows))  # the run's order
+    batches = sorted({r["batch"] for r in rows})
+    contexts = sorted({r["context"] for r in rows})
+    series = {(b, n): sorted((r["context"], r["step_us"] / 1e3) for r in rows
+                             if (r["batch"], r["attention"]) == (b, n)) for b in batches for n in names}
+    title = f"Whole-model decode step, Llama-3.1-8B shape, bf16 ({gpu})"
+    ticks = [(f"{c // 1024}K", c) for c in contexts]
+    if shutil.which("gnuplot"):
+        script = [f"set terminal svg size {max(760, 620 * len(batches))},480 noenhanced font 'sans,12' background "
+                  f"'white'", f"set output '{path}'", f"set multiplot layout 1,{len(batches)} title '{title}'",
+                  "set logscale x", f"set xrange [{contexts[0] / 1.4}:{contexts[-1] * 1.4}]", "set yrange [0:*]",
+                  "set xtics (" + ", ".join(f"'{label}' {c}" for label, c in ticks) + ")", "set grid",
+                  "set xlabel 'context (tokens)'", "set ylabel 'ms per decode step'",
+                  "set key outside right top Left reverse"]
+        for b in batches:
+            drawn = [n for n in names if series[b, n]]
+            # Inline data (a datablock, a series per index): the plot needs no file beside the SVG.
+            script.append(f"$batch{b} << EOD")
+            script += [line for n in drawn for line in [f"{c} {ms}" for c, ms in series[b, n]] + ["", ""]]
+            script += ["EOD", f"set title 'batch {b}'"]
+            script.append("plot " + ", ".join(f"$batch{b} index {i} using 1:2 with linespoints lw 2 pt 7 "
+                                              f"lt {names.index(n) + 1} title '{n}'" for i, n in enumerate(drawn)))
+        script.append("unset multiplot")
+        subprocess.run(["gnuplot"], input="\n".join(script) + "\n", text=True, check=True)
+        return True
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("model_decode: --plot needs gnuplot or matplotlib, and neither is installed: no plot", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, len(batches), figsize=(max(7.6, 6.2 * len(batches)), 4.8), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        for n in names:
+            if series[b, n]:
+                ax.plot(*zip(*series[b, n]), marker="o", label=n, color=f"C{names.index(n)}")
+        ax.set(xscale="log", xlim=(contexts[0] / 1.4, contexts[-1] * 1.4), ylim=(0, None), title=f"batch {b}",
+               xlabel="context (tokens)", ylabel="ms per decode step")
+        ax.set_xticks([c for _, c in ticks], [label for label, _ in ticks])
+        ax.minorticks_off()
+        ax.grid(True)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, bbox_inches="tight")
+    return True
 
 
 def tiny_self_check():
@@ -258,19 +319,31 @@ def main(argv=None):
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     parser.add_argument("--capacity", action="store_true")
+    parser.add_argument("--plot", metavar="PATH.svg")
+    parser.add_argument("--from-json", metavar="FILE", help="the rows of an earlier --json instead of a run")
+    parser.add_argument("--gpu", help="the GPU the --from-json rows ran on, where they do not say")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args(argv)
+    if torch is None and not args.from_json:
+        parser.error("needs torch and kvsift (--from-json redraws saved rows without them)")
     if args.tiny:
         return tiny_self_check()
-    unknown = [a for a in args.attention if a not in ATTENTIONS]
-    if unknown:
-        parser.error(f"--attention: unknown {unknown} (known: {', '.join(ATTENTIONS)})")
-    if not (torch.cuda.is_available() and kvsift.has_cuda):
-        parser.error("needs a GPU and kvsift built with CUDA (--tiny runs on the CPU)")
-    rows = run(args)
-    gpu = torch.cuda.get_device_name()
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = json.load(f)
+        if not rows:
+            parser.error(f"--from-json: {args.from_json} holds no rows")
+        gpu = args.gpu or rows[0].get("gpu") or "GPU not recorded"  # rows written before 'gpu' was a key lack it
+    else:
+        unknown = [a for a in args.attention if a not in ATTENTIONS]
+        if unknown:
+            parser.error(f"--attention: unknown {unknown} (known: {', '.join(ATTENTIONS)})")
+        if not (torch.cuda.is_available() and kvsift.has_cuda):
+            parser.error("needs a GPU and kvsift built with CUDA (--tiny runs on the CPU)")
+        rows = run(args)
+        gpu = torch.cuda.get_device_name()
     text = markdown(rows, gpu)
-    if args.capacity:
+    if args.capacity and not args.from_json:
         total = torch.cuda.get_device_properties(0).total_memory
         fits = capacity(LLAMA_8B, 131072, total)
         text += (f"\nLargest batch at 128K on one {gpu} ({total / 1e9:.0f} GB; weights {weight_bytes(LLAMA_8B) / 1e9:.0f} "
@@ -282,6 +355,8 @@ def main(argv=None):
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text)
+    if args.plot and not plot(rows, args.plot, gpu):
+        return 1
     return 0
 
 

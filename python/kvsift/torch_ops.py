@@ -14,9 +14,12 @@ seq_lens] (vLLM's per-layer cache and block tables, kvsift.vllm_cache's argument
 Sparse decode does not validate its selection here (validation synchronizes): pass selections the engine trusts,
 or check them once with kvsift.sparse_decode(validate=True).
 
-The decode step: register a kvsift.DecodeStep (placement 'local') with register_step, which returns the integer
-handle the decode_step ops take; prepare and release sequences on the step itself, outside the hot path. The op
-reads the cache (the engine has written the step's token to it) and the slots tensor (on the step's device). A
+The decode step: register a kvsift.DecodeStep with register_step, which returns the integer handle the decode_step
+ops take; prepare and release sequences on the step itself, outside the hot path. The op reads the cache (the engine
+has written the step's token to it) and the slots tensor (on the step's device). A step of a split placement
+('middle_on_cpu', 'middle_on_gpu') takes its second cache in the same list and, for a CPU selector, the GPU's query
+(q_device); it synchronizes with the host every step, so it runs eagerly and under torch.compile but not inside a
+CUDA graph capture, where the op refuses it. A
 kvsift.SpeContextStep registers the same way for specontext_select (once per model step; it returns a ticket) and
 specontext_attend (per layer, taking the ticket, which orders it after the select).
 docs/python.md#torch-operators is the reference."""
@@ -38,12 +41,17 @@ _CACHE_TENSORS = {"contiguous": ["k", "v", "lengths"], "NHD": _PAGED, "HND": _PA
                   "vllm_HND": _VLLM}
 
 
-def _cache(where, cache, layout):
-    """The kvsift.KVCache over `cache`'s tensors in `layout`."""
+def _tensor_names(where, layout):
+    """The names of a cache's tensors in `layout`, in order."""
     if layout not in _CACHE_TENSORS:
         raise Error(f"kvsift::{where}: layout (= {layout!r}) must be one of "
                     f"{', '.join(repr(name) for name in _CACHE_TENSORS)}")
-    names = _CACHE_TENSORS[layout]
+    return _CACHE_TENSORS[layout]
+
+
+def _cache(where, cache, layout):
+    """The kvsift.KVCache over `cache`'s tensors in `layout`."""
+    names = _tensor_names(where, layout)
     if len(cache) != len(names):
         raise Error(f"kvsift::{where}: a {layout} cache is {len(names)} tensors [{', '.join(names)}], "
                     f"got {len(cache)}")
@@ -212,13 +220,10 @@ _next_handle = [1]
 
 def register_step(step):
     """The handle the ops take for `step`, which this module keeps alive until unregister_step: a kvsift.DecodeStep
-    of placement 'local' (the decode_step ops) or a kvsift.SpeContextStep (the specontext ops)."""
+    of any placement (the decode_step ops) or a kvsift.SpeContextStep (the specontext ops)."""
     if not isinstance(step, (DecodeStep, SpeContextStep)):
         raise Error(f"kvsift.torch_ops.register_step: step must be a kvsift.DecodeStep or SpeContextStep, not "
                     f"{type(step).__name__}")
-    if isinstance(step, DecodeStep) and step.placement != "local":
-        raise Error(f"kvsift.torch_ops.register_step: the decode_step ops run the 'local' placement; this step's is "
-                    f"'{step.placement}' (call its run directly)")
     handle = _next_handle[0]
     _next_handle[0] += 1
     _steps[handle] = step
@@ -241,28 +246,71 @@ def _step(where, handle, kind=DecodeStep):
     return step
 
 
+def _step_caches(where, step, cache, layout, q_device, split_layout):
+    """The step's KVCache and run()'s split arguments. A split step's cache list is its own cache's tensors (in
+    `layout`, on the selector's device), then the other half's (in split_layout, default `layout`): a CPU
+    selector's device_cache (the GPU's, holding the window's rows; with q_device, the GPU's query), a GPU
+    selector's host_cache (pinned, holding the middle's rows)."""
+    if step.placement == "local":
+        if q_device is not None or split_layout is not None:
+            raise Error(f"kvsift::{where}: q_device and split_layout are the split placements'; this step's placement "
+                        f"is 'local'")
+        return _cache(where, cache, layout), {}
+    other_layout = layout if split_layout is None else split_layout
+    own, other = _tensor_names(where, layout), _tensor_names(where, other_layout)
+    side, second = (("CPU", "device_cache (the GPU's: the window)") if step.device == "cpu" else
+                    ("GPU", "host_cache (pinned: the middle)"))
+    if len(cache) != len(own) + len(other):
+        raise Error(f"kvsift::{where}: a '{step.placement}' step with its selector on the {side} takes its {layout} "
+                    f"cache [{', '.join(own)}] then its {second} in {other_layout} [{', '.join(other)}]: "
+                    f"{len(own) + len(other)} tensors, got {len(cache)}")
+    caches = _cache(where, cache[:len(own)], layout), _cache(where, cache[len(own):], other_layout)
+    if step.device == "cpu":
+        if q_device is None:
+            raise Error(f"kvsift::{where}: a CPU selector's '{step.placement}' step takes q_device (the query on "
+                        f"the GPU, beside q on the CPU)")
+        return caches[0], {"q_device": q_device, "device_cache": caches[1]}
+    if q_device is not None:
+        raise Error(f"kvsift::{where}: q_device is a CPU selector's; this step's selector runs on the GPU, q is its "
+                    f"query")
+    return caches[0], {"host_cache": caches[1]}
+
+
 @torch.library.custom_op("kvsift::decode_step_into", mutates_args=("o", "lse"))
 def decode_step_into(step: int, q: Tensor, cache: List[Tensor], layout: str, slots: Tensor, o: Tensor,
-                     lse: Tensor) -> None:
-    _step("decode_step_into", step).run(q, _cache("decode_step_into", cache, layout), slots, o=o, lse=lse)
+                     lse: Tensor, q_device: Optional[Tensor] = None, split_layout: Optional[str] = None) -> None:
+    """The registered DecodeStep `step` on q, its cache and slots, into o and lse (as its run). A split step
+    ('middle_on_cpu', 'middle_on_gpu'): `cache` holds its cache's tensors then the other half's (split_layout,
+    default layout; see _step_caches), q_device is a CPU selector's query on the GPU, and o, lse are on the GPU.
+    A split step waits for its CPU half every call: it runs eagerly and under torch.compile (without CUDA graphs),
+    and is refused inside a CUDA graph capture (torch.cuda.graph), where it cannot run."""
+    where = "decode_step_into"
+    decode = _step(where, step)
+    own, split = _step_caches(where, decode, cache, layout, q_device, split_layout)
+    if split and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise Error(f"kvsift::{where}: placement '{decode.placement}' synchronizes with the host every step and cannot "
+                    f"be captured in a CUDA graph: run it eagerly, or under torch.compile without CUDA graphs")
+    decode.run(q, own, slots, o=o, lse=lse, **split)
 
 
 @decode_step_into.register_fake
-def _(step, q, cache, layout, slots, o, lse):
+def _(step, q, cache, layout, slots, o, lse, q_device=None, split_layout=None):
     return None
 
 
 @torch.library.custom_op("kvsift::decode_step", mutates_args=())
 def decode_step(step: int, q: Tensor, cache: List[Tensor], layout: str, slots: Tensor,
-                out_dtype: Optional[torch.dtype]) -> Tuple[Tensor, Tensor]:
-    o, lse = _new_state(q, q.shape[1], out_dtype)
-    decode_step_into(step, q, cache, layout, slots, o, lse)
+                out_dtype: Optional[torch.dtype], q_device: Optional[Tensor] = None,
+                split_layout: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """decode_step_into's (o, lse), allocated beside q, or beside q_device for a CPU selector's split step."""
+    o, lse = _new_state(q if q_device is None else q_device, q.shape[1], out_dtype)
+    decode_step_into(step, q, cache, layout, slots, o, lse, q_device, split_layout)
     return o, lse
 
 
 @decode_step.register_fake
-def _(step, q, cache, layout, slots, out_dtype):
-    return _new_state(q, q.shape[1], out_dtype)
+def _(step, q, cache, layout, slots, out_dtype, q_device=None, split_layout=None):
+    return _new_state(q if q_device is None else q_device, q.shape[1], out_dtype)
 
 
 # ---- SpeContext: one selection per model step, every layer attends it ---------------------------------------------

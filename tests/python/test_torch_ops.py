@@ -293,6 +293,17 @@ def test_the_ops_refuse_bad_arguments_by_name(gen):
         torch_ops.register_step(3)
     with pytest.raises(kvsift.Error, match=r"unregister_step: handle \(= 99999\) is not a registered step"):
         torch_ops.unregister_step(99999)
+    # A 'local' step takes one cache and no split arguments.
+    handle = torch_ops.register_step(quest_step())
+    slots = torch.arange(len(LENGTHS), dtype=torch.int32)
+    try:
+        with pytest.raises(kvsift.Error, match=r"decode_step_into: q_device and split_layout are the split "
+                                               r"placements'; this step's placement is 'local'"):
+            ops.decode_step(handle, q, cache, "contiguous", slots, None, q)
+        with pytest.raises(kvsift.Error, match=r"a contiguous cache is 3 tensors \[k, v, lengths\], got 6"):
+            ops.decode_step(handle, q, cache + cache, "contiguous", slots, None)
+    finally:
+        torch_ops.unregister_step(handle)
     # The C++ checks reach torch's callers unchanged: counts of the wrong dtype.
     with pytest.raises(kvsift.Error, match="counts"):
         ops.sparse_decode(q, cache, "contiguous", indices, counts.long(), None, WINDOW, 0.0, None)
@@ -339,6 +350,89 @@ def test_a_cuda_graph_replays_the_ops_as_eager_calls(gen):
         assert torch.equal(picked, want_picked) and torch.equal(picks, want_picks)
     finally:
         torch_ops.unregister_step(handle)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and kvsift.has_cuda), reason="needs a GPU and kvsift built with CUDA")
+@pytest.mark.parametrize("placement,device", [("middle_on_cpu", "cpu"), ("middle_on_gpu", "cpu"),
+                                              ("middle_on_cpu", "cuda")])
+def test_decode_step_ops_run_the_split_placements_as_the_steps_own_run(gen, placement, device):
+    """A split step (selector on `device`) through decode_step and decode_step_into eagerly and decode_step under
+    torch.compile(fullgraph=True), each on a twin of a step run directly: the same (o, lse) bit for bit over three
+    decode steps, each with a fresh token in every cache and a fresh query, outputs poisoned first; then the fake
+    implementation against the real outputs, and the refusals, a CUDA graph capture among them."""
+    batch, capacity, nan = 2, 300, float("nan")
+    k = torch.randn(batch, KV_HEADS, capacity, HEAD_DIM, generator=gen).half()
+    v = torch.randn(k.shape, generator=gen).half()
+    host = [k.pin_memory(), v.pin_memory(), torch.tensor([250, 197], dtype=torch.int32).pin_memory()]
+    gpu = [x.cuda() for x in host]
+    # The op's cache list: the step's own cache (on the selector's side), then the other half's.
+    cache = host + gpu if device == "cpu" else gpu + host
+
+    def make():
+        step = kvsift.DecodeStep("quest", {"budget": 64, "page_size": 16}, q_heads=Q_HEADS, kv_heads=KV_HEADS,
+                                 head_dim=HEAD_DIM, max_seq_len=capacity, max_batch=batch, window=tuple(WINDOW),
+                                 device=device, placement=placement)
+        step.prepare(kvsift.contiguous_cache(*cache[:3]))
+        return step
+    direct, eager, into, traced = (make() for _ in range(4))  # twins: each gets the same calls
+    handles = [torch_ops.register_step(step) for step in (eager, into, traced)]
+    slots = torch.arange(batch, dtype=torch.int32, device=device)
+
+    def layer(handle, q, cache, slots, q_device):
+        return ops.decode_step(handle, q, cache, "contiguous", slots, None, q_device)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)  # a graph break raises
+    try:
+        for _ in range(3):
+            torch.cuda.synchronize()  # the GPU reads the host cache until it passes a run: append after that
+            for x in (host[2], gpu[2]):
+                x += 1
+            for b, n in enumerate(host[2].tolist()):  # the engine's cache write of the step's token
+                for host_x, gpu_x in zip(host[:2], gpu[:2]):
+                    host_x[b, :, n - 1] = torch.randn(KV_HEADS, HEAD_DIM, generator=gen).half()
+                    gpu_x[b, :, n - 1] = host_x[b, :, n - 1].cuda()
+            q_cpu = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen).half()
+            q, q_device = (q_cpu, q_cpu.cuda()) if device == "cpu" else (q_cpu.cuda(), None)
+            o = torch.full((batch, Q_HEADS, HEAD_DIM), nan, dtype=torch.float16, device="cuda")
+            lse = torch.full((batch, Q_HEADS), nan, device="cuda")
+            o_into, lse_into = torch.full_like(o, nan), torch.full_like(lse, nan)
+            second = kvsift.contiguous_cache(*cache[3:])
+            split = dict(q_device=q_device, device_cache=second) if device == "cpu" else dict(host_cache=second)
+            direct.run(q, kvsift.contiguous_cache(*cache[:3]), slots, o=o, lse=lse, **split)
+            got = [ops.decode_step(handles[0], q, cache, "contiguous", slots, None, q_device)]
+            ops.decode_step_into(handles[1], q, cache, "contiguous", slots, o_into, lse_into, q_device)
+            got += [(o_into, lse_into), compiled(handles[2], q, cache, slots, q_device)]
+            torch.cuda.synchronize()
+            assert o.isfinite().all() and lse.isfinite().all()
+            for got_o, got_lse in got:
+                assert got_o.is_cuda and torch.equal(got_o, o) and torch.equal(got_lse, lse)
+        # The fake implementation (what torch.compile plans with) against the real outputs: on fake copies of the
+        # inputs here, not opcheck's, whose copies of the host cache are not pinned (the step refuses them).
+        from torch._subclasses import FakeTensorMode
+        fake_mode = FakeTensorMode()
+        fake = [None if x is None else fake_mode.from_tensor(x) for x in (q, slots, q_device)]
+        with fake_mode:
+            planned = ops.decode_step(handles[0], fake[0], [fake_mode.from_tensor(x) for x in cache], "contiguous",
+                                      fake[1], None, fake[2])
+        for plan, real in zip(planned, got[0]):
+            assert (plan.device, plan.dtype, plan.shape, plan.stride()) == (real.device, real.dtype, real.shape,
+                                                                            real.stride())
+        side = "CPU" if device == "cpu" else "GPU"
+        with pytest.raises(kvsift.Error, match=rf"a '{placement}' step with its selector on the {side} takes its "
+                                               rf"contiguous cache \[k, v, lengths\] then its"):
+            ops.decode_step(handles[0], q, cache[:3], "contiguous", slots, None, q_device)
+        with pytest.raises(kvsift.Error, match=r"layout \(= 'NDH'\) must be one of"):
+            ops.decode_step(handles[0], q, cache, "contiguous", slots, None, q_device, "NDH")
+        with pytest.raises(kvsift.Error, match="takes q_device" if device == "cpu" else "q_device is a CPU selector's"):
+            ops.decode_step(handles[0], q, cache, "contiguous", slots, None, None if device == "cpu" else q)
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(kvsift.Error, match=rf"placement '{placement}' synchronizes with the host every step and "
+                                               rf"cannot be captured in a CUDA graph"):
+            with torch.cuda.graph(graph):
+                ops.decode_step_into(handles[1], q, cache, "contiguous", slots, o_into, lse_into, q_device)
+    finally:
+        for handle in handles:
+            torch_ops.unregister_step(handle)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
