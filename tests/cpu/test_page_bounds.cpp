@@ -18,6 +18,7 @@
 
 #include "kvsift/selectors/quest/page_bounds_view.hpp"
 #include "kvsift/selectors/quest/cpu/page_bounds.hpp"
+#include "kvsift/selectors/quest/quest.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 #include "page_bounds_problem.hpp"
 #include "test_util.hpp"
@@ -281,6 +282,25 @@ TEST(CpuPageBounds, ExpandListsThePagesTokensOutsideTheWindow) {
       }
     }
   }
+}
+
+// quest_page_size: the preferred size halved until the budget holds kQuestMinPages pages (values worked out by hand),
+// and over a range: a power-of-two fraction of the preferred size, at least 16 pages or a page of one token, and never
+// halved past what 16 pages need.
+TEST(QuestPageSize, SmallBudgetsGetFinerPagesNotFewer) {
+  const struct {
+    std::int32_t budget, preferred, page_size;
+  } cases[] = {{1, 16, 1}, {14, 16, 1}, {31, 16, 1}, {32, 16, 2}, {35, 16, 2}, {64, 16, 4}, {128, 16, 8},
+               {255, 16, 8}, {256, 16, 16}, {1980, 16, 16}, {100, 12, 6}, {192, 12, 12}, {5, 1, 1}};
+  for (const auto& c : cases) EXPECT_EQ(quest_page_size(c.budget, c.preferred), c.page_size) << c.budget;
+  for (std::int32_t budget = 1; budget <= 4096; ++budget) {
+    const std::int32_t p = quest_page_size(budget);
+    ASSERT_TRUE(p >= 1 && p <= 16 && 16 % p == 0) << budget;
+    ASSERT_TRUE(p == 1 || budget >= kQuestMinPages * p) << budget;
+    ASSERT_TRUE(p == 16 || budget < kQuestMinPages * 2 * p) << budget;
+  }
+  test::expect_error([] { quest_page_size(0); }, "quest_page_size: budget (= 0) must be >= 1");
+  test::expect_error([] { quest_page_size(10, 0); }, "quest_page_size: preferred (= 0) must be >= 1");
 }
 
 TEST(CpuPageBoundsBadInput, UpdatesRefuseBadShapesSlotsAndLengths) {

@@ -314,7 +314,7 @@ TEST(Fidelity, FullBudgetKeepsAllAttention) {
                                         {.budgets = {1.0}, .decode_positions = 1, .prefill = 511.0 / 512});
   ASSERT_EQ(result.positions, std::vector<std::int32_t>{511});
   for (const std::int32_t layer : {3, 15}) {
-    for (const char* name : {"OracleTopK", "StreamingLLM", "Quest"}) {  // Quest: 32 whole pages
+    for (const char* name : {"OracleTopK", "StreamingLLM"}) {
       const auto& r = row_for(result.rows, name, 1.0, layer);
       EXPECT_EQ(r.budget_tokens, 512);
       EXPECT_NEAR(r.mass_recall, 1.0, 1e-9) << name;
@@ -323,11 +323,19 @@ TEST(Fidelity, FullBudgetKeepsAllAttention) {
       EXPECT_LT(r.output_error_p90, 1e-6) << name;
       EXPECT_NEAR(r.mean_selected, 512.0, 1e-9) << name;
     }
+    // Quest: a window of 4 + 64 and 27 whole pages of 16 (the 444 tokens left hold 27): the pages overlapping the
+    // window's edges are kept less their window tokens, so a page's worth at most goes unattended.
+    const auto& quest = row_for(result.rows, "Quest", 1.0, layer);
+    EXPECT_EQ(quest.budget_tokens, 512);
+    EXPECT_GT(quest.mass_recall, 0.99);
+    EXPECT_LT(quest.mass_recall, 1.0);
+    EXPECT_LE(quest.mean_selected, 512.0);
+    EXPECT_GE(quest.mean_selected, 512.0 - 16);
   }
 }
 
 TEST(Fidelity, OracleBoundsEveryReferenceAndRetrievalBeatsRecencyAtLargerBudgets) {
-  // Prefill [0, 384): K = 19, 39, 77 for 5/10/20% (Quest needs 16); 32 positions over 384..511.
+  // Prefill [0, 384): K = 19, 39, 77 for 5/10/20%; 32 positions over 384..511.
   const std::vector<double> budgets = {0.05, 0.1, 0.2};
   const auto result = evaluate_fidelity(capture(), reference_selectors(),
                                         {.budgets = budgets, .decode_positions = 32, .prefill = 0.75});
@@ -400,11 +408,17 @@ TEST(Fidelity, RerankEntriesKeepTheirBudgetAndMoreMassThanTheirProposers) {
 }
 
 TEST(Fidelity, RefusedBudgetsAndBadOptionsAreReported) {
-  // Prefill [0, 256): 1% is K = 3 tokens, less than a Quest page.
-  const auto result = evaluate_fidelity(capture(), reference_selectors(), {.budgets = {0.01}, .decode_positions = 8});
-  EXPECT_NE(row_for(result.rows, "Quest", 0.01, 3).refused.find("smaller than one page"), std::string::npos);
+  // Prefill [0, 256): 1% is K = 3 tokens, less than a page of 16 (the reference entry's Quest shrinks its pages).
+  auto selectors = reference_selectors();
+  selectors.push_back({"Quest 16", [](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
+                         return BasicSelectorSetup<cpu::Context>{
+                             AnySelector<half, cpu::Context>(Quest<half, cpu::Context>(limits, {.budget = k}))};
+                       }});
+  const auto result = evaluate_fidelity(capture(), selectors, {.budgets = {0.01}, .decode_positions = 8});
+  EXPECT_NE(row_for(result.rows, "Quest 16", 0.01, 3).refused.find("smaller than one page"), std::string::npos);
+  EXPECT_TRUE(row_for(result.rows, "Quest", 0.01, 3).refused.empty());
   const std::string table = fidelity_markdown(result);
-  EXPECT_NE(table.find("| 15 | Quest | 1% | 3 | refused: "), std::string::npos) << table;
+  EXPECT_NE(table.find("| 15 | Quest 16 | 1% | 3 | refused: "), std::string::npos) << table;
   EXPECT_NE(table.find("K = budget x 257, the context at the first decode position"), std::string::npos) << table;
   test::expect_error([] { evaluate_fidelity(capture(), reference_selectors(), {.budgets = {0.0}}); },
                      "budget fraction 0 is outside (0, 1]");
@@ -443,7 +457,8 @@ class FidelityBackends : public test::SeededTest {};
 TEST_F(FidelityBackends, TwoCpuBackendsInLockstepGiveTheRowsOfOneAndNoMismatch) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   const Capture c = random_capture(rng, 96);
-  // Prefill [0, 48): K = 5 (Quest refused), 20 (one page); 12 positions.
+  // Prefill [0, 48): K = 5 (Quest: a window of 0 + 1, 4 pages of one token), 20 (2 + 5, 13 pages of one token); 12
+  // positions.
   const FidelityOptions options{.budgets = {0.1, 0.4}, .decode_positions = 12, .prefill = 0.5};
   const auto alone = evaluate_fidelity(c, reference_selectors(), options);
   const auto a = fidelity_backend(reference_selectors()), b = fidelity_backend(reference_selectors());
@@ -460,14 +475,14 @@ TEST_F(FidelityBackends, TwoCpuBackendsInLockstepGiveTheRowsOfOneAndNoMismatch) 
       EXPECT_TRUE(same_row(result.rows[i], alone.rows[i])) << alone.rows[i].selector << " row " << i;
     }
   }
-  EXPECT_NE(alone.rows[2].refused.find("smaller than one page"), std::string::npos);
+  EXPECT_TRUE(alone.rows[2].refused.empty()) << alone.rows[2].refused;  // Quest at K = 5 has room to choose
   const BackendDifference& d = both.differences[0];
   EXPECT_TRUE(d.mismatches.empty());
   EXPECT_TRUE(d.refusals.empty());
   EXPECT_EQ(d.max_mass(), 0.0);
-  // 2 layers x (2 budgets x 3 selectors - Quest at 10%) x 12 positions x 2 kv heads.
-  EXPECT_EQ(d.selections, 2 * 5 * 12 * 2);
-  EXPECT_EQ(fidelity_markdown(d), "cpu against cpu: all 240 selections (layer, budget, selector, evaluated position, "
+  // 2 layers x 2 budgets x 3 selectors x 12 positions x 2 kv heads.
+  EXPECT_EQ(d.selections, 2 * 6 * 12 * 2);
+  EXPECT_EQ(fidelity_markdown(d), "cpu against cpu: all 288 selections (layer, budget, selector, evaluated position, "
                                   "kv head) attended the same tokens.\n");
 }
 

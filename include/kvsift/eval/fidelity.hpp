@@ -94,7 +94,9 @@ using SelectorSetup = BasicSelectorSetup<cpu::Context>;
 using SelectorEntry = BasicSelectorEntry<cpu::Context>;
 
 /// OracleTopK (the upper bound; no window), StreamingLLM (the window alone: sink min(4, K), recent K - sink)
-/// and Quest (pages of 16, no window): the references every retrieval selector is compared with. One list for
+/// and Quest (K split by split_budget(K, {4, 64}) into a window and a selection of whole pages, the page size by
+/// quest_page_size: at most 16, small enough for 16 pages; the recent window holds the current page whenever it is at
+/// least a page long, so Quest keeps it): the references every retrieval selector is compared with. One list for
 /// both backends; instantiated for cpu::Context in src/eval/fidelity.cpp and for cuda::Context in
 /// src/cuda/fidelity.cpp (eval/cuda_fidelity.hpp declares it).
 template <class Context = cpu::Context>
@@ -113,7 +115,9 @@ std::vector<BasicSelectorEntry<Context>> reference_selectors() {
        }},
       {"Quest",
        [](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
-         return Setup{Any(Quest<half, Context>(limits, {.budget = k, .page_size = 16}))};
+         const BudgetSplit split = split_budget(k, {4, 64});
+         const QuestConfig config{.budget = split.selection, .page_size = quest_page_size(split.selection)};
+         return Setup{Any(Quest<half, Context>(limits, config)), split.window};
        }},
   };
 }
@@ -145,9 +149,9 @@ std::vector<BasicSelectorEntry<Context>> method_selectors() {
 /// The rerank stage (selectors/rerank.hpp) after Quest and CSAttention: each proposes `factor` times the tokens it
 /// keeps (capped at the capture's length), the stage keeps them by the exact scores. "CSAttention + rerank" at its
 /// own entry's window and budget; "Quest + rerank" with CTKVR's window (a sink of min(4, K / 8), a recent window of
-/// K / 4) and the rest K' kept: Quest's own entry has no window, but after a rerank the window's recent tokens
-/// are worth more than Quest's K'-th page (GPL-3 capture, layer 15 at 2%: mass recall 0.440 without it, 0.718
-/// with it; layer 3 0.332 and 0.335). "Quest + rerank (p 0.9)": the same with an adaptive budget (RerankConfig::mass
+/// K / 4) and the rest K' kept, Quest proposing factor x K' tokens in pages of quest_page_size(K') (the window's
+/// recent tokens are worth more than Quest's K'-th page after a rerank: GPL-3 capture, layer 15 at 2%, pages of 16,
+/// mass recall 0.440 without it, 0.718 with it; layer 3 0.332 and 0.335). "Quest + rerank (p 0.9)": the same with an adaptive budget (RerankConfig::mass
 /// = 0.9, floor 1): each row keeps the fewest of its best candidates holding 90% of their exact mass, at most K'; it
 /// selects fewer tokens than its budget, so compare it by FidelityRow::mean_selected (the cost actually paid), not
 /// by K. Same instantiation points as reference_selectors.
@@ -163,14 +167,16 @@ std::vector<BasicSelectorEntry<Context>> rerank_selectors(std::int32_t factor) {
       {"Quest + rerank",
        [proposed](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
          const BudgetSplit split = split_budget(k, {.sink = 4, .recent = k});
-         Quest<half, Context> quest(limits, {.budget = proposed(split.selection, limits), .page_size = 16});
+         Quest<half, Context> quest(limits, {.budget = proposed(split.selection, limits),
+                                             .page_size = quest_page_size(split.selection)});
          const std::int32_t kept = std::min(split.selection, quest.capacity());
          return Setup{Any(Reranked(std::move(quest), {.budget = kept})), split.window};
        }},
       {"Quest + rerank (p 0.9)",
        [proposed](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
          const BudgetSplit split = split_budget(k, {.sink = 4, .recent = k});
-         Quest<half, Context> quest(limits, {.budget = proposed(split.selection, limits), .page_size = 16});
+         Quest<half, Context> quest(limits, {.budget = proposed(split.selection, limits),
+                                             .page_size = quest_page_size(split.selection)});
          const std::int32_t kept = std::min(split.selection, quest.capacity());
          return Setup{Any(Reranked(std::move(quest), {.budget = kept, .mass = 0.9})), split.window};
        }},

@@ -34,6 +34,24 @@ struct QuestConfig {
   std::int32_t page_size = 16;
 };
 
+/// Pages a Quest selection should have to choose from, at least: the paper's smallest setting (256 tokens in pages of
+/// 16). With fewer, a small budget is spent on a few coarse pages (SmolLM2 captures at 2%: 21 tokens as one page of
+/// 16 kept 0.09-0.17 of the mass, StreamingLLM 0.22-0.67).
+inline constexpr std::int32_t kQuestMinPages = 16;
+/// The page size for a Quest selection of `budget` tokens: `preferred` (the paper's 16), halved while the budget
+/// holds fewer than kQuestMinPages pages of it, down to 1 (a token per page: Quest's bound is then the exact score).
+/// A small budget thus gets finer pages rather than fewer: budget 14 -> pages of 1, 35 -> 2, 128 -> 8, 256 and
+/// above -> 16.
+/// The index grows as the pages shrink (index_bytes(): 2 * sizeof(T) * head_dim per page). Refused: budget < 1,
+/// preferred < 1.
+inline std::int32_t quest_page_size(std::int32_t budget, std::int32_t preferred = 16) {
+  KVSIFT_CHECK(budget >= 1, "quest_page_size", "budget (= {}) must be >= 1", budget);
+  KVSIFT_CHECK(preferred >= 1, "quest_page_size", "preferred (= {}) must be >= 1", preferred);
+  std::int32_t page_size = preferred;
+  while (page_size > 1 && std::int64_t(budget) < std::int64_t(kQuestMinPages) * page_size) page_size /= 2;
+  return page_size;
+}
+
 template <class T, class Context>
 class Quest : public SelectorTypes<T, Context>, public detail::SelectorCore<"Quest"> {
  public:
