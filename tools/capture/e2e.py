@@ -19,6 +19,9 @@ stage (selectors/rerank.hpp) keeps the budget's tokens of those proposals by the
 
 SpeContext (the layer-0 head): the model's layer-0 pre-RoPE q and k, which exist before the layers run, are the
 retrieval head's q_r and k_r; one SpeContextStep serves all layers with one selection per position.
+"specontext_groups": the layers in groups led by layers 0, 3 and 12 (SPECONTEXT_GROUPS: the three runs that keep the
+most mass recall in docs/bench/specontext_layers_2pct.csv, tools/specontext/layer_groups.py), one SpeContextStep per
+group whose head is the group's first layer's pre-RoPE q and k: three selections per position.
 """
 import argparse
 import json
@@ -31,17 +34,19 @@ from capture import passkey_text
 from model import Model
 
 SINK, RECENT = 4, 16
+SPECONTEXT_GROUPS = (0, 3, 12)  # "specontext_groups": the first layer of each group, its proxy
 RERANK_FACTOR = 4  # "<selector>_rerank": the selector proposes this many times the tokens the rerank keeps
 
 
 class Attention:
-    """Hooks for a selector that selects once per position for every layer (SpeContext's retrieval head): the
-    head's prompt keys, and each block's head inputs before layer 0 runs. The per-layer ones ignore them."""
+    """Hooks for a selector that selects once per position for a run of layers (SpeContext's retrieval head): every
+    layer's prompt keys before RoPE, and each layer's block inputs before RoPE as the layer starts. The per-layer
+    ones ignore them."""
 
-    def prefill_head(self, k_pre):
+    def prefill_head(self, k_pre_of_layer):
         pass
 
-    def select_block(self, q_pre, k_pre):
+    def select_block(self, layer, q_pre, k_pre):
         pass
 
 
@@ -155,60 +160,74 @@ class KvsiftAttention(Attention):
 
 
 class SpeContextAttention(Attention):
-    """SpeContext with the layer-0 head: one kvsift SpeContextStep for the model (B = the budget, window 4 + 16,
-    the head's RoPE the model's), contiguous fp16 caches of `capacity` tokens per layer.
+    """SpeContext: per group of layers [firsts[g], firsts[g + 1]) one kvsift SpeContextStep (B = the budget, window
+    4 + 16, the head's RoPE the model's) whose head is the group's first layer's pre-RoPE q and k; firsts (0,) is
+    the layer-0 head serving every layer. Contiguous fp16 caches of `capacity` tokens per layer.
 
-    The blocks run layer-major, but the head's inputs of a whole block (layer 0's pre-RoPE q and k of the
-    block's embeddings) exist before layer 0 runs, so select_block makes every position's selection first, each
-    seeing the head's keys up to its position only (the head's own lengths), and keeps them; each layer then
-    attends position i with selection i. The same selections and arithmetic as token-major decoding."""
+    The blocks run layer-major, and a group's head inputs of a whole block exist when its first layer starts, so
+    select_block makes every position's selection for the group first, each seeing the head's keys up to its
+    position only (the head's own lengths), and keeps them; each layer of the group then attends position i with
+    selection i. The same selections and arithmetic as token-major decoding."""
 
-    def __init__(self, model, budget, capacity, pool):
+    def __init__(self, model, budget, capacity, pool, firsts=(0,)):
         import kvsift
         m = model
-        self.kvsift, self.model, self.capacity = kvsift, model, capacity
-        self.step = kvsift.SpeContextStep(layers=m.layers, q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
-                                          max_seq_len=capacity, rope_theta=m.rope_theta, rope_dim=m.rope_dim,
-                                          rope_interleaved=True, budget=budget, window=(SINK, RECENT), pool=pool)
+        self.kvsift, self.model, self.capacity, self.firsts = kvsift, model, capacity, tuple(firsts)
+        ends = self.firsts[1:] + (m.layers,)
+        self.steps = [kvsift.SpeContextStep(layers=end - first, q_heads=m.q_heads, kv_heads=m.kv_heads,
+                                            head_dim=m.head_dim, max_seq_len=capacity, rope_theta=m.rope_theta,
+                                            rope_dim=m.rope_dim, rope_interleaved=True, budget=budget,
+                                            window=(SINK, RECENT), pool=pool)
+                      for first, end in zip(self.firsts, ends)]
+        self.group_of = [max(g for g, first in enumerate(self.firsts) if first <= layer) for layer in range(m.layers)]
         self.slots = np.zeros(1, dtype=np.int32)
-        self.layers, self.selections = {}, []
+        self.layers, self.selections = {}, [[] for _ in self.firsts]
 
     def prefill(self, layer, q, k, v):
         self.layers[layer] = contiguous_cache(self.kvsift, self.model, k, v, self.capacity)
 
-    def prefill_head(self, k_pre):
-        # The head reads a cache only for its lengths: layer 0's arrays with lengths of the head's own, which run
-        # ahead of the layers' during a block.
-        cache_k, cache_v = self.layers[0][2]
-        self.head_lengths = np.array([len(k_pre)], dtype=np.int32)
-        self.head_cache = self.kvsift.contiguous_cache(cache_k, cache_v, self.head_lengths)
-        keys = np.ascontiguousarray(k_pre.transpose(1, 0, 2)[None], dtype=np.float16)  # [1, kv_heads, n, d]
-        self.step.prepare(self.head_cache, keys, self.slots)
+    def prefill_head(self, k_pre_of_layer):
+        # A head reads a cache only for its lengths: its first layer's arrays with lengths of the head's own, which
+        # run ahead of the layers' during a block.
+        self.head_lengths, self.head_caches = [], []
+        for step, first in zip(self.steps, self.firsts):
+            cache_k, cache_v = self.layers[first][2]
+            lengths = np.array([len(k_pre_of_layer[first])], dtype=np.int32)
+            cache = self.kvsift.contiguous_cache(cache_k, cache_v, lengths)
+            keys = np.ascontiguousarray(k_pre_of_layer[first].transpose(1, 0, 2)[None], dtype=np.float16)
+            step.prepare(cache, keys, self.slots)  # keys: [1, kv_heads, n, d]
+            self.head_lengths.append(lengths)
+            self.head_caches.append(cache)
 
-    def select_block(self, q_pre, k_pre):
+    def select_block(self, layer, q_pre, k_pre):
+        if layer not in self.firsts:
+            return
+        g = self.firsts.index(layer)
         q16, k16 = q_pre.astype(np.float16), k_pre.astype(np.float16)
-        self.selections = []
+        self.selections[g] = []
         for i in range(len(q16)):
-            self.head_lengths[0] += 1
-            self.step.select(q16[i:i + 1], k16[i:i + 1], self.head_cache, self.slots)
-            self.selections.append(self.step.selection(1))
+            self.head_lengths[g][0] += 1
+            self.steps[g].select(q16[i:i + 1], k16[i:i + 1], self.head_caches[g], self.slots)
+            self.selections[g].append(self.steps[g].selection(1))
 
     def decode(self, layer, q, k, v):
         cache, lengths, _ = self.layers[layer]
-        m = self.model
+        m, g = self.model, self.group_of[layer]
         out = np.empty((len(q), m.q_heads, m.head_dim), dtype=np.float32)
         lse = np.empty((len(q), m.q_heads), dtype=np.float32)
         q16, k16, v16 = q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)
         for i in range(len(q)):
             lengths[0] += 1
-            self.step.attend(layer, q16[i:i + 1], cache, k=k16[i:i + 1], v=v16[i:i + 1], o=out[i:i + 1],
-                             lse=lse[i:i + 1], selection=self.selections[i])
+            self.steps[g].attend(layer - self.firsts[g], q16[i:i + 1], cache, k=k16[i:i + 1], v=v16[i:i + 1],
+                                 o=out[i:i + 1], lse=lse[i:i + 1], selection=self.selections[g][i])
         return out
 
 
 def make_attention(model, selector, budget, capacity, pool, codebooks):
     if selector == "specontext":
         return SpeContextAttention(model, budget, capacity, pool)
+    if selector == "specontext_groups":
+        return SpeContextAttention(model, budget, capacity, pool, SPECONTEXT_GROUPS)
     return KvsiftAttention(model, selector, budget, capacity, pool, codebooks)
 
 
@@ -219,7 +238,7 @@ class Prefill:
         self.ids = list(ids)
         logits, captured = model.forward(self.ids, capture_layers=range(model.layers))
         self.qkv = [(captured[l]["q"].astype(np.float16), captured[l]["k"], captured[l]["v"]) for l in range(model.layers)]
-        self.head_k = captured[0]["k_pre"]  # SpeContext's layer-0 head
+        self.head_k = [captured[l]["k_pre"] for l in range(model.layers)]  # SpeContext's heads
         self.last_logits = logits[-1]
 
 
@@ -229,8 +248,7 @@ def decode_block(model, attention, ids, start):
     positions = np.arange(start, start + len(ids))
     for layer in range(model.layers):
         q_pre, q, k_pre, k, v = model.qkv(layer, x, positions)
-        if layer == 0:
-            attention.select_block(q_pre, k_pre)
+        attention.select_block(layer, q_pre, k_pre)
         x = model.finish_layer(layer, x, attention.decode(layer, q, k, v))
     return model.logits(x)
 
