@@ -285,7 +285,8 @@ TEST_F(CudaWorkspaces, GatherKvDifferenceFromPinnedHost) {
 }
 
 /// One sequence per row whose selection plus window holds 2520 tokens: the planner splits it (or num_splits
-/// forces 4 splits), so the decode workspace holds partial states.
+/// forces 4 splits), so the decode workspace holds partial states with the merge kernel (SplitMerge::kernel; a
+/// cluster merge, automatic on a GPU that places the clusters, needs none).
 DeviceProblem<bfloat16> long_rows(Random& rng) {
   return DeviceProblem<bfloat16>(rng, CaseSpec{.batch = 1, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
                                                .tokens = 3000, .k = 2500, .page_size = 0, .log_weights = true,
@@ -309,9 +310,10 @@ TEST_F(CudaWorkspaces, SparseDecode) {
   auto d = long_rows(rng);
   const auto& c = d.spec();
   const HostState ref = d.p.reference(/*sparse=*/true);
-  for (const std::int32_t num_splits : {0, 4}) {
-    SCOPED_TRACE(testing::Message() << "num_splits " << num_splits);
-    const cuda::DecodeOptions options{.attention = {.window = c.window}, .num_splits = num_splits};
+  for (const auto& [num_splits, merge] : {std::pair{0, cuda::SplitMerge::automatic}, std::pair{4, cuda::SplitMerge::automatic},
+                                         std::pair{0, cuda::SplitMerge::kernel}, std::pair{4, cuda::SplitMerge::kernel}}) {
+    SCOPED_TRACE(testing::Message() << "num_splits " << num_splits << ", split_merge " << cuda::split_merge_name(merge));
+    const cuda::DecodeOptions options{.attention = {.window = c.window}, .num_splits = num_splits, .split_merge = merge};
     const std::size_t bytes = cuda::sparse_decode_workspace_bytes(d.q_view(), d.kv(), d.selection(), options);
     // The shape-only query (a decode step's plan) must give the same bytes for these shapes.
     EXPECT_EQ(cuda::sparse_decode_workspace_bytes(
@@ -329,9 +331,10 @@ TEST_F(CudaWorkspaces, DenseDecode) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   auto d = long_rows(rng);
   const HostState ref = d.p.reference(/*sparse=*/false);
-  for (const std::int32_t num_splits : {0, 4}) {
-    SCOPED_TRACE(testing::Message() << "num_splits " << num_splits);
-    const cuda::DecodeOptions options{.num_splits = num_splits};
+  for (const auto& [num_splits, merge] : {std::pair{0, cuda::SplitMerge::automatic}, std::pair{4, cuda::SplitMerge::automatic},
+                                         std::pair{0, cuda::SplitMerge::kernel}, std::pair{4, cuda::SplitMerge::kernel}}) {
+    SCOPED_TRACE(testing::Message() << "num_splits " << num_splits << ", split_merge " << cuda::split_merge_name(merge));
+    const cuda::DecodeOptions options{.num_splits = num_splits, .split_merge = merge};
     check_decode(d, cuda::dense_decode_workspace_bytes(d.q_view(), d.kv(), options),
                  [&](const StateView<bfloat16>& out, std::span<std::byte> ws, cudaStream_t stream) {
                    cuda::dense_decode(d.q_view(), d.kv(), out, ws, stream, options);

@@ -118,8 +118,8 @@ __device__ __forceinline__ unsigned pack2(float low, float high) {
 /// shared memory (cta_o [kHeadsPerTile][HeadDim], cta_lse [kHeadsPerTile]); after a cluster barrier, CTA r merges
 /// the tile's heads r, r + num_splits, ... from every CTA's memory (merge_split_row, as the merge kernel does from
 /// the workspace: the same output, bit for bit), and a second barrier keeps each CTA's memory alive until the last
-/// read. Replaces the partials' stores, the merge kernel's launch and its loads. Built for sm_90 only (the plan
-/// never sets cluster_merge elsewhere).
+/// read. Replaces the partials' stores, the merge kernel's launch and its loads. sm_90 code only: elsewhere it traps
+/// (the plan never sets cluster_merge there).
 template <int HeadDim, class T>
 __device__ __forceinline__ void merge_in_cluster(const DecodeParams<T>& p, int b, int kv_head, int first_head,
                                                  float* cta_o, float* cta_lse) {
@@ -134,6 +134,8 @@ __device__ __forceinline__ void merge_in_cluster(const DecodeParams<T>& p, int b
         [&](int i, int c) { return cluster.map_shared_rank(cta_o, i)[head * HeadDim + c]; });
   }
   cluster.sync();  // no CTA's memory goes while another reads it
+#elif defined(__CUDA_ARCH__)
+  __trap();  // the plan never sets cluster_merge without sm_90 code (decode_cluster_capacity): fail loudly, not silently
 #endif
 }
 

@@ -11,7 +11,8 @@
 namespace kvsift::cuda::detail {
 
 /// Launches the decode kernel for p (grid from p's shape), as a programmatic dependent of the stream's
-/// previous kernel when `programmatic`, and, when p.num_splits > 1, the split merge.
+/// previous kernel when `programmatic` (in clusters of p.num_splits CTAs with p.cluster_merge), and, when
+/// p.num_splits > 1 without the cluster merge, the merge kernel.
 template <class T>
 cudaError_t launch_decode(const DecodeParams<T>& p, cudaStream_t stream, bool programmatic);
 

@@ -86,7 +86,8 @@ struct DecodeParams {
   StateView<T> out;                  ///< the output in the storage type, unless out_f32.o is set
   StateView<float> out_f32;          ///< the output in fp32 (a partial state for a later merge), when o is set
   /// fp32 states the decode kernel writes instead of `out`, when o is set: the split partials (workspace) when
-  /// num_splits > 1, else out_f32 itself. The split merge reads the partials and writes out or out_f32.
+  /// num_splits > 1 with the merge kernel, else out_f32 itself (unsplit); null with a cluster merge, which writes out
+  /// or out_f32 from shared memory. The merge kernel reads the partials and writes out or out_f32.
   PartialStates partials;
   unsigned long long* first_bad_row = nullptr;  ///< validation mode: the smallest selection row refused
 

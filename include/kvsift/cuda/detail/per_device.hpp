@@ -64,7 +64,7 @@ cudaError_t device_attribute(int* value) {
 template <std::size_t N>
 class PerDeviceCounts {
   static constexpr int kBits = 63 / int(N);
-  static_assert(kBits >= 6, "at most 10 counts of at least 6 bits");
+  static_assert(N >= 2 && kBits >= 6, "2 to 10 counts of 6 to 31 bits (each clamped to an int's range)");
   static constexpr std::uint64_t kComputed = std::uint64_t(1) << 63, kMask = (std::uint64_t(1) << kBits) - 1;
 
  public:
