@@ -5,8 +5,13 @@ JOBS ?= $(shell nproc)
 deps:
 	@scripts/install-deps.sh
 
+# In CI (CI set in the environment, as CI services set it; no GPU there) the CUDA code is built as sm_80 and sm_90a
+# machine code without the compute_90 PTX, which nothing there loads: a third less CUDA compile time, which keeps
+# `make test` on a clean clone under 30 minutes on 2 cores. Both code paths (before and from sm_90) still compile.
+CI_CMAKE_FLAGS := $(if $(CI),'-DCMAKE_CUDA_ARCHITECTURES=80-real;90a-real')
+
 build: deps
-	cmake --preset release
+	cmake --preset release $(CI_CMAKE_FLAGS)
 	cmake --build --preset release -j $(JOBS)
 
 # Only the demo's targets: the first thing a new user runs should not wait for every test and benchmark.
