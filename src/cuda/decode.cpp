@@ -32,13 +32,13 @@ struct DecodeWorkspace {
   unsigned long long* first_bad_row = nullptr;
 };
 
-/// The single layout function behind both the size query (counting layout) and the run (carving layout).
-/// split_partials: num_splits > 1 with the merge kernel (a cluster merge keeps its partials in shared memory).
+/// The single layout function behind both the size query (counting layout) and the run (carving layout). Split
+/// partials only for the merge kernel: a cluster merge keeps its CTAs' states in shared memory.
 inline DecodeWorkspace layout_workspace(WorkspaceLayout& layout, std::int64_t batch, std::int64_t q_heads,
-                                        std::int64_t head_dim, std::int32_t num_splits, bool split_partials,
+                                        std::int64_t head_dim, std::int32_t num_splits, bool cluster_merge,
                                         bool validate_indices) {
   DecodeWorkspace ws;
-  if (split_partials) {
+  if (num_splits > 1 && !cluster_merge) {
     const std::size_t rows = checked_mul(std::size_t(batch * q_heads), std::size_t(num_splits), "decode workspace");
     ws.partial_o = layout.allocate<float>(checked_mul(rows, std::size_t(head_dim), "decode workspace"), "partial_o");
     ws.partial_lse = layout.allocate<float>(rows, "partial_lse");
@@ -267,10 +267,9 @@ void run_decode(const char* where, DecodeParams<T> p, std::span<std::byte> works
                 const DecodeOptions& options) {
   const bool validate_indices = options.validate_indices;
   WorkspaceLayout layout(workspace, where);
-  const bool split_partials = p.num_splits > 1 && !p.cluster_merge;
   const DecodeWorkspace ws =
-      layout_workspace(layout, p.q.batch, p.q.heads, p.q.head_dim, p.num_splits, split_partials, validate_indices);
-  if (split_partials) {  // [batch, q_heads, num_splits, head_dim] in the workspace
+      layout_workspace(layout, p.q.batch, p.q.heads, p.q.head_dim, p.num_splits, p.cluster_merge, validate_indices);
+  if (ws.partial_o != nullptr) {  // [batch, q_heads, num_splits, head_dim] in the workspace
     const std::int64_t splits = p.num_splits;
     p.partials = {ws.partial_o, ws.partial_lse, p.q.heads * splits * p.q.head_dim, splits * p.q.head_dim,
                   p.q.heads * splits, splits};
@@ -290,7 +289,7 @@ std::size_t sparse_decode_workspace_bytes(const QueryView<const T>& q, const KV&
                                           const DecodeOptions& options) {
   const auto p = detail::make_params<T, KV, T>("cuda::sparse_decode_workspace_bytes", q, kv, &selection, nullptr, options);
   WorkspaceLayout counting;
-  detail::layout_workspace(counting, q.batch, q.heads, q.head_dim, p.num_splits, p.num_splits > 1 && !p.cluster_merge,
+  detail::layout_workspace(counting, q.batch, q.heads, q.head_dim, p.num_splits, p.cluster_merge,
                            options.validate_indices);
   return counting.bytes();
 }
@@ -312,7 +311,7 @@ std::size_t sparse_decode_workspace_bytes(const SparseDecodeShape& shape, const 
                                                       max_tokens, shape.head_dim, options, detail::current_device_limits());
   WorkspaceLayout counting;
   detail::layout_workspace(counting, shape.batch, shape.q_heads, shape.head_dim, plan.num_splits,
-                           plan.num_splits > 1 && !plan.cluster_merge, options.validate_indices);
+                           plan.cluster_merge, options.validate_indices);
   return counting.bytes();
 }
 
@@ -328,8 +327,7 @@ template <class T, class KV>
 std::size_t dense_decode_workspace_bytes(const QueryView<const T>& q, const KV& kv, const DecodeOptions& options) {
   const auto p = detail::make_params<T, KV, T>("cuda::dense_decode_workspace_bytes", q, kv, nullptr, nullptr, options);
   WorkspaceLayout counting;
-  detail::layout_workspace(counting, q.batch, q.heads, q.head_dim, p.num_splits, p.num_splits > 1 && !p.cluster_merge,
-                           false);
+  detail::layout_workspace(counting, q.batch, q.heads, q.head_dim, p.num_splits, p.cluster_merge, false);
   return counting.bytes();
 }
 

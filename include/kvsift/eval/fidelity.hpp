@@ -163,22 +163,22 @@ std::vector<BasicSelectorEntry<Context>> rerank_selectors(std::int32_t factor) {
   const auto proposed = [factor](std::int32_t k, const SelectorLimits& limits) {
     return std::int32_t(std::min<std::int64_t>(std::int64_t(factor) * k, limits.max_tokens));
   };
+  // The two Quest entries differ in the rerank's mass alone (0: a fixed budget).
+  const auto reranked_quest = [proposed](std::int32_t k, const SelectorLimits& limits, double mass) {
+    const BudgetSplit split = split_budget(k, {.sink = 4, .recent = k});
+    Quest<half, Context> quest(limits, {.budget = proposed(split.selection, limits),
+                                        .page_size = quest_page_size(split.selection)});
+    const std::int32_t kept = std::min(split.selection, quest.capacity());
+    return Setup{Any(Reranked(std::move(quest), {.budget = kept, .mass = mass})), split.window};
+  };
   return {
       {"Quest + rerank",
-       [proposed](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
-         const BudgetSplit split = split_budget(k, {.sink = 4, .recent = k});
-         Quest<half, Context> quest(limits, {.budget = proposed(split.selection, limits),
-                                             .page_size = quest_page_size(split.selection)});
-         const std::int32_t kept = std::min(split.selection, quest.capacity());
-         return Setup{Any(Reranked(std::move(quest), {.budget = kept})), split.window};
+       [reranked_quest](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
+         return reranked_quest(k, limits, 0.0);
        }},
       {"Quest + rerank (p 0.9)",
-       [proposed](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
-         const BudgetSplit split = split_budget(k, {.sink = 4, .recent = k});
-         Quest<half, Context> quest(limits, {.budget = proposed(split.selection, limits),
-                                             .page_size = quest_page_size(split.selection)});
-         const std::int32_t kept = std::min(split.selection, quest.capacity());
-         return Setup{Any(Reranked(std::move(quest), {.budget = kept, .mass = 0.9})), split.window};
+       [reranked_quest](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
+         return reranked_quest(k, limits, 0.9);
        }},
       {"CSAttention + rerank",
        [proposed](std::int32_t k, const SelectorLimits& limits, std::int32_t) {
