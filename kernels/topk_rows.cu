@@ -1,7 +1,9 @@
-// CUDA top-K into selection rows (cuda/topk.hpp): one thread-block cluster per score row, the held kernel
+// CUDA top-K into selection rows (cuda/topk.hpp): one CTA per score row where the row fits its registers
+// (detail/topk_cta_kernels.cuh), else one thread-block cluster per score row, the held kernel
 // (detail/topk_held_kernels.cuh) where a row fits the cluster's registers, else the slice kernel, then the union
 // kernel of heads_per_row > 1 (detail/topk_kernels.cuh); mass_budgets' kernel (detail/topk_mass_kernels.cuh).
 #include "kvsift/cuda/detail/launch.cuh"
+#include "kvsift/cuda/detail/topk_cta_kernels.cuh"
 #include "kvsift/cuda/detail/topk_held_kernels.cuh"
 #include "kvsift/cuda/detail/topk_kernels.cuh"
 #include "kvsift/cuda/detail/topk_mass_kernels.cuh"
@@ -30,7 +32,28 @@ cudaError_t launch_held(const TopKRowsParams& p, cudaStream_t stream) {
                 p);
 }
 
+/// The one-CTA kernel of kTopKCtaShapes[I], launched for p.
+template <std::size_t I>
+cudaError_t launch_cta(const TopKRowsParams& p, cudaStream_t stream) {
+  constexpr auto kernel = topk_rows_cta<kTopKCtaShapes[I].threads, kTopKCtaShapes[I].items>;
+  return launch(kernel,
+                {.grid = dim3(unsigned(p.scores.rows)),
+                 .block = dim3(unsigned(kTopKCtaShapes[I].threads)),
+                 .stream = stream,
+                 .programmatic = true},
+                p);
+}
+
 cudaError_t launch_select(const TopKRowsParams& p, cudaStream_t stream) {
+  switch (p.launch.cta) {
+    case 1:
+      return launch_cta<0>(p, stream);
+    case 2:
+      return launch_cta<1>(p, stream);
+    default:
+      break;
+  }
+  static_assert(kTopKCtaShapes.size() == 2, "one case per one-CTA shape");
   switch (p.launch.held) {
     case 1:
       return launch_held<0>(p, stream);

@@ -207,9 +207,11 @@ TEST_F(CudaFidelity, SelectorsOnARealCaptureAgreeWithTheirCpuTwinsAndTheReferenc
 
 // ---- the harness on both backends -------------------------------------------------------------------------
 
-/// Both backends' selections at `m` differ only in candidates (tokens for OracleTopK, pages of 16 for Quest)
-/// whose fp64 scores lie within epsilon of the k-th best (the epsilons of the test above); StreamingLLM selects
-/// nothing, so its attended sets (the window) never differ.
+/// Both backends' selections at `m` differ only in candidates whose fp64 scores lie within epsilon of the k-th best
+/// (the epsilons of the test above). OracleTopK has no window: every token is a candidate and k is the budget.
+/// Quest runs as reference_selectors makes it: split_budget(K, {4, 64}) into a window and a selection of pages of
+/// quest_page_size(selection); its candidates are the pages holding a middle token. StreamingLLM selects nothing,
+/// so its attended sets (the window) never differ.
 void expect_near_tie(const Capture& c, const SelectionMismatch& m, std::int32_t budget_tokens) {
   SCOPED_TRACE(testing::Message() << m.selector << ", layer " << m.layer << ", budget " << m.budget << ", position "
                                   << m.position << ", kv head " << m.kv_head);
@@ -217,20 +219,30 @@ void expect_near_tie(const Capture& c, const SelectionMismatch& m, std::int32_t 
   const auto layer = std::find_if(c.layers.begin(), c.layers.end(), [&](const CaptureLayer& l) { return l.layer == m.layer; });
   ASSERT_NE(layer, c.layers.end());
   const bool quest = m.selector == "Quest";
-  const auto scores = quest ? page_bounds_fp64(*layer, c, m.position, m.kv_head, 16)
-                            : oracle_fp64(*layer, c, m.position, m.kv_head);
-  std::vector<double> sorted = scores;  // neither entry has a window: every token (page) is a candidate
+  const BudgetSplit split = split_budget(budget_tokens, {4, 64});
+  const std::int32_t page_size = quest ? quest_page_size(split.selection) : 1;
+  const auto all = quest ? page_bounds_fp64(*layer, c, m.position, m.kv_head, page_size)
+                         : oracle_fp64(*layer, c, m.position, m.kv_head);
+  std::vector<double> sorted;
+  if (quest) {
+    const std::int32_t length = m.position + 1;
+    const std::int32_t lo = split.window.sink_end(length), hi = split.window.recent_begin(length);
+    for (std::int32_t p = lo / page_size; lo < hi && p <= (hi - 1) / page_size; ++p) sorted.push_back(all[std::size_t(p)]);
+  } else {
+    sorted = all;
+  }
   std::sort(sorted.begin(), sorted.end(), std::greater<>());
-  const std::int32_t k = std::min<std::int32_t>(quest ? budget_tokens / 16 : budget_tokens, std::int32_t(sorted.size()));
+  const std::int32_t k =
+      std::min<std::int32_t>(quest ? split.selection / page_size : budget_tokens, std::int32_t(sorted.size()));
   ASSERT_GT(k, 0);
   const double kth = sorted[std::size_t(k) - 1], scale = std::max(std::abs(sorted.front()), std::abs(sorted.back()));
   const double eps = quest ? 1e-4 * (1 + scale) : 1e-4 * scale;
   for (const auto* tokens : {&m.only_first, &m.only_this}) {
     for (const std::int32_t t : *tokens) {
-      const std::int32_t id = quest ? t / 16 : t;
-      ASSERT_LT(std::size_t(id), scores.size());
-      EXPECT_LE(std::abs(scores[std::size_t(id)] - kth), eps) << "token " << t << ": score " << scores[std::size_t(id)]
-                                                              << ", k-th " << kth;
+      const std::int32_t id = t / page_size;
+      ASSERT_LT(std::size_t(id), all.size());
+      EXPECT_LE(std::abs(all[std::size_t(id)] - kth), eps) << "token " << t << ": score " << all[std::size_t(id)]
+                                                           << ", k-th " << kth;
     }
   }
 }
@@ -318,13 +330,13 @@ TEST_F(CudaFidelityHarness, BothBackendsGiveTheSameRowsOnARandomCapture) {
     c.layers.push_back({.layer = id, .q_pre = {}, .q = fp16(q_size, 2.0f), .k_pre = {}, .k = fp16(kv_size, 1.0f),
                         .v = fp16(kv_size, 1.0f)});
   }
-  // Prefill [0, 96): K = 5 (Quest refused on both: under a page), 19 (one page), 34 (two pages).
+  // Prefill [0, 96): K = 5, 19, 34 (Quest: windows of 0 + 1, 2 + 4, 4 + 8 tokens; 4, 13, 22 pages of one token).
   const FidelityOptions options{.budgets = {0.05, 0.2, 0.35}, .decode_positions = 24, .prefill = 0.5};
   const auto got = evaluate_on_both(c, options);
   ASSERT_FALSE(HasFatalFailure());
-  // 2 layers x (3 budgets x 3 selectors - Quest at 5%) x 24 positions x 2 kv heads.
-  expect_backends_agree(c, got, 2 * 8 * 24 * 2);
-  EXPECT_NE(got.results[1].rows[2].refused.find("smaller than one page"), std::string::npos);
+  // 2 layers x 3 budgets x 3 selectors x 24 positions x 2 kv heads: none refused (Quest's pages shrink with K).
+  expect_backends_agree(c, got, 2 * 9 * 24 * 2);
+  for (const FidelityRow& row : got.results[1].rows) EXPECT_EQ(row.refused, "") << row.selector << " " << row.budget;
   // Near-ties are rare on random data: nearly every selection is the same token for token.
   EXPECT_LE(got.differences[0].mismatches.size(), std::size_t(got.differences[0].selections / 100))
       << fidelity_markdown(got.differences[0]);
@@ -332,7 +344,7 @@ TEST_F(CudaFidelityHarness, BothBackendsGiveTheSameRowsOnARandomCapture) {
 
 TEST_F(CudaFidelityHarness, BothBackendsGiveTheSameRowsOnTheCommittedCapture) {
   const Capture c = read_capture(std::string(KVSIFT_TEST_DATA_DIR) + "/gpl3_512_l3_l15.kvscap");
-  // Prefill [0, 384): K = 19 and 39 (Quest: 1 and 2 pages); 16 positions over 384..511.
+  // Prefill [0, 384): K = 19 and 39; 16 positions over 384..511.
   const auto got = evaluate_on_both(c, {.budgets = {0.05, 0.1}, .decode_positions = 16, .prefill = 0.75});
   // 2 layers x 2 budgets x 3 selectors x 16 positions x 3 kv heads.
   expect_backends_agree(c, got, 2 * 2 * 3 * 16 * 3);

@@ -216,16 +216,41 @@ TEST_F(CudaTopK, RowsEqualTheCpuTwinExactly) {
   }
 }
 
-// The held kernel's clusters (2 to 16 CTAs a row: 1 score row of 16K or 32K words in CTAs of 2048, 8 rows in CTAs
-// of 8192) at sizes compute-sanitizer's racecheck gets through quickly: bench/run_device.sh's racecheck runs this
-// test instead of the 128K-row ones.
+// The held kernel's clusters (8 or 16 CTAs a row: 1 score row of 32K words in CTAs of 2048, 64K in CTAs of 8192, 8
+// rows in CTAs of 8192) at sizes compute-sanitizer's racecheck gets through quickly: bench/run_device.sh's racecheck
+// runs this test instead of the 128K-row ones.
 TEST_F(CudaTopK, HeldClustersAtSanitizerSizes) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   const AttentionWindow windows[] = {{0, 0}, {4, 64}};
-  for (const std::int32_t cols : {16384, 32768}) {
+  for (const std::int32_t cols : {32768, 65536}) {
     for (const std::int32_t k : {128, 2048}) {
       check_against_cpu(Problem(rng, 1, 1, 1, cols, k, windows[rng.uniform_int(0, 1)], Scores::continuous, false));
       check_against_cpu(Problem(rng, 1, 2, 4, cols, k, windows[rng.uniform_int(0, 1)], Scores::few_values, true));
+    }
+  }
+}
+
+// The one-CTA kernel (rows of at most 16384 scores, at most one row per SM): both shapes (1024 x 8 and 1024 x 16
+// words), k from 1 to the whole row, scores of one magnitude among NaN and -inf (Quest's page bounds and window
+// pages: the digits start below the bits the typical scores share), rows mostly -inf (the k-th score -inf or NaN:
+// digits from the top), ties, unions of groups of 4.
+TEST_F(CudaTopK, OneCtaRowsEqualTheCpuTwin) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const AttentionWindow windows[] = {{0, 0}, {4, 64}, {1, 3}};
+  for (const std::int32_t cols : {8192, 16384, rng.uniform_int(1, 16384)}) {
+    for (const std::int32_t k : {1, 128, 2048, cols}) {
+      const AttentionWindow window = windows[rng.uniform_int(0, 2)];
+      check_against_cpu(Problem(rng, 2, 4, 1, cols, k, window, Scores::continuous, rng.uniform_int(0, 1) == 1));
+      check_against_cpu(Problem(rng, 1, 2, 1, cols, k, window, Scores::few_values, false));
+      check_against_cpu(Problem(rng, 1, 1, 1, cols, k, window, Scores::all_equal, false));
+      check_against_cpu(Problem(rng, 1, 2, 4, cols, k, window, Scores::continuous, true));
+      Problem magnitude(rng, 1, 8, 1, cols, k, window, Scores::continuous, false);
+      for (float& s : magnitude.scores) s = std::isfinite(s) ? 50.0f + std::abs(s) / 8 : s;
+      check_against_cpu(magnitude);
+      // Mostly -inf (Quest's window pages, all of a short row's): k past the finite scores takes -inf ones.
+      Problem masked(rng, 1, 4, 1, cols, k, window, Scores::continuous, false);
+      for (float& s : masked.scores) s = rng.uniform_int(0, 9) == 0 ? s : -INFINITY;
+      check_against_cpu(masked);
     }
   }
 }
@@ -427,28 +452,32 @@ TEST(CudaTopKPlan, ClustersFillTheGpuInOneWave) {
   using cuda::detail::plan_topk_rows;
   // An H100-like capacity (132 SMs, one select CTA per SM; clusters stay inside a GPC): 30 clusters of 4 at once.
   const cuda::detail::TopKClusterCapacity h100{0, 66, 30, 16, 7}, portable{0, 66, 30, 16, 0}, none{};
-  // (cluster, held shape, slice words): held 1, 2, 3 are 512 x 4, 1024 x 8 and 1024 x 16 words in registers.
+  // (cluster, one-CTA shape, held shape, slice words): cta 1, 2 are 1024 x 8 and 1024 x 16 words in registers,
+  // held 1, 2, 3 are 512 x 4, 1024 x 8 and 1024 x 16 per CTA of a cluster.
   const auto plan = [](std::int64_t rows, std::int32_t n, const cuda::detail::TopKClusterCapacity& capacity) {
     const auto launch = plan_topk_rows(rows, n, 132, capacity, 32768);
-    return std::tuple{launch.cluster, launch.held, launch.smem_words};
+    return std::tuple{launch.cluster, launch.cta, launch.held, launch.smem_words};
   };
-  // The held kernel where a row fits a cluster's registers with at most half the SMs busy.
-  EXPECT_EQ(plan(1, 131072, h100), std::tuple(16, 2, 0));   // one row: 16 CTAs of 8192 words
-  EXPECT_EQ(plan(4, 131072, h100), std::tuple(16, 2, 0));
-  EXPECT_EQ(plan(8, 131072, h100), std::tuple(8, 3, 0));    // 8 rows: 16-CTA clusters would not all fit at once
-  EXPECT_EQ(plan(1, 131072, portable), std::tuple(8, 3, 0));  // portable clusters only
-  EXPECT_EQ(plan(1, 8192, h100), std::tuple(4, 1, 0));
-  EXPECT_EQ(plan(8, 8192, h100), std::tuple(4, 1, 0));      // Quest's pages at 128K, batch 1
-  EXPECT_EQ(plan(1, 3000, h100), std::tuple(2, 1, 0));
-  EXPECT_EQ(plan(64, 8192, h100), std::tuple(1, 2, 0));
-  EXPECT_EQ(plan(1, 16384, none), std::tuple(1, 3, 0));     // no clusters (sm_80): one CTA's registers
+  // The one-CTA kernel where a row fits one CTA's registers and the rows are at most the SMs.
+  EXPECT_EQ(plan(1, 8192, h100), std::tuple(1, 1, 0, 0));
+  EXPECT_EQ(plan(8, 8192, h100), std::tuple(1, 1, 0, 0));     // Quest's pages at 128K, batch 1
+  EXPECT_EQ(plan(1, 3000, h100), std::tuple(1, 1, 0, 0));
+  EXPECT_EQ(plan(132, 8193, h100), std::tuple(1, 2, 0, 0));
+  EXPECT_EQ(plan(1, 16384, none), std::tuple(1, 2, 0, 0));    // no clusters needed (sm_80)
+  // Else the held kernel where a row fits a cluster's registers with at most half the SMs busy.
+  EXPECT_EQ(plan(1, 131072, h100), std::tuple(16, 0, 2, 0));   // one row: 16 CTAs of 8192 words
+  EXPECT_EQ(plan(4, 131072, h100), std::tuple(16, 0, 2, 0));
+  EXPECT_EQ(plan(8, 131072, h100), std::tuple(8, 0, 3, 0));    // 8 rows: 16-CTA clusters would not all fit at once
+  EXPECT_EQ(plan(1, 131072, portable), std::tuple(8, 0, 3, 0));  // portable clusters only
+  EXPECT_EQ(plan(1, 32768, h100), std::tuple(16, 0, 1, 0));
+  EXPECT_EQ(plan(1, 20000, none), std::tuple(1, 0, 0, 20000));  // no clusters: the slice kernel
   // Else the slice kernel. 32 rows: clusters of 4, though not all fit at once (faster than 2 CTAs of 65,536
   // scores, half from L2).
-  EXPECT_EQ(plan(32, 131072, h100), std::tuple(4, 0, 32768));
-  EXPECT_EQ(plan(64, 131072, h100), std::tuple(2, 0, 32768));   // 65,536 scores per CTA: the rest from L2
-  EXPECT_EQ(plan(700, 3000, h100), std::tuple(1, 0, 3000));     // more rows than SMs
-  EXPECT_EQ(plan(1, 1 << 21, h100), std::tuple(16, 0, 32768));  // past 16 x 16384 words
-  EXPECT_EQ(plan(1, 131072, none), std::tuple(1, 0, 32768));    // no clusters: one CTA, the rest from L2
+  EXPECT_EQ(plan(32, 131072, h100), std::tuple(4, 0, 0, 32768));
+  EXPECT_EQ(plan(64, 131072, h100), std::tuple(2, 0, 0, 32768));   // 65,536 scores per CTA: the rest from L2
+  EXPECT_EQ(plan(700, 3000, h100), std::tuple(1, 0, 0, 3000));     // more rows than SMs
+  EXPECT_EQ(plan(1, 1 << 21, h100), std::tuple(16, 0, 0, 32768));  // past 16 x 16384 words
+  EXPECT_EQ(plan(1, 131072, none), std::tuple(1, 0, 0, 32768));    // no clusters: one CTA, the rest from L2
   EXPECT_EQ(cuda::detail::topk_union_words(64), 3);          // a middle [lo, hi) spans at most 64/32 + 1 words
   // Shared memory per block: 227 KiB (H100) allows the 176 KiB slice, 99 KiB (sm_89) less; a short limit
   // sends the rest of the slices to L2.

@@ -1,9 +1,8 @@
 #pragma once
 /// topk_rows' held kernel (kernels/topk_rows.cu): for rows whose middle fits a cluster's registers, each CTA of the
 /// row's cluster loads its slice once (coalesced 16-byte loads where aligned) and keeps it in registers as rank
-/// words (core/ranking.hpp: smaller word, better score). Steps, with two cluster barriers in the usual case:
-///   0. a row on one CTA first finds the leading bits all its words share (its lowest and highest word agree
-///      there) and starts its digits below them (in a cluster the extra cluster barrier cost more than it saved);
+/// words (core/ranking.hpp: smaller word, better score). Rows one CTA holds go to the one-CTA kernel
+/// (topk_cta_kernels.cuh): here a cluster has at least 2 CTAs. Steps, with two cluster barriers in the usual case:
 ///   1. an 8-bit histogram of the words' top digit per CTA; cluster barrier; every CTA reads all the cluster's
 ///      histograms over distributed shared memory and finds the same threshold digit, and per CTA the counts
 ///      better than and inside the threshold bin;
@@ -77,66 +76,61 @@ __device__ __forceinline__ void held_block_scan(const std::uint32_t (&value)[kCo
   }
 }
 
-/// Grid: score rows * cluster CTAs along x, clusters of p.launch.cluster consecutive CTAs (one per score row); the
-/// plan guarantees cluster * kThreads * kItems >= scores.cols. Dynamic shared memory: topk_held_smem_bytes().
-template <int kThreads, int kItems>
-__global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant__ TopKRowsParams p) {
-  constexpr int kWarps = kThreads / 32;
-  constexpr int kVec = kItems < 4 ? kItems : 4;  // item (thread t, group g, q) is slice index (g * kThreads + t) * kVec + q
-  constexpr int kGroups = kItems / kVec;
-  constexpr int kMaxCluster = 16;
-  static_assert(kThreads >= 256 && kThreads % 32 == 0 && kItems % kVec == 0 && kGroups <= kWarps, "shape");
-  static_assert(kThreads * kVec < 65536, "16-bit packed counts per group");
-  __shared__ __align__(16) std::uint32_t histogram[2][256];                      // read by the cluster
-  __shared__ __align__(16) std::uint32_t bins[kMaxCluster * 256];                 // the cluster's histograms, then bins
-  __shared__ __align__(16) std::uint32_t candidates[kHeldCandidates + 4 * kMaxCluster];  // every CTA's bin copy
-  __shared__ __align__(16) std::uint32_t scan_buffer[2][(kGroups > 1 ? kGroups : 1) * 32];
-  __shared__ std::uint32_t before_bin[kMaxCluster], in_bin_of[kMaxCluster];
-  __shared__ std::uint32_t offsets[kMaxCluster + 1];
-  __shared__ std::uint32_t last_few[32];
-  __shared__ std::uint32_t decision[3];
-  __shared__ std::uint32_t cursor, few_cursor;
-  __shared__ std::uint32_t slice_has_nan;  // read by rank 0 with nan_marks_row
-  __shared__ std::uint32_t lowest_word, highest_word;  // a one-CTA row's lowest and highest word
-  // Per source rank, its bin copy's candidates better than / tied with the threshold (the gathered case).
-  __shared__ std::uint32_t better_in_bin[kMaxCluster], tied_in_bin[kMaxCluster];
-  extern __shared__ __align__(16) std::uint32_t bin_copy[];  // this CTA's bin, read by the cluster
+/// Item j of a thread's kItems words (slots of 4; fewer than 4 words: one slot) is slice index
+/// (j / 4 * kThreads + thread) * 4 + j % 4: each warp instruction reads consecutive 16-byte vectors.
+template <int kItems>
+inline constexpr int kHeldVec = kItems < 4 ? kItems : 4;
 
-  programmatic_start();  // the scores, lengths and budgets
-  const ClusterGroup cluster;  // a cluster of p.launch.cluster CTAs
-  const int size = p.launch.cluster;
-  const int rank = int(blockIdx.x % size);  // clusters tile x
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const std::int64_t score_row = blockIdx.x / size;
-  const TopKRowJob job = TopKRowJob::of(p, score_row);
+/// A score row's job and where its picks go: the start every held kernel shares. `finished`: nothing to rank
+/// (an invalid row, no picks, or the whole middle, written here by the row's `size` CTAs). Rank 0 writes the
+/// count, except that with nan_marks_row a row with picks to rank gets it after the NaN flags are read.
+struct HeldRow {
+  TopKRowJob job;
+  std::int32_t* count_out;  ///< nullptr for a score row of a group (heads_per_row > 1)
+  std::int32_t* indices;
+  float* weights;           ///< nullptr where none are asked for
+  bool finished;
+};
+
+__device__ inline HeldRow start_held_row(const TopKRowsParams& p, std::int64_t score_row, int rank, int size) {
+  HeldRow row{};
+  row.job = TopKRowJob::of(p, score_row);
+  const TopKRowJob& job = row.job;
   const bool grouped = p.heads_per_row > 1;
-  std::int32_t* const count_out = grouped ? nullptr : p.out.counts + job.selection_row;
-  // Everything below up to the first cluster barrier depends on the score row alone: each cluster takes the same
-  // branches.
+  const int tid = threadIdx.x, threads = blockDim.x;
+  row.count_out = grouped ? nullptr : p.out.counts + job.selection_row;
+  row.finished = true;
   if (!job.valid) {
-    if (rank == 0 && tid == 0 && count_out != nullptr) *count_out = -1;
-    return;
+    if (rank == 0 && tid == 0 && row.count_out != nullptr) *row.count_out = -1;
+    return row;
   }
-  if (rank == 0 && tid == 0 && count_out != nullptr && (!p.nan_marks_row || job.picks == 0)) *count_out = job.picks;
-  if (job.picks == 0) return;
-  std::int32_t* const indices = grouped ? p.picks + score_row * p.k : p.out.indices + job.selection_row * p.out.capacity;
-  float* const weights =
+  if (rank == 0 && tid == 0 && row.count_out != nullptr && (!p.nan_marks_row || job.picks == 0)) {
+    *row.count_out = job.picks;
+  }
+  if (job.picks == 0) return row;
+  row.indices = grouped ? p.picks + score_row * p.k : p.out.indices + job.selection_row * p.out.capacity;
+  row.weights =
       grouped || p.out.log_weights == nullptr ? nullptr : p.out.log_weights + job.selection_row * p.out.capacity;
   const std::int32_t middle = job.hi - job.lo;
   if (job.picks == middle && !p.nan_marks_row) {  // the whole middle, nothing to rank
-    for (std::int32_t i = rank * kThreads + tid; i < middle; i += size * kThreads) {
-      indices[i] = job.lo + i;
-      if (weights != nullptr) weights[i] = 0.0f;
+    for (std::int32_t i = rank * threads + tid; i < middle; i += size * threads) {
+      row.indices[i] = job.lo + i;
+      if (row.weights != nullptr) row.weights[i] = 0.0f;
     }
-    return;
+    return row;
   }
-  const std::int32_t slice = ((middle + size - 1) / size + 3) & ~3;
-  const std::int32_t begin = min(middle, rank * slice);
-  const std::int32_t count = min(middle, begin + slice) - begin;
-  const float* const scores = p.scores.row(score_row) + job.lo + begin;
+  row.finished = false;
+  return row;
+}
 
-  // Load: each warp instruction reads consecutive 16-byte vectors (coalesced); kNoWord past the slice.
-  std::uint32_t word[kItems];
+/// This thread's rank words of the `count` scores at `scores` (kHeldVec's layout; 16-byte loads where aligned),
+/// kNoWord past them.
+template <int kThreads, int kItems>
+__device__ __forceinline__ void load_held_words(const float* scores, std::int32_t count,
+                                                std::uint32_t (&word)[kItems]) {
+  constexpr int kVec = kHeldVec<kItems>;
+  constexpr int kGroups = kItems / kVec;
+  const int tid = threadIdx.x;
   const auto load_scalar = [&] {
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
@@ -170,6 +164,105 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
       }
     }
   }
+}
+
+/// Writes this CTA's chosen words' indices in ascending index order: words whose masked bits are below `prefix`
+/// (better), and of those equal to it (tied) the first `take_tied` of the row in index order. `better` and `tied`:
+/// the row's better and tied words before this CTA's slice, whose first word is row index `first_index`. A block
+/// scan of (better, tied) counts per thread places every index: the same set and order as BlockRadixSelect
+/// (detail/block_select.cuh) and cpu::topk_rows. `scan_buffer`: held_block_scan's, kItems / kHeldVec x 32 words.
+template <int kThreads, int kItems>
+__device__ __forceinline__ void emit_held_words(const std::uint32_t (&word)[kItems], std::uint32_t mask,
+                                                std::uint32_t prefix, std::uint32_t take_tied, std::uint32_t better,
+                                                std::uint32_t tied, std::int32_t first_index, std::int32_t* indices,
+                                                float* weights, std::uint32_t* scan_buffer) {
+  constexpr int kVec = kHeldVec<kItems>;
+  constexpr int kGroups = kItems / kVec;
+  const int tid = threadIdx.x;
+  std::uint32_t packed[kGroups], exclusive[kGroups], total[kGroups];
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    std::uint32_t lt = 0, eq = 0;
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) {
+      const std::uint32_t x = word[kVec * g + q];
+      lt += (x != kNoWord && (x & mask) < prefix) ? 1u : 0u;
+      eq += (x != kNoWord && (x & mask) == prefix) ? 1u : 0u;
+    }
+    packed[g] = lt | (eq << 16);
+  }
+  held_block_scan<kThreads, kGroups>(packed, exclusive, total, scan_buffer);
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    std::uint32_t at_better = better + (exclusive[g] & 0xffffu), at_tied = tied + (exclusive[g] >> 16);
+    if (packed[g] != 0) {
+#pragma unroll
+      for (int q = 0; q < kVec; ++q) {
+        const std::uint32_t x = word[kVec * g + q];
+        const std::int32_t index = first_index + (g * kThreads + tid) * kVec + q;
+        std::int32_t at = -1;
+        if (x != kNoWord && (x & mask) < prefix) {
+          at = std::int32_t(at_better + min(at_tied, take_tied));
+          ++at_better;
+        } else if (x != kNoWord && (x & mask) == prefix) {
+          if (at_tied < take_tied) at = std::int32_t(at_better + at_tied);
+          ++at_tied;
+        }
+        if (at >= 0) {
+          indices[at] = index;
+          if (weights != nullptr) weights[at] = 0.0f;
+        }
+      }
+    }
+    better += total[g] & 0xffffu;
+    tied += total[g] >> 16;
+  }
+}
+
+/// Grid: score rows * cluster CTAs along x, clusters of p.launch.cluster consecutive CTAs (one per score row); the
+/// plan guarantees cluster * kThreads * kItems >= scores.cols. Dynamic shared memory: topk_held_smem_bytes().
+template <int kThreads, int kItems>
+__global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant__ TopKRowsParams p) {
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kVec = kHeldVec<kItems>;
+  constexpr int kGroups = kItems / kVec;
+  constexpr int kMaxCluster = 16;
+  static_assert(kThreads >= 256 && kThreads % 32 == 0 && kItems % kVec == 0 && kGroups <= kWarps, "shape");
+  static_assert(kThreads * kVec < 65536, "16-bit packed counts per group");
+  __shared__ __align__(16) std::uint32_t histogram[2][256];                      // read by the cluster
+  __shared__ __align__(16) std::uint32_t bins[kMaxCluster * 256];                 // the cluster's histograms, then bins
+  __shared__ __align__(16) std::uint32_t candidates[kHeldCandidates + 4 * kMaxCluster];  // every CTA's bin copy
+  __shared__ __align__(16) std::uint32_t scan_buffer[2][(kGroups > 1 ? kGroups : 1) * 32];
+  __shared__ std::uint32_t before_bin[kMaxCluster], in_bin_of[kMaxCluster];
+  __shared__ std::uint32_t offsets[kMaxCluster + 1];
+  __shared__ std::uint32_t last_few[32];
+  __shared__ std::uint32_t decision[3];
+  __shared__ std::uint32_t cursor, few_cursor;
+  __shared__ std::uint32_t slice_has_nan;  // read by rank 0 with nan_marks_row
+  // Per source rank, its bin copy's candidates better than / tied with the threshold (the gathered case).
+  __shared__ std::uint32_t better_in_bin[kMaxCluster], tied_in_bin[kMaxCluster];
+  extern __shared__ __align__(16) std::uint32_t bin_copy[];  // this CTA's bin, read by the cluster
+
+  programmatic_start();  // the scores, lengths and budgets
+  const ClusterGroup cluster;  // a cluster of p.launch.cluster CTAs
+  const int size = p.launch.cluster;
+  const int rank = int(blockIdx.x % size);  // clusters tile x
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const std::int64_t score_row = blockIdx.x / size;
+  const HeldRow row = start_held_row(p, score_row, rank, size);
+  if (row.finished) return;
+  const TopKRowJob& job = row.job;
+  std::int32_t* const count_out = row.count_out;
+  std::int32_t* const indices = row.indices;
+  float* const weights = row.weights;
+  const std::int32_t middle = job.hi - job.lo;
+  const std::int32_t slice = ((middle + size - 1) / size + 3) & ~3;
+  const std::int32_t begin = min(middle, rank * slice);
+  const std::int32_t count = min(middle, begin + slice) - begin;
+  const float* const scores = p.scores.row(score_row) + job.lo + begin;
+
+  std::uint32_t word[kItems];
+  load_held_words<kThreads>(scores, count, word);
   for (int i = tid; i < 512; i += kThreads) (&histogram[0][0])[i] = 0;
   if (tid < kMaxCluster) {
     better_in_bin[tid] = 0;
@@ -178,8 +271,6 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
   if (tid == 0) {
     cursor = 0;
     few_cursor = 0;
-    lowest_word = kNoWord;
-    highest_word = 0;
   }
   if (p.nan_marks_row) {
     // NaN's word is 0; written before the first cluster barrier, read by rank 0 after it.
@@ -192,35 +283,10 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
     __syncthreads();
   }
 
-  // ---- the bits every word of the row shares: all lie between the lowest and the highest, so the leading bits
-  // where those two agree are common, and the first digit starts below them. Scores of one magnitude (Quest's
-  // page bounds) share sign and exponent: a first digit there put the whole row into one bin, through one shared
-  // counter, and the candidate stage then took the whole row.
-  std::uint32_t lowest = 0, highest = kNoWord;  // no common bits assumed
-  if (size == 1) {
-    std::uint32_t low = kNoWord, high = 0;
-#pragma unroll
-    for (int j = 0; j < kItems; ++j) {
-      if (word[j] != kNoWord) {
-        low = min(low, word[j]);
-        high = max(high, word[j]);
-      }
-    }
-    low = __reduce_min_sync(0xffffffffu, low);
-    high = __reduce_max_sync(0xffffffffu, high);
-    if (lane == 0) {
-      atomicMin(&lowest_word, low);
-      atomicMax(&highest_word, high);
-    }
-    __syncthreads();
-    lowest = lowest_word;
-    highest = highest_word;
-  }
-  int scan_turn = 0;
-  // At most 24 common bits, so that a first pass always runs (it counts the CTAs' bins; all words equal end it).
-  int bits = min(lowest == highest ? 32 : __clz(lowest ^ highest), 24), pass = 0;
-  std::uint32_t mask = bits == 0 ? 0u : ~0u << (32 - bits);
-  std::uint32_t prefix = lowest & mask, remaining = std::uint32_t(job.picks), in_bin = 0;
+  // The top byte is the first digit: leading bits common to the row would need one more cluster barrier to find
+  // (measured: it cost more than it saved).
+  int scan_turn = 0, bits = 0, pass = 0;
+  std::uint32_t mask = 0u, prefix = 0u, remaining = std::uint32_t(job.picks), in_bin = 0;
   bool gathered = false;
   // ---- cluster passes: digits of up to 8 bits below the prefix, one cluster barrier each
   for (;;) {
@@ -429,45 +495,8 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
     better += before_bin[q] + better_in_bin[q];  // better_in_bin: 0 unless gathered
     tied += gathered ? tied_in_bin[q] : in_bin_of[q];
   }
-  std::uint32_t packed[kGroups], exclusive[kGroups], total[kGroups];
-#pragma unroll
-  for (int g = 0; g < kGroups; ++g) {
-    std::uint32_t lt = 0, eq = 0;
-#pragma unroll
-    for (int q = 0; q < kVec; ++q) {
-      const std::uint32_t x = word[kVec * g + q];
-      lt += (x != kNoWord && (x & mask) < prefix) ? 1u : 0u;
-      eq += (x != kNoWord && (x & mask) == prefix) ? 1u : 0u;
-    }
-    packed[g] = lt | (eq << 16);
-  }
-  held_block_scan<kThreads, kGroups>(packed, exclusive, total, scan_buffer[scan_turn]);
-  const std::int32_t first_index = job.lo + begin;
-#pragma unroll
-  for (int g = 0; g < kGroups; ++g) {
-    std::uint32_t at_better = better + (exclusive[g] & 0xffffu), at_tied = tied + (exclusive[g] >> 16);
-    if (packed[g] != 0) {
-#pragma unroll
-      for (int q = 0; q < kVec; ++q) {
-        const std::uint32_t x = word[kVec * g + q];
-        const std::int32_t index = first_index + (g * kThreads + tid) * kVec + q;
-        std::int32_t at = -1;
-        if (x != kNoWord && (x & mask) < prefix) {
-          at = std::int32_t(at_better + min(at_tied, take_tied));
-          ++at_better;
-        } else if (x != kNoWord && (x & mask) == prefix) {
-          if (at_tied < take_tied) at = std::int32_t(at_better + at_tied);
-          ++at_tied;
-        }
-        if (at >= 0) {
-          indices[at] = index;
-          if (weights != nullptr) weights[at] = 0.0f;
-        }
-      }
-    }
-    better += total[g] & 0xffffu;
-    tied += total[g] >> 16;
-  }
+  emit_held_words<kThreads>(word, mask, prefix, take_tied, better, tied, job.lo + begin, indices, weights,
+                            scan_buffer[scan_turn]);
   cluster.wait();
 }
 

@@ -63,8 +63,13 @@ struct TopKHeldShape {
 };
 inline constexpr std::array<TopKHeldShape, 3> kTopKHeldShapes{{{512, 4}, {1024, 8}, {1024, 16}}};
 
+/// The one-CTA kernel's shapes (detail/topk_cta_kernels.cuh), smallest first: TopKRowsLaunch::cta = i + 1 names
+/// kTopKCtaShapes[i].
+inline constexpr std::array<TopKHeldShape, 2> kTopKCtaShapes{{{1024, 8}, {1024, 16}}};
+
 struct TopKRowsLaunch {
   std::int32_t cluster = 1;           ///< CTAs per score row, a power of two <= 16
+  std::int32_t cta = 0;               ///< i > 0: the one-CTA kernel of kTopKCtaShapes[i - 1] (cluster 1, held 0)
   std::int32_t held = 0;              ///< 0: the slice kernel; i > 0: the held kernel of kTopKHeldShapes[i - 1]
   std::int32_t smem_words = 0;        ///< slice kernel: leading rank words of a CTA's slice in shared memory
   std::int32_t smem_limit_words = 0;  ///< the GPU's limit (the slice kernel's attribute, never lowered)
@@ -78,7 +83,9 @@ inline bool topk_clusters_placed(int log2, std::int64_t score_rows, const TopKCl
   return (std::int32_t(1) << log2) <= kTopKMaxPortableCluster ? held > 0 : score_rows <= held;
 }
 
-/// The launch shape: score rows on `sms` SMs. The held kernel where a row fits a cluster's registers: the smallest
+/// The launch shape: score rows on `sms` SMs. The one-CTA kernel where a row fits one CTA's registers and the rows
+/// are at most the SMs (the smallest shape of kTopKCtaShapes that holds max_tokens words). Else the held kernel where
+/// a row fits a cluster's registers: the smallest
 /// CTA shape of kTopKHeldShapes whose cluster (a power of two of at most 16 the GPU places) holds max_tokens words,
 /// with at most half the SMs busy (measured faster than the slice kernel at 1 and 8 rows of 131072 and 8 rows of
 /// 8192; more rows keep the slice kernel). Else the slice kernel: the cluster grows (powers of two) while the
@@ -88,6 +95,12 @@ inline TopKRowsLaunch plan_topk_rows(std::int64_t score_rows, std::int32_t max_t
                                      const TopKClusterCapacity& capacity, std::int32_t smem_limit_words) {
   TopKRowsLaunch launch;
   launch.smem_limit_words = smem_limit_words;
+  for (std::size_t i = 0; i < kTopKCtaShapes.size() && score_rows <= sms; ++i) {
+    if (std::int64_t(kTopKCtaShapes[i].threads) * kTopKCtaShapes[i].items >= max_tokens) {
+      launch.cta = std::int32_t(i) + 1;
+      return launch;
+    }
+  }
   for (std::size_t i = 0; i < kTopKHeldShapes.size(); ++i) {
     const std::int64_t tile = std::int64_t(kTopKHeldShapes[i].threads) * kTopKHeldShapes[i].items;
     int log2 = 0;
