@@ -179,23 +179,20 @@ void expect_quest_selection(const HostDecodeProblem<T>& p, const std::vector<std
   }
 }
 
-/// The rerank's exact score of each candidate of row (b, g), in fp64: the group's softmax weight over the
-/// candidates alone, max over the group's heads.
-template <class T>
-std::map<std::int32_t, double> rerank_scores(const HostDecodeProblem<T>& p, std::int32_t b, std::int32_t g,
-                                             const std::vector<std::int32_t>& candidates, double scale) {
-  const auto& c = p.spec;
-  const std::int32_t group = c.q_heads / c.kv_heads;
-  const auto kv = p.kv_values.view();
+/// The rerank's exact score of each candidate, in fp64: the group's softmax weight over the candidates alone, max
+/// over the group's heads [heads_begin, heads_end). query(h, d) and key(t, d): element d of head h's query and of
+/// token t's key.
+template <class Query, class Key>
+std::map<std::int32_t, double> group_softmax_scores(std::int32_t heads_begin, std::int32_t heads_end,
+                                                    std::int32_t head_dim, const std::vector<std::int32_t>& candidates,
+                                                    double scale, Query query, Key key) {
   std::map<std::int32_t, double> best;
   std::vector<double> logits(candidates.size());
-  for (std::int32_t h = g * group; h < (g + 1) * group; ++h) {
+  for (std::int32_t h = heads_begin; h < heads_end; ++h) {
     double max_logit = -std::numeric_limits<double>::infinity();
     for (std::size_t i = 0; i < candidates.size(); ++i) {
       double dot = 0;
-      for (std::int32_t d = 0; d < c.head_dim; ++d) {
-        dot += double(to_float(p.q[(std::size_t(b) * c.q_heads + h) * c.head_dim + d])) * kv.k_row(b, g, candidates[i])[d];
-      }
+      for (std::int32_t d = 0; d < head_dim; ++d) dot += double(query(h, d)) * double(key(candidates[i], d));
       logits[i] = scale * dot;
       max_logit = std::max(max_logit, logits[i]);
     }
@@ -206,6 +203,19 @@ std::map<std::int32_t, double> rerank_scores(const HostDecodeProblem<T>& p, std:
     }
   }
   return best;
+}
+
+/// group_softmax_scores of row (b, g)'s candidates in a HostDecodeProblem.
+template <class T>
+std::map<std::int32_t, double> rerank_scores(const HostDecodeProblem<T>& p, std::int32_t b, std::int32_t g,
+                                             const std::vector<std::int32_t>& candidates, double scale) {
+  const auto& c = p.spec;
+  const std::int32_t group = c.q_heads / c.kv_heads;
+  const auto kv = p.kv_values.view();
+  return group_softmax_scores(
+      g * group, (g + 1) * group, c.head_dim, candidates, scale,
+      [&](std::int32_t h, std::int32_t d) { return to_float(p.q[(std::size_t(b) * c.q_heads + h) * c.head_dim + d]); },
+      [&](std::int32_t t, std::int32_t d) { return kv.k_row(b, g, t)[d]; });
 }
 
 /// The rows of a reranked step with RerankConfig::mass (selectors/rerank.hpp), against fp64: row r keeps k of its

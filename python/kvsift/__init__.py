@@ -388,16 +388,23 @@ class SpeContextStep:
     lengths from cache); select(q, k, cache, slots) appends the step's head key and selects (cache: any layer's,
     whose lengths count the step's token); attend(layer, q, cache, k=, v=) writes the layer's k, v (when given) at
     lengths[b] - 1 and attends, returning (o, lse); selection=(indices, counts) attends that selection instead of
-    the last select's (e.g. one kept from an earlier step, see selection())."""
+    the last select's (e.g. one kept from an earlier step, see selection()).
+
+    rerank K > 0: each layer keeps the best K of the step's selection by its own exact scores (its group's softmax
+    weight over the selection, max over the group) and attends those: build with budget = c x K candidates (e.g.
+    c = 4). rerank_mass p > 0 keeps fewer per row (top-p of the exact scores, at least rerank_floor). A selection
+    given to attend is reranked as the step's own would be."""
 
     def __init__(self, *, layers, q_heads, kv_heads, head_dim, max_seq_len, rope_theta, budget=2048,
                  mode="per_kv_head", window=(0, 0), rope_dim=0, rope_interleaved=False, yarn_factor=None,
                  yarn_original_max_position_embeddings=2048, sm_scale=0.0, head_sm_scale=0.0, max_batch=1,
-                 max_slots=None, dtype="float16", device="cpu", validate=False, pool=None):
+                 max_slots=None, dtype="float16", device="cpu", validate=False, pool=None, rerank=0,
+                 rerank_mass=0.0, rerank_floor=1):
         self._step = _kvsift.make_specontext_step(
             dtype, device, layers, q_heads, kv_heads, head_dim, max_seq_len, budget, mode, tuple(window),
             float(rope_theta), rope_dim, bool(rope_interleaved), yarn_factor, yarn_original_max_position_embeddings,
-            sm_scale, head_sm_scale, max_batch, max_slots or max_batch, validate, pool)
+            sm_scale, head_sm_scale, max_batch, max_slots or max_batch, validate, pool, rerank, float(rerank_mass),
+            rerank_floor)
         self.device, self.dtype = device, dtype
 
     @property

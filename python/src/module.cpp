@@ -1048,6 +1048,7 @@ struct SpeStepConfig {
   std::optional<double> yarn_factor;
   std::int32_t yarn_original_max_position_embeddings;
   bool validate;
+  RerankConfig rerank;  ///< SpeContextStepConfig::rerank (budget 0: off)
 };
 
 /// A SpeContextStep (one per model: one selection per step from the retrieval head, attended by every layer) of
@@ -1111,7 +1112,8 @@ class SpeStepOf final : public SpeStep {
       in.k = kh, in.v = vh;
     }
     KVSIFT_CHECK(indices.has_value() == counts.has_value(), args.where(), "indices and counts must be given together");
-    // A given selection (e.g. one kept from an earlier select) is attended with the step's window, as its own.
+    // A given selection (e.g. one kept from an earlier select) is attended with the step's window and its rerank,
+    // as its own.
     std::optional<SelectionView> given;
     if (indices) given = selection_view(args, *indices, *counts, std::nullopt);
     with_output_type<T>(args, "o", o, [&](auto to) {
@@ -1119,8 +1121,7 @@ class SpeStepOf final : public SpeStep {
       const StateView<TO> out = state_view<TO>(args, "o", o, "lse", lse);
       call_unlocked([&] {
         if (given) {
-          step_.attend_selection(in, *given, step_.attention().window, out, workspace(), context(stream),
-                                 validate_selection);
+          step_.attend_candidates(in, *given, out, workspace(), context(stream), validate_selection);
         } else {
           step_.attend(in, out, workspace(), context(stream));
         }
@@ -1162,7 +1163,8 @@ class SpeStepOf final : public SpeStep {
     return {.step = {.attention = attention_options(c.window, c.sm_scale), .max_batch = c.max_batch,
                      .q_heads = c.q_heads, .kv_heads = c.kv_heads, .head_dim = c.head_dim,
                      .max_seq_len = c.max_seq_len, .validate_indices = c.validate},
-            .layers = c.layers};
+            .layers = c.layers,
+            .rerank = c.rerank};
   }
   Context context(std::uintptr_t stream) const { return context_of<Context>(pool_, stream); }
   /// CPU work runs without the GIL (other Python threads go on); CUDA work only enqueues.
@@ -1190,11 +1192,13 @@ std::unique_ptr<SpeStep> make_specontext_step(const std::string& dtype, const st
                                               std::optional<double> yarn_factor,
                                               std::int32_t yarn_original_max_position_embeddings, float sm_scale,
                                               float head_sm_scale, std::int32_t max_batch, std::int32_t max_slots,
-                                              bool validate, Pool* pool) {
+                                              bool validate, Pool* pool, std::int32_t rerank, double rerank_mass,
+                                              std::int32_t rerank_floor) {
   const SpeStepConfig c{dtype,      device,      mode,        layers,       q_heads,    kv_heads,
                         head_dim,   max_batch,   max_seq_len, max_slots,    budget,     window,
                         sm_scale,   head_sm_scale, rope_theta, rope_dim,    rope_interleaved, yarn_factor,
-                        yarn_original_max_position_embeddings, validate};
+                        yarn_original_max_position_embeddings, validate,
+                        RerankConfig{.budget = rerank, .mass = rerank_mass, .floor = rerank_floor}};
   constexpr const char* where = "SpeContextStep";
   KVSIFT_CHECK(dtype == "float16" || dtype == "bfloat16", where, "dtype (= '{}') must be 'float16' or 'bfloat16'", dtype);
   const auto with_context = [&](auto t) -> std::unique_ptr<SpeStep> {
@@ -1293,7 +1297,7 @@ NB_MODULE(_kvsift, m) {
         "head_dim"_a, "max_seq_len"_a, "budget"_a, "mode"_a, "window"_a, "rope_theta"_a, "rope_dim"_a,
         "rope_interleaved"_a, "yarn_factor"_a.none(), "yarn_original_max_position_embeddings"_a, "sm_scale"_a,
         "head_sm_scale"_a, "max_batch"_a, "max_slots"_a, "validate"_a, "pool"_a.none() = nb::none(),
-        nb::keep_alive<0, 21>());
+        "rerank"_a = 0, "rerank_mass"_a = 0.0, "rerank_floor"_a = 1, nb::keep_alive<0, 21>());
   m.def("make_step", &make_step, "selector"_a, "selector_config"_a, "dtype"_a, "device"_a, "q_heads"_a, "kv_heads"_a,
         "head_dim"_a, "max_batch"_a, "max_seq_len"_a, "max_slots"_a, "window"_a, "sm_scale"_a, "validate"_a,
         "pool"_a.none() = nb::none(), "page_selections"_a = false, nb::keep_alive<0, 14>());

@@ -46,6 +46,8 @@ struct Run {
   std::vector<std::vector<std::uint16_t>> o;  ///< per layer, the output's bits
   std::vector<std::vector<float>> lse;
   std::vector<std::uint16_t> head_keys;       ///< the head cache's rows [batch, kv_heads, length, head_dim] bits
+  /// With a rerank per layer: each layer's kept rows [batch, kv_heads, rerank.budget] and counts (eager run).
+  std::vector<std::vector<std::int32_t>> kept, kept_counts;
 };
 
 /// The distance in ulps of two 16-bit floats of one format (bf16 or half): their bits as ordered integers.
@@ -90,11 +92,13 @@ struct Arrays {
 };
 
 template <class T>
-SpeContextStepConfig step_config(const SpeContextProblem<T>& p, const AttentionWindow& window) {
+SpeContextStepConfig step_config(const SpeContextProblem<T>& p, const AttentionWindow& window,
+                                 const RerankConfig& rerank = {}) {
   const auto& c = p.spec;
   return {.step = {.attention = {.window = window}, .max_batch = c.batch, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
                    .head_dim = c.head_dim, .max_seq_len = c.max_tokens},
-          .layers = c.layers};
+          .layers = c.layers,
+          .rerank = rerank};
 }
 template <class T>
 SpeContextConfig selector_config(const SpeContextProblem<T>& p, SpeContextMode mode, std::int32_t budget) {
@@ -166,16 +170,16 @@ Run run_cpu(SpeContextProblem<T> p, SpeContextMode mode, std::int32_t budget, co
 }
 
 /// The same step on the GPU, eager, then (graph) select and every layer's attention captured and replayed twice:
-/// the replays must equal the eager run bit for bit. Returns the eager run.
+/// the replays must equal the eager run bit for bit. Returns the eager run (with `rerank`: each layer's kept rows).
 template <class T>
 Run run_gpu(const SpeContextProblem<T>& p, SpeContextMode mode, std::int32_t budget, const AttentionWindow& window,
-            bool graph) {
+            bool graph, const RerankConfig& rerank = {}) {
   const auto& c = p.spec;
   cudaStream_t stream;
   KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const cuda::Context ctx{stream};
   SpeContextStep<T, cuda::Context> step(SpeContext<T, cuda::Context>(p.limits(), selector_config(p, mode, budget), ctx),
-                                        step_config(p, window), ctx);
+                                        step_config(p, window, rerank), ctx);
   DeviceBuffer<std::byte> ws(step.workspace_bytes());
   ws.poison();
   DeviceBuffer<std::int32_t> slots(p.slots), lens(p.prompt_lengths);
@@ -221,7 +225,9 @@ Run run_gpu(const SpeContextProblem<T>& p, SpeContextMode mode, std::int32_t bud
     o.back().poison();
     lse.back().poison();
   }
-  const auto work = [&] {
+  Run run;
+  // record: each layer's kept rows, read after its attention (eager only: it synchronizes)
+  const auto work_recording = [&](bool record) {
     step.select({.q = QueryView<const T>::packed(q_r.data(), c.batch, c.q_heads, c.head_dim),
                  .k = HeadsView<const T>::packed(k_step.data(), c.batch, c.kv_heads, c.head_dim),
                  .cache = head_input(), .slots = slots.data()},
@@ -236,11 +242,21 @@ Run run_gpu(const SpeContextProblem<T>& p, SpeContextMode mode, std::int32_t bud
                   StateView<T>::packed(o[std::size_t(l)].data(), lse[std::size_t(l)].data(), c.batch, c.q_heads,
                                        c.head_dim),
                   {ws.data(), ws.size()}, ctx);
+      if (record && rerank.budget > 0) {
+        const SelectionView kept = step.reranked_selection({ws.data(), ws.size()}, c.batch);
+        std::vector<std::int32_t> rows(std::size_t(c.batch) * c.kv_heads * kept.capacity);
+        std::vector<std::int32_t> counts(std::size_t(c.batch) * c.kv_heads);
+        KVSIFT_CUDA_CHECK(cudaMemcpyAsync(rows.data(), kept.indices, rows.size() * 4, cudaMemcpyDeviceToHost, stream));
+        KVSIFT_CUDA_CHECK(cudaMemcpyAsync(counts.data(), kept.counts, counts.size() * 4, cudaMemcpyDeviceToHost, stream));
+        KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        run.kept.push_back(std::move(rows));
+        run.kept_counts.push_back(std::move(counts));
+      }
     }
   };
-  work();
+  const auto work = [&] { work_recording(false); };
+  work_recording(true);
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-  Run run;
   const auto read = [&](Run& r) {
     const SelectionView sel = step.selection({ws.data(), ws.size()}, c.batch);
     r.indices.resize(std::size_t(c.batch) * c.kv_heads * sel.capacity);
@@ -359,6 +375,47 @@ TYPED_TEST(CudaSpeContext, EqualsCpuTwinAndReplaysInAGraph) {
         }
       }
     }
+  }
+}
+
+/// config.rerank on the GPU: each layer keeps the best 16 of the step's 48 candidates by its own exact scores
+/// (fp64: the layer's group softmax over the candidates, max over the group) and attends them (fp64 attention);
+/// the captured step replays bit for bit.
+TYPED_TEST(CudaSpeContext, RerankPerLayerKeepsEachLayersBestCandidates) {
+  using T = TypeParam;
+  SCOPED_TRACE(this->seed);
+  constexpr std::int32_t kCandidates = 48, kKept = 16;
+  const SpeContextProblem<T> p(this->rng, {.batch = 3, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+                                           .max_tokens = 512, .min_length = 120, .max_length = 500});
+  const auto& c = p.spec;
+  const AttentionWindow window = specontext_window({4, 64});
+  const Run gpu = run_gpu(p, SpeContextMode::per_kv_head, kCandidates, window, /*graph=*/true, {.budget = kKept});
+  ASSERT_EQ(std::int32_t(gpu.kept.size()), c.layers);
+  const std::int32_t group = c.q_heads / c.kv_heads;
+  const double scale = 1.0 / std::sqrt(double(c.head_dim));
+  for (std::int32_t l = 0; l < c.layers; ++l) {
+    SCOPED_TRACE(fmt::format("layer {}", l));
+    const T* q = p.layer_q.data() + std::size_t(l) * c.batch * c.q_heads * c.head_dim;
+    for (std::int32_t row = 0; row < c.batch * c.kv_heads; ++row) {
+      const std::int32_t b = row / c.kv_heads, g = row % c.kv_heads;
+      const auto candidates = selection_row(gpu.indices, gpu.counts, row, kCandidates);
+      ASSERT_GT(candidates.size(), std::size_t(kKept));
+      const auto scores = group_softmax_scores(
+          g * group, (g + 1) * group, c.head_dim, candidates, scale,
+          [&](std::int32_t h, std::int32_t d) { return to_float(q[(std::size_t(b) * c.q_heads + h) * c.head_dim + d]); },
+          [&](std::int32_t t, std::int32_t d) {
+            return to_float(p.layer_k[std::size_t(l)][((std::size_t(b) * c.kv_heads + g) * c.max_tokens + t) * c.head_dim + d]);
+          });
+      double top = 0;
+      for (const auto& [id, score] : scores) top = std::max(top, score);
+      expect_top_k(selection_row(gpu.kept[std::size_t(l)], gpu.kept_counts[std::size_t(l)], row, kKept), scores, kKept,
+                   1e-4 * top, fmt::format("row {}", row));
+    }
+    std::vector<T> o(gpu.o[std::size_t(l)].size());
+    std::memcpy(o.data(), gpu.o[std::size_t(l)].data(), o.size() * sizeof(T));
+    expect_close(o, gpu.lse[std::size_t(l)],
+                 p.attention(l, gpu.kept[std::size_t(l)], gpu.kept_counts[std::size_t(l)], kKept, window),
+                 fmt::format("CUDA layer {}", l));
   }
 }
 
@@ -839,6 +896,16 @@ TEST_F(CudaSpeContextOffloadBadInput, Refuses) {
     auto wide = make_step({4, 64});
     expect_error([&] { (void)Offloaded(std::move(wide), 1); },
                  {"SpeContextStep<LayersOnHost>", "window is 4 + 64", "must be 0 + 1"});
+  }
+  {  // a rerank per layer would read an offloaded layer's keys on the host
+    SpeContextStep<T, cuda::Context> reranked(
+        SpeContext<T, cuda::Context>(limits, {.budget = 16, .rope = test_head_rope()}, ctx),
+        {.step = {.max_batch = batch, .q_heads = qh, .kv_heads = kv, .head_dim = d, .max_seq_len = n},
+         .layers = layers,
+         .rerank = {.budget = 4}},
+        ctx);
+    expect_error([&] { (void)Offloaded(std::move(reranked), 1); },
+                 {"SpeContextStep<LayersOnHost>", "config.rerank is set", "use the local step"});
   }
   EXPECT_EQ(step.layers(), layers);
   DeviceBuffer<std::byte> ws(step.workspace_bytes());

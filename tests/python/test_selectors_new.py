@@ -210,6 +210,55 @@ def test_specontext_selects_the_head_top_and_every_layer_attends_it(rng, window)
         kept = (indices, counts)
 
 
+def test_specontext_rerank_per_layer_attends_each_layers_best_of_the_selection(rng):
+    # rerank=K over a head selection of 4 K: each layer attends the K candidates with the largest exact score (the
+    # group's softmax weight over the candidates, max over the group; fp64 here), with a given selection alike.
+    layers, kept, window = 2, 10, (4, 16)
+    step = kvsift.SpeContextStep(layers=layers, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                 max_seq_len=CAPACITY, rope_theta=THETA, rope_interleaved=True, budget=4 * kept,
+                                 window=window, max_batch=2, rerank=kept)
+    caches = [random_cache(rng, [300, 451]) for _ in range(layers)]
+    head_k = rng.standard_normal((2, KV_HEADS, CAPACITY, HEAD_DIM)).astype(np.float16)
+    step.prepare(caches[0][3], head_k)
+    for _, _, lengths, _ in caches:
+        lengths += 1
+    lengths = caches[0][2]
+    step.select(heads(rng, 2, Q_HEADS), np.ascontiguousarray(head_k[np.arange(2), :, lengths - 1]), caches[0][3])
+    indices, counts = step.selection(2)
+
+    def ranked(q, k, b, g):
+        """The candidates of row (b, g) by descending fp64 score, and the gap between the k-th and the next."""
+        candidates = indices[b, g, :counts[b, g]]
+        logits = np.einsum("hd,td->ht", q[b, g * GROUP:(g + 1) * GROUP].astype(np.float64),
+                           k[b, g, candidates].astype(np.float64)) * SCALE
+        weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+        score = (weights / weights.sum(axis=1, keepdims=True)).max(axis=0)
+        order = np.argsort(-score, kind="stable")
+        return candidates[order], score[order[kept - 1]] - score[order[kept]]
+
+    for layer, (k, v, lengths, cache) in enumerate(caches):
+        for _ in range(20):  # a query with no near-tie at any row's k-th candidate (fp32 against fp64 could swap it)
+            q = heads(rng, 2, Q_HEADS)
+            if all(ranked(q, k, b, g)[1] > 1e-5 for b in range(2) for g in range(KV_HEADS)):
+                break
+        else:
+            raise AssertionError("every query drawn had a near-tie")
+        o, lse = poisoned(q.shape, np.float32), poisoned(q.shape[:2], np.float32)
+        step.attend(layer, q, cache, k=heads(rng, 2, KV_HEADS), v=heads(rng, 2, KV_HEADS), o=o, lse=lse)
+        expect_attention(o, lse, q, k, v, lengths,
+                         lambda b, g: attended_tokens(lengths[b], window, ranked(q, k, b, g)[0][:kept]))
+        o2, lse2 = poisoned(q.shape, np.float32), poisoned(q.shape[:2], np.float32)
+        step.attend(layer, q, cache, o=o2, lse=lse2, selection=(indices, counts))
+        np.testing.assert_array_equal(o2, o)
+        np.testing.assert_array_equal(lse2, lse)
+    with pytest.raises(ValueError, match=r"config.rerank.budget \(= 41\) exceeds the selector's budget \(= 40\)"):
+        kvsift.SpeContextStep(layers=1, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_seq_len=CAPACITY,
+                              rope_theta=THETA, budget=40, rerank=41)
+    with pytest.raises(ValueError, match=r"config.rerank \(budget_fraction 0, entries 0, mass 0.5, floor 1\) is set"):
+        kvsift.SpeContextStep(layers=1, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_seq_len=CAPACITY,
+                              rope_theta=THETA, budget=40, rerank_mass=0.5)
+
+
 def test_specontext_head_rope_with_yarn(rng):
     # The draft model's YaRN extension: a factor 8 over 64 positions, sequences of 300+ tokens.
     k, v, lengths, cache = random_cache(rng, [300, 377])

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <type_traits>
 
@@ -268,6 +269,94 @@ TYPED_TEST(CpuSpeContext, StepAttendsEveryLayerWithTheOneSelection) {
   }
 }
 
+/// config.rerank: every layer keeps the best K of the step's selection (c x K = 4 x 8 candidates) by its own exact
+/// scores (fp64: the layer's group softmax over the candidates, max over the group) and attends those, against
+/// fp64 attention; a second step without the rerank attends the whole selection as before.
+TYPED_TEST(CpuSpeContext, RerankPerLayerKeepsEachLayersBestCandidates) {
+  using T = TypeParam;
+  SCOPED_TRACE(this->seed);
+  constexpr std::int32_t kCandidates = 32, kKept = 8;
+  CpuFixture<T> f(this->rng, {});
+  const auto& c = f.p.spec;
+  const AttentionWindow window{4, 16};
+  SpeContextStep<T, cpu::Context> step(
+      SpeContext<T, cpu::Context>(f.p.limits(), f.config(kCandidates, SpeContextMode::per_kv_head), f.ctx),
+      {.step = {.attention = {.window = window}, .max_batch = c.batch, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
+                .head_dim = c.head_dim, .max_seq_len = c.max_tokens},
+       .layers = c.layers,
+       .rerank = {.budget = kKept}},
+      f.ctx);
+  ASSERT_NE(step.rerank(), nullptr);
+  EXPECT_EQ(step.rerank()->budget, kKept);
+  EXPECT_EQ(step.capacity(), kCandidates);
+  auto ws = poisoned(step.workspace_bytes());
+  step.prepare(f.prefill(), f.ctx);
+  f.to_step();
+  step.select({.q = f.q_r(), .k = f.k_step(), .cache = f.head_input(), .slots = f.p.slots.data()}, ws.bytes(), f.ctx);
+  const SelectionView sel = step.selection(ws.bytes(), c.batch);
+  const std::int32_t rows = c.batch * c.kv_heads, group = c.q_heads / c.kv_heads;
+  const double scale = 1.0 / std::sqrt(double(c.head_dim));
+  for (std::int32_t l = 0; l < c.layers; ++l) {
+    SCOPED_TRACE(fmt::format("layer {}", l));
+    HostState out(c.batch, c.q_heads, c.head_dim);
+    std::vector<T> o(out.o.size(), from_float<T>(kPoison));
+    const T* q = f.p.layer_q.data() + std::size_t(l) * c.batch * c.q_heads * c.head_dim;
+    const std::size_t step_at = std::size_t(l) * c.batch * c.kv_heads * c.head_dim;
+    step.attend({.q = QueryView<const T>::packed(q, c.batch, c.q_heads, c.head_dim),
+                 .cache = f.layer(l),
+                 .k = HeadsView<const T>::packed(f.p.step_k.data() + step_at, c.batch, c.kv_heads, c.head_dim),
+                 .v = HeadsView<const T>::packed(f.p.step_v.data() + step_at, c.batch, c.kv_heads, c.head_dim),
+                 .layer = l},
+                StateView<T>::packed(o.data(), out.lse.data(), c.batch, c.q_heads, c.head_dim), ws.bytes(), f.ctx);
+    const SelectionView kept = step.reranked_selection(ws.bytes(), c.batch);
+    ASSERT_EQ(kept.capacity, kKept);
+    const std::vector<std::int32_t> kept_indices(kept.indices, kept.indices + std::size_t(rows) * kKept);
+    const std::vector<std::int32_t> kept_counts(kept.counts, kept.counts + rows);
+    for (std::int32_t b = 0; b < c.batch; ++b) {
+      for (std::int32_t g = 0; g < c.kv_heads; ++g) {
+        const std::int32_t row = b * c.kv_heads + g;
+        const std::vector<std::int32_t> candidates(sel.indices + std::size_t(row) * sel.capacity,
+                                                   sel.indices + std::size_t(row) * sel.capacity + sel.counts[row]);
+        ASSERT_GT(candidates.size(), std::size_t(kKept));  // every row has more candidates than it keeps
+        const auto scores = group_softmax_scores(
+            g * group, (g + 1) * group, c.head_dim, candidates, scale,
+            [&](std::int32_t h, std::int32_t d) { return to_float(q[(std::size_t(b) * c.q_heads + h) * c.head_dim + d]); },
+            [&](std::int32_t t, std::int32_t d) {
+              return to_float(f.p.layer_k[std::size_t(l)][((std::size_t(b) * c.kv_heads + g) * c.max_tokens + t) * c.head_dim + d]);
+            });
+        double top = 0;
+        for (const auto& [id, score] : scores) top = std::max(top, score);
+        expect_top_k({kept.indices + std::size_t(row) * kKept, kept.indices + std::size_t(row) * kKept + kept.counts[row]},
+                     scores, kKept, 1e-4 * top, fmt::format("row ({}, {})", b, g));
+      }
+    }
+    expect_close(o, out.lse, f.p.attention(l, kept_indices, kept_counts, kKept, step.attention().window),
+                 fmt::format("layer {}", l));
+    // The same candidates given back (a selection kept from an earlier select): the same kept rows and output, bit
+    // for bit (the layer's token is written already). Validated, a candidate past its sequence is refused.
+    std::vector<std::int32_t> given_indices(sel.indices, sel.indices + std::size_t(rows) * sel.capacity);
+    std::vector<std::int32_t> given_counts(sel.counts, sel.counts + rows);
+    const SelectionView given{given_indices.data(), given_counts.data(), nullptr, c.batch, c.kv_heads, sel.capacity};
+    std::vector<T> again(o.size(), from_float<T>(kPoison));
+    std::vector<float> again_lse(out.lse.size(), kPoison);
+    const SpeContextLayerInputs<T> layer_in{.q = QueryView<const T>::packed(q, c.batch, c.q_heads, c.head_dim),
+                                            .cache = f.layer(l), .layer = l};
+    step.attend_candidates(layer_in, given, StateView<T>::packed(again.data(), again_lse.data(), c.batch, c.q_heads,
+                                                                 c.head_dim),
+                           ws.bytes(), f.ctx, /*validate_indices=*/true);
+    EXPECT_EQ(std::memcmp(again.data(), o.data(), o.size() * sizeof(T)), 0);
+    EXPECT_EQ(std::memcmp(again_lse.data(), out.lse.data(), out.lse.size() * sizeof(float)), 0);
+    const SelectionView kept_again = step.reranked_selection(ws.bytes(), c.batch);
+    EXPECT_TRUE(std::equal(kept_indices.begin(), kept_indices.end(), kept_again.indices));
+    given_indices[0] = f.p.lengths[0] + 5;
+    expect_error([&] {
+      step.attend_candidates(layer_in, given, StateView<T>::packed(again.data(), again_lse.data(), c.batch, c.q_heads,
+                                                                   c.head_dim),
+                             ws.bytes(), f.ctx, /*validate_indices=*/true);
+    }, {"is outside [0, seq_len"});
+  }
+}
+
 TEST(CpuMaxScoreRows, EqualsScalarMaxAndRefusesBadShapes) {
   Random rng(test_seed());
   const std::int32_t rows = 3, group = 4, cols = 50;
@@ -360,6 +449,33 @@ TEST(CpuSpeContextBadInput, RefusesEveryBadArgument) {
                                         f.ctx);
       },
       {"config.layers (= 0)"});
+  // The rerank per layer: K past the selector's budget, entries, a negative K, a bad stage config; the kept
+  // selection asked of a step without it.
+  const auto step_with = [&](const RerankConfig& rerank) {
+    return SpeContextStep<T, cpu::Context>(SpeContext<T, cpu::Context>(f.p.limits(), config, f.ctx),
+                                           {.step = {.max_batch = c.batch, .q_heads = c.q_heads,
+                                                     .kv_heads = c.kv_heads, .head_dim = c.head_dim,
+                                                     .max_seq_len = c.max_tokens},
+                                            .layers = 2,
+                                            .rerank = rerank},
+                                           f.ctx);
+  };
+  expect_error([&] { step_with({.budget = config.budget + 1}); },
+               {"SpeContextStep", fmt::format("config.rerank.budget (= {}) exceeds the selector's budget (= {})",
+                                              config.budget + 1, config.budget)});
+  expect_error([&] { step_with({.budget = 4, .entries = 2}); }, {"config.rerank.entries (= 2) must be 0"});
+  expect_error([&] { step_with({.budget = 4, .budget_fraction = 0.1}); },
+               {"config.rerank.budget_fraction (= 0.1) must be 0"});
+  expect_error([&] { step_with({.budget = -1}); }, {"config.rerank.budget (= -1) must be >= 0"});
+  expect_error([&] { step_with({.mass = 0.5}); },
+               {"config.rerank (budget_fraction 0, entries 0, mass 0.5, floor 1) is set with config.rerank.budget = 0"});
+  expect_error([&] { step_with({.budget = 4, .mass = 2}); }, {"RerankStage", "config.mass (= 2) is outside [0, 1]"});
+  {
+    auto plain = step_with({});
+    EXPECT_EQ(plain.rerank(), nullptr);
+    auto ws = poisoned(plain.workspace_bytes());
+    expect_error([&] { plain.reranked_selection(ws.bytes(), 1); }, {"config.rerank.budget is 0"});
+  }
 
   SpeContext<T, cpu::Context> s(f.p.limits(), config, f.ctx);
   // prepare: no head keys, too short, a prompt past max_tokens.

@@ -22,6 +22,8 @@ retrieval head's q_r and k_r; one SpeContextStep serves all layers with one sele
 "specontext_groups": the layers in groups led by layers 0, 3 and 12 (SPECONTEXT_GROUPS: the three runs that keep the
 most mass recall in docs/bench/specontext_layers_2pct.csv, tools/specontext/layer_groups.py), one SpeContextStep per
 group whose head is the group's first layer's pre-RoPE q and k: three selections per position.
+"specontext_rerank", "specontext_groups_rerank": the same steps selecting RERANK_FACTOR times the budget, each layer
+keeping the budget's tokens of that selection by its own exact group softmax (SpeContextStep's rerank per layer).
 """
 import argparse
 import json
@@ -169,15 +171,17 @@ class SpeContextAttention(Attention):
     position only (the head's own lengths), and keeps them; each layer of the group then attends position i with
     selection i. The same selections and arithmetic as token-major decoding."""
 
-    def __init__(self, model, budget, capacity, pool, firsts=(0,)):
+    def __init__(self, model, budget, capacity, pool, firsts=(0,), reranked=False):
         import kvsift
         m = model
         self.kvsift, self.model, self.capacity, self.firsts = kvsift, model, capacity, tuple(firsts)
         ends = self.firsts[1:] + (m.layers,)
+        # reranked: the head selects RERANK_FACTOR x the budget, each layer keeps the budget's best by its own scores
+        proposed = min(RERANK_FACTOR * budget, capacity) if reranked else budget
         self.steps = [kvsift.SpeContextStep(layers=end - first, q_heads=m.q_heads, kv_heads=m.kv_heads,
                                             head_dim=m.head_dim, max_seq_len=capacity, rope_theta=m.rope_theta,
-                                            rope_dim=m.rope_dim, rope_interleaved=True, budget=budget,
-                                            window=(SINK, RECENT), pool=pool)
+                                            rope_dim=m.rope_dim, rope_interleaved=True, budget=proposed,
+                                            window=(SINK, RECENT), pool=pool, rerank=budget if reranked else 0)
                       for first, end in zip(self.firsts, ends)]
         self.group_of = [max(g for g, first in enumerate(self.firsts) if first <= layer) for layer in range(m.layers)]
         self.slots = np.zeros(1, dtype=np.int32)
@@ -224,10 +228,10 @@ class SpeContextAttention(Attention):
 
 
 def make_attention(model, selector, budget, capacity, pool, codebooks):
-    if selector == "specontext":
-        return SpeContextAttention(model, budget, capacity, pool)
-    if selector == "specontext_groups":
-        return SpeContextAttention(model, budget, capacity, pool, SPECONTEXT_GROUPS)
+    if selector in ("specontext", "specontext_rerank"):
+        return SpeContextAttention(model, budget, capacity, pool, reranked=selector.endswith("_rerank"))
+    if selector in ("specontext_groups", "specontext_groups_rerank"):
+        return SpeContextAttention(model, budget, capacity, pool, SPECONTEXT_GROUPS, selector.endswith("_rerank"))
     return KvsiftAttention(model, selector, budget, capacity, pool, codebooks)
 
 

@@ -61,15 +61,18 @@ class SpeContextStep<T, cuda::Context, placement::LayersOnHost> {
   using Selector = typename LocalStep::Selector;
 
   /// Plans the step as the local one does, with its last `offloaded` layers on the host. Refused: what the local
-  /// step refuses; offloaded outside [1, config.layers] (0: use the local step); a window other than {0, 1}.
+  /// step refuses; offloaded outside [1, config.layers] (0: use the local step); a window other than {0, 1};
+  /// config.rerank (a rerank per layer would read the offloaded layers' keys on the host).
   SpeContextStep(Selector selector, const SpeContextStepConfig& config, std::int32_t offloaded,
                  const cuda::Context& ctx)
-      : first_(checked_first(config.layers, specontext_window(config.step.attention.window), offloaded)),
+      : first_(checked_first(config.layers, specontext_window(config.step.attention.window), offloaded,
+                             config.rerank.budget > 0)),
         local_(std::move(selector), config, ctx), elastic_(elastic_config(offloaded)) {}
   /// A local step's last `offloaded` layers moved to the host; the step (selector, head cache, plan) is kept.
   /// Refused as above before `local` is moved from.
   SpeContextStep(LocalStep&& local, std::int32_t offloaded)
-      : first_(checked_first(local.layers(), local.attention().window, offloaded)), local_(std::move(local)),
+      : first_(checked_first(local.layers(), local.attention().window, offloaded, local.rerank() != nullptr)),
+        local_(std::move(local)),
         elastic_(elastic_config(offloaded)) {}
 
   Selector& selector() { return local_.selector(); }
@@ -93,7 +96,7 @@ class SpeContextStep<T, cuda::Context, placement::LayersOnHost> {
   /// Offloads the last `offloaded` layers from now on (see above: the loader is rebuilt, cold; allocates). Refused
   /// as by the constructor, the step unchanged.
   void set_offloaded_layers(std::int32_t offloaded) {
-    const std::int32_t first = checked_first(layers(), attention().window, offloaded);
+    const std::int32_t first = checked_first(layers(), attention().window, offloaded, local_.rerank() != nullptr);
     elastic_ = ElasticKV<T>(elastic_config(offloaded));
     first_ = first;
     loaded_batch_ = 0;
@@ -165,8 +168,12 @@ class SpeContextStep<T, cuda::Context, placement::LayersOnHost> {
 
  private:
   /// The first offloaded layer of `layers` with the step's `window`.
-  static std::int32_t checked_first(std::int32_t layers, const AttentionWindow& window, std::int32_t offloaded) {
+  static std::int32_t checked_first(std::int32_t layers, const AttentionWindow& window, std::int32_t offloaded,
+                                    bool reranked) {
     constexpr const char* where = "SpeContextStep<LayersOnHost>";
+    KVSIFT_CHECK(!reranked, where,
+                 "config.rerank is set: a rerank per layer reads each layer's keys, and an offloaded layer's are on "
+                 "the host; use the local step");
     KVSIFT_CHECK(offloaded >= 1 && offloaded <= layers, where,
                  "offloaded (= {}) is outside [1, config.layers = {}]: with none offloaded use the local step",
                  offloaded, layers);

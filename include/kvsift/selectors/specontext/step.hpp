@@ -6,7 +6,11 @@
 ///     (its k_r rotated and stored) and select (its q_r rotated, top B per kv head), written once for every
 ///     placement (step/selector_part.hpp), into the step's workspace;
 ///   - attend(layer inputs) per layer: the step's token written into that layer's cache when given, then sparse
-///     attention of that layer's cache over THE selection and the window, into `out` (T, or fp32).
+///     attention of that layer's cache over THE selection and the window, into `out` (T, or fp32). With
+///     config.rerank (its budget K > 0), each layer first keeps the best K of the selection by its own exact scores
+///     (the rerank stage of selectors/rerank.hpp over that layer's query and keys): the selection serves as c x K
+///     candidates (build the selector with budget c x K), and every layer attends its own K of them. Cost per
+///     layer: the candidates' keys, c x K per (sequence, kv head), besides the attention.
 /// Every layer's sequences have the same lengths (the same tokens), so absolute positions serve every layer.
 ///
 /// The window: config.attention.window (0 + 0 by default, the paper's; 4 + 64 as an option) with at least the
@@ -35,6 +39,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <utility>
 
@@ -43,6 +48,7 @@
 #include "kvsift/core/kv_cache.hpp"
 #include "kvsift/core/validate.hpp"
 #include "kvsift/core/workspace.hpp"
+#include "kvsift/selectors/rerank.hpp"
 #include "kvsift/selectors/specontext/specontext.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "kvsift/step/placement.hpp"
@@ -57,6 +63,11 @@ struct SpeContextStepConfig {
   /// layer's attention; on CUDA it synchronizes and cannot be captured) and PDL.
   DecodeStepConfig step{};
   std::int32_t layers = 0;  ///< the model's layers; attend takes a layer in [0, layers)
+  /// budget K > 0: each layer keeps the best K of the step's selection by its own exact scores (see above); mass and
+  /// floor as the rerank stage has them (top-p per row). Refused: K above the selector's budget, entries > 0,
+  /// budget_fraction > 0, and with placement::LayersOnHost (an offloaded layer's keys are on the host). 0: every
+  /// layer attends the whole selection.
+  RerankConfig rerank{};
 };
 
 /// The retrieval head's step: its vectors before RoPE, and the cache the lengths come from.
@@ -112,6 +123,8 @@ class SpeContextStep : public detail::StepBase<SpeContext<T, Context>> {
   std::size_t workspace_bytes() const { return workspace_bytes_; }
   /// The selection's capacity: entries per (sequence, kv head), the selector's budget (at least 1).
   std::int32_t capacity() const { return part_.capacity(); }
+  /// The rerank per layer (config.rerank), or nullptr when every layer attends the whole selection.
+  const RerankConfig* rerank() const { return rerank_ ? &rerank_->config() : nullptr; }
   /// The layers' attention: config().attention with the window's recent part at least 1.
   AttentionOptions attention() const {
     return {.sm_scale = config_.attention.sm_scale, .window = specontext_window(config_.attention.window)};
@@ -161,7 +174,56 @@ class SpeContextStep : public detail::StepBase<SpeContext<T, Context>> {
                  "attend waits for a select)");
     KVSIFT_CHECK(in.q.batch <= selected_batch_, where, "in.q.batch (= {}) exceeds the rows of the last select (= {})",
                  in.q.batch, selected_batch_);
-    attend_selection(in, selection(workspace, in.q.batch), attention().window, out, workspace, ctx);
+    attend_candidates(in, selection(workspace, in.q.batch), out, workspace, ctx);
+  }
+
+  /// Layer in.layer's attention over `candidates` as over the step's own selection (its batch and kv heads the
+  /// layer's, capacity at most capacity()): with config.rerank over the layer's best rerank.budget of them, else
+  /// over all; the step's window. For selections kept from earlier selects (a block of positions selected first,
+  /// then attended layer by layer). With `validate_indices` (or config.validate_indices) the candidates are checked
+  /// first (counts, range, duplicates, window); with config.rerank that check is a validated attention of the
+  /// candidates into `out`, which the kept selection's attention then overwrites.
+  template <class TO>
+  void attend_candidates(const SpeContextLayerInputs<T>& in, const SelectionView& candidates,
+                         const StateView<TO>& out, std::span<std::byte> workspace, const Context& ctx,
+                         bool validate_indices = false) {
+    constexpr const char* where = "SpeContextStep::attend";
+    if (!rerank_) {
+      attend_selection(in, candidates, attention().window, out, workspace, ctx, validate_indices);
+      return;
+    }
+    check_layer_inputs(where, in, ctx);
+    KVSIFT_CHECK(candidates.batch == in.q.batch && candidates.kv_heads == config_.kv_heads, where,
+                 "candidates [batch = {}, kv_heads = {}] != [{}, {}]", candidates.batch, candidates.kv_heads,
+                 in.q.batch, config_.kv_heads);
+    KVSIFT_CHECK(candidates.capacity <= part_.capacity(), where,
+                 "candidates.capacity (= {}) exceeds the planned capacity (= {})", candidates.capacity,
+                 part_.capacity());
+    if (validate_indices || config_.validate_indices) {
+      SpeContextLayerInputs<T> read_only = in;  // the step's token is written once, below
+      read_only.k = {};
+      read_only.v = {};
+      attend_selection(read_only, candidates, attention().window, out, workspace, ctx, true);
+    }
+    // The candidates are middle tokens (the window holds the step's own), so the layer's cache already has their
+    // keys whether or not in.k is written first.
+    WorkspaceLayout carving(workspace, where);
+    const Buffers b = layout(carving);
+    const SelectionView kept = kept_view(b, in.q.batch);
+    rerank_->run(in.q, KVCache<const T>(in.cache), b.selector.lengths, attention(), candidates, kept, SelectionView{},
+                 b.rerank, ctx);
+    attend_selection(in, kept, attention().window, out, workspace, ctx);
+  }
+
+  /// With config.rerank: the selection the last attend over this workspace attended, its `batch` rows (the best
+  /// rerank.budget of the step's selection by that layer's scores; context memory). Refused without config.rerank.
+  SelectionView reranked_selection(std::span<std::byte> workspace, std::int32_t batch) const {
+    constexpr const char* where = "SpeContextStep::reranked_selection";
+    KVSIFT_CHECK(rerank_.has_value(), where, "config.rerank.budget is 0: the layers attend the step's selection");
+    KVSIFT_CHECK(batch > 0 && batch <= config_.max_batch, where, "batch (= {}) is outside [1, config.max_batch = {}]",
+                 batch, config_.max_batch);
+    WorkspaceLayout carving(workspace, where);
+    return kept_view(layout(carving), batch);
   }
 
   /// Layer in.layer's attention over any `selection` (its batch and kv heads the layer's) and `window`: the seam
@@ -198,17 +260,24 @@ class SpeContextStep : public detail::StepBase<SpeContext<T, Context>> {
   struct Buffers {
     typename detail::SelectorPart<Selector>::Buffers selector;
     std::span<std::byte> decode;
+    std::int32_t *kept_indices = nullptr, *kept_counts = nullptr;  ///< config.rerank: a layer's kept selection
+    std::span<std::byte> rerank;                                     ///< config.rerank: the stage's workspace
   };
 
   /// The constructor's body, once the configuration is checked (the selector is moved only here).
   SpeContextStep(const SpeContextStepConfig& config, Selector&& selector, const Context& ctx)
       : Base(std::move(selector), config.step, ctx, "SpeContextStep"), layers_(config.layers) {
+    if (config.rerank.budget > 0) rerank_.emplace(selector_.limits(), checked_rerank(config.rerank, part_.capacity()));
     // Fewer rows may split more; planned with validation, which attend_selection may ask for per call.
     for (std::int32_t batch = 1; batch <= config_.max_batch; ++batch) {
       decode_bytes_ = std::max(decode_bytes_, sparse_decode_workspace_bytes(
                                                   batch, config_.q_heads, config_.kv_heads, config_.head_dim,
                                                   part_.capacity(), config_.max_seq_len, attention(),
                                                   /*validate_indices=*/true, ctx));
+    }
+    // The stage's scratch grows with the rows (one plan per batch, as for the decode above).
+    for (std::int32_t batch = 1; rerank_ && batch <= config_.max_batch; ++batch) {
+      rerank_bytes_ = std::max(rerank_bytes_, rerank_->workspace_bytes(batch, part_.capacity(), ctx));
     }
     WorkspaceLayout counting;
     layout(counting);
@@ -227,6 +296,21 @@ class SpeContextStep : public detail::StepBase<SpeContext<T, Context>> {
                  in.q.batch);
   }
 
+  static const RerankConfig& checked_rerank(const RerankConfig& rerank, std::int32_t capacity) {
+    constexpr const char* where = "SpeContextStep";
+    KVSIFT_CHECK(rerank.budget <= capacity, where,
+                 "config.rerank.budget (= {}) exceeds the selector's budget (= {}): build SpeContext with c x K "
+                 "candidates",
+                 rerank.budget, capacity);
+    KVSIFT_CHECK(rerank.entries == 0, where, "config.rerank.entries (= {}) must be 0: the step has no index to update",
+                 rerank.entries);
+    KVSIFT_CHECK(rerank.budget_fraction == 0, where,
+                 "config.rerank.budget_fraction (= {}) must be 0: every layer keeps config.rerank.budget (or its mass's "
+                 "share)",
+                 rerank.budget_fraction);
+    return rerank;
+  }
+
   static const SpeContextStepConfig& checked(const SpeContextStepConfig& config, const SelectorLimits& head) {
     constexpr const char* where = "SpeContextStep";
     const DecodeStepConfig& c = config.step;
@@ -235,6 +319,12 @@ class SpeContextStep : public detail::StepBase<SpeContext<T, Context>> {
                  "they must be equal",
                  head.q_heads, head.kv_heads, head.head_dim, c.q_heads, c.kv_heads, c.head_dim);
     KVSIFT_CHECK(config.layers > 0, where, "config.layers (= {}) must be positive", config.layers);
+    const RerankConfig& r = config.rerank;
+    KVSIFT_CHECK(r.budget >= 0, where, "config.rerank.budget (= {}) must be >= 0 (0: no rerank)", r.budget);
+    KVSIFT_CHECK(r.budget > 0 || (r.budget_fraction == 0 && r.entries == 0 && r.mass == 0 && r.floor == 1), where,
+                 "config.rerank (budget_fraction {}, entries {}, mass {}, floor {}) is set with config.rerank.budget "
+                 "= 0, which turns the rerank off",
+                 r.budget_fraction, r.entries, r.mass, r.floor);
     KVSIFT_CHECK(c.max_batch > 0 && c.max_batch <= head.max_slots, where,
                  "config.step.max_batch (= {}) is outside [1, the selector's max_slots = {}]", c.max_batch,
                  head.max_slots);
@@ -249,12 +339,23 @@ class SpeContextStep : public detail::StepBase<SpeContext<T, Context>> {
     Buffers b;
     b.selector = part_.layout(layout);
     b.decode = layout.span(decode_bytes_, "SpeContextStep decode scratch");
+    if (rerank_) {
+      const std::size_t rows = std::size_t(config_.max_batch) * std::size_t(config_.kv_heads);
+      b.kept_indices = layout.allocate<std::int32_t>(rows * std::size_t(rerank_->config().budget), "a layer's kept rows");
+      b.kept_counts = layout.allocate<std::int32_t>(rows, "a layer's kept counts");
+      b.rerank = layout.span(rerank_bytes_, "SpeContextStep rerank scratch");
+    }
     return b;
+  }
+  SelectionView kept_view(const Buffers& b, std::int32_t batch) const {
+    return {b.kept_indices, b.kept_counts, nullptr, batch, config_.kv_heads, rerank_->config().budget};
   }
 
   std::int32_t layers_;
   std::int32_t selected_batch_ = 0;  ///< rows of the last select (0: none to attend)
   std::size_t decode_bytes_ = 0;
+  std::optional<RerankStage<T, Context>> rerank_;
+  std::size_t rerank_bytes_ = 0;
   std::size_t workspace_bytes_ = 0;
 };
 
