@@ -2,7 +2,8 @@
 // kv_heads 8, head_dim 128, bf16, every sequence N tokens, B = 2048, all KV on the GPU. A call is one whole decode
 // step of the model's attention: mode 0 (SpeContext) the retrieval head's selection (append + select) and the sparse
 // attention of all 32 layers over that one selection and the current token (window 0 + 1, the paper's); mode 1
-// (dense) 32 layers of kvsift's dense decode; mode 2 the head's selection alone. cuDNN SDPA on the same shapes is
+// (dense) 32 layers of kvsift's dense decode; mode 2 the head's selection alone; mode 5 mode 0 with a rerank per
+// layer (the head selects 4 x 2048, each layer keeps its best 2048: SpeContextStepConfig::rerank). cuDNN SDPA on the same shapes is
 // bench/sdpa_baseline.py (one layer; x 32 for the model). Timed by time_calls (gpu_bench.hpp): graph replays (the
 // manual time) and eager calls (eager_us). pdl 0: every attention launched without programmatic dependent launch;
 // between 1: a projection GEMM (projection_gemm.hpp) after every layer, 32 per step, as a model's other kernels
@@ -47,7 +48,9 @@ using namespace kvsift::bench;
 using Cuda = kvsift::cuda::Context;
 
 constexpr int kLayers = 32, kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kBudget = 2048;
-enum Mode : int { kSpeContext = 0, kDense = 1, kSelectOnly = 2, kOffloaded = 3, kCopiesOnly = 4 };
+enum Mode : int { kSpeContext = 0, kDense = 1, kSelectOnly = 2, kOffloaded = 3, kCopiesOnly = 4, kReranked = 5 };
+/// kReranked: the head selects kRerankFactor x kBudget, each layer keeps its best kBudget (SpeContextStepConfig::rerank).
+constexpr std::int32_t kRerankFactor = 4;
 
 /// The model's layer caches, the head's inputs and a prepared SpeContext step.
 struct Model {
@@ -61,7 +64,7 @@ struct Model {
   std::size_t workspace_bytes = 0;
   std::unique_ptr<Device<std::byte>> workspace;
 
-  Model(std::int64_t n_, int batch_, bool pdl)
+  Model(std::int64_t n_, int batch_, bool pdl, bool rerank = false)
       : n(n_), batch(batch_), distinct(std::clamp(int(48e9 / (2.0 * double(elements()) * sizeof(bfloat16))), 1, kLayers)),
         lengths(batch_), slots(batch_), q_r(std::size_t(batch_) * kQHeads * kHeadDim),
         k_r(std::size_t(batch_) * kKvHeads * kHeadDim), q(std::size_t(batch_) * kQHeads * kHeadDim),
@@ -82,13 +85,15 @@ struct Model {
     KVSIFT_CUDA_CHECK(cudaMemcpy(slots.ptr, host_slots.data(), batch * sizeof(std::int32_t), cudaMemcpyHostToDevice));
     const kvsift::SelectorLimits limits{.max_slots = batch, .max_tokens = std::int32_t(n), .q_heads = kQHeads,
                                         .kv_heads = kKvHeads, .head_dim = kHeadDim};
-    kvsift::SpeContextConfig config{.budget = kBudget, .rope = kvsift::specontext_yarn_rope(500000.0, 64.0, 2048)};
+    kvsift::SpeContextConfig config{.budget = rerank ? kRerankFactor * kBudget : kBudget,
+                                    .rope = kvsift::specontext_yarn_rope(500000.0, 64.0, 2048)};
     step = std::make_unique<kvsift::SpeContextStep<bfloat16, Cuda>>(
         kvsift::SpeContext<bfloat16, Cuda>(limits, config, Cuda{}),
         kvsift::SpeContextStepConfig{.step = {.max_batch = batch, .q_heads = kQHeads, .kv_heads = kKvHeads,
                                               .head_dim = kHeadDim, .max_seq_len = std::int32_t(n),
                                               .programmatic_launch = pdl},
-                                     .layers = kLayers},
+                                     .layers = kLayers,
+                                     .rerank = {.budget = rerank ? kBudget : 0}},
         Cuda{});
     workspace_bytes = step->workspace_bytes();
     workspace = std::make_unique<Device<std::byte>>(workspace_bytes);
@@ -124,7 +129,7 @@ void BM_SpeContextStep(benchmark::State& state) {
   const std::int64_t n = state.range(1);
   const int batch = int(state.range(2));
   const bool pdl = state.range(3) != 0;
-  Model model(n, batch, pdl);
+  Model model(n, batch, pdl, mode == kReranked);
   std::unique_ptr<ProjectionGemm> between;
   if (state.range(4) != 0) between = std::make_unique<ProjectionGemm>(batch);
   const auto qv = kvsift::QueryView<const bfloat16>::packed(model.q.ptr, batch, kQHeads, kHeadDim);
@@ -137,7 +142,7 @@ void BM_SpeContextStep(benchmark::State& state) {
     if (mode != kDense) model.select(stream);
     if (mode == kSelectOnly) return;
     for (int l = 0; l < kLayers; ++l) {
-      if (mode == kSpeContext) {
+      if (mode == kSpeContext || mode == kReranked) {
         model.attend(l, stream);
       } else {
         kvsift::cuda::dense_decode(qv, model.cache(l).as_const().contiguous, out, {dense_ws.ptr, dense_bytes}, stream,
@@ -146,18 +151,24 @@ void BM_SpeContextStep(benchmark::State& state) {
       if (between) (*between)(i * kLayers + l, stream);
     }
   });
-  state.SetLabel(mode == kSpeContext ? "SpeContext" : mode == kDense ? "dense" : "head select");
+  state.SetLabel(mode == kSpeContext ? "SpeContext"
+                 : mode == kReranked ? "SpeContext + rerank"
+                 : mode == kDense    ? "dense"
+                                     : "head select");
   state.counters["distinct"] = model.distinct;
   state.counters["head_cache_MB"] = double(model.step->selector().index_bytes().device) / 1e6;
   if (mode == kSelectOnly || between) return;
-  // The bytes a step must read: the head's keys (SpeContext) and every layer's attended K/V rows.
+  // The bytes a step must read: the head's keys (SpeContext) and every layer's attended K/V rows; with the rerank,
+  // every layer's candidates' keys too.
   const double rows = double(batch) * kKvHeads, row_bytes = kHeadDim * sizeof(bfloat16);
+  const double reranked = mode == kReranked ? kLayers * rows * double(kRerankFactor * kBudget) * row_bytes : 0.0;
   const double bytes = mode == kDense ? kLayers * rows * double(n) * 2 * row_bytes
-                                      : rows * double(n) * row_bytes + kLayers * rows * (kBudget + 1) * 2 * row_bytes;
+                                      : rows * double(n) * row_bytes + kLayers * rows * (kBudget + 1) * 2 * row_bytes +
+                                            reranked;
   state.counters["GB/s"] = benchmark::Counter(bytes * double(state.iterations()), benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_SpeContextStep)
-    ->ArgsProduct({{kSpeContext, kDense}, {131072, 32768}, {1, 8}, {1}, {0}})
+    ->ArgsProduct({{kSpeContext, kDense, kReranked}, {131072, 32768}, {1, 8}, {1}, {0}})
     ->ArgsProduct({{kSelectOnly}, {131072, 32768}, {1, 8}, {1}, {0}})
     ->ArgsProduct({{kSpeContext, kDense}, {131072}, {1, 8}, {0}, {0}})  // PDL off
     ->ArgsProduct({{kSpeContext, kDense}, {131072}, {1, 8}, {1}, {1}})  // a GEMM between layers
