@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <numeric>
 #include <vector>
 
@@ -229,6 +230,19 @@ struct SpeContextProblem {
       for (std::size_t t = 0; t < best.size(); ++t) best[t] = std::max(best[t], w[t]);
     }
     return best;
+  }
+
+  /// The rerank's exact scores (group_softmax_scores, selector_check.hpp) of row (b, g)'s `candidates` in layer l:
+  /// layer l's query against its prompt keys (candidates are middle tokens, never the step's own), scale 1/sqrt(d).
+  std::map<std::int32_t, double> layer_rerank_scores(std::int32_t l, std::int32_t b, std::int32_t g,
+                                                     const std::vector<std::int32_t>& candidates) const {
+    const std::int32_t kv = spec.kv_heads, d = spec.head_dim, group = spec.q_heads / kv;
+    const T* q = layer_q.data() + (std::size_t(l) * spec.batch + b) * spec.q_heads * d;
+    const T* k = layer_k[std::size_t(l)].data() + (std::size_t(b) * kv + g) * spec.max_tokens * d;
+    return group_softmax_scores(
+        g * group, (g + 1) * group, d, candidates, 1.0 / std::sqrt(double(d)),
+        [&](std::int32_t h, std::int32_t c) { return to_float(q[std::size_t(h) * d + c]); },
+        [&](std::int32_t t, std::int32_t c) { return to_float(k[std::size_t(t) * d + c]); });
   }
 
   /// fp64 attention of layer l's query over its cache (the step's K/V at len - 1) on the window's tokens and row

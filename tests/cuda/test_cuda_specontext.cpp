@@ -391,21 +391,13 @@ TYPED_TEST(CudaSpeContext, RerankPerLayerKeepsEachLayersBestCandidates) {
   const AttentionWindow window = specontext_window({4, 64});
   const Run gpu = run_gpu(p, SpeContextMode::per_kv_head, kCandidates, window, /*graph=*/true, {.budget = kKept});
   ASSERT_EQ(std::int32_t(gpu.kept.size()), c.layers);
-  const std::int32_t group = c.q_heads / c.kv_heads;
-  const double scale = 1.0 / std::sqrt(double(c.head_dim));
   for (std::int32_t l = 0; l < c.layers; ++l) {
     SCOPED_TRACE(fmt::format("layer {}", l));
-    const T* q = p.layer_q.data() + std::size_t(l) * c.batch * c.q_heads * c.head_dim;
     for (std::int32_t row = 0; row < c.batch * c.kv_heads; ++row) {
       const std::int32_t b = row / c.kv_heads, g = row % c.kv_heads;
       const auto candidates = selection_row(gpu.indices, gpu.counts, row, kCandidates);
       ASSERT_GT(candidates.size(), std::size_t(kKept));
-      const auto scores = group_softmax_scores(
-          g * group, (g + 1) * group, c.head_dim, candidates, scale,
-          [&](std::int32_t h, std::int32_t d) { return to_float(q[(std::size_t(b) * c.q_heads + h) * c.head_dim + d]); },
-          [&](std::int32_t t, std::int32_t d) {
-            return to_float(p.layer_k[std::size_t(l)][((std::size_t(b) * c.kv_heads + g) * c.max_tokens + t) * c.head_dim + d]);
-          });
+      const auto scores = p.layer_rerank_scores(l, b, g, candidates);
       double top = 0;
       for (const auto& [id, score] : scores) top = std::max(top, score);
       expect_top_k(selection_row(gpu.kept[std::size_t(l)], gpu.kept_counts[std::size_t(l)], row, kKept), scores, kKept,

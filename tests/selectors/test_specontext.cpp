@@ -294,8 +294,7 @@ TYPED_TEST(CpuSpeContext, RerankPerLayerKeepsEachLayersBestCandidates) {
   f.to_step();
   step.select({.q = f.q_r(), .k = f.k_step(), .cache = f.head_input(), .slots = f.p.slots.data()}, ws.bytes(), f.ctx);
   const SelectionView sel = step.selection(ws.bytes(), c.batch);
-  const std::int32_t rows = c.batch * c.kv_heads, group = c.q_heads / c.kv_heads;
-  const double scale = 1.0 / std::sqrt(double(c.head_dim));
+  const std::int32_t rows = c.batch * c.kv_heads;
   for (std::int32_t l = 0; l < c.layers; ++l) {
     SCOPED_TRACE(fmt::format("layer {}", l));
     HostState out(c.batch, c.q_heads, c.head_dim);
@@ -318,12 +317,7 @@ TYPED_TEST(CpuSpeContext, RerankPerLayerKeepsEachLayersBestCandidates) {
         const std::vector<std::int32_t> candidates(sel.indices + std::size_t(row) * sel.capacity,
                                                    sel.indices + std::size_t(row) * sel.capacity + sel.counts[row]);
         ASSERT_GT(candidates.size(), std::size_t(kKept));  // every row has more candidates than it keeps
-        const auto scores = group_softmax_scores(
-            g * group, (g + 1) * group, c.head_dim, candidates, scale,
-            [&](std::int32_t h, std::int32_t d) { return to_float(q[(std::size_t(b) * c.q_heads + h) * c.head_dim + d]); },
-            [&](std::int32_t t, std::int32_t d) {
-              return to_float(f.p.layer_k[std::size_t(l)][((std::size_t(b) * c.kv_heads + g) * c.max_tokens + t) * c.head_dim + d]);
-            });
+        const auto scores = f.p.layer_rerank_scores(l, b, g, candidates);
         double top = 0;
         for (const auto& [id, score] : scores) top = std::max(top, score);
         expect_top_k({kept.indices + std::size_t(row) * kKept, kept.indices + std::size_t(row) * kKept + kept.counts[row]},
