@@ -85,6 +85,7 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* d_leng
                                       .window = options.window,
                                       .heads_per_row = heads,
                                       .nan_marks_row = options.nan_marks_row,
+                                      .seed = options.seed,
                                       .out = out,
                                       .picks = buffers.picks,
                                       .union_bits = buffers.union_bits,

@@ -48,6 +48,7 @@ struct Problem {
   bool nan_marks_row;  ///< TopKRowsOptions::nan_marks_row, drawn for rows of one score row each
   std::vector<float> scores;
   std::vector<std::int32_t> lengths, row_k;
+  std::vector<float> seed;  ///< TopKRowsOptions::seed per selection row, or empty
 
   std::int64_t rows() const { return std::int64_t(batch) * kv_heads * heads_per_row; }
   std::int32_t selection_rows() const { return batch * kv_heads; }
@@ -86,15 +87,16 @@ struct Problem {
   }
 
   MatrixView<const float> view(const float* data) const { return {data, rows(), cols, stride()}; }
-  TopKRowsOptions options(const std::int32_t* row_k_data) const {
+  TopKRowsOptions options(const std::int32_t* row_k_data, const float* seed_data = nullptr) const {
     return {.window = window, .row_k = row_k.empty() ? nullptr : row_k_data, .heads_per_row = heads_per_row,
-            .nan_marks_row = nan_marks_row};
+            .nan_marks_row = nan_marks_row, .seed = seed.empty() ? nullptr : seed_data};
   }
   std::string label() const {
     return fmt::format("batch {} kv_heads {} heads_per_row {} cols {} k {} window {}+{} nan_marks_row {} lengths [{}] "
                        "row_k [{}]",
                        batch, kv_heads, heads_per_row, cols, k, window.sink, window.recent, nan_marks_row,
-                       fmt::join(lengths, ", "), fmt::join(row_k, ", "));
+                       fmt::join(lengths, ", "), fmt::join(row_k, ", ")) +
+           (seed.empty() ? std::string() : fmt::format(" seed [{}]", fmt::join(seed, ", ")));
   }
 };
 
@@ -116,14 +118,14 @@ Selection cpu_topk_rows(const Problem& p) {
 
 /// The problem's device inputs and poisoned outputs (all bytes 0xff: index and count -1, weight NaN).
 struct DeviceProblem {
-  DeviceBuffer<float> scores;
+  DeviceBuffer<float> scores, seed;
   DeviceBuffer<std::int32_t> lengths, row_k, indices, counts;
   DeviceBuffer<float> weights;
   DeviceBuffer<std::byte> workspace;
   std::size_t workspace_bytes;
 
   explicit DeviceProblem(const Problem& p)
-      : scores(p.scores), lengths(p.lengths),
+      : scores(p.scores), seed(p.seed.empty() ? DeviceBuffer<float>() : DeviceBuffer<float>(p.seed)), lengths(p.lengths),
         row_k(p.row_k.empty() ? DeviceBuffer<std::int32_t>() : DeviceBuffer<std::int32_t>(p.row_k)),
         indices(std::size_t(p.selection_rows()) * p.capacity()), counts(std::size_t(p.selection_rows())),
         weights(p.weights ? indices.size() : 0),
@@ -140,7 +142,7 @@ struct DeviceProblem {
     return {indices.data(), counts.data(), p.weights ? weights.data() : nullptr, p.batch, p.kv_heads, p.capacity()};
   }
   void run(const Problem& p, cudaStream_t stream) {
-    cuda::topk_rows(p.view(scores.data()), lengths.data(), p.k, p.options(row_k.data()), out(p),
+    cuda::topk_rows(p.view(scores.data()), lengths.data(), p.k, p.options(row_k.data(), seed.data()), out(p),
                     {workspace.data(), workspace_bytes}, stream);
   }
   Selection download() const { return {indices.download(), counts.download(), weights.download()}; }
@@ -195,6 +197,37 @@ void check_against_cpu(const Problem& p) {
   }
 }
 
+/// Seeds for every selection row of `p` (its first score row's middle, ranked by the ranking rule on the host):
+/// its exact k-th best score; just above its (k+1)-th best (exactly the picks at or above the seed, so a final
+/// bin that reaches past the seed must not be taken whole); its best scores' (1.2 k)-th and (0.8 k)-th (too
+/// many, too few: the unseeded passes); +-inf, NaN; a random score.
+void seed_rows(Problem& p, Random& rng) {
+  p.seed.clear();
+  for (std::int32_t s = 0; s < p.selection_rows(); ++s) {
+    const std::int32_t length = p.lengths[std::size_t(s / p.kv_heads)];
+    const std::int32_t lo = p.window.sink_end(length), hi = p.window.recent_begin(length);
+    const float* row = p.scores.data() + std::int64_t(s) * p.heads_per_row * p.stride();
+    std::vector<float> middle(row + std::max(lo, 0), row + std::max(hi, lo));
+    std::sort(middle.begin(), middle.end(), [](float a, float b) { return rank_word(a) < rank_word(b); });
+    const auto at = [&](std::int64_t i) {
+      return middle.empty() ? 0.0f : middle[std::size_t(std::clamp<std::int64_t>(i, 0, std::int64_t(middle.size()) - 1))];
+    };
+    const std::int32_t k = p.row_k.empty() ? p.k : p.row_k[std::size_t(s)];
+    float seed = 0.0f;
+    switch (rng.uniform_int(0, 7)) {
+      case 0: seed = at(k - 1); break;
+      case 1: seed = std::nextafter(at(k), INFINITY); break;
+      case 2: seed = at(k * 6 / 5); break;
+      case 3: seed = at(k * 4 / 5 - 1); break;
+      case 4: seed = INFINITY; break;
+      case 5: seed = -INFINITY; break;
+      case 6: seed = NAN; break;
+      default: seed = rng.uniform(-3.0f, 3.0f); break;
+    }
+    p.seed.push_back(seed);
+  }
+}
+
 TEST_F(CudaTopK, RowsEqualTheCpuTwinExactly) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   const AttentionWindow windows[] = {{0, 0}, {4, 64}, {1, 0}, {0, 1000}};
@@ -226,6 +259,35 @@ TEST_F(CudaTopK, HeldClustersAtSanitizerSizes) {
     for (const std::int32_t k : {128, 2048}) {
       check_against_cpu(Problem(rng, 1, 1, 1, cols, k, windows[rng.uniform_int(0, 1)], Scores::continuous, false));
       check_against_cpu(Problem(rng, 1, 2, 4, cols, k, windows[rng.uniform_int(0, 1)], Scores::few_values, true));
+      Problem seeded(rng, 1, 4, 1, cols, k, windows[rng.uniform_int(0, 1)], Scores::continuous, true);
+      seed_rows(seeded, rng);
+      check_against_cpu(seeded);
+    }
+  }
+}
+
+// TopKRowsOptions::seed on the held kernel's rows (1 and 8 rows of 131072, 4 of 65536, groups of 4): the same
+// selection as the CPU twin (which reads no seed) for seeds that give exactly the picks, a few more, too many,
+// too few, none, every score, and NaN; scores of one magnitude (the seed's word shares their leading bits) and
+// rows with NaN among them (nan_marks_row).
+TEST_F(CudaTopK, SeededRowsEqualTheCpuTwin) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  struct Shape {
+    std::int32_t batch, kv_heads, heads_per_row, cols;
+  };
+  const Shape shapes[] = {{1, 1, 1, 131072}, {1, 8, 1, 131072}, {2, 2, 1, 65536}, {1, 2, 4, 65536}};
+  for (const Shape& shape : shapes) {
+    for (const std::int32_t k : {128, 2048, 5000}) {
+      const AttentionWindow window = rng.uniform_int(0, 1) == 0 ? AttentionWindow{} : AttentionWindow{4, 64};
+      Problem p(rng, shape.batch, shape.kv_heads, shape.heads_per_row, shape.cols, k, window, Scores::continuous,
+                rng.uniform_int(0, 1) == 1);
+      if (rng.uniform_int(0, 1) == 1) {
+        for (float& x : p.scores) x = std::isfinite(x) ? 50.0f + std::abs(x) / 8 : x;
+      }
+      for (int draw = 0; draw < 3; ++draw) {
+        seed_rows(p, rng);
+        check_against_cpu(p);
+      }
     }
   }
 }

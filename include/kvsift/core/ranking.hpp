@@ -140,6 +140,13 @@ struct TopKRowsOptions {
   /// otherwise select the row's first tokens and attend them as if nothing had happened. A row with k_s = 0
   /// reads nothing and keeps count 0. Requires heads_per_row == 1.
   bool nan_marks_row = false;
+  /// Optional [out.batch * out.kv_heads]: a guess at each selection row's k-th best score (each of its score
+  /// rows'), e.g. the previous decode step's (selections persist between steps, and so roughly does the score
+  /// at their edge). Any value, NaN and infinities included, gives the same selection; a close guess makes rows
+  /// of up to 16 x 16,384 scores cheaper on CUDA (the candidates are then the scores at or above it: no
+  /// cluster-wide histogram pass; docs/primitives.md#seeded-top-k). The CPU does not read it. In the backend's
+  /// memory.
+  const float* seed = nullptr;
 };
 
 }  // namespace kvsift

@@ -27,10 +27,9 @@ namespace kvsift::cuda::detail {
 
 /// Digit width of the one-CTA kernel's passes: 2048 bins, two per thread of a 1024-thread CTA.
 inline constexpr int kCtaRadixBits = 11;
-/// rank_word(-inf): the largest word of a number. Quest scores the pages inside its window -inf; counted among the
-/// common bits, these few words would leave none, and the first digit (sign, exponent) would put the row's real
-/// scores into a handful of bins whose shared atomics serialize.
-inline constexpr std::uint32_t kNegativeInfinityWord = 0xff800000u;
+// kNegativeInfinityWord (topk_held_kernels.cuh) is not a typical word: Quest scores the pages inside its window
+// -inf; counted among the common bits, these few words would leave none, and the first digit (sign, exponent) would
+// put the row's real scores into a handful of bins whose shared atomics serialize.
 
 /// Grid: one CTA per score row; the plan guarantees kThreads * kItems >= scores.cols.
 template <int kThreads, int kItems>

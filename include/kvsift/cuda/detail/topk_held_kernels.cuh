@@ -15,6 +15,12 @@
 ///      and cpu::topk_rows.
 /// Measured on the H200 against the slice kernel (topk_kernels.cuh), k = 2048 of 131072: 13.4 against 19.7 µs
 /// for 1 row, 17.1 against 24.0 µs for 8 (docs/experiments.md#topk-cluster-prototype).
+/// Seeded (TopKRowsOptions::seed, a guess at the row's k-th best score, e.g. the previous step's): before step 1
+/// each CTA copies its words at or above the seed's word into its bin copy; one cluster barrier later every CTA
+/// knows their number, and where it lies in [picks, kHeldCandidates] these words are the candidates of step 2
+/// (every pick is among them: the k-th best word is at or above the seed's), with no cluster histogram pass.
+/// Otherwise (a guess too high or far too low) the kernel goes on as unseeded: the same picks, one cluster
+/// barrier later.
 
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -31,6 +37,11 @@ namespace kvsift::cuda::detail {
 inline constexpr int kHeldCandidates = 6144;
 /// A word no rank_word is (NaN's is 0, -inf's 0xff800000): the padding of a CTA's registers past its slice.
 inline constexpr std::uint32_t kNoWord = 0xffffffffu;
+
+/// rank_word(-inf): the largest word of a number.
+inline constexpr std::uint32_t kNegativeInfinityWord = 0xff800000u;
+/// Rank-word units below a seed's word that a seeded row still counts as candidates (topk_rows_held).
+inline constexpr std::uint32_t kSeedSlack = 1u << 18;
 
 /// Dynamic shared memory of the held kernel: this CTA's bin copy, read by the cluster.
 inline constexpr std::size_t topk_held_smem_bytes() { return (kHeldCandidates + 4) * sizeof(std::uint32_t); }
@@ -239,6 +250,8 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
   __shared__ std::uint32_t decision[3];
   __shared__ std::uint32_t cursor, few_cursor;
   __shared__ std::uint32_t slice_has_nan;  // read by rank 0 with nan_marks_row
+  // Seeded: this CTA's words at or above the seed and the lowest of them, read by the cluster.
+  __shared__ std::uint32_t seeded_count, seeded_lowest;
   // Per source rank, its bin copy's candidates better than / tied with the threshold (the gathered case).
   __shared__ std::uint32_t better_in_bin[kMaxCluster], tied_in_bin[kMaxCluster];
   extern __shared__ __align__(16) std::uint32_t bin_copy[];  // this CTA's bin, read by the cluster
@@ -283,13 +296,94 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
     __syncthreads();
   }
 
+  const auto write_nan_count = [&] {  // rank 0, after the first cluster barrier: every slice's NaN flag is set
+    if (p.nan_marks_row && rank == 0 && tid == 0 && count_out != nullptr) {
+      std::uint32_t nan = 0;
+      for (int q = 0; q < size; ++q) nan |= *cluster.of_rank(&slice_has_nan, q);
+      *count_out = nan != 0 ? -1 : job.picks;
+    }
+  };
+  // This CTA's words that `chosen` accepts, copied into bin_copy in no particular order (one shared atomic per
+  // warp) while they fit; returns after a block barrier, with their number in `cursor`.
+  const auto copy_to_bin = [&](auto chosen) {
+    std::uint32_t mine = 0;
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) mine += chosen(word[j]) ? 1u : 0u;
+    std::uint32_t inclusive = mine;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const std::uint32_t y = __shfl_up_sync(0xffffffffu, inclusive, o);
+      if (lane >= o) inclusive += y;
+    }
+    std::uint32_t warp_base = 0;
+    if (lane == 31 && inclusive > 0) warp_base = atomicAdd(&cursor, inclusive);
+    std::uint32_t position = __shfl_sync(0xffffffffu, warp_base, 31) + inclusive - mine;
+    if (mine > 0) {
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) {
+        if (chosen(word[j])) {
+          if (position < std::uint32_t(kHeldCandidates)) bin_copy[position] = word[j];
+          ++position;
+        }
+      }
+    }
+    __syncthreads();
+  };
+
   // The top byte is the first digit: leading bits common to the row would need one more cluster barrier to find
   // (measured: it cost more than it saved).
   int scan_turn = 0, bits = 0, pass = 0;
   std::uint32_t mask = 0u, prefix = 0u, remaining = std::uint32_t(job.picks), in_bin = 0;
   bool gathered = false;
+  // ---- seeded: the words at or above the seed's word as the candidates, where there are enough and they fit
+  const bool seeded = p.seed != nullptr;
+  // The seed's word moved down the ranking by kSeedSlack units (2^-5 of a number's magnitude, ~3%): a seed taken
+  // from the previous step sits as often just above the k-th word as below it, and a guess too high costs the
+  // unseeded passes.
+  const std::uint32_t seed_word =
+      seeded ? min(rank_word(p.seed[job.selection_row]), kNegativeInfinityWord - kSeedSlack) + kSeedSlack : 0u;
+  bool by_seed = false;
+  if (seeded) {
+    if (tid == 0) seeded_lowest = kNoWord;
+    std::uint32_t lowest = kNoWord;
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) lowest = min(lowest, word[j]);
+    lowest = __reduce_min_sync(0xffffffffu, lowest);
+    copy_to_bin([&](std::uint32_t x) { return x != kNoWord && x <= seed_word; });  // barriers after seeded_lowest
+    if (lane == 0 && lowest != kNoWord) atomicMin(&seeded_lowest, lowest);
+    const std::uint32_t own = cursor;
+    // Padded to 4 words with kNoWord, which step 2 counts in a bin past every number's and never takes.
+    if (own <= std::uint32_t(kHeldCandidates) && tid < int(((own + 3) & ~3u) - own)) bin_copy[own + tid] = kNoWord;
+    if (tid == 0) seeded_count = own;
+    cluster.sync();  // every CTA's count, lowest word and copy are complete
+    write_nan_count();
+    if (tid < size) {
+      in_bin_of[tid] = *cluster.of_rank(&seeded_count, tid);
+      offsets[tid] = *cluster.of_rank(&seeded_lowest, tid);  // the offsets are computed later
+    }
+    __syncthreads();
+    std::uint32_t total = 0, row_lowest = kNoWord;
+    for (int q = 0; q < size; ++q) {
+      total += in_bin_of[q];
+      row_lowest = min(row_lowest, offsets[q]);
+    }
+    by_seed = total >= std::uint32_t(job.picks) && total <= std::uint32_t(kHeldCandidates);
+    if (by_seed) {
+      // Every candidate lies in [row_lowest, seed_word]: step 2's digits start below the bits the two share,
+      // unless those are all ones (the kNoWord padding would then match the prefix).
+      bits = row_lowest == seed_word ? 32 : __clz(row_lowest ^ seed_word);
+      mask = bits == 0 ? 0u : ~0u << (32 - bits);
+      prefix = seed_word & mask;
+      if (prefix == mask) bits = 0, mask = 0u, prefix = 0u;
+      if (tid < size) before_bin[tid] = 0;
+      gathered = true;
+    } else if (tid == 0) {
+      cursor = 0;  // for the unseeded copy; the passes below barrier before it
+    }
+    __syncthreads();  // offsets[] and cursor are free again
+  }
   // ---- cluster passes: digits of up to 8 bits below the prefix, one cluster barrier each
-  for (;;) {
+  while (!by_seed) {
     const int width = min(8, 32 - bits);
     const int shift = 32 - bits - width;
     const std::uint32_t digit_mask = (1u << width) - 1u;
@@ -303,11 +397,7 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
       if (word[j] != kNoWord && (word[j] & mask) == prefix) atomicAdd(&h[(word[j] >> shift) & digit_mask], 1u);
     }
     cluster.sync();  // every CTA's histogram of this pass is complete
-    if (pass == 0 && p.nan_marks_row && rank == 0 && tid == 0 && count_out != nullptr) {
-      std::uint32_t nan = 0;
-      for (int q = 0; q < size; ++q) nan |= *cluster.of_rank(&slice_has_nan, q);
-      *count_out = nan != 0 ? -1 : job.picks;
-    }
+    if (pass == 0 && !seeded) write_nan_count();
     for (int t = tid; t < size * 64; t += kThreads) {  // all-gather, 16-byte remote loads
       const int q = t >> 6, v = t & 63;
       reinterpret_cast<uint4*>(bins)[t] = reinterpret_cast<const uint4*>(cluster.of_rank(&h[0], q))[v];
@@ -351,29 +441,14 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
   }
 
   if (gathered) {
-    // This CTA's bin into bin_copy (one shared atomic per warp), padded to 4 words with a word that never matches
-    // the prefix.
-    std::uint32_t mine = 0;
-#pragma unroll
-    for (int j = 0; j < kItems; ++j) mine += (word[j] != kNoWord && (word[j] & mask) == prefix) ? 1u : 0u;
-    std::uint32_t inclusive = mine;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const std::uint32_t y = __shfl_up_sync(0xffffffffu, inclusive, o);
-      if (lane >= o) inclusive += y;
+    if (!by_seed) {
+      // This CTA's bin into bin_copy (it fits: the bin holds at most kHeldCandidates words), padded to 4 words
+      // with a word that never matches the prefix.
+      copy_to_bin([&](std::uint32_t x) { return x != kNoWord && (x & mask) == prefix; });
+      const std::uint32_t pad = prefix ^ 0x80000000u;
+      const std::uint32_t own = in_bin_of[rank];
+      if (tid < int(((own + 3) & ~3u) - own)) bin_copy[own + tid] = pad;
     }
-    std::uint32_t warp_base = 0;
-    if (lane == 31 && inclusive > 0) warp_base = atomicAdd(&cursor, inclusive);
-    std::uint32_t position = __shfl_sync(0xffffffffu, warp_base, 31) + inclusive - mine;
-    if (mine > 0) {
-#pragma unroll
-      for (int j = 0; j < kItems; ++j) {
-        if (word[j] != kNoWord && (word[j] & mask) == prefix) bin_copy[position++] = word[j];
-      }
-    }
-    const std::uint32_t pad = prefix ^ 0x80000000u;
-    const std::uint32_t own = in_bin_of[rank];
-    if (tid < int(((own + 3) & ~3u) - own)) bin_copy[own + tid] = pad;
     if (tid == 0) {
       std::uint32_t o = 0;
       for (int q = 0; q < size; ++q) {
@@ -382,7 +457,11 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
       }
       offsets[size] = o;
     }
-    cluster.sync();  // every CTA's bin copy is complete
+    if (by_seed) {
+      __syncthreads();  // the offsets; every copy was complete at the seeded cluster barrier
+    } else {
+      cluster.sync();  // every CTA's bin copy is complete
+    }
     const std::uint32_t vectors = offsets[size] / 4;
     for (std::uint32_t v = tid; v < vectors; v += kThreads) {  // pull every copy, 16-byte remote loads
       int q = 0;
@@ -433,7 +512,10 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
       remaining -= decision[1];
       const std::uint32_t left = decision[2];
       done_bits += width;
-      if (left == remaining || done_bits == 32) break;
+      if (done_bits == 32) break;
+      // Every word left in the bin is taken. Seeded, only where the whole bin lies at or above the seed: the
+      // words of the row beyond the seed are in no copy, and the emit below takes a bin's words in index order.
+      if (left == remaining && (!by_seed || (prefix | ~mask) <= seed_word)) break;
       if (left <= 32) {
         // Few left: one warp ranks them directly.
         for (std::uint32_t i = tid; i < n; i += kThreads) {

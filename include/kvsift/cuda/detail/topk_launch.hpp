@@ -138,6 +138,7 @@ struct TopKRowsParams {
   AttentionWindow window;
   std::int32_t heads_per_row;
   bool nan_marks_row;                  ///< TopKRowsOptions::nan_marks_row (heads_per_row == 1)
+  const float* seed;                   ///< TopKRowsOptions::seed: [selection rows] or nullptr (the held kernel's)
   SelectionView out;
   std::int32_t* picks;                 ///< heads_per_row > 1: [score rows, k], each score row's picks
   std::uint32_t* union_bits;           ///< [selection rows, union_words] where the bitmap exceeds shared memory
