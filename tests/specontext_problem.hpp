@@ -100,7 +100,43 @@ struct SpeContextProblem {
     std::iota(all.begin(), all.end(), 0);
     std::shuffle(all.begin(), all.end(), rng.engine);
     std::copy_n(all.begin(), s.batch, slots.begin());
-    // The synthetic head: q_r = W_q x_t, k_r = W_k x_t over random hidden states x_t.
+    draw_head(rng);
+    if (s.head_page_size > 0) {  // the engine's page allocator: shuffled pages, full lengths
+      for (std::int32_t b = 0; b < s.batch; ++b) {
+        head_num_pages += (lengths[std::size_t(b)] + s.head_page_size - 1) / s.head_page_size;
+      }
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(head_num_pages));
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), rng.engine);
+      std::size_t next = 0;
+      for (std::int32_t b = 0; b < s.batch; ++b) {
+        head_pages.emplace_back();
+        for (std::int32_t i = 0; i * s.head_page_size < lengths[std::size_t(b)]; ++i) head_pages.back().push_back(ids[next++]);
+      }
+    }
+    // The model's layers: random post-RoPE K, V and queries; the step's K/V rows apart (attend writes them).
+    for (std::int32_t l = 0; l < s.layers; ++l) {
+      layer_k.push_back(to_storage<T>(rng.normal(std::size_t(s.batch) * kv * n * d)));
+      layer_v.push_back(to_storage<T>(rng.normal(std::size_t(s.batch) * kv * n * d)));
+    }
+    step_k = to_storage<T>(rng.normal(std::size_t(s.layers) * s.batch * kv * d));
+    step_v = to_storage<T>(rng.normal(std::size_t(s.layers) * s.batch * kv * d));
+    layer_q = to_storage<T>(rng.normal(std::size_t(s.layers) * s.batch * s.q_heads * d));
+  }
+
+  /// This problem with another synthetic head (fresh projections and hidden states: a second group's head over the
+  /// same sequences and layers).
+  SpeContextProblem with_new_head(Random& rng) const {
+    SpeContextProblem other = *this;
+    other.draw_head(rng);
+    return other;
+  }
+
+ private:
+  /// The synthetic head: q_r = W_q x_t, k_r = W_k x_t over random hidden states x_t.
+  void draw_head(Random& rng) {
+    const SpeContextSpec& s = spec;
+    const std::int32_t kv = s.kv_heads, d = s.head_dim, n = s.max_tokens;
     const auto w_q = rng.normal(std::size_t(s.q_heads) * d * s.hidden, 1.0f / std::sqrt(float(s.hidden)));
     const auto w_k = rng.normal(std::size_t(kv) * d * s.hidden, 1.0f / std::sqrt(float(s.hidden)));
     const auto project = [&](const std::vector<float>& w, std::int32_t row, const std::vector<float>& x) {
@@ -128,29 +164,9 @@ struct SpeContextProblem {
         }
       }
     }
-    if (s.head_page_size > 0) {  // the engine's page allocator: shuffled pages, full lengths
-      for (std::int32_t b = 0; b < s.batch; ++b) {
-        head_num_pages += (lengths[std::size_t(b)] + s.head_page_size - 1) / s.head_page_size;
-      }
-      std::vector<std::int32_t> ids(static_cast<std::size_t>(head_num_pages));
-      std::iota(ids.begin(), ids.end(), 0);
-      std::shuffle(ids.begin(), ids.end(), rng.engine);
-      std::size_t next = 0;
-      for (std::int32_t b = 0; b < s.batch; ++b) {
-        head_pages.emplace_back();
-        for (std::int32_t i = 0; i * s.head_page_size < lengths[std::size_t(b)]; ++i) head_pages.back().push_back(ids[next++]);
-      }
-    }
-    // The model's layers: random post-RoPE K, V and queries; the step's K/V rows apart (attend writes them).
-    for (std::int32_t l = 0; l < s.layers; ++l) {
-      layer_k.push_back(to_storage<T>(rng.normal(std::size_t(s.batch) * kv * n * d)));
-      layer_v.push_back(to_storage<T>(rng.normal(std::size_t(s.batch) * kv * n * d)));
-    }
-    step_k = to_storage<T>(rng.normal(std::size_t(s.layers) * s.batch * kv * d));
-    step_v = to_storage<T>(rng.normal(std::size_t(s.layers) * s.batch * kv * d));
-    layer_q = to_storage<T>(rng.normal(std::size_t(s.layers) * s.batch * s.q_heads * d));
   }
 
+ public:
   SelectorLimits limits() const {
     return {.max_slots = max_slots, .max_tokens = spec.max_tokens, .q_heads = spec.q_heads, .kv_heads = spec.kv_heads,
             .head_dim = spec.head_dim};

@@ -26,6 +26,7 @@
 #include "gpu_test.hpp"
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/cuda/backend.hpp"
+#include "kvsift/selectors/specontext/groups.hpp"
 #include "kvsift/selectors/specontext/specontext.hpp"
 #include "kvsift/selectors/specontext/offload.hpp"
 #include "kvsift/selectors/specontext/step.hpp"
@@ -105,6 +106,20 @@ SpeContextConfig selector_config(const SpeContextProblem<T>& p, SpeContextMode m
   return {.budget = budget, .mode = mode,
           .head_cache = p.spec.head_page_size > 0 ? SpeContextHeadCache::engine : SpeContextHeadCache::owned,
           .rope = test_head_rope()};
+}
+
+/// Layer l's inputs from a problem's device copies: its query, its cache, the step's K/V rows.
+template <class T>
+SpeContextLayerInputs<T> device_layer_inputs(const SpeContextSpec& c, const DeviceBuffer<T>& layer_q,
+                                             const DeviceBuffer<T>& step_k, const DeviceBuffer<T>& step_v,
+                                             KVCache<T> cache, std::int32_t l) {
+  const std::size_t at = std::size_t(l) * c.batch * c.kv_heads * c.head_dim;
+  return {.q = QueryView<const T>::packed(layer_q.data() + std::size_t(l) * c.batch * c.q_heads * c.head_dim, c.batch,
+                                          c.q_heads, c.head_dim),
+          .cache = cache,
+          .k = HeadsView<const T>::packed(step_k.data() + at, c.batch, c.kv_heads, c.head_dim),
+          .v = HeadsView<const T>::packed(step_v.data() + at, c.batch, c.kv_heads, c.head_dim),
+          .layer = l};
 }
 
 /// The head cache's rows of every sequence, read on the host (host views of host arrays).
@@ -233,12 +248,7 @@ Run run_gpu(const SpeContextProblem<T>& p, SpeContextMode mode, std::int32_t bud
                  .cache = head_input(), .slots = slots.data()},
                 {ws.data(), ws.size()}, ctx);
     for (std::int32_t l = 0; l < c.layers; ++l) {
-      const std::size_t at = std::size_t(l) * c.batch * c.kv_heads * c.head_dim;
-      step.attend({.q = QueryView<const T>::packed(layer_q.data() + std::size_t(l) * c.batch * c.q_heads * c.head_dim,
-                                                   c.batch, c.q_heads, c.head_dim),
-                   .cache = layer(l),
-                   .k = HeadsView<const T>::packed(step_k.data() + at, c.batch, c.kv_heads, c.head_dim),
-                   .v = HeadsView<const T>::packed(step_v.data() + at, c.batch, c.kv_heads, c.head_dim), .layer = l},
+      step.attend(device_layer_inputs(c, layer_q, step_k, step_v, layer(l), l),
                   StateView<T>::packed(o[std::size_t(l)].data(), lse[std::size_t(l)].data(), c.batch, c.q_heads,
                                        c.head_dim),
                   {ws.data(), ws.size()}, ctx);
@@ -409,6 +419,119 @@ TYPED_TEST(CudaSpeContext, RerankPerLayerKeepsEachLayersBestCandidates) {
                  p.attention(l, gpu.kept[std::size_t(l)], gpu.kept_counts[std::size_t(l)], kKept, window),
                  fmt::format("CUDA layer {}", l));
   }
+}
+
+/// SpeContextGroups on the GPU: three heads for the groups {0}, {1, 2} and {3} of four layers sharing one
+/// workspace; each group's selection against its head's fp64 brute force, each layer's output against fp64 attention
+/// over its group's selection; then the whole step (three selects, four layers) captured and replayed twice, equal
+/// to the eager run bit for bit.
+TYPED_TEST(CudaSpeContext, GroupsAttendEachLayerWithItsHeadsSelection) {
+  using T = TypeParam;
+  SCOPED_TRACE(this->seed);
+  constexpr std::int32_t kBudget = 48, kGroups = 3;
+  const SpeContextProblem<T> p(this->rng, {.batch = 3, .q_heads = 8, .kv_heads = 2, .head_dim = 128, .max_tokens = 512,
+                                           .min_length = 120, .max_length = 500, .layers = 4});
+  const auto& c = p.spec;
+  const std::vector<SpeContextProblem<T>> heads{p, p.with_new_head(this->rng), p.with_new_head(this->rng)};
+  const std::vector<std::int32_t> first_layers{0, 1, 3}, group_of{0, 1, 1, 2};
+  const AttentionWindow window = specontext_window({4, 64});
+  cudaStream_t stream;
+  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const cuda::Context ctx{stream};
+  std::vector<SpeContext<T, cuda::Context>> selectors;
+  for (std::int32_t g = 0; g < kGroups; ++g) {
+    selectors.emplace_back(p.limits(), selector_config(p, SpeContextMode::per_kv_head, kBudget), ctx);
+  }
+  SpeContextGroups<T, cuda::Context> groups(std::move(selectors),
+                                            {.step = step_config(p, window), .first_layers = first_layers}, ctx);
+  DeviceBuffer<std::byte> ws(groups.workspace_bytes());
+  ws.poison();
+  DeviceBuffer<std::int32_t> slots(p.slots), lens(p.prompt_lengths);
+  std::vector<DeviceBuffer<T>> layer_k, layer_v, k_r, q_r, k_step, o;
+  std::vector<DeviceBuffer<float>> lse;
+  for (std::int32_t l = 0; l < c.layers; ++l) {
+    layer_k.emplace_back(p.layer_k[std::size_t(l)]);
+    layer_v.emplace_back(p.layer_v[std::size_t(l)]);
+    o.emplace_back(std::size_t(c.batch) * c.q_heads * c.head_dim);
+    lse.emplace_back(std::size_t(c.batch) * c.q_heads);
+  }
+  for (const auto& h : heads) {
+    k_r.emplace_back(h.k_r);
+    q_r.emplace_back(h.q_r);
+    k_step.emplace_back(h.k_step);
+  }
+  DeviceBuffer<T> step_k(p.step_k), step_v(p.step_v), layer_q(p.layer_q);
+  const auto layer = [&](std::int32_t l) {
+    return KVCache<T>(ContiguousKVView<T>::packed(layer_k[std::size_t(l)].data(), layer_v[std::size_t(l)].data(), c.batch,
+                                                  c.kv_heads, c.max_tokens, c.head_dim, lens.data()));
+  };
+  for (std::int32_t g = 0; g < kGroups; ++g) {
+    groups.prepare(g,
+                   {.cache = KVCache<const T>(layer(0)), .slots = slots.data(),
+                    .k_pre_rope = SequenceView<const T>::packed(k_r[std::size_t(g)].data(), c.batch, c.kv_heads,
+                                                                c.max_tokens, c.head_dim)},
+                   ctx);
+  }
+  lens.upload(p.lengths);
+  // One decode step: each group's select before its first layer, then its layers. `check`: read each group's
+  // selection after its select (eager only: it synchronizes).
+  std::vector<std::vector<std::int32_t>> indices(kGroups), counts(kGroups);
+  const auto step = [&](bool check) {
+    for (std::int32_t l = 0; l < c.layers; ++l) {
+      const std::int32_t g = group_of[std::size_t(l)];
+      if (first_layers[std::size_t(g)] == l) {
+        groups.select(g,
+                      {.q = QueryView<const T>::packed(q_r[std::size_t(g)].data(), c.batch, c.q_heads, c.head_dim),
+                       .k = HeadsView<const T>::packed(k_step[std::size_t(g)].data(), c.batch, c.kv_heads, c.head_dim),
+                       .cache = KVCache<const T>(layer(0)), .slots = slots.data()},
+                      {ws.data(), ws.size()}, ctx);
+        if (check) {
+          const SelectionView sel = groups.step(g).selection({ws.data(), ws.size()}, c.batch);
+          indices[std::size_t(g)].resize(std::size_t(c.batch) * c.kv_heads * sel.capacity);
+          counts[std::size_t(g)].resize(std::size_t(c.batch) * c.kv_heads);
+          KVSIFT_CUDA_CHECK(cudaMemcpyAsync(indices[std::size_t(g)].data(), sel.indices, indices[std::size_t(g)].size() * 4,
+                                            cudaMemcpyDeviceToHost, stream));
+          KVSIFT_CUDA_CHECK(cudaMemcpyAsync(counts[std::size_t(g)].data(), sel.counts, counts[std::size_t(g)].size() * 4,
+                                            cudaMemcpyDeviceToHost, stream));
+          KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        }
+      }
+      groups.attend(device_layer_inputs(c, layer_q, step_k, step_v, layer(l), l),
+                    StateView<T>::packed(o[std::size_t(l)].data(), lse[std::size_t(l)].data(), c.batch, c.q_heads,
+                                         c.head_dim),
+                    {ws.data(), ws.size()}, ctx);
+    }
+  };
+  for (auto& x : o) x.poison();
+  for (auto& x : lse) x.poison();
+  step(true);
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<std::vector<T>> eager_o;
+  std::vector<std::vector<float>> eager_lse;
+  for (std::int32_t g = 0; g < kGroups; ++g) {
+    expect_head_selection(heads[std::size_t(g)], indices[std::size_t(g)], counts[std::size_t(g)], kBudget, kBudget,
+                          window, false, fmt::format("CUDA group {}", g));
+  }
+  for (std::int32_t l = 0; l < c.layers; ++l) {
+    const std::size_t g = std::size_t(group_of[std::size_t(l)]);
+    eager_o.push_back(o[std::size_t(l)].download());
+    eager_lse.push_back(lse[std::size_t(l)].download());
+    expect_close(eager_o.back(), eager_lse.back(), p.attention(l, indices[g], counts[g], kBudget, window),
+                 fmt::format("CUDA layer {} (group {})", l, g));
+  }
+  for (auto& x : o) x.poison();
+  for (auto& x : lse) x.poison();
+  ws.poison();
+  const CapturedGraph captured(stream, [&] { step(false); });
+  for (int replay = 0; replay < 2; ++replay) {
+    captured.launch();
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    for (std::int32_t l = 0; l < c.layers; ++l) {
+      EXPECT_EQ(bits(o[std::size_t(l)].download()), bits(eager_o[std::size_t(l)])) << "replay " << replay << " layer " << l;
+      EXPECT_EQ(lse[std::size_t(l)].download(), eager_lse[std::size_t(l)]) << "replay " << replay << " layer " << l;
+    }
+  }
+  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 class CudaSpeContextPrimitives : public GpuTest {};

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "kvsift/cpu/backend.hpp"
+#include "kvsift/selectors/specontext/groups.hpp"
 #include "kvsift/selectors/specontext/specontext.hpp"
 #include "kvsift/selectors/specontext/step.hpp"
 #include "specontext_problem.hpp"
@@ -349,6 +350,133 @@ TYPED_TEST(CpuSpeContext, RerankPerLayerKeepsEachLayersBestCandidates) {
                              ws.bytes(), f.ctx, /*validate_indices=*/true);
     }, {"is outside [0, seq_len"});
   }
+}
+
+/// SpeContextGroups: three heads (three synthetic heads over the same sequences) for the groups {0}, {1, 2} and {3}
+/// of four layers: each group's selection is its own head's top B (fp64 brute force), each layer's output is fp64
+/// attention over its group's selection (with a rerank per layer, over that layer's kept rows); a layer of another
+/// group than the last select's, a group out of range, attend after a release and bad configurations are refused.
+TYPED_TEST(CpuSpeContext, GroupsAttendEachLayerWithItsHeadsSelection) {
+  using T = TypeParam;
+  SCOPED_TRACE(this->seed);
+  static constexpr std::int32_t kBudget = 32, kKept = 8;
+  CpuFixture<T> f(this->rng, {.layers = 4});
+  const auto& c = f.p.spec;
+  const std::vector<SpeContextProblem<T>> heads{f.p, f.p.with_new_head(this->rng), f.p.with_new_head(this->rng)};
+  const std::vector<std::int32_t> first_layers{0, 1, 3};
+  const AttentionWindow window{4, 16};
+  const auto make_heads = [&](std::int32_t count, std::int32_t budget) {
+    std::vector<SpeContext<T, cpu::Context>> h;
+    for (std::int32_t g = 0; g < count; ++g) {
+      h.emplace_back(f.p.limits(), f.config(budget, SpeContextMode::per_kv_head), f.ctx);
+    }
+    return h;
+  };
+  const SpeContextStepConfig step_config{
+      .step = {.attention = {.window = window}, .max_batch = c.batch, .q_heads = c.q_heads, .kv_heads = c.kv_heads,
+               .head_dim = c.head_dim, .max_seq_len = c.max_tokens},
+      .layers = c.layers};
+  for (const std::int32_t rerank : {0, kKept}) {
+    SCOPED_TRACE(fmt::format("rerank {}", rerank));
+    f.seq_lens = f.p.prompt_lengths;
+    SpeContextStepConfig config = step_config;
+    config.rerank.budget = rerank;
+    SpeContextGroups<T, cpu::Context> groups(make_heads(3, kBudget), {.step = config, .first_layers = first_layers},
+                                             f.ctx);
+    ASSERT_EQ(groups.groups(), 3);
+    EXPECT_EQ(groups.layers(), 4);
+    EXPECT_EQ(std::vector<std::int32_t>({groups.group_of(0), groups.group_of(1), groups.group_of(2), groups.group_of(3)}),
+              std::vector<std::int32_t>({0, 1, 1, 2}));
+    EXPECT_EQ(groups.first_layer(2), 3);
+    auto ws = poisoned(groups.workspace_bytes());
+    for (std::int32_t g = 0; g < 3; ++g) {
+      const auto& h = heads[std::size_t(g)];
+      groups.prepare(g,
+                     {.cache = f.head_input(), .slots = f.p.slots.data(),
+                      .k_pre_rope = SequenceView<const T>::packed(h.k_r.data(), c.batch, c.kv_heads, c.max_tokens,
+                                                                  c.head_dim)},
+                     f.ctx);
+    }
+    f.to_step();
+    const AttentionWindow effective = groups.step(0).attention().window;
+    for (std::int32_t g = 0; g < 3; ++g) {
+      SCOPED_TRACE(fmt::format("group {}", g));
+      const auto& h = heads[std::size_t(g)];
+      groups.select(g,
+                    {.q = QueryView<const T>::packed(h.q_r.data(), c.batch, c.q_heads, c.head_dim),
+                     .k = HeadsView<const T>::packed(h.k_step.data(), c.batch, c.kv_heads, c.head_dim),
+                     .cache = f.head_input(), .slots = f.p.slots.data()},
+                    ws.bytes(), f.ctx);
+      const SelectionView sel = groups.step(g).selection(ws.bytes(), c.batch);
+      const std::vector<std::int32_t> indices(sel.indices, sel.indices + std::size_t(c.batch) * c.kv_heads * sel.capacity);
+      const std::vector<std::int32_t> counts(sel.counts, sel.counts + std::size_t(c.batch) * c.kv_heads);
+      expect_head_selection(h, indices, counts, sel.capacity, kBudget, effective, false, "its head's");
+      for (std::int32_t l = 0; l < c.layers; ++l) {
+        HostState out(c.batch, c.q_heads, c.head_dim);
+        std::vector<T> o(out.o.size(), from_float<T>(kPoison));
+        const std::size_t step_at = std::size_t(l) * c.batch * c.kv_heads * c.head_dim;
+        const SpeContextLayerInputs<T> in{
+            .q = QueryView<const T>::packed(f.p.layer_q.data() + std::size_t(l) * c.batch * c.q_heads * c.head_dim,
+                                           c.batch, c.q_heads, c.head_dim),
+            .cache = f.layer(l),
+            .k = HeadsView<const T>::packed(f.p.step_k.data() + step_at, c.batch, c.kv_heads, c.head_dim),
+            .v = HeadsView<const T>::packed(f.p.step_v.data() + step_at, c.batch, c.kv_heads, c.head_dim),
+            .layer = l};
+        const auto state = StateView<T>::packed(o.data(), out.lse.data(), c.batch, c.q_heads, c.head_dim);
+        if (groups.group_of(l) != g) {
+          expect_error([&] { groups.attend(in, state, ws.bytes(), f.ctx); },
+                       {fmt::format("in.layer (= {}) is in group {}", l, groups.group_of(l)),
+                        fmt::format("the last select was group {}'s", g)});
+          continue;
+        }
+        groups.attend(in, state, ws.bytes(), f.ctx);
+        if (rerank == 0) {
+          expect_close(o, out.lse, f.p.attention(l, indices, counts, sel.capacity, effective), fmt::format("layer {}", l));
+        } else {
+          const SelectionView kept = groups.step(g).reranked_selection(ws.bytes(), c.batch);
+          const std::int32_t rows = c.batch * c.kv_heads;
+          for (std::int32_t row = 0; row < rows; ++row) {  // the kept rows are the selection's own
+            for (std::int32_t i = 0; i < kept.counts[row]; ++i) {
+              const std::int32_t t = kept.indices[std::size_t(row) * kKept + i];
+              ASSERT_NE(std::find(indices.begin() + std::ptrdiff_t(row) * sel.capacity,
+                                  indices.begin() + std::ptrdiff_t(row) * sel.capacity + counts[std::size_t(row)], t),
+                        indices.begin() + std::ptrdiff_t(row) * sel.capacity + counts[std::size_t(row)])
+                  << "layer " << l << " row " << row << " kept " << t << ", not in its group's selection";
+            }
+          }
+          expect_close(o, out.lse,
+                       f.p.attention(l, std::vector<std::int32_t>(kept.indices, kept.indices + std::size_t(rows) * kKept),
+                                     std::vector<std::int32_t>(kept.counts, kept.counts + rows), kKept, effective),
+                       fmt::format("layer {}", l));
+        }
+      }
+    }
+    const SpeContextLayerInputs<T> layer0{.q = QueryView<const T>::packed(f.p.layer_q.data(), c.batch, c.q_heads, c.head_dim),
+                                          .cache = f.layer(0), .layer = 0};
+    HostState out(c.batch, c.q_heads, c.head_dim);
+    std::vector<T> o(out.o.size());
+    const auto state = StateView<T>::packed(o.data(), out.lse.data(), c.batch, c.q_heads, c.head_dim);
+    expect_error([&] { groups.select(3, {}, ws.bytes(), f.ctx); }, {"SpeContextGroups::select", "group (= 3) is outside [0, 3)"});
+    expect_error([&] { groups.step(-1); }, {"group (= -1) is outside [0, 3)"});
+    expect_error([&] { (void)groups.group_of(4); }, {"layer (= 4) is outside [0, 4)"});
+    groups.release(std::span<const std::int32_t>(f.p.slots));
+    expect_error([&] { groups.attend(layer0, state, ws.bytes(), f.ctx); }, {"no selection to attend"});
+    expect_error([&] { groups.release(std::span<const std::int32_t>(f.p.slots)); },
+                 {fmt::format("slot {} is not prepared in head 0", f.p.slots[0])});
+  }
+  // Bad configurations.
+  const auto refused = [&](std::int32_t count, std::vector<std::int32_t> first, const std::string& part,
+                           std::int32_t budget_of_last) {
+    auto h = make_heads(count - 1, kBudget);
+    h.emplace_back(f.p.limits(), f.config(budget_of_last, SpeContextMode::per_kv_head), f.ctx);
+    expect_error([&] { SpeContextGroups<T, cpu::Context>(std::move(h), {.step = step_config, .first_layers = first}, f.ctx); },
+                 {part});
+  };
+  refused(2, {1, 3}, "config.first_layers (size 2) must start with layer 0", kBudget);
+  refused(3, {0, 2, 2}, "config.first_layers[2] (= 2) must lie in (2, config.step.layers = 4)", kBudget);
+  refused(2, {0, 4}, "config.first_layers[1] (= 4) must lie in (0, config.step.layers = 4)", kBudget);
+  refused(2, {0, 1, 3}, "2 heads for 3 groups", kBudget);
+  refused(2, {0, 2}, "head 1 (max_slots", kBudget / 2);
 }
 
 TEST(CpuMaxScoreRows, EqualsScalarMaxAndRefusesBadShapes) {
