@@ -198,9 +198,10 @@ void check_against_cpu(const Problem& p) {
 }
 
 /// Seeds for every selection row of `p` (its first score row's middle, ranked by the ranking rule on the host):
-/// its exact k-th best score; just above its (k+1)-th best (exactly the picks at or above the seed, so a final
-/// bin that reaches past the seed must not be taken whole); its best scores' (1.2 k)-th and (0.8 k)-th (too
-/// many, too few: the unseeded passes); +-inf, NaN; a random score.
+/// its exact k-th best score; just above its (k+1)-th best; its best scores' (1.2 k)-th and (0.8 k)-th; +-inf,
+/// NaN; a random score. The kernel widens every seed by kSeedSlack (topk_held_kernels.cuh), so which of them give
+/// candidates (at least the picks, at most 6144) and which the unseeded passes depends on the scores' magnitude:
+/// both paths run across the draws, but none is built to put the seed exactly at the picks' edge.
 void seed_rows(Problem& p, Random& rng) {
   p.seed.clear();
   for (std::int32_t s = 0; s < p.selection_rows(); ++s) {
