@@ -197,11 +197,20 @@ void check_against_cpu(const Problem& p) {
   }
 }
 
+/// The number whose rank_word is `word` (a word of a number: neither 0, NaN's, nor above -inf's).
+float score_of_word(std::uint32_t word) {
+  const std::uint32_t ascending = ~word;
+  const std::uint32_t bits = (ascending & 0x80000000u) != 0 ? ascending ^ 0x80000000u : ~ascending;
+  float score;
+  std::memcpy(&score, &bits, sizeof(score));
+  return score;
+}
+
 /// Seeds for every selection row of `p` (its first score row's middle, ranked by the ranking rule on the host):
 /// its exact k-th best score; just above its (k+1)-th best; its best scores' (1.2 k)-th and (0.8 k)-th; +-inf,
-/// NaN; a random score. The kernel widens every seed by kSeedSlack (topk_held_kernels.cuh), so which of them give
-/// candidates (at least the picks, at most 6144) and which the unseeded passes depends on the scores' magnitude:
-/// both paths run across the draws, but none is built to put the seed exactly at the picks' edge.
+/// NaN; a random score; and three at the picks' edge after the kernel widens the seed by kSeedSlack: the widened
+/// word at the k-th best's word (the candidates are the picks and their ties), one below the (k+1)-th's, and at
+/// it (one candidate too many: the last bin must not be taken whole past the seed).
 void seed_rows(Problem& p, Random& rng) {
   p.seed.clear();
   for (std::int32_t s = 0; s < p.selection_rows(); ++s) {
@@ -214,8 +223,16 @@ void seed_rows(Problem& p, Random& rng) {
       return middle.empty() ? 0.0f : middle[std::size_t(std::clamp<std::int64_t>(i, 0, std::int64_t(middle.size()) - 1))];
     };
     const std::int32_t k = p.row_k.empty() ? p.k : p.row_k[std::size_t(s)];
+    // The seed whose word, widened by kSeedSlack, is the word of the middle's i-th best (shifted by `offset`).
+    const auto widened_at = [&](std::int64_t i, std::int64_t offset) {
+      const std::int64_t word = std::int64_t(rank_word(at(i))) + offset - std::int64_t(cuda::detail::kSeedSlack);
+      return word > 0x007fffff ? score_of_word(std::uint32_t(word)) : INFINITY;
+    };
     float seed = 0.0f;
-    switch (rng.uniform_int(0, 7)) {
+    switch (rng.uniform_int(0, 10)) {
+      case 8: seed = widened_at(k - 1, 0); break;
+      case 9: seed = widened_at(k, -1); break;
+      case 10: seed = widened_at(k, 0); break;
       case 0: seed = at(k - 1); break;
       case 1: seed = std::nextafter(at(k), INFINITY); break;
       case 2: seed = at(k * 6 / 5); break;

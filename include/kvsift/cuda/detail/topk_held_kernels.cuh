@@ -40,8 +40,6 @@ inline constexpr std::uint32_t kNoWord = 0xffffffffu;
 
 /// rank_word(-inf): the largest word of a number.
 inline constexpr std::uint32_t kNegativeInfinityWord = 0xff800000u;
-/// Rank-word units below a seed's word that a seeded row still counts as candidates (topk_rows_held).
-inline constexpr std::uint32_t kSeedSlack = 1u << 18;
 
 /// Dynamic shared memory of the held kernel: this CTA's bin copy, read by the cluster.
 inline constexpr std::size_t topk_held_smem_bytes() { return (kHeldCandidates + 4) * sizeof(std::uint32_t); }

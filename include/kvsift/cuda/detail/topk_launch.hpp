@@ -63,6 +63,10 @@ struct TopKHeldShape {
 };
 inline constexpr std::array<TopKHeldShape, 3> kTopKHeldShapes{{{512, 4}, {1024, 8}, {1024, 16}}};
 
+/// Rank-word units below a seed's word (TopKRowsOptions::seed) that a seeded row of the held kernel still counts as
+/// candidates: 2^-5 of a number's magnitude, ~3%.
+inline constexpr std::uint32_t kSeedSlack = 1u << 18;
+
 /// The one-CTA kernel's shapes (detail/topk_cta_kernels.cuh), smallest first: TopKRowsLaunch::cta = i + 1 names
 /// kTopKCtaShapes[i].
 inline constexpr std::array<TopKHeldShape, 2> kTopKCtaShapes{{{1024, 8}, {1024, 16}}};
