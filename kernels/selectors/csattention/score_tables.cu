@@ -355,10 +355,14 @@ struct DenseList {
 /// A cluster per (row, window) of cluster << key_shift tokens; CTA `rank` owns tokens [begin, begin + keys) of
 /// the window, begin = window_begin + rank * keys. Per query-head block, the cluster's CTAs share every chosen
 /// list's entries (entry e to CTA e / kDenseThreads % cluster) and add each kept entry of the window into its
-/// owner's int64 sum (64-bit atomics, exact in any order) and set its flag; after the block, each owner folds
-/// its sums into its running maximum, rounded to fp32 (rounding is monotonic, so the maximum of the rounded sums
-/// is the rounded maximum the CPU computes) and clears them. Then every owned token below the length gets its
-/// score and the CTA's candidate count goes to counts; dense_row_k sums them.
+/// owner's int64 sum (64-bit atomics, exact in any order), marking the entry's token in its own bitmap of the
+/// window; after the block, each owner folds its sums into its running maximum, rounded to fp32 (rounding is
+/// monotonic, so the maximum of the rounded sums is the rounded maximum the CPU computes) and clears them. At the
+/// end each owner ORs its tokens' bits from every CTA's bitmap: the tokens in some chosen list. Every operation on
+/// another CTA's shared memory costs about the same whatever its width (H200, 128K, batch 1: the step took 198 us
+/// with a remote flag store per entry besides the add, 134 without it, 278 with the add as three 32-bit adds), so
+/// an entry costs one. Then every owned token below the length gets its score and the CTA's candidate count goes
+/// to counts; dense_row_k sums them.
 __global__ void __launch_bounds__(kDenseThreads)
     dense_window_scores(TableScoresParams p, MatrixView<float> scores, std::int32_t max_tokens, DenseTablePlan plan,
                         DenseTableBuffers buf) {
@@ -369,7 +373,8 @@ __global__ void __launch_bounds__(kDenseThreads)
   auto* sums = reinterpret_cast<unsigned long long*>(lists + kDenseLists);
   const std::int32_t keys = 1 << plan.key_shift;
   auto* best = reinterpret_cast<float*>(sums + keys);
-  auto* flags = reinterpret_cast<std::uint8_t*>(best + keys);
+  auto* seen = reinterpret_cast<std::uint32_t*>(best + keys);  // a bit per token of the window
+  const std::int32_t seen_words = (plan.cluster << plan.key_shift) / 32;
   const ClusterGroup cluster;
   const auto rank = std::uint32_t(blockIdx.x % unsigned(plan.cluster));  // a 1-D cluster's block rank
   const std::int64_t part = blockIdx.x / unsigned(plan.cluster);  // row * windows + window
@@ -380,8 +385,8 @@ __global__ void __launch_bounds__(kDenseThreads)
   for (std::int32_t k = std::int32_t(threadIdx.x); k < keys; k += kDenseThreads) {
     sums[k] = 0;
     best[k] = -INFINITY;
-    flags[k] = 0;
   }
+  for (std::int32_t w = std::int32_t(threadIdx.x); w < seen_words; w += kDenseThreads) seen[w] = 0;
   // Kept entries of the window: [lo, hi), the window's tokens inside the middle (list_entry_kept).
   const std::int32_t lo = std::int32_t(max(window_begin, std::int64_t(p.window.sink_end(r.length))));
   const std::int32_t hi = std::int32_t(min(window_begin + (std::int64_t(plan.cluster) << plan.key_shift),
@@ -419,13 +424,8 @@ __global__ void __launch_bounds__(kDenseThreads)
           const std::uint32_t owner = std::uint32_t(offset >> plan.key_shift);
           const std::int32_t key = offset & (keys - 1);
           const auto add = static_cast<unsigned long long>(d.value(values[u]));  // two's complement
-          if (plan.cluster == 1) {
-            atomicAdd(sums + key, add);
-            flags[key] = 1;
-          } else {
-            atomicAdd(cluster_shared(sums + key, owner), add);
-            *cluster_shared(flags + key, owner) = 1;
-          }
+          atomicAdd(plan.cluster == 1 ? sums + key : cluster_shared(sums + key, owner), add);
+          atomicOr(seen + offset / 32, 1u << (offset % 32));
         }
       }
       if ((i0 + q + 1) % per_block != 0) continue;  // the block's last list: fold its sums
@@ -437,14 +437,24 @@ __global__ void __launch_bounds__(kDenseThreads)
       if (i0 + q + 1 < r.count) cluster.sync();  // cleared before the next block adds (none after the last)
     }
   }
-  __syncthreads();  // the last fold is done (no other CTA writes here after its cluster barrier)
+  // Every CTA's bitmap is complete (the last block's cluster barrier, or the first one where no list was chosen): the
+  // owned words become the OR of every CTA's (only this CTA reads or writes its own range), and the barrier after
+  // keeps each CTA's bitmap readable until the cluster has read it.
+  const std::int32_t own_words = keys / 32, own_first = std::int32_t(rank) * own_words;
+  for (std::int32_t w = std::int32_t(threadIdx.x); w < own_words; w += kDenseThreads) {
+    std::uint32_t bits = 0;
+    for (std::uint32_t c = 0; c < std::uint32_t(plan.cluster); ++c) bits |= *cluster_shared(seen + own_first + w, c);
+    seen[own_first + w] = bits;
+  }
+  cluster.sync();
   const std::int64_t begin = window_begin + (std::int64_t(rank) << plan.key_shift);
   const std::int32_t owned = std::int32_t(max(std::int64_t(0), min(std::int64_t(keys), r.length - begin)));
   float* dst = scores.row(row) + begin;
   std::int32_t candidates = 0;
   for (std::int32_t k = std::int32_t(threadIdx.x); k < owned; k += kDenseThreads) {
-    dst[k] = flags[k] != 0 ? best[k] : -INFINITY;
-    candidates += flags[k];
+    const bool listed = (seen[own_first + k / 32] >> (k % 32) & 1u) != 0;
+    dst[k] = listed ? best[k] : -INFINITY;
+    candidates += listed;
   }
   const std::int32_t total = Reduce(reduce).Sum(candidates);
   if (threadIdx.x == 0) buf.counts[row * buf.parts + (part % plan.windows) * plan.cluster + rank] = total;

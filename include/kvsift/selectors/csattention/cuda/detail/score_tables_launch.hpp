@@ -75,14 +75,15 @@ struct TableScoresParams {
 };
 
 /// table_scores_dense: thread-block clusters of kDenseClusterMax CTAs (sm_90; one CTA elsewhere), each CTA owning
-/// a power-of-two range of a row's tokens in shared memory (an int64 sum, the running maximum as fp32, a flag).
+/// a power-of-two range of a row's tokens in shared memory (an int64 sum, the running maximum as fp32) and a bit per
+/// token of the window (a cluster's tokens).
 /// A cluster covers one window of cluster * keys tokens of one row; its CTAs share the scan of the row's chosen
 /// lists and add each kept entry into the owning CTA's sum through distributed shared memory.
 inline constexpr int kDenseThreads = 512;
 inline constexpr int kDenseClusterMax = 8;
 inline constexpr std::int32_t kDenseMinKeys = 1024;  ///< a CTA's range at least (the plan's bound on windows)
 inline constexpr int kDenseLists = 64;               ///< chosen lists whose device values a CTA holds at once
-inline constexpr int kDenseKeyBytes = 8 + 4 + 1;     ///< sum, maximum, flag
+inline constexpr int kDenseKeyBytes = 8 + 4 + kDenseClusterMax / 8;  ///< sum, maximum, the window's bits
 
 /// A row's windows and its CTAs' ranges; rows * windows * cluster CTAs.
 struct DenseTablePlan {
