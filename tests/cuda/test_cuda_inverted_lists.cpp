@@ -109,13 +109,16 @@ void check_union(Random& rng, std::int32_t list_capacity = 33, std::int32_t max_
   expect_out_equal(cpu_out, gpu);
 }
 
-// The union of up to 10,240 entries per row runs as one CTA per row (a block radix sort); CTKVR's C' = 4 lists of
-// 2560 fill it exactly, and 4 x 3000 takes the segmented sort. Ids up to 200,003: 18 bits to sort.
+// The union of up to 10,240 entries per row runs as one CTA per row (a bitmap of ids below 262,144, else a block
+// radix sort); CTKVR's C' = 4 lists of 2560 fill it exactly, and 4 x 3000 takes the segmented sort. Ids up to
+// 200,003 and 262,143 (the bitmap's last word), and up to 600,000 (rows past the bitmap: 20 bits to sort).
 TEST_F(CudaInvertedLists, UnionsAtTheBlockSortsBoundEqualTheCpu) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   for (const std::int32_t list_capacity : {2560, 3000}) {
     check_union<half>(rng, list_capacity, 200000);
     check_union<float>(rng, list_capacity, 5000);  // many equal ids
+    check_union<half>(rng, list_capacity, 262144);
+    check_union<float>(rng, list_capacity, 600000);
   }
 }
 
