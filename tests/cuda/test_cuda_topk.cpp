@@ -544,16 +544,19 @@ TEST(CudaTopKPlan, ClustersFillTheGpuInOneWave) {
   EXPECT_EQ(plan(1, 3000, h100), std::tuple(1, 1, 0, 0));
   EXPECT_EQ(plan(132, 8193, h100), std::tuple(1, 2, 0, 0));
   EXPECT_EQ(plan(1, 16384, none), std::tuple(1, 2, 0, 0));    // no clusters needed (sm_80)
-  // Else the held kernel where a row fits a cluster's registers with at most half the SMs busy.
+  // Else the held kernel where a row fits a cluster's registers with at most half the SMs busy, or twice the SMs for
+  // rows longer than 65,536.
   EXPECT_EQ(plan(1, 131072, h100), std::tuple(16, 0, 2, 0));   // one row: 16 CTAs of 8192 words
   EXPECT_EQ(plan(4, 131072, h100), std::tuple(16, 0, 2, 0));
   EXPECT_EQ(plan(8, 131072, h100), std::tuple(8, 0, 3, 0));    // 8 rows: 16-CTA clusters would not all fit at once
   EXPECT_EQ(plan(1, 131072, portable), std::tuple(8, 0, 3, 0));  // portable clusters only
   EXPECT_EQ(plan(1, 32768, h100), std::tuple(16, 0, 1, 0));
   EXPECT_EQ(plan(1, 20000, none), std::tuple(1, 0, 0, 20000));  // no clusters: the slice kernel
-  // Else the slice kernel. 32 rows: clusters of 4, though not all fit at once (faster than 2 CTAs of 65,536
-  // scores, half from L2).
-  EXPECT_EQ(plan(32, 131072, h100), std::tuple(4, 0, 0, 32768));
+  EXPECT_EQ(plan(32, 131072, h100), std::tuple(8, 0, 3, 0));    // 256 CTAs: A²ATS's union at 128K, batch 1
+  EXPECT_EQ(plan(33, 131072, h100), std::tuple(8, 0, 3, 0));    // 264 CTAs: twice the SMs
+  EXPECT_EQ(plan(32, 32768, h100), std::tuple(2, 0, 3, 0));     // shorter rows: at most half the SMs (64 CTAs)
+  // Else the slice kernel: more CTAs than that.
+  EXPECT_EQ(plan(34, 131072, h100), std::tuple(2, 0, 0, 32768));
   EXPECT_EQ(plan(64, 131072, h100), std::tuple(2, 0, 0, 32768));   // 65,536 scores per CTA: the rest from L2
   EXPECT_EQ(plan(700, 3000, h100), std::tuple(1, 0, 0, 3000));     // more rows than SMs
   EXPECT_EQ(plan(1, 1 << 21, h100), std::tuple(16, 0, 0, 32768));  // past 16 x 16384 words

@@ -91,10 +91,13 @@ inline bool topk_clusters_placed(int log2, std::int64_t score_rows, const TopKCl
 /// are at most the SMs (the smallest shape of kTopKCtaShapes that holds max_tokens words). Else the held kernel where
 /// a row fits a cluster's registers: the smallest
 /// CTA shape of kTopKHeldShapes whose cluster (a power of two of at most 16 the GPU places) holds max_tokens words,
-/// with at most half the SMs busy (measured faster than the slice kernel at 1 and 8 rows of 131072 and 8 rows of
-/// 8192; more rows keep the slice kernel). Else the slice kernel: the cluster grows (powers of two) while the
+/// with at most half the SMs busy, or twice the SMs for rows longer than kTopKHeldLongRow (measured faster than the
+/// slice kernel at 1 and 8 rows of 131072 and 8 rows of 8192; H200, 2026-11-29: 32 rows of 131072 in clusters of 8
+/// took 74.0 us against the slice kernel's 92.5, while 32 of 32768 in clusters of 4 made A²ATS's step 7 us slower and
+/// 64 of 131072 gained nothing (80.3 against 80.2 up to twice the SMs, 86.7 in four waves)). Else the slice kernel: the cluster grows (powers of two) while the
 /// grid's CTAs are at most the SMs, the GPU places clusters of that size, and each slice keeps kTopKMinSliceWords
 /// scores; up to smem_limit_words (topk_rows_smem_limit_words) of each slice go to shared memory.
+inline constexpr std::int32_t kTopKHeldLongRow = 65536;
 inline TopKRowsLaunch plan_topk_rows(std::int64_t score_rows, std::int32_t max_tokens, int sms,
                                      const TopKClusterCapacity& capacity, std::int32_t smem_limit_words) {
   TopKRowsLaunch launch;
@@ -105,12 +108,13 @@ inline TopKRowsLaunch plan_topk_rows(std::int64_t score_rows, std::int32_t max_t
       return launch;
     }
   }
+  const std::int64_t held_ctas = max_tokens > kTopKHeldLongRow ? 2 * std::int64_t(sms) : sms / 2;
   for (std::size_t i = 0; i < kTopKHeldShapes.size(); ++i) {
     const std::int64_t tile = std::int64_t(kTopKHeldShapes[i].threads) * kTopKHeldShapes[i].items;
     int log2 = 0;
     while (log2 < 4 && (tile << log2) < max_tokens) ++log2;
     if ((tile << log2) < max_tokens || !topk_clusters_placed(log2, score_rows, capacity) ||
-        score_rows * (std::int64_t(1) << log2) > sms / 2) {
+        score_rows * (std::int64_t(1) << log2) > held_ctas) {
       continue;
     }
     launch.cluster = std::int32_t(1) << log2;
