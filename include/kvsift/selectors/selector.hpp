@@ -106,6 +106,8 @@ struct SelectorLimits {
   std::int32_t q_heads = 0;
   std::int32_t kv_heads = 0;
   std::int32_t head_dim = 0;
+
+  friend bool operator==(const SelectorLimits&, const SelectorLimits&) = default;
 };
 
 /// Prefill of the joining sequences (batch row b is sequence slots[b]).

@@ -139,9 +139,7 @@ class SpeContextGroups {
                  heads.size(), first.size());
     for (std::size_t g = 1; g < heads.size(); ++g) {
       const SelectorLimits &a = heads.front().limits(), &b = heads[g].limits();
-      KVSIFT_CHECK(a.max_slots == b.max_slots && a.max_tokens == b.max_tokens && a.q_heads == b.q_heads &&
-                       a.kv_heads == b.kv_heads && a.head_dim == b.head_dim && heads.front().capacity() == heads[g].capacity(),
-                   where,
+      KVSIFT_CHECK(a == b && heads.front().capacity() == heads[g].capacity(), where,
                    "head {} (max_slots {}, max_tokens {}, heads {} / {}, head_dim {}, budget {}) differs from head 0 ({}, "
                    "{}, {} / {}, {}, {}): every group's head must have the same limits and budget",
                    g, b.max_slots, b.max_tokens, b.q_heads, b.kv_heads, b.head_dim, heads[g].capacity(), a.max_slots,
