@@ -87,17 +87,19 @@ inline bool topk_clusters_placed(int log2, std::int64_t score_rows, const TopKCl
   return (std::int32_t(1) << log2) <= kTopKMaxPortableCluster ? held > 0 : score_rows <= held;
 }
 
+/// Rows longer than this may take the held kernel in up to twice the SMs' CTAs (plan_topk_rows). H200, 2026-11-29:
+/// 32 rows of 131072 in clusters of 8 took 74.0 us against the slice kernel's 92.5; 32 rows of 32768 in clusters of
+/// 4 made A²ATS's step 7 us slower, and 64 rows of 131072 gained nothing (80.2 against 80.3; 86.7 in four waves).
+inline constexpr std::int32_t kTopKHeldLongRow = 65536;
+
 /// The launch shape: score rows on `sms` SMs. The one-CTA kernel where a row fits one CTA's registers and the rows
 /// are at most the SMs (the smallest shape of kTopKCtaShapes that holds max_tokens words). Else the held kernel where
-/// a row fits a cluster's registers: the smallest
-/// CTA shape of kTopKHeldShapes whose cluster (a power of two of at most 16 the GPU places) holds max_tokens words,
-/// with at most half the SMs busy, or twice the SMs for rows longer than kTopKHeldLongRow (measured faster than the
-/// slice kernel at 1 and 8 rows of 131072 and 8 rows of 8192; H200, 2026-11-29: 32 rows of 131072 in clusters of 8
-/// took 74.0 us against the slice kernel's 92.5, while 32 of 32768 in clusters of 4 made A²ATS's step 7 us slower and
-/// 64 of 131072 gained nothing (80.3 against 80.2 up to twice the SMs, 86.7 in four waves)). Else the slice kernel: the cluster grows (powers of two) while the
-/// grid's CTAs are at most the SMs, the GPU places clusters of that size, and each slice keeps kTopKMinSliceWords
-/// scores; up to smem_limit_words (topk_rows_smem_limit_words) of each slice go to shared memory.
-inline constexpr std::int32_t kTopKHeldLongRow = 65536;
+/// a row fits a cluster's registers: the smallest CTA shape of kTopKHeldShapes whose cluster (a power of two of at
+/// most 16 the GPU places) holds max_tokens words, with at most half the SMs busy, or twice the SMs for rows longer
+/// than kTopKHeldLongRow (measured faster than the slice kernel at 1 and 8 rows of 131072 and 8 rows of 8192). Else
+/// the slice kernel: the cluster grows (powers of two) while the grid's CTAs are at most the SMs, the GPU places
+/// clusters of that size, and each slice keeps kTopKMinSliceWords scores; up to smem_limit_words
+/// (topk_rows_smem_limit_words) of each slice go to shared memory.
 inline TopKRowsLaunch plan_topk_rows(std::int64_t score_rows, std::int32_t max_tokens, int sms,
                                      const TopKClusterCapacity& capacity, std::int32_t smem_limit_words) {
   TopKRowsLaunch launch;
