@@ -1,9 +1,12 @@
-// CUDA KV gathers (cuda/gather.hpp): a warp per copied row (K and V), and for the difference gather a CTA per
-// selection row that assigns slots first (launched apart from the copies: selectors/specontext/elastic_kv.hpp copies one
-// assignment into several layers, and commits it as its per-slot resident state). The source may be pinned host
-// memory read through its device-accessible pointers: the copy loops issue independent 16-byte loads across the
-// warp so that many PCIe reads are in flight.
+// CUDA KV gathers (cuda/gather.hpp): a thread per 16-byte piece of a copied K or V row, and for the difference gather
+// a CTA per selection row that assigns slots first (launched apart from the copies: selectors/specontext/elastic_kv.hpp
+// copies one assignment into several layers, and commits it as its per-slot resident state). The source may be
+// pinned host memory read through its device-accessible pointers: each thread issues several independent loads
+// before its stores, so that many PCIe reads are in flight from few CTAs.
 #include <cub/block/block_scan.cuh>
+
+#include <algorithm>
+#include <type_traits>
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/cuda/detail/gather_launch.hpp"
@@ -16,40 +19,78 @@ constexpr int kCopyThreads = 256;
 constexpr int kAssignThreads = 256;
 constexpr int kResidentWords = kDifferenceMaxSlots / 32;
 
-template <class T, bool Vec16>
-__device__ __forceinline__ void copy_row(const T* src, T* dst, std::int32_t head_dim, int lane) {
-  if constexpr (Vec16) {
-    const std::int32_t words = std::int32_t(head_dim * sizeof(T) / 16);
-    const uint4* s = reinterpret_cast<const uint4*>(src);
-    uint4* d = reinterpret_cast<uint4*>(dst);
-    for (std::int32_t i = lane; i < words; i += 32) d[i] = s[i];
-  } else {
-    for (std::int32_t i = lane; i < head_dim; i += 32) dst[i] = src[i];
+/// Pieces of K/V rows one thread copies per round: all its loads are issued before any store, so that each thread
+/// keeps this many reads in flight (from pinned host memory each is a PCIe round trip of about a microsecond).
+constexpr int kCopyUnroll = 8;
+/// CTAs of a difference copy at most (its sources are pinned host memory: ElasticKV's layers on the host). A copy
+/// of zero-copy reads slows the latency-bound kernels on the SMs it holds: over the whole GPU it made an 8-CTA decode
+/// kernel 5x slower (11 -> 57 us, H200), over 32 CTAs 2.7x. SpeContext's 9 offloaded layers at 128K (H200): copies
+/// alone 583 / 604 / 695 / 845 us with no bound / 128 / 64 / 32 CTAs, the step beside the attention 1216 / 1150 /
+/// 1146 / 1288 us (experiments.md#specontext-offload-overlap-h200). gather_kv, often between device buffers, takes the
+/// whole GPU.
+constexpr unsigned kCopyMaxCtas = 128;
+
+/// An entry's rows: source and destination of its K and V rows; null sources: nothing to copy.
+template <class T>
+struct EntryRows {
+  const T* src_k = nullptr;
+  const T* src_v = nullptr;
+  T* dst_k = nullptr;
+  T* dst_v = nullptr;
+};
+
+/// The K and V rows of entries [0, entries) (entry(e) gives an EntryRows), a thread per piece of a row (a
+/// 16-byte word when Vec16, else an element), kCopyUnroll pieces per thread and round: consecutive threads take
+/// one entry's K row, then its V row, so the reads of a row are coalesced.
+template <class T, bool Vec16, class Entry>
+__device__ __forceinline__ void copy_entries(std::int64_t entries, std::int32_t head_dim, const Entry& entry) {
+  using Piece = std::conditional_t<Vec16, uint4, T>;
+  const std::int32_t row_pieces = Vec16 ? std::int32_t(head_dim * sizeof(T) / 16) : head_dim;
+  const std::int64_t pieces = entries * 2 * row_pieces, stride = std::int64_t(gridDim.x) * blockDim.x;
+  for (std::int64_t first = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; first < pieces;
+       first += stride * kCopyUnroll) {
+    Piece value[kCopyUnroll];
+    Piece* to[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const std::int64_t piece = first + u * stride;
+      to[u] = nullptr;
+      if (piece >= pieces) continue;
+      const EntryRows<T> rows = entry(piece / (2 * row_pieces));
+      if (rows.src_k == nullptr) continue;
+      std::int32_t within = std::int32_t(piece % (2 * row_pieces));
+      const bool is_v = within >= row_pieces;
+      within -= is_v ? row_pieces : 0;
+      value[u] = reinterpret_cast<const Piece*>(is_v ? rows.src_v : rows.src_k)[within];
+      to[u] = reinterpret_cast<Piece*>(is_v ? rows.dst_v : rows.dst_k) + within;
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      if (to[u] != nullptr) *to[u] = value[u];
+    }
   }
 }
 
-template <class T, bool Vec16>
-__device__ __forceinline__ void copy_kv(const KVCache<const T>& src, std::int64_t b, std::int64_t h, std::int64_t token,
-                                        const KVCache<T>& dst, std::int64_t slot, int lane) {
-  copy_row<T, Vec16>(src.k_row(b, h, token), dst.k_row(b, h, slot), src.head_dim(), lane);
-  copy_row<T, Vec16>(src.v_row(b, h, token), dst.v_row(b, h, slot), src.head_dim(), lane);
+template <class T>
+__device__ __forceinline__ EntryRows<T> entry_rows(const KVCache<const T>& src, std::int64_t b, std::int64_t h,
+                                                   std::int64_t token, const KVCache<T>& dst, std::int64_t slot) {
+  return {src.k_row(b, h, token), src.v_row(b, h, token), dst.k_row(b, h, slot), dst.v_row(b, h, slot)};
 }
 
-/// A warp per (row, entry i): entry i of selection row (b, h) to slot i.
+/// Entry i of selection row (b, h) to slot i. Entries are taken position-major (e = i * rows + row), so that the
+/// rows' live entries come first and a round of loads is mostly live.
 template <class T, bool Vec16>
 __global__ void __launch_bounds__(kCopyThreads) gather_kv_kernel(KVCache<const T> src, SelectionView rows,
                                                                   KVCache<T> dst) {
-  const int lane = threadIdx.x % 32;
-  const std::int64_t warps = std::int64_t(gridDim.x) * (blockDim.x / 32);
-  const std::int64_t items = std::int64_t(rows.batch) * rows.kv_heads * rows.capacity;
-  for (std::int64_t item = (blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x) / 32; item < items; item += warps) {
-    const std::int64_t row = item / rows.capacity, b = row / rows.kv_heads, h = row % rows.kv_heads;
-    const std::int32_t i = std::int32_t(item % rows.capacity), count = rows.counts[row];
-    if (count < 0 || count > rows.capacity || i >= count) continue;
+  const std::int64_t selection_rows = std::int64_t(rows.batch) * rows.kv_heads;
+  copy_entries<T, Vec16>(selection_rows * rows.capacity, src.head_dim(), [&](std::int64_t e) -> EntryRows<T> {
+    const std::int64_t row = e % selection_rows, b = row / rows.kv_heads, h = row % rows.kv_heads;
+    const std::int32_t i = std::int32_t(e / selection_rows), count = rows.counts[row];
+    if (count < 0 || count > rows.capacity || i >= count) return {};
     const std::int32_t token = rows.indices[row * rows.capacity + i];
-    if (token < 0 || token >= src.seq_len(b) || i >= dst.seq_len(b)) continue;
-    copy_kv<T, Vec16>(src, b, h, token, dst, i, lane);
-  }
+    if (token < 0 || token >= src.seq_len(b) || i >= dst.seq_len(b)) return {};
+    return entry_rows(src, b, h, token, dst, i);
+  });
 }
 
 /// The free slots of word w of a row's bitmap: the clear bits below the row's capacity.
@@ -148,23 +189,23 @@ __global__ void __launch_bounds__(kAssignThreads) assign_slots_kernel(Difference
   if (threadIdx.x == 0) p.copied[row] = min(fresh, total_free);
 }
 
-/// A warp per (row, new entry k < copied[row]).
+/// New entry k < copied[row] of every selection row, position-major as gather_kv_kernel.
 template <class T, bool Vec16>
 __global__ void __launch_bounds__(kCopyThreads) copy_fresh_kernel(KVCache<const T> src, DifferenceSlots p,
                                                                    KVCache<T> dst) {
-  const int lane = threadIdx.x % 32;
-  const std::int64_t warps = std::int64_t(gridDim.x) * (blockDim.x / 32);
   const std::int32_t capacity = p.current.capacity;
-  const std::int64_t items = std::int64_t(p.current.batch) * p.current.kv_heads * capacity;
-  for (std::int64_t item = (blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x) / 32; item < items; item += warps) {
-    const std::int64_t row = item / capacity, b = row / p.current.kv_heads, h = row % p.current.kv_heads;
-    const std::int32_t k = std::int32_t(item % capacity);
-    if (k >= p.copied[row]) continue;  // also a row refused with -1
+  const std::int64_t selection_rows = std::int64_t(p.current.batch) * p.current.kv_heads;
+  copy_entries<T, Vec16>(selection_rows * capacity, src.head_dim(), [&](std::int64_t e) -> EntryRows<T> {
+    const std::int64_t row = e % selection_rows, b = row / p.current.kv_heads, h = row % p.current.kv_heads;
+    const std::int32_t k = std::int32_t(e / selection_rows);
+    if (k >= p.copied[row]) return {};  // also a row refused with -1
     const std::int32_t j = p.fresh[row * capacity + k];
     const std::int32_t token = p.current.indices[row * capacity + j], slot = p.current_slots[row * capacity + j];
-    if (token < 0 || token >= src.seq_len(b) || slot < 0 || slot >= p.resident_capacity) continue;
-    copy_kv<T, Vec16>(src, b, h, token, dst, slot, lane);
-  }
+    // The lengths from device memory when given: the source's own may be in host memory, a PCIe round trip per read.
+    const std::int32_t length = p.source_lengths != nullptr ? p.source_lengths[b] : src.seq_len(b);
+    if (token < 0 || token >= length || slot < 0 || slot >= p.resident_capacity) return {};
+    return entry_rows(src, b, h, token, dst, slot);
+  });
 }
 
 /// A thread per (row, entry): the row's current tokens and slots into its sequence slot's resident state.
@@ -193,13 +234,18 @@ __global__ void commit_difference_kernel(DifferenceSlots p, std::int32_t* prev_i
   }
 }
 
+/// CTAs of a copy of `entries` entries: one round of pieces per thread, as a grid-stride loop allows.
+unsigned copy_blocks(std::int64_t entries, std::int32_t head_dim) {
+  const std::int64_t pieces = entries * 2 * head_dim;  // an upper bound of 16-byte words or elements
+  return grid_stride_blocks((pieces + kCopyUnroll - 1) / kCopyUnroll, kCopyThreads);
+}
+
 }  // namespace
 
 template <class T>
 cudaError_t launch_gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, bool vec16,
                              cudaStream_t stream) {
-  const std::int64_t threads = std::int64_t(rows.batch) * rows.kv_heads * rows.capacity * 32;
-  const unsigned blocks = grid_stride_blocks(threads, kCopyThreads);
+  const unsigned blocks = copy_blocks(std::int64_t(rows.batch) * rows.kv_heads * rows.capacity, src.head_dim());
   if (vec16) {
     gather_kv_kernel<T, true><<<blocks, kCopyThreads, 0, stream>>>(src, rows, dst);
   } else {
@@ -218,7 +264,7 @@ template <class T>
 cudaError_t launch_copy_difference(const KVCache<const T>& src, const DifferenceSlots& slots,
                                    const KVCache<T>& resident, bool vec16, cudaStream_t stream) {
   const std::int64_t rows = std::int64_t(slots.current.batch) * slots.current.kv_heads;
-  const unsigned blocks = grid_stride_blocks(rows * slots.current.capacity * 32, kCopyThreads);
+  const unsigned blocks = std::min(kCopyMaxCtas, copy_blocks(rows * slots.current.capacity, src.head_dim()));
   if (vec16) {
     copy_fresh_kernel<T, true><<<blocks, kCopyThreads, 0, stream>>>(src, slots, resident);
   } else {
