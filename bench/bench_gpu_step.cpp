@@ -312,6 +312,8 @@ BENCHMARK(BM_Step)
     ->ArgsProduct({{kQuestRerank, kQuestPages}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0}, {0}})
     ->ArgsProduct({{kQuest}, {32768, 131072}, {1, 8}, {0, 1}, {1}, {1}, {0}, {0}})
     ->ArgsProduct({{kCtkvr}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0}, {0}})
+    ->ArgsProduct({{kCtkvr, kCsattention}, {8192, 524288, 1048576}, {1}, {1}, {0}, {1}, {0}, {0}})  // the sweep
+    ->ArgsProduct({{kA2ats}, {8192, 524288, 1048576}, {1}, {1}, {0}, {1}, {0, 1}, {0}})              // the sweep
     ->ArgsProduct({{kCsattention}, {32768, 131072}, {1, 8}, {1}, {0}, {1, 4, 8}, {0}, {0}})
     ->ArgsProduct({{kCsattention}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {1}, {0}})
     ->ArgsProduct({{kCsattention}, {131072}, {1, 8}, {0}, {0, 1}, {1}, {0}, {0}})  // PDL off; kernels between

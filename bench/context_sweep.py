@@ -1,34 +1,66 @@
-"""One decode step of one layer against context length (8K .. 1M tokens) at batch 1 and 8, for
-cuDNN SDPA, kvsift's dense decode, and the Quest and OracleTopK steps (q_heads 32, kv_heads 8, head_dim 128, bf16,
-2048 selected tokens; GPU time of CUDA graph replays, one run each, cuDNN on the same machine).
+"""One decode step against context length (8K .. 1M tokens) at batch 1 and 8, for cuDNN SDPA, kvsift's dense
+decode and every selector's step (q_heads 32, kv_heads 8, head_dim 128, bf16, each selector at its benchmark's
+defaults; GPU time of CUDA graph replays, one run each, cuDNN on the same machine). One layer, except SpeContext, whose
+step is 32 layers (one head-level selection, then every layer's attention) and is set against 32 times cuDNN.
 
-Reads sdpa_baseline.py's JSON lines and kvsift_bench_decode's JSON files (BM_DenseDecode and BM_Step rows); writes
-PREFIX.md (the table) and PREFIX.dat, and PREFIX.svg through gnuplot where it is installed.
+Reads sdpa_baseline.py's JSON lines and kvsift_bench_decode's JSON files (BM_DenseDecode, BM_Step, BM_CentroidKVStep,
+BM_SpeContextStep rows); writes PREFIX.md (every series), PREFIX.dat, and PREFIX.svg through gnuplot where it is
+installed. With --pages DOCS, also each method's rows into its page between <!-- context-sweep-NAME:begin/end -->
+(scripts/replace-section.sh). bench/run_device.sh sweep runs the benchmarks and this.
 
-Usage: context_sweep.py [--gpu NAME] PREFIX sdpa.jsonl bench_decode.json [bench_decode.json ...]"""
+Usage: context_sweep.py [--gpu NAME] [--pages DOCS] PREFIX sdpa.jsonl bench_decode.json [bench_decode.json ...]"""
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
-SERIES = ("cuDNN SDPA", "kvsift dense", "Quest step", "OracleTopK step")
-METHODS = {0: "Quest step", 1: "OracleTopK step"}
+DENSE = "kvsift dense"
+CUDNN = "cuDNN SDPA"
+SPECONTEXT_LAYERS = 32
+STEP = r"/pdl:1/between:0/P:1/sort:(\d)/alpha:0$"
+
+# Selector series: name, docs page and marker (None: no section of its own), benchmark name pattern (N and batch as
+# groups 1 and 2, or named), the layers its step spans.
+SELECTORS = (
+    ("Quest", ("quest.md", "quest"), r"BM_Step/method:0/N:(\d+)/batch:(\d+)" + STEP, 1),
+    ("OracleTopK", ("quest.md", "oracle"), r"BM_Step/method:1/N:(\d+)/batch:(\d+)" + STEP, 1),
+    ("CTKVR", ("ctkvr.md", "ctkvr"), r"BM_Step/method:2/N:(\d+)/batch:(\d+)" + STEP, 1),
+    ("CSAttention", ("csattention.md", "csattention"), r"BM_Step/method:3/N:(\d+)/batch:(\d+)" + STEP, 1),
+    ("A²ATS union", ("a2ats.md", "a2ats-union"), r"BM_Step/method:4/N:(\d+)/batch:(\d+)" + STEP, 1),
+    ("A²ATS group max", ("a2ats.md", "a2ats-group-max"), r"BM_Step/method:4/N:(\d+)/batch:(\d+)" + STEP, 1),
+    ("CentroidKV", ("centroidkv.md", "centroidkv"), r"BM_CentroidKVStep/N:(\d+)/batch:(\d+)$", 1),
+    ("SpeContext", ("specontext.md", "specontext"),
+     r"BM_SpeContextStep/mode:0/N:(\d+)/batch:(\d+)/pdl:1/between:0$", SPECONTEXT_LAYERS),
+)
+# A²ATS's group rule is BM_Step's sort argument: 0 union, 1 group maximum; every other step runs with sort 0.
+SORT = {"A²ATS union": "0", "A²ATS group max": "1"}
 
 
-def read_bench(path):
-    """(series, N, batch) -> microseconds, from the plain (not aggregate) rows."""
+def run_name(b):
+    return re.sub(r"/(manual_time|real_time|min_time:[0-9.]+|iterations:\d+)", "", b["run_name"])
+
+
+def read_bench(path, dates):
+    """(series, N, batch) -> microseconds (graph replays), from the plain (not aggregate) rows; the run's date into
+    `dates`."""
     out = {}
-    for b in json.load(open(path))["benchmarks"]:
-        if b.get("run_type") == "aggregate":
+    report = json.load(open(path))
+    if "date" in report.get("context", {}):
+        dates.add(report["context"]["date"][:10])
+    for b in report["benchmarks"]:
+        if b.get("run_type") == "aggregate" or b.get("error_occurred"):
             continue
-        name = b["run_name"]
-        dense = re.match(r"BM_DenseDecode/N:(\d+)/batch:(\d+)/splits:0/pdl:1/warps:0(/|$)", name)
-        step = re.match(r"BM_Step/method:([01])/N:(\d+)/batch:(\d+)/pdl:1/between:0/P:1/sort:0/alpha:0", name)
+        name = run_name(b)
+        dense = re.match(r"BM_DenseDecode/N:(\d+)/batch:(\d+)/splits:0/pdl:1/warps:0$", name)
         if dense:
-            out[("kvsift dense", int(dense[1]), int(dense[2]))] = b["real_time"]
-        elif step:
-            out[(METHODS[int(step[1])], int(step[2]), int(step[3]))] = b["real_time"]
+            out[(DENSE, int(dense[1]), int(dense[2]))] = b["real_time"]
+        for series, _, pattern, _ in SELECTORS:
+            m = re.match(pattern, name)
+            if m and (m.lastindex < 3 or m[3] == SORT.get(series, "0")):
+                out[(series, int(m[1]), int(m[2]))] = b["real_time"]
     return out
 
 
@@ -38,39 +70,82 @@ def read_sdpa(path, out):
             continue
         r = json.loads(line)
         if r.get("backend") == "cudnn" and "graph_us" in r:
-            out[("cuDNN SDPA", r["N"], r["batch"])] = r["graph_us"]
+            out[(CUDNN, r["N"], r["batch"])] = r["graph_us"]
 
 
-def main(gpu, prefix, sdpa_jsonl, *bench_jsons):
-    times = {}
+def label(n):
+    return f"{n // 1048576}M" if n % 1048576 == 0 else f"{n // 1024}K"
+
+
+def ratio(cudnn, step, layers):
+    return f"{layers * cudnn / step:.2f}×" if cudnn and step else "—"
+
+
+def cell(t):
+    return f"{t:.1f} µs" if t is not None else "—"
+
+
+def method_section(series, layers, times, lengths, run):
+    """The rows of one selector: its step against cuDNN (times `layers`)."""
+    against = CUDNN if layers == 1 else f"{layers} × {CUDNN}"
+    lines = [f"Generated by `bench/context_sweep.py` from {run} (graph replays, cuDNN on the same machine; "
+             "[bench/context_sweep.md](bench/context_sweep.md) has every selector and the plot):", "",
+             f"| N | batch | {series} step | {against} | {against} / step |", "|---|---|---|---|---|"]
+    rows = [(n, batch) for batch in (1, 8) for n in lengths if (series, n, batch) in times]
+    if not rows:
+        return f"Not in this run: the sweep's JSON has no {series} step.\n"
+    for n, batch in rows:
+        step, cudnn = times[(series, n, batch)], times.get((CUDNN, n, batch))
+        dense = cell(layers * cudnn) if cudnn else "—"
+        lines.append(f"| {label(n)} | {batch} | {cell(step)} | {dense} | {ratio(cudnn, step, layers)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(gpu, pages, prefix, sdpa_jsonl, *bench_jsons):
+    times, dates = {}, set()
     for path in bench_jsons:
-        times.update(read_bench(path))
+        times.update(read_bench(path, dates))
+    run = " ".join(["the run of " + ", ".join(sorted(dates)) if dates else "one run"] + (["on " + gpu] if gpu else []))
     read_sdpa(sdpa_jsonl, times)
     lengths = sorted({n for (_, n, _) in times})
+    series = [CUDNN, DENSE] + [s for s, _, _, _ in SELECTORS]
+    layers = {s: l for s, _, _, l in SELECTORS}
     name = prefix.rsplit("/", 1)[-1]
+    command = (f"bench/context_sweep.py{' --gpu ' + repr(gpu) if gpu else ''}{' --pages ' + pages if pages else ''} "
+               f"{prefix} sdpa.jsonl sweep.json")
     with open(prefix + ".md", "w") as md, open(prefix + ".dat", "w") as dat:
         md.write(f"# The context sweep{', ' + gpu if gpu else ''}\n\n" + " ".join(__doc__.split("\n\n")[0].split()) +
-                 f"\n\nThe plot: [{name}.svg]({name}.svg); the data: [{name}.dat]({name}.dat). Made by `python3 "
-                 f"bench/context_sweep.py{' --gpu ' + repr(gpu) if gpu else ''} {prefix} sdpa.jsonl sweep.json` (docs/quest.md has the benchmark "
-                 "commands); the GPU and the run are in docs/device_runs.md.\n\n")
-        md.write("| N | batch | " + " | ".join(SERIES) + " | cuDNN / Quest | cuDNN / OracleTopK |\n")
-        md.write("|---" * (len(SERIES) + 4) + "|\n")
+                 f" This table: {run}.\n\nThe plot: [{name}.svg]({name}.svg) (SpeContext's step divided by its {SPECONTEXT_LAYERS} "
+                 f"layers); the data: [{name}.dat]({name}.dat). Made by `bench/run_device.sh sweep`, whose last "
+                 f"command is `python3 {command}`; the GPU and the run are in docs/device_runs.md. A cell: the step, "
+                 "then cuDNN / step (SpeContext: 32 × cuDNN / step).\n\n")
+        md.write("| N | batch | " + " | ".join(series) + " |\n" + "|---" * (len(series) + 2) + "|\n")
         for batch in (1, 8):
-            dat.write(f"# batch {batch}: N " + " ".join(s.replace(" ", "_") for s in SERIES) + "\n")
+            dat.write(f"# batch {batch}: N " + " ".join(s.replace(" ", "_") for s in series) + " (µs per layer)\n")
             for n in lengths:
-                row = [times.get((s, n, batch)) for s in SERIES]
-                if all(t is None for t in row):
+                row = [times.get((s, n, batch)) for s in series]
+                if all(t is None for t in row[2:]):
                     continue
-                cells = [f"{t:.1f} µs" if t is not None else "—" for t in row]
-                ratios = [f"{row[0] / t:.2f}×" if row[0] and t else "—" for t in (row[2], row[3])]
-                md.write(f"| {n // 1024}K | {batch} | " + " | ".join(cells + ratios) + " |\n")
-                dat.write(f"{n} " + " ".join(f"{t:.2f}" if t is not None else "NaN" for t in row) + "\n")
+                cells = [cell(t) for t in row[:2]]
+                for s, t in zip(series[2:], row[2:]):
+                    cells.append(f"{cell(t)} ({ratio(row[0], t, layers[s])})" if t is not None else "—")
+                md.write(f"| {label(n)} | {batch} | " + " | ".join(cells) + " |\n")
+                per_layer = [t / layers.get(s, 1) if t is not None else None for s, t in zip(series, row)]
+                dat.write(f"{n} " + " ".join(f"{t:.2f}" if t is not None else "NaN" for t in per_layer) + "\n")
             dat.write("\n\n")
+    if pages:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        for s, (page, marker), _, l in SELECTORS:
+            with tempfile.NamedTemporaryFile("w", suffix=".md", delete=False) as f:
+                f.write(method_section(s, l, times, lengths, run))
+            subprocess.run([os.path.join(root, "scripts", "replace-section.sh"), os.path.join(pages, page),
+                            f"context-sweep-{marker}", f.name], check=True)
+            os.unlink(f.name)
     if shutil.which("gnuplot"):
         columns = ", ".join(f"'{prefix}.dat' index {i} using 1:{c + 2} with linespoints title '{s}, batch {b}'"
-                            for i, b in enumerate((1, 8)) for c, s in enumerate(SERIES))
-        script = (f"set terminal svg size 1000,520 noenhanced; set output '{prefix}.svg'; set logscale xy; "
-                  "set xlabel 'context (tokens)'; set ylabel 'µs per step (one layer)'; set key outside right top; "
+                            for i, b in enumerate((1, 8)) for c, s in enumerate(series))
+        script = (f"set terminal svg size 1100,620 noenhanced; set output '{prefix}.svg'; set logscale xy; "
+                  "set xlabel 'context (tokens)'; set ylabel 'µs per step and layer'; set key outside right top; "
                   "set xrange [6000:1400000]; set xtics ('8K' 8192, '32K' 32768, '128K' 131072, '512K' 524288, "
                   "'1M' 1048576); set grid; plot " + columns)
         subprocess.run(["gnuplot", "-e", script], check=True)
@@ -78,9 +153,13 @@ def main(gpu, prefix, sdpa_jsonl, *bench_jsons):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    gpu = ""
-    if args[:1] == ["--gpu"] and len(args) > 1:
-        gpu, args = args[1], args[2:]
+    gpu, pages = "", ""
+    while args[:1] in (["--gpu"], ["--pages"]) and len(args) > 1:
+        if args[0] == "--gpu":
+            gpu = args[1]
+        else:
+            pages = args[1]
+        args = args[2:]
     if len(args) < 3:
         sys.exit(__doc__)
-    main(gpu, *args)
+    main(gpu, pages, *args)

@@ -2,13 +2,16 @@
 # Builds kvsift on the GPU machine, runs the CUDA and CPU tests, the CUDA tests under compute-sanitizer
 # (memcheck, racecheck), the decode benchmarks and the PyTorch SDPA baseline, and writes logs, JSON and a
 # markdown report to the output folder. Run from the repository root. Usage:
-#   bench/run_device.sh [--build DIR] [--out DIR] [build] [test] [sanitize] [bench] [cpubench] [profile] [demo] [python]
+#   bench/run_device.sh [--build DIR] [--out DIR] [build] [test] [sanitize] [bench] [cpubench] [profile] [demo] [python] [sweep]
 # --build: the CMake build folder (else $KVSIFT_DEVICE_BUILD, else build/device); --out: where logs and reports go
 # (else $OUT, else device-out). The Python stage builds and installs under the build folder too.
 # python: the Python package built with CUDA by pip, offline from the wheels in build/wheelhouse (carried;
 # docs/python.md), tests/python with torch on the GPU, then bench/model_decode.py (KVSIFT_MODEL_CONTEXTS,
 # KVSIFT_MODEL_BATCHES: its shapes) and bench/torch_op_overhead.py.
-# No argument: all but python, profile (Nsight Compute on four decode shapes, and bench/stage_tables.sh: every
+# sweep: every selector's step and cuDNN SDPA from 8K to 1M tokens into $OUT/sweep.json and $OUT/sdpa_sweep.jsonl;
+# then, where the docs are (this machine's checkout may be a copy), python3 bench/context_sweep.py --gpu NAME --pages
+# docs docs/bench/context_sweep sdpa_sweep.jsonl sweep.json writes the sweep's page, plot and each method's rows.
+# No argument: all but python, sweep, profile (Nsight Compute on four decode shapes, and bench/stage_tables.sh: every
 # selector's step kernel by kernel into its docs page) and demo (kvsift_demo, whose GPU table
 # only a GPU machine prints). KVSIFT_BENCH_FILTER narrows bench
 # (default: every benchmark of kvsift_bench_decode, which report.py's tables all use, among them the dense
@@ -23,8 +26,8 @@ while (($#)); do
   case $1 in
     --build) BUILD=$(realpath -m "$2"); shift 2 ;;
     --out) OUT=$(realpath -m "$2"); shift 2 ;;
-    build|test|sanitize|bench|cpubench|profile|demo|python) stages+=("$1"); shift ;;
-    *) echo "bench/run_device.sh: unknown argument '$1' (stages: build test sanitize bench cpubench profile demo python; options: --build DIR, --out DIR)" >&2; exit 2 ;;
+    build|test|sanitize|bench|cpubench|profile|demo|python|sweep) stages+=("$1"); shift ;;
+    *) echo "bench/run_device.sh: unknown argument '$1' (stages: build test sanitize bench cpubench profile demo python sweep; options: --build DIR, --out DIR)" >&2; exit 2 ;;
   esac
 done
 ((${#stages[@]})) || stages=(build test sanitize bench cpubench)
@@ -107,6 +110,19 @@ if has demo; then
   "$BUILD/bench/kvsift_demo" > "$OUT/demo.txt" 2>&1 || status=1
   sed -n '1,/^Real attention/p' "$OUT/demo.txt"
 fi
+if has sweep; then
+  step "the context sweep: every selector's step and cuDNN SDPA, 8K .. 1M tokens"
+  sweep='BM_DenseDecode/N:[0-9]*/batch:[18]/splits:0/pdl:1/warps:0/'
+  sweep+='|BM_Step/method:[0-3]/N:[0-9]*/batch:[18]/pdl:1/between:0/P:1/sort:0/alpha:0/'
+  sweep+='|BM_Step/method:4/N:[0-9]*/batch:[18]/pdl:1/between:0/P:1/sort:[01]/alpha:0/'
+  sweep+='|BM_CentroidKVStep/|BM_SpeContextStep/mode:0/N:[0-9]*/batch:[18]/pdl:1/between:0/'
+  "$BUILD/bench/kvsift_bench_decode" --benchmark_filter="$sweep" --benchmark_out="$OUT/sweep.json" \
+    --benchmark_out_format=json > "$OUT/sweep.txt" 2>&1 || status=1
+  KVSIFT_SDPA_N=8192,32768,131072,524288,1048576 KVSIFT_SDPA_BACKENDS=cudnn python3 bench/sdpa_baseline.py \
+    > "$OUT/sdpa_sweep.jsonl" 2> "$OUT/sdpa_sweep.log" || status=1
+  python3 bench/context_sweep.py --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+    "$OUT/context_sweep" "$OUT/sdpa_sweep.jsonl" "$OUT/sweep.json" && cat "$OUT/context_sweep.md" || status=1
+fi
 if has profile; then
   # One decode launch and its split merge per shape, after the warm-up calls (skip), with the sections that
   # say what limits the kernel: DRAM throughput, occupancy and its limiter, and why warps stall.
@@ -126,5 +142,5 @@ if has profile; then
   bash bench/stage_tables.sh --tables "$OUT/stage_tables" "$BUILD/bench/kvsift_bench_decode" || status=1
 fi
 # The device tool returns at most 8 files: the logs travel as one archive beside the report and JSON.
-(cd "$OUT" && logs=$(ls | grep -v -E '\.(md|json)$|^logs\.tar\.gz$') && [[ -n "$logs" ]] && tar czf logs.tar.gz $logs && rm -f $logs)
+(cd "$OUT" && logs=$(ls | grep -v -E '\.(md|json|jsonl)$|^logs\.tar\.gz$') && [[ -n "$logs" ]] && tar czf logs.tar.gz $logs && rm -f $logs)
 exit $status
