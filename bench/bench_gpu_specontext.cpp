@@ -23,11 +23,19 @@
 // selection before the copies (the LayersOnHost step's load), so every layer attends it. mode 3: the step (head
 // selection, copies of the offloaded layers on a side stream, the attention of all 32 layers: GPU layers from the
 // GPU caches, offloaded ones from their resident rows); mode 4: the copies alone (the side stream's update joined
-// back, nothing else). Counters: offloaded, rows and MB moved per step (K and V of every offloaded layer), kept.
+// back, nothing else). huge_pages 1: the host caches in transparent huge pages registered with CUDA (PinnedHost)
+// instead of cudaMallocHost's. Counters: offloaded, rows and MB moved per step (K and V of every offloaded layer),
+// kept.
 // The copying hidden behind attention: (mode 4 + mode 0 - mode 3) / mode 4 at the same N and batch.
+// BM_PinnedGather: one offloaded layer's copies alone as cuda::gather_kv, from cudaMallocHost or huge pages, the same
+// rows each call or fresh ones (the copies' rate against the host pages' translation).
 #include <benchmark/benchmark.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -191,6 +199,37 @@ kvsift::OffloadPlan planned(std::int64_t n, int batch, std::int64_t gpu_gb) {
   return kvsift::plan_offload(kvsift::sequence_thresholds(params), n);
 }
 
+/// Pinned host memory: cudaMallocHost's, or (huge) 2 MiB-aligned memory advised into transparent huge pages,
+/// touched, then registered with CUDA, so that the GPU may translate the copies' scattered rows through fewer, larger
+/// pages (experiments.md#specontext-offload-overlap-h200).
+struct PinnedHost {
+  static constexpr std::size_t kHuge = std::size_t(2) << 20;
+  void* ptr = nullptr;
+  bool huge;
+  PinnedHost(std::size_t bytes, bool huge_pages) : huge(huge_pages) {
+    if (!huge) {
+      KVSIFT_CUDA_CHECK(cudaMallocHost(&ptr, bytes));
+      return;
+    }
+    ptr = std::aligned_alloc(kHuge, (bytes + kHuge - 1) / kHuge * kHuge);
+    if (ptr == nullptr) throw std::bad_alloc();
+    madvise(ptr, bytes, MADV_HUGEPAGE);  // advice: without THP the pages stay 4 KiB, and the run says so by its time
+    std::memset(ptr, 0, bytes);
+    KVSIFT_CUDA_CHECK(cudaHostRegister(ptr, bytes, cudaHostRegisterDefault));
+  }
+  PinnedHost(const PinnedHost&) = delete;
+  PinnedHost& operator=(const PinnedHost&) = delete;
+  ~PinnedHost() {
+    if (huge) {
+      cudaHostUnregister(ptr);
+      std::free(ptr);
+    } else {
+      cudaFreeHost(ptr);
+    }
+  }
+  bfloat16* data() const { return static_cast<bfloat16*>(ptr); }
+};
+
 /// Model with its last plan.offloaded layers' KV in pinned host memory (copies of the GPU caches' values) and the
 /// ring of synthetic selections.
 struct OffloadedModel {
@@ -198,14 +237,14 @@ struct OffloadedModel {
   static constexpr std::int32_t kShift = kBudget * 15 / 100;  // tokens replaced per step: 85% kept
   Model model;
   int first;
-  std::vector<bfloat16*> host_k, host_v;
+  std::vector<std::unique_ptr<PinnedHost>> host_k, host_v;
   std::int32_t* host_lengths = nullptr;
   std::vector<kvsift::KVCache<const bfloat16>> host_caches;
   std::unique_ptr<kvsift::SpeContextStep<bfloat16, Cuda, kvsift::placement::LayersOnHost>> offload;
   Device<std::int32_t> ring_indices, ring_counts;
   cudaStream_t side = nullptr;
 
-  OffloadedModel(std::int64_t n, int batch, int offloaded)
+  OffloadedModel(std::int64_t n, int batch, int offloaded, bool huge_pages)
       : model(n, batch, true),
         first(kLayers - offloaded),
         ring_indices(std::size_t(kRing) * batch * kKvHeads * kBudget),
@@ -214,14 +253,11 @@ struct OffloadedModel {
     std::fill(host_lengths, host_lengths + batch, std::int32_t(n));
     const std::size_t bytes = model.elements() * sizeof(bfloat16);
     for (int l = first; l < kLayers; ++l) {
-      bfloat16 *k = nullptr, *v = nullptr;
-      KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&k), bytes));
-      KVSIFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&v), bytes));
+      host_k.push_back(std::make_unique<PinnedHost>(bytes, huge_pages));
+      host_v.push_back(std::make_unique<PinnedHost>(bytes, huge_pages));
       const kvsift::ContiguousKVView<bfloat16> gpu = model.cache(l).contiguous;
-      KVSIFT_CUDA_CHECK(cudaMemcpy(k, gpu.k, bytes, cudaMemcpyDeviceToHost));
-      KVSIFT_CUDA_CHECK(cudaMemcpy(v, gpu.v, bytes, cudaMemcpyDeviceToHost));
-      host_k.push_back(k);
-      host_v.push_back(v);
+      KVSIFT_CUDA_CHECK(cudaMemcpy(host_k.back()->data(), gpu.k, bytes, cudaMemcpyDeviceToHost));
+      KVSIFT_CUDA_CHECK(cudaMemcpy(host_v.back()->data(), gpu.v, bytes, cudaMemcpyDeviceToHost));
       host_caches.emplace_back(host_cache(l).as_const());
     }
     offload = std::make_unique<kvsift::SpeContextStep<bfloat16, Cuda, kvsift::placement::LayersOnHost>>(
@@ -250,13 +286,11 @@ struct OffloadedModel {
   ~OffloadedModel() {
     offload.reset();
     cudaStreamDestroy(side);
-    for (bfloat16* p : host_k) cudaFreeHost(p);
-    for (bfloat16* p : host_v) cudaFreeHost(p);
     cudaFreeHost(host_lengths);
   }
   kvsift::KVCache<bfloat16> host_cache(int layer) const {
     const std::size_t j = std::size_t(layer - first);
-    return kvsift::ContiguousKVView<bfloat16>::packed(host_k[j], host_v[j], model.batch, kKvHeads,
+    return kvsift::ContiguousKVView<bfloat16>::packed(host_k[j]->data(), host_v[j]->data(), model.batch, kKvHeads,
                                                       std::int32_t(model.n), kHeadDim, host_lengths);
   }
   /// Selection i % kRing over the step's, then the offloaded layers' copies on the side stream.
@@ -299,7 +333,7 @@ void BM_SpeContextOffload(benchmark::State& state) {
     state.SkipWithError("the planner offloads no layer at this length and memory");
     return;
   }
-  OffloadedModel m(n, batch, plan.offloaded);
+  OffloadedModel m(n, batch, plan.offloaded, state.range(4) != 0);
   const auto call = [&](int i, cudaStream_t stream) {
     if (mode == kOffloaded) {
       m.step(i, stream);
@@ -322,8 +356,49 @@ void BM_SpeContextOffload(benchmark::State& state) {
   state.counters["kept"] = 1.0 - double(stats.rows_per_layer) / (double(batch) * kKvHeads * kBudget);
 }
 BENCHMARK(BM_SpeContextOffload)
-    ->ArgsProduct({{kOffloaded, kCopiesOnly}, {131072}, {1}, {36, 32}})
-    ->ArgNames({"mode", "N", "batch", "gpu_GB"})
+    ->ArgsProduct({{kOffloaded, kCopiesOnly}, {131072}, {1}, {36, 32}, {0}})
+    ->ArgsProduct({{kOffloaded, kCopiesOnly}, {131072}, {1}, {36}, {1}})  // the host caches in huge pages
+    ->ArgNames({"mode", "N", "batch", "gpu_GB", "huge_pages"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(0.1);
+
+/// cuda::gather_kv from pinned host memory, one layer's copies: K and V of 8 kv heads x 131072 tokens (268 MB
+/// each; cudaMallocHost's, or huge pages), 307 random tokens per kv head per call (SpeContext's offloaded layer at
+/// 128K, batch 1: 2456 rows), the same selection every call (fresh 0) or one of 64 (fresh 1: other host pages each
+/// call). GB/s: the rows' K and V bytes per call over its GPU time. Against 44 GB/s of a bare gather that reads the
+/// same rows each call, it tells whether the copies' rate is the translation of fresh host pages.
+void BM_PinnedGather(benchmark::State& state) {
+  constexpr std::int32_t kTokens = 131072, kRows = 307, kSelections = 64;
+  const bool huge = state.range(0) != 0, fresh = state.range(1) != 0;
+  const std::size_t bytes = std::size_t(kKvHeads) * kTokens * kHeadDim * sizeof(bfloat16);
+  const PinnedHost k(bytes, huge), v(bytes, huge);
+  Device<bfloat16> dst_k(std::size_t(kKvHeads) * kRows * kHeadDim), dst_v(std::size_t(kKvHeads) * kRows * kHeadDim);
+  std::vector<std::int32_t> indices(std::size_t(kSelections) * kKvHeads * kRows);
+  const std::vector<std::int32_t> counts(std::size_t(kSelections) * kKvHeads, kRows);
+  std::mt19937 rng(11);
+  for (std::size_t row = 0; row < counts.size(); ++row) {
+    std::int32_t* r = indices.data() + row * kRows;
+    for (std::int32_t m = 0; m < kRows; ++m) r[m] = std::int32_t(rng() % kTokens);
+    std::sort(r, r + kRows);
+  }
+  Device<std::int32_t> d_indices(indices.size()), d_counts(counts.size());
+  KVSIFT_CUDA_CHECK(cudaMemcpy(d_indices.ptr, indices.data(), indices.size() * 4, cudaMemcpyHostToDevice));
+  KVSIFT_CUDA_CHECK(cudaMemcpy(d_counts.ptr, counts.data(), counts.size() * 4, cudaMemcpyHostToDevice));
+  const auto src = kvsift::ContiguousKVView<const bfloat16>::packed(k.data(), v.data(), 1, kKvHeads, kTokens, kHeadDim);
+  const auto dst = kvsift::ContiguousKVView<bfloat16>::packed(dst_k.ptr, dst_v.ptr, 1, kKvHeads, kRows, kHeadDim);
+  const double seconds = time_calls(state, [&](int i, cudaStream_t stream) {
+    const std::size_t j = fresh ? std::size_t(i % kSelections) : 0;
+    const kvsift::SelectionView selection{d_indices.ptr + j * kKvHeads * kRows, d_counts.ptr + j * kKvHeads, nullptr,
+                                          1, kKvHeads, kRows};
+    kvsift::cuda::gather_kv(kvsift::KVCache<const bfloat16>(src), selection, kvsift::KVCache<bfloat16>(dst),
+                            Cuda{stream});
+  });
+  state.counters["GB/s"] = seconds > 0 ? 2.0 * kKvHeads * kRows * kHeadDim * sizeof(bfloat16) / seconds / 1e9 : 0.0;
+}
+BENCHMARK(BM_PinnedGather)
+    ->ArgsProduct({{0, 1}, {0, 1}})
+    ->ArgNames({"huge_pages", "fresh"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.1);

@@ -30,7 +30,8 @@ constexpr int kCopyUnroll = 8;
 /// whole GPU.
 constexpr unsigned kCopyMaxCtas = 128;
 
-/// An entry's rows: source and destination of its K and V rows; null sources: nothing to copy.
+/// An entry's rows: source and destination of its K and V rows (V unused by a keys-only copy); a null source K row:
+/// nothing to copy.
 template <class T>
 struct EntryRows {
   const T* src_k = nullptr;
@@ -39,14 +40,15 @@ struct EntryRows {
   T* dst_v = nullptr;
 };
 
-/// The K and V rows of entries [0, entries) (entry(e) gives an EntryRows), a thread per piece of a row (a
-/// 16-byte word when Vec16, else an element), kCopyUnroll pieces per thread and round: consecutive threads take
-/// one entry's K row, then its V row, so the reads of a row are coalesced.
-template <class T, bool Vec16, class Entry>
+/// The K rows (Parts 1) or the K and V rows (Parts 2) of entries [0, entries) (entry(e) gives an EntryRows), a thread
+/// per piece of a row (a 16-byte word when Vec16, else an element), kCopyUnroll pieces per thread and round:
+/// consecutive threads take one entry's K row, then its V row, so the reads of a row are coalesced.
+template <class T, bool Vec16, int Parts, class Entry>
 __device__ __forceinline__ void copy_entries(std::int64_t entries, std::int32_t head_dim, const Entry& entry) {
+  static_assert(Parts == 1 || Parts == 2, "K rows, or K and V rows");
   using Piece = std::conditional_t<Vec16, uint4, T>;
   const std::int32_t row_pieces = Vec16 ? std::int32_t(head_dim * sizeof(T) / 16) : head_dim;
-  const std::int64_t pieces = entries * 2 * row_pieces, stride = std::int64_t(gridDim.x) * blockDim.x;
+  const std::int64_t pieces = entries * Parts * row_pieces, stride = std::int64_t(gridDim.x) * blockDim.x;
   for (std::int64_t first = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; first < pieces;
        first += stride * kCopyUnroll) {
     Piece value[kCopyUnroll];
@@ -56,9 +58,9 @@ __device__ __forceinline__ void copy_entries(std::int64_t entries, std::int32_t 
       const std::int64_t piece = first + u * stride;
       to[u] = nullptr;
       if (piece >= pieces) continue;
-      const EntryRows<T> rows = entry(piece / (2 * row_pieces));
+      const EntryRows<T> rows = entry(piece / (Parts * row_pieces));
       if (rows.src_k == nullptr) continue;
-      std::int32_t within = std::int32_t(piece % (2 * row_pieces));
+      std::int32_t within = std::int32_t(piece % (Parts * row_pieces));
       const bool is_v = within >= row_pieces;
       within -= is_v ? row_pieces : 0;
       value[u] = reinterpret_cast<const Piece*>(is_v ? rows.src_v : rows.src_k)[within];
@@ -71,24 +73,41 @@ __device__ __forceinline__ void copy_entries(std::int64_t entries, std::int32_t 
   }
 }
 
+/// The rows an entry copies into slot `slot` of destination row (b, h), and whether that row has slot i: a KV cache
+/// takes K and V (its seq_len(b) bounds the slots), a [batch, heads, tokens, head_dim] view the K rows alone
+/// (dst.tokens bounds them).
 template <class T>
 __device__ __forceinline__ EntryRows<T> entry_rows(const KVCache<const T>& src, std::int64_t b, std::int64_t h,
                                                    std::int64_t token, const KVCache<T>& dst, std::int64_t slot) {
   return {src.k_row(b, h, token), src.v_row(b, h, token), dst.k_row(b, h, slot), dst.v_row(b, h, slot)};
 }
+template <class T>
+__device__ __forceinline__ bool has_slot(const KVCache<T>& dst, std::int64_t b, std::int32_t i) {
+  return i < dst.seq_len(b);
+}
+template <class T>
+__device__ __forceinline__ bool has_slot(const SequenceView<T>& dst, std::int64_t, std::int32_t i) {
+  return i < dst.tokens;
+}
+template <class T>
+__device__ __forceinline__ EntryRows<T> entry_rows(const KVCache<const T>& src, std::int64_t b, std::int64_t h,
+                                                   std::int64_t token, const SequenceView<T>& dst, std::int64_t slot) {
+  return {.src_k = src.k_row(b, h, token), .dst_k = dst.row(b, h, slot)};
+}
 
-/// Entry i of selection row (b, h) to slot i. Entries are taken position-major (e = i * rows + row), so that the
-/// rows' live entries come first and a round of loads is mostly live.
-template <class T, bool Vec16>
-__global__ void __launch_bounds__(kCopyThreads) gather_kv_kernel(KVCache<const T> src, SelectionView rows,
-                                                                  KVCache<T> dst) {
+/// Entry i of selection row (b, h) to slot i of dst (gather_kv: a KVCache<T>, K and V rows; gather_keys: a
+/// SequenceView<T>, K rows). Entries are taken position-major (e = i * rows + row), so that the rows' live entries
+/// come first and a round of loads is mostly live.
+template <class T, bool Vec16, class Dst>
+__global__ void __launch_bounds__(kCopyThreads) gather_kernel(KVCache<const T> src, SelectionView rows, Dst dst) {
+  constexpr int kParts = std::is_same_v<Dst, KVCache<T>> ? 2 : 1;
   const std::int64_t selection_rows = std::int64_t(rows.batch) * rows.kv_heads;
-  copy_entries<T, Vec16>(selection_rows * rows.capacity, src.head_dim(), [&](std::int64_t e) -> EntryRows<T> {
+  copy_entries<T, Vec16, kParts>(selection_rows * rows.capacity, src.head_dim(), [&](std::int64_t e) -> EntryRows<T> {
     const std::int64_t row = e % selection_rows, b = row / rows.kv_heads, h = row % rows.kv_heads;
     const std::int32_t i = std::int32_t(e / selection_rows), count = rows.counts[row];
-    if (count < 0 || count > rows.capacity || i >= count) return {};
+    if (count < 0 || count > rows.capacity || i >= count || !has_slot(dst, b, i)) return {};
     const std::int32_t token = rows.indices[row * rows.capacity + i];
-    if (token < 0 || token >= src.seq_len(b) || i >= dst.seq_len(b)) return {};
+    if (token < 0 || token >= src.seq_len(b)) return {};
     return entry_rows(src, b, h, token, dst, i);
   });
 }
@@ -189,13 +208,13 @@ __global__ void __launch_bounds__(kAssignThreads) assign_slots_kernel(Difference
   if (threadIdx.x == 0) p.copied[row] = min(fresh, total_free);
 }
 
-/// New entry k < copied[row] of every selection row, position-major as gather_kv_kernel.
+/// New entry k < copied[row] of every selection row, position-major as gather_kernel.
 template <class T, bool Vec16>
 __global__ void __launch_bounds__(kCopyThreads) copy_fresh_kernel(KVCache<const T> src, DifferenceSlots p,
                                                                    KVCache<T> dst) {
   const std::int32_t capacity = p.current.capacity;
   const std::int64_t selection_rows = std::int64_t(p.current.batch) * p.current.kv_heads;
-  copy_entries<T, Vec16>(selection_rows * capacity, src.head_dim(), [&](std::int64_t e) -> EntryRows<T> {
+  copy_entries<T, Vec16, 2>(selection_rows * capacity, src.head_dim(), [&](std::int64_t e) -> EntryRows<T> {
     const std::int64_t row = e % selection_rows, b = row / p.current.kv_heads, h = row % p.current.kv_heads;
     const std::int32_t k = std::int32_t(e / selection_rows);
     if (k >= p.copied[row]) return {};  // also a row refused with -1
@@ -247,9 +266,22 @@ cudaError_t launch_gather_kv(const KVCache<const T>& src, const SelectionView& r
                              cudaStream_t stream) {
   const unsigned blocks = copy_blocks(std::int64_t(rows.batch) * rows.kv_heads * rows.capacity, src.head_dim());
   if (vec16) {
-    gather_kv_kernel<T, true><<<blocks, kCopyThreads, 0, stream>>>(src, rows, dst);
+    gather_kernel<T, true><<<blocks, kCopyThreads, 0, stream>>>(src, rows, dst);
   } else {
-    gather_kv_kernel<T, false><<<blocks, kCopyThreads, 0, stream>>>(src, rows, dst);
+    gather_kernel<T, false><<<blocks, kCopyThreads, 0, stream>>>(src, rows, dst);
+  }
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_gather_keys(const KVCache<const T>& src, const SelectionView& rows, const SequenceView<T>& dst,
+                               bool vec16, cudaStream_t stream) {
+  // Half of gather_kv's pieces per entry: copy_blocks' bound covers them.
+  const unsigned blocks = copy_blocks(std::int64_t(rows.batch) * rows.kv_heads * rows.capacity, src.head_dim());
+  if (vec16) {
+    gather_kernel<T, true><<<blocks, kCopyThreads, 0, stream>>>(src, rows, dst);
+  } else {
+    gather_kernel<T, false><<<blocks, kCopyThreads, 0, stream>>>(src, rows, dst);
   }
   return cudaGetLastError();
 }
@@ -285,6 +317,8 @@ cudaError_t launch_commit_difference(const DifferenceSlots& slots, std::int32_t*
 #define KVSIFT_INSTANTIATE(T)                                                                                      \
   template cudaError_t launch_gather_kv<T>(const KVCache<const T>&, const SelectionView&, const KVCache<T>&, bool,   \
                                            cudaStream_t);                                                          \
+  template cudaError_t launch_gather_keys<T>(const KVCache<const T>&, const SelectionView&, const SequenceView<T>&,   \
+                                             bool, cudaStream_t);                                                    \
   template cudaError_t launch_copy_difference<T>(const KVCache<const T>&, const DifferenceSlots&, const KVCache<T>&, \
                                                  bool, cudaStream_t);
 KVSIFT_STORAGE_TYPES(KVSIFT_INSTANTIATE)

@@ -47,6 +47,21 @@ void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVC
   });
 }
 
+template <class T>
+void gather_keys(const KVCache<const T>& src, const SelectionView& rows, const SequenceView<T>& dst,
+                 const Context& ctx) {
+  kvsift::detail::check_gather_keys("cpu::gather_keys", src, rows, dst, MemorySpace::host);
+  parallel_for(ctx.pool, std::int64_t(rows.batch) * rows.kv_heads, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t row = begin; row < end; ++row) {
+      const std::int64_t b = row / rows.kv_heads, h = row % rows.kv_heads;
+      const std::int32_t* tokens = rows.row(b, h);
+      for (std::int32_t i = 0; i < rows.count(b, h); ++i) {
+        std::copy_n(src.k_row(b, h, tokens[i]), src.head_dim(), dst.row(b, h, i));
+      }
+    }
+  });
+}
+
 std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_t kv_heads,
                                                  std::int32_t current_capacity, std::int32_t resident_capacity,
                                                  const Context& ctx) {

@@ -34,6 +34,14 @@ void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVC
       detail::launch_gather_kv(src, rows, dst, rows_16b_aligned(src) && rows_16b_aligned(dst), ctx.stream));
 }
 
+template <class T>
+void gather_keys(const KVCache<const T>& src, const SelectionView& rows, const SequenceView<T>& dst,
+                 const Context& ctx) {
+  kvsift::detail::check_gather_keys("cuda::gather_keys", src, rows, dst, MemorySpace::device);
+  KVSIFT_CUDA_CHECK(
+      detail::launch_gather_keys(src, rows, dst, rows_16b_aligned(src) && rows_16b_aligned(dst), ctx.stream));
+}
+
 std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_t kv_heads,
                                                  std::int32_t current_capacity, std::int32_t resident_capacity,
                                                  const Context&) {

@@ -1,10 +1,9 @@
-// KV gathers on the CPU (cpu/gather.hpp) against references: gather_kv row by row from the source cache's own
-// row addresses; gather_kv_difference over several steps of overlapping selections against gather_problem.hpp's
-// ResidentSlots (a std::map token -> slot and a std::set of free slots: kept tokens keep their slots, new ones
-// take the smallest free slots in ascending token order), then every resident row checked against its token's
-// K and V. Contiguous
-// and paged sources and destinations, ragged lengths, with and without a pool; every refusal has its message
-// checked.
+// KV gathers on the CPU (cpu/gather.hpp) against references: gather_kv and gather_keys row by row from the source
+// cache's own row addresses; gather_kv_difference over several steps of overlapping selections against
+// gather_problem.hpp's ResidentSlots (a std::map token -> slot and a std::set of free slots: kept tokens keep their
+// slots, new ones take the smallest free slots in ascending token order), then every resident row checked against its
+// token's K and V. Contiguous and paged sources and destinations, ragged lengths, with and without a pool; every
+// refusal has its message checked.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
@@ -63,7 +62,43 @@ void check_gather_kv(Random& rng, bool paged_src, bool paged_dst, cpu::ThreadPoo
   }
 }
 
+/// gather_keys into a strided [batch, kv_heads, tokens, d] view (padded rows and heads): each selected K row, and
+/// nothing else (the padding and the rows past the counts keep their poison).
+void check_gather_keys(Random& rng, bool paged_src, cpu::ThreadPool* pool) {
+  SCOPED_TRACE(testing::Message() << (paged_src ? "paged" : "contiguous") << " src");
+  const std::vector<std::int32_t> lens = {0, 9, 40, 33};
+  const std::int32_t kv_heads = 2, d = 16, capacity = 12, tokens = 13, row = d + 3, head = tokens * row + 5;
+  test::HostKV src(rng, 4, kv_heads, 40, d, lens);
+  test::HostPagedKV src_paged(src, 8, true, rng);
+  test::HostSelection rows(4, kv_heads, capacity, false);
+  test::random_rows(rng, rows, lens);
+  const float poison = -12345.0f;
+  std::vector<float> keys(std::size_t(4) * kv_heads * head, poison);
+  const SequenceView<float> dst{keys.data(), 4, kv_heads, tokens, d, std::int64_t(kv_heads) * head, head, row};
+  const KVCache<const float> s = paged_src ? KVCache<const float>(src_paged.view) : KVCache<const float>(src.view());
+  cpu::gather_keys(s, rows.view, dst, pool);
+  std::size_t written = 0;
+  for (std::int32_t b = 0; b < 4; ++b) {
+    for (std::int32_t h = 0; h < kv_heads; ++h) {
+      const std::int32_t n = rows.counts[b * kv_heads + h];
+      for (std::int32_t i = 0; i < n; ++i) {
+        EXPECT_TRUE(same_row(dst.row(b, h, i), src.view().k_row(b, h, rows.view.row(b, h)[i]), d)) << b << h << i;
+      }
+      written += std::size_t(n) * d;
+    }
+  }
+  EXPECT_EQ(std::size_t(std::count(keys.begin(), keys.end(), poison)), keys.size() - written);
+}
+
 class Gather : public test::SeededTest {};
+
+TEST_F(Gather, GatherKeysCopiesSelectedKeyRowsOnly) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(3);
+  for (int repeat = 0; repeat < 4; ++repeat) {
+    for (bool ps : {false, true}) check_gather_keys(rng, ps, repeat % 2 ? &pool : nullptr);
+  }
+}
 
 TEST_F(Gather, GatherKvCopiesSelectedRowsToLeadingSlots) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
@@ -153,6 +188,22 @@ TEST_F(Gather, BadInputIsRefused) {
   one_head.kv_heads = 1;
   test::expect_error([&] { cpu::gather_kv(s, one_head, KVCache<float>(dv)); },
                      "rows is [batch = 2, kv_heads = 1], the cache [batch = 2, kv_heads = 2]");
+
+  // gather_keys: gather_kv's refusals, dst's rows bounding the counts
+  std::vector<float> keys(std::size_t(2) * kv_heads * cap * d);
+  const auto kd = SequenceView<float>::packed(keys.data(), 2, kv_heads, cap, d);
+  cpu::gather_keys(s, rows.view, kd);  // the valid call runs
+  rows.indices[3 * cap + 1] = 10;
+  test::expect_error([&] { cpu::gather_keys(s, rows.view, kd); },
+                     {"cpu::gather_keys", "rows.indices[1] (= 10) at batch 1, kv_head 1 is outside [0, seq_len = 10)"});
+  rows.indices[3 * cap + 1] = 5;
+  const auto one_row = SequenceView<float>::packed(keys.data(), 2, kv_heads, 1, d);
+  test::expect_error([&] { cpu::gather_keys(s, rows.view, one_row); },
+                     "rows.counts (= 2) at batch 0, kv_head 0 exceeds dst's rows (dst.tokens = 1)");
+  test::expect_error([&] { cpu::gather_keys(s, rows.view, SequenceView<float>::packed(keys.data(), 2, 1, cap, d)); },
+                     "src is [batch = 2, kv_heads = 2, head_dim = 8], dst [batch = 2, heads = 1, head_dim = 8]");
+  test::expect_error([&] { cpu::gather_keys(s, rows.view, SequenceView<float>::packed(nullptr, 2, kv_heads, cap, d)); },
+                     "dst.data is a null pointer");
 
   // gather_kv_difference
   test::HostSelection prev(2, kv_heads, cap, false), cur(2, kv_heads, cap, false);

@@ -1,5 +1,6 @@
 // CUDA KV gathers (cuda/gather.hpp) against their CPU twins (whose tests check them against std::map / std::set
-// references), bit for bit: gather_kv from contiguous and paged sources into contiguous and paged destinations, and
+// references), bit for bit: gather_kv from contiguous and paged sources into contiguous and paged destinations,
+// gather_keys into a padded view, and
 // gather_kv_difference over several steps of overlapping selections with the source in pinned host memory (read
 // through its mapped pointers) and in device memory, in fp32, fp16 and bf16, outputs poisoned first. Also the
 // device-value rules and the host-side refusals (which run without a GPU). A difference step captured in a CUDA
@@ -28,38 +29,85 @@ using test::PinnedBuffer;
 
 class CudaGather : public test::GpuTest {};
 
+/// The gathers' source: a random cache of 4 sequences (lengths 0, 77, 300, 129; 2 kv heads, 300 tokens), contiguous
+/// or paged in pages of 16, as the CPU twin reads it (host) and as the GPU does (device memory).
 template <class T>
-void check_gather_kv(Random& rng, std::int32_t head_dim, bool paged_src, bool paged_dst) {
-  SCOPED_TRACE(testing::Message() << "head_dim " << head_dim << (paged_src ? " paged src" : " contiguous src")
-                                  << (paged_dst ? " paged dst" : " contiguous dst"));
+struct SourceTwins {
+  static constexpr std::int32_t batch = 4, kv_heads = 2, tokens = 300;
   const std::vector<std::int32_t> lens = {0, 77, 300, 129};
-  const std::int32_t batch = 4, kv_heads = 2, capacity = 64;
-  test::HostKV src_f(rng, batch, kv_heads, 300, head_dim, lens);
-  test::HostPagedKV paged_f(src_f, 16, true, rng);
-  test::HostKV dst_f(rng, batch, kv_heads, capacity, head_dim);
-  test::HostPagedKV dst_paged_f(dst_f, 8, false, rng);
-  auto k = test::to_storage<T>(paged_src ? paged_f.k_pages : src_f.k), v = test::to_storage<T>(paged_src ? paged_f.v_pages : src_f.v);
-  auto dk = test::to_storage<T>(paged_dst ? dst_paged_f.k_pages : dst_f.k), dv = test::to_storage<T>(paged_dst ? dst_paged_f.v_pages : dst_f.v);
-  DeviceBuffer<T> d_k(k), d_v(v), d_dk(dk.size()), d_dv(dv.size());
-  d_dk.poison();
-  d_dv.poison();
-  std::memset(dk.data(), 0xff, dk.size() * sizeof(T));  // the host twin poisoned as DeviceBuffer::poison does
-  std::memset(dv.data(), 0xff, dv.size() * sizeof(T));
-  DeviceBuffer<std::int32_t> d_lens(src_f.seq_lens), d_indptr(paged_f.indptr), d_indices(paged_f.indices),
-      d_last(paged_f.last_len), dd_indptr(dst_paged_f.indptr), dd_indices(dst_paged_f.indices),
-      dd_last(dst_paged_f.last_len);
-  const auto make_src = [&](bool device) -> KVCache<const T> {
-    if (paged_src) {
+  test::HostKV src_f;
+  test::HostPagedKV paged_f;
+  bool paged;
+  std::vector<T> k, v;
+  DeviceBuffer<T> d_k, d_v;
+  DeviceBuffer<std::int32_t> d_lens, d_indptr, d_indices, d_last;
+
+  SourceTwins(Random& rng, std::int32_t head_dim, bool paged_src)
+      : src_f(rng, batch, kv_heads, tokens, head_dim, lens),
+        paged_f(src_f, 16, true, rng),
+        paged(paged_src),
+        k(test::to_storage<T>(paged ? paged_f.k_pages : src_f.k)),
+        v(test::to_storage<T>(paged ? paged_f.v_pages : src_f.v)),
+        d_k(k),
+        d_v(v),
+        d_lens(src_f.seq_lens),
+        d_indptr(paged_f.indptr),
+        d_indices(paged_f.indices),
+        d_last(paged_f.last_len) {}
+
+  KVCache<const T> view(bool device) const {
+    if (paged) {
       const auto& f = paged_f.view;
       return PagedKVView<const T>{device ? d_k.data() : k.data(), device ? d_v.data() : v.data(),
                                   device ? d_indptr.data() : f.page_indptr, device ? d_indices.data() : f.page_indices,
                                   device ? d_last.data() : f.last_page_len, f.batch, f.kv_heads, f.head_dim,
                                   f.page_size, f.num_pages, f.page_stride, f.token_stride, f.head_stride};
     }
-    auto c = ContiguousKVView<const T>::packed(device ? d_k.data() : k.data(), device ? d_v.data() : v.data(), batch,
-                                               kv_heads, 300, head_dim, device ? d_lens.data() : src_f.seq_lens.data());
-    return c;
-  };
+    return ContiguousKVView<const T>::packed(device ? d_k.data() : k.data(), device ? d_v.data() : v.data(), batch,
+                                             kv_heads, tokens, src_f.head_dim,
+                                             device ? d_lens.data() : src_f.seq_lens.data());
+  }
+};
+
+/// A random selection of up to `capacity` tokens per row within `lengths`, on the host and in device memory.
+struct SelectionTwins {
+  test::HostSelection host;
+  DeviceBuffer<std::int32_t> d_rows, d_counts;
+  SelectionView device;
+
+  SelectionTwins(Random& rng, std::int32_t batch, std::int32_t kv_heads, std::int32_t capacity,
+                 const std::vector<std::int32_t>& lengths)
+      : host(batch, kv_heads, capacity, false),
+        d_rows(filled(host, rng, lengths).indices),
+        d_counts(host.counts),
+        device(host.view) {
+    device.indices = d_rows.data();
+    device.counts = d_counts.data();
+  }
+  static const test::HostSelection& filled(test::HostSelection& s, Random& rng,
+                                           const std::vector<std::int32_t>& lengths) {
+    test::random_rows(rng, s, lengths);
+    return s;
+  }
+};
+
+template <class T>
+void check_gather_kv(Random& rng, std::int32_t head_dim, bool paged_src, bool paged_dst) {
+  SCOPED_TRACE(testing::Message() << "head_dim " << head_dim << (paged_src ? " paged src" : " contiguous src")
+                                  << (paged_dst ? " paged dst" : " contiguous dst"));
+  const SourceTwins<T> src(rng, head_dim, paged_src);
+  const std::int32_t batch = src.batch, kv_heads = src.kv_heads, capacity = 64;
+  test::HostKV dst_f(rng, batch, kv_heads, capacity, head_dim);
+  test::HostPagedKV dst_paged_f(dst_f, 8, false, rng);
+  auto dk = test::to_storage<T>(paged_dst ? dst_paged_f.k_pages : dst_f.k);
+  auto dv = test::to_storage<T>(paged_dst ? dst_paged_f.v_pages : dst_f.v);
+  DeviceBuffer<T> d_dk(dk.size()), d_dv(dv.size());
+  d_dk.poison();
+  d_dv.poison();
+  std::memset(dk.data(), 0xff, dk.size() * sizeof(T));  // the host twin poisoned as DeviceBuffer::poison does
+  std::memset(dv.data(), 0xff, dv.size() * sizeof(T));
+  DeviceBuffer<std::int32_t> dd_indptr(dst_paged_f.indptr), dd_indices(dst_paged_f.indices),
+      dd_last(dst_paged_f.last_len);
   const auto make_dst = [&](bool device) -> KVCache<T> {
     if (paged_dst) {
       const auto& f = dst_paged_f.view;
@@ -71,14 +119,9 @@ void check_gather_kv(Random& rng, std::int32_t head_dim, bool paged_src, bool pa
     return ContiguousKVView<T>::packed(device ? d_dk.data() : dk.data(), device ? d_dv.data() : dv.data(), batch,
                                        kv_heads, capacity, head_dim);
   };
-  test::HostSelection rows(batch, kv_heads, capacity, false);
-  test::random_rows(rng, rows, lens);
-  DeviceBuffer<std::int32_t> d_rows(rows.indices), d_counts(rows.counts);
-  auto d_sel = rows.view;
-  d_sel.indices = d_rows.data();
-  d_sel.counts = d_counts.data();
-  cpu::gather_kv(make_src(false), rows.view, make_dst(false));
-  cuda::gather_kv(make_src(true), d_sel, make_dst(true), nullptr);
+  const SelectionTwins rows(rng, batch, kv_heads, capacity, src.lens);
+  cpu::gather_kv(src.view(false), rows.host.view, make_dst(false));
+  cuda::gather_kv(src.view(true), rows.device, make_dst(true), nullptr);
   EXPECT_TRUE(same_bytes(d_dk.download(), dk)) << "K";
   EXPECT_TRUE(same_bytes(d_dv.download(), dv)) << "V";
 }
@@ -92,6 +135,37 @@ TEST_F(CudaGather, GatherKvEqualsTheCpu) {
       check_gather_kv<bfloat16>(rng, 128, ps, pd);
       check_gather_kv<half>(rng, 20, ps, pd);  // rows of 40 bytes: the element-wise copy
     }
+  }
+}
+
+/// gather_keys into a padded [batch, kv_heads, tokens, head_dim] view (unaligned rows where head_dim says so), from
+/// a contiguous or paged source in device memory, against the CPU twin, both destinations poisoned alike.
+template <class T>
+void check_gather_keys(Random& rng, std::int32_t head_dim, bool paged_src) {
+  SCOPED_TRACE(testing::Message() << "head_dim " << head_dim << (paged_src ? " paged src" : " contiguous src"));
+  const SourceTwins<T> src(rng, head_dim, paged_src);
+  const std::int32_t batch = src.batch, kv_heads = src.kv_heads, capacity = 64, tokens = 70, row = head_dim + 8;
+  DeviceBuffer<T> d_keys(std::size_t(batch) * kv_heads * tokens * row);
+  d_keys.poison();
+  std::vector<T> keys(d_keys.size());
+  std::memset(keys.data(), 0xff, keys.size() * sizeof(T));  // the host twin poisoned as DeviceBuffer::poison does
+  const auto make_dst = [&](T* data) {
+    return SequenceView<T>{data, batch, kv_heads, tokens, head_dim, std::int64_t(kv_heads) * tokens * row,
+                           std::int64_t(tokens) * row, row};
+  };
+  const SelectionTwins rows(rng, batch, kv_heads, capacity, src.lens);
+  cpu::gather_keys(src.view(false), rows.host.view, make_dst(keys.data()));
+  cuda::gather_keys(src.view(true), rows.device, make_dst(d_keys.data()), nullptr);
+  EXPECT_TRUE(same_bytes(d_keys.download(), keys));
+}
+
+TEST_F(CudaGather, GatherKeysEqualsTheCpu) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (bool ps : {false, true}) {
+    check_gather_keys<float>(rng, 64, ps);
+    check_gather_keys<half>(rng, 128, ps);
+    check_gather_keys<bfloat16>(rng, 128, ps);
+    check_gather_keys<half>(rng, 20, ps);  // rows of 40 bytes: the element-wise copy
   }
 }
 
@@ -239,6 +313,14 @@ TEST(CudaGatherBadInput, RefusedBeforeAnyDeviceCall) {
   test::HostSelection rows(2, 1, 4, false);
   test::expect_error([&] { cuda::gather_kv(KVCache<const float>(src.view()), rows.view, KVCache<float>(dv), nullptr); },
                      {"cuda::gather_kv", "rows is [batch = 2, kv_heads = 1], the cache [batch = 2, kv_heads = 2]"});
+  std::vector<float> keys(2 * 2 * 4 * 8);
+  const KVCache<const float> s(src.view());
+  const auto keys_view = SequenceView<float>::packed(keys.data(), 2, 2, 4, 8);
+  const auto wide_keys = SequenceView<float>::packed(keys.data(), 2, 2, 2, 16);
+  test::expect_error([&] { cuda::gather_keys(s, rows.view, keys_view, nullptr); },
+                     {"cuda::gather_keys", "rows is [batch = 2, kv_heads = 1], the cache [batch = 2, kv_heads = 2]"});
+  test::expect_error([&] { cuda::gather_keys(s, rows.view, wide_keys, nullptr); },
+                     "src is [batch = 2, kv_heads = 2, head_dim = 8], dst [batch = 2, heads = 2, head_dim = 16]");
   test::HostSelection prev(2, 2, 4, false), cur(2, 2, 8, false);
   std::vector<std::int32_t> slots(16), copied(4);
   std::vector<std::byte> ws(1024);

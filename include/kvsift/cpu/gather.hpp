@@ -25,6 +25,13 @@ template <class T>
 void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst,
                const Context& ctx = {});
 
+/// gather_kv's K rows alone: dst[b, h, i] = src's K row (b, h, rows.row(b, h)[i]) for i < rows.count(b, h), into a
+/// [batch, kv_heads, tokens, head_dim] view (A2ATS's codes need no values). Refused as gather_kv, a count above
+/// dst.tokens in place of dst.seq_len(b). Threads: selection rows on ctx.pool.
+template <class T>
+void gather_keys(const KVCache<const T>& src, const SelectionView& rows, const SequenceView<T>& dst,
+                 const Context& ctx = {});
+
 /// Bytes of host workspace of gather_kv_difference: a bitmap of resident_capacity bits for each of min(batch *
 /// kv_heads, threads) threads. A run on a larger pool than the query's is refused.
 std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_t kv_heads,

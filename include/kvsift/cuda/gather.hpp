@@ -9,9 +9,11 @@
 /// builds for, unified addressing makes the host pointer itself device-accessible), its length arrays and page table
 /// included. Pinned host KV is read by the copy kernel directly over PCIe (zero-copy) rather than by
 /// cudaMemcpyAsync: the rows to copy are known only on the device, and a host-issued copy per row (or a
-/// cudaMemcpyBatchAsync of host-side address lists) would need them on the host, a sync that also breaks graph
-/// capture. A warp copies a row in 16-byte loads where the rows are 16-byte aligned (bf16 / fp16 head_dim 128:
-/// 256 bytes, two 128-byte PCIe reads per K or V row), and many rows are in flight at once.
+/// cudaMemcpyBatchAsync of host-side address lists, 0.3 GB/s for 256-byte rows on an H200) would need them on the host,
+/// a sync that also breaks graph capture. A thread copies 16-byte pieces where the rows are 16-byte aligned (bf16 /
+/// fp16 head_dim 128: 16 pieces per K or V row), eight of them loaded before it stores any, so that many reads are
+/// in flight; the difference copy runs on at most 128 CTAs, since zero-copy reads slow the latency-bound kernels on
+/// the SMs that issue them (kernels/gather.cu).
 ///
 /// Shapes are checked on the host before the launch as on the CPU; device contents are not, and:
 /// - gather_kv: a row whose count is outside [0, rows.capacity] copies nothing; an entry whose token is outside
@@ -32,7 +34,7 @@
 
 namespace kvsift::cuda {
 
-/// cpu::gather_kv. One launch, a warp per (row, entry).
+/// cpu::gather_kv. One launch, a thread per 16-byte piece of a copied row.
 template <class T>
 void gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, const Context& ctx);
 
@@ -42,11 +44,17 @@ std::size_t gather_kv_difference_workspace_bytes(std::int32_t batch, std::int32_
                                                  std::int32_t current_capacity, std::int32_t resident_capacity,
                                                  const Context& = {});
 
+/// cpu::gather_keys. One launch, as gather_kv's over the K rows alone.
+template <class T>
+void gather_keys(const KVCache<const T>& src, const SelectionView& rows, const SequenceView<T>& dst,
+                 const Context& ctx);
+
 /// cpu::gather_kv_difference. Two launches: one CTA per row finds the kept tokens (binary search in the previous
 /// row), marks their slots in a shared-memory bitmap, and gives the new tokens the free slots in ascending order
-/// (a block scan over the bitmap's free counts, then a select within the word); then a warp per new entry copies
-/// its K and V rows from src. The two launches are separate launchers (cuda/detail/gather_launch.hpp), so that
-/// selectors/specontext/elastic_kv.hpp assigns slots once and copies once per offloaded layer.
+/// (a block scan over the bitmap's free counts, then a select within the word); then the copy of the new entries'
+/// K and V rows from src, a thread per 16-byte piece. The two launches are separate launchers
+/// (cuda/detail/gather_launch.hpp), so that selectors/specontext/elastic_kv.hpp assigns slots once and copies once
+/// per offloaded layer.
 template <class T>
 void gather_kv_difference(const KVCache<const T>& src, const SelectionView& previous,
                           const std::int32_t* d_previous_slots, const SelectionView& current,

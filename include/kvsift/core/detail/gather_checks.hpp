@@ -63,6 +63,29 @@ void check_gather_kv(const char* where, const KVCache<const T>& src, const Selec
   }
 }
 
+/// gather_keys: rows [src.batch, kv_heads], every row's entries to tokens [0, count) of dst [batch, kv_heads,
+/// tokens, head_dim].
+template <class T>
+void check_gather_keys(const char* where, const KVCache<const T>& src, const SelectionView& rows,
+                       const SequenceView<T>& dst, MemorySpace contents) {
+  validate_cache(src, where, "src", contents);
+  validate(dst, where, "dst");
+  KVSIFT_CHECK(src.batch() == dst.batch && src.kv_heads() == dst.heads && src.head_dim() == dst.head_dim, where,
+               "src is [batch = {}, kv_heads = {}, head_dim = {}], dst [batch = {}, heads = {}, head_dim = {}]",
+               src.batch(), src.kv_heads(), src.head_dim(), dst.batch, dst.heads, dst.head_dim);
+  check_selection_shape(where, "rows", rows, src.batch(), src.kv_heads());
+  if (contents != MemorySpace::host) return;
+  for (std::int32_t b = 0; b < rows.batch; ++b) {
+    for (std::int32_t h = 0; h < rows.kv_heads; ++h) {
+      check_selection_count(where, "rows", b, h, rows.count(b, h), rows.capacity);
+      KVSIFT_CHECK(rows.count(b, h) <= dst.tokens, where,
+                   "rows.counts (= {}) at batch {}, kv_head {} exceeds dst's rows (dst.tokens = {})", rows.count(b, h),
+                   b, h, dst.tokens);
+      check_selection_entries(where, "rows", b, h, rows.row(b, h), rows.count(b, h), src.seq_len(b));
+    }
+  }
+}
+
 /// One row of a difference gather's selection (host memory): ids strictly ascending, inside [0, seq_len).
 inline void check_ascending_row(const char* where, const char* name, std::int64_t b, std::int64_t h,
                                 const std::int32_t* idx, std::int32_t count, std::int32_t seq_len) {

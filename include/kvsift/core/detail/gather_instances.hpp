@@ -5,6 +5,7 @@
 
 #define KVSIFT_GATHER_INSTANCES(T)                                                                                     \
   template void gather_kv<T>(const KVCache<const T>&, const SelectionView&, const KVCache<T>&, const Context&);        \
+  template void gather_keys<T>(const KVCache<const T>&, const SelectionView&, const SequenceView<T>&, const Context&); \
   template void gather_kv_difference<T>(const KVCache<const T>&, const SelectionView&, const std::int32_t*,            \
                                         const SelectionView&, std::int32_t*, const ContiguousKVView<T>&,               \
                                         std::int32_t*, std::span<std::byte>, const Context&);

@@ -61,6 +61,11 @@ cudaError_t launch_commit_difference(const DifferenceSlots& slots, std::int32_t*
                                      std::int32_t* previous_counts, std::int32_t* previous_slots,
                                      std::int32_t* slot_counts, unsigned long long* moved_rows, cudaStream_t stream);
 
+/// gather_keys' launch: the K rows alone, into dst [batch, kv_heads, tokens, head_dim].
+template <class T>
+cudaError_t launch_gather_keys(const KVCache<const T>& src, const SelectionView& rows, const SequenceView<T>& dst,
+                               bool vec16, cudaStream_t stream);
+
 /// Every K/V row of `cache` starts 16-byte aligned and is a whole number of 16-byte words: the copies' vec16.
 template <class T>
 bool rows_16b_aligned(const KVCache<T>& cache) {
@@ -74,6 +79,12 @@ bool rows_16b_aligned(const KVCache<T>& cache) {
   const auto& v = cache.contiguous;
   return aligned(v.k, v.v, row_bytes, v.batch_stride * sizeof(T), v.head_stride * sizeof(T),
                  v.token_stride * sizeof(T));
+}
+/// The same for the rows of a [batch, heads, tokens, head_dim] view.
+template <class T>
+bool rows_16b_aligned(const SequenceView<T>& v) {
+  return (std::uintptr_t(v.data) | std::size_t(v.head_dim) * sizeof(T) | v.batch_stride * sizeof(T) |
+          v.head_stride * sizeof(T) | v.token_stride * sizeof(T)) % 16 == 0;
 }
 
 }  // namespace kvsift::cuda::detail

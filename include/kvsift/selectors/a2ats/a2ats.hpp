@@ -33,7 +33,8 @@
 /// (windowed RoPE only), the scores [batch * (union ? q_heads : kv_heads), N] fp32 with N the planned bound
 /// min(max_seq_len, max_tokens) (detail::planned_tokens), the budgets, vq_lut_scan's and topk_rows' scratch. A
 /// sequence longer than N gets count -1 on CUDA and is refused on the CPU (topk_rows). append: the step's keys
-/// and values gathered from the cache [batch, kv_heads, head_dim] in T, their positions, vq_encode's scratch.
+/// gathered from the cache [batch, kv_heads, head_dim] in T (gather_keys: no values), their positions, vq_encode's
+/// scratch.
 /// prepare allocates its scratch (chunk-bounded) and reads the lengths and slots on the host (CUDA: synchronizes
 /// the stream, as CTKVR's and CSAttention's prepare do). append and select neither allocate nor synchronize.
 ///
@@ -80,7 +81,7 @@ struct A2atsConfig {
   std::int32_t max_budget = 0;
   A2atsGroupRule group_rule = A2atsGroupRule::union_of_heads;
   /// Prompt keys gathered, rotated back and coded per pass of prepare when k_pre_rope is not given (bounds its
-  /// scratch: 2 * batch * kv_heads * chunk * head_dim elements of T, the keys and the values gather_kv copies).
+  /// scratch: batch * kv_heads * chunk * head_dim elements of T, the keys gather_keys copies).
   std::int32_t prepare_chunk = 8192;
 };
 
@@ -251,8 +252,8 @@ class A2ats : public SelectorTypes<T, Context>, public detail::SelectorCore<"A2a
     const std::int32_t kv = limits_.kv_heads, d = limits_.head_dim;
     length_budgets(in.lengths, batch, kv, {.fraction = 1, .maximum = limits_.max_tokens, .reserved = 1}, w.positions,
                    ctx);
-    gather_kv(in.cache, SelectionView{w.positions, ones_.data(), nullptr, batch, kv, 1},
-              KVCache<T>(ContiguousKVView<T>::packed(w.keys, w.values, batch, kv, 1, d)), ctx);
+    gather_keys(in.cache, SelectionView{w.positions, ones_.data(), nullptr, batch, kv, 1},
+                SequenceView<T>::packed(w.keys, batch, kv, 1, d), ctx);
     const auto keys = HeadsView<T>::packed(w.keys, batch, kv, d);
     if (windowed_rope_) apply_rope(keys, in.lengths, -1, rope_table(), /*inverse=*/true, ctx);
     vq_encode(as_const(keys), encode_codebook(), codes_view(), destination, w.encode, ctx);
@@ -291,7 +292,6 @@ class A2ats : public SelectorTypes<T, Context>, public detail::SelectorCore<"A2a
   struct AppendBuffers {
     std::int32_t* positions;
     T* keys;
-    T* values;
     std::span<std::byte> encode;
   };
 
@@ -363,9 +363,9 @@ class A2ats : public SelectorTypes<T, Context>, public detail::SelectorCore<"A2a
     std::vector<std::int32_t> offsets(static_cast<std::size_t>(chunk));
     std::iota(offsets.begin(), offsets.end(), 0);
     ContextArray<Context, std::int32_t> indices(host_indices.size()), counts(rows), positions(offsets.size());
-    ContextArray<Context, T> keys(rows * std::size_t(chunk) * std::size_t(d)), values(keys.size());
+    ContextArray<Context, T> keys(rows * std::size_t(chunk) * std::size_t(d));
     copy_from_host(offsets.data(), offsets.size(), positions.data(), ctx);
-    const KVCache<T> gathered = ContiguousKVView<T>::packed(keys.data(), values.data(), batch, kv, chunk, d);
+    const auto gathered = SequenceView<T>::packed(keys.data(), batch, kv, chunk, d);
     for (std::int32_t c0 = 0; c0 < longest; c0 += chunk) {
       for (std::size_t row = 0; row < rows; ++row) {
         const std::int32_t n = std::clamp(lengths[row / std::size_t(kv)] - c0, 0, chunk);
@@ -374,11 +374,11 @@ class A2ats : public SelectorTypes<T, Context>, public detail::SelectorCore<"A2a
       }
       copy_from_host(host_indices.data(), host_indices.size(), indices.data(), ctx);
       copy_from_host(host_counts.data(), host_counts.size(), counts.data(), ctx);
-      gather_kv(cache, SelectionView{indices.data(), counts.data(), nullptr, batch, kv, chunk}, gathered, ctx);
+      gather_keys(cache, SelectionView{indices.data(), counts.data(), nullptr, batch, kv, chunk}, gathered, ctx);
       for (std::int32_t b = 0; b < batch; ++b) {
         const std::int32_t n = host_counts[std::size_t(b) * std::size_t(kv)];
         if (n == 0) continue;
-        const HeadsView<T> rows_b{gathered.contiguous.k_row(b, 0, 0), n, kv, d, d, std::int64_t(chunk) * d};
+        const HeadsView<T> rows_b{gathered.row(b, 0, 0), n, kv, d, d, std::int64_t(chunk) * d};
         if (windowed_rope_) apply_rope(rows_b, positions.data(), c0, rope_table(), /*inverse=*/true, ctx);
         vq_encode(as_const(rows_b), encode_codebook(), codes_view(),
                   {.slot = slots[std::size_t(b)], .position_offset = c0}, encode_ws, ctx);
@@ -410,7 +410,6 @@ class A2ats : public SelectorTypes<T, Context>, public detail::SelectorCore<"A2a
     AppendBuffers b{};
     b.positions = layout.allocate<std::int32_t>(rows, "A2ATS step positions");
     b.keys = layout.allocate<T>(rows * std::size_t(limits_.head_dim), "A2ATS step keys");
-    b.values = layout.allocate<T>(rows * std::size_t(limits_.head_dim), "A2ATS step values (gathered, unread)");
     b.encode = layout.span(vq_encode_workspace_bytes(codewords_, limits_.head_dim, ctx), "A2ATS encode scratch");
     return b;
   }
