@@ -7,8 +7,8 @@ option(KVSIFT_BENCH "Build kvsift's demo, benchmarks and tools (tools/)" ${KVSIF
 option(KVSIFT_INSTALL "Generate kvsift's install rules and package config" ${KVSIFT_TOP_LEVEL})
 option(KVSIFT_PYTHON "Build the Python extension module kvsift._kvsift (nanobind; pyproject.toml turns it on)" OFF)
 option(KVSIFT_HEADER_CHECKS "With the tests, compile every public header on its own (tests/headers/)" ON)
-option(KVSIFT_CUDA_TESTS_COMPILE_ONLY
-       "Build the CUDA tests' host code at -O0: for machines without a GPU (CI), where they only compile and skip" OFF)
+option(KVSIFT_CUDA_COMPILE_ONLY
+       "The CUDA code only compiles here (no GPU: CI): device code unoptimized, CUDA tests and benchmarks at -O0" OFF)
 
 if(NOT CMAKE_BUILD_TYPE AND NOT CMAKE_CONFIGURATION_TYPES)
   set(CMAKE_BUILD_TYPE Release CACHE STRING "Build type" FORCE)
