@@ -23,8 +23,8 @@ constexpr int kResidentWords = kDifferenceMaxSlots / 32;
 /// keeps this many reads in flight (from pinned host memory each is a PCIe round trip of about a microsecond).
 constexpr int kCopyUnroll = 8;
 /// CTAs of a difference copy at most (its sources are pinned host memory: ElasticKV's layers on the host). A copy
-/// of zero-copy reads slows the latency-bound kernels on the SMs it holds: over the whole GPU it made an 8-CTA decode
-/// kernel 5x slower (11 -> 57 us, H200), over 32 CTAs 2.7x. SpeContext's 9 offloaded layers at 128K (H200): copies
+/// of zero-copy reads slows the latency-bound kernels beside it, the more the more SMs it holds: over the whole GPU it
+/// made an 8-CTA kernel reading HBM 5x slower (11 -> 57 us, H200), over 32 CTAs 2.7x. SpeContext's 9 offloaded layers at 128K (H200): copies
 /// alone 583 / 604 / 695 / 845 us with no bound / 128 / 64 / 32 CTAs, the step beside the attention 1216 / 1150 /
 /// 1146 / 1288 us (experiments.md#specontext-offload-overlap-h200). gather_kv, often between device buffers, takes the
 /// whole GPU.
