@@ -259,11 +259,10 @@ unsigned copy_blocks(std::int64_t entries, std::int32_t head_dim) {
   return grid_stride_blocks((pieces + kCopyUnroll - 1) / kCopyUnroll, kCopyThreads);
 }
 
-}  // namespace
-
-template <class T>
-cudaError_t launch_gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, bool vec16,
-                             cudaStream_t stream) {
+/// gather_kernel over every entry of `rows` into dst (K and V rows, or K rows alone: copy_blocks' bound covers both).
+template <class T, class Dst>
+cudaError_t launch_gather(const KVCache<const T>& src, const SelectionView& rows, const Dst& dst, bool vec16,
+                          cudaStream_t stream) {
   const unsigned blocks = copy_blocks(std::int64_t(rows.batch) * rows.kv_heads * rows.capacity, src.head_dim());
   if (vec16) {
     gather_kernel<T, true><<<blocks, kCopyThreads, 0, stream>>>(src, rows, dst);
@@ -273,17 +272,18 @@ cudaError_t launch_gather_kv(const KVCache<const T>& src, const SelectionView& r
   return cudaGetLastError();
 }
 
+}  // namespace
+
+template <class T>
+cudaError_t launch_gather_kv(const KVCache<const T>& src, const SelectionView& rows, const KVCache<T>& dst, bool vec16,
+                             cudaStream_t stream) {
+  return launch_gather(src, rows, dst, vec16, stream);
+}
+
 template <class T>
 cudaError_t launch_gather_keys(const KVCache<const T>& src, const SelectionView& rows, const SequenceView<T>& dst,
                                bool vec16, cudaStream_t stream) {
-  // Half of gather_kv's pieces per entry: copy_blocks' bound covers them.
-  const unsigned blocks = copy_blocks(std::int64_t(rows.batch) * rows.kv_heads * rows.capacity, src.head_dim());
-  if (vec16) {
-    gather_kernel<T, true><<<blocks, kCopyThreads, 0, stream>>>(src, rows, dst);
-  } else {
-    gather_kernel<T, false><<<blocks, kCopyThreads, 0, stream>>>(src, rows, dst);
-  }
-  return cudaGetLastError();
+  return launch_gather(src, rows, dst, vec16, stream);
 }
 
 cudaError_t launch_assign_difference_slots(const DifferenceSlots& slots, cudaStream_t stream) {
