@@ -112,7 +112,7 @@ def main(gpu, pages, prefix, sdpa_jsonl, *bench_jsons):
     layers = {s: l for s, _, _, l in SELECTORS}
     name = prefix.rsplit("/", 1)[-1]
     command = (f"bench/context_sweep.py{' --gpu ' + repr(gpu) if gpu else ''}{' --pages ' + pages if pages else ''} "
-               f"{prefix} sdpa.jsonl sweep.json")
+               f"{prefix} sdpa_sweep.jsonl sweep_*.json")
     with open(prefix + ".md", "w") as md, open(prefix + ".dat", "w") as dat:
         md.write(f"# The context sweep{', ' + gpu if gpu else ''}\n\n" + " ".join(__doc__.split("\n\n")[0].split()) +
                  f" This table: {run}.\n\nThe plot: [{name}.svg]({name}.svg) (SpeContext's step divided by its {SPECONTEXT_LAYERS} "

@@ -8,9 +8,10 @@
 # python: the Python package built with CUDA by pip, offline from the wheels in build/wheelhouse (carried;
 # docs/python.md), tests/python with torch on the GPU, then bench/model_decode.py (KVSIFT_MODEL_CONTEXTS,
 # KVSIFT_MODEL_BATCHES: its shapes) and bench/torch_op_overhead.py.
-# sweep: every selector's step and cuDNN SDPA from 8K to 1M tokens into $OUT/sweep.json and $OUT/sdpa_sweep.jsonl;
-# then, where the docs are (this machine's checkout may be a copy), python3 bench/context_sweep.py --gpu NAME --pages
-# docs docs/bench/context_sweep sdpa_sweep.jsonl sweep.json writes the sweep's page, plot and each method's rows.
+# sweep: every selector's step and cuDNN SDPA from 8K to 1M tokens into $OUT/sweep_GROUP.json and
+# $OUT/sdpa_sweep.jsonl; then, where the docs are (this machine's checkout may be a copy), python3
+# bench/context_sweep.py --gpu NAME --pages docs docs/bench/context_sweep sdpa_sweep.jsonl sweep_*.json writes the
+# sweep's page, plot and each method's rows.
 # No argument: all but python, sweep, profile (Nsight Compute on four decode shapes, and bench/stage_tables.sh: every
 # selector's step kernel by kernel into its docs page) and demo (kvsift_demo, whose GPU table
 # only a GPU machine prints). KVSIFT_BENCH_FILTER narrows bench
@@ -112,16 +113,22 @@ if has demo; then
 fi
 if has sweep; then
   step "the context sweep: every selector's step and cuDNN SDPA, 8K .. 1M tokens"
-  sweep='BM_DenseDecode/N:[0-9]*/batch:[18]/splits:0/pdl:1/warps:0/'
-  sweep+='|BM_Step/method:[0-3]/N:[0-9]*/batch:[18]/pdl:1/between:0/P:1/sort:0/alpha:0/'
-  sweep+='|BM_Step/method:4/N:[0-9]*/batch:[18]/pdl:1/between:0/P:1/sort:[01]/alpha:0/'
-  sweep+='|BM_CentroidKVStep/|BM_SpeContextStep/mode:0/N:[0-9]*/batch:[18]/pdl:1/between:0/'
-  "$BUILD/bench/kvsift_bench_decode" --benchmark_filter="$sweep" --benchmark_out="$OUT/sweep.json" \
-    --benchmark_out_format=json > "$OUT/sweep.txt" 2>&1 || status=1
+  # One benchmark run (and JSON file) per series group, so that one group past a time limit loses only its rows.
+  declare -A sweep=(
+    [dense]='BM_DenseDecode/N:[0-9]*/batch:[18]/splits:0/pdl:1/warps:0/'
+    [steps]='BM_Step/method:[0-3]/N:[0-9]*/batch:[18]/pdl:1/between:0/P:1/sort:0/alpha:0/'
+    [a2ats]='BM_Step/method:4/N:[0-9]*/batch:[18]/pdl:1/between:0/P:1/sort:[01]/alpha:0/'
+    [centroidkv]='BM_CentroidKVStep/'
+    [specontext]='BM_SpeContextStep/mode:0/N:[0-9]*/batch:[18]/pdl:1/between:0/')
+  for group in dense steps a2ats centroidkv specontext; do
+    step "sweep: $group"
+    "$BUILD/bench/kvsift_bench_decode" --benchmark_filter="${sweep[$group]}" --benchmark_out="$OUT/sweep_$group.json" \
+      --benchmark_out_format=json > "$OUT/sweep_$group.txt" 2>&1 || status=1
+  done
   KVSIFT_SDPA_N=8192,32768,131072,524288,1048576 KVSIFT_SDPA_BACKENDS=cudnn python3 bench/sdpa_baseline.py \
     > "$OUT/sdpa_sweep.jsonl" 2> "$OUT/sdpa_sweep.log" || status=1
   python3 bench/context_sweep.py --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
-    "$OUT/context_sweep" "$OUT/sdpa_sweep.jsonl" "$OUT/sweep.json" && cat "$OUT/context_sweep.md" || status=1
+    "$OUT/context_sweep" "$OUT/sdpa_sweep.jsonl" "$OUT"/sweep_*.json && cat "$OUT/context_sweep.md" || status=1
 fi
 if has profile; then
   # One decode launch and its split merge per shape, after the warm-up calls (skip), with the sections that
