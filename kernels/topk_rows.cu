@@ -3,10 +3,9 @@
 // (detail/topk_held_kernels.cuh) where a row fits the cluster's registers, else the slice kernel, then the union
 // kernel of heads_per_row > 1 (detail/topk_kernels.cuh); mass_budgets' kernel (detail/topk_mass_kernels.cuh).
 #include "kvsift/cuda/detail/launch.cuh"
-#include "kvsift/cuda/detail/topk_cta_kernels.cuh"
-#include "kvsift/cuda/detail/topk_held_kernels.cuh"
 #include "kvsift/cuda/detail/topk_kernels.cuh"
 #include "kvsift/cuda/detail/topk_mass_kernels.cuh"
+#include "kvsift/cuda/detail/topk_words_launch.cuh"
 
 namespace kvsift::cuda::detail {
 namespace {
@@ -14,57 +13,8 @@ namespace {
 constexpr auto kSelectKernel = topk_rows_select<kTopKRowsThreads>;
 constexpr auto kUnionKernel = topk_rows_union<kTopKUnionThreads>;
 
-/// The held kernel of kTopKHeldShapes[I], launched for p.
-template <std::size_t I>
-cudaError_t launch_held(const TopKRowsParams& p, cudaStream_t stream) {
-  constexpr auto kernel = topk_rows_held<kTopKHeldShapes[I].threads, kTopKHeldShapes[I].items>;
-  if (cudaError_t s = open_shared_memory<kernel>(); s != cudaSuccess) return s;
-  if (p.launch.cluster > kTopKMaxPortableCluster) {
-    if (cudaError_t s = allow_nonportable_clusters<kernel>(); s != cudaSuccess) return s;
-  }
-  return launch(kernel,
-                {.grid = dim3(unsigned(p.scores.rows * p.launch.cluster)),
-                 .block = dim3(unsigned(kTopKHeldShapes[I].threads)),
-                 .smem = topk_held_smem_bytes(),
-                 .stream = stream,
-                 .cluster = p.launch.cluster,
-                 .programmatic = true},
-                p);
-}
-
-/// The one-CTA kernel of kTopKCtaShapes[I], launched for p.
-template <std::size_t I>
-cudaError_t launch_cta(const TopKRowsParams& p, cudaStream_t stream) {
-  constexpr auto kernel = topk_rows_cta<kTopKCtaShapes[I].threads, kTopKCtaShapes[I].items>;
-  return launch(kernel,
-                {.grid = dim3(unsigned(p.scores.rows)),
-                 .block = dim3(unsigned(kTopKCtaShapes[I].threads)),
-                 .stream = stream,
-                 .programmatic = true},
-                p);
-}
-
 cudaError_t launch_select(const TopKRowsParams& p, cudaStream_t stream) {
-  switch (p.launch.cta) {
-    case 1:
-      return launch_cta<0>(p, stream);
-    case 2:
-      return launch_cta<1>(p, stream);
-    default:
-      break;
-  }
-  static_assert(kTopKCtaShapes.size() == 2, "one case per one-CTA shape");
-  switch (p.launch.held) {
-    case 1:
-      return launch_held<0>(p, stream);
-    case 2:
-      return launch_held<1>(p, stream);
-    case 3:
-      return launch_held<2>(p, stream);
-    default:
-      break;
-  }
-  static_assert(kTopKHeldShapes.size() == 3, "one case per held shape");
+  if (topk_rows_takes_words(p)) return launch_topk_rows_words(p, ScoreWords{}, stream);
   if (cudaError_t s = open_shared_memory<kSelectKernel>(); s != cudaSuccess) return s;
   if (p.launch.cluster > kTopKMaxPortableCluster) {
     if (cudaError_t s = allow_nonportable_clusters<kSelectKernel>(); s != cudaSuccess) return s;
@@ -97,14 +47,18 @@ cudaError_t topk_rows_cluster_capacity(TopKClusterCapacity* capacity) {
   return cudaSuccess;
 }
 
-cudaError_t launch_topk_rows(const TopKRowsParams& p, cudaStream_t stream) {
-  if (cudaError_t s = launch_select(p, stream); s != cudaSuccess) return s;
+cudaError_t launch_topk_rows_union(const TopKRowsParams& p, cudaStream_t stream) {
   if (p.heads_per_row == 1) return cudaSuccess;
   const std::size_t union_smem = p.union_bits != nullptr ? 0 : std::size_t(p.union_words) * sizeof(std::uint32_t);
   return launch(kUnionKernel,
                 {.grid = dim3(unsigned(p.scores.rows / p.heads_per_row)), .block = dim3(kTopKUnionThreads),
                  .smem = union_smem, .stream = stream, .programmatic = true},
                 p);
+}
+
+cudaError_t launch_topk_rows(const TopKRowsParams& p, cudaStream_t stream) {
+  if (cudaError_t s = launch_select(p, stream); s != cudaSuccess) return s;
+  return launch_topk_rows_union(p, stream);
 }
 
 namespace {

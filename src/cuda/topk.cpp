@@ -61,6 +61,33 @@ detail::TopKRowsLaunch plan_launch(std::int64_t score_rows, std::int32_t max_tok
 
 }  // namespace
 
+namespace detail {
+
+TopKRowsParams topk_rows_params(const char* where, const MatrixView<const float>& scores, const std::int32_t* d_lengths,
+                                std::int32_t k, const TopKRowsOptions& options, const SelectionView& out,
+                                std::span<std::byte> workspace) {
+  kvsift::detail::check_topk_rows_call(where, scores, d_lengths, "d_lengths", k, options, out);
+  KVSIFT_CHECK(scores.rows < kMaxScoreRows, where, "score_rows (= {}) must be below {}", scores.rows, kMaxScoreRows);
+  const std::int32_t heads = options.heads_per_row;
+  WorkspaceLayout layout(workspace, where);
+  const TopKRowsBuffers buffers = layout_topk_rows(layout, scores.rows, scores.cols, k, heads);
+  return {.scores = scores,
+          .lengths = d_lengths,
+          .row_k = options.row_k,
+          .k = k,
+          .window = options.window,
+          .heads_per_row = heads,
+          .nan_marks_row = options.nan_marks_row,
+          .seed = options.seed,
+          .out = out,
+          .picks = buffers.picks,
+          .union_bits = buffers.union_bits,
+          .union_words = topk_union_words(scores.cols),
+          .launch = plan_launch(scores.rows, scores.cols)};
+}
+
+}  // namespace detail
+
 std::size_t topk_rows_workspace_bytes(std::int64_t score_rows, std::int32_t max_tokens, std::int32_t k,
                                       const TopKRowsOptions& options) {
   check_topk_rows_shape("cuda::topk_rows_workspace_bytes", score_rows, max_tokens, k, options);
@@ -72,26 +99,8 @@ std::size_t topk_rows_workspace_bytes(std::int64_t score_rows, std::int32_t max_
 void topk_rows(const MatrixView<const float>& scores, const std::int32_t* d_lengths, std::int32_t k,
                const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
                cudaStream_t stream) {
-  constexpr const char* where = "cuda::topk_rows";
-  kvsift::detail::check_topk_rows_call(where, scores, d_lengths, "d_lengths", k, options, out);
-  KVSIFT_CHECK(scores.rows < kMaxScoreRows, where, "score_rows (= {}) must be below {}", scores.rows, kMaxScoreRows);
-  const std::int32_t heads = options.heads_per_row;
-  WorkspaceLayout layout(workspace, where);
-  const TopKRowsBuffers buffers = layout_topk_rows(layout, scores.rows, scores.cols, k, heads);
-  const detail::TopKRowsParams params{.scores = scores,
-                                      .lengths = d_lengths,
-                                      .row_k = options.row_k,
-                                      .k = k,
-                                      .window = options.window,
-                                      .heads_per_row = heads,
-                                      .nan_marks_row = options.nan_marks_row,
-                                      .seed = options.seed,
-                                      .out = out,
-                                      .picks = buffers.picks,
-                                      .union_bits = buffers.union_bits,
-                                      .union_words = detail::topk_union_words(scores.cols),
-                                      .launch = plan_launch(scores.rows, scores.cols)};
-  KVSIFT_CUDA_CHECK(detail::launch_topk_rows(params, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_topk_rows(
+      detail::topk_rows_params("cuda::topk_rows", scores, d_lengths, k, options, out, workspace), stream));
 }
 
 void length_budgets(const std::int32_t* d_lengths, std::int32_t batch, std::int32_t heads, const LengthBudget& budget,

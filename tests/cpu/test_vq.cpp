@@ -405,6 +405,32 @@ TEST(VqBadInput, RefusedWithTheirMessages) {
                      "q_heads a multiple of kv_heads");
   test::expect_error([&] { cpu::vq_lut_scan(qv, book, cv, slots, lengths, MatrixView<float>::packed(scores.data(), 16, 10), {}, {}); },
                      "workspace too small");
+
+  // vq_topk_rows: its shape must be the arguments', its options the shape's top-k; its workspace is checked.
+  const VqTopKShape shape{.batch = 2, .q_heads = 8, .kv_heads = 2, .codewords = 16, .head_dim = 64, .max_tokens = 10, .k = 3};
+  std::vector<std::int32_t> picked(2 * 2 * 12), counts(2 * 2);
+  const SelectionView out{picked.data(), counts.data(), nullptr, 2, 2, 12};
+  cpu::Array<std::byte> topk_ws(cpu::vq_topk_rows_workspace_bytes(shape, {}));
+  const auto topk = [&](VqTopKShape s, TopKRowsOptions o, std::span<std::byte> w) {
+    return [=, &qv, &book, &cv, &slots, &lengths, &out] { cpu::vq_topk_rows(qv, book, cv, slots, lengths, s, o, out, w); };
+  };
+  test::expect_error(topk(shape, {.heads_per_row = 1}, topk_ws.bytes()),
+                     "cpu::vq_topk_rows: options.heads_per_row (= 1) must be 4 (the group without it: q_heads 8, kv_heads 2)");
+  auto group_max = shape;
+  group_max.scan.group_max = true;
+  test::expect_error(topk(group_max, {.heads_per_row = 4}, topk_ws.bytes()),
+                     "options.heads_per_row (= 4) must be 1 (1 with scan.group_max");
+  auto wrong = shape;
+  wrong.codewords = 32;
+  test::expect_error(topk(wrong, {.heads_per_row = 4}, topk_ws.bytes()),
+                     "shape (batch 2, q_heads 8, kv_heads 2, codewords 32, head_dim 64) is not the arguments' (q: batch 2, "
+                     "heads 8, head_dim 64; codebook: kv_heads 2, codewords 16)");
+  wrong = shape;
+  wrong.max_tokens = 0;
+  test::expect_error([&] { (void)cpu::vq_topk_rows_workspace_bytes(wrong, {}); },
+                     "cpu::vq_topk_rows_workspace_bytes: max_tokens (= 0) must be positive");
+  test::expect_error(topk(shape, {.heads_per_row = 4}, topk_ws.bytes().first(topk_ws.size() - 256)),
+                     "workspace too small");
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include "cuda/gpu_test.hpp"
 #include "kvsift/cpu/context.hpp"
+#include "kvsift/cpu/topk.hpp"
 #include "kvsift/selectors/a2ats/cpu/vq.hpp"
 #include "kvsift/selectors/a2ats/cuda/vq.hpp"
 #include "test_util.hpp"
@@ -313,6 +314,100 @@ TEST_F(CudaVq, FusedTablesAndScanEqualTheTwoLaunches) {
   check_lut_scan<float>(rng, 3, 4, 4, 16, 64, 300, true);          // group 1, fewer codewords than the cluster's blocks
   check_lut_scan<bfloat16>(rng, 2, 6, 2, 100, 128, 77, true);      // group 3
   check_lut_scan<half>(rng, 2, 16, 2, 16384, 64, 999, false);      // 512 KB of tables: two launches via the workspace
+}
+
+/// cuda::vq_topk_rows against cpu::topk_rows (equal to cuda::topk_rows by contract) of the CPU's scan of the device's
+/// own tables (equal to the device's scan bit for bit, CodeScanEqualsTheCpuBitForBit): per-head rows and their
+/// union, or the group maximum; invalid codes and slots, ragged and too-long lengths, an attention window, budgets
+/// per row; outputs and workspace poisoned, the call replayed from a graph.
+template <class T>
+void check_topk_rows(Random& rng, std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
+                     std::int32_t codewords, std::int32_t d, std::int32_t cols, std::int32_t k, bool group_max) {
+  SCOPED_TRACE(testing::Message() << "batch " << batch << " heads " << q_heads << "/" << kv_heads << " codewords "
+                                  << codewords << " cols " << cols << " k " << k << " group_max " << group_max);
+  const VqProblem p = test::make_vq_problem(rng, kv_heads, codewords, d);
+  const std::vector<T> cb = key_codebook<T>(p);
+  const std::vector<T> q = test::to_storage<T>(rng.normal(std::size_t(batch) * q_heads * d));
+  const ScanProblem sp(rng, batch, q_heads, kv_heads, codewords, cols, true);
+  const std::int32_t group = q_heads / kv_heads, heads_per_row = group_max ? 1 : group;
+  const std::int64_t q_rows = std::int64_t(batch) * q_heads;
+  const std::int64_t score_rows = std::int64_t(batch) * (group_max ? kv_heads : q_heads);
+  std::vector<std::int32_t> row_k(std::size_t(batch) * kv_heads);
+  for (auto& r : row_k) r = rng.uniform_int(0, k);
+  DeviceBuffer<T> d_cb(cb), d_q(q);
+  DeviceBuffer<float> d_lut(std::size_t(q_rows) * codewords);
+  DeviceBuffer<std::uint16_t> d_codes(sp.codes);
+  DeviceBuffer<std::int32_t> d_slots(sp.slot_of), d_lengths(sp.lengths), d_row_k(row_k);
+  const auto qv = QueryView<const T>::packed(d_q.data(), batch, q_heads, d);
+  const VqCodebook<T> codebook{d_cb.data(), kv_heads, codewords, d};
+  const auto codes = VqCodesView<const std::uint16_t>::packed(d_codes.data(), sp.slots, kv_heads, sp.max_tokens);
+  cuda::vq_lut(qv, codebook, MatrixView<float>::packed(d_lut.data(), q_rows, codewords), nullptr);
+  const std::vector<float> lut = d_lut.download();
+  const AttentionWindow window{.sink = 3, .recent = 5};
+  const std::int32_t capacity = heads_per_row * k;
+
+  for (const bool per_row_budgets : {false, true}) {
+    SCOPED_TRACE(testing::Message() << "per-row budgets " << per_row_budgets);
+    std::vector<float> scores(std::size_t(score_rows) * cols, test::kScoreSentinel);
+    cpu::vq_code_scan(MatrixView<const float>::packed(lut.data(), q_rows, codewords), batch, sp.codes_view(),
+                      sp.slot_of.data(), sp.lengths.data(), MatrixView<float>::packed(scores.data(), score_rows, cols),
+                      {.group_max = group_max});
+    std::vector<std::int32_t> want(std::size_t(batch) * kv_heads * capacity, -7), want_counts(row_k.size(), -7);
+    const TopKRowsOptions host_options{
+        .window = window, .row_k = per_row_budgets ? row_k.data() : nullptr, .heads_per_row = heads_per_row};
+    cpu::Array<std::byte> host_ws(cpu::topk_rows_workspace_bytes(score_rows, cols, k, host_options, nullptr));
+    // cpu::topk_rows refuses a length past cols; such rows get count -1 on the device, as they do from cuda::topk_rows.
+    std::vector<std::int32_t> host_lengths = sp.lengths;
+    for (auto& len : host_lengths) len = std::min(len, cols);
+    cpu::topk_rows(MatrixView<const float>::packed(scores.data(), score_rows, cols), host_lengths.data(), k,
+                   host_options, SelectionView{want.data(), want_counts.data(), nullptr, batch, kv_heads, capacity},
+                   host_ws.bytes());
+
+    DeviceBuffer<std::int32_t> d_out(want.size()), d_counts(want_counts.size());
+    const VqTopKShape shape{.batch = batch, .q_heads = q_heads, .kv_heads = kv_heads, .codewords = codewords,
+                            .head_dim = d, .max_tokens = cols, .k = k, .scan = {.group_max = group_max}};
+    const TopKRowsOptions options{
+        .window = window, .row_k = per_row_budgets ? d_row_k.data() : nullptr, .heads_per_row = heads_per_row};
+    test::check_device_workspace(
+        cuda::vq_topk_rows_workspace_bytes(shape),
+        [&](std::span<std::byte> ws, cudaStream_t stream) {
+          cuda::vq_topk_rows(qv, codebook, codes, d_slots.data(), d_lengths.data(), shape, options,
+                             SelectionView{d_out.data(), d_counts.data(), nullptr, batch, kv_heads, capacity}, ws,
+                             stream);
+        },
+        download_all(d_out, d_counts), poison_all(d_out, d_counts));
+    const std::vector<std::int32_t> got = d_out.download(), counts = d_counts.download();
+    std::int32_t chosen = 0;
+    for (std::size_t r = 0; r < row_k.size(); ++r) {
+      const std::int32_t b = std::int32_t(r) / kv_heads;
+      if (sp.lengths[std::size_t(b)] > cols) {
+        EXPECT_EQ(counts[r], -1) << "row " << r << ": a length past max_tokens";
+        continue;
+      }
+      ASSERT_EQ(counts[r], want_counts[r]) << "row " << r;
+      for (std::int32_t i = 0; i < counts[r]; ++i) {
+        ASSERT_EQ(got[r * capacity + i], want[r * capacity + i]) << "row " << r << " entry " << i;
+      }
+      chosen += counts[r];
+    }
+    EXPECT_GT(chosen, 0) << "no row chose a token: the comparison tested nothing";
+  }
+}
+
+TEST_F(CudaVq, TopKRowsEqualTheCpuTopKOfTheScan) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const bool group_max : {false, true}) {
+    // One CTA a score row (topk_rows' one-CTA kernel fed by the codes).
+    check_topk_rows<bfloat16>(rng, 5, 8, 2, 256, 128, 3001, 100, group_max);
+    // A²ATS's heads: 32 score rows (union) of 9000 tokens, 4096 codewords (a 16 KB table per row).
+    check_topk_rows<half>(rng, 1, 32, 8, 4096, 64, 9000, 300, group_max);
+    // Clusters of CTAs holding a row (the held kernel): 8 / 2 rows of 40000 tokens.
+    check_topk_rows<bfloat16>(rng, 1, 8, 2, 1000, 128, 40000, 700, group_max);
+    // More rows than the held plan takes (the slice kernel): the composed form.
+    check_topk_rows<float>(rng, 40, 4, 1, 64, 64, 12000, 50, group_max);
+    // A table past the fused form's 16384 codewords on a held plan: the composed form.
+    check_topk_rows<half>(rng, 1, 8, 2, 20000, 64, 40000, 200, group_max);
+  }
 }
 
 TEST(CudaVqBadInput, RefusedBeforeAnyDeviceCall) {

@@ -1,6 +1,7 @@
 // Codebook quantization, lookup tables and code scan on CUDA (selectors/a2ats/cuda/vq.hpp). The lookup-table entries of the
 // two-launch and the fused forms come from one device function (same FMAs in the same order), so the fused
-// scores equal vq_lut then vq_code_scan bit for bit; the scan itself only copies table entries.
+// scores equal vq_lut then vq_code_scan bit for bit; the scan itself only copies table entries. vq_topk_rows' fused
+// form feeds topk_rows' one-CTA and held kernels words made from the codes and vq_lut's tables (VqWords).
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
@@ -8,6 +9,7 @@
 #include <cstdint>
 
 #include "kvsift/cuda/detail/launch.cuh"
+#include "kvsift/cuda/detail/topk_words_launch.cuh"
 #include "kvsift/cuda/dtype.cuh"
 #include "kvsift/selectors/a2ats/cuda/detail/vq_launch.hpp"
 
@@ -190,8 +192,50 @@ __global__ void __launch_bounds__(kThreads)
   scan_tokens(table, count, b, g, group, codes, slots, lengths, scores, group_max, blockIdx.x, gridDim.x);
 }
 
+/// vq_topk_rows' word source for topk_rows' one-CTA and held kernels (cuda/detail/topk_held_kernels.cuh ScoreWords):
+/// a score row's table into shared memory (with group_max the group's maximum per codeword, vq_group_max in head
+/// order, as scan_tokens reduces it), then each token's word from its code: the scan's score of every token it
+/// writes, NaN past them.
+struct VqWords {
+  VqTopKWords w;
+
+  std::size_t smem_bytes() const { return sizeof(float) * std::size_t(w.codewords); }
+
+  template <int kThreads, int kItems>
+  __device__ __forceinline__ void load(const TopKRowsParams& p, std::int64_t score_row, std::int32_t first,
+                                       std::int32_t count, std::uint32_t (&word)[kItems], unsigned char* smem) const {
+    float* table = reinterpret_cast<float*>(smem);
+    const std::int64_t kv_row = w.group_max ? score_row : score_row / w.group;  // b * kv_heads + g
+    const float* tables = w.tables + (w.group_max ? kv_row * w.group : score_row) * std::int64_t(w.codewords);
+    for (std::int32_t c = std::int32_t(threadIdx.x); c < w.codewords; c += kThreads) {
+      float m = tables[c];
+      if (w.group_max) {
+        for (std::int32_t h = 1; h < w.group; ++h) m = kvsift::detail::vq_group_max(m, tables[std::int64_t(h) * w.codewords + c]);
+      }
+      table[c] = m;
+    }
+    __syncthreads();
+    const std::int32_t b = std::int32_t(kv_row / w.codes.kv_heads), g = std::int32_t(kv_row % w.codes.kv_heads);
+    const std::int32_t n = vq_scan_length(w.lengths[b], p.scores.cols, w.codes.max_tokens);
+    const std::int32_t slot = w.slots[b];
+    const std::uint16_t* codes = slot >= 0 && slot < w.codes.slots ? w.codes.row(slot, g) : nullptr;
+    held_words_from<kThreads>(
+        count,
+        [&](std::int32_t i) {
+          const std::int32_t t = first + i;
+          const std::int32_t code = codes != nullptr && t < n ? std::int32_t(codes[t]) : w.codewords;
+          return rank_word(code < w.codewords ? table[code] : vq_nan());
+        },
+        word);
+  }
+};
 
 }  // namespace
+
+cudaError_t launch_vq_topk_rows(const TopKRowsParams& p, const VqTopKWords& words, cudaStream_t stream) {
+  if (cudaError_t s = launch_topk_rows_words(p, VqWords{words}, stream); s != cudaSuccess) return s;
+  return launch_topk_rows_union(p, stream);
+}
 
 cudaError_t launch_vq_codeword_norms(const MatrixView<const float>& centroids, float* norms, cudaStream_t stream) {
   const std::int64_t blocks = (centroids.rows * 32 + kThreads - 1) / kThreads;

@@ -31,9 +31,11 @@ inline constexpr int kCtaRadixBits = 11;
 // -inf; counted among the common bits, these few words would leave none, and the first digit (sign, exponent) would
 // put the row's real scores into a handful of bins whose shared atomics serialize.
 
-/// Grid: one CTA per score row; the plan guarantees kThreads * kItems >= scores.cols.
-template <int kThreads, int kItems>
-__global__ void __launch_bounds__(kThreads) topk_rows_cta(const __grid_constant__ TopKRowsParams p) {
+/// Grid: one CTA per score row; the plan guarantees kThreads * kItems >= scores.cols. Dynamic shared memory: the
+/// word source's.
+template <int kThreads, int kItems, class Words = ScoreWords>
+__global__ void __launch_bounds__(kThreads)
+    topk_rows_cta(const __grid_constant__ TopKRowsParams p, const __grid_constant__ Words words) {
   constexpr int kWarps = kThreads / 32;
   constexpr int kGroups = kItems / kHeldVec<kItems>;
   constexpr int kBins = 1 << kCtaRadixBits;
@@ -52,9 +54,9 @@ __global__ void __launch_bounds__(kThreads) topk_rows_cta(const __grid_constant_
   const HeldRow row = start_held_row(p, score_row, 0, 1);
   if (row.finished) return;
   const TopKRowJob& job = row.job;
-  const float* const scores = p.scores.row(score_row) + job.lo;
+  extern __shared__ __align__(16) unsigned char cta_words_smem[];  // the word source's
   std::uint32_t word[kItems];
-  load_held_words<kThreads>(scores, job.hi - job.lo, word);
+  words.template load<kThreads>(p, score_row, job.lo, job.hi - job.lo, word, cta_words_smem);
 #pragma unroll
   for (int e = 0; e < kBinsPerThread; ++e) bins[tid * kBinsPerThread + e] = 0;
 

@@ -175,6 +175,34 @@ __device__ __forceinline__ void load_held_words(const float* scores, std::int32_
   }
 }
 
+/// kHeldVec's layout of word_at(i) for i < count, kNoWord past count: a word source's loop where it computes words.
+template <int kThreads, int kItems, class WordAt>
+__device__ __forceinline__ void held_words_from(std::int32_t count, const WordAt& word_at,
+                                                std::uint32_t (&word)[kItems]) {
+  constexpr int kVec = kHeldVec<kItems>;
+  constexpr int kGroups = kItems / kVec;
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    const int i = (g * kThreads + int(threadIdx.x)) * kVec;
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) word[kVec * g + q] = i + q < count ? word_at(i + q) : kNoWord;
+  }
+}
+
+/// Where the one-CTA and held kernels get a score row's rank words. ScoreWords reads p.scores (topk_rows); a
+/// selector's source computes them instead (A²ATS's code scan, kernels/selectors/a2ats/vq.cu VqWords), so that no
+/// score row is written and read back. A source has smem_bytes() (host: its dynamic shared memory) and
+/// load<kThreads>(p, score_row, first, count, word, smem): the words of row indices [first, first + count) in
+/// kHeldVec's layout, kNoWord past count. Every thread of the CTA calls load (it may hold block barriers).
+struct ScoreWords {
+  std::size_t smem_bytes() const { return 0; }
+  template <int kThreads, int kItems>
+  __device__ __forceinline__ void load(const TopKRowsParams& p, std::int64_t score_row, std::int32_t first,
+                                       std::int32_t count, std::uint32_t (&word)[kItems], unsigned char*) const {
+    load_held_words<kThreads>(p.scores.row(score_row) + first, count, word);
+  }
+};
+
 /// Writes this CTA's chosen words' indices in ascending index order: words whose masked bits are below `prefix`
 /// (better), and of those equal to it (tied) the first `take_tied` of the row in index order. `better` and `tied`:
 /// the row's better and tied words before this CTA's slice, whose first word is row index `first_index`. A block
@@ -229,9 +257,11 @@ __device__ __forceinline__ void emit_held_words(const std::uint32_t (&word)[kIte
 }
 
 /// Grid: score rows * cluster CTAs along x, clusters of p.launch.cluster consecutive CTAs (one per score row); the
-/// plan guarantees cluster * kThreads * kItems >= scores.cols. Dynamic shared memory: topk_held_smem_bytes().
-template <int kThreads, int kItems>
-__global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant__ TopKRowsParams p) {
+/// plan guarantees cluster * kThreads * kItems >= scores.cols. Dynamic shared memory: topk_held_smem_bytes(), then
+/// the word source's.
+template <int kThreads, int kItems, class Words = ScoreWords>
+__global__ void __launch_bounds__(kThreads)
+    topk_rows_held(const __grid_constant__ TopKRowsParams p, const __grid_constant__ Words words) {
   constexpr int kWarps = kThreads / 32;
   constexpr int kVec = kHeldVec<kItems>;
   constexpr int kGroups = kItems / kVec;
@@ -270,10 +300,9 @@ __global__ void __launch_bounds__(kThreads) topk_rows_held(const __grid_constant
   const std::int32_t slice = ((middle + size - 1) / size + 3) & ~3;
   const std::int32_t begin = min(middle, rank * slice);
   const std::int32_t count = min(middle, begin + slice) - begin;
-  const float* const scores = p.scores.row(score_row) + job.lo + begin;
-
   std::uint32_t word[kItems];
-  load_held_words<kThreads>(scores, count, word);
+  words.template load<kThreads>(p, score_row, job.lo + begin, count, word,
+                                reinterpret_cast<unsigned char*>(bin_copy) + topk_held_smem_bytes());
   for (int i = tid; i < 512; i += kThreads) (&histogram[0][0])[i] = 0;
   if (tid < kMaxCluster) {
     better_in_bin[tid] = 0;

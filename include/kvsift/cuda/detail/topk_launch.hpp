@@ -10,6 +10,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/ranking.hpp"
@@ -160,6 +161,19 @@ struct TopKRowsParams {
 cudaError_t topk_rows_cluster_capacity(TopKClusterCapacity* capacity);
 
 cudaError_t launch_topk_rows(const TopKRowsParams& params, cudaStream_t stream);
+
+/// The second launch of heads_per_row > 1 (the union of a selection row's picks); nothing for heads_per_row = 1.
+cudaError_t launch_topk_rows_union(const TopKRowsParams& params, cudaStream_t stream);
+
+/// Whether p's plan takes the one-CTA or the held kernel: those a word source can feed (topk_words_launch.cuh).
+inline bool topk_rows_takes_words(const TopKRowsParams& p) { return p.launch.cta > 0 || p.launch.held > 0; }
+
+/// A topk_rows call's params, checked (throws kvsift::Error as topk_rows does), its workspace carved and its launch
+/// planned for the current device (src/cuda/topk.cpp): topk_rows launches them; a selector whose kernels compute
+/// the scores into a word source (topk_words_launch.cuh) launches them itself where the plan takes words.
+TopKRowsParams topk_rows_params(const char* where, const MatrixView<const float>& scores, const std::int32_t* d_lengths,
+                                std::int32_t k, const TopKRowsOptions& options, const SelectionView& out,
+                                std::span<std::byte> workspace);
 
 cudaError_t launch_length_budgets(const std::int32_t* lengths, std::int32_t batch, std::int32_t heads,
                                   const LengthBudget& budget, std::int32_t* row_k, cudaStream_t stream);

@@ -30,8 +30,9 @@
 /// 4 * rotary_dim bytes per position: at 128K tokens and head_dim 128, 64 MiB per selector, the largest part
 /// unless the codes of many slots outweigh it.
 /// Workspaces (one layout function each for the query and the run): select: q~ [batch, q_heads, head_dim] in T
-/// (windowed RoPE only), the scores [batch * (union ? q_heads : kv_heads), N] fp32 with N the planned bound
-/// min(max_seq_len, max_tokens) (detail::planned_tokens), the budgets, vq_lut_scan's and topk_rows' scratch. A
+/// (windowed RoPE only), the budgets and vq_topk_rows' workspace (the scores [batch * (union ? q_heads : kv_heads),
+/// N] fp32 of its composed form, N the planned bound min(max_seq_len, max_tokens) (detail::planned_tokens),
+/// vq_lut_scan's and topk_rows' scratch, on CUDA the query heads' tables of its fused form). A
 /// sequence longer than N gets count -1 on CUDA and is refused on the CPU (topk_rows). append: the step's keys
 /// gathered from the cache [batch, kv_heads, head_dim] in T (gather_keys: no values), their positions, vq_encode's
 /// scratch.
@@ -272,22 +273,17 @@ class A2ats : public SelectorTypes<T, Context>, public detail::SelectorCore<"A2a
       rotate_query_to(in.q, in.lengths, offset_, rope_table(), rotated, ctx);
       q = as_const(rotated);
     }
-    const std::int64_t rows = std::int64_t(batch) * score_heads();
-    const auto scores = MatrixView<float>::packed(w.scores, rows, tokens);
-    vq_lut_scan(q, key_codebook(), codes(), in.slots, in.lengths, scores, {.group_max = !union_of_heads()}, w.scan,
-                ctx);
     length_budgets(in.lengths, batch, kv, budget(), w.row_k, ctx);
-    topk_rows(MatrixView<const float>::packed(w.scores, rows, tokens), in.lengths, max_budget_,
-              {.window = in.attention.window, .row_k = w.row_k, .heads_per_row = union_of_heads() ? group() : 1}, out,
-              w.topk, ctx);
+    vq_topk_rows(q, key_codebook(), codes(), in.slots, in.lengths, topk_shape(batch, tokens),
+                 {.window = in.attention.window, .row_k = w.row_k, .heads_per_row = union_of_heads() ? group() : 1}, out,
+                 w.topk, ctx);
   }
 
  private:
   struct SelectBuffers {
     T* rotated;
-    float* scores;
     std::int32_t* row_k;
-    std::span<std::byte> scan, topk;
+    std::span<std::byte> topk;
   };
   struct AppendBuffers {
     std::int32_t* positions;
@@ -318,8 +314,6 @@ class A2ats : public SelectorTypes<T, Context>, public detail::SelectorCore<"A2a
 
   std::int32_t group() const { return limits_.q_heads / limits_.kv_heads; }
   bool union_of_heads() const { return config_.group_rule == A2atsGroupRule::union_of_heads; }
-  /// Score rows per sequence: one per query head (union), one per kv head (group max).
-  std::int32_t score_heads() const { return union_of_heads() ? limits_.q_heads : limits_.kv_heads; }
   LengthBudget budget() const { return {.fraction = config_.budget_fraction, .maximum = max_budget_}; }
 
   const RopeTableView& rope_table() const { return table_; }
@@ -387,21 +381,25 @@ class A2ats : public SelectorTypes<T, Context>, public detail::SelectorCore<"A2a
   }
 
   /// The one layout behind select's workspace query and its run.
+  /// The code scan's and top-k's shape of a select over `tokens` planned tokens.
+  VqTopKShape topk_shape(std::int32_t batch, std::int32_t tokens) const {
+    return {.batch = batch,
+            .q_heads = limits_.q_heads,
+            .kv_heads = limits_.kv_heads,
+            .codewords = codewords_,
+            .head_dim = limits_.head_dim,
+            .max_tokens = tokens,
+            .k = max_budget_,
+            .scan = {.group_max = !union_of_heads()}};
+  }
   SelectBuffers select_layout(WorkspaceLayout& layout, std::int32_t batch, std::int32_t tokens, const Context& ctx) const {
-    const std::int64_t rows = std::int64_t(batch) * score_heads();
     SelectBuffers b{};
     b.rotated = windowed_rope_ ? layout.allocate<T>(std::size_t(batch) * std::size_t(limits_.q_heads) *
                                                         std::size_t(limits_.head_dim),
                                                     "A2ATS rotated queries")
                                : nullptr;
-    b.scores = layout.allocate<float>(std::size_t(rows) * std::size_t(tokens), "A2ATS token scores");
     b.row_k = layout.allocate<std::int32_t>(std::size_t(batch) * std::size_t(limits_.kv_heads), "A2ATS budgets");
-    b.scan = layout.span(vq_lut_scan_workspace_bytes(batch, limits_.q_heads, limits_.kv_heads, codewords_,
-                                                     limits_.head_dim, ctx),
-                         "A2ATS lookup-table scan scratch");
-    b.topk = layout.span(topk_rows_workspace_bytes(rows, tokens, max_budget_,
-                                                   {.heads_per_row = union_of_heads() ? group() : 1}, ctx),
-                         "A2ATS top-k scratch");
+    b.topk = layout.span(vq_topk_rows_workspace_bytes(topk_shape(batch, tokens), ctx), "A2ATS scan and top-k scratch");
     return b;
   }
   /// The one layout behind append's workspace query and its run (sized for the gather even when k_pre_rope comes).

@@ -104,6 +104,14 @@ struct VqScanOptions {
   bool group_max = false;
 };
 
+/// The shapes behind vq_topk_rows' workspace (both backends): the scan's, the score rows' length and the top-k.
+struct VqTopKShape {
+  std::int32_t batch = 0, q_heads = 0, kv_heads = 0, codewords = 0, head_dim = 0;
+  std::int32_t max_tokens = 0;  ///< the score rows' length: topk_rows' scores.cols
+  std::int32_t k = 0;           ///< topk_rows' k
+  VqScanOptions scan;           ///< group_max: one score row per kv head, else one per query head and their union
+};
+
 namespace detail {
 
 /// The group maximum's reduction, in head order: the larger of the running maximum m and a head's entry x, NaN

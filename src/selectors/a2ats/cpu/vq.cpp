@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <limits>
 
+#include "kvsift/cpu/backend.hpp"
 #include "kvsift/selectors/a2ats/detail/vq_checks.hpp"
+#include "kvsift/selectors/a2ats/detail/vq_topk.hpp"
 #include "kvsift/selectors/a2ats/detail/vq_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
@@ -276,6 +278,25 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
       }
     });
   });
+}
+
+std::size_t vq_topk_rows_workspace_bytes(const VqTopKShape& shape, const Context& ctx) {
+  kvsift::detail::check_vq_topk_shape("cpu::vq_topk_rows_workspace_bytes", shape);
+  WorkspaceLayout counting;
+  kvsift::detail::vq_topk_layout(counting, shape, ctx);
+  return counting.bytes();
+}
+
+template <class T>
+void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
+                  const std::int32_t* slots, const std::int32_t* lengths, const VqTopKShape& shape,
+                  const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
+                  const Context& ctx) {
+  constexpr const char* where = "cpu::vq_topk_rows";
+  kvsift::detail::check_vq_topk_call(where, q, codebook, shape, options);
+  WorkspaceLayout layout(workspace, where);
+  const kvsift::detail::VqTopKBuffers buffers = kvsift::detail::vq_topk_layout(layout, shape, ctx);
+  kvsift::detail::vq_topk_rows_composed(q, codebook, codes, slots, lengths, shape, options, out, buffers, ctx);
 }
 
 KVSIFT_STORAGE_TYPES(KVSIFT_VQ_INSTANCES)

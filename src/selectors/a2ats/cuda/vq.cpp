@@ -4,7 +4,10 @@
 
 #include <algorithm>
 
+#include "kvsift/cuda/backend.hpp"
+#include "kvsift/cuda/detail/topk_launch.hpp"
 #include "kvsift/selectors/a2ats/detail/vq_checks.hpp"
+#include "kvsift/selectors/a2ats/detail/vq_topk.hpp"
 #include "kvsift/selectors/a2ats/detail/vq_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
@@ -164,6 +167,61 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
   KVSIFT_CUDA_CHECK(detail::launch_vq_lut(q, codebook, lut, ctx.stream));
   KVSIFT_CUDA_CHECK(detail::launch_vq_code_scan(as_const(lut), q.batch, codes, d_slots, d_lengths, scores, options,
                                                 scan_grid(q.batch, codebook.kv_heads, scores.cols, 1), ctx.stream));
+}
+
+namespace {
+
+/// vq_topk_rows' layout: the composed form's buffers, then the fused form's tables.
+struct VqTopKLayout {
+  kvsift::detail::VqTopKBuffers composed;
+  float* tables;
+};
+VqTopKLayout vq_topk_layout(WorkspaceLayout& layout, const VqTopKShape& shape, const Context& ctx) {
+  VqTopKLayout b{kvsift::detail::vq_topk_layout(layout, shape, ctx), nullptr};
+  b.tables = layout.allocate<float>(checked_mul(std::size_t(shape.batch) * std::size_t(shape.q_heads),
+                                                std::size_t(shape.codewords), "vq_topk_rows tables"),
+                                    "vq_topk_rows tables");
+  return b;
+}
+
+}  // namespace
+
+std::size_t vq_topk_rows_workspace_bytes(const VqTopKShape& shape, const Context& ctx) {
+  kvsift::detail::check_vq_topk_shape("cuda::vq_topk_rows_workspace_bytes", shape);
+  WorkspaceLayout counting;
+  vq_topk_layout(counting, shape, ctx);
+  return counting.bytes();
+}
+
+template <class T>
+void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
+                  const std::int32_t* d_slots, const std::int32_t* d_lengths, const VqTopKShape& shape,
+                  const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
+                  const Context& ctx) {
+  constexpr const char* where = "cuda::vq_topk_rows";
+  kvsift::detail::check_vq_topk_call(where, q, codebook, shape, options);
+  WorkspaceLayout layout(workspace, where);
+  const VqTopKLayout b = vq_topk_layout(layout, shape, ctx);
+  const MatrixView<float>& scores = b.composed.scores;
+  const detail::TopKRowsParams params =
+      detail::topk_rows_params(where, as_const(scores), d_lengths, shape.k, options, out, b.composed.topk);
+  if (!detail::topk_rows_takes_words(params) || shape.codewords > detail::kVqTopKMaxCodewords) {
+    kvsift::detail::vq_topk_rows_composed(q, codebook, codes, d_slots, d_lengths, shape, options, out, b.composed, ctx);
+    return;
+  }
+  kvsift::detail::check_vq_scan(where, q.batch, q.heads, codes, d_slots, d_lengths, scores, shape.scan);
+  KVSIFT_CHECK(codes.kv_heads == codebook.kv_heads, where, "codes.kv_heads (= {}) != codebook.kv_heads (= {})",
+               codes.kv_heads, codebook.kv_heads);
+  vq_lut(q, codebook, MatrixView<float>::packed(b.tables, std::int64_t(q.batch) * q.heads, codebook.codewords), ctx);
+  KVSIFT_CUDA_CHECK(detail::launch_vq_topk_rows(params,
+                                                {.tables = b.tables,
+                                                 .codes = codes,
+                                                 .slots = d_slots,
+                                                 .lengths = d_lengths,
+                                                 .codewords = codebook.codewords,
+                                                 .group = q.heads / codebook.kv_heads,
+                                                 .group_max = shape.scan.group_max},
+                                                ctx.stream));
 }
 
 KVSIFT_STORAGE_TYPES(KVSIFT_VQ_INSTANCES)

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <span>
 
+#include "kvsift/core/ranking.hpp"
 #include "kvsift/core/views.hpp"
 #include "kvsift/selectors/a2ats/vq.hpp"
 #include "kvsift/cpu/context.hpp"
@@ -68,5 +69,21 @@ template <class T>
 void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
                  const std::int32_t* slots, const std::int32_t* lengths, const MatrixView<float>& scores,
                  const VqScanOptions& options, std::span<std::byte> workspace, const Context& ctx = {});
+
+/// Bytes of host workspace (256-byte aligned) vq_topk_rows needs: the score matrix [batch * score heads,
+/// max_tokens] (score heads: kv_heads with shape.scan.group_max, else q_heads), vq_lut_scan's and topk_rows'
+/// scratch. Checked as the run checks the shapes.
+std::size_t vq_topk_rows_workspace_bytes(const VqTopKShape& shape, const Context& ctx);
+
+/// A²ATS's selection from the codes: vq_lut_scan's scores of every token (shape.scan.group_max: per kv head, else per
+/// query head), then topk_rows(scores, lengths, shape.k, options, out) (cpu/topk.hpp), with the scores in the
+/// workspace. options.heads_per_row must be 1 with scan.group_max, else q.heads / codebook.kv_heads (the union of the
+/// group's picks); shape's batch, heads, codewords and head_dim must be the arguments'. The CUDA twin computes the
+/// scores inside its top-k kernel where it can, with the same selection as its own composed form.
+template <class T>
+void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
+                  const std::int32_t* slots, const std::int32_t* lengths, const VqTopKShape& shape,
+                  const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
+                  const Context& ctx = {});
 
 }  // namespace kvsift::cpu

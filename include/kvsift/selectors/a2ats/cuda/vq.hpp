@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <span>
 
+#include "kvsift/core/ranking.hpp"
 #include "kvsift/core/views.hpp"
 #include "kvsift/selectors/a2ats/vq.hpp"
 #include "kvsift/cuda/context.hpp"
@@ -64,5 +65,23 @@ template <class T>
 void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
                  const std::int32_t* d_slots, const std::int32_t* d_lengths, const MatrixView<float>& scores,
                  const VqScanOptions& options, std::span<std::byte> workspace, const Context& ctx);
+
+/// Bytes of device workspace vq_topk_rows needs: cpu::vq_topk_rows_workspace_bytes' layout on this device (the
+/// score matrix, vq_lut_scan's and topk_rows' scratch), then the query heads' lookup tables (4 * batch * q_heads *
+/// codewords bytes) of the fused form.
+std::size_t vq_topk_rows_workspace_bytes(const VqTopKShape& shape, const Context& ctx = {});
+
+/// cpu::vq_topk_rows' contract. Where topk_rows plans its one-CTA or held kernel (score rows held in registers,
+/// cuda/topk.hpp) and the codebook has at most 16384 codewords: vq_lut into the workspace's tables, then that top-k
+/// kernel computes each score row's words from the codes and the row's table (the group's maximum with
+/// scan.group_max) in shared memory, so no score is written or read back; with heads_per_row > 1 the union kernel
+/// follows (3 launches). Otherwise vq_lut_scan into the workspace's scores, then topk_rows. Both forms select the
+/// same tokens (equal tables: one device function computes them), except that the fused form ranks a token at or
+/// past min(codes.max_tokens, shape.max_tokens) as NaN where the composed form would read a score it never wrote.
+template <class T>
+void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
+                  const std::int32_t* d_slots, const std::int32_t* d_lengths, const VqTopKShape& shape,
+                  const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
+                  const Context& ctx);
 
 }  // namespace kvsift::cuda

@@ -10,4 +10,7 @@
   template void vq_lut<T>(const QueryView<const T>&, const VqCodebook<T>&, const MatrixView<float>&, const Context&); \
   template void vq_lut_scan<T>(const QueryView<const T>&, const VqCodebook<T>&, const VqCodesView<const std::uint16_t>&, \
                                const std::int32_t*, const std::int32_t*, const MatrixView<float>&,                   \
-                               const VqScanOptions&, std::span<std::byte>, const Context&);
+                               const VqScanOptions&, std::span<std::byte>, const Context&);                   \
+  template void vq_topk_rows<T>(const QueryView<const T>&, const VqCodebook<T>&, const VqCodesView<const std::uint16_t>&, \
+                                const std::int32_t*, const std::int32_t*, const VqTopKShape&, const TopKRowsOptions&,  \
+                                const SelectionView&, std::span<std::byte>, const Context&);

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kvsift/core/views.hpp"
+#include "kvsift/cuda/detail/topk_launch.hpp"
 #include "kvsift/selectors/a2ats/vq.hpp"
 
 namespace kvsift::cuda::detail {
@@ -44,6 +45,24 @@ cudaError_t launch_vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>&
                                const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
                                const std::int32_t* lengths, const MatrixView<float>& scores,
                                const VqScanOptions& options, const VqScanGrid& grid, cudaStream_t stream);
+
+/// Codewords at most of the fused top-k's table (4 bytes each, in the top-k kernel's shared memory beside its own).
+inline constexpr std::int32_t kVqTopKMaxCodewords = 16384;
+
+/// What the fused top-k of vq_topk_rows reads in place of scores: vq_lut's tables [batch * q_heads, codewords] and
+/// the scan's codes, slots and lengths (device pointers).
+struct VqTopKWords {
+  const float* tables;
+  VqCodesView<const std::uint16_t> codes;
+  const std::int32_t* slots;
+  const std::int32_t* lengths;
+  std::int32_t codewords, group;
+  bool group_max;
+};
+
+/// The planned one-CTA or held top-k kernel (p.launch; topk_rows_takes_words) with words from `words`, then the
+/// union kernel of p.heads_per_row > 1.
+cudaError_t launch_vq_topk_rows(const TopKRowsParams& p, const VqTopKWords& words, cudaStream_t stream);
 
 /// fn.template operator()<D>() for D = head_dim, one of kVqHeadDims (the host refuses any other first); an
 /// unsupported head_dim returns cudaErrorInvalidValue. The one head_dim dispatch of the VQ launchers.
