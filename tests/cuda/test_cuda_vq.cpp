@@ -397,16 +397,20 @@ void check_topk_rows(Random& rng, std::int32_t batch, std::int32_t q_heads, std:
 TEST_F(CudaVq, TopKRowsEqualTheCpuTopKOfTheScan) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   for (const bool group_max : {false, true}) {
-    // One CTA a score row (topk_rows' one-CTA kernel fed by the codes).
+    // The count select (64 selection rows or more, up to 8 score rows each): rows of one CTA's size, A²ATS's heads,
+    // long rows, and 16 codewords for 5000 tokens (ties of hundreds of tokens at each head's threshold).
+    check_topk_rows<bfloat16>(rng, 16, 8, 4, 256, 128, 3001, 100, group_max);
+    check_topk_rows<half>(rng, 8, 32, 8, 4096, 64, 9000, 300, group_max);
+    check_topk_rows<bfloat16>(rng, 16, 8, 4, 1000, 128, 40000, 700, group_max);
+    check_topk_rows<half>(rng, 32, 8, 2, 16, 64, 5000, 400, group_max);
+    // Fewer rows, or groups of 16 (union): topk_rows' one-CTA and held kernels fed by the codes; with 20000
+    // codewords (past their tables' 16384), or with the slice kernel's plan (160 score rows), the composed form.
     check_topk_rows<bfloat16>(rng, 5, 8, 2, 256, 128, 3001, 100, group_max);
-    // A²ATS's heads: 32 score rows (union) of 9000 tokens, 4096 codewords (a 16 KB table per row).
-    check_topk_rows<half>(rng, 1, 32, 8, 4096, 64, 9000, 300, group_max);
-    // Clusters of CTAs holding a row (the held kernel): 8 / 2 rows of 40000 tokens.
     check_topk_rows<bfloat16>(rng, 1, 8, 2, 1000, 128, 40000, 700, group_max);
-    // More rows than the held plan takes (the slice kernel): the composed form.
+    check_topk_rows<half>(rng, 1, 16, 1, 1000, 64, 9000, 200, group_max);
+    check_topk_rows<bfloat16>(rng, 1, 16, 1, 1000, 64, 40000, 300, group_max);
+    check_topk_rows<half>(rng, 1, 16, 1, 20000, 64, 3000, 100, group_max);
     check_topk_rows<float>(rng, 40, 4, 1, 64, 64, 12000, 50, group_max);
-    // A table past the fused form's 16384 codewords on a held plan: the composed form.
-    check_topk_rows<half>(rng, 1, 8, 2, 20000, 64, 40000, 200, group_max);
   }
 }
 

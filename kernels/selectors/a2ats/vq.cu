@@ -230,7 +230,207 @@ struct VqWords {
   }
 };
 
+/// The count select of vq_topk_rows (cuda/vq.hpp): a CTA per selection row (sequence b, kv head g). A row's scores
+/// are table entries, so its tokens take at most `codewords` distinct values (and NaN): the CTA counts the tokens of
+/// each code in the middle, finds each head's threshold word by a radix select over the codewords weighted by their
+/// counts (NaN tokens counted at word 0), classes each code per head (better than / tied with / worse than the
+/// threshold), then walks the middle once in index order: a token is chosen when some head's class takes it (a tied
+/// token when fewer than that head's tied quota come before it), and the chosen go out ascending. The same picks as
+/// the per-head top-k and their union: the threshold, and ties to the smaller index, are topk_rows' rule.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) vq_count_select_kernel(const __grid_constant__ VqCountSelectParams p) {
+  constexpr int kHeads = kVqCountSelectMaxHeads;
+  constexpr int kTokens = 8;  // consecutive tokens per thread in a pass of the emission
+  static_assert(kHeads <= kThreads / 32, "a warp per head's bins");
+  __shared__ std::uint32_t histogram[kHeads][256];
+  __shared__ std::uint32_t threshold[kHeads], quota[kHeads];  // quota: the rank of the threshold, then tied tokens to take
+  __shared__ std::uint32_t nan_tokens;
+  __shared__ std::uint32_t nan_class[kHeads];
+  __shared__ __align__(16) std::uint32_t scan_buffer[2][kHeads * 32];
+  extern __shared__ __align__(16) unsigned char count_select_smem[];
+  const VqTopKWords& w = p.words;
+  const std::int32_t codewords = w.codewords;
+  auto* counts = reinterpret_cast<std::uint32_t*>(count_select_smem);             // [codewords]
+  auto* classes = reinterpret_cast<std::uint8_t*>(counts + codewords);           // [heads, codewords]
+
+  programmatic_start();  // the tables, codes, lengths and budgets
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const std::int64_t row = blockIdx.x;  // b * kv_heads + g: the selection row
+  const std::int32_t b = std::int32_t(row / w.codes.kv_heads), g = std::int32_t(row % w.codes.kv_heads);
+  const std::int32_t length = w.lengths[b];
+  const std::int32_t k = p.row_k != nullptr ? p.row_k[row] : p.k;
+  std::int32_t* const count_out = p.out.counts + row;
+  if (length < 0 || length > p.max_tokens || k < 0 || k > p.k) {  // topk_rows' invalid row
+    if (tid == 0) *count_out = -1;
+    return;
+  }
+  const std::int32_t lo = p.window.sink_end(length), hi = p.window.recent_begin(length);
+  const std::int32_t picks = min(k, hi - lo);
+  std::int32_t* const indices = p.out.indices + row * p.out.capacity;
+  float* const weights = p.out.log_weights != nullptr ? p.out.log_weights + row * p.out.capacity : nullptr;
+  if (picks == 0 || picks == hi - lo) {  // nothing, or the whole middle
+    for (std::int32_t i = tid; i < picks; i += kThreads) {
+      indices[i] = lo + i;
+      if (weights != nullptr) weights[i] = 0.0f;
+    }
+    if (tid == 0) *count_out = picks;
+    return;
+  }
+  const std::int32_t heads = w.group_max ? 1 : w.group;
+  const std::int32_t n = vq_scan_length(length, p.max_tokens, w.codes.max_tokens);
+  const std::int32_t slot = w.slots[b];
+  const std::uint16_t* const codes = slot >= 0 && slot < w.codes.slots ? w.codes.row(slot, g) : nullptr;
+  const auto code_at = [&](std::int32_t t) { return codes != nullptr && t < n ? std::int32_t(codes[t]) : codewords; };
+  const float* const tables = w.tables + row * w.group * std::int64_t(codewords);  // the group's first table
+  const auto word = [&](std::int32_t h, std::int32_t c) {
+    if (!w.group_max) return rank_word(__ldg(tables + std::int64_t(h) * codewords + c));
+    float m = __ldg(tables + c);
+    for (std::int32_t u = 1; u < w.group; ++u) {
+      m = kvsift::detail::vq_group_max(m, __ldg(tables + std::int64_t(u) * codewords + c));
+    }
+    return rank_word(m);
+  };
+
+  // Tokens per code in the middle; NaN tokens (a code past the codebook, a token past the codes, a bad slot) apart.
+  for (std::int32_t c = tid; c < codewords; c += kThreads) counts[c] = 0;
+  if (tid == 0) nan_tokens = 0;
+  if (tid < kHeads) {
+    threshold[tid] = 0;
+    quota[tid] = std::uint32_t(picks);
+  }
+  __syncthreads();
+  std::uint32_t nan_here = 0;
+  for (std::int32_t t = lo + tid; t < hi; t += kThreads) {
+    const std::int32_t code = code_at(t);
+    if (code < codewords) {
+      atomicAdd(counts + code, 1u);
+    } else {
+      ++nan_here;
+    }
+  }
+  if (nan_here > 0) atomicAdd(&nan_tokens, nan_here);
+  __syncthreads();
+
+  // Each head's threshold: four 8-bit passes over the codewords' words, each code weighing its count.
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = 24 - 8 * pass;
+    const std::uint32_t decided = pass == 0 ? 0u : ~0u << (shift + 8);
+    for (int i = tid; i < kHeads * 256; i += kThreads) (&histogram[0][0])[i] = 0;
+    __syncthreads();
+    for (std::int32_t c = tid; c < codewords; c += kThreads) {
+      const std::uint32_t count = counts[c];
+      if (count == 0) continue;
+      for (int h = 0; h < heads; ++h) {
+        const std::uint32_t x = word(h, c);
+        if ((x & decided) == threshold[h]) atomicAdd(&histogram[h][(x >> shift) & 255u], count);
+      }
+    }
+    if (tid < heads && nan_tokens > 0 && threshold[tid] == 0u) atomicAdd(&histogram[tid][0], nan_tokens);
+    __syncthreads();
+    if (warp < heads) {  // warp h: the bin holding its head's quota-th word
+      const int h = warp;
+      std::uint32_t bins[8], sum = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        bins[i] = histogram[h][lane * 8 + i];
+        sum += bins[i];
+      }
+      std::uint32_t inclusive = sum;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const std::uint32_t y = __shfl_up_sync(0xffffffffu, inclusive, o);
+        if (lane >= o) inclusive += y;
+      }
+      const std::uint32_t want = quota[h];
+      std::uint32_t before = inclusive - sum;
+      if (before < want && want <= inclusive) {
+        int d = 0;
+        while (before + bins[d] < want) before += bins[d++];
+        threshold[h] |= std::uint32_t(lane * 8 + d) << shift;
+        quota[h] = want - before;
+      }
+    }
+    __syncthreads();
+  }
+
+  // Each code's class per head: 1 better than the threshold, 2 tied with it, 0 worse.
+  for (std::int32_t c = tid; c < codewords; c += kThreads) {
+    for (std::int32_t h = 0; h < heads; ++h) {
+      const std::uint32_t x = word(h, c);
+      classes[std::int64_t(h) * codewords + c] = x < threshold[h] ? 1 : x == threshold[h] ? 2 : 0;
+    }
+  }
+  if (tid < heads) nan_class[tid] = threshold[tid] > 0u ? 1u : 2u;  // NaN's word 0 is never worse
+  __syncthreads();
+
+  // The middle in index order, kThreads * kTokens tokens a pass: the tied tokens' ranks per head, then the chosen.
+  std::uint32_t tied_before[kHeads] = {}, chosen_before = 0;
+  for (std::int32_t base = lo; base < hi; base += kThreads * kTokens) {
+    const std::int32_t first = base + tid * kTokens;
+    std::uint32_t packed[kTokens];  // 2 bits of class per head
+    std::uint32_t tied[kHeads] = {};
+#pragma unroll
+    for (int j = 0; j < kTokens; ++j) {
+      packed[j] = 0;
+      if (first + j >= hi) continue;
+      const std::int32_t code = code_at(first + j);
+#pragma unroll
+      for (int h = 0; h < kHeads; ++h) {  // constant indices keep the per-head arrays in registers
+        if (h >= heads) break;
+        const std::uint32_t cls = code < codewords ? classes[std::int64_t(h) * codewords + code] : nan_class[h];
+        packed[j] |= cls << (2 * h);
+        tied[h] += cls == 2u ? 1u : 0u;
+      }
+    }
+    std::uint32_t tied_rank[kHeads], tied_total[kHeads];
+    held_block_scan<kThreads, kHeads>(tied, tied_rank, tied_total, scan_buffer[0]);
+    std::uint32_t chosen_mask = 0, chosen[1] = {0};
+#pragma unroll
+    for (int j = 0; j < kTokens; ++j) {
+      bool take = false;
+#pragma unroll
+      for (int h = 0; h < kHeads; ++h) {
+        if (h >= heads) break;
+        const std::uint32_t cls = (packed[j] >> (2 * h)) & 3u;
+        if (cls == 1u) take = true;
+        if (cls == 2u) {  // every tied token counts toward its head's rank, taken or not
+          if (tied_before[h] + tied_rank[h] < quota[h]) take = true;
+          ++tied_rank[h];
+        }
+      }
+      if (take) {
+        chosen_mask |= 1u << j;
+        ++chosen[0];
+      }
+    }
+    std::uint32_t position[1], total[1];
+    held_block_scan<kThreads, 1>(chosen, position, total, scan_buffer[1]);
+    std::uint32_t at = chosen_before + position[0];
+#pragma unroll
+    for (int j = 0; j < kTokens; ++j) {
+      if ((chosen_mask >> j & 1u) == 0) continue;
+      indices[at] = first + j;
+      if (weights != nullptr) weights[at] = 0.0f;
+      ++at;
+    }
+    chosen_before += total[0];
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) tied_before[h] += tied_total[h];
+  }
+  if (tid == 0) *count_out = std::int32_t(chosen_before);
+}
+
 }  // namespace
+
+cudaError_t launch_vq_count_select(const VqCountSelectParams& p, cudaStream_t stream) {
+  constexpr auto kernel = vq_count_select_kernel<kVqCountSelectThreads>;
+  if (cudaError_t s = open_shared_memory<kernel>(); s != cudaSuccess) return s;
+  return launch(kernel,
+                {.grid = dim3(unsigned(p.rows)), .block = dim3(kVqCountSelectThreads),
+                 .smem = vq_count_select_smem_bytes(p.words.codewords, p.words.group_max ? 1 : p.words.group),
+                 .stream = stream, .programmatic = true},
+                p);
+}
 
 cudaError_t launch_vq_topk_rows(const TopKRowsParams& p, const VqTopKWords& words, cudaStream_t stream) {
   if (cudaError_t s = launch_topk_rows_words(p, VqWords{words}, stream); s != cudaSuccess) return s;

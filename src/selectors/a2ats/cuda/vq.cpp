@@ -184,6 +184,17 @@ VqTopKLayout vq_topk_layout(WorkspaceLayout& layout, const VqTopKShape& shape, c
   return b;
 }
 
+/// Whether the count select takes the call: at least kVqCountSelectMinRows selection rows, at most
+/// kVqCountSelectMaxHeads score rows per selection row, its counts and classes in one block's shared memory, and no
+/// topk_rows option it does not implement (nan_marks_row, seed).
+bool count_select_fits(const VqTopKShape& shape, const TopKRowsOptions& options) {
+  const std::int32_t heads = kvsift::detail::vq_topk_heads_per_row(shape);
+  return std::int64_t(shape.batch) * shape.kv_heads >= detail::kVqCountSelectMinRows &&
+         heads <= detail::kVqCountSelectMaxHeads && !options.nan_marks_row && options.seed == nullptr &&
+         detail::vq_count_select_smem_bytes(shape.codewords, heads) + detail::kVqCountSelectStaticSmem <=
+             std::size_t(max_shared_memory_per_block());
+}
+
 }  // namespace
 
 std::size_t vq_topk_rows_workspace_bytes(const VqTopKShape& shape, const Context& ctx) {
@@ -205,7 +216,8 @@ void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, co
   const MatrixView<float>& scores = b.composed.scores;
   const detail::TopKRowsParams params =
       detail::topk_rows_params(where, as_const(scores), d_lengths, shape.k, options, out, b.composed.topk);
-  if (!detail::topk_rows_takes_words(params) || shape.codewords > detail::kVqTopKMaxCodewords) {
+  const bool count_select = count_select_fits(shape, options);
+  if (!count_select && (!detail::topk_rows_takes_words(params) || shape.codewords > detail::kVqTopKMaxCodewords)) {
     kvsift::detail::vq_topk_rows_composed(q, codebook, codes, d_slots, d_lengths, shape, options, out, b.composed, ctx);
     return;
   }
@@ -213,15 +225,25 @@ void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, co
   KVSIFT_CHECK(codes.kv_heads == codebook.kv_heads, where, "codes.kv_heads (= {}) != codebook.kv_heads (= {})",
                codes.kv_heads, codebook.kv_heads);
   vq_lut(q, codebook, MatrixView<float>::packed(b.tables, std::int64_t(q.batch) * q.heads, codebook.codewords), ctx);
-  KVSIFT_CUDA_CHECK(detail::launch_vq_topk_rows(params,
-                                                {.tables = b.tables,
-                                                 .codes = codes,
-                                                 .slots = d_slots,
-                                                 .lengths = d_lengths,
-                                                 .codewords = codebook.codewords,
-                                                 .group = q.heads / codebook.kv_heads,
-                                                 .group_max = shape.scan.group_max},
-                                                ctx.stream));
+  const detail::VqTopKWords words{.tables = b.tables,
+                                  .codes = codes,
+                                  .slots = d_slots,
+                                  .lengths = d_lengths,
+                                  .codewords = codebook.codewords,
+                                  .group = q.heads / codebook.kv_heads,
+                                  .group_max = shape.scan.group_max};
+  if (count_select) {
+    KVSIFT_CUDA_CHECK(detail::launch_vq_count_select({.words = words,
+                                                      .row_k = options.row_k,
+                                                      .k = shape.k,
+                                                      .window = options.window,
+                                                      .max_tokens = shape.max_tokens,
+                                                      .out = out,
+                                                      .rows = std::int64_t(q.batch) * codebook.kv_heads},
+                                                     ctx.stream));
+    return;
+  }
+  KVSIFT_CUDA_CHECK(detail::launch_vq_topk_rows(params, words, ctx.stream));
 }
 
 KVSIFT_STORAGE_TYPES(KVSIFT_VQ_INSTANCES)

@@ -71,13 +71,21 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
 /// codewords bytes) of the fused form.
 std::size_t vq_topk_rows_workspace_bytes(const VqTopKShape& shape, const Context& ctx = {});
 
-/// cpu::vq_topk_rows' contract. Where topk_rows plans its one-CTA or held kernel (score rows held in registers,
-/// cuda/topk.hpp) and the codebook has at most 16384 codewords: vq_lut into the workspace's tables, then that top-k
-/// kernel computes each score row's words from the codes and the row's table (the group's maximum with
-/// scan.group_max) in shared memory, so no score is written or read back; with heads_per_row > 1 the union kernel
-/// follows (3 launches). Otherwise vq_lut_scan into the workspace's scores, then topk_rows. Both forms select the
-/// same tokens (equal tables: one device function computes them), except that the fused form ranks a token at or
-/// past min(codes.max_tokens, shape.max_tokens) as NaN where the composed form would read a score it never wrote.
+/// cpu::vq_topk_rows' contract, in one of three forms, each selecting the same tokens (equal tables: one device
+/// function computes them) but for the note below:
+/// - the count select, where there are at least 64 selection rows (batch * kv_heads: it takes one CTA per row) and a
+///   selection row has at most 8 score rows (the group, or 1 with scan.group_max), its
+///   counts and classes (codewords * (4 + score rows) bytes) fit a block's shared memory and options has no
+///   nan_marks_row or seed: vq_lut into the workspace's tables, then one CTA per selection row counts the middle's
+///   tokens per code, finds each score row's threshold by a radix select over the codewords weighted by their counts
+///   (a row's scores are table entries: at most `codewords` distinct values), and writes the union of the rows'
+///   picks in one pass over the codes (2 launches, no score matrix, no union launch);
+/// - else, where topk_rows plans its one-CTA or held kernel and the codebook has at most 16384 codewords: vq_lut,
+///   then that kernel computes each score row's words from the codes and the row's table in shared memory (the
+///   union kernel follows with heads_per_row > 1);
+/// - else vq_lut_scan into the workspace's scores, then topk_rows.
+/// The first two rank a token at or past min(codes.max_tokens, shape.max_tokens) as NaN where the composed form
+/// would read a score it never wrote.
 template <class T>
 void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
                   const std::int32_t* d_slots, const std::int32_t* d_lengths, const VqTopKShape& shape,

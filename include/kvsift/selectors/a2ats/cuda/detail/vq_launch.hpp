@@ -64,6 +64,39 @@ struct VqTopKWords {
 /// union kernel of p.heads_per_row > 1.
 cudaError_t launch_vq_topk_rows(const TopKRowsParams& p, const VqTopKWords& words, cudaStream_t stream);
 
+/// The count select (vq_topk_rows where it applies): threads of its one CTA per selection row, and the most score
+/// heads per selection row it takes (the group, or 1 with group_max).
+inline constexpr int kVqCountSelectThreads = 1024;
+inline constexpr std::int32_t kVqCountSelectMaxHeads = 8;
+/// Selection rows (batch * kv_heads) from which the count select is taken: its one CTA per row walks the row's
+/// codes alone, so a few rows leave the GPU idle. H200, A²ATS at 128K (2026-11-30): 8 rows (batch 1) 243 µs a step
+/// against 160 with the held top-k fed by the codes; 64 rows (batch 8) 378 against 833 (union), 237 against 330
+/// (group max).
+inline constexpr std::int64_t kVqCountSelectMinRows = 64;
+
+/// The count select's static shared memory (its histograms and scan buffers, 10.3 KB), with margin.
+inline constexpr std::size_t kVqCountSelectStaticSmem = 12 * 1024;
+
+/// Dynamic shared memory of the count select: a count per codeword and a class byte per (head, codeword).
+constexpr std::size_t vq_count_select_smem_bytes(std::int32_t codewords, std::int32_t heads) {
+  return std::size_t(codewords) * (sizeof(std::uint32_t) + std::size_t(heads));
+}
+
+/// Everything the count select reads and writes (device pointers): the words' source, topk_rows' budget, window
+/// and output, max_tokens (the score rows' length: a longer sequence gets count -1, as from topk_rows).
+struct VqCountSelectParams {
+  VqTopKWords words;
+  const std::int32_t* row_k;  ///< [rows] or nullptr
+  std::int32_t k;
+  AttentionWindow window;
+  std::int32_t max_tokens;
+  SelectionView out;
+  std::int64_t rows;  ///< selection rows: batch * kv_heads
+};
+
+/// One CTA per selection row; the caller has checked heads <= kVqCountSelectMaxHeads and the shared memory.
+cudaError_t launch_vq_count_select(const VqCountSelectParams& p, cudaStream_t stream);
+
 /// fn.template operator()<D>() for D = head_dim, one of kVqHeadDims (the host refuses any other first); an
 /// unsupported head_dim returns cudaErrorInvalidValue. The one head_dim dispatch of the VQ launchers.
 template <class F>
