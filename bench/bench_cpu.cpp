@@ -25,6 +25,7 @@
 #include "kvsift/cpu/decode.hpp"
 #include "kvsift/cpu/primitives.hpp"
 #include "kvsift/cpu/topk.hpp"
+#include "kvsift/selectors/a2ats/cpu/vq.hpp"
 #include "kvsift/cpu/simd.hpp"
 #include "kvsift/cpu/thread_pool.hpp"
 
@@ -301,6 +302,50 @@ void BM_CpuSelectStep(benchmark::State& state) {
   state.SetLabel(std::string(cpu::simd_level_name(cpu::active_simd_level())));
 }
 
+/// A²ATS's selection on the CPU, union rule (q 32 / kv 8 heads, head_dim 128, 4096 random codewords, uniform codes,
+/// K 3% per query head, a 4-sink, 64-recent window): composed 1, vq_lut_scan's scores then topk_rows (the form
+/// before vq_topk_rows); 0, vq_topk_rows (a count per code, thresholds from the codewords, one walk).
+void BM_CpuVqTopKRows(benchmark::State& state) {
+  const std::int32_t tokens = std::int32_t(state.range(0)), threads = std::int32_t(state.range(1));
+  const bool composed = state.range(2) != 0;
+  constexpr std::int32_t kCodewords = 4096;
+  const std::int32_t k = tokens * 3 / 100;
+  std::mt19937_64 rng(8);
+  std::vector<bfloat16> q(kQHeads * kHeadDim), codebook(std::size_t(kKvHeads) * kCodewords * kHeadDim);
+  for (auto& x : q) x = from_float<bfloat16>(std::normal_distribution<float>()(rng));
+  for (auto& x : codebook) x = from_float<bfloat16>(std::normal_distribution<float>()(rng));
+  std::vector<std::uint16_t> codes(std::size_t(kKvHeads) * tokens);
+  for (auto& c : codes) c = std::uint16_t(rng() % kCodewords);
+  const std::int32_t slots[1] = {0}, lengths[1] = {tokens};
+  const auto qv = QueryView<const bfloat16>::packed(q.data(), 1, kQHeads, kHeadDim);
+  const VqCodebook<bfloat16> book{codebook.data(), kKvHeads, kCodewords, kHeadDim};
+  const auto cv = VqCodesView<const std::uint16_t>::packed(codes.data(), 1, kKvHeads, tokens);
+  const std::int32_t group = kQHeads / kKvHeads, capacity = group * k;
+  std::vector<std::int32_t> indices(std::size_t(kKvHeads) * capacity), counts(kKvHeads);
+  const SelectionView out{indices.data(), counts.data(), nullptr, 1, kKvHeads, capacity};
+  const TopKRowsOptions options{.window = {4, 64}, .heads_per_row = group};
+  cpu::ThreadPool pool(threads);
+  const VqTopKShape shape{.batch = 1, .q_heads = kQHeads, .kv_heads = kKvHeads, .codewords = kCodewords,
+                          .head_dim = kHeadDim, .max_tokens = tokens, .k = k};
+  std::vector<float> scores(composed ? std::size_t(kQHeads) * tokens : 0);
+  const auto workspace = aligned_workspace(
+      composed ? std::max(cpu::vq_lut_scan_workspace_bytes(1, kQHeads, kKvHeads, kCodewords, kHeadDim, &pool),
+                          cpu::topk_rows_workspace_bytes(kQHeads, tokens, k, options, &pool))
+               : cpu::vq_topk_rows_workspace_bytes(shape, &pool));
+  for (auto _ : state) {
+    if (composed) {
+      const auto view = MatrixView<float>::packed(scores.data(), kQHeads, tokens);
+      cpu::vq_lut_scan(qv, book, cv, slots, lengths, view, {}, workspace, &pool);
+      cpu::topk_rows(MatrixView<const float>::packed(scores.data(), kQHeads, tokens), lengths, k, options, out,
+                     workspace, &pool);
+    } else {
+      cpu::vq_topk_rows(qv, book, cv, slots, lengths, shape, options, out, workspace, &pool);
+    }
+    benchmark::DoNotOptimize(indices.data());
+  }
+  state.SetLabel(std::string(cpu::simd_level_name(cpu::active_simd_level())));
+}
+
 /// 32K and 128K tokens, on 1 thread and on all; with_softmax: raw and softmax scores.
 void selection_shapes(benchmark::internal::Benchmark* b, bool with_softmax) {
   const int all = int(std::max(1u, std::thread::hardware_concurrency()));
@@ -320,6 +365,11 @@ void selection_shapes(benchmark::internal::Benchmark* b, bool with_softmax) {
 BENCHMARK(BM_CpuGroupScores)->Apply([](auto* b) { selection_shapes(b, true); })->ArgNames({"tokens", "threads", "softmax"})->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CpuTopKRows)->Apply([](auto* b) { selection_shapes(b, false); })->ArgNames({"tokens", "threads"})->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CpuSelectStep)->Apply([](auto* b) { selection_shapes(b, false); })->ArgNames({"tokens", "threads"})->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CpuVqTopKRows)
+    ->ArgsProduct({{32768, 131072}, {1, int(std::max(1u, std::thread::hardware_concurrency()))}, {0, 1}})
+    ->ArgNames({"tokens", "threads", "composed"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 
 void thread_counts(benchmark::internal::Benchmark* b, bool with_k) {
   const int all = int(std::max(1u, std::thread::hardware_concurrency()));

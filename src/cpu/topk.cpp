@@ -126,18 +126,9 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* length
                ThreadPool* pool) {
   constexpr const char* where = "cpu::topk_rows";
   kvsift::detail::check_topk_rows_call(where, scores, lengths, "lengths", k, options, out);
+  kvsift::detail::check_topk_rows_host_values(where, lengths, out, scores.cols, "scores.cols", k, options);
   const std::int32_t heads = options.heads_per_row;
-  for (std::int32_t b = 0; b < out.batch; ++b) {
-    KVSIFT_CHECK(lengths[b] >= 0 && lengths[b] <= scores.cols, where, "lengths[{}] (= {}) is outside [0, scores.cols = {}]",
-                 b, lengths[b], scores.cols);
-  }
   const std::int64_t selection_rows = std::int64_t(out.batch) * out.kv_heads;
-  if (options.row_k != nullptr) {
-    for (std::int64_t s = 0; s < selection_rows; ++s) {
-      KVSIFT_CHECK(options.row_k[s] >= 0 && options.row_k[s] <= k, where,
-                   "options.row_k[{}] (= {}) is outside [0, k = {}]", s, options.row_k[s], k);
-    }
-  }
   const AttentionWindow window = options.window;
   const std::int64_t slots = topk_slots(scores.rows, heads, pool);
   WorkspaceLayout layout(workspace, where);

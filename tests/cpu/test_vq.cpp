@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kvsift/cpu/context.hpp"
+#include "kvsift/cpu/topk.hpp"
 #include "kvsift/selectors/a2ats/cpu/vq.hpp"
 #include "test_util.hpp"
 #include "vq_problem.hpp"
@@ -252,17 +253,31 @@ TEST(VqCodeScan, ScoresAreTableEntriesOfTheCodes) {
   }
 }
 
+/// A codebook and queries in T, and a scan's codes, slots and lengths (invalid codes and slots among them).
+template <class T>
+struct ScanCase {
+  VqProblem p;
+  std::vector<T> cb, q;
+  ScanProblem sp;
+  VqCodebook<T> codebook;
+  QueryView<const T> qv;
+  ScanCase(Random& rng, std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads, std::int32_t codewords,
+           std::int32_t d, std::int32_t cols)
+      : p(test::make_vq_problem(rng, kv_heads, codewords, d)), cb(key_codebook<T>(p)),
+        q(test::to_storage<T>(rng.normal(std::size_t(batch) * q_heads * d))),
+        sp(rng, batch, q_heads, kv_heads, codewords, cols, true), codebook{cb.data(), kv_heads, codewords, d},
+        qv(QueryView<const T>::packed(q.data(), batch, q_heads, d)) {}
+};
+
 template <class T>
 void check_lut_scan(Random& rng, std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads, std::int32_t codewords,
                     std::int32_t d, std::int32_t cols, cpu::ThreadPool* pool) {
   SCOPED_TRACE(testing::Message() << "batch " << batch << " heads " << q_heads << "/" << kv_heads << " codewords "
                                   << codewords << " d " << d << " cols " << cols);
-  const VqProblem p = test::make_vq_problem(rng, kv_heads, codewords, d);
-  const std::vector<T> cb = key_codebook<T>(p);
-  const VqCodebook<T> codebook{cb.data(), kv_heads, codewords, d};
-  const std::vector<T> q = test::to_storage<T>(rng.normal(std::size_t(batch) * q_heads * d));
-  const auto qv = QueryView<const T>::packed(q.data(), batch, q_heads, d);
-  const ScanProblem sp(rng, batch, q_heads, kv_heads, codewords, cols, true);
+  const ScanCase<T> c(rng, batch, q_heads, kv_heads, codewords, d, cols);
+  const VqCodebook<T>& codebook = c.codebook;
+  const QueryView<const T>& qv = c.qv;
+  const ScanProblem& sp = c.sp;
   std::vector<float> lut(std::size_t(batch) * q_heads * codewords, test::kPoison);
   cpu::vq_lut(qv, codebook, MatrixView<float>::packed(lut.data(), std::int64_t(batch) * q_heads, codewords), pool);
   const std::vector<float> want = sp.expected(lut);
@@ -295,6 +310,120 @@ TEST(VqLutScan, EqualsTheTablesThenTheScan) {
     check_lut_scan<half>(rng, 2, 6, 3, 256, 64, 77, &pool);
   }
   check_lut_scan<bfloat16>(rng, 5, 32, 8, 4096, 128, 1500, &pool);
+}
+
+/// vq_topk_rows (a count per code, thresholds from the codewords' sorted words, one walk) against topk_rows of the
+/// scan's scores (vq_lut_scan, then cpu::topk_rows: a selection by rank keys): per-head rows and their union, or the
+/// group maximum; invalid codes and slots, ragged lengths, an attention window, budgets per row, few codewords (ties
+/// of hundreds of tokens); nan_marks_row on single-head rows; outputs and workspace poisoned.
+template <class T>
+void check_topk_rows(Random& rng, std::int32_t batch, std::int32_t q_heads, std::int32_t kv_heads,
+                     std::int32_t codewords, std::int32_t d, std::int32_t cols, std::int32_t k, bool group_max,
+                     cpu::ThreadPool* pool) {
+  SCOPED_TRACE(testing::Message() << "batch " << batch << " heads " << q_heads << "/" << kv_heads << " codewords "
+                                  << codewords << " cols " << cols << " k " << k << " group_max " << group_max);
+  const ScanCase<T> c(rng, batch, q_heads, kv_heads, codewords, d, cols);
+  const VqCodebook<T>& codebook = c.codebook;
+  const QueryView<const T>& qv = c.qv;
+  const ScanProblem& sp = c.sp;
+  std::vector<std::int32_t> lengths = sp.lengths;  // topk_rows refuses a length past cols
+  for (auto& len : lengths) len = std::min(len, cols);
+  const std::int32_t heads = group_max ? 1 : q_heads / kv_heads, capacity = heads * k;
+  const std::int64_t score_rows = std::int64_t(batch) * kv_heads * heads, rows = std::int64_t(batch) * kv_heads;
+  std::vector<std::int32_t> row_k(static_cast<std::size_t>(rows));
+  for (auto& r : row_k) r = rng.uniform_int(0, k);
+  const VqTopKShape shape{.batch = batch, .q_heads = q_heads, .kv_heads = kv_heads, .codewords = codewords,
+                          .head_dim = d, .max_tokens = cols, .k = k, .scan = {.group_max = group_max}};
+  for (const bool nan_marks_row : {false, true}) {
+    if (nan_marks_row && heads > 1) continue;  // topk_rows' option of single-head rows
+    for (const bool per_row_budgets : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "nan_marks_row " << nan_marks_row << " per-row budgets " << per_row_budgets);
+      const TopKRowsOptions options{.window = {.sink = 3, .recent = 5},
+                                    .row_k = per_row_budgets ? row_k.data() : nullptr,
+                                    .heads_per_row = heads,
+                                    .nan_marks_row = nan_marks_row};
+      std::vector<float> scores(std::size_t(score_rows) * cols, kScoreSentinel);
+      cpu::Array<std::byte> scan_ws(cpu::vq_lut_scan_workspace_bytes(batch, q_heads, kv_heads, codewords, d, pool));
+      cpu::vq_lut_scan(qv, codebook, sp.codes_view(), sp.slot_of.data(), lengths.data(),
+                       MatrixView<float>::packed(scores.data(), score_rows, cols), shape.scan, scan_ws.bytes(), pool);
+      std::vector<std::int32_t> want(std::size_t(rows) * capacity, -7), want_counts(std::size_t(rows), -7);
+      cpu::Array<std::byte> topk_ws(cpu::topk_rows_workspace_bytes(score_rows, cols, k, options, pool));
+      cpu::topk_rows(MatrixView<const float>::packed(scores.data(), score_rows, cols), lengths.data(), k, options,
+                     SelectionView{want.data(), want_counts.data(), nullptr, batch, kv_heads, capacity}, topk_ws.bytes(),
+                     pool);
+
+      std::vector<std::int32_t> got(want.size()), counts(want_counts.size());
+      std::vector<float> weights(want.size());
+      test::check_workspace(
+          cpu::vq_topk_rows_workspace_bytes(shape, pool),
+          [&](std::span<std::byte> ws) {
+            cpu::vq_topk_rows(qv, codebook, sp.codes_view(), sp.slot_of.data(), lengths.data(), shape, options,
+                              SelectionView{got.data(), counts.data(), weights.data(), batch, kv_heads, capacity}, ws,
+                              pool);
+          },
+          [&] { return test::bytes_of(got, counts); },
+          [&] {
+            std::fill(got.begin(), got.end(), -9);
+            std::fill(counts.begin(), counts.end(), -9);
+            std::fill(weights.begin(), weights.end(), 1.0f);
+          });
+      std::int32_t chosen = 0, marked = 0;
+      for (std::size_t r = 0; r < counts.size(); ++r) {
+        ASSERT_EQ(counts[r], want_counts[r]) << "row " << r;
+        marked += counts[r] == -1 ? 1 : 0;
+        for (std::int32_t i = 0; i < counts[r]; ++i) {
+          ASSERT_EQ(got[r * capacity + i], want[r * capacity + i]) << "row " << r << " entry " << i;
+          ASSERT_EQ(weights[r * capacity + i], 0.0f) << "row " << r << " entry " << i;
+        }
+        chosen += std::max(counts[r], 0);
+      }
+      if (nan_marks_row) {
+        EXPECT_GT(marked, 0) << "no row held a NaN: nan_marks_row untested";
+      } else {
+        EXPECT_GT(chosen, 0) << "no row chose a token: the comparison tested nothing";
+      }
+    }
+  }
+}
+
+TEST(VqTopKRows, EqualTheTopKOfTheScan) {
+  Random rng(test::test_seed());
+  cpu::ThreadPool pool(3);
+  for (const bool group_max : {false, true}) {
+    check_topk_rows<half>(rng, 5, 8, 2, 256, 64, 3001, 100, group_max, nullptr);
+    check_topk_rows<bfloat16>(rng, 4, 32, 8, 4096, 128, 2000, 60, group_max, &pool);
+    check_topk_rows<float>(rng, 6, 8, 2, 16, 64, 5000, 400, group_max, &pool);  // 16 codewords: ties of hundreds
+    check_topk_rows<half>(rng, 3, 20, 1, 100, 64, 700, 30, group_max, nullptr);  // a group of 20
+  }
+}
+
+TEST(VqTopKRows, RefusesWhatTopKRowsRefuses) {
+  std::vector<half> q(2 * 8 * 64), cbook(2 * 16 * 64);
+  std::vector<std::uint16_t> codes(2 * 2 * 10);
+  const auto qv = QueryView<const half>::packed(q.data(), 2, 8, 64);
+  const VqCodebook<half> book{cbook.data(), 2, 16, 64};
+  const auto cv = VqCodesView<const std::uint16_t>::packed(codes.data(), 2, 2, 10);
+  const VqTopKShape shape{.batch = 2, .q_heads = 8, .kv_heads = 2, .codewords = 16, .head_dim = 64, .max_tokens = 10, .k = 3};
+  std::vector<std::int32_t> picked(2 * 2 * 12), counts(2 * 2);
+  const SelectionView out{picked.data(), counts.data(), nullptr, 2, 2, 12};
+  cpu::Array<std::byte> ws(cpu::vq_topk_rows_workspace_bytes(shape, {}));
+  const std::int32_t slots[2] = {0, 1}, too_long[2] = {3, 11}, lengths[2] = {3, 4}, row_k[4] = {1, 4, 0, 2};
+  test::expect_error([&] { cpu::vq_topk_rows(qv, book, cv, slots, too_long, shape, {.heads_per_row = 4}, out, ws.bytes()); },
+                     "cpu::vq_topk_rows: lengths[1] (= 11) is outside [0, shape.max_tokens = 10]");
+  test::expect_error(
+      [&] { cpu::vq_topk_rows(qv, book, cv, slots, lengths, shape, {.row_k = row_k, .heads_per_row = 4}, out, ws.bytes()); },
+      "options.row_k[1] (= 4) is outside [0, k = 3]");
+  test::expect_error(
+      [&] {
+        cpu::vq_topk_rows(qv, book, cv, slots, lengths, shape, {.heads_per_row = 4},
+                          SelectionView{picked.data(), counts.data(), nullptr, 2, 2, 11}, ws.bytes());
+      },
+      "out.capacity (= 11) < options.heads_per_row * k (= 4 * 3)");
+  test::expect_error([&] { cpu::vq_topk_rows(qv, book, cv, nullptr, lengths, shape, {.heads_per_row = 4}, out, ws.bytes()); },
+                     "slots must be non-null");
+  test::expect_error(
+      [&] { cpu::vq_topk_rows(qv, book, cv, slots, lengths, shape, {.heads_per_row = 4, .nan_marks_row = true}, out, ws.bytes()); },
+      "options.nan_marks_row needs options.heads_per_row == 1 (it is 4)");
 }
 
 /// Both row scans at the benchmark's shape (128K tokens, 32 query heads over 8 kv heads, 4096 codewords): the

@@ -22,20 +22,43 @@ inline void check_topk_rows_shape(const char* where, std::int64_t score_rows, st
   validate(options.window, where, "options.window");
 }
 
+/// The lengths pointer (named `lengths_name`) and the output rows of `score_rows` scores rows (checked shape).
+inline void check_topk_rows_output(const char* where, std::int64_t score_rows, const std::int32_t* lengths,
+                                   const char* lengths_name, std::int32_t k, const TopKRowsOptions& options,
+                                   const SelectionView& out) {
+  KVSIFT_CHECK(lengths != nullptr, where, "{} is a null pointer", lengths_name);
+  KVSIFT_CHECK(out.indices != nullptr && out.counts != nullptr, where, "out.indices and out.counts must be non-null");
+  const std::int32_t heads = options.heads_per_row;
+  KVSIFT_CHECK(out.batch > 0 && out.kv_heads > 0 && score_rows == std::int64_t(out.batch) * out.kv_heads * heads, where,
+               "scores.rows (= {}) != out.batch * out.kv_heads * options.heads_per_row (= {} * {} * {})", score_rows,
+               out.batch, out.kv_heads, heads);
+  KVSIFT_CHECK(std::int64_t(out.capacity) >= std::int64_t(heads) * k, where,
+               "out.capacity (= {}) < options.heads_per_row * k (= {} * {})", out.capacity, heads, k);
+}
+
 /// A topk_rows call: the scores, the shape, the lengths pointer (named `lengths_name`) and the output rows.
 inline void check_topk_rows_call(const char* where, const MatrixView<const float>& scores, const std::int32_t* lengths,
                                  const char* lengths_name, std::int32_t k, const TopKRowsOptions& options,
                                  const SelectionView& out) {
   validate(scores, where, "scores");
   check_topk_rows_shape(where, scores.rows, scores.cols, k, options);
-  KVSIFT_CHECK(lengths != nullptr, where, "{} is a null pointer", lengths_name);
-  KVSIFT_CHECK(out.indices != nullptr && out.counts != nullptr, where, "out.indices and out.counts must be non-null");
-  const std::int32_t heads = options.heads_per_row;
-  KVSIFT_CHECK(out.batch > 0 && out.kv_heads > 0 && scores.rows == std::int64_t(out.batch) * out.kv_heads * heads, where,
-               "scores.rows (= {}) != out.batch * out.kv_heads * options.heads_per_row (= {} * {} * {})", scores.rows,
-               out.batch, out.kv_heads, heads);
-  KVSIFT_CHECK(std::int64_t(out.capacity) >= std::int64_t(heads) * k, where,
-               "out.capacity (= {}) < options.heads_per_row * k (= {} * {})", out.capacity, heads, k);
+  check_topk_rows_output(where, scores.rows, lengths, lengths_name, k, options, out);
+}
+
+/// The values a host backend reads before it ranks: every lengths[b] in [0, max_tokens] (named `bound`) and every
+/// options.row_k[s] in [0, k].
+inline void check_topk_rows_host_values(const char* where, const std::int32_t* lengths, const SelectionView& out,
+                                        std::int32_t max_tokens, const char* bound, std::int32_t k,
+                                        const TopKRowsOptions& options) {
+  for (std::int32_t b = 0; b < out.batch; ++b) {
+    KVSIFT_CHECK(lengths[b] >= 0 && lengths[b] <= max_tokens, where, "lengths[{}] (= {}) is outside [0, {} = {}]", b,
+                 lengths[b], bound, max_tokens);
+  }
+  if (options.row_k == nullptr) return;
+  for (std::int64_t s = 0; s < std::int64_t(out.batch) * out.kv_heads; ++s) {
+    KVSIFT_CHECK(options.row_k[s] >= 0 && options.row_k[s] <= k, where, "options.row_k[{}] (= {}) is outside [0, k = {}]",
+                 s, options.row_k[s], k);
+  }
 }
 
 /// A length_budgets call: its budget and its shape (the lengths live in the backend's memory).

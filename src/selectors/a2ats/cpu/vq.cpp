@@ -4,11 +4,13 @@
 #include "kvsift/selectors/a2ats/cpu/vq.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
+#include <numeric>
 
-#include "kvsift/cpu/backend.hpp"
+#include "kvsift/core/detail/topk_rows_checks.hpp"
+#include "kvsift/core/ranking.hpp"
 #include "kvsift/selectors/a2ats/detail/vq_checks.hpp"
-#include "kvsift/selectors/a2ats/detail/vq_topk.hpp"
 #include "kvsift/selectors/a2ats/detail/vq_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
@@ -280,10 +282,118 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
   });
 }
 
+namespace {
+
+/// vq_topk_rows' scratch per thread: the group's tables, each score row's word per codeword, the middle's tokens per
+/// code, a radix pass's histogram, and per score row its threshold, quota and tied count.
+struct CountSelectScratch {
+  float* tables;
+  std::uint32_t *words, *counts, *histogram;
+  std::uint32_t *threshold, *quota, *tied;
+};
+struct CountSelectLayout {
+  std::int64_t threads;
+  float* tables;
+  std::uint32_t *words, *counts, *state;
+  CountSelectScratch of(std::int64_t slot, std::int32_t group, std::int32_t codewords) const {
+    const std::int64_t c = codewords;
+    std::uint32_t* const own = state + slot * (256 + 3 * group);
+    return {tables + slot * group * c, words + slot * group * c, counts + slot * c, own,
+            own + 256, own + 256 + group, own + 256 + 2 * group};
+  }
+};
+CountSelectLayout layout_count_select(WorkspaceLayout& layout, const VqTopKShape& shape, const Context& ctx) {
+  const std::int64_t threads = std::min<std::int64_t>(threads_of(ctx.pool), std::int64_t(shape.batch) * shape.kv_heads);
+  const std::size_t group = std::size_t(shape.q_heads / shape.kv_heads), c = std::size_t(shape.codewords);
+  const char* what = "vq_topk_rows scratch";
+  CountSelectLayout b{threads, nullptr, nullptr, nullptr, nullptr};
+  b.tables = layout.allocate<float>(checked_mul(std::size_t(threads) * group, c, what), "vq_topk_rows tables");
+  b.words = layout.allocate<std::uint32_t>(checked_mul(std::size_t(threads) * group, c, what), "vq_topk_rows words");
+  b.counts = layout.allocate<std::uint32_t>(checked_mul(std::size_t(threads), c, what), "vq_topk_rows counts");
+  b.state = layout.allocate<std::uint32_t>(checked_mul(std::size_t(threads), 256 + 3 * group, what),
+                                           "vq_topk_rows histograms and thresholds");
+  return b;
+}
+
+/// One selection row of vq_topk_rows by counting (the rule of the CUDA count select, kernels/selectors/a2ats/vq.cu):
+/// the middle [lo, hi)'s tokens per code, each score row's threshold word and quota of tied tokens by 8-bit radix
+/// passes over its codewords' words weighted by their counts (NaN tokens at word 0), then the middle once in index
+/// order, a token taken when some row takes it. words [heads, codewords]; codes nullptr for a bad slot (every token NaN); tokens at or past n are
+/// NaN. Returns the count (-1 with nan_marks_row where the middle holds a NaN).
+std::int32_t count_select_row(const std::uint32_t* words, std::int32_t heads, std::int32_t codewords,
+                              const std::uint16_t* codes, std::int32_t n, std::int32_t lo, std::int32_t hi,
+                              std::int32_t picks, bool nan_marks_row, const CountSelectScratch& w,
+                              std::int32_t* indices) {
+  const auto code_at = [&](std::int32_t t) { return codes != nullptr && t < n ? std::int32_t(codes[t]) : codewords; };
+  std::fill_n(w.counts, codewords, 0u);
+  std::uint32_t nan = 0;
+  for (std::int32_t t = lo; t < hi; ++t) {
+    const std::int32_t code = code_at(t);
+    if (code < codewords) {
+      ++w.counts[code];
+    } else {
+      ++nan;
+    }
+  }
+  std::uint32_t *const threshold = w.threshold, *const quota = w.quota, *const tied = w.tied;
+  std::fill_n(tied, heads, 0u);
+  bool has_nan = nan > 0;
+  for (std::int32_t h = 0; h < heads; ++h) {
+    const std::uint32_t* row = words + std::int64_t(h) * codewords;
+    std::uint32_t prefix = 0, want = std::uint32_t(picks);  // want: the threshold's rank among the words left
+    for (int pass = 0; pass < 4; ++pass) {  // 8-bit radix passes, each code weighing its count
+      const int shift = 24 - 8 * pass;
+      const std::uint32_t decided = pass == 0 ? 0u : ~0u << (shift + 8);
+      std::fill_n(w.histogram, 256, 0u);
+      for (std::int32_t c = 0; c < codewords; ++c) {
+        if (w.counts[c] == 0) continue;
+        has_nan = has_nan || row[c] == 0u;
+        if ((row[c] & decided) == prefix) w.histogram[(row[c] >> shift) & 255u] += w.counts[c];
+      }
+      if (prefix == 0u) w.histogram[0] += nan;  // NaN tokens: word 0
+      std::uint32_t before = 0, d = 0;
+      while (before + w.histogram[d] < want) before += w.histogram[d++];
+      prefix |= d << shift;
+      want -= before;
+    }
+    threshold[h] = prefix;
+    quota[h] = want;
+  }
+  if (nan_marks_row && has_nan) return -1;
+  std::int32_t count = 0;
+  for (std::int32_t t = lo; t < hi; ++t) {
+    const std::int32_t code = code_at(t);
+    bool take = false;
+    for (std::int32_t h = 0; h < heads; ++h) {
+      const std::uint32_t x = code < codewords ? words[std::int64_t(h) * codewords + code] : 0u;
+      if (x < threshold[h]) take = true;
+      if (x == threshold[h]) take = tied[h]++ < quota[h] || take;  // every tied token counts, taken or not
+    }
+    if (take) indices[count++] = t;
+  }
+  return count;
+}
+
+/// Whether some token of [lo, hi) scores NaN in some table of the group (nan_marks_row where the whole middle is
+/// taken): a code past the codebook, a token past the codes, a bad slot (codes nullptr), or a NaN entry. A NaN in
+/// one head's table is a NaN in the group's maximum too (vq_group_max).
+bool middle_has_nan(const float* tables, std::int32_t group, std::int32_t codewords, const std::uint16_t* codes,
+                    std::int32_t n, std::int32_t lo, std::int32_t hi) {
+  for (std::int32_t t = lo; t < hi; ++t) {
+    if (codes == nullptr || t >= n || codes[t] >= codewords) return true;
+    for (std::int32_t u = 0; u < group; ++u) {
+      if (std::isnan(tables[std::int64_t(u) * codewords + codes[t]])) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
 std::size_t vq_topk_rows_workspace_bytes(const VqTopKShape& shape, const Context& ctx) {
   kvsift::detail::check_vq_topk_shape("cpu::vq_topk_rows_workspace_bytes", shape);
   WorkspaceLayout counting;
-  kvsift::detail::vq_topk_layout(counting, shape, ctx);
+  layout_count_select(counting, shape, ctx);
   return counting.bytes();
 }
 
@@ -294,9 +404,60 @@ void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, co
                   const Context& ctx) {
   constexpr const char* where = "cpu::vq_topk_rows";
   kvsift::detail::check_vq_topk_call(where, q, codebook, shape, options);
+  kvsift::detail::check_vq_query(where, q, codebook);
+  kvsift::detail::check_vq_codes(where, "codes", codes);
+  KVSIFT_CHECK(codes.kv_heads == codebook.kv_heads, where, "codes.kv_heads (= {}) != codebook.kv_heads (= {})",
+               codes.kv_heads, codebook.kv_heads);
+  KVSIFT_CHECK(slots != nullptr, where, "slots must be non-null");
+  const std::int32_t group = q.heads / codebook.kv_heads, count = codebook.codewords;
+  const std::int32_t heads = shape.scan.group_max ? 1 : group;
+  const std::int64_t score_rows = std::int64_t(q.batch) * codebook.kv_heads * heads;
+  kvsift::detail::check_topk_rows_shape(where, score_rows, shape.max_tokens, shape.k, options);
+  kvsift::detail::check_topk_rows_output(where, score_rows, lengths, "lengths", shape.k, options, out);
+  kvsift::detail::check_topk_rows_host_values(where, lengths, out, shape.max_tokens, "shape.max_tokens", shape.k, options);
   WorkspaceLayout layout(workspace, where);
-  const kvsift::detail::VqTopKBuffers buffers = kvsift::detail::vq_topk_layout(layout, shape, ctx);
-  kvsift::detail::vq_topk_rows_composed(q, codebook, codes, slots, lengths, shape, options, out, buffers, ctx);
+  const CountSelectLayout scratch = layout_count_select(layout, shape, ctx);
+  const std::int64_t items = std::int64_t(q.batch) * codebook.kv_heads;
+  with_simd_level([&]<SimdLevel L>() {
+    parallel_for(ctx.pool, scratch.threads, [&](std::int64_t slot_begin, std::int64_t slot_end) {
+      for (std::int64_t s = slot_begin; s < slot_end; ++s) {
+        const CountSelectScratch w = scratch.of(s, group, count);
+        for (std::int64_t item = s; item < items; item += scratch.threads) {  // item: the selection row (b, g)
+          const std::int64_t b = item / codebook.kv_heads;
+          const auto g = std::int32_t(item % codebook.kv_heads);
+          const std::int32_t length = lengths[b];
+          const std::int32_t lo = options.window.sink_end(length), hi = options.window.recent_begin(length);
+          const std::int32_t k = options.row_k != nullptr ? options.row_k[item] : shape.k;
+          const std::int32_t picks = std::min(k, hi - lo);
+          std::int32_t* const indices = out.indices + item * out.capacity;
+          const std::int32_t slot = slots[b];
+          const std::uint16_t* row = slot >= 0 && slot < codes.slots ? codes.row(slot, g) : nullptr;
+          const std::int32_t n = kvsift::detail::vq_scan_length(length, shape.max_tokens, codes.max_tokens);
+          std::int32_t selected = picks;
+          if (picks > 0) group_lut<L>(q, b, g * group, group, codebook, g, w.tables, count);
+          if (picks == hi - lo) {  // every score row takes the whole middle (nothing to rank)
+            std::iota(indices, indices + picks, lo);
+            if (options.nan_marks_row && picks > 0 && middle_has_nan(w.tables, group, count, row, n, lo, hi)) selected = -1;
+          } else if (picks > 0) {
+            for (std::int32_t c = 0; c < count; ++c) {
+              if (shape.scan.group_max) {
+                float m = w.tables[c];
+                for (std::int32_t u = 1; u < group; ++u) m = kvsift::detail::vq_group_max(m, w.tables[std::int64_t(u) * count + c]);
+                w.words[c] = rank_word(m);
+              } else {
+                for (std::int32_t u = 0; u < group; ++u) {
+                  w.words[std::int64_t(u) * count + c] = rank_word(w.tables[std::int64_t(u) * count + c]);
+                }
+              }
+            }
+            selected = count_select_row(w.words, heads, count, row, n, lo, hi, picks, options.nan_marks_row, w, indices);
+          }
+          if (out.log_weights != nullptr && selected > 0) std::fill_n(out.log_weights + item * out.capacity, selected, 0.0f);
+          out.counts[item] = selected;
+        }
+      }
+    });
+  });
 }
 
 KVSIFT_STORAGE_TYPES(KVSIFT_VQ_INSTANCES)

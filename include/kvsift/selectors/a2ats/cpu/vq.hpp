@@ -3,9 +3,9 @@
 /// are in selectors/a2ats/vq.hpp). The twin of selectors/a2ats/cuda/vq.hpp, with the same arguments but the context. Host memory; no
 /// allocation; results independent of the thread count.
 ///
-/// A decode step of A²ATS: vq_lut_scan (or vq_lut, then vq_code_scan) writes per query head the approximate
-/// scores of every token, which topk_rows (cpu/topk.hpp, options.heads_per_row = q_heads / kv_heads) turns into
-/// the kv head's selection. Prefill and append: vq_encode.
+/// A decode step of A²ATS: vq_topk_rows selects from the codes what topk_rows (cpu/topk.hpp) would select from the
+/// approximate scores vq_lut_scan (or vq_lut, then vq_code_scan) writes per query head. Prefill and append:
+/// vq_encode.
 
 #include <cstddef>
 #include <cstdint>
@@ -70,16 +70,20 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
                  const std::int32_t* slots, const std::int32_t* lengths, const MatrixView<float>& scores,
                  const VqScanOptions& options, std::span<std::byte> workspace, const Context& ctx = {});
 
-/// Bytes of host workspace (256-byte aligned) vq_topk_rows needs: the score matrix [batch * score heads,
-/// max_tokens] (score heads: kv_heads with shape.scan.group_max, else q_heads), vq_lut_scan's and topk_rows'
-/// scratch. Checked as the run checks the shapes.
+/// Bytes of host workspace (256-byte aligned) vq_topk_rows needs: per thread of ctx.pool (at most batch * kv_heads
+/// of them) the group's tables and words (8 * group * codewords bytes), the tokens per code (4 * codewords), a
+/// radix pass's histogram (1 KB) and 12 * group bytes of thresholds. Checked as the run checks the shapes.
 std::size_t vq_topk_rows_workspace_bytes(const VqTopKShape& shape, const Context& ctx);
 
-/// A²ATS's selection from the codes: vq_lut_scan's scores of every token (shape.scan.group_max: per kv head, else per
-/// query head), then topk_rows(scores, lengths, shape.k, options, out) (cpu/topk.hpp), with the scores in the
-/// workspace. options.heads_per_row must be 1 with scan.group_max, else q.heads / codebook.kv_heads (the union of the
-/// group's picks); shape's batch, heads, codewords and head_dim must be the arguments'. The CUDA twin computes the
-/// scores inside its top-k kernel where it can, with the same selection as its own composed form.
+/// A²ATS's selection from the codes: what topk_rows(scores, lengths, shape.k, options, out) (cpu/topk.hpp) selects
+/// from vq_lut_scan's scores (shape.scan.group_max: one score row per kv head, else one per query head and their
+/// union), without the scores: a row's scores are entries of its table, so per selection row the middle's tokens
+/// are counted per code, each score row's threshold and quota of tied tokens found by radix passes over its
+/// codewords' words weighted by their counts, and the middle walked once in index order (a token at or past min(codes.max_tokens,
+/// shape.max_tokens) ranks as NaN, where the composed form would read a score it never wrote). The same checks and
+/// refusals as topk_rows (a length past shape.max_tokens, a row_k past shape.k), and options.heads_per_row must be 1
+/// with scan.group_max, else q.heads / codebook.kv_heads; shape's batch, heads, codewords and head_dim must be the
+/// arguments'. Threads: selection rows on ctx.pool. The CUDA twin selects the same tokens from its own tables.
 template <class T>
 void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, const VqCodesView<const std::uint16_t>& codes,
                   const std::int32_t* slots, const std::int32_t* lengths, const VqTopKShape& shape,
