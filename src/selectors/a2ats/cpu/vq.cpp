@@ -335,9 +335,13 @@ std::int32_t count_select_row(const std::uint32_t* words, std::int32_t heads, st
       ++nan;
     }
   }
+  if (nan_marks_row) {  // a NaN token: one past the codes, or one whose code's word is NaN's (heads_per_row 1)
+    bool has_nan = nan > 0;
+    for (std::int32_t c = 0; c < codewords && !has_nan; ++c) has_nan = w.counts[c] > 0 && words[c] == 0u;
+    if (has_nan) return -1;
+  }
   std::uint32_t *const threshold = w.threshold, *const quota = w.quota, *const tied = w.tied;
   std::fill_n(tied, heads, 0u);
-  bool has_nan = nan > 0;
   for (std::int32_t h = 0; h < heads; ++h) {
     const std::uint32_t* row = words + std::int64_t(h) * codewords;
     std::uint32_t prefix = 0, want = std::uint32_t(picks);  // want: the threshold's rank among the words left
@@ -347,7 +351,6 @@ std::int32_t count_select_row(const std::uint32_t* words, std::int32_t heads, st
       std::fill_n(w.histogram, 256, 0u);
       for (std::int32_t c = 0; c < codewords; ++c) {
         if (w.counts[c] == 0) continue;
-        has_nan = has_nan || row[c] == 0u;
         if ((row[c] & decided) == prefix) w.histogram[(row[c] >> shift) & 255u] += w.counts[c];
       }
       if (prefix == 0u) w.histogram[0] += nan;  // NaN tokens: word 0
@@ -359,7 +362,6 @@ std::int32_t count_select_row(const std::uint32_t* words, std::int32_t heads, st
     threshold[h] = prefix;
     quota[h] = want;
   }
-  if (nan_marks_row && has_nan) return -1;
   std::int32_t count = 0;
   for (std::int32_t t = lo; t < hi; ++t) {
     const std::int32_t code = code_at(t);
@@ -434,9 +436,12 @@ void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, co
           const std::uint16_t* row = slot >= 0 && slot < codes.slots ? codes.row(slot, g) : nullptr;
           const std::int32_t n = kvsift::detail::vq_scan_length(length, shape.max_tokens, codes.max_tokens);
           std::int32_t selected = picks;
-          if (picks > 0) group_lut<L>(q, b, g * group, group, codebook, g, w.tables, count);
-          if (picks == hi - lo) {  // every score row takes the whole middle (nothing to rank)
-            std::iota(indices, indices + picks, lo);
+          const bool whole = picks == hi - lo;  // every score row takes the whole middle (nothing to rank)
+          if (picks > 0 && (!whole || options.nan_marks_row)) {
+            group_lut<L>(q, b, g * group, group, codebook, g, w.tables, count);
+          }
+          if (whole) {
+            std::iota(indices, indices + picks, lo);  // the tables only for nan_marks_row
             if (options.nan_marks_row && picks > 0 && middle_has_nan(w.tables, group, count, row, n, lo, hi)) selected = -1;
           } else if (picks > 0) {
             for (std::int32_t c = 0; c < count; ++c) {
