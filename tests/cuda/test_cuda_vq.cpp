@@ -334,6 +334,7 @@ void check_topk_rows(Random& rng, std::int32_t batch, std::int32_t q_heads, std:
   const std::int64_t score_rows = std::int64_t(batch) * (group_max ? kv_heads : q_heads);
   std::vector<std::int32_t> row_k(std::size_t(batch) * kv_heads);
   for (auto& r : row_k) r = rng.uniform_int(0, k);
+  row_k[0] = std::max(row_k[0], 1);  // the first row is valid and chooses: a call of one row always tests something
   DeviceBuffer<T> d_cb(cb), d_q(q);
   DeviceBuffer<float> d_lut(std::size_t(q_rows) * codewords);
   DeviceBuffer<std::uint16_t> d_codes(sp.codes);

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "kvsift/cuda/detail/launch.cuh"
+#include "kvsift/cuda/detail/primitives_kernels.cuh"
 #include "kvsift/cuda/detail/topk_words_launch.cuh"
 #include "kvsift/cuda/dtype.cuh"
 #include "kvsift/selectors/a2ats/cuda/detail/vq_launch.hpp"
@@ -22,6 +23,18 @@ using kvsift::detail::vq_destination;
 using kvsift::detail::vq_scan_length;
 
 __device__ __forceinline__ float vq_nan() { return __int_as_float(0x7fc00000); }
+
+/// A score of codeword `code`: head h's table entry, or with group_max the group's maximum over its heads
+/// (vq_group_max in head order, as the CPU's scan reduces it). table(h, code) reads an entry. The one definition the
+/// scan, VqWords and the count select share.
+template <class Table>
+__device__ __forceinline__ float vq_entry(const Table& table, bool group_max, std::int32_t group, std::int32_t h,
+                                          std::int32_t code) {
+  if (!group_max) return table(h, code);
+  float m = table(0, code);
+  for (std::int32_t u = 1; u < group; ++u) m = kvsift::detail::vq_group_max(m, table(u, code));
+  return m;
+}
 
 /// Eight consecutive elements as fp32 (16-byte aligned for 2-byte types, 32-byte aligned for float).
 __device__ __forceinline__ void load8(const float* p, float* x) {
@@ -97,12 +110,7 @@ __device__ void scan_tokens(const Table& table, std::int32_t codewords, std::int
 #pragma unroll 4
     for (std::int64_t t = std::int64_t(part) * blockDim.x + threadIdx.x; t < n; t += stride) {
       const std::int32_t code = valid ? std::int32_t(row[t]) : codewords;
-      float m = vq_nan();
-      if (code < codewords) {
-        m = table(0, code);
-        for (std::int32_t h = 1; h < group; ++h) m = kvsift::detail::vq_group_max(m, table(h, code));
-      }
-      out[t] = m;
+      out[t] = code < codewords ? vq_entry(table, true, group, 0, code) : vq_nan();
     }
     return;
   }
@@ -207,12 +215,9 @@ struct VqWords {
     float* table = reinterpret_cast<float*>(smem);
     const std::int64_t kv_row = w.group_max ? score_row : score_row / w.group;  // b * kv_heads + g
     const float* tables = w.tables + (w.group_max ? kv_row * w.group : score_row) * std::int64_t(w.codewords);
+    const auto entry = [&](std::int32_t h, std::int32_t c) { return tables[std::int64_t(h) * w.codewords + c]; };
     for (std::int32_t c = std::int32_t(threadIdx.x); c < w.codewords; c += kThreads) {
-      float m = tables[c];
-      if (w.group_max) {
-        for (std::int32_t h = 1; h < w.group; ++h) m = kvsift::detail::vq_group_max(m, tables[std::int64_t(h) * w.codewords + c]);
-      }
-      table[c] = m;
+      table[c] = vq_entry(entry, w.group_max, w.group, 0, c);
     }
     __syncthreads();
     const std::int32_t b = std::int32_t(kv_row / w.codes.kv_heads), g = std::int32_t(kv_row % w.codes.kv_heads);
@@ -230,28 +235,51 @@ struct VqWords {
   }
 };
 
+/// The codes of tokens [first, first + 8) of a row, first a multiple of 8: `codewords` (NaN) at or past n and for a
+/// row without codes. One 16-byte load where the row is 16-byte aligned and the eight are codes: the count select's
+/// walks are bound by the loads each thread has in flight, not by their bytes.
+__device__ __forceinline__ void load_codes8(const std::uint16_t* codes, bool aligned, std::int32_t first,
+                                            std::int32_t n, std::int32_t codewords, std::uint32_t (&code)[8]) {
+  if (codes != nullptr && aligned && first + 8 <= n) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(codes + first));
+    const std::uint32_t pairs[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      code[2 * i] = pairs[i] & 0xffffu;
+      code[2 * i + 1] = pairs[i] >> 16;
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    code[j] = codes != nullptr && first + j < n ? std::uint32_t(codes[first + j]) : std::uint32_t(codewords);
+  }
+}
+
 /// The count select of vq_topk_rows (cuda/vq.hpp): a CTA per selection row (sequence b, kv head g). A row's scores
-/// are table entries, so its tokens take at most `codewords` distinct values (and NaN): the CTA counts the tokens of
-/// each code in the middle, finds each head's threshold word by a radix select over the codewords weighted by their
-/// counts (NaN tokens counted at word 0), classes each code per head (better than / tied with / worse than the
-/// threshold), then walks the middle once in index order: a token is chosen when some head's class takes it (a tied
-/// token when fewer than that head's tied quota come before it), and the chosen go out ascending. The same picks as
-/// the per-head top-k and their union: the threshold, and ties to the smaller index, are topk_rows' rule.
-template <int kThreads>
+/// are table entries, so its tokens take at most `codewords` distinct values (and NaN): the CTA keeps each head's
+/// word per codeword in shared memory, counts the tokens of each code in the middle, finds each head's threshold
+/// word by a radix select over the codewords weighted by their counts (NaN tokens counted at word 0), packs each
+/// codeword's class per head against the thresholds, then walks the middle once in index order: a token is chosen
+/// when some head takes it (its word better than the head's threshold, or tied with it and fewer than the head's
+/// tied quota before it), and the chosen go out ascending.
+/// The same picks as the per-head top-k and their union: the threshold, and ties to the smaller index, are
+/// topk_rows' rule. Both walks read 8 codes a load, several loads in flight per thread.
+template <int kThreads, int kHeads>
 __global__ void __launch_bounds__(kThreads) vq_count_select_kernel(const __grid_constant__ VqCountSelectParams p) {
-  constexpr int kHeads = kVqCountSelectMaxHeads;
-  constexpr int kTokens = 8;  // consecutive tokens per thread in a pass of the emission
+  constexpr int kCountLoads = 4;  // 8-code loads in flight per thread while counting
+  constexpr int kPassLoads = 2;   // 8-code loads per thread per pass of the emission
+  constexpr int kTokens = 8 * kPassLoads;
   static_assert(kHeads <= kThreads / 32, "a warp per head's bins");
   __shared__ std::uint32_t histogram[kHeads][256];
   __shared__ std::uint32_t threshold[kHeads], quota[kHeads];  // quota: the rank of the threshold, then tied tokens to take
-  __shared__ std::uint32_t nan_tokens;
-  __shared__ std::uint32_t nan_class[kHeads];
+  __shared__ std::uint32_t nan_tokens, nan_classes;
   __shared__ __align__(16) std::uint32_t scan_buffer[2][kHeads * 32];
   extern __shared__ __align__(16) unsigned char count_select_smem[];
   const VqTopKWords& w = p.words;
   const std::int32_t codewords = w.codewords;
-  auto* counts = reinterpret_cast<std::uint32_t*>(count_select_smem);             // [codewords]
-  auto* classes = reinterpret_cast<std::uint8_t*>(counts + codewords);           // [heads, codewords]
+  auto* counts = reinterpret_cast<std::uint32_t*>(count_select_smem);  // [codewords]
+  std::uint32_t* const words = counts + codewords;                      // [heads, codewords]
 
   programmatic_start();  // the tables, codes, lengths and budgets
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -280,19 +308,18 @@ __global__ void __launch_bounds__(kThreads) vq_count_select_kernel(const __grid_
   const std::int32_t n = vq_scan_length(length, p.max_tokens, w.codes.max_tokens);
   const std::int32_t slot = w.slots[b];
   const std::uint16_t* const codes = slot >= 0 && slot < w.codes.slots ? w.codes.row(slot, g) : nullptr;
-  const auto code_at = [&](std::int32_t t) { return codes != nullptr && t < n ? std::int32_t(codes[t]) : codewords; };
+  const bool aligned = reinterpret_cast<std::uintptr_t>(codes) % 16 == 0;
   const float* const tables = w.tables + row * w.group * std::int64_t(codewords);  // the group's first table
-  const auto word = [&](std::int32_t h, std::int32_t c) {
-    if (!w.group_max) return rank_word(__ldg(tables + std::int64_t(h) * codewords + c));
-    float m = __ldg(tables + c);
-    for (std::int32_t u = 1; u < w.group; ++u) {
-      m = kvsift::detail::vq_group_max(m, __ldg(tables + std::int64_t(u) * codewords + c));
-    }
-    return rank_word(m);
-  };
+  const auto table = [&](std::int32_t h, std::int32_t c) { return __ldg(tables + std::int64_t(h) * codewords + c); };
 
-  // Tokens per code in the middle; NaN tokens (a code past the codebook, a token past the codes, a bad slot) apart.
-  for (std::int32_t c = tid; c < codewords; c += kThreads) counts[c] = 0;
+  // Each head's word per codeword (NaN tokens take word 0: rank_word's NaN); tokens per code in the middle, NaN
+  // tokens (a code past the codebook, a token past the codes, a bad slot) apart.
+  for (std::int32_t c = tid; c < codewords; c += kThreads) {
+    counts[c] = 0;
+    for (std::int32_t h = 0; h < heads; ++h) {
+      words[std::int64_t(h) * codewords + c] = rank_word(vq_entry(table, w.group_max, w.group, h, c));
+    }
+  }
   if (tid == 0) nan_tokens = 0;
   if (tid < kHeads) {
     threshold[tid] = 0;
@@ -300,12 +327,25 @@ __global__ void __launch_bounds__(kThreads) vq_count_select_kernel(const __grid_
   }
   __syncthreads();
   std::uint32_t nan_here = 0;
-  for (std::int32_t t = lo + tid; t < hi; t += kThreads) {
-    const std::int32_t code = code_at(t);
-    if (code < codewords) {
-      atomicAdd(counts + code, 1u);
-    } else {
-      ++nan_here;
+  const std::int32_t first_load = lo / 8, loads = (hi + 7) / 8;
+  for (std::int32_t l0 = first_load + tid; l0 < loads; l0 += kThreads * kCountLoads) {
+    std::uint32_t code[kCountLoads][8];
+#pragma unroll
+    for (int u = 0; u < kCountLoads; ++u) {
+      if (l0 + u * kThreads < loads) load_codes8(codes, aligned, 8 * (l0 + u * kThreads), n, codewords, code[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kCountLoads; ++u) {
+      const std::int32_t first = 8 * (l0 + u * kThreads);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (first + j < lo || first + j >= hi) continue;
+        if (code[u][j] < std::uint32_t(codewords)) {
+          atomicAdd(counts + code[u][j], 1u);
+        } else {
+          ++nan_here;
+        }
+      }
     }
   }
   if (nan_here > 0) atomicAdd(&nan_tokens, nan_here);
@@ -321,7 +361,7 @@ __global__ void __launch_bounds__(kThreads) vq_count_select_kernel(const __grid_
       const std::uint32_t count = counts[c];
       if (count == 0) continue;
       for (int h = 0; h < heads; ++h) {
-        const std::uint32_t x = word(h, c);
+        const std::uint32_t x = words[std::int64_t(h) * codewords + c];
         if ((x & decided) == threshold[h]) atomicAdd(&histogram[h][(x >> shift) & 255u], count);
       }
     }
@@ -335,13 +375,9 @@ __global__ void __launch_bounds__(kThreads) vq_count_select_kernel(const __grid_
         bins[i] = histogram[h][lane * 8 + i];
         sum += bins[i];
       }
-      std::uint32_t inclusive = sum;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const std::uint32_t y = __shfl_up_sync(0xffffffffu, inclusive, o);
-        if (lane >= o) inclusive += y;
-      }
+      const std::uint32_t inclusive = warp_inclusive_sum(sum);
       const std::uint32_t want = quota[h];
+      __syncwarp();  // every lane has read the quota before one lane rewrites it
       std::uint32_t before = inclusive - sum;
       if (before < want && want <= inclusive) {
         int d = 0;
@@ -353,56 +389,72 @@ __global__ void __launch_bounds__(kThreads) vq_count_select_kernel(const __grid_
     __syncthreads();
   }
 
-  // Each code's class per head: 1 better than the threshold, 2 tied with it, 0 worse.
+  // Each codeword's classes, 2 bits per head (1 better than the head's threshold, 2 tied with it, 0 worse), in place
+  // of its count; NaN tokens' apart (word 0 is never worse). A token then costs one lookup, whatever the heads.
+  std::uint32_t* const classes = counts;
   for (std::int32_t c = tid; c < codewords; c += kThreads) {
+    std::uint32_t packed = 0;
     for (std::int32_t h = 0; h < heads; ++h) {
-      const std::uint32_t x = word(h, c);
-      classes[std::int64_t(h) * codewords + c] = x < threshold[h] ? 1 : x == threshold[h] ? 2 : 0;
+      const std::uint32_t x = words[std::int64_t(h) * codewords + c];
+      packed |= (x < threshold[h] ? 1u : x == threshold[h] ? 2u : 0u) << (2 * h);
     }
+    classes[c] = packed;
   }
-  if (tid < heads) nan_class[tid] = threshold[tid] > 0u ? 1u : 2u;  // NaN's word 0 is never worse
+  if (tid == 0) {
+    std::uint32_t packed = 0;
+    for (std::int32_t h = 0; h < heads; ++h) packed |= (threshold[h] > 0u ? 1u : 2u) << (2 * h);
+    nan_classes = packed;
+  }
   __syncthreads();
 
-  // The middle in index order, kThreads * kTokens tokens a pass: the tied tokens' ranks per head, then the chosen.
+  // The middle in index order, kThreads * kTokens tokens a pass from lo rounded down to a load: a token is chosen
+  // when some head finds it better, or tied and fewer than the head's quota of tied tokens come before it (the tied
+  // tokens' ranks per head, scanned only in the passes that hold one: a few codewords are tied). The next pass's
+  // codes load while this pass scans.
+  constexpr std::uint32_t kBetter = 0x5555u, kTied = 0xaaaau;  // the class bits of up to 8 heads
   std::uint32_t tied_before[kHeads] = {}, chosen_before = 0;
-  for (std::int32_t base = lo; base < hi; base += kThreads * kTokens) {
+  std::uint32_t code[kPassLoads][8];
+  const std::int32_t start = 8 * first_load;
+  const auto load_pass = [&](std::int32_t base) {
+#pragma unroll
+    for (int u = 0; u < kPassLoads; ++u) load_codes8(codes, aligned, base + tid * kTokens + 8 * u, n, codewords, code[u]);
+  };
+  load_pass(start);
+  for (std::int32_t base = start; base < hi; base += kThreads * kTokens) {
     const std::int32_t first = base + tid * kTokens;
-    std::uint32_t packed[kTokens];  // 2 bits of class per head
-    std::uint32_t tied[kHeads] = {};
+    std::uint32_t cls[kTokens], chosen_mask = 0;
+    bool tied_here = false;
 #pragma unroll
     for (int j = 0; j < kTokens; ++j) {
-      packed[j] = 0;
-      if (first + j >= hi) continue;
-      const std::int32_t code = code_at(first + j);
-#pragma unroll
-      for (int h = 0; h < kHeads; ++h) {  // constant indices keep the per-head arrays in registers
-        if (h >= heads) break;
-        const std::uint32_t cls = code < codewords ? classes[std::int64_t(h) * codewords + code] : nan_class[h];
-        packed[j] |= cls << (2 * h);
-        tied[h] += cls == 2u ? 1u : 0u;
-      }
+      const std::uint32_t c = code[j / 8][j % 8];
+      cls[j] = first + j < lo || first + j >= hi ? 0u : c < std::uint32_t(codewords) ? classes[c] : nan_classes;
+      if ((cls[j] & kBetter) != 0) chosen_mask |= 1u << j;
+      tied_here = tied_here || (cls[j] & kTied) != 0;
     }
-    std::uint32_t tied_rank[kHeads], tied_total[kHeads];
-    held_block_scan<kThreads, kHeads>(tied, tied_rank, tied_total, scan_buffer[0]);
-    std::uint32_t chosen_mask = 0, chosen[1] = {0};
+    if (base + kThreads * kTokens < hi) load_pass(base + kThreads * kTokens);
+    if (__syncthreads_or(tied_here)) {
+      std::uint32_t tied[kHeads] = {}, tied_rank[kHeads], tied_total[kHeads];
 #pragma unroll
-    for (int j = 0; j < kTokens; ++j) {
-      bool take = false;
+      for (int j = 0; j < kTokens; ++j) {
+        if ((cls[j] & kTied) == 0) continue;
 #pragma unroll
-      for (int h = 0; h < kHeads; ++h) {
-        if (h >= heads) break;
-        const std::uint32_t cls = (packed[j] >> (2 * h)) & 3u;
-        if (cls == 1u) take = true;
-        if (cls == 2u) {  // every tied token counts toward its head's rank, taken or not
-          if (tied_before[h] + tied_rank[h] < quota[h]) take = true;
-          ++tied_rank[h];
+        for (int h = 0; h < kHeads; ++h) tied[h] += cls[j] >> (2 * h + 1) & 1u;
+      }
+      held_block_scan<kThreads, kHeads>(tied, tied_rank, tied_total, scan_buffer[0]);
+#pragma unroll
+      for (int j = 0; j < kTokens; ++j) {
+        if ((cls[j] & kTied) == 0) continue;
+#pragma unroll
+        for (int h = 0; h < kHeads; ++h) {
+          if ((cls[j] >> (2 * h + 1) & 1u) == 0) continue;
+          if (tied_before[h] + tied_rank[h] < quota[h]) chosen_mask |= 1u << j;  // every tied token counts toward
+          ++tied_rank[h];                                                       // its head's rank, taken or not
         }
       }
-      if (take) {
-        chosen_mask |= 1u << j;
-        ++chosen[0];
-      }
+#pragma unroll
+      for (int h = 0; h < kHeads; ++h) tied_before[h] += tied_total[h];
     }
+    const std::uint32_t chosen[1] = {std::uint32_t(__popc(chosen_mask))};
     std::uint32_t position[1], total[1];
     held_block_scan<kThreads, 1>(chosen, position, total, scan_buffer[1]);
     std::uint32_t at = chosen_before + position[0];
@@ -414,8 +466,6 @@ __global__ void __launch_bounds__(kThreads) vq_count_select_kernel(const __grid_
       ++at;
     }
     chosen_before += total[0];
-#pragma unroll
-    for (int h = 0; h < kHeads; ++h) tied_before[h] += tied_total[h];
   }
   if (tid == 0) *count_out = std::int32_t(chosen_before);
 }
@@ -423,13 +473,18 @@ __global__ void __launch_bounds__(kThreads) vq_count_select_kernel(const __grid_
 }  // namespace
 
 cudaError_t launch_vq_count_select(const VqCountSelectParams& p, cudaStream_t stream) {
-  constexpr auto kernel = vq_count_select_kernel<kVqCountSelectThreads>;
-  if (cudaError_t s = open_shared_memory<kernel>(); s != cudaSuccess) return s;
-  return launch(kernel,
-                {.grid = dim3(unsigned(p.rows)), .block = dim3(kVqCountSelectThreads),
-                 .smem = vq_count_select_smem_bytes(p.words.codewords, p.words.group_max ? 1 : p.words.group),
-                 .stream = stream, .programmatic = true},
-                p);
+  // One score head (the group maximum) apart: its per-head registers and scans are an eighth of the union's.
+  const std::int32_t heads = p.words.group_max ? 1 : p.words.group;
+  const auto launch_for = [&]<int kHeads>() {
+    constexpr auto kernel = vq_count_select_kernel<kVqCountSelectThreads, kHeads>;
+    if (cudaError_t s = open_shared_memory<kernel>(); s != cudaSuccess) return s;
+    return launch(kernel,
+                  {.grid = dim3(unsigned(p.rows)), .block = dim3(kVqCountSelectThreads),
+                   .smem = vq_count_select_smem_bytes(p.words.codewords, heads), .stream = stream,
+                   .programmatic = true},
+                  p);
+  };
+  return heads == 1 ? launch_for.template operator()<1>() : launch_for.template operator()<kVqCountSelectMaxHeads>();
 }
 
 cudaError_t launch_vq_topk_rows(const TopKRowsParams& p, const VqTopKWords& words, cudaStream_t stream) {

@@ -115,12 +115,7 @@ __global__ void __launch_bounds__(kThreads)
       bins[tid * kBinsPerThread + e] = 0;  // this thread alone reads these bins: cleared for the next pass
       sum += count[e];
     }
-    std::uint32_t inclusive = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const std::uint32_t y = __shfl_up_sync(0xffffffffu, inclusive, o);
-      if (lane >= o) inclusive += y;
-    }
+    const std::uint32_t inclusive = warp_inclusive_sum(sum);
     if (lane == 31) warp_total[warp] = inclusive;
     __syncthreads();  // the warp totals
     std::uint32_t before_warp = lane < warp ? warp_total[lane] : 0u;

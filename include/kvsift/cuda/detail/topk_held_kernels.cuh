@@ -29,6 +29,7 @@
 
 #include "kvsift/core/ranking.hpp"
 #include "kvsift/cuda/detail/launch.cuh"
+#include "kvsift/cuda/detail/primitives_kernels.cuh"
 #include "kvsift/cuda/detail/topk_kernels.cuh"
 
 namespace kvsift::cuda::detail {
@@ -55,27 +56,14 @@ __device__ __forceinline__ void held_block_scan(const std::uint32_t (&value)[kCo
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   std::uint32_t x[kComponents];
 #pragma unroll
-  for (int m = 0; m < kComponents; ++m) {
-    x[m] = value[m];
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const std::uint32_t y = __shfl_up_sync(0xffffffffu, x[m], o);
-      if (lane >= o) x[m] += y;
-    }
-  }
+  for (int m = 0; m < kComponents; ++m) x[m] = warp_inclusive_sum(value[m]);
   if (lane == 31) {
 #pragma unroll
     for (int m = 0; m < kComponents; ++m) buffer[m * 32 + warp] = x[m];
   }
   __syncthreads();
   if (warp < kComponents) {
-    std::uint32_t s = lane < kWarps ? buffer[warp * 32 + lane] : 0u;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const std::uint32_t y = __shfl_up_sync(0xffffffffu, s, o);
-      if (lane >= o) s += y;
-    }
-    buffer[warp * 32 + lane] = s;
+    buffer[warp * 32 + lane] = warp_inclusive_sum(lane < kWarps ? buffer[warp * 32 + lane] : 0u);
   }
   __syncthreads();
 #pragma unroll

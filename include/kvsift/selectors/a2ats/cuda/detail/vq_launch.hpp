@@ -69,17 +69,17 @@ cudaError_t launch_vq_topk_rows(const TopKRowsParams& p, const VqTopKWords& word
 inline constexpr int kVqCountSelectThreads = 1024;
 inline constexpr std::int32_t kVqCountSelectMaxHeads = 8;
 /// Selection rows (batch * kv_heads) from which the count select is taken: its one CTA per row walks the row's
-/// codes alone, so a few rows leave the GPU idle. H200, A²ATS at 128K (2026-11-30): 8 rows (batch 1) 243 µs a step
-/// against 160 with the held top-k fed by the codes; 64 rows (batch 8) 378 against 833 (union), 237 against 330
-/// (group max).
+/// codes alone (about 20 instructions a token), so a few rows leave the GPU idle. H200, A²ATS steps at 128K
+/// (2026-11-30 09:1x): 8 rows (batch 1) 185 µs (union) and 135 (group max) against 159 and 87 with the held top-k
+/// fed by the codes; 64 rows (batch 8) 341 and 199 against 833 and 330.
 inline constexpr std::int64_t kVqCountSelectMinRows = 64;
 
 /// The count select's static shared memory (its histograms and scan buffers, 10.3 KB), with margin.
 inline constexpr std::size_t kVqCountSelectStaticSmem = 12 * 1024;
 
-/// Dynamic shared memory of the count select: a count per codeword and a class byte per (head, codeword).
+/// Dynamic shared memory of the count select: a count per codeword and a rank word per (head, codeword).
 constexpr std::size_t vq_count_select_smem_bytes(std::int32_t codewords, std::int32_t heads) {
-  return std::size_t(codewords) * (sizeof(std::uint32_t) + std::size_t(heads));
+  return std::size_t(codewords) * sizeof(std::uint32_t) * (1 + std::size_t(heads));
 }
 
 /// Everything the count select reads and writes (device pointers): the words' source, topk_rows' budget, window

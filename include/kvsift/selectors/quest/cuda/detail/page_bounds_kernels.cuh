@@ -705,12 +705,7 @@ __global__ void __launch_bounds__(Threads)
   std::int64_t first = 0;
   const std::int32_t page = begin + lane;
   const std::int32_t n = warp == 0 && page < count ? page_middle_count(chosen[page], page_size, len, window, &first) : 0;
-  std::int32_t end = n;
-#pragma unroll
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const std::int32_t y = __shfl_up_sync(0xffffffffu, end, offset);
-    if (lane >= offset) end += y;
-  }
+  const std::int32_t end = warp_inclusive_sum(n);
   __syncthreads();  // warp_sums
   std::int32_t total = 0;
   for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
