@@ -7,6 +7,9 @@ option(KVSIFT_BENCH "Build kvsift's demo, benchmarks and tools (tools/)" ${KVSIF
 option(KVSIFT_INSTALL "Generate kvsift's install rules and package config" ${KVSIFT_TOP_LEVEL})
 option(KVSIFT_PYTHON "Build the Python extension module kvsift._kvsift (nanobind; pyproject.toml turns it on)" OFF)
 option(KVSIFT_HEADER_CHECKS "With the tests, compile every public header on its own (tests/headers/)" ON)
+option(KVSIFT_TESTS_O1
+       "Compile the CPU tests at -O1 (CI: half their compile time at -O3, for a longer run; the library's own sources stay optimized)"
+       OFF)
 option(KVSIFT_CUDA_COMPILE_ONLY
        "The CUDA code only compiles here (no GPU: CI): device code unoptimized, CUDA tests and benchmarks at -O0" OFF)
 
