@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <utility>
 #include <cmath>
 #include <tuple>
 #include <vector>
@@ -347,15 +348,19 @@ void check_topk_rows(Random& rng, std::int32_t batch, std::int32_t q_heads, std:
   const AttentionWindow window{.sink = 3, .recent = 5};
   const std::int32_t capacity = heads_per_row * k;
 
-  for (const bool per_row_budgets : {false, true}) {
-    SCOPED_TRACE(testing::Message() << "per-row budgets " << per_row_budgets);
+  // nan_marks_row (one score row per selection row): a row whose middle holds a NaN token gets count -1.
+  for (const auto& [per_row_budgets, nan_marks_row] : {std::pair{false, false}, std::pair{true, false}, std::pair{true, true}}) {
+    if (nan_marks_row && heads_per_row != 1) continue;
+    SCOPED_TRACE(testing::Message() << "per-row budgets " << per_row_budgets << " nan_marks_row " << nan_marks_row);
     std::vector<float> scores(std::size_t(score_rows) * cols, test::kScoreSentinel);
     cpu::vq_code_scan(MatrixView<const float>::packed(lut.data(), q_rows, codewords), batch, sp.codes_view(),
                       sp.slot_of.data(), sp.lengths.data(), MatrixView<float>::packed(scores.data(), score_rows, cols),
                       {.group_max = group_max});
     std::vector<std::int32_t> want(std::size_t(batch) * kv_heads * capacity, -7), want_counts(row_k.size(), -7);
-    const TopKRowsOptions host_options{
-        .window = window, .row_k = per_row_budgets ? row_k.data() : nullptr, .heads_per_row = heads_per_row};
+    const TopKRowsOptions host_options{.window = window,
+                                       .row_k = per_row_budgets ? row_k.data() : nullptr,
+                                       .heads_per_row = heads_per_row,
+                                       .nan_marks_row = nan_marks_row};
     cpu::Array<std::byte> host_ws(cpu::topk_rows_workspace_bytes(score_rows, cols, k, host_options, nullptr));
     // cpu::topk_rows refuses a length past cols; such rows get count -1 on the device, as they do from cuda::topk_rows.
     std::vector<std::int32_t> host_lengths = sp.lengths;
@@ -367,8 +372,10 @@ void check_topk_rows(Random& rng, std::int32_t batch, std::int32_t q_heads, std:
     DeviceBuffer<std::int32_t> d_out(want.size()), d_counts(want_counts.size());
     const VqTopKShape shape{.batch = batch, .q_heads = q_heads, .kv_heads = kv_heads, .codewords = codewords,
                             .head_dim = d, .max_tokens = cols, .k = k, .scan = {.group_max = group_max}};
-    const TopKRowsOptions options{
-        .window = window, .row_k = per_row_budgets ? d_row_k.data() : nullptr, .heads_per_row = heads_per_row};
+    const TopKRowsOptions options{.window = window,
+                                  .row_k = per_row_budgets ? d_row_k.data() : nullptr,
+                                  .heads_per_row = heads_per_row,
+                                  .nan_marks_row = nan_marks_row};
     test::check_device_workspace(
         cuda::vq_topk_rows_workspace_bytes(shape),
         [&](std::span<std::byte> ws, cudaStream_t stream) {
@@ -378,7 +385,7 @@ void check_topk_rows(Random& rng, std::int32_t batch, std::int32_t q_heads, std:
         },
         download_all(d_out, d_counts), poison_all(d_out, d_counts));
     const std::vector<std::int32_t> got = d_out.download(), counts = d_counts.download();
-    std::int32_t chosen = 0;
+    std::int32_t chosen = 0, marked = 0;
     for (std::size_t r = 0; r < row_k.size(); ++r) {
       const std::int32_t b = std::int32_t(r) / kv_heads;
       if (sp.lengths[std::size_t(b)] > cols) {
@@ -389,9 +396,10 @@ void check_topk_rows(Random& rng, std::int32_t batch, std::int32_t q_heads, std:
       for (std::int32_t i = 0; i < counts[r]; ++i) {
         ASSERT_EQ(got[r * capacity + i], want[r * capacity + i]) << "row " << r << " entry " << i;
       }
-      chosen += counts[r];
+      chosen += std::max(counts[r], 0);
+      marked += counts[r] < 0 ? 1 : 0;
     }
-    EXPECT_GT(chosen, 0) << "no row chose a token: the comparison tested nothing";
+    EXPECT_GT(chosen + marked, 0) << "no row chose a token or was marked: the comparison tested nothing";
   }
 }
 
@@ -412,6 +420,22 @@ TEST_F(CudaVq, TopKRowsEqualTheCpuTopKOfTheScan) {
     check_topk_rows<bfloat16>(rng, 1, 16, 1, 1000, 64, 40000, 300, group_max);
     check_topk_rows<half>(rng, 1, 16, 1, 20000, 64, 3000, 100, group_max);
     check_topk_rows<float>(rng, 40, 4, 1, 64, 64, 12000, 50, group_max);
+  }
+}
+
+// The workspace holds what the call's form reads: the count select (64 selection rows) only vq_lut's tables, the
+// other forms the score rows too.
+TEST_F(CudaVq, TopKRowsWorkspaceHoldsOnlyWhatItsFormReads) {
+  for (const bool group_max : {false, true}) {
+    const VqTopKShape counted{.batch = 8, .q_heads = 32, .kv_heads = 8, .codewords = 4096, .head_dim = 128,
+                              .max_tokens = 131072, .k = 3932, .scan = {.group_max = group_max}};
+    const std::size_t tables = sizeof(float) * 8 * 32 * 4096;
+    const std::size_t score_rows = sizeof(float) * 8 * (group_max ? 8 : 32) * std::size_t(131072);
+    EXPECT_GE(cuda::vq_topk_rows_workspace_bytes(counted), tables);
+    EXPECT_LT(cuda::vq_topk_rows_workspace_bytes(counted), tables + tables / 8) << "group_max " << group_max;
+    VqTopKShape one = counted;
+    one.batch = 1;
+    EXPECT_GT(cuda::vq_topk_rows_workspace_bytes(one), score_rows / 8) << "group_max " << group_max;
   }
 }
 
@@ -465,6 +489,20 @@ TEST(CudaVqBadInput, RefusedBeforeAnyDeviceCall) {
                      "cuda::vq_lut_scan_workspace_bytes: q_heads / kv_heads (= 65) exceeds 64 query heads per kv head");
   test::expect_error([] { (void)cuda::vq_lut_scan_workspace_bytes(70000, 8, 2, 4096, 64); },
                      "batch (= 70000) exceeds the launch limit of 65535 sequences");
+
+  // vq_topk_rows refuses before it chooses a form (the count select's included): the shared checks.
+  const VqTopKShape shape{.batch = 1, .q_heads = 8, .kv_heads = 2, .codewords = 16, .head_dim = 64, .max_tokens = 10, .k = 3, .scan = {}};
+  static std::int32_t picked[2 * 12], counts[2];
+  const SelectionView out{picked, counts, nullptr, 1, 2, 12};
+  const auto topk = [&](const std::int32_t* slots, const TopKRowsOptions& options, const SelectionView& o) {
+    return [=, &q, &book, &read] { cuda::vq_topk_rows(q, book, read, slots, ints, shape, options, o, {}, nullptr); };
+  };
+  test::expect_error(topk(nullptr, {.heads_per_row = 4}, out), "cuda::vq_topk_rows: slots must be non-null");
+  test::expect_error(topk(ints, {.heads_per_row = 4}, SelectionView{picked, counts, nullptr, 1, 2, 11}),
+                     "out.capacity (= 11) < options.heads_per_row * k (= 4 * 3)");
+  test::expect_error(topk(ints, {.heads_per_row = 4, .nan_marks_row = true}, out),
+                     "options.nan_marks_row needs options.heads_per_row == 1 (it is 4)");
+  test::expect_error(topk(ints, {.heads_per_row = 1}, out), "options.heads_per_row (= 1) must be 4");
 }
 
 }  // namespace

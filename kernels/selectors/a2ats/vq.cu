@@ -296,12 +296,16 @@ __global__ void __launch_bounds__(kThreads) vq_count_select_kernel(const __grid_
   const std::int32_t picks = min(k, hi - lo);
   std::int32_t* const indices = p.out.indices + row * p.out.capacity;
   float* const weights = p.out.log_weights != nullptr ? p.out.log_weights + row * p.out.capacity : nullptr;
-  if (picks == 0 || picks == hi - lo) {  // nothing, or the whole middle
+  const auto take_whole_middle = [&] {
     for (std::int32_t i = tid; i < picks; i += kThreads) {
       indices[i] = lo + i;
       if (weights != nullptr) weights[i] = 0.0f;
     }
     if (tid == 0) *count_out = picks;
+  };
+  const bool whole = picks == hi - lo;
+  if (picks == 0 || (whole && !p.nan_marks_row)) {  // nothing, or the whole middle with no NaN to look for
+    take_whole_middle();
     return;
   }
   const std::int32_t heads = w.group_max ? 1 : w.group;
@@ -350,6 +354,18 @@ __global__ void __launch_bounds__(kThreads) vq_count_select_kernel(const __grid_
   }
   if (nan_here > 0) atomicAdd(&nan_tokens, nan_here);
   __syncthreads();
+  if (p.nan_marks_row) {  // one score row (heads_per_row 1): a NaN token is one past the codes or with NaN's word
+    bool nan_code = false;
+    for (std::int32_t c = tid; c < codewords && !nan_code; c += kThreads) nan_code = counts[c] > 0 && words[c] == 0u;
+    if (__syncthreads_or(nan_code) || nan_tokens > 0) {
+      if (tid == 0) *count_out = -1;
+      return;
+    }
+    if (whole) {
+      take_whole_middle();
+      return;
+    }
+  }
 
   // Each head's threshold: four 8-bit passes over the codewords' words, each code weighing its count.
   for (int pass = 0; pass < 4; ++pass) {

@@ -405,17 +405,9 @@ void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, co
                   const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
                   const Context& ctx) {
   constexpr const char* where = "cpu::vq_topk_rows";
-  kvsift::detail::check_vq_topk_call(where, q, codebook, shape, options);
-  kvsift::detail::check_vq_query(where, q, codebook);
-  kvsift::detail::check_vq_codes(where, "codes", codes);
-  KVSIFT_CHECK(codes.kv_heads == codebook.kv_heads, where, "codes.kv_heads (= {}) != codebook.kv_heads (= {})",
-               codes.kv_heads, codebook.kv_heads);
-  KVSIFT_CHECK(slots != nullptr, where, "slots must be non-null");
+  kvsift::detail::check_vq_topk_rows(where, q, codebook, codes, slots, lengths, "lengths", shape, options, out);
   const std::int32_t group = q.heads / codebook.kv_heads, count = codebook.codewords;
   const std::int32_t heads = shape.scan.group_max ? 1 : group;
-  const std::int64_t score_rows = std::int64_t(q.batch) * codebook.kv_heads * heads;
-  kvsift::detail::check_topk_rows_shape(where, score_rows, shape.max_tokens, shape.k, options);
-  kvsift::detail::check_topk_rows_output(where, score_rows, lengths, "lengths", shape.k, options, out);
   kvsift::detail::check_topk_rows_host_values(where, lengths, out, shape.max_tokens, "shape.max_tokens", shape.k, options);
   WorkspaceLayout layout(workspace, where);
   const CountSelectLayout scratch = layout_count_select(layout, shape, ctx);

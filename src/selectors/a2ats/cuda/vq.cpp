@@ -3,6 +3,7 @@
 #include "kvsift/selectors/a2ats/cuda/vq.hpp"
 
 #include <algorithm>
+#include <optional>
 
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/cuda/detail/topk_launch.hpp"
@@ -171,28 +172,31 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
 
 namespace {
 
-/// vq_topk_rows' layout: the composed form's buffers, then the fused form's tables.
-struct VqTopKLayout {
-  kvsift::detail::VqTopKBuffers composed;
-  float* tables;
-};
-VqTopKLayout vq_topk_layout(WorkspaceLayout& layout, const VqTopKShape& shape, const Context& ctx) {
-  VqTopKLayout b{kvsift::detail::vq_topk_layout(layout, shape, ctx), nullptr};
-  b.tables = layout.allocate<float>(checked_mul(std::size_t(shape.batch) * std::size_t(shape.q_heads),
-                                                std::size_t(shape.codewords), "vq_topk_rows tables"),
-                                    "vq_topk_rows tables");
-  return b;
-}
-
 /// Whether the count select takes the call: at least kVqCountSelectMinRows selection rows, at most
-/// kVqCountSelectMaxHeads score rows per selection row, its counts and classes in one block's shared memory, and no
-/// topk_rows option it does not implement (nan_marks_row, seed).
-bool count_select_fits(const VqTopKShape& shape, const TopKRowsOptions& options) {
+/// kVqCountSelectMaxHeads score rows per selection row, its counts and words in one block's shared memory. From the
+/// shape alone (it implements every topk_rows option; a seed is a hint it does not need), so the workspace holds
+/// only what the form reads.
+bool count_select_fits(const VqTopKShape& shape) {
   const std::int32_t heads = kvsift::detail::vq_topk_heads_per_row(shape);
   return std::int64_t(shape.batch) * shape.kv_heads >= detail::kVqCountSelectMinRows &&
-         heads <= detail::kVqCountSelectMaxHeads && !options.nan_marks_row && options.seed == nullptr &&
+         heads <= detail::kVqCountSelectMaxHeads &&
          detail::vq_count_select_smem_bytes(shape.codewords, heads) + detail::kVqCountSelectStaticSmem <=
              std::size_t(max_shared_memory_per_block());
+}
+
+/// vq_topk_rows' layout: vq_lut's tables, then, unless the count select takes the shape, the composed form's
+/// buffers (its score rows: 134 MB at 128K batch 8, union), which the top-k fed by the codes plans its call with.
+struct VqTopKLayout {
+  float* tables;
+  std::optional<kvsift::detail::VqTopKBuffers> composed;
+};
+VqTopKLayout vq_topk_layout(WorkspaceLayout& layout, const VqTopKShape& shape, const Context& ctx) {
+  VqTopKLayout b{layout.allocate<float>(checked_mul(std::size_t(shape.batch) * std::size_t(shape.q_heads),
+                                                    std::size_t(shape.codewords), "vq_topk_rows tables"),
+                                        "vq_topk_rows tables"),
+                 std::nullopt};
+  if (!count_select_fits(shape)) b.composed = kvsift::detail::vq_topk_layout(layout, shape, ctx);
+  return b;
 }
 
 }  // namespace
@@ -210,20 +214,20 @@ void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, co
                   const TopKRowsOptions& options, const SelectionView& out, std::span<std::byte> workspace,
                   const Context& ctx) {
   constexpr const char* where = "cuda::vq_topk_rows";
-  kvsift::detail::check_vq_topk_call(where, q, codebook, shape, options);
+  kvsift::detail::check_vq_topk_rows(where, q, codebook, codes, d_slots, d_lengths, "d_lengths", shape, options, out);
   WorkspaceLayout layout(workspace, where);
   const VqTopKLayout b = vq_topk_layout(layout, shape, ctx);
-  const MatrixView<float>& scores = b.composed.scores;
-  const detail::TopKRowsParams params =
-      detail::topk_rows_params(where, as_const(scores), d_lengths, shape.k, options, out, b.composed.topk);
-  const bool count_select = count_select_fits(shape, options);
-  if (!count_select && (!detail::topk_rows_takes_words(params) || shape.codewords > detail::kVqTopKMaxCodewords)) {
-    kvsift::detail::vq_topk_rows_composed(q, codebook, codes, d_slots, d_lengths, shape, options, out, b.composed, ctx);
-    return;
+  const bool count_select = !b.composed.has_value();
+  std::optional<detail::TopKRowsParams> params;
+  if (!count_select) {
+    params = detail::topk_rows_params(where, as_const(b.composed->scores), d_lengths, shape.k, options, out,
+                                      b.composed->topk);
+    if (!detail::topk_rows_takes_words(*params) || shape.codewords > detail::kVqTopKMaxCodewords) {
+      kvsift::detail::vq_topk_rows_composed(q, codebook, codes, d_slots, d_lengths, shape, options, out, *b.composed,
+                                            ctx);
+      return;
+    }
   }
-  kvsift::detail::check_vq_scan(where, q.batch, q.heads, codes, d_slots, d_lengths, scores, shape.scan);
-  KVSIFT_CHECK(codes.kv_heads == codebook.kv_heads, where, "codes.kv_heads (= {}) != codebook.kv_heads (= {})",
-               codes.kv_heads, codebook.kv_heads);
   vq_lut(q, codebook, MatrixView<float>::packed(b.tables, std::int64_t(q.batch) * q.heads, codebook.codewords), ctx);
   const detail::VqTopKWords words{.tables = b.tables,
                                   .codes = codes,
@@ -239,11 +243,12 @@ void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, co
                                                       .window = options.window,
                                                       .max_tokens = shape.max_tokens,
                                                       .out = out,
-                                                      .rows = std::int64_t(q.batch) * codebook.kv_heads},
+                                                      .rows = std::int64_t(q.batch) * codebook.kv_heads,
+                                                      .nan_marks_row = options.nan_marks_row},
                                                      ctx.stream));
     return;
   }
-  KVSIFT_CUDA_CHECK(detail::launch_vq_topk_rows(params, words, ctx.stream));
+  KVSIFT_CUDA_CHECK(detail::launch_vq_topk_rows(*params, words, ctx.stream));
 }
 
 KVSIFT_STORAGE_TYPES(KVSIFT_VQ_INSTANCES)

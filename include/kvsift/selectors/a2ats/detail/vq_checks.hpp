@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "kvsift/core/detail/topk_rows_checks.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/ranking.hpp"
 #include "kvsift/core/validate.hpp"
@@ -128,6 +129,25 @@ void check_vq_topk_call(const char* where, const QueryView<const T>& q, const Vq
                "options.heads_per_row (= {}) must be {} ({}: q_heads {}, kv_heads {})", options.heads_per_row,
                vq_topk_heads_per_row(s), s.scan.group_max ? "1 with scan.group_max" : "the group without it",
                s.q_heads, s.kv_heads);
+}
+
+/// A vq_topk_rows call on either backend, before any form is chosen: the shape against the arguments, the queries
+/// against the codebook, the codes, the slots and lengths pointers (lengths named `lengths_name`), and topk_rows'
+/// checks of the score rows' shape, the options and the output.
+template <class T>
+void check_vq_topk_rows(const char* where, const QueryView<const T>& q, const VqCodebook<T>& codebook,
+                        const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
+                        const std::int32_t* lengths, const char* lengths_name, const VqTopKShape& shape,
+                        const TopKRowsOptions& options, const SelectionView& out) {
+  check_vq_topk_call(where, q, codebook, shape, options);
+  check_vq_query(where, q, codebook);
+  check_vq_codes(where, "codes", codes);
+  KVSIFT_CHECK(codes.kv_heads == codebook.kv_heads, where, "codes.kv_heads (= {}) != codebook.kv_heads (= {})",
+               codes.kv_heads, codebook.kv_heads);
+  KVSIFT_CHECK(slots != nullptr, where, "slots must be non-null");
+  const std::int64_t score_rows = std::int64_t(shape.batch) * vq_topk_score_heads(shape);
+  check_topk_rows_shape(where, score_rows, shape.max_tokens, shape.k, options);
+  check_topk_rows_output(where, score_rows, lengths, lengths_name, shape.k, options, out);
 }
 
 }  // namespace kvsift::detail

@@ -92,6 +92,7 @@ struct VqCountSelectParams {
   std::int32_t max_tokens;
   SelectionView out;
   std::int64_t rows;  ///< selection rows: batch * kv_heads
+  bool nan_marks_row;  ///< TopKRowsOptions::nan_marks_row (one score row per selection row)
 };
 
 /// One CTA per selection row; the caller has checked heads <= kVqCountSelectMaxHeads and the shared memory.
