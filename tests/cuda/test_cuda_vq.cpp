@@ -348,9 +348,11 @@ void check_topk_rows(Random& rng, std::int32_t batch, std::int32_t q_heads, std:
   const AttentionWindow window{.sink = 3, .recent = 5};
   const std::int32_t capacity = heads_per_row * k;
 
-  // nan_marks_row (one score row per selection row): a row whose middle holds a NaN token gets count -1.
+  // nan_marks_row (one score row per selection row): a row whose middle holds a NaN token gets count -1. Only from 4
+  // sequences, whose third has length 0 (count 0): with one or two rows every row may be marked, and -1 is the
+  // outputs' poison, which check_device_workspace takes for a call that wrote nothing.
   for (const auto& [per_row_budgets, nan_marks_row] : {std::pair{false, false}, std::pair{true, false}, std::pair{true, true}}) {
-    if (nan_marks_row && heads_per_row != 1) continue;
+    if (nan_marks_row && (heads_per_row != 1 || batch < 4)) continue;
     SCOPED_TRACE(testing::Message() << "per-row budgets " << per_row_budgets << " nan_marks_row " << nan_marks_row);
     std::vector<float> scores(std::size_t(score_rows) * cols, test::kScoreSentinel);
     cpu::vq_code_scan(MatrixView<const float>::packed(lut.data(), q_rows, codewords), batch, sp.codes_view(),

@@ -236,8 +236,8 @@ struct VqWords {
 };
 
 /// The codes of tokens [first, first + 8) of a row, first a multiple of 8: `codewords` (NaN) at or past n and for a
-/// row without codes. One 16-byte load where the row is 16-byte aligned and the eight are codes: the count select's
-/// walks are bound by the loads each thread has in flight, not by their bytes.
+/// row without codes. One 16-byte load where the row is 16-byte aligned and the eight are codes (a 2-byte load per
+/// token cost the count select's walks an instruction and a load each).
 __device__ __forceinline__ void load_codes8(const std::uint16_t* codes, bool aligned, std::int32_t first,
                                             std::int32_t n, std::int32_t codewords, std::uint32_t (&code)[8]) {
   if (codes != nullptr && aligned && first + 8 <= n) {
