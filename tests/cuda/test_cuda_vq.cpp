@@ -8,9 +8,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <utility>
 #include <cmath>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cuda/gpu_test.hpp"
