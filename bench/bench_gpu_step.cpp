@@ -319,6 +319,7 @@ BENCHMARK(BM_Step)
     ->ArgsProduct({{kCsattention}, {131072}, {1, 8}, {0}, {0, 1}, {1}, {0}, {0}})  // PDL off; kernels between
     ->ArgsProduct({{kCsattention}, {131072}, {1, 8}, {1}, {0}, {1}, {0}, {5, 20, 40}})  // the alpha sweep
     ->ArgsProduct({{kA2ats}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0, 1}, {0}})
+    ->ArgsProduct({{kA2ats}, {65536, 131072}, {2, 4}, {1}, {0}, {1}, {0, 1}, {0}})  // the count select's forms
     ->ArgsProduct({{kA2ats}, {131072}, {1, 8}, {0}, {0, 1}, {1}, {0}, {0}})  // PDL off; kernels between
     ->ArgNames({"method", "N", "batch", "pdl", "between", "P", "sort", "alpha"})
     ->UseManualTime()

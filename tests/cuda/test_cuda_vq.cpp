@@ -408,37 +408,55 @@ void check_topk_rows(Random& rng, std::int32_t batch, std::int32_t q_heads, std:
 TEST_F(CudaVq, TopKRowsEqualTheCpuTopKOfTheScan) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   for (const bool group_max : {false, true}) {
-    // The count select (64 selection rows or more, up to 8 score rows each): rows of one CTA's size, A²ATS's heads,
-    // long rows, and 16 codewords for 5000 tokens (ties of hundreds of tokens at each head's threshold).
+    // The count select, a CTA per row (64 selection rows or more, up to 8 score rows each): rows of one CTA's size,
+    // A²ATS's heads, long rows, and 16 codewords for 5000 tokens (ties of hundreds of tokens at each head's
+    // threshold).
     check_topk_rows<bfloat16>(rng, 16, 8, 4, 256, 128, 3001, 100, group_max);
     check_topk_rows<half>(rng, 8, 32, 8, 4096, 64, 9000, 300, group_max);
     check_topk_rows<bfloat16>(rng, 16, 8, 4, 1000, 128, 40000, 700, group_max);
     check_topk_rows<half>(rng, 32, 8, 2, 16, 64, 5000, 400, group_max);
-    // Fewer rows, or groups of 16 (union): topk_rows' one-CTA and held kernels fed by the codes; with 20000
+    // The count select in slices of 8192 tokens (fewer rows, 128 (row, slice) CTAs or more): 16 rows of 9 slices
+    // over 16 codewords (ties of thousands across slices), 32 rows of 5, a union of 8 heads, 40 rows of 4 with
+    // groups of 4; 64 rows whose 8 heads' words at 8000 codewords leave a CTA per row short of shared memory.
+    check_topk_rows<half>(rng, 8, 8, 2, 16, 64, 70001, 900, group_max);
+    check_topk_rows<bfloat16>(rng, 4, 16, 8, 1000, 128, 40000, 700, group_max);
+    check_topk_rows<half>(rng, 2, 64, 8, 256, 64, 70000, 400, group_max);
+    check_topk_rows<float>(rng, 40, 4, 1, 64, 64, 30000, 50, group_max);
+    check_topk_rows<bfloat16>(rng, 8, 64, 8, 8000, 64, 9000, 300, group_max);
+    // Fewer CTAs, or groups of 16 (union): topk_rows' one-CTA and held kernels fed by the codes; with 20000
     // codewords (past their tables' 16384), or with the slice kernel's plan (160 score rows), the composed form.
+    // With group_max the groups of 16 take the count select again.
     check_topk_rows<bfloat16>(rng, 5, 8, 2, 256, 128, 3001, 100, group_max);
     check_topk_rows<bfloat16>(rng, 1, 8, 2, 1000, 128, 40000, 700, group_max);
     check_topk_rows<half>(rng, 1, 16, 1, 1000, 64, 9000, 200, group_max);
     check_topk_rows<bfloat16>(rng, 1, 16, 1, 1000, 64, 40000, 300, group_max);
     check_topk_rows<half>(rng, 1, 16, 1, 20000, 64, 3000, 100, group_max);
-    check_topk_rows<float>(rng, 40, 4, 1, 64, 64, 12000, 50, group_max);
   }
 }
 
-// The workspace holds what the call's form reads: the count select (64 selection rows) only vq_lut's tables, the
-// other forms the score rows too.
+// The workspace holds what the call's form reads: vq_lut's tables; the count select in slices (128K, batch 1: 8 rows
+// of 16 slices) its counts, classes and look-back values besides; a CTA per row (batch 8: 64 rows) nothing more;
+// the composed form (32K, batch 1: 8 rows of 4 slices; groups of 16) the score rows.
 TEST_F(CudaVq, TopKRowsWorkspaceHoldsOnlyWhatItsFormReads) {
   for (const bool group_max : {false, true}) {
-    const VqTopKShape counted{.batch = 8, .q_heads = 32, .kv_heads = 8, .codewords = 4096, .head_dim = 128,
-                              .max_tokens = 131072, .k = 3932, .scan = {.group_max = group_max}};
-    const std::size_t tables = sizeof(float) * 8 * 32 * 4096;
-    const std::size_t score_rows = sizeof(float) * 8 * (group_max ? 8 : 32) * std::size_t(131072);
-    EXPECT_GE(cuda::vq_topk_rows_workspace_bytes(counted), tables);
-    EXPECT_LT(cuda::vq_topk_rows_workspace_bytes(counted), tables + tables / 8) << "group_max " << group_max;
-    VqTopKShape one = counted;
-    one.batch = 1;
-    EXPECT_GT(cuda::vq_topk_rows_workspace_bytes(one), score_rows / 8) << "group_max " << group_max;
+    SCOPED_TRACE(testing::Message() << "group_max " << group_max);
+    const auto shape = [&](std::int32_t batch, std::int32_t tokens) {
+      return VqTopKShape{.batch = batch, .q_heads = 32, .kv_heads = 8, .codewords = 4096, .head_dim = 128,
+                         .max_tokens = tokens, .k = 3932, .scan = {.group_max = group_max}};
+    };
+    const auto tables = [](std::int32_t batch) { return sizeof(float) * batch * 32 * 4096; };
+    const auto score_rows = [&](std::int32_t batch, std::int32_t tokens) {
+      return sizeof(float) * batch * (group_max ? 8 : 32) * std::size_t(tokens);
+    };
+    EXPECT_GE(cuda::vq_topk_rows_workspace_bytes(shape(8, 131072)), tables(8));
+    EXPECT_LT(cuda::vq_topk_rows_workspace_bytes(shape(8, 131072)), tables(8) + tables(8) / 8);
+    EXPECT_GT(cuda::vq_topk_rows_workspace_bytes(shape(1, 131072)), tables(1) + 2 * sizeof(std::uint32_t) * 8 * 4097);
+    EXPECT_LT(cuda::vq_topk_rows_workspace_bytes(shape(1, 131072)), score_rows(1, 131072) / 4);
+    EXPECT_GT(cuda::vq_topk_rows_workspace_bytes(shape(1, 32768)), score_rows(1, 32768));
   }
+  const VqTopKShape group_of_16{.batch = 1, .q_heads = 32, .kv_heads = 2, .codewords = 4096, .head_dim = 128,
+                                .max_tokens = 131072, .k = 3932, .scan = {}};
+  EXPECT_GT(cuda::vq_topk_rows_workspace_bytes(group_of_16), sizeof(float) * 32 * std::size_t(131072));
 }
 
 TEST(CudaVqBadInput, RefusedBeforeAnyDeviceCall) {

@@ -235,9 +235,27 @@ struct VqWords {
   }
 };
 
+// The count select of vq_topk_rows (cuda/vq.hpp). A row's scores are table entries, so its tokens take at most
+// `codewords` distinct values, and NaN: from the row's tokens per code (NaN tokens as one more code, `codewords`,
+// of word 0: rank_word's NaN) each head's threshold word follows by a radix select over the codes weighted by their
+// counts, and from the thresholds each code's class per head (better, tied, worse: 2 bits). A token is then decided
+// by one lookup: chosen when some head finds it better than its threshold, or tied with it and fewer than the head's
+// quota of tied tokens come before it in index order. The same picks as the per-head top-k and their union, ties to
+// the smaller index as topk_rows breaks them. Two forms (vq_launch.hpp says where each is taken):
+//   - a CTA per selection row (vq_count_row_kernel): counts, thresholds, classes and one walk of the middle;
+//   - each row in slices, after a memset of the scratch:
+//     1. counts: a CTA per (row, slice) counts its slice's tokens per code and adds them to the row's counts;
+//     2. thresholds: a CTA per (row, head) finds the head's threshold and quota and ors its class of each code
+//        into the row's classes;
+//     3. picks: a CTA per (row, slice), slices in the order the CTAs start (a ticket), walks its slice three times:
+//        its tied tokens per head, published, then with those of the slices before it the tied tokens it takes (a
+//        head's first quota tied tokens are its slices' first ones); its picks, published; its picks written after
+//        those of the slices before. Each CTA publishes before it waits, and waits only on CTAs that started before
+//        it: no deadlock however the CTAs are scheduled.
+// Every walk reads 8 codes a 16-byte load.
+
 /// The codes of tokens [first, first + 8) of a row, first a multiple of 8: `codewords` (NaN) at or past n and for a
-/// row without codes. One 16-byte load where the row is 16-byte aligned and the eight are codes (a 2-byte load per
-/// token cost the count select's walks an instruction and a load each).
+/// row without codes. One 16-byte load where the row is 16-byte aligned and the eight are codes.
 __device__ __forceinline__ void load_codes8(const std::uint16_t* codes, bool aligned, std::int32_t first,
                                             std::int32_t n, std::int32_t codewords, std::uint32_t (&code)[8]) {
   if (codes != nullptr && aligned && first + 8 <= n) {
@@ -256,251 +274,495 @@ __device__ __forceinline__ void load_codes8(const std::uint16_t* codes, bool ali
   }
 }
 
-/// The count select of vq_topk_rows (cuda/vq.hpp): a CTA per selection row (sequence b, kv head g). A row's scores
-/// are table entries, so its tokens take at most `codewords` distinct values (and NaN): the CTA keeps each head's
-/// word per codeword in shared memory, counts the tokens of each code in the middle, finds each head's threshold
-/// word by a radix select over the codewords weighted by their counts (NaN tokens counted at word 0), packs each
-/// codeword's class per head against the thresholds, then walks the middle once in index order: a token is chosen
-/// when some head takes it (its word better than the head's threshold, or tied with it and fewer than the head's
-/// tied quota before it), and the chosen go out ascending.
-/// The same picks as the per-head top-k and their union: the threshold, and ties to the smaller index, are
-/// topk_rows' rule. Both walks read 8 codes a load, several loads in flight per thread.
-template <int kThreads, int kHeads>
-__global__ void __launch_bounds__(kThreads) vq_count_select_kernel(const __grid_constant__ VqCountSelectParams p) {
-  constexpr int kCountLoads = 4;  // 8-code loads in flight per thread while counting
-  constexpr int kPassLoads = 2;   // 8-code loads per thread per pass of the emission
-  constexpr int kTokens = 8 * kPassLoads;
-  static_assert(kHeads <= kThreads / 32, "a warp per head's bins");
-  __shared__ std::uint32_t histogram[kHeads][256];
-  __shared__ std::uint32_t threshold[kHeads], quota[kHeads];  // quota: the rank of the threshold, then tied tokens to take
-  __shared__ std::uint32_t nan_tokens, nan_classes;
-  __shared__ __align__(16) std::uint32_t scan_buffer[2][kHeads * 32];
-  extern __shared__ __align__(16) unsigned char count_select_smem[];
-  const VqTopKWords& w = p.words;
-  const std::int32_t codewords = w.codewords;
-  auto* counts = reinterpret_cast<std::uint32_t*>(count_select_smem);  // [codewords]
-  std::uint32_t* const words = counts + codewords;                      // [heads, codewords]
+/// One selection row (sequence b, kv head g) of the count select, as every kernel of it sees the row: its middle
+/// [lo, hi) in p.slices slices (one for the CTA per row) from lo rounded down to a load.
+struct CountRow {
+  bool valid;  ///< topk_rows' valid row: length in [0, max_tokens], budget in [0, k]
+  std::int32_t lo, hi, picks, n;
+  const std::uint16_t* codes;  ///< nullptr: a bad slot (every token NaN)
+  bool aligned;
+  std::int32_t slice_tokens;  ///< a multiple of 8
 
-  programmatic_start();  // the tables, codes, lengths and budgets
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const std::int64_t row = blockIdx.x;  // b * kv_heads + g: the selection row
-  const std::int32_t b = std::int32_t(row / w.codes.kv_heads), g = std::int32_t(row % w.codes.kv_heads);
-  const std::int32_t length = w.lengths[b];
-  const std::int32_t k = p.row_k != nullptr ? p.row_k[row] : p.k;
-  std::int32_t* const count_out = p.out.counts + row;
-  if (length < 0 || length > p.max_tokens || k < 0 || k > p.k) {  // topk_rows' invalid row
-    if (tid == 0) *count_out = -1;
+  __device__ CountRow(const VqCountSelectParams& p, std::int64_t row) {
+    const VqTopKWords& w = p.words;
+    const std::int32_t b = std::int32_t(row / w.codes.kv_heads), g = std::int32_t(row % w.codes.kv_heads);
+    const std::int32_t length = w.lengths[b];
+    const std::int32_t k = p.row_k != nullptr ? p.row_k[row] : p.k;
+    valid = length >= 0 && length <= p.max_tokens && k >= 0 && k <= p.k;
+    lo = valid ? p.window.sink_end(length) : 0;
+    hi = valid ? p.window.recent_begin(length) : 0;
+    picks = valid ? min(k, hi - lo) : 0;
+    n = valid ? vq_scan_length(length, p.max_tokens, w.codes.max_tokens) : 0;
+    const std::int32_t slot = w.slots[b];
+    codes = slot >= 0 && slot < w.codes.slots ? w.codes.row(slot, g) : nullptr;
+    aligned = reinterpret_cast<std::uintptr_t>(codes) % 16 == 0;
+    const std::int32_t span = max(hi - (lo & ~7), 0);
+    const std::int32_t slices = max(p.slices, 1);  // a CTA per row: one slice
+    slice_tokens = ((span + slices - 1) / slices + 7) & ~7;
+  }
+  __device__ std::int32_t slice_begin(std::int32_t s) const { return (lo & ~7) + s * slice_tokens; }
+  __device__ std::int32_t slice_end(std::int32_t s) const { return min(hi, slice_begin(s) + slice_tokens); }
+  /// Nothing to rank: an invalid row, no budget, or the whole middle with no NaN to look for (write_unranked).
+  __device__ bool unranked(const VqCountSelectParams& p) const {
+    return !valid || picks == 0 || (picks == hi - lo && !p.nan_marks_row);
+  }
+};
+
+/// The selection of a row not ranked: count -1 for an invalid row or one nan_marks_row marks, else the middle's first
+/// picks tokens (the CTA's threads share the writes).
+__device__ void write_unranked(const VqCountSelectParams& p, const CountRow& r, std::int64_t row, bool marked) {
+  if (!r.valid || marked) {
+    if (threadIdx.x == 0) p.out.counts[row] = -1;
     return;
   }
-  const std::int32_t lo = p.window.sink_end(length), hi = p.window.recent_begin(length);
-  const std::int32_t picks = min(k, hi - lo);
   std::int32_t* const indices = p.out.indices + row * p.out.capacity;
   float* const weights = p.out.log_weights != nullptr ? p.out.log_weights + row * p.out.capacity : nullptr;
-  const auto take_whole_middle = [&] {
-    for (std::int32_t i = tid; i < picks; i += kThreads) {
-      indices[i] = lo + i;
-      if (weights != nullptr) weights[i] = 0.0f;
-    }
-    if (tid == 0) *count_out = picks;
-  };
-  const bool whole = picks == hi - lo;
-  if (picks == 0 || (whole && !p.nan_marks_row)) {  // nothing, or the whole middle with no NaN to look for
-    take_whole_middle();
-    return;
+  for (std::int32_t i = threadIdx.x; i < r.picks; i += blockDim.x) {
+    indices[i] = r.lo + i;
+    if (weights != nullptr) weights[i] = 0.0f;
   }
-  const std::int32_t heads = w.group_max ? 1 : w.group;
-  const std::int32_t n = vq_scan_length(length, p.max_tokens, w.codes.max_tokens);
-  const std::int32_t slot = w.slots[b];
-  const std::uint16_t* const codes = slot >= 0 && slot < w.codes.slots ? w.codes.row(slot, g) : nullptr;
-  const bool aligned = reinterpret_cast<std::uintptr_t>(codes) % 16 == 0;
-  const float* const tables = w.tables + row * w.group * std::int64_t(codewords);  // the group's first table
-  const auto table = [&](std::int32_t h, std::int32_t c) { return __ldg(tables + std::int64_t(h) * codewords + c); };
+  if (threadIdx.x == 0) p.out.counts[row] = r.picks;
+}
 
-  // Each head's word per codeword (NaN tokens take word 0: rank_word's NaN); tokens per code in the middle, NaN
-  // tokens (a code past the codebook, a token past the codes, a bad slot) apart.
-  for (std::int32_t c = tid; c < codewords; c += kThreads) {
-    counts[c] = 0;
-    for (std::int32_t h = 0; h < heads; ++h) {
-      words[std::int64_t(h) * codewords + c] = rank_word(vq_entry(table, w.group_max, w.group, h, c));
+/// Adds slice s's middle tokens per code (NaN tokens at `codewords`) into `counts` (shared memory); kLoads 8-code
+/// loads in flight per thread.
+template <int kThreads>
+__device__ void count_slice(const CountRow& r, std::int32_t s, std::int32_t codewords, std::uint32_t* counts) {
+  constexpr int kLoads = 4;
+  const std::int32_t first = max(r.lo, r.slice_begin(s)), end = r.slice_end(s);
+  const std::int32_t load_end = (end + 7) / 8;
+  for (std::int32_t l0 = r.slice_begin(s) / 8 + std::int32_t(threadIdx.x); l0 < load_end; l0 += kThreads * kLoads) {
+    std::uint32_t code[kLoads][8];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      if (l0 + u * kThreads < load_end) load_codes8(r.codes, r.aligned, 8 * (l0 + u * kThreads), r.n, codewords, code[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const std::int32_t t = 8 * (l0 + u * kThreads) + j;
+        if (t >= first && t < end) atomicAdd(counts + min(code[u][j], std::uint32_t(codewords)), 1u);
+      }
     }
   }
-  if (tid == 0) nan_tokens = 0;
+}
+
+/// Head h's rank word of every code into words[0, codewords]: its table entry's (or the group's maximum's), NaN's 0.
+__device__ void head_words(const VqTopKWords& w, std::int64_t row, std::int32_t h, std::uint32_t* words) {
+  const float* const tables = w.tables + row * w.group * std::int64_t(w.codewords);  // the group's first table
+  const auto table = [&](std::int32_t u, std::int32_t c) { return __ldg(tables + std::int64_t(u) * w.codewords + c); };
+  for (std::int32_t c = threadIdx.x; c <= w.codewords; c += blockDim.x) {
+    words[c] = c < w.codewords ? rank_word(vq_entry(table, w.group_max, w.group, h, c)) : 0u;
+  }
+}
+
+/// nan_marks_row's test (one score head): a token of the middle is NaN, counted with word 0 (NaN's code, or a table
+/// entry NaN). Every thread of the CTA gets the answer.
+__device__ bool middle_holds_nan(const std::uint32_t* counts, const std::uint32_t* words, std::int32_t codes) {
+  bool nan = false;
+  for (std::int32_t c = threadIdx.x; c < codes && !nan; c += blockDim.x) nan = counts[c] > 0 && words[c] == 0u;
+  return __syncthreads_or(nan) != 0;
+}
+
+/// Each head's threshold word and quota (its tied tokens to take) among the counted tokens, picks of them wanted:
+/// four 8-bit radix passes over the codes' words (head h's at words + h * codes), each code weighing its count; warp
+/// h finds head h's bin. The caller has synchronized the CTA after writing counts and words.
+template <int kThreads, int kHeads>
+__device__ void count_thresholds(const std::uint32_t* counts, const std::uint32_t* words, std::int32_t codes,
+                                 std::int32_t heads, std::int32_t picks, std::uint32_t (*histogram)[256],
+                                 std::uint32_t* threshold, std::uint32_t* quota) {
+  static_assert(kHeads <= kThreads / 32, "a warp per head's bins");
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid < kHeads) {
     threshold[tid] = 0;
     quota[tid] = std::uint32_t(picks);
   }
-  __syncthreads();
-  std::uint32_t nan_here = 0;
-  const std::int32_t first_load = lo / 8, loads = (hi + 7) / 8;
-  for (std::int32_t l0 = first_load + tid; l0 < loads; l0 += kThreads * kCountLoads) {
-    std::uint32_t code[kCountLoads][8];
-#pragma unroll
-    for (int u = 0; u < kCountLoads; ++u) {
-      if (l0 + u * kThreads < loads) load_codes8(codes, aligned, 8 * (l0 + u * kThreads), n, codewords, code[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kCountLoads; ++u) {
-      const std::int32_t first = 8 * (l0 + u * kThreads);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (first + j < lo || first + j >= hi) continue;
-        if (code[u][j] < std::uint32_t(codewords)) {
-          atomicAdd(counts + code[u][j], 1u);
-        } else {
-          ++nan_here;
-        }
-      }
-    }
-  }
-  if (nan_here > 0) atomicAdd(&nan_tokens, nan_here);
-  __syncthreads();
-  if (p.nan_marks_row) {  // one score row (heads_per_row 1): a NaN token is one past the codes or with NaN's word
-    bool nan_code = false;
-    for (std::int32_t c = tid; c < codewords && !nan_code; c += kThreads) nan_code = counts[c] > 0 && words[c] == 0u;
-    if (__syncthreads_or(nan_code) || nan_tokens > 0) {
-      if (tid == 0) *count_out = -1;
-      return;
-    }
-    if (whole) {
-      take_whole_middle();
-      return;
-    }
-  }
-
-  // Each head's threshold: four 8-bit passes over the codewords' words, each code weighing its count.
   for (int pass = 0; pass < 4; ++pass) {
     const int shift = 24 - 8 * pass;
     const std::uint32_t decided = pass == 0 ? 0u : ~0u << (shift + 8);
-    for (int i = tid; i < kHeads * 256; i += kThreads) (&histogram[0][0])[i] = 0;
+    for (int i = tid; i < kHeads * 256; i += kThreads) histogram[i / 256][i % 256] = 0;
     __syncthreads();
-    for (std::int32_t c = tid; c < codewords; c += kThreads) {
+    for (std::int32_t c = tid; c < codes; c += kThreads) {
       const std::uint32_t count = counts[c];
       if (count == 0) continue;
-      for (int h = 0; h < heads; ++h) {
-        const std::uint32_t x = words[std::int64_t(h) * codewords + c];
+#pragma unroll
+      for (int h = 0; h < kHeads; ++h) {
+        if (h == heads) break;
+        const std::uint32_t x = words[std::int64_t(h) * codes + c];
         if ((x & decided) == threshold[h]) atomicAdd(&histogram[h][(x >> shift) & 255u], count);
       }
     }
-    if (tid < heads && nan_tokens > 0 && threshold[tid] == 0u) atomicAdd(&histogram[tid][0], nan_tokens);
     __syncthreads();
-    if (warp < heads) {  // warp h: the bin holding its head's quota-th word
-      const int h = warp;
+    if (warp < heads) {  // the bin holding the quota-th word
       std::uint32_t bins[8], sum = 0;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        bins[i] = histogram[h][lane * 8 + i];
+        bins[i] = histogram[warp][lane * 8 + i];
         sum += bins[i];
       }
       const std::uint32_t inclusive = warp_inclusive_sum(sum);
-      const std::uint32_t want = quota[h];
+      const std::uint32_t want = quota[warp];
       __syncwarp();  // every lane has read the quota before one lane rewrites it
       std::uint32_t before = inclusive - sum;
       if (before < want && want <= inclusive) {
         int d = 0;
         while (before + bins[d] < want) before += bins[d++];
-        threshold[h] |= std::uint32_t(lane * 8 + d) << shift;
-        quota[h] = want - before;
+        threshold[warp] |= std::uint32_t(lane * 8 + d) << shift;
+        quota[warp] = want - before;
       }
     }
     __syncthreads();
   }
+}
 
-  // Each codeword's classes, 2 bits per head (1 better than the head's threshold, 2 tied with it, 0 worse), in place
-  // of its count; NaN tokens' apart (word 0 is never worse). A token then costs one lookup, whatever the heads.
-  std::uint32_t* const classes = counts;
-  for (std::int32_t c = tid; c < codewords; c += kThreads) {
-    std::uint32_t packed = 0;
-    for (std::int32_t h = 0; h < heads; ++h) {
-      const std::uint32_t x = words[std::int64_t(h) * codewords + c];
-      packed |= (x < threshold[h] ? 1u : x == threshold[h] ? 2u : 0u) << (2 * h);
-    }
-    classes[c] = packed;
-  }
-  if (tid == 0) {
-    std::uint32_t packed = 0;
-    for (std::int32_t h = 0; h < heads; ++h) packed |= (threshold[h] > 0u ? 1u : 2u) << (2 * h);
-    nan_classes = packed;
-  }
-  __syncthreads();
+/// A code's class for a head of threshold word `threshold`: 1 better, 2 tied, 0 worse.
+__device__ __forceinline__ std::uint32_t count_class(std::uint32_t word, std::uint32_t threshold) {
+  return word < threshold ? 1u : word == threshold ? 2u : 0u;
+}
 
-  // The middle in index order, kThreads * kTokens tokens a pass from lo rounded down to a load: a token is chosen
-  // when some head finds it better, or tied and fewer than the head's quota of tied tokens come before it (the tied
-  // tokens' ranks per head, scanned only in the passes that hold one: a few codewords are tied). The next pass's
-  // codes load while this pass scans.
-  constexpr std::uint32_t kBetter = 0x5555u, kTied = 0xaaaau;  // the class bits of up to 8 heads
-  std::uint32_t tied_before[kHeads] = {}, chosen_before = 0;
-  std::uint32_t code[kPassLoads][8];
-  const std::int32_t start = 8 * first_load;
-  const auto load_pass = [&](std::int32_t base) {
+/// Walks a slice of a row in passes of kStride tokens from its start (a multiple of 8), kTokens consecutive tokens a
+/// thread, each token's classes by one lookup (0 outside [first, end)). tied_before: each head's tied tokens in the
+/// passes decided since start(). The codes are loaded as a pass starts: holding the next pass's in registers took
+/// the picks kernel from 40 to 86 registers (one head), a CTA per SM where 3 fit (1M tokens, group max: 218 µs
+/// a step against 184).
+template <int kThreads, int kHeads>
+struct PicksWalk {
+  static constexpr int kPassLoads = 2;
+  static constexpr int kTokens = 8 * kPassLoads;
+  static constexpr int kStride = kThreads * kTokens;
+  static constexpr std::uint32_t kBetter = 0x5555u, kTied = 0xaaaau;  // the class bits of up to 8 heads
+
+  const CountRow& r;
+  const std::uint32_t* classes;  ///< shared memory, [codewords + 1]
+  std::int32_t codewords, first, end;
+  std::uint32_t (*scan_buffer)[kHeads * 32];  ///< two of held_block_scan's: tied ranks, picks' positions
+  std::uint32_t tied_before[kHeads];
+
+  __device__ void start() {
 #pragma unroll
-    for (int u = 0; u < kPassLoads; ++u) load_codes8(codes, aligned, base + tid * kTokens + 8 * u, n, codewords, code[u]);
-  };
-  load_pass(start);
-  for (std::int32_t base = start; base < hi; base += kThreads * kTokens) {
-    const std::int32_t first = base + tid * kTokens;
-    std::uint32_t cls[kTokens], chosen_mask = 0;
+    for (int h = 0; h < kHeads; ++h) tied_before[h] = 0;
+  }
+  /// This thread's picks of the pass at base (a bit per token), head h taking its first takes[h] tied tokens counted
+  /// from start(): the tied tokens' ranks per head, scanned only in passes that hold one (a few codes are tied).
+  __device__ std::uint32_t picks(std::int32_t base, const std::uint32_t* takes) {
+    const std::int32_t at = base + threadIdx.x * kTokens;
+    std::uint32_t code[kPassLoads][8], cls[kTokens], picked = 0;
+#pragma unroll
+    for (int u = 0; u < kPassLoads; ++u) load_codes8(r.codes, r.aligned, at + 8 * u, r.n, codewords, code[u]);
     bool tied_here = false;
 #pragma unroll
     for (int j = 0; j < kTokens; ++j) {
-      const std::uint32_t c = code[j / 8][j % 8];
-      cls[j] = first + j < lo || first + j >= hi ? 0u : c < std::uint32_t(codewords) ? classes[c] : nan_classes;
-      if ((cls[j] & kBetter) != 0) chosen_mask |= 1u << j;
+      cls[j] = at + j < first || at + j >= end ? 0u : classes[min(code[j / 8][j % 8], std::uint32_t(codewords))];
+      if ((cls[j] & kBetter) != 0) picked |= 1u << j;
       tied_here = tied_here || (cls[j] & kTied) != 0;
     }
-    if (base + kThreads * kTokens < hi) load_pass(base + kThreads * kTokens);
     if (__syncthreads_or(tied_here)) {
-      std::uint32_t tied[kHeads] = {}, tied_rank[kHeads], tied_total[kHeads];
+      std::uint32_t tied[kHeads] = {}, rank[kHeads], total[kHeads];
 #pragma unroll
       for (int j = 0; j < kTokens; ++j) {
         if ((cls[j] & kTied) == 0) continue;
 #pragma unroll
         for (int h = 0; h < kHeads; ++h) tied[h] += cls[j] >> (2 * h + 1) & 1u;
       }
-      held_block_scan<kThreads, kHeads>(tied, tied_rank, tied_total, scan_buffer[0]);
+      held_block_scan<kThreads, kHeads>(tied, rank, total, scan_buffer[0]);
 #pragma unroll
       for (int j = 0; j < kTokens; ++j) {
         if ((cls[j] & kTied) == 0) continue;
 #pragma unroll
         for (int h = 0; h < kHeads; ++h) {
           if ((cls[j] >> (2 * h + 1) & 1u) == 0) continue;
-          if (tied_before[h] + tied_rank[h] < quota[h]) chosen_mask |= 1u << j;  // every tied token counts toward
-          ++tied_rank[h];                                                       // its head's rank, taken or not
+          if (tied_before[h] + rank[h] < takes[h]) picked |= 1u << j;  // every tied token counts toward its head's
+          ++rank[h];                                                   // rank, taken or not
         }
       }
 #pragma unroll
-      for (int h = 0; h < kHeads; ++h) tied_before[h] += tied_total[h];
+      for (int h = 0; h < kHeads; ++h) tied_before[h] += total[h];
     }
-    const std::uint32_t chosen[1] = {std::uint32_t(__popc(chosen_mask))};
-    std::uint32_t position[1], total[1];
-    held_block_scan<kThreads, 1>(chosen, position, total, scan_buffer[1]);
-    std::uint32_t at = chosen_before + position[0];
-#pragma unroll
-    for (int j = 0; j < kTokens; ++j) {
-      if ((chosen_mask >> j & 1u) == 0) continue;
-      indices[at] = first + j;
-      if (weights != nullptr) weights[at] = 0.0f;
-      ++at;
-    }
-    chosen_before += total[0];
+    return picked;
   }
-  if (tid == 0) *count_out = std::int32_t(chosen_before);
+  /// The CTA's picks of a pass (every thread gets the total); with `indices`, written from position `written` in
+  /// index order.
+  __device__ std::uint32_t emit(std::uint32_t picked, std::int32_t base, std::uint32_t written, std::int32_t* indices,
+                                float* weights) {
+    const std::uint32_t count[1] = {std::uint32_t(__popc(picked))};
+    std::uint32_t position[1], total[1];
+    held_block_scan<kThreads, 1>(count, position, total, scan_buffer[1]);
+    if (indices != nullptr) {
+      std::uint32_t at = written + position[0];
+#pragma unroll
+      for (int j = 0; j < kTokens; ++j) {
+        if ((picked >> j & 1u) == 0) continue;
+        indices[at] = base + threadIdx.x * kTokens + j;
+        if (weights != nullptr) weights[at] = 0.0f;
+        ++at;
+      }
+    }
+    return total[0];
+  }
+};
+
+/// The count select's CTA per row (blockIdx.x): the row's counts, each head's words and threshold, each code's
+/// classes in place of its count, and one walk of the middle writing the picks.
+template <int kThreads, int kHeads>
+__global__ void __launch_bounds__(kThreads) vq_count_row_kernel(const __grid_constant__ VqCountSelectParams p) {
+  __shared__ std::uint32_t histogram[kHeads][256];
+  __shared__ std::uint32_t threshold[kHeads], quota[kHeads];
+  __shared__ __align__(16) std::uint32_t scan_buffer[2][kHeads * 32];
+  extern __shared__ __align__(16) unsigned char count_row_smem[];
+  const VqTopKWords& w = p.words;
+  const std::int32_t codewords = w.codewords, codes = codewords + 1;
+  const std::int32_t heads = w.group_max ? 1 : w.group;
+  auto* counts = reinterpret_cast<std::uint32_t*>(count_row_smem);  // [codes]
+  std::uint32_t* const words = counts + codes;                      // [heads, codes]
+  const int tid = threadIdx.x;
+
+  programmatic_start();  // the tables, codes, lengths and budgets
+  const std::int64_t row = blockIdx.x;
+  const CountRow r(p, row);
+  if (r.unranked(p)) {
+    write_unranked(p, r, row, false);
+    return;
+  }
+  for (std::int32_t h = 0; h < heads; ++h) head_words(w, row, h, words + std::int64_t(h) * codes);
+  for (std::int32_t c = tid; c < codes; c += kThreads) counts[c] = 0;
+  __syncthreads();
+  count_slice<kThreads>(r, 0, codewords, counts);
+  __syncthreads();
+  if (p.nan_marks_row) {
+    const bool marked = middle_holds_nan(counts, words, codes);
+    if (marked || r.picks == r.hi - r.lo) {
+      write_unranked(p, r, row, marked);
+      return;
+    }
+  }
+  count_thresholds<kThreads, kHeads>(counts, words, codes, heads, r.picks, histogram, threshold, quota);
+  std::uint32_t* const classes = counts;
+  for (std::int32_t c = tid; c < codes; c += kThreads) {
+    std::uint32_t packed = 0;
+    for (std::int32_t h = 0; h < heads; ++h) packed |= count_class(words[std::int64_t(h) * codes + c], threshold[h]) << (2 * h);
+    classes[c] = packed;
+  }
+  __syncthreads();
+
+  using Walk = PicksWalk<kThreads, kHeads>;
+  Walk walk{r, classes, codewords, r.lo, r.hi, scan_buffer};
+  std::int32_t* const indices = p.out.indices + row * p.out.capacity;
+  float* const weights = p.out.log_weights != nullptr ? p.out.log_weights + row * p.out.capacity : nullptr;
+  std::uint32_t written = 0;
+  walk.start();
+  for (std::int32_t base = r.slice_begin(0); base < r.hi; base += Walk::kStride) {
+    written += walk.emit(walk.picks(base, quota), base, written, indices, weights);
+  }
+  if (tid == 0) p.out.counts[row] = std::int32_t(written);
+}
+
+/// Split form, kernel 1: the tokens per code (NaN last) of slice blockIdx.y of row blockIdx.x, added to the row's
+/// counts.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) vq_slice_counts_kernel(const __grid_constant__ VqCountSelectParams p) {
+  extern __shared__ __align__(16) unsigned char slice_counts_smem[];
+  auto* counts = reinterpret_cast<std::uint32_t*>(slice_counts_smem);  // [codewords + 1]
+  programmatic_start();  // the lengths, budgets and codes; the scratch's memset
+  const std::int32_t codewords = p.words.codewords;
+  const std::int64_t row = blockIdx.x;
+  const CountRow r(p, row);
+  if (r.unranked(p)) return;  // the thresholds kernel writes the row
+  for (std::int32_t c = threadIdx.x; c <= codewords; c += kThreads) counts[c] = 0;
+  __syncthreads();
+  count_slice<kThreads>(r, std::int32_t(blockIdx.y), codewords, counts);
+  __syncthreads();
+  std::uint32_t* const row_counts = p.scratch.counts + row * (std::int64_t(codewords) + 1);
+  for (std::int32_t c = threadIdx.x; c <= codewords; c += kThreads) {
+    if (counts[c] != 0) atomicAdd(row_counts + c, counts[c]);
+  }
+}
+
+/// Split form, kernel 2: head blockIdx.y's threshold and quota in row blockIdx.x, and its class of every code ored
+/// into the row's classes. A row not ranked (CountRow::unranked, or a NaN under nan_marks_row) is written by head 0's
+/// CTA, which marks it done for the picks kernel.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) vq_count_thresholds_kernel(const __grid_constant__ VqCountSelectParams p) {
+  __shared__ std::uint32_t histogram[1][256];
+  __shared__ std::uint32_t threshold[1], quota[1];
+  extern __shared__ __align__(16) unsigned char thresholds_smem[];
+  const std::int32_t codewords = p.words.codewords, codes = codewords + 1, h = blockIdx.y;
+  auto* counts = reinterpret_cast<std::uint32_t*>(thresholds_smem);  // [codes]
+  std::uint32_t* const words = counts + codes;                        // [codes]: the head's
+  const int tid = threadIdx.x;
+
+  programmatic_start();  // the tables and the row's counts
+  const std::int64_t row = blockIdx.x;
+  const CountRow r(p, row);
+  const auto finish_unranked = [&](bool marked) {
+    if (h != 0) return;
+    write_unranked(p, r, row, marked);
+    if (tid == 0) p.scratch.row_state[2 * row] = 1;
+  };
+  if (r.unranked(p)) {
+    finish_unranked(false);
+    return;
+  }
+  const std::uint32_t* const row_counts = p.scratch.counts + row * std::int64_t(codes);
+  for (std::int32_t c = tid; c < codes; c += kThreads) counts[c] = row_counts[c];
+  head_words(p.words, row, h, words);
+  __syncthreads();
+  if (p.nan_marks_row) {  // one score head
+    const bool marked = middle_holds_nan(counts, words, codes);
+    if (marked || r.picks == r.hi - r.lo) {
+      finish_unranked(marked);
+      return;
+    }
+  }
+  count_thresholds<kThreads, 1>(counts, words, codes, 1, r.picks, histogram, threshold, quota);
+  std::uint32_t* const classes = p.scratch.classes + row * std::int64_t(codes);
+  for (std::int32_t c = tid; c < codes; c += kThreads) {
+    const std::uint32_t cls = count_class(words[c], threshold[0]);
+    if (cls != 0) atomicOr(classes + c, cls << (2 * h));
+  }
+  if (tid == 0) p.scratch.quota[row * kVqCountSelectMaxHeads + h] = quota[0];
+}
+
+/// Split form, kernel 3: one slice of row blockIdx.x (the slice ticket: slices in the order their CTAs start), walked
+/// three times: its tied tokens per head; its picks; its picks written after those of the slices before.
+template <int kThreads, int kHeads>
+__global__ void __launch_bounds__(kThreads) vq_count_picks_kernel(const __grid_constant__ VqCountSelectParams p) {
+  static_assert(kHeads <= kThreads / 32, "a warp per head's look-back");
+  __shared__ __align__(16) std::uint32_t scan_buffer[2][kHeads * 32];
+  __shared__ std::uint32_t takes[kHeads], slice_tied[kHeads];
+  __shared__ std::int32_t slice;
+  __shared__ std::uint32_t before_slice;
+  extern __shared__ __align__(16) unsigned char picks_smem[];
+  const std::int32_t codewords = p.words.codewords, slices = p.slices;
+  const std::int32_t heads = p.words.group_max ? 1 : p.words.group;
+  auto* classes = reinterpret_cast<std::uint32_t*>(picks_smem);  // [codewords + 1], NaN last
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  programmatic_start();  // the classes, quotas and state
+  const std::int64_t row = blockIdx.x;
+  const CountRow r(p, row);
+  std::uint32_t* const state = p.scratch.row_state + 2 * row;
+  if (r.unranked(p) || state[0] != 0u) return;  // written by the thresholds kernel
+  if (tid == 0) slice = std::int32_t(atomicAdd(state + 1, 1u));
+  const std::uint32_t* const classes_in = p.scratch.classes + row * (std::int64_t(codewords) + 1);
+  for (std::int32_t c = tid; c <= codewords; c += kThreads) classes[c] = classes_in[c];
+  __syncthreads();
+  const std::int32_t s = slice;
+  using Walk = PicksWalk<kThreads, kHeads>;
+  Walk walk{r, classes, codewords, max(r.lo, r.slice_begin(s)), r.slice_end(s), scan_buffer};
+  const std::int32_t start = r.slice_begin(s);
+
+  // A look-back: the sum of entry `at` of the slices before this one (1 + the value once published, 0 before).
+  const auto sum_before = [&](const std::uint32_t* published, std::int32_t entries, std::int32_t at) {
+    std::uint32_t sum = 0;
+    for (std::int32_t i = lane; i < s; i += 32) {
+      std::uint32_t v;
+      while ((v = *reinterpret_cast<const volatile std::uint32_t*>(published + std::int64_t(i) * entries + at)) == 0u) {
+        __nanosleep(64);
+      }
+      sum += v - 1;
+    }
+    return __reduce_add_sync(0xffffffffu, sum);
+  };
+
+  // Walk 1: the slice's tied tokens per head (taking none), published; the tied tokens it takes.
+  const std::uint32_t none[kHeads] = {};
+  walk.start();
+  for (std::int32_t base = start; base < walk.end; base += Walk::kStride) walk.picks(base, none);
+  if (tid == 0) {
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) slice_tied[h] = walk.tied_before[h];
+  }
+  __syncthreads();
+  std::uint32_t* const published_tied = p.scratch.published_tied + row * slices * kVqCountSelectMaxHeads;
+  if (tid < heads) {
+    __threadfence();
+    atomicExch(published_tied + s * kVqCountSelectMaxHeads + tid, slice_tied[tid] + 1);
+  }
+  if (warp < heads) {
+    const std::uint32_t before = sum_before(published_tied, kVqCountSelectMaxHeads, warp);
+    const std::uint32_t quota = p.scratch.quota[row * kVqCountSelectMaxHeads + warp];
+    if (lane == 0) takes[warp] = quota > before ? min(quota - before, slice_tied[warp]) : 0u;
+  }
+  __syncthreads();
+
+  // Walk 2: the slice's picks, published; the picks of the slices before.
+  std::uint32_t slice_picks = 0;
+  walk.start();
+  for (std::int32_t base = start; base < walk.end; base += Walk::kStride) {
+    slice_picks += walk.emit(walk.picks(base, takes), base, 0, nullptr, nullptr);
+  }
+  std::uint32_t* const published = p.scratch.published + row * slices;
+  if (tid == 0) {
+    __threadfence();
+    atomicExch(published + s, slice_picks + 1);
+  }
+  if (warp == 0) {
+    const std::uint32_t before = sum_before(published, 1, 0);
+    if (lane == 0) before_slice = before;
+  }
+  __syncthreads();
+
+  // Walk 3: the picks written after those of the slices before; the last slice's CTA writes the row's count.
+  std::int32_t* const indices = p.out.indices + row * p.out.capacity;
+  float* const weights = p.out.log_weights != nullptr ? p.out.log_weights + row * p.out.capacity : nullptr;
+  std::uint32_t written = before_slice;
+  walk.start();
+  for (std::int32_t base = start; base < walk.end; base += Walk::kStride) {
+    written += walk.emit(walk.picks(base, takes), base, written, indices, weights);
+  }
+  if (s == slices - 1 && tid == 0) p.out.counts[row] = std::int32_t(written);
 }
 
 }  // namespace
 
 cudaError_t launch_vq_count_select(const VqCountSelectParams& p, cudaStream_t stream) {
-  // One score head (the group maximum) apart: its per-head registers and scans are an eighth of the union's.
   const std::int32_t heads = p.words.group_max ? 1 : p.words.group;
-  const auto launch_for = [&]<int kHeads>() {
-    constexpr auto kernel = vq_count_select_kernel<kVqCountSelectThreads, kHeads>;
-    if (cudaError_t s = open_shared_memory<kernel>(); s != cudaSuccess) return s;
-    return launch(kernel,
-                  {.grid = dim3(unsigned(p.rows)), .block = dim3(kVqCountSelectThreads),
-                   .smem = vq_count_select_smem_bytes(p.words.codewords, heads), .stream = stream,
-                   .programmatic = true},
-                  p);
+  // One score head (the group maximum) apart: its per-head registers and scans are an eighth of the union's.
+  const auto for_heads = [&](auto&& launch_for) {
+    return heads == 1 ? launch_for.template operator()<1>() : launch_for.template operator()<kVqCountSelectMaxHeads>();
   };
-  return heads == 1 ? launch_for.template operator()<1>() : launch_for.template operator()<kVqCountSelectMaxHeads>();
+  if (p.slices == 0) {
+    return for_heads([&]<int kHeads>() {
+      constexpr auto kernel = vq_count_row_kernel<kVqCountRowThreads, kHeads>;
+      if (cudaError_t s = open_shared_memory<kernel>(); s != cudaSuccess) return s;
+      return launch(kernel,
+                    {.grid = dim3(unsigned(p.rows)), .block = dim3(kVqCountRowThreads),
+                     .smem = vq_count_row_smem_bytes(p.words.codewords, heads), .stream = stream,
+                     .programmatic = true},
+                    p);
+    });
+  }
+  // The counts, classes, published values and row states start at zero in every call (the workspace's bytes are
+  // the caller's between calls).
+  if (cudaError_t s = cudaMemsetAsync(p.scratch.counts, 0, p.scratch.zeroed_bytes, stream); s != cudaSuccess) return s;
+  const std::size_t code_bytes = sizeof(std::uint32_t) * (std::size_t(p.words.codewords) + 1);
+  const dim3 slices_grid(unsigned(p.rows), unsigned(p.slices));
+  constexpr auto counts_kernel = vq_slice_counts_kernel<kVqCountSliceThreads>;
+  constexpr auto thresholds_kernel = vq_count_thresholds_kernel<kVqCountRowThreads>;
+  if (cudaError_t s = open_shared_memory<counts_kernel>(); s != cudaSuccess) return s;
+  if (cudaError_t s = open_shared_memory<thresholds_kernel>(); s != cudaSuccess) return s;
+  if (cudaError_t s = launch(counts_kernel, {.grid = slices_grid, .block = dim3(kVqCountSliceThreads), .smem = code_bytes,
+                                             .stream = stream, .programmatic = true},
+                             p);
+      s != cudaSuccess) {
+    return s;
+  }
+  if (cudaError_t s = launch(thresholds_kernel,
+                             {.grid = dim3(unsigned(p.rows), unsigned(heads)), .block = dim3(kVqCountRowThreads),
+                              .smem = vq_count_thresholds_smem_bytes(p.words.codewords), .stream = stream,
+                              .programmatic = true},
+                             p);
+      s != cudaSuccess) {
+    return s;
+  }
+  return for_heads([&]<int kHeads>() {
+    constexpr auto picks_kernel = vq_count_picks_kernel<kVqCountSliceThreads, kHeads>;
+    if (cudaError_t s = open_shared_memory<picks_kernel>(); s != cudaSuccess) return s;
+    return launch(picks_kernel, {.grid = slices_grid, .block = dim3(kVqCountSliceThreads), .smem = code_bytes,
+                                 .stream = stream, .programmatic = true},
+                  p);
+  });
 }
 
 cudaError_t launch_vq_topk_rows(const TopKRowsParams& p, const VqTopKWords& words, cudaStream_t stream) {

@@ -172,30 +172,62 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
 
 namespace {
 
-/// Whether the count select takes the call: at least kVqCountSelectMinRows selection rows, at most
-/// kVqCountSelectMaxHeads score rows per selection row, its counts and words in one block's shared memory. From the
-/// shape alone (it implements every topk_rows option; a seed is a hint it does not need), so the workspace holds
-/// only what the form reads.
-bool count_select_fits(const VqTopKShape& shape) {
+/// vq_topk_rows' forms: the count select with a CTA per selection row or in slices of each row (vq_launch.hpp), or
+/// the composed form (score rows, then topk_rows' kernels fed by the codes where they take words).
+enum class VqTopKForm { count_rows, count_slices, composed };
+
+/// The form that takes the call, from the shape alone (the count select implements every topk_rows option; a seed
+/// is a hint it does not need), so the workspace holds only what the form reads: the count select where a
+/// selection row has at most kVqCountSelectMaxHeads score rows and the form fits a block's shared memory, a CTA per
+/// row from kVqCountSelectMinRows rows, else in slices where those are kVqCountSplitMinCtas CTAs or more.
+VqTopKForm vq_topk_form(const VqTopKShape& shape) {
   const std::int32_t heads = kvsift::detail::vq_topk_heads_per_row(shape);
-  return std::int64_t(shape.batch) * shape.kv_heads >= detail::kVqCountSelectMinRows &&
-         heads <= detail::kVqCountSelectMaxHeads &&
-         detail::vq_count_select_smem_bytes(shape.codewords, heads) + detail::kVqCountSelectStaticSmem <=
-             std::size_t(max_shared_memory_per_block());
+  if (heads > detail::kVqCountSelectMaxHeads) return VqTopKForm::composed;
+  const auto fits = [](std::size_t bytes) {
+    return bytes + detail::kVqCountSelectStaticSmem <= std::size_t(max_shared_memory_per_block());
+  };
+  const std::int64_t rows = std::int64_t(shape.batch) * shape.kv_heads;
+  if (rows >= detail::kVqCountSelectMinRows && fits(detail::vq_count_row_smem_bytes(shape.codewords, heads))) {
+    return VqTopKForm::count_rows;
+  }
+  const bool enough_ctas = rows >= detail::kVqCountSelectMinRows ||
+                           rows * detail::vq_count_slices(shape.max_tokens) >= detail::kVqCountSplitMinCtas;
+  return enough_ctas && fits(detail::vq_count_thresholds_smem_bytes(shape.codewords)) ? VqTopKForm::count_slices
+                                                                                       : VqTopKForm::composed;
 }
 
-/// vq_topk_rows' layout: vq_lut's tables, then, unless the count select takes the shape, the composed form's
-/// buffers (its score rows: 134 MB at 128K batch 8, union), which the top-k fed by the codes plans its call with.
+/// vq_topk_rows' layout: vq_lut's tables, then the split count select's scratch, or the composed form's buffers
+/// (its score rows: 134 MB at 128K batch 8, union), which the top-k fed by the codes plans its call with.
 struct VqTopKLayout {
+  VqTopKForm form;
   float* tables;
+  std::optional<detail::VqCountSelectScratch> slices;
   std::optional<kvsift::detail::VqTopKBuffers> composed;
 };
 VqTopKLayout vq_topk_layout(WorkspaceLayout& layout, const VqTopKShape& shape, const Context& ctx) {
-  VqTopKLayout b{layout.allocate<float>(checked_mul(std::size_t(shape.batch) * std::size_t(shape.q_heads),
+  VqTopKLayout b{vq_topk_form(shape),
+                 layout.allocate<float>(checked_mul(std::size_t(shape.batch) * std::size_t(shape.q_heads),
                                                     std::size_t(shape.codewords), "vq_topk_rows tables"),
                                         "vq_topk_rows tables"),
-                 std::nullopt};
-  if (!count_select_fits(shape)) b.composed = kvsift::detail::vq_topk_layout(layout, shape, ctx);
+                 std::nullopt, std::nullopt};
+  if (b.form == VqTopKForm::composed) b.composed = kvsift::detail::vq_topk_layout(layout, shape, ctx);
+  if (b.form != VqTopKForm::count_slices) return b;
+  const std::size_t rows = std::size_t(shape.batch) * std::size_t(shape.kv_heads);
+  const std::size_t slices = std::size_t(detail::vq_count_slices(shape.max_tokens));
+  const std::size_t codes = std::size_t(shape.codewords) + 1;
+  detail::VqCountSelectScratch scratch{};
+  scratch.counts = layout.allocate<std::uint32_t>(rows * codes, "vq_topk_rows counts");
+  scratch.classes = layout.allocate<std::uint32_t>(rows * codes, "vq_topk_rows classes");
+  scratch.published_tied = layout.allocate<std::uint32_t>(rows * slices * detail::kVqCountSelectMaxHeads,
+                                                          "vq_topk_rows published tied tokens");
+  scratch.published = layout.allocate<std::uint32_t>(rows * slices, "vq_topk_rows published picks");
+  scratch.row_state = layout.allocate<std::uint32_t>(2 * rows, "vq_topk_rows row states");
+  if (scratch.counts != nullptr) {  // carving (counting hands out no pointers)
+    scratch.zeroed_bytes = std::size_t(reinterpret_cast<std::byte*>(scratch.row_state + 2 * rows) -
+                                       reinterpret_cast<std::byte*>(scratch.counts));
+  }
+  scratch.quota = layout.allocate<std::uint32_t>(rows * detail::kVqCountSelectMaxHeads, "vq_topk_rows quotas");
+  b.slices = scratch;
   return b;
 }
 
@@ -217,9 +249,8 @@ void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, co
   kvsift::detail::check_vq_topk_rows(where, q, codebook, codes, d_slots, d_lengths, "d_lengths", shape, options, out);
   WorkspaceLayout layout(workspace, where);
   const VqTopKLayout b = vq_topk_layout(layout, shape, ctx);
-  const bool count_select = !b.composed.has_value();
   std::optional<detail::TopKRowsParams> params;
-  if (!count_select) {
+  if (b.form == VqTopKForm::composed) {
     params = detail::topk_rows_params(where, as_const(b.composed->scores), d_lengths, shape.k, options, out,
                                       b.composed->topk);
     if (!detail::topk_rows_takes_words(*params) || shape.codewords > detail::kVqTopKMaxCodewords) {
@@ -236,7 +267,8 @@ void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, co
                                   .codewords = codebook.codewords,
                                   .group = q.heads / codebook.kv_heads,
                                   .group_max = shape.scan.group_max};
-  if (count_select) {
+  if (b.form != VqTopKForm::composed) {
+    const bool slices = b.form == VqTopKForm::count_slices;
     KVSIFT_CUDA_CHECK(detail::launch_vq_count_select({.words = words,
                                                       .row_k = options.row_k,
                                                       .k = shape.k,
@@ -244,7 +276,9 @@ void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, co
                                                       .max_tokens = shape.max_tokens,
                                                       .out = out,
                                                       .rows = std::int64_t(q.batch) * codebook.kv_heads,
-                                                      .nan_marks_row = options.nan_marks_row},
+                                                      .nan_marks_row = options.nan_marks_row,
+                                                      .slices = slices ? detail::vq_count_slices(shape.max_tokens) : 0,
+                                                      .scratch = slices ? *b.slices : detail::VqCountSelectScratch{}},
                                                      ctx.stream));
     return;
   }

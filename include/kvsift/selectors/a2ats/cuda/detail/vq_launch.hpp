@@ -64,23 +64,62 @@ struct VqTopKWords {
 /// union kernel of p.heads_per_row > 1.
 cudaError_t launch_vq_topk_rows(const TopKRowsParams& p, const VqTopKWords& words, cudaStream_t stream);
 
-/// The count select (vq_topk_rows where it applies): threads of its one CTA per selection row, and the most score
-/// heads per selection row it takes (the group, or 1 with group_max).
-inline constexpr int kVqCountSelectThreads = 1024;
+/// The count select (vq_topk_rows where it applies; kernels/selectors/a2ats/vq.cu) in one of two forms: a CTA per
+/// selection row (kVqCountRowThreads threads), or each row's middle in slices of about kVqCountSliceTokens tokens (at
+/// most kVqCountMaxSlices), a CTA per (row, slice) of kVqCountSliceThreads threads counting and emitting, a CTA per
+/// (row, head) of kVqCountRowThreads finding thresholds. Both take up to kVqCountSelectMaxHeads score rows per
+/// selection row (the group, or 1 with group_max).
+inline constexpr std::int32_t kVqCountSliceTokens = 8192;
+inline constexpr std::int32_t kVqCountMaxSlices = 256;
 inline constexpr std::int32_t kVqCountSelectMaxHeads = 8;
-/// Selection rows (batch * kv_heads) from which the count select is taken: its one CTA per row walks the row's
-/// codes alone (about 20 instructions a token), so a few rows leave the GPU idle. H200, A²ATS steps at 128K
-/// (2026-11-30 09:1x): 8 rows (batch 1) 185 µs (union) and 135 (group max) against 159 and 87 with the held top-k
-/// fed by the codes; 64 rows (batch 8) 341 and 199 against 833 and 330.
-inline constexpr std::int64_t kVqCountSelectMinRows = 64;
+inline constexpr int kVqCountRowThreads = 1024;
+inline constexpr int kVqCountSliceThreads = 512;
 
-/// The count select's static shared memory (its histograms and scan buffers, 10.3 KB), with margin.
+/// Where each form takes the call (cuda/vq.cpp). A CTA per row walks the row alone (about 20 instructions a token), so
+/// it needs rows enough to fill the GPU; the split form spreads a row over its slices but pays a memset, three
+/// launches and two look-backs, so it needs CTAs enough. H200, A²ATS steps (2026-11-30 11:5x-12:0x, union / group
+/// max; docs/experiments.md#a2ats-count-select-split):
+/// - 64 rows (batch 8), 128K: a CTA per row 339 / 202 µs, the split 376 / 223; 32K 175 / 130 against 187 / 139;
+/// - 8 rows (batch 1) x 16 slices (128K): the split 111 / 88 µs against 159 / 89 with topk_rows' kernels fed by the
+///   codes; 512K 210 / 132 against 699 / 226; 1M 338 / 184 against 1475 / 387; 16 rows x 8 slices (batch 2, 64K)
+///   116 / 97 against 198 / 89; 32 rows x 8 slices (batch 4, 64K) 162 / 119 against 283 / 202;
+/// - 8 rows x 4 slices (batch 1, 32K): the split 96 / 80 µs against 84 / 71; 8K 87 / 76 against 66 / 62.
+inline constexpr std::int64_t kVqCountSelectMinRows = 64;
+inline constexpr std::int64_t kVqCountSplitMinCtas = 128;
+
+/// Slices per selection row of rows of max_tokens tokens.
+constexpr std::int32_t vq_count_slices(std::int32_t max_tokens) {
+  const std::int32_t slices = (max_tokens + kVqCountSliceTokens - 1) / kVqCountSliceTokens;
+  return slices < 1 ? 1 : slices > kVqCountMaxSlices ? kVqCountMaxSlices : slices;
+}
+
+/// The count select's kernels' static shared memory (the CTA per row's: a histogram per head, 8 KB, and scan
+/// buffers, 2 KB), with margin.
 inline constexpr std::size_t kVqCountSelectStaticSmem = 12 * 1024;
 
-/// Dynamic shared memory of the count select: a count per codeword and a rank word per (head, codeword).
-constexpr std::size_t vq_count_select_smem_bytes(std::int32_t codewords, std::int32_t heads) {
-  return std::size_t(codewords) * sizeof(std::uint32_t) * (1 + std::size_t(heads));
+/// Dynamic shared memory of the CTA per row: a count per code (the codewords, then NaN) and each head's rank word
+/// per code.
+constexpr std::size_t vq_count_row_smem_bytes(std::int32_t codewords, std::int32_t heads) {
+  return sizeof(std::uint32_t) * (std::size_t(codewords) + 1) * (1 + std::size_t(heads));
 }
+
+/// Dynamic shared memory of the split form's thresholds kernel: a count and its head's rank word per code.
+constexpr std::size_t vq_count_thresholds_smem_bytes(std::int32_t codewords) {
+  return vq_count_row_smem_bytes(codewords, 1);
+}
+
+/// The split form's device scratch (in vq_topk_rows' workspace; rows = batch * kv_heads, S = slices). The first
+/// zeroed_bytes from `counts` (counts, classes, the published values, the row states) are zeroed by a memset at the
+/// start of every call.
+struct VqCountSelectScratch {
+  std::uint32_t* counts;          ///< [rows, codewords + 1]: the row's tokens per code, NaN tokens last
+  std::uint32_t* classes;         ///< [rows, codewords + 1]: each code's class per head (2 bits a head), NaN's last
+  std::uint32_t* published_tied;  ///< [rows, S, kVqCountSelectMaxHeads]: 1 + the slice's tied tokens of each head
+  std::uint32_t* published;       ///< [rows, S]: 1 + the slice's picks once known, 0 before
+  std::uint32_t* row_state;       ///< [rows, 2]: the row finished by the thresholds kernel (1) or not; the slice ticket
+  std::size_t zeroed_bytes;
+  std::uint32_t* quota;           ///< [rows, kVqCountSelectMaxHeads]: each head's tied tokens to take
+};
 
 /// Everything the count select reads and writes (device pointers): the words' source, topk_rows' budget, window
 /// and output, max_tokens (the score rows' length: a longer sequence gets count -1, as from topk_rows).
@@ -93,9 +132,12 @@ struct VqCountSelectParams {
   SelectionView out;
   std::int64_t rows;  ///< selection rows: batch * kv_heads
   bool nan_marks_row;  ///< TopKRowsOptions::nan_marks_row (one score row per selection row)
+  std::int32_t slices;  ///< 0: a CTA per row; else the split form's slices per row (vq_count_slices(max_tokens))
+  VqCountSelectScratch scratch;  ///< the split form's
 };
 
-/// One CTA per selection row; the caller has checked heads <= kVqCountSelectMaxHeads and the shared memory.
+/// A CTA per row (p.slices 0), or a memset and three launches: the slices' counts, each (row, head)'s threshold, the
+/// slices' picks. The caller has checked heads <= kVqCountSelectMaxHeads and the form's shared memory.
 cudaError_t launch_vq_count_select(const VqCountSelectParams& p, cudaStream_t stream);
 
 /// fn.template operator()<D>() for D = head_dim, one of kVqHeadDims (the host refuses any other first); an
