@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "a2ats_problem.hpp"
@@ -202,6 +203,80 @@ TEST_F(CudaA2atsGraph, ReplaysWithAdvancingLengthsEqualTheCpusSteps) {
     test::expect_close(o.download(), lse.download(), ref, fmt::format("replay {}", s));
   }
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// The append on the step's second stream (DecodeStepConfig::append_beside_select, the default) changes nothing: a
+// step replayed from a graph with it and an eager step without it, over more steps than the recent window holds (so
+// that the appended codes reach the middle), select the same tokens, write the same output bit for bit and the
+// same codes.
+TEST_F(CudaA2atsGraph, AppendBesideSelectEqualsTheAppendInOrder) {
+  SCOPED_TRACE(seed);
+  for (const A2atsGroupRule rule : {A2atsGroupRule::union_of_heads, A2atsGroupRule::group_max}) {
+    SCOPED_TRACE(rule == A2atsGroupRule::group_max ? "group max" : "union");
+    A2atsProblem<half> p(rng, A2atsCodebookKind::clustered, 2, 32, 8, 900, {700, 811}, {}, 2048, true, 48, 128);
+    DeviceProblem beside_problem(p), in_order_problem(p);
+    cudaStream_t stream;
+    KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const cuda::Context ctx{stream};
+    DecodeStepConfig in_order_config = p.step_config();
+    in_order_config.append_beside_select = false;
+    DecodeStep beside(CudaSelector(p.limits(), {.group_rule = rule}, p.codebooks(), ctx), p.step_config(), ctx);
+    DecodeStep in_order(CudaSelector(p.limits(), {.group_rule = rule}, p.codebooks(), ctx), in_order_config, ctx);
+    ASSERT_TRUE(beside.appends_beside_select());
+    ASSERT_FALSE(in_order.appends_beside_select());
+    beside.prepare({.cache = beside_problem.cache(p), .slots = beside_problem.slots.data()}, ctx);
+    in_order.prepare({.cache = in_order_problem.cache(p), .slots = in_order_problem.slots.data()}, ctx);
+    DeviceBuffer<std::byte> beside_workspace(beside.workspace_bytes()), in_order_workspace(in_order.workspace_bytes());
+    DeviceBuffer<half> dq(std::size_t(p.batch) * p.q_heads * p.head_dim), beside_o(dq.size()), in_order_o(dq.size());
+    DeviceBuffer<float> beside_lse(std::size_t(p.batch) * p.q_heads), in_order_lse(beside_lse.size());
+    const auto q = QueryView<const half>::packed(dq.data(), p.batch, p.q_heads, p.head_dim);
+    const auto run = [&](auto& step, const DeviceProblem& dp, DeviceBuffer<std::byte>& workspace, DeviceBuffer<half>& o,
+                         DeviceBuffer<float>& lse) {
+      step.run({.q = q, .cache = dp.cache(p), .slots = dp.slots.data()},
+               StateView<half>::packed(o.data(), lse.data(), p.batch, p.q_heads, p.head_dim),
+               {workspace.data(), workspace.size()}, ctx);
+    };
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const test::CapturedGraph graph(
+        stream, [&] { run(beside, beside_problem, beside_workspace, beside_o, beside_lse); },
+        cudaStreamCaptureModeGlobal);
+    const std::int32_t steps = kA2atsWindow.recent + 6;
+    for (std::int32_t s = 0; s < steps; ++s) {
+      for (auto& l : p.lengths) ++l;  // the engine's step
+      beside_problem.lengths.upload(p.lengths);
+      in_order_problem.lengths.upload(p.lengths);
+      dq.upload(p.queries(rng).q);
+      beside_workspace.poison();
+      in_order_workspace.poison();
+      beside_o.poison();
+      in_order_o.poison();
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+      graph.launch();
+      run(in_order, in_order_problem, in_order_workspace, in_order_o, in_order_lse);
+      KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const auto selection = [&](auto& step, DeviceBuffer<std::byte>& workspace) {
+        const SelectionView v = step.selection({workspace.data(), workspace.size()}, p.batch);
+        std::vector<std::int32_t> ids(std::size_t(p.batch) * p.kv_heads * v.capacity), counts(std::size_t(p.batch) * p.kv_heads);
+        KVSIFT_CUDA_CHECK(cudaMemcpy(ids.data(), v.indices, ids.size() * 4, cudaMemcpyDeviceToHost));
+        KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), v.counts, counts.size() * 4, cudaMemcpyDeviceToHost));
+        for (std::size_t r = 0; r < counts.size(); ++r) {
+          std::fill(ids.begin() + std::ptrdiff_t(r * v.capacity + std::size_t(std::max(counts[r], 0))),
+                    ids.begin() + std::ptrdiff_t((r + 1) * v.capacity), 0);  // past a row's count: not written
+        }
+        return std::pair{counts, ids};
+      };
+      const auto [want_counts, want_ids] = selection(in_order, in_order_workspace);
+      const auto [got_counts, got_ids] = selection(beside, beside_workspace);
+      ASSERT_GT(*std::max_element(want_counts.begin(), want_counts.end()), 0) << "step " << s;
+      ASSERT_EQ(got_counts, want_counts) << "step " << s;
+      ASSERT_EQ(got_ids, want_ids) << "step " << s;
+      const std::vector<half> want_o = in_order_o.download(), got_o = beside_o.download();
+      ASSERT_EQ(0, std::memcmp(got_o.data(), want_o.data(), want_o.size() * sizeof(half))) << "step " << s;
+      ASSERT_EQ(beside_lse.download(), in_order_lse.download()) << "step " << s;
+    }
+    EXPECT_EQ(host_codes(beside.selector().codes(), true), host_codes(in_order.selector().codes(), true));
+    KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
 }
 
 TEST(CudaA2atsBadInput, RefusedBeforeAnyDeviceCall) {

@@ -23,6 +23,7 @@
 #include "kvsift/attention/reference.hpp"
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/selectors/a2ats/a2ats.hpp"
+#include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "test_util.hpp"
 
@@ -382,6 +383,27 @@ TEST(CpuA2atsStep, ExactModeAttendsTheSelectionAndTheWindow) {
                        double(68 + count) / p.lengths[b]);
     }
   }
+}
+
+// A²ATS's append codes the step's token alone, inside a recent window its select never ranks: a CUDA step may run the
+// append beside the select (DecodeStepConfig::append_beside_select). Without a recent window select reads it; a
+// selector that says nothing is taken to read it; AnySelector forwards the answer; the CPU step appends in order.
+TEST(CpuA2atsStep, SelectReadsTheStepsAppendOnlyWithoutARecentWindow) {
+  Random rng(test::test_seed());
+  A2atsProblem<half> p(rng, A2atsCodebookKind::clustered, 2, 8, 2, 1000, {100, 100}, {}, 2048, true, 32);
+  const HalfSelector s(p.limits(), {}, p.codebooks(), {});
+  EXPECT_FALSE(selector_select_reads_append(s, kA2atsWindow));
+  EXPECT_FALSE(selector_select_reads_append(s, AttentionWindow{.sink = 0, .recent = 1}));
+  EXPECT_TRUE(selector_select_reads_append(s, AttentionWindow{.sink = 4, .recent = 0}));
+  const AnySelector<half, cpu::Context> any(HalfSelector(p.limits(), {}, p.codebooks(), {}));
+  EXPECT_FALSE(any.select_reads_append(kA2atsWindow));
+  EXPECT_TRUE(any.select_reads_append(AttentionWindow{.sink = 4, .recent = 0}));
+  const OracleTopK<half, cpu::Context> oracle(p.limits(), {.budget = 8});
+  EXPECT_TRUE(selector_select_reads_append(oracle, kA2atsWindow));
+  const AnySelector<half, cpu::Context> any_oracle(OracleTopK<half, cpu::Context>(p.limits(), {.budget = 8}));
+  EXPECT_TRUE(any_oracle.select_reads_append(kA2atsWindow));
+  const DecodeStep step(HalfSelector(p.limits(), {}, p.codebooks(), {}), p.step_config(), {});
+  EXPECT_FALSE(step.appends_beside_select());
 }
 
 TEST(CpuA2atsIndex, IndexBytesWorkspacesAndRowsTouched) {

@@ -8,6 +8,7 @@
 
 #include "kvsift/core/validate.hpp"
 #include "kvsift/cuda/check.hpp"
+#include "kvsift/cuda/stream_fork.hpp"
 
 namespace kvsift::cuda {
 
@@ -73,6 +74,8 @@ struct Context {
   static constexpr MemorySpace memory = MemorySpace::device;
   template <class T>
   using array = Array<T>;
+  /// What runs work beside this context's stream (a decode step's append beside its select).
+  using Fork = StreamFork;
 
   /// Implicit: a primitive takes the context last, and a caller holding only a stream passes the stream.
   constexpr Context(cudaStream_t stream = nullptr) : stream(stream) {}  // NOLINT: implicit

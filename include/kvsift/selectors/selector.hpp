@@ -55,6 +55,10 @@
 ///     refuse host slots without a sequence, release refuses a slot without one; a decode step with
 ///     validate_indices checks a CUDA step's device slots through it. selector_slot_prepared reads it (true when
 ///     absent).
+///   - `bool select_reads_append(const AttentionWindow& window) const`: false when select never reads what append
+///     wrote in the same step under `window` (A²ATS with a recent window: the step's token is in the window, which
+///     select never ranks). The local CUDA decode step then runs the append on a second stream beside the select
+///     (DecodeStepConfig::append_beside_select). selector_select_reads_append reads it (true when absent).
 ///
 /// Thread safety: a selector is not synchronized: prepare, append, select and release must not run
 /// concurrently on one object; const calls (capacity, *_workspace_bytes, index_bytes, name) may run
@@ -190,6 +194,17 @@ bool selector_writes_log_weights(const S& selector) {
   }
 }
 
+/// Whether S's select reads what its append wrote in the same step under `window` (its optional
+/// `select_reads_append(window)`; true without it: a step runs the append before the select).
+template <class S>
+bool selector_select_reads_append(const S& selector, const AttentionWindow& window) {
+  if constexpr (requires { { selector.select_reads_append(window) } -> std::convertible_to<bool>; }) {
+    return selector.select_reads_append(window);
+  } else {
+    return true;
+  }
+}
+
 /// Whether `slot` holds a prepared sequence of `selector` (its optional `prepared(slot)`; true without it: a
 /// selector that keeps no life cycle accepts every slot).
 template <KVSelector S>
@@ -239,8 +254,9 @@ std::int32_t selector_selection_page_size(const S& selector) {
 }
 
 /// Owns any KVSelector of storage type T and context Context behind one runtime interface, the optional
-/// log-weights, second source and page-level selections included (as runtime answers: writes_log_weights(),
-/// second_source_capacity() 0 and selection_page_size() 1 when the wrapped selector has none). Move-only; never empty after construction.
+/// log-weights, second source, page-level selections and select_reads_append included (as runtime answers:
+/// writes_log_weights(), second_source_capacity() 0, selection_page_size() 1 and select_reads_append() true when the
+/// wrapped selector has none). Move-only; never empty after construction.
 template <class T, class Context>
 class AnySelector {
  public:
@@ -269,6 +285,7 @@ class AnySelector {
   std::string_view name() const { return impl_->name(); }
   bool writes_log_weights() const { return impl_->writes_log_weights(); }
   bool prepared(std::int32_t slot) const { return impl_->prepared(slot); }
+  bool select_reads_append(const AttentionWindow& window) const { return impl_->select_reads_append(window); }
   std::int32_t second_source_capacity() const { return impl_->second_source_capacity(); }
   std::int32_t selection_page_size() const { return impl_->selection_page_size(); }
   /// Only for a wrapped selector with a second source (second_source_capacity() > 0); refused otherwise.
@@ -288,6 +305,7 @@ class AnySelector {
     virtual std::string_view name() const = 0;
     virtual bool writes_log_weights() const = 0;
     virtual bool prepared(std::int32_t slot) const = 0;
+    virtual bool select_reads_append(const AttentionWindow&) const = 0;
     virtual std::int32_t second_source_capacity() const = 0;
     virtual std::int32_t selection_page_size() const = 0;
     virtual SecondSource<T> second_source(const SelectInputs<T>&) const = 0;
@@ -315,6 +333,9 @@ class AnySelector {
     std::string_view name() const override { return selector.name(); }
     bool writes_log_weights() const override { return selector_writes_log_weights(selector); }
     bool prepared(std::int32_t slot) const override { return selector_slot_prepared(selector, slot); }
+    bool select_reads_append(const AttentionWindow& window) const override {
+      return selector_select_reads_append(selector, window);
+    }
     std::int32_t second_source_capacity() const override { return selector_second_source_capacity(selector); }
     std::int32_t selection_page_size() const override { return selector_selection_page_size(selector); }
     SecondSource<T> second_source(const SelectInputs<T>& in) const override {

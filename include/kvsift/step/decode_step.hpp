@@ -25,6 +25,10 @@
 ///      into `out` (three launches on CUDA where there is one without it). A selector whose primary selection is
 ///      always empty (capacity() == 0, CentroidKV) under an empty window has nothing but the second source to
 ///      attend: one launch into `out`, no partials.
+///   5. CUDA, config.append_beside_select where the selector's select reads no append of its step (A²ATS with a
+///      recent window): step 3's append ran on a second stream the step owns, forked after step 2, beside the
+///      select and the attention; the step's stream waits for it here (the next select sees the token). In a
+///      captured graph the append is a parallel branch.
 /// A selection row whose count is outside [0, capacity] (a primitive's -1) gets NaN in O and LSE of its query
 /// heads (core/views.hpp SelectionView::counts).
 /// The selection stays in the workspace until the next run: selection(workspace, batch) reads it (the fidelity
@@ -43,14 +47,17 @@
 /// primitive that meets a bad device value marks that selection row with count -1 (cuda/topk.hpp,
 /// selectors/quest/cuda/page_bounds.hpp); config.validate_indices refuses it by name, without it that row's output is NaN
 /// (memory stays in bounds). Run with validate_indices while integrating.
-/// Thread safety: one step serves one thread at a time; it owns its selector.
+/// Thread safety: one step serves one thread at a time; it owns its selector (and, appending beside the select, a
+/// stream and two events of the device current at construction).
 
 #include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <utility>
+#include <variant>
 
 #include "kvsift/attention/options.hpp"
 #include "kvsift/core/error.hpp"
@@ -82,6 +89,11 @@ struct DecodeStepConfig {
   /// (selection_page_size()); false, tokens, which selection() readers such as the fidelity harness expect.
   /// config.attention.selection_page_size stays 1: the step sets it from the selector.
   bool page_selections = false;
+  /// CUDA: where the selector's select reads nothing its append writes in the same step (selectors/selector.hpp
+  /// select_reads_append: A²ATS with a recent window), run the append on a second stream the step owns
+  /// (cuda::StreamFork), beside the select and the attention, joined back before run() returns: the same results,
+  /// eager and in a captured graph, with the append off the step's critical path. Ignored on the CPU.
+  bool append_beside_select = true;
 };
 
 /// One step's inputs, for every placement. The selector's views (q, cache, slots, k_pre_rope) are in the memory of
@@ -105,6 +117,19 @@ struct StepInputs {
 };
 
 namespace detail {
+
+/// A context that runs work beside its own (cuda::Context::Fork, a second stream: fork(stream), join(stream)).
+template <class Context>
+concept ForksWork = requires { typename Context::Fork; };
+/// The context's Fork, or std::monostate for one without.
+template <class Context>
+struct ContextFork {
+  using type = std::monostate;
+};
+template <ForksWork Context>
+struct ContextFork<Context> {
+  using type = typename Context::Fork;
+};
 
 /// What every placement of DecodeStep shares: the selector it owns, the checked configuration, the selector's
 /// part of the step (step/selector_part.hpp), planned for every batch up to config.max_batch on the selector's
@@ -233,6 +258,11 @@ class DecodeStep : public detail::StepBase<S> {
     WorkspaceLayout counting;
     layout(counting);
     workspace_bytes_ = counting.bytes();
+    if constexpr (detail::ForksWork<Context>) {
+      if (config.append_beside_select && !selector_select_reads_append(selector_, config.attention.window)) {
+        append_fork_.emplace();
+      }
+    }
   }
 
   std::size_t workspace_bytes() const { return workspace_bytes_; }
@@ -254,14 +284,33 @@ class DecodeStep : public detail::StepBase<S> {
       write_step_kv(in.cache, in.k, in.v, ctx);
     }
     const detail::SelectorStepInputs<T> selector_inputs = this->selector_inputs(in);
-    part_.run(selector_, selector_inputs, b.selector, ctx);
-    const SelectionView selection = part_.selection(b.selector, in.q.batch);
-    if constexpr (HasSecondSource<S>) {
-      if (second_capacity_ > 0) return attend_two_sources(in, selection, out, b, ctx);
+    if constexpr (detail::ForksWork<Context>) {
+      if (append_fork_.has_value()) {
+        // The append beside the select and the attention (which read nothing it writes), joined at the end: the
+        // attention still follows the select's last kernel (a programmatic launch), and the next select, on this
+        // stream, sees the append.
+        part_.write_lengths(selector_inputs, b.selector, ctx);
+        Context beside = ctx;
+        beside.stream = append_fork_->fork(ctx.stream);
+        try {
+          part_.append_index(selector_, selector_inputs, b.selector, beside);
+          part_.select(selector_, selector_inputs, b.selector, ctx);
+          attend(in, out, b, ctx);
+        } catch (...) {
+          append_fork_->join_after_error(ctx.stream);
+          throw;
+        }
+        append_fork_->join(ctx.stream);
+        return;
+      }
     }
-    sparse_decode(in.q, selector_inputs.cache, selection, out, attention_, config_.validate_indices,
-                  config_.programmatic_launch, b.decode, ctx);
+    part_.run(selector_, selector_inputs, b.selector, ctx);
+    attend(in, out, b, ctx);
   }
+
+  /// Whether run() puts the append on a stream of its own (config.append_beside_select, on CUDA, where the
+  /// selector's select reads no append of its step).
+  bool appends_beside_select() const { return append_fork_.has_value(); }
 
   /// The selection of the last run() over this workspace, for that run's `batch` rows (context memory), its
   /// log-weights included when the selector writes them (a second source is the selector's:
@@ -279,6 +328,17 @@ class DecodeStep : public detail::StepBase<S> {
     float* partial_lse[2] = {};
     std::span<std::byte> decode;
   };
+
+  /// The attention of the step's selection (with the window), and of a second source.
+  template <class TO>
+  void attend(const StepInputs<T>& in, const StateView<TO>& out, const Buffers& b, const Context& ctx) {
+    const SelectionView selection = part_.selection(b.selector, in.q.batch);
+    if constexpr (HasSecondSource<S>) {
+      if (second_capacity_ > 0) return attend_two_sources(in, selection, out, b, ctx);
+    }
+    sparse_decode(in.q, KVCache<const T>(in.cache), selection, out, attention_, config_.validate_indices,
+                  config_.programmatic_launch, b.decode, ctx);
+  }
 
   /// The primary selection (with the window) and the second source (whole, no window) into two fp32 partials,
   /// merged by LSE into `out`, rounded once. A NaN partial (a bad row) makes the output NaN.
@@ -345,6 +405,8 @@ class DecodeStep : public detail::StepBase<S> {
   bool second_source_only_;  ///< no primary entries and no window: the second source alone, into `out`
   std::size_t decode_bytes_ = 0;
   std::size_t workspace_bytes_ = 0;
+  /// The append's own stream and events (appends_beside_select()); empty otherwise.
+  std::optional<typename detail::ContextFork<Context>::type> append_fork_;
 };
 
 }  // namespace kvsift

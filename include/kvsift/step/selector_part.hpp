@@ -96,14 +96,25 @@ class SelectorPart {
   /// and its select (the middle tokens, into the buffers' selection of in.q.batch rows).
   void run(S& selector, const SelectorStepInputs<T>& in, const Buffers& b, const Context& ctx) const {
     append(selector, in, b, ctx);
-    selector.select(select_inputs(in, b), selection(b, in.q.batch), b.select, ctx);
+    select(selector, in, b, ctx);
   }
   /// The lengths and the append alone: a placement that runs the select in stages (a host stage) goes on from here.
   void append(S& selector, const SelectorStepInputs<T>& in, const Buffers& b, const Context& ctx) const {
+    write_lengths(in, b, ctx);
+    append_index(selector, in, b, ctx);
+  }
+  /// run() in parts, for a step that runs the append beside the select (DecodeStepConfig::append_beside_select):
+  /// the lengths first, then the append and the select, each on its context.
+  void write_lengths(const SelectorStepInputs<T>& in, const Buffers& b, const Context& ctx) const {
     if (lengths(in.cache, b) == b.lengths) sequence_lengths(in.cache, b.lengths, ctx);
+  }
+  void append_index(S& selector, const SelectorStepInputs<T>& in, const Buffers& b, const Context& ctx) const {
     selector.append({.cache = in.cache, .slots = in.slots, .lengths = lengths(in.cache, b), .k_pre_rope = in.k_pre_rope,
                      .layer = in.layer},
                     b.append, ctx);
+  }
+  void select(S& selector, const SelectorStepInputs<T>& in, const Buffers& b, const Context& ctx) const {
+    selector.select(select_inputs(in, b), selection(b, in.q.batch), b.select, ctx);
   }
   /// The select's inputs over the part's lengths; max_seq_len is the bound the scratch was sized with
   /// (SelectShape::max_seq_len).

@@ -166,6 +166,11 @@ class A2ats : public SelectorTypes<T, Context>, public detail::SelectorCore<"A2a
     return length > 0 ? double(window.size(length) + count) / double(length) : 0.0;
   }
 
+  /// Whether select reads what append wrote in the same step (selectors/selector.hpp): append codes the step's token
+  /// alone, at lengths[b] - 1, inside a recent window, and select ranks the middle only (its 16-byte code loads may
+  /// span that code and discard it).
+  bool select_reads_append(const AttentionWindow& window) const { return window.recent == 0; }
+
   A2atsIndexBytes index_parts() const {
     return {.codes = codes_.size() * sizeof(std::uint16_t) + ones_.size() * sizeof(std::int32_t),
             .codebooks = (transform_.size() + centroids_.size() + norms_.size()) * sizeof(float) +
