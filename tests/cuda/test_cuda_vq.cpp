@@ -423,6 +423,8 @@ TEST_F(CudaVq, TopKRowsEqualTheCpuTopKOfTheScan) {
     check_topk_rows<half>(rng, 2, 64, 8, 256, 64, 70000, 400, group_max);
     check_topk_rows<float>(rng, 40, 4, 1, 64, 64, 30000, 50, group_max);
     check_topk_rows<bfloat16>(rng, 8, 64, 8, 8000, 64, 9000, 300, group_max);
+    // Rows of 2.2M tokens: 256 slices (the most) of up to 8600 tokens, more than one pass of the picks kernel.
+    check_topk_rows<half>(rng, 5, 2, 1, 16, 64, 2200000, 500, group_max);
     // Fewer CTAs, or groups of 16 (union): topk_rows' one-CTA and held kernels fed by the codes; with 20000
     // codewords (past their tables' 16384), or with the slice kernel's plan (160 score rows), the composed form.
     // With group_max the groups of 16 take the count select again.

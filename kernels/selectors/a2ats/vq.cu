@@ -428,8 +428,9 @@ __device__ __forceinline__ std::uint32_t count_class(std::uint32_t word, std::ui
 /// a step against 184).
 template <int kThreads, int kHeads>
 struct PicksWalk {
-  static constexpr int kPassLoads = 2;
-  static constexpr int kTokens = 8 * kPassLoads;
+  static constexpr int kTokens = kVqCountPassTokens;
+  static constexpr int kPassLoads = kTokens / 8;
+  static_assert(kTokens % 8 == 0 && kTokens <= 16, "8-code loads; a pass's picks in a 16-bit mask per thread");
   static constexpr int kStride = kThreads * kTokens;
   static constexpr std::uint32_t kBetter = 0x5555u, kTied = 0xaaaau;  // the class bits of up to 8 heads
 
@@ -624,7 +625,8 @@ __global__ void __launch_bounds__(kThreads) vq_count_thresholds_kernel(const __g
 }
 
 /// Split form, kernel 3: one slice of row blockIdx.x (the slice ticket: slices in the order their CTAs start), walked
-/// three times: its tied tokens per head; its picks; its picks written after those of the slices before.
+/// three times: its tied tokens per head; its picks, kept in shared memory; those picks written after those of the
+/// slices before.
 template <int kThreads, int kHeads>
 __global__ void __launch_bounds__(kThreads) vq_count_picks_kernel(const __grid_constant__ VqCountSelectParams p) {
   static_assert(kHeads <= kThreads / 32, "a warp per head's look-back");
@@ -636,6 +638,7 @@ __global__ void __launch_bounds__(kThreads) vq_count_picks_kernel(const __grid_c
   const std::int32_t codewords = p.words.codewords, slices = p.slices;
   const std::int32_t heads = p.words.group_max ? 1 : p.words.group;
   auto* classes = reinterpret_cast<std::uint32_t*>(picks_smem);  // [codewords + 1], NaN last
+  auto* kept = reinterpret_cast<std::uint16_t*>(classes + codewords + 1);  // [passes, kThreads]: walk 2's picks
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   programmatic_start();  // the classes, quotas and state
@@ -686,11 +689,13 @@ __global__ void __launch_bounds__(kThreads) vq_count_picks_kernel(const __grid_c
   }
   __syncthreads();
 
-  // Walk 2: the slice's picks, published; the picks of the slices before.
+  // Walk 2: the slice's picks, kept (each thread's mask of each pass) and published; the picks of the slices before.
   std::uint32_t slice_picks = 0;
   walk.start();
-  for (std::int32_t base = start; base < walk.end; base += Walk::kStride) {
-    slice_picks += walk.emit(walk.picks(base, takes), base, 0, nullptr, nullptr);
+  for (std::int32_t base = start, pass = 0; base < walk.end; base += Walk::kStride, ++pass) {
+    const std::uint32_t picked = walk.picks(base, takes);
+    kept[pass * kThreads + tid] = std::uint16_t(picked);
+    slice_picks += walk.emit(picked, base, 0, nullptr, nullptr);
   }
   std::uint32_t* const published = p.scratch.published + row * slices;
   if (tid == 0) {
@@ -703,13 +708,13 @@ __global__ void __launch_bounds__(kThreads) vq_count_picks_kernel(const __grid_c
   }
   __syncthreads();
 
-  // Walk 3: the picks written after those of the slices before; the last slice's CTA writes the row's count.
+  // Walk 3: the kept picks (each thread its own masks: no codes, no lookups) written after those of the slices
+  // before; the last slice's CTA writes the row's count.
   std::int32_t* const indices = p.out.indices + row * p.out.capacity;
   float* const weights = p.out.log_weights != nullptr ? p.out.log_weights + row * p.out.capacity : nullptr;
   std::uint32_t written = before_slice;
-  walk.start();
-  for (std::int32_t base = start; base < walk.end; base += Walk::kStride) {
-    written += walk.emit(walk.picks(base, takes), base, written, indices, weights);
+  for (std::int32_t base = start, pass = 0; base < walk.end; base += Walk::kStride, ++pass) {
+    written += walk.emit(kept[pass * kThreads + tid], base, written, indices, weights);
   }
   if (s == slices - 1 && tid == 0) p.out.counts[row] = std::int32_t(written);
 }
@@ -759,8 +764,10 @@ cudaError_t launch_vq_count_select(const VqCountSelectParams& p, cudaStream_t st
   return for_heads([&]<int kHeads>() {
     constexpr auto picks_kernel = vq_count_picks_kernel<kVqCountSliceThreads, kHeads>;
     if (cudaError_t s = open_shared_memory<picks_kernel>(); s != cudaSuccess) return s;
-    return launch(picks_kernel, {.grid = slices_grid, .block = dim3(kVqCountSliceThreads), .smem = code_bytes,
-                                 .stream = stream, .programmatic = true},
+    return launch(picks_kernel,
+                  {.grid = slices_grid, .block = dim3(kVqCountSliceThreads),
+                   .smem = vq_count_picks_smem_bytes(p.words.codewords, p.max_tokens, p.slices), .stream = stream,
+                   .programmatic = true},
                   p);
   });
 }

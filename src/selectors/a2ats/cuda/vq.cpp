@@ -190,10 +190,12 @@ VqTopKForm vq_topk_form(const VqTopKShape& shape) {
   if (rows >= detail::kVqCountSelectMinRows && fits(detail::vq_count_row_smem_bytes(shape.codewords, heads))) {
     return VqTopKForm::count_rows;
   }
-  const bool enough_ctas = rows >= detail::kVqCountSelectMinRows ||
-                           rows * detail::vq_count_slices(shape.max_tokens) >= detail::kVqCountSplitMinCtas;
-  return enough_ctas && fits(detail::vq_count_thresholds_smem_bytes(shape.codewords)) ? VqTopKForm::count_slices
-                                                                                       : VqTopKForm::composed;
+  const std::int32_t slices = detail::vq_count_slices(shape.max_tokens);
+  const bool enough_ctas = rows >= detail::kVqCountSelectMinRows || rows * slices >= detail::kVqCountSplitMinCtas;
+  return enough_ctas && fits(detail::vq_count_thresholds_smem_bytes(shape.codewords)) &&
+                 fits(detail::vq_count_picks_smem_bytes(shape.codewords, shape.max_tokens, slices))
+             ? VqTopKForm::count_slices
+             : VqTopKForm::composed;
 }
 
 /// vq_topk_rows' layout: vq_lut's tables, then the split count select's scratch, or the composed form's buffers

@@ -74,6 +74,9 @@ inline constexpr std::int32_t kVqCountMaxSlices = 256;
 inline constexpr std::int32_t kVqCountSelectMaxHeads = 8;
 inline constexpr int kVqCountRowThreads = 1024;
 inline constexpr int kVqCountSliceThreads = 512;
+/// Consecutive tokens a thread decides per pass of a walk (two 16-byte code loads): a pass's picks are a 16-bit mask
+/// per thread.
+inline constexpr int kVqCountPassTokens = 16;
 
 /// Where each form takes the call (cuda/vq.cpp). A CTA per row walks the row alone (about 20 instructions a token), so
 /// it needs rows enough to fill the GPU; the split form spreads a row over its slices but pays a memset, three
@@ -106,6 +109,16 @@ constexpr std::size_t vq_count_row_smem_bytes(std::int32_t codewords, std::int32
 /// Dynamic shared memory of the split form's thresholds kernel: a count and its head's rank word per code.
 constexpr std::size_t vq_count_thresholds_smem_bytes(std::int32_t codewords) {
   return vq_count_row_smem_bytes(codewords, 1);
+}
+
+/// Dynamic shared memory of the split form's picks kernel: each code's classes, and the picks of each of its
+/// slice's passes (a 16-bit mask per thread and pass), kept from the walk that counts them to the one that writes
+/// them. A slice holds at most ceil(max_tokens / slices) tokens rounded up to 8.
+constexpr std::size_t vq_count_picks_smem_bytes(std::int32_t codewords, std::int32_t max_tokens, std::int32_t slices) {
+  const std::size_t slice_tokens = ((std::size_t(max_tokens) + slices - 1) / slices + 7) / 8 * 8;
+  const std::size_t pass_tokens = std::size_t(kVqCountSliceThreads) * kVqCountPassTokens;
+  const std::size_t passes = (slice_tokens + pass_tokens - 1) / pass_tokens;
+  return sizeof(std::uint32_t) * (std::size_t(codewords) + 1) + sizeof(std::uint16_t) * kVqCountSliceThreads * passes;
 }
 
 /// The split form's device scratch (in vq_topk_rows' workspace; rows = batch * kv_heads, S = slices). The first
