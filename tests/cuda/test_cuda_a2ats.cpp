@@ -20,6 +20,7 @@
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/selectors/a2ats/a2ats.hpp"
+#include "kvsift/selectors/rerank.hpp"
 #include "kvsift/step/decode_step.hpp"
 
 namespace kvsift {
@@ -208,11 +209,11 @@ TEST_F(CudaA2atsGraph, ReplaysWithAdvancingLengthsEqualTheCpusSteps) {
 // The append on the step's second stream (DecodeStepConfig::append_beside_select, the default) changes nothing: a
 // step replayed from a graph with it and an eager step without it, over more steps than the recent window holds (so
 // that the appended codes reach the middle), select the same tokens, write the same output bit for bit and the
-// same codes.
+// same codes; both group rules, and the union under a rerank stage (Reranked forwards its proposer's answer).
 TEST_F(CudaA2atsGraph, AppendBesideSelectEqualsTheAppendInOrder) {
   SCOPED_TRACE(seed);
-  for (const A2atsGroupRule rule : {A2atsGroupRule::union_of_heads, A2atsGroupRule::group_max}) {
-    SCOPED_TRACE(rule == A2atsGroupRule::group_max ? "group max" : "union");
+  const auto check = [&](const char* what, const auto& make) {
+    SCOPED_TRACE(what);
     A2atsProblem<half> p(rng, A2atsCodebookKind::clustered, 2, 32, 8, 900, {700, 811}, {}, 2048, true, 48, 128);
     DeviceProblem beside_problem(p), in_order_problem(p);
     cudaStream_t stream;
@@ -220,8 +221,8 @@ TEST_F(CudaA2atsGraph, AppendBesideSelectEqualsTheAppendInOrder) {
     const cuda::Context ctx{stream};
     DecodeStepConfig in_order_config = p.step_config();
     in_order_config.append_beside_select = false;
-    DecodeStep beside(CudaSelector(p.limits(), {.group_rule = rule}, p.codebooks(), ctx), p.step_config(), ctx);
-    DecodeStep in_order(CudaSelector(p.limits(), {.group_rule = rule}, p.codebooks(), ctx), in_order_config, ctx);
+    DecodeStep beside(make(p, ctx), p.step_config(), ctx);
+    DecodeStep in_order(make(p, ctx), in_order_config, ctx);
     ASSERT_TRUE(beside.appends_beside_select());
     ASSERT_FALSE(in_order.appends_beside_select());
     beside.prepare({.cache = beside_problem.cache(p), .slots = beside_problem.slots.data()}, ctx);
@@ -274,10 +275,30 @@ TEST_F(CudaA2atsGraph, AppendBesideSelectEqualsTheAppendInOrder) {
       ASSERT_EQ(0, std::memcmp(got_o.data(), want_o.data(), want_o.size() * sizeof(half))) << "step " << s;
       ASSERT_EQ(beside_lse.download(), in_order_lse.download()) << "step " << s;
     }
-    EXPECT_EQ(host_codes(beside.selector().codes(), true), host_codes(in_order.selector().codes(), true));
+    const auto codes = [](const auto& selector) {
+      if constexpr (requires { selector.proposer(); }) {
+        return host_codes(selector.proposer().codes(), true);
+      } else {
+        return host_codes(selector.codes(), true);
+      }
+    };
+    EXPECT_EQ(codes(beside.selector()), codes(in_order.selector()));
     KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
-  }
+  };
+  const auto a2ats = [](A2atsGroupRule rule) {
+    return [rule](const A2atsProblem<half>& p, const cuda::Context& ctx) {
+      return CudaSelector(p.limits(), {.group_rule = rule}, p.codebooks(), ctx);
+    };
+  };
+  check("union", a2ats(A2atsGroupRule::union_of_heads));
+  check("group max", a2ats(A2atsGroupRule::group_max));
+  check("union, reranked", [&](const A2atsProblem<half>& p, const cuda::Context& ctx) {
+    CudaSelector proposer = a2ats(A2atsGroupRule::union_of_heads)(p, ctx);
+    const std::int32_t kept = std::max(1, proposer.capacity() / 4);
+    return Reranked<CudaSelector>(std::move(proposer), {.budget = kept});
+  });
 }
+
 
 TEST(CudaA2atsBadInput, RefusedBeforeAnyDeviceCall) {
   // The construction's checks come before the upload; select's before any launch (host arrays stand in).

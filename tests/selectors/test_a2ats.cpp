@@ -24,6 +24,7 @@
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/selectors/a2ats/a2ats.hpp"
 #include "kvsift/selectors/oracle_topk/oracle_topk.hpp"
+#include "kvsift/selectors/rerank.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "test_util.hpp"
 
@@ -402,6 +403,12 @@ TEST(CpuA2atsStep, SelectReadsTheStepsAppendOnlyWithoutARecentWindow) {
   EXPECT_TRUE(selector_select_reads_append(oracle, kA2atsWindow));
   const AnySelector<half, cpu::Context> any_oracle(OracleTopK<half, cpu::Context>(p.limits(), {.budget = 8}));
   EXPECT_TRUE(any_oracle.select_reads_append(kA2atsWindow));
+  const Reranked<HalfSelector> reranked(HalfSelector(p.limits(), {.max_budget = 64}, p.codebooks(), {}), {.budget = 16});
+  EXPECT_FALSE(selector_select_reads_append(reranked, kA2atsWindow));
+  EXPECT_TRUE(selector_select_reads_append(reranked, AttentionWindow{.sink = 4, .recent = 0}));
+  const Reranked<OracleTopK<half, cpu::Context>> reranked_oracle(
+      OracleTopK<half, cpu::Context>(p.limits(), {.budget = 32}), {.budget = 8});
+  EXPECT_TRUE(selector_select_reads_append(reranked_oracle, kA2atsWindow));
   const DecodeStep step(HalfSelector(p.limits(), {}, p.codebooks(), {}), p.step_config(), {});
   EXPECT_FALSE(step.appends_beside_select());
 }

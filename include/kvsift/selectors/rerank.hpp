@@ -194,6 +194,11 @@ class Reranked : public SelectorTypes<typename S::value_type, typename S::contex
   }
   IndexBytes index_bytes() const { return proposer_.index_bytes(); }
   bool prepared(std::int32_t slot) const { return selector_slot_prepared(proposer_, slot); }
+  /// The proposer's answer (selectors/selector.hpp): the stage reads the candidates' keys from the cache, which the
+  /// step writes before the append, and nothing the append writes.
+  bool select_reads_append(const AttentionWindow& window) const {
+    return selector_select_reads_append(proposer_, window);
+  }
 
   void prepare(const PrefillInputs<T>& in, const Context& ctx) { proposer_.prepare(in, ctx); }
   void append(const AppendInputs<T>& in, std::span<std::byte> workspace, const Context& ctx) {

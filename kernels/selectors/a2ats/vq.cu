@@ -357,12 +357,19 @@ __device__ void head_words(const VqTopKWords& w, std::int64_t row, std::int32_t 
   }
 }
 
-/// nan_marks_row's test (one score head): a token of the middle is NaN, counted with word 0 (NaN's code, or a table
-/// entry NaN). Every thread of the CTA gets the answer.
-__device__ bool middle_holds_nan(const std::uint32_t* counts, const std::uint32_t* words, std::int32_t codes) {
+/// What nan_marks_row decides once a row is counted (one score head): a token of the middle is NaN (counted with word
+/// 0: NaN's code, or a table entry NaN) marks the row; else a middle of picks tokens is taken whole. decided: the row
+/// is written unranked (write_unranked(marked)). Every thread of the CTA gets the answer.
+struct NanMarksRow {
+  bool decided = false, marked = false;
+};
+__device__ NanMarksRow nan_marks_decision(const VqCountSelectParams& p, const CountRow& r, const std::uint32_t* counts,
+                                     const std::uint32_t* words, std::int32_t codes) {
+  if (!p.nan_marks_row) return {};
   bool nan = false;
   for (std::int32_t c = threadIdx.x; c < codes && !nan; c += blockDim.x) nan = counts[c] > 0 && words[c] == 0u;
-  return __syncthreads_or(nan) != 0;
+  const bool marked = __syncthreads_or(nan) != 0;
+  return {marked || r.picks == r.hi - r.lo, marked};
 }
 
 /// Each head's threshold word and quota (its tied tokens to take) among the counted tokens, picks of them wanted:
@@ -530,12 +537,9 @@ __global__ void __launch_bounds__(kThreads) vq_count_row_kernel(const __grid_con
   __syncthreads();
   count_slice<kThreads>(r, 0, codewords, counts);
   __syncthreads();
-  if (p.nan_marks_row) {
-    const bool marked = middle_holds_nan(counts, words, codes);
-    if (marked || r.picks == r.hi - r.lo) {
-      write_unranked(p, r, row, marked);
-      return;
-    }
+  if (const NanMarksRow nan = nan_marks_decision(p, r, counts, words, codes); nan.decided) {
+    write_unranked(p, r, row, nan.marked);
+    return;
   }
   count_thresholds<kThreads, kHeads>(counts, words, codes, heads, r.picks, histogram, threshold, quota);
   std::uint32_t* const classes = counts;
@@ -608,12 +612,9 @@ __global__ void __launch_bounds__(kThreads) vq_count_thresholds_kernel(const __g
   for (std::int32_t c = tid; c < codes; c += kThreads) counts[c] = row_counts[c];
   head_words(p.words, row, h, words);
   __syncthreads();
-  if (p.nan_marks_row) {  // one score head
-    const bool marked = middle_holds_nan(counts, words, codes);
-    if (marked || r.picks == r.hi - r.lo) {
-      finish_unranked(marked);
-      return;
-    }
+  if (const NanMarksRow nan = nan_marks_decision(p, r, counts, words, codes); nan.decided) {
+    finish_unranked(nan.marked);
+    return;
   }
   count_thresholds<kThreads, 1>(counts, words, codes, 1, r.picks, histogram, threshold, quota);
   std::uint32_t* const classes = p.scratch.classes + row * std::int64_t(codes);

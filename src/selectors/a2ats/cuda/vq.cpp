@@ -202,12 +202,14 @@ VqTopKForm vq_topk_form(const VqTopKShape& shape) {
 /// (its score rows: 134 MB at 128K batch 8, union), which the top-k fed by the codes plans its call with.
 struct VqTopKLayout {
   VqTopKForm form;
+  std::int32_t slices;  ///< the count select's slices of a row (count_slices), else 0
   float* tables;
-  std::optional<detail::VqCountSelectScratch> slices;
+  std::optional<detail::VqCountSelectScratch> scratch;  ///< count_slices
   std::optional<kvsift::detail::VqTopKBuffers> composed;
 };
 VqTopKLayout vq_topk_layout(WorkspaceLayout& layout, const VqTopKShape& shape, const Context& ctx) {
-  VqTopKLayout b{vq_topk_form(shape),
+  const VqTopKForm form = vq_topk_form(shape);
+  VqTopKLayout b{form, form == VqTopKForm::count_slices ? detail::vq_count_slices(shape.max_tokens) : 0,
                  layout.allocate<float>(checked_mul(std::size_t(shape.batch) * std::size_t(shape.q_heads),
                                                     std::size_t(shape.codewords), "vq_topk_rows tables"),
                                         "vq_topk_rows tables"),
@@ -215,7 +217,7 @@ VqTopKLayout vq_topk_layout(WorkspaceLayout& layout, const VqTopKShape& shape, c
   if (b.form == VqTopKForm::composed) b.composed = kvsift::detail::vq_topk_layout(layout, shape, ctx);
   if (b.form != VqTopKForm::count_slices) return b;
   const std::size_t rows = std::size_t(shape.batch) * std::size_t(shape.kv_heads);
-  const std::size_t slices = std::size_t(detail::vq_count_slices(shape.max_tokens));
+  const std::size_t slices = std::size_t(b.slices);
   const std::size_t codes = std::size_t(shape.codewords) + 1;
   detail::VqCountSelectScratch scratch{};
   scratch.counts = layout.allocate<std::uint32_t>(rows * codes, "vq_topk_rows counts");
@@ -229,7 +231,7 @@ VqTopKLayout vq_topk_layout(WorkspaceLayout& layout, const VqTopKShape& shape, c
                                        reinterpret_cast<std::byte*>(scratch.counts));
   }
   scratch.quota = layout.allocate<std::uint32_t>(rows * detail::kVqCountSelectMaxHeads, "vq_topk_rows quotas");
-  b.slices = scratch;
+  b.scratch = scratch;
   return b;
 }
 
@@ -270,7 +272,6 @@ void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, co
                                   .group = q.heads / codebook.kv_heads,
                                   .group_max = shape.scan.group_max};
   if (b.form != VqTopKForm::composed) {
-    const bool slices = b.form == VqTopKForm::count_slices;
     KVSIFT_CUDA_CHECK(detail::launch_vq_count_select({.words = words,
                                                       .row_k = options.row_k,
                                                       .k = shape.k,
@@ -279,8 +280,8 @@ void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, co
                                                       .out = out,
                                                       .rows = std::int64_t(q.batch) * codebook.kv_heads,
                                                       .nan_marks_row = options.nan_marks_row,
-                                                      .slices = slices ? detail::vq_count_slices(shape.max_tokens) : 0,
-                                                      .scratch = slices ? *b.slices : detail::VqCountSelectScratch{}},
+                                                      .slices = b.slices,
+                                                      .scratch = b.scratch.value_or(detail::VqCountSelectScratch{})},
                                                      ctx.stream));
     return;
   }
