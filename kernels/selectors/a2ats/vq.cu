@@ -364,7 +364,7 @@ struct NanMarksRow {
   bool decided = false, marked = false;
 };
 __device__ NanMarksRow nan_marks_decision(const VqCountSelectParams& p, const CountRow& r, const std::uint32_t* counts,
-                                     const std::uint32_t* words, std::int32_t codes) {
+                                          const std::uint32_t* words, std::int32_t codes) {
   if (!p.nan_marks_row) return {};
   bool nan = false;
   for (std::int32_t c = threadIdx.x; c < codes && !nan; c += blockDim.x) nan = counts[c] > 0 && words[c] == 0u;
