@@ -132,12 +132,18 @@ __global__ void codeword_norms(MatrixView<const float> centroids, float* norms) 
   if (lane == 0) norms[warp] = sum;
 }
 
-/// Block (codeword tile, kv head g, sequence b): the group's tables for kThreads codewords.
+/// Block (codeword tile, kv head g, sequence b): the group's tables for kThreads codewords; the grid's threads also
+/// zero `zeroed` (launch_vq_lut).
 template <class T, int D>
 __global__ void __launch_bounds__(kThreads)
-    lut_kernel(QueryView<const T> q, VqCodebook<T> codebook, MatrixView<float> lut) {
+    lut_kernel(QueryView<const T> q, VqCodebook<T> codebook, MatrixView<float> lut, std::uint32_t* zeroed,
+               std::size_t zeroed_words) {
   extern __shared__ float q_s[];  // [group, D]
+  programmatic_start();  // the query (rotated by the launch before), and whatever read `zeroed` before
   const std::int32_t b = blockIdx.z, g = blockIdx.y, group = q.heads / codebook.kv_heads;
+  const std::size_t block = (std::size_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  const std::size_t threads = std::size_t(gridDim.x) * gridDim.y * gridDim.z * blockDim.x;
+  for (std::size_t i = block * blockDim.x + threadIdx.x; i < zeroed_words; i += threads) zeroed[i] = 0;
   load_group_queries<T, D>(q, b, g, group, q_s);
   __syncthreads();
   const std::int32_t begin = std::int32_t(blockIdx.x) * kThreads;
@@ -568,7 +574,7 @@ template <int kThreads>
 __global__ void __launch_bounds__(kThreads) vq_slice_counts_kernel(const __grid_constant__ VqCountSelectParams p) {
   extern __shared__ __align__(16) unsigned char slice_counts_smem[];
   auto* counts = reinterpret_cast<std::uint32_t*>(slice_counts_smem);  // [codewords + 1]
-  programmatic_start();  // the lengths, budgets and codes; the scratch's memset
+  programmatic_start();  // the lengths, budgets and codes; the scratch, zeroed by the tables' launch
   const std::int32_t codewords = p.words.codewords;
   const std::int64_t row = blockIdx.x;
   const CountRow r(p, row);
@@ -739,9 +745,8 @@ cudaError_t launch_vq_count_select(const VqCountSelectParams& p, cudaStream_t st
                     p);
     });
   }
-  // The counts, classes, published values and row states start at zero in every call (the workspace's bytes are
-  // the caller's between calls).
-  if (cudaError_t s = cudaMemsetAsync(p.scratch.counts, 0, p.scratch.zeroed_bytes, stream); s != cudaSuccess) return s;
+  // The counts, classes, published values and row states start at zero: the tables' launch zeroed them
+  // (VqCountSelectScratch).
   const std::size_t code_bytes = sizeof(std::uint32_t) * (std::size_t(p.words.codewords) + 1);
   const dim3 slices_grid(unsigned(p.rows), unsigned(p.slices));
   constexpr auto counts_kernel = vq_slice_counts_kernel<kVqCountSliceThreads>;
@@ -786,15 +791,15 @@ cudaError_t launch_vq_codeword_norms(const MatrixView<const float>& centroids, f
 
 template <class T>
 cudaError_t launch_vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut,
-                          cudaStream_t stream) {
+                          std::span<std::uint32_t> zeroed, cudaStream_t stream) {
   return with_vq_head_dim(q.head_dim, [&]<int D>() {
     const std::size_t smem = sizeof(float) * std::size_t(q.heads / codebook.kv_heads) * D;
     constexpr auto kernel = lut_kernel<T, D>;
     if (cudaError_t s = open_shared_memory<kernel>(); s != cudaSuccess) return s;
     const dim3 grid(unsigned((codebook.codewords + kThreads - 1) / kThreads), unsigned(codebook.kv_heads),
                     unsigned(q.batch));
-    kernel<<<grid, kThreads, smem, stream>>>(q, codebook, lut);
-    return cudaGetLastError();
+    return launch(kernel, {.grid = grid, .block = dim3(kThreads), .smem = smem, .stream = stream, .programmatic = true},
+                  q, codebook, lut, zeroed.data(), zeroed.size());
   });
 }
 
@@ -832,7 +837,7 @@ cudaError_t launch_vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>&
 
 #define KVSIFT_INSTANTIATE(T)                                                                                         \
   template cudaError_t launch_vq_lut<T>(const QueryView<const T>&, const VqCodebook<T>&, const MatrixView<float>&,   \
-                                        cudaStream_t);                                                                \
+                                        std::span<std::uint32_t>, cudaStream_t);                                      \
   template cudaError_t launch_vq_lut_scan<T>(const QueryView<const T>&, const VqCodebook<T>&,                        \
                                              const VqCodesView<const std::uint16_t>&, const std::int32_t*,            \
                                              const std::int32_t*, const MatrixView<float>&, const VqScanOptions&,     \

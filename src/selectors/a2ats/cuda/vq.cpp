@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <span>
 
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/cuda/detail/topk_launch.hpp"
@@ -97,16 +98,24 @@ void vq_encode(const HeadsView<const T>& keys, const VqEncodeCodebook& codebook,
   KVSIFT_CUDA_CHECK(detail::launch_vq_encode_mma(keys, codebook, codes, destination, ctx.stream));
 }
 
+namespace {
+/// vq_lut, checked under `where`; the launch also zeroes `zeroed` (vq_topk_rows' count select scratch).
 template <class T>
-void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, const Context& ctx) {
-  constexpr const char* where = "cuda::vq_lut";
+void checked_vq_lut(const char* where, const QueryView<const T>& q, const VqCodebook<T>& codebook,
+                    const MatrixView<float>& lut, std::span<std::uint32_t> zeroed, const Context& ctx) {
   kvsift::detail::check_vq_query(where, q, codebook);
   kvsift::detail::check_vq_lut_shape(where, "lut", as_const(lut), q.batch, q.heads, codebook.codewords);
   check_grid(where, q.batch);
   check_group(where, q.heads, codebook.kv_heads);
   KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(codebook.data) % 16 == 0, where,
                "codebook.data ({}) is not 16-byte aligned", static_cast<const void*>(codebook.data));
-  KVSIFT_CUDA_CHECK(detail::launch_vq_lut(q, codebook, lut, ctx.stream));
+  KVSIFT_CUDA_CHECK(detail::launch_vq_lut(q, codebook, lut, zeroed, ctx.stream));
+}
+}  // namespace
+
+template <class T>
+void vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut, const Context& ctx) {
+  checked_vq_lut("cuda::vq_lut", q, codebook, lut, {}, ctx);
 }
 
 void vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch, const VqCodesView<const std::uint16_t>& codes,
@@ -165,7 +174,7 @@ void vq_lut_scan(const QueryView<const T>& q, const VqCodebook<T>& codebook, con
   const std::size_t entries = std::size_t(q.batch) * std::size_t(q.heads) * std::size_t(count);
   float* tables = layout.allocate<float>(entries, "vq_lut_scan tables");
   const auto lut = MatrixView<float>::packed(tables, std::int64_t(q.batch) * q.heads, count);
-  KVSIFT_CUDA_CHECK(detail::launch_vq_lut(q, codebook, lut, ctx.stream));
+  KVSIFT_CUDA_CHECK(detail::launch_vq_lut(q, codebook, lut, {}, ctx.stream));
   KVSIFT_CUDA_CHECK(detail::launch_vq_code_scan(as_const(lut), q.batch, codes, d_slots, d_lengths, scores, options,
                                                 scan_grid(q.batch, codebook.kv_heads, scores.cols, 1), ctx.stream));
 }
@@ -227,8 +236,7 @@ VqTopKLayout vq_topk_layout(WorkspaceLayout& layout, const VqTopKShape& shape, c
   scratch.published = layout.allocate<std::uint32_t>(rows * slices, "vq_topk_rows published picks");
   scratch.row_state = layout.allocate<std::uint32_t>(2 * rows, "vq_topk_rows row states");
   if (scratch.counts != nullptr) {  // carving (counting hands out no pointers)
-    scratch.zeroed_bytes = std::size_t(reinterpret_cast<std::byte*>(scratch.row_state + 2 * rows) -
-                                       reinterpret_cast<std::byte*>(scratch.counts));
+    scratch.zeroed_words = std::size_t(scratch.row_state + 2 * rows - scratch.counts);
   }
   scratch.quota = layout.allocate<std::uint32_t>(rows * detail::kVqCountSelectMaxHeads, "vq_topk_rows quotas");
   b.scratch = scratch;
@@ -263,7 +271,9 @@ void vq_topk_rows(const QueryView<const T>& q, const VqCodebook<T>& codebook, co
       return;
     }
   }
-  vq_lut(q, codebook, MatrixView<float>::packed(b.tables, std::int64_t(q.batch) * q.heads, codebook.codewords), ctx);
+  checked_vq_lut(where, q, codebook, MatrixView<float>::packed(b.tables, std::int64_t(q.batch) * q.heads, codebook.codewords),
+                 b.scratch ? std::span<std::uint32_t>(b.scratch->counts, b.scratch->zeroed_words) : std::span<std::uint32_t>{},
+                 ctx);
   const detail::VqTopKWords words{.tables = b.tables,
                                   .codes = codes,
                                   .slots = d_slots,

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "kvsift/core/views.hpp"
 #include "kvsift/cuda/detail/topk_launch.hpp"
@@ -30,9 +31,12 @@ struct VqScanGrid {
 
 cudaError_t launch_vq_codeword_norms(const MatrixView<const float>& centroids, float* norms, cudaStream_t stream);
 
+/// The group tables of every (sequence, kv head), one programmatic launch; it also zeroes `zeroed` (32-bit words:
+/// the count select's scratch, which the next launch of vq_topk_rows reads, so that it needs no memset node of its
+/// own between the two kernels).
 template <class T>
 cudaError_t launch_vq_lut(const QueryView<const T>& q, const VqCodebook<T>& codebook, const MatrixView<float>& lut,
-                          cudaStream_t stream);
+                          std::span<std::uint32_t> zeroed, cudaStream_t stream);
 
 cudaError_t launch_vq_code_scan(const MatrixView<const float>& lut, std::int32_t batch,
                                 const VqCodesView<const std::uint16_t>& codes, const std::int32_t* slots,
@@ -122,15 +126,15 @@ constexpr std::size_t vq_count_picks_smem_bytes(std::int32_t codewords, std::int
 }
 
 /// The split form's device scratch (in vq_topk_rows' workspace; rows = batch * kv_heads, S = slices). The first
-/// zeroed_bytes from `counts` (counts, classes, the published values, the row states) are zeroed by a memset at the
-/// start of every call.
+/// zeroed_words from `counts` (counts, classes, the published values, the row states) are zeroed in every call by the
+/// launch of the tables before it (launch_vq_lut's `zeroed`).
 struct VqCountSelectScratch {
   std::uint32_t* counts;          ///< [rows, codewords + 1]: the row's tokens per code, NaN tokens last
   std::uint32_t* classes;         ///< [rows, codewords + 1]: each code's class per head (2 bits a head), NaN's last
   std::uint32_t* published_tied;  ///< [rows, S, kVqCountSelectMaxHeads]: 1 + the slice's tied tokens of each head
   std::uint32_t* published;       ///< [rows, S]: 1 + the slice's picks once known, 0 before
   std::uint32_t* row_state;       ///< [rows, 2]: the row finished by the thresholds kernel (1) or not; the slice ticket
-  std::size_t zeroed_bytes;
+  std::size_t zeroed_words;
   std::uint32_t* quota;           ///< [rows, kVqCountSelectMaxHeads]: each head's tied tokens to take
 };
 
