@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <limits>
 #include <numeric>
+#include <tuple>
 #include <vector>
 
 #include "ctkvr_problem.hpp"
@@ -167,11 +168,13 @@ TEST_P(CudaCtkvr, WholeListsGiveTheTopOfTheMiddleAtEveryStep) {
   }
 }
 
-/// select + attend captured in a CUDA graph: replays give the eager step's selection (without the dynamic update,
-/// which changes the index each step), and a step with the update captures and replays to valid selections.
+/// select + attend captured in a CUDA graph: replays give the eager step's selection. With the dynamic update (on
+/// CUDA a parallel branch of the graph: select runs it on the selector's second stream) the index changes each step:
+/// a second step, run eagerly from the same prompt, is the reference of each replay.
 TEST_F(CudaCtkvrGraph, CaptureAndReplayEqualTheEagerStep) {
   SCOPED_TRACE(seed);
   for (const bool update : {false, true}) {
+    SCOPED_TRACE(update ? "dynamic update" : "no update");
     CtkvrProblem p(rng, 8, 2, 208, 16, 64);
     DeviceCache cache(p, false, rng.engine);
     cache.grow(p.length);
@@ -180,23 +183,27 @@ TEST_F(CudaCtkvrGraph, CaptureAndReplayEqualTheEagerStep) {
     cudaStream_t stream;
     KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     const cuda::Context ctx{stream};
-    DecodeStep step(Selector(p.limits(), {.budget = 16, .list_size = 40, .centroids = 6, .max_centroids = 8,
-                                          .recalled_centroids = 3, .dynamic_update = update}),
-                    p.config(), ctx);
-    step.prepare({.cache = cache.view(p), .slots = slot.data(),
-                  .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
-                 ctx);
-    DeviceBuffer<std::byte> workspace(step.workspace_bytes());
-    DeviceBuffer<float> o(std::size_t(p.q_heads) * p.head_dim), lse(std::size_t(p.q_heads));
-    const auto run = [&] {
-      step.run({.q = QueryView<const half>::packed(q.data(), 1, p.q_heads, p.head_dim), .cache = cache.view(p),
-                .slots = slot.data()},
-               StateView<float>::packed(o.data(), lse.data(), 1, p.q_heads, p.head_dim),
-               {workspace.data(), workspace.size()}, ctx);
+    const auto make_step = [&] {
+      DecodeStep step(Selector(p.limits(), {.budget = 16, .list_size = 40, .centroids = 6, .max_centroids = 8,
+                                            .recalled_centroids = 3, .dynamic_update = update}),
+                      p.config(), ctx);
+      step.prepare({.cache = cache.view(p), .slots = slot.data(),
+                    .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
+                   ctx);
+      return step;
     };
-    const auto selection = [&] {
+    auto step = make_step(), reference = make_step();
+    DeviceBuffer<std::byte> workspace(step.workspace_bytes()), reference_workspace(reference.workspace_bytes());
+    DeviceBuffer<float> o(std::size_t(p.q_heads) * p.head_dim), lse(std::size_t(p.q_heads));
+    DeviceBuffer<float> reference_o(o.size()), reference_lse(lse.size());
+    const auto run = [&](auto& s, DeviceBuffer<std::byte>& ws, DeviceBuffer<float>& out, DeviceBuffer<float>& out_lse) {
+      s.run({.q = QueryView<const half>::packed(q.data(), 1, p.q_heads, p.head_dim), .cache = cache.view(p),
+             .slots = slot.data()},
+            StateView<float>::packed(out.data(), out_lse.data(), 1, p.q_heads, p.head_dim), {ws.data(), ws.size()}, ctx);
+    };
+    const auto selection = [&](auto& s, DeviceBuffer<std::byte>& ws) {
       KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-      const SelectionView sel = step.selection({workspace.data(), workspace.size()}, 1);
+      const SelectionView sel = s.selection({ws.data(), ws.size()}, 1);
       std::vector<std::int32_t> ids(std::size_t(p.kv_heads) * sel.capacity), counts(std::size_t(p.kv_heads));
       KVSIFT_CUDA_CHECK(cudaMemcpy(ids.data(), sel.indices, ids.size() * 4, cudaMemcpyDeviceToHost));
       KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), sel.counts, counts.size() * 4, cudaMemcpyDeviceToHost));
@@ -207,17 +214,32 @@ TEST_F(CudaCtkvrGraph, CaptureAndReplayEqualTheEagerStep) {
       }
       return rows;
     };
-    run();
-    const auto eager = selection();
-    const test::CapturedGraph graph(stream, [&] {
-      run();
-    }, cudaStreamCaptureModeGlobal);
-    for (int replay = 0; replay < 3; ++replay) {
+    run(step, workspace, o, lse);
+    run(reference, reference_workspace, reference_o, reference_lse);
+    ASSERT_EQ(selection(step, workspace), selection(reference, reference_workspace));
+    const test::CapturedGraph graph(stream, [&] { run(step, workspace, o, lse); }, cudaStreamCaptureModeGlobal);
+    for (int replay = 0; replay < 4; ++replay) {
+      workspace.poison();
+      reference_workspace.poison();
+      o.poison();
+      reference_o.poison();
+      KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
       graph.launch();
-      const auto replayed = selection();
-      if (!update) {
-        EXPECT_EQ(replayed, eager) << "replay " << replay;
-      }
+      run(reference, reference_workspace, reference_o, reference_lse);
+      EXPECT_EQ(selection(step, workspace), selection(reference, reference_workspace)) << "replay " << replay;
+      EXPECT_EQ(o.download(), reference_o.download()) << "replay " << replay;
+    }
+    if (update) {  // the index both steps built: four updates beside their selections
+      const auto lists = [&](auto& s) {
+        const auto view = s.selector().index_lists();
+        const std::size_t n = std::size_t(p.kv_heads) * 8;
+        std::vector<std::int32_t> ids(n * 40), counts(n), cursors(std::size_t(p.kv_heads));
+        KVSIFT_CUDA_CHECK(cudaMemcpy(ids.data(), view.ids, ids.size() * 4, cudaMemcpyDeviceToHost));
+        KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), view.counts, counts.size() * 4, cudaMemcpyDeviceToHost));
+        KVSIFT_CUDA_CHECK(cudaMemcpy(cursors.data(), view.cursors, cursors.size() * 4, cudaMemcpyDeviceToHost));
+        return std::tuple{ids, counts, cursors};
+      };
+      EXPECT_EQ(lists(step), lists(reference));
     }
     KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   }

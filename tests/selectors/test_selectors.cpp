@@ -508,6 +508,14 @@ TEST(CpuSelectorRefusals, RerankConfigurations) {
   const SelectionView out{indices.data(), counts.data(), nullptr, 2, 2, 8};
   expect_error([&] { stage.run({}, {}, nullptr, {}, {}, out, out, {}, {}); },
                {"RerankStage::run", "entries (capacity 8) given with config.entries = 0"});
+  // run's parts, which a caller may run on two streams, refuse the same by their own names.
+  expect_error([&] { stage.keep(nullptr, {}, short_out, {}, {}); },
+               {"RerankStage::keep", "out.capacity (= 4) < config.budget (= 8)"});
+  expect_error([&] { stage.keep_entries({}, out, {}, {}); },
+               {"RerankStage::keep_entries", "entries (capacity 8) given with config.entries = 0"});
+  const RerankStage<bfloat16, cpu::Context> with_entries(limits, {.budget = 8, .entries = 16});
+  expect_error([&] { with_entries.keep_entries({}, out, {}, {}); },
+               {"RerankStage::keep_entries", "entries (capacity 8) given with config.entries = 16"});
 }
 
 TEST(CpuSelectorRefusals, BadConfigurationsAndInputs) {

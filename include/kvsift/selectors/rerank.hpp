@@ -96,23 +96,38 @@ class RerankStage {
   /// ids, ascending; and, when entries.indices is set (config.entries > 0), entries [batch, kv_heads, >= entries]
   /// the best config.entries. q, cache, lengths ([batch], the cache's; read with budget_fraction only) and every
   /// view in the context's memory. A candidate row with count -1 gives an output row with count -1.
+  /// run() is score(), keep() and keep_entries() in turn over one workspace; a caller may run keep_entries() on a
+  /// second stream beside keep() (they write apart; CTKVR's dynamic update does, selectors/ctkvr/ctkvr.hpp).
   void run(const QueryView<const T>& q, const KVCache<const T>& cache, const std::int32_t* lengths,
            const AttentionOptions& attention, const SelectionView& candidates, const SelectionView& out,
            const SelectionView& entries, std::span<std::byte> workspace, const Context& ctx) const {
     constexpr const char* where = "RerankStage::run";
-    KVSIFT_CHECK(out.capacity >= config_.budget, where, "out.capacity (= {}) < config.budget (= {})", out.capacity,
-                 config_.budget);
-    KVSIFT_CHECK(entries.indices == nullptr || (config_.entries > 0 && entries.capacity >= config_.entries), where,
-                 "entries (capacity {}) given with config.entries = {}: entries needs config.entries > 0 and at least "
-                 "that capacity",
-                 entries.capacity, config_.entries);
-    const std::int32_t batch = candidates.batch, capacity = candidates.capacity;
+    check_out(where, out);  // before any launch
+    if (entries.indices != nullptr) check_entries(where, entries);
+    score(q, cache, attention, candidates, workspace, ctx);
+    keep(lengths, candidates, out, workspace, ctx);
+    if (entries.indices != nullptr) keep_entries(candidates, entries, workspace, ctx);
+  }
+
+  /// The candidates' exact scores, into the workspace, for keep() and keep_entries() over the same workspace.
+  void score(const QueryView<const T>& q, const KVCache<const T>& cache, const AttentionOptions& attention,
+             const SelectionView& candidates, std::span<std::byte> workspace, const Context& ctx) const {
+    const Buffers w = carve(workspace, candidates, "RerankStage::score", ctx);
+    candidate_scores(q, cache, candidates, detail::rerank_score_options(attention),
+                     MatrixView<float>::packed(w.scores, std::int64_t(candidates.batch) * limits_.kv_heads,
+                                               candidates.capacity),
+                     w.scores_scratch, ctx);
+  }
+
+  /// The best budget (by length and mass where configured) of the scored candidates into `out`.
+  void keep(const std::int32_t* lengths, const SelectionView& candidates, const SelectionView& out,
+            std::span<std::byte> workspace, const Context& ctx) const {
+    constexpr const char* where = "RerankStage::keep";
+    check_out(where, out);
+    const Buffers w = carve(workspace, candidates, where, ctx);
+    const std::int32_t batch = candidates.batch;
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
-    WorkspaceLayout carving(workspace, where);
-    const Buffers w = layout(carving, batch, capacity, ctx);
-    const auto scores = MatrixView<float>::packed(w.scores, rows, capacity);
-    candidate_scores(q, cache, candidates, detail::rerank_score_options(attention), scores, w.scores_scratch, ctx);
-    const auto ranked = MatrixView<const float>::packed(w.scores, rows, capacity);
+    const auto ranked = MatrixView<const float>::packed(w.scores, rows, candidates.capacity);
     TopKRowsOptions budget_options{};
     if (config_.budget_fraction > 0) {
       length_budgets(lengths, batch, limits_.kv_heads, {.fraction = config_.budget_fraction, .maximum = config_.budget},
@@ -128,18 +143,42 @@ class RerankStage {
     const SelectionView positions{out.indices, out.counts, out.log_weights, std::int32_t(rows), 1, out.capacity};
     topk_rows(ranked, candidates.counts, config_.budget, budget_options, positions, w.topk_scratch, ctx);
     remap_selection(positions, candidates, positions, ctx);
-    if (entries.indices == nullptr) return;
+  }
+
+  /// The best config.entries of the scored candidates into `entries` (config.entries > 0), with scratch of its own.
+  void keep_entries(const SelectionView& candidates, const SelectionView& entries, std::span<std::byte> workspace,
+                    const Context& ctx) const {
+    constexpr const char* where = "RerankStage::keep_entries";
+    check_entries(where, entries);
+    const Buffers w = carve(workspace, candidates, where, ctx);
+    const std::int64_t rows = std::int64_t(candidates.batch) * limits_.kv_heads;
     const SelectionView entry_rows{entries.indices, entries.counts, nullptr, std::int32_t(rows), 1, entries.capacity};
-    topk_rows(ranked, candidates.counts, config_.entries, TopKRowsOptions{}, entry_rows, w.topk_scratch, ctx);
+    topk_rows(MatrixView<const float>::packed(w.scores, rows, candidates.capacity), candidates.counts, config_.entries,
+              TopKRowsOptions{}, entry_rows, w.entries_topk_scratch, ctx);
     remap_selection(entry_rows, candidates, entry_rows, ctx);
   }
 
  private:
+  void check_out(const char* where, const SelectionView& out) const {
+    KVSIFT_CHECK(out.capacity >= config_.budget, where, "out.capacity (= {}) < config.budget (= {})", out.capacity,
+                 config_.budget);
+  }
+  void check_entries(const char* where, const SelectionView& entries) const {
+    KVSIFT_CHECK(entries.indices != nullptr && config_.entries > 0 && entries.capacity >= config_.entries, where,
+                 "entries (capacity {}) given with config.entries = {}: entries needs config.entries > 0 and at least "
+                 "that capacity",
+                 entries.capacity, config_.entries);
+  }
   struct Buffers {
     float* scores;
     std::int32_t *length_k, *mass_k;  ///< the rows' budgets by length (budget_fraction) and by mass
-    std::span<std::byte> scores_scratch, topk_scratch;
+    std::span<std::byte> scores_scratch, topk_scratch, entries_topk_scratch;
   };
+  Buffers carve(std::span<std::byte> workspace, const SelectionView& candidates, const char* where,
+                const Context& ctx) const {
+    WorkspaceLayout carving(workspace, where);
+    return layout(carving, candidates.batch, candidates.capacity, ctx);
+  }
   Buffers layout(WorkspaceLayout& layout, std::int32_t batch, std::int32_t capacity, const Context& ctx) const {
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
     Buffers b{};
@@ -152,8 +191,11 @@ class RerankStage {
     b.scores_scratch = layout.span(
         candidate_scores_workspace_bytes(rows, limits_.q_heads / limits_.kv_heads, capacity, ctx),
         "rerank candidate scores scratch");
-    const std::int32_t k = std::max(config_.budget, config_.entries);
-    b.topk_scratch = layout.span(topk_rows_workspace_bytes(rows, capacity, k, {}, ctx), "rerank top-k scratch");
+    b.topk_scratch = layout.span(topk_rows_workspace_bytes(rows, capacity, config_.budget, {}, ctx), "rerank top-k scratch");
+    if (config_.entries > 0) {
+      b.entries_topk_scratch = layout.span(topk_rows_workspace_bytes(rows, capacity, config_.entries, {}, ctx),
+                                           "rerank entries top-k scratch");
+    }
     return b;
   }
 

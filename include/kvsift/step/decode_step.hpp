@@ -57,9 +57,9 @@
 #include <optional>
 #include <span>
 #include <utility>
-#include <variant>
 
 #include "kvsift/attention/options.hpp"
+#include "kvsift/core/context_fork.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/kv_cache.hpp"
 #include "kvsift/core/validate.hpp"
@@ -117,19 +117,6 @@ struct StepInputs {
 };
 
 namespace detail {
-
-/// A context that runs work beside its own (cuda::Context::Fork, a second stream: fork(stream), join(stream)).
-template <class Context>
-concept ForksWork = requires { typename Context::Fork; };
-/// The context's Fork, or std::monostate for one without.
-template <class Context>
-struct ContextFork {
-  using type = std::monostate;
-};
-template <ForksWork Context>
-struct ContextFork<Context> {
-  using type = typename Context::Fork;
-};
 
 /// What every placement of DecodeStep shares: the selector it owns, the checked configuration, the selector's
 /// part of the step (step/selector_part.hpp), planned for every batch up to config.max_batch on the selector's

@@ -16,14 +16,19 @@
 /// reads the lengths (and a paged cache's page lists) on the host: on CUDA it synchronizes the stream.
 /// Workspace of select: the centroid scores [rows, max_centroids], the chosen lists, the candidates [rows,
 /// C' * rho + N] and their scores, the primitives' scratch (rows = batch * kv_heads, N the planned bound).
+/// On CUDA, with the dynamic update, select runs the update (the top rho, the new list, its centroid) on a second
+/// stream the selector owns (cuda::StreamFork, made at construction) beside the selection's top rho', and joins it
+/// before it returns: stream-ordered and graph-capturable as before (in a captured graph, a parallel branch).
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <vector>
 
+#include "kvsift/core/context_fork.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/group_scores_options.hpp"
 #include "kvsift/core/inverted_lists.hpp"
@@ -93,6 +98,9 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
     boundaries_.resize(slots);
     union_sizes_.resize(slots * kv);
     full_columns_.resize(slots);
+    if constexpr (detail::ForksWork<Context>) {
+      if (config_.dynamic_update) update_fork_.emplace();
+    }
   }
 
   std::string_view name() const { return "CTKVR"; }
@@ -166,9 +174,27 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
                                    candidate_capacity(tokens)};
     recall_into(in, candidates, w.recall, ctx);
     const SelectionView entries{w.entries, w.entry_counts, nullptr, batch, limits_.kv_heads, config_.list_size};
-    rerank_.run(in.q, in.cache, in.lengths, in.attention, candidates, out,
-                config_.dynamic_update ? entries : SelectionView{}, w.rerank, ctx);
-    if (config_.dynamic_update) update(in.q, in.slots, entries, w.replaced, ctx);
+    rerank_.score(in.q, in.cache, in.attention, candidates, w.rerank, ctx);
+    if (!config_.dynamic_update) return rerank_.keep(in.lengths, candidates, out, w.rerank, ctx);
+    if constexpr (detail::ForksWork<Context>) {
+      // The new list and its centroid (the next step's index) on a second stream beside the selection, which reads
+      // neither, joined before select returns: the longer of the two chains, not their sum, before the attention.
+      Context beside = ctx;
+      beside.stream = update_fork_->fork(ctx.stream);
+      try {
+        rerank_.keep_entries(candidates, entries, w.rerank, beside);
+        update(in.q, in.slots, entries, w.replaced, beside);
+        rerank_.keep(in.lengths, candidates, out, w.rerank, ctx);
+      } catch (...) {
+        update_fork_->join_after_error(ctx.stream);
+        throw;
+      }
+      update_fork_->join(ctx.stream);
+    } else {
+      rerank_.keep(in.lengths, candidates, out, w.rerank, ctx);
+      rerank_.keep_entries(candidates, entries, w.rerank, ctx);
+      update(in.q, in.slots, entries, w.replaced, ctx);
+    }
   }
 
   /// Select's first stage, alone (the hybrid placement's GPU part): the C' best centroids per (sequence, kv
@@ -454,6 +480,8 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
   ContextArray<Context, std::int32_t> centroid_counts_, list_ids_, list_counts_, cursors_, fifo_begin_, boundaries_,
       union_sizes_;
   ContextArray<Context, std::int32_t> full_columns_;
+  /// The dynamic update's own stream and events (CUDA), made at construction; empty otherwise.
+  std::optional<typename detail::ContextFork<Context>::type> update_fork_;
 };
 
 }  // namespace kvsift
