@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <tuple>
+#include <type_traits>
 
 #include "attention_check.hpp"
 #include "cuda/gpu_test.hpp"
@@ -114,13 +115,15 @@ void expect_step_matches_reference(Random& rng, std::int32_t page_size, cudaStre
   for (std::size_t r = 0; r < rows; ++r) ASSERT_EQ(counts[r], P::kBudget) << "row " << r;
   const HostState ref = sp.reference(indices, counts, Weights, Second);
   expect_close(d_o.download(), d_lse.download(), ref, "step output");
-  // An fp32 output: the merge writes it unrounded.
+  // An fp32 output: the merge writes it unrounded. What remains is the attention's own error: P·V multiplies
+  // 16-bit probabilities (bf16 keeps 8 significant bits, fp16 11), so bf16's bound is looser.
   step.run(sp.inputs(sp.d_q.data()), StateView<float>::packed(d_o32.data(), d_lse.data(), P::kBatch, P::kQHeads,
                                                                 P::kHeadDim),
            ws, ctx);
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   const std::vector<float> o32 = d_o32.download(), lse32 = d_lse.download();
-  for (std::size_t i = 0; i < o32.size(); ++i) ASSERT_NEAR(o32[i], ref.o[i], 2e-3) << "fp32 O " << i;
+  constexpr double o32_tolerance = std::is_same_v<T, half> ? 2e-3 : 4e-3;
+  for (std::size_t i = 0; i < o32.size(); ++i) ASSERT_NEAR(o32[i], ref.o[i], o32_tolerance) << "fp32 O " << i;
   for (std::size_t i = 0; i < lse32.size(); ++i) ASSERT_NEAR(lse32[i], ref.lse[i], 1e-3) << "fp32 LSE " << i;
 }
 
