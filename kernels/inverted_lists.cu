@@ -13,6 +13,7 @@
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/cuda/detail/inverted_lists_launch.hpp"
+#include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
 
 namespace kvsift::cuda::detail {
@@ -46,6 +47,7 @@ __device__ bool reduction_row_valid(const ListReductionParams<T>& p, std::int64_
 /// list_capacity. Entries past a row's end are neither written nor sorted.
 template <class T>
 __global__ void fill_list_entries(ListReductionParams<T> p, ListReductionBuffers buf) {
+  programmatic_start();  // the chosen lists (launched as a programmatic dependent: launch.cuh)
   const std::int64_t total = p.rows * p.segment;
   for (std::int64_t e = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; e < total;
        e += std::int64_t(gridDim.x) * blockDim.x) {
@@ -78,6 +80,7 @@ __global__ void fill_list_entries(ListReductionParams<T> p, ListReductionBuffers
 template <class T>
 __global__ void __launch_bounds__(kCompactThreads) compact_list_entries(ListReductionParams<T> p,
                                                                          ListReductionBuffers buf) {
+  programmatic_start();  // the sorted segments
   using BlockScan = cub::BlockScan<std::int32_t, kCompactThreads>;
   __shared__ typename BlockScan::TempStorage scan;
   const std::int64_t row = blockIdx.x;
@@ -126,6 +129,7 @@ __global__ void __launch_bounds__(kCompactThreads) compact_list_entries(ListRedu
 /// equal ids is written at its rank.
 template <class T>
 __global__ void __launch_bounds__(kBlockUnionThreads) union_lists_block(ListReductionParams<T> p) {
+  programmatic_start();  // the chosen lists (launched as a programmatic dependent: launch.cuh)
   using Sort = cub::BlockRadixSort<std::uint32_t, kBlockUnionThreads, kBlockUnionPerThread>;
   using Reduce = cub::BlockReduce<std::uint32_t, kBlockUnionThreads>;
   using Heads = cub::BlockDiscontinuity<std::uint32_t, kBlockUnionThreads>;
@@ -242,6 +246,7 @@ __global__ void __launch_bounds__(kReplaceThreads) replace_list_kernel(InvertedL
                                                                         SelectionView entries,
                                                                         MatrixView<const float> scores,
                                                                         std::int32_t* replaced) {
+  programmatic_start();  // the new list and its scores
   const std::int64_t row = blockIdx.x, b = row / entries.kv_heads, h = row % entries.kv_heads;
   const std::int32_t slot = slots[b], count = entries.counts[row];
   const bool slot_ok = slot >= 0 && slot < lists.slots;
@@ -280,28 +285,35 @@ template <class T>
 cudaError_t launch_list_reduction(const ListReductionParams<T>& p, const ListReductionBuffers& buf,
                                   cudaStream_t stream) {
   if (p.segment <= kBlockUnionItems) {
-    union_lists_block<T><<<unsigned(p.rows), kBlockUnionThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch(union_lists_block<T>,
+                  {.grid = dim3(unsigned(p.rows)), .block = dim3(kBlockUnionThreads), .stream = stream, .programmatic = true},
+                  p);
   }
   const std::int64_t items = p.rows * p.segment;
-  fill_list_entries<T><<<grid_stride_blocks(items, kFillThreads), kFillThreads, 0, stream>>>(p, buf);
-  if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
+  if (cudaError_t s = launch(fill_list_entries<T>, {.grid = dim3(grid_stride_blocks(items, kFillThreads)),
+                                                    .block = dim3(kFillThreads), .stream = stream, .programmatic = true},
+                             p, buf);
+      s != cudaSuccess) {
+    return s;
+  }
   std::size_t bytes = buf.cub_temp_bytes;
   const cudaError_t sorted = cub::DeviceSegmentedSort::SortKeys(
       buf.cub_temp, bytes, static_cast<const std::int32_t*>(buf.keys_in), buf.keys_out, items, p.rows,
       static_cast<const std::int32_t*>(buf.segment_begin), static_cast<const std::int32_t*>(buf.segment_end), stream);
   if (sorted != cudaSuccess) return sorted;
-  compact_list_entries<T><<<unsigned(p.rows), kCompactThreads, 0, stream>>>(p, buf);
-  return cudaGetLastError();
+  return launch(compact_list_entries<T>,
+                {.grid = dim3(unsigned(p.rows)), .block = dim3(kCompactThreads), .stream = stream, .programmatic = true}, p,
+                buf);
 }
 
 template <class T>
 cudaError_t launch_replace_list(const InvertedListsView<T>& lists, const std::int32_t* slots,
                                 const SelectionView& entries, const MatrixView<const float>& scores,
                                 std::int32_t* replaced, cudaStream_t stream) {
-  replace_list_kernel<T><<<unsigned(std::int64_t(entries.batch) * entries.kv_heads), kReplaceThreads, 0, stream>>>(
-      lists, slots, entries, scores, replaced);
-  return cudaGetLastError();
+  return launch(replace_list_kernel<T>,
+                {.grid = dim3(unsigned(std::int64_t(entries.batch) * entries.kv_heads)), .block = dim3(kReplaceThreads),
+                 .stream = stream, .programmatic = true},
+                lists, slots, entries, scores, replaced);
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                       \

@@ -8,6 +8,7 @@
 #include "kvsift/core/inverted_lists.hpp"
 #include "kvsift/core/supported_values.hpp"
 #include "kvsift/cuda/detail/group_dot.cuh"
+#include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/rerank_launch.hpp"
 #include "kvsift/cuda/dtype.cuh"
 
@@ -81,6 +82,7 @@ template <class T, class KV, int kVecs>
 __global__ void __launch_bounds__(kThreads, kLogitsCtasPerSm)
     candidate_logits_kernel(QueryView<const T> q, KV kv, SelectionView candidates, float scale, float* logits,
                             float* partials) {
+  programmatic_wait();  // the candidates (a programmatic dependent: launch.cuh); many waves, so no early signal
   __shared__ float scratch[kWarps];
   __shared__ __align__(16) float q_s[kMaxGroup * kMaxHeadDim];
   constexpr int kLanes = 8, kPerWarp = 32 / kLanes;
@@ -165,6 +167,7 @@ __global__ void __launch_bounds__(kThreads, kLogitsCtasPerSm)
 __global__ void __launch_bounds__(kThreads)
     candidate_finish_kernel(SelectionView candidates, std::int32_t group, GroupScoreOptions options,
                             const float* logits, const float* partials, MatrixView<float> scores) {
+  programmatic_wait();  // the logits and softmax partials
   __shared__ float top_s[kMaxGroup], sum_s[kMaxGroup];
   const std::int64_t row = blockIdx.x;
   const std::int32_t cap = candidates.capacity, count = candidates.counts[row];
@@ -213,6 +216,7 @@ __global__ void __launch_bounds__(kThreads)
 /// Block per row: out[i] = ids[positions[i]]; a bad count or position marks the row's count -1.
 __global__ void __launch_bounds__(kRemapThreads)
     remap_selection_kernel(SelectionView positions, SelectionView ids, SelectionView out) {
+  programmatic_start();  // the positions and ids
   const std::int64_t row = blockIdx.x;
   const std::int32_t count = positions.counts[row], available = ids.counts[row];
   bool bad = count < 0 || count > positions.capacity || available < 0 || available > ids.capacity;
@@ -235,13 +239,16 @@ __global__ void __launch_bounds__(kRemapThreads)
 }
 
 /// Block per row: the entries below the range stay (ascending: their number is the count of them), the range
-/// follows. A bad count or length, or a row that would overflow, gets count -1.
+/// follows. A bad count or length, or a row that would overflow, gets count -1. counts_before (optional): the count
+/// as it came in.
 __global__ void __launch_bounds__(kThreads)
     append_range_kernel(SelectionView rows, const std::int32_t* slots, const std::int32_t* first,
-                        const std::int32_t* lengths, AttentionWindow window) {
+                        const std::int32_t* lengths, AttentionWindow window, std::int32_t* counts_before) {
+  programmatic_start();  // the rows' counts and ids
   const std::int64_t row = blockIdx.x, b = row / rows.kv_heads;
   const std::int32_t count = rows.counts[row], length = lengths[b];
   std::int32_t* ids = rows.indices + row * rows.capacity;
+  if (counts_before != nullptr && threadIdx.x == 0) counts_before[row] = count;
   if (count < 0 || count > rows.capacity || length < 0) {  // the same for the whole block
     if (threadIdx.x == 0) rows.counts[row] = -1;
     return;
@@ -273,11 +280,13 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 cudaError_t launch_append_range(const SelectionView& rows, const std::int32_t* slots, const std::int32_t* first,
-                                const std::int32_t* lengths, AttentionWindow window, cudaStream_t stream) {
+                                const std::int32_t* lengths, AttentionWindow window, std::int32_t* counts_before,
+                                cudaStream_t stream) {
   const std::int64_t count = std::int64_t(rows.batch) * rows.kv_heads;
   if (count == 0) return cudaSuccess;
-  append_range_kernel<<<unsigned(count), kThreads, 0, stream>>>(rows, slots, first, lengths, window);
-  return cudaGetLastError();
+  return launch(append_range_kernel, {.grid = dim3(unsigned(count)), .block = dim3(kThreads), .stream = stream,
+                                      .programmatic = true},
+                rows, slots, first, lengths, window, counts_before);
 }
 
 template <class T, class KV>
@@ -292,20 +301,23 @@ cudaError_t launch_candidate_scores(const QueryView<const T>& q, const KV& kv, c
   // A key row of kVecs 16-byte vectors per lane (head_dim * sizeof(T) = kVecs * 128 bytes) is held in registers.
   const std::int64_t row_bytes = std::int64_t(q.head_dim) * std::int64_t(sizeof(T));
   const int vecs = row_bytes % 128 == 0 ? int(row_bytes / 128) : 0;
+  const LaunchShape shape{.grid = grid, .block = dim3(kThreads), .stream = stream, .programmatic = true};
+  cudaError_t logits_status = cudaSuccess;
   if (!dispatch_value<kHeldKeyVectors>(vecs, [&]<int kVecs>() {
-        candidate_logits_kernel<T, KV, kVecs><<<grid, kThreads, 0, stream>>>(q, kv, candidates, scale, logits, partials);
+        logits_status = launch(candidate_logits_kernel<T, KV, kVecs>, shape, q, kv, candidates, scale, logits, partials);
       })) {
-    candidate_logits_kernel<T, KV, 0><<<grid, kThreads, 0, stream>>>(q, kv, candidates, scale, logits, partials);
+    logits_status = launch(candidate_logits_kernel<T, KV, 0>, shape, q, kv, candidates, scale, logits, partials);
   }
-  candidate_finish_kernel<<<grid, kThreads, 0, stream>>>(candidates, group, options, logits, stats, scores);
-  return cudaGetLastError();
+  if (logits_status != cudaSuccess) return logits_status;
+  return launch(candidate_finish_kernel, shape, candidates, group, options, logits, stats, scores);
 }
 
 cudaError_t launch_remap_selection(const SelectionView& positions, const SelectionView& ids, const SelectionView& out,
                                    cudaStream_t stream) {
   const std::int64_t rows = std::int64_t(positions.batch) * positions.kv_heads;
-  remap_selection_kernel<<<unsigned(rows), kRemapThreads, 0, stream>>>(positions, ids, out);
-  return cudaGetLastError();
+  return launch(remap_selection_kernel, {.grid = dim3(unsigned(rows)), .block = dim3(kRemapThreads), .stream = stream,
+                                         .programmatic = true},
+                positions, ids, out);
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                         \

@@ -34,7 +34,7 @@ void remap_selection(const SelectionView& positions, const SelectionView& ids, c
 }
 
 void append_range(const SelectionView& rows, const std::int32_t* slots, const std::int32_t* first,
-                  const std::int32_t* lengths, const AttentionWindow& window) {
+                  const std::int32_t* lengths, const AttentionWindow& window, std::int32_t* counts_before) {
   constexpr const char* where = "cpu::append_range";
   kvsift::detail::check_append_range(where, rows, slots, first, lengths, window);
   for (std::int64_t row = 0; row < std::int64_t(rows.batch) * rows.kv_heads; ++row) {
@@ -43,6 +43,7 @@ void append_range(const SelectionView& rows, const std::int32_t* slots, const st
     KVSIFT_CHECK(count >= 0 && count <= rows.capacity, where, "rows.counts[{}] (= {}) is outside [0, capacity = {}]",
                  row, count, rows.capacity);
     KVSIFT_CHECK(lengths[b] >= 0, where, "lengths[{}] (= {}) is negative", b, lengths[b]);
+    if (counts_before != nullptr) counts_before[row] = count;
     const kvsift::detail::TokenRange range = kvsift::detail::unindexed_range(first[slots[b]], lengths[b], window);
     std::int32_t* ids = rows.indices + row * rows.capacity;
     count = std::int32_t(std::lower_bound(ids, ids + count, range.begin) - ids);

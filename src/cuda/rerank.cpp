@@ -60,9 +60,10 @@ void remap_selection(const SelectionView& positions, const SelectionView& ids, c
 }
 
 void append_range(const SelectionView& rows, const std::int32_t* d_slots, const std::int32_t* d_first,
-                  const std::int32_t* d_lengths, const AttentionWindow& window, cudaStream_t stream) {
+                  const std::int32_t* d_lengths, const AttentionWindow& window, std::int32_t* d_counts_before,
+                  cudaStream_t stream) {
   kvsift::detail::check_append_range("cuda::append_range", rows, d_slots, d_first, d_lengths, window);
-  KVSIFT_CUDA_CHECK(detail::launch_append_range(rows, d_slots, d_first, d_lengths, window, stream));
+  KVSIFT_CUDA_CHECK(detail::launch_append_range(rows, d_slots, d_first, d_lengths, window, d_counts_before, stream));
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                         \

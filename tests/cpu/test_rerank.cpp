@@ -163,7 +163,9 @@ TEST(CpuRerank, AppendRangeAddsTheUnindexedMiddle) {
   fill_in(rows.counts, {5, 1, 3, 0});
   const std::vector<std::int32_t> slots = {2, 0}, first = {2, 0, 42}, lengths = {55, 12};
   const AttentionWindow window{.sink = 4, .recent = 8};
-  cpu::append_range(rows.view, slots.data(), first.data(), lengths.data(), window);
+  std::vector<std::int32_t> counts_before(4, -7);
+  cpu::append_range(rows.view, slots.data(), first.data(), lengths.data(), window, counts_before.data());
+  EXPECT_EQ(counts_before, (std::vector<std::int32_t>{5, 1, 3, 0})) << "each row's count as it came in";
   // Row (0, 0): 43, 44 are dropped (>= 42) and [42, 47) appended; (0, 1) gets [42, 47) after 5.
   EXPECT_EQ(rows.counts, (std::vector<std::int32_t>{8, 6, 2, 0}));
   EXPECT_EQ(std::vector<std::int32_t>(rows.indices.begin(), rows.indices.begin() + 8),
@@ -177,7 +179,7 @@ TEST(CpuRerank, AppendRangeAddsTheUnindexedMiddle) {
   test::HostSelection small(1, 1, 3, false);
   fill_in(small.counts, {0});
   const std::vector<std::int32_t> one = {0}, far = {0}, long_len = {100};
-  test::expect_error([&] { cpu::append_range(small.view, one.data(), far.data(), long_len.data(), window); },
+  test::expect_error([&] { cpu::append_range(small.view, one.data(), far.data(), long_len.data(), window, nullptr); },
                      "row 0 holds 0 entries below 4 and the range adds 88: more than its capacity (3)");
 }
 

@@ -231,15 +231,18 @@ TEST_F(CudaRerank, AppendRangeAgreesWithTheCpu) {
   }
   rows.counts[5] = -1;  // a bad row: count -1 on the device (the CPU refuses it)
   DeviceBuffer<std::int32_t> ids(rows.indices), counts(rows.counts), d_slots(slots), d_first(first), d_lengths(lengths);
+  DeviceBuffer<std::int32_t> counts_before(rows.counts.size());
+  counts_before.poison();
   cuda::append_range(SelectionView{ids.data(), counts.data(), nullptr, batch, kv_heads, capacity}, d_slots.data(),
-                     d_first.data(), d_lengths.data(), window, nullptr);
+                     d_first.data(), d_lengths.data(), window, counts_before.data(), nullptr);
+  EXPECT_EQ(counts_before.download(), rows.counts) << "each row's count as it came in, the bad row's too";
   rows.counts[5] = 0;
   std::vector<std::int32_t> gpu_counts = counts.download();
   EXPECT_EQ(gpu_counts[5], -1);
   gpu_counts[5] = 0;
   test::HostSelection expected = rows;
   expected.view = {expected.indices.data(), expected.counts.data(), nullptr, batch, kv_heads, capacity};
-  cpu::append_range(expected.view, slots.data(), first.data(), lengths.data(), window);
+  cpu::append_range(expected.view, slots.data(), first.data(), lengths.data(), window, nullptr);
   expected.counts[5] = 0;
   EXPECT_EQ(gpu_counts, expected.counts);
   const std::vector<std::int32_t> gpu_ids = ids.download();

@@ -140,8 +140,9 @@ inline void remap_selection(const SelectionView& positions, const SelectionView&
   cpu::remap_selection(positions, ids, out);
 }
 inline void append_range(const SelectionView& rows, const std::int32_t* slots, const std::int32_t* first,
-                         const std::int32_t* lengths, const AttentionWindow& window, const Context&) {
-  cpu::append_range(rows, slots, first, lengths, window);
+                         const std::int32_t* lengths, const AttentionWindow& window, std::int32_t* counts_before,
+                         const Context&) {
+  cpu::append_range(rows, slots, first, lengths, window, counts_before);
 }
 
 }  // namespace kvsift::cpu

@@ -48,8 +48,10 @@ void remap_selection(const SelectionView& positions, const SelectionView& ids, c
 /// after dropping its entries >= begin (so the row stays ascending and distinct): the tokens no index holds, those
 /// that left the attention window after the slot's index was built (CTKVR's rerank candidates). An empty range
 /// only drops. Log-weights, if rows has them, 0 for the appended entries. slots, lengths [batch]; first [slots].
-/// Refused: a count outside [0, capacity], a negative length, a row that would pass its capacity.
+/// counts_before, if non-null, [batch * kv_heads] receives each row's count as it came in (CTKVR's union sizes,
+/// kept without a copy of its own). Refused: a count outside [0, capacity], a negative length, a row that would
+/// pass its capacity.
 void append_range(const SelectionView& rows, const std::int32_t* slots, const std::int32_t* first,
-                  const std::int32_t* lengths, const AttentionWindow& window);
+                  const std::int32_t* lengths, const AttentionWindow& window, std::int32_t* counts_before);
 
 }  // namespace kvsift::cpu

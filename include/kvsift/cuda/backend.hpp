@@ -148,8 +148,9 @@ inline void remap_selection(const SelectionView& positions, const SelectionView&
   cuda::remap_selection(positions, ids, out, ctx.stream);
 }
 inline void append_range(const SelectionView& rows, const std::int32_t* slots, const std::int32_t* first,
-                         const std::int32_t* lengths, const AttentionWindow& window, const Context& ctx) {
-  cuda::append_range(rows, slots, first, lengths, window, ctx.stream);
+                         const std::int32_t* lengths, const AttentionWindow& window, std::int32_t* counts_before,
+                         const Context& ctx) {
+  cuda::append_range(rows, slots, first, lengths, window, counts_before, ctx.stream);
 }
 
 }  // namespace kvsift::cuda

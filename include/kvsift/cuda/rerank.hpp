@@ -34,8 +34,9 @@ void remap_selection(const SelectionView& positions, const SelectionView& ids, c
                      cudaStream_t stream);
 
 /// cpu::append_range's contract, in device memory; a row with a bad count, or that would pass its capacity, gets
-/// count -1. A block per row.
+/// count -1 (its counts_before entry: the count as it came in). A block per row.
 void append_range(const SelectionView& rows, const std::int32_t* d_slots, const std::int32_t* d_first,
-                  const std::int32_t* d_lengths, const AttentionWindow& window, cudaStream_t stream);
+                  const std::int32_t* d_lengths, const AttentionWindow& window, std::int32_t* d_counts_before,
+                  cudaStream_t stream);
 
 }  // namespace kvsift::cuda

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kvsift/cuda/detail/group_dot.cuh"
+#include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/dtype.cuh"
 #include "kvsift/selectors/ctkvr/cuda/detail/query_centroids_launch.hpp"
 
@@ -22,6 +23,7 @@ template <class T>
 __global__ void __launch_bounds__(kThreads)
     centroid_scores_kernel(QueryView<const T> q, QueryCentroidsView<const T> centroids, const std::int32_t* slots,
                            std::int32_t kv_heads, MatrixView<float> scores) {
+  programmatic_wait();  // the queries and centroids (a programmatic dependent: launch.cuh); many waves at batch 8
   __shared__ float q_s[kGroupDotMaxGroup * kGroupDotMaxHeadDim];
   const std::int64_t row = blockIdx.x;
   const std::int32_t b = std::int32_t(row / kv_heads), g = std::int32_t(row % kv_heads);
@@ -69,6 +71,7 @@ template <class T>
 __global__ void __launch_bounds__(kThreads)
     store_centroids_kernel(SequenceView<const T> queries, const std::int32_t* slots, const std::int32_t* first,
                            std::int32_t kv_heads, QueryCentroidsView<T> centroids) {
+  programmatic_start();  // the queries and the columns
   const std::int64_t item = std::int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = int(threadIdx.x) % 32;
   const std::int64_t per_row = std::int64_t(queries.heads) * queries.tokens;
@@ -98,8 +101,8 @@ cudaError_t launch_centroid_scores(const QueryView<const T>& q, const QueryCentr
                                    const std::int32_t* slots, std::int32_t kv_heads, const MatrixView<float>& scores,
                                    cudaStream_t stream) {
   const dim3 grid(unsigned(scores.rows), unsigned((centroids.capacity + kCentroidsPerBlock - 1) / kCentroidsPerBlock));
-  centroid_scores_kernel<T><<<grid, kThreads, 0, stream>>>(q, centroids, slots, kv_heads, scores);
-  return cudaGetLastError();
+  return launch(centroid_scores_kernel<T>, {.grid = grid, .block = dim3(kThreads), .stream = stream, .programmatic = true},
+                q, centroids, slots, kv_heads, scores);
 }
 
 template <class T>
@@ -107,9 +110,10 @@ cudaError_t launch_store_centroids(const SequenceView<const T>& queries, const s
                                    const std::int32_t* first, std::int32_t kv_heads,
                                    const QueryCentroidsView<T>& centroids, cudaStream_t stream) {
   const std::int64_t items = std::int64_t(queries.batch) * queries.heads * queries.tokens;
-  store_centroids_kernel<T><<<unsigned((items + kWarps - 1) / kWarps), kThreads, 0, stream>>>(queries, slots, first,
-                                                                                               kv_heads, centroids);
-  return cudaGetLastError();
+  return launch(store_centroids_kernel<T>,
+                {.grid = dim3(unsigned((items + kWarps - 1) / kWarps)), .block = dim3(kThreads), .stream = stream,
+                 .programmatic = true},
+                queries, slots, first, kv_heads, centroids);
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                         \

@@ -34,6 +34,7 @@ cudaError_t launch_remap_selection(const SelectionView& positions, const Selecti
                                    cudaStream_t stream);
 
 cudaError_t launch_append_range(const SelectionView& rows, const std::int32_t* slots, const std::int32_t* first,
-                                const std::int32_t* lengths, AttentionWindow window, cudaStream_t stream);
+                                const std::int32_t* lengths, AttentionWindow window, std::int32_t* counts_before,
+                                cudaStream_t stream);
 
 }  // namespace kvsift::cuda::detail

@@ -331,7 +331,7 @@ class Csattention : public SelectorTypes<T, Context>, public detail::SelectorCor
     copy_rows_within(kept_.data(), capacity_, out.indices, out.capacity, capacity_, rows, ctx);
     copy_within(kept_counts_.data(), std::size_t(rows), out.counts, ctx);
     const SelectionView rows_view{out.indices, out.counts, nullptr, in.q.batch, limits_.kv_heads, out.capacity};
-    append_range(rows_view, rows_.data(), first_.data(), in.lengths, in.attention.window, ctx);
+    append_range(rows_view, rows_.data(), first_.data(), in.lengths, in.attention.window, nullptr, ctx);
   }
 
   void search(const SelectInputs<T>& in, const SelectionView& out, std::span<std::byte> workspace, const Context& ctx) {

@@ -304,8 +304,7 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
     topk_rows(MatrixView<const float>::packed(w.centroid_scores, rows, columns), full_columns_.data(),
               config_.recalled_centroids, TopKRowsOptions{}, chosen, w.centroid_topk, ctx);
     union_lists(lists().as_const(), chosen, in.slots, in.lengths, in.attention.window, candidates, w.union_scratch, ctx);
-    copy_within(candidates.counts, std::size_t(rows), union_sizes_.data(), ctx);
-    append_range(candidates, in.slots, boundaries_.data(), in.lengths, in.attention.window, ctx);
+    append_range(candidates, in.slots, boundaries_.data(), in.lengths, in.attention.window, union_sizes_.data(), ctx);
   }
 
   QueryCentroidsView<T> centroids() {
