@@ -34,6 +34,16 @@ __global__ void write_step_kv_kernel(KVCache<T> cache, HeadsView<const T> k, Hea
   }
 }
 
+/// counts[0, rows) = 0 (clear_counts): a kernel, not a memset, so that the step's chain of programmatic
+/// dependents goes on through it.
+__global__ void clear_counts_kernel(std::int32_t* counts, std::int64_t rows) {
+  programmatic_start();  // the previous kernel may still read the counts
+  for (std::int64_t r = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
+       r += std::int64_t(gridDim.x) * blockDim.x) {
+    counts[r] = 0;
+  }
+}
+
 /// Entry i of every row is i (write_identity_indices), grid-stride over rows x capacity.
 __global__ void identity_indices_kernel(std::int32_t* indices, std::int64_t rows, std::int32_t capacity) {
   const std::int64_t total = rows * capacity;
@@ -234,6 +244,15 @@ cudaError_t launch_sequence_lengths(const KVCache<const T>& cache, std::int32_t*
                 {.grid = dim3(unsigned((cache.batch() + 127) / 128)), .block = dim3(128), .stream = stream,
                  .programmatic = true},
                 cache, lengths);
+}
+
+cudaError_t launch_clear_counts(std::int32_t* counts, std::int64_t rows, cudaStream_t stream) {
+  constexpr int threads = 256;
+  const std::int64_t blocks = std::min<std::int64_t>((rows + threads - 1) / threads, 1024);
+  if (blocks == 0) return cudaSuccess;
+  return launch(clear_counts_kernel, {.grid = dim3(unsigned(blocks)), .block = dim3(threads), .stream = stream,
+                                      .programmatic = true},
+                counts, rows);
 }
 
 cudaError_t launch_identity_indices(std::int32_t* indices, std::int64_t rows, std::int32_t capacity,

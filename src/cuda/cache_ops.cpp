@@ -45,8 +45,9 @@ void first_nonfinite_key(const KVCache<const T>& cache, const std::int32_t* d_le
 
 void clear_counts(const SelectionView& out, cudaStream_t stream) {
   KVSIFT_CHECK(out.counts != nullptr, "cuda::clear_counts", "out.counts must be non-null");
-  KVSIFT_CUDA_CHECK(cudaMemsetAsync(out.counts, 0, std::size_t(out.batch) * std::size_t(out.kv_heads) * sizeof(std::int32_t),
-                                    stream));
+  KVSIFT_CHECK(out.batch >= 0 && out.kv_heads >= 0, "cuda::clear_counts",
+               "out's batch (= {}) and kv_heads (= {}) must not be negative", out.batch, out.kv_heads);
+  KVSIFT_CUDA_CHECK(detail::launch_clear_counts(out.counts, std::int64_t(out.batch) * out.kv_heads, stream));
 }
 
 void write_identity_indices(const SelectionView& out, cudaStream_t stream) {

@@ -82,6 +82,17 @@ TYPED_TEST(CudaCacheOps, EqualTheCpuTwins) {
   cuda::clear_counts(SelectionView{indices.data(), counts.data(), nullptr, 3, 2, 4}, nullptr);
   EXPECT_EQ(counts.download(), std::vector<std::int32_t>(6, 0));
   EXPECT_EQ(indices.download(), std::vector<std::int32_t>(24, -1));
+  // Past 1024 blocks of rows (the grid strides); an empty selection writes nothing; bad views are refused.
+  DeviceBuffer<std::int32_t> many(1024 * 256 * 2 + 7);
+  many.poison();
+  cuda::clear_counts(SelectionView{nullptr, many.data(), nullptr, std::int32_t(many.size()), 1, 1}, nullptr);
+  EXPECT_EQ(many.download(), std::vector<std::int32_t>(many.size(), 0));
+  cuda::clear_counts(SelectionView{nullptr, counts.data(), nullptr, 0, 2, 4}, nullptr);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  expect_error([&] { cuda::clear_counts(SelectionView{indices.data(), nullptr, nullptr, 1, 1, 4}, nullptr); },
+               "cuda::clear_counts: out.counts must be non-null");
+  expect_error([&] { cuda::clear_counts(SelectionView{nullptr, counts.data(), nullptr, -1, 2, 4}, nullptr); },
+               "cuda::clear_counts: out's batch (= -1) and kv_heads (= 2) must not be negative");
 }
 
 // write_identity_indices: entry i of every row is i (past 1024 blocks' worth of entries, so the grid strides), the

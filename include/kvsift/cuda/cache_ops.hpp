@@ -23,6 +23,8 @@ template <class T>
 void write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const HeadsView<const T>& v,
                    cudaStream_t stream);
 
+/// cpu::clear_counts on the device: one launch (a programmatic dependent, not a memset, so that a step's chain of
+/// dependents goes on through it). Refused: null counts, a negative batch or kv_heads.
 void clear_counts(const SelectionView& out, cudaStream_t stream);
 
 /// Entry i of every row of `out` is i, for i < out.capacity (its counts are not written): the selection that lists

@@ -11,6 +11,7 @@
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/selectors/centroid_kv/cuda/detail/merge_store_launch.hpp"
+#include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
 #include "kvsift/cuda/dtype.cuh"
 
@@ -238,6 +239,7 @@ __device__ void match_chunk(const MergeRoundLaunch<T>& p, std::int32_t r, const 
 /// where no row merges costs one wave of CTAs that exit at once.
 template <class T>
 __global__ void __launch_bounds__(kThreads) merge_match_kernel(MergeRoundLaunch<T> p) {
+  programmatic_start();  // the store (a programmatic dependent: launch.cuh; one wave)
   __shared__ MatchTiles<T> tiles;
   __shared__ std::int32_t slot_of[kMergeMaxDeviceChunk];
   __shared__ float inverse_norm[kMergeMaxDeviceChunk];
@@ -290,6 +292,7 @@ __device__ bool apply_chunk(const MergeRoundLaunch<T>& p, std::int32_t r, std::i
 /// ones of merged B entries) and log-degrees go to the workspace copy.
 template <class T>
 __global__ void __launch_bounds__(kThreads) merge_apply_kernel(MergeRoundLaunch<T> p) {
+  programmatic_start();  // the chosen links
   using BlockScan = cub::BlockScan<std::int32_t, kThreads>;
   __shared__ typename BlockScan::TempStorage scan;
   __shared__ std::int32_t member_of[kSetSize];  // per A entry: its B entry if chosen, else -1
@@ -370,6 +373,7 @@ __global__ void __launch_bounds__(kThreads) merge_apply_kernel(MergeRoundLaunch<
 /// follow the survivors in sequence order); j = chunks moves the recent entries. Sets count.
 template <class T>
 __global__ void __launch_bounds__(kThreads) merge_compact_kernel(MergeRoundLaunch<T> p) {
+  programmatic_start();  // the workspace copy
   using BlockScan = cub::BlockScan<std::int32_t, kThreads>;
   __shared__ typename BlockScan::TempStorage scan;
   __shared__ std::uint8_t chosen_a[kSetSize];
@@ -436,6 +440,7 @@ template <class T>
 __global__ void __launch_bounds__(kCopyThreads) merge_store_load_kernel(KVCache<const T> cache,
                                                                         const std::int32_t* slots,
                                                                         MergeStoreView<T> store) {
+  programmatic_wait();  // the cache (many waves: no early signal)
   const int lane = threadIdx.x % 32;
   const std::int64_t warps = std::int64_t(gridDim.x) * (blockDim.x / 32);
   const std::int64_t items = std::int64_t(cache.batch()) * store.kv_heads * store.capacity;
@@ -464,6 +469,7 @@ __global__ void __launch_bounds__(kCopyThreads) merge_store_append_kernel(KVCach
                                                                           const std::int32_t* slots,
                                                                           const std::int32_t* lengths,
                                                                           MergeStoreView<T> store) {
+  programmatic_start();  // the round's store
   const int lane = threadIdx.x % 32;
   const std::int64_t item = (blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x) / 32;
   if (item >= std::int64_t(cache.batch()) * store.kv_heads) return;
@@ -492,6 +498,7 @@ __global__ void __launch_bounds__(kCopyThreads) merge_store_evict_kernel(MergeSt
                                                                          const std::int32_t* slots, std::int32_t batch,
                                                                          const std::int32_t* budgets,
                                                                          const std::int32_t* sinks) {
+  programmatic_start();  // the round's store
   const int lane = threadIdx.x % 32;
   const std::int64_t item = (blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x) / 32;
   if (item >= std::int64_t(batch) * store.kv_heads) return;
@@ -524,6 +531,7 @@ __global__ void __launch_bounds__(kCopyThreads) merge_store_copy_kernel(MergeSto
                                                                         MergeStoreView<T> dst,
                                                                         const std::int32_t* dst_slots,
                                                                         std::int32_t batch) {
+  programmatic_wait();  // the source store (many waves: no early signal)
   const int lane = threadIdx.x % 32;
   const std::int64_t warps = std::int64_t(gridDim.x) * (blockDim.x / 32);
   const std::int64_t items = std::int64_t(batch) * dst.kv_heads * dst.capacity;
@@ -559,6 +567,7 @@ template <class T>
 __global__ void __launch_bounds__(kCopyThreads) merge_store_selection_kernel(MergeStoreView<const T> store,
                                                                              const std::int32_t* slots,
                                                                              SelectionView out) {
+  programmatic_wait();  // the appended store (many waves at batch 8: no early signal)
   const std::int64_t threads = std::int64_t(gridDim.x) * blockDim.x;
   const std::int64_t items = std::int64_t(out.batch) * out.kv_heads * store.capacity;
   for (std::int64_t item = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; item < items; item += threads) {
@@ -582,27 +591,27 @@ template <class T>
 cudaError_t launch_merge_match(const MergeRoundLaunch<T>& p, cudaStream_t stream) {
   const dim3 grid(unsigned(std::min(p.blocks_per_row, p.max_chunks)),
                   unsigned(std::int64_t(p.batch) * p.store.kv_heads));
-  merge_match_kernel<T><<<grid, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch(merge_match_kernel<T>, {.grid = grid, .block = dim3(kThreads), .stream = stream, .programmatic = true},
+                p);
 }
 
 template <class T>
 cudaError_t launch_merge_apply(const MergeRoundLaunch<T>& p, cudaStream_t stream) {
   const dim3 grid(unsigned(std::min(p.blocks_per_row, p.max_chunks + 1)),
                   unsigned(std::int64_t(p.batch) * p.store.kv_heads));
-  merge_apply_kernel<T><<<grid, kThreads, 0, stream>>>(p);
-  if (cudaError_t s = cudaGetLastError(); s != cudaSuccess) return s;
-  merge_compact_kernel<T><<<grid, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  const LaunchShape shape{.grid = grid, .block = dim3(kThreads), .stream = stream, .programmatic = true};
+  if (cudaError_t s = launch(merge_apply_kernel<T>, shape, p); s != cudaSuccess) return s;
+  return launch(merge_compact_kernel<T>, shape, p);
 }
 
 template <class T>
 cudaError_t launch_merge_store_load(const KVCache<const T>& cache, const std::int32_t* slots,
                                     const MergeStoreView<T>& store, cudaStream_t stream) {
   const std::int64_t threads = std::int64_t(cache.batch()) * store.kv_heads * store.capacity * 32;
-  merge_store_load_kernel<T><<<grid_stride_blocks(threads, kCopyThreads), kCopyThreads, 0, stream>>>(cache, slots,
-                                                                                                     store);
-  return cudaGetLastError();
+  return launch(merge_store_load_kernel<T>,
+                {.grid = dim3(grid_stride_blocks(threads, kCopyThreads)), .block = dim3(kCopyThreads), .stream = stream,
+                 .programmatic = true},
+                cache, slots, store);
 }
 
 template <class T>
@@ -611,8 +620,9 @@ cudaError_t launch_merge_store_append(const KVCache<const T>& cache, const std::
                                       cudaStream_t stream) {
   const std::int64_t threads = std::int64_t(cache.batch()) * store.kv_heads * 32;
   const unsigned blocks = unsigned((threads + kCopyThreads - 1) / kCopyThreads);
-  merge_store_append_kernel<T><<<blocks, kCopyThreads, 0, stream>>>(cache, slots, lengths, store);
-  return cudaGetLastError();
+  return launch(merge_store_append_kernel<T>,
+                {.grid = dim3(blocks), .block = dim3(kCopyThreads), .stream = stream, .programmatic = true}, cache, slots,
+                lengths, store);
 }
 
 template <class T>
@@ -620,8 +630,9 @@ cudaError_t launch_merge_store_evict(const MergeStoreView<T>& store, const std::
                                      const std::int32_t* budgets, const std::int32_t* sinks, cudaStream_t stream) {
   const std::int64_t threads = std::int64_t(batch) * store.kv_heads * 32;
   const unsigned blocks = unsigned((threads + kCopyThreads - 1) / kCopyThreads);
-  merge_store_evict_kernel<T><<<blocks, kCopyThreads, 0, stream>>>(store, slots, batch, budgets, sinks);
-  return cudaGetLastError();
+  return launch(merge_store_evict_kernel<T>,
+                {.grid = dim3(blocks), .block = dim3(kCopyThreads), .stream = stream, .programmatic = true}, store, slots,
+                batch, budgets, sinks);
 }
 
 template <class T>
@@ -629,18 +640,20 @@ cudaError_t launch_merge_store_copy(const MergeStoreView<const T>& src, const st
                                     const MergeStoreView<T>& dst, const std::int32_t* dst_slots, std::int32_t batch,
                                     cudaStream_t stream) {
   const std::int64_t threads = std::int64_t(batch) * dst.kv_heads * dst.capacity * 32;
-  merge_store_copy_kernel<T><<<grid_stride_blocks(threads, kCopyThreads), kCopyThreads, 0, stream>>>(
-      src, src_slots, dst, dst_slots, batch);
-  return cudaGetLastError();
+  return launch(merge_store_copy_kernel<T>,
+                {.grid = dim3(grid_stride_blocks(threads, kCopyThreads)), .block = dim3(kCopyThreads), .stream = stream,
+                 .programmatic = true},
+                src, src_slots, dst, dst_slots, batch);
 }
 
 template <class T>
 cudaError_t launch_merge_store_selection(const MergeStoreView<const T>& store, const std::int32_t* slots,
                                          const SelectionView& out, cudaStream_t stream) {
   const std::int64_t threads = std::int64_t(out.batch) * out.kv_heads * store.capacity;
-  merge_store_selection_kernel<T><<<grid_stride_blocks(threads, kCopyThreads), kCopyThreads, 0, stream>>>(store, slots,
-                                                                                                          out);
-  return cudaGetLastError();
+  return launch(merge_store_selection_kernel<T>,
+                {.grid = dim3(grid_stride_blocks(threads, kCopyThreads)), .block = dim3(kCopyThreads), .stream = stream,
+                 .programmatic = true},
+                store, slots, out);
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                      \

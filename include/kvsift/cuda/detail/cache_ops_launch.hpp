@@ -18,6 +18,8 @@ template <class T>
 cudaError_t launch_write_step_kv(const KVCache<T>& cache, const HeadsView<const T>& k, const HeadsView<const T>& v,
                                  cudaStream_t stream);
 
+cudaError_t launch_clear_counts(std::int32_t* counts, std::int64_t rows, cudaStream_t stream);
+
 cudaError_t launch_identity_indices(std::int32_t* indices, std::int64_t rows, std::int32_t capacity,
                                    cudaStream_t stream);
 
