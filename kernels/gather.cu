@@ -10,6 +10,7 @@
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/cuda/detail/gather_launch.hpp"
+#include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
 
 namespace kvsift::cuda::detail {
@@ -100,6 +101,7 @@ __device__ __forceinline__ EntryRows<T> entry_rows(const KVCache<const T>& src, 
 /// come first and a round of loads is mostly live.
 template <class T, bool Vec16, class Dst>
 __global__ void __launch_bounds__(kCopyThreads) gather_kernel(KVCache<const T> src, SelectionView rows, Dst dst) {
+  programmatic_start_if_one_wave();  // the selection (a programmatic dependent: launch.cuh)
   constexpr int kParts = std::is_same_v<Dst, KVCache<T>> ? 2 : 1;
   const std::int64_t selection_rows = std::int64_t(rows.batch) * rows.kv_heads;
   copy_entries<T, Vec16, kParts>(selection_rows * rows.capacity, src.head_dim(), [&](std::int64_t e) -> EntryRows<T> {
@@ -264,12 +266,9 @@ template <class T, class Dst>
 cudaError_t launch_gather(const KVCache<const T>& src, const SelectionView& rows, const Dst& dst, bool vec16,
                           cudaStream_t stream) {
   const unsigned blocks = copy_blocks(std::int64_t(rows.batch) * rows.kv_heads * rows.capacity, src.head_dim());
-  if (vec16) {
-    gather_kernel<T, true><<<blocks, kCopyThreads, 0, stream>>>(src, rows, dst);
-  } else {
-    gather_kernel<T, false><<<blocks, kCopyThreads, 0, stream>>>(src, rows, dst);
-  }
-  return cudaGetLastError();
+  const LaunchShape shape{.grid = dim3(blocks), .block = dim3(kCopyThreads), .stream = stream, .programmatic = true};
+  return vec16 ? launch(gather_kernel<T, true, Dst>, shape, src, rows, dst)
+               : launch(gather_kernel<T, false, Dst>, shape, src, rows, dst);
 }
 
 }  // namespace

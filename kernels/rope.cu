@@ -2,6 +2,7 @@
 // core/rope.hpp's math shared with the CPU.
 #include <cmath>
 
+#include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
 #include "kvsift/cuda/detail/rope_launch.hpp"
 #include "kvsift/cuda/dtype.cuh"
@@ -13,6 +14,7 @@ constexpr int kThreads = 256;
 
 /// Each block evaluates the inverse frequencies once into shared memory ([pairs] doubles), then fills entries.
 __global__ void rope_table_kernel(RopeConfig config, RopeTableView table) {
+  programmatic_start_if_one_wave();  // a programmatic dependent (launch.cuh)
   extern __shared__ double inv_freq[];
   const std::int32_t half = table.pairs();
   for (std::int32_t i = threadIdx.x; i < half; i += blockDim.x) inv_freq[i] = config.inv_freq(i, table.rotary_dim);
@@ -35,6 +37,7 @@ __device__ bool row_rotation(const RopeAmounts& amounts, std::int64_t b, std::in
 template <class T>
 __global__ void rope_kernel(BatchedMatrixView<T> vectors, RopeAmounts amounts, RopeTableView table, bool inverse,
                             double scale) {
+  programmatic_start_if_one_wave();  // the vectors (a programmatic dependent: launch.cuh)
   const std::int32_t half = table.pairs();
   const std::int64_t total = vectors.rows * vectors.problems * half;
   for (std::int64_t e = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; e < total;
@@ -61,17 +64,20 @@ __global__ void rope_kernel(BatchedMatrixView<T> vectors, RopeAmounts amounts, R
 
 cudaError_t launch_build_rope_table(const RopeConfig& config, const RopeTableView& table, cudaStream_t stream) {
   const std::size_t shared = std::size_t(table.pairs()) * sizeof(double);
-  rope_table_kernel<<<grid_stride_blocks(std::int64_t(table.positions) * table.pairs(), kThreads), kThreads, shared,
-                      stream>>>(config, table);
-  return cudaGetLastError();
+  return launch(rope_table_kernel,
+                {.grid = dim3(grid_stride_blocks(std::int64_t(table.positions) * table.pairs(), kThreads)),
+                 .block = dim3(kThreads), .smem = shared, .stream = stream, .programmatic = true},
+                config, table);
 }
 
 template <class T>
 cudaError_t launch_rope(const BatchedMatrixView<T>& vectors, const RopeAmounts& amounts, const RopeTableView& table,
                         bool inverse, double scale, cudaStream_t stream) {
   const std::int64_t pairs = vectors.rows * vectors.problems * table.pairs();
-  rope_kernel<T><<<grid_stride_blocks(pairs, kThreads), kThreads, 0, stream>>>(vectors, amounts, table, inverse, scale);
-  return cudaGetLastError();
+  return launch(rope_kernel<T>,
+                {.grid = dim3(grid_stride_blocks(pairs, kThreads)), .block = dim3(kThreads), .stream = stream,
+                 .programmatic = true},
+                vectors, amounts, table, inverse, scale);
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                     \

@@ -65,6 +65,7 @@ namespace {
 
 __global__ void length_budgets_kernel(const std::int32_t* lengths, std::int32_t batch, std::int32_t heads,
                                       LengthBudget budget, std::int32_t* row_k) {
+  programmatic_start();  // the lengths (a programmatic dependent: launch.cuh)
   const std::int64_t s = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (s < std::int64_t(batch) * heads) row_k[s] = budget(lengths[s / heads]);
 }
@@ -75,9 +76,11 @@ cudaError_t launch_length_budgets(const std::int32_t* lengths, std::int32_t batc
                                   const LengthBudget& budget, std::int32_t* row_k, cudaStream_t stream) {
   constexpr int threads = 256;
   const std::int64_t rows = std::int64_t(batch) * heads;
-  length_budgets_kernel<<<unsigned((rows + threads - 1) / threads), threads, 0, stream>>>(lengths, batch, heads, budget,
-                                                                                         row_k);
-  return cudaGetLastError();
+  if (rows == 0) return cudaSuccess;
+  return launch(length_budgets_kernel,
+                {.grid = dim3(unsigned((rows + threads - 1) / threads)), .block = dim3(threads), .stream = stream,
+                 .programmatic = true},
+                lengths, batch, heads, budget, row_k);
 }
 
 cudaError_t launch_mass_budgets(const MassBudgetsParams& p, cudaStream_t stream) {

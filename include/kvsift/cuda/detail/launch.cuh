@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <utility>
 
 #include "kvsift/cuda/detail/per_device.hpp"
@@ -103,6 +104,18 @@ __device__ __forceinline__ void programmatic_start() {
 __device__ __forceinline__ void programmatic_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+/// programmatic_start for a kernel whose grid is sized by its data (one CTA or thousands): it signals early only
+/// when its grid has at most one CTA per SM (%nsmid bounds the SM count), so that only a grid of one wave lets its
+/// dependent in while it runs. The condition is the same in every CTA: all signal, or none.
+__device__ __forceinline__ void programmatic_start_if_one_wave() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  unsigned sms;
+  asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
+  if (std::uint64_t(gridDim.x) * gridDim.y * gridDim.z <= sms) asm volatile("griddepcontrol.launch_dependents;");
 #endif
 }
 
