@@ -205,9 +205,10 @@ def topk_rows(scores, k, *, batch, kv_heads, lengths=None, window=(0, 0), heads_
 class DecodeStep:
     """One layer's decode step: a selector ('oracle_topk' {budget}, 'quest' {budget, page_size},
     'streaming_llm' {}, 'ctkvr' {budget, list_size, centroids, max_centroids, recalled_centroids, dynamic_update,
-    prepare_chunk, budget_fraction, pin_prefill_centroids}: selectors/ctkvr/ctkvr.hpp's CtkvrConfig; 'csattention' {budget
-    (tokens, the window's included; 0: keep_fraction of the length), keep_fraction, list_fraction, subspaces,
-    centroids, probes, search_period, per_query_head, weight_by_norm, from_floor}: selectors/csattention/csattention.hpp's
+    prepare_chunk, budget_fraction, pin_prefill_centroids, max_unindexed}: selectors/ctkvr/ctkvr.hpp's CtkvrConfig;
+    'csattention' {budget (tokens, the window's included; 0: keep_fraction of the length), keep_fraction,
+    list_fraction, subspaces, centroids, probes, search_period, per_query_head, weight_by_norm, from_floor}:
+    selectors/csattention/csattention.hpp's
     CsattentionConfig; 'a2ats' {codebooks (a kvsift_a2ats_codebook file), layer, budget_fraction, max_budget,
     group_max; rope_theta, rope_dim, rope_interleaved: the model's RoPE, which the file's must equal}:
     selectors/a2ats/a2ats.hpp's A2atsConfig, the keys rotated back from the cache; 'centroidkv' {budget_ratio, sinks,

@@ -908,6 +908,7 @@ auto make_selector_step(const StepConfig& c, Wrap&& wrap) {
     sc.budget_fraction = config_float(where, config, "budget_fraction", sc.budget_fraction);
     sc.pin_prefill_centroids =
         config_int(where, config, "pin_prefill_centroids", sc.pin_prefill_centroids ? 1 : 0) != 0;
+    sc.max_unindexed = config_int(where, config, "max_unindexed", sc.max_unindexed);
     step = wrap(Ctkvr<T, Context>(limits, sc));
   } else if (c.selector == "csattention") {
     CsattentionConfig sc{};

@@ -110,6 +110,8 @@ def test_step_refuses_bad_configuration_and_inputs(rng):
         (lambda: kvsift.DecodeStep("oracle_topk", {}, **shape), "selector_config lacks 'budget'"),
         (lambda: kvsift.DecodeStep("oracle_topk", {"budget": 0}, **shape), "config.budget (= 0) must be positive"),
         (lambda: kvsift.DecodeStep("quest", {"budget": 8}, **shape), "config.budget (= 8) is smaller than one page"),
+        (lambda: kvsift.DecodeStep("ctkvr", {"budget": 8, "max_unindexed": -1}, **shape),
+         "config.max_unindexed (= -1) must not be negative"),
         (lambda: kvsift.DecodeStep("oracle_topk", {"budget": 8}, dtype="float32", **shape), "dtype (= 'float32')"),
         (lambda: kvsift.DecodeStep("oracle_topk", {"budget": 8}, device="tpu", **shape), "device (= 'tpu')"),
     ]

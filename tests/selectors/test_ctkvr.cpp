@@ -100,6 +100,34 @@ TEST_P(CpuCtkvr, BudgetFractionFollowsTheLength) {
   }
 }
 
+// config.max_unindexed bounds the candidates: the selection stays the top of the middle while the decoded tokens
+// past the index (one per step past the prompt's recent boundary) fit, the workspace shrinks, and the step past
+// the bound is refused by name before anything changes.
+TEST_P(CpuCtkvr, MaxUnindexedBoundsTheCandidatesAndRefusesAStepPastIt) {
+  SCOPED_TRACE(seed);
+  const std::int32_t group = GetParam();
+  CtkvrProblem p(rng, 2 * group, 2, 120, 16);
+  const CtkvrConfig config{.budget = 20, .list_size = p.middle(), .centroids = 6, .max_centroids = 6,
+                           .recalled_centroids = 6};
+  CtkvrConfig bounded = config;
+  bounded.max_unindexed = 5;
+  DecodeStep step(Selector(p.limits(), bounded), p.config(), {});
+  EXPECT_LT(step.workspace_bytes(), DecodeStep(Selector(p.limits(), config), p.config(), {}).workspace_bytes());
+  step.prepare(p.prefill(), {});
+  decode(p, step, rng, 5, [&](std::int32_t s, const std::vector<half>& q, const SelectionView& sel) {
+    for (std::int32_t g = 0; g < p.kv_heads; ++g) {
+      const std::vector<std::int32_t> chosen(sel.row(0, g), sel.row(0, g) + sel.count(0, g));
+      test::expect_top_k(chosen, test::middle_softmax(p, q, g), 20, 1e-5, fmt::format("step {} kv head {}", s, g));
+    }
+  });
+  const std::int32_t length = p.length;
+  const auto no_check = [](std::int32_t, const std::vector<half>&, const SelectionView&) {};
+  test::expect_error([&] { decode(p, step, rng, 1, no_check); },
+                     fmt::format("sequence 0 (slot {}, length {}) holds 6 middle tokens past its index: more than "
+                                 "config.max_unindexed (= 5)",
+                                 p.slot, length + 1));
+}
+
 TEST_P(CpuCtkvr, UnionSizesCountTheRecalledListsDistinctIds) {
   SCOPED_TRACE(seed);
   const std::int32_t group = GetParam();
@@ -278,6 +306,8 @@ TEST_F(CpuCtkvr, BadConfigurationsAndPrefillsAreRefused) {
                      "config.budget_fraction (= 1.5) is outside [0, 1] (0: a fixed budget)");
   test::expect_error([&] { Selector(limits, {.budget = 8, .budget_fraction = -0.1}); },
                      "config.budget_fraction (= -0.1) is outside [0, 1]");
+  test::expect_error([&] { Selector(limits, {.budget = 8, .max_unindexed = -1}); },
+                     "config.max_unindexed (= -1) must not be negative (0: max_seq_len)");
 }
 
 }  // namespace

@@ -15,7 +15,8 @@
 /// max_centroids, rho] int32 with their counts, FIFO cursors and first columns, the prefill boundary. prepare allocates scratch,
 /// reads the lengths (and a paged cache's page lists) on the host: on CUDA it synchronizes the stream.
 /// Workspace of select: the centroid scores [rows, max_centroids], the chosen lists, the candidates [rows,
-/// C' * rho + N] and their scores, the primitives' scratch (rows = batch * kv_heads, N the planned bound).
+/// C' * rho + U] and their scores, the primitives' scratch (rows = batch * kv_heads; U = config.max_unindexed, or the
+/// planned bound N where that is 0 or larger).
 /// On CUDA, with the dynamic update, select runs the update (the top rho, the new list, its centroid) on a second
 /// stream the selector owns (cuda::StreamFork, made at construction) beside the selection's top rho', and joins it
 /// before it returns: stream-ordered and graph-capturable as before (in a captured graph, a parallel branch).
@@ -69,6 +70,13 @@ struct CtkvrConfig {
   /// [C, max_centroids) alone (kvsift's choice; the paper evicts the oldest centroid, whatever made it). prepare
   /// refuses a sequence whose C leaves no spare column.
   bool pin_prefill_centroids = false;
+  /// The most middle tokens a sequence holds past its index (those that left the recent window after prefill; the
+  /// rerank's appended candidates): the engine's longest generation bounds them. It sizes the candidates, C' lists
+  /// plus this, so that the rerank's kernels plan for C' * rho + U candidates where they planned for max_seq_len
+  /// (129K at 128K tokens; the rows hold ~10K). 0: the planned max_seq_len (always enough). A row past it is
+  /// refused where the lengths are host values (the CPU); on CUDA it gets count -1 (append_range), which sparse
+  /// decode turns into NaN for its heads.
+  std::int32_t max_unindexed = 0;
 };
 
 namespace detail {
@@ -126,9 +134,12 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
                                fifo_begin_.size() + boundaries_.size()) * sizeof(std::int32_t);
     return detail::context_index_bytes<Context>(bytes);
   }
-  /// Candidates per row for sequences of up to `max_seq_len` tokens: C' lists and the unindexed middle.
+  /// Candidates per row for sequences of up to `max_seq_len` tokens: C' lists and the unindexed middle (at most
+  /// config.max_unindexed tokens where that is set).
   std::int32_t candidate_capacity(std::int32_t max_seq_len) const {
-    return config_.recalled_centroids * config_.list_size + max_seq_len;
+    const std::int32_t unindexed =
+        config_.max_unindexed > 0 ? std::min(config_.max_unindexed, max_seq_len) : max_seq_len;
+    return config_.recalled_centroids * config_.list_size + unindexed;
   }
 
   std::size_t select_workspace_bytes(const SelectShape& shape, const Context& ctx) const {
@@ -167,6 +178,7 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
               const Context& ctx) {
     constexpr const char* where = entry_point<"select">();
     const std::int32_t tokens = checked_planned_select<Context>(where, in, out, capacity());
+    check_unindexed(where, in);
     const std::int32_t batch = in.q.batch;
     WorkspaceLayout carving(workspace, where);
     const Buffers w = layout(carving, batch, tokens, ctx);
@@ -209,6 +221,7 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
     KVSIFT_CHECK(candidates.capacity >= candidate_capacity(tokens), where,
                  "candidates.capacity (= {}) < candidate_capacity(max_seq_len) (= {})", candidates.capacity,
                  candidate_capacity(tokens));
+    check_unindexed(where, in);
     WorkspaceLayout carving(workspace, where);
     recall_into(in, candidates, layout_recall(carving, in.q.batch, ctx), ctx);
   }
@@ -246,6 +259,25 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
   /// Query heads per scoring row in prepare: the CUDA group-score kernels' tile (two of the CPU's).
   static constexpr std::int32_t kPrepareTileHeads = 16;
 
+  /// Refuses a sequence with more unindexed middle tokens than config.max_unindexed, where the step's slots and
+  /// lengths are host values (the index's boundaries live in the context's memory too); on CUDA append_range marks
+  /// such a row instead.
+  void check_unindexed(const char* where, const SelectInputs<T>& in) const {
+    if constexpr (Context::memory == MemorySpace::host) {
+      if (config_.max_unindexed == 0) return;
+      for (std::int32_t b = 0; b < in.q.batch; ++b) {
+        const std::int32_t slot = in.slots[b], length = in.lengths[b];
+        const kvsift::detail::TokenRange range =
+            kvsift::detail::unindexed_range(boundaries_.data()[slot], length, in.attention.window);
+        const std::int64_t unindexed = std::max<std::int64_t>(0, std::int64_t(range.end) - range.begin);
+        KVSIFT_CHECK(unindexed <= config_.max_unindexed, where,
+                     "sequence {} (slot {}, length {}) holds {} middle tokens past its index: more than "
+                     "config.max_unindexed (= {})",
+                     b, slot, length, unindexed, config_.max_unindexed);
+      }
+    }
+  }
+
   static CtkvrConfig checked(const SelectorLimits& limits, CtkvrConfig c) {
     constexpr const char* where = "Ctkvr";
     KVSIFT_CHECK(c.budget > 0, where, "config.budget (= {}) must be positive", c.budget);
@@ -263,6 +295,8 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
     KVSIFT_CHECK(c.prepare_chunk > 0, where, "config.prepare_chunk (= {}) must be positive", c.prepare_chunk);
     KVSIFT_CHECK(c.budget_fraction >= 0 && c.budget_fraction <= 1, where,
                  "config.budget_fraction (= {}) is outside [0, 1] (0: a fixed budget)", c.budget_fraction);
+    KVSIFT_CHECK(c.max_unindexed >= 0, where, "config.max_unindexed (= {}) must not be negative (0: max_seq_len)",
+                 c.max_unindexed);
     return c;
   }
   RecallBuffers layout_recall(WorkspaceLayout& layout, std::int32_t batch, const Context& ctx) const {
