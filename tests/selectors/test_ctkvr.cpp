@@ -101,8 +101,8 @@ TEST_P(CpuCtkvr, BudgetFractionFollowsTheLength) {
 }
 
 // config.max_unindexed bounds the candidates: the selection stays the top of the middle while the decoded tokens
-// past the index (one per step past the prompt's recent boundary) fit, the workspace shrinks, and the step past
-// the bound is refused by name before anything changes.
+// past the index (one per step past the prompt's recent boundary) fit, the workspace shrinks, the capacity is C'
+// lists plus the bound, and the step past the bound is refused by name before the index changes.
 TEST_P(CpuCtkvr, MaxUnindexedBoundsTheCandidatesAndRefusesAStepPastIt) {
   SCOPED_TRACE(seed);
   const std::int32_t group = GetParam();
@@ -113,6 +113,8 @@ TEST_P(CpuCtkvr, MaxUnindexedBoundsTheCandidatesAndRefusesAStepPastIt) {
   bounded.max_unindexed = 5;
   DecodeStep step(Selector(p.limits(), bounded), p.config(), {});
   EXPECT_LT(step.workspace_bytes(), DecodeStep(Selector(p.limits(), config), p.config(), {}).workspace_bytes());
+  EXPECT_EQ(step.selector().candidate_capacity(p.capacity), 6 * p.middle() + 5);
+  EXPECT_EQ(step.selector().candidate_capacity(3), 6 * p.middle() + 3) << "a bound past max_seq_len takes max_seq_len";
   step.prepare(p.prefill(), {});
   decode(p, step, rng, 5, [&](std::int32_t s, const std::vector<half>& q, const SelectionView& sel) {
     for (std::int32_t g = 0; g < p.kv_heads; ++g) {

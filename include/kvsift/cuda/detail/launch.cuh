@@ -108,8 +108,8 @@ __device__ __forceinline__ void programmatic_wait() {
 }
 
 /// programmatic_start for a kernel whose grid is sized by its data (one CTA or thousands): it signals early only
-/// when its grid has at most one CTA per SM (%nsmid bounds the SM count), so that only a grid of one wave lets its
-/// dependent in while it runs. The condition is the same in every CTA: all signal, or none.
+/// when its grid has at most one CTA per SM (%nsmid, an upper bound of the SM count: SM ids need not be contiguous),
+/// so that only a grid of about one wave lets its dependent in while it runs. The condition is the same in every CTA: all signal, or none.
 __device__ __forceinline__ void programmatic_start_if_one_wave() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -74,8 +74,9 @@ struct CtkvrConfig {
   /// rerank's appended candidates): the engine's longest generation bounds them. It sizes the candidates, C' lists
   /// plus this, so that the rerank's kernels plan for C' * rho + U candidates where they planned for max_seq_len
   /// (141,312 at 128K tokens; the rows hold ~10K). 0: the planned max_seq_len (always enough). A row past it is
-  /// refused where the lengths are host values (the CPU); on CUDA it gets count -1 (append_range), which sparse
-  /// decode turns into NaN for its heads.
+  /// refused where the lengths are host values (the CPU). On CUDA (device lengths) such a row is served while its
+  /// candidates fit the capacity (the union rarely fills its C' lists), and gets count -1 from append_range past
+  /// that, which sparse decode turns into NaN for its heads.
   std::int32_t max_unindexed = 0;
 };
 
