@@ -286,7 +286,8 @@ cudaError_t launch_list_reduction(const ListReductionParams<T>& p, const ListRed
                                   cudaStream_t stream) {
   if (p.segment <= kBlockUnionItems) {
     return launch(union_lists_block<T>,
-                  {.grid = dim3(unsigned(p.rows)), .block = dim3(kBlockUnionThreads), .stream = stream, .programmatic = true},
+                  {.grid = dim3(unsigned(p.rows)), .block = dim3(kBlockUnionThreads), .stream = stream,
+                   .programmatic = true},
                   p);
   }
   const std::int64_t items = p.rows * p.segment;
@@ -302,8 +303,8 @@ cudaError_t launch_list_reduction(const ListReductionParams<T>& p, const ListRed
       static_cast<const std::int32_t*>(buf.segment_begin), static_cast<const std::int32_t*>(buf.segment_end), stream);
   if (sorted != cudaSuccess) return sorted;
   return launch(compact_list_entries<T>,
-                {.grid = dim3(unsigned(p.rows)), .block = dim3(kCompactThreads), .stream = stream, .programmatic = true}, p,
-                buf);
+                {.grid = dim3(unsigned(p.rows)), .block = dim3(kCompactThreads), .stream = stream, .programmatic = true},
+                p, buf);
 }
 
 template <class T>

@@ -191,7 +191,8 @@ class RerankStage {
     b.scores_scratch = layout.span(
         candidate_scores_workspace_bytes(rows, limits_.q_heads / limits_.kv_heads, capacity, ctx),
         "rerank candidate scores scratch");
-    b.topk_scratch = layout.span(topk_rows_workspace_bytes(rows, capacity, config_.budget, {}, ctx), "rerank top-k scratch");
+    b.topk_scratch =
+        layout.span(topk_rows_workspace_bytes(rows, capacity, config_.budget, {}, ctx), "rerank top-k scratch");
     if (config_.entries > 0) {
       b.entries_topk_scratch = layout.span(topk_rows_workspace_bytes(rows, capacity, config_.entries, {}, ctx),
                                            "rerank entries top-k scratch");

@@ -86,36 +86,45 @@ void max_active_clusters(int size, int threads, std::size_t smem, int* clusters)
   }
 }
 
-/// The first statement of a kernel that may be launched as a programmatic dependent (LaunchShape::programmatic): its
-/// CTAs may be resident before the stream's previous kernel has finished, so it waits until that kernel's writes are
-/// complete and visible before it reads or writes anything global, then lets the stream's next kernel be scheduled
-/// (which waits in turn). A no-op for a launch without the attribute and before sm_90.
-__device__ __forceinline__ void programmatic_start() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-
-/// programmatic_start without the early signal, for a kernel of many waves: its dependent is scheduled when it
-/// completes, so that the dependent's waiting CTAs never hold SMs its own later CTAs need. CTKVR at 128K, batch 8
-/// (H200): 252 µs a step without PDL, 266 with every kernel signalling at once, 245 with its three kernels of
-/// many waves (centroid scores, candidate logits and finish) waiting only.
+/// Waits until the stream's previous kernel has finished and its writes are visible (its programmatic dependent's
+/// first statement, alone or through programmatic_start). A no-op for a launch without the attribute and before
+/// sm_90.
+///
+/// Alone: programmatic_start without the early signal, for a kernel of many waves: its dependent is scheduled when
+/// it completes, so that the dependent's waiting CTAs never hold SMs its own later CTAs need. CTKVR at 128K, batch 8
+/// (H200): 252 µs a step without PDL, 266 with every kernel signalling at once, 245 with its three kernels of many
+/// waves (centroid scores, candidate logits and finish) waiting only.
 __device__ __forceinline__ void programmatic_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
-/// programmatic_start for a kernel whose grid is sized by its data (one CTA or thousands): it signals early only
-/// when its grid has at most one CTA per SM (%nsmid, an upper bound of the SM count: SM ids need not be contiguous),
-/// so that only a grid of about one wave lets its dependent in while it runs. The condition is the same in every CTA: all signal, or none.
-__device__ __forceinline__ void programmatic_start_if_one_wave() {
+/// Lets the stream's next kernel be scheduled (it waits in turn); after programmatic_wait only.
+__device__ __forceinline__ void programmatic_signal() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+/// The first statement of a kernel that may be launched as a programmatic dependent (LaunchShape::programmatic): its
+/// CTAs may be resident before the stream's previous kernel has finished, so it waits until that kernel's writes are
+/// complete and visible before it reads or writes anything global, then lets the stream's next kernel be scheduled.
+__device__ __forceinline__ void programmatic_start() {
+  programmatic_wait();
+  programmatic_signal();
+}
+
+/// programmatic_start for a kernel whose grid is sized by its data (one CTA or thousands): it signals early only
+/// when its grid has at most one CTA per SM (%nsmid, an upper bound of the SM count: SM ids need not be
+/// contiguous), so that only a grid of about one wave lets its dependent in while it runs. The condition is the
+/// same in every CTA: all signal, or none.
+__device__ __forceinline__ void programmatic_start_if_one_wave() {
+  programmatic_wait();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   unsigned sms;
   asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
-  if (std::uint64_t(gridDim.x) * gridDim.y * gridDim.z <= sms) asm volatile("griddepcontrol.launch_dependents;");
+  if (std::uint64_t(gridDim.x) * gridDim.y * gridDim.z <= sms) programmatic_signal();
 #endif
 }
 
