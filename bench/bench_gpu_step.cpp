@@ -58,6 +58,9 @@ enum Method : int { kQuest = 0, kOracle = 1, kCtkvr = 2, kCsattention = 3, kA2at
 constexpr int kRerankFactor = 4;
 /// CTKVR at the paper's defaults: rho' = 1024, rho = 2560, C = min(2048, N / 16), C' = 4.
 constexpr int kCtkvrBudget = 1024, kCtkvrCentroids = 2048;
+/// CTKVR's max_unindexed: an engine's generation bound (the benchmark steps at the prefill's length, so none of it is
+/// used); it sizes the candidates at C' rho + 4096 where max_seq_len made them C' rho + N.
+constexpr int kCtkvrMaxUnindexed = 4096;
 /// CSAttention's prefill queries (W >= C = 128).
 constexpr int kCsattentionQueries = 1024;
 
@@ -285,7 +288,8 @@ void BM_Step(benchmark::State& state) {
   } else if (state.range(0) == kCtkvr) {
     using Selector = kvsift::Ctkvr<bfloat16, Cuda>;
     run_step_benchmark<Selector>(state, kCtkvr, [&] {
-      return Selector(limits(n, batch), {.budget = kCtkvrBudget, .max_centroids = kCtkvrCentroids});
+      return Selector(limits(n, batch),
+                      {.budget = kCtkvrBudget, .max_centroids = kCtkvrCentroids, .max_unindexed = kCtkvrMaxUnindexed});
     });
   } else if (state.range(0) == kA2ats) {  // K = 3% per query head; range(6): 0 union, 1 group maximum
     using Selector = kvsift::A2ats<bfloat16, Cuda>;

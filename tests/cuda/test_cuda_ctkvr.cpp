@@ -75,8 +75,10 @@ struct DeviceCache {
 };
 
 class CudaCtkvrGraph : public test::GpuTest {};
-/// (group, paged, variant): variant 1 selects 5% of the current length (budget_fraction) and pins the six
-/// prefill centroids in eight columns, so the updates cycle over columns 6 and 7.
+/// (group, paged, variant): variant 1 selects 5% of the current length (budget_fraction), pins the six prefill
+/// centroids in eight columns, so the updates cycle over columns 6 and 7, and bounds the unindexed tokens at nine
+/// (max_unindexed): the tenth step holds ten, and is served all the same, its candidates (the middle, once, plus ten)
+/// fitting C' lists plus nine (the device's lengths are not checked on the host).
 class CudaCtkvr : public test::GpuTest,
                   public ::testing::WithParamInterface<std::tuple<std::int32_t, bool, bool>> {};
 INSTANTIATE_TEST_SUITE_P(GroupsAndLayouts, CudaCtkvr,
@@ -98,7 +100,8 @@ TEST_P(CudaCtkvr, WholeListsGiveTheTopOfTheMiddleAtEveryStep) {
   const std::int32_t columns = variant ? 8 : 6;
   DecodeStep step(Selector(p.limits(), {.budget = budget, .list_size = p.middle(), .centroids = 6,
                                         .max_centroids = columns, .recalled_centroids = 6,
-                                        .budget_fraction = fraction, .pin_prefill_centroids = variant}),
+                                        .budget_fraction = fraction, .pin_prefill_centroids = variant,
+                                        .max_unindexed = variant ? 9 : 0}),
                   p.config(), ctx);
   step.prepare({.cache = cache.view(p), .slots = slot.data(),
                 .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
