@@ -9,6 +9,7 @@
 #include "kvsift/core/supported_values.hpp"
 #include "kvsift/cuda/detail/group_dot.cuh"
 #include "kvsift/cuda/detail/launch.cuh"
+#include "kvsift/cuda/detail/mma.cuh"
 #include "kvsift/cuda/detail/rerank_launch.hpp"
 #include "kvsift/cuda/dtype.cuh"
 
@@ -68,22 +69,99 @@ __device__ __forceinline__ void octet_dot_held(const float* q, const uint4 (&key
   }
 }
 
-/// Block (row (b, g), chunk of kCandidatesPerBlock candidates): each group of 8 lanes computes one candidate's
-/// scaled logits for the group's heads (the dot split over the 8 lanes, then a 3-step shuffle tree), 4 candidates
-/// per warp at once, into the row's scratch [group, capacity]. With kVecs > 0 (head_dim * sizeof(T) = kVecs * 128
-/// bytes) a warp first reads the ids of kSteps such steps (one per lane), then issues all their key loads, then
-/// computes: two dependent memory latencies per batch of candidates instead of two per 4 candidates (35.7 µs for
-/// 8192 candidates per kv head at 128K, batch 1, H200, when each step waited on its id and then its key). A key row
-/// that is not 16-byte aligned, and kVecs = 0 (any head_dim), take octet_dot_part. NaN for a candidate outside
-/// [0, seq_len) (its key is not read). A row with a bad count is written NaN by candidate_finish_kernel. With
-/// `partials` (softmax), each head's maximum over the chunk and sum of exp(logit - maximum), into partials
-/// [rows, chunks, group, 2].
-template <class T, class KV, int kVecs>
-__global__ void __launch_bounds__(kThreads, kLogitsCtasPerSm)
-    candidate_logits_kernel(QueryView<const T> q, KV kv, SelectionView candidates, float scale, float* logits,
-                            float* partials) {
-  programmatic_wait();  // the candidates (a programmatic dependent: launch.cuh); many waves, so no early signal
-  __shared__ float scratch[kWarps];
+/// 16 bytes of a 16-bit key row at `src` (8 channels): one vector load where the row allows it, else channel by
+/// channel (a view whose rows are not 16-byte aligned).
+template <class T>
+__device__ __forceinline__ uint4 load_octet(const T* src) {
+  if (reinterpret_cast<std::uintptr_t>(src) % 16 == 0) return *reinterpret_cast<const uint4*>(src);
+  const auto* bits = reinterpret_cast<const std::uint16_t*>(src);
+  const auto pair = [&](int i) { return std::uint32_t(bits[i]) | std::uint32_t(bits[i + 1]) << 16; };
+  return make_uint4(pair(0), pair(2), pair(4), pair(6));
+}
+
+/// Whether candidate_logits_kernel takes T's products on tensor cores: 16-bit keys of kVecs * 64 channels.
+template <class T, int kVecs>
+inline constexpr bool kLogitsOnTensorCores = sizeof(T) == 2 && kVecs > 0;
+
+/// A chunk's logits on tensor cores (kLogitsOnTensorCores): a warp's batch is kTiles n-tiles of 8 candidates, the
+/// group's heads the 16 rows of A (zero past the group; kMaxGroup is 16, so one m-tile). For each 32 channels, lane
+/// l loads the 16 bytes at 16 (l % 4) of candidate l / 4's row, which hold its k pairs of the two k-steps of those
+/// channels in this order: (2t, 2t + 1), (2t + 8, 2t + 9) of the first, then of the second (t = l % 4); q's
+/// fragments are read from shared memory in the same order, so each product still pairs q and k of one channel (a
+/// dot product's channels may come in any order; only the fp32 sum's rounding follows it). One key load per 16
+/// bytes, no conversion and two mma per 32 channels and 8 candidates: the CUDA-core path spent ~45 instructions
+/// per candidate, head and 16 channels, and issued, not loaded, at 0.39 instructions per cycle (27.6 us for 20.6 MB
+/// of keys at 128K, batch 1, H200).
+template <class T, int kVecs, class KV>
+__device__ __forceinline__ void tensor_core_logits(const QueryView<const T>& q, const KV& kv, const std::int32_t* ids,
+                                                   std::int32_t begin, std::int32_t end, std::int32_t b,
+                                                   std::int32_t g, std::int32_t cap, float scale, float* s) {
+  constexpr int kPairs = 2 * kVecs;                           ///< 32-channel spans of a key row
+  constexpr int kTiles = 16 / kPairs < 4 ? 16 / kPairs : 4;   ///< 16 key vectors in flight; 256 candidates a round
+  constexpr int kBatch = 8 * kTiles;
+  constexpr int kQStride = 32 * kPairs + 8;  ///< q's rows 16 bytes apart in the banks: conflict-free A loads
+  __shared__ __align__(16) std::uint16_t q_bits[16 * kQStride];
+  const std::int32_t group = q.heads / kv.kv_heads, d = 32 * kPairs;
+  for (std::int32_t e = std::int32_t(threadIdx.x); e < 16 * d; e += kThreads) {
+    const std::int32_t h = e / d, c = e % d;
+    q_bits[h * kQStride + c] = h < group ? q.row(b, g * group + h)[c].bits : std::uint16_t(0);
+  }
+  __syncthreads();
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, n = lane / 4, t = lane % 4;
+  const std::int32_t length = kv.seq_len(b);
+  for (std::int32_t i0 = begin + warp * kBatch; i0 < end; i0 += kWarps * kBatch) {
+    const std::int32_t my_id = lane < kBatch && i0 + lane < end ? ids[i0 + lane] : -1;
+    const unsigned inside = __ballot_sync(0xffffffffu, my_id >= 0 && my_id < length);  // bit c: candidate i0 + c
+    uint4 key[kTiles][kPairs];
+#pragma unroll
+    for (int nt = 0; nt < kTiles; ++nt) {
+      const std::int32_t id = __shfl_sync(0xffffffffu, my_id, nt * 8 + n);
+      const bool read = (inside >> (nt * 8 + n)) & 1u;
+      const T* row = read ? kv.k_row(b, g, id) + 8 * t : nullptr;
+#pragma unroll
+      for (int p = 0; p < kPairs; ++p) key[nt][p] = read ? load_octet(row + 32 * p) : make_uint4(0, 0, 0, 0);
+    }
+    float acc[kTiles][4] = {};
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+      const uint4 lo = *reinterpret_cast<const uint4*>(q_bits + n * kQStride + 32 * p + 8 * t);
+      const uint4 hi = *reinterpret_cast<const uint4*>(q_bits + (n + 8) * kQStride + 32 * p + 8 * t);
+      const unsigned first[4] = {lo.x, hi.x, lo.y, hi.y}, second[4] = {lo.z, hi.z, lo.w, hi.w};
+#pragma unroll
+      for (int nt = 0; nt < kTiles; ++nt) {
+        mma_16x8x16<T>(acc[nt], first, key[nt][p].x, key[nt][p].y);
+        mma_16x8x16<T>(acc[nt], second, key[nt][p].z, key[nt][p].w);
+      }
+    }
+    // acc[nt][2 r + e]: head n + 8 r, candidate i0 + 8 nt + 2 t + e.
+#pragma unroll
+    for (int nt = 0; nt < kTiles; ++nt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const std::int32_t head = n + 8 * r;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = nt * 8 + 2 * t + e;
+          if (head < group && i0 + c < end) {
+            s[std::int64_t(head) * cap + i0 + c] = (inside >> c) & 1u ? scale * acc[nt][2 * r + e] : __int_as_float(0x7fffffff);
+          }
+        }
+      }
+    }
+  }
+}
+
+/// A chunk's logits on CUDA cores (fp32 keys, or a head_dim of no held shape): each group of 8 lanes computes one
+/// candidate's scaled logits for the group's heads (the dot split over the 8 lanes, then a 3-step shuffle tree), 4
+/// candidates per warp at once. With kVecs > 0 (head_dim * sizeof(T) = kVecs * 128 bytes) a warp first reads the
+/// ids of kSteps such steps (one per lane), then issues all their key loads, then computes: two dependent memory
+/// latencies per batch of candidates instead of two per 4 candidates (35.7 us for 8192 candidates per kv head at
+/// 128K, batch 1, H200, when each step waited on its id and then its key). A key row that is not 16-byte aligned,
+/// and kVecs = 0 (any head_dim), take octet_dot_part.
+template <class T, int kVecs, class KV>
+__device__ __forceinline__ void cuda_core_logits(const QueryView<const T>& q, const KV& kv, const std::int32_t* ids,
+                                                 std::int32_t begin, std::int32_t end, std::int32_t b,
+                                                 std::int32_t g, std::int32_t cap, float scale, float* s) {
   __shared__ __align__(16) float q_s[kMaxGroup * kMaxHeadDim];
   constexpr int kLanes = 8, kPerWarp = 32 / kLanes;
   // Steps whose keys a lane holds at once: 16 vectors (64 registers) but at most one id per lane; 12 at kVecs 4,
@@ -91,19 +169,10 @@ __global__ void __launch_bounds__(kThreads, kLogitsCtasPerSm)
   constexpr int kVectorsInFlight = kVecs == 4 ? 12 : 16;
   constexpr int kSteps = kVecs == 0 ? 1 : (kVectorsInFlight / kVecs < 32 / kPerWarp ? kVectorsInFlight / kVecs : 32 / kPerWarp);
   constexpr int kBatch = kPerWarp * kSteps;  ///< candidates of a warp's batch
-  const std::int64_t row = blockIdx.x;
-  const std::int32_t b = std::int32_t(row / kv.kv_heads), g = std::int32_t(row % kv.kv_heads);
-  const std::int32_t group = q.heads / kv.kv_heads, d = q.head_dim, cap = candidates.capacity;
+  const std::int32_t group = q.heads / kv.kv_heads, d = q.head_dim;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int sub = lane / kLanes, sublane = lane % kLanes;
-  const std::int32_t count = candidates.counts[row];
-  if (count < 0 || count > cap) return;
-  const std::int32_t begin = std::int32_t(blockIdx.y) * kCandidatesPerBlock;
-  const std::int32_t end = min(begin + kCandidatesPerBlock, count);
-  const std::int32_t* ids = candidates.indices + row * cap;
-  float* s = logits + row * std::int64_t(group) * cap;
   const std::int32_t length = kv.seq_len(b);
-  if (begin >= end) return;  // the same for the whole block
   for (std::int32_t e = std::int32_t(threadIdx.x); e < group * d; e += kThreads) {
     q_s[e] = to_float_device(q.row(b, g * group + e / d)[e % d]);
   }
@@ -146,6 +215,34 @@ __global__ void __launch_bounds__(kThreads, kLogitsCtasPerSm)
         if (active && sublane == 0) s[std::int64_t(j) * cap + i] = in ? scale * part : __int_as_float(0x7fffffff);
       }
     }
+  }
+}
+
+/// Block (row (b, g), chunk of kCandidatesPerBlock candidates): the chunk's scaled logits for the group's heads into
+/// the row's scratch [group, capacity], on tensor cores or CUDA cores (above). NaN for a candidate outside [0,
+/// seq_len) (its key is not read). A row with a bad count is written NaN by candidate_finish_kernel. With
+/// `partials` (softmax), each head's maximum over the chunk and sum of exp(logit - maximum), into partials [rows,
+/// chunks, group, 2].
+template <class T, class KV, int kVecs>
+__global__ void __launch_bounds__(kThreads, kLogitsCtasPerSm)
+    candidate_logits_kernel(QueryView<const T> q, KV kv, SelectionView candidates, float scale, float* logits,
+                            float* partials) {
+  programmatic_wait();  // the candidates (a programmatic dependent: launch.cuh); many waves, so no early signal
+  __shared__ float scratch[kWarps];
+  const std::int64_t row = blockIdx.x;
+  const std::int32_t b = std::int32_t(row / kv.kv_heads), g = std::int32_t(row % kv.kv_heads);
+  const std::int32_t group = q.heads / kv.kv_heads, cap = candidates.capacity;
+  const std::int32_t count = candidates.counts[row];
+  if (count < 0 || count > cap) return;
+  const std::int32_t begin = std::int32_t(blockIdx.y) * kCandidatesPerBlock;
+  const std::int32_t end = min(begin + kCandidatesPerBlock, count);
+  const std::int32_t* ids = candidates.indices + row * cap;
+  float* s = logits + row * std::int64_t(group) * cap;
+  if (begin >= end) return;  // the same for the whole block
+  if constexpr (kLogitsOnTensorCores<T, kVecs>) {
+    tensor_core_logits<T, kVecs>(q, kv, ids, begin, end, b, g, cap, scale, s);
+  } else {
+    cuda_core_logits<T, kVecs>(q, kv, ids, begin, end, b, g, cap, scale, s);
   }
   if (partials == nullptr) return;  // the same for the whole block
   __syncthreads();  // the chunk's logits, written by other lanes, are visible to the block

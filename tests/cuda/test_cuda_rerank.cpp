@@ -121,21 +121,30 @@ TEST_F(CudaRerank, CandidateScoresAgreeWithTheCpuOnBothLayouts) {
   }
 }
 
-/// candidate_scores on `T` keys of head_dim d (softmax + max) against the CPU twin: the logits kernel holds a row's
-/// key in registers for d * sizeof(T) of 128, 256 or 512 bytes and reads it element by element otherwise, and for
-/// rows not 16-byte aligned (`shifted`: the cache starts one element past an aligned address). On the device, a
-/// candidate past its sequence's end or negative scores NaN and, under the softmax, makes its whole row NaN (the
-/// CPU refuses such candidates on the host).
+/// candidate_scores on `T` keys of head_dim d (softmax + max) against the CPU twin: the logits kernel takes 16-bit
+/// keys of 64, 128 or 256 channels on tensor cores (the group's heads as up to 16 rows of A: `q_heads` / 2 of
+/// them), holds fp32 keys of 32, 64 or 128 channels in registers and reads other rows element by element, and
+/// rows not 16-byte aligned (`shifted`: the cache starts one element past an aligned address) one element at a
+/// time. On the device, a candidate past its sequence's end or negative scores NaN and, under the softmax, makes
+/// its whole row NaN (the CPU refuses such candidates on the host). A NaN in one key makes its row NaN on both.
 template <class T>
-void check_candidate_scores(Random& rng, std::int32_t d, bool shifted) {
-  SCOPED_TRACE(std::to_string(d) + (shifted ? ", rows not 16-byte aligned" : ""));
-  const std::int32_t q_heads = 8, kv_heads = 2, batch = 2, max_len = 2500, capacity = 600;
+void check_candidate_scores(Random& rng, std::int32_t d, bool shifted, std::int32_t q_heads = 8) {
+  SCOPED_TRACE(std::to_string(d) + " channels, " + std::to_string(q_heads / 2) + " heads a group" +
+               (shifted ? ", rows not 16-byte aligned" : ""));
+  const std::int32_t kv_heads = 2, batch = 2, max_len = 2500, capacity = 600;
   const std::vector<std::int32_t> lengths = {2500, 900};
   const std::int64_t rows = std::int64_t(batch) * kv_heads, shift = shifted ? 1 : 0;
   const std::size_t elements = std::size_t(batch) * kv_heads * max_len * d + 1;
-  const std::vector<T> k = test::to_storage<T>(rng.normal(elements)), v = test::to_storage<T>(rng.normal(elements));
+  std::vector<T> k = test::to_storage<T>(rng.normal(elements));
+  const std::vector<T> v = test::to_storage<T>(rng.normal(elements));
   const std::vector<T> q = test::to_storage<T>(rng.normal(std::size_t(batch) * q_heads * d));
   const test::HostSelection candidates = test::random_candidates(rng, lengths, kv_heads, capacity);
+  // Row 3 (b 1, h 1): one channel of its sixth candidate's key is NaN.
+  constexpr std::int32_t kNanRow = 3;
+  const std::int32_t nan_token = candidates.indices[std::size_t(kNanRow) * capacity + 5];
+  ASSERT_GT(candidates.counts[kNanRow], 5);
+  k[std::size_t(shift + ContiguousKVView<const T>::packed(nullptr, nullptr, batch, kv_heads, max_len, d)
+                            .offset(1, 1, nan_token) + d / 2 + 1)] = test::to_storage<T>(std::vector<float>{NAN})[0];
   // The device's row 2 (b 1, h 0) starts with two candidates outside its sequence.
   constexpr std::int32_t kBadRow = 2;
   std::vector<std::int32_t> device_ids = candidates.indices, device_counts = candidates.counts;
@@ -168,6 +177,9 @@ void check_candidate_scores(Random& rng, std::int32_t d, bool shifted) {
     }
     x = cpu_scores[std::size_t(kBadRow) * capacity + i];  // the other rows are compared below
   }
+  for (std::int32_t i = 0; i < candidates.counts[kNanRow]; ++i) {
+    EXPECT_TRUE(std::isnan(cpu_scores[std::size_t(kNanRow) * capacity + i])) << "the CPU keeps the NaN";
+  }
   expect_close(got, cpu_scores, 2e-5);
 }
 
@@ -175,7 +187,9 @@ TEST_F(CudaRerank, CandidateScoresAgreeWithTheCpuForEveryKeyRowSize) {
   SCOPED_TRACE(seed);
   for (const bool shifted : {false, true}) {
     for (const std::int32_t d : {64, 128, 256}) check_candidate_scores<bfloat16>(rng, d, shifted);
+    for (const std::int32_t q_heads : {10, 32}) check_candidate_scores<bfloat16>(rng, 128, shifted, q_heads);
     check_candidate_scores<half>(rng, 128, shifted);
+    check_candidate_scores<half>(rng, 64, shifted, 32);
     for (const std::int32_t d : {32, 96, 128}) check_candidate_scores<float>(rng, d, shifted);
   }
 }

@@ -29,6 +29,7 @@
 #include "kvsift/cuda/detail/decode_params.hpp"
 #include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/merge_kernels.cuh"
+#include "kvsift/cuda/detail/mma.cuh"
 #include "kvsift/attention/state.hpp"
 #include "kvsift/cuda/dtype.cuh"
 
@@ -86,21 +87,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned src
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(src));
-}
-/// d += a * b for one m16n8k16 tile, inputs in T (half or bfloat16), fp32 accumulators.
-template <class T>
-__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  if constexpr (std::is_same_v<T, half>) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
 }
 /// Two fp32 values rounded to T and packed, `low` in the lower half (the lower column of an MMA fragment).
 template <class T>
