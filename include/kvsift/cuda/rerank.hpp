@@ -22,8 +22,10 @@ namespace kvsift::cuda {
 /// softmax statistics.
 std::size_t candidate_scores_workspace_bytes(std::int64_t rows, std::int32_t group, std::int32_t capacity);
 
-/// cpu::candidate_scores' contract, in device memory. Three launches: the logits (a warp per candidate, blocks
-/// over (row, chunk of candidates)), each head's max and sum (a block per row, with softmax), the reduced scores.
+/// cpu::candidate_scores' contract, in device memory. Two launches over (row, chunk of 256 candidates): the logits
+/// (on tensor cores for 16-bit keys of 64, 128 or 256 channels, on CUDA cores otherwise) with, under the softmax,
+/// each chunk's per-head maximum and sum; then the reduced scores (each head's LSE from its chunks' partials first).
+/// The logits' fp32 sums run in another order than the CPU's: scores agree within fp32 rounding, not bit for bit.
 template <class T, class KV>
 void candidate_scores(const QueryView<const T>& q, const KV& kv, const SelectionView& candidates,
                       const GroupScoreOptions& options, const MatrixView<float>& scores, std::span<std::byte> workspace,
