@@ -3,6 +3,7 @@
 /// second stream and two events: fork(stream), join(stream)); a CPU context has none, and code written once for both
 /// backends runs that work in line there.
 
+#include <utility>
 #include <variant>
 
 namespace kvsift::detail {
@@ -20,5 +21,19 @@ template <ForksWork Context>
 struct ContextFork<Context> {
   using type = typename Context::Fork;
 };
+
+/// beside(a copy of ctx on the fork's second stream) beside on_main() on ctx's own stream, joined before it returns
+/// (Fork::run_beside: an exception still joins).
+template <ForksWork Context, class Beside, class OnMain>
+void run_beside(typename Context::Fork& fork, const Context& ctx, Beside&& beside, OnMain&& on_main) {
+  fork.run_beside(
+      ctx.stream,
+      [&](auto side) {
+        Context on_side = ctx;
+        on_side.stream = side;
+        beside(std::as_const(on_side));
+      },
+      on_main);
+}
 
 }  // namespace kvsift::detail

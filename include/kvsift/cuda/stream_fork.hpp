@@ -51,9 +51,20 @@ class StreamFork {
     KVSIFT_CUDA_CHECK(cudaEventRecord(joined_, side_));
     KVSIFT_CUDA_CHECK(cudaStreamWaitEvent(main, joined_, 0));
   }
-  /// join() on a path that is already failing (an exception on its way out): the first failure is the one reported.
-  void join_after_error(cudaStream_t main) noexcept {
-    if (cudaEventRecord(joined_, side_) == cudaSuccess) static_cast<void>(cudaStreamWaitEvent(main, joined_, 0));
+  /// beside(second stream) forked off `main`, then on_main() on `main`, then the join: the longer of the two, not
+  /// their sum. An exception from either still joins (reporting nothing more: the first failure is the one
+  /// reported) and goes on.
+  template <class Beside, class OnMain>
+  void run_beside(cudaStream_t main, Beside&& beside, OnMain&& on_main) {
+    const cudaStream_t side = fork(main);
+    try {
+      beside(side);
+      on_main();
+    } catch (...) {
+      if (cudaEventRecord(joined_, side_) == cudaSuccess) static_cast<void>(cudaStreamWaitEvent(main, joined_, 0));
+      throw;
+    }
+    join(main);
   }
 
  private:

@@ -277,17 +277,13 @@ class DecodeStep : public detail::StepBase<S> {
         // attention still follows the select's last kernel (a programmatic launch), and the next select, on this
         // stream, sees the append.
         part_.write_lengths(selector_inputs, b.selector, ctx);
-        Context beside = ctx;
-        beside.stream = append_fork_->fork(ctx.stream);
-        try {
-          part_.append_index(selector_, selector_inputs, b.selector, beside);
-          part_.select(selector_, selector_inputs, b.selector, ctx);
-          attend(in, out, b, ctx);
-        } catch (...) {
-          append_fork_->join_after_error(ctx.stream);
-          throw;
-        }
-        append_fork_->join(ctx.stream);
+        detail::run_beside(
+            *append_fork_, ctx,
+            [&](const Context& beside) { part_.append_index(selector_, selector_inputs, b.selector, beside); },
+            [&] {
+              part_.select(selector_, selector_inputs, b.selector, ctx);
+              attend(in, out, b, ctx);
+            });
         return;
       }
     }

@@ -192,17 +192,13 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
     if constexpr (detail::ForksWork<Context>) {
       // The new list and its centroid (the next step's index) on a second stream beside the selection, which reads
       // neither, joined before select returns: the longer of the two chains, not their sum, before the attention.
-      Context beside = ctx;
-      beside.stream = update_fork_->fork(ctx.stream);
-      try {
-        rerank_.keep_entries(candidates, entries, w.rerank, beside);
-        update(in.q, in.slots, entries, w.replaced, beside);
-        rerank_.keep(in.lengths, candidates, out, w.rerank, ctx);
-      } catch (...) {
-        update_fork_->join_after_error(ctx.stream);
-        throw;
-      }
-      update_fork_->join(ctx.stream);
+      detail::run_beside(
+          *update_fork_, ctx,
+          [&](const Context& beside) {
+            rerank_.keep_entries(candidates, entries, w.rerank, beside);
+            update(in.q, in.slots, entries, w.replaced, beside);
+          },
+          [&] { rerank_.keep(in.lengths, candidates, out, w.rerank, ctx); });
     } else {
       rerank_.keep(in.lengths, candidates, out, w.rerank, ctx);
       rerank_.keep_entries(candidates, entries, w.rerank, ctx);
