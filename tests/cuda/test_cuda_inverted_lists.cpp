@@ -1,5 +1,6 @@
 // CUDA inverted lists (cuda/inverted_lists.hpp) against their CPU twins (whose tests check them against std::set
-// references and a plain FIFO), bit for bit: the union on both of its paths (one CTA per row, the segmented sort)
+// references and a plain FIFO), bit for bit: the union on both of its paths (one launch per row set, the segmented
+// sort)
 // and the FIFO replacement over several steps, fp32 and fp16 scores, outputs poisoned first. Also: the union
 // captured in a CUDA graph and replayed equals the eager run, the device-value rules, and the host-side refusals
 // (which run without a GPU).
@@ -8,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cuda/gpu_test.hpp"
@@ -92,11 +94,9 @@ void expect_out_equal(const test::HostSelection& cpu, const DeviceOut& gpu) {
 class CudaInvertedLists : public test::GpuTest {};
 
 template <class T>
-void check_union(Random& rng, std::int32_t list_capacity = 33, std::int32_t max_len = 300) {
-  SCOPED_TRACE(fmt::format("lists of {}, lengths up to {}", list_capacity, max_len));
-  ListsProblem<T> p(rng, 5, 2, 9, list_capacity, 4, max_len);
+void check_union(ListsProblem<T> p) {
   DeviceLists<T> d(p);
-  const std::int32_t rows = p.batch * p.kv_heads, capacity = 4 * list_capacity;
+  const std::int32_t list_capacity = p.list_capacity, rows = p.batch * p.kv_heads, capacity = 4 * list_capacity;
   test::HostSelection cpu_out(p.batch, p.kv_heads, capacity, true);
   cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(rows, 4, list_capacity));
   DeviceOut gpu(p.batch, p.kv_heads, capacity);
@@ -109,9 +109,16 @@ void check_union(Random& rng, std::int32_t list_capacity = 33, std::int32_t max_
   expect_out_equal(cpu_out, gpu);
 }
 
-// The union of up to 10,240 entries per row runs as one CTA per row (a bitmap of ids below 262,144, else a block
-// radix sort); CTKVR's C' = 4 lists of 2560 fill it exactly, and 4 x 3000 takes the segmented sort. Ids up to
-// 200,003 and 262,143 (the bitmap's last word), and up to 600,000 (rows past the bitmap: 20 bits to sort).
+template <class T>
+void check_union(Random& rng, std::int32_t list_capacity = 33, std::int32_t max_len = 300) {
+  SCOPED_TRACE(fmt::format("lists of {}, lengths up to {}", list_capacity, max_len));
+  check_union(ListsProblem<T>(rng, 5, 2, 9, list_capacity, 4, max_len));
+}
+
+// The union of up to 10,240 entries per row runs as one launch: on sm_90 a cluster of 8 CTAs per row over windows
+// of 262,144 ids, before it one CTA per row (a bitmap of ids below 262,144, else a block radix sort); CTKVR's C' =
+// 4 lists of 2560 fill it exactly, and 4 x 3000 takes the segmented sort. Ids up to 200,003 and 262,143 (the
+// bitmap's last word, one window), and up to 600,000 (three windows; 20 bits to sort).
 TEST_F(CudaInvertedLists, UnionsAtTheBlockSortsBoundEqualTheCpu) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   for (const std::int32_t list_capacity : {2560, 3000}) {
@@ -120,6 +127,28 @@ TEST_F(CudaInvertedLists, UnionsAtTheBlockSortsBoundEqualTheCpu) {
     check_union<half>(rng, list_capacity, 262144);
     check_union<float>(rng, list_capacity, 600000);
   }
+}
+
+// Ids on the edges of the bitmap's words and windows (31, 32, 262,143, 262,144, 524,287, 524,288) at the head of
+// every list, every sequence 600,000 tokens long but the first (empty); batch row 1's ids all past the first window
+// (an empty window before its ids).
+TEST_F(CudaInvertedLists, UnionsAcrossWindowEdgesEqualTheCpu) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  constexpr std::int32_t kLength = 600000;
+  ListsProblem<half> p(rng, 5, 2, 9, 2560, 4, kLength);
+  for (std::int32_t b = 1; b < p.batch; ++b) p.lengths[std::size_t(b)] = kLength;
+  const std::vector<std::int32_t> edges = {31, 32, 262143, 262144, 524287, 524288};
+  const std::size_t per_slot = std::size_t(p.kv_heads) * p.lists * p.list_capacity;
+  for (std::int32_t slot = 0; slot < p.slot_count; ++slot) {
+    std::int32_t* slot_ids = p.ids.data() + std::size_t(slot) * per_slot;
+    if (slot == p.slots[1]) {
+      for (std::size_t i = 0; i < per_slot; ++i) slot_ids[i] = 262144 + std::abs(slot_ids[i]) % (kLength - 262144);
+    }
+    for (std::size_t list = 0; list < per_slot / std::size_t(p.list_capacity); ++list) {
+      for (std::size_t e = 0; e < edges.size(); ++e) slot_ids[list * std::size_t(p.list_capacity) + e] = edges[e];
+    }
+  }
+  check_union(std::move(p));
 }
 
 TEST_F(CudaInvertedLists, SmallUnionsEqualTheCpu) {

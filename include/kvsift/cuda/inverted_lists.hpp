@@ -33,8 +33,9 @@ namespace kvsift::cuda {
 std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t list_capacity,
                                            const Context& = {});
 
-/// cpu::union_lists. Rows of up to 10,240 entries (chosen.capacity * list_capacity): one launch, a CTA per row
-/// sorting its entries in registers. Larger: three launches, the chosen lists' entries into fixed segments of
+/// cpu::union_lists. Rows of up to 10,240 entries (chosen.capacity * list_capacity): one launch, on sm_90 a cluster
+/// of 8 CTAs per row merging bitmaps of windows of 262,144 ids, before it a CTA per row (a bitmap, or a sort of its
+/// entries in registers). Larger: three launches, the chosen lists' entries into fixed segments of
 /// chosen.capacity * list_capacity keys per row (dropped and absent entries get a key above every id), CUB's
 /// segmented sort, then one CTA per row keeps the first of each run of equal ids. workspace:
 /// list_reduction_workspace_bytes(batch * kv_heads, chosen.capacity, lists.list_capacity).
