@@ -83,43 +83,71 @@ __device__ __forceinline__ uint4 load_octet(const T* src) {
 template <class T, int kVecs>
 inline constexpr bool kLogitsOnTensorCores = sizeof(T) == 2 && kVecs > 0;
 
-/// A chunk's logits on tensor cores (kLogitsOnTensorCores): a warp's batch is kTiles n-tiles of 8 candidates, the
-/// group's heads the 16 rows of A (zero past the group; kMaxGroup is 16, so one m-tile). For each 32 channels, lane
-/// l loads the 16 bytes at 16 (l % 4) of candidate l / 4's row, which hold its k pairs of the two k-steps of those
-/// channels in this order: (2t, 2t + 1), (2t + 8, 2t + 9) of the first, then of the second (t = l % 4); q's
-/// fragments are read from shared memory in the same order, so each product still pairs q and k of one channel (a
-/// dot product's channels may come in any order; only the fp32 sum's rounding follows it). One key load per 16
-/// bytes, no conversion and two mma per 32 channels and 8 candidates: the CUDA-core path spent ~45 instructions
-/// per candidate, head and 16 channels, and issued, not loaded, at 0.39 instructions per cycle (27.6 us for 20.6 MB
-/// of keys at 128K, batch 1, H200).
+/// A block's whole chunk on tensor cores (kLogitsOnTensorCores): its logits and, with `partials` (softmax), each
+/// head's maximum over the chunk and sum of exp(logit - maximum). A warp's batch is kTiles n-tiles of 8 candidates,
+/// the group's heads the 16 rows of A (zero past the group; kMaxGroup is 16, so one m-tile); a warp takes kRounds
+/// batches (one up to 128 channels). For each 32 channels, lane l loads the 16 bytes at 16 (l % 4) of candidate l
+/// / 4's row, which hold its k pairs of the two k-steps of those channels in this order: (2t, 2t + 1), (2t + 8, 2t
+/// + 9) of the first, then of the second (t = l % 4); q's fragments are read from shared memory in the same order,
+/// so each product still pairs q and k of one channel (a dot product's channels may come in any order; only the
+/// fp32 sum's rounding follows it). One key load per 16 bytes, no conversion and two mma per 32 channels and 8
+/// candidates: the CUDA-core path spent ~45 instructions per candidate, head and 16 channels, and issued, not
+/// loaded, at 0.39 instructions per cycle (27.6 us for 20.6 MB of keys at 128K, batch 1, H200). Every batch's ids
+/// within the row's capacity are loaded beside the row's count, so the two latencies overlap; q is staged only
+/// once the chunk is known to hold candidates (the grid covers the capacity; a chunk past the count returns after
+/// one round of loads). The softmax partials come from the logits in registers: the chunk's maximum of
+/// each head over the warps (shuffles, one barrier), then the sums of exp(logit - maximum) likewise; every sum in a
+/// fixed order.
 template <class T, int kVecs, class KV>
-__device__ __forceinline__ void tensor_core_logits(const QueryView<const T>& q, const KV& kv, const std::int32_t* ids,
-                                                   std::int32_t begin, std::int32_t end, std::int32_t b,
-                                                   std::int32_t g, std::int32_t cap, float scale, float* s) {
-  constexpr int kPairs = 2 * kVecs;                           ///< 32-channel spans of a key row
-  constexpr int kTiles = 16 / kPairs < 4 ? 16 / kPairs : 4;   ///< 16 key vectors in flight; 256 candidates a round
+__device__ __forceinline__ void tensor_core_chunk(const QueryView<const T>& q, const KV& kv,
+                                                  const SelectionView& candidates, float scale, float* logits,
+                                                  float* partials) {
+  constexpr int kPairs = 2 * kVecs;                          ///< 32-channel spans of a key row
+  constexpr int kTiles = 16 / kPairs < 4 ? 16 / kPairs : 4;  ///< 16 key vectors in flight
   constexpr int kBatch = 8 * kTiles;
+  constexpr int kRounds = kCandidatesPerBlock / (kWarps * kBatch);
+  static_assert(kRounds * kWarps * kBatch == kCandidatesPerBlock, "a chunk is whole rounds of batches");
   constexpr int kQStride = 32 * kPairs + 8;  ///< q's rows 16 bytes apart in the banks: conflict-free A loads
   __shared__ __align__(16) std::uint16_t q_bits[16 * kQStride];
-  const std::int32_t group = q.heads / kv.kv_heads, d = 32 * kPairs;
+  __shared__ float warp_partial[kWarps][kMaxGroup];  // each warp's maximum, then its sum, of each head
+  const std::int64_t row = blockIdx.x;
+  const std::int32_t b = std::int32_t(row / kv.kv_heads), g = std::int32_t(row % kv.kv_heads);
+  const std::int32_t group = q.heads / kv.kv_heads, cap = candidates.capacity, d = 32 * kPairs;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, n = lane / 4, t = lane % 4;
+  const std::int32_t begin = std::int32_t(blockIdx.y) * kCandidatesPerBlock;
+  const std::int32_t* ids = candidates.indices + row * cap;
+  const std::int32_t count = candidates.counts[row];
+  std::int32_t loaded_id[kRounds];  // lane < kBatch: candidate i0(round) + lane, read within the capacity
+#pragma unroll
+  for (int round = 0; round < kRounds; ++round) {
+    const std::int32_t i = begin + (round * kWarps + warp) * kBatch + lane;
+    loaded_id[round] = lane < kBatch && i < cap ? ids[i] : -1;
+  }
+  if (count < 0 || count > cap) return;  // the same for the whole block
+  const std::int32_t end = min(begin + kCandidatesPerBlock, count);
+  if (begin >= end) return;  // the same for the whole block
   for (std::int32_t e = std::int32_t(threadIdx.x); e < 16 * d; e += kThreads) {
     const std::int32_t h = e / d, c = e % d;
     q_bits[h * kQStride + c] = h < group ? q.row(b, g * group + h)[c].bits : std::uint16_t(0);
   }
-  __syncthreads();
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, n = lane / 4, t = lane % 4;
+  __syncthreads();  // q
   const std::int32_t length = kv.seq_len(b);
-  for (std::int32_t i0 = begin + warp * kBatch; i0 < end; i0 += kWarps * kBatch) {
-    const std::int32_t my_id = lane < kBatch && i0 + lane < end ? ids[i0 + lane] : -1;
+  float* s = logits + row * std::int64_t(group) * cap;
+  // x[round][nt][2 r + e]: head n + 8 r, candidate i0(round) + 8 nt + 2 t + e; NaN for one outside [0, length).
+  float x[kRounds][kTiles][4];
+#pragma unroll
+  for (int round = 0; round < kRounds; ++round) {
+    const std::int32_t i0 = begin + (round * kWarps + warp) * kBatch;
+    const std::int32_t my_id = i0 + lane < end ? loaded_id[round] : -1;
     const unsigned inside = __ballot_sync(0xffffffffu, my_id >= 0 && my_id < length);  // bit c: candidate i0 + c
     uint4 key[kTiles][kPairs];
 #pragma unroll
     for (int nt = 0; nt < kTiles; ++nt) {
       const std::int32_t id = __shfl_sync(0xffffffffu, my_id, nt * 8 + n);
       const bool read = (inside >> (nt * 8 + n)) & 1u;
-      const T* row = read ? kv.k_row(b, g, id) + 8 * t : nullptr;
+      const T* key_row = read ? kv.k_row(b, g, id) + 8 * t : nullptr;
 #pragma unroll
-      for (int p = 0; p < kPairs; ++p) key[nt][p] = read ? load_octet(row + 32 * p) : make_uint4(0, 0, 0, 0);
+      for (int p = 0; p < kPairs; ++p) key[nt][p] = read ? load_octet(key_row + 32 * p) : make_uint4(0, 0, 0, 0);
     }
     float acc[kTiles][4] = {};
 #pragma unroll
@@ -133,7 +161,6 @@ __device__ __forceinline__ void tensor_core_logits(const QueryView<const T>& q, 
         mma_16x8x16<T>(acc[nt], second, key[nt][p].z, key[nt][p].w);
       }
     }
-    // acc[nt][2 r + e]: head n + 8 r, candidate i0 + 8 nt + 2 t + e.
 #pragma unroll
     for (int nt = 0; nt < kTiles; ++nt) {
 #pragma unroll
@@ -142,11 +169,63 @@ __device__ __forceinline__ void tensor_core_logits(const QueryView<const T>& q, 
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int c = nt * 8 + 2 * t + e;
-          if (head < group && i0 + c < end) {
-            s[std::int64_t(head) * cap + i0 + c] = (inside >> c) & 1u ? scale * acc[nt][2 * r + e] : __int_as_float(0x7fffffff);
-          }
+          x[round][nt][2 * r + e] = (inside >> c) & 1u ? scale * acc[nt][2 * r + e] : __int_as_float(0x7fffffff);
+          if (head < group && i0 + c < end) s[std::int64_t(head) * cap + i0 + c] = x[round][nt][2 * r + e];
         }
       }
+    }
+  }
+  if (partials == nullptr) return;  // the same for the whole block
+  // Each head's maximum over the chunk (NaN kept), then its sum of exp(logit - maximum): a lane's values, the four
+  // lanes of its heads (xor 1, 2), the warps in order.
+  float top[2];
+  const auto reduce_chunk = [&](const float (&lane_value)[2], bool maximum, float (&chunk)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float v = lane_value[r];
+#pragma unroll
+      for (int offset = 1; offset < 4; offset *= 2) {
+        const float other = __shfl_xor_sync(0xffffffffu, v, offset);
+        v = maximum ? max_nan(v, other) : v + other;
+      }
+      if (t == 0 && n + 8 * r < group) warp_partial[warp][n + 8 * r] = v;
+    }
+    __syncthreads();  // every warp's value
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const std::int32_t head = min(n + 8 * r, group - 1);  // heads past the group are not used
+      float v = warp_partial[0][head];
+      for (int w = 1; w < kWarps; ++w) v = maximum ? max_nan(v, warp_partial[w][head]) : v + warp_partial[w][head];
+      chunk[r] = v;
+    }
+    __syncthreads();  // every read of warp_partial is done before it is written again
+  };
+  // f(r, value) for each of the lane's logits of the chunk, r: its head n + 8 r.
+  const auto for_each_logit = [&](auto f) {
+#pragma unroll
+    for (int round = 0; round < kRounds; ++round) {
+      const std::int32_t i0 = begin + (round * kWarps + warp) * kBatch;
+#pragma unroll
+      for (int nt = 0; nt < kTiles; ++nt) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          if (i0 + nt * 8 + 2 * t + v % 2 < end) f(v / 2, x[round][nt][v]);
+        }
+      }
+    }
+  };
+  float lane_top[2] = {-INFINITY, -INFINITY}, lane_sum[2] = {0.0f, 0.0f}, sum[2];
+  for_each_logit([&](int r, float value) { lane_top[r] = max_nan(lane_top[r], value); });
+  reduce_chunk(lane_top, true, top);
+  for_each_logit([&](int r, float value) { lane_sum[r] += expf(value - top[r]); });
+  reduce_chunk(lane_sum, false, sum);
+  float* out = partials + (row * gridDim.y + blockIdx.y) * std::int64_t(group) * 2;
+  if (warp == 0 && t == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (n + 8 * r >= group) continue;
+      out[(n + 8 * r) * 2] = top[r];
+      out[(n + 8 * r) * 2 + 1] = sum[r];
     }
   }
 }
@@ -228,33 +307,33 @@ __global__ void __launch_bounds__(kThreads, kLogitsCtasPerSm)
     candidate_logits_kernel(QueryView<const T> q, KV kv, SelectionView candidates, float scale, float* logits,
                             float* partials) {
   programmatic_wait();  // the candidates (a programmatic dependent: launch.cuh); many waves, so no early signal
-  __shared__ float scratch[kWarps];
-  const std::int64_t row = blockIdx.x;
-  const std::int32_t b = std::int32_t(row / kv.kv_heads), g = std::int32_t(row % kv.kv_heads);
-  const std::int32_t group = q.heads / kv.kv_heads, cap = candidates.capacity;
-  const std::int32_t count = candidates.counts[row];
-  if (count < 0 || count > cap) return;
-  const std::int32_t begin = std::int32_t(blockIdx.y) * kCandidatesPerBlock;
-  const std::int32_t end = min(begin + kCandidatesPerBlock, count);
-  const std::int32_t* ids = candidates.indices + row * cap;
-  float* s = logits + row * std::int64_t(group) * cap;
-  if (begin >= end) return;  // the same for the whole block
   if constexpr (kLogitsOnTensorCores<T, kVecs>) {
-    tensor_core_logits<T, kVecs>(q, kv, ids, begin, end, b, g, cap, scale, s);
+    tensor_core_chunk<T, kVecs>(q, kv, candidates, scale, logits, partials);
   } else {
+    __shared__ float scratch[kWarps];
+    const std::int64_t row = blockIdx.x;
+    const std::int32_t b = std::int32_t(row / kv.kv_heads), g = std::int32_t(row % kv.kv_heads);
+    const std::int32_t group = q.heads / kv.kv_heads, cap = candidates.capacity;
+    const std::int32_t count = candidates.counts[row];
+    if (count < 0 || count > cap) return;
+    const std::int32_t begin = std::int32_t(blockIdx.y) * kCandidatesPerBlock;
+    const std::int32_t end = min(begin + kCandidatesPerBlock, count);
+    const std::int32_t* ids = candidates.indices + row * cap;
+    float* s = logits + row * std::int64_t(group) * cap;
+    if (begin >= end) return;  // the same for the whole block
     cuda_core_logits<T, kVecs>(q, kv, ids, begin, end, b, g, cap, scale, s);
-  }
-  if (partials == nullptr) return;  // the same for the whole block
-  __syncthreads();  // the chunk's logits, written by other lanes, are visible to the block
-  const std::int32_t i = begin + std::int32_t(threadIdx.x);
-  float* out = partials + (row * gridDim.y + blockIdx.y) * std::int64_t(group) * 2;
-  for (std::int32_t j = 0; j < group; ++j) {
-    const float x = i < end ? s[std::int64_t(j) * cap + i] : -INFINITY;
-    const float top = block_reduce<true>(x, scratch);
-    const float sum = block_reduce<false>(i < end ? expf(x - top) : 0.0f, scratch);
-    if (threadIdx.x == 0) {
-      out[j * 2] = top;
-      out[j * 2 + 1] = sum;
+    if (partials == nullptr) return;  // the same for the whole block
+    __syncthreads();  // the chunk's logits, written by other lanes, are visible to the block
+    const std::int32_t i = begin + std::int32_t(threadIdx.x);
+    float* out = partials + (row * gridDim.y + blockIdx.y) * std::int64_t(group) * 2;
+    for (std::int32_t j = 0; j < group; ++j) {
+      const float x = i < end ? s[std::int64_t(j) * cap + i] : -INFINITY;
+      const float top = block_reduce<true>(x, scratch);
+      const float sum = block_reduce<false>(i < end ? expf(x - top) : 0.0f, scratch);
+      if (threadIdx.x == 0) {
+        out[j * 2] = top;
+        out[j * 2 + 1] = sum;
+      }
     }
   }
 }

@@ -121,30 +121,38 @@ TEST_F(CudaRerank, CandidateScoresAgreeWithTheCpuOnBothLayouts) {
   }
 }
 
-/// candidate_scores on `T` keys of head_dim d (softmax + max) against the CPU twin: the logits kernel takes 16-bit
-/// keys of 64, 128 or 256 channels on tensor cores (the group's heads as up to 16 rows of A: `q_heads` / 2 of
-/// them), holds fp32 keys of 32, 64 or 128 channels in registers and reads other rows element by element, and
-/// rows not 16-byte aligned (`shifted`: the cache starts one element past an aligned address) one element at a
-/// time. On the device, a candidate past its sequence's end or negative scores NaN and, under the softmax, makes
-/// its whole row NaN (the CPU refuses such candidates on the host). A NaN in one key makes its row NaN on both.
+/// candidate_scores on `T` keys of head_dim d (softmax + max, and raw logits + sum) against the CPU twin: the logits
+/// kernel takes 16-bit keys of 64, 128 or 256 channels on tensor cores (the group's heads as up to 16 rows of A:
+/// `q_heads` / 2 of them; the softmax partials from its registers), holds fp32 keys of 32, 64 or 128 channels in
+/// registers and reads other rows element by element, and rows not 16-byte aligned (`shifted`: the cache starts
+/// one element past an aligned address) one element at a time. On the device, a candidate past its sequence's end or negative scores NaN and, under the softmax, makes
+/// its whole row NaN (the CPU refuses such candidates on the host). A NaN in one key makes its score NaN on both,
+/// and under the softmax its whole row.
 template <class T>
-void check_candidate_scores(Random& rng, std::int32_t d, bool shifted, std::int32_t q_heads = 8) {
-  SCOPED_TRACE(std::to_string(d) + " channels, " + std::to_string(q_heads / 2) + " heads a group" +
-               (shifted ? ", rows not 16-byte aligned" : ""));
+void check_candidate_scores(Random& rng, std::int32_t d, bool shifted, std::int32_t q_heads = 8, float q_scale = 1.0f) {
+  SCOPED_TRACE(std::to_string(d) + " channels, " + std::to_string(q_heads / 2) + " heads a group, q x " +
+               std::to_string(q_scale) + (shifted ? ", rows not 16-byte aligned" : ""));
   const std::int32_t kv_heads = 2, batch = 2, max_len = 2500, capacity = 600;
   const std::vector<std::int32_t> lengths = {2500, 900};
   const std::int64_t rows = std::int64_t(batch) * kv_heads, shift = shifted ? 1 : 0;
   const std::size_t elements = std::size_t(batch) * kv_heads * max_len * d + 1;
   std::vector<T> k = test::to_storage<T>(rng.normal(elements));
   const std::vector<T> v = test::to_storage<T>(rng.normal(elements));
-  const std::vector<T> q = test::to_storage<T>(rng.normal(std::size_t(batch) * q_heads * d));
+  std::vector<float> q_values = rng.normal(std::size_t(batch) * q_heads * d);
+  for (float& x : q_values) x *= q_scale;
+  const std::vector<T> q = test::to_storage<T>(q_values);
   const test::HostSelection candidates = test::random_candidates(rng, lengths, kv_heads, capacity);
-  // Row 3 (b 1, h 1): one channel of its sixth candidate's key is NaN.
+  // Row 3 (b 1, h 1): one channel of the keys of its sixth and of a later candidate (the second chunk's where the
+  // row has one) is NaN.
   constexpr std::int32_t kNanRow = 3;
-  const std::int32_t nan_token = candidates.indices[std::size_t(kNanRow) * capacity + 5];
-  ASSERT_GT(candidates.counts[kNanRow], 5);
-  k[std::size_t(shift + ContiguousKVView<const T>::packed(nullptr, nullptr, batch, kv_heads, max_len, d)
-                            .offset(1, 1, nan_token) + d / 2 + 1)] = test::to_storage<T>(std::vector<float>{NAN})[0];
+  const std::int32_t nan_count = candidates.counts[kNanRow];
+  ASSERT_GT(nan_count, 5);
+  const std::vector<std::int32_t> nan_entries = {5, std::min(nan_count - 1, 300)};
+  for (const std::int32_t entry : nan_entries) {
+    const std::int32_t token = candidates.indices[std::size_t(kNanRow) * capacity + entry];
+    k[std::size_t(shift + ContiguousKVView<const T>::packed(nullptr, nullptr, batch, kv_heads, max_len, d)
+                              .offset(1, 1, token) + d / 2 + 1)] = test::to_storage<T>(std::vector<float>{NAN})[0];
+  }
   // The device's row 2 (b 1, h 0) starts with two candidates outside its sequence.
   constexpr std::int32_t kBadRow = 2;
   std::vector<std::int32_t> device_ids = candidates.indices, device_counts = candidates.counts;
@@ -158,29 +166,36 @@ void check_candidate_scores(Random& rng, std::int32_t d, bool shifted, std::int3
                                                     lengths.data());
   const auto d_kv = ContiguousKVView<const T>::packed(dk.data() + shift, dv.data() + shift, batch, kv_heads, max_len,
                                                       d, dlens.data());
-  const GroupScoreOptions options{.reduce = GroupReduce::max, .softmax = true};
   const std::int32_t group = q_heads / kv_heads;
   cpu::Array<std::byte> host_ws(cpu::candidate_scores_workspace_bytes(rows, group, capacity));  // 256-byte aligned
   const std::span<std::byte> host_span = host_ws.bytes();
-  std::vector<float> cpu_scores(std::size_t(rows) * capacity, test::kPoison);
-  cpu::candidate_scores(QueryView<const T>::packed(q.data(), batch, q_heads, d), kv, candidates.view, options,
-                        MatrixView<float>::packed(cpu_scores.data(), rows, capacity), host_span);
   DeviceBuffer<std::byte> ws(cuda::candidate_scores_workspace_bytes(rows, group, capacity));
-  DeviceBuffer<float> scores(std::vector<float>(cpu_scores.size(), test::kPoison));
-  cuda::candidate_scores(QueryView<const T>::packed(dq.data(), batch, q_heads, d), d_kv, d_candidates, options,
-                         MatrixView<float>::packed(scores.data(), rows, capacity), {ws.data(), ws.size()}, nullptr);
-  std::vector<float> got = scores.download();
-  for (std::int32_t i = 0; i < capacity; ++i) {
-    float& x = got[std::size_t(kBadRow) * capacity + i];
-    if (i < device_counts[kBadRow]) {
-      EXPECT_TRUE(std::isnan(x)) << "row " << kBadRow << " entry " << i << ": " << x;
+  for (const bool softmax : {true, false}) {
+    SCOPED_TRACE(softmax ? "softmax, max over the group" : "logits, sum over the group");
+    const GroupScoreOptions options{.reduce = softmax ? GroupReduce::max : GroupReduce::sum, .softmax = softmax};
+    std::vector<float> cpu_scores(std::size_t(rows) * capacity, test::kPoison);
+    cpu::candidate_scores(QueryView<const T>::packed(q.data(), batch, q_heads, d), kv, candidates.view, options,
+                          MatrixView<float>::packed(cpu_scores.data(), rows, capacity), host_span);
+    ws.poison();
+    DeviceBuffer<float> scores(std::vector<float>(cpu_scores.size(), test::kPoison));
+    cuda::candidate_scores(QueryView<const T>::packed(dq.data(), batch, q_heads, d), d_kv, d_candidates, options,
+                           MatrixView<float>::packed(scores.data(), rows, capacity), {ws.data(), ws.size()}, nullptr);
+    std::vector<float> got = scores.download();
+    for (std::int32_t i = 0; i < capacity; ++i) {
+      float& x = got[std::size_t(kBadRow) * capacity + i];
+      if (softmax ? i < device_counts[kBadRow] : i < 2) {
+        EXPECT_TRUE(std::isnan(x)) << "row " << kBadRow << " entry " << i << ": " << x;
+        x = cpu_scores[std::size_t(kBadRow) * capacity + i];  // the rest is compared below
+      }
     }
-    x = cpu_scores[std::size_t(kBadRow) * capacity + i];  // the other rows are compared below
+    for (std::int32_t i = 0; i < candidates.counts[kNanRow]; ++i) {
+      if (softmax || std::ranges::find(nan_entries, i) != nan_entries.end()) {
+        EXPECT_TRUE(std::isnan(cpu_scores[std::size_t(kNanRow) * capacity + i])) << "the CPU keeps the NaN, " << i;
+      }
+    }
+    // A raw logit's rounding follows its products' size (q_scale), not the size of their sum.
+    expect_close(got, cpu_scores, softmax ? 2e-5 : 2e-5 * q_scale);
   }
-  for (std::int32_t i = 0; i < candidates.counts[kNanRow]; ++i) {
-    EXPECT_TRUE(std::isnan(cpu_scores[std::size_t(kNanRow) * capacity + i])) << "the CPU keeps the NaN";
-  }
-  expect_close(got, cpu_scores, 2e-5);
 }
 
 TEST_F(CudaRerank, CandidateScoresAgreeWithTheCpuForEveryKeyRowSize) {
@@ -190,6 +205,9 @@ TEST_F(CudaRerank, CandidateScoresAgreeWithTheCpuForEveryKeyRowSize) {
     for (const std::int32_t q_heads : {10, 32}) check_candidate_scores<bfloat16>(rng, 128, shifted, q_heads);
     check_candidate_scores<half>(rng, 128, shifted);
     check_candidate_scores<half>(rng, 64, shifted, 32);
+    // Logits spread over ~120: a maximum far from the chunk's overflows or underflows the softmax's sums.
+    check_candidate_scores<bfloat16>(rng, 128, shifted, 8, 20.0f);
+    check_candidate_scores<half>(rng, 256, shifted, 32, 20.0f);
     for (const std::int32_t d : {32, 96, 128}) check_candidate_scores<float>(rng, d, shifted);
   }
 }
