@@ -9,7 +9,7 @@
 #include "kvsift/core/supported_values.hpp"
 #include "kvsift/cuda/detail/group_dot.cuh"
 #include "kvsift/cuda/detail/launch.cuh"
-#include "kvsift/cuda/detail/mma.cuh"
+#include "kvsift/cuda/detail/head_rows_mma.cuh"
 #include "kvsift/cuda/detail/rerank_launch.hpp"
 #include "kvsift/cuda/dtype.cuh"
 
@@ -69,35 +69,20 @@ __device__ __forceinline__ void octet_dot_held(const float* q, const uint4 (&key
   }
 }
 
-/// 16 bytes of a 16-bit key row at `src` (8 channels): one vector load where the row allows it, else channel by
-/// channel (a view whose rows are not 16-byte aligned).
-template <class T>
-__device__ __forceinline__ uint4 load_octet(const T* src) {
-  if (reinterpret_cast<std::uintptr_t>(src) % 16 == 0) return *reinterpret_cast<const uint4*>(src);
-  const auto* bits = reinterpret_cast<const std::uint16_t*>(src);
-  const auto pair = [&](int i) { return std::uint32_t(bits[i]) | std::uint32_t(bits[i + 1]) << 16; };
-  return make_uint4(pair(0), pair(2), pair(4), pair(6));
-}
-
 /// Whether candidate_logits_kernel takes T's products on tensor cores: 16-bit keys of kVecs * 64 channels.
 template <class T, int kVecs>
 inline constexpr bool kLogitsOnTensorCores = sizeof(T) == 2 && kVecs > 0;
 
-/// A block's whole chunk on tensor cores (kLogitsOnTensorCores): its logits and, with `partials` (softmax), each
-/// head's maximum over the chunk and sum of exp(logit - maximum). A warp's batch is kTiles n-tiles of 8 candidates,
-/// the group's heads the 16 rows of A (zero past the group; kMaxGroup is 16, so one m-tile); a warp takes kRounds
-/// batches (one up to 128 channels). For each 32 channels, lane l loads the 16 bytes at 16 (l % 4) of candidate l
-/// / 4's row, which hold its k pairs of the two k-steps of those channels in this order: (2t, 2t + 1), (2t + 8, 2t
-/// + 9) of the first, then of the second (t = l % 4); q's fragments are read from shared memory in the same order,
-/// so each product still pairs q and k of one channel (a dot product's channels may come in any order; only the
-/// fp32 sum's rounding follows it). One key load per 16 bytes, no conversion and two mma per 32 channels and 8
-/// candidates: the CUDA-core path spent ~45 instructions per candidate, head and 16 channels, and issued, not
-/// loaded, at 0.39 instructions per cycle (27.6 us for 20.6 MB of keys at 128K, batch 1, H200). Every batch's ids
-/// within the row's capacity are loaded beside the row's count, so the two latencies overlap; q is staged only
-/// once the chunk is known to hold candidates (the grid covers the capacity; a chunk past the count returns after
-/// one round of loads). The softmax partials come from the logits in registers: the chunk's maximum of
-/// each head over the warps (shuffles, one barrier), then the sums of exp(logit - maximum) likewise; every sum in a
-/// fixed order.
+/// A block's whole chunk on tensor cores (kLogitsOnTensorCores; cuda/detail/head_rows_mma.cuh): its logits and,
+/// with `partials` (softmax), each head's maximum over the chunk and sum of exp(logit - maximum). A warp's batch is
+/// kTiles n-tiles of 8 candidates (kMaxGroup is 16, so one m-tile holds the group); a warp takes kRounds batches
+/// (one up to 128 channels). The CUDA-core path spent ~45 instructions per candidate, head and 16 channels, and
+/// issued, not loaded, at 0.39 instructions per cycle (27.6 us for 20.6 MB of keys at 128K, batch 1, H200). Every
+/// batch's ids within the row's capacity are loaded beside the row's count, so the two latencies overlap; q is
+/// staged only once the chunk is known to hold candidates (the grid covers the capacity; a chunk past the count
+/// returns after one round of loads). The softmax partials come from the logits in registers: the chunk's maximum
+/// of each head over the warps (shuffles, one barrier), then the sums of exp(logit - maximum) likewise; every sum
+/// in a fixed order.
 template <class T, int kVecs, class KV>
 __device__ __forceinline__ void tensor_core_chunk(const QueryView<const T>& q, const KV& kv,
                                                   const SelectionView& candidates, float scale, float* logits,
@@ -107,8 +92,7 @@ __device__ __forceinline__ void tensor_core_chunk(const QueryView<const T>& q, c
   constexpr int kBatch = 8 * kTiles;
   constexpr int kRounds = kCandidatesPerBlock / (kWarps * kBatch);
   static_assert(kRounds * kWarps * kBatch == kCandidatesPerBlock, "a chunk is whole rounds of batches");
-  constexpr int kQStride = 32 * kPairs + 8;  ///< q's rows 16 bytes apart in the banks: conflict-free A loads
-  __shared__ __align__(16) std::uint16_t q_bits[16 * kQStride];
+  __shared__ __align__(16) std::uint16_t q_bits[16 * head_rows_stride(32 * kPairs)];
   __shared__ float warp_partial[kWarps][kMaxGroup];  // each warp's maximum, then its sum, of each head
   const std::int64_t row = blockIdx.x;
   const std::int32_t b = std::int32_t(row / kv.kv_heads), g = std::int32_t(row % kv.kv_heads);
@@ -126,10 +110,7 @@ __device__ __forceinline__ void tensor_core_chunk(const QueryView<const T>& q, c
   if (count < 0 || count > cap) return;  // the same for the whole block
   const std::int32_t end = min(begin + kCandidatesPerBlock, count);
   if (begin >= end) return;  // the same for the whole block
-  for (std::int32_t e = std::int32_t(threadIdx.x); e < 16 * d; e += kThreads) {
-    const std::int32_t h = e / d, c = e % d;
-    q_bits[h * kQStride + c] = h < group ? q.row(b, g * group + h)[c].bits : std::uint16_t(0);
-  }
+  stage_head_rows<kThreads>(q, b, g * group, group, d, q_bits);
   __syncthreads();  // q
   const std::int32_t length = kv.seq_len(b);
   float* s = logits + row * std::int64_t(group) * cap;
@@ -144,23 +125,10 @@ __device__ __forceinline__ void tensor_core_chunk(const QueryView<const T>& q, c
 #pragma unroll
     for (int nt = 0; nt < kTiles; ++nt) {
       const std::int32_t id = __shfl_sync(0xffffffffu, my_id, nt * 8 + n);
-      const bool read = (inside >> (nt * 8 + n)) & 1u;
-      const T* key_row = read ? kv.k_row(b, g, id) + 8 * t : nullptr;
-#pragma unroll
-      for (int p = 0; p < kPairs; ++p) key[nt][p] = read ? load_octet(key_row + 32 * p) : make_uint4(0, 0, 0, 0);
+      load_row_pieces((inside >> (nt * 8 + n)) & 1u ? kv.k_row(b, g, id) : nullptr, t, key[nt]);
     }
     float acc[kTiles][4] = {};
-#pragma unroll
-    for (int p = 0; p < kPairs; ++p) {
-      const uint4 lo = *reinterpret_cast<const uint4*>(q_bits + n * kQStride + 32 * p + 8 * t);
-      const uint4 hi = *reinterpret_cast<const uint4*>(q_bits + (n + 8) * kQStride + 32 * p + 8 * t);
-      const unsigned first[4] = {lo.x, hi.x, lo.y, hi.y}, second[4] = {lo.z, hi.z, lo.w, hi.w};
-#pragma unroll
-      for (int nt = 0; nt < kTiles; ++nt) {
-        mma_16x8x16<T>(acc[nt], first, key[nt][p].x, key[nt][p].y);
-        mma_16x8x16<T>(acc[nt], second, key[nt][p].z, key[nt][p].w);
-      }
-    }
+    mma_head_rows<T>(q_bits, n, t, key, acc);
 #pragma unroll
     for (int nt = 0; nt < kTiles; ++nt) {
 #pragma unroll

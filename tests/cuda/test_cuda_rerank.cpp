@@ -121,6 +121,40 @@ TEST_F(CudaRerank, CandidateScoresAgreeWithTheCpuOnBothLayouts) {
   }
 }
 
+/// centroid_scores on every path against the CPU twin: 16-bit centroids of 64, 128 or 256 channels on tensor cores
+/// (groups of 1, 4 and 16: head j's scores are row j of C, rows past 8 in the fragments' upper half), fp32 and
+/// 96 channels on CUDA cores; 70 centroids a slot (a last n-tile of 6), a slot of 1 centroid (-inf past it): a
+/// batch row per slot, so that every slot is scored.
+template <class T>
+void check_centroid_scores(Random& rng, std::int32_t q_heads, std::int32_t kv_heads, std::int32_t d) {
+  SCOPED_TRACE(std::to_string(q_heads / kv_heads) + " heads a group, " + std::to_string(d) + " channels");
+  const test::CentroidProblem<T> p(rng, 4, q_heads, kv_heads, 4, 70, d);
+  const std::int64_t rows = std::int64_t(p.batch) * kv_heads;
+  std::vector<float> cpu_scores(std::size_t(rows) * p.capacity, test::kPoison);
+  cpu::centroid_scores(p.query(), p.view(), p.row_slots.data(), kv_heads,
+                       MatrixView<float>::packed(cpu_scores.data(), rows, p.capacity));
+  DeviceBuffer<T> centroids(p.centroids), q(p.q);
+  DeviceBuffer<std::int32_t> counts(p.counts), slots(p.row_slots);
+  DeviceBuffer<float> scores(std::vector<float>(cpu_scores.size(), test::kPoison));
+  const QueryCentroidsView<const T> view{centroids.data(), counts.data(), p.slots, p.q_heads, p.capacity, d};
+  cuda::centroid_scores(QueryView<const T>::packed(q.data(), p.batch, p.q_heads, d), view, slots.data(), kv_heads,
+                        MatrixView<float>::packed(scores.data(), rows, p.capacity), nullptr);
+  expect_close(scores.download(), cpu_scores, 2e-6);
+}
+
+TEST_F(CudaRerank, CentroidScoresAgreeWithTheCpuOnEveryPath) {
+  SCOPED_TRACE(seed);
+  for (const std::int32_t d : {64, 128, 256}) {
+    check_centroid_scores<bfloat16>(rng, 32, 8, d);
+    check_centroid_scores<half>(rng, 32, 8, d);
+  }
+  check_centroid_scores<bfloat16>(rng, 16, 16, 128);  // groups of 1
+  check_centroid_scores<bfloat16>(rng, 32, 2, 128);   // groups of 16
+  check_centroid_scores<half>(rng, 32, 2, 64);
+  check_centroid_scores<bfloat16>(rng, 32, 8, 96);
+  check_centroid_scores<float>(rng, 32, 8, 128);
+}
+
 /// candidate_scores on `T` keys of head_dim d (softmax + max, and raw logits + sum) against the CPU twin: the logits
 /// kernel takes 16-bit keys of 64, 128 or 256 channels on tensor cores (the group's heads as up to 16 rows of A:
 /// `q_heads` / 2 of them; the softmax partials from its registers), holds fp32 keys of 32, 64 or 128 channels in

@@ -1,10 +1,13 @@
 // CTKVR's query centroids on CUDA (selectors/ctkvr/cuda/query_centroids.hpp): scores of a step's queries against
-// the stored centroids, and the store of a prefill's normalised queries. Dots split over 8 lanes and fixed shuffle
-// trees (cuda/detail/group_dot.cuh): results do not depend on scheduling; no atomics.
+// the stored centroids, and the store of a prefill's normalised queries. 16-bit centroids of 64, 128 or 256
+// channels are scored on tensor cores (cuda/detail/head_rows_mma.cuh), others by dots split over 8 lanes and fixed
+// shuffle trees (cuda/detail/group_dot.cuh): results do not depend on scheduling; no atomics.
 #include <cmath>
 #include <cstdint>
 
+#include "kvsift/core/supported_values.hpp"
 #include "kvsift/cuda/detail/group_dot.cuh"
+#include "kvsift/cuda/detail/head_rows_mma.cuh"
 #include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/dtype.cuh"
 #include "kvsift/selectors/ctkvr/cuda/detail/query_centroids_launch.hpp"
@@ -16,29 +19,22 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kCentroidsPerBlock = 64;  ///< centroids scored per block: a batch-1 step still fills the GPU
 
-/// Block (row = b * kv_heads + g, chunk of kCentroidsPerBlock centroids): the group's unit queries in shared
-/// memory, then 8 lanes per centroid (4 centroids per warp at once, octet_dot_part). Chunks spread a batch-1 step
-/// over the GPU's SMs.
+/// Whether centroid_scores_kernel takes T's products on tensor cores: 16-bit centroids of kHeadDim channels
+/// (kHeadDim 0: any head_dim, on CUDA cores).
+template <class T, int kHeadDim>
+inline constexpr bool kCentroidsOnTensorCores = sizeof(T) == 2 && kHeadDim > 0;
+
+/// The block's centroids on CUDA cores: the group's unit queries in shared memory, then 8 lanes per centroid (4
+/// centroids per warp at once, octet_dot_part).
 template <class T>
-__global__ void __launch_bounds__(kThreads)
-    centroid_scores_kernel(QueryView<const T> q, QueryCentroidsView<const T> centroids, const std::int32_t* slots,
-                           std::int32_t kv_heads, MatrixView<float> scores) {
-  programmatic_wait();  // the queries and centroids (a programmatic dependent: launch.cuh); many waves at batch 8
+__device__ __forceinline__ void cuda_core_centroid_scores(const QueryView<const T>& q,
+                                                          const QueryCentroidsView<const T>& centroids,
+                                                          std::int32_t slot, std::int32_t b, std::int32_t g,
+                                                          std::int32_t group, std::int32_t begin, std::int32_t end,
+                                                          std::int32_t count, float* out) {
   __shared__ float q_s[kGroupDotMaxGroup * kGroupDotMaxHeadDim];
-  const std::int64_t row = blockIdx.x;
-  const std::int32_t b = std::int32_t(row / kv_heads), g = std::int32_t(row % kv_heads);
-  const std::int32_t group = q.heads / kv_heads, d = q.head_dim;
-  const std::int32_t begin = std::int32_t(blockIdx.y) * kCentroidsPerBlock;
-  const std::int32_t end = min(begin + kCentroidsPerBlock, centroids.capacity);
+  const std::int32_t d = q.head_dim;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  const std::int32_t slot = slots[b];
-  const bool bad_slot = slot < 0 || slot >= centroids.slots;
-  const std::int32_t count = bad_slot ? -1 : centroids.counts[slot];
-  float* out = scores.row(row);
-  if (bad_slot || count < 0 || count > centroids.capacity) {  // the same for the whole block
-    for (std::int32_t c = begin + std::int32_t(threadIdx.x); c < end; c += kThreads) out[c] = __int_as_float(0x7fffffff);
-    return;
-  }
   for (std::int32_t j = warp; j < group; j += kWarps) {
     const T* x = q.row(b, g * group + j);
     float* xs = q_s + j * d;
@@ -63,6 +59,93 @@ __global__ void __launch_bounds__(kThreads)
       best = max_nan(best, octet_sum(part));
     }
     if (c < end && sublane == 0) out[c] = mine ? best : -INFINITY;
+  }
+}
+
+/// The block's centroids on tensor cores (cuda/detail/head_rows_mma.cuh): warp w takes the n-tile of centroids
+/// [begin + 8 w, begin + 8 w + 8) for every head of the group, the rows of 16 / (kHeadDim / 32) heads loaded at
+/// once; A holds the group's raw queries, so head j's centroids against head j's query are row j of C, read from
+/// the lanes that hold it (l / 4 = j % 8) and scaled by that query's inverse norm (fp32, as the CUDA-core path
+/// normalises it). The other rows of C are the other heads' queries against head j's centroids: unused, one mma
+/// for 8 centroids still replaces ~110 instructions of the CUDA-core path.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void tensor_core_centroid_scores(const QueryView<const T>& q,
+                                                            const QueryCentroidsView<const T>& centroids,
+                                                            std::int32_t slot, std::int32_t b, std::int32_t g,
+                                                            std::int32_t group, std::int32_t begin, std::int32_t end,
+                                                            std::int32_t count, float* out) {
+  constexpr int kPairs = kHeadDim / 32;
+  constexpr int kHeadsInFlight = 16 / kPairs;  ///< 16 pieces of 16 bytes a lane
+  static_assert(kCentroidsPerBlock == 8 * kWarps, "a warp per n-tile of the block's centroids");
+  __shared__ __align__(16) std::uint16_t q_bits[16 * head_rows_stride(kHeadDim)];
+  __shared__ float inverse_norms[kGroupDotMaxGroup];
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, n = lane / 4, t = lane % 4;
+  stage_head_rows<kThreads>(q, b, g * group, group, kHeadDim, q_bits);
+  for (std::int32_t j = warp; j < group; j += kWarps) {
+    const T* x = q.row(b, g * group + j);
+    float sq = 0.0f;
+    for (int i = lane; i < kHeadDim; i += 32) sq = fmaf(to_float_device(x[i]), to_float_device(x[i]), sq);
+    sq = warp_sum(sq);
+    if (lane == 0) inverse_norms[j] = kvsift::detail::inverse_norm(sq);
+  }
+  __syncthreads();
+  const std::int32_t c0 = begin + 8 * warp, c = c0 + n;  // c: the centroid whose pieces this lane loads
+  if (c0 >= end) return;  // the whole warp; no block barrier follows
+  const bool mine = c < end && c < count;
+  float best[2] = {-INFINITY, -INFINITY};  // centroids c0 + 2t, c0 + 2t + 1
+  for (std::int32_t j0 = 0; j0 < group; j0 += kHeadsInFlight) {
+    uint4 piece[kHeadsInFlight][kPairs];
+#pragma unroll
+    for (int u = 0; u < kHeadsInFlight; ++u) {
+      load_row_pieces(mine && j0 + u < group ? centroids.row(slot, g * group + j0 + u, c) : nullptr, t, piece[u]);
+    }
+    float acc[kHeadsInFlight][4] = {};
+    mma_head_rows<T>(q_bits, n, t, piece, acc);
+#pragma unroll
+    for (int u = 0; u < kHeadsInFlight; ++u) {
+      const std::int32_t j = j0 + u;
+      if (j >= group) break;  // the same for the whole warp
+      const int holder = (j % 8) * 4 + t;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float own = __shfl_sync(0xffffffffu, j < 8 ? acc[u][e] : acc[u][2 + e], holder);
+        best[e] = max_nan(best[e], own * inverse_norms[j]);
+      }
+    }
+  }
+  if (n != 0) return;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const std::int32_t column = c0 + 2 * t + e;
+    if (column < end) out[column] = column < count ? best[e] : -INFINITY;
+  }
+}
+
+/// Block (row = b * kv_heads + g, chunk of kCentroidsPerBlock centroids): each centroid's cosine with its head's
+/// query, the maximum over the group; -inf past the slot's count, NaN over a row with a bad slot or count. Chunks
+/// spread a batch-1 step over the GPU's SMs.
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads)
+    centroid_scores_kernel(QueryView<const T> q, QueryCentroidsView<const T> centroids, const std::int32_t* slots,
+                           std::int32_t kv_heads, MatrixView<float> scores) {
+  programmatic_wait();  // the queries and centroids (a programmatic dependent: launch.cuh); many waves at batch 8
+  const std::int64_t row = blockIdx.x;
+  const std::int32_t b = std::int32_t(row / kv_heads), g = std::int32_t(row % kv_heads);
+  const std::int32_t group = q.heads / kv_heads;
+  const std::int32_t begin = std::int32_t(blockIdx.y) * kCentroidsPerBlock;
+  const std::int32_t end = min(begin + kCentroidsPerBlock, centroids.capacity);
+  const std::int32_t slot = slots[b];
+  const bool bad_slot = slot < 0 || slot >= centroids.slots;
+  const std::int32_t count = bad_slot ? -1 : centroids.counts[slot];
+  float* out = scores.row(row);
+  if (bad_slot || count < 0 || count > centroids.capacity) {  // the same for the whole block
+    for (std::int32_t c = begin + std::int32_t(threadIdx.x); c < end; c += kThreads) out[c] = __int_as_float(0x7fffffff);
+    return;
+  }
+  if constexpr (kCentroidsOnTensorCores<T, kHeadDim>) {
+    tensor_core_centroid_scores<T, kHeadDim>(q, centroids, slot, b, g, group, begin, end, count, out);
+  } else {
+    cuda_core_centroid_scores(q, centroids, slot, b, g, group, begin, end, count, out);
   }
 }
 
@@ -101,8 +184,16 @@ cudaError_t launch_centroid_scores(const QueryView<const T>& q, const QueryCentr
                                    const std::int32_t* slots, std::int32_t kv_heads, const MatrixView<float>& scores,
                                    cudaStream_t stream) {
   const dim3 grid(unsigned(scores.rows), unsigned((centroids.capacity + kCentroidsPerBlock - 1) / kCentroidsPerBlock));
-  return launch(centroid_scores_kernel<T>, {.grid = grid, .block = dim3(kThreads), .stream = stream, .programmatic = true},
-                q, centroids, slots, kv_heads, scores);
+  const LaunchShape shape{.grid = grid, .block = dim3(kThreads), .stream = stream, .programmatic = true};
+  if constexpr (sizeof(T) == 2) {
+    cudaError_t status = cudaSuccess;
+    if (dispatch_value<kCudaAttentionHeadDims>(q.head_dim, [&]<int kHeadDim>() {
+          status = launch(centroid_scores_kernel<T, kHeadDim>, shape, q, centroids, slots, kv_heads, scores);
+        })) {
+      return status;
+    }
+  }
+  return launch(centroid_scores_kernel<T, 0>, shape, q, centroids, slots, kv_heads, scores);
 }
 
 template <class T>
