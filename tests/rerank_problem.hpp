@@ -68,16 +68,17 @@ struct CentroidProblem {
   }
 };
 
-/// Candidate rows over a cache of `lengths`: distinct random tokens per (b, h), ascending, some rows empty,
-/// one full; indices past the count poisoned.
+/// Candidate rows over a cache of `lengths`: distinct random tokens per (b, h), ascending; row 0 full, row 1 empty,
+/// the others' counts drawn from [min_count, capacity] (and at most their length); indices past the count poisoned.
 inline HostSelection random_candidates(Random& rng, const std::vector<std::int32_t>& lengths, std::int32_t kv_heads,
-                                       std::int32_t capacity) {
+                                       std::int32_t capacity, std::int32_t min_count = 0) {
   const auto batch = std::int32_t(lengths.size());
   HostSelection s(batch, kv_heads, capacity, false);
   for (std::int32_t b = 0; b < batch; ++b) {
     for (std::int32_t h = 0; h < kv_heads; ++h) {
       const std::int32_t row = b * kv_heads + h;
-      const std::int32_t n = std::min(lengths[b], row == 0 ? capacity : row == 1 ? 0 : rng.uniform_int(0, capacity));
+      const std::int32_t drawn = row == 0 ? capacity : row == 1 ? 0 : rng.uniform_int(min_count, capacity);
+      const std::int32_t n = std::min(lengths[b], drawn);
       std::vector<std::int32_t> all(lengths[b]);
       std::iota(all.begin(), all.end(), 0);
       std::shuffle(all.begin(), all.end(), rng.engine);
