@@ -156,6 +156,10 @@ void topk_rows(const MatrixView<const float>& scores, const std::int32_t* length
           std::sort(picked, picked + std::int64_t(heads) * picks);
           count = std::int32_t(std::unique_copy(picked, picked + std::int64_t(heads) * picks, indices) - indices);
         }
+        if (options.ids != nullptr) {  // heads == 1: positions to ids, in place
+          const std::int32_t* const ids = options.ids + s * options.ids_stride;
+          std::transform(indices, indices + count, indices, [ids](std::int32_t position) { return ids[position]; });
+        }
         if (out.log_weights != nullptr) std::fill_n(out.log_weights + s * out.capacity, count, 0.0f);
         if (options.nan_marks_row && picks > 0) {
           const float* const row = scores.row(s);

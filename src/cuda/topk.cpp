@@ -80,6 +80,8 @@ TopKRowsParams topk_rows_params(const char* where, const MatrixView<const float>
           .nan_marks_row = options.nan_marks_row,
           .seed = options.seed,
           .out = out,
+          .ids = options.ids,
+          .ids_stride = options.ids_stride,
           .picks = buffers.picks,
           .union_bits = buffers.union_bits,
           .union_words = topk_union_words(scores.cols),

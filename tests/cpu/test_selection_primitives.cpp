@@ -404,7 +404,8 @@ bool ranks_before(float a, std::int32_t ia, float b, std::int32_t ib) {
 
 /// One top-K problem: scores with many ties (or continuous ones, spread over many of topk_rows' radix bins),
 /// NaN, infinities and signed zeros; ragged lengths (0, inside the window, below k, up to cols); optionally a
-/// k per selection row and several score rows per selection row.
+/// k per selection row and several score rows per selection row; with one score row per selection row, half of
+/// the problems write their picks through a random id table (TopKRowsOptions::ids).
 struct TopKProblem {
   std::int32_t batch, kv_heads, heads_per_row, cols, k, capacity;
   AttentionWindow window;
@@ -412,12 +413,15 @@ struct TopKProblem {
   std::vector<float> scores;  ///< [batch * kv_heads * heads_per_row, cols + 2] (row stride past the width)
   std::vector<std::int32_t> lengths;
   std::vector<std::int32_t> row_k;  ///< [batch * kv_heads] or empty
+  std::vector<std::int32_t> ids;    ///< [batch * kv_heads, ids_stride()] or empty
 
   std::int64_t rows() const { return std::int64_t(batch) * kv_heads * heads_per_row; }
   std::int64_t stride() const { return cols + 2; }
+  std::int64_t ids_stride() const { return cols + 3; }
   MatrixView<const float> view() const { return {scores.data(), rows(), cols, stride()}; }
   TopKRowsOptions options() const {
-    return {.window = window, .row_k = row_k.empty() ? nullptr : row_k.data(), .heads_per_row = heads_per_row};
+    return {.window = window, .row_k = row_k.empty() ? nullptr : row_k.data(), .heads_per_row = heads_per_row,
+            .ids = ids.empty() ? nullptr : ids.data(), .ids_stride = ids.empty() ? 0 : ids_stride()};
   }
 
   TopKProblem(Random& rng, std::int32_t batch_, std::int32_t kv_heads_, std::int32_t heads_per_row_, std::int32_t cols_,
@@ -450,6 +454,10 @@ struct TopKProblem {
         row_k.push_back(kind == 0 ? 0 : kind == 1 ? k : rng.uniform_int(0, k));
       }
     }
+    if (heads_per_row == 1 && rng.uniform_int(0, 1) == 1) {
+      ids.resize(std::size_t(batch) * kv_heads * ids_stride());
+      for (auto& id : ids) id = rng.uniform_int(0, 1 << 30);
+    }
   }
 
   /// The expected selection row: the union of each score row's min(k_s, middle) best middle tokens under
@@ -469,7 +477,7 @@ struct TopKProblem {
     }
     std::vector<std::int32_t> want;
     for (std::int32_t t = 0; t < cols; ++t) {
-      if (chosen[std::size_t(t)]) want.push_back(t);
+      if (chosen[std::size_t(t)]) want.push_back(ids.empty() ? t : ids[std::size_t(s * ids_stride() + t)]);
     }
     return want;
   }
@@ -515,9 +523,9 @@ TEST_F(TopKRows, BestOfTheMiddleUnderTheTieRuleForEveryThreadCount) {
     const std::int32_t heads_per_row = std::vector<std::int32_t>{1, 1, 2, 4, 7}[rng.uniform_int(0, 4)];
     const TopKProblem p(rng, rng.uniform_int(1, 4), rng.uniform_int(1, 3), heads_per_row, cols, k, window,
                         rng.uniform_int(0, 1) == 1, rng.uniform_int(0, 1) == 1);
-    SCOPED_TRACE(fmt::format("batch {} kv_heads {} heads_per_row {} cols {} k {} window {}+{} lengths [{}] row_k [{}]",
+    SCOPED_TRACE(fmt::format("batch {} kv_heads {} heads_per_row {} cols {} k {} window {}+{} lengths [{}] row_k [{}]{}",
                              p.batch, p.kv_heads, heads_per_row, cols, k, window.sink, window.recent,
-                             fmt::join(p.lengths, ", "), fmt::join(p.row_k, ", ")));
+                             fmt::join(p.lengths, ", "), fmt::join(p.row_k, ", "), p.ids.empty() ? "" : " ids"));
     const auto sel = run_topk_rows(p, nullptr);
     expect_topk_rows(p, sel);
     for (cpu::ThreadPool* pool : {&pool2, &pool3, &pool7}) {
@@ -672,6 +680,11 @@ TEST_F(TopKRows, WorkspaceQueryAndRefusals) {
                      "out.indices and out.counts must be non-null");
   test::expect_error([&] { go(MatrixView<const float>{scores.data(), 4, 32, 5}, lengths, 5, {}, sel.view, buffer.span()); },
                      "scores: strides inconsistent with shape");
+  const std::int32_t ids[2 * 32] = {};
+  test::expect_error([&] { go(view, lengths, 2, {.heads_per_row = 2, .ids = ids, .ids_stride = 32}, one_row.view, buffer.span()); },
+                     "options.ids needs options.heads_per_row == 1 (it is 2)");
+  test::expect_error([&] { go(view, lengths, 5, {.ids = ids, .ids_stride = 31}, sel.view, buffer.span()); },
+                     "options.ids_stride (= 31) < max_tokens (= 32): a row's ids must cover every position");
   // The size query checks what the run checks of its arguments.
   test::expect_error([] { cpu::topk_rows_workspace_bytes(0, 10, 1, {}, nullptr); },
                      "kvsift::cpu::topk_rows_workspace_bytes: score_rows (= 0) and max_tokens (= 10) must be positive");

@@ -40,7 +40,8 @@ struct HostWorkspace {
 enum class Scores { continuous, few_values, all_equal };
 
 /// One topk_rows problem in host memory: scores [batch * kv_heads * heads_per_row, cols] with a padded row
-/// stride, NaN, ±inf and -0 sprinkled in (not for all_equal); ragged lengths; optional per-row k.
+/// stride, NaN, ±inf and -0 sprinkled in (not for all_equal); ragged lengths; optional per-row k; with one score
+/// row per selection row, half of the problems write their picks through a random id table (TopKRowsOptions::ids).
 struct Problem {
   std::int32_t batch, kv_heads, heads_per_row, cols, k;
   AttentionWindow window;
@@ -49,11 +50,13 @@ struct Problem {
   std::vector<float> scores;
   std::vector<std::int32_t> lengths, row_k;
   std::vector<float> seed;  ///< TopKRowsOptions::seed per selection row, or empty
+  std::vector<std::int32_t> ids;  ///< TopKRowsOptions::ids [selection rows, ids_stride()], or empty
 
   std::int64_t rows() const { return std::int64_t(batch) * kv_heads * heads_per_row; }
   std::int32_t selection_rows() const { return batch * kv_heads; }
   std::int64_t stride() const { return cols + 5; }
   std::int32_t capacity() const { return heads_per_row * k + 1; }
+  std::int64_t ids_stride() const { return cols + 3; }
 
   Problem(Random& rng, std::int32_t batch_, std::int32_t kv_heads_, std::int32_t heads_per_row_, std::int32_t cols_,
           std::int32_t k_, AttentionWindow window_, Scores kind, bool per_row_k)
@@ -84,18 +87,25 @@ struct Problem {
         row_k.push_back(what == 0 ? 0 : what == 1 ? k : rng.uniform_int(0, k));
       }
     }
+    if (heads_per_row == 1 && rng.uniform_int(0, 1) == 1) {
+      ids.resize(std::size_t(selection_rows() * ids_stride()));
+      for (auto& id : ids) id = rng.uniform_int(0, 1 << 30);
+    }
   }
 
   MatrixView<const float> view(const float* data) const { return {data, rows(), cols, stride()}; }
-  TopKRowsOptions options(const std::int32_t* row_k_data, const float* seed_data = nullptr) const {
+  TopKRowsOptions options(const std::int32_t* row_k_data, const float* seed_data = nullptr,
+                          const std::int32_t* ids_data = nullptr) const {
     return {.window = window, .row_k = row_k.empty() ? nullptr : row_k_data, .heads_per_row = heads_per_row,
-            .nan_marks_row = nan_marks_row, .seed = seed.empty() ? nullptr : seed_data};
+            .nan_marks_row = nan_marks_row, .seed = seed.empty() ? nullptr : seed_data,
+            .ids = ids.empty() ? nullptr : ids_data, .ids_stride = ids.empty() ? 0 : ids_stride()};
   }
   std::string label() const {
     return fmt::format("batch {} kv_heads {} heads_per_row {} cols {} k {} window {}+{} nan_marks_row {} lengths [{}] "
                        "row_k [{}]",
                        batch, kv_heads, heads_per_row, cols, k, window.sink, window.recent, nan_marks_row,
                        fmt::join(lengths, ", "), fmt::join(row_k, ", ")) +
+           (ids.empty() ? std::string() : std::string(" ids")) +
            (seed.empty() ? std::string() : fmt::format(" seed [{}]", fmt::join(seed, ", ")));
   }
 };
@@ -112,14 +122,15 @@ Selection cpu_topk_rows(const Problem& p) {
   const SelectionView view{sel.indices.data(), sel.counts.data(), p.weights ? sel.weights.data() : nullptr, p.batch,
                            p.kv_heads, p.capacity()};
   HostWorkspace ws(cpu::topk_rows_workspace_bytes(p.rows(), p.cols, p.k, p.options(p.row_k.data()), nullptr));
-  cpu::topk_rows(p.view(p.scores.data()), p.lengths.data(), p.k, p.options(p.row_k.data()), view, ws.span());
+  cpu::topk_rows(p.view(p.scores.data()), p.lengths.data(), p.k, p.options(p.row_k.data(), nullptr, p.ids.data()), view,
+                 ws.span());
   return sel;
 }
 
 /// The problem's device inputs and poisoned outputs (all bytes 0xff: index and count -1, weight NaN).
 struct DeviceProblem {
   DeviceBuffer<float> scores, seed;
-  DeviceBuffer<std::int32_t> lengths, row_k, indices, counts;
+  DeviceBuffer<std::int32_t> lengths, row_k, ids, indices, counts;
   DeviceBuffer<float> weights;
   DeviceBuffer<std::byte> workspace;
   std::size_t workspace_bytes;
@@ -127,6 +138,7 @@ struct DeviceProblem {
   explicit DeviceProblem(const Problem& p)
       : scores(p.scores), seed(p.seed.empty() ? DeviceBuffer<float>() : DeviceBuffer<float>(p.seed)), lengths(p.lengths),
         row_k(p.row_k.empty() ? DeviceBuffer<std::int32_t>() : DeviceBuffer<std::int32_t>(p.row_k)),
+        ids(p.ids.empty() ? DeviceBuffer<std::int32_t>() : DeviceBuffer<std::int32_t>(p.ids)),
         indices(std::size_t(p.selection_rows()) * p.capacity()), counts(std::size_t(p.selection_rows())),
         weights(p.weights ? indices.size() : 0),
         workspace_bytes(cuda::topk_rows_workspace_bytes(p.rows(), p.cols, p.k, p.options(nullptr))) {
@@ -142,7 +154,7 @@ struct DeviceProblem {
     return {indices.data(), counts.data(), p.weights ? weights.data() : nullptr, p.batch, p.kv_heads, p.capacity()};
   }
   void run(const Problem& p, cudaStream_t stream) {
-    cuda::topk_rows(p.view(scores.data()), lengths.data(), p.k, p.options(row_k.data(), seed.data()), out(p),
+    cuda::topk_rows(p.view(scores.data()), lengths.data(), p.k, p.options(row_k.data(), seed.data(), ids.data()), out(p),
                     {workspace.data(), workspace_bytes}, stream);
   }
   Selection download() const { return {indices.download(), counts.download(), weights.download()}; }
@@ -605,6 +617,10 @@ TEST(CudaTopKBadInput, RefusedBeforeAnyDeviceCall) {
   test::expect_error([&] { go(view, lengths, 5, {.window = {0, -3}}, out); },
                      "options.window.sink (= 0) and options.window.recent (= -3) must be >= 0");
   test::expect_error([&] { go(view, nullptr, 5, {}, out); }, "d_lengths is a null pointer");
+  test::expect_error([&] { go(MatrixView<const float>::packed(scores, 8, 64), lengths, 5, {.heads_per_row = 2, .ids = ints, .ids_stride = 64}, out); },
+                     "options.ids needs options.heads_per_row == 1 (it is 2)");
+  test::expect_error([&] { go(view, lengths, 5, {.ids = ints, .ids_stride = 63}, out); },
+                     "options.ids_stride (= 63) < max_tokens (= 64): a row's ids must cover every position");
   SelectionView no_counts = out;
   no_counts.counts = nullptr;
   test::expect_error([&] { go(view, lengths, 5, {}, no_counts); }, "out.indices and out.counts must be non-null");

@@ -14,7 +14,7 @@
 ///     never proposes window tokens, so none is kept. Cost: c x K keys read per (sequence, kv head) besides the
 ///     proposer's select.
 /// Written once for both backends from the shared primitives (candidate_scores, length_budgets, mass_budgets,
-/// topk_rows, remap_selection); include cpu/backend.hpp or cuda/backend.hpp before instantiating either.
+/// topk_rows with the candidates as its ids); include cpu/backend.hpp or cuda/backend.hpp before instantiating either.
 
 #include <algorithm>
 #include <cmath>
@@ -128,7 +128,7 @@ class RerankStage {
     const std::int32_t batch = candidates.batch;
     const std::int64_t rows = std::int64_t(batch) * limits_.kv_heads;
     const auto ranked = MatrixView<const float>::packed(w.scores, rows, candidates.capacity);
-    TopKRowsOptions budget_options{};
+    TopKRowsOptions budget_options{.ids = candidates.indices, .ids_stride = candidates.capacity};
     if (config_.budget_fraction > 0) {
       length_budgets(lengths, batch, limits_.kv_heads, {.fraction = config_.budget_fraction, .maximum = config_.budget},
                      w.length_k, ctx);
@@ -142,7 +142,6 @@ class RerankStage {
     }
     const SelectionView positions{out.indices, out.counts, out.log_weights, std::int32_t(rows), 1, out.capacity};
     topk_rows(ranked, candidates.counts, config_.budget, budget_options, positions, w.topk_scratch, ctx);
-    remap_selection(positions, candidates, positions, ctx);
   }
 
   /// The best config.entries of the scored candidates into `entries` (config.entries > 0), with scratch of its own.
@@ -154,8 +153,7 @@ class RerankStage {
     const std::int64_t rows = std::int64_t(candidates.batch) * limits_.kv_heads;
     const SelectionView entry_rows{entries.indices, entries.counts, nullptr, std::int32_t(rows), 1, entries.capacity};
     topk_rows(MatrixView<const float>::packed(w.scores, rows, candidates.capacity), candidates.counts, config_.entries,
-              TopKRowsOptions{}, entry_rows, w.entries_topk_scratch, ctx);
-    remap_selection(entry_rows, candidates, entry_rows, ctx);
+              {.ids = candidates.indices, .ids_stride = candidates.capacity}, entry_rows, w.entries_topk_scratch, ctx);
   }
 
  private:

@@ -20,6 +20,13 @@ inline void check_topk_rows_shape(const char* where, std::int64_t score_rows, st
   KVSIFT_CHECK(!options.nan_marks_row || options.heads_per_row == 1, where,
                "options.nan_marks_row needs options.heads_per_row == 1 (it is {})", options.heads_per_row);
   validate(options.window, where, "options.window");
+  if (options.ids != nullptr) {
+    KVSIFT_CHECK(options.heads_per_row == 1, where, "options.ids needs options.heads_per_row == 1 (it is {})",
+                 options.heads_per_row);
+    KVSIFT_CHECK(options.ids_stride >= max_tokens, where,
+                 "options.ids_stride (= {}) < max_tokens (= {}): a row's ids must cover every position", options.ids_stride,
+                 max_tokens);
+  }
 }
 
 /// The lengths pointer (named `lengths_name`) and the output rows of `score_rows` scores rows (checked shape).

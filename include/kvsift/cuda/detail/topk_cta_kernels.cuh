@@ -139,7 +139,8 @@ __global__ void __launch_bounds__(kThreads)
     bits += width;
     if (decision[2] == remaining) break;  // every word left in the bin is taken: the threshold need not be whole
   }
-  emit_held_words<kThreads>(word, mask, prefix, remaining, 0u, 0u, job.lo, row.indices, row.weights, scan_buffer);
+  emit_held_words<kThreads>(word, mask, prefix, remaining, 0u, 0u, job.lo, row.indices, row.ids, row.weights,
+                            scan_buffer);
 }
 
 }  // namespace kvsift::cuda::detail

@@ -85,6 +85,7 @@ struct HeldRow {
   TopKRowJob job;
   std::int32_t* count_out;  ///< nullptr for a score row of a group (heads_per_row > 1)
   std::int32_t* indices;
+  const std::int32_t* ids;  ///< the row's ids its picks are written as (TopKRowsOptions::ids), or nullptr
   float* weights;           ///< nullptr where none are asked for
   bool finished;
 };
@@ -106,12 +107,13 @@ __device__ inline HeldRow start_held_row(const TopKRowsParams& p, std::int64_t s
   }
   if (job.picks == 0) return row;
   row.indices = grouped ? p.picks + score_row * p.k : p.out.indices + job.selection_row * p.out.capacity;
+  row.ids = row_ids(p, job.selection_row);
   row.weights =
       grouped || p.out.log_weights == nullptr ? nullptr : p.out.log_weights + job.selection_row * p.out.capacity;
   const std::int32_t middle = job.hi - job.lo;
   if (job.picks == middle && !p.nan_marks_row) {  // the whole middle, nothing to rank
     for (std::int32_t i = rank * threads + tid; i < middle; i += size * threads) {
-      row.indices[i] = job.lo + i;
+      row.indices[i] = picked_id(row.ids, job.lo + i);
       if (row.weights != nullptr) row.weights[i] = 0.0f;
     }
     return row;
@@ -195,12 +197,13 @@ struct ScoreWords {
 /// (better), and of those equal to it (tied) the first `take_tied` of the row in index order. `better` and `tied`:
 /// the row's better and tied words before this CTA's slice, whose first word is row index `first_index`. A block
 /// scan of (better, tied) counts per thread places every index: the same set and order as BlockRadixSelect
-/// (detail/block_select.cuh) and cpu::topk_rows. `scan_buffer`: held_block_scan's, kItems / kHeldVec x 32 words.
+/// (detail/block_select.cuh) and cpu::topk_rows. An index is written as ids[index] where `ids` is given (HeldRow).
+/// `scan_buffer`: held_block_scan's, kItems / kHeldVec x 32 words.
 template <int kThreads, int kItems>
 __device__ __forceinline__ void emit_held_words(const std::uint32_t (&word)[kItems], std::uint32_t mask,
                                                 std::uint32_t prefix, std::uint32_t take_tied, std::uint32_t better,
                                                 std::uint32_t tied, std::int32_t first_index, std::int32_t* indices,
-                                                float* weights, std::uint32_t* scan_buffer) {
+                                                const std::int32_t* ids, float* weights, std::uint32_t* scan_buffer) {
   constexpr int kVec = kHeldVec<kItems>;
   constexpr int kGroups = kItems / kVec;
   const int tid = threadIdx.x;
@@ -234,7 +237,7 @@ __device__ __forceinline__ void emit_held_words(const std::uint32_t (&word)[kIte
           ++at_tied;
         }
         if (at >= 0) {
-          indices[at] = index;
+          indices[at] = picked_id(ids, index);
           if (weights != nullptr) weights[at] = 0.0f;
         }
       }
@@ -592,7 +595,7 @@ __global__ void __launch_bounds__(kThreads)
     better += before_bin[q] + better_in_bin[q];  // better_in_bin: 0 unless gathered
     tied += gathered ? tied_in_bin[q] : in_bin_of[q];
   }
-  emit_held_words<kThreads>(word, mask, prefix, take_tied, better, tied, job.lo + begin, indices, weights,
+  emit_held_words<kThreads>(word, mask, prefix, take_tied, better, tied, job.lo + begin, indices, row.ids, weights,
                             scan_buffer[scan_turn]);
   cluster.wait();
 }

@@ -38,6 +38,17 @@ struct TopKRowJob {
   }
 };
 
+/// Where a selection row's picks are written as ids (TopKRowsOptions::ids): its row of the table, or nullptr
+/// (positions written as they are).
+__device__ __forceinline__ const std::int32_t* row_ids(const TopKRowsParams& p, std::int64_t selection_row) {
+  return p.ids != nullptr ? p.ids + selection_row * p.ids_stride : nullptr;
+}
+
+/// What a pick at row position `position` writes: the position, or the row's id there.
+__device__ __forceinline__ std::int32_t picked_id(const std::int32_t* ids, std::int32_t position) {
+  return ids != nullptr ? __ldg(ids + position) : position;
+}
+
 /// BlockRadixSelect::find with the same digits, passes, decisions and result, its histogram counted in 32
 /// copies, one per warp lane ([bin][lane]: a warp's 32 increments hit 32 distinct words in 32 distinct banks).
 /// Why: the first digit of a rank word is the sign and the top of the exponent, so continuous scores fall in a
@@ -206,8 +217,9 @@ __global__ void __launch_bounds__(kThreads) topk_rows_select(const __grid_consta
     }
   }
   const auto word_at = [&](std::int32_t i) { return i < cached ? slice_words[i] : rank_word(__ldg(scores + i)); };
+  const std::int32_t* const ids = row_ids(p, job.selection_row);  // nullptr when grouped: ids need heads_per_row 1
   const auto out = [&](std::int32_t i, std::uint32_t position) {
-    indices[position] = begin + i;
+    indices[position] = picked_id(ids, begin + i);
     if (weights != nullptr) weights[position] = 0.0f;
   };
   const ClusterGroup group{};

@@ -151,6 +151,8 @@ struct TopKRowsParams {
   bool nan_marks_row;                  ///< TopKRowsOptions::nan_marks_row (heads_per_row == 1)
   const float* seed;                   ///< TopKRowsOptions::seed: [selection rows] or nullptr (the held kernel's)
   SelectionView out;
+  const std::int32_t* ids;             ///< TopKRowsOptions::ids: [selection rows, ids_stride] or nullptr
+  std::int64_t ids_stride;
   std::int32_t* picks;                 ///< heads_per_row > 1: [score rows, k], each score row's picks
   std::uint32_t* union_bits;           ///< [selection rows, union_words] where the bitmap exceeds shared memory
   std::int32_t union_words;

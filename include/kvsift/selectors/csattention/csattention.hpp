@@ -360,8 +360,8 @@ class Csattention : public SelectorTypes<T, Context>, public detail::SelectorCor
     table_scores_sparse(t, chosen, options, group, in.slots, in.lengths, in.attention.window, budget, candidates, sums, w.row_k,
                         w.reduce, ctx);
     const SelectionView positions{out.indices, out.counts, out.log_weights, std::int32_t(rows), 1, out.capacity};
-    topk_rows(MatrixView<const float>{sums.data, sums.rows, sums.cols, sums.row_stride}, w.candidate_counts, capacity(), {.row_k = w.row_k}, positions, w.topk, ctx);
-    remap_selection(positions, candidates, positions, ctx);
+    topk_rows(MatrixView<const float>{sums.data, sums.rows, sums.cols, sums.row_stride}, w.candidate_counts, capacity(),
+              {.row_k = w.row_k, .ids = candidates.indices, .ids_stride = cap}, positions, w.topk, ctx);
   }
 
   static CsattentionConfig checked(const SelectorLimits& limits, const CsattentionConfig& c) {

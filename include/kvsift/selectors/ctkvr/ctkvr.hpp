@@ -8,7 +8,7 @@
 /// centroid whose list is the top rho of its rerank.
 ///
 /// Written once for both backends from the shared primitives: centroid_scores, topk_rows, union_lists,
-/// append_range, candidate_scores, remap_selection, replace_list, store_centroids (docs/primitives.md).
+/// append_range, candidate_scores, replace_list, store_centroids (docs/primitives.md).
 /// Include cpu/backend.hpp or cuda/backend.hpp before instantiating it.
 ///
 /// Memory per slot (index_bytes): centroids [q_heads, max_centroids, head_dim] in T, lists [kv_heads,
