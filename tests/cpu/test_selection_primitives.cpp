@@ -685,6 +685,10 @@ TEST_F(TopKRows, WorkspaceQueryAndRefusals) {
                      "options.ids needs options.heads_per_row == 1 (it is 2)");
   test::expect_error([&] { go(view, lengths, 5, {.ids = ids, .ids_stride = 31}, sel.view, buffer.span()); },
                      "options.ids_stride (= 31) < max_tokens (= 32): a row's ids must cover every position");
+  std::vector<std::int32_t> shared(std::size_t(4) * 32);  // out's rows of 5 inside a table of rows of 32
+  const SelectionView into_table{shared.data() + 7, sel.view.counts, nullptr, 2, 2, 5};
+  test::expect_error([&] { go(view, lengths, 5, {.ids = shared.data(), .ids_stride = 32}, into_table, buffer.span()); },
+                     "options.ids [4 rows of 32] overlaps out.indices [4 rows of 5]: the table must not be the output");
   // The size query checks what the run checks of its arguments.
   test::expect_error([] { cpu::topk_rows_workspace_bytes(0, 10, 1, {}, nullptr); },
                      "kvsift::cpu::topk_rows_workspace_bytes: score_rows (= 0) and max_tokens (= 10) must be positive");

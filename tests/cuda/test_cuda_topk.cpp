@@ -621,6 +621,8 @@ TEST(CudaTopKBadInput, RefusedBeforeAnyDeviceCall) {
                      "options.ids needs options.heads_per_row == 1 (it is 2)");
   test::expect_error([&] { go(view, lengths, 5, {.ids = ints, .ids_stride = 63}, out); },
                      "options.ids_stride (= 63) < max_tokens (= 64): a row's ids must cover every position");
+  test::expect_error([&] { go(view, lengths, 5, {.ids = ints, .ids_stride = 64}, out); },
+                     "options.ids [4 rows of 64] overlaps out.indices [4 rows of 10]: the table must not be the output");
   SelectionView no_counts = out;
   no_counts.counts = nullptr;
   test::expect_error([&] { go(view, lengths, 5, {}, no_counts); }, "out.indices and out.counts must be non-null");

@@ -150,8 +150,8 @@ struct TopKRowsOptions {
   /// Optional [selection rows, ids_stride]: each selection row's table of ids (a rerank's candidate token ids): its
   /// picks are written as ids[row * ids_stride + position] in place of their positions, in the positions'
   /// ascending order: topk_rows then remap_selection in one call (on CUDA no remap launch). Every position is
-  /// below the row's length, so ids_stride >= max_tokens covers it; the table must not overlap out. Requires
-  /// heads_per_row == 1. In the backend's memory.
+  /// below the row's length, so ids_stride >= max_tokens covers it. Refused: a table that overlaps out.indices,
+  /// heads_per_row > 1. In the backend's memory.
   const std::int32_t* ids = nullptr;
   std::int64_t ids_stride = 0;
 };

@@ -41,6 +41,16 @@ inline void check_topk_rows_output(const char* where, std::int64_t score_rows, c
                out.batch, out.kv_heads, heads);
   KVSIFT_CHECK(std::int64_t(out.capacity) >= std::int64_t(heads) * k, where,
                "out.capacity (= {}) < options.heads_per_row * k (= {} * {})", out.capacity, heads, k);
+  if (options.ids != nullptr) {  // the picks are written while the table is read (on CUDA by other threads)
+    const std::int64_t rows = std::int64_t(out.batch) * out.kv_heads;
+    const auto ids_begin = reinterpret_cast<std::uintptr_t>(options.ids);
+    const auto ids_end = reinterpret_cast<std::uintptr_t>(options.ids + rows * options.ids_stride);
+    const auto out_begin = reinterpret_cast<std::uintptr_t>(out.indices);
+    const auto out_end = reinterpret_cast<std::uintptr_t>(out.indices + rows * out.capacity);
+    KVSIFT_CHECK(ids_end <= out_begin || out_end <= ids_begin, where,
+                 "options.ids [{} rows of {}] overlaps out.indices [{} rows of {}]: the table must not be the output",
+                 rows, options.ids_stride, rows, out.capacity);
+  }
 }
 
 /// A topk_rows call: the scores, the shape, the lengths pointer (named `lengths_name`) and the output rows.
