@@ -4,8 +4,9 @@
 // row, each holding an eighth of the entries, writes the distinct ids in order from bitmaps of windows of 262,144
 // ids; before sm_90 a CTA per row loads its entries into registers and writes its distinct ids in order from a
 // bitmap of them in shared memory (ids below 262,144), or sorts them with a block radix sort over only the bits its
-// largest id needs and writes the first of each run. The
-// FIFO replacement: a CTA per row; scores are rounded to T by core/dtype.hpp's conversion (constexpr, so callable
+// largest id needs and writes the first of each run. An append after the union (UnionAppend, CTKVR's unindexed
+// tokens) is written by the cluster in its launch, else by append_range's launch after the union's. The FIFO
+// replacement: a CTA per row; scores are rounded to T by core/dtype.hpp's conversion (constexpr, so callable
 // here), which gives the CPU's bits, NaN's too (CUDA's intrinsic writes another NaN payload).
 #include <cooperative_groups.h>
 #include <cub/block/block_discontinuity.cuh>
@@ -18,6 +19,7 @@
 #include "kvsift/cuda/detail/inverted_lists_launch.hpp"
 #include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
+#include "kvsift/cuda/detail/rerank_launch.hpp"
 
 namespace kvsift::cuda::detail {
 namespace {
@@ -269,7 +271,10 @@ __global__ void __launch_bounds__(kBlockUnionThreads) union_lists_block(ListRedu
 /// over every rank's bitmap and places its ids by a block scan of its threads' bit counts; each rank sends its
 /// total to every rank, and after a second barrier (no rank reads another's bitmap past it) a rank's ids start
 /// after the totals of the ranks below it and of the windows before. The totals alternate between two buffers: a
-/// rank one window ahead writes the other.
+/// rank one window ahead writes the other. With p.append, the union's ids from the appended range's first token on
+/// are counted (the union's count goes to counts_before) but not written, so the range's tokens, written by the
+/// ranks in shares after the last window, follow the ids below it: the same entries as append_range after the
+/// union, with no position written twice. A rank's ids below the range ride in the block scan's upper 16 bits.
 template <class T>
 __global__ void __launch_bounds__(kClusterUnionThreads) union_lists_cluster(ListReductionParams<T> p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -291,9 +296,19 @@ __global__ void __launch_bounds__(kClusterUnionThreads) union_lists_cluster(List
   const std::int64_t row = blockIdx.x / kRanks;
   std::int32_t chosen_count = 0;
   if (!reduction_row_valid(p, row, &chosen_count)) {  // the same for every rank: the whole cluster returns
-    if (rank == 0 && tid == 0) p.out.counts[row] = -1;
+    if (rank == 0 && tid == 0) {
+      p.out.counts[row] = -1;
+      if (p.append.counts_before != nullptr) p.append.counts_before[row] = -1;
+    }
     return;
   }
+  static_assert(kBlockUnionItems < (1 << 16), "two counts in one scan");
+  const std::int64_t b = row / p.chosen.kv_heads;
+  // The appended range; without one, every id is below its begin.
+  const kvsift::detail::TokenRange range =
+      p.append.first != nullptr ? kvsift::detail::unindexed_range(p.append.first[p.slots[b]], p.lengths[b], p.window)
+                                : kvsift::detail::TokenRange{0x7fffffff, 0x7fffffff};
+  const std::uint32_t range_begin = std::uint32_t(range.begin);
   std::uint32_t keys[kPerThread];
   const std::uint32_t top =
       load_segment(p, row, chosen_count, [&](int j) { return (j * kRanks + rank) * kThreads + tid; }, keys);
@@ -306,7 +321,7 @@ __global__ void __launch_bounds__(kClusterUnionThreads) union_lists_cluster(List
   for (int r = 0; r < kRanks; ++r) bound = max(bound, rank_top[r]);
   std::int32_t* dst = p.out.indices + row * p.out.capacity;
   float* weights = p.out.log_weights != nullptr ? p.out.log_weights + row * p.out.capacity : nullptr;
-  std::int32_t written = 0;  // the ids of the windows before
+  std::int32_t written = 0, written_below = 0;  // the ids of the windows before; those below the range
   int parity = 0;
   for (std::uint32_t window = 0; window < bound; window += kWindowIds, parity ^= 1) {
     const std::int32_t words = std::int32_t(min((bound - window + 31) / 32, std::uint32_t(kBlockUnionBitmapWords)));
@@ -322,7 +337,7 @@ __global__ void __launch_bounds__(kClusterUnionThreads) union_lists_cluster(List
     const std::int32_t per_rank = (words + kRanks - 1) / kRanks, per_thread = (per_rank + kThreads - 1) / kThreads;
     const std::int32_t first = rank * per_rank, last = min(words, first + per_rank), mine = first + tid * per_thread;
     std::uint32_t run[kWordsPerThread];
-    std::int32_t ids = 0;
+    std::int32_t ids = 0, ids_below = 0;  // this thread's ids; of them, those below the range
 #pragma unroll
     for (int j = 0; j < kWordsPerThread; ++j) {
       run[j] = 0;
@@ -330,9 +345,13 @@ __global__ void __launch_bounds__(kClusterUnionThreads) union_lists_cluster(List
 #pragma unroll
       for (int r = 0; r < kRanks; ++r) run[j] |= cluster.map_shared_rank(bitmap, r)[mine + j];
       ids += __popc(run[j]);
+      const std::uint32_t base = window + std::uint32_t(mine + j) * 32u;  // the id of the word's bit 0
+      const std::uint32_t below_mask =
+          base >= range_begin ? 0u : range_begin - base >= 32u ? ~0u : (1u << (range_begin - base)) - 1u;
+      ids_below += __popc(run[j] & below_mask);
     }
-    std::int32_t position = 0, total = 0;
-    Scan(scan).ExclusiveSum(ids, position, total);
+    std::int32_t position = 0, total = 0;  // both counts: ids below the range << 16 | ids
+    Scan(scan).ExclusiveSum(ids_below << 16 | ids, position, total);
     if (tid < kRanks) cluster.map_shared_rank(&rank_total[parity][0], tid)[rank] = total;
     cluster.sync();  // every rank's total has arrived; no rank reads another's bitmap of this window any more
     std::int32_t below = 0, window_total = 0;
@@ -341,19 +360,37 @@ __global__ void __launch_bounds__(kClusterUnionThreads) union_lists_cluster(List
       below += r < rank ? rank_total[parity][r] : 0;
       window_total += rank_total[parity][r];
     }
-    position += written + below;
+    position = (position & 0xffff) + written + (below & 0xffff);
 #pragma unroll
     for (int j = 0; j < kWordsPerThread; ++j) {
       for (std::uint32_t bits = run[j]; bits != 0; bits &= bits - 1) {
-        dst[position] = std::int32_t(window + std::uint32_t(mine + j) * 32u + std::uint32_t(__ffs(bits) - 1));
+        const std::uint32_t id = window + std::uint32_t(mine + j) * 32u + std::uint32_t(__ffs(bits) - 1);
+        if (id >= range_begin) break;  // ascending: the rest of this thread's ids are at or past the range too
+        dst[position] = std::int32_t(id);
         if (weights != nullptr) weights[position] = 0.0f;
         ++position;
       }
     }
-    written += window_total;
+    written += window_total & 0xffff;
+    written_below += window_total >> 16;
     __syncthreads();  // the scan storage is reused by the next window
   }
-  if (rank == 0 && tid == 0) p.out.counts[row] = written;
+  if (p.append.first == nullptr) {
+    if (rank == 0 && tid == 0) p.out.counts[row] = written;
+    return;
+  }
+  // append_range after the union: the range's tokens after the ids below it, unless they pass the capacity.
+  const std::int64_t added = max(std::int64_t(0), std::int64_t(range.end) - range.begin);
+  const bool fits = written_below + added <= p.out.capacity;
+  if (rank == 0 && tid == 0) {
+    if (p.append.counts_before != nullptr) p.append.counts_before[row] = written;
+    p.out.counts[row] = fits ? std::int32_t(written_below + added) : -1;
+  }
+  if (!fits) return;
+  for (std::int64_t i = std::int64_t(rank) * kThreads + tid; i < added; i += kRanks * kThreads) {
+    dst[written_below + i] = std::int32_t(range.begin + i);
+    if (weights != nullptr) weights[written_below + i] = 0.0f;
+  }
 #elif defined(__CUDA_ARCH__)
   __trap();  // launched only where built_for_sm90 holds
 #endif
@@ -401,22 +438,37 @@ cudaError_t list_reduction_cub_bytes(std::int64_t rows, std::int32_t segment, st
                                             static_cast<const std::int32_t*>(nullptr));
 }
 
+namespace {
+
+/// The append of a union that took no cluster launch (p.append.first set): append_range's own launch after it.
+template <class T>
+cudaError_t append_after_union(const ListReductionParams<T>& p, cudaStream_t stream) {
+  if (p.append.first == nullptr) return cudaSuccess;
+  return launch_append_range(p.out, p.slots, p.append.first, p.lengths, p.window, p.append.counts_before, stream);
+}
+
+}  // namespace
+
 template <class T>
 cudaError_t launch_list_reduction(const ListReductionParams<T>& p, const ListReductionBuffers& buf,
                                   cudaStream_t stream) {
   if (p.segment <= kBlockUnionItems) {
     bool sm90 = false;
     if (cudaError_t s = built_for_sm90<union_lists_cluster<T>>(&sm90); s != cudaSuccess) return s;
-    if (sm90) {
+    if (sm90) {  // the append, if any, in the same launch
       return launch(union_lists_cluster<T>,
                     {.grid = dim3(unsigned(p.rows * kClusterUnionRanks)), .block = dim3(kClusterUnionThreads),
                      .stream = stream, .cluster = kClusterUnionRanks, .programmatic = true},
                     p);
     }
-    return launch(union_lists_block<T>,
-                  {.grid = dim3(unsigned(p.rows)), .block = dim3(kBlockUnionThreads), .stream = stream,
-                   .programmatic = true},
-                  p);
+    if (cudaError_t s = launch(union_lists_block<T>,
+                               {.grid = dim3(unsigned(p.rows)), .block = dim3(kBlockUnionThreads), .stream = stream,
+                                .programmatic = true},
+                               p);
+        s != cudaSuccess) {
+      return s;
+    }
+    return append_after_union(p, stream);
   }
   const std::int64_t items = p.rows * p.segment;
   if (cudaError_t s = launch(fill_list_entries<T>, {.grid = dim3(grid_stride_blocks(items, kFillThreads)),
@@ -430,9 +482,13 @@ cudaError_t launch_list_reduction(const ListReductionParams<T>& p, const ListRed
       buf.cub_temp, bytes, static_cast<const std::int32_t*>(buf.keys_in), buf.keys_out, items, p.rows,
       static_cast<const std::int32_t*>(buf.segment_begin), static_cast<const std::int32_t*>(buf.segment_end), stream);
   if (sorted != cudaSuccess) return sorted;
-  return launch(compact_list_entries<T>,
-                {.grid = dim3(unsigned(p.rows)), .block = dim3(kCompactThreads), .stream = stream, .programmatic = true},
-                p, buf);
+  if (cudaError_t s = launch(compact_list_entries<T>, {.grid = dim3(unsigned(p.rows)), .block = dim3(kCompactThreads),
+                                                      .stream = stream, .programmatic = true},
+                             p, buf);
+      s != cudaSuccess) {
+    return s;
+  }
+  return append_after_union(p, stream);
 }
 
 template <class T>

@@ -8,6 +8,7 @@
 #include "kvsift/core/detail/inverted_lists_instances.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
+#include "kvsift/cpu/rerank.hpp"
 
 namespace kvsift::cpu {
 namespace {
@@ -40,8 +41,8 @@ std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chose
 
 template <class T>
 void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
-                 const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
-                 std::span<std::byte> workspace, const Context& ctx) {
+                 const std::int32_t* lengths, const AttentionWindow& window, const UnionAppend& append,
+                 const SelectionView& out, std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cpu::union_lists";
   kvsift::detail::check_list_reduction(where, lists, chosen, slots, lengths, window, out, MemorySpace::host);
   const std::int64_t rows = std::int64_t(chosen.batch) * chosen.kv_heads;
@@ -66,6 +67,7 @@ void union_lists(const InvertedListsView<const T>& lists, const SelectionView& c
     if (float* const weights = out.weights_row(b, h)) std::fill_n(weights, count, 0.0f);
     out.counts[row] = count;
   });
+  if (append.first != nullptr) append_range(out, slots, append.first, lengths, window, append.counts_before);
 }
 
 template <class T>

@@ -6,6 +6,7 @@
 
 #include "kvsift/core/detail/inverted_lists_checks.hpp"
 #include "kvsift/core/detail/inverted_lists_instances.hpp"
+#include "kvsift/core/detail/rerank_checks.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
@@ -45,10 +46,11 @@ std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chose
 
 template <class T>
 void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* d_slots,
-                 const std::int32_t* d_lengths, const AttentionWindow& window, const SelectionView& out,
-                 std::span<std::byte> workspace, const Context& ctx) {
+                 const std::int32_t* d_lengths, const AttentionWindow& window, const UnionAppend& append,
+                 const SelectionView& out, std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cuda::union_lists";
   kvsift::detail::check_list_reduction(where, lists, chosen, d_slots, d_lengths, window, out, MemorySpace::device);
+  if (append.first != nullptr) kvsift::detail::check_append_range(where, out, d_slots, append.first, d_lengths, window);
   KVSIFT_CHECK(std::int64_t(chosen.batch) * chosen.kv_heads <= INT32_MAX, where,
                "chosen.batch * kv_heads (= {} * {}) exceeds 2^31 - 1 CTAs", chosen.batch, chosen.kv_heads);
   const detail::ListReductionParams<T> params{.lists = lists,
@@ -57,6 +59,7 @@ void union_lists(const InvertedListsView<const T>& lists, const SelectionView& c
                                               .lengths = d_lengths,
                                               .window = window,
                                               .out = out,
+                                              .append = append,
                                               .rows = std::int64_t(chosen.batch) * chosen.kv_heads,
                                               .segment = chosen.capacity * lists.list_capacity};
   WorkspaceLayout layout(workspace, where);

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <set>
 #include <vector>
 
@@ -68,6 +69,53 @@ TEST_F(InvertedLists, UnionMatchesSetReference) {
       check_union<half>(rng, repeat % 2 == 1, pl);
     }
   }
+}
+
+// UnionAppend: the union, then each slot's middle tokens from first[slot] on after the union's ids below them
+// (append_range's contract), counts_before the union's sizes; a row that would pass the capacity is refused.
+TEST_F(InvertedLists, UnionWithAnAppendKeepsTheIdsBelowTheRangeThenTheRange) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (int repeat = 0; repeat < 20; ++repeat) {
+    ListsProblem<float> p(rng, 4, 2, 7, 9, 4, 40);
+    const std::int32_t capacity = p.chosen.view.capacity * p.list_capacity + 40;
+    std::vector<std::int32_t> first(std::size_t(p.slot_count));
+    for (auto& f : first) f = rng.uniform_int(0, 42);
+    test::HostSelection out(p.batch, p.kv_heads, capacity, true);
+    std::vector<std::int32_t> counts_before(std::size_t(p.batch) * p.kv_heads, -7);
+    Workspace ws(cpu::list_reduction_workspace_bytes(std::int64_t(p.batch) * p.kv_heads, p.chosen.view.capacity,
+                                                     p.list_capacity, nullptr));
+    cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window,
+                     UnionAppend{.first = first.data(), .counts_before = counts_before.data()}, out.view, ws.span());
+    const auto expected = reference_union(p);
+    for (std::size_t r = 0; r < expected.size(); ++r) {
+      const std::size_t b = r / std::size_t(p.kv_heads);
+      const std::int32_t length = p.lengths[b], sinks = p.window.sink_end(length);
+      const std::int32_t begin = std::max(first[std::size_t(p.slots[b])], sinks), end = p.window.recent_begin(length);
+      std::vector<std::int32_t> want;
+      for (const std::int32_t id : expected[r]) {
+        if (id < begin) want.push_back(id);
+      }
+      for (std::int32_t t = begin; t < end; ++t) want.push_back(t);
+      EXPECT_EQ(counts_before[r], std::int32_t(expected[r].size())) << "row " << r;
+      ASSERT_EQ(out.counts[r], std::int32_t(want.size())) << "row " << r;
+      EXPECT_EQ(std::vector<std::int32_t>(out.indices.begin() + std::int64_t(r) * capacity,
+                                          out.indices.begin() + std::int64_t(r) * capacity + std::int64_t(want.size())),
+                want)
+          << "row " << r;
+    }
+  }
+  // No room for the range: append_range's refusal.
+  ListsProblem<float> p(rng, 2, 1, 3, 4, 2, 400);
+  p.lengths = {400, 400};
+  const std::vector<std::int32_t> first(std::size_t(p.slot_count), 0);
+  test::HostSelection out(p.batch, p.kv_heads, p.chosen.view.capacity * p.list_capacity, false);
+  Workspace ws(cpu::list_reduction_workspace_bytes(2, p.chosen.view.capacity, p.list_capacity, nullptr));
+  test::expect_error(
+      [&] {
+        cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window,
+                         UnionAppend{.first = first.data()}, out.view, ws.span());
+      },
+      "kvsift::cpu::append_range: row 0 holds");
 }
 
 TEST_F(InvertedLists, UnionOfListsWithoutScores) {

@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -93,10 +94,42 @@ void expect_out_equal(const test::HostSelection& cpu, const DeviceOut& gpu) {
 
 class CudaInvertedLists : public test::GpuTest {};
 
+/// append_range's contract written out on the host over a union's rows (the reference of UnionAppend): each row's
+/// ids below its range kept, the range's tokens after them, count -1 past the capacity or for a row already -1;
+/// counts_before the union's counts.
+void append_reference(test::HostSelection& rows, const std::vector<std::int32_t>& slots,
+                      const std::vector<std::int32_t>& first, const std::vector<std::int32_t>& lengths,
+                      const AttentionWindow& window, std::vector<std::int32_t>& counts_before) {
+  const std::int32_t kv_heads = rows.view.kv_heads, capacity = rows.view.capacity;
+  counts_before = rows.counts;
+  for (std::size_t r = 0; r < rows.counts.size(); ++r) {
+    if (rows.counts[r] < 0) continue;
+    const std::size_t b = r / std::size_t(kv_heads);
+    const auto range = kvsift::detail::unindexed_range(first[std::size_t(slots[b])], lengths[b], window);
+    std::int32_t* ids = rows.indices.data() + r * std::size_t(capacity);
+    std::int32_t below = 0;
+    while (below < rows.counts[r] && ids[below] < range.begin) ++below;
+    const std::int32_t added = std::max(0, range.end - range.begin);
+    if (std::int64_t(below) + added > capacity) {
+      rows.counts[r] = -1;
+      continue;
+    }
+    for (std::int32_t i = 0; i < added; ++i) {
+      ids[below + i] = range.begin + i;
+      rows.log_weights[r * std::size_t(capacity) + std::size_t(below + i)] = 0.0f;
+    }
+    rows.counts[r] = below + added;
+  }
+}
+
+/// The union on both backends; with `append_rng`, then each slot's middle tokens from a random first on
+/// (UnionAppend: in the cluster's launch on sm_90, else append_range's launch), against append_reference over the
+/// CPU's union. `room`: the output's capacity past the chosen lists' entries (0 with an append: some rows pass the
+/// capacity and get -1).
 template <class T>
-void check_union(ListsProblem<T> p) {
+void check_union(ListsProblem<T> p, Random* append_rng = nullptr, std::int32_t room = 0) {
   DeviceLists<T> d(p);
-  const std::int32_t list_capacity = p.list_capacity, rows = p.batch * p.kv_heads, capacity = 4 * list_capacity;
+  const std::int32_t list_capacity = p.list_capacity, rows = p.batch * p.kv_heads, capacity = 4 * list_capacity + room;
   test::HostSelection cpu_out(p.batch, p.kv_heads, capacity, true);
   cpu::Array<std::byte> cpu_ws(cpu::list_reduction_workspace_bytes(rows, 4, list_capacity));
   DeviceOut gpu(p.batch, p.kv_heads, capacity);
@@ -104,15 +137,43 @@ void check_union(ListsProblem<T> p) {
   ws.poison();
   cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window, cpu_out.view,
                    cpu_ws.bytes());
-  cuda::union_lists(d.view(p).as_const(), d.chosen(p), d.slots.data(), d.lengths.data(), p.window, gpu.view,
+  if (append_rng == nullptr) {
+    cuda::union_lists(d.view(p).as_const(), d.chosen(p), d.slots.data(), d.lengths.data(), p.window, gpu.view,
+                      {ws.data(), ws.size()}, nullptr);
+    expect_out_equal(cpu_out, gpu);
+    return;
+  }
+  const std::int32_t longest = *std::max_element(p.lengths.begin(), p.lengths.end());
+  std::vector<std::int32_t> first(std::size_t(p.slot_count));
+  for (auto& f : first) f = append_rng->uniform_int(0, 3) == 0 ? 0 : append_rng->uniform_int(0, longest + 2);
+  SCOPED_TRACE(fmt::format("append from [{}], room {}", fmt::join(first, ", "), room));
+  std::vector<std::int32_t> want_before;
+  append_reference(cpu_out, p.slots, first, p.lengths, p.window, want_before);
+  DeviceBuffer<std::int32_t> d_first(first), counts_before(static_cast<std::size_t>(rows));
+  counts_before.poison();
+  cuda::union_lists(d.view(p).as_const(), d.chosen(p), d.slots.data(), d.lengths.data(), p.window,
+                    UnionAppend{.first = d_first.data(), .counts_before = counts_before.data()}, gpu.view,
                     {ws.data(), ws.size()}, nullptr);
-  expect_out_equal(cpu_out, gpu);
+  EXPECT_EQ(counts_before.download(), want_before);
+  // Rows past the capacity are -1 with their entries as the union left them: only the counts are compared there.
+  const auto counts = gpu.counts.download();
+  ASSERT_EQ(counts, cpu_out.counts);
+  const auto indices = gpu.indices.download();
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    for (std::int32_t i = 0; i < counts[r]; ++i) {
+      ASSERT_EQ(indices[r * std::size_t(capacity) + std::size_t(i)], cpu_out.indices[r * std::size_t(capacity) + std::size_t(i)])
+          << "row " << r << " entry " << i;
+    }
+  }
 }
 
 template <class T>
 void check_union(Random& rng, std::int32_t list_capacity = 33, std::int32_t max_len = 300) {
   SCOPED_TRACE(fmt::format("lists of {}, lengths up to {}", list_capacity, max_len));
   check_union(ListsProblem<T>(rng, 5, 2, 9, list_capacity, 4, max_len));
+  // The union then the tokens past each slot's index: with room for every row, and with none.
+  check_union(ListsProblem<T>(rng, 5, 2, 9, list_capacity, 4, max_len), &rng, max_len);
+  check_union(ListsProblem<T>(rng, 5, 2, 9, list_capacity, 4, max_len), &rng, 0);
 }
 
 // The union of up to 10,240 entries per row runs as one launch: on sm_90 a cluster of 8 CTAs per row over windows
@@ -131,7 +192,7 @@ TEST_F(CudaInvertedLists, UnionsAtTheBlockSortsBoundEqualTheCpu) {
 
 // Ids on the edges of the bitmap's words and windows (31, 32, 262,143, 262,144, 524,287, 524,288) at the head of
 // every list, every sequence 600,000 tokens long but the first (empty); batch row 1's ids all past the first window
-// (an empty window before its ids).
+// (an empty window before its ids). Also with an appended range from a random first token on.
 TEST_F(CudaInvertedLists, UnionsAcrossWindowEdgesEqualTheCpu) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   constexpr std::int32_t kLength = 600000;
@@ -148,6 +209,7 @@ TEST_F(CudaInvertedLists, UnionsAcrossWindowEdgesEqualTheCpu) {
       for (std::size_t e = 0; e < edges.size(); ++e) slot_ids[list * std::size_t(p.list_capacity) + e] = edges[e];
     }
   }
+  check_union(p, &rng, kLength);  // the appended range across the windows too
   check_union(std::move(p));
 }
 

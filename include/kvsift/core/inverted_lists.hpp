@@ -72,6 +72,16 @@ struct InvertedListsView {
   }
 };
 
+/// union_lists' optional second part (CTKVR's unindexed tokens): with `first` ([slots], each slot's index boundary)
+/// each row's middle tokens from first[slot] on are appended after the union's entries there are dropped, and
+/// counts_before (optional, [rows]) gets each row's union count: what append_range(out, slots, first, lengths,
+/// window, counts_before) does after the union, in the same call (CUDA: in the union's launch where the union takes
+/// one on sm_90). In the backend's memory.
+struct UnionAppend {
+  const std::int32_t* first = nullptr;
+  std::int32_t* counts_before = nullptr;
+};
+
 namespace detail {
 
 /// Key of a dropped or absent entry in a sort of list entries (the CUDA union's, CSAttention's score tables'):

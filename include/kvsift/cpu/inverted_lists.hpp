@@ -34,10 +34,18 @@ std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chose
 /// lists.slots), a negative length, a chosen count outside [0, chosen.capacity], a list id outside [0,
 /// lists.lists), a chosen list's count outside [0, list_capacity], more than 2^31 - 1 entries in all.
 /// workspace: list_reduction_workspace_bytes(batch * kv_heads, chosen.capacity, lists.list_capacity, pool).
+/// With `append.first` set, then append_range(out, slots, append.first, lengths, window, append.counts_before)
+/// (core/inverted_lists.hpp UnionAppend; its refusals are append_range's).
+template <class T>
+void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
+                 const std::int32_t* lengths, const AttentionWindow& window, const UnionAppend& append,
+                 const SelectionView& out, std::span<std::byte> workspace, const Context& ctx = {});
 template <class T>
 void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
                  const std::int32_t* lengths, const AttentionWindow& window, const SelectionView& out,
-                 std::span<std::byte> workspace, const Context& ctx = {});
+                 std::span<std::byte> workspace, const Context& ctx = {}) {
+  union_lists(lists, chosen, slots, lengths, window, UnionAppend{}, out, workspace, ctx);
+}
 
 /// CTKVR's FIFO update: for selection row (b, h) the list l = lists.cursors[slots[b] * kv_heads + h] of slot
 /// slots[b], kv head h, is overwritten by entries.row(b, h)[0, count) (and, when the lists keep scores, their

@@ -39,10 +39,19 @@ std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chose
 /// chosen.capacity * list_capacity keys per row (dropped and absent entries get a key above every id), CUB's
 /// segmented sort, then one CTA per row keeps the first of each run of equal ids. workspace:
 /// list_reduction_workspace_bytes(batch * kv_heads, chosen.capacity, lists.list_capacity).
+/// With `append.first` (UnionAppend), then cuda::append_range's contract (a row whose entries below the range and
+/// the range pass its capacity gets count -1): on sm_90 in the cluster's launch (each rank writes the union's ids
+/// below the range and a share of the range), else an append_range launch after the union.
+template <class T>
+void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* d_slots,
+                 const std::int32_t* d_lengths, const AttentionWindow& window, const UnionAppend& append,
+                 const SelectionView& out, std::span<std::byte> workspace, const Context& ctx);
 template <class T>
 void union_lists(const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* d_slots,
                  const std::int32_t* d_lengths, const AttentionWindow& window, const SelectionView& out,
-                 std::span<std::byte> workspace, const Context& ctx);
+                 std::span<std::byte> workspace, const Context& ctx) {
+  union_lists(lists, chosen, d_slots, d_lengths, window, UnionAppend{}, out, workspace, ctx);
+}
 
 /// cpu::replace_list. One launch, one CTA per row; replaced may be nullptr.
 template <class T>

@@ -6,7 +6,7 @@
 
 #define KVSIFT_INVERTED_LISTS_INSTANCES(T)                                                                             \
   template void union_lists<T>(const InvertedListsView<const T>&, const SelectionView&, const std::int32_t*,           \
-                               const std::int32_t*, const AttentionWindow&, const SelectionView&,                      \
+                               const std::int32_t*, const AttentionWindow&, const UnionAppend&, const SelectionView&, \
                                std::span<std::byte>, const Context&);                                                  \
   template void replace_list<T>(const InvertedListsView<T>&, const std::int32_t*, const SelectionView&,                \
                                 const MatrixView<const float>&, std::int32_t*, const Context&);

@@ -37,6 +37,7 @@ struct ListReductionParams {
   const std::int32_t* lengths;
   AttentionWindow window;
   SelectionView out;
+  UnionAppend append;    ///< the range appended after the union (append.first nullptr: none)
   std::int64_t rows;     ///< chosen.batch * chosen.kv_heads
   std::int32_t segment;  ///< chosen.capacity * lists.list_capacity
 };

@@ -7,8 +7,8 @@
 /// the group), and selects the best rho' (the budget). With the dynamic centroid update, the query then becomes a
 /// centroid whose list is the top rho of its rerank.
 ///
-/// Written once for both backends from the shared primitives: centroid_scores, topk_rows, union_lists,
-/// append_range, candidate_scores, replace_list, store_centroids (docs/primitives.md).
+/// Written once for both backends from the shared primitives: centroid_scores, topk_rows, union_lists (with its
+/// append of the unindexed tokens), candidate_scores, replace_list, store_centroids (docs/primitives.md).
 /// Include cpu/backend.hpp or cuda/backend.hpp before instantiating it.
 ///
 /// Memory per slot (index_bytes): centroids [q_heads, max_centroids, head_dim] in T, lists [kv_heads,
@@ -75,8 +75,8 @@ struct CtkvrConfig {
   /// plus this, so that the rerank's kernels plan for C' * rho + U candidates where they planned for max_seq_len
   /// (141,312 at 128K tokens; the rows hold ~10K). 0: the planned max_seq_len (always enough). A row past it is
   /// refused where the lengths are host values (the CPU). On CUDA (device lengths) such a row is served while its
-  /// candidates fit the capacity (the union rarely fills its C' lists), and gets count -1 from append_range past
-  /// that, which sparse decode turns into NaN for its heads.
+  /// candidates fit the capacity (the union rarely fills its C' lists), and gets count -1 from the union's append
+  /// (append_range's contract) past that, which sparse decode turns into NaN for its heads.
   std::int32_t max_unindexed = 0;
 };
 
@@ -257,8 +257,8 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
   static constexpr std::int32_t kPrepareTileHeads = 16;
 
   /// Refuses a sequence with more unindexed middle tokens than config.max_unindexed, where the step's slots and
-  /// lengths are host values (the index's boundaries live in the context's memory too); on CUDA append_range marks
-  /// such a row instead.
+  /// lengths are host values (the index's boundaries live in the context's memory too); on CUDA the union's append
+  /// marks such a row instead.
   void check_unindexed(const char* where, const SelectInputs<T>& in) const {
     if constexpr (Context::memory == MemorySpace::host) {
       if (config_.max_unindexed == 0) return;
@@ -334,8 +334,9 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
     const SelectionView chosen{w.chosen, w.chosen_counts, nullptr, batch, kv, config_.recalled_centroids};
     topk_rows(MatrixView<const float>::packed(w.centroid_scores, rows, columns), full_columns_.data(),
               config_.recalled_centroids, TopKRowsOptions{}, chosen, w.centroid_topk, ctx);
-    union_lists(lists().as_const(), chosen, in.slots, in.lengths, in.attention.window, candidates, w.union_scratch, ctx);
-    append_range(candidates, in.slots, boundaries_.data(), in.lengths, in.attention.window, union_sizes_.data(), ctx);
+    union_lists(lists().as_const(), chosen, in.slots, in.lengths, in.attention.window,
+                UnionAppend{.first = boundaries_.data(), .counts_before = union_sizes_.data()}, candidates,
+                w.union_scratch, ctx);
   }
 
   QueryCentroidsView<T> centroids() {
