@@ -75,6 +75,18 @@ struct DeviceCache {
 };
 
 class CudaCtkvrGraph : public test::GpuTest {};
+
+/// An index's lists on the host (ids, counts, cursors) for a selector of `kv_heads` heads, 8 columns, lists of 40:
+/// what two runs that must build the same index are compared by.
+std::tuple<std::vector<std::int32_t>, std::vector<std::int32_t>, std::vector<std::int32_t>> host_lists(
+    const InvertedListsView<const float>& view, std::int32_t kv_heads) {
+  const std::size_t n = std::size_t(kv_heads) * 8;
+  std::vector<std::int32_t> ids(n * 40), counts(n), cursors(static_cast<std::size_t>(kv_heads));
+  KVSIFT_CUDA_CHECK(cudaMemcpy(ids.data(), view.ids, ids.size() * 4, cudaMemcpyDeviceToHost));
+  KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), view.counts, counts.size() * 4, cudaMemcpyDeviceToHost));
+  KVSIFT_CUDA_CHECK(cudaMemcpy(cursors.data(), view.cursors, cursors.size() * 4, cudaMemcpyDeviceToHost));
+  return {ids, counts, cursors};
+}
 /// (group, paged, variant): variant 1 selects 5% of the current length (budget_fraction), pins the six prefill
 /// centroids in eight columns, so the updates cycle over columns 6 and 7, and bounds the unindexed tokens at nine
 /// (max_unindexed): the tenth step holds ten, and is served all the same, its candidates (the middle, once, plus ten)
@@ -233,21 +245,63 @@ TEST_F(CudaCtkvrGraph, CaptureAndReplayEqualTheEagerStep) {
       EXPECT_EQ(o.download(), reference_o.download()) << "replay " << replay;
     }
     if (update) {  // the index both steps built: four updates beside their selections
-      const auto lists = [&](auto& s) {
-        const auto view = s.selector().index_lists();
-        const std::size_t n = std::size_t(p.kv_heads) * 8;
-        std::vector<std::int32_t> ids(n * 40), counts(n), cursors(std::size_t(p.kv_heads));
-        KVSIFT_CUDA_CHECK(cudaMemcpy(ids.data(), view.ids, ids.size() * 4, cudaMemcpyDeviceToHost));
-        KVSIFT_CUDA_CHECK(cudaMemcpy(counts.data(), view.counts, counts.size() * 4, cudaMemcpyDeviceToHost));
-        KVSIFT_CUDA_CHECK(cudaMemcpy(cursors.data(), view.cursors, cursors.size() * 4, cudaMemcpyDeviceToHost));
-        return std::tuple{ids, counts, cursors};
-      };
-      EXPECT_EQ(lists(step), lists(reference));
+      EXPECT_EQ(host_lists(step.selector().index_lists(), p.kv_heads),
+                host_lists(reference.selector().index_lists(), p.kv_heads));
     }
     KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }
 
+
+/// SelectInputs::defer_beside: a select that leaves its index update running (joined by the next select, or by
+/// join_beside) selects what a select that joins it does, step after step, and builds the same index; its update
+/// writes nothing the selection of its own step reads.
+TEST_F(CudaCtkvrGraph, DeferredUpdatesEqualJoinedOnes) {
+  SCOPED_TRACE(seed);
+  CtkvrProblem p(rng, 8, 2, 208, 16, 64);
+  DeviceCache cache(p, false, rng.engine);
+  cache.grow(p.length);
+  DeviceBuffer<half> queries(p.prefill_q);
+  DeviceBuffer<std::int32_t> slot(std::vector<std::int32_t>{0});
+  cudaStream_t stream;
+  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const cuda::Context ctx{stream};
+  const auto make = [&] {
+    Selector s(p.limits(), {.budget = 16, .list_size = 40, .centroids = 6, .max_centroids = 8, .recalled_centroids = 3});
+    s.prepare({.cache = cache.view(p), .slots = slot.data(),
+               .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
+              ctx);
+    return s;
+  };
+  Selector deferring = make(), joining = make();
+  const SelectShape shape{.batch = 1, .q_heads = p.q_heads, .kv_heads = p.kv_heads, .head_dim = p.head_dim};
+  DeviceBuffer<std::byte> ws_a(deferring.select_workspace_bytes(shape, ctx)), ws_b(joining.select_workspace_bytes(shape, ctx));
+  DeviceBuffer<std::int32_t> out_a(std::size_t(p.kv_heads) * 16), counts_a(std::size_t(p.kv_heads));
+  DeviceBuffer<std::int32_t> out_b(out_a.size()), counts_b(counts_a.size());
+  for (int step = 0; step < 4; ++step) {
+    SCOPED_TRACE(testing::Message() << "step " << step);
+    ++p.length;
+    cache.grow(p.length);
+    DeviceBuffer<half> q(test::to_storage<half>(rng.normal(std::size_t(p.q_heads) * p.head_dim)));
+    SelectInputs<half> in{.q = QueryView<const half>::packed(q.data(), 1, p.q_heads, p.head_dim), .cache = cache.view(p),
+                          .slots = slot.data(), .lengths = cache.length.data(), .attention = {.window = kCtkvrWindow}};
+    for (auto* buffer : {&out_a, &counts_a, &out_b, &counts_b}) buffer->poison();
+    ws_a.poison();
+    ws_b.poison();
+    in.defer_beside = true;
+    deferring.select(in, {out_a.data(), counts_a.data(), nullptr, 1, p.kv_heads, 16}, {ws_a.data(), ws_a.size()}, ctx);
+    in.defer_beside = false;
+    joining.select(in, {out_b.data(), counts_b.data(), nullptr, 1, p.kv_heads, 16}, {ws_b.data(), ws_b.size()}, ctx);
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(counts_a.download(), counts_b.download());
+    EXPECT_EQ(out_a.download(), out_b.download());
+  }
+  deferring.join_beside(ctx);
+  deferring.join_beside(ctx);  // nothing pending: nothing
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(host_lists(deferring.index_lists(), p.kv_heads), host_lists(joining.index_lists(), p.kv_heads));
+  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
 
 /// A NaN prompt key (kv head 1, token 101, channel 7: in the middle) is refused at prepare by its position and
 /// value, with a later inf of the same head and a NaN past the prompt (not a key) beside it, contiguous and paged;

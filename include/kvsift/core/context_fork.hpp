@@ -22,6 +22,29 @@ struct ContextFork<Context> {
   using type = typename Context::Fork;
 };
 
+/// beside(a copy of ctx on the fork's second stream), forked off ctx's stream and left running: the caller joins it
+/// (join_beside) before that stream needs its results. An exception from beside still joins and goes on.
+template <ForksWork Context, class Beside>
+void fork_beside(typename Context::Fork& fork, const Context& ctx, Beside&& beside) {
+  Context on_side = ctx;
+  on_side.stream = fork.fork(ctx.stream);
+  try {
+    beside(std::as_const(on_side));
+  } catch (...) {
+    try {
+      fork.join(ctx.stream);
+    } catch (...) {  // the first failure is the one reported
+    }
+    throw;
+  }
+}
+
+/// ctx's stream waits for everything forked beside it so far (fork_beside).
+template <ForksWork Context>
+void join_beside(typename Context::Fork& fork, const Context& ctx) {
+  fork.join(ctx.stream);
+}
+
 /// beside(a copy of ctx on the fork's second stream) beside on_main() on ctx's own stream, joined before it returns
 /// (Fork::run_beside: an exception still joins).
 template <ForksWork Context, class Beside, class OnMain>

@@ -151,6 +151,12 @@ struct SelectInputs {
   AttentionOptions attention{};           ///< sm_scale (for softmax scores) and the window the selection leaves out
   std::int32_t layer = 0;
   std::int32_t max_seq_len = 0;           ///< the SelectShape::max_seq_len the workspace was sized with (0: max_tokens)
+  /// true: work a selector runs beside its selection on a stream of its own, for its next select (CTKVR's index
+  /// update), may still run when select returns; the caller calls the selector's join_beside(ctx) on the same
+  /// stream before the selector is used again (DecodeStep: after the attention, which reads none of that work; in
+  /// a captured graph, before the capture ends). false: select joins it. Only for a selector with join_beside
+  /// (SelectorJoinsBeside); a select that finds work still unjoined joins it first.
+  bool defer_beside = false;
 };
 
 /// A selector-owned compressed cache attended whole besides the primary selection (CentroidKV: per slot and kv
@@ -183,6 +189,11 @@ concept KVSelector =
       { cs.index_bytes() } -> std::convertible_to<IndexBytes>;
       { cs.name() } -> std::convertible_to<std::string_view>;
     };
+
+/// A selector whose select can leave the work it runs beside its selection unjoined (SelectInputs::defer_beside)
+/// for join_beside(ctx) to join; nothing to join is nothing.
+template <class S>
+concept SelectorJoinsBeside = requires(S& s, const typename S::context_type& ctx) { s.join_beside(ctx); };
 
 /// Whether S's select writes log-weights (its optional `writes_log_weights()`; false without it).
 template <KVSelector S>

@@ -28,7 +28,9 @@
 ///   5. CUDA, config.append_beside_select where the selector's select reads no append of its step (A²ATS with a
 ///      recent window): step 3's append ran on a second stream the step owns, forked after step 2, beside the
 ///      select and the attention; the step's stream waits for it here (the next select sees the token). In a
-///      captured graph the append is a parallel branch.
+///      captured graph the append is a parallel branch. Likewise a selector with join_beside (selector.hpp
+///      SelectorJoinsBeside; CTKVR's index update for the next step) leaves the work it forks beside its selection
+///      running through the attention (SelectInputs::defer_beside), joined after it.
 /// A selection row whose count is outside [0, capacity] (a primitive's -1) gets NaN in O and LSE of its query
 /// heads (core/views.hpp SelectionView::counts).
 /// The selection stays in the workspace until the next run: selection(workspace, batch) reads it (the fidelity
@@ -280,15 +282,12 @@ class DecodeStep : public detail::StepBase<S> {
         detail::run_beside(
             *append_fork_, ctx,
             [&](const Context& beside) { part_.append_index(selector_, selector_inputs, b.selector, beside); },
-            [&] {
-              part_.select(selector_, selector_inputs, b.selector, ctx);
-              attend(in, out, b, ctx);
-            });
+            [&] { select_and_attend(selector_inputs, in, out, b, ctx); });
         return;
       }
     }
-    part_.run(selector_, selector_inputs, b.selector, ctx);
-    attend(in, out, b, ctx);
+    part_.append(selector_, selector_inputs, b.selector, ctx);
+    select_and_attend(selector_inputs, in, out, b, ctx);
   }
 
   /// Whether run() puts the append on a stream of its own (config.append_beside_select, on CUDA, where the
@@ -311,6 +310,30 @@ class DecodeStep : public detail::StepBase<S> {
     float* partial_lse[2] = {};
     std::span<std::byte> decode;
   };
+
+  /// The select, then the attention; a selector that can leave the work beside its selection running
+  /// (SelectorJoinsBeside: CTKVR's index update) does, and it is joined after the attention, which reads none of it:
+  /// that work then runs beside the attention, not before it. An exception from the attention still joins.
+  template <class TO>
+  void select_and_attend(const detail::SelectorStepInputs<T>& selector_inputs, const StepInputs<T>& in,
+                         const StateView<TO>& out, const Buffers& b, const Context& ctx) {
+    if constexpr (SelectorJoinsBeside<S>) {
+      part_.select(selector_, selector_inputs, b.selector, ctx, /*defer_beside=*/true);
+      try {
+        attend(in, out, b, ctx);
+      } catch (...) {
+        try {
+          selector_.join_beside(ctx);
+        } catch (...) {  // the first failure is the one reported
+        }
+        throw;
+      }
+      selector_.join_beside(ctx);
+    } else {
+      part_.select(selector_, selector_inputs, b.selector, ctx);
+      attend(in, out, b, ctx);
+    }
+  }
 
   /// The attention of the step's selection (with the window), and of a second source.
   template <class TO>

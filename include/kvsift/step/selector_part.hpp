@@ -113,8 +113,12 @@ class SelectorPart {
                      .layer = in.layer},
                     b.append, ctx);
   }
-  void select(S& selector, const SelectorStepInputs<T>& in, const Buffers& b, const Context& ctx) const {
-    selector.select(select_inputs(in, b), selection(b, in.q.batch), b.select, ctx);
+  /// defer_beside: SelectInputs::defer_beside (the caller joins the selector's work beside its selection).
+  void select(S& selector, const SelectorStepInputs<T>& in, const Buffers& b, const Context& ctx,
+              bool defer_beside = false) const {
+    SelectInputs<T> inputs = select_inputs(in, b);
+    inputs.defer_beside = defer_beside;
+    selector.select(inputs, selection(b, in.q.batch), b.select, ctx);
   }
   /// The select's inputs over the part's lengths; max_seq_len is the bound the scratch was sized with
   /// (SelectShape::max_seq_len).

@@ -161,6 +161,7 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
     const std::int32_t batch = detail::check_cache(where, limits_, in.cache, in.slots, Context::memory);
     detail::check_prefill_queries(where, limits_, in.queries, batch);
     validate(in.attention.window, where, "in.attention.window");
+    join_beside(ctx);  // an update a caller left running writes the index too
     ContextArray<Context, std::int32_t> context_lengths(static_cast<std::size_t>(batch));
     const auto [lengths, slots] =
         detail::read_prefill_rows(where, limits_, in.cache, in.slots, context_lengths.data(), ctx);
@@ -180,6 +181,7 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
     constexpr const char* where = entry_point<"select">();
     const std::int32_t tokens = checked_planned_select<Context>(where, in, out, capacity());
     check_unindexed(where, in);
+    join_beside(ctx);  // an update a caller left running: this select reads the index it writes
     const std::int32_t batch = in.q.batch;
     WorkspaceLayout carving(workspace, where);
     const Buffers w = layout(carving, batch, tokens, ctx);
@@ -191,18 +193,37 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
     if (!config_.dynamic_update) return rerank_.keep(in.lengths, candidates, out, w.rerank, ctx);
     if constexpr (detail::ForksWork<Context>) {
       // The new list and its centroid (the next step's index) on a second stream beside the selection, which reads
-      // neither, joined before select returns: the longer of the two chains, not their sum, before the attention.
-      detail::run_beside(
-          *update_fork_, ctx,
-          [&](const Context& beside) {
-            rerank_.keep_entries(candidates, entries, w.rerank, beside);
-            update(in.q, in.slots, entries, w.replaced, beside);
-          },
-          [&] { rerank_.keep(in.lengths, candidates, out, w.rerank, ctx); });
+      // neither. With in.defer_beside the caller joins it after the attention (join_beside: the update off the
+      // step's path), else it is joined here (the longer of the two chains, not their sum, before the attention).
+      detail::fork_beside(*update_fork_, ctx, [&](const Context& beside) {
+        rerank_.keep_entries(candidates, entries, w.rerank, beside);
+        update(in.q, in.slots, entries, w.replaced, beside);
+      });
+      update_pending_ = true;
+      try {
+        rerank_.keep(in.lengths, candidates, out, w.rerank, ctx);
+      } catch (...) {
+        try {
+          join_beside(ctx);
+        } catch (...) {  // the first failure is the one reported
+        }
+        throw;
+      }
+      if (!in.defer_beside) join_beside(ctx);
     } else {
       rerank_.keep(in.lengths, candidates, out, w.rerank, ctx);
       rerank_.keep_entries(candidates, entries, w.rerank, ctx);
       update(in.q, in.slots, entries, w.replaced, ctx);
+    }
+  }
+
+  /// Joins the dynamic update that a select with SelectInputs::defer_beside left running (CUDA), on ctx's stream;
+  /// nothing pending (or a CPU context): nothing.
+  void join_beside(const Context& ctx) {
+    if constexpr (detail::ForksWork<Context>) {
+      if (!update_pending_) return;
+      update_pending_ = false;
+      detail::join_beside(*update_fork_, ctx);
     }
   }
 
@@ -214,6 +235,7 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
               const Context& ctx) {
     constexpr const char* where = entry_point<"recall">();
     detail::check_select(where, limits_, slot_states_, in, candidates, candidates.capacity, Context::memory);
+    join_beside(ctx);  // an update a caller left running: recall reads the index it writes
     const std::int32_t tokens = detail::planned_tokens(where, "in.max_seq_len", limits_, in.max_seq_len);
     KVSIFT_CHECK(candidates.capacity >= candidate_capacity(tokens), where,
                  "candidates.capacity (= {}) < candidate_capacity(max_seq_len) (= {})", candidates.capacity,
@@ -513,6 +535,8 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
   ContextArray<Context, std::int32_t> full_columns_;
   /// The dynamic update's own stream and events (CUDA), made at construction; empty otherwise.
   std::optional<typename detail::ContextFork<Context>::type> update_fork_;
+  /// A select forked the update and no join has followed (SelectInputs::defer_beside).
+  bool update_pending_ = false;
 };
 
 }  // namespace kvsift
