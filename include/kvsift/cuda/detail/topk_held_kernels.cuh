@@ -197,8 +197,11 @@ struct ScoreWords {
 /// (better), and of those equal to it (tied) the first `take_tied` of the row in index order. `better` and `tied`:
 /// the row's better and tied words before this CTA's slice, whose first word is row index `first_index`. A block
 /// scan of (better, tied) counts per thread places every index: the same set and order as BlockRadixSelect
-/// (detail/block_select.cuh) and cpu::topk_rows. An index is written as ids[index] where `ids` is given (HeldRow).
-/// `scan_buffer`: held_block_scan's, kItems / kHeldVec x 32 words.
+/// (detail/block_select.cuh) and cpu::topk_rows. An index is written as ids[index] where `ids` is given (HeldRow):
+/// the words are classified into two bit masks first, so their registers hold the ids, whose loads are issued
+/// before the scan and wait behind its two barriers (the stores that follow may alias them as far as the compiler
+/// knows, so loads issued between the stores would each wait for the store before). `scan_buffer`:
+/// held_block_scan's, kItems / kHeldVec x 32 words.
 template <int kThreads, int kItems>
 __device__ __forceinline__ void emit_held_words(const std::uint32_t (&word)[kItems], std::uint32_t mask,
                                                 std::uint32_t prefix, std::uint32_t take_tied, std::uint32_t better,
@@ -206,18 +209,27 @@ __device__ __forceinline__ void emit_held_words(const std::uint32_t (&word)[kIte
                                                 const std::int32_t* ids, float* weights, std::uint32_t* scan_buffer) {
   constexpr int kVec = kHeldVec<kItems>;
   constexpr int kGroups = kItems / kVec;
+  static_assert(kItems <= 32, "one bit per item");
   const int tid = threadIdx.x;
+  const auto index_of = [&](int j) { return first_index + ((j / kVec) * kThreads + tid) * kVec + j % kVec; };
+  std::uint32_t better_bits = 0, tied_bits = 0;  // bit j: item j is better than the threshold, or tied with it
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const std::uint32_t x = word[j];
+    better_bits |= (x != kNoWord && (x & mask) < prefix ? 1u : 0u) << j;
+    tied_bits |= (x != kNoWord && (x & mask) == prefix ? 1u : 0u) << j;
+  }
+  std::int32_t id[kItems];  // what each item writes if chosen
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    id[j] = ids != nullptr && ((better_bits | tied_bits) >> j & 1u) ? __ldg(ids + index_of(j)) : index_of(j);
+  }
   std::uint32_t packed[kGroups], exclusive[kGroups], total[kGroups];
+  constexpr std::uint32_t kGroupBits = (1u << kVec) - 1u;
 #pragma unroll
   for (int g = 0; g < kGroups; ++g) {
-    std::uint32_t lt = 0, eq = 0;
-#pragma unroll
-    for (int q = 0; q < kVec; ++q) {
-      const std::uint32_t x = word[kVec * g + q];
-      lt += (x != kNoWord && (x & mask) < prefix) ? 1u : 0u;
-      eq += (x != kNoWord && (x & mask) == prefix) ? 1u : 0u;
-    }
-    packed[g] = lt | (eq << 16);
+    packed[g] = std::uint32_t(__popc(better_bits >> (kVec * g) & kGroupBits)) |
+                std::uint32_t(__popc(tied_bits >> (kVec * g) & kGroupBits)) << 16;
   }
   held_block_scan<kThreads, kGroups>(packed, exclusive, total, scan_buffer);
 #pragma unroll
@@ -226,18 +238,17 @@ __device__ __forceinline__ void emit_held_words(const std::uint32_t (&word)[kIte
     if (packed[g] != 0) {
 #pragma unroll
       for (int q = 0; q < kVec; ++q) {
-        const std::uint32_t x = word[kVec * g + q];
-        const std::int32_t index = first_index + (g * kThreads + tid) * kVec + q;
+        const int j = kVec * g + q;
         std::int32_t at = -1;
-        if (x != kNoWord && (x & mask) < prefix) {
+        if (better_bits >> j & 1u) {
           at = std::int32_t(at_better + min(at_tied, take_tied));
           ++at_better;
-        } else if (x != kNoWord && (x & mask) == prefix) {
+        } else if (tied_bits >> j & 1u) {
           if (at_tied < take_tied) at = std::int32_t(at_better + at_tied);
           ++at_tied;
         }
         if (at >= 0) {
-          indices[at] = picked_id(ids, index);
+          indices[at] = id[j];
           if (weights != nullptr) weights[at] = 0.0f;
         }
       }
