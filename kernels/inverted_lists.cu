@@ -16,6 +16,7 @@
 #include <cub/device/device_segmented_sort.cuh>
 
 #include "kvsift/core/dtype.hpp"
+#include "kvsift/core/ranking.hpp"
 #include "kvsift/cuda/detail/inverted_lists_launch.hpp"
 #include "kvsift/cuda/detail/launch.cuh"
 #include "kvsift/cuda/detail/primitives_kernels.cuh"
@@ -45,11 +46,11 @@ using kvsift::detail::kAbsentListEntry;
 /// A reduction row is valid when its slot, length and chosen count are (cuda/inverted_lists.hpp); the count of its
 /// segment is then chosen count * list_capacity.
 template <class T>
-__device__ bool reduction_row_valid(const ListReductionParams<T>& p, std::int64_t row, std::int32_t* chosen_count) {
+__device__ bool reduction_row_valid(const ListReductionParams<T>& p, std::int64_t row, std::int32_t chosen_count) {
   const std::int64_t b = row / p.chosen.kv_heads;
-  const std::int32_t slot = p.slots[b], count = p.chosen.counts[row];
-  *chosen_count = count;
-  return slot >= 0 && slot < p.lists.slots && p.lengths[b] >= 0 && count >= 0 && count <= p.chosen.capacity;
+  const std::int32_t slot = p.slots[b];
+  return slot >= 0 && slot < p.lists.slots && p.lengths[b] >= 0 && chosen_count >= 0 &&
+         chosen_count <= p.chosen.capacity;
 }
 
 /// One thread per entry of every row's segment: entry k is position k % list_capacity of chosen list k /
@@ -62,8 +63,8 @@ __global__ void fill_list_entries(ListReductionParams<T> p, ListReductionBuffers
        e += std::int64_t(gridDim.x) * blockDim.x) {
     const std::int64_t row = e / p.segment;
     const std::int32_t k = std::int32_t(e % p.segment);
-    std::int32_t chosen_count = 0;
-    const bool valid = reduction_row_valid(p, row, &chosen_count);
+    const std::int32_t chosen_count = p.chosen.counts[row];
+    const bool valid = reduction_row_valid(p, row, chosen_count);
     if (k == 0) {
       buf.segment_begin[row] = std::int32_t(row * p.segment);
       buf.segment_end[row] = std::int32_t(row * p.segment) + (valid ? chosen_count * p.lists.list_capacity : 0);
@@ -93,8 +94,8 @@ __global__ void __launch_bounds__(kCompactThreads) compact_list_entries(ListRedu
   using BlockScan = cub::BlockScan<std::int32_t, kCompactThreads>;
   __shared__ typename BlockScan::TempStorage scan;
   const std::int64_t row = blockIdx.x;
-  std::int32_t chosen_count = 0;
-  if (!reduction_row_valid(p, row, &chosen_count)) {
+  const std::int32_t chosen_count = p.chosen.counts[row];
+  if (!reduction_row_valid(p, row, chosen_count)) {
     if (threadIdx.x == 0) p.out.counts[row] = -1;
     return;
   }
@@ -133,12 +134,13 @@ __global__ void __launch_bounds__(kCompactThreads) compact_list_entries(ListRedu
 /// A union's dropped entry (an unchosen or short list's slot, an id the window or the length drops).
 constexpr std::uint32_t kDropped = 0xffffffffu;
 
-/// A valid row's entries k = entry(j), j < kItems, of its segment (position k % list_capacity of chosen list k /
-/// list_capacity) into keys: each one's id, or kDropped. Returns the largest kept id + 1, 0 when none.
+/// A valid row's entries k = entry(j), j < kItems, of its segment (position k % list_capacity of chosen list
+/// chosen_row[k / list_capacity]) into keys: each one's id, or kDropped. Returns the largest kept id + 1, 0 when
+/// none.
 template <int kItems, class T, class Entry>
 __device__ __forceinline__ std::uint32_t load_segment(const ListReductionParams<T>& p, std::int64_t row,
-                                                      std::int32_t chosen_count, Entry entry,
-                                                      std::uint32_t (&keys)[kItems]) {
+                                                      const std::int32_t* chosen_row, std::int32_t chosen_count,
+                                                      Entry entry, std::uint32_t (&keys)[kItems]) {
   const std::int64_t b = row / p.chosen.kv_heads, h = row % p.chosen.kv_heads;
   const std::int32_t slot = p.slots[b], length = p.lengths[b], capacity = p.lists.list_capacity;
   const std::int32_t n = chosen_count * capacity;
@@ -148,7 +150,7 @@ __device__ __forceinline__ std::uint32_t load_segment(const ListReductionParams<
     const std::int32_t k = entry(j);
     keys[j] = kDropped;
     if (k >= n) continue;
-    const std::int32_t l = p.chosen.indices[row * p.chosen.capacity + k / capacity], position = k % capacity;
+    const std::int32_t l = chosen_row[k / capacity], position = k % capacity;
     if (l < 0 || l >= p.lists.lists) continue;
     const std::int32_t list_count = p.lists.count(slot, h, l);
     if (list_count < 0 || list_count > capacity || position >= list_count) continue;
@@ -158,6 +160,19 @@ __device__ __forceinline__ std::uint32_t load_segment(const ListReductionParams<
     top = max(top, std::uint32_t(id) + 1);
   }
   return top;
+}
+
+/// The ids of a bitmap word's set bits (bit i: id base + i) below `limit`, ascending, at dst[position] on (weight 0
+/// where weights are kept), position advanced past them.
+__device__ __forceinline__ void write_bit_ids(std::uint32_t bits, std::uint32_t base, std::uint32_t limit,
+                                              std::int32_t* dst, float* weights, std::int32_t& position) {
+  for (; bits != 0; bits &= bits - 1) {
+    const std::uint32_t id = base + std::uint32_t(__ffs(bits) - 1);
+    if (id >= limit) return;  // ascending: the word's other ids are past the limit too
+    dst[position] = std::int32_t(id);
+    if (weights != nullptr) weights[position] = 0.0f;
+    ++position;
+  }
 }
 
 /// The union of one row of at most kBlockUnionItems entries: each thread loads entries [t * kPerThread, (t + 1) *
@@ -183,14 +198,15 @@ __global__ void __launch_bounds__(kBlockUnionThreads) union_lists_block(ListRedu
   static_assert(sizeof(storage.bitmap) <= sizeof(typename Sort::TempStorage), "the bitmap adds no shared memory");
   __shared__ std::uint32_t largest;
   const std::int64_t row = blockIdx.x;
-  std::int32_t chosen_count = 0;
-  if (!reduction_row_valid(p, row, &chosen_count)) {
+  const std::int32_t chosen_count = p.chosen.counts[row];
+  if (!reduction_row_valid(p, row, chosen_count)) {
     if (threadIdx.x == 0) p.out.counts[row] = -1;
     return;  // the whole CTA
   }
   std::uint32_t keys[kBlockUnionPerThread];
-  const std::uint32_t top = load_segment(
-      p, row, chosen_count, [](int j) { return std::int32_t(threadIdx.x) * kBlockUnionPerThread + j; }, keys);
+  const std::uint32_t top =
+      load_segment(p, row, p.chosen.indices + row * p.chosen.capacity, chosen_count,
+                   [](int j) { return std::int32_t(threadIdx.x) * kBlockUnionPerThread + j; }, keys);
   const std::uint32_t block_top =
       Reduce(storage.reduce).Reduce(top, [](std::uint32_t a, std::uint32_t c) { return a > c ? a : c; });
   if (threadIdx.x == 0) largest = block_top;
@@ -224,11 +240,7 @@ __global__ void __launch_bounds__(kBlockUnionThreads) union_lists_block(ListRedu
     Scan(storage.scan).ExclusiveSum(ids, position, total);
 #pragma unroll
     for (int j = 0; j < kBlockUnionWordsPerThread; ++j) {
-      for (std::uint32_t bits = run[j]; bits != 0; bits &= bits - 1) {
-        dst[position] = (first + j) * 32 + (__ffs(bits) - 1);
-        if (weights != nullptr) weights[position] = 0.0f;
-        ++position;
-      }
+      write_bit_ids(run[j], std::uint32_t(first + j) * 32u, 0xffffffffu, dst, weights, position);
     }
     if (threadIdx.x == 0) p.out.counts[row] = total;
     return;
@@ -259,6 +271,65 @@ __global__ void __launch_bounds__(kBlockUnionThreads) union_lists_block(ListRedu
     ++position;
   }
   if (threadIdx.x == 0) p.out.counts[row] = total;
+}
+
+/// recall_lists' choice in the cluster's launch (p.recall): the best picks = min(chosen.capacity, columns[b]) columns
+/// of the row's score row by rank_key (NaN first, then the higher score, ties to the smaller column: topk_rows'
+/// picks), one pass over the CTA's registers and one barrier per pick, the last pick's key the next pass's floor.
+/// Every rank of the cluster finds the same picks (each reads the row, from L2 past the first): no cluster barrier,
+/// no distributed shared memory. `picked` (shared) gets them in pick order; a rank with `writes` writes the row's
+/// chosen lists ascending (topk_rows' order), their log-weights 0 where chosen has them, and its count. A row whose columns lie outside [0, scores.cols] gets
+/// -1 (topk_rows' invalid row), as its union does.
+template <class T>
+__device__ std::int32_t recall_chosen(const ListReductionParams<T>& p, std::int64_t row, bool writes,
+                                      std::int32_t* picked) {
+  constexpr int kThreads = kClusterUnionThreads, kWarps = kThreads / 32;
+  constexpr int kItems = kRecallFusedColumns / kThreads;
+  static_assert(kItems * kThreads == kRecallFusedColumns);
+  __shared__ std::uint64_t warp_best[2][kWarps];  // alternate: a warp one pick ahead writes the other
+  const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const std::int32_t columns = p.recall.columns[row / p.chosen.kv_heads];
+  if (columns < 0 || columns > p.recall.scores.cols) {
+    if (writes && tid == 0) p.chosen.counts[row] = -1;
+    return -1;
+  }
+  const std::int32_t picks = min(p.chosen.capacity, columns);
+  const float* scores = p.recall.scores.row(row);
+  std::uint32_t word[kItems];
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const int column = j * kThreads + tid;
+    word[j] = column < columns ? rank_word(__ldg(scores + column)) : 0u;
+  }
+  std::uint64_t floor = 0;  // every key below it is picked
+  for (std::int32_t pick = 0; pick < picks; ++pick) {
+    std::uint64_t best = ~std::uint64_t(0);
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int column = j * kThreads + tid;
+      const std::uint64_t key = std::uint64_t(word[j]) << 32 | std::uint32_t(column);
+      if (column < columns && key >= floor) best = min(best, key);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) best = min(best, __shfl_xor_sync(0xffffffffu, best, offset));
+    if (lane == 0) warp_best[pick & 1][warp] = best;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) best = min(best, warp_best[pick & 1][w]);
+    if (tid == 0) picked[pick] = std::int32_t(best & 0xffffffffu);
+    floor = best + 1;
+  }
+  __syncthreads();  // the picks
+  if (writes) {
+    if (tid < picks) {  // each pick at its rank among the picks' columns
+      std::int32_t at = 0;
+      for (std::int32_t i = 0; i < picks; ++i) at += picked[i] < picked[tid];
+      p.chosen.indices[row * p.chosen.capacity + at] = picked[tid];
+      if (p.chosen.log_weights != nullptr) p.chosen.log_weights[row * p.chosen.capacity + at] = 0.0f;
+    }
+    if (tid == 0) p.chosen.counts[row] = picks;
+  }
+  return picks;
 }
 
 /// A row of at most kBlockUnionItems entries on a cluster of kClusterUnionRanks CTAs (sm_90). On one CTA the union
@@ -294,8 +365,11 @@ __global__ void __launch_bounds__(kClusterUnionThreads) union_lists_cluster(List
   const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
   const int rank = int(cluster.block_rank()), tid = int(threadIdx.x);
   const std::int64_t row = blockIdx.x / kRanks;
-  std::int32_t chosen_count = 0;
-  if (!reduction_row_valid(p, row, &chosen_count)) {  // the same for every rank: the whole cluster returns
+  __shared__ std::int32_t recalled[kRecallFusedChosen];
+  const bool recall = p.recall.scores.data != nullptr;
+  const std::int32_t chosen_count = recall ? recall_chosen(p, row, rank == 0, recalled) : p.chosen.counts[row];
+  const std::int32_t* chosen_row = recall ? recalled : p.chosen.indices + row * p.chosen.capacity;
+  if (!reduction_row_valid(p, row, chosen_count)) {  // the same for every rank: the whole cluster returns
     if (rank == 0 && tid == 0) {
       p.out.counts[row] = -1;
       if (p.append.counts_before != nullptr) p.append.counts_before[row] = -1;
@@ -311,7 +385,7 @@ __global__ void __launch_bounds__(kClusterUnionThreads) union_lists_cluster(List
   const std::uint32_t range_begin = std::uint32_t(range.begin);
   std::uint32_t keys[kPerThread];
   const std::uint32_t top =
-      load_segment(p, row, chosen_count, [&](int j) { return (j * kRanks + rank) * kThreads + tid; }, keys);
+      load_segment(p, row, chosen_row, chosen_count, [&](int j) { return (j * kRanks + rank) * kThreads + tid; }, keys);
   const std::uint32_t cta_top = Reduce(reduce).Reduce(top, [](std::uint32_t a, std::uint32_t c) { return a > c ? a : c; });
   cluster.sync();  // every rank has started: its shared memory may be written
   if (tid < kRanks) cluster.map_shared_rank(rank_top, tid)[rank] = __shfl_sync(0xffu, cta_top, 0);
@@ -363,13 +437,7 @@ __global__ void __launch_bounds__(kClusterUnionThreads) union_lists_cluster(List
     position = (position & 0xffff) + written + (below & 0xffff);
 #pragma unroll
     for (int j = 0; j < kWordsPerThread; ++j) {
-      for (std::uint32_t bits = run[j]; bits != 0; bits &= bits - 1) {
-        const std::uint32_t id = window + std::uint32_t(mine + j) * 32u + std::uint32_t(__ffs(bits) - 1);
-        if (id >= range_begin) break;  // ascending: the rest of this thread's ids are at or past the range too
-        dst[position] = std::int32_t(id);
-        if (weights != nullptr) weights[position] = 0.0f;
-        ++position;
-      }
+      write_bit_ids(run[j], window + std::uint32_t(mine + j) * 32u, range_begin, dst, weights, position);
     }
     written += window_total & 0xffff;
     written_below += window_total >> 16;
@@ -450,12 +518,28 @@ cudaError_t append_after_union(const ListReductionParams<T>& p, cudaStream_t str
 }  // namespace
 
 template <class T>
+cudaError_t recall_fuses(std::int32_t columns, std::int32_t chosen_capacity, std::int32_t segment, bool* fused) {
+  *fused = false;
+  if (columns > kRecallFusedColumns || chosen_capacity > kRecallFusedChosen || segment > kBlockUnionItems) {
+    return cudaSuccess;
+  }
+  return built_for_sm90<union_lists_cluster<T>>(fused);
+}
+
+template <class T>
 cudaError_t launch_list_reduction(const ListReductionParams<T>& p, const ListReductionBuffers& buf,
                                   cudaStream_t stream) {
+  if (p.recall.scores.data != nullptr) {
+    bool fused = false;
+    if (cudaError_t s = recall_fuses<T>(p.recall.scores.cols, p.chosen.capacity, p.segment, &fused); s != cudaSuccess) {
+      return s;
+    }
+    if (!fused) return cudaErrorInvalidValue;
+  }
   if (p.segment <= kBlockUnionItems) {
     bool sm90 = false;
     if (cudaError_t s = built_for_sm90<union_lists_cluster<T>>(&sm90); s != cudaSuccess) return s;
-    if (sm90) {  // the append, if any, in the same launch
+    if (sm90) {  // the append, if any, and recall_lists' choice, in the same launch
       return launch(union_lists_cluster<T>,
                     {.grid = dim3(unsigned(p.rows * kClusterUnionRanks)), .block = dim3(kClusterUnionThreads),
                      .stream = stream, .cluster = kClusterUnionRanks, .programmatic = true},
@@ -502,6 +586,7 @@ cudaError_t launch_replace_list(const InvertedListsView<T>& lists, const std::in
 }
 
 #define KVSIFT_INSTANTIATE(T)                                                                                       \
+  template cudaError_t recall_fuses<T>(std::int32_t, std::int32_t, std::int32_t, bool*);                            \
   template cudaError_t launch_list_reduction<T>(const ListReductionParams<T>&, const ListReductionBuffers&,          \
                                                 cudaStream_t);                                                      \
   template cudaError_t launch_replace_list<T>(const InvertedListsView<T>&, const std::int32_t*, const SelectionView&, \

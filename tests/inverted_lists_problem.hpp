@@ -2,10 +2,13 @@
 /// Random inverted lists for the CPU and CUDA inverted-list tests: ragged list counts (empty and full lists),
 /// ids that repeat across lists and fall outside the sequences (negative, past the length, in the window),
 /// optional scores (which the union must ignore and replace_list writes), batch rows in a random subset of the
-/// slots, and chosen list ids per row; and the union's reference.
+/// slots, and chosen list ids per row; and the union's reference. For recall_lists: score rows over the lists and
+/// the reference choice.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <set>
 #include <vector>
@@ -98,6 +101,51 @@ std::vector<std::set<std::int32_t>> reference_union(const ListsProblem<T>& p) {
     }
   }
   return rows;
+}
+
+/// recall_lists' score rows [batch * kv_heads, cols] and columns [batch]: uniform scores with ties (a few repeated
+/// values), -inf, +inf, -0 and +0, and NaN in about one row of four; columns from 0 to cols, often cols.
+struct RecallScores {
+  std::int32_t cols;
+  std::vector<float> scores;
+  std::vector<std::int32_t> columns;
+
+  RecallScores(Random& rng, std::int32_t batch, std::int32_t kv_heads, std::int32_t cols_) : cols(cols_) {
+    const float kInf = std::numeric_limits<float>::infinity();
+    const float repeated[] = {0.25f, -1.5f, 0.0f, -0.0f};
+    scores.resize(std::size_t(batch) * kv_heads * cols);
+    for (std::size_t r = 0; r < scores.size() / std::size_t(cols); ++r) {
+      const bool nans = rng.uniform_int(0, 3) == 0;
+      for (std::int32_t c = 0; c < cols; ++c) {
+        const int kind = rng.uniform_int(0, 19);
+        float& s = scores[r * std::size_t(cols) + std::size_t(c)];
+        s = kind < 4 ? repeated[kind] : kind == 4 ? -kInf : kind == 5 ? kInf : rng.uniform(-2.0f, 2.0f);
+        if (nans && kind == 6) s = std::numeric_limits<float>::quiet_NaN();
+      }
+    }
+    for (std::int32_t b = 0; b < batch; ++b) columns.push_back(rng.uniform_int(0, 1) == 0 ? cols : rng.uniform_int(0, cols));
+  }
+  MatrixView<const float> view() const { return MatrixView<const float>::packed(scores.data(), std::int64_t(scores.size() / std::size_t(cols)), cols); }
+};
+
+/// recall_lists' choice written from the contract: per selection row the min(k, columns[b]) best columns (NaN
+/// first, then the higher score, equal scores to the smaller column; -0 equals +0), ascending, into chosen.
+inline void reference_choice(const RecallScores& s, std::int32_t kv_heads, std::int32_t k, HostSelection& chosen) {
+  const std::size_t rows = s.scores.size() / std::size_t(s.cols);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const float* row = s.scores.data() + r * std::size_t(s.cols);
+    std::vector<std::int32_t> order(std::size_t(s.columns[r / std::size_t(kv_heads)]));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) {
+      const bool nan_a = std::isnan(row[a]), nan_b = std::isnan(row[b]);
+      if (nan_a || nan_b) return nan_a && !nan_b;
+      return row[a] > row[b];
+    });
+    order.resize(std::min(order.size(), std::size_t(k)));
+    std::sort(order.begin(), order.end());
+    std::copy(order.begin(), order.end(), chosen.indices.begin() + std::ptrdiff_t(r * std::size_t(k)));
+    chosen.counts[r] = std::int32_t(order.size());
+  }
 }
 
 }  // namespace kvsift::test

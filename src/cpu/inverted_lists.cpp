@@ -9,6 +9,7 @@
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cpu/rerank.hpp"
+#include "kvsift/cpu/topk.hpp"
 
 namespace kvsift::cpu {
 namespace {
@@ -26,7 +27,39 @@ std::int32_t* layout_reduction(WorkspaceLayout& layout, std::int64_t workers, st
   return layout.allocate<std::int32_t>(checked_mul(std::size_t(workers), segment, what), "entry_ids");
 }
 
+/// The single layout behind recall_lists_workspace_bytes and the carving of recall_lists: the top-k's, the union's.
+struct RecallScratch {
+  std::span<std::byte> topk, reduction;
+};
+RecallScratch layout_recall(WorkspaceLayout& layout, std::int64_t rows, std::int32_t columns,
+                            std::int32_t chosen_capacity, std::int32_t list_capacity, const Context& ctx) {
+  RecallScratch s;
+  s.topk = layout.span(topk_rows_workspace_bytes(rows, columns, chosen_capacity, {}, ctx.pool), "recall top-k");
+  s.reduction = layout.span(list_reduction_workspace_bytes(rows, chosen_capacity, list_capacity, ctx), "recall union");
+  return s;
+}
+
 }  // namespace
+
+std::size_t recall_lists_workspace_bytes(std::int64_t rows, std::int32_t columns, std::int32_t chosen_capacity,
+                                         std::int32_t list_capacity, const Context& ctx) {
+  WorkspaceLayout counting;
+  layout_recall(counting, rows, columns, chosen_capacity, list_capacity, ctx);
+  return counting.bytes();
+}
+
+template <class T>
+void recall_lists(const MatrixView<const float>& scores, const std::int32_t* columns,
+                  const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
+                  const std::int32_t* lengths, const AttentionWindow& window, const UnionAppend& append,
+                  const SelectionView& out, std::span<std::byte> workspace, const Context& ctx) {
+  constexpr const char* where = "cpu::recall_lists";
+  kvsift::detail::check_recall_scores(where, scores, lists, chosen);
+  WorkspaceLayout layout(workspace, where);
+  const RecallScratch w = layout_recall(layout, scores.rows, scores.cols, chosen.capacity, lists.list_capacity, ctx);
+  topk_rows(scores, columns, chosen.capacity, TopKRowsOptions{}, chosen, w.topk, ctx.pool);
+  union_lists(lists, chosen, slots, lengths, window, append, out, w.reduction, ctx);
+}
 
 std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity, std::int32_t list_capacity,
                                            const Context& ctx) {

@@ -7,10 +7,12 @@
 #include "kvsift/core/detail/inverted_lists_checks.hpp"
 #include "kvsift/core/detail/inverted_lists_instances.hpp"
 #include "kvsift/core/detail/rerank_checks.hpp"
+#include "kvsift/core/detail/topk_rows_checks.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/workspace.hpp"
 #include "kvsift/cuda/check.hpp"
 #include "kvsift/cuda/detail/inverted_lists_launch.hpp"
+#include "kvsift/cuda/topk.hpp"
 
 namespace kvsift::cuda {
 namespace {
@@ -28,7 +30,48 @@ detail::ListReductionBuffers layout_reduction(WorkspaceLayout& layout, std::int6
   return b;
 }
 
+/// The single layout behind recall_lists_workspace_bytes and the carving of recall_lists: the top-k's, the union's.
+struct RecallScratch {
+  std::span<std::byte> topk, reduction;
+};
+RecallScratch layout_recall(WorkspaceLayout& layout, std::int64_t rows, std::int32_t columns,
+                            std::int32_t chosen_capacity, std::int32_t list_capacity) {
+  RecallScratch s;
+  s.topk = layout.span(topk_rows_workspace_bytes(rows, columns, chosen_capacity, {}), "recall top-k");
+  s.reduction = layout.span(list_reduction_workspace_bytes(rows, chosen_capacity, list_capacity), "recall union");
+  return s;
+}
+
+/// The union's params (shapes checked).
+template <class T>
+detail::ListReductionParams<T> reduction_params(const InvertedListsView<const T>& lists, const SelectionView& chosen,
+                                                const std::int32_t* d_slots, const std::int32_t* d_lengths,
+                                                const AttentionWindow& window, const UnionAppend& append,
+                                                const SelectionView& out, const char* where) {
+  kvsift::detail::check_list_reduction(where, lists, chosen, d_slots, d_lengths, window, out, MemorySpace::device);
+  if (append.first != nullptr) kvsift::detail::check_append_range(where, out, d_slots, append.first, d_lengths, window);
+  KVSIFT_CHECK(std::int64_t(chosen.batch) * chosen.kv_heads <= INT32_MAX, where,
+               "chosen.batch * kv_heads (= {} * {}) exceeds 2^31 - 1 CTAs", chosen.batch, chosen.kv_heads);
+  return {.lists = lists,
+          .chosen = chosen,
+          .slots = d_slots,
+          .lengths = d_lengths,
+          .window = window,
+          .out = out,
+          .append = append,
+          .recall = {},
+          .rows = std::int64_t(chosen.batch) * chosen.kv_heads,
+          .segment = chosen.capacity * lists.list_capacity};
+}
+
 }  // namespace
+
+std::size_t recall_lists_workspace_bytes(std::int64_t rows, std::int32_t columns, std::int32_t chosen_capacity,
+                                         std::int32_t list_capacity, const Context&) {
+  WorkspaceLayout counting;
+  layout_recall(counting, rows, columns, chosen_capacity, list_capacity);
+  return counting.bytes();
+}
 
 std::size_t list_reduction_workspace_bytes(std::int64_t rows, std::int32_t chosen_capacity,
                                            std::int32_t list_capacity, const Context&) {
@@ -49,22 +92,34 @@ void union_lists(const InvertedListsView<const T>& lists, const SelectionView& c
                  const std::int32_t* d_lengths, const AttentionWindow& window, const UnionAppend& append,
                  const SelectionView& out, std::span<std::byte> workspace, const Context& ctx) {
   constexpr const char* where = "cuda::union_lists";
-  kvsift::detail::check_list_reduction(where, lists, chosen, d_slots, d_lengths, window, out, MemorySpace::device);
-  if (append.first != nullptr) kvsift::detail::check_append_range(where, out, d_slots, append.first, d_lengths, window);
-  KVSIFT_CHECK(std::int64_t(chosen.batch) * chosen.kv_heads <= INT32_MAX, where,
-               "chosen.batch * kv_heads (= {} * {}) exceeds 2^31 - 1 CTAs", chosen.batch, chosen.kv_heads);
-  const detail::ListReductionParams<T> params{.lists = lists,
-                                              .chosen = chosen,
-                                              .slots = d_slots,
-                                              .lengths = d_lengths,
-                                              .window = window,
-                                              .out = out,
-                                              .append = append,
-                                              .rows = std::int64_t(chosen.batch) * chosen.kv_heads,
-                                              .segment = chosen.capacity * lists.list_capacity};
+  const detail::ListReductionParams<T> params =
+      reduction_params(lists, chosen, d_slots, d_lengths, window, append, out, where);
   WorkspaceLayout layout(workspace, where);
   const detail::ListReductionBuffers buffers = layout_reduction(layout, params.rows, params.segment);
   KVSIFT_CUDA_CHECK(detail::launch_list_reduction(params, buffers, ctx.stream));
+}
+
+template <class T>
+void recall_lists(const MatrixView<const float>& scores, const std::int32_t* d_columns,
+                  const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* d_slots,
+                  const std::int32_t* d_lengths, const AttentionWindow& window, const UnionAppend& append,
+                  const SelectionView& out, std::span<std::byte> workspace, const Context& ctx) {
+  constexpr const char* where = "cuda::recall_lists";
+  kvsift::detail::check_recall_scores(where, scores, lists, chosen);
+  kvsift::detail::check_topk_rows_call(where, scores, d_columns, "d_columns", chosen.capacity, {}, chosen);
+  detail::ListReductionParams<T> params =
+      reduction_params(lists, chosen, d_slots, d_lengths, window, append, out, where);
+  WorkspaceLayout layout(workspace, where);
+  const RecallScratch w = layout_recall(layout, scores.rows, scores.cols, chosen.capacity, lists.list_capacity);
+  bool fused = false;
+  KVSIFT_CUDA_CHECK(detail::recall_fuses<T>(scores.cols, chosen.capacity, params.segment, &fused));
+  if (fused) {  // the top-k in the union's launch
+    params.recall = {.scores = scores, .columns = d_columns};
+    KVSIFT_CUDA_CHECK(detail::launch_list_reduction(params, detail::ListReductionBuffers{}, ctx.stream));
+    return;
+  }
+  topk_rows(scores, d_columns, chosen.capacity, TopKRowsOptions{}, chosen, w.topk, ctx.stream);
+  union_lists(lists, chosen, d_slots, d_lengths, window, append, out, w.reduction, ctx);
 }
 
 template <class T>

@@ -58,6 +58,31 @@ void check_union(Random& rng, bool weights, cpu::ThreadPool* pool) {
   }
 }
 
+/// UnionAppend's result written from the contracts: per row the union's ids (the set reference over p.chosen) below
+/// the range [max(first[slot], sink_end), recent_begin), then the range; counts_before the union's sizes.
+template <class T>
+void expect_union_then_append(const ListsProblem<T>& p, const std::vector<std::int32_t>& first,
+                              const std::vector<std::int32_t>& counts_before, const test::HostSelection& out) {
+  const auto expected = reference_union(p);
+  const auto capacity = std::int64_t(out.view.capacity);
+  for (std::size_t r = 0; r < expected.size(); ++r) {
+    const std::size_t b = r / std::size_t(p.kv_heads);
+    const std::int32_t length = p.lengths[b];
+    const std::int32_t begin = std::max(first[std::size_t(p.slots[b])], p.window.sink_end(length));
+    std::vector<std::int32_t> want;
+    for (const std::int32_t id : expected[r]) {
+      if (id < begin) want.push_back(id);
+    }
+    for (std::int32_t t = begin; t < p.window.recent_begin(length); ++t) want.push_back(t);
+    EXPECT_EQ(counts_before[r], std::int32_t(expected[r].size())) << "row " << r;
+    ASSERT_EQ(out.counts[r], std::int32_t(want.size())) << "row " << r;
+    EXPECT_EQ(std::vector<std::int32_t>(out.indices.begin() + std::int64_t(r) * capacity,
+                                        out.indices.begin() + std::int64_t(r) * capacity + std::int64_t(want.size())),
+              want)
+        << "row " << r;
+  }
+}
+
 class InvertedLists : public test::SeededTest {};
 
 TEST_F(InvertedLists, UnionMatchesSetReference) {
@@ -86,23 +111,7 @@ TEST_F(InvertedLists, UnionWithAnAppendKeepsTheIdsBelowTheRangeThenTheRange) {
                                                      p.list_capacity, nullptr));
     cpu::union_lists(p.view().as_const(), p.chosen.view, p.slots.data(), p.lengths.data(), p.window,
                      UnionAppend{.first = first.data(), .counts_before = counts_before.data()}, out.view, ws.span());
-    const auto expected = reference_union(p);
-    for (std::size_t r = 0; r < expected.size(); ++r) {
-      const std::size_t b = r / std::size_t(p.kv_heads);
-      const std::int32_t length = p.lengths[b], sinks = p.window.sink_end(length);
-      const std::int32_t begin = std::max(first[std::size_t(p.slots[b])], sinks), end = p.window.recent_begin(length);
-      std::vector<std::int32_t> want;
-      for (const std::int32_t id : expected[r]) {
-        if (id < begin) want.push_back(id);
-      }
-      for (std::int32_t t = begin; t < end; ++t) want.push_back(t);
-      EXPECT_EQ(counts_before[r], std::int32_t(expected[r].size())) << "row " << r;
-      ASSERT_EQ(out.counts[r], std::int32_t(want.size())) << "row " << r;
-      EXPECT_EQ(std::vector<std::int32_t>(out.indices.begin() + std::int64_t(r) * capacity,
-                                          out.indices.begin() + std::int64_t(r) * capacity + std::int64_t(want.size())),
-                want)
-          << "row " << r;
-    }
+    expect_union_then_append(p, first, counts_before, out);
   }
   // No room for the range: append_range's refusal.
   ListsProblem<float> p(rng, 2, 1, 3, 4, 2, 400);
@@ -116,6 +125,59 @@ TEST_F(InvertedLists, UnionWithAnAppendKeepsTheIdsBelowTheRangeThenTheRange) {
                          UnionAppend{.first = first.data()}, out.view, ws.span());
       },
       "kvsift::cpu::append_range: row 0 holds");
+}
+
+// recall_lists: each score row's k best lists (reference_choice, written from the contract: NaN first, ties to the
+// smaller column) into chosen, poisoned first, then the union of exactly those lists (the set reference over that
+// choice) with an append; ragged columns (0 included), ties, infinities and NaN; with and without a pool.
+TEST_F(InvertedLists, RecallChoosesTheBestListsThenUnitesThem) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(3);
+  for (int repeat = 0; repeat < 20; ++repeat) {
+    const std::int32_t k = rng.uniform_int(1, 5), lists = rng.uniform_int(k, 12);
+    ListsProblem<float> p(rng, 4, 2, lists, 9, k, 40);
+    const test::RecallScores scores(rng, p.batch, p.kv_heads, rng.uniform_int(1, lists));
+    const std::int32_t rows = p.batch * p.kv_heads, capacity = k * p.list_capacity + 40;
+    std::vector<std::int32_t> first(std::size_t(p.slot_count));
+    for (auto& f : first) f = rng.uniform_int(0, 42);
+    test::HostSelection chosen(p.batch, p.kv_heads, k, false), out(p.batch, p.kv_heads, capacity, true);
+    std::vector<std::int32_t> counts_before(std::size_t(rows), -7);
+    cpu::ThreadPool* pl = repeat % 2 == 0 ? nullptr : &pool;
+    Workspace ws(cpu::recall_lists_workspace_bytes(rows, scores.cols, k, p.list_capacity, pl));
+    cpu::recall_lists(scores.view(), scores.columns.data(), p.view().as_const(), chosen.view, p.slots.data(),
+                      p.lengths.data(), p.window, UnionAppend{.first = first.data(), .counts_before = counts_before.data()},
+                      out.view, ws.span(), pl);
+    std::fill(p.chosen.indices.begin(), p.chosen.indices.end(), test::kPoisonIndex);
+    test::reference_choice(scores, p.kv_heads, k, p.chosen);
+    ASSERT_EQ(chosen.counts, p.chosen.counts);
+    ASSERT_EQ(chosen.indices, p.chosen.indices);  // past each count: still the poison
+    expect_union_then_append(p, first, counts_before, out);
+  }
+}
+
+// recall_lists' own refusals (topk_rows' and union_lists' are theirs, tested with them): a score row per selection
+// row, no column past the lists; nothing is written.
+TEST_F(InvertedLists, RecallRefusesScoresThatDoNotMatchTheLists) {
+  ListsProblem<float> p(rng, 2, 2, 4, 5, 3, 30);
+  const test::RecallScores scores(rng, p.batch, p.kv_heads, 4);
+  test::HostSelection chosen(p.batch, p.kv_heads, 3, false), out(p.batch, p.kv_heads, 15, false);
+  Workspace ws(cpu::recall_lists_workspace_bytes(4, 4, 3, 5));
+  const auto run = [&](const MatrixView<const float>& s, InvertedListsView<const float> lists) {
+    cpu::recall_lists(s, scores.columns.data(), lists, chosen.view, p.slots.data(), p.lengths.data(), p.window,
+                      UnionAppend{}, out.view, ws.span());
+  };
+  auto fewer_rows = scores.view();
+  fewer_rows.rows = 3;
+  test::expect_error([&] { run(fewer_rows, p.view().as_const()); },
+                     {"cpu::recall_lists", "scores.rows (= 3) must equal chosen.batch * chosen.kv_heads (= 2 * 2)"});
+  auto fewer_lists = p.view().as_const();
+  fewer_lists.lists = 3;
+  test::expect_error([&] { run(scores.view(), fewer_lists); },
+                     {"cpu::recall_lists", "scores.cols (= 4) exceeds lists.lists (= 3)"});
+  EXPECT_TRUE(std::all_of(chosen.counts.begin(), chosen.counts.end(), [](std::int32_t c) { return c == test::kPoisonIndex; }));
+  EXPECT_TRUE(std::all_of(out.counts.begin(), out.counts.end(), [](std::int32_t c) { return c == test::kPoisonIndex; }));
+  run(scores.view(), p.view().as_const());  // the valid call runs
+  EXPECT_NE(chosen.counts[0], test::kPoisonIndex);
 }
 
 TEST_F(InvertedLists, UnionOfListsWithoutScores) {

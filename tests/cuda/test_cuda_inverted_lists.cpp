@@ -1,7 +1,7 @@
 // CUDA inverted lists (cuda/inverted_lists.hpp) against their CPU twins (whose tests check them against std::set
 // references and a plain FIFO), bit for bit: the union on both of its paths (one launch per row set, the segmented
-// sort)
-// and the FIFO replacement over several steps, fp32 and fp16 scores, outputs poisoned first. Also: the union
+// sort), recall_lists on both of its (the top-k in the union's launch, topk_rows then the union), and the FIFO
+// replacement over several steps, fp32 and fp16 scores, outputs poisoned first. Also: the union
 // captured in a CUDA graph and replayed equals the eager run, the device-value rules, and the host-side refusals
 // (which run without a GPU).
 #include <gtest/gtest.h>
@@ -92,6 +92,21 @@ void expect_out_equal(const test::HostSelection& cpu, const DeviceOut& gpu) {
   }
 }
 
+/// After a union with an append: the counts, and the entries below them (past them, the union's own launch leaves
+/// its ids past the range where append_range's launch wrote fewer; rows past the capacity are -1 with their
+/// entries as the union left them).
+void expect_appended_equal(const test::HostSelection& cpu, const DeviceOut& gpu) {
+  const auto counts = gpu.counts.download(), indices = gpu.indices.download();
+  const auto capacity = std::size_t(cpu.view.capacity);
+  ASSERT_EQ(counts, cpu.counts);
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    for (std::int32_t i = 0; i < counts[r]; ++i) {
+      ASSERT_EQ(indices[r * capacity + std::size_t(i)], cpu.indices[r * capacity + std::size_t(i)])
+          << "row " << r << " entry " << i;
+    }
+  }
+}
+
 class CudaInvertedLists : public test::GpuTest {};
 
 /// append_range's contract written out on the host over a union's rows (the reference of UnionAppend): each row's
@@ -155,16 +170,7 @@ void check_union(ListsProblem<T> p, Random* append_rng = nullptr, std::int32_t r
                     UnionAppend{.first = d_first.data(), .counts_before = counts_before.data()}, gpu.view,
                     {ws.data(), ws.size()}, nullptr);
   EXPECT_EQ(counts_before.download(), want_before);
-  // Rows past the capacity are -1 with their entries as the union left them: only the counts are compared there.
-  const auto counts = gpu.counts.download();
-  ASSERT_EQ(counts, cpu_out.counts);
-  const auto indices = gpu.indices.download();
-  for (std::size_t r = 0; r < counts.size(); ++r) {
-    for (std::int32_t i = 0; i < counts[r]; ++i) {
-      ASSERT_EQ(indices[r * std::size_t(capacity) + std::size_t(i)], cpu_out.indices[r * std::size_t(capacity) + std::size_t(i)])
-          << "row " << r << " entry " << i;
-    }
-  }
+  expect_appended_equal(cpu_out, gpu);
 }
 
 template <class T>
@@ -218,6 +224,69 @@ TEST_F(CudaInvertedLists, SmallUnionsEqualTheCpu) {
   for (int repeat = 0; repeat < 5; ++repeat) {
     check_union<float>(rng);
     check_union<half>(rng);
+  }
+}
+
+/// recall_lists on both backends, bit for bit: chosen (poisoned first), the union with an append, counts_before.
+/// With `bad_rows`, batch rows 1 and 3 get device columns outside [0, cols] (-1, cols + 1) and the CPU twin 0 columns:
+/// those rows must come out -1 in chosen, the union and counts_before (topk_rows' invalid row), the others as the
+/// CPU's.
+template <class T>
+void check_recall(Random& rng, std::int32_t lists, std::int32_t list_capacity, std::int32_t k, std::int32_t cols,
+                  bool bad_rows) {
+  SCOPED_TRACE(fmt::format("{} lists of {}, k {}, {} columns{}", lists, list_capacity, k, cols, bad_rows ? ", bad rows" : ""));
+  ListsProblem<T> p(rng, 5, 2, lists, list_capacity, k, 300);
+  test::RecallScores scores(rng, p.batch, p.kv_heads, cols);
+  const std::int32_t rows = p.batch * p.kv_heads, capacity = k * list_capacity + 300;
+  std::vector<std::int32_t> first(std::size_t(p.slot_count)), device_columns = scores.columns;
+  for (auto& f : first) f = rng.uniform_int(0, 3) == 0 ? 0 : rng.uniform_int(0, 302);
+  if (bad_rows) {
+    device_columns[1] = -1;
+    device_columns[3] = cols + 1;
+    scores.columns[1] = scores.columns[3] = 0;
+  }
+  test::HostSelection cpu_chosen(p.batch, p.kv_heads, k, true), cpu_out(p.batch, p.kv_heads, capacity, true);
+  std::vector<std::int32_t> cpu_before(static_cast<std::size_t>(rows));
+  cpu::Array<std::byte> cpu_ws(cpu::recall_lists_workspace_bytes(rows, cols, k, list_capacity));
+  cpu::recall_lists(scores.view(), scores.columns.data(), p.view().as_const(), cpu_chosen.view, p.slots.data(),
+                    p.lengths.data(), p.window, UnionAppend{.first = first.data(), .counts_before = cpu_before.data()},
+                    cpu_out.view, cpu_ws.bytes());
+  for (const std::int32_t b : {1, 3}) {
+    for (std::int32_t h = 0; bad_rows && h < p.kv_heads; ++h) {
+      const std::size_t r = std::size_t(b) * p.kv_heads + std::size_t(h);
+      cpu_chosen.counts[r] = cpu_out.counts[r] = cpu_before[r] = -1;
+    }
+  }
+  DeviceLists<T> d(p);
+  DeviceBuffer<float> d_scores(scores.scores);
+  DeviceBuffer<std::int32_t> d_columns(device_columns), d_first(first), before(static_cast<std::size_t>(rows));
+  DeviceOut chosen(p.batch, p.kv_heads, k), out(p.batch, p.kv_heads, capacity);
+  before.poison();
+  DeviceBuffer<std::byte> ws(cuda::recall_lists_workspace_bytes(rows, cols, k, list_capacity));
+  ws.poison();
+  cuda::recall_lists(MatrixView<const float>::packed(d_scores.data(), rows, cols), d_columns.data(),
+                     d.view(p).as_const(), chosen.view, d.slots.data(), d.lengths.data(), p.window,
+                     UnionAppend{.first = d_first.data(), .counts_before = before.data()}, out.view,
+                     {ws.data(), ws.size()}, nullptr);
+  EXPECT_EQ(before.download(), cpu_before);
+  expect_out_equal(cpu_chosen, chosen);
+  expect_appended_equal(cpu_out, out);
+}
+
+// recall_lists: in the union's cluster launch on sm_90 (up to 2048 columns, 16 chosen lists, 10,240 entries a
+// row: CTKVR's C' = 4 lists of 2560 among them), else topk_rows' launch then the union's (2049 and 9000 columns,
+// 17 chosen lists, 4 lists of 3000). Scores with ties, infinities, signed zeros and NaN; ragged columns; bad device columns.
+TEST_F(CudaInvertedLists, RecallsEqualTheCpu) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const bool bad_rows : {false, true}) {
+    check_recall<half>(rng, 2048, 40, 4, 2048, bad_rows);
+    check_recall<float>(rng, 2048, 8, 16, 2048, bad_rows);
+    check_recall<half>(rng, 2049, 8, 4, 2049, bad_rows);
+    check_recall<half>(rng, 64, 2560, 4, 64, bad_rows);
+    check_recall<float>(rng, 37, 5, 1, 30, bad_rows);
+    check_recall<float>(rng, 9000, 8, 4, 9000, bad_rows);
+    check_recall<half>(rng, 40, 33, 17, 40, bad_rows);
+    check_recall<float>(rng, 16, 3000, 4, 16, bad_rows);
   }
 }
 
@@ -395,6 +464,13 @@ TEST(CudaInvertedListsBadInput, RefusedBeforeAnyDeviceCall) {
   }, {"cuda::replace_list", "entries.capacity (= 6) exceeds lists.list_capacity (= 5)"});
   test::expect_error([&] { cuda::list_reduction_workspace_bytes(1 << 20, 1 << 10, 1 << 10); },
                      "exceeds 2^31 - 1 entries");
+  const test::RecallScores scores(rng, 2, 2, 4);
+  auto fewer_rows = scores.view();
+  fewer_rows.rows = 3;
+  test::expect_error([&] {
+    cuda::recall_lists(fewer_rows, scores.columns.data(), p.view().as_const(), p.chosen.view, p.slots.data(),
+                       p.lengths.data(), p.window, UnionAppend{}, wide.view, {ws.data(), ws.size()}, nullptr);
+  }, {"cuda::recall_lists", "scores.rows (= 3) must equal chosen.batch * chosen.kv_heads (= 2 * 2)"});
 }
 
 }  // namespace

@@ -47,6 +47,23 @@ void union_lists(const InvertedListsView<const T>& lists, const SelectionView& c
   union_lists(lists, chosen, slots, lengths, window, UnionAppend{}, out, workspace, ctx);
 }
 
+/// Bytes of host workspace of recall_lists: topk_rows' for `rows` score rows of `columns` and k = chosen_capacity,
+/// then union_lists' (each 256-byte aligned).
+std::size_t recall_lists_workspace_bytes(std::int64_t rows, std::int32_t columns, std::int32_t chosen_capacity,
+                                         std::int32_t list_capacity, const Context& ctx = {});
+
+/// CTKVR's recall: topk_rows(scores, columns, chosen.capacity, TopKRowsOptions{}, chosen) then union_lists(lists,
+/// chosen, slots, lengths, window, append, out): each row's chosen.capacity best lists by its score row [batch *
+/// kv_heads, lists], written to chosen (indices and counts, as topk_rows writes them), and the union of their
+/// entries. `columns` [batch]: each batch row's scored lists (topk_rows' lengths). Refusals: topk_rows' and
+/// union_lists'. One call because CUDA makes it one launch (cuda/inverted_lists.hpp); the results are the same.
+/// workspace: recall_lists_workspace_bytes(batch * kv_heads, scores.cols, chosen.capacity, lists.list_capacity, ctx).
+template <class T>
+void recall_lists(const MatrixView<const float>& scores, const std::int32_t* columns,
+                  const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* slots,
+                  const std::int32_t* lengths, const AttentionWindow& window, const UnionAppend& append,
+                  const SelectionView& out, std::span<std::byte> workspace, const Context& ctx = {});
+
 /// CTKVR's FIFO update: for selection row (b, h) the list l = lists.cursors[slots[b] * kv_heads + h] of slot
 /// slots[b], kv head h, is overwritten by entries.row(b, h)[0, count) (and, when the lists keep scores, their
 /// scores.row(b * kv_heads + h), rounded to T), its count set, and the cursor advanced to l + 1, or from the last

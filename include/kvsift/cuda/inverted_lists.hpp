@@ -53,6 +53,21 @@ void union_lists(const InvertedListsView<const T>& lists, const SelectionView& c
   union_lists(lists, chosen, d_slots, d_lengths, window, UnionAppend{}, out, workspace, ctx);
 }
 
+/// Device workspace of recall_lists: topk_rows' then list_reduction's (the composition's; the one launch uses none).
+std::size_t recall_lists_workspace_bytes(std::int64_t rows, std::int32_t columns, std::int32_t chosen_capacity,
+                                         std::int32_t list_capacity, const Context& = {});
+
+/// cpu::recall_lists. On sm_90, for score rows of at most 2048 columns, at most 16 chosen lists and a union of one
+/// launch (chosen.capacity * list_capacity <= 10,240): one launch, the union's cluster (each of a row's 8 CTAs
+/// finds the row's picks itself: a pass over the row in registers and a CTA barrier per pick). Else topk_rows'
+/// launch, then union_lists'. Device-value rules: topk_rows' for columns (a row outside [0, scores.cols] gets chosen
+/// count -1), then union_lists'.
+template <class T>
+void recall_lists(const MatrixView<const float>& scores, const std::int32_t* d_columns,
+                  const InvertedListsView<const T>& lists, const SelectionView& chosen, const std::int32_t* d_slots,
+                  const std::int32_t* d_lengths, const AttentionWindow& window, const UnionAppend& append,
+                  const SelectionView& out, std::span<std::byte> workspace, const Context& ctx);
+
 /// cpu::replace_list. One launch, one CTA per row; replaced may be nullptr.
 template <class T>
 void replace_list(const InvertedListsView<T>& lists, const std::int32_t* d_slots, const SelectionView& entries,

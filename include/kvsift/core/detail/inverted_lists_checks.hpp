@@ -38,6 +38,18 @@ inline void check_selection_rows(const char* where, const char* name, const Sele
   check_positive(where, name, "capacity", rows.capacity);
 }
 
+/// recall_lists' score rows: one per selection row, one column per list at most (checked before its top-k, so
+/// that a pick past the lists is refused before anything is written).
+template <class T>
+void check_recall_scores(const char* where, const MatrixView<const float>& scores, const InvertedListsView<T>& lists,
+                         const SelectionView& chosen) {
+  KVSIFT_CHECK(scores.rows == std::int64_t(chosen.batch) * chosen.kv_heads, where,
+               "scores.rows (= {}) must equal chosen.batch * chosen.kv_heads (= {} * {}): a score row per selection row",
+               scores.rows, chosen.batch, chosen.kv_heads);
+  KVSIFT_CHECK(scores.cols <= lists.lists, where, "scores.cols (= {}) exceeds lists.lists (= {}): a column scores a list",
+               scores.cols, lists.lists);
+}
+
 /// slots[b] in [0, slot_count) for every batch row; with `distinct`, no slot twice (two rows updating one slot's
 /// lists would race).
 inline void check_list_slots(const char* where, const std::int32_t* slots, std::int32_t batch, std::int32_t slot_count,

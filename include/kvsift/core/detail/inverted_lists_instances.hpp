@@ -8,5 +8,9 @@
   template void union_lists<T>(const InvertedListsView<const T>&, const SelectionView&, const std::int32_t*,           \
                                const std::int32_t*, const AttentionWindow&, const UnionAppend&, const SelectionView&, \
                                std::span<std::byte>, const Context&);                                                  \
+  template void recall_lists<T>(const MatrixView<const float>&, const std::int32_t*, const InvertedListsView<const T>&, \
+                                const SelectionView&, const std::int32_t*, const std::int32_t*,                        \
+                                const AttentionWindow&, const UnionAppend&, const SelectionView&,                      \
+                                std::span<std::byte>, const Context&);                                                 \
   template void replace_list<T>(const InvertedListsView<T>&, const std::int32_t*, const SelectionView&,                \
                                 const MatrixView<const float>&, std::int32_t*, const Context&);

@@ -29,6 +29,21 @@ struct ListReductionBuffers {
 /// sorts them in registers (kernels/inverted_lists.cu). Larger ones take the segmented sort.
 inline constexpr std::int32_t kBlockUnionItems = 10240;
 
+/// recall_lists' top-k in the union's launch (the cluster path, sm_90): score rows of at most this many columns
+/// (8 words a thread: the cluster kernel keeps 48 registers, 5 CTAs an SM; with 32 words, 111 registers and 2 CTAs
+/// an SM, CTKVR's batch-8 union took two waves, +21 us a step on the H200), at most this many chosen lists (a pass
+/// over the row's registers and a barrier per pick).
+inline constexpr std::int32_t kRecallFusedColumns = 2048;
+inline constexpr std::int32_t kRecallFusedChosen = 16;
+
+/// recall_lists' choice made in the union's launch: each row's chosen.capacity best columns of its score row, as
+/// topk_rows(scores, columns, chosen.capacity, {}) picks them, written to chosen. scores.data nullptr: the chosen
+/// lists are given (union_lists).
+struct ListRecall {
+  MatrixView<const float> scores;
+  const std::int32_t* columns = nullptr;  ///< [chosen.batch]: each batch row's scored columns (topk_rows' lengths)
+};
+
 template <class T>
 struct ListReductionParams {
   InvertedListsView<const T> lists;
@@ -38,6 +53,7 @@ struct ListReductionParams {
   AttentionWindow window;
   SelectionView out;
   UnionAppend append;    ///< the range appended after the union (append.first nullptr: none)
+  ListRecall recall;     ///< the chosen lists' choice in the launch (recall.scores.data nullptr: none)
   std::int64_t rows;     ///< chosen.batch * chosen.kv_heads
   std::int32_t segment;  ///< chosen.capacity * lists.list_capacity
 };
@@ -45,6 +61,11 @@ struct ListReductionParams {
 /// CUB's segmented-sort scratch for rows * segment keys.
 cudaError_t list_reduction_cub_bytes(std::int64_t rows, std::int32_t segment, std::size_t* bytes);
 
+/// Whether recall_lists runs in one launch (the union's cluster path, its top-k inside) for these shapes.
+template <class T>
+cudaError_t recall_fuses(std::int32_t columns, std::int32_t chosen_capacity, std::int32_t segment, bool* fused);
+
+/// With params.recall set, only where recall_fuses holds (else cudaErrorInvalidValue).
 template <class T>
 cudaError_t launch_list_reduction(const ListReductionParams<T>& params, const ListReductionBuffers& buffers,
                                   cudaStream_t stream);

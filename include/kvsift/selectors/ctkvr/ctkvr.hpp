@@ -7,8 +7,9 @@
 /// the group), and selects the best rho' (the budget). With the dynamic centroid update, the query then becomes a
 /// centroid whose list is the top rho of its rerank.
 ///
-/// Written once for both backends from the shared primitives: centroid_scores, topk_rows, union_lists (with its
-/// append of the unindexed tokens), candidate_scores, replace_list, store_centroids (docs/primitives.md).
+/// Written once for both backends from the shared primitives: centroid_scores, recall_lists (the top C' and the
+/// union of their lists, with the append of the unindexed tokens; one launch on sm_90), candidate_scores,
+/// topk_rows, replace_list, store_centroids (docs/primitives.md).
 /// Include cpu/backend.hpp or cuda/backend.hpp before instantiating it.
 ///
 /// Memory per slot (index_bytes): centroids [q_heads, max_centroids, head_dim] in T, lists [kv_heads,
@@ -19,7 +20,8 @@
 /// planned bound N where that is 0 or larger).
 /// On CUDA, with the dynamic update, select runs the update (the top rho, the new list, its centroid) on a second
 /// stream the selector owns (cuda::StreamFork, made at construction) beside the selection's top rho', and joins it
-/// before it returns: stream-ordered and graph-capturable as before (in a captured graph, a parallel branch).
+/// before it returns, or with SelectInputs::defer_beside (the decode step) after the attention (join_beside):
+/// stream-ordered and graph-capturable as before (in a captured graph, a parallel branch).
 
 #include <algorithm>
 #include <cstddef>
@@ -267,7 +269,7 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
   struct RecallBuffers {
     float* centroid_scores;
     std::int32_t *chosen, *chosen_counts;
-    std::span<std::byte> centroid_topk, union_scratch;
+    std::span<std::byte> scratch;  // recall_lists'
   };
   struct Buffers {
     RecallBuffers recall;
@@ -326,11 +328,9 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
     b.centroid_scores = layout.allocate<float>(r * std::size_t(columns), "CTKVR centroid scores");
     b.chosen = layout.allocate<std::int32_t>(r * std::size_t(config_.recalled_centroids), "CTKVR chosen lists");
     b.chosen_counts = layout.allocate<std::int32_t>(r, "CTKVR chosen counts");
-    b.centroid_topk = layout.span(topk_rows_workspace_bytes(rows, columns, config_.recalled_centroids, {}, ctx),
-                                  "CTKVR centroid top-k scratch");
-    b.union_scratch = layout.span(
-        list_reduction_workspace_bytes(rows, config_.recalled_centroids, config_.list_size, ctx),
-        "CTKVR union scratch");
+    b.scratch = layout.span(
+        recall_lists_workspace_bytes(rows, columns, config_.recalled_centroids, config_.list_size, ctx),
+        "CTKVR recall scratch");
     return b;
   }
   Buffers layout(WorkspaceLayout& layout, std::int32_t batch, std::int32_t tokens, const Context& ctx) const {
@@ -354,11 +354,10 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
     centroid_scores(in.q, centroids().as_const(), in.slots, kv, MatrixView<float>::packed(w.centroid_scores, rows, columns),
                     ctx);
     const SelectionView chosen{w.chosen, w.chosen_counts, nullptr, batch, kv, config_.recalled_centroids};
-    topk_rows(MatrixView<const float>::packed(w.centroid_scores, rows, columns), full_columns_.data(),
-              config_.recalled_centroids, TopKRowsOptions{}, chosen, w.centroid_topk, ctx);
-    union_lists(lists().as_const(), chosen, in.slots, in.lengths, in.attention.window,
-                UnionAppend{.first = boundaries_.data(), .counts_before = union_sizes_.data()}, candidates,
-                w.union_scratch, ctx);
+    recall_lists(MatrixView<const float>::packed(w.centroid_scores, rows, columns), full_columns_.data(),
+                 lists().as_const(), chosen, in.slots, in.lengths, in.attention.window,
+                 UnionAppend{.first = boundaries_.data(), .counts_before = union_sizes_.data()}, candidates, w.scratch,
+                 ctx);
   }
 
   QueryCentroidsView<T> centroids() {
