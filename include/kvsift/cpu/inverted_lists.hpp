@@ -55,8 +55,10 @@ std::size_t recall_lists_workspace_bytes(std::int64_t rows, std::int32_t columns
 /// CTKVR's recall: topk_rows(scores, columns, chosen.capacity, TopKRowsOptions{}, chosen) then union_lists(lists,
 /// chosen, slots, lengths, window, append, out): each row's chosen.capacity best lists by its score row [batch *
 /// kv_heads, lists], written to chosen (indices and counts, as topk_rows writes them), and the union of their
-/// entries. `columns` [batch]: each batch row's scored lists (topk_rows' lengths). Refusals: topk_rows' and
-/// union_lists'. One call because CUDA makes it one launch (cuda/inverted_lists.hpp); the results are the same.
+/// entries. `columns` [batch]: each batch row's scored lists (topk_rows' lengths). Refused first, writing nothing:
+/// scores.rows other than batch * kv_heads, scores.cols > lists.lists; then topk_rows' refusals (nothing written)
+/// and union_lists' (which read chosen's contents, so chosen is written by then; out is not). One call because CUDA
+/// makes it one launch (cuda/inverted_lists.hpp); the results are the same.
 /// workspace: recall_lists_workspace_bytes(batch * kv_heads, scores.cols, chosen.capacity, lists.list_capacity, ctx).
 template <class T>
 void recall_lists(const MatrixView<const float>& scores, const std::int32_t* columns,
