@@ -252,7 +252,6 @@ TEST_F(CudaCtkvrGraph, CaptureAndReplayEqualTheEagerStep) {
   }
 }
 
-
 /// SelectInputs::defer_beside: a select that leaves its index update running (joined by the next select, or by
 /// join_beside) selects what a select that joins it does, step after step, and builds the same index; its update
 /// writes nothing the selection of its own step reads.
