@@ -22,21 +22,28 @@ struct ContextFork<Context> {
   using type = typename Context::Fork;
 };
 
+/// work(); where it throws, join() first (work forked beside must not outlive the call that failed), then the
+/// exception goes on: the first failure is the one reported, a failure of join() is dropped.
+template <class Work, class Join>
+void joined_on_failure(Work&& work, Join&& join) {
+  try {
+    work();
+  } catch (...) {
+    try {
+      join();
+    } catch (...) {  // the first failure is the one reported
+    }
+    throw;
+  }
+}
+
 /// beside(a copy of ctx on the fork's second stream), forked off ctx's stream and left running: the caller joins it
 /// (join_beside) before that stream needs its results. An exception from beside still joins and goes on.
 template <ForksWork Context, class Beside>
 void fork_beside(typename Context::Fork& fork, const Context& ctx, Beside&& beside) {
   Context on_side = ctx;
   on_side.stream = fork.fork(ctx.stream);
-  try {
-    beside(std::as_const(on_side));
-  } catch (...) {
-    try {
-      fork.join(ctx.stream);
-    } catch (...) {  // the first failure is the one reported
-    }
-    throw;
-  }
+  joined_on_failure([&] { beside(std::as_const(on_side)); }, [&] { fork.join(ctx.stream); });
 }
 
 /// ctx's stream waits for everything forked beside it so far (fork_beside).

@@ -319,15 +319,7 @@ class DecodeStep : public detail::StepBase<S> {
                          const StateView<TO>& out, const Buffers& b, const Context& ctx) {
     if constexpr (SelectorJoinsBeside<S>) {
       part_.select(selector_, selector_inputs, b.selector, ctx, /*defer_beside=*/true);
-      try {
-        attend(in, out, b, ctx);
-      } catch (...) {
-        try {
-          selector_.join_beside(ctx);
-        } catch (...) {  // the first failure is the one reported
-        }
-        throw;
-      }
+      detail::joined_on_failure([&] { attend(in, out, b, ctx); }, [&] { selector_.join_beside(ctx); });
       selector_.join_beside(ctx);
     } else {
       part_.select(selector_, selector_inputs, b.selector, ctx);

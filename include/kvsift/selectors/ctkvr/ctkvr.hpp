@@ -202,15 +202,8 @@ class Ctkvr : public SelectorTypes<T, Context>, public detail::SelectorCore<"Ctk
         update(in.q, in.slots, entries, w.replaced, beside);
       });
       update_pending_ = true;
-      try {
-        rerank_.keep(in.lengths, candidates, out, w.rerank, ctx);
-      } catch (...) {
-        try {
-          join_beside(ctx);
-        } catch (...) {  // the first failure is the one reported
-        }
-        throw;
-      }
+      detail::joined_on_failure([&] { rerank_.keep(in.lengths, candidates, out, w.rerank, ctx); },
+                                [&] { join_beside(ctx); });
       if (!in.defer_beside) join_beside(ctx);
     } else {
       rerank_.keep(in.lengths, candidates, out, w.rerank, ctx);
