@@ -73,6 +73,30 @@ __device__ __forceinline__ void octet_dot_held(const float* q, const uint4 (&key
 template <class T, int kVecs>
 inline constexpr bool kLogitsOnTensorCores = sizeof(T) == 2 && kVecs > 0;
 
+/// Block (row (b, g), chunk)'s place in candidate_logits: the row's ids and logits [group, capacity], the chunk's
+/// first candidate. The row's count is each path's to read: the tensor-core path loads its ids beside it.
+struct LogitsChunk {
+  std::int64_t row;
+  std::int32_t b, g, group, cap, begin;
+  const std::int32_t* ids;
+  float* logits;
+
+  template <class T, class KV>
+  __device__ static LogitsChunk of(const QueryView<const T>& q, const KV& kv, const SelectionView& candidates,
+                                   float* logits) {
+    LogitsChunk c;
+    c.row = blockIdx.x;
+    c.b = std::int32_t(c.row / kv.kv_heads);
+    c.g = std::int32_t(c.row % kv.kv_heads);
+    c.group = q.heads / kv.kv_heads;
+    c.cap = candidates.capacity;
+    c.begin = std::int32_t(blockIdx.y) * kCandidatesPerBlock;
+    c.ids = candidates.indices + c.row * c.cap;
+    c.logits = logits + c.row * std::int64_t(c.group) * c.cap;
+    return c;
+  }
+};
+
 /// A block's whole chunk on tensor cores (kLogitsOnTensorCores; cuda/detail/head_rows_mma.cuh): its logits and,
 /// with `partials` (softmax), each head's maximum over the chunk and sum of exp(logit - maximum). A warp's batch is
 /// kTiles n-tiles of 8 candidates (kMaxGroup is 16, so one m-tile holds the group); a warp takes kRounds batches
@@ -94,12 +118,12 @@ __device__ __forceinline__ void tensor_core_chunk(const QueryView<const T>& q, c
   static_assert(kRounds * kWarps * kBatch == kCandidatesPerBlock, "a chunk is whole rounds of batches");
   __shared__ __align__(16) std::uint16_t q_bits[16 * head_rows_stride(32 * kPairs)];
   __shared__ float warp_partial[kWarps][kMaxGroup];  // each warp's maximum, then its sum, of each head
-  const std::int64_t row = blockIdx.x;
-  const std::int32_t b = std::int32_t(row / kv.kv_heads), g = std::int32_t(row % kv.kv_heads);
-  const std::int32_t group = q.heads / kv.kv_heads, cap = candidates.capacity, d = 32 * kPairs;
+  const LogitsChunk chunk = LogitsChunk::of(q, kv, candidates, logits);
+  const std::int64_t row = chunk.row;
+  const std::int32_t b = chunk.b, g = chunk.g, group = chunk.group, cap = chunk.cap, begin = chunk.begin;
+  const std::int32_t d = 32 * kPairs;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, n = lane / 4, t = lane % 4;
-  const std::int32_t begin = std::int32_t(blockIdx.y) * kCandidatesPerBlock;
-  const std::int32_t* ids = candidates.indices + row * cap;
+  const std::int32_t* ids = chunk.ids;
   const std::int32_t count = candidates.counts[row];
   std::int32_t loaded_id[kRounds];  // lane < kBatch: candidate i0(round) + lane, read within the capacity
 #pragma unroll
@@ -113,7 +137,7 @@ __device__ __forceinline__ void tensor_core_chunk(const QueryView<const T>& q, c
   stage_head_rows<kThreads>(q, b, g * group, group, d, q_bits);
   __syncthreads();  // q
   const std::int32_t length = kv.seq_len(b);
-  float* s = logits + row * std::int64_t(group) * cap;
+  float* s = chunk.logits;
   // x[round][nt][2 r + e]: head n + 8 r, candidate i0(round) + 8 nt + 2 t + e; NaN for one outside [0, length).
   float x[kRounds][kTiles][4];
 #pragma unroll
@@ -279,23 +303,18 @@ __global__ void __launch_bounds__(kThreads, kLogitsCtasPerSm)
     tensor_core_chunk<T, kVecs>(q, kv, candidates, scale, logits, partials);
   } else {
     __shared__ float scratch[kWarps];
-    const std::int64_t row = blockIdx.x;
-    const std::int32_t b = std::int32_t(row / kv.kv_heads), g = std::int32_t(row % kv.kv_heads);
-    const std::int32_t group = q.heads / kv.kv_heads, cap = candidates.capacity;
-    const std::int32_t count = candidates.counts[row];
-    if (count < 0 || count > cap) return;
-    const std::int32_t begin = std::int32_t(blockIdx.y) * kCandidatesPerBlock;
-    const std::int32_t end = min(begin + kCandidatesPerBlock, count);
-    const std::int32_t* ids = candidates.indices + row * cap;
-    float* s = logits + row * std::int64_t(group) * cap;
+    const LogitsChunk c = LogitsChunk::of(q, kv, candidates, logits);
+    const std::int32_t count = candidates.counts[c.row];
+    if (count < 0 || count > c.cap) return;
+    const std::int32_t begin = c.begin, end = min(begin + kCandidatesPerBlock, count), group = c.group;
     if (begin >= end) return;  // the same for the whole block
-    cuda_core_logits<T, kVecs>(q, kv, ids, begin, end, b, g, cap, scale, s);
+    cuda_core_logits<T, kVecs>(q, kv, c.ids, begin, end, c.b, c.g, c.cap, scale, c.logits);
     if (partials == nullptr) return;  // the same for the whole block
     __syncthreads();  // the chunk's logits, written by other lanes, are visible to the block
     const std::int32_t i = begin + std::int32_t(threadIdx.x);
-    float* out = partials + (row * gridDim.y + blockIdx.y) * std::int64_t(group) * 2;
+    float* out = partials + (c.row * gridDim.y + blockIdx.y) * std::int64_t(group) * 2;
     for (std::int32_t j = 0; j < group; ++j) {
-      const float x = i < end ? s[std::int64_t(j) * cap + i] : -INFINITY;
+      const float x = i < end ? c.logits[std::int64_t(j) * c.cap + i] : -INFINITY;
       const float top = block_reduce<true>(x, scratch);
       const float sum = block_reduce<false>(i < end ? expf(x - top) : 0.0f, scratch);
       if (threadIdx.x == 0) {
