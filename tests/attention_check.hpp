@@ -354,4 +354,29 @@ void expect_close_with_nan(std::vector<T> o, std::vector<float> lse, HostState r
   expect_close(o, lse, ref, what);
 }
 
+/// A selection kept by slot, for AttentionOptions::selection_rows: batch row b's row of `by_batch` (count, every
+/// entry, log-weights where both have them) into row slot_of[b] of `store`, whose other rows stay as they are.
+inline void copy_rows_by_slot(const SelectionView& by_batch, const std::vector<std::int32_t>& slot_of,
+                              const SelectionView& store) {
+  for (std::int32_t b = 0; b < by_batch.batch; ++b) {
+    const std::int32_t slot = slot_of[std::size_t(b)];
+    for (std::int32_t g = 0; g < by_batch.kv_heads; ++g) {
+      store.counts[store.row_index(slot, g)] = by_batch.count(b, g);
+      std::copy_n(by_batch.row(b, g), by_batch.capacity, store.row(slot, g));
+      if (by_batch.log_weights != nullptr && store.log_weights != nullptr) {
+        std::copy_n(by_batch.weights_row(b, g), by_batch.capacity, store.weights_row(slot, g));
+      }
+    }
+  }
+}
+
+/// `batch` distinct slots of [0, slots) in random order.
+inline std::vector<std::int32_t> distinct_slots(Random& rng, std::int32_t slots, std::int32_t batch) {
+  std::vector<std::int32_t> all(std::size_t(slots), 0);
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end(), rng.engine);
+  all.resize(std::size_t(batch));
+  return all;
+}
+
 }  // namespace kvsift::test

@@ -36,15 +36,19 @@ SplitWorkspace layout_split_workspace(WorkspaceLayout& layout, std::int64_t batc
 
 template <class T, class KV>
 std::int32_t longest_row(const QueryView<const T>& q, const KV& kv, const SelectionView* selection,
-                         const AttentionWindow& window, std::int32_t page_size) {
+                         const AttentionOptions& attention) {
+  const AttentionWindow& window = attention.window;
+  const std::int32_t page_size = attention.selection_page_size;
   std::int32_t longest = 0;
   for (std::int32_t b = 0; b < q.batch; ++b) {
     if (selection == nullptr) {
       longest = std::max(longest, kv.seq_len(b));
     } else {
+      const std::int64_t r = attended_selection_row(attention.selection_rows, b, selection->batch);
+      if (r < 0) continue;  // a bad row: it attends nothing
       for (std::int32_t h = 0; h < kv.kv_heads; ++h) {
-        const bool all = selection->attend_all != nullptr && selection->attend_all[selection->row_index(b, h)] != 0;
-        const std::int32_t count = selection->count(b, h);
+        const bool all = selection->attend_all != nullptr && selection->attend_all[selection->row_index(r, h)] != 0;
+        const std::int32_t count = selection->count(r, h);
         const bool bad = count < 0 || count > selection->capacity;  // attends nothing (SelectionView::counts)
         const std::int64_t entries = window.size(kv.seq_len(b)) + std::int64_t(count) * page_size;
         longest = std::max(longest, all ? kv.seq_len(b) : bad ? 0 : std::int32_t(std::min<std::int64_t>(entries, INT32_MAX)));
@@ -67,23 +71,23 @@ void run(const char* where, const QueryView<const T>& q, const KV& kv, const Sel
                                options.attention.resolved_scale(q.head_dim) * kLog2e};
   if (selection == nullptr) check_no_window(where, options.attention);
   if (selection != nullptr) {
-    validate(*selection, kv, where, "selection");
+    validate(*selection, kv, where, "selection", options.attention.selection_rows);
     validate(options.attention.window, where, "options.attention.window");
     check_selection_page_size(where, "options.attention.selection_page_size", options.attention.selection_page_size);
     job.window = options.attention.window;
     job.page_size = options.attention.selection_page_size;
-    // Without validation a count outside [0, capacity] is not refused but makes its row NaN, as on CUDA, where
-    // the host cannot see it (SelectionView::counts).
+    // Without validation a count outside [0, capacity], or a row map value outside the selection, is not refused
+    // but makes its row NaN, as on CUDA, where the host cannot see it (SelectionView::counts).
     if (options.validate_indices) {
       check_selection_contents(*selection, kv, where, "selection", /*refuse_duplicates=*/true, job.window,
-                               job.page_size);
+                               job.page_size, options.attention.selection_rows);
     }
     job.selection = *selection;
+    job.selection_rows = options.attention.selection_rows;
   }
   const std::int64_t rows = std::int64_t(q.batch) * kv.kv_heads;
   if (!workspace.empty() && pool != nullptr) {
-    job.splits = detail::decode_splits(rows, pool->size(), longest_row(q, kv, selection, options.attention.window,
-                                                                          options.attention.selection_page_size));
+    job.splits = detail::decode_splits(rows, pool->size(), longest_row(q, kv, selection, options.attention));
   }
   WorkspaceLayout layout(workspace, where);
   const SplitWorkspace ws = layout_split_workspace(layout, q.batch, q.heads, q.head_dim, job.splits);

@@ -184,10 +184,11 @@ DecodeParams<T> make_params(const char* where, const QueryView<const T>& q, cons
   }
   std::int32_t max_tokens = 0;
   if (selection != nullptr) {
-    validate(*selection, kv, where, "selection");
+    validate(*selection, kv, where, "selection", options.attention.selection_rows);
     validate(options.attention.window, where, "options.attention.window");
     check_selection_page_size(where, "options.attention.selection_page_size", options.attention.selection_page_size);
     p.selection = *selection;
+    p.selection_rows = options.attention.selection_rows;
     p.window = options.attention.window;
     p.page_size = options.attention.selection_page_size;
     p.pages = FastDivisor(std::uint32_t(p.page_size));
@@ -230,10 +231,20 @@ void check_selection(const char* where, const DecodeParams<T>& p, cudaStream_t s
   KVSIFT_CUDA_CHECK(cudaMemcpyAsync(&first, p.first_bad_row, sizeof(first), cudaMemcpyDeviceToHost, stream));
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (first == ~0ull) return;
-  const std::int64_t row = static_cast<std::int64_t>(first);
+  const std::int64_t row = static_cast<std::int64_t>(first);  // batch row b's kv head h
   const std::int64_t b = row / p.selection.kv_heads, h = row % p.selection.kv_heads;
+  std::int64_t selection_b = b;  // the selection row it attends (AttentionOptions::selection_rows)
+  if (p.selection_rows != nullptr) {
+    std::int32_t mapped = 0;
+    KVSIFT_CUDA_CHECK(cudaMemcpy(&mapped, p.selection_rows + b, sizeof(mapped), cudaMemcpyDeviceToHost));
+    KVSIFT_CHECK(mapped >= 0 && mapped < p.selection.batch, where,
+                 "options selection_rows[{}] (= {}) is outside [0, selection.batch = {})", b, mapped,
+                 p.selection.batch);
+    selection_b = mapped;
+  }
+  const std::int64_t selection_row = selection_b * p.selection.kv_heads + h;
   std::int32_t count = 0;
-  KVSIFT_CUDA_CHECK(cudaMemcpy(&count, p.selection.counts + row, sizeof(count), cudaMemcpyDeviceToHost));
+  KVSIFT_CUDA_CHECK(cudaMemcpy(&count, p.selection.counts + selection_row, sizeof(count), cudaMemcpyDeviceToHost));
   check_selection_count(where, "selection", b, h, count, p.selection.capacity);
   std::int32_t seq_len = 0;
   if (!p.paged && p.kv.seq_lens == nullptr) {
@@ -250,7 +261,7 @@ void check_selection(const char* where, const DecodeParams<T>& p, cudaStream_t s
   }
   // The error path only: a host copy of the refused row and a bitmap of its sequence.
   std::vector<std::int32_t> indices(static_cast<std::size_t>(count));
-  KVSIFT_CUDA_CHECK(cudaMemcpy(indices.data(), p.selection.indices + row * p.selection.capacity,
+  KVSIFT_CUDA_CHECK(cudaMemcpy(indices.data(), p.selection.indices + selection_row * p.selection.capacity,
                                indices.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
   std::vector<std::uint64_t> seen(std::size_t(std::max(seq_len, 0)) / 64 + 1, 0);
   if (p.page_size > 1) {

@@ -45,6 +45,9 @@ HybridDecoder<T>::HybridDecoder(const HybridDecoderConfig& config, cpu::ThreadPo
   KVSIFT_CHECK(config.attention.selection_page_size == 1, where,
                "config.attention.selection_page_size (= {}) must be 1: the CPU part attends selections of tokens",
                config.attention.selection_page_size);
+  KVSIFT_CHECK(config.attention.selection_rows == nullptr, where,
+               "config.attention.selection_rows is set: the decoder's selection is given per call, one row per batch "
+               "row, with no row map");
   decode_bytes_ = sparse_decode_workspace_bytes(
       SparseDecodeShape{config.batch, config.q_heads, config.kv_heads, config.head_dim, 1}, {.attention = config.attention});
   cpu_decode_bytes_ = cpu::decode_workspace_bytes(config.batch, config.q_heads, config.kv_heads, config.head_dim, pool);

@@ -1,8 +1,10 @@
 // CPU decode attention at every SIMD level this machine runs, against kvsift's fp64 reference.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -492,6 +494,76 @@ TEST_F(CpuDecode, BadCountRowsAreNaN) {
       }
     }
   }
+}
+
+// AttentionOptions::selection_rows: a selection kept by slot (5 rows, its other rows poisoned) read in place
+// through a row map gives what the same rows copied into batch order give: the reference's numbers, and bit for
+// bit the CPU's own on the copy, at every SIMD level, split or not. A map value outside the selection makes its
+// batch row NaN, or is refused by name when validating; dense decode refuses a map.
+TEST_F(CpuDecode, ASelectionRowMapReadsRowsInPlace) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  cpu::ThreadPool pool(8);
+  constexpr std::int32_t kSlots = 5, kBatch = 3, kKvHeads = 2;
+  for (const std::int32_t page_size : {0, 16}) {
+    HostDecodeProblem<bfloat16> p(
+        rng, CaseSpec{kBatch, 8, kKvHeads, 64, rng.uniform_int(300, 900), 48, page_size, true, true, {4, 32}});
+    SCOPED_TRACE(describe(p.spec));
+    const std::vector<std::int32_t> slots = test::distinct_slots(rng, kSlots, kBatch);  // batch row b's in slots[b]
+    test::HostSelection store(kSlots, kKvHeads, p.spec.k, true);  // the other slots' rows poisoned
+    test::copy_rows_by_slot(p.selection(), slots, store.view);
+    const test::HostState ref = p.reference(true);
+    // The reference itself reads the slots' rows through the map.
+    test::HostState mapped_ref(kBatch, 8, 64);
+    reference::sparse_decode(p.q_view(), p.contiguous(), store.view, mapped_ref.view,
+                             {.window = p.spec.window, .selection_rows = slots.data()});
+    EXPECT_TRUE(std::memcmp(ref.o.data(), mapped_ref.o.data(), ref.o.size() * sizeof(float)) == 0);
+    EXPECT_TRUE(std::memcmp(ref.lse.data(), mapped_ref.lse.data(), ref.lse.size() * sizeof(float)) == 0);
+    for (SimdLevel level : test::available_simd_levels()) {
+      cpu::ScopedSimdLevel force(level);
+      for (const bool split : {false, true}) {
+        for (const bool validate : {false, true}) {
+          SCOPED_TRACE(fmt::format("{} split {} validate {}", cpu::simd_level_name(level), split, validate));
+          cpu::DecodeOptions options{.validate_indices = validate};
+          options.attention = {.window = p.spec.window, .selection_rows = slots.data()};
+          const auto [o, lse] = run_cpu(p, true, split ? &pool : nullptr, split, options, &store.view);
+          test::expect_close(o, lse, ref, "row map");
+          const auto [o_copy, lse_copy] = run_cpu(p, true, split ? &pool : nullptr, split, {.validate_indices = validate});
+          EXPECT_TRUE(std::memcmp(o.data(), o_copy.data(), o.size() * sizeof(bfloat16)) == 0);
+          EXPECT_TRUE(std::memcmp(lse.data(), lse_copy.data(), lse.size() * sizeof(float)) == 0);
+        }
+      }
+    }
+    // A map value outside [0, kSlots): that batch row's heads NaN, the others as before; refused when validating.
+    for (const std::int32_t bad : {-1, kSlots, 1 << 30}) {
+      std::vector<std::int32_t> bad_slots = slots;
+      bad_slots[1] = bad;
+      cpu::DecodeOptions options;
+      options.attention = {.window = p.spec.window, .selection_rows = bad_slots.data()};
+      const auto [o, lse] = run_cpu(p, true, &pool, true, options, &store.view);
+      const std::int32_t group = 4;
+      for (std::int32_t head = 0; head < kBatch * 8; ++head) {
+        const bool in_bad_row = head / 8 == 1;
+        const float got = to_float(o[std::size_t(head) * 64]);
+        if (in_bad_row) {
+          EXPECT_TRUE(std::isnan(got) && std::isnan(lse[head])) << "head " << head << " map value " << bad;
+        } else {
+          EXPECT_NEAR(got, ref.o[std::size_t(head) * 64], 2e-2) << "head " << head << " (group " << group << ")";
+        }
+      }
+      options.validate_indices = true;
+      test::expect_error([&] { run_cpu(p, true, &pool, true, options, &store.view); },
+                         fmt::format("cpu::sparse_decode: options selection_rows[1] (= {}) is outside [0, "
+                                     "selection.batch = {})",
+                                     bad, kSlots));
+    }
+  }
+  // Dense decode has no selection: a map is a mistake.
+  HostDecodeProblem<half> dense(rng, CaseSpec{2, 4, 2, 64, 100, 0, 0, false, false});
+  const std::int32_t map[2] = {0, 1};
+  cpu::DecodeOptions options;
+  options.attention.selection_rows = map;
+  test::expect_error([&] { run_cpu(dense, false, nullptr, false, options); },
+                     "options selection_rows (a row map) applies to sparse decode");
 }
 
 TEST_F(CpuDecode, ValidationRefusesBadIndicesAndDuplicatesAndWritesNothing) {

@@ -1043,6 +1043,66 @@ TEST(CudaNoDeviceBadInput, SaysNoCudaDevice) {
 // A count outside [0, capacity] (a primitive's -1 for a bad device value) makes every query head of its row NaN in
 // O and LSE (the window is not attended either): windowed and windowless kernels, one CTA or split rows (merged),
 // O in T or fp32. Outputs start at 0, so a row left unwritten fails; the other rows match the reference.
+// AttentionOptions::selection_rows (the CPU twin: test_cpu_decode.cpp, ASelectionRowMapReadsRowsInPlace): a
+// selection kept by slot (5 rows, the others poisoned) read through a row map gives the reference's numbers, and bit
+// for bit the kernel's own on the rows copied into batch order, unsplit and split, validating or not. A map value
+// outside the selection makes its batch row NaN, or is refused by name when validating; dense decode refuses a map.
+TEST_F(CudaDecode, ASelectionRowMapReadsRowsInPlace) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  constexpr std::int32_t kSlots = 5, kBatch = 3, kKvHeads = 2;
+  for (const std::int32_t splits : {1, 4}) {
+    const CaseSpec spec{kBatch, 8, kKvHeads, 128, rng.uniform_int(300, 900), 48, splits == 1 ? 0 : 16, true, true,
+                        {4, 32}};
+    SCOPED_TRACE(describe(spec) + fmt::format(" splits {}", splits));
+    DecodeProblem<half> p(rng, spec);
+    const std::vector<std::int32_t> slots = test::distinct_slots(rng, kSlots, kBatch);  // batch row b's in slots[b]
+    test::HostSelection store(kSlots, kKvHeads, spec.k, true);  // the other slots' rows poisoned
+    test::copy_rows_by_slot(p.host.selection(), slots, store.view);
+    const DeviceBuffer<std::int32_t> d_indices(store.indices), d_counts(store.counts), d_slots(slots);
+    const DeviceBuffer<float> d_weights(store.log_weights);
+    const SelectionView device_store{d_indices.data(), d_counts.data(), d_weights.data(), kSlots, kKvHeads, spec.k};
+    const test::HostState ref = p.host.reference(true);
+    for (const bool validate : {false, true}) {
+      SCOPED_TRACE(fmt::format("validate {}", validate));
+      const cuda::DecodeOptions options{.attention = {.window = spec.window, .selection_rows = d_slots.data()},
+                                        .num_splits = splits,
+                                        .validate_indices = validate};
+      const auto [o, lse] = p.run(true, options, &device_store);
+      test::expect_close(o, lse, ref, "row map");
+      const auto [o_copy, lse_copy] = p.run(true, {.num_splits = splits, .validate_indices = validate});
+      EXPECT_TRUE(std::memcmp(o.data(), o_copy.data(), o.size() * sizeof(half)) == 0);
+      EXPECT_TRUE(std::memcmp(lse.data(), lse_copy.data(), lse.size() * sizeof(float)) == 0);
+    }
+    for (const std::int32_t bad : {-1, kSlots, 1 << 30}) {
+      std::vector<std::int32_t> bad_slots = slots;
+      bad_slots[1] = bad;
+      const DeviceBuffer<std::int32_t> d_bad(bad_slots);
+      cuda::DecodeOptions options{.attention = {.window = spec.window, .selection_rows = d_bad.data()},
+                                  .num_splits = splits};
+      const auto [o, lse] = p.run(true, options, &device_store);
+      for (std::int32_t head = 0; head < kBatch * 8; ++head) {
+        const float got = to_float(o[std::size_t(head) * 128]);
+        if (head / 8 == 1) {
+          EXPECT_TRUE(std::isnan(got) && std::isnan(lse[head])) << "head " << head << " map value " << bad;
+        } else {
+          EXPECT_NEAR(got, ref.o[std::size_t(head) * 128], 1e-2) << "head " << head;
+        }
+      }
+      options.validate_indices = true;
+      test::expect_error([&] { p.run(true, options, &device_store); },
+                         fmt::format("cuda::sparse_decode: options selection_rows[1] (= {}) is outside [0, "
+                                     "selection.batch = {})",
+                                     bad, kSlots));
+    }
+  }
+  // Dense decode has no selection: a map is a mistake.
+  DecodeProblem<half> dense(rng, CaseSpec{2, 4, 2, 64, 100, 0, 0, false, false});
+  const DeviceBuffer<std::int32_t> map(std::vector<std::int32_t>{0, 1});
+  cuda::DecodeOptions options;
+  options.attention.selection_rows = map.data();
+  test::expect_error([&] { dense.run(false, options); }, "options selection_rows (a row map) applies to sparse decode");
+}
+
 TEST_F(CudaDecode, BadCountRowsAreNaN) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   for (const AttentionWindow window : {AttentionWindow{}, AttentionWindow{4, 32}}) {

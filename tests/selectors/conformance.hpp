@@ -315,11 +315,30 @@ class Session {
     p.rows = rows_of(indices, p.counts, b.capacity);
     if constexpr (HasSecondSource<Selector>) {
       if (selector_->second_source_capacity() > 0) {
-        const SelectionView second = selector_->second_source(select_inputs(b)).selection;
+        // The second source's rows of the step's batch rows: row b, or through its row map (CentroidKV reads its
+        // store in place, by slot).
+        const SecondSource<typename Selector::value_type> source = selector_->second_source(select_inputs(b));
+        const SelectionView& second = source.selection;
+        const std::size_t width = std::size_t(second.capacity);
+        const std::vector<std::int32_t> counts = download(second.counts, std::size_t(second.batch) * kKvHeads, ctx_);
+        const std::vector<std::int32_t> indices =
+            download(second.indices, std::size_t(second.batch) * kKvHeads * width, ctx_);
+        std::vector<std::int32_t> map(std::size_t(b.batch));
+        std::iota(map.begin(), map.end(), 0);
+        if (source.selection_rows != nullptr) map = download(source.selection_rows, std::size_t(b.batch), ctx_);
+        std::vector<std::int32_t> picked_indices;
+        for (const std::int32_t row : map) {
+          EXPECT_TRUE(row >= 0 && row < second.batch) << "the second source's row map names row " << row << " of "
+                                                      << second.batch;
+          const std::size_t first = std::size_t(std::clamp(row, 0, second.batch - 1)) * kKvHeads;
+          for (std::size_t g = 0; g < std::size_t(kKvHeads); ++g) {
+            p.second_counts.push_back(counts[first + g]);
+            picked_indices.insert(picked_indices.end(), indices.begin() + std::ptrdiff_t((first + g) * width),
+                                  indices.begin() + std::ptrdiff_t((first + g + 1) * width));
+          }
+        }
         p.second_capacity = second.capacity;
-        p.second_counts = download(second.counts, std::size_t(b.batch) * kKvHeads, ctx_);
-        p.second_rows = rows_of(download(second.indices, std::size_t(b.batch) * kKvHeads * std::size_t(second.capacity), ctx_),
-                                p.second_counts, second.capacity);
+        p.second_rows = rows_of(picked_indices, p.second_counts, second.capacity);
       }
     }
     return p;

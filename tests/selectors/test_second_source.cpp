@@ -240,7 +240,8 @@ TEST_F(SecondSourceStep, BadInputSecondSourceViewsAreRefused) {
         wrong.run(StepInputs<half>{.q = sp.p.q_view(), .cache = sp.cache(), .slots = sp.slots.data()},
                   StateView<half>::packed(o.data(), lse.data(), 3, 8, 64), ws.bytes(), ctx);
       },
-      "DecodeStep::run: the second source's cache batch (= 3) and selection batch (= 4) must be the step's batch (= 3)");
+      "DecodeStep::run: the second source's cache batch (= 3) and selection batch (= 4, with no row map) must be "
+      "the step's batch (= 3)");
 }
 
 }  // namespace

@@ -366,6 +366,11 @@ TEST(DecodeStepRefusals, BadConfigurationsAndInputs) {
   expect_error([&] { DecodeStep(Oracle(limits, {.budget = 8}), bad, {}); },
                "config.attention.selection_page_size (= 16) must be 1: the step attends a selector's pages by itself");
   bad = good;
+  const std::int32_t row_map[2] = {1, 0};
+  bad.attention.selection_rows = row_map;
+  expect_error([&] { DecodeStep(Oracle(limits, {.budget = 8}), bad, {}); },
+               "config.attention.selection_rows is set: the step's selections are by batch row");
+  bad = good;
   bad.max_batch = 3;  // more rows than the selector has slots
   expect_error([&] { DecodeStep(Oracle(limits, {.budget = 8}), bad, {}); }, "shape.batch (= 3) is outside [1, limits.max_slots = 2]");
 
@@ -390,6 +395,14 @@ TEST(DecodeStepRefusals, BadConfigurationsAndInputs) {
       },
       "in.attention.selection_page_size (= 16) is neither 1 (tokens) nor the selector's page size (none: it selects "
       "tokens)");
+  // A row map means nothing to a selector, which writes its selection by batch row.
+  expect_error(
+      [&] {
+        step.selector().select({.q = in.q, .cache = cache, .slots = slots.data(), .lengths = lens.data(),
+                                .attention = {.selection_rows = slots.data()}, .max_seq_len = 64},
+                               step.selection(workspace.bytes(), 2), {}, {});
+      },
+      "in.attention.selection_rows is set: a selector writes its selection by batch row, with no row map");
   auto wrong = in;
   wrong.q.batch = 3;
   expect_error([&] { step.run(wrong, out, workspace.bytes(), {}); }, "in.q.batch (= 3) is outside [1, config.max_batch = 2]");

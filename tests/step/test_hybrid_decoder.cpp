@@ -214,6 +214,14 @@ TEST_F(HybridDecode, BadArgumentsAreRefused) {
         cuda::HybridDecoder<bfloat16> decoder(config);
       },
       "cuda::HybridDecoder: config.attention.selection_page_size (= 16) must be 1");
+  expect_error(
+      [&] {
+        auto config = c.config();
+        const std::int32_t row_map[1] = {0};
+        config.attention.selection_rows = row_map;
+        cuda::HybridDecoder<bfloat16> decoder(config);
+      },
+      "cuda::HybridDecoder: config.attention.selection_rows is set");
   auto config = c.config();
   config.validate_indices = true;
   cuda::HybridDecoder<bfloat16> decoder(config);

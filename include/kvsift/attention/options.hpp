@@ -32,6 +32,15 @@ struct AttentionWindow {
   }
 };
 
+/// The selection row that batch row b attends: selection_rows[b] (AttentionOptions::selection_rows), -1 where that
+/// is outside [0, selection_batch); b without a map.
+KVSIFT_HOST_DEVICE constexpr std::int64_t attended_selection_row(const std::int32_t* selection_rows, std::int64_t b,
+                                                                 std::int32_t selection_batch) {
+  if (selection_rows == nullptr) return b;
+  const std::int32_t row = selection_rows[b];
+  return row >= 0 && row < selection_batch ? row : -1;
+}
+
 /// Options shared by every decode-attention entry point (reference, CPU, CUDA).
 struct AttentionOptions {
   /// Logit scale applied to q.k; 0 selects the default 1/sqrt(head_dim).
@@ -45,6 +54,13 @@ struct AttentionOptions {
   /// page-level selection, as Quest's top pages, attended with no expansion into tokens. A row's count is its
   /// pages, its log-weights one per page. Dense decode refuses P != 1.
   std::int32_t selection_page_size = 1;
+  /// Sparse decode only: an optional row map, [batch] in the selection's memory. Batch row b attends selection row
+  /// selection_rows[b] (its count, entries, log-weights and attend_all of every kv head) instead of row b, so a
+  /// selection kept per slot is read in place, with no per-step copy (CentroidKV's store: its order, counts and
+  /// log-degrees by slot). The selection's batch is then its own rows (the slots), any number >= 1; a value outside
+  /// [0, selection.batch) marks the batch row bad, as a bad count does (NaN output; validation modes refuse it by
+  /// name). nullptr: row b. Dense decode refuses a map.
+  const std::int32_t* selection_rows = nullptr;
 
   float resolved_scale(std::int32_t head_dim) const {
     return sm_scale != 0.0f ? sm_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));

@@ -82,7 +82,8 @@ void dense_decode(const QueryView<TQ>& q, const KV& kv, const StateView<TO>& out
 /// refused (they would be attended twice); duplicates within a row are attended once per occurrence. With
 /// opts.selection_page_size P > 1 the row lists pages: each page's tokens of the middle (neither window nor at
 /// or past seq_len), in order, with the page's log-weight. A row whose selection.attend_all entry is nonzero
-/// attends every token [0, seq_len) once instead (its count, indices and log-weights are not read).
+/// attends every token [0, seq_len) once instead (its count, indices and log-weights are not read). With
+/// opts.selection_rows (host memory) batch row b attends selection row opts.selection_rows[b].
 template <class TQ, KVCacheView KV, class TO>
 void sparse_decode(const QueryView<TQ>& q, const KV& kv, const SelectionView& selection, const StateView<TO>& out,
                    const AttentionOptions& opts = {}) {
@@ -91,11 +92,11 @@ void sparse_decode(const QueryView<TQ>& q, const KV& kv, const SelectionView& se
   validate(kv, where, "kv", MemorySpace::host);
   validate(out, where, "out");
   check_decode_shapes(where, q, kv, out);
-  validate(selection, kv, where, "selection");
+  validate(selection, kv, where, "selection", opts.selection_rows);
   validate(opts.window, where, "opts.window");
   check_selection_page_size(where, "opts.selection_page_size", opts.selection_page_size);
   check_selection_contents(selection, kv, where, "selection", /*refuse_duplicates=*/false, opts.window,
-                           opts.selection_page_size);
+                           opts.selection_page_size, opts.selection_rows);
   const std::int32_t group = q.heads / kv.kv_heads, page_size = opts.selection_page_size;
   const double scale = opts.resolved_scale(q.head_dim);
   std::vector<double> logits;
@@ -104,24 +105,25 @@ void sparse_decode(const QueryView<TQ>& q, const KV& kv, const SelectionView& se
   for (std::int32_t b = 0; b < q.batch; ++b) {
     const std::int32_t length = kv.seq_len(b), window = opts.window.size(length);
     const std::int32_t lo = opts.window.sink_end(length), hi = opts.window.recent_begin(length);
+    const std::int64_t r = attended_selection_row(opts.selection_rows, b, selection.batch);  // checked above
     for (std::int32_t h = 0; h < q.heads; ++h) {
       const std::int32_t kv_head = h / group;
-      const bool all = selection.attend_all != nullptr && selection.attend_all[selection.row_index(b, kv_head)] != 0;
+      const bool all = selection.attend_all != nullptr && selection.attend_all[selection.row_index(r, kv_head)] != 0;
       if (all) {
         detail::attend(
             q.row(b, h), kv, b, kv_head, length, [](std::int32_t i) { return i; },
             [](std::int32_t) { return 0.0f; }, scale, out.o_row(b, h), out.lse_at(b, h), logits);
         continue;
       }
-      const std::int32_t* idx = selection.row(b, kv_head);
-      const float* lw = selection.weights_row(b, kv_head);
+      const std::int32_t* idx = selection.row(r, kv_head);
+      const float* lw = selection.weights_row(r, kv_head);
       tokens.clear();
       weights.clear();
       for (std::int32_t i = 0; i < window; ++i) {
         tokens.push_back(opts.window.token(i, length));
         weights.push_back(0.0f);
       }
-      for (std::int32_t i = 0; i < selection.count(b, kv_head); ++i) {
+      for (std::int32_t i = 0; i < selection.count(r, kv_head); ++i) {
         const std::int64_t first = std::int64_t(idx[i]) * page_size;
         for (std::int64_t t = first; t < first + page_size; ++t) {
           if (page_size > 1 && (t < lo || t >= hi)) continue;

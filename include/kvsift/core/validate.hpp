@@ -224,13 +224,19 @@ void validate(const PagedKVView<T>& v, const char* where, const char* name, Memo
   }
 }
 
-/// Checks the selection's shape against the KV cache (its own fields only, so any memory space).
+/// Checks the selection's shape against the KV cache (its own fields only, so any memory space). With a row map
+/// (AttentionOptions::selection_rows) the selection's batch is its own rows, any number >= 1.
 template <KVCacheView KV>
-void validate(const SelectionView& s, const KV& kv, const char* where, const char* name) {
+void validate(const SelectionView& s, const KV& kv, const char* where, const char* name,
+              const std::int32_t* selection_rows = nullptr) {
   detail::check_pointer(where, name, "indices", s.indices);
   detail::check_pointer(where, name, "counts", s.counts);
   detail::check_positive(where, name, "capacity", s.capacity);
-  KVSIFT_CHECK(s.batch == kv.batch, where, "{}.batch (= {}) != kv.batch (= {})", name, s.batch, kv.batch);
+  if (selection_rows != nullptr) {
+    detail::check_positive(where, name, "batch (the rows options selection_rows maps into)", s.batch);
+  } else {
+    KVSIFT_CHECK(s.batch == kv.batch, where, "{}.batch (= {}) != kv.batch (= {})", name, s.batch, kv.batch);
+  }
   KVSIFT_CHECK(s.kv_heads == kv.kv_heads, where, "{}.kv_heads (= {}) != kv.kv_heads (= {})", name, s.kv_heads,
                kv.kv_heads);
 }
@@ -300,30 +306,37 @@ inline void check_page_entries(const char* where, const char* name, std::int64_t
 /// attention window (tokens), or the sequences' pages (page_size > 1: AttentionOptions::selection_page_size),
 /// and, with `refuse_duplicates`, that no row lists a token (page) twice (allocates a bitmap of the longest
 /// sequence). Rows that attend every token (SelectionView::attend_all) are skipped: their count and indices are
-/// not read.
+/// not read. With a row map (AttentionOptions::selection_rows, host memory too) batch row b's checks apply to
+/// selection row selection_rows[b], which must lie in [0, s.batch).
 template <KVCacheView KV>
 void check_selection_contents(const SelectionView& s, const KV& kv, const char* where, const char* name,
-                              bool refuse_duplicates, const AttentionWindow& window = {}, std::int32_t page_size = 1) {
+                              bool refuse_duplicates, const AttentionWindow& window = {}, std::int32_t page_size = 1,
+                              const std::int32_t* selection_rows = nullptr) {
   std::vector<std::uint64_t> seen;
   if (refuse_duplicates) {
     std::int32_t longest = 0;
-    for (std::int32_t b = 0; b < s.batch; ++b) longest = std::max(longest, kv.seq_len(b));
+    for (std::int32_t b = 0; b < kv.batch; ++b) longest = std::max(longest, kv.seq_len(b));
     seen.assign(std::size_t(longest) / 64 + 1, 0);
   }
-  for (std::int32_t b = 0; b < s.batch; ++b) {
+  for (std::int32_t b = 0; b < kv.batch; ++b) {
+    const std::int64_t r = attended_selection_row(selection_rows, b, s.batch);
+    KVSIFT_CHECK(r >= 0, where, "options selection_rows[{}] (= {}) is outside [0, {}.batch = {})", b,
+                 selection_rows != nullptr ? selection_rows[b] : b, name, s.batch);
     for (std::int32_t h = 0; h < s.kv_heads; ++h) {
-      if (s.attend_all != nullptr && s.attend_all[s.row_index(b, h)] != 0) continue;
-      check_selection_count(where, name, b, h, s.count(b, h), s.capacity);
+      if (s.attend_all != nullptr && s.attend_all[s.row_index(r, h)] != 0) continue;
+      const std::int32_t count = s.count(r, h);
+      check_selection_count(where, name, b, h, count, s.capacity);
       if (page_size > 1) {
-        check_page_entries(where, name, b, h, s.row(b, h), s.count(b, h), kv.seq_len(b), page_size, seen);
+        check_page_entries(where, name, b, h, s.row(r, h), count, kv.seq_len(b), page_size, seen);
       } else {
-        check_selection_entries(where, name, b, h, s.row(b, h), s.count(b, h), kv.seq_len(b), window, seen);
+        check_selection_entries(where, name, b, h, s.row(r, h), count, kv.seq_len(b), window, seen);
       }
     }
   }
 }
 
-/// Dense decode attends every token: a window, or selection pages, there is a caller's mistake, refused.
+/// Dense decode attends every token: a window, selection pages or a selection row map there is a caller's mistake,
+/// refused.
 inline void check_no_window(const char* where, const AttentionOptions& options) {
   KVSIFT_CHECK(options.window.empty(), where,
                "options window (sink = {}, recent = {}) applies to sparse decode; dense decode attends every token",
@@ -331,6 +344,8 @@ inline void check_no_window(const char* where, const AttentionOptions& options) 
   KVSIFT_CHECK(options.selection_page_size == 1, where,
                "options selection_page_size (= {}) applies to sparse decode; dense decode attends every token",
                options.selection_page_size);
+  KVSIFT_CHECK(options.selection_rows == nullptr, where,
+               "options selection_rows (a row map) applies to sparse decode; dense decode has no selection");
 }
 
 /// What a selection entry names: a token (1) or a page of that many tokens.

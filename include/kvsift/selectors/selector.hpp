@@ -161,14 +161,17 @@ struct SelectInputs {
 
 /// A selector-owned compressed cache attended whole besides the primary selection (CentroidKV: per slot and kv
 /// head B merged K/V rows, each with weight log n_t). Views in the context's memory, valid until the selector's
-/// next select. Batch row b of `cache` and `selection` is the step's batch row b: a store kept per slot maps
-/// rows to slots through a paged view whose page_indices are the step's slots (one page per slot, as the tests'
-/// selector does). `selection` lists rows of `cache`, with their log-weights, capacity
-/// second_source_capacity(); it never has attend_all. The attention window does not apply to it.
+/// next select. Batch row b of `cache` is the step's batch row b: a store kept per slot maps rows to slots through
+/// a paged view whose page_indices are the step's slots (one page per slot, as the tests' selector does).
+/// `selection` lists rows of `cache`, with their log-weights, capacity second_source_capacity(); it never has
+/// attend_all. Its row for batch row b is row b, or with `selection_rows` ([batch], the context's memory; sparse
+/// decode's AttentionOptions::selection_rows) row selection_rows[b] of its own batch: a selection kept per slot,
+/// read in place (CentroidKV's store, whose rows are the slots). The attention window does not apply to it.
 template <class T>
 struct SecondSource {
   KVCache<const T> cache{};
   SelectionView selection{};
+  const std::int32_t* selection_rows = nullptr;
 };
 
 template <class S>

@@ -186,6 +186,9 @@ class StepBase {
                  "config.attention.selection_page_size (= {}) must be 1: the step attends a selector's pages by "
                  "itself (config.page_selections)",
                  config.attention.selection_page_size);
+    KVSIFT_CHECK(config.attention.selection_rows == nullptr, where,
+                 "config.attention.selection_rows is set: the step's selections are by batch row (a second source "
+                 "brings its own row map)");
     return config;
   }
   /// The selector's page size, where its pages are attended alone (a second source attends tokens beside them).
@@ -350,8 +353,8 @@ class DecodeStep : public detail::StepBase<S> {
                                                             .attention = config_.attention, .layer = in.layer});
     check_second_source("DecodeStep::run", second, in.q.batch);
     if (second_source_only_) {
-      sparse_decode(in.q, second.cache, second.selection, out, second_attention(), config_.validate_indices,
-                    config_.programmatic_launch, b.decode, ctx);
+      sparse_decode(in.q, second.cache, second.selection, out, second_attention(second.selection_rows),
+                    config_.validate_indices, config_.programmatic_launch, b.decode, ctx);
       return;
     }
     const std::int32_t batch = in.q.batch;
@@ -360,20 +363,24 @@ class DecodeStep : public detail::StepBase<S> {
         StateView<float>::packed(b.partial_o[1], b.partial_lse[1], batch, config_.q_heads, config_.head_dim)};
     sparse_decode(in.q, cache, selection, partials[0], config_.attention, config_.validate_indices,
                   config_.programmatic_launch, b.decode, ctx);
-    sparse_decode(in.q, second.cache, second.selection, partials[1], second_attention(), config_.validate_indices,
-                  config_.programmatic_launch, b.decode, ctx);
+    sparse_decode(in.q, second.cache, second.selection, partials[1], second_attention(second.selection_rows),
+                  config_.validate_indices, config_.programmatic_launch, b.decode, ctx);
     const StateView<const float> merged[] = {partials[0].as_const(), partials[1].as_const()};
     merge_states(std::span<const StateView<const float>>(merged), out, ctx);
   }
 
-  /// The second source is attended whole: the step's scale, no window.
-  AttentionOptions second_attention() const { return {.sm_scale = config_.attention.sm_scale}; }
+  /// The second source is attended whole: the step's scale, no window; its selection's rows through its row map
+  /// (SecondSource::selection_rows; none sizes the same workspace).
+  AttentionOptions second_attention(const std::int32_t* selection_rows = nullptr) const {
+    return {.sm_scale = config_.attention.sm_scale, .selection_rows = selection_rows};
+  }
 
   /// The views the selector returns must have the step's rows and shapes (their contents are the selector's).
   void check_second_source(const char* where, const SecondSource<T>& second, std::int32_t batch) const {
     const SelectionView& s = second.selection;
-    KVSIFT_CHECK(second.cache.batch() == batch && s.batch == batch, where,
-                 "the second source's cache batch (= {}) and selection batch (= {}) must be the step's batch (= {})",
+    KVSIFT_CHECK(second.cache.batch() == batch && (second.selection_rows != nullptr || s.batch == batch), where,
+                 "the second source's cache batch (= {}) and selection batch (= {}, with no row map) must be the "
+                 "step's batch (= {})",
                  second.cache.batch(), s.batch, batch);
     KVSIFT_CHECK(second.cache.kv_heads() == config_.kv_heads && second.cache.head_dim() == config_.head_dim, where,
                  "the second source's cache has kv_heads {} and head_dim {}; the step has {} and {}",

@@ -191,12 +191,20 @@ void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std:
     const std::int64_t row = item / job.splits, chunk = item % job.splits;
     const std::int64_t b = row / job.kv.kv_heads, g = row % job.kv.kv_heads;
     const std::int32_t length = job.kv.seq_len(b);
+    // The selection row this batch row attends (AttentionOptions::selection_rows); where the map names none, a bad
+    // row, whose pointers stay those of row 0 and are not read.
+    const std::int64_t mapped = job.selection.indices == nullptr
+                                    ? b
+                                    : attended_selection_row(job.selection_rows, b, job.selection.batch);
+    const std::int64_t sb = std::max<std::int64_t>(mapped, 0);
     // Dense decode, or a selection row that attends every token (SelectionView::attend_all).
     const bool dense = job.selection.indices == nullptr ||
-                       (job.selection.attend_all != nullptr && job.selection.attend_all[row] != 0);
-    const std::int32_t selected = dense ? 0 : job.selection.count(b, g);
-    // A count outside [0, capacity] marks a bad row (SelectionView::counts): nothing is read, and the states
-    // start at NaN, so every head of the row ends NaN in O and LSE (split chunks too, which the merge keeps).
+                       (mapped >= 0 && job.selection.attend_all != nullptr &&
+                        job.selection.attend_all[job.selection.row_index(sb, g)] != 0);
+    const std::int32_t selected = dense ? 0 : mapped < 0 ? -1 : job.selection.count(sb, g);
+    // A count outside [0, capacity], or a row map that names no row, marks a bad row (SelectionView::counts):
+    // nothing is read, and the states start at NaN, so every head of the row ends NaN in O and LSE (split chunks
+    // too, which the merge keeps).
     const bool bad_row = !dense && (selected < 0 || selected > job.selection.capacity);
     const std::int32_t window = dense || bad_row ? 0 : job.window.size(length);  // entries before the selected ones
     // A page-level selection (job.page_size > 1) has page_size entries per page, its tokens in order; those of the
@@ -210,8 +218,8 @@ void decode_items(const DecodeJob<T, KV, TO>& job, std::int64_t item_begin, std:
     const std::int32_t chunk_size = (row_count + job.splits - 1) / job.splits;
     const std::int32_t first = std::int32_t(std::min<std::int64_t>(row_count, chunk * chunk_size));
     const std::int32_t count = std::min(row_count, first + chunk_size);  // this item covers entries [first, count)
-    const std::int32_t* indices = dense ? nullptr : job.selection.row(b, g);
-    const float* log_weights = dense ? nullptr : job.selection.weights_row(b, g);
+    const std::int32_t* indices = dense ? nullptr : job.selection.row(sb, g);
+    const float* log_weights = dense ? nullptr : job.selection.weights_row(sb, g);
     // Entry i's token, -1 for a masked entry of a page.
     const auto token = [&](std::int32_t i) -> std::int32_t {
       if (dense) return i;

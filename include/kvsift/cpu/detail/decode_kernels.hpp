@@ -29,6 +29,7 @@ struct DecodeJob {
   float scale_log2 = 0.0f;  ///< sm_scale * log2(e)
   AttentionWindow window{};  ///< sparse decode: attended before each row's selected entries
   std::int32_t page_size = 1;  ///< sparse decode: tokens per selection entry (AttentionOptions::selection_page_size)
+  const std::int32_t* selection_rows = nullptr;  ///< sparse decode: AttentionOptions::selection_rows, or nullptr
   std::int32_t splits = 1;
   float* partial_o = nullptr;    ///< splits > 1: [splits, batch, q_heads, head_dim], merged into out afterwards
   float* partial_lse = nullptr;  ///< splits > 1: [splits, batch, q_heads], natural log

@@ -166,13 +166,17 @@ __global__ void __launch_bounds__(32 * Warps, Warps == kDecodeMinWarps ? 2 : 1)
   const int split = blockIdx.x;
   const int kv_head = blockIdx.y / p.head_tiles, tile = blockIdx.y % p.head_tiles;
   const int b = blockIdx.z;
-  const std::int64_t sel_row = std::int64_t(b) * p.selection.kv_heads + kv_head;
+  // The selection row this batch row attends (AttentionOptions::selection_rows); where the map names none, a bad
+  // row, whose pointers stay those of row 0 and are not read.
+  const std::int64_t mapped =
+      p.selection.indices != nullptr ? attended_selection_row(p.selection_rows, b, p.selection.batch) : b;
+  const std::int64_t sel_row = max(mapped, std::int64_t(0)) * p.selection.kv_heads + kv_head;
   // The row's count and attend_all flag are independent loads, issued together.
   int selected = 0;
   bool attend_all = false;
   if (p.selection.indices != nullptr) {
-    selected = p.selection.counts[sel_row];
-    attend_all = p.selection.attend_all != nullptr && p.selection.attend_all[sel_row] != 0;
+    selected = mapped < 0 ? -1 : p.selection.counts[sel_row];
+    attend_all = mapped >= 0 && p.selection.attend_all != nullptr && p.selection.attend_all[sel_row] != 0;
   }
   // A row's entries: every token (dense decode, or a selection row that attends all), the selected ones
   // (sparse), or the window's tokens and then the selected ones (sparse, Windowed).
@@ -452,7 +456,7 @@ namespace kvsift::cuda::detail {
 inline constexpr int kCheckBitmapWords = 8192;  // 32 KB, 262144 tokens
 inline constexpr int kCheckThreads = 256;
 
-/// Validation mode: one CTA per selection row checks its count against the capacity, every index against
+/// Validation mode: one CTA per batch row's kv head checks its selection row's count against the capacity, every index against
 /// [0, seq_len) less the attention window and, over passes of kCheckBitmapWords * 32 tokens, that no token is listed twice; the
 /// smallest offending row goes to p.first_bad_row. The host then reads that row back and names the first
 /// offending position (src/cuda/decode.cpp), so a refused call reports exactly what the CPU would.
@@ -460,16 +464,23 @@ template <class T>
 __global__ void __launch_bounds__(kCheckThreads) check_selection_kernel(const __grid_constant__ DecodeParams<T> p) {
   __shared__ unsigned seen[kCheckBitmapWords];
   constexpr int kBits = kCheckBitmapWords * 32;
-  const std::int64_t row = blockIdx.x;
-  if (p.selection.attend_all != nullptr && p.selection.attend_all[row] != 0) return;  // its entries are not read
-  const int seq_len = p.seq_len(row / p.selection.kv_heads);
+  const std::int64_t row = blockIdx.x;  // batch row b's kv head h: b * kv_heads + h
+  const std::int64_t b = row / p.selection.kv_heads;
+  const std::int64_t mapped = attended_selection_row(p.selection_rows, b, p.selection.batch);
+  if (mapped < 0) {  // the row map names no row of the selection
+    if (threadIdx.x == 0) atomicMin(p.first_bad_row, static_cast<unsigned long long>(row));
+    return;
+  }
+  const std::int64_t selection_row = mapped * p.selection.kv_heads + row % p.selection.kv_heads;
+  if (p.selection.attend_all != nullptr && p.selection.attend_all[selection_row] != 0) return;  // not read
+  const int seq_len = p.seq_len(b);
   // The selectable middle, or a page-level selection's pages (every page of the sequence: a page's window tokens
   // are masked in the kernel, not refused).
   const bool pages = p.page_size > 1;
   const int lo = pages ? 0 : p.window.sink_end(seq_len);
   const int hi = pages ? int((std::int64_t(seq_len) + p.page_size - 1) / p.page_size) : p.window.recent_begin(seq_len);
-  const int count = p.selection.counts[row];
-  const std::int32_t* indices = p.selection.indices + row * p.selection.capacity;
+  const int count = p.selection.counts[selection_row];
+  const std::int32_t* indices = p.selection.indices + selection_row * p.selection.capacity;
   bool bad = count < 0 || count > p.selection.capacity;  // the same for the whole CTA
   // 64-bit passes: an int base would overflow past the last pass of a sequence near 2^31 tokens.
   for (std::int64_t base = 0; !bad && base < max(seq_len, 1); base += kBits) {

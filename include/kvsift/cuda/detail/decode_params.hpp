@@ -102,6 +102,7 @@ struct DecodeParams {
   AttentionWindow window{};          ///< sparse decode: attended before each row's selected entries
   std::int32_t page_size = 1;        ///< sparse decode: tokens per selection entry (AttentionOptions::selection_page_size)
   FastDivisor pages{};               ///< division by page_size in the entries' address path
+  const std::int32_t* selection_rows = nullptr;  ///< sparse decode: AttentionOptions::selection_rows, or nullptr
 
   KVSIFT_HOST_DEVICE std::int32_t seq_len(std::int64_t b) const { return paged ? paged_kv.seq_len(b) : kv.seq_len(b); }
   /// Element offset of a token's row from k_base() and v_base() (K and V share their strides).

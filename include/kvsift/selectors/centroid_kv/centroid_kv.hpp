@@ -3,8 +3,10 @@
 /// at most B = floor(R n) entries (n the prompt's length), each the degree-weighted mean of the tokens it absorbed,
 /// attended whole with weight log(degree) added to its scaled logit (the paper's equation 3). It does not select
 /// from the engine's cache: it replaces it by its merge store (selectors/centroid_kv/merge_store.hpp), the decode step's second
-/// source (selectors/selector.hpp SecondSource), attended through a paged view whose page table is the step's
-/// slots. Its primary selection is empty (counts 0: every token, sinks and recent ones included, lives in the
+/// source (selectors/selector.hpp SecondSource), attended in place: K/V through a paged view whose page table is the
+/// step's slots, the entries through the store's own order, counts and log-degrees by slot, which sparse decode
+/// reads through the step's slots as its row map (AttentionOptions::selection_rows: no per-step copy). Its primary
+/// selection is empty (counts 0: every token, sinks and recent ones included, lives in the
 /// store), so the step's attention window must be empty: prepare and select refuse one.
 ///
 /// Life cycle, per layer (written once for both backends: only backend calls and context arrays):
@@ -26,12 +28,11 @@
 ///     on the device; other rows untouched), then the token enters with degree 1. This is algorithm 1's order
 ///     (add, attend, then compress), shifted by one step: the compression of step i runs before step i + 1's
 ///     token is added.
-///   - select: clears the primary counts and lists every store row's live entries with their log-degrees.
+///   - select: clears the primary counts (one launch); the second source is the store itself.
 ///
 /// Memory (the context's; index_bytes): K and V [max_slots, kv_heads, capacity, head_dim] in T, order, degree
-/// (int32) and log_degree (fp32) [max_slots, kv_heads, capacity], counts, budgets, window sinks, the second source's
-/// selection [max_slots, kv_heads, capacity] (indices, log-weights) and its page table; capacity = ceil(R
-/// max_tokens) + interval. Workspace of append: merge_round's for the step's batch; of select: none.
+/// (int32) and log_degree (fp32) [max_slots, kv_heads, capacity], counts, budgets, window sinks and the second
+/// source's page table; capacity = ceil(R max_tokens) + interval. Workspace of append: merge_round's for the step's batch; of select: none.
 /// Include cpu/backend.hpp or cuda/backend.hpp (the primitives of the context) before instantiating it.
 
 #include <algorithm>
@@ -200,9 +201,6 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
     count_.resize(rows);
     budgets_.resize(std::size_t(limits.max_slots));
     window_sinks_.resize(std::size_t(limits.max_slots));
-    indices_.resize(entries);
-    counts_.resize(rows);
-    weights_.resize(entries);
     page_indptr_.resize(std::size_t(limits.max_slots) + 1);
     last_page_len_.resize(std::size_t(limits.max_slots));
     std::vector<std::int32_t> order(entries);
@@ -229,10 +227,9 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
   IndexBytes index_bytes() const {
     const std::size_t bytes = (k_.size() + v_.size()) * sizeof(T) +
                               (order_.size() + degree_.size() + count_.size() + budgets_.size() +
-                               window_sinks_.size() + indices_.size() + counts_.size() + page_indptr_.size() +
-                               last_page_len_.size()) *
+                               window_sinks_.size() + page_indptr_.size() + last_page_len_.size()) *
                                   sizeof(std::int32_t) +
-                              (log_degree_.size() + weights_.size()) * sizeof(float);
+                              log_degree_.size() * sizeof(float);
     return detail::context_index_bytes<Context>(bytes);
   }
 
@@ -324,13 +321,17 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
     checked_select<Context>(where, in, out, capacity());
     check_no_window(where, in.attention.window);
     clear_counts(out, ctx);
-    merge_store_selection(store(), in.slots, second_selection(in.q.batch), ctx);
   }
 
-  /// The store's rows of the step's slots, with the selection the last select wrote (valid until the next one).
+  /// The store's rows of the step's slots, read in place: K/V through a paged view whose pages are the slots, the
+  /// entries (order), counts and log-degrees by slot through the slots as the selection's row map (valid until
+  /// the next append). A slot outside [0, max_slots) makes its row's output NaN (sparse decode's row map).
   SecondSource<T> second_source(const SelectInputs<T>& in) const {
-    return {merge_store_paged_view(store(), in.slots, page_indptr_.data(), last_page_len_.data(), in.q.batch),
-            second_selection(in.q.batch)};
+    const MergeStoreView<const T> s = store();
+    return {merge_store_paged_view(s, in.slots, page_indptr_.data(), last_page_len_.data(), in.q.batch),
+            SelectionView{const_cast<std::int32_t*>(s.order), const_cast<std::int32_t*>(s.count),
+                          const_cast<float*>(s.log_degree), s.slots, s.kv_heads, s.capacity},
+            in.slots};
   }
 
  private:
@@ -376,17 +377,12 @@ class CentroidKV : public SelectorTypes<T, Context>, public detail::SelectorCore
     return {k_.data(), v_.data(), order_.data(), degree_.data(), log_degree_.data(), count_.data(),
             limits_.max_slots, limits_.kv_heads, capacity_, limits_.head_dim};
   }
-  SelectionView second_selection(std::int32_t batch) const {
-    return {const_cast<std::int32_t*>(indices_.data()), const_cast<std::int32_t*>(counts_.data()),
-            const_cast<float*>(weights_.data()), batch, limits_.kv_heads, capacity_};
-  }
 
   CentroidKVConfig config_;
   std::int32_t capacity_ = 0;
   ContextArray<Context, T> k_, v_;
-  ContextArray<Context, std::int32_t> order_, degree_, count_, budgets_, window_sinks_, indices_, counts_,
-      page_indptr_, last_page_len_;
-  ContextArray<Context, float> log_degree_, weights_;
+  ContextArray<Context, std::int32_t> order_, degree_, count_, budgets_, window_sinks_, page_indptr_, last_page_len_;
+  ContextArray<Context, float> log_degree_;
 };
 
 }  // namespace kvsift

@@ -119,6 +119,8 @@ void check_select(const char* where, const SelectorLimits& limits, const SelectI
   KVSIFT_CHECK(asked == 1 || (asked == page_size && page_size > 1), where,
                "in.attention.selection_page_size (= {}) is neither 1 (tokens) nor the selector's page size ({})", asked,
                page_size == 1 ? std::string("none: it selects tokens") : std::to_string(page_size));
+  KVSIFT_CHECK(in.attention.selection_rows == nullptr, where,
+               "in.attention.selection_rows is set: a selector writes its selection by batch row, with no row map");
   KVSIFT_CHECK(out.counts != nullptr && (out.indices != nullptr || out.capacity == 0), where,
                "out.counts, and out.indices unless out.capacity is 0, must be non-null");
   KVSIFT_CHECK(out.batch == batch && out.kv_heads == limits.kv_heads, where,
