@@ -456,10 +456,10 @@ namespace kvsift::cuda::detail {
 inline constexpr int kCheckBitmapWords = 8192;  // 32 KB, 262144 tokens
 inline constexpr int kCheckThreads = 256;
 
-/// Validation mode: one CTA per batch row's kv head checks its selection row's count against the capacity, every index against
-/// [0, seq_len) less the attention window and, over passes of kCheckBitmapWords * 32 tokens, that no token is listed twice; the
-/// smallest offending row goes to p.first_bad_row. The host then reads that row back and names the first
-/// offending position (src/cuda/decode.cpp), so a refused call reports exactly what the CPU would.
+/// Validation mode: one CTA per batch row's kv head checks its selection row's count against the capacity, every
+/// index against [0, seq_len) less the attention window and, over passes of kCheckBitmapWords * 32 tokens, that no
+/// token is listed twice; the smallest offending row goes to p.first_bad_row. The host then reads that row back and
+/// names the first offending position (src/cuda/decode.cpp), so a refused call reports exactly what the CPU would.
 template <class T>
 __global__ void __launch_bounds__(kCheckThreads) check_selection_kernel(const __grid_constant__ DecodeParams<T> p) {
   __shared__ unsigned seen[kCheckBitmapWords];

@@ -1,13 +1,13 @@
 #pragma once
-/// CentroidKV (chunked soft matching, docs/centroidkv.md): per layer and kv head the prompt's K/V are merged into
-/// at most B = floor(R n) entries (n the prompt's length), each the degree-weighted mean of the tokens it absorbed,
-/// attended whole with weight log(degree) added to its scaled logit (the paper's equation 3). It does not select
-/// from the engine's cache: it replaces it by its merge store (selectors/centroid_kv/merge_store.hpp), the decode step's second
-/// source (selectors/selector.hpp SecondSource), attended in place: K/V through a paged view whose page table is the
-/// step's slots, the entries through the store's own order, counts and log-degrees by slot, which sparse decode
+/// CentroidKV (chunked soft matching, docs/centroidkv.md): per layer and kv head the prompt's K/V are merged into at
+/// most B = floor(R n) entries (n the prompt's length), each the degree-weighted mean of the tokens it absorbed,
+/// attended whole with weight log(degree) added to its scaled logit (the paper's equation 3). It does not select from
+/// the engine's cache: it replaces it by its merge store (selectors/centroid_kv/merge_store.hpp), the decode step's
+/// second source (selectors/selector.hpp SecondSource), attended in place: K/V through a paged view whose page table is
+/// the step's slots, the entries through the store's own order, counts and log-degrees by slot, which sparse decode
 /// reads through the step's slots as its row map (AttentionOptions::selection_rows: no per-step copy). Its primary
-/// selection is empty (counts 0: every token, sinks and recent ones included, lives in the
-/// store), so the step's attention window must be empty: prepare and select refuse one.
+/// selection is empty (counts 0: every token, sinks and recent ones included, lives in the store), so the step's
+/// attention window must be empty: prepare and select refuse one.
 ///
 /// Life cycle, per layer (written once for both backends: only backend calls and context arrays):
 ///   - prepare: each joining prompt in turn is loaded into a temporary prompt-sized store, merged by rounds
@@ -30,9 +30,10 @@
 ///     token is added.
 ///   - select: clears the primary counts (one launch); the second source is the store itself.
 ///
-/// Memory (the context's; index_bytes): K and V [max_slots, kv_heads, capacity, head_dim] in T, order, degree
-/// (int32) and log_degree (fp32) [max_slots, kv_heads, capacity], counts, budgets, window sinks and the second
-/// source's page table; capacity = ceil(R max_tokens) + interval. Workspace of append: merge_round's for the step's batch; of select: none.
+/// Memory (the context's; index_bytes): K and V [max_slots, kv_heads, capacity, head_dim] in T, order, degree (int32)
+/// and log_degree (fp32) [max_slots, kv_heads, capacity], counts, budgets, window sinks and the second source's page
+/// table; capacity = ceil(R max_tokens) + interval. Workspace of append: merge_round's for the step's batch; of
+/// select: none.
 /// Include cpu/backend.hpp or cuda/backend.hpp (the primitives of the context) before instantiating it.
 
 #include <algorithm>
