@@ -237,9 +237,7 @@ void check_selection(const char* where, const DecodeParams<T>& p, cudaStream_t s
   if (p.selection_rows != nullptr) {
     std::int32_t mapped = 0;
     KVSIFT_CUDA_CHECK(cudaMemcpy(&mapped, p.selection_rows + b, sizeof(mapped), cudaMemcpyDeviceToHost));
-    KVSIFT_CHECK(mapped >= 0 && mapped < p.selection.batch, where,
-                 "options selection_rows[{}] (= {}) is outside [0, selection.batch = {})", b, mapped,
-                 p.selection.batch);
+    check_mapped_row(where, "selection", b, mapped, p.selection.batch);
     selection_b = mapped;
   }
   const std::int64_t selection_row = selection_b * p.selection.kv_heads + h;

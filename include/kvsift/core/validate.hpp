@@ -241,6 +241,13 @@ void validate(const SelectionView& s, const KV& kv, const char* where, const cha
                kv.kv_heads);
 }
 
+/// Checks a row map's value for batch row b (AttentionOptions::selection_rows): a row of the selection's `rows`.
+inline void check_mapped_row(const char* where, const char* name, std::int64_t b, std::int32_t mapped,
+                             std::int32_t rows) {
+  KVSIFT_CHECK(mapped >= 0 && mapped < rows, where, "options selection_rows[{}] (= {}) is outside [0, {}.batch = {})",
+               b, mapped, name, rows);
+}
+
 /// Checks the count of one selection row (sequence b, kv head h) against the capacity.
 inline void check_selection_count(const char* where, const char* name, std::int64_t b, std::int64_t h,
                                   std::int32_t count, std::int32_t capacity) {
@@ -319,9 +326,8 @@ void check_selection_contents(const SelectionView& s, const KV& kv, const char* 
     seen.assign(std::size_t(longest) / 64 + 1, 0);
   }
   for (std::int32_t b = 0; b < kv.batch; ++b) {
+    if (selection_rows != nullptr) check_mapped_row(where, name, b, selection_rows[b], s.batch);
     const std::int64_t r = attended_selection_row(selection_rows, b, s.batch);
-    KVSIFT_CHECK(r >= 0, where, "options selection_rows[{}] (= {}) is outside [0, {}.batch = {})", b,
-                 selection_rows != nullptr ? selection_rows[b] : b, name, s.batch);
     for (std::int32_t h = 0; h < s.kv_heads; ++h) {
       if (s.attend_all != nullptr && s.attend_all[s.row_index(r, h)] != 0) continue;
       const std::int32_t count = s.count(r, h);
