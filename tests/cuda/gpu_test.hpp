@@ -89,6 +89,20 @@ class SplitBuffers {
   PinnedBuffer<std::byte> host_;
 };
 
+/// A non-blocking stream, destroyed with the object (so a failed assertion's early return leaks none); converts to
+/// the cudaStream_t it owns.
+class Stream {
+ public:
+  Stream() { KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  ~Stream() { cudaStreamDestroy(stream_); }
+  operator cudaStream_t() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
 /// Work on `stream` captured once into a CUDA graph and replayed by launch(): the graph tests' boilerplate. Owns
 /// the graph and its executable (the stream stays the caller's). A capture whose work throws is ended first.
 class CapturedGraph {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "ctkvr_problem.hpp"
+#include "cuda/ctkvr_device_cache.hpp"
 #include "cuda/gpu_test.hpp"
 #include "kvsift/cpu/backend.hpp"
 #include "kvsift/cuda/backend.hpp"
@@ -25,12 +26,11 @@
 namespace kvsift {
 namespace {
 
+using test::CtkvrDeviceCache;
 using test::CtkvrProblem;
 using test::DeviceBuffer;
 using CpuSelector = Csattention<half, cpu::Context>;
 using CudaSelector = Csattention<half, cuda::Context>;
-
-constexpr std::int32_t kPage = 16;
 
 template <class V>
 std::vector<V> download(const V* d, std::size_t n) {
@@ -38,54 +38,6 @@ std::vector<V> download(const V* d, std::size_t n) {
   KVSIFT_CUDA_CHECK(cudaMemcpy(host.data(), d, n * sizeof(V), cudaMemcpyDeviceToHost));
   return host;
 }
-
-/// The problem's cache on the device, contiguous or in shuffled NHD pages; write() mirrors a new token.
-struct DeviceCache {
-  bool paged;
-  std::int32_t pages;
-  DeviceBuffer<half> k, v;
-  DeviceBuffer<std::int32_t> length, indptr, indices, last;
-  std::vector<std::int32_t> order;
-
-  DeviceCache(const CtkvrProblem& p, bool paged_, std::mt19937_64& engine)
-      : paged(paged_), pages(p.capacity / kPage), k(p.k.size()), v(p.v.size()), length(1), indptr(2),
-        indices(std::size_t(p.capacity / kPage)), last(1), order(std::size_t(p.capacity / kPage)) {
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), engine);
-    indices.upload(order);
-    upload(p);
-  }
-  void upload(const CtkvrProblem& p) {
-    std::vector<half> k_host(p.k.size()), v_host(p.v.size());
-    for (std::int32_t h = 0; h < p.kv_heads; ++h) {
-      for (std::int32_t t = 0; t < p.capacity; ++t) {
-        const std::size_t from = (std::size_t(h) * p.capacity + t) * p.head_dim;
-        const std::size_t to =
-            paged ? ((std::size_t(order[t / kPage]) * kPage + t % kPage) * p.kv_heads + h) * p.head_dim : from;
-        std::copy_n(p.k.begin() + from, p.head_dim, k_host.begin() + to);
-        std::copy_n(p.v.begin() + from, p.head_dim, v_host.begin() + to);
-      }
-    }
-    k.upload(k_host);
-    v.upload(v_host);
-  }
-  void grow(std::int32_t len) {
-    length.upload({len});
-    const std::int32_t used = (len + kPage - 1) / kPage;
-    indptr.upload({0, used});
-    last.upload({len - (used - 1) * kPage});
-  }
-  KVCache<half> view(const CtkvrProblem& p) const {
-    if (!paged) {
-      return ContiguousKVView<half>::packed(k.data(), v.data(), 1, p.kv_heads, p.capacity, p.head_dim, length.data());
-    }
-    return PagedKVView<half>{.k_pages = k.data(), .v_pages = v.data(), .page_indptr = indptr.data(),
-                             .page_indices = indices.data(), .last_page_len = last.data(), .batch = 1,
-                             .kv_heads = p.kv_heads, .head_dim = p.head_dim, .page_size = kPage, .num_pages = pages,
-                             .page_stride = std::int64_t(kPage) * p.kv_heads * p.head_dim,
-                             .token_stride = std::int64_t(p.kv_heads) * p.head_dim, .head_stride = p.head_dim};
-  }
-};
 
 /// The tables of both selectors are equal: centroids, base lists, and each slot's overlay.
 void expect_equal_tables(const ScoreTablesView<const std::int32_t>& cpu, const ScoreTablesView<const std::int32_t>& gpu,
@@ -136,17 +88,12 @@ TEST_P(CudaCsattention, TablesSelectionsAndInsertsEqualTheCpus) {
   SCOPED_TRACE(seed);
   const auto [group, paged, variant] = GetParam();
   CtkvrProblem p(rng, 2 * group, 2, 208, 16, 64);  // capacity 224: 14 pages; head_dim 64 (CUDA decode)
-  DeviceCache cache(p, paged, rng.engine);
-  cache.grow(p.length);
-  DeviceBuffer<half> queries(p.prefill_q);
-  DeviceBuffer<std::int32_t> slot(std::vector<std::int32_t>{0});
+  CtkvrDeviceCache cache(p, paged, rng.engine);
   const cuda::Context ctx{};
   const CsattentionConfig config = variant_config(variant);
   DecodeStep gpu(CudaSelector(p.limits(), config), p.config(), ctx);
   DecodeStep cpu(CpuSelector(p.limits(), config), p.config(), {});
-  gpu.prepare({.cache = cache.view(p), .slots = slot.data(),
-               .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
-              ctx);
+  gpu.prepare(cache.prefill(p), ctx);
   cpu.prepare(p.prefill(), {});
   expect_equal_tables(cpu.selector().index_tables(), gpu.selector().index_tables(), "after prepare");
 
@@ -164,7 +111,7 @@ TEST_P(CudaCsattention, TablesSelectionsAndInsertsEqualTheCpus) {
     workspace.poison();
     gpu.run({.q = QueryView<const half>::packed(dq.data(), 1, p.q_heads, p.head_dim), .cache = cache.view(p),
              .k = HeadsView<const half>::packed(dk.data(), 1, p.kv_heads, p.head_dim),
-             .v = HeadsView<const half>::packed(dv.data(), 1, p.kv_heads, p.head_dim), .slots = slot.data()},
+             .v = HeadsView<const half>::packed(dv.data(), 1, p.kv_heads, p.head_dim), .slots = cache.slot.data()},
             StateView<float>::packed(o.data(), lse.data(), 1, p.q_heads, p.head_dim),
             {workspace.data(), workspace.size()}, ctx);
     std::memset(host_workspace.data(), 0xff, host_workspace.size());
@@ -193,19 +140,13 @@ class CudaCsattentionGraph : public test::GpuTest {};
 TEST_F(CudaCsattentionGraph, ReplaysWithAdvancingLengthsEqualTheCpusSteps) {
   SCOPED_TRACE(seed);
   CtkvrProblem p(rng, 8, 2, 208, 16, 64);
-  DeviceCache cache(p, false, rng.engine);
-  cache.grow(p.length);
-  DeviceBuffer<half> queries(p.prefill_q);
-  DeviceBuffer<std::int32_t> slot(std::vector<std::int32_t>{0});
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CtkvrDeviceCache cache(p, false, rng.engine);
+  const test::Stream stream;
   const cuda::Context ctx{stream};
   const CsattentionConfig config = variant_config(0);
   DecodeStep gpu(CudaSelector(p.limits(), config), p.config(), ctx);
   DecodeStep cpu(CpuSelector(p.limits(), config), p.config(), {});
-  gpu.prepare({.cache = cache.view(p), .slots = slot.data(),
-               .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
-              ctx);
+  gpu.prepare(cache.prefill(p), ctx);
   cpu.prepare(p.prefill(), {});
   DeviceBuffer<std::byte> workspace(gpu.workspace_bytes());
   cpu::Array<std::byte> host_workspace(cpu.workspace_bytes());
@@ -216,7 +157,7 @@ TEST_F(CudaCsattentionGraph, ReplaysWithAdvancingLengthsEqualTheCpusSteps) {
   const auto run = [&] {
     gpu.run({.q = QueryView<const half>::packed(dq.data(), 1, p.q_heads, p.head_dim), .cache = cache.view(p),
              .k = HeadsView<const half>::packed(dk.data(), 1, p.kv_heads, p.head_dim),
-             .v = HeadsView<const half>::packed(dv.data(), 1, p.kv_heads, p.head_dim), .slots = slot.data()},
+             .v = HeadsView<const half>::packed(dv.data(), 1, p.kv_heads, p.head_dim), .slots = cache.slot.data()},
             StateView<float>::packed(o.data(), lse.data(), 1, p.q_heads, p.head_dim),
             {workspace.data(), workspace.size()}, ctx);
   };
@@ -250,7 +191,6 @@ TEST_F(CudaCsattentionGraph, ReplaysWithAdvancingLengthsEqualTheCpusSteps) {
           << "replay " << s << " kv head " << g;
     }
   }
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 /// A CUDA selector's tables copied to the host, with a host view over them.
@@ -300,17 +240,12 @@ TEST_F(CudaCsattentionFiles, ABaseSavedOnOneBackendLoadsOnTheOtherAndDecodesTheS
   for (const int variant : {0, 1, 2}) {
     SCOPED_TRACE(variant);
     CtkvrProblem p(rng, 8, 2, 208, 16, 64);
-    DeviceCache cache(p, false, rng.engine);
-    cache.grow(p.length);
-    DeviceBuffer<half> queries(p.prefill_q);
-    DeviceBuffer<std::int32_t> slot(std::vector<std::int32_t>{0});
+    CtkvrDeviceCache cache(p, false, rng.engine);
     const cuda::Context ctx{};
     const CsattentionConfig config = variant_config(variant);
     DecodeStep gpu(CudaSelector(p.limits(), config), p.config(), ctx);
     DecodeStep twin(CpuSelector(p.limits(), config), p.config(), {});
-    gpu.prepare({.cache = cache.view(p), .slots = slot.data(),
-                 .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
-                ctx);
+    gpu.prepare(cache.prefill(p), ctx);
     twin.prepare(p.prefill(), {});
     const std::string gpu_file = saved(gpu.selector(), ctx), cpu_file = saved(twin.selector(), cpu::Context{});
     ASSERT_EQ(gpu_file, cpu_file) << "the backends' base files differ";
@@ -351,7 +286,7 @@ TEST_F(CudaCsattentionFiles, ABaseSavedOnOneBackendLoadsOnTheOtherAndDecodesTheS
       workspace.poison();
       on_gpu.run({.q = QueryView<const half>::packed(dq.data(), 1, p.q_heads, p.head_dim), .cache = cache.view(p),
                   .k = HeadsView<const half>::packed(dk.data(), 1, p.kv_heads, p.head_dim),
-                  .v = HeadsView<const half>::packed(dv.data(), 1, p.kv_heads, p.head_dim), .slots = slot.data()},
+                  .v = HeadsView<const half>::packed(dv.data(), 1, p.kv_heads, p.head_dim), .slots = cache.slot.data()},
                  StateView<float>::packed(o.data(), lse.data(), 1, p.q_heads, p.head_dim),
                  {workspace.data(), workspace.size()}, ctx);
       const SelectionView want = cpu_run(twin, p, twin_workspace, qv, kv, vv);

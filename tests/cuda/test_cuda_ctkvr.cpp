@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ctkvr_problem.hpp"
+#include "cuda/ctkvr_device_cache.hpp"
 #include "cuda/gpu_test.hpp"
 #include "kvsift/cuda/backend.hpp"
 #include "kvsift/selectors/ctkvr/ctkvr.hpp"
@@ -22,57 +23,11 @@
 namespace kvsift {
 namespace {
 
+using test::CtkvrDeviceCache;
 using test::CtkvrProblem;
 using test::DeviceBuffer;
 using test::kCtkvrWindow;
 using Selector = Ctkvr<half, cuda::Context>;
-
-constexpr std::int32_t kPage = 16;
-
-/// The problem's cache on the device, contiguous or in shuffled NHD pages of 16 tokens.
-struct DeviceCache {
-  bool paged;
-  std::int32_t pages;
-  DeviceBuffer<half> k, v;
-  DeviceBuffer<std::int32_t> length, indptr, indices, last;
-  std::vector<std::int32_t> order;
-
-  DeviceCache(const CtkvrProblem& p, bool paged_, std::mt19937_64& engine)
-      : paged(paged_), pages(p.capacity / kPage), k(p.k.size()), v(p.v.size()), length(1), indptr(2),
-        indices(std::size_t(p.capacity / kPage)), last(1), order(std::size_t(p.capacity / kPage)) {
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), engine);
-    indices.upload(order);
-    std::vector<half> k_host(p.k.size()), v_host(p.v.size());
-    for (std::int32_t h = 0; h < p.kv_heads; ++h) {
-      for (std::int32_t t = 0; t < p.capacity; ++t) {
-        const std::size_t from = (std::size_t(h) * p.capacity + t) * p.head_dim;
-        const std::size_t to = paged ? ((std::size_t(order[t / kPage]) * kPage + t % kPage) * p.kv_heads + h) * p.head_dim : from;
-        std::copy_n(p.k.begin() + from, p.head_dim, k_host.begin() + to);
-        std::copy_n(p.v.begin() + from, p.head_dim, v_host.begin() + to);
-      }
-    }
-    k.upload(k_host);
-    v.upload(v_host);
-  }
-  /// The engine's table for a sequence of `len` tokens.
-  void grow(std::int32_t len) {
-    length.upload({len});
-    const std::int32_t used = (len + kPage - 1) / kPage;
-    indptr.upload({0, used});
-    last.upload({len - (used - 1) * kPage});
-  }
-  KVCache<half> view(const CtkvrProblem& p) const {
-    if (!paged) {
-      return ContiguousKVView<half>::packed(k.data(), v.data(), 1, p.kv_heads, p.capacity, p.head_dim, length.data());
-    }
-    return PagedKVView<half>{.k_pages = k.data(), .v_pages = v.data(), .page_indptr = indptr.data(),
-                             .page_indices = indices.data(), .last_page_len = last.data(), .batch = 1,
-                             .kv_heads = p.kv_heads, .head_dim = p.head_dim, .page_size = kPage, .num_pages = pages,
-                             .page_stride = std::int64_t(kPage) * p.kv_heads * p.head_dim,
-                             .token_stride = std::int64_t(p.kv_heads) * p.head_dim, .head_stride = p.head_dim};
-  }
-};
 
 class CudaCtkvrGraph : public test::GpuTest {};
 
@@ -101,10 +56,7 @@ TEST_P(CudaCtkvr, WholeListsGiveTheTopOfTheMiddleAtEveryStep) {
   SCOPED_TRACE(seed);
   const auto [group, paged, variant] = GetParam();
   CtkvrProblem p(rng, 2 * group, 2, 208, 16, 64);  // capacity 224: 14 pages; head_dim 64 (CUDA decode)
-  DeviceCache cache(p, paged, rng.engine);
-  cache.grow(p.length);
-  DeviceBuffer<half> queries(p.prefill_q);
-  DeviceBuffer<std::int32_t> slot(std::vector<std::int32_t>{0});
+  CtkvrDeviceCache cache(p, paged, rng.engine);
   const cuda::Context ctx{};
   const std::int32_t budget = 24;
   // With C' = 6 of at most 8 columns, at least four whole prefill lists are recalled: the union is the middle.
@@ -115,9 +67,7 @@ TEST_P(CudaCtkvr, WholeListsGiveTheTopOfTheMiddleAtEveryStep) {
                                         .budget_fraction = fraction, .pin_prefill_centroids = variant,
                                         .max_unindexed = variant ? 9 : 0}),
                   p.config(), ctx);
-  step.prepare({.cache = cache.view(p), .slots = slot.data(),
-                .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
-               ctx);
+  step.prepare(cache.prefill(p), ctx);
   const auto lists = step.selector().index_lists();
   const auto download = [](const std::int32_t* d, std::size_t n) {
     std::vector<std::int32_t> host(n);
@@ -153,7 +103,7 @@ TEST_P(CudaCtkvr, WholeListsGiveTheTopOfTheMiddleAtEveryStep) {
     DeviceBuffer<half> dq(q), dk(nk), dv(nv);
     step.run({.q = QueryView<const half>::packed(dq.data(), 1, p.q_heads, p.head_dim), .cache = cache.view(p),
               .k = HeadsView<const half>::packed(dk.data(), 1, p.kv_heads, p.head_dim),
-              .v = HeadsView<const half>::packed(dv.data(), 1, p.kv_heads, p.head_dim), .slots = slot.data()},
+              .v = HeadsView<const half>::packed(dv.data(), 1, p.kv_heads, p.head_dim), .slots = cache.slot.data()},
              StateView<float>::packed(o.data(), lse.data(), 1, p.q_heads, p.head_dim),
              {workspace.data(), workspace.size()}, ctx);
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
@@ -191,20 +141,15 @@ TEST_F(CudaCtkvrGraph, CaptureAndReplayEqualTheEagerStep) {
   for (const bool update : {false, true}) {
     SCOPED_TRACE(update ? "dynamic update" : "no update");
     CtkvrProblem p(rng, 8, 2, 208, 16, 64);
-    DeviceCache cache(p, false, rng.engine);
-    cache.grow(p.length);
-    DeviceBuffer<half> queries(p.prefill_q), q(test::to_storage<half>(rng.normal(std::size_t(p.q_heads) * p.head_dim)));
-    DeviceBuffer<std::int32_t> slot(std::vector<std::int32_t>{0});
-    cudaStream_t stream;
-    KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CtkvrDeviceCache cache(p, false, rng.engine);
+    DeviceBuffer<half> q(test::to_storage<half>(rng.normal(std::size_t(p.q_heads) * p.head_dim)));
+    const test::Stream stream;
     const cuda::Context ctx{stream};
     const auto make_step = [&] {
       DecodeStep step(Selector(p.limits(), {.budget = 16, .list_size = 40, .centroids = 6, .max_centroids = 8,
                                             .recalled_centroids = 3, .dynamic_update = update}),
                       p.config(), ctx);
-      step.prepare({.cache = cache.view(p), .slots = slot.data(),
-                    .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
-                   ctx);
+      step.prepare(cache.prefill(p), ctx);
       return step;
     };
     auto step = make_step(), reference = make_step();
@@ -213,7 +158,7 @@ TEST_F(CudaCtkvrGraph, CaptureAndReplayEqualTheEagerStep) {
     DeviceBuffer<float> reference_o(o.size()), reference_lse(lse.size());
     const auto run = [&](auto& s, DeviceBuffer<std::byte>& ws, DeviceBuffer<float>& out, DeviceBuffer<float>& out_lse) {
       s.run({.q = QueryView<const half>::packed(q.data(), 1, p.q_heads, p.head_dim), .cache = cache.view(p),
-             .slots = slot.data()},
+             .slots = cache.slot.data()},
             StateView<float>::packed(out.data(), out_lse.data(), 1, p.q_heads, p.head_dim), {ws.data(), ws.size()}, ctx);
     };
     const auto selection = [&](auto& s, DeviceBuffer<std::byte>& ws) {
@@ -248,7 +193,6 @@ TEST_F(CudaCtkvrGraph, CaptureAndReplayEqualTheEagerStep) {
       EXPECT_EQ(host_lists(step.selector().index_lists(), p.kv_heads),
                 host_lists(reference.selector().index_lists(), p.kv_heads));
     }
-    KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }
 
@@ -258,18 +202,12 @@ TEST_F(CudaCtkvrGraph, CaptureAndReplayEqualTheEagerStep) {
 TEST_F(CudaCtkvrGraph, DeferredUpdatesEqualJoinedOnes) {
   SCOPED_TRACE(seed);
   CtkvrProblem p(rng, 8, 2, 208, 16, 64);
-  DeviceCache cache(p, false, rng.engine);
-  cache.grow(p.length);
-  DeviceBuffer<half> queries(p.prefill_q);
-  DeviceBuffer<std::int32_t> slot(std::vector<std::int32_t>{0});
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CtkvrDeviceCache cache(p, false, rng.engine);
+  const test::Stream stream;
   const cuda::Context ctx{stream};
   const auto make = [&] {
     Selector s(p.limits(), {.budget = 16, .list_size = 40, .centroids = 6, .max_centroids = 8, .recalled_centroids = 3});
-    s.prepare({.cache = cache.view(p), .slots = slot.data(),
-               .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
-              ctx);
+    s.prepare(cache.prefill(p), ctx);
     return s;
   };
   Selector deferring = make(), joining = make();
@@ -283,7 +221,7 @@ TEST_F(CudaCtkvrGraph, DeferredUpdatesEqualJoinedOnes) {
     cache.grow(p.length);
     DeviceBuffer<half> q(test::to_storage<half>(rng.normal(std::size_t(p.q_heads) * p.head_dim)));
     SelectInputs<half> in{.q = QueryView<const half>::packed(q.data(), 1, p.q_heads, p.head_dim), .cache = cache.view(p),
-                          .slots = slot.data(), .lengths = cache.length.data(), .attention = {.window = kCtkvrWindow}};
+                          .slots = cache.slot.data(), .lengths = cache.length.data(), .attention = {.window = kCtkvrWindow}};
     for (auto* buffer : {&out_a, &counts_a, &out_b, &counts_b}) buffer->poison();
     ws_a.poison();
     ws_b.poison();
@@ -299,7 +237,6 @@ TEST_F(CudaCtkvrGraph, DeferredUpdatesEqualJoinedOnes) {
   deferring.join_beside(ctx);  // nothing pending: nothing
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   EXPECT_EQ(host_lists(deferring.index_lists(), p.kv_heads), host_lists(joining.index_lists(), p.kv_heads));
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 /// A NaN prompt key (kv head 1, token 101, channel 7: in the middle) is refused at prepare by its position and
@@ -318,20 +255,15 @@ TEST_F(CudaCtkvrPrompt, ANonFinitePromptKeyIsRefusedAtPrepare) {
     key(1, 101, 7) = from_float<half>(std::numeric_limits<float>::quiet_NaN());
     key(1, 150, 0) = from_float<half>(std::numeric_limits<float>::infinity());
     key(0, 210, 3) = from_float<half>(std::numeric_limits<float>::quiet_NaN());  // past the prompt's 208 tokens
-    DeviceBuffer<half> queries(p.prefill_q);
-    DeviceBuffer<std::int32_t> slot(std::vector<std::int32_t>{0});
     const cuda::Context ctx{};
     DecodeStep step(Selector(p.limits(), {.budget = 16, .list_size = 40, .centroids = 6, .max_centroids = 8,
                                           .recalled_centroids = 3}),
                     p.config(), ctx);
-    const auto prepare = [&](const DeviceCache& cache) {
-      step.prepare({.cache = cache.view(p), .slots = slot.data(),
-                    .queries = SequenceView<const half>::packed(queries.data(), 1, p.q_heads, p.queries, p.head_dim)},
-                   ctx);
+    const auto prepare = [&](const CtkvrDeviceCache& cache) {
+      step.prepare(cache.prefill(p), ctx);
     };
     {
-      DeviceCache cache(p, paged, rng.engine);
-      cache.grow(p.length);
+      CtkvrDeviceCache cache(p, paged, rng.engine);
       test::expect_error([&] { prepare(cache); },
                          {"Ctkvr::prepare: the prompt's keys hold a non-finite value at sequence 0, kv head 1, token "
                           "101, channel 7 (= nan): NaN and inf are refused rather than indexed"});
@@ -339,8 +271,7 @@ TEST_F(CudaCtkvrPrompt, ANonFinitePromptKeyIsRefusedAtPrepare) {
     }
     p.k = finite;
     key(0, 210, 3) = from_float<half>(std::numeric_limits<float>::quiet_NaN());
-    DeviceCache cache(p, paged, rng.engine);
-    cache.grow(p.length);
+    CtkvrDeviceCache cache(p, paged, rng.engine);
     prepare(cache);
     EXPECT_TRUE(step.selector().prepared(0));
   }
