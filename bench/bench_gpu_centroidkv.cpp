@@ -246,6 +246,7 @@ void BM_CentroidKVStep(benchmark::State& state) {
 BENCHMARK(BM_CentroidKVStep)
     ->ArgsProduct({{32768, 131072}, {1, 8}})
     ->ArgsProduct({{8192, 524288, 1048576}, {1}})  // the context sweep
+    ->ArgsProduct({{131072}, {32}})                 // batch 32: the step against its byte floor
     ->ArgNames({"N", "batch"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)

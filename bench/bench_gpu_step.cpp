@@ -325,6 +325,8 @@ BENCHMARK(BM_Step)
     ->ArgsProduct({{kA2ats}, {32768, 131072}, {1, 8}, {1}, {0}, {1}, {0, 1}, {0}})
     ->ArgsProduct({{kA2ats}, {65536, 131072}, {2, 4}, {1}, {0}, {1}, {0, 1}, {0}})  // the count select's forms
     ->ArgsProduct({{kA2ats}, {131072}, {1, 8}, {0}, {0, 1}, {1}, {0}, {0}})  // PDL off; kernels between
+    ->ArgsProduct({{kQuest, kCtkvr, kCsattention, kQuestRerank}, {131072}, {32}, {1}, {0}, {1}, {0}, {0}})  // batch 32:
+    ->ArgsProduct({{kA2ats}, {131072}, {32}, {1}, {0}, {1}, {0, 1}, {0}})  // each step against its byte floor
     ->ArgNames({"method", "N", "batch", "pdl", "between", "P", "sort", "alpha"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)

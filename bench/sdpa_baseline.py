@@ -86,8 +86,13 @@ def graph_or_eager_us(fn):
 
 def main():
     torch.manual_seed(0)
+    # KVSIFT_SDPA_N, KVSIFT_SDPA_BATCHES and KVSIFT_SDPA_BACKENDS (comma-separated) narrow the run, e.g. to the
+    # decode step's table.
+    lengths = [int(x) for x in os.environ.get("KVSIFT_SDPA_N", "8192,32768,131072").split(",")]
+    batches = [int(x) for x in os.environ.get("KVSIFT_SDPA_BATCHES", "1,8").split(",")]
+    backends = os.environ.get("KVSIFT_SDPA_BACKENDS", "flash,cudnn").split(",")
     gemms = {}
-    for batch in (1, 8):
+    for batch in batches:
         gemms[batch] = make_gemm(batch)
         result = {"backend": "gemm", "batch": batch, "eager_us": time_us(gemms[batch])}
         try:
@@ -95,11 +100,8 @@ def main():
         except Exception as e:  # noqa: BLE001 - report it; the eager figure stands in
             result["graph_error"] = str(e).splitlines()[0][:200]
         print(json.dumps(result), flush=True)
-    # KVSIFT_SDPA_N and KVSIFT_SDPA_BACKENDS (comma-separated) narrow the run, e.g. to the decode step's table.
-    lengths = [int(x) for x in os.environ.get("KVSIFT_SDPA_N", "8192,32768,131072").split(",")]
-    backends = os.environ.get("KVSIFT_SDPA_BACKENDS", "flash,cudnn").split(",")
     for n in lengths:
-        for batch in (1, 8):
+        for batch in batches:
             kv_bytes = 2 * batch * KV_HEADS * n * D * 2
             copies = max(1, -(-L2_FLUSH // kv_bytes))
             q = torch.randn(batch, Q_HEADS, 1, D, device="cuda", dtype=torch.bfloat16)
