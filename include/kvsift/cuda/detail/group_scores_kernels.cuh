@@ -389,24 +389,43 @@ __global__ void __launch_bounds__(kGroupSoftmaxThreads)
   __syncthreads();  // every head's LSE in s_lse
 
   // The heads in sets of heads_per_row, each reduced into its own score row. NaN never vanishes: a head without
-  // a softmax makes its set's whole row NaN.
+  // a softmax makes its set's whole row NaN. A thread takes kTokens tokens of the chunk, kGroupSoftmaxThreads apart:
+  // a head's logits of all of them are independent loads issued together, and no store comes before the set's last
+  // head (one token at a time, each head's load waited, and the next token's loads could not pass the store before
+  // them: the scores may alias the logits as far as the compiler knows). Per token the same operations in the same
+  // head order as one at a time: the same bits.
+  constexpr int kTokens = kGroupScoreChunk / kGroupSoftmaxThreads;
+  static_assert(kTokens * kGroupSoftmaxThreads == kGroupScoreChunk, "one pass of the threads covers a chunk");
   const int per = p.heads_per_row, sets = p.group / per;
+  const int t0 = first + int(threadIdx.x);
   for (int set = 0; set < sets; ++set) {
     bool set_finite = true;
     for (int h = set * per; h < (set + 1) * per; ++h) set_finite = set_finite && isfinite(s_lse[h]);
+    // Sum: the heads' weights in head order. Max: the largest logit - LSE, then one exp (exp is increasing).
+    float acc[kTokens];
+#pragma unroll
+    for (int u = 0; u < kTokens; ++u) acc[u] = p.sum ? 0.0f : neg_inf;
+    for (int h = set * per; set_finite && h < (set + 1) * per; ++h) {
+      const float* logits = p.logits + (row * p.group + h) * p.logit_stride;
+      float x[kTokens];
+#pragma unroll
+      for (int u = 0; u < kTokens; ++u) {
+        const int t = t0 + u * kGroupSoftmaxThreads;
+        x[u] = t < last ? logits[t] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kTokens; ++u) {
+        const float v = x[u] - s_lse[h];
+        acc[u] = p.sum ? acc[u] + exp2f(v * kLog2e) : fmaxf(acc[u], v);
+      }
+    }
     float* out = p.scores.row(row * sets + set);
-    for (int t = first + int(threadIdx.x); t < last; t += kGroupSoftmaxThreads) {
-      if (!set_finite) {
-        out[t] = std::numeric_limits<float>::quiet_NaN();
-        continue;
+#pragma unroll
+    for (int u = 0; u < kTokens; ++u) {
+      const int t = t0 + u * kGroupSoftmaxThreads;
+      if (t < last) {
+        out[t] = !set_finite ? std::numeric_limits<float>::quiet_NaN() : p.sum ? acc[u] : exp2f(acc[u] * kLog2e);
       }
-      // Sum: the heads' weights in head order. Max: the largest logit - LSE, then one exp (exp is increasing).
-      float acc = p.sum ? 0.0f : neg_inf;
-      for (int h = set * per; h < (set + 1) * per; ++h) {
-        const float x = p.logits[(row * p.group + h) * p.logit_stride + t] - s_lse[h];
-        acc = p.sum ? acc + exp2f(x * kLog2e) : fmaxf(acc, x);
-      }
-      out[t] = p.sum ? acc : exp2f(acc * kLog2e);
     }
   }
 }
