@@ -21,6 +21,7 @@ rerank|selector_framework.md|BM_Step/method:5/$step
 ctkvr|ctkvr.md|BM_Step/method:2/$step
 csattention|csattention.md|BM_Step/method:3/$step
 a2ats|a2ats.md|BM_Step/method:4/$step
+a2ats_group_max|a2ats.md|BM_Step/method:4/${step/sort:0/sort:1}
 centroidkv|centroidkv.md|BM_CentroidKVStep/N:131072/batch:1
 specontext|specontext.md|BM_SpeContextStep/mode:0/N:131072/batch:1/pdl:1/between:0"
 
