@@ -179,6 +179,7 @@ BENCHMARK(BM_SpeContextStep)
     ->ArgsProduct({{kSpeContext, kDense, kReranked}, {131072, 32768}, {1, 8}, {1}, {0}})
     ->ArgsProduct({{kSpeContext}, {8192, 524288, 1048576}, {1}, {1}, {0}})  // the context sweep
     ->ArgsProduct({{kSelectOnly}, {131072, 32768}, {1, 8}, {1}, {0}})
+    ->ArgsProduct({{kSpeContext}, {131072}, {32}, {1}, {0}})  // batch 32: the step against its byte floor
     ->ArgsProduct({{kSpeContext, kDense}, {131072}, {1, 8}, {0}, {0}})  // PDL off
     ->ArgsProduct({{kSpeContext, kDense}, {131072}, {1, 8}, {1}, {1}})  // a GEMM between layers
     ->ArgNames({"mode", "N", "batch", "pdl", "between"})
