@@ -2,9 +2,13 @@
 # Builds kvsift on the GPU machine, runs the CUDA and CPU tests, the CUDA tests under compute-sanitizer
 # (memcheck, racecheck), the decode benchmarks and the PyTorch SDPA baseline, and writes logs, JSON and a
 # markdown report to the output folder. Run from the repository root. Usage:
-#   bench/run_device.sh [--build DIR] [--out DIR] [build] [test] [sanitize] [bench] [cpubench] [profile] [demo] [python] [sweep]
+#   bench/run_device.sh [--build DIR] [--out DIR] [--docs] [build] [test] [sanitize] [bench] [cpubench] [profile] [demo] [python] [sweep]
 # --build: the CMake build folder (else $KVSIFT_DEVICE_BUILD, else build/device); --out: where logs and reports go
-# (else $OUT, else device-out). The Python stage builds and installs under the build folder too.
+# (else $OUT, else device-out); --docs: sweep and profile write into this checkout's docs (the context sweep's page,
+# data and plots, each method page's rows and plot, every stage table), so that `bench/run_device.sh --docs build
+# sweep profile` on a GPU machine regenerates every speed table and plot of the docs in one command; without it
+# they stay in --out, and bench/apply_device_docs.sh OUT puts them into the docs of another checkout. The Python
+# stage builds and installs under the build folder too.
 # python: the Python package built with CUDA by pip, offline from the wheels in build/wheelhouse (carried;
 # docs/python.md), tests/python with torch on the GPU, then bench/model_decode.py (KVSIFT_MODEL_CONTEXTS,
 # KVSIFT_MODEL_BATCHES: its shapes) and bench/torch_op_overhead.py.
@@ -23,12 +27,14 @@ set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 BUILD=${KVSIFT_DEVICE_BUILD:-$PWD/build/device}
 stages=()
+docs=0
 while (($#)); do
   case $1 in
+    --docs) docs=1; shift ;;
     --build) BUILD=$(realpath -m "$2"); shift 2 ;;
     --out) OUT=$(realpath -m "$2"); shift 2 ;;
     build|test|sanitize|bench|cpubench|profile|demo|python|sweep) stages+=("$1"); shift ;;
-    *) echo "bench/run_device.sh: unknown argument '$1' (stages: build test sanitize bench cpubench profile demo python sweep; options: --build DIR, --out DIR)" >&2; exit 2 ;;
+    *) echo "bench/run_device.sh: unknown argument '$1' (stages: build test sanitize bench cpubench profile demo python sweep; options: --build DIR, --out DIR, --docs)" >&2; exit 2 ;;
   esac
 done
 ((${#stages[@]})) || stages=(build test sanitize bench cpubench)
@@ -127,8 +133,11 @@ if has sweep; then
   done
   KVSIFT_SDPA_N=8192,32768,131072,524288,1048576 KVSIFT_SDPA_BACKENDS=cudnn python3 bench/sdpa_baseline.py \
     > "$OUT/sdpa_sweep.jsonl" 2> "$OUT/sdpa_sweep.log" || status=1
-  python3 bench/context_sweep.py --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
-    "$OUT/context_sweep" "$OUT/sdpa_sweep.jsonl" "$OUT"/sweep_*.json && cat "$OUT/context_sweep.md" || status=1
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | python3 -c 'import json, sys; print(json.dumps({"gpu": sys.stdin.read().strip()}))' > "$OUT/gpu.json"
+  pages=() prefix="$OUT/context_sweep"
+  ((docs)) && pages=(--pages docs) prefix=docs/bench/context_sweep
+  python3 bench/context_sweep.py --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" "${pages[@]}" \
+    "$prefix" "$OUT/sdpa_sweep.jsonl" "$OUT"/sweep_*.json && cat "$prefix.md" || status=1
 fi
 if has profile; then
   # One decode launch and its split merge per shape, after the warm-up calls (skip), with the sections that
@@ -145,8 +154,12 @@ if has profile; then
       | sed -E 's/ +/ /g' | cut -c1-110
   done
   step "stage tables"
-  # The tables travel in $OUT/stage_tables/ (this checkout is a copy); bench/stage_tables.sh --apply puts them in docs.
-  bash bench/stage_tables.sh --tables "$OUT/stage_tables" "$BUILD/bench/kvsift_bench_decode" || status=1
+  # With --docs into the pages; else the tables travel in $OUT/stage_tables/ (this checkout may be a copy).
+  if ((docs)); then
+    bash bench/stage_tables.sh "$BUILD/bench/kvsift_bench_decode" || status=1
+  else
+    bash bench/stage_tables.sh --tables "$OUT/stage_tables" "$BUILD/bench/kvsift_bench_decode" || status=1
+  fi
 fi
 # The device tool returns at most 8 files: the logs travel as one archive beside the report and JSON.
 (cd "$OUT" && logs=$(ls | grep -v -E '\.(md|json|jsonl)$|^logs\.tar\.gz$') && [[ -n "$logs" ]] && tar czf logs.tar.gz $logs && rm -f $logs)

@@ -3,6 +3,7 @@ into the method pages (only between their markers)."""
 import json
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -62,6 +63,11 @@ def test_rows_ratios_and_page_sections(tmp_path, rng):
         pages["a2ats.md"], "a2ats-group-max")
     assert f"{union:.1f} µs" in section(pages["a2ats.md"], "a2ats-union")
     assert section(pages["ctkvr.md"], "ctkvr").startswith("Not in this run")
+    # Each section's plot, named from the page: the prefix's per-selector SVG.
+    assert "](../sweep_specontext.svg)" in section(pages["specontext.md"], "specontext")
+    assert "](../sweep_a2ats-group-max.svg)" in section(pages["a2ats.md"], "a2ats-group-max")
+    if shutil.which("gnuplot"):
+        assert all((tmp_path / f"sweep_{m}.svg").stat().st_size > 0 for ms in PAGES.values() for m in ms)
     for page, markers in PAGES.items():
         text = pages[page]
         assert text.startswith(f"# {page}\n\nbefore\n") and text.endswith("\nafter\n") and "old rows" not in text
