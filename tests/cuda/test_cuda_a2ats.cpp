@@ -147,8 +147,7 @@ TEST_F(CudaA2atsGraph, ReplaysWithAdvancingLengthsEqualTheCpusSteps) {
   SCOPED_TRACE(seed);
   A2atsProblem<half> p(rng, A2atsCodebookKind::clustered, 2, 32, 8, 900, {700, 811}, {}, 2048, true, 48, 128);
   DeviceProblem dp(p);
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::Stream stream;
   const cuda::Context ctx{stream};
   DecodeStep gpu(CudaSelector(p.limits(), {}, p.codebooks(), ctx), p.step_config(), ctx);
   DecodeStep cpu(CpuSelector(p.limits(), {}, p.codebooks(), {}), p.step_config(), {});
@@ -203,7 +202,6 @@ TEST_F(CudaA2atsGraph, ReplaysWithAdvancingLengthsEqualTheCpusSteps) {
                              want, ref.view, AttentionOptions{.window = kA2atsWindow});
     test::expect_close(o.download(), lse.download(), ref, fmt::format("replay {}", s));
   }
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 // The append on the step's second stream (DecodeStepConfig::append_beside_select, the default) changes nothing: a
@@ -216,8 +214,7 @@ TEST_F(CudaA2atsGraph, AppendBesideSelectEqualsTheAppendInOrder) {
     SCOPED_TRACE(what);
     A2atsProblem<half> p(rng, A2atsCodebookKind::clustered, 2, 32, 8, 900, {700, 811}, {}, 2048, true, 48, 128);
     DeviceProblem beside_problem(p), in_order_problem(p);
-    cudaStream_t stream;
-    KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const test::Stream stream;
     const cuda::Context ctx{stream};
     DecodeStepConfig in_order_config = p.step_config();
     in_order_config.append_beside_select = false;
@@ -283,7 +280,6 @@ TEST_F(CudaA2atsGraph, AppendBesideSelectEqualsTheAppendInOrder) {
       }
     };
     EXPECT_EQ(codes(beside.selector()), codes(in_order.selector()));
-    KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   };
   const auto a2ats = [](A2atsGroupRule rule) {
     return [rule](const A2atsProblem<half>& p, const cuda::Context& ctx) {

@@ -319,8 +319,7 @@ TYPED_TEST(CudaFirstNonfiniteKey, ReplaysFromACudaGraph) {
   KeyCache<T> c(this->rng, 2, 2, 64, 64, {64, 40}, 16, 0);
   DeviceKeyCache<T> d(c);
   DeviceBuffer<std::int32_t> out(4);
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::Stream stream;
   const KVCache<const T> cache = c.contiguous(d.k.data());
   const CapturedGraph graph(stream, [&] { cuda::first_nonfinite_key(cache, d.lengths.data(), out.data(), stream); });
   const auto replay = [&] {
@@ -337,7 +336,6 @@ TYPED_TEST(CudaFirstNonfiniteKey, ReplaysFromACudaGraph) {
   c.set({0, 1, 63, 0}, from_float<T>(std::numeric_limits<float>::quiet_NaN()));
   d.k.upload(c.k);
   EXPECT_EQ(replay(), (Position{0, 1, 63, 0}));
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 /// 128K-token rows (batch 2, 4 kv heads, head_dim 128: 128M keys): finite, one offender at the last scanned key,

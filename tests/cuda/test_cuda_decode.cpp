@@ -857,8 +857,7 @@ TEST_F(CudaDecode, WorkspaceQueryIsExactAndGraphCaptureReplays) {
     } else {
       EXPECT_EQ(bytes, 0u);
     }
-    cudaStream_t stream;
-    KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const test::Stream stream;
     const test::CapturedGraph graph(stream, [&] {
       cuda::sparse_decode(p.device_q(), p.device_paged(), p.device_selection(), p.device_out(),
                           {workspace.data(), bytes}, stream, options);
@@ -874,7 +873,6 @@ TEST_F(CudaDecode, WorkspaceQueryIsExactAndGraphCaptureReplays) {
       EXPECT_EQ(0, std::memcmp(o.data(), expected.first.data(), o.size() * sizeof(bfloat16))) << "replay " << replay;
       EXPECT_EQ(p.d_lse.download(), expected.second);
     }
-    KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }
 

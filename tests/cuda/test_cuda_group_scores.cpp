@@ -357,8 +357,7 @@ TEST_F(CudaGroupScores, GraphReplayEqualsEagerBitForBit) {
     DeviceBuffer<float> scores(shape.size());
     const std::size_t bytes = cuda::group_scores_workspace_bytes(p.batch, p.q_heads, p.kv_heads, shape.cols, options);
     DeviceBuffer<std::byte> workspace(bytes);
-    cudaStream_t stream;
-    KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const test::Stream stream;
     const test::CapturedGraph graph(stream, [&] {
       cuda::group_scores(p.device_q(), p.device_paged(), {scores.data(), shape.rows, shape.cols, shape.stride()}, options,
                          {workspace.data(), bytes}, stream);
@@ -372,7 +371,6 @@ TEST_F(CudaGroupScores, GraphReplayEqualsEagerBitForBit) {
       const auto replayed = scores.download();
       EXPECT_EQ(0, std::memcmp(replayed.data(), eager.data(), eager.size() * sizeof(float))) << "replay " << replay;
     }
-    KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }
 

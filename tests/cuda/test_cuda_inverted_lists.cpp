@@ -351,15 +351,15 @@ TEST_F(CudaInvertedLists, GraphReplayEqualsEager) {
   DeviceOut out_small(small.batch, small.kv_heads, 3 * 40), out_large(large.batch, large.kv_heads, 3 * 3500);
   DeviceBuffer<std::byte> ws_small(cuda::list_reduction_workspace_bytes(rows, 3, 40));
   DeviceBuffer<std::byte> ws_large(cuda::list_reduction_workspace_bytes(rows, 3, 3500));
-  cudaStream_t stream = nullptr;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::Stream stream;
+  const cuda::Context ctx{stream};
   const auto step = [&] {
     cuda::union_lists(d_small.view(small).as_const(), d_small.chosen(small), d_small.slots.data(),
                       d_small.lengths.data(), small.window, out_small.view, {ws_small.data(), ws_small.size()},
-                      stream);
+                      ctx);
     cuda::union_lists(d_large.view(large).as_const(), d_large.chosen(large), d_large.slots.data(),
                       d_large.lengths.data(), large.window, out_large.view, {ws_large.data(), ws_large.size()},
-                      stream);
+                      ctx);
   };
   const auto outputs = [&] {
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -382,7 +382,6 @@ TEST_F(CudaInvertedLists, GraphReplayEqualsEager) {
     graph.launch();
     EXPECT_EQ(outputs(), eager) << replay;
   }
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 /// A bad slot, a negative length or a chosen count past the capacity give the row count -1 and no entries; a

@@ -524,8 +524,7 @@ void expect_steps_equal_the_cpus(Random& rng, const CentroidKVConfig& ckv, const
   std::vector<std::int32_t> lens = prompts;
   DeviceBuffer<bfloat16> dk(k), dv(v);
   DeviceBuffer<std::int32_t> d_lens(lens), d_lens_graph(lens), d_slots(slots);
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::Stream stream;
   const cuda::Context ctx{stream};
   const auto host_cache = [&] {
     return ContiguousKVView<bfloat16>::packed(k.data(), v.data(), kBatch, kKvHeads, kTokens, kHeadDim, lens.data());
@@ -647,7 +646,6 @@ void expect_steps_equal_the_cpus(Random& rng, const CentroidKVConfig& ckv, const
     }
     if (s == 63 || s == 64 || s == steps - 1) compare_stores("after step " + std::to_string(s));
   }
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 /// 130 steps: decode-time rounds at the 64th and 128th.

@@ -183,15 +183,15 @@ TEST_F(CudaRope, GraphReplayEqualsTheEagerRun) {
   std::vector<std::int32_t> pos(batch), lengths(batch);
   for (int b = 0; b < batch; ++b) pos[b] = rng.uniform_int(0, positions - 1), lengths[b] = rng.uniform_int(1, positions);
   DeviceBuffer<std::int32_t> d_pos(pos), d_lengths(lengths);
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::Stream stream;
+  const cuda::Context ctx{stream};
   const auto view = HeadsView<bfloat16>::packed(d_x.data(), batch, heads, d);
   const auto step = [&] {
-    cuda::build_rope_table(c, table, stream);
-    cuda::apply_rope(view, d_pos.data(), table, false, stream);
-    cuda::rotate_to_position(view, d_pos.data(), 0, 2048, table, stream);
-    cuda::apply_rope(view, d_lengths.data(), -1, table, true, stream);
-    cuda::rotate_to_position(view, d_lengths.data(), -1, 2048, table, stream);
+    cuda::build_rope_table(c, table, ctx);
+    cuda::apply_rope(view, d_pos.data(), table, false, ctx);
+    cuda::rotate_to_position(view, d_pos.data(), 0, 2048, table, ctx);
+    cuda::apply_rope(view, d_lengths.data(), -1, table, true, ctx);
+    cuda::rotate_to_position(view, d_lengths.data(), -1, 2048, table, ctx);
   };
   // `stream` does not wait for the legacy default stream, where cudaMemset and cudaMemcpy run.
   const auto reset = [&] {
@@ -219,7 +219,6 @@ TEST_F(CudaRope, GraphReplayEqualsTheEagerRun) {
     EXPECT_TRUE(same_bytes(std::get<1>(got), std::get<1>(eager))) << "sin, replay " << replay;
     EXPECT_TRUE(same_bytes(std::get<2>(got), std::get<2>(eager))) << "x, replay " << replay;
   }
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST(CudaRopeBadInput, RefusedBeforeAnyDeviceCall) {

@@ -310,8 +310,7 @@ TEST_F(CudaScoreTables, GraphReplayEqualsEager) {
   DeviceBuffer<std::int32_t> row_k(rows), indices(std::size_t(rows) * cap), counts(rows);
   DeviceBuffer<std::byte> ws(cuda::table_scores_dense_workspace_bytes(rows, group, max_tokens));
   DeviceBuffer<std::byte> sws(cuda::table_scores_sparse_workspace_bytes(rows, p.chosen_capacity(), p.length));
-  cudaStream_t stream = nullptr;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::Stream stream;
   const cuda::Context ctx{stream};
   const TableScoreOptions options{d.weights.data(), true};
   const auto step = [&] {
@@ -361,7 +360,6 @@ TEST_F(CudaScoreTables, GraphReplayEqualsEager) {
     graph.launch();
     EXPECT_EQ(outputs(), eager) << "replay " << replay;
   }
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 /// Device values the host cannot check get selectors/csattention/cuda/score_tables.hpp's results.

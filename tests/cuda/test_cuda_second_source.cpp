@@ -150,8 +150,7 @@ TEST_F(CudaSecondSourceStep, StepsCapturedInAGraphReplayAsEager) {
   using P = DeviceStepProblem<T>;
   for (const std::int32_t page_size : {0, 16}) {
     P sp(rng, page_size);
-    cudaStream_t stream;
-    KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const test::Stream stream;
     const cuda::Context ctx{stream};
     DecodeStep step(sp.selector<true, true>(ctx), sp.config, ctx);
     step.prepare({.cache = sp.cache(), .slots = sp.d_slots.data()}, ctx);
@@ -201,7 +200,6 @@ TEST_F(CudaSecondSourceStep, StepsCapturedInAGraphReplayAsEager) {
         EXPECT_TRUE(same_bytes(lses[i].download(), eager_lse[i])) << "replay " << replay << " step " << i << " LSE";
       }
     }
-    KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }
 

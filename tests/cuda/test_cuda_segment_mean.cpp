@@ -125,8 +125,7 @@ TEST_F(CudaSegmentMean, GraphReplayEqualsTheEagerRun) {
   std::vector<bfloat16> rows(p.values.size());
   std::transform(p.values.begin(), p.values.end(), rows.begin(), [](float f) { return from_float<bfloat16>(f); });
   DeviceProblem<bfloat16> d(p, rows);
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::Stream stream;
   const auto outputs = [&] {
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     return std::pair(d.means.download(), d.counts.download());
@@ -145,7 +144,6 @@ TEST_F(CudaSegmentMean, GraphReplayEqualsTheEagerRun) {
     EXPECT_EQ(std::memcmp(got.first.data(), eager.first.data(), got.first.size() * sizeof(float)), 0) << replay;
     EXPECT_EQ(got.second, eager.second) << replay;
   }
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST_F(CudaSegmentMean, UndersizedWorkspaceIsRefused) {

@@ -131,8 +131,7 @@ TEST_F(CudaSelectPages, OutOfRangeDeviceValuesGiveCountMinusOne) {
 TEST_F(CudaSelectPages, GraphReplaysEqualTheEagerRun) {
   Shape s{32, 8, 128, 16, 4096, 64, {4, 64}, {65536, 30000}};
   Problem<bfloat16> p(rng, s);
-  cudaStream_t stream = nullptr;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::Stream stream;
   Selection eager(p.batch, s.kv_heads, s.pages_per_row * s.page_size), replay(p.batch, s.kv_heads, s.pages_per_row * s.page_size);
   DeviceBuffer<std::byte> workspace;
   select(p, s.max_pages, eager.view, stream, workspace);
@@ -149,7 +148,6 @@ TEST_F(CudaSelectPages, GraphReplaysEqualTheEagerRun) {
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     expect_same_rows(replay, eager, "replay");
   }
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST(CudaSelectPagesBadInput, RefusedBeforeAnyDeviceCall) {

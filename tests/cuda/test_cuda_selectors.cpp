@@ -241,8 +241,7 @@ void expect_graph_replays_equal_eager(Random& rng, const Config& config) {
   const DeviceBuffer<T> d_new_k(new_k), d_new_v(new_v), d_queries(queries);
   const DeviceBuffer<T> k0(f.p.k), v0(f.p.v);
 
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::Stream stream;
   const cuda::Context ctx{stream};
   DecodeStep step(Selector<T, cuda::Context>(f.limits(), config), f.config(), ctx);
   DeviceBuffer<std::byte> workspace(step.workspace_bytes());
@@ -325,7 +324,6 @@ void expect_graph_replays_equal_eager(Random& rng, const Config& config) {
     ASSERT_EQ(0, std::memcmp(graph_o.data(), eager_o.data(), graph_o.size() * sizeof(T)));
     ASSERT_EQ(0, std::memcmp(graph_lse.data(), eager_lse.data(), graph_lse.size() * sizeof(float)));
   }
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TYPED_TEST(CudaSelectors, QuestStepsCapturedInAGraphReplayAsEager) {

@@ -190,8 +190,7 @@ template <class T>
 Run run_gpu(const SpeContextProblem<T>& p, SpeContextMode mode, std::int32_t budget, const AttentionWindow& window,
             bool graph, const RerankConfig& rerank = {}) {
   const auto& c = p.spec;
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::Stream stream;
   const cuda::Context ctx{stream};
   SpeContextStep<T, cuda::Context> step(SpeContext<T, cuda::Context>(p.limits(), selector_config(p, mode, budget), ctx),
                                         step_config(p, window, rerank), ctx);
@@ -315,7 +314,6 @@ Run run_gpu(const SpeContextProblem<T>& p, SpeContextMode mode, std::int32_t bud
       EXPECT_EQ(again.lse, run.lse) << "replay " << replay;
     }
   }
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   return run;
 }
 
@@ -435,8 +433,7 @@ TYPED_TEST(CudaSpeContext, GroupsAttendEachLayerWithItsHeadsSelection) {
   const std::vector<SpeContextProblem<T>> heads{p, p.with_new_head(this->rng), p.with_new_head(this->rng)};
   const std::vector<std::int32_t> first_layers{0, 1, 3}, group_of{0, 1, 1, 2};
   const AttentionWindow window = specontext_window({4, 64});
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::Stream stream;
   const cuda::Context ctx{stream};
   std::vector<SpeContext<T, cuda::Context>> selectors;
   for (std::int32_t g = 0; g < kGroups; ++g) {
@@ -531,7 +528,6 @@ TYPED_TEST(CudaSpeContext, GroupsAttendEachLayerWithItsHeadsSelection) {
       EXPECT_EQ(lse[std::size_t(l)].download(), eager_lse[std::size_t(l)]) << "replay " << replay << " layer " << l;
     }
   }
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 class CudaSpeContextPrimitives : public GpuTest {};
@@ -752,9 +748,7 @@ OffloadRun run_offload_model(const OffloadModel<T>& m, std::int32_t offloaded, b
   using M = OffloadModel<T>;
   constexpr std::int32_t batch = M::batch, kv = M::kv_heads, d = M::head_dim, n = M::max_tokens, qh = M::q_heads;
   const std::int32_t first = M::layers - offloaded;
-  cudaStream_t main = nullptr, side = nullptr;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&main, cudaStreamNonBlocking));
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  const test::Stream main, side;
   const cuda::Context ctx{main};
   const OffloadContext offload_ctx{.gpu = ctx, .copy_stream = side};
   const SelectorLimits limits{.max_slots = M::max_slots, .max_tokens = n, .q_heads = qh, .kv_heads = kv, .head_dim = d};
@@ -880,8 +874,6 @@ OffloadRun run_offload_model(const OffloadModel<T>& m, std::int32_t offloaded, b
   }
   captured.reset();
   offload.reset();
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(main));
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(side));
   return run;
 }
 
@@ -985,8 +977,7 @@ class CudaSpeContextOffloadBadInput : public GpuTest {};
 TEST_F(CudaSpeContextOffloadBadInput, Refuses) {
   using T = bfloat16;
   constexpr std::int32_t batch = 1, qh = 4, kv = 2, d = 64, n = 64, layers = 3;
-  cudaStream_t main = nullptr;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&main, cudaStreamNonBlocking));
+  const test::Stream main;
   const cuda::Context ctx{main};
   const SelectorLimits limits{.max_slots = 2, .max_tokens = n, .q_heads = qh, .kv_heads = kv, .head_dim = d};
   const auto make_step = [&](AttentionWindow window) {
@@ -1049,8 +1040,7 @@ TEST_F(CudaSpeContextOffloadBadInput, Refuses) {
   EXPECT_FALSE(offload.offloaded(1));
   expect_error([&] { offload.set_offloaded_layers(4); }, {"offloaded (= 4)", "config.layers = 3"});
   EXPECT_EQ(offload.first_offloaded(), 2) << "a refused change leaves the placement as it was";
-  cudaStream_t copies = nullptr;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&copies, cudaStreamNonBlocking));
+  const test::Stream copies;
   const OffloadContext octx{.gpu = ctx, .copy_stream = copies};
   const SpeContextLayerInputs<T> offloaded_layer{.q = query, .cache = host_cache, .k = token, .v = token, .layer = 2};
   expect_error([&] { offload.attend({.q = query, .cache = host_cache, .layer = 3}, out, workspace, octx); },
@@ -1070,9 +1060,7 @@ TEST_F(CudaSpeContextOffloadBadInput, Refuses) {
   EXPECT_EQ(offload.first_offloaded(), 1);
   EXPECT_EQ(offload.offloaded_layers(), 2);
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(copies));
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(copies));
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(main));
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(main));
 }
 
 }  // namespace

@@ -408,8 +408,7 @@ TEST_F(CudaTopK, GraphReplaysEqualEagerRuns) {
     Problem p(rng, 2, 2, heads, 131072, 2048, {4, 64}, Scores::continuous, true);
     SCOPED_TRACE(p.label());
     DeviceProblem d(p);
-    cudaStream_t stream;
-    KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const test::Stream stream;
     const test::CapturedGraph graph(stream, [&] {
       d.run(p, stream);
     });
@@ -435,7 +434,6 @@ TEST_F(CudaTopK, GraphReplaysEqualEagerRuns) {
       EXPECT_EQ(replayed.counts, eager.counts);
       expect_same(p, cpu_topk_rows(p), eager);
     }
-    KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }
 
@@ -518,8 +516,7 @@ TEST_F(CudaTopK, MassBudgetsGraphReplaysEqualEagerRuns) {
   const DeviceBuffer<std::int32_t> counts(p.counts);
   const DeviceBuffer<std::int32_t> limits = p.limits.empty() ? DeviceBuffer<std::int32_t>() : DeviceBuffer<std::int32_t>(p.limits);
   DeviceBuffer<std::int32_t> row_k(std::size_t(p.rows));
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::Stream stream;
   const test::CapturedGraph graph(stream, [&] {
     cuda::mass_budgets(p.view(scores.data()), counts.data(), p.options(limits.data()), row_k.data(), stream);
   });
@@ -537,7 +534,6 @@ TEST_F(CudaTopK, MassBudgetsGraphReplaysEqualEagerRuns) {
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     EXPECT_EQ(row_k.download(), test::mass_budgets_reference(p)) << "replay " << replay;
   }
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST(CudaTopKPlan, ClustersFillTheGpuInOneWave) {

@@ -162,8 +162,7 @@ TEST_F(CudaWindowedRope, GraphReplayEqualsEagerRun) {
   using T = half;
   const WropeProblem<T> p(rng, {.batch = 2, .q_heads = 8, .kv_heads = 2, .tokens = 600, .k = 64, .page_size = 16});
   const DeviceWrope<T> d(p);
-  cudaStream_t stream;
-  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::Stream stream;
   const auto [eager_o, eager_lse] = run_wrope<T, T>(d, d.params(), stream);
   const cuda::Context ctx{stream};
   DeviceBuffer<std::byte> workspace(windowed_rope_workspace_bytes<T>({2, 8, 2, 128, 64}, d.params(), ctx));
@@ -185,7 +184,6 @@ TEST_F(CudaWindowedRope, GraphReplayEqualsEagerRun) {
       EXPECT_TRUE(same_bytes(lse.download(), eager_lse)) << "replay " << replay;
     }
   }
-  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 // With validate_indices the device lengths and selection are copied back and checked by name, as on the CPU.
