@@ -141,11 +141,15 @@ struct TablesProblem : TablesShape {
     }
   }
 
+  /// The tables over a's arrays, with a's token order where a keeps one (a.token_order()).
   template <class A>
   ScoreTablesView<std::int32_t> tables(A& a) const {
-    return {a.centroids.data(), a.base_ids.data(), a.base_scores.data(), a.base_counts.data(), a.slot_base.data(),
-            a.evicted.data(), a.overlay_ids.data(), a.overlay_scores.data(), a.overlay_sizes.data(), bases,
-            slot_count, table_heads, subspaces, centroids_per_subspace, width(), length, overlay_capacity, split};
+    ScoreTablesView<std::int32_t> t{a.centroids.data(), a.base_ids.data(), a.base_scores.data(), a.base_counts.data(),
+                                    a.slot_base.data(), a.evicted.data(), a.overlay_ids.data(), a.overlay_scores.data(),
+                                    a.overlay_sizes.data(), bases, slot_count, table_heads, subspaces,
+                                    centroids_per_subspace, width(), length, overlay_capacity, split};
+    if constexpr (requires { a.token_order(); }) t.token_order = a.token_order();
+    return t;
   }
   /// Base b's arrays, writable (the build primitives' view).
   template <class A>

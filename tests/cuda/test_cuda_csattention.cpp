@@ -22,6 +22,7 @@
 #include "kvsift/selectors/csattention/csattention.hpp"
 #include "kvsift/step/decode_step.hpp"
 #include "score_table_contents.hpp"
+#include "test_util.hpp"
 
 namespace kvsift {
 namespace {
@@ -309,6 +310,15 @@ TEST_F(CudaCsattentionFiles, ABaseSavedOnOneBackendLoadsOnTheOtherAndDecodesTheS
                              fmt::format("GPU-loaded, step {}", s));
     }
   }
+}
+
+/// The dense reduction's token order bounds a CUDA selector's max_tokens (its ranges counted in a CTA's shared
+/// memory): refused at construction, before any allocation (no GPU needed); the sort reduction keeps no token order.
+TEST(CudaCsattentionLimits, DenseRefusesMaxTokensPastTheTokenOrder) {
+  const SelectorLimits limits{.max_slots = 1, .max_tokens = kMaxTableTokenRanges * kTableTokenRange + 1, .q_heads = 8,
+                              .kv_heads = 2, .head_dim = 64};
+  test::expect_error([&] { Csattention<half, cuda::Context> selector(limits, CsattentionConfig{}); },
+                     {"Csattention", "limits.max_tokens (= 12582913) is above the dense reduction's 12582912 tokens"});
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -40,13 +41,39 @@ struct DeviceTables {
   DeviceBuffer<half> base_scores, overlay_scores;
   DeviceBuffer<T> k, v, k_pages, v_pages, q;
   DeviceBuffer<std::int32_t> seq_lens, page_indptr, page_indices, last_page_len, chosen_indices, chosen_counts, weights;
+  /// The base lists' token order (cuda::order_table_lists), which the dense reduction reads: rebuilt by every
+  /// upload.
+  std::int32_t token_ranges;
+  DeviceBuffer<std::uint32_t> token_entries;
+  DeviceBuffer<std::int32_t> token_offsets, token_prompt;
   explicit DeviceTables(const TablesProblem<T>& p)
       : centroids(p.centroids), base_ids(p.base_ids), base_counts(p.base_counts), slot_base(p.slot_base),
         evicted(p.evicted), overlay_ids(p.overlay_ids), overlay_sizes(p.overlay_sizes), slots(p.slots),
         lengths(p.lengths), base_scores(p.base_scores), overlay_scores(p.overlay_scores), k(p.k), v(p.v),
         k_pages(p.k_pages), v_pages(p.v_pages), q(p.q), seq_lens(p.seq_lens), page_indptr(p.page_indptr),
         page_indices(p.page_indices), last_page_len(p.last_page_len), chosen_indices(p.chosen_indices),
-        chosen_counts(p.chosen_counts), weights(p.weights) {}
+        chosen_counts(p.chosen_counts), weights(p.weights), token_ranges(table_token_ranges(p.capacity)),
+        token_entries(p.base_ids.size()), token_offsets(p.base_counts.size() * std::size_t(token_ranges + 1)),
+        token_prompt(std::size_t(p.bases)) {
+    order(p);
+  }
+  TokenOrderView<const std::uint32_t> token_order() const {
+    return {token_entries.data(), token_offsets.data(), token_prompt.data(), token_ranges};
+  }
+  /// The token order of every base, from the device lists, over the problem's prompts.
+  void order(const TablesProblem<T>& p) {
+    token_entries.poison();
+    token_offsets.poison();
+    token_prompt.poison();
+    const std::size_t lists = std::size_t(p.table_heads) * p.lists();
+    for (std::int32_t b = 0; b < p.bases; ++b) {
+      BaseTablesView base = p.base(*this, b);
+      base.token_order = {token_entries.data() + b * lists * p.length,
+                          token_offsets.data() + b * lists * std::size_t(token_ranges + 1), token_prompt.data() + b,
+                          token_ranges};
+      cuda::order_table_lists(base, p.prompt[std::size_t(b)], cuda::Context{});
+    }
+  }
   /// The arrays the primitives write and the tests change, from the host.
   void upload(const TablesProblem<T>& p) {
     for (auto [d, h] : {std::pair{&base_ids, &p.base_ids}, {&base_counts, &p.base_counts}, {&evicted, &p.evicted},
@@ -57,6 +84,7 @@ struct DeviceTables {
     }
     base_scores.upload(p.base_scores);
     overlay_scores.upload(p.overlay_scores);
+    order(p);
   }
   /// The device arrays equal the host's, bit for bit.
   void expect_equal(const TablesProblem<T>& p, const char* what) const {
@@ -288,10 +316,11 @@ TEST_F(CudaScoreTables, SelectEqualsTheCpu) {
   for_every_problem<CheckSelect>(rng);
 }
 
-/// Rows of tens of thousands of tokens: the dense reduction's rows span several windows of several CTAs.
+/// Rows of up to 140,000 tokens: the dense reduction's rows span many parts, and prompts reach past 65,536 tokens
+/// (a token-order entry keeps its id's low 16 bits).
 TEST_F(CudaScoreTables, LongRowsReduceEqualTheCpu) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
-  TablesProblem<half> p(rng, {.batch = 2, .length = 6000, .probes = 3, .capacity = 70000});
+  TablesProblem<half> p(rng, {.batch = 2, .length = 6000, .probes = 3, .capacity = 140000});
   DeviceTables<half> d(p);
   check_reductions(p, d, {p.weights.data(), true}, "long rows");
   check_reductions(p, d, {nullptr, false}, "long rows");
@@ -431,6 +460,39 @@ TEST_F(CudaScoreTables, OutOfRangeDeviceValuesHaveTheDefinedResult) {
   }
 }
 
+/// order_table_lists against the lists: per list, offsets[r] counts the entries of ranges below r and the
+/// entries of range r are the list's (id, score) pairs with ids in it, every one of the list's count, over prompts
+/// past 65,536 tokens (an entry keeps its id's low 16 bits); the prompt is written.
+TEST_F(CudaScoreTables, TokenOrderHoldsEachListByRange) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  TablesProblem<half> p(rng, {.length = 3000, .capacity = 100000});
+  DeviceTables<half> d(p);
+  const auto entries = d.token_entries.download();
+  const auto offsets = d.token_offsets.download();
+  EXPECT_EQ(d.token_prompt.download(), p.prompt);
+  const std::size_t ranges = std::size_t(d.token_ranges), lists = p.base_counts.size();
+  ASSERT_EQ(ranges, 98u);
+  for (std::size_t list = 0; list < lists; ++list) {
+    const std::int32_t* off = offsets.data() + list * (ranges + 1);
+    std::vector<std::vector<std::pair<std::int32_t, std::uint16_t>>> expected(ranges), got(ranges);
+    for (std::int32_t e = 0; e < p.base_counts[list]; ++e) {
+      const std::int32_t id = p.base_ids[list * p.length + e];
+      expected[std::size_t(id) / kTableTokenRange].emplace_back(id, p.base_scores[list * p.length + e].bits);
+    }
+    ASSERT_EQ(off[0], 0) << "list " << list;
+    for (std::size_t r = 0; r < ranges; ++r) {
+      ASSERT_EQ(off[r + 1] - off[r], std::int32_t(expected[r].size())) << "list " << list << " range " << r;
+      for (std::int32_t e = off[r]; e < off[r + 1]; ++e) {
+        const std::uint32_t x = entries[list * p.length + std::size_t(e)];
+        got[r].emplace_back(std::int32_t(r / 64 * 65536 + (x & 0xffffu)), std::uint16_t(x >> 16));
+      }
+      std::sort(expected[r].begin(), expected[r].end());
+      std::sort(got[r].begin(), got[r].end());
+      EXPECT_EQ(got[r], expected[r]) << "list " << list << " range " << r;
+    }
+  }
+}
+
 /// Host-side refusals: shapes only, before any device call (no GPU needed), with the CPU's messages.
 TEST(CudaScoreTablesBadInput, RefusedBeforeAnyDeviceCall) {
   Random rng(1);
@@ -462,6 +524,25 @@ TEST(CudaScoreTablesBadInput, RefusedBeforeAnyDeviceCall) {
                              {.fraction = 0.5, .maximum = 8}, MatrixView<float>::packed(s.data(), 6, 160), row_k.data(),
                              160, {ws.data(), ws.size()}, nullptr);
   }, {"cuda::table_scores_dense", "chosen.capacity (= 30) is not a multiple of heads_per_row (= 4)"});
+  test::expect_error([&] {  // the host tables keep no token order
+    cuda::table_scores_dense(p.tables(p).as_const(), p.chosen_view(p), {}, 4, p.slots.data(), p.lengths.data(),
+                             p.window, {.fraction = 0.5, .maximum = 8}, MatrixView<float>::packed(s.data(), 6, 160),
+                             row_k.data(), 160, {ws.data(), ws.size()}, nullptr);
+  }, {"cuda::table_scores_dense", "tables.token_order is empty"});
+  std::vector<std::uint32_t> entries(p.base_ids.size());
+  std::vector<std::int32_t> offsets(p.base_counts.size() * 200), prompt(2);
+  BaseTablesView base = p.base(p, 0);
+  test::expect_error([&] { cuda::order_table_lists(base, 10, nullptr); },
+                     {"cuda::order_table_lists", "base.token_order is empty"});
+  for (const std::int32_t ranges : {0, kMaxTableTokenRanges + 1}) {
+    base.token_order = {entries.data(), offsets.data(), prompt.data(), ranges};
+    test::expect_error([&] { cuda::order_table_lists(base, 10, nullptr); },
+                       {"cuda::order_table_lists", fmt::format("base.token_order.ranges (= {}) is outside [1, 12288]",
+                                                               ranges)});
+  }
+  base.token_order.ranges = 2;
+  test::expect_error([&] { cuda::order_table_lists(base, 2049, nullptr); },
+                     {"cuda::order_table_lists", "tokens (= 2049) is outside [0, base.token_order.ranges * 1024 = 2048]"});
   test::HostSelection out(3, 2, 100, false);
   test::expect_error([&] {
     cuda::table_scores_sparse(p.tables(p).as_const(), p.chosen_view(p), {}, 4, p.slots.data(), p.lengths.data(),

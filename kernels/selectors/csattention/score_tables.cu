@@ -4,8 +4,8 @@
 // one thread per list; the reductions add fixed-point integers, which are exact and so independent of the order
 // the atomics or the sort leave them in. Conversions to fp16 go through core/dtype.hpp's (constexpr, so callable
 // here) where a stored value is written, so the bits are the CPU's.
-#include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
@@ -335,132 +335,184 @@ __device__ EntryValue entry_value(const TableScoresParams& p, const ChosenList& 
   return {weight, p.options.from_floor ? list.floor() : 0, true};
 }
 
-/// Another CTA's shared variable in this cluster (the CTA's own below sm_90, where clusters are of one CTA).
-template <class V>
-__device__ __forceinline__ V* cluster_shared(V* local, std::uint32_t rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  return cooperative_groups::this_cluster().map_shared_rank(local, rank);
-#else
-  return local;
-#endif
-}
-
-/// A chosen list as the dense scan reads it: its entries and what each adds (an empty list where it adds
-/// nothing).
-struct DenseList {
-  ChosenList list;
+/// A chosen list as a dense CTA reads it: the entries of the CTA's token ranges in the base's token order, then,
+/// where the CTA's tokens reach past the prompt, the list's overlay; what each entry adds; and the lowest kept base
+/// entry (cut), below which a token-order entry is evicted.
+struct DenseRangeList {
+  const std::uint32_t* entries = nullptr;
+  const std::int32_t* overlay_ids = nullptr;
+  const half* overlay_scores = nullptr;
+  std::int32_t base_items = 0, items = 0;
+  float cut_score = 0.0f;
+  std::int32_t cut_id = 0;
+  bool cut = false;
   EntryValue value;
 };
 
-/// A cluster per (row, window) of cluster << key_shift tokens; CTA `rank` owns tokens [begin, begin + keys) of
-/// the window, begin = window_begin + rank * keys. Per query-head block, the cluster's CTAs share every chosen
-/// list's entries (entry e to CTA e / kDenseThreads % cluster) and add each kept entry of the window into its
-/// owner's int64 sum (64-bit atomics, exact in any order), marking the entry's token in its own bitmap of the
-/// window; after the block, each owner folds its sums into its running maximum, rounded to fp32 (rounding is
-/// monotonic, so the maximum of the rounded sums is the rounded maximum the CPU computes) and clears them. At the
-/// end each owner ORs its tokens' bits from every CTA's bitmap: the tokens in some chosen list. Every operation on
-/// another CTA's shared memory costs about the same whatever its width (H200, 128K, batch 1: the step took 198 us
-/// with a remote flag store per entry besides the add, 134 without it, 278 with the add as three 32-bit adds), so
-/// an entry costs one. Then every owned token below the length gets its score and the CTA's candidate count goes
-/// to counts; dense_row_k sums them.
-__global__ void __launch_bounds__(kDenseThreads)
-    dense_window_scores(TableScoresParams p, MatrixView<float> scores, std::int32_t max_tokens, DenseTablePlan plan,
-                        DenseTableBuffers buf) {
+/// Chosen list i of a valid row for the CTA owning token ranges [range_begin, range_end).
+__device__ DenseRangeList dense_range_list(const TableScoresParams& p, const TableRow& r, std::int64_t row,
+                                           std::int32_t i, std::int32_t range_begin, std::int32_t range_end,
+                                           bool past_prompt) {
+  DenseRangeList d;
+  const ScoreTablesView<const std::int32_t>& t = p.tables;
+  const std::int32_t id = p.chosen.indices[row * p.chosen.capacity + i];
+  const ChosenList list = chosen_list(t, r, id);
+  d.value = entry_value(p, list, row, i);
+  if (!d.value.valid || list.base_ids == nullptr) return d;  // an empty list adds nothing
+  const std::int64_t ordinal = t.list_index(r.base, id / t.lists(), id % t.lists());
+  if (list.kept > 0 && range_begin < range_end) {
+    const std::int32_t* offsets = t.token_order.offsets + ordinal * (t.token_order.ranges + 1);
+    const std::int32_t first = min(max(offsets[range_begin], 0), t.length);
+    const std::int32_t last = min(max(offsets[range_end], first), t.length);
+    d.entries = t.token_order.entries + ordinal * t.length + first;
+    d.base_items = last - first;
+    if (list.kept < t.base_counts[ordinal]) {
+      d.cut = true;
+      d.cut_score = to_float_device(list.base_scores[list.kept - 1]);
+      d.cut_id = list.base_ids[list.kept - 1];
+    }
+  }
+  d.items = d.base_items;
+  if (past_prompt) {
+    d.overlay_ids = list.overlay_ids;
+    d.overlay_scores = list.overlay_scores;
+    d.items += list.size;
+  }
+  return d;
+}
+
+/// The token-order entry no list holds (its score bits a NaN, which table_score never stores): an empty slot.
+constexpr std::uint32_t kNoTokenEntry = 0xffffffffu;
+
+/// Adds a chosen list's entry (token id, score) to its token's sum where the token is in the part's middle [lo,
+/// hi) and the entry is not evicted (below the list's cut): a plain read-modify-write for a base entry (a list's
+/// base entries are distinct tokens: within one list no two threads meet), an atomic one for an overlay entry.
+template <bool kOverlay>
+__device__ __forceinline__ void add_dense_entry(const DenseRangeList& d, std::int32_t id, half score, std::int32_t lo,
+                                                std::int32_t hi, std::int32_t begin, unsigned long long* sums,
+                                                std::uint8_t* listed) {
+  if (id < lo || id >= hi) return;
+  if (!kOverlay && d.cut && kvsift::detail::table_entry_below(to_float_device(score), id, d.cut_score, d.cut_id)) return;
+  const std::int32_t key = id - begin;
+  const auto add = static_cast<unsigned long long>(d.value(score));  // two's complement
+  if constexpr (kOverlay) {
+    atomicAdd(sums + key, add);
+  } else {
+    sums[key] += add;
+  }
+  listed[key] = 1;
+}
+__device__ __forceinline__ void add_token_entry(const DenseRangeList& d, std::uint32_t entry, std::int32_t high,
+                                                std::int32_t lo, std::int32_t hi, std::int32_t begin,
+                                                unsigned long long* sums, std::uint8_t* listed) {
+  if (entry == kNoTokenEntry) return;
+  half score;
+  score.bits = std::uint16_t(entry >> 16);
+  add_dense_entry<false>(d, high | std::int32_t(entry & 0xffffu), score, lo, hi, begin, sums, listed);
+}
+
+/// A CTA per (row, part), owning the part's 1 << key_shift tokens [begin, begin + keys) in shared memory. Per
+/// chunk of kDenseLists chosen lists, the lists' device values into shared memory; per query-head block, list by
+/// list, every entry of the CTA's token ranges (and of the overlay where its tokens reach past the prompt) in the
+/// window's middle adds its value to its token's int64 sum (exact integers: the same sum in any
+/// order) and marks the token listed; after the block, the sums fold into the running maximum as fp32
+/// (rounding is monotonic: the maximum of the rounded sums is the rounded maximum the CPU computes) and clear. At
+/// the end every owned token below the length gets its score (-inf where no list holds it) and the CTA's candidate
+/// count goes to counts; dense_row_k sums them. A CTA reads its own ranges' entries alone and writes nothing
+/// remote: a row's entries are read once over all its CTAs. (A 64-bit add to shared memory is a compare-and-swap
+/// loop on sm_90, so the base entries add without atomics, list after list; H200, 128K: the atomic form took
+/// 1795 us at batch 32.)
+__global__ void __launch_bounds__(kDenseThreads, kDenseCtasPerSm)
+    dense_range_scores(TableScoresParams p, MatrixView<float> scores, std::int32_t max_tokens, DenseTablePlan plan,
+                       DenseTableBuffers buf) {
   using Reduce = cub::BlockReduce<std::int32_t, kDenseThreads>;
   __shared__ typename Reduce::TempStorage reduce;
+  __shared__ DenseRangeList lists[kDenseLists];
   extern __shared__ __align__(16) unsigned char dense_smem[];
-  auto* lists = reinterpret_cast<DenseList*>(dense_smem);
-  auto* sums = reinterpret_cast<unsigned long long*>(lists + kDenseLists);
   const std::int32_t keys = 1 << plan.key_shift;
+  auto* sums = reinterpret_cast<unsigned long long*>(dense_smem);
   auto* best = reinterpret_cast<float*>(sums + keys);
-  auto* seen = reinterpret_cast<std::uint32_t*>(best + keys);  // a bit per token of the window
-  const std::int32_t seen_words = (plan.cluster << plan.key_shift) / 32;
-  const ClusterGroup cluster;
-  const auto rank = std::uint32_t(blockIdx.x % unsigned(plan.cluster));  // a 1-D cluster's block rank
-  const std::int64_t part = blockIdx.x / unsigned(plan.cluster);  // row * windows + window
-  const std::int64_t row = part / plan.windows;
-  const std::int64_t window_begin = (part % plan.windows) * plan.cluster << plan.key_shift;
+  auto* listed = reinterpret_cast<std::uint8_t*>(best + keys);
+  const std::int64_t row = blockIdx.x / unsigned(plan.parts);
+  const std::int32_t part = std::int32_t(blockIdx.x % unsigned(plan.parts));
+  const std::int32_t begin = part << plan.key_shift;
   const TableRow r = table_row(p, row, max_tokens);
-  if (!r.valid || window_begin >= r.length) return;  // the whole cluster
+  if (!r.valid || begin >= r.length) return;
   for (std::int32_t k = std::int32_t(threadIdx.x); k < keys; k += kDenseThreads) {
     sums[k] = 0;
     best[k] = -INFINITY;
+    listed[k] = 0;
   }
-  for (std::int32_t w = std::int32_t(threadIdx.x); w < seen_words; w += kDenseThreads) seen[w] = 0;
-  // Kept entries of the window: [lo, hi), the window's tokens inside the middle (list_entry_kept).
-  const std::int32_t lo = std::int32_t(max(window_begin, std::int64_t(p.window.sink_end(r.length))));
-  const std::int32_t hi = std::int32_t(min(window_begin + (std::int64_t(plan.cluster) << plan.key_shift),
-                                           std::int64_t(p.window.recent_begin(r.length))));
+  // Kept entries of the part: [lo, hi), its tokens inside the middle (list_entry_kept).
+  const std::int32_t lo = max(begin, p.window.sink_end(r.length));
+  const std::int32_t hi = std::int32_t(min(std::int64_t(begin) + keys, std::int64_t(p.window.recent_begin(r.length))));
+  const TokenOrderView<const std::uint32_t>& order = p.tables.token_order;
+  const std::int32_t range_begin = min(begin / kTableTokenRange, order.ranges);
+  const std::int32_t range_end = min((begin + keys) / kTableTokenRange, order.ranges);
+  const bool past_prompt = std::int64_t(begin) + keys > order.prompt[r.base];
+  const std::int32_t high = begin & ~0xffff;
   const std::int32_t per_block = r.count / p.heads_per_row;
-  const std::int32_t first = std::int32_t(rank) * kDenseThreads + std::int32_t(threadIdx.x);
-  const std::int32_t stride = plan.cluster * kDenseThreads;
-  cluster.sync();  // every CTA's sums are cleared before any other adds to them
   for (std::int32_t i0 = 0; i0 < r.count; i0 += kDenseLists) {
     const std::int32_t n = min(kDenseLists, r.count - i0);
-    __syncthreads();  // the previous group's lists are read
+    __syncthreads();  // the previous chunk's lists are read (and, first, the part's sums cleared)
     for (std::int32_t q = std::int32_t(threadIdx.x); q < n; q += kDenseThreads) {
-      DenseList d{chosen_list(p.tables, r, p.chosen.indices[row * p.chosen.capacity + i0 + q]), {}};
-      d.value = entry_value(p, d.list, row, i0 + q);
-      if (!d.value.valid) d.list = {};
-      lists[q] = d;
+      lists[q] = dense_range_list(p, r, row, i0 + q, range_begin, range_end, past_prompt);
     }
     __syncthreads();
-    for (std::int32_t q = 0; q < n; ++q) {
-      const DenseList d = lists[q];
-      const std::int32_t entries = d.list.entries();
-      for (std::int32_t e0 = first; e0 < entries; e0 += 4 * stride) {
-        std::int32_t ids[4];
-        half values[4] = {};
+    for (std::int32_t qa = 0; qa < n;) {  // the chunk's lists block by block
+      const std::int32_t qb = min(n, qa + per_block - (i0 + qa) % per_block);
+      // kDenseAhead lists at a time: the first kDenseSlots * kDenseThreads entries of each loaded together (all in
+      // flight), then list by list, a barrier apart, each thread adds its entries of the list.
+      for (std::int32_t q0 = qa; q0 < qb; q0 += kDenseAhead) {
+        std::uint32_t slots[kDenseAhead][kDenseSlots];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {  // the loads first, all in flight
-          const std::int32_t e = e0 + u * stride;
-          ids[u] = e < entries ? d.list.id(e) : -1;
-          if (e < entries) values[u] = d.list.score(e);
+        for (int a = 0; a < kDenseAhead; ++a) {
+#pragma unroll
+          for (int k = 0; k < kDenseSlots; ++k) {
+            const std::int32_t e = k * kDenseThreads + std::int32_t(threadIdx.x);
+            slots[a][k] = q0 + a < qb && e < lists[q0 + a].base_items ? lists[q0 + a].entries[e] : kNoTokenEntry;
+          }
         }
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          if (ids[u] < lo || ids[u] >= hi) continue;
-          const std::int32_t offset = std::int32_t(ids[u] - window_begin);
-          const std::uint32_t owner = std::uint32_t(offset >> plan.key_shift);
-          const std::int32_t key = offset & (keys - 1);
-          const auto add = static_cast<unsigned long long>(d.value(values[u]));  // two's complement
-          atomicAdd(plan.cluster == 1 ? sums + key : cluster_shared(sums + key, owner), add);
-          atomicOr(seen + offset / 32, 1u << (offset % 32));
+        for (int a = 0; a < kDenseAhead; ++a) {
+          if (q0 + a >= qb) break;
+          const DenseRangeList& d = lists[q0 + a];
+#pragma unroll
+          for (int k = 0; k < kDenseSlots; ++k) add_token_entry(d, slots[a][k], high, lo, hi, begin, sums, listed);
+          for (std::int32_t e = kDenseSlots * kDenseThreads + std::int32_t(threadIdx.x); e < d.base_items;
+               e += kDenseThreads) {
+            add_token_entry(d, d.entries[e], high, lo, hi, begin, sums, listed);
+          }
+          for (std::int32_t e = d.base_items + std::int32_t(threadIdx.x); e < d.items; e += kDenseThreads) {
+            add_dense_entry<true>(d, d.overlay_ids[e - d.base_items], d.overlay_scores[e - d.base_items], lo, hi, begin,
+                                  sums, listed);
+          }
+          __syncthreads();  // the list's adds are done before the next list's
         }
       }
-      if ((i0 + q + 1) % per_block != 0) continue;  // the block's last list: fold its sums
-      cluster.sync();  // every add of the block is done
+      qa = qb;
+      if ((i0 + qb) % per_block != 0) continue;  // the block goes on in the next chunk
+      __syncthreads();  // every add of the block is done
       for (std::int32_t k = std::int32_t(threadIdx.x); k < keys; k += kDenseThreads) {
         best[k] = fmaxf(best[k], kvsift::fixed_to_float(static_cast<std::int64_t>(sums[k])));
         sums[k] = 0;
       }
-      if (i0 + q + 1 < r.count) cluster.sync();  // cleared before the next block adds (none after the last)
+      __syncthreads();
     }
   }
-  // Every CTA's bitmap is complete (the last block's cluster barrier, or the first one where no list was chosen): the
-  // owned words become the OR of every CTA's (only this CTA reads or writes its own range), and the barrier after
-  // keeps each CTA's bitmap readable until the cluster has read it.
-  const std::int32_t own_words = keys / 32, own_first = std::int32_t(rank) * own_words;
-  for (std::int32_t w = std::int32_t(threadIdx.x); w < own_words; w += kDenseThreads) {
-    std::uint32_t bits = 0;
-    for (std::uint32_t c = 0; c < std::uint32_t(plan.cluster); ++c) bits |= *cluster_shared(seen + own_first + w, c);
-    seen[own_first + w] = bits;
-  }
-  cluster.sync();
-  const std::int64_t begin = window_begin + (std::int64_t(rank) << plan.key_shift);
-  const std::int32_t owned = std::int32_t(max(std::int64_t(0), min(std::int64_t(keys), r.length - begin)));
+  __syncthreads();
+  const std::int32_t owned = min(keys, r.length - begin);
   float* dst = scores.row(row) + begin;
   std::int32_t candidates = 0;
   for (std::int32_t k = std::int32_t(threadIdx.x); k < owned; k += kDenseThreads) {
-    const bool listed = (seen[own_first + k / 32] >> (k % 32) & 1u) != 0;
-    dst[k] = listed ? best[k] : -INFINITY;
-    candidates += listed;
+    dst[k] = listed[k] != 0 ? best[k] : -INFINITY;
+    candidates += listed[k];
   }
   const std::int32_t total = Reduce(reduce).Sum(candidates);
-  if (threadIdx.x == 0) buf.counts[row * buf.parts + (part % plan.windows) * plan.cluster + rank] = total;
+  if (threadIdx.x == 0) buf.counts[row * buf.parts + part] = total;
 }
 
-/// A thread per row: row_k from the sum of its CTAs' counts over the windows below its length (-1 for a bad row).
+/// A thread per row: row_k from the sum of its CTAs' counts over the parts below its length (-1 for a bad row).
 __global__ void __launch_bounds__(kStreamThreads)
     dense_row_k(TableScoresParams p, std::int32_t max_tokens, DenseTablePlan plan, DenseTableBuffers buf) {
   for (std::int64_t row = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; row < p.rows;
@@ -470,11 +522,60 @@ __global__ void __launch_bounds__(kStreamThreads)
       p.row_k[row] = -1;
       continue;
     }
-    const std::int64_t window_keys = std::int64_t(plan.cluster) << plan.key_shift;
-    const std::int64_t parts = (r.length + window_keys - 1) / window_keys * plan.cluster;
+    const std::int64_t part_keys = std::int64_t(1) << plan.key_shift;
+    const std::int64_t parts = (r.length + part_keys - 1) / part_keys;
     std::int32_t total = 0;
     for (std::int64_t q = 0; q < parts; ++q) total += buf.counts[row * buf.parts + q];
     p.row_k[row] = min(p.budget(r.length), total);
+  }
+}
+
+// ---- order_table_lists ------------------------------------------------------------------------------------------
+
+/// A CTA per list of the base (table head major): its entries counted per token range in shared memory, the counts
+/// scanned into the list's offsets, then each entry placed at its range's cursor (a shared atomic: the order within
+/// a range is whatever the atomics leave, which no reader depends on: the dense sums are exact in any order). An id
+/// outside [0, ranges * kTableTokenRange) is left out.
+__global__ void __launch_bounds__(kOrderThreads) order_table_lists_kernel(BaseTablesView base, std::int32_t tokens) {
+  using Scan = cub::BlockScan<std::int32_t, kOrderThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ std::int32_t carry;
+  extern __shared__ std::int32_t range_cursor[];  // [ranges]: the counts, then the next free entry of each range
+  const TokenOrderView<std::uint32_t>& order = base.token_order;
+  const std::int32_t ranges = order.ranges, limit = ranges * kTableTokenRange;
+  const std::int64_t list = blockIdx.x;
+  const std::int32_t count = min(max(base.counts[list], 0), base.length);
+  const std::int32_t* ids = base.ids + list * base.length;
+  const half* scores = base.scores + list * base.length;
+  std::int32_t* offsets = order.offsets + list * (ranges + 1);
+  std::uint32_t* entries = order.entries + list * base.length;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *order.prompt = tokens;
+  for (std::int32_t q = std::int32_t(threadIdx.x); q < ranges; q += kOrderThreads) range_cursor[q] = 0;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (std::int32_t e = std::int32_t(threadIdx.x); e < count; e += kOrderThreads) {
+    const std::int32_t id = ids[e];
+    if (id >= 0 && id < limit) atomicAdd(range_cursor + id / kTableTokenRange, 1);
+  }
+  __syncthreads();
+  for (std::int32_t q0 = 0; q0 < ranges; q0 += kOrderThreads) {
+    const std::int32_t q = q0 + std::int32_t(threadIdx.x);
+    std::int32_t first = 0, total = 0;
+    Scan(scan).ExclusiveSum(q < ranges ? range_cursor[q] : 0, first, total);
+    first += carry;
+    if (q < ranges) {
+      offsets[q] = first;
+      range_cursor[q] = first;
+    }
+    __syncthreads();  // every thread has read carry (and the scan's storage is free again)
+    if (threadIdx.x == 0) carry += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) offsets[ranges] = carry;
+  for (std::int32_t e = std::int32_t(threadIdx.x); e < count; e += kOrderThreads) {
+    const std::int32_t id = ids[e];
+    if (id < 0 || id >= limit) continue;
+    entries[atomicAdd(range_cursor + id / kTableTokenRange, 1)] = token_order_entry(scores[e].bits, id);
   }
 }
 
@@ -654,51 +755,41 @@ cudaError_t launch_nearest_centroids(const QueryView<const T>& q, const ScoreTab
   return cudaGetLastError();
 }
 
-DenseTablePlan plan_dense_tables(std::int64_t rows, std::int32_t max_tokens, std::int32_t cluster,
-                                 int multiprocessors, std::size_t smem_limit) {
+DenseTablePlan plan_dense_tables(std::int64_t rows, std::int32_t max_tokens, int multiprocessors,
+                                 std::size_t smem_limit) {
   DenseTablePlan plan;
-  plan.cluster = cluster;
   if (rows == 0 || max_tokens == 0) return plan;
-  const std::size_t list_bytes = kDenseLists * sizeof(DenseList);
-  int max_shift = 0;  // the largest range that fits, at least kDenseMinKeys
-  while ((std::size_t(1) << (max_shift + 1)) * kDenseKeyBytes + list_bytes <= smem_limit) ++max_shift;
-  while ((std::int32_t(1) << max_shift) < kDenseMinKeys) ++max_shift;
-  const auto windows_for = [&](int shift) {
-    const std::int64_t window = std::int64_t(cluster) << shift;
-    return (std::int64_t(max_tokens) + window - 1) / window;
+  const auto parts_for = [&](int shift) {
+    return std::int32_t((std::int64_t(max_tokens) + (std::int64_t(1) << shift) - 1) >> shift);
   };
-  // Narrower ranges (more windows: each reads the row's lists again) while the grid fits twice the multiprocessors.
-  int shift = max_shift;
-  while ((std::int32_t(1) << (shift - 1)) >= kDenseMinKeys &&
-         rows * windows_for(shift - 1) * cluster <= 2 * std::int64_t(multiprocessors)) {
-    --shift;
+  int shift = 10;
+  static_assert(kTableTokenRange == 1 << 10);
+  while (shift < kDenseMaxShift && (std::size_t(2) << shift) * kDenseKeyBytes <= smem_limit &&
+         rows * parts_for(shift) > std::int64_t(kDenseCtasPerSm) * multiprocessors) {
+    ++shift;
   }
-  // The smallest power-of-two range that still needs no more windows.
-  const std::int64_t windows = windows_for(shift);
-  while (shift > 5 && windows_for(shift - 1) == windows) --shift;
-  plan.windows = std::int32_t(windows);
+  plan.parts = parts_for(shift);
   plan.key_shift = shift;
-  plan.smem_bytes = list_bytes + (std::size_t(1) << shift) * kDenseKeyBytes;
+  plan.smem_bytes = (std::size_t(1) << shift) * kDenseKeyBytes;
   return plan;
 }
 
-cudaError_t dense_tables_cluster(std::int32_t* cluster) {
-  // Clusters exist only in code compiled for sm_90 or later: PTX of an older architecture JIT-compiled for a
-  // newer GPU runs with clusters of one.
-  bool sm90 = false;
-  if (cudaError_t s = built_for_sm90<dense_window_scores>(&sm90); s != cudaSuccess) return s;
-  *cluster = sm90 ? kDenseClusterMax : 1;
-  return cudaSuccess;
+cudaError_t launch_order_table_lists(const BaseTablesView& base, std::int32_t tokens, cudaStream_t stream) {
+  const std::int64_t lists = std::int64_t(base.table_heads) * base.lists();
+  const std::size_t smem = std::size_t(base.token_order.ranges) * sizeof(std::int32_t);
+  if (cudaError_t s = open_shared_memory<order_table_lists_kernel>(); s != cudaSuccess) return s;
+  order_table_lists_kernel<<<unsigned(lists), kOrderThreads, smem, stream>>>(base, tokens);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_table_scores_dense(const TableScoresParams& p, const MatrixView<float>& scores,
                                       std::int32_t max_tokens, const DenseTablePlan& plan,
                                       const DenseTableBuffers& buf, cudaStream_t stream) {
-  if (plan.windows > 0) {
-    if (cudaError_t s = open_shared_memory<dense_window_scores>(); s != cudaSuccess) return s;
-    if (cudaError_t s = launch(dense_window_scores,
-                               {.grid = dim3(unsigned(p.rows * plan.windows * plan.cluster)), .block = dim3(kDenseThreads),
-                                .smem = plan.smem_bytes, .stream = stream, .cluster = plan.cluster},
+  if (plan.parts > 0) {
+    if (cudaError_t s = open_shared_memory<dense_range_scores>(); s != cudaSuccess) return s;
+    if (cudaError_t s = launch(dense_range_scores,
+                               {.grid = dim3(unsigned(p.rows * plan.parts)), .block = dim3(kDenseThreads),
+                                .smem = plan.smem_bytes, .stream = stream},
                                p, scores, max_tokens, plan, buf);
         s != cudaSuccess) {
       return s;

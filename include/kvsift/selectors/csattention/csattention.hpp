@@ -46,7 +46,11 @@
 ///
 /// Memory (index_bytes): max_slots base storages (centroids [table_heads, m, C, w] fp32, lists [table_heads, m *
 /// C, L_max] int32 + fp16 with counts) and per slot an overlay ([table_heads, m * C, overlay_capacity] int32 + fp16,
-/// evicted counts and sizes), in the context's memory; on the host, the pool's bookkeeping (O(max_slots)).
+/// evicted counts and sizes), in the context's memory; on the host, the pool's bookkeeping (O(max_slots)). On CUDA
+/// with the dense reduction, each base storage also keeps its lists in token order (TokenOrderView: 4 bytes per
+/// stored entry and 4 * (ceil(max_tokens / 1024) + 1) per list, built by prepare and load_base; at 128K tokens and
+/// alpha 0.1, 434 MB per layer beside the 695 of the tables), which the dense reduction reads so that each CTA
+/// reads only its own tokens' entries; CsattentionReduce::sort keeps none.
 /// Synchronization: prepare allocates scratch and reads the lengths (and page lists) on the host; share and
 /// load_base (which allocates its staging) write the slots' state: on CUDA each synchronizes the stream; save_base
 /// copies the base to the host (and synchronizes); release touches only the host bookkeeping. append and select
@@ -85,7 +89,7 @@ enum class CsattentionTables : std::uint8_t {
 
 /// How the chosen lists' scores are summed per key (both give the same selection).
 enum class CsattentionReduce : std::uint8_t {
-  dense,  ///< an accumulator over every token of the row
+  dense,  ///< an accumulator over every token of the row (on CUDA over the lists' token order: more memory, above)
   sort,   ///< the paper's sort by key id and segmented sum over the chosen entries
 };
 
@@ -152,6 +156,10 @@ class Csattention : public SelectorTypes<T, Context>, public detail::SelectorCor
  public:
   Csattention(const SelectorLimits& limits, const CsattentionConfig& config)
       : SelectorCore(limits), config_(checked(limits, config)) {
+    KVSIFT_CHECK(!keeps_token_order() || token_ranges() <= kMaxTableTokenRanges, "Csattention",
+                 "limits.max_tokens (= {}) is above the dense reduction's {} tokens on CUDA (CsattentionReduce::sort "
+                 "has no such bound)",
+                 limits.max_tokens, std::int64_t(kMaxTableTokenRanges) * kTableTokenRange);
     const std::int32_t slots = limits.max_slots, heads = table_heads(), m = config_.subspaces, c = config_.centroids;
     const std::size_t lists = ScoreTablesView<std::int32_t>::list_count(slots, heads, m, c);
     centroids_.resize(ScoreTablesView<std::int32_t>::centroid_elements(slots, heads, m, c, width()));
@@ -165,6 +173,11 @@ class Csattention : public SelectorTypes<T, Context>, public detail::SelectorCor
     overlay_ids_.resize(lists * std::size_t(config_.overlay_capacity));
     overlay_scores_.resize(lists * std::size_t(config_.overlay_capacity));
     overlay_sizes_.resize(lists);
+    if (keeps_token_order()) {
+      token_entries_.resize(lists * std::size_t(max_length_));
+      token_offsets_.resize(lists * std::size_t(token_ranges() + 1));
+      token_prompt_.resize(std::size_t(slots));
+    }
     if (config_.search_period > 1) {
       kept_.resize(std::size_t(slots) * std::size_t(limits.kv_heads) * std::size_t(capacity_));
       kept_counts_.resize(std::size_t(slots) * std::size_t(limits.kv_heads));
@@ -186,7 +199,8 @@ class Csattention : public SelectorTypes<T, Context>, public detail::SelectorCor
     const std::size_t bytes = centroids_.size() * sizeof(float) +
                               (base_ids_.size() + overlay_ids_.size()) * sizeof(std::int32_t) +
                               (base_scores_.size() + overlay_scores_.size()) * sizeof(half) +
-                              (base_counts_.size() + slot_base_.size() + evicted_.size() + overlay_sizes_.size()) *
+                              (base_counts_.size() + slot_base_.size() + evicted_.size() + overlay_sizes_.size() +
+                               token_entries_.size() + token_offsets_.size() + token_prompt_.size()) *
                                   sizeof(std::int32_t);
     const std::size_t bookkeeping =
         base_info_.size() * sizeof(BaseInfo) + host_slot_base_.size() * sizeof(std::int32_t);
@@ -230,6 +244,7 @@ class Csattention : public SelectorTypes<T, Context>, public detail::SelectorCor
       detach(slot);
       const std::int32_t base = free_base();
       build_base(in, b, base, length, ctx);
+      order_base(base, length, ctx);
       base_info_[std::size_t(base)] = {.references = 0, .prompt = length, .list_length = list_length(length)};
       attach(base, {&slot, 1}, ctx);
     }
@@ -554,6 +569,7 @@ class Csattention : public SelectorTypes<T, Context>, public detail::SelectorCor
     copy_from_host(h.ids.data(), h.ids.size(), base_ids_.data() + entry_offset(base), ctx);
     copy_from_host(h.scores.data(), h.scores.size(), base_scores_.data() + entry_offset(base), ctx);
     copy_from_host(h.counts.data(), h.counts.size(), base_counts_.data() + count_offset(base), ctx);
+    order_base(base, h.info.prompt, ctx);
     base_info_[std::size_t(base)] = {.references = 0, .prompt = h.info.prompt, .list_length = h.info.list_length};
     attach(base, slots, ctx);
     joined(ctx);
@@ -664,7 +680,10 @@ class Csattention : public SelectorTypes<T, Context>, public detail::SelectorCor
             width(),
             max_length_,
             config_.overlay_capacity,
-            config_.split};
+            config_.split,
+            TokenOrderView<std::uint32_t>{token_entries_.data(), token_offsets_.data(), token_prompt_.data(),
+                                          token_ranges()}
+                .as_const()};
   }
   BaseTablesView base_tables(std::int32_t base) {
     return {centroids_.data() + centroid_offset(base),
@@ -676,7 +695,26 @@ class Csattention : public SelectorTypes<T, Context>, public detail::SelectorCor
             config_.centroids,
             width(),
             max_length_,
-            config_.split};
+            config_.split,
+            base_token_order(base)};
+  }
+  TokenOrderView<std::uint32_t> base_token_order(std::int32_t base) {
+    if (!keeps_token_order()) return {};
+    return {token_entries_.data() + entry_offset(base),
+            token_offsets_.data() + count_offset(base) * std::size_t(token_ranges() + 1), token_prompt_.data() + base,
+            token_ranges()};
+  }
+  /// Whether the tables keep the token order of their base lists: the dense reduction on CUDA reads it
+  /// (cuda::table_scores_dense); the CPU's reads the lists as they are.
+  bool keeps_token_order() const {
+    return Context::memory == MemorySpace::device && config_.reduce == CsattentionReduce::dense;
+  }
+  std::int32_t token_ranges() const { return keeps_token_order() ? table_token_ranges(limits_.max_tokens) : 0; }
+  /// The token order of storage `base`'s lists, built over a prompt of `tokens` (where the tables keep one).
+  void order_base(std::int32_t base, std::int32_t tokens, const Context& ctx) {
+    if constexpr (Context::memory == MemorySpace::device) {
+      if (keeps_token_order()) order_table_lists(base_tables(base), tokens, ctx);
+    }
   }
 
   /// Batch row b's base in storage `base`: one batched k-means over every (table head, subspace) problem, whose
@@ -748,6 +786,9 @@ class Csattention : public SelectorTypes<T, Context>, public detail::SelectorCor
   ContextArray<Context, std::int32_t> base_counts_, slot_base_, evicted_, overlay_ids_;
   ContextArray<Context, half> overlay_scores_;
   ContextArray<Context, std::int32_t> overlay_sizes_;
+  // The base lists in token order (keeps_token_order: CUDA's dense reduction), entries as uint32.
+  ContextArray<Context, std::uint32_t> token_entries_;
+  ContextArray<Context, std::int32_t> token_offsets_, token_prompt_;
   // The pool's bookkeeping: per storage, per slot the storage it reads (-1: none), mirrored in slot_base_.
   std::vector<BaseInfo> base_info_;
   std::vector<std::int32_t> host_slot_base_;

@@ -102,6 +102,40 @@ struct TableScoreOptions {
   bool from_floor = false;
 };
 
+/// Tokens per range of the token order (TokenOrderView).
+inline constexpr std::int32_t kTableTokenRange = 1024;
+/// Ranges of a token order at most (a CUDA CTA counts a list's ranges in shared memory): prompts of up to 12M tokens.
+inline constexpr std::int32_t kMaxTableTokenRanges = 12288;
+/// Ranges of the token order for prompts of up to `tokens` tokens.
+KVSIFT_HOST_DEVICE constexpr std::int32_t table_token_ranges(std::int32_t tokens) {
+  return (tokens + kTableTokenRange - 1) / kTableTokenRange;
+}
+/// A token-order entry: the fp16 bits of the entry's score above the low 16 bits of its id.
+KVSIFT_HOST_DEVICE constexpr std::uint32_t token_order_entry(std::uint16_t score_bits, std::int32_t id) {
+  return std::uint32_t(score_bits) << 16 | (std::uint32_t(id) & 0xffffu);
+}
+
+/// The base lists' entries grouped by token range, a second copy of each base list for CUDA's table_scores_dense
+/// (so that a CTA owning a range of tokens reads the entries of its range alone; cuda::order_table_lists builds it
+/// from the lists, CPU backends have none). Per base, table head and list: `offsets` [ranges + 1], ascending, entry
+/// offsets[r] .. offsets[r + 1] of `entries` [length] (token_order_entry) the list's entries with ids in range r
+/// ([r * kTableTokenRange, (r + 1) * kTableTokenRange)), in no particular order within a range; `prompt` [bases] the
+/// tokens a base's lists were built over (its overlays' ids are at or past it). Entries are the whole base list,
+/// its evicted ones included: a reader drops an entry below the list's lowest kept one.
+template <class U>
+struct TokenOrderView {
+  U* entries = nullptr;  ///< [bases, table_heads, lists, length]
+  std::conditional_t<std::is_const_v<U>, const std::int32_t, std::int32_t>* offsets = nullptr;  ///< [bases, table_heads, lists, ranges + 1]
+  std::conditional_t<std::is_const_v<U>, const std::int32_t, std::int32_t>* prompt = nullptr;   ///< [bases]
+  std::int32_t ranges = 0;
+
+  constexpr TokenOrderView<const U> as_const() const
+    requires(!std::is_const_v<U>)
+  {
+    return {entries, offsets, prompt, ranges};
+  }
+};
+
 /// The tables of `bases` prompts and the overlays of `slots` sequences. All arrays packed, row-major in the
 /// order of their shapes; lists per table head = subspaces * centroids. C (const-qualified or not) is the
 /// constness of everything written after prepare: the overlay arrays. The base arrays are const here: they are
@@ -139,6 +173,8 @@ struct ScoreTablesView {
   std::int32_t length = 0;  ///< entries stored per base list (a list's own size L is its base count)
   std::int32_t overlay_capacity = 0;
   SubspaceSplit split = SubspaceSplit::contiguous;
+  /// The token order of the base lists (TokenOrderView; CUDA's table_scores_dense reads it, nothing else does).
+  TokenOrderView<const std::uint32_t> token_order{};
 
   KVSIFT_HOST_DEVICE std::int32_t lists() const { return subspaces * centroids_per_subspace; }
   KVSIFT_HOST_DEVICE std::int32_t head_dim() const { return subspaces * width; }
@@ -160,7 +196,7 @@ struct ScoreTablesView {
   {
     return {centroids, base_ids,   base_scores, base_counts, slot_base, evicted, overlay_ids, overlay_scores,
             overlay_sizes, bases, slots, table_heads, subspaces, centroids_per_subspace, width, length,
-            overlay_capacity, split};
+            overlay_capacity, split, token_order};
   }
 
   // Array sizes (elements) of a shape.
@@ -188,6 +224,9 @@ struct BaseTablesView {
   std::int32_t width = 0;
   std::int32_t length = 0;  ///< entries stored per list
   SubspaceSplit split = SubspaceSplit::contiguous;
+  /// This base's token order (pointers at its own arrays, prompt at its one value): cuda::order_table_lists
+  /// writes it; empty where the tables keep none.
+  TokenOrderView<std::uint32_t> token_order{};
 
   KVSIFT_HOST_DEVICE std::int32_t lists() const { return subspaces * centroids_per_subspace; }
 };

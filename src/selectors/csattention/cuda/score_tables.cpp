@@ -38,6 +38,17 @@ detail::TableListBuffers layout_table_lists(WorkspaceLayout& layout, std::int64_
   return b;
 }
 
+/// A token order (TokenOrderView) the kernels can read: its arrays present, its ranges in [1, kMaxTableTokenRanges].
+template <class U>
+void check_token_order(const char* where, const char* name, const TokenOrderView<U>& order) {
+  KVSIFT_CHECK(order.entries != nullptr && order.offsets != nullptr && order.prompt != nullptr, where,
+               "{} is empty (entries, offsets or prompt a null pointer): the dense reduction reads the base lists in "
+               "token order (cuda::order_table_lists builds it)",
+               name);
+  KVSIFT_CHECK(order.ranges >= 1 && order.ranges <= kMaxTableTokenRanges, where,
+               "{}.ranges (= {}) is outside [1, {}]", name, order.ranges, kMaxTableTokenRanges);
+}
+
 detail::DenseTableBuffers layout_dense(WorkspaceLayout& layout, std::int64_t rows, std::int32_t max_tokens) {
   const std::int64_t parts = detail::dense_parts_bound(max_tokens);
   return {layout.allocate<std::int32_t>(checked_mul(std::size_t(rows), std::size_t(parts), "cuda table_scores_dense"),
@@ -116,6 +127,16 @@ void store_table_lists(const MatrixView<const float>& scores, std::int32_t token
       detail::launch_store_table_lists(scores, tokens, keep, base, table_head, list_begin, buffers, ctx.stream));
 }
 
+void order_table_lists(const BaseTablesView& base, std::int32_t tokens, const Context& ctx) {
+  constexpr const char* where = "cuda::order_table_lists";
+  kvsift::detail::check_base_tables(where, base);
+  check_token_order(where, "base.token_order", base.token_order);
+  KVSIFT_CHECK(tokens >= 0 && tokens <= std::int64_t(base.token_order.ranges) * kTableTokenRange, where,
+               "tokens (= {}) is outside [0, base.token_order.ranges * {} = {}]", tokens, kTableTokenRange,
+               std::int64_t(base.token_order.ranges) * kTableTokenRange);
+  KVSIFT_CUDA_CHECK(detail::launch_order_table_lists(base, tokens, ctx.stream));
+}
+
 template <class T>
 void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<const T>& cache,
                    const std::int32_t* d_slots, const std::int32_t* d_lengths, const Context& ctx) {
@@ -155,15 +176,14 @@ void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const
   kvsift::detail::check_table_scores(where, tables, chosen, options, heads_per_row, d_slots, d_lengths, window, budget,
                                      scores, max_tokens, d_row_k, MemorySpace::device);
   KVSIFT_CHECK(max_tokens >= 0, where, "max_tokens (= {}) is negative", max_tokens);
+  check_token_order(where, "tables.token_order", tables.token_order);
   const detail::TableScoresParams params =
       table_scores_params(tables, chosen, options, heads_per_row, d_slots, d_lengths, window, budget, d_row_k);
   WorkspaceLayout layout(workspace, where);
   const detail::DenseTableBuffers buffers = layout_dense(layout, params.rows, max_tokens);
-  std::int32_t cluster = 1;
-  KVSIFT_CUDA_CHECK(detail::dense_tables_cluster(&cluster));
-  const detail::DenseTablePlan plan = detail::plan_dense_tables(
-      params.rows, max_tokens, cluster, multiprocessor_count(), std::size_t(max_shared_memory_per_block()) / 2);
-  KVSIFT_CHECK(params.rows * plan.windows * plan.cluster <= INT32_MAX, where,
+  const detail::DenseTablePlan plan = detail::plan_dense_tables(params.rows, max_tokens, multiprocessor_count(),
+                                                                std::size_t(max_shared_memory_per_block()) / 2);
+  KVSIFT_CHECK(params.rows * plan.parts <= INT32_MAX, where,
                "chosen.batch * kv_heads (= {} * {}) over {} tokens needs more than 2^31 - 1 CTAs", chosen.batch,
                chosen.kv_heads, max_tokens);
   KVSIFT_CUDA_CHECK(detail::launch_table_scores_dense(params, scores, max_tokens, plan, buffers, ctx.stream));

@@ -7,7 +7,7 @@
 /// of the atomics and of the sort is immaterial. The cache is a KVCache of const T, dispatched here to the kernels'
 /// contiguous or paged instantiation; T is float, half or bfloat16. options.weights is device memory.
 /// Beyond the CPU's checks: table_scores_sparse takes at most 2^31 - 1 entries (rows * chosen.capacity * length)
-/// a call, table_scores_dense at most 2^31 - 1 CTAs (its rows times their windows and clusters).
+/// a call, table_scores_dense at most 2^31 - 1 CTAs (its rows times their parts).
 ///
 /// Shapes are checked on the host before the launch as on the CPU; the arrays' contents (slots, slot_base,
 /// lengths, the cache's lengths, chosen counts and list ids, the lists' counts) live on the device and are not,
@@ -62,6 +62,13 @@ void store_table_lists(const MatrixView<const float>& scores, std::int32_t token
                        const BaseTablesView& base, std::int32_t table_head, std::int32_t list_begin,
                        std::span<std::byte> workspace, const Context& ctx);
 
+/// The token order of a built base (TokenOrderView), which table_scores_dense reads: base.token_order's offsets
+/// and entries from base's lists (ids and scores, whatever their counts evict later), and its prompt = `tokens`
+/// (the tokens the lists were built over, at most base.token_order.ranges * kTableTokenRange). One launch, a CTA
+/// per list. Run it after every build or upload of the base's lists. Refused: an empty token order or its ranges
+/// outside [1, 12288].
+void order_table_lists(const BaseTablesView& base, std::int32_t tokens, const Context& ctx);
+
 /// cpu::append_tables. One launch, a thread per (batch row, table head, list).
 template <class T>
 void append_tables(const ScoreTablesView<std::int32_t>& tables, const KVCache<const T>& cache,
@@ -75,16 +82,20 @@ void nearest_centroids(const QueryView<const T>& q, const ScoreTablesView<const 
                        const std::int32_t* d_slots, std::int32_t probes, const SelectionView& chosen,
                        std::int32_t* d_weights, const Context& ctx);
 
-/// Device workspace of table_scores_dense: a count per CTA, 4 * (ceil(max_tokens / 1024) + 8) bytes per row.
+/// Device workspace of table_scores_dense: a count per CTA, 4 * ceil(max_tokens / 1024) bytes per row.
 std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t heads_per_row, std::int32_t max_tokens,
                                                const Context& = {});
-/// cpu::table_scores_dense. Two launches. A thread-block cluster per (row, window of tokens) (sm_90: 8 CTAs; one
-/// CTA elsewhere), each CTA holding a range of the window's tokens in shared memory: per query-head block, the
-/// cluster's CTAs share the scan of the block's chosen lists and add each kept entry's value (weight * (fixed
-/// score - floor)) to its token's owner's int64 sum through distributed shared memory (64-bit atomics, exact, so
-/// in any order); the owners fold each block's sums
-/// into a running maximum as fp32 (rounding is monotonic: the maximum of the rounded sums is the rounded
-/// maximum) and write the scores and their candidate counts. Then a thread per row writes row_k.
+/// cpu::table_scores_dense. Two launches. A CTA per (row, part of its tokens; a power of two from 1024 to 65536
+/// tokens), holding the part's sums in shared memory: per query-head block, it reads from the base's token order
+/// (tables.token_order, order_table_lists) the chosen lists' entries of its own tokens alone, and the lists'
+/// overlays where its tokens reach past the base's prompt, and adds each kept entry's value (weight * (fixed score
+/// - floor)) to its token's int64 sum (list after list, a barrier apart: exact integers, the same in any order); it
+/// folds each block's sums
+/// into a running maximum as fp32 (rounding is monotonic: the maximum of the rounded sums is the rounded maximum)
+/// and writes the scores and its candidate count. Then a thread per row writes row_k. Overlay ids are read as
+/// append_tables makes them, at or past the base's prompt (token_order.prompt): an overlay entry inside the prompt
+/// (only an append at a position inside it inserts one, which a decode step never does) is not counted. Refused
+/// besides the CPU's: an empty token order.
 void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
                         const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* d_slots,
                         const std::int32_t* d_lengths, const AttentionWindow& window, const LengthBudget& budget,

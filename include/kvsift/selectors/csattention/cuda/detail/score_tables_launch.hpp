@@ -74,43 +74,41 @@ struct TableScoresParams {
   std::int64_t rows;  ///< chosen.batch * chosen.kv_heads
 };
 
-/// table_scores_dense: thread-block clusters of kDenseClusterMax CTAs (sm_90; one CTA elsewhere), each CTA owning
-/// a power-of-two range of a row's tokens in shared memory (an int64 sum, the running maximum as fp32) and a bit per
-/// token of the window (a cluster's tokens).
-/// A cluster covers one window of cluster * keys tokens of one row; its CTAs share the scan of the row's chosen
-/// lists and add each kept entry into the owning CTA's sum through distributed shared memory.
-inline constexpr int kDenseThreads = 512;
-inline constexpr int kDenseClusterMax = 8;
-inline constexpr std::int32_t kDenseMinKeys = 1024;  ///< a CTA's range at least (the plan's bound on windows)
-inline constexpr int kDenseLists = 64;               ///< chosen lists whose device values a CTA holds at once
-inline constexpr int kDenseKeyBytes = 8 + 4 + kDenseClusterMax / 8;  ///< sum, maximum, the window's bits
+/// order_table_lists: a CTA per list of one base's table heads.
+inline constexpr int kOrderThreads = 256;
+cudaError_t launch_order_table_lists(const BaseTablesView& base, std::int32_t tokens, cudaStream_t stream);
 
-/// A row's windows and its CTAs' ranges; rows * windows * cluster CTAs.
+/// table_scores_dense: a CTA per (row, part), a part a power-of-two range of the row's tokens (at least
+/// kTableTokenRange, at most 2^16, so that an id's low 16 bits name it within the part): the CTA reads, list after
+/// chosen list, the entries of its own ranges from the base's token order and the overlays where its tokens reach
+/// past the prompt, and adds each kept entry into its own shared int64 sum (exact in any order): nothing remote.
+inline constexpr int kDenseThreads = 512;
+inline constexpr int kDenseAhead = 8;  ///< lists whose entries a thread loads at once
+inline constexpr int kDenseSlots = 2;  ///< entries a thread loads at once per list (more are read one by one)
+inline constexpr int kDenseLists = 64;  ///< chosen lists whose device values a CTA holds at once
+inline constexpr int kDenseMaxShift = 16;
+inline constexpr std::int32_t kDenseKeyBytes = 8 + 4 + 1;  ///< sum, maximum, listed flag
+
+/// A row's parts: rows * parts CTAs of 1 << key_shift tokens.
 struct DenseTablePlan {
-  std::int32_t cluster = 1;
-  std::int32_t windows = 0;
-  std::int32_t key_shift = 0;  ///< a CTA owns 1 << key_shift tokens
+  std::int32_t parts = 0;
+  std::int32_t key_shift = 0;
   std::size_t smem_bytes = 0;
 };
-/// The plan for `rows` rows of max_tokens: the fewest windows whose ranges fit `smem_limit` bytes a CTA (half
-/// of the largest block, so that two CTAs share a multiprocessor), then more, down to kDenseMinKeys tokens a
-/// CTA, while the grid fits twice the multiprocessors.
-DenseTablePlan plan_dense_tables(std::int64_t rows, std::int32_t max_tokens, std::int32_t cluster,
-                                 int multiprocessors, std::size_t smem_limit);
-/// Windows * cluster of a plan at most: the counts' columns the workspace holds per row.
-inline std::int64_t dense_parts_bound(std::int32_t max_tokens) {
-  return (std::int64_t(max_tokens) + kDenseMinKeys - 1) / kDenseMinKeys + kDenseClusterMax;
-}
+/// The plan for `rows` rows of max_tokens: parts of kTableTokenRange tokens, doubled while the grid holds more than
+/// kDenseCtasPerSm CTAs per multiprocessor (one wave: a CTA's time is a chain of dependent loads, so waves add up)
+/// and a CTA's shared memory fits `smem_limit`.
+inline constexpr int kDenseCtasPerSm = 2;
+DenseTablePlan plan_dense_tables(std::int64_t rows, std::int32_t max_tokens, int multiprocessors,
+                                 std::size_t smem_limit);
+/// Parts of a plan at most: the counts' columns the workspace holds per row.
+inline std::int64_t dense_parts_bound(std::int32_t max_tokens) { return table_token_ranges(max_tokens); }
 
 /// table_scores_dense's scratch: each CTA's candidate count, [rows, dense_parts_bound(max_tokens)].
 struct DenseTableBuffers {
   std::int32_t* counts = nullptr;
   std::int64_t parts = 0;  ///< the row stride of counts
 };
-
-/// The cluster size the dense kernel can run with on the current device: kDenseClusterMax where its binary has
-/// clusters (sm_90 or later), else 1.
-cudaError_t dense_tables_cluster(std::int32_t* cluster);
 
 cudaError_t launch_table_scores_dense(const TableScoresParams& params, const MatrixView<float>& scores,
                                       std::int32_t max_tokens, const DenseTablePlan& plan,
