@@ -92,10 +92,11 @@ std::size_t table_scores_dense_workspace_bytes(std::int64_t rows, std::int32_t h
 /// - floor)) to its token's int64 sum (list after list, a barrier apart: exact integers, the same in any order); it
 /// folds each block's sums
 /// into a running maximum as fp32 (rounding is monotonic: the maximum of the rounded sums is the rounded maximum)
-/// and writes the scores and its candidate count. Then a thread per row writes row_k. Overlay ids are read as
-/// append_tables makes them, at or past the base's prompt (token_order.prompt): an overlay entry inside the prompt
-/// (only an append at a position inside it inserts one, which a decode step never does) is not counted. Refused
-/// besides the CPU's: an empty token order.
+/// and writes the scores and its candidate count. Then a thread per row writes row_k. Overlays are read by the
+/// parts that reach past the base's prompt (token_order.prompt), where append_tables puts a decode step's keys: an
+/// overlay entry inside the prompt (only an append at a position inside it inserts one, which a decode step never
+/// does) is counted only if its part reaches past the prompt, and differs from the CPU's otherwise. Refused besides
+/// the CPU's: an empty token order.
 void table_scores_dense(const ScoreTablesView<const std::int32_t>& tables, const SelectionView& chosen,
                         const TableScoreOptions& options, std::int32_t heads_per_row, const std::int32_t* d_slots,
                         const std::int32_t* d_lengths, const AttentionWindow& window, const LengthBudget& budget,
