@@ -133,10 +133,11 @@ if has sweep; then
   done
   KVSIFT_SDPA_N=8192,32768,131072,524288,1048576 KVSIFT_SDPA_BACKENDS=cudnn python3 bench/sdpa_baseline.py \
     > "$OUT/sdpa_sweep.jsonl" 2> "$OUT/sdpa_sweep.log" || status=1
-  nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | python3 -c 'import json, sys; print(json.dumps({"gpu": sys.stdin.read().strip()}))' > "$OUT/gpu.json"
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  python3 -c 'import json, sys; print(json.dumps({"gpu": sys.argv[1]}))' "$gpu" > "$OUT/gpu.json"
   pages=() prefix="$OUT/context_sweep"
   ((docs)) && pages=(--pages docs) prefix=docs/bench/context_sweep
-  python3 bench/context_sweep.py --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" "${pages[@]}" \
+  python3 bench/context_sweep.py --gpu "$gpu" "${pages[@]}" \
     "$prefix" "$OUT/sdpa_sweep.jsonl" "$OUT"/sweep_*.json && cat "$prefix.md" || status=1
 fi
 if has profile; then
